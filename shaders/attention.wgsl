@@ -1,0 +1,76 @@
+// Causal multi-head attention against a KV cache, for prefill (seq > 1) and decode (seq = 1).
+// q:   [tokens = batch * seq][n_heads * head_dim], token t = b * seq + i at position past + i
+// k,v: cache [batch][n_kv_heads][max_seq][head_dim], already holding positions 0 ..= past + i
+// out: [tokens][n_heads * head_dim]
+// Grouped-query attention: query head h reads kv head h / (n_heads / n_kv_heads).
+struct Params {
+    batch: u32,
+    seq: u32,
+    past: u32,
+    n_heads: u32,
+    n_kv_heads: u32,
+    head_dim: u32,
+    max_seq: u32,
+    scale: f32,
+}
+
+@group(0) @binding(0) var<storage, read> q: array<f32>;
+@group(0) @binding(1) var<storage, read> k_cache: array<f32>;
+@group(0) @binding(2) var<storage, read> v_cache: array<f32>;
+@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+@group(0) @binding(4) var<uniform> p: Params;
+
+const MAX_HEAD_DIM: u32 = 256u;
+const WG: u32 = 64u;
+
+// One invocation per (token, head), streaming over keys with an online softmax, so memory stays
+// O(head_dim) whatever the context length.
+@compute @workgroup_size(WG)
+fn attend(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let idx = (wid.y * nwg.x + wid.x) * WG + lid;
+    let tokens = p.batch * p.seq;
+    if (idx >= tokens * p.n_heads) {
+        return;
+    }
+    let t = idx / p.n_heads;
+    let h = idx % p.n_heads;
+    let b = t / p.seq;
+    let i = t % p.seq;
+    let kvh = h / (p.n_heads / p.n_kv_heads);
+    let d = p.head_dim;
+    let q_base = t * p.n_heads * d + h * d;
+    let kv_base = (b * p.n_kv_heads + kvh) * p.max_seq * d;
+
+    var qv: array<f32, MAX_HEAD_DIM>;
+    var acc: array<f32, MAX_HEAD_DIM>;
+    for (var c = 0u; c < d; c++) {
+        qv[c] = q[q_base + c] * p.scale;
+        acc[c] = 0.0;
+    }
+    var running_max = -3.4e38;
+    var denom = 0.0;
+    let last = p.past + i;
+    for (var j = 0u; j <= last; j++) {
+        let k_base = kv_base + j * d;
+        var s = 0.0;
+        for (var c = 0u; c < d; c++) {
+            s += qv[c] * k_cache[k_base + c];
+        }
+        let new_max = max(running_max, s);
+        let correction = exp(running_max - new_max);
+        let weight = exp(s - new_max);
+        denom = denom * correction + weight;
+        for (var c = 0u; c < d; c++) {
+            acc[c] = acc[c] * correction + weight * v_cache[k_base + c];
+        }
+        running_max = new_max;
+    }
+    let inv = 1.0 / denom;
+    for (var c = 0u; c < d; c++) {
+        out[q_base + c] = acc[c] * inv;
+    }
+}

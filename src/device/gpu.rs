@@ -1,0 +1,397 @@
+//! `Gpu`: one wgpu device and queue, with error capture, limits and buffer helpers.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use wgpu::util::DeviceExt;
+
+use super::adapter::AdapterDesc;
+use super::tensor::{padded_bytes, DType, Tensor};
+use crate::error::{Result, WgparError};
+use crate::kernels::KernelCache;
+
+/// Options that apply when a device is opened.
+#[derive(Debug, Clone, Default)]
+pub struct GpuOptions {
+    /// Store weights in f32 even when the adapter has `SHADER_F16` (the fallback path).
+    /// The environment variable `WGPAR_FORCE_F32=1` sets it too.
+    pub force_f32: bool,
+}
+
+/// One wgpu device. Every GPU resource belongs to exactly one `Gpu`; data moves between
+/// `Gpu`s only through the `comm` module.
+pub struct Gpu {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    info: AdapterDesc,
+    label: String,
+    ordinal: usize,
+    f16_weights: bool,
+    errors: Arc<Mutex<Vec<String>>>,
+    lost: Arc<Mutex<Option<String>>>,
+    kernels: KernelCache,
+    bytes_allocated: AtomicUsize,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("label", &self.label)
+            .field("adapter", &self.info.name)
+            .finish()
+    }
+}
+
+impl Gpu {
+    /// Opens a device on `adapter`, asking for the adapter's real limits and the features wgpar
+    /// uses, and installs handlers that turn uncaptured errors and device loss into `Result`s.
+    pub fn open(
+        adapter: &wgpu::Adapter,
+        info: &AdapterDesc,
+        ordinal: usize,
+        options: &GpuOptions,
+    ) -> Result<Self> {
+        let force_f32 = options.force_f32 || env_flag("WGPAR_FORCE_F32");
+        let available = adapter.features();
+        let mut wanted = wgpu::Features::empty();
+        if !force_f32 {
+            wanted |= wgpu::Features::SHADER_F16;
+        }
+        wanted |= wgpu::Features::TIMESTAMP_QUERY;
+        let required_features = available & wanted;
+        let label = format!("gpu{ordinal}");
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some(&label),
+            required_features,
+            required_limits: adapter.limits(),
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        }))
+        .map_err(|e| WgparError::RequestDevice {
+            adapter: info.label(),
+            message: e.to_string(),
+        })?;
+
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let sink = errors.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            if let Ok(mut v) = sink.lock() {
+                v.push(e.to_string());
+            }
+        }));
+        let lost = Arc::new(Mutex::new(None));
+        let lost_sink = lost.clone();
+        device.set_device_lost_callback(move |reason, message| {
+            if let Ok(mut l) = lost_sink.lock() {
+                *l = Some(format!("{reason:?}: {message}"));
+            }
+        });
+
+        Ok(Self {
+            f16_weights: required_features.contains(wgpu::Features::SHADER_F16),
+            device,
+            queue,
+            info: info.clone(),
+            label,
+            ordinal,
+            errors,
+            lost,
+            kernels: KernelCache::default(),
+            bytes_allocated: AtomicUsize::new(0),
+        })
+    }
+
+    /// The wgpu device.
+    pub fn device(&self) -> &wgpu::Device {
+        &self.device
+    }
+
+    /// The wgpu queue.
+    pub fn queue(&self) -> &wgpu::Queue {
+        &self.queue
+    }
+
+    /// The adapter this device was opened on.
+    pub fn info(&self) -> &AdapterDesc {
+        &self.info
+    }
+
+    /// Short label, `gpu0`, `gpu1`, ... in the order the set was opened.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// Position in the device set.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Whether weights may be stored as f16 on this device.
+    pub fn supports_f16_weights(&self) -> bool {
+        self.f16_weights
+    }
+
+    /// Pipelines compiled on this device.
+    pub fn kernels(&self) -> &KernelCache {
+        &self.kernels
+    }
+
+    /// Bytes of tensors allocated through this `Gpu` so far.
+    pub fn bytes_allocated(&self) -> u64 {
+        self.bytes_allocated.load(Ordering::Relaxed) as u64
+    }
+
+    /// Returns the first GPU error captured since the last check, or device loss.
+    pub fn check(&self) -> Result<()> {
+        if let Some(reason) = self.lost.lock().ok().and_then(|l| l.clone()) {
+            return Err(WgparError::DeviceLost {
+                device: self.describe(),
+                reason,
+            });
+        }
+        let first = self.errors.lock().ok().and_then(|mut v| {
+            let first = v.first().cloned();
+            v.clear();
+            first
+        });
+        match first {
+            Some(message) => Err(WgparError::Gpu {
+                device: self.describe(),
+                message,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// `gpu0 (llvmpipe [Vulkan])`.
+    pub fn describe(&self) -> String {
+        format!("{} ({})", self.label, self.info.label())
+    }
+
+    /// Blocks until all submitted work is done, then reports any captured error.
+    pub fn wait(&self) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| WgparError::Gpu {
+                device: self.describe(),
+                message: e.to_string(),
+            })?;
+        self.check()
+    }
+
+    /// A new command encoder.
+    pub fn encoder(&self) -> wgpu::CommandEncoder {
+        self.device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None })
+    }
+
+    /// Submits an encoder's commands.
+    pub fn submit(&self, encoder: wgpu::CommandEncoder) -> wgpu::SubmissionIndex {
+        self.queue.submit(Some(encoder.finish()))
+    }
+
+    /// Checks `bytes` against the adapter's buffer and storage-binding limits.
+    pub fn check_size(&self, what: &str, bytes: u64) -> Result<()> {
+        let too_large = |limit: u64, kind: &'static str| WgparError::TooLarge {
+            what: what.to_string(),
+            bytes,
+            limit,
+            kind,
+            adapter: self.info.label(),
+        };
+        if bytes > self.info.max_buffer_size {
+            return Err(too_large(self.info.max_buffer_size, "buffer"));
+        }
+        if bytes > self.info.max_storage_binding {
+            return Err(too_large(self.info.max_storage_binding, "storage binding"));
+        }
+        Ok(())
+    }
+
+    fn storage_usage() -> wgpu::BufferUsages {
+        wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST
+    }
+
+    /// An uninitialised storage tensor of `len` elements.
+    pub fn empty(&self, what: &str, dtype: DType, len: usize) -> Result<Tensor> {
+        let bytes = padded_bytes(((len.max(1)) * dtype.size()) as u64);
+        self.check_size(what, bytes)?;
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(what),
+            size: bytes,
+            usage: Self::storage_usage(),
+            mapped_at_creation: false,
+        });
+        self.bytes_allocated
+            .fetch_add(bytes as usize, Ordering::Relaxed);
+        Ok(Tensor::from_buffer(buffer, dtype, len))
+    }
+
+    fn upload_bytes(&self, what: &str, dtype: DType, len: usize, bytes: &[u8]) -> Result<Tensor> {
+        let padded = padded_bytes(bytes.len().max(1) as u64) as usize;
+        self.check_size(what, padded as u64)?;
+        let contents: std::borrow::Cow<[u8]> = if padded == bytes.len() {
+            bytes.into()
+        } else {
+            let mut v = bytes.to_vec();
+            v.resize(padded, 0);
+            v.into()
+        };
+        let buffer = self
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(what),
+                contents: &contents,
+                usage: Self::storage_usage(),
+            });
+        self.bytes_allocated.fetch_add(padded, Ordering::Relaxed);
+        Ok(Tensor::from_buffer(buffer, dtype, len))
+    }
+
+    /// Uploads f32 data.
+    pub fn upload_f32(&self, what: &str, data: &[f32]) -> Result<Tensor> {
+        self.upload_bytes(what, DType::F32, data.len(), bytemuck::cast_slice(data))
+    }
+
+    /// Uploads u32 data (token ids).
+    pub fn upload_u32(&self, what: &str, data: &[u32]) -> Result<Tensor> {
+        self.upload_bytes(what, DType::U32, data.len(), bytemuck::cast_slice(data))
+    }
+
+    /// Uploads f32 data converted to f16.
+    pub fn upload_f16(&self, what: &str, data: &[f32]) -> Result<Tensor> {
+        let halves: Vec<half::f16> = data.iter().map(|&x| half::f16::from_f32(x)).collect();
+        self.upload_bytes(what, DType::F16, data.len(), bytemuck::cast_slice(&halves))
+    }
+
+    /// Uploads weights in the storage dtype this device uses (f16 when allowed and asked for).
+    pub fn upload_weights(&self, what: &str, data: &[f32], dtype: DType) -> Result<Tensor> {
+        match dtype {
+            DType::F16 if self.f16_weights => self.upload_f16(what, data),
+            DType::F16 => Err(WgparError::Config(format!(
+                "{} has no SHADER_F16: f16 weights are not available, use f32",
+                self.describe()
+            ))),
+            _ => self.upload_f32(what, data),
+        }
+    }
+
+    /// Overwrites the start of a tensor with f32 data (staged, lands at the next submit).
+    pub fn write_f32(&self, tensor: &Tensor, data: &[f32]) -> Result<()> {
+        self.check_write(tensor, data.len(), DType::F32)?;
+        self.queue
+            .write_buffer(tensor.buffer(), 0, bytemuck::cast_slice(data));
+        Ok(())
+    }
+
+    /// Overwrites the start of a tensor with u32 data (staged, lands at the next submit).
+    pub fn write_u32(&self, tensor: &Tensor, data: &[u32]) -> Result<()> {
+        self.check_write(tensor, data.len(), DType::U32)?;
+        self.queue
+            .write_buffer(tensor.buffer(), 0, bytemuck::cast_slice(data));
+        Ok(())
+    }
+
+    fn check_write(&self, tensor: &Tensor, len: usize, dtype: DType) -> Result<()> {
+        if tensor.dtype() != dtype || len > tensor.len() {
+            return Err(WgparError::Shape {
+                op: "write".into(),
+                detail: format!(
+                    "{len} {dtype:?} elements into a tensor of {} {:?}",
+                    tensor.len(),
+                    tensor.dtype()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Fills a tensor with a recognisable poison value (NaN for floats) so that elements a kernel
+    /// fails to write show up in tests.
+    pub fn poison(&self, tensor: &Tensor) {
+        let words = padded_bytes(tensor.bytes()) as usize / 4;
+        let poison = vec![0x7fc0_0000u32 | 0x1234; words];
+        self.queue
+            .write_buffer(tensor.buffer(), 0, bytemuck::cast_slice(&poison));
+    }
+
+    /// Copies a whole f32 tensor back to the host (submits and waits). Meant for results and
+    /// tests; the collectives have their own pooled staging path.
+    pub fn read_f32(&self, tensor: &Tensor) -> Result<Vec<f32>> {
+        if tensor.dtype() != DType::F32 {
+            return Err(WgparError::Shape {
+                op: "read_f32".into(),
+                detail: format!("tensor holds {:?}", tensor.dtype()),
+            });
+        }
+        let bytes = self.read_bytes(tensor.buffer(), 0, tensor.bytes())?;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+
+    /// Copies `len` bytes at `offset` of `buffer` to the host through a fresh staging buffer.
+    pub fn read_bytes(&self, buffer: &wgpu::Buffer, offset: u64, len: u64) -> Result<Vec<u8>> {
+        let size = padded_bytes(len.max(4));
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut encoder = self.encoder();
+        encoder.copy_buffer_to_buffer(buffer, offset, &staging, 0, size);
+        self.submit(encoder);
+        let mut bytes = self.map_read(&staging, size)?;
+        bytes.truncate(len as usize);
+        Ok(bytes)
+    }
+
+    /// Maps a `MAP_READ` buffer (after its copy was submitted), copies `len` bytes out in one
+    /// bulk copy (some drivers map uncached memory) and unmaps it.
+    pub fn map_read(&self, staging: &wgpu::Buffer, len: u64) -> Result<Vec<u8>> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        staging
+            .slice(..len)
+            .map_async(wgpu::MapMode::Read, move |r| {
+                let _ = tx.send(r);
+            });
+        self.wait()?;
+        let mapped = rx.recv().map_err(|_| WgparError::Map {
+            device: self.describe(),
+            message: "map callback never ran".into(),
+        })?;
+        mapped.map_err(|e| WgparError::Map {
+            device: self.describe(),
+            message: e.to_string(),
+        })?;
+        let bytes = {
+            let view = staging
+                .slice(..len)
+                .get_mapped_range()
+                .map_err(|e| WgparError::Map {
+                    device: self.describe(),
+                    message: e.to_string(),
+                })?;
+            view.to_vec()
+        };
+        staging.unmap();
+        Ok(bytes)
+    }
+
+    /// A small uniform buffer holding `params` (kernel shapes). Created per dispatch: it is a
+    /// few bytes, and per-dispatch buffers keep every recorded command independent.
+    pub fn uniform<T: bytemuck::Pod>(&self, params: &T) -> wgpu::Buffer {
+        self.device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("params"),
+                contents: bytemuck::bytes_of(params),
+                usage: wgpu::BufferUsages::UNIFORM,
+            })
+    }
+}
+
+fn env_flag(name: &str) -> bool {
+    std::env::var(name)
+        .map(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+        .unwrap_or(false)
+}

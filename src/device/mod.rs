@@ -1,0 +1,97 @@
+//! Devices: adapter discovery on every backend, `Gpu` (device + queue + limits + error capture),
+//! tensors, and device sets (real adapters or several virtual devices on one adapter).
+
+mod adapter;
+mod gpu;
+mod tensor;
+
+use std::sync::Arc;
+
+pub use adapter::{AdapterDesc, Adapters};
+pub use gpu::{Gpu, GpuOptions};
+pub use tensor::{DType, Tensor};
+
+use crate::error::{Result, WgparError};
+
+/// Which devices a run uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceSelection {
+    /// One device on each listed adapter index (`--devices 0,1`); an index may repeat.
+    Indices(Vec<usize>),
+    /// `count` independent devices on one adapter (`--virtual N`): how one machine stands in
+    /// for N GPUs.
+    Virtual {
+        /// The adapter index.
+        adapter: usize,
+        /// How many devices.
+        count: usize,
+    },
+}
+
+impl DeviceSelection {
+    /// Parses `--devices` ("0,1") and `--virtual` (N) options; `None` for both means one device
+    /// on the preferred adapter.
+    pub fn from_options(
+        devices: Option<&str>,
+        virtual_count: Option<usize>,
+        adapters: &Adapters,
+    ) -> Result<Self> {
+        let indices = match devices {
+            Some(text) => text
+                .split(',')
+                .map(|s| {
+                    s.trim().parse::<usize>().map_err(|_| {
+                        WgparError::Config(format!(
+                            "--devices expects comma-separated adapter indices, got '{text}'"
+                        ))
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?,
+            None => vec![adapters.preferred()],
+        };
+        match virtual_count {
+            Some(0) => Err(WgparError::Config(
+                "--virtual needs at least 1 device".into(),
+            )),
+            Some(count) if indices.len() == 1 => Ok(Self::Virtual {
+                adapter: indices[0],
+                count,
+            }),
+            Some(_) => Err(WgparError::Config(
+                "--virtual N takes a single adapter in --devices".into(),
+            )),
+            None => Ok(Self::Indices(indices)),
+        }
+    }
+
+    /// Number of devices selected.
+    pub fn count(&self) -> usize {
+        match self {
+            Self::Indices(v) => v.len(),
+            Self::Virtual { count, .. } => *count,
+        }
+    }
+}
+
+/// Opens the selected devices, labelled gpu0, gpu1, ... in selection order.
+pub fn open_devices(
+    adapters: &Adapters,
+    selection: &DeviceSelection,
+    options: &GpuOptions,
+) -> Result<Vec<Arc<Gpu>>> {
+    let indices: Vec<usize> = match selection {
+        DeviceSelection::Indices(v) => v.clone(),
+        DeviceSelection::Virtual { adapter, count } => vec![*adapter; *count],
+    };
+    if indices.is_empty() {
+        return Err(WgparError::Config("no devices selected".into()));
+    }
+    indices
+        .iter()
+        .enumerate()
+        .map(|(ordinal, &index)| {
+            let (adapter, desc) = adapters.get(index)?;
+            Gpu::open(adapter, desc, ordinal, options).map(Arc::new)
+        })
+        .collect()
+}

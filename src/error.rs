@@ -1,0 +1,151 @@
+//! The library's error type. Every variant carries the numbers a user needs to act on it.
+
+use thiserror::Error;
+
+/// Everything that can go wrong in wgpar, from adapter discovery to a failed collective.
+#[derive(Debug, Error)]
+pub enum WgparError {
+    /// No wgpu adapter exists on this machine.
+    #[error(
+        "no GPU adapter found on backends {backends}. On a GPU-less Linux install a software \
+         Vulkan driver: `apt-get install mesa-vulkan-drivers` (Mesa lavapipe); elsewhere install \
+         your GPU's Vulkan, Metal or DX12 driver"
+    )]
+    NoAdapter {
+        /// The backends that were searched.
+        backends: String,
+    },
+    /// A device index outside the discovered adapters.
+    #[error("device index {index} does not exist: {count} adapter(s) found (run `wgpar devices`)")]
+    AdapterIndex {
+        /// The index asked for.
+        index: usize,
+        /// How many adapters exist.
+        count: usize,
+    },
+    /// The driver refused to create a device.
+    #[error("could not open a device on adapter '{adapter}': {message}")]
+    RequestDevice {
+        /// Adapter name.
+        adapter: String,
+        /// The driver's message.
+        message: String,
+    },
+    /// A wgpu validation, out-of-memory or internal error caught by the uncaptured-error handler.
+    #[error("GPU error on {device}: {message}")]
+    Gpu {
+        /// Device label.
+        device: String,
+        /// wgpu's description.
+        message: String,
+    },
+    /// The device was lost (driver reset, removal, destruction).
+    #[error("device {device} was lost: {reason}")]
+    DeviceLost {
+        /// Device label.
+        device: String,
+        /// Why, as the driver reported it.
+        reason: String,
+    },
+    /// A buffer larger than the adapter allows.
+    #[error(
+        "{what} needs {} ({bytes} B) but adapter '{adapter}' allows at most {} ({limit} B) per {kind}",
+        human_bytes(*bytes),
+        human_bytes(*limit)
+    )]
+    TooLarge {
+        /// What was being allocated.
+        what: String,
+        /// Bytes needed.
+        bytes: u64,
+        /// The adapter's limit.
+        limit: u64,
+        /// "buffer" or "storage binding".
+        kind: &'static str,
+        /// Adapter name.
+        adapter: String,
+    },
+    /// Tensors whose shapes or lengths do not fit together.
+    #[error("shape mismatch in {op}: {detail}")]
+    Shape {
+        /// The operation.
+        op: String,
+        /// What did not fit.
+        detail: String,
+    },
+    /// An invalid model configuration, strategy or option.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A buffer could not be mapped for reading or writing.
+    #[error("buffer mapping failed on {device}: {message}")]
+    Map {
+        /// Device label.
+        device: String,
+        /// wgpu's description.
+        message: String,
+    },
+    /// A worker thread (pipeline stage, tensor-parallel rank) failed.
+    #[error("{worker} failed: {message}")]
+    Worker {
+        /// Which worker, e.g. "stage 1 (gpu1)".
+        worker: String,
+        /// The cause.
+        message: String,
+    },
+    /// File input/output.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Result with [`WgparError`].
+pub type Result<T> = std::result::Result<T, WgparError>;
+
+/// Formats a byte count with a binary unit, e.g. `1.2 GiB`.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human_bytes_picks_binary_units() {
+        assert_eq!(human_bytes(12), "12 B");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(256 << 20), "256.0 MiB");
+    }
+
+    #[test]
+    fn too_large_message_states_both_numbers() {
+        let e = WgparError::TooLarge {
+            what: "layer 0 up-projection".into(),
+            bytes: 3 << 30,
+            limit: 256 << 20,
+            kind: "buffer",
+            adapter: "llvmpipe".into(),
+        };
+        let text = e.to_string();
+        assert!(
+            text.contains("3.0 GiB") && text.contains("256.0 MiB"),
+            "{text}"
+        );
+    }
+}

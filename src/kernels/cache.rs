@@ -1,0 +1,136 @@
+//! Per-device pipeline cache: each (family, entry point, weight type) is compiled once.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use super::{BindingKind, Family, WeightType};
+
+/// A compiled compute pipeline and the explicit layout its bind groups use.
+#[derive(Debug)]
+pub struct Kernel {
+    /// The pipeline.
+    pub pipeline: wgpu::ComputePipeline,
+    /// Bind group layout (group 0).
+    pub layout: wgpu::BindGroupLayout,
+}
+
+type Key = (Family, &'static str, WeightType);
+
+/// Pipelines compiled on one device. Thread-safe; compilation happens at most once per key.
+#[derive(Debug, Default)]
+pub struct KernelCache {
+    kernels: Mutex<HashMap<Key, Arc<Kernel>>>,
+    layouts: Mutex<HashMap<Family, wgpu::BindGroupLayout>>,
+    modules: Mutex<HashMap<(Family, WeightType), wgpu::ShaderModule>>,
+}
+
+impl KernelCache {
+    /// The pipeline for `entry` of `family` with `weights`, compiling it on first use.
+    pub fn get(
+        &self,
+        device: &wgpu::Device,
+        family: Family,
+        entry: &'static str,
+        weights: WeightType,
+    ) -> Arc<Kernel> {
+        let weights = if family.has_weight_variants() {
+            weights
+        } else {
+            WeightType::F32
+        };
+        let key = (family, entry, weights);
+        if let Some(k) = self.kernels.lock().ok().and_then(|m| m.get(&key).cloned()) {
+            return k;
+        }
+        let layout = self.layout(device, family);
+        let module = self.module(device, family, weights);
+        let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some(entry),
+            bind_group_layouts: &[Some(&layout)],
+            immediate_size: 0,
+        });
+        let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(entry),
+            layout: Some(&pipeline_layout),
+            module: &module,
+            entry_point: Some(entry),
+            compilation_options: wgpu::PipelineCompilationOptions::default(),
+            cache: None,
+        });
+        let kernel = Arc::new(Kernel { pipeline, layout });
+        if let Ok(mut m) = self.kernels.lock() {
+            // Another thread may have compiled it meanwhile: keep the first, so every caller
+            // shares one pipeline.
+            return m.entry(key).or_insert(kernel).clone();
+        }
+        kernel
+    }
+
+    /// Number of pipelines compiled so far.
+    pub fn compiled(&self) -> usize {
+        self.kernels.lock().map(|m| m.len()).unwrap_or(0)
+    }
+
+    fn layout(&self, device: &wgpu::Device, family: Family) -> wgpu::BindGroupLayout {
+        let mut layouts = match self.layouts.lock() {
+            Ok(l) => l,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        layouts
+            .entry(family)
+            .or_insert_with(|| {
+                let entries: Vec<wgpu::BindGroupLayoutEntry> = family
+                    .bindings()
+                    .iter()
+                    .enumerate()
+                    .map(|(i, kind)| wgpu::BindGroupLayoutEntry {
+                        binding: i as u32,
+                        visibility: wgpu::ShaderStages::COMPUTE,
+                        ty: match kind {
+                            BindingKind::Uniform => wgpu::BindingType::Buffer {
+                                ty: wgpu::BufferBindingType::Uniform,
+                                has_dynamic_offset: false,
+                                min_binding_size: None,
+                            },
+                            BindingKind::Read | BindingKind::ReadWrite => {
+                                wgpu::BindingType::Buffer {
+                                    ty: wgpu::BufferBindingType::Storage {
+                                        read_only: *kind == BindingKind::Read,
+                                    },
+                                    has_dynamic_offset: false,
+                                    min_binding_size: None,
+                                }
+                            }
+                        },
+                        count: None,
+                    })
+                    .collect();
+                device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                    label: Some(&format!("{family:?}")),
+                    entries: &entries,
+                })
+            })
+            .clone()
+    }
+
+    fn module(
+        &self,
+        device: &wgpu::Device,
+        family: Family,
+        weights: WeightType,
+    ) -> wgpu::ShaderModule {
+        let mut modules = match self.modules.lock() {
+            Ok(m) => m,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        modules
+            .entry((family, weights))
+            .or_insert_with(|| {
+                device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                    label: Some(&format!("{family:?}/{weights:?}")),
+                    source: wgpu::ShaderSource::Wgsl(family.source_for(weights).into()),
+                })
+            })
+            .clone()
+    }
+}

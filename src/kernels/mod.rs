@@ -1,0 +1,200 @@
+//! WGSL kernels: sources (`shaders/*.wgsl`, one file per op family), explicit bind group
+//! layouts, a per-device pipeline cache, and typed op functions that check shapes and encode
+//! dispatches.
+
+mod cache;
+pub mod ops;
+
+pub use cache::KernelCache;
+
+/// Storage type of the weights a kernel reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightType {
+    /// f32 weights.
+    F32,
+    /// f16 weights (needs `SHADER_F16`).
+    F16,
+}
+
+/// How one binding of a family's layout is used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BindingKind {
+    /// `var<storage, read>`.
+    Read,
+    /// `var<storage, read_write>`.
+    ReadWrite,
+    /// `var<uniform>` parameters.
+    Uniform,
+}
+
+/// An op family: one `.wgsl` file whose entry points share one bind group layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Family {
+    /// `matmul.wgsl`: tiled and naive matrix multiply.
+    Matmul,
+    /// `norm.wgsl`: LayerNorm and RMSNorm.
+    Norm,
+    /// `softmax.wgsl`: row softmax.
+    Softmax,
+    /// `attention.wgsl`: causal attention over a KV cache.
+    Attention,
+    /// `kvcache.wgsl`: KV cache append.
+    KvCache,
+    /// `rope.wgsl`: rotary embedding.
+    Rope,
+    /// `elementwise.wgsl`: residual add, bias, GELU, SwiGLU.
+    Elementwise,
+    /// `embedding.wgsl`: token (+ position) embedding lookup.
+    Embedding,
+}
+
+impl Family {
+    /// Every family, for validation tests.
+    pub const ALL: [Family; 8] = [
+        Family::Matmul,
+        Family::Norm,
+        Family::Softmax,
+        Family::Attention,
+        Family::KvCache,
+        Family::Rope,
+        Family::Elementwise,
+        Family::Embedding,
+    ];
+
+    /// The WGSL source as shipped.
+    pub fn source(self) -> &'static str {
+        match self {
+            Family::Matmul => include_str!("../../shaders/matmul.wgsl"),
+            Family::Norm => include_str!("../../shaders/norm.wgsl"),
+            Family::Softmax => include_str!("../../shaders/softmax.wgsl"),
+            Family::Attention => include_str!("../../shaders/attention.wgsl"),
+            Family::KvCache => include_str!("../../shaders/kvcache.wgsl"),
+            Family::Rope => include_str!("../../shaders/rope.wgsl"),
+            Family::Elementwise => include_str!("../../shaders/elementwise.wgsl"),
+            Family::Embedding => include_str!("../../shaders/embedding.wgsl"),
+        }
+    }
+
+    /// Whether the family reads weights through the `WT` alias (and so has an f16 variant).
+    pub fn has_weight_variants(self) -> bool {
+        matches!(self, Family::Matmul | Family::Embedding)
+    }
+
+    /// The source specialised for a weight type: the f16 variant enables the extension and
+    /// retypes the `WT` alias. Other families ignore the weight type.
+    pub fn source_for(self, weights: WeightType) -> String {
+        let src = self.source();
+        if self.has_weight_variants() && weights == WeightType::F16 {
+            format!(
+                "enable f16;\n{}",
+                src.replacen("alias WT = f32;", "alias WT = f16;", 1)
+            )
+        } else {
+            src.to_string()
+        }
+    }
+
+    /// The bind group layout shared by the family's entry points, in binding order.
+    pub fn bindings(self) -> &'static [BindingKind] {
+        use BindingKind::*;
+        match self {
+            Family::Matmul => &[Read, Read, Read, ReadWrite, Uniform],
+            Family::Norm => &[Read, ReadWrite, Read, Read, Uniform],
+            Family::Softmax => &[ReadWrite, Uniform],
+            Family::Attention => &[Read, Read, Read, ReadWrite, Uniform],
+            Family::KvCache => &[Read, Read, ReadWrite, ReadWrite, Uniform],
+            Family::Rope => &[ReadWrite, Read, Read, Uniform],
+            Family::Elementwise => &[ReadWrite, Read, Uniform],
+            Family::Embedding => &[Read, Read, Read, ReadWrite, Uniform],
+        }
+    }
+
+    /// Entry points of the family.
+    pub fn entry_points(self) -> &'static [&'static str] {
+        match self {
+            Family::Matmul => &["matmul", "matmul_naive"],
+            Family::Norm => &["layernorm", "rmsnorm"],
+            Family::Softmax => &["softmax"],
+            Family::Attention => &["attend"],
+            Family::KvCache => &["kv_store"],
+            Family::Rope => &["rope"],
+            Family::Elementwise => &["add", "bias_add", "gelu", "gelu_erf", "swiglu"],
+            Family::Embedding => &["embed"],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn validate(name: &str, src: &str) -> naga::Module {
+        let module = naga::front::wgsl::parse_str(src)
+            .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(src)));
+        naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(src)));
+        module
+    }
+
+    /// Every shader, in every weight variant, parses and validates with naga: no GPU needed.
+    #[test]
+    fn every_shader_validates_with_naga() {
+        for family in Family::ALL {
+            for weights in [WeightType::F32, WeightType::F16] {
+                let src = family.source_for(weights);
+                let module = validate(&format!("{family:?}/{weights:?}"), &src);
+                for entry in family.entry_points() {
+                    assert!(
+                        module.entry_points.iter().any(|e| e.name == *entry),
+                        "{family:?} lacks entry point {entry}"
+                    );
+                }
+                // The declared layout must match the shader's globals, binding by binding.
+                let mut globals: Vec<(u32, BindingKind)> = module
+                    .global_variables
+                    .iter()
+                    .filter_map(|(_, g)| {
+                        let binding = g.binding.as_ref()?;
+                        let kind = match g.space {
+                            naga::AddressSpace::Uniform => BindingKind::Uniform,
+                            naga::AddressSpace::Storage { access }
+                                if access.contains(naga::StorageAccess::STORE) =>
+                            {
+                                BindingKind::ReadWrite
+                            }
+                            naga::AddressSpace::Storage { .. } => BindingKind::Read,
+                            _ => return None,
+                        };
+                        Some((binding.binding, kind))
+                    })
+                    .collect();
+                globals.sort_by_key(|g| g.0);
+                let expected: Vec<(u32, BindingKind)> = family
+                    .bindings()
+                    .iter()
+                    .enumerate()
+                    .map(|(i, k)| (i as u32, *k))
+                    .collect();
+                assert_eq!(
+                    globals, expected,
+                    "{family:?} layout differs from its shader"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn f16_variant_enables_the_extension() {
+        let src = Family::Matmul.source_for(WeightType::F16);
+        assert!(src.starts_with("enable f16;"));
+        assert!(src.contains("alias WT = f16;"));
+        assert_eq!(
+            Family::Norm.source_for(WeightType::F16),
+            Family::Norm.source()
+        );
+    }
+}

@@ -1,0 +1,628 @@
+//! Typed kernel calls. Each checks its operands against the shape it is given (a wrong length is
+//! an error, never an out-of-bounds GPU access) and records one dispatch into an encoder.
+
+use bytemuck::{Pod, Zeroable};
+
+use super::{Family, WeightType};
+use crate::device::{DType, Gpu, Tensor};
+use crate::error::{Result, WgparError};
+
+/// Largest workgroup count per dimension that every adapter accepts.
+const MAX_GROUPS: u32 = 65_535;
+/// Matmul register tile and workgroup shape; must match `shaders/matmul.wgsl`.
+const MATMUL_TILE: (u32, u32) = (4, 4);
+const MATMUL_WG: (u32, u32) = (8, 8);
+
+fn weight_type(t: &Tensor) -> WeightType {
+    match t.dtype() {
+        DType::F16 => WeightType::F16,
+        _ => WeightType::F32,
+    }
+}
+
+fn need(op: &str, name: &str, t: &Tensor, len: usize, dtype: Option<DType>) -> Result<()> {
+    if t.len() < len {
+        return Err(WgparError::Shape {
+            op: op.into(),
+            detail: format!("{name} has {} elements, needs {len}", t.len()),
+        });
+    }
+    if let Some(d) = dtype {
+        if t.dtype() != d {
+            return Err(WgparError::Shape {
+                op: op.into(),
+                detail: format!("{name} is {:?}, needs {d:?}", t.dtype()),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn to_u32(op: &str, what: &str, v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| WgparError::Shape {
+        op: op.into(),
+        detail: format!("{what} = {v} exceeds u32"),
+    })
+}
+
+/// Workgroups for `items` invocations in groups of `wg`, folded into two dimensions when one
+/// would exceed the per-dimension limit (the shaders linearise `wid.y * nwg.x + wid.x`).
+fn grid_1d(op: &str, items: usize, wg: u32) -> Result<[u32; 3]> {
+    let groups = items.div_ceil(wg as usize).max(1);
+    let x = groups.min(MAX_GROUPS as usize);
+    let y = groups.div_ceil(x);
+    if y > MAX_GROUPS as usize {
+        return Err(WgparError::Shape {
+            op: op.into(),
+            detail: format!("{items} invocations exceed the dispatch limit"),
+        });
+    }
+    Ok([x as u32, y as u32, 1])
+}
+
+fn rows_grid(op: &str, rows: usize) -> Result<[u32; 3]> {
+    if rows > MAX_GROUPS as usize {
+        return Err(WgparError::Shape {
+            op: op.into(),
+            detail: format!("{rows} rows exceed {MAX_GROUPS} (one workgroup per row)"),
+        });
+    }
+    Ok([rows.max(1) as u32, 1, 1])
+}
+
+/// Records one dispatch: binds `buffers` in the family's binding order, then `params` as the
+/// final uniform binding.
+#[allow(clippy::too_many_arguments)]
+fn dispatch<P: Pod>(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    family: Family,
+    entry: &'static str,
+    weights: WeightType,
+    buffers: &[&wgpu::Buffer],
+    params: &P,
+    groups: [u32; 3],
+) {
+    let kernel = gpu.kernels().get(gpu.device(), family, entry, weights);
+    let uniform = gpu.uniform(params);
+    let mut entries: Vec<wgpu::BindGroupEntry> = buffers
+        .iter()
+        .enumerate()
+        .map(|(i, b)| wgpu::BindGroupEntry {
+            binding: i as u32,
+            resource: b.as_entire_binding(),
+        })
+        .collect();
+    entries.push(wgpu::BindGroupEntry {
+        binding: buffers.len() as u32,
+        resource: uniform.as_entire_binding(),
+    });
+    let bind_group = gpu.device().create_bind_group(&wgpu::BindGroupDescriptor {
+        label: Some(entry),
+        layout: &kernel.layout,
+        entries: &entries,
+    });
+    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+        label: Some(entry),
+        timestamp_writes: None,
+    });
+    pass.set_pipeline(&kernel.pipeline);
+    pass.set_bind_group(0, &bind_group, &[]);
+    pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct MatmulParams {
+    m: u32,
+    n: u32,
+    k: u32,
+    has_bias: u32,
+}
+
+/// Which matmul kernel to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulKernel {
+    /// The production kernel (register-tiled).
+    Tiled,
+    /// One invocation per output: the benchmark baseline.
+    Naive,
+}
+
+/// `y[m][n] = x[m][k] . w[n][k] (+ bias[n])`, with `w` stored transposed (f32 or f16).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    y: &Tensor,
+    (m, n, k): (usize, usize, usize),
+    kernel: MatmulKernel,
+) -> Result<()> {
+    const OP: &str = "matmul";
+    need(OP, "x", x, m * k, Some(DType::F32))?;
+    need(OP, "w", w, n * k, None)?;
+    need(OP, "y", y, m * n, Some(DType::F32))?;
+    if let Some(b) = bias {
+        need(OP, "bias", b, n, Some(DType::F32))?;
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let params = MatmulParams {
+        m: to_u32(OP, "m", m)?,
+        n: to_u32(OP, "n", n)?,
+        k: to_u32(OP, "k", k)?,
+        has_bias: bias.is_some() as u32,
+    };
+    let (entry, groups) = match kernel {
+        MatmulKernel::Tiled => {
+            let cols = (n as u32).div_ceil(MATMUL_TILE.1);
+            let rows = (m as u32).div_ceil(MATMUL_TILE.0);
+            (
+                "matmul",
+                [cols.div_ceil(MATMUL_WG.0), rows.div_ceil(MATMUL_WG.1), 1],
+            )
+        }
+        MatmulKernel::Naive => (
+            "matmul_naive",
+            [(n as u32).div_ceil(8), (m as u32).div_ceil(8), 1],
+        ),
+    };
+    if groups[0] > MAX_GROUPS || groups[1] > MAX_GROUPS {
+        return Err(WgparError::Shape {
+            op: OP.into(),
+            detail: format!("{m}x{n} output exceeds the dispatch limit"),
+        });
+    }
+    let bias_buf = bias.unwrap_or(x).buffer();
+    dispatch(
+        gpu,
+        encoder,
+        Family::Matmul,
+        entry,
+        weight_type(w),
+        &[x.buffer(), w.buffer(), bias_buf, y.buffer()],
+        &params,
+        groups,
+    );
+    Ok(())
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct NormParams {
+    rows: u32,
+    cols: u32,
+    eps: f32,
+    _pad: u32,
+}
+
+/// Row normalisation kind.
+#[derive(Debug, Clone, Copy)]
+pub enum Norm<'a> {
+    /// LayerNorm with scale and shift.
+    Layer {
+        /// Scale.
+        gamma: &'a Tensor,
+        /// Shift.
+        beta: &'a Tensor,
+    },
+    /// RMSNorm with scale.
+    Rms {
+        /// Scale.
+        gamma: &'a Tensor,
+    },
+}
+
+/// `y = norm(x)` over rows of `cols`.
+#[allow(clippy::too_many_arguments)]
+pub fn norm(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    kind: Norm<'_>,
+    x: &Tensor,
+    y: &Tensor,
+    rows: usize,
+    cols: usize,
+    eps: f32,
+) -> Result<()> {
+    const OP: &str = "norm";
+    need(OP, "x", x, rows * cols, Some(DType::F32))?;
+    need(OP, "y", y, rows * cols, Some(DType::F32))?;
+    let (entry, gamma, beta) = match kind {
+        Norm::Layer { gamma, beta } => ("layernorm", gamma, beta),
+        Norm::Rms { gamma } => ("rmsnorm", gamma, gamma),
+    };
+    need(OP, "gamma", gamma, cols, Some(DType::F32))?;
+    need(OP, "beta", beta, cols, Some(DType::F32))?;
+    let params = NormParams {
+        rows: to_u32(OP, "rows", rows)?,
+        cols: to_u32(OP, "cols", cols)?,
+        eps,
+        _pad: 0,
+    };
+    dispatch(
+        gpu,
+        encoder,
+        Family::Norm,
+        entry,
+        WeightType::F32,
+        &[x.buffer(), y.buffer(), gamma.buffer(), beta.buffer()],
+        &params,
+        rows_grid(OP, rows)?,
+    );
+    Ok(())
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct RowsParams {
+    rows: u32,
+    cols: u32,
+    _pad: [u32; 2],
+}
+
+/// Softmax over each row of `x`, in place.
+pub fn softmax(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    x: &Tensor,
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
+    const OP: &str = "softmax";
+    need(OP, "x", x, rows * cols, Some(DType::F32))?;
+    let params = RowsParams {
+        rows: to_u32(OP, "rows", rows)?,
+        cols: to_u32(OP, "cols", cols)?,
+        _pad: [0; 2],
+    };
+    dispatch(
+        gpu,
+        encoder,
+        Family::Softmax,
+        "softmax",
+        WeightType::F32,
+        &[x.buffer()],
+        &params,
+        rows_grid(OP, rows)?,
+    );
+    Ok(())
+}
+
+/// Shape of one attention call: which tokens and which cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Sequences.
+    pub batch: usize,
+    /// New tokens per sequence in this call.
+    pub seq: usize,
+    /// Tokens already in the cache per sequence.
+    pub past: usize,
+    /// Query heads (local to this device).
+    pub n_heads: usize,
+    /// Key/value heads (local to this device).
+    pub n_kv_heads: usize,
+    /// Dimension per head.
+    pub head_dim: usize,
+    /// Cache capacity per sequence.
+    pub max_seq: usize,
+}
+
+impl AttnShape {
+    /// Tokens in this call.
+    pub fn tokens(&self) -> usize {
+        self.batch * self.seq
+    }
+
+    /// Elements in one layer's K (or V) cache.
+    pub fn cache_len(&self) -> usize {
+        self.batch * self.n_kv_heads * self.max_seq * self.head_dim
+    }
+
+    fn validate(&self, op: &str) -> Result<()> {
+        let bad = |detail: String| {
+            Err(WgparError::Shape {
+                op: op.into(),
+                detail,
+            })
+        };
+        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+            return bad(format!(
+                "{} query heads are not a multiple of {} kv heads",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if self.head_dim == 0 || self.head_dim > 256 {
+            return bad(format!("head_dim {} outside 1..=256", self.head_dim));
+        }
+        if self.past + self.seq > self.max_seq {
+            return bad(format!(
+                "{} cached + {} new tokens exceed the cache of {}",
+                self.past, self.seq, self.max_seq
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct AttnParams {
+    batch: u32,
+    seq: u32,
+    past: u32,
+    n_heads: u32,
+    n_kv_heads: u32,
+    head_dim: u32,
+    max_seq: u32,
+    scale: f32,
+}
+
+impl AttnParams {
+    fn new(op: &str, s: &AttnShape) -> Result<Self> {
+        Ok(Self {
+            batch: to_u32(op, "batch", s.batch)?,
+            seq: to_u32(op, "seq", s.seq)?,
+            past: to_u32(op, "past", s.past)?,
+            n_heads: to_u32(op, "n_heads", s.n_heads)?,
+            n_kv_heads: to_u32(op, "n_kv_heads", s.n_kv_heads)?,
+            head_dim: to_u32(op, "head_dim", s.head_dim)?,
+            max_seq: to_u32(op, "max_seq", s.max_seq)?,
+            scale: 1.0 / (s.head_dim as f32).sqrt(),
+        })
+    }
+}
+
+/// Causal attention of `q` over the cache (which must already hold the new keys and values).
+pub fn attention(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    out: &Tensor,
+    shape: &AttnShape,
+) -> Result<()> {
+    const OP: &str = "attention";
+    shape.validate(OP)?;
+    let q_len = shape.tokens() * shape.n_heads * shape.head_dim;
+    need(OP, "q", q, q_len, Some(DType::F32))?;
+    need(OP, "out", out, q_len, Some(DType::F32))?;
+    need(OP, "k_cache", k_cache, shape.cache_len(), Some(DType::F32))?;
+    need(OP, "v_cache", v_cache, shape.cache_len(), Some(DType::F32))?;
+    dispatch(
+        gpu,
+        encoder,
+        Family::Attention,
+        "attend",
+        WeightType::F32,
+        &[q.buffer(), k_cache.buffer(), v_cache.buffer(), out.buffer()],
+        &AttnParams::new(OP, shape)?,
+        grid_1d(OP, shape.tokens() * shape.n_heads, 64)?,
+    );
+    Ok(())
+}
+
+/// Appends `k`, `v` ([tokens][n_kv_heads * head_dim]) to the caches at position `past`.
+pub fn kv_store(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    k: &Tensor,
+    v: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    shape: &AttnShape,
+) -> Result<()> {
+    const OP: &str = "kv_store";
+    shape.validate(OP)?;
+    let len = shape.tokens() * shape.n_kv_heads * shape.head_dim;
+    need(OP, "k", k, len, Some(DType::F32))?;
+    need(OP, "v", v, len, Some(DType::F32))?;
+    need(OP, "k_cache", k_cache, shape.cache_len(), Some(DType::F32))?;
+    need(OP, "v_cache", v_cache, shape.cache_len(), Some(DType::F32))?;
+    dispatch(
+        gpu,
+        encoder,
+        Family::KvCache,
+        "kv_store",
+        WeightType::F32,
+        &[k.buffer(), v.buffer(), k_cache.buffer(), v_cache.buffer()],
+        &AttnParams::new(OP, shape)?,
+        grid_1d(OP, len, 256)?,
+    );
+    Ok(())
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct RopeParams {
+    tokens: u32,
+    seq: u32,
+    past: u32,
+    n_heads: u32,
+    head_dim: u32,
+    _pad: [u32; 3],
+}
+
+/// Rotary embedding in place on `x` ([tokens][n_heads * head_dim]) with host-built tables
+/// `cos`, `sin` ([max_seq][head_dim / 2]).
+#[allow(clippy::too_many_arguments)]
+pub fn rope(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    (batch, seq, past): (usize, usize, usize),
+    n_heads: usize,
+    head_dim: usize,
+) -> Result<()> {
+    const OP: &str = "rope";
+    if head_dim % 2 != 0 {
+        return Err(WgparError::Shape {
+            op: OP.into(),
+            detail: format!("head_dim {head_dim} must be even"),
+        });
+    }
+    let tokens = batch * seq;
+    need(OP, "x", x, tokens * n_heads * head_dim, Some(DType::F32))?;
+    let table = (past + seq) * head_dim / 2;
+    need(OP, "cos", cos, table, Some(DType::F32))?;
+    need(OP, "sin", sin, table, Some(DType::F32))?;
+    let params = RopeParams {
+        tokens: to_u32(OP, "tokens", tokens)?,
+        seq: to_u32(OP, "seq", seq)?,
+        past: to_u32(OP, "past", past)?,
+        n_heads: to_u32(OP, "n_heads", n_heads)?,
+        head_dim: to_u32(OP, "head_dim", head_dim)?,
+        _pad: [0; 3],
+    };
+    dispatch(
+        gpu,
+        encoder,
+        Family::Rope,
+        "rope",
+        WeightType::F32,
+        &[x.buffer(), cos.buffer(), sin.buffer()],
+        &params,
+        grid_1d(OP, tokens * n_heads * head_dim / 2, 256)?,
+    );
+    Ok(())
+}
+
+/// Element-wise operation, in place on the first operand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elementwise {
+    /// `a += b` (residual).
+    Add,
+    /// `a[r][c] += b[c]`.
+    BiasAdd,
+    /// `a = gelu_tanh(a)`.
+    Gelu,
+    /// `a = gelu_erf(a)`.
+    GeluErf,
+    /// `a = silu(a) * b`.
+    SwiGlu,
+}
+
+/// Applies `op` to `a` (`rows x cols` elements), with `b` where the op takes one.
+pub fn elementwise(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    op: Elementwise,
+    a: &Tensor,
+    b: Option<&Tensor>,
+    (rows, cols): (usize, usize),
+) -> Result<()> {
+    const OP: &str = "elementwise";
+    let len = rows * cols;
+    need(OP, "a", a, len, Some(DType::F32))?;
+    let (entry, b_len) = match op {
+        Elementwise::Add => ("add", Some(len)),
+        Elementwise::BiasAdd => ("bias_add", Some(cols)),
+        Elementwise::Gelu => ("gelu", None),
+        Elementwise::GeluErf => ("gelu_erf", None),
+        Elementwise::SwiGlu => ("swiglu", Some(len)),
+    };
+    let b = match (b_len, b) {
+        (Some(n), Some(b)) => {
+            need(OP, "b", b, n, Some(DType::F32))?;
+            b
+        }
+        (Some(_), None) => {
+            return Err(WgparError::Shape {
+                op: OP.into(),
+                detail: format!("{op:?} needs a second operand"),
+            })
+        }
+        (None, _) => a,
+    };
+    if len == 0 {
+        return Ok(());
+    }
+    let params = RowsParams {
+        rows: to_u32(OP, "len", len)?,
+        cols: to_u32(OP, "cols", cols)?,
+        _pad: [0; 2],
+    };
+    // `a` is bound read-write; when the op has no second operand a dummy read binding is
+    // needed, and it must not alias `a`, so bind the params-sized scratch instead.
+    let dummy;
+    let b_buf = if std::ptr::eq(b, a) {
+        dummy = gpu.empty("elementwise.dummy", DType::F32, 1)?;
+        dummy.buffer()
+    } else {
+        b.buffer()
+    };
+    dispatch(
+        gpu,
+        encoder,
+        Family::Elementwise,
+        entry,
+        WeightType::F32,
+        &[a.buffer(), b_buf],
+        &params,
+        grid_1d(OP, len, 256)?,
+    );
+    Ok(())
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct EmbedParams {
+    tokens: u32,
+    hidden: u32,
+    seq: u32,
+    past: u32,
+    has_positions: u32,
+    _pad: [u32; 3],
+}
+
+/// `out[t] = wte[ids[t]] (+ wpe[past + t % seq])`. Token ids must be < vocab (the caller checks
+/// them on the host, where the error can name the bad id).
+#[allow(clippy::too_many_arguments)]
+pub fn embed(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    ids: &Tensor,
+    wte: &Tensor,
+    wpe: Option<&Tensor>,
+    out: &Tensor,
+    (batch, seq, past): (usize, usize, usize),
+    hidden: usize,
+) -> Result<()> {
+    const OP: &str = "embed";
+    let tokens = batch * seq;
+    need(OP, "ids", ids, tokens, Some(DType::U32))?;
+    need(OP, "out", out, tokens * hidden, Some(DType::F32))?;
+    if let Some(p) = wpe {
+        need(OP, "wpe", p, (past + seq) * hidden, Some(DType::F32))?;
+    }
+    let params = EmbedParams {
+        tokens: to_u32(OP, "tokens", tokens)?,
+        hidden: to_u32(OP, "hidden", hidden)?,
+        seq: to_u32(OP, "seq", seq)?,
+        past: to_u32(OP, "past", past)?,
+        has_positions: wpe.is_some() as u32,
+        _pad: [0; 3],
+    };
+    let wpe_buf = wpe.unwrap_or(out).buffer();
+    // wpe is a read binding; without positions bind the ids buffer rather than `out`, which is
+    // bound read-write.
+    let wpe_buf = if wpe.is_some() { wpe_buf } else { ids.buffer() };
+    dispatch(
+        gpu,
+        encoder,
+        Family::Embedding,
+        "embed",
+        weight_type(wte),
+        &[ids.buffer(), wte.buffer(), wpe_buf, out.buffer()],
+        &params,
+        grid_1d(OP, tokens * hidden, 256)?,
+    );
+    Ok(())
+}
