@@ -2,7 +2,7 @@
 // q:   [tokens = batch * seq][n_heads * head_dim], token t = b * seq + i at position past + i
 // k,v: cache [batch][n_kv_heads][max_seq][head_dim], already holding positions 0 ..= past + i
 // out: [tokens][n_heads * head_dim]
-// Grouped-query attention: query head h reads kv head h / (n_heads / n_kv_heads).
+// Grouped-query attention: global query head h reads KV head h / group.
 struct Params {
     batch: u32,
     seq: u32,
@@ -12,6 +12,12 @@ struct Params {
     head_dim: u32,
     max_seq: u32,
     scale: f32,
+    // Tensor-parallel shards hold a contiguous range of query heads and the KV heads they read;
+    // query head h (local) reads KV head (h + q_offset) / group - kv_offset (local).
+    group: u32,
+    q_offset: u32,
+    kv_offset: u32,
+    _pad: u32,
 }
 
 @group(0) @binding(0) var<storage, read> q: array<f32>;
@@ -40,7 +46,7 @@ fn attend(
     let h = idx % p.n_heads;
     let b = t / p.seq;
     let i = t % p.seq;
-    let kvh = h / (p.n_heads / p.n_kv_heads);
+    let kvh = (h + p.q_offset) / p.group - p.kv_offset;
     let d = p.head_dim;
     let q_base = t * p.n_heads * d + h * d;
     let kv_base = (b * p.n_kv_heads + kvh) * p.max_seq * d;

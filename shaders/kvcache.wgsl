@@ -1,15 +1,20 @@
 // Appends new keys and values to a layer's KV cache.
 // k_new, v_new: [tokens = batch * seq][n_kv_heads * head_dim]
 // caches:       [batch][n_kv_heads][max_seq][head_dim]; token (b, i) lands at position past + i.
+// Same layout as attention.wgsl's parameters: both kernels take one shape.
 struct Params {
     batch: u32,
     seq: u32,
     past: u32,
+    n_heads: u32,
     n_kv_heads: u32,
     head_dim: u32,
     max_seq: u32,
-    _pad0: u32,
-    _pad1: u32,
+    scale: f32,
+    group: u32,
+    q_offset: u32,
+    kv_offset: u32,
+    _pad: u32,
 }
 
 @group(0) @binding(0) var<storage, read> k_new: array<f32>;

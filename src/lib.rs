@@ -7,5 +7,7 @@
 pub mod device;
 pub mod error;
 pub mod kernels;
+pub mod model;
+pub mod parallel;
 
 pub use error::{Result, WgparError};

@@ -310,6 +310,12 @@ pub struct AttnShape {
     pub head_dim: usize,
     /// Cache capacity per sequence.
     pub max_seq: usize,
+    /// Query heads per KV head in the whole model.
+    pub group: usize,
+    /// Global index of this device's first query head.
+    pub q_head_offset: usize,
+    /// Global index of this device's first KV head.
+    pub kv_head_offset: usize,
 }
 
 impl AttnShape {
@@ -330,10 +336,21 @@ impl AttnShape {
                 detail,
             })
         };
-        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        // Every local query head must map onto a local KV head.
+        let first = self.q_head_offset / self.group.max(1);
+        let last = (self.q_head_offset + self.n_heads.max(1) - 1) / self.group.max(1);
+        if self.group == 0
+            || self.n_heads == 0
+            || first < self.kv_head_offset
+            || last >= self.kv_head_offset + self.n_kv_heads
+        {
             return bad(format!(
-                "{} query heads are not a multiple of {} kv heads",
-                self.n_heads, self.n_kv_heads
+                "query heads {}..{} (group {}) do not map onto KV heads {}..{}",
+                self.q_head_offset,
+                self.q_head_offset + self.n_heads,
+                self.group,
+                self.kv_head_offset,
+                self.kv_head_offset + self.n_kv_heads
             ));
         }
         if self.head_dim == 0 || self.head_dim > 256 {
@@ -360,6 +377,10 @@ struct AttnParams {
     head_dim: u32,
     max_seq: u32,
     scale: f32,
+    group: u32,
+    q_offset: u32,
+    kv_offset: u32,
+    _pad: u32,
 }
 
 impl AttnParams {
@@ -373,6 +394,10 @@ impl AttnParams {
             head_dim: to_u32(op, "head_dim", s.head_dim)?,
             max_seq: to_u32(op, "max_seq", s.max_seq)?,
             scale: 1.0 / (s.head_dim as f32).sqrt(),
+            group: to_u32(op, "group", s.group)?,
+            q_offset: to_u32(op, "q_head_offset", s.q_head_offset)?,
+            kv_offset: to_u32(op, "kv_head_offset", s.kv_head_offset)?,
+            _pad: 0,
         })
     }
 }

@@ -1,0 +1,262 @@
+//! Model shapes: the two decoder families and their presets.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, WgparError};
+
+/// Decoder family: which block structure the layers use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// GPT-2: pre-LayerNorm, GELU MLP, learned positions, biases, tied LM head.
+    Gpt2,
+    /// Llama: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention, no biases.
+    Llama,
+}
+
+/// Every shape a forward pass needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// Preset or model name.
+    pub name: String,
+    /// Block structure.
+    pub arch: Arch,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Residual stream width.
+    pub hidden: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (equal to `heads` without grouped-query attention).
+    pub kv_heads: usize,
+    /// Dimension per head.
+    pub head_dim: usize,
+    /// MLP inner width.
+    pub ffn: usize,
+    /// Longest sequence (prompt + generated) the KV cache and positions allow.
+    pub max_seq: usize,
+    /// Normalisation epsilon.
+    pub norm_eps: f32,
+    /// RoPE base frequency (Llama).
+    pub rope_theta: f32,
+    /// LM head shares the token embedding matrix.
+    pub tied_head: bool,
+}
+
+/// Names of the built-in presets, for `--model` help and errors.
+pub const PRESETS: [&str; 6] = [
+    "default",
+    "tiny-llama",
+    "tiny-gpt2",
+    "gpt2-small",
+    "llama-1b",
+    "llama-8b",
+];
+
+impl ModelConfig {
+    /// The model `wgpar` runs with no arguments: Llama-shaped, small enough for seconds on a
+    /// CPU Vulkan driver, and with 12 query / 4 KV heads so it splits over 2 and 4 devices.
+    pub fn default_model() -> Self {
+        Self {
+            name: "default".into(),
+            arch: Arch::Llama,
+            vocab: 8192,
+            hidden: 384,
+            layers: 6,
+            heads: 12,
+            kv_heads: 4,
+            head_dim: 32,
+            ffn: 1024,
+            max_seq: 256,
+            norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            tied_head: false,
+        }
+    }
+
+    /// A preset by name.
+    pub fn preset(name: &str) -> Result<Self> {
+        let base = Self::default_model();
+        let cfg = match name {
+            "default" => base,
+            "tiny-llama" => Self {
+                name: name.into(),
+                vocab: 389,
+                hidden: 96,
+                layers: 2,
+                heads: 6,
+                kv_heads: 2,
+                head_dim: 16,
+                ffn: 172,
+                max_seq: 96,
+                ..base
+            },
+            "tiny-gpt2" => Self {
+                name: name.into(),
+                arch: Arch::Gpt2,
+                vocab: 411,
+                hidden: 96,
+                layers: 2,
+                heads: 6,
+                kv_heads: 6,
+                head_dim: 16,
+                ffn: 384,
+                max_seq: 96,
+                tied_head: true,
+                ..base
+            },
+            "gpt2-small" => Self {
+                name: name.into(),
+                arch: Arch::Gpt2,
+                vocab: 50_257,
+                hidden: 768,
+                layers: 12,
+                heads: 12,
+                kv_heads: 12,
+                head_dim: 64,
+                ffn: 3072,
+                max_seq: 1024,
+                tied_head: true,
+                ..base
+            },
+            // Llama 3.2 1B shapes.
+            "llama-1b" => Self {
+                name: name.into(),
+                vocab: 128_256,
+                hidden: 2048,
+                layers: 16,
+                heads: 32,
+                kv_heads: 8,
+                head_dim: 64,
+                ffn: 8192,
+                max_seq: 2048,
+                rope_theta: 500_000.0,
+                tied_head: true,
+                ..base
+            },
+            // Llama 3.1 8B shapes (for projections; too large to run on a CPU driver).
+            "llama-8b" => Self {
+                name: name.into(),
+                vocab: 128_256,
+                hidden: 4096,
+                layers: 32,
+                heads: 32,
+                kv_heads: 8,
+                head_dim: 128,
+                ffn: 14_336,
+                max_seq: 2048,
+                rope_theta: 500_000.0,
+                ..base
+            },
+            other => {
+                return Err(WgparError::Config(format!(
+                    "unknown model preset '{other}'; presets: {}",
+                    PRESETS.join(", ")
+                )))
+            }
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks that the shapes fit together.
+    pub fn validate(&self) -> Result<()> {
+        let fail = |m: String| Err(WgparError::Config(format!("model '{}': {m}", self.name)));
+        if self.vocab == 0 || self.hidden == 0 || self.layers == 0 || self.ffn == 0 {
+            return fail("vocab, hidden, layers and ffn must be positive".into());
+        }
+        if self.heads == 0 || self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
+            return fail(format!(
+                "{} query heads must be a positive multiple of {} kv heads",
+                self.heads, self.kv_heads
+            ));
+        }
+        if self.head_dim == 0 || self.head_dim > 256 {
+            return fail(format!("head_dim {} outside 1..=256", self.head_dim));
+        }
+        if self.arch == Arch::Llama && self.head_dim % 2 != 0 {
+            return fail(format!(
+                "RoPE needs an even head_dim, got {}",
+                self.head_dim
+            ));
+        }
+        if self.max_seq == 0 {
+            return fail("max_seq must be positive".into());
+        }
+        Ok(())
+    }
+
+    /// Query projection width (heads x head_dim).
+    pub fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Key (or value) projection width.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Parameters in one decoder layer.
+    pub fn layer_params(&self) -> usize {
+        let h = self.hidden;
+        let attn = h * self.q_dim() * 2 + h * self.kv_dim() * 2;
+        let mlp = match self.arch {
+            Arch::Gpt2 => 2 * h * self.ffn,
+            Arch::Llama => 3 * h * self.ffn,
+        };
+        attn + mlp + 4 * h
+    }
+
+    /// All parameters (embeddings and head included).
+    pub fn params(&self) -> usize {
+        let emb = self.vocab * self.hidden;
+        let pos = if self.arch == Arch::Gpt2 {
+            self.max_seq * self.hidden
+        } else {
+            0
+        };
+        let head = if self.tied_head { 0 } else { emb };
+        emb + pos + head + self.layers * self.layer_params()
+    }
+
+    /// Multiply-add FLOPs (2 per MAC) of one layer's matmuls for `tokens` new tokens; attention
+    /// score FLOPs for `context` keys per token are added.
+    pub fn layer_flops(&self, tokens: usize, context: usize) -> u64 {
+        let h = self.hidden as u64;
+        let t = tokens as u64;
+        let proj = 2 * t * h * (2 * self.q_dim() + 2 * self.kv_dim()) as u64;
+        let mlp = match self.arch {
+            Arch::Gpt2 => 2 * t * 2 * h * self.ffn as u64,
+            Arch::Llama => 2 * t * 3 * h * self.ffn as u64,
+        };
+        let attn = 2 * 2 * t * context as u64 * self.q_dim() as u64;
+        proj + mlp + attn
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_preset_is_valid() {
+        for name in PRESETS {
+            ModelConfig::preset(name).unwrap();
+        }
+    }
+
+    #[test]
+    fn unknown_preset_lists_the_known_ones() {
+        let e = ModelConfig::preset("gpt5").unwrap_err().to_string();
+        assert!(e.contains("tiny-llama") && e.contains("gpt5"), "{e}");
+    }
+
+    #[test]
+    fn gpt2_small_has_124m_parameters() {
+        let p = ModelConfig::preset("gpt2-small").unwrap().params();
+        // 124.4M with learned positions and a tied head.
+        assert!((124_000_000..125_000_000).contains(&p), "{p}");
+    }
+}

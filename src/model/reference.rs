@@ -1,0 +1,268 @@
+//! The CPU reference forward pass: plain loops, f64 accumulation, the oracle every GPU test
+//! compares against. Deliberately simple rather than fast.
+
+use super::config::{Arch, ModelConfig};
+use super::weights::{LayerWeights, ModelWeights};
+use crate::error::{Result, WgparError};
+
+/// A CPU model with its own KV cache, mirroring the GPU engines' prefill/decode API.
+pub struct CpuReference<'a> {
+    weights: &'a ModelWeights,
+    /// Per layer: keys and values, `[batch][kv_heads][position][head_dim]` flattened.
+    k_cache: Vec<Vec<f64>>,
+    v_cache: Vec<Vec<f64>>,
+    batch: usize,
+    past: usize,
+}
+
+fn linear(x: &[f64], w: &[f32], bias: Option<&[f32]>, out_dim: usize, in_dim: usize) -> Vec<f64> {
+    (0..out_dim)
+        .map(|o| {
+            let row = &w[o * in_dim..(o + 1) * in_dim];
+            let dot: f64 = row.iter().zip(x).map(|(&a, &b)| a as f64 * b).sum();
+            dot + bias.map_or(0.0, |b| b[o] as f64)
+        })
+        .collect()
+}
+
+fn layer_norm(x: &[f64], gamma: &[f32], beta: Option<&[f32]>, eps: f32) -> Vec<f64> {
+    let n = x.len() as f64;
+    match beta {
+        Some(beta) => {
+            let mean = x.iter().sum::<f64>() / n;
+            let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
+            let inv = 1.0 / (var + eps as f64).sqrt();
+            x.iter()
+                .enumerate()
+                .map(|(i, v)| (v - mean) * inv * gamma[i] as f64 + beta[i] as f64)
+                .collect()
+        }
+        None => {
+            let ms = x.iter().map(|v| v * v).sum::<f64>() / n;
+            let inv = 1.0 / (ms + eps as f64).sqrt();
+            x.iter()
+                .enumerate()
+                .map(|(i, v)| v * inv * gamma[i] as f64)
+                .collect()
+        }
+    }
+}
+
+/// GELU, tanh approximation (GPT-2).
+pub fn gelu_tanh(x: f64) -> f64 {
+    0.5 * x * (1.0 + (0.797_884_560_802_865_4 * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// SiLU (x * sigmoid(x)).
+pub fn silu(x: f64) -> f64 {
+    x / (1.0 + (-x).exp())
+}
+
+/// RoPE angle tables `[positions][head_dim / 2]` (cos, sin) in f64.
+pub fn rope_tables(config: &ModelConfig, positions: usize) -> (Vec<f64>, Vec<f64>) {
+    let half = config.head_dim / 2;
+    let mut cos = Vec::with_capacity(positions * half);
+    let mut sin = Vec::with_capacity(positions * half);
+    for pos in 0..positions {
+        for i in 0..half {
+            let inv_freq =
+                (config.rope_theta as f64).powf(-(2.0 * i as f64) / config.head_dim as f64);
+            let angle = pos as f64 * inv_freq;
+            cos.push(angle.cos());
+            sin.push(angle.sin());
+        }
+    }
+    (cos, sin)
+}
+
+fn apply_rope(
+    v: &mut [f64],
+    heads: usize,
+    head_dim: usize,
+    pos: usize,
+    tables: &(Vec<f64>, Vec<f64>),
+) {
+    let half = head_dim / 2;
+    for h in 0..heads {
+        let base = h * head_dim;
+        for i in 0..half {
+            let (c, s) = (tables.0[pos * half + i], tables.1[pos * half + i]);
+            let (a, b) = (v[base + i], v[base + i + half]);
+            v[base + i] = a * c - b * s;
+            v[base + i + half] = b * c + a * s;
+        }
+    }
+}
+
+impl<'a> CpuReference<'a> {
+    /// A reference model over `weights` with an empty cache.
+    pub fn new(weights: &'a ModelWeights) -> Self {
+        Self {
+            weights,
+            k_cache: Vec::new(),
+            v_cache: Vec::new(),
+            batch: 0,
+            past: 0,
+        }
+    }
+
+    /// Runs the prompts (equal lengths) from an empty cache; returns each sequence's
+    /// last-position logits.
+    pub fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        let cfg = &self.weights.config;
+        self.batch = prompts.len();
+        self.past = 0;
+        let per_layer = self.batch * cfg.kv_heads * cfg.max_seq * cfg.head_dim;
+        self.k_cache = vec![vec![0.0; per_layer]; cfg.layers];
+        self.v_cache = vec![vec![0.0; per_layer]; cfg.layers];
+        self.forward(prompts)
+    }
+
+    /// Appends one token per sequence; returns the new logits.
+    pub fn decode(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        if tokens.len() != self.batch {
+            return Err(WgparError::Shape {
+                op: "decode".into(),
+                detail: format!("{} tokens for {} sequences", tokens.len(), self.batch),
+            });
+        }
+        let steps: Vec<Vec<u32>> = tokens.iter().map(|&t| vec![t]).collect();
+        self.forward(&steps)
+    }
+
+    fn forward(&mut self, tokens: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        let w = self.weights;
+        let cfg = &w.config;
+        let seq = tokens.first().map_or(0, |t| t.len());
+        if seq == 0 || tokens.iter().any(|t| t.len() != seq) {
+            return Err(WgparError::Shape {
+                op: "reference".into(),
+                detail: "sequences must be non-empty and of equal length".into(),
+            });
+        }
+        if self.past + seq > cfg.max_seq {
+            return Err(WgparError::Config(format!(
+                "{} tokens exceed max_seq {}",
+                self.past + seq,
+                cfg.max_seq
+            )));
+        }
+        let h = cfg.hidden;
+        let rope = (cfg.arch == Arch::Llama).then(|| rope_tables(cfg, cfg.max_seq));
+        let mut logits = Vec::with_capacity(tokens.len());
+        // Layers run position by position within a sequence; causality comes from the cache
+        // holding only positions up to the current one.
+        let mut xs: Vec<Vec<Vec<f64>>> = tokens
+            .iter()
+            .map(|seq_tokens| {
+                seq_tokens
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &t)| {
+                        let t = t as usize;
+                        (0..h)
+                            .map(|c| {
+                                let mut v = w.wte[t * h + c] as f64;
+                                if let Some(wpe) = &w.wpe {
+                                    v += wpe[(self.past + i) * h + c] as f64;
+                                }
+                                v
+                            })
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        for (l, layer) in w.layers.iter().enumerate() {
+            for (b, x_seq) in xs.iter_mut().enumerate() {
+                for (i, x) in x_seq.iter_mut().enumerate() {
+                    let pos = self.past + i;
+                    self.layer_step(l, layer, b, pos, x, rope.as_ref());
+                }
+            }
+        }
+        for x_seq in &xs {
+            let last = &x_seq[seq - 1];
+            let n = layer_norm(
+                last,
+                &w.final_norm,
+                w.final_norm_bias.as_deref(),
+                cfg.norm_eps,
+            );
+            let out = linear(&n, w.head(), None, cfg.vocab, h);
+            logits.push(out.into_iter().map(|v| v as f32).collect());
+        }
+        self.past += seq;
+        Ok(logits)
+    }
+
+    fn layer_step(
+        &mut self,
+        l: usize,
+        lw: &LayerWeights,
+        b: usize,
+        pos: usize,
+        x: &mut [f64],
+        rope: Option<&(Vec<f64>, Vec<f64>)>,
+    ) {
+        let cfg = &self.weights.config;
+        let (h, d) = (cfg.hidden, cfg.head_dim);
+        let n = layer_norm(x, &lw.attn_norm, lw.attn_norm_bias.as_deref(), cfg.norm_eps);
+        let mut q = linear(&n, &lw.wq, lw.bq.as_deref(), cfg.q_dim(), h);
+        let mut k = linear(&n, &lw.wk, lw.bk.as_deref(), cfg.kv_dim(), h);
+        let v = linear(&n, &lw.wv, lw.bv.as_deref(), cfg.kv_dim(), h);
+        if let Some(tables) = rope {
+            apply_rope(&mut q, cfg.heads, d, pos, tables);
+            apply_rope(&mut k, cfg.kv_heads, d, pos, tables);
+        }
+        let slot = |kvh: usize, p: usize| ((b * cfg.kv_heads + kvh) * cfg.max_seq + p) * d;
+        for kvh in 0..cfg.kv_heads {
+            let s = slot(kvh, pos);
+            self.k_cache[l][s..s + d].copy_from_slice(&k[kvh * d..(kvh + 1) * d]);
+            self.v_cache[l][s..s + d].copy_from_slice(&v[kvh * d..(kvh + 1) * d]);
+        }
+        let group = cfg.heads / cfg.kv_heads;
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut attn = vec![0.0; cfg.q_dim()];
+        for head in 0..cfg.heads {
+            let kvh = head / group;
+            let qh = &q[head * d..(head + 1) * d];
+            let scores: Vec<f64> = (0..=pos)
+                .map(|p| {
+                    let s = slot(kvh, p);
+                    qh.iter()
+                        .zip(&self.k_cache[l][s..s + d])
+                        .map(|(a, b)| a * b)
+                        .sum::<f64>()
+                        * scale
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let denom: f64 = exps.iter().sum();
+            for (p, e) in exps.iter().enumerate() {
+                let s = slot(kvh, p);
+                for c in 0..d {
+                    attn[head * d + c] += e / denom * self.v_cache[l][s + c];
+                }
+            }
+        }
+        let o = linear(&attn, &lw.wo, lw.bo.as_deref(), h, cfg.q_dim());
+        for (xi, oi) in x.iter_mut().zip(&o) {
+            *xi += oi;
+        }
+        let n = layer_norm(x, &lw.mlp_norm, lw.mlp_norm_bias.as_deref(), cfg.norm_eps);
+        let up = linear(&n, &lw.w_up, lw.b_up.as_deref(), cfg.ffn, h);
+        let act: Vec<f64> = match &lw.w_gate {
+            Some(wg) => {
+                let gate = linear(&n, wg, None, cfg.ffn, h);
+                gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect()
+            }
+            None => up.iter().map(|&u| gelu_tanh(u)).collect(),
+        };
+        let down = linear(&act, &lw.w_down, lw.b_down.as_deref(), h, cfg.ffn);
+        for (xi, di) in x.iter_mut().zip(&down) {
+            *xi += di;
+        }
+    }
+}

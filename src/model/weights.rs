@@ -1,0 +1,197 @@
+//! Host-side weights in a fixed layout (matrices `[out][in]`, like a PyTorch `Linear`), and the
+//! seeded synthetic weights every test and benchmark uses.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::config::{Arch, ModelConfig};
+
+/// One decoder layer's weights. Biases and the gate projection exist only where the family
+/// has them.
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    /// Pre-attention norm scale `[hidden]`.
+    pub attn_norm: Vec<f32>,
+    /// Pre-attention norm shift (LayerNorm only).
+    pub attn_norm_bias: Option<Vec<f32>>,
+    /// Query projection `[heads * head_dim][hidden]`.
+    pub wq: Vec<f32>,
+    /// Key projection `[kv_heads * head_dim][hidden]`.
+    pub wk: Vec<f32>,
+    /// Value projection `[kv_heads * head_dim][hidden]`.
+    pub wv: Vec<f32>,
+    /// Query bias.
+    pub bq: Option<Vec<f32>>,
+    /// Key bias.
+    pub bk: Option<Vec<f32>>,
+    /// Value bias.
+    pub bv: Option<Vec<f32>>,
+    /// Attention output projection `[hidden][heads * head_dim]`.
+    pub wo: Vec<f32>,
+    /// Output bias.
+    pub bo: Option<Vec<f32>>,
+    /// Pre-MLP norm scale.
+    pub mlp_norm: Vec<f32>,
+    /// Pre-MLP norm shift (LayerNorm only).
+    pub mlp_norm_bias: Option<Vec<f32>>,
+    /// Gate projection `[ffn][hidden]` (SwiGLU only).
+    pub w_gate: Option<Vec<f32>>,
+    /// Up projection `[ffn][hidden]`.
+    pub w_up: Vec<f32>,
+    /// Up bias.
+    pub b_up: Option<Vec<f32>>,
+    /// Down projection `[hidden][ffn]`.
+    pub w_down: Vec<f32>,
+    /// Down bias.
+    pub b_down: Option<Vec<f32>>,
+}
+
+/// A whole model's weights.
+#[derive(Debug, Clone)]
+pub struct ModelWeights {
+    /// The shapes.
+    pub config: ModelConfig,
+    /// Token embedding `[vocab][hidden]`.
+    pub wte: Vec<f32>,
+    /// Learned positions `[max_seq][hidden]` (GPT-2).
+    pub wpe: Option<Vec<f32>>,
+    /// Decoder layers.
+    pub layers: Vec<LayerWeights>,
+    /// Final norm scale.
+    pub final_norm: Vec<f32>,
+    /// Final norm shift (LayerNorm only).
+    pub final_norm_bias: Option<Vec<f32>>,
+    /// LM head `[vocab][hidden]`; `None` when tied to `wte`.
+    pub lm_head: Option<Vec<f32>>,
+}
+
+impl ModelWeights {
+    /// Reproducible random weights: the same config and seed give the same bits everywhere.
+    /// Matrices are uniform with a 1/sqrt(fan_in) scale so activations stay O(1) through
+    /// the layers; norm scales sit near 1 and biases near 0, all non-zero.
+    pub fn synthetic(config: &ModelConfig, seed: u64) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let h = config.hidden;
+        let gpt2 = config.arch == Arch::Gpt2;
+        let mut matrix = |rows: usize, cols: usize| -> Vec<f32> {
+            let scale = (3.0 / cols as f32).sqrt();
+            (0..rows * cols)
+                .map(|_| rng.random_range(-scale..scale))
+                .collect()
+        };
+        let wte = matrix(config.vocab, h);
+        let wpe = gpt2.then(|| matrix(config.max_seq, h));
+        let lm_head = (!config.tied_head).then(|| matrix(config.vocab, h));
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
+        let mut vector = |n: usize, center: f32| -> Vec<f32> {
+            (0..n)
+                .map(|_| center + rng.random_range(-0.1..0.1))
+                .collect()
+        };
+        let mut layer_vectors = Vec::new();
+        for _ in 0..config.layers {
+            layer_vectors.push((
+                vector(h, 1.0),
+                vector(h, 1.0),
+                [
+                    vector(h, 0.0),
+                    vector(h, 0.0),
+                    vector(config.q_dim(), 0.0),
+                    vector(config.kv_dim(), 0.0),
+                    vector(config.kv_dim(), 0.0),
+                    vector(h, 0.0),
+                    vector(config.ffn, 0.0),
+                    vector(h, 0.0),
+                ],
+            ));
+        }
+        let final_norm = vector(h, 1.0);
+        let final_norm_bias = gpt2.then(|| vector(h, 0.0));
+        let mut rng = ChaCha8Rng::seed_from_u64(seed.wrapping_add(1));
+        let mut matrix = |rows: usize, cols: usize| -> Vec<f32> {
+            let scale = (3.0 / cols as f32).sqrt();
+            (0..rows * cols)
+                .map(|_| rng.random_range(-scale..scale))
+                .collect()
+        };
+        let layers = layer_vectors
+            .into_iter()
+            .map(
+                |(attn_norm, mlp_norm, [anb, mnb, bq, bk, bv, bo, bu, bd])| {
+                    let opt = |v: Vec<f32>| gpt2.then_some(v);
+                    LayerWeights {
+                        attn_norm,
+                        attn_norm_bias: opt(anb),
+                        wq: matrix(config.q_dim(), h),
+                        wk: matrix(config.kv_dim(), h),
+                        wv: matrix(config.kv_dim(), h),
+                        bq: opt(bq),
+                        bk: opt(bk),
+                        bv: opt(bv),
+                        wo: matrix(h, config.q_dim()),
+                        bo: opt(bo),
+                        mlp_norm,
+                        mlp_norm_bias: opt(mnb),
+                        w_gate: (!gpt2).then(|| matrix(config.ffn, h)),
+                        w_up: matrix(config.ffn, h),
+                        b_up: opt(bu),
+                        w_down: matrix(h, config.ffn),
+                        b_down: opt(bd),
+                    }
+                },
+            )
+            .collect();
+        Self {
+            config: config.clone(),
+            wte,
+            wpe,
+            layers,
+            final_norm,
+            final_norm_bias,
+            lm_head,
+        }
+    }
+
+    /// The LM head matrix `[vocab][hidden]` (the embedding when tied).
+    pub fn head(&self) -> &[f32] {
+        self.lm_head.as_deref().unwrap_or(&self.wte)
+    }
+
+    /// The same weights rounded through f16, so a reference can match an f16-weight run.
+    pub fn rounded_to_f16(&self) -> Self {
+        let r = |v: &Vec<f32>| -> Vec<f32> {
+            v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
+        };
+        let mut out = self.clone();
+        out.wte = r(&self.wte);
+        out.lm_head = self.lm_head.as_ref().map(r);
+        for (dst, src) in out.layers.iter_mut().zip(&self.layers) {
+            dst.wq = r(&src.wq);
+            dst.wk = r(&src.wk);
+            dst.wv = r(&src.wv);
+            dst.wo = r(&src.wo);
+            dst.w_gate = src.w_gate.as_ref().map(r);
+            dst.w_up = r(&src.w_up);
+            dst.w_down = r(&src.w_down);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn synthetic_weights_are_reproducible_and_nonzero() {
+        let cfg = ModelConfig::preset("tiny-gpt2").unwrap();
+        let a = ModelWeights::synthetic(&cfg, 7);
+        let b = ModelWeights::synthetic(&cfg, 7);
+        let c = ModelWeights::synthetic(&cfg, 8);
+        assert_eq!(a.layers[1].w_down, b.layers[1].w_down);
+        assert_ne!(a.layers[1].w_down, c.layers[1].w_down);
+        assert!(a.wte.iter().all(|&x| x != 0.0));
+        assert_eq!(a.layers[0].wq.len(), cfg.q_dim() * cfg.hidden);
+        assert!(a.layers[0].bq.is_some() && a.layers[0].w_gate.is_none());
+    }
+}

@@ -1,0 +1,174 @@
+//! Engines: run a model's forward pass on one device or across several. Every engine has the
+//! same prefill/decode interface, so the CLI, the benchmarks and the tests treat them alike.
+
+mod single;
+
+use std::time::Instant;
+
+pub use single::SingleEngine;
+
+use crate::error::{Result, WgparError};
+
+/// Last-token logits of each sequence, `[batch][vocab]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logits {
+    /// Sequences.
+    pub batch: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Row-major values.
+    pub data: Vec<f32>,
+}
+
+impl Logits {
+    /// One sequence's logits.
+    pub fn row(&self, b: usize) -> &[f32] {
+        &self.data[b * self.vocab..(b + 1) * self.vocab]
+    }
+
+    /// Greedy choice per sequence (lowest index wins ties, NaN never wins).
+    pub fn argmax(&self) -> Vec<u32> {
+        (0..self.batch)
+            .map(|b| {
+                let mut best = 0;
+                for (i, &v) in self.row(b).iter().enumerate() {
+                    if v > self.row(b)[best] {
+                        best = i;
+                    }
+                }
+                best as u32
+            })
+            .collect()
+    }
+
+    /// Largest |a - b| over all entries divided by the largest |b|: the norm-wise relative
+    /// error the correctness bars are stated in.
+    pub fn relative_error(&self, reference: &[f32]) -> f64 {
+        let scale = reference
+            .iter()
+            .fold(0.0f64, |m, &v| m.max((v as f64).abs()))
+            .max(f64::MIN_POSITIVE);
+        let diff = self.data.iter().zip(reference).fold(0.0f64, |m, (&a, &b)| {
+            let d = (a as f64 - b as f64).abs();
+            if d.is_nan() {
+                f64::INFINITY
+            } else {
+                m.max(d)
+            }
+        });
+        if self.data.len() != reference.len() {
+            return f64::INFINITY;
+        }
+        diff / scale
+    }
+}
+
+/// A way of running the model: one device, tensor parallel, pipeline parallel, or hybrid.
+pub trait Engine {
+    /// Short description, e.g. `tp=2 on gpu0,gpu1`.
+    fn name(&self) -> String;
+
+    /// Runs `prompts` (equal lengths) from an empty cache; returns last-token logits.
+    fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits>;
+
+    /// Appends one token per sequence; returns the new logits.
+    fn decode(&mut self, tokens: &[u32]) -> Result<Logits>;
+}
+
+/// Checks a batch of prompts: non-empty, equal lengths. Returns (batch, seq).
+pub fn prompt_shape(prompts: &[Vec<u32>]) -> Result<(usize, usize)> {
+    let seq = prompts.first().map_or(0, |p| p.len());
+    if prompts.is_empty() || seq == 0 {
+        return Err(WgparError::Config(
+            "need at least one non-empty prompt".into(),
+        ));
+    }
+    if let Some(p) = prompts.iter().find(|p| p.len() != seq) {
+        return Err(WgparError::Config(format!(
+            "prompts must have equal lengths: {} vs {}",
+            seq,
+            p.len()
+        )));
+    }
+    Ok((prompts.len(), seq))
+}
+
+/// Result and timings of a greedy generation.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// Generated tokens per sequence.
+    pub tokens: Vec<Vec<u32>>,
+    /// Logits of every step (prefill first).
+    pub logits: Vec<Logits>,
+    /// Prefill wall time, seconds.
+    pub prefill_s: f64,
+    /// Wall time of each decode step, seconds.
+    pub decode_s: Vec<f64>,
+    /// Prompt tokens processed.
+    pub prompt_tokens: usize,
+}
+
+impl Generation {
+    /// Prompt processing rate, tokens/s.
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_s
+    }
+
+    /// Generation rate over all sequences, tokens/s.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        let total: f64 = self.decode_s.iter().sum();
+        (self.decode_s.len() * self.tokens.len()) as f64 / total
+    }
+}
+
+/// Prefills `prompts`, then greedily decodes `steps` tokens per sequence.
+pub fn generate(engine: &mut dyn Engine, prompts: &[Vec<u32>], steps: usize) -> Result<Generation> {
+    let (batch, seq) = prompt_shape(prompts)?;
+    let start = Instant::now();
+    let first = engine.prefill(prompts)?;
+    let prefill_s = start.elapsed().as_secs_f64();
+    let mut next = first.argmax();
+    let mut tokens: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+    let mut logits = vec![first];
+    let mut decode_s = Vec::with_capacity(steps);
+    for _ in 1..steps.max(1) {
+        let start = Instant::now();
+        let l = engine.decode(&next)?;
+        decode_s.push(start.elapsed().as_secs_f64());
+        next = l.argmax();
+        for (seq_tokens, &t) in tokens.iter_mut().zip(&next) {
+            seq_tokens.push(t);
+        }
+        logits.push(l);
+    }
+    Ok(Generation {
+        tokens,
+        logits,
+        prefill_s,
+        decode_s,
+        prompt_tokens: batch * seq,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_and_relative_error() {
+        let l = Logits {
+            batch: 2,
+            vocab: 3,
+            data: vec![0.1, 0.9, 0.3, 2.0, -1.0, 2.0],
+        };
+        assert_eq!(l.argmax(), vec![1, 0]);
+        let mut r = l.data.clone();
+        r[1] = 1.0;
+        assert!((l.relative_error(&r) - 0.05).abs() < 1e-6);
+        let nan = Logits {
+            data: vec![f32::NAN; 6],
+            ..l.clone()
+        };
+        assert!(nan.relative_error(&l.data).is_infinite());
+    }
+}

@@ -1,0 +1,115 @@
+//! The single-device engine: the whole model on one `Gpu`.
+
+use std::sync::Arc;
+
+use super::{prompt_shape, Engine, Logits};
+use crate::device::{DType, Gpu};
+use crate::error::{Result, WgparError};
+use crate::model::{Activations, GpuModel, KvCache, ModelWeights, Placement, Step};
+
+/// The whole model on one device, with its KV cache.
+pub struct SingleEngine {
+    model: GpuModel,
+    act: Option<Activations>,
+    kv: Option<KvCache>,
+    batch: usize,
+    past: usize,
+}
+
+impl SingleEngine {
+    /// Uploads `weights` to `gpu`, stored as `dtype`.
+    pub fn new(gpu: Arc<Gpu>, weights: &ModelWeights, dtype: DType) -> Result<Self> {
+        let placement = Placement::whole(&weights.config);
+        Ok(Self {
+            model: GpuModel::upload(gpu, weights, placement, dtype)?,
+            act: None,
+            kv: None,
+            batch: 0,
+            past: 0,
+        })
+    }
+
+    /// The model on the device.
+    pub fn model(&self) -> &GpuModel {
+        &self.model
+    }
+
+    fn forward(&mut self, ids: &[u32], step: Step) -> Result<Logits> {
+        let (Some(act), Some(kv)) = (&self.act, &self.kv) else {
+            return Err(WgparError::Config("decode before prefill".into()));
+        };
+        let m = &self.model;
+        m.write_ids(act, ids)?;
+        let mut enc = m.gpu().encoder();
+        m.embed(&mut enc, act, &step)?;
+        for i in 0..m.num_layers() {
+            m.attention(&mut enc, i, act, kv, &step)?;
+            m.attention_residual(&mut enc, i, act, &step)?;
+            m.mlp(&mut enc, i, act, &step)?;
+            m.mlp_residual(&mut enc, i, act, &step)?;
+        }
+        m.head(&mut enc, act, &step)?;
+        m.gpu().submit(enc);
+        let logits = act
+            .logits
+            .as_ref()
+            .ok_or_else(|| WgparError::Config("no logits buffer".into()))?;
+        let vocab = m.config().vocab;
+        let mut data = m.gpu().read_f32(logits)?;
+        data.truncate(step.batch * vocab);
+        self.past += step.seq;
+        Ok(Logits {
+            batch: step.batch,
+            vocab,
+            data,
+        })
+    }
+}
+
+impl Engine for SingleEngine {
+    fn name(&self) -> String {
+        format!("single on {}", self.model.gpu().describe())
+    }
+
+    fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits> {
+        let (batch, seq) = prompt_shape(prompts)?;
+        let tokens = batch * seq;
+        let fits = self
+            .act
+            .as_ref()
+            .is_some_and(|a| self.batch == batch && a.capacity() >= tokens);
+        if !fits {
+            self.act = Some(self.model.activations(tokens, batch)?);
+        }
+        if self.kv.as_ref().map(|k| k.batch()) != Some(batch) {
+            self.kv = Some(self.model.kv_cache(batch)?);
+        }
+        self.batch = batch;
+        self.past = 0;
+        let ids: Vec<u32> = prompts.concat();
+        self.forward(
+            &ids,
+            Step {
+                batch,
+                seq,
+                past: 0,
+            },
+        )
+    }
+
+    fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
+        if tokens.len() != self.batch {
+            return Err(WgparError::Config(format!(
+                "decode got {} tokens for {} sequences",
+                tokens.len(),
+                self.batch
+            )));
+        }
+        let step = Step {
+            batch: self.batch,
+            seq: 1,
+            past: self.past,
+        };
+        self.forward(tokens, step)
+    }
+}

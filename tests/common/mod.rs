@@ -1,0 +1,51 @@
+//! Shared test setup: devices on the preferred adapter (lavapipe on CI), seeded random data.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use wgpar::device::{open_devices, Adapters, DeviceSelection, Gpu, GpuOptions};
+
+/// `count` independent devices on the preferred adapter.
+pub fn gpus(count: usize) -> Vec<Arc<Gpu>> {
+    let adapters = Adapters::discover().expect("tests need a wgpu adapter (lavapipe on CI)");
+    let selection = DeviceSelection::Virtual {
+        adapter: adapters.preferred(),
+        count,
+    };
+    open_devices(&adapters, &selection, &GpuOptions::default()).expect("open devices")
+}
+
+/// Uniform random values in [-1, 1), never all zero.
+pub fn random(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// Random prompts of equal length.
+pub fn prompts(batch: usize, seq: usize, vocab: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..batch)
+        .map(|_| {
+            (0..seq)
+                .map(|_| rng.random_range(0..vocab as u32))
+                .collect()
+        })
+        .collect()
+}
+
+/// Norm-wise relative error: max |a - b| / max |b|; NaN counts as infinite.
+pub fn rel_err(a: &[f32], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-30);
+    let diff = a.iter().zip(b).fold(0.0f64, |m, (&x, &y)| {
+        let d = (x as f64 - y).abs();
+        if d.is_nan() {
+            f64::INFINITY
+        } else {
+            m.max(d)
+        }
+    });
+    diff / scale
+}
