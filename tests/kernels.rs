@@ -1,0 +1,453 @@
+//! Every kernel against a CPU reference, on random data, on shapes that are not tile multiples,
+//! with outputs poisoned (NaN) first so unwritten elements fail.
+
+mod common;
+
+use wgpar::device::{DType, Gpu, Tensor};
+use wgpar::kernels::ops::{self, AttnShape, Elementwise, MatmulKernel, Norm};
+use wgpar::model::reference::{gelu_tanh, silu};
+
+fn poisoned(gpu: &Gpu, len: usize) -> Tensor {
+    let t = gpu.empty("out", DType::F32, len).unwrap();
+    gpu.poison(&t);
+    t
+}
+
+fn run(gpu: &Gpu, f: impl FnOnce(&mut wgpu::CommandEncoder)) {
+    let mut enc = gpu.encoder();
+    f(&mut enc);
+    gpu.submit(enc);
+    gpu.wait().unwrap();
+}
+
+fn assert_close(name: &str, got: &[f32], want: &[f64], bar: f64) {
+    let err = common::rel_err(got, want);
+    assert!(err <= bar, "{name}: relative error {err:.2e} > {bar:.0e}");
+}
+
+fn matmul_ref(x: &[f32], w: &[f32], b: Option<&[f32]>, m: usize, n: usize, k: usize) -> Vec<f64> {
+    let mut y = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut s: f64 = (0..k)
+                .map(|kk| x[i * k + kk] as f64 * w[j * k + kk] as f64)
+                .sum();
+            if let Some(b) = b {
+                s += b[j] as f64;
+            }
+            y[i * n + j] = s;
+        }
+    }
+    y
+}
+
+#[test]
+fn matmul_any_shape_f32_f16_tiled_and_naive() {
+    let gpu = &common::gpus(1)[0];
+    for (m, n, k) in [
+        (1, 1, 1),
+        (5, 7, 3),
+        (13, 37, 29),
+        (64, 33, 70),
+        (3, 130, 257),
+    ] {
+        let x = common::random(m * k, 1);
+        let w = common::random(n * k, 2);
+        let b = common::random(n, 3);
+        let xt = gpu.upload_f32("x", &x).unwrap();
+        let bt = gpu.upload_f32("b", &b).unwrap();
+        let mut dtypes = vec![DType::F32];
+        if gpu.supports_f16_weights() {
+            dtypes.push(DType::F16);
+        }
+        for dtype in dtypes {
+            let wt = gpu.upload_weights("w", &w, dtype).unwrap();
+            // The f16 reference uses the same rounded weights: the bar checks the kernel, not
+            // the format.
+            let w_used: Vec<f32> = match dtype {
+                DType::F16 => w.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+                _ => w.clone(),
+            };
+            for kernel in [MatmulKernel::Tiled, MatmulKernel::Naive] {
+                for bias in [None, Some(&bt)] {
+                    let y = poisoned(gpu, m * n);
+                    run(gpu, |e| {
+                        ops::matmul(gpu, e, &xt, &wt, bias, &y, (m, n, k), kernel).unwrap()
+                    });
+                    let want = matmul_ref(&x, &w_used, bias.map(|_| &b[..]), m, n, k);
+                    let name = format!(
+                        "matmul {m}x{n}x{k} {dtype:?} {kernel:?} bias={}",
+                        bias.is_some()
+                    );
+                    assert_close(&name, &gpu.read_f32(&y).unwrap(), &want, 1e-5);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_rejects_short_operands() {
+    let gpu = &common::gpus(1)[0];
+    let x = gpu.upload_f32("x", &common::random(10, 1)).unwrap();
+    let y = gpu.empty("y", DType::F32, 4).unwrap();
+    let mut enc = gpu.encoder();
+    let e = ops::matmul(
+        gpu,
+        &mut enc,
+        &x,
+        &x,
+        None,
+        &y,
+        (2, 2, 6),
+        MatmulKernel::Tiled,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("x has 10 elements, needs 12"), "{e}");
+}
+
+#[test]
+fn layernorm_and_rmsnorm() {
+    let gpu = &common::gpus(1)[0];
+    for (rows, cols) in [(1, 1), (3, 77), (9, 200)] {
+        let x: Vec<f32> = common::random(rows * cols, 4)
+            .iter()
+            .map(|v| v * 3.0 + 0.5)
+            .collect();
+        let g = common::random(cols, 5);
+        let b = common::random(cols, 6);
+        let (xt, gt, bt) = (
+            gpu.upload_f32("x", &x).unwrap(),
+            gpu.upload_f32("g", &g).unwrap(),
+            gpu.upload_f32("b", &b).unwrap(),
+        );
+        for layer in [true, false] {
+            let y = poisoned(gpu, rows * cols);
+            let kind = if layer {
+                Norm::Layer {
+                    gamma: &gt,
+                    beta: &bt,
+                }
+            } else {
+                Norm::Rms { gamma: &gt }
+            };
+            run(gpu, |e| {
+                ops::norm(gpu, e, kind, &xt, &y, rows, cols, 1e-5).unwrap()
+            });
+            let mut want = Vec::new();
+            for r in x.chunks(cols) {
+                let n = cols as f64;
+                let mean = if layer {
+                    r.iter().map(|&v| v as f64).sum::<f64>() / n
+                } else {
+                    0.0
+                };
+                let var = r.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+                let inv = 1.0 / (var + 1e-5).sqrt();
+                for c in 0..cols {
+                    let shift = if layer { b[c] as f64 } else { 0.0 };
+                    want.push((r[c] as f64 - mean) * inv * g[c] as f64 + shift);
+                }
+            }
+            let name = format!(
+                "{} {rows}x{cols}",
+                if layer { "layernorm" } else { "rmsnorm" }
+            );
+            assert_close(&name, &gpu.read_f32(&y).unwrap(), &want, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn softmax_rows() {
+    let gpu = &common::gpus(1)[0];
+    for (rows, cols) in [(1, 1), (4, 100), (2, 1000)] {
+        let x: Vec<f32> = common::random(rows * cols, 7)
+            .iter()
+            .map(|v| v * 20.0)
+            .collect();
+        let t = gpu.upload_f32("x", &x).unwrap();
+        run(gpu, |e| ops::softmax(gpu, e, &t, rows, cols).unwrap());
+        let mut want = Vec::new();
+        for r in x.chunks(cols) {
+            let m = r.iter().fold(f64::MIN, |a, &b| a.max(b as f64));
+            let s: f64 = r.iter().map(|&v| (v as f64 - m).exp()).sum();
+            want.extend(r.iter().map(|&v| (v as f64 - m).exp() / s));
+        }
+        assert_close(
+            &format!("softmax {rows}x{cols}"),
+            &gpu.read_f32(&t).unwrap(),
+            &want,
+            1e-5,
+        );
+    }
+}
+
+#[test]
+fn elementwise_ops() {
+    let gpu = &common::gpus(1)[0];
+    let (rows, cols) = (7, 45);
+    let len = rows * cols;
+    let a: Vec<f32> = common::random(len, 8).iter().map(|v| v * 4.0).collect();
+    let b = common::random(len, 9);
+    let bt = gpu.upload_f32("b", &b).unwrap();
+    let cases: [(Elementwise, Box<dyn Fn(usize) -> f64>); 4] = [
+        (Elementwise::Add, Box::new(|i| a[i] as f64 + b[i] as f64)),
+        (
+            Elementwise::BiasAdd,
+            Box::new(|i| a[i] as f64 + b[i % cols] as f64),
+        ),
+        (Elementwise::Gelu, Box::new(|i| gelu_tanh(a[i] as f64))),
+        (
+            Elementwise::SwiGlu,
+            Box::new(|i| silu(a[i] as f64) * b[i] as f64),
+        ),
+    ];
+    for (op, f) in cases.iter() {
+        let at = gpu.upload_f32("a", &a).unwrap();
+        run(gpu, |e| {
+            ops::elementwise(gpu, e, *op, &at, Some(&bt), (rows, cols)).unwrap()
+        });
+        let want: Vec<f64> = (0..len).map(f).collect();
+        assert_close(&format!("{op:?}"), &gpu.read_f32(&at).unwrap(), &want, 1e-5);
+    }
+    // erf-GELU against a high-precision erf (series; |x| <= 4 here).
+    let erf = |x: f64| {
+        let mut sum = 0.0;
+        let mut term = x;
+        for n in 0..80 {
+            sum += term / (2 * n + 1) as f64;
+            term *= -x * x / (n + 1) as f64;
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    };
+    let at = gpu.upload_f32("a", &a).unwrap();
+    run(gpu, |e| {
+        ops::elementwise(gpu, e, Elementwise::GeluErf, &at, None, (rows, cols)).unwrap()
+    });
+    let want: Vec<f64> = a
+        .iter()
+        .map(|&v| 0.5 * v as f64 * (1.0 + erf(v as f64 / 2f64.sqrt())))
+        .collect();
+    assert_close("gelu_erf", &gpu.read_f32(&at).unwrap(), &want, 1e-6);
+}
+
+#[test]
+fn embedding_with_and_without_positions() {
+    let gpu = &common::gpus(1)[0];
+    let (vocab, hidden, batch, seq, past) = (53, 37, 2, 5, 3);
+    let wte = common::random(vocab * hidden, 10);
+    let wpe = common::random((past + seq) * hidden, 11);
+    let ids: Vec<u32> = (0..batch * seq).map(|i| (i * 17 % vocab) as u32).collect();
+    let (idt, wtet, wpet) = (
+        gpu.upload_u32("ids", &ids).unwrap(),
+        gpu.upload_f32("wte", &wte).unwrap(),
+        gpu.upload_f32("wpe", &wpe).unwrap(),
+    );
+    for with_pos in [false, true] {
+        let out = poisoned(gpu, batch * seq * hidden);
+        let wpe_arg = with_pos.then_some(&wpet);
+        run(gpu, |e| {
+            ops::embed(
+                gpu,
+                e,
+                &idt,
+                &wtet,
+                wpe_arg,
+                &out,
+                (batch, seq, past),
+                hidden,
+            )
+            .unwrap()
+        });
+        let mut want = Vec::new();
+        for (t, &id) in ids.iter().enumerate() {
+            for c in 0..hidden {
+                let mut v = wte[id as usize * hidden + c] as f64;
+                if with_pos {
+                    v += wpe[(past + t % seq) * hidden + c] as f64;
+                }
+                want.push(v);
+            }
+        }
+        assert_close("embed", &gpu.read_f32(&out).unwrap(), &want, 1e-7);
+    }
+}
+
+#[test]
+fn rope_rotates_pairs_by_position() {
+    let gpu = &common::gpus(1)[0];
+    let (batch, seq, past, heads, dim) = (2, 3, 4, 3, 10);
+    let half = dim / 2;
+    let x = common::random(batch * seq * heads * dim, 12);
+    let positions = past + seq;
+    let angle = |p: usize, i: usize| p as f64 * 10000f64.powf(-(2.0 * i as f64) / dim as f64);
+    let cos: Vec<f32> = (0..positions * half)
+        .map(|j| angle(j / half, j % half).cos() as f32)
+        .collect();
+    let sin: Vec<f32> = (0..positions * half)
+        .map(|j| angle(j / half, j % half).sin() as f32)
+        .collect();
+    let (xt, ct, st) = (
+        gpu.upload_f32("x", &x).unwrap(),
+        gpu.upload_f32("cos", &cos).unwrap(),
+        gpu.upload_f32("sin", &sin).unwrap(),
+    );
+    run(gpu, |e| {
+        ops::rope(gpu, e, &xt, &ct, &st, (batch, seq, past), heads, dim).unwrap()
+    });
+    let mut want = vec![0.0; x.len()];
+    for t in 0..batch * seq {
+        let pos = past + t % seq;
+        for h in 0..heads {
+            let base = (t * heads + h) * dim;
+            for i in 0..half {
+                let (c, s) = (angle(pos, i).cos(), angle(pos, i).sin());
+                let (a, b) = (x[base + i] as f64, x[base + i + half] as f64);
+                want[base + i] = a * c - b * s;
+                want[base + i + half] = b * c + a * s;
+            }
+        }
+    }
+    assert_close("rope", &gpu.read_f32(&xt).unwrap(), &want, 1e-6);
+}
+
+/// KV store then attention, prefill (seq > 1, past > 0) and decode (seq = 1), with grouped
+/// heads and with a shard whose query heads start mid-group.
+#[test]
+fn kv_store_and_causal_attention() {
+    let gpu = &common::gpus(1)[0];
+    // (n_heads, n_kv_heads, group, q_offset, kv_offset): whole model, then a TP shard.
+    for (nh, nkv, group, q_off, kv_off) in [(6, 2, 3, 0, 0), (4, 2, 3, 2, 0)] {
+        for (batch, seq, past) in [(2, 5, 0), (2, 3, 4), (3, 1, 9)] {
+            let (d, max_seq) = (12, 16);
+            let shape = AttnShape {
+                batch,
+                seq,
+                past,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: d,
+                max_seq,
+                group,
+                q_head_offset: q_off,
+                kv_head_offset: kv_off,
+            };
+            let tokens = batch * seq;
+            // Cache pre-filled with random "earlier" keys and values.
+            let k_old = common::random(shape.cache_len(), 13);
+            let v_old = common::random(shape.cache_len(), 14);
+            let k_new = common::random(tokens * nkv * d, 15);
+            let v_new = common::random(tokens * nkv * d, 16);
+            let q = common::random(tokens * nh * d, 17);
+            let kc = gpu.upload_f32("kc", &k_old).unwrap();
+            let vc = gpu.upload_f32("vc", &v_old).unwrap();
+            let (kt, vt, qt) = (
+                gpu.upload_f32("k", &k_new).unwrap(),
+                gpu.upload_f32("v", &v_new).unwrap(),
+                gpu.upload_f32("q", &q).unwrap(),
+            );
+            let out = poisoned(gpu, tokens * nh * d);
+            run(gpu, |e| {
+                ops::kv_store(gpu, e, &kt, &vt, &kc, &vc, &shape).unwrap();
+                ops::attention(gpu, e, &qt, &kc, &vc, &out, &shape).unwrap();
+            });
+            let mut kref = k_old.clone();
+            let mut vref = v_old.clone();
+            let slot = |b: usize, h: usize, p: usize| ((b * nkv + h) * max_seq + p) * d;
+            for t in 0..tokens {
+                let (b, i) = (t / seq, t % seq);
+                for h in 0..nkv {
+                    for c in 0..d {
+                        kref[slot(b, h, past + i) + c] = k_new[(t * nkv + h) * d + c];
+                        vref[slot(b, h, past + i) + c] = v_new[(t * nkv + h) * d + c];
+                    }
+                }
+            }
+            assert_close(
+                "k cache",
+                &gpu.read_f32(&kc).unwrap(),
+                &kref.iter().map(|&v| v as f64).collect::<Vec<_>>(),
+                0.0,
+            );
+            let scale = 1.0 / (d as f64).sqrt();
+            let mut want = vec![0.0; tokens * nh * d];
+            for t in 0..tokens {
+                let (b, i) = (t / seq, t % seq);
+                for h in 0..nh {
+                    let kvh = (h + q_off) / group - kv_off;
+                    let qv = &q[(t * nh + h) * d..(t * nh + h + 1) * d];
+                    let scores: Vec<f64> = (0..=past + i)
+                        .map(|p| {
+                            let s = slot(b, kvh, p);
+                            (0..d)
+                                .map(|c| qv[c] as f64 * kref[s + c] as f64)
+                                .sum::<f64>()
+                                * scale
+                        })
+                        .collect();
+                    let m = scores.iter().cloned().fold(f64::MIN, f64::max);
+                    let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                    for (p, s) in scores.iter().enumerate() {
+                        let w = (s - m).exp() / z;
+                        for c in 0..d {
+                            want[(t * nh + h) * d + c] += w * vref[slot(b, kvh, p) + c] as f64;
+                        }
+                    }
+                }
+            }
+            let name = format!("attention heads {nh}/{nkv} b{batch} s{seq} past{past}");
+            assert_close(&name, &gpu.read_f32(&out).unwrap(), &want, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn attention_rejects_cache_overflow_and_bad_head_maps() {
+    let gpu = &common::gpus(1)[0];
+    let t = gpu.empty("t", DType::F32, 4096).unwrap();
+    let mut shape = AttnShape {
+        batch: 1,
+        seq: 4,
+        past: 14,
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 8,
+        max_seq: 16,
+        group: 2,
+        q_head_offset: 0,
+        kv_head_offset: 0,
+    };
+    let mut enc = gpu.encoder();
+    let e = ops::attention(gpu, &mut enc, &t, &t, &t, &t, &shape)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("14 cached + 4 new tokens exceed the cache of 16"),
+        "{e}"
+    );
+    shape.past = 0;
+    shape.n_heads = 3;
+    let e = ops::attention(gpu, &mut enc, &t, &t, &t, &t, &shape)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("do not map onto KV heads"), "{e}");
+}
+
+#[test]
+fn oversized_buffer_is_a_clear_error() {
+    let gpu = &common::gpus(1)[0];
+    let limit = gpu
+        .info()
+        .max_buffer_size
+        .min(gpu.info().max_storage_binding);
+    let e = gpu
+        .empty("huge", DType::F32, (limit / 4 + 1024) as usize)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("huge needs") && e.contains("allows at most"),
+        "{e}"
+    );
+}
