@@ -23,7 +23,7 @@ struct Params {
 const TM: u32 = 4u;
 const TN: u32 = 4u;
 override WG_X: u32 = 8u;
-override WG_Y: u32 = 8u;
+override WG_Y: u32 = 1u;
 
 fn load_w(i: u32) -> f32 {
     return f32(w[i]);

@@ -1,1 +1,10 @@
-fn main() {}
+//! The `wgpar` command line.
+
+mod cli;
+
+fn main() {
+    if let Err(e) = cli::main() {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}

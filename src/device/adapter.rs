@@ -51,7 +51,7 @@ impl AdapterDesc {
             driver: info.driver,
             driver_info: info.driver_info,
             max_buffer_size: limits.max_buffer_size,
-            max_storage_binding: limits.max_storage_buffer_binding_size as u64,
+            max_storage_binding: limits.max_storage_buffer_binding_size,
             max_storage_buffers_per_stage: limits.max_storage_buffers_per_shader_stage,
             shader_f16: features.contains(wgpu::Features::SHADER_F16),
             timestamp_query: features.contains(wgpu::Features::TIMESTAMP_QUERY),

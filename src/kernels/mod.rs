@@ -2,6 +2,7 @@
 //! layouts, a per-device pipeline cache, and typed op functions that check shapes and encode
 //! dispatches.
 
+pub mod bench;
 mod cache;
 pub mod ops;
 

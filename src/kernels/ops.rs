@@ -11,7 +11,7 @@ use crate::error::{Result, WgparError};
 const MAX_GROUPS: u32 = 65_535;
 /// Matmul register tile and workgroup shape; must match `shaders/matmul.wgsl`.
 const MATMUL_TILE: (u32, u32) = (4, 4);
-const MATMUL_WG: (u32, u32) = (8, 8);
+const MATMUL_WG: (u32, u32) = (8, 1);
 
 fn weight_type(t: &Tensor) -> WeightType {
     match t.dtype() {
@@ -487,7 +487,7 @@ pub fn rope(
     head_dim: usize,
 ) -> Result<()> {
     const OP: &str = "rope";
-    if head_dim % 2 != 0 {
+    if !head_dim.is_multiple_of(2) {
         return Err(WgparError::Shape {
             op: OP.into(),
             detail: format!("head_dim {head_dim} must be even"),

@@ -167,7 +167,7 @@ impl ModelConfig {
         if self.vocab == 0 || self.hidden == 0 || self.layers == 0 || self.ffn == 0 {
             return fail("vocab, hidden, layers and ffn must be positive".into());
         }
-        if self.heads == 0 || self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
+        if self.heads == 0 || self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
             return fail(format!(
                 "{} query heads must be a positive multiple of {} kv heads",
                 self.heads, self.kv_heads
@@ -176,7 +176,7 @@ impl ModelConfig {
         if self.head_dim == 0 || self.head_dim > 256 {
             return fail(format!("head_dim {} outside 1..=256", self.head_dim));
         }
-        if self.arch == Arch::Llama && self.head_dim % 2 != 0 {
+        if self.arch == Arch::Llama && !self.head_dim.is_multiple_of(2) {
             return fail(format!(
                 "RoPE needs an even head_dim, got {}",
                 self.head_dim

@@ -27,7 +27,8 @@ pub struct ShardSpec {
 pub fn valid_tp_degrees(config: &ModelConfig) -> Vec<usize> {
     (1..=config.heads)
         .filter(|&d| {
-            config.heads % d == 0 && (config.kv_heads % d == 0 || d % config.kv_heads == 0)
+            config.heads.is_multiple_of(d)
+                && (config.kv_heads.is_multiple_of(d) || d.is_multiple_of(config.kv_heads))
         })
         .collect()
 }
