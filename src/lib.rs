@@ -1,0 +1,2 @@
+pub mod sim;
+pub mod trace;

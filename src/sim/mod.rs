@@ -1,0 +1,1 @@
+//! Host profiles, link model and projection of timelines onto them.
