@@ -1,1 +1,13 @@
-//! Host profiles, link model and projection of timelines onto them.
+//! Host profiles, the link and compute cost model, and projection of timelines onto profiles.
+//!
+//! Pure CPU code: nothing here touches a GPU. See `docs/PROJECTION.md` for the model.
+
+mod locate;
+mod profile;
+mod profile_error;
+mod shipped;
+
+pub use locate::{FieldPath, Seg};
+pub use profile::{DeviceSpec, HostLinkSpec, HostProfile, HostSpec, LinkSpec, NamedLink, Rates};
+pub use profile_error::{Location, ProfileError};
+pub use shipped::SHIPPED_PROFILES;
