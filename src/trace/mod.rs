@@ -20,4 +20,5 @@ pub use span::{
     CollectiveInfo, CollectiveOp, KernelFamily, Precision, Span, SpanId, SpanKind, Track,
 };
 pub use summary::{DeviceSummary, Interval, Summary};
+pub(crate) use timeline::us_to_ns;
 pub use timeline::Timeline;
