@@ -62,8 +62,17 @@ impl fmt::Display for FieldPath {
 /// dotted header such as `[a.b.c]`, have none and are simply absent).
 #[derive(Debug)]
 pub struct Document {
-    /// (path, span of the value, span of its key when it has one)
-    items: Vec<(FieldPath, Option<Range<usize>>, Option<Range<usize>>)>,
+    items: Vec<Located>,
+}
+
+/// One value of the document and where it is.
+#[derive(Debug)]
+struct Located {
+    path: FieldPath,
+    /// Span of the value (absent for implicit tables).
+    value: Option<Range<usize>>,
+    /// Span of its key, when it has one.
+    key: Option<Range<usize>>,
 }
 
 impl Document {
@@ -79,15 +88,20 @@ impl Document {
     pub fn span_of(&self, path: &FieldPath) -> Option<Range<usize>> {
         self.items
             .iter()
-            .find(|(p, _, _)| p == path)
-            .and_then(|(_, span, key)| span.clone().or_else(|| key.clone()))
+            .find(|it| &it.path == path)
+            .and_then(|it| it.value.clone().or_else(|| it.key.clone()))
     }
 
     /// Path of the smallest value (or key) whose span contains `at`; the root if none does.
     pub fn path_at(&self, at: &Range<usize>) -> FieldPath {
         self.items
             .iter()
-            .flat_map(|(p, span, key)| [span, key].into_iter().flatten().map(move |s| (p, s)))
+            .flat_map(|it| {
+                [&it.value, &it.key]
+                    .into_iter()
+                    .flatten()
+                    .map(move |s| (&it.path, s))
+            })
             .filter(|(_, s)| s.start <= at.start && at.end <= s.end)
             // On equal spans (an array of tables and its table share the header) the deeper
             // path is the more precise answer.
@@ -97,21 +111,25 @@ impl Document {
     }
 }
 
-fn walk_table(
-    table: &toml_edit::Table,
-    path: &FieldPath,
-    out: &mut Vec<(FieldPath, Option<Range<usize>>, Option<Range<usize>>)>,
-) {
+fn walk_table(table: &toml_edit::Table, path: &FieldPath, out: &mut Vec<Located>) {
     for (key, item) in table.iter() {
         let p = path.key(key);
         let key_span = table.key(key).and_then(|k| k.span());
-        out.push((p.clone(), item.span(), key_span));
+        out.push(Located {
+            path: p.clone(),
+            value: item.span(),
+            key: key_span,
+        });
         match item {
             toml_edit::Item::Table(t) => walk_table(t, &p, out),
             toml_edit::Item::ArrayOfTables(a) => {
                 for (i, t) in a.iter().enumerate() {
                     let pi = p.index(i);
-                    out.push((pi.clone(), t.span(), None));
+                    out.push(Located {
+                        path: pi.clone(),
+                        value: t.span(),
+                        key: None,
+                    });
                     walk_table(t, &pi, out);
                 }
             }
@@ -121,24 +139,28 @@ fn walk_table(
     }
 }
 
-fn walk_value(
-    value: &toml_edit::Value,
-    path: &FieldPath,
-    out: &mut Vec<(FieldPath, Option<Range<usize>>, Option<Range<usize>>)>,
-) {
+fn walk_value(value: &toml_edit::Value, path: &FieldPath, out: &mut Vec<Located>) {
     match value {
         toml_edit::Value::InlineTable(t) => {
             for (key, v) in t.iter() {
                 let p = path.key(key);
                 let key_span = t.key(key).and_then(|k| k.span());
-                out.push((p.clone(), v.span(), key_span));
+                out.push(Located {
+                    path: p.clone(),
+                    value: v.span(),
+                    key: key_span,
+                });
                 walk_value(v, &p, out);
             }
         }
         toml_edit::Value::Array(a) => {
             for (i, v) in a.iter().enumerate() {
                 let p = path.index(i);
-                out.push((p.clone(), v.span(), None));
+                out.push(Located {
+                    path: p.clone(),
+                    value: v.span(),
+                    key: None,
+                });
                 walk_value(v, &p, out);
             }
         }

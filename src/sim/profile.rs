@@ -157,7 +157,7 @@ impl NamedLink {
 pub(crate) struct Violation {
     pub path: FieldPath,
     pub value: String,
-    pub reason: String,
+    pub reason: &'static str,
 }
 
 impl HostProfile {
@@ -310,7 +310,7 @@ impl HostProfile {
             return Err(Violation {
                 path: root.key("devices"),
                 value: "[]".into(),
-                reason: "a profile needs at least one [[devices]] group".into(),
+                reason: "a profile needs at least one [[devices]] group",
             });
         }
         for (i, d) in self.devices.iter().enumerate() {
@@ -347,7 +347,7 @@ impl HostProfile {
                 return Err(Violation {
                     path: root.key("nodes"),
                     value: self.nodes.to_string(),
-                    reason: "more than one node needs a [network] table".into(),
+                    reason: "more than one node needs a [network] table",
                 })
             }
             None => {}
@@ -376,7 +376,7 @@ fn positive(path: &FieldPath, v: f64) -> Result<(), Violation> {
         Err(Violation {
             path: path.clone(),
             value: v.to_string(),
-            reason: "must be a finite number greater than zero".into(),
+            reason: "must be a finite number greater than zero",
         })
     }
 }
@@ -388,7 +388,7 @@ fn non_negative(path: &FieldPath, v: f64) -> Result<(), Violation> {
         Err(Violation {
             path: path.clone(),
             value: v.to_string(),
-            reason: "must be a finite number, zero or more".into(),
+            reason: "must be a finite number, zero or more",
         })
     }
 }
@@ -400,7 +400,7 @@ fn at_least_one(path: &FieldPath, v: u64) -> Result<(), Violation> {
         Err(Violation {
             path: path.clone(),
             value: v.to_string(),
-            reason: "must be at least 1".into(),
+            reason: "must be at least 1",
         })
     }
 }
@@ -410,7 +410,7 @@ fn non_empty(path: &FieldPath, s: &str) -> Result<(), Violation> {
         Err(Violation {
             path: path.clone(),
             value: format!("{s:?}"),
-            reason: "must not be empty".into(),
+            reason: "must not be empty",
         })
     } else {
         Ok(())

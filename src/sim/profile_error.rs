@@ -58,7 +58,7 @@ pub enum ProfileError {
         /// The offending value as written.
         value: String,
         /// The rule it breaks.
-        reason: String,
+        reason: &'static str,
     },
     /// `resolve` was given a name that is neither a file nor a shipped profile.
     #[error("no profile file or shipped profile named `{name}`; shipped profiles: {known}")]
