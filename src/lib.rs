@@ -1,13 +1,17 @@
 //! wgpar: a portable multi-GPU runtime. Real transformer layer math, sharded across several
 //! wgpu adapters (Vulkan, Metal, DX12, GL) with tensor and pipeline parallelism.
 //!
-//! Layers, top to bottom: engines (`engine`) -> model blocks (`model`) and collectives (`comm`)
-//! -> kernels (`kernels`, `shaders/*.wgsl`) -> devices (`device`). See `docs/ARCHITECTURE.md`.
+//! Layers, top to bottom: engines (`parallel`) -> model blocks (`model`) and collectives
+//! (`comm`) -> kernels (`kernels`, `shaders/*.wgsl`) -> devices (`device`). The timeline
+//! (`trace`) is recorded as engines run; the simulator (`sim`) replays it on host profiles.
+//! See `docs/ARCHITECTURE.md`.
 
 pub mod device;
 pub mod error;
 pub mod kernels;
 pub mod model;
 pub mod parallel;
+pub mod sim;
+pub mod trace;
 
 pub use error::{Result, WgparError};

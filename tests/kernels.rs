@@ -192,7 +192,8 @@ fn elementwise_ops() {
     let a: Vec<f32> = common::random(len, 8).iter().map(|v| v * 4.0).collect();
     let b = common::random(len, 9);
     let bt = gpu.upload_f32("b", &b).unwrap();
-    let cases: [(Elementwise, Box<dyn Fn(usize) -> f64>); 4] = [
+    type Reference<'a> = Box<dyn Fn(usize) -> f64 + 'a>;
+    let cases: [(Elementwise, Reference); 4] = [
         (Elementwise::Add, Box::new(|i| a[i] as f64 + b[i] as f64)),
         (
             Elementwise::BiasAdd,

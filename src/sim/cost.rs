@@ -1,0 +1,508 @@
+//! The cost model: how long one operation takes on a profile.
+//!
+//! Compute: roofline `max(flops / rate, bytes / bandwidth) + kernels * launch overhead`, with
+//! calibrated per-family rates replacing the datasheet peaks when the profile has them.
+//! Transfers: alpha-beta per link direction. Collectives: alpha-beta per algorithm (formulas on
+//! each function and in `docs/PROJECTION.md`).
+
+use std::collections::BTreeMap;
+
+use crate::trace::{CollectiveOp, KernelFamily, Precision};
+
+use super::profile::{DeviceSpec, HostProfile, LinkSpec};
+use super::project_error::ProjectError;
+
+/// Collective algorithms the cost model knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    /// Gather to host memory, reduce on the CPU, broadcast back (wgpar's host-staged path).
+    HostStaged,
+    /// Ring over device-to-device links (or bounced through the host when there are none).
+    Ring,
+}
+
+impl Algorithm {
+    /// Parses a recorded algorithm name: `host-staged` (also `host_staged`, `host`,
+    /// `host-staged-chunked`) or `ring` (also `nvlink-ring`). Case-insensitive.
+    pub fn parse(name: &str) -> Option<Algorithm> {
+        match name.to_ascii_lowercase().as_str() {
+            "host-staged" | "host_staged" | "host" | "host-staged-chunked" => {
+                Some(Algorithm::HostStaged)
+            }
+            "ring" | "nvlink-ring" => Some(Algorithm::Ring),
+            _ => None,
+        }
+    }
+
+    /// Canonical name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::HostStaged => "host-staged",
+            Algorithm::Ring => "ring",
+        }
+    }
+}
+
+/// Operation costs on one profile, in microseconds.
+#[derive(Debug, Clone, Copy)]
+pub struct CostModel<'a> {
+    profile: &'a HostProfile,
+}
+
+impl<'a> CostModel<'a> {
+    /// A cost model for `profile`.
+    pub fn new(profile: &'a HostProfile) -> Self {
+        CostModel { profile }
+    }
+
+    fn device(&self, index: usize) -> Result<&'a DeviceSpec, ProjectError> {
+        self.profile
+            .device(index)
+            .ok_or_else(|| ProjectError::TooFewDevices {
+                profile: self.profile.name.clone(),
+                device: index,
+                available: self.profile.device_count(),
+            })
+    }
+
+    /// Roofline time of kernels doing `flops` and moving `bytes` on device `index`.
+    pub fn compute_us(
+        &self,
+        index: usize,
+        flops: u64,
+        bytes: u64,
+        kernels: u32,
+        family: Option<KernelFamily>,
+        precision: Precision,
+    ) -> Result<f64, ProjectError> {
+        let d = self.device(index)?;
+        let peak_gflops = match precision {
+            Precision::F32 => d.f32_tflops * 1e3,
+            Precision::F16 => d.f16_tflops * 1e3,
+        };
+        let gflops = match (family, precision) {
+            (Some(KernelFamily::Matmul), Precision::F32) => d.rates.matmul_gflops,
+            (Some(KernelFamily::Matmul), Precision::F16) => d.rates.matmul_f16_gflops,
+            (Some(KernelFamily::Attention), _) => d.rates.attention_gflops,
+            _ => None,
+        }
+        .unwrap_or(peak_gflops);
+        let gbps = d.rates.elementwise_gbps.unwrap_or(d.memory_gbps);
+        // 1 GFLOP/s = 1e3 FLOP per us, 1 GB/s = 1e3 bytes per us.
+        let math = flops as f64 / (gflops * 1e3);
+        let memory = bytes as f64 / (gbps * 1e3);
+        Ok(math.max(memory) + kernels as f64 * d.launch_overhead_us)
+    }
+
+    /// Time of a device-to-host copy of `bytes` from device `index`.
+    pub fn d2h_us(&self, index: usize, bytes: f64) -> Result<f64, ProjectError> {
+        Ok(self.device(index)?.host_link.d2h.time_us(bytes))
+    }
+
+    /// Time of a host-to-device copy of `bytes` to device `index`.
+    pub fn h2d_us(&self, index: usize, bytes: f64) -> Result<f64, ProjectError> {
+        Ok(self.device(index)?.host_link.h2d.time_us(bytes))
+    }
+
+    /// Time for the host to stream `bytes` (read plus written) through memory.
+    pub fn host_reduce_us(&self, bytes: f64) -> f64 {
+        bytes / (self.profile.host.memory_gbps * 1e3)
+    }
+
+    /// Cost of collective `op` of size `bytes` (S, nccl-tests convention) over `devices`.
+    ///
+    /// `chunks` pipelines the host-staged phases; the ring ignores it (a ring is already
+    /// pipelined step by step). With one participant there is nothing to exchange: 0.
+    pub fn collective_us(
+        &self,
+        op: CollectiveOp,
+        algorithm: Algorithm,
+        devices: &[usize],
+        bytes: u64,
+        chunks: u32,
+    ) -> Result<f64, ProjectError> {
+        if devices.len() < 2 {
+            return Ok(0.0);
+        }
+        match algorithm {
+            Algorithm::HostStaged => self.host_staged_us(op, devices, bytes as f64, chunks.max(1)),
+            Algorithm::Ring => self.ring_us(op, devices, bytes as f64),
+        }
+    }
+
+    /// Host-staged collective, as phases per chunk of `s = S / k` bytes:
+    ///
+    /// | op | d2h per device | host reduce per node | h2d per device |
+    /// |---|---|---|---|
+    /// | allreduce | s | (n_node + 1) s | s |
+    /// | allgather | s / n | 0 | s |
+    /// | reducescatter | s | (n_node + 1) s | s / n |
+    /// | sendrecv | s (sender) | 0 | s (receiver) |
+    ///
+    /// A copy phase takes the longest time over upstream links, where devices sharing one link
+    /// queue up (sum of their alpha-beta times) and separate links overlap. Across N > 1 nodes
+    /// a network phase sits between reduce and broadcast: a ring among node hosts,
+    /// `2(N-1)(alpha + s/(N beta))` for allreduce, `(N-1)(...)` for allgather/reducescatter,
+    /// `alpha + s/beta` for sendrecv. With k chunks the phases form a pipeline:
+    /// `T = sum(phases) + (k - 1) * max(phases)`.
+    fn host_staged_us(
+        &self,
+        op: CollectiveOp,
+        devices: &[usize],
+        bytes: f64,
+        chunks: u32,
+    ) -> Result<f64, ProjectError> {
+        let n = devices.len() as f64;
+        let s = bytes / chunks as f64;
+        let (d2h_each, h2d_each) = match op {
+            CollectiveOp::AllReduce => (s, s),
+            CollectiveOp::AllGather => (s / n, s),
+            CollectiveOp::ReduceScatter => (s, s / n),
+            CollectiveOp::SendRecv => (s, s),
+        };
+        let (senders, receivers): (&[usize], &[usize]) = match op {
+            CollectiveOp::SendRecv => (&devices[..1], &devices[devices.len() - 1..]),
+            _ => (devices, devices),
+        };
+        let d2h = self.copy_phase_us(senders, |l| l.d2h, d2h_each)?;
+        let h2d = self.copy_phase_us(receivers, |l| l.h2d, h2d_each)?;
+
+        let per_node = self.per_node(devices);
+        let reduce = match op {
+            CollectiveOp::AllReduce | CollectiveOp::ReduceScatter => per_node
+                .values()
+                .map(|local| self.host_reduce_us((local.len() as f64 + 1.0) * s))
+                .fold(0.0, f64::max),
+            CollectiveOp::AllGather | CollectiveOp::SendRecv => 0.0,
+        };
+        let nodes = per_node.len();
+        let network = if nodes > 1 {
+            let net = self.network(nodes)?;
+            let big_n = nodes as f64;
+            let ring_step = net.alpha_us + s / (big_n * net.beta_gbps * 1e3);
+            match op {
+                CollectiveOp::AllReduce => 2.0 * (big_n - 1.0) * ring_step,
+                CollectiveOp::AllGather | CollectiveOp::ReduceScatter => (big_n - 1.0) * ring_step,
+                CollectiveOp::SendRecv => net.time_us(s),
+            }
+        } else {
+            0.0
+        };
+        let phases = [d2h, reduce, network, h2d];
+        let sum: f64 = phases.iter().sum();
+        let max = phases.iter().copied().fold(0.0, f64::max);
+        Ok(sum + (chunks as f64 - 1.0) * max)
+    }
+
+    /// Ring collective: `steps * (alpha + c / beta)` with
+    ///
+    /// | op | steps | c |
+    /// |---|---|---|
+    /// | allreduce | 2(n-1) | S/n |
+    /// | allgather, reducescatter | n-1 | S/n |
+    /// | sendrecv | 1 | S |
+    ///
+    /// The step link is the profile's device link. Without one, each step bounces through the
+    /// host (d2h then h2d, alphas added, slowest participant) and devices sharing an upstream
+    /// link divide its bandwidth. When the ring crosses nodes, a step takes at least one
+    /// network message `alpha_net + c / beta_net`.
+    fn ring_us(
+        &self,
+        op: CollectiveOp,
+        devices: &[usize],
+        bytes: f64,
+    ) -> Result<f64, ProjectError> {
+        let n = devices.len() as f64;
+        let (steps, c) = match op {
+            CollectiveOp::AllReduce => (2.0 * (n - 1.0), bytes / n),
+            CollectiveOp::AllGather | CollectiveOp::ReduceScatter => (n - 1.0, bytes / n),
+            CollectiveOp::SendRecv => (1.0, bytes),
+        };
+        let intra = match &self.profile.device_link {
+            Some(dl) => dl.link().time_us(c),
+            None => {
+                let sharing = self.max_sharing(devices) as f64;
+                let mut alpha: f64 = 0.0;
+                let mut per_byte: f64 = 0.0;
+                for &d in devices {
+                    let link = &self.device(d)?.host_link;
+                    alpha = alpha.max(link.d2h.alpha_us + link.h2d.alpha_us);
+                    per_byte = per_byte
+                        .max(1.0 / (link.d2h.beta_gbps * 1e3) + 1.0 / (link.h2d.beta_gbps * 1e3));
+                }
+                alpha + sharing * c * per_byte
+            }
+        };
+        let nodes = self.per_node(devices).len();
+        let step = if nodes > 1 {
+            intra.max(self.network(nodes)?.time_us(c))
+        } else {
+            intra
+        };
+        Ok(steps * step)
+    }
+
+    /// Longest time over upstream links for `devices` each copying `bytes` in one direction.
+    fn copy_phase_us(
+        &self,
+        devices: &[usize],
+        direction: impl Fn(&super::profile::HostLinkSpec) -> LinkSpec,
+        bytes: f64,
+    ) -> Result<f64, ProjectError> {
+        let mut per_uplink: BTreeMap<usize, f64> = BTreeMap::new();
+        for &d in devices {
+            let spec = self.device(d)?;
+            let uplink = self.profile.uplink_of(d).unwrap_or(usize::MAX - d);
+            *per_uplink.entry(uplink).or_insert(0.0) += direction(&spec.host_link).time_us(bytes);
+        }
+        Ok(per_uplink.values().copied().fold(0.0, f64::max))
+    }
+
+    /// Largest number of `devices` behind one upstream link.
+    fn max_sharing(&self, devices: &[usize]) -> usize {
+        let mut count: BTreeMap<Option<usize>, usize> = BTreeMap::new();
+        for &d in devices {
+            *count.entry(self.profile.uplink_of(d)).or_insert(0) += 1;
+        }
+        count.values().copied().max().unwrap_or(1)
+    }
+
+    /// Participants grouped by node.
+    fn per_node(&self, devices: &[usize]) -> BTreeMap<usize, Vec<usize>> {
+        let mut m: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for &d in devices {
+            m.entry(self.profile.node_of(d)).or_default().push(d);
+        }
+        m
+    }
+
+    fn network(&self, nodes: usize) -> Result<LinkSpec, ProjectError> {
+        self.profile
+            .network
+            .as_ref()
+            .map(|n| n.link())
+            .ok_or_else(|| ProjectError::NoNetwork {
+                profile: self.profile.name.clone(),
+                nodes,
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two devices, f32 1 TFLOP/s, 1000 GB/s memory, 2 us launch; host links alpha 10 us,
+    /// beta 10 GB/s; host memory 10 GB/s.
+    fn profile(shared_by: u32, device_link: bool, nodes: u32) -> HostProfile {
+        let dl = if device_link {
+            "[device_link]\nname = \"nv\"\nalpha_us = 10\nbeta_gbps = 100\n"
+        } else {
+            ""
+        };
+        let net = if nodes > 1 {
+            "[network]\nname = \"ib\"\nalpha_us = 20\nbeta_gbps = 5\n"
+        } else {
+            ""
+        };
+        let text = format!(
+            "name = \"t\"\nnodes = {nodes}\n[host]\nname = \"c\"\nmemory_gbps = 10\n\
+             [[devices]]\nname = \"g\"\ncount = 2\nmemory_bytes = 1\nmemory_gbps = 1000\n\
+             f32_tflops = 1\nf16_tflops = 2\nlaunch_overhead_us = 2\n\
+             [devices.host_link]\nname = \"pcie\"\nshared_by = {shared_by}\n\
+             h2d = {{ alpha_us = 10, beta_gbps = 10 }}\nd2h = {{ alpha_us = 10, beta_gbps = 10 }}\n\
+             {dl}{net}"
+        );
+        HostProfile::from_toml_str(&text, "t.toml").unwrap()
+    }
+
+    #[test]
+    fn roofline_takes_the_slower_bound_plus_launches() {
+        let p = profile(1, false, 1);
+        let m = CostModel::new(&p);
+        // 50 MFLOP at 1 TFLOP/s = 50 us; 1 MB at 1000 GB/s = 1 us; + 2 us launch.
+        let t = m
+            .compute_us(0, 50_000_000, 1_000_000, 1, None, Precision::F32)
+            .unwrap();
+        assert_eq!(t, 52.0);
+        // Memory-bound: 1 MFLOP = 1 us, 100 MB = 100 us; 3 launches = 6 us.
+        let t = m
+            .compute_us(0, 1_000_000, 100_000_000, 3, None, Precision::F32)
+            .unwrap();
+        assert_eq!(t, 106.0);
+        // f16 doubles the math rate: 50 MFLOP at 2 TFLOP/s = 25 us.
+        let t = m
+            .compute_us(0, 50_000_000, 0, 0, None, Precision::F16)
+            .unwrap();
+        assert_eq!(t, 25.0);
+    }
+
+    #[test]
+    fn calibrated_rates_replace_peaks() {
+        let mut p = profile(1, false, 1);
+        p.devices[0].rates.matmul_gflops = Some(500.0);
+        p.devices[0].rates.elementwise_gbps = Some(250.0);
+        let m = CostModel::new(&p);
+        // 50 MFLOP at 500 GFLOP/s = 100 us, beats 1 MB at 250 GB/s = 4 us.
+        let t = m
+            .compute_us(
+                0,
+                50_000_000,
+                1_000_000,
+                0,
+                Some(KernelFamily::Matmul),
+                Precision::F32,
+            )
+            .unwrap();
+        assert_eq!(t, 100.0);
+        // Elementwise kernels keep the peak FLOP rate but use the measured bandwidth.
+        let t = m
+            .compute_us(
+                0,
+                0,
+                1_000_000,
+                0,
+                Some(KernelFamily::Elementwise),
+                Precision::F32,
+            )
+            .unwrap();
+        assert_eq!(t, 4.0);
+    }
+
+    #[test]
+    fn host_staged_allreduce_by_hand() {
+        let s = 1_000_000;
+        // d2h 10 + 100 = 110 us, reduce 3 MB at 10 GB/s = 300 us, h2d 110 us.
+        let p = profile(1, false, 1);
+        let t = CostModel::new(&p)
+            .collective_us(
+                CollectiveOp::AllReduce,
+                Algorithm::HostStaged,
+                &[0, 1],
+                s,
+                1,
+            )
+            .unwrap();
+        assert_eq!(t, 520.0);
+        // A shared uplink serialises the two copies in each direction: 220 + 300 + 220.
+        let p = profile(2, false, 1);
+        let m = CostModel::new(&p);
+        let t = m
+            .collective_us(
+                CollectiveOp::AllReduce,
+                Algorithm::HostStaged,
+                &[0, 1],
+                s,
+                1,
+            )
+            .unwrap();
+        assert_eq!(t, 740.0);
+        // Four chunks of 250 kB: d2h 2 x (10 + 25) = 70, reduce 75, h2d 70 per chunk;
+        // 215 + 3 x 75 = 440.
+        let t = m
+            .collective_us(
+                CollectiveOp::AllReduce,
+                Algorithm::HostStaged,
+                &[0, 1],
+                s,
+                4,
+            )
+            .unwrap();
+        assert_eq!(t, 440.0);
+        // One participant: nothing to do.
+        let t = m
+            .collective_us(CollectiveOp::AllReduce, Algorithm::HostStaged, &[0], s, 1)
+            .unwrap();
+        assert_eq!(t, 0.0);
+    }
+
+    #[test]
+    fn host_staged_other_ops_by_hand() {
+        let p = profile(1, false, 1);
+        let m = CostModel::new(&p);
+        let s = 1_000_000;
+        // allgather: d2h 10 + 50, no reduce, h2d 10 + 100.
+        let t = m
+            .collective_us(
+                CollectiveOp::AllGather,
+                Algorithm::HostStaged,
+                &[0, 1],
+                s,
+                1,
+            )
+            .unwrap();
+        assert_eq!(t, 170.0);
+        // reducescatter: d2h 110, reduce 300, h2d 60.
+        let t = m
+            .collective_us(
+                CollectiveOp::ReduceScatter,
+                Algorithm::HostStaged,
+                &[0, 1],
+                s,
+                1,
+            )
+            .unwrap();
+        assert_eq!(t, 470.0);
+        // sendrecv: 110 out, 110 in.
+        let t = m
+            .collective_us(CollectiveOp::SendRecv, Algorithm::HostStaged, &[0, 1], s, 1)
+            .unwrap();
+        assert_eq!(t, 220.0);
+    }
+
+    #[test]
+    fn ring_by_hand() {
+        let s = 1_000_000;
+        // NVLink-like: 2(n-1) = 2 steps of 10 + 500 kB / 100 GB/s = 15 us.
+        let p = profile(1, true, 1);
+        let t = CostModel::new(&p)
+            .collective_us(CollectiveOp::AllReduce, Algorithm::Ring, &[0, 1], s, 1)
+            .unwrap();
+        assert_eq!(t, 30.0);
+        // Without device links each step bounces: 20 + 500 kB x (1/10 + 1/10 us per kB) = 120.
+        let p = profile(1, false, 1);
+        let t = CostModel::new(&p)
+            .collective_us(CollectiveOp::AllReduce, Algorithm::Ring, &[0, 1], s, 1)
+            .unwrap();
+        assert_eq!(t, 240.0);
+        // Behind one shared uplink the byte term doubles: 2 x (20 + 200) = 440.
+        let p = profile(2, false, 1);
+        let t = CostModel::new(&p)
+            .collective_us(CollectiveOp::AllReduce, Algorithm::Ring, &[0, 1], s, 1)
+            .unwrap();
+        assert_eq!(t, 440.0);
+    }
+
+    #[test]
+    fn collectives_across_nodes_pay_the_network() {
+        // 2 nodes x 2 devices, devices 1 and 2 are on different nodes.
+        let p = profile(1, true, 2);
+        let m = CostModel::new(&p);
+        let s = 1_000_000;
+        // Ring step = max(NVLink 10 + 5, network 20 + 500 kB / 5 GB/s = 120) = 120; 2 steps.
+        let t = m
+            .collective_us(CollectiveOp::AllReduce, Algorithm::Ring, &[1, 2], s, 1)
+            .unwrap();
+        assert_eq!(t, 240.0);
+        // Host-staged: d2h 110, reduce per node (1+1) MB = 200, network ring of 2 hosts
+        // 2 x (20 + 100) = 240, h2d 110.
+        let t = m
+            .collective_us(
+                CollectiveOp::AllReduce,
+                Algorithm::HostStaged,
+                &[1, 2],
+                s,
+                1,
+            )
+            .unwrap();
+        assert_eq!(t, 660.0);
+    }
+
+    #[test]
+    fn algorithm_names() {
+        assert_eq!(Algorithm::parse("Host-Staged"), Some(Algorithm::HostStaged));
+        assert_eq!(Algorithm::parse("ring"), Some(Algorithm::Ring));
+        assert_eq!(Algorithm::parse("tree"), None);
+        assert_eq!(Algorithm::HostStaged.name(), "host-staged");
+    }
+}

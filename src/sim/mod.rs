@@ -1,0 +1,38 @@
+//! Host profiles, the link and compute cost model, and projection of timelines onto profiles.
+//!
+//! Pure CPU code: nothing here touches a GPU. See `docs/PROJECTION.md` for the model.
+//!
+//! ```no_run
+//! use wgpar::sim::{project, HostProfile, ProjectOptions};
+//! use wgpar::trace::Timeline;
+//! let timeline = Timeline::read_chrome_trace("run.json")?;
+//! let profile = HostProfile::resolve("dgx-a100")?;
+//! let projection = project(&timeline, &profile, &ProjectOptions::default())?;
+//! println!("{}", projection.report);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod calibrated;
+mod cost;
+mod fit;
+mod locate;
+mod profile;
+mod profile_error;
+mod project;
+mod project_error;
+mod report;
+mod shipped;
+
+pub use calibrated::{
+    calibrated_profile, calibrated_profile_toml, write_calibrated_profile, MachineMeasurement,
+    MeasuredDevice,
+};
+pub use cost::{Algorithm, CostModel};
+pub use fit::{fit_alpha_beta, AlphaBetaFit, FitError};
+pub use locate::{FieldPath, Seg};
+pub use profile::{DeviceSpec, HostLinkSpec, HostProfile, HostSpec, LinkSpec, NamedLink, Rates};
+pub use profile_error::{Location, ProfileError};
+pub use project::{project, CollectivePolicy, HostGaps, ProjectOptions, Projection};
+pub use project_error::ProjectError;
+pub use report::{KindTotal, ProjectionReport};
+pub use shipped::SHIPPED_PROFILES;

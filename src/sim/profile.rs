@@ -1,0 +1,521 @@
+//! Host profiles: the devices of a machine and the links between them (`hosts/*.toml`).
+//!
+//! Units are in the field names: `_us` microseconds, `_gbps` gigabytes per second with
+//! GB = 1e9 bytes (as nccl-tests counts), `_tflops` / `_gflops` 1e12 / 1e9 FLOP/s. The format is
+//! documented with an example in `docs/PROJECTION.md`.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::locate::{key_on_line, line_col, Document, FieldPath};
+use super::profile_error::{Location, ProfileError};
+
+/// A machine (or a cluster of identical machines) as the projection sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostProfile {
+    /// Short name, e.g. `pcie4-2gpu`.
+    pub name: String,
+    /// One line about the machine.
+    #[serde(default)]
+    pub description: String,
+    /// Number of identical nodes; each holds every device group listed in `devices`.
+    pub nodes: u32,
+    /// The host CPU and its memory.
+    pub host: HostSpec,
+    /// Device groups of one node; device indices count through the groups in order, then
+    /// through the nodes.
+    pub devices: Vec<DeviceSpec>,
+    /// Direct device-to-device links inside a node (NVLink through NVSwitch); absent when the
+    /// devices can only talk through the host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_link: Option<NamedLink>,
+    /// Network between nodes; required when `nodes > 1`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NamedLink>,
+}
+
+/// The host CPU side.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostSpec {
+    /// CPU and memory, e.g. `Ryzen 9 7950X, DDR5-5200 dual channel`.
+    pub name: String,
+    /// Host memory bandwidth available to the host reduce, GB/s.
+    pub memory_gbps: f64,
+}
+
+/// A group of identical devices.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceSpec {
+    /// Marketing name, e.g. `NVIDIA GeForce RTX 4090`.
+    pub name: String,
+    /// How many of them each node has.
+    pub count: u32,
+    /// Device memory, bytes.
+    pub memory_bytes: u64,
+    /// Device memory bandwidth, GB/s.
+    pub memory_gbps: f64,
+    /// Peak f32 rate of the shader cores (what WGSL compute uses), TFLOP/s.
+    pub f32_tflops: f64,
+    /// Peak f16 rate of the shader cores, TFLOP/s.
+    pub f16_tflops: f64,
+    /// Fixed cost of one kernel dispatch, microseconds.
+    pub launch_overhead_us: f64,
+    /// The link between this device and host memory.
+    pub host_link: HostLinkSpec,
+    /// Measured kernel rates (filled by `wgpar calibrate`); preferred over the peaks above.
+    #[serde(default, skip_serializing_if = "Rates::is_empty")]
+    pub rates: Rates,
+}
+
+/// Measured per-family kernel rates; each replaces the matching peak in the roofline.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rates {
+    /// Achieved f32 matmul rate, GFLOP/s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub matmul_gflops: Option<f64>,
+    /// Achieved f16 matmul rate, GFLOP/s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub matmul_f16_gflops: Option<f64>,
+    /// Achieved attention rate, GFLOP/s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_gflops: Option<f64>,
+    /// Achieved streaming bandwidth of element-wise kernels, GB/s (replaces `memory_gbps`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elementwise_gbps: Option<f64>,
+}
+
+impl Rates {
+    /// True when no rate is set.
+    pub fn is_empty(&self) -> bool {
+        self == &Rates::default()
+    }
+}
+
+/// A device's link to host memory, one alpha-beta model per direction.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostLinkSpec {
+    /// What the link is, e.g. `PCIe 4.0 x16` or `unified memory`.
+    pub name: String,
+    /// How many consecutive devices of the group sit behind one upstream link (a PCIe switch,
+    /// or host memory itself): 1 when every device has its own lanes to the host. Transfers in
+    /// the same direction through one upstream link run one at a time; others overlap.
+    pub shared_by: u32,
+    /// Host to device.
+    pub h2d: LinkSpec,
+    /// Device to host.
+    pub d2h: LinkSpec,
+}
+
+/// Alpha-beta model of one link direction: a transfer of `n` bytes takes
+/// `alpha_us + n / (beta_gbps * 1e3)` microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkSpec {
+    /// Latency, microseconds.
+    pub alpha_us: f64,
+    /// Bandwidth, GB/s.
+    pub beta_gbps: f64,
+}
+
+impl LinkSpec {
+    /// Microseconds to move `bytes` over this link.
+    pub fn time_us(&self, bytes: f64) -> f64 {
+        self.alpha_us + bytes / (self.beta_gbps * 1e3)
+    }
+}
+
+/// A named alpha-beta link (device-to-device fabric or inter-node network).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamedLink {
+    /// What it is, e.g. `NVLink3 via NVSwitch` or `InfiniBand HDR 200 Gb/s`.
+    pub name: String,
+    /// Latency per message (per ring step for ring collectives), microseconds.
+    pub alpha_us: f64,
+    /// Bandwidth per device and direction, GB/s.
+    pub beta_gbps: f64,
+}
+
+impl NamedLink {
+    /// The link's alpha-beta model.
+    pub fn link(&self) -> LinkSpec {
+        LinkSpec {
+            alpha_us: self.alpha_us,
+            beta_gbps: self.beta_gbps,
+        }
+    }
+}
+
+/// A value that breaks a validation rule, before it is given a file location.
+#[derive(Debug)]
+pub(crate) struct Violation {
+    pub path: FieldPath,
+    pub value: String,
+    pub reason: &'static str,
+}
+
+impl HostProfile {
+    /// Reads and validates a profile file.
+    pub fn load(path: impl AsRef<Path>) -> Result<HostProfile, ProfileError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| ProfileError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::from_toml_str(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates profile text; `file` names the source in errors.
+    pub fn from_toml_str(text: &str, file: &str) -> Result<HostProfile, ProfileError> {
+        let locate = |span: Option<std::ops::Range<usize>>| {
+            let (line, column) = span.map(|s| line_col(text, s.start)).unzip();
+            Location {
+                file: file.to_owned(),
+                line,
+                column,
+            }
+        };
+        // Pass 1: syntax only, into a tree that remembers where every value is.
+        let doc = Document::parse(text).map_err(|e| {
+            let at = locate(e.span());
+            let field = at
+                .line
+                .and_then(|l| key_on_line(text, l))
+                .unwrap_or_else(|| "(unknown)".to_owned());
+            ProfileError::Parse {
+                at,
+                field,
+                message: e.message().trim().to_owned(),
+            }
+        })?;
+        // Pass 2: the typed structs; type errors and missing or unknown fields end up here.
+        let profile: HostProfile = toml::from_str(text).map_err(|e| {
+            let message = e.message().trim().to_owned();
+            let mut path = e
+                .span()
+                .map(|s| doc.path_at(&s))
+                .unwrap_or_else(FieldPath::root);
+            // "missing field `x`" and "unknown field `x`" point at the enclosing table.
+            // The span may be the key itself, in which case the path already ends with it.
+            if let Some(name) = named_field(&message) {
+                if path.0.last() != Some(&super::locate::Seg::Key(name.to_owned())) {
+                    path = path.key(name);
+                }
+            }
+            ProfileError::Parse {
+                at: locate(e.span()),
+                field: path.to_string(),
+                message,
+            }
+        })?;
+        // Pass 3: value ranges, located through the tree of pass 1.
+        profile.check().map_err(|v| ProfileError::Invalid {
+            at: locate(doc.span_of(&v.path)),
+            field: v.path.to_string(),
+            value: v.value,
+            reason: v.reason,
+        })?;
+        Ok(profile)
+    }
+
+    /// Checks value ranges of a profile built in code (no file, so no line numbers).
+    pub fn validate(&self) -> Result<(), ProfileError> {
+        self.check().map_err(|v| ProfileError::Invalid {
+            at: Location {
+                file: format!("<profile {}>", self.name),
+                line: None,
+                column: None,
+            },
+            field: v.path.to_string(),
+            value: v.value,
+            reason: v.reason,
+        })
+    }
+
+    /// The profile as TOML text (without source comments).
+    pub fn to_toml_string(&self) -> Result<String, ProfileError> {
+        toml::to_string(self).map_err(|e| ProfileError::Serialize {
+            name: self.name.clone(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Devices in one node.
+    pub fn devices_per_node(&self) -> usize {
+        self.devices.iter().map(|d| d.count as usize).sum()
+    }
+
+    /// Devices in all nodes.
+    pub fn device_count(&self) -> usize {
+        self.devices_per_node() * self.nodes as usize
+    }
+
+    /// The spec of device `index` (counting through groups, then nodes).
+    pub fn device(&self, index: usize) -> Option<&DeviceSpec> {
+        if index >= self.device_count() {
+            return None;
+        }
+        let mut local = index % self.devices_per_node();
+        for group in &self.devices {
+            if local < group.count as usize {
+                return Some(group);
+            }
+            local -= group.count as usize;
+        }
+        None
+    }
+
+    /// The node that holds device `index`.
+    pub fn node_of(&self, index: usize) -> usize {
+        index / self.devices_per_node().max(1)
+    }
+
+    /// Number of the upstream host link device `index` uses; devices with the same number
+    /// share bandwidth (see [`HostLinkSpec::shared_by`]).
+    pub fn uplink_of(&self, index: usize) -> Option<usize> {
+        if index >= self.device_count() {
+            return None;
+        }
+        let per_node = self.devices_per_node();
+        let mut local = index % per_node;
+        // Uplinks are numbered through the groups of a node, then through the nodes.
+        let mut uplinks_before = 0;
+        let uplinks_in =
+            |g: &DeviceSpec| (g.count as usize).div_ceil(g.host_link.shared_by as usize);
+        let per_node_uplinks: usize = self.devices.iter().map(uplinks_in).sum();
+        for group in &self.devices {
+            if local < group.count as usize {
+                let slot = local / group.host_link.shared_by as usize;
+                return Some(self.node_of(index) * per_node_uplinks + uplinks_before + slot);
+            }
+            local -= group.count as usize;
+            uplinks_before += uplinks_in(group);
+        }
+        None
+    }
+
+    /// Every rule a profile must satisfy; the first broken one is returned.
+    fn check(&self) -> Result<(), Violation> {
+        let root = FieldPath::root();
+        non_empty(&root.key("name"), &self.name)?;
+        at_least_one(&root.key("nodes"), self.nodes as u64)?;
+        positive(&root.key("host").key("memory_gbps"), self.host.memory_gbps)?;
+        if self.devices.is_empty() {
+            return Err(Violation {
+                path: root.key("devices"),
+                value: "[]".into(),
+                reason: "a profile needs at least one [[devices]] group",
+            });
+        }
+        for (i, d) in self.devices.iter().enumerate() {
+            let p = root.key("devices").index(i);
+            non_empty(&p.key("name"), &d.name)?;
+            at_least_one(&p.key("count"), d.count as u64)?;
+            at_least_one(&p.key("memory_bytes"), d.memory_bytes)?;
+            positive(&p.key("memory_gbps"), d.memory_gbps)?;
+            positive(&p.key("f32_tflops"), d.f32_tflops)?;
+            positive(&p.key("f16_tflops"), d.f16_tflops)?;
+            non_negative(&p.key("launch_overhead_us"), d.launch_overhead_us)?;
+            let l = p.key("host_link");
+            at_least_one(&l.key("shared_by"), d.host_link.shared_by as u64)?;
+            check_link(&l.key("h2d"), &d.host_link.h2d)?;
+            check_link(&l.key("d2h"), &d.host_link.d2h)?;
+            let r = p.key("rates");
+            for (name, v) in [
+                ("matmul_gflops", d.rates.matmul_gflops),
+                ("matmul_f16_gflops", d.rates.matmul_f16_gflops),
+                ("attention_gflops", d.rates.attention_gflops),
+                ("elementwise_gbps", d.rates.elementwise_gbps),
+            ] {
+                if let Some(v) = v {
+                    positive(&r.key(name), v)?;
+                }
+            }
+        }
+        if let Some(dl) = &self.device_link {
+            check_link(&root.key("device_link"), &dl.link())?;
+        }
+        match &self.network {
+            Some(net) => check_link(&root.key("network"), &net.link())?,
+            None if self.nodes > 1 => {
+                return Err(Violation {
+                    path: root.key("nodes"),
+                    value: self.nodes.to_string(),
+                    reason: "more than one node needs a [network] table",
+                })
+            }
+            None => {}
+        }
+        Ok(())
+    }
+}
+
+/// The field named in serde's "missing field `x`" / "unknown field `x`" messages.
+fn named_field(message: &str) -> Option<&str> {
+    let rest = message
+        .strip_prefix("missing field `")
+        .or_else(|| message.strip_prefix("unknown field `"))?;
+    rest.split('`').next()
+}
+
+fn check_link(path: &FieldPath, l: &LinkSpec) -> Result<(), Violation> {
+    non_negative(&path.key("alpha_us"), l.alpha_us)?;
+    positive(&path.key("beta_gbps"), l.beta_gbps)
+}
+
+fn positive(path: &FieldPath, v: f64) -> Result<(), Violation> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(Violation {
+            path: path.clone(),
+            value: v.to_string(),
+            reason: "must be a finite number greater than zero",
+        })
+    }
+}
+
+fn non_negative(path: &FieldPath, v: f64) -> Result<(), Violation> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(())
+    } else {
+        Err(Violation {
+            path: path.clone(),
+            value: v.to_string(),
+            reason: "must be a finite number, zero or more",
+        })
+    }
+}
+
+fn at_least_one(path: &FieldPath, v: u64) -> Result<(), Violation> {
+    if v >= 1 {
+        Ok(())
+    } else {
+        Err(Violation {
+            path: path.clone(),
+            value: v.to_string(),
+            reason: "must be at least 1",
+        })
+    }
+}
+
+fn non_empty(path: &FieldPath, s: &str) -> Result<(), Violation> {
+    if s.trim().is_empty() {
+        Err(Violation {
+            path: path.clone(),
+            value: format!("{s:?}"),
+            reason: "must not be empty",
+        })
+    } else {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OK: &str = r#"
+name = "t"
+nodes = 2
+
+[host]
+name = "cpu"
+memory_gbps = 50
+
+[[devices]]
+name = "big"
+count = 1
+memory_bytes = 1000
+memory_gbps = 100
+f32_tflops = 1
+f16_tflops = 2
+launch_overhead_us = 0
+[devices.host_link]
+name = "pcie"
+shared_by = 1
+h2d = { alpha_us = 1, beta_gbps = 10 }
+d2h = { alpha_us = 2, beta_gbps = 20 }
+
+[[devices]]
+name = "small"
+count = 2
+memory_bytes = 1000
+memory_gbps = 10
+f32_tflops = 1
+f16_tflops = 1
+launch_overhead_us = 1
+[devices.host_link]
+name = "pcie"
+shared_by = 2
+h2d = { alpha_us = 1, beta_gbps = 10 }
+d2h = { alpha_us = 1, beta_gbps = 10 }
+[devices.rates]
+matmul_gflops = 500
+
+[network]
+name = "ib"
+alpha_us = 20
+beta_gbps = 22.5
+"#;
+
+    #[test]
+    fn device_indices_walk_groups_then_nodes() {
+        let p = HostProfile::from_toml_str(OK, "ok.toml").unwrap();
+        assert_eq!((p.devices_per_node(), p.device_count()), (3, 6));
+        let names: Vec<&str> = (0..6).map(|i| p.device(i).unwrap().name.as_str()).collect();
+        assert_eq!(names, ["big", "small", "small", "big", "small", "small"]);
+        assert!(p.device(6).is_none());
+        assert_eq!((p.node_of(2), p.node_of(3)), (0, 1));
+        // Group "big" has one uplink; the two "small" devices share one.
+        let uplinks: Vec<usize> = (0..6).map(|i| p.uplink_of(i).unwrap()).collect();
+        assert_eq!(uplinks, [0, 1, 1, 2, 3, 3]);
+        assert!(p.uplink_of(6).is_none());
+        assert_eq!(p.devices[1].rates.matmul_gflops, Some(500.0));
+    }
+
+    #[test]
+    fn toml_round_trip() {
+        let p = HostProfile::from_toml_str(OK, "ok.toml").unwrap();
+        let text = p.to_toml_string().unwrap();
+        assert_eq!(HostProfile::from_toml_str(&text, "again.toml").unwrap(), p);
+    }
+
+    #[test]
+    fn link_time() {
+        let l = LinkSpec {
+            alpha_us: 10.0,
+            beta_gbps: 25.0,
+        };
+        // 1 MB at 25 GB/s is 40 us, plus 10 us latency.
+        assert_eq!(l.time_us(1e6), 50.0);
+    }
+
+    #[test]
+    fn rules_name_the_field() {
+        let no_net = OK.replace("[network]", "[ignored]");
+        let err = HostProfile::from_toml_str(&no_net, "n.toml").unwrap_err();
+        // The [ignored] table is an unknown field at the top level.
+        assert_eq!(err.field(), Some("ignored"));
+        let one_node_no_net = OK
+            .replace("nodes = 2", "nodes = 1")
+            .split("[network]")
+            .next()
+            .unwrap()
+            .to_owned();
+        assert!(HostProfile::from_toml_str(&one_node_no_net, "n.toml").is_ok());
+        let two_nodes_no_net = one_node_no_net.replace("nodes = 1", "nodes = 2");
+        let err = HostProfile::from_toml_str(&two_nodes_no_net, "n.toml").unwrap_err();
+        assert_eq!(err.field(), Some("nodes"));
+        assert_eq!(err.location().and_then(|l| l.line), Some(3));
+        let zero_rate = OK.replace("matmul_gflops = 500", "matmul_gflops = 0");
+        let err = HostProfile::from_toml_str(&zero_rate, "r.toml").unwrap_err();
+        assert_eq!(err.field(), Some("devices[1].rates.matmul_gflops"));
+    }
+}

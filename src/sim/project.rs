@@ -1,0 +1,413 @@
+//! Projection: replaying a recorded timeline on a host profile.
+//!
+//! Every span gets a new duration from the [`CostModel`]; then the spans are re-scheduled as
+//! early as three rules allow:
+//! 1. a span starts after all its recorded dependencies end (plus a network hop when a
+//!    device-to-host copy on one node feeds a host-to-device copy on another);
+//! 2. a resource runs one span at a time, in recorded start order. Resources are tracks, except
+//!    that host-link copies queue on their upstream link, so devices that share one (see
+//!    `shared_by`) wait for each other;
+//! 3. spans of one collective group start together, when the last participant is ready.
+//!
+//! Wait spans take no time in the projection: waiting is whatever the new schedule makes it.
+
+use std::collections::{BTreeSet, HashMap};
+
+use crate::trace::{us_to_ns, CollectiveInfo, Interval, Span, SpanKind, Summary, Timeline, Track};
+
+use super::cost::{Algorithm, CostModel};
+use super::profile::HostProfile;
+use super::project_error::ProjectError;
+use super::report::{KindTotal, ProjectionReport};
+
+/// Which algorithm a collective is costed with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CollectivePolicy {
+    /// The algorithm the run recorded.
+    #[default]
+    AsRecorded,
+    /// The cheapest algorithm on the profile (e.g. a ring over NVLink instead of the host
+    /// path): what the run would cost with a comm layer tuned for that machine.
+    Best,
+}
+
+/// What to do with host time between a span's inputs becoming ready and its start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HostGaps {
+    /// Start spans as soon as the model allows (pure model).
+    #[default]
+    Drop,
+    /// Keep each measured gap (host work such as encoding and submission that the timeline
+    /// does not record as spans). Useful when projecting onto the calibrated profile of the
+    /// machine that ran the trace.
+    Keep,
+}
+
+/// Options of [`project`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ProjectOptions {
+    /// Collective algorithm choice.
+    pub collectives: CollectivePolicy,
+    /// Host gap handling.
+    pub host_gaps: HostGaps,
+}
+
+/// The projected timeline and its report.
+#[derive(Debug, Clone)]
+pub struct Projection {
+    /// Side-by-side numbers, printable with `Display`.
+    pub report: ProjectionReport,
+    /// The re-scheduled timeline (same spans and ids, new times), exportable as a Chrome trace.
+    pub timeline: Timeline,
+}
+
+/// Where a span queues: its track, or the upstream link for host-link copies.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Resource {
+    Track(Track),
+    Uplink { to_device: bool, uplink: usize },
+}
+
+/// Projects `timeline` onto `profile`.
+pub fn project(
+    timeline: &Timeline,
+    profile: &HostProfile,
+    options: &ProjectOptions,
+) -> Result<Projection, ProjectError> {
+    let mut tl = timeline.clone();
+    tl.validate()?;
+    let spans = &tl.spans;
+    let n = spans.len();
+    let model = CostModel::new(profile);
+
+    let devices: Vec<Option<usize>> = spans
+        .iter()
+        .map(|s| s.device.or_else(|| s.track.device()).map(|d| d as usize))
+        .collect();
+    if let Some(max) = devices.iter().flatten().max() {
+        if *max >= profile.device_count() {
+            return Err(ProjectError::TooFewDevices {
+                profile: profile.name.clone(),
+                device: *max,
+                available: profile.device_count(),
+            });
+        }
+    }
+    let index_of: HashMap<_, usize> = spans.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
+
+    // Units: a collective group is scheduled as one unit, every other span alone.
+    let mut unit_of = vec![0usize; n];
+    let mut members: Vec<Vec<usize>> = Vec::new();
+    let mut group_unit: HashMap<u64, usize> = HashMap::new();
+    for (i, s) in spans.iter().enumerate() {
+        let group = s.collective.as_ref().and_then(|c| c.group);
+        let unit = match group.and_then(|g| group_unit.get(&g).copied()) {
+            Some(u) => {
+                check_same_collective(group.unwrap_or_default(), &spans[members[u][0]], s)?;
+                u
+            }
+            None => {
+                members.push(Vec::new());
+                let u = members.len() - 1;
+                if let Some(g) = group {
+                    group_unit.insert(g, u);
+                }
+                u
+            }
+        };
+        unit_of[i] = unit;
+        members[unit].push(i);
+    }
+
+    // Cost of every unit (a group's members share one collective cost).
+    let mut cost = vec![0.0f64; n];
+    for unit_members in &members {
+        let first = &spans[unit_members[0]];
+        if first.kind == SpanKind::Collective {
+            let t = collective_cost(&model, profile, spans, unit_members, &devices, options)?;
+            for &m in unit_members {
+                cost[m] = t;
+            }
+        } else {
+            cost[unit_members[0]] = span_cost(&model, first, devices[unit_members[0]])?;
+        }
+    }
+
+    // Resource order: previous span on the same resource, by recorded start then id.
+    let mut by_resource: HashMap<Resource, Vec<usize>> = HashMap::new();
+    for (i, s) in spans.iter().enumerate() {
+        by_resource
+            .entry(resource_of(s, devices[i], profile))
+            .or_default()
+            .push(i);
+    }
+    let mut preds: Vec<Vec<(usize, f64)>> = vec![Vec::new(); n];
+    for list in by_resource.values_mut() {
+        list.sort_by_key(|&i| (spans[i].start_ns, spans[i].id));
+        for w in list.windows(2) {
+            preds[w[1]].push((w[0], 0.0));
+        }
+    }
+    for (i, s) in spans.iter().enumerate() {
+        for dep in &s.deps {
+            // validate() guarantees every dependency exists.
+            if let Some(&p) = index_of.get(dep) {
+                let hop = network_hop_us(profile, &spans[p], devices[p], s, devices[i]);
+                preds[i].push((p, hop));
+            }
+        }
+    }
+
+    // Measured host gap of each span: start minus the latest end of its predecessors.
+    let first_start = spans.iter().map(|s| s.start_ns).min().unwrap_or(0);
+    let gap_us: Vec<f64> = (0..n)
+        .map(|i| match options.host_gaps {
+            HostGaps::Drop => 0.0,
+            HostGaps::Keep => {
+                let ready = preds[i]
+                    .iter()
+                    .map(|&(p, _)| spans[p].end_ns())
+                    .max()
+                    .unwrap_or(first_start);
+                spans[i].start_ns.saturating_sub(ready) as f64 / 1e3
+            }
+        })
+        .collect();
+
+    // Kahn's algorithm over units; edges inside a unit are the collective itself.
+    let units = members.len();
+    let mut succ: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); units];
+    let mut indegree = vec![0usize; units];
+    for (i, ps) in preds.iter().enumerate() {
+        for &(p, _) in ps {
+            let (from, to) = (unit_of[p], unit_of[i]);
+            if from != to && succ[from].insert(to) {
+                indegree[to] += 1;
+            }
+        }
+    }
+    let mut ready: Vec<usize> = (0..units).filter(|&u| indegree[u] == 0).collect();
+    let mut start = vec![0.0f64; n];
+    let mut end = vec![0.0f64; n];
+    let mut done = 0;
+    while let Some(u) = ready.pop() {
+        done += 1;
+        let t0 = members[u]
+            .iter()
+            .map(|&m| {
+                let after = preds[m]
+                    .iter()
+                    .filter(|&&(p, _)| unit_of[p] != u)
+                    .map(|&(p, hop)| end[p] + hop)
+                    .fold(0.0, f64::max);
+                after + gap_us[m]
+            })
+            .fold(0.0, f64::max);
+        for &m in &members[u] {
+            start[m] = t0;
+            end[m] = t0 + cost[m];
+        }
+        for &v in &succ[u] {
+            indegree[v] -= 1;
+            if indegree[v] == 0 {
+                ready.push(v);
+            }
+        }
+    }
+    if done < units {
+        let stuck = (0..n).find(|&i| indegree[unit_of[i]] > 0).unwrap_or(0);
+        return Err(ProjectError::Cycle {
+            span: spans[stuck].id,
+            name: spans[stuck].name.clone(),
+        });
+    }
+
+    let device_count = tl.device_count();
+    let projected = Summary::from_intervals(
+        device_count,
+        (0..n).map(|i| Interval {
+            kind: spans[i].kind,
+            device: devices[i].map(|d| d as u32),
+            start_us: start[i],
+            end_us: end[i],
+            bytes: spans[i].bytes,
+        }),
+    );
+    let kinds = [
+        SpanKind::Compute,
+        SpanKind::DeviceToHost,
+        SpanKind::HostToDevice,
+        SpanKind::HostReduce,
+        SpanKind::Collective,
+        SpanKind::Wait,
+    ];
+    let by_kind = kinds
+        .iter()
+        .filter(|k| spans.iter().any(|s| s.kind == **k))
+        .map(|&k| KindTotal {
+            kind: k,
+            measured_us: spans.iter().filter(|s| s.kind == k).map(Span::dur_us).sum(),
+            projected_us: (0..n)
+                .filter(|&i| spans[i].kind == k)
+                .map(|i| cost[i])
+                .sum(),
+        })
+        .collect();
+    let report = ProjectionReport {
+        profile: profile.name.clone(),
+        profile_devices: profile.device_count(),
+        devices_used: device_count,
+        spans: n,
+        options: *options,
+        measured: timeline.summary(),
+        projected,
+        by_kind,
+    };
+
+    let mut out = tl.clone();
+    for (i, s) in out.spans.iter_mut().enumerate() {
+        s.start_ns = us_to_ns(start[i]);
+        s.dur_ns = us_to_ns(end[i]).saturating_sub(s.start_ns);
+    }
+    out.meta
+        .insert("projected_onto".to_owned(), profile.name.clone());
+    Ok(Projection {
+        report,
+        timeline: out,
+    })
+}
+
+/// Modelled duration of a non-collective span.
+fn span_cost(model: &CostModel<'_>, s: &Span, device: Option<usize>) -> Result<f64, ProjectError> {
+    let need_device = || {
+        device.ok_or_else(|| ProjectError::NoDevice {
+            span: s.id,
+            name: s.name.clone(),
+            kind: s.kind.label(),
+        })
+    };
+    match s.kind {
+        SpanKind::Compute => model.compute_us(
+            need_device()?,
+            s.flops,
+            s.bytes,
+            s.kernels,
+            s.family,
+            s.precision,
+        ),
+        SpanKind::DeviceToHost => model.d2h_us(need_device()?, s.bytes as f64),
+        SpanKind::HostToDevice => model.h2d_us(need_device()?, s.bytes as f64),
+        SpanKind::HostReduce => Ok(model.host_reduce_us(s.bytes as f64)),
+        SpanKind::Wait => Ok(0.0),
+        // Collectives are costed per unit by `collective_cost`.
+        SpanKind::Collective => Ok(0.0),
+    }
+}
+
+/// Cost of the collective a unit's members took part in.
+fn collective_cost(
+    model: &CostModel<'_>,
+    profile: &HostProfile,
+    spans: &[Span],
+    unit: &[usize],
+    devices: &[Option<usize>],
+    options: &ProjectOptions,
+) -> Result<f64, ProjectError> {
+    let first = &spans[unit[0]];
+    let info: &CollectiveInfo =
+        first
+            .collective
+            .as_ref()
+            .ok_or_else(|| ProjectError::NotACollective {
+                span: first.id,
+                name: first.name.clone(),
+            })?;
+    let recorded =
+        Algorithm::parse(&info.algorithm).ok_or_else(|| ProjectError::UnknownAlgorithm {
+            span: first.id,
+            name: first.name.clone(),
+            algorithm: info.algorithm.clone(),
+        })?;
+    // Participants: the recorded members' devices, topped up with the lowest free indices
+    // when fewer participants recorded a span than the collective had.
+    let mut parts: BTreeSet<usize> = unit.iter().filter_map(|&m| devices[m]).collect();
+    let wanted = (info.participants as usize).max(parts.len());
+    let mut next = 0;
+    while parts.len() < wanted {
+        parts.insert(next);
+        next += 1;
+    }
+    let parts: Vec<usize> = parts.into_iter().collect();
+    if let Some(&max) = parts.last() {
+        if max >= profile.device_count() {
+            return Err(ProjectError::TooFewDevices {
+                profile: profile.name.clone(),
+                device: max,
+                available: profile.device_count(),
+            });
+        }
+    }
+    let cost = |alg| model.collective_us(info.op, alg, &parts, first.bytes, info.chunks);
+    match options.collectives {
+        CollectivePolicy::AsRecorded => cost(recorded),
+        CollectivePolicy::Best => Ok(cost(Algorithm::HostStaged)?.min(cost(Algorithm::Ring)?)),
+    }
+}
+
+fn check_same_collective(group: u64, first: &Span, other: &Span) -> Result<(), ProjectError> {
+    let same = match (&first.collective, &other.collective) {
+        (Some(a), Some(b)) => {
+            a.op == b.op
+                && a.algorithm == b.algorithm
+                && a.participants == b.participants
+                && a.chunks == b.chunks
+                && first.bytes == other.bytes
+                && first.kind == other.kind
+        }
+        _ => false,
+    };
+    if same {
+        Ok(())
+    } else {
+        Err(ProjectError::MixedGroup {
+            group,
+            first: first.id,
+            span: other.id,
+            name: other.name.clone(),
+        })
+    }
+}
+
+fn resource_of(s: &Span, device: Option<usize>, profile: &HostProfile) -> Resource {
+    let uplink = device.and_then(|d| profile.uplink_of(d));
+    match (&s.track, s.kind, uplink) {
+        (Track::DeviceToHost(_), SpanKind::DeviceToHost, Some(uplink)) => Resource::Uplink {
+            to_device: false,
+            uplink,
+        },
+        (Track::HostToDevice(_), SpanKind::HostToDevice, Some(uplink)) => Resource::Uplink {
+            to_device: true,
+            uplink,
+        },
+        _ => Resource::Track(s.track.clone()),
+    }
+}
+
+/// Extra time on a dependency edge: a device-to-host copy on one node feeding a
+/// host-to-device copy on another crosses the network once.
+fn network_hop_us(
+    profile: &HostProfile,
+    from: &Span,
+    from_device: Option<usize>,
+    to: &Span,
+    to_device: Option<usize>,
+) -> f64 {
+    match (from.kind, to.kind, from_device, to_device, &profile.network) {
+        (SpanKind::DeviceToHost, SpanKind::HostToDevice, Some(a), Some(b), Some(net))
+            if profile.node_of(a) != profile.node_of(b) =>
+        {
+            net.link().time_us(to.bytes as f64)
+        }
+        _ => 0.0,
+    }
+}

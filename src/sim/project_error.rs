@@ -1,0 +1,86 @@
+//! Errors from projecting a timeline onto a profile.
+
+use crate::trace::{SpanId, TraceError};
+
+/// Why a timeline cannot be projected onto a profile.
+#[derive(Debug, thiserror::Error)]
+pub enum ProjectError {
+    /// The timeline itself is inconsistent.
+    #[error("timeline: {0}")]
+    Trace(#[from] TraceError),
+    /// The timeline uses more devices than the profile has.
+    #[error(
+        "the timeline uses device {device}, but profile `{profile}` has only {available} devices"
+    )]
+    TooFewDevices {
+        /// Profile name.
+        profile: String,
+        /// Highest device index used (or needed by a collective's participant count).
+        device: usize,
+        /// Devices in the profile.
+        available: usize,
+    },
+    /// A span that runs on a device names none (and its track does not imply one).
+    #[error("span {span} ({name}) is a {kind} span without a device")]
+    NoDevice {
+        /// The span.
+        span: SpanId,
+        /// Its name.
+        name: String,
+        /// Its kind label.
+        kind: &'static str,
+    },
+    /// A collective span without collective attributes.
+    #[error("span {span} ({name}) is a collective span without op/algorithm attributes")]
+    NotACollective {
+        /// The span.
+        span: SpanId,
+        /// Its name.
+        name: String,
+    },
+    /// The recorded algorithm has no cost model.
+    #[error(
+        "span {span} ({name}): unknown collective algorithm `{algorithm}` \
+         (known: host-staged, ring)"
+    )]
+    UnknownAlgorithm {
+        /// The span.
+        span: SpanId,
+        /// Its name.
+        name: String,
+        /// The algorithm as recorded.
+        algorithm: String,
+    },
+    /// Spans of one collective group disagree on what the collective is.
+    #[error(
+        "collective group {group}: span {span} ({name}) records a different op, algorithm, \
+         size or participant count than span {first}"
+    )]
+    MixedGroup {
+        /// The group.
+        group: u64,
+        /// First member.
+        first: SpanId,
+        /// The member that disagrees.
+        span: SpanId,
+        /// Its name.
+        name: String,
+    },
+    /// A collective spans nodes but the profile has no network.
+    #[error("a collective spans {nodes} nodes but profile `{profile}` has no [network]")]
+    NoNetwork {
+        /// Profile name.
+        profile: String,
+        /// Nodes spanned.
+        nodes: usize,
+    },
+    /// Dependencies, track order and collective groups form a cycle (e.g. two devices that
+    /// recorded the same two collectives in opposite orders).
+    #[error("span {span} ({name}) waits on itself through dependencies, track order or a collective group")]
+    Cycle {
+        /// A span on the cycle.
+        span: SpanId,
+        /// Its name.
+        name: String,
+    },
+}

@@ -1,0 +1,24 @@
+//! Timelines of a run: what each device, link and the host did, and when.
+//!
+//! Engines and the comm layer record [`Span`]s through a shared [`Recorder`] as they run; the
+//! resulting [`Timeline`] is summarised ([`Summary`]), exported as a Chrome trace
+//! ([`Timeline::to_chrome_trace`]) and replayed on host profiles by [`crate::sim`].
+
+mod attrs;
+mod chrome;
+mod error;
+mod recorder;
+mod span;
+mod summary;
+mod timeline;
+
+pub use attrs::SpanAttrs;
+pub use chrome::TRACE_FORMAT_VERSION;
+pub use error::TraceError;
+pub use recorder::Recorder;
+pub use span::{
+    CollectiveInfo, CollectiveOp, KernelFamily, Precision, Span, SpanId, SpanKind, Track,
+};
+pub use summary::{DeviceSummary, Interval, Summary};
+pub(crate) use timeline::us_to_ns;
+pub use timeline::Timeline;
