@@ -4,6 +4,7 @@
 //! Layers, top to bottom: engines (`engine`) -> model blocks (`model`) and collectives (`comm`)
 //! -> kernels (`kernels`, `shaders/*.wgsl`) -> devices (`device`). See `docs/ARCHITECTURE.md`.
 
+pub mod comm;
 pub mod device;
 pub mod error;
 pub mod kernels;
