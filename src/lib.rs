@@ -6,6 +6,7 @@
 //! (`trace`) is recorded as engines run; the simulator (`sim`) replays it on host profiles.
 //! See `docs/ARCHITECTURE.md`.
 
+pub mod comm;
 pub mod device;
 pub mod error;
 pub mod kernels;

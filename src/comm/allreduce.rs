@@ -1,0 +1,145 @@
+//! All-reduce (sum): every device ends with the element-wise sum of all devices' tensors.
+//! f32 is summed in f32; f16 is accumulated in f32 and rounded once.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use wgpu::WriteOnly;
+
+use super::collectives::{
+    check_devices, check_dtypes, check_lens, chunk_elems, verify_devices, Collectives, RunSpec,
+};
+use super::config::Algorithm;
+use super::error::CommError;
+use super::pipeline::{ceil4, Plan, Span, TensorRef};
+use super::reduce::sum_into;
+use super::stats::CollectiveOp;
+use crate::device::{DType, Gpu, Tensor};
+use crate::error::Result;
+
+/// Chunk k covers elements `k*chunk ..` of every tensor; every member downloads it and receives
+/// the sum back in place.
+pub(crate) struct AllReducePlan {
+    dtype: DType,
+    len: usize,
+    chunk: usize,
+}
+
+impl AllReducePlan {
+    fn range(&self, k: usize) -> Range<usize> {
+        let a = k * self.chunk;
+        a..(a + self.chunk).min(self.len)
+    }
+
+    fn span(&self, k: usize) -> Span {
+        let r = self.range(k);
+        let eb = self.dtype.size() as u64;
+        Span {
+            buf: 0,
+            offset: r.start as u64 * eb,
+            len: ceil4(r.len() as u64 * eb),
+        }
+    }
+}
+
+impl Plan for AllReducePlan {
+    fn steps(&self) -> usize {
+        self.len.div_ceil(self.chunk)
+    }
+
+    fn downloads(&self, k: usize, _m: usize, out: &mut Vec<Span>) {
+        out.push(self.span(k));
+    }
+
+    fn uploads(&self, k: usize, _m: usize, out: &mut Vec<Span>) {
+        out.push(self.span(k));
+    }
+
+    fn out_elems(&self, k: usize) -> usize {
+        self.range(k).len()
+    }
+
+    fn elem_bytes(&self) -> usize {
+        self.dtype.size()
+    }
+
+    fn host(
+        &self,
+        _k: usize,
+        part: Range<usize>,
+        inputs: &[&[u8]],
+        outputs: &mut [WriteOnly<'_, [u8]>],
+    ) {
+        let eb = self.dtype.size();
+        let ins: Vec<&[u8]> = inputs
+            .iter()
+            .map(|i| &i[part.start * eb..part.end * eb])
+            .collect();
+        sum_into(self.dtype, part.len(), &ins, outputs);
+    }
+}
+
+impl Collectives {
+    /// Sums the tensors element-wise, in place: afterwards every tensor holds the sum. Each
+    /// tensor must live on its own device (the `Gpu` it is paired with); all have the same
+    /// length and dtype (f32, or f16 accumulated in f32). One part is a no-op that still checks
+    /// its argument. Uses the configured algorithm.
+    pub fn all_reduce(&self, parts: &[(&Gpu, &Tensor)]) -> Result<()> {
+        self.all_reduce_with(parts, self.config().algorithm)
+    }
+
+    /// [`all_reduce`](Self::all_reduce) with an explicit algorithm for this call.
+    pub fn all_reduce_with(&self, parts: &[(&Gpu, &Tensor)], algorithm: Algorithm) -> Result<()> {
+        let gpus: Vec<&Gpu> = parts.iter().map(|p| p.0).collect();
+        let tensors: Vec<TensorRef> = parts.iter().map(|p| TensorRef::of(p.1)).collect();
+        Ok(self.all_reduce_refs(&gpus, &tensors, Some(algorithm), "tensor")?)
+    }
+
+    pub(crate) fn all_reduce_refs(
+        &self,
+        gpus: &[&Gpu],
+        tensors: &[TensorRef],
+        algorithm: Option<Algorithm>,
+        who: &str,
+    ) -> std::result::Result<(), CommError> {
+        const OP: &str = "all_reduce";
+        let start = Instant::now();
+        let refs: Vec<&TensorRef> = tensors.iter().collect();
+        let checked = (|| {
+            check_devices(OP, who, gpus)?;
+            let dtype = check_dtypes(OP, who, gpus, &refs, &[DType::F32, DType::F16])?;
+            let len = check_lens(OP, who, "tensor", gpus, &refs)?;
+            Ok::<_, CommError>((dtype, len))
+        })();
+        let (dtype, len) = match checked {
+            Ok(v) => v,
+            Err(e) => return Err(self.fail(CollectiveOp::AllReduce, gpus, &refs, start, e)),
+        };
+        let bytes = (len * dtype.size()) as u64;
+        if gpus.len() == 1 || len == 0 {
+            let bufs: Vec<&wgpu::Buffer> = tensors.iter().map(|t| &t.buffer).collect();
+            let r = verify_devices(OP, gpus, &bufs);
+            self.record_local(
+                CollectiveOp::AllReduce,
+                gpus,
+                dtype,
+                bytes,
+                start,
+                r.as_ref().err(),
+            );
+            return r;
+        }
+        let algorithm = self.resolve(algorithm, bytes);
+        let chunk = chunk_elems(self.budget(algorithm), dtype.size() as u64, 0);
+        self.run(RunSpec {
+            op: CollectiveOp::AllReduce,
+            gpus: gpus.to_vec(),
+            bufs: tensors.iter().map(|t| vec![t.buffer.clone()]).collect(),
+            plan: Arc::new(AllReducePlan { dtype, len, chunk }),
+            algorithm,
+            dtype,
+            bytes,
+        })
+    }
+}

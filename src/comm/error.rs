@@ -1,0 +1,145 @@
+//! Errors of the comm layer. They are `Clone` so that one failure can be handed to every rank of
+//! a rank-per-thread collective; each converts into a [`WgparError`] at the public boundary.
+
+use thiserror::Error;
+
+use crate::error::WgparError;
+
+/// What went wrong in a transfer or collective.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum CommError {
+    /// Tensors that do not fit together (lengths, dtypes, counts of participants).
+    #[error("{op}: {detail}")]
+    Mismatch {
+        /// The operation, e.g. `all_reduce`.
+        op: String,
+        /// What did not fit, with the numbers.
+        detail: String,
+    },
+    /// A tensor was handed over with a `Gpu` it does not belong to.
+    #[error("{op}: tensor {index} is not on {device}: {detail}")]
+    WrongDevice {
+        /// The operation.
+        op: String,
+        /// Position of the tensor in the call (or the rank).
+        index: usize,
+        /// The device it was said to live on.
+        device: String,
+        /// The driver's account of the mismatch.
+        detail: String,
+    },
+    /// An invalid option or argument that is not about tensor shapes.
+    #[error("{0}")]
+    Config(String),
+    /// wgpu reported an error while the comm layer was using a device.
+    #[error("{op} on {device}: {message}")]
+    Gpu {
+        /// The operation.
+        op: String,
+        /// Device description.
+        device: String,
+        /// wgpu's message.
+        message: String,
+    },
+    /// A device did not finish a transfer in time.
+    #[error("{op} on {device}: the GPU did not finish within {secs:.1} s")]
+    GpuTimeout {
+        /// The operation.
+        op: String,
+        /// Device description.
+        device: String,
+        /// The limit that passed.
+        secs: f64,
+    },
+    /// The communicator was aborted: a rank failed, left or timed out. Every later call fails.
+    #[error("communicator aborted: {reason}")]
+    Aborted {
+        /// Why, naming the rank.
+        reason: String,
+    },
+    /// A rank waited longer than the rendezvous timeout for the others.
+    #[error(
+        "{op} #{seq}: rank {rank} waited {secs:.1} s for rank(s) {missing:?} to arrive; \
+         aborting the communicator"
+    )]
+    Timeout {
+        /// The operation.
+        op: String,
+        /// Collective sequence number.
+        seq: u64,
+        /// The rank that gave up.
+        rank: usize,
+        /// Seconds waited.
+        secs: f64,
+        /// The ranks that never arrived.
+        missing: Vec<usize>,
+    },
+}
+
+impl CommError {
+    pub(crate) fn mismatch(op: &str, detail: impl Into<String>) -> Self {
+        Self::Mismatch {
+            op: op.to_string(),
+            detail: detail.into(),
+        }
+    }
+
+    pub(crate) fn gpu(op: &str, device: &str, message: impl Into<String>) -> Self {
+        Self::Gpu {
+            op: op.to_string(),
+            device: device.to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+impl From<CommError> for WgparError {
+    fn from(e: CommError) -> Self {
+        match e {
+            CommError::Mismatch { op, detail } => WgparError::Shape { op, detail },
+            e @ CommError::WrongDevice { .. } => WgparError::Shape {
+                op: "comm".into(),
+                detail: e.to_string(),
+            },
+            CommError::Config(message) => WgparError::Config(message),
+            CommError::Gpu {
+                op,
+                device,
+                message,
+            } => WgparError::Gpu {
+                device,
+                message: format!("{op}: {message}"),
+            },
+            e @ (CommError::GpuTimeout { .. }
+            | CommError::Aborted { .. }
+            | CommError::Timeout { .. }) => WgparError::Worker {
+                worker: "communicator".into(),
+                message: e.to_string(),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mismatch_becomes_shape_error_with_numbers() {
+        let e: WgparError =
+            CommError::mismatch("all_reduce", "tensor 1 has 7 elements, tensor 0 has 8").into();
+        let text = e.to_string();
+        assert!(text.contains("all_reduce") && text.contains('7') && text.contains('8'));
+        assert!(matches!(e, WgparError::Shape { .. }));
+    }
+
+    #[test]
+    fn abort_becomes_worker_error() {
+        let e: WgparError = CommError::Aborted {
+            reason: "rank 2 (gpu2) panicked".into(),
+        }
+        .into();
+        assert!(matches!(e, WgparError::Worker { .. }));
+        assert!(e.to_string().contains("rank 2"));
+    }
+}

@@ -1,0 +1,169 @@
+//! Host-side kernels of the collectives: element-wise sums (accumulated in f32) and plain
+//! copies, from mapped download buffers into mapped upload buffers.
+//!
+//! They work in L1-sized blocks: a block of the sum is built once and then written to every
+//! destination, so each input byte is read once and each output byte written once. Inputs are
+//! summed in rank order, so every algorithm and chunking gives bit-identical results (and the
+//! CPU reference in the tests does the same).
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use wgpu::WriteOnly;
+
+use crate::device::DType;
+
+/// Elements per block: 4 KiB of f32 accumulators.
+const BLOCK: usize = 1024;
+
+/// Writes `count` sums `inputs[0][j] + inputs[1][j] + ...` (elements of `dtype`, starting at byte
+/// 0 of every input) to the start of every output.
+pub(crate) fn sum_into(
+    dtype: DType,
+    count: usize,
+    inputs: &[&[u8]],
+    outputs: &mut [WriteOnly<'_, [u8]>],
+) {
+    let size = dtype.size();
+    let mut acc = [0f32; BLOCK];
+    let mut tmp = [0f32; BLOCK];
+    let mut halves = [f16::ZERO; BLOCK];
+    let mut start = 0;
+    while start < count {
+        let len = BLOCK.min(count - start);
+        let bytes = start * size..(start + len) * size;
+        let acc = &mut acc[..len];
+        for (i, input) in inputs.iter().enumerate() {
+            let src = &input[bytes.clone()];
+            if i == 0 {
+                load(dtype, src, acc);
+            } else {
+                let tmp = &mut tmp[..len];
+                load(dtype, src, tmp);
+                for (a, t) in acc.iter_mut().zip(tmp.iter()) {
+                    *a += *t;
+                }
+            }
+        }
+        let out: &[u8] = match dtype {
+            DType::F16 => {
+                let h = &mut halves[..len];
+                h.convert_from_f32_slice(acc);
+                bytemuck::cast_slice(h)
+            }
+            _ => bytemuck::cast_slice(acc),
+        };
+        for o in outputs.iter_mut() {
+            o.slice(bytes.clone()).copy_from_slice(out);
+        }
+        start += len;
+    }
+}
+
+/// Decodes `dst.len()` elements of `dtype` from `src` into f32.
+fn load(dtype: DType, src: &[u8], dst: &mut [f32]) {
+    match dtype {
+        DType::F16 => match bytemuck::try_cast_slice::<u8, f16>(src) {
+            Ok(h) => h.convert_to_f32_slice(dst),
+            Err(_) => {
+                for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                    *d = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+        },
+        _ => match bytemuck::try_cast_slice::<u8, f32>(src) {
+            Ok(f) => dst.copy_from_slice(f),
+            Err(_) => {
+                for (d, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                    *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+        },
+    }
+}
+
+/// Writes `src` at byte `offset` of every output.
+pub(crate) fn copy_into(src: &[u8], offset: usize, outputs: &mut [WriteOnly<'_, [u8]>]) {
+    for o in outputs.iter_mut() {
+        o.slice(offset..offset + src.len()).copy_from_slice(src);
+    }
+}
+
+/// CPU reference of the sum, in the same order and precision as [`sum_into`]: what tests and the
+/// benchmark compare against.
+pub fn reference_sum(dtype: DType, inputs: &[Vec<f32>]) -> Vec<f32> {
+    let Some(first) = inputs.first() else {
+        return Vec::new();
+    };
+    let mut acc: Vec<f32> = first.clone();
+    for input in &inputs[1..] {
+        for (a, x) in acc.iter_mut().zip(input) {
+            *a += *x;
+        }
+    }
+    if dtype == DType::F16 {
+        for a in &mut acc {
+            *a = f16::from_f32(*a).to_f32();
+        }
+    }
+    acc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_sum(dtype: DType, inputs: &[Vec<f32>]) -> Vec<f32> {
+        let encode = |v: &Vec<f32>| -> Vec<u8> {
+            match dtype {
+                DType::F16 => v
+                    .iter()
+                    .flat_map(|x| f16::from_f32(*x).to_le_bytes())
+                    .collect(),
+                _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            }
+        };
+        let raw: Vec<Vec<u8>> = inputs.iter().map(encode).collect();
+        let views: Vec<&[u8]> = raw.iter().map(|v| v.as_slice()).collect();
+        let count = inputs[0].len();
+        let mut a = vec![0u8; count * dtype.size()];
+        let mut b = vec![0u8; count * dtype.size()];
+        {
+            let mut outs = [WriteOnly::from(&mut a[..]), WriteOnly::from(&mut b[..])];
+            sum_into(dtype, count, &views, &mut outs);
+        }
+        assert_eq!(a, b);
+        match dtype {
+            DType::F16 => a
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            _ => bytemuck::pod_collect_to_vec(&a),
+        }
+    }
+
+    #[test]
+    fn sums_match_reference_across_block_edges() {
+        for dtype in [DType::F32, DType::F16] {
+            let inputs: Vec<Vec<f32>> = (0..3)
+                .map(|r| {
+                    (0..2500)
+                        .map(|i| ((i * 7 + r * 13) % 29) as f32 * 0.25 - 3.0)
+                        .collect()
+                })
+                .collect();
+            // The reference takes values as they are stored.
+            let stored: Vec<Vec<f32>> = inputs
+                .iter()
+                .map(|v| {
+                    v.iter()
+                        .map(|x| match dtype {
+                            DType::F16 => f16::from_f32(*x).to_f32(),
+                            _ => *x,
+                        })
+                        .collect()
+                })
+                .collect();
+            assert_eq!(run_sum(dtype, &inputs), reference_sum(dtype, &stored));
+        }
+    }
+}
