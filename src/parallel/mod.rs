@@ -1,13 +1,61 @@
 //! Engines: run a model's forward pass on one device or across several. Every engine has the
 //! same prefill/decode interface, so the CLI, the benchmarks and the tests treat them alike.
 
+pub mod cost;
 mod single;
+mod tp;
+mod worker;
 
 use std::time::Instant;
 
 pub use single::SingleEngine;
+pub use tp::TensorParallelEngine;
 
 use crate::error::{Result, WgparError};
+use crate::trace::Recorder;
+
+/// Accounting of one prefill or decode step.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct StepStats {
+    /// New tokens in the step (all sequences).
+    pub tokens: usize,
+    /// Wall time of the step, seconds.
+    pub wall_s: f64,
+    /// Time a device spent computing (mean over devices), seconds.
+    pub compute_s: f64,
+    /// Time a device spent in collectives or transfers (mean over devices), seconds.
+    pub comm_s: f64,
+    /// Collectives (or hand-offs) per device in the step.
+    pub collectives: usize,
+    /// Bytes one device sent to the host in the step.
+    pub bytes_sent: u64,
+    /// Bytes one device received from the host in the step.
+    pub bytes_received: u64,
+}
+
+impl StepStats {
+    /// Communication as a share of compute + communication.
+    pub fn comm_share(&self) -> f64 {
+        let total = self.compute_s + self.comm_s;
+        if total > 0.0 {
+            self.comm_s / total
+        } else {
+            0.0
+        }
+    }
+
+    /// The per-token line: compute ms, transfer ms, bytes sent/received per token.
+    pub fn per_token_line(&self) -> String {
+        let t = self.tokens.max(1) as f64;
+        format!(
+            "per token: compute {:.3} ms, transfer {:.3} ms, sent {:.0} B, received {:.0} B",
+            self.compute_s * 1e3 / t,
+            self.comm_s * 1e3 / t,
+            self.bytes_sent as f64 / t,
+            self.bytes_received as f64 / t
+        )
+    }
+}
 
 /// Last-token logits of each sequence, `[batch][vocab]`.
 #[derive(Debug, Clone, PartialEq)]
@@ -73,6 +121,12 @@ pub trait Engine {
 
     /// Appends one token per sequence; returns the new logits.
     fn decode(&mut self, tokens: &[u32]) -> Result<Logits>;
+
+    /// Accounting of the last prefill or decode step.
+    fn last_step(&self) -> Option<StepStats>;
+
+    /// Records spans of every later step into `recorder` (a disabled recorder turns it off).
+    fn set_recorder(&mut self, recorder: Recorder);
 }
 
 /// Checks a batch of prompts: non-empty, equal lengths. Returns (batch, seq).

@@ -1,11 +1,13 @@
 //! The single-device engine: the whole model on one `Gpu`.
 
 use std::sync::Arc;
+use std::time::Instant;
 
-use super::{prompt_shape, Engine, Logits};
+use super::{cost, prompt_shape, Engine, Logits, StepStats};
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::model::{Activations, GpuModel, KvCache, ModelWeights, Placement, Step};
+use crate::trace::{KernelFamily, Recorder, SpanAttrs};
 
 /// The whole model on one device, with its KV cache.
 pub struct SingleEngine {
@@ -14,6 +16,8 @@ pub struct SingleEngine {
     kv: Option<KvCache>,
     batch: usize,
     past: usize,
+    last: Option<StepStats>,
+    recorder: Recorder,
 }
 
 impl SingleEngine {
@@ -26,6 +30,8 @@ impl SingleEngine {
             kv: None,
             batch: 0,
             past: 0,
+            last: None,
+            recorder: Recorder::disabled(),
         })
     }
 
@@ -40,6 +46,7 @@ impl SingleEngine {
         };
         let m = &self.model;
         m.write_ids(act, ids)?;
+        let start = Instant::now();
         let mut enc = m.gpu().encoder();
         m.embed(&mut enc, act, &step)?;
         for i in 0..m.num_layers() {
@@ -57,6 +64,34 @@ impl SingleEngine {
         let vocab = m.config().vocab;
         let mut data = m.gpu().read_f32(logits)?;
         data.truncate(step.batch * vocab);
+        let end = Instant::now();
+        let c = m.config();
+        let placement = m.placement();
+        let work = cost::total(
+            c,
+            &placement.shard,
+            m.num_layers(),
+            &step,
+            m.weight_dtype(),
+            true,
+            true,
+        );
+        let dev = m.gpu().ordinal() as u32;
+        // One span: the whole step is one submit, with no point where the host could time a
+        // layer without adding a synchronisation the single-device path does not need.
+        self.recorder.record_with(start, end, || {
+            SpanAttrs::compute("forward", dev)
+                .flops(work.flops)
+                .bytes(work.bytes)
+                .family(KernelFamily::Matmul)
+                .kernels((m.num_layers() * 16 + 4) as u32)
+        });
+        self.last = Some(StepStats {
+            tokens: step.tokens(),
+            wall_s: (end - start).as_secs_f64(),
+            compute_s: (end - start).as_secs_f64(),
+            ..Default::default()
+        });
         self.past += step.seq;
         Ok(Logits {
             batch: step.batch,
@@ -111,5 +146,17 @@ impl Engine for SingleEngine {
             past: self.past,
         };
         self.forward(tokens, step)
+    }
+
+    fn last_step(&self) -> Option<StepStats> {
+        self.last.clone()
+    }
+
+    fn set_recorder(&mut self, recorder: Recorder) {
+        recorder.label_device(
+            self.model.gpu().ordinal() as u32,
+            self.model.gpu().describe(),
+        );
+        self.recorder = recorder;
     }
 }
