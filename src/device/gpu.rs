@@ -3,8 +3,6 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use wgpu::util::DeviceExt;
-
 use super::adapter::AdapterDesc;
 use super::tensor::{padded_bytes, DType, Tensor};
 use crate::error::{Result, WgparError};
@@ -144,6 +142,8 @@ impl Gpu {
 
     /// Returns the first GPU error captured since the last check, or device loss.
     pub fn check(&self) -> Result<()> {
+        // A non-blocking poll runs any pending device-lost callback first.
+        let _ = self.device.poll(wgpu::PollType::Poll);
         if let Some(reason) = self.lost.lock().ok().and_then(|l| l.clone()) {
             return Err(WgparError::DeviceLost {
                 device: self.describe(),
@@ -238,13 +238,16 @@ impl Gpu {
             v.resize(padded, 0);
             v.into()
         };
-        let buffer = self
-            .device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some(what),
-                contents: &contents,
-                usage: Self::storage_usage(),
-            });
+        // create + write rather than create_buffer_init: the latter maps at creation and panics
+        // inside wgpu when the device has been lost; a queued write just fails quietly and the
+        // loss surfaces through `check`.
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(what),
+            size: padded as u64,
+            usage: Self::storage_usage(),
+            mapped_at_creation: false,
+        });
+        self.queue.write_buffer(&buffer, 0, &contents);
         self.bytes_allocated.fetch_add(padded, Ordering::Relaxed);
         Ok(Tensor::from_buffer(buffer, dtype, len))
     }
@@ -381,12 +384,15 @@ impl Gpu {
     /// A small uniform buffer holding `params` (kernel shapes). Created per dispatch: it is a
     /// few bytes, and per-dispatch buffers keep every recorded command independent.
     pub fn uniform<T: bytemuck::Pod>(&self, params: &T) -> wgpu::Buffer {
-        self.device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some("params"),
-                contents: bytemuck::bytes_of(params),
-                usage: wgpu::BufferUsages::UNIFORM,
-            })
+        let bytes = bytemuck::bytes_of(params);
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("params"),
+            size: padded_bytes(bytes.len() as u64),
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.queue.write_buffer(&buffer, 0, bytes);
+        buffer
     }
 }
 

@@ -2,12 +2,18 @@
 //! same prefill/decode interface, so the CLI, the benchmarks and the tests treat them alike.
 
 pub mod cost;
+pub mod partition;
+mod pp;
 mod single;
 mod tp;
 mod worker;
 
 use std::time::Instant;
 
+pub use partition::{partition, Partition, StageCost};
+pub use pp::{
+    split_groups, Fault, FaultKind, PipelineEngine, PipelineStats, Request, Response, StageStats,
+};
 pub use single::SingleEngine;
 pub use tp::TensorParallelEngine;
 

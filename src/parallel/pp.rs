@@ -1,0 +1,974 @@
+//! Pipeline parallelism: the layers split into stages, one OS thread per stage owning its
+//! device, layers and KV caches. Activations move between stages as host bytes over bounded
+//! crossbeam channels (device -> host on one stage, host -> device on the next). A stage submits
+//! micro-batch k+1's compute before it finishes k's download and hands it on (double
+//! buffering), so the hand-off overlaps the next compute.
+//!
+//! Schedules: GPipe fill-drain (`prefill`/`decode` split the batch into micro-batches), and a
+//! continuous stream of requests ([`PipelineEngine::serve`]) in which each request (a group
+//! of sequences) moves on to its next decode step as soon as its logits return, so generation
+//! keeps the pipeline full too.
+//!
+//! Failure: a stage whose job errors or panics (or whose device is lost) reports an error
+//! naming itself and stops; its neighbours see the closed channels and stop; the driver
+//! returns the first error. Every thread is joined when the engine is dropped.
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam::channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use serde::Serialize;
+
+use super::partition::{partition, Partition};
+use super::{cost, prompt_shape, Engine, Generation, Logits, StepStats};
+use crate::comm::{Collectives, CommConfig, PendingDownload};
+use crate::device::{DType, Gpu};
+use crate::error::{Result, WgparError};
+use crate::model::{
+    Activations, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec, Step,
+};
+use crate::trace::{KernelFamily, Recorder, SpanAttrs, SpanId};
+
+/// A failure to inject into a stage (for tests and demos of the failure path).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    /// The stage's job returns an error.
+    Error,
+    /// The stage's job panics.
+    Panic,
+    /// The stage's device is destroyed (device loss).
+    LoseDevice,
+}
+
+/// When and how a stage fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    /// Micro-batches the stage completes before failing.
+    pub after: usize,
+    /// What happens.
+    pub kind: FaultKind,
+}
+
+/// Per-stage accounting of a run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct StageStats {
+    /// Layers held.
+    pub layers: Range<usize>,
+    /// Device.
+    pub device: String,
+    /// Time computing (encode + GPU), seconds.
+    pub busy_s: f64,
+    /// Time in hand-offs (host -> device upload, device -> host download wait), seconds.
+    pub handoff_s: f64,
+    /// Bytes handed to the next stage (or logits read back on the last stage).
+    pub bytes_out: u64,
+    /// Micro-batches processed.
+    pub microbatches: usize,
+}
+
+/// Accounting of one pipeline run (a GPipe step or a served stream).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct PipelineStats {
+    /// Stages.
+    pub stages: Vec<StageStats>,
+    /// Micro-batches in the run (per stage).
+    pub microbatches: usize,
+    /// First input to last output, seconds.
+    pub makespan_s: f64,
+    /// 1 - sum(busy) / (p x makespan).
+    pub measured_bubble: f64,
+    /// (p - 1) / (m + p - 1).
+    pub theoretical_bubble: f64,
+    /// Makespan of a perfect pipeline with the measured per-micro-batch stage times:
+    /// sum(t_s) + (m - 1) max(t_s).
+    pub ideal_makespan_s: f64,
+    /// New tokens processed.
+    pub tokens: usize,
+}
+
+impl PipelineStats {
+    /// Measured throughput, tokens/s.
+    pub fn tokens_per_s(&self) -> f64 {
+        self.tokens as f64 / self.makespan_s
+    }
+
+    /// Throughput of the ideal pipeline, tokens/s.
+    pub fn ideal_tokens_per_s(&self) -> f64 {
+        self.tokens as f64 / self.ideal_makespan_s
+    }
+
+    /// Mean hand-off time and bytes per micro-batch at one stage boundary.
+    pub fn handoff_per_microbatch(&self) -> (f64, u64) {
+        let inner = &self.stages[..self.stages.len().saturating_sub(1)];
+        let m = self.microbatches.max(1);
+        if inner.is_empty() {
+            return (0.0, 0);
+        }
+        let secs = inner.iter().map(|s| s.handoff_s).sum::<f64>() / (inner.len() * m) as f64;
+        let bytes = inner.iter().map(|s| s.bytes_out).sum::<u64>() / (inner.len() * m) as u64;
+        (secs, bytes)
+    }
+}
+
+/// One request of a served stream: a group of equal-length prompts and how many tokens to
+/// generate for each.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Prompts (equal lengths).
+    pub prompts: Vec<Vec<u32>>,
+    /// Tokens to generate per prompt (>= 1; the first comes from the prefill).
+    pub max_new: usize,
+}
+
+/// A finished request.
+#[derive(Debug, Clone)]
+pub struct Response {
+    /// Index of the request.
+    pub request: usize,
+    /// Generated tokens per prompt.
+    pub tokens: Vec<Vec<u32>>,
+    /// Logits of every step (prefill first).
+    pub logits: Vec<Logits>,
+    /// Time from the start of the stream to the first token, seconds.
+    pub first_token_s: f64,
+    /// Time from the start of the stream to the last token, seconds.
+    pub done_s: f64,
+}
+
+struct Work {
+    group: usize,
+    ids: Arc<Vec<u32>>,
+    step: Step,
+    new_cache: bool,
+    release: bool,
+    hidden: Vec<u8>,
+    dep: SpanId,
+    recorder: Recorder,
+}
+
+struct Output {
+    group: usize,
+    batch: usize,
+    logits: Vec<f32>,
+}
+
+struct Pending {
+    work: Work,
+    download: PendingDownload,
+    started: Instant,
+    compute: SpanId,
+}
+
+struct Stage {
+    index: usize,
+    count: usize,
+    name: String,
+    model: GpuModel,
+    comm: Arc<Collectives>,
+    acts: HashMap<(usize, usize), Activations>,
+    caches: HashMap<usize, KvCache>,
+    input: Receiver<Work>,
+    next: Option<Sender<Work>>,
+    output: Sender<Result<Output>>,
+    stats: Arc<Mutex<Vec<StageStats>>>,
+    fault: Arc<Mutex<Vec<Option<Fault>>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic".into())
+}
+
+impl Stage {
+    fn is_last(&self) -> bool {
+        self.index + 1 == self.count
+    }
+
+    fn fail(&self, message: String) {
+        let _ = self.output.send(Err(WgparError::Worker {
+            worker: self.name.clone(),
+            message,
+        }));
+    }
+
+    /// The stage's thread: take work, overlap each micro-batch's compute with the previous
+    /// one's hand-off, stop at the first failure or when the input closes.
+    fn run(mut self) {
+        let mut pending: Option<Pending> = None;
+        loop {
+            let work = if pending.is_some() {
+                match self.input.try_recv() {
+                    Ok(w) => w,
+                    Err(TryRecvError::Empty) => {
+                        // Nothing to overlap with: hand the finished micro-batch on now.
+                        if let Err(e) = self.flush(&mut pending) {
+                            return self.fail(e.to_string());
+                        }
+                        continue;
+                    }
+                    Err(TryRecvError::Disconnected) => {
+                        let _ = self.flush(&mut pending);
+                        return;
+                    }
+                }
+            } else {
+                match self.input.recv() {
+                    Ok(w) => w,
+                    Err(_) => return,
+                }
+            };
+            let outcome = catch_unwind(AssertUnwindSafe(|| self.process(work, &mut pending)));
+            match outcome {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return self.fail(e.to_string()),
+                Err(payload) => return self.fail(format!("panicked: {}", panic_text(&*payload))),
+            }
+        }
+    }
+
+    fn inject_fault(&self) -> Result<()> {
+        let done = lock(&self.stats)[self.index].microbatches;
+        let fault = lock(&self.fault)[self.index];
+        match fault {
+            Some(f) if done >= f.after => match f.kind {
+                FaultKind::Error => Err(WgparError::Config("injected fault".into())),
+                FaultKind::Panic => panic!("injected panic"),
+                FaultKind::LoseDevice => {
+                    self.model.gpu().device().destroy();
+                    Ok(())
+                }
+            },
+            _ => Ok(()),
+        }
+    }
+
+    fn process(&mut self, work: Work, pending: &mut Option<Pending>) -> Result<()> {
+        self.inject_fault()?;
+        // A lost device is reported as such, before any call that would trip over it.
+        self.model.gpu().check()?;
+        let step = work.step;
+        if work.new_cache {
+            let cache = self.model.kv_cache(step.batch)?;
+            self.caches.insert(work.group, cache);
+        }
+        let key = (step.tokens(), step.batch);
+        if !self.acts.contains_key(&key) {
+            let act = self.model.activations(step.tokens(), step.batch)?;
+            self.acts.insert(key, act);
+        }
+        let (Some(act), Some(kv)) = (self.acts.get(&key), self.caches.get(&work.group)) else {
+            return Err(WgparError::Config(format!(
+                "micro-batch {} decoded before its prefill",
+                work.group
+            )));
+        };
+        let m = &self.model;
+        let gpu = m.gpu().clone();
+        let dev = gpu.ordinal() as u32;
+        let rec = work.recorder.clone();
+        let mb = work.group as u32;
+        let mut dep = work.dep;
+        let upload_start = Instant::now();
+        if self.index == 0 {
+            m.write_ids(act, &work.ids)?;
+        } else {
+            let want = step.tokens() * m.config().hidden * 4;
+            if work.hidden.len() != want {
+                return Err(WgparError::Shape {
+                    op: "pipeline hand-off".into(),
+                    detail: format!("received {} bytes, expected {want}", work.hidden.len()),
+                });
+            }
+            self.comm.upload(&gpu, &act.x, 0, &work.hidden)?;
+            let end = Instant::now();
+            lock(&self.stats)[self.index].handoff_s += (end - upload_start).as_secs_f64();
+            let bytes = work.hidden.len() as u64;
+            dep = rec.record_with(upload_start, end, || {
+                SpanAttrs::h2d("activations", dev, bytes)
+                    .microbatch(mb)
+                    .after(dep)
+            });
+        }
+        let start = Instant::now();
+        let mut enc = gpu.encoder();
+        if self.index == 0 {
+            m.embed(&mut enc, act, &step)?;
+        }
+        for i in 0..m.num_layers() {
+            m.attention(&mut enc, i, act, kv, &step)?;
+            m.attention_residual(&mut enc, i, act, &step)?;
+            m.mlp(&mut enc, i, act, &step)?;
+            m.mlp_residual(&mut enc, i, act, &step)?;
+        }
+        if self.is_last() {
+            m.head(&mut enc, act, &step)?;
+        }
+        gpu.submit(enc);
+        // Double buffering: the previous micro-batch's download was queued before this
+        // compute; finishing and sending it now overlaps this compute.
+        let flush_start = Instant::now();
+        self.flush(pending)?;
+        let flush_s = flush_start.elapsed().as_secs_f64();
+        gpu.wait()?;
+        let end = Instant::now();
+        let work_cost = cost::total(
+            m.config(),
+            &m.placement().shard,
+            m.num_layers(),
+            &step,
+            m.weight_dtype(),
+            self.index == 0,
+            self.is_last(),
+        );
+        let layers = m.placement().layers.clone();
+        let compute = rec.record_with(start, end, || {
+            SpanAttrs::compute(format!("layers {}..{}", layers.start, layers.end), dev)
+                .microbatch(mb)
+                .flops(work_cost.flops)
+                .bytes(work_cost.bytes)
+                .family(KernelFamily::Matmul)
+                .after(dep)
+        });
+        {
+            let mut stats = lock(&self.stats);
+            let s = &mut stats[self.index];
+            // The flush ran on this thread while the GPU computed; it is hand-off time, not
+            // compute.
+            s.busy_s += (end - start).as_secs_f64() - flush_s;
+            s.microbatches += 1;
+        }
+        let download = if self.is_last() {
+            let logits = act
+                .logits
+                .as_ref()
+                .ok_or_else(|| WgparError::Config("last stage has no logits buffer".into()))?;
+            self.comm
+                .begin_download_range(&gpu, logits, 0..step.batch * m.config().vocab)?
+        } else {
+            self.comm
+                .begin_download_range(&gpu, &act.x, 0..step.tokens() * m.config().hidden)?
+        };
+        if work.release {
+            self.caches.remove(&work.group);
+        }
+        *pending = Some(Pending {
+            work,
+            download,
+            started: Instant::now(),
+            compute,
+        });
+        Ok(())
+    }
+
+    /// Finishes the pending download and hands it to the next stage (or the driver).
+    fn flush(&self, pending: &mut Option<Pending>) -> Result<()> {
+        let Some(p) = pending.take() else {
+            return Ok(());
+        };
+        let wait_start = Instant::now();
+        let bytes = p.download.finish()?;
+        let end = Instant::now();
+        let dev = self.model.gpu().ordinal() as u32;
+        let n = bytes.len() as u64;
+        let mb = p.work.group as u32;
+        let d2h = p.work.recorder.record_with(p.started, end, || {
+            SpanAttrs::d2h(
+                if self.is_last() {
+                    "logits"
+                } else {
+                    "activations"
+                },
+                dev,
+                n,
+            )
+            .microbatch(mb)
+            .after(p.compute)
+        });
+        {
+            let mut stats = lock(&self.stats);
+            stats[self.index].handoff_s += (end - wait_start).as_secs_f64();
+            stats[self.index].bytes_out += n;
+        }
+        match &self.next {
+            Some(next) => next
+                .send(Work {
+                    hidden: bytes,
+                    dep: d2h,
+                    ..p.work
+                })
+                .map_err(|_| WgparError::Config("the next stage has stopped".into())),
+            None => {
+                let logits: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+                self.output
+                    .send(Ok(Output {
+                        group: p.work.group,
+                        batch: p.work.step.batch,
+                        logits,
+                    }))
+                    .map_err(|_| WgparError::Config("the driver has gone".into()))
+            }
+        }
+    }
+}
+
+/// The model split into pipeline stages, one thread per stage.
+pub struct PipelineEngine {
+    input: Option<Sender<Work>>,
+    output: Receiver<Result<Output>>,
+    threads: Vec<JoinHandle<()>>,
+    ranges: Vec<Range<usize>>,
+    labels: Vec<String>,
+    config: ModelConfig,
+    micro_batches: usize,
+    stats: Arc<Mutex<Vec<StageStats>>>,
+    faults: Arc<Mutex<Vec<Option<Fault>>>>,
+    groups: Vec<Range<usize>>,
+    group_past: Vec<usize>,
+    batch: usize,
+    last: Option<StepStats>,
+    last_run: Option<PipelineStats>,
+    failed: Option<String>,
+    recorder: Recorder,
+    timeout: Duration,
+}
+
+impl PipelineEngine {
+    /// Splits `weights` into one stage per device (`partition` decides the layers), stored as
+    /// `dtype`, and starts the stage threads. `micro_batches` is the GPipe split of a batch.
+    pub fn new(
+        gpus: &[Arc<Gpu>],
+        weights: &ModelWeights,
+        dtype: DType,
+        how: &Partition,
+        micro_batches: usize,
+        comm_config: CommConfig,
+    ) -> Result<Self> {
+        let config = weights.config.clone();
+        let p = gpus.len();
+        let ranges = partition(config.layers, p, how)?;
+        if micro_batches == 0 {
+            return Err(WgparError::Config(
+                "--micro-batches must be at least 1".into(),
+            ));
+        }
+        let comm = Arc::new(Collectives::new(comm_config)?);
+        let models: Vec<Result<GpuModel>> = std::thread::scope(|s| {
+            let handles: Vec<_> = gpus
+                .iter()
+                .zip(&ranges)
+                .enumerate()
+                .map(|(i, (gpu, layers))| {
+                    let placement = Placement {
+                        layers: layers.clone(),
+                        shard: ShardSpec::full(&config),
+                        embedding: i == 0,
+                        head: i + 1 == p,
+                    };
+                    s.spawn(move || GpuModel::upload(gpu.clone(), weights, placement, dtype))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(WgparError::Config("weight upload thread panicked".into()))
+                    })
+                })
+                .collect()
+        });
+        let models = models.into_iter().collect::<Result<Vec<_>>>()?;
+        let stats = Arc::new(Mutex::new(
+            ranges
+                .iter()
+                .zip(gpus)
+                .map(|(r, g)| StageStats {
+                    layers: r.clone(),
+                    device: g.describe(),
+                    ..Default::default()
+                })
+                .collect(),
+        ));
+        let faults = Arc::new(Mutex::new(vec![None; p]));
+        let (output_tx, output) = unbounded();
+        let (input, mut receiver) = bounded::<Work>(2);
+        let mut threads = Vec::new();
+        for (index, model) in models.into_iter().enumerate() {
+            let (next, next_rx) = if index + 1 < p {
+                let (tx, rx) = bounded::<Work>(2);
+                (Some(tx), Some(rx))
+            } else {
+                (None, None)
+            };
+            let name = format!(
+                "stage {index} ({}, layers {}..{})",
+                gpus[index].describe(),
+                ranges[index].start,
+                ranges[index].end
+            );
+            let stage = Stage {
+                index,
+                count: p,
+                name: name.clone(),
+                model,
+                comm: comm.clone(),
+                acts: HashMap::new(),
+                caches: HashMap::new(),
+                input: receiver,
+                next,
+                output: output_tx.clone(),
+                stats: stats.clone(),
+                fault: faults.clone(),
+            };
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("pp-stage-{index}"))
+                    .spawn(move || stage.run())
+                    .map_err(|e| WgparError::Worker {
+                        worker: name,
+                        message: format!("could not start thread: {e}"),
+                    })?,
+            );
+            receiver = match next_rx {
+                Some(rx) => rx,
+                None => bounded(0).1,
+            };
+        }
+        Ok(Self {
+            input: Some(input),
+            output,
+            threads,
+            ranges,
+            labels: gpus.iter().map(|g| g.label().to_string()).collect(),
+            config,
+            micro_batches,
+            stats,
+            faults,
+            groups: Vec::new(),
+            group_past: Vec::new(),
+            batch: 0,
+            last: None,
+            last_run: None,
+            failed: None,
+            recorder: Recorder::disabled(),
+            timeout: Duration::from_secs(120),
+        })
+    }
+
+    /// Layers of each stage.
+    pub fn stage_layers(&self) -> &[Range<usize>] {
+        &self.ranges
+    }
+
+    /// Changes the GPipe micro-batch count for later batches.
+    pub fn set_micro_batches(&mut self, m: usize) -> Result<()> {
+        if m == 0 {
+            return Err(WgparError::Config(
+                "--micro-batches must be at least 1".into(),
+            ));
+        }
+        self.micro_batches = m;
+        Ok(())
+    }
+
+    /// Makes `stage` fail as `fault` describes (tests and demos of the failure path).
+    pub fn inject_fault(&mut self, stage: usize, fault: Fault) -> Result<()> {
+        let mut faults = lock(&self.faults);
+        let slot = faults.get_mut(stage).ok_or_else(|| {
+            WgparError::Config(format!(
+                "no stage {stage} in a {}-stage pipeline",
+                self.ranges.len()
+            ))
+        })?;
+        *slot = Some(fault);
+        Ok(())
+    }
+
+    /// How long the driver waits for any output before declaring the pipeline stuck.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// Accounting of the last run.
+    pub fn last_run(&self) -> Option<&PipelineStats> {
+        self.last_run.as_ref()
+    }
+
+    fn check_alive(&self) -> Result<()> {
+        match &self.failed {
+            Some(why) => Err(WgparError::Worker {
+                worker: "pipeline".into(),
+                message: format!("stopped after an earlier failure: {why}"),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn reset_stats(&self) {
+        for s in lock(&self.stats).iter_mut() {
+            s.busy_s = 0.0;
+            s.handoff_s = 0.0;
+            s.bytes_out = 0;
+            s.microbatches = 0;
+        }
+    }
+
+    fn send(&mut self, work: Work) -> Result<()> {
+        let input = self
+            .input
+            .as_ref()
+            .ok_or_else(|| WgparError::Config("pipeline closed".into()))?;
+        if input.send(work).is_err() {
+            // Stage 0 is gone: its error (or the root cause further down) is in the output.
+            return Err(self.receive().err().unwrap_or_else(|| WgparError::Worker {
+                worker: "stage 0".into(),
+                message: "stopped".into(),
+            }));
+        }
+        Ok(())
+    }
+
+    fn receive(&mut self) -> Result<Output> {
+        let r = match self.output.recv_timeout(self.timeout) {
+            Ok(r) => r,
+            Err(RecvTimeoutError::Timeout) => Err(WgparError::Worker {
+                worker: "pipeline".into(),
+                message: format!("no stage produced output within {:?}", self.timeout),
+            }),
+            Err(RecvTimeoutError::Disconnected) => Err(WgparError::Worker {
+                worker: "pipeline".into(),
+                message: "every stage has stopped".into(),
+            }),
+        };
+        if let Err(e) = &r {
+            self.failed = Some(e.to_string());
+            // Close the input so every stage drains and stops.
+            self.input = None;
+        }
+        r
+    }
+
+    fn work(
+        &self,
+        group: usize,
+        ids: Vec<u32>,
+        step: Step,
+        new_cache: bool,
+        release: bool,
+    ) -> Work {
+        Work {
+            group,
+            ids: Arc::new(ids),
+            step,
+            new_cache,
+            release,
+            hidden: Vec::new(),
+            dep: SpanId::NONE,
+            recorder: self.recorder.clone(),
+        }
+    }
+
+    fn finish_run(&mut self, start: Instant, tokens: usize) {
+        let makespan_s = start.elapsed().as_secs_f64();
+        let stages = lock(&self.stats).clone();
+        let p = stages.len() as f64;
+        let m = stages.first().map_or(0, |s| s.microbatches);
+        let per_mb: Vec<f64> = stages
+            .iter()
+            .map(|s| (s.busy_s + s.handoff_s) / s.microbatches.max(1) as f64)
+            .collect();
+        let slowest = per_mb.iter().cloned().fold(0.0, f64::max);
+        let ideal = per_mb.iter().sum::<f64>() + (m.saturating_sub(1)) as f64 * slowest;
+        let busy: f64 = stages.iter().map(|s| s.busy_s).sum();
+        self.last = Some(StepStats {
+            tokens,
+            wall_s: makespan_s,
+            compute_s: busy / p,
+            comm_s: stages.iter().map(|s| s.handoff_s).sum::<f64>() / p,
+            collectives: m,
+            bytes_sent: stages.first().map_or(0, |s| s.bytes_out),
+            bytes_received: stages.first().map_or(0, |s| s.bytes_out),
+        });
+        self.last_run = Some(PipelineStats {
+            microbatches: m,
+            makespan_s,
+            measured_bubble: 1.0 - busy / (p * makespan_s),
+            theoretical_bubble: (p - 1.0) / (m as f64 + p - 1.0),
+            ideal_makespan_s: ideal,
+            tokens,
+            stages,
+        });
+    }
+
+    /// One GPipe step: every group's work in, every group's logits out, in group order.
+    fn gpipe(&mut self, steps: Vec<(Vec<u32>, Step)>, new_cache: bool) -> Result<Logits> {
+        self.check_alive()?;
+        self.reset_stats();
+        let start = Instant::now();
+        let tokens: usize = steps.iter().map(|(_, s)| s.tokens()).sum();
+        let n = steps.len();
+        for (g, (ids, step)) in steps.into_iter().enumerate() {
+            let w = self.work(g, ids, step, new_cache, false);
+            self.send(w)?;
+        }
+        let mut rows: Vec<Option<Vec<f32>>> = vec![None; n];
+        for _ in 0..n {
+            let out = self.receive()?;
+            let vocab = self.config.vocab;
+            let mut l = out.logits;
+            l.truncate(out.batch * vocab);
+            rows[out.group] = Some(l);
+        }
+        self.finish_run(start, tokens);
+        let data: Vec<f32> = rows.into_iter().flatten().flatten().collect();
+        Ok(Logits {
+            batch: self.batch,
+            vocab: self.config.vocab,
+            data,
+        })
+    }
+
+    /// Serves a stream of requests: each request enters the pipeline as soon as fewer than
+    /// `in_flight` requests are in it, and each in-flight request moves to its next decode
+    /// step as soon as its logits return. Greedy decoding.
+    pub fn serve(&mut self, requests: &[Request], in_flight: usize) -> Result<Vec<Response>> {
+        self.check_alive()?;
+        if in_flight == 0 {
+            return Err(WgparError::Config("in_flight must be at least 1".into()));
+        }
+        for r in requests {
+            prompt_shape(&r.prompts)?;
+            if r.max_new == 0 {
+                return Err(WgparError::Config("max_new must be at least 1".into()));
+            }
+        }
+        self.reset_stats();
+        let start = Instant::now();
+        let mut queue: VecDeque<usize> = (0..requests.len()).collect();
+        let mut past = vec![0usize; requests.len()];
+        let mut responses: Vec<Option<Response>> = vec![None; requests.len()];
+        let mut active = 0usize;
+        let mut done = 0usize;
+        let mut tokens = 0usize;
+        let vocab = self.config.vocab;
+        // Group ids are request indices: each request owns its KV caches on every stage.
+        let admit =
+            |this: &mut Self, active: &mut usize, queue: &mut VecDeque<usize>| -> Result<()> {
+                while *active < in_flight {
+                    let Some(r) = queue.pop_front() else { break };
+                    let (batch, seq) = prompt_shape(&requests[r].prompts)?;
+                    let step = Step {
+                        batch,
+                        seq,
+                        past: 0,
+                    };
+                    let release = requests[r].max_new == 1;
+                    let w = this.work(r, requests[r].prompts.concat(), step, true, release);
+                    this.send(w)?;
+                    *active += 1;
+                }
+                Ok(())
+            };
+        admit(self, &mut active, &mut queue)?;
+        while done < requests.len() {
+            let out = self.receive()?;
+            let r = out.group;
+            let mut data = out.logits;
+            data.truncate(out.batch * vocab);
+            let logits = Logits {
+                batch: out.batch,
+                vocab,
+                data,
+            };
+            let next = logits.argmax();
+            let now = start.elapsed().as_secs_f64();
+            let resp = responses[r].get_or_insert_with(|| Response {
+                request: r,
+                tokens: vec![Vec::new(); out.batch],
+                logits: Vec::new(),
+                first_token_s: now,
+                done_s: now,
+            });
+            for (t, &n) in resp.tokens.iter_mut().zip(&next) {
+                t.push(n);
+            }
+            resp.logits.push(logits);
+            resp.done_s = now;
+            let (batch, seq) = prompt_shape(&requests[r].prompts)?;
+            let produced = resp.tokens[0].len();
+            tokens += if produced == 1 { batch * seq } else { batch };
+            past[r] += if produced == 1 { seq } else { 1 };
+            if produced >= requests[r].max_new {
+                done += 1;
+                active -= 1;
+                admit(self, &mut active, &mut queue)?;
+            } else {
+                let step = Step {
+                    batch,
+                    seq: 1,
+                    past: past[r],
+                };
+                let release = produced + 1 >= requests[r].max_new;
+                let w = self.work(r, next, step, false, release);
+                self.send(w)?;
+            }
+        }
+        self.finish_run(start, tokens);
+        Ok(responses.into_iter().flatten().collect())
+    }
+
+    /// Greedy generation with the batch's micro-batches in flight independently (no barrier
+    /// between decode steps): the pipeline stays full during generation.
+    pub fn generate_in_flight(&mut self, prompts: &[Vec<u32>], steps: usize) -> Result<Generation> {
+        let (batch, seq) = prompt_shape(prompts)?;
+        let groups = split_groups(batch, self.micro_batches);
+        let requests: Vec<Request> = groups
+            .iter()
+            .map(|g| Request {
+                prompts: prompts[g.clone()].to_vec(),
+                max_new: steps.max(1),
+            })
+            .collect();
+        let start = Instant::now();
+        let responses = self.serve(&requests, groups.len())?;
+        let total = start.elapsed().as_secs_f64();
+        let first = responses
+            .iter()
+            .map(|r| r.first_token_s)
+            .fold(0.0, f64::max);
+        let tokens: Vec<Vec<u32>> = responses.iter().flat_map(|r| r.tokens.clone()).collect();
+        let logits = (0..steps.max(1))
+            .map(|s| Logits {
+                batch,
+                vocab: self.config.vocab,
+                data: responses
+                    .iter()
+                    .flat_map(|r| r.logits[s].data.clone())
+                    .collect(),
+            })
+            .collect();
+        let decode_steps = steps.max(1) - 1;
+        Ok(Generation {
+            tokens,
+            logits,
+            prefill_s: first,
+            decode_s: vec![(total - first) / decode_steps.max(1) as f64; decode_steps],
+            prompt_tokens: batch * seq,
+        })
+    }
+}
+
+/// Contiguous sequence ranges for `m` micro-batches of a batch (at most one per sequence).
+pub fn split_groups(batch: usize, m: usize) -> Vec<Range<usize>> {
+    let m = m.clamp(1, batch.max(1));
+    let base = batch / m;
+    let extra = batch % m;
+    let mut start = 0;
+    (0..m)
+        .map(|g| {
+            let n = base + usize::from(g < extra);
+            let r = start..start + n;
+            start += n;
+            r
+        })
+        .collect()
+}
+
+impl Engine for PipelineEngine {
+    fn name(&self) -> String {
+        let layers: Vec<usize> = self.ranges.iter().map(|r| r.len()).collect();
+        format!(
+            "pp={} on {} (layers {:?}, {} micro-batches)",
+            self.ranges.len(),
+            self.labels.join(","),
+            layers,
+            self.micro_batches
+        )
+    }
+
+    fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits> {
+        let (batch, seq) = prompt_shape(prompts)?;
+        self.batch = batch;
+        self.groups = split_groups(batch, self.micro_batches);
+        self.group_past = vec![seq; self.groups.len()];
+        let steps = self
+            .groups
+            .iter()
+            .map(|g| {
+                (
+                    prompts[g.clone()].concat(),
+                    Step {
+                        batch: g.len(),
+                        seq,
+                        past: 0,
+                    },
+                )
+            })
+            .collect();
+        self.gpipe(steps, true)
+    }
+
+    fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
+        if self.batch == 0 {
+            return Err(WgparError::Config("decode before prefill".into()));
+        }
+        if tokens.len() != self.batch {
+            return Err(WgparError::Config(format!(
+                "decode got {} tokens for {} sequences",
+                tokens.len(),
+                self.batch
+            )));
+        }
+        let steps = self
+            .groups
+            .iter()
+            .zip(&self.group_past)
+            .map(|(g, &past)| {
+                (
+                    tokens[g.clone()].to_vec(),
+                    Step {
+                        batch: g.len(),
+                        seq: 1,
+                        past,
+                    },
+                )
+            })
+            .collect();
+        let logits = self.gpipe(steps, false)?;
+        for p in &mut self.group_past {
+            *p += 1;
+        }
+        Ok(logits)
+    }
+
+    fn last_step(&self) -> Option<StepStats> {
+        self.last.clone()
+    }
+
+    fn set_recorder(&mut self, recorder: Recorder) {
+        for (i, label) in self.labels.iter().enumerate() {
+            recorder.label_device(i as u32, label.clone());
+        }
+        self.recorder = recorder;
+    }
+}
+
+impl Drop for PipelineEngine {
+    fn drop(&mut self) {
+        // Closing stage 0's input ends stage 0, whose closed output ends stage 1, and so on.
+        self.input = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,209 @@
+//! Pipeline parallelism against the single-device engine: p = 2, 3, 4, every schedule, even
+//! and uneven partitions, a Vulkan + GL run, and injected failures that must end cleanly.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use wgpar::comm::CommConfig;
+use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, Gpu, GpuOptions};
+use wgpar::model::{ModelConfig, ModelWeights};
+use wgpar::parallel::{
+    generate, Engine, Fault, FaultKind, Partition, PipelineEngine, Request, SingleEngine,
+};
+
+const BAR: f64 = 1e-5;
+
+fn config(name: &str, layers: usize) -> ModelConfig {
+    ModelConfig {
+        layers,
+        ..ModelConfig::preset(name).unwrap()
+    }
+}
+
+/// GPipe prefill + decode steps through `Engine`, compared step by step with one device.
+fn compare_gpipe(gpus: &[Arc<Gpu>], config: &ModelConfig, how: &Partition, m: usize, batch: usize) {
+    let weights = ModelWeights::synthetic(config, 21);
+    let mut single = SingleEngine::new(gpus[0].clone(), &weights, DType::F32).unwrap();
+    let mut pp =
+        PipelineEngine::new(gpus, &weights, DType::F32, how, m, CommConfig::default()).unwrap();
+    let prompts = common::prompts(batch, 6, config.vocab, 2);
+    let mut want = single.prefill(&prompts).unwrap();
+    let mut got = pp.prefill(&prompts).unwrap();
+    for step in 0..4 {
+        let err = got.relative_error(&want.data);
+        assert!(
+            err <= BAR,
+            "{} p={} {how:?} m={m} step {step}: {err:.2e}",
+            config.name,
+            gpus.len()
+        );
+        let next = want.argmax();
+        want = single.decode(&next).unwrap();
+        got = pp.decode(&next).unwrap();
+    }
+    let stats = pp.last_run().unwrap();
+    assert_eq!(stats.microbatches, m.min(batch));
+    assert!(stats.measured_bubble > 0.0 && stats.measured_bubble < 1.0);
+}
+
+#[test]
+fn gpipe_p2_p3_p4_even_and_uneven() {
+    let gpus = common::gpus(4);
+    let llama = config("tiny-llama", 6);
+    let gpt2 = config("tiny-gpt2", 5);
+    for p in [2, 3, 4] {
+        compare_gpipe(&gpus[..p], &llama, &Partition::Even, 1, 2);
+        compare_gpipe(&gpus[..p], &gpt2, &Partition::Even, p, 2 * p);
+    }
+    compare_gpipe(&gpus[..2], &llama, &Partition::Explicit(vec![1, 5]), 3, 5);
+    compare_gpipe(&gpus[..3], &gpt2, &Partition::Explicit(vec![3, 1, 1]), 4, 4);
+}
+
+/// The in-flight schedules: a stream of requests with different lengths, and generation with
+/// micro-batches decoding independently.
+#[test]
+fn stream_and_in_flight_generation_match_single_device() {
+    let gpus = common::gpus(3);
+    let config = config("tiny-llama", 4);
+    let weights = ModelWeights::synthetic(&config, 5);
+    let mut single = SingleEngine::new(gpus[0].clone(), &weights, DType::F32).unwrap();
+    let mut pp = PipelineEngine::new(
+        &gpus,
+        &weights,
+        DType::F32,
+        &Partition::Even,
+        3,
+        CommConfig::default(),
+    )
+    .unwrap();
+
+    let requests: Vec<Request> = (0..5)
+        .map(|i| Request {
+            prompts: common::prompts(1 + i % 2, 3 + i, config.vocab, 40 + i as u64),
+            max_new: 2 + i,
+        })
+        .collect();
+    let responses = pp.serve(&requests, 3).unwrap();
+    assert_eq!(responses.len(), requests.len());
+    for resp in &responses {
+        let req = &requests[resp.request];
+        let want = generate(&mut single, &req.prompts, req.max_new).unwrap();
+        assert_eq!(resp.tokens, want.tokens, "request {}", resp.request);
+        for (s, (g, w)) in resp.logits.iter().zip(&want.logits).enumerate() {
+            let err = g.relative_error(&w.data);
+            assert!(err <= BAR, "request {} step {s}: {err:.2e}", resp.request);
+        }
+    }
+
+    let prompts = common::prompts(6, 5, config.vocab, 77);
+    let got = pp.generate_in_flight(&prompts, 5).unwrap();
+    let want = generate(&mut single, &prompts, 5).unwrap();
+    assert_eq!(got.tokens, want.tokens);
+    for (g, w) in got.logits.iter().zip(&want.logits) {
+        assert!(g.relative_error(&w.data) <= BAR);
+    }
+}
+
+/// Stages on different backends: lavapipe Vulkan then llvmpipe GL.
+#[test]
+fn vulkan_and_gl_stages_in_one_run() {
+    let adapters = Adapters::discover().unwrap();
+    let vk = adapters.list().iter().find(|a| a.backend == "Vulkan");
+    let gl = adapters.list().iter().find(|a| a.backend == "Gl");
+    let (Some(vk), Some(gl)) = (vk, gl) else {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI must have both a Vulkan and a GL adapter"
+        );
+        eprintln!("skipped: needs a Vulkan and a GL adapter");
+        return;
+    };
+    let gpus = open_devices(
+        &adapters,
+        &DeviceSelection::Indices(vec![vk.index, gl.index]),
+        &GpuOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(gpus[1].info().backend, "Gl");
+    compare_gpipe(&gpus, &config("tiny-gpt2", 4), &Partition::Even, 2, 3);
+    compare_gpipe(
+        &gpus,
+        &config("tiny-llama", 3),
+        &Partition::Explicit(vec![1, 2]),
+        1,
+        1,
+    );
+}
+
+/// A failure in a middle stage ends the run with an error naming that stage, quickly, and
+/// the engine then refuses work instead of hanging; dropping it joins every thread.
+#[test]
+fn injected_failures_end_cleanly() {
+    let gpus = common::gpus(3);
+    let config = config("tiny-gpt2", 3);
+    let weights = ModelWeights::synthetic(&config, 8);
+    for kind in [FaultKind::Error, FaultKind::Panic, FaultKind::LoseDevice] {
+        let mut pp = PipelineEngine::new(
+            &gpus,
+            &weights,
+            DType::F32,
+            &Partition::Even,
+            4,
+            CommConfig::default(),
+        )
+        .unwrap();
+        pp.set_timeout(Duration::from_secs(10));
+        pp.inject_fault(1, Fault { after: 2, kind }).unwrap();
+        let prompts = common::prompts(8, 4, config.vocab, 3);
+        let start = Instant::now();
+        let e = pp.prefill(&prompts).unwrap_err().to_string();
+        let took = start.elapsed();
+        eprintln!("{kind:?} -> {e} ({took:?})");
+        assert!(e.contains("stage 1"), "{kind:?}: {e}");
+        assert!(took < Duration::from_secs(5), "{kind:?} took {took:?}");
+        let again = pp.prefill(&prompts).unwrap_err().to_string();
+        assert!(again.contains("earlier failure"), "{again}");
+        let drop_start = Instant::now();
+        drop(pp);
+        assert!(
+            drop_start.elapsed() < Duration::from_secs(5),
+            "threads did not stop"
+        );
+    }
+    // The devices of the lost-device run are gone; the others still work.
+    let fresh = common::gpus(2);
+    compare_gpipe(&fresh, &config, &Partition::Even, 2, 2);
+}
+
+#[test]
+fn partition_errors_are_clear() {
+    let gpus = common::gpus(2);
+    let config = config("tiny-llama", 2);
+    let weights = ModelWeights::synthetic(&config, 1);
+    let e = PipelineEngine::new(
+        &gpus,
+        &weights,
+        DType::F32,
+        &Partition::Explicit(vec![2, 1]),
+        1,
+        CommConfig::default(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("summing to 2"), "{e}");
+    let e = PipelineEngine::new(
+        &gpus,
+        &weights,
+        DType::F32,
+        &Partition::Even,
+        0,
+        CommConfig::default(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("micro-batches"), "{e}");
+}
