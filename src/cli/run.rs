@@ -1,12 +1,56 @@
-//! `wgpar run`: prefill + greedy decode on the chosen strategy, with tokens/s.
+//! `wgpar run`: prefill + greedy decode on the chosen strategy, with tokens/s and where the
+//! time went.
 
 use clap::Args;
+use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
 use wgpar::model::ModelWeights;
-use wgpar::parallel::{generate, Engine, SingleEngine};
+use wgpar::parallel::{build_engine, generate, PartitionSpec, Strategy};
+use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
 
 use super::{DeviceArgs, ModelArgs};
+
+/// Strategy options shared by `run` and `compare`.
+#[derive(Args, Clone, Debug)]
+pub struct StrategyArgs {
+    /// How to spread the model: none (first device), tp (tensor parallel over all devices),
+    /// pp (one pipeline stage per device).
+    #[arg(long, default_value = "none", value_parser = ["none", "tp", "pp"])]
+    pub strategy: String,
+    /// Tensor parallel: relative shares per device, e.g. 3,1 (default even).
+    #[arg(long, value_delimiter = ',')]
+    pub split: Option<Vec<usize>>,
+    /// Pipeline: layers per stage, e.g. 5,7 (default: --partition).
+    #[arg(long, value_delimiter = ',')]
+    pub layers: Option<Vec<usize>>,
+    /// Pipeline: even, or balanced by measured per-device layer/embedding/head time.
+    #[arg(long, default_value = "even", value_parser = ["even", "balanced"])]
+    pub partition: String,
+    /// Pipeline: micro-batches per batch (GPipe).
+    #[arg(long, default_value_t = 1)]
+    pub micro_batches: usize,
+}
+
+impl StrategyArgs {
+    /// The strategy these options name.
+    pub fn strategy(&self) -> Result<Strategy> {
+        Ok(match self.strategy.as_str() {
+            "tp" => Strategy::Tensor {
+                split: self.split.clone(),
+            },
+            "pp" => Strategy::Pipeline {
+                partition: match (&self.layers, self.partition.as_str()) {
+                    (Some(l), _) => PartitionSpec::Explicit(l.clone()),
+                    (None, "balanced") => PartitionSpec::Balanced,
+                    _ => PartitionSpec::Even,
+                },
+                micro_batches: self.micro_batches,
+            },
+            _ => Strategy::Single,
+        })
+    }
+}
 
 /// Options of `wgpar run`.
 #[derive(Args, Clone, Debug)]
@@ -15,9 +59,8 @@ pub struct RunArgs {
     devices: DeviceArgs,
     #[command(flatten)]
     model: ModelArgs,
-    /// How to spread the model: none (one device).
-    #[arg(long, default_value = "none", value_parser = ["none"])]
-    strategy: String,
+    #[command(flatten)]
+    strategy: StrategyArgs,
     /// Sequences per batch.
     #[arg(long, default_value_t = 4)]
     batch: usize,
@@ -27,6 +70,9 @@ pub struct RunArgs {
     /// Tokens to generate per sequence.
     #[arg(long, default_value_t = 16)]
     gen: usize,
+    /// Write the run's timeline as Chrome Trace Event JSON (opens in Perfetto).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<String>,
 }
 
 impl RunArgs {
@@ -43,10 +89,17 @@ impl RunArgs {
                 dtype: "f32".into(),
                 seed: 42,
             },
-            strategy: "none".into(),
+            strategy: StrategyArgs {
+                strategy: "none".into(),
+                split: None,
+                layers: None,
+                partition: "even".into(),
+                micro_batches: 1,
+            },
             batch: 4,
             prompt_len: 64,
             gen: 16,
+            trace: None,
         }
     }
 }
@@ -65,6 +118,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             args.prompt_len, args.gen, config.max_seq, config.name
         )));
     }
+    let strategy = args.strategy.strategy()?;
     let adapters = Adapters::discover()?;
     let gpus = args.devices.open(&adapters)?;
     let dtype = args.model.dtype(&gpus)?;
@@ -78,8 +132,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
         config.params() as f64 / 1e6,
         dtype
     );
-    let mut engine: Box<dyn Engine> =
-        Box::new(SingleEngine::new(gpus[0].clone(), &weights, dtype)?);
+    let mut engine = build_engine(
+        &strategy,
+        &gpus,
+        &weights,
+        dtype,
+        &CommConfig::default(),
+        (args.batch, args.prompt_len),
+    )?;
     println!("engine: {}", engine.name());
     let prompts: Vec<Vec<u32>> = (0..args.batch)
         .map(|b| {
@@ -90,7 +150,17 @@ pub fn run(args: &RunArgs) -> Result<()> {
         .collect();
     // One untimed pass compiles the pipelines and allocates buffers.
     generate(engine.as_mut(), &prompts, 2)?;
+    let recorder = if args.trace.is_some() {
+        Recorder::new()
+    } else {
+        Recorder::disabled()
+    };
+    engine.set_recorder(recorder.clone());
+    // Prefill alone first, to report its accounting; then the full generation.
+    engine.prefill(&prompts)?;
+    let prefill_stats = engine.last_step();
     let g = generate(engine.as_mut(), &prompts, args.gen)?;
+    let decode_stats = engine.last_step();
     println!(
         "prefill: {} tokens in {:.1} ms = {:.1} tokens/s (time to first token {:.1} ms)",
         g.prompt_tokens,
@@ -98,14 +168,44 @@ pub fn run(args: &RunArgs) -> Result<()> {
         g.prefill_tokens_per_s(),
         g.prefill_s * 1e3
     );
-    let per_token_ms = g.decode_s.iter().sum::<f64>() / g.decode_s.len().max(1) as f64 * 1e3;
+    if let Some(s) = &prefill_stats {
+        println!(
+            "  compute {:.1} ms, communication {:.1} ms ({:.0}% of device time), {} collectives/hand-offs, {} B sent per device",
+            s.compute_s * 1e3,
+            s.comm_s * 1e3,
+            s.comm_share() * 100.0,
+            s.collectives,
+            s.bytes_sent
+        );
+        println!("  {}", s.per_token_line());
+    }
+    let per_step_ms = g.decode_s.iter().sum::<f64>() / g.decode_s.len().max(1) as f64 * 1e3;
     println!(
         "decode: {} steps x {} sequences, {:.2} ms per step = {:.1} tokens/s",
         g.decode_s.len(),
         args.batch,
-        per_token_ms,
+        per_step_ms,
         g.decode_tokens_per_s()
     );
+    if let Some(s) = &decode_stats {
+        println!(
+            "  last step: compute {:.2} ms, communication {:.2} ms ({:.0}%)",
+            s.compute_s * 1e3,
+            s.comm_s * 1e3,
+            s.comm_share() * 100.0
+        );
+        println!("  {}", s.per_token_line());
+    }
     println!("first sequence's tokens: {:?}", g.tokens[0]);
+    if let Some(path) = &args.trace {
+        let timeline = recorder.timeline();
+        timeline
+            .write_chrome_trace(path)
+            .map_err(|e| WgparError::Config(e.to_string()))?;
+        println!(
+            "trace: {} spans written to {path} (open in https://ui.perfetto.dev)",
+            timeline.spans.len()
+        );
+    }
     Ok(())
 }

@@ -1,20 +1,24 @@
 //! Engines: run a model's forward pass on one device or across several. Every engine has the
 //! same prefill/decode interface, so the CLI, the benchmarks and the tests treat them alike.
 
+mod balance;
 pub mod cost;
 pub mod partition;
 mod pp;
 mod single;
+mod strategy;
 mod tp;
 mod worker;
 
 use std::time::Instant;
 
+pub use balance::measure_stage_costs;
 pub use partition::{partition, Partition, StageCost};
 pub use pp::{
     split_groups, Fault, FaultKind, PipelineEngine, PipelineStats, Request, Response, StageStats,
 };
 pub use single::SingleEngine;
+pub use strategy::{build_engine, PartitionSpec, Strategy};
 pub use tp::TensorParallelEngine;
 
 use crate::error::{Result, WgparError};

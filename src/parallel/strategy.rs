@@ -1,0 +1,97 @@
+//! Strategies by name, and building the engine for one: how the CLI, the comparison and the
+//! examples all get an engine.
+
+use std::fmt;
+use std::sync::Arc;
+
+use super::balance::measure_stage_costs;
+use super::partition::Partition;
+use super::{Engine, PipelineEngine, SingleEngine, TensorParallelEngine};
+use crate::comm::CommConfig;
+use crate::device::{DType, Gpu};
+use crate::error::{Result, WgparError};
+use crate::model::ModelWeights;
+
+/// How layers are assigned to pipeline stages, as the user says it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PartitionSpec {
+    /// Equal layer counts.
+    Even,
+    /// Given layer counts.
+    Explicit(Vec<usize>),
+    /// Measured per-device layer, embedding and head times (for unequal devices).
+    Balanced,
+}
+
+/// A way to spread the model over the devices.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Strategy {
+    /// The whole model on the first device.
+    Single,
+    /// Tensor parallelism over all devices, with relative shares (`None`: even).
+    Tensor {
+        /// Relative shares per device.
+        split: Option<Vec<usize>>,
+    },
+    /// Pipeline parallelism, one stage per device.
+    Pipeline {
+        /// Layer assignment.
+        partition: PartitionSpec,
+        /// GPipe micro-batches per batch.
+        micro_batches: usize,
+    },
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Strategy::Single => write!(f, "single"),
+            Strategy::Tensor { .. } => write!(f, "tp"),
+            Strategy::Pipeline { micro_batches, .. } => write!(f, "pp(m={micro_batches})"),
+        }
+    }
+}
+
+/// Builds the engine for `strategy` on `gpus`.
+pub fn build_engine(
+    strategy: &Strategy,
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+    dtype: DType,
+    comm: &CommConfig,
+    probe: (usize, usize),
+) -> Result<Box<dyn Engine>> {
+    let first = gpus
+        .first()
+        .ok_or_else(|| WgparError::Config("no devices".into()))?;
+    Ok(match strategy {
+        Strategy::Single => Box::new(SingleEngine::new(first.clone(), weights, dtype)?),
+        Strategy::Tensor { split } => Box::new(TensorParallelEngine::new(
+            gpus,
+            weights,
+            dtype,
+            split.as_deref(),
+            comm.clone(),
+        )?),
+        Strategy::Pipeline {
+            partition,
+            micro_batches,
+        } => {
+            let how = match partition {
+                PartitionSpec::Even => Partition::Even,
+                PartitionSpec::Explicit(v) => Partition::Explicit(v.clone()),
+                PartitionSpec::Balanced => Partition::Balanced(measure_stage_costs(
+                    gpus, weights, dtype, probe.0, probe.1, 3,
+                )?),
+            };
+            Box::new(PipelineEngine::new(
+                gpus,
+                weights,
+                dtype,
+                &how,
+                *micro_batches,
+                comm.clone(),
+            )?)
+        }
+    })
+}
