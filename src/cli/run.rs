@@ -15,9 +15,12 @@ use super::{DeviceArgs, ModelArgs};
 #[derive(Args, Clone, Debug)]
 pub struct StrategyArgs {
     /// How to spread the model: none (first device), tp (tensor parallel over all devices),
-    /// pp (one pipeline stage per device).
-    #[arg(long, default_value = "none", value_parser = ["none", "tp", "pp"])]
+    /// pp (one pipeline stage per device), hybrid (pipeline stages of --tp devices each).
+    #[arg(long, default_value = "none", value_parser = ["none", "tp", "pp", "hybrid"])]
     pub strategy: String,
+    /// Hybrid: devices per pipeline stage (tensor-parallel degree inside a stage).
+    #[arg(long, default_value_t = 2)]
+    pub tp: usize,
     /// Tensor parallel: relative shares per device, e.g. 3,1 (default even).
     #[arg(long, value_delimiter = ',')]
     pub split: Option<Vec<usize>>,
@@ -33,6 +36,14 @@ pub struct StrategyArgs {
 }
 
 impl StrategyArgs {
+    fn partition_spec(&self) -> PartitionSpec {
+        match (&self.layers, self.partition.as_str()) {
+            (Some(l), _) => PartitionSpec::Explicit(l.clone()),
+            (None, "balanced") => PartitionSpec::Balanced,
+            _ => PartitionSpec::Even,
+        }
+    }
+
     /// The strategy these options name.
     pub fn strategy(&self) -> Result<Strategy> {
         Ok(match self.strategy.as_str() {
@@ -40,11 +51,12 @@ impl StrategyArgs {
                 split: self.split.clone(),
             },
             "pp" => Strategy::Pipeline {
-                partition: match (&self.layers, self.partition.as_str()) {
-                    (Some(l), _) => PartitionSpec::Explicit(l.clone()),
-                    (None, "balanced") => PartitionSpec::Balanced,
-                    _ => PartitionSpec::Even,
-                },
+                partition: self.partition_spec(),
+                micro_batches: self.micro_batches,
+            },
+            "hybrid" => Strategy::Hybrid {
+                tp: self.tp,
+                partition: self.partition_spec(),
                 micro_batches: self.micro_batches,
             },
             _ => Strategy::Single,
@@ -91,6 +103,7 @@ impl RunArgs {
             },
             strategy: StrategyArgs {
                 strategy: "none".into(),
+                tp: 2,
                 split: None,
                 layers: None,
                 partition: "even".into(),

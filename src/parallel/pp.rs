@@ -24,6 +24,7 @@ use crossbeam::channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender,
 use serde::Serialize;
 
 use super::partition::{partition, Partition};
+use super::tp::{GroupInput, GroupJob, GroupOutput, TpGroup};
 use super::{cost, prompt_shape, Engine, Generation, Logits, StepStats};
 use crate::comm::{Collectives, CommConfig, PendingDownload};
 use crate::device::{DType, Gpu};
@@ -163,14 +164,24 @@ struct Pending {
     compute: SpanId,
 }
 
+/// What computes a stage: one device, or a tensor-parallel group (hybrid TP x PP).
+enum Backend {
+    Device {
+        model: GpuModel,
+        acts: HashMap<(usize, usize), Activations>,
+        caches: HashMap<usize, KvCache>,
+    },
+    Group(TpGroup),
+}
+
 struct Stage {
     index: usize,
     count: usize,
     name: String,
-    model: GpuModel,
+    /// The stage's (first) device: faults, labels.
+    gpu: Arc<Gpu>,
+    backend: Backend,
     comm: Arc<Collectives>,
-    acts: HashMap<(usize, usize), Activations>,
-    caches: HashMap<usize, KvCache>,
     input: Receiver<Work>,
     next: Option<Sender<Work>>,
     output: Sender<Result<Output>>,
@@ -245,7 +256,7 @@ impl Stage {
                 FaultKind::Error => Err(WgparError::Config("injected fault".into())),
                 FaultKind::Panic => panic!("injected panic"),
                 FaultKind::LoseDevice => {
-                    self.model.gpu().device().destroy();
+                    self.gpu.device().destroy();
                     Ok(())
                 }
             },
@@ -256,24 +267,39 @@ impl Stage {
     fn process(&mut self, work: Work, pending: &mut Option<Pending>) -> Result<()> {
         self.inject_fault()?;
         // A lost device is reported as such, before any call that would trip over it.
-        self.model.gpu().check()?;
+        self.gpu.check()?;
         let step = work.step;
-        if work.new_cache {
-            let cache = self.model.kv_cache(step.batch)?;
-            self.caches.insert(work.group, cache);
-        }
         let key = (step.tokens(), step.batch);
-        if !self.acts.contains_key(&key) {
-            let act = self.model.activations(step.tokens(), step.batch)?;
-            self.acts.insert(key, act);
+        match &mut self.backend {
+            Backend::Device {
+                model,
+                acts,
+                caches,
+            } => {
+                if work.new_cache {
+                    caches.insert(work.group, model.kv_cache(step.batch)?);
+                }
+                if !acts.contains_key(&key) {
+                    acts.insert(key, model.activations(step.tokens(), step.batch)?);
+                }
+            }
+            Backend::Group(_) => return self.process_group(work),
         }
-        let (Some(act), Some(kv)) = (self.acts.get(&key), self.caches.get(&work.group)) else {
+        let Backend::Device {
+            model,
+            acts,
+            caches,
+        } = &self.backend
+        else {
+            return Ok(());
+        };
+        let (Some(act), Some(kv)) = (acts.get(&key), caches.get(&work.group)) else {
             return Err(WgparError::Config(format!(
                 "micro-batch {} decoded before its prefill",
                 work.group
             )));
         };
-        let m = &self.model;
+        let m = model;
         let gpu = m.gpu().clone();
         let dev = gpu.ordinal() as u32;
         let rec = work.recorder.clone();
@@ -360,7 +386,9 @@ impl Stage {
                 .begin_download_range(&gpu, &act.x, 0..step.tokens() * m.config().hidden)?
         };
         if work.release {
-            self.caches.remove(&work.group);
+            if let Backend::Device { caches, .. } = &mut self.backend {
+                caches.remove(&work.group);
+            }
         }
         *pending = Some(Pending {
             work,
@@ -379,7 +407,7 @@ impl Stage {
         let wait_start = Instant::now();
         let bytes = p.download.finish()?;
         let end = Instant::now();
-        let dev = self.model.gpu().ordinal() as u32;
+        let dev = self.gpu.ordinal() as u32;
         let n = bytes.len() as u64;
         let mb = p.work.group as u32;
         let d2h = p.work.recorder.record_with(p.started, end, || {
@@ -400,25 +428,74 @@ impl Stage {
             stats[self.index].handoff_s += (end - wait_start).as_secs_f64();
             stats[self.index].bytes_out += n;
         }
+        self.forward(p.work, bytes, d2h)
+    }
+
+    /// Sends a finished micro-batch on: hidden states to the next stage, logits to the driver.
+    fn forward(&self, work: Work, bytes: Vec<u8>, dep: SpanId) -> Result<()> {
         match &self.next {
             Some(next) => next
                 .send(Work {
                     hidden: bytes,
-                    dep: d2h,
-                    ..p.work
+                    dep,
+                    ..work
                 })
                 .map_err(|_| WgparError::Config("the next stage has stopped".into())),
             None => {
                 let logits: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
                 self.output
                     .send(Ok(Output {
-                        group: p.work.group,
-                        batch: p.work.step.batch,
+                        group: work.group,
+                        batch: work.step.batch,
                         logits,
                     }))
                     .map_err(|_| WgparError::Config("the driver has gone".into()))
             }
         }
+    }
+
+    /// A hybrid stage: the micro-batch runs on the stage's tensor-parallel group; rank 0
+    /// returns the hidden states (or logits) to hand on. No double buffering here: the group's
+    /// ranks synchronise through their all-reduces anyway.
+    fn process_group(&mut self, mut work: Work) -> Result<()> {
+        let Backend::Group(group) = &self.backend else {
+            return Ok(());
+        };
+        let input = if self.index == 0 {
+            GroupInput::Ids(work.ids.clone())
+        } else {
+            GroupInput::Hidden(Arc::new(std::mem::take(&mut work.hidden)))
+        };
+        let job = GroupJob {
+            group: work.group,
+            input,
+            step: work.step,
+            new_cache: work.new_cache,
+            release: work.release,
+            recorder: work.recorder.clone(),
+            microbatch: Some(work.group as u32),
+            dep: work.dep,
+        };
+        let outputs = group.run(job)?;
+        let rank0 = outputs
+            .into_iter()
+            .next()
+            .ok_or_else(|| WgparError::Config("empty tensor-parallel group".into()))?;
+        {
+            let mut stats = lock(&self.stats);
+            let s = &mut stats[self.index];
+            s.busy_s += rank0.compute_s;
+            s.handoff_s += rank0.handoff_s + rank0.comm_s;
+            s.microbatches += 1;
+        }
+        let bytes = match rank0.output {
+            Some(GroupOutput::Hidden(h)) => h,
+            Some(GroupOutput::Logits(l)) => bytemuck::cast_slice(&l).to_vec(),
+            None => return Err(WgparError::Config("rank 0 returned nothing".into())),
+        };
+        lock(&self.stats)[self.index].bytes_out += bytes.len() as u64;
+        let dep = rank0.last_span;
+        self.forward(work, bytes, dep)
     }
 }
 
@@ -430,6 +507,7 @@ pub struct PipelineEngine {
     ranges: Vec<Range<usize>>,
     labels: Vec<String>,
     config: ModelConfig,
+    tp: usize,
     micro_batches: usize,
     stats: Arc<Mutex<Vec<StageStats>>>,
     faults: Arc<Mutex<Vec<Option<Fault>>>>,
@@ -454,44 +532,94 @@ impl PipelineEngine {
         micro_batches: usize,
         comm_config: CommConfig,
     ) -> Result<Self> {
+        Self::hybrid(gpus, weights, dtype, 1, how, micro_batches, comm_config)
+    }
+
+    /// Hybrid TP x PP: `gpus.len() / tp` pipeline stages, each a tensor-parallel group of `tp`
+    /// consecutive devices (stage s holds devices `s*tp .. (s+1)*tp`). `tp = 1` is plain
+    /// pipeline parallelism.
+    pub fn hybrid(
+        gpus: &[Arc<Gpu>],
+        weights: &ModelWeights,
+        dtype: DType,
+        tp: usize,
+        how: &Partition,
+        micro_batches: usize,
+        comm_config: CommConfig,
+    ) -> Result<Self> {
         let config = weights.config.clone();
-        let p = gpus.len();
+        if tp == 0 || gpus.is_empty() || gpus.len() % tp != 0 {
+            return Err(WgparError::Config(format!(
+                "{} devices do not form pipeline stages of {tp} tensor-parallel devices",
+                gpus.len()
+            )));
+        }
+        let p = gpus.len() / tp;
         let ranges = partition(config.layers, p, how)?;
         if micro_batches == 0 {
             return Err(WgparError::Config(
                 "--micro-batches must be at least 1".into(),
             ));
         }
-        let comm = Arc::new(Collectives::new(comm_config)?);
-        let models: Vec<Result<GpuModel>> = std::thread::scope(|s| {
-            let handles: Vec<_> = gpus
+        let comm = Arc::new(Collectives::new(comm_config.clone())?);
+        let stage_gpus: Vec<&[Arc<Gpu>]> = gpus.chunks(tp).collect();
+        let backends: Vec<Result<Backend>> = if tp == 1 {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = gpus
+                    .iter()
+                    .zip(&ranges)
+                    .enumerate()
+                    .map(|(i, (gpu, layers))| {
+                        let placement = Placement {
+                            layers: layers.clone(),
+                            shard: ShardSpec::full(&config),
+                            embedding: i == 0,
+                            head: i + 1 == p,
+                        };
+                        s.spawn(move || GpuModel::upload(gpu.clone(), weights, placement, dtype))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| {
+                                Err(WgparError::Config("weight upload thread panicked".into()))
+                            })
+                            .map(|model| Backend::Device {
+                                model,
+                                acts: HashMap::new(),
+                                caches: HashMap::new(),
+                            })
+                    })
+                    .collect()
+            })
+        } else {
+            stage_gpus
                 .iter()
                 .zip(&ranges)
                 .enumerate()
-                .map(|(i, (gpu, layers))| {
-                    let placement = Placement {
-                        layers: layers.clone(),
-                        shard: ShardSpec::full(&config),
-                        embedding: i == 0,
-                        head: i + 1 == p,
-                    };
-                    s.spawn(move || GpuModel::upload(gpu.clone(), weights, placement, dtype))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(WgparError::Config("weight upload thread panicked".into()))
-                    })
+                .map(|(i, (devices, layers))| {
+                    TpGroup::new(
+                        devices,
+                        weights,
+                        dtype,
+                        None,
+                        layers.clone(),
+                        i == 0,
+                        i + 1 == p,
+                        comm_config.clone(),
+                    )
+                    .map(Backend::Group)
                 })
                 .collect()
-        });
-        let models = models.into_iter().collect::<Result<Vec<_>>>()?;
+        };
+        let backends = backends.into_iter().collect::<Result<Vec<_>>>()?;
+        let gpus: Vec<Arc<Gpu>> = stage_gpus.iter().map(|g| g[0].clone()).collect();
         let stats = Arc::new(Mutex::new(
             ranges
                 .iter()
-                .zip(gpus)
+                .zip(&gpus)
                 .map(|(r, g)| StageStats {
                     layers: r.clone(),
                     device: g.describe(),
@@ -503,16 +631,18 @@ impl PipelineEngine {
         let (output_tx, output) = unbounded();
         let (input, mut receiver) = bounded::<Work>(2);
         let mut threads = Vec::new();
-        for (index, model) in models.into_iter().enumerate() {
+        for (index, backend) in backends.into_iter().enumerate() {
             let (next, next_rx) = if index + 1 < p {
                 let (tx, rx) = bounded::<Work>(2);
                 (Some(tx), Some(rx))
             } else {
                 (None, None)
             };
+            let devices: Vec<&str> = stage_gpus[index].iter().map(|g| g.label()).collect();
             let name = format!(
-                "stage {index} ({}, layers {}..{})",
-                gpus[index].describe(),
+                "stage {index} ({} on {}, layers {}..{})",
+                devices.join("+"),
+                gpus[index].info().label(),
                 ranges[index].start,
                 ranges[index].end
             );
@@ -520,10 +650,9 @@ impl PipelineEngine {
                 index,
                 count: p,
                 name: name.clone(),
-                model,
+                gpu: gpus[index].clone(),
+                backend,
                 comm: comm.clone(),
-                acts: HashMap::new(),
-                caches: HashMap::new(),
                 input: receiver,
                 next,
                 output: output_tx.clone(),
@@ -549,8 +678,12 @@ impl PipelineEngine {
             output,
             threads,
             ranges,
-            labels: gpus.iter().map(|g| g.label().to_string()).collect(),
+            labels: stage_gpus
+                .iter()
+                .map(|g| g.iter().map(|d| d.label()).collect::<Vec<_>>().join("+"))
+                .collect(),
             config,
+            tp,
             micro_batches,
             stats,
             faults,
@@ -887,9 +1020,13 @@ pub fn split_groups(batch: usize, m: usize) -> Vec<Range<usize>> {
 impl Engine for PipelineEngine {
     fn name(&self) -> String {
         let layers: Vec<usize> = self.ranges.iter().map(|r| r.len()).collect();
+        let kind = if self.tp > 1 {
+            format!("hybrid tp={} x pp={}", self.tp, self.ranges.len())
+        } else {
+            format!("pp={}", self.ranges.len())
+        };
         format!(
-            "pp={} on {} (layers {:?}, {} micro-batches)",
-            self.ranges.len(),
+            "{kind} on {} (layers {:?}, {} micro-batches)",
             self.labels.join(","),
             layers,
             self.micro_batches

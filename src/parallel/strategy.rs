@@ -40,6 +40,15 @@ pub enum Strategy {
         /// GPipe micro-batches per batch.
         micro_batches: usize,
     },
+    /// Pipeline stages that are each a tensor-parallel group of `tp` devices.
+    Hybrid {
+        /// Devices per stage (tensor-parallel degree).
+        tp: usize,
+        /// Layer assignment.
+        partition: PartitionSpec,
+        /// GPipe micro-batches per batch.
+        micro_batches: usize,
+    },
 }
 
 impl fmt::Display for Strategy {
@@ -48,6 +57,9 @@ impl fmt::Display for Strategy {
             Strategy::Single => write!(f, "single"),
             Strategy::Tensor { .. } => write!(f, "tp"),
             Strategy::Pipeline { micro_batches, .. } => write!(f, "pp(m={micro_batches})"),
+            Strategy::Hybrid {
+                tp, micro_batches, ..
+            } => write!(f, "tp{tp}xpp(m={micro_batches})"),
         }
     }
 }
@@ -76,22 +88,47 @@ pub fn build_engine(
         Strategy::Pipeline {
             partition,
             micro_batches,
+        } => Box::new(PipelineEngine::new(
+            gpus,
+            weights,
+            dtype,
+            &resolve(partition, gpus, weights, dtype, probe)?,
+            *micro_batches,
+            comm.clone(),
+        )?),
+        Strategy::Hybrid {
+            tp,
+            partition,
+            micro_batches,
         } => {
-            let how = match partition {
-                PartitionSpec::Even => Partition::Even,
-                PartitionSpec::Explicit(v) => Partition::Explicit(v.clone()),
-                PartitionSpec::Balanced => Partition::Balanced(measure_stage_costs(
-                    gpus, weights, dtype, probe.0, probe.1, 3,
-                )?),
-            };
-            Box::new(PipelineEngine::new(
+            // Balance on one device per stage: the stage's devices run shards of the same
+            // layers, so the first stands for its group.
+            let leaders: Vec<Arc<Gpu>> = gpus.iter().step_by((*tp).max(1)).cloned().collect();
+            Box::new(PipelineEngine::hybrid(
                 gpus,
                 weights,
                 dtype,
-                &how,
+                *tp,
+                &resolve(partition, &leaders, weights, dtype, probe)?,
                 *micro_batches,
                 comm.clone(),
             )?)
         }
+    })
+}
+
+fn resolve(
+    spec: &PartitionSpec,
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+    dtype: DType,
+    probe: (usize, usize),
+) -> Result<Partition> {
+    Ok(match spec {
+        PartitionSpec::Even => Partition::Even,
+        PartitionSpec::Explicit(v) => Partition::Explicit(v.clone()),
+        PartitionSpec::Balanced => Partition::Balanced(measure_stage_costs(
+            gpus, weights, dtype, probe.0, probe.1, 3,
+        )?),
     })
 }

@@ -9,6 +9,7 @@
 //! computes the head; the other ranks skip it.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -27,41 +28,71 @@ use crate::trace::{CollectiveOp, KernelFamily, Recorder, SpanAttrs, SpanId};
 struct Rank {
     model: GpuModel,
     comm: RankHandle,
-    /// Activations per token count: the all-reduced tensors must be exactly the step's size.
-    acts: HashMap<usize, Activations>,
-    kv: Option<KvCache>,
+    /// Activations per (tokens, batch): the all-reduced tensors must be exactly the step's size.
+    acts: HashMap<(usize, usize), Activations>,
+    /// KV caches per sequence group (a pipeline micro-batch; 0 for plain tensor parallelism).
+    caches: HashMap<usize, KvCache>,
     collectives: u64,
 }
 
-struct Job {
-    ids: Arc<Vec<u32>>,
-    step: Step,
-    new_cache: bool,
-    recorder: Recorder,
+/// What a tensor-parallel group computes on: token ids (the group holds the embedding) or
+/// the previous pipeline stage's hidden states (host bytes, uploaded to every rank).
+#[derive(Clone)]
+pub(crate) enum GroupInput {
+    Ids(Arc<Vec<u32>>),
+    Hidden(Arc<Vec<u8>>),
 }
 
-struct RankOutput {
-    logits: Option<Vec<f32>>,
-    compute_s: f64,
-    comm_s: f64,
-    collectives: usize,
-    bytes: u64,
+/// What rank 0 hands back: logits (the group holds the head) or hidden states for the next
+/// pipeline stage.
+pub(crate) enum GroupOutput {
+    Logits(Vec<f32>),
+    Hidden(Vec<u8>),
+}
+
+/// One step for a tensor-parallel group.
+#[derive(Clone)]
+pub(crate) struct GroupJob {
+    pub group: usize,
+    pub input: GroupInput,
+    pub step: Step,
+    pub new_cache: bool,
+    pub release: bool,
+    pub recorder: Recorder,
+    pub microbatch: Option<u32>,
+    pub dep: SpanId,
+}
+
+/// One rank's result of a step.
+pub(crate) struct RankOutput {
+    pub output: Option<GroupOutput>,
+    pub compute_s: f64,
+    pub comm_s: f64,
+    pub handoff_s: f64,
+    pub collectives: usize,
+    pub bytes: u64,
+    pub last_span: SpanId,
 }
 
 impl Rank {
-    fn run(&mut self, job: Job) -> Result<RankOutput> {
+    fn run(&mut self, job: GroupJob) -> Result<RankOutput> {
         let step = job.step;
         let rec = &job.recorder;
         if job.new_cache {
-            self.kv = Some(self.model.kv_cache(step.batch)?);
+            let cache = self.model.kv_cache(step.batch)?;
+            self.caches.insert(job.group, cache);
         }
         let tokens = step.tokens();
-        if !self.acts.contains_key(&tokens) {
-            self.acts
-                .insert(tokens, self.model.activations(tokens, step.batch)?);
+        let key = (tokens, step.batch);
+        if !self.acts.contains_key(&key) {
+            let act = self.model.activations(tokens, step.batch)?;
+            self.acts.insert(key, act);
         }
-        let (Some(act), Some(kv)) = (self.acts.get(&tokens), self.kv.as_ref()) else {
-            return Err(WgparError::Config("decode before prefill".into()));
+        let (Some(act), Some(kv)) = (self.acts.get(&key), self.caches.get(&job.group)) else {
+            return Err(WgparError::Config(format!(
+                "sequence group {} decoded before its prefill",
+                job.group
+            )));
         };
         let m = &self.model;
         let gpu = m.gpu().clone();
@@ -71,19 +102,47 @@ impl Rank {
         let dtype = m.weight_dtype();
         let world = shard.world as u32;
         let bytes = (tokens * config.hidden * 4) as u64;
+        let mb = job.microbatch;
         let mut out = RankOutput {
-            logits: None,
+            output: None,
             compute_s: 0.0,
             comm_s: 0.0,
+            handoff_s: 0.0,
             collectives: 0,
             bytes: 0,
+            last_span: SpanId::NONE,
         };
-        let mut prev = SpanId::NONE;
-
-        m.write_ids(act, &job.ids)?;
+        let mut prev = job.dep;
+        match &job.input {
+            GroupInput::Ids(ids) => m.write_ids(act, ids)?,
+            GroupInput::Hidden(hidden) => {
+                if hidden.len() as u64 != bytes {
+                    return Err(WgparError::Shape {
+                        op: "hand-off".into(),
+                        detail: format!("received {} bytes, expected {bytes}", hidden.len()),
+                    });
+                }
+                let t0 = Instant::now();
+                self.comm
+                    .communicator()
+                    .collectives()
+                    .upload(&gpu, &act.x, 0, hidden)?;
+                let t1 = Instant::now();
+                out.handoff_s += (t1 - t0).as_secs_f64();
+                prev = rec.record_with(t0, t1, || {
+                    let a = SpanAttrs::h2d("activations", dev, bytes).after(prev);
+                    match mb {
+                        Some(k) => a.microbatch(k),
+                        None => a,
+                    }
+                });
+            }
+        }
         let mut start = Instant::now();
         let mut enc = gpu.encoder();
-        m.embed(&mut enc, act, &step)?;
+        if matches!(job.input, GroupInput::Ids(_)) {
+            m.embed(&mut enc, act, &step)?;
+        }
         for i in 0..m.num_layers() {
             let layer = (m.placement().layers.start + i) as u32;
             for half in 0..2 {
@@ -107,12 +166,16 @@ impl Rank {
                 let end = Instant::now();
                 out.compute_s += (end - start).as_secs_f64();
                 let compute = rec.record_with(start, end, || {
-                    SpanAttrs::compute(name, dev)
+                    let a = SpanAttrs::compute(name, dev)
                         .layer(layer)
                         .flops(cost.flops)
                         .bytes(cost.bytes)
                         .family(family)
-                        .after(prev)
+                        .after(prev);
+                    match mb {
+                        Some(k) => a.microbatch(k),
+                        None => a,
+                    }
                 });
                 let partial = if half == 0 {
                     &act.attn_out
@@ -128,7 +191,7 @@ impl Rank {
                 let group = self.collectives;
                 self.collectives += 1;
                 prev = rec.record_with(comm_start, comm_end, || {
-                    SpanAttrs::collective(
+                    let a = SpanAttrs::collective(
                         "allreduce",
                         dev,
                         CollectiveOp::AllReduce,
@@ -138,7 +201,11 @@ impl Rank {
                     )
                     .layer(layer)
                     .group(group)
-                    .after(compute)
+                    .after(compute);
+                    match mb {
+                        Some(k) => a.microbatch(k),
+                        None => a,
+                    }
                 });
                 start = Instant::now();
                 if half == 0 {
@@ -148,42 +215,173 @@ impl Rank {
                 }
             }
         }
-        if shard.rank == 0 {
+        let holds_head = m.placement().head;
+        if holds_head {
             m.head(&mut enc, act, &step)?;
-            gpu.submit(enc);
-            let logits = act
-                .logits
-                .as_ref()
-                .ok_or_else(|| WgparError::Config("rank 0 has no logits buffer".into()))?;
-            let mut data = gpu.read_f32(logits)?;
-            data.truncate(step.batch * config.vocab);
-            out.logits = Some(data);
-            let cost = cost::head(config, step.batch, dtype);
-            let end = Instant::now();
-            out.compute_s += (end - start).as_secs_f64();
-            rec.record_with(start, end, || {
-                SpanAttrs::compute("head", dev)
-                    .flops(cost.flops)
-                    .bytes(cost.bytes)
-                    .family(KernelFamily::Matmul)
-                    .after(prev)
+        }
+        gpu.submit(enc);
+        gpu.wait()?;
+        let end = Instant::now();
+        out.compute_s += (end - start).as_secs_f64();
+        let tail = rec.record_with(start, end, || {
+            let head = cost::head(config, step.batch, dtype);
+            let a = SpanAttrs::compute(if holds_head { "head" } else { "residual" }, dev)
+                .family(if holds_head {
+                    KernelFamily::Matmul
+                } else {
+                    KernelFamily::Elementwise
+                })
+                .flops(if holds_head { head.flops } else { 0 })
+                .bytes(if holds_head { head.bytes } else { bytes * 3 })
+                .after(prev);
+            match mb {
+                Some(k) => a.microbatch(k),
+                None => a,
+            }
+        });
+        out.last_span = tail;
+        if shard.rank == 0 {
+            let t0 = Instant::now();
+            out.output = Some(match (holds_head, &act.logits) {
+                (true, Some(logits)) => {
+                    let mut data = gpu.read_f32(logits)?;
+                    data.truncate(step.batch * config.vocab);
+                    GroupOutput::Logits(data)
+                }
+                _ => {
+                    let download = self
+                        .comm
+                        .communicator()
+                        .collectives()
+                        .begin_download_range(&gpu, &act.x, 0..tokens * config.hidden)?;
+                    let hidden = download.finish()?;
+                    let t1 = Instant::now();
+                    out.last_span = rec.record_with(t0, t1, || {
+                        let a = SpanAttrs::d2h("activations", dev, bytes).after(tail);
+                        match mb {
+                            Some(k) => a.microbatch(k),
+                            None => a,
+                        }
+                    });
+                    GroupOutput::Hidden(hidden)
+                }
             });
-        } else {
-            gpu.submit(enc);
-            gpu.wait()?;
-            out.compute_s += start.elapsed().as_secs_f64();
+            out.handoff_s += t0.elapsed().as_secs_f64();
+        }
+        if job.release {
+            self.caches.remove(&job.group);
         }
         Ok(out)
     }
 }
 
-/// The model sharded over several devices, one worker thread per device.
-pub struct TensorParallelEngine {
-    workers: Workers<Job, RankOutput>,
+/// A tensor-parallel group: one worker thread per device, each holding a shard of the same
+/// layers; the group's collective is the only synchronisation between them. Used alone
+/// (tensor parallelism) or as one stage of a pipeline (hybrid).
+pub(crate) struct TpGroup {
+    workers: Workers<GroupJob, RankOutput>,
     comm: Arc<Communicator>,
-    config: ModelConfig,
     shards: Vec<ShardSpec>,
     labels: Vec<String>,
+}
+
+impl TpGroup {
+    /// Shards `layers` of `weights` over `gpus`; `first` adds the embedding, `last` the head
+    /// (on rank 0).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        gpus: &[Arc<Gpu>],
+        weights: &ModelWeights,
+        dtype: DType,
+        split: Option<&[usize]>,
+        layers: Range<usize>,
+        first: bool,
+        last: bool,
+        comm_config: CommConfig,
+    ) -> Result<Self> {
+        let config = &weights.config;
+        let even = vec![1; gpus.len()];
+        let split = split.unwrap_or(&even);
+        if split.len() != gpus.len() {
+            return Err(WgparError::Config(format!(
+                "--split has {} shares for {} devices",
+                split.len(),
+                gpus.len()
+            )));
+        }
+        let shards = ShardSpec::tensor_parallel(config, split)?;
+        let comm = Communicator::new(gpus.to_vec(), comm_config)?;
+        // Upload every rank's shard at once: each device copies its own weights.
+        let models: Vec<Result<GpuModel>> = std::thread::scope(|s| {
+            let handles: Vec<_> = gpus
+                .iter()
+                .zip(&shards)
+                .map(|(gpu, shard)| {
+                    let placement = Placement {
+                        layers: layers.clone(),
+                        shard: shard.clone(),
+                        embedding: first,
+                        head: last && shard.rank == 0,
+                    };
+                    s.spawn(move || GpuModel::upload(gpu.clone(), weights, placement, dtype))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(WgparError::Config("weight upload thread panicked".into()))
+                    })
+                })
+                .collect()
+        });
+        let mut states = Vec::new();
+        for (rank, model) in models.into_iter().enumerate() {
+            states.push((
+                format!(
+                    "tp rank {rank} ({}, layers {}..{})",
+                    gpus[rank].describe(),
+                    layers.start,
+                    layers.end
+                ),
+                Rank {
+                    model: model?,
+                    comm: comm.join(rank)?,
+                    acts: HashMap::new(),
+                    caches: HashMap::new(),
+                    collectives: 0,
+                },
+            ));
+        }
+        Ok(Self {
+            workers: Workers::spawn(states, Rank::run, |rank, why| rank.comm.abort(why))?,
+            comm,
+            shards,
+            labels: gpus.iter().map(|g| g.label().to_string()).collect(),
+        })
+    }
+
+    /// Runs `job` on every rank; returns the outputs in rank order.
+    pub(crate) fn run(&self, job: GroupJob) -> Result<Vec<RankOutput>> {
+        for i in 0..self.workers.len() {
+            self.workers.send(i, job.clone())?;
+        }
+        self.workers.collect(self.workers.len())
+    }
+
+    pub(crate) fn shards(&self) -> &[ShardSpec] {
+        &self.shards
+    }
+
+    pub(crate) fn labels(&self) -> &[String] {
+        &self.labels
+    }
+}
+
+/// The model sharded over several devices, one worker thread per device.
+pub struct TensorParallelEngine {
+    group: TpGroup,
+    config: ModelConfig,
     batch: usize,
     past: usize,
     last: Option<StepStats>,
@@ -202,63 +400,19 @@ impl TensorParallelEngine {
         comm_config: CommConfig,
     ) -> Result<Self> {
         let config = weights.config.clone();
-        let even = vec![1; gpus.len()];
-        let split = split.unwrap_or(&even);
-        if split.len() != gpus.len() {
-            return Err(WgparError::Config(format!(
-                "--split has {} shares for {} devices",
-                split.len(),
-                gpus.len()
-            )));
-        }
-        let shards = ShardSpec::tensor_parallel(&config, split)?;
-        let comm = Communicator::new(gpus.to_vec(), comm_config)?;
-        // Upload every rank's shard at once: each device copies its own weights.
-        let models: Vec<Result<GpuModel>> = std::thread::scope(|s| {
-            let handles: Vec<_> = gpus
-                .iter()
-                .zip(&shards)
-                .map(|(gpu, shard)| {
-                    let placement = Placement {
-                        layers: 0..config.layers,
-                        shard: shard.clone(),
-                        embedding: true,
-                        head: shard.rank == 0,
-                    };
-                    s.spawn(move || GpuModel::upload(gpu.clone(), weights, placement, dtype))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(WgparError::Config("weight upload thread panicked".into()))
-                    })
-                })
-                .collect()
-        });
-        let mut states = Vec::new();
-        for (rank, model) in models.into_iter().enumerate() {
-            let model = model?;
-            states.push((
-                format!("tp rank {rank} ({})", gpus[rank].describe()),
-                Rank {
-                    model,
-                    comm: comm.join(rank)?,
-                    acts: HashMap::new(),
-                    kv: None,
-                    collectives: 0,
-                },
-            ));
-        }
-        let labels = gpus.iter().map(|g| g.label().to_string()).collect();
-        let workers = Workers::spawn(states, Rank::run, |rank, why| rank.comm.abort(why))?;
+        let group = TpGroup::new(
+            gpus,
+            weights,
+            dtype,
+            split,
+            0..config.layers,
+            true,
+            true,
+            comm_config,
+        )?;
         Ok(Self {
-            workers,
-            comm,
+            group,
             config,
-            shards,
-            labels,
             batch: 0,
             past: 0,
             last: None,
@@ -269,12 +423,12 @@ impl TensorParallelEngine {
 
     /// Each rank's shard.
     pub fn shards(&self) -> &[ShardSpec] {
-        &self.shards
+        self.group.shards()
     }
 
     /// The communicator (its stats log has every all-reduce).
     pub fn communicator(&self) -> &Arc<Communicator> {
-        &self.comm
+        &self.group.comm
     }
 
     fn step(&mut self, ids: Vec<u32>, step: Step, new_cache: bool) -> Result<Logits> {
@@ -284,20 +438,18 @@ impl TensorParallelEngine {
                 message: format!("stopped after an earlier failure: {why}"),
             });
         }
-        let ids = Arc::new(ids);
         let start = Instant::now();
-        for i in 0..self.workers.len() {
-            self.workers.send(
-                i,
-                Job {
-                    ids: ids.clone(),
-                    step,
-                    new_cache,
-                    recorder: self.recorder.clone(),
-                },
-            )?;
-        }
-        let outputs = match self.workers.collect(self.workers.len()) {
+        let job = GroupJob {
+            group: 0,
+            input: GroupInput::Ids(Arc::new(ids)),
+            step,
+            new_cache,
+            release: false,
+            recorder: self.recorder.clone(),
+            microbatch: None,
+            dep: SpanId::NONE,
+        };
+        let outputs = match self.group.run(job) {
             Ok(o) => o,
             Err(e) => {
                 self.failed = Some(e.to_string());
@@ -318,7 +470,10 @@ impl TensorParallelEngine {
         self.past = step.past + step.seq;
         let data = outputs
             .into_iter()
-            .find_map(|o| o.logits)
+            .find_map(|o| match o.output {
+                Some(GroupOutput::Logits(l)) => Some(l),
+                _ => None,
+            })
             .ok_or_else(|| WgparError::Config("no rank returned logits".into()))?;
         Ok(Logits {
             batch: step.batch,
@@ -330,11 +485,11 @@ impl TensorParallelEngine {
 
 impl Engine for TensorParallelEngine {
     fn name(&self) -> String {
-        let shares: Vec<usize> = self.shards.iter().map(|s| s.local_heads()).collect();
+        let shares: Vec<usize> = self.shards().iter().map(|s| s.local_heads()).collect();
         format!(
             "tp={} on {} (query heads {:?})",
-            self.shards.len(),
-            self.labels.join(","),
+            shares.len(),
+            self.group.labels().join(","),
             shares
         )
     }
@@ -377,7 +532,7 @@ impl Engine for TensorParallelEngine {
     }
 
     fn set_recorder(&mut self, recorder: Recorder) {
-        for (i, label) in self.labels.iter().enumerate() {
+        for (i, label) in self.group.labels().iter().enumerate() {
             recorder.label_device(i as u32, label.clone());
         }
         self.recorder = recorder;
