@@ -7,6 +7,7 @@
 //! See `docs/ARCHITECTURE.md`.
 
 pub mod comm;
+pub mod compare;
 pub mod device;
 pub mod error;
 pub mod kernels;

@@ -2,6 +2,7 @@
 //! Nothing here touches wgpu directly.
 
 mod bench;
+mod compare;
 mod devices;
 mod run;
 
@@ -31,6 +32,9 @@ enum Command {
     },
     /// Prefill a batch of prompts and greedily decode, reporting tokens/s.
     Run(run::RunArgs),
+    /// Single vs tensor vs pipeline vs hybrid parallelism: measured here, projected onto host
+    /// profiles, with verdicts, a Markdown report and SVG charts.
+    Compare(compare::CompareArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -106,12 +110,14 @@ pub fn main() -> Result<()> {
         Some(Command::Devices { json }) => devices::print(&Adapters::discover()?, json),
         Some(Command::Run(args)) => run::run(&args),
         Some(Command::Bench { what }) => bench::run(&what),
+        Some(Command::Compare(args)) => compare::run(&args),
         None => {
-            // No arguments: show the machine, then run the embedded default model.
+            // No arguments: show the machine, then the main job: compare the strategies on
+            // the embedded default model.
             let adapters = Adapters::discover()?;
             devices::print(&adapters, false)?;
             println!();
-            run::run(&run::RunArgs::default_job())
+            compare::run(&compare::CompareArgs::default_job())
         }
     }
 }

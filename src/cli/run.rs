@@ -87,36 +87,6 @@ pub struct RunArgs {
     trace: Option<String>,
 }
 
-impl RunArgs {
-    /// What `wgpar` with no arguments runs.
-    pub fn default_job() -> Self {
-        Self {
-            devices: DeviceArgs {
-                devices: None,
-                virtual_count: None,
-                force_f32: false,
-            },
-            model: ModelArgs {
-                model: "default".into(),
-                dtype: "f32".into(),
-                seed: 42,
-            },
-            strategy: StrategyArgs {
-                strategy: "none".into(),
-                tp: 2,
-                split: None,
-                layers: None,
-                partition: "even".into(),
-                micro_batches: 1,
-            },
-            batch: 4,
-            prompt_len: 64,
-            gen: 16,
-            trace: None,
-        }
-    }
-}
-
 /// Runs generation and prints the rates.
 pub fn run(args: &RunArgs) -> Result<()> {
     let config = args.model.config()?;

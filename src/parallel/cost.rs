@@ -11,6 +11,8 @@ pub struct BlockCost {
     pub flops: u64,
     /// Bytes of weights and activations read and written.
     pub bytes: u64,
+    /// Kernel launches (the projection charges a launch overhead for each).
+    pub kernels: u32,
 }
 
 fn wbytes(dtype: DType) -> u64 {
@@ -35,9 +37,17 @@ pub fn attention(config: &ModelConfig, shard: &ShardSpec, step: &Step, dtype: DT
     let weights = (h * (q + 2 * kv) + q * h) * wbytes(dtype);
     let cache = 2 * ctx * kv * 4;
     let acts = 4 * t * (3 * h + 2 * q + 2 * kv);
+    // norm, Q, K, V, (2 RoPE), cache append, attention, output projection, (bias), residual.
+    let rope = if config.arch == crate::model::Arch::Llama {
+        2
+    } else {
+        0
+    };
+    let bias = u32::from(config.arch != crate::model::Arch::Llama);
     BlockCost {
         flops: proj + attn,
         bytes: weights + cache + acts,
+        kernels: 7 + rope + bias,
     }
 }
 
@@ -51,18 +61,22 @@ pub fn mlp(config: &ModelConfig, shard: &ShardSpec, step: &Step, dtype: DType) -
     } else {
         2
     };
+    // norm, up (gate), activation, down, (bias), residual.
     BlockCost {
         flops: 2 * t * h * f * mats,
         bytes: mats * h * f * wbytes(dtype) + 4 * t * (3 * h + 3 * f),
+        kernels: 3 + mats as u32 + u32::from(config.arch != crate::model::Arch::Llama),
     }
 }
 
 /// Final norm and LM head over each sequence's last token.
 pub fn head(config: &ModelConfig, batch: usize, dtype: DType) -> BlockCost {
     let (b, h, v) = (batch as u64, config.hidden as u64, config.vocab as u64);
+    // last-row copies, norm, LM head.
     BlockCost {
         flops: 2 * b * h * v,
         bytes: v * h * wbytes(dtype) + 4 * b * (2 * h + v),
+        kernels: 2 + batch as u32,
     }
 }
 
@@ -72,6 +86,7 @@ pub fn embed(config: &ModelConfig, step: &Step) -> BlockCost {
     BlockCost {
         flops: 0,
         bytes: 4 * t * config.hidden as u64 * 3,
+        kernels: 1,
     }
 }
 
@@ -90,15 +105,18 @@ pub fn total(
     let mut c = BlockCost {
         flops: (a.flops + m.flops) * layers as u64,
         bytes: (a.bytes + m.bytes) * layers as u64,
+        kernels: (a.kernels + m.kernels) * layers as u32,
     };
     if with_embedding {
         let e = embed(config, step);
         c.bytes += e.bytes;
+        c.kernels += e.kernels;
     }
     if with_head {
         let hc = head(config, step.batch, dtype);
         c.flops += hc.flops;
         c.bytes += hc.bytes;
+        c.kernels += hc.kernels;
     }
     c
 }

@@ -103,7 +103,7 @@ fn balanced(layers: usize, costs: &[StageCost]) -> Result<Vec<usize>> {
     let p = costs.len();
     if costs
         .iter()
-        .any(|c| !(c.layer_s > 0.0) || c.embed_s < 0.0 || c.head_s < 0.0)
+        .any(|c| c.layer_s.is_nan() || c.layer_s <= 0.0 || c.embed_s < 0.0 || c.head_s < 0.0)
     {
         return Err(WgparError::Config("stage costs must be positive".into()));
     }

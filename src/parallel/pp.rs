@@ -155,6 +155,8 @@ struct Output {
     group: usize,
     batch: usize,
     logits: Vec<f32>,
+    /// The span that delivered the logits: the group's next step depends on it.
+    dep: SpanId,
 }
 
 struct Pending {
@@ -165,6 +167,8 @@ struct Pending {
 }
 
 /// What computes a stage: one device, or a tensor-parallel group (hybrid TP x PP).
+// One per stage thread, never copied: the variants' size difference does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Backend {
     Device {
         model: GpuModel,
@@ -279,8 +283,8 @@ impl Stage {
                 if work.new_cache {
                     caches.insert(work.group, model.kv_cache(step.batch)?);
                 }
-                if !acts.contains_key(&key) {
-                    acts.insert(key, model.activations(step.tokens(), step.batch)?);
+                if let std::collections::hash_map::Entry::Vacant(slot) = acts.entry(key) {
+                    slot.insert(model.activations(step.tokens(), step.batch)?);
                 }
             }
             Backend::Group(_) => return self.process_group(work),
@@ -363,6 +367,7 @@ impl Stage {
                 .microbatch(mb)
                 .flops(work_cost.flops)
                 .bytes(work_cost.bytes)
+                .kernels(work_cost.kernels)
                 .family(KernelFamily::Matmul)
                 .after(dep)
         });
@@ -448,6 +453,7 @@ impl Stage {
                         group: work.group,
                         batch: work.step.batch,
                         logits,
+                        dep,
                     }))
                     .map_err(|_| WgparError::Config("the driver has gone".into()))
             }
@@ -513,6 +519,8 @@ pub struct PipelineEngine {
     faults: Arc<Mutex<Vec<Option<Fault>>>>,
     groups: Vec<Range<usize>>,
     group_past: Vec<usize>,
+    /// Per sequence group, the span that returned its last logits (the next step waits on it).
+    group_deps: HashMap<usize, SpanId>,
     batch: usize,
     last: Option<StepStats>,
     last_run: Option<PipelineStats>,
@@ -548,7 +556,7 @@ impl PipelineEngine {
         comm_config: CommConfig,
     ) -> Result<Self> {
         let config = weights.config.clone();
-        if tp == 0 || gpus.is_empty() || gpus.len() % tp != 0 {
+        if tp == 0 || gpus.is_empty() || !gpus.len().is_multiple_of(tp) {
             return Err(WgparError::Config(format!(
                 "{} devices do not form pipeline stages of {tp} tensor-parallel devices",
                 gpus.len()
@@ -689,6 +697,7 @@ impl PipelineEngine {
             faults,
             groups: Vec::new(),
             group_past: Vec::new(),
+            group_deps: HashMap::new(),
             batch: 0,
             last: None,
             last_run: None,
@@ -806,7 +815,12 @@ impl PipelineEngine {
             new_cache,
             release,
             hidden: Vec::new(),
-            dep: SpanId::NONE,
+            // A new sequence starts fresh; a decode step waits for its previous logits.
+            dep: if new_cache {
+                SpanId::NONE
+            } else {
+                self.group_deps.get(&group).copied().unwrap_or(SpanId::NONE)
+            },
             recorder: self.recorder.clone(),
         }
     }
@@ -857,6 +871,7 @@ impl PipelineEngine {
         let mut rows: Vec<Option<Vec<f32>>> = vec![None; n];
         for _ in 0..n {
             let out = self.receive()?;
+            self.group_deps.insert(out.group, out.dep);
             let vocab = self.config.vocab;
             let mut l = out.logits;
             l.truncate(out.batch * vocab);
@@ -916,6 +931,7 @@ impl PipelineEngine {
         while done < requests.len() {
             let out = self.receive()?;
             let r = out.group;
+            self.group_deps.insert(r, out.dep);
             let mut data = out.logits;
             data.truncate(out.batch * vocab);
             let logits = Logits {
@@ -1096,6 +1112,8 @@ impl Engine for PipelineEngine {
         for (i, label) in self.labels.iter().enumerate() {
             recorder.label_device(i as u32, label.clone());
         }
+        // Span ids belong to one recorder: never carry a dependency into another.
+        self.group_deps.clear();
         self.recorder = recorder;
     }
 }

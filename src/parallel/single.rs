@@ -84,7 +84,7 @@ impl SingleEngine {
                 .flops(work.flops)
                 .bytes(work.bytes)
                 .family(KernelFamily::Matmul)
-                .kernels((m.num_layers() * 16 + 4) as u32)
+                .kernels(work.kernels)
         });
         self.last = Some(StepStats {
             tokens: step.tokens(),

@@ -33,6 +33,7 @@ struct Rank {
     /// KV caches per sequence group (a pipeline micro-batch; 0 for plain tensor parallelism).
     caches: HashMap<usize, KvCache>,
     collectives: u64,
+    group_tag: u64,
 }
 
 /// What a tensor-parallel group computes on: token ids (the group holds the embedding) or
@@ -170,6 +171,7 @@ impl Rank {
                         .layer(layer)
                         .flops(cost.flops)
                         .bytes(cost.bytes)
+                        .kernels(cost.kernels)
                         .family(family)
                         .after(prev);
                     match mb {
@@ -188,7 +190,10 @@ impl Rank {
                 out.comm_s += (comm_end - comm_start).as_secs_f64();
                 out.collectives += 1;
                 out.bytes += bytes;
-                let group = self.collectives;
+                // Collective ids must be unique across the whole timeline: several groups
+                // (pipeline stages of a hybrid) count independently, so tag with the group's
+                // first device.
+                let group = (self.group_tag << 48) | self.collectives;
                 self.collectives += 1;
                 prev = rec.record_with(comm_start, comm_end, || {
                     let a = SpanAttrs::collective(
@@ -233,6 +238,7 @@ impl Rank {
                 })
                 .flops(if holds_head { head.flops } else { 0 })
                 .bytes(if holds_head { head.bytes } else { bytes * 3 })
+                .kernels(if holds_head { head.kernels } else { 1 })
                 .after(prev);
             match mb {
                 Some(k) => a.microbatch(k),
@@ -350,6 +356,7 @@ impl TpGroup {
                     acts: HashMap::new(),
                     caches: HashMap::new(),
                     collectives: 0,
+                    group_tag: gpus[0].ordinal() as u64,
                 },
             ));
         }
@@ -381,6 +388,8 @@ impl TpGroup {
 /// The model sharded over several devices, one worker thread per device.
 pub struct TensorParallelEngine {
     group: TpGroup,
+    /// Rank 0's last span of the previous step: the next step starts after the logits are back.
+    last_span: SpanId,
     config: ModelConfig,
     batch: usize,
     past: usize,
@@ -412,6 +421,7 @@ impl TensorParallelEngine {
         )?;
         Ok(Self {
             group,
+            last_span: SpanId::NONE,
             config,
             batch: 0,
             past: 0,
@@ -447,7 +457,11 @@ impl TensorParallelEngine {
             release: false,
             recorder: self.recorder.clone(),
             microbatch: None,
-            dep: SpanId::NONE,
+            dep: if new_cache {
+                SpanId::NONE
+            } else {
+                self.last_span
+            },
         };
         let outputs = match self.group.run(job) {
             Ok(o) => o,
@@ -468,6 +482,7 @@ impl TensorParallelEngine {
             bytes_received: outputs[0].bytes,
         });
         self.past = step.past + step.seq;
+        self.last_span = outputs[0].last_span;
         let data = outputs
             .into_iter()
             .find_map(|o| match o.output {
@@ -535,6 +550,8 @@ impl Engine for TensorParallelEngine {
         for (i, label) in self.group.labels().iter().enumerate() {
             recorder.label_device(i as u32, label.clone());
         }
+        // Span ids belong to one recorder: never carry a dependency into another.
+        self.last_span = SpanId::NONE;
         self.recorder = recorder;
     }
 }

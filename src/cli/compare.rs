@@ -1,0 +1,211 @@
+//! `wgpar compare`: single vs TP vs PP vs hybrid, measured here and projected onto host
+//! profiles, with a table, verdicts, a Markdown report and SVG charts.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use wgpar::compare::{breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions};
+use wgpar::device::{open_devices, Adapters, DeviceSelection, GpuOptions};
+use wgpar::sim::HostProfile;
+use wgpar::{Result, WgparError};
+
+use super::ModelArgs;
+
+/// Options of `wgpar compare`.
+#[derive(Args, Clone, Debug)]
+pub struct CompareArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Adapter indices to use (default: every distinct GPU, or virtual devices on one adapter).
+    #[arg(long)]
+    devices: Option<String>,
+    /// Use N virtual devices on one adapter (the default, 4, when there is one GPU).
+    #[arg(long = "virtual", value_name = "N")]
+    virtual_count: Option<usize>,
+    /// Batch sizes to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    batches: Vec<usize>,
+    /// Pipeline micro-batch counts to sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    micro_batches: Vec<usize>,
+    /// Prompt length.
+    #[arg(long, default_value_t = 32)]
+    prompt_len: usize,
+    /// Tokens generated per sequence.
+    #[arg(long, default_value_t = 8)]
+    gen: usize,
+    /// Timed repetitions per configuration.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Host profiles to project onto (shipped names or TOML paths).
+    #[arg(long, value_delimiter = ',', default_value = "pcie4-4gpu,dgx-h100")]
+    profiles: Vec<String>,
+    /// Folder for the report and charts.
+    #[arg(long, default_value = "wgpar-report")]
+    out: PathBuf,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+impl CompareArgs {
+    /// What `wgpar` with no arguments compares.
+    pub fn default_job() -> Self {
+        Self {
+            model: ModelArgs {
+                model: "default".into(),
+                dtype: "f32".into(),
+                seed: 42,
+            },
+            devices: None,
+            virtual_count: None,
+            batches: vec![1, 4],
+            micro_batches: vec![1, 4],
+            prompt_len: 32,
+            gen: 8,
+            reps: 3,
+            profiles: vec!["pcie4-4gpu".into(), "dgx-h100".into()],
+            out: PathBuf::from("wgpar-report"),
+            json: false,
+        }
+    }
+}
+
+/// Every distinct GPU once (preferring Vulkan/Metal/DX12 over GL); with fewer than two real
+/// GPUs, N virtual devices on the preferred adapter.
+fn selection(args: &CompareArgs, adapters: &Adapters) -> Result<DeviceSelection> {
+    if args.devices.is_some() || args.virtual_count.is_some() {
+        return DeviceSelection::from_options(
+            args.devices.as_deref(),
+            args.virtual_count,
+            adapters,
+        );
+    }
+    let mut names: Vec<&str> = Vec::new();
+    let mut picks = Vec::new();
+    for d in adapters.list() {
+        if d.device_type != "Cpu" && !names.contains(&d.name.as_str()) {
+            names.push(&d.name);
+            picks.push(d.index);
+        }
+    }
+    if picks.len() >= 2 {
+        Ok(DeviceSelection::Indices(picks))
+    } else {
+        Ok(DeviceSelection::Virtual {
+            adapter: adapters.preferred(),
+            count: 4,
+        })
+    }
+}
+
+fn io_err(path: &std::path::Path, source: std::io::Error) -> WgparError {
+    WgparError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Runs the comparison and writes the report.
+pub fn run(args: &CompareArgs) -> Result<()> {
+    let config = args.model.config()?;
+    let profiles = args
+        .profiles
+        .iter()
+        .map(|p| HostProfile::resolve(p).map_err(|e| WgparError::Config(e.to_string())))
+        .collect::<Result<Vec<_>>>()?;
+    let adapters = Adapters::discover()?;
+    let gpus = open_devices(
+        &adapters,
+        &selection(args, &adapters)?,
+        &GpuOptions::default(),
+    )?;
+    let dtype = args.model.dtype(&gpus)?;
+    let opts = CompareOptions {
+        config,
+        dtype,
+        batches: args.batches.clone(),
+        micro_batches: args.micro_batches.clone(),
+        prompt_len: args.prompt_len,
+        gen: args.gen,
+        reps: args.reps,
+        profiles,
+        seed: args.model.seed,
+    };
+    if !args.json {
+        println!(
+            "comparing strategies for model '{}' on {} device(s): {}",
+            opts.config.name,
+            gpus.len(),
+            gpus.iter()
+                .map(|g| g.describe())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    let bar = if args.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(1)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed}]")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let report = run_compare(&gpus, &opts, &mut |done, total, label| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+        bar.set_message(label.to_string());
+    })?;
+    bar.finish_and_clear();
+
+    std::fs::create_dir_all(&args.out).map_err(|e| io_err(&args.out, e))?;
+    let mut charts = Vec::new();
+    let svg_err = |e: String| WgparError::Config(format!("chart: {e}"));
+    for (title, file, svg) in [
+        (
+            "Generation throughput vs batch",
+            "throughput.svg",
+            throughput_svg(&report).map_err(svg_err)?,
+        ),
+        (
+            "Where device-time goes",
+            "breakdown.svg",
+            breakdown_svg(&report).map_err(svg_err)?,
+        ),
+    ] {
+        let path = args.out.join(file);
+        std::fs::write(&path, svg).map_err(|e| io_err(&path, e))?;
+        charts.push((title.to_string(), file.to_string()));
+    }
+    // The richest pipeline timeline, for Perfetto and for `wgpar project`.
+    if let Some(m) = report
+        .measurements
+        .iter()
+        .filter(|m| m.family == "pp" || m.family == "hybrid")
+        .max_by_key(|m| (m.micro_batches, m.batch))
+    {
+        let path = args.out.join("pipeline-prefill-trace.json");
+        m.timelines
+            .0
+            .write_chrome_trace(&path)
+            .map_err(|e| WgparError::Config(e.to_string()))?;
+    }
+    let md_path = args.out.join("report.md");
+    std::fs::write(&md_path, markdown(&report, &charts)).map_err(|e| io_err(&md_path, e))?;
+    let json_path = args.out.join("report.json");
+    let json =
+        serde_json::to_string_pretty(&report).map_err(|e| WgparError::Config(e.to_string()))?;
+    std::fs::write(&json_path, &json).map_err(|e| io_err(&json_path, e))?;
+    if args.json {
+        println!("{json}");
+    } else {
+        print!("{}", table(&report));
+        println!(
+            "\nreport: {} (charts and JSON beside it)",
+            md_path.display()
+        );
+    }
+    Ok(())
+}

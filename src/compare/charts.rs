@@ -1,0 +1,254 @@
+//! SVG charts of a comparison (plotters): generation throughput against batch size per
+//! strategy, measured and projected; and a stacked breakdown of device-time into compute,
+//! communication and bubble.
+
+use plotters::prelude::*;
+
+use super::CompareReport;
+
+const PALETTE: [RGBColor; 10] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+];
+
+fn labels(r: &CompareReport) -> Vec<String> {
+    let mut v: Vec<String> = Vec::new();
+    for m in &r.measurements {
+        if !v.contains(&m.label) {
+            v.push(m.label.clone());
+        }
+    }
+    v
+}
+
+fn profiles(r: &CompareReport) -> Vec<String> {
+    let mut v: Vec<String> = Vec::new();
+    for m in &r.measurements {
+        for p in &m.projected {
+            if !v.contains(&p.profile) {
+                v.push(p.profile.clone());
+            }
+        }
+    }
+    v
+}
+
+type Series = Vec<(String, Vec<(f64, f64)>)>;
+
+/// Generation tokens/s against batch, one line per strategy: a panel for the measured
+/// machine and one per projected profile (log scale: profiles differ by orders of magnitude).
+pub fn throughput_svg(r: &CompareReport) -> Result<String, String> {
+    let names = labels(r);
+    let mut panels: Vec<(String, Series)> = Vec::new();
+    let measured: Series = names
+        .iter()
+        .map(|n| {
+            let pts = r
+                .measurements
+                .iter()
+                .filter(|m| &m.label == n)
+                .map(|m| (m.batch as f64, m.tg_tps.mean))
+                .collect();
+            (n.clone(), pts)
+        })
+        .collect();
+    panels.push(("this machine (measured)".into(), measured));
+    for p in profiles(r) {
+        let series: Series = names
+            .iter()
+            .map(|n| {
+                let pts = r
+                    .measurements
+                    .iter()
+                    .filter(|m| &m.label == n)
+                    .filter_map(|m| {
+                        m.projected
+                            .iter()
+                            .find(|x| x.profile == p)
+                            .map(|x| (m.batch as f64, x.tg_tps))
+                    })
+                    .collect();
+                (n.clone(), pts)
+            })
+            .collect();
+        panels.push((format!("{p} (projected)"), series));
+    }
+    let mut svg = String::new();
+    {
+        let width = 480 * panels.len() as u32;
+        let root = SVGBackend::with_string(&mut svg, (width, 420)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let areas = root.split_evenly((1, panels.len()));
+        for (area, (title, series)) in areas.iter().zip(&panels) {
+            let xs: Vec<f64> = series
+                .iter()
+                .flat_map(|(_, p)| p.iter().map(|q| q.0))
+                .collect();
+            let ys: Vec<f64> = series
+                .iter()
+                .flat_map(|(_, p)| p.iter().map(|q| q.1))
+                .filter(|y| *y > 0.0)
+                .collect();
+            if xs.is_empty() || ys.is_empty() {
+                continue;
+            }
+            let x_max = xs.iter().cloned().fold(1.0, f64::max) * 1.1;
+            let y_min = ys.iter().cloned().fold(f64::INFINITY, f64::min) * 0.5;
+            let y_max = ys.iter().cloned().fold(0.0, f64::max) * 2.0;
+            let mut chart = ChartBuilder::on(area)
+                .caption(title, ("sans-serif", 16))
+                .margin(10)
+                .x_label_area_size(35)
+                .y_label_area_size(60)
+                .build_cartesian_2d(0.5f64..x_max, (y_min..y_max).log_scale())
+                .map_err(|e| e.to_string())?;
+            chart
+                .configure_mesh()
+                .x_desc("batch (sequences)")
+                .y_desc("generated tokens/s")
+                .draw()
+                .map_err(|e| e.to_string())?;
+            for (i, (name, pts)) in series.iter().enumerate() {
+                if pts.is_empty() {
+                    continue;
+                }
+                let color = PALETTE[i % PALETTE.len()];
+                chart
+                    .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+                    .map_err(|e| e.to_string())?
+                    .label(name.clone())
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+                    });
+                chart
+                    .draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))
+                    .map_err(|e| e.to_string())?;
+            }
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .position(SeriesLabelPosition::UpperLeft)
+                .draw()
+                .map_err(|e| e.to_string())?;
+        }
+        root.present().map_err(|e| e.to_string())?;
+    }
+    Ok(svg)
+}
+
+/// Stacked bars of device-time shares (compute / communication / bubble and idle) per
+/// strategy at the largest batch: measured, then each profile.
+pub fn breakdown_svg(r: &CompareReport) -> Result<String, String> {
+    let batch = r.measurements.iter().map(|m| m.batch).max().unwrap_or(1);
+    let rows: Vec<&super::Measurement> =
+        r.measurements.iter().filter(|m| m.batch == batch).collect();
+    type Bars = Vec<(String, f64, f64)>;
+    let mut panels: Vec<(String, Bars)> = vec![(
+        format!("this machine, batch {batch} (measured)"),
+        rows.iter()
+            .map(|m| (m.label.clone(), m.comm_share, m.bubble_share))
+            .collect(),
+    )];
+    for p in profiles(r) {
+        panels.push((
+            format!("{p}, batch {batch} (projected)"),
+            rows.iter()
+                .filter_map(|m| {
+                    m.projected
+                        .iter()
+                        .find(|x| x.profile == p)
+                        .map(|x| (m.label.clone(), x.comm_share, x.bubble_share))
+                })
+                .collect(),
+        ));
+    }
+    let mut svg = String::new();
+    {
+        let width = 480 * panels.len() as u32;
+        let root = SVGBackend::with_string(&mut svg, (width, 420)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let areas = root.split_evenly((1, panels.len()));
+        let colors = [
+            RGBColor(44, 160, 44),
+            RGBColor(214, 39, 40),
+            RGBColor(200, 200, 200),
+        ];
+        for (area, (title, bars)) in areas.iter().zip(&panels) {
+            let n = bars.len().max(1);
+            let mut chart = ChartBuilder::on(area)
+                .caption(title, ("sans-serif", 16))
+                .margin(10)
+                .x_label_area_size(60)
+                .y_label_area_size(50)
+                .build_cartesian_2d(0.0f64..n as f64, 0.0f64..100.0)
+                .map_err(|e| e.to_string())?;
+            let names: Vec<String> = bars.iter().map(|b| b.0.clone()).collect();
+            chart
+                .configure_mesh()
+                .disable_x_mesh()
+                .x_labels(n)
+                .x_label_formatter(&|x| {
+                    let i = x.floor() as usize;
+                    names.get(i).cloned().unwrap_or_default()
+                })
+                .y_desc("% of device-time")
+                .draw()
+                .map_err(|e| e.to_string())?;
+            for (i, (_, comm, bubble)) in bars.iter().enumerate() {
+                let comm = comm * 100.0;
+                // Communication counts inside the non-compute time; the rest is bubble/idle.
+                let idle = (bubble * 100.0 - comm).max(0.0);
+                let compute = (100.0 - comm - idle).max(0.0);
+                let x0 = i as f64 + 0.15;
+                let x1 = i as f64 + 0.85;
+                let segments = [
+                    (0.0, compute),
+                    (compute, compute + comm),
+                    (compute + comm, 100.0),
+                ];
+                for (k, (lo, hi)) in segments.iter().enumerate() {
+                    chart
+                        .draw_series(std::iter::once(Rectangle::new(
+                            [(x0, *lo), (x1, *hi)],
+                            colors[k].filled(),
+                        )))
+                        .map_err(|e| e.to_string())?;
+                }
+            }
+            for (k, name) in ["compute", "communication", "bubble / idle"]
+                .iter()
+                .enumerate()
+            {
+                let color = colors[k];
+                chart
+                    .draw_series(std::iter::once(Rectangle::new(
+                        [(0.0, 0.0), (0.0, 0.0)],
+                        color.filled(),
+                    )))
+                    .map_err(|e| e.to_string())?
+                    .label(*name)
+                    .legend(move |(x, y)| {
+                        Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled())
+                    });
+            }
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .position(SeriesLabelPosition::UpperRight)
+                .draw()
+                .map_err(|e| e.to_string())?;
+        }
+        root.present().map_err(|e| e.to_string())?;
+    }
+    Ok(svg)
+}

@@ -1,0 +1,453 @@
+//! `wgpar compare`: run single, TP, PP and hybrid on the same model and devices, sweeping batch
+//! size and micro-batches; measure llama-bench style (mean +- stddev over repetitions), check
+//! every strategy against the single-device output, project each run onto host profiles, and
+//! say which strategy wins where, and why.
+
+mod charts;
+mod report;
+mod verdict;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::comm::CommConfig;
+use crate::device::{DType, Gpu};
+use crate::error::{Result, WgparError};
+use crate::model::{valid_tp_degrees, ModelConfig, ModelWeights};
+use crate::parallel::{build_engine, generate, Engine, PartitionSpec, Strategy};
+use crate::sim::{project, HostProfile, ProjectOptions};
+use crate::trace::{Recorder, Timeline};
+
+pub use charts::{breakdown_svg, throughput_svg};
+pub use report::{markdown, table};
+pub use verdict::{verdicts, Verdict};
+
+/// What to compare.
+#[derive(Debug, Clone)]
+pub struct CompareOptions {
+    /// The model.
+    pub config: ModelConfig,
+    /// Weight storage.
+    pub dtype: DType,
+    /// Batch sizes to sweep.
+    pub batches: Vec<usize>,
+    /// Micro-batch counts to sweep for pipelines (capped at the batch size).
+    pub micro_batches: Vec<usize>,
+    /// Prompt length.
+    pub prompt_len: usize,
+    /// Tokens generated per sequence (the first comes from the prefill).
+    pub gen: usize,
+    /// Timed repetitions per configuration.
+    pub reps: usize,
+    /// Host profiles to project onto.
+    pub profiles: Vec<HostProfile>,
+    /// Seed of the synthetic weights.
+    pub seed: u64,
+}
+
+/// Mean and standard deviation over repetitions.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct Stat {
+    /// Mean.
+    pub mean: f64,
+    /// Sample standard deviation (0 for one sample).
+    pub std: f64,
+}
+
+impl Stat {
+    fn of(v: &[f64]) -> Self {
+        let n = v.len().max(1) as f64;
+        let mean = v.iter().sum::<f64>() / n;
+        let var = if v.len() > 1 {
+            v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)
+        } else {
+            0.0
+        };
+        Self {
+            mean,
+            std: var.sqrt(),
+        }
+    }
+}
+
+/// One configuration projected onto one host profile.
+#[derive(Debug, Clone, Serialize)]
+pub struct Projected {
+    /// Profile name.
+    pub profile: String,
+    /// Projected time to first token (the prefill), ms.
+    pub ttft_ms: f64,
+    /// Projected per-token latency (one decode step), ms.
+    pub per_token_ms: f64,
+    /// Projected prompt tokens/s.
+    pub pp_tps: f64,
+    /// Projected generated tokens/s.
+    pub tg_tps: f64,
+    /// Communication share of device-time (decode).
+    pub comm_share: f64,
+    /// Bubble share of device-time (decode).
+    pub bubble_share: f64,
+    /// Communication share of device-time (prefill).
+    pub prefill_comm_share: f64,
+}
+
+/// One measured configuration.
+#[derive(Debug, Clone, Serialize)]
+pub struct Measurement {
+    /// Strategy label, e.g. `tp2`, `pp4 m=4`, `tp2xpp2 m=2`.
+    pub label: String,
+    /// Strategy family: single, tp, pp, hybrid.
+    pub family: String,
+    /// Devices used.
+    pub devices: usize,
+    /// Sequences per batch.
+    pub batch: usize,
+    /// Micro-batches (pipelines) or 1.
+    pub micro_batches: usize,
+    /// Prompt processing, tokens/s.
+    pub pp_tps: Stat,
+    /// Token generation, tokens/s.
+    pub tg_tps: Stat,
+    /// Time to first token (prefill), ms.
+    pub ttft_ms: Stat,
+    /// Per-token latency (one decode step), ms.
+    pub per_token_ms: Stat,
+    /// Communication share of device-time, prefill (measured timeline).
+    pub prefill_comm_share: f64,
+    /// Communication share of device-time, decode.
+    pub comm_share: f64,
+    /// Bubble share of device-time, decode.
+    pub bubble_share: f64,
+    /// Bytes one device moves per generated token (decode).
+    pub bytes_per_token: f64,
+    /// Largest relative error of its prefill logits against the single device.
+    pub max_rel_err: f64,
+    /// Projections onto each profile.
+    pub projected: Vec<Projected>,
+    /// Timelines of the last repetition (prefill, decode), for pictures and `wgpar project`.
+    #[serde(skip)]
+    pub timelines: (Timeline, Timeline),
+}
+
+/// Everything `wgpar compare` found.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompareReport {
+    /// Model name and shape.
+    pub model: ModelConfig,
+    /// Devices, as described.
+    pub devices: Vec<String>,
+    /// Prompt length.
+    pub prompt_len: usize,
+    /// Tokens generated.
+    pub gen: usize,
+    /// Repetitions.
+    pub reps: usize,
+    /// Every configuration.
+    pub measurements: Vec<Measurement>,
+    /// Per profile: best latency and throughput, with reasons.
+    pub verdicts: Vec<Verdict>,
+    /// When it ran (UTC, seconds since the epoch).
+    pub unix_time: u64,
+}
+
+/// A configuration to run.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Label.
+    pub label: String,
+    /// Family.
+    pub family: &'static str,
+    /// Strategy.
+    pub strategy: Strategy,
+    /// Devices it uses (a prefix of the device list).
+    pub devices: usize,
+    /// Batch.
+    pub batch: usize,
+    /// Micro-batches.
+    pub micro_batches: usize,
+}
+
+/// The configurations worth comparing on `n` devices: single; the largest valid TP degree
+/// (and 2 when that differs); PP over 2 and n devices for each micro-batch count; and, with 4
+/// or more devices, TP=2 groups in n/2 pipeline stages.
+pub fn plans(config: &ModelConfig, n: usize, opts: &CompareOptions) -> Vec<Plan> {
+    let mut out = Vec::new();
+    let valid = valid_tp_degrees(config);
+    for &batch in &opts.batches {
+        out.push(Plan {
+            label: "single".into(),
+            family: "single",
+            strategy: Strategy::Single,
+            devices: 1,
+            batch,
+            micro_batches: 1,
+        });
+        let mut tps: Vec<usize> = [2, n]
+            .into_iter()
+            .filter(|d| *d >= 2 && *d <= n && valid.contains(d))
+            .collect();
+        tps.dedup();
+        for t in tps {
+            out.push(Plan {
+                label: format!("tp{t}"),
+                family: "tp",
+                strategy: Strategy::Tensor { split: None },
+                devices: t,
+                batch,
+                micro_batches: 1,
+            });
+        }
+        let mut pps: Vec<usize> = [2, n]
+            .into_iter()
+            .filter(|p| *p >= 2 && *p <= n && *p <= config.layers)
+            .collect();
+        pps.dedup();
+        let mut ms: Vec<usize> = opts
+            .micro_batches
+            .iter()
+            .map(|&m| m.min(batch).max(1))
+            .collect();
+        ms.sort();
+        ms.dedup();
+        for p in pps {
+            for &m in &ms {
+                out.push(Plan {
+                    label: format!("pp{p} m={m}"),
+                    family: "pp",
+                    strategy: Strategy::Pipeline {
+                        partition: PartitionSpec::Even,
+                        micro_batches: m,
+                    },
+                    devices: p,
+                    batch,
+                    micro_batches: m,
+                });
+            }
+        }
+        if n >= 4 && n.is_multiple_of(2) && valid.contains(&2) && n / 2 <= config.layers {
+            for &m in &ms {
+                out.push(Plan {
+                    label: format!("tp2xpp{} m={m}", n / 2),
+                    family: "hybrid",
+                    strategy: Strategy::Hybrid {
+                        tp: 2,
+                        partition: PartitionSpec::Even,
+                        micro_batches: m,
+                    },
+                    devices: n,
+                    batch,
+                    micro_batches: m,
+                });
+            }
+        }
+    }
+    out
+}
+
+fn prompts(batch: usize, len: usize, vocab: usize) -> Vec<Vec<u32>> {
+    (0..batch)
+        .map(|b| {
+            (0..len)
+                .map(|i| ((b * 7919 + i * 104_729 + 13) % vocab) as u32)
+                .collect()
+        })
+        .collect()
+}
+
+/// Single-device reference output for a batch: prefill logits and greedy tokens.
+struct Reference {
+    logits: Vec<f32>,
+    tokens: Vec<Vec<u32>>,
+}
+
+fn project_pair(
+    timelines: &(Timeline, Timeline),
+    profile: &HostProfile,
+    decode_steps: usize,
+    tokens: (usize, usize),
+) -> Result<Projected> {
+    let opts = ProjectOptions::default();
+    let err = |e: crate::sim::ProjectError| {
+        WgparError::Config(format!("projection onto {}: {e}", profile.name))
+    };
+    let pre = project(&timelines.0, profile, &opts).map_err(err)?;
+    let dec = project(&timelines.1, profile, &opts).map_err(err)?;
+    let ttft_ms = pre.report.projected.makespan_us / 1e3;
+    let decode_ms = dec.report.projected.makespan_us / 1e3;
+    let per_token_ms = decode_ms / decode_steps.max(1) as f64;
+    Ok(Projected {
+        profile: profile.name.clone(),
+        ttft_ms,
+        per_token_ms,
+        pp_tps: tokens.0 as f64 / (ttft_ms / 1e3),
+        tg_tps: tokens.1 as f64 / (decode_ms / 1e3),
+        comm_share: dec.report.projected.comm_share,
+        bubble_share: dec.report.projected.bubble_share,
+        prefill_comm_share: pre.report.projected.comm_share,
+    })
+}
+
+/// Measures one plan (warm-up, then `reps` timed repetitions), checks it against the
+/// reference and projects its timelines.
+fn measure(
+    plan: &Plan,
+    engine: &mut dyn Engine,
+    opts: &CompareOptions,
+    reference: &Reference,
+) -> Result<Measurement> {
+    let prompts = prompts(plan.batch, opts.prompt_len, opts.config.vocab);
+    let steps = opts.gen.max(2);
+    generate(engine, &prompts, 2)?;
+    let (mut pp, mut tg, mut ttft, mut lat) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut timelines = (Timeline::new(), Timeline::new());
+    let mut max_rel_err: f64 = 0.0;
+    let mut bytes_per_token = 0.0;
+    for _ in 0..opts.reps.max(1) {
+        let pre_rec = Recorder::new();
+        engine.set_recorder(pre_rec.clone());
+        let start = Instant::now();
+        let first = engine.prefill(&prompts)?;
+        let prefill_s = start.elapsed().as_secs_f64();
+        max_rel_err = max_rel_err.max(first.relative_error(&reference.logits));
+        let dec_rec = Recorder::new();
+        engine.set_recorder(dec_rec.clone());
+        let mut next = first.argmax();
+        let mut tokens: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+        let start = Instant::now();
+        let mut sent = 0u64;
+        for _ in 1..steps {
+            let l = engine.decode(&next)?;
+            next = l.argmax();
+            for (s, &t) in tokens.iter_mut().zip(&next) {
+                s.push(t);
+            }
+            sent += engine.last_step().map_or(0, |s| s.bytes_sent);
+        }
+        let decode_s = start.elapsed().as_secs_f64();
+        engine.set_recorder(Recorder::disabled());
+        if tokens != reference.tokens {
+            return Err(WgparError::Config(format!(
+                "{} (batch {}) generated different tokens than the single device: {:?} vs {:?}",
+                plan.label, plan.batch, tokens[0], reference.tokens[0]
+            )));
+        }
+        let decode_steps = (steps - 1) as f64;
+        pp.push((plan.batch * opts.prompt_len) as f64 / prefill_s);
+        tg.push(plan.batch as f64 * decode_steps / decode_s);
+        ttft.push(prefill_s * 1e3);
+        lat.push(decode_s * 1e3 / decode_steps);
+        bytes_per_token = sent as f64 / (plan.batch as f64 * decode_steps);
+        timelines = (pre_rec.timeline(), dec_rec.timeline());
+    }
+    if max_rel_err > 1e-3 {
+        return Err(WgparError::Config(format!(
+            "{} (batch {}): prefill logits differ from the single device by {max_rel_err:.2e} (relative)",
+            plan.label, plan.batch
+        )));
+    }
+    let pre_summary = timelines.0.summary();
+    let dec_summary = timelines.1.summary();
+    let projected = opts
+        .profiles
+        .iter()
+        .filter(|p| p.device_count() >= plan.devices)
+        .map(|p| {
+            project_pair(
+                &timelines,
+                p,
+                steps - 1,
+                (plan.batch * opts.prompt_len, plan.batch * (steps - 1)),
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Measurement {
+        label: plan.label.clone(),
+        family: plan.family.into(),
+        devices: plan.devices,
+        batch: plan.batch,
+        micro_batches: plan.micro_batches,
+        pp_tps: Stat::of(&pp),
+        tg_tps: Stat::of(&tg),
+        ttft_ms: Stat::of(&ttft),
+        per_token_ms: Stat::of(&lat),
+        prefill_comm_share: pre_summary.comm_share,
+        comm_share: dec_summary.comm_share,
+        bubble_share: dec_summary.bubble_share,
+        bytes_per_token,
+        max_rel_err,
+        projected,
+        timelines,
+    })
+}
+
+/// Runs every plan on `gpus`; `progress(done, total, label)` is called before each.
+pub fn run_compare(
+    gpus: &[Arc<Gpu>],
+    opts: &CompareOptions,
+    progress: &mut dyn FnMut(usize, usize, &str),
+) -> Result<CompareReport> {
+    if opts.batches.is_empty() || opts.batches.contains(&0) || opts.prompt_len == 0 {
+        return Err(WgparError::Config(
+            "batches and prompt length must be positive".into(),
+        ));
+    }
+    if opts.prompt_len + opts.gen.max(2) > opts.config.max_seq {
+        return Err(WgparError::Config(format!(
+            "prompt {} + {} generated tokens exceed max_seq {}",
+            opts.prompt_len, opts.gen, opts.config.max_seq
+        )));
+    }
+    let weights = ModelWeights::synthetic(&opts.config, opts.seed);
+    let plans = plans(&opts.config, gpus.len(), opts);
+    let mut measurements = Vec::new();
+    let comm = CommConfig::default();
+    let mut references = std::collections::HashMap::new();
+    for (i, plan) in plans.iter().enumerate() {
+        progress(
+            i,
+            plans.len(),
+            &format!("{} batch {}", plan.label, plan.batch),
+        );
+        if let std::collections::hash_map::Entry::Vacant(slot) = references.entry(plan.batch) {
+            let mut single =
+                build_engine(&Strategy::Single, gpus, &weights, opts.dtype, &comm, (1, 1))?;
+            let p = prompts(plan.batch, opts.prompt_len, opts.config.vocab);
+            let g = generate(single.as_mut(), &p, opts.gen.max(2))?;
+            slot.insert(Reference {
+                logits: g.logits[0].data.clone(),
+                tokens: g.tokens,
+            });
+        }
+        let mut engine = build_engine(
+            &plan.strategy,
+            &gpus[..plan.devices],
+            &weights,
+            opts.dtype,
+            &comm,
+            (plan.batch, opts.prompt_len),
+        )?;
+        measurements.push(measure(
+            plan,
+            engine.as_mut(),
+            opts,
+            &references[&plan.batch],
+        )?);
+    }
+    progress(plans.len(), plans.len(), "done");
+    let verdicts = verdicts(&measurements, &opts.profiles);
+    Ok(CompareReport {
+        model: opts.config.clone(),
+        devices: gpus.iter().map(|g| g.describe()).collect(),
+        prompt_len: opts.prompt_len,
+        gen: opts.gen,
+        reps: opts.reps,
+        measurements,
+        verdicts,
+        unix_time: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    })
+}
