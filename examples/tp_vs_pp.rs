@@ -1,0 +1,37 @@
+//! Tensor vs pipeline parallelism through the library API: a small comparison on four virtual
+//! devices of the preferred adapter, projected onto a PCIe desktop and an NVLink DGX.
+//!
+//! `cargo run --release --example tp_vs_pp`
+
+use wgpar::compare::{run_compare, table, CompareOptions};
+use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, GpuOptions};
+use wgpar::model::ModelConfig;
+use wgpar::sim::HostProfile;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let adapters = Adapters::discover()?;
+    let selection = DeviceSelection::Virtual {
+        adapter: adapters.preferred(),
+        count: 4,
+    };
+    let gpus = open_devices(&adapters, &selection, &GpuOptions::default())?;
+    let opts = CompareOptions {
+        config: ModelConfig::preset("tiny-llama")?,
+        dtype: DType::F32,
+        batches: vec![1, 4],
+        micro_batches: vec![1, 4],
+        prompt_len: 16,
+        gen: 4,
+        reps: 2,
+        profiles: vec![
+            HostProfile::resolve("pcie4-4gpu")?,
+            HostProfile::resolve("dgx-h100")?,
+        ],
+        seed: 1,
+    };
+    let report = run_compare(&gpus, &opts, &mut |done, total, what| {
+        eprintln!("[{done}/{total}] {what}");
+    })?;
+    print!("{}", table(&report));
+    Ok(())
+}
