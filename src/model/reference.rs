@@ -1,13 +1,13 @@
 //! The CPU reference forward pass: plain loops, f64 accumulation, the oracle every GPU test
 //! compares against. Deliberately simple rather than fast.
 
-use super::config::{Arch, ModelConfig};
+use super::config::{Activation, Arch, ModelConfig};
 use super::weights::{LayerWeights, ModelWeights};
 use crate::error::{Result, WgparError};
 
 /// A CPU model with its own KV cache, mirroring the GPU engines' prefill/decode API.
 pub struct CpuReference<'a> {
-    weights: &'a ModelWeights,
+    pub(super) weights: &'a ModelWeights,
     /// Per layer: keys and values, `[batch][kv_heads][position][head_dim]` flattened.
     k_cache: Vec<Vec<f64>>,
     v_cache: Vec<Vec<f64>>,
@@ -15,7 +15,13 @@ pub struct CpuReference<'a> {
     past: usize,
 }
 
-fn linear(x: &[f64], w: &[f32], bias: Option<&[f32]>, out_dim: usize, in_dim: usize) -> Vec<f64> {
+pub(super) fn linear(
+    x: &[f64],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    out_dim: usize,
+    in_dim: usize,
+) -> Vec<f64> {
     (0..out_dim)
         .map(|o| {
             let row = &w[o * in_dim..(o + 1) * in_dim];
@@ -25,7 +31,7 @@ fn linear(x: &[f64], w: &[f32], bias: Option<&[f32]>, out_dim: usize, in_dim: us
         .collect()
 }
 
-fn layer_norm(x: &[f64], gamma: &[f32], beta: Option<&[f32]>, eps: f32) -> Vec<f64> {
+pub(super) fn layer_norm(x: &[f64], gamma: &[f32], beta: Option<&[f32]>, eps: f32) -> Vec<f64> {
     let n = x.len() as f64;
     match beta {
         Some(beta) => {
@@ -51,6 +57,84 @@ fn layer_norm(x: &[f64], gamma: &[f32], beta: Option<&[f32]>, eps: f32) -> Vec<f
 /// GELU, tanh approximation (GPT-2).
 pub fn gelu_tanh(x: f64) -> f64 {
     0.5 * x * (1.0 + (0.797_884_560_802_865_4 * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// GELU, exact form 0.5 x (1 + erf(x / sqrt 2)) (BERT).
+pub fn gelu_erf(x: f64) -> f64 {
+    0.5 * x * (1.0 + erf(x * std::f64::consts::FRAC_1_SQRT_2))
+}
+
+/// The error function to about 1e-14: its Maclaurin series near zero, where it converges
+/// fast, and a continued fraction for erfc further out, where the series would cancel.
+pub fn erf(x: f64) -> f64 {
+    let a = x.abs();
+    let value = if a < 2.5 {
+        let (mut term, mut sum, mut n) = (a, a, 0.0);
+        while term.abs() > 1e-17 * sum.abs() {
+            n += 1.0;
+            term *= -a * a / n;
+            sum += term / (2.0 * n + 1.0);
+        }
+        sum * std::f64::consts::FRAC_2_SQRT_PI
+    } else if a < 6.0 {
+        // erfc(a) = exp(-a^2) / sqrt(pi) / (a + (1/2) / (a + 1 / (a + (3/2) / (a + ...)))),
+        // evaluated from the tail.
+        let mut t = a;
+        for k in (1..=80).rev() {
+            t = a + (k as f64 / 2.0) / t;
+        }
+        1.0 - (-a * a).exp() / (std::f64::consts::PI.sqrt() * t)
+    } else {
+        1.0
+    };
+    value.copysign(x)
+}
+
+/// The MLP non-linearity of a non-gated family.
+fn activate(activation: Activation, x: f64) -> f64 {
+    match activation {
+        Activation::GeluErf => gelu_erf(x),
+        Activation::GeluTanh => gelu_tanh(x),
+        Activation::Silu => silu(x),
+    }
+}
+
+/// The MLP of one layer on one (normed) token: up (and gate), activation, down with its bias.
+pub(super) fn mlp(cfg: &ModelConfig, lw: &LayerWeights, n: &[f64]) -> Vec<f64> {
+    let h = cfg.hidden;
+    let up = linear(n, &lw.w_up, lw.b_up.as_deref(), cfg.ffn, h);
+    let act: Vec<f64> = match &lw.w_gate {
+        Some(wg) => {
+            let gate = linear(n, wg, None, cfg.ffn, h);
+            gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect()
+        }
+        None => up.iter().map(|&u| activate(cfg.activation, u)).collect(),
+    };
+    linear(&act, &lw.w_down, lw.b_down.as_deref(), h, cfg.ffn)
+}
+
+/// One head's attention output: softmax of `q . key(p)` over `p < n` (scaled by
+/// 1/sqrt(head_dim)), weighting `value(p)`.
+pub(super) fn attend_head<'k>(
+    q: &[f64],
+    n: usize,
+    key: impl Fn(usize) -> &'k [f64],
+    value: impl Fn(usize) -> &'k [f64],
+) -> Vec<f64> {
+    let scale = 1.0 / (q.len() as f64).sqrt();
+    let scores: Vec<f64> = (0..n)
+        .map(|p| q.iter().zip(key(p)).map(|(a, b)| a * b).sum::<f64>() * scale)
+        .collect();
+    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+    let denom: f64 = exps.iter().sum();
+    let mut out = vec![0.0; q.len()];
+    for (p, e) in exps.iter().enumerate() {
+        for (o, v) in out.iter_mut().zip(value(p)) {
+            *o += e / denom * v;
+        }
+    }
+    out
 }
 
 /// SiLU (x * sigmoid(x)).
@@ -110,6 +194,12 @@ impl<'a> CpuReference<'a> {
     /// last-position logits.
     pub fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
         let cfg = &self.weights.config;
+        if cfg.is_encoder() {
+            return Err(WgparError::Config(format!(
+                "model '{}' is an encoder: it has no logits to prefill, encode it instead",
+                cfg.name
+            )));
+        }
         self.batch = prompts.len();
         self.past = 0;
         let per_layer = self.batch * cfg.kv_heads * cfg.max_seq * cfg.head_dim;
@@ -222,47 +312,51 @@ impl<'a> CpuReference<'a> {
             self.v_cache[l][s..s + d].copy_from_slice(&v[kvh * d..(kvh + 1) * d]);
         }
         let group = cfg.heads / cfg.kv_heads;
-        let scale = 1.0 / (d as f64).sqrt();
-        let mut attn = vec![0.0; cfg.q_dim()];
+        let mut attn = Vec::with_capacity(cfg.q_dim());
+        let (k_cache, v_cache) = (&self.k_cache[l], &self.v_cache[l]);
         for head in 0..cfg.heads {
             let kvh = head / group;
-            let qh = &q[head * d..(head + 1) * d];
-            let scores: Vec<f64> = (0..=pos)
-                .map(|p| {
-                    let s = slot(kvh, p);
-                    qh.iter()
-                        .zip(&self.k_cache[l][s..s + d])
-                        .map(|(a, b)| a * b)
-                        .sum::<f64>()
-                        * scale
-                })
-                .collect();
-            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-            let denom: f64 = exps.iter().sum();
-            for (p, e) in exps.iter().enumerate() {
-                let s = slot(kvh, p);
-                for c in 0..d {
-                    attn[head * d + c] += e / denom * self.v_cache[l][s + c];
-                }
-            }
+            attn.extend(attend_head(
+                &q[head * d..(head + 1) * d],
+                pos + 1,
+                |p| &k_cache[slot(kvh, p)..slot(kvh, p) + d],
+                |p| &v_cache[slot(kvh, p)..slot(kvh, p) + d],
+            ));
         }
         let o = linear(&attn, &lw.wo, lw.bo.as_deref(), h, cfg.q_dim());
         for (xi, oi) in x.iter_mut().zip(&o) {
             *xi += oi;
         }
         let n = layer_norm(x, &lw.mlp_norm, lw.mlp_norm_bias.as_deref(), cfg.norm_eps);
-        let up = linear(&n, &lw.w_up, lw.b_up.as_deref(), cfg.ffn, h);
-        let act: Vec<f64> = match &lw.w_gate {
-            Some(wg) => {
-                let gate = linear(&n, wg, None, cfg.ffn, h);
-                gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect()
-            }
-            None => up.iter().map(|&u| gelu_tanh(u)).collect(),
-        };
-        let down = linear(&act, &lw.w_down, lw.b_down.as_deref(), h, cfg.ffn);
+        let down = mlp(cfg, lw, &n);
         for (xi, di) in x.iter_mut().zip(&down) {
             *xi += di;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn erf_matches_tabulated_values() {
+        // Values of erf to 16 digits (Abramowitz and Stegun, table 7.1, extended).
+        let table = [
+            (0.0, 0.0),
+            (0.1, 0.112_462_916_018_284_9),
+            (0.5, 0.520_499_877_813_046_5),
+            (1.0, 0.842_700_792_949_714_9),
+            (2.0, 0.995_322_265_018_952_7),
+            (2.5, 0.999_593_047_982_555_0),
+            (3.0, 0.999_977_909_503_001_4),
+            (4.5, 0.999_999_999_803_383_9),
+        ];
+        for (x, want) in table {
+            assert!((erf(x) - want).abs() < 1e-14, "erf({x}) = {}", erf(x));
+            assert!((erf(-x) + want).abs() < 1e-14, "erf(-{x})");
+        }
+        assert_eq!(erf(7.0), 1.0);
+        assert!((gelu_erf(1.0) - 0.841_344_746_068_542_9).abs() < 1e-14);
     }
 }

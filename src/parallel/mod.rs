@@ -1,10 +1,12 @@
 //! Engines: run a model's forward pass on one device or across several. Every engine has the
 //! same prefill/decode interface, so the CLI, the benchmarks and the tests treat them alike.
 
+mod encoder;
 mod single;
 
 use std::time::Instant;
 
+pub use encoder::{cosine_similarity, pad_batch, Embeddings, Encoder, SingleEncoder};
 pub use single::SingleEngine;
 
 use crate::error::{Result, WgparError};
