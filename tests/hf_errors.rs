@@ -35,7 +35,7 @@ fn edited(
     name: &str,
     w: &ModelWeights,
     edit: impl FnOnce(&mut hf_support::Tensors),
-) -> std::path::PathBuf {
+) -> hf_support::Scratch {
     let dir = write_checkpoint(name, w, Store::F32);
     let mut tensors = hf_support::tensors(w);
     edit(&mut tensors);

@@ -2,10 +2,10 @@
 
 use clap::Args;
 use wgpar::device::Adapters;
-use wgpar::model::ModelWeights;
 use wgpar::parallel::{generate, Engine, SingleEngine};
 use wgpar::{Result, WgparError};
 
+use super::text::TextArgs;
 use super::{DeviceArgs, ModelArgs};
 
 /// Options of `wgpar run`.
@@ -27,6 +27,8 @@ pub struct RunArgs {
     /// Tokens to generate per sequence.
     #[arg(long, default_value_t = 16)]
     gen: usize,
+    #[command(flatten)]
+    text: TextArgs,
 }
 
 impl RunArgs {
@@ -47,12 +49,16 @@ impl RunArgs {
             batch: 4,
             prompt_len: 64,
             gen: 16,
+            text: TextArgs::default(),
         }
     }
 }
 
 /// Runs generation and prints the rates.
 pub fn run(args: &RunArgs) -> Result<()> {
+    if let Some(prompt) = &args.text.prompt {
+        return super::text::generate(&args.devices, &args.model, &args.text, prompt, args.gen);
+    }
     let config = args.model.config()?;
     if args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
         return Err(WgparError::Config(
@@ -68,7 +74,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let adapters = Adapters::discover()?;
     let gpus = args.devices.open(&adapters)?;
     let dtype = args.model.dtype(&gpus)?;
-    let weights = ModelWeights::synthetic(&config, args.model.seed);
+    let weights = args.model.weights(&config)?;
     println!(
         "model {} ({} arch, {} layers, hidden {}, {:.1}M params, {:?} weights)",
         config.name,

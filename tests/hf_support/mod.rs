@@ -36,8 +36,24 @@ pub fn minilm_dir() -> Option<PathBuf> {
     None
 }
 
+/// A scratch folder, removed when dropped.
+pub struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A fresh, empty scratch folder.
-pub fn scratch(name: &str) -> PathBuf {
+pub fn scratch(name: &str) -> Scratch {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!(
         "wgpar-{name}-{}-{}",
@@ -46,7 +62,7 @@ pub fn scratch(name: &str) -> PathBuf {
     ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
 }
 
 /// How the writer stores floats.
@@ -319,7 +335,7 @@ pub fn config_json(w: &ModelWeights) -> serde_json::Value {
 }
 
 /// A whole checkpoint folder for `w`: config.json and model.safetensors.
-pub fn write_checkpoint(name: &str, w: &ModelWeights, store: Store) -> PathBuf {
+pub fn write_checkpoint(name: &str, w: &ModelWeights, store: Store) -> Scratch {
     let dir = scratch(name);
     std::fs::write(dir.join("config.json"), config_json(w).to_string()).unwrap();
     write_safetensors(&dir.join("model.safetensors"), &tensors(w), store);
