@@ -87,7 +87,10 @@ mod tests {
     fn bad_sequences_are_named() {
         let cfg = ModelConfig::preset("tiny-bert").unwrap();
         let ok = EncoderInput::new(vec![1, 2, 3]);
-        assert_eq!(EncoderInput::check_batch(&[ok.clone()], &cfg).unwrap(), 3);
+        assert_eq!(
+            EncoderInput::check_batch(std::slice::from_ref(&ok), &cfg).unwrap(),
+            3
+        );
         assert_eq!(ok.types(), vec![0, 0, 0]);
         let cases = [
             (EncoderInput::new(vec![]), "no tokens"),
