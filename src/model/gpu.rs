@@ -345,7 +345,6 @@ impl GpuModel {
         let d = c.head_dim;
         let lens = g.empty("act.lens", DType::U32, batch)?;
         g.write_u32(&lens, &vec![u32::MAX; batch])?;
-        let output = self.placement.head;
         Ok(Activations {
             tokens,
             x: f32s("act.x", tokens * c.hidden)?,
@@ -368,7 +367,7 @@ impl GpuModel {
             } else {
                 None
             },
-            pooled: if output && c.is_encoder() {
+            pooled: if self.placement.head && c.is_encoder() {
                 Some(f32s("act.pooled", batch * c.hidden)?)
             } else {
                 None
@@ -499,6 +498,19 @@ impl GpuModel {
         }
     }
 
+    /// `h = norm(x)` over the step's tokens.
+    fn norm_to_h(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        norm: Norm<'_>,
+        act: &Activations,
+        step: &Step,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (t, h) = (step.tokens(), c.hidden);
+        ops::norm(&self.gpu, encoder, norm, &act.x, &act.h, t, h, c.norm_eps)
+    }
+
     /// `x = norm(x)` through the scratch `h` (a kernel may not read and write one buffer).
     fn norm_in_place(
         &self,
@@ -507,18 +519,9 @@ impl GpuModel {
         act: &Activations,
         step: &Step,
     ) -> Result<()> {
-        let (t, h) = (step.tokens(), self.config.hidden);
-        ops::norm(
-            &self.gpu,
-            encoder,
-            norm,
-            &act.x,
-            &act.h,
-            t,
-            h,
-            self.config.norm_eps,
-        )?;
-        encoder.copy_buffer_to_buffer(act.h.buffer(), 0, act.x.buffer(), 0, (t * h * 4) as u64);
+        self.norm_to_h(encoder, norm, act, step)?;
+        let bytes = (step.tokens() * self.config.hidden * 4) as u64;
+        encoder.copy_buffer_to_buffer(act.h.buffer(), 0, act.x.buffer(), 0, bytes);
         Ok(())
     }
 
@@ -534,17 +537,7 @@ impl GpuModel {
         if self.config.post_norm() {
             return Ok(&act.x);
         }
-        let c = &self.config;
-        ops::norm(
-            &self.gpu,
-            encoder,
-            norm,
-            &act.x,
-            &act.h,
-            step.tokens(),
-            c.hidden,
-            c.norm_eps,
-        )?;
+        self.norm_to_h(encoder, norm, act, step)?;
         Ok(&act.h)
     }
 
