@@ -161,3 +161,140 @@ fn encoder_refuses_bad_input_without_panicking() {
     let decoder = ModelWeights::synthetic(&ModelConfig::preset("tiny-gpt2").unwrap(), 1);
     assert!(SingleEncoder::new(gpu, &decoder, DType::F32).is_err());
 }
+
+/// Runs the encoder blocks the way the parallel engines do, with a host-side sum standing in
+/// for the all-reduce: tensor parallel over two devices, then a two-stage pipeline. The
+/// post-norm must come after the sum, and every device needs the real lengths.
+#[test]
+fn tensor_and_pipeline_splits_match_reference() {
+    use wgpar::model::{GpuModel, Placement, ShardSpec, Step};
+    use wgpar::parallel::pad_batch;
+
+    let config = ModelConfig::preset("tiny-bert").unwrap();
+    let weights = ModelWeights::synthetic(&config, 34);
+    let batch = inputs(&config);
+    let want = CpuReference::new(&weights).encode(&batch).unwrap();
+    let seq = batch.iter().map(|i| i.ids.len()).max().unwrap();
+    let step = Step {
+        batch: batch.len(),
+        seq,
+        past: 0,
+    };
+    let (ids, types, lens) = pad_batch(&batch, seq);
+    let gpus = common::gpus(2);
+    let n = step.tokens() * config.hidden;
+    let check = |pooled: Vec<f32>, what: &str| {
+        for (b, w) in want.iter().enumerate() {
+            let row = &pooled[b * config.hidden..(b + 1) * config.hidden];
+            let err = common::rel_err(row, w);
+            assert!(err <= 1e-5, "{what} sequence {b}: {err:.2e}");
+        }
+    };
+
+    // Tensor parallel: each device holds half the heads and half the MLP.
+    let shards = ShardSpec::tensor_parallel(&config, &[1, 1]).unwrap();
+    let ranks: Vec<_> = gpus
+        .iter()
+        .zip(&shards)
+        .map(|(g, s)| {
+            let placement = Placement {
+                shard: s.clone(),
+                ..Placement::whole(&config)
+            };
+            let m = GpuModel::upload(g.clone(), &weights, placement, DType::F32).unwrap();
+            let act = m.activations(step.tokens(), step.batch).unwrap();
+            let kv = m.kv_cache(step.batch).unwrap();
+            m.write_ids(&act, &ids).unwrap();
+            m.write_encoder_inputs(&act, &step, &types, &lens).unwrap();
+            let mut enc = m.gpu().encoder();
+            m.embed(&mut enc, &act, &step).unwrap();
+            m.gpu().submit(enc);
+            (m, act, kv)
+        })
+        .collect();
+    let all_reduce = |partial: fn(&wgpar::model::Activations) -> &wgpar::device::Tensor| {
+        let mut sum = vec![0.0f32; n];
+        for (m, act, _) in &ranks {
+            let part = m.gpu().read_f32(partial(act)).unwrap();
+            sum.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+        }
+        for (m, act, _) in &ranks {
+            m.gpu().write_f32(partial(act), &sum).unwrap();
+        }
+    };
+    for i in 0..config.layers {
+        for (m, act, kv) in &ranks {
+            let mut enc = m.gpu().encoder();
+            m.attention(&mut enc, i, act, kv, &step).unwrap();
+            m.gpu().submit(enc);
+        }
+        all_reduce(|a| &a.attn_out);
+        for (m, act, _) in &ranks {
+            let mut enc = m.gpu().encoder();
+            m.attention_residual(&mut enc, i, act, &step).unwrap();
+            m.mlp(&mut enc, i, act, &step).unwrap();
+            m.gpu().submit(enc);
+        }
+        all_reduce(|a| &a.mlp_out);
+        for (m, act, _) in &ranks {
+            let mut enc = m.gpu().encoder();
+            m.mlp_residual(&mut enc, i, act, &step).unwrap();
+            m.gpu().submit(enc);
+        }
+    }
+    for (r, (m, act, _)) in ranks.iter().enumerate() {
+        let mut enc = m.gpu().encoder();
+        m.pool(&mut enc, act, &step).unwrap();
+        m.gpu().submit(enc);
+        check(
+            m.gpu().read_f32(act.pooled.as_ref().unwrap()).unwrap(),
+            &format!("tp rank {r}"),
+        );
+    }
+
+    // Pipeline: layer 0 with the embedding on one device, layer 1 and pooling on the other.
+    let stage = |g: usize, layers: std::ops::Range<usize>, first: bool| {
+        let placement = Placement {
+            layers,
+            embedding: first,
+            head: !first,
+            ..Placement::whole(&config)
+        };
+        let m = GpuModel::upload(gpus[g].clone(), &weights, placement, DType::F32).unwrap();
+        let act = m.activations(step.tokens(), step.batch).unwrap();
+        let kv = m.kv_cache(step.batch).unwrap();
+        m.write_encoder_inputs(&act, &step, &types, &lens).unwrap();
+        (m, act, kv)
+    };
+    let run_layers =
+        |(m, act, kv): &(GpuModel, wgpar::model::Activations, wgpar::model::KvCache),
+         enc: &mut wgpu::CommandEncoder| {
+            for i in 0..m.num_layers() {
+                m.attention(enc, i, act, kv, &step).unwrap();
+                m.attention_residual(enc, i, act, &step).unwrap();
+                m.mlp(enc, i, act, &step).unwrap();
+                m.mlp_residual(enc, i, act, &step).unwrap();
+            }
+        };
+    let first = stage(0, 0..1, true);
+    let last = stage(1, 1..config.layers, false);
+    first.0.write_ids(&first.1, &ids).unwrap();
+    let mut enc = first.0.gpu().encoder();
+    first.0.embed(&mut enc, &first.1, &step).unwrap();
+    run_layers(&first, &mut enc);
+    first.0.gpu().submit(enc);
+    let hand_off = first.0.gpu().read_f32(&first.1.x).unwrap();
+    last.0.gpu().write_f32(&last.1.x, &hand_off[..n]).unwrap();
+    let mut enc = last.0.gpu().encoder();
+    run_layers(&last, &mut enc);
+    last.0.pool(&mut enc, &last.1, &step).unwrap();
+    last.0.gpu().submit(enc);
+    check(
+        last.0
+            .gpu()
+            .read_f32(last.1.pooled.as_ref().unwrap())
+            .unwrap(),
+        "pipeline",
+    );
+    assert!(first.1.pooled.is_none());
+}
