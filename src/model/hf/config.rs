@@ -97,18 +97,18 @@ impl Keys<'_> {
                 .ok_or_else(|| self.fail(format!("\"{key}\" is {v}, expected a string"))),
         }
     }
+}
 
-    /// `eos_token_id`: one id, a list of ids, or absent.
-    fn ids(&self, key: &str) -> Vec<u32> {
-        match self.get(key) {
-            Some(Value::Array(a)) => a
-                .iter()
-                .filter_map(|v| v.as_u64())
-                .map(|v| v as u32)
-                .collect(),
-            Some(v) => v.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-            None => Vec::new(),
-        }
+/// Token ids given as one id, a list of ids, or nothing (`eos_token_id`).
+pub fn token_ids(value: Option<&Value>) -> Vec<u32> {
+    match value {
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|v| v as u32)
+            .collect(),
+        Some(v) => v.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+        None => Vec::new(),
     }
 }
 
@@ -274,7 +274,7 @@ pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
     }
     config.validate().map_err(|e| keys.fail(e.to_string()))?;
     Ok(HfConfig {
-        eos: keys.ids("eos_token_id"),
+        eos: token_ids(keys.get("eos_token_id")),
         config,
     })
 }

@@ -136,16 +136,7 @@ impl Checkpoint {
         if let Some(text) = read_text(&gen_path)? {
             let json: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| json_error(&gen_path, format!("invalid JSON: {e}")))?;
-            let ids: Vec<u32> = match json.get("eos_token_id") {
-                Some(serde_json::Value::Array(a)) => a
-                    .iter()
-                    .filter_map(|v| v.as_u64())
-                    .map(|v| v as u32)
-                    .collect(),
-                Some(v) => v.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-                None => Vec::new(),
-            };
-            for id in ids {
+            for id in config::token_ids(json.get("eos_token_id")) {
                 if !eos.contains(&id) {
                     eos.push(id);
                 }
@@ -176,11 +167,6 @@ impl Checkpoint {
         &self.eos
     }
 
-    /// Bytes of tensor data in the files.
-    pub fn bytes(&self) -> u64 {
-        self.store.bytes()
-    }
-
     /// Longest context the checkpoint supports.
     pub fn max_context(&self) -> usize {
         self.positions
@@ -203,29 +189,21 @@ impl Checkpoint {
     /// `progress` draws a bar on a terminal.
     pub fn weights(&self, progress: bool) -> Result<ModelWeights> {
         let c = &self.config;
-        let s = &self.store;
+        // Name prefixes each family is saved with (the first is the canonical one), and a
+        // tensor every checkpoint of the family has, to tell which prefix this one uses.
+        let (prefixes, probe): (&[&str], &str) = match c.arch {
+            Arch::Gpt2 => (&["", "transformer."], "wte.weight"),
+            Arch::Llama => (&["model.", ""], "embed_tokens.weight"),
+            Arch::Bert => (&["", "bert."], "embeddings.word_embeddings.weight"),
+        };
+        let r = Reader::new(&self.store, prefixes, probe, progress);
         let weights = match c.arch {
-            Arch::Gpt2 => {
-                let r = Reader::new(s, &["", "transformer."], "wte.weight", progress);
-                let w = gpt2::load(&r, c, self.positions);
-                r.finish();
-                w
-            }
-            Arch::Llama => {
-                let r = Reader::new(s, &["model.", ""], "embed_tokens.weight", progress);
-                let w = llama::load(&r, c);
-                r.finish();
-                w
-            }
-            Arch::Bert => {
-                let probe = "embeddings.word_embeddings.weight";
-                let r = Reader::new(s, &["", "bert."], probe, progress);
-                let w = bert::load(&r, c, self.positions);
-                r.finish();
-                w
-            }
-        }?;
-        Ok(weights)
+            Arch::Gpt2 => gpt2::load(&r, c, self.positions),
+            Arch::Llama => llama::load(&r, c),
+            Arch::Bert => bert::load(&r, c, self.positions),
+        };
+        r.finish();
+        weights
     }
 
     /// The checkpoint's `tokenizer.json`. Encoders cut texts to the model's context (or the

@@ -166,11 +166,6 @@ impl TensorStore {
         self.entries.contains_key(name)
     }
 
-    /// Shape of a tensor, if present.
-    pub fn shape(&self, name: &str) -> Option<&[usize]> {
-        self.entries.get(name).map(|e| e.shape.as_slice())
-    }
-
     /// The file that holds (or, for a missing tensor, would hold) `name`.
     pub fn file_of(&self, name: &str) -> PathBuf {
         match self.entries.get(name) {

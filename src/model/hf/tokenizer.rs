@@ -87,9 +87,4 @@ impl TextTokenizer {
             .decode(ids, true)
             .map_err(|e| self.fail("decoding", e))
     }
-
-    /// Id of a token spelled `token`, if the vocabulary has it.
-    pub fn token_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
-    }
 }
