@@ -182,3 +182,53 @@ fn context_limit_truncates_positions() {
     let e = ckpt.limit_context(97).unwrap_err().to_string();
     assert!(e.contains("1..=96"), "{e}");
 }
+
+#[test]
+fn llama3_rope_scaling_runs_on_the_gpu_like_the_reference() {
+    use wgpar::model::{CpuReference, RopeScaling};
+    // A small original context puts tiny-llama's eight frequencies in all three bands.
+    let scaling = RopeScaling {
+        factor: 4.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_context: 64,
+    };
+    let config = ModelConfig {
+        rope_scaling: Some(scaling),
+        ..ModelConfig::preset("tiny-llama").unwrap()
+    };
+    let synthetic = ModelWeights::synthetic(&config, 23);
+    let dir = hf_support::scratch("llama3");
+    let mut json = hf_support::config_json(&synthetic);
+    json["rope_scaling"] = serde_json::json!({
+        "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+    });
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    hf_support::write_safetensors(
+        &dir.join("model.safetensors"),
+        &hf_support::llama_tensors(&synthetic),
+        Store::F32,
+    );
+    let loaded = load_and_compare(&dir, &synthetic, Store::F32);
+    let gpu = common::gpus(1).remove(0);
+    let mut engine = SingleEngine::new(gpu, &loaded, DType::F32).unwrap();
+    let prompts = common::prompts(1, 40, config.vocab, 6);
+    let got = engine.prefill(&prompts).unwrap();
+    let want = CpuReference::new(&loaded)
+        .prefill(&prompts)
+        .unwrap()
+        .concat();
+    let err = got.relative_error(&want);
+    assert!(err <= 1e-4, "relative error {err:.2e}");
+    let mut plain = loaded.clone();
+    plain.config.rope_scaling = None;
+    let unscaled = CpuReference::new(&plain)
+        .prefill(&prompts)
+        .unwrap()
+        .concat();
+    assert!(
+        got.relative_error(&unscaled) > 1e-3,
+        "scaling changed nothing"
+    );
+}

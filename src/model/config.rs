@@ -40,6 +40,20 @@ pub enum PoolMode {
     Cls,
 }
 
+/// Llama 3's RoPE frequency scaling (`rope_scaling` with `rope_type: "llama3"`): long
+/// wavelengths are slowed by `factor`, short ones kept, the band between blended.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RopeScaling {
+    /// Slow-down of the low frequencies.
+    pub factor: f32,
+    /// Wavelengths above `original_context / low_freq_factor` are fully scaled.
+    pub low_freq_factor: f32,
+    /// Wavelengths below `original_context / high_freq_factor` are kept.
+    pub high_freq_factor: f32,
+    /// Context the model was first trained for.
+    pub original_context: usize,
+}
+
 /// An encoder's pooling step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pooling {
@@ -76,6 +90,8 @@ pub struct ModelConfig {
     pub norm_eps: f32,
     /// RoPE base frequency (Llama).
     pub rope_theta: f32,
+    /// RoPE frequency scaling (Llama 3.1 and later), if any.
+    pub rope_scaling: Option<RopeScaling>,
     /// LM head shares the token embedding matrix.
     pub tied_head: bool,
     /// MLP non-linearity (must be `Silu` exactly for Llama).
@@ -114,6 +130,7 @@ impl ModelConfig {
             max_seq: 256,
             norm_eps: 1e-5,
             rope_theta: 10_000.0,
+            rope_scaling: None,
             tied_head: false,
             activation: Activation::Silu,
             type_vocab: 0,

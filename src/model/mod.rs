@@ -12,7 +12,7 @@ pub mod sampling;
 pub mod shard;
 pub mod weights;
 
-pub use config::{Activation, Arch, ModelConfig, PoolMode, Pooling, PRESETS};
+pub use config::{Activation, Arch, ModelConfig, PoolMode, Pooling, RopeScaling, PRESETS};
 pub use gpu::{Activations, GpuModel, KvCache, Placement, Step};
 pub use input::EncoderInput;
 pub use reference::CpuReference;

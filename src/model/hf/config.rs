@@ -6,7 +6,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::error::{Result, WgparError};
-use crate::model::config::{Activation, Arch, ModelConfig, PoolMode, Pooling};
+use crate::model::config::{Activation, Arch, ModelConfig, PoolMode, Pooling, RopeScaling};
 
 /// The `model_type` values wgpar reads, and the family each maps to.
 pub const SUPPORTED_TYPES: [(&str, Arch); 5] = [
@@ -164,6 +164,35 @@ fn gelu_kind(keys: &Keys, key: &str, default: &str) -> Result<Activation> {
     }
 }
 
+/// `rope_scaling`: only Llama 3's kind is supported.
+fn rope_scaling(keys: &Keys, value: &Value) -> Result<RopeScaling> {
+    let sub = Keys {
+        json: value,
+        file: keys.file,
+    };
+    let kind = match sub.get("rope_type") {
+        Some(_) => sub.str_or("rope_type", "")?,
+        None => sub.str_or("type", "")?,
+    };
+    if kind != "llama3" {
+        return Err(keys.fail(format!(
+            "\"rope_scaling\" of type '{kind}' is not supported (only llama3)"
+        )));
+    }
+    let number = |k: &str| {
+        sub.get(k)
+            .and_then(Value::as_f64)
+            .map(|x| x as f32)
+            .ok_or_else(|| keys.fail(format!("\"rope_scaling\" needs a number \"{k}\"")))
+    };
+    Ok(RopeScaling {
+        factor: number("factor")?,
+        low_freq_factor: number("low_freq_factor")?,
+        high_freq_factor: number("high_freq_factor")?,
+        original_context: sub.usize("original_max_position_embeddings")?,
+    })
+}
+
 /// Parses config.json (`file` is its path, for errors); `name` names the model.
 pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
     let json: Value = serde_json::from_str(text).map_err(|e| WgparError::Checkpoint {
@@ -208,11 +237,10 @@ pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
             if act != "silu" {
                 return Err(keys.fail(format!("\"hidden_act\" is '{act}', only silu is supported")));
             }
-            if let Some(scaling) = keys.get("rope_scaling") {
-                return Err(keys.fail(format!(
-                    "\"rope_scaling\" {scaling} is not supported (plain RoPE only)"
-                )));
-            }
+            let rope_scaling = match keys.get("rope_scaling") {
+                None => None,
+                Some(v) => Some(rope_scaling(&keys, v)?),
+            };
             let hidden = keys.usize("hidden_size")?;
             let heads = keys.usize("num_attention_heads")?;
             let mut max_seq = keys.opt_usize("max_position_embeddings")?.unwrap_or(2048);
@@ -231,6 +259,7 @@ pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
                 max_seq,
                 norm_eps: keys.f32_or("rms_norm_eps", 1e-6)?,
                 rope_theta: keys.f32_or("rope_theta", 10_000.0)?,
+                rope_scaling,
                 tied_head: keys.bool_or("tie_word_embeddings", false)?,
                 activation: Activation::Silu,
                 ..base
@@ -315,6 +344,33 @@ mod tests {
         want.name = "m".into();
         assert_eq!(c.config, want);
         assert_eq!(c.eos, vec![1, 2]);
+    }
+
+    #[test]
+    fn llama3_rope_scaling_is_read_and_others_refused() {
+        let base = r#""model_type":"llama","vocab_size":10,"hidden_size":64,
+            "num_hidden_layers":1,"num_attention_heads":4,"intermediate_size":128"#;
+        let c = parse_str(&format!(
+            r#"{{{base},"rope_scaling":{{"rope_type":"llama3","factor":32.0,
+                "low_freq_factor":1.0,"high_freq_factor":4.0,
+                "original_max_position_embeddings":8192}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            c.config.rope_scaling,
+            Some(RopeScaling {
+                factor: 32.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_context: 8192
+            })
+        );
+        let e = parse_str(&format!(
+            r#"{{{base},"rope_scaling":{{"type":"linear","factor":2}}}}"#
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("'linear' is not supported"), "{e}");
     }
 
     #[test]
