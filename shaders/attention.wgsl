@@ -1,7 +1,10 @@
-// Causal multi-head attention against a KV cache, for prefill (seq > 1) and decode (seq = 1).
-// q:   [tokens = batch * seq][n_heads * head_dim], token t = b * seq + i at position past + i
-// k,v: cache [batch][n_kv_heads][max_seq][head_dim], already holding positions 0 ..= past + i
-// out: [tokens][n_heads * head_dim]
+// Multi-head attention against a KV cache, for prefill (seq > 1) and decode (seq = 1).
+// q:    [tokens = batch * seq][n_heads * head_dim], token t = b * seq + i at position past + i
+// k,v:  cache [batch][n_kv_heads][max_seq][head_dim], already holding positions 0 ..= past + i
+// lens: [batch] keys per sequence that are real (not padding), read only when not causal
+// out:  [tokens][n_heads * head_dim]
+// Causal (decoders): token i sees positions 0 ..= past + i. Bidirectional (encoders): every
+// token sees positions 0 .. min(past + seq, lens[b]), so right-padding is never attended.
 // Grouped-query attention: global query head h reads KV head h / group.
 struct Params {
     batch: u32,
@@ -17,14 +20,15 @@ struct Params {
     group: u32,
     q_offset: u32,
     kv_offset: u32,
-    _pad: u32,
+    causal: u32,
 }
 
 @group(0) @binding(0) var<storage, read> q: array<f32>;
 @group(0) @binding(1) var<storage, read> k_cache: array<f32>;
 @group(0) @binding(2) var<storage, read> v_cache: array<f32>;
-@group(0) @binding(3) var<storage, read_write> out: array<f32>;
-@group(0) @binding(4) var<uniform> p: Params;
+@group(0) @binding(3) var<storage, read> lens: array<u32>;
+@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+@group(0) @binding(5) var<uniform> p: Params;
 
 const MAX_HEAD_DIM: u32 = 256u;
 const WG: u32 = 64u;
@@ -59,8 +63,11 @@ fn attend(
     }
     var running_max = -3.4e38;
     var denom = 0.0;
-    let last = p.past + i;
-    for (var j = 0u; j <= last; j++) {
+    var end = p.past + i + 1u;
+    if (p.causal == 0u) {
+        end = min(p.past + p.seq, lens[b]);
+    }
+    for (var j = 0u; j < end; j++) {
         let k_base = kv_base + j * d;
         var s = 0.0;
         for (var c = 0u; c < d; c++) {

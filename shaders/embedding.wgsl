@@ -1,5 +1,5 @@
-// Embedding lookup: out[t][c] = wte[token[t]][c] (+ wpe[past + t % seq][c] for learned positions).
-// Token ids are validated on the host before upload.
+// Embedding lookup: out[t][c] = wte[token[t]][c] (+ wpe[past + t % seq][c] for learned positions)
+// (+ wtt[types[t]][c] for token types, BERT). Ids and types are validated on the host first.
 alias WT = f32;
 
 struct Params {
@@ -8,7 +8,7 @@ struct Params {
     seq: u32,
     past: u32,
     has_positions: u32,
-    _pad0: u32,
+    has_types: u32,
     _pad1: u32,
     _pad2: u32,
 }
@@ -17,7 +17,9 @@ struct Params {
 @group(0) @binding(1) var<storage, read> wte: array<WT>;
 @group(0) @binding(2) var<storage, read> wpe: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
-@group(0) @binding(4) var<uniform> p: Params;
+@group(0) @binding(4) var<storage, read> types: array<u32>;
+@group(0) @binding(5) var<storage, read> wtt: array<f32>;
+@group(0) @binding(6) var<uniform> p: Params;
 
 const WG: u32 = 256u;
 
@@ -36,6 +38,9 @@ fn embed(
     var v = f32(wte[ids[t] * p.hidden + c]);
     if (p.has_positions != 0u) {
         v += wpe[(p.past + t % p.seq) * p.hidden + c];
+    }
+    if (p.has_types != 0u) {
+        v += wtt[types[t] * p.hidden + c];
     }
     out[idx] = v;
 }

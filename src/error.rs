@@ -92,6 +92,17 @@ pub enum WgparError {
         /// The cause.
         message: String,
     },
+    /// A Hugging Face checkpoint that cannot be used: a missing or malformed file, a missing
+    /// tensor, a tensor of the wrong shape or dtype, an unsupported architecture.
+    #[error("{file}{}: {detail}", tensor.as_ref().map(|t| format!(": tensor '{t}'")).unwrap_or_default())]
+    Checkpoint {
+        /// The file at fault (config.json, a safetensors file, tokenizer.json, ...).
+        file: String,
+        /// The tensor at fault, where one is.
+        tensor: Option<String>,
+        /// What is wrong, with the numbers found and expected.
+        detail: String,
+    },
     /// File input/output.
     #[error("{path}: {source}")]
     Io {
@@ -131,6 +142,25 @@ mod tests {
         assert_eq!(human_bytes(12), "12 B");
         assert_eq!(human_bytes(1536), "1.5 KiB");
         assert_eq!(human_bytes(256 << 20), "256.0 MiB");
+    }
+
+    #[test]
+    fn checkpoint_message_names_file_and_tensor() {
+        let e = WgparError::Checkpoint {
+            file: "m/model.safetensors".into(),
+            tensor: Some("wte.weight".into()),
+            detail: "shape [3, 4], expected [5, 4]".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "m/model.safetensors: tensor 'wte.weight': shape [3, 4], expected [5, 4]"
+        );
+        let e = WgparError::Checkpoint {
+            file: "m/config.json".into(),
+            tensor: None,
+            detail: "no model_type".into(),
+        };
+        assert_eq!(e.to_string(), "m/config.json: no model_type");
     }
 
     #[test]

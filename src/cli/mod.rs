@@ -4,13 +4,17 @@
 mod bench;
 mod compare;
 mod devices;
+mod embed;
 mod run;
+mod text;
 
 use clap::{Args, Parser, Subcommand};
 use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, Gpu, GpuOptions};
-use wgpar::model::{ModelConfig, PRESETS};
+use wgpar::model::hf::Checkpoint;
+use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::{Result, WgparError};
 
+use std::path::Path;
 use std::sync::Arc;
 
 /// wgpar: run transformer inference across several GPUs of any vendor and backend, and see
@@ -30,11 +34,15 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Prefill a batch of prompts and greedily decode, reporting tokens/s.
+    /// Prefill a batch of prompts and greedily decode, reporting tokens/s; with --prompt and a
+    /// model folder, generate text.
     Run(run::RunArgs),
     /// Single vs tensor vs pipeline vs hybrid parallelism: measured here, projected onto host
     /// profiles, with verdicts, a Markdown report and SVG charts.
     Compare(compare::CompareArgs),
+    /// Sentence embeddings of texts with an encoder checkpoint (BERT, e.g. all-MiniLM-L6-v2),
+    /// and their pairwise cosine similarities.
+    Embed(embed::EmbedArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -73,20 +81,65 @@ impl DeviceArgs {
 /// Model options shared by commands that run a model.
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
-    /// Model preset.
-    #[arg(long, default_value = "default", value_parser = clap::builder::PossibleValuesParser::new(PRESETS))]
+    /// Model: a preset (default, tiny-llama, tiny-gpt2, tiny-bert, gpt2-small, llama-1b,
+    /// llama-8b; synthetic weights) or a Hugging Face model folder (config.json,
+    /// *.safetensors, tokenizer.json).
+    #[arg(long, default_value = "default", value_name = "PRESET|DIR")]
     model: String,
     /// Weight storage: f32, or f16 (needs SHADER_F16 on every device).
     #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
     dtype: String,
-    /// Seed of the synthetic weights.
+    /// Seed of the synthetic weights (presets), or of sampling (--prompt with --temperature).
     #[arg(long, default_value_t = 42)]
     seed: u64,
 }
 
+/// Context a checkpoint gets where the command does not know its lengths (the KV cache and
+/// position tables are sized for it).
+const DEFAULT_CONTEXT: usize = 2048;
+
 impl ModelArgs {
+    /// The model folder, when `--model` names one rather than a preset.
+    fn checkpoint_dir(&self) -> Option<&Path> {
+        let p = Path::new(&self.model);
+        p.is_dir().then_some(p)
+    }
+
+    /// The checkpoint, its context limited to `context` (or its own, if shorter).
+    fn checkpoint(&self, dir: &Path, context: usize) -> Result<Checkpoint> {
+        let mut ckpt = Checkpoint::open(dir)?;
+        let limit = ckpt.max_context().min(context);
+        ckpt.limit_context(limit)?;
+        Ok(ckpt)
+    }
+
+    /// The decoder to run: a preset, or a checkpoint's config (context up to 2048 tokens).
     fn config(&self) -> Result<ModelConfig> {
-        ModelConfig::preset(&self.model)
+        let config = match self.checkpoint_dir() {
+            Some(dir) => self.checkpoint(dir, DEFAULT_CONTEXT)?.config().clone(),
+            None => ModelConfig::preset(&self.model).map_err(|e| {
+                WgparError::Config(format!(
+                    "{e}; or pass a model folder (no folder '{}')",
+                    self.model
+                ))
+            })?,
+        };
+        if config.is_encoder() {
+            return Err(WgparError::Config(format!(
+                "model '{}' is an encoder (BERT): use `wgpar embed`",
+                config.name
+            )));
+        }
+        Ok(config)
+    }
+
+    /// Weights for `config` (from [`Self::config`]): synthetic for a preset, loaded (with a
+    /// progress bar) for a checkpoint.
+    fn weights(&self, config: &ModelConfig) -> Result<ModelWeights> {
+        match self.checkpoint_dir() {
+            Some(dir) => self.checkpoint(dir, config.max_seq)?.weights(true),
+            None => Ok(ModelWeights::synthetic(config, self.seed)),
+        }
     }
 
     fn dtype(&self, gpus: &[Arc<Gpu>]) -> Result<DType> {
@@ -109,6 +162,7 @@ pub fn main() -> Result<()> {
     match cli.command {
         Some(Command::Devices { json }) => devices::print(&Adapters::discover()?, json),
         Some(Command::Run(args)) => run::run(&args),
+        Some(Command::Embed(args)) => embed::run(&args),
         Some(Command::Bench { what }) => bench::run(&what),
         Some(Command::Compare(args)) => compare::run(&args),
         None => {

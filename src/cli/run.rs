@@ -4,11 +4,11 @@
 use clap::Args;
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
-use wgpar::model::ModelWeights;
 use wgpar::parallel::{build_engine, generate, PartitionSpec, Strategy};
 use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
 
+use super::text::TextArgs;
 use super::{DeviceArgs, ModelArgs};
 
 /// Strategy options shared by `run` and `compare`.
@@ -85,10 +85,15 @@ pub struct RunArgs {
     /// Write the run's timeline as Chrome Trace Event JSON (opens in Perfetto).
     #[arg(long, value_name = "FILE")]
     trace: Option<String>,
+    #[command(flatten)]
+    text: TextArgs,
 }
 
 /// Runs generation and prints the rates.
 pub fn run(args: &RunArgs) -> Result<()> {
+    if let Some(prompt) = &args.text.prompt {
+        return super::text::generate(&args.devices, &args.model, &args.text, prompt, args.gen);
+    }
     let config = args.model.config()?;
     if args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
         return Err(WgparError::Config(
@@ -105,7 +110,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let adapters = Adapters::discover()?;
     let gpus = args.devices.open(&adapters)?;
     let dtype = args.model.dtype(&gpus)?;
-    let weights = ModelWeights::synthetic(&config, args.model.seed);
+    let weights = args.model.weights(&config)?;
     println!(
         "model {} ({} arch, {} layers, hidden {}, {:.1}M params, {:?} weights)",
         config.name,

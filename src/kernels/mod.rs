@@ -37,7 +37,7 @@ pub enum Family {
     Norm,
     /// `softmax.wgsl`: row softmax.
     Softmax,
-    /// `attention.wgsl`: causal attention over a KV cache.
+    /// `attention.wgsl`: causal or bidirectional attention over a KV cache.
     Attention,
     /// `kvcache.wgsl`: KV cache append.
     KvCache,
@@ -45,13 +45,15 @@ pub enum Family {
     Rope,
     /// `elementwise.wgsl`: residual add, bias, GELU, SwiGLU.
     Elementwise,
-    /// `embedding.wgsl`: token (+ position) embedding lookup.
+    /// `embedding.wgsl`: token (+ position, + token type) embedding lookup.
     Embedding,
+    /// `pool.wgsl`: encoder pooling (mean or first token, optional L2 normalisation).
+    Pool,
 }
 
 impl Family {
     /// Every family, for validation tests.
-    pub const ALL: [Family; 8] = [
+    pub const ALL: [Family; 9] = [
         Family::Matmul,
         Family::Norm,
         Family::Softmax,
@@ -60,6 +62,7 @@ impl Family {
         Family::Rope,
         Family::Elementwise,
         Family::Embedding,
+        Family::Pool,
     ];
 
     /// The WGSL source as shipped.
@@ -73,6 +76,7 @@ impl Family {
             Family::Rope => include_str!("../../shaders/rope.wgsl"),
             Family::Elementwise => include_str!("../../shaders/elementwise.wgsl"),
             Family::Embedding => include_str!("../../shaders/embedding.wgsl"),
+            Family::Pool => include_str!("../../shaders/pool.wgsl"),
         }
     }
 
@@ -102,11 +106,12 @@ impl Family {
             Family::Matmul => &[Read, Read, Read, ReadWrite, Uniform],
             Family::Norm => &[Read, ReadWrite, Read, Read, Uniform],
             Family::Softmax => &[ReadWrite, Uniform],
-            Family::Attention => &[Read, Read, Read, ReadWrite, Uniform],
+            Family::Attention => &[Read, Read, Read, Read, ReadWrite, Uniform],
             Family::KvCache => &[Read, Read, ReadWrite, ReadWrite, Uniform],
             Family::Rope => &[ReadWrite, Read, Read, Uniform],
             Family::Elementwise => &[ReadWrite, Read, Uniform],
-            Family::Embedding => &[Read, Read, Read, ReadWrite, Uniform],
+            Family::Embedding => &[Read, Read, Read, ReadWrite, Read, Read, Uniform],
+            Family::Pool => &[Read, Read, ReadWrite, Uniform],
         }
     }
 
@@ -121,6 +126,7 @@ impl Family {
             Family::Rope => &["rope"],
             Family::Elementwise => &["add", "bias_add", "gelu", "gelu_erf", "swiglu"],
             Family::Embedding => &["embed"],
+            Family::Pool => &["pool"],
         }
     }
 }

@@ -380,7 +380,9 @@ struct AttnParams {
     group: u32,
     q_offset: u32,
     kv_offset: u32,
-    _pad: u32,
+    /// 1: causal; 0: bidirectional over each sequence's real keys (attention only; the KV
+    /// store kernel ignores it).
+    causal: u32,
 }
 
 impl AttnParams {
@@ -397,9 +399,22 @@ impl AttnParams {
             group: to_u32(op, "group", s.group)?,
             q_offset: to_u32(op, "q_head_offset", s.q_head_offset)?,
             kv_offset: to_u32(op, "kv_head_offset", s.kv_head_offset)?,
-            _pad: 0,
+            causal: 1,
         })
     }
+}
+
+/// Which keys a query sees.
+#[derive(Debug, Clone, Copy)]
+pub enum AttnMask<'a> {
+    /// Positions up to the query's own (decoders).
+    Causal,
+    /// Every position of the sequence that is not padding (encoders): sequence `b` has
+    /// `lens[b]` real tokens, `1 <= lens[b]`, values above `past + seq` meaning all of them.
+    Bidirectional {
+        /// `[batch]` u32 real-token counts.
+        lens: &'a Tensor,
+    },
 }
 
 /// Causal attention of `q` over the cache (which must already hold the new keys and values).
@@ -412,6 +427,31 @@ pub fn attention(
     out: &Tensor,
     shape: &AttnShape,
 ) -> Result<()> {
+    attention_masked(
+        gpu,
+        encoder,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        shape,
+        AttnMask::Causal,
+    )
+}
+
+/// Attention of `q` over the cache (which must already hold the new keys and values), causal
+/// or bidirectional as `mask` says.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_masked(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    out: &Tensor,
+    shape: &AttnShape,
+    mask: AttnMask<'_>,
+) -> Result<()> {
     const OP: &str = "attention";
     shape.validate(OP)?;
     let q_len = shape.tokens() * shape.n_heads * shape.head_dim;
@@ -419,14 +459,30 @@ pub fn attention(
     need(OP, "out", out, q_len, Some(DType::F32))?;
     need(OP, "k_cache", k_cache, shape.cache_len(), Some(DType::F32))?;
     need(OP, "v_cache", v_cache, shape.cache_len(), Some(DType::F32))?;
+    let mut params = AttnParams::new(OP, shape)?;
+    // A causal call never reads `lens`; bind `q` there (read-only, so aliasing is allowed).
+    let lens = match mask {
+        AttnMask::Causal => q,
+        AttnMask::Bidirectional { lens } => {
+            need(OP, "lens", lens, shape.batch, Some(DType::U32))?;
+            params.causal = 0;
+            lens
+        }
+    };
     dispatch(
         gpu,
         encoder,
         Family::Attention,
         "attend",
         WeightType::F32,
-        &[q.buffer(), k_cache.buffer(), v_cache.buffer(), out.buffer()],
-        &AttnParams::new(OP, shape)?,
+        &[
+            q.buffer(),
+            k_cache.buffer(),
+            v_cache.buffer(),
+            lens.buffer(),
+            out.buffer(),
+        ],
+        &params,
         grid_1d(OP, shape.tokens() * shape.n_heads, 64)?,
     );
     Ok(())
@@ -604,7 +660,19 @@ struct EmbedParams {
     seq: u32,
     past: u32,
     has_positions: u32,
-    _pad: [u32; 3],
+    has_types: u32,
+    _pad: [u32; 2],
+}
+
+/// Token type (segment) embeddings for [`embed_with_types`].
+#[derive(Debug, Clone, Copy)]
+pub struct TokenTypes<'a> {
+    /// `[tokens]` u32 type per token, each < `count` (checked on the host).
+    pub ids: &'a Tensor,
+    /// `[count][hidden]` f32 table.
+    pub table: &'a Tensor,
+    /// Number of token types.
+    pub count: usize,
 }
 
 /// `out[t] = wte[ids[t]] (+ wpe[past + t % seq])`. Token ids must be < vocab (the caller checks
@@ -620,6 +688,32 @@ pub fn embed(
     (batch, seq, past): (usize, usize, usize),
     hidden: usize,
 ) -> Result<()> {
+    embed_with_types(
+        gpu,
+        encoder,
+        ids,
+        wte,
+        wpe,
+        None,
+        out,
+        (batch, seq, past),
+        hidden,
+    )
+}
+
+/// [`embed`] plus, when `types` is given, `wtt[types[t]]` (BERT's segment embeddings).
+#[allow(clippy::too_many_arguments)]
+pub fn embed_with_types(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    ids: &Tensor,
+    wte: &Tensor,
+    wpe: Option<&Tensor>,
+    types: Option<TokenTypes<'_>>,
+    out: &Tensor,
+    (batch, seq, past): (usize, usize, usize),
+    hidden: usize,
+) -> Result<()> {
     const OP: &str = "embed";
     let tokens = batch * seq;
     need(OP, "ids", ids, tokens, Some(DType::U32))?;
@@ -627,27 +721,95 @@ pub fn embed(
     if let Some(p) = wpe {
         need(OP, "wpe", p, (past + seq) * hidden, Some(DType::F32))?;
     }
+    if let Some(t) = &types {
+        need(OP, "token types", t.ids, tokens, Some(DType::U32))?;
+        need(
+            OP,
+            "token type table",
+            t.table,
+            t.count * hidden,
+            Some(DType::F32),
+        )?;
+    }
     let params = EmbedParams {
         tokens: to_u32(OP, "tokens", tokens)?,
         hidden: to_u32(OP, "hidden", hidden)?,
         seq: to_u32(OP, "seq", seq)?,
         past: to_u32(OP, "past", past)?,
         has_positions: wpe.is_some() as u32,
-        _pad: [0; 3],
+        has_types: types.is_some() as u32,
+        _pad: [0; 2],
     };
-    let wpe_buf = wpe.unwrap_or(out).buffer();
-    // wpe is a read binding; without positions bind the ids buffer rather than `out`, which is
-    // bound read-write.
-    let wpe_buf = if wpe.is_some() { wpe_buf } else { ids.buffer() };
+    // Tables a call lacks are read bindings that are never read: bind the ids buffer there
+    // rather than `out`, which is bound read-write.
+    let wpe_buf = wpe.unwrap_or(ids).buffer();
+    let (type_ids, type_table) = types.map_or((ids, ids), |t| (t.ids, t.table));
     dispatch(
         gpu,
         encoder,
         Family::Embedding,
         "embed",
         weight_type(wte),
-        &[ids.buffer(), wte.buffer(), wpe_buf, out.buffer()],
+        &[
+            ids.buffer(),
+            wte.buffer(),
+            wpe_buf,
+            out.buffer(),
+            type_ids.buffer(),
+            type_table.buffer(),
+        ],
         &params,
         grid_1d(OP, tokens * hidden, 256)?,
+    );
+    Ok(())
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct PoolParams {
+    batch: u32,
+    seq: u32,
+    hidden: u32,
+    mode: u32,
+    normalize: u32,
+    _pad: [u32; 3],
+}
+
+/// Encoder pooling: `out[b] = mean(x[b * seq .. b * seq + lens[b]])` (or `x[b * seq]` when
+/// `first_token`), scaled to unit L2 norm when `normalize`. `lens` values must lie in
+/// `1..=seq` (the caller checks them on the host).
+#[allow(clippy::too_many_arguments)]
+pub fn pool(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    x: &Tensor,
+    lens: &Tensor,
+    out: &Tensor,
+    (batch, seq, hidden): (usize, usize, usize),
+    first_token: bool,
+    normalize: bool,
+) -> Result<()> {
+    const OP: &str = "pool";
+    need(OP, "x", x, batch * seq * hidden, Some(DType::F32))?;
+    need(OP, "lens", lens, batch, Some(DType::U32))?;
+    need(OP, "out", out, batch * hidden, Some(DType::F32))?;
+    let params = PoolParams {
+        batch: to_u32(OP, "batch", batch)?,
+        seq: to_u32(OP, "seq", seq)?,
+        hidden: to_u32(OP, "hidden", hidden)?,
+        mode: first_token as u32,
+        normalize: normalize as u32,
+        _pad: [0; 3],
+    };
+    dispatch(
+        gpu,
+        encoder,
+        Family::Pool,
+        "pool",
+        WeightType::F32,
+        &[x.buffer(), lens.buffer(), out.buffer()],
+        &params,
+        rows_grid(OP, batch)?,
     );
     Ok(())
 }

@@ -1,10 +1,10 @@
-//! Model shapes: the two decoder families and their presets.
+//! Model shapes: the two decoder families, the encoder family, and their presets.
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, WgparError};
 
-/// Decoder family: which block structure the layers use.
+/// Model family: which block structure the layers use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Arch {
@@ -12,6 +12,55 @@ pub enum Arch {
     Gpt2,
     /// Llama: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention, no biases.
     Llama,
+    /// BERT encoder: LayerNorm after each residual (post-norm), bidirectional attention,
+    /// learned positions and token types, a LayerNorm on the embeddings, biases, GELU MLP,
+    /// and pooling instead of an LM head.
+    Bert,
+}
+
+/// The MLP's non-linearity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Activation {
+    /// GELU, tanh approximation (GPT-2's `gelu_new`).
+    GeluTanh,
+    /// GELU, exact erf form (BERT's `gelu`).
+    GeluErf,
+    /// SiLU gating a second projection (SwiGLU, Llama).
+    Silu,
+}
+
+/// How an encoder reduces its token states to one vector per sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PoolMode {
+    /// Mean over the sequence's (non-padding) tokens.
+    Mean,
+    /// The first token's state (BERT's `[CLS]`).
+    Cls,
+}
+
+/// Llama 3's RoPE frequency scaling (`rope_scaling` with `rope_type: "llama3"`): long
+/// wavelengths are slowed by `factor`, short ones kept, the band between blended.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RopeScaling {
+    /// Slow-down of the low frequencies.
+    pub factor: f32,
+    /// Wavelengths above `original_context / low_freq_factor` are fully scaled.
+    pub low_freq_factor: f32,
+    /// Wavelengths below `original_context / high_freq_factor` are kept.
+    pub high_freq_factor: f32,
+    /// Context the model was first trained for.
+    pub original_context: usize,
+}
+
+/// An encoder's pooling step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pooling {
+    /// Which reduction.
+    pub mode: PoolMode,
+    /// Scale each pooled vector to unit L2 norm (sentence-transformers' `Normalize` module).
+    pub normalize: bool,
 }
 
 /// Every shape a forward pass needs.
@@ -41,15 +90,24 @@ pub struct ModelConfig {
     pub norm_eps: f32,
     /// RoPE base frequency (Llama).
     pub rope_theta: f32,
+    /// RoPE frequency scaling (Llama 3.1 and later), if any.
+    pub rope_scaling: Option<RopeScaling>,
     /// LM head shares the token embedding matrix.
     pub tied_head: bool,
+    /// MLP non-linearity (must be `Silu` exactly for Llama).
+    pub activation: Activation,
+    /// Token type (segment) vocabulary: BERT's sentence A/B embeddings; 0 for decoders.
+    pub type_vocab: usize,
+    /// Pooling of an encoder's output (ignored by decoders).
+    pub pooling: Pooling,
 }
 
 /// Names of the built-in presets, for `--model` help and errors.
-pub const PRESETS: [&str; 6] = [
+pub const PRESETS: [&str; 7] = [
     "default",
     "tiny-llama",
     "tiny-gpt2",
+    "tiny-bert",
     "gpt2-small",
     "llama-1b",
     "llama-8b",
@@ -72,7 +130,14 @@ impl ModelConfig {
             max_seq: 256,
             norm_eps: 1e-5,
             rope_theta: 10_000.0,
+            rope_scaling: None,
             tied_head: false,
+            activation: Activation::Silu,
+            type_vocab: 0,
+            pooling: Pooling {
+                mode: PoolMode::Mean,
+                normalize: false,
+            },
         }
     }
 
@@ -105,6 +170,28 @@ impl ModelConfig {
                 ffn: 384,
                 max_seq: 96,
                 tied_head: true,
+                activation: Activation::GeluTanh,
+                ..base
+            },
+            // MiniLM-shaped encoder, smaller: post-norm, bidirectional, two token types.
+            "tiny-bert" => Self {
+                name: name.into(),
+                arch: Arch::Bert,
+                vocab: 397,
+                hidden: 96,
+                layers: 2,
+                heads: 6,
+                kv_heads: 6,
+                head_dim: 16,
+                ffn: 384,
+                max_seq: 64,
+                norm_eps: 1e-12,
+                activation: Activation::GeluErf,
+                type_vocab: 2,
+                pooling: Pooling {
+                    mode: PoolMode::Mean,
+                    normalize: true,
+                },
                 ..base
             },
             "gpt2-small" => Self {
@@ -119,6 +206,7 @@ impl ModelConfig {
                 ffn: 3072,
                 max_seq: 1024,
                 tied_head: true,
+                activation: Activation::GeluTanh,
                 ..base
             },
             // Llama 3.2 1B shapes.
@@ -185,7 +273,38 @@ impl ModelConfig {
         if self.max_seq == 0 {
             return fail("max_seq must be positive".into());
         }
+        let gated = self.activation == Activation::Silu;
+        if gated != (self.arch == Arch::Llama) {
+            return fail(format!(
+                "{:?} activation does not fit the {:?} block structure (only Llama gates with SiLU)",
+                self.activation, self.arch
+            ));
+        }
+        if self.arch == Arch::Bert && self.type_vocab == 0 {
+            return fail("a BERT encoder needs at least one token type".into());
+        }
         Ok(())
+    }
+
+    /// Whether this is an encoder (pooled output, no LM head, no generation).
+    pub fn is_encoder(&self) -> bool {
+        self.arch == Arch::Bert
+    }
+
+    /// Whether a token attends only to earlier positions (decoders) or to the whole sequence.
+    pub fn causal(&self) -> bool {
+        !self.is_encoder()
+    }
+
+    /// Whether each residual is followed by a norm (BERT) instead of each block starting with
+    /// one (GPT-2, Llama).
+    pub fn post_norm(&self) -> bool {
+        self.arch == Arch::Bert
+    }
+
+    /// Whether positions are a learned table added to the embeddings (not RoPE).
+    pub fn learned_positions(&self) -> bool {
+        self.arch != Arch::Llama
     }
 
     /// Query projection width (heads x head_dim).
@@ -203,7 +322,7 @@ impl ModelConfig {
         let h = self.hidden;
         let attn = h * self.q_dim() * 2 + h * self.kv_dim() * 2;
         let mlp = match self.arch {
-            Arch::Gpt2 => 2 * h * self.ffn,
+            Arch::Gpt2 | Arch::Bert => 2 * h * self.ffn,
             Arch::Llama => 3 * h * self.ffn,
         };
         attn + mlp + 4 * h
@@ -212,12 +331,16 @@ impl ModelConfig {
     /// All parameters (embeddings and head included).
     pub fn params(&self) -> usize {
         let emb = self.vocab * self.hidden;
-        let pos = if self.arch == Arch::Gpt2 {
-            self.max_seq * self.hidden
+        let pos = if self.learned_positions() {
+            (self.max_seq + self.type_vocab) * self.hidden
         } else {
             0
         };
-        let head = if self.tied_head { 0 } else { emb };
+        let head = if self.tied_head || self.is_encoder() {
+            0
+        } else {
+            emb
+        };
         emb + pos + head + self.layers * self.layer_params()
     }
 
@@ -228,7 +351,7 @@ impl ModelConfig {
         let t = tokens as u64;
         let proj = 2 * t * h * (2 * self.q_dim() + 2 * self.kv_dim()) as u64;
         let mlp = match self.arch {
-            Arch::Gpt2 => 2 * t * 2 * h * self.ffn as u64,
+            Arch::Gpt2 | Arch::Bert => 2 * t * 2 * h * self.ffn as u64,
             Arch::Llama => 2 * t * 3 * h * self.ffn as u64,
         };
         let attn = 2 * 2 * t * context as u64 * self.q_dim() as u64;
@@ -251,6 +374,23 @@ mod tests {
     fn unknown_preset_lists_the_known_ones() {
         let e = ModelConfig::preset("gpt5").unwrap_err().to_string();
         assert!(e.contains("tiny-llama") && e.contains("gpt5"), "{e}");
+    }
+
+    #[test]
+    fn activation_must_fit_the_arch() {
+        let bad = ModelConfig {
+            activation: Activation::GeluTanh,
+            ..ModelConfig::preset("tiny-llama").unwrap()
+        };
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(e.contains("GeluTanh") && e.contains("Llama"), "{e}");
+        let bert = ModelConfig::preset("tiny-bert").unwrap();
+        assert!(bert.is_encoder() && bert.post_norm() && !bert.causal());
+        let no_types = ModelConfig {
+            type_vocab: 0,
+            ..bert
+        };
+        assert!(no_types.validate().is_err());
     }
 
     #[test]

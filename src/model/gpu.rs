@@ -1,17 +1,24 @@
 //! A model (or one device's part of it) in GPU memory, and the blocks that encode its forward
-//! pass: embedding, decoder layers split at the two points where tensor parallelism
-//! all-reduces, and the LM head.
+//! pass: embedding, layers split at the two points where tensor parallelism all-reduces, and
+//! the LM head (decoders) or pooling (encoders).
+//!
+//! Encoders (BERT) run through the same layer blocks: a post-norm layer skips the norm at the
+//! start of `attention` / `mlp` and applies it at the end of `attention_residual` /
+//! `mlp_residual`, after the (all-reduced) output has been added, and attention is
+//! bidirectional over each sequence's real tokens. Engines therefore call the blocks in the
+//! same order for both kinds; an encoder ends with [`GpuModel::pool`] instead of
+//! [`GpuModel::head`].
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::config::{Arch, ModelConfig};
+use super::config::{Activation, Arch, ModelConfig, PoolMode};
 use super::reference::rope_tables;
 use super::shard::{slice_cols, slice_rows, ShardSpec};
 use super::weights::{LayerWeights, ModelWeights};
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
-use crate::kernels::ops::{self, AttnShape, Elementwise, MatmulKernel, Norm};
+use crate::kernels::ops::{self, AttnMask, AttnShape, Elementwise, MatmulKernel, Norm, TokenTypes};
 
 /// Which part of the model one device holds.
 #[derive(Debug, Clone)]
@@ -95,10 +102,16 @@ pub struct Activations {
     /// MLP down projection, a partial sum under tensor parallelism `[tokens][hidden]`.
     pub mlp_out: Tensor,
     ids: Tensor,
+    /// Token type per token (encoders), written by [`GpuModel::write_encoder_inputs`].
+    types: Tensor,
+    /// Real (non-padding) tokens per sequence; `u32::MAX` (all) until written.
+    lens: Tensor,
     last: Tensor,
     last_norm: Tensor,
-    /// Logits of each sequence's last token `[batch][vocab]` (head devices only).
+    /// Logits of each sequence's last token `[batch][vocab]` (decoder head devices only).
     pub logits: Option<Tensor>,
+    /// Pooled embedding per sequence `[batch][hidden]` (encoder devices holding the output).
+    pub pooled: Option<Tensor>,
 }
 
 impl Activations {
@@ -130,6 +143,8 @@ pub struct GpuModel {
     layers: Vec<GpuLayer>,
     wte: Option<Arc<Tensor>>,
     wpe: Option<Tensor>,
+    token_types: Option<Tensor>,
+    embed_norm: Option<(Tensor, Tensor)>,
     final_norm: Option<(Tensor, Option<Tensor>)>,
     head: Option<Arc<Tensor>>,
     rope: Option<(Tensor, Tensor)>,
@@ -226,7 +241,8 @@ impl GpuModel {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
-        let wte = if placement.embedding || (placement.head && config.tied_head) {
+        let decoder_head = placement.head && !config.is_encoder();
+        let wte = if placement.embedding || (decoder_head && config.tied_head) {
             Some(Arc::new(gpu.upload_weights("wte", &weights.wte, dtype)?))
         } else {
             None
@@ -235,7 +251,24 @@ impl GpuModel {
             (Some(p), true) => Some(gpu.upload_f32("wpe", p)?),
             _ => None,
         };
-        let (final_norm, head) = if placement.head {
+        let embedding_part = |v: &Option<Vec<f32>>, what: &str| match (v, placement.embedding) {
+            (Some(v), true) => gpu.upload_f32(what, v).map(Some),
+            _ => Ok(None),
+        };
+        let token_types = embedding_part(&weights.token_types, "token_types")?;
+        let embed_norm = match (
+            embedding_part(&weights.embed_norm, "embed_norm")?,
+            embedding_part(&weights.embed_norm_bias, "embed_norm_bias")?,
+        ) {
+            (Some(g), Some(b)) => Some((g, b)),
+            (None, None) => None,
+            _ => {
+                return Err(WgparError::Config(
+                    "embedding norm needs both a scale and a shift".into(),
+                ))
+            }
+        };
+        let (final_norm, head) = if decoder_head {
             let norm = (
                 gpu.upload_f32("final_norm", &weights.final_norm)?,
                 upload_opt(&gpu, "final_norm_bias", weights.final_norm_bias.as_ref())?,
@@ -270,6 +303,8 @@ impl GpuModel {
             layers,
             wte,
             wpe,
+            token_types,
+            embed_norm,
             final_norm,
             head,
             rope,
@@ -308,6 +343,8 @@ impl GpuModel {
         let s = &self.placement.shard;
         let f32s = |what: &str, len: usize| g.empty(what, DType::F32, len);
         let d = c.head_dim;
+        let lens = g.empty("act.lens", DType::U32, batch)?;
+        g.write_u32(&lens, &vec![u32::MAX; batch])?;
         Ok(Activations {
             tokens,
             x: f32s("act.x", tokens * c.hidden)?,
@@ -321,10 +358,17 @@ impl GpuModel {
             up: f32s("act.up", tokens * s.local_ffn())?,
             mlp_out: f32s("act.mlp_out", tokens * c.hidden)?,
             ids: g.empty("act.ids", DType::U32, tokens)?,
+            types: g.empty("act.types", DType::U32, tokens)?,
+            lens,
             last: f32s("act.last", batch * c.hidden)?,
             last_norm: f32s("act.last_norm", batch * c.hidden)?,
             logits: if self.head.is_some() {
                 Some(f32s("act.logits", batch * c.vocab)?)
+            } else {
+                None
+            },
+            pooled: if self.placement.head && c.is_encoder() {
+                Some(f32s("act.pooled", batch * c.hidden)?)
             } else {
                 None
             },
@@ -382,7 +426,45 @@ impl GpuModel {
         self.gpu.write_u32(&act.ids, ids)
     }
 
-    /// Embeds the ids written by [`Self::write_ids`] into `act.x`.
+    /// Stages an encoder batch's token types (`[tokens]`, each below `type_vocab`) and real
+    /// token counts (`[batch]`, each in `1..=seq`) for [`Self::embed`], the bidirectional
+    /// attention and [`Self::pool`]; lands at the next submit. Every device running layers of
+    /// an encoder needs the counts when sequences are padded.
+    pub fn write_encoder_inputs(
+        &self,
+        act: &Activations,
+        step: &Step,
+        types: &[u32],
+        lens: &[u32],
+    ) -> Result<()> {
+        let c = &self.config;
+        let bad = |detail: String| {
+            Err(WgparError::Shape {
+                op: "encoder inputs".into(),
+                detail,
+            })
+        };
+        if types.len() != step.tokens() || lens.len() != step.batch {
+            return bad(format!(
+                "{} token types and {} lengths for {} sequences of {} tokens",
+                types.len(),
+                lens.len(),
+                step.batch,
+                step.seq
+            ));
+        }
+        if let Some(t) = types.iter().find(|&&t| t as usize >= c.type_vocab) {
+            return bad(format!("token type {t} outside the {} types", c.type_vocab));
+        }
+        if let Some(n) = lens.iter().find(|&&n| n == 0 || n as usize > step.seq) {
+            return bad(format!("length {n} outside 1..={}", step.seq));
+        }
+        self.gpu.write_u32(&act.types, types)?;
+        self.gpu.write_u32(&act.lens, lens)
+    }
+
+    /// Embeds the ids written by [`Self::write_ids`] into `act.x` (adding positions, token
+    /// types and the embedding norm where the model has them).
     pub fn embed(
         &self,
         encoder: &mut wgpu::CommandEncoder,
@@ -392,16 +474,71 @@ impl GpuModel {
         self.check_step(act, step)?;
         let wte = self.wte.as_ref().filter(|_| self.placement.embedding);
         let wte = wte.ok_or_else(|| WgparError::Config("this device holds no embedding".into()))?;
-        ops::embed(
+        let types = self.token_types.as_ref().map(|table| TokenTypes {
+            ids: &act.types,
+            table,
+            count: self.config.type_vocab,
+        });
+        ops::embed_with_types(
             &self.gpu,
             encoder,
             &act.ids,
             wte,
             self.wpe.as_ref(),
+            types,
             &act.x,
             (step.batch, step.seq, step.past),
             self.config.hidden,
-        )
+        )?;
+        match &self.embed_norm {
+            Some((gamma, beta)) => {
+                self.norm_in_place(encoder, Norm::Layer { gamma, beta }, act, step)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// `h = norm(x)` over the step's tokens.
+    fn norm_to_h(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        norm: Norm<'_>,
+        act: &Activations,
+        step: &Step,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (t, h) = (step.tokens(), c.hidden);
+        ops::norm(&self.gpu, encoder, norm, &act.x, &act.h, t, h, c.norm_eps)
+    }
+
+    /// `x = norm(x)` through the scratch `h` (a kernel may not read and write one buffer).
+    fn norm_in_place(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        norm: Norm<'_>,
+        act: &Activations,
+        step: &Step,
+    ) -> Result<()> {
+        self.norm_to_h(encoder, norm, act, step)?;
+        let bytes = (step.tokens() * self.config.hidden * 4) as u64;
+        encoder.copy_buffer_to_buffer(act.h.buffer(), 0, act.x.buffer(), 0, bytes);
+        Ok(())
+    }
+
+    /// The input of a layer's projections: the normed stream `h` (pre-norm), or the stream
+    /// itself when the norm comes after the residual.
+    fn block_input<'a>(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        norm: Norm<'_>,
+        act: &'a Activations,
+        step: &Step,
+    ) -> Result<&'a Tensor> {
+        if self.config.post_norm() {
+            return Ok(&act.x);
+        }
+        self.norm_to_h(encoder, norm, act, step)?;
+        Ok(&act.h)
     }
 
     fn attn_shape(&self, step: &Step) -> AttnShape {
@@ -450,11 +587,11 @@ impl GpuModel {
         );
         let tiled = MatmulKernel::Tiled;
         let norm = GpuLayer::norm(&l.attn_norm, &l.attn_norm_bias);
-        ops::norm(g, encoder, norm, &act.x, &act.h, t, c.hidden, c.norm_eps)?;
+        let input = self.block_input(encoder, norm, act, step)?;
         ops::matmul(
             g,
             encoder,
-            &act.h,
+            input,
             &l.wq,
             l.bq.as_ref(),
             &act.q,
@@ -464,7 +601,7 @@ impl GpuModel {
         ops::matmul(
             g,
             encoder,
-            &act.h,
+            input,
             &l.wk,
             l.bk.as_ref(),
             &act.k,
@@ -474,7 +611,7 @@ impl GpuModel {
         ops::matmul(
             g,
             encoder,
-            &act.h,
+            input,
             &l.wv,
             l.bv.as_ref(),
             &act.v,
@@ -489,7 +626,14 @@ impl GpuModel {
         let shape = self.attn_shape(step);
         let (k_cache, v_cache) = &kv.layers[i];
         ops::kv_store(g, encoder, &act.k, &act.v, k_cache, v_cache, &shape)?;
-        ops::attention(g, encoder, &act.q, k_cache, v_cache, &act.attn, &shape)?;
+        let mask = if c.causal() {
+            AttnMask::Causal
+        } else {
+            AttnMask::Bidirectional { lens: &act.lens }
+        };
+        ops::attention_masked(
+            g, encoder, &act.q, k_cache, v_cache, &act.attn, &shape, mask,
+        )?;
         ops::matmul(
             g,
             encoder,
@@ -502,7 +646,8 @@ impl GpuModel {
         )
     }
 
-    /// Adds the (all-reduced) attention output and its bias to the residual stream.
+    /// Adds the (all-reduced) attention output and its bias to the residual stream, then
+    /// applies the layer's attention norm when the model is post-norm.
     pub fn attention_residual(
         &self,
         encoder: &mut wgpu::CommandEncoder,
@@ -510,13 +655,9 @@ impl GpuModel {
         act: &Activations,
         step: &Step,
     ) -> Result<()> {
-        self.residual(
-            encoder,
-            self.layers[i].bo.as_ref(),
-            &act.attn_out,
-            act,
-            step,
-        )
+        let l = &self.layers[i];
+        self.residual(encoder, l.bo.as_ref(), &act.attn_out, act, step)?;
+        self.post_norm(encoder, &l.attn_norm, &l.attn_norm_bias, act, step)
     }
 
     /// MLP half of local layer `i`: leaves the (partial) down projection in `act.mlp_out`,
@@ -534,11 +675,11 @@ impl GpuModel {
         let f = l.shard.local_ffn();
         let tiled = MatmulKernel::Tiled;
         let norm = GpuLayer::norm(&l.mlp_norm, &l.mlp_norm_bias);
-        ops::norm(g, encoder, norm, &act.x, &act.h, t, c.hidden, c.norm_eps)?;
+        let input = self.block_input(encoder, norm, act, step)?;
         ops::matmul(
             g,
             encoder,
-            &act.h,
+            input,
             &l.w_up,
             l.b_up.as_ref(),
             &act.up,
@@ -550,7 +691,7 @@ impl GpuModel {
                 ops::matmul(
                     g,
                     encoder,
-                    &act.h,
+                    input,
                     w_gate,
                     None,
                     &act.gate,
@@ -577,7 +718,11 @@ impl GpuModel {
                 )
             }
             None => {
-                ops::elementwise(g, encoder, Elementwise::Gelu, &act.up, None, (t, f))?;
+                let gelu = match c.activation {
+                    Activation::GeluErf => Elementwise::GeluErf,
+                    _ => Elementwise::Gelu,
+                };
+                ops::elementwise(g, encoder, gelu, &act.up, None, (t, f))?;
                 ops::matmul(
                     g,
                     encoder,
@@ -592,7 +737,8 @@ impl GpuModel {
         }
     }
 
-    /// Adds the (all-reduced) MLP output and its bias to the residual stream.
+    /// Adds the (all-reduced) MLP output and its bias to the residual stream, then applies the
+    /// layer's MLP norm when the model is post-norm.
     pub fn mlp_residual(
         &self,
         encoder: &mut wgpu::CommandEncoder,
@@ -600,13 +746,23 @@ impl GpuModel {
         act: &Activations,
         step: &Step,
     ) -> Result<()> {
-        self.residual(
-            encoder,
-            self.layers[i].b_down.as_ref(),
-            &act.mlp_out,
-            act,
-            step,
-        )
+        let l = &self.layers[i];
+        self.residual(encoder, l.b_down.as_ref(), &act.mlp_out, act, step)?;
+        self.post_norm(encoder, &l.mlp_norm, &l.mlp_norm_bias, act, step)
+    }
+
+    fn post_norm(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        gamma: &Tensor,
+        beta: &Option<Tensor>,
+        act: &Activations,
+        step: &Step,
+    ) -> Result<()> {
+        if !self.config.post_norm() {
+            return Ok(());
+        }
+        self.norm_in_place(encoder, GpuLayer::norm(gamma, beta), act, step)
     }
 
     fn residual(
@@ -635,6 +791,35 @@ impl GpuModel {
             &act.x,
             Some(out),
             shape,
+        )
+    }
+
+    /// Encoder output: pools each sequence's final token states (its first `lens[b]` tokens,
+    /// as written by [`Self::write_encoder_inputs`], or all of them) into `act.pooled`,
+    /// L2-normalised when the model's pooling says so.
+    pub fn pool(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        act: &Activations,
+        step: &Step,
+    ) -> Result<()> {
+        let c = &self.config;
+        let Some(pooled) = act.pooled.as_ref() else {
+            return Err(WgparError::Config(format!(
+                "model '{}' has no pooled output on this device (an encoder's last stage pools)",
+                c.name
+            )));
+        };
+        self.check_step(act, step)?;
+        ops::pool(
+            &self.gpu,
+            encoder,
+            &act.x,
+            &act.lens,
+            pooled,
+            (step.batch, step.seq, c.hidden),
+            c.pooling.mode == PoolMode::Cls,
+            c.pooling.normalize,
         )
     }
 

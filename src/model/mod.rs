@@ -1,14 +1,20 @@
 //! The model: configurations and presets, synthetic weights, the CPU reference forward pass,
-//! shard specs for tensor parallelism, and the GPU blocks engines compose.
+//! shard specs for tensor parallelism, the GPU blocks engines compose, Hugging Face checkpoint
+//! loading and token sampling.
 
 pub mod config;
 pub mod gpu;
+pub mod hf;
+pub mod input;
 pub mod reference;
+pub mod reference_encoder;
+pub mod sampling;
 pub mod shard;
 pub mod weights;
 
-pub use config::{Arch, ModelConfig, PRESETS};
+pub use config::{Activation, Arch, ModelConfig, PoolMode, Pooling, RopeScaling, PRESETS};
 pub use gpu::{Activations, GpuModel, KvCache, Placement, Step};
+pub use input::EncoderInput;
 pub use reference::CpuReference;
 pub use shard::{valid_tp_degrees, ShardSpec};
 pub use weights::{LayerWeights, ModelWeights};

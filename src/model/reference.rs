@@ -1,13 +1,13 @@
 //! The CPU reference forward pass: plain loops, f64 accumulation, the oracle every GPU test
 //! compares against. Deliberately simple rather than fast.
 
-use super::config::{Arch, ModelConfig};
+use super::config::{Activation, Arch, ModelConfig, RopeScaling};
 use super::weights::{LayerWeights, ModelWeights};
 use crate::error::{Result, WgparError};
 
 /// A CPU model with its own KV cache, mirroring the GPU engines' prefill/decode API.
 pub struct CpuReference<'a> {
-    weights: &'a ModelWeights,
+    pub(super) weights: &'a ModelWeights,
     /// Per layer: keys and values, `[batch][kv_heads][position][head_dim]` flattened.
     k_cache: Vec<Vec<f64>>,
     v_cache: Vec<Vec<f64>>,
@@ -15,7 +15,13 @@ pub struct CpuReference<'a> {
     past: usize,
 }
 
-fn linear(x: &[f64], w: &[f32], bias: Option<&[f32]>, out_dim: usize, in_dim: usize) -> Vec<f64> {
+pub(super) fn linear(
+    x: &[f64],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    out_dim: usize,
+    in_dim: usize,
+) -> Vec<f64> {
     (0..out_dim)
         .map(|o| {
             let row = &w[o * in_dim..(o + 1) * in_dim];
@@ -25,7 +31,7 @@ fn linear(x: &[f64], w: &[f32], bias: Option<&[f32]>, out_dim: usize, in_dim: us
         .collect()
 }
 
-fn layer_norm(x: &[f64], gamma: &[f32], beta: Option<&[f32]>, eps: f32) -> Vec<f64> {
+pub(super) fn layer_norm(x: &[f64], gamma: &[f32], beta: Option<&[f32]>, eps: f32) -> Vec<f64> {
     let n = x.len() as f64;
     match beta {
         Some(beta) => {
@@ -53,6 +59,84 @@ pub fn gelu_tanh(x: f64) -> f64 {
     0.5 * x * (1.0 + (0.797_884_560_802_865_4 * (x + 0.044_715 * x * x * x)).tanh())
 }
 
+/// GELU, exact form 0.5 x (1 + erf(x / sqrt 2)) (BERT).
+pub fn gelu_erf(x: f64) -> f64 {
+    0.5 * x * (1.0 + erf(x * std::f64::consts::FRAC_1_SQRT_2))
+}
+
+/// The error function to about 1e-14: its Maclaurin series near zero, where it converges
+/// fast, and a continued fraction for erfc further out, where the series would cancel.
+pub fn erf(x: f64) -> f64 {
+    let a = x.abs();
+    let value = if a < 2.5 {
+        let (mut term, mut sum, mut n) = (a, a, 0.0);
+        while term.abs() > 1e-17 * sum.abs() {
+            n += 1.0;
+            term *= -a * a / n;
+            sum += term / (2.0 * n + 1.0);
+        }
+        sum * std::f64::consts::FRAC_2_SQRT_PI
+    } else if a < 6.0 {
+        // erfc(a) = exp(-a^2) / sqrt(pi) / (a + (1/2) / (a + 1 / (a + (3/2) / (a + ...)))),
+        // evaluated from the tail.
+        let mut t = a;
+        for k in (1..=80).rev() {
+            t = a + (k as f64 / 2.0) / t;
+        }
+        1.0 - (-a * a).exp() / (std::f64::consts::PI.sqrt() * t)
+    } else {
+        1.0
+    };
+    value.copysign(x)
+}
+
+/// The MLP non-linearity of a non-gated family.
+fn activate(activation: Activation, x: f64) -> f64 {
+    match activation {
+        Activation::GeluErf => gelu_erf(x),
+        Activation::GeluTanh => gelu_tanh(x),
+        Activation::Silu => silu(x),
+    }
+}
+
+/// The MLP of one layer on one (normed) token: up (and gate), activation, down with its bias.
+pub(super) fn mlp(cfg: &ModelConfig, lw: &LayerWeights, n: &[f64]) -> Vec<f64> {
+    let h = cfg.hidden;
+    let up = linear(n, &lw.w_up, lw.b_up.as_deref(), cfg.ffn, h);
+    let act: Vec<f64> = match &lw.w_gate {
+        Some(wg) => {
+            let gate = linear(n, wg, None, cfg.ffn, h);
+            gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect()
+        }
+        None => up.iter().map(|&u| activate(cfg.activation, u)).collect(),
+    };
+    linear(&act, &lw.w_down, lw.b_down.as_deref(), h, cfg.ffn)
+}
+
+/// One head's attention output: softmax of `q . key(p)` over `p < n` (scaled by
+/// 1/sqrt(head_dim)), weighting `value(p)`.
+pub(super) fn attend_head<'k>(
+    q: &[f64],
+    n: usize,
+    key: impl Fn(usize) -> &'k [f64],
+    value: impl Fn(usize) -> &'k [f64],
+) -> Vec<f64> {
+    let scale = 1.0 / (q.len() as f64).sqrt();
+    let scores: Vec<f64> = (0..n)
+        .map(|p| q.iter().zip(key(p)).map(|(a, b)| a * b).sum::<f64>() * scale)
+        .collect();
+    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+    let denom: f64 = exps.iter().sum();
+    let mut out = vec![0.0; q.len()];
+    for (p, e) in exps.iter().enumerate() {
+        for (o, v) in out.iter_mut().zip(value(p)) {
+            *o += e / denom * v;
+        }
+    }
+    out
+}
+
 /// SiLU (x * sigmoid(x)).
 pub fn silu(x: f64) -> f64 {
     x / (1.0 + (-x).exp())
@@ -63,16 +147,37 @@ pub fn rope_tables(config: &ModelConfig, positions: usize) -> (Vec<f64>, Vec<f64
     let half = config.head_dim / 2;
     let mut cos = Vec::with_capacity(positions * half);
     let mut sin = Vec::with_capacity(positions * half);
+    let inv_freq: Vec<f64> = (0..half)
+        .map(|i| {
+            let f = (config.rope_theta as f64).powf(-(2.0 * i as f64) / config.head_dim as f64);
+            config.rope_scaling.map_or(f, |s| scaled_frequency(f, &s))
+        })
+        .collect();
     for pos in 0..positions {
-        for i in 0..half {
-            let inv_freq =
-                (config.rope_theta as f64).powf(-(2.0 * i as f64) / config.head_dim as f64);
-            let angle = pos as f64 * inv_freq;
+        for &f in &inv_freq {
+            let angle = pos as f64 * f;
             cos.push(angle.cos());
             sin.push(angle.sin());
         }
     }
     (cos, sin)
+}
+
+/// One RoPE frequency under Llama 3 scaling: wavelengths shorter than the high-frequency
+/// bound are kept, longer than the low-frequency bound divided by `factor`, and those in
+/// between blended linearly in `original_context / wavelength`.
+pub fn scaled_frequency(inv_freq: f64, s: &RopeScaling) -> f64 {
+    let original = s.original_context as f64;
+    let (low, high) = (s.low_freq_factor as f64, s.high_freq_factor as f64);
+    let wavelength = 2.0 * std::f64::consts::PI / inv_freq;
+    if wavelength < original / high {
+        inv_freq
+    } else if wavelength > original / low {
+        inv_freq / s.factor as f64
+    } else {
+        let smooth = (original / wavelength - low) / (high - low);
+        (1.0 - smooth) * inv_freq / s.factor as f64 + smooth * inv_freq
+    }
 }
 
 fn apply_rope(
@@ -110,6 +215,12 @@ impl<'a> CpuReference<'a> {
     /// last-position logits.
     pub fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
         let cfg = &self.weights.config;
+        if cfg.is_encoder() {
+            return Err(WgparError::Config(format!(
+                "model '{}' is an encoder: it has no logits to prefill, encode it instead",
+                cfg.name
+            )));
+        }
         self.batch = prompts.len();
         self.past = 0;
         let per_layer = self.batch * cfg.kv_heads * cfg.max_seq * cfg.head_dim;
@@ -222,47 +333,79 @@ impl<'a> CpuReference<'a> {
             self.v_cache[l][s..s + d].copy_from_slice(&v[kvh * d..(kvh + 1) * d]);
         }
         let group = cfg.heads / cfg.kv_heads;
-        let scale = 1.0 / (d as f64).sqrt();
-        let mut attn = vec![0.0; cfg.q_dim()];
+        let mut attn = Vec::with_capacity(cfg.q_dim());
+        let (k_cache, v_cache) = (&self.k_cache[l], &self.v_cache[l]);
         for head in 0..cfg.heads {
             let kvh = head / group;
-            let qh = &q[head * d..(head + 1) * d];
-            let scores: Vec<f64> = (0..=pos)
-                .map(|p| {
-                    let s = slot(kvh, p);
-                    qh.iter()
-                        .zip(&self.k_cache[l][s..s + d])
-                        .map(|(a, b)| a * b)
-                        .sum::<f64>()
-                        * scale
-                })
-                .collect();
-            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-            let denom: f64 = exps.iter().sum();
-            for (p, e) in exps.iter().enumerate() {
-                let s = slot(kvh, p);
-                for c in 0..d {
-                    attn[head * d + c] += e / denom * self.v_cache[l][s + c];
-                }
-            }
+            attn.extend(attend_head(
+                &q[head * d..(head + 1) * d],
+                pos + 1,
+                |p| &k_cache[slot(kvh, p)..slot(kvh, p) + d],
+                |p| &v_cache[slot(kvh, p)..slot(kvh, p) + d],
+            ));
         }
         let o = linear(&attn, &lw.wo, lw.bo.as_deref(), h, cfg.q_dim());
         for (xi, oi) in x.iter_mut().zip(&o) {
             *xi += oi;
         }
         let n = layer_norm(x, &lw.mlp_norm, lw.mlp_norm_bias.as_deref(), cfg.norm_eps);
-        let up = linear(&n, &lw.w_up, lw.b_up.as_deref(), cfg.ffn, h);
-        let act: Vec<f64> = match &lw.w_gate {
-            Some(wg) => {
-                let gate = linear(&n, wg, None, cfg.ffn, h);
-                gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect()
-            }
-            None => up.iter().map(|&u| gelu_tanh(u)).collect(),
-        };
-        let down = linear(&act, &lw.w_down, lw.b_down.as_deref(), h, cfg.ffn);
+        let down = mlp(cfg, lw, &n);
         for (xi, di) in x.iter_mut().zip(&down) {
             *xi += di;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn erf_matches_tabulated_values() {
+        // Values of erf to 16 digits (Abramowitz and Stegun, table 7.1, extended).
+        let table = [
+            (0.0, 0.0),
+            (0.1, 0.112_462_916_018_284_9),
+            (0.5, 0.520_499_877_813_046_5),
+            (1.0, 0.842_700_792_949_714_9),
+            (2.0, 0.995_322_265_018_952_7),
+            (2.5, 0.999_593_047_982_555),
+            (3.0, 0.999_977_909_503_001_4),
+            (4.5, 0.999_999_999_803_383_9),
+        ];
+        for (x, want) in table {
+            assert!((erf(x) - want).abs() < 1e-14, "erf({x}) = {}", erf(x));
+            assert!((erf(-x) + want).abs() < 1e-14, "erf(-{x})");
+        }
+        assert_eq!(erf(7.0), 1.0);
+        assert!((gelu_erf(1.0) - 0.841_344_746_068_542_9).abs() < 1e-14);
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_short_and_slows_long_wavelengths() {
+        // Llama 3.1's values: factor 8, bounds 8192 / 4 = 2048 and 8192 / 1 = 8192 tokens.
+        let s = RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_context: 8192,
+        };
+        let tau = 2.0 * std::f64::consts::PI;
+        let f = |wavelength: f64| tau / wavelength;
+        // Wavelength 100 < 2048: kept.
+        assert_eq!(scaled_frequency(f(100.0), &s), f(100.0));
+        // Wavelength 10000 > 8192: divided by 8.
+        assert!((scaled_frequency(f(10_000.0), &s) - f(10_000.0) / 8.0).abs() < 1e-18);
+        // Wavelength 4096: 8192 / 4096 = 2, smooth = (2 - 1) / (4 - 1) = 1/3, so the
+        // frequency is (2/3) f / 8 + (1/3) f = (1/12 + 1/3) f = (5/12) f.
+        let got = scaled_frequency(f(4096.0), &s);
+        assert!((got - f(4096.0) * 5.0 / 12.0).abs() < 1e-15, "{got}");
+        // The tables use it.
+        let mut cfg = ModelConfig::preset("tiny-llama").unwrap();
+        let plain = rope_tables(&cfg, 3);
+        cfg.rope_scaling = Some(s);
+        let scaled = rope_tables(&cfg, 3);
+        assert_eq!(plain.0[..8], scaled.0[..8]);
+        assert_ne!(plain.0, scaled.0);
     }
 }

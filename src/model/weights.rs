@@ -6,13 +6,14 @@ use rand_chacha::ChaCha8Rng;
 
 use super::config::{Arch, ModelConfig};
 
-/// One decoder layer's weights. Biases and the gate projection exist only where the family
-/// has them.
+/// One layer's weights. Biases and the gate projection exist only where the family has them.
+/// In a post-norm (BERT) layer the two norms follow the residual adds instead of starting the
+/// blocks: `attn_norm` is then the norm after attention, `mlp_norm` the one after the MLP.
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
-    /// Pre-attention norm scale `[hidden]`.
+    /// Attention norm scale `[hidden]` (before the block, or after its residual when post-norm).
     pub attn_norm: Vec<f32>,
-    /// Pre-attention norm shift (LayerNorm only).
+    /// Attention norm shift (LayerNorm only).
     pub attn_norm_bias: Option<Vec<f32>>,
     /// Query projection `[heads * head_dim][hidden]`.
     pub wq: Vec<f32>,
@@ -30,9 +31,9 @@ pub struct LayerWeights {
     pub wo: Vec<f32>,
     /// Output bias.
     pub bo: Option<Vec<f32>>,
-    /// Pre-MLP norm scale.
+    /// MLP norm scale (before the block, or after its residual when post-norm).
     pub mlp_norm: Vec<f32>,
-    /// Pre-MLP norm shift (LayerNorm only).
+    /// MLP norm shift (LayerNorm only).
     pub mlp_norm_bias: Option<Vec<f32>>,
     /// Gate projection `[ffn][hidden]` (SwiGLU only).
     pub w_gate: Option<Vec<f32>>,
@@ -53,15 +54,21 @@ pub struct ModelWeights {
     pub config: ModelConfig,
     /// Token embedding `[vocab][hidden]`.
     pub wte: Vec<f32>,
-    /// Learned positions `[max_seq][hidden]` (GPT-2).
+    /// Learned positions `[max_seq][hidden]` (GPT-2, BERT).
     pub wpe: Option<Vec<f32>>,
-    /// Decoder layers.
+    /// Token type embeddings `[type_vocab][hidden]` (BERT).
+    pub token_types: Option<Vec<f32>>,
+    /// LayerNorm scale applied to the summed embeddings (BERT).
+    pub embed_norm: Option<Vec<f32>>,
+    /// LayerNorm shift applied to the summed embeddings (BERT).
+    pub embed_norm_bias: Option<Vec<f32>>,
+    /// Layers.
     pub layers: Vec<LayerWeights>,
-    /// Final norm scale.
+    /// Final norm scale; empty for an encoder, whose last layer ends with its own norm.
     pub final_norm: Vec<f32>,
     /// Final norm shift (LayerNorm only).
     pub final_norm_bias: Option<Vec<f32>>,
-    /// LM head `[vocab][hidden]`; `None` when tied to `wte`.
+    /// LM head `[vocab][hidden]`; `None` when tied to `wte` (and for an encoder).
     pub lm_head: Option<Vec<f32>>,
 }
 
@@ -72,7 +79,9 @@ impl ModelWeights {
     pub fn synthetic(config: &ModelConfig, seed: u64) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let h = config.hidden;
-        let gpt2 = config.arch == Arch::Gpt2;
+        // GPT-2 and BERT have biases, LayerNorm shifts and learned positions; Llama has none.
+        let biased = config.arch != Arch::Llama;
+        let encoder = config.is_encoder();
         let mut matrix = |rows: usize, cols: usize| -> Vec<f32> {
             let scale = (3.0 / cols as f32).sqrt();
             (0..rows * cols)
@@ -80,8 +89,8 @@ impl ModelWeights {
                 .collect()
         };
         let wte = matrix(config.vocab, h);
-        let wpe = gpt2.then(|| matrix(config.max_seq, h));
-        let lm_head = (!config.tied_head).then(|| matrix(config.vocab, h));
+        let wpe = biased.then(|| matrix(config.max_seq, h));
+        let lm_head = (!config.tied_head && !encoder).then(|| matrix(config.vocab, h));
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
         let mut vector = |n: usize, center: f32| -> Vec<f32> {
             (0..n)
@@ -105,8 +114,11 @@ impl ModelWeights {
                 ],
             ));
         }
-        let final_norm = vector(h, 1.0);
-        let final_norm_bias = gpt2.then(|| vector(h, 0.0));
+        let (final_norm, final_norm_bias) = if encoder {
+            (Vec::new(), None)
+        } else {
+            (vector(h, 1.0), biased.then(|| vector(h, 0.0)))
+        };
         let mut rng = ChaCha8Rng::seed_from_u64(seed.wrapping_add(1));
         let mut matrix = |rows: usize, cols: usize| -> Vec<f32> {
             let scale = (3.0 / cols as f32).sqrt();
@@ -118,7 +130,7 @@ impl ModelWeights {
             .into_iter()
             .map(
                 |(attn_norm, mlp_norm, [anb, mnb, bq, bk, bv, bo, bu, bd])| {
-                    let opt = |v: Vec<f32>| gpt2.then_some(v);
+                    let opt = |v: Vec<f32>| biased.then_some(v);
                     LayerWeights {
                         attn_norm,
                         attn_norm_bias: opt(anb),
@@ -132,7 +144,7 @@ impl ModelWeights {
                         bo: opt(bo),
                         mlp_norm,
                         mlp_norm_bias: opt(mnb),
-                        w_gate: (!gpt2).then(|| matrix(config.ffn, h)),
+                        w_gate: (!biased).then(|| matrix(config.ffn, h)),
                         w_up: matrix(config.ffn, h),
                         b_up: opt(bu),
                         w_down: matrix(h, config.ffn),
@@ -141,10 +153,23 @@ impl ModelWeights {
                 },
             )
             .collect();
+        // Encoder-only tables come from their own stream so the decoders' draws stay as they were.
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5bd1_e995);
+        let mut encoder_table = |rows: usize, center: f32, spread: f32| -> Vec<f32> {
+            (0..rows * h)
+                .map(|_| center + rng.random_range(-spread..spread))
+                .collect()
+        };
+        let token_types = encoder.then(|| encoder_table(config.type_vocab, 0.0, 0.5));
+        let embed_norm = encoder.then(|| encoder_table(1, 1.0, 0.1));
+        let embed_norm_bias = encoder.then(|| encoder_table(1, 0.0, 0.1));
         Self {
             config: config.clone(),
             wte,
             wpe,
+            token_types,
+            embed_norm,
+            embed_norm_bias,
             layers,
             final_norm,
             final_norm_bias,
@@ -193,5 +218,17 @@ mod tests {
         assert!(a.wte.iter().all(|&x| x != 0.0));
         assert_eq!(a.layers[0].wq.len(), cfg.q_dim() * cfg.hidden);
         assert!(a.layers[0].bq.is_some() && a.layers[0].w_gate.is_none());
+        assert!(a.token_types.is_none() && a.embed_norm.is_none());
+    }
+
+    #[test]
+    fn synthetic_encoder_has_types_and_embedding_norm_but_no_head() {
+        let cfg = ModelConfig::preset("tiny-bert").unwrap();
+        let w = ModelWeights::synthetic(&cfg, 3);
+        assert_eq!(w.token_types.as_ref().map(Vec::len), Some(2 * cfg.hidden));
+        assert_eq!(w.embed_norm.as_ref().map(Vec::len), Some(cfg.hidden));
+        assert_eq!(w.wpe.as_ref().map(Vec::len), Some(cfg.max_seq * cfg.hidden));
+        assert!(w.lm_head.is_none() && w.final_norm.is_empty());
+        assert!(w.layers[0].b_up.is_some() && w.layers[0].mlp_norm_bias.is_some());
     }
 }

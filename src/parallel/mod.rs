@@ -5,6 +5,7 @@ mod balance;
 pub mod cost;
 pub mod partition;
 mod pp;
+mod encoder;
 mod single;
 mod strategy;
 mod tp;
@@ -17,6 +18,7 @@ pub use partition::{partition, Partition, StageCost};
 pub use pp::{
     split_groups, Fault, FaultKind, PipelineEngine, PipelineStats, Request, Response, StageStats,
 };
+pub use encoder::{cosine_similarity, pad_batch, Embeddings, Encoder, SingleEncoder};
 pub use single::SingleEngine;
 pub use strategy::{build_engine, PartitionSpec, Strategy};
 pub use tp::TensorParallelEngine;

@@ -1,0 +1,147 @@
+//! Text in, text out: `wgpar run --model DIR --prompt "..."` tokenizes the prompt with the
+//! checkpoint's tokenizer, generates greedily or by sampling, and streams the text as it comes.
+
+use std::io::Write;
+use std::time::Instant;
+
+use clap::Args;
+use wgpar::device::Adapters;
+use wgpar::model::hf::Checkpoint;
+use wgpar::model::sampling::{Sampler, SamplingParams};
+use wgpar::parallel::{Engine, SingleEngine};
+use wgpar::{Result, WgparError};
+
+use super::{DeviceArgs, ModelArgs};
+
+/// Options of text generation (used with `--prompt`).
+#[derive(Args, Clone, Debug)]
+pub struct TextArgs {
+    /// Text to continue; needs --model DIR (a Hugging Face folder with tokenizer.json).
+    /// --gen sets the most tokens generated; an end-of-sequence token stops earlier.
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Sampling temperature; 0 picks the most likely token (greedy). --seed seeds the draws.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Sample among the k most likely tokens only (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Sample among the most likely tokens whose probabilities first reach p (1: all).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+}
+
+impl Default for TextArgs {
+    fn default() -> Self {
+        Self {
+            prompt: None,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+        }
+    }
+}
+
+/// Generates up to `max_new` tokens after `prompt` and prints the text.
+pub fn generate(
+    devices: &DeviceArgs,
+    model: &ModelArgs,
+    text: &TextArgs,
+    prompt: &str,
+    max_new: usize,
+) -> Result<()> {
+    let dir = model.checkpoint_dir().ok_or_else(|| {
+        WgparError::Config(format!(
+            "--prompt needs --model DIR, a Hugging Face model folder with tokenizer.json \
+             ('{}' is not a folder)",
+            model.model
+        ))
+    })?;
+    let mut sampler = Sampler::new(SamplingParams {
+        temperature: text.temperature,
+        top_k: text.top_k,
+        top_p: text.top_p,
+        seed: model.seed,
+    })?;
+    if max_new == 0 {
+        return Err(WgparError::Config("--gen must be positive".into()));
+    }
+    let mut ckpt = Checkpoint::open(dir)?;
+    if ckpt.config().is_encoder() {
+        return Err(WgparError::Config(format!(
+            "model '{}' is an encoder (BERT): it embeds text, use `wgpar embed`",
+            ckpt.config().name
+        )));
+    }
+    let tokenizer = ckpt.tokenizer()?;
+    let ids = tokenizer.encode(prompt)?;
+    if ids.is_empty() {
+        return Err(WgparError::Config("the prompt has no tokens".into()));
+    }
+    let context = ids.len() + max_new;
+    if context > ckpt.max_context() {
+        return Err(WgparError::Config(format!(
+            "{} prompt tokens + --gen {max_new} exceed the model's context of {}",
+            ids.len(),
+            ckpt.max_context()
+        )));
+    }
+    // The KV cache and position tables need only this run's length.
+    ckpt.limit_context(context)?;
+    let eos = ckpt.eos_tokens().to_vec();
+    let weights = ckpt.weights(true)?;
+    let adapters = Adapters::discover()?;
+    let gpus = devices.open(&adapters)?;
+    let dtype = model.dtype(&gpus)?;
+    let mut engine = SingleEngine::new(gpus[0].clone(), &weights, dtype)?;
+    eprintln!(
+        "model {} ({:?}, {} layers, {:.1}M params) on {}; {} prompt tokens",
+        weights.config.name,
+        weights.config.arch,
+        weights.config.layers,
+        weights.config.params() as f64 / 1e6,
+        engine.name(),
+        ids.len()
+    );
+    drop(weights);
+    let start = Instant::now();
+    let mut logits = engine.prefill(std::slice::from_ref(&ids))?;
+    let prefill_s = start.elapsed().as_secs_f64();
+    // Print the decoded continuation as it grows; decoding prompt and continuation together
+    // keeps word boundaries right for tokenizers that mark spaces on the following token.
+    let prompt_text = tokenizer.decode(&ids)?;
+    let mut out = std::io::stdout().lock();
+    let _ = write!(out, "{prompt}");
+    let mut all = ids.clone();
+    let mut printed = String::new();
+    let decode_start = Instant::now();
+    let mut generated = 0;
+    loop {
+        let next = sampler.sample(logits.row(0));
+        if eos.contains(&next) {
+            break;
+        }
+        all.push(next);
+        generated += 1;
+        let full = tokenizer.decode(&all)?;
+        let continuation = full.strip_prefix(prompt_text.as_str()).unwrap_or(&full);
+        if let Some(new) = continuation.strip_prefix(printed.as_str()) {
+            let _ = write!(out, "{new}");
+            let _ = out.flush();
+            printed = continuation.to_string();
+        }
+        if generated == max_new {
+            break;
+        }
+        logits = engine.decode(&[next])?;
+    }
+    let _ = writeln!(out);
+    let decode_s = decode_start.elapsed().as_secs_f64();
+    eprintln!(
+        "prefill {:.1} ms; {generated} tokens in {:.1} ms ({:.1} tokens/s)",
+        prefill_s * 1e3,
+        decode_s * 1e3,
+        generated as f64 / decode_s.max(1e-9)
+    );
+    Ok(())
+}

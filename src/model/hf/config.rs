@@ -1,0 +1,410 @@
+//! `config.json` of a Hugging Face checkpoint to a [`ModelConfig`]: which family the
+//! `model_type` names, and each family's own keys for the shapes.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::error::{Result, WgparError};
+use crate::model::config::{Activation, Arch, ModelConfig, PoolMode, Pooling, RopeScaling};
+
+/// The `model_type` values wgpar reads, and the family each maps to.
+pub const SUPPORTED_TYPES: [(&str, Arch); 5] = [
+    ("gpt2", Arch::Gpt2),
+    ("llama", Arch::Llama),
+    ("mistral", Arch::Llama),
+    ("qwen2", Arch::Llama),
+    ("bert", Arch::Bert),
+];
+
+/// What config.json says.
+#[derive(Debug, Clone)]
+pub struct HfConfig {
+    /// Shapes, with `max_seq` the longest context the checkpoint supports.
+    pub config: ModelConfig,
+    /// Token ids that end generation (from `eos_token_id`).
+    pub eos: Vec<u32>,
+}
+
+/// Typed reads of a JSON object whose errors name the file and key.
+struct Keys<'a> {
+    json: &'a Value,
+    file: &'a Path,
+}
+
+impl Keys<'_> {
+    fn fail(&self, detail: String) -> WgparError {
+        WgparError::Checkpoint {
+            file: self.file.display().to_string(),
+            tensor: None,
+            detail,
+        }
+    }
+
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.json.get(key).filter(|v| !v.is_null())
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|n| Some(n as usize))
+                .ok_or_else(|| self.fail(format!("\"{key}\" is {v}, expected a whole number"))),
+        }
+    }
+
+    fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?
+            .ok_or_else(|| self.fail(format!("\"{key}\" is missing")))
+    }
+
+    /// The first of several spellings of one key (GPT-2's `n_positions` / `n_ctx`).
+    fn usize_of(&self, keys: &[&str]) -> Result<usize> {
+        for key in keys {
+            if let Some(n) = self.opt_usize(key)? {
+                return Ok(n);
+            }
+        }
+        Err(self.fail(format!("none of {keys:?} is given")))
+    }
+
+    fn f32_or(&self, key: &str, default: f32) -> Result<f32> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .map(|x| x as f32)
+                .ok_or_else(|| self.fail(format!("\"{key}\" is {v}, expected a number"))),
+        }
+    }
+
+    fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.fail(format!("\"{key}\" is {v}, expected true or false"))),
+        }
+    }
+
+    fn str_or<'v>(&'v self, key: &str, default: &'v str) -> Result<&'v str> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_str()
+                .ok_or_else(|| self.fail(format!("\"{key}\" is {v}, expected a string"))),
+        }
+    }
+}
+
+/// Token ids given as one id, a list of ids, or nothing (`eos_token_id`).
+pub fn token_ids(value: Option<&Value>) -> Vec<u32> {
+    match value {
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|v| v as u32)
+            .collect(),
+        Some(v) => v.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+        None => Vec::new(),
+    }
+}
+
+/// The family a config names: `model_type`, or else the first of `architectures`.
+fn family(keys: &Keys) -> Result<Arch> {
+    let supported = || {
+        SUPPORTED_TYPES
+            .iter()
+            .map(|(t, _)| *t)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let model_type = match keys.get("model_type").and_then(Value::as_str) {
+        Some(t) => t.to_string(),
+        None => {
+            // Older exports name only the class, e.g. "GPT2LMHeadModel", "BertModel".
+            let class = keys
+                .get("architectures")
+                .and_then(|a| a.get(0))
+                .and_then(Value::as_str)
+                .unwrap_or("");
+            let lower = class.to_ascii_lowercase();
+            match SUPPORTED_TYPES.iter().find(|(t, _)| lower.starts_with(t)) {
+                Some((t, _)) => t.to_string(),
+                None => {
+                    return Err(keys.fail(format!(
+                        "no \"model_type\" (architectures: '{class}'); supported model types: {}",
+                        supported()
+                    )))
+                }
+            }
+        }
+    };
+    SUPPORTED_TYPES
+        .iter()
+        .find(|(t, _)| *t == model_type)
+        .map(|(_, arch)| *arch)
+        .ok_or_else(|| {
+            keys.fail(format!(
+                "model_type '{model_type}' is not supported; supported model types: {}",
+                supported()
+            ))
+        })
+}
+
+fn gelu_kind(keys: &Keys, key: &str, default: &str) -> Result<Activation> {
+    match keys.str_or(key, default)? {
+        "gelu" => Ok(Activation::GeluErf),
+        "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Ok(Activation::GeluTanh),
+        other => Err(keys.fail(format!(
+            "\"{key}\" is '{other}'; supported: gelu (erf), gelu_new / gelu_pytorch_tanh (tanh)"
+        ))),
+    }
+}
+
+/// `rope_scaling`: only Llama 3's kind is supported.
+fn rope_scaling(keys: &Keys, value: &Value) -> Result<RopeScaling> {
+    let sub = Keys {
+        json: value,
+        file: keys.file,
+    };
+    let kind = match sub.get("rope_type") {
+        Some(_) => sub.str_or("rope_type", "")?,
+        None => sub.str_or("type", "")?,
+    };
+    if kind != "llama3" {
+        return Err(keys.fail(format!(
+            "\"rope_scaling\" of type '{kind}' is not supported (only llama3)"
+        )));
+    }
+    let number = |k: &str| {
+        sub.get(k)
+            .and_then(Value::as_f64)
+            .map(|x| x as f32)
+            .ok_or_else(|| keys.fail(format!("\"rope_scaling\" needs a number \"{k}\"")))
+    };
+    Ok(RopeScaling {
+        factor: number("factor")?,
+        low_freq_factor: number("low_freq_factor")?,
+        high_freq_factor: number("high_freq_factor")?,
+        original_context: sub.usize("original_max_position_embeddings")?,
+    })
+}
+
+/// Parses config.json (`file` is its path, for errors); `name` names the model.
+pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
+    let json: Value = serde_json::from_str(text).map_err(|e| WgparError::Checkpoint {
+        file: file.display().to_string(),
+        tensor: None,
+        detail: format!("invalid JSON: {e}"),
+    })?;
+    let keys = Keys { json: &json, file };
+    if !json.is_object() {
+        return Err(keys.fail("expected a JSON object".into()));
+    }
+    let arch = family(&keys)?;
+    let base = ModelConfig {
+        name: name.to_string(),
+        arch,
+        ..ModelConfig::default_model()
+    };
+    let config = match arch {
+        Arch::Gpt2 => {
+            if keys.bool_or("scale_attn_by_inverse_layer_idx", false)? {
+                return Err(keys.fail("scale_attn_by_inverse_layer_idx is not supported".into()));
+            }
+            let hidden = keys.usize("n_embd")?;
+            let heads = keys.usize("n_head")?;
+            ModelConfig {
+                vocab: keys.usize("vocab_size")?,
+                hidden,
+                layers: keys.usize("n_layer")?,
+                heads,
+                kv_heads: heads,
+                head_dim: hidden / heads.max(1),
+                ffn: keys.opt_usize("n_inner")?.unwrap_or(4 * hidden),
+                max_seq: keys.usize_of(&["n_positions", "n_ctx"])?,
+                norm_eps: keys.f32_or("layer_norm_epsilon", 1e-5)?,
+                tied_head: keys.bool_or("tie_word_embeddings", true)?,
+                activation: gelu_kind(&keys, "activation_function", "gelu_new")?,
+                ..base
+            }
+        }
+        Arch::Llama => {
+            let act = keys.str_or("hidden_act", "silu")?;
+            if act != "silu" {
+                return Err(keys.fail(format!("\"hidden_act\" is '{act}', only silu is supported")));
+            }
+            let rope_scaling = match keys.get("rope_scaling") {
+                None => None,
+                Some(v) => Some(rope_scaling(&keys, v)?),
+            };
+            let hidden = keys.usize("hidden_size")?;
+            let heads = keys.usize("num_attention_heads")?;
+            let mut max_seq = keys.opt_usize("max_position_embeddings")?.unwrap_or(2048);
+            // Mistral's sliding window equals full attention up to the window's length.
+            if let Some(window) = keys.opt_usize("sliding_window")? {
+                max_seq = max_seq.min(window);
+            }
+            ModelConfig {
+                vocab: keys.usize("vocab_size")?,
+                hidden,
+                layers: keys.usize("num_hidden_layers")?,
+                heads,
+                kv_heads: keys.opt_usize("num_key_value_heads")?.unwrap_or(heads),
+                head_dim: keys.opt_usize("head_dim")?.unwrap_or(hidden / heads.max(1)),
+                ffn: keys.usize("intermediate_size")?,
+                max_seq,
+                norm_eps: keys.f32_or("rms_norm_eps", 1e-6)?,
+                rope_theta: keys.f32_or("rope_theta", 10_000.0)?,
+                rope_scaling,
+                tied_head: keys.bool_or("tie_word_embeddings", false)?,
+                activation: Activation::Silu,
+                ..base
+            }
+        }
+        Arch::Bert => {
+            let kind = keys.str_or("position_embedding_type", "absolute")?;
+            if kind != "absolute" {
+                return Err(keys.fail(format!(
+                    "\"position_embedding_type\" is '{kind}', only absolute is supported"
+                )));
+            }
+            let hidden = keys.usize("hidden_size")?;
+            let heads = keys.usize("num_attention_heads")?;
+            ModelConfig {
+                vocab: keys.usize("vocab_size")?,
+                hidden,
+                layers: keys.usize("num_hidden_layers")?,
+                heads,
+                kv_heads: heads,
+                head_dim: hidden / heads.max(1),
+                ffn: keys.usize("intermediate_size")?,
+                max_seq: keys.usize("max_position_embeddings")?,
+                norm_eps: keys.f32_or("layer_norm_eps", 1e-12)?,
+                tied_head: false,
+                activation: gelu_kind(&keys, "hidden_act", "gelu")?,
+                type_vocab: keys.opt_usize("type_vocab_size")?.unwrap_or(2),
+                pooling: Pooling {
+                    mode: PoolMode::Mean,
+                    normalize: false,
+                },
+                ..base
+            }
+        }
+    };
+    if arch != Arch::Llama && config.heads > 0 && config.head_dim * config.heads != config.hidden {
+        return Err(keys.fail(format!(
+            "hidden size {} is not a multiple of {} heads",
+            config.hidden, config.heads
+        )));
+    }
+    config.validate().map_err(|e| keys.fail(e.to_string()))?;
+    Ok(HfConfig {
+        eos: token_ids(keys.get("eos_token_id")),
+        config,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_str(text: &str) -> Result<HfConfig> {
+        parse(Path::new("m/config.json"), text, "m")
+    }
+
+    #[test]
+    fn gpt2_keys() {
+        let c = parse_str(
+            r#"{"model_type":"gpt2","vocab_size":50257,"n_embd":768,"n_layer":12,
+                "n_head":12,"n_positions":1024,"eos_token_id":50256,"n_inner":null}"#,
+        )
+        .unwrap();
+        assert_eq!(c.config, {
+            let mut p = ModelConfig::preset("gpt2-small").unwrap();
+            p.name = "m".into();
+            p
+        });
+        assert_eq!(c.eos, vec![50256]);
+    }
+
+    #[test]
+    fn llama_keys_with_gqa_and_head_dim_default() {
+        let c = parse_str(
+            r#"{"model_type":"llama","vocab_size":128256,"hidden_size":2048,
+                "num_hidden_layers":16,"num_attention_heads":32,"num_key_value_heads":8,
+                "intermediate_size":8192,"max_position_embeddings":2048,"rope_theta":500000.0,
+                "rms_norm_eps":1e-5,"tie_word_embeddings":true,"eos_token_id":[1,2]}"#,
+        )
+        .unwrap();
+        let mut want = ModelConfig::preset("llama-1b").unwrap();
+        want.name = "m".into();
+        assert_eq!(c.config, want);
+        assert_eq!(c.eos, vec![1, 2]);
+    }
+
+    #[test]
+    fn llama3_rope_scaling_is_read_and_others_refused() {
+        let base = r#""model_type":"llama","vocab_size":10,"hidden_size":64,
+            "num_hidden_layers":1,"num_attention_heads":4,"intermediate_size":128"#;
+        let c = parse_str(&format!(
+            r#"{{{base},"rope_scaling":{{"rope_type":"llama3","factor":32.0,
+                "low_freq_factor":1.0,"high_freq_factor":4.0,
+                "original_max_position_embeddings":8192}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            c.config.rope_scaling,
+            Some(RopeScaling {
+                factor: 32.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_context: 8192
+            })
+        );
+        let e = parse_str(&format!(
+            r#"{{{base},"rope_scaling":{{"type":"linear","factor":2}}}}"#
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("'linear' is not supported"), "{e}");
+    }
+
+    #[test]
+    fn bert_found_by_architectures() {
+        let c = parse_str(
+            r#"{"architectures":["BertModel"],"vocab_size":30522,"hidden_size":384,
+                "num_hidden_layers":6,"num_attention_heads":12,"intermediate_size":1536,
+                "max_position_embeddings":512,"hidden_act":"gelu"}"#,
+        )
+        .unwrap()
+        .config;
+        assert_eq!((c.arch, c.head_dim, c.type_vocab), (Arch::Bert, 32, 2));
+        assert_eq!((c.activation, c.norm_eps), (Activation::GeluErf, 1e-12));
+    }
+
+    #[test]
+    fn errors_name_the_file_and_key() {
+        let cases = [
+            (r#"{"model_type":"t5"}"#, "model_type 't5' is not supported"),
+            (
+                r#"{"model_type":"gpt2","n_embd":8}"#,
+                "\"n_head\" is missing",
+            ),
+            (
+                r#"{"model_type":"gpt2","n_embd":"x"}"#,
+                "expected a whole number",
+            ),
+            (r#"[1]"#, "JSON object"),
+            (r#"{"#, "invalid JSON"),
+            (r#"{"architectures":["T5Model"]}"#, "no \"model_type\""),
+        ];
+        for (text, want) in cases {
+            let e = parse_str(text).unwrap_err().to_string();
+            assert!(e.starts_with("m/config.json: ") && e.contains(want), "{e}");
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! Llama-style names to [`ModelWeights`] (Llama, Mistral, Qwen2). Projections are PyTorch
+//! `Linear`s, already `[out][in]` as wgpar stores them.
+//!
+//! | wgpar | Hugging Face (under `model.`) |
+//! |---|---|
+//! | wte | `embed_tokens.weight` |
+//! | attn_norm | `layers.N.input_layernorm.weight` |
+//! | wq, wk, wv (+ optional biases) | `layers.N.self_attn.{q,k,v}_proj.{weight,bias}` |
+//! | wo (+ optional bias) | `layers.N.self_attn.o_proj.{weight,bias}` |
+//! | mlp_norm | `layers.N.post_attention_layernorm.weight` |
+//! | w_gate, w_up, w_down | `layers.N.mlp.{gate,up,down}_proj.weight` |
+//! | final_norm | `norm.weight` |
+//! | lm_head | `lm_head.weight` (top level) unless `tie_word_embeddings` |
+
+use super::reader::Reader;
+use crate::error::Result;
+use crate::model::config::ModelConfig;
+use crate::model::weights::{LayerWeights, ModelWeights};
+
+/// Reads a Llama-style checkpoint's weights.
+pub fn load(r: &Reader, config: &ModelConfig) -> Result<ModelWeights> {
+    let (h, f, q, kv) = (config.hidden, config.ffn, config.q_dim(), config.kv_dim());
+    let mut layers = Vec::with_capacity(config.layers);
+    for i in 0..config.layers {
+        let p = |part: &str| format!("layers.{i}.{part}");
+        let what = |part: &str| format!("layer {i} {part}");
+        let attn = |proj: &str, rows: usize, cols: usize, part: &str| {
+            r.tensor(
+                &p(&format!("self_attn.{proj}.weight")),
+                &[rows, cols],
+                &what(part),
+            )
+        };
+        // Qwen2 and Llama with attention_bias carry projection biases; plain Llama has none.
+        let bias = |proj: &str, rows: usize| {
+            r.optional(
+                &p(&format!("self_attn.{proj}.bias")),
+                &[rows],
+                &what(&format!("{proj} bias")),
+            )
+        };
+        let mlp = |proj: &str, rows: usize, cols: usize| {
+            r.tensor(
+                &p(&format!("mlp.{proj}.weight")),
+                &[rows, cols],
+                &what(&format!("MLP {proj}")),
+            )
+        };
+        layers.push(LayerWeights {
+            attn_norm: r.tensor(
+                &p("input_layernorm.weight"),
+                &[h],
+                &what("attention RMSNorm"),
+            )?,
+            attn_norm_bias: None,
+            wq: attn("q_proj", q, h, "query projection")?,
+            wk: attn("k_proj", kv, h, "key projection")?,
+            wv: attn("v_proj", kv, h, "value projection")?,
+            bq: bias("q_proj", q)?,
+            bk: bias("k_proj", kv)?,
+            bv: bias("v_proj", kv)?,
+            wo: attn("o_proj", h, q, "attention output")?,
+            bo: bias("o_proj", h)?,
+            mlp_norm: r.tensor(
+                &p("post_attention_layernorm.weight"),
+                &[h],
+                &what("MLP RMSNorm"),
+            )?,
+            mlp_norm_bias: None,
+            w_gate: Some(mlp("gate_proj", f, h)?),
+            w_up: mlp("up_proj", f, h)?,
+            b_up: None,
+            w_down: mlp("down_proj", h, f)?,
+            b_down: None,
+        });
+    }
+    let lm_head = if config.tied_head {
+        None
+    } else {
+        Some(r.top_level("lm_head.weight", &[config.vocab, h], "LM head")?)
+    };
+    Ok(ModelWeights {
+        config: config.clone(),
+        wte: r.tensor("embed_tokens.weight", &[config.vocab, h], "token embedding")?,
+        wpe: None,
+        token_types: None,
+        embed_norm: None,
+        embed_norm_bias: None,
+        layers,
+        final_norm: r.tensor("norm.weight", &[h], "final RMSNorm")?,
+        final_norm_bias: None,
+        lm_head,
+    })
+}

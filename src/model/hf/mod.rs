@@ -1,0 +1,224 @@
+//! Hugging Face checkpoints: a model folder with `config.json`, `model.safetensors` (or shards
+//! named by `model.safetensors.index.json`) and `tokenizer.json`, for the GPT-2, Llama-style
+//! and BERT families. See `docs/MODELS.md` for the name mapping and the memory behaviour.
+//!
+//! Memory: the safetensors files are memory-mapped, not read; each tensor is converted to f32
+//! on its own, from the mapped pages into the vector [`ModelWeights`] keeps, so the host holds
+//! the f32 model once plus one tensor's transient (GPT-2's transposes), never the file twice.
+//! The mapped pages are the kernel's page cache and can be dropped under pressure.
+
+pub mod bert;
+pub mod config;
+pub mod gpt2;
+pub mod llama;
+pub mod reader;
+pub mod tensors;
+pub mod tokenizer;
+
+use std::path::{Path, PathBuf};
+
+pub use config::{HfConfig, SUPPORTED_TYPES};
+pub use tensors::TensorStore;
+pub use tokenizer::TextTokenizer;
+
+use crate::error::{Result, WgparError};
+use crate::model::config::{Arch, ModelConfig, PoolMode, Pooling};
+use crate::model::weights::ModelWeights;
+use reader::Reader;
+
+/// An opened checkpoint folder: its config parsed, its tensor files mapped and indexed.
+pub struct Checkpoint {
+    dir: PathBuf,
+    config: ModelConfig,
+    /// Positions the checkpoint's tables hold (before [`Self::limit_context`]).
+    positions: usize,
+    eos: Vec<u32>,
+    store: TensorStore,
+}
+
+fn read_text(path: &Path) -> Result<Option<String>> {
+    match std::fs::read_to_string(path) {
+        Ok(t) => Ok(Some(t)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(WgparError::Io {
+            path: path.display().to_string(),
+            source: e,
+        }),
+    }
+}
+
+fn json_error(path: &Path, detail: String) -> WgparError {
+    WgparError::Checkpoint {
+        file: path.display().to_string(),
+        tensor: None,
+        detail,
+    }
+}
+
+/// sentence-transformers' pooling, from `modules.json` and `1_Pooling/config.json`: mean or
+/// CLS, and whether a `Normalize` module follows. Plain BERT folders get unnormalised mean.
+fn sentence_pooling(dir: &Path) -> Result<Pooling> {
+    let mut pooling = Pooling {
+        mode: PoolMode::Mean,
+        normalize: false,
+    };
+    let modules_path = dir.join("modules.json");
+    let Some(text) = read_text(&modules_path)? else {
+        return Ok(pooling);
+    };
+    let modules: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| json_error(&modules_path, format!("invalid JSON: {e}")))?;
+    let modules = modules.as_array().cloned().unwrap_or_default();
+    let field = |m: &serde_json::Value, k: &str| {
+        m.get(k).and_then(|v| v.as_str()).unwrap_or("").to_string()
+    };
+    for m in &modules {
+        let kind = field(m, "type");
+        if kind.ends_with("Normalize") {
+            pooling.normalize = true;
+        } else if kind.ends_with("Pooling") {
+            let path = dir.join(field(m, "path")).join("config.json");
+            let Some(text) = read_text(&path)? else {
+                continue;
+            };
+            let cfg: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| json_error(&path, format!("invalid JSON: {e}")))?;
+            let on = |k: &str| cfg.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
+            pooling.mode = if on("pooling_mode_cls_token") {
+                PoolMode::Cls
+            } else if on("pooling_mode_mean_tokens") {
+                PoolMode::Mean
+            } else {
+                return Err(json_error(
+                    &path,
+                    "only mean and CLS pooling are supported (max / sqrt-length pooling is not)"
+                        .into(),
+                ));
+            };
+        } else if !kind.ends_with("Transformer") {
+            return Err(json_error(
+                &modules_path,
+                format!("sentence-transformers module '{kind}' is not supported"),
+            ));
+        }
+    }
+    Ok(pooling)
+}
+
+impl Checkpoint {
+    /// Opens the checkpoint in `dir`: parses config.json, maps the safetensors files and checks
+    /// their headers. Tensors are converted later, by [`Self::weights`].
+    pub fn open(dir: &Path) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(json_error(dir, "not a model folder".into()));
+        }
+        let config_path = dir.join("config.json");
+        let text = read_text(&config_path)?.ok_or_else(|| {
+            json_error(
+                &config_path,
+                "missing: a model folder needs config.json".into(),
+            )
+        })?;
+        let name = dir
+            .canonicalize()
+            .ok()
+            .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "checkpoint".into());
+        let HfConfig {
+            mut config,
+            mut eos,
+        } = config::parse(&config_path, &text, &name)?;
+        if config.is_encoder() {
+            config.pooling = sentence_pooling(dir)?;
+        }
+        // generation_config.json may list more end tokens (chat models end turns with them).
+        let gen_path = dir.join("generation_config.json");
+        if let Some(text) = read_text(&gen_path)? {
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| json_error(&gen_path, format!("invalid JSON: {e}")))?;
+            for id in config::token_ids(json.get("eos_token_id")) {
+                if !eos.contains(&id) {
+                    eos.push(id);
+                }
+            }
+        }
+        let store = TensorStore::open(dir)?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            positions: config.max_seq,
+            config,
+            eos,
+            store,
+        })
+    }
+
+    /// The model's shapes (`max_seq` as limited by [`Self::limit_context`]).
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The model folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Token ids that end generation.
+    pub fn eos_tokens(&self) -> &[u32] {
+        &self.eos
+    }
+
+    /// Longest context the checkpoint supports.
+    pub fn max_context(&self) -> usize {
+        self.positions
+    }
+
+    /// Limits the context (and so the KV cache and position tables) to `max_seq` tokens, at
+    /// most the checkpoint's own limit.
+    pub fn limit_context(&mut self, max_seq: usize) -> Result<()> {
+        if max_seq == 0 || max_seq > self.positions {
+            return Err(WgparError::Config(format!(
+                "a context of {max_seq} tokens is outside 1..={} of model '{}'",
+                self.positions, self.config.name
+            )));
+        }
+        self.config.max_seq = max_seq;
+        Ok(())
+    }
+
+    /// Converts every tensor into [`ModelWeights`] (f32), checking names, shapes and dtypes;
+    /// `progress` draws a bar on a terminal.
+    pub fn weights(&self, progress: bool) -> Result<ModelWeights> {
+        let c = &self.config;
+        // Name prefixes each family is saved with (the first is the canonical one), and a
+        // tensor every checkpoint of the family has, to tell which prefix this one uses.
+        let (prefixes, probe): (&[&str], &str) = match c.arch {
+            Arch::Gpt2 => (&["", "transformer."], "wte.weight"),
+            Arch::Llama => (&["model.", ""], "embed_tokens.weight"),
+            Arch::Bert => (&["", "bert."], "embeddings.word_embeddings.weight"),
+        };
+        let r = Reader::new(&self.store, prefixes, probe, progress);
+        let weights = match c.arch {
+            Arch::Gpt2 => gpt2::load(&r, c, self.positions),
+            Arch::Llama => llama::load(&r, c),
+            Arch::Bert => bert::load(&r, c, self.positions),
+        };
+        r.finish();
+        weights
+    }
+
+    /// The checkpoint's `tokenizer.json`. Encoders cut texts to the model's context (or the
+    /// shorter `max_seq_length` of `sentence_bert_config.json`); decoders never cut a prompt.
+    pub fn tokenizer(&self) -> Result<TextTokenizer> {
+        let max_len = if self.config.is_encoder() {
+            let st_path = self.dir.join("sentence_bert_config.json");
+            let st_max = read_text(&st_path)?
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| v.get("max_seq_length").and_then(|m| m.as_u64()))
+                .map(|m| m as usize);
+            Some(st_max.map_or(self.config.max_seq, |m| m.min(self.config.max_seq)))
+        } else {
+            None
+        };
+        TextTokenizer::from_file(&self.dir.join("tokenizer.json"), max_len)
+    }
+}

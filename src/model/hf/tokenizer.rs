@@ -1,0 +1,90 @@
+//! Text to token ids and back, through the checkpoint's `tokenizer.json` (the `tokenizers`
+//! crate, so BPE, WordPiece and their normalisers behave as in Python).
+
+use std::path::{Path, PathBuf};
+
+use tokenizers::{Tokenizer, TruncationParams};
+
+use crate::error::{Result, WgparError};
+use crate::model::input::EncoderInput;
+
+/// A loaded `tokenizer.json`.
+pub struct TextTokenizer {
+    inner: Tokenizer,
+    file: PathBuf,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TextTokenizer({})", self.file.display())
+    }
+}
+
+impl TextTokenizer {
+    /// Loads `file`. Padding configured in the file is switched off (engines pad themselves);
+    /// with `max_len`, longer texts are cut to that many tokens, otherwise they are kept whole.
+    pub fn from_file(file: &Path, max_len: Option<usize>) -> Result<Self> {
+        let fail = |detail: String| WgparError::Checkpoint {
+            file: file.display().to_string(),
+            tensor: None,
+            detail,
+        };
+        if !file.is_file() {
+            return Err(fail(
+                "missing: wgpar needs the checkpoint's tokenizer.json (the 'fast' tokenizer \
+                 file) to turn text into token ids"
+                    .into(),
+            ));
+        }
+        let mut inner = Tokenizer::from_file(file).map_err(|e| fail(format!("unreadable: {e}")))?;
+        inner.with_padding(None);
+        let truncation = max_len.map(|max_length| TruncationParams {
+            max_length,
+            ..TruncationParams::default()
+        });
+        inner
+            .with_truncation(truncation)
+            .map_err(|e| fail(format!("truncation: {e}")))?;
+        Ok(Self {
+            inner,
+            file: file.to_path_buf(),
+        })
+    }
+
+    fn fail(&self, what: &str, e: impl std::fmt::Display) -> WgparError {
+        WgparError::Checkpoint {
+            file: self.file.display().to_string(),
+            tensor: None,
+            detail: format!("{what}: {e}"),
+        }
+    }
+
+    /// Token ids of `text`, with the special tokens the file's post-processor adds (BOS,
+    /// `[CLS]` ... `[SEP]`).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| self.fail("encoding", e))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// An encoder input: ids and token types of `text`.
+    pub fn encode_for_encoder(&self, text: &str) -> Result<EncoderInput> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| self.fail("encoding", e))?;
+        Ok(EncoderInput {
+            ids: enc.get_ids().to_vec(),
+            token_types: enc.get_type_ids().to_vec(),
+        })
+    }
+
+    /// Text of `ids`, special tokens left out.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| self.fail("decoding", e))
+    }
+}

