@@ -142,3 +142,50 @@ fn matches_published_similarities() {
         );
     }
 }
+
+/// The real checkpoint through tensor parallelism (2 and 3 devices: 12 heads split 6/6 and
+/// 4/4/4) and pipelines (2 and 3 stages of its 6 layers, with micro-batches) equals the single
+/// device within 1e-5.
+#[test]
+fn tensor_and_pipeline_parallel_embeddings_match_single_device() {
+    use wgpar::comm::CommConfig;
+    use wgpar::parallel::{Partition, PipelineEngine, TensorParallelEngine};
+    let Some((mut m, weights)) = minilm() else {
+        return;
+    };
+    let texts = [
+        "A man is eating food.",
+        "A man is riding a white horse on an enclosed ground.",
+        "Hi",
+    ];
+    let (inputs, want) = embed(&mut m, &texts);
+    let gpus = common::gpus(3);
+    let check = |name: &str, got: Embeddings| {
+        for (b, text) in texts.iter().enumerate() {
+            let w: Vec<f64> = want.row(b).iter().map(|&v| v as f64).collect();
+            let err = common::rel_err(got.row(b), &w);
+            assert!(err <= 1e-5, "{name} '{text}': relative error {err:.2e}");
+        }
+    };
+    for n in [2, 3] {
+        let mut tp = TensorParallelEngine::new(
+            &gpus[..n],
+            &weights,
+            DType::F32,
+            None,
+            CommConfig::default(),
+        )
+        .unwrap();
+        check(&format!("tp={n}"), tp.encode(&inputs).unwrap());
+        let mut pp = PipelineEngine::new(
+            &gpus[..n],
+            &weights,
+            DType::F32,
+            &Partition::Even,
+            2,
+            CommConfig::default(),
+        )
+        .unwrap();
+        check(&format!("pp={n}"), pp.encode(&inputs).unwrap());
+    }
+}

@@ -426,6 +426,30 @@ impl GpuModel {
         self.gpu.write_u32(&act.ids, ids)
     }
 
+    /// The last block of the model: the LM head for a decoder, pooling for an encoder.
+    pub fn finish(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        act: &Activations,
+        step: &Step,
+    ) -> Result<()> {
+        if self.config.is_encoder() {
+            self.pool(encoder, act, step)
+        } else {
+            self.head(encoder, act, step)
+        }
+    }
+
+    /// The final output after [`Self::finish`] and its width per sequence: logits (vocab) for
+    /// a decoder, the pooled embedding (hidden) for an encoder. `None` off the last stage.
+    pub fn output<'a>(&self, act: &'a Activations) -> Option<(&'a Tensor, usize)> {
+        if self.config.is_encoder() {
+            act.pooled.as_ref().map(|t| (t, self.config.hidden))
+        } else {
+            act.logits.as_ref().map(|t| (t, self.config.vocab))
+        }
+    }
+
     /// Stages an encoder batch's token types (`[tokens]`, each below `type_vocab`) and real
     /// token counts (`[batch]`, each in `1..=seq`) for [`Self::embed`], the bidirectional
     /// attention and [`Self::pool`]; lands at the next submit. Every device running layers of

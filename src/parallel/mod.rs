@@ -3,9 +3,9 @@
 
 mod balance;
 pub mod cost;
+mod encoder;
 pub mod partition;
 mod pp;
-mod encoder;
 mod single;
 mod strategy;
 mod tp;
@@ -14,11 +14,11 @@ mod worker;
 use std::time::Instant;
 
 pub use balance::measure_stage_costs;
+pub use encoder::{cosine_similarity, pad_batch, Embeddings, Encoder, SingleEncoder};
 pub use partition::{partition, Partition, StageCost};
 pub use pp::{
     split_groups, Fault, FaultKind, PipelineEngine, PipelineStats, Request, Response, StageStats,
 };
-pub use encoder::{cosine_similarity, pad_batch, Embeddings, Encoder, SingleEncoder};
 pub use single::SingleEngine;
 pub use strategy::{build_engine, PartitionSpec, Strategy};
 pub use tp::TensorParallelEngine;

@@ -23,14 +23,16 @@ use std::time::{Duration, Instant};
 use crossbeam::channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use serde::Serialize;
 
+use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::partition::{partition, Partition};
-use super::tp::{GroupInput, GroupJob, GroupOutput, TpGroup};
+use super::tp::{EncoderExtras, GroupInput, GroupJob, GroupOutput, TpGroup};
 use super::{cost, prompt_shape, Engine, Generation, Logits, StepStats};
 use crate::comm::{Collectives, CommConfig, PendingDownload};
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::model::{
-    Activations, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec, Step,
+    Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec,
+    Step,
 };
 use crate::trace::{KernelFamily, Recorder, SpanAttrs, SpanId};
 
@@ -141,6 +143,7 @@ pub struct Response {
 }
 
 struct Work {
+    encoder: Option<Arc<EncoderExtras>>,
     group: usize,
     ids: Arc<Vec<u32>>,
     step: Step,
@@ -312,7 +315,11 @@ impl Stage {
         let upload_start = Instant::now();
         if self.index == 0 {
             m.write_ids(act, &work.ids)?;
-        } else {
+        }
+        if let Some(e) = &work.encoder {
+            m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
+        }
+        if self.index != 0 {
             let want = step.tokens() * m.config().hidden * 4;
             if work.hidden.len() != want {
                 return Err(WgparError::Shape {
@@ -342,7 +349,7 @@ impl Stage {
             m.mlp_residual(&mut enc, i, act, &step)?;
         }
         if self.is_last() {
-            m.head(&mut enc, act, &step)?;
+            m.finish(&mut enc, act, &step)?;
         }
         gpu.submit(enc);
         // Double buffering: the previous micro-batch's download was queued before this
@@ -380,12 +387,11 @@ impl Stage {
             s.microbatches += 1;
         }
         let download = if self.is_last() {
-            let logits = act
-                .logits
-                .as_ref()
-                .ok_or_else(|| WgparError::Config("last stage has no logits buffer".into()))?;
+            let (result, width) = m
+                .output(act)
+                .ok_or_else(|| WgparError::Config("last stage has no output buffer".into()))?;
             self.comm
-                .begin_download_range(&gpu, logits, 0..step.batch * m.config().vocab)?
+                .begin_download_range(&gpu, result, 0..step.batch * width)?
         } else {
             self.comm
                 .begin_download_range(&gpu, &act.x, 0..step.tokens() * m.config().hidden)?
@@ -481,6 +487,7 @@ impl Stage {
             recorder: work.recorder.clone(),
             microbatch: Some(work.group as u32),
             dep: work.dep,
+            encoder: work.encoder.clone(),
         };
         let outputs = group.run(job)?;
         let rank0 = outputs
@@ -815,6 +822,7 @@ impl PipelineEngine {
             new_cache,
             release,
             hidden: Vec::new(),
+            encoder: None,
             // A new sequence starts fresh; a decode step waits for its previous logits.
             dep: if new_cache {
                 SpanId::NONE
@@ -1013,6 +1021,47 @@ impl PipelineEngine {
             prefill_s: first,
             decode_s: vec![(total - first) / decode_steps.max(1) as f64; decode_steps],
             prompt_tokens: batch * seq,
+        })
+    }
+}
+
+impl Encoder for PipelineEngine {
+    fn name(&self) -> String {
+        Engine::name(self)
+    }
+
+    /// The batch split into micro-batches (each its own padded group) flowing through the
+    /// stages; the last stage pools.
+    fn encode(&mut self, inputs: &[EncoderInput]) -> Result<Embeddings> {
+        self.check_alive()?;
+        let seq = EncoderInput::check_batch(inputs, &self.config)?;
+        let groups = split_groups(inputs.len(), self.micro_batches);
+        self.reset_stats();
+        let start = Instant::now();
+        for (g, range) in groups.iter().enumerate() {
+            let (ids, types, lens) = pad_batch(&inputs[range.clone()], seq);
+            let step = Step {
+                batch: range.len(),
+                seq,
+                past: 0,
+            };
+            let mut w = self.work(g, ids, step, true, true);
+            w.encoder = Some(Arc::new(EncoderExtras { types, lens }));
+            self.send(w)?;
+        }
+        let mut rows: Vec<Option<Vec<f32>>> = vec![None; groups.len()];
+        let dim = self.config.hidden;
+        for _ in 0..groups.len() {
+            let out = self.receive()?;
+            let mut data = out.logits;
+            data.truncate(out.batch * dim);
+            rows[out.group] = Some(data);
+        }
+        self.finish_run(start, inputs.len() * seq);
+        Ok(Embeddings {
+            batch: inputs.len(),
+            dim,
+            data: rows.into_iter().flatten().flatten().collect(),
         })
     }
 }

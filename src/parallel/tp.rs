@@ -14,13 +14,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::cost;
+use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::worker::Workers;
 use super::{prompt_shape, Engine, Logits, StepStats};
 use crate::comm::{CommConfig, Communicator, RankHandle};
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::model::{
-    Activations, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec, Step,
+    Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec,
+    Step,
 };
 use crate::trace::{CollectiveOp, KernelFamily, Recorder, SpanAttrs, SpanId};
 
@@ -44,8 +46,8 @@ pub(crate) enum GroupInput {
     Hidden(Arc<Vec<u8>>),
 }
 
-/// What rank 0 hands back: logits (the group holds the head) or hidden states for the next
-/// pipeline stage.
+/// What rank 0 hands back: the final output (logits, or pooled embeddings for an encoder)
+/// when the group holds the last block, or hidden states for the next pipeline stage.
 pub(crate) enum GroupOutput {
     Logits(Vec<f32>),
     Hidden(Vec<u8>),
@@ -62,6 +64,16 @@ pub(crate) struct GroupJob {
     pub recorder: Recorder,
     pub microbatch: Option<u32>,
     pub dep: SpanId,
+    /// Encoders: token types and real lengths of the padded batch (every rank needs the
+    /// lengths: they mask attention).
+    pub encoder: Option<Arc<EncoderExtras>>,
+}
+
+/// Per-batch inputs an encoder needs beside the ids.
+#[derive(Debug)]
+pub(crate) struct EncoderExtras {
+    pub types: Vec<u32>,
+    pub lens: Vec<u32>,
 }
 
 /// One rank's result of a step.
@@ -114,6 +126,9 @@ impl Rank {
             last_span: SpanId::NONE,
         };
         let mut prev = job.dep;
+        if let Some(e) = &job.encoder {
+            m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
+        }
         match &job.input {
             GroupInput::Ids(ids) => m.write_ids(act, ids)?,
             GroupInput::Hidden(hidden) => {
@@ -222,7 +237,7 @@ impl Rank {
         }
         let holds_head = m.placement().head;
         if holds_head {
-            m.head(&mut enc, act, &step)?;
+            m.finish(&mut enc, act, &step)?;
         }
         gpu.submit(enc);
         gpu.wait()?;
@@ -248,10 +263,10 @@ impl Rank {
         out.last_span = tail;
         if shard.rank == 0 {
             let t0 = Instant::now();
-            out.output = Some(match (holds_head, &act.logits) {
-                (true, Some(logits)) => {
-                    let mut data = gpu.read_f32(logits)?;
-                    data.truncate(step.batch * config.vocab);
+            out.output = Some(match (holds_head, m.output(act)) {
+                (true, Some((result, width))) => {
+                    let mut data = gpu.read_f32(result)?;
+                    data.truncate(step.batch * width);
                     GroupOutput::Logits(data)
                 }
                 _ => {
@@ -442,6 +457,22 @@ impl TensorParallelEngine {
     }
 
     fn step(&mut self, ids: Vec<u32>, step: Step, new_cache: bool) -> Result<Logits> {
+        let data = self.run(ids, step, new_cache, None)?;
+        Ok(Logits {
+            batch: step.batch,
+            vocab: self.config.vocab,
+            data,
+        })
+    }
+
+    /// One step on every rank; returns rank 0's final output (logits or pooled embeddings).
+    fn run(
+        &mut self,
+        ids: Vec<u32>,
+        step: Step,
+        new_cache: bool,
+        encoder: Option<Arc<EncoderExtras>>,
+    ) -> Result<Vec<f32>> {
         if let Some(why) = &self.failed {
             return Err(WgparError::Worker {
                 worker: "tensor-parallel engine".into(),
@@ -462,6 +493,7 @@ impl TensorParallelEngine {
             } else {
                 self.last_span
             },
+            encoder,
         };
         let outputs = match self.group.run(job) {
             Ok(o) => o,
@@ -483,16 +515,34 @@ impl TensorParallelEngine {
         });
         self.past = step.past + step.seq;
         self.last_span = outputs[0].last_span;
-        let data = outputs
+        outputs
             .into_iter()
             .find_map(|o| match o.output {
                 Some(GroupOutput::Logits(l)) => Some(l),
                 _ => None,
             })
-            .ok_or_else(|| WgparError::Config("no rank returned logits".into()))?;
-        Ok(Logits {
-            batch: step.batch,
-            vocab: self.config.vocab,
+            .ok_or_else(|| WgparError::Config("no rank returned an output".into()))
+    }
+}
+
+impl Encoder for TensorParallelEngine {
+    fn name(&self) -> String {
+        Engine::name(self)
+    }
+
+    fn encode(&mut self, inputs: &[EncoderInput]) -> Result<Embeddings> {
+        let seq = EncoderInput::check_batch(inputs, &self.config)?;
+        let (ids, types, lens) = pad_batch(inputs, seq);
+        let step = Step {
+            batch: inputs.len(),
+            seq,
+            past: 0,
+        };
+        let extras = Arc::new(EncoderExtras { types, lens });
+        let data = self.run(ids, step, true, Some(extras))?;
+        Ok(Embeddings {
+            batch: inputs.len(),
+            dim: self.config.hidden,
             data,
         })
     }
