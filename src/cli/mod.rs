@@ -5,6 +5,7 @@ mod bench;
 mod compare;
 mod devices;
 mod embed;
+mod plan;
 mod run;
 mod text;
 
@@ -43,6 +44,9 @@ enum Command {
     /// Sentence embeddings of texts with an encoder checkpoint (BERT, e.g. all-MiniLM-L6-v2),
     /// and their pairwise cosine similarities.
     Embed(embed::EmbedArgs),
+    /// Modeled projections of a model on host profiles, for models and machines not at hand
+    /// (TP all-reduce share vs batch and sequence, PP vs TP throughput, bubble cost).
+    Plan(plan::PlanArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -165,6 +169,7 @@ pub fn main() -> Result<()> {
         Some(Command::Embed(args)) => embed::run(&args),
         Some(Command::Bench { what }) => bench::run(&what),
         Some(Command::Compare(args)) => compare::run(&args),
+        Some(Command::Plan(args)) => plan::run(&args),
         None => {
             // No arguments: show the machine, then the main job: compare the strategies on
             // the embedded default model.

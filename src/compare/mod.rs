@@ -4,6 +4,8 @@
 //! say which strategy wins where, and why.
 
 mod charts;
+mod modeled;
+mod plan;
 mod report;
 mod verdict;
 
@@ -17,10 +19,12 @@ use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::model::{valid_tp_degrees, ModelConfig, ModelWeights};
 use crate::parallel::{build_engine, generate, Engine, PartitionSpec, Strategy};
-use crate::sim::{project, HostProfile, ProjectOptions};
+use crate::sim::{project, CollectivePolicy, HostProfile, ProjectOptions};
 use crate::trace::{Recorder, Timeline};
 
 pub use charts::{breakdown_svg, throughput_svg};
+pub use modeled::modeled_timeline;
+pub use plan::{plan, plan_markdown, PlanOptions, PlanRow};
 pub use report::{markdown, table};
 pub use verdict::{verdicts, Verdict};
 
@@ -268,7 +272,12 @@ fn project_pair(
     decode_steps: usize,
     tokens: (usize, usize),
 ) -> Result<Projected> {
-    let opts = ProjectOptions::default();
+    // The cheapest collective each profile offers (an NVLink ring on a DGX): what the run would
+    // cost there with a comm layer built for that machine.
+    let opts = ProjectOptions {
+        collectives: CollectivePolicy::Best,
+        ..ProjectOptions::default()
+    };
     let err = |e: crate::sim::ProjectError| {
         WgparError::Config(format!("projection onto {}: {e}", profile.name))
     };
