@@ -17,13 +17,15 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 @group(0) @binding(4) var<uniform> p: Params;
 
-// Each invocation owns a TM x TN block of outputs ("unit" tiling, no workgroup memory): on CPU
-// drivers like lavapipe barriers and shared memory cost more than they save, while a register
-// tile cuts loads per multiply-add by the tile size.
+// Tiling for CPU drivers such as lavapipe, which run a workgroup's invocations as SIMD lanes:
+// a load whose address is the same for every lane is one scalar load, any other is a gather.
+// So rows come from the workgroup id (uniform: x is read with scalar loads) and each
+// invocation owns TN columns strided by the workgroup size, accumulating a TM x TN register
+// tile: TM * TN multiply-adds per TN gathers. No workgroup memory or barriers, which cost more
+// than they save on a CPU.
 const TM: u32 = 4u;
 const TN: u32 = 4u;
-override WG_X: u32 = 8u;
-override WG_Y: u32 = 1u;
+const WG: u32 = 8u;
 
 fn load_w(i: u32) -> f32 {
     return f32(w[i]);
@@ -37,41 +39,43 @@ fn load_w4(base: u32) -> vec4<f32> {
     return vec4<f32>(load_w(base), load_w(base + 1u), load_w(base + 2u), load_w(base + 3u));
 }
 
-@compute @workgroup_size(WG_X, WG_Y)
-fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let n0 = gid.x * TN;
-    let m0 = gid.y * TM;
-    if (n0 >= p.n || m0 >= p.m) {
-        return;
-    }
-    // Rows past the edge are clamped for loading and skipped when storing, so any M, N work.
+@compute @workgroup_size(WG)
+fn matmul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let m0 = wid.y * TM;
+    let n_first = wid.x * (WG * TN) + lid;
+    // Rows and columns past the edge are clamped for loading and skipped when storing, so
+    // any M, N work.
     var xrow: array<u32, TM>;
     var wrow: array<u32, TN>;
     for (var i = 0u; i < TM; i++) {
         xrow[i] = min(m0 + i, p.m - 1u) * p.k;
     }
     for (var j = 0u; j < TN; j++) {
-        wrow[j] = min(n0 + j, p.n - 1u) * p.k;
+        wrow[j] = min(n_first + j * WG, p.n - 1u) * p.k;
     }
     var acc: array<array<f32, TN>, TM>;
     let k4 = p.k & ~3u;
     for (var kk = 0u; kk < k4; kk += 4u) {
-        var xv: array<vec4<f32>, TM>;
-        for (var i = 0u; i < TM; i++) {
-            xv[i] = load_x4(xrow[i] + kk);
-        }
+        var wv: array<vec4<f32>, TN>;
         for (var j = 0u; j < TN; j++) {
-            let wv = load_w4(wrow[j] + kk);
-            for (var i = 0u; i < TM; i++) {
-                acc[i][j] += dot(xv[i], wv);
+            wv[j] = load_w4(wrow[j] + kk);
+        }
+        for (var i = 0u; i < TM; i++) {
+            let xv = load_x4(xrow[i] + kk);
+            for (var j = 0u; j < TN; j++) {
+                acc[i][j] += dot(xv, wv[j]);
             }
         }
     }
     for (var kk = k4; kk < p.k; kk++) {
+        var ws: array<f32, TN>;
+        for (var j = 0u; j < TN; j++) {
+            ws[j] = load_w(wrow[j] + kk);
+        }
         for (var i = 0u; i < TM; i++) {
             let xs = x[xrow[i] + kk];
             for (var j = 0u; j < TN; j++) {
-                acc[i][j] += xs * load_w(wrow[j] + kk);
+                acc[i][j] += xs * ws[j];
             }
         }
     }
@@ -81,7 +85,7 @@ fn matmul(@builtin(global_invocation_id) gid: vec3<u32>) {
             break;
         }
         for (var j = 0u; j < TN; j++) {
-            let n = n0 + j;
+            let n = n_first + j * WG;
             if (n < p.n) {
                 var v = acc[i][j];
                 if (p.has_bias != 0u) {
@@ -110,3 +114,4 @@ fn matmul_naive(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
     y[m * p.n + n] = acc;
 }
+

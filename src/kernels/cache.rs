@@ -16,6 +16,12 @@ pub struct Kernel {
 
 type Key = (Family, &'static str, WeightType);
 
+/// `WGPAR_CHECKED_SHADERS=1` compiles every shader with wgpu's injected bounds checks and loop
+/// bounding (the default path leaves them out; CI runs the kernel tests both ways).
+fn checked_shaders() -> bool {
+    std::env::var("WGPAR_CHECKED_SHADERS").is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+}
+
 /// Pipelines compiled on one device. Thread-safe; compilation happens at most once per key.
 #[derive(Debug, Default)]
 pub struct KernelCache {
@@ -126,10 +132,24 @@ impl KernelCache {
         modules
             .entry((family, weights))
             .or_insert_with(|| {
-                device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                let desc = wgpu::ShaderModuleDescriptor {
                     label: Some(&format!("{family:?}/{weights:?}")),
                     source: wgpu::ShaderSource::Wgsl(family.source_for(weights).into()),
-                })
+                };
+                if checked_shaders() {
+                    device.create_shader_module(desc)
+                } else {
+                    let mut checks = wgpu::ShaderRuntimeChecks::checked();
+                    // Injected bounds checks and loop counters cost more than half the matmul
+                    // throughput on lavapipe (measured in docs/BENCHMARKS.md).
+                    checks.bounds_checks = false;
+                    checks.force_loop_bounding = false;
+                    // SAFETY: every kernel indexes only within the lengths its `ops` wrapper
+                    // checked against the buffers on the host (a shorter buffer is an error
+                    // before any dispatch), clamps edge rows and columns itself, and every loop
+                    // is bounded by uniform shape parameters. Integer division checks stay on.
+                    unsafe { device.create_shader_module_trusted(desc, checks) }
+                }
             })
             .clone()
     }

@@ -9,9 +9,11 @@ use crate::error::{Result, WgparError};
 
 /// Largest workgroup count per dimension that every adapter accepts.
 const MAX_GROUPS: u32 = 65_535;
-/// Matmul register tile and workgroup shape; must match `shaders/matmul.wgsl`.
-const MATMUL_TILE: (u32, u32) = (4, 4);
-const MATMUL_WG: (u32, u32) = (8, 1);
+/// Matmul rows per workgroup, columns per invocation and workgroup size; must match
+/// `shaders/matmul.wgsl`.
+const MATMUL_TM: u32 = 4;
+const MATMUL_TN: u32 = 4;
+const MATMUL_WG: u32 = 8;
 
 fn weight_type(t: &Tensor) -> WeightType {
     match t.dtype() {
@@ -158,14 +160,14 @@ pub fn matmul(
         has_bias: bias.is_some() as u32,
     };
     let (entry, groups) = match kernel {
-        MatmulKernel::Tiled => {
-            let cols = (n as u32).div_ceil(MATMUL_TILE.1);
-            let rows = (m as u32).div_ceil(MATMUL_TILE.0);
-            (
-                "matmul",
-                [cols.div_ceil(MATMUL_WG.0), rows.div_ceil(MATMUL_WG.1), 1],
-            )
-        }
+        MatmulKernel::Tiled => (
+            "matmul",
+            [
+                (n as u32).div_ceil(MATMUL_WG * MATMUL_TN),
+                (m as u32).div_ceil(MATMUL_TM),
+                1,
+            ],
+        ),
         MatmulKernel::Naive => (
             "matmul_naive",
             [(n as u32).div_ceil(8), (m as u32).div_ceil(8), 1],
