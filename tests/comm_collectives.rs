@@ -634,8 +634,8 @@ fn a_failed_rank_does_not_hang_the_others() {
             waited < Duration::from_secs(10),
             "{failure}: took {waited:?}"
         );
-        for r in 0..2 {
-            let e = results[r].as_ref().unwrap().as_ref().unwrap_err();
+        for result in &results[..2] {
+            let e = result.as_ref().unwrap().as_ref().unwrap_err();
             assert!(
                 e.contains("aborted") && e.contains("rank 2 (gpu2)"),
                 "{failure}: {e}"

@@ -8,7 +8,7 @@ use std::time::Instant;
 use super::config::{Algorithm, CommConfig};
 use super::error::CommError;
 use super::pipeline::{execute, Exec, Member, Phases, Plan, TensorRef};
-use super::staging::{StagingPool, StagingStats};
+use super::staging::{StagingPool, StagingStats, Wait};
 use super::stats::{CollectiveOp, CommRecord, CommStats};
 use super::workers::HostWorkers;
 use crate::device::{DType, Gpu};
@@ -105,6 +105,20 @@ impl Collectives {
             .clone()
     }
 
+    /// How this engine waits for devices.
+    pub(crate) fn wait(&self) -> Wait {
+        Wait {
+            spin: self.config.spin_wait,
+            timeout: self.config.gpu_timeout,
+        }
+    }
+
+    /// Waits until `gpu` has finished all submitted work (spinning briefly first, as the
+    /// collectives do), then reports any GPU error it captured.
+    pub fn wait_idle(&self, gpu: &Gpu) -> Result<()> {
+        Ok(super::pipeline::wait_idle(gpu, "wait", self.wait())?)
+    }
+
     /// The algorithm for `staged` bytes per device, given an optional per-call override.
     pub(crate) fn resolve(&self, algorithm: Option<Algorithm>, staged: u64) -> Algorithm {
         match algorithm {
@@ -179,7 +193,7 @@ impl Collectives {
                 Algorithm::Pipelined => self.config.depth,
                 _ => 1,
             },
-            timeout: self.config.gpu_timeout,
+            wait: self.wait(),
             workers: &workers,
             parallel_min_bytes: self.config.parallel_min_bytes,
         };

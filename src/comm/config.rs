@@ -87,6 +87,11 @@ pub struct CommConfig {
     /// Bytes of output per thread below which a host step runs on one thread (spreading tiny
     /// steps costs more in wake-ups than it saves).
     pub parallel_min_bytes: u64,
+    /// How long a wait for a device polls without blocking (yielding the core between polls)
+    /// before it sleeps. Sleeping costs a wake-up (about 60 us on a virtual machine), more than
+    /// a small transfer; zero always blocks.
+    #[serde(serialize_with = "secs")]
+    pub spin_wait: Duration,
     /// How long a rank of a [`Communicator`](super::Communicator) waits for the others before it
     /// aborts the communicator.
     #[serde(serialize_with = "secs")]
@@ -116,6 +121,7 @@ impl Default for CommConfig {
             max_idle_slots: 4,
             host_threads: cores.clamp(1, 8),
             parallel_min_bytes: 64 << 10,
+            spin_wait: Duration::from_micros(500),
             rendezvous_timeout: Duration::from_secs(60),
             gpu_timeout: Duration::from_secs(60),
             stats_capacity: 1 << 16,

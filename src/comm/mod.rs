@@ -16,6 +16,7 @@
 //! Everything is recorded in [`CommStats`].
 
 mod allreduce;
+pub mod bench;
 mod collectives;
 mod communicator;
 mod config;

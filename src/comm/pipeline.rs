@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use wgpu::WriteOnly;
 
 use super::error::CommError;
-use super::staging::{poll_wait, Direction, Slot, StagingPool};
+use super::staging::{wait_device, Direction, Slot, StagingPool, Wait};
 use super::workers::{HostWorkers, Job};
 use crate::device::{DType, Gpu, Tensor};
 
@@ -109,7 +109,7 @@ pub(crate) struct Phases {
 pub(crate) struct Exec<'a> {
     pub op: &'static str,
     pub depth: usize,
-    pub timeout: Duration,
+    pub wait: Wait,
     pub workers: &'a HostWorkers,
     pub parallel_min_bytes: u64,
 }
@@ -194,7 +194,7 @@ pub(crate) fn execute(
         for m in 0..n {
             if down_len[m][s] > 0 {
                 let mem = &members[m];
-                downs[m][s].wait_mapped(mem.gpu.device(), ex.op, mem.gpu.label(), ex.timeout)?;
+                downs[m][s].wait_mapped(mem.gpu.device(), ex.op, mem.gpu.label(), ex.wait)?;
             }
         }
         let t1 = Instant::now();
@@ -205,7 +205,7 @@ pub(crate) fn execute(
             up_len[m] = span_bytes(&up_spans[m]);
             if up_len[m] > 0 {
                 let mem = &members[m];
-                ups[m][s].wait_mapped(mem.gpu.device(), ex.op, mem.gpu.label(), ex.timeout)?;
+                ups[m][s].wait_mapped(mem.gpu.device(), ex.op, mem.gpu.label(), ex.wait)?;
             }
         }
         let t2 = Instant::now();
@@ -389,11 +389,7 @@ fn host_step(
     };
     // Part boundaries must give 8-byte aligned views (wgpu's MAP_ALIGNMENT).
     let granule = 8 / gcd(8, eb);
-    let parts = if out_elems == 0 {
-        vec![0..0]
-    } else {
-        split(out_elems, threads, granule)
-    };
+    let parts = split(out_elems, threads, granule);
     let mut jobs: Vec<Job> = Vec::with_capacity(parts.len());
     for part in parts {
         let mut views = Vec::with_capacity(uploaders.len());
@@ -459,9 +455,9 @@ fn gcd(a: usize, b: usize) -> usize {
     }
 }
 
-/// Waits until everything submitted to `gpu` has finished (bounded by `timeout`).
-pub(crate) fn wait_idle(gpu: &Gpu, op: &str, timeout: Duration) -> Result<(), CommError> {
-    poll_wait(gpu.device(), None, op, gpu.label(), timeout)?;
+/// Waits until everything submitted to `gpu` has finished, then reports captured errors.
+pub(crate) fn wait_idle(gpu: &Gpu, op: &str, wait: Wait) -> Result<(), CommError> {
+    wait_device(gpu.device(), op, gpu.label(), wait)?;
     gpu.check()
         .map_err(|e| CommError::gpu(op, gpu.label(), e.to_string()))
 }

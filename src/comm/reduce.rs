@@ -32,16 +32,24 @@ pub(crate) fn sum_into(
         let len = BLOCK.min(count - start);
         let bytes = start * size..(start + len) * size;
         let acc = &mut acc[..len];
-        for (i, input) in inputs.iter().enumerate() {
-            let src = &input[bytes.clone()];
-            if i == 0 {
-                load(dtype, src, acc);
-            } else {
-                let tmp = &mut tmp[..len];
-                load(dtype, src, tmp);
-                for (a, t) in acc.iter_mut().zip(tmp.iter()) {
-                    *a += *t;
+        match dtype {
+            DType::F16 => {
+                for (i, input) in inputs.iter().enumerate() {
+                    let src = &input[bytes.clone()];
+                    if i == 0 {
+                        load(dtype, src, acc);
+                    } else {
+                        let tmp = &mut tmp[..len];
+                        load(dtype, src, tmp);
+                        for (a, t) in acc.iter_mut().zip(tmp.iter()) {
+                            *a += *t;
+                        }
+                    }
                 }
+            }
+            _ => {
+                let ins: Vec<&[u8]> = inputs.iter().map(|i| &i[bytes.clone()]).collect();
+                sum_f32_block(&ins, acc, &mut tmp[..len]);
             }
         }
         let out: &[u8] = match dtype {
@@ -56,6 +64,52 @@ pub(crate) fn sum_into(
             o.slice(bytes.clone()).copy_from_slice(out);
         }
         start += len;
+    }
+}
+
+/// `acc[j] = ((in0[j] + in1[j]) + in2[j]) + ...` for one block of f32 inputs, in one pass for
+/// up to four inputs (a pass per input would write the accumulators back every time).
+fn sum_f32_block(inputs: &[&[u8]], acc: &mut [f32], tmp: &mut [f32]) {
+    let mut f: [&[f32]; 4] = [&[]; 4];
+    let aligned = inputs.len() <= 4
+        && inputs.iter().zip(f.iter_mut()).all(|(i, slot)| {
+            bytemuck::try_cast_slice::<u8, f32>(i)
+                .map(|s| *slot = s)
+                .is_ok()
+        });
+    if aligned {
+        let len = acc.len();
+        match inputs.len() {
+            1 => acc.copy_from_slice(&f[0][..len]),
+            2 => {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = f[0][j] + f[1][j];
+                }
+            }
+            3 => {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = f[0][j] + f[1][j] + f[2][j];
+                }
+            }
+            _ => {
+                let (a0, a1, a2, a3) = (&f[0][..len], &f[1][..len], &f[2][..len], &f[3][..len]);
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = a0[j] + a1[j] + a2[j] + a3[j];
+                }
+            }
+        }
+        return;
+    }
+    // Many inputs (or unaligned bytes): one input at a time, same order.
+    for (i, input) in inputs.iter().enumerate() {
+        if i == 0 {
+            load(DType::F32, input, acc);
+        } else {
+            load(DType::F32, input, tmp);
+            for (a, t) in acc.iter_mut().zip(tmp.iter()) {
+                *a += *t;
+            }
+        }
     }
 }
 
