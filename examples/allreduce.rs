@@ -11,7 +11,7 @@ use std::sync::Arc;
 use clap::Parser;
 use wgpar::comm::bench::{parse_dtype, run_bench, BenchOp, BenchOptions};
 use wgpar::comm::units::parse_size;
-use wgpar::comm::{Algorithm, Collectives, CommConfig, Communicator};
+use wgpar::comm::{Algorithm, Collectives, CommConfig, Communicator, LinkPrecision};
 use wgpar::device::{open_devices, Adapters, DeviceSelection, Gpu, GpuOptions};
 
 #[derive(Parser)]
@@ -61,6 +61,9 @@ struct Args {
     /// Microseconds a device wait spins before it sleeps.
     #[arg(long)]
     spin_us: Option<u64>,
+    /// native or f16 (f32 all-reduce payload sent as f16).
+    #[arg(long, default_value = "native")]
+    link: String,
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
@@ -83,6 +86,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if let Some(t) = &args.threshold {
             config.pipeline_threshold = parse_size(t)?;
         }
+        config.link = args.link.parse::<LinkPrecision>()?;
         config.depth = args.depth.unwrap_or(config.depth);
         config.host_threads = args.threads.unwrap_or(config.host_threads);
         if let Some(us) = args.spin_us {

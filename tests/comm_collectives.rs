@@ -8,7 +8,9 @@ use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use wgpar::comm::{reference_sum, Algorithm, CollectiveOp, Collectives, CommConfig, Communicator};
+use wgpar::comm::{
+    reference_sum, Algorithm, CollectiveOp, Collectives, CommConfig, Communicator, LinkPrecision,
+};
 use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, Gpu, GpuOptions, Tensor};
 
 const COUNTS: [usize; 4] = [1, 3, 1023, (1 << 20) + 5];
@@ -188,6 +190,63 @@ fn all_reduce_matches_reference() {
     assert_eq!(big.chunks, 5);
     assert!(big.error.is_none());
     assert!(big.end > big.start && big.d2h + big.reduce + big.h2d <= big.end - big.start);
+}
+
+#[test]
+fn f16_link_all_reduce_stays_within_its_documented_error() {
+    let gpus = devices(4);
+    let coll = Collectives::new(CommConfig {
+        link: LinkPrecision::F16,
+        ..CommConfig::default()
+    })
+    .unwrap();
+    for n in 2..=4 {
+        for &len in &COUNTS {
+            for algo in ALGOS {
+                let inputs: Vec<Vec<f32>> = (0..n)
+                    .map(|r| random((len * 7 + r + 99) as u64, len, DType::F32))
+                    .collect();
+                let tensors: Vec<Tensor> = gpus[..n]
+                    .iter()
+                    .zip(&inputs)
+                    .map(|(g, d)| upload(g, DType::F32, d))
+                    .collect();
+                let parts: Vec<(&Gpu, &Tensor)> =
+                    gpus[..n].iter().map(|g| g.as_ref()).zip(&tensors).collect();
+                coll.all_reduce_with(&parts, algo).unwrap();
+                let exact = reference_sum(DType::F32, &inputs);
+                let mag = magnitudes(&inputs);
+                let mut rounded = 0;
+                for (g, t) in gpus[..n].iter().zip(&tensors) {
+                    let got = read(g, t);
+                    for i in 0..len {
+                        let bound = mag[i] / 1024.0 + exact[i].abs() / 2048.0 + 1e-6;
+                        assert!(
+                            (got[i] - exact[i]).abs() <= bound,
+                            "n={n} len={len} {algo} [{i}]: {} vs {} (bound {bound})",
+                            got[i],
+                            exact[i]
+                        );
+                        rounded += (got[i] != exact[i]) as usize;
+                    }
+                }
+                // The payload really went through f16.
+                if len > 100 {
+                    assert!(rounded > 0);
+                }
+            }
+        }
+    }
+    let rec = coll
+        .stats()
+        .records()
+        .into_iter()
+        .rfind(|r| r.count == (1 << 20) + 5)
+        .unwrap();
+    assert_eq!(rec.link, LinkPrecision::F16);
+    assert_eq!(rec.dtype, DType::F32);
+    assert_eq!(rec.bytes, 4 * ((1 << 20) + 5));
+    assert_eq!(rec.d2h_bytes, 4 * 2 * (((1 << 20) + 6) as u64));
 }
 
 fn gather_case(

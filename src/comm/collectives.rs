@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use super::compress::{LinkCache, LinkPrecision};
 use super::config::{Algorithm, CommConfig};
 use super::error::CommError;
 use super::pipeline::{execute, Exec, Member, Phases, Plan, TensorRef};
@@ -27,6 +28,7 @@ pub struct Collectives {
     pools: Mutex<HashMap<wgpu::Device, Arc<Mutex<StagingPool>>>>,
     workers: Mutex<HostWorkers>,
     stats: Arc<CommStats>,
+    link: LinkCache,
 }
 
 impl std::fmt::Debug for Collectives {
@@ -47,6 +49,8 @@ pub(crate) struct RunSpec<'a> {
     pub dtype: DType,
     /// S as nccl-tests defines it.
     pub bytes: u64,
+    /// How the payload travels.
+    pub link: LinkPrecision,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -62,6 +66,7 @@ impl Collectives {
             workers: Mutex::new(HostWorkers::start(config.host_threads)),
             stats: Arc::new(CommStats::new(config.stats_capacity)),
             pools: Mutex::new(HashMap::new()),
+            link: LinkCache::default(),
             config,
         })
     }
@@ -90,6 +95,11 @@ impl Collectives {
         for pool in lock(&self.pools).values() {
             lock(pool).trim();
         }
+    }
+
+    /// Pack/unpack kernels and scratch of the f16 link.
+    pub(crate) fn link_cache(&self) -> &LinkCache {
+        &self.link
     }
 
     pub(crate) fn pool(&self, gpu: &Gpu) -> Arc<Mutex<StagingPool>> {
@@ -147,6 +157,7 @@ impl Collectives {
             op: spec.op,
             algorithm: spec.algorithm,
             dtype: spec.dtype,
+            link: spec.link,
             count: (spec.bytes / spec.dtype.size() as u64) as usize,
             bytes: spec.bytes,
             d2h_bytes: ph.d2h_bytes,
@@ -216,6 +227,7 @@ impl Collectives {
             op,
             algorithm: Algorithm::GatherReduceBroadcast,
             dtype,
+            link: LinkPrecision::Native,
             count: (bytes / dtype.size() as u64) as usize,
             bytes,
             d2h_bytes: 0,

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use super::compress::LinkPrecision;
 use super::error::CommError;
 
 /// How a collective moves its data through the host.
@@ -70,6 +71,8 @@ impl FromStr for Algorithm {
 pub struct CommConfig {
     /// Algorithm for all-reduce, all-gather and reduce-scatter.
     pub algorithm: Algorithm,
+    /// How f32 all-reduce payloads travel (exact, or as f16 with a documented error).
+    pub link: LinkPrecision,
     /// With [`Algorithm::Auto`], staged bytes per device above which the pipelined algorithm is
     /// used.
     pub pipeline_threshold: u64,
@@ -114,6 +117,7 @@ impl Default for CommConfig {
             .unwrap_or(1);
         Self {
             algorithm: Algorithm::Auto,
+            link: LinkPrecision::Native,
             pipeline_threshold: 256 << 10,
             chunk_bytes: 1 << 20,
             max_slot_bytes: 16 << 20,

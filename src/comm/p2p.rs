@@ -13,6 +13,7 @@ use super::collectives::{
     check_devices, check_dtypes, check_lens, chunk_elems, lock, verify_devices, Collectives,
     RunSpec,
 };
+use super::compress::LinkPrecision;
 use super::config::Algorithm;
 use super::error::CommError;
 use super::pipeline::{ceil4, classify, floor4, Plan, Span, TensorRef};
@@ -160,6 +161,7 @@ impl Collectives {
             algorithm,
             dtype,
             bytes,
+            link: LinkPrecision::Native,
         })?)
     }
 
@@ -225,6 +227,7 @@ impl Collectives {
             algorithm,
             dtype,
             bytes,
+            link: LinkPrecision::Native,
         })?)
     }
 
@@ -315,6 +318,7 @@ impl Collectives {
             op: CollectiveOp::Upload,
             algorithm: Algorithm::GatherReduceBroadcast,
             dtype: tensor.dtype(),
+            link: LinkPrecision::Native,
             count: host.len() / tensor.dtype().size(),
             bytes,
             d2h_bytes: 0,
@@ -526,6 +530,7 @@ impl PendingDownload {
             op: CollectiveOp::Download,
             algorithm: Algorithm::GatherReduceBroadcast,
             dtype: self.dtype,
+            link: LinkPrecision::Native,
             count: (bytes / self.dtype.size() as u64) as usize,
             bytes,
             d2h_bytes: if r.is_ok() {
