@@ -718,3 +718,14 @@ fn a_failed_rank_does_not_hang_the_others() {
     assert!(e.contains("waited") && e.contains("[1]"), "{e}");
     drop(idle);
 }
+
+#[test]
+fn handles_can_cross_threads() {
+    fn send<T: Send>() {}
+    fn shared<T: Send + Sync>() {}
+    shared::<Collectives>();
+    shared::<Communicator>();
+    send::<wgpar::comm::RankHandle>();
+    send::<wgpar::comm::PendingDownload>();
+    shared::<wgpar::comm::CommStats>();
+}

@@ -142,7 +142,7 @@ pub(crate) fn copy_into(src: &[u8], offset: usize, outputs: &mut [WriteOnly<'_, 
     }
 }
 
-/// CPU reference of the sum, in the same order and precision as [`sum_into`]: what tests and the
+/// CPU reference of the sum, in the same order and precision as the host reduction: what tests and the
 /// benchmark compare against.
 pub fn reference_sum(dtype: DType, inputs: &[Vec<f32>]) -> Vec<f32> {
     let Some(first) = inputs.first() else {
