@@ -200,8 +200,13 @@ pub struct BenchRow {
     pub p99_us: f64,
     /// Mean time of the floor (round trip of S bytes on every device at once), us.
     pub floor_us: f64,
-    /// time / floor.
+    /// Median time of the floor, us.
+    pub floor_p50_us: f64,
+    /// Mean time / mean floor.
     pub floor_ratio: f64,
+    /// Median time / median floor: what the table prints, as it resists load from other
+    /// processes on a shared machine better than the means do.
+    pub floor_ratio_p50: f64,
 }
 
 /// The benchmark's result; `Display` prints it the way nccl-tests does.
@@ -525,6 +530,8 @@ fn bench_size(
     let time = mean(&times);
     let floor = mean(&floors);
     let algbw = s as f64 / time / 1e9;
+    let p50 = percentile(&mut times, 0.5);
+    let floor_p50 = percentile(&mut floors, 0.5);
     Ok(BenchRow {
         size: s,
         count: (s / opts.dtype.size() as u64) as usize,
@@ -540,10 +547,12 @@ fn bench_size(
             .min()
             .map(|d| d.as_secs_f64() * 1e6)
             .unwrap_or(0.0),
-        p50_us: percentile(&mut times.clone(), 0.5),
+        p50_us: p50,
         p99_us: percentile(&mut times, 0.99),
         floor_us: floor * 1e6,
+        floor_p50_us: floor_p50,
         floor_ratio: time / floor,
+        floor_ratio_p50: p50 / floor_p50,
     })
 }
 
@@ -633,8 +642,8 @@ impl fmt::Display for BenchReport {
             "",
             "(us)",
             "(us)",
-            "(us)",
-            ""
+            "(p50 us)",
+            "(p50)"
         )?;
         for r in &self.rows {
             writeln!(
@@ -651,8 +660,8 @@ impl fmt::Display for BenchReport {
                 r.wrong,
                 r.p50_us,
                 r.p99_us,
-                r.floor_us,
-                r.floor_ratio
+                r.floor_p50_us,
+                r.floor_ratio_p50
             )?;
         }
         writeln!(
