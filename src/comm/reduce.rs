@@ -78,23 +78,25 @@ fn sum_f32_block(inputs: &[&[u8]], acc: &mut [f32], tmp: &mut [f32]) {
                 .is_ok()
         });
     if aligned {
+        // Zipped iterators carry the lengths, so the loops vectorize without bounds checks.
         let len = acc.len();
+        let [a0, a1, a2, a3] = f.map(|x| &x[..len.min(x.len())]);
         match inputs.len() {
-            1 => acc.copy_from_slice(&f[0][..len]),
+            0 => acc.fill(0.0),
+            1 => acc.copy_from_slice(a0),
             2 => {
-                for (j, a) in acc.iter_mut().enumerate() {
-                    *a = f[0][j] + f[1][j];
+                for ((a, x0), x1) in acc.iter_mut().zip(a0).zip(a1) {
+                    *a = x0 + x1;
                 }
             }
             3 => {
-                for (j, a) in acc.iter_mut().enumerate() {
-                    *a = f[0][j] + f[1][j] + f[2][j];
+                for (((a, x0), x1), x2) in acc.iter_mut().zip(a0).zip(a1).zip(a2) {
+                    *a = x0 + x1 + x2;
                 }
             }
             _ => {
-                let (a0, a1, a2, a3) = (&f[0][..len], &f[1][..len], &f[2][..len], &f[3][..len]);
-                for (j, a) in acc.iter_mut().enumerate() {
-                    *a = a0[j] + a1[j] + a2[j] + a3[j];
+                for ((((a, x0), x1), x2), x3) in acc.iter_mut().zip(a0).zip(a1).zip(a2).zip(a3) {
+                    *a = x0 + x1 + x2 + x3;
                 }
             }
         }
