@@ -118,7 +118,7 @@ impl Default for CommConfig {
         Self {
             algorithm: Algorithm::Auto,
             link: LinkPrecision::Native,
-            pipeline_threshold: 256 << 10,
+            pipeline_threshold: 1 << 20,
             chunk_bytes: 1 << 20,
             max_slot_bytes: 16 << 20,
             depth: 2,
