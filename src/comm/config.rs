@@ -85,7 +85,8 @@ pub struct CommConfig {
     pub depth: usize,
     /// Idle staging buffers of each kind kept per device.
     pub max_idle_slots: usize,
-    /// Host threads that share a reduction, the calling thread included.
+    /// Host threads that share a reduction, the calling thread included (default: half the
+    /// cores).
     pub host_threads: usize,
     /// Bytes of output per thread below which a host step runs on one thread (spreading tiny
     /// steps costs more in wake-ups than it saves).
@@ -123,7 +124,10 @@ impl Default for CommConfig {
             max_slot_bytes: 16 << 20,
             depth: 2,
             max_idle_slots: 4,
-            host_threads: cores.clamp(1, 8),
+            // Half the cores: the driver's own threads (lavapipe's copies, a real driver's
+            // submissions) need the rest. On 2 cores a second reduction thread made a 4-device
+            // all-reduce slower, not faster.
+            host_threads: (cores / 2).clamp(1, 8),
             parallel_min_bytes: 64 << 10,
             spin_wait: Duration::from_micros(500),
             rendezvous_timeout: Duration::from_secs(60),
