@@ -525,6 +525,14 @@ fn mismatches_give_clear_errors() {
         "{e}"
     );
 
+    // An output (first touched by an upload) on the wrong device.
+    let o2 = gpus[2].empty("o2", DType::F32, 6).unwrap();
+    let e = coll
+        .all_gather(&[(&gpus[0], &i0, &o0), (&gpus[1], &i1, &o2)])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("tensor 1 is not on gpu1"), "{e}");
+
     // Transfers.
     let e = coll
         .send_recv((&gpus[0], &a), (&gpus[1], &b))

@@ -303,11 +303,11 @@ pub fn run_bench(gpus: &[Arc<Gpu>], opts: &BenchOptions) -> Result<BenchReport> 
 fn single_round_trip(coll: &Collectives, gpu: &Arc<Gpu>) -> Result<f64> {
     let t = gpu.upload_f32("round trip", &[1.5; 1024])?;
     let mut times = Vec::new();
-    for i in 0..60 {
+    for i in 0..220 {
         let start = Instant::now();
         coll.round_trip(&[(gpu, &t)], Algorithm::Auto)?;
         coll.wait_idle(gpu)?;
-        if i >= 10 {
+        if i >= 20 {
             times.push(start.elapsed());
         }
     }

@@ -166,6 +166,11 @@ pub(crate) fn execute(
     // Bytes sitting in each download slot (0: nothing issued for the step it holds).
     let mut down_len = vec![vec![0u64; depth]; n];
 
+    // Buffers (by index, per member) already checked to belong to the member's device: only
+    // a first use needs a validation scope.
+    let mut checked = vec![0u64; n];
+    let mark = |spans: &[Span]| spans.iter().fold(0u64, |m, s| m | (1u64 << s.buf.min(63)));
+
     // Prologue: downloads of the first `depth` steps.
     for s in 0..depth {
         for m in 0..n {
@@ -178,7 +183,9 @@ pub(crate) fn execute(
                 continue;
             }
             let t = Instant::now();
-            let idx = submit(ex, &members[m], None, Some((&spans, &downs[m][s])), s == 0)?;
+            let fresh = mark(&spans) & !checked[m] != 0;
+            let idx = submit(ex, &members[m], None, Some((&spans, &downs[m][s])), fresh)?;
+            checked[m] |= mark(&spans);
             downs[m][s].request_map(idx);
             down_len[m][s] = span_bytes(&spans);
             ph.d2h_bytes += down_len[m][s];
@@ -224,7 +231,10 @@ pub(crate) fn execute(
             }
             let up = (up_len[m] > 0).then(|| (up_spans[m].as_slice(), &ups[m][s]));
             let down = (!next_spans.is_empty()).then(|| (next_spans.as_slice(), &downs[m][s]));
-            let idx = submit(ex, &members[m], up, down, k == 0)?;
+            let used = mark(&up_spans[m]) | mark(&next_spans);
+            let fresh = used & !checked[m] != 0;
+            let idx = submit(ex, &members[m], up, down, fresh)?;
+            checked[m] |= used;
             if up_len[m] > 0 {
                 ups[m][s].request_map(idx.clone());
                 ph.h2d_bytes += up_len[m];
