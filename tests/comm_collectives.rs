@@ -8,7 +8,9 @@ use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use wgpar::comm::{reference_sum, Algorithm, CollectiveOp, Collectives, CommConfig, Communicator};
+use wgpar::comm::{
+    reference_sum, Algorithm, CollectiveOp, Collectives, CommConfig, Communicator, LinkPrecision,
+};
 use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, Gpu, GpuOptions, Tensor};
 
 const COUNTS: [usize; 4] = [1, 3, 1023, (1 << 20) + 5];
@@ -188,6 +190,63 @@ fn all_reduce_matches_reference() {
     assert_eq!(big.chunks, 5);
     assert!(big.error.is_none());
     assert!(big.end > big.start && big.d2h + big.reduce + big.h2d <= big.end - big.start);
+}
+
+#[test]
+fn f16_link_all_reduce_stays_within_its_documented_error() {
+    let gpus = devices(4);
+    let coll = Collectives::new(CommConfig {
+        link: LinkPrecision::F16,
+        ..CommConfig::default()
+    })
+    .unwrap();
+    for n in 2..=4 {
+        for &len in &COUNTS {
+            for algo in ALGOS {
+                let inputs: Vec<Vec<f32>> = (0..n)
+                    .map(|r| random((len * 7 + r + 99) as u64, len, DType::F32))
+                    .collect();
+                let tensors: Vec<Tensor> = gpus[..n]
+                    .iter()
+                    .zip(&inputs)
+                    .map(|(g, d)| upload(g, DType::F32, d))
+                    .collect();
+                let parts: Vec<(&Gpu, &Tensor)> =
+                    gpus[..n].iter().map(|g| g.as_ref()).zip(&tensors).collect();
+                coll.all_reduce_with(&parts, algo).unwrap();
+                let exact = reference_sum(DType::F32, &inputs);
+                let mag = magnitudes(&inputs);
+                let mut rounded = 0;
+                for (g, t) in gpus[..n].iter().zip(&tensors) {
+                    let got = read(g, t);
+                    for i in 0..len {
+                        let bound = mag[i] / 1024.0 + exact[i].abs() / 2048.0 + 1e-6;
+                        assert!(
+                            (got[i] - exact[i]).abs() <= bound,
+                            "n={n} len={len} {algo} [{i}]: {} vs {} (bound {bound})",
+                            got[i],
+                            exact[i]
+                        );
+                        rounded += (got[i] != exact[i]) as usize;
+                    }
+                }
+                // The payload really went through f16.
+                if len > 100 {
+                    assert!(rounded > 0);
+                }
+            }
+        }
+    }
+    let rec = coll
+        .stats()
+        .records()
+        .into_iter()
+        .rfind(|r| r.count == (1 << 20) + 5)
+        .unwrap();
+    assert_eq!(rec.link, LinkPrecision::F16);
+    assert_eq!(rec.dtype, DType::F32);
+    assert_eq!(rec.bytes, 4 * ((1 << 20) + 5));
+    assert_eq!(rec.d2h_bytes, 4 * 2 * (((1 << 20) + 6) as u64));
 }
 
 fn gather_case(
@@ -466,6 +525,14 @@ fn mismatches_give_clear_errors() {
         "{e}"
     );
 
+    // An output (first touched by an upload) on the wrong device.
+    let o2 = gpus[2].empty("o2", DType::F32, 6).unwrap();
+    let e = coll
+        .all_gather(&[(&gpus[0], &i0, &o0), (&gpus[1], &i1, &o2)])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("tensor 1 is not on gpu1"), "{e}");
+
     // Transfers.
     let e = coll
         .send_recv((&gpus[0], &a), (&gpus[1], &b))
@@ -634,8 +701,8 @@ fn a_failed_rank_does_not_hang_the_others() {
             waited < Duration::from_secs(10),
             "{failure}: took {waited:?}"
         );
-        for r in 0..2 {
-            let e = results[r].as_ref().unwrap().as_ref().unwrap_err();
+        for result in &results[..2] {
+            let e = result.as_ref().unwrap().as_ref().unwrap_err();
             assert!(
                 e.contains("aborted") && e.contains("rank 2 (gpu2)"),
                 "{failure}: {e}"
@@ -658,4 +725,15 @@ fn a_failed_rank_does_not_hang_the_others() {
     assert!(started.elapsed() < Duration::from_secs(5));
     assert!(e.contains("waited") && e.contains("[1]"), "{e}");
     drop(idle);
+}
+
+#[test]
+fn handles_can_cross_threads() {
+    fn send<T: Send>() {}
+    fn shared<T: Send + Sync>() {}
+    shared::<Collectives>();
+    shared::<Communicator>();
+    send::<wgpar::comm::RankHandle>();
+    send::<wgpar::comm::PendingDownload>();
+    shared::<wgpar::comm::CommStats>();
 }

@@ -10,6 +10,7 @@ use wgpu::WriteOnly;
 use super::collectives::{
     check_devices, check_dtypes, check_lens, chunk_elems, verify_devices, Collectives, RunSpec,
 };
+use super::compress::{Convert, LinkPrecision};
 use super::config::Algorithm;
 use super::error::CommError;
 use super::pipeline::{ceil4, Plan, Span, TensorRef};
@@ -130,6 +131,9 @@ impl Collectives {
             );
             return r;
         }
+        if dtype == DType::F32 && self.config().link == LinkPrecision::F16 {
+            return self.all_reduce_f16_link(gpus, tensors, algorithm, start);
+        }
         let algorithm = self.resolve(algorithm, bytes);
         let chunk = chunk_elems(self.budget(algorithm), dtype.size() as u64, 0);
         self.run(RunSpec {
@@ -140,6 +144,56 @@ impl Collectives {
             algorithm,
             dtype,
             bytes,
+            link: LinkPrecision::Native,
         })
+    }
+
+    /// The f32 all-reduce over the f16 link: pack on every device, f16 all-reduce of the packed
+    /// copies (f32 accumulation), unpack. Queue order keeps the three steps in sequence.
+    fn all_reduce_f16_link(
+        &self,
+        gpus: &[&Gpu],
+        tensors: &[TensorRef],
+        algorithm: Option<Algorithm>,
+        start: Instant,
+    ) -> std::result::Result<(), CommError> {
+        let link = self.link_cache();
+        let len = tensors[0].len;
+        let packed_bytes = (len as u64).div_ceil(2) * 4;
+        let scratch: Vec<wgpu::Buffer> = gpus.iter().map(|g| link.lease(g, packed_bytes)).collect();
+        let result = (|| {
+            for (i, (g, t)) in gpus.iter().zip(tensors).enumerate() {
+                if let Err(e) = link.convert(g, i, t, &scratch[i], Convert::Pack) {
+                    let refs: Vec<&TensorRef> = tensors.iter().collect();
+                    return Err(self.fail(CollectiveOp::AllReduce, gpus, &refs, start, e));
+                }
+            }
+            let algorithm = self.resolve(algorithm, packed_bytes);
+            let chunk = chunk_elems(self.budget(algorithm), 2, 0);
+            self.run(RunSpec {
+                op: CollectiveOp::AllReduce,
+                gpus: gpus.to_vec(),
+                bufs: scratch.iter().map(|b| vec![b.clone()]).collect(),
+                plan: Arc::new(AllReducePlan {
+                    dtype: DType::F16,
+                    len,
+                    chunk,
+                }),
+                algorithm,
+                dtype: DType::F32,
+                bytes: len as u64 * 4,
+                link: LinkPrecision::F16,
+            })?;
+            for (i, (g, t)) in gpus.iter().zip(tensors).enumerate() {
+                link.convert(g, i, t, &scratch[i], Convert::Unpack)?;
+            }
+            Ok(())
+        })();
+        if result.is_ok() {
+            for (g, b) in gpus.iter().zip(scratch) {
+                link.give_back(g, b);
+            }
+        }
+        result
     }
 }

@@ -5,10 +5,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use super::compress::{LinkCache, LinkPrecision};
 use super::config::{Algorithm, CommConfig};
 use super::error::CommError;
 use super::pipeline::{execute, Exec, Member, Phases, Plan, TensorRef};
-use super::staging::{StagingPool, StagingStats};
+use super::staging::{StagingPool, StagingStats, Wait};
 use super::stats::{CollectiveOp, CommRecord, CommStats};
 use super::workers::HostWorkers;
 use crate::device::{DType, Gpu};
@@ -27,6 +28,7 @@ pub struct Collectives {
     pools: Mutex<HashMap<wgpu::Device, Arc<Mutex<StagingPool>>>>,
     workers: Mutex<HostWorkers>,
     stats: Arc<CommStats>,
+    link: LinkCache,
 }
 
 impl std::fmt::Debug for Collectives {
@@ -47,6 +49,8 @@ pub(crate) struct RunSpec<'a> {
     pub dtype: DType,
     /// S as nccl-tests defines it.
     pub bytes: u64,
+    /// How the payload travels.
+    pub link: LinkPrecision,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -62,6 +66,7 @@ impl Collectives {
             workers: Mutex::new(HostWorkers::start(config.host_threads)),
             stats: Arc::new(CommStats::new(config.stats_capacity)),
             pools: Mutex::new(HashMap::new()),
+            link: LinkCache::default(),
             config,
         })
     }
@@ -92,6 +97,11 @@ impl Collectives {
         }
     }
 
+    /// Pack/unpack kernels and scratch of the f16 link.
+    pub(crate) fn link_cache(&self) -> &LinkCache {
+        &self.link
+    }
+
     pub(crate) fn pool(&self, gpu: &Gpu) -> Arc<Mutex<StagingPool>> {
         lock(&self.pools)
             .entry(gpu.device().clone())
@@ -103,6 +113,20 @@ impl Collectives {
                 )))
             })
             .clone()
+    }
+
+    /// How this engine waits for devices.
+    pub(crate) fn wait(&self) -> Wait {
+        Wait {
+            spin: self.config.spin_wait,
+            timeout: self.config.gpu_timeout,
+        }
+    }
+
+    /// Waits until `gpu` has finished all submitted work (spinning briefly first, as the
+    /// collectives do), then reports any GPU error it captured.
+    pub fn wait_idle(&self, gpu: &Gpu) -> Result<()> {
+        Ok(super::pipeline::wait_idle(gpu, "wait", self.wait())?)
     }
 
     /// The algorithm for `staged` bytes per device, given an optional per-call override.
@@ -133,6 +157,7 @@ impl Collectives {
             op: spec.op,
             algorithm: spec.algorithm,
             dtype: spec.dtype,
+            link: spec.link,
             count: (spec.bytes / spec.dtype.size() as u64) as usize,
             bytes: spec.bytes,
             d2h_bytes: ph.d2h_bytes,
@@ -179,7 +204,7 @@ impl Collectives {
                 Algorithm::Pipelined => self.config.depth,
                 _ => 1,
             },
-            timeout: self.config.gpu_timeout,
+            wait: self.wait(),
             workers: &workers,
             parallel_min_bytes: self.config.parallel_min_bytes,
         };
@@ -202,6 +227,7 @@ impl Collectives {
             op,
             algorithm: Algorithm::GatherReduceBroadcast,
             dtype,
+            link: LinkPrecision::Native,
             count: (bytes / dtype.size() as u64) as usize,
             bytes,
             d2h_bytes: 0,

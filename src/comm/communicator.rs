@@ -52,6 +52,9 @@ struct Rendezvous {
     result: Option<(u64, std::result::Result<(), CommError>)>,
     aborted: Option<String>,
     joined: Vec<bool>,
+    /// A rank is running collective `seq` for everyone: waiters stop counting their timeout
+    /// (the run has its own GPU timeouts).
+    running: bool,
 }
 
 /// A fixed set of ranks (rank r = device `gpus[r]`) that call collectives from their own
@@ -100,6 +103,7 @@ impl Communicator {
                 result: None,
                 aborted: None,
                 joined: vec![false; n],
+                running: false,
             }),
             cv: Condvar::new(),
             timeout: rendezvous_timeout,
@@ -220,6 +224,7 @@ impl Communicator {
             // Last to arrive: run it for everyone.
             let reqs: Vec<Option<Request>> = st.arrivals.iter_mut().map(Option::take).collect();
             st.arrived = 0;
+            st.running = true;
             drop(st);
             let mut guard = LeaderGuard {
                 comm: self,
@@ -233,6 +238,7 @@ impl Communicator {
             let mut st = lock(&self.state);
             st.result = Some((seq, result.clone()));
             st.seq += 1;
+            st.running = false;
             self.cv.notify_all();
             return result;
         }
@@ -253,6 +259,14 @@ impl Communicator {
                 });
             }
             let now = Instant::now();
+            if st.running {
+                // Everyone is here; the run finishes or fails on its own.
+                st = match self.cv.wait(st) {
+                    Ok(g) => g,
+                    Err(poisoned) => poisoned.into_inner(),
+                };
+                continue;
+            }
             if now >= deadline {
                 let missing: Vec<usize> = (0..n).filter(|&r| st.arrivals[r].is_none()).collect();
                 let err = CommError::Timeout {

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use super::compress::LinkPrecision;
 use super::error::CommError;
 
 /// How a collective moves its data through the host.
@@ -70,6 +71,8 @@ impl FromStr for Algorithm {
 pub struct CommConfig {
     /// Algorithm for all-reduce, all-gather and reduce-scatter.
     pub algorithm: Algorithm,
+    /// How f32 all-reduce payloads travel (exact, or as f16 with a documented error).
+    pub link: LinkPrecision,
     /// With [`Algorithm::Auto`], staged bytes per device above which the pipelined algorithm is
     /// used.
     pub pipeline_threshold: u64,
@@ -82,11 +85,17 @@ pub struct CommConfig {
     pub depth: usize,
     /// Idle staging buffers of each kind kept per device.
     pub max_idle_slots: usize,
-    /// Host threads that share a reduction, the calling thread included.
+    /// Host threads that share a reduction, the calling thread included (default: half the
+    /// cores).
     pub host_threads: usize,
     /// Bytes of output per thread below which a host step runs on one thread (spreading tiny
     /// steps costs more in wake-ups than it saves).
     pub parallel_min_bytes: u64,
+    /// How long a wait for a device polls without blocking (yielding the core between polls)
+    /// before it sleeps. Sleeping costs a wake-up (about 60 us on a virtual machine), more than
+    /// a small transfer; zero always blocks.
+    #[serde(serialize_with = "secs")]
+    pub spin_wait: Duration,
     /// How long a rank of a [`Communicator`](super::Communicator) waits for the others before it
     /// aborts the communicator.
     #[serde(serialize_with = "secs")]
@@ -109,13 +118,18 @@ impl Default for CommConfig {
             .unwrap_or(1);
         Self {
             algorithm: Algorithm::Auto,
-            pipeline_threshold: 256 << 10,
+            link: LinkPrecision::Native,
+            pipeline_threshold: 1 << 20,
             chunk_bytes: 1 << 20,
             max_slot_bytes: 16 << 20,
             depth: 2,
             max_idle_slots: 4,
-            host_threads: cores.clamp(1, 8),
+            // Half the cores: the driver's own threads (lavapipe's copies, a real driver's
+            // submissions) need the rest. On 2 cores a second reduction thread made a 4-device
+            // all-reduce slower, not faster.
+            host_threads: (cores / 2).clamp(1, 8),
             parallel_min_bytes: 64 << 10,
+            spin_wait: Duration::from_micros(500),
             rendezvous_timeout: Duration::from_secs(60),
             gpu_timeout: Duration::from_secs(60),
             stats_capacity: 1 << 16,

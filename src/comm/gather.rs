@@ -15,6 +15,7 @@ use wgpu::WriteOnly;
 use super::collectives::{
     check_devices, check_dtypes, check_lens, chunk_elems, local_copy, Collectives, RunSpec,
 };
+use super::compress::LinkPrecision;
 use super::config::Algorithm;
 use super::error::CommError;
 use super::pipeline::{ceil4, floor4, Plan, Span, TensorRef};
@@ -292,6 +293,7 @@ impl Collectives {
             algorithm,
             dtype,
             bytes,
+            link: LinkPrecision::Native,
         })
     }
 
@@ -349,6 +351,7 @@ impl Collectives {
             algorithm,
             dtype,
             bytes,
+            link: LinkPrecision::Native,
         })
     }
 }

@@ -16,8 +16,10 @@
 //! Everything is recorded in [`CommStats`].
 
 mod allreduce;
+pub mod bench;
 mod collectives;
 mod communicator;
+mod compress;
 mod config;
 mod error;
 mod gather;
@@ -31,6 +33,7 @@ mod workers;
 
 pub use collectives::Collectives;
 pub use communicator::{Communicator, RankHandle};
+pub use compress::LinkPrecision;
 pub use config::{Algorithm, CommConfig};
 pub use error::CommError;
 pub use p2p::PendingDownload;

@@ -13,11 +13,12 @@ use super::collectives::{
     check_devices, check_dtypes, check_lens, chunk_elems, lock, verify_devices, Collectives,
     RunSpec,
 };
+use super::compress::LinkPrecision;
 use super::config::Algorithm;
 use super::error::CommError;
 use super::pipeline::{ceil4, classify, floor4, Plan, Span, TensorRef};
 use super::reduce::copy_into;
-use super::staging::{Direction, Slot, StagingPool};
+use super::staging::{Direction, Slot, StagingPool, Wait};
 use super::stats::{CollectiveOp, CommRecord, CommStats};
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::Result;
@@ -92,12 +93,9 @@ impl Plan for PermutePlan {
         outputs: &mut [WriteOnly<'_, [u8]>],
     ) {
         let bytes = part.start * self.eb..part.end * self.eb;
-        let mut j = 0;
-        for src in self.sources.iter().flatten() {
-            if let Some(out) = outputs.get_mut(j) {
-                copy_into(&inputs[*src][bytes.clone()], 0, std::slice::from_mut(out));
-            }
-            j += 1;
+        // Outputs are the receiving members, in member order.
+        for (out, src) in outputs.iter_mut().zip(self.sources.iter().flatten()) {
+            copy_into(&inputs[*src][bytes.clone()], 0, std::slice::from_mut(out));
         }
     }
 }
@@ -163,6 +161,7 @@ impl Collectives {
             algorithm,
             dtype,
             bytes,
+            link: LinkPrecision::Native,
         })?)
     }
 
@@ -228,6 +227,7 @@ impl Collectives {
             algorithm,
             dtype,
             bytes,
+            link: LinkPrecision::Native,
         })?)
     }
 
@@ -277,7 +277,7 @@ impl Collectives {
                 self.config().max_slot_bytes
             },
             inflight: VecDeque::new(),
-            timeout: self.config().gpu_timeout,
+            wait: self.wait(),
             stats: self.stats().clone(),
             start: Instant::now(),
             dtype: tensor.dtype(),
@@ -318,6 +318,7 @@ impl Collectives {
             op: CollectiveOp::Upload,
             algorithm: Algorithm::GatherReduceBroadcast,
             dtype: tensor.dtype(),
+            link: LinkPrecision::Native,
             count: host.len() / tensor.dtype().size(),
             bytes,
             d2h_bytes: 0,
@@ -345,7 +346,7 @@ impl Collectives {
     ) -> std::result::Result<usize, CommError> {
         const OP: &str = "upload";
         let eb = tensor.dtype().size();
-        if host.len() % eb != 0 {
+        if !host.len().is_multiple_of(eb) {
             return Err(CommError::mismatch(
                 OP,
                 format!(
@@ -367,7 +368,7 @@ impl Collectives {
         }
         let begin = (offset * eb) as u64;
         let end = begin + host.len() as u64;
-        if begin % 4 != 0 || (end % 4 != 0 && end != tensor.bytes()) {
+        if !begin.is_multiple_of(4) || (!end.is_multiple_of(4) && end != tensor.bytes()) {
             return Err(CommError::mismatch(
                 OP,
                 format!(
@@ -398,7 +399,7 @@ impl Collectives {
         for (i, piece) in host.chunks(chunk).enumerate() {
             let n_slots = slots.len();
             let slot = &mut slots[i % n_slots];
-            slot.wait_mapped(gpu.device(), OP, gpu.label(), cfg.gpu_timeout)?;
+            slot.wait_mapped(gpu.device(), OP, gpu.label(), self.wait())?;
             let len = ceil4(piece.len() as u64);
             {
                 let mut view = slot
@@ -455,7 +456,7 @@ pub struct PendingDownload {
     chunk: u64,
     /// Slots with their aligned source range, oldest first.
     inflight: VecDeque<(Slot, Range<u64>)>,
-    timeout: Duration,
+    wait: Wait,
     stats: Arc<CommStats>,
     start: Instant,
     dtype: DType,
@@ -480,6 +481,7 @@ impl PendingDownload {
 
     /// True when [`finish`](Self::finish) would not wait for the first chunk (never blocks).
     pub fn is_ready(&mut self) -> bool {
+        // One non-blocking poll: map callbacks only run inside polls.
         let _ = self.device.poll(wgpu::PollType::Poll);
         match self.inflight.front_mut() {
             Some((slot, _)) => slot.is_mapped(),
@@ -528,6 +530,7 @@ impl PendingDownload {
             op: CollectiveOp::Download,
             algorithm: Algorithm::GatherReduceBroadcast,
             dtype: self.dtype,
+            link: LinkPrecision::Native,
             count: (bytes / self.dtype.size() as u64) as usize,
             bytes,
             d2h_bytes: if r.is_ok() {
@@ -555,7 +558,7 @@ impl PendingDownload {
         out.reserve((self.end - self.begin) as usize);
         while let Some((mut slot, range)) = self.inflight.pop_front() {
             let t = Instant::now();
-            slot.wait_mapped(&self.device, "download", &self.label, self.timeout)?;
+            slot.wait_mapped(&self.device, "download", &self.label, self.wait)?;
             self.waited += t.elapsed();
             {
                 let view = slot

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use wgpu::WriteOnly;
 
 use super::error::CommError;
-use super::staging::{poll_wait, Direction, Slot, StagingPool};
+use super::staging::{wait_device, Direction, Slot, StagingPool, Wait};
 use super::workers::{HostWorkers, Job};
 use crate::device::{DType, Gpu, Tensor};
 
@@ -109,7 +109,7 @@ pub(crate) struct Phases {
 pub(crate) struct Exec<'a> {
     pub op: &'static str,
     pub depth: usize,
-    pub timeout: Duration,
+    pub wait: Wait,
     pub workers: &'a HostWorkers,
     pub parallel_min_bytes: u64,
 }
@@ -166,6 +166,11 @@ pub(crate) fn execute(
     // Bytes sitting in each download slot (0: nothing issued for the step it holds).
     let mut down_len = vec![vec![0u64; depth]; n];
 
+    // Buffers (by index, per member) already checked to belong to the member's device: only
+    // a first use needs a validation scope.
+    let mut checked = vec![0u64; n];
+    let mark = |spans: &[Span]| spans.iter().fold(0u64, |m, s| m | (1u64 << s.buf.min(63)));
+
     // Prologue: downloads of the first `depth` steps.
     for s in 0..depth {
         for m in 0..n {
@@ -178,7 +183,9 @@ pub(crate) fn execute(
                 continue;
             }
             let t = Instant::now();
-            let idx = submit(ex, &members[m], None, Some((&spans, &downs[m][s])), s == 0)?;
+            let fresh = mark(&spans) & !checked[m] != 0;
+            let idx = submit(ex, &members[m], None, Some((&spans, &downs[m][s])), fresh)?;
+            checked[m] |= mark(&spans);
             downs[m][s].request_map(idx);
             down_len[m][s] = span_bytes(&spans);
             ph.d2h_bytes += down_len[m][s];
@@ -194,7 +201,7 @@ pub(crate) fn execute(
         for m in 0..n {
             if down_len[m][s] > 0 {
                 let mem = &members[m];
-                downs[m][s].wait_mapped(mem.gpu.device(), ex.op, mem.gpu.label(), ex.timeout)?;
+                downs[m][s].wait_mapped(mem.gpu.device(), ex.op, mem.gpu.label(), ex.wait)?;
             }
         }
         let t1 = Instant::now();
@@ -205,7 +212,7 @@ pub(crate) fn execute(
             up_len[m] = span_bytes(&up_spans[m]);
             if up_len[m] > 0 {
                 let mem = &members[m];
-                ups[m][s].wait_mapped(mem.gpu.device(), ex.op, mem.gpu.label(), ex.timeout)?;
+                ups[m][s].wait_mapped(mem.gpu.device(), ex.op, mem.gpu.label(), ex.wait)?;
             }
         }
         let t2 = Instant::now();
@@ -224,7 +231,10 @@ pub(crate) fn execute(
             }
             let up = (up_len[m] > 0).then(|| (up_spans[m].as_slice(), &ups[m][s]));
             let down = (!next_spans.is_empty()).then(|| (next_spans.as_slice(), &downs[m][s]));
-            let idx = submit(ex, &members[m], up, down, k == 0)?;
+            let used = mark(&up_spans[m]) | mark(&next_spans);
+            let fresh = used & !checked[m] != 0;
+            let idx = submit(ex, &members[m], up, down, fresh)?;
+            checked[m] |= used;
             if up_len[m] > 0 {
                 ups[m][s].request_map(idx.clone());
                 ph.h2d_bytes += up_len[m];
@@ -389,11 +399,7 @@ fn host_step(
     };
     // Part boundaries must give 8-byte aligned views (wgpu's MAP_ALIGNMENT).
     let granule = 8 / gcd(8, eb);
-    let parts = if out_elems == 0 {
-        vec![0..0]
-    } else {
-        split(out_elems, threads, granule)
-    };
+    let parts = split(out_elems, threads, granule);
     let mut jobs: Vec<Job> = Vec::with_capacity(parts.len());
     for part in parts {
         let mut views = Vec::with_capacity(uploaders.len());
@@ -459,9 +465,9 @@ fn gcd(a: usize, b: usize) -> usize {
     }
 }
 
-/// Waits until everything submitted to `gpu` has finished (bounded by `timeout`).
-pub(crate) fn wait_idle(gpu: &Gpu, op: &str, timeout: Duration) -> Result<(), CommError> {
-    poll_wait(gpu.device(), None, op, gpu.label(), timeout)?;
+/// Waits until everything submitted to `gpu` has finished, then reports captured errors.
+pub(crate) fn wait_idle(gpu: &Gpu, op: &str, wait: Wait) -> Result<(), CommError> {
+    wait_device(gpu.device(), op, gpu.label(), wait)?;
     gpu.check()
         .map_err(|e| CommError::gpu(op, gpu.label(), e.to_string()))
 }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Serialize, Serializer};
 
+use super::compress::LinkPrecision;
 use super::config::Algorithm;
 use crate::device::DType;
 
@@ -78,8 +79,10 @@ pub struct CommRecord {
     pub op: CollectiveOp,
     /// How (point-to-point transfers report the algorithm their chunking resembles).
     pub algorithm: Algorithm,
-    /// Element type.
+    /// Element type of the tensors.
     pub dtype: DType,
+    /// How the payload travelled (f16 for an f32 all-reduce on the reduced-precision link).
+    pub link: LinkPrecision,
     /// Elements, nccl-tests style: `bytes / dtype size`.
     pub count: usize,
     /// Size S as nccl-tests defines it: the buffer for all-reduce and send/recv, the total
@@ -258,6 +261,7 @@ mod tests {
             op,
             algorithm: Algorithm::GatherReduceBroadcast,
             dtype: DType::F32,
+            link: LinkPrecision::Native,
             count: (bytes / 4) as usize,
             bytes,
             d2h_bytes: bytes,

@@ -39,7 +39,7 @@ pub fn parse_size(text: &str) -> Result<u64, CommError> {
 /// Formats a byte count the way [`parse_size`] reads it, choosing the largest exact unit.
 pub fn format_size(bytes: u64) -> String {
     for (shift, unit) in [(30, "G"), (20, "M"), (10, "K")] {
-        if bytes >= 1 << shift && bytes % (1 << shift) == 0 {
+        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
             return format!("{}{unit}", bytes >> shift);
         }
     }
