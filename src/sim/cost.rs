@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use crate::trace::{CollectiveOp, KernelFamily, Precision};
 
-use super::profile::{DeviceSpec, HostProfile, LinkSpec};
+use super::profile::{rate_at, DeviceSpec, HostProfile, LinkSpec};
 use super::project_error::ProjectError;
 
 /// Collective algorithms the cost model knows.
@@ -80,10 +80,21 @@ impl<'a> CostModel<'a> {
             Precision::F32 => d.f32_tflops * 1e3,
             Precision::F16 => d.f16_tflops * 1e3,
         };
+        // A measured curve knows how the rate depends on the shape (through the intensity);
+        // a single rate does not, so the curve wins when both are given.
+        let intensity = if bytes > 0 {
+            flops as f64 / bytes as f64
+        } else {
+            f64::INFINITY
+        };
         let gflops = match (family, precision) {
-            (Some(KernelFamily::Matmul), Precision::F32) => d.rates.matmul_gflops,
+            (Some(KernelFamily::Matmul), Precision::F32) => {
+                rate_at(&d.rates.matmul_curve, intensity).or(d.rates.matmul_gflops)
+            }
             (Some(KernelFamily::Matmul), Precision::F16) => d.rates.matmul_f16_gflops,
-            (Some(KernelFamily::Attention), _) => d.rates.attention_gflops,
+            (Some(KernelFamily::Attention), _) => {
+                rate_at(&d.rates.attention_curve, intensity).or(d.rates.attention_gflops)
+            }
             _ => None,
         }
         .unwrap_or(peak_gflops);
@@ -335,6 +346,43 @@ mod tests {
             .compute_us(0, 50_000_000, 0, 0, None, Precision::F16)
             .unwrap();
         assert_eq!(t, 25.0);
+    }
+
+    #[test]
+    fn a_rate_curve_follows_the_span_intensity() {
+        let mut p = profile(1, false, 1);
+        p.devices[0].rates.matmul_gflops = Some(900.0);
+        p.devices[0].rates.matmul_curve = vec![[1.0, 100.0], [100.0, 500.0]];
+        let m = CostModel::new(&p);
+        let mm = Some(KernelFamily::Matmul);
+        // Intensity 100 flops/byte: 50 MFLOP at 500 GFLOP/s = 100 us (+ 2 us launch); the
+        // single rate of 900 GFLOP/s is ignored.
+        let t = m
+            .compute_us(0, 50_000_000, 500_000, 1, mm, Precision::F32)
+            .unwrap();
+        assert!((t - 102.0).abs() < 1e-9, "{t}");
+        // Intensity 10, halfway in log scale: 300 GFLOP/s, 1 MFLOP takes 10/3 us.
+        let t = m
+            .compute_us(0, 1_000_000, 100_000, 0, mm, Precision::F32)
+            .unwrap();
+        assert!((t - 1e3 / 300.0).abs() < 1e-9, "{t}");
+        // Without bytes the intensity is unbounded: the last point's rate.
+        let t = m
+            .compute_us(0, 50_000_000, 0, 0, mm, Precision::F32)
+            .unwrap();
+        assert!((t - 100.0).abs() < 1e-9, "{t}");
+        // Attention has no curve here and no attention rate: the f32 peak (1 TFLOP/s).
+        let t = m
+            .compute_us(
+                0,
+                50_000_000,
+                0,
+                0,
+                Some(KernelFamily::Attention),
+                Precision::F32,
+            )
+            .unwrap();
+        assert_eq!(t, 50.0);
     }
 
     #[test]

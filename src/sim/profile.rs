@@ -69,6 +69,41 @@ pub struct DeviceSpec {
     /// Measured kernel rates (filled by `wgpar calibrate`); preferred over the peaks above.
     #[serde(default, skip_serializing_if = "Rates::is_empty")]
     pub rates: Rates,
+    /// Devices of the group that run their kernels on one shared processor (absent: each
+    /// device has its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_sharing: Option<ComputeSharing>,
+}
+
+/// Devices that compute on one shared processor: several virtual devices on one adapter, or a
+/// CPU driver such as lavapipe whose devices all draw on the same cores.
+///
+/// When `k` devices of one processor have compute spans running at the same time, each runs
+/// `slowdown[k - 1]` times slower than alone (with an empty list, `k` times slower: equal
+/// shares of a processor that any one device saturates).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComputeSharing {
+    /// How many consecutive devices of the group share one processor.
+    pub shared_by: u32,
+    /// Measured slowdown with 1, 2, ..., `shared_by` devices computing at once (the first
+    /// entry is 1); empty for equal shares.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slowdown: Vec<f64>,
+}
+
+impl ComputeSharing {
+    /// How many times slower each of `active` devices computes than one device alone.
+    pub fn slowdown(&self, active: usize) -> f64 {
+        if active <= 1 {
+            return 1.0;
+        }
+        match self.slowdown.get(active - 1) {
+            Some(&s) => s,
+            // More devices than measured (cannot happen for a valid profile): equal shares.
+            None => active as f64,
+        }
+    }
 }
 
 /// Measured per-family kernel rates; each replaces the matching peak in the roofline.
@@ -87,6 +122,35 @@ pub struct Rates {
     /// Achieved streaming bandwidth of element-wise kernels, GB/s (replaces `memory_gbps`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub elementwise_gbps: Option<f64>,
+    /// Achieved f32 matmul-family rate as a function of arithmetic intensity: points
+    /// `[flops per byte, GFLOP/s]` with increasing intensity. Preferred over `matmul_gflops`;
+    /// see [`rate_at`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub matmul_curve: Vec<[f64; 2]>,
+    /// Achieved attention-family rate as a function of arithmetic intensity, like
+    /// `matmul_curve`; preferred over `attention_gflops`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attention_curve: Vec<[f64; 2]>,
+}
+
+/// Rate of a measured curve at arithmetic intensity `intensity` (flops per byte):
+/// piecewise linear in log(intensity) between points, the end values beyond them.
+///
+/// A curve replaces the single rate of a roofline because achieved rates depend on the shape:
+/// a decode step (a handful of rows per matmul) runs far below the rate of a prefill step, and
+/// the rows per matmul are what sets the intensity. `None` for an empty curve.
+pub fn rate_at(curve: &[[f64; 2]], intensity: f64) -> Option<f64> {
+    let (first, last) = (curve.first()?, curve.last()?);
+    if intensity.is_nan() || intensity <= first[0] {
+        return Some(first[1]);
+    }
+    if intensity >= last[0] {
+        return Some(last[1]);
+    }
+    let i = curve.partition_point(|p| p[0] <= intensity);
+    let (a, b) = (curve[i - 1], curve[i]);
+    let w = (intensity.ln() - a[0].ln()) / (b[0].ln() - a[0].ln());
+    Some(a[1] + w * (b[1] - a[1]))
 }
 
 impl Rates {
@@ -94,6 +158,21 @@ impl Rates {
     pub fn is_empty(&self) -> bool {
         self == &Rates::default()
     }
+}
+
+fn check_curve(path: &FieldPath, curve: &[[f64; 2]]) -> Result<(), Violation> {
+    for (i, p) in curve.iter().enumerate() {
+        positive(&path.index(i), p[0])?;
+        positive(&path.index(i), p[1])?;
+        if i > 0 && p[0] <= curve[i - 1][0] {
+            return Err(Violation {
+                path: path.index(i),
+                value: format!("[{}, {}]", p[0], p[1]),
+                reason: "curve points must have strictly increasing intensity",
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A device's link to host memory, one alpha-beta model per direction.
@@ -300,6 +379,40 @@ impl HostProfile {
         None
     }
 
+    /// Number of the shared processor device `index` computes on, when its group has
+    /// [`ComputeSharing`]; devices with the same number slow each other down.
+    pub fn compute_pool_of(&self, index: usize) -> Option<(usize, &ComputeSharing)> {
+        if index >= self.device_count() {
+            return None;
+        }
+        let per_node = self.devices_per_node();
+        let mut local = index % per_node;
+        // Numbered like uplinks: through the groups of a node (one number per device without
+        // sharing, so numbers stay unique), then through the nodes.
+        let pools_in = |g: &DeviceSpec| {
+            let by = g
+                .compute_sharing
+                .as_ref()
+                .map_or(1, |c| c.shared_by as usize);
+            (g.count as usize).div_ceil(by)
+        };
+        let per_node_pools: usize = self.devices.iter().map(pools_in).sum();
+        let mut before = 0;
+        for group in &self.devices {
+            if local < group.count as usize {
+                let sharing = group.compute_sharing.as_ref()?;
+                let slot = local / sharing.shared_by as usize;
+                return Some((
+                    self.node_of(index) * per_node_pools + before + slot,
+                    sharing,
+                ));
+            }
+            local -= group.count as usize;
+            before += pools_in(group);
+        }
+        None
+    }
+
     /// Every rule a profile must satisfy; the first broken one is returned.
     fn check(&self) -> Result<(), Violation> {
         let root = FieldPath::root();
@@ -335,6 +448,29 @@ impl HostProfile {
             ] {
                 if let Some(v) = v {
                     positive(&r.key(name), v)?;
+                }
+            }
+            check_curve(&r.key("matmul_curve"), &d.rates.matmul_curve)?;
+            check_curve(&r.key("attention_curve"), &d.rates.attention_curve)?;
+            if let Some(c) = &d.compute_sharing {
+                let cp = p.key("compute_sharing");
+                at_least_one(&cp.key("shared_by"), c.shared_by as u64)?;
+                if !c.slowdown.is_empty() && c.slowdown.len() != c.shared_by as usize {
+                    return Err(Violation {
+                        path: cp.key("slowdown"),
+                        value: format!("{} entries", c.slowdown.len()),
+                        reason: "needs one entry per device sharing the processor",
+                    });
+                }
+                for (k, &s) in c.slowdown.iter().enumerate() {
+                    // A device cannot compute faster for sharing its processor.
+                    if !(s.is_finite() && s >= 1.0) {
+                        return Err(Violation {
+                            path: cp.key("slowdown").index(k),
+                            value: s.to_string(),
+                            reason: "must be a finite number, 1 or more",
+                        });
+                    }
                 }
             }
         }
@@ -478,6 +614,58 @@ beta_gbps = 22.5
         assert_eq!(uplinks, [0, 1, 1, 2, 3, 3]);
         assert!(p.uplink_of(6).is_none());
         assert_eq!(p.devices[1].rates.matmul_gflops, Some(500.0));
+    }
+
+    #[test]
+    fn rate_curve_interpolates_in_log_intensity_and_clamps() {
+        let c = [[1.0, 2.0], [4.0, 6.0], [16.0, 8.0]];
+        assert_eq!(rate_at(&c, 0.1), Some(2.0));
+        assert_eq!(rate_at(&c, f64::NAN), Some(2.0));
+        assert_eq!(rate_at(&c, 1.0), Some(2.0));
+        // 2 is halfway between 1 and 4 in log scale.
+        assert!((rate_at(&c, 2.0).unwrap() - 4.0).abs() < 1e-12);
+        assert_eq!(rate_at(&c, 4.0), Some(6.0));
+        assert!((rate_at(&c, 8.0).unwrap() - 7.0).abs() < 1e-12);
+        assert_eq!(rate_at(&c, 1e9), Some(8.0));
+        assert_eq!(rate_at(&[], 3.0), None);
+    }
+
+    #[test]
+    fn compute_pools_and_their_rules() {
+        let shared = OK.replace(
+            "[devices.rates]\nmatmul_gflops = 500",
+            "[devices.rates]\nmatmul_gflops = 500\nmatmul_curve = [[0.5, 100], [8, 500]]\n\
+             [devices.compute_sharing]\nshared_by = 2\nslowdown = [1, 1.8]",
+        );
+        let p = HostProfile::from_toml_str(&shared, "s.toml").unwrap();
+        // "big" computes alone (no pool); the two "small" devices share pool 1 on node 0 and
+        // pool 3 on node 1.
+        let pools: Vec<Option<usize>> = (0..6).map(|i| p.compute_pool_of(i).map(|x| x.0)).collect();
+        assert_eq!(pools, [None, Some(1), Some(1), None, Some(3), Some(3)]);
+        let sharing = p.compute_pool_of(1).unwrap().1;
+        assert_eq!((sharing.slowdown(1), sharing.slowdown(2)), (1.0, 1.8));
+        assert_eq!(
+            p.devices[1].rates.matmul_curve,
+            vec![[0.5, 100.0], [8.0, 500.0]]
+        );
+        let text = p.to_toml_string().unwrap();
+        assert_eq!(HostProfile::from_toml_str(&text, "again.toml").unwrap(), p);
+
+        let faster = shared.replace("slowdown = [1, 1.8]", "slowdown = [1, 0.5]");
+        let err = HostProfile::from_toml_str(&faster, "f.toml").unwrap_err();
+        assert_eq!(err.field(), Some("devices[1].compute_sharing.slowdown[1]"));
+        let short = shared.replace("slowdown = [1, 1.8]", "slowdown = [1]");
+        let err = HostProfile::from_toml_str(&short, "f.toml").unwrap_err();
+        assert_eq!(err.field(), Some("devices[1].compute_sharing.slowdown"));
+        let unsorted = shared.replace("[[0.5, 100], [8, 500]]", "[[8, 100], [0.5, 500]]");
+        let err = HostProfile::from_toml_str(&unsorted, "u.toml").unwrap_err();
+        assert_eq!(err.field(), Some("devices[1].rates.matmul_curve[1]"));
+        // Equal shares when no slowdown was measured.
+        let equal = ComputeSharing {
+            shared_by: 4,
+            slowdown: Vec::new(),
+        };
+        assert_eq!(equal.slowdown(3), 3.0);
     }
 
     #[test]
