@@ -2,7 +2,9 @@
 //! Nothing here touches wgpu directly.
 
 mod bench;
+mod calibrate;
 mod devices;
+mod project;
 mod run;
 
 use clap::{Args, Parser, Subcommand};
@@ -36,6 +38,10 @@ enum Command {
         #[command(subcommand)]
         what: bench::BenchCommand,
     },
+    /// Measure this machine (links, host reduce, kernel rates) and write a host profile.
+    Calibrate(calibrate::CalibrateArgs),
+    /// Replay a recorded run (`run --trace`) on a host profile.
+    Project(project::ProjectArgs),
 }
 
 /// Device selection options shared by every command that runs on GPUs.
@@ -106,6 +112,8 @@ pub fn main() -> Result<()> {
         Some(Command::Devices { json }) => devices::print(&Adapters::discover()?, json),
         Some(Command::Run(args)) => run::run(&args),
         Some(Command::Bench { what }) => bench::run(&what),
+        Some(Command::Calibrate(args)) => calibrate::run(&args),
+        Some(Command::Project(args)) => project::run(&args),
         None => {
             // No arguments: show the machine, then run the embedded default model.
             let adapters = Adapters::discover()?;

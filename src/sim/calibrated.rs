@@ -50,6 +50,9 @@ pub struct MachineMeasurement {
     /// Achieved host reduce rate, GB/s, counting bytes read plus written (the unit of a
     /// host-reduce span's `bytes`).
     pub host_reduce_gbps: f64,
+    /// Fixed cost of a host-staged collective with 2, 3, ... participants, microseconds
+    /// (empty when there was one device).
+    pub collective_overhead_us: Vec<f64>,
     /// The devices, in wgpar's device order.
     pub devices: Vec<MeasuredDevice>,
 }
@@ -96,6 +99,7 @@ pub fn calibrated_profile(m: &MachineMeasurement) -> Result<HostProfile, Profile
         host: HostSpec {
             name: m.host_name.clone(),
             memory_gbps: m.host_reduce_gbps,
+            collective_overhead_us: m.collective_overhead_us.clone(),
         },
         devices,
         device_link: None,
@@ -174,6 +178,7 @@ mod tests {
             description: "test".into(),
             host_name: "cpu".into(),
             host_reduce_gbps: 20.0,
+            collective_overhead_us: vec![50.0],
             devices: vec![device("a", 25.0), device("b", 12.5)],
         };
         let p = calibrated_profile(&m).unwrap();
@@ -202,6 +207,7 @@ mod tests {
             description: "test".into(),
             host_name: "cpu".into(),
             host_reduce_gbps: 2.0,
+            collective_overhead_us: Vec::new(),
             devices: vec![d],
         };
         let p = calibrated_profile(&m).unwrap();
@@ -227,6 +233,7 @@ mod tests {
             description: String::new(),
             host_name: "cpu".into(),
             host_reduce_gbps: 20.0,
+            collective_overhead_us: Vec::new(),
             devices: vec![d],
         };
         let err = calibrated_profile(&m).unwrap_err();

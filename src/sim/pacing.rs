@@ -204,6 +204,7 @@ fn link_only_profile(h2d: LinkSpec, d2h: LinkSpec) -> HostProfile {
             name: "unmodelled host".into(),
             // Host work is not what is being paced: make the reduction cost nothing.
             memory_gbps: f64::MAX,
+            collective_overhead_us: Vec::new(),
         },
         devices: vec![DeviceSpec {
             name: "paced device".into(),

@@ -44,6 +44,23 @@ pub struct HostSpec {
     pub name: String,
     /// Host memory bandwidth available to the host reduce, GB/s.
     pub memory_gbps: f64,
+    /// Fixed host cost of one host-staged collective with 2, 3, ... participants, beyond its
+    /// copies and reduction (rendezvous of the ranks, submissions, buffer mapping), in
+    /// microseconds; the last entry also applies to more participants. Measured by
+    /// `wgpar calibrate`; empty (the default) counts no such cost.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub collective_overhead_us: Vec<f64>,
+}
+
+impl HostSpec {
+    /// [`HostSpec::collective_overhead_us`] for `participants` devices (0 for fewer than 2).
+    pub fn collective_overhead(&self, participants: usize) -> f64 {
+        if participants < 2 {
+            return 0.0;
+        }
+        let i = (participants - 2).min(self.collective_overhead_us.len().saturating_sub(1));
+        self.collective_overhead_us.get(i).copied().unwrap_or(0.0)
+    }
 }
 
 /// A group of identical devices.
@@ -419,6 +436,9 @@ impl HostProfile {
         non_empty(&root.key("name"), &self.name)?;
         at_least_one(&root.key("nodes"), self.nodes as u64)?;
         positive(&root.key("host").key("memory_gbps"), self.host.memory_gbps)?;
+        for (i, &v) in self.host.collective_overhead_us.iter().enumerate() {
+            non_negative(&root.key("host").key("collective_overhead_us").index(i), v)?;
+        }
         if self.devices.is_empty() {
             return Err(Violation {
                 path: root.key("devices"),
@@ -660,6 +680,20 @@ beta_gbps = 22.5
         let unsorted = shared.replace("[[0.5, 100], [8, 500]]", "[[8, 100], [0.5, 500]]");
         let err = HostProfile::from_toml_str(&unsorted, "u.toml").unwrap_err();
         assert_eq!(err.field(), Some("devices[1].rates.matmul_curve[1]"));
+        // Collective overheads by participant count; the last entry covers more.
+        let mut host = p.host.clone();
+        assert_eq!(host.collective_overhead(2), 0.0);
+        host.collective_overhead_us = vec![100.0, 150.0];
+        assert_eq!(
+            [1, 2, 3, 8].map(|n| host.collective_overhead(n)),
+            [0.0, 100.0, 150.0, 150.0]
+        );
+        let neg = shared.replace(
+            "memory_gbps = 50",
+            "memory_gbps = 50\ncollective_overhead_us = [5, -1]",
+        );
+        let err = HostProfile::from_toml_str(&neg, "n.toml").unwrap_err();
+        assert_eq!(err.field(), Some("host.collective_overhead_us[1]"));
         // Equal shares when no slowdown was measured.
         let equal = ComputeSharing {
             shared_by: 4,

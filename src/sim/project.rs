@@ -28,7 +28,8 @@ use super::project_error::ProjectError;
 use super::report::{KindTotal, ProjectionReport};
 
 /// Which algorithm a collective is costed with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum CollectivePolicy {
     /// The algorithm the run recorded.
     #[default]
@@ -39,7 +40,8 @@ pub enum CollectivePolicy {
 }
 
 /// What to do with host time between a span's inputs becoming ready and its start.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum HostGaps {
     /// Start spans as soon as the model allows (pure model).
     #[default]
@@ -51,7 +53,8 @@ pub enum HostGaps {
 }
 
 /// Whether idle instants of the recorded run separate steps (rule 4 of the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum StepBarriers {
     /// An instant at which no recorded span was running (after the first one began) is a step
     /// boundary: every span that starts after it waits for every span that ended before it.
@@ -66,7 +69,7 @@ pub enum StepBarriers {
 }
 
 /// Options of [`project`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub struct ProjectOptions {
     /// Collective algorithm choice.
     pub collectives: CollectivePolicy,
