@@ -26,7 +26,9 @@ use wgpar::comm::{
 };
 use wgpar::device::{DType, Gpu, Tensor};
 use wgpar::kernels::ops::{self, AttnShape, Elementwise, MatmulKernel, Norm};
-use wgpar::model::{Arch, GpuModel, ModelConfig, ModelWeights, Placement, ShardSpec, Step};
+use wgpar::model::{
+    Activations, Arch, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec, Step,
+};
 use wgpar::parallel::cost;
 use wgpar::sim::{
     calibrated_profile, fit_alpha_beta, write_calibrated_profile, Algorithm, AlphaBetaFit,
@@ -482,9 +484,8 @@ struct Point {
     gflops: f64,
 }
 
-/// Runs every layer's blocks of `step` in one submit, like the single and pipeline engines;
-/// `whole` = attention and MLP halves, else attention halves only. Seconds.
-fn time_blocks(m: &GpuModel, step: &Step, whole: bool, iters: usize) -> Result<f64> {
+/// Buffers for running `step` on a model: activations, a KV cache and token ids written.
+fn step_buffers(m: &GpuModel, step: &Step) -> Result<(Activations, KvCache)> {
     let act = m.activations(step.tokens(), step.batch)?;
     let kv = m.kv_cache(step.batch)?;
     let vocab = m.config().vocab as u32;
@@ -492,20 +493,36 @@ fn time_blocks(m: &GpuModel, step: &Step, whole: bool, iters: usize) -> Result<f
         .map(|i| i * 7919 % vocab)
         .collect();
     m.write_ids(&act, &ids)?;
-    let gpu = m.gpu().clone();
-    median_time(iters, || {
-        let mut e = gpu.encoder();
-        for i in 0..m.num_layers() {
-            m.attention(&mut e, i, &act, &kv, step)?;
-            m.attention_residual(&mut e, i, &act, step)?;
-            if whole {
-                m.mlp(&mut e, i, &act, step)?;
-                m.mlp_residual(&mut e, i, &act, step)?;
-            }
+    Ok((act, kv))
+}
+
+/// Every layer's blocks of `step` in one submit, like the single and pipeline engines, and a
+/// wait; `whole` = attention and MLP halves, else attention halves only.
+fn run_blocks(
+    m: &GpuModel,
+    act: &Activations,
+    kv: &KvCache,
+    step: &Step,
+    whole: bool,
+) -> Result<()> {
+    let gpu = m.gpu();
+    let mut e = gpu.encoder();
+    for i in 0..m.num_layers() {
+        m.attention(&mut e, i, act, kv, step)?;
+        m.attention_residual(&mut e, i, act, step)?;
+        if whole {
+            m.mlp(&mut e, i, act, step)?;
+            m.mlp_residual(&mut e, i, act, step)?;
         }
-        gpu.submit(e);
-        gpu.wait()
-    })
+    }
+    gpu.submit(e);
+    gpu.wait()
+}
+
+/// Median time of [`run_blocks`], seconds.
+fn time_blocks(m: &GpuModel, step: &Step, whole: bool, iters: usize) -> Result<f64> {
+    let (act, kv) = step_buffers(m, step)?;
+    median_time(iters, || run_blocks(m, &act, &kv, step, whole))
 }
 
 /// Achieved rate of the model's blocks at each step: (attention halves, whole layers).
@@ -585,48 +602,70 @@ fn curve(mut points: Vec<Point>) -> Vec<[f64; 2]> {
     out.into_iter().map(|(i, g, n)| [i / n, g / n]).collect()
 }
 
+/// Mean time of `step`'s whole layers on `m` while the other threads do the same: repeats it
+/// from `start` until `until` and averages the repetitions that finished by then, so every
+/// counted repetition ran with all devices busy. Seconds.
+fn sustained_block_time(m: &GpuModel, step: &Step, until: Instant) -> Result<f64> {
+    let (act, kv) = step_buffers(m, step)?;
+    let mut done = Vec::new();
+    loop {
+        let t = Instant::now();
+        run_blocks(m, &act, &kv, step, true)?;
+        let end = Instant::now();
+        if end > until {
+            break;
+        }
+        done.push((end - t).as_secs_f64());
+    }
+    // The first repetition may have started before the others were running.
+    if done.len() > 1 {
+        done.remove(0);
+    }
+    Ok(done.iter().sum::<f64>() / done.len().max(1) as f64)
+}
+
 /// Slowdown of each of k = 1..=N devices computing whole layers at the same time, relative to
-/// one alone, time-weighted over `steps`.
-fn sharing_slowdown(models: &[Arc<GpuModel>], steps: &[Step], iters: usize) -> Result<Vec<f64>> {
-    let alone: f64 = steps
-        .iter()
-        .map(|s| time_blocks(&models[0], s, true, iters))
-        .sum::<Result<f64>>()?;
+/// one alone, time-weighted over `steps`. The devices run back to back for `window` seconds per
+/// step, which is the situation the projection models: k devices busy at once, each slowed
+/// down for as long as the others run.
+fn sharing_slowdown(models: &[Arc<GpuModel>], steps: &[Step], window: f64) -> Result<Vec<f64>> {
+    let measure = |k: usize| -> Result<f64> {
+        let mut total = 0.0;
+        for step in steps {
+            let barrier = Arc::new(Barrier::new(k));
+            let per_device: Vec<Result<f64>> = std::thread::scope(|scope| {
+                let handles: Vec<_> = models[..k]
+                    .iter()
+                    .map(|m| {
+                        let barrier = barrier.clone();
+                        scope.spawn(move || {
+                            // Warm the step's buffers up, then start together.
+                            time_blocks(m, step, true, 1)?;
+                            barrier.wait();
+                            let until = Instant::now() + std::time::Duration::from_secs_f64(window);
+                            sustained_block_time(m, step, until)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(WgparError::Config("calibration thread panicked".into()))
+                        })
+                    })
+                    .collect()
+            });
+            let times = per_device.into_iter().collect::<Result<Vec<f64>>>()?;
+            total += times.iter().sum::<f64>() / times.len() as f64;
+        }
+        Ok(total)
+    };
+    let alone = measure(1)?;
     let mut slowdown = vec![1.0];
     for k in 2..=models.len() {
-        let barrier = Arc::new(Barrier::new(k));
-        let per_device: Vec<Result<f64>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = models[..k]
-                .iter()
-                .map(|m| {
-                    let barrier = barrier.clone();
-                    scope.spawn(move || {
-                        let mut total = 0.0;
-                        for s in steps {
-                            // Start each step together, so the devices overlap throughout.
-                            barrier.wait();
-                            total += time_blocks(m, s, true, iters)?;
-                        }
-                        Ok(total)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(WgparError::Config("calibration thread panicked".into()))
-                    })
-                })
-                .collect()
-        });
-        let mut times = per_device.into_iter().collect::<Result<Vec<f64>>>()?;
-        times.sort_by(|a, b| a.total_cmp(b));
-        let s = (times[times.len() / 2] / alone).max(1.0);
-        println!(
-            "    {k} devices at once: {:.2}x slower each (equal shares would be {k}x)",
-            s
-        );
+        let s = (measure(k)? / alone).max(1.0);
+        println!("    {k} devices busy at once: each {s:.2}x slower (equal shares would be {k}x)");
         slowdown.push(s);
     }
     Ok(slowdown)
@@ -816,7 +855,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
             ];
             Some(ComputeSharing {
                 shared_by: group.len() as u32,
-                slowdown: sharing_slowdown(&models, &shapes, iters)?,
+                slowdown: sharing_slowdown(&models, &shapes, if args.quick { 0.3 } else { 1.5 })?,
             })
         } else {
             None

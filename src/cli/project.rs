@@ -42,8 +42,14 @@ pub struct ProjectArgs {
     #[arg(long, value_name = "FILE")]
     svg_projected: Option<String>,
     /// Draw only step K (0-based) of each timeline: steps are separated by idle instants.
-    #[arg(long, value_name = "K")]
+    #[arg(long, value_name = "K", conflicts_with = "window_ms")]
     step: Option<usize>,
+    /// Draw only START..END milliseconds (from the timeline's first span), e.g. 0:650.
+    #[arg(long, value_name = "START:END", value_parser = parse_window)]
+    window_ms: Option<(f64, f64)>,
+    /// Heading of the SVG pictures (default: what they show and the trace file).
+    #[arg(long)]
+    title: Option<String>,
     /// SVG size in pixels, WIDTHxHEIGHT.
     #[arg(long, default_value = "1200x360", value_parser = parse_size)]
     svg_size: (u32, u32),
@@ -61,6 +67,17 @@ fn parse_size(text: &str) -> std::result::Result<(u32, u32), String> {
         return Err(bad());
     }
     Ok((w, h))
+}
+
+fn parse_window(text: &str) -> std::result::Result<(f64, f64), String> {
+    let bad = || format!("'{text}' is not a window: expected START:END in ms, e.g. 0:650");
+    let (a, b) = text.split_once(':').ok_or_else(bad)?;
+    let a: f64 = a.trim().parse().map_err(|_| bad())?;
+    let b: f64 = b.trim().parse().map_err(|_| bad())?;
+    if !(a.is_finite() && b.is_finite() && a >= 0.0 && b > a) {
+        return Err(bad());
+    }
+    Ok((a, b))
 }
 
 /// Measured and projected rates, when the token count is known.
@@ -96,6 +113,16 @@ fn write_svg(timeline: &Timeline, path: &str, title: String, args: &ProjectArgs)
             ))
         })?;
         opts.window_us = Some(*window);
+    }
+    if let Some((a, b)) = args.window_ms {
+        // Relative to the first span, as the axis is drawn.
+        let origin = timeline
+            .spans
+            .iter()
+            .map(|s| s.start_us())
+            .fold(f64::INFINITY, f64::min);
+        let origin = if origin.is_finite() { origin } else { 0.0 };
+        opts.window_us = Some((origin + a * 1e3, origin + b * 1e3));
     }
     std::fs::write(path, timeline_svg_with(timeline, &opts)).map_err(|source| WgparError::Io {
         path: path.into(),
@@ -153,10 +180,15 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
             .map_err(|e| config_error("--out", e))?;
     }
     if let Some(path) = &args.svg {
-        write_svg(&timeline, path, format!("measured: {}", args.trace), args)?;
+        let title = match &args.title {
+            Some(t) => format!("measured: {t}"),
+            None => format!("measured: {}", args.trace),
+        };
+        write_svg(&timeline, path, title, args)?;
     }
     if let Some(path) = &args.svg_projected {
-        let title = format!("projected onto {}: {}", profile.name, args.trace);
+        let what = args.title.as_deref().unwrap_or(&args.trace);
+        let title = format!("projected onto {}: {what}", profile.name);
         write_svg(&projection.timeline, path, title, args)?;
     }
 
