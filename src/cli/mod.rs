@@ -2,10 +2,12 @@
 //! Nothing here touches wgpu directly.
 
 mod bench;
+mod calibrate;
 mod compare;
 mod devices;
 mod embed;
 mod plan;
+mod project;
 mod run;
 mod text;
 
@@ -52,6 +54,10 @@ enum Command {
         #[command(subcommand)]
         what: bench::BenchCommand,
     },
+    /// Measure this machine (links, host reduce, kernel rates) and write a host profile.
+    Calibrate(calibrate::CalibrateArgs),
+    /// Replay a recorded run (`run --trace`) on a host profile.
+    Project(project::ProjectArgs),
 }
 
 /// Device selection options shared by every command that runs on GPUs.
@@ -170,6 +176,8 @@ pub fn main() -> Result<()> {
         Some(Command::Bench { what }) => bench::run(&what),
         Some(Command::Compare(args)) => compare::run(&args),
         Some(Command::Plan(args)) => plan::run(&args),
+        Some(Command::Calibrate(args)) => calibrate::run(&args),
+        Some(Command::Project(args)) => project::run(&args),
         None => {
             // No arguments: show the machine, then the main job: compare the strategies on
             // the embedded default model.

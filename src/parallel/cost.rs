@@ -47,7 +47,7 @@ pub fn attention(config: &ModelConfig, shard: &ShardSpec, step: &Step, dtype: DT
     BlockCost {
         flops: proj + attn,
         bytes: weights + cache + acts,
-        kernels: 7 + rope + bias,
+        kernels: 8 + rope + bias,
     }
 }
 

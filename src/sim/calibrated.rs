@@ -3,14 +3,17 @@
 use std::path::Path;
 
 use super::fit::AlphaBetaFit;
-use super::profile::{DeviceSpec, HostLinkSpec, HostProfile, HostSpec, Rates};
+use super::profile::{ComputeSharing, DeviceSpec, HostLinkSpec, HostProfile, HostSpec, Rates};
 use super::profile_error::ProfileError;
 
-/// What `wgpar calibrate` measured on one device.
+/// What `wgpar calibrate` measured on one device (or on one of several identical devices).
 #[derive(Debug, Clone, PartialEq)]
 pub struct MeasuredDevice {
     /// Adapter name and backend, e.g. `NVIDIA GeForce RTX 4090 (Vulkan)`.
     pub name: String,
+    /// How many identical devices this measurement stands for (virtual devices on one
+    /// adapter are measured once).
+    pub count: u32,
     /// Device memory, bytes (from the adapter's limits or the driver).
     pub memory_bytes: u64,
     /// Fit of the host-to-device sweep.
@@ -27,6 +30,12 @@ pub struct MeasuredDevice {
     pub elementwise_gbps: f64,
     /// Cost of one empty dispatch, microseconds.
     pub launch_overhead_us: f64,
+    /// Matmul-family rate by arithmetic intensity, `[flops per byte, GFLOP/s]` (may be empty).
+    pub matmul_curve: Vec<[f64; 2]>,
+    /// Attention-family rate by arithmetic intensity (may be empty).
+    pub attention_curve: Vec<[f64; 2]>,
+    /// Whether the `count` devices share one processor, and the measured slowdown.
+    pub compute_sharing: Option<ComputeSharing>,
 }
 
 /// Everything measured on one machine.
@@ -41,12 +50,16 @@ pub struct MachineMeasurement {
     /// Achieved host reduce rate, GB/s, counting bytes read plus written (the unit of a
     /// host-reduce span's `bytes`).
     pub host_reduce_gbps: f64,
+    /// Fixed cost of a host-staged collective with 2, 3, ... participants, microseconds
+    /// (empty when there was one device).
+    pub collective_overhead_us: Vec<f64>,
     /// The devices, in wgpar's device order.
     pub devices: Vec<MeasuredDevice>,
 }
 
-/// A validated profile built from measurements; each device becomes its own group so that
-/// its own rates are kept. Peaks are set to the measured rates (a calibrated roofline).
+/// A validated profile built from measurements; each measured device becomes its own group
+/// (of `count` identical devices) so that its own rates are kept. Peaks are set to the
+/// measured rates (a calibrated roofline).
 ///
 /// Devices were measured one at a time, so each gets its own uplink (`shared_by = 1`); edit
 /// the file if the devices sit behind one switch.
@@ -56,7 +69,7 @@ pub fn calibrated_profile(m: &MachineMeasurement) -> Result<HostProfile, Profile
         .iter()
         .map(|d| DeviceSpec {
             name: d.name.clone(),
-            count: 1,
+            count: d.count,
             memory_bytes: d.memory_bytes,
             memory_gbps: d.elementwise_gbps,
             f32_tflops: d.matmul_gflops / 1e3,
@@ -73,7 +86,10 @@ pub fn calibrated_profile(m: &MachineMeasurement) -> Result<HostProfile, Profile
                 matmul_f16_gflops: d.matmul_f16_gflops,
                 attention_gflops: d.attention_gflops,
                 elementwise_gbps: Some(d.elementwise_gbps),
+                matmul_curve: d.matmul_curve.clone(),
+                attention_curve: d.attention_curve.clone(),
             },
+            compute_sharing: d.compute_sharing.clone(),
         })
         .collect();
     let profile = HostProfile {
@@ -83,6 +99,7 @@ pub fn calibrated_profile(m: &MachineMeasurement) -> Result<HostProfile, Profile
         host: HostSpec {
             name: m.host_name.clone(),
             memory_gbps: m.host_reduce_gbps,
+            collective_overhead_us: m.collective_overhead_us.clone(),
         },
         devices,
         device_link: None,
@@ -139,6 +156,7 @@ mod tests {
         .unwrap();
         MeasuredDevice {
             name: name.into(),
+            count: 1,
             memory_bytes: 1 << 30,
             h2d: fit,
             d2h: fit,
@@ -147,6 +165,9 @@ mod tests {
             attention_gflops: Some(800.0),
             elementwise_gbps: 300.0,
             launch_overhead_us: 4.0,
+            matmul_curve: Vec::new(),
+            attention_curve: Vec::new(),
+            compute_sharing: None,
         }
     }
 
@@ -157,6 +178,7 @@ mod tests {
             description: "test".into(),
             host_name: "cpu".into(),
             host_reduce_gbps: 20.0,
+            collective_overhead_us: vec![50.0],
             devices: vec![device("a", 25.0), device("b", 12.5)],
         };
         let p = calibrated_profile(&m).unwrap();
@@ -172,6 +194,37 @@ mod tests {
     }
 
     #[test]
+    fn shared_virtual_devices_become_one_group_with_curves() {
+        let mut d = device("llvmpipe", 5.0);
+        d.count = 4;
+        d.matmul_curve = vec![[0.5, 1.0], [20.0, 8.0]];
+        d.compute_sharing = Some(ComputeSharing {
+            shared_by: 4,
+            slowdown: vec![1.0, 1.8, 2.7, 3.6],
+        });
+        let m = MachineMeasurement {
+            name: "this-machine".into(),
+            description: "test".into(),
+            host_name: "cpu".into(),
+            host_reduce_gbps: 2.0,
+            collective_overhead_us: Vec::new(),
+            devices: vec![d],
+        };
+        let p = calibrated_profile(&m).unwrap();
+        assert_eq!((p.devices.len(), p.device_count()), (1, 4));
+        assert_eq!(p.compute_pool_of(3).map(|(pool, _)| pool), Some(0));
+        let text = calibrated_profile_toml(&p, "").unwrap();
+        assert_eq!(HostProfile::from_toml_str(&text, "cal.toml").unwrap(), p);
+        // Four devices need four slowdown entries.
+        let mut bad = m.clone();
+        if let Some(s) = bad.devices[0].compute_sharing.as_mut() {
+            s.slowdown.pop();
+        }
+        let err = calibrated_profile(&bad).unwrap_err();
+        assert_eq!(err.field(), Some("devices[0].compute_sharing.slowdown"));
+    }
+
+    #[test]
     fn bad_measurement_is_rejected() {
         let mut d = device("a", 25.0);
         d.elementwise_gbps = 0.0;
@@ -180,6 +233,7 @@ mod tests {
             description: String::new(),
             host_name: "cpu".into(),
             host_reduce_gbps: 20.0,
+            collective_overhead_us: Vec::new(),
             devices: vec![d],
         };
         let err = calibrated_profile(&m).unwrap_err();

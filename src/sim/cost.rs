@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use crate::trace::{CollectiveOp, KernelFamily, Precision};
 
-use super::profile::{DeviceSpec, HostProfile, LinkSpec};
+use super::profile::{rate_at, DeviceSpec, HostProfile, LinkSpec};
 use super::project_error::ProjectError;
 
 /// Collective algorithms the cost model knows.
@@ -80,6 +80,27 @@ impl<'a> CostModel<'a> {
             Precision::F32 => d.f32_tflops * 1e3,
             Precision::F16 => d.f16_tflops * 1e3,
         };
+        // A measured curve knows how the rate depends on the shape (through the intensity);
+        // a single rate does not, so the curve wins when both are given.
+        let intensity = if bytes > 0 {
+            flops as f64 / bytes as f64
+        } else {
+            f64::INFINITY
+        };
+        let curve = match (family, precision) {
+            (Some(KernelFamily::Matmul), Precision::F32) => {
+                rate_at(&d.rates.matmul_curve, intensity)
+            }
+            (Some(KernelFamily::Attention), _) => rate_at(&d.rates.attention_curve, intensity),
+            _ => None,
+        };
+        let launches = kernels as f64 * d.launch_overhead_us;
+        // 1 GFLOP/s = 1e3 FLOP per us, 1 GB/s = 1e3 bytes per us.
+        if let Some(gflops) = curve {
+            // The curve is an achieved rate at this intensity, memory stalls included: it is
+            // the measured roofline itself, so no separate memory bound applies.
+            return Ok(flops as f64 / (gflops * 1e3) + launches);
+        }
         let gflops = match (family, precision) {
             (Some(KernelFamily::Matmul), Precision::F32) => d.rates.matmul_gflops,
             (Some(KernelFamily::Matmul), Precision::F16) => d.rates.matmul_f16_gflops,
@@ -88,10 +109,9 @@ impl<'a> CostModel<'a> {
         }
         .unwrap_or(peak_gflops);
         let gbps = d.rates.elementwise_gbps.unwrap_or(d.memory_gbps);
-        // 1 GFLOP/s = 1e3 FLOP per us, 1 GB/s = 1e3 bytes per us.
         let math = flops as f64 / (gflops * 1e3);
         let memory = bytes as f64 / (gbps * 1e3);
-        Ok(math.max(memory) + kernels as f64 * d.launch_overhead_us)
+        Ok(math.max(memory) + launches)
     }
 
     /// Time of a device-to-host copy of `bytes` from device `index`.
@@ -144,7 +164,8 @@ impl<'a> CostModel<'a> {
     /// a network phase sits between reduce and broadcast: a ring among node hosts,
     /// `2(N-1)(alpha + s/(N beta))` for allreduce, `(N-1)(...)` for allgather/reducescatter,
     /// `alpha + s/beta` for sendrecv. With k chunks the phases form a pipeline:
-    /// `T = sum(phases) + (k - 1) * max(phases)`.
+    /// `T = sum(phases) + (k - 1) * max(phases)`, plus the host's measured fixed cost per call
+    /// ([`HostSpec::collective_overhead_us`](super::HostSpec::collective_overhead_us)).
     fn host_staged_us(
         &self,
         op: CollectiveOp,
@@ -191,7 +212,9 @@ impl<'a> CostModel<'a> {
         let phases = [d2h, reduce, network, h2d];
         let sum: f64 = phases.iter().sum();
         let max = phases.iter().copied().fold(0.0, f64::max);
-        Ok(sum + (chunks as f64 - 1.0) * max)
+        // The fixed host cost is paid once per call, not per chunk.
+        let overhead = self.profile.host.collective_overhead(devices.len());
+        Ok(sum + (chunks as f64 - 1.0) * max + overhead)
     }
 
     /// Ring collective: `steps * (alpha + c / beta)` with
@@ -335,6 +358,50 @@ mod tests {
             .compute_us(0, 50_000_000, 0, 0, None, Precision::F16)
             .unwrap();
         assert_eq!(t, 25.0);
+    }
+
+    #[test]
+    fn a_rate_curve_follows_the_span_intensity() {
+        let mut p = profile(1, false, 1);
+        p.devices[0].rates.matmul_gflops = Some(900.0);
+        p.devices[0].rates.matmul_curve = vec![[1.0, 100.0], [100.0, 500.0]];
+        let m = CostModel::new(&p);
+        let mm = Some(KernelFamily::Matmul);
+        // Intensity 100 flops/byte: 50 MFLOP at 500 GFLOP/s = 100 us (+ 2 us launch); the
+        // single rate of 900 GFLOP/s is ignored.
+        let t = m
+            .compute_us(0, 50_000_000, 500_000, 1, mm, Precision::F32)
+            .unwrap();
+        assert!((t - 102.0).abs() < 1e-9, "{t}");
+        // Intensity 10, halfway in log scale: 300 GFLOP/s, 1 MFLOP takes 10/3 us.
+        let t = m
+            .compute_us(0, 1_000_000, 100_000, 0, mm, Precision::F32)
+            .unwrap();
+        assert!((t - 1e3 / 300.0).abs() < 1e-9, "{t}");
+        // The curve already holds the memory stalls: a slow streaming rate does not bound it.
+        p.devices[0].rates.elementwise_gbps = Some(0.001);
+        let m = CostModel::new(&p);
+        let t = m
+            .compute_us(0, 1_000_000, 100_000, 0, mm, Precision::F32)
+            .unwrap();
+        assert!((t - 1e3 / 300.0).abs() < 1e-9, "{t}");
+        // Without bytes the intensity is unbounded: the last point's rate.
+        let t = m
+            .compute_us(0, 50_000_000, 0, 0, mm, Precision::F32)
+            .unwrap();
+        assert!((t - 100.0).abs() < 1e-9, "{t}");
+        // Attention has no curve here and no attention rate: the f32 peak (1 TFLOP/s).
+        let t = m
+            .compute_us(
+                0,
+                50_000_000,
+                0,
+                0,
+                Some(KernelFamily::Attention),
+                Precision::F32,
+            )
+            .unwrap();
+        assert_eq!(t, 50.0);
     }
 
     #[test]

@@ -16,6 +16,7 @@ mod calibrated;
 mod cost;
 mod fit;
 mod locate;
+mod pacing;
 mod profile;
 mod profile_error;
 mod project;
@@ -30,9 +31,13 @@ pub use calibrated::{
 pub use cost::{Algorithm, CostModel};
 pub use fit::{fit_alpha_beta, AlphaBetaFit, FitError};
 pub use locate::{FieldPath, Seg};
-pub use profile::{DeviceSpec, HostLinkSpec, HostProfile, HostSpec, LinkSpec, NamedLink, Rates};
+pub use pacing::{Direction, LinkPacer, PacingError};
+pub use profile::{
+    rate_at, ComputeSharing, DeviceSpec, HostLinkSpec, HostProfile, HostSpec, LinkSpec, NamedLink,
+    Rates,
+};
 pub use profile_error::{Location, ProfileError};
-pub use project::{project, CollectivePolicy, HostGaps, ProjectOptions, Projection};
+pub use project::{project, CollectivePolicy, HostGaps, ProjectOptions, Projection, StepBarriers};
 pub use project_error::ProjectError;
 pub use report::{KindTotal, ProjectionReport};
 pub use shipped::SHIPPED_PROFILES;

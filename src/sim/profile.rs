@@ -44,6 +44,23 @@ pub struct HostSpec {
     pub name: String,
     /// Host memory bandwidth available to the host reduce, GB/s.
     pub memory_gbps: f64,
+    /// Fixed host cost of one host-staged collective with 2, 3, ... participants, beyond its
+    /// copies and reduction (rendezvous of the ranks, submissions, buffer mapping), in
+    /// microseconds; the last entry also applies to more participants. Measured by
+    /// `wgpar calibrate`; empty (the default) counts no such cost.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub collective_overhead_us: Vec<f64>,
+}
+
+impl HostSpec {
+    /// [`HostSpec::collective_overhead_us`] for `participants` devices (0 for fewer than 2).
+    pub fn collective_overhead(&self, participants: usize) -> f64 {
+        if participants < 2 {
+            return 0.0;
+        }
+        let i = (participants - 2).min(self.collective_overhead_us.len().saturating_sub(1));
+        self.collective_overhead_us.get(i).copied().unwrap_or(0.0)
+    }
 }
 
 /// A group of identical devices.
@@ -69,6 +86,41 @@ pub struct DeviceSpec {
     /// Measured kernel rates (filled by `wgpar calibrate`); preferred over the peaks above.
     #[serde(default, skip_serializing_if = "Rates::is_empty")]
     pub rates: Rates,
+    /// Devices of the group that run their kernels on one shared processor (absent: each
+    /// device has its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_sharing: Option<ComputeSharing>,
+}
+
+/// Devices that compute on one shared processor: several virtual devices on one adapter, or a
+/// CPU driver such as lavapipe whose devices all draw on the same cores.
+///
+/// When `k` devices of one processor have compute spans running at the same time, each runs
+/// `slowdown[k - 1]` times slower than alone (with an empty list, `k` times slower: equal
+/// shares of a processor that any one device saturates).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComputeSharing {
+    /// How many consecutive devices of the group share one processor.
+    pub shared_by: u32,
+    /// Measured slowdown with 1, 2, ..., `shared_by` devices computing at once (the first
+    /// entry is 1); empty for equal shares.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slowdown: Vec<f64>,
+}
+
+impl ComputeSharing {
+    /// How many times slower each of `active` devices computes than one device alone.
+    pub fn slowdown(&self, active: usize) -> f64 {
+        if active <= 1 {
+            return 1.0;
+        }
+        match self.slowdown.get(active - 1) {
+            Some(&s) => s,
+            // More devices than measured (cannot happen for a valid profile): equal shares.
+            None => active as f64,
+        }
+    }
 }
 
 /// Measured per-family kernel rates; each replaces the matching peak in the roofline.
@@ -87,6 +139,35 @@ pub struct Rates {
     /// Achieved streaming bandwidth of element-wise kernels, GB/s (replaces `memory_gbps`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub elementwise_gbps: Option<f64>,
+    /// Achieved f32 matmul-family rate as a function of arithmetic intensity: points
+    /// `[flops per byte, GFLOP/s]` with increasing intensity. Preferred over `matmul_gflops`;
+    /// see [`rate_at`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub matmul_curve: Vec<[f64; 2]>,
+    /// Achieved attention-family rate as a function of arithmetic intensity, like
+    /// `matmul_curve`; preferred over `attention_gflops`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attention_curve: Vec<[f64; 2]>,
+}
+
+/// Rate of a measured curve at arithmetic intensity `intensity` (flops per byte):
+/// piecewise linear in log(intensity) between points, the end values beyond them.
+///
+/// A curve replaces the single rate of a roofline because achieved rates depend on the shape:
+/// a decode step (a handful of rows per matmul) runs far below the rate of a prefill step, and
+/// the rows per matmul are what sets the intensity. `None` for an empty curve.
+pub fn rate_at(curve: &[[f64; 2]], intensity: f64) -> Option<f64> {
+    let (first, last) = (curve.first()?, curve.last()?);
+    if intensity.is_nan() || intensity <= first[0] {
+        return Some(first[1]);
+    }
+    if intensity >= last[0] {
+        return Some(last[1]);
+    }
+    let i = curve.partition_point(|p| p[0] <= intensity);
+    let (a, b) = (curve[i - 1], curve[i]);
+    let w = (intensity.ln() - a[0].ln()) / (b[0].ln() - a[0].ln());
+    Some(a[1] + w * (b[1] - a[1]))
 }
 
 impl Rates {
@@ -94,6 +175,21 @@ impl Rates {
     pub fn is_empty(&self) -> bool {
         self == &Rates::default()
     }
+}
+
+fn check_curve(path: &FieldPath, curve: &[[f64; 2]]) -> Result<(), Violation> {
+    for (i, p) in curve.iter().enumerate() {
+        positive(&path.index(i), p[0])?;
+        positive(&path.index(i), p[1])?;
+        if i > 0 && p[0] <= curve[i - 1][0] {
+            return Err(Violation {
+                path: path.index(i),
+                value: format!("[{}, {}]", p[0], p[1]),
+                reason: "curve points must have strictly increasing intensity",
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A device's link to host memory, one alpha-beta model per direction.
@@ -300,12 +396,49 @@ impl HostProfile {
         None
     }
 
+    /// Number of the shared processor device `index` computes on, when its group has
+    /// [`ComputeSharing`]; devices with the same number slow each other down.
+    pub fn compute_pool_of(&self, index: usize) -> Option<(usize, &ComputeSharing)> {
+        if index >= self.device_count() {
+            return None;
+        }
+        let per_node = self.devices_per_node();
+        let mut local = index % per_node;
+        // Numbered like uplinks: through the groups of a node (one number per device without
+        // sharing, so numbers stay unique), then through the nodes.
+        let pools_in = |g: &DeviceSpec| {
+            let by = g
+                .compute_sharing
+                .as_ref()
+                .map_or(1, |c| c.shared_by as usize);
+            (g.count as usize).div_ceil(by)
+        };
+        let per_node_pools: usize = self.devices.iter().map(pools_in).sum();
+        let mut before = 0;
+        for group in &self.devices {
+            if local < group.count as usize {
+                let sharing = group.compute_sharing.as_ref()?;
+                let slot = local / sharing.shared_by as usize;
+                return Some((
+                    self.node_of(index) * per_node_pools + before + slot,
+                    sharing,
+                ));
+            }
+            local -= group.count as usize;
+            before += pools_in(group);
+        }
+        None
+    }
+
     /// Every rule a profile must satisfy; the first broken one is returned.
     fn check(&self) -> Result<(), Violation> {
         let root = FieldPath::root();
         non_empty(&root.key("name"), &self.name)?;
         at_least_one(&root.key("nodes"), self.nodes as u64)?;
         positive(&root.key("host").key("memory_gbps"), self.host.memory_gbps)?;
+        for (i, &v) in self.host.collective_overhead_us.iter().enumerate() {
+            non_negative(&root.key("host").key("collective_overhead_us").index(i), v)?;
+        }
         if self.devices.is_empty() {
             return Err(Violation {
                 path: root.key("devices"),
@@ -335,6 +468,29 @@ impl HostProfile {
             ] {
                 if let Some(v) = v {
                     positive(&r.key(name), v)?;
+                }
+            }
+            check_curve(&r.key("matmul_curve"), &d.rates.matmul_curve)?;
+            check_curve(&r.key("attention_curve"), &d.rates.attention_curve)?;
+            if let Some(c) = &d.compute_sharing {
+                let cp = p.key("compute_sharing");
+                at_least_one(&cp.key("shared_by"), c.shared_by as u64)?;
+                if !c.slowdown.is_empty() && c.slowdown.len() != c.shared_by as usize {
+                    return Err(Violation {
+                        path: cp.key("slowdown"),
+                        value: format!("{} entries", c.slowdown.len()),
+                        reason: "needs one entry per device sharing the processor",
+                    });
+                }
+                for (k, &s) in c.slowdown.iter().enumerate() {
+                    // A device cannot compute faster for sharing its processor.
+                    if !(s.is_finite() && s >= 1.0) {
+                        return Err(Violation {
+                            path: cp.key("slowdown").index(k),
+                            value: s.to_string(),
+                            reason: "must be a finite number, 1 or more",
+                        });
+                    }
                 }
             }
         }
@@ -478,6 +634,72 @@ beta_gbps = 22.5
         assert_eq!(uplinks, [0, 1, 1, 2, 3, 3]);
         assert!(p.uplink_of(6).is_none());
         assert_eq!(p.devices[1].rates.matmul_gflops, Some(500.0));
+    }
+
+    #[test]
+    fn rate_curve_interpolates_in_log_intensity_and_clamps() {
+        let c = [[1.0, 2.0], [4.0, 6.0], [16.0, 8.0]];
+        assert_eq!(rate_at(&c, 0.1), Some(2.0));
+        assert_eq!(rate_at(&c, f64::NAN), Some(2.0));
+        assert_eq!(rate_at(&c, 1.0), Some(2.0));
+        // 2 is halfway between 1 and 4 in log scale.
+        assert!((rate_at(&c, 2.0).unwrap() - 4.0).abs() < 1e-12);
+        assert_eq!(rate_at(&c, 4.0), Some(6.0));
+        assert!((rate_at(&c, 8.0).unwrap() - 7.0).abs() < 1e-12);
+        assert_eq!(rate_at(&c, 1e9), Some(8.0));
+        assert_eq!(rate_at(&[], 3.0), None);
+    }
+
+    #[test]
+    fn compute_pools_and_their_rules() {
+        let shared = OK.replace(
+            "[devices.rates]\nmatmul_gflops = 500",
+            "[devices.rates]\nmatmul_gflops = 500\nmatmul_curve = [[0.5, 100], [8, 500]]\n\
+             [devices.compute_sharing]\nshared_by = 2\nslowdown = [1, 1.8]",
+        );
+        let p = HostProfile::from_toml_str(&shared, "s.toml").unwrap();
+        // "big" computes alone (no pool); the two "small" devices share pool 1 on node 0 and
+        // pool 3 on node 1.
+        let pools: Vec<Option<usize>> = (0..6).map(|i| p.compute_pool_of(i).map(|x| x.0)).collect();
+        assert_eq!(pools, [None, Some(1), Some(1), None, Some(3), Some(3)]);
+        let sharing = p.compute_pool_of(1).unwrap().1;
+        assert_eq!((sharing.slowdown(1), sharing.slowdown(2)), (1.0, 1.8));
+        assert_eq!(
+            p.devices[1].rates.matmul_curve,
+            vec![[0.5, 100.0], [8.0, 500.0]]
+        );
+        let text = p.to_toml_string().unwrap();
+        assert_eq!(HostProfile::from_toml_str(&text, "again.toml").unwrap(), p);
+
+        let faster = shared.replace("slowdown = [1, 1.8]", "slowdown = [1, 0.5]");
+        let err = HostProfile::from_toml_str(&faster, "f.toml").unwrap_err();
+        assert_eq!(err.field(), Some("devices[1].compute_sharing.slowdown[1]"));
+        let short = shared.replace("slowdown = [1, 1.8]", "slowdown = [1]");
+        let err = HostProfile::from_toml_str(&short, "f.toml").unwrap_err();
+        assert_eq!(err.field(), Some("devices[1].compute_sharing.slowdown"));
+        let unsorted = shared.replace("[[0.5, 100], [8, 500]]", "[[8, 100], [0.5, 500]]");
+        let err = HostProfile::from_toml_str(&unsorted, "u.toml").unwrap_err();
+        assert_eq!(err.field(), Some("devices[1].rates.matmul_curve[1]"));
+        // Collective overheads by participant count; the last entry covers more.
+        let mut host = p.host.clone();
+        assert_eq!(host.collective_overhead(2), 0.0);
+        host.collective_overhead_us = vec![100.0, 150.0];
+        assert_eq!(
+            [1, 2, 3, 8].map(|n| host.collective_overhead(n)),
+            [0.0, 100.0, 150.0, 150.0]
+        );
+        let neg = shared.replace(
+            "memory_gbps = 50",
+            "memory_gbps = 50\ncollective_overhead_us = [5, -1]",
+        );
+        let err = HostProfile::from_toml_str(&neg, "n.toml").unwrap_err();
+        assert_eq!(err.field(), Some("host.collective_overhead_us[1]"));
+        // Equal shares when no slowdown was measured.
+        let equal = ComputeSharing {
+            shared_by: 4,
+            slowdown: Vec::new(),
+        };
+        assert_eq!(equal.slowdown(3), 3.0);
     }
 
     #[test]

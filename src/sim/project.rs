@@ -1,27 +1,35 @@
 //! Projection: replaying a recorded timeline on a host profile.
 //!
 //! Every span gets a new duration from the [`CostModel`]; then the spans are re-scheduled as
-//! early as three rules allow:
+//! early as these rules allow:
 //! 1. a span starts after all its recorded dependencies end (plus a network hop when a
 //!    device-to-host copy on one node feeds a host-to-device copy on another);
 //! 2. a resource runs one span at a time, in recorded start order. Resources are tracks, except
 //!    that host-link copies queue on their upstream link, so devices that share one (see
 //!    `shared_by`) wait for each other;
-//! 3. spans of one collective group start together, when the last participant is ready.
+//! 3. spans of one collective group start together, when the last participant is ready;
+//! 4. (with [`StepBarriers::Idle`]) where nothing was running in the recorded run, the host was
+//!    between steps: every later span waits for every earlier one;
+//! 5. compute spans of devices that share a processor ([`ComputeSharing`]) slow each other
+//!    down while they overlap, by the profile's measured slowdown.
 //!
+//! Rule 5 makes a span's duration depend on the schedule, so the schedule is built by an
+//! event-driven simulation in time order rather than a single pass over the dependency graph.
 //! Wait spans take no time in the projection: waiting is whatever the new schedule makes it.
 
-use std::collections::{BTreeSet, HashMap};
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 
 use crate::trace::{us_to_ns, CollectiveInfo, Interval, Span, SpanKind, Summary, Timeline, Track};
 
 use super::cost::{Algorithm, CostModel};
-use super::profile::HostProfile;
+use super::profile::{ComputeSharing, HostProfile};
 use super::project_error::ProjectError;
 use super::report::{KindTotal, ProjectionReport};
 
 /// Which algorithm a collective is costed with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum CollectivePolicy {
     /// The algorithm the run recorded.
     #[default]
@@ -32,7 +40,8 @@ pub enum CollectivePolicy {
 }
 
 /// What to do with host time between a span's inputs becoming ready and its start.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum HostGaps {
     /// Start spans as soon as the model allows (pure model).
     #[default]
@@ -43,13 +52,31 @@ pub enum HostGaps {
     Keep,
 }
 
+/// Whether idle instants of the recorded run separate steps (rule 4 of the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepBarriers {
+    /// An instant at which no recorded span was running (after the first one began) is a step
+    /// boundary: every span that starts after it waits for every span that ended before it.
+    /// Engines are driven by a host loop that collects a step's results before it issues the
+    /// next step; that wait is not a recorded dependency, and without this rule a projection
+    /// would overlap consecutive steps (a pipeline's next step would enter stage 0 while the
+    /// previous one still runs on the last stage).
+    #[default]
+    Idle,
+    /// Only recorded dependencies and resource order constrain the schedule.
+    Off,
+}
+
 /// Options of [`project`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub struct ProjectOptions {
     /// Collective algorithm choice.
     pub collectives: CollectivePolicy,
     /// Host gap handling.
     pub host_gaps: HostGaps,
+    /// Step boundaries at idle instants.
+    pub barriers: StepBarriers,
 }
 
 /// The projected timeline and its report.
@@ -134,12 +161,14 @@ pub fn project(
     }
 
     // Resource order: previous span on the same resource, by recorded start then id.
-    let mut by_resource: HashMap<Resource, Vec<usize>> = HashMap::new();
-    for (i, s) in spans.iter().enumerate() {
-        by_resource
-            .entry(resource_of(s, devices[i], profile))
-            .or_default()
-            .push(i);
+    let resources: Vec<Resource> = spans
+        .iter()
+        .enumerate()
+        .map(|(i, s)| resource_of(s, devices[i], profile))
+        .collect();
+    let mut by_resource: HashMap<&Resource, Vec<usize>> = HashMap::new();
+    for (i, r) in resources.iter().enumerate() {
+        by_resource.entry(r).or_default().push(i);
     }
     let mut preds: Vec<Vec<(usize, f64)>> = vec![Vec::new(); n];
     for list in by_resource.values_mut() {
@@ -155,6 +184,11 @@ pub fn project(
                 let hop = network_hop_us(profile, &spans[p], devices[p], s, devices[i]);
                 preds[i].push((p, hop));
             }
+        }
+    }
+    if options.barriers == StepBarriers::Idle {
+        for (from, to) in idle_barriers(spans, &resources) {
+            preds[to].push((from, 0.0));
         }
     }
 
@@ -174,53 +208,22 @@ pub fn project(
         })
         .collect();
 
-    // Kahn's algorithm over units; edges inside a unit are the collective itself.
-    let units = members.len();
-    let mut succ: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); units];
-    let mut indegree = vec![0usize; units];
-    for (i, ps) in preds.iter().enumerate() {
-        for &(p, _) in ps {
-            let (from, to) = (unit_of[p], unit_of[i]);
-            if from != to && succ[from].insert(to) {
-                indegree[to] += 1;
+    // Compute spans on a shared processor progress at a rate that depends on what else runs.
+    let pool_of_unit: Vec<Option<(usize, &ComputeSharing)>> = members
+        .iter()
+        .map(|m| {
+            let first = m[0];
+            match (spans[first].kind, devices[first]) {
+                (SpanKind::Compute, Some(d)) => profile.compute_pool_of(d),
+                _ => None,
             }
-        }
-    }
-    let mut ready: Vec<usize> = (0..units).filter(|&u| indegree[u] == 0).collect();
-    let mut start = vec![0.0f64; n];
-    let mut end = vec![0.0f64; n];
-    let mut done = 0;
-    while let Some(u) = ready.pop() {
-        done += 1;
-        let t0 = members[u]
-            .iter()
-            .map(|&m| {
-                let after = preds[m]
-                    .iter()
-                    .filter(|&&(p, _)| unit_of[p] != u)
-                    .map(|&(p, hop)| end[p] + hop)
-                    .fold(0.0, f64::max);
-                after + gap_us[m]
-            })
-            .fold(0.0, f64::max);
-        for &m in &members[u] {
-            start[m] = t0;
-            end[m] = t0 + cost[m];
-        }
-        for &v in &succ[u] {
-            indegree[v] -= 1;
-            if indegree[v] == 0 {
-                ready.push(v);
-            }
-        }
-    }
-    if done < units {
-        let stuck = (0..n).find(|&i| indegree[unit_of[i]] > 0).unwrap_or(0);
-        return Err(ProjectError::Cycle {
+        })
+        .collect();
+    let (start, end) = simulate(&members, &unit_of, &preds, &gap_us, &cost, &pool_of_unit)
+        .map_err(|stuck| ProjectError::Cycle {
             span: spans[stuck].id,
             name: spans[stuck].name.clone(),
-        });
-    }
+        })?;
 
     let device_count = tl.device_count();
     let projected = Summary::from_intervals(
@@ -249,7 +252,7 @@ pub fn project(
             measured_us: spans.iter().filter(|s| s.kind == k).map(Span::dur_us).sum(),
             projected_us: (0..n)
                 .filter(|&i| spans[i].kind == k)
-                .map(|i| cost[i])
+                .map(|i| end[i] - start[i])
                 .sum(),
         })
         .collect();
@@ -410,4 +413,202 @@ fn network_hop_us(
         }
         _ => 0.0,
     }
+}
+
+/// Dependencies that rule 4 adds: at each instant where no recorded span was running, the
+/// first span of every resource after it waits for the last span of every resource before it
+/// (later spans of a resource follow through resource order). Returns `(from, to)` indices.
+fn idle_barriers(spans: &[Span], resources: &[Resource]) -> Vec<(usize, usize)> {
+    let mut order: Vec<usize> = (0..spans.len()).collect();
+    order.sort_by_key(|&i| (spans[i].start_ns, spans[i].id));
+    let mut edges = Vec::new();
+    let mut last_on: HashMap<&Resource, usize> = HashMap::new();
+    let mut served_epoch: HashMap<&Resource, usize> = HashMap::new();
+    let mut frontier: Vec<usize> = Vec::new();
+    let mut epoch = 0;
+    let mut latest_end: Option<u64> = None;
+    for &i in &order {
+        if latest_end.is_some_and(|e| spans[i].start_ns > e) {
+            epoch += 1;
+            frontier = last_on.values().copied().collect();
+            frontier.sort_unstable();
+        }
+        let r = &resources[i];
+        if epoch > 0 && served_epoch.get(r).copied().unwrap_or(0) < epoch {
+            edges.extend(frontier.iter().map(|&f| (f, i)));
+        }
+        served_epoch.insert(r, epoch);
+        last_on.insert(r, i);
+        latest_end = Some(latest_end.map_or(spans[i].end_ns(), |e| e.max(spans[i].end_ns())));
+    }
+    edges
+}
+
+/// A time-ordered event: (time in microseconds, unit). Ties go to the lower unit, so the
+/// schedule does not depend on hash order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Event(f64, usize);
+
+impl Eq for Event {}
+
+impl PartialOrd for Event {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Event {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.0.total_cmp(&other.0).then(self.1.cmp(&other.1))
+    }
+}
+
+/// Compute spans running on one shared processor.
+struct Pool<'a> {
+    sharing: &'a ComputeSharing,
+    /// (unit, remaining work in microseconds of running alone).
+    active: Vec<(usize, f64)>,
+}
+
+impl Pool<'_> {
+    fn slowdown(&self) -> f64 {
+        self.sharing.slowdown(self.active.len())
+    }
+}
+
+/// Work below this many microseconds counts as done (floating-point residue).
+const DONE_US: f64 = 1e-6;
+
+/// Event-driven schedule of the units: a unit starts when every predecessor outside it has
+/// ended (plus hops) and its host gap has passed; it then runs for its cost, or, on a shared
+/// processor, until its work is done at the rate the current sharing allows. Returns start and
+/// end per span, or the index of a span stuck in a cycle.
+fn simulate(
+    members: &[Vec<usize>],
+    unit_of: &[usize],
+    preds: &[Vec<(usize, f64)>],
+    gap_us: &[f64],
+    cost: &[f64],
+    pool_of_unit: &[Option<(usize, &ComputeSharing)>],
+) -> Result<(Vec<f64>, Vec<f64>), usize> {
+    let n = unit_of.len();
+    let units = members.len();
+    let mut succ: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); units];
+    let mut indegree = vec![0usize; units];
+    for (i, ps) in preds.iter().enumerate() {
+        for &(p, _) in ps {
+            let (from, to) = (unit_of[p], unit_of[i]);
+            if from != to && succ[from].insert(to) {
+                indegree[to] += 1;
+            }
+        }
+    }
+    let mut start = vec![0.0f64; n];
+    let mut end = vec![0.0f64; n];
+    // Earliest start of a unit whose predecessors have all ended.
+    let ready_at = |u: usize, end: &[f64]| {
+        members[u]
+            .iter()
+            .map(|&m| {
+                let after = preds[m]
+                    .iter()
+                    .filter(|&&(p, _)| unit_of[p] != u)
+                    .map(|&(p, hop)| end[p] + hop)
+                    .fold(0.0, f64::max);
+                after + gap_us[m]
+            })
+            .fold(0.0, f64::max)
+    };
+    let mut starts: BinaryHeap<Reverse<Event>> = (0..units)
+        .filter(|&u| indegree[u] == 0)
+        .map(|u| Reverse(Event(ready_at(u, &end), u)))
+        .collect();
+    let mut ends: BinaryHeap<Reverse<Event>> = BinaryHeap::new();
+    let mut pools: BTreeMap<usize, Pool<'_>> = BTreeMap::new();
+    let mut now = 0.0f64;
+    let mut done = 0;
+    loop {
+        let next_start = starts.peek().map(|e| e.0 .0);
+        let next_end = ends.peek().map(|e| e.0 .0);
+        let next_pool = pools
+            .values()
+            .filter(|p| !p.active.is_empty())
+            .map(|p| {
+                let least = p.active.iter().map(|a| a.1).fold(f64::INFINITY, f64::min);
+                now + least * p.slowdown()
+            })
+            .reduce(f64::min);
+        let Some(t) = [next_start, next_end, next_pool]
+            .into_iter()
+            .flatten()
+            .reduce(f64::min)
+        else {
+            break;
+        };
+        let t = t.max(now);
+        for p in pools.values_mut() {
+            if !p.active.is_empty() {
+                let progress = (t - now) / p.slowdown();
+                for a in &mut p.active {
+                    a.1 -= progress;
+                }
+            }
+        }
+        now = t;
+
+        let mut finished: Vec<usize> = Vec::new();
+        while ends.peek().is_some_and(|e| e.0 .0 <= now) {
+            if let Some(Reverse(Event(_, u))) = ends.pop() {
+                finished.push(u);
+            }
+        }
+        for p in pools.values_mut() {
+            p.active.retain(|&(u, left)| {
+                let over = left <= DONE_US;
+                if over {
+                    finished.push(u);
+                }
+                !over
+            });
+        }
+        finished.sort_unstable();
+        for u in finished {
+            done += 1;
+            for &m in &members[u] {
+                end[m] = now;
+            }
+            for &v in &succ[u] {
+                indegree[v] -= 1;
+                if indegree[v] == 0 {
+                    starts.push(Reverse(Event(ready_at(v, &end), v)));
+                }
+            }
+        }
+
+        while starts.peek().is_some_and(|e| e.0 .0 <= now) {
+            let Some(Reverse(Event(_, u))) = starts.pop() else {
+                break;
+            };
+            let c = cost[members[u][0]];
+            for &m in &members[u] {
+                start[m] = now;
+            }
+            match pool_of_unit[u] {
+                Some((id, sharing)) if c > DONE_US => pools
+                    .entry(id)
+                    .or_insert_with(|| Pool {
+                        sharing,
+                        active: Vec::new(),
+                    })
+                    .active
+                    .push((u, c)),
+                _ => ends.push(Reverse(Event(now + c, u))),
+            }
+        }
+    }
+    if done < units {
+        let stuck = (0..n).find(|&i| indegree[unit_of[i]] > 0).unwrap_or(0);
+        return Err(stuck);
+    }
+    Ok((start, end))
 }

@@ -4,10 +4,10 @@ use std::fmt;
 
 use crate::trace::{SpanKind, Summary};
 
-use super::project::{CollectivePolicy, HostGaps, ProjectOptions};
+use super::project::{CollectivePolicy, HostGaps, ProjectOptions, StepBarriers};
 
 /// Summed span durations of one kind, measured and projected (microseconds).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct KindTotal {
     /// The kind.
     pub kind: SpanKind,
@@ -18,7 +18,7 @@ pub struct KindTotal {
 }
 
 /// What `wgpar project` prints.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ProjectionReport {
     /// Profile projected onto.
     pub profile: String,
@@ -88,9 +88,13 @@ impl fmt::Display for ProjectionReport {
             HostGaps::Drop => "host gaps dropped",
             HostGaps::Keep => "host gaps kept",
         };
+        let barriers = match self.options.barriers {
+            StepBarriers::Idle => "steps split at idle instants",
+            StepBarriers::Off => "no step barriers",
+        };
         writeln!(
             f,
-            "projection onto `{}`: {} of {} devices, {} spans ({policy}, {gaps})",
+            "projection onto `{}`: {} of {} devices, {} spans ({policy}, {gaps}, {barriers})",
             self.profile, self.devices_used, self.profile_devices, self.spans
         )?;
         writeln!(f)?;

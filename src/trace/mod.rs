@@ -2,7 +2,8 @@
 //!
 //! Engines and the comm layer record [`Span`]s through a shared [`Recorder`] as they run; the
 //! resulting [`Timeline`] is summarised ([`Summary`]), exported as a Chrome trace
-//! ([`Timeline::to_chrome_trace`]) and replayed on host profiles by [`crate::sim`].
+//! ([`Timeline::to_chrome_trace`]), drawn as SVG ([`timeline_svg`]) and replayed on host
+//! profiles by [`crate::sim`].
 
 mod attrs;
 mod chrome;
@@ -10,6 +11,7 @@ mod error;
 mod recorder;
 mod span;
 mod summary;
+mod svg;
 mod timeline;
 
 pub use attrs::SpanAttrs;
@@ -20,5 +22,6 @@ pub use span::{
     CollectiveInfo, CollectiveOp, KernelFamily, Precision, Span, SpanId, SpanKind, Track,
 };
 pub use summary::{DeviceSummary, Interval, Summary};
+pub use svg::{timeline_svg, timeline_svg_with, SvgOptions};
 pub(crate) use timeline::us_to_ns;
 pub use timeline::Timeline;

@@ -81,6 +81,26 @@ impl Timeline {
         }
     }
 
+    /// The run's steps: maximal stretches of time during which some span was always running,
+    /// as `(start_us, end_us)` in time order. Engines are driven by a host loop that waits for
+    /// each step's results, so the instants where nothing runs separate prefill and decode
+    /// steps (the projection treats them as barriers; see `sim::StepBarriers`).
+    pub fn steps(&self) -> Vec<(f64, f64)> {
+        let mut order: Vec<&Span> = self.spans.iter().collect();
+        order.sort_by_key(|s| (s.start_ns, s.id));
+        let mut steps: Vec<(u64, u64)> = Vec::new();
+        for s in order {
+            match steps.last_mut() {
+                Some(last) if s.start_ns <= last.1 => last.1 = last.1.max(s.end_ns()),
+                _ => steps.push((s.start_ns, s.end_ns())),
+            }
+        }
+        steps
+            .into_iter()
+            .map(|(a, b)| (a as f64 / 1e3, b as f64 / 1e3))
+            .collect()
+    }
+
     /// Busy time, communication and bubble shares, bytes moved (see [`Summary`]).
     pub fn summary(&self) -> Summary {
         Summary::from_intervals(
@@ -177,6 +197,18 @@ mod tests {
         t.spans[1].deps.clear();
         t.spans[1].id = SpanId(1);
         assert!(matches!(t.validate(), Err(TraceError::DuplicateId { .. })));
+    }
+
+    #[test]
+    fn steps_split_at_idle_instants() {
+        let mut t = Timeline::new();
+        t.push_us(SpanAttrs::compute("a", 0), 0.0, 10.0);
+        t.push_us(SpanAttrs::compute("b", 1), 5.0, 10.0);
+        // Touching is not idle.
+        t.push_us(SpanAttrs::compute("c", 0), 15.0, 5.0);
+        t.push_us(SpanAttrs::compute("d", 0), 30.0, 5.0);
+        assert_eq!(t.steps(), vec![(0.0, 20.0), (30.0, 35.0)]);
+        assert!(Timeline::new().steps().is_empty());
     }
 
     #[test]

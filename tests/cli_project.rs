@@ -1,0 +1,206 @@
+//! `wgpar project` end to end: record a tiny pipeline run with `wgpar run --trace`, replay it
+//! on shipped and calibrated profiles, and draw it.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use wgpar::trace::Timeline;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("wgpar-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn wgpar(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_wgpar"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn record_pipeline(dir: &std::path::Path) -> PathBuf {
+    let trace = dir.join("pp.json");
+    let (ok, stdout, stderr) = wgpar(&[
+        "run",
+        "--model",
+        "tiny-llama",
+        "--strategy",
+        "pp",
+        "--virtual",
+        "2",
+        "--micro-batches",
+        "2",
+        "--batch",
+        "2",
+        "--prompt-len",
+        "8",
+        "--gen",
+        "3",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(ok, "run failed:\n{stdout}\n{stderr}");
+    trace
+}
+
+#[test]
+fn a_recorded_pipeline_run_projects_onto_shipped_and_calibrated_profiles() {
+    let dir = scratch("project");
+    let trace = record_pipeline(&dir);
+    let trace_s = trace.to_str().unwrap();
+    let recorded = Timeline::read_chrome_trace(&trace).unwrap();
+    // Prefill (alone), then generate: prefill and two decode steps; the pipeline engine also
+    // leaves short idle instants inside a step (between a stage's compute and its download).
+    assert!(recorded.steps().len() >= 4, "{:?}", recorded.steps());
+
+    let (ok, stdout, stderr) = wgpar(&[
+        "project",
+        "--trace",
+        trace_s,
+        "--host",
+        "pcie4-2gpu",
+        "--json",
+        "--tokens",
+        "22",
+    ]);
+    assert!(ok, "{stdout}\n{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let r = &v["report"];
+    assert_eq!(r["profile"], "pcie4-2gpu");
+    assert_eq!(r["devices_used"], 2);
+    let measured = r["measured"]["makespan_us"].as_f64().unwrap();
+    assert!((measured - recorded.makespan_us()).abs() < 1e-6);
+    let projected = r["projected"]["makespan_us"].as_f64().unwrap();
+    // A 2x RTX 3090 box runs this toy model far faster than a CPU driver.
+    assert!(
+        projected > 0.0 && projected < measured,
+        "{projected} vs {measured}"
+    );
+    let bubble = r["projected"]["bubble_share"].as_f64().unwrap();
+    assert!((0.0..1.0).contains(&bubble));
+    let tp = &v["throughput"];
+    assert_eq!(tp["tokens"], 22);
+    assert!(
+        tp["projected_tokens_per_s"].as_f64().unwrap()
+            > tp["measured_tokens_per_s"].as_f64().unwrap()
+    );
+
+    // Onto this machine, calibrated: a table, a projected trace and both pictures of step 0.
+    let cal = dir.join("cal.toml");
+    let (ok, out, err) = wgpar(&[
+        "calibrate",
+        "--virtual",
+        "2",
+        "--quick",
+        "--model",
+        "tiny-llama",
+        "--batch",
+        "2",
+        "--prompt-len",
+        "8",
+        "--out",
+        cal.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}\n{err}");
+    let (out_trace, svg, svg_p) = (dir.join("proj.json"), dir.join("m.svg"), dir.join("p.svg"));
+    let (ok, stdout, stderr) = wgpar(&[
+        "project",
+        "--trace",
+        trace_s,
+        "--host",
+        cal.to_str().unwrap(),
+        "--out",
+        out_trace.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
+        "--svg-projected",
+        svg_p.to_str().unwrap(),
+        "--step",
+        "0",
+    ]);
+    assert!(ok, "{stdout}\n{stderr}");
+    for needle in [
+        "makespan",
+        "bubble share",
+        "comm share",
+        "latency (makespan)",
+        "throughput",
+    ] {
+        assert!(stdout.contains(needle), "`{needle}` missing:\n{stdout}");
+    }
+    let projected = Timeline::read_chrome_trace(&out_trace).unwrap();
+    assert_eq!(projected.spans.len(), recorded.spans.len());
+    assert_eq!(
+        projected.meta.get("projected_onto").map(String::as_str),
+        Some("this-machine")
+    );
+    for file in [&svg, &svg_p] {
+        let text = std::fs::read_to_string(file).unwrap();
+        assert!(
+            text.starts_with("<svg") && text.contains(">gpu0<"),
+            "{text}"
+        );
+    }
+    // Step 0 starts with stage 0's first micro-batch: only part of the run is drawn.
+    let text = std::fs::read_to_string(&svg).unwrap();
+    let boxes = text.matches("<title>").count();
+    assert!(boxes >= 1 && boxes < recorded.spans.len(), "{boxes}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn bad_inputs_are_errors_with_the_reason() {
+    let dir = scratch("project-bad");
+    let missing = dir.join("nope.json");
+    let (ok, _, stderr) = wgpar(&[
+        "project",
+        "--trace",
+        missing.to_str().unwrap(),
+        "--host",
+        "dgx-h100",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("nope.json"), "{stderr}");
+
+    let trace = record_pipeline(&dir);
+    let (ok, _, stderr) = wgpar(&[
+        "project",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--host",
+        "no-such-host",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("no-such-host"), "{stderr}");
+    let (ok, _, stderr) = wgpar(&[
+        "project",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--host",
+        "pcie4-2gpu",
+        "--svg",
+        dir.join("x.svg").to_str().unwrap(),
+        "--step",
+        "99",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("--step 99"), "{stderr}");
+    let (ok, _, stderr) = wgpar(&[
+        "project",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--host",
+        "pcie4-2gpu",
+        "--svg-size",
+        "0x10",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("WIDTHxHEIGHT"), "{stderr}");
+    std::fs::remove_dir_all(dir).ok();
+}
