@@ -1,6 +1,7 @@
 //! Command-line interface: parses arguments and hands them to the engines and benchmarks.
 //! Nothing here touches wgpu directly.
 
+mod allreduce;
 mod bench;
 mod calibrate;
 mod compare;
@@ -49,6 +50,8 @@ enum Command {
     /// Modeled projections of a model on host profiles, for models and machines not at hand
     /// (TP all-reduce share vs batch and sequence, PP vs TP throughput, bubble cost).
     Plan(plan::PlanArgs),
+    /// Collectives between devices through host memory, nccl-tests style (-b 8 -e 64M -f 2).
+    Allreduce(allreduce::AllreduceArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -176,6 +179,7 @@ pub fn main() -> Result<()> {
         Some(Command::Bench { what }) => bench::run(&what),
         Some(Command::Compare(args)) => compare::run(&args),
         Some(Command::Plan(args)) => plan::run(&args),
+        Some(Command::Allreduce(args)) => allreduce::run(&args),
         Some(Command::Calibrate(args)) => calibrate::run(&args),
         Some(Command::Project(args)) => project::run(&args),
         None => {

@@ -1,0 +1,88 @@
+//! `wgpar allreduce`: collectives between devices through host memory, measured the way
+//! nccl-tests measures them (plus per-iteration percentiles and the transfer floor).
+
+use clap::Args;
+use wgpar::comm::bench::{parse_dtype, run_bench, BenchOp, BenchOptions};
+use wgpar::comm::units::parse_size;
+use wgpar::comm::{Algorithm, CommConfig, LinkPrecision};
+use wgpar::device::Adapters;
+use wgpar::{Result, WgparError};
+
+use super::DeviceArgs;
+
+/// Options of `wgpar allreduce` (nccl-tests flags where they exist).
+#[derive(Args, Clone, Debug)]
+pub struct AllreduceArgs {
+    #[command(flatten)]
+    devices: DeviceArgs,
+    /// Smallest size, bytes (suffixes K, M, G).
+    #[arg(short = 'b', long = "minbytes", default_value = "8")]
+    min: String,
+    /// Largest size.
+    #[arg(short = 'e', long = "maxbytes", default_value = "64M")]
+    max: String,
+    /// Size multiplier.
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
+    factor: u64,
+    /// Timed iterations per size.
+    #[arg(short = 'n', long = "iters", default_value_t = 20)]
+    iters: usize,
+    /// Warm-up iterations per size.
+    #[arg(short = 'w', long = "warmup_iters", default_value_t = 5)]
+    warmup: usize,
+    /// allreduce, allgather, reducescatter or sendrecv.
+    #[arg(long, default_value = "allreduce")]
+    op: String,
+    /// f32 or f16.
+    #[arg(short = 'd', long, default_value = "f32")]
+    dtype: String,
+    /// auto (by size), grb (gather-reduce-broadcast) or pipe (chunked, pipelined).
+    #[arg(short = 'a', long, default_value = "auto")]
+    algorithm: String,
+    /// Send f32 payloads as f16 over the link (reduce in f32): halves the bytes.
+    #[arg(long, default_value = "native", value_parser = ["native", "f16"])]
+    link: String,
+    /// Pipelined chunk size per device.
+    #[arg(long)]
+    chunk: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs the benchmark and prints the nccl-tests style table.
+pub fn run(args: &AllreduceArgs) -> Result<()> {
+    let cfg_err = |e: wgpar::comm::CommError| WgparError::Config(e.to_string());
+    let adapters = Adapters::discover()?;
+    let mut devices = args.devices.clone();
+    if devices.devices.is_none() && devices.virtual_count.is_none() {
+        devices.virtual_count = Some(2);
+    }
+    let gpus = devices.open(&adapters)?;
+    let mut config = CommConfig::default();
+    if let Some(c) = &args.chunk {
+        config.chunk_bytes = parse_size(c).map_err(cfg_err)?;
+    }
+    config.link = args.link.parse::<LinkPrecision>().map_err(cfg_err)?;
+    let opts = BenchOptions {
+        config,
+        min_bytes: parse_size(&args.min).map_err(cfg_err)?,
+        max_bytes: parse_size(&args.max).map_err(cfg_err)?,
+        factor: args.factor,
+        iters: args.iters,
+        warmup: args.warmup,
+        op: args.op.parse::<BenchOp>().map_err(cfg_err)?,
+        dtype: parse_dtype(&args.dtype).map_err(cfg_err)?,
+        algorithm: args.algorithm.parse::<Algorithm>().map_err(cfg_err)?,
+        ..BenchOptions::default()
+    };
+    let report = run_bench(&gpus, &opts)?;
+    if args.json {
+        let text =
+            serde_json::to_string_pretty(&report).map_err(|e| WgparError::Config(e.to_string()))?;
+        println!("{text}");
+    } else {
+        print!("{report}");
+    }
+    Ok(())
+}
