@@ -2,9 +2,12 @@
 //! time went.
 
 use clap::Args;
+use std::sync::Arc;
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
 use wgpar::parallel::{build_engine, generate, PartitionSpec, Strategy};
+
+use wgpar::sim::{HostProfile, LinkPacer};
 use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
 
@@ -85,6 +88,10 @@ pub struct RunArgs {
     /// Write the run's timeline as Chrome Trace Event JSON (opens in Perfetto).
     #[arg(long, value_name = "FILE")]
     trace: Option<String>,
+    /// Pace transfers and collectives to a host profile's links (shipped name or TOML path),
+    /// e.g. pcie3-2gpu, so the run behaves like that machine's interconnect.
+    #[arg(long, value_name = "PROFILE")]
+    pace: Option<String>,
     #[command(flatten)]
     text: TextArgs,
 }
@@ -129,6 +136,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
         (args.batch, args.prompt_len),
     )?;
     println!("engine: {}", engine.name());
+    if let Some(profile) = &args.pace {
+        let profile =
+            HostProfile::resolve(profile).map_err(|e| WgparError::Config(e.to_string()))?;
+        let pacer =
+            LinkPacer::from_profile(&profile, 0).map_err(|e| WgparError::Config(e.to_string()))?;
+        println!("pacing transfers to the links of {}", profile.name);
+        engine.set_pacer(Some(Arc::new(pacer)));
+    }
     let prompts: Vec<Vec<u32>> = (0..args.batch)
         .map(|b| {
             (0..args.prompt_len)

@@ -24,7 +24,9 @@ pub use strategy::{build_engine, PartitionSpec, Strategy};
 pub use tp::TensorParallelEngine;
 
 use crate::error::{Result, WgparError};
+use crate::sim::LinkPacer;
 use crate::trace::Recorder;
+use std::sync::Arc;
 
 /// Accounting of one prefill or decode step.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
@@ -139,6 +141,12 @@ pub trait Engine {
 
     /// Records spans of every later step into `recorder` (a disabled recorder turns it off).
     fn set_recorder(&mut self, recorder: Recorder);
+
+    /// Slows every later transfer and collective to a modelled link (`None`: real speed), so
+    /// a run on one box behaves like the profiled machine. One device has nothing to pace.
+    fn set_pacer(&mut self, pacer: Option<Arc<LinkPacer>>) {
+        let _ = pacer;
+    }
 }
 
 /// Checks a batch of prompts: non-empty, equal lengths. Returns (batch, seq).

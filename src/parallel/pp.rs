@@ -34,6 +34,7 @@ use crate::model::{
     Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec,
     Step,
 };
+use crate::sim::{Direction, LinkPacer};
 use crate::trace::{KernelFamily, Recorder, SpanAttrs, SpanId};
 
 /// A failure to inject into a stage (for tests and demos of the failure path).
@@ -144,6 +145,7 @@ pub struct Response {
 
 struct Work {
     encoder: Option<Arc<EncoderExtras>>,
+    pacer: Option<Arc<LinkPacer>>,
     group: usize,
     ids: Arc<Vec<u32>>,
     step: Step,
@@ -328,6 +330,13 @@ impl Stage {
                 });
             }
             self.comm.upload(&gpu, &act.x, 0, &work.hidden)?;
+            if let Some(p) = &work.pacer {
+                p.pace(
+                    Direction::HostToDevice,
+                    work.hidden.len() as u64,
+                    upload_start,
+                );
+            }
             let end = Instant::now();
             lock(&self.stats)[self.index].handoff_s += (end - upload_start).as_secs_f64();
             let bytes = work.hidden.len() as u64;
@@ -417,6 +426,9 @@ impl Stage {
         };
         let wait_start = Instant::now();
         let bytes = p.download.finish()?;
+        if let Some(pacer) = &p.work.pacer {
+            pacer.pace(Direction::DeviceToHost, bytes.len() as u64, p.started);
+        }
         let end = Instant::now();
         let dev = self.gpu.ordinal() as u32;
         let n = bytes.len() as u64;
@@ -488,6 +500,7 @@ impl Stage {
             microbatch: Some(work.group as u32),
             dep: work.dep,
             encoder: work.encoder.clone(),
+            pacer: work.pacer.clone(),
         };
         let outputs = group.run(job)?;
         let rank0 = outputs
@@ -534,6 +547,7 @@ pub struct PipelineEngine {
     failed: Option<String>,
     recorder: Recorder,
     timeout: Duration,
+    pacer: Option<Arc<LinkPacer>>,
 }
 
 impl PipelineEngine {
@@ -711,6 +725,7 @@ impl PipelineEngine {
             failed: None,
             recorder: Recorder::disabled(),
             timeout: Duration::from_secs(120),
+            pacer: None,
         })
     }
 
@@ -823,6 +838,7 @@ impl PipelineEngine {
             release,
             hidden: Vec::new(),
             encoder: None,
+            pacer: self.pacer.clone(),
             // A new sequence starts fresh; a decode step waits for its previous logits.
             dep: if new_cache {
                 SpanId::NONE
@@ -1164,6 +1180,10 @@ impl Engine for PipelineEngine {
         // Span ids belong to one recorder: never carry a dependency into another.
         self.group_deps.clear();
         self.recorder = recorder;
+    }
+
+    fn set_pacer(&mut self, pacer: Option<Arc<LinkPacer>>) {
+        self.pacer = pacer;
     }
 }
 

@@ -24,6 +24,7 @@ use crate::model::{
     Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec,
     Step,
 };
+use crate::sim::{Algorithm, Direction, LinkPacer};
 use crate::trace::{CollectiveOp, KernelFamily, Recorder, SpanAttrs, SpanId};
 
 /// One rank's state, owned by its worker thread.
@@ -67,6 +68,8 @@ pub(crate) struct GroupJob {
     /// Encoders: token types and real lengths of the padded batch (every rank needs the
     /// lengths: they mask attention).
     pub encoder: Option<Arc<EncoderExtras>>,
+    /// Slows collectives and hand-offs to a modelled link.
+    pub pacer: Option<Arc<LinkPacer>>,
 }
 
 /// Per-batch inputs an encoder needs beside the ids.
@@ -201,6 +204,16 @@ impl Rank {
                 };
                 let comm_start = Instant::now();
                 self.comm.all_reduce(partial)?;
+                if let Some(p) = &job.pacer {
+                    p.collective(
+                        CollectiveOp::AllReduce,
+                        Algorithm::HostStaged,
+                        bytes,
+                        world as usize,
+                        comm_start,
+                    )
+                    .map_err(|e| WgparError::Config(e.to_string()))?;
+                }
                 let comm_end = Instant::now();
                 out.comm_s += (comm_end - comm_start).as_secs_f64();
                 out.collectives += 1;
@@ -276,6 +289,9 @@ impl Rank {
                         .collectives()
                         .begin_download_range(&gpu, &act.x, 0..tokens * config.hidden)?;
                     let hidden = download.finish()?;
+                    if let Some(p) = &job.pacer {
+                        p.pace(Direction::DeviceToHost, bytes, t0);
+                    }
                     let t1 = Instant::now();
                     out.last_span = rec.record_with(t0, t1, || {
                         let a = SpanAttrs::d2h("activations", dev, bytes).after(tail);
@@ -403,6 +419,7 @@ impl TpGroup {
 /// The model sharded over several devices, one worker thread per device.
 pub struct TensorParallelEngine {
     group: TpGroup,
+    pacer: Option<Arc<LinkPacer>>,
     /// Rank 0's last span of the previous step: the next step starts after the logits are back.
     last_span: SpanId,
     config: ModelConfig,
@@ -436,6 +453,7 @@ impl TensorParallelEngine {
         )?;
         Ok(Self {
             group,
+            pacer: None,
             last_span: SpanId::NONE,
             config,
             batch: 0,
@@ -494,6 +512,7 @@ impl TensorParallelEngine {
                 self.last_span
             },
             encoder,
+            pacer: self.pacer.clone(),
         };
         let outputs = match self.group.run(job) {
             Ok(o) => o,
@@ -603,5 +622,9 @@ impl Engine for TensorParallelEngine {
         // Span ids belong to one recorder: never carry a dependency into another.
         self.last_span = SpanId::NONE;
         self.recorder = recorder;
+    }
+
+    fn set_pacer(&mut self, pacer: Option<Arc<LinkPacer>>) {
+        self.pacer = pacer;
     }
 }
