@@ -10,6 +10,27 @@ use super::DeviceArgs;
 /// What to benchmark.
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
+    /// Pipeline throughput and bubble: p stages x m micro-batches (GPipe prefill), measured
+    /// bubble beside (p-1)/(m+p-1), throughput beside the ideal from measured stage times.
+    Pipeline {
+        #[command(flatten)]
+        model: super::ModelArgs,
+        /// Stage counts (virtual devices on the preferred adapter).
+        #[arg(long, value_delimiter = ',', default_value = "2,4")]
+        stages: Vec<usize>,
+        /// Micro-batch counts; "p" and "4p" scale with the stage count.
+        #[arg(long, value_delimiter = ',', default_value = "1,p,4p")]
+        micro_batches: Vec<String>,
+        /// Prompt length per sequence.
+        #[arg(long, default_value_t = 32)]
+        prompt_len: usize,
+        /// Sequences per micro-batch.
+        #[arg(long, default_value_t = 1)]
+        per_microbatch: usize,
+        /// Timed repetitions (best kept, after a warm-up).
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+    },
     /// Matmul GFLOP/s (against a naive baseline) and the other kernels' GB/s, per device.
     Kernels {
         #[command(flatten)]
@@ -29,9 +50,132 @@ pub enum BenchCommand {
     },
 }
 
+fn micro_batch_count(text: &str, p: usize) -> Result<usize> {
+    match text {
+        "p" => Ok(p),
+        t if t.ends_with('p') => t[..t.len() - 1]
+            .parse::<usize>()
+            .map(|k| k * p)
+            .map_err(|_| WgparError::Config(format!("bad micro-batch count '{t}'"))),
+        t => t
+            .parse()
+            .map_err(|_| WgparError::Config(format!("bad micro-batch count '{t}'"))),
+    }
+}
+
+fn bench_pipeline(
+    model: &super::ModelArgs,
+    stages: &[usize],
+    micro_batches: &[String],
+    prompt_len: usize,
+    per_microbatch: usize,
+    reps: usize,
+) -> Result<()> {
+    use wgpar::comm::CommConfig;
+    use wgpar::device::{open_devices, DeviceSelection, GpuOptions};
+    use wgpar::parallel::{Engine, Partition, PipelineEngine};
+    let config = model.config()?;
+    let adapters = Adapters::discover()?;
+    let max = stages.iter().copied().max().unwrap_or(1);
+    let gpus = open_devices(
+        &adapters,
+        &DeviceSelection::Virtual {
+            adapter: adapters.preferred(),
+            count: max,
+        },
+        &GpuOptions::default(),
+    )?;
+    let dtype = model.dtype(&gpus)?;
+    let weights = model.weights(&config)?;
+    println!(
+        "# model {} ({} layers), prompt {prompt_len}, {per_microbatch} sequence(s) per micro-batch, {} ({} {})",
+        config.name,
+        config.layers,
+        gpus[0].describe(),
+        gpus[0].info().driver,
+        gpus[0].info().driver_info
+    );
+    println!(
+        "{:>3} {:>4} {:>10} {:>12} {:>12} {:>9} {:>9} {:>11} {:>12}",
+        "p",
+        "m",
+        "tokens",
+        "tokens/s",
+        "ideal tok/s",
+        "of ideal",
+        "bubble",
+        "(p-1)/(m+p-1)",
+        "hand-off/mb"
+    );
+    for &p in stages {
+        for text in micro_batches {
+            let m = micro_batch_count(text, p)?;
+            let mut pp = PipelineEngine::new(
+                &gpus[..p],
+                &weights,
+                dtype,
+                &Partition::Even,
+                m,
+                CommConfig::default(),
+            )?;
+            let prompts: Vec<Vec<u32>> = (0..m * per_microbatch)
+                .map(|b| {
+                    (0..prompt_len)
+                        .map(|i| ((b * 7919 + i * 131) % config.vocab) as u32)
+                        .collect()
+                })
+                .collect();
+            pp.prefill(&prompts)?;
+            let mut best: Option<wgpar::parallel::PipelineStats> = None;
+            for _ in 0..reps.max(1) {
+                pp.prefill(&prompts)?;
+                let s = pp
+                    .last_run()
+                    .cloned()
+                    .ok_or_else(|| WgparError::Config("no run".into()))?;
+                if best.as_ref().is_none_or(|b| s.makespan_s < b.makespan_s) {
+                    best = Some(s);
+                }
+            }
+            let s = best.ok_or_else(|| WgparError::Config("no run".into()))?;
+            let (handoff_s, handoff_b) = s.handoff_per_microbatch();
+            println!(
+                "{:>3} {:>4} {:>10} {:>12.1} {:>12.1} {:>8.0}% {:>8.1}% {:>13.1}% {:>7.2} ms {} B",
+                p,
+                m,
+                s.tokens,
+                s.tokens_per_s(),
+                s.ideal_tokens_per_s(),
+                s.tokens_per_s() / s.ideal_tokens_per_s() * 100.0,
+                s.measured_bubble * 100.0,
+                s.theoretical_bubble * 100.0,
+                handoff_s * 1e3,
+                handoff_b
+            );
+            drop(pp);
+        }
+    }
+    Ok(())
+}
+
 /// Runs a benchmark command.
 pub fn run(cmd: &BenchCommand) -> Result<()> {
     match cmd {
+        BenchCommand::Pipeline {
+            model,
+            stages,
+            micro_batches,
+            prompt_len,
+            per_microbatch,
+            reps,
+        } => bench_pipeline(
+            model,
+            stages,
+            micro_batches,
+            *prompt_len,
+            *per_microbatch,
+            *reps,
+        ),
         BenchCommand::Kernels {
             devices,
             sizes,
