@@ -29,18 +29,6 @@ fn labels(r: &CompareReport) -> Vec<String> {
     v
 }
 
-fn profiles(r: &CompareReport) -> Vec<String> {
-    let mut v: Vec<String> = Vec::new();
-    for m in &r.measurements {
-        for p in &m.projected {
-            if !v.contains(&p.profile) {
-                v.push(p.profile.clone());
-            }
-        }
-    }
-    v
-}
-
 type Series = Vec<(String, Vec<(f64, f64)>)>;
 
 /// Generation tokens/s against batch, one line per strategy: a panel for the measured
@@ -61,7 +49,7 @@ pub fn throughput_svg(r: &CompareReport) -> Result<String, String> {
         })
         .collect();
     panels.push(("this machine (measured)".into(), measured));
-    for p in profiles(r) {
+    for p in r.profile_names() {
         let series: Series = names
             .iter()
             .map(|n| {
@@ -158,7 +146,7 @@ pub fn breakdown_svg(r: &CompareReport) -> Result<String, String> {
             .map(|m| (m.label.clone(), m.comm_share, m.bubble_share))
             .collect(),
     )];
-    for p in profiles(r) {
+    for p in r.profile_names() {
         panels.push((
             format!("{p}, batch {batch} (projected)"),
             rows.iter()

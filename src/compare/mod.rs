@@ -156,6 +156,21 @@ pub struct CompareReport {
     pub unix_time: u64,
 }
 
+impl CompareReport {
+    /// Names of the profiles projected onto, in first-seen order.
+    pub fn profile_names(&self) -> Vec<String> {
+        let mut v: Vec<String> = Vec::new();
+        for m in &self.measurements {
+            for p in &m.projected {
+                if !v.contains(&p.profile) {
+                    v.push(p.profile.clone());
+                }
+            }
+        }
+        v
+    }
+}
+
 /// A configuration to run.
 #[derive(Debug, Clone)]
 pub struct Plan {

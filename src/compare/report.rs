@@ -41,17 +41,7 @@ pub fn table(r: &CompareReport) -> String {
             m.max_rel_err
         );
     }
-    let profiles: Vec<String> = r
-        .measurements
-        .iter()
-        .flat_map(|m| m.projected.iter().map(|p| p.profile.clone()))
-        .fold(Vec::new(), |mut v, p| {
-            if !v.contains(&p) {
-                v.push(p);
-            }
-            v
-        });
-    for profile in profiles {
+    for profile in r.profile_names() {
         let _ = writeln!(s, "\nprojected onto {profile}:");
         let _ = writeln!(
             s,
@@ -123,15 +113,7 @@ pub fn markdown(r: &CompareReport, charts: &[(String, String)]) -> String {
             m.max_rel_err
         );
     }
-    let mut profiles: Vec<String> = Vec::new();
-    for m in &r.measurements {
-        for p in &m.projected {
-            if !profiles.contains(&p.profile) {
-                profiles.push(p.profile.clone());
-            }
-        }
-    }
-    for profile in &profiles {
+    for profile in &r.profile_names() {
         let _ = writeln!(s, "\n## Projected onto `{profile}`\n");
         let _ = writeln!(s, "| strategy | batch | TTFT ms | ms/token | pp tok/s | tg tok/s | comm % (prefill) | comm % (decode) | bubble % |");
         let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");

@@ -149,6 +149,21 @@ pub trait Engine {
     }
 }
 
+/// Checks a decode step's tokens against the prefilled batch (one token per sequence).
+pub(crate) fn check_decode(batch: usize, tokens: &[u32]) -> Result<()> {
+    if batch == 0 {
+        return Err(WgparError::Config("decode before prefill".into()));
+    }
+    if tokens.len() != batch {
+        return Err(WgparError::Config(format!(
+            "decode got {} tokens for {} sequences",
+            tokens.len(),
+            batch
+        )));
+    }
+    Ok(())
+}
+
 /// Checks a batch of prompts: non-empty, equal lengths. Returns (batch, seq).
 pub fn prompt_shape(prompts: &[Vec<u32>]) -> Result<(usize, usize)> {
     let seq = prompts.first().map_or(0, |p| p.len());

@@ -26,7 +26,7 @@ use serde::Serialize;
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::partition::{partition, Partition};
 use super::tp::{EncoderExtras, GroupInput, GroupJob, GroupOutput, TpGroup};
-use super::{cost, prompt_shape, Engine, Generation, Logits, StepStats};
+use super::{check_decode, cost, prompt_shape, Engine, Generation, Logits, StepStats};
 use crate::comm::{Collectives, CommConfig, PendingDownload};
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
@@ -1137,16 +1137,7 @@ impl Engine for PipelineEngine {
     }
 
     fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
-        if self.batch == 0 {
-            return Err(WgparError::Config("decode before prefill".into()));
-        }
-        if tokens.len() != self.batch {
-            return Err(WgparError::Config(format!(
-                "decode got {} tokens for {} sequences",
-                tokens.len(),
-                self.batch
-            )));
-        }
+        check_decode(self.batch, tokens)?;
         let steps = self
             .groups
             .iter()

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{cost, prompt_shape, Engine, Logits, StepStats};
+use super::{check_decode, cost, prompt_shape, Engine, Logits, StepStats};
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::model::{Activations, GpuModel, KvCache, ModelWeights, Placement, Step};
@@ -133,13 +133,7 @@ impl Engine for SingleEngine {
     }
 
     fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
-        if tokens.len() != self.batch {
-            return Err(WgparError::Config(format!(
-                "decode got {} tokens for {} sequences",
-                tokens.len(),
-                self.batch
-            )));
-        }
+        check_decode(self.batch, tokens)?;
         let step = Step {
             batch: self.batch,
             seq: 1,

@@ -16,7 +16,7 @@ use std::time::Instant;
 use super::cost;
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::worker::Workers;
-use super::{prompt_shape, Engine, Logits, StepStats};
+use super::{check_decode, prompt_shape, Engine, Logits, StepStats};
 use crate::comm::{CommConfig, Communicator, RankHandle};
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
@@ -593,16 +593,7 @@ impl Engine for TensorParallelEngine {
     }
 
     fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
-        if self.batch == 0 {
-            return Err(WgparError::Config("decode before prefill".into()));
-        }
-        if tokens.len() != self.batch {
-            return Err(WgparError::Config(format!(
-                "decode got {} tokens for {} sequences",
-                tokens.len(),
-                self.batch
-            )));
-        }
+        check_decode(self.batch, tokens)?;
         let step = Step {
             batch: self.batch,
             seq: 1,
