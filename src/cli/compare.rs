@@ -191,6 +191,13 @@ pub fn run(args: &CompareArgs) -> Result<()> {
             .0
             .write_chrome_trace(&path)
             .map_err(|e| WgparError::Config(e.to_string()))?;
+        let svg_path = args.out.join("timeline.svg");
+        let svg = wgpar::trace::timeline_svg(&m.timelines.0, 1200, 80 + 40 * 3 * m.devices as u32);
+        std::fs::write(&svg_path, svg).map_err(|e| io_err(&svg_path, e))?;
+        charts.push((
+            format!("Timeline: {} prefill, batch {} (measured)", m.label, m.batch),
+            "timeline.svg".to_string(),
+        ));
     }
     let md_path = args.out.join("report.md");
     std::fs::write(&md_path, markdown(&report, &charts)).map_err(|e| io_err(&md_path, e))?;
