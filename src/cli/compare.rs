@@ -195,7 +195,10 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         let svg = wgpar::trace::timeline_svg(&m.timelines.0, 1200, 80 + 40 * 3 * m.devices as u32);
         std::fs::write(&svg_path, svg).map_err(|e| io_err(&svg_path, e))?;
         charts.push((
-            format!("Timeline: {} prefill, batch {} (measured)", m.label, m.batch),
+            format!(
+                "Timeline: {} prefill, batch {} (measured)",
+                m.label, m.batch
+            ),
             "timeline.svg".to_string(),
         ));
     }

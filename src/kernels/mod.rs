@@ -33,6 +33,8 @@ pub enum BindingKind {
 pub enum Family {
     /// `matmul.wgsl`: tiled and naive matrix multiply.
     Matmul,
+    /// `matmul_vec4.wgsl`: the tiled matmul with vec4 loads, for inner dimensions divisible by 4.
+    MatmulVec4,
     /// `norm.wgsl`: LayerNorm and RMSNorm.
     Norm,
     /// `softmax.wgsl`: row softmax.
@@ -53,8 +55,9 @@ pub enum Family {
 
 impl Family {
     /// Every family, for validation tests.
-    pub const ALL: [Family; 9] = [
+    pub const ALL: [Family; 10] = [
         Family::Matmul,
+        Family::MatmulVec4,
         Family::Norm,
         Family::Softmax,
         Family::Attention,
@@ -69,6 +72,7 @@ impl Family {
     pub fn source(self) -> &'static str {
         match self {
             Family::Matmul => include_str!("../../shaders/matmul.wgsl"),
+            Family::MatmulVec4 => include_str!("../../shaders/matmul_vec4.wgsl"),
             Family::Norm => include_str!("../../shaders/norm.wgsl"),
             Family::Softmax => include_str!("../../shaders/softmax.wgsl"),
             Family::Attention => include_str!("../../shaders/attention.wgsl"),
@@ -82,7 +86,10 @@ impl Family {
 
     /// Whether the family reads weights through the `WT` alias (and so has an f16 variant).
     pub fn has_weight_variants(self) -> bool {
-        matches!(self, Family::Matmul | Family::Embedding)
+        matches!(
+            self,
+            Family::Matmul | Family::MatmulVec4 | Family::Embedding
+        )
     }
 
     /// The source specialised for a weight type: the f16 variant enables the extension and
@@ -103,7 +110,7 @@ impl Family {
     pub fn bindings(self) -> &'static [BindingKind] {
         use BindingKind::*;
         match self {
-            Family::Matmul => &[Read, Read, Read, ReadWrite, Uniform],
+            Family::Matmul | Family::MatmulVec4 => &[Read, Read, Read, ReadWrite, Uniform],
             Family::Norm => &[Read, ReadWrite, Read, Read, Uniform],
             Family::Softmax => &[ReadWrite, Uniform],
             Family::Attention => &[Read, Read, Read, Read, ReadWrite, Uniform],
@@ -119,6 +126,7 @@ impl Family {
     pub fn entry_points(self) -> &'static [&'static str] {
         match self {
             Family::Matmul => &["matmul", "matmul_naive"],
+            Family::MatmulVec4 => &["matmul_vec4"],
             Family::Norm => &["layernorm", "rmsnorm"],
             Family::Softmax => &["softmax"],
             Family::Attention => &["attend"],

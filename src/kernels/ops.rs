@@ -180,10 +180,16 @@ pub fn matmul(
         });
     }
     let bias_buf = bias.unwrap_or(x).buffer();
+    // Inner dimensions divisible by 4 (every real model's) take the vec4-load kernel.
+    let (family, entry) = if kernel == MatmulKernel::Tiled && k.is_multiple_of(4) {
+        (Family::MatmulVec4, "matmul_vec4")
+    } else {
+        (Family::Matmul, entry)
+    };
     dispatch(
         gpu,
         encoder,
-        Family::Matmul,
+        family,
         entry,
         weight_type(w),
         &[x.buffer(), w.buffer(), bias_buf, y.buffer()],
