@@ -177,20 +177,33 @@ pub fn breakdown_svg(r: &CompareReport) -> Result<String, String> {
                 .margin(10)
                 .x_label_area_size(60)
                 .y_label_area_size(50)
-                .build_cartesian_2d(0.0f64..n as f64, 0.0f64..100.0)
+                .build_cartesian_2d(0.0f64..n as f64, 0.0f64..140.0)
                 .map_err(|e| e.to_string())?;
-            let names: Vec<String> = bars.iter().map(|b| b.0.clone()).collect();
             chart
                 .configure_mesh()
                 .disable_x_mesh()
-                .x_labels(n)
-                .x_label_formatter(&|x| {
-                    let i = x.floor() as usize;
-                    names.get(i).cloned().unwrap_or_default()
+                .x_labels(0)
+                // The space above 100 % holds the strategy names and the legend.
+                .y_label_formatter(&|y| {
+                    if *y <= 100.0 {
+                        format!("{y:.0}")
+                    } else {
+                        String::new()
+                    }
                 })
                 .y_desc("% of device-time")
                 .draw()
                 .map_err(|e| e.to_string())?;
+            // Strategy names above their bars (axis labels would be thinned out by plotters).
+            for (i, (name, _, _)) in bars.iter().enumerate() {
+                chart
+                    .draw_series(std::iter::once(Text::new(
+                        name.clone(),
+                        (i as f64 + 0.1, 104.0 + 6.0 * (i % 2) as f64),
+                        ("sans-serif", 11).into_font(),
+                    )))
+                    .map_err(|e| e.to_string())?;
+            }
             for (i, (_, comm, bubble)) in bars.iter().enumerate() {
                 let comm = comm * 100.0;
                 // Communication counts inside the non-compute time; the rest is bubble/idle.
