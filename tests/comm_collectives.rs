@@ -327,8 +327,7 @@ fn all_gather_and_reduce_scatter_match_reference() {
     for scatter in [false, true] {
         for n in 1..=4 {
             for &m in &COUNTS {
-                // The largest size is for the total, as nccl-tests counts it.
-                let m = if m > 100_000 { m / n } else { m };
+                // Counts are per rank: odd ones put f16 slices at odd offsets in every chunk.
                 for dtype in DTYPES {
                     for algo in ALGOS {
                         gather_case(&coll, &gpus[..n], m, dtype, algo, scatter);
@@ -460,10 +459,7 @@ fn mismatches_give_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("all_reduce")
-            && e.contains("tensor 1 (gpu1)")
-            && e.contains("1000")
-            && e.contains("1024"),
+        e.contains("all_reduce: tensor 1 (gpu1) has 1000 elements but tensor 0 (gpu0) has 1024"),
         "{e}"
     );
 
@@ -656,7 +652,7 @@ fn rank_mismatch_fails_on_every_rank() {
         let (first, after) = h.join().unwrap();
         let e = first.unwrap_err();
         assert!(
-            e.contains("rank 1 (gpu1) tensor has 128 elements but rank 0 (gpu0) tensor has 100"),
+            e.contains("rank 1 (gpu1) has 128 elements but rank 0 (gpu0) has 100"),
             "{e}"
         );
         assert_eq!(after, 2.0);

@@ -110,7 +110,7 @@ impl Collectives {
         let checked = (|| {
             check_devices(OP, who, gpus)?;
             let dtype = check_dtypes(OP, who, gpus, &refs, &[DType::F32, DType::F16])?;
-            let len = check_lens(OP, who, "tensor", gpus, &refs)?;
+            let len = check_lens(OP, who, "", gpus, &refs)?;
             Ok::<_, CommError>((dtype, len))
         })();
         let (dtype, len) = match checked {

@@ -97,10 +97,7 @@ impl From<CommError> for WgparError {
     fn from(e: CommError) -> Self {
         match e {
             CommError::Mismatch { op, detail } => WgparError::Shape { op, detail },
-            e @ CommError::WrongDevice { .. } => WgparError::Shape {
-                op: "comm".into(),
-                detail: e.to_string(),
-            },
+            e @ CommError::WrongDevice { .. } => WgparError::Config(e.to_string()),
             CommError::Config(message) => WgparError::Config(message),
             CommError::Gpu {
                 op,
