@@ -95,6 +95,38 @@ fn fit_error(what: &str, e: impl std::fmt::Display) -> WgparError {
     WgparError::Config(format!("cannot fit the {what} sweep: {e}"))
 }
 
+/// Fits a link sweep; when noise hides the bandwidth term entirely (times do not grow with
+/// size, as happens on a loaded machine over a short sweep), keeps the link latency-bound:
+/// alpha is the median time and beta the lower bound the largest size shows, with a warning,
+/// instead of failing the whole calibration.
+fn fit_link(what: &str, points: &[(u64, f64)]) -> Result<AlphaBetaFit> {
+    match fit_alpha_beta(points) {
+        Err(wgpar::sim::FitError::NoBandwidth { us_per_mb }) => {
+            let mut times: Vec<f64> = points.iter().map(|p| p.1).collect();
+            times.sort_by(|a, b| a.total_cmp(b));
+            let median = times[times.len() / 2];
+            let (bytes, secs) = points
+                .iter()
+                .copied()
+                .max_by_key(|p| p.0)
+                .unwrap_or((1, median));
+            eprintln!(
+                "warning: {what}: times do not grow with size ({us_per_mb:.1} us/MB fitted); \
+                 latency-bound over this sweep: alpha = median time, beta = its lower bound \
+                 (use a longer --max-bytes sweep on a quieter machine)"
+            );
+            Ok(AlphaBetaFit {
+                alpha_us: median * 1e6,
+                beta_gbps: bytes as f64 / secs / 1e9,
+                r_squared: 0.0,
+                rms_relative_residual: 0.0,
+                points: points.len(),
+            })
+        }
+        other => other.map_err(|e| fit_error(what, e)),
+    }
+}
+
 fn print_fit(what: &str, fit: &AlphaBetaFit) {
     println!(
         "  {what:<14} alpha {:>8.1} us   beta {:>7.3} GB/s   R^2 {:.4}   rms rel. residual {:.1} % ({} points)",
@@ -814,8 +846,8 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         for (d, h) in d2h_pts.iter().zip(&h2d_pts) {
             println!("  {:>10} {:>12.1} {:>12.1}", d.0, d.1 * 1e6, h.1 * 1e6);
         }
-        let d2h = fit_alpha_beta(&d2h_pts).map_err(|e| fit_error("device->host", e))?;
-        let h2d = fit_alpha_beta(&h2d_pts).map_err(|e| fit_error("host->device", e))?;
+        let d2h = fit_link("device->host", &d2h_pts)?;
+        let h2d = fit_link("host->device", &h2d_pts)?;
         print_fit("device->host", &d2h);
         print_fit("host->device", &h2d);
 
@@ -889,7 +921,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     println!("between devices:");
     let b = gpus.get(1).unwrap_or(&gpus[0]);
     let bounce_pts = bounce_sweep(&coll, &gpus[0], b, &sizes, iters)?;
-    let bounce = fit_alpha_beta(&bounce_pts).map_err(|e| fit_error("device->host->device", e))?;
+    let bounce = fit_link("device->host->device", &bounce_pts)?;
     print_fit("dev->host->dev", &bounce);
     let host_reduce = if gpus.len() > 1 {
         host_reduce_gbps(&gpus, &sizes, iters)?
