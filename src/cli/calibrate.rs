@@ -660,21 +660,30 @@ fn sharing_slowdown(models: &[Arc<GpuModel>], steps: &[Step], window: f64) -> Re
         });
         per_device.into_iter().collect()
     };
-    let alone: Vec<f64> = steps
-        .iter()
-        .map(|s| time_blocks(&models[0], s, true, 3))
-        .collect::<Result<_>>()?;
-    let weight: f64 = alone.iter().sum();
-    let mut slowdown = vec![1.0];
-    for k in 2..=models.len() {
-        let mut s = 0.0;
-        for (step, &t1) in steps.iter().zip(&alone) {
+    // Per shape: alone, every k, alone again, back to back; the machine's speed drifts (other
+    // tenants, clock changes), and pairing each k with nearby alone runs keeps the drift out.
+    let mut weight = 0.0;
+    let mut sums = vec![0.0; models.len() + 1];
+    for step in steps {
+        let before = time_blocks(&models[0], step, true, 3)?;
+        let mut together = Vec::new();
+        for k in 2..=models.len() {
             // Long enough for several repetitions of a slowed-down step.
-            let w = window.max(3.0 * k as f64 * t1);
-            let throughput: f64 = measure(k, step, w)?.iter().map(|t| t1 / t).sum();
-            s += t1 / weight * k as f64 / throughput;
+            let w = window.max(3.0 * k as f64 * before);
+            together.push(measure(k, step, w)?);
         }
-        let s = s.max(1.0);
+        let after = time_blocks(&models[0], step, true, 3)?;
+        let t1 = (before + after) / 2.0;
+        weight += t1;
+        for (i, times) in together.iter().enumerate() {
+            let k = i + 2;
+            let throughput: f64 = times.iter().map(|t| t1 / t).sum();
+            sums[k] += t1 * k as f64 / throughput;
+        }
+    }
+    let mut slowdown = vec![1.0];
+    for (k, sum) in sums.iter().enumerate().skip(2) {
+        let s = (sum / weight).max(1.0);
         println!("    {k} devices busy at once: each {s:.2}x slower (equal shares would be {k}x)");
         slowdown.push(s);
     }
