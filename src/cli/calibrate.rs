@@ -665,46 +665,65 @@ fn sustained_block_time(m: &GpuModel, step: &Step, until: Instant) -> Result<f64
 }
 
 /// Slowdown of each of k = 1..=N devices computing whole layers at the same time, relative to
-/// one alone, time-weighted over `steps`. The devices run back to back for `window` seconds per
-/// step, which is the situation the projection models: k devices busy at once, each slowed
-/// down for as long as the others run.
+/// one alone. The devices run back to back for `window` seconds (at least three slowed-down
+/// repetitions) per step shape, which is the
+/// situation the projection models: k devices busy at once. The processor need not share
+/// fairly, so the slowdown is taken from the devices' combined throughput,
+/// `k / sum(alone / time_i)`, the equal-share figure that does the same work in the same time;
+/// shapes are weighted by their time alone.
 fn sharing_slowdown(models: &[Arc<GpuModel>], steps: &[Step], window: f64) -> Result<Vec<f64>> {
-    let measure = |k: usize| -> Result<f64> {
-        let mut total = 0.0;
-        for step in steps {
-            let barrier = Arc::new(Barrier::new(k));
-            let per_device: Vec<Result<f64>> = std::thread::scope(|scope| {
-                let handles: Vec<_> = models[..k]
-                    .iter()
-                    .map(|m| {
-                        let barrier = barrier.clone();
-                        scope.spawn(move || {
-                            // Warm the step's buffers up, then start together.
-                            time_blocks(m, step, true, 1)?;
-                            barrier.wait();
-                            let until = Instant::now() + std::time::Duration::from_secs_f64(window);
-                            sustained_block_time(m, step, until)
-                        })
+    // Mean repetition time of each of the first k devices, per step.
+    let measure = |k: usize, step: &Step, window: f64| -> Result<Vec<f64>> {
+        let barrier = Arc::new(Barrier::new(k));
+        let per_device: Vec<Result<f64>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = models[..k]
+                .iter()
+                .map(|m| {
+                    let barrier = barrier.clone();
+                    scope.spawn(move || {
+                        // Warm the step's buffers up, then start together.
+                        time_blocks(m, step, true, 1)?;
+                        barrier.wait();
+                        let until = Instant::now() + std::time::Duration::from_secs_f64(window);
+                        sustained_block_time(m, step, until)
                     })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| {
-                        h.join().unwrap_or_else(|_| {
-                            Err(WgparError::Config("calibration thread panicked".into()))
-                        })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(WgparError::Config("calibration thread panicked".into()))
                     })
-                    .collect()
-            });
-            let times = per_device.into_iter().collect::<Result<Vec<f64>>>()?;
-            total += times.iter().sum::<f64>() / times.len() as f64;
-        }
-        Ok(total)
+                })
+                .collect()
+        });
+        per_device.into_iter().collect()
     };
-    let alone = measure(1)?;
+    // Per shape: alone, every k, alone again, back to back; the machine's speed drifts (other
+    // tenants, clock changes), and pairing each k with nearby alone runs keeps the drift out.
+    let mut weight = 0.0;
+    let mut sums = vec![0.0; models.len() + 1];
+    for step in steps {
+        let before = time_blocks(&models[0], step, true, 3)?;
+        let mut together = Vec::new();
+        for k in 2..=models.len() {
+            // Long enough for several repetitions of a slowed-down step.
+            let w = window.max(3.0 * k as f64 * before);
+            together.push(measure(k, step, w)?);
+        }
+        let after = time_blocks(&models[0], step, true, 3)?;
+        let t1 = (before + after) / 2.0;
+        weight += t1;
+        for (i, times) in together.iter().enumerate() {
+            let k = i + 2;
+            let throughput: f64 = times.iter().map(|t| t1 / t).sum();
+            sums[k] += t1 * k as f64 / throughput;
+        }
+    }
     let mut slowdown = vec![1.0];
-    for k in 2..=models.len() {
-        let s = (measure(k)? / alone).max(1.0);
+    for (k, sum) in sums.iter().enumerate().skip(2) {
+        let s = (sum / weight).max(1.0);
         println!("    {k} devices busy at once: each {s:.2}x slower (equal shares would be {k}x)");
         slowdown.push(s);
     }
@@ -880,10 +899,12 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
                     DType::F32,
                 )?));
             }
-            // One prefill and one decode step of the run's shapes, a sequence each.
-            let shapes = [
+            // The run's own steps, so that the sharing is measured under the concurrency the
+            // runs see: prefill and decode of the whole batch (tensor parallel, single) and of
+            // one sequence (a pipeline's micro-batches).
+            let mut shapes = vec![
                 Step {
-                    batch: 1,
+                    batch: args.batch,
                     seq: args.prompt_len,
                     past: 0,
                 },
@@ -893,9 +914,21 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
                     past: args.prompt_len,
                 },
             ];
+            if args.batch > 1 && !args.quick {
+                shapes.push(Step {
+                    batch: 1,
+                    seq: args.prompt_len,
+                    past: 0,
+                });
+                shapes.push(Step {
+                    batch: 1,
+                    seq: 1,
+                    past: args.prompt_len,
+                });
+            }
             Some(ComputeSharing {
                 shared_by: group.len() as u32,
-                slowdown: sharing_slowdown(&models, &shapes, if args.quick { 0.3 } else { 1.5 })?,
+                slowdown: sharing_slowdown(&models, &shapes, if args.quick { 0.3 } else { 1.0 })?,
             })
         } else {
             None

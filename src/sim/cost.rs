@@ -65,7 +65,9 @@ impl<'a> CostModel<'a> {
             })
     }
 
-    /// Roofline time of kernels doing `flops` and moving `bytes` on device `index`.
+    /// Time of kernels doing `flops` and moving `bytes` on device `index`: the family's measured
+    /// rate-by-intensity curve when the profile has one, else the roofline; plus one launch
+    /// overhead per kernel.
     pub fn compute_us(
         &self,
         index: usize,
