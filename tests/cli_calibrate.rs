@@ -77,6 +77,18 @@ fn quick_calibration_writes_a_profile_that_parses() {
         .expect("virtual devices share a processor");
     assert_eq!(sharing.shared_by, 2);
     assert_eq!(sharing.slowdown.len(), 2);
+    // One row per measured step shape (--quick: prefill and decode of the batch), each the
+    // intensity and then a slowdown for one and for two busy devices.
+    assert_eq!(
+        sharing.slowdown_curve.len(),
+        2,
+        "{:?}",
+        sharing.slowdown_curve
+    );
+    assert!(sharing
+        .slowdown_curve
+        .iter()
+        .all(|row| row.len() == 3 && row[1] == 1.0 && row[2] >= 1.0));
     assert_eq!(
         p.compute_pool_of(0).map(|x| x.0),
         p.compute_pool_of(1).map(|x| x.0)

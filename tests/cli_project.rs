@@ -58,6 +58,17 @@ fn a_recorded_pipeline_run_projects_onto_shipped_and_calibrated_profiles() {
     // Prefill (alone), then generate: prefill and two decode steps; the pipeline engine also
     // leaves short idle instants inside a step (between a stage's compute and its download).
     assert!(recorded.steps().len() >= 4, "{:?}", recorded.steps());
+    // What ran, for readers and for throughput: 2 sequences x (8 + 8 prompt tokens + 2 decode
+    // steps) = 36 tokens processed.
+    let meta = |k: &str| recorded.meta.get(k).map(String::as_str);
+    assert_eq!(meta("tokens"), Some("36"));
+    assert_eq!(meta("model"), Some("tiny-llama"));
+    assert_eq!(
+        (meta("batch"), meta("prompt_len"), meta("gen")),
+        (Some("2"), Some("8"), Some("3"))
+    );
+    assert!(meta("strategy").is_some_and(|s| !s.is_empty()));
+    assert!(meta("adapters").is_some_and(|s| !s.is_empty()));
 
     let (ok, stdout, stderr) = wgpar(&[
         "project",
@@ -130,7 +141,8 @@ fn a_recorded_pipeline_run_projects_onto_shipped_and_calibrated_profiles() {
         "bubble share",
         "comm share",
         "latency (makespan)",
-        "throughput",
+        // Tokens from the trace's metadata, no --tokens needed.
+        "throughput (36 tokens)",
     ] {
         assert!(stdout.contains(needle), "`{needle}` missing:\n{stdout}");
     }

@@ -61,6 +61,35 @@ fn devices_on_one_processor_slow_each_other_down_while_they_overlap() {
 }
 
 #[test]
+fn slowdown_follows_the_intensity_of_each_span() {
+    // A decode-like span (1 flop per byte) and a prefill-like one (100 flops per byte), 100 us
+    // each alone, on two devices of one processor. Measured: shared, the decode span runs
+    // 1.25x slower, the prefill span 2x.
+    let mut t = Timeline::new();
+    let decode = t.push_us(
+        SpanAttrs::compute("decode", 0)
+            .flops(100_000_000)
+            .bytes(100_000_000),
+        0.0,
+        1.0,
+    );
+    let prefill = t.push_us(
+        SpanAttrs::compute("prefill", 1)
+            .flops(100_000_000)
+            .bytes(1_000_000),
+        0.0,
+        1.0,
+    );
+    let by_shape = "[devices.compute_sharing]\nshared_by = 2\nslowdown = [1, 1.5]\n\
+                    slowdown_curve = [[1, 1, 1.25], [100, 1, 2]]\n";
+    let p = project(&t, &profile(by_shape), &ProjectOptions::default()).unwrap();
+    // Decode does 100 us of work at 0.8 per us: done at 125; prefill has done 62.5 by then
+    // and finishes its last 37.5 alone at 162.5.
+    assert!(close(times(&p.timeline, decode), (0.0, 125.0)));
+    assert!(close(times(&p.timeline, prefill), (0.0, 162.5)));
+}
+
+#[test]
 fn transfers_do_not_share_the_processor() {
     // A d2h copy on gpu1 overlapping A on gpu0 does not slow A down.
     let mut t = Timeline::new();

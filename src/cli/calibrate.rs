@@ -565,18 +565,22 @@ fn time_blocks(m: &GpuModel, step: &Step, whole: bool, iters: usize) -> Result<f
     median_time(iters, || run_blocks(m, &act, &kv, step, whole))
 }
 
-/// Achieved rate of the model's blocks at each step: (attention halves, whole layers).
-fn block_curves(
-    m: &GpuModel,
-    steps: &[Step],
-    launch_us: f64,
-    iters: usize,
-) -> Result<(Vec<Point>, Vec<Point>)> {
+/// The blocks measured at each step: achieved rates of the attention halves and of whole
+/// layers, and the time of the whole layers alone (seconds), which the sharing measurement
+/// compares against.
+struct BlockCurves {
+    attention: Vec<Point>,
+    layers: Vec<Point>,
+    alone_s: Vec<(Step, f64)>,
+}
+
+/// Achieved rate of the model's blocks at each step.
+fn block_curves(m: &GpuModel, steps: &[Step], launch_us: f64, iters: usize) -> Result<BlockCurves> {
     let c = m.config().clone();
     let shard = ShardSpec::full(&c);
     let layers = m.num_layers() as f64;
     let (attn_k, layer_k) = dispatches_per_layer(&c);
-    let (mut attn, mut whole) = (Vec::new(), Vec::new());
+    let (mut attn, mut whole, mut alone_s) = (Vec::new(), Vec::new(), Vec::new());
     println!(
         "  model blocks ({} layers, one submit), net of {:.1} us per dispatch:",
         m.num_layers(),
@@ -604,7 +608,8 @@ fn block_curves(
             };
             row.push((t, p));
             if whole_layer {
-                whole.push(p)
+                whole.push(p);
+                alone_s.push((*step, t));
             } else {
                 attn.push(p)
             }
@@ -621,7 +626,11 @@ fn block_curves(
             row[1].1.gflops
         );
     }
-    Ok((attn, whole))
+    Ok(BlockCurves {
+        attention: attn,
+        layers: whole,
+        alone_s,
+    })
 }
 
 /// Curve points sorted by intensity; points closer than 2 % in intensity are averaged so the
@@ -665,13 +674,27 @@ fn sustained_block_time(m: &GpuModel, step: &Step, until: Instant) -> Result<f64
 }
 
 /// Slowdown of each of k = 1..=N devices computing whole layers at the same time, relative to
-/// one alone. The devices run back to back for `window` seconds (at least three slowed-down
-/// repetitions) per step shape, which is the
-/// situation the projection models: k devices busy at once. The processor need not share
-/// fairly, so the slowdown is taken from the devices' combined throughput,
-/// `k / sum(alone / time_i)`, the equal-share figure that does the same work in the same time;
-/// shapes are weighted by their time alone.
-fn sharing_slowdown(models: &[Arc<GpuModel>], steps: &[Step], window: f64) -> Result<Vec<f64>> {
+/// one alone, per step shape and overall. The devices run back to back for `window` seconds
+/// (at least three slowed-down repetitions) per step shape, which is the situation the
+/// projection models: k devices busy at once. The processor need not share fairly, so the
+/// slowdown is taken from the devices' combined throughput, `k / sum(alone / time_i)`, the
+/// equal-share figure that does the same work in the same time.
+///
+/// "Alone" is the block time behind the rate curves (`alone_s`), not a fresh measurement: a
+/// shared span is projected as its curve time times this slowdown, so the two must describe
+/// the same alone run. On a CPU driver a decode step alone is bimodal (whether the cores idle
+/// between its tiny dispatches, and pay the wake-ups, varies from minute to minute) while the
+/// same step shared with busy neighbours is steady; relative to the curve's own figure the
+/// product stays right either way.
+///
+/// Returns the sharing with one curve row per step (its whole-layer intensity) and, as the
+/// summary and fallback, the slowdowns weighted by time alone.
+fn sharing_slowdown(
+    models: &[Arc<GpuModel>],
+    steps: &[Step],
+    window: f64,
+    alone_s: &[(Step, f64)],
+) -> Result<ComputeSharing> {
     // Mean repetition time of each of the first k devices, per step.
     let measure = |k: usize, step: &Step, window: f64| -> Result<Vec<f64>> {
         let barrier = Arc::new(Barrier::new(k));
@@ -700,34 +723,77 @@ fn sharing_slowdown(models: &[Arc<GpuModel>], steps: &[Step], window: f64) -> Re
         });
         per_device.into_iter().collect()
     };
-    // Per shape: alone, every k, alone again, back to back; the machine's speed drifts (other
-    // tenants, clock changes), and pairing each k with nearby alone runs keeps the drift out.
+    let c = models[0].config().clone();
+    let shard = ShardSpec::full(&c);
+    let n = models.len();
     let mut weight = 0.0;
-    let mut sums = vec![0.0; models.len() + 1];
+    let mut sums = vec![0.0; n + 1];
+    let mut rows: Vec<Vec<f64>> = Vec::new();
+    println!(
+        "    {:<22} {:>9} {:>8}  slowdown with k devices busy, k = 2..{n}",
+        "step", "alone ms", "flop/B"
+    );
     for step in steps {
-        let before = time_blocks(&models[0], step, true, 3)?;
-        let mut together = Vec::new();
-        for k in 2..=models.len() {
+        let t1 = match alone_s.iter().find(|(s, _)| s == step) {
+            Some(&(_, t)) => t,
+            None => time_blocks(&models[0], step, true, 3)?,
+        };
+        let a = cost::attention(&c, &shard, step, DType::F32);
+        let m = cost::mlp(&c, &shard, step, DType::F32);
+        let intensity = (a.flops + m.flops) as f64 / (a.bytes + m.bytes) as f64;
+        let mut row = vec![intensity, 1.0];
+        for (k, sum) in sums.iter_mut().enumerate().skip(2) {
             // Long enough for several repetitions of a slowed-down step.
-            let w = window.max(3.0 * k as f64 * before);
-            together.push(measure(k, step, w)?);
-        }
-        let after = time_blocks(&models[0], step, true, 3)?;
-        let t1 = (before + after) / 2.0;
-        weight += t1;
-        for (i, times) in together.iter().enumerate() {
-            let k = i + 2;
+            let w = window.max(3.0 * k as f64 * t1);
+            let times = measure(k, step, w)?;
             let throughput: f64 = times.iter().map(|t| t1 / t).sum();
-            sums[k] += t1 * k as f64 / throughput;
+            let s = (k as f64 / throughput).max(1.0);
+            *sum += t1 * s;
+            row.push(s);
         }
+        weight += t1;
+        let kind = if step.seq == 1 { "decode" } else { "prefill" };
+        println!(
+            "    {:<22} {:>9.2} {:>8.2}  {}",
+            format!("{kind} {}x{} (+{})", step.batch, step.seq, step.past),
+            t1 * 1e3,
+            intensity,
+            row[2..]
+                .iter()
+                .map(|s| format!("{s:.2}"))
+                .collect::<Vec<_>>()
+                .join("  ")
+        );
+        rows.push(row);
     }
     let mut slowdown = vec![1.0];
     for (k, sum) in sums.iter().enumerate().skip(2) {
         let s = (sum / weight).max(1.0);
-        println!("    {k} devices busy at once: each {s:.2}x slower (equal shares would be {k}x)");
+        println!("    {k} devices busy at once, weighted by time alone: each {s:.2}x slower (equal shares would be {k}x)");
         slowdown.push(s);
     }
-    Ok(slowdown)
+    // Rows in increasing intensity; steps of (nearly) the same intensity are averaged.
+    rows.sort_by(|a, b| a[0].total_cmp(&b[0]));
+    let mut curve: Vec<(Vec<f64>, f64)> = Vec::new();
+    for row in rows {
+        match curve.last_mut() {
+            Some((sum, count)) if row[0] <= sum[0] / *count * 1.02 => {
+                for (x, v) in sum.iter_mut().zip(&row) {
+                    *x += v;
+                }
+                *count += 1.0;
+            }
+            _ => curve.push((row, 1.0)),
+        }
+    }
+    Ok(ComputeSharing {
+        shared_by: n as u32,
+        slowdown,
+        slowdown_curve: curve
+            .into_iter()
+            .map(|(sum, count)| sum.into_iter().map(|x| x / count).collect())
+            .collect(),
+    })
 }
 
 fn cpu_name() -> String {
@@ -883,9 +949,9 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
             Placement::whole(&config),
             DType::F32,
         )?);
-        let (attn_pts, layer_pts) = block_curves(&model, &steps, launch_us, iters)?;
-        let attention_curve = curve(attn_pts);
-        let matmul_curve = curve(layer_pts);
+        let blocks = block_curves(&model, &steps, launch_us, iters)?;
+        let attention_curve = curve(blocks.attention);
+        let matmul_curve = curve(blocks.layers);
         let plateau = |c: &[[f64; 2]]| c.last().map_or(0.0, |p| p[1]);
 
         let compute_sharing = if group.len() > 1 {
@@ -926,10 +992,8 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
                     past: args.prompt_len,
                 });
             }
-            Some(ComputeSharing {
-                shared_by: group.len() as u32,
-                slowdown: sharing_slowdown(&models, &shapes, if args.quick { 0.3 } else { 1.0 })?,
-            })
+            let window = if args.quick { 0.3 } else { 1.0 };
+            Some(sharing_slowdown(&models, &shapes, window, &blocks.alone_s)?)
         } else {
             None
         };

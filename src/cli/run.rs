@@ -158,6 +158,28 @@ pub fn run(args: &RunArgs) -> Result<()> {
     } else {
         Recorder::disabled()
     };
+    // What `wgpar project` needs to turn a makespan into throughput, and what a reader of the
+    // trace needs to know what ran. The recorded part is one prefill, then a generation (a
+    // prefill and gen - 1 decode steps).
+    let processed = args.batch * (2 * args.prompt_len + args.gen - 1);
+    for (key, value) in [
+        ("model", config.name.clone()),
+        ("strategy", engine.name()),
+        ("dtype", format!("{dtype:?}").to_lowercase()),
+        ("batch", args.batch.to_string()),
+        ("prompt_len", args.prompt_len.to_string()),
+        ("gen", args.gen.to_string()),
+        ("tokens", processed.to_string()),
+        (
+            "adapters",
+            gpus.iter()
+                .map(|g| g.label())
+                .collect::<Vec<_>>()
+                .join("; "),
+        ),
+    ] {
+        recorder.set_meta(key, value);
+    }
     engine.set_recorder(recorder.clone());
     // Prefill alone first, to report its accounting; then the full generation.
     engine.prefill(&prompts)?;

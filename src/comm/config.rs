@@ -182,6 +182,17 @@ impl CommConfig {
             other => other,
         }
     }
+
+    /// Pieces a collective of `bytes` staged bytes per device moves in, with the algorithm
+    /// [`choose`](Self::choose) picks: what a trace records so a projection pipelines the
+    /// phases the same way.
+    pub fn chunks(&self, bytes: u64) -> u32 {
+        let piece = match self.choose(bytes) {
+            Algorithm::Pipelined => self.chunk_bytes,
+            _ => self.max_slot_bytes,
+        };
+        bytes.div_ceil(piece.max(1)).clamp(1, u64::from(u32::MAX)) as u32
+    }
 }
 
 #[cfg(test)]
@@ -195,6 +206,22 @@ mod tests {
         assert_eq!(c.staging_bound(), 2 * 4 * (16 << 20));
         assert_eq!(c.choose(4096), Algorithm::GatherReduceBroadcast);
         assert_eq!(c.choose(64 << 20), Algorithm::Pipelined);
+    }
+
+    #[test]
+    fn chunk_counts_follow_the_chosen_algorithm() {
+        let c = CommConfig::default();
+        // Gather-reduce-broadcast moves up to one 16 MiB slot at a time.
+        assert_eq!(c.chunks(4096), 1);
+        assert_eq!(c.chunks(1 << 20), 1);
+        // Above the threshold: 1 MiB pipelined chunks, the last one partial.
+        assert_eq!(c.chunks((1 << 20) + 1), 2);
+        assert_eq!(c.chunks(64 << 20), 64);
+        let grb = CommConfig {
+            algorithm: Algorithm::GatherReduceBroadcast,
+            ..CommConfig::default()
+        };
+        assert_eq!(grb.chunks((40 << 20) + 3), 3);
     }
 
     #[test]

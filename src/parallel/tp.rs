@@ -221,6 +221,12 @@ impl Rank {
                 // Collective ids must be unique across the whole timeline: several groups
                 // (pipeline stages of a hybrid) count independently, so tag with the group's
                 // first device.
+                let chunks = self
+                    .comm
+                    .communicator()
+                    .collectives()
+                    .config()
+                    .chunks(bytes);
                 let group = (self.group_tag << 48) | self.collectives;
                 self.collectives += 1;
                 prev = rec.record_with(comm_start, comm_end, || {
@@ -234,6 +240,7 @@ impl Rank {
                     )
                     .layer(layer)
                     .group(group)
+                    .chunks(chunks)
                     .after(compute);
                     match mb {
                         Some(k) => a.microbatch(k),

@@ -201,6 +201,10 @@ mod tests {
         d.compute_sharing = Some(ComputeSharing {
             shared_by: 4,
             slowdown: vec![1.0, 1.8, 2.7, 3.6],
+            slowdown_curve: vec![
+                vec![0.5, 1.0, 1.2, 1.9, 2.6],
+                vec![40.0, 1.0, 1.9, 2.8, 3.7],
+            ],
         });
         let m = MachineMeasurement {
             name: "this-machine".into(),

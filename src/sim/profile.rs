@@ -107,6 +107,13 @@ pub struct ComputeSharing {
     /// entry is 1); empty for equal shares.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub slowdown: Vec<f64>,
+    /// Measured slowdown by the arithmetic intensity of the slowed-down work: rows
+    /// `[flops per byte, slowdown with 1 busy, 2 busy, ..., shared_by busy]`, increasing
+    /// intensity. Preferred over `slowdown` for work whose intensity is known: on a CPU driver a
+    /// decode step (tiny dispatches, mostly thread hand-offs) shares the cores very differently
+    /// from a prefill step (long, compute-bound dispatches).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slowdown_curve: Vec<Vec<f64>>,
 }
 
 impl ComputeSharing {
@@ -120,6 +127,24 @@ impl ComputeSharing {
             // More devices than measured (cannot happen for a valid profile): equal shares.
             None => active as f64,
         }
+    }
+
+    /// How many times slower work of `intensity` flops per byte runs while `active` devices
+    /// compute: `slowdown_curve` interpolated like [`rate_at`] (linear in log intensity, held
+    /// beyond the ends), else [`slowdown`](Self::slowdown).
+    pub fn slowdown_at(&self, active: usize, intensity: f64) -> f64 {
+        if active <= 1 {
+            return 1.0;
+        }
+        let column: Vec<[f64; 2]> = self
+            .slowdown_curve
+            .iter()
+            .filter_map(|row| Some([*row.first()?, *row.get(active)?]))
+            .collect();
+        if column.len() != self.slowdown_curve.len() {
+            return self.slowdown(active);
+        }
+        rate_at(&column, intensity).unwrap_or_else(|| self.slowdown(active))
     }
 }
 
@@ -174,6 +199,19 @@ impl Rates {
     /// True when no rate is set.
     pub fn is_empty(&self) -> bool {
         self == &Rates::default()
+    }
+}
+
+/// A slowdown: a device cannot compute faster for sharing its processor.
+fn at_least_unity(path: &FieldPath, s: f64) -> Result<(), Violation> {
+    if s.is_finite() && s >= 1.0 {
+        Ok(())
+    } else {
+        Err(Violation {
+            path: path.clone(),
+            value: s.to_string(),
+            reason: "must be a finite number, 1 or more",
+        })
     }
 }
 
@@ -483,13 +521,29 @@ impl HostProfile {
                     });
                 }
                 for (k, &s) in c.slowdown.iter().enumerate() {
-                    // A device cannot compute faster for sharing its processor.
-                    if !(s.is_finite() && s >= 1.0) {
+                    at_least_unity(&cp.key("slowdown").index(k), s)?;
+                }
+                let curve = cp.key("slowdown_curve");
+                for (i, row) in c.slowdown_curve.iter().enumerate() {
+                    let rp = curve.index(i);
+                    if row.len() != c.shared_by as usize + 1 {
                         return Err(Violation {
-                            path: cp.key("slowdown").index(k),
-                            value: s.to_string(),
-                            reason: "must be a finite number, 1 or more",
+                            path: rp,
+                            value: format!("{} entries", row.len()),
+                            reason: "needs the intensity, then one slowdown per device sharing \
+                                     the processor",
                         });
+                    }
+                    positive(&rp.index(0), row[0])?;
+                    if i > 0 && row[0] <= c.slowdown_curve[i - 1][0] {
+                        return Err(Violation {
+                            path: rp.index(0),
+                            value: row[0].to_string(),
+                            reason: "curve rows must have strictly increasing intensity",
+                        });
+                    }
+                    for (k, &s) in row.iter().enumerate().skip(1) {
+                        at_least_unity(&rp.index(k), s)?;
                     }
                 }
             }
@@ -698,8 +752,54 @@ beta_gbps = 22.5
         let equal = ComputeSharing {
             shared_by: 4,
             slowdown: Vec::new(),
+            slowdown_curve: Vec::new(),
         };
         assert_eq!(equal.slowdown(3), 3.0);
+        assert_eq!(equal.slowdown_at(3, 10.0), 3.0);
+    }
+
+    #[test]
+    fn slowdown_by_intensity() {
+        let shared = OK.replace(
+            "[devices.rates]\nmatmul_gflops = 500",
+            "[devices.rates]\nmatmul_gflops = 500\n\
+             [devices.compute_sharing]\nshared_by = 2\nslowdown = [1, 1.8]\n\
+             slowdown_curve = [[1, 1, 1.2], [4, 1, 2.0]]",
+        );
+        let p = HostProfile::from_toml_str(&shared, "s.toml").unwrap();
+        let sharing = p.compute_pool_of(1).unwrap().1;
+        assert_eq!(sharing.slowdown_at(1, 2.0), 1.0);
+        // Held at the ends, linear in log intensity between rows: 2 is halfway from 1 to 4.
+        assert_eq!(sharing.slowdown_at(2, 0.1), 1.2);
+        assert!((sharing.slowdown_at(2, 2.0) - 1.6).abs() < 1e-12);
+        assert_eq!(sharing.slowdown_at(2, 100.0), 2.0);
+        // The list still answers for a count the rows do not cover.
+        assert_eq!(sharing.slowdown_at(3, 2.0), sharing.slowdown(3));
+        let text = p.to_toml_string().unwrap();
+        assert_eq!(HostProfile::from_toml_str(&text, "again.toml").unwrap(), p);
+
+        for (bad, field) in [
+            (
+                "[[1, 1, 1.2], [4, 1]]",
+                "devices[1].compute_sharing.slowdown_curve[1]",
+            ),
+            (
+                "[[1, 1, 0.9], [4, 1, 2]]",
+                "devices[1].compute_sharing.slowdown_curve[0][2]",
+            ),
+            (
+                "[[4, 1, 1.2], [1, 1, 2]]",
+                "devices[1].compute_sharing.slowdown_curve[1][0]",
+            ),
+            (
+                "[[0, 1, 1.2]]",
+                "devices[1].compute_sharing.slowdown_curve[0][0]",
+            ),
+        ] {
+            let text = shared.replace("[[1, 1, 1.2], [4, 1, 2.0]]", bad);
+            let err = HostProfile::from_toml_str(&text, "bad.toml").unwrap_err();
+            assert_eq!(err.field(), Some(field), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -209,12 +209,22 @@ pub fn project(
         .collect();
 
     // Compute spans on a shared processor progress at a rate that depends on what else runs.
-    let pool_of_unit: Vec<Option<(usize, &ComputeSharing)>> = members
+    let pool_of_unit: Vec<Option<Shared<'_>>> = members
         .iter()
         .map(|m| {
-            let first = m[0];
-            match (spans[first].kind, devices[first]) {
-                (SpanKind::Compute, Some(d)) => profile.compute_pool_of(d),
+            let s = &spans[m[0]];
+            match (s.kind, devices[m[0]]) {
+                (SpanKind::Compute, Some(d)) => {
+                    profile.compute_pool_of(d).map(|(pool, sharing)| Shared {
+                        pool,
+                        sharing,
+                        intensity: if s.bytes > 0 {
+                            s.flops as f64 / s.bytes as f64
+                        } else {
+                            f64::INFINITY
+                        },
+                    })
+                }
                 _ => None,
             }
         })
@@ -463,16 +473,33 @@ impl Ord for Event {
     }
 }
 
+/// Where a compute unit shares a processor, and its intensity.
+struct Shared<'a> {
+    pool: usize,
+    sharing: &'a ComputeSharing,
+    /// Flops per byte of the unit's span.
+    intensity: f64,
+}
+
+/// A compute span running on a shared processor.
+struct Running {
+    unit: usize,
+    /// Remaining work, in microseconds of running alone.
+    left_us: f64,
+    /// Flops per byte, which sets how much the span slows down when shared.
+    intensity: f64,
+}
+
 /// Compute spans running on one shared processor.
 struct Pool<'a> {
     sharing: &'a ComputeSharing,
-    /// (unit, remaining work in microseconds of running alone).
-    active: Vec<(usize, f64)>,
+    active: Vec<Running>,
 }
 
 impl Pool<'_> {
-    fn slowdown(&self) -> f64 {
-        self.sharing.slowdown(self.active.len())
+    /// How many times slower than alone `r` runs with the current company.
+    fn slowdown(&self, r: &Running) -> f64 {
+        self.sharing.slowdown_at(self.active.len(), r.intensity)
     }
 }
 
@@ -489,7 +516,7 @@ fn simulate(
     preds: &[Vec<(usize, f64)>],
     gap_us: &[f64],
     cost: &[f64],
-    pool_of_unit: &[Option<(usize, &ComputeSharing)>],
+    pool_of_unit: &[Option<Shared<'_>>],
 ) -> Result<(Vec<f64>, Vec<f64>), usize> {
     let n = unit_of.len();
     let units = members.len();
@@ -534,8 +561,12 @@ fn simulate(
             .values()
             .filter(|p| !p.active.is_empty())
             .map(|p| {
-                let least = p.active.iter().map(|a| a.1).fold(f64::INFINITY, f64::min);
-                now + least * p.slowdown()
+                let soonest = p
+                    .active
+                    .iter()
+                    .map(|r| r.left_us * p.slowdown(r))
+                    .fold(f64::INFINITY, f64::min);
+                now + soonest
             })
             .reduce(f64::min);
         let Some(t) = [next_start, next_end, next_pool]
@@ -547,11 +578,9 @@ fn simulate(
         };
         let t = t.max(now);
         for p in pools.values_mut() {
-            if !p.active.is_empty() {
-                let progress = (t - now) / p.slowdown();
-                for a in &mut p.active {
-                    a.1 -= progress;
-                }
+            let rates: Vec<f64> = p.active.iter().map(|r| 1.0 / p.slowdown(r)).collect();
+            for (r, rate) in p.active.iter_mut().zip(rates) {
+                r.left_us -= (t - now) * rate;
             }
         }
         now = t;
@@ -563,10 +592,10 @@ fn simulate(
             }
         }
         for p in pools.values_mut() {
-            p.active.retain(|&(u, left)| {
-                let over = left <= DONE_US;
+            p.active.retain(|r| {
+                let over = r.left_us <= DONE_US;
                 if over {
-                    finished.push(u);
+                    finished.push(r.unit);
                 }
                 !over
             });
@@ -593,15 +622,19 @@ fn simulate(
             for &m in &members[u] {
                 start[m] = now;
             }
-            match pool_of_unit[u] {
-                Some((id, sharing)) if c > DONE_US => pools
-                    .entry(id)
+            match &pool_of_unit[u] {
+                Some(shared) if c > DONE_US => pools
+                    .entry(shared.pool)
                     .or_insert_with(|| Pool {
-                        sharing,
+                        sharing: shared.sharing,
                         active: Vec::new(),
                     })
                     .active
-                    .push((u, c)),
+                    .push(Running {
+                        unit: u,
+                        left_us: c,
+                        intensity: shared.intensity,
+                    }),
                 _ => ends.push(Reverse(Event(now + c, u))),
             }
         }
