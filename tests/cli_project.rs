@@ -216,3 +216,59 @@ fn bad_inputs_are_errors_with_the_reason() {
     assert!(stderr.contains("WIDTHxHEIGHT"), "{stderr}");
     std::fs::remove_dir_all(dir).ok();
 }
+
+#[test]
+fn bench_projection_records_calibrates_and_projects_every_pair() {
+    let dir = scratch("bench-projection");
+    let out = dir.join("out");
+    let (ok, stdout, stderr) = wgpar(&[
+        "bench",
+        "projection",
+        "--model",
+        "tiny-llama",
+        "--batch",
+        "2",
+        "--prompt-len",
+        "8",
+        "--gen",
+        "2",
+        "--rounds",
+        "2",
+        "--quick",
+        "--configs",
+        "single,pp2-m2",
+        "--out-dir",
+        out.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(ok, "{stdout}\n{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for row in rows {
+        // Two runs onto two calibrations.
+        let pairs = row["pairs"].as_array().unwrap();
+        assert_eq!(pairs.len(), 4);
+        for p in pairs {
+            let (m, pr) = (
+                p["measured_ms"].as_f64().unwrap(),
+                p["projected_ms"].as_f64().unwrap(),
+            );
+            assert!(m > 0.0 && pr > 0.0);
+            let e = p["error_pct"].as_f64().unwrap();
+            assert!(((pr - m) / m * 100.0 - e).abs() < 1e-9);
+        }
+        let e = row["error_pct_median"].as_f64().unwrap();
+        let [lo, hi] = [0, 1].map(|i| row["error_pct_range"][i].as_f64().unwrap());
+        assert!(lo <= e && e <= hi);
+        assert_eq!(row["within_tolerance"], e.abs() <= 15.0);
+    }
+    for file in ["cal0.toml", "cal1.toml", "single.r0.json", "pp2-m2.r1.json"] {
+        assert!(out.join(file).is_file(), "{file} missing");
+    }
+
+    let (ok, _, stderr) = wgpar(&["bench", "projection", "--configs", "pp2"]);
+    assert!(!ok);
+    assert!(stderr.contains("bad configuration 'pp2'"), "{stderr}");
+    std::fs::remove_dir_all(dir).ok();
+}

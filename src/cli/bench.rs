@@ -31,6 +31,10 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 3)]
         reps: usize,
     },
+    /// Projection accuracy on this machine: rounds of calibrate + traced runs (single, TP,
+    /// PP), every run projected onto every calibration; median makespan error per
+    /// configuration.
+    Projection(super::bench_projection::ProjectionBenchArgs),
     /// Matmul GFLOP/s (against a naive baseline) and the other kernels' GB/s, per device.
     Kernels {
         #[command(flatten)]
@@ -176,6 +180,7 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
             *per_microbatch,
             *reps,
         ),
+        BenchCommand::Projection(args) => super::bench_projection::run(args),
         BenchCommand::Kernels {
             devices,
             sizes,

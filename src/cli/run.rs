@@ -173,7 +173,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         (
             "adapters",
             gpus.iter()
-                .map(|g| g.label())
+                .map(|g| g.info().label())
                 .collect::<Vec<_>>()
                 .join("; "),
         ),

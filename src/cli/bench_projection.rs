@@ -1,0 +1,408 @@
+//! `wgpar bench projection`: how well does a projection onto this machine's calibrated
+//! profile predict what the machine measures?
+//!
+//! Each round calibrates the machine, then records one traced run per configuration; every run
+//! is then projected onto every round's profile. Runs and calibrations are separate processes
+//! of this executable (`wgpar calibrate`, `wgpar run --trace`), exactly the commands a user
+//! would type, so nothing of one run (threads, caches, devices) carries into the next. On a
+//! noisy machine single pairs scatter by tens of percent; the medians over all pairs are the
+//! figure, with the range beside them.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use clap::Args;
+use serde::Serialize;
+use wgpar::sim::{project, HostGaps, HostProfile, ProjectOptions};
+use wgpar::trace::Timeline;
+use wgpar::{Result, WgparError};
+
+/// Options of `wgpar bench projection`.
+#[derive(Args, Debug, Clone)]
+pub struct ProjectionBenchArgs {
+    /// Model preset or folder (passed to `calibrate` and `run`).
+    #[arg(long, default_value = "default", value_name = "PRESET|DIR")]
+    model: String,
+    /// Configurations: `single`, `tpN` (tensor parallel over N devices), `ppN-mM` (N
+    /// pipeline stages, M micro-batches).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "single,tp2,tp4,pp2-m1,pp2-m8,pp4-m1,pp4-m8"
+    )]
+    configs: Vec<String>,
+    /// Rounds: each calibrates, then records every configuration once.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Prompt length.
+    #[arg(long, default_value_t = 32)]
+    prompt_len: usize,
+    /// Tokens generated per sequence.
+    #[arg(long, default_value_t = 8)]
+    gen: usize,
+    /// Largest copy of the calibration's link sweep (the runs move at most a few hundred KB).
+    #[arg(long, default_value = "1M")]
+    max_bytes: String,
+    /// Calibrate with `--quick` (seconds instead of a minute; rougher).
+    #[arg(long)]
+    quick: bool,
+    /// Keep each span's measured host gap in the projection (`project --keep-host-gaps`).
+    #[arg(long)]
+    keep_host_gaps: bool,
+    /// Folder for the profiles and traces (kept, for `wgpar project` and Perfetto).
+    #[arg(long, default_value = "wgpar-projection-bench")]
+    out_dir: PathBuf,
+    /// Agreement asked of the median error, percent.
+    #[arg(long, default_value_t = 15.0)]
+    tolerance: f64,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// A configuration of the benchmark.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+struct Config {
+    name: String,
+    devices: usize,
+    /// `run` arguments that select it.
+    #[serde(skip)]
+    args: Vec<String>,
+}
+
+fn parse_config(text: &str) -> Result<Config> {
+    let bad = || {
+        WgparError::Config(format!(
+            "bad configuration '{text}': expected single, tpN or ppN-mM (e.g. tp2, pp4-m8)"
+        ))
+    };
+    let number = |s: &str| s.parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(bad);
+    let owned = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    if text == "single" {
+        return Ok(Config {
+            name: text.into(),
+            devices: 1,
+            args: owned(&["--strategy", "none"]),
+        });
+    }
+    if let Some(n) = text.strip_prefix("tp") {
+        let n = number(n)?;
+        return Ok(Config {
+            name: text.into(),
+            devices: n,
+            args: owned(&["--strategy", "tp", "--virtual", &n.to_string()]),
+        });
+    }
+    if let Some(rest) = text.strip_prefix("pp") {
+        let (p, m) = rest.split_once("-m").ok_or_else(bad)?;
+        let (p, m) = (number(p)?, number(m)?);
+        return Ok(Config {
+            name: text.into(),
+            devices: p,
+            args: owned(&[
+                "--strategy",
+                "pp",
+                "--virtual",
+                &p.to_string(),
+                "--micro-batches",
+                &m.to_string(),
+            ]),
+        });
+    }
+    Err(bad())
+}
+
+/// Runs this executable with `args`; its output goes to `log`.
+fn wgpar(args: &[String], log: &Path) -> Result<()> {
+    let exe = std::env::current_exe()
+        .map_err(|e| WgparError::Config(format!("cannot find the wgpar executable: {e}")))?;
+    let out = Command::new(&exe)
+        .args(args)
+        .output()
+        .map_err(|e| WgparError::Config(format!("cannot start {}: {e}", exe.display())))?;
+    let mut text = out.stdout;
+    text.extend_from_slice(&out.stderr);
+    std::fs::write(log, &text)
+        .map_err(|e| WgparError::Config(format!("cannot write {}: {e}", log.display())))?;
+    if !out.status.success() {
+        let tail: String = String::from_utf8_lossy(&text)
+            .lines()
+            .rev()
+            .take(5)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n");
+        return Err(WgparError::Config(format!(
+            "`wgpar {}` failed (log: {}):\n{tail}",
+            args.join(" "),
+            log.display()
+        )));
+    }
+    Ok(())
+}
+
+/// One run projected onto one calibration.
+#[derive(Debug, Clone, Serialize)]
+struct Pair {
+    run_round: usize,
+    calibration_round: usize,
+    measured_ms: f64,
+    projected_ms: f64,
+    error_pct: f64,
+}
+
+/// The figures of one configuration.
+#[derive(Debug, Clone, Serialize)]
+struct Row {
+    config: Config,
+    measured_ms_median: f64,
+    measured_ms_range: [f64; 2],
+    projected_ms_median: f64,
+    error_pct_median: f64,
+    error_pct_range: [f64; 2],
+    within_tolerance: bool,
+    pairs: Vec<Pair>,
+}
+
+#[derive(Serialize)]
+struct Report<'a> {
+    model: &'a str,
+    batch: usize,
+    prompt_len: usize,
+    gen: usize,
+    rounds: usize,
+    host_gaps_kept: bool,
+    tolerance_pct: f64,
+    rows: Vec<Row>,
+    within: usize,
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => v[n / 2],
+        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+fn range(values: &[f64]) -> [f64; 2] {
+    values
+        .iter()
+        .fold([f64::INFINITY, f64::NEG_INFINITY], |[lo, hi], &v| {
+            [lo.min(v), hi.max(v)]
+        })
+}
+
+/// Runs the benchmark.
+pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
+    if args.rounds == 0 || args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
+        return Err(WgparError::Config(
+            "--rounds, --batch, --prompt-len and --gen must be positive".into(),
+        ));
+    }
+    if !(args.tolerance.is_finite() && args.tolerance > 0.0) {
+        return Err(WgparError::Config(format!(
+            "--tolerance must be a positive number of percent, got {}",
+            args.tolerance
+        )));
+    }
+    let configs = args
+        .configs
+        .iter()
+        .map(|c| parse_config(c))
+        .collect::<Result<Vec<_>>>()?;
+    if configs.is_empty() {
+        return Err(WgparError::Config("--configs is empty".into()));
+    }
+    let devices = configs.iter().map(|c| c.devices).max().unwrap_or(1).max(2);
+    let dir = &args.out_dir;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| WgparError::Config(format!("cannot create {}: {e}", dir.display())))?;
+    let path = |name: String| dir.join(name);
+    let shape = [
+        "--batch".to_string(),
+        args.batch.to_string(),
+        "--prompt-len".into(),
+        args.prompt_len.to_string(),
+    ];
+
+    for round in 0..args.rounds {
+        let mut cal: Vec<String> = vec![
+            "calibrate".into(),
+            "--model".into(),
+            args.model.clone(),
+            "--virtual".into(),
+            devices.to_string(),
+            "--max-bytes".into(),
+            args.max_bytes.clone(),
+            "--out".into(),
+            path(format!("cal{round}.toml")).display().to_string(),
+        ];
+        cal.extend(shape.iter().cloned());
+        if args.quick {
+            cal.push("--quick".into());
+        }
+        eprintln!("round {}/{}: calibrating", round + 1, args.rounds);
+        wgpar(&cal, &path(format!("cal{round}.log")))?;
+        for c in &configs {
+            eprintln!("round {}/{}: {}", round + 1, args.rounds, c.name);
+            let mut run: Vec<String> = vec!["run".into(), "--model".into(), args.model.clone()];
+            run.extend(c.args.iter().cloned());
+            run.extend(shape.iter().cloned());
+            run.extend([
+                "--gen".into(),
+                args.gen.to_string(),
+                "--trace".into(),
+                path(format!("{}.r{round}.json", c.name))
+                    .display()
+                    .to_string(),
+            ]);
+            wgpar(&run, &path(format!("{}.r{round}.log", c.name)))?;
+        }
+    }
+
+    let profiles = (0..args.rounds)
+        .map(|r| {
+            let p = path(format!("cal{r}.toml"));
+            HostProfile::load(&p).map_err(|e| WgparError::Config(e.to_string()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let options = ProjectOptions {
+        host_gaps: if args.keep_host_gaps {
+            HostGaps::Keep
+        } else {
+            HostGaps::Drop
+        },
+        ..Default::default()
+    };
+    let mut rows = Vec::new();
+    for c in configs {
+        let mut pairs = Vec::new();
+        for run_round in 0..args.rounds {
+            let trace = path(format!("{}.r{run_round}.json", c.name));
+            let timeline = Timeline::read_chrome_trace(&trace)
+                .map_err(|e| WgparError::Config(format!("cannot read {}: {e}", trace.display())))?;
+            for (calibration_round, profile) in profiles.iter().enumerate() {
+                let p = project(&timeline, profile, &options)
+                    .map_err(|e| WgparError::Config(format!("{}: {e}", trace.display())))?;
+                let measured_ms = p.report.measured.makespan_us / 1e3;
+                let projected_ms = p.report.projected.makespan_us / 1e3;
+                pairs.push(Pair {
+                    run_round,
+                    calibration_round,
+                    measured_ms,
+                    projected_ms,
+                    error_pct: (projected_ms - measured_ms) / measured_ms * 100.0,
+                });
+            }
+        }
+        let measured: Vec<f64> = pairs
+            .iter()
+            .filter(|p| p.calibration_round == 0)
+            .map(|p| p.measured_ms)
+            .collect();
+        let projected: Vec<f64> = pairs.iter().map(|p| p.projected_ms).collect();
+        let errors: Vec<f64> = pairs.iter().map(|p| p.error_pct).collect();
+        let error = median(&errors);
+        rows.push(Row {
+            config: c,
+            measured_ms_median: median(&measured),
+            measured_ms_range: range(&measured),
+            projected_ms_median: median(&projected),
+            error_pct_median: error,
+            error_pct_range: range(&errors),
+            within_tolerance: error.abs() <= args.tolerance,
+            pairs,
+        });
+    }
+    let within = rows.iter().filter(|r| r.within_tolerance).count();
+    let report = Report {
+        model: &args.model,
+        batch: args.batch,
+        prompt_len: args.prompt_len,
+        gen: args.gen,
+        rounds: args.rounds,
+        host_gaps_kept: args.keep_host_gaps,
+        tolerance_pct: args.tolerance,
+        within,
+        rows,
+    };
+    if args.json {
+        let text = serde_json::to_string_pretty(&report)
+            .map_err(|e| WgparError::Config(format!("json: {e}")))?;
+        println!("{text}");
+        return Ok(());
+    }
+    let n = args.rounds;
+    println!(
+        "projection onto this machine's calibrated profile: model {}, batch {}, prompt {}, {} generated; {n} rounds, every run onto every calibration ({} pairs per configuration)",
+        args.model,
+        args.batch,
+        args.prompt_len,
+        args.gen,
+        n * n
+    );
+    println!();
+    println!(
+        "| config | measured ms, median of {n} (range) | projected ms, median of {} | error, median [range] |",
+        n * n
+    );
+    println!("|---|---:|---:|---:|");
+    for r in &report.rows {
+        println!(
+            "| {} | {:.0} ({:.0}-{:.0}) | {:.0} | {:+.1} % [{:+.0}, {:+.0}] |",
+            r.config.name,
+            r.measured_ms_median,
+            r.measured_ms_range[0],
+            r.measured_ms_range[1],
+            r.projected_ms_median,
+            r.error_pct_median,
+            r.error_pct_range[0],
+            r.error_pct_range[1]
+        );
+    }
+    println!();
+    println!(
+        "{within} of {} configurations within {} % (median error); profiles and traces in {}",
+        report.rows.len(),
+        args.tolerance,
+        dir.display()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configurations_parse_and_bad_ones_are_named() {
+        let c = parse_config("pp4-m8").unwrap();
+        assert_eq!(c.devices, 4);
+        assert_eq!(
+            c.args,
+            ["--strategy", "pp", "--virtual", "4", "--micro-batches", "8"]
+        );
+        assert_eq!(parse_config("tp2").unwrap().devices, 2);
+        assert_eq!(parse_config("single").unwrap().devices, 1);
+        for bad in ["tp", "tp0", "pp2", "pp2-m0", "dp2", "pp-m2"] {
+            let e = parse_config(bad).unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains("ppN-mM"), "{e}");
+        }
+    }
+
+    #[test]
+    fn medians_and_ranges() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(range(&[3.0, -1.0, 2.0]), [-1.0, 3.0]);
+    }
+}
