@@ -8,7 +8,7 @@ use wgpar::device::Adapters;
 use wgpar::parallel::{build_engine, generate, PartitionSpec, Strategy};
 
 use wgpar::sim::{HostProfile, LinkPacer};
-use wgpar::trace::Recorder;
+use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
 
 use super::text::TextArgs;
@@ -92,6 +92,11 @@ pub struct RunArgs {
     /// e.g. pcie3-2gpu, so the run behaves like that machine's interconnect.
     #[arg(long, value_name = "PROFILE")]
     pace: Option<String>,
+    /// With --trace, also time compute spans on the device with timestamp queries: auto (where
+    /// the adapter has TIMESTAMP_QUERY and is not a CPU driver, on which timestamp writes
+    /// slow each submission down), on, off.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
+    device_timestamps: String,
     #[command(flatten)]
     text: TextArgs,
 }
@@ -155,6 +160,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     generate(engine.as_mut(), &prompts, 2)?;
     let recorder = if args.trace.is_some() {
         Recorder::new()
+            .with_device_timing(DeviceTiming::parse(&args.device_timestamps).unwrap_or_default())
     } else {
         Recorder::disabled()
     };
@@ -231,6 +237,22 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "trace: {} spans written to {path} (open in https://ui.perfetto.dev)",
             timeline.spans.len()
         );
+        let timed: Vec<_> = timeline
+            .spans
+            .iter()
+            .filter_map(|s| s.device_ns.map(|ns| (ns, s.dur_ns)))
+            .collect();
+        if !timed.is_empty() {
+            let device: u64 = timed.iter().map(|t| t.0).sum();
+            let host: u64 = timed.iter().map(|t| t.1).sum();
+            println!(
+                "  device time (timestamp queries) of {} compute spans: {:.1} ms of their {:.1} ms on the host clock ({:.0} %)",
+                timed.len(),
+                device as f64 / 1e6,
+                host as f64 / 1e6,
+                device as f64 / host.max(1) as f64 * 100.0
+            );
+        }
     }
     Ok(())
 }

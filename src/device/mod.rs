@@ -4,12 +4,14 @@
 mod adapter;
 mod gpu;
 mod tensor;
+mod timer;
 
 use std::sync::Arc;
 
 pub use adapter::{AdapterDesc, Adapters};
 pub use gpu::{Gpu, GpuOptions};
 pub use tensor::{DType, Tensor};
+pub use timer::{GpuTimer, SpanTimer};
 
 use crate::error::{Result, WgparError};
 

@@ -239,6 +239,23 @@ pub fn generate(engine: &mut dyn Engine, prompts: &[Vec<u32>], steps: usize) -> 
     })
 }
 
+/// The device timer an engine uses for `gpu`'s compute spans under `recorder`: active while
+/// recording, where the recorder's [`DeviceTiming`](crate::trace::DeviceTiming) allows it
+/// and the adapter has `TIMESTAMP_QUERY`.
+pub(crate) fn span_timer(
+    gpu: &crate::device::Gpu,
+    recorder: &Recorder,
+) -> crate::device::SpanTimer {
+    use crate::trace::DeviceTiming;
+    let wanted = recorder.is_enabled()
+        && match recorder.device_timing() {
+            DeviceTiming::On => true,
+            DeviceTiming::Off => false,
+            DeviceTiming::Auto => gpu.info().device_type != "Cpu",
+        };
+    crate::device::SpanTimer::new(gpu, wanted)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

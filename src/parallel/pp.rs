@@ -28,7 +28,7 @@ use super::partition::{partition, Partition};
 use super::tp::{EncoderExtras, GroupInput, GroupJob, GroupOutput, TpGroup};
 use super::{check_decode, cost, prompt_shape, Engine, Generation, Logits, StepStats};
 use crate::comm::{Collectives, CommConfig, PendingDownload};
-use crate::device::{DType, Gpu};
+use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
 use crate::model::{
     Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec,
@@ -196,6 +196,8 @@ struct Stage {
     output: Sender<Result<Output>>,
     stats: Arc<Mutex<Vec<StageStats>>>,
     fault: Arc<Mutex<Vec<Option<Fault>>>>,
+    /// Device-side timing of compute spans, made on the first traced micro-batch.
+    timer: Option<SpanTimer>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -294,6 +296,9 @@ impl Stage {
             }
             Backend::Group(_) => return self.process_group(work),
         }
+        if work.recorder.is_enabled() && self.timer.is_none() {
+            self.timer = Some(super::span_timer(&self.gpu, &work.recorder));
+        }
         let Backend::Device {
             model,
             acts,
@@ -309,6 +314,11 @@ impl Stage {
             )));
         };
         let m = model;
+        let untimed = SpanTimer::default();
+        let timer = match &self.timer {
+            Some(t) if work.recorder.is_enabled() => t,
+            _ => &untimed,
+        };
         let gpu = m.gpu().clone();
         let dev = gpu.ordinal() as u32;
         let rec = work.recorder.clone();
@@ -348,6 +358,7 @@ impl Stage {
         }
         let start = Instant::now();
         let mut enc = gpu.encoder();
+        timer.begin(&mut enc);
         if self.index == 0 {
             m.embed(&mut enc, act, &step)?;
         }
@@ -360,6 +371,7 @@ impl Stage {
         if self.is_last() {
             m.finish(&mut enc, act, &step)?;
         }
+        timer.end(&mut enc);
         gpu.submit(enc);
         // Double buffering: the previous micro-batch's download was queued before this
         // compute; finishing and sending it now overlaps this compute.
@@ -368,6 +380,7 @@ impl Stage {
         let flush_s = flush_start.elapsed().as_secs_f64();
         gpu.wait()?;
         let end = Instant::now();
+        let device_us = timer.read_us(&gpu)?;
         let work_cost = cost::total(
             m.config(),
             &m.placement().shard,
@@ -385,6 +398,7 @@ impl Stage {
                 .bytes(work_cost.bytes)
                 .kernels(work_cost.kernels)
                 .family(KernelFamily::Matmul)
+                .device_us(device_us)
                 .after(dep)
         });
         {
@@ -687,6 +701,7 @@ impl PipelineEngine {
                 output: output_tx.clone(),
                 stats: stats.clone(),
                 fault: faults.clone(),
+                timer: None,
             };
             threads.push(
                 std::thread::Builder::new()

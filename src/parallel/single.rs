@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{check_decode, cost, prompt_shape, Engine, Logits, StepStats};
-use crate::device::{DType, Gpu};
+use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
 use crate::model::{Activations, GpuModel, KvCache, ModelWeights, Placement, Step};
 use crate::trace::{KernelFamily, Recorder, SpanAttrs};
@@ -18,6 +18,8 @@ pub struct SingleEngine {
     past: usize,
     last: Option<StepStats>,
     recorder: Recorder,
+    /// Device-side timing of the forward span while a trace is recorded.
+    timer: SpanTimer,
 }
 
 impl SingleEngine {
@@ -32,6 +34,7 @@ impl SingleEngine {
             past: 0,
             last: None,
             recorder: Recorder::disabled(),
+            timer: SpanTimer::default(),
         })
     }
 
@@ -48,6 +51,7 @@ impl SingleEngine {
         m.write_ids(act, ids)?;
         let start = Instant::now();
         let mut enc = m.gpu().encoder();
+        self.timer.begin(&mut enc);
         m.embed(&mut enc, act, &step)?;
         for i in 0..m.num_layers() {
             m.attention(&mut enc, i, act, kv, &step)?;
@@ -56,6 +60,7 @@ impl SingleEngine {
             m.mlp_residual(&mut enc, i, act, &step)?;
         }
         m.head(&mut enc, act, &step)?;
+        self.timer.end(&mut enc);
         m.gpu().submit(enc);
         let logits = act
             .logits
@@ -65,6 +70,7 @@ impl SingleEngine {
         let mut data = m.gpu().read_f32(logits)?;
         data.truncate(step.batch * vocab);
         let end = Instant::now();
+        let device_us = self.timer.read_us(m.gpu())?;
         let c = m.config();
         let placement = m.placement();
         let work = cost::total(
@@ -85,6 +91,7 @@ impl SingleEngine {
                 .bytes(work.bytes)
                 .family(KernelFamily::Matmul)
                 .kernels(work.kernels)
+                .device_us(device_us)
         });
         self.last = Some(StepStats {
             tokens: step.tokens(),
@@ -151,6 +158,7 @@ impl Engine for SingleEngine {
             self.model.gpu().ordinal() as u32,
             self.model.gpu().describe(),
         );
+        self.timer = super::span_timer(self.model.gpu(), &recorder);
         self.recorder = recorder;
     }
 }

@@ -18,7 +18,7 @@ use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::worker::Workers;
 use super::{check_decode, prompt_shape, Engine, Logits, StepStats};
 use crate::comm::{CommConfig, Communicator, RankHandle};
-use crate::device::{DType, Gpu};
+use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
 use crate::model::{
     Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec,
@@ -37,6 +37,8 @@ struct Rank {
     caches: HashMap<usize, KvCache>,
     collectives: u64,
     group_tag: u64,
+    /// Device-side timing of compute spans, made on the first traced step.
+    timer: Option<SpanTimer>,
 }
 
 /// What a tensor-parallel group computes on: token ids (the group holds the embedding) or
@@ -157,8 +159,16 @@ impl Rank {
                 });
             }
         }
+        let untimed = SpanTimer::default();
+        let timer: &SpanTimer = if rec.is_enabled() {
+            self.timer
+                .get_or_insert_with(|| super::span_timer(&gpu, rec))
+        } else {
+            &untimed
+        };
         let mut start = Instant::now();
         let mut enc = gpu.encoder();
+        timer.begin(&mut enc);
         if matches!(job.input, GroupInput::Ids(_)) {
             m.embed(&mut enc, act, &step)?;
         }
@@ -180,9 +190,13 @@ impl Rank {
                         KernelFamily::Matmul,
                     )
                 };
+                timer.end(&mut enc);
                 gpu.submit(std::mem::replace(&mut enc, gpu.encoder()));
                 gpu.wait()?;
                 let end = Instant::now();
+                let device_us = timer.read_us(&gpu)?;
+                // The next span's work goes into the fresh encoder.
+                timer.begin(&mut enc);
                 out.compute_s += (end - start).as_secs_f64();
                 let compute = rec.record_with(start, end, || {
                     let a = SpanAttrs::compute(name, dev)
@@ -191,6 +205,7 @@ impl Rank {
                         .bytes(cost.bytes)
                         .kernels(cost.kernels)
                         .family(family)
+                        .device_us(device_us)
                         .after(prev);
                     match mb {
                         Some(k) => a.microbatch(k),
@@ -259,9 +274,11 @@ impl Rank {
         if holds_head {
             m.finish(&mut enc, act, &step)?;
         }
+        timer.end(&mut enc);
         gpu.submit(enc);
         gpu.wait()?;
         let end = Instant::now();
+        let device_us = timer.read_us(&gpu)?;
         out.compute_s += (end - start).as_secs_f64();
         let tail = rec.record_with(start, end, || {
             let head = cost::head(config, step.batch, dtype);
@@ -274,6 +291,7 @@ impl Rank {
                 .flops(if holds_head { head.flops } else { 0 })
                 .bytes(if holds_head { head.bytes } else { bytes * 3 })
                 .kernels(if holds_head { head.kernels } else { 1 })
+                .device_us(device_us)
                 .after(prev);
             match mb {
                 Some(k) => a.microbatch(k),
@@ -395,6 +413,7 @@ impl TpGroup {
                     caches: HashMap::new(),
                     collectives: 0,
                     group_tag: gpus[0].ordinal() as u64,
+                    timer: None,
                 },
             ));
         }

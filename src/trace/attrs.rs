@@ -50,6 +50,8 @@ pub struct SpanAttrs {
     pub deps: Vec<SpanId>,
     /// Collective attributes.
     pub collective: Option<CollectiveInfo>,
+    /// Device time from timestamp queries (see [`Span::device_ns`]).
+    pub device_ns: Option<u64>,
 }
 
 impl SpanAttrs {
@@ -69,6 +71,7 @@ impl SpanAttrs {
             precision: Precision::F32,
             deps: Vec::new(),
             collective: None,
+            device_ns: None,
         }
     }
 
@@ -165,6 +168,13 @@ impl SpanAttrs {
         self
     }
 
+    /// Sets the device time measured by timestamp queries, in microseconds (`None`: the
+    /// adapter cannot time on the device).
+    pub fn device_us(mut self, us: Option<f64>) -> Self {
+        self.device_ns = us.map(super::us_to_ns);
+        self
+    }
+
     /// Sets the kernel family.
     pub fn family(mut self, family: KernelFamily) -> Self {
         self.family = Some(family);
@@ -233,6 +243,7 @@ impl SpanAttrs {
             precision: self.precision,
             deps,
             collective: self.collective,
+            device_ns: self.device_ns,
         }
     }
 }

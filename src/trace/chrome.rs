@@ -61,6 +61,9 @@ fn span_args(s: &Span) -> Value {
     if let Some(f) = s.family {
         a.insert("family".into(), json!(f));
     }
+    if let Some(ns) = s.device_ns {
+        a.insert("device_us".into(), json!(ns as f64 / 1e3));
+    }
     if !s.deps.is_empty() {
         a.insert(
             "deps".into(),

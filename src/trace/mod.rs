@@ -17,7 +17,7 @@ mod timeline;
 pub use attrs::SpanAttrs;
 pub use chrome::TRACE_FORMAT_VERSION;
 pub use error::TraceError;
-pub use recorder::Recorder;
+pub use recorder::{DeviceTiming, Recorder};
 pub use span::{
     CollectiveInfo, CollectiveOp, KernelFamily, Precision, Span, SpanId, SpanKind, Track,
 };

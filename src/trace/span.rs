@@ -302,6 +302,11 @@ pub struct Span {
     /// Collective attributes, for [`SpanKind::Collective`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub collective: Option<CollectiveInfo>,
+    /// Time the device spent on the span's work, from timestamp queries (where the adapter has
+    /// `TIMESTAMP_QUERY`), nanoseconds. The span's start and duration stay on the host clock,
+    /// which also holds encoding, submission and the wait; this is the device's part of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_ns: Option<u64>,
 }
 
 impl Span {
