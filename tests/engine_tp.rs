@@ -134,3 +134,57 @@ fn invalid_degree_lists_valid_degrees() {
     .to_string();
     assert!(e.contains("3 shares for 2 devices"), "{e}");
 }
+
+/// The trace of a TP = 2 step: each all-reduce is one collective group with a span per rank,
+/// all starting when the last rank arrived; a rank that arrived earlier shows the difference
+/// as a wait span that ends where the collective starts.
+#[test]
+fn traced_all_reduces_split_waiting_from_communicating() {
+    use std::collections::BTreeMap;
+    use wgpar::trace::{Recorder, SpanKind};
+
+    let gpus = common::gpus(2);
+    let config = ModelConfig::preset("tiny-llama").unwrap();
+    let weights = ModelWeights::synthetic(&config, 3);
+    let mut tp =
+        TensorParallelEngine::new(&gpus, &weights, DType::F32, None, CommConfig::default())
+            .unwrap();
+    let prompts = common::prompts(2, 8, config.vocab, 9);
+    tp.prefill(&prompts).unwrap();
+    let rec = Recorder::new();
+    tp.set_recorder(rec.clone());
+    tp.decode(&[1, 2]).unwrap();
+    let timeline = rec.timeline();
+    let by_id: BTreeMap<_, _> = timeline.spans.iter().map(|s| (s.id, s)).collect();
+    let mut groups: BTreeMap<u64, Vec<_>> = BTreeMap::new();
+    for s in timeline
+        .spans
+        .iter()
+        .filter(|s| s.kind == SpanKind::Collective)
+    {
+        let info = s.collective.as_ref().unwrap();
+        assert_eq!((info.participants, info.chunks), (2, 1));
+        groups.entry(info.group.unwrap()).or_default().push(s);
+    }
+    assert_eq!(groups.len(), 2 * config.layers);
+    let mut waits = 0;
+    for members in groups.values() {
+        assert_eq!(members.len(), 2);
+        let started = members[0].start_ns;
+        for c in members {
+            assert_eq!(c.start_ns, started, "members of a group start together");
+            let before = by_id[&c.deps[0]];
+            match before.kind {
+                SpanKind::Wait => {
+                    waits += 1;
+                    assert_eq!(before.end_ns(), c.start_ns);
+                    assert_eq!(before.device, c.device);
+                }
+                SpanKind::Compute => assert!(before.end_ns() <= c.start_ns),
+                other => panic!("collective after a {other:?} span"),
+            }
+        }
+    }
+    // The rank that arrives first waits for the other (the engine skips waits under 1 us).
+    assert!(waits >= 1, "{waits} waits in {} all-reduces", groups.len());
+}

@@ -49,7 +49,7 @@ struct Rendezvous {
     arrived: usize,
     /// Outcome of collective `seq - 1`, kept until every rank has read it (no rank can start
     /// the next collective before that).
-    result: Option<(u64, std::result::Result<(), CommError>)>,
+    result: Option<(u64, std::result::Result<(), CommError>, Instant)>,
     aborted: Option<String>,
     joined: Vec<bool>,
     /// A rank is running collective `seq` for everyone: waiters stop counting their timeout
@@ -179,28 +179,39 @@ impl Communicator {
     /// Rank `rank`'s part of an in-place all-reduce (sum) of `tensor`, which lives on
     /// `gpu(rank)`. Returns when every rank's tensor holds the sum (uploads queued).
     pub fn all_reduce(&self, rank: usize, tensor: &Tensor) -> Result<()> {
+        self.call(rank, Request::AllReduce(TensorRef::of(tensor)))?;
+        Ok(())
+    }
+
+    /// [`all_reduce`](Self::all_reduce), also returning the instant the last rank arrived and
+    /// the operation started: a rank's time before it was waiting for the others, its time
+    /// after it was the collective itself.
+    pub fn all_reduce_timed(&self, rank: usize, tensor: &Tensor) -> Result<Instant> {
         Ok(self.call(rank, Request::AllReduce(TensorRef::of(tensor)))?)
     }
 
     /// Rank `rank`'s part of an all-gather: `output` (n x input length) receives every rank's
     /// `input` in rank order.
     pub fn all_gather(&self, rank: usize, input: &Tensor, output: &Tensor) -> Result<()> {
-        Ok(self.call(
+        self.call(
             rank,
             Request::AllGather(TensorRef::of(input), TensorRef::of(output)),
-        )?)
+        )?;
+        Ok(())
     }
 
     /// Rank `rank`'s part of a reduce-scatter: `output` receives slice `rank` of the sum of
     /// every rank's `input` (n x output length).
     pub fn reduce_scatter(&self, rank: usize, input: &Tensor, output: &Tensor) -> Result<()> {
-        Ok(self.call(
+        self.call(
             rank,
             Request::ReduceScatter(TensorRef::of(input), TensorRef::of(output)),
-        )?)
+        )?;
+        Ok(())
     }
 
-    fn call(&self, rank: usize, req: Request) -> std::result::Result<(), CommError> {
+    /// Runs `req` once every rank has asked; returns when the last rank arrived.
+    fn call(&self, rank: usize, req: Request) -> std::result::Result<Instant, CommError> {
         self.check_rank(rank)?;
         let n = self.gpus.len();
         let op = req.op();
@@ -222,6 +233,7 @@ impl Communicator {
 
         if st.arrived == n {
             // Last to arrive: run it for everyone.
+            let all_arrived = Instant::now();
             let reqs: Vec<Option<Request>> = st.arrivals.iter_mut().map(Option::take).collect();
             st.arrived = 0;
             st.running = true;
@@ -236,18 +248,18 @@ impl Communicator {
             let result = self.execute(seq, reqs);
             guard.done = true;
             let mut st = lock(&self.state);
-            st.result = Some((seq, result.clone()));
+            st.result = Some((seq, result.clone(), all_arrived));
             st.seq += 1;
             st.running = false;
             self.cv.notify_all();
-            return result;
+            return result.map(|()| all_arrived);
         }
 
         let deadline = Instant::now() + self.timeout;
         loop {
             if st.seq > seq {
                 return match &st.result {
-                    Some((s, r)) if *s == seq => r.clone(),
+                    Some((s, r, at)) if *s == seq => r.clone().map(|()| *at),
                     _ => Err(CommError::Config(format!(
                         "internal: result of {op} #{seq} is missing"
                     ))),
@@ -393,6 +405,11 @@ impl RankHandle {
     /// See [`Communicator::all_reduce`].
     pub fn all_reduce(&self, tensor: &Tensor) -> Result<()> {
         self.comm.all_reduce(self.rank, tensor)
+    }
+
+    /// See [`Communicator::all_reduce_timed`].
+    pub fn all_reduce_timed(&self, tensor: &Tensor) -> Result<Instant> {
+        self.comm.all_reduce_timed(self.rank, tensor)
     }
 
     /// See [`Communicator::all_gather`].

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::cost;
 use super::encoder::{pad_batch, Embeddings, Encoder};
@@ -218,14 +218,14 @@ impl Rank {
                     &act.mlp_out
                 };
                 let comm_start = Instant::now();
-                self.comm.all_reduce(partial)?;
+                let all_arrived = self.comm.all_reduce_timed(partial)?;
                 if let Some(p) = &job.pacer {
                     p.collective(
                         CollectiveOp::AllReduce,
                         Algorithm::HostStaged,
                         bytes,
                         world as usize,
-                        comm_start,
+                        all_arrived,
                     )
                     .map_err(|e| WgparError::Config(e.to_string()))?;
                 }
@@ -244,6 +244,22 @@ impl Rank {
                     .chunks(bytes);
                 let group = (self.group_tag << 48) | self.collectives;
                 self.collectives += 1;
+                // Time spent waiting for the slowest rank is a wait span, not communication
+                // (the last rank to arrive waits for nobody).
+                let waited = if all_arrived > comm_start + Duration::from_micros(1) {
+                    rec.record_with(comm_start, all_arrived, || {
+                        let a = SpanAttrs::wait("allreduce wait", dev)
+                            .layer(layer)
+                            .after(compute);
+                        match mb {
+                            Some(k) => a.microbatch(k),
+                            None => a,
+                        }
+                    })
+                } else {
+                    compute
+                };
+                let comm_start = all_arrived.max(comm_start);
                 prev = rec.record_with(comm_start, comm_end, || {
                     let a = SpanAttrs::collective(
                         "allreduce",
@@ -256,7 +272,7 @@ impl Rank {
                     .layer(layer)
                     .group(group)
                     .chunks(chunks)
-                    .after(compute);
+                    .after(waited);
                     match mb {
                         Some(k) => a.microbatch(k),
                         None => a,
