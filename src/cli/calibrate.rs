@@ -238,6 +238,17 @@ fn host_reduce_gbps(gpus: &[Arc<Gpu>], sizes: &[u64], iters: usize) -> Result<f6
         .ok_or_else(|| WgparError::Config("no all-reduce reported a reduce phase".into()))
 }
 
+/// Joins calibration threads in order; a thread that panicked becomes an error.
+fn join_all<T>(handles: Vec<std::thread::ScopedJoinHandle<'_, Result<T>>>) -> Vec<Result<T>> {
+    handles
+        .into_iter()
+        .map(|h| {
+            h.join()
+                .unwrap_or_else(|_| Err(WgparError::Config("calibration thread panicked".into())))
+        })
+        .collect()
+}
+
 /// Time of one all-reduce of `bytes` through a [`Communicator`] over `gpus`, as the
 /// tensor-parallel engine calls it (one thread per rank, the collective is the rendezvous).
 /// Per call the shortest rank time counts: that rank arrived last and waited for nobody.
@@ -266,14 +277,7 @@ fn communicator_all_reduce_us(gpus: &[Arc<Gpu>], bytes: usize, iters: usize) -> 
                 })
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(WgparError::Config("calibration thread panicked".into()))
-                })
-            })
-            .collect()
+        join_all(handles)
     });
     let per_rank = per_rank.into_iter().collect::<Result<Vec<Vec<f64>>>>()?;
     let mut shortest: Vec<f64> = (0..iters)
@@ -712,14 +716,7 @@ fn sharing_slowdown(
                     })
                 })
                 .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(WgparError::Config("calibration thread panicked".into()))
-                    })
-                })
-                .collect()
+            join_all(handles)
         });
         per_device.into_iter().collect()
     };
