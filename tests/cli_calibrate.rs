@@ -1,28 +1,10 @@
 //! `wgpar calibrate` end to end on the test adapter (lavapipe on CI): a quick sweep writes a
 //! profile that parses and holds every measured figure.
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
+use common::{scratch, wgpar};
 use wgpar::sim::HostProfile;
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("wgpar-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn wgpar(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_wgpar"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 #[test]
 fn quick_calibration_writes_a_profile_that_parses() {

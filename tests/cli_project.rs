@@ -1,28 +1,12 @@
 //! `wgpar project` end to end: record a tiny pipeline run with `wgpar run --trace`, replay it
 //! on shipped and calibrated profiles, and draw it.
 
+mod common;
+
 use std::path::PathBuf;
-use std::process::Command;
 
+use common::{scratch, wgpar};
 use wgpar::trace::Timeline;
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("wgpar-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn wgpar(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_wgpar"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 fn record_pipeline(dir: &std::path::Path) -> PathBuf {
     let trace = dir.join("pp.json");

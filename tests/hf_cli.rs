@@ -2,25 +2,13 @@
 //! the CPU reference's greedy choice, sampling is reproducible by seed, `wgpar embed` prints
 //! similarities, and misuse gives an error and a failing exit status.
 
+mod common;
 mod hf_support;
 
-use std::process::Command;
-
+use common::wgpar;
 use hf_support::{write_checkpoint, write_word_tokenizer, Store};
 use wgpar::model::{CpuReference, ModelConfig, ModelWeights};
 use wgpar::parallel::Logits;
-
-fn wgpar(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_wgpar"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 /// A tiny GPT-2 checkpoint with a word-level tokenizer (`t0`, `t1`, ...; `t0` ends text).
 fn tiny_gpt2() -> (hf_support::Scratch, ModelWeights) {

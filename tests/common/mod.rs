@@ -49,3 +49,23 @@ pub fn rel_err(a: &[f32], b: &[f64]) -> f64 {
     });
     diff / scale
 }
+
+/// A fresh scratch folder for test `name` (per process, so parallel test binaries differ).
+pub fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("wgpar-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs the `wgpar` binary: (success, stdout, stderr).
+pub fn wgpar(args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_wgpar"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
