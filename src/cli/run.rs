@@ -89,8 +89,9 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE")]
     trace: Option<String>,
     /// Pace transfers and collectives to a host profile's links (shipped name or TOML path),
-    /// e.g. pcie3-2gpu, so the run behaves like that machine's interconnect.
-    #[arg(long, value_name = "PROFILE")]
+    /// e.g. pcie3-2gpu, so the run behaves like that machine's interconnect; or to one link
+    /// given as ALPHA_US:BETA_GBPS, e.g. 50:0.125 for a 1 Gb/s network.
+    #[arg(long, value_name = "PROFILE|ALPHA_US:BETA_GBPS")]
     pace: Option<String>,
     /// With --trace, also time compute spans on the device with timestamp queries: auto (where
     /// the adapter has TIMESTAMP_QUERY and is not a CPU driver, on which timestamp writes
@@ -141,12 +142,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         (args.batch, args.prompt_len),
     )?;
     println!("engine: {}", engine.name());
-    if let Some(profile) = &args.pace {
-        let profile =
-            HostProfile::resolve(profile).map_err(|e| WgparError::Config(e.to_string()))?;
-        let pacer =
-            LinkPacer::from_profile(&profile, 0).map_err(|e| WgparError::Config(e.to_string()))?;
-        println!("pacing transfers to the links of {}", profile.name);
+    if let Some(text) = &args.pace {
+        let (pacer, what) = pacer_for(text)?;
+        println!("pacing transfers to {what}");
         engine.set_pacer(Some(Arc::new(pacer)));
     }
     let prompts: Vec<Vec<u32>> = (0..args.batch)
@@ -255,4 +253,46 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The pacer `--pace` names: one link as `ALPHA_US:BETA_GBPS`, else a host profile (device 0's
+/// host link, collectives by the profile's cost model). Also says what it paces to.
+fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
+    if let Some((alpha, beta)) = text.split_once(':') {
+        if let (Ok(alpha_us), Ok(beta_gbps)) = (alpha.trim().parse(), beta.trim().parse()) {
+            let pacer = LinkPacer::from_alpha_beta(alpha_us, beta_gbps)
+                .map_err(|e| WgparError::Config(format!("--pace {text}: {e}")))?;
+            return Ok((
+                pacer,
+                format!("one link of {alpha_us} us + bytes / {beta_gbps} GB/s per message"),
+            ));
+        }
+    }
+    let profile = HostProfile::resolve(text).map_err(|e| WgparError::Config(e.to_string()))?;
+    let pacer =
+        LinkPacer::from_profile(&profile, 0).map_err(|e| WgparError::Config(e.to_string()))?;
+    Ok((pacer, format!("the links of {}", profile.name)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wgpar::sim::Direction;
+
+    #[test]
+    fn pace_takes_a_link_or_a_profile() {
+        let (gbit, what) = pacer_for("50:0.125").unwrap();
+        assert!(
+            what.contains("50 us") && what.contains("0.125 GB/s"),
+            "{what}"
+        );
+        // 1 MB over 1 Gb/s: 50 us + 8 ms.
+        let t = gbit.model_us(Direction::DeviceToHost, 1_000_000);
+        assert!((t - 8050.0).abs() < 1e-6, "{t}");
+        let (_, what) = pacer_for("pcie3-2gpu").unwrap();
+        assert!(what.contains("pcie3-2gpu"), "{what}");
+        let e = pacer_for("50:-1").unwrap_err().to_string();
+        assert!(e.contains("--pace 50:-1"), "{e}");
+        assert!(pacer_for("no-such-profile").is_err());
+    }
 }
