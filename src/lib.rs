@@ -3,9 +3,11 @@
 //!
 //! Layers, top to bottom: engines (`parallel`) -> model blocks (`model`) and collectives
 //! (`comm`) -> kernels (`kernels`, `shaders/*.wgsl`) -> devices (`device`). The timeline
-//! (`trace`) is recorded as engines run; the simulator (`sim`) replays it on host profiles.
+//! (`trace`) is recorded as engines run; the simulator (`sim`) replays it on host profiles;
+//! `calibrate` measures this machine into one.
 //! See `docs/ARCHITECTURE.md`.
 
+pub mod calibrate;
 pub mod comm;
 pub mod compare;
 pub mod device;

@@ -1,0 +1,158 @@
+//! Bare kernels at the model's shapes: the cost of one dispatch, matmul, attention and
+//! element-wise rates.
+
+use std::io::Write;
+
+use crate::device::{DType, Gpu, Tensor};
+use crate::error::Result;
+use crate::kernels::ops::{self, AttnShape, Elementwise, MatmulKernel, Norm};
+use crate::model::ModelConfig;
+
+use super::{median_time, random};
+
+/// Cost of one dispatch, microseconds: a batch of tiny dispatches in one submit, minus one.
+pub(super) fn launch_overhead_us(gpu: &Gpu, iters: usize) -> Result<f64> {
+    let a = gpu.upload_f32("calibrate.a", &random(64, 1))?;
+    let b = gpu.upload_f32("calibrate.b", &random(64, 2))?;
+    let batch = |reps: usize| {
+        median_time(iters, || {
+            let mut e = gpu.encoder();
+            for _ in 0..reps {
+                ops::elementwise(gpu, &mut e, Elementwise::Add, &a, Some(&b), (1, 64))?;
+            }
+            gpu.submit(e);
+            gpu.wait()
+        })
+    };
+    let (one, many, reps) = (batch(1)?, batch(65)?, 64.0);
+    Ok(((many - one) / reps * 1e6).max(0.0))
+}
+
+/// Times `record` (one dispatch) `reps` times per submit; seconds per dispatch.
+pub(super) fn per_dispatch(
+    gpu: &Gpu,
+    iters: usize,
+    reps: usize,
+    record: impl Fn(&mut wgpu::CommandEncoder) -> Result<()>,
+) -> Result<f64> {
+    let t = median_time(iters, || {
+        let mut e = gpu.encoder();
+        for _ in 0..reps {
+            record(&mut e)?;
+        }
+        gpu.submit(e);
+        gpu.wait()
+    })?;
+    Ok(t / reps as f64)
+}
+
+/// Bare kernels at the model's shapes for `tokens` rows: prints matmul GFLOP/s and attention
+/// and element-wise GB/s; returns the element-wise rate (median of the streaming kernels).
+pub(super) fn kernel_rates(
+    gpu: &Gpu,
+    c: &ModelConfig,
+    tokens: &[usize],
+    context: usize,
+    iters: usize,
+    log: &mut dyn Write,
+) -> Result<f64> {
+    let (h, f, d) = (c.hidden, c.ffn, c.head_dim);
+    let qkv = (c.heads + 2 * c.kv_heads) * d;
+    say!(
+        log,
+        "  matmul (tiled) at the model's projection shapes, GFLOP/s:"
+    );
+    let shapes = [(qkv, h), (h, c.heads * d), (f, h), (h, f), (c.vocab, h)];
+    let maxk = shapes.iter().map(|s| s.0.max(s.1)).max().unwrap_or(h);
+    let t_max = tokens.iter().copied().max().unwrap_or(1);
+    let x = gpu.upload_f32("calibrate.x", &random(t_max * maxk, 3))?;
+    let y = gpu.empty("calibrate.y", DType::F32, t_max * c.vocab.max(maxk))?;
+    say_part!(log, "    {:>8}", "tokens");
+    for (n, k) in shapes {
+        say_part!(log, " {:>12}", format!("{n}x{k}"));
+    }
+    say!(log);
+    let weights: Vec<Tensor> = shapes
+        .iter()
+        .map(|&(n, k)| gpu.upload_weights("calibrate.w", &random(n * k, 4), DType::F32))
+        .collect::<Result<_>>()?;
+    for &t in tokens {
+        say_part!(log, "    {t:>8}");
+        for (&(n, k), w) in shapes.iter().zip(&weights) {
+            let s = per_dispatch(gpu, iters, 2, |e| {
+                ops::matmul(gpu, e, &x, w, None, &y, (t, n, k), MatmulKernel::Tiled)
+            })?;
+            say_part!(log, " {:>12.2}", 2.0 * (t * n * k) as f64 / s / 1e9);
+        }
+        say!(log);
+    }
+    // Element-wise streaming rate: norm, residual add and SwiGLU rows of the model's widths
+    // over 16 MiB per operand, so that the dispatch cost (measured apart) does not count.
+    let len = 4usize << 20;
+    let a = gpu.upload_f32("calibrate.ea", &random(len, 5))?;
+    let b = gpu.upload_f32("calibrate.eb", &random(len, 6))?;
+    let gamma = gpu.upload_f32("calibrate.gamma", &random(h, 7))?;
+    let out = gpu.empty("calibrate.eo", DType::F32, len)?;
+    let (hr, fr) = (len / h, len / f);
+    let mut gbps = Vec::new();
+    let s = per_dispatch(gpu, iters, 2, |e| {
+        ops::norm(gpu, e, Norm::Rms { gamma: &gamma }, &a, &out, hr, h, 1e-5)
+    })?;
+    gbps.push(("rmsnorm", 2.0 * (hr * h * 4) as f64 / s / 1e9));
+    let s = per_dispatch(gpu, iters, 2, |e| {
+        ops::elementwise(gpu, e, Elementwise::Add, &a, Some(&b), (hr, h))
+    })?;
+    gbps.push(("add", 3.0 * (hr * h * 4) as f64 / s / 1e9));
+    let s = per_dispatch(gpu, iters, 2, |e| {
+        ops::elementwise(gpu, e, Elementwise::SwiGlu, &a, Some(&b), (fr, f))
+    })?;
+    gbps.push(("swiglu", 3.0 * (fr * f * 4) as f64 / s / 1e9));
+    say_part!(
+        log,
+        "  element-wise over 16 MiB operands, GB/s (bytes read plus written):"
+    );
+    for (name, v) in &gbps {
+        say_part!(log, " {name} {v:.2}");
+    }
+    say!(log);
+    // Attention over the model's heads: a decode step against the prompt, and the prefill.
+    let kv_heads = c.kv_heads;
+    for (seq, past, batch) in [
+        (1usize, context, t_max),
+        (context, 0, (t_max / context).max(1)),
+    ] {
+        let shape = AttnShape {
+            batch,
+            seq,
+            past,
+            n_heads: c.heads,
+            n_kv_heads: kv_heads,
+            head_dim: d,
+            max_seq: c.max_seq,
+            group: c.heads / kv_heads.max(1),
+            q_head_offset: 0,
+            kv_head_offset: 0,
+        };
+        if past + seq > c.max_seq {
+            continue;
+        }
+        let cache = gpu.upload_f32("calibrate.kv", &random(shape.cache_len(), 8))?;
+        let q = gpu.upload_f32("calibrate.q", &random(batch * seq * c.heads * d, 9))?;
+        let o = gpu.empty("calibrate.o", DType::F32, batch * seq * c.heads * d)?;
+        let s = per_dispatch(gpu, iters, 4, |e| {
+            ops::attention(gpu, e, &q, &cache, &cache, &o, &shape)
+        })?;
+        // Keys and values read once per query head and position: the traffic it issues.
+        let ctx: f64 = (0..seq).map(|i| (past + i + 1) as f64).sum::<f64>() * batch as f64;
+        let traffic = ctx * c.heads as f64 * d as f64 * 2.0 * 4.0;
+        say!(
+            log,
+            "  attention {batch}x{seq} tokens over {} positions: {:.3} ms, {:.2} GB/s",
+            past + seq,
+            s * 1e3,
+            traffic / s / 1e9
+        );
+    }
+    gbps.sort_by(|a, b| a.1.total_cmp(&b.1));
+    Ok(gbps[gbps.len() / 2].1)
+}

@@ -1,0 +1,422 @@
+//! Calibration: measure this machine and describe it as a host profile (`wgpar calibrate`).
+//!
+//! What is measured, and why this way:
+//! - host links ([`links`]): device->host, host->device and device->host->device copies
+//!   through the comm layer's staging path (what the engines use), over a size sweep, fitted
+//!   to `t = alpha + bytes / beta` by `sim::fit_alpha_beta`; the host reduction rate from the
+//!   reduce phase of real host-staged all-reduces; the fixed cost of an all-reduce through the
+//!   rank-per-thread communicator as the tensor-parallel engine meets it;
+//! - kernels at the model's own shapes ([`kernels`]): the cost of one dispatch, matmul
+//!   GFLOP/s, attention and element-wise GB/s (the element-wise rate and the dispatch cost go
+//!   into the profile);
+//! - the model's blocks ([`blocks`]: attention half, whole decoder layer) at decode and
+//!   prefill steps of the run's shapes, net of dispatch costs: the achieved rate as a function
+//!   of arithmetic intensity (`attention_curve`, `matmul_curve`). Engines record a whole
+//!   forward pass or layer half as one span, so the rate that predicts such a span is the rate
+//!   of that block, not of a bare matmul;
+//! - devices on one adapter (`--virtual N`) share its processor ([`sharing`]): the slowdown of
+//!   k = 2..N of them computing at once, per step shape, written as `compute_sharing`.
+//!
+//! Every figure is written to a log as it is measured (the CLI passes standard output).
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use crate::comm::{Collectives, CommConfig};
+use crate::device::{DType, Gpu};
+use crate::error::{Result, WgparError};
+use crate::model::{GpuModel, ModelWeights, Placement, Step};
+use crate::sim::{calibrated_profile, HostProfile, MachineMeasurement, MeasuredDevice};
+
+/// Writes a line to the calibration log. A log that cannot be written (a closed pipe) must
+/// not stop a measurement, so write errors are dropped.
+macro_rules! say {
+    ($log:expr) => {
+        let _ = writeln!($log);
+    };
+    ($log:expr, $($arg:tt)*) => {
+        let _ = writeln!($log, $($arg)*);
+    };
+}
+
+/// Writes part of a line to the calibration log (see `say!`).
+macro_rules! say_part {
+    ($log:expr, $($arg:tt)*) => {
+        let _ = write!($log, $($arg)*);
+    };
+}
+
+mod blocks;
+mod kernels;
+mod links;
+mod sharing;
+
+/// What to calibrate for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CalibrationOptions {
+    /// Largest batch of the runs to project (steps of 1, 2, 4, ... sequences are measured).
+    pub batch: usize,
+    /// Prompt length of the runs to project (prefill steps; decode steps attend to it).
+    pub prompt_len: usize,
+    /// Largest copy of the link sweep, bytes (sizes grow by 4 from 256 bytes).
+    pub max_bytes: u64,
+    /// Timed repetitions per point (the median is used).
+    pub iters: usize,
+    /// A fast, rough calibration: two batch sizes and shorter sharing windows (the caller
+    /// chooses the smaller `max_bytes` and `iters` that go with it).
+    pub quick: bool,
+    /// Name of the profile.
+    pub name: String,
+}
+
+/// A calibrated profile and the note its file header carries (date, driver, shapes, the
+/// device->host->device fit).
+#[derive(Debug, Clone)]
+pub struct Calibration {
+    /// The profile of this machine.
+    pub profile: HostProfile,
+    /// Lines for the header of the profile file.
+    pub note: String,
+}
+
+/// Measures `gpus` (devices on one adapter are measured once, as a group that shares a
+/// processor) at the shapes of `weights`' model and returns the profile. Progress and every
+/// measured figure go to `log`.
+pub fn calibrate(
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+    options: &CalibrationOptions,
+    log: &mut dyn Write,
+) -> Result<Calibration> {
+    let config = &weights.config;
+    let (batch, prompt_len, iters, quick) = (
+        options.batch,
+        options.prompt_len,
+        options.iters,
+        options.quick,
+    );
+    if gpus.is_empty() {
+        return Err(WgparError::Config(
+            "calibration needs at least one device".into(),
+        ));
+    }
+    if iters == 0 || batch == 0 || prompt_len == 0 {
+        return Err(WgparError::Config(
+            "--iters, --batch and --prompt-len must be positive".into(),
+        ));
+    }
+    if prompt_len + 1 > config.max_seq {
+        return Err(WgparError::Config(format!(
+            "--prompt-len {prompt_len} leaves no room to decode in max_seq {} of model '{}'",
+            config.max_seq, config.name
+        )));
+    }
+    let max_bytes = options.max_bytes;
+    let sizes: Vec<u64> = std::iter::successors(Some(256u64), |s| Some(s * 4))
+        .take_while(|&s| s <= max_bytes)
+        .collect();
+    if sizes.len() < 2 {
+        return Err(WgparError::Config(format!(
+            "--max-bytes {max_bytes} leaves fewer than two sizes (the sweep starts at 256 bytes)"
+        )));
+    }
+    let date = utc_date();
+    let host_name = cpu_name();
+    say!(
+        log,
+        "calibrating {} device(s) on {host_name}, {date}",
+        gpus.len()
+    );
+    for g in gpus {
+        say!(
+            log,
+            "  {}: driver {} {}",
+            g.describe(),
+            g.info().driver,
+            g.info().driver_info
+        );
+    }
+    let coll = Collectives::new(CommConfig::default())?;
+    let steps = blocks::block_steps(batch, prompt_len, quick);
+    let tokens: Vec<usize> = {
+        let mut t: Vec<usize> = steps.iter().map(Step::tokens).collect();
+        t.sort_unstable();
+        t.dedup();
+        t
+    };
+
+    let mut measured = Vec::new();
+    for group in adapter_groups(gpus) {
+        let gpu = &group[0];
+        say!(log);
+        say!(
+            log,
+            "# {} (stands for {} device(s))",
+            gpu.describe(),
+            group.len()
+        );
+        say!(
+            log,
+            "host links (size sweep {} B .. {} B, median of {iters}):",
+            sizes[0],
+            max_bytes
+        );
+        let (d2h_pts, h2d_pts) = links::link_sweeps(&coll, gpu, &sizes, iters)?;
+        say!(log, "  {:>10} {:>12} {:>12}", "bytes", "d2h us", "h2d us");
+        for (d, h) in d2h_pts.iter().zip(&h2d_pts) {
+            say!(log, "  {:>10} {:>12.1} {:>12.1}", d.0, d.1 * 1e6, h.1 * 1e6);
+        }
+        let d2h = links::fit_link("device->host", &d2h_pts, log)?;
+        let h2d = links::fit_link("host->device", &h2d_pts, log)?;
+        links::print_fit("device->host", &d2h, log);
+        links::print_fit("host->device", &h2d, log);
+
+        say!(
+            log,
+            "kernels at the shapes of model {} (median of {iters}):",
+            config.name
+        );
+        let launch_us = kernels::launch_overhead_us(gpu, iters)?;
+        say!(log, "  one dispatch: {launch_us:.1} us");
+        let elementwise_gbps = kernels::kernel_rates(gpu, config, &tokens, prompt_len, iters, log)?;
+        let model = Arc::new(GpuModel::upload(
+            gpu.clone(),
+            weights,
+            Placement::whole(config),
+            DType::F32,
+        )?);
+        let measured_blocks = blocks::block_curves(&model, &steps, launch_us, iters, log)?;
+        let attention_curve = blocks::curve(measured_blocks.attention);
+        let matmul_curve = blocks::curve(measured_blocks.layers);
+        let plateau = |c: &[[f64; 2]]| c.last().map_or(0.0, |p| p[1]);
+
+        let compute_sharing = if group.len() > 1 {
+            say!(
+                log,
+                "shared processor ({} devices on one adapter):",
+                group.len()
+            );
+            let mut models = vec![model.clone()];
+            for g in &group[1..] {
+                models.push(Arc::new(GpuModel::upload(
+                    g.clone(),
+                    weights,
+                    Placement::whole(config),
+                    DType::F32,
+                )?));
+            }
+            // The run's own steps, so that the sharing is measured under the concurrency the
+            // runs see: prefill and decode of the whole batch (tensor parallel, single) and of
+            // one sequence (a pipeline's micro-batches).
+            let mut shapes = vec![
+                Step {
+                    batch,
+                    seq: prompt_len,
+                    past: 0,
+                },
+                Step {
+                    batch,
+                    seq: 1,
+                    past: prompt_len,
+                },
+            ];
+            if batch > 1 && !quick {
+                shapes.push(Step {
+                    batch: 1,
+                    seq: prompt_len,
+                    past: 0,
+                });
+                shapes.push(Step {
+                    batch: 1,
+                    seq: 1,
+                    past: prompt_len,
+                });
+            }
+            let window = if quick { 0.3 } else { 1.0 };
+            Some(sharing::sharing_slowdown(
+                &models,
+                &shapes,
+                window,
+                &measured_blocks.alone_s,
+                log,
+            )?)
+        } else {
+            None
+        };
+        measured.push(MeasuredDevice {
+            name: gpu.info().label(),
+            count: group.len() as u32,
+            memory_bytes: memory_bytes(gpu),
+            h2d,
+            d2h,
+            matmul_gflops: plateau(&matmul_curve),
+            matmul_f16_gflops: None,
+            attention_gflops: Some(plateau(&attention_curve)),
+            elementwise_gbps,
+            launch_overhead_us: launch_us,
+            matmul_curve,
+            attention_curve,
+            compute_sharing,
+        });
+    }
+
+    say!(log);
+    say!(log, "between devices:");
+    let b = gpus.get(1).unwrap_or(&gpus[0]);
+    let bounce_pts = links::bounce_sweep(&coll, &gpus[0], b, &sizes, iters)?;
+    let bounce = links::fit_link("device->host->device", &bounce_pts, log)?;
+    links::print_fit("dev->host->dev", &bounce, log);
+    let host_reduce = if gpus.len() > 1 {
+        links::host_reduce_gbps(gpus, &sizes, iters, log)?
+    } else {
+        let r = links::host_sum_gbps(iters)?;
+        say!(
+            log,
+            "  one device: host summing two 16 MiB buffers: {r:.2} GB/s"
+        );
+        r
+    };
+    say!(
+        log,
+        "  host reduce rate: {host_reduce:.2} GB/s (bytes read plus written)"
+    );
+
+    let mut machine = MachineMeasurement {
+        name: options.name.clone(),
+        description: format!(
+            "this machine as calibrated on {date}: {} device(s), {}",
+            gpus.len(),
+            gpus[0].info().label()
+        ),
+        host_name,
+        host_reduce_gbps: host_reduce,
+        collective_overhead_us: Vec::new(),
+        devices: measured,
+    };
+    let invalid = |e: crate::sim::ProfileError| WgparError::Config(e.to_string());
+    if gpus.len() > 1 {
+        let base = calibrated_profile(&machine).map_err(invalid)?;
+        machine.collective_overhead_us =
+            links::collective_overheads(gpus, &base, iters.max(9), log)?;
+        let list: Vec<String> = machine
+            .collective_overhead_us
+            .iter()
+            .enumerate()
+            .map(|(i, o)| format!("{} devices {o:.1} us", i + 2))
+            .collect();
+        say!(
+            log,
+            "  fixed cost per host-staged collective: {}",
+            list.join(", ")
+        );
+    }
+    let profile = calibrated_profile(&machine).map_err(invalid)?;
+    let note = format!(
+        "{date}, wgpar {}; driver {} {}\nkernel rates at model {} shapes, batch up to {}, prompt {}\n\
+         device->host->device fit: alpha {:.1} us, beta {:.3} GB/s (R^2 {:.4})",
+        env!("CARGO_PKG_VERSION"),
+        gpus[0].info().driver,
+        gpus[0].info().driver_info,
+        config.name,
+        batch,
+        prompt_len,
+        bounce.alpha_us,
+        bounce.beta_gbps,
+        bounce.r_squared
+    );
+    Ok(Calibration { profile, note })
+}
+
+/// Median of timed repetitions after one untimed warm-up, seconds.
+pub(crate) fn median_time(iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut v = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        let t = Instant::now();
+        f()?;
+        v.push(t.elapsed().as_secs_f64());
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Ok(v[v.len() / 2])
+}
+
+pub(crate) fn random(len: usize, seed: u32) -> Vec<f32> {
+    // Deterministic, non-trivial values (timing must not see zeros).
+    (0..len as u32)
+        .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) >> 9) % 2000)
+        .map(|h| h as f32 / 1000.0 - 1.0)
+        .collect()
+}
+
+/// Joins calibration threads in order; a thread that panicked becomes an error.
+pub(crate) fn join_all<T>(
+    handles: Vec<std::thread::ScopedJoinHandle<'_, Result<T>>>,
+) -> Vec<Result<T>> {
+    handles
+        .into_iter()
+        .map(|h| {
+            h.join()
+                .unwrap_or_else(|_| Err(WgparError::Config("calibration thread panicked".into())))
+        })
+        .collect()
+}
+
+fn cpu_name() -> String {
+    let text = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = text
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_string());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    format!(
+        "{}, {cores} hardware threads",
+        model.unwrap_or_else(|| "unknown CPU".into())
+    )
+}
+
+/// Device memory: wgpu does not report it. A CPU driver's memory is the host's; otherwise the
+/// largest buffer the adapter allows, a lower bound.
+fn memory_bytes(gpu: &Gpu) -> u64 {
+    if gpu.info().device_type == "Cpu" {
+        let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let kib = text
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok());
+        if let Some(k) = kib {
+            return k * 1024;
+        }
+    }
+    gpu.info().max_buffer_size.max(1)
+}
+
+/// Today's UTC date, `YYYY-MM-DD` (civil-from-days, proleptic Gregorian).
+fn utc_date() -> String {
+    let days = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() / 86_400) as i64;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
+}
+
+/// Devices that sit on the same adapter, in runs of consecutive device indices.
+fn adapter_groups(gpus: &[Arc<Gpu>]) -> Vec<Vec<Arc<Gpu>>> {
+    let mut groups: Vec<Vec<Arc<Gpu>>> = Vec::new();
+    for g in gpus {
+        match groups.last_mut() {
+            Some(last) if last[0].info().index == g.info().index => last.push(g.clone()),
+            _ => groups.push(vec![g.clone()]),
+        }
+    }
+    groups
+}
