@@ -12,6 +12,13 @@ fn every_file_in_hosts_parses_and_is_shipped() {
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        // A profile `wgpar calibrate` wrote here (its default output) describes this machine,
+        // not a shipped one.
+        .filter(|p| {
+            !std::fs::read_to_string(p)
+                .unwrap_or_default()
+                .starts_with("# Calibrated profile written by `wgpar calibrate`.")
+        })
         .map(|p| {
             let profile = HostProfile::load(&p).unwrap_or_else(|e| panic!("{e}"));
             let stem = p.file_stem().unwrap().to_string_lossy().into_owned();
