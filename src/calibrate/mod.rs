@@ -1,20 +1,20 @@
 //! Calibration: measure this machine and describe it as a host profile (`wgpar calibrate`).
 //!
 //! What is measured, and why this way:
-//! - host links ([`links`]): device->host, host->device and device->host->device copies
+//! - host links (`links.rs`): device->host, host->device and device->host->device copies
 //!   through the comm layer's staging path (what the engines use), over a size sweep, fitted
 //!   to `t = alpha + bytes / beta` by `sim::fit_alpha_beta`; the host reduction rate from the
 //!   reduce phase of real host-staged all-reduces; the fixed cost of an all-reduce through the
 //!   rank-per-thread communicator as the tensor-parallel engine meets it;
-//! - kernels at the model's own shapes ([`kernels`]): the cost of one dispatch, matmul
+//! - kernels at the model's own shapes (`kernels.rs`): the cost of one dispatch, matmul
 //!   GFLOP/s, attention and element-wise GB/s (the element-wise rate and the dispatch cost go
 //!   into the profile);
-//! - the model's blocks ([`blocks`]: attention half, whole decoder layer) at decode and
+//! - the model's blocks (`blocks.rs`: attention half, whole decoder layer) at decode and
 //!   prefill steps of the run's shapes, net of dispatch costs: the achieved rate as a function
 //!   of arithmetic intensity (`attention_curve`, `matmul_curve`). Engines record a whole
 //!   forward pass or layer half as one span, so the rate that predicts such a span is the rate
 //!   of that block, not of a bare matmul;
-//! - devices on one adapter (`--virtual N`) share its processor ([`sharing`]): the slowdown of
+//! - devices on one adapter (`--virtual N`) share its processor (`sharing.rs`): the slowdown of
 //!   k = 2..N of them computing at once, per step shape, written as `compute_sharing`.
 //!
 //! Every figure is written to a log as it is measured (the CLI passes standard output).
