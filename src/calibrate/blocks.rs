@@ -87,12 +87,12 @@ pub(super) fn run_blocks(
 ) -> Result<()> {
     let gpu = m.gpu();
     let mut e = gpu.encoder();
-    for i in 0..m.num_layers() {
-        m.attention(&mut e, i, act, kv, step)?;
-        m.attention_residual(&mut e, i, act, step)?;
-        if whole {
-            m.mlp(&mut e, i, act, step)?;
-            m.mlp_residual(&mut e, i, act, step)?;
+    if whole {
+        m.layers(&mut e, act, kv, step)?;
+    } else {
+        for i in 0..m.num_layers() {
+            m.attention(&mut e, i, act, kv, step)?;
+            m.attention_residual(&mut e, i, act, step)?;
         }
     }
     gpu.submit(e);

@@ -775,6 +775,33 @@ impl GpuModel {
         self.post_norm(encoder, &l.mlp_norm, &l.mlp_norm_bias, act, step)
     }
 
+    /// Local layer `i` whole, as a device that holds it unsharded runs it (no all-reduce
+    /// between the halves): attention half and its residual, then MLP half and its residual.
+    pub fn layer(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        i: usize,
+        act: &Activations,
+        kv: &KvCache,
+        step: &Step,
+    ) -> Result<()> {
+        self.attention(encoder, i, act, kv, step)?;
+        self.attention_residual(encoder, i, act, step)?;
+        self.mlp(encoder, i, act, step)?;
+        self.mlp_residual(encoder, i, act, step)
+    }
+
+    /// Every local layer whole ([`layer`](Self::layer)), in order.
+    pub fn layers(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        act: &Activations,
+        kv: &KvCache,
+        step: &Step,
+    ) -> Result<()> {
+        (0..self.num_layers()).try_for_each(|i| self.layer(encoder, i, act, kv, step))
+    }
+
     fn post_norm(
         &self,
         encoder: &mut wgpu::CommandEncoder,

@@ -61,12 +61,7 @@ pub fn measure_stage_costs(
                 Ok(median(v))
             };
             let embed_s = time(&|e| model.embed(e, &act, &step))?;
-            let layer_s = time(&|e| {
-                model.attention(e, 0, &act, &kv, &step)?;
-                model.attention_residual(e, 0, &act, &step)?;
-                model.mlp(e, 0, &act, &step)?;
-                model.mlp_residual(e, 0, &act, &step)
-            })?;
+            let layer_s = time(&|e| model.layer(e, 0, &act, &kv, &step))?;
             let head_s = time(&|e| model.head(e, &act, &step))?;
             Ok(StageCost {
                 layer_s,

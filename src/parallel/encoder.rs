@@ -136,12 +136,7 @@ impl Encoder for SingleEncoder {
         m.write_encoder_inputs(act, &step, &types, &lens)?;
         let mut enc = m.gpu().encoder();
         m.embed(&mut enc, act, &step)?;
-        for i in 0..m.num_layers() {
-            m.attention(&mut enc, i, act, kv, &step)?;
-            m.attention_residual(&mut enc, i, act, &step)?;
-            m.mlp(&mut enc, i, act, &step)?;
-            m.mlp_residual(&mut enc, i, act, &step)?;
-        }
+        m.layers(&mut enc, act, kv, &step)?;
         m.pool(&mut enc, act, &step)?;
         m.gpu().submit(enc);
         let pooled = act

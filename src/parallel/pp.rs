@@ -362,12 +362,7 @@ impl Stage {
         if self.index == 0 {
             m.embed(&mut enc, act, &step)?;
         }
-        for i in 0..m.num_layers() {
-            m.attention(&mut enc, i, act, kv, &step)?;
-            m.attention_residual(&mut enc, i, act, &step)?;
-            m.mlp(&mut enc, i, act, &step)?;
-            m.mlp_residual(&mut enc, i, act, &step)?;
-        }
+        m.layers(&mut enc, act, kv, &step)?;
         if self.is_last() {
             m.finish(&mut enc, act, &step)?;
         }

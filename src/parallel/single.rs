@@ -53,12 +53,7 @@ impl SingleEngine {
         let mut enc = m.gpu().encoder();
         self.timer.begin(&mut enc);
         m.embed(&mut enc, act, &step)?;
-        for i in 0..m.num_layers() {
-            m.attention(&mut enc, i, act, kv, &step)?;
-            m.attention_residual(&mut enc, i, act, &step)?;
-            m.mlp(&mut enc, i, act, &step)?;
-            m.mlp_residual(&mut enc, i, act, &step)?;
-        }
+        m.layers(&mut enc, act, kv, &step)?;
         m.head(&mut enc, act, &step)?;
         self.timer.end(&mut enc);
         m.gpu().submit(enc);
