@@ -113,7 +113,7 @@ fn traced_compute_spans_carry_device_time_within_their_host_time() {
 #[test]
 fn automatic_device_timing_leaves_cpu_drivers_on_host_clocks() {
     let gpu = common::gpus(1).remove(0);
-    let cpu = gpu.info().device_type == "Cpu";
+    let cpu = gpu.info().is_cpu();
     let config = wgpar::model::ModelConfig::preset("tiny-llama").unwrap();
     let weights = wgpar::model::ModelWeights::synthetic(&config, 7);
     let mut engine = SingleEngine::new(gpu.clone(), &weights, DType::F32).unwrap();

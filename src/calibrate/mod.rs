@@ -379,7 +379,7 @@ fn cpu_name() -> String {
 /// Device memory: wgpu does not report it. A CPU driver's memory is the host's; otherwise the
 /// largest buffer the adapter allows, a lower bound.
 fn memory_bytes(gpu: &Gpu) -> u64 {
-    if gpu.info().device_type == "Cpu" {
+    if gpu.info().is_cpu() {
         let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
         let kib = text
             .lines()

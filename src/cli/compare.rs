@@ -85,7 +85,7 @@ fn selection(args: &CompareArgs, adapters: &Adapters) -> Result<DeviceSelection>
     let mut names: Vec<&str> = Vec::new();
     let mut picks = Vec::new();
     for d in adapters.list() {
-        if d.device_type != "Cpu" && !names.contains(&d.name.as_str()) {
+        if !d.is_cpu() && !names.contains(&d.name.as_str()) {
             names.push(&d.name);
             picks.push(d.index);
         }

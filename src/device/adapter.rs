@@ -60,6 +60,12 @@ impl AdapterDesc {
         }
     }
 
+    /// A CPU driver (lavapipe, llvmpipe, WARP): it computes on the host's cores, so devices on
+    /// it share the processor, and its costs differ from a GPU's.
+    pub fn is_cpu(&self) -> bool {
+        self.device_type == "Cpu"
+    }
+
     /// A short human label, e.g. `llvmpipe (LLVM 15.0.6, 256 bits) [Vulkan]`.
     pub fn label(&self) -> String {
         format!("{} [{}]", self.name, self.backend)
@@ -125,7 +131,7 @@ impl Adapters {
         self.descs
             .iter()
             .min_by_key(|d| {
-                let cpu = d.device_type == "Cpu";
+                let cpu = d.is_cpu();
                 let gl = d.backend == "Gl";
                 (cpu, gl, d.index)
             })

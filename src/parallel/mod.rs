@@ -251,7 +251,7 @@ pub(crate) fn span_timer(
         && match recorder.device_timing() {
             DeviceTiming::On => true,
             DeviceTiming::Off => false,
-            DeviceTiming::Auto => gpu.info().device_type != "Cpu",
+            DeviceTiming::Auto => !gpu.info().is_cpu(),
         };
     crate::device::SpanTimer::new(gpu, wanted)
 }
