@@ -239,13 +239,14 @@ pub fn generate(engine: &mut dyn Engine, prompts: &[Vec<u32>], steps: usize) -> 
     })
 }
 
-/// The device timer an engine uses for `gpu`'s compute spans under `recorder`: active while
-/// recording, where the recorder's [`DeviceTiming`](crate::trace::DeviceTiming) allows it
-/// and the adapter has `TIMESTAMP_QUERY`.
-pub(crate) fn span_timer(
+/// Keeps an engine's device timer for `gpu`'s compute spans in step with `recorder`: active
+/// while it records, where the recorder's [`DeviceTiming`](crate::trace::DeviceTiming) allows
+/// it and the adapter has `TIMESTAMP_QUERY`; remade only when that changes.
+pub(crate) fn sync_span_timer(
+    timer: &mut crate::device::SpanTimer,
     gpu: &crate::device::Gpu,
     recorder: &Recorder,
-) -> crate::device::SpanTimer {
+) {
     use crate::trace::DeviceTiming;
     let wanted = recorder.is_enabled()
         && match recorder.device_timing() {
@@ -253,7 +254,9 @@ pub(crate) fn span_timer(
             DeviceTiming::Off => false,
             DeviceTiming::Auto => !gpu.info().is_cpu(),
         };
-    crate::device::SpanTimer::new(gpu, wanted)
+    if timer.is_active() != wanted {
+        *timer = crate::device::SpanTimer::new(gpu, wanted);
+    }
 }
 
 #[cfg(test)]

@@ -196,8 +196,8 @@ struct Stage {
     output: Sender<Result<Output>>,
     stats: Arc<Mutex<Vec<StageStats>>>,
     fault: Arc<Mutex<Vec<Option<Fault>>>>,
-    /// Device-side timing of compute spans, made on the first traced micro-batch.
-    timer: Option<SpanTimer>,
+    /// Device-side timing of compute spans while a trace is recorded.
+    timer: SpanTimer,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -296,9 +296,7 @@ impl Stage {
             }
             Backend::Group(_) => return self.process_group(work),
         }
-        if work.recorder.is_enabled() && self.timer.is_none() {
-            self.timer = Some(super::span_timer(&self.gpu, &work.recorder));
-        }
+        super::sync_span_timer(&mut self.timer, &self.gpu, &work.recorder);
         let Backend::Device {
             model,
             acts,
@@ -314,11 +312,7 @@ impl Stage {
             )));
         };
         let m = model;
-        let untimed = SpanTimer::default();
-        let timer = match &self.timer {
-            Some(t) if work.recorder.is_enabled() => t,
-            _ => &untimed,
-        };
+        let timer = &self.timer;
         let gpu = m.gpu().clone();
         let dev = gpu.ordinal() as u32;
         let rec = work.recorder.clone();
@@ -696,7 +690,7 @@ impl PipelineEngine {
                 output: output_tx.clone(),
                 stats: stats.clone(),
                 fault: faults.clone(),
-                timer: None,
+                timer: SpanTimer::default(),
             };
             threads.push(
                 std::thread::Builder::new()

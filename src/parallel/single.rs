@@ -153,7 +153,7 @@ impl Engine for SingleEngine {
             self.model.gpu().ordinal() as u32,
             self.model.gpu().describe(),
         );
-        self.timer = super::span_timer(self.model.gpu(), &recorder);
+        super::sync_span_timer(&mut self.timer, self.model.gpu(), &recorder);
         self.recorder = recorder;
     }
 }

@@ -37,8 +37,8 @@ struct Rank {
     caches: HashMap<usize, KvCache>,
     collectives: u64,
     group_tag: u64,
-    /// Device-side timing of compute spans, made on the first traced step.
-    timer: Option<SpanTimer>,
+    /// Device-side timing of compute spans while a trace is recorded.
+    timer: SpanTimer,
 }
 
 /// What a tensor-parallel group computes on: token ids (the group holds the embedding) or
@@ -159,13 +159,8 @@ impl Rank {
                 });
             }
         }
-        let untimed = SpanTimer::default();
-        let timer: &SpanTimer = if rec.is_enabled() {
-            self.timer
-                .get_or_insert_with(|| super::span_timer(&gpu, rec))
-        } else {
-            &untimed
-        };
+        super::sync_span_timer(&mut self.timer, &gpu, rec);
+        let timer = &self.timer;
         let mut start = Instant::now();
         let mut enc = gpu.encoder();
         timer.begin(&mut enc);
@@ -429,7 +424,7 @@ impl TpGroup {
                     caches: HashMap::new(),
                     collectives: 0,
                     group_tag: gpus[0].ordinal() as u64,
-                    timer: None,
+                    timer: SpanTimer::default(),
                 },
             ));
         }
