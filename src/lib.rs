@@ -16,6 +16,7 @@ pub mod kernels;
 pub mod model;
 pub mod parallel;
 pub mod sim;
+pub mod stats;
 pub mod trace;
 
 pub use error::{Result, WgparError};

@@ -4,11 +4,12 @@
 use std::io::Write;
 
 use crate::device::{DType, Gpu, Tensor};
-use crate::error::Result;
+use crate::error::{Result, WgparError};
 use crate::kernels::ops::{self, AttnShape, Elementwise, MatmulKernel, Norm};
 use crate::model::ModelConfig;
 
 use super::{median_time, random};
+use crate::stats::median;
 
 /// Cost of one dispatch, microseconds: a batch of tiny dispatches in one submit, minus one.
 pub(super) fn launch_overhead_us(gpu: &Gpu, iters: usize) -> Result<f64> {
@@ -153,6 +154,6 @@ pub(super) fn kernel_rates(
             traffic / s / 1e9
         );
     }
-    gbps.sort_by(|a, b| a.1.total_cmp(&b.1));
-    Ok(gbps[gbps.len() / 2].1)
+    median(gbps.iter().map(|g| g.1).collect())
+        .ok_or_else(|| WgparError::Config("no element-wise kernel was timed".into()))
 }

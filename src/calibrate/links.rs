@@ -12,6 +12,7 @@ use crate::sim::{fit_alpha_beta, Algorithm, AlphaBetaFit, CostModel, HostProfile
 use crate::trace::CollectiveOp as TraceOp;
 
 use super::{join_all, median_time, random};
+use crate::stats::median;
 
 pub(super) fn fit_error(what: &str, e: impl std::fmt::Display) -> WgparError {
     WgparError::Config(format!("cannot fit the {what} sweep: {e}"))
@@ -28,14 +29,13 @@ pub(super) fn fit_link(
 ) -> Result<AlphaBetaFit> {
     match fit_alpha_beta(points) {
         Err(crate::sim::FitError::NoBandwidth { us_per_mb }) => {
-            let mut times: Vec<f64> = points.iter().map(|p| p.1).collect();
-            times.sort_by(|a, b| a.total_cmp(b));
-            let median = times[times.len() / 2];
+            let median_s = median(points.iter().map(|p| p.1).collect())
+                .ok_or_else(|| fit_error(what, "no points"))?;
             let (bytes, secs) = points
                 .iter()
                 .copied()
                 .max_by_key(|p| p.0)
-                .unwrap_or((1, median));
+                .unwrap_or((1, median_s));
             say!(
                 log,
                 "warning: {what}: times do not grow with size ({us_per_mb:.1} us/MB fitted); \
@@ -43,7 +43,7 @@ pub(super) fn fit_link(
                  (use a longer --max-bytes sweep on a quieter machine)"
             );
             Ok(AlphaBetaFit {
-                alpha_us: median * 1e6,
+                alpha_us: median_s * 1e6,
                 beta_gbps: bytes as f64 / secs / 1e9,
                 r_squared: 0.0,
                 rms_relative_residual: 0.0,
@@ -145,7 +145,7 @@ pub(super) fn host_reduce_gbps(
             .collect::<Result<_>>()?;
         let parts: Vec<(&Gpu, &Tensor)> = gpus.iter().map(|g| &**g).zip(&tensors).collect();
         let total = median_time(iters, || coll.all_reduce(&parts))?;
-        let mut reduce: Vec<f64> = coll
+        let reduce: Vec<f64> = coll
             .stats()
             .drain()
             .iter()
@@ -153,8 +153,7 @@ pub(super) fn host_reduce_gbps(
             .map(|r| r.reduce.as_secs_f64())
             .filter(|&s| s > 0.0)
             .collect();
-        reduce.sort_by(|a, b| a.total_cmp(b));
-        if let Some(&r) = reduce.get(reduce.len() / 2) {
+        if let Some(r) = median(reduce) {
             // Each chunk reads n partials and writes one sum: (n + 1) S bytes in all.
             let gbps = (n + 1.0) * bytes as f64 / r / 1e9;
             say!(
@@ -233,11 +232,10 @@ pub(super) fn communicator_all_reduce_us(
         join_all(handles)
     });
     let per_rank = per_rank.into_iter().collect::<Result<Vec<Vec<f64>>>>()?;
-    let mut calls: Vec<f64> = (0..iters)
+    let calls: Vec<f64> = (0..iters)
         .map(|i| per_rank.iter().map(|r| r[i]).sum::<f64>() / n as f64)
         .collect();
-    calls.sort_by(|a, b| a.total_cmp(b));
-    Ok(calls[calls.len() / 2])
+    median(calls).ok_or_else(|| WgparError::Config("no all-reduce was timed".into()))
 }
 
 /// Fixed host cost of a host-staged all-reduce over the first 2, 3, ... devices: the measured
@@ -273,8 +271,7 @@ pub(super) fn collective_overheads(
             );
             extra.push(measured - modelled);
         }
-        extra.sort_by(|a, b| a.total_cmp(b));
-        out.push(extra[extra.len() / 2].max(0.0));
+        out.push(median(extra).map_or(0.0, |e| e.max(0.0)));
     }
     Ok(out)
 }

@@ -28,6 +28,7 @@ use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::model::{GpuModel, ModelWeights, Placement, Step};
 use crate::sim::{calibrated_profile, HostProfile, MachineMeasurement, MeasuredDevice};
+use crate::stats::median;
 
 /// Writes a line to the calibration log. A log that cannot be written (a closed pipe) must
 /// not stop a measurement, so write errors are dropped.
@@ -337,8 +338,7 @@ pub(crate) fn median_time(iters: usize, mut f: impl FnMut() -> Result<()>) -> Re
         f()?;
         v.push(t.elapsed().as_secs_f64());
     }
-    v.sort_by(|a, b| a.total_cmp(b));
-    Ok(v[v.len() / 2])
+    median(v).ok_or_else(|| WgparError::Config("no timed repetitions".into()))
 }
 
 pub(crate) fn random(len: usize, seed: u32) -> Vec<f32> {

@@ -182,6 +182,8 @@ struct Report<'a> {
     within: usize,
 }
 
+/// The reported median: the mean of the two middle values for an even count (unlike
+/// `wgpar::stats::median`, which keeps a measured value), NaN for none.
 fn median(values: &[f64]) -> f64 {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);

@@ -75,8 +75,9 @@ fn time(
             samples.push(dt);
         }
     }
-    samples.sort_by(|a, b| a.total_cmp(b));
-    Ok(samples[samples.len() / 2])
+    crate::stats::median(samples).ok_or_else(|| {
+        crate::error::WgparError::Config("kernel benchmark needs at least one sample".into())
+    })
 }
 
 fn random(len: usize, seed: u32) -> Vec<f32> {

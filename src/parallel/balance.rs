@@ -6,13 +6,9 @@ use std::time::Instant;
 
 use super::partition::StageCost;
 use crate::device::{DType, Gpu};
-use crate::error::Result;
+use crate::error::{Result, WgparError};
 use crate::model::{GpuModel, ModelConfig, ModelWeights, Placement, ShardSpec, Step};
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
+use crate::stats::median;
 
 /// Times one decoder layer, the embedding and the head on each device for a step of `batch`
 /// sequences of `seq` tokens (median of `samples` after a warm-up), using the model's own
@@ -58,7 +54,9 @@ pub fn measure_stage_costs(
                         v.push(start.elapsed().as_secs_f64());
                     }
                 }
-                Ok(median(v))
+                median(v).ok_or_else(|| {
+                    WgparError::Config("stage costs need at least one timed sample".into())
+                })
             };
             let embed_s = time(&|e| model.embed(e, &act, &step))?;
             let layer_s = time(&|e| model.layer(e, 0, &act, &kv, &step))?;
