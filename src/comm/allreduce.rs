@@ -13,7 +13,7 @@ use super::collectives::{
 use super::compress::{Convert, LinkPrecision};
 use super::config::Algorithm;
 use super::error::CommError;
-use super::pipeline::{ceil4, Plan, Span, TensorRef};
+use super::pipeline::{ceil4, step_range, Plan, Span, TensorRef};
 use super::reduce::sum_into;
 use super::stats::CollectiveOp;
 use crate::device::{DType, Gpu, Tensor};
@@ -29,8 +29,7 @@ pub(crate) struct AllReducePlan {
 
 impl AllReducePlan {
     fn range(&self, k: usize) -> Range<usize> {
-        let a = k * self.chunk;
-        a..(a + self.chunk).min(self.len)
+        step_range(k, self.chunk, self.len)
     }
 
     fn span(&self, k: usize) -> Span {

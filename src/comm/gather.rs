@@ -18,7 +18,7 @@ use super::collectives::{
 use super::compress::LinkPrecision;
 use super::config::Algorithm;
 use super::error::CommError;
-use super::pipeline::{ceil4, floor4, Plan, Span, TensorRef};
+use super::pipeline::{ceil4, floor4, step_range, Plan, Span, TensorRef};
 use super::reduce::{copy_into, sum_into};
 use super::stats::CollectiveOp;
 use crate::device::{DType, Gpu, Tensor};
@@ -35,8 +35,7 @@ struct AllGatherPlan {
 
 impl AllGatherPlan {
     fn range(&self, k: usize) -> Range<usize> {
-        let a = k * self.chunk;
-        a..(a + self.chunk).min(self.n * self.m)
+        step_range(k, self.chunk, self.n * self.m)
     }
 
     /// Elements of rank r's input inside step k, in output coordinates.
@@ -122,8 +121,7 @@ struct ReduceScatterPlan {
 
 impl ReduceScatterPlan {
     fn range(&self, k: usize) -> Range<usize> {
-        let a = k * self.chunk;
-        a..(a + self.chunk).min(self.m)
+        step_range(k, self.chunk, self.m)
     }
 
     /// Byte range of slice r of an input for step k, aligned outwards.

@@ -16,7 +16,7 @@ use super::collectives::{
 use super::compress::LinkPrecision;
 use super::config::Algorithm;
 use super::error::CommError;
-use super::pipeline::{ceil4, classify, floor4, Plan, Span, TensorRef};
+use super::pipeline::{ceil4, classify, floor4, step_range, Plan, Span, TensorRef};
 use super::reduce::copy_into;
 use super::staging::{Direction, Slot, StagingPool, Wait};
 use super::stats::{CollectiveOp, CommRecord, CommStats};
@@ -49,12 +49,11 @@ impl PermutePlan {
     }
 
     fn span(&self, k: usize, buf: usize) -> Span {
-        let a = k * self.chunk;
-        let b = (a + self.chunk).min(self.len);
+        let r = step_range(k, self.chunk, self.len);
         Span {
             buf,
-            offset: (a * self.eb) as u64,
-            len: ceil4(((b - a) * self.eb) as u64),
+            offset: (r.start * self.eb) as u64,
+            len: ceil4((r.len() * self.eb) as u64),
         }
     }
 }
@@ -77,8 +76,7 @@ impl Plan for PermutePlan {
     }
 
     fn out_elems(&self, k: usize) -> usize {
-        let a = k * self.chunk;
-        (a + self.chunk).min(self.len) - a
+        step_range(k, self.chunk, self.len).len()
     }
 
     fn elem_bytes(&self) -> usize {

@@ -38,6 +38,12 @@ impl TensorRef {
     }
 }
 
+/// Elements of step `k` when `len` elements move in chunks of `chunk` (the last one partial).
+pub(crate) fn step_range(k: usize, chunk: usize, len: usize) -> Range<usize> {
+    let a = k * chunk;
+    a..(a + chunk).min(len)
+}
+
 /// Rounds down to wgpu's copy alignment.
 pub(crate) fn floor4(x: u64) -> u64 {
     x & !3
