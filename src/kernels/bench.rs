@@ -243,8 +243,8 @@ fn bench_matmul(
     Ok(out)
 }
 
-/// Causal attention prefill of `tokens` tokens (one sequence, 32 heads of 128): time and the
-/// rate of its 4 * tokens^2 / 2 * heads * head_dim multiply-adds.
+/// Causal attention prefill of `tokens` tokens (one sequence, 32 heads of 128), every variant
+/// that applies: time and the rate of its 2 x 2 x d multiply-adds per (query, key) pair.
 fn bench_attention_prefill(
     gpu: &Gpu,
     opts: &KernelBenchOptions,
@@ -254,7 +254,7 @@ fn bench_attention_prefill(
     let shape = AttnShape {
         batch: 1,
         seq: tokens,
-        past: 0,
+        slots: 1,
         n_heads: heads,
         n_kv_heads: heads,
         head_dim: dim,
@@ -267,24 +267,47 @@ fn bench_attention_prefill(
     if gpu.check_size("bench", cache_bytes).is_err() {
         return Ok(Vec::new());
     }
-    let cache = gpu.upload_f32("kc", &random(shape.cache_len(), 7))?;
+    let kv = gpu.upload_f32("kc", &random(shape.cache_len(), 7))?;
     let q = gpu.upload_f32("q", &random(tokens * heads * dim, 8))?;
     let o = gpu.empty("o", DType::F32, tokens * heads * dim)?;
-    let s = time(gpu, opts, &|e| {
-        ops::attention(gpu, e, &q, &cache, &cache, &o, &shape)
-    })?;
-    // Causal: each query sees (i + 1) keys; QK^T and PV are 2 * d flops per key each.
+    let seqs = gpu.upload_u32("seqs", &[0, 0])?;
+    let cache = ops::KvCache {
+        k: &kv,
+        v: &kv,
+        seqs: &seqs,
+    };
     let pairs = (tokens * (tokens + 1) / 2) as f64;
     let flops = pairs * heads as f64 * dim as f64 * 4.0;
-    let mut r = row(
-        "attention_prefill",
-        format!("s{tokens} h{heads}x{dim}"),
-        "f32",
-        s,
-    );
-    r.gflops = Some(flops / s / 1e9);
-    r.gbps = Some(pairs * heads as f64 * dim as f64 * 2.0 * 4.0 / s / 1e9);
-    Ok(vec![r])
+    // Only the tiled kernel shares key tiles: the others read each key once per query.
+    let mut rows = Vec::new();
+    for v in variants::ATTENTION
+        .iter()
+        .filter(|v| variants::attention_applies(v, tokens, dim))
+    {
+        let s = time(gpu, opts, &|e| {
+            ops::attention_with(
+                gpu,
+                e,
+                &q,
+                cache,
+                &o,
+                &shape,
+                ops::AttnMask::Causal,
+                Some(v.name),
+            )
+        })?;
+        let mut r = row(v.name, format!("s{tokens} h{heads}x{dim}"), "f32", s);
+        r.gflops = Some(flops / s / 1e9);
+        r.legacy = v.legacy;
+        rows.push(r);
+    }
+    let best = rows.iter().map(|r| r.median_ms).fold(f64::INFINITY, f64::min);
+    let legacy_ms = rows.iter().find(|r| r.legacy).map(|r| r.median_ms);
+    for r in &mut rows {
+        r.winner = r.median_ms == best;
+        r.speedup_vs_legacy = legacy_ms.map(|l| l / r.median_ms);
+    }
+    Ok(rows)
 }
 
 /// The memory-bound kernels at a transformer-like shape (512 tokens, hidden 1024).
@@ -349,7 +372,7 @@ fn bandwidth_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
     let ids: Vec<u32> = (0..rows as u32).map(|i| i * 31 % vocab as u32).collect();
     let ids = gpu.upload_u32("ids", &ids)?;
     let s = time(gpu, opts, &|e| {
-        ops::embed(gpu, e, &ids, &wte, None, &out, (1, rows, 0), cols)
+        ops::embed(gpu, e, &ids, &wte, None, &out, (1, rows, cols))
     })?;
     push("embed", 2.0 * bytes, s, shape.clone());
     // Attention: decode against a 512-token cache, and a 128-token prefill, 16 heads of 64.
@@ -358,7 +381,7 @@ fn bandwidth_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
         let shape_a = AttnShape {
             batch: 1,
             seq,
-            past,
+            slots: 1,
             n_heads: heads,
             n_kv_heads: heads,
             head_dim: dim,
@@ -370,8 +393,14 @@ fn bandwidth_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
         let cache: Tensor = gpu.upload_f32("kc", &random(shape_a.cache_len(), 7))?;
         let q = gpu.upload_f32("q", &random(seq * heads * dim, 8))?;
         let o = gpu.empty("o", DType::F32, seq * heads * dim)?;
+        let seqs = gpu.upload_u32("seqs", &[0, past as u32])?;
+        let cache = ops::KvCache {
+            k: &cache,
+            v: &cache,
+            seqs: &seqs,
+        };
         let s = time(gpu, opts, &|e| {
-            ops::attention(gpu, e, &q, &cache, &cache, &o, &shape_a)
+            ops::attention(gpu, e, &q, cache, &o, &shape_a)
         })?;
         // Keys and values read once per query head and token: the traffic the kernel issues.
         let traffic: f64 = (0..seq).map(|i| (past + i + 1) as f64).sum::<f64>()

@@ -235,8 +235,9 @@ pub fn default_attention(gpu: &Gpu, seq: usize, context: usize, head_dim: usize)
     by_name(name).unwrap_or(&ATTENTION[0])
 }
 
-/// The shape class a tuned attention choice is kept for: decode or prefill, power-of-two
-/// buckets of new tokens and context, the head dimension, causal or not.
+/// The shape class a tuned attention choice is kept for: power-of-two buckets of new tokens,
+/// cache capacity (the past lengths are in the device-side sequence table) and query rows, the
+/// head dimension, causal or not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AttnClass {
     seq_log2: u32,
@@ -247,7 +248,8 @@ pub struct AttnClass {
 }
 
 impl AttnClass {
-    /// The class of `rows` (batch x heads) query rows of `seq` new tokens over `context` keys.
+    /// The class of `rows` (batch x heads) query rows of `seq` new tokens over a cache of
+    /// `context` positions.
     pub fn of(seq: usize, context: usize, rows: usize, head_dim: usize, causal: bool) -> Self {
         Self {
             seq_log2: log2_bucket(seq),
