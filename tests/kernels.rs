@@ -120,14 +120,32 @@ fn matmul_variant_that_does_not_apply_is_an_error() {
     let mut enc = gpu.encoder();
     // gemv takes at most 8 rows; vec4 variants need k divisible by 4.
     for (name, shape) in [("gemv_wg64", (16, 16, 4)), ("matmul_vec4", (2, 2, 6))] {
-        let e = ops::matmul(gpu, &mut enc, &x, &x, None, &y, shape, MatmulKernel::Variant(name))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("does not apply"), "{e}");
-    }
-    let e = ops::matmul(gpu, &mut enc, &x, &x, None, &y, (1, 1, 1), MatmulKernel::Variant("nope"))
+        let e = ops::matmul(
+            gpu,
+            &mut enc,
+            &x,
+            &x,
+            None,
+            &y,
+            shape,
+            MatmulKernel::Variant(name),
+        )
         .unwrap_err()
         .to_string();
+        assert!(e.contains("does not apply"), "{e}");
+    }
+    let e = ops::matmul(
+        gpu,
+        &mut enc,
+        &x,
+        &x,
+        None,
+        &y,
+        (1, 1, 1),
+        MatmulKernel::Variant("nope"),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("nope") && e.contains("gemm_64x64"), "{e}");
 }
 
@@ -546,7 +564,18 @@ fn kv_store_and_causal_attention() {
 fn attention_every_variant_causal_and_bidirectional() {
     let gpu = &common::gpus(1)[0];
     // (batch, seq, past of row 0, max_seq, n_heads, n_kv_heads, group, q_off, kv_off, head_dim)
-    let cases = [
+    let cases: [(
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+    ); 6] = [
         (2, 5, 0, 16, 6, 2, 3, 0, 0, 12),
         (2, 3, 4, 16, 4, 2, 3, 2, 0, 12),
         (1, 1, 130, 160, 4, 1, 4, 0, 0, 16),

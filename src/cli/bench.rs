@@ -258,7 +258,9 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
                 .collect::<Result<Vec<_>>>()?;
             for d in dtypes {
                 if d != "f32" && d != "f16" {
-                    return Err(WgparError::Config(format!("--dtypes {d}: expected f32 or f16")));
+                    return Err(WgparError::Config(format!(
+                        "--dtypes {d}: expected f32 or f16"
+                    )));
                 }
             }
             for p in [peak_gflops, peak_gbps].into_iter().flatten() {
@@ -315,7 +317,16 @@ fn print_kernel_rows(
     );
     println!(
         "{:<18} {:<20} {:<5} {:>11} {:>9} {:>7} {:>8} {:>7} {:>8} {:>8}  note",
-        "kernel", "shape", "dtype", "median ms", "GFLOP/s", "peak", "GB/s", "peak", "x naive", "x today"
+        "kernel",
+        "shape",
+        "dtype",
+        "median ms",
+        "GFLOP/s",
+        "peak",
+        "GB/s",
+        "peak",
+        "x naive",
+        "x today"
     );
     let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
     let frac = |v: Option<f64>, peak: Option<f64>| match (v, peak) {

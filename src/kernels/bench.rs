@@ -202,12 +202,13 @@ fn bench_matmul(
         })
         .collect();
     if opts.naive {
-        candidates.insert(0, variants::by_name("matmul_naive").ok_or_else(|| {
-            WgparError::Shape {
+        candidates.insert(
+            0,
+            variants::by_name("matmul_naive").ok_or_else(|| WgparError::Shape {
                 op: "bench".into(),
                 detail: "no naive matmul".into(),
-            }
-        })?);
+            })?,
+        );
     }
     let timings = tune::measure_matmul_variants(gpu, shape, wt, operands, effort, &candidates)?;
     let flops = 2.0 * m as f64 * n as f64 * k as f64;
@@ -301,7 +302,10 @@ fn bench_attention_prefill(
         r.legacy = v.legacy;
         rows.push(r);
     }
-    let best = rows.iter().map(|r| r.median_ms).fold(f64::INFINITY, f64::min);
+    let best = rows
+        .iter()
+        .map(|r| r.median_ms)
+        .fold(f64::INFINITY, f64::min);
     let legacy_ms = rows.iter().find(|r| r.legacy).map(|r| r.median_ms);
     for r in &mut rows {
         r.winner = r.median_ms == best;

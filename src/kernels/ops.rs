@@ -183,7 +183,9 @@ pub fn matmul(
                 w: w.buffer(),
             }),
         )?,
-        MatmulKernel::Naive => variants::by_name("matmul_naive").ok_or_else(|| unknown("matmul_naive"))?,
+        MatmulKernel::Naive => {
+            variants::by_name("matmul_naive").ok_or_else(|| unknown("matmul_naive"))?
+        }
         MatmulKernel::Variant(name) => {
             let v = variants::by_name(name).ok_or_else(|| unknown(name))?;
             if !v.applies(gpu, (m, n, k)) {
@@ -581,12 +583,14 @@ pub fn attention_with(
             )?
         }
     };
-    let groups = variants::attention_grid(chosen, batch, seq, heads).ok_or_else(|| {
-        WgparError::Shape {
+    let groups =
+        variants::attention_grid(chosen, batch, seq, heads).ok_or_else(|| WgparError::Shape {
             op: OP.into(),
-            detail: format!("{} tokens x {heads} heads exceed the dispatch limit", batch * seq),
-        }
-    })?;
+            detail: format!(
+                "{} tokens x {heads} heads exceed the dispatch limit",
+                batch * seq
+            ),
+        })?;
     dispatch_kernel(
         gpu,
         encoder,

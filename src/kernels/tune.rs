@@ -560,11 +560,7 @@ fn entry(binding: u32, buffer: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
 /// lasts ~3 ms when tuning, ~10 ms when benchmarking, amortising submit latency), then
 /// samples. In tuning, a candidate whose warm-up is over 2x `best` is not sampled further: it
 /// cannot win.
-pub fn time_samples(
-    run: &dyn Fn(usize) -> Result<f64>,
-    effort: Effort,
-    best: f64,
-) -> Result<f64> {
+pub fn time_samples(run: &dyn Fn(usize) -> Result<f64>, effort: Effort, best: f64) -> Result<f64> {
     let first = run(1)?;
     let samples = match effort {
         Effort::Tune if first > 2.0 * best => return Ok(first),

@@ -98,58 +98,252 @@ const fn blocks(rows: u32, cols: u32) -> MatmulGrid {
 /// that scheme's tile and workgroup; `gemv_*` are decode kernels (m <= 8) with a workgroup per
 /// block of columns and a reduction along k; `gemm_*` are workgroup-memory tiled GEMMs.
 pub static MATMUL: &[Variant] = &[
-    mm!("matmul", Matmul, "matmul", &[], sg = false, k4 = false, max_rows = ANY,
-        blocks(4, 32), candidate = true, legacy = true),
-    mm!("matmul_vec4", MatmulVec4, "matmul_vec4", &[], sg = false, k4 = true, max_rows = ANY,
-        blocks(4, 32), candidate = true, legacy = true),
-    mm!("matmul_naive", Matmul, "matmul_naive", &[], sg = false, k4 = false, max_rows = ANY,
-        blocks(8, 8), candidate = false, legacy = false),
-    mm!("rt_2x8_wg8", MatmulVec4, "matmul_vec4_rt",
+    mm!(
+        "matmul",
+        Matmul,
+        "matmul",
+        &[],
+        sg = false,
+        k4 = false,
+        max_rows = ANY,
+        blocks(4, 32),
+        candidate = true,
+        legacy = true
+    ),
+    mm!(
+        "matmul_vec4",
+        MatmulVec4,
+        "matmul_vec4",
+        &[],
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(4, 32),
+        candidate = true,
+        legacy = true
+    ),
+    mm!(
+        "matmul_naive",
+        Matmul,
+        "matmul_naive",
+        &[],
+        sg = false,
+        k4 = false,
+        max_rows = ANY,
+        blocks(8, 8),
+        candidate = false,
+        legacy = false
+    ),
+    mm!(
+        "rt_2x8_wg8",
+        MatmulVec4,
+        "matmul_vec4_rt",
         &[("RT_TM", 2.0), ("RT_TN", 8.0), ("RT_WG", 8.0)],
-        sg = false, k4 = true, max_rows = ANY, blocks(2, 64), candidate = true, legacy = false),
-    mm!("rt_8x2_wg8", MatmulVec4, "matmul_vec4_rt",
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(2, 64),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "rt_8x2_wg8",
+        MatmulVec4,
+        "matmul_vec4_rt",
         &[("RT_TM", 8.0), ("RT_TN", 2.0), ("RT_WG", 8.0)],
-        sg = false, k4 = true, max_rows = ANY, blocks(8, 16), candidate = true, legacy = false),
-    mm!("rt_4x4_wg16", MatmulVec4, "matmul_vec4_rt",
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(8, 16),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "rt_4x4_wg16",
+        MatmulVec4,
+        "matmul_vec4_rt",
         &[("RT_TM", 4.0), ("RT_TN", 4.0), ("RT_WG", 16.0)],
-        sg = false, k4 = true, max_rows = ANY, blocks(4, 64), candidate = true, legacy = false),
-    mm!("rt_4x2_wg32", MatmulVec4, "matmul_vec4_rt",
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(4, 64),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "rt_4x2_wg32",
+        MatmulVec4,
+        "matmul_vec4_rt",
         &[("RT_TM", 4.0), ("RT_TN", 2.0), ("RT_WG", 32.0)],
-        sg = false, k4 = true, max_rows = ANY, blocks(4, 64), candidate = true, legacy = false),
-    mm!("gemv_wg64", MatmulVec4, "gemv", &[("GV_WG", 64.0)], sg = false, k4 = true,
-        max_rows = 8, MatmulGrid::Columns { cols: 4 }, candidate = true, legacy = false),
-    mm!("gemv_wg128", MatmulVec4, "gemv", &[("GV_WG", 128.0)], sg = false, k4 = true,
-        max_rows = 8, MatmulGrid::Columns { cols: 4 }, candidate = true, legacy = false),
-    mm!("gemv_wg256", MatmulVec4, "gemv", &[("GV_WG", 256.0)], sg = false, k4 = true,
-        max_rows = 8, MatmulGrid::Columns { cols: 4 }, candidate = true, legacy = false),
-    mm!("gemv_sg128", MatmulSubgroup, "gemv_subgroup", &[("GV_WG", 128.0)], sg = true,
-        k4 = true, max_rows = 8, MatmulGrid::Columns { cols: 4 }, candidate = true,
-        legacy = false),
-    mm!("gemv_sg256", MatmulSubgroup, "gemv_subgroup", &[("GV_WG", 256.0)], sg = true,
-        k4 = true, max_rows = 8, MatmulGrid::Columns { cols: 4 }, candidate = true,
-        legacy = false),
-    mm!("gemm_32x32", MatmulVec4, "gemm_tiled",
-        &[("GT_TM", 4.0), ("GT_TN", 4.0), ("GT_WGX", 8.0), ("GT_WGY", 8.0)],
-        sg = false, k4 = true, max_rows = ANY, blocks(32, 32), candidate = true, legacy = false),
-    mm!("gemm_64x64", MatmulVec4, "gemm_tiled",
-        &[("GT_TM", 4.0), ("GT_TN", 4.0), ("GT_WGX", 16.0), ("GT_WGY", 16.0)],
-        sg = false, k4 = true, max_rows = ANY, blocks(64, 64), candidate = true, legacy = false),
-    mm!("gemm_128x64", MatmulVec4, "gemm_tiled",
-        &[("GT_TM", 8.0), ("GT_TN", 4.0), ("GT_WGX", 16.0), ("GT_WGY", 16.0)],
-        sg = false, k4 = true, max_rows = ANY, blocks(128, 64), candidate = true,
-        legacy = false),
-    mm!("gemm_64x128", MatmulVec4, "gemm_tiled",
-        &[("GT_TM", 4.0), ("GT_TN", 8.0), ("GT_WGX", 16.0), ("GT_WGY", 16.0)],
-        sg = false, k4 = true, max_rows = ANY, blocks(64, 128), candidate = true,
-        legacy = false),
-    mm!("gemm_s_64x64", Matmul, "gemm_tiled_scalar",
-        &[("GT_TM", 4.0), ("GT_TN", 4.0), ("GT_WGX", 16.0), ("GT_WGY", 16.0)],
-        sg = false, k4 = false, max_rows = ANY, blocks(64, 64), candidate = true,
-        legacy = false),
-    mm!("gemm_s_32x32", Matmul, "gemm_tiled_scalar",
-        &[("GT_TM", 4.0), ("GT_TN", 4.0), ("GT_WGX", 8.0), ("GT_WGY", 8.0)],
-        sg = false, k4 = false, max_rows = ANY, blocks(32, 32), candidate = true,
-        legacy = false),
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(4, 64),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemv_wg64",
+        MatmulVec4,
+        "gemv",
+        &[("GV_WG", 64.0)],
+        sg = false,
+        k4 = true,
+        max_rows = 8,
+        MatmulGrid::Columns { cols: 4 },
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemv_wg128",
+        MatmulVec4,
+        "gemv",
+        &[("GV_WG", 128.0)],
+        sg = false,
+        k4 = true,
+        max_rows = 8,
+        MatmulGrid::Columns { cols: 4 },
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemv_wg256",
+        MatmulVec4,
+        "gemv",
+        &[("GV_WG", 256.0)],
+        sg = false,
+        k4 = true,
+        max_rows = 8,
+        MatmulGrid::Columns { cols: 4 },
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemv_sg128",
+        MatmulSubgroup,
+        "gemv_subgroup",
+        &[("GV_WG", 128.0)],
+        sg = true,
+        k4 = true,
+        max_rows = 8,
+        MatmulGrid::Columns { cols: 4 },
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemv_sg256",
+        MatmulSubgroup,
+        "gemv_subgroup",
+        &[("GV_WG", 256.0)],
+        sg = true,
+        k4 = true,
+        max_rows = 8,
+        MatmulGrid::Columns { cols: 4 },
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemm_32x32",
+        MatmulVec4,
+        "gemm_tiled",
+        &[
+            ("GT_TM", 4.0),
+            ("GT_TN", 4.0),
+            ("GT_WGX", 8.0),
+            ("GT_WGY", 8.0)
+        ],
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(32, 32),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemm_64x64",
+        MatmulVec4,
+        "gemm_tiled",
+        &[
+            ("GT_TM", 4.0),
+            ("GT_TN", 4.0),
+            ("GT_WGX", 16.0),
+            ("GT_WGY", 16.0)
+        ],
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(64, 64),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemm_128x64",
+        MatmulVec4,
+        "gemm_tiled",
+        &[
+            ("GT_TM", 8.0),
+            ("GT_TN", 4.0),
+            ("GT_WGX", 16.0),
+            ("GT_WGY", 16.0)
+        ],
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(128, 64),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemm_64x128",
+        MatmulVec4,
+        "gemm_tiled",
+        &[
+            ("GT_TM", 4.0),
+            ("GT_TN", 8.0),
+            ("GT_WGX", 16.0),
+            ("GT_WGY", 16.0)
+        ],
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(64, 128),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemm_s_64x64",
+        Matmul,
+        "gemm_tiled_scalar",
+        &[
+            ("GT_TM", 4.0),
+            ("GT_TN", 4.0),
+            ("GT_WGX", 16.0),
+            ("GT_WGY", 16.0)
+        ],
+        sg = false,
+        k4 = false,
+        max_rows = ANY,
+        blocks(64, 64),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemm_s_32x32",
+        Matmul,
+        "gemm_tiled_scalar",
+        &[
+            ("GT_TM", 4.0),
+            ("GT_TN", 4.0),
+            ("GT_WGX", 8.0),
+            ("GT_WGY", 8.0)
+        ],
+        sg = false,
+        k4 = false,
+        max_rows = ANY,
+        blocks(32, 32),
+        candidate = true,
+        legacy = false
+    ),
 ];
 
 macro_rules! attn {
@@ -177,8 +371,18 @@ macro_rules! attn {
 /// a reduction pass).
 pub static ATTENTION: &[Variant] = &[
     attn!("attend", "attend", max_head_dim = 256, legacy = true),
-    attn!("attend_tiled", "attend_tiled", max_head_dim = 128, legacy = false),
-    attn!("attend_split", "attend_split", max_head_dim = 256, legacy = false),
+    attn!(
+        "attend_tiled",
+        "attend_tiled",
+        max_head_dim = 128,
+        legacy = false
+    ),
+    attn!(
+        "attend_split",
+        "attend_split",
+        max_head_dim = 256,
+        legacy = false
+    ),
 ];
 
 /// The variant called `name`, of any op.
@@ -212,9 +416,11 @@ pub fn attention_grid(v: &Variant, batch: usize, seq: usize, n_heads: usize) -> 
         "attend_split" => fold(batch * seq * n_heads),
         "attend_tiled" => {
             let g = [seq.div_ceil(64), n_heads, batch];
-            g.iter()
-                .all(|&d| d <= MAX_GROUPS as usize)
-                .then_some([g[0] as u32, g[1] as u32, g[2] as u32])
+            g.iter().all(|&d| d <= MAX_GROUPS as usize).then_some([
+                g[0] as u32,
+                g[1] as u32,
+                g[2] as u32,
+            ])
         }
         _ => None,
     }
@@ -222,7 +428,12 @@ pub fn attention_grid(v: &Variant, batch: usize, seq: usize, n_heads: usize) -> 
 
 /// The attention variant used untuned: today's kernel on a CPU driver; on a GPU the tiled
 /// kernel for prefill and the split one for decode over a context of 256 keys or more.
-pub fn default_attention(gpu: &Gpu, seq: usize, context: usize, head_dim: usize) -> &'static Variant {
+pub fn default_attention(
+    gpu: &Gpu,
+    seq: usize,
+    context: usize,
+    head_dim: usize,
+) -> &'static Variant {
     let name = if gpu.info().is_cpu() {
         "attend"
     } else if seq > 1 && head_dim <= 128 {
@@ -264,7 +475,11 @@ impl AttnClass {
     pub fn key(&self) -> String {
         format!(
             "attention/{}/s2^{}/ctx2^{}/rows2^{}/d{}",
-            if self.causal { "causal" } else { "bidirectional" },
+            if self.causal {
+                "causal"
+            } else {
+                "bidirectional"
+            },
             self.seq_log2,
             self.ctx_log2,
             self.rows_log2,
