@@ -15,8 +15,9 @@
 //!
 //! Every candidate computes the same result within tolerance (the kernel tests run all of
 //! them against the CPU reference), so a choice changes speed, not output beyond rounding.
-//! Timing happens where a shape is first used: benchmarks warm up before their timed region
-//! (or set `WGPAR_TUNE=off`), so tuning never lands inside a measurement.
+//! Timing happens where a shape is first used: a benchmark must warm up before its timed
+//! region (as `compare` and `bench pipeline` do) or run with `WGPAR_TUNE=off`, so tuning
+//! stays out of its measurement.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
