@@ -109,10 +109,8 @@ fn time(
             samples.push(dt);
         }
     }
-    crate::stats::median(samples).ok_or_else(|| WgparError::Shape {
-        op: "bench".into(),
-        detail: "kernel benchmark needs at least one sample".into(),
-    })
+    crate::stats::median(samples)
+        .ok_or_else(|| WgparError::Measurement("kernel benchmark needs at least one sample".into()))
 }
 
 fn random(len: usize, seed: u32) -> Vec<f32> {

@@ -578,10 +578,8 @@ pub fn time_samples(run: &dyn Fn(usize) -> Result<f64>, effort: Effort, best: f6
     for _ in 0..samples {
         times.push(run(reps)?);
     }
-    crate::stats::median(times).ok_or_else(|| WgparError::Shape {
-        op: "tune".into(),
-        detail: "no timing samples".into(),
-    })
+    crate::stats::median(times)
+        .ok_or_else(|| WgparError::Measurement("kernel tuning took no timing samples".into()))
 }
 
 /// Deterministic non-trivial data for tuning and benchmarks.
