@@ -564,19 +564,8 @@ fn kv_store_and_causal_attention() {
 fn attention_every_variant_causal_and_bidirectional() {
     let gpu = &common::gpus(1)[0];
     // (batch, seq, past of row 0, max_seq, n_heads, n_kv_heads, group, q_off, kv_off, head_dim)
-    let cases: [(
-        usize,
-        usize,
-        usize,
-        usize,
-        usize,
-        usize,
-        usize,
-        usize,
-        usize,
-        usize,
-    ); 6] = [
-        (2, 5, 0, 16, 6, 2, 3, 0, 0, 12),
+    let cases = [
+        (2, 5, 0usize, 16, 6, 2, 3, 0, 0, 12),
         (2, 3, 4, 16, 4, 2, 3, 2, 0, 12),
         (1, 1, 130, 160, 4, 1, 4, 0, 0, 16),
         (2, 70, 3, 80, 2, 2, 1, 0, 0, 8),
