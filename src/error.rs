@@ -73,6 +73,25 @@ pub enum WgparError {
         /// What did not fit.
         detail: String,
     },
+    /// A kernel-tuning switch has a value wgpar does not know.
+    #[error("{name}={value} is not valid: expected {expected}")]
+    TuneSetting {
+        /// The switch (environment variable or flag).
+        name: String,
+        /// The value given.
+        value: String,
+        /// What it accepts.
+        expected: String,
+    },
+    /// The kernel-tuning cache could not be written.
+    #[error("tuning cache {path}: {source}")]
+    TuneCache {
+        /// File or folder.
+        path: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
     /// An invalid model configuration, strategy or option: something the user can change.
     /// Runtime failures have their own variants below.
     #[error("invalid configuration: {0}")]

@@ -35,15 +35,43 @@ pub enum BenchCommand {
     /// PP), every run projected onto every calibration; median makespan error per
     /// configuration.
     Projection(super::bench_projection::ProjectionBenchArgs),
-    /// Matmul GFLOP/s (against a naive baseline) and the other kernels' GB/s, per device.
+    /// Every matmul variant timed per shape (the winner is what autotuning picks, today's
+    /// kernel beside it), attention prefill, and the other kernels' GB/s, per device.
     Kernels {
         #[command(flatten)]
         devices: DeviceArgs,
-        /// Square matmul sizes.
-        #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048")]
-        sizes: Vec<usize>,
+        /// Square matmul sizes (M = N = K); `--sizes=` for none.
+        #[arg(long, value_delimiter = ',', default_value = "256,512,1024")]
+        sizes: Vec<String>,
+        /// Further matmul shapes MxNxK (e.g. 1x14336x4096: decode GEMV, 1 row).
+        #[arg(long, value_delimiter = ',')]
+        shapes: Vec<String>,
+        /// Weight types: f32, f16 or both.
+        #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
+        dtypes: Vec<String>,
+        /// Only these matmul variants (today's kernel is always timed beside them).
+        #[arg(long, value_delimiter = ',')]
+        kernels: Vec<String>,
+        /// Also time the naive one-invocation-per-output matmul.
+        #[arg(long)]
+        naive: bool,
+        /// Attention prefill lengths to time (one sequence, 32 heads of 128).
+        #[arg(long, value_delimiter = ',')]
+        attention_prefill: Vec<usize>,
+        /// Skip the memory-bound kernels (norms, element-wise, embedding, short attention).
+        #[arg(long)]
+        no_others: bool,
+        /// Do not store each shape's winner in the tuning cache.
+        #[arg(long)]
+        no_save: bool,
+        /// The adapter's peak arithmetic rate, GFLOP/s: each rate is followed by its fraction.
+        #[arg(long)]
+        peak_gflops: Option<f64>,
+        /// The adapter's peak memory bandwidth, GB/s: each rate is followed by its fraction.
+        #[arg(long)]
+        peak_gbps: Option<f64>,
         /// Timed samples per kernel (median reported).
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, default_value_t = 3)]
         iters: usize,
         /// Untimed warm-up samples.
         #[arg(long, default_value_t = 1)]
@@ -52,6 +80,20 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+fn parse_shape(text: &str) -> Result<(usize, usize, usize)> {
+    let dims: Vec<usize> = text
+        .split('x')
+        .map(|d| d.trim().parse::<usize>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| WgparError::Config(format!("bad shape '{text}': expected MxNxK")))?;
+    match dims[..] {
+        [m, n, k] if m > 0 && n > 0 && k > 0 => Ok((m, n, k)),
+        _ => Err(WgparError::Config(format!(
+            "bad shape '{text}': expected MxNxK, each at least 1"
+        ))),
+    }
 }
 
 fn micro_batch_count(text: &str, p: usize) -> Result<usize> {
@@ -185,6 +227,15 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Kernels {
             devices,
             sizes,
+            shapes,
+            dtypes,
+            kernels,
+            naive,
+            attention_prefill,
+            no_others,
+            no_save,
+            peak_gflops,
+            peak_gbps,
             iters,
             warmup,
             json,
@@ -192,43 +243,54 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
             if *iters == 0 {
                 return Err(WgparError::Config("--iters must be at least 1".into()));
             }
-            let adapters = Adapters::discover()?;
-            let gpus = devices.open(&adapters)?;
+            let shapes = shapes
+                .iter()
+                .map(|s| parse_shape(s))
+                .collect::<Result<Vec<_>>>()?;
+            let sizes = sizes
+                .iter()
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| match s.trim().parse::<usize>() {
+                    Ok(n) if n > 0 => Ok(n),
+                    _ => Err(WgparError::Config(format!(
+                        "--sizes {s}: expected a size of at least 1"
+                    ))),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            for d in dtypes {
+                if d != "f32" && d != "f16" {
+                    return Err(WgparError::Config(format!(
+                        "--dtypes {d}: expected f32 or f16"
+                    )));
+                }
+            }
+            for p in [peak_gflops, peak_gbps].into_iter().flatten() {
+                if !(p.is_finite() && *p > 0.0) {
+                    return Err(WgparError::Config(format!("peak {p}: must be positive")));
+                }
+            }
+            let only = wgpar::kernels::tune::parse_forced("--kernels", &kernels.join(","))?;
             let opts = KernelBenchOptions {
-                sizes: sizes.clone(),
+                sizes,
+                shapes,
                 iters: *iters,
                 warmup: *warmup,
+                f32: dtypes.iter().any(|d| d == "f32"),
+                f16: dtypes.iter().any(|d| d == "f16"),
+                naive: *naive,
+                only,
+                others: !no_others,
+                attention_prefill: attention_prefill.clone(),
+                save: !no_save,
                 ..Default::default()
             };
+            let adapters = Adapters::discover()?;
+            let gpus = devices.open(&adapters)?;
             let mut all = Vec::new();
             for gpu in &gpus {
                 let rows = bench_kernels(gpu, &opts)?;
                 if !json {
-                    println!(
-                        "# {} driver: {} {}",
-                        gpu.describe(),
-                        gpu.info().driver,
-                        gpu.info().driver_info
-                    );
-                    println!(
-                        "{:<18} {:<22} {:<5} {:>10} {:>9} {:>8} {:>8}",
-                        "kernel", "shape", "dtype", "median ms", "GFLOP/s", "GB/s", "x naive"
-                    );
-                    let opt = |v: Option<f64>, p: usize| {
-                        v.map_or("-".to_string(), |v| format!("{v:.p$}"))
-                    };
-                    for r in &rows {
-                        println!(
-                            "{:<18} {:<22} {:<5} {:>10.3} {:>9} {:>8} {:>8}",
-                            r.kernel,
-                            r.shape,
-                            r.dtype,
-                            r.median_ms,
-                            opt(r.gflops, 1),
-                            opt(r.gbps, 2),
-                            opt(r.speedup_vs_naive, 2)
-                        );
-                    }
+                    print_kernel_rows(gpu, &rows, *peak_gflops, *peak_gbps);
                 }
                 all.push(serde_json::json!({ "device": gpu.describe(), "adapter": gpu.info(), "rows": rows }));
             }
@@ -242,5 +304,58 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+fn print_kernel_rows(
+    gpu: &wgpar::device::Gpu,
+    rows: &[wgpar::kernels::bench::KernelBenchRow],
+    peak_gflops: Option<f64>,
+    peak_gbps: Option<f64>,
+) {
+    println!(
+        "# {} driver: {} {}",
+        gpu.describe(),
+        gpu.info().driver,
+        gpu.info().driver_info
+    );
+    println!(
+        "{:<18} {:<20} {:<5} {:>11} {:>9} {:>7} {:>8} {:>7} {:>8} {:>8}  note",
+        "kernel",
+        "shape",
+        "dtype",
+        "median ms",
+        "GFLOP/s",
+        "peak",
+        "GB/s",
+        "peak",
+        "x naive",
+        "x today"
+    );
+    let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
+    let frac = |v: Option<f64>, peak: Option<f64>| match (v, peak) {
+        (Some(v), Some(p)) => format!("{:.1}%", v / p * 100.0),
+        _ => "-".to_string(),
+    };
+    for r in rows {
+        let note = match (r.winner, r.legacy) {
+            (true, true) => "winner, today's",
+            (true, false) => "winner",
+            (false, true) => "today's",
+            _ => "",
+        };
+        println!(
+            "{:<18} {:<20} {:<5} {:>11.3} {:>9} {:>7} {:>8} {:>7} {:>8} {:>8}  {note}",
+            r.kernel,
+            r.shape,
+            r.dtype,
+            r.median_ms,
+            opt(r.gflops, 1),
+            frac(r.gflops, peak_gflops),
+            opt(r.gbps, 2),
+            frac(r.gbps, peak_gbps),
+            opt(r.speedup_vs_naive, 2),
+            opt(r.speedup_vs_legacy, 2)
+        );
     }
 }

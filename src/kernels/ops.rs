@@ -3,7 +3,7 @@
 
 use bytemuck::{Pod, Zeroable};
 
-use super::{Family, WeightType};
+use super::{tune, variants, Family, Kernel, WeightType};
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
 
@@ -12,11 +12,6 @@ const MAX_GROUPS: u32 = 65_535;
 /// Most rows (tokens of one step) a row-per-workgroup kernel takes in one dispatch; the CLI
 /// checks a run's shapes against it before opening devices. Lift both together.
 pub const MAX_ROWS_PER_DISPATCH: usize = MAX_GROUPS as usize;
-/// Matmul rows per workgroup, columns per invocation and workgroup size; must match
-/// `shaders/matmul.wgsl`.
-const MATMUL_TM: u32 = 4;
-const MATMUL_TN: u32 = 4;
-const MATMUL_WG: u32 = 8;
 
 fn weight_type(t: &Tensor) -> WeightType {
     match t.dtype() {
@@ -89,6 +84,19 @@ fn dispatch<P: Pod>(
     groups: [u32; 3],
 ) {
     let kernel = gpu.kernels().get(gpu.device(), family, entry, weights);
+    dispatch_kernel(gpu, encoder, &kernel, entry, buffers, params, groups);
+}
+
+/// [`dispatch`] with a pipeline already chosen (a tuned variant).
+fn dispatch_kernel<P: Pod>(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    kernel: &Kernel,
+    entry: &'static str,
+    buffers: &[&wgpu::Buffer],
+    params: &P,
+    groups: [u32; 3],
+) {
     let uniform = gpu.uniform(params);
     let mut entries: Vec<wgpu::BindGroupEntry> = buffers
         .iter()
@@ -128,10 +136,14 @@ struct MatmulParams {
 /// Which matmul kernel to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatmulKernel {
-    /// The production kernel (register-tiled).
+    /// The production choice: the variant tuned for this adapter and shape class
+    /// (`kernels::tune`).
     Tiled,
     /// One invocation per output: the benchmark baseline.
     Naive,
+    /// A named variant of `kernels::variants::MATMUL` (tests, benchmarks); an error if it does
+    /// not apply to the shape or device.
+    Variant(&'static str),
 }
 
 /// `y[m][n] = x[m][k] . w[n][k] (+ bias[n])`, with `w` stored transposed (f32 or f16).
@@ -162,44 +174,55 @@ pub fn matmul(
         k: to_u32(OP, "k", k)?,
         has_bias: bias.is_some() as u32,
     };
-    let (entry, groups) = match kernel {
-        MatmulKernel::Tiled => (
-            "matmul",
-            [
-                (n as u32).div_ceil(MATMUL_WG * MATMUL_TN),
-                (m as u32).div_ceil(MATMUL_TM),
-                1,
-            ],
-        ),
-        MatmulKernel::Naive => (
-            "matmul_naive",
-            [(n as u32).div_ceil(8), (m as u32).div_ceil(8), 1],
-        ),
+    let wt = weight_type(w);
+    // The variant: tuned per adapter and shape class (see `kernels::tune`), or named.
+    let variant = match kernel {
+        MatmulKernel::Tiled => tune::choose_matmul(
+            gpu,
+            (m, n, k),
+            wt,
+            Some(tune::MatmulOperands {
+                x: x.buffer(),
+                w: w.buffer(),
+            }),
+        )?,
+        MatmulKernel::Naive => {
+            variants::by_name("matmul_naive").ok_or_else(|| unknown("matmul_naive"))?
+        }
+        MatmulKernel::Variant(name) => {
+            let v = variants::by_name(name).ok_or_else(|| unknown(name))?;
+            if !v.applies(gpu, (m, n, k)) {
+                return Err(WgparError::Shape {
+                    op: OP.into(),
+                    detail: format!("variant {name} does not apply to {m}x{n}x{k} on this device"),
+                });
+            }
+            v
+        }
     };
-    if groups[0] > MAX_GROUPS || groups[1] > MAX_GROUPS {
-        return Err(WgparError::Shape {
-            op: OP.into(),
-            detail: format!("{m}x{n} output exceeds the dispatch limit"),
-        });
-    }
+    let groups = variant.grid((m, n, k)).ok_or_else(|| WgparError::Shape {
+        op: OP.into(),
+        detail: format!("{m}x{n} output exceeds the dispatch limit"),
+    })?;
     let bias_buf = bias.unwrap_or(x).buffer();
-    // Inner dimensions divisible by 4 (every real model's) take the vec4-load kernel.
-    let (family, entry) = if kernel == MatmulKernel::Tiled && k.is_multiple_of(4) {
-        (Family::MatmulVec4, "matmul_vec4")
-    } else {
-        (Family::Matmul, entry)
-    };
-    dispatch(
+    dispatch_kernel(
         gpu,
         encoder,
-        family,
-        entry,
-        weight_type(w),
+        &variant.kernel(gpu, wt),
+        variant.name,
         &[x.buffer(), w.buffer(), bias_buf, y.buffer()],
         &params,
         groups,
     );
     Ok(())
+}
+
+fn unknown(name: &str) -> WgparError {
+    WgparError::TuneSetting {
+        name: "matmul variant".into(),
+        value: name.into(),
+        expected: format!("one of {}", variants::names().join(", ")),
+    }
 }
 
 #[repr(C)]
@@ -474,6 +497,22 @@ pub fn attention_masked(
     shape: &AttnShape,
     mask: AttnMask<'_>,
 ) -> Result<()> {
+    attention_with(gpu, encoder, q, cache, out, shape, mask, None)
+}
+
+/// [`attention_masked`] with the kernel variant named (`Some`: tests, benchmarks; an error if
+/// it does not apply) or tuned (`None`).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_with(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    q: &Tensor,
+    cache: KvCache<'_>,
+    out: &Tensor,
+    shape: &AttnShape,
+    mask: AttnMask<'_>,
+    variant: Option<&'static str>,
+) -> Result<()> {
     const OP: &str = "attention";
     shape.validate(OP)?;
     let q_len = shape.tokens() * shape.n_heads * shape.head_dim;
@@ -490,12 +529,76 @@ pub fn attention_masked(
             lens
         }
     };
-    dispatch(
+    let (batch, seq, heads, dim) = (shape.batch, shape.seq, shape.n_heads, shape.head_dim);
+    let applies = |v: &variants::Variant| {
+        variants::attention_applies(v, seq, dim)
+            && variants::attention_grid(v, batch, seq, heads).is_some()
+    };
+    let chosen = match variant {
+        Some(name) => {
+            let v = variants::by_name(name).ok_or_else(|| unknown(name))?;
+            if !applies(v) {
+                return Err(WgparError::Shape {
+                    op: OP.into(),
+                    detail: format!("variant {name} does not apply to seq {seq}, head_dim {dim}"),
+                });
+            }
+            v
+        }
+        None => {
+            // Past lengths live in the sequence table on the device: the cache capacity stands
+            // for the context in the shape class.
+            let context = shape.max_seq;
+            let class = variants::Class::Attention(variants::AttnClass::of(
+                seq,
+                context,
+                batch * heads,
+                dim,
+                params.causal == 1,
+            ));
+            let candidates: Vec<&'static variants::Variant> =
+                variants::ATTENTION.iter().filter(|v| applies(v)).collect();
+            tune::choose(
+                gpu,
+                class,
+                &applies,
+                variants::default_attention(gpu, seq, context, dim),
+                &mut || {
+                    // Timing reads the real operands and writes a scratch output.
+                    let scratch = gpu.empty("tune.attention.out", DType::F32, q_len)?;
+                    tune::measure_variants(
+                        gpu,
+                        &candidates,
+                        WeightType::F32,
+                        &[
+                            q.buffer(),
+                            cache.k.buffer(),
+                            cache.v.buffer(),
+                            lens.buffer(),
+                            scratch.buffer(),
+                            cache.seqs.buffer(),
+                        ],
+                        bytemuck::bytes_of(&params),
+                        &|v| variants::attention_grid(v, batch, seq, heads),
+                        tune::Effort::Tune,
+                    )
+                },
+            )?
+        }
+    };
+    let groups =
+        variants::attention_grid(chosen, batch, seq, heads).ok_or_else(|| WgparError::Shape {
+            op: OP.into(),
+            detail: format!(
+                "{} tokens x {heads} heads exceed the dispatch limit",
+                batch * seq
+            ),
+        })?;
+    dispatch_kernel(
         gpu,
         encoder,
-        Family::Attention,
-        "attend",
-        WeightType::F32,
+        &chosen.kernel(gpu, WeightType::F32),
+        chosen.name,
         &[
             q.buffer(),
             cache.k.buffer(),
@@ -505,7 +608,7 @@ pub fn attention_masked(
             cache.seqs.buffer(),
         ],
         &params,
-        grid_1d(OP, shape.tokens() * shape.n_heads, 64)?,
+        groups,
     );
     Ok(())
 }
