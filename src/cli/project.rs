@@ -4,8 +4,8 @@
 use clap::Args;
 use serde::Serialize;
 use wgpar::sim::{
-    project, CollectivePolicy, HostGaps, HostProfile, ProjectOptions, ProjectionReport,
-    StepBarriers,
+    project_engine, CollectivePolicy, Engine, HostGaps, HostProfile, ProjectOptions,
+    ProjectionReport, StepBarriers,
 };
 use wgpar::trace::{timeline_svg_with, SvgOptions, Timeline};
 use wgpar::{Result, WgparError};
@@ -19,7 +19,13 @@ pub struct ProjectArgs {
     /// Host profile: a file, or a shipped name (pcie4-2gpu, dgx-h100, ...).
     #[arg(long, value_name = "PROFILE")]
     host: String,
-    /// Cost collectives with the cheapest algorithm on the profile instead of the recorded one.
+    /// Engine whose figures cost the run: `wgpar` (this code; on a calibrated profile its
+    /// measurements), `cuda-nccl` (the same work in f16 on tensor cores with NCCL), `peak`
+    /// (every figure of the profile at 100 %), or an engine TOML file.
+    #[arg(long, default_value = "wgpar", value_name = "ENGINE")]
+    engine: String,
+    /// Cost collectives with the cheapest algorithm the engine has on the profile instead of
+    /// the recorded one.
     #[arg(long)]
     best_collectives: bool,
     /// Keep each span's measured host gap (only meaningful on the calibrated profile of the
@@ -135,6 +141,7 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
     let timeline =
         Timeline::read_chrome_trace(&args.trace).map_err(|e| config_error("--trace", e))?;
     let profile = HostProfile::resolve(&args.host).map_err(|e| config_error("--host", e))?;
+    let engine = Engine::resolve(&args.engine).map_err(|e| config_error("--engine", e))?;
     let options = ProjectOptions {
         collectives: if args.best_collectives {
             CollectivePolicy::Best
@@ -152,8 +159,8 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
             StepBarriers::Idle
         },
     };
-    let projection =
-        project(&timeline, &profile, &options).map_err(|e| config_error("projection", e))?;
+    let projection = project_engine(&timeline, &profile, &engine, &options)
+        .map_err(|e| config_error("projection", e))?;
     let report = &projection.report;
     let tokens = match args.tokens {
         Some(t) => Some(t),
