@@ -124,7 +124,7 @@ impl Encoder for SingleEncoder {
         if !fits {
             self.act = Some(m.activations(step.tokens(), batch)?);
         }
-        if self.kv.as_ref().map(KvCache::batch) != Some(batch) {
+        if self.kv.as_ref().map(KvCache::slots) != Some(batch) {
             self.kv = Some(m.kv_cache(batch)?);
         }
         self.batch = batch;
@@ -134,6 +134,7 @@ impl Encoder for SingleEncoder {
         let (ids, types, lens) = pad_batch(inputs, seq);
         m.write_ids(act, &ids)?;
         m.write_encoder_inputs(act, &step, &types, &lens)?;
+        m.write_seqs(act, kv, &step, &step.rows())?;
         let mut enc = m.gpu().encoder();
         m.embed(&mut enc, act, &step)?;
         m.layers(&mut enc, act, kv, &step)?;

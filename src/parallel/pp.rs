@@ -325,6 +325,7 @@ impl Stage {
         if let Some(e) = &work.encoder {
             m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
         }
+        m.write_seqs(act, kv, &step, &step.rows())?;
         if self.index != 0 {
             let want = step.tokens() * m.config().hidden * 4;
             if work.hidden.len() != want {

@@ -49,6 +49,7 @@ impl SingleEngine {
         };
         let m = &self.model;
         m.write_ids(act, ids)?;
+        m.write_seqs(act, kv, &step, &step.rows())?;
         let start = Instant::now();
         let mut enc = m.gpu().encoder();
         self.timer.begin(&mut enc);
@@ -118,7 +119,7 @@ impl Engine for SingleEngine {
         if !fits {
             self.act = Some(self.model.activations(tokens, batch)?);
         }
-        if self.kv.as_ref().map(|k| k.batch()) != Some(batch) {
+        if self.kv.as_ref().map(|k| k.slots()) != Some(batch) {
             self.kv = Some(self.model.kv_cache(batch)?);
         }
         self.batch = batch;

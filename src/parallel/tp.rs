@@ -159,6 +159,7 @@ impl Rank {
                 });
             }
         }
+        m.write_seqs(act, kv, &step, &step.rows())?;
         super::sync_span_timer(&mut self.timer, &gpu, rec);
         let timer = &self.timer;
         let mut start = Instant::now();
