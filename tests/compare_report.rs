@@ -107,6 +107,11 @@ fn small_comparison_end_to_end() {
         .projected
         .iter()
         .all(|p| (p.engine == "wgpar") == (p.kind == "projected")));
+    // A toy model fits every profile, and the check says how much it uses.
+    assert!(tp2
+        .projected
+        .iter()
+        .all(|p| p.fits && p.memory.0 > 0 && p.memory.0 < p.memory.1));
     // This machine, then each profile as each engine runs it.
     assert_eq!(report.verdicts.len(), 5);
     let text = table(&report);

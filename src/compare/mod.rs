@@ -97,6 +97,11 @@ pub struct Projected {
     pub kind: &'static str,
     /// Collective paths the engine took there.
     pub collectives_via: Vec<String>,
+    /// Whether this configuration's weights, KV cache and activations fit every device of the
+    /// profile in the engine's formats (the times are still the run's, projected).
+    pub fits: bool,
+    /// Memory of the fullest device, bytes, and what the engine may use of it.
+    pub memory: (u64, u64),
     /// Projected time to first token (the prefill), ms.
     pub ttft_ms: f64,
     /// Projected per-token latency (one decode step), ms.
@@ -344,6 +349,8 @@ fn project_pair(
             "modeled"
         },
         collectives_via: via,
+        fits: true,
+        memory: (0, 0),
         ttft_ms,
         per_token_ms,
         pp_tps: tokens.0 as f64 / (ttft_ms / 1e3),
@@ -421,13 +428,36 @@ fn measure(
         .filter(|p| p.device_count() >= plan.devices)
     {
         for e in &opts.engines {
-            projected.push(project_pair(
+            let mut proj = project_pair(
                 &timelines,
                 p,
                 e,
                 steps - 1,
                 (plan.batch * opts.prompt_len, plan.batch * (steps - 1)),
-            )?);
+            )?;
+            let weights = match opts.dtype {
+                DType::F16 => crate::sim::NumFormat::F16,
+                _ => crate::sim::NumFormat::F32,
+            };
+            let memory = memory_per_device(
+                &opts.config,
+                &plan.strategy,
+                plan.devices,
+                weights,
+                e,
+                p,
+                Workload {
+                    batch: plan.batch,
+                    prompt: opts.prompt_len,
+                    context: opts.prompt_len + steps,
+                },
+            )?;
+            proj.fits = memory.iter().all(DeviceMemory::fits);
+            proj.memory = memory
+                .iter()
+                .max_by_key(|m| m.total)
+                .map_or((0, 0), |m| (m.total, m.capacity));
+            projected.push(proj);
         }
     }
     Ok(Measurement {

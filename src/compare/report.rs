@@ -132,6 +132,15 @@ pub fn markdown(r: &CompareReport, charts: &[(String, String)]) -> String {
                     p.comm_share * 100.0,
                     p.bubble_share * 100.0
                 );
+                if !p.fits {
+                    let _ = writeln!(
+                        s,
+                        "| ↳ {} does not fit: {:.2} of {:.2} GiB on the fullest device | | | | | | | | |",
+                        m.label,
+                        p.memory.0 as f64 / (1u64 << 30) as f64,
+                        p.memory.1 as f64 / (1u64 << 30) as f64
+                    );
+                }
             }
         }
     }
