@@ -120,10 +120,11 @@ fn malformed_engine_files_name_file_line_and_field() {
     );
     assert!(err.to_string().contains("carrier-pigeon"), "{err}");
 
-    // A kind listed twice, a dtype that is no arithmetic, a syntax error.
+    // A kind listed twice (the later one is named), a dtype that is no arithmetic, a syntax
+    // error.
     let text = cuda().replace("kind = \"nccl-p2p\"", "kind = \"nccl-shm\"");
     let err = Engine::from_toml_str(&text, "e.toml").unwrap_err();
-    assert_eq!(err.field(), Some("collectives[2].kind"), "{err}");
+    assert_eq!(err.field(), Some("collectives[3].kind"), "{err}");
     let text = cuda().replacen("dtype = \"f16\"", "dtype = \"q4_0\"", 1);
     let err = Engine::from_toml_str(&text, "e.toml").unwrap_err();
     assert_eq!(err.field(), Some("compute.dtype"), "{err}");
