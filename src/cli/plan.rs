@@ -88,12 +88,12 @@ fn options(args: &PlanArgs) -> Result<PlanOptions> {
     let profiles = args
         .hosts
         .iter()
-        .map(|h| HostProfile::resolve(h).map_err(|e| WgparError::Config(format!("--host: {e}"))))
+        .map(|h| HostProfile::resolve(h).map_err(WgparError::from))
         .collect::<Result<Vec<_>>>()?;
     let engines = args
         .engines
         .iter()
-        .map(|e| Engine::resolve(e).map_err(|e| WgparError::Config(format!("--engines: {e}"))))
+        .map(|e| Engine::resolve(e).map_err(WgparError::from))
         .collect::<Result<Vec<_>>>()?;
     Ok(PlanOptions {
         config,
@@ -112,8 +112,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     let opts = options(args)?;
     let rows = plan(&opts)?;
     if args.json {
-        let text =
-            serde_json::to_string_pretty(&rows).map_err(|e| WgparError::Config(e.to_string()))?;
+        let text = serde_json::to_string_pretty(&rows).map_err(|source| WgparError::Json {
+            what: "the plan".into(),
+            source,
+        })?;
         println!("{text}");
     } else {
         print!("{}", plan_markdown(&opts, &rows));

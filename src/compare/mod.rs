@@ -322,12 +322,10 @@ fn project_pair(
     // Each engine runs the collectives it would choose on that machine: wgpar its host-staged
     // path everywhere, CUDA + NCCL an NVLink ring or NVLS on a DGX.
     let opts = ProjectOptions::default();
-    let err = |e: crate::sim::ProjectError| {
-        WgparError::Config(format!(
-            "projection onto {} ({}): {e}",
-            profile.name,
-            engine.label()
-        ))
+    let err = |source: crate::sim::ProjectError| WgparError::Projection {
+        what: format!("the measured run as {}", engine.label()),
+        profile: profile.name.clone(),
+        source,
     };
     let pre = project_engine(&timelines.0, profile, engine, &opts).map_err(err)?;
     let dec = project_engine(&timelines.1, profile, engine, &opts).map_err(err)?;

@@ -322,13 +322,10 @@ pub fn plan(opts: &PlanOptions) -> Result<Vec<PlanRow>> {
                             rows.push(row);
                             continue;
                         }
-                        let err = |e: crate::sim::ProjectError| {
-                            WgparError::Config(format!(
-                                "{} on {} ({}): {e}",
-                                s.label,
-                                profile.name,
-                                engine.label()
-                            ))
+                        let err = |source: crate::sim::ProjectError| WgparError::Projection {
+                            what: format!("{} as {}", s.label, engine.label()),
+                            profile: profile.name.clone(),
+                            source,
                         };
                         let step = Step {
                             batch,

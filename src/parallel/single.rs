@@ -45,7 +45,7 @@ impl SingleEngine {
 
     fn forward(&mut self, ids: &[u32], step: Step) -> Result<Logits> {
         let (Some(act), Some(kv)) = (&self.act, &self.kv) else {
-            return Err(WgparError::Config("decode before prefill".into()));
+            return Err(WgparError::InvalidCall("decode before prefill".into()));
         };
         let m = &self.model;
         m.write_ids(act, ids)?;
@@ -61,7 +61,7 @@ impl SingleEngine {
         let logits = act
             .logits
             .as_ref()
-            .ok_or_else(|| WgparError::Config("no logits buffer".into()))?;
+            .ok_or_else(|| WgparError::Internal("no logits buffer".into()))?;
         let vocab = m.config().vocab;
         let mut data = m.gpu().read_f32(logits)?;
         data.truncate(step.batch * vocab);
