@@ -465,7 +465,7 @@ fn inconsistent_timelines_are_errors() {
     t.spans[1].deps = vec![early];
     let _ = late;
     match project(&t, &p, &opts) {
-        Err(e @ ProjectError::DependencyStartsLater { .. }) => {
+        Err(e @ ProjectError::DependencyStartsLater(_)) => {
             let text = e.to_string();
             assert!(
                 text.contains("late") && text.contains("early") && text.contains("forward in time"),

@@ -46,6 +46,6 @@ pub use profile_error::{Location, ProfileError};
 pub use project::{
     project, project_engine, CollectivePolicy, HostGaps, ProjectOptions, Projection, StepBarriers,
 };
-pub use project_error::ProjectError;
+pub use project_error::{ForwardDependency, ProjectError};
 pub use report::{KindTotal, ProjectionReport};
 pub use shipped::SHIPPED_PROFILES;

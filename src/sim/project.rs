@@ -25,7 +25,7 @@ use crate::trace::{us_to_ns, CollectiveInfo, Interval, Span, SpanKind, Summary, 
 use super::cost::{Algorithm, CostModel};
 use super::engine::{Engine, LinkKind};
 use super::profile::{ComputeSharing, HostProfile};
-use super::project_error::ProjectError;
+use super::project_error::{ForwardDependency, ProjectError};
 use super::report::{KindTotal, ProjectionReport};
 
 /// Which algorithm a collective is costed with.
@@ -144,14 +144,16 @@ pub fn project_engine(
         for dep in &s.deps {
             if let Some(d) = index_of.get(dep).map(|&i| &spans[i]) {
                 if d.start_ns > s.start_ns {
-                    return Err(ProjectError::DependencyStartsLater {
-                        span: s.id,
-                        name: s.name.clone(),
-                        start_us: s.start_us(),
-                        dep: d.id,
-                        dep_name: d.name.clone(),
-                        dep_start_us: d.start_us(),
-                    });
+                    return Err(ProjectError::DependencyStartsLater(Box::new(
+                        ForwardDependency {
+                            span: s.id,
+                            name: s.name.clone(),
+                            start_us: s.start_us(),
+                            dep: d.id,
+                            dep_name: d.name.clone(),
+                            dep_start_us: d.start_us(),
+                        },
+                    )));
                 }
             }
         }

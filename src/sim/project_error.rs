@@ -103,26 +103,9 @@ pub enum ProjectError {
     )]
     EmptyTimeline,
     /// A span depends on a span that started after it, which no run can record: the trace
-    /// was edited or its clocks are inconsistent.
-    #[error(
-        "span {span} ({name}) starts at {start_us:.3} us but depends on span {dep} ({dep_name}), \
-         which starts later, at {dep_start_us:.3} us: a dependency that points forward in time \
-         (the trace's times or dependencies were edited)"
-    )]
-    DependencyStartsLater {
-        /// The dependent span.
-        span: SpanId,
-        /// Its name.
-        name: String,
-        /// Its recorded start, microseconds.
-        start_us: f64,
-        /// The dependency.
-        dep: SpanId,
-        /// Its name.
-        dep_name: String,
-        /// Its recorded start, microseconds.
-        dep_start_us: f64,
-    },
+    /// was edited or its clocks are inconsistent. (Boxed: errors stay small.)
+    #[error("{0}")]
+    DependencyStartsLater(Box<ForwardDependency>),
     /// Dependencies, track order and collective groups form a cycle (e.g. two devices that
     /// recorded the same two collectives in opposite orders).
     #[error("span {span} ({name}) waits on itself through dependencies, track order or a collective group")]
@@ -132,4 +115,27 @@ pub enum ProjectError {
         /// Its name.
         name: String,
     },
+}
+
+/// A dependency that points forward in time: span `span` starts before span `dep`, which it
+/// depends on.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error(
+    "span {span} ({name}) starts at {start_us:.3} us but depends on span {dep} ({dep_name}), \
+     which starts later, at {dep_start_us:.3} us: a dependency that points forward in time \
+     (the trace's times or dependencies were edited)"
+)]
+pub struct ForwardDependency {
+    /// The dependent span.
+    pub span: SpanId,
+    /// Its name.
+    pub name: String,
+    /// Its recorded start, microseconds.
+    pub start_us: f64,
+    /// The dependency.
+    pub dep: SpanId,
+    /// Its name.
+    pub dep_name: String,
+    /// Its recorded start, microseconds.
+    pub dep_start_us: f64,
 }
