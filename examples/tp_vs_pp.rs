@@ -1,12 +1,13 @@
 //! Tensor vs pipeline parallelism through the library API: a small comparison on four virtual
-//! devices of the preferred adapter, projected onto a PCIe desktop and an NVLink DGX.
+//! devices of the preferred adapter, projected onto a PCIe desktop and an NVLink DGX, as wgpar
+//! runs it and as CUDA + NCCL would (modeled).
 //!
 //! `cargo run --release --example tp_vs_pp`
 
 use wgpar::compare::{run_compare, table, CompareOptions};
 use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, GpuOptions};
 use wgpar::model::ModelConfig;
-use wgpar::sim::HostProfile;
+use wgpar::sim::{Engine, HostProfile};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let adapters = Adapters::discover()?;
@@ -27,6 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             HostProfile::resolve("pcie4-4gpu")?,
             HostProfile::resolve("dgx-h100")?,
         ],
+        engines: vec![Engine::shipped("wgpar")?, Engine::shipped("cuda-nccl")?],
         seed: 1,
     };
     let report = run_compare(&gpus, &opts, &mut |done, total, what| {

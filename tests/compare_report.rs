@@ -6,7 +6,7 @@ mod common;
 use wgpar::compare::{breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions};
 use wgpar::device::DType;
 use wgpar::model::ModelConfig;
-use wgpar::sim::HostProfile;
+use wgpar::sim::{Engine, HostProfile};
 
 #[test]
 fn small_comparison_end_to_end() {
@@ -27,6 +27,10 @@ fn small_comparison_end_to_end() {
             HostProfile::resolve("pcie4-4gpu").unwrap(),
             HostProfile::resolve("dgx-h100").unwrap(),
         ],
+        engines: vec![
+            Engine::shipped("wgpar").unwrap(),
+            Engine::shipped("cuda-nccl").unwrap(),
+        ],
         seed: 3,
     };
     let mut calls = 0;
@@ -45,7 +49,8 @@ fn small_comparison_end_to_end() {
     for m in &report.measurements {
         assert!(m.max_rel_err <= 1e-3, "{}: {}", m.label, m.max_rel_err);
         assert!(m.tg_tps.mean > 0.0 && m.pp_tps.mean > 0.0);
-        assert_eq!(m.projected.len(), 2, "{}", m.label);
+        // Two profiles, each as wgpar runs it and as CUDA + NCCL would.
+        assert_eq!(m.projected.len(), 4, "{}", m.label);
         let expect_comm = m.family != "single";
         assert_eq!(
             m.comm_share > 0.0,
@@ -71,17 +76,53 @@ fn small_comparison_end_to_end() {
                 .measurements
                 .iter()
                 .find(|m| m.label == label && m.batch == 1)
-                .and_then(|m| m.projected.iter().find(|p| p.profile == profile))
+                .and_then(|m| {
+                    m.projected
+                        .iter()
+                        .find(|p| p.profile == profile && p.engine == "wgpar")
+                })
                 .map(|p| p.per_token_ms)
                 .unwrap()
         };
         assert!(lat("pp2 m=1") >= lat("single"), "{profile}");
     }
-    assert_eq!(report.verdicts.len(), 3);
+    // On the DGX, wgpar still stages its all-reduces through the host; CUDA + NCCL reduces in
+    // the NVSwitch (NVLS); on the PCIe desktop NCCL goes through host shared memory.
+    let tp2 = report
+        .measurements
+        .iter()
+        .find(|m| m.label == "tp2" && m.batch == 2)
+        .unwrap();
+    let via = |profile: &str, engine: &str| {
+        tp2.projected
+            .iter()
+            .find(|p| p.profile == profile && p.engine == engine)
+            .map(|p| p.collectives_via.clone())
+            .unwrap()
+    };
+    assert_eq!(via("dgx-h100", "wgpar"), ["host-staged"]);
+    assert_eq!(via("dgx-h100", "CUDA+NCCL"), ["nccl-nvls"]);
+    assert_eq!(via("pcie4-4gpu", "CUDA+NCCL"), ["nccl-shm"]);
+    assert!(tp2
+        .projected
+        .iter()
+        .all(|p| (p.engine == "wgpar") == (p.kind == "projected")));
+    // A toy model fits every profile, and the check says how much it uses.
+    assert!(tp2
+        .projected
+        .iter()
+        .all(|p| p.fits && p.memory.0 > 0 && p.memory.0 < p.memory.1));
+    // This machine, then each profile as each engine runs it.
+    assert_eq!(report.verdicts.len(), 5);
     let text = table(&report);
     assert!(text.contains("verdicts") && text.contains("dgx-h100"));
     let md = markdown(&report, &[("t".into(), "throughput.svg".into())]);
-    assert!(md.contains("## Projected onto `pcie4-4gpu`") && md.contains("![t](throughput.svg)"));
+    assert!(
+        md.contains("## Projected onto `pcie4-4gpu, wgpar (projected)`")
+            && md.contains("## Projected onto `dgx-h100, CUDA+NCCL (modeled)`")
+            && md.contains("![t](throughput.svg)"),
+        "{md}"
+    );
     for svg in [
         throughput_svg(&report).unwrap(),
         breakdown_svg(&report).unwrap(),

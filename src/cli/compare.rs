@@ -7,7 +7,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgpar::compare::{breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions};
 use wgpar::device::{open_devices, Adapters, DeviceSelection, GpuOptions};
-use wgpar::sim::HostProfile;
+use wgpar::sim::{Engine, HostProfile};
 use wgpar::{Result, WgparError};
 
 use super::ModelArgs;
@@ -41,6 +41,10 @@ pub struct CompareArgs {
     /// Host profiles to project onto (shipped names or TOML paths).
     #[arg(long, value_delimiter = ',', default_value = "pcie4-4gpu,dgx-h100")]
     profiles: Vec<String>,
+    /// Engines each run is projected with on every profile: wgpar as it runs here, and others
+    /// modeled on the same work (shipped names or TOML paths).
+    #[arg(long, value_delimiter = ',', default_value = "wgpar,cuda-nccl")]
+    engines: Vec<String>,
     /// Folder for the report and charts.
     #[arg(long, default_value = "wgpar-report")]
     out: PathBuf,
@@ -67,6 +71,7 @@ impl CompareArgs {
             gen: 8,
             reps: 3,
             profiles: vec!["pcie4-4gpu".into(), "dgx-h100".into()],
+            engines: vec!["wgpar".into(), "cuda-nccl".into()],
             out: PathBuf::from("wgpar-report"),
             json: false,
         }
@@ -136,6 +141,11 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         .iter()
         .map(|p| HostProfile::resolve(p).map_err(WgparError::from))
         .collect::<Result<Vec<_>>>()?;
+    let engines = args
+        .engines
+        .iter()
+        .map(|e| Engine::resolve(e).map_err(|e| WgparError::Config(format!("--engines: {e}"))))
+        .collect::<Result<Vec<_>>>()?;
     let adapters = Adapters::discover()?;
     let gpus = open_devices(
         &adapters,
@@ -152,6 +162,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         gen: args.gen,
         reps: args.reps,
         profiles,
+        engines,
         seed: args.model.seed,
     };
     if !args.json {

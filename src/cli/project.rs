@@ -4,8 +4,8 @@
 use clap::Args;
 use serde::Serialize;
 use wgpar::sim::{
-    project, CollectivePolicy, HostGaps, HostProfile, ProjectOptions, ProjectionReport,
-    StepBarriers,
+    project_engine, CollectivePolicy, Engine, HostGaps, HostProfile, ProjectOptions,
+    ProjectionReport, StepBarriers,
 };
 use wgpar::trace::{timeline_svg_with, SvgOptions, Timeline};
 use wgpar::{Result, WgparError};
@@ -19,7 +19,13 @@ pub struct ProjectArgs {
     /// Host profile: a file, or a shipped name (pcie4-2gpu, dgx-h100, ...).
     #[arg(long, value_name = "PROFILE")]
     host: String,
-    /// Cost collectives with the cheapest algorithm on the profile instead of the recorded one.
+    /// Engine whose figures cost the run: `wgpar` (this code; on a calibrated profile its
+    /// measurements), `cuda-nccl` (the same work in f16 on tensor cores with NCCL), `peak`
+    /// (every figure of the profile at 100 %), or an engine TOML file.
+    #[arg(long, default_value = "wgpar", value_name = "ENGINE")]
+    engine: String,
+    /// Cost collectives with the cheapest algorithm the engine has on the profile instead of
+    /// the recorded one.
     #[arg(long)]
     best_collectives: bool,
     /// Keep each span's measured host gap (only meaningful on the calibrated profile of the
@@ -130,6 +136,7 @@ fn write_svg(timeline: &Timeline, path: &str, title: String, args: &ProjectArgs)
 pub fn run(args: &ProjectArgs) -> Result<()> {
     let timeline = Timeline::read_chrome_trace(&args.trace)?;
     let profile = HostProfile::resolve(&args.host)?;
+    let engine = Engine::resolve(&args.engine)?;
     let options = ProjectOptions {
         collectives: if args.best_collectives {
             CollectivePolicy::Best
@@ -147,12 +154,13 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
             StepBarriers::Idle
         },
     };
-    let projection =
-        project(&timeline, &profile, &options).map_err(|source| WgparError::Projection {
-            what: args.trace.clone(),
+    let projection = project_engine(&timeline, &profile, &engine, &options).map_err(|source| {
+        WgparError::Projection {
+            what: format!("{} as {}", args.trace, engine.label()),
             profile: profile.name.clone(),
             source,
-        })?;
+        }
+    })?;
     let report = &projection.report;
     let tokens = match args.tokens {
         Some(t) => Some(t),

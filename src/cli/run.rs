@@ -8,7 +8,7 @@ use wgpar::device::{AdapterDesc, Adapters, DType};
 use wgpar::model::{budget, ModelConfig};
 use wgpar::parallel::{build_engine, generate, Engine, Fault, FaultKind, PartitionSpec, Strategy};
 
-use wgpar::sim::{HostProfile, LinkPacer};
+use wgpar::sim::{HostProfile, LinkPacer, PaceSpec};
 use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
 
@@ -510,8 +510,15 @@ pub fn run(args: &RunArgs) -> Result<()> {
 /// The pacer `--pace` names: one link as `ALPHA_US:BETA_GBPS`, else a host profile (device 0's
 /// host link, collectives by the profile's cost model). Also says what it paces to.
 fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
-    if let Some((alpha, beta)) = text.split_once(':') {
-        if let (Ok(alpha_us), Ok(beta_gbps)) = (alpha.trim().parse(), beta.trim().parse()) {
+    let spec = PaceSpec::parse(text).map_err(|source| WgparError::Pacing {
+        target: format!("--pace {text}"),
+        source,
+    })?;
+    let name = match spec {
+        PaceSpec::Link {
+            alpha_us,
+            beta_gbps,
+        } => {
             let pacer = LinkPacer::from_alpha_beta(alpha_us, beta_gbps).map_err(|source| {
                 WgparError::Pacing {
                     target: format!("--pace {text}"),
@@ -523,8 +530,9 @@ fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
                 format!("one link of {alpha_us} us + bytes / {beta_gbps} GB/s per message"),
             ));
         }
-    }
-    let profile = HostProfile::resolve(text)?;
+        PaceSpec::Profile(name) => name,
+    };
+    let profile = HostProfile::resolve(&name)?;
     let pacer = LinkPacer::from_profile(&profile, 0).map_err(|source| WgparError::Pacing {
         target: format!("profile {}", profile.name),
         source,
@@ -551,6 +559,12 @@ mod tests {
         assert!(what.contains("pcie3-2gpu"), "{what}");
         let e = pacer_for("50:-1").unwrap_err().to_string();
         assert!(e.contains("--pace 50:-1"), "{e}");
+        // A link with a bad number names the number, not a missing profile.
+        let e = pacer_for("5:abc").unwrap_err().to_string();
+        assert!(
+            e.contains("'abc'") && !e.contains("shipped profiles"),
+            "{e}"
+        );
         assert!(pacer_for("no-such-profile").is_err());
     }
 }

@@ -4,8 +4,10 @@
 //! say which strategy wins where, and why.
 
 mod charts;
+mod memory;
 mod modeled;
 mod plan;
+mod presets;
 mod report;
 mod verdict;
 
@@ -19,12 +21,16 @@ use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::model::{valid_tp_degrees, ModelConfig, ModelWeights};
 use crate::parallel::{build_engine, generate, Engine, PartitionSpec, Strategy};
-use crate::sim::{project, CollectivePolicy, HostProfile, ProjectOptions};
+use crate::sim::{project_engine, HostProfile, ProjectOptions};
 use crate::trace::{Recorder, Timeline};
 
 pub use charts::{breakdown_svg, throughput_svg};
-pub use modeled::modeled_timeline;
-pub use plan::{plan, plan_markdown, PlanOptions, PlanRow};
+pub use memory::{memory_per_device, DeviceMemory, Workload};
+pub use modeled::{modeled_timeline, Formats};
+pub use plan::{
+    default_strategies, plan, plan_markdown, plan_model, PlanOptions, PlanRow, PlanStrategy,
+};
+pub use presets::{plan_preset, PLAN_PRESETS};
 pub use report::{markdown, table};
 pub use verdict::{verdicts, Verdict};
 
@@ -47,6 +53,9 @@ pub struct CompareOptions {
     pub reps: usize,
     /// Host profiles to project onto.
     pub profiles: Vec<HostProfile>,
+    /// Engines each run is projected with, per profile: wgpar as it runs here, and others (CUDA
+    /// + NCCL) modeled on the same machine.
+    pub engines: Vec<crate::sim::Engine>,
     /// Seed of the synthetic weights.
     pub seed: u64,
 }
@@ -76,11 +85,23 @@ impl Stat {
     }
 }
 
-/// One configuration projected onto one host profile.
+/// One configuration projected onto one host profile, as one engine would run it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Projected {
     /// Profile name.
     pub profile: String,
+    /// Engine label (`wgpar`, `CUDA+NCCL`).
+    pub engine: String,
+    /// Whether this is wgpar's own run replayed (`projected`) or another engine's costs applied
+    /// to the same work (`modeled`).
+    pub kind: &'static str,
+    /// Collective paths the engine took there.
+    pub collectives_via: Vec<String>,
+    /// Whether this configuration's weights, KV cache and activations fit every device of the
+    /// profile in the engine's formats (the times are still the run's, projected).
+    pub fits: bool,
+    /// Memory of the fullest device, bytes, and what the engine may use of it.
+    pub memory: (u64, u64),
     /// Projected time to first token (the prefill), ms.
     pub ttft_ms: f64,
     /// Projected per-token latency (one decode step), ms.
@@ -156,14 +177,24 @@ pub struct CompareReport {
     pub unix_time: u64,
 }
 
+impl Projected {
+    /// The name of this projection in reports: profile, engine and whether it is modeled,
+    /// e.g. `dgx-h100, CUDA+NCCL (modeled)`.
+    pub fn key(&self) -> String {
+        format!("{}, {} ({})", self.profile, self.engine, self.kind)
+    }
+}
+
 impl CompareReport {
-    /// Names of the profiles projected onto, in first-seen order.
+    /// Names of the (profile, engine) projections, in first-seen order (see
+    /// [`Projected::key`]).
     pub fn profile_names(&self) -> Vec<String> {
         let mut v: Vec<String> = Vec::new();
         for m in &self.measurements {
             for p in &m.projected {
-                if !v.contains(&p.profile) {
-                    v.push(p.profile.clone());
+                let k = p.key();
+                if !v.contains(&k) {
+                    v.push(k);
                 }
             }
         }
@@ -284,27 +315,40 @@ struct Reference {
 fn project_pair(
     timelines: &(Timeline, Timeline),
     profile: &HostProfile,
+    engine: &crate::sim::Engine,
     decode_steps: usize,
     tokens: (usize, usize),
 ) -> Result<Projected> {
-    // The cheapest collective each profile offers (an NVLink ring on a DGX): what the run would
-    // cost there with a comm layer built for that machine.
-    let opts = ProjectOptions {
-        collectives: CollectivePolicy::Best,
-        ..ProjectOptions::default()
-    };
+    // Each engine runs the collectives it would choose on that machine: wgpar its host-staged
+    // path everywhere, CUDA + NCCL an NVLink ring or NVLS on a DGX.
+    let opts = ProjectOptions::default();
     let err = |source: crate::sim::ProjectError| WgparError::Projection {
-        what: "the measured run".into(),
+        what: format!("the measured run as {}", engine.label()),
         profile: profile.name.clone(),
         source,
     };
-    let pre = project(&timelines.0, profile, &opts).map_err(err)?;
-    let dec = project(&timelines.1, profile, &opts).map_err(err)?;
+    let pre = project_engine(&timelines.0, profile, engine, &opts).map_err(err)?;
+    let dec = project_engine(&timelines.1, profile, engine, &opts).map_err(err)?;
     let ttft_ms = pre.report.projected.makespan_us / 1e3;
     let decode_ms = dec.report.projected.makespan_us / 1e3;
     let per_token_ms = decode_ms / decode_steps.max(1) as f64;
+    let mut via = pre.report.collectives_via.clone();
+    for v in &dec.report.collectives_via {
+        if !via.contains(v) {
+            via.push(v.clone());
+        }
+    }
     Ok(Projected {
         profile: profile.name.clone(),
+        engine: engine.label().to_owned(),
+        kind: if engine.name == "wgpar" {
+            "projected"
+        } else {
+            "modeled"
+        },
+        collectives_via: via,
+        fits: true,
+        memory: (0, 0),
         ttft_ms,
         per_token_ms,
         pp_tps: tokens.0 as f64 / (ttft_ms / 1e3),
@@ -375,19 +419,45 @@ fn measure(
     }
     let pre_summary = timelines.0.summary();
     let dec_summary = timelines.1.summary();
-    let projected = opts
+    let mut projected = Vec::new();
+    for p in opts
         .profiles
         .iter()
         .filter(|p| p.device_count() >= plan.devices)
-        .map(|p| {
-            project_pair(
+    {
+        for e in &opts.engines {
+            let mut proj = project_pair(
                 &timelines,
                 p,
+                e,
                 steps - 1,
                 (plan.batch * opts.prompt_len, plan.batch * (steps - 1)),
-            )
-        })
-        .collect::<Result<Vec<_>>>()?;
+            )?;
+            let weights = match opts.dtype {
+                DType::F16 => crate::sim::NumFormat::F16,
+                _ => crate::sim::NumFormat::F32,
+            };
+            let memory = memory_per_device(
+                &opts.config,
+                &plan.strategy,
+                plan.devices,
+                weights,
+                e,
+                p,
+                Workload {
+                    batch: plan.batch,
+                    prompt: opts.prompt_len,
+                    context: opts.prompt_len + steps,
+                },
+            )?;
+            proj.fits = memory.iter().all(DeviceMemory::fits);
+            proj.memory = memory
+                .iter()
+                .max_by_key(|m| m.total)
+                .map_or((0, 0), |m| (m.total, m.capacity));
+            projected.push(proj);
+        }
+    }
     Ok(Measurement {
         label: plan.label.clone(),
         family: plan.family.into(),

@@ -49,7 +49,7 @@ pub fn table(r: &CompareReport) -> String {
             "strategy", "batch", "ttft ms", "ms/token", "pp tok/s", "tg tok/s", "comm%", "bubb%"
         );
         for m in &r.measurements {
-            if let Some(p) = m.projected.iter().find(|p| p.profile == profile) {
+            if let Some(p) = m.projected.iter().find(|p| p.key() == profile) {
                 let _ = writeln!(
                     s,
                     "{:<16} {:>5} {:>10.3} {:>10.4} {:>12.0} {:>10.0} {:>6.1} {:>6.1}",
@@ -118,7 +118,7 @@ pub fn markdown(r: &CompareReport, charts: &[(String, String)]) -> String {
         let _ = writeln!(s, "| strategy | batch | TTFT ms | ms/token | pp tok/s | tg tok/s | comm % (prefill) | comm % (decode) | bubble % |");
         let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
         for m in &r.measurements {
-            if let Some(p) = m.projected.iter().find(|p| &p.profile == profile) {
+            if let Some(p) = m.projected.iter().find(|p| &p.key() == profile) {
                 let _ = writeln!(
                     s,
                     "| {} | {} | {:.3} | {:.4} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} |",
@@ -132,6 +132,15 @@ pub fn markdown(r: &CompareReport, charts: &[(String, String)]) -> String {
                     p.comm_share * 100.0,
                     p.bubble_share * 100.0
                 );
+                if !p.fits {
+                    let _ = writeln!(
+                        s,
+                        "| ↳ {} does not fit: {:.2} of {:.2} GiB on the fullest device | | | | | | | | |",
+                        m.label,
+                        p.memory.0 as f64 / (1u64 << 30) as f64,
+                        p.memory.1 as f64 / (1u64 << 30) as f64
+                    );
+                }
             }
         }
     }

@@ -76,7 +76,7 @@ fn decide(name: &str, points: &[Point]) -> Option<Verdict> {
     })
 }
 
-/// Verdicts for the measured machine and for each profile.
+/// Verdicts for the measured machine and for each (profile, engine) projection.
 pub fn verdicts(measurements: &[Measurement], profiles: &[HostProfile]) -> Vec<Verdict> {
     let mut out = Vec::new();
     let measured: Vec<Point> = measurements
@@ -90,11 +90,22 @@ pub fn verdicts(measurements: &[Measurement], profiles: &[HostProfile]) -> Vec<V
         })
         .collect();
     out.extend(decide("this machine (measured)", &measured));
+    let mut keys: Vec<(String, String)> = Vec::new();
     for profile in profiles {
+        for m in measurements {
+            for p in m.projected.iter().filter(|p| p.profile == profile.name) {
+                let k = (p.key(), p.engine.clone());
+                if !keys.contains(&k) {
+                    keys.push(k);
+                }
+            }
+        }
+    }
+    for (key, _) in keys {
         let points: Vec<Point> = measurements
             .iter()
             .filter_map(|m| {
-                let p: &Projected = m.projected.iter().find(|p| p.profile == profile.name)?;
+                let p: &Projected = m.projected.iter().find(|p| p.key() == key)?;
                 Some(Point {
                     m,
                     per_token_ms: p.per_token_ms,
@@ -104,7 +115,7 @@ pub fn verdicts(measurements: &[Measurement], profiles: &[HostProfile]) -> Vec<V
                 })
             })
             .collect();
-        out.extend(decide(&format!("{} (projected)", profile.name), &points));
+        out.extend(decide(&key, &points));
     }
     out
 }

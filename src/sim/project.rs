@@ -23,8 +23,9 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 use crate::trace::{us_to_ns, CollectiveInfo, Interval, Span, SpanKind, Summary, Timeline, Track};
 
 use super::cost::{Algorithm, CostModel};
+use super::engine::{Engine, LinkKind};
 use super::profile::{ComputeSharing, HostProfile};
-use super::project_error::ProjectError;
+use super::project_error::{ForwardDependency, ProjectError};
 use super::report::{KindTotal, ProjectionReport};
 
 /// Which algorithm a collective is costed with.
@@ -34,8 +35,9 @@ pub enum CollectivePolicy {
     /// The algorithm the run recorded.
     #[default]
     AsRecorded,
-    /// The cheapest algorithm on the profile (e.g. a ring over NVLink instead of the host
-    /// path): what the run would cost with a comm layer tuned for that machine.
+    /// The cheapest collective the engine can run on the profile (for the peak engine, a ring
+    /// over NVLink instead of the host path): what the run would cost with the engine's comm
+    /// layer tuned for that machine.
     Best,
 }
 
@@ -95,17 +97,32 @@ enum Resource {
     Uplink { to_device: bool, uplink: usize },
 }
 
-/// Projects `timeline` onto `profile`.
+/// Projects `timeline` onto `profile` at the profile's peak figures ([`Engine::peak`]).
 pub fn project(
     timeline: &Timeline,
     profile: &HostProfile,
     options: &ProjectOptions,
 ) -> Result<Projection, ProjectError> {
+    project_engine(timeline, profile, &Engine::peak(), options)
+}
+
+/// Projects `timeline` onto `profile` as `engine` would run it: the engine's arithmetic and
+/// efficiencies for compute, its wire format for transfers and collectives, and its choice of
+/// collective on that machine.
+pub fn project_engine(
+    timeline: &Timeline,
+    profile: &HostProfile,
+    engine: &Engine,
+    options: &ProjectOptions,
+) -> Result<Projection, ProjectError> {
+    if timeline.spans.is_empty() {
+        return Err(ProjectError::EmptyTimeline);
+    }
     let mut tl = timeline.clone();
     tl.validate()?;
     let spans = &tl.spans;
     let n = spans.len();
-    let model = CostModel::new(profile);
+    let model = CostModel::with_engine(profile, engine);
 
     let devices: Vec<Option<usize>> = spans
         .iter()
@@ -121,6 +138,26 @@ pub fn project(
         }
     }
     let index_of: HashMap<_, usize> = spans.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
+    // A dependency that started after its dependent is not something a run records; caught
+    // here it names both spans, instead of surfacing as a cycle with resource order.
+    for s in spans {
+        for dep in &s.deps {
+            if let Some(d) = index_of.get(dep).map(|&i| &spans[i]) {
+                if d.start_ns > s.start_ns {
+                    return Err(ProjectError::DependencyStartsLater(Box::new(
+                        ForwardDependency {
+                            span: s.id,
+                            name: s.name.clone(),
+                            start_us: s.start_us(),
+                            dep: d.id,
+                            dep_name: d.name.clone(),
+                            dep_start_us: d.start_us(),
+                        },
+                    )));
+                }
+            }
+        }
+    }
 
     // Units: a collective group is scheduled as one unit, every other span alone.
     let mut unit_of = vec![0usize; n];
@@ -148,10 +185,17 @@ pub fn project(
 
     // Cost of every unit (a group's members share one collective cost).
     let mut cost = vec![0.0f64; n];
+    let mut via: Vec<LinkKind> = Vec::new();
     for unit_members in &members {
         let first = &spans[unit_members[0]];
         if first.kind == SpanKind::Collective {
-            let t = collective_cost(&model, profile, spans, unit_members, &devices, options)?;
+            let (t, kind) =
+                collective_cost(&model, profile, spans, unit_members, &devices, options)?;
+            if let Some(kind) = kind {
+                if !via.contains(&kind) {
+                    via.push(kind);
+                }
+            }
             for &m in unit_members {
                 cost[m] = t;
             }
@@ -268,6 +312,8 @@ pub fn project(
         .collect();
     let report = ProjectionReport {
         profile: profile.name.clone(),
+        engine: engine.label().to_owned(),
+        collectives_via: via.iter().map(|k| k.name().to_owned()).collect(),
         profile_devices: profile.device_count(),
         devices_used: device_count,
         spans: n,
@@ -284,6 +330,8 @@ pub fn project(
     }
     out.meta
         .insert("projected_onto".to_owned(), profile.name.clone());
+    out.meta
+        .insert("projected_engine".to_owned(), engine.name.clone());
     Ok(Projection {
         report,
         timeline: out,
@@ -317,7 +365,8 @@ fn span_cost(model: &CostModel<'_>, s: &Span, device: Option<usize>) -> Result<f
     }
 }
 
-/// Cost of the collective a unit's members took part in.
+/// Cost of the collective a unit's members took part in, and the path it took (none with a
+/// single participant).
 fn collective_cost(
     model: &CostModel<'_>,
     profile: &HostProfile,
@@ -325,7 +374,7 @@ fn collective_cost(
     unit: &[usize],
     devices: &[Option<usize>],
     options: &ProjectOptions,
-) -> Result<f64, ProjectError> {
+) -> Result<(f64, Option<LinkKind>), ProjectError> {
     let first = &spans[unit[0]];
     let info: &CollectiveInfo =
         first
@@ -335,12 +384,21 @@ fn collective_cost(
                 span: first.id,
                 name: first.name.clone(),
             })?;
-    let recorded =
-        Algorithm::parse(&info.algorithm).ok_or_else(|| ProjectError::UnknownAlgorithm {
+    // "auto" (modeled timelines): whatever the engine prefers on the machine.
+    let known = Algorithm::parse(&info.algorithm).is_some()
+        || info.algorithm == "auto"
+        || model
+            .engine()
+            .collectives
+            .iter()
+            .any(|c| c.kind.name() == info.algorithm);
+    if !known {
+        return Err(ProjectError::UnknownAlgorithm {
             span: first.id,
             name: first.name.clone(),
             algorithm: info.algorithm.clone(),
-        })?;
+        });
+    }
     // Participants: the recorded members' devices, topped up with the lowest free indices
     // when fewer participants recorded a span than the collective had.
     let mut parts: BTreeSet<usize> = unit.iter().filter_map(|&m| devices[m]).collect();
@@ -360,11 +418,18 @@ fn collective_cost(
             });
         }
     }
-    let cost = |alg| model.collective_us(info.op, alg, &parts, first.bytes, info.chunks);
-    match options.collectives {
-        CollectivePolicy::AsRecorded => cost(recorded),
-        CollectivePolicy::Best => Ok(cost(Algorithm::HostStaged)?.min(cost(Algorithm::Ring)?)),
+    if parts.len() < 2 {
+        return Ok((0.0, None));
     }
+    let (t, kind) = model.engine_collective_us(
+        info.op,
+        &info.algorithm,
+        options.collectives,
+        &parts,
+        first.bytes,
+        info.chunks,
+    )?;
+    Ok((t, Some(kind)))
 }
 
 fn check_same_collective(group: u64, first: &Span, other: &Span) -> Result<(), ProjectError> {
