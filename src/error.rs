@@ -103,6 +103,9 @@ pub enum WgparError {
         /// What is wrong, with the numbers found and expected.
         detail: String,
     },
+    /// Running as MPI ranks (`dist`): a failed or silent peer, a layout the ranks cannot run.
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
     /// File input/output.
     #[error("{path}: {source}")]
     Io {

@@ -71,35 +71,39 @@ impl StrategyArgs {
 #[derive(Args, Clone, Debug)]
 pub struct RunArgs {
     #[command(flatten)]
-    devices: DeviceArgs,
+    pub(super) devices: DeviceArgs,
     #[command(flatten)]
-    model: ModelArgs,
+    pub(super) model: ModelArgs,
     #[command(flatten)]
-    strategy: StrategyArgs,
+    pub(super) strategy: StrategyArgs,
     /// Sequences per batch.
     #[arg(long, default_value_t = 4)]
-    batch: usize,
+    pub(super) batch: usize,
     /// Prompt length (random token ids).
     #[arg(long, default_value_t = 64)]
-    prompt_len: usize,
+    pub(super) prompt_len: usize,
     /// Tokens to generate per sequence.
     #[arg(long, default_value_t = 16)]
-    gen: usize,
+    pub(super) gen: usize,
     /// Write the run's timeline as Chrome Trace Event JSON (opens in Perfetto).
     #[arg(long, value_name = "FILE")]
-    trace: Option<String>,
+    pub(super) trace: Option<String>,
     /// Pace transfers and collectives to a host profile's links (shipped name or TOML path),
     /// e.g. pcie3-2gpu, so the run behaves like that machine's interconnect; or to one link
     /// given as ALPHA_US:BETA_GBPS, e.g. 50:0.125 for a 1 Gb/s network.
     #[arg(long, value_name = "PROFILE|ALPHA_US:BETA_GBPS")]
-    pace: Option<String>,
+    pub(super) pace: Option<String>,
     /// With --trace, also time compute spans on the device with timestamp queries: auto (where
     /// the adapter has TIMESTAMP_QUERY and is not a CPU driver, on which timestamp writes
     /// slow each submission down), on, off.
     #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
-    device_timestamps: String,
+    pub(super) device_timestamps: String,
+    /// Write every step's logits and the generated tokens as JSON (rank 0 under MPI): for
+    /// comparing strategies and layouts bit for bit.
+    #[arg(long, value_name = "FILE")]
+    pub(super) logits_out: Option<String>,
     #[command(flatten)]
-    text: TextArgs,
+    pub(super) text: TextArgs,
 }
 
 /// Runs generation and prints the rates.
@@ -226,6 +230,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         println!("  {}", s.per_token_line());
     }
     println!("first sequence's tokens: {:?}", g.tokens[0]);
+    if let Some(path) = &args.logits_out {
+        write_logits(path, args.batch, config.vocab, &g)?;
+    }
     if let Some(path) = &args.trace {
         let timeline = recorder.timeline();
         timeline
@@ -253,6 +260,24 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Writes a generation's tokens and every step's logits as JSON (`--logits-out`).
+pub(super) fn write_logits(
+    path: &str,
+    batch: usize,
+    vocab: usize,
+    g: &wgpar::parallel::Generation,
+) -> Result<()> {
+    let rows: Vec<&Vec<f32>> = g.logits.iter().map(|l| &l.data).collect();
+    let text = serde_json::to_string(&serde_json::json!({
+        "batch": batch, "vocab": vocab, "tokens": g.tokens, "logits": rows
+    }))
+    .map_err(|e| WgparError::Config(e.to_string()))?;
+    std::fs::write(path, text).map_err(|source| WgparError::Io {
+        path: path.to_string(),
+        source,
+    })
 }
 
 /// The pacer `--pace` names: one link as `ALPHA_US:BETA_GBPS`, else a host profile (device 0's

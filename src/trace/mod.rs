@@ -8,6 +8,7 @@
 mod attrs;
 mod chrome;
 mod error;
+mod merge;
 mod recorder;
 mod span;
 mod summary;
@@ -24,4 +25,5 @@ pub use span::{
 pub use summary::{DeviceSummary, Interval, Summary};
 pub use svg::{timeline_svg, timeline_svg_with, SvgOptions};
 pub(crate) use timeline::us_to_ns;
-pub use timeline::Timeline;
+pub use merge::{keys as rank_keys, MergeError, RankPlacement, CROSS_PROCESS_GROUP};
+pub use timeline::{RemoteDep, Timeline};
