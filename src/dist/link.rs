@@ -29,7 +29,7 @@ const TAG_LOGITS: i32 = 11;
 /// First header word: protocol name and version (ranks of different wgpar builds disagree
 /// here rather than misreading each other's bytes).
 const MAGIC: u64 = 0x7767_7061_725f_0001;
-const HEADER_WORDS: usize = 9;
+const HEADER_WORDS: usize = 10;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -50,6 +50,7 @@ struct Header {
     release: bool,
     record: bool,
     dep: u64,
+    run: u64,
 }
 
 impl Header {
@@ -64,6 +65,7 @@ impl Header {
             release: false,
             record: false,
             dep: 0,
+            run: 0,
         }
     }
 
@@ -78,6 +80,7 @@ impl Header {
             self.past,
             flags,
             self.dep,
+            self.run,
             payload.len() as u64,
         ];
         let mut out = Vec::with_capacity(HEADER_WORDS * 8 + payload.len());
@@ -111,11 +114,11 @@ impl Header {
             k => return Err(bad(format!("unknown message kind {k}"))),
         };
         let payload = &msg[HEADER_WORDS * 8..];
-        if payload.len() as u64 != word(8) {
+        if payload.len() as u64 != word(9) {
             return Err(bad(format!(
                 "payload of {} bytes, header says {}",
                 payload.len(),
-                word(8)
+                word(9)
             )));
         }
         let flags = word(6);
@@ -130,6 +133,7 @@ impl Header {
                 release: flags & 2 != 0,
                 record: flags & 4 != 0,
                 dep: word(7),
+                run: word(8),
             },
             payload,
         ))
@@ -287,7 +291,7 @@ fn upstream(
     let src = rank - 1;
     let device = 0;
     let mut count = 0usize;
-    let mut recording = false;
+    let mut run = None;
     loop {
         let msg = receive(comm, src, TAG_ACTIVATIONS, timeout, &format!("receive hand-off {count} from the previous stage"))?;
         let got = Instant::now();
@@ -302,9 +306,9 @@ fn upstream(
             }
             Kind::Work => {}
         }
-        if h.record && !recording {
-            // Rank 0 started its measured (recorded) phase: this rank's stage accounting
-            // starts there too, so that it covers the same work.
+        if run != Some(h.run) {
+            // Rank 0 started another run (a GPipe step, a stream): this rank's stage
+            // accounting starts afresh too, so that both cover the same work.
             for s in stats.lock().unwrap_or_else(|e| e.into_inner()).iter_mut() {
                 *s = StageStats {
                     layers: s.layers.clone(),
@@ -313,7 +317,7 @@ fn upstream(
                 };
             }
         }
-        recording = h.record;
+        run = Some(h.run);
         let rec = if h.record { recorder.clone() } else { Recorder::disabled() };
         // The receive, as seen on this rank; the merge of rank traces links it (and what
         // follows it) to the sending rank's download, so a projection pays the network there.
@@ -342,6 +346,7 @@ fn upstream(
             hidden: payload.to_vec(),
             dep,
             recorder: rec,
+            run: h.run,
         };
         if tx.send(work).is_err() {
             // The stages stopped (their error is on its way to the driver).
@@ -365,6 +370,7 @@ fn downstream(comm: &Comm, rank: usize, timeout: std::time::Duration, rx: &Recei
             release: work.release,
             record: work.recorder.is_enabled(),
             dep: work.dep.0,
+            run: work.run,
         };
         let what = format!("send micro-batch {} to the next stage", work.group);
         send(comm, dest, TAG_ACTIVATIONS, h.encode(&work.hidden), timeout, &what)?;
@@ -428,6 +434,7 @@ pub(crate) fn send_logits(world: &World, out: &Output, record: bool) -> Result<(
         release: false,
         record,
         dep: out.dep.0,
+        run: 0,
     };
     let what = format!("send logits of micro-batch {} to rank 0", out.group);
     send(world.p2p(), 0, TAG_LOGITS, h.encode(bytemuck::cast_slice(&out.logits)), world.timeout(), &what)?;
@@ -456,6 +463,7 @@ mod tests {
             release: true,
             record: true,
             dep: 99,
+            run: 4,
         };
         let msg = h.encode(&[1, 2, 3, 4]);
         let (back, payload) = Header::decode(&msg, 1).unwrap();

@@ -178,6 +178,9 @@ pub(crate) struct Work {
     pub(crate) hidden: Vec<u8>,
     pub(crate) dep: SpanId,
     pub(crate) recorder: Recorder,
+    /// The driver's run (GPipe step, served stream) this work belongs to: stages in other
+    /// processes start their accounting afresh when it changes.
+    pub(crate) run: u64,
 }
 
 /// A micro-batch's logits, back at the driver.
@@ -609,6 +612,8 @@ pub struct PipelineEngine {
     recorder: Recorder,
     timeout: Duration,
     pacer: Option<Arc<LinkPacer>>,
+    /// Counts driver runs (see `Work::run`).
+    run: u64,
 }
 
 impl PipelineEngine {
@@ -835,6 +840,7 @@ impl PipelineEngine {
             failed: None,
             recorder: Recorder::disabled(),
             timeout: Duration::from_secs(120),
+            run: 0,
             pacer: None,
         })
     }
@@ -893,7 +899,8 @@ impl PipelineEngine {
         }
     }
 
-    fn reset_stats(&self) {
+    fn reset_stats(&mut self) {
+        self.run += 1;
         for s in lock(&self.stats).iter_mut() {
             s.busy_s = 0.0;
             s.handoff_s = 0.0;
@@ -961,6 +968,7 @@ impl PipelineEngine {
                 self.group_deps.get(&group).copied().unwrap_or(SpanId::NONE)
             },
             recorder: self.recorder.clone(),
+            run: self.run,
         }
     }
 
