@@ -13,7 +13,10 @@ fn a_build_without_mpi_refuses_a_parallel_launch() {
         .unwrap();
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("rank 1 of 2") && err.contains("--features mpi"), "{err}");
+    assert!(
+        err.contains("rank 1 of 2") && err.contains("--features mpi"),
+        "{err}"
+    );
     let o = Command::new(env!("CARGO_BIN_EXE_wgpar"))
         .args(["--mpi", "devices"])
         .output()

@@ -130,7 +130,10 @@ mod ranks {
     use wgpar::dist::bench::{run_bench, MpiBenchOptions};
     use wgpar::dist::{build, gather_stage_stats, DistEngine, DistError, World};
     use wgpar::error::human_bytes;
-    use wgpar::parallel::{generate, Fault as StageFault, FaultKind as StageFaultKind, PipelineStats, StageStats, Strategy};
+    use wgpar::parallel::{
+        generate, Fault as StageFault, FaultKind as StageFaultKind, PipelineStats, StageStats,
+        Strategy,
+    };
     use wgpar::trace::{rank_keys, DeviceTiming, Recorder};
     use wgpar::{Result, WgparError};
 
@@ -191,7 +194,8 @@ mod ranks {
 
     fn devices(world: &World, json: bool) -> Result<()> {
         let adapters = Adapters::discover()?;
-        let text = serde_json::to_string(adapters.list()).map_err(|e| WgparError::Config(e.to_string()))?;
+        let text = serde_json::to_string(adapters.list())
+            .map_err(|e| WgparError::Config(e.to_string()))?;
         let all = world.gather_to_root(&text);
         if world.rank() != 0 {
             return Ok(());
@@ -206,7 +210,11 @@ mod ranks {
                 .enumerate()
                 .map(|(r, a)| serde_json::json!({ "rank": r, "host": world.hosts()[r], "adapters": a }))
                 .collect();
-            println!("{}", serde_json::to_string_pretty(&out).map_err(|e| WgparError::Config(e.to_string()))?);
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&out)
+                    .map_err(|e| WgparError::Config(e.to_string()))?
+            );
             return Ok(());
         }
         for (r, list) in parsed.iter().enumerate() {
@@ -290,7 +298,11 @@ mod ranks {
         };
         if let Some(report) = run_bench(world, &gpus[0], &opts)? {
             if args.json {
-                println!("{}", serde_json::to_string_pretty(&report).map_err(|e| WgparError::Config(e.to_string()))?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report)
+                        .map_err(|e| WgparError::Config(e.to_string()))?
+                );
             } else {
                 print!("{report}");
             }
@@ -308,12 +320,20 @@ mod ranks {
     }
 
     fn self_signal(kind: FaultKind, after_ms: u64) {
-        let signal = if kind == FaultKind::Kill { "-KILL" } else { "-STOP" };
+        let signal = if kind == FaultKind::Kill {
+            "-KILL"
+        } else {
+            "-STOP"
+        };
         let pid = std::process::id().to_string();
-        let _ = std::thread::Builder::new().name("mpi-fault".into()).spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(after_ms));
-            let _ = std::process::Command::new("kill").args([signal, &pid]).status();
-        });
+        let _ = std::thread::Builder::new()
+            .name("mpi-fault".into())
+            .spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(after_ms));
+                let _ = std::process::Command::new("kill")
+                    .args([signal, &pid])
+                    .status();
+            });
     }
 
     fn run(world: &World, args: &RunArgs, fault: Option<Fault>) -> Result<()> {
@@ -333,7 +353,9 @@ mod ranks {
         }
         let config = args.model.config()?;
         if args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
-            return Err(WgparError::Config("--batch, --prompt-len and --gen must be positive".into()));
+            return Err(WgparError::Config(
+                "--batch, --prompt-len and --gen must be positive".into(),
+            ));
         }
         if args.prompt_len + args.gen > config.max_seq {
             return Err(WgparError::Config(format!(
@@ -367,8 +389,18 @@ mod ranks {
             world.size(),
             world.hosts().join(", ")
         );
-        let engine = build(world, &strategy, &gpus, &weights, dtype, &CommConfig::default())?;
-        let is_pipeline = matches!(strategy, Strategy::Pipeline { .. } | Strategy::Hybrid { .. });
+        let engine = build(
+            world,
+            &strategy,
+            &gpus,
+            &weights,
+            dtype,
+            &CommConfig::default(),
+        )?;
+        let is_pipeline = matches!(
+            strategy,
+            Strategy::Pipeline { .. } | Strategy::Hybrid { .. }
+        );
         let mine = fault.filter(|f| f.rank == world.rank());
         if let Some(f) = mine {
             if matches!(f.kind, FaultKind::Kill | FaultKind::Hang) {
@@ -377,18 +409,29 @@ mod ranks {
         }
         let stage_fault = |f: Fault| StageFault {
             after: f.after as usize,
-            kind: if f.kind == FaultKind::Panic { StageFaultKind::Panic } else { StageFaultKind::Error },
+            kind: if f.kind == FaultKind::Panic {
+                StageFaultKind::Panic
+            } else {
+                StageFaultKind::Error
+            },
         };
         let prompts: Vec<Vec<u32>> = (0..args.batch)
-            .map(|b| (0..args.prompt_len).map(|i| ((b * 7919 + i * 104_729) % config.vocab) as u32).collect())
+            .map(|b| {
+                (0..args.prompt_len)
+                    .map(|i| ((b * 7919 + i * 104_729) % config.vocab) as u32)
+                    .collect()
+            })
             .collect();
         let mut local_stats: Vec<StageStats> = Vec::new();
         let mut run_stats: Option<PipelineStats> = None;
-        let recorder = Recorder::new().with_device_timing(DeviceTiming::parse(&args.device_timestamps).unwrap_or_default());
+        let recorder = Recorder::new()
+            .with_device_timing(DeviceTiming::parse(&args.device_timestamps).unwrap_or_default());
         match engine {
             DistEngine::Driver(mut e) => {
                 say!(world, "engine: {}", e.name());
-                if let Some(f) = mine.filter(|f| matches!(f.kind, FaultKind::Error | FaultKind::Panic)) {
+                if let Some(f) =
+                    mine.filter(|f| matches!(f.kind, FaultKind::Error | FaultKind::Panic))
+                {
                     if let Some(p) = e.pipeline() {
                         p.inject_fault(0, stage_fault(f))?;
                     }
@@ -403,7 +446,9 @@ mod ranks {
                 recorder.set_meta("gen", args.gen.to_string());
                 recorder.set_meta("tokens", processed.to_string());
                 e.set_recorder(recorder.clone());
-                let tp_fault = mine.filter(|f| !is_pipeline && matches!(f.kind, FaultKind::Error | FaultKind::Panic));
+                let tp_fault = mine.filter(|f| {
+                    !is_pipeline && matches!(f.kind, FaultKind::Error | FaultKind::Panic)
+                });
                 let start = Instant::now();
                 e.prefill(&prompts)?;
                 let prefill_stats = e.last_step();
@@ -426,7 +471,8 @@ mod ranks {
                 if let Some(s) = &prefill_stats {
                     say!(world, "  {}", s.per_token_line());
                 }
-                let per_step_ms = g.decode_s.iter().sum::<f64>() / g.decode_s.len().max(1) as f64 * 1e3;
+                let per_step_ms =
+                    g.decode_s.iter().sum::<f64>() / g.decode_s.len().max(1) as f64 * 1e3;
                 say!(
                     world,
                     "decode: {} steps x {} sequences, {:.2} ms per step = {:.1} tokens/s",
@@ -446,7 +492,8 @@ mod ranks {
                     }
                 }
                 let m = match &strategy {
-                    Strategy::Pipeline { micro_batches, .. } | Strategy::Hybrid { micro_batches, .. } => *micro_batches,
+                    Strategy::Pipeline { micro_batches, .. }
+                    | Strategy::Hybrid { micro_batches, .. } => *micro_batches,
                     _ => 1,
                 };
                 if let (true, Some(p)) = (m > 1, e.pipeline()) {
@@ -462,7 +509,10 @@ mod ranks {
                             inflight.tokens[0], g.tokens[0]
                         )));
                     }
-                    recorder.set_meta("tokens", (processed + args.batch * (args.prompt_len + args.gen - 1)).to_string());
+                    recorder.set_meta(
+                        "tokens",
+                        (processed + args.batch * (args.prompt_len + args.gen - 1)).to_string(),
+                    );
                     say!(
                         world,
                         "in flight ({m} micro-batches): {} tokens ({} prompt + {} generated) in {:.1} ms = {:.1} tokens/s",
@@ -475,12 +525,17 @@ mod ranks {
                 }
                 if is_pipeline {
                     run_stats = e.pipeline_stats();
-                    local_stats = run_stats.as_ref().map(|s| s.stages.clone()).unwrap_or_default();
+                    local_stats = run_stats
+                        .as_ref()
+                        .map(|s| s.stages.clone())
+                        .unwrap_or_default();
                 }
                 drop(e);
             }
             DistEngine::Server(mut s) => {
-                if let Some(f) = mine.filter(|f| matches!(f.kind, FaultKind::Error | FaultKind::Panic)) {
+                if let Some(f) =
+                    mine.filter(|f| matches!(f.kind, FaultKind::Error | FaultKind::Panic))
+                {
                     s.inject_fault(0, stage_fault(f))?;
                 }
                 s.serve(world)?;
@@ -528,7 +583,12 @@ mod ranks {
 
     /// Writes this rank's trace as `STEM.rankR.json` (with the rank, host and clock offset that
     /// a merge needs).
-    fn write_trace(world: &World, args: &RunArgs, recorder: &Recorder, devices: usize) -> Result<()> {
+    fn write_trace(
+        world: &World,
+        args: &RunArgs,
+        recorder: &Recorder,
+        devices: usize,
+    ) -> Result<()> {
         let Some(path) = &args.trace else {
             return Ok(());
         };
@@ -543,7 +603,9 @@ mod ranks {
         recorder.set_meta(rank_keys::DEVICES, devices.to_string());
         let file = rank_path(path, world.rank());
         let timeline = recorder.timeline();
-        timeline.write_chrome_trace(&file).map_err(|e| WgparError::Config(e.to_string()))?;
+        timeline
+            .write_chrome_trace(&file)
+            .map_err(|e| WgparError::Config(e.to_string()))?;
         let files = world.gather_to_root(&file);
         say!(
             world,

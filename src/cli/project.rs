@@ -140,9 +140,7 @@ fn write_svg(timeline: &Timeline, path: &str, title: String, args: &ProjectArgs)
 fn load(args: &ProjectArgs, profile: &HostProfile) -> Result<Timeline> {
     let mut traces = Vec::with_capacity(args.trace.len());
     for path in &args.trace {
-        traces.push(
-            Timeline::read_chrome_trace(path).map_err(|e| config_error("--trace", e))?,
-        );
+        traces.push(Timeline::read_chrome_trace(path).map_err(|e| config_error("--trace", e))?);
     }
     if traces.len() == 1 {
         if let Some((rank, size)) = traces[0].rank_of_job().filter(|(_, n)| *n > 1) {

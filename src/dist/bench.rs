@@ -105,12 +105,19 @@ fn data(seed: u64, rank: usize, size: u64, n: usize) -> Vec<f32> {
 fn percentile(v: &[f64], p: f64) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
-    s.get(((s.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0)
+    s.get(((s.len() as f64 - 1.0) * p).round() as usize)
+        .copied()
+        .unwrap_or(0.0)
 }
 
 /// Runs the benchmark on every rank (`gpu` is this rank's device); rank 0 gets the report.
-pub fn run_bench(world: &World, gpu: &Arc<Gpu>, opts: &MpiBenchOptions) -> Result<Option<MpiBenchReport>> {
-    if opts.min_bytes == 0 || opts.min_bytes > opts.max_bytes || opts.factor < 2 || opts.iters == 0 {
+pub fn run_bench(
+    world: &World,
+    gpu: &Arc<Gpu>,
+    opts: &MpiBenchOptions,
+) -> Result<Option<MpiBenchReport>> {
+    if opts.min_bytes == 0 || opts.min_bytes > opts.max_bytes || opts.factor < 2 || opts.iters == 0
+    {
         return Err(crate::error::WgparError::Config(format!(
             "sizes {}..{} x{} with {} iterations: need 0 < min <= max, factor >= 2, iters >= 1",
             opts.min_bytes, opts.max_bytes, opts.factor, opts.iters
@@ -158,10 +165,18 @@ pub fn run_bench(world: &World, gpu: &Arc<Gpu>, opts: &MpiBenchOptions) -> Resul
             let t = t0.elapsed().as_secs_f64() * 1e6;
             world.barrier();
             let f0 = Instant::now();
-            coll.begin_download(gpu, &floor_tensor)?.finish_into(&mut host)?;
+            coll.begin_download(gpu, &floor_tensor)?
+                .finish_into(&mut host)?;
             let m0 = Instant::now();
-            let send: Vec<f32> = bytemuck::pod_collect_to_vec(&host);
-            group.host_all_reduce(&send, &mut recv)?;
+            let copied: Vec<f32>;
+            let send: &[f32] = match bytemuck::try_cast_slice(&host) {
+                Ok(v) => v,
+                Err(_) => {
+                    copied = bytemuck::pod_collect_to_vec(&host);
+                    &copied
+                }
+            };
+            group.host_all_reduce(send, &mut recv)?;
             let m = m0.elapsed().as_secs_f64() * 1e6;
             coll.upload(gpu, &floor_tensor, 0, bytemuck::cast_slice(&recv))?;
             coll.wait_idle(gpu)?;
@@ -173,9 +188,11 @@ pub fn run_bench(world: &World, gpu: &Arc<Gpu>, opts: &MpiBenchOptions) -> Resul
             }
         }
         // Per iteration, the slowest rank's time; wrong counts add up.
-        let text = serde_json::to_string(&(times, floors, mpis, wrong)).map_err(|e| DistError::Protocol {
-            peer: rank,
-            detail: e.to_string(),
+        let text = serde_json::to_string(&(times, floors, mpis, wrong)).map_err(|e| {
+            DistError::Protocol {
+                peer: rank,
+                detail: e.to_string(),
+            }
         })?;
         let gathered = world.gather_to_root(&text);
         if rank == 0 {
@@ -189,11 +206,12 @@ pub fn run_bench(world: &World, gpu: &Arc<Gpu>, opts: &MpiBenchOptions) -> Resul
                     })
                 })
                 .collect::<std::result::Result<_, _>>()?;
-            let slowest = |pick: fn(&(Vec<f64>, Vec<f64>, Vec<f64>, u64)) -> &Vec<f64>| -> Vec<f64> {
-                (0..opts.iters)
-                    .map(|i| parsed.iter().map(|p| pick(p)[i]).fold(0.0, f64::max))
-                    .collect()
-            };
+            let slowest =
+                |pick: fn(&(Vec<f64>, Vec<f64>, Vec<f64>, u64)) -> &Vec<f64>| -> Vec<f64> {
+                    (0..opts.iters)
+                        .map(|i| parsed.iter().map(|p| pick(p)[i]).fold(0.0, f64::max))
+                        .collect()
+                };
             let t = slowest(|p| &p.0);
             let f = slowest(|p| &p.1);
             let m = slowest(|p| &p.2);
@@ -221,7 +239,12 @@ pub fn run_bench(world: &World, gpu: &Arc<Gpu>, opts: &MpiBenchOptions) -> Resul
         }
         size = size.saturating_mul(opts.factor).min(opts.max_bytes);
     }
-    let label = format!("{} {} ({})", world.host(), gpu.describe(), gpu.info().driver_info);
+    let label = format!(
+        "{} {} ({})",
+        world.host(),
+        gpu.describe(),
+        gpu.info().driver_info
+    );
     let ranks = world.gather_to_root(&label);
     if rank != 0 {
         return Ok(None);
@@ -242,7 +265,10 @@ pub fn run_bench(world: &World, gpu: &Arc<Gpu>, opts: &MpiBenchOptions) -> Resul
 impl fmt::Display for MpiBenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let o = &self.options;
-        writeln!(f, "# wgpar allreduce over MPI: one device per rank, host-staged, nccl-tests columns")?;
+        writeln!(
+            f,
+            "# wgpar allreduce over MPI: one device per rank, host-staged, nccl-tests columns"
+        )?;
         writeln!(
             f,
             "# nranks {}  dtype float  sizes {}..{} x{}  iters {}  warmup {}  seed {}  link {}  chunk {} above {}",
@@ -279,7 +305,16 @@ impl fmt::Display for MpiBenchReport {
                 r.size, r.count, "float", "sum", r.chunks, r.time_us, r.algbw, r.busbw, r.wrong, r.p50_us, r.p99_us, r.floor_p50_us, r.mpi_p50_us, r.floor_ratio
             )?;
         }
-        writeln!(f, "# Out of bounds values : {} {}", self.wrong_total, if self.wrong_total == 0 { "OK" } else { "FAILED" })?;
+        writeln!(
+            f,
+            "# Out of bounds values : {} {}",
+            self.wrong_total,
+            if self.wrong_total == 0 {
+                "OK"
+            } else {
+                "FAILED"
+            }
+        )?;
         writeln!(f, "# Avg bus bandwidth    : {:.3}", self.avg_busbw)?;
         writeln!(f, "#")
     }

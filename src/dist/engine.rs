@@ -99,12 +99,32 @@ pub fn build(
         Strategy::Pipeline {
             partition,
             micro_batches,
-        } => pipeline(world, &counts, 1, partition, *micro_batches, gpus, weights, dtype, config),
+        } => pipeline(
+            world,
+            &counts,
+            1,
+            partition,
+            *micro_batches,
+            gpus,
+            weights,
+            dtype,
+            config,
+        ),
         Strategy::Hybrid {
             tp,
             partition,
             micro_batches,
-        } => pipeline(world, &counts, *tp, partition, *micro_batches, gpus, weights, dtype, config),
+        } => pipeline(
+            world,
+            &counts,
+            *tp,
+            partition,
+            *micro_batches,
+            gpus,
+            weights,
+            dtype,
+            config,
+        ),
     }
 }
 
@@ -123,7 +143,11 @@ fn pipeline(
     if tp == 0 {
         return Err(DistError::Layout("--tp must be at least 1".into()).into());
     }
-    if let Some((r, n)) = counts.iter().enumerate().find(|(_, n)| **n == 0 || **n % tp != 0) {
+    if let Some((r, n)) = counts
+        .iter()
+        .enumerate()
+        .find(|(_, n)| **n == 0 || **n % tp != 0)
+    {
         return Err(DistError::Layout(format!(
             "rank {r} ({}) opened {n} devices, which do not form stages of {tp} (--tp): every \
              rank needs a multiple of {tp} devices",
@@ -181,7 +205,14 @@ fn pipeline(
     // Spans of remote ranks start at the job's clock origin.
     let recorder = Recorder::with_epoch(world.epoch());
     let stats = segment.stage_stats_handle();
-    let links = Links::start(world, to_first, from_last, out_tx, recorder.clone(), stats.clone())?;
+    let links = Links::start(
+        world,
+        to_first,
+        from_last,
+        out_tx,
+        recorder.clone(),
+        stats.clone(),
+    )?;
     let name = format!(
         "{} over {size} ranks ({total} stages, layers {:?}; this rank: stages {}..{}, layers \
          {}..{}, {micro_batches} micro-batches)",

@@ -90,6 +90,10 @@ mod tests {
         let l = detect_from(env(&[("PMIX_RANK", "1")])).unwrap();
         assert!(l.is_parallel() && l.rank == 1);
         assert!(detect_from(env(&[])).is_none());
-        assert!(detect_from(env(&[("OMPI_COMM_WORLD_SIZE", "x"), ("OMPI_COMM_WORLD_RANK", "0")])).is_none());
+        assert!(detect_from(env(&[
+            ("OMPI_COMM_WORLD_SIZE", "x"),
+            ("OMPI_COMM_WORLD_RANK", "0")
+        ]))
+        .is_none());
     }
 }

@@ -70,7 +70,8 @@ impl Header {
     }
 
     fn encode(&self, payload: &[u8]) -> Vec<u8> {
-        let flags = u64::from(self.new_cache) | u64::from(self.release) << 1 | u64::from(self.record) << 2;
+        let flags =
+            u64::from(self.new_cache) | u64::from(self.release) << 1 | u64::from(self.record) << 2;
         let words = [
             MAGIC,
             self.kind as u64,
@@ -141,7 +142,14 @@ impl Header {
 }
 
 /// Sends `msg` to `dest`, polling the request against the job's timeout.
-fn send(comm: &Comm, dest: usize, tag: i32, msg: Vec<u8>, timeout: std::time::Duration, what: &str) -> std::result::Result<(), DistError> {
+fn send(
+    comm: &Comm,
+    dest: usize,
+    tag: i32,
+    msg: Vec<u8>,
+    timeout: std::time::Duration,
+    what: &str,
+) -> std::result::Result<(), DistError> {
     let deadline = Instant::now() + timeout;
     let started = Instant::now();
     // The request needs a 'static buffer: lend the message's heap block and take it back once
@@ -182,7 +190,13 @@ fn send(comm: &Comm, dest: usize, tag: i32, msg: Vec<u8>, timeout: std::time::Du
 
 /// Receives the next message from `src` with `tag`, polling (probe, then a matched receive of
 /// a message already there) against the job's timeout.
-fn receive(comm: &Comm, src: usize, tag: i32, timeout: std::time::Duration, what: &str) -> std::result::Result<Vec<u8>, DistError> {
+fn receive(
+    comm: &Comm,
+    src: usize,
+    tag: i32,
+    timeout: std::time::Duration,
+    what: &str,
+) -> std::result::Result<Vec<u8>, DistError> {
     let deadline = Instant::now() + timeout;
     let started = Instant::now();
     let process = comm.get().process_at_rank(src as i32);
@@ -293,7 +307,13 @@ fn upstream(
     let mut count = 0usize;
     let mut run = None;
     loop {
-        let msg = receive(comm, src, TAG_ACTIVATIONS, timeout, &format!("receive hand-off {count} from the previous stage"))?;
+        let msg = receive(
+            comm,
+            src,
+            TAG_ACTIVATIONS,
+            timeout,
+            &format!("receive hand-off {count} from the previous stage"),
+        )?;
         let got = Instant::now();
         let (h, payload) = Header::decode(&msg, src)?;
         match h.kind {
@@ -318,7 +338,11 @@ fn upstream(
             }
         }
         run = Some(h.run);
-        let rec = if h.record { recorder.clone() } else { Recorder::disabled() };
+        let rec = if h.record {
+            recorder.clone()
+        } else {
+            Recorder::disabled()
+        };
         // The receive, as seen on this rank; the merge of rank traces links it (and what
         // follows it) to the sending rank's download, so a projection pays the network there.
         let bytes = payload.len() as u64;
@@ -357,7 +381,12 @@ fn upstream(
 }
 
 /// Rank r < last: the last stage's hand-offs to rank r+1; stop when the stages close.
-fn downstream(comm: &Comm, rank: usize, timeout: std::time::Duration, rx: &Receiver<Work>) -> std::result::Result<(), DistError> {
+fn downstream(
+    comm: &Comm,
+    rank: usize,
+    timeout: std::time::Duration,
+    rx: &Receiver<Work>,
+) -> std::result::Result<(), DistError> {
     let dest = rank + 1;
     for work in rx.iter() {
         let h = Header {
@@ -373,15 +402,41 @@ fn downstream(comm: &Comm, rank: usize, timeout: std::time::Duration, rx: &Recei
             run: work.run,
         };
         let what = format!("send micro-batch {} to the next stage", work.group);
-        send(comm, dest, TAG_ACTIVATIONS, h.encode(&work.hidden), timeout, &what)?;
+        send(
+            comm,
+            dest,
+            TAG_ACTIVATIONS,
+            h.encode(&work.hidden),
+            timeout,
+            &what,
+        )?;
     }
-    send(comm, dest, TAG_ACTIVATIONS, Header::stop().encode(&[]), timeout, "send stop to the next stage")
+    send(
+        comm,
+        dest,
+        TAG_ACTIVATIONS,
+        Header::stop().encode(&[]),
+        timeout,
+        "send stop to the next stage",
+    )
 }
 
 /// Rank 0: logits from the last rank into the driver's output, until the last rank stops.
-fn logits_in(comm: &Comm, last: usize, timeout: std::time::Duration, out: &Sender<Result<Output>>, recorder: &Recorder) -> std::result::Result<(), DistError> {
+fn logits_in(
+    comm: &Comm,
+    last: usize,
+    timeout: std::time::Duration,
+    out: &Sender<Result<Output>>,
+    recorder: &Recorder,
+) -> std::result::Result<(), DistError> {
     loop {
-        let msg = receive(comm, last, TAG_LOGITS, timeout, "receive logits from the last stage")?;
+        let msg = receive(
+            comm,
+            last,
+            TAG_LOGITS,
+            timeout,
+            "receive logits from the last stage",
+        )?;
         let got = Instant::now();
         let (h, payload) = Header::decode(&msg, last)?;
         match h.kind {
@@ -397,10 +452,17 @@ fn logits_in(comm: &Comm, last: usize, timeout: std::time::Duration, out: &Sende
         if payload.len() % 4 != 0 {
             return Err(DistError::Protocol {
                 peer: last,
-                detail: format!("{} bytes of logits is not a whole number of f32", payload.len()),
+                detail: format!(
+                    "{} bytes of logits is not a whole number of f32",
+                    payload.len()
+                ),
             });
         }
-        let rec = if h.record { recorder.clone() } else { Recorder::disabled() };
+        let rec = if h.record {
+            recorder.clone()
+        } else {
+            Recorder::disabled()
+        };
         let dep = rec.record_with(got, Instant::now(), || {
             SpanAttrs::wait("mpi recv logits", 0)
                 .on_track(Track::Other("mpi recv logits".into()))
@@ -437,13 +499,27 @@ pub(crate) fn send_logits(world: &World, out: &Output, record: bool) -> Result<(
         run: 0,
     };
     let what = format!("send logits of micro-batch {} to rank 0", out.group);
-    send(world.p2p(), 0, TAG_LOGITS, h.encode(bytemuck::cast_slice(&out.logits)), world.timeout(), &what)?;
+    send(
+        world.p2p(),
+        0,
+        TAG_LOGITS,
+        h.encode(bytemuck::cast_slice(&out.logits)),
+        world.timeout(),
+        &what,
+    )?;
     Ok(())
 }
 
 /// The last rank: tells rank 0 that no more logits come.
 pub(crate) fn send_logits_stop(world: &World) -> Result<()> {
-    send(world.p2p(), 0, TAG_LOGITS, Header::stop().encode(&[]), world.timeout(), "send stop to rank 0")?;
+    send(
+        world.p2p(),
+        0,
+        TAG_LOGITS,
+        Header::stop().encode(&[]),
+        world.timeout(),
+        "send stop to rank 0",
+    )?;
     Ok(())
 }
 
@@ -471,7 +547,10 @@ mod tests {
         assert_eq!(payload, &[1, 2, 3, 4]);
         let mut bad = msg.clone();
         bad[0] ^= 1;
-        assert!(Header::decode(&bad, 1).unwrap_err().to_string().contains("same wgpar"));
+        assert!(Header::decode(&bad, 1)
+            .unwrap_err()
+            .to_string()
+            .contains("same wgpar"));
         assert!(Header::decode(&msg[..10], 1).is_err());
         assert!(Header::decode(&msg[..msg.len() - 1], 1).is_err());
     }

@@ -118,8 +118,12 @@ impl MpiGroup {
                 pending = Some(self.coll.begin_download_range(gpu, tensor, range(k + 1))?);
             }
             self.reduce_host(&mut bufs, r.len(), k)?;
-            self.coll
-                .upload(gpu, tensor, r.start, bytemuck::cast_slice(&bufs.recv[..r.len()]))?;
+            self.coll.upload(
+                gpu,
+                tensor,
+                r.start,
+                bytemuck::cast_slice(&bufs.recv[..r.len()]),
+            )?;
         }
         Ok(())
     }
@@ -137,9 +141,11 @@ impl MpiGroup {
             Ok(v) => v,
             Err(_) => {
                 send.clear();
-                send.extend(bytes[..n * 4].chunks_exact(4).map(|c| {
-                    f32::from_le_bytes([c[0], c[1], c[2], c[3]])
-                }));
+                send.extend(
+                    bytes[..n * 4]
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                );
                 &send[..]
             }
         };
@@ -158,8 +164,14 @@ impl MpiGroup {
                 let h: &mut [f16] = bytemuck::cast_slice_mut(&mut half[..]);
                 h.convert_from_f32_slice(values);
                 gathered.resize(n * self.size, 0);
-                iall_gather(&self.comm, &half[..n], &mut gathered[..], deadline, self.size)
-                    .map_err(|e| with_what(e, what()))?;
+                iall_gather(
+                    &self.comm,
+                    &half[..n],
+                    &mut gathered[..],
+                    deadline,
+                    self.size,
+                )
+                .map_err(|e| with_what(e, what()))?;
                 let all: &[f16] = bytemuck::cast_slice(&gathered[..]);
                 // Rank order, f32 accumulation, one rounding: every rank gets the same bits.
                 for (i, out) in recv[..n].iter_mut().enumerate() {
@@ -222,12 +234,11 @@ fn iall_reduce(
             std::slice::from_raw_parts_mut(recv.as_mut_ptr(), recv.len()),
         )
     };
-    let mut req = Some(comm.get().immediate_all_reduce_into(
-        StaticScope,
-        s,
-        r,
-        SystemOperation::sum(),
-    ));
+    let mut req =
+        Some(
+            comm.get()
+                .immediate_all_reduce_into(StaticScope, s, r, SystemOperation::sum()),
+        );
     poll_request(&mut req, deadline, size)
 }
 
@@ -258,8 +269,13 @@ fn ibcast<T: mpi::datatype::Equivalence + 'static>(
     size: usize,
 ) -> std::result::Result<(), DistError> {
     // SAFETY: as in `iall_reduce`.
-    let b: &'static mut [T] = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr(), buf.len()) };
-    let mut req = Some(comm.get().process_at_rank(0).immediate_broadcast_into(StaticScope, b));
+    let b: &'static mut [T] =
+        unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr(), buf.len()) };
+    let mut req = Some(
+        comm.get()
+            .process_at_rank(0)
+            .immediate_broadcast_into(StaticScope, b),
+    );
     poll_request(&mut req, deadline, size)
 }
 

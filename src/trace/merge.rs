@@ -51,7 +51,9 @@ pub enum MergeError {
         key: &'static str,
     },
     /// The traces are not exactly ranks 0..n of one job.
-    #[error("the traces are ranks {found:?} of a {size}-rank job: pass one trace per rank, each once")]
+    #[error(
+        "the traces are ranks {found:?} of a {size}-rank job: pass one trace per rank, each once"
+    )]
     Ranks {
         /// Ranks found.
         found: Vec<usize>,
@@ -98,12 +100,26 @@ impl Timeline {
     }
 
     /// Merges one trace per rank (any order) into one timeline (see the module docs).
-    pub fn merge_ranks(traces: &[Timeline], placement: RankPlacement) -> Result<Timeline, MergeError> {
+    pub fn merge_ranks(
+        traces: &[Timeline],
+        placement: RankPlacement,
+    ) -> Result<Timeline, MergeError> {
         let mut ranked: Vec<(usize, &Timeline)> = Vec::with_capacity(traces.len());
         let mut size = 0;
         for (i, t) in traces.iter().enumerate() {
-            let rank: usize = meta(t, i, keys::RANK)?.parse().map_err(|_| MergeError::NotARankTrace { index: i, key: keys::RANK })?;
-            size = meta(t, i, keys::SIZE)?.parse().map_err(|_| MergeError::NotARankTrace { index: i, key: keys::SIZE })?;
+            let rank: usize =
+                meta(t, i, keys::RANK)?
+                    .parse()
+                    .map_err(|_| MergeError::NotARankTrace {
+                        index: i,
+                        key: keys::RANK,
+                    })?;
+            size = meta(t, i, keys::SIZE)?
+                .parse()
+                .map_err(|_| MergeError::NotARankTrace {
+                    index: i,
+                    key: keys::SIZE,
+                })?;
             ranked.push((rank, t));
         }
         ranked.sort_by_key(|(r, _)| *r);
@@ -125,7 +141,11 @@ impl Timeline {
                 RankPlacement::Pack => next,
                 RankPlacement::PerNode(n) => {
                     if devices > n {
-                        return Err(MergeError::NodeTooSmall { rank: *r, devices, per_node: n });
+                        return Err(MergeError::NodeTooSmall {
+                            rank: *r,
+                            devices,
+                            per_node: n,
+                        });
                     }
                     r * n
                 }
@@ -136,7 +156,11 @@ impl Timeline {
         let shifts: Vec<i64> = ranked
             .iter()
             .map(|(_, t)| {
-                let us: f64 = t.meta.get(keys::CLOCK_OFFSET_US).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+                let us: f64 = t
+                    .meta
+                    .get(keys::CLOCK_OFFSET_US)
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0.0);
                 (us * 1e3).round() as i64
             })
             .collect();
@@ -184,9 +208,14 @@ impl Timeline {
         let mut extra: HashMap<(usize, SpanId), Vec<SpanId>> = HashMap::new();
         for (r, t) in &ranked {
             for d in &t.remote_deps {
-                let remote = *ids
-                    .get(&(d.rank as usize, d.remote))
-                    .ok_or(MergeError::UnknownRemote { rank: *r, span: d.span, from: d.rank as usize, remote: d.remote })?;
+                let remote =
+                    *ids.get(&(d.rank as usize, d.remote))
+                        .ok_or(MergeError::UnknownRemote {
+                            rank: *r,
+                            span: d.span,
+                            from: d.rank as usize,
+                            remote: d.remote,
+                        })?;
                 extra.entry((*r, d.span)).or_default().push(remote);
                 let waits = t.span(d.span).is_some_and(|s| s.kind == SpanKind::Wait);
                 if waits {
@@ -201,7 +230,11 @@ impl Timeline {
         for (r, mut s) in all {
             let key = (r, s.id);
             let new_id = ids[&key];
-            let mut deps: Vec<SpanId> = s.deps.iter().filter_map(|d| ids.get(&(r, *d)).copied()).collect();
+            let mut deps: Vec<SpanId> = s
+                .deps
+                .iter()
+                .filter_map(|d| ids.get(&(r, *d)).copied())
+                .collect();
             deps.extend(extra.remove(&key).unwrap_or_default());
             deps.sort();
             deps.dedup();
@@ -217,7 +250,8 @@ impl Timeline {
         for ((r, t), &off) in ranked.iter().zip(&offsets) {
             let host = t.meta.get(keys::HOST).cloned().unwrap_or_default();
             for (d, label) in &t.devices {
-                out.devices.insert(d + off, format!("rank {r} ({host}): {label}"));
+                out.devices
+                    .insert(d + off, format!("rank {r} ({host}): {label}"));
             }
         }
         out.meta = ranked[0].1.meta.clone();
@@ -227,11 +261,16 @@ impl Timeline {
         out.meta.remove(keys::DEVICES);
         out.meta.insert(
             "mpi_hosts".into(),
-            ranked.iter().map(|(_, t)| t.meta.get(keys::HOST).cloned().unwrap_or_default()).collect::<Vec<_>>().join(","),
+            ranked
+                .iter()
+                .map(|(_, t)| t.meta.get(keys::HOST).cloned().unwrap_or_default())
+                .collect::<Vec<_>>()
+                .join(","),
         );
         out.meta.insert("mpi_merged_ranks".into(), size.to_string());
         if dropped > 0 {
-            out.meta.insert("mpi_merge_dropped_deps".into(), dropped.to_string());
+            out.meta
+                .insert("mpi_merge_dropped_deps".into(), dropped.to_string());
         }
         Ok(out)
     }
@@ -247,7 +286,8 @@ mod tests {
         t.meta.insert(keys::RANK.into(), r.to_string());
         t.meta.insert(keys::SIZE.into(), "2".into());
         t.meta.insert(keys::HOST.into(), format!("node{r}"));
-        t.meta.insert(keys::CLOCK_OFFSET_US.into(), offset_us.to_string());
+        t.meta
+            .insert(keys::CLOCK_OFFSET_US.into(), offset_us.to_string());
         t.meta.insert(keys::DEVICES.into(), "1".into());
         t.devices.insert(0, "gpu".into());
         t
@@ -261,20 +301,37 @@ mod tests {
         let c = a.push_us(SpanAttrs::compute("layers 0..2", 0), 0.0, 50.0);
         let d = a.push_us(SpanAttrs::d2h("activations", 0, 4096).after(c), 50.0, 10.0);
         let mut b = rank(1, 100.0);
-        let w = b.push_us(SpanAttrs::wait("mpi recv", 0).on_track(Track::Other("mpi recv 1".into())), -30.0_f64.max(0.0), 5.0);
+        let w = b.push_us(
+            SpanAttrs::wait("mpi recv", 0).on_track(Track::Other("mpi recv 1".into())),
+            -30.0_f64.max(0.0),
+            5.0,
+        );
         let h = b.push_us(SpanAttrs::h2d("activations", 0, 4096).after(w), 5.0, 10.0);
         b.push_us(SpanAttrs::compute("layers 2..4", 0).after(h), 15.0, 50.0);
-        b.remote_deps.push(crate::trace::RemoteDep { span: w, rank: 0, remote: d });
+        b.remote_deps.push(crate::trace::RemoteDep {
+            span: w,
+            rank: 0,
+            remote: d,
+        });
         let mut m = Timeline::merge_ranks(&[b.clone(), a.clone()], RankPlacement::Pack).unwrap();
         m.validate().unwrap();
         assert_eq!(m.spans.len(), 5);
-        let h2d = m.spans.iter().find(|s| s.kind == SpanKind::HostToDevice).unwrap();
-        let d2h = m.spans.iter().find(|s| s.kind == SpanKind::DeviceToHost).unwrap();
+        let h2d = m
+            .spans
+            .iter()
+            .find(|s| s.kind == SpanKind::HostToDevice)
+            .unwrap();
+        let d2h = m
+            .spans
+            .iter()
+            .find(|s| s.kind == SpanKind::DeviceToHost)
+            .unwrap();
         assert_eq!(h2d.device, Some(1), "rank 1's device follows rank 0's");
         assert_eq!(h2d.start_ns, 105_000, "rank 1's clock moved by its offset");
         assert!(h2d.deps.contains(&d2h.id), "{:?}", h2d.deps);
         assert!(m.devices[&1].contains("node1"));
-        let per_node = Timeline::merge_ranks(&[a.clone(), b.clone()], RankPlacement::PerNode(4)).unwrap();
+        let per_node =
+            Timeline::merge_ranks(&[a.clone(), b.clone()], RankPlacement::PerNode(4)).unwrap();
         assert!(per_node.spans.iter().any(|s| s.device == Some(4)));
         assert!(matches!(
             Timeline::merge_ranks(&[a.clone()], RankPlacement::Pack),
@@ -302,21 +359,49 @@ mod tests {
         for (t, r) in [(&mut a, 0u32), (&mut b, 1)] {
             let _ = r;
             t.push_us(
-                SpanAttrs::collective("allreduce", 0, crate::trace::CollectiveOp::AllReduce, "host-staged", 2, 64)
-                    .group(CROSS_PROCESS_GROUP | 5),
+                SpanAttrs::collective(
+                    "allreduce",
+                    0,
+                    crate::trace::CollectiveOp::AllReduce,
+                    "host-staged",
+                    2,
+                    64,
+                )
+                .group(CROSS_PROCESS_GROUP | 5),
                 0.0,
                 3.0,
             );
             t.push_us(
-                SpanAttrs::collective("allreduce", 0, crate::trace::CollectiveOp::AllReduce, "host-staged", 1, 64).group(5),
+                SpanAttrs::collective(
+                    "allreduce",
+                    0,
+                    crate::trace::CollectiveOp::AllReduce,
+                    "host-staged",
+                    1,
+                    64,
+                )
+                .group(5),
                 4.0,
                 3.0,
             );
         }
         let m = Timeline::merge_ranks(&[a, b], RankPlacement::Pack).unwrap();
-        let groups: Vec<u64> = m.spans.iter().filter_map(|s| s.collective.as_ref()?.group).collect();
-        assert_eq!(groups.iter().filter(|g| **g == CROSS_PROCESS_GROUP | 5).count(), 2);
-        let local: Vec<&u64> = groups.iter().filter(|g| **g & CROSS_PROCESS_GROUP == 0).collect();
+        let groups: Vec<u64> = m
+            .spans
+            .iter()
+            .filter_map(|s| s.collective.as_ref()?.group)
+            .collect();
+        assert_eq!(
+            groups
+                .iter()
+                .filter(|g| **g == CROSS_PROCESS_GROUP | 5)
+                .count(),
+            2
+        );
+        let local: Vec<&u64> = groups
+            .iter()
+            .filter(|g| **g & CROSS_PROCESS_GROUP == 0)
+            .collect();
         assert_eq!(local.len(), 2);
         assert_ne!(local[0], local[1]);
     }

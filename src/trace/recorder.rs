@@ -161,7 +161,10 @@ impl Recorder {
     pub fn remote_dep(&self, span: SpanId, rank: u32, remote: SpanId) {
         if let Some(inner) = &self.inner {
             if !span.is_none() && !remote.is_none() {
-                inner.lock().remote_deps.push(super::timeline::RemoteDep { span, rank, remote });
+                inner
+                    .lock()
+                    .remote_deps
+                    .push(super::timeline::RemoteDep { span, rank, remote });
             }
         }
     }
