@@ -102,6 +102,15 @@ fn data(seed: u64, rank: usize, size: u64, n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// One rank's samples of one size: op times, floor times, MPI-only times (us), wrong count.
+#[derive(serde::Deserialize, Serialize)]
+struct RankSamples {
+    times: Vec<f64>,
+    floors: Vec<f64>,
+    mpis: Vec<f64>,
+    wrong: u64,
+}
+
 fn percentile(v: &[f64], p: f64) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
@@ -188,15 +197,19 @@ pub fn run_bench(
             }
         }
         // Per iteration, the slowest rank's time; wrong counts add up.
-        let text = serde_json::to_string(&(times, floors, mpis, wrong)).map_err(|e| {
-            DistError::Protocol {
-                peer: rank,
-                detail: e.to_string(),
-            }
+        let samples = RankSamples {
+            times,
+            floors,
+            mpis,
+            wrong,
+        };
+        let text = serde_json::to_string(&samples).map_err(|e| DistError::Protocol {
+            peer: rank,
+            detail: e.to_string(),
         })?;
         let gathered = world.gather_to_root(&text);
         if rank == 0 {
-            let parsed: Vec<(Vec<f64>, Vec<f64>, Vec<f64>, u64)> = gathered
+            let parsed: Vec<RankSamples> = gathered
                 .iter()
                 .enumerate()
                 .map(|(r, t)| {
@@ -206,15 +219,14 @@ pub fn run_bench(
                     })
                 })
                 .collect::<std::result::Result<_, _>>()?;
-            let slowest =
-                |pick: fn(&(Vec<f64>, Vec<f64>, Vec<f64>, u64)) -> &Vec<f64>| -> Vec<f64> {
-                    (0..opts.iters)
-                        .map(|i| parsed.iter().map(|p| pick(p)[i]).fold(0.0, f64::max))
-                        .collect()
-                };
-            let t = slowest(|p| &p.0);
-            let f = slowest(|p| &p.1);
-            let m = slowest(|p| &p.2);
+            let slowest = |pick: fn(&RankSamples) -> &Vec<f64>| -> Vec<f64> {
+                (0..opts.iters)
+                    .map(|i| parsed.iter().map(|p| pick(p)[i]).fold(0.0, f64::max))
+                    .collect()
+            };
+            let t = slowest(|p| &p.times);
+            let f = slowest(|p| &p.floors);
+            let m = slowest(|p| &p.mpis);
             let mean = t.iter().sum::<f64>() / t.len() as f64;
             let p50 = median(t.clone()).unwrap_or(mean);
             let fp50 = median(f).unwrap_or(0.0);
@@ -226,7 +238,7 @@ pub fn run_bench(
                 time_us: mean,
                 algbw,
                 busbw: algbw * 2.0 * (n as f64 - 1.0) / n as f64,
-                wrong: parsed.iter().map(|p| p.3).sum(),
+                wrong: parsed.iter().map(|p| p.wrong).sum(),
                 p50_us: p50,
                 p99_us: percentile(&t, 0.99),
                 floor_p50_us: fp50,

@@ -33,7 +33,7 @@ pub enum DistEngine {
     /// Drives generation: rank 0 of a pipeline, or any rank of tensor parallelism.
     Driver(Box<dyn DistDriver>),
     /// Serves its pipeline stages until rank 0 stops (pipeline ranks other than 0).
-    Server(StageServer),
+    Server(Box<StageServer>),
 }
 
 /// An engine that drives generation under MPI.
@@ -234,7 +234,7 @@ fn pipeline(
             name,
         })))
     } else {
-        Ok(DistEngine::Server(StageServer {
+        Ok(DistEngine::Server(Box::new(StageServer {
             inner: Some(segment),
             links: Some(links),
             output: out_rx,
@@ -242,7 +242,7 @@ fn pipeline(
             stats,
             recorder,
             name,
-        }))
+        })))
     }
 }
 
