@@ -180,6 +180,7 @@ pub(crate) struct Work {
     pub(crate) recorder: Recorder,
     /// The driver's run (GPipe step, served stream) this work belongs to: stages in other
     /// processes start their accounting afresh when it changes.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) run: u64,
 }
 
@@ -880,6 +881,7 @@ impl PipelineEngine {
     }
 
     /// The live per-stage accounting (a remote segment of `dist` resets and reads it).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn stage_stats_handle(&self) -> Arc<Mutex<Vec<StageStats>>> {
         self.stats.clone()
     }
