@@ -101,10 +101,6 @@ struct Output<'a> {
     throughput: Option<Throughput>,
 }
 
-fn config_error(context: &str, e: impl std::fmt::Display) -> WgparError {
-    WgparError::Config(format!("{context}: {e}"))
-}
-
 fn write_svg(timeline: &Timeline, path: &str, title: String, args: &ProjectArgs) -> Result<()> {
     let mut opts = SvgOptions::new(args.svg_size.0, args.svg_size.1);
     opts.title = title;
@@ -140,12 +136,12 @@ fn write_svg(timeline: &Timeline, path: &str, title: String, args: &ProjectArgs)
 fn load(args: &ProjectArgs, profile: &HostProfile) -> Result<Timeline> {
     let mut traces = Vec::with_capacity(args.trace.len());
     for path in &args.trace {
-        traces.push(Timeline::read_chrome_trace(path).map_err(|e| config_error("--trace", e))?);
+        traces.push(Timeline::read_chrome_trace(path)?);
     }
     if traces.len() == 1 {
         if let Some((rank, size)) = traces[0].rank_of_job().filter(|(_, n)| *n > 1) {
             return Err(WgparError::Config(format!(
-                "--trace {}: this is rank {rank} of a {size}-rank run: pass every rank's trace                  (--trace once per rank)",
+                "--trace {}: this is rank {rank} of a {size}-rank run: pass every rank's trace (--trace once per rank)",
                 args.trace[0]
             )));
         }
@@ -161,19 +157,16 @@ fn load(args: &ProjectArgs, profile: &HostProfile) -> Result<Timeline> {
     } else {
         RankPlacement::Pack
     };
-    let merged =
-        Timeline::merge_ranks(&traces, placement).map_err(|e| config_error("--trace", e))?;
+    let merged = Timeline::merge_ranks(&traces, placement)?;
     if let Some(path) = &args.merged_out {
-        merged
-            .write_chrome_trace(path)
-            .map_err(|e| config_error("--merged-out", e))?;
+        merged.write_chrome_trace(path)?;
     }
     Ok(merged)
 }
 
 /// Runs the projection and prints it.
 pub fn run(args: &ProjectArgs) -> Result<()> {
-    let profile = HostProfile::resolve(&args.host).map_err(|e| config_error("--host", e))?;
+    let profile = HostProfile::resolve(&args.host)?;
     let timeline = load(args, &profile)?;
     let trace_name = args.trace.join(" + ");
     let options = ProjectOptions {
@@ -194,7 +187,11 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
         },
     };
     let projection =
-        project(&timeline, &profile, &options).map_err(|e| config_error("projection", e))?;
+        project(&timeline, &profile, &options).map_err(|source| WgparError::Projection {
+            what: trace_name.clone(),
+            profile: profile.name.clone(),
+            source,
+        })?;
     let report = &projection.report;
     let tokens = match args.tokens {
         Some(t) => Some(t),
@@ -215,10 +212,7 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
     });
 
     if let Some(path) = &args.out {
-        projection
-            .timeline
-            .write_chrome_trace(path)
-            .map_err(|e| config_error("--out", e))?;
+        projection.timeline.write_chrome_trace(path)?;
     }
     if let Some(path) = &args.svg {
         let title = match &args.title {
@@ -240,7 +234,10 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
             projected_over_measured: if m > 0.0 { p / m } else { 0.0 },
             throughput,
         };
-        let text = serde_json::to_string_pretty(&out).map_err(|e| config_error("json", e))?;
+        let text = serde_json::to_string_pretty(&out).map_err(|source| WgparError::Json {
+            what: "the projection".into(),
+            source,
+        })?;
         println!("{text}");
         return Ok(());
     }

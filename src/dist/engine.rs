@@ -38,11 +38,6 @@ pub enum DistEngine {
 
 /// An engine that drives generation under MPI.
 pub trait DistDriver: Engine {
-    /// Per-stage accounting of the last pipeline run of this rank's own stages (pipelines).
-    fn pipeline_stats(&self) -> Option<PipelineStats> {
-        None
-    }
-
     /// The in-process pipeline on this rank, for its other schedules (pipelines only).
     fn pipeline(&mut self) -> Option<&mut PipelineEngine> {
         None
@@ -285,13 +280,18 @@ impl Engine for PipelineDriver {
     fn set_pacer(&mut self, pacer: Option<Arc<LinkPacer>>) {
         self.inner().set_pacer(pacer);
     }
-}
 
-impl DistDriver for PipelineDriver {
+    fn inject_fault(&mut self, worker: usize, fault: crate::parallel::Fault) -> Result<()> {
+        self.inner().inject_fault(worker, fault)
+    }
+
+    /// This rank's own stages only; `gather_stage_stats` adds the other ranks'.
     fn pipeline_stats(&self) -> Option<PipelineStats> {
         self.inner.as_ref().and_then(|p| p.last_run().cloned())
     }
+}
 
+impl DistDriver for PipelineDriver {
     fn pipeline(&mut self) -> Option<&mut PipelineEngine> {
         self.inner.as_mut()
     }

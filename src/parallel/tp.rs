@@ -10,13 +10,13 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::cost;
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::worker::Workers;
-use super::{check_decode, prompt_shape, Engine, Logits, StepStats};
+use super::{check_decode, prompt_shape, Engine, Fault, FaultKind, Logits, StepStats};
 use crate::comm::{CommConfig, Communicator, CrossProcessGroup, RankHandle};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
@@ -41,6 +41,9 @@ struct Rank {
     timer: SpanTimer,
     /// The group's ranks in other processes, when it spans processes (one device here).
     remote: Option<Arc<dyn CrossProcessGroup>>,
+    /// A fault to inject (tests, `run --inject-fault`), and the jobs run so far.
+    fault: Arc<Mutex<Option<Fault>>>,
+    jobs: usize,
 }
 
 /// Collective group ids of a group that spans processes carry this bit: every process numbers
@@ -99,7 +102,34 @@ pub(crate) struct RankOutput {
 }
 
 impl Rank {
+    /// Fails as an injected fault says, once the rank has run `after` jobs.
+    fn inject_fault(&mut self) -> Result<()> {
+        let fault = *self.fault.lock().unwrap_or_else(|e| e.into_inner());
+        let done = self.jobs;
+        self.jobs += 1;
+        match fault {
+            Some(f) if done >= f.after => {
+                let rank = self.model.placement().shard.rank;
+                match f.kind {
+                    FaultKind::Error => Err(WgparError::InjectedFault {
+                        kind: "error".into(),
+                        at: format!("tp rank {rank}, step {done}"),
+                    }),
+                    FaultKind::Panic => panic!("injected panic at tp rank {rank}, step {done}"),
+                    FaultKind::LoseDevice => {
+                        self.model.gpu().device().destroy();
+                        Ok(())
+                    }
+                }
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn run(&mut self, job: GroupJob) -> Result<RankOutput> {
+        self.inject_fault()?;
+        // A lost device is reported as such, before any call that would trip over it.
+        self.model.gpu().check()?;
         let step = job.step;
         let rec = &job.recorder;
         if job.new_cache {
@@ -113,7 +143,7 @@ impl Rank {
             self.acts.insert(key, act);
         }
         let (Some(act), Some(kv)) = (self.acts.get(&key), self.caches.get(&job.group)) else {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::InvalidCall(format!(
                 "sequence group {} decoded before its prefill",
                 job.group
             )));
@@ -165,6 +195,7 @@ impl Rank {
                 });
             }
         }
+        m.write_seqs(act, kv, &step, &step.rows())?;
         super::sync_span_timer(&mut self.timer, &gpu, rec);
         let timer = &self.timer;
         let mut start = Instant::now();
@@ -235,7 +266,10 @@ impl Rank {
                         world as usize,
                         all_arrived,
                     )
-                    .map_err(|e| WgparError::Config(e.to_string()))?;
+                    .map_err(|source| WgparError::Pacing {
+                        target: "the all-reduce".into(),
+                        source,
+                    })?;
                 }
                 let comm_end = Instant::now();
                 out.comm_s += (comm_end - comm_start).as_secs_f64();
@@ -375,6 +409,7 @@ pub(crate) struct TpGroup {
     shards: Vec<ShardSpec>,
     labels: Vec<String>,
     remote: Option<Arc<dyn CrossProcessGroup>>,
+    faults: Vec<Arc<Mutex<Option<Fault>>>>,
 }
 
 impl TpGroup {
@@ -486,12 +521,17 @@ impl TpGroup {
                 .into_iter()
                 .map(|h| {
                     h.join().unwrap_or_else(|_| {
-                        Err(WgparError::Config("weight upload thread panicked".into()))
+                        Err(WgparError::WorkerPanicked {
+                            worker: "weight upload thread".into(),
+                            message: "while uploading a shard".into(),
+                        })
                     })
                 })
                 .collect()
         });
         let mut states = Vec::new();
+        let faults: Vec<Arc<Mutex<Option<Fault>>>> =
+            (0..gpus.len()).map(|_| Arc::default()).collect();
         for (rank, model) in models.into_iter().enumerate() {
             states.push((
                 format!(
@@ -509,6 +549,8 @@ impl TpGroup {
                     group_tag: gpus[0].ordinal() as u64,
                     timer: SpanTimer::default(),
                     remote: remote.clone(),
+                    fault: faults[rank].clone(),
+                    jobs: 0,
                 },
             ));
         }
@@ -518,7 +560,20 @@ impl TpGroup {
             shards,
             labels: gpus.iter().map(|g| g.label().to_string()).collect(),
             remote,
+            faults,
         })
+    }
+
+    /// Makes `rank` fail as `fault` says, after `fault.after` more steps.
+    pub(crate) fn inject_fault(&self, rank: usize, fault: Fault) -> Result<()> {
+        let slot = self.faults.get(rank).ok_or_else(|| {
+            WgparError::InvalidCall(format!(
+                "no rank {rank} in a {}-device tensor-parallel group",
+                self.faults.len()
+            ))
+        })?;
+        *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(fault);
+        Ok(())
     }
 
     /// Runs `job` on every rank; returns the outputs in rank order.
@@ -632,9 +687,9 @@ impl TensorParallelEngine {
         encoder: Option<Arc<EncoderExtras>>,
     ) -> Result<Vec<f32>> {
         if let Some(why) = &self.failed {
-            return Err(WgparError::Worker {
-                worker: "tensor-parallel engine".into(),
-                message: format!("stopped after an earlier failure: {why}"),
+            return Err(WgparError::EngineStopped {
+                engine: "tensor-parallel engine".into(),
+                cause: why.clone(),
             });
         }
         let start = Instant::now();
@@ -680,7 +735,7 @@ impl TensorParallelEngine {
         });
         match &self.group.remote {
             Some(remote) => remote.share_output(output),
-            None => output.ok_or_else(|| WgparError::Config("no rank returned an output".into())),
+            None => output.ok_or_else(|| WgparError::Internal("no rank returned an output".into())),
         }
     }
 }
@@ -768,5 +823,9 @@ impl Engine for TensorParallelEngine {
 
     fn set_pacer(&mut self, pacer: Option<Arc<LinkPacer>>) {
         self.pacer = pacer;
+    }
+
+    fn inject_fault(&mut self, rank: usize, fault: Fault) -> Result<()> {
+        self.group.inject_fault(rank, fault)
     }
 }
