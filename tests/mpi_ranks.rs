@@ -374,7 +374,12 @@ fn a_failing_rank_stops_every_rank_and_is_named() {
         "1",
     ];
     // An error in rank 1's stage: rank 0 stops naming rank 1.
-    fails(2, &pp, "1:error", &["injected error fault", "rank 1 (", "failed"]);
+    fails(
+        2,
+        &pp,
+        "1:error",
+        &["injected error fault", "rank 1 (", "failed"],
+    );
     // A panic on rank 0 of a tensor-parallel job: rank 1 stops naming rank 0.
     fails(2, &tp, "0:panic", &["injected panic", "rank 0 ("]);
     // Three ranks, the middle one fails: both others stop.

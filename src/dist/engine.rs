@@ -9,6 +9,7 @@
 //!   serve their stages until rank 0 stops; the last rank sends the logits back to rank 0.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crossbeam::channel::{bounded, unbounded, Receiver};
 
@@ -227,6 +228,7 @@ fn pipeline(
             inner: Some(segment),
             links: Some(links),
             name,
+            failed: false,
         })))
     } else {
         Ok(DistEngine::Server(Box::new(StageServer {
@@ -237,9 +239,14 @@ fn pipeline(
             stats,
             recorder,
             name,
+            failed: false,
         })))
     }
 }
+
+/// How long a rank waits, when leaving cleanly, for the stop message to make its way round the
+/// pipeline (one message per rank boundary).
+const STOP_GRACE: Duration = Duration::from_secs(10);
 
 /// Rank 0 of a pipeline over ranks: the in-process pipeline of its own stages, whose last
 /// stage hands off to rank 1 and whose output receives the last rank's logits.
@@ -247,6 +254,8 @@ pub struct PipelineDriver {
     inner: Option<PipelineEngine>,
     links: Option<Links>,
     name: String,
+    /// A run failed: leave at once, without waiting for peers.
+    failed: bool,
 }
 
 impl PipelineDriver {
@@ -262,11 +271,15 @@ impl Engine for PipelineDriver {
     }
 
     fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits> {
-        self.inner().prefill(prompts)
+        let r = self.inner().prefill(prompts);
+        self.failed |= r.is_err();
+        r
     }
 
     fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
-        self.inner().decode(tokens)
+        let r = self.inner().decode(tokens);
+        self.failed |= r.is_err();
+        r
     }
 
     fn last_step(&self) -> Option<StepStats> {
@@ -303,7 +316,11 @@ impl Drop for PipelineDriver {
         // travels to the last rank and comes back on the logits link, ending its thread.
         self.inner = None;
         if let Some(l) = self.links.take() {
-            l.join();
+            l.finish(if self.failed {
+                Duration::ZERO
+            } else {
+                STOP_GRACE
+            });
         }
     }
 }
@@ -317,6 +334,7 @@ pub struct StageServer {
     stats: Arc<Mutex<Vec<StageStats>>>,
     recorder: Recorder,
     name: String,
+    failed: bool,
 }
 
 impl StageServer {
@@ -334,6 +352,17 @@ impl StageServer {
     /// to rank 0. Returns the first error of a stage or link.
     pub fn serve(&mut self, world: &World) -> Result<()> {
         // Drop this handle's own sender side: `output` ends when every stage and link has.
+        let r = self.relay(world);
+        self.failed = r.is_err();
+        r?;
+        self.inner = None;
+        if let Some(l) = self.links.take() {
+            l.finish(STOP_GRACE);
+        }
+        Ok(())
+    }
+
+    fn relay(&mut self, world: &World) -> Result<()> {
         for msg in self.output.iter() {
             let out = msg?;
             if self.last {
@@ -342,10 +371,6 @@ impl StageServer {
         }
         if self.last {
             link::send_logits_stop(world)?;
-        }
-        self.inner = None;
-        if let Some(l) = self.links.take() {
-            l.join();
         }
         Ok(())
     }
@@ -368,7 +393,11 @@ impl Drop for StageServer {
     fn drop(&mut self) {
         self.inner = None;
         if let Some(l) = self.links.take() {
-            l.join();
+            l.finish(if self.failed {
+                Duration::ZERO
+            } else {
+                STOP_GRACE
+            });
         }
     }
 }

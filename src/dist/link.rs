@@ -216,6 +216,17 @@ fn receive(
 /// The link threads of one rank of a pipeline spread over ranks.
 pub(crate) struct Links {
     threads: Vec<JoinHandle<()>>,
+    /// One message per thread as it ends (also when it unwinds).
+    done: Receiver<()>,
+}
+
+/// Tells `Links` that its thread ended, however it ended.
+struct Done(Sender<()>);
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        let _ = self.0.send(());
+    }
 }
 
 impl Links {
@@ -236,10 +247,15 @@ impl Links {
         let size = world.size();
         let timeout = world.timeout();
         let mut threads = Vec::new();
+        let (done_tx, done) = crossbeam::channel::unbounded();
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+            let done = Done(done_tx.clone());
             std::thread::Builder::new()
                 .name(name.clone())
-                .spawn(f)
+                .spawn(move || {
+                    let _done = done;
+                    f()
+                })
                 .map_err(|e| WgparError::Worker {
                     worker: name,
                     message: format!("could not start thread: {e}"),
@@ -282,13 +298,25 @@ impl Links {
                 }),
             )?);
         }
-        Ok(Self { threads })
+        Ok(Self { threads, done })
     }
 
-    /// Waits for every link thread (they end when their stream stops).
-    pub(crate) fn join(mut self) {
-        for t in self.threads.drain(..) {
-            let _ = t.join();
+    /// Waits up to `grace` for every link thread to end (they end when their stream stops);
+    /// threads still waiting on a peer after that are left behind (after a failure the
+    /// process ends right away, so they must not hold it up until their timeout).
+    pub(crate) fn finish(mut self, grace: std::time::Duration) {
+        let deadline = Instant::now() + grace;
+        let mut ended = 0;
+        while ended < self.threads.len() {
+            match self.done.recv_deadline(deadline) {
+                Ok(()) => ended += 1,
+                Err(_) => break,
+            }
+        }
+        if ended == self.threads.len() {
+            for t in self.threads.drain(..) {
+                let _ = t.join();
+            }
         }
     }
 }
