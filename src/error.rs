@@ -269,6 +269,12 @@ pub enum WgparError {
         /// What is wrong, with the numbers found and expected.
         detail: String,
     },
+    /// Running as MPI ranks (`dist`): a failed or silent peer, a layout the ranks cannot run.
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
+    /// Rank traces of an MPI run that do not merge into one timeline.
+    #[error("merging rank traces: {0}")]
+    Merge(#[from] crate::trace::MergeError),
     /// File input/output.
     #[error("{path}: {source}")]
     Io {

@@ -11,6 +11,7 @@ pub mod calibrate;
 pub mod comm;
 pub mod compare;
 pub mod device;
+pub mod dist;
 pub mod error;
 pub mod kernels;
 pub mod model;

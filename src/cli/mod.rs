@@ -8,6 +8,7 @@ mod calibrate;
 mod compare;
 mod devices;
 mod embed;
+mod mpi;
 mod plan;
 mod project;
 mod run;
@@ -29,6 +30,8 @@ use std::sync::Arc;
 pub struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    #[command(flatten)]
+    mpi: mpi::MpiArgs,
 }
 
 #[derive(Subcommand)]
@@ -287,6 +290,11 @@ fn forget_unreachable_wayland_display() {
 pub fn main() -> Result<()> {
     forget_unreachable_wayland_display();
     let cli = Cli::parse();
+    // Under mpirun (or --mpi) every rank runs its part of the job; a build without the `mpi`
+    // feature refuses a parallel launch here.
+    if cli.mpi.active()? {
+        return mpi::main(cli);
+    }
     match cli.command {
         Some(Command::Devices { json }) => devices::print(&Adapters::discover()?, json),
         Some(Command::Run(args)) => run::run(&args),

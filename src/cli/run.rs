@@ -122,10 +122,10 @@ pub struct RunArgs {
     pub(super) strategy: StrategyArgs,
     /// Sequences per batch.
     #[arg(long, default_value_t = 4)]
-    batch: usize,
+    pub(super) batch: usize,
     /// Prompt length (random token ids).
     #[arg(long, default_value_t = 64)]
-    prompt_len: usize,
+    pub(super) prompt_len: usize,
     /// Tokens to generate per sequence.
     #[arg(long, default_value_t = 16)]
     pub(super) gen: usize,
@@ -148,6 +148,10 @@ pub struct RunArgs {
     /// stage), e.g. `stage=1,kind=panic,at=step:3`.
     #[arg(long, value_name = "SPEC")]
     pub(super) inject_fault: Option<String>,
+    /// Write every step's logits and the generated tokens as JSON (rank 0 under MPI): for
+    /// comparing strategies and layouts bit for bit.
+    #[arg(long, value_name = "FILE")]
+    pub(super) logits_out: Option<String>,
     #[command(flatten)]
     pub(super) text: TextArgs,
 }
@@ -501,6 +505,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     print_bubble(engine.as_ref(), "  last step ");
     println!("first sequence's tokens: {:?}", g.tokens[0]);
+    if let Some(path) = &args.logits_out {
+        write_logits(path, args.batch, config.vocab, &g)?;
+    }
     if let Some(path) = &args.trace {
         write_trace(&recorder, path)?;
     }
@@ -509,6 +516,27 @@ pub fn run(args: &RunArgs) -> Result<()> {
 
 /// The pacer `--pace` names: one link as `ALPHA_US:BETA_GBPS`, else a host profile (device 0's
 /// host link, collectives by the profile's cost model). Also says what it paces to.
+/// Writes a generation's tokens and every step's logits as JSON (`--logits-out`).
+pub(super) fn write_logits(
+    path: &str,
+    batch: usize,
+    vocab: usize,
+    g: &wgpar::parallel::Generation,
+) -> Result<()> {
+    let rows: Vec<&Vec<f32>> = g.logits.iter().map(|l| &l.data).collect();
+    let text = serde_json::to_string(&serde_json::json!({
+        "batch": batch, "vocab": vocab, "tokens": g.tokens, "logits": rows
+    }))
+    .map_err(|source| WgparError::Json {
+        what: "logits".into(),
+        source,
+    })?;
+    std::fs::write(path, text).map_err(|source| WgparError::Io {
+        path: path.to_string(),
+        source,
+    })
+}
+
 fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
     let spec = PaceSpec::parse(text).map_err(|source| WgparError::Pacing {
         target: format!("--pace {text}"),

@@ -5,7 +5,7 @@ mod balance;
 pub mod cost;
 mod encoder;
 pub mod partition;
-mod pp;
+pub(crate) mod pp;
 mod single;
 mod strategy;
 mod tp;

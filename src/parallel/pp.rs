@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::partition::{partition, Partition};
@@ -59,7 +59,7 @@ pub struct Fault {
 }
 
 /// Per-stage accounting of a run.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StageStats {
     /// Layers held.
     pub layers: Range<usize>,
@@ -96,6 +96,28 @@ pub struct PipelineStats {
 }
 
 impl PipelineStats {
+    /// The accounting of `stages` (in pipeline order) over a run of `makespan_s` that
+    /// processed `tokens`: bubbles and the ideal makespan from the measured stage times.
+    pub fn from_stages(stages: Vec<StageStats>, makespan_s: f64, tokens: usize) -> Self {
+        let p = stages.len().max(1) as f64;
+        let m = stages.first().map_or(0, |s| s.microbatches);
+        let per_mb: Vec<f64> = stages
+            .iter()
+            .map(|s| (s.busy_s + s.handoff_s) / s.microbatches.max(1) as f64)
+            .collect();
+        let slowest = per_mb.iter().cloned().fold(0.0, f64::max);
+        let busy: f64 = stages.iter().map(|s| s.busy_s).sum();
+        PipelineStats {
+            microbatches: m,
+            makespan_s,
+            measured_bubble: 1.0 - busy / (p * makespan_s),
+            theoretical_bubble: (p - 1.0) / (m as f64 + p - 1.0),
+            ideal_makespan_s: per_mb.iter().sum::<f64>() + m.saturating_sub(1) as f64 * slowest,
+            tokens,
+            stages,
+        }
+    }
+
     /// Measured throughput, tokens/s.
     pub fn tokens_per_s(&self) -> f64 {
         self.tokens as f64 / self.makespan_s
@@ -144,25 +166,61 @@ pub struct Response {
     pub done_s: f64,
 }
 
-struct Work {
-    encoder: Option<Arc<EncoderExtras>>,
-    pacer: Option<Arc<LinkPacer>>,
-    group: usize,
-    ids: Arc<Vec<u32>>,
-    step: Step,
-    new_cache: bool,
-    release: bool,
-    hidden: Vec<u8>,
-    dep: SpanId,
-    recorder: Recorder,
+/// One micro-batch's step as it moves from stage to stage (and, across MPI ranks, over the
+/// remote stage link of `dist`).
+pub(crate) struct Work {
+    pub(crate) encoder: Option<Arc<EncoderExtras>>,
+    pub(crate) pacer: Option<Arc<LinkPacer>>,
+    pub(crate) group: usize,
+    pub(crate) ids: Arc<Vec<u32>>,
+    pub(crate) step: Step,
+    pub(crate) new_cache: bool,
+    pub(crate) release: bool,
+    pub(crate) hidden: Vec<u8>,
+    pub(crate) dep: SpanId,
+    pub(crate) recorder: Recorder,
+    /// The driver's run (GPipe step, served stream) this work belongs to: stages in other
+    /// processes start their accounting afresh when it changes.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) run: u64,
 }
 
-struct Output {
-    group: usize,
-    batch: usize,
-    logits: Vec<f32>,
+/// A micro-batch's logits, back at the driver.
+pub(crate) struct Output {
+    pub(crate) group: usize,
+    pub(crate) batch: usize,
+    pub(crate) logits: Vec<f32>,
     /// The span that delivered the logits: the group's next step depends on it.
-    dep: SpanId,
+    pub(crate) dep: SpanId,
+}
+
+/// Where a pipeline segment sits in a pipeline spread over processes (`dist`): which model
+/// ends it holds and the channels of its remote stage links. In one process the segment is
+/// the whole pipeline: it embeds, holds the head and talks to the driver only.
+pub(crate) struct Segment {
+    /// The first stage embeds token ids (else it uploads hidden states it receives).
+    pub(crate) embeds: bool,
+    /// The last stage holds the final norm and LM head (else it hands hidden states on).
+    pub(crate) head: bool,
+    /// Work for the first stage from a remote link instead of the driver.
+    pub(crate) upstream: Option<Receiver<Work>>,
+    /// Where the last stage hands its hidden states when it does not hold the head.
+    pub(crate) downstream: Option<Sender<Work>>,
+    /// Logits and errors, to the driver (or to the link that carries them to it).
+    pub(crate) output: (Sender<Result<Output>>, Receiver<Result<Output>>),
+}
+
+impl Segment {
+    /// The whole pipeline in one process.
+    fn whole() -> Self {
+        Segment {
+            embeds: true,
+            head: true,
+            upstream: None,
+            downstream: None,
+            output: unbounded(),
+        }
+    }
 }
 
 struct Pending {
@@ -186,7 +244,6 @@ enum Backend {
 
 struct Stage {
     index: usize,
-    count: usize,
     name: String,
     /// The stage's (first) device: faults, labels.
     gpu: Arc<Gpu>,
@@ -201,6 +258,10 @@ struct Stage {
     jobs: usize,
     /// Device-side timing of compute spans while a trace is recorded.
     timer: SpanTimer,
+    /// Embeds token ids (the pipeline's first stage).
+    embeds: bool,
+    /// Holds the head (the pipeline's last stage).
+    head: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -216,8 +277,9 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 impl Stage {
+    /// Holds the head: the last stage of the whole pipeline (of every rank's stages).
     fn is_last(&self) -> bool {
-        self.index + 1 == self.count
+        self.head
     }
 
     fn fail(&self, cause: WgparError) {
@@ -335,14 +397,14 @@ impl Stage {
         let mb = work.group as u32;
         let mut dep = work.dep;
         let upload_start = Instant::now();
-        if self.index == 0 {
+        if self.embeds {
             m.write_ids(act, &work.ids)?;
         }
         if let Some(e) = &work.encoder {
             m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
         }
         m.write_seqs(act, kv, &step, &step.rows())?;
-        if self.index != 0 {
+        if !self.embeds {
             let want = step.tokens() * m.config().hidden * 4;
             if work.hidden.len() != want {
                 return Err(WgparError::Shape {
@@ -370,7 +432,7 @@ impl Stage {
         let start = Instant::now();
         let mut enc = gpu.encoder();
         timer.begin(&mut enc);
-        if self.index == 0 {
+        if self.embeds {
             m.embed(&mut enc, act, &step)?;
         }
         m.layers(&mut enc, act, kv, &step)?;
@@ -393,7 +455,7 @@ impl Stage {
             m.num_layers(),
             &step,
             m.weight_dtype(),
-            self.index == 0,
+            self.embeds,
             self.is_last(),
         );
         let layers = m.placement().layers.clone();
@@ -511,7 +573,7 @@ impl Stage {
         let Backend::Group(group) = &self.backend else {
             return Ok(());
         };
-        let input = if self.index == 0 {
+        let input = if self.embeds {
             GroupInput::Ids(work.ids.clone())
         } else {
             GroupInput::Hidden(Arc::new(std::mem::take(&mut work.hidden)))
@@ -574,6 +636,8 @@ pub struct PipelineEngine {
     recorder: Recorder,
     timeout: Duration,
     pacer: Option<Arc<LinkPacer>>,
+    /// Counts driver runs (see `Work::run`).
+    run: u64,
 }
 
 impl PipelineEngine {
@@ -611,6 +675,40 @@ impl PipelineEngine {
         }
         let p = gpus.len() / tp;
         let ranges = partition(config.layers, p, how)?;
+        Self::segment(
+            gpus,
+            weights,
+            dtype,
+            tp,
+            ranges,
+            micro_batches,
+            comm_config,
+            Segment::whole(),
+        )
+    }
+
+    /// A segment of a pipeline: stages holding `ranges` (one per `tp` devices), with the model
+    /// ends and remote links `seg` gives. [`hybrid`](Self::hybrid) is the whole pipeline;
+    /// `dist` builds one segment per MPI rank and joins them with remote stage links.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn segment(
+        gpus: &[Arc<Gpu>],
+        weights: &ModelWeights,
+        dtype: DType,
+        tp: usize,
+        ranges: Vec<Range<usize>>,
+        micro_batches: usize,
+        comm_config: CommConfig,
+        seg: Segment,
+    ) -> Result<Self> {
+        let config = weights.config.clone();
+        let p = ranges.len();
+        if tp == 0 || p == 0 || gpus.len() != p * tp {
+            return Err(WgparError::Config(format!(
+                "{} devices do not form {p} pipeline stages of {tp} tensor-parallel devices",
+                gpus.len()
+            )));
+        }
         if micro_batches == 0 {
             return Err(WgparError::Config(
                 "--micro-batches must be at least 1".into(),
@@ -628,8 +726,8 @@ impl PipelineEngine {
                         let placement = Placement {
                             layers: layers.clone(),
                             shard: ShardSpec::full(&config),
-                            embedding: i == 0,
-                            head: i + 1 == p,
+                            embedding: i == 0 && seg.embeds,
+                            head: i + 1 == p && seg.head,
                         };
                         s.spawn(move || GpuModel::upload(gpu.clone(), weights, placement, dtype))
                     })
@@ -664,8 +762,8 @@ impl PipelineEngine {
                         dtype,
                         None,
                         layers.clone(),
-                        i == 0,
-                        i + 1 == p,
+                        i == 0 && seg.embeds,
+                        i + 1 == p && seg.head,
                         comm_config.clone(),
                     )
                     .map(Backend::Group)
@@ -686,15 +784,28 @@ impl PipelineEngine {
                 .collect(),
         ));
         let faults = Arc::new(Mutex::new(vec![None; p]));
-        let (output_tx, output) = unbounded();
-        let (input, mut receiver) = bounded::<Work>(2);
+        let Segment {
+            embeds,
+            head,
+            upstream,
+            mut downstream,
+            output: (output_tx, output),
+        } = seg;
+        // The driver feeds the first stage unless a remote link does.
+        let (input, mut receiver) = match upstream {
+            Some(rx) => (None, rx),
+            None => {
+                let (tx, rx) = bounded::<Work>(2);
+                (Some(tx), rx)
+            }
+        };
         let mut threads = Vec::new();
         for (index, backend) in backends.into_iter().enumerate() {
             let (next, next_rx) = if index + 1 < p {
                 let (tx, rx) = bounded::<Work>(2);
                 (Some(tx), Some(rx))
             } else {
-                (None, None)
+                (downstream.take(), None)
             };
             let devices: Vec<&str> = stage_gpus[index].iter().map(|g| g.label()).collect();
             let name = format!(
@@ -706,7 +817,6 @@ impl PipelineEngine {
             );
             let stage = Stage {
                 index,
-                count: p,
                 name: name.clone(),
                 gpu: gpus[index].clone(),
                 backend,
@@ -718,6 +828,8 @@ impl PipelineEngine {
                 fault: faults.clone(),
                 jobs: 0,
                 timer: SpanTimer::default(),
+                embeds: embeds && index == 0,
+                head: head && index + 1 == p,
             };
             threads.push(
                 std::thread::Builder::new()
@@ -734,7 +846,7 @@ impl PipelineEngine {
             };
         }
         Ok(Self {
-            input: Some(input),
+            input,
             output,
             threads,
             ranges,
@@ -756,6 +868,7 @@ impl PipelineEngine {
             failed: None,
             recorder: Recorder::disabled(),
             timeout: Duration::from_secs(120),
+            run: 0,
             pacer: None,
         })
     }
@@ -795,6 +908,12 @@ impl PipelineEngine {
         self.timeout = timeout;
     }
 
+    /// The live per-stage accounting (a remote segment of `dist` resets and reads it).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn stage_stats_handle(&self) -> Arc<Mutex<Vec<StageStats>>> {
+        self.stats.clone()
+    }
+
     /// Accounting of the last run.
     pub fn last_run(&self) -> Option<&PipelineStats> {
         self.last_run.as_ref()
@@ -810,7 +929,8 @@ impl PipelineEngine {
         }
     }
 
-    fn reset_stats(&self) {
+    fn reset_stats(&mut self) {
+        self.run += 1;
         for s in lock(&self.stats).iter_mut() {
             s.busy_s = 0.0;
             s.handoff_s = 0.0;
@@ -884,6 +1004,7 @@ impl PipelineEngine {
                 self.group_deps.get(&group).copied().unwrap_or(SpanId::NONE)
             },
             recorder: self.recorder.clone(),
+            run: self.run,
         }
     }
 

@@ -17,7 +17,7 @@ use super::cost;
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::worker::Workers;
 use super::{check_decode, prompt_shape, Engine, Fault, FaultKind, Logits, StepStats};
-use crate::comm::{CommConfig, Communicator, RankHandle};
+use crate::comm::{CommConfig, Communicator, CrossProcessGroup, RankHandle};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
 use crate::model::{
@@ -39,10 +39,16 @@ struct Rank {
     group_tag: u64,
     /// Device-side timing of compute spans while a trace is recorded.
     timer: SpanTimer,
+    /// The group's ranks in other processes, when it spans processes (one device here).
+    remote: Option<Arc<dyn CrossProcessGroup>>,
     /// A fault to inject (tests, `run --inject-fault`), and the jobs run so far.
     fault: Arc<Mutex<Option<Fault>>>,
     jobs: usize,
 }
+
+/// Collective group ids of a group that spans processes carry this bit: every process numbers
+/// them alike, so a merge of the processes' traces keeps them (and renumbers the others).
+pub(crate) const CROSS_PROCESS_GROUP_BIT: u64 = crate::trace::CROSS_PROCESS_GROUP;
 
 /// What a tensor-parallel group computes on: token ids (the group holds the embedding) or
 /// the previous pipeline stage's hidden states (host bytes, uploaded to every rank).
@@ -244,7 +250,14 @@ impl Rank {
                     &act.mlp_out
                 };
                 let comm_start = Instant::now();
-                let all_arrived = self.comm.all_reduce_timed(partial)?;
+                let all_arrived = match &self.remote {
+                    // One device here: the in-process part is a no-op.
+                    Some(remote) => {
+                        remote.all_reduce(&gpu, partial)?;
+                        comm_start
+                    }
+                    None => self.comm.all_reduce_timed(partial)?,
+                };
                 if let Some(p) = &job.pacer {
                     p.collective(
                         CollectiveOp::AllReduce,
@@ -272,6 +285,11 @@ impl Rank {
                     .config()
                     .chunks(bytes);
                 let group = (self.group_tag << 48) | self.collectives;
+                let group = if self.remote.is_some() {
+                    group | CROSS_PROCESS_GROUP_BIT
+                } else {
+                    group
+                };
                 self.collectives += 1;
                 // Time spent waiting for the slowest rank is a wait span, not communication
                 // (the last rank to arrive waits for nobody).
@@ -390,6 +408,7 @@ pub(crate) struct TpGroup {
     comm: Arc<Communicator>,
     shards: Vec<ShardSpec>,
     labels: Vec<String>,
+    remote: Option<Arc<dyn CrossProcessGroup>>,
     faults: Vec<Arc<Mutex<Option<Fault>>>>,
 }
 
@@ -418,6 +437,70 @@ impl TpGroup {
             )));
         }
         let shards = ShardSpec::tensor_parallel(config, split)?;
+        Self::build(
+            gpus,
+            weights,
+            dtype,
+            shards,
+            layers,
+            first,
+            last,
+            comm_config,
+            None,
+        )
+    }
+
+    /// A group whose ranks are one device in each of `remote.size()` processes: this process
+    /// holds shard `remote.rank()` of the `split` (even by default) on `gpu`.
+    pub(crate) fn spanning(
+        gpu: &Arc<Gpu>,
+        weights: &ModelWeights,
+        dtype: DType,
+        split: Option<&[usize]>,
+        comm_config: CommConfig,
+        remote: Arc<dyn CrossProcessGroup>,
+    ) -> Result<Self> {
+        let n = remote.size();
+        let even = vec![1; n];
+        let split = split.unwrap_or(&even);
+        if split.len() != n {
+            return Err(WgparError::Config(format!(
+                "--split has {} shares for {n} ranks (one device each)",
+                split.len()
+            )));
+        }
+        let shard = ShardSpec::tensor_parallel(&weights.config, split)?
+            .into_iter()
+            .nth(remote.rank())
+            .ok_or_else(|| {
+                WgparError::Config(format!("rank {} outside a group of {n}", remote.rank()))
+            })?;
+        let layers = 0..weights.config.layers;
+        Self::build(
+            std::slice::from_ref(gpu),
+            weights,
+            dtype,
+            vec![shard],
+            layers,
+            true,
+            true,
+            comm_config,
+            Some(remote),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        gpus: &[Arc<Gpu>],
+        weights: &ModelWeights,
+        dtype: DType,
+        shards: Vec<ShardSpec>,
+        layers: Range<usize>,
+        first: bool,
+        last: bool,
+        comm_config: CommConfig,
+        remote: Option<Arc<dyn CrossProcessGroup>>,
+    ) -> Result<Self> {
         let comm = Communicator::new(gpus.to_vec(), comm_config)?;
         // Upload every rank's shard at once: each device copies its own weights.
         let models: Vec<Result<GpuModel>> = std::thread::scope(|s| {
@@ -465,6 +548,7 @@ impl TpGroup {
                     collectives: 0,
                     group_tag: gpus[0].ordinal() as u64,
                     timer: SpanTimer::default(),
+                    remote: remote.clone(),
                     fault: faults[rank].clone(),
                     jobs: 0,
                 },
@@ -475,6 +559,7 @@ impl TpGroup {
             comm,
             shards,
             labels: gpus.iter().map(|g| g.label().to_string()).collect(),
+            remote,
             faults,
         })
     }
@@ -543,7 +628,25 @@ impl TensorParallelEngine {
             true,
             comm_config,
         )?;
-        Ok(Self {
+        Ok(Self::with_group(group, config))
+    }
+
+    /// Tensor parallelism across processes: this process holds one shard on `gpu`, its peers
+    /// the others (`remote`, e.g. MPI ranks); every process gets the logits.
+    pub fn spanning(
+        gpu: &Arc<Gpu>,
+        weights: &ModelWeights,
+        dtype: DType,
+        split: Option<&[usize]>,
+        comm_config: CommConfig,
+        remote: Arc<dyn CrossProcessGroup>,
+    ) -> Result<Self> {
+        let group = TpGroup::spanning(gpu, weights, dtype, split, comm_config, remote)?;
+        Ok(Self::with_group(group, weights.config.clone()))
+    }
+
+    fn with_group(group: TpGroup, config: ModelConfig) -> Self {
+        Self {
             group,
             pacer: None,
             last_span: SpanId::NONE,
@@ -553,7 +656,7 @@ impl TensorParallelEngine {
             last: None,
             failed: None,
             recorder: Recorder::disabled(),
-        })
+        }
     }
 
     /// Each rank's shard.
@@ -626,13 +729,14 @@ impl TensorParallelEngine {
         });
         self.past = step.past + step.seq;
         self.last_span = outputs[0].last_span;
-        outputs
-            .into_iter()
-            .find_map(|o| match o.output {
-                Some(GroupOutput::Logits(l)) => Some(l),
-                _ => None,
-            })
-            .ok_or_else(|| WgparError::Internal("no rank returned an output".into()))
+        let output = outputs.into_iter().find_map(|o| match o.output {
+            Some(GroupOutput::Logits(l)) => Some(l),
+            _ => None,
+        });
+        match &self.group.remote {
+            Some(remote) => remote.share_output(output),
+            None => output.ok_or_else(|| WgparError::Internal("no rank returned an output".into())),
+        }
     }
 }
 
@@ -662,6 +766,16 @@ impl Encoder for TensorParallelEngine {
 impl Engine for TensorParallelEngine {
     fn name(&self) -> String {
         let shares: Vec<usize> = self.shards().iter().map(|s| s.local_heads()).collect();
+        if let Some(remote) = &self.group.remote {
+            return format!(
+                "tp={} across {} processes (this one: rank {}, {} query heads on {})",
+                remote.size(),
+                remote.size(),
+                remote.rank(),
+                shares.iter().sum::<usize>(),
+                self.group.labels().join(",")
+            );
+        }
         format!(
             "tp={} on {} (query heads {:?})",
             shares.len(),

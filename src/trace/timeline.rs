@@ -23,6 +23,21 @@ pub struct Timeline {
     pub meta: BTreeMap<String, String>,
     /// The spans, sorted by id.
     pub spans: Vec<Span>,
+    /// Dependencies on spans of other processes' timelines (MPI ranks): resolved when the
+    /// ranks' traces are merged ([`Timeline::merge_ranks`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remote_deps: Vec<RemoteDep>,
+}
+
+/// Span `span` of this timeline depends on span `remote` of rank `rank`'s timeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteDep {
+    /// The local span.
+    pub span: SpanId,
+    /// The rank whose timeline holds the dependency.
+    pub rank: u32,
+    /// The span there.
+    pub remote: SpanId,
 }
 
 impl Timeline {
