@@ -108,7 +108,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             s.layers.end,
             s.device,
             s.busy_s * 1e3,
-            s.handoff_s * 1e3,
+            s.handoff_s() * 1e3,
             s.bytes_out
         );
     }

@@ -20,6 +20,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         dtype: DType::F32,
         batches: vec![1, 4],
         micro_batches: vec![1, 4],
+        schedule: wgpar::parallel::Schedule::InFlight,
         prompt_len: 16,
         gen: 4,
         reps: 2,

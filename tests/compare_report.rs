@@ -20,6 +20,7 @@ fn small_comparison_end_to_end() {
         dtype: DType::F32,
         batches: vec![1, 2],
         micro_batches: vec![1, 2],
+        schedule: wgpar::parallel::Schedule::InFlight,
         prompt_len: 5,
         gen: 3,
         reps: 2,

@@ -7,6 +7,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgpar::compare::{breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions};
 use wgpar::device::{open_devices, Adapters, DeviceSelection, GpuOptions};
+use wgpar::parallel::Schedule;
 use wgpar::sim::HostProfile;
 use wgpar::{Result, WgparError};
 
@@ -29,6 +30,9 @@ pub struct CompareArgs {
     /// Pipeline micro-batch counts to sweep.
     #[arg(long, value_delimiter = ',', default_value = "1,4")]
     micro_batches: Vec<usize>,
+    /// Pipeline decode: in-flight, or gpipe (a fill-drain of all micro-batches per token).
+    #[arg(long, default_value = "in-flight", value_parser = ["in-flight", "gpipe"])]
+    schedule: String,
     /// Prompt length.
     #[arg(long, default_value_t = 32)]
     prompt_len: usize,
@@ -62,6 +66,7 @@ impl CompareArgs {
             virtual_count: None,
             batches: vec![1, 4],
             micro_batches: vec![1, 4],
+            schedule: "in-flight".into(),
             prompt_len: 32,
             gen: 8,
             reps: 3,
@@ -127,6 +132,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         dtype,
         batches: args.batches.clone(),
         micro_batches: args.micro_batches.clone(),
+        schedule: Schedule::parse(&args.schedule).unwrap_or_default(),
         prompt_len: args.prompt_len,
         gen: args.gen,
         reps: args.reps,

@@ -5,7 +5,7 @@ use clap::Args;
 use std::sync::Arc;
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
-use wgpar::parallel::{build_engine, generate, PartitionSpec, Strategy};
+use wgpar::parallel::{build_engine, generate, PartitionSpec, Schedule, Strategy};
 
 use wgpar::sim::{HostProfile, LinkPacer};
 use wgpar::trace::{DeviceTiming, Recorder};
@@ -33,9 +33,13 @@ pub struct StrategyArgs {
     /// Pipeline: even, or balanced by measured per-device layer/embedding/head time.
     #[arg(long, default_value = "even", value_parser = ["even", "balanced"])]
     pub partition: String,
-    /// Pipeline: micro-batches per batch (GPipe).
+    /// Pipeline: micro-batches per batch.
     #[arg(long, default_value_t = 1)]
     pub micro_batches: usize,
+    /// Pipeline decode: in-flight (each micro-batch's next token enters stage 0 as soon as
+    /// its previous one is sampled) or gpipe (a fill-drain of all micro-batches per token).
+    #[arg(long, default_value = "in-flight", value_parser = ["in-flight", "gpipe"])]
+    pub schedule: String,
 }
 
 impl StrategyArgs {
@@ -47,6 +51,11 @@ impl StrategyArgs {
         }
     }
 
+    /// The pipeline decode schedule.
+    pub fn schedule(&self) -> Schedule {
+        Schedule::parse(&self.schedule).unwrap_or_default()
+    }
+
     /// The strategy these options name.
     pub fn strategy(&self) -> Result<Strategy> {
         Ok(match self.strategy.as_str() {
@@ -56,11 +65,13 @@ impl StrategyArgs {
             "pp" => Strategy::Pipeline {
                 partition: self.partition_spec(),
                 micro_batches: self.micro_batches,
+                schedule: self.schedule(),
             },
             "hybrid" => Strategy::Hybrid {
                 tp: self.tp,
                 partition: self.partition_spec(),
                 micro_batches: self.micro_batches,
+                schedule: self.schedule(),
             },
             _ => Strategy::Single,
         })
@@ -189,7 +200,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
     engine.prefill(&prompts)?;
     let prefill_stats = engine.last_step();
     let g = generate(engine.as_mut(), &prompts, args.gen)?;
-    let decode_stats = engine.last_step();
     println!(
         "prefill: {} tokens in {:.1} ms = {:.1} tokens/s (time to first token {:.1} ms)",
         g.prompt_tokens,
@@ -208,20 +218,22 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
         println!("  {}", s.per_token_line());
     }
-    let per_step_ms = g.decode_s.iter().sum::<f64>() / g.decode_s.len().max(1) as f64 * 1e3;
     println!(
-        "decode: {} steps x {} sequences, {:.2} ms per step = {:.1} tokens/s",
-        g.decode_s.len(),
+        "decode: {} tokens x {} sequences in {:.1} ms, {:.2} ms per token = {:.1} tokens/s",
+        g.decode_steps,
         args.batch,
-        per_step_ms,
+        g.decode_s * 1e3,
+        g.per_token_s() * 1e3,
         g.decode_tokens_per_s()
     );
-    if let Some(s) = &decode_stats {
+    if g.decode_steps > 0 {
+        let s = &g.decode_stats;
         println!(
-            "  last step: compute {:.2} ms, communication {:.2} ms ({:.0}%)",
+            "  compute {:.2} ms, communication {:.2} ms ({:.0}%), {} collectives/hand-offs per device",
             s.compute_s * 1e3,
             s.comm_s * 1e3,
-            s.comm_share() * 100.0
+            s.comm_share() * 100.0,
+            s.collectives
         );
         println!("  {}", s.per_token_line());
     }

@@ -18,7 +18,7 @@ use crate::comm::CommConfig;
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::model::{valid_tp_degrees, ModelConfig, ModelWeights};
-use crate::parallel::{build_engine, generate, Engine, PartitionSpec, Strategy};
+use crate::parallel::{build_engine, generate, Engine, PartitionSpec, Schedule, Strategy};
 use crate::sim::{project, CollectivePolicy, HostProfile, ProjectOptions};
 use crate::trace::{Recorder, Timeline};
 
@@ -39,6 +39,8 @@ pub struct CompareOptions {
     pub batches: Vec<usize>,
     /// Micro-batch counts to sweep for pipelines (capped at the batch size).
     pub micro_batches: Vec<usize>,
+    /// How pipelines decode (in flight unless GPipe is asked for).
+    pub schedule: Schedule,
     /// Prompt length.
     pub prompt_len: usize,
     /// Tokens generated per sequence (the first comes from the prefill).
@@ -238,6 +240,7 @@ pub fn plans(config: &ModelConfig, n: usize, opts: &CompareOptions) -> Vec<Plan>
                     strategy: Strategy::Pipeline {
                         partition: PartitionSpec::Even,
                         micro_batches: m,
+                        schedule: opts.schedule,
                     },
                     devices: p,
                     batch,
@@ -254,6 +257,7 @@ pub fn plans(config: &ModelConfig, n: usize, opts: &CompareOptions) -> Vec<Plan>
                         tp: 2,
                         partition: PartitionSpec::Even,
                         micro_batches: m,
+                        schedule: opts.schedule,
                     },
                     devices: n,
                     batch,
@@ -337,19 +341,17 @@ fn measure(
         max_rel_err = max_rel_err.max(first.relative_error(&reference.logits));
         let dec_rec = Recorder::new();
         engine.set_recorder(dec_rec.clone());
-        let mut next = first.argmax();
-        let mut tokens: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+        let next = first.argmax();
+        // Pipelines keep their micro-batches in flight here (unless GPipe is asked for).
         let start = Instant::now();
-        let mut sent = 0u64;
-        for _ in 1..steps {
-            let l = engine.decode(&next)?;
-            next = l.argmax();
-            for (s, &t) in tokens.iter_mut().zip(&next) {
-                s.push(t);
-            }
-            sent += engine.last_step().map_or(0, |s| s.bytes_sent);
-        }
+        let decoded = engine.decode_greedy(&next, steps - 1, false)?;
         let decode_s = start.elapsed().as_secs_f64();
+        let sent = decoded.stats.bytes_sent;
+        let tokens: Vec<Vec<u32>> = next
+            .iter()
+            .zip(&decoded.tokens)
+            .map(|(&t, rest)| std::iter::once(t).chain(rest.iter().copied()).collect())
+            .collect();
         engine.set_recorder(Recorder::disabled());
         if tokens != reference.tokens {
             return Err(WgparError::Config(format!(

@@ -155,11 +155,13 @@ pub fn modeled_timeline(
         Strategy::Pipeline {
             partition,
             micro_batches,
+            ..
         } => (1, devices, *micro_batches, partition.clone()),
         Strategy::Hybrid {
             tp,
             partition,
             micro_batches,
+            ..
         } => (
             *tp,
             devices / (*tp).max(1),
@@ -296,6 +298,7 @@ mod tests {
         let strategy = Strategy::Pipeline {
             partition: PartitionSpec::Even,
             micro_batches: 4,
+            schedule: crate::parallel::Schedule::InFlight,
         };
         let tl = modeled_timeline(&strategy, 4, &c, DType::F16, step, 3).unwrap();
         let h2d = tl
@@ -310,6 +313,7 @@ mod tests {
             tp: 2,
             partition: PartitionSpec::Even,
             micro_batches: 1,
+            schedule: crate::parallel::Schedule::InFlight,
         };
         assert!(modeled_timeline(&bad, 3, &c, DType::F16, step, 1).is_err());
     }

@@ -11,7 +11,7 @@ use super::modeled::modeled_timeline;
 use crate::device::DType;
 use crate::error::{Result, WgparError};
 use crate::model::{valid_tp_degrees, ModelConfig, Step};
-use crate::parallel::{PartitionSpec, Strategy};
+use crate::parallel::{PartitionSpec, Schedule, Strategy};
 use crate::sim::{project, CollectivePolicy, HostProfile, ProjectOptions};
 
 /// What to model.
@@ -70,6 +70,8 @@ fn strategies(config: &ModelConfig, n: usize) -> Vec<(String, Strategy)> {
                 Strategy::Pipeline {
                     partition: PartitionSpec::Even,
                     micro_batches: m,
+                    // Each micro-batch's step waits only for its own previous output.
+                    schedule: Schedule::InFlight,
                 },
             ));
         }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::balance::measure_stage_costs;
 use super::partition::Partition;
-use super::{Engine, PipelineEngine, SingleEngine, TensorParallelEngine};
+use super::{Engine, PipelineEngine, Schedule, SingleEngine, TensorParallelEngine};
 use crate::comm::CommConfig;
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
@@ -37,8 +37,10 @@ pub enum Strategy {
     Pipeline {
         /// Layer assignment.
         partition: PartitionSpec,
-        /// GPipe micro-batches per batch.
+        /// Micro-batches per batch.
         micro_batches: usize,
+        /// How decode is scheduled (in flight unless asked for GPipe).
+        schedule: Schedule,
     },
     /// Pipeline stages that are each a tensor-parallel group of `tp` devices.
     Hybrid {
@@ -46,8 +48,10 @@ pub enum Strategy {
         tp: usize,
         /// Layer assignment.
         partition: PartitionSpec,
-        /// GPipe micro-batches per batch.
+        /// Micro-batches per batch.
         micro_batches: usize,
+        /// How decode is scheduled (in flight unless asked for GPipe).
+        schedule: Schedule,
     },
 }
 
@@ -56,10 +60,17 @@ impl fmt::Display for Strategy {
         match self {
             Strategy::Single => write!(f, "single"),
             Strategy::Tensor { .. } => write!(f, "tp"),
-            Strategy::Pipeline { micro_batches, .. } => write!(f, "pp(m={micro_batches})"),
+            Strategy::Pipeline {
+                micro_batches,
+                schedule,
+                ..
+            } => write!(f, "pp(m={micro_batches}, {schedule})"),
             Strategy::Hybrid {
-                tp, micro_batches, ..
-            } => write!(f, "tp{tp}xpp(m={micro_batches})"),
+                tp,
+                micro_batches,
+                schedule,
+                ..
+            } => write!(f, "tp{tp}xpp(m={micro_batches}, {schedule})"),
         }
     }
 }
@@ -85,26 +96,45 @@ pub fn build_engine(
             split.as_deref(),
             comm.clone(),
         )?),
+        Strategy::Pipeline { .. } | Strategy::Hybrid { .. } => {
+            Box::new(build_pipeline(strategy, gpus, weights, dtype, comm, probe)?)
+        }
+    })
+}
+
+/// Builds the pipeline engine for a [`Strategy::Pipeline`] or [`Strategy::Hybrid`] (the
+/// serving loop needs the engine itself, not a `dyn Engine`).
+pub fn build_pipeline(
+    strategy: &Strategy,
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+    dtype: DType,
+    comm: &CommConfig,
+    probe: (usize, usize),
+) -> Result<PipelineEngine> {
+    let mut engine = match strategy {
         Strategy::Pipeline {
             partition,
             micro_batches,
-        } => Box::new(PipelineEngine::new(
+            ..
+        } => PipelineEngine::new(
             gpus,
             weights,
             dtype,
             &resolve(partition, gpus, weights, dtype, probe)?,
             *micro_batches,
             comm.clone(),
-        )?),
+        )?,
         Strategy::Hybrid {
             tp,
             partition,
             micro_batches,
+            ..
         } => {
             // Balance on one device per stage: the stage's devices run shards of the same
             // layers, so the first stands for its group.
             let leaders: Vec<Arc<Gpu>> = gpus.iter().step_by((*tp).max(1)).cloned().collect();
-            Box::new(PipelineEngine::hybrid(
+            PipelineEngine::hybrid(
                 gpus,
                 weights,
                 dtype,
@@ -112,9 +142,18 @@ pub fn build_engine(
                 &resolve(partition, &leaders, weights, dtype, probe)?,
                 *micro_batches,
                 comm.clone(),
-            )?)
+            )?
         }
-    })
+        other => {
+            return Err(WgparError::Config(format!(
+                "{other} is not a pipeline strategy"
+            )))
+        }
+    };
+    if let Strategy::Pipeline { schedule, .. } | Strategy::Hybrid { schedule, .. } = strategy {
+        engine.set_schedule(*schedule);
+    }
+    Ok(engine)
 }
 
 fn resolve(

@@ -66,7 +66,8 @@ pub(crate) struct GroupJob {
     pub release: bool,
     pub recorder: Recorder,
     pub microbatch: Option<u32>,
-    pub dep: SpanId,
+    /// What the step's first span waits for.
+    pub deps: Vec<SpanId>,
     /// Encoders: token types and real lengths of the padded batch (every rank needs the
     /// lengths: they mask attention).
     pub encoder: Option<Arc<EncoderExtras>>,
@@ -85,8 +86,18 @@ pub(crate) struct EncoderExtras {
 pub(crate) struct RankOutput {
     pub output: Option<GroupOutput>,
     pub compute_s: f64,
+    /// Time in all-reduces, waits for the slowest rank included.
     pub comm_s: f64,
-    pub handoff_s: f64,
+    /// The part of `comm_s` spent waiting for the slowest rank (the wait spans).
+    pub wait_s: f64,
+    /// Upload of a pipeline hand-off (the h2d span).
+    pub upload_s: f64,
+    /// Download of the output (the d2h span), rank 0.
+    pub download_s: f64,
+    /// Host transfers (uploads and downloads).
+    pub transfers: usize,
+    /// Bytes uploaded from a previous pipeline stage.
+    pub upload_bytes: u64,
     pub collectives: usize,
     pub bytes: u64,
     pub last_span: SpanId,
@@ -125,12 +136,17 @@ impl Rank {
             output: None,
             compute_s: 0.0,
             comm_s: 0.0,
-            handoff_s: 0.0,
+            wait_s: 0.0,
+            upload_s: 0.0,
+            download_s: 0.0,
+            transfers: 0,
+            upload_bytes: 0,
             collectives: 0,
             bytes: 0,
             last_span: SpanId::NONE,
         };
-        let mut prev = job.dep;
+        // The first span waits for the job's dependencies; each later one for the one before.
+        let mut prev: Vec<SpanId> = job.deps.clone();
         if let Some(e) = &job.encoder {
             m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
         }
@@ -148,15 +164,20 @@ impl Rank {
                     .communicator()
                     .collectives()
                     .upload(&gpu, &act.x, 0, hidden)?;
+                if let Some(p) = &job.pacer {
+                    p.pace(Direction::HostToDevice, bytes, t0);
+                }
                 let t1 = Instant::now();
-                out.handoff_s += (t1 - t0).as_secs_f64();
-                prev = rec.record_with(t0, t1, || {
-                    let a = SpanAttrs::h2d("activations", dev, bytes).after(prev);
+                out.upload_s += (t1 - t0).as_secs_f64();
+                out.upload_bytes += bytes;
+                out.transfers += 1;
+                prev = vec![rec.record_with(t0, t1, || {
+                    let a = SpanAttrs::h2d("activations", dev, bytes).after_all(&prev);
                     match mb {
                         Some(k) => a.microbatch(k),
                         None => a,
                     }
-                });
+                })];
             }
         }
         super::sync_span_timer(&mut self.timer, &gpu, rec);
@@ -201,7 +222,7 @@ impl Rank {
                         .kernels(cost.kernels)
                         .family(family)
                         .device_us(device_us)
-                        .after(prev);
+                        .after_all(&prev);
                     match mb {
                         Some(k) => a.microbatch(k),
                         None => a,
@@ -241,6 +262,10 @@ impl Rank {
                 self.collectives += 1;
                 // Time spent waiting for the slowest rank is a wait span, not communication
                 // (the last rank to arrive waits for nobody).
+                // What precedes the collective span is waiting, recorded as a span or not.
+                out.wait_s += all_arrived
+                    .saturating_duration_since(comm_start)
+                    .as_secs_f64();
                 let waited = if all_arrived > comm_start + Duration::from_micros(1) {
                     rec.record_with(comm_start, all_arrived, || {
                         let a = SpanAttrs::wait("allreduce wait", dev)
@@ -255,7 +280,7 @@ impl Rank {
                     compute
                 };
                 let comm_start = all_arrived.max(comm_start);
-                prev = rec.record_with(comm_start, comm_end, || {
+                prev = vec![rec.record_with(comm_start, comm_end, || {
                     let a = SpanAttrs::collective(
                         "allreduce",
                         dev,
@@ -272,7 +297,7 @@ impl Rank {
                         Some(k) => a.microbatch(k),
                         None => a,
                     }
-                });
+                })];
                 start = Instant::now();
                 if half == 0 {
                     m.attention_residual(&mut enc, i, act, &step)?;
@@ -303,7 +328,7 @@ impl Rank {
                 .bytes(if holds_head { head.bytes } else { bytes * 3 })
                 .kernels(if holds_head { head.kernels } else { 1 })
                 .device_us(device_us)
-                .after(prev);
+                .after_all(&prev);
             match mb {
                 Some(k) => a.microbatch(k),
                 None => a,
@@ -312,11 +337,12 @@ impl Rank {
         out.last_span = tail;
         if shard.rank == 0 {
             let t0 = Instant::now();
-            out.output = Some(match (holds_head, m.output(act)) {
+            let (output, name, n) = match (holds_head, m.output(act)) {
                 (true, Some((result, width))) => {
                     let mut data = gpu.read_f32(result)?;
                     data.truncate(step.batch * width);
-                    GroupOutput::Logits(data)
+                    let n = (data.len() * 4) as u64;
+                    (GroupOutput::Logits(data), "logits", n)
                 }
                 _ => {
                     let download = self
@@ -324,22 +350,27 @@ impl Rank {
                         .communicator()
                         .collectives()
                         .begin_download_range(&gpu, &act.x, 0..tokens * config.hidden)?;
-                    let hidden = download.finish()?;
-                    if let Some(p) = &job.pacer {
-                        p.pace(Direction::DeviceToHost, bytes, t0);
-                    }
-                    let t1 = Instant::now();
-                    out.last_span = rec.record_with(t0, t1, || {
-                        let a = SpanAttrs::d2h("activations", dev, bytes).after(tail);
-                        match mb {
-                            Some(k) => a.microbatch(k),
-                            None => a,
-                        }
-                    });
-                    GroupOutput::Hidden(hidden)
+                    (
+                        GroupOutput::Hidden(download.finish()?),
+                        "activations",
+                        bytes,
+                    )
+                }
+            };
+            if let Some(p) = &job.pacer {
+                p.pace(Direction::DeviceToHost, n, t0);
+            }
+            let t1 = Instant::now();
+            out.last_span = rec.record_with(t0, t1, || {
+                let a = SpanAttrs::d2h(name, dev, n).after(tail);
+                match mb {
+                    Some(k) => a.microbatch(k),
+                    None => a,
                 }
             });
-            out.handoff_s += t0.elapsed().as_secs_f64();
+            out.download_s += (t1 - t0).as_secs_f64();
+            out.transfers += 1;
+            out.output = Some(output);
         }
         if job.release {
             self.caches.remove(&job.group);
@@ -543,10 +574,10 @@ impl TensorParallelEngine {
             release: false,
             recorder: self.recorder.clone(),
             microbatch: None,
-            dep: if new_cache {
-                SpanId::NONE
+            deps: if new_cache {
+                Vec::new()
             } else {
-                self.last_span
+                vec![self.last_span]
             },
             encoder,
             pacer: self.pacer.clone(),
