@@ -103,6 +103,33 @@ pub enum WgparError {
         /// What is wrong, with the numbers found and expected.
         detail: String,
     },
+    /// A served request needs more KV cache than a slot holds.
+    #[error(
+        "request {request} needs {needed} tokens of KV cache ({prompt} prompt + {generated} generated - 1), \
+         but a slot holds {capacity} (max_seq of model '{model}'): shorten its prompt or output"
+    )]
+    KvCapacity {
+        /// Request index.
+        request: usize,
+        /// Tokens it would cache.
+        needed: usize,
+        /// Prompt tokens.
+        prompt: usize,
+        /// Tokens to generate.
+        generated: usize,
+        /// Tokens a slot holds.
+        capacity: usize,
+        /// Model name.
+        model: String,
+    },
+    /// A served request that cannot run at all (no prompt, nothing to generate, bad token).
+    #[error("request {request}: {reason}")]
+    BadRequest {
+        /// Request index.
+        request: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// File input/output.
     #[error("{path}: {source}")]
     Io {

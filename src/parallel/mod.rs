@@ -2,6 +2,7 @@
 //! same prefill/decode interface, so the CLI, the benchmarks and the tests treat them alike.
 
 mod balance;
+mod batch;
 pub mod cost;
 mod encoder;
 pub mod partition;
@@ -14,6 +15,7 @@ mod worker;
 use std::time::Instant;
 
 pub use balance::measure_stage_costs;
+pub use batch::{BatchStep, SeqRow, StepDone, StepEngine};
 pub use encoder::{cosine_similarity, pad_batch, Embeddings, Encoder, SingleEncoder};
 pub use partition::{partition, Partition, StageCost};
 pub use pp::{
