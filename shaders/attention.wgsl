@@ -1,6 +1,9 @@
 // Multi-head attention against a KV cache, for prefill (seq > 1) and decode (seq = 1).
-// q:    [tokens = batch * seq][n_heads * head_dim], token t = b * seq + i at position past + i
-// k,v:  cache [batch][n_kv_heads][max_seq][head_dim], already holding positions 0 ..= past + i
+// q:    [tokens = batch * seq][n_heads * head_dim], token t = b * seq + i
+// seqs: the step's sequence table, [batch][2] = (KV slot, past): row b reads cache slot
+//       seqs[2b], and its token i sits at position past + i (validated on the host; clamped
+//       to the cache here regardless)
+// k,v:  cache [slots][n_kv_heads][max_seq][head_dim], already holding positions 0 ..= past + i
 // lens: [batch] keys per sequence that are real (not padding), read only when not causal
 // out:  [tokens][n_heads * head_dim]
 // Causal (decoders): token i sees positions 0 ..= past + i. Bidirectional (encoders): every
@@ -9,7 +12,7 @@
 struct Params {
     batch: u32,
     seq: u32,
-    past: u32,
+    slots: u32,
     n_heads: u32,
     n_kv_heads: u32,
     head_dim: u32,
@@ -28,7 +31,8 @@ struct Params {
 @group(0) @binding(2) var<storage, read> v_cache: array<f32>;
 @group(0) @binding(3) var<storage, read> lens: array<u32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
-@group(0) @binding(5) var<uniform> p: Params;
+@group(0) @binding(5) var<storage, read> seqs: array<u32>;
+@group(0) @binding(6) var<uniform> p: Params;
 
 const MAX_HEAD_DIM: u32 = 256u;
 const WG: u32 = 64u;
@@ -53,7 +57,9 @@ fn attend(
     let kvh = (h + p.q_offset) / p.group - p.kv_offset;
     let d = p.head_dim;
     let q_base = t * p.n_heads * d + h * d;
-    let kv_base = (b * p.n_kv_heads + kvh) * p.max_seq * d;
+    let slot = min(seqs[2u * b], p.slots - 1u);
+    let past = seqs[2u * b + 1u];
+    let kv_base = (slot * p.n_kv_heads + kvh) * p.max_seq * d;
 
     var qv: array<f32, MAX_HEAD_DIM>;
     var acc: array<f32, MAX_HEAD_DIM>;
@@ -63,10 +69,11 @@ fn attend(
     }
     var running_max = -3.4e38;
     var denom = 0.0;
-    var end = p.past + i + 1u;
+    var end = past + i + 1u;
     if (p.causal == 0u) {
-        end = min(p.past + p.seq, lens[b]);
+        end = min(past + p.seq, lens[b]);
     }
+    end = min(end, p.max_seq);
     for (var j = 0u; j < end; j++) {
         let k_base = kv_base + j * d;
         var s = 0.0;

@@ -1,12 +1,15 @@
-// Embedding lookup: out[t][c] = wte[token[t]][c] (+ wpe[past + t % seq][c] for learned positions)
+// Embedding lookup: out[t][c] = wte[token[t]][c] (+ wpe[pos][c] for learned positions)
 // (+ wtt[types[t]][c] for token types, BERT). Ids and types are validated on the host first.
+// Token t = b * seq + i sits at position pos = seqs[2b + 1] + i, read from the step's sequence
+// table ([batch][2] = (KV slot, past)), validated on the host and clamped to wpe here.
 alias WT = f32;
 
 struct Params {
     tokens: u32,
     hidden: u32,
     seq: u32,
-    past: u32,
+    // Rows of wpe.
+    positions: u32,
     has_positions: u32,
     has_types: u32,
     _pad1: u32,
@@ -19,7 +22,8 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 @group(0) @binding(4) var<storage, read> types: array<u32>;
 @group(0) @binding(5) var<storage, read> wtt: array<f32>;
-@group(0) @binding(6) var<uniform> p: Params;
+@group(0) @binding(6) var<storage, read> seqs: array<u32>;
+@group(0) @binding(7) var<uniform> p: Params;
 
 const WG: u32 = 256u;
 
@@ -37,7 +41,8 @@ fn embed(
     let c = idx % p.hidden;
     var v = f32(wte[ids[t] * p.hidden + c]);
     if (p.has_positions != 0u) {
-        v += wpe[(p.past + t % p.seq) * p.hidden + c];
+        let pos = min(seqs[2u * (t / p.seq) + 1u] + t % p.seq, p.positions - 1u);
+        v += wpe[pos * p.hidden + c];
     }
     if (p.has_types != 0u) {
         v += wtt[types[t] * p.hidden + c];

@@ -1,11 +1,14 @@
 // Appends new keys and values to a layer's KV cache.
 // k_new, v_new: [tokens = batch * seq][n_kv_heads * head_dim]
-// caches:       [batch][n_kv_heads][max_seq][head_dim]; token (b, i) lands at position past + i.
+// caches:       [slots][n_kv_heads][max_seq][head_dim]
+// seqs:         the step's sequence table, [batch][2] = (KV slot, past): token (b, i) lands in
+//               slot seqs[2b] at position seqs[2b + 1] + i (validated on the host; a slot or
+//               position outside the cache is skipped here regardless).
 // Same layout as attention.wgsl's parameters: both kernels take one shape.
 struct Params {
     batch: u32,
     seq: u32,
-    past: u32,
+    slots: u32,
     n_heads: u32,
     n_kv_heads: u32,
     head_dim: u32,
@@ -21,7 +24,8 @@ struct Params {
 @group(0) @binding(1) var<storage, read> v_new: array<f32>;
 @group(0) @binding(2) var<storage, read_write> k_cache: array<f32>;
 @group(0) @binding(3) var<storage, read_write> v_cache: array<f32>;
-@group(0) @binding(4) var<uniform> p: Params;
+@group(0) @binding(4) var<storage, read> seqs: array<u32>;
+@group(0) @binding(5) var<uniform> p: Params;
 
 const WG: u32 = 256u;
 
@@ -41,8 +45,12 @@ fn kv_store(
     let h = rem / p.head_dim;
     let c = rem % p.head_dim;
     let b = t / p.seq;
-    let pos = p.past + t % p.seq;
-    let dst = ((b * p.n_kv_heads + h) * p.max_seq + pos) * p.head_dim + c;
+    let slot = seqs[2u * b];
+    let pos = seqs[2u * b + 1u] + t % p.seq;
+    if (slot >= p.slots || pos >= p.max_seq) {
+        return;
+    }
+    let dst = ((slot * p.n_kv_heads + h) * p.max_seq + pos) * p.head_dim + c;
     k_cache[dst] = k_new[idx];
     v_cache[dst] = v_new[idx];
 }

@@ -1,10 +1,14 @@
 // Rotary position embedding in place, "rotate half" convention (pairs c and c + head_dim / 2).
-// cos and sin are host-computed tables [max_seq][head_dim / 2]: exact at every position, and
+// cos and sin are host-computed tables [positions][head_dim / 2]: exact at every position, and
 // no large-argument trigonometry on the GPU.
+// x:    [tokens = batch * seq][n_heads * head_dim]; token t = b * seq + i
+// seqs: the step's sequence table, [batch][2] = (KV slot, past); token (b, i) sits at position
+//       seqs[2b + 1] + i (checked against the tables on the host; clamped here regardless).
 struct Params {
     tokens: u32,
     seq: u32,
-    past: u32,
+    // Rows of the cos/sin tables.
+    positions: u32,
     n_heads: u32,
     head_dim: u32,
     _pad0: u32,
@@ -15,7 +19,8 @@ struct Params {
 @group(0) @binding(0) var<storage, read_write> x: array<f32>;
 @group(0) @binding(1) var<storage, read> cos_table: array<f32>;
 @group(0) @binding(2) var<storage, read> sin_table: array<f32>;
-@group(0) @binding(3) var<uniform> p: Params;
+@group(0) @binding(3) var<storage, read> seqs: array<u32>;
+@group(0) @binding(4) var<uniform> p: Params;
 
 const WG: u32 = 256u;
 
@@ -34,7 +39,7 @@ fn rope(
     let th = idx / half_dim;
     let t = th / p.n_heads;
     let h = th % p.n_heads;
-    let pos = p.past + t % p.seq;
+    let pos = min(seqs[2u * (t / p.seq) + 1u] + t % p.seq, p.positions - 1u);
     let base = (t * p.n_heads + h) * p.head_dim;
     let cs = cos_table[pos * half_dim + c];
     let sn = sin_table[pos * half_dim + c];

@@ -234,40 +234,48 @@ fn elementwise_ops() {
     assert_close("gelu_erf", &gpu.read_f32(&at).unwrap(), &want, 1e-6);
 }
 
+/// A sequence table `[(slot, past)]` as the kernels read it.
+fn seq_table(gpu: &Gpu, rows: &[(usize, usize)]) -> Tensor {
+    let flat: Vec<u32> = rows
+        .iter()
+        .flat_map(|&(slot, past)| [slot as u32, past as u32])
+        .collect();
+    gpu.upload_u32("seqs", &flat).unwrap()
+}
+
 #[test]
 fn embedding_with_and_without_positions() {
     let gpu = &common::gpus(1)[0];
-    let (vocab, hidden, batch, seq, past) = (53, 37, 2, 5, 3);
+    let (vocab, hidden, seq, positions) = (53, 37, 5, 11);
+    // Rows with different pasts (and slots, which the embedding ignores).
+    let rows = [(1usize, 3usize), (0, 6), (2, 0)];
+    let batch = rows.len();
     let wte = common::random(vocab * hidden, 10);
-    let wpe = common::random((past + seq) * hidden, 11);
+    let wpe = common::random(positions * hidden, 11);
     let ids: Vec<u32> = (0..batch * seq).map(|i| (i * 17 % vocab) as u32).collect();
     let (idt, wtet, wpet) = (
         gpu.upload_u32("ids", &ids).unwrap(),
         gpu.upload_f32("wte", &wte).unwrap(),
         gpu.upload_f32("wpe", &wpe).unwrap(),
     );
+    let seqs = seq_table(gpu, &rows);
     for with_pos in [false, true] {
         let out = poisoned(gpu, batch * seq * hidden);
-        let wpe_arg = with_pos.then_some(&wpet);
+        let pos_arg = with_pos.then_some(ops::Positions {
+            wpe: &wpet,
+            positions,
+            seqs: &seqs,
+        });
         run(gpu, |e| {
-            ops::embed(
-                gpu,
-                e,
-                &idt,
-                &wtet,
-                wpe_arg,
-                &out,
-                (batch, seq, past),
-                hidden,
-            )
-            .unwrap()
+            ops::embed(gpu, e, &idt, &wtet, pos_arg, &out, (batch, seq, hidden)).unwrap()
         });
         let mut want = Vec::new();
         for (t, &id) in ids.iter().enumerate() {
             for c in 0..hidden {
                 let mut v = wte[id as usize * hidden + c] as f64;
                 if with_pos {
-                    v += wpe[(past + t % seq) * hidden + c] as f64;
+                    let pos = rows[t / seq].1 + t % seq;
+                    v += wpe[pos * hidden + c] as f64;
                 }
                 want.push(v);
             }
@@ -279,10 +287,12 @@ fn embedding_with_and_without_positions() {
 #[test]
 fn rope_rotates_pairs_by_position() {
     let gpu = &common::gpus(1)[0];
-    let (batch, seq, past, heads, dim) = (2, 3, 4, 3, 10);
+    let (seq, heads, dim, positions) = (3, 3, 10, 12);
+    // Each row at its own past: the table, not one shared offset, places the tokens.
+    let rows = [(0usize, 4usize), (1, 0), (2, 9)];
+    let batch = rows.len();
     let half = dim / 2;
     let x = common::random(batch * seq * heads * dim, 12);
-    let positions = past + seq;
     let angle = |p: usize, i: usize| p as f64 * 10000f64.powf(-(2.0 * i as f64) / dim as f64);
     let cos: Vec<f32> = (0..positions * half)
         .map(|j| angle(j / half, j % half).cos() as f32)
@@ -295,12 +305,18 @@ fn rope_rotates_pairs_by_position() {
         gpu.upload_f32("cos", &cos).unwrap(),
         gpu.upload_f32("sin", &sin).unwrap(),
     );
+    let seqs = seq_table(gpu, &rows);
+    let tables = ops::RopeTables {
+        cos: &ct,
+        sin: &st,
+        positions,
+    };
     run(gpu, |e| {
-        ops::rope(gpu, e, &xt, &ct, &st, (batch, seq, past), heads, dim).unwrap()
+        ops::rope(gpu, e, &xt, tables, &seqs, (batch, seq), (heads, dim)).unwrap()
     });
     let mut want = vec![0.0; x.len()];
     for t in 0..batch * seq {
-        let pos = past + t % seq;
+        let pos = rows[t / seq].1 + t % seq;
         for h in 0..heads {
             let base = (t * heads + h) * dim;
             for i in 0..half {
@@ -314,19 +330,27 @@ fn rope_rotates_pairs_by_position() {
     assert_close("rope", &gpu.read_f32(&xt).unwrap(), &want, 1e-6);
 }
 
-/// KV store then attention, prefill (seq > 1, past > 0) and decode (seq = 1), with grouped
-/// heads and with a shard whose query heads start mid-group.
+/// KV store then attention, prefill (seq > 1) and decode (seq = 1), with grouped heads and
+/// with a shard whose query heads start mid-group; the rows of a step sit in permuted KV slots
+/// with different past lengths (and one slot of the cache is not in the step at all).
 #[test]
 fn kv_store_and_causal_attention() {
     let gpu = &common::gpus(1)[0];
     // (n_heads, n_kv_heads, group, q_offset, kv_offset): whole model, then a TP shard.
     for (nh, nkv, group, q_off, kv_off) in [(6, 2, 3, 0, 0), (4, 2, 3, 2, 0)] {
-        for (batch, seq, past) in [(2, 5, 0), (2, 3, 4), (3, 1, 9)] {
-            let (d, max_seq) = (12, 16);
+        let tables: [(usize, &[(usize, usize)]); 4] = [
+            (5, &[(0, 0), (1, 0)]),
+            (3, &[(2, 4), (0, 0)]),
+            (3, &[(1, 9), (3, 2), (0, 13)]),
+            (1, &[(3, 9), (0, 15), (2, 0)]),
+        ];
+        for (seq, rows) in tables {
+            let (d, max_seq, slots) = (12, 16, 4);
+            let batch = rows.len();
             let shape = AttnShape {
                 batch,
                 seq,
-                past,
+                slots,
                 n_heads: nh,
                 n_kv_heads: nkv,
                 head_dim: d,
@@ -349,20 +373,26 @@ fn kv_store_and_causal_attention() {
                 gpu.upload_f32("v", &v_new).unwrap(),
                 gpu.upload_f32("q", &q).unwrap(),
             );
+            let seqs = seq_table(gpu, rows);
+            let cache = ops::KvCache {
+                k: &kc,
+                v: &vc,
+                seqs: &seqs,
+            };
             let out = poisoned(gpu, tokens * nh * d);
             run(gpu, |e| {
-                ops::kv_store(gpu, e, &kt, &vt, &kc, &vc, &shape).unwrap();
-                ops::attention(gpu, e, &qt, &kc, &vc, &out, &shape).unwrap();
+                ops::kv_store(gpu, e, &kt, &vt, cache, &shape).unwrap();
+                ops::attention(gpu, e, &qt, cache, &out, &shape).unwrap();
             });
             let mut kref = k_old.clone();
             let mut vref = v_old.clone();
-            let slot = |b: usize, h: usize, p: usize| ((b * nkv + h) * max_seq + p) * d;
+            let at = |slot: usize, h: usize, p: usize| ((slot * nkv + h) * max_seq + p) * d;
             for t in 0..tokens {
-                let (b, i) = (t / seq, t % seq);
+                let ((slot, past), i) = (rows[t / seq], t % seq);
                 for h in 0..nkv {
                     for c in 0..d {
-                        kref[slot(b, h, past + i) + c] = k_new[(t * nkv + h) * d + c];
-                        vref[slot(b, h, past + i) + c] = v_new[(t * nkv + h) * d + c];
+                        kref[at(slot, h, past + i) + c] = k_new[(t * nkv + h) * d + c];
+                        vref[at(slot, h, past + i) + c] = v_new[(t * nkv + h) * d + c];
                     }
                 }
             }
@@ -372,16 +402,22 @@ fn kv_store_and_causal_attention() {
                 &kref.iter().map(|&v| v as f64).collect::<Vec<_>>(),
                 0.0,
             );
+            assert_close(
+                "v cache",
+                &gpu.read_f32(&vc).unwrap(),
+                &vref.iter().map(|&v| v as f64).collect::<Vec<_>>(),
+                0.0,
+            );
             let scale = 1.0 / (d as f64).sqrt();
             let mut want = vec![0.0; tokens * nh * d];
             for t in 0..tokens {
-                let (b, i) = (t / seq, t % seq);
+                let ((slot, past), i) = (rows[t / seq], t % seq);
                 for h in 0..nh {
                     let kvh = (h + q_off) / group - kv_off;
                     let qv = &q[(t * nh + h) * d..(t * nh + h + 1) * d];
                     let scores: Vec<f64> = (0..=past + i)
                         .map(|p| {
-                            let s = slot(b, kvh, p);
+                            let s = at(slot, kvh, p);
                             (0..d)
                                 .map(|c| qv[c] as f64 * kref[s + c] as f64)
                                 .sum::<f64>()
@@ -393,44 +429,47 @@ fn kv_store_and_causal_attention() {
                     for (p, s) in scores.iter().enumerate() {
                         let w = (s - m).exp() / z;
                         for c in 0..d {
-                            want[(t * nh + h) * d + c] += w * vref[slot(b, kvh, p) + c] as f64;
+                            want[(t * nh + h) * d + c] += w * vref[at(slot, kvh, p) + c] as f64;
                         }
                     }
                 }
             }
-            let name = format!("attention heads {nh}/{nkv} b{batch} s{seq} past{past}");
+            let name = format!("attention heads {nh}/{nkv} s{seq} rows {rows:?}");
             assert_close(&name, &gpu.read_f32(&out).unwrap(), &want, 1e-5);
         }
     }
 }
 
 #[test]
-fn attention_rejects_cache_overflow_and_bad_head_maps() {
+fn attention_rejects_short_caches_and_bad_head_maps() {
     let gpu = &common::gpus(1)[0];
     let t = gpu.empty("t", DType::F32, 4096).unwrap();
+    let seqs = gpu.empty("seqs", DType::U32, 2).unwrap();
     let mut shape = AttnShape {
         batch: 1,
         seq: 4,
-        past: 14,
+        slots: 3,
         n_heads: 2,
         n_kv_heads: 1,
         head_dim: 8,
-        max_seq: 16,
+        max_seq: 256,
         group: 2,
         q_head_offset: 0,
         kv_head_offset: 0,
     };
+    let cache = ops::KvCache {
+        k: &t,
+        v: &t,
+        seqs: &seqs,
+    };
     let mut enc = gpu.encoder();
-    let e = ops::attention(gpu, &mut enc, &t, &t, &t, &t, &shape)
+    let e = ops::attention(gpu, &mut enc, &t, cache, &t, &shape)
         .unwrap_err()
         .to_string();
-    assert!(
-        e.contains("14 cached + 4 new tokens exceed the cache of 16"),
-        "{e}"
-    );
-    shape.past = 0;
+    assert!(e.contains("k_cache has 4096 elements, needs 6144"), "{e}");
+    shape.slots = 2;
     shape.n_heads = 3;
-    let e = ops::attention(gpu, &mut enc, &t, &t, &t, &t, &shape)
+    let e = ops::attention(gpu, &mut enc, &t, cache, &t, &shape)
         .unwrap_err()
         .to_string();
     assert!(e.contains("do not map onto KV heads"), "{e}");

@@ -73,6 +73,7 @@ pub(super) fn step_buffers(m: &GpuModel, step: &Step) -> Result<(Activations, Kv
         .map(|i| i * 7919 % vocab)
         .collect();
     m.write_ids(&act, &ids)?;
+    m.write_seqs(&act, &kv, step, &step.rows())?;
     Ok((act, kv))
 }
 

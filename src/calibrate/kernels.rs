@@ -125,7 +125,7 @@ pub(super) fn kernel_rates(
         let shape = AttnShape {
             batch,
             seq,
-            past,
+            slots: batch,
             n_heads: c.heads,
             n_kv_heads: kv_heads,
             head_dim: d,
@@ -140,8 +140,15 @@ pub(super) fn kernel_rates(
         let cache = gpu.upload_f32("calibrate.kv", &random(shape.cache_len(), 8))?;
         let q = gpu.upload_f32("calibrate.q", &random(batch * seq * c.heads * d, 9))?;
         let o = gpu.empty("calibrate.o", DType::F32, batch * seq * c.heads * d)?;
+        let table: Vec<u32> = (0..batch as u32).flat_map(|b| [b, past as u32]).collect();
+        let seqs = gpu.upload_u32("calibrate.seqs", &table)?;
+        let cache = ops::KvCache {
+            k: &cache,
+            v: &cache,
+            seqs: &seqs,
+        };
         let s = per_dispatch(gpu, iters, 4, |e| {
-            ops::attention(gpu, e, &q, &cache, &cache, &o, &shape)
+            ops::attention(gpu, e, &q, cache, &o, &shape)
         })?;
         // Keys and values read once per query head and position: the traffic it issues.
         let ctx: f64 = (0..seq).map(|i| (past + i + 1) as f64).sum::<f64>() * batch as f64;

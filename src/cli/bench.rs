@@ -187,7 +187,7 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
     let best = |runs: Vec<PipelineStats>| {
         runs.into_iter()
             .min_by(|a, b| a.makespan_s.total_cmp(&b.makespan_s))
-            .ok_or_else(|| WgparError::Config("no run".into()))
+            .ok_or_else(|| WgparError::Internal("the pipeline reported no run".into()))
     };
     for (&p, ms) in args.stages.iter().zip(&counts) {
         for &m in ms {
@@ -352,8 +352,11 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
                 all.push(serde_json::json!({ "device": gpu.describe(), "adapter": gpu.info(), "rows": rows }));
             }
             if *json {
-                let text = serde_json::to_string_pretty(&all)
-                    .map_err(|e| WgparError::Config(e.to_string()))?;
+                let text =
+                    serde_json::to_string_pretty(&all).map_err(|source| WgparError::Json {
+                        what: "the kernel benchmark".into(),
+                        source,
+                    })?;
                 println!("{text}");
             }
             Ok(())

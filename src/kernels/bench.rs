@@ -76,7 +76,7 @@ fn time(
         }
     }
     crate::stats::median(samples).ok_or_else(|| {
-        crate::error::WgparError::Config("kernel benchmark needs at least one sample".into())
+        crate::error::WgparError::Measurement("kernel benchmark needs at least one sample".into())
     })
 }
 
@@ -207,7 +207,7 @@ fn bandwidth_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
     let ids: Vec<u32> = (0..rows as u32).map(|i| i * 31 % vocab as u32).collect();
     let ids = gpu.upload_u32("ids", &ids)?;
     let s = time(gpu, opts, &|e| {
-        ops::embed(gpu, e, &ids, &wte, None, &out, (1, rows, 0), cols)
+        ops::embed(gpu, e, &ids, &wte, None, &out, (1, rows, cols))
     })?;
     push("embed", 2.0 * bytes, s, shape.clone());
     // Attention: decode against a 512-token cache, and a 128-token prefill, 16 heads of 64.
@@ -216,7 +216,7 @@ fn bandwidth_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
         let shape_a = AttnShape {
             batch: 1,
             seq,
-            past,
+            slots: 1,
             n_heads: heads,
             n_kv_heads: heads,
             head_dim: dim,
@@ -228,8 +228,14 @@ fn bandwidth_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
         let cache: Tensor = gpu.upload_f32("kc", &random(shape_a.cache_len(), 7))?;
         let q = gpu.upload_f32("q", &random(seq * heads * dim, 8))?;
         let o = gpu.empty("o", DType::F32, seq * heads * dim)?;
+        let seqs = gpu.upload_u32("seqs", &[0, past as u32])?;
+        let cache = ops::KvCache {
+            k: &cache,
+            v: &cache,
+            seqs: &seqs,
+        };
         let s = time(gpu, opts, &|e| {
-            ops::attention(gpu, e, &q, &cache, &cache, &o, &shape_a)
+            ops::attention(gpu, e, &q, cache, &o, &shape_a)
         })?;
         // Keys and values read once per query head and token: the traffic the kernel issues.
         let traffic: f64 = (0..seq).map(|i| (past + i + 1) as f64).sum::<f64>()

@@ -113,11 +113,13 @@ impl Family {
             Family::Matmul | Family::MatmulVec4 => &[Read, Read, Read, ReadWrite, Uniform],
             Family::Norm => &[Read, ReadWrite, Read, Read, Uniform],
             Family::Softmax => &[ReadWrite, Uniform],
-            Family::Attention => &[Read, Read, Read, Read, ReadWrite, Uniform],
-            Family::KvCache => &[Read, Read, ReadWrite, ReadWrite, Uniform],
-            Family::Rope => &[ReadWrite, Read, Read, Uniform],
+            // Position-dependent families read the step's sequence table just before the
+            // params (see `ops::KvCache`).
+            Family::Attention => &[Read, Read, Read, Read, ReadWrite, Read, Uniform],
+            Family::KvCache => &[Read, Read, ReadWrite, ReadWrite, Read, Uniform],
+            Family::Rope => &[ReadWrite, Read, Read, Read, Uniform],
             Family::Elementwise => &[ReadWrite, Read, Uniform],
-            Family::Embedding => &[Read, Read, Read, ReadWrite, Read, Read, Uniform],
+            Family::Embedding => &[Read, Read, Read, ReadWrite, Read, Read, Read, Uniform],
             Family::Pool => &[Read, Read, ReadWrite, Uniform],
         }
     }

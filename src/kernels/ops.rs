@@ -9,6 +9,9 @@ use crate::error::{Result, WgparError};
 
 /// Largest workgroup count per dimension that every adapter accepts.
 const MAX_GROUPS: u32 = 65_535;
+/// Most rows (tokens of one step) a row-per-workgroup kernel takes in one dispatch; the CLI
+/// checks a run's shapes against it before opening devices. Lift both together.
+pub const MAX_ROWS_PER_DISPATCH: usize = MAX_GROUPS as usize;
 /// Matmul rows per workgroup, columns per invocation and workgroup size; must match
 /// `shaders/matmul.wgsl`.
 const MATMUL_TM: u32 = 4;
@@ -301,15 +304,16 @@ pub fn softmax(
     Ok(())
 }
 
-/// Shape of one attention call: which tokens and which cache.
+/// Shape of one attention call: which tokens and which cache. Where each sequence row's
+/// tokens go (its KV slot and past length) comes from the step's sequence table ([`KvCache`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttnShape {
-    /// Sequences.
+    /// Sequence rows in this call.
     pub batch: usize,
     /// New tokens per sequence in this call.
     pub seq: usize,
-    /// Tokens already in the cache per sequence.
-    pub past: usize,
+    /// Sequences the cache holds (its slots).
+    pub slots: usize,
     /// Query heads (local to this device).
     pub n_heads: usize,
     /// Key/value heads (local to this device).
@@ -334,7 +338,7 @@ impl AttnShape {
 
     /// Elements in one layer's K (or V) cache.
     pub fn cache_len(&self) -> usize {
-        self.batch * self.n_kv_heads * self.max_seq * self.head_dim
+        self.slots * self.n_kv_heads * self.max_seq * self.head_dim
     }
 
     fn validate(&self, op: &str) -> Result<()> {
@@ -364,10 +368,10 @@ impl AttnShape {
         if self.head_dim == 0 || self.head_dim > 256 {
             return bad(format!("head_dim {} outside 1..=256", self.head_dim));
         }
-        if self.past + self.seq > self.max_seq {
+        if self.slots == 0 || self.seq > self.max_seq {
             return bad(format!(
-                "{} cached + {} new tokens exceed the cache of {}",
-                self.past, self.seq, self.max_seq
+                "{} new tokens per sequence in a cache of {} slots x {} positions",
+                self.seq, self.slots, self.max_seq
             ));
         }
         Ok(())
@@ -379,7 +383,7 @@ impl AttnShape {
 struct AttnParams {
     batch: u32,
     seq: u32,
-    past: u32,
+    slots: u32,
     n_heads: u32,
     n_kv_heads: u32,
     head_dim: u32,
@@ -398,7 +402,7 @@ impl AttnParams {
         Ok(Self {
             batch: to_u32(op, "batch", s.batch)?,
             seq: to_u32(op, "seq", s.seq)?,
-            past: to_u32(op, "past", s.past)?,
+            slots: to_u32(op, "slots", s.slots)?,
             n_heads: to_u32(op, "n_heads", s.n_heads)?,
             n_kv_heads: to_u32(op, "n_kv_heads", s.n_kv_heads)?,
             head_dim: to_u32(op, "head_dim", s.head_dim)?,
@@ -425,37 +429,47 @@ pub enum AttnMask<'a> {
     },
 }
 
+/// One layer's KV cache (`[slots][kv_heads][max_seq][head_dim]` each) and the step's sequence
+/// table that addresses it: `seqs[2b]` = the KV slot of sequence row `b`, `seqs[2b + 1]` = its
+/// past length (u32). The table's values are validated on the host before it is written
+/// (slots below the cache's, `past + seq <= max_seq`); kernels clamp them regardless.
+#[derive(Debug, Clone, Copy)]
+pub struct KvCache<'a> {
+    /// Keys.
+    pub k: &'a Tensor,
+    /// Values.
+    pub v: &'a Tensor,
+    /// `[batch][2]` u32 sequence table of the step.
+    pub seqs: &'a Tensor,
+}
+
+impl KvCache<'_> {
+    fn check(&self, op: &str, shape: &AttnShape) -> Result<()> {
+        need(op, "k_cache", self.k, shape.cache_len(), Some(DType::F32))?;
+        need(op, "v_cache", self.v, shape.cache_len(), Some(DType::F32))?;
+        need(op, "seqs", self.seqs, 2 * shape.batch, Some(DType::U32))
+    }
+}
+
 /// Causal attention of `q` over the cache (which must already hold the new keys and values).
 pub fn attention(
     gpu: &Gpu,
     encoder: &mut wgpu::CommandEncoder,
     q: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
+    cache: KvCache<'_>,
     out: &Tensor,
     shape: &AttnShape,
 ) -> Result<()> {
-    attention_masked(
-        gpu,
-        encoder,
-        q,
-        k_cache,
-        v_cache,
-        out,
-        shape,
-        AttnMask::Causal,
-    )
+    attention_masked(gpu, encoder, q, cache, out, shape, AttnMask::Causal)
 }
 
 /// Attention of `q` over the cache (which must already hold the new keys and values), causal
 /// or bidirectional as `mask` says.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_masked(
     gpu: &Gpu,
     encoder: &mut wgpu::CommandEncoder,
     q: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
+    cache: KvCache<'_>,
     out: &Tensor,
     shape: &AttnShape,
     mask: AttnMask<'_>,
@@ -465,8 +479,7 @@ pub fn attention_masked(
     let q_len = shape.tokens() * shape.n_heads * shape.head_dim;
     need(OP, "q", q, q_len, Some(DType::F32))?;
     need(OP, "out", out, q_len, Some(DType::F32))?;
-    need(OP, "k_cache", k_cache, shape.cache_len(), Some(DType::F32))?;
-    need(OP, "v_cache", v_cache, shape.cache_len(), Some(DType::F32))?;
+    cache.check(OP, shape)?;
     let mut params = AttnParams::new(OP, shape)?;
     // A causal call never reads `lens`; bind `q` there (read-only, so aliasing is allowed).
     let lens = match mask {
@@ -485,10 +498,11 @@ pub fn attention_masked(
         WeightType::F32,
         &[
             q.buffer(),
-            k_cache.buffer(),
-            v_cache.buffer(),
+            cache.k.buffer(),
+            cache.v.buffer(),
             lens.buffer(),
             out.buffer(),
+            cache.seqs.buffer(),
         ],
         &params,
         grid_1d(OP, shape.tokens() * shape.n_heads, 64)?,
@@ -496,14 +510,14 @@ pub fn attention_masked(
     Ok(())
 }
 
-/// Appends `k`, `v` ([tokens][n_kv_heads * head_dim]) to the caches at position `past`.
+/// Appends `k`, `v` ([tokens][n_kv_heads * head_dim]) to the cache: row `b`'s tokens go to
+/// its slot at positions `past ..` as the sequence table says.
 pub fn kv_store(
     gpu: &Gpu,
     encoder: &mut wgpu::CommandEncoder,
     k: &Tensor,
     v: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
+    cache: KvCache<'_>,
     shape: &AttnShape,
 ) -> Result<()> {
     const OP: &str = "kv_store";
@@ -511,15 +525,20 @@ pub fn kv_store(
     let len = shape.tokens() * shape.n_kv_heads * shape.head_dim;
     need(OP, "k", k, len, Some(DType::F32))?;
     need(OP, "v", v, len, Some(DType::F32))?;
-    need(OP, "k_cache", k_cache, shape.cache_len(), Some(DType::F32))?;
-    need(OP, "v_cache", v_cache, shape.cache_len(), Some(DType::F32))?;
+    cache.check(OP, shape)?;
     dispatch(
         gpu,
         encoder,
         Family::KvCache,
         "kv_store",
         WeightType::F32,
-        &[k.buffer(), v.buffer(), k_cache.buffer(), v_cache.buffer()],
+        &[
+            k.buffer(),
+            v.buffer(),
+            cache.k.buffer(),
+            cache.v.buffer(),
+            cache.seqs.buffer(),
+        ],
         &AttnParams::new(OP, shape)?,
         grid_1d(OP, len, 256)?,
     );
@@ -531,24 +550,34 @@ pub fn kv_store(
 struct RopeParams {
     tokens: u32,
     seq: u32,
-    past: u32,
+    positions: u32,
     n_heads: u32,
     head_dim: u32,
     _pad: [u32; 3],
 }
 
-/// Rotary embedding in place on `x` ([tokens][n_heads * head_dim]) with host-built tables
-/// `cos`, `sin` ([max_seq][head_dim / 2]).
-#[allow(clippy::too_many_arguments)]
+/// Host-built rotary tables `cos`, `sin` (`[positions][head_dim / 2]` each).
+#[derive(Debug, Clone, Copy)]
+pub struct RopeTables<'a> {
+    /// Cosines.
+    pub cos: &'a Tensor,
+    /// Sines.
+    pub sin: &'a Tensor,
+    /// Positions the tables cover.
+    pub positions: usize,
+}
+
+/// Rotary embedding in place on `x` ([batch * seq][n_heads * head_dim]): row `b`'s token `i`
+/// is rotated by position `past + i`, `past` from the sequence table `seqs` (`[batch][2]`,
+/// validated on the host against the tables).
 pub fn rope(
     gpu: &Gpu,
     encoder: &mut wgpu::CommandEncoder,
     x: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    (batch, seq, past): (usize, usize, usize),
-    n_heads: usize,
-    head_dim: usize,
+    tables: RopeTables<'_>,
+    seqs: &Tensor,
+    (batch, seq): (usize, usize),
+    (n_heads, head_dim): (usize, usize),
 ) -> Result<()> {
     const OP: &str = "rope";
     if !head_dim.is_multiple_of(2) {
@@ -559,13 +588,23 @@ pub fn rope(
     }
     let tokens = batch * seq;
     need(OP, "x", x, tokens * n_heads * head_dim, Some(DType::F32))?;
-    let table = (past + seq) * head_dim / 2;
-    need(OP, "cos", cos, table, Some(DType::F32))?;
-    need(OP, "sin", sin, table, Some(DType::F32))?;
+    need(OP, "seqs", seqs, 2 * batch, Some(DType::U32))?;
+    let table = tables.positions * head_dim / 2;
+    if tables.positions == 0 {
+        return Err(WgparError::Shape {
+            op: OP.into(),
+            detail: "rotary tables cover no positions".into(),
+        });
+    }
+    need(OP, "cos", tables.cos, table, Some(DType::F32))?;
+    need(OP, "sin", tables.sin, table, Some(DType::F32))?;
+    if tokens == 0 {
+        return Ok(());
+    }
     let params = RopeParams {
         tokens: to_u32(OP, "tokens", tokens)?,
         seq: to_u32(OP, "seq", seq)?,
-        past: to_u32(OP, "past", past)?,
+        positions: to_u32(OP, "positions", tables.positions)?,
         n_heads: to_u32(OP, "n_heads", n_heads)?,
         head_dim: to_u32(OP, "head_dim", head_dim)?,
         _pad: [0; 3],
@@ -576,7 +615,12 @@ pub fn rope(
         Family::Rope,
         "rope",
         WeightType::F32,
-        &[x.buffer(), cos.buffer(), sin.buffer()],
+        &[
+            x.buffer(),
+            tables.cos.buffer(),
+            tables.sin.buffer(),
+            seqs.buffer(),
+        ],
         &params,
         grid_1d(OP, tokens * n_heads * head_dim / 2, 256)?,
     );
@@ -666,7 +710,7 @@ struct EmbedParams {
     tokens: u32,
     hidden: u32,
     seq: u32,
-    past: u32,
+    positions: u32,
     has_positions: u32,
     has_types: u32,
     _pad: [u32; 2],
@@ -683,51 +727,84 @@ pub struct TokenTypes<'a> {
     pub count: usize,
 }
 
-/// `out[t] = wte[ids[t]] (+ wpe[past + t % seq])`. Token ids must be < vocab (the caller checks
-/// them on the host, where the error can name the bad id).
-#[allow(clippy::too_many_arguments)]
+/// Learned position embeddings (`[positions][hidden]` f32) and the step's sequence table
+/// (`[batch][2]` u32, (KV slot, past) per row) that places each row's tokens: row `b`'s token
+/// `i` takes position `past + i` (validated on the host against `positions`).
+#[derive(Debug, Clone, Copy)]
+pub struct Positions<'a> {
+    /// The table.
+    pub wpe: &'a Tensor,
+    /// Rows of the table.
+    pub positions: usize,
+    /// The sequence table.
+    pub seqs: &'a Tensor,
+}
+
+/// `out[t] = wte[ids[t]] (+ wpe[past + i])` for token `t = b * seq + i`. Token ids must be
+/// < vocab (the caller checks them on the host, where the error can name the bad id).
 pub fn embed(
     gpu: &Gpu,
     encoder: &mut wgpu::CommandEncoder,
     ids: &Tensor,
     wte: &Tensor,
-    wpe: Option<&Tensor>,
+    positions: Option<Positions<'_>>,
     out: &Tensor,
-    (batch, seq, past): (usize, usize, usize),
-    hidden: usize,
+    (batch, seq, hidden): (usize, usize, usize),
 ) -> Result<()> {
     embed_with_types(
         gpu,
         encoder,
-        ids,
-        wte,
-        wpe,
-        None,
+        Embedding {
+            ids,
+            wte,
+            positions,
+            types: None,
+        },
         out,
-        (batch, seq, past),
-        hidden,
+        (batch, seq, hidden),
     )
 }
 
+/// The inputs of an embedding lookup.
+#[derive(Debug, Clone, Copy)]
+pub struct Embedding<'a> {
+    /// `[tokens]` u32 token ids.
+    pub ids: &'a Tensor,
+    /// `[vocab][hidden]` token table (f32 or f16).
+    pub wte: &'a Tensor,
+    /// Learned positions, when the model has them.
+    pub positions: Option<Positions<'a>>,
+    /// Token types, when the model has them (BERT).
+    pub types: Option<TokenTypes<'a>>,
+}
+
 /// [`embed`] plus, when `types` is given, `wtt[types[t]]` (BERT's segment embeddings).
-#[allow(clippy::too_many_arguments)]
 pub fn embed_with_types(
     gpu: &Gpu,
     encoder: &mut wgpu::CommandEncoder,
-    ids: &Tensor,
-    wte: &Tensor,
-    wpe: Option<&Tensor>,
-    types: Option<TokenTypes<'_>>,
+    input: Embedding<'_>,
     out: &Tensor,
-    (batch, seq, past): (usize, usize, usize),
-    hidden: usize,
+    (batch, seq, hidden): (usize, usize, usize),
 ) -> Result<()> {
     const OP: &str = "embed";
+    let Embedding {
+        ids,
+        wte,
+        positions,
+        types,
+    } = input;
     let tokens = batch * seq;
     need(OP, "ids", ids, tokens, Some(DType::U32))?;
     need(OP, "out", out, tokens * hidden, Some(DType::F32))?;
-    if let Some(p) = wpe {
-        need(OP, "wpe", p, (past + seq) * hidden, Some(DType::F32))?;
+    if let Some(p) = &positions {
+        need(OP, "wpe", p.wpe, p.positions * hidden, Some(DType::F32))?;
+        need(OP, "seqs", p.seqs, 2 * batch, Some(DType::U32))?;
+        if p.positions == 0 {
+            return Err(WgparError::Shape {
+                op: OP.into(),
+                detail: "the position table is empty".into(),
+            });
+        }
     }
     if let Some(t) = &types {
         need(OP, "token types", t.ids, tokens, Some(DType::U32))?;
@@ -739,18 +816,21 @@ pub fn embed_with_types(
             Some(DType::F32),
         )?;
     }
+    if tokens == 0 {
+        return Ok(());
+    }
     let params = EmbedParams {
         tokens: to_u32(OP, "tokens", tokens)?,
         hidden: to_u32(OP, "hidden", hidden)?,
         seq: to_u32(OP, "seq", seq)?,
-        past: to_u32(OP, "past", past)?,
-        has_positions: wpe.is_some() as u32,
+        positions: to_u32(OP, "positions", positions.map_or(0, |p| p.positions))?,
+        has_positions: positions.is_some() as u32,
         has_types: types.is_some() as u32,
         _pad: [0; 2],
     };
     // Tables a call lacks are read bindings that are never read: bind the ids buffer there
     // rather than `out`, which is bound read-write.
-    let wpe_buf = wpe.unwrap_or(ids).buffer();
+    let (wpe_buf, seqs_buf) = positions.map_or((ids, ids), |p| (p.wpe, p.seqs));
     let (type_ids, type_table) = types.map_or((ids, ids), |t| (t.ids, t.table));
     dispatch(
         gpu,
@@ -761,10 +841,11 @@ pub fn embed_with_types(
         &[
             ids.buffer(),
             wte.buffer(),
-            wpe_buf,
+            wpe_buf.buffer(),
             out.buffer(),
             type_ids.buffer(),
             type_table.buffer(),
+            seqs_buf.buffer(),
         ],
         &params,
         grid_1d(OP, tokens * hidden, 256)?,

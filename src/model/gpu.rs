@@ -18,7 +18,10 @@ use super::shard::{slice_cols, slice_rows, ShardSpec};
 use super::weights::{LayerWeights, ModelWeights};
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
-use crate::kernels::ops::{self, AttnMask, AttnShape, Elementwise, MatmulKernel, Norm, TokenTypes};
+use crate::kernels::ops::{
+    self, AttnMask, AttnShape, Elementwise, Embedding, MatmulKernel, Norm, Positions, RopeTables,
+    TokenTypes,
+};
 
 /// Which part of the model one device holds.
 #[derive(Debug, Clone)]
@@ -52,7 +55,9 @@ pub struct Step {
     pub batch: usize,
     /// New tokens per sequence.
     pub seq: usize,
-    /// Tokens already cached per sequence.
+    /// Tokens already cached per sequence, when they all have the same number (the plain
+    /// batched engines; see [`Step::rows`]). Sequences with different pasts or KV slots
+    /// give their own [`SeqRow`]s to [`GpuModel::write_seqs`].
     pub past: usize,
 }
 
@@ -61,6 +66,29 @@ impl Step {
     pub fn tokens(&self) -> usize {
         self.batch * self.seq
     }
+
+    /// The sequence table of a plain batch: row `b` in KV slot `b`, every row `past` tokens
+    /// cached.
+    pub fn rows(&self) -> Vec<SeqRow> {
+        (0..self.batch)
+            .map(|slot| SeqRow {
+                slot,
+                past: self.past,
+            })
+            .collect()
+    }
+}
+
+/// One row of a step's sequence table: which KV-cache slot the sequence reads and writes, and
+/// how many tokens it already has there. Its new tokens take positions `past .. past + seq`
+/// and each attends causally to the `past + i + 1` keys before and at it. On the device the
+/// table is `seqs: array<u32>`, `seqs[2b] = slot`, `seqs[2b + 1] = past`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SeqRow {
+    /// KV-cache slot of the sequence.
+    pub slot: usize,
+    /// Tokens already cached for it.
+    pub past: usize,
 }
 
 /// One decoder layer's (shard of) weights on a device.
@@ -102,6 +130,9 @@ pub struct Activations {
     /// MLP down projection, a partial sum under tensor parallelism `[tokens][hidden]`.
     pub mlp_out: Tensor,
     ids: Tensor,
+    /// The step's sequence table, `[batch][2]` u32 (KV slot, past), written by
+    /// [`GpuModel::write_seqs`].
+    seqs: Tensor,
     /// Token type per token (encoders), written by [`GpuModel::write_encoder_inputs`].
     types: Tensor,
     /// Real (non-padding) tokens per sequence; `u32::MAX` (all) until written.
@@ -121,16 +152,18 @@ impl Activations {
     }
 }
 
-/// One device's KV cache for its layers and heads.
+/// One device's KV cache for its layers and heads: per layer, keys and values laid out
+/// `[slots][kv_heads][max_seq][head_dim]`, one slot per sequence. A step's sequence table
+/// says which slot each of its rows uses.
 pub struct KvCache {
-    batch: usize,
+    slots: usize,
     layers: Vec<(Tensor, Tensor)>,
 }
 
 impl KvCache {
-    /// Sequences the cache was sized for.
-    pub fn batch(&self) -> usize {
-        self.batch
+    /// Sequences the cache holds.
+    pub fn slots(&self) -> usize {
+        self.slots
     }
 }
 
@@ -345,6 +378,10 @@ impl GpuModel {
         let d = c.head_dim;
         let lens = g.empty("act.lens", DType::U32, batch)?;
         g.write_u32(&lens, &vec![u32::MAX; batch])?;
+        // Until a step writes its own: row b in slot b, nothing cached.
+        let seqs = g.empty("act.seqs", DType::U32, 2 * batch)?;
+        let identity: Vec<u32> = (0..batch as u32).flat_map(|b| [b, 0]).collect();
+        g.write_u32(&seqs, &identity)?;
         Ok(Activations {
             tokens,
             x: f32s("act.x", tokens * c.hidden)?,
@@ -358,6 +395,7 @@ impl GpuModel {
             up: f32s("act.up", tokens * s.local_ffn())?,
             mlp_out: f32s("act.mlp_out", tokens * c.hidden)?,
             ids: g.empty("act.ids", DType::U32, tokens)?,
+            seqs,
             types: g.empty("act.types", DType::U32, tokens)?,
             lens,
             last: f32s("act.last", batch * c.hidden)?,
@@ -375,10 +413,16 @@ impl GpuModel {
         })
     }
 
-    /// Allocates a KV cache for `batch` sequences of up to `max_seq` tokens.
-    pub fn kv_cache(&self, batch: usize) -> Result<KvCache> {
+    /// Allocates a KV cache of `slots` sequences of up to `max_seq` tokens each.
+    pub fn kv_cache(&self, slots: usize) -> Result<KvCache> {
         let c = &self.config;
-        let len = batch * self.placement.shard.local_kv_heads() * c.max_seq * c.head_dim;
+        if slots == 0 {
+            return Err(WgparError::Shape {
+                op: "kv_cache".into(),
+                detail: "a KV cache needs at least one slot".into(),
+            });
+        }
+        let len = slots * self.placement.shard.local_kv_heads() * c.max_seq * c.head_dim;
         let layers = self
             .placement
             .layers
@@ -392,7 +436,7 @@ impl GpuModel {
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(KvCache { batch, layers })
+        Ok(KvCache { slots, layers })
     }
 
     fn check_step(&self, act: &Activations, step: &Step) -> Result<()> {
@@ -406,13 +450,60 @@ impl GpuModel {
                 ),
             });
         }
-        if step.past + step.seq > self.config.max_seq {
+        if step.seq > self.config.max_seq {
             return Err(WgparError::Config(format!(
-                "{} cached + {} new tokens exceed max_seq {} of model '{}'",
-                step.past, step.seq, self.config.max_seq, self.config.name
+                "{} new tokens exceed max_seq {} of model '{}'",
+                step.seq, self.config.max_seq, self.config.name
             )));
         }
         Ok(())
+    }
+
+    /// Validates a step's sequence table and stages it (lands at the next submit): one row per
+    /// sequence of `step`, each in a distinct slot of `kv`, with `past + seq` within the
+    /// model's `max_seq`. Every device that runs the step's layers or embedding needs it.
+    pub fn write_seqs(
+        &self,
+        act: &Activations,
+        kv: &KvCache,
+        step: &Step,
+        rows: &[SeqRow],
+    ) -> Result<()> {
+        self.check_step(act, step)?;
+        let bad = |detail: String| {
+            Err(WgparError::Shape {
+                op: "sequence table".into(),
+                detail,
+            })
+        };
+        if rows.len() != step.batch {
+            return bad(format!(
+                "{} rows for a step of {} sequences",
+                rows.len(),
+                step.batch
+            ));
+        }
+        let mut table = Vec::with_capacity(2 * rows.len());
+        for (b, row) in rows.iter().enumerate() {
+            if row.slot >= kv.slots {
+                return bad(format!(
+                    "row {b} uses KV slot {}, the cache has {}",
+                    row.slot, kv.slots
+                ));
+            }
+            if rows[..b].iter().any(|r| r.slot == row.slot) {
+                return bad(format!("rows share KV slot {}", row.slot));
+            }
+            if row.past + step.seq > self.config.max_seq {
+                return Err(WgparError::Config(format!(
+                    "{} cached + {} new tokens exceed max_seq {} of model '{}'",
+                    row.past, step.seq, self.config.max_seq, self.config.name
+                )));
+            }
+            table.push(row.slot as u32);
+            table.push(row.past as u32);
+        }
+        self.gpu.write_u32(&act.seqs, &table)
     }
 
     /// Validates token ids and stages them for [`Self::embed`] (lands at the next submit).
@@ -503,16 +594,22 @@ impl GpuModel {
             table,
             count: self.config.type_vocab,
         });
+        let positions = self.wpe.as_ref().map(|wpe| Positions {
+            wpe,
+            positions: self.config.max_seq,
+            seqs: &act.seqs,
+        });
         ops::embed_with_types(
             &self.gpu,
             encoder,
-            &act.ids,
-            wte,
-            self.wpe.as_ref(),
-            types,
+            Embedding {
+                ids: &act.ids,
+                wte,
+                positions,
+                types,
+            },
             &act.x,
-            (step.batch, step.seq, step.past),
-            self.config.hidden,
+            (step.batch, step.seq, self.config.hidden),
         )?;
         match &self.embed_norm {
             Some((gamma, beta)) => {
@@ -565,12 +662,12 @@ impl GpuModel {
         Ok(&act.h)
     }
 
-    fn attn_shape(&self, step: &Step) -> AttnShape {
+    fn attn_shape(&self, step: &Step, kv: &KvCache) -> AttnShape {
         let s = &self.placement.shard;
         AttnShape {
             batch: step.batch,
             seq: step.seq,
-            past: step.past,
+            slots: kv.slots,
             n_heads: s.local_heads(),
             n_kv_heads: s.local_kv_heads(),
             head_dim: self.config.head_dim,
@@ -592,15 +689,6 @@ impl GpuModel {
         step: &Step,
     ) -> Result<()> {
         self.check_step(act, step)?;
-        if kv.batch != step.batch {
-            return Err(WgparError::Shape {
-                op: "attention".into(),
-                detail: format!(
-                    "KV cache holds {} sequences, step has {}",
-                    kv.batch, step.batch
-                ),
-            });
-        }
         let (g, c, l) = (&*self.gpu, &self.config, &self.layers[i]);
         let t = step.tokens();
         let s = &l.shard;
@@ -643,21 +731,45 @@ impl GpuModel {
             tiled,
         )?;
         if let Some((cos, sin)) = &self.rope {
-            let bsp = (step.batch, step.seq, step.past);
-            ops::rope(g, encoder, &act.q, cos, sin, bsp, s.local_heads(), hd)?;
-            ops::rope(g, encoder, &act.k, cos, sin, bsp, s.local_kv_heads(), hd)?;
+            let tables = RopeTables {
+                cos,
+                sin,
+                positions: c.max_seq,
+            };
+            let bs = (step.batch, step.seq);
+            ops::rope(
+                g,
+                encoder,
+                &act.q,
+                tables,
+                &act.seqs,
+                bs,
+                (s.local_heads(), hd),
+            )?;
+            ops::rope(
+                g,
+                encoder,
+                &act.k,
+                tables,
+                &act.seqs,
+                bs,
+                (s.local_kv_heads(), hd),
+            )?;
         }
-        let shape = self.attn_shape(step);
+        let shape = self.attn_shape(step, kv);
         let (k_cache, v_cache) = &kv.layers[i];
-        ops::kv_store(g, encoder, &act.k, &act.v, k_cache, v_cache, &shape)?;
+        let cache = ops::KvCache {
+            k: k_cache,
+            v: v_cache,
+            seqs: &act.seqs,
+        };
+        ops::kv_store(g, encoder, &act.k, &act.v, cache, &shape)?;
         let mask = if c.causal() {
             AttnMask::Causal
         } else {
             AttnMask::Bidirectional { lens: &act.lens }
         };
-        ops::attention_masked(
-            g, encoder, &act.q, k_cache, v_cache, &act.attn, &shape, mask,
-        )?;
+        ops::attention_masked(g, encoder, &act.q, cache, &act.attn, &shape, mask)?;
         ops::matmul(
             g,
             encoder,

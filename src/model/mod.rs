@@ -2,6 +2,7 @@
 //! shard specs for tensor parallelism, the GPU blocks engines compose, Hugging Face checkpoint
 //! loading and token sampling.
 
+pub mod budget;
 pub mod config;
 pub mod gpu;
 pub mod hf;
@@ -13,7 +14,7 @@ pub mod shard;
 pub mod weights;
 
 pub use config::{Activation, Arch, ModelConfig, PoolMode, Pooling, RopeScaling, PRESETS};
-pub use gpu::{Activations, GpuModel, KvCache, Placement, Step};
+pub use gpu::{Activations, GpuModel, KvCache, Placement, SeqRow, Step};
 pub use input::EncoderInput;
 pub use reference::CpuReference;
 pub use shard::{valid_tp_degrees, ShardSpec};

@@ -5,14 +5,16 @@ use super::config::{Activation, Arch, ModelConfig, RopeScaling};
 use super::weights::{LayerWeights, ModelWeights};
 use crate::error::{Result, WgparError};
 
-/// A CPU model with its own KV cache, mirroring the GPU engines' prefill/decode API.
+/// A CPU model with its own KV cache, mirroring the GPU engines' prefill/decode API, and
+/// a per-sequence path ([`CpuReference::step`]) in which every sequence has its own KV slot
+/// and past length, as the GPU's sequence table allows.
 pub struct CpuReference<'a> {
     pub(super) weights: &'a ModelWeights,
-    /// Per layer: keys and values, `[batch][kv_heads][position][head_dim]` flattened.
+    /// Per layer: keys and values, `[slot][kv_heads][position][head_dim]` flattened.
     k_cache: Vec<Vec<f64>>,
     v_cache: Vec<Vec<f64>>,
-    batch: usize,
-    past: usize,
+    /// Tokens cached per slot.
+    past: Vec<usize>,
 }
 
 pub(super) fn linear(
@@ -206,14 +208,19 @@ impl<'a> CpuReference<'a> {
             weights,
             k_cache: Vec::new(),
             v_cache: Vec::new(),
-            batch: 0,
-            past: 0,
+            past: Vec::new(),
         }
     }
 
-    /// Runs the prompts (equal lengths) from an empty cache; returns each sequence's
-    /// last-position logits.
-    pub fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+    /// A reference model whose cache holds `slots` sequences, all empty, for
+    /// [`step`](Self::step).
+    pub fn with_slots(weights: &'a ModelWeights, slots: usize) -> Result<Self> {
+        let mut r = Self::new(weights);
+        r.reset(slots)?;
+        Ok(r)
+    }
+
+    fn reset(&mut self, slots: usize) -> Result<()> {
         let cfg = &self.weights.config;
         if cfg.is_encoder() {
             return Err(WgparError::Config(format!(
@@ -221,51 +228,93 @@ impl<'a> CpuReference<'a> {
                 cfg.name
             )));
         }
-        self.batch = prompts.len();
-        self.past = 0;
-        let per_layer = self.batch * cfg.kv_heads * cfg.max_seq * cfg.head_dim;
+        let per_layer = slots * cfg.kv_heads * cfg.max_seq * cfg.head_dim;
         self.k_cache = vec![vec![0.0; per_layer]; cfg.layers];
         self.v_cache = vec![vec![0.0; per_layer]; cfg.layers];
-        self.forward(prompts)
+        self.past = vec![0; slots];
+        Ok(())
     }
 
-    /// Appends one token per sequence; returns the new logits.
-    pub fn decode(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
-        if tokens.len() != self.batch {
-            return Err(WgparError::Shape {
-                op: "decode".into(),
-                detail: format!("{} tokens for {} sequences", tokens.len(), self.batch),
-            });
-        }
-        let steps: Vec<Vec<u32>> = tokens.iter().map(|&t| vec![t]).collect();
-        self.forward(&steps)
-    }
-
-    fn forward(&mut self, tokens: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
-        let w = self.weights;
-        let cfg = &w.config;
-        let seq = tokens.first().map_or(0, |t| t.len());
-        if seq == 0 || tokens.iter().any(|t| t.len() != seq) {
+    /// Runs the prompts (equal lengths) from an empty cache; returns each sequence's
+    /// last-position logits.
+    pub fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        self.reset(prompts.len())?;
+        let seq = prompts.first().map_or(0, |t| t.len());
+        if seq == 0 || prompts.iter().any(|t| t.len() != seq) {
             return Err(WgparError::Shape {
                 op: "reference".into(),
                 detail: "sequences must be non-empty and of equal length".into(),
             });
         }
-        if self.past + seq > cfg.max_seq {
-            return Err(WgparError::Config(format!(
-                "{} tokens exceed max_seq {}",
-                self.past + seq,
-                cfg.max_seq
-            )));
+        let rows: Vec<(usize, &[u32])> = prompts.iter().map(|p| &p[..]).enumerate().collect();
+        self.step(&rows)
+    }
+
+    /// Appends one token per sequence; returns the new logits.
+    pub fn decode(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        if tokens.len() != self.past.len() {
+            return Err(WgparError::Shape {
+                op: "decode".into(),
+                detail: format!("{} tokens for {} sequences", tokens.len(), self.past.len()),
+            });
+        }
+        let rows: Vec<(usize, &[u32])> = tokens.chunks(1).enumerate().collect();
+        self.step(&rows)
+    }
+
+    /// Tokens cached in `slot` (0 for a slot it does not have).
+    pub fn past(&self, slot: usize) -> usize {
+        self.past.get(slot).copied().unwrap_or(0)
+    }
+
+    /// Empties `slot`: its next tokens start at position 0.
+    pub fn release(&mut self, slot: usize) {
+        if let Some(p) = self.past.get_mut(slot) {
+            *p = 0;
+        }
+    }
+
+    /// Appends each row's tokens to its own slot (rows in distinct slots, any lengths >= 1;
+    /// slot `s` continues from [`past(s)`](Self::past)); returns each row's last-position
+    /// logits.
+    pub fn step(&mut self, rows: &[(usize, &[u32])]) -> Result<Vec<Vec<f32>>> {
+        let w = self.weights;
+        let cfg = &w.config;
+        for (i, &(slot, tokens)) in rows.iter().enumerate() {
+            let bad = |detail: String| {
+                Err(WgparError::Shape {
+                    op: "reference".into(),
+                    detail,
+                })
+            };
+            if slot >= self.past.len() || rows[..i].iter().any(|r| r.0 == slot) {
+                return bad(format!(
+                    "row {i}: slot {slot} is not a distinct slot of {}",
+                    self.past.len()
+                ));
+            }
+            if tokens.is_empty() {
+                return bad(format!("row {i} has no tokens"));
+            }
+            if let Some(t) = tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
+                return bad(format!("token {t} outside the vocabulary of {}", cfg.vocab));
+            }
+            if self.past[slot] + tokens.len() > cfg.max_seq {
+                return Err(WgparError::Config(format!(
+                    "{} tokens exceed max_seq {}",
+                    self.past[slot] + tokens.len(),
+                    cfg.max_seq
+                )));
+            }
         }
         let h = cfg.hidden;
         let rope = (cfg.arch == Arch::Llama).then(|| rope_tables(cfg, cfg.max_seq));
-        let mut logits = Vec::with_capacity(tokens.len());
+        let mut logits = Vec::with_capacity(rows.len());
         // Layers run position by position within a sequence; causality comes from the cache
         // holding only positions up to the current one.
-        let mut xs: Vec<Vec<Vec<f64>>> = tokens
+        let mut xs: Vec<Vec<Vec<f64>>> = rows
             .iter()
-            .map(|seq_tokens| {
+            .map(|&(slot, seq_tokens)| {
                 seq_tokens
                     .iter()
                     .enumerate()
@@ -275,7 +324,7 @@ impl<'a> CpuReference<'a> {
                             .map(|c| {
                                 let mut v = w.wte[t * h + c] as f64;
                                 if let Some(wpe) = &w.wpe {
-                                    v += wpe[(self.past + i) * h + c] as f64;
+                                    v += wpe[(self.past[slot] + i) * h + c] as f64;
                                 }
                                 v
                             })
@@ -285,15 +334,15 @@ impl<'a> CpuReference<'a> {
             })
             .collect();
         for (l, layer) in w.layers.iter().enumerate() {
-            for (b, x_seq) in xs.iter_mut().enumerate() {
+            for (&(slot, _), x_seq) in rows.iter().zip(xs.iter_mut()) {
                 for (i, x) in x_seq.iter_mut().enumerate() {
-                    let pos = self.past + i;
-                    self.layer_step(l, layer, b, pos, x, rope.as_ref());
+                    let pos = self.past[slot] + i;
+                    self.layer_step(l, layer, slot, pos, x, rope.as_ref());
                 }
             }
         }
         for x_seq in &xs {
-            let last = &x_seq[seq - 1];
+            let last = &x_seq[x_seq.len() - 1];
             let n = layer_norm(
                 last,
                 &w.final_norm,
@@ -303,7 +352,9 @@ impl<'a> CpuReference<'a> {
             let out = linear(&n, w.head(), None, cfg.vocab, h);
             logits.push(out.into_iter().map(|v| v as f32).collect());
         }
-        self.past += seq;
+        for &(slot, tokens) in rows {
+            self.past[slot] += tokens.len();
+        }
         Ok(logits)
     }
 
@@ -311,7 +362,7 @@ impl<'a> CpuReference<'a> {
         &mut self,
         l: usize,
         lw: &LayerWeights,
-        b: usize,
+        kv_slot: usize,
         pos: usize,
         x: &mut [f64],
         rope: Option<&(Vec<f64>, Vec<f64>)>,
@@ -326,7 +377,7 @@ impl<'a> CpuReference<'a> {
             apply_rope(&mut q, cfg.heads, d, pos, tables);
             apply_rope(&mut k, cfg.kv_heads, d, pos, tables);
         }
-        let slot = |kvh: usize, p: usize| ((b * cfg.kv_heads + kvh) * cfg.max_seq + p) * d;
+        let slot = |kvh: usize, p: usize| ((kv_slot * cfg.kv_heads + kvh) * cfg.max_seq + p) * d;
         for kvh in 0..cfg.kv_heads {
             let s = slot(kvh, pos);
             self.k_cache[l][s..s + d].copy_from_slice(&k[kvh * d..(kvh + 1) * d]);

@@ -42,6 +42,7 @@ pub fn measure_stage_costs(
                 .map(|i| (i % config.vocab) as u32)
                 .collect();
             model.write_ids(&act, &ids)?;
+            model.write_seqs(&act, &kv, &step, &step.rows())?;
             let time = |f: &dyn Fn(&mut wgpu::CommandEncoder) -> Result<()>| -> Result<f64> {
                 let mut v = Vec::new();
                 for i in 0..samples + 1 {
@@ -55,7 +56,7 @@ pub fn measure_stage_costs(
                     }
                 }
                 median(v).ok_or_else(|| {
-                    WgparError::Config("stage costs need at least one timed sample".into())
+                    WgparError::Measurement("stage costs need at least one timed sample".into())
                 })
             };
             let embed_s = time(&|e| model.embed(e, &act, &step))?;

@@ -76,7 +76,7 @@ pub trait StepEngine: Engine {
 
     /// Pipeline accounting of the work since the last [`reserve_slots`](Self::reserve_slots)
     /// (pipelines only).
-    fn pipeline_stats(&self) -> Option<PipelineStats> {
+    fn serving_stats(&self) -> Option<PipelineStats> {
         None
     }
 }

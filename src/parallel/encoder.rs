@@ -124,16 +124,17 @@ impl Encoder for SingleEncoder {
         if !fits {
             self.act = Some(m.activations(step.tokens(), batch)?);
         }
-        if self.kv.as_ref().map(KvCache::batch) != Some(batch) {
+        if self.kv.as_ref().map(KvCache::slots) != Some(batch) {
             self.kv = Some(m.kv_cache(batch)?);
         }
         self.batch = batch;
         let (Some(act), Some(kv)) = (&self.act, &self.kv) else {
-            return Err(WgparError::Config("encoder buffers missing".into()));
+            return Err(WgparError::Internal("encoder buffers missing".into()));
         };
         let (ids, types, lens) = pad_batch(inputs, seq);
         m.write_ids(act, &ids)?;
         m.write_encoder_inputs(act, &step, &types, &lens)?;
+        m.write_seqs(act, kv, &step, &step.rows())?;
         let mut enc = m.gpu().encoder();
         m.embed(&mut enc, act, &step)?;
         m.layers(&mut enc, act, kv, &step)?;
@@ -142,7 +143,7 @@ impl Encoder for SingleEncoder {
         let pooled = act
             .pooled
             .as_ref()
-            .ok_or_else(|| WgparError::Config("no pooled output buffer".into()))?;
+            .ok_or_else(|| WgparError::Internal("no pooled output buffer".into()))?;
         let mut data = m.gpu().read_f32(pooled)?;
         data.truncate(batch * c.hidden);
         Ok(Embeddings {

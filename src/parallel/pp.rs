@@ -101,7 +101,8 @@ pub enum FaultKind {
 /// When and how a stage fails.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fault {
-    /// Micro-batches the stage completes before failing.
+    /// Jobs the worker runs before failing, counted from its start: micro-batches for a
+    /// pipeline stage, steps for a tensor-parallel rank.
     pub after: usize,
     /// What happens.
     pub kind: FaultKind,
@@ -298,9 +299,9 @@ impl Downstream {
                     deps: vec![dep],
                     ..work
                 })
-                .map_err(|_| WgparError::Worker {
-                    worker: "pipeline hand-off".into(),
-                    message: "the next stage has stopped".into(),
+                .map_err(|_| WgparError::WorkerStopped {
+                    worker: "the next stage".into(),
+                    detail: "it closed its input".into(),
                 }),
             Downstream::Driver(driver) => {
                 let logits: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
@@ -311,9 +312,9 @@ impl Downstream {
                         logits,
                         dep,
                     }))
-                    .map_err(|_| WgparError::Worker {
-                        worker: "pipeline hand-off".into(),
-                        message: "the driver has gone".into(),
+                    .map_err(|_| WgparError::WorkerStopped {
+                        worker: "the pipeline's caller".into(),
+                        detail: "it stopped reading logits".into(),
                     })
             }
         }
@@ -353,6 +354,8 @@ struct Stage {
     output: Sender<Result<Output>>,
     stats: Arc<Mutex<Vec<StageStats>>>,
     fault: Arc<Mutex<Vec<Option<Fault>>>>,
+    /// Micro-batches this stage has taken since it started (what a fault's `after` counts).
+    jobs: usize,
     /// Device-side timing of compute spans while a trace is recorded.
     timer: SpanTimer,
 }
@@ -381,11 +384,17 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "panic".into())
 }
 
-fn report_failure(output: &Sender<Result<Output>>, name: &str, message: String) {
-    let _ = output.send(Err(WgparError::Worker {
-        worker: name.to_string(),
-        message,
-    }));
+/// Sends `cause` to the driver as the failure of worker `name` (a panic names its worker
+/// already).
+fn report_failure(output: &Sender<Result<Output>>, name: &str, cause: WgparError) {
+    let e = match cause {
+        e @ WgparError::WorkerPanicked { .. } => e,
+        cause => WgparError::WorkerFailed {
+            worker: name.to_string(),
+            source: Box::new(cause),
+        },
+    };
+    let _ = output.send(Err(e));
 }
 
 impl Stage {
@@ -399,8 +408,11 @@ impl Stage {
             let outcome = catch_unwind(AssertUnwindSafe(|| self.process(work)));
             let failure = match outcome {
                 Ok(Ok(())) => continue,
-                Ok(Err(e)) => e.to_string(),
-                Err(payload) => format!("panicked: {}", panic_text(&*payload)),
+                Ok(Err(e)) => e,
+                Err(payload) => WgparError::WorkerPanicked {
+                    worker: self.name.clone(),
+                    message: panic_text(&*payload),
+                },
             };
             return report_failure(&self.output, &self.name, failure);
         }
@@ -408,12 +420,16 @@ impl Stage {
         // stage sees its input close.
     }
 
-    fn inject_fault(&self) -> Result<()> {
-        let done = lock(&self.stats)[self.index].microbatches;
+    fn inject_fault(&mut self) -> Result<()> {
+        let done = self.jobs;
+        self.jobs += 1;
         let fault = lock(&self.fault)[self.index];
         match fault {
             Some(f) if done >= f.after => match f.kind {
-                FaultKind::Error => Err(WgparError::Config("injected fault".into())),
+                FaultKind::Error => Err(WgparError::InjectedFault {
+                    kind: "error".into(),
+                    at: format!("stage {} after {done} micro-batches", self.index),
+                }),
                 FaultKind::Panic => panic!("injected panic"),
                 FaultKind::LoseDevice => {
                     self.gpu.device().destroy();
@@ -455,7 +471,7 @@ impl Stage {
             return Ok(());
         };
         let (Some(act), Some(kv)) = (acts.get(&key), caches.get(&work.group)) else {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::InvalidCall(format!(
                 "micro-batch {} decoded before its prefill",
                 work.group
             )));
@@ -473,6 +489,7 @@ impl Stage {
         if let Some(e) = &work.encoder {
             m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
         }
+        m.write_seqs(act, kv, &step, &step.rows())?;
         let mut deps = work.deps.clone();
         if self.index != 0 {
             let want = step.tokens() * m.config().hidden * 4;
@@ -554,7 +571,7 @@ impl Stage {
         let download = if self.is_last() {
             let (result, width) = m
                 .output(act)
-                .ok_or_else(|| WgparError::Config("last stage has no output buffer".into()))?;
+                .ok_or_else(|| WgparError::Internal("last stage has no output buffer".into()))?;
             self.comm
                 .begin_download_range(&gpu, result, 0..step.batch * width)?
         } else {
@@ -574,11 +591,11 @@ impl Stage {
             compute,
         };
         match &self.outlet {
-            Outlet::HandOff(tx) => tx.send(pending).map_err(|_| WgparError::Worker {
-                worker: self.name.clone(),
-                message: "its hand-off thread has stopped".into(),
+            Outlet::HandOff(tx) => tx.send(pending).map_err(|_| WgparError::WorkerStopped {
+                worker: format!("the hand-off thread of {}", self.name),
+                detail: "it stopped taking finished micro-batches".into(),
             }),
-            Outlet::Direct(_) => Err(WgparError::Config(
+            Outlet::Direct(_) => Err(WgparError::Internal(
                 "a device stage hands off through its hand-off thread".into(),
             )),
         }
@@ -613,11 +630,11 @@ impl Stage {
         let rank0 = outputs
             .into_iter()
             .next()
-            .ok_or_else(|| WgparError::Config("empty tensor-parallel group".into()))?;
+            .ok_or_else(|| WgparError::Internal("empty tensor-parallel group".into()))?;
         let bytes = match rank0.output {
             Some(GroupOutput::Hidden(h)) => h,
             Some(GroupOutput::Logits(l)) => bytemuck::cast_slice(&l).to_vec(),
-            None => return Err(WgparError::Config("rank 0 returned nothing".into())),
+            None => return Err(WgparError::Internal("rank 0 returned nothing".into())),
         };
         {
             let mut stats = lock(&self.stats);
@@ -637,7 +654,7 @@ impl Stage {
         let dep = rank0.last_span;
         match &self.outlet {
             Outlet::Direct(downstream) => downstream.deliver(work, bytes, dep),
-            Outlet::HandOff(_) => Err(WgparError::Config(
+            Outlet::HandOff(_) => Err(WgparError::Internal(
                 "a hybrid stage hands off directly".into(),
             )),
         }
@@ -654,8 +671,11 @@ impl HandOff {
             let outcome = catch_unwind(AssertUnwindSafe(|| self.deliver(pending, &mut link_free)));
             let failure = match outcome {
                 Ok(Ok(())) => continue,
-                Ok(Err(e)) => e.to_string(),
-                Err(payload) => format!("panicked: {}", panic_text(&*payload)),
+                Ok(Err(e)) => e,
+                Err(payload) => WgparError::WorkerPanicked {
+                    worker: format!("the hand-off thread of {}", self.name),
+                    message: panic_text(&*payload),
+                },
             };
             return report_failure(&self.output, &self.name, failure);
         }
@@ -782,7 +802,10 @@ impl PipelineEngine {
                     .map(|h| {
                         h.join()
                             .unwrap_or_else(|_| {
-                                Err(WgparError::Config("weight upload thread panicked".into()))
+                                Err(WgparError::WorkerPanicked {
+                                    worker: "weight upload thread".into(),
+                                    message: "while uploading a stage".into(),
+                                })
                             })
                             .map(|model| Backend::Device {
                                 model,
@@ -896,6 +919,7 @@ impl PipelineEngine {
                 output: output_tx.clone(),
                 stats: stats.clone(),
                 fault: faults.clone(),
+                jobs: 0,
                 timer: SpanTimer::default(),
             };
             spawn(
@@ -964,11 +988,12 @@ impl PipelineEngine {
         self.schedule
     }
 
-    /// Makes `stage` fail as `fault` describes (tests and demos of the failure path).
+    /// Makes `stage` fail as `fault` describes (tests and demos of the failure path): once it
+    /// has taken `fault.after` micro-batches since the engine started.
     pub fn inject_fault(&mut self, stage: usize, fault: Fault) -> Result<()> {
         let mut faults = lock(&self.faults);
         let slot = faults.get_mut(stage).ok_or_else(|| {
-            WgparError::Config(format!(
+            WgparError::InvalidCall(format!(
                 "no stage {stage} in a {}-stage pipeline",
                 self.ranges.len()
             ))
@@ -989,9 +1014,9 @@ impl PipelineEngine {
 
     fn check_alive(&self) -> Result<()> {
         match &self.failed {
-            Some(why) => Err(WgparError::Worker {
-                worker: "pipeline".into(),
-                message: format!("stopped after an earlier failure: {why}"),
+            Some(why) => Err(WgparError::EngineStopped {
+                engine: "pipeline".into(),
+                cause: why.clone(),
             }),
             None => Ok(()),
         }
@@ -1007,13 +1032,19 @@ impl PipelineEngine {
         let input = self
             .input
             .as_ref()
-            .ok_or_else(|| WgparError::Config("pipeline closed".into()))?;
+            .ok_or_else(|| WgparError::WorkerStopped {
+                worker: "stage 0".into(),
+                detail: "the pipeline's input is closed".into(),
+            })?;
         if input.send(work).is_err() {
             // Stage 0 is gone: its error (or the root cause further down) is in the output.
-            return Err(self.receive().err().unwrap_or_else(|| WgparError::Worker {
-                worker: "stage 0".into(),
-                message: "stopped".into(),
-            }));
+            return Err(self
+                .receive()
+                .err()
+                .unwrap_or_else(|| WgparError::WorkerStopped {
+                    worker: "stage 0".into(),
+                    detail: "it closed its input".into(),
+                }));
         }
         Ok(())
     }
@@ -1021,13 +1052,13 @@ impl PipelineEngine {
     fn receive(&mut self) -> Result<Output> {
         let r = match self.output.recv_timeout(self.timeout) {
             Ok(r) => r,
-            Err(RecvTimeoutError::Timeout) => Err(WgparError::Worker {
-                worker: "pipeline".into(),
-                message: format!("no stage produced output within {:?}", self.timeout),
+            Err(RecvTimeoutError::Timeout) => Err(WgparError::Timeout {
+                engine: "pipeline".into(),
+                secs: self.timeout.as_secs_f64(),
             }),
-            Err(RecvTimeoutError::Disconnected) => Err(WgparError::Worker {
-                worker: "pipeline".into(),
-                message: "every stage has stopped".into(),
+            Err(RecvTimeoutError::Disconnected) => Err(WgparError::WorkerStopped {
+                worker: "every stage".into(),
+                detail: "no logits came back".into(),
             }),
         };
         if let Err(e) = &r {
@@ -1488,6 +1519,14 @@ impl Engine for PipelineEngine {
 
     fn set_pacer(&mut self, pacer: Option<Arc<LinkPacer>>) {
         self.pacer = pacer;
+    }
+
+    fn pipeline_stats(&self) -> Option<PipelineStats> {
+        self.last_run.clone()
+    }
+
+    fn inject_fault(&mut self, stage: usize, fault: Fault) -> Result<()> {
+        PipelineEngine::inject_fault(self, stage, fault)
     }
 }
 

@@ -45,10 +45,11 @@ impl SingleEngine {
 
     fn forward(&mut self, ids: &[u32], step: Step) -> Result<Logits> {
         let (Some(act), Some(kv)) = (&self.act, &self.kv) else {
-            return Err(WgparError::Config("decode before prefill".into()));
+            return Err(WgparError::InvalidCall("decode before prefill".into()));
         };
         let m = &self.model;
         m.write_ids(act, ids)?;
+        m.write_seqs(act, kv, &step, &step.rows())?;
         let start = Instant::now();
         let mut enc = m.gpu().encoder();
         self.timer.begin(&mut enc);
@@ -60,7 +61,7 @@ impl SingleEngine {
         let logits = act
             .logits
             .as_ref()
-            .ok_or_else(|| WgparError::Config("no logits buffer".into()))?;
+            .ok_or_else(|| WgparError::Internal("no logits buffer".into()))?;
         let vocab = m.config().vocab;
         let mut data = m.gpu().read_f32(logits)?;
         data.truncate(step.batch * vocab);
@@ -118,7 +119,7 @@ impl Engine for SingleEngine {
         if !fits {
             self.act = Some(self.model.activations(tokens, batch)?);
         }
-        if self.kv.as_ref().map(|k| k.batch()) != Some(batch) {
+        if self.kv.as_ref().map(|k| k.slots()) != Some(batch) {
             self.kv = Some(self.model.kv_cache(batch)?);
         }
         self.batch = batch;

@@ -263,7 +263,7 @@ pub fn serve(
         slots: opts.max_batch,
         outcomes: state.outcomes,
         metrics,
-        pipeline: engine.pipeline_stats(),
+        pipeline: engine.serving_stats(),
         timeline,
     })
 }
