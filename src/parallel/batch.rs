@@ -11,16 +11,8 @@ use std::time::Duration;
 use super::{Engine, Logits, PipelineStats};
 use crate::error::Result;
 use crate::model::ModelConfig;
+pub use crate::model::SeqRow;
 use crate::trace::SpanId;
-
-/// One sequence's row in a step: where its keys and values live and how many are cached.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SeqRow {
-    /// KV-cache slot of the sequence.
-    pub slot: usize,
-    /// Tokens already cached for it; its new tokens take positions `past..past + seq`.
-    pub past: usize,
-}
 
 /// One step of a running batch on one lane.
 #[derive(Debug, Clone, PartialEq)]

@@ -18,12 +18,9 @@ pub use balance::measure_stage_costs;
 pub use batch::{BatchStep, SeqRow, StepDone, StepEngine};
 pub use encoder::{cosine_similarity, pad_batch, Embeddings, Encoder, SingleEncoder};
 pub use partition::{partition, Partition, StageCost};
-pub use pp::{
-    split_groups, Fault, FaultKind, PipelineEngine, PipelineStats, Request, Response, Schedule,
-    StageStats,
-};
+pub use pp::{split_groups, Fault, FaultKind, PipelineEngine, PipelineStats, Schedule, StageStats};
 pub use single::SingleEngine;
-pub use strategy::{build_engine, build_pipeline, PartitionSpec, Strategy};
+pub use strategy::{build_engine, build_pipeline, build_step_engine, PartitionSpec, Strategy};
 pub use tp::TensorParallelEngine;
 
 use crate::error::{Result, WgparError};

@@ -24,7 +24,7 @@
 //! naming itself and stops; its neighbours see the closed channels and stop; the driver
 //! returns the first error. Every thread is joined when the engine is dropped.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::fmt;
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -38,13 +38,16 @@ use serde::Serialize;
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::partition::{partition, Partition};
 use super::tp::{EncoderExtras, GroupInput, GroupJob, GroupOutput, TpGroup};
-use super::{check_decode, cost, prompt_shape, Decoded, Engine, Generation, Logits, StepStats};
+use super::{
+    check_decode, cost, prompt_shape, BatchStep, Decoded, Engine, Generation, Logits, StepDone,
+    StepEngine, StepStats,
+};
 use crate::comm::{Collectives, CommConfig, PendingDownload};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
 use crate::model::{
-    Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec,
-    Step,
+    Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, SeqRow,
+    ShardSpec, Step,
 };
 use crate::sim::{Direction, LinkPacer};
 use crate::trace::{KernelFamily, Recorder, SpanAttrs, SpanId};
@@ -221,37 +224,21 @@ impl PipelineStats {
     }
 }
 
-/// One request of a served stream: a group of equal-length prompts and how many tokens to
-/// generate for each.
-#[derive(Debug, Clone)]
-pub struct Request {
-    /// Prompts (equal lengths).
-    pub prompts: Vec<Vec<u32>>,
-    /// Tokens to generate per prompt (>= 1; the first comes from the prefill).
-    pub max_new: usize,
-}
-
-/// A finished request.
-#[derive(Debug, Clone)]
-pub struct Response {
-    /// Index of the request.
-    pub request: usize,
-    /// Generated tokens per prompt.
-    pub tokens: Vec<Vec<u32>>,
-    /// Logits of every step (prefill first).
-    pub logits: Vec<Logits>,
-    /// Time from the start of the stream to the first token, seconds.
-    pub first_token_s: f64,
-    /// Time from the start of the stream to the last token, seconds.
-    pub done_s: f64,
-}
-
 /// One pass of one micro-batch (sequence group) through the pipeline, as it travels from
 /// stage to stage.
 pub(crate) struct Work {
     encoder: Option<Arc<EncoderExtras>>,
     pacer: Option<Arc<LinkPacer>>,
+    /// The sequence group (micro-batch, or serving lane): what the output is returned as.
     group: usize,
+    /// The KV cache the pass reads and writes (the group's own, or the serving cache).
+    cache: usize,
+    /// The pass's sequence table (`None`: row b in slot b, all at `step.past`).
+    rows: Option<Arc<Vec<SeqRow>>>,
+    /// Slots of the cache `new_cache` makes (`None`: one per sequence of the step).
+    slots: Option<usize>,
+    /// Earliest start of the pass's first span (microseconds since the recorder's epoch).
+    release_us: Option<f64>,
     ids: Arc<Vec<u32>>,
     step: Step,
     new_cache: bool,
@@ -453,7 +440,8 @@ impl Stage {
                 caches,
             } => {
                 if work.new_cache {
-                    caches.insert(work.group, model.kv_cache(step.batch)?);
+                    let slots = work.slots.unwrap_or(step.batch);
+                    caches.insert(work.cache, model.kv_cache(slots)?);
                 }
                 if let std::collections::hash_map::Entry::Vacant(slot) = acts.entry(key) {
                     slot.insert(model.activations(step.tokens(), step.batch)?);
@@ -470,7 +458,7 @@ impl Stage {
         else {
             return Ok(());
         };
-        let (Some(act), Some(kv)) = (acts.get(&key), caches.get(&work.group)) else {
+        let (Some(act), Some(kv)) = (acts.get(&key), caches.get(&work.cache)) else {
             return Err(WgparError::InvalidCall(format!(
                 "micro-batch {} decoded before its prefill",
                 work.group
@@ -489,8 +477,22 @@ impl Stage {
         if let Some(e) = &work.encoder {
             m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
         }
-        m.write_seqs(act, kv, &step, &step.rows())?;
+        match &work.rows {
+            Some(rows) => m.write_seqs(act, kv, &step, rows)?,
+            None => m.write_seqs(act, kv, &step, &step.rows())?,
+        }
         let mut deps = work.deps.clone();
+        // The pass's first span here starts no earlier than its release (stage 0 only: later
+        // stages wait for the hand-off anyway).
+        let release = if self.index == 0 {
+            work.release_us
+        } else {
+            None
+        };
+        let released = |a: SpanAttrs| match release {
+            Some(us) => a.not_before_us(us),
+            None => a,
+        };
         if self.index != 0 {
             let want = step.tokens() * m.config().hidden * 4;
             if work.hidden.len() != want {
@@ -550,14 +552,15 @@ impl Stage {
         );
         let layers = m.placement().layers.clone();
         let compute = rec.record_with(start, end, || {
-            SpanAttrs::compute(format!("layers {}..{}", layers.start, layers.end), dev)
+            let a = SpanAttrs::compute(format!("layers {}..{}", layers.start, layers.end), dev)
                 .microbatch(mb)
                 .flops(work_cost.flops)
                 .bytes(work_cost.bytes)
                 .kernels(work_cost.kernels)
                 .family(KernelFamily::Matmul)
                 .device_us(device_us)
-                .after_all(&deps)
+                .after_all(&deps);
+            released(a)
         });
         {
             let mut stats = lock(&self.stats);
@@ -581,7 +584,7 @@ impl Stage {
         let started = Instant::now();
         if work.release {
             if let Backend::Device { caches, .. } = &mut self.backend {
-                caches.remove(&work.group);
+                caches.remove(&work.cache);
             }
         }
         let pending = Pending {
@@ -615,7 +618,7 @@ impl Stage {
             GroupInput::Hidden(Arc::new(std::mem::take(&mut work.hidden)))
         };
         let job = GroupJob {
-            group: work.group,
+            group: work.cache,
             input,
             step: work.step,
             new_cache: work.new_cache,
@@ -623,6 +626,13 @@ impl Stage {
             recorder: work.recorder.clone(),
             microbatch: Some(work.group as u32),
             deps: work.deps.clone(),
+            release_us: if self.index == 0 {
+                work.release_us
+            } else {
+                None
+            },
+            rows: work.rows.clone(),
+            slots: work.slots,
             encoder: work.encoder.clone(),
             pacer: work.pacer.clone(),
         };
@@ -736,7 +746,29 @@ pub struct PipelineEngine {
     recorder: Recorder,
     timeout: Duration,
     pacer: Option<Arc<LinkPacer>>,
+    /// Continuous batching ([`StepEngine`]): see [`Serving`].
+    serving: Serving,
 }
+
+/// The continuous-batching state of a pipeline: one KV cache of `slots` on every stage,
+/// shared by the lanes (the micro-batches in flight).
+#[derive(Debug, Default)]
+struct Serving {
+    slots: usize,
+    /// The next pass makes the cache on every stage.
+    fresh: bool,
+    /// Lanes with a pass in flight.
+    busy: Vec<bool>,
+    /// Passes per lane so far.
+    passes: Vec<usize>,
+    /// New tokens processed so far.
+    tokens: usize,
+    started: Option<Instant>,
+    last_output: Option<Instant>,
+}
+
+/// The key of the serving KV cache on every stage (micro-batch caches use their index).
+const SERVING_CACHE: usize = usize::MAX;
 
 impl PipelineEngine {
     /// Splits `weights` into one stage per device (`partition` decides the layers), stored as
@@ -959,6 +991,7 @@ impl PipelineEngine {
             recorder: Recorder::disabled(),
             timeout: Duration::from_secs(120),
             pacer: None,
+            serving: Serving::default(),
         })
     }
 
@@ -1080,6 +1113,10 @@ impl PipelineEngine {
     ) -> Work {
         Work {
             group,
+            cache: group,
+            rows: None,
+            slots: None,
+            release_us: None,
             ids: Arc::new(ids),
             step,
             new_cache,
@@ -1095,7 +1132,19 @@ impl PipelineEngine {
     /// Closes a run: its [`PipelineStats`] and [`StepStats`] from the stage statistics.
     /// `lanes` sequence groups were in flight, the longest making `chain` passes in a row.
     fn finish_run(&mut self, start: Instant, tokens: usize, lanes: usize, chain: usize) {
-        let makespan_s = start.elapsed().as_secs_f64();
+        let (step, run) = self.run_stats(start.elapsed().as_secs_f64(), tokens, lanes, chain);
+        self.last = Some(step);
+        self.last_run = Some(run);
+    }
+
+    /// The accounting of the stage statistics so far, for a run of `makespan_s`.
+    fn run_stats(
+        &self,
+        makespan_s: f64,
+        tokens: usize,
+        lanes: usize,
+        chain: usize,
+    ) -> (StepStats, PipelineStats) {
         let stages = lock(&self.stats).clone();
         let p = stages.len().max(1) as f64;
         let passes = stages.first().map_or(0, |s| s.microbatches);
@@ -1111,7 +1160,7 @@ impl PipelineEngine {
         let uniform = (n + p - 1.0).max(chain as f64 * p);
         let mean = |f: &dyn Fn(&StageStats) -> f64| stages.iter().map(f).sum::<f64>() / p;
         let busy: f64 = stages.iter().map(|s| s.busy_s).sum();
-        self.last = Some(StepStats {
+        let step = StepStats {
             tokens,
             wall_s: makespan_s,
             compute_s: busy / p,
@@ -1119,13 +1168,17 @@ impl PipelineEngine {
             collectives: mean(&|s| (s.transfers + s.collectives) as f64).round() as usize,
             bytes_sent: mean(&|s| (s.bytes_out + s.collective_bytes) as f64).round() as u64,
             bytes_received: mean(&|s| (s.bytes_in + s.collective_bytes) as f64).round() as u64,
-        });
-        self.last_run = Some(PipelineStats {
+        };
+        let run = PipelineStats {
             schedule: self.schedule,
             microbatches: lanes,
             passes,
             makespan_s,
-            measured_bubble: 1.0 - busy / (p * makespan_s),
+            measured_bubble: if makespan_s > 0.0 {
+                1.0 - busy / (p * makespan_s)
+            } else {
+                0.0
+            },
             theoretical_bubble: if uniform > 0.0 {
                 1.0 - n / uniform
             } else {
@@ -1134,7 +1187,8 @@ impl PipelineEngine {
             ideal_makespan_s: ideal,
             tokens,
             stages,
-        });
+        };
+        (step, run)
     }
 
     /// One GPipe step: every group's work in, every group's logits out, in group order. The
@@ -1258,109 +1312,6 @@ impl PipelineEngine {
         out.wall_s = start.elapsed().as_secs_f64();
         out.stats = self.last.clone().unwrap_or_default();
         Ok(out)
-    }
-
-    /// Serves a stream of requests: each request enters the pipeline as soon as fewer than
-    /// `in_flight` requests are in it, and each in-flight request moves to its next decode
-    /// step as soon as its logits return. Greedy decoding.
-    pub fn serve(&mut self, requests: &[Request], in_flight: usize) -> Result<Vec<Response>> {
-        self.check_alive()?;
-        if in_flight == 0 {
-            return Err(WgparError::Config("in_flight must be at least 1".into()));
-        }
-        for r in requests {
-            prompt_shape(&r.prompts)?;
-            if r.max_new == 0 {
-                return Err(WgparError::Config("max_new must be at least 1".into()));
-            }
-        }
-        self.reset_stats();
-        let start = Instant::now();
-        let mut queue: VecDeque<usize> = (0..requests.len()).collect();
-        let mut past = vec![0usize; requests.len()];
-        let mut responses: Vec<Option<Response>> = vec![None; requests.len()];
-        let mut active = 0usize;
-        let mut done = 0usize;
-        let mut tokens = 0usize;
-        let vocab = self.config.vocab;
-        // Group ids are request indices: each request owns its KV caches on every stage. A
-        // request admitted when another finishes waits for that one's last output.
-        let admit = |this: &mut Self,
-                     active: &mut usize,
-                     queue: &mut VecDeque<usize>,
-                     after: Vec<SpanId>|
-         -> Result<()> {
-            while *active < in_flight {
-                let Some(r) = queue.pop_front() else { break };
-                let (batch, seq) = prompt_shape(&requests[r].prompts)?;
-                let step = Step {
-                    batch,
-                    seq,
-                    past: 0,
-                };
-                let release = requests[r].max_new == 1;
-                let w = this.work(
-                    r,
-                    requests[r].prompts.concat(),
-                    step,
-                    (true, release),
-                    after.clone(),
-                );
-                this.send(w)?;
-                *active += 1;
-            }
-            Ok(())
-        };
-        let barrier = std::mem::take(&mut self.last_outputs);
-        admit(self, &mut active, &mut queue, barrier)?;
-        while done < requests.len() {
-            let out = self.receive()?;
-            let r = out.group;
-            self.group_deps.insert(r, out.dep);
-            let mut data = out.logits;
-            data.truncate(out.batch * vocab);
-            let logits = Logits {
-                batch: out.batch,
-                vocab,
-                data,
-            };
-            let next = logits.argmax();
-            let now = start.elapsed().as_secs_f64();
-            let resp = responses[r].get_or_insert_with(|| Response {
-                request: r,
-                tokens: vec![Vec::new(); out.batch],
-                logits: Vec::new(),
-                first_token_s: now,
-                done_s: now,
-            });
-            for (t, &n) in resp.tokens.iter_mut().zip(&next) {
-                t.push(n);
-            }
-            resp.logits.push(logits);
-            resp.done_s = now;
-            let (batch, seq) = prompt_shape(&requests[r].prompts)?;
-            let produced = resp.tokens[0].len();
-            tokens += if produced == 1 { batch * seq } else { batch };
-            past[r] += if produced == 1 { seq } else { 1 };
-            if produced >= requests[r].max_new {
-                done += 1;
-                active -= 1;
-                self.last_outputs.push(out.dep);
-                admit(self, &mut active, &mut queue, vec![out.dep])?;
-            } else {
-                let step = Step {
-                    batch,
-                    seq: 1,
-                    past: past[r],
-                };
-                let release = produced + 1 >= requests[r].max_new;
-                let w = self.work(r, next, step, (false, release), vec![out.dep]);
-                self.send(w)?;
-            }
-        }
-        let chain = requests.iter().map(|r| r.max_new).max().unwrap_or(0);
-        self.finish_run(start, tokens, in_flight.min(requests.len()), chain);
-        Ok(responses.into_iter().flatten().collect())
     }
 
     /// Greedy generation (prefill, then [`Engine::decode_greedy`]) with this engine's
@@ -1538,5 +1489,119 @@ impl Drop for PipelineEngine {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+impl StepEngine for PipelineEngine {
+    fn model_config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// One lane per micro-batch.
+    fn lanes(&self) -> usize {
+        self.micro_batches
+    }
+
+    /// The stages make their caches with the next pass; the accounting starts over.
+    fn reserve_slots(&mut self, slots: usize) -> Result<()> {
+        self.check_alive()?;
+        if slots == 0 {
+            return Err(WgparError::Config(
+                "a KV cache needs at least one slot".into(),
+            ));
+        }
+        self.reset_stats();
+        self.serving = Serving {
+            slots,
+            fresh: true,
+            busy: vec![false; self.micro_batches],
+            passes: vec![0; self.micro_batches],
+            ..Serving::default()
+        };
+        // The plain batch lived in the micro-batch caches.
+        self.batch = 0;
+        Ok(())
+    }
+
+    fn slots(&self) -> usize {
+        self.serving.slots
+    }
+
+    fn submit(&mut self, step: BatchStep) -> Result<()> {
+        self.check_alive()?;
+        let lanes = self.serving.busy.len();
+        if self.serving.slots == 0 {
+            return Err(WgparError::Config("submit before reserve_slots".into()));
+        }
+        if step.lane >= lanes || self.serving.busy[step.lane] {
+            return Err(WgparError::Config(format!(
+                "lane {} of {lanes} is not free",
+                step.lane
+            )));
+        }
+        let shape = Step {
+            batch: step.rows.len(),
+            seq: step.seq,
+            past: 0,
+        };
+        let new_cache = std::mem::take(&mut self.serving.fresh);
+        let mut w = self.work(step.lane, step.ids, shape, (new_cache, false), step.deps);
+        w.cache = SERVING_CACHE;
+        w.rows = Some(Arc::new(step.rows));
+        w.slots = Some(self.serving.slots);
+        w.release_us = step.release_us;
+        self.serving.started.get_or_insert_with(Instant::now);
+        self.serving.busy[step.lane] = true;
+        self.serving.tokens += shape.tokens();
+        self.send(w)
+    }
+
+    fn complete(&mut self, timeout: Option<Duration>) -> Result<Option<StepDone>> {
+        let out = match timeout {
+            None => self.receive()?,
+            Some(t) => match self.output.recv_timeout(t.min(self.timeout)) {
+                Ok(Ok(out)) => out,
+                Err(RecvTimeoutError::Timeout) if t < self.timeout => return Ok(None),
+                // A failure, a stop or a real stall: `receive` reports it.
+                Ok(Err(e)) => {
+                    self.failed = Some(e.to_string());
+                    self.input = None;
+                    return Err(e);
+                }
+                Err(_) => self.receive()?,
+            },
+        };
+        let lane = out.group;
+        let vocab = self.config.vocab;
+        let s = &mut self.serving;
+        if let Some(b) = s.busy.get_mut(lane) {
+            *b = false;
+        }
+        if let Some(p) = s.passes.get_mut(lane) {
+            *p += 1;
+        }
+        s.last_output = Some(Instant::now());
+        let mut data = out.logits;
+        data.truncate(out.batch * vocab);
+        Ok(Some(StepDone {
+            lane,
+            logits: Logits {
+                batch: out.batch,
+                vocab,
+                data,
+            },
+            span: out.dep,
+        }))
+    }
+
+    fn serving_stats(&self) -> Option<PipelineStats> {
+        let s = &self.serving;
+        let makespan = match (s.started, s.last_output) {
+            (Some(a), Some(b)) => (b - a).as_secs_f64(),
+            _ => 0.0,
+        };
+        let chain = s.passes.iter().copied().max().unwrap_or(0);
+        let lanes = s.passes.iter().filter(|&&p| p > 0).count();
+        Some(self.run_stats(makespan, s.tokens, lanes, chain).1)
     }
 }

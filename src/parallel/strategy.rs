@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::balance::measure_stage_costs;
 use super::partition::Partition;
-use super::{Engine, PipelineEngine, Schedule, SingleEngine, TensorParallelEngine};
+use super::{Engine, PipelineEngine, Schedule, SingleEngine, StepEngine, TensorParallelEngine};
 use crate::comm::CommConfig;
 use crate::device::{AdapterDesc, DType, Gpu};
 use crate::error::{Result, WgparError};
@@ -85,6 +85,20 @@ pub fn build_engine(
     comm: &CommConfig,
     probe: (usize, usize),
 ) -> Result<Box<dyn Engine>> {
+    let engine: Box<dyn Engine> = build_step_engine(strategy, gpus, weights, dtype, comm, probe)?;
+    Ok(engine)
+}
+
+/// Builds the engine for `strategy` on `gpus` as a [`StepEngine`], for continuous batching
+/// (every engine is one).
+pub fn build_step_engine(
+    strategy: &Strategy,
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+    dtype: DType,
+    comm: &CommConfig,
+    probe: (usize, usize),
+) -> Result<Box<dyn StepEngine>> {
     let first = gpus
         .first()
         .ok_or_else(|| WgparError::Config("no devices".into()))?;
@@ -103,8 +117,8 @@ pub fn build_engine(
     })
 }
 
-/// Builds the pipeline engine for a [`Strategy::Pipeline`] or [`Strategy::Hybrid`] (the
-/// serving loop needs the engine itself, not a `dyn Engine`).
+/// Builds the pipeline engine for a [`Strategy::Pipeline`] or [`Strategy::Hybrid`], as
+/// itself (its schedule, stage statistics and faults are reachable).
 pub fn build_pipeline(
     strategy: &Strategy,
     gpus: &[Arc<Gpu>],
