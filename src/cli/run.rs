@@ -20,9 +20,10 @@ use super::{DeviceArgs, ModelArgs};
 /// Strategy options of `run`.
 #[derive(Args, Clone, Debug)]
 pub struct StrategyArgs {
-    /// How to spread the model: none (first device), tp (tensor parallel over all devices),
-    /// pp (one pipeline stage per device), hybrid (pipeline stages of --tp devices each).
-    #[arg(long, default_value = "none", value_parser = ["none", "tp", "pp", "hybrid"])]
+    /// How to spread the model: none or single (first device), tp (tensor parallel over all
+    /// devices), pp (one pipeline stage per device), hybrid (pipeline stages of --tp devices
+    /// each).
+    #[arg(long, default_value = "none", value_parser = ["none", "single", "tp", "pp", "hybrid"])]
     pub strategy: String,
     /// Hybrid: devices per pipeline stage (tensor-parallel degree inside a stage; default 2).
     #[arg(long)]
@@ -36,7 +37,8 @@ pub struct StrategyArgs {
     /// Pipeline and hybrid: even, or balanced by measured per-device layer/embedding/head time.
     #[arg(long, value_parser = ["even", "balanced"])]
     pub partition: Option<String>,
-    /// Pipeline and hybrid: micro-batches per batch (GPipe; default 1, at most --batch).
+    /// Pipeline and hybrid: micro-batches per batch (default 1, at most --batch; `serve`:
+    /// lanes in flight, default one per stage).
     #[arg(long)]
     pub micro_batches: Option<usize>,
     /// Pipeline and hybrid decode: in-flight (each micro-batch's next token enters stage 0 as
@@ -109,8 +111,13 @@ impl StrategyArgs {
 
     /// The strategy these options name.
     pub fn strategy(&self) -> Result<Strategy> {
+        self.strategy_with(1)
+    }
+
+    /// The strategy these options name, with `micro_batches` where none is given.
+    pub fn strategy_with(&self, micro_batches: usize) -> Result<Strategy> {
         self.check_options()?;
-        let micro_batches = self.micro_batches.unwrap_or(1);
+        let micro_batches = self.micro_batches.unwrap_or(micro_batches);
         Ok(match self.strategy.as_str() {
             "tp" => Strategy::Tensor {
                 split: self.split.clone(),
@@ -532,7 +539,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
 
 /// The pacer `--pace` names: one link as `ALPHA_US:BETA_GBPS`, else a host profile (device 0's
 /// host link, collectives by the profile's cost model). Also says what it paces to.
-fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
+pub(super) fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
     if let Some((alpha, beta)) = text.split_once(':') {
         if let (Ok(alpha_us), Ok(beta_gbps)) = (alpha.trim().parse(), beta.trim().parse()) {
             let pacer = LinkPacer::from_alpha_beta(alpha_us, beta_gbps).map_err(|source| {
