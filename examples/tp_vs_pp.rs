@@ -3,9 +3,10 @@
 //!
 //! `cargo run --release --example tp_vs_pp`
 
-use wgpar::compare::{run_compare, table, CompareOptions};
+use wgpar::compare::{run_compare, table, CompareOptions, ServingOptions};
 use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, GpuOptions};
 use wgpar::model::ModelConfig;
+use wgpar::serve::{Length, Rate};
 use wgpar::sim::HostProfile;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -29,6 +30,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             HostProfile::resolve("dgx-h100")?,
         ],
         seed: 1,
+        serving: Some(ServingOptions {
+            requests: 6,
+            rate: Rate::Burst,
+            prompt_len: Length::Fixed(16),
+            output_len: Length::Fixed(4),
+            max_batch: 4,
+            seed: 1,
+        }),
     };
     let report = run_compare(&gpus, &opts, &mut |done, total, what| {
         eprintln!("[{done}/{total}] {what}");

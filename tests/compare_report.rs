@@ -3,9 +3,12 @@
 
 mod common;
 
-use wgpar::compare::{breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions};
+use wgpar::compare::{
+    breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions, ServingOptions,
+};
 use wgpar::device::DType;
 use wgpar::model::ModelConfig;
+use wgpar::serve::{Length, Rate};
 use wgpar::sim::HostProfile;
 
 #[test]
@@ -29,6 +32,14 @@ fn small_comparison_end_to_end() {
             HostProfile::resolve("dgx-h100").unwrap(),
         ],
         seed: 3,
+        serving: Some(ServingOptions {
+            requests: 5,
+            rate: Rate::Burst,
+            prompt_len: Length::Uniform { min: 3, max: 5 },
+            output_len: Length::Uniform { min: 1, max: 3 },
+            max_batch: 3,
+            seed: 3,
+        }),
     };
     let mut calls = 0;
     let report = run_compare(&gpus, &opts, &mut |_, _, _| calls += 1).unwrap();
@@ -78,11 +89,36 @@ fn small_comparison_end_to_end() {
         };
         assert!(lat("pp2 m=1") >= lat("single"), "{profile}");
     }
+    // The serving section: every strategy served the same stream (the same tokens, checked
+    // inside), measured and projected, and the verdicts name the best under load.
+    let serving = report.serving.as_ref().unwrap();
+    let served: Vec<&str> = serving
+        .measurements
+        .iter()
+        .map(|m| m.label.as_str())
+        .collect();
+    assert_eq!(
+        served,
+        ["single", "tp2", "pp2 m=2", "pp4 m=4", "tp2xpp2 m=2"]
+    );
+    for m in &serving.measurements {
+        assert_eq!(m.metrics.completed, 5, "{}", m.label);
+        assert!(m.metrics.output_tokens_per_s > 0.0 && m.metrics.ttft_ms.p50 > 0.0);
+        assert_eq!(m.projected.len(), 2, "{}", m.label);
+        assert_eq!(
+            m.pipeline.is_some(),
+            m.family == "pp" || m.family == "hybrid"
+        );
+        assert!(m.projected.iter().all(|p| p.metrics.completed == 5));
+    }
     assert_eq!(report.verdicts.len(), 3);
+    assert!(report.verdicts.iter().all(|v| v.under_load.is_some()));
     let text = table(&report);
     assert!(text.contains("verdicts") && text.contains("dgx-h100"));
+    assert!(text.contains("serving under load") && text.contains("under load: highest throughput"));
     let md = markdown(&report, &[("t".into(), "throughput.svg".into())]);
     assert!(md.contains("## Projected onto `pcie4-4gpu`") && md.contains("![t](throughput.svg)"));
+    assert!(md.contains("## Serving under load"));
     for svg in [
         throughput_svg(&report).unwrap(),
         breakdown_svg(&report).unwrap(),

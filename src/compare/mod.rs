@@ -7,6 +7,7 @@ mod charts;
 mod modeled;
 mod plan;
 mod report;
+mod serving;
 mod verdict;
 
 use std::sync::Arc;
@@ -26,7 +27,10 @@ pub use charts::{breakdown_svg, throughput_svg};
 pub use modeled::modeled_timeline;
 pub use plan::{plan, plan_markdown, PlanOptions, PlanRow};
 pub use report::{markdown, table};
-pub use verdict::{verdicts, Verdict};
+pub use serving::{
+    serving_plans, ServingMeasurement, ServingOptions, ServingProjected, ServingSection,
+};
+pub use verdict::{verdicts, UnderLoad, Verdict};
 
 /// What to compare.
 #[derive(Debug, Clone)]
@@ -51,6 +55,8 @@ pub struct CompareOptions {
     pub profiles: Vec<HostProfile>,
     /// Seed of the synthetic weights.
     pub seed: u64,
+    /// The serving section: every strategy under one stream of requests (`None`: skip it).
+    pub serving: Option<ServingOptions>,
 }
 
 /// Mean and standard deviation over repetitions.
@@ -152,6 +158,8 @@ pub struct CompareReport {
     pub reps: usize,
     /// Every configuration.
     pub measurements: Vec<Measurement>,
+    /// Every strategy under one stream of requests.
+    pub serving: Option<ServingSection>,
     /// Per profile: best latency and throughput, with reasons.
     pub verdicts: Vec<Verdict>,
     /// When it ran (UTC, seconds since the epoch).
@@ -427,17 +435,22 @@ pub fn run_compare(
             opts.prompt_len, opts.gen, opts.config.max_seq
         )));
     }
+    if let Some(s) = &opts.serving {
+        serving::validate(opts, s)?;
+    }
     let weights = ModelWeights::synthetic(&opts.config, opts.seed);
     let plans = plans(&opts.config, gpus.len(), opts);
+    let serve_plans = if opts.serving.is_some() {
+        serving_plans(opts, gpus.len())
+    } else {
+        Vec::new()
+    };
+    let total = plans.len() + serve_plans.len();
     let mut measurements = Vec::new();
     let comm = CommConfig::default();
     let mut references = std::collections::HashMap::new();
     for (i, plan) in plans.iter().enumerate() {
-        progress(
-            i,
-            plans.len(),
-            &format!("{} batch {}", plan.label, plan.batch),
-        );
+        progress(i, total, &format!("{} batch {}", plan.label, plan.batch));
         if let std::collections::hash_map::Entry::Vacant(slot) = references.entry(plan.batch) {
             let mut single =
                 build_engine(&Strategy::Single, gpus, &weights, opts.dtype, &comm, (1, 1))?;
@@ -463,8 +476,33 @@ pub fn run_compare(
             &references[&plan.batch],
         )?);
     }
-    progress(plans.len(), plans.len(), "done");
-    let verdicts = verdicts(&measurements, &opts.profiles);
+    let mut served: Vec<ServingMeasurement> = Vec::new();
+    if let Some(options) = &opts.serving {
+        for (i, plan) in serve_plans.iter().enumerate() {
+            progress(
+                plans.len() + i,
+                total,
+                &format!("{} serving {} requests", plan.label, options.requests),
+            );
+            let m = serving::measure_serving(plan, gpus, &weights, opts, options)?;
+            // Greedy, so every strategy must serve every request the same tokens.
+            if let Some(first) = served.first() {
+                if let Some(i) = (0..m.tokens.len()).find(|&i| m.tokens[i] != first.tokens[i]) {
+                    return Err(WgparError::Config(format!(
+                        "{} served request {i} different tokens than {}: {:?} vs {:?}",
+                        m.label, first.label, m.tokens[i], first.tokens[i]
+                    )));
+                }
+            }
+            served.push(m);
+        }
+    }
+    progress(total, total, "done");
+    let serving = opts.serving.clone().map(|options| ServingSection {
+        options,
+        measurements: served,
+    });
+    let verdicts = verdicts(&measurements, serving.as_ref(), &opts.profiles);
     Ok(CompareReport {
         model: opts.config.clone(),
         devices: gpus.iter().map(|g| g.describe()).collect(),
@@ -472,6 +510,7 @@ pub fn run_compare(
         gen: opts.gen,
         reps: opts.reps,
         measurements,
+        serving,
         verdicts,
         unix_time: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
