@@ -220,10 +220,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         ] {
             recorder.set_meta(key, value);
         }
-        recorder
-            .timeline()
-            .write_chrome_trace(path)
-            .map_err(|e| WgparError::Config(e.to_string()))?;
+        recorder.timeline().write_chrome_trace(path)?;
         if !args.json {
             println!(
                 "trace: {} spans written to {path} (replay with `wgpar project --trace {path} --host PROFILE`)",
@@ -239,8 +236,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             options: &opts,
             run: &run,
         };
-        let text =
-            serde_json::to_string_pretty(&out).map_err(|e| WgparError::Config(e.to_string()))?;
+        let text = serde_json::to_string_pretty(&out).map_err(|source| WgparError::Json {
+            what: "the serving run".into(),
+            source,
+        })?;
         println!("{text}");
         return Ok(());
     }

@@ -229,7 +229,11 @@ pub(super) fn measure_serving(
                     profile: p.name.clone(),
                     metrics,
                 })
-                .map_err(|e| WgparError::Config(format!("projection onto {}: {e}", p.name)))
+                .map_err(|source| WgparError::Projection {
+                    what: format!("the {} serving run", plan.label),
+                    profile: p.name.clone(),
+                    source,
+                })
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(ServingMeasurement {

@@ -1506,7 +1506,7 @@ impl StepEngine for PipelineEngine {
     fn reserve_slots(&mut self, slots: usize) -> Result<()> {
         self.check_alive()?;
         if slots == 0 {
-            return Err(WgparError::Config(
+            return Err(WgparError::InvalidCall(
                 "a KV cache needs at least one slot".into(),
             ));
         }
@@ -1531,10 +1531,12 @@ impl StepEngine for PipelineEngine {
         self.check_alive()?;
         let lanes = self.serving.busy.len();
         if self.serving.slots == 0 {
-            return Err(WgparError::Config("submit before reserve_slots".into()));
+            return Err(WgparError::InvalidCall(
+                "submit before reserve_slots".into(),
+            ));
         }
         if step.lane >= lanes || self.serving.busy[step.lane] {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::InvalidCall(format!(
                 "lane {} of {lanes} is not free",
                 step.lane
             )));

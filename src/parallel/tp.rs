@@ -17,8 +17,8 @@ use super::cost;
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::worker::Workers;
 use super::{
-    check_decode, prompt_shape, BatchStep, Engine, Fault, FaultKind, Logits, StepDone,
-    StepEngine, StepStats,
+    check_decode, prompt_shape, BatchStep, Engine, Fault, FaultKind, Logits, StepDone, StepEngine,
+    StepStats,
 };
 use crate::comm::{CommConfig, Communicator, RankHandle};
 use crate::device::{DType, Gpu, SpanTimer};
@@ -815,7 +815,7 @@ impl StepEngine for TensorParallelEngine {
     /// The ranks make their caches with the next step.
     fn reserve_slots(&mut self, slots: usize) -> Result<()> {
         if slots == 0 {
-            return Err(WgparError::Config(
+            return Err(WgparError::InvalidCall(
                 "a KV cache needs at least one slot".into(),
             ));
         }
@@ -834,7 +834,9 @@ impl StepEngine for TensorParallelEngine {
     /// Runs the step at once on every rank; [`complete`](StepEngine::complete) hands it back.
     fn submit(&mut self, step: BatchStep) -> Result<()> {
         if self.serve_slots == 0 {
-            return Err(WgparError::Config("submit before reserve_slots".into()));
+            return Err(WgparError::InvalidCall(
+                "submit before reserve_slots".into(),
+            ));
         }
         let shape = Step {
             batch: step.rows.len(),

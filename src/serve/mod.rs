@@ -224,7 +224,7 @@ pub fn serve(
                     continue;
                 }
                 None => {
-                    return Err(WgparError::Config(format!(
+                    return Err(WgparError::Internal(format!(
                         "the scheduler stalled with {} requests waiting",
                         state.waiting.len()
                     )))
@@ -373,7 +373,7 @@ impl State<'_> {
             .get_mut(lane)
             .and_then(|l| l.busy.take())
             .ok_or_else(|| {
-                WgparError::Config(format!("lane {lane} returned a step it never ran"))
+                WgparError::Internal(format!("lane {lane} returned a step it never ran"))
             })?;
         self.lanes[lane].last = done.span;
         let prefill = matches!(flight, InFlight::Prefill(_));
