@@ -4,9 +4,10 @@
 //!
 //! `cargo run --release --example tp_vs_pp`
 
-use wgpar::compare::{run_compare, table, CompareOptions};
+use wgpar::compare::{run_compare, table, CompareOptions, ServingOptions};
 use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, GpuOptions};
 use wgpar::model::ModelConfig;
+use wgpar::serve::{Length, Rate};
 use wgpar::sim::{Engine, HostProfile};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -21,6 +22,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         dtype: DType::F32,
         batches: vec![1, 4],
         micro_batches: vec![1, 4],
+        schedule: wgpar::parallel::Schedule::InFlight,
         prompt_len: 16,
         gen: 4,
         reps: 2,
@@ -30,6 +32,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ],
         engines: vec![Engine::shipped("wgpar")?, Engine::shipped("cuda-nccl")?],
         seed: 1,
+        serving: Some(ServingOptions {
+            requests: 6,
+            rate: Rate::Burst,
+            prompt_len: Length::Fixed(16),
+            output_len: Length::Fixed(4),
+            max_batch: 4,
+            seed: 1,
+        }),
     };
     let report = run_compare(&gpus, &opts, &mut |done, total, what| {
         eprintln!("[{done}/{total}] {what}");

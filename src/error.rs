@@ -107,9 +107,9 @@ pub enum WgparError {
         /// The presets, comma-separated.
         presets: String,
     },
-    /// A host profile that cannot be read, parsed or used.
+    /// A host profile that cannot be read, parsed or used. (Boxed: errors stay small.)
     #[error(transparent)]
-    Profile(#[from] crate::sim::ProfileError),
+    Profile(Box<crate::sim::ProfileError>),
     /// A timeline or trace file that cannot be read, written or checked.
     #[error(transparent)]
     Trace(#[from] crate::trace::TraceError),
@@ -275,6 +275,33 @@ pub enum WgparError {
     /// Rank traces of an MPI run that do not merge into one timeline.
     #[error("merging rank traces: {0}")]
     Merge(#[from] crate::trace::MergeError),
+    /// A served request needs more KV cache than a slot holds.
+    #[error(
+        "request {request} needs {needed} tokens of KV cache ({prompt} prompt + {generated} generated - 1), \
+         but a slot holds {capacity} (max_seq of model '{model}'): shorten its prompt or output"
+    )]
+    KvCapacity {
+        /// Request index.
+        request: usize,
+        /// Tokens it would cache.
+        needed: usize,
+        /// Prompt tokens.
+        prompt: usize,
+        /// Tokens to generate.
+        generated: usize,
+        /// Tokens a slot holds.
+        capacity: usize,
+        /// Model name.
+        model: String,
+    },
+    /// A served request that cannot run at all (no prompt, nothing to generate, bad token).
+    #[error("request {request}: {reason}")]
+    BadRequest {
+        /// Request index.
+        request: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// File input/output.
     #[error("{path}: {source}")]
     Io {
@@ -304,6 +331,19 @@ pub fn human_bytes(bytes: u64) -> String {
         format!("{value:.1} {}", UNITS[unit])
     }
 }
+
+impl From<crate::sim::ProfileError> for WgparError {
+    fn from(e: crate::sim::ProfileError) -> Self {
+        WgparError::Profile(Box::new(e))
+    }
+}
+
+// Every fallible call returns this by value: large payloads are boxed so that it stays under
+// clippy's `result_large_err` bound (128 bytes), checked at compile time.
+const _: () = assert!(
+    std::mem::size_of::<WgparError>() < 128,
+    "WgparError grew to 128 bytes or more: box the large variant"
+);
 
 #[cfg(test)]
 mod tests {

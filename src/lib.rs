@@ -16,6 +16,7 @@ pub mod error;
 pub mod kernels;
 pub mod model;
 pub mod parallel;
+pub mod serve;
 pub mod sim;
 pub mod stats;
 pub mod trace;

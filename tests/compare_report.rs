@@ -3,9 +3,12 @@
 
 mod common;
 
-use wgpar::compare::{breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions};
+use wgpar::compare::{
+    breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions, ServingOptions,
+};
 use wgpar::device::DType;
 use wgpar::model::ModelConfig;
+use wgpar::serve::{Length, Rate};
 use wgpar::sim::{Engine, HostProfile};
 
 #[test]
@@ -20,6 +23,7 @@ fn small_comparison_end_to_end() {
         dtype: DType::F32,
         batches: vec![1, 2],
         micro_batches: vec![1, 2],
+        schedule: wgpar::parallel::Schedule::InFlight,
         prompt_len: 5,
         gen: 3,
         reps: 2,
@@ -32,6 +36,14 @@ fn small_comparison_end_to_end() {
             Engine::shipped("cuda-nccl").unwrap(),
         ],
         seed: 3,
+        serving: Some(ServingOptions {
+            requests: 5,
+            rate: Rate::Burst,
+            prompt_len: Length::Uniform { min: 3, max: 5 },
+            output_len: Length::Uniform { min: 1, max: 3 },
+            max_batch: 3,
+            seed: 3,
+        }),
     };
     let mut calls = 0;
     let report = run_compare(&gpus, &opts, &mut |_, _, _| calls += 1).unwrap();
@@ -113,9 +125,38 @@ fn small_comparison_end_to_end() {
         .iter()
         .all(|p| p.fits && p.memory.0 > 0 && p.memory.0 < p.memory.1));
     // This machine, then each profile as each engine runs it.
+    // The serving section: every strategy served the same stream (the same tokens, checked
+    // inside), measured and projected, and the verdicts name the best under load.
+    let serving = report.serving.as_ref().unwrap();
+    let served: Vec<&str> = serving
+        .measurements
+        .iter()
+        .map(|m| m.label.as_str())
+        .collect();
+    assert_eq!(
+        served,
+        ["single", "tp2", "pp2 m=2", "pp4 m=4", "tp2xpp2 m=2"]
+    );
+    for m in &serving.measurements {
+        assert_eq!(m.metrics.completed, 5, "{}", m.label);
+        assert!(m.metrics.output_tokens_per_s > 0.0 && m.metrics.ttft_ms.p50 > 0.0);
+        assert_eq!(m.projected.len(), 2, "{}", m.label);
+        assert_eq!(
+            m.pipeline.is_some(),
+            m.family == "pp" || m.family == "hybrid"
+        );
+        assert!(m.projected.iter().all(|p| p.metrics.completed == 5));
+    }
+    // This machine, then each profile as each engine runs it; the serving stream is measured
+    // here and projected as wgpar runs it, so only those verdicts speak of load.
     assert_eq!(report.verdicts.len(), 5);
+    for v in &report.verdicts {
+        let served = v.profile.contains("measured") || v.profile.contains("wgpar");
+        assert_eq!(v.under_load.is_some(), served, "{}", v.profile);
+    }
     let text = table(&report);
     assert!(text.contains("verdicts") && text.contains("dgx-h100"));
+    assert!(text.contains("serving under load") && text.contains("under load: highest throughput"));
     let md = markdown(&report, &[("t".into(), "throughput.svg".into())]);
     assert!(
         md.contains("## Projected onto `pcie4-4gpu, wgpar (projected)`")
@@ -123,6 +164,7 @@ fn small_comparison_end_to_end() {
             && md.contains("![t](throughput.svg)"),
         "{md}"
     );
+    assert!(md.contains("## Serving under load"));
     for svg in [
         throughput_svg(&report).unwrap(),
         breakdown_svg(&report).unwrap(),

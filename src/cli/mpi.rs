@@ -471,12 +471,11 @@ mod ranks {
                 if let Some(s) = &prefill_stats {
                     say!(world, "  {}", s.per_token_line());
                 }
-                let per_step_ms =
-                    g.decode_s.iter().sum::<f64>() / g.decode_s.len().max(1) as f64 * 1e3;
+                let per_step_ms = g.decode_s / g.decode_steps.max(1) as f64 * 1e3;
                 say!(
                     world,
                     "decode: {} steps x {} sequences, {:.2} ms per step = {:.1} tokens/s",
-                    g.decode_s.len(),
+                    g.decode_steps,
                     args.batch,
                     per_step_ms,
                     g.decode_tokens_per_s()
@@ -490,38 +489,6 @@ mod ranks {
                     if world.rank() == 0 {
                         crate::cli::run::write_logits(path, args.batch, config.vocab, &g)?;
                     }
-                }
-                let m = match &strategy {
-                    Strategy::Pipeline { micro_batches, .. }
-                    | Strategy::Hybrid { micro_batches, .. } => *micro_batches,
-                    _ => 1,
-                };
-                if let (true, Some(p)) = (m > 1, e.pipeline()) {
-                    // The batch's micro-batches again, now decoding in flight (each moves to
-                    // its next token as soon as its logits are back): the pipeline's real
-                    // throughput, against the ideal from the measured stage times.
-                    let t0 = Instant::now();
-                    let inflight = p.generate_in_flight(&prompts, args.gen)?;
-                    let secs = t0.elapsed().as_secs_f64();
-                    if inflight.tokens != g.tokens {
-                        return Err(WgparError::Config(format!(
-                            "in-flight generation gave other tokens than GPipe: {:?} vs {:?}",
-                            inflight.tokens[0], g.tokens[0]
-                        )));
-                    }
-                    recorder.set_meta(
-                        "tokens",
-                        (processed + args.batch * (args.prompt_len + args.gen - 1)).to_string(),
-                    );
-                    say!(
-                        world,
-                        "in flight ({m} micro-batches): {} tokens ({} prompt + {} generated) in {:.1} ms = {:.1} tokens/s",
-                        args.batch * (args.prompt_len + args.gen - 1),
-                        args.batch * args.prompt_len,
-                        args.batch * (args.gen - 1),
-                        secs * 1e3,
-                        (args.batch * (args.prompt_len + args.gen - 1)) as f64 / secs
-                    );
                 }
                 if is_pipeline {
                     run_stats = e.pipeline_stats();
@@ -552,11 +519,20 @@ mod ranks {
         if is_pipeline {
             let all = gather_stage_stats(world, &local_stats)?;
             if let Some(last) = run_stats {
-                let combined = PipelineStats::from_stages(all, last.makespan_s, last.tokens);
+                let combined = PipelineStats::from_stages(
+                    all,
+                    last.schedule,
+                    last.makespan_s,
+                    last.tokens,
+                    last.microbatches,
+                    last.chain,
+                );
                 say!(
                     world,
-                    "pipeline over ranks (last run, {} micro-batch steps per stage): {:.1} tokens/s, makespan {:.1} ms; ideal from the measured stage times {:.1} ms: {:.0} % of ideal throughput; bubble {:.0} % measured vs {:.0} % (p-1)/(m+p-1)",
+                    "pipeline over ranks (last run, {} passes per stage, {} lanes, {}): {:.1} tokens/s, makespan {:.1} ms; ideal from the measured stage times {:.1} ms: {:.0} % of ideal throughput; bubble {:.0} % measured vs {:.0} % for a perfect pipeline",
+                    combined.passes,
                     combined.microbatches,
+                    combined.schedule,
                     combined.tokens_per_s(),
                     combined.makespan_s * 1e3,
                     combined.ideal_makespan_s * 1e3,
@@ -572,7 +548,7 @@ mod ranks {
                         st.layers.end,
                         st.device,
                         st.busy_s * 1e3,
-                        st.handoff_s * 1e3,
+                        st.handoff_s() * 1e3,
                         st.microbatches
                     );
                 }

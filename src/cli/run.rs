@@ -6,7 +6,9 @@ use std::sync::Arc;
 use wgpar::comm::CommConfig;
 use wgpar::device::{AdapterDesc, Adapters, DType};
 use wgpar::model::{budget, ModelConfig};
-use wgpar::parallel::{build_engine, generate, Engine, Fault, FaultKind, PartitionSpec, Strategy};
+use wgpar::parallel::{
+    build_engine, generate, Engine, Fault, FaultKind, PartitionSpec, Schedule, Strategy,
+};
 
 use wgpar::sim::{HostProfile, LinkPacer, PaceSpec};
 use wgpar::trace::{DeviceTiming, Recorder};
@@ -18,9 +20,10 @@ use super::{DeviceArgs, ModelArgs};
 /// Strategy options of `run`.
 #[derive(Args, Clone, Debug)]
 pub struct StrategyArgs {
-    /// How to spread the model: none (first device), tp (tensor parallel over all devices),
-    /// pp (one pipeline stage per device), hybrid (pipeline stages of --tp devices each).
-    #[arg(long, default_value = "none", value_parser = ["none", "tp", "pp", "hybrid"])]
+    /// How to spread the model: none or single (first device), tp (tensor parallel over all
+    /// devices), pp (one pipeline stage per device), hybrid (pipeline stages of --tp devices
+    /// each).
+    #[arg(long, default_value = "none", value_parser = ["none", "single", "tp", "pp", "hybrid"])]
     pub strategy: String,
     /// Hybrid: devices per pipeline stage (tensor-parallel degree inside a stage; default 2).
     #[arg(long)]
@@ -34,9 +37,15 @@ pub struct StrategyArgs {
     /// Pipeline and hybrid: even, or balanced by measured per-device layer/embedding/head time.
     #[arg(long, value_parser = ["even", "balanced"])]
     pub partition: Option<String>,
-    /// Pipeline and hybrid: micro-batches per batch (GPipe; default 1, at most --batch).
+    /// Pipeline and hybrid: micro-batches per batch (default 1, at most --batch; `serve`:
+    /// lanes in flight, default one per stage).
     #[arg(long)]
     pub micro_batches: Option<usize>,
+    /// Pipeline and hybrid decode: in-flight (each micro-batch's next token enters stage 0 as
+    /// soon as its previous one is sampled; the default) or gpipe (a fill-drain of all
+    /// micro-batches per token).
+    #[arg(long, value_parser = ["in-flight", "gpipe"])]
+    pub schedule: Option<String>,
 }
 
 impl StrategyArgs {
@@ -46,6 +55,14 @@ impl StrategyArgs {
             (None, Some("balanced")) => PartitionSpec::Balanced,
             _ => PartitionSpec::Even,
         }
+    }
+
+    /// The pipeline decode schedule (in flight unless `--schedule gpipe`).
+    pub fn schedule(&self) -> Schedule {
+        self.schedule
+            .as_deref()
+            .and_then(Schedule::parse)
+            .unwrap_or_default()
     }
 
     /// Refuses options that do not apply to the chosen strategy instead of ignoring them.
@@ -80,6 +97,9 @@ impl StrategyArgs {
                 "splits a batch for a pipeline (pp, hybrid)",
             );
         }
+        if self.schedule.is_some() && !pipeline {
+            return refuse("--schedule", "schedules a pipeline's decode (pp, hybrid)");
+        }
         if self.tp.is_some() && s != "hybrid" {
             return refuse(
                 "--tp",
@@ -91,8 +111,13 @@ impl StrategyArgs {
 
     /// The strategy these options name.
     pub fn strategy(&self) -> Result<Strategy> {
+        self.strategy_with(1)
+    }
+
+    /// The strategy these options name, with `micro_batches` where none is given.
+    pub fn strategy_with(&self, micro_batches: usize) -> Result<Strategy> {
         self.check_options()?;
-        let micro_batches = self.micro_batches.unwrap_or(1);
+        let micro_batches = self.micro_batches.unwrap_or(micro_batches);
         Ok(match self.strategy.as_str() {
             "tp" => Strategy::Tensor {
                 split: self.split.clone(),
@@ -100,11 +125,13 @@ impl StrategyArgs {
             "pp" => Strategy::Pipeline {
                 partition: self.partition_spec(),
                 micro_batches,
+                schedule: self.schedule(),
             },
             "hybrid" => Strategy::Hybrid {
                 tp: self.tp.unwrap_or(2),
                 partition: self.partition_spec(),
                 micro_batches,
+                schedule: self.schedule(),
             },
             _ => Strategy::Single,
         })
@@ -324,9 +351,10 @@ pub(super) fn recorder_for(args: &RunArgs) -> Recorder {
 pub(super) fn print_bubble(engine: &dyn Engine, indent: &str) {
     if let Some(p) = engine.pipeline_stats() {
         println!(
-            "{indent}pipeline: {} stages x {} micro-batches, bubble {:.0}% measured ({:.0}% = (p-1)/(m+p-1) for equal stages)",
+            "{indent}pipeline: {} stages x {} micro-batches ({}), bubble {:.0}% measured ({:.0}% for equal stages)",
             p.stages.len(),
             p.microbatches,
+            p.schedule,
             p.measured_bubble * 100.0,
             p.theoretical_bubble * 100.0
         );
@@ -458,7 +486,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let prefill_stats = engine.last_step();
     let prefill_pipeline = engine.pipeline_stats();
     let g = generate(engine.as_mut(), &prompts, args.gen)?;
-    let decode_stats = engine.last_step();
     println!(
         "prefill: {} tokens in {:.1} ms = {:.1} tokens/s (time to first token {:.1} ms)",
         g.prompt_tokens,
@@ -486,24 +513,27 @@ pub fn run(args: &RunArgs) -> Result<()> {
             p.theoretical_bubble * 100.0
         );
     }
-    let per_step_ms = g.decode_s.iter().sum::<f64>() / g.decode_s.len().max(1) as f64 * 1e3;
     println!(
-        "decode: {} steps x {} sequences, {:.2} ms per step = {:.1} tokens/s",
-        g.decode_s.len(),
+        "decode: {} tokens x {} sequences in {:.1} ms, {:.2} ms per token = {:.1} tokens/s",
+        g.decode_steps,
         args.batch,
-        per_step_ms,
+        g.decode_s * 1e3,
+        g.per_token_s() * 1e3,
         g.decode_tokens_per_s()
     );
-    if let Some(s) = &decode_stats {
+    if g.decode_steps > 0 {
+        let s = &g.decode_stats;
         println!(
-            "  last step: compute {:.2} ms, communication {:.2} ms ({:.0}%)",
+            "  compute {:.2} ms, communication {:.2} ms ({:.0}%), {} collectives/hand-offs per device",
             s.compute_s * 1e3,
             s.comm_s * 1e3,
-            s.comm_share() * 100.0
+            s.comm_share() * 100.0,
+            s.collectives
         );
         println!("  {}", s.per_token_line());
     }
-    print_bubble(engine.as_ref(), "  last step ");
+    // In flight, the last run is the whole decode; under GPipe, its last step.
+    print_bubble(engine.as_ref(), "  decode ");
     println!("first sequence's tokens: {:?}", g.tokens[0]);
     if let Some(path) = &args.logits_out {
         write_logits(path, args.batch, config.vocab, &g)?;
@@ -537,7 +567,7 @@ pub(super) fn write_logits(
     })
 }
 
-fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
+pub(super) fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
     let spec = PaceSpec::parse(text).map_err(|source| WgparError::Pacing {
         target: format!("--pace {text}"),
         source,

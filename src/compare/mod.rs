@@ -9,6 +9,7 @@ mod modeled;
 mod plan;
 mod presets;
 mod report;
+mod serving;
 mod verdict;
 
 use std::sync::Arc;
@@ -20,7 +21,7 @@ use crate::comm::CommConfig;
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::model::{valid_tp_degrees, ModelConfig, ModelWeights};
-use crate::parallel::{build_engine, generate, Engine, PartitionSpec, Strategy};
+use crate::parallel::{build_engine, generate, Engine, PartitionSpec, Schedule, Strategy};
 use crate::sim::{project_engine, HostProfile, ProjectOptions};
 use crate::trace::{Recorder, Timeline};
 
@@ -32,7 +33,10 @@ pub use plan::{
 };
 pub use presets::{plan_preset, PLAN_PRESETS};
 pub use report::{markdown, table};
-pub use verdict::{verdicts, Verdict};
+pub use serving::{
+    serving_plans, ServingMeasurement, ServingOptions, ServingProjected, ServingSection,
+};
+pub use verdict::{verdicts, UnderLoad, Verdict};
 
 /// What to compare.
 #[derive(Debug, Clone)]
@@ -45,6 +49,8 @@ pub struct CompareOptions {
     pub batches: Vec<usize>,
     /// Micro-batch counts to sweep for pipelines (capped at the batch size).
     pub micro_batches: Vec<usize>,
+    /// How pipelines decode (in flight unless GPipe is asked for).
+    pub schedule: Schedule,
     /// Prompt length.
     pub prompt_len: usize,
     /// Tokens generated per sequence (the first comes from the prefill).
@@ -58,6 +64,8 @@ pub struct CompareOptions {
     pub engines: Vec<crate::sim::Engine>,
     /// Seed of the synthetic weights.
     pub seed: u64,
+    /// The serving section: every strategy under one stream of requests (`None`: skip it).
+    pub serving: Option<ServingOptions>,
 }
 
 /// Mean and standard deviation over repetitions.
@@ -171,6 +179,8 @@ pub struct CompareReport {
     pub reps: usize,
     /// Every configuration.
     pub measurements: Vec<Measurement>,
+    /// Every strategy under one stream of requests.
+    pub serving: Option<ServingSection>,
     /// Per profile: best latency and throughput, with reasons.
     pub verdicts: Vec<Verdict>,
     /// When it ran (UTC, seconds since the epoch).
@@ -269,6 +279,7 @@ pub fn plans(config: &ModelConfig, n: usize, opts: &CompareOptions) -> Vec<Plan>
                     strategy: Strategy::Pipeline {
                         partition: PartitionSpec::Even,
                         micro_batches: m,
+                        schedule: opts.schedule,
                     },
                     devices: p,
                     batch,
@@ -285,6 +296,7 @@ pub fn plans(config: &ModelConfig, n: usize, opts: &CompareOptions) -> Vec<Plan>
                         tp: 2,
                         partition: PartitionSpec::Even,
                         micro_batches: m,
+                        schedule: opts.schedule,
                     },
                     devices: n,
                     batch,
@@ -383,19 +395,17 @@ fn measure(
         max_rel_err = max_rel_err.max(first.relative_error(&reference.logits));
         let dec_rec = Recorder::new();
         engine.set_recorder(dec_rec.clone());
-        let mut next = first.argmax();
-        let mut tokens: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+        let next = first.argmax();
+        // Pipelines keep their micro-batches in flight here (unless GPipe is asked for).
         let start = Instant::now();
-        let mut sent = 0u64;
-        for _ in 1..steps {
-            let l = engine.decode(&next)?;
-            next = l.argmax();
-            for (s, &t) in tokens.iter_mut().zip(&next) {
-                s.push(t);
-            }
-            sent += engine.last_step().map_or(0, |s| s.bytes_sent);
-        }
+        let decoded = engine.decode_greedy(&next, steps - 1, false)?;
         let decode_s = start.elapsed().as_secs_f64();
+        let sent = decoded.stats.bytes_sent;
+        let tokens: Vec<Vec<u32>> = next
+            .iter()
+            .zip(&decoded.tokens)
+            .map(|(&t, rest)| std::iter::once(t).chain(rest.iter().copied()).collect())
+            .collect();
         engine.set_recorder(Recorder::disabled());
         if tokens != reference.tokens {
             return Err(WgparError::Config(format!(
@@ -495,17 +505,22 @@ pub fn run_compare(
             opts.prompt_len, opts.gen, opts.config.max_seq
         )));
     }
+    if let Some(s) = &opts.serving {
+        serving::validate(opts, s)?;
+    }
     let weights = ModelWeights::synthetic(&opts.config, opts.seed);
     let plans = plans(&opts.config, gpus.len(), opts);
+    let serve_plans = if opts.serving.is_some() {
+        serving_plans(opts, gpus.len())
+    } else {
+        Vec::new()
+    };
+    let total = plans.len() + serve_plans.len();
     let mut measurements = Vec::new();
     let comm = CommConfig::default();
     let mut references = std::collections::HashMap::new();
     for (i, plan) in plans.iter().enumerate() {
-        progress(
-            i,
-            plans.len(),
-            &format!("{} batch {}", plan.label, plan.batch),
-        );
+        progress(i, total, &format!("{} batch {}", plan.label, plan.batch));
         if let std::collections::hash_map::Entry::Vacant(slot) = references.entry(plan.batch) {
             let mut single =
                 build_engine(&Strategy::Single, gpus, &weights, opts.dtype, &comm, (1, 1))?;
@@ -531,8 +546,33 @@ pub fn run_compare(
             &references[&plan.batch],
         )?);
     }
-    progress(plans.len(), plans.len(), "done");
-    let verdicts = verdicts(&measurements, &opts.profiles);
+    let mut served: Vec<ServingMeasurement> = Vec::new();
+    if let Some(options) = &opts.serving {
+        for (i, plan) in serve_plans.iter().enumerate() {
+            progress(
+                plans.len() + i,
+                total,
+                &format!("{} serving {} requests", plan.label, options.requests),
+            );
+            let m = serving::measure_serving(plan, gpus, &weights, opts, options)?;
+            // Greedy, so every strategy must serve every request the same tokens.
+            if let Some(first) = served.first() {
+                if let Some(i) = (0..m.tokens.len()).find(|&i| m.tokens[i] != first.tokens[i]) {
+                    return Err(WgparError::Config(format!(
+                        "{} served request {i} different tokens than {}: {:?} vs {:?}",
+                        m.label, first.label, m.tokens[i], first.tokens[i]
+                    )));
+                }
+            }
+            served.push(m);
+        }
+    }
+    progress(total, total, "done");
+    let serving = opts.serving.clone().map(|options| ServingSection {
+        options,
+        measurements: served,
+    });
+    let verdicts = verdicts(&measurements, serving.as_ref(), &opts.profiles);
     Ok(CompareReport {
         model: opts.config.clone(),
         devices: gpus.iter().map(|g| g.describe()).collect(),
@@ -540,6 +580,7 @@ pub fn run_compare(
         gen: opts.gen,
         reps: opts.reps,
         measurements,
+        serving,
         verdicts,
         unix_time: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -294,11 +294,13 @@ pub fn shape_of(
         Strategy::Pipeline {
             partition,
             micro_batches,
+            ..
         } => (1, devices, *micro_batches, partition.clone()),
         Strategy::Hybrid {
             tp,
             partition,
             micro_batches,
+            ..
         } => (
             *tp,
             devices / (*tp).max(1),
@@ -498,6 +500,7 @@ mod tests {
         let strategy = Strategy::Pipeline {
             partition: PartitionSpec::Even,
             micro_batches: 4,
+            schedule: crate::parallel::Schedule::InFlight,
         };
         let tl = modeled_timeline(&strategy, 4, &c, &wgpar_f16(), step, 3).unwrap();
         let h2d = tl
@@ -512,6 +515,7 @@ mod tests {
             tp: 2,
             partition: PartitionSpec::Even,
             micro_batches: 1,
+            schedule: crate::parallel::Schedule::InFlight,
         };
         assert!(modeled_timeline(&bad, 3, &c, &wgpar_f16(), step, 1).is_err());
     }

@@ -13,7 +13,7 @@ use super::memory::{gib, memory_per_device, DeviceMemory, Workload};
 use super::modeled::{modeled_timeline, shape_of, Formats};
 use crate::error::{Result, WgparError};
 use crate::model::{valid_tp_degrees, ModelConfig, Step};
-use crate::parallel::{PartitionSpec, Strategy};
+use crate::parallel::{PartitionSpec, Schedule, Strategy};
 use crate::sim::{project_engine, Engine, HostProfile, NumFormat, ProjectOptions};
 
 /// A strategy to model: its label, the strategy and the devices it uses.
@@ -59,6 +59,8 @@ impl PlanStrategy {
                     tp,
                     partition: PartitionSpec::Even,
                     micro_batches: m,
+                    // Each micro-batch's step waits only for its own previous output.
+                    schedule: Schedule::InFlight,
                 },
                 devices: tp * pp,
             });
@@ -81,6 +83,8 @@ impl PlanStrategy {
                 strategy: Strategy::Pipeline {
                     partition: PartitionSpec::Even,
                     micro_batches: m,
+                    // Each micro-batch's step waits only for its own previous output.
+                    schedule: Schedule::InFlight,
                 },
                 devices: n,
             });
@@ -132,6 +136,8 @@ pub fn default_strategies(config: &ModelConfig, n: usize) -> Vec<PlanStrategy> {
                 strategy: Strategy::Pipeline {
                     partition: PartitionSpec::Even,
                     micro_batches: m,
+                    // Each micro-batch's step waits only for its own previous output.
+                    schedule: Schedule::InFlight,
                 },
                 devices: n,
             });

@@ -23,8 +23,8 @@ use crate::error::Result;
 use crate::model::ModelWeights;
 use crate::parallel::pp::{Output, Segment};
 use crate::parallel::{
-    partition, Engine, Logits, Partition, PartitionSpec, PipelineEngine, PipelineStats, StageStats,
-    StepStats, Strategy, TensorParallelEngine,
+    partition, Engine, Logits, Partition, PartitionSpec, PipelineEngine, PipelineStats, Schedule,
+    StageStats, StepStats, Strategy, TensorParallelEngine,
 };
 use crate::sim::LinkPacer;
 use crate::trace::Recorder;
@@ -95,12 +95,13 @@ pub fn build(
         Strategy::Pipeline {
             partition,
             micro_batches,
+            schedule,
         } => pipeline(
             world,
             &counts,
             1,
             partition,
-            *micro_batches,
+            (*micro_batches, *schedule),
             gpus,
             weights,
             dtype,
@@ -110,12 +111,13 @@ pub fn build(
             tp,
             partition,
             micro_batches,
+            schedule,
         } => pipeline(
             world,
             &counts,
             *tp,
             partition,
-            *micro_batches,
+            (*micro_batches, *schedule),
             gpus,
             weights,
             dtype,
@@ -130,7 +132,7 @@ fn pipeline(
     counts: &[usize],
     tp: usize,
     how: &PartitionSpec,
-    micro_batches: usize,
+    (micro_batches, schedule): (usize, Schedule),
     gpus: &[Arc<Gpu>],
     weights: &ModelWeights,
     dtype: DType,
@@ -182,7 +184,7 @@ fn pipeline(
         (None, None)
     };
     let (out_tx, out_rx) = unbounded();
-    let segment = PipelineEngine::segment(
+    let mut segment = PipelineEngine::segment(
         gpus,
         weights,
         dtype,
@@ -198,6 +200,8 @@ fn pipeline(
             output: (out_tx.clone(), out_rx.clone()),
         },
     )?;
+    // The driver (rank 0) schedules decode; the other ranks' stages follow its passes.
+    segment.set_schedule(schedule);
     // Spans of remote ranks start at the job's clock origin.
     let recorder = Recorder::with_epoch(world.epoch());
     let stats = segment.stage_stats_handle();

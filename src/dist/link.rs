@@ -16,7 +16,7 @@ use mpi::traits::*;
 use super::error::DistError;
 use super::world::{poll_until, Comm, World};
 use crate::error::{Result, WgparError};
-use crate::model::Step;
+use crate::model::{SeqRow, Step};
 use crate::parallel::pp::{Output, Work};
 use crate::parallel::StageStats;
 use crate::trace::{Recorder, SpanAttrs, SpanId, Track};
@@ -28,8 +28,10 @@ const TAG_LOGITS: i32 = 11;
 
 /// First header word: protocol name and version (ranks of different wgpar builds disagree
 /// here rather than misreading each other's bytes).
-const MAGIC: u64 = 0x7767_7061_725f_0001;
-const HEADER_WORDS: usize = 10;
+const MAGIC: u64 = 0x7767_7061_725f_0002;
+const HEADER_WORDS: usize = 13;
+/// `rows` word of a pass without a sequence table.
+const NO_ROWS: u64 = u64::MAX;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -51,6 +53,12 @@ struct Header {
     record: bool,
     dep: u64,
     run: u64,
+    /// The KV cache the pass uses on every stage.
+    cache: u64,
+    /// Slots of the cache `new_cache` makes, plus one (0: one per sequence).
+    slots: u64,
+    /// Entries of the sequence table at the front of the payload (`NO_ROWS`: none).
+    rows: u64,
 }
 
 impl Header {
@@ -66,6 +74,9 @@ impl Header {
             record: false,
             dep: 0,
             run: 0,
+            cache: 0,
+            slots: 0,
+            rows: NO_ROWS,
         }
     }
 
@@ -82,6 +93,9 @@ impl Header {
             flags,
             self.dep,
             self.run,
+            self.cache,
+            self.slots,
+            self.rows,
             payload.len() as u64,
         ];
         let mut out = Vec::with_capacity(HEADER_WORDS * 8 + payload.len());
@@ -115,11 +129,11 @@ impl Header {
             k => return Err(bad(format!("unknown message kind {k}"))),
         };
         let payload = &msg[HEADER_WORDS * 8..];
-        if payload.len() as u64 != word(9) {
+        if payload.len() as u64 != word(12) {
             return Err(bad(format!(
                 "payload of {} bytes, header says {}",
                 payload.len(),
-                word(9)
+                word(12)
             )));
         }
         let flags = word(6);
@@ -135,10 +149,60 @@ impl Header {
                 record: flags & 4 != 0,
                 dep: word(7),
                 run: word(8),
+                cache: word(9),
+                slots: word(10),
+                rows: word(11),
             },
             payload,
         ))
     }
+}
+
+/// A pass's sequence table as payload words (slot, past per row).
+fn rows_bytes(rows: Option<&[SeqRow]>) -> Vec<u8> {
+    let words: Vec<u64> = rows
+        .unwrap_or(&[])
+        .iter()
+        .flat_map(|r| [r.slot as u64, r.past as u64])
+        .collect();
+    bytemuck::cast_slice(&words).to_vec()
+}
+
+/// A pass's sequence table (if it has one) and its hidden states.
+type TableAndHidden = (Option<Arc<Vec<SeqRow>>>, Vec<u8>);
+
+/// Splits a work payload into its sequence table (`h.rows` entries) and hidden states.
+fn split_rows(
+    h: &Header,
+    payload: &[u8],
+    peer: usize,
+) -> std::result::Result<TableAndHidden, DistError> {
+    if h.rows == NO_ROWS {
+        return Ok((None, payload.to_vec()));
+    }
+    let table = usize::try_from(h.rows)
+        .ok()
+        .and_then(|n| n.checked_mul(16))
+        .filter(|&b| b <= payload.len())
+        .ok_or_else(|| DistError::Protocol {
+            peer,
+            detail: format!(
+                "a sequence table of {} rows in a payload of {} bytes",
+                h.rows,
+                payload.len()
+            ),
+        })?;
+    let rows = payload[..table]
+        .chunks_exact(16)
+        .map(|c| {
+            let word = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize;
+            SeqRow {
+                slot: word(&c[..8]),
+                past: word(&c[8..]),
+            }
+        })
+        .collect();
+    Ok((Some(Arc::new(rows)), payload[table..].to_vec()))
 }
 
 /// Sends `msg` to `dest`, polling the request against the job's timeout.
@@ -373,7 +437,8 @@ fn upstream(
         };
         // The receive, as seen on this rank; the merge of rank traces links it (and what
         // follows it) to the sending rank's download, so a projection pays the network there.
-        let bytes = payload.len() as u64;
+        let (rows, hidden) = split_rows(&h, payload, src)?;
+        let bytes = hidden.len() as u64;
         let dep = rec.record_with(got, Instant::now(), || {
             SpanAttrs::wait("mpi recv", device)
                 .on_track(Track::Other(format!("mpi recv {rank}")))
@@ -387,6 +452,11 @@ fn upstream(
             encoder: None,
             pacer: None,
             group: h.group as usize,
+            cache: h.cache as usize,
+            rows,
+            slots: h.slots.checked_sub(1).map(|n| n as usize),
+            // A release time is on the driver's clock: it holds only the first stage.
+            release_us: None,
             ids: Arc::new(Vec::new()),
             step: Step {
                 batch: h.batch as usize,
@@ -395,8 +465,8 @@ fn upstream(
             },
             new_cache: h.new_cache,
             release: h.release,
-            hidden: payload.to_vec(),
-            dep,
+            hidden,
+            deps: vec![dep],
             recorder: rec,
             run: h.run,
         };
@@ -426,15 +496,25 @@ fn downstream(
             new_cache: work.new_cache,
             release: work.release,
             record: work.recorder.is_enabled(),
-            dep: work.dep.0,
+            // The hand-off's download: what the next stage's first span waits for.
+            dep: work.deps.first().map_or(0, |d| d.0),
             run: work.run,
+            cache: work.cache as u64,
+            slots: work.slots.map_or(0, |n| n as u64 + 1),
+            rows: work.rows.as_ref().map_or(NO_ROWS, |r| r.len() as u64),
         };
         let what = format!("send micro-batch {} to the next stage", work.group);
         send(
             comm,
             dest,
             TAG_ACTIVATIONS,
-            h.encode(&work.hidden),
+            h.encode(
+                &[
+                    rows_bytes(work.rows.as_deref().map(|r| &r[..])),
+                    work.hidden,
+                ]
+                .concat(),
+            ),
             timeout,
             &what,
         )?;
@@ -525,6 +605,9 @@ pub(crate) fn send_logits(world: &World, out: &Output, record: bool) -> Result<(
         record,
         dep: out.dep.0,
         run: 0,
+        cache: 0,
+        slots: 0,
+        rows: NO_ROWS,
     };
     let what = format!("send logits of micro-batch {} to rank 0", out.group);
     send(
@@ -568,6 +651,9 @@ mod tests {
             record: true,
             dep: 99,
             run: 4,
+            cache: 5,
+            slots: 9,
+            rows: NO_ROWS,
         };
         let msg = h.encode(&[1, 2, 3, 4]);
         let (back, payload) = Header::decode(&msg, 1).unwrap();
@@ -581,5 +667,36 @@ mod tests {
             .contains("same wgpar"));
         assert!(Header::decode(&msg[..10], 1).is_err());
         assert!(Header::decode(&msg[..msg.len() - 1], 1).is_err());
+    }
+
+    #[test]
+    fn sequence_tables_travel_ahead_of_the_hidden_states() {
+        let rows = [SeqRow { slot: 3, past: 40 }, SeqRow { slot: 0, past: 7 }];
+        let h = Header {
+            kind: Kind::Work,
+            group: 1,
+            batch: 2,
+            seq: 1,
+            past: 0,
+            new_cache: false,
+            release: false,
+            record: false,
+            dep: 0,
+            run: 1,
+            cache: usize::MAX as u64,
+            slots: 0,
+            rows: 2,
+        };
+        let hidden = [9u8; 8];
+        let msg = h.encode(&[rows_bytes(Some(&rows)), hidden.to_vec()].concat());
+        let (back, payload) = Header::decode(&msg, 0).unwrap();
+        let (table, rest) = split_rows(&back, payload, 0).unwrap();
+        assert_eq!(table.as_deref().map(|t| t.as_slice()), Some(&rows[..]));
+        assert_eq!(rest, hidden);
+        // A table longer than the payload is a protocol error, not a panic.
+        let lying = Header { rows: 1000, ..h };
+        let msg = lying.encode(&hidden);
+        let (back, payload) = Header::decode(&msg, 0).unwrap();
+        assert!(split_rows(&back, payload, 0).is_err());
     }
 }

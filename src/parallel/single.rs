@@ -1,19 +1,27 @@
 //! The single-device engine: the whole model on one `Gpu`.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use super::{check_decode, cost, prompt_shape, Engine, Logits, StepStats};
+use super::{
+    check_decode, cost, prompt_shape, BatchStep, Engine, Logits, SeqRow, StepDone, StepEngine,
+    StepStats,
+};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
-use crate::model::{Activations, GpuModel, KvCache, ModelWeights, Placement, Step};
-use crate::trace::{KernelFamily, Recorder, SpanAttrs};
+use crate::model::{Activations, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, Step};
+use crate::trace::{KernelFamily, Recorder, SpanAttrs, SpanId};
 
 /// The whole model on one device, with its KV cache.
 pub struct SingleEngine {
     model: GpuModel,
     act: Option<Activations>,
+    /// Sequences `act` has room for.
+    act_batch: usize,
     kv: Option<KvCache>,
+    /// Finished continuous-batching steps not yet collected (one at most: steps run at once).
+    done: VecDeque<StepDone>,
     batch: usize,
     past: usize,
     last: Option<StepStats>,
@@ -29,7 +37,9 @@ impl SingleEngine {
         Ok(Self {
             model: GpuModel::upload(gpu, weights, placement, dtype)?,
             act: None,
+            act_batch: 0,
             kv: None,
+            done: VecDeque::new(),
             batch: 0,
             past: 0,
             last: None,
@@ -43,13 +53,36 @@ impl SingleEngine {
         &self.model
     }
 
-    fn forward(&mut self, ids: &[u32], step: Step) -> Result<Logits> {
+    /// Makes sure the activations hold `tokens` tokens of `batch` sequences.
+    fn reserve_activations(&mut self, tokens: usize, batch: usize) -> Result<()> {
+        let fits = self
+            .act
+            .as_ref()
+            .is_some_and(|a| self.act_batch >= batch && a.capacity() >= tokens);
+        if !fits {
+            let tokens = tokens.max(self.act.as_ref().map_or(0, Activations::capacity));
+            let batch = batch.max(self.act_batch);
+            self.act = Some(self.model.activations(tokens, batch)?);
+            self.act_batch = batch;
+        }
+        Ok(())
+    }
+
+    /// One forward step of `rows`; its span waits for `deps` and starts no earlier than
+    /// `release_us`. Returns the logits and the span.
+    fn forward(
+        &mut self,
+        ids: &[u32],
+        step: Step,
+        rows: &[SeqRow],
+        (deps, release_us): (&[SpanId], Option<f64>),
+    ) -> Result<(Logits, SpanId)> {
         let (Some(act), Some(kv)) = (&self.act, &self.kv) else {
             return Err(WgparError::InvalidCall("decode before prefill".into()));
         };
         let m = &self.model;
         m.write_ids(act, ids)?;
-        m.write_seqs(act, kv, &step, &step.rows())?;
+        m.write_seqs(act, kv, &step, rows)?;
         let start = Instant::now();
         let mut enc = m.gpu().encoder();
         self.timer.begin(&mut enc);
@@ -81,13 +114,18 @@ impl SingleEngine {
         let dev = m.gpu().ordinal() as u32;
         // One span: the whole step is one submit, with no point where the host could time a
         // layer without adding a synchronisation the single-device path does not need.
-        self.recorder.record_with(start, end, || {
-            SpanAttrs::compute("forward", dev)
+        let span = self.recorder.record_with(start, end, || {
+            let a = SpanAttrs::compute("forward", dev)
                 .flops(work.flops)
                 .bytes(work.bytes)
                 .family(KernelFamily::Matmul)
                 .kernels(work.kernels)
                 .device_us(device_us)
+                .after_all(deps);
+            match release_us {
+                Some(us) => a.not_before_us(us),
+                None => a,
+            }
         });
         self.last = Some(StepStats {
             tokens: step.tokens(),
@@ -96,11 +134,14 @@ impl SingleEngine {
             ..Default::default()
         });
         self.past += step.seq;
-        Ok(Logits {
-            batch: step.batch,
-            vocab,
-            data,
-        })
+        Ok((
+            Logits {
+                batch: step.batch,
+                vocab,
+                data,
+            },
+            span,
+        ))
     }
 }
 
@@ -111,28 +152,19 @@ impl Engine for SingleEngine {
 
     fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits> {
         let (batch, seq) = prompt_shape(prompts)?;
-        let tokens = batch * seq;
-        let fits = self
-            .act
-            .as_ref()
-            .is_some_and(|a| self.batch == batch && a.capacity() >= tokens);
-        if !fits {
-            self.act = Some(self.model.activations(tokens, batch)?);
-        }
+        self.reserve_activations(batch * seq, batch)?;
         if self.kv.as_ref().map(|k| k.slots()) != Some(batch) {
             self.kv = Some(self.model.kv_cache(batch)?);
         }
         self.batch = batch;
         self.past = 0;
         let ids: Vec<u32> = prompts.concat();
-        self.forward(
-            &ids,
-            Step {
-                batch,
-                seq,
-                past: 0,
-            },
-        )
+        let step = Step {
+            batch,
+            seq,
+            past: 0,
+        };
+        Ok(self.forward(&ids, step, &step.rows(), (&[], None))?.0)
     }
 
     fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
@@ -142,7 +174,7 @@ impl Engine for SingleEngine {
             seq: 1,
             past: self.past,
         };
-        self.forward(tokens, step)
+        Ok(self.forward(tokens, step, &step.rows(), (&[], None))?.0)
     }
 
     fn last_step(&self) -> Option<StepStats> {
@@ -156,5 +188,49 @@ impl Engine for SingleEngine {
         );
         super::sync_span_timer(&mut self.timer, self.model.gpu(), &recorder);
         self.recorder = recorder;
+    }
+}
+
+impl StepEngine for SingleEngine {
+    fn model_config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn lanes(&self) -> usize {
+        1
+    }
+
+    fn reserve_slots(&mut self, slots: usize) -> Result<()> {
+        self.kv = Some(self.model.kv_cache(slots)?);
+        // The plain batch (prefill/decode) lived in the old cache.
+        self.batch = 0;
+        self.done.clear();
+        Ok(())
+    }
+
+    fn slots(&self) -> usize {
+        self.kv.as_ref().map_or(0, KvCache::slots)
+    }
+
+    /// Runs the step at once; [`complete`](StepEngine::complete) hands it back.
+    fn submit(&mut self, step: BatchStep) -> Result<()> {
+        let shape = Step {
+            batch: step.rows.len(),
+            seq: step.seq,
+            past: 0,
+        };
+        self.reserve_activations(shape.tokens(), shape.batch)?;
+        let (logits, span) =
+            self.forward(&step.ids, shape, &step.rows, (&step.deps, step.release_us))?;
+        self.done.push_back(StepDone {
+            lane: step.lane,
+            logits,
+            span,
+        });
+        Ok(())
+    }
+
+    fn complete(&mut self, _timeout: Option<Duration>) -> Result<Option<StepDone>> {
+        Ok(self.done.pop_front())
     }
 }

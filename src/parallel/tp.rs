@@ -8,7 +8,7 @@
 //! `batch x vocab` logits per step to save `vocab x hidden` weights per device. Only rank 0
 //! computes the head; the other ranks skip it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,13 +16,16 @@ use std::time::{Duration, Instant};
 use super::cost;
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::worker::Workers;
-use super::{check_decode, prompt_shape, Engine, Fault, FaultKind, Logits, StepStats};
+use super::{
+    check_decode, prompt_shape, BatchStep, Engine, Fault, FaultKind, Logits, StepDone, StepEngine,
+    StepStats,
+};
 use crate::comm::{CommConfig, Communicator, CrossProcessGroup, RankHandle};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
 use crate::model::{
-    Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec,
-    Step,
+    Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, SeqRow,
+    ShardSpec, Step,
 };
 use crate::sim::{Algorithm, Direction, LinkPacer};
 use crate::trace::{CollectiveOp, KernelFamily, Recorder, SpanAttrs, SpanId};
@@ -75,7 +78,14 @@ pub(crate) struct GroupJob {
     pub release: bool,
     pub recorder: Recorder,
     pub microbatch: Option<u32>,
-    pub dep: SpanId,
+    /// What the step's first span waits for.
+    pub deps: Vec<SpanId>,
+    /// Earliest start of the step's first span, microseconds since the recorder's epoch.
+    pub release_us: Option<f64>,
+    /// The step's sequence table (`None`: row b in slot b, all at `step.past`).
+    pub rows: Option<Arc<Vec<SeqRow>>>,
+    /// Slots of the cache `new_cache` makes (`None`: one per sequence of the step).
+    pub slots: Option<usize>,
     /// Encoders: token types and real lengths of the padded batch (every rank needs the
     /// lengths: they mask attention).
     pub encoder: Option<Arc<EncoderExtras>>,
@@ -94,8 +104,18 @@ pub(crate) struct EncoderExtras {
 pub(crate) struct RankOutput {
     pub output: Option<GroupOutput>,
     pub compute_s: f64,
+    /// Time in all-reduces, waits for the slowest rank included.
     pub comm_s: f64,
-    pub handoff_s: f64,
+    /// The part of `comm_s` spent waiting for the slowest rank (the wait spans).
+    pub wait_s: f64,
+    /// Upload of a pipeline hand-off (the h2d span).
+    pub upload_s: f64,
+    /// Download of the output (the d2h span), rank 0.
+    pub download_s: f64,
+    /// Host transfers (uploads and downloads).
+    pub transfers: usize,
+    /// Bytes uploaded from a previous pipeline stage.
+    pub upload_bytes: u64,
     pub collectives: usize,
     pub bytes: u64,
     pub last_span: SpanId,
@@ -133,7 +153,7 @@ impl Rank {
         let step = job.step;
         let rec = &job.recorder;
         if job.new_cache {
-            let cache = self.model.kv_cache(step.batch)?;
+            let cache = self.model.kv_cache(job.slots.unwrap_or(step.batch))?;
             self.caches.insert(job.group, cache);
         }
         let tokens = step.tokens();
@@ -161,12 +181,23 @@ impl Rank {
             output: None,
             compute_s: 0.0,
             comm_s: 0.0,
-            handoff_s: 0.0,
+            wait_s: 0.0,
+            upload_s: 0.0,
+            download_s: 0.0,
+            transfers: 0,
+            upload_bytes: 0,
             collectives: 0,
             bytes: 0,
             last_span: SpanId::NONE,
         };
-        let mut prev = job.dep;
+        // The first span waits for the job's dependencies; each later one for the one before.
+        let mut prev: Vec<SpanId> = job.deps.clone();
+        // ... and starts no earlier than the job's release, if it has one.
+        let mut release = job.release_us;
+        let released = |a: SpanAttrs, rel: Option<f64>| match rel {
+            Some(us) => a.not_before_us(us),
+            None => a,
+        };
         if let Some(e) = &job.encoder {
             m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
         }
@@ -184,18 +215,30 @@ impl Rank {
                     .communicator()
                     .collectives()
                     .upload(&gpu, &act.x, 0, hidden)?;
+                if let Some(p) = &job.pacer {
+                    p.pace(Direction::HostToDevice, bytes, t0);
+                }
                 let t1 = Instant::now();
-                out.handoff_s += (t1 - t0).as_secs_f64();
-                prev = rec.record_with(t0, t1, || {
-                    let a = SpanAttrs::h2d("activations", dev, bytes).after(prev);
+                out.upload_s += (t1 - t0).as_secs_f64();
+                out.upload_bytes += bytes;
+                out.transfers += 1;
+                let rel = release.take();
+                prev = vec![rec.record_with(t0, t1, || {
+                    let a = released(
+                        SpanAttrs::h2d("activations", dev, bytes).after_all(&prev),
+                        rel,
+                    );
                     match mb {
                         Some(k) => a.microbatch(k),
                         None => a,
                     }
-                });
+                })];
             }
         }
-        m.write_seqs(act, kv, &step, &step.rows())?;
+        match &job.rows {
+            Some(rows) => m.write_seqs(act, kv, &step, rows)?,
+            None => m.write_seqs(act, kv, &step, &step.rows())?,
+        }
         super::sync_span_timer(&mut self.timer, &gpu, rec);
         let timer = &self.timer;
         let mut start = Instant::now();
@@ -230,6 +273,7 @@ impl Rank {
                 // The next span's work goes into the fresh encoder.
                 timer.begin(&mut enc);
                 out.compute_s += (end - start).as_secs_f64();
+                let rel = release.take();
                 let compute = rec.record_with(start, end, || {
                     let a = SpanAttrs::compute(name, dev)
                         .layer(layer)
@@ -238,7 +282,8 @@ impl Rank {
                         .kernels(cost.kernels)
                         .family(family)
                         .device_us(device_us)
-                        .after(prev);
+                        .after_all(&prev);
+                    let a = released(a, rel);
                     match mb {
                         Some(k) => a.microbatch(k),
                         None => a,
@@ -293,6 +338,10 @@ impl Rank {
                 self.collectives += 1;
                 // Time spent waiting for the slowest rank is a wait span, not communication
                 // (the last rank to arrive waits for nobody).
+                // What precedes the collective span is waiting, recorded as a span or not.
+                out.wait_s += all_arrived
+                    .saturating_duration_since(comm_start)
+                    .as_secs_f64();
                 let waited = if all_arrived > comm_start + Duration::from_micros(1) {
                     rec.record_with(comm_start, all_arrived, || {
                         let a = SpanAttrs::wait("allreduce wait", dev)
@@ -307,7 +356,7 @@ impl Rank {
                     compute
                 };
                 let comm_start = all_arrived.max(comm_start);
-                prev = rec.record_with(comm_start, comm_end, || {
+                prev = vec![rec.record_with(comm_start, comm_end, || {
                     let a = SpanAttrs::collective(
                         "allreduce",
                         dev,
@@ -324,7 +373,7 @@ impl Rank {
                         Some(k) => a.microbatch(k),
                         None => a,
                     }
-                });
+                })];
                 start = Instant::now();
                 if half == 0 {
                     m.attention_residual(&mut enc, i, act, &step)?;
@@ -355,7 +404,7 @@ impl Rank {
                 .bytes(if holds_head { head.bytes } else { bytes * 3 })
                 .kernels(if holds_head { head.kernels } else { 1 })
                 .device_us(device_us)
-                .after(prev);
+                .after_all(&prev);
             match mb {
                 Some(k) => a.microbatch(k),
                 None => a,
@@ -364,11 +413,12 @@ impl Rank {
         out.last_span = tail;
         if shard.rank == 0 {
             let t0 = Instant::now();
-            out.output = Some(match (holds_head, m.output(act)) {
+            let (output, name, n) = match (holds_head, m.output(act)) {
                 (true, Some((result, width))) => {
                     let mut data = gpu.read_f32(result)?;
                     data.truncate(step.batch * width);
-                    GroupOutput::Logits(data)
+                    let n = (data.len() * 4) as u64;
+                    (GroupOutput::Logits(data), "logits", n)
                 }
                 _ => {
                     let download = self
@@ -376,22 +426,27 @@ impl Rank {
                         .communicator()
                         .collectives()
                         .begin_download_range(&gpu, &act.x, 0..tokens * config.hidden)?;
-                    let hidden = download.finish()?;
-                    if let Some(p) = &job.pacer {
-                        p.pace(Direction::DeviceToHost, bytes, t0);
-                    }
-                    let t1 = Instant::now();
-                    out.last_span = rec.record_with(t0, t1, || {
-                        let a = SpanAttrs::d2h("activations", dev, bytes).after(tail);
-                        match mb {
-                            Some(k) => a.microbatch(k),
-                            None => a,
-                        }
-                    });
-                    GroupOutput::Hidden(hidden)
+                    (
+                        GroupOutput::Hidden(download.finish()?),
+                        "activations",
+                        bytes,
+                    )
+                }
+            };
+            if let Some(p) = &job.pacer {
+                p.pace(Direction::DeviceToHost, n, t0);
+            }
+            let t1 = Instant::now();
+            out.last_span = rec.record_with(t0, t1, || {
+                let a = SpanAttrs::d2h(name, dev, n).after(tail);
+                match mb {
+                    Some(k) => a.microbatch(k),
+                    None => a,
                 }
             });
-            out.handoff_s += t0.elapsed().as_secs_f64();
+            out.download_s += (t1 - t0).as_secs_f64();
+            out.transfers += 1;
+            out.output = Some(output);
         }
         if job.release {
             self.caches.remove(&job.group);
@@ -593,6 +648,21 @@ impl TpGroup {
     }
 }
 
+/// How a step uses the KV cache and the timeline, beyond its shape.
+#[derive(Default)]
+struct StepPlan {
+    /// Make a fresh KV cache of this many slots first.
+    new_cache: Option<usize>,
+    /// The sequence table (`None`: the plain batch).
+    rows: Option<Arc<Vec<SeqRow>>>,
+    /// What the step waits for (`None`: the previous step's logits).
+    deps: Option<Vec<SpanId>>,
+    /// Earliest start, microseconds since the recorder's epoch.
+    release_us: Option<f64>,
+    /// Encoder inputs.
+    encoder: Option<Arc<EncoderExtras>>,
+}
+
 /// The model sharded over several devices, one worker thread per device.
 pub struct TensorParallelEngine {
     group: TpGroup,
@@ -605,6 +675,11 @@ pub struct TensorParallelEngine {
     last: Option<StepStats>,
     failed: Option<String>,
     recorder: Recorder,
+    /// Continuous batching: slots reserved, and whether the next step makes the cache.
+    serve_slots: usize,
+    serve_fresh: bool,
+    /// Finished continuous-batching steps not yet collected.
+    done: VecDeque<StepDone>,
 }
 
 impl TensorParallelEngine {
@@ -656,6 +731,9 @@ impl TensorParallelEngine {
             last: None,
             failed: None,
             recorder: Recorder::disabled(),
+            serve_slots: 0,
+            serve_fresh: false,
+            done: VecDeque::new(),
         }
     }
 
@@ -670,7 +748,11 @@ impl TensorParallelEngine {
     }
 
     fn step(&mut self, ids: Vec<u32>, step: Step, new_cache: bool) -> Result<Logits> {
-        let data = self.run(ids, step, new_cache, None)?;
+        let plan = StepPlan {
+            new_cache: new_cache.then_some(step.batch),
+            ..StepPlan::default()
+        };
+        let data = self.run(ids, step, plan)?;
         Ok(Logits {
             batch: step.batch,
             vocab: self.config.vocab,
@@ -679,13 +761,7 @@ impl TensorParallelEngine {
     }
 
     /// One step on every rank; returns rank 0's final output (logits or pooled embeddings).
-    fn run(
-        &mut self,
-        ids: Vec<u32>,
-        step: Step,
-        new_cache: bool,
-        encoder: Option<Arc<EncoderExtras>>,
-    ) -> Result<Vec<f32>> {
+    fn run(&mut self, ids: Vec<u32>, step: Step, plan: StepPlan) -> Result<Vec<f32>> {
         if let Some(why) = &self.failed {
             return Err(WgparError::EngineStopped {
                 engine: "tensor-parallel engine".into(),
@@ -693,6 +769,7 @@ impl TensorParallelEngine {
             });
         }
         let start = Instant::now();
+        let new_cache = plan.new_cache.is_some();
         let job = GroupJob {
             group: 0,
             input: GroupInput::Ids(Arc::new(ids)),
@@ -701,12 +778,17 @@ impl TensorParallelEngine {
             release: false,
             recorder: self.recorder.clone(),
             microbatch: None,
-            dep: if new_cache {
-                SpanId::NONE
-            } else {
-                self.last_span
-            },
-            encoder,
+            deps: plan.deps.unwrap_or_else(|| {
+                if new_cache {
+                    Vec::new()
+                } else {
+                    vec![self.last_span]
+                }
+            }),
+            release_us: plan.release_us,
+            rows: plan.rows,
+            slots: plan.new_cache,
+            encoder: plan.encoder,
             pacer: self.pacer.clone(),
         };
         let outputs = match self.group.run(job) {
@@ -754,7 +836,12 @@ impl Encoder for TensorParallelEngine {
             past: 0,
         };
         let extras = Arc::new(EncoderExtras { types, lens });
-        let data = self.run(ids, step, true, Some(extras))?;
+        let plan = StepPlan {
+            new_cache: Some(step.batch),
+            encoder: Some(extras),
+            ..StepPlan::default()
+        };
+        let data = self.run(ids, step, plan)?;
         Ok(Embeddings {
             batch: inputs.len(),
             dim: self.config.hidden,
@@ -827,5 +914,70 @@ impl Engine for TensorParallelEngine {
 
     fn inject_fault(&mut self, rank: usize, fault: Fault) -> Result<()> {
         self.group.inject_fault(rank, fault)
+    }
+}
+
+impl StepEngine for TensorParallelEngine {
+    fn model_config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn lanes(&self) -> usize {
+        1
+    }
+
+    /// The ranks make their caches with the next step.
+    fn reserve_slots(&mut self, slots: usize) -> Result<()> {
+        if slots == 0 {
+            return Err(WgparError::InvalidCall(
+                "a KV cache needs at least one slot".into(),
+            ));
+        }
+        self.serve_slots = slots;
+        self.serve_fresh = true;
+        // The plain batch (prefill/decode) lived in the old cache.
+        self.batch = 0;
+        self.done.clear();
+        Ok(())
+    }
+
+    fn slots(&self) -> usize {
+        self.serve_slots
+    }
+
+    /// Runs the step at once on every rank; [`complete`](StepEngine::complete) hands it back.
+    fn submit(&mut self, step: BatchStep) -> Result<()> {
+        if self.serve_slots == 0 {
+            return Err(WgparError::InvalidCall(
+                "submit before reserve_slots".into(),
+            ));
+        }
+        let shape = Step {
+            batch: step.rows.len(),
+            seq: step.seq,
+            past: 0,
+        };
+        let plan = StepPlan {
+            new_cache: std::mem::take(&mut self.serve_fresh).then_some(self.serve_slots),
+            rows: Some(Arc::new(step.rows)),
+            deps: Some(step.deps),
+            release_us: step.release_us,
+            encoder: None,
+        };
+        let data = self.run(step.ids, shape, plan)?;
+        self.done.push_back(StepDone {
+            lane: step.lane,
+            logits: Logits {
+                batch: shape.batch,
+                vocab: self.config.vocab,
+                data,
+            },
+            span: self.last_span,
+        });
+        Ok(())
+    }
+
+    fn complete(&mut self, _timeout: Option<Duration>) -> Result<Option<StepDone>> {
+        Ok(self.done.pop_front())
     }
 }

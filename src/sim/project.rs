@@ -9,7 +9,11 @@
 //!    `shared_by`) wait for each other;
 //! 3. spans of one collective group start together, when the last participant is ready;
 //! 4. (with [`StepBarriers::Idle`]) where nothing was running in the recorded run, the host was
-//!    between steps: every later span waits for every earlier one;
+//!    between steps: every later span waits for every earlier one. Not for a timeline whose
+//!    engine recorded every wait of its driver ([`Timeline::has_complete_dependencies`], e.g.
+//!    an in-flight pipeline, where micro-batches share no step boundary);
+//!    A span released by an outside event (a request's arrival, [`Span::release_ns`])
+//!    starts no earlier than the same time after the first span as it was released;
 //! 5. compute spans of devices that share a processor ([`ComputeSharing`]) slow each other
 //!    down while they overlap, by the profile's measured slowdown.
 //!
@@ -63,7 +67,9 @@ pub enum StepBarriers {
     /// Engines are driven by a host loop that collects a step's results before it issues the
     /// next step; that wait is not a recorded dependency, and without this rule a projection
     /// would overlap consecutive steps (a pipeline's next step would enter stage 0 while the
-    /// previous one still runs on the last stage).
+    /// previous one still runs on the last stage). A timeline that declares its dependencies
+    /// complete ([`Timeline::has_complete_dependencies`]) records those waits, and is
+    /// projected as with [`StepBarriers::Off`].
     #[default]
     Idle,
     /// Only recorded dependencies and resource order constrain the schedule.
@@ -120,6 +126,11 @@ pub fn project_engine(
     }
     let mut tl = timeline.clone();
     tl.validate()?;
+    let mut options = *options;
+    if tl.has_complete_dependencies() {
+        options.barriers = StepBarriers::Off;
+    }
+    let options = &options;
     let spans = &tl.spans;
     let n = spans.len();
     let model = CostModel::with_engine(profile, engine);
@@ -238,6 +249,14 @@ pub fn project_engine(
 
     // Measured host gap of each span: start minus the latest end of its predecessors.
     let first_start = spans.iter().map(|s| s.start_ns).min().unwrap_or(0);
+    // Release times, on the projection's clock (the first span starts at 0).
+    let release_us: Vec<f64> = spans
+        .iter()
+        .map(|s| {
+            s.release_ns
+                .map_or(0.0, |r| r.saturating_sub(first_start) as f64 / 1e3)
+        })
+        .collect();
     let gap_us: Vec<f64> = (0..n)
         .map(|i| match options.host_gaps {
             HostGaps::Drop => 0.0,
@@ -273,11 +292,18 @@ pub fn project_engine(
             }
         })
         .collect();
-    let (start, end) = simulate(&members, &unit_of, &preds, &gap_us, &cost, &pool_of_unit)
-        .map_err(|stuck| ProjectError::Cycle {
-            span: spans[stuck].id,
-            name: spans[stuck].name.clone(),
-        })?;
+    let (start, end) = simulate(
+        &members,
+        &unit_of,
+        &preds,
+        (&gap_us, &release_us),
+        &cost,
+        &pool_of_unit,
+    )
+    .map_err(|stuck| ProjectError::Cycle {
+        span: spans[stuck].id,
+        name: spans[stuck].name.clone(),
+    })?;
 
     let device_count = tl.device_count();
     let projected = Summary::from_intervals(
@@ -572,14 +598,14 @@ impl Pool<'_> {
 const DONE_US: f64 = 1e-6;
 
 /// Event-driven schedule of the units: a unit starts when every predecessor outside it has
-/// ended (plus hops) and its host gap has passed; it then runs for its cost, or, on a shared
+/// ended (plus hops) and its host gap has passed, and not before its release time; it then runs for its cost, or, on a shared
 /// processor, until its work is done at the rate the current sharing allows. Returns start and
 /// end per span, or the index of a span stuck in a cycle.
 fn simulate(
     members: &[Vec<usize>],
     unit_of: &[usize],
     preds: &[Vec<(usize, f64)>],
-    gap_us: &[f64],
+    (gap_us, release_us): (&[f64], &[f64]),
     cost: &[f64],
     pool_of_unit: &[Option<Shared<'_>>],
 ) -> Result<(Vec<f64>, Vec<f64>), usize> {
@@ -607,7 +633,7 @@ fn simulate(
                     .filter(|&&(p, _)| unit_of[p] != u)
                     .map(|&(p, hop)| end[p] + hop)
                     .fold(0.0, f64::max);
-                after + gap_us[m]
+                (after + gap_us[m]).max(release_us[m])
             })
             .fold(0.0, f64::max)
     };
@@ -709,4 +735,66 @@ fn simulate(
         return Err(stuck);
     }
     Ok((start, end))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::{KernelFamily, SpanAttrs};
+
+    fn work(name: &'static str, device: u32) -> SpanAttrs {
+        SpanAttrs::compute(name, device)
+            .flops(1_000_000)
+            .bytes(1_000_000)
+            .family(KernelFamily::Matmul)
+    }
+
+    /// Two independent spans on two devices, the second recorded after an idle instant.
+    fn two_steps() -> Timeline {
+        let mut tl = Timeline::new();
+        tl.push_us(work("a", 0), 0.0, 100.0);
+        tl.push_us(work("b", 1), 300.0, 100.0);
+        tl
+    }
+
+    fn starts(p: &Projection) -> Vec<u64> {
+        p.timeline.spans.iter().map(|s| s.start_ns).collect()
+    }
+
+    #[test]
+    fn idle_instants_are_barriers_unless_dependencies_are_complete() {
+        let profile = HostProfile::resolve("pcie4-2gpu").unwrap();
+        let opts = ProjectOptions::default();
+        let barred = project(&two_steps(), &profile, &opts).unwrap();
+        let s = starts(&barred);
+        assert!(
+            s[1] > 0 && s[1] >= barred.timeline.spans[0].end_ns(),
+            "{s:?}"
+        );
+
+        let mut complete = two_steps();
+        complete
+            .meta
+            .insert("dependencies".into(), "complete".into());
+        assert!(complete.has_complete_dependencies());
+        let free = project(&complete, &profile, &opts).unwrap();
+        assert_eq!(starts(&free), vec![0, 0]);
+        assert_eq!(free.report.options.barriers, StepBarriers::Off);
+    }
+
+    #[test]
+    fn a_released_span_starts_no_earlier_than_its_release() {
+        let profile = HostProfile::resolve("pcie4-2gpu").unwrap();
+        let mut tl = Timeline::new();
+        tl.meta.insert("dependencies".into(), "complete".into());
+        // The first span starts 1 ms after the epoch; the second was released 5 ms later.
+        tl.push_us(work("a", 0), 1000.0, 100.0);
+        tl.push_us(work("b", 1).not_before_us(6000.0), 6100.0, 100.0);
+        let p = project(&tl, &profile, &ProjectOptions::default()).unwrap();
+        assert_eq!(p.timeline.spans[1].start_ns, 5_000_000);
+        // Without the release it would start at once on its idle device.
+        tl.spans[1].release_ns = None;
+        let p = project(&tl, &profile, &ProjectOptions::default()).unwrap();
+        assert_eq!(p.timeline.spans[1].start_ns, 0);
+    }
 }

@@ -183,6 +183,14 @@ impl Recorder {
         }
     }
 
+    /// Declares that the engine recording here records, for every span, everything it waited
+    /// for (including its driver's waits between steps), so that a projection replays the
+    /// dependencies as recorded and infers no step barriers from idle instants.
+    pub fn declare_complete_dependencies(&self) {
+        let (key, value) = super::timeline::COMPLETE_DEPENDENCIES;
+        self.set_meta(key, value);
+    }
+
     /// A copy of everything recorded so far, spans sorted by id (empty when disabled).
     pub fn timeline(&self) -> Timeline {
         match &self.inner {
