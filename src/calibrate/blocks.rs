@@ -8,6 +8,7 @@ use crate::error::Result;
 use crate::model::{Activations, GpuModel, KvCache, ModelConfig, ShardSpec, Step};
 use crate::parallel::cost;
 
+use super::kernels::DispatchCosts;
 use super::median_time;
 
 /// Dispatches the model's blocks encode per layer: (attention half with its residual, whole
@@ -119,7 +120,7 @@ pub(super) struct BlockCurves {
 pub(super) fn block_curves(
     m: &GpuModel,
     steps: &[Step],
-    launch_us: f64,
+    dispatch: DispatchCosts,
     iters: usize,
     log: &mut dyn Write,
 ) -> Result<BlockCurves> {
@@ -130,9 +131,10 @@ pub(super) fn block_curves(
     let (mut attn, mut whole, mut alone_s) = (Vec::new(), Vec::new(), Vec::new());
     say!(
         log,
-        "  model blocks ({} layers, one submit), net of {:.1} us per dispatch:",
+        "  model blocks ({} layers, one submit), net of {:.1} us per dispatch and {:.1} us per submit:",
         m.num_layers(),
-        launch_us
+        dispatch.launch_us,
+        dispatch.submit_us
     );
     say!(
         log,
@@ -154,9 +156,11 @@ pub(super) fn block_curves(
             (true, a.flops + mc.flops, a.bytes + mc.bytes, layer_k),
         ] {
             let t = time_blocks(m, step, whole_layer, iters)?;
-            // Dispatch costs are added back per recorded kernel by the projection; a noisy
-            // estimate must not leave less than a tenth of the measured time.
-            let net = (t - layers * k as f64 * launch_us / 1e6).max(t / 10.0);
+            // Dispatch costs are added back per recorded kernel, the submission's per
+            // compute span, by the projection; a noisy estimate must not leave less than a
+            // tenth of the measured time.
+            let fixed_us = layers * k as f64 * dispatch.launch_us + dispatch.submit_us;
+            let net = (t - fixed_us / 1e6).max(t / 10.0);
             let p = Point {
                 intensity: flops as f64 / bytes as f64,
                 gflops: flops as f64 * layers / net / 1e9,

@@ -179,8 +179,9 @@ fn parse_workload(text: &str) -> Result<Workload> {
     })
 }
 
-/// Why `config` cannot run `model` (a TP degree its heads do not divide, more pipeline stages
-/// than layers), or `None`. Unknown names pass: `wgpar run` reports them.
+/// Why `config` cannot run `workload` (more micro-batches than sequences, a TP degree its
+/// heads do not divide, more pipeline stages than layers), or `None`. Unknown model names
+/// pass: `wgpar run` reports them.
 fn unrunnable(config: &Config, workload: &Workload) -> Option<String> {
     let micro_batches = config
         .args
@@ -188,9 +189,9 @@ fn unrunnable(config: &Config, workload: &Workload) -> Option<String> {
         .position(|a| a == "--micro-batches")
         .and_then(|i| config.args.get(i + 1))
         .and_then(|m| m.parse::<usize>().ok());
-    if let Some(mb) = micro_batches.filter(|&mb| mb > workload.batch) {
+    if let Some(m) = micro_batches.filter(|&m| m > workload.batch) {
         return Some(format!(
-            "{}: {mb} micro-batches for a batch of {}",
+            "{}: {m} micro-batches for a batch of {}",
             config.name, workload.batch
         ));
     }
@@ -576,15 +577,17 @@ mod tests {
         // tiny-gpt2 has 6 heads and 2 layers: no TP over 4, no 4-stage pipeline.
         let tp4 = parse_config("tp4").unwrap();
         let pp4 = parse_config("pp4-m1").unwrap();
-        let gpt2 = parse_workload("tiny-gpt2:2x8").unwrap();
-        assert!(unrunnable(&tp4, &gpt2).is_some());
-        assert!(unrunnable(&pp4, &gpt2).is_some());
-        assert!(unrunnable(&parse_config("tp2").unwrap(), &gpt2).is_none());
-        assert!(unrunnable(&tp4, &parse_workload("default:2x8").unwrap()).is_none());
-        // Each micro-batch needs a sequence: m = 4 does not split a batch of 2.
-        let why = unrunnable(&parse_config("pp2-m4").unwrap(), &gpt2).unwrap();
+        let default = parse_workload("default:8x32").unwrap();
+        assert!(unrunnable(&tp4, &w).is_some());
+        assert!(unrunnable(&pp4, &w).is_some());
+        assert!(unrunnable(&parse_config("tp2").unwrap(), &w).is_none());
+        assert!(unrunnable(&tp4, &default).is_none());
+        // Four micro-batches need four sequences.
+        let pp2_m4 = parse_config("pp2-m4").unwrap();
+        let two = parse_workload("default:2x64").unwrap();
+        let why = unrunnable(&pp2_m4, &two).unwrap();
         assert!(why.contains("4 micro-batches for a batch of 2"), "{why}");
-        assert!(unrunnable(&parse_config("pp2-m2").unwrap(), &gpt2).is_none());
+        assert!(unrunnable(&pp2_m4, &w).is_none());
     }
 
     #[test]
