@@ -23,8 +23,8 @@ use crate::error::Result;
 use crate::model::ModelWeights;
 use crate::parallel::pp::{Output, Segment};
 use crate::parallel::{
-    partition, Engine, Logits, Partition, PartitionSpec, PipelineEngine, PipelineStats, Schedule,
-    StageStats, StepStats, Strategy, TensorParallelEngine,
+    partition, Decoded, Engine, Logits, Partition, PartitionSpec, PipelineEngine, PipelineStats,
+    Schedule, StageStats, StepStats, Strategy, TensorParallelEngine,
 };
 use crate::sim::LinkPacer;
 use crate::trace::Recorder;
@@ -282,6 +282,14 @@ impl Engine for PipelineDriver {
 
     fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
         let r = self.inner().decode(tokens);
+        self.failed |= r.is_err();
+        r
+    }
+
+    /// The pipeline's own schedule (in flight unless `--schedule gpipe`): the other ranks'
+    /// stages take whatever passes arrive, so in-flight decode spans ranks as it is.
+    fn decode_greedy(&mut self, next: &[u32], steps: usize, keep_logits: bool) -> Result<Decoded> {
+        let r = self.inner().decode_greedy(next, steps, keep_logits);
         self.failed |= r.is_err();
         r
     }
