@@ -5,22 +5,38 @@ use std::io::Write;
 
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
-use crate::kernels::ops::{self, AttnShape, Elementwise, MatmulKernel, Norm};
+use crate::kernels::ops::{
+    self, AttnShape, Elementwise, ElementwiseOp, MatmulIo, MatmulKernel, Norm, Operand, Params,
+    Pass,
+};
 use crate::model::ModelConfig;
 
 use super::{median_time, random};
 use crate::stats::median;
 
 /// Cost of one dispatch, microseconds: a batch of tiny dispatches in one submit, minus one.
+/// The op is bound once and its dispatches share a compute pass, as the engines run theirs.
 pub(super) fn launch_overhead_us(gpu: &Gpu, iters: usize) -> Result<f64> {
     let a = gpu.upload_f32("calibrate.a", &random(64, 1))?;
     let b = gpu.upload_f32("calibrate.b", &random(64, 2))?;
+    let mut params = Params::new(gpu, "calibrate.params", 1)?;
+    let mut op = ElementwiseOp::bind(
+        gpu,
+        &mut params,
+        Elementwise::Add,
+        (&a, Operand::Tensor(&b)),
+        (1, 64),
+    )?;
+    op.configure(gpu, &mut params, 1)?;
+    params.flush(gpu);
     let batch = |reps: usize| {
         median_time(iters, || {
             let mut e = gpu.encoder();
+            let mut pass = Pass::new(&mut e);
             for _ in 0..reps {
-                ops::elementwise(gpu, &mut e, Elementwise::Add, &a, Some(&b), (1, 64))?;
+                pass.run(&op)?;
             }
+            drop(pass);
             gpu.submit(e);
             gpu.wait()
         })
@@ -81,7 +97,13 @@ pub(super) fn kernel_rates(
         say_part!(log, "    {t:>8}");
         for (&(n, k), w) in shapes.iter().zip(&weights) {
             let s = per_dispatch(gpu, iters, 2, |e| {
-                ops::matmul(gpu, e, &x, w, None, &y, (t, n, k), MatmulKernel::Tiled)
+                let io = MatmulIo {
+                    x: &x,
+                    w,
+                    bias: None,
+                    y: &y,
+                };
+                ops::matmul(gpu, e, io, (t, n, k), MatmulKernel::Tiled)
             })?;
             say_part!(log, " {:>12.2}", 2.0 * (t * n * k) as f64 / s / 1e9);
         }
@@ -97,7 +119,14 @@ pub(super) fn kernel_rates(
     let (hr, fr) = (len / h, len / f);
     let mut gbps = Vec::new();
     let s = per_dispatch(gpu, iters, 2, |e| {
-        ops::norm(gpu, e, Norm::Rms { gamma: &gamma }, &a, &out, hr, h, 1e-5)
+        ops::norm(
+            gpu,
+            e,
+            Norm::Rms { gamma: &gamma },
+            (&a, &out),
+            (hr, h),
+            1e-5,
+        )
     })?;
     gbps.push(("rmsnorm", 2.0 * (hr * h * 4) as f64 / s / 1e9));
     let s = per_dispatch(gpu, iters, 2, |e| {

@@ -35,6 +35,10 @@ pub enum BenchCommand {
     /// PP), every run projected onto every calibration; median makespan error per
     /// configuration.
     Projection(super::bench_projection::ProjectionBenchArgs),
+    /// Host time to stage, record and submit one decode step, decode tokens/s, and the
+    /// buffers and bind groups a steady-state step creates (single device and tensor
+    /// parallel).
+    Decode(super::bench_decode::DecodeBenchArgs),
     /// Matmul GFLOP/s (against a naive baseline) and the other kernels' GB/s, per device.
     Kernels {
         #[command(flatten)]
@@ -181,6 +185,7 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
             *reps,
         ),
         BenchCommand::Projection(args) => super::bench_projection::run(args),
+        BenchCommand::Decode(args) => super::bench_decode::run(args),
         BenchCommand::Kernels {
             devices,
             sizes,

@@ -57,12 +57,15 @@ pub fn generate(
             model.model
         ))
     })?;
-    let mut sampler = Sampler::new(SamplingParams {
+    let sampling = SamplingParams {
         temperature: text.temperature,
         top_k: text.top_k,
         top_p: text.top_p,
         seed: model.seed,
-    })?;
+    };
+    // Checked before anything is loaded; the engine picks the tokens (on the device where it
+    // can).
+    Sampler::new(sampling)?;
     if max_new == 0 {
         return Err(WgparError::Config("--gen must be positive".into()));
     }
@@ -94,6 +97,7 @@ pub fn generate(
     let gpus = devices.open(&adapters)?;
     let dtype = model.dtype(&gpus)?;
     let mut engine = SingleEngine::new(gpus[0].clone(), &weights, dtype)?;
+    engine.set_sampling(sampling)?;
     eprintln!(
         "model {} ({:?}, {} layers, {:.1}M params) on {}; {} prompt tokens",
         weights.config.name,
@@ -105,7 +109,7 @@ pub fn generate(
     );
     drop(weights);
     let start = Instant::now();
-    let mut logits = engine.prefill(std::slice::from_ref(&ids))?;
+    let mut step = engine.prefill_step(std::slice::from_ref(&ids), false)?;
     let prefill_s = start.elapsed().as_secs_f64();
     // Print the decoded continuation as it grows; decoding prompt and continuation together
     // keeps word boundaries right for tokenizers that mark spaces on the following token.
@@ -117,7 +121,7 @@ pub fn generate(
     let decode_start = Instant::now();
     let mut generated = 0;
     loop {
-        let next = sampler.sample(logits.row(0));
+        let next = step.tokens[0];
         if eos.contains(&next) {
             break;
         }
@@ -133,7 +137,7 @@ pub fn generate(
         if generated == max_new {
             break;
         }
-        logits = engine.decode(&[next])?;
+        step = engine.decode_step(&[next], false)?;
     }
     let _ = writeln!(out);
     let decode_s = decode_start.elapsed().as_secs_f64();

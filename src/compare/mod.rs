@@ -18,7 +18,9 @@ use crate::comm::CommConfig;
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::model::{valid_tp_degrees, ModelConfig, ModelWeights};
-use crate::parallel::{build_engine, generate, Engine, PartitionSpec, Strategy};
+use crate::parallel::{
+    build_engine, generate, generate_keeping, Engine, KeepLogits, PartitionSpec, Strategy,
+};
 use crate::sim::{project, CollectivePolicy, HostProfile, ProjectOptions};
 use crate::trace::{Recorder, Timeline};
 
@@ -332,18 +334,23 @@ fn measure(
         let pre_rec = Recorder::new();
         engine.set_recorder(pre_rec.clone());
         let start = Instant::now();
-        let first = engine.prefill(&prompts)?;
+        // The prefill's logits are checked against the single device; decode steps read
+        // back token ids only, as generation does.
+        let first = engine.prefill_step(&prompts, true)?;
         let prefill_s = start.elapsed().as_secs_f64();
-        max_rel_err = max_rel_err.max(first.relative_error(&reference.logits));
+        let first_logits = first.logits.ok_or_else(|| WgparError::Worker {
+            worker: plan.label.clone(),
+            message: "the prefill returned no logits".into(),
+        })?;
+        max_rel_err = max_rel_err.max(first_logits.relative_error(&reference.logits));
         let dec_rec = Recorder::new();
         engine.set_recorder(dec_rec.clone());
-        let mut next = first.argmax();
+        let mut next = first.tokens;
         let mut tokens: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
         let start = Instant::now();
         let mut sent = 0u64;
         for _ in 1..steps {
-            let l = engine.decode(&next)?;
-            next = l.argmax();
+            next = engine.decode_step(&next, false)?.tokens;
             for (s, &t) in tokens.iter_mut().zip(&next) {
                 s.push(t);
             }
@@ -438,9 +445,17 @@ pub fn run_compare(
             let mut single =
                 build_engine(&Strategy::Single, gpus, &weights, opts.dtype, &comm, (1, 1))?;
             let p = prompts(plan.batch, opts.prompt_len, opts.config.vocab);
-            let g = generate(single.as_mut(), &p, opts.gen.max(2))?;
+            let g = generate_keeping(single.as_mut(), &p, opts.gen.max(2), KeepLogits::Prefill)?;
+            let first = g
+                .logits
+                .into_iter()
+                .next()
+                .ok_or_else(|| WgparError::Worker {
+                    worker: "compare".into(),
+                    message: "the reference run kept no prefill logits".into(),
+                })?;
             slot.insert(Reference {
-                logits: g.logits[0].data.clone(),
+                logits: first.data,
                 tokens: g.tokens,
             });
         }

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::ops::{self, AttnShape, Elementwise, MatmulKernel, Norm};
+use super::ops::{self, AttnShape, Elementwise, MatmulIo, MatmulKernel, Norm};
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::Result;
 
@@ -125,7 +125,13 @@ pub fn bench_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
                 // The naive kernel at 2048 takes seconds per call on a CPU driver; one sample
                 // is enough there.
                 let s = time(gpu, opts, &|e| {
-                    ops::matmul(gpu, e, &x, &w, None, &y, (n, n, n), kernel)
+                    let io = MatmulIo {
+                        x: &x,
+                        w: &w,
+                        bias: None,
+                        y: &y,
+                    };
+                    ops::matmul(gpu, e, io, (n, n, n), kernel)
                 })?;
                 let name = match kernel {
                     MatmulKernel::Naive => "matmul_naive",
@@ -169,10 +175,8 @@ fn bandwidth_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
                 gamma: &gamma,
                 beta: &gamma,
             },
-            &a,
-            &out,
-            rows,
-            cols,
+            (&a, &out),
+            (rows, cols),
             1e-5,
         )
     })?;
@@ -182,10 +186,8 @@ fn bandwidth_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
             gpu,
             e,
             Norm::Rms { gamma: &gamma },
-            &a,
-            &out,
-            rows,
-            cols,
+            (&a, &out),
+            (rows, cols),
             1e-5,
         )
     })?;
@@ -207,7 +209,7 @@ fn bandwidth_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
     let ids: Vec<u32> = (0..rows as u32).map(|i| i * 31 % vocab as u32).collect();
     let ids = gpu.upload_u32("ids", &ids)?;
     let s = time(gpu, opts, &|e| {
-        ops::embed(gpu, e, &ids, &wte, None, &out, (1, rows, cols))
+        ops::embed(gpu, e, (&ids, &wte, None), &out, (1, rows, cols))
     })?;
     push("embed", 2.0 * bytes, s, shape.clone());
     // Attention: decode against a 512-token cache, and a 128-token prefill, 16 heads of 64.

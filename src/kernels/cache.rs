@@ -26,7 +26,9 @@ fn checked_shaders() -> bool {
 #[derive(Debug, Default)]
 pub struct KernelCache {
     kernels: Mutex<HashMap<Key, Arc<Kernel>>>,
-    layouts: Mutex<HashMap<Family, wgpu::BindGroupLayout>>,
+    /// Keyed by the bindings, not the family: families whose entries are identical (every
+    /// variant of an op) share one layout, so a bind group made once serves them all.
+    layouts: Mutex<HashMap<&'static [BindingKind], wgpu::BindGroupLayout>>,
     modules: Mutex<HashMap<(Family, WeightType), wgpu::ShaderModule>>,
 }
 
@@ -77,13 +79,15 @@ impl KernelCache {
         self.kernels.lock().map(|m| m.len()).unwrap_or(0)
     }
 
-    fn layout(&self, device: &wgpu::Device, family: Family) -> wgpu::BindGroupLayout {
+    /// The bind group layout of `family`, made on first use and shared by every family with
+    /// the same bindings.
+    pub(crate) fn layout(&self, device: &wgpu::Device, family: Family) -> wgpu::BindGroupLayout {
         let mut layouts = match self.layouts.lock() {
             Ok(l) => l,
             Err(poisoned) => poisoned.into_inner(),
         };
         layouts
-            .entry(family)
+            .entry(family.bindings())
             .or_insert_with(|| {
                 let entries: Vec<wgpu::BindGroupLayoutEntry> = family
                     .bindings()

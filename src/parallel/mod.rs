@@ -5,6 +5,7 @@ mod balance;
 pub mod cost;
 mod encoder;
 pub mod partition;
+mod pick;
 mod pp;
 mod single;
 mod strategy;
@@ -24,6 +25,7 @@ pub use strategy::{build_engine, PartitionSpec, Strategy};
 pub use tp::TensorParallelEngine;
 
 use crate::error::{Result, WgparError};
+use crate::model::sampling::SamplingParams;
 use crate::sim::LinkPacer;
 use crate::trace::Recorder;
 use std::sync::Arc;
@@ -45,6 +47,10 @@ pub struct StepStats {
     pub bytes_sent: u64,
     /// Bytes one device received from the host in the step.
     pub bytes_received: u64,
+    /// Host time to stage the step's inputs, record its commands and submit them (mean over
+    /// devices; waits for the device and collectives excluded), seconds. Measured by the
+    /// single-device and tensor-parallel engines.
+    pub encode_s: Option<f64>,
 }
 
 impl StepStats {
@@ -125,16 +131,50 @@ impl Logits {
     }
 }
 
+/// What one engine step hands back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOutput {
+    /// Each sequence's next token: picked on the device (greedy, or the engine's sampling),
+    /// or by the host sampler from read-back logits where the device cannot sample that way.
+    pub tokens: Vec<u32>,
+    /// Last-token logits `[batch][vocab]`, when asked for.
+    pub logits: Option<Logits>,
+}
+
+impl StepOutput {
+    fn into_logits(self) -> Result<Logits> {
+        self.logits.ok_or_else(|| WgparError::Worker {
+            worker: "engine".into(),
+            message: "a step asked for logits returned none".into(),
+        })
+    }
+}
+
 /// A way of running the model: one device, tensor parallel, pipeline parallel, or hybrid.
 pub trait Engine {
     /// Short description, e.g. `tp=2 on gpu0,gpu1`.
     fn name(&self) -> String;
 
+    /// Runs `prompts` (equal lengths) from an empty cache; returns each sequence's next token
+    /// and, when `logits`, the last-token logits (otherwise only token ids are read back).
+    fn prefill_step(&mut self, prompts: &[Vec<u32>], logits: bool) -> Result<StepOutput>;
+
+    /// Appends one token per sequence; returns each sequence's next token and, when `logits`,
+    /// the new logits.
+    fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput>;
+
+    /// How later steps pick tokens (greedy until set); restarts the seeded draws.
+    fn set_sampling(&mut self, params: SamplingParams) -> Result<()>;
+
     /// Runs `prompts` (equal lengths) from an empty cache; returns last-token logits.
-    fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits>;
+    fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits> {
+        self.prefill_step(prompts, true)?.into_logits()
+    }
 
     /// Appends one token per sequence; returns the new logits.
-    fn decode(&mut self, tokens: &[u32]) -> Result<Logits>;
+    fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
+        self.decode_step(tokens, true)?.into_logits()
+    }
 
     /// Accounting of the last prefill or decode step.
     fn last_step(&self) -> Option<StepStats>;
@@ -182,12 +222,13 @@ pub fn prompt_shape(prompts: &[Vec<u32>]) -> Result<(usize, usize)> {
     Ok((prompts.len(), seq))
 }
 
-/// Result and timings of a greedy generation.
+/// Result and timings of a generation.
 #[derive(Debug, Clone)]
 pub struct Generation {
     /// Generated tokens per sequence.
     pub tokens: Vec<Vec<u32>>,
-    /// Logits of every step (prefill first).
+    /// Logits of the steps asked for ([`KeepLogits`]), prefill first; empty by default, so
+    /// memory does not grow with the number of steps.
     pub logits: Vec<Logits>,
     /// Prefill wall time, seconds.
     pub prefill_s: f64,
@@ -210,25 +251,48 @@ impl Generation {
     }
 }
 
-/// Prefills `prompts`, then greedily decodes `steps` tokens per sequence.
+/// Which steps' logits a generation keeps (tokens are always kept).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeepLogits {
+    /// None: only token ids are read back.
+    #[default]
+    None,
+    /// The prefill's (to check a run against a reference).
+    Prefill,
+    /// Every step's (memory grows with the steps).
+    All,
+}
+
+/// Prefills `prompts`, then decodes `steps` tokens per sequence (the engine's token pick:
+/// greedy unless [`Engine::set_sampling`] said otherwise); keeps tokens only.
 pub fn generate(engine: &mut dyn Engine, prompts: &[Vec<u32>], steps: usize) -> Result<Generation> {
+    generate_keeping(engine, prompts, steps, KeepLogits::None)
+}
+
+/// [`generate`], also keeping the logits `keep` names.
+pub fn generate_keeping(
+    engine: &mut dyn Engine,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    keep: KeepLogits,
+) -> Result<Generation> {
     let (batch, seq) = prompt_shape(prompts)?;
     let start = Instant::now();
-    let first = engine.prefill(prompts)?;
+    let first = engine.prefill_step(prompts, keep != KeepLogits::None)?;
     let prefill_s = start.elapsed().as_secs_f64();
-    let mut next = first.argmax();
+    let mut next = first.tokens;
     let mut tokens: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
-    let mut logits = vec![first];
+    let mut logits: Vec<Logits> = first.logits.into_iter().collect();
     let mut decode_s = Vec::with_capacity(steps);
     for _ in 1..steps.max(1) {
         let start = Instant::now();
-        let l = engine.decode(&next)?;
+        let out = engine.decode_step(&next, keep == KeepLogits::All)?;
         decode_s.push(start.elapsed().as_secs_f64());
-        next = l.argmax();
+        next = out.tokens;
         for (seq_tokens, &t) in tokens.iter_mut().zip(&next) {
             seq_tokens.push(t);
         }
-        logits.push(l);
+        logits.extend(out.logits);
     }
     Ok(Generation {
         tokens,

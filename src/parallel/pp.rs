@@ -25,14 +25,16 @@ use serde::Serialize;
 
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::partition::{partition, Partition};
-use super::tp::{EncoderExtras, GroupInput, GroupJob, GroupOutput, TpGroup};
-use super::{check_decode, cost, prompt_shape, Engine, Generation, Logits, StepStats};
+use super::pick::{check_finite, count_non_finite, Picker};
+use super::tp::{EncoderExtras, GroupInput, GroupJob, GroupOutput, Readout, TpGroup};
+use super::{check_decode, cost, prompt_shape, Engine, Generation, Logits, StepOutput, StepStats};
 use crate::comm::{Collectives, CommConfig, PendingDownload};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
+use crate::model::sampling::SamplingParams;
 use crate::model::{
     Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec,
-    Step,
+    Step, StepOut,
 };
 use crate::sim::{Direction, LinkPacer};
 use crate::trace::{KernelFamily, Recorder, SpanAttrs, SpanId};
@@ -154,19 +156,30 @@ struct Work {
     hidden: Vec<u8>,
     dep: SpanId,
     recorder: Recorder,
+    /// The last stage's token pick and readback.
+    readout: Readout,
+}
+
+/// What the last stage hands the driver.
+enum Payload {
+    /// A decoder's picks (and logits when asked).
+    Picked(StepOut),
+    /// An encoder's pooled embeddings.
+    Pooled(Vec<f32>),
 }
 
 struct Output {
     group: usize,
-    batch: usize,
-    logits: Vec<f32>,
-    /// The span that delivered the logits: the group's next step depends on it.
+    payload: Payload,
+    /// The span that delivered the result: the group's next step depends on it.
     dep: SpanId,
 }
 
 struct Pending {
     work: Work,
-    download: PendingDownload,
+    /// The stage's output (hidden states, picks or pooled embeddings), then the logits when
+    /// asked for.
+    downloads: Vec<PendingDownload>,
     started: Instant,
     compute: SpanId,
 }
@@ -287,12 +300,38 @@ impl Stage {
                 acts,
                 caches,
             } => {
-                if work.new_cache {
+                // A new group reuses its cache when the slots match (the prefill's table
+                // starts every row at position 0).
+                if work.new_cache && caches.get(&work.group).map(KvCache::slots) != Some(step.batch)
+                {
                     caches.insert(work.group, model.kv_cache(step.batch)?);
                 }
                 if let std::collections::hash_map::Entry::Vacant(slot) = acts.entry(key) {
                     slot.insert(model.activations(step.tokens(), step.batch)?);
                 }
+                let (Some(act), Some(kv)) = (acts.get_mut(&key), caches.get_mut(&work.group))
+                else {
+                    return Err(WgparError::Config(format!(
+                        "micro-batch {} decoded before its prefill",
+                        work.group
+                    )));
+                };
+                // Inputs staged and the step's ops configured: everything that needs the
+                // activation set and cache mutably.
+                let m = &*model;
+                if self.index == 0 {
+                    m.write_ids(act, &work.ids)?;
+                }
+                if let Some(e) = &work.encoder {
+                    m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
+                }
+                if self.index + 1 == self.count && !m.config().is_encoder() {
+                    act.set_readout(work.readout.pick, work.readout.logits);
+                    if !work.readout.draws.is_empty() {
+                        m.write_draws(act, &work.readout.draws)?;
+                    }
+                }
+                m.begin_step(act, kv, &step, &step.rows())?;
             }
             Backend::Group(_) => return self.process_group(work),
         }
@@ -319,13 +358,8 @@ impl Stage {
         let mb = work.group as u32;
         let mut dep = work.dep;
         let upload_start = Instant::now();
-        if self.index == 0 {
-            m.write_ids(act, &work.ids)?;
-        }
-        if let Some(e) = &work.encoder {
-            m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
-        }
-        m.write_seqs(act, kv, &step, &step.rows())?;
+        let is_last = self.index + 1 == self.count;
+        let picks = is_last && !m.config().is_encoder();
         if self.index != 0 {
             let want = step.tokens() * m.config().hidden * 4;
             if work.hidden.len() != want {
@@ -334,7 +368,7 @@ impl Stage {
                     detail: format!("received {} bytes, expected {want}", work.hidden.len()),
                 });
             }
-            self.comm.upload(&gpu, &act.x, 0, &work.hidden)?;
+            self.comm.upload(&gpu, act.x(), 0, &work.hidden)?;
             if let Some(p) = &work.pacer {
                 p.pace(
                     Direction::HostToDevice,
@@ -355,11 +389,11 @@ impl Stage {
         let mut enc = gpu.encoder();
         timer.begin(&mut enc);
         if self.index == 0 {
-            m.embed(&mut enc, act, &step)?;
+            m.embed(&mut enc, act)?;
         }
-        m.layers(&mut enc, act, kv, &step)?;
-        if self.is_last() {
-            m.finish(&mut enc, act, &step)?;
+        m.layers(&mut enc, act, kv)?;
+        if is_last {
+            m.finish(&mut enc, act)?;
         }
         timer.end(&mut enc);
         gpu.submit(enc);
@@ -399,16 +433,30 @@ impl Stage {
             s.busy_s += (end - start).as_secs_f64() - flush_s;
             s.microbatches += 1;
         }
-        let download = if self.is_last() {
-            let (result, width) = m
-                .output(act)
-                .ok_or_else(|| WgparError::Config("last stage has no output buffer".into()))?;
-            self.comm
-                .begin_download_range(&gpu, result, 0..step.batch * width)?
+        let no_output = || WgparError::Config("last stage has no output buffer".into());
+        let mut downloads = Vec::with_capacity(2);
+        if picks {
+            // Token ids (and non-finite counts) always; logits only when asked for.
+            let picked = act.picked().ok_or_else(no_output)?;
+            downloads.push(
+                self.comm
+                    .begin_download_range(&gpu, picked, 0..2 * step.batch)?,
+            );
+            if work.readout.logits {
+                let logits = act.logits().ok_or_else(no_output)?;
+                let len = step.batch * m.config().vocab;
+                downloads.push(self.comm.begin_download_range(&gpu, logits, 0..len)?);
+            }
+        } else if is_last {
+            let (result, width) = m.output(act).ok_or_else(no_output)?;
+            downloads.push(
+                self.comm
+                    .begin_download_range(&gpu, result, 0..step.batch * width)?,
+            );
         } else {
-            self.comm
-                .begin_download_range(&gpu, &act.x, 0..step.tokens() * m.config().hidden)?
-        };
+            let len = step.tokens() * m.config().hidden;
+            downloads.push(self.comm.begin_download_range(&gpu, act.x(), 0..len)?);
+        }
         if work.release {
             if let Backend::Device { caches, .. } = &mut self.backend {
                 caches.remove(&work.group);
@@ -416,7 +464,7 @@ impl Stage {
         }
         *pending = Some(Pending {
             work,
-            download,
+            downloads,
             started: Instant::now(),
             compute,
         });
@@ -429,18 +477,20 @@ impl Stage {
             return Ok(());
         };
         let wait_start = Instant::now();
-        let bytes = p.download.finish()?;
+        let parts = (p.downloads.into_iter())
+            .map(PendingDownload::finish)
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let n: u64 = parts.iter().map(|b| b.len() as u64).sum();
         if let Some(pacer) = &p.work.pacer {
-            pacer.pace(Direction::DeviceToHost, bytes.len() as u64, p.started);
+            pacer.pace(Direction::DeviceToHost, n, p.started);
         }
         let end = Instant::now();
         let dev = self.gpu.ordinal() as u32;
-        let n = bytes.len() as u64;
         let mb = p.work.group as u32;
         let d2h = p.work.recorder.record_with(p.started, end, || {
             SpanAttrs::d2h(
                 if self.is_last() {
-                    "logits"
+                    "tokens"
                 } else {
                     "activations"
                 },
@@ -455,31 +505,55 @@ impl Stage {
             stats[self.index].handoff_s += (end - wait_start).as_secs_f64();
             stats[self.index].bytes_out += n;
         }
-        self.forward(p.work, bytes, d2h)
-    }
-
-    /// Sends a finished micro-batch on: hidden states to the next stage, logits to the driver.
-    fn forward(&self, work: Work, bytes: Vec<u8>, dep: SpanId) -> Result<()> {
+        let mut parts = parts.into_iter();
+        let first = parts.next().unwrap_or_default();
         match &self.next {
-            Some(next) => next
-                .send(Work {
-                    hidden: bytes,
-                    dep,
-                    ..work
-                })
-                .map_err(|_| WgparError::Config("the next stage has stopped".into())),
+            Some(_) => self.hand_on(p.work, first, d2h),
             None => {
-                let logits: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
-                self.output
-                    .send(Ok(Output {
-                        group: work.group,
-                        batch: work.step.batch,
-                        logits,
-                        dep,
-                    }))
-                    .map_err(|_| WgparError::Config("the driver has gone".into()))
+                let batch = p.work.step.batch;
+                let payload = if p.work.encoder.is_some() {
+                    Payload::Pooled(bytemuck::pod_collect_to_vec(&first))
+                } else {
+                    let words: Vec<u32> = bytemuck::pod_collect_to_vec(&first);
+                    if words.len() < 2 * batch {
+                        return Err(WgparError::Shape {
+                            op: "pipeline output".into(),
+                            detail: format!("{} picks for {batch} sequences", words.len()),
+                        });
+                    }
+                    Payload::Picked(StepOut {
+                        tokens: words[..batch].to_vec(),
+                        non_finite: words[batch..2 * batch].to_vec(),
+                        logits: parts.next().map(|b| bytemuck::pod_collect_to_vec(&b)),
+                    })
+                };
+                self.deliver(p.work.group, payload, d2h)
             }
         }
+    }
+
+    /// Sends a finished micro-batch's hidden states to the next stage.
+    fn hand_on(&self, work: Work, bytes: Vec<u8>, dep: SpanId) -> Result<()> {
+        let next = self.next.as_ref().ok_or_else(|| {
+            WgparError::Config("the last stage has no next stage to hand on to".into())
+        })?;
+        next.send(Work {
+            hidden: bytes,
+            dep,
+            ..work
+        })
+        .map_err(|_| WgparError::Config("the next stage has stopped".into()))
+    }
+
+    /// Sends the last stage's result to the driver.
+    fn deliver(&self, group: usize, payload: Payload, dep: SpanId) -> Result<()> {
+        self.output
+            .send(Ok(Output {
+                group,
+                payload,
+                dep,
+            }))
+            .map_err(|_| WgparError::Config("the driver has gone".into()))
     }
 
     /// A hybrid stage: the micro-batch runs on the stage's tensor-parallel group; rank 0
@@ -505,6 +579,7 @@ impl Stage {
             dep: work.dep,
             encoder: work.encoder.clone(),
             pacer: work.pacer.clone(),
+            readout: work.readout.clone(),
         };
         let outputs = group.run(job)?;
         let rank0 = outputs
@@ -518,14 +593,21 @@ impl Stage {
             s.handoff_s += rank0.handoff_s + rank0.comm_s;
             s.microbatches += 1;
         }
-        let bytes = match rank0.output {
-            Some(GroupOutput::Hidden(h)) => h,
-            Some(GroupOutput::Logits(l)) => bytemuck::cast_slice(&l).to_vec(),
+        let dep = rank0.last_span;
+        let (bytes, payload) = match rank0.output {
+            Some(GroupOutput::Hidden(h)) => (h.len(), Err(h)),
+            Some(GroupOutput::Picked(out)) => {
+                let words = 2 * out.tokens.len() + out.logits.as_ref().map_or(0, Vec::len);
+                (4 * words, Ok(Payload::Picked(out)))
+            }
+            Some(GroupOutput::Pooled(p)) => (4 * p.len(), Ok(Payload::Pooled(p))),
             None => return Err(WgparError::Config("rank 0 returned nothing".into())),
         };
-        lock(&self.stats)[self.index].bytes_out += bytes.len() as u64;
-        let dep = rank0.last_span;
-        self.forward(work, bytes, dep)
+        lock(&self.stats)[self.index].bytes_out += bytes as u64;
+        match payload {
+            Err(hidden) => self.hand_on(work, hidden, dep),
+            Ok(payload) => self.deliver(work.group, payload, dep),
+        }
     }
 }
 
@@ -546,6 +628,9 @@ pub struct PipelineEngine {
     /// Per sequence group, the span that returned its last logits (the next step waits on it).
     group_deps: HashMap<usize, SpanId>,
     batch: usize,
+    /// GPipe steps since the prefill (the prefill is step 0).
+    steps: usize,
+    picker: Picker,
     last: Option<StepStats>,
     last_run: Option<PipelineStats>,
     failed: Option<String>,
@@ -725,6 +810,8 @@ impl PipelineEngine {
             group_past: Vec::new(),
             group_deps: HashMap::new(),
             batch: 0,
+            steps: 0,
+            picker: Picker::greedy(),
             last: None,
             last_run: None,
             failed: None,
@@ -851,6 +938,35 @@ impl PipelineEngine {
                 self.group_deps.get(&group).copied().unwrap_or(SpanId::NONE)
             },
             recorder: self.recorder.clone(),
+            readout: Readout::default(),
+        }
+    }
+
+    /// The readout of a decode group of `batch` sequences: the engine's pick with its
+    /// draws, and logits when asked for or when the host samples.
+    fn readout(&mut self, batch: usize, logits: bool) -> Readout {
+        Readout {
+            pick: self.picker.device_or_greedy(),
+            draws: Arc::new(self.picker.draws(batch)),
+            logits: logits || self.picker.needs_logits(),
+        }
+    }
+
+    /// A step's tokens from the last stage's picks: refused when logits were not finite,
+    /// sampled on the host where the device cannot sample that way.
+    fn tokens_of(&mut self, step: usize, out: &StepOut, batch: usize) -> Result<Vec<u32>> {
+        check_finite(step, &out.non_finite, None)?;
+        match (&out.logits, self.picker.needs_logits()) {
+            (Some(data), true) => {
+                let l = Logits {
+                    batch,
+                    vocab: self.config.vocab,
+                    data: data.clone(),
+                };
+                check_finite(step, &count_non_finite(&l), None)?;
+                Ok(self.picker.host(&l))
+            }
+            _ => Ok(out.tokens.clone()),
         }
     }
 
@@ -874,6 +990,7 @@ impl PipelineEngine {
             collectives: m,
             bytes_sent: stages.first().map_or(0, |s| s.bytes_out),
             bytes_received: stages.first().map_or(0, |s| s.bytes_out),
+            encode_s: None,
         });
         self.last_run = Some(PipelineStats {
             microbatches: m,
@@ -886,32 +1003,50 @@ impl PipelineEngine {
         });
     }
 
-    /// One GPipe step: every group's work in, every group's logits out, in group order.
-    fn gpipe(&mut self, steps: Vec<(Vec<u32>, Step)>, new_cache: bool) -> Result<Logits> {
+    /// One GPipe step: every group's work in, every group's tokens (and logits when asked)
+    /// out, in group order.
+    fn gpipe(
+        &mut self,
+        steps: Vec<(Vec<u32>, Step)>,
+        new_cache: bool,
+        want_logits: bool,
+    ) -> Result<StepOutput> {
         self.check_alive()?;
         self.reset_stats();
         let start = Instant::now();
         let tokens: usize = steps.iter().map(|(_, s)| s.tokens()).sum();
         let n = steps.len();
+        let batches: Vec<usize> = steps.iter().map(|(_, s)| s.batch).collect();
         for (g, (ids, step)) in steps.into_iter().enumerate() {
-            let w = self.work(g, ids, step, new_cache, false);
+            let mut w = self.work(g, ids, step, new_cache, false);
+            w.readout = self.readout(step.batch, want_logits);
             self.send(w)?;
         }
-        let mut rows: Vec<Option<Vec<f32>>> = vec![None; n];
+        let mut rows: Vec<Option<StepOut>> = vec![None; n];
         for _ in 0..n {
             let out = self.receive()?;
             self.group_deps.insert(out.group, out.dep);
-            let vocab = self.config.vocab;
-            let mut l = out.logits;
-            l.truncate(out.batch * vocab);
-            rows[out.group] = Some(l);
+            match out.payload {
+                Payload::Picked(p) if out.group < n => rows[out.group] = Some(p),
+                _ => return Err(unexpected_output()),
+            }
         }
         self.finish_run(start, tokens);
-        let data: Vec<f32> = rows.into_iter().flatten().flatten().collect();
-        Ok(Logits {
-            batch: self.batch,
-            vocab: self.config.vocab,
-            data,
+        let mut next = Vec::with_capacity(self.batch);
+        let mut logits = Vec::new();
+        for (out, batch) in rows.into_iter().zip(batches) {
+            let out = out.ok_or_else(unexpected_output)?;
+            next.extend(self.tokens_of(self.steps, &out, batch)?);
+            logits.extend(out.logits.unwrap_or_default());
+        }
+        self.steps += 1;
+        Ok(StepOutput {
+            tokens: next,
+            logits: want_logits.then_some(Logits {
+                batch: self.batch,
+                vocab: self.config.vocab,
+                data: logits,
+            }),
         })
     }
 
@@ -950,7 +1085,8 @@ impl PipelineEngine {
                         past: 0,
                     };
                     let release = requests[r].max_new == 1;
-                    let w = this.work(r, requests[r].prompts.concat(), step, true, release);
+                    let mut w = this.work(r, requests[r].prompts.concat(), step, true, release);
+                    w.readout = greedy_with_logits();
                     this.send(w)?;
                     *active += 1;
                 }
@@ -961,18 +1097,22 @@ impl PipelineEngine {
             let out = self.receive()?;
             let r = out.group;
             self.group_deps.insert(r, out.dep);
-            let mut data = out.logits;
-            data.truncate(out.batch * vocab);
-            let logits = Logits {
-                batch: out.batch,
-                vocab,
-                data,
+            let Payload::Picked(picked) = out.payload else {
+                return Err(unexpected_output());
             };
-            let next = logits.argmax();
+            let batch = picked.tokens.len();
+            let produced_before = responses[r].as_ref().map_or(0, |x| x.tokens[0].len());
+            check_finite(produced_before, &picked.non_finite, None)?;
+            let logits = Logits {
+                batch,
+                vocab,
+                data: picked.logits.unwrap_or_default(),
+            };
+            let next = picked.tokens;
             let now = start.elapsed().as_secs_f64();
             let resp = responses[r].get_or_insert_with(|| Response {
                 request: r,
-                tokens: vec![Vec::new(); out.batch],
+                tokens: vec![Vec::new(); batch],
                 logits: Vec::new(),
                 first_token_s: now,
                 done_s: now,
@@ -997,7 +1137,8 @@ impl PipelineEngine {
                     past: past[r],
                 };
                 let release = produced + 1 >= requests[r].max_new;
-                let w = self.work(r, next, step, false, release);
+                let mut w = self.work(r, next, step, false, release);
+                w.readout = greedy_with_logits();
                 self.send(w)?;
             }
         }
@@ -1074,9 +1215,12 @@ impl Encoder for PipelineEngine {
         let dim = self.config.hidden;
         for _ in 0..groups.len() {
             let out = self.receive()?;
-            let mut data = out.logits;
-            data.truncate(out.batch * dim);
-            rows[out.group] = Some(data);
+            let (Payload::Pooled(mut data), Some(row)) = (out.payload, rows.get_mut(out.group))
+            else {
+                return Err(unexpected_output());
+            };
+            data.truncate(groups[out.group].len() * dim);
+            *row = Some(data);
         }
         self.finish_run(start, inputs.len() * seq);
         Ok(Embeddings {
@@ -1084,6 +1228,21 @@ impl Encoder for PipelineEngine {
             dim,
             data: rows.into_iter().flatten().flatten().collect(),
         })
+    }
+}
+
+/// A readout of greedy tokens and the logits (the request stream keeps both).
+fn greedy_with_logits() -> Readout {
+    Readout {
+        logits: true,
+        ..Readout::default()
+    }
+}
+
+fn unexpected_output() -> WgparError {
+    WgparError::Worker {
+        worker: "pipeline".into(),
+        message: "the last stage returned an output of another kind or group".into(),
     }
 }
 
@@ -1119,9 +1278,10 @@ impl Engine for PipelineEngine {
         )
     }
 
-    fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits> {
+    fn prefill_step(&mut self, prompts: &[Vec<u32>], logits: bool) -> Result<StepOutput> {
         let (batch, seq) = prompt_shape(prompts)?;
         self.batch = batch;
+        self.steps = 0;
         self.groups = split_groups(batch, self.micro_batches);
         self.group_past = vec![seq; self.groups.len()];
         let steps = self
@@ -1138,10 +1298,10 @@ impl Engine for PipelineEngine {
                 )
             })
             .collect();
-        self.gpipe(steps, true)
+        self.gpipe(steps, true, logits)
     }
 
-    fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
+    fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput> {
         check_decode(self.batch, tokens)?;
         let steps = self
             .groups
@@ -1158,11 +1318,16 @@ impl Engine for PipelineEngine {
                 )
             })
             .collect();
-        let logits = self.gpipe(steps, false)?;
+        let out = self.gpipe(steps, false, logits)?;
         for p in &mut self.group_past {
             *p += 1;
         }
-        Ok(logits)
+        Ok(out)
+    }
+
+    fn set_sampling(&mut self, params: SamplingParams) -> Result<()> {
+        self.picker = Picker::new(params)?;
+        Ok(())
     }
 
     fn last_step(&self) -> Option<StepStats> {

@@ -3,9 +3,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{check_decode, cost, prompt_shape, Engine, Logits, StepStats};
+use super::pick::{check_finite, count_non_finite, Picker};
+use super::{check_decode, cost, prompt_shape, Engine, Logits, StepOutput, StepStats};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
+use crate::model::sampling::SamplingParams;
 use crate::model::{Activations, GpuModel, KvCache, ModelWeights, Placement, Step};
 use crate::trace::{KernelFamily, Recorder, SpanAttrs};
 
@@ -16,6 +18,9 @@ pub struct SingleEngine {
     kv: Option<KvCache>,
     batch: usize,
     past: usize,
+    /// Steps since the prefill (the prefill is step 0).
+    steps: usize,
+    picker: Picker,
     last: Option<StepStats>,
     recorder: Recorder,
     /// Device-side timing of the forward span while a trace is recorded.
@@ -32,6 +37,8 @@ impl SingleEngine {
             kv: None,
             batch: 0,
             past: 0,
+            steps: 0,
+            picker: Picker::greedy(),
             last: None,
             recorder: Recorder::disabled(),
             timer: SpanTimer::default(),
@@ -43,42 +50,46 @@ impl SingleEngine {
         &self.model
     }
 
-    fn forward(&mut self, ids: &[u32], step: Step) -> Result<Logits> {
-        let (Some(act), Some(kv)) = (&self.act, &self.kv) else {
+    fn forward(&mut self, ids: &[u32], step: Step, want_logits: bool) -> Result<StepOutput> {
+        let (Some(act), Some(kv)) = (&mut self.act, &mut self.kv) else {
             return Err(WgparError::Config("decode before prefill".into()));
         };
         let m = &self.model;
-        m.write_ids(act, ids)?;
-        m.write_seqs(act, kv, &step, &step.rows())?;
+        let gpu = m.gpu();
         let start = Instant::now();
-        let mut enc = m.gpu().encoder();
+        act.set_readout(
+            self.picker.device_or_greedy(),
+            want_logits || self.picker.needs_logits(),
+        );
+        m.write_ids(act, ids)?;
+        m.begin_step(act, kv, &step, &step.rows())?;
+        let draws = self.picker.draws(step.batch);
+        if !draws.is_empty() {
+            m.write_draws(act, &draws)?;
+        }
+        let mut enc = gpu.encoder();
         self.timer.begin(&mut enc);
-        m.embed(&mut enc, act, &step)?;
-        m.layers(&mut enc, act, kv, &step)?;
-        m.head(&mut enc, act, &step)?;
+        m.embed(&mut enc, act)?;
+        m.layers(&mut enc, act, kv)?;
+        m.head(&mut enc, act)?;
         self.timer.end(&mut enc);
-        m.gpu().submit(enc);
-        let logits = act
-            .logits
-            .as_ref()
-            .ok_or_else(|| WgparError::Config("no logits buffer".into()))?;
-        let vocab = m.config().vocab;
-        let mut data = m.gpu().read_f32(logits)?;
-        data.truncate(step.batch * vocab);
+        m.copy_out(&mut enc, act)?;
+        gpu.submit(enc);
+        let encode_s = start.elapsed().as_secs_f64();
+        let out = m.read_out(act)?;
         let end = Instant::now();
-        let device_us = self.timer.read_us(m.gpu())?;
+        let device_us = self.timer.read_us(gpu)?;
         let c = m.config();
-        let placement = m.placement();
         let work = cost::total(
             c,
-            &placement.shard,
+            &m.placement().shard,
             m.num_layers(),
             &step,
             m.weight_dtype(),
             true,
             true,
         );
-        let dev = m.gpu().ordinal() as u32;
+        let dev = gpu.ordinal() as u32;
         // One span: the whole step is one submit, with no point where the host could time a
         // layer without adding a synchronisation the single-device path does not need.
         self.recorder.record_with(start, end, || {
@@ -93,13 +104,33 @@ impl SingleEngine {
             tokens: step.tokens(),
             wall_s: (end - start).as_secs_f64(),
             compute_s: (end - start).as_secs_f64(),
+            encode_s: Some(encode_s),
             ..Default::default()
         });
-        self.past += step.seq;
-        Ok(Logits {
+        let logits = out.logits.map(|data| Logits {
             batch: step.batch,
-            vocab,
+            vocab: c.vocab,
             data,
+        });
+        if out.non_finite.iter().any(|&n| n > 0) {
+            // The error path only: find the first layer whose output is not finite.
+            let location = m
+                .locate_non_finite(act, kv)?
+                .map(|l| format!("{l} on {}", gpu.describe()));
+            check_finite(self.steps, &out.non_finite, location)?;
+        }
+        let tokens = match (&logits, self.picker.needs_logits()) {
+            (Some(l), true) => {
+                check_finite(self.steps, &count_non_finite(l), None)?;
+                self.picker.host(l)
+            }
+            _ => out.tokens,
+        };
+        self.past += step.seq;
+        self.steps += 1;
+        Ok(StepOutput {
+            tokens,
+            logits: logits.filter(|_| want_logits),
         })
     }
 }
@@ -109,13 +140,13 @@ impl Engine for SingleEngine {
         format!("single on {}", self.model.gpu().describe())
     }
 
-    fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits> {
+    fn prefill_step(&mut self, prompts: &[Vec<u32>], logits: bool) -> Result<StepOutput> {
         let (batch, seq) = prompt_shape(prompts)?;
         let tokens = batch * seq;
         let fits = self
             .act
             .as_ref()
-            .is_some_and(|a| self.batch == batch && a.capacity() >= tokens);
+            .is_some_and(|a| a.batch() == batch && a.capacity() >= tokens);
         if !fits {
             self.act = Some(self.model.activations(tokens, batch)?);
         }
@@ -124,25 +155,29 @@ impl Engine for SingleEngine {
         }
         self.batch = batch;
         self.past = 0;
+        self.steps = 0;
         let ids: Vec<u32> = prompts.concat();
-        self.forward(
-            &ids,
-            Step {
-                batch,
-                seq,
-                past: 0,
-            },
-        )
+        let step = Step {
+            batch,
+            seq,
+            past: 0,
+        };
+        self.forward(&ids, step, logits)
     }
 
-    fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
+    fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput> {
         check_decode(self.batch, tokens)?;
         let step = Step {
             batch: self.batch,
             seq: 1,
             past: self.past,
         };
-        self.forward(tokens, step)
+        self.forward(tokens, step, logits)
+    }
+
+    fn set_sampling(&mut self, params: SamplingParams) -> Result<()> {
+        self.picker = Picker::new(params)?;
+        Ok(())
     }
 
     fn last_step(&self) -> Option<StepStats> {

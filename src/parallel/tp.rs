@@ -15,14 +15,17 @@ use std::time::{Duration, Instant};
 
 use super::cost;
 use super::encoder::{pad_batch, Embeddings, Encoder};
+use super::pick::{check_finite, count_non_finite, Picker};
 use super::worker::Workers;
-use super::{check_decode, prompt_shape, Engine, Logits, StepStats};
+use super::{check_decode, prompt_shape, Engine, Logits, StepOutput, StepStats};
 use crate::comm::{CommConfig, Communicator, RankHandle};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
+use crate::kernels::ops::TokenPick;
+use crate::model::sampling::SamplingParams;
 use crate::model::{
     Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec,
-    Step,
+    Step, StepOut,
 };
 use crate::sim::{Algorithm, Direction, LinkPacer};
 use crate::trace::{CollectiveOp, KernelFamily, Recorder, SpanAttrs, SpanId};
@@ -49,11 +52,33 @@ pub(crate) enum GroupInput {
     Hidden(Arc<Vec<u8>>),
 }
 
-/// What rank 0 hands back: the final output (logits, or pooled embeddings for an encoder)
-/// when the group holds the last block, or hidden states for the next pipeline stage.
+/// What rank 0 hands back: the head's picks (and logits when asked) or an encoder's pooled
+/// embeddings when the group holds the last block, or hidden states for the next pipeline
+/// stage.
 pub(crate) enum GroupOutput {
-    Logits(Vec<f32>),
+    Picked(StepOut),
+    Pooled(Vec<f32>),
     Hidden(Vec<u8>),
+}
+
+/// How the head device picks tokens in a step, and what it reads back.
+#[derive(Clone, Debug)]
+pub(crate) struct Readout {
+    pub pick: TokenPick,
+    /// One draw per sequence for a sampling pick (empty for greedy).
+    pub draws: Arc<Vec<f32>>,
+    /// Read the logits back too.
+    pub logits: bool,
+}
+
+impl Default for Readout {
+    fn default() -> Self {
+        Self {
+            pick: TokenPick::Greedy,
+            draws: Arc::default(),
+            logits: false,
+        }
+    }
 }
 
 /// One step for a tensor-parallel group.
@@ -72,6 +97,8 @@ pub(crate) struct GroupJob {
     pub encoder: Option<Arc<EncoderExtras>>,
     /// Slows collectives and hand-offs to a modelled link.
     pub pacer: Option<Arc<LinkPacer>>,
+    /// The head's token pick and readback (used by the rank that holds the head).
+    pub readout: Readout,
 }
 
 /// Per-batch inputs an encoder needs beside the ids.
@@ -87,6 +114,8 @@ pub(crate) struct RankOutput {
     pub compute_s: f64,
     pub comm_s: f64,
     pub handoff_s: f64,
+    /// Host time staging inputs, recording and submitting.
+    pub encode_s: f64,
     pub collectives: usize,
     pub bytes: u64,
     pub last_span: SpanId,
@@ -96,7 +125,9 @@ impl Rank {
     fn run(&mut self, job: GroupJob) -> Result<RankOutput> {
         let step = job.step;
         let rec = &job.recorder;
-        if job.new_cache {
+        // A new sequence group reuses its cache when the slots match (the prefill's table
+        // starts every row at position 0).
+        if job.new_cache && self.caches.get(&job.group).map(KvCache::slots) != Some(step.batch) {
             let cache = self.model.kv_cache(step.batch)?;
             self.caches.insert(job.group, cache);
         }
@@ -106,7 +137,8 @@ impl Rank {
             let act = self.model.activations(tokens, step.batch)?;
             self.acts.insert(key, act);
         }
-        let (Some(act), Some(kv)) = (self.acts.get(&key), self.caches.get(&job.group)) else {
+        let (Some(act), Some(kv)) = (self.acts.get_mut(&key), self.caches.get_mut(&job.group))
+        else {
             return Err(WgparError::Config(format!(
                 "sequence group {} decoded before its prefill",
                 job.group
@@ -126,16 +158,32 @@ impl Rank {
             compute_s: 0.0,
             comm_s: 0.0,
             handoff_s: 0.0,
+            encode_s: 0.0,
             collectives: 0,
             bytes: 0,
             last_span: SpanId::NONE,
         };
         let mut prev = job.dep;
+        let holds_head = m.placement().head;
+        let staged = Instant::now();
         if let Some(e) = &job.encoder {
             m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
         }
+        if holds_head && !config.is_encoder() {
+            act.set_readout(job.readout.pick, job.readout.logits);
+            if !job.readout.draws.is_empty() {
+                m.write_draws(act, &job.readout.draws)?;
+            }
+        }
+        m.begin_step(act, kv, &step, &step.rows())?;
+        out.encode_s += staged.elapsed().as_secs_f64();
+        let (act, kv) = (&*act, &*kv);
         match &job.input {
-            GroupInput::Ids(ids) => m.write_ids(act, ids)?,
+            GroupInput::Ids(ids) => {
+                let t0 = Instant::now();
+                m.write_ids(act, ids)?;
+                out.encode_s += t0.elapsed().as_secs_f64();
+            }
             GroupInput::Hidden(hidden) => {
                 if hidden.len() as u64 != bytes {
                     return Err(WgparError::Shape {
@@ -147,7 +195,7 @@ impl Rank {
                 self.comm
                     .communicator()
                     .collectives()
-                    .upload(&gpu, &act.x, 0, hidden)?;
+                    .upload(&gpu, act.x(), 0, hidden)?;
                 let t1 = Instant::now();
                 out.handoff_s += (t1 - t0).as_secs_f64();
                 prev = rec.record_with(t0, t1, || {
@@ -159,27 +207,26 @@ impl Rank {
                 });
             }
         }
-        m.write_seqs(act, kv, &step, &step.rows())?;
         super::sync_span_timer(&mut self.timer, &gpu, rec);
         let timer = &self.timer;
         let mut start = Instant::now();
         let mut enc = gpu.encoder();
         timer.begin(&mut enc);
         if matches!(job.input, GroupInput::Ids(_)) {
-            m.embed(&mut enc, act, &step)?;
+            m.embed(&mut enc, act)?;
         }
         for i in 0..m.num_layers() {
             let layer = (m.placement().layers.start + i) as u32;
             for half in 0..2 {
                 let (cost, name, family) = if half == 0 {
-                    m.attention(&mut enc, i, act, kv, &step)?;
+                    m.attention(&mut enc, i, act, kv)?;
                     (
                         cost::attention(config, shard, &step, dtype),
                         "attention",
                         KernelFamily::Attention,
                     )
                 } else {
-                    m.mlp(&mut enc, i, act, &step)?;
+                    m.mlp(&mut enc, i, act)?;
                     (
                         cost::mlp(config, shard, &step, dtype),
                         "mlp",
@@ -188,6 +235,7 @@ impl Rank {
                 };
                 timer.end(&mut enc);
                 gpu.submit(std::mem::replace(&mut enc, gpu.encoder()));
+                out.encode_s += start.elapsed().as_secs_f64();
                 gpu.wait()?;
                 let end = Instant::now();
                 let device_us = timer.read_us(&gpu)?;
@@ -209,9 +257,9 @@ impl Rank {
                     }
                 });
                 let partial = if half == 0 {
-                    &act.attn_out
+                    act.attn_out()
                 } else {
-                    &act.mlp_out
+                    act.mlp_out()
                 };
                 let comm_start = Instant::now();
                 let all_arrived = self.comm.all_reduce_timed(partial)?;
@@ -276,18 +324,22 @@ impl Rank {
                 });
                 start = Instant::now();
                 if half == 0 {
-                    m.attention_residual(&mut enc, i, act, &step)?;
+                    m.attention_residual(&mut enc, i, act)?;
                 } else {
-                    m.mlp_residual(&mut enc, i, act, &step)?;
+                    m.mlp_residual(&mut enc, i, act)?;
                 }
             }
         }
-        let holds_head = m.placement().head;
         if holds_head {
-            m.finish(&mut enc, act, &step)?;
+            m.finish(&mut enc, act)?;
         }
         timer.end(&mut enc);
+        let picks = holds_head && !config.is_encoder();
+        if picks {
+            m.copy_out(&mut enc, act)?;
+        }
         gpu.submit(enc);
+        out.encode_s += start.elapsed().as_secs_f64();
         gpu.wait()?;
         let end = Instant::now();
         let device_us = timer.read_us(&gpu)?;
@@ -314,17 +366,18 @@ impl Rank {
         if shard.rank == 0 {
             let t0 = Instant::now();
             out.output = Some(match (holds_head, m.output(act)) {
+                (true, _) if picks => GroupOutput::Picked(m.read_out(act)?),
                 (true, Some((result, width))) => {
                     let mut data = gpu.read_f32(result)?;
                     data.truncate(step.batch * width);
-                    GroupOutput::Logits(data)
+                    GroupOutput::Pooled(data)
                 }
                 _ => {
                     let download = self
                         .comm
                         .communicator()
                         .collectives()
-                        .begin_download_range(&gpu, &act.x, 0..tokens * config.hidden)?;
+                        .begin_download_range(&gpu, act.x(), 0..tokens * config.hidden)?;
                     let hidden = download.finish()?;
                     if let Some(p) = &job.pacer {
                         p.pace(Direction::DeviceToHost, bytes, t0);
@@ -463,6 +516,9 @@ pub struct TensorParallelEngine {
     config: ModelConfig,
     batch: usize,
     past: usize,
+    /// Steps since the prefill (the prefill is step 0).
+    steps: usize,
+    picker: Picker,
     last: Option<StepStats>,
     failed: Option<String>,
     recorder: Recorder,
@@ -496,6 +552,8 @@ impl TensorParallelEngine {
             config,
             batch: 0,
             past: 0,
+            steps: 0,
+            picker: Picker::greedy(),
             last: None,
             failed: None,
             recorder: Recorder::disabled(),
@@ -512,23 +570,51 @@ impl TensorParallelEngine {
         &self.group.comm
     }
 
-    fn step(&mut self, ids: Vec<u32>, step: Step, new_cache: bool) -> Result<Logits> {
-        let data = self.run(ids, step, new_cache, None)?;
-        Ok(Logits {
+    fn step(
+        &mut self,
+        ids: Vec<u32>,
+        step: Step,
+        new_cache: bool,
+        want_logits: bool,
+    ) -> Result<StepOutput> {
+        let readout = Readout {
+            pick: self.picker.device_or_greedy(),
+            draws: Arc::new(self.picker.draws(step.batch)),
+            logits: want_logits || self.picker.needs_logits(),
+        };
+        let out = match self.run(ids, step, new_cache, None, readout)? {
+            GroupOutput::Picked(out) => out,
+            _ => return Err(no_output()),
+        };
+        let logits = out.logits.map(|data| Logits {
             batch: step.batch,
             vocab: self.config.vocab,
             data,
+        });
+        check_finite(self.steps, &out.non_finite, None)?;
+        let tokens = match (&logits, self.picker.needs_logits()) {
+            (Some(l), true) => {
+                check_finite(self.steps, &count_non_finite(l), None)?;
+                self.picker.host(l)
+            }
+            _ => out.tokens,
+        };
+        self.steps += 1;
+        Ok(StepOutput {
+            tokens,
+            logits: logits.filter(|_| want_logits),
         })
     }
 
-    /// One step on every rank; returns rank 0's final output (logits or pooled embeddings).
+    /// One step on every rank; returns rank 0's final output (picks or pooled embeddings).
     fn run(
         &mut self,
         ids: Vec<u32>,
         step: Step,
         new_cache: bool,
         encoder: Option<Arc<EncoderExtras>>,
-    ) -> Result<Vec<f32>> {
+        readout: Readout,
+    ) -> Result<GroupOutput> {
         if let Some(why) = &self.failed {
             return Err(WgparError::Worker {
                 worker: "tensor-parallel engine".into(),
@@ -551,6 +637,7 @@ impl TensorParallelEngine {
             },
             encoder,
             pacer: self.pacer.clone(),
+            readout,
         };
         let outputs = match self.group.run(job) {
             Ok(o) => o,
@@ -569,16 +656,21 @@ impl TensorParallelEngine {
             collectives: outputs[0].collectives,
             bytes_sent: outputs[0].bytes,
             bytes_received: outputs[0].bytes,
+            encode_s: Some(outputs.iter().map(|o| o.encode_s).sum::<f64>() / n),
         });
         self.past = step.past + step.seq;
         self.last_span = outputs[0].last_span;
         outputs
             .into_iter()
-            .find_map(|o| match o.output {
-                Some(GroupOutput::Logits(l)) => Some(l),
-                _ => None,
-            })
-            .ok_or_else(|| WgparError::Config("no rank returned an output".into()))
+            .find_map(|o| o.output)
+            .ok_or_else(no_output)
+    }
+}
+
+fn no_output() -> WgparError {
+    WgparError::Worker {
+        worker: "tensor-parallel engine".into(),
+        message: "no rank returned the step's output".into(),
     }
 }
 
@@ -596,7 +688,10 @@ impl Encoder for TensorParallelEngine {
             past: 0,
         };
         let extras = Arc::new(EncoderExtras { types, lens });
-        let data = self.run(ids, step, true, Some(extras))?;
+        let data = match self.run(ids, step, true, Some(extras), Readout::default())? {
+            GroupOutput::Pooled(data) => data,
+            _ => return Err(no_output()),
+        };
         Ok(Embeddings {
             batch: inputs.len(),
             dim: self.config.hidden,
@@ -616,9 +711,10 @@ impl Engine for TensorParallelEngine {
         )
     }
 
-    fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits> {
+    fn prefill_step(&mut self, prompts: &[Vec<u32>], logits: bool) -> Result<StepOutput> {
         let (batch, seq) = prompt_shape(prompts)?;
         self.batch = batch;
+        self.steps = 0;
         self.step(
             prompts.concat(),
             Step {
@@ -627,17 +723,23 @@ impl Engine for TensorParallelEngine {
                 past: 0,
             },
             true,
+            logits,
         )
     }
 
-    fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
+    fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput> {
         check_decode(self.batch, tokens)?;
         let step = Step {
             batch: self.batch,
             seq: 1,
             past: self.past,
         };
-        self.step(tokens.to_vec(), step, false)
+        self.step(tokens.to_vec(), step, false, logits)
+    }
+
+    fn set_sampling(&mut self, params: SamplingParams) -> Result<()> {
+        self.picker = Picker::new(params)?;
+        Ok(())
     }
 
     fn last_step(&self) -> Option<StepStats> {
