@@ -73,9 +73,155 @@ pub enum WgparError {
         /// What did not fit.
         detail: String,
     },
-    /// An invalid model configuration, strategy or option.
+    /// An invalid model configuration, strategy or option: something the user can change.
+    /// Runtime failures have their own variants below.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// `--model` names neither a preset nor a model folder.
+    #[error(
+        "no model preset or folder named '{name}': presets are {presets}; or pass a Hugging \
+         Face model folder (config.json, *.safetensors, tokenizer.json)"
+    )]
+    UnknownModel {
+        /// What was given.
+        name: String,
+        /// The presets, comma-separated.
+        presets: String,
+    },
+    /// A host profile that cannot be read, parsed or used.
+    #[error(transparent)]
+    Profile(#[from] crate::sim::ProfileError),
+    /// A timeline or trace file that cannot be read, written or checked.
+    #[error(transparent)]
+    Trace(#[from] crate::trace::TraceError),
+    /// A link pacer that cannot be built or cannot model a call.
+    #[error("pacing to {target}: {source}")]
+    Pacing {
+        /// What was paced to: `--pace`'s value or a profile name.
+        target: String,
+        /// The pacer's error.
+        #[source]
+        source: crate::sim::PacingError,
+    },
+    /// A timeline that cannot be projected onto a host profile.
+    #[error("projecting {what} onto profile '{profile}': {source}")]
+    Projection {
+        /// What was projected (a run, a plan row, ...).
+        what: String,
+        /// The profile.
+        profile: String,
+        /// The projection's error.
+        #[source]
+        source: crate::sim::ProjectError,
+    },
+    /// A measured sweep that cannot be fitted to a latency-bandwidth line.
+    #[error(
+        "cannot fit the {what} sweep: {source}; measure again on a quieter machine or over a \
+         wider size range"
+    )]
+    Fit {
+        /// Which sweep.
+        what: String,
+        /// The fit's error.
+        #[source]
+        source: crate::sim::FitError,
+    },
+    /// A collective or transfer failed at run time (a rank aborted, left or timed out).
+    #[error(transparent)]
+    Comm(crate::comm::CommError),
+    /// A pipeline stage or tensor-parallel rank failed; its cause is kept.
+    #[error("{worker} failed: {source}")]
+    WorkerFailed {
+        /// Which worker, e.g. "stage 1 (gpu1 ...)" or "tp rank 1 (...)".
+        worker: String,
+        /// What went wrong there.
+        #[source]
+        source: Box<WgparError>,
+    },
+    /// A worker thread panicked: a bug in wgpar, or an injected panic.
+    #[error(
+        "{worker} panicked: {message}; the run was stopped and every thread joined (unless \
+         injected, please report this with the command that caused it)"
+    )]
+    WorkerPanicked {
+        /// Which worker.
+        worker: String,
+        /// The panic's message.
+        message: String,
+    },
+    /// A worker, or the caller it answers, stopped before the exchange completed.
+    #[error("{worker} has stopped: {detail}")]
+    WorkerStopped {
+        /// Which worker (or "the caller").
+        worker: String,
+        /// What was being done when it was found gone.
+        detail: String,
+    },
+    /// An engine refuses further steps after a failure; the first failure is named.
+    #[error(
+        "{engine} stopped after an earlier failure ({cause}); build a new engine (reopen the \
+         devices) to continue"
+    )]
+    EngineStopped {
+        /// Which engine.
+        engine: String,
+        /// The first failure's message.
+        cause: String,
+    },
+    /// No output arrived in time.
+    #[error(
+        "{engine}: no output within {secs:.1} s; a device may be hung (check `wgpar devices`), \
+         or the timeout is too short for this model on this adapter"
+    )]
+    Timeout {
+        /// Which engine.
+        engine: String,
+        /// The limit that passed.
+        secs: f64,
+    },
+    /// A fault injected on purpose (`--inject-fault`, `inject_fault`): the failure path works.
+    #[error("injected {kind} fault at {at}")]
+    InjectedFault {
+        /// error, panic or device-lost.
+        kind: String,
+        /// Where and when, e.g. "stage 1, step 3".
+        at: String,
+    },
+    /// A library function called out of order or with arguments that do not fit its state
+    /// (e.g. decode before prefill).
+    #[error("invalid call: {0}")]
+    InvalidCall(String),
+    /// A measurement produced nothing to summarise (no sample, no timed repetition).
+    #[error("measurement failed: {0}; run it again with more repetitions")]
+    Measurement(String),
+    /// A report could not be serialised.
+    #[error("cannot write {what} as JSON: {source}")]
+    Json {
+        /// What was being written.
+        what: String,
+        /// serde_json's error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A chart could not be drawn.
+    #[error("cannot draw chart {path}: {message}")]
+    Chart {
+        /// The SVG file.
+        path: String,
+        /// The drawing backend's message.
+        message: String,
+    },
+    /// A child process (another `wgpar` run) failed.
+    #[error("{command}: {detail}")]
+    Subprocess {
+        /// The command line.
+        command: String,
+        /// How it failed, with its exit status or error.
+        detail: String,
+    },
+    /// An internal invariant broke: a bug in wgpar.
+    #[error("internal error: {0}; please report it with the command that caused it")]
+    Internal(String),
     /// A buffer could not be mapped for reading or writing.
     #[error("buffer mapping failed on {device}: {message}")]
     Map {
@@ -84,7 +230,8 @@ pub enum WgparError {
         /// wgpu's description.
         message: String,
     },
-    /// A worker thread (pipeline stage, tensor-parallel rank) failed.
+    /// A worker thread (pipeline stage, tensor-parallel rank) could not be started, or failed
+    /// in a way that has no typed cause.
     #[error("{worker} failed: {message}")]
     Worker {
         /// Which worker, e.g. "stage 1 (gpu1)".

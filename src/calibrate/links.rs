@@ -14,8 +14,11 @@ use crate::trace::CollectiveOp as TraceOp;
 use super::{join_all, median_time, random};
 use crate::stats::median;
 
-pub(super) fn fit_error(what: &str, e: impl std::fmt::Display) -> WgparError {
-    WgparError::Config(format!("cannot fit the {what} sweep: {e}"))
+pub(super) fn fit_error(what: &str, source: crate::sim::FitError) -> WgparError {
+    WgparError::Fit {
+        what: what.to_string(),
+        source,
+    }
 }
 
 /// Fits a link sweep; when noise hides the bandwidth term entirely (times do not grow with
@@ -30,7 +33,7 @@ pub(super) fn fit_link(
     match fit_alpha_beta(points) {
         Err(crate::sim::FitError::NoBandwidth { us_per_mb }) => {
             let median_s = median(points.iter().map(|p| p.1).collect())
-                .ok_or_else(|| fit_error(what, "no points"))?;
+                .ok_or_else(|| fit_error(what, crate::sim::FitError::TooFewPoints { found: 0 }))?;
             let (bytes, secs) = points
                 .iter()
                 .copied()
@@ -172,7 +175,7 @@ pub(super) fn host_reduce_gbps(
     let big = &rates[rates.len() / 2..];
     big.get(big.len() / 2)
         .copied()
-        .ok_or_else(|| WgparError::Config("no all-reduce reported a reduce phase".into()))
+        .ok_or_else(|| WgparError::Measurement("no all-reduce reported a reduce phase".into()))
 }
 
 /// Time of one all-reduce of `bytes` through a [`Communicator`] over `gpus`, as the
@@ -232,7 +235,7 @@ pub(super) fn communicator_all_reduce_us(
     let calls: Vec<f64> = (0..iters)
         .map(|i| per_rank.iter().map(|r| r[i]).sum::<f64>() / n as f64)
         .collect();
-    median(calls).ok_or_else(|| WgparError::Config("no all-reduce was timed".into()))
+    median(calls).ok_or_else(|| WgparError::Measurement("no all-reduce was timed".into()))
 }
 
 /// Fixed host cost of a host-staged all-reduce over the first 2, 3, ... devices: the measured
@@ -260,7 +263,11 @@ pub(super) fn collective_overheads(
                     bytes as u64,
                     1,
                 )
-                .map_err(|e| WgparError::Config(e.to_string()))?;
+                .map_err(|source| WgparError::Projection {
+                    what: format!("a {n}-device all-reduce"),
+                    profile: base.name.clone(),
+                    source,
+                })?;
             say!(
                 log,
                 "    {n} devices, {:>7} B: {measured:>8.1} us measured, {modelled:>8.1} us modelled",

@@ -295,9 +295,8 @@ pub fn calibrate(
         collective_overhead_us: Vec::new(),
         devices: measured,
     };
-    let invalid = |e: crate::sim::ProfileError| WgparError::Config(e.to_string());
     if gpus.len() > 1 {
-        let base = calibrated_profile(&machine).map_err(invalid)?;
+        let base = calibrated_profile(&machine)?;
         machine.collective_overhead_us =
             links::collective_overheads(gpus, &base, iters.max(9), log)?;
         let list: Vec<String> = machine
@@ -312,7 +311,7 @@ pub fn calibrate(
             list.join(", ")
         );
     }
-    let profile = calibrated_profile(&machine).map_err(invalid)?;
+    let profile = calibrated_profile(&machine)?;
     let note = format!(
         "{date}, wgpar {}; driver {} {}\nkernel rates at model {} shapes, batch up to {}, prompt {}\n\
          device->host->device fit: alpha {:.1} us, beta {:.3} GB/s (R^2 {:.4})",
@@ -338,7 +337,7 @@ pub(crate) fn median_time(iters: usize, mut f: impl FnMut() -> Result<()>) -> Re
         f()?;
         v.push(t.elapsed().as_secs_f64());
     }
-    median(v).ok_or_else(|| WgparError::Config("no timed repetitions".into()))
+    median(v).ok_or_else(|| WgparError::Measurement("no timed repetitions".into()))
 }
 
 pub(crate) fn random(len: usize, seed: u32) -> Vec<f32> {
@@ -356,8 +355,12 @@ pub(crate) fn join_all<T>(
     handles
         .into_iter()
         .map(|h| {
-            h.join()
-                .unwrap_or_else(|_| Err(WgparError::Config("calibration thread panicked".into())))
+            h.join().unwrap_or_else(|_| {
+                Err(WgparError::WorkerPanicked {
+                    worker: "calibration thread".into(),
+                    message: "while measuring".into(),
+                })
+            })
         })
         .collect()
 }

@@ -5,7 +5,8 @@ use clap::Args;
 use wgpar::comm::bench::{parse_dtype, run_bench, BenchOp, BenchOptions};
 use wgpar::comm::units::parse_size;
 use wgpar::comm::{Algorithm, CommConfig, LinkPrecision};
-use wgpar::device::Adapters;
+use wgpar::device::{AdapterDesc, Adapters};
+use wgpar::error::human_bytes;
 use wgpar::{Result, WgparError};
 
 use super::DeviceArgs;
@@ -52,37 +53,72 @@ pub struct AllreduceArgs {
 
 /// Runs the benchmark and prints the nccl-tests style table.
 pub fn run(args: &AllreduceArgs) -> Result<()> {
-    let cfg_err = |e: wgpar::comm::CommError| WgparError::Config(e.to_string());
+    let mut config = CommConfig::default();
+    if let Some(c) = &args.chunk {
+        config.chunk_bytes = parse_size(c)?;
+    }
+    config.link = args.link.parse::<LinkPrecision>()?;
+    let opts = BenchOptions {
+        config,
+        min_bytes: parse_size(&args.min)?,
+        max_bytes: parse_size(&args.max)?,
+        factor: args.factor,
+        iters: args.iters,
+        warmup: args.warmup,
+        op: args.op.parse::<BenchOp>()?,
+        dtype: parse_dtype(&args.dtype)?,
+        algorithm: args.algorithm.parse::<Algorithm>()?,
+        ..BenchOptions::default()
+    };
     let adapters = Adapters::discover()?;
     let mut devices = args.devices.clone();
     if devices.devices.is_none() && devices.virtual_count.is_none() {
         devices.virtual_count = Some(2);
     }
+    check_sizes(&opts, &devices.selected(&adapters)?)?;
     let gpus = devices.open(&adapters)?;
-    let mut config = CommConfig::default();
-    if let Some(c) = &args.chunk {
-        config.chunk_bytes = parse_size(c).map_err(cfg_err)?;
-    }
-    config.link = args.link.parse::<LinkPrecision>().map_err(cfg_err)?;
-    let opts = BenchOptions {
-        config,
-        min_bytes: parse_size(&args.min).map_err(cfg_err)?,
-        max_bytes: parse_size(&args.max).map_err(cfg_err)?,
-        factor: args.factor,
-        iters: args.iters,
-        warmup: args.warmup,
-        op: args.op.parse::<BenchOp>().map_err(cfg_err)?,
-        dtype: parse_dtype(&args.dtype).map_err(cfg_err)?,
-        algorithm: args.algorithm.parse::<Algorithm>().map_err(cfg_err)?,
-        ..BenchOptions::default()
-    };
     let report = run_bench(&gpus, &opts)?;
     if args.json {
-        let text =
-            serde_json::to_string_pretty(&report).map_err(|e| WgparError::Config(e.to_string()))?;
+        let text = serde_json::to_string_pretty(&report).map_err(|source| WgparError::Json {
+            what: "the collective benchmark".into(),
+            source,
+        })?;
         println!("{text}");
     } else {
         print!("{report}");
+    }
+    Ok(())
+}
+
+/// Refuses, before any device is opened, a largest size that one device's buffer cannot hold
+/// or the host cannot stage: each rank allocates a tensor of the full size (the gather
+/// operations' outputs too), and the host stages one copy per rank.
+fn check_sizes(opts: &BenchOptions, adapters: &[AdapterDesc]) -> Result<()> {
+    let bytes = opts.max_bytes;
+    for (rank, a) in adapters.iter().enumerate() {
+        let limit = a.max_buffer_size.min(a.max_storage_binding);
+        if bytes > limit {
+            return Err(WgparError::TooLarge {
+                what: format!("rank {rank}'s {} tensor (-e {})", opts.op.name(), bytes),
+                bytes,
+                limit,
+                kind: "storage binding",
+                adapter: a.label(),
+            });
+        }
+    }
+    let host = bytes.saturating_mul(adapters.len() as u64 + 1);
+    if let Some(available) = wgpar::model::budget::host_available_bytes() {
+        if host > available {
+            return Err(WgparError::Config(format!(
+                "-e {}: staging {} ranks through host memory needs about {}, but {} is available; \
+                 lower -e",
+                human_bytes(bytes),
+                adapters.len(),
+                human_bytes(host),
+                human_bytes(available)
+            )));
+        }
     }
     Ok(())
 }

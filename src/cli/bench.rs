@@ -140,12 +140,13 @@ fn bench_pipeline(
                 let s = pp
                     .last_run()
                     .cloned()
-                    .ok_or_else(|| WgparError::Config("no run".into()))?;
+                    .ok_or_else(|| WgparError::Internal("the pipeline reported no run".into()))?;
                 if best.as_ref().is_none_or(|b| s.makespan_s < b.makespan_s) {
                     best = Some(s);
                 }
             }
-            let s = best.ok_or_else(|| WgparError::Config("no run".into()))?;
+            let s =
+                best.ok_or_else(|| WgparError::Internal("the pipeline reported no run".into()))?;
             let (handoff_s, handoff_b) = s.handoff_per_microbatch();
             println!(
                 "{:>3} {:>4} {:>10} {:>12.1} {:>12.1} {:>8.0}% {:>8.1}% {:>13.1}% {:>7.2} ms {} B",
@@ -237,8 +238,11 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
                 all.push(serde_json::json!({ "device": gpu.describe(), "adapter": gpu.info(), "rows": rows }));
             }
             if *json {
-                let text = serde_json::to_string_pretty(&all)
-                    .map_err(|e| WgparError::Config(e.to_string()))?;
+                let text =
+                    serde_json::to_string_pretty(&all).map_err(|source| WgparError::Json {
+                        what: "the kernel benchmark".into(),
+                        source,
+                    })?;
                 println!("{text}");
             }
             Ok(())

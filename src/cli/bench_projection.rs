@@ -117,16 +117,23 @@ fn parse_config(text: &str) -> Result<Config> {
 
 /// Runs this executable with `args`; its output goes to `log`.
 fn wgpar(args: &[String], log: &Path) -> Result<()> {
-    let exe = std::env::current_exe()
-        .map_err(|e| WgparError::Config(format!("cannot find the wgpar executable: {e}")))?;
+    let exe = std::env::current_exe().map_err(|e| WgparError::Subprocess {
+        command: "wgpar".into(),
+        detail: format!("cannot find this executable: {e}"),
+    })?;
     let out = Command::new(&exe)
         .args(args)
         .output()
-        .map_err(|e| WgparError::Config(format!("cannot start {}: {e}", exe.display())))?;
+        .map_err(|e| WgparError::Subprocess {
+            command: format!("{} {}", exe.display(), args.join(" ")),
+            detail: format!("cannot start: {e}"),
+        })?;
     let mut text = out.stdout;
     text.extend_from_slice(&out.stderr);
-    std::fs::write(log, &text)
-        .map_err(|e| WgparError::Config(format!("cannot write {}: {e}", log.display())))?;
+    std::fs::write(log, &text).map_err(|source| WgparError::Io {
+        path: log.display().to_string(),
+        source,
+    })?;
     if !out.status.success() {
         let tail: String = String::from_utf8_lossy(&text)
             .lines()
@@ -137,11 +144,10 @@ fn wgpar(args: &[String], log: &Path) -> Result<()> {
             .rev()
             .collect::<Vec<_>>()
             .join("\n");
-        return Err(WgparError::Config(format!(
-            "`wgpar {}` failed (log: {}):\n{tail}",
-            args.join(" "),
-            log.display()
-        )));
+        return Err(WgparError::Subprocess {
+            command: format!("wgpar {}", args.join(" ")),
+            detail: format!("{} (log: {}):\n{tail}", out.status, log.display()),
+        });
     }
     Ok(())
 }
@@ -226,8 +232,10 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
     }
     let devices = configs.iter().map(|c| c.devices).max().unwrap_or(1).max(2);
     let dir = &args.out_dir;
-    std::fs::create_dir_all(dir)
-        .map_err(|e| WgparError::Config(format!("cannot create {}: {e}", dir.display())))?;
+    std::fs::create_dir_all(dir).map_err(|source| WgparError::Io {
+        path: dir.display().to_string(),
+        source,
+    })?;
     let path = |name: String| dir.join(name);
     let shape = [
         "--batch".to_string(),
@@ -274,7 +282,7 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
     let profiles = (0..args.rounds)
         .map(|r| {
             let p = path(format!("cal{r}.toml"));
-            HostProfile::load(&p).map_err(|e| WgparError::Config(e.to_string()))
+            HostProfile::load(&p).map_err(WgparError::from)
         })
         .collect::<Result<Vec<_>>>()?;
     let options = ProjectOptions {
@@ -290,11 +298,15 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         let mut pairs = Vec::new();
         for run_round in 0..args.rounds {
             let trace = path(format!("{}.r{run_round}.json", c.name));
-            let timeline = Timeline::read_chrome_trace(&trace)
-                .map_err(|e| WgparError::Config(format!("cannot read {}: {e}", trace.display())))?;
+            let timeline = Timeline::read_chrome_trace(&trace)?;
             for (calibration_round, profile) in profiles.iter().enumerate() {
-                let p = project(&timeline, profile, &options)
-                    .map_err(|e| WgparError::Config(format!("{}: {e}", trace.display())))?;
+                let p = project(&timeline, profile, &options).map_err(|source| {
+                    WgparError::Projection {
+                        what: trace.display().to_string(),
+                        profile: profile.name.clone(),
+                        source,
+                    }
+                })?;
                 let measured_ms = p.report.measured.makespan_us / 1e3;
                 let projected_ms = p.report.projected.makespan_us / 1e3;
                 pairs.push(Pair {
@@ -338,8 +350,10 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         rows,
     };
     if args.json {
-        let text = serde_json::to_string_pretty(&report)
-            .map_err(|e| WgparError::Config(format!("json: {e}")))?;
+        let text = serde_json::to_string_pretty(&report).map_err(|source| WgparError::Json {
+            what: "the benchmark report".into(),
+            source,
+        })?;
         println!("{text}");
         return Ok(());
     }

@@ -66,7 +66,6 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     let weights = ModelWeights::synthetic(&config, args.model.seed);
     let calibration = calibrate(&gpus, &weights, &options, &mut std::io::stdout())?;
     let (profile, note) = (calibration.profile, calibration.note);
-    let invalid = |e: wgpar::sim::ProfileError| WgparError::Config(e.to_string());
     if let Some(dir) = std::path::Path::new(&args.out).parent() {
         if !dir.as_os_str().is_empty() {
             std::fs::create_dir_all(dir).map_err(|source| WgparError::Io {
@@ -75,7 +74,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
             })?;
         }
     }
-    write_calibrated_profile(&profile, &note, &args.out).map_err(invalid)?;
+    write_calibrated_profile(&profile, &note, &args.out)?;
     println!();
     println!("profile `{}` written to {}", profile.name, args.out);
     Ok(())

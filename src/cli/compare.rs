@@ -57,6 +57,7 @@ impl CompareArgs {
                 model: "default".into(),
                 dtype: "f32".into(),
                 seed: 42,
+                max_seq: None,
             },
             devices: None,
             virtual_count: None,
@@ -109,11 +110,31 @@ fn io_err(path: &std::path::Path, source: std::io::Error) -> WgparError {
 
 /// Runs the comparison and writes the report.
 pub fn run(args: &CompareArgs) -> Result<()> {
+    // Zero counts would be replaced or give empty rows: refuse them.
+    for (option, values) in [
+        ("--batches", &args.batches),
+        ("--micro-batches", &args.micro_batches),
+    ] {
+        if values.is_empty() || values.contains(&0) {
+            return Err(WgparError::Config(format!(
+                "{option} needs positive counts, got {values:?}"
+            )));
+        }
+    }
+    for (option, value) in [
+        ("--reps", args.reps),
+        ("--prompt-len", args.prompt_len),
+        ("--gen", args.gen),
+    ] {
+        if value == 0 {
+            return Err(WgparError::Config(format!("{option} must be at least 1")));
+        }
+    }
     let config = args.model.config()?;
     let profiles = args
         .profiles
         .iter()
-        .map(|p| HostProfile::resolve(p).map_err(|e| WgparError::Config(e.to_string())))
+        .map(|p| HostProfile::resolve(p).map_err(WgparError::from))
         .collect::<Result<Vec<_>>>()?;
     let adapters = Adapters::discover()?;
     let gpus = open_devices(
@@ -162,17 +183,23 @@ pub fn run(args: &CompareArgs) -> Result<()> {
 
     std::fs::create_dir_all(&args.out).map_err(|e| io_err(&args.out, e))?;
     let mut charts = Vec::new();
-    let svg_err = |e: String| WgparError::Config(format!("chart: {e}"));
+
     for (title, file, svg) in [
         (
             "Generation throughput vs batch",
             "throughput.svg",
-            throughput_svg(&report).map_err(svg_err)?,
+            throughput_svg(&report).map_err(|message| WgparError::Chart {
+                path: "throughput.svg".into(),
+                message,
+            })?,
         ),
         (
             "Where device-time goes",
             "breakdown.svg",
-            breakdown_svg(&report).map_err(svg_err)?,
+            breakdown_svg(&report).map_err(|message| WgparError::Chart {
+                path: "breakdown.svg".into(),
+                message,
+            })?,
         ),
     ] {
         let path = args.out.join(file);
@@ -187,10 +214,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         .max_by_key(|m| (m.micro_batches, m.batch))
     {
         let path = args.out.join("pipeline-prefill-trace.json");
-        m.timelines
-            .0
-            .write_chrome_trace(&path)
-            .map_err(|e| WgparError::Config(e.to_string()))?;
+        m.timelines.0.write_chrome_trace(&path)?;
         let svg_path = args.out.join("timeline.svg");
         let svg = wgpar::trace::timeline_svg(&m.timelines.0, 1200, 80 + 40 * 3 * m.devices as u32);
         std::fs::write(&svg_path, svg).map_err(|e| io_err(&svg_path, e))?;
@@ -205,8 +229,10 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     let md_path = args.out.join("report.md");
     std::fs::write(&md_path, markdown(&report, &charts)).map_err(|e| io_err(&md_path, e))?;
     let json_path = args.out.join("report.json");
-    let json =
-        serde_json::to_string_pretty(&report).map_err(|e| WgparError::Config(e.to_string()))?;
+    let json = serde_json::to_string_pretty(&report).map_err(|source| WgparError::Json {
+        what: "the comparison report".into(),
+        source,
+    })?;
     std::fs::write(&json_path, &json).map_err(|e| io_err(&json_path, e))?;
     if args.json {
         println!("{json}");

@@ -7,8 +7,11 @@ use wgpar::{Result, WgparError};
 /// Prints every adapter as a table, or as JSON.
 pub fn print(adapters: &Adapters, json: bool) -> Result<()> {
     if json {
-        let text = serde_json::to_string_pretty(adapters.list())
-            .map_err(|e| WgparError::Config(e.to_string()))?;
+        let text =
+            serde_json::to_string_pretty(adapters.list()).map_err(|source| WgparError::Json {
+                what: "the adapter list".into(),
+                source,
+            })?;
         println!("{text}");
         return Ok(());
     }

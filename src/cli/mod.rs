@@ -15,7 +15,7 @@ mod run;
 mod text;
 
 use clap::{Args, Parser, Subcommand};
-use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, Gpu, GpuOptions};
+use wgpar::device::{open_devices, AdapterDesc, Adapters, DType, DeviceSelection, Gpu, GpuOptions};
 use wgpar::model::hf::Checkpoint;
 use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::{Result, WgparError};
@@ -83,13 +83,45 @@ impl DeviceArgs {
     fn open(&self, adapters: &Adapters) -> Result<Vec<Arc<Gpu>>> {
         let selection =
             DeviceSelection::from_options(self.devices.as_deref(), self.virtual_count, adapters)?;
-        open_devices(
-            adapters,
-            &selection,
-            &GpuOptions {
-                force_f32: self.force_f32,
+        open_devices(adapters, &selection, &self.gpu_options())
+    }
+
+    fn gpu_options(&self) -> GpuOptions {
+        GpuOptions {
+            force_f32: self.force_f32,
+        }
+    }
+
+    /// The adapter of each selected device, in order, without opening any: what the checks
+    /// that must come before opening devices need.
+    fn selected(&self, adapters: &Adapters) -> Result<Vec<AdapterDesc>> {
+        let selection =
+            DeviceSelection::from_options(self.devices.as_deref(), self.virtual_count, adapters)?;
+        let indices = match &selection {
+            DeviceSelection::Indices(v) => v.clone(),
+            DeviceSelection::Virtual { adapter, count } => vec![*adapter; *count],
+        };
+        indices
+            .into_iter()
+            .map(|i| adapters.get(i).map(|(_, d)| d.clone()))
+            .collect()
+    }
+
+    /// Opens only the first `count` selected devices.
+    fn open_first(&self, adapters: &Adapters, count: usize) -> Result<Vec<Arc<Gpu>>> {
+        let selection =
+            DeviceSelection::from_options(self.devices.as_deref(), self.virtual_count, adapters)?;
+        let selection = match selection {
+            DeviceSelection::Indices(mut v) => {
+                v.truncate(count);
+                DeviceSelection::Indices(v)
+            }
+            DeviceSelection::Virtual { adapter, count: n } => DeviceSelection::Virtual {
+                adapter,
+                count: n.min(count),
             },
-        )
+        };
+        open_devices(adapters, &selection, &self.gpu_options())
     }
 }
 
@@ -107,11 +139,19 @@ pub struct ModelArgs {
     /// Seed of the synthetic weights (presets), or of sampling (--prompt with --temperature).
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Longest context (prompt + generated tokens) the KV cache and position tables hold:
+    /// sets a preset's, or limits a checkpoint's (default: the preset's, or 2048).
+    #[arg(long, value_name = "TOKENS")]
+    max_seq: Option<usize>,
 }
 
 /// Context a checkpoint gets where the command does not know its lengths (the KV cache and
 /// position tables are sized for it).
 const DEFAULT_CONTEXT: usize = 2048;
+
+/// Largest `--max-seq`: far beyond what a CPU driver decodes, small enough that a KV cache
+/// size computed from it cannot overflow.
+const MAX_CONTEXT: usize = 1 << 20;
 
 impl ModelArgs {
     /// The model folder, when `--model` names one rather than a preset.
@@ -128,16 +168,39 @@ impl ModelArgs {
         Ok(ckpt)
     }
 
-    /// The decoder to run: a preset, or a checkpoint's config (context up to 2048 tokens).
+    /// The decoder to run: a preset, or a checkpoint's config (context up to 2048 tokens, or
+    /// `--max-seq`).
     fn config(&self) -> Result<ModelConfig> {
+        if self.max_seq == Some(0) || self.max_seq > Some(MAX_CONTEXT) {
+            return Err(WgparError::Config(format!(
+                "--max-seq must be within 1..={MAX_CONTEXT}"
+            )));
+        }
         let config = match self.checkpoint_dir() {
-            Some(dir) => self.checkpoint(dir, DEFAULT_CONTEXT)?.config().clone(),
-            None => ModelConfig::preset(&self.model).map_err(|e| {
-                WgparError::Config(format!(
-                    "{e}; or pass a model folder (no folder '{}')",
-                    self.model
-                ))
-            })?,
+            Some(dir) => {
+                let ckpt = Checkpoint::open(dir)?;
+                let limit = match self.max_seq {
+                    Some(n) if n > ckpt.max_context() => {
+                        return Err(WgparError::Config(format!(
+                            "--max-seq {n} exceeds the context of {} tokens of model '{}'",
+                            ckpt.max_context(),
+                            ckpt.config().name
+                        )))
+                    }
+                    Some(n) => n,
+                    None => ckpt.max_context().min(DEFAULT_CONTEXT),
+                };
+                let mut ckpt = ckpt;
+                ckpt.limit_context(limit)?;
+                ckpt.config().clone()
+            }
+            None => {
+                let mut config = ModelConfig::preset(&self.model)?;
+                if let Some(n) = self.max_seq {
+                    config.max_seq = n;
+                }
+                config
+            }
         };
         if config.is_encoder() {
             return Err(WgparError::Config(format!(
@@ -157,11 +220,44 @@ impl ModelArgs {
         }
     }
 
+    /// The weight dtype `--dtype` asks for, checked against the selected adapters before any
+    /// device is opened (`force_f32`: --force-f32 or WGPAR_FORCE_F32=1).
+    fn dtype_for(&self, adapters: &[AdapterDesc], force_f32: bool) -> Result<DType> {
+        if self.dtype != "f16" {
+            return Ok(DType::F32);
+        }
+        let force_f32 = force_f32
+            || std::env::var("WGPAR_FORCE_F32")
+                .is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
+        if force_f32 {
+            return Err(WgparError::Config(
+                "--dtype f16 asks for f16 weights, but --force-f32 (or WGPAR_FORCE_F32=1) keeps \
+                 every device in f32: drop one of the two"
+                    .into(),
+            ));
+        }
+        match adapters.iter().find(|a| !a.shader_f16) {
+            Some(a) => Err(WgparError::Config(format!(
+                "--dtype f16 needs SHADER_F16, which adapter {} ({}) lacks: use --dtype f32, or \
+                 pick adapters that have it (`wgpar devices` lists the features)",
+                a.index,
+                a.label()
+            ))),
+            None => Ok(DType::F16),
+        }
+    }
+
     fn dtype(&self, gpus: &[Arc<Gpu>]) -> Result<DType> {
         match self.dtype.as_str() {
             "f16" => match gpus.iter().find(|g| !g.supports_f16_weights()) {
+                Some(g) if g.info().shader_f16 => Err(WgparError::Config(format!(
+                    "--dtype f16 asks for f16 weights, but --force-f32 (or WGPAR_FORCE_F32=1) \
+                     keeps {} in f32: drop one of the two",
+                    g.describe()
+                ))),
                 Some(g) => Err(WgparError::Config(format!(
-                    "--dtype f16 needs SHADER_F16, which {} lacks (or --force-f32 is set)",
+                    "--dtype f16 needs SHADER_F16, which {} lacks: use --dtype f32, or pick \
+                     adapters that have it (`wgpar devices` lists the features)",
                     g.describe()
                 ))),
                 None => Ok(DType::F16),
@@ -171,8 +267,26 @@ impl ModelArgs {
     }
 }
 
+/// A Wayland display named relative to `XDG_RUNTIME_DIR` cannot be reached when that variable
+/// is unset or not a folder (a headless shell that inherited `WAYLAND_DISPLAY`): the EGL probe
+/// of adapter discovery would still try, and libwayland print "error: XDG_RUNTIME_DIR is invalid
+/// or not set" although nothing failed. Forgetting such a display silences that and changes no
+/// outcome; a reachable display (absolute path, or a valid runtime folder) is kept.
+fn forget_unreachable_wayland_display() {
+    let Some(display) = std::env::var_os("WAYLAND_DISPLAY") else {
+        return;
+    };
+    let runtime_ok = std::env::var_os("XDG_RUNTIME_DIR")
+        .is_some_and(|d| !d.is_empty() && Path::new(&d).is_dir());
+    if !runtime_ok && !Path::new(&display).is_absolute() {
+        // Runs first in main, before any thread exists.
+        std::env::remove_var("WAYLAND_DISPLAY");
+    }
+}
+
 /// Entry point: parse, dispatch, report errors as values.
 pub fn main() -> Result<()> {
+    forget_unreachable_wayland_display();
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Devices { json }) => devices::print(&Adapters::discover()?, json),

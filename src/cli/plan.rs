@@ -55,14 +55,16 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         profiles: args
             .hosts
             .iter()
-            .map(|h| HostProfile::resolve(h).map_err(|e| WgparError::Config(e.to_string())))
+            .map(|h| HostProfile::resolve(h).map_err(WgparError::from))
             .collect::<Result<Vec<_>>>()?,
         decode_steps: args.decode_steps,
     };
     let rows = plan(&opts)?;
     if args.json {
-        let text =
-            serde_json::to_string_pretty(&rows).map_err(|e| WgparError::Config(e.to_string()))?;
+        let text = serde_json::to_string_pretty(&rows).map_err(|source| WgparError::Json {
+            what: "the plan".into(),
+            source,
+        })?;
         println!("{text}");
     } else {
         print!("{}", plan_markdown(&opts, &rows));

@@ -96,10 +96,6 @@ struct Output<'a> {
     throughput: Option<Throughput>,
 }
 
-fn config_error(context: &str, e: impl std::fmt::Display) -> WgparError {
-    WgparError::Config(format!("{context}: {e}"))
-}
-
 fn write_svg(timeline: &Timeline, path: &str, title: String, args: &ProjectArgs) -> Result<()> {
     let mut opts = SvgOptions::new(args.svg_size.0, args.svg_size.1);
     opts.title = title;
@@ -132,9 +128,8 @@ fn write_svg(timeline: &Timeline, path: &str, title: String, args: &ProjectArgs)
 
 /// Runs the projection and prints it.
 pub fn run(args: &ProjectArgs) -> Result<()> {
-    let timeline =
-        Timeline::read_chrome_trace(&args.trace).map_err(|e| config_error("--trace", e))?;
-    let profile = HostProfile::resolve(&args.host).map_err(|e| config_error("--host", e))?;
+    let timeline = Timeline::read_chrome_trace(&args.trace)?;
+    let profile = HostProfile::resolve(&args.host)?;
     let options = ProjectOptions {
         collectives: if args.best_collectives {
             CollectivePolicy::Best
@@ -153,7 +148,11 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
         },
     };
     let projection =
-        project(&timeline, &profile, &options).map_err(|e| config_error("projection", e))?;
+        project(&timeline, &profile, &options).map_err(|source| WgparError::Projection {
+            what: args.trace.clone(),
+            profile: profile.name.clone(),
+            source,
+        })?;
     let report = &projection.report;
     let tokens = match args.tokens {
         Some(t) => Some(t),
@@ -174,10 +173,7 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
     });
 
     if let Some(path) = &args.out {
-        projection
-            .timeline
-            .write_chrome_trace(path)
-            .map_err(|e| config_error("--out", e))?;
+        projection.timeline.write_chrome_trace(path)?;
     }
     if let Some(path) = &args.svg {
         let title = match &args.title {
@@ -199,7 +195,10 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
             projected_over_measured: if m > 0.0 { p / m } else { 0.0 },
             throughput,
         };
-        let text = serde_json::to_string_pretty(&out).map_err(|e| config_error("json", e))?;
+        let text = serde_json::to_string_pretty(&out).map_err(|source| WgparError::Json {
+            what: "the projection".into(),
+            source,
+        })?;
         println!("{text}");
         return Ok(());
     }

@@ -4,8 +4,9 @@
 use clap::Args;
 use std::sync::Arc;
 use wgpar::comm::CommConfig;
-use wgpar::device::Adapters;
-use wgpar::parallel::{build_engine, generate, PartitionSpec, Strategy};
+use wgpar::device::{AdapterDesc, Adapters, DType};
+use wgpar::model::{budget, ModelConfig};
+use wgpar::parallel::{build_engine, generate, Engine, Fault, FaultKind, PartitionSpec, Strategy};
 
 use wgpar::sim::{HostProfile, LinkPacer};
 use wgpar::trace::{DeviceTiming, Recorder};
@@ -14,53 +15,96 @@ use wgpar::{Result, WgparError};
 use super::text::TextArgs;
 use super::{DeviceArgs, ModelArgs};
 
-/// Strategy options shared by `run` and `compare`.
+/// Strategy options of `run`.
 #[derive(Args, Clone, Debug)]
 pub struct StrategyArgs {
     /// How to spread the model: none (first device), tp (tensor parallel over all devices),
     /// pp (one pipeline stage per device), hybrid (pipeline stages of --tp devices each).
     #[arg(long, default_value = "none", value_parser = ["none", "tp", "pp", "hybrid"])]
     pub strategy: String,
-    /// Hybrid: devices per pipeline stage (tensor-parallel degree inside a stage).
-    #[arg(long, default_value_t = 2)]
-    pub tp: usize,
+    /// Hybrid: devices per pipeline stage (tensor-parallel degree inside a stage; default 2).
+    #[arg(long)]
+    pub tp: Option<usize>,
     /// Tensor parallel: relative shares per device, e.g. 3,1 (default even).
     #[arg(long, value_delimiter = ',')]
     pub split: Option<Vec<usize>>,
-    /// Pipeline: layers per stage, e.g. 5,7 (default: --partition).
+    /// Pipeline and hybrid: layers per stage, e.g. 5,7 (default: --partition).
     #[arg(long, value_delimiter = ',')]
     pub layers: Option<Vec<usize>>,
-    /// Pipeline: even, or balanced by measured per-device layer/embedding/head time.
-    #[arg(long, default_value = "even", value_parser = ["even", "balanced"])]
-    pub partition: String,
-    /// Pipeline: micro-batches per batch (GPipe).
-    #[arg(long, default_value_t = 1)]
-    pub micro_batches: usize,
+    /// Pipeline and hybrid: even, or balanced by measured per-device layer/embedding/head time.
+    #[arg(long, value_parser = ["even", "balanced"])]
+    pub partition: Option<String>,
+    /// Pipeline and hybrid: micro-batches per batch (GPipe; default 1, at most --batch).
+    #[arg(long)]
+    pub micro_batches: Option<usize>,
 }
 
 impl StrategyArgs {
     fn partition_spec(&self) -> PartitionSpec {
-        match (&self.layers, self.partition.as_str()) {
+        match (&self.layers, self.partition.as_deref()) {
             (Some(l), _) => PartitionSpec::Explicit(l.clone()),
-            (None, "balanced") => PartitionSpec::Balanced,
+            (None, Some("balanced")) => PartitionSpec::Balanced,
             _ => PartitionSpec::Even,
         }
     }
 
+    /// Refuses options that do not apply to the chosen strategy instead of ignoring them.
+    pub fn check_options(&self) -> Result<()> {
+        let s = self.strategy.as_str();
+        let pipeline = matches!(s, "pp" | "hybrid");
+        let refuse = |option: &str, applies: &str| {
+            Err(WgparError::Config(format!(
+                "{option} does not apply to --strategy {s}: it {applies}"
+            )))
+        };
+        if self.split.is_some() && s != "tp" {
+            return refuse(
+                "--split",
+                "sets tensor-parallel shares (--strategy tp; hybrid stages split evenly)",
+            );
+        }
+        if self.layers.is_some() && !pipeline {
+            return refuse("--layers", "sets layers per pipeline stage (pp, hybrid)");
+        }
+        if self.partition.is_some() && !pipeline {
+            return refuse("--partition", "splits layers into stages (pp, hybrid)");
+        }
+        if self.layers.is_some() && self.partition.as_deref() == Some("balanced") {
+            return Err(WgparError::Config(
+                "--layers and --partition balanced both set the stages: give one".into(),
+            ));
+        }
+        if self.micro_batches.is_some() && !pipeline {
+            return refuse(
+                "--micro-batches",
+                "splits a batch for a pipeline (pp, hybrid)",
+            );
+        }
+        if self.tp.is_some() && s != "hybrid" {
+            return refuse(
+                "--tp",
+                "sets the devices per hybrid stage (--strategy tp uses every device)",
+            );
+        }
+        Ok(())
+    }
+
     /// The strategy these options name.
     pub fn strategy(&self) -> Result<Strategy> {
+        self.check_options()?;
+        let micro_batches = self.micro_batches.unwrap_or(1);
         Ok(match self.strategy.as_str() {
             "tp" => Strategy::Tensor {
                 split: self.split.clone(),
             },
             "pp" => Strategy::Pipeline {
                 partition: self.partition_spec(),
-                micro_batches: self.micro_batches,
+                micro_batches,
             },
             "hybrid" => Strategy::Hybrid {
-                tp: self.tp,
+                tp: self.tp.unwrap_or(2),
                 partition: self.partition_spec(),
-                micro_batches: self.micro_batches,
+                micro_batches,
             },
             _ => Strategy::Single,
         })
@@ -71,11 +115,11 @@ impl StrategyArgs {
 #[derive(Args, Clone, Debug)]
 pub struct RunArgs {
     #[command(flatten)]
-    devices: DeviceArgs,
+    pub(super) devices: DeviceArgs,
     #[command(flatten)]
-    model: ModelArgs,
+    pub(super) model: ModelArgs,
     #[command(flatten)]
-    strategy: StrategyArgs,
+    pub(super) strategy: StrategyArgs,
     /// Sequences per batch.
     #[arg(long, default_value_t = 4)]
     batch: usize,
@@ -84,28 +128,239 @@ pub struct RunArgs {
     prompt_len: usize,
     /// Tokens to generate per sequence.
     #[arg(long, default_value_t = 16)]
-    gen: usize,
+    pub(super) gen: usize,
     /// Write the run's timeline as Chrome Trace Event JSON (opens in Perfetto).
     #[arg(long, value_name = "FILE")]
-    trace: Option<String>,
+    pub(super) trace: Option<String>,
     /// Pace transfers and collectives to a host profile's links (shipped name or TOML path),
     /// e.g. pcie3-2gpu, so the run behaves like that machine's interconnect; or to one link
     /// given as ALPHA_US:BETA_GBPS, e.g. 50:0.125 for a 1 Gb/s network.
     #[arg(long, value_name = "PROFILE|ALPHA_US:BETA_GBPS")]
-    pace: Option<String>,
+    pub(super) pace: Option<String>,
     /// With --trace, also time compute spans on the device with timestamp queries: auto (where
     /// the adapter has TIMESTAMP_QUERY and is not a CPU driver, on which timestamp writes
     /// slow each submission down), on, off.
     #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
-    device_timestamps: String,
+    pub(super) device_timestamps: String,
+    /// Make a worker fail, to see the failure path end the run cleanly:
+    /// `stage=S` (pp, hybrid) or `rank=R` (tp), `kind=error|panic|device-lost`, `at=step:N`
+    /// (after N jobs of that worker in the timed run: steps for a rank, micro-batches for a
+    /// stage), e.g. `stage=1,kind=panic,at=step:3`.
+    #[arg(long, value_name = "SPEC")]
+    pub(super) inject_fault: Option<String>,
     #[command(flatten)]
-    text: TextArgs,
+    pub(super) text: TextArgs,
+}
+
+/// A parsed `--inject-fault`: which worker, and how and when it fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct FaultSpec {
+    /// Stage (pipeline) or rank (tensor parallel).
+    pub worker: usize,
+    /// Whether the spec named a stage (`stage=`) rather than a rank (`rank=`).
+    pub stage: bool,
+    pub fault: Fault,
+}
+
+impl FaultSpec {
+    /// Parses `stage=1,kind=error,at=step:3` (or `rank=`; `at` defaults to step 0).
+    pub fn parse(text: &str) -> Result<Self> {
+        let bad = |why: String| {
+            WgparError::Config(format!(
+                "--inject-fault '{text}': {why}; expected e.g. stage=1,kind=error,at=step:3 or \
+                 rank=0,kind=panic (kind: error, panic, device-lost)"
+            ))
+        };
+        let (mut worker, mut kind, mut after) = (None, None, 0);
+        for part in text.split(',').map(str::trim) {
+            let (key, value) = part
+                .split_once('=')
+                .ok_or_else(|| bad(format!("'{part}' is not key=value")))?;
+            let number = |v: &str| {
+                v.trim()
+                    .parse::<usize>()
+                    .map_err(|_| bad(format!("'{v}' is not a whole number")))
+            };
+            match key.trim() {
+                "stage" | "rank" if worker.is_some() => {
+                    return Err(bad("give one of stage= and rank=".into()))
+                }
+                "stage" => worker = Some((number(value)?, true)),
+                "rank" => worker = Some((number(value)?, false)),
+                "kind" => {
+                    kind = Some(match value.trim() {
+                        "error" => FaultKind::Error,
+                        "panic" => FaultKind::Panic,
+                        "device-lost" => FaultKind::LoseDevice,
+                        other => return Err(bad(format!("unknown kind '{other}'"))),
+                    })
+                }
+                "at" => after = number(value.trim().strip_prefix("step:").unwrap_or(value))?,
+                other => return Err(bad(format!("unknown key '{other}'"))),
+            }
+        }
+        let (worker, stage) = worker.ok_or_else(|| bad("no stage= or rank=".into()))?;
+        let kind = kind.ok_or_else(|| bad("no kind=".into()))?;
+        Ok(Self {
+            worker,
+            stage,
+            fault: Fault { after, kind },
+        })
+    }
+
+    /// Checks the spec against the strategy and the number of stages or ranks.
+    pub fn check(&self, strategy: &Strategy, devices: usize) -> Result<()> {
+        let (ok, count, what) = match strategy {
+            Strategy::Tensor { .. } => (!self.stage, devices, "ranks"),
+            Strategy::Pipeline { .. } => (self.stage, devices, "stages"),
+            Strategy::Hybrid { tp, .. } => (self.stage, devices / (*tp).max(1), "stages"),
+            Strategy::Single => {
+                return Err(WgparError::Config(
+                    "--inject-fault needs --strategy tp (rank=), pp or hybrid (stage=)".into(),
+                ))
+            }
+        };
+        if !ok {
+            return Err(WgparError::Config(format!(
+                "--inject-fault: --strategy {strategy} has {what}: use {}=",
+                if what == "ranks" { "rank" } else { "stage" }
+            )));
+        }
+        if self.worker >= count {
+            return Err(WgparError::Config(format!(
+                "--inject-fault: no {} {} among {count} {what}",
+                &what[..what.len() - 1],
+                self.worker
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What `run` checks before it opens a device or builds a weight: the options against each
+/// other, the model's config and the strategy, the adapters' limits, the trace file and the
+/// pacer. Returns the strategy, the selected adapters, the weight dtype and the pacer.
+pub(super) struct Plan {
+    pub strategy: Strategy,
+    pub adapters: Vec<AdapterDesc>,
+    pub dtype: DType,
+    pub pacer: Option<(LinkPacer, String)>,
+    pub fault: Option<FaultSpec>,
+}
+
+/// Checks what `run` (and text generation) can check before opening devices; `batch`
+/// sequences, `seq` prompt tokens each.
+pub(super) fn plan(
+    args: &RunArgs,
+    config: &ModelConfig,
+    adapters: &Adapters,
+    batch: usize,
+    seq: usize,
+) -> Result<Plan> {
+    let strategy = args.strategy.strategy()?;
+    let selected = args.devices.selected(adapters)?;
+    if matches!(strategy, Strategy::Single) && selected.len() > 1 {
+        return Err(WgparError::Config(format!(
+            "{} devices selected, but --strategy none runs on one: pass --strategy tp, pp or \
+             hybrid to use them, or select one device",
+            selected.len()
+        )));
+    }
+    let micro = args.strategy.micro_batches.unwrap_or(1);
+    if micro > batch {
+        return Err(WgparError::Config(format!(
+            "--micro-batches {micro} exceeds the batch of {batch}: each micro-batch needs at \
+             least one sequence; use at most {batch}"
+        )));
+    }
+    let fault = match &args.inject_fault {
+        Some(text) => {
+            let spec = FaultSpec::parse(text)?;
+            spec.check(&strategy, selected.len())?;
+            Some(spec)
+        }
+        None => None,
+    };
+    let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
+    // The largest step: a whole batch's prefill, or one micro-batch's in a pipeline.
+    let step_batch = match strategy {
+        Strategy::Pipeline { .. } | Strategy::Hybrid { .. } => batch.div_ceil(micro),
+        _ => batch,
+    };
+    strategy.check_fits(config, dtype, &selected, step_batch * seq, step_batch)?;
+    budget::check_host_weights(config, budget::host_available_bytes())?;
+    if let Some(path) = &args.trace {
+        // Fail now, not after the run: create (or truncate) the file it will be written to.
+        std::fs::File::create(path).map_err(|source| WgparError::Io {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    let pacer = args.pace.as_deref().map(pacer_for).transpose()?;
+    Ok(Plan {
+        strategy,
+        adapters: selected,
+        dtype,
+        pacer,
+        fault,
+    })
+}
+
+/// The recorder `--trace` asks for.
+pub(super) fn recorder_for(args: &RunArgs) -> Recorder {
+    if args.trace.is_some() {
+        Recorder::new()
+            .with_device_timing(DeviceTiming::parse(&args.device_timestamps).unwrap_or_default())
+    } else {
+        Recorder::disabled()
+    }
+}
+
+/// Prints a pipeline's bubble share (measured and the GPipe bound), as compare and bench do.
+pub(super) fn print_bubble(engine: &dyn Engine, indent: &str) {
+    if let Some(p) = engine.pipeline_stats() {
+        println!(
+            "{indent}pipeline: {} stages x {} micro-batches, bubble {:.0}% measured ({:.0}% = (p-1)/(m+p-1) for equal stages)",
+            p.stages.len(),
+            p.microbatches,
+            p.measured_bubble * 100.0,
+            p.theoretical_bubble * 100.0
+        );
+    }
+}
+
+/// Writes the recorded timeline to `--trace` and summarises it.
+pub(super) fn write_trace(recorder: &Recorder, path: &str) -> Result<()> {
+    let timeline = recorder.timeline();
+    timeline.write_chrome_trace(path)?;
+    println!(
+        "trace: {} spans written to {path} (open in https://ui.perfetto.dev)",
+        timeline.spans.len()
+    );
+    let timed: Vec<_> = timeline
+        .spans
+        .iter()
+        .filter_map(|s| s.device_ns.map(|ns| (ns, s.dur_ns)))
+        .collect();
+    if !timed.is_empty() {
+        let device: u64 = timed.iter().map(|t| t.0).sum();
+        let host: u64 = timed.iter().map(|t| t.1).sum();
+        println!(
+            "  device time (timestamp queries) of {} compute spans: {:.1} ms of their {:.1} ms on the host clock ({:.0} %)",
+            timed.len(),
+            device as f64 / 1e6,
+            host as f64 / 1e6,
+            device as f64 / host.max(1) as f64 * 100.0
+        );
+    }
+    Ok(())
 }
 
 /// Runs generation and prints the rates.
 pub fn run(args: &RunArgs) -> Result<()> {
+    args.strategy.check_options()?;
     if let Some(prompt) = &args.text.prompt {
-        return super::text::generate(&args.devices, &args.model, &args.text, prompt, args.gen);
+        return super::text::generate(args, prompt);
     }
     let config = args.model.config()?;
     if args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
@@ -115,14 +370,18 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     if args.prompt_len + args.gen > config.max_seq {
         return Err(WgparError::Config(format!(
-            "--prompt-len {} + --gen {} exceed max_seq {} of model '{}'",
+            "--prompt-len {} + --gen {} exceed max_seq {} of model '{}' (raise it with --max-seq)",
             args.prompt_len, args.gen, config.max_seq, config.name
         )));
     }
-    let strategy = args.strategy.strategy()?;
     let adapters = Adapters::discover()?;
-    let gpus = args.devices.open(&adapters)?;
+    let plan = plan(args, &config, &adapters, args.batch, args.prompt_len)?;
+    let strategy = plan.strategy;
+    let gpus = args
+        .devices
+        .open_first(&adapters, strategy.devices_used(plan.adapters.len()))?;
     let dtype = args.model.dtype(&gpus)?;
+    debug_assert_eq!(dtype, plan.dtype);
     let weights = args.model.weights(&config)?;
     println!(
         "model {} ({} arch, {} layers, hidden {}, {:.1}M params, {:?} weights)",
@@ -141,9 +400,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         &CommConfig::default(),
         (args.batch, args.prompt_len),
     )?;
+    drop(weights);
     println!("engine: {}", engine.name());
-    if let Some(text) = &args.pace {
-        let (pacer, what) = pacer_for(text)?;
+    if let Some((pacer, what)) = plan.pacer {
         println!("pacing transfers to {what}");
         engine.set_pacer(Some(Arc::new(pacer)));
     }
@@ -156,12 +415,17 @@ pub fn run(args: &RunArgs) -> Result<()> {
         .collect();
     // One untimed pass compiles the pipelines and allocates buffers.
     generate(engine.as_mut(), &prompts, 2)?;
-    let recorder = if args.trace.is_some() {
-        Recorder::new()
-            .with_device_timing(DeviceTiming::parse(&args.device_timestamps).unwrap_or_default())
-    } else {
-        Recorder::disabled()
-    };
+    if let Some(f) = plan.fault {
+        println!(
+            "injecting a {:?} fault into {} {} after {} of its jobs",
+            f.fault.kind,
+            if f.stage { "stage" } else { "rank" },
+            f.worker,
+            f.fault.after
+        );
+        engine.inject_fault(f.worker, f.fault)?;
+    }
+    let recorder = recorder_for(args);
     // What `wgpar project` needs to turn a makespan into throughput, and what a reader of the
     // trace needs to know what ran. The recorded part is one prefill, then a generation (a
     // prefill and gen - 1 decode steps).
@@ -188,6 +452,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     // Prefill alone first, to report its accounting; then the full generation.
     engine.prefill(&prompts)?;
     let prefill_stats = engine.last_step();
+    let prefill_pipeline = engine.pipeline_stats();
     let g = generate(engine.as_mut(), &prompts, args.gen)?;
     let decode_stats = engine.last_step();
     println!(
@@ -208,6 +473,15 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
         println!("  {}", s.per_token_line());
     }
+    if let Some(p) = prefill_pipeline {
+        println!(
+            "  pipeline: {} stages x {} micro-batches, bubble {:.0}% measured ({:.0}% = (p-1)/(m+p-1) for equal stages)",
+            p.stages.len(),
+            p.microbatches,
+            p.measured_bubble * 100.0,
+            p.theoretical_bubble * 100.0
+        );
+    }
     let per_step_ms = g.decode_s.iter().sum::<f64>() / g.decode_s.len().max(1) as f64 * 1e3;
     println!(
         "decode: {} steps x {} sequences, {:.2} ms per step = {:.1} tokens/s",
@@ -225,32 +499,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
         println!("  {}", s.per_token_line());
     }
+    print_bubble(engine.as_ref(), "  last step ");
     println!("first sequence's tokens: {:?}", g.tokens[0]);
     if let Some(path) = &args.trace {
-        let timeline = recorder.timeline();
-        timeline
-            .write_chrome_trace(path)
-            .map_err(|e| WgparError::Config(e.to_string()))?;
-        println!(
-            "trace: {} spans written to {path} (open in https://ui.perfetto.dev)",
-            timeline.spans.len()
-        );
-        let timed: Vec<_> = timeline
-            .spans
-            .iter()
-            .filter_map(|s| s.device_ns.map(|ns| (ns, s.dur_ns)))
-            .collect();
-        if !timed.is_empty() {
-            let device: u64 = timed.iter().map(|t| t.0).sum();
-            let host: u64 = timed.iter().map(|t| t.1).sum();
-            println!(
-                "  device time (timestamp queries) of {} compute spans: {:.1} ms of their {:.1} ms on the host clock ({:.0} %)",
-                timed.len(),
-                device as f64 / 1e6,
-                host as f64 / 1e6,
-                device as f64 / host.max(1) as f64 * 100.0
-            );
-        }
+        write_trace(&recorder, path)?;
     }
     Ok(())
 }
@@ -260,17 +512,23 @@ pub fn run(args: &RunArgs) -> Result<()> {
 fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
     if let Some((alpha, beta)) = text.split_once(':') {
         if let (Ok(alpha_us), Ok(beta_gbps)) = (alpha.trim().parse(), beta.trim().parse()) {
-            let pacer = LinkPacer::from_alpha_beta(alpha_us, beta_gbps)
-                .map_err(|e| WgparError::Config(format!("--pace {text}: {e}")))?;
+            let pacer = LinkPacer::from_alpha_beta(alpha_us, beta_gbps).map_err(|source| {
+                WgparError::Pacing {
+                    target: format!("--pace {text}"),
+                    source,
+                }
+            })?;
             return Ok((
                 pacer,
                 format!("one link of {alpha_us} us + bytes / {beta_gbps} GB/s per message"),
             ));
         }
     }
-    let profile = HostProfile::resolve(text).map_err(|e| WgparError::Config(e.to_string()))?;
-    let pacer =
-        LinkPacer::from_profile(&profile, 0).map_err(|e| WgparError::Config(e.to_string()))?;
+    let profile = HostProfile::resolve(text)?;
+    let pacer = LinkPacer::from_profile(&profile, 0).map_err(|source| WgparError::Pacing {
+        target: format!("profile {}", profile.name),
+        source,
+    })?;
     Ok((pacer, format!("the links of {}", profile.name)))
 }
 

@@ -4,14 +4,17 @@
 use std::io::Write;
 use std::time::Instant;
 
+use std::sync::Arc;
+
 use clap::Args;
+use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
 use wgpar::model::hf::Checkpoint;
 use wgpar::model::sampling::{Sampler, SamplingParams};
-use wgpar::parallel::{Engine, SingleEngine};
+use wgpar::parallel::build_engine;
 use wgpar::{Result, WgparError};
 
-use super::{DeviceArgs, ModelArgs};
+use super::run::RunArgs;
 
 /// Options of text generation (used with `--prompt`).
 #[derive(Args, Clone, Debug)]
@@ -42,14 +45,10 @@ impl Default for TextArgs {
     }
 }
 
-/// Generates up to `max_new` tokens after `prompt` and prints the text.
-pub fn generate(
-    devices: &DeviceArgs,
-    model: &ModelArgs,
-    text: &TextArgs,
-    prompt: &str,
-    max_new: usize,
-) -> Result<()> {
+/// Generates up to `--gen` tokens after `prompt` and prints the text, on the strategy and
+/// devices `run`'s options name (tracing and pacing too).
+pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
+    let (model, text, max_new) = (&args.model, &args.text, args.gen);
     let dir = model.checkpoint_dir().ok_or_else(|| {
         WgparError::Config(format!(
             "--prompt needs --model DIR, a Hugging Face model folder with tokenizer.json \
@@ -91,13 +90,34 @@ pub fn generate(
     }
     // The KV cache and position tables need only this run's length.
     ckpt.limit_context(context)?;
+    let adapters = Adapters::discover()?;
+    let plan = super::run::plan(args, ckpt.config(), &adapters, 1, ids.len())?;
     let eos = ckpt.eos_tokens().to_vec();
     let weights = ckpt.weights(true)?;
-    let adapters = Adapters::discover()?;
-    let gpus = devices.open(&adapters)?;
+    let gpus = args
+        .devices
+        .open_first(&adapters, plan.strategy.devices_used(plan.adapters.len()))?;
     let dtype = model.dtype(&gpus)?;
-    let mut engine = SingleEngine::new(gpus[0].clone(), &weights, dtype)?;
+    let mut engine = build_engine(
+        &plan.strategy,
+        &gpus,
+        &weights,
+        dtype,
+        &CommConfig::default(),
+        (1, ids.len()),
+    )?;
     engine.set_sampling(sampling)?;
+    if let Some((pacer, what)) = plan.pacer {
+        eprintln!("pacing transfers to {what}");
+        engine.set_pacer(Some(Arc::new(pacer)));
+    }
+    if let Some(f) = plan.fault {
+        engine.inject_fault(f.worker, f.fault)?;
+    }
+    let recorder = super::run::recorder_for(args);
+    recorder.set_meta("model", weights.config.name.clone());
+    recorder.set_meta("strategy", engine.name());
+    engine.set_recorder(recorder.clone());
     eprintln!(
         "model {} ({:?}, {} layers, {:.1}M params) on {}; {} prompt tokens",
         weights.config.name,
@@ -140,6 +160,7 @@ pub fn generate(
         step = engine.decode_step(&[next], false)?;
     }
     let _ = writeln!(out);
+    drop(out);
     let decode_s = decode_start.elapsed().as_secs_f64();
     eprintln!(
         "prefill {:.1} ms; {generated} tokens in {:.1} ms ({:.1} tokens/s)",
@@ -147,5 +168,9 @@ pub fn generate(
         decode_s * 1e3,
         generated as f64 / decode_s.max(1e-9)
     );
+    super::run::print_bubble(engine.as_ref(), "");
+    if let Some(path) = &args.trace {
+        super::run::write_trace(&recorder, path)?;
+    }
     Ok(())
 }

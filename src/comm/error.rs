@@ -97,7 +97,6 @@ impl From<CommError> for WgparError {
     fn from(e: CommError) -> Self {
         match e {
             CommError::Mismatch { op, detail } => WgparError::Shape { op, detail },
-            e @ CommError::WrongDevice { .. } => WgparError::Config(e.to_string()),
             CommError::Config(message) => WgparError::Config(message),
             CommError::Gpu {
                 op,
@@ -107,12 +106,11 @@ impl From<CommError> for WgparError {
                 device,
                 message: format!("{op}: {message}"),
             },
-            e @ (CommError::GpuTimeout { .. }
+            // Run-time failures keep their typed cause.
+            e @ (CommError::WrongDevice { .. }
+            | CommError::GpuTimeout { .. }
             | CommError::Aborted { .. }
-            | CommError::Timeout { .. }) => WgparError::Worker {
-                worker: "communicator".into(),
-                message: e.to_string(),
-            },
+            | CommError::Timeout { .. }) => WgparError::Comm(e),
         }
     }
 }
@@ -131,12 +129,12 @@ mod tests {
     }
 
     #[test]
-    fn abort_becomes_worker_error() {
+    fn abort_keeps_its_typed_cause() {
         let e: WgparError = CommError::Aborted {
             reason: "rank 2 (gpu2) panicked".into(),
         }
         .into();
-        assert!(matches!(e, WgparError::Worker { .. }));
+        assert!(matches!(e, WgparError::Comm(CommError::Aborted { .. })));
         assert!(e.to_string().contains("rank 2"));
     }
 }

@@ -295,8 +295,10 @@ fn project_pair(
         collectives: CollectivePolicy::Best,
         ..ProjectOptions::default()
     };
-    let err = |e: crate::sim::ProjectError| {
-        WgparError::Config(format!("projection onto {}: {e}", profile.name))
+    let err = |source: crate::sim::ProjectError| WgparError::Projection {
+        what: "the measured run".into(),
+        profile: profile.name.clone(),
+        source,
     };
     let pre = project(&timelines.0, profile, &opts).map_err(err)?;
     let dec = project(&timelines.1, profile, &opts).map_err(err)?;

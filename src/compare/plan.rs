@@ -129,8 +129,10 @@ pub fn plan(opts: &PlanOptions) -> Result<Vec<PlanRow>> {
                         dec_step,
                         opts.decode_steps,
                     )?;
-                    let err = |e: crate::sim::ProjectError| {
-                        WgparError::Config(format!("{label} on {}: {e}", profile.name))
+                    let err = |source: crate::sim::ProjectError| WgparError::Projection {
+                        what: label.clone(),
+                        profile: profile.name.clone(),
+                        source,
                     };
                     let p = project(&pre, profile, &popts)
                         .map_err(err)?

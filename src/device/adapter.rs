@@ -27,6 +27,8 @@ pub struct AdapterDesc {
     pub max_storage_binding: u64,
     /// Most storage buffers one compute shader may bind.
     pub max_storage_buffers_per_stage: u32,
+    /// Most workgroups in one dimension of a dispatch (kernels put rows there).
+    pub max_workgroups_per_dimension: u32,
     /// Has `SHADER_F16` (f16 weights in storage).
     pub shader_f16: bool,
     /// Has `TIMESTAMP_QUERY` (GPU-side timing).
@@ -53,6 +55,7 @@ impl AdapterDesc {
             max_buffer_size: limits.max_buffer_size,
             max_storage_binding: limits.max_storage_buffer_binding_size,
             max_storage_buffers_per_stage: limits.max_storage_buffers_per_shader_stage,
+            max_workgroups_per_dimension: limits.max_compute_workgroups_per_dimension,
             shader_f16: features.contains(wgpu::Features::SHADER_F16),
             timestamp_query: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             subgroup: features.contains(wgpu::Features::SUBGROUP),

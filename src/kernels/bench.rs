@@ -76,7 +76,7 @@ fn time(
         }
     }
     crate::stats::median(samples).ok_or_else(|| {
-        crate::error::WgparError::Config("kernel benchmark needs at least one sample".into())
+        crate::error::WgparError::Measurement("kernel benchmark needs at least one sample".into())
     })
 }
 

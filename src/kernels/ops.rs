@@ -22,6 +22,9 @@ use crate::error::{Result, WgparError};
 
 /// Largest workgroup count per dimension that every adapter accepts.
 const MAX_GROUPS: u32 = 65_535;
+/// Most rows (tokens of one step) a row-per-workgroup kernel takes in one dispatch; the CLI
+/// checks a run's shapes against it before opening devices. Lift both together.
+pub const MAX_ROWS_PER_DISPATCH: usize = MAX_GROUPS as usize;
 /// Matmul rows per workgroup, columns per invocation and workgroup size; must match
 /// `shaders/matmul.wgsl`.
 const MATMUL_TM: u32 = 4;

@@ -239,10 +239,10 @@ impl ModelConfig {
                 ..base
             },
             other => {
-                return Err(WgparError::Config(format!(
-                    "unknown model preset '{other}'; presets: {}",
-                    PRESETS.join(", ")
-                )))
+                return Err(WgparError::UnknownModel {
+                    name: other.to_string(),
+                    presets: PRESETS.join(", "),
+                })
             }
         };
         cfg.validate()?;
@@ -272,6 +272,53 @@ impl ModelConfig {
         }
         if self.max_seq == 0 {
             return fail("max_seq must be positive".into());
+        }
+        // A negative, zero or non-finite epsilon divides by zero or flips signs in every norm;
+        // a non-positive RoPE base makes every rotation NaN: the output would be garbage.
+        if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
+            return fail(format!(
+                "normalisation epsilon {} must be a positive finite number (typically 1e-5 to \
+                 1e-12)",
+                self.norm_eps
+            ));
+        }
+        if self.arch == Arch::Llama && !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return fail(format!(
+                "rope_theta {} must be a positive finite number (typically 10000 or 500000)",
+                self.rope_theta
+            ));
+        }
+        if let Some(s) = &self.rope_scaling {
+            let positive = |x: f32| x.is_finite() && x > 0.0;
+            if !(positive(s.factor)
+                && positive(s.low_freq_factor)
+                && positive(s.high_freq_factor)
+                && s.original_context > 0)
+            {
+                return fail(format!(
+                    "rope_scaling needs positive finite factors and context, got {s:?}"
+                ));
+            }
+        }
+        // Sizes computed from the shapes (elements of one matrix, parameters, FLOPs) must not
+        // overflow: bound every product by 2^48 elements, far beyond any device.
+        const LIMIT: u64 = 1 << 48;
+        let product = |dims: &[usize]| {
+            dims.iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+                .is_some_and(|p| p <= LIMIT)
+        };
+        let fits = product(&[self.vocab, self.hidden])
+            && product(&[self.max_seq, self.hidden])
+            && product(&[self.ffn, self.hidden])
+            && product(&[self.heads, self.head_dim, self.max_seq])
+            && product(&[self.heads, self.head_dim, self.hidden])
+            && product(&[self.type_vocab, self.hidden]);
+        if !fits {
+            return fail(format!(
+                "shapes beyond any device: vocab {}, hidden {}, ffn {}, heads {}, max_seq {}",
+                self.vocab, self.hidden, self.ffn, self.heads, self.max_seq
+            ));
         }
         let gated = self.activation == Activation::Silu;
         if gated != (self.arch == Arch::Llama) {
@@ -374,6 +421,7 @@ mod tests {
     fn unknown_preset_lists_the_known_ones() {
         let e = ModelConfig::preset("gpt5").unwrap_err().to_string();
         assert!(e.contains("tiny-llama") && e.contains("gpt5"), "{e}");
+        assert!(!e.contains("invalid configuration"), "{e}");
     }
 
     #[test]

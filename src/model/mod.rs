@@ -2,6 +2,7 @@
 //! shard specs for tensor parallelism, the GPU blocks engines compose, Hugging Face checkpoint
 //! loading and token sampling.
 
+pub mod budget;
 pub mod config;
 pub mod gpu;
 pub mod hf;

@@ -56,7 +56,7 @@ pub fn measure_stage_costs(
                     }
                 }
                 median(v).ok_or_else(|| {
-                    WgparError::Config("stage costs need at least one timed sample".into())
+                    WgparError::Measurement("stage costs need at least one timed sample".into())
                 })
             };
             let embed_s = time(&|e| model.embed(e, &act))?;

@@ -129,7 +129,7 @@ impl Encoder for SingleEncoder {
         }
         self.batch = batch;
         let (Some(act), Some(kv)) = (&mut self.act, &mut self.kv) else {
-            return Err(WgparError::Config("encoder buffers missing".into()));
+            return Err(WgparError::Internal("encoder buffers missing".into()));
         };
         let (ids, types, lens) = pad_batch(inputs, seq);
         m.write_ids(act, &ids)?;
@@ -142,7 +142,7 @@ impl Encoder for SingleEncoder {
         m.gpu().submit(enc);
         let pooled = act
             .pooled()
-            .ok_or_else(|| WgparError::Config("no pooled output buffer".into()))?;
+            .ok_or_else(|| WgparError::Internal("no pooled output buffer".into()))?;
         let mut data = m.gpu().read_f32(pooled)?;
         data.truncate(batch * c.hidden);
         Ok(Embeddings {

@@ -143,10 +143,8 @@ pub struct StepOutput {
 
 impl StepOutput {
     fn into_logits(self) -> Result<Logits> {
-        self.logits.ok_or_else(|| WgparError::Worker {
-            worker: "engine".into(),
-            message: "a step asked for logits returned none".into(),
-        })
+        self.logits
+            .ok_or_else(|| WgparError::Internal("a step asked for logits returned none".into()))
     }
 }
 
@@ -187,15 +185,30 @@ pub trait Engine {
     fn set_pacer(&mut self, pacer: Option<Arc<LinkPacer>>) {
         let _ = pacer;
     }
+
+    /// Accounting of the last pipeline run (stages, bubble), for engines that are pipelines.
+    fn pipeline_stats(&self) -> Option<PipelineStats> {
+        None
+    }
+
+    /// Makes worker `worker` (a pipeline stage, or a tensor-parallel rank) fail as `fault`
+    /// says: tests and demos of the failure path (`run --inject-fault`).
+    fn inject_fault(&mut self, worker: usize, fault: Fault) -> Result<()> {
+        let _ = fault;
+        Err(WgparError::Config(format!(
+            "{} has no worker {worker} to fail: --inject-fault needs --strategy tp, pp or hybrid",
+            self.name()
+        )))
+    }
 }
 
 /// Checks a decode step's tokens against the prefilled batch (one token per sequence).
 pub(crate) fn check_decode(batch: usize, tokens: &[u32]) -> Result<()> {
     if batch == 0 {
-        return Err(WgparError::Config("decode before prefill".into()));
+        return Err(WgparError::InvalidCall("decode before prefill".into()));
     }
     if tokens.len() != batch {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::InvalidCall(format!(
             "decode got {} tokens for {} sequences",
             tokens.len(),
             batch

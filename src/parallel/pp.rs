@@ -53,7 +53,8 @@ pub enum FaultKind {
 /// When and how a stage fails.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fault {
-    /// Micro-batches the stage completes before failing.
+    /// Jobs the worker runs before failing, counted from its start: micro-batches for a
+    /// pipeline stage, steps for a tensor-parallel rank.
     pub after: usize,
     /// What happens.
     pub kind: FaultKind,
@@ -209,6 +210,8 @@ struct Stage {
     output: Sender<Result<Output>>,
     stats: Arc<Mutex<Vec<StageStats>>>,
     fault: Arc<Mutex<Vec<Option<Fault>>>>,
+    /// Micro-batches this stage has taken since it started (what a fault's `after` counts).
+    jobs: usize,
     /// Device-side timing of compute spans while a trace is recorded.
     timer: SpanTimer,
 }
@@ -230,11 +233,15 @@ impl Stage {
         self.index + 1 == self.count
     }
 
-    fn fail(&self, message: String) {
-        let _ = self.output.send(Err(WgparError::Worker {
-            worker: self.name.clone(),
-            message,
-        }));
+    fn fail(&self, cause: WgparError) {
+        let e = match cause {
+            e @ WgparError::WorkerPanicked { .. } => e,
+            cause => WgparError::WorkerFailed {
+                worker: self.name.clone(),
+                source: Box::new(cause),
+            },
+        };
+        let _ = self.output.send(Err(e));
     }
 
     /// The stage's thread: take work, overlap each micro-batch's compute with the previous
@@ -248,7 +255,7 @@ impl Stage {
                     Err(TryRecvError::Empty) => {
                         // Nothing to overlap with: hand the finished micro-batch on now.
                         if let Err(e) = self.flush(&mut pending) {
-                            return self.fail(e.to_string());
+                            return self.fail(e);
                         }
                         continue;
                     }
@@ -266,18 +273,27 @@ impl Stage {
             let outcome = catch_unwind(AssertUnwindSafe(|| self.process(work, &mut pending)));
             match outcome {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => return self.fail(e.to_string()),
-                Err(payload) => return self.fail(format!("panicked: {}", panic_text(&*payload))),
+                Ok(Err(e)) => return self.fail(e),
+                Err(payload) => {
+                    return self.fail(WgparError::WorkerPanicked {
+                        worker: self.name.clone(),
+                        message: panic_text(&*payload),
+                    })
+                }
             }
         }
     }
 
-    fn inject_fault(&self) -> Result<()> {
-        let done = lock(&self.stats)[self.index].microbatches;
+    fn inject_fault(&mut self) -> Result<()> {
+        let done = self.jobs;
+        self.jobs += 1;
         let fault = lock(&self.fault)[self.index];
         match fault {
             Some(f) if done >= f.after => match f.kind {
-                FaultKind::Error => Err(WgparError::Config("injected fault".into())),
+                FaultKind::Error => Err(WgparError::InjectedFault {
+                    kind: "error".into(),
+                    at: format!("stage {} after {done} micro-batches", self.index),
+                }),
                 FaultKind::Panic => panic!("injected panic"),
                 FaultKind::LoseDevice => {
                     self.gpu.device().destroy();
@@ -311,7 +327,7 @@ impl Stage {
                 }
                 let (Some(act), Some(kv)) = (acts.get_mut(&key), caches.get_mut(&work.group))
                 else {
-                    return Err(WgparError::Config(format!(
+                    return Err(WgparError::InvalidCall(format!(
                         "micro-batch {} decoded before its prefill",
                         work.group
                     )));
@@ -345,7 +361,7 @@ impl Stage {
             return Ok(());
         };
         let (Some(act), Some(kv)) = (acts.get(&key), caches.get(&work.group)) else {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::InvalidCall(format!(
                 "micro-batch {} decoded before its prefill",
                 work.group
             )));
@@ -433,7 +449,7 @@ impl Stage {
             s.busy_s += (end - start).as_secs_f64() - flush_s;
             s.microbatches += 1;
         }
-        let no_output = || WgparError::Config("last stage has no output buffer".into());
+        let no_output = || WgparError::Internal("last stage has no output buffer".into());
         let mut downloads = Vec::with_capacity(2);
         if picks {
             // Token ids (and non-finite counts) always; logits only when asked for.
@@ -535,14 +551,17 @@ impl Stage {
     /// Sends a finished micro-batch's hidden states to the next stage.
     fn hand_on(&self, work: Work, bytes: Vec<u8>, dep: SpanId) -> Result<()> {
         let next = self.next.as_ref().ok_or_else(|| {
-            WgparError::Config("the last stage has no next stage to hand on to".into())
+            WgparError::Internal("the last stage has no next stage to hand on to".into())
         })?;
         next.send(Work {
             hidden: bytes,
             dep,
             ..work
         })
-        .map_err(|_| WgparError::Config("the next stage has stopped".into()))
+        .map_err(|_| WgparError::WorkerStopped {
+            worker: format!("stage {}", self.index + 1),
+            detail: "it closed its input".into(),
+        })
     }
 
     /// Sends the last stage's result to the driver.
@@ -553,7 +572,10 @@ impl Stage {
                 payload,
                 dep,
             }))
-            .map_err(|_| WgparError::Config("the driver has gone".into()))
+            .map_err(|_| WgparError::WorkerStopped {
+                worker: "the pipeline's caller".into(),
+                detail: "it stopped reading results".into(),
+            })
     }
 
     /// A hybrid stage: the micro-batch runs on the stage's tensor-parallel group; rank 0
@@ -585,7 +607,7 @@ impl Stage {
         let rank0 = outputs
             .into_iter()
             .next()
-            .ok_or_else(|| WgparError::Config("empty tensor-parallel group".into()))?;
+            .ok_or_else(|| WgparError::Internal("empty tensor-parallel group".into()))?;
         {
             let mut stats = lock(&self.stats);
             let s = &mut stats[self.index];
@@ -601,7 +623,7 @@ impl Stage {
                 (4 * words, Ok(Payload::Picked(out)))
             }
             Some(GroupOutput::Pooled(p)) => (4 * p.len(), Ok(Payload::Pooled(p))),
-            None => return Err(WgparError::Config("rank 0 returned nothing".into())),
+            None => return Err(WgparError::Internal("rank 0 returned nothing".into())),
         };
         lock(&self.stats)[self.index].bytes_out += bytes as u64;
         match payload {
@@ -702,7 +724,10 @@ impl PipelineEngine {
                     .map(|h| {
                         h.join()
                             .unwrap_or_else(|_| {
-                                Err(WgparError::Config("weight upload thread panicked".into()))
+                                Err(WgparError::WorkerPanicked {
+                                    worker: "weight upload thread".into(),
+                                    message: "while uploading a stage".into(),
+                                })
                             })
                             .map(|model| Backend::Device {
                                 model,
@@ -776,6 +801,7 @@ impl PipelineEngine {
                 output: output_tx.clone(),
                 stats: stats.clone(),
                 fault: faults.clone(),
+                jobs: 0,
                 timer: SpanTimer::default(),
             };
             threads.push(
@@ -837,11 +863,12 @@ impl PipelineEngine {
         Ok(())
     }
 
-    /// Makes `stage` fail as `fault` describes (tests and demos of the failure path).
+    /// Makes `stage` fail as `fault` describes (tests and demos of the failure path): once it
+    /// has taken `fault.after` micro-batches since the engine started.
     pub fn inject_fault(&mut self, stage: usize, fault: Fault) -> Result<()> {
         let mut faults = lock(&self.faults);
         let slot = faults.get_mut(stage).ok_or_else(|| {
-            WgparError::Config(format!(
+            WgparError::InvalidCall(format!(
                 "no stage {stage} in a {}-stage pipeline",
                 self.ranges.len()
             ))
@@ -862,9 +889,9 @@ impl PipelineEngine {
 
     fn check_alive(&self) -> Result<()> {
         match &self.failed {
-            Some(why) => Err(WgparError::Worker {
-                worker: "pipeline".into(),
-                message: format!("stopped after an earlier failure: {why}"),
+            Some(why) => Err(WgparError::EngineStopped {
+                engine: "pipeline".into(),
+                cause: why.clone(),
             }),
             None => Ok(()),
         }
@@ -883,13 +910,19 @@ impl PipelineEngine {
         let input = self
             .input
             .as_ref()
-            .ok_or_else(|| WgparError::Config("pipeline closed".into()))?;
+            .ok_or_else(|| WgparError::WorkerStopped {
+                worker: "stage 0".into(),
+                detail: "the pipeline's input is closed".into(),
+            })?;
         if input.send(work).is_err() {
             // Stage 0 is gone: its error (or the root cause further down) is in the output.
-            return Err(self.receive().err().unwrap_or_else(|| WgparError::Worker {
-                worker: "stage 0".into(),
-                message: "stopped".into(),
-            }));
+            return Err(self
+                .receive()
+                .err()
+                .unwrap_or_else(|| WgparError::WorkerStopped {
+                    worker: "stage 0".into(),
+                    detail: "it closed its input".into(),
+                }));
         }
         Ok(())
     }
@@ -897,13 +930,13 @@ impl PipelineEngine {
     fn receive(&mut self) -> Result<Output> {
         let r = match self.output.recv_timeout(self.timeout) {
             Ok(r) => r,
-            Err(RecvTimeoutError::Timeout) => Err(WgparError::Worker {
-                worker: "pipeline".into(),
-                message: format!("no stage produced output within {:?}", self.timeout),
+            Err(RecvTimeoutError::Timeout) => Err(WgparError::Timeout {
+                engine: "pipeline".into(),
+                secs: self.timeout.as_secs_f64(),
             }),
-            Err(RecvTimeoutError::Disconnected) => Err(WgparError::Worker {
-                worker: "pipeline".into(),
-                message: "every stage has stopped".into(),
+            Err(RecvTimeoutError::Disconnected) => Err(WgparError::WorkerStopped {
+                worker: "every stage".into(),
+                detail: "no logits came back".into(),
             }),
         };
         if let Err(e) = &r {
@@ -1240,10 +1273,7 @@ fn greedy_with_logits() -> Readout {
 }
 
 fn unexpected_output() -> WgparError {
-    WgparError::Worker {
-        worker: "pipeline".into(),
-        message: "the last stage returned an output of another kind or group".into(),
-    }
+    WgparError::Internal("the last stage returned an output of another kind or group".into())
 }
 
 /// Contiguous sequence ranges for `m` micro-batches of a batch (at most one per sequence).
@@ -1345,6 +1375,14 @@ impl Engine for PipelineEngine {
 
     fn set_pacer(&mut self, pacer: Option<Arc<LinkPacer>>) {
         self.pacer = pacer;
+    }
+
+    fn pipeline_stats(&self) -> Option<PipelineStats> {
+        self.last_run.clone()
+    }
+
+    fn inject_fault(&mut self, stage: usize, fault: Fault) -> Result<()> {
+        PipelineEngine::inject_fault(self, stage, fault)
     }
 }
 

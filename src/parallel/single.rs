@@ -52,7 +52,7 @@ impl SingleEngine {
 
     fn forward(&mut self, ids: &[u32], step: Step, want_logits: bool) -> Result<StepOutput> {
         let (Some(act), Some(kv)) = (&mut self.act, &mut self.kv) else {
-            return Err(WgparError::Config("decode before prefill".into()));
+            return Err(WgparError::InvalidCall("decode before prefill".into()));
         };
         let m = &self.model;
         let gpu = m.gpu();

@@ -2,15 +2,16 @@
 //! examples all get an engine.
 
 use std::fmt;
+use std::ops::Range;
 use std::sync::Arc;
 
 use super::balance::measure_stage_costs;
 use super::partition::Partition;
 use super::{Engine, PipelineEngine, SingleEngine, TensorParallelEngine};
 use crate::comm::CommConfig;
-use crate::device::{DType, Gpu};
+use crate::device::{AdapterDesc, DType, Gpu};
 use crate::error::{Result, WgparError};
-use crate::model::ModelWeights;
+use crate::model::{budget, ModelConfig, ModelWeights, Placement, ShardSpec};
 
 /// How layers are assigned to pipeline stages, as the user says it.
 #[derive(Debug, Clone, PartialEq)]
@@ -131,4 +132,138 @@ fn resolve(
             gpus, weights, dtype, probe.0, probe.1, 3,
         )?),
     })
+}
+
+impl Strategy {
+    /// Devices the strategy runs on, given `available` selected devices: one for `Single`,
+    /// all of them otherwise.
+    pub fn devices_used(&self, available: usize) -> usize {
+        match self {
+            Strategy::Single => 1.min(available),
+            _ => available,
+        }
+    }
+
+    /// What each of `devices` devices will hold of `config`, checked without opening a device
+    /// or building a weight: the tensor-parallel degree and split against the heads, the stage
+    /// count and layer split against the layers, the hybrid grouping, the micro-batch count.
+    /// A balanced partition is sized as an even one (its split is measured later; every layer
+    /// has the same shapes, so the largest buffer is the same).
+    pub fn placements(&self, config: &ModelConfig, devices: usize) -> Result<Vec<Placement>> {
+        if devices == 0 {
+            return Err(WgparError::Config("no devices selected".into()));
+        }
+        let stages = |p: usize, partition: &PartitionSpec| -> Result<Vec<Range<usize>>> {
+            let how = match partition {
+                PartitionSpec::Explicit(v) => Partition::Explicit(v.clone()),
+                _ => Partition::Even,
+            };
+            super::partition::partition(config.layers, p, &how)
+        };
+        let micro = |m: usize| -> Result<()> {
+            if m == 0 {
+                return Err(WgparError::Config(
+                    "--micro-batches must be at least 1".into(),
+                ));
+            }
+            Ok(())
+        };
+        Ok(match self {
+            Strategy::Single => vec![Placement::whole(config)],
+            Strategy::Tensor { split } => {
+                let even = vec![1; devices];
+                let split = split.as_deref().unwrap_or(&even);
+                if split.len() != devices {
+                    return Err(WgparError::Config(format!(
+                        "--split has {} shares for {devices} devices",
+                        split.len()
+                    )));
+                }
+                ShardSpec::tensor_parallel(config, split)?
+                    .into_iter()
+                    .map(|shard| Placement {
+                        head: shard.rank == 0,
+                        shard,
+                        ..Placement::whole(config)
+                    })
+                    .collect()
+            }
+            Strategy::Pipeline {
+                partition,
+                micro_batches,
+            } => {
+                micro(*micro_batches)?;
+                let ranges = stages(devices, partition)?;
+                let p = ranges.len();
+                ranges
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, layers)| Placement {
+                        layers,
+                        shard: ShardSpec::full(config),
+                        embedding: i == 0,
+                        head: i + 1 == p,
+                    })
+                    .collect()
+            }
+            Strategy::Hybrid {
+                tp,
+                partition,
+                micro_batches,
+            } => {
+                micro(*micro_batches)?;
+                if *tp == 0 || !devices.is_multiple_of(*tp) {
+                    return Err(WgparError::Config(format!(
+                        "{devices} devices do not form pipeline stages of {tp} tensor-parallel \
+                         devices (--tp {tp})"
+                    )));
+                }
+                let shards = ShardSpec::tensor_parallel(config, &vec![1; *tp])?;
+                let ranges = stages(devices / tp, partition)?;
+                let p = ranges.len();
+                ranges
+                    .into_iter()
+                    .enumerate()
+                    .flat_map(|(i, layers)| {
+                        shards.iter().map(move |shard| Placement {
+                            layers: layers.clone(),
+                            shard: shard.clone(),
+                            embedding: i == 0,
+                            head: i + 1 == p && shard.rank == 0,
+                        })
+                    })
+                    .collect()
+            }
+        })
+    }
+
+    /// Checks, before any device is opened or weight built, that the strategy fits `config`
+    /// on `adapters` (one description per selected device): every buffer a device will
+    /// allocate for steps of `tokens` new tokens over `batch` sequences stays within its
+    /// adapter's buffer and storage-binding limits, and a step's rows fit one dispatch.
+    pub fn check_fits(
+        &self,
+        config: &ModelConfig,
+        dtype: DType,
+        adapters: &[AdapterDesc],
+        tokens: usize,
+        batch: usize,
+    ) -> Result<()> {
+        let placements = self.placements(config, self.devices_used(adapters.len()))?;
+        for (i, (placement, adapter)) in placements.iter().zip(adapters).enumerate() {
+            let buffers = budget::device_buffers(config, placement, dtype, tokens, batch);
+            budget::check_buffers(&buffers, adapter, &format!("gpu{i}"))?;
+            let rows = crate::kernels::ops::MAX_ROWS_PER_DISPATCH
+                .min(adapter.max_workgroups_per_dimension as usize);
+            if tokens > rows {
+                return Err(WgparError::Config(format!(
+                    "one step of {tokens} tokens (batch x prompt length) exceeds the {rows} \
+                     rows a kernel dispatch takes on '{}': lower --batch or --prompt-len, or \
+                     split the batch with --strategy pp --micro-batches",
+                    adapter.label()
+                )));
+            }
+        }
+        Ok(())
+    }
 }

@@ -10,14 +10,16 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::cost;
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::pick::{check_finite, count_non_finite, Picker};
 use super::worker::Workers;
-use super::{check_decode, prompt_shape, Engine, Logits, StepOutput, StepStats};
+use super::{
+    check_decode, prompt_shape, Engine, Fault, FaultKind, Logits, StepOutput, StepStats,
+};
 use crate::comm::{CommConfig, Communicator, RankHandle};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
@@ -42,6 +44,9 @@ struct Rank {
     group_tag: u64,
     /// Device-side timing of compute spans while a trace is recorded.
     timer: SpanTimer,
+    /// A fault to inject (tests, `run --inject-fault`), and the jobs run so far.
+    fault: Arc<Mutex<Option<Fault>>>,
+    jobs: usize,
 }
 
 /// What a tensor-parallel group computes on: token ids (the group holds the embedding) or
@@ -122,7 +127,34 @@ pub(crate) struct RankOutput {
 }
 
 impl Rank {
+    /// Fails as an injected fault says, once the rank has run `after` jobs.
+    fn inject_fault(&mut self) -> Result<()> {
+        let fault = *self.fault.lock().unwrap_or_else(|e| e.into_inner());
+        let done = self.jobs;
+        self.jobs += 1;
+        match fault {
+            Some(f) if done >= f.after => {
+                let rank = self.model.placement().shard.rank;
+                match f.kind {
+                    FaultKind::Error => Err(WgparError::InjectedFault {
+                        kind: "error".into(),
+                        at: format!("tp rank {rank}, step {done}"),
+                    }),
+                    FaultKind::Panic => panic!("injected panic at tp rank {rank}, step {done}"),
+                    FaultKind::LoseDevice => {
+                        self.model.gpu().device().destroy();
+                        Ok(())
+                    }
+                }
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn run(&mut self, job: GroupJob) -> Result<RankOutput> {
+        self.inject_fault()?;
+        // A lost device is reported as such, before any call that would trip over it.
+        self.model.gpu().check()?;
         let step = job.step;
         let rec = &job.recorder;
         // A new sequence group reuses its cache when the slots match (the prefill's table
@@ -139,7 +171,7 @@ impl Rank {
         }
         let (Some(act), Some(kv)) = (self.acts.get_mut(&key), self.caches.get_mut(&job.group))
         else {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::InvalidCall(format!(
                 "sequence group {} decoded before its prefill",
                 job.group
             )));
@@ -271,7 +303,10 @@ impl Rank {
                         world as usize,
                         all_arrived,
                     )
-                    .map_err(|e| WgparError::Config(e.to_string()))?;
+                    .map_err(|source| WgparError::Pacing {
+                        target: "the all-reduce".into(),
+                        source,
+                    })?;
                 }
                 let comm_end = Instant::now();
                 out.comm_s += (comm_end - comm_start).as_secs_f64();
@@ -410,6 +445,7 @@ pub(crate) struct TpGroup {
     comm: Arc<Communicator>,
     shards: Vec<ShardSpec>,
     labels: Vec<String>,
+    faults: Vec<Arc<Mutex<Option<Fault>>>>,
 }
 
 impl TpGroup {
@@ -457,12 +493,17 @@ impl TpGroup {
                 .into_iter()
                 .map(|h| {
                     h.join().unwrap_or_else(|_| {
-                        Err(WgparError::Config("weight upload thread panicked".into()))
+                        Err(WgparError::WorkerPanicked {
+                            worker: "weight upload thread".into(),
+                            message: "while uploading a shard".into(),
+                        })
                     })
                 })
                 .collect()
         });
         let mut states = Vec::new();
+        let faults: Vec<Arc<Mutex<Option<Fault>>>> =
+            (0..gpus.len()).map(|_| Arc::default()).collect();
         for (rank, model) in models.into_iter().enumerate() {
             states.push((
                 format!(
@@ -479,6 +520,8 @@ impl TpGroup {
                     collectives: 0,
                     group_tag: gpus[0].ordinal() as u64,
                     timer: SpanTimer::default(),
+                    fault: faults[rank].clone(),
+                    jobs: 0,
                 },
             ));
         }
@@ -487,7 +530,20 @@ impl TpGroup {
             comm,
             shards,
             labels: gpus.iter().map(|g| g.label().to_string()).collect(),
+            faults,
         })
+    }
+
+    /// Makes `rank` fail as `fault` says, after `fault.after` more steps.
+    pub(crate) fn inject_fault(&self, rank: usize, fault: Fault) -> Result<()> {
+        let slot = self.faults.get(rank).ok_or_else(|| {
+            WgparError::InvalidCall(format!(
+                "no rank {rank} in a {}-device tensor-parallel group",
+                self.faults.len()
+            ))
+        })?;
+        *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(fault);
+        Ok(())
     }
 
     /// Runs `job` on every rank; returns the outputs in rank order.
@@ -616,9 +672,9 @@ impl TensorParallelEngine {
         readout: Readout,
     ) -> Result<GroupOutput> {
         if let Some(why) = &self.failed {
-            return Err(WgparError::Worker {
-                worker: "tensor-parallel engine".into(),
-                message: format!("stopped after an earlier failure: {why}"),
+            return Err(WgparError::EngineStopped {
+                engine: "tensor-parallel engine".into(),
+                cause: why.clone(),
             });
         }
         let start = Instant::now();
@@ -668,10 +724,7 @@ impl TensorParallelEngine {
 }
 
 fn no_output() -> WgparError {
-    WgparError::Worker {
-        worker: "tensor-parallel engine".into(),
-        message: "no rank returned the step's output".into(),
-    }
+    WgparError::Internal("no rank returned the step's output".into())
 }
 
 impl Encoder for TensorParallelEngine {
@@ -757,5 +810,9 @@ impl Engine for TensorParallelEngine {
 
     fn set_pacer(&mut self, pacer: Option<Arc<LinkPacer>>) {
         self.pacer = pacer;
+    }
+
+    fn inject_fault(&mut self, rank: usize, fault: Fault) -> Result<()> {
+        self.group.inject_fault(rank, fault)
     }
 }

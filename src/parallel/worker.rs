@@ -7,6 +7,7 @@ use std::thread::JoinHandle;
 
 use crossbeam::channel::{unbounded, Receiver, Sender};
 
+use crate::comm::CommError;
 use crate::error::{Result, WgparError};
 
 /// A pool of named worker threads, each running `handle(state, job)` for the jobs sent to it.
@@ -23,6 +24,16 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| payload.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "panicked".into())
+}
+
+/// Whether `e` is a peer's echo of another rank's failure (its communicator was aborted),
+/// rather than a root cause.
+fn is_abort_echo(e: &WgparError) -> bool {
+    match e {
+        WgparError::WorkerFailed { source, .. } => is_abort_echo(source),
+        WgparError::Comm(CommError::Aborted { .. }) => true,
+        _ => false,
+    }
 }
 
 impl<J: Send + 'static, R: Send + 'static> Workers<J, R> {
@@ -48,9 +59,9 @@ impl<J: Send + 'static, R: Send + 'static> Workers<J, R> {
                         let outcome = catch_unwind(AssertUnwindSafe(|| handle(&mut state, job)));
                         let result = match outcome {
                             Ok(r) => r,
-                            Err(payload) => Err(WgparError::Worker {
+                            Err(payload) => Err(WgparError::WorkerPanicked {
                                 worker: thread_name.clone(),
-                                message: format!("panicked: {}", panic_message(&*payload)),
+                                message: panic_message(&*payload),
                             }),
                         };
                         if let Err(e) = &result {
@@ -89,9 +100,9 @@ impl<J: Send + 'static, R: Send + 'static> Workers<J, R> {
     pub fn send(&self, index: usize, job: J) -> Result<()> {
         self.senders[index]
             .send(job)
-            .map_err(|_| WgparError::Worker {
+            .map_err(|_| WgparError::WorkerStopped {
                 worker: self.names[index].clone(),
-                message: "has stopped".into(),
+                detail: "its thread ended after an earlier failure".into(),
             })
     }
 
@@ -105,26 +116,24 @@ impl<J: Send + 'static, R: Send + 'static> Workers<J, R> {
                 Ok((i, Ok(r))) => out[i] = Some(r),
                 Ok((i, Err(e))) => {
                     let e = match e {
-                        WgparError::Worker { .. } => e,
-                        other => WgparError::Worker {
+                        WgparError::WorkerPanicked { .. } | WgparError::WorkerFailed { .. } => e,
+                        other => WgparError::WorkerFailed {
                             worker: self.names[i].clone(),
-                            message: other.to_string(),
+                            source: Box::new(other),
                         },
                     };
                     // Prefer the root cause over the peers' "aborted" echoes.
-                    let is_echo = e.to_string().contains("abort");
+                    let is_echo = is_abort_echo(&e);
                     match &first_error {
                         None => first_error = Some(e),
-                        Some(prev) if prev.to_string().contains("abort") && !is_echo => {
-                            first_error = Some(e)
-                        }
+                        Some(prev) if is_abort_echo(prev) && !is_echo => first_error = Some(e),
                         _ => {}
                     }
                 }
                 Err(_) => {
-                    first_error.get_or_insert(WgparError::Worker {
-                        worker: "worker pool".into(),
-                        message: "every worker stopped".into(),
+                    first_error.get_or_insert(WgparError::WorkerStopped {
+                        worker: "every worker".into(),
+                        detail: "no reply came back".into(),
                     });
                     break;
                 }

@@ -105,6 +105,55 @@ fn sentence_pooling(dir: &Path) -> Result<Pooling> {
     Ok(pooling)
 }
 
+/// The layers the weights hold: one more than the highest `N` in names like
+/// `model.layers.N.`, `h.N.` or `encoder.layer.N.`.
+fn layers_present(arch: Arch, store: &TensorStore) -> usize {
+    let marker = match arch {
+        Arch::Gpt2 => "h.",
+        Arch::Llama => "layers.",
+        Arch::Bert => "encoder.layer.",
+    };
+    store
+        .names()
+        .filter_map(|name| {
+            // The marker at the start or after a dot (`transformer.h.3.`, not `...gh.3.`).
+            let at = name
+                .match_indices(marker)
+                .find(|(i, _)| *i == 0 || name[..*i].ends_with('.'))?
+                .0;
+            let rest = &name[at + marker.len()..];
+            rest.split('.').next()?.parse::<usize>().ok()
+        })
+        .map(|n| n + 1)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Refuses a config.json that declares more layers than the weights hold, before anything is
+/// sized by the declared count.
+fn check_layers_present(
+    config_path: &Path,
+    config: &ModelConfig,
+    store: &TensorStore,
+) -> Result<()> {
+    let present = layers_present(config.arch, store);
+    if config.layers > present {
+        let key = match config.arch {
+            Arch::Gpt2 => "n_layer",
+            _ => "num_hidden_layers",
+        };
+        return Err(json_error(
+            config_path,
+            format!(
+                "\"{key}\" is {}, but the safetensors files hold {present} layer(s): the config \
+                 does not belong to these weights (or shards are missing)",
+                config.layers
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl Checkpoint {
     /// Opens the checkpoint in `dir`: parses config.json, maps the safetensors files and checks
     /// their headers. Tensors are converted later, by [`Self::weights`].
@@ -143,6 +192,7 @@ impl Checkpoint {
             }
         }
         let store = TensorStore::open(dir)?;
+        check_layers_present(&config_path, &config, &store)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             positions: config.max_seq,

@@ -161,6 +161,11 @@ impl TensorStore {
         Ok(())
     }
 
+    /// Names of every tensor.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.entries.keys().map(String::as_str)
+    }
+
     /// Whether a tensor of this name exists.
     pub fn contains(&self, name: &str) -> bool {
         self.entries.contains_key(name)
@@ -228,7 +233,7 @@ impl TensorStore {
         }
         // The data may sit at any byte offset, so decode from little-endian bytes rather than
         // reinterpreting the slice.
-        Ok(match e.dtype {
+        let values: Vec<f32> = match e.dtype {
             Dtype::F32 => bytes
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -241,6 +246,18 @@ impl TensorStore {
                 .chunks_exact(2)
                 .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
-        })
+        };
+        // NaN or infinity in a weight turns every output it touches into NaN: refuse it here,
+        // naming the tensor, rather than generate garbage.
+        if let Some(first) = values.iter().position(|v| !v.is_finite()) {
+            let count = values.iter().filter(|v| !v.is_finite()).count();
+            return fail(format!(
+                "{count} of {} values are not finite (the first, at index {first}, is {}): the \
+                 checkpoint is corrupt or was saved from a diverged run",
+                values.len(),
+                values[first]
+            ));
+        }
+        Ok(values)
     }
 }

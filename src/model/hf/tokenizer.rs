@@ -20,6 +20,40 @@ impl std::fmt::Debug for TextTokenizer {
     }
 }
 
+/// Says why `file` is not a tokenizer in the user's terms: not JSON (with the line and column),
+/// JSON that is not a `tokenizers` file (which sections are missing), or the crate's own
+/// message when the file has the right sections but a bad value.
+fn diagnose(file: &Path, e: &dyn std::fmt::Display) -> String {
+    let text = match std::fs::read_to_string(file) {
+        Ok(t) => t,
+        Err(io) => return format!("unreadable: {io}"),
+    };
+    let json: serde_json::Value = match serde_json::from_str(&text) {
+        Ok(v) => v,
+        Err(j) => {
+            return format!(
+                "not valid JSON (line {}, column {}: {j}); tokenizer.json is the JSON file a \
+                 Hugging Face 'fast' tokenizer saves",
+                j.line(),
+                j.column()
+            )
+        }
+    };
+    let missing: Vec<&str> = ["model", "normalizer", "pre_tokenizer", "decoder"]
+        .into_iter()
+        .filter(|k| json.get(k).is_none())
+        .collect();
+    if !json.is_object() || missing.contains(&"model") {
+        return format!(
+            "valid JSON, but not a Hugging Face tokenizers file: it has no \"model\" section \
+             (missing: {}); save the checkpoint's fast tokenizer with \
+             `tokenizer.save_pretrained(dir)`, which writes tokenizer.json",
+            missing.join(", ")
+        );
+    }
+    format!("not a tokenizer wgpar can read: {e}")
+}
+
 impl TextTokenizer {
     /// Loads `file`. Padding configured in the file is switched off (engines pad themselves);
     /// with `max_len`, longer texts are cut to that many tokens, otherwise they are kept whole.
@@ -36,7 +70,7 @@ impl TextTokenizer {
                     .into(),
             ));
         }
-        let mut inner = Tokenizer::from_file(file).map_err(|e| fail(format!("unreadable: {e}")))?;
+        let mut inner = Tokenizer::from_file(file).map_err(|e| fail(diagnose(file, &e)))?;
         inner.with_padding(None);
         let truncation = max_len.map(|max_length| TruncationParams {
             max_length,

@@ -1,0 +1,117 @@
+//! Faults in tensor-parallel ranks and pipeline stages (issue 16 items 8 and 11): each ends the
+//! step with a typed error that names the worker and keeps its cause, the engine refuses
+//! further work, and dropping it joins every thread it started.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use wgpar::comm::CommConfig;
+use wgpar::device::DType;
+use wgpar::model::{ModelConfig, ModelWeights};
+use wgpar::parallel::{Engine, Fault, FaultKind, Partition, PipelineEngine, TensorParallelEngine};
+use wgpar::WgparError;
+
+/// Threads of this process (Linux; elsewhere the join check is skipped).
+fn threads() -> Option<usize> {
+    std::fs::read_dir("/proc/self/task").ok().map(|d| d.count())
+}
+
+/// The innermost cause of an error chain.
+fn root(e: &WgparError) -> String {
+    let mut cause: &dyn std::error::Error = e;
+    while let Some(next) = cause.source() {
+        cause = next;
+    }
+    cause.to_string()
+}
+
+fn check_fault(
+    engine: &mut dyn Engine,
+    kind: FaultKind,
+    worker: &str,
+    prompts: &[Vec<u32>],
+    steps_before: usize,
+) {
+    engine.prefill(prompts).unwrap();
+    let mut next: Vec<u32> = vec![1; prompts.len()];
+    for _ in 1..steps_before {
+        next = engine.decode(&next).unwrap().argmax();
+    }
+    let start = Instant::now();
+    let e = engine.decode(&next).unwrap_err();
+    let took = start.elapsed();
+    let text = e.to_string();
+    eprintln!("{kind:?}: {text} ({took:?})");
+    assert!(text.contains(worker), "{kind:?}: {text}");
+    assert!(
+        took < Duration::from_secs(1),
+        "{kind:?}: the failure took {took:?}"
+    );
+    match kind {
+        FaultKind::Error => {
+            assert!(
+                matches!(&e, WgparError::WorkerFailed { .. }),
+                "{kind:?}: {e:?}"
+            );
+            assert!(root(&e).starts_with("injected error fault"), "{}", root(&e));
+        }
+        FaultKind::Panic => {
+            assert!(
+                matches!(&e, WgparError::WorkerPanicked { .. }),
+                "{kind:?}: {e:?}"
+            );
+        }
+        FaultKind::LoseDevice => {
+            assert!(root(&e).contains("was lost"), "{kind:?}: {}", root(&e));
+        }
+    }
+    assert!(!text.contains("invalid configuration"), "{text}");
+    let again = engine.decode(&next).unwrap_err();
+    assert!(
+        matches!(again, WgparError::EngineStopped { .. }),
+        "{again:?}"
+    );
+}
+
+#[test]
+fn tensor_parallel_rank_faults_end_cleanly() {
+    let config = ModelConfig::preset("tiny-llama").unwrap();
+    let weights = ModelWeights::synthetic(&config, 4);
+    let prompts = common::prompts(2, 5, config.vocab, 6);
+    for kind in [FaultKind::Error, FaultKind::Panic, FaultKind::LoseDevice] {
+        let gpus = common::gpus(2);
+        let before = threads();
+        let mut tp =
+            TensorParallelEngine::new(&gpus, &weights, DType::F32, None, CommConfig::default())
+                .unwrap();
+        tp.inject_fault(1, Fault { after: 2, kind }).unwrap();
+        check_fault(&mut tp, kind, "rank 1", &prompts, 2);
+        drop(tp);
+        assert_eq!(threads(), before, "{kind:?}: threads left running");
+    }
+}
+
+#[test]
+fn pipeline_stage_faults_keep_their_cause() {
+    let config = ModelConfig::preset("tiny-gpt2").unwrap();
+    let weights = ModelWeights::synthetic(&config, 4);
+    let prompts = common::prompts(2, 5, config.vocab, 6);
+    for kind in [FaultKind::Error, FaultKind::Panic, FaultKind::LoseDevice] {
+        let gpus = common::gpus(2);
+        let before = threads();
+        let mut pp = PipelineEngine::new(
+            &gpus,
+            &weights,
+            DType::F32,
+            &Partition::Even,
+            1,
+            CommConfig::default(),
+        )
+        .unwrap();
+        Engine::inject_fault(&mut pp, 1, Fault { after: 2, kind }).unwrap();
+        check_fault(&mut pp, kind, "stage 1", &prompts, 2);
+        drop(pp);
+        assert_eq!(threads(), before, "{kind:?}: threads left running");
+    }
+}
