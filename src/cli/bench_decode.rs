@@ -49,6 +49,9 @@ struct Row {
     steps: usize,
     /// Median host time to stage, record and submit one decode step (mean over devices).
     encode_us: f64,
+    /// The same in CPU time of the recording thread (the host work without waits for a
+    /// core); absent where the platform has no thread CPU clock.
+    encode_cpu_us: Option<f64>,
     /// Median wall time of a decode step.
     step_ms: f64,
     /// Generated tokens per second over the timed steps.
@@ -149,17 +152,18 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
             next = engine.decode_step(&next, false)?.tokens;
         }
         let before = created(devices);
-        let (mut encode, mut walls) = (Vec::new(), Vec::new());
+        let (mut encode, mut encode_cpu, mut walls) = (Vec::new(), Vec::new(), Vec::new());
         let start = Instant::now();
         for _ in 0..args.steps {
             let t = Instant::now();
             next = engine.decode_step(&next, false)?.tokens;
             walls.push(t.elapsed().as_secs_f64());
-            let stats = engine.last_step().and_then(|s| s.encode_s);
-            encode.push(stats.ok_or_else(|| WgparError::Worker {
-                worker: engine.name(),
-                message: "the engine did not measure its encode time".into(),
+            let stats = engine.last_step();
+            let encode_s = stats.as_ref().and_then(|s| s.encode_s);
+            encode.push(encode_s.ok_or_else(|| {
+                WgparError::Internal(format!("{} did not measure its encode time", engine.name()))
             })?);
+            encode_cpu.extend(stats.and_then(|s| s.encode_cpu_s));
         }
         let total = start.elapsed().as_secs_f64();
         let after = created(devices);
@@ -170,13 +174,14 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
                 .unwrap_or(0) as f64
                 / args.steps as f64
         };
-        let none = || WgparError::Config("no timed steps".into());
+        let none = || WgparError::Internal("no timed steps".into());
         rows.push(Row {
             strategy: name.clone(),
             devices: used,
             batch: args.batch,
             steps: args.steps,
             encode_us: median(encode).ok_or_else(none)? * 1e6,
+            encode_cpu_us: median(encode_cpu).map(|s| s * 1e6),
             step_ms: median(walls).ok_or_else(none)? * 1e3,
             tokens_per_s: (args.batch * args.steps) as f64 / total,
             buffers_per_step: per_step(|c| c.buffers),
@@ -184,8 +189,10 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
         });
     }
     if args.json {
-        let text = serde_json::to_string_pretty(&rows)
-            .map_err(|e| WgparError::Config(format!("could not write JSON: {e}")))?;
+        let text = serde_json::to_string_pretty(&rows).map_err(|source| WgparError::Json {
+            what: "the decode benchmark".into(),
+            source,
+        })?;
         println!("{text}");
         return Ok(());
     }
@@ -203,21 +210,24 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
         g.info().driver_info
     );
     println!(
-        "{:>10} {:>7} {:>14} {:>10} {:>10} {:>13} {:>17}",
+        "{:>10} {:>7} {:>14} {:>13} {:>10} {:>10} {:>13} {:>17}",
         "strategy",
         "devices",
         "encode us/step",
+        "(thread CPU)",
         "ms/step",
         "tokens/s",
         "buffers/step",
         "bind groups/step"
     );
     for r in &rows {
+        let cpu = r.encode_cpu_us.map_or("-".into(), |c| format!("{c:.1}"));
         println!(
-            "{:>10} {:>7} {:>14.1} {:>10.2} {:>10.1} {:>13.1} {:>17.1}",
+            "{:>10} {:>7} {:>14.1} {:>13} {:>10.2} {:>10.1} {:>13.1} {:>17.1}",
             r.strategy,
             r.devices,
             r.encode_us,
+            cpu,
             r.step_ms,
             r.tokens_per_s,
             r.buffers_per_step,

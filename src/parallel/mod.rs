@@ -51,6 +51,9 @@ pub struct StepStats {
     /// devices; waits for the device and collectives excluded), seconds. Measured by the
     /// single-device and tensor-parallel engines.
     pub encode_s: Option<f64>,
+    /// The same span in CPU time of the recording thread (mean over devices), seconds: the
+    /// host work itself, without the time the thread waited for a core. Unix only.
+    pub encode_cpu_s: Option<f64>,
 }
 
 impl StepStats {
@@ -314,6 +317,25 @@ pub fn generate_keeping(
         decode_s,
         prompt_tokens: batch * seq,
     })
+}
+
+/// CPU time the calling thread has used, seconds (`None` where the platform has no thread
+/// CPU clock).
+pub(crate) fn thread_cpu_s() -> Option<f64> {
+    #[cfg(unix)]
+    {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime only writes the timespec it is given, which lives here.
+        let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        (r == 0).then_some(ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9)
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
 }
 
 /// Keeps an engine's device timer for `gpu`'s compute spans in step with `recorder`: active

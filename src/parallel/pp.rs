@@ -1024,6 +1024,7 @@ impl PipelineEngine {
             bytes_sent: stages.first().map_or(0, |s| s.bytes_out),
             bytes_received: stages.first().map_or(0, |s| s.bytes_out),
             encode_s: None,
+            encode_cpu_s: None,
         });
         self.last_run = Some(PipelineStats {
             microbatches: m,

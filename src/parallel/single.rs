@@ -57,6 +57,7 @@ impl SingleEngine {
         let m = &self.model;
         let gpu = m.gpu();
         let start = Instant::now();
+        let cpu_start = super::thread_cpu_s();
         act.set_readout(
             self.picker.device_or_greedy(),
             want_logits || self.picker.needs_logits(),
@@ -76,6 +77,7 @@ impl SingleEngine {
         m.copy_out(&mut enc, act)?;
         gpu.submit(enc);
         let encode_s = start.elapsed().as_secs_f64();
+        let encode_cpu_s = super::thread_cpu_s().zip(cpu_start).map(|(b, a)| b - a);
         let out = m.read_out(act)?;
         let end = Instant::now();
         let device_us = self.timer.read_us(gpu)?;
@@ -105,6 +107,7 @@ impl SingleEngine {
             wall_s: (end - start).as_secs_f64(),
             compute_s: (end - start).as_secs_f64(),
             encode_s: Some(encode_s),
+            encode_cpu_s,
             ..Default::default()
         });
         let logits = out.logits.map(|data| Logits {

@@ -17,9 +17,7 @@ use super::cost;
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::pick::{check_finite, count_non_finite, Picker};
 use super::worker::Workers;
-use super::{
-    check_decode, prompt_shape, Engine, Fault, FaultKind, Logits, StepOutput, StepStats,
-};
+use super::{check_decode, prompt_shape, Engine, Fault, FaultKind, Logits, StepOutput, StepStats};
 use crate::comm::{CommConfig, Communicator, RankHandle};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
@@ -121,6 +119,8 @@ pub(crate) struct RankOutput {
     pub handoff_s: f64,
     /// Host time staging inputs, recording and submitting.
     pub encode_s: f64,
+    /// The same in this thread's CPU time (`None`: no thread CPU clock).
+    pub encode_cpu_s: Option<f64>,
     pub collectives: usize,
     pub bytes: u64,
     pub last_span: SpanId,
@@ -191,6 +191,7 @@ impl Rank {
             comm_s: 0.0,
             handoff_s: 0.0,
             encode_s: 0.0,
+            encode_cpu_s: Some(0.0),
             collectives: 0,
             bytes: 0,
             last_span: SpanId::NONE,
@@ -198,6 +199,12 @@ impl Rank {
         let mut prev = job.dep;
         let holds_head = m.placement().head;
         let staged = Instant::now();
+        let mut cpu_mark = super::thread_cpu_s();
+        // Adds the thread CPU time since `cpu_mark` to the encode total.
+        let cpu_add = |out: &mut RankOutput, mark: Option<f64>| {
+            out.encode_cpu_s = (out.encode_cpu_s.zip(super::thread_cpu_s()).zip(mark))
+                .map(|((total, now), mark)| total + now - mark);
+        };
         if let Some(e) = &job.encoder {
             m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
         }
@@ -209,12 +216,15 @@ impl Rank {
         }
         m.begin_step(act, kv, &step, &step.rows())?;
         out.encode_s += staged.elapsed().as_secs_f64();
+        cpu_add(&mut out, cpu_mark);
         let (act, kv) = (&*act, &*kv);
         match &job.input {
             GroupInput::Ids(ids) => {
                 let t0 = Instant::now();
+                cpu_mark = super::thread_cpu_s();
                 m.write_ids(act, ids)?;
                 out.encode_s += t0.elapsed().as_secs_f64();
+                cpu_add(&mut out, cpu_mark);
             }
             GroupInput::Hidden(hidden) => {
                 if hidden.len() as u64 != bytes {
@@ -242,6 +252,7 @@ impl Rank {
         super::sync_span_timer(&mut self.timer, &gpu, rec);
         let timer = &self.timer;
         let mut start = Instant::now();
+        cpu_mark = super::thread_cpu_s();
         let mut enc = gpu.encoder();
         timer.begin(&mut enc);
         if matches!(job.input, GroupInput::Ids(_)) {
@@ -268,6 +279,7 @@ impl Rank {
                 timer.end(&mut enc);
                 gpu.submit(std::mem::replace(&mut enc, gpu.encoder()));
                 out.encode_s += start.elapsed().as_secs_f64();
+                cpu_add(&mut out, cpu_mark);
                 gpu.wait()?;
                 let end = Instant::now();
                 let device_us = timer.read_us(&gpu)?;
@@ -358,6 +370,7 @@ impl Rank {
                     }
                 });
                 start = Instant::now();
+                cpu_mark = super::thread_cpu_s();
                 if half == 0 {
                     m.attention_residual(&mut enc, i, act)?;
                 } else {
@@ -375,6 +388,7 @@ impl Rank {
         }
         gpu.submit(enc);
         out.encode_s += start.elapsed().as_secs_f64();
+        cpu_add(&mut out, cpu_mark);
         gpu.wait()?;
         let end = Instant::now();
         let device_us = timer.read_us(&gpu)?;
@@ -713,6 +727,9 @@ impl TensorParallelEngine {
             bytes_sent: outputs[0].bytes,
             bytes_received: outputs[0].bytes,
             encode_s: Some(outputs.iter().map(|o| o.encode_s).sum::<f64>() / n),
+            encode_cpu_s: (outputs.iter().map(|o| o.encode_cpu_s))
+                .sum::<Option<f64>>()
+                .map(|s| s / n),
         });
         self.past = step.past + step.seq;
         self.last_span = outputs[0].last_span;
