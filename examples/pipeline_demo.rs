@@ -1,6 +1,8 @@
 //! A pipeline you can watch: the default model split over every adapter this machine has
 //! (or two virtual devices when it has one), eight micro-batches flowing through the stages,
-//! then the timeline drawn in the terminal: fill, steady state, drain.
+//! then the timeline drawn in the terminal: fill, steady state, drain. Then the same
+//! micro-batches decoding in flight: each moves to its next token as soon as its own logits
+//! are back, so the stages stay busy with no fill and drain per token.
 //!
 //! `cargo run --release --example pipeline_demo`
 
@@ -9,7 +11,7 @@ use std::sync::Arc;
 use wgpar::comm::CommConfig;
 use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, Gpu, GpuOptions};
 use wgpar::model::{ModelConfig, ModelWeights};
-use wgpar::parallel::{Engine, Partition, PipelineEngine};
+use wgpar::parallel::{Engine, Partition, PipelineEngine, PipelineStats};
 use wgpar::trace::{Recorder, SpanKind, Timeline};
 
 const WIDTH: usize = 100;
@@ -89,13 +91,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     pp.prefill(&prompts)?;
     let stats = pp.last_run().cloned().ok_or("no run recorded")?;
     println!(
-        "\n{} micro-batches through {} stages: each digit is the micro-batch a stage computes\n",
+        "\nprefill (GPipe): {} micro-batches through {} stages; each digit is the micro-batch a stage computes\n",
         micro_batches,
         gpus.len()
     );
     draw(&recorder.timeline(), gpus.len());
+    report(&stats);
+    // Decode in flight: a fresh recorder, so the picture shows only the decode run.
+    let first = pp.prefill(&prompts)?;
+    let recorder = Recorder::new();
+    pp.set_recorder(recorder.clone());
+    pp.decode_greedy(&first.argmax(), 6, false)?;
+    let stats = pp.last_run().cloned().ok_or("no run recorded")?;
+    println!("\ndecode (in flight): 6 tokens per sequence, every micro-batch on its own\n");
+    draw(&recorder.timeline(), gpus.len());
+    report(&stats);
+    Ok(())
+}
+
+fn report(stats: &PipelineStats) {
     println!(
-        "\nbubble: measured {:.0}%, theoretical (p-1)/(m+p-1) = {:.0}%; throughput {:.0} tokens/s, {:.0}% of the ideal pipeline",
+        "\nbubble: measured {:.0}%, theoretical {:.0}%; throughput {:.0} tokens/s, {:.0}% of the ideal pipeline",
         stats.measured_bubble * 100.0,
         stats.theoretical_bubble * 100.0,
         stats.tokens_per_s(),
@@ -108,9 +124,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             s.layers.end,
             s.device,
             s.busy_s * 1e3,
-            s.handoff_s * 1e3,
+            s.handoff_s() * 1e3,
             s.bytes_out
         );
     }
-    Ok(())
 }

@@ -94,3 +94,189 @@ fn attend(
         out[q_base + c] = acc[c] * inv;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Prefill, tiled (flash-style): a workgroup of FT_BQ invocations takes FT_BQ consecutive queries
+// of one (sequence, head), one query per invocation, and walks the keys in tiles of FT_BK
+// (workgroup memory under 16 KiB) that the whole workgroup loads once into workgroup memory (neighbouring invocations load
+// neighbouring elements of a key row); each query keeps an online softmax, so no seq x seq
+// scores are ever stored. Grid: [ceil(seq / FT_BQ), n_heads, batch]. head_dim <= 128.
+const FT_BQ: u32 = 64u;
+const FT_BK: u32 = 12u;
+const FT_MAXD: u32 = 128u;
+var<workgroup> ft_k: array<f32, 1536>;
+var<workgroup> ft_v: array<f32, 1536>;
+var<workgroup> ft_end: u32;
+
+@compute @workgroup_size(FT_BQ)
+fn attend_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let b = wid.z;
+    let h = wid.y;
+    let i_raw = wid.x * FT_BQ + lid;
+    let valid = i_raw < p.seq;
+    let i = min(i_raw, p.seq - 1u);
+    let t = b * p.seq + i;
+    let kvh = (h + p.q_offset) / p.group - p.kv_offset;
+    let d = p.head_dim;
+    let q_base = t * p.n_heads * d + h * d;
+    let slot = min(seqs[2u * b], p.slots - 1u);
+    let past = seqs[2u * b + 1u];
+    let kv_base = (slot * p.n_kv_heads + kvh) * p.max_seq * d;
+    var qv: array<f32, FT_MAXD>;
+    var acc: array<f32, FT_MAXD>;
+    for (var c = 0u; c < d; c++) {
+        qv[c] = q[q_base + c] * p.scale;
+        acc[c] = 0.0;
+    }
+    // Keys this query sees, and (uniform over the workgroup) the most any of its queries sees.
+    var end = min(past + i + 1u, p.max_seq);
+    if (lid == 0u) {
+        var wg_end = past + min(p.seq, wid.x * FT_BQ + FT_BQ);
+        if (p.causal == 0u) {
+            wg_end = min(past + p.seq, lens[b]);
+        }
+        ft_end = min(wg_end, p.max_seq);
+    }
+    // Read through workgroup memory, so the tile loop (which has barriers) is uniform.
+    let tile_end = workgroupUniformLoad(&ft_end);
+    if (p.causal == 0u) {
+        end = tile_end;
+    }
+    var running_max = -3.4e38;
+    var denom = 0.0;
+    for (var j0 = 0u; j0 < tile_end; j0 += FT_BK) {
+        for (var e = lid; e < FT_BK * d; e += FT_BQ) {
+            let r = e / d;
+            let c = e % d;
+            let j = j0 + r;
+            var kv = 0.0;
+            var vv = 0.0;
+            if (j < tile_end) {
+                kv = k_cache[kv_base + j * d + c];
+                vv = v_cache[kv_base + j * d + c];
+            }
+            ft_k[r * FT_MAXD + c] = kv;
+            ft_v[r * FT_MAXD + c] = vv;
+        }
+        workgroupBarrier();
+        for (var r = 0u; r < FT_BK; r++) {
+            if (j0 + r < end) {
+                var s = 0.0;
+                for (var c = 0u; c < d; c++) {
+                    s += qv[c] * ft_k[r * FT_MAXD + c];
+                }
+                let new_max = max(running_max, s);
+                let correction = exp(running_max - new_max);
+                let weight = exp(s - new_max);
+                denom = denom * correction + weight;
+                for (var c = 0u; c < d; c++) {
+                    acc[c] = acc[c] * correction + weight * ft_v[r * FT_MAXD + c];
+                }
+                running_max = new_max;
+            }
+        }
+        workgroupBarrier();
+    }
+    if (valid) {
+        let inv = 1.0 / denom;
+        for (var c = 0u; c < d; c++) {
+            out[q_base + c] = acc[c] * inv;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode split over the context: a workgroup of SP_WG invocations per (token, head); invocation
+// l takes keys l, l + SP_WG, ... with its own online softmax, then a reduction pass in
+// workgroup memory combines the partial maxima, denominators and accumulators (rescaled to the
+// common maximum), SP_CHUNK dimensions at a time. For long contexts, where one invocation per
+// (token, head) would walk thousands of keys alone. Grid: tokens * n_heads workgroups, folded
+// into two dimensions.
+const SP_WG: u32 = 64u;
+const SP_CHUNK: u32 = 32u;
+var<workgroup> sp_max: array<f32, SP_WG>;
+var<workgroup> sp_den: array<f32, SP_WG>;
+var<workgroup> sp_acc: array<f32, 2048>;
+
+@compute @workgroup_size(SP_WG)
+fn attend_split(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let idx_raw = wid.y * nwg.x + wid.x;
+    let tokens = p.batch * p.seq;
+    let valid = idx_raw < tokens * p.n_heads;
+    let idx = min(idx_raw, tokens * p.n_heads - 1u);
+    let t = idx / p.n_heads;
+    let h = idx % p.n_heads;
+    let b = t / p.seq;
+    let i = t % p.seq;
+    let kvh = (h + p.q_offset) / p.group - p.kv_offset;
+    let d = p.head_dim;
+    let q_base = t * p.n_heads * d + h * d;
+    let slot = min(seqs[2u * b], p.slots - 1u);
+    let past = seqs[2u * b + 1u];
+    let kv_base = (slot * p.n_kv_heads + kvh) * p.max_seq * d;
+    var qv: array<f32, MAX_HEAD_DIM>;
+    var acc: array<f32, MAX_HEAD_DIM>;
+    for (var c = 0u; c < d; c++) {
+        qv[c] = q[q_base + c] * p.scale;
+        acc[c] = 0.0;
+    }
+    var end = past + i + 1u;
+    if (p.causal == 0u) {
+        end = min(past + p.seq, lens[b]);
+    }
+    end = min(end, p.max_seq);
+    var running_max = -3.4e38;
+    var denom = 0.0;
+    for (var j = lid; j < end; j += SP_WG) {
+        let k_base = kv_base + j * d;
+        var s = 0.0;
+        for (var c = 0u; c < d; c++) {
+            s += qv[c] * k_cache[k_base + c];
+        }
+        let new_max = max(running_max, s);
+        let correction = exp(running_max - new_max);
+        let weight = exp(s - new_max);
+        denom = denom * correction + weight;
+        for (var c = 0u; c < d; c++) {
+            acc[c] = acc[c] * correction + weight * v_cache[k_base + c];
+        }
+        running_max = new_max;
+    }
+    // Reduction pass: rescale every partial to the common maximum and sum.
+    sp_max[lid] = running_max;
+    workgroupBarrier();
+    var m = -3.4e38;
+    for (var r = 0u; r < SP_WG; r++) {
+        m = max(m, sp_max[r]);
+    }
+    let scale = exp(running_max - m);
+    sp_den[lid] = denom * scale;
+    workgroupBarrier();
+    var total = 0.0;
+    for (var r = 0u; r < SP_WG; r++) {
+        total += sp_den[r];
+    }
+    let inv = 1.0 / total;
+    for (var c0 = 0u; c0 < d; c0 += SP_CHUNK) {
+        for (var cc = 0u; cc < SP_CHUNK; cc++) {
+            if (c0 + cc < d) {
+                sp_acc[lid * SP_CHUNK + cc] = acc[c0 + cc] * scale;
+            }
+        }
+        workgroupBarrier();
+        if (lid < SP_CHUNK && c0 + lid < d) {
+            var v = 0.0;
+            for (var r = 0u; r < SP_WG; r++) {
+                v += sp_acc[r * SP_CHUNK + lid];
+            }
+            if (valid) {
+                out[q_base + c0 + lid] = v * inv;
+            }
+        }
+        workgroupBarrier();
+    }
+}

@@ -115,3 +115,82 @@ fn matmul_naive(@builtin(global_invocation_id) gid: vec3<u32>) {
     y[m * p.n + n] = acc;
 }
 
+
+// GPU-shaped GEMM for any inner dimension: the workgroup-memory tiling of `gemm_tiled` in
+// matmul_vec4.wgsl (see there) with scalar tile loads, so k need not be a multiple of 4.
+// Neighbouring invocations load neighbouring elements along k; edges are zero-filled.
+override GT_TM: u32 = 4u;
+override GT_TN: u32 = 4u;
+override GT_WGX: u32 = 16u;
+override GT_WGY: u32 = 16u;
+const GT_BK: u32 = 16u;
+const GT_MAXB: u32 = 128u;
+var<workgroup> gt_x: array<f32, 2048>;
+var<workgroup> gt_w: array<f32, 2048>;
+
+@compute @workgroup_size(GT_WGX, GT_WGY)
+fn gemm_tiled_scalar(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_id) l: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let bm = GT_WGY * GT_TM;
+    let bn = GT_WGX * GT_TN;
+    let threads = GT_WGX * GT_WGY;
+    let m0 = wid.y * bm;
+    let n0 = wid.x * bn;
+    var acc: array<array<f32, 8>, 8>;
+    for (var k0 = 0u; k0 < p.k; k0 += GT_BK) {
+        for (var e = lid; e < bm * GT_BK; e += threads) {
+            let r = e / GT_BK;
+            let c = e % GT_BK;
+            var v = 0.0;
+            if (m0 + r < p.m && k0 + c < p.k) {
+                v = x[(m0 + r) * p.k + k0 + c];
+            }
+            gt_x[c * GT_MAXB + r] = v;
+        }
+        for (var e = lid; e < bn * GT_BK; e += threads) {
+            let r = e / GT_BK;
+            let c = e % GT_BK;
+            var v = 0.0;
+            if (n0 + r < p.n && k0 + c < p.k) {
+                v = load_w((n0 + r) * p.k + k0 + c);
+            }
+            gt_w[c * GT_MAXB + r] = v;
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < GT_BK; kk++) {
+            var xr: array<f32, 8>;
+            var wr: array<f32, 8>;
+            for (var i = 0u; i < GT_TM; i++) {
+                xr[i] = gt_x[kk * GT_MAXB + l.y + i * GT_WGY];
+            }
+            for (var j = 0u; j < GT_TN; j++) {
+                wr[j] = gt_w[kk * GT_MAXB + l.x + j * GT_WGX];
+            }
+            for (var i = 0u; i < GT_TM; i++) {
+                for (var j = 0u; j < GT_TN; j++) {
+                    acc[i][j] = fma(xr[i], wr[j], acc[i][j]);
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var i = 0u; i < GT_TM; i++) {
+        let m = m0 + l.y + i * GT_WGY;
+        if (m >= p.m) {
+            break;
+        }
+        for (var j = 0u; j < GT_TN; j++) {
+            let n = n0 + l.x + j * GT_WGX;
+            if (n < p.n) {
+                var v = acc[i][j];
+                if (p.has_bias != 0u) {
+                    v += bias[n];
+                }
+                y[m * p.n + n] = v;
+            }
+        }
+    }
+}

@@ -73,6 +73,25 @@ pub enum WgparError {
         /// What did not fit.
         detail: String,
     },
+    /// A kernel-tuning switch has a value wgpar does not know.
+    #[error("{name}={value} is not valid: expected {expected}")]
+    TuneSetting {
+        /// The switch (environment variable or flag).
+        name: String,
+        /// The value given.
+        value: String,
+        /// What it accepts.
+        expected: String,
+    },
+    /// The kernel-tuning cache could not be written.
+    #[error("tuning cache {path}: {source}")]
+    TuneCache {
+        /// File or folder.
+        path: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
     /// An invalid model configuration, strategy or option: something the user can change.
     /// Runtime failures have their own variants below.
     #[error("invalid configuration: {0}")]
@@ -88,9 +107,9 @@ pub enum WgparError {
         /// The presets, comma-separated.
         presets: String,
     },
-    /// A host profile that cannot be read, parsed or used.
+    /// A host profile that cannot be read, parsed or used. (Boxed: errors stay small.)
     #[error(transparent)]
-    Profile(#[from] crate::sim::ProfileError),
+    Profile(Box<crate::sim::ProfileError>),
     /// A timeline or trace file that cannot be read, written or checked.
     #[error(transparent)]
     Trace(#[from] crate::trace::TraceError),
@@ -265,6 +284,39 @@ pub enum WgparError {
         /// "layer 3" on a single device).
         location: Option<String>,
     },
+    /// Running as MPI ranks (`dist`): a failed or silent peer, a layout the ranks cannot run.
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
+    /// Rank traces of an MPI run that do not merge into one timeline.
+    #[error("merging rank traces: {0}")]
+    Merge(#[from] crate::trace::MergeError),
+    /// A served request needs more KV cache than a slot holds.
+    #[error(
+        "request {request} needs {needed} tokens of KV cache ({prompt} prompt + {generated} generated - 1), \
+         but a slot holds {capacity} (max_seq of model '{model}'): shorten its prompt or output"
+    )]
+    KvCapacity {
+        /// Request index.
+        request: usize,
+        /// Tokens it would cache.
+        needed: usize,
+        /// Prompt tokens.
+        prompt: usize,
+        /// Tokens to generate.
+        generated: usize,
+        /// Tokens a slot holds.
+        capacity: usize,
+        /// Model name.
+        model: String,
+    },
+    /// A served request that cannot run at all (no prompt, nothing to generate, bad token).
+    #[error("request {request}: {reason}")]
+    BadRequest {
+        /// Request index.
+        request: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// File input/output.
     #[error("{path}: {source}")]
     Io {
@@ -294,6 +346,19 @@ pub fn human_bytes(bytes: u64) -> String {
         format!("{value:.1} {}", UNITS[unit])
     }
 }
+
+impl From<crate::sim::ProfileError> for WgparError {
+    fn from(e: crate::sim::ProfileError) -> Self {
+        WgparError::Profile(Box::new(e))
+    }
+}
+
+// Every fallible call returns this by value: large payloads are boxed so that it stays under
+// clippy's `result_large_err` bound (128 bytes), checked at compile time.
+const _: () = assert!(
+    std::mem::size_of::<WgparError>() < 128,
+    "WgparError grew to 128 bytes or more: box the large variant"
+);
 
 #[cfg(test)]
 mod tests {

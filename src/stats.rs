@@ -7,9 +7,34 @@ pub fn median(mut values: Vec<f64>) -> Option<f64> {
     values.get(values.len() / 2).copied()
 }
 
+/// The `q`-th percentile (0..=100) of `values`, interpolating linearly between the two
+/// nearest ranks (as numpy's default and vLLM's serving benchmark do); `None` when there are
+/// none. NaNs sort last.
+pub fn percentile(values: &[f64], q: f64) -> Option<f64> {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let last = v.len().checked_sub(1)?;
+    let pos = (q.clamp(0.0, 100.0) / 100.0) * last as f64;
+    let lo = pos.floor() as usize;
+    let hi = pos.ceil() as usize;
+    Some(v[lo] + (v[hi] - v[lo]) * (pos - lo as f64))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::median;
+    use super::{median, percentile};
+
+    #[test]
+    fn percentiles_interpolate_between_ranks() {
+        let v = [4.0, 1.0, 3.0, 2.0, 5.0];
+        assert_eq!(percentile(&v, 50.0), Some(3.0));
+        assert_eq!(percentile(&v, 0.0), Some(1.0));
+        assert_eq!(percentile(&v, 100.0), Some(5.0));
+        assert!((percentile(&v, 90.0).unwrap() - 4.6).abs() < 1e-12);
+        assert!((percentile(&[1.0, 2.0], 99.0).unwrap() - 1.99).abs() < 1e-12);
+        assert_eq!(percentile(&[7.0], 99.0), Some(7.0));
+        assert_eq!(percentile(&[], 50.0), None);
+    }
 
     #[test]
     fn middle_value_upper_for_even_counts() {

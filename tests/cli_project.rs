@@ -151,6 +151,67 @@ fn a_recorded_pipeline_run_projects_onto_shipped_and_calibrated_profiles() {
 }
 
 #[test]
+fn an_empty_trace_and_an_unknown_engine_are_refused_with_the_reason() {
+    let dir = scratch("project-empty");
+    let empty = dir.join("empty.json");
+    Timeline::new().write_chrome_trace(&empty).unwrap();
+    let (ok, stdout, stderr) = wgpar(&[
+        "project",
+        "--trace",
+        empty.to_str().unwrap(),
+        "--host",
+        "pcie4-2gpu",
+    ]);
+    assert!(!ok, "{stdout}");
+    assert!(
+        stderr.contains("no spans") && stderr.contains("--trace"),
+        "{stderr}"
+    );
+    let trace = record_pipeline(&dir);
+    let (ok, _, stderr) = wgpar(&[
+        "project",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--host",
+        "pcie4-2gpu",
+        "--engine",
+        "tensorrt",
+    ]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("tensorrt") && stderr.contains("cuda-nccl"),
+        "{stderr}"
+    );
+    // The same run as CUDA + NCCL would run it on a DGX: its all-reduces... none here (a
+    // pipeline), but its arithmetic on tensor cores makes it faster than wgpar's.
+    let time = |engine: &str| {
+        let (ok, stdout, stderr) = wgpar(&[
+            "project",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--host",
+            "dgx-h100",
+            "--engine",
+            engine,
+            "--json",
+        ]);
+        assert!(ok, "{stderr}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(
+            v["report"]["engine"],
+            if engine == "wgpar" {
+                "wgpar"
+            } else {
+                "CUDA+NCCL"
+            }
+        );
+        v["report"]["projected"]["makespan_us"].as_f64().unwrap()
+    };
+    assert!(time("cuda-nccl") < time("wgpar"));
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
 fn bad_inputs_are_errors_with_the_reason() {
     let dir = scratch("project-bad");
     let missing = dir.join("nope.json");
@@ -220,7 +281,10 @@ fn bench_projection_records_calibrates_and_projects_every_pair() {
         "2",
         "--quick",
         "--configs",
-        "single,pp2-m2",
+        "single,pp2-m2,tp4",
+        // The calibration shape, and another model and shape it never saw.
+        "--runs",
+        "tiny-llama:2x8,tiny-gpt2:1x12",
         "--out-dir",
         out.to_str().unwrap(),
         "--json",
@@ -228,7 +292,20 @@ fn bench_projection_records_calibrates_and_projects_every_pair() {
     assert!(ok, "{stdout}\n{stderr}");
     let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     let rows = v["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 2);
+    // TP over 4 splits neither model's 6 heads: skipped and listed, not run.
+    assert_eq!(rows.len(), 4);
+    assert_eq!(v["skipped"].as_array().unwrap().len(), 2, "{v}");
+    let sample: Vec<(String, bool)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["workload"]["model"].as_str().unwrap().to_owned(),
+                r["in_sample"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert!(sample.contains(&("tiny-llama".into(), true)), "{sample:?}");
+    assert!(sample.contains(&("tiny-gpt2".into(), false)), "{sample:?}");
     for row in rows {
         // Two runs onto two calibrations.
         let pairs = row["pairs"].as_array().unwrap();
@@ -247,12 +324,20 @@ fn bench_projection_records_calibrates_and_projects_every_pair() {
         assert!(lo <= e && e <= hi);
         assert_eq!(row["within_tolerance"], e.abs() <= 15.0);
     }
-    for file in ["cal0.toml", "cal1.toml", "single.r0.json", "pp2-m2.r1.json"] {
+    for file in [
+        "cal0.toml",
+        "cal1.toml",
+        "tiny-llama_2x8.single.r0.json",
+        "tiny-gpt2_1x12.pp2-m2.r1.json",
+    ] {
         assert!(out.join(file).is_file(), "{file} missing");
     }
 
     let (ok, _, stderr) = wgpar(&["bench", "projection", "--configs", "pp2"]);
     assert!(!ok);
     assert!(stderr.contains("bad configuration 'pp2'"), "{stderr}");
+    let (ok, _, stderr) = wgpar(&["bench", "projection", "--runs", "tiny-gpt2:4"]);
+    assert!(!ok);
+    assert!(stderr.contains("MODEL:BATCHxPROMPT"), "{stderr}");
     std::fs::remove_dir_all(dir).ok();
 }

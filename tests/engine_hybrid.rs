@@ -42,7 +42,7 @@ fn compare(gpus: &[Arc<Gpu>], tp: usize, config: &ModelConfig, m: usize, batch: 
     }
     assert!(hybrid.name().contains(&format!("tp={tp}")) || tp == 1);
     // In-flight generation through the same engine.
-    let got = hybrid.generate_in_flight(&prompts, 4).unwrap();
+    let got = hybrid.generate(&prompts, 4).unwrap();
     let want = generate(&mut single, &prompts, 4).unwrap();
     assert_eq!(got.tokens, want.tokens);
     for (g, w) in got.logits.iter().zip(&want.logits) {

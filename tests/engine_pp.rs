@@ -10,7 +10,7 @@ use wgpar::comm::CommConfig;
 use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, Gpu, GpuOptions};
 use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::{
-    generate, Engine, Fault, FaultKind, Partition, PipelineEngine, Request, SingleEngine,
+    generate, Engine, Fault, FaultKind, Partition, PipelineEngine, SingleEngine,
 };
 
 const BAR: f64 = 1e-5;
@@ -61,10 +61,10 @@ fn gpipe_p2_p3_p4_even_and_uneven() {
     compare_gpipe(&gpus[..3], &gpt2, &Partition::Explicit(vec![3, 1, 1]), 4, 4);
 }
 
-/// The in-flight schedules: a stream of requests with different lengths, and generation with
-/// micro-batches decoding independently.
+/// In-flight generation: micro-batches decoding independently match one device, token for
+/// token and logits within the bar (streams of requests: tests/serve_engines.rs).
 #[test]
-fn stream_and_in_flight_generation_match_single_device() {
+fn in_flight_generation_matches_single_device() {
     let gpus = common::gpus(3);
     let config = config("tiny-llama", 4);
     let weights = ModelWeights::synthetic(&config, 5);
@@ -79,26 +79,9 @@ fn stream_and_in_flight_generation_match_single_device() {
     )
     .unwrap();
 
-    let requests: Vec<Request> = (0..5)
-        .map(|i| Request {
-            prompts: common::prompts(1 + i % 2, 3 + i, config.vocab, 40 + i as u64),
-            max_new: 2 + i,
-        })
-        .collect();
-    let responses = pp.serve(&requests, 3).unwrap();
-    assert_eq!(responses.len(), requests.len());
-    for resp in &responses {
-        let req = &requests[resp.request];
-        let want = generate(&mut single, &req.prompts, req.max_new).unwrap();
-        assert_eq!(resp.tokens, want.tokens, "request {}", resp.request);
-        for (s, (g, w)) in resp.logits.iter().zip(&want.logits).enumerate() {
-            let err = g.relative_error(&w.data);
-            assert!(err <= BAR, "request {} step {s}: {err:.2e}", resp.request);
-        }
-    }
-
     let prompts = common::prompts(6, 5, config.vocab, 77);
-    let got = pp.generate_in_flight(&prompts, 5).unwrap();
+    let got = pp.generate(&prompts, 5).unwrap();
+    assert_eq!(pp.schedule(), wgpar::parallel::Schedule::InFlight);
     let want = generate(&mut single, &prompts, 5).unwrap();
     assert_eq!(got.tokens, want.tokens);
     for (g, w) in got.logits.iter().zip(&want.logits) {
@@ -237,7 +220,7 @@ fn paced_handoffs_take_the_modelled_time() {
     let slow = pp.prefill(&prompts).unwrap();
     assert_eq!(fast, slow);
     let stats = pp.last_run().unwrap();
-    let handoff: f64 = stats.stages.iter().map(|s| s.handoff_s).sum();
+    let handoff: f64 = stats.stages.iter().map(|s| s.handoff_s()).sum();
     assert!(handoff >= 2.0 * 0.005 * 0.99, "hand-offs took {handoff} s");
     // The first micro-batch alone crosses three paced messages in sequence.
     assert!(
@@ -245,4 +228,120 @@ fn paced_handoffs_take_the_modelled_time() {
         "makespan {}",
         stats.makespan_s
     );
+}
+
+/// Sum of a device's span durations (seconds) and bytes of one kind, and how many there are.
+fn spans_of(
+    timeline: &wgpar::trace::Timeline,
+    device: u32,
+    kind: wgpar::trace::SpanKind,
+) -> (f64, u64, usize) {
+    let mine: Vec<_> = timeline
+        .spans
+        .iter()
+        .filter(|s| s.device == Some(device) && s.kind == kind)
+        .collect();
+    (
+        mine.iter().map(|s| s.dur_ns).sum::<u64>() as f64 / 1e9,
+        mine.iter().map(|s| s.bytes).sum(),
+        mine.len(),
+    )
+}
+
+fn assert_close(what: &str, got: f64, want: f64) {
+    // Spans store whole nanoseconds.
+    assert!(
+        (got - want).abs() < 1e-6,
+        "{what}: spans {got} s, stats {want} s"
+    );
+}
+
+/// What the stage statistics say is what the timeline shows: every stage's busy, upload and
+/// download time and bytes are the sums of its compute, h2d and d2h spans, also with paced
+/// hand-offs (whose sleeps must not land in a compute span); the run's per-device bytes and
+/// hand-off counts are the stages' means. A hybrid stage's upload is paced too.
+#[test]
+fn stage_statistics_are_the_sums_of_the_spans() {
+    use wgpar::sim::{LinkPacer, LinkSpec};
+    use wgpar::trace::{Recorder, SpanKind};
+    let gpus = common::gpus(4);
+    let config = config("tiny-gpt2", 4);
+    let weights = ModelWeights::synthetic(&config, 12);
+    let pacer = Arc::new(LinkPacer::from_link(LinkSpec {
+        alpha_us: 3000.0,
+        beta_gbps: 10.0,
+    }));
+    let prompts = common::prompts(4, 3, config.vocab, 5);
+    for tp in [1, 2] {
+        let devices = if tp == 1 { 2 } else { 4 };
+        let mut pp = PipelineEngine::hybrid(
+            &gpus[..devices],
+            &weights,
+            DType::F32,
+            tp,
+            &Partition::Even,
+            2,
+            CommConfig::default(),
+        )
+        .unwrap();
+        pp.set_pacer(Some(pacer.clone()));
+        let first = pp.prefill(&prompts).unwrap();
+        let rec = Recorder::new();
+        pp.set_recorder(rec.clone());
+        let decoded = pp.decode_greedy(&first.argmax(), 3, false).unwrap();
+        let stats = pp.last_run().unwrap().clone();
+        let timeline = rec.timeline();
+        assert!(timeline.has_complete_dependencies());
+        assert_eq!(stats.passes, 2 * 3);
+        for (s, st) in stats.stages.iter().enumerate() {
+            // A hybrid stage is accounted on its first device (rank 0).
+            let dev = (s * tp) as u32;
+            let (busy, _, _) = spans_of(&timeline, dev, SpanKind::Compute);
+            let (up, up_bytes, ups) = spans_of(&timeline, dev, SpanKind::HostToDevice);
+            let (down, down_bytes, downs) = spans_of(&timeline, dev, SpanKind::DeviceToHost);
+            let (coll, _, colls) = spans_of(&timeline, dev, SpanKind::Collective);
+            assert_close(&format!("tp={tp} stage {s} compute"), busy, st.busy_s);
+            assert_close(&format!("tp={tp} stage {s} upload"), up, st.upload_s);
+            assert_close(&format!("tp={tp} stage {s} download"), down, st.download_s);
+            assert_close(
+                &format!("tp={tp} stage {s} collectives"),
+                coll,
+                st.collective_s,
+            );
+            assert_eq!((up_bytes, down_bytes), (st.bytes_in, st.bytes_out));
+            assert_eq!((ups + downs, colls), (st.transfers, st.collectives));
+            assert_eq!(ups, if s == 0 { 0 } else { 6 }, "tp={tp} stage {s}");
+            // Every paced message, uploads of hybrid stages included, took the link's time.
+            for span in timeline.spans.iter().filter(|x| {
+                x.device.is_some_and(|d| d / tp as u32 == s as u32)
+                    && matches!(x.kind, SpanKind::HostToDevice | SpanKind::DeviceToHost)
+            }) {
+                assert!(
+                    span.dur_ns >= 3_000_000,
+                    "tp={tp}: {} on device {:?} took {} ns",
+                    span.name,
+                    span.device,
+                    span.dur_ns
+                );
+            }
+        }
+        let p = stats.stages.len() as f64;
+        let mean = |f: &dyn Fn(&wgpar::parallel::StageStats) -> f64| {
+            (stats.stages.iter().map(f).sum::<f64>() / p).round()
+        };
+        let run = &decoded.stats;
+        assert_eq!(
+            run.bytes_received as f64,
+            mean(&|s| (s.bytes_in + s.collective_bytes) as f64)
+        );
+        assert_eq!(
+            run.bytes_sent as f64,
+            mean(&|s| (s.bytes_out + s.collective_bytes) as f64)
+        );
+        assert_eq!(
+            run.collectives as f64,
+            mean(&|s| (s.transfers + s.collectives) as f64)
+        );
+        assert_eq!(run.tokens, 4 * 3);
+    }
 }

@@ -127,6 +127,17 @@ fn a_json_file_that_is_not_a_tokenizer_says_so() {
         e.contains("not a Hugging Face tokenizers file") && e.contains("\"model\""),
         "{e}"
     );
+    // Found by the property-test campaign: the tokenizers crate panicked on a malformed
+    // decoder section; wgpar returns an error instead.
+    write_word_tokenizer(&dir, 8);
+    let valid = std::fs::read_to_string(&file).unwrap();
+    for bad in ["NaN", "5", "{\"type\": 5}", "[1]"] {
+        let text = valid.replace("\"decoder\":null", &format!("\"decoder\":{bad}"));
+        assert_ne!(text, valid);
+        std::fs::write(&file, text).unwrap();
+        let r = TextTokenizer::from_file(&file, None);
+        assert!(r.is_err(), "decoder {bad} accepted");
+    }
     std::fs::write(&file, "{\"model\": [1, 2,").unwrap();
     let e = TextTokenizer::from_file(&file, None)
         .unwrap_err()

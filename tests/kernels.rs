@@ -5,6 +5,7 @@ mod common;
 
 use wgpar::device::{DType, Gpu, Tensor};
 use wgpar::kernels::ops::{self, AttnShape, Elementwise, MatmulIo, MatmulKernel, Norm, TokenPick};
+use wgpar::kernels::{tune, variants};
 use wgpar::model::reference::{gelu_tanh, silu};
 
 fn poisoned(gpu: &Gpu, len: usize) -> Tensor {
@@ -41,15 +42,24 @@ fn matmul_ref(x: &[f32], w: &[f32], b: Option<&[f32]>, m: usize, n: usize, k: us
     y
 }
 
+/// Every matmul variant (not only the one tuning picks), the tuned choice and the naive
+/// baseline, on shapes that are not tile multiples, decode rows (m <= 8) and inner dimensions
+/// with and without a factor of 4, f32 and f16 weights, with and without bias.
 #[test]
-fn matmul_any_shape_f32_f16_tiled_and_naive() {
+fn matmul_every_variant_any_shape_f32_f16() {
     let gpu = &common::gpus(1)[0];
+    let mut covered = std::collections::BTreeSet::new();
     for (m, n, k) in [
         (1, 1, 1),
         (5, 7, 3),
         (13, 37, 29),
         (64, 33, 70),
         (3, 130, 257),
+        (1, 300, 88),
+        (8, 75, 64),
+        (67, 45, 36),
+        (130, 70, 100),
+        (2, 129, 260),
     ] {
         let x = common::random(m * k, 1);
         let w = common::random(n * k, 2);
@@ -60,6 +70,13 @@ fn matmul_any_shape_f32_f16_tiled_and_naive() {
         if gpu.supports_f16_weights() {
             dtypes.push(DType::F16);
         }
+        let mut kernels = vec![MatmulKernel::Tiled, MatmulKernel::Naive];
+        kernels.extend(
+            variants::MATMUL
+                .iter()
+                .filter(|v| v.applies(gpu, (m, n, k)))
+                .map(|v| MatmulKernel::Variant(v.name)),
+        );
         for dtype in dtypes {
             let wt = gpu.upload_weights("w", &w, dtype).unwrap();
             // The f16 reference uses the same rounded weights: the bar checks the kernel, not
@@ -68,7 +85,10 @@ fn matmul_any_shape_f32_f16_tiled_and_naive() {
                 DType::F16 => w.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
                 _ => w.clone(),
             };
-            for kernel in [MatmulKernel::Tiled, MatmulKernel::Naive] {
+            for &kernel in &kernels {
+                if let MatmulKernel::Variant(name) = kernel {
+                    covered.insert(name);
+                }
                 for bias in [None, Some(&bt)] {
                     let y = poisoned(gpu, m * n);
                     let io = MatmulIo {
@@ -88,6 +108,102 @@ fn matmul_any_shape_f32_f16_tiled_and_naive() {
             }
         }
     }
+    // Every variant ran on some shape (subgroup ones where the adapter has subgroups).
+    for v in variants::MATMUL {
+        if !v.subgroups || variants::subgroups_usable(gpu) {
+            assert!(covered.contains(v.name), "variant {} never tested", v.name);
+        }
+    }
+}
+
+#[test]
+fn matmul_variant_that_does_not_apply_is_an_error() {
+    let gpu = &common::gpus(1)[0];
+    let x = gpu.upload_f32("x", &common::random(16 * 6, 1)).unwrap();
+    let y = gpu.empty("y", DType::F32, 16 * 16).unwrap();
+    let mut enc = gpu.encoder();
+    // gemv takes at most 8 rows; vec4 variants need k divisible by 4.
+    for (name, shape) in [("gemv_wg64", (16, 16, 4)), ("matmul_vec4", (2, 2, 6))] {
+        let io = MatmulIo {
+            x: &x,
+            w: &x,
+            bias: None,
+            y: &y,
+        };
+        let e = ops::matmul(gpu, &mut enc, io, shape, MatmulKernel::Variant(name))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("does not apply"), "{e}");
+    }
+    let io = MatmulIo {
+        x: &x,
+        w: &x,
+        bias: None,
+        y: &y,
+    };
+    let e = ops::matmul(gpu, &mut enc, io, (1, 1, 1), MatmulKernel::Variant("nope"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("nope") && e.contains("gemm_64x64"), "{e}");
+}
+
+/// First-use tuning times the candidates, keeps the fastest (which applies and computes the
+/// right result) and writes it to the cache file under the adapter's key.
+#[test]
+fn tuning_chooses_a_variant_and_caches_it() {
+    let dir = common::scratch("tune-cache");
+    tune::configure(tune::TuneSettings {
+        mode: tune::TuneMode::Retune,
+        forced: Vec::new(),
+        cache_dir: Some(dir.clone()),
+    });
+    let gpu = &common::gpus(1)[0];
+    let (m, n, k) = (3, 96, 64);
+    let x = common::random(m * k, 21);
+    let w = common::random(n * k, 22);
+    let (xt, wt) = (
+        gpu.upload_f32("x", &x).unwrap(),
+        gpu.upload_f32("w", &w).unwrap(),
+    );
+    let y = poisoned(gpu, m * n);
+    run(gpu, |e| {
+        let io = MatmulIo {
+            x: &xt,
+            w: &wt,
+            bias: None,
+            y: &y,
+        };
+        ops::matmul(gpu, e, io, (m, n, k), MatmulKernel::Tiled).unwrap()
+    });
+    assert_close(
+        "tuned matmul",
+        &gpu.read_f32(&y).unwrap(),
+        &matmul_ref(&x, &w, None, m, n, k),
+        1e-5,
+    );
+    let text = std::fs::read_to_string(dir.join(tune::CACHE_FILE)).unwrap();
+    let cache: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let key = format!(
+        "{} | {}",
+        tune::adapter_key(gpu),
+        variants::MatmulClass::of((m, n, k), wgpar::kernels::WeightType::F32).key()
+    );
+    let chosen = cache["entries"][&key]["variant"].as_str().unwrap();
+    let v = variants::by_name(chosen).unwrap();
+    assert!(v.candidate && v.applies(gpu, (m, n, k)), "{chosen}");
+    // A forced variant wins over the cache; tuning off falls back to the fixed default.
+    tune::configure(tune::TuneSettings {
+        mode: tune::TuneMode::Off,
+        forced: vec!["gemv_wg64".into()],
+        cache_dir: Some(dir.clone()),
+    });
+    let fresh = &common::gpus(1)[0];
+    let v = tune::choose_matmul(fresh, (m, n, k), wgpar::kernels::WeightType::F32, None).unwrap();
+    assert_eq!(v.name, "gemv_wg64");
+    let v = tune::choose_matmul(fresh, (64, n, k), wgpar::kernels::WeightType::F32, None).unwrap();
+    assert_eq!(v.name, variants::default_matmul(fresh, (64, n, k)).name);
+    tune::configure(tune::TuneSettings::from_env().unwrap());
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]
@@ -437,6 +553,122 @@ fn kv_store_and_causal_attention() {
             }
             let name = format!("attention heads {nh}/{nkv} s{seq} rows {rows:?}");
             assert_close(&name, &gpu.read_f32(&out).unwrap(), &want, 1e-5);
+        }
+    }
+}
+
+/// Every attention variant (today's, tiled prefill, split decode) and the tuned choice against
+/// the CPU reference: causal with and without cached keys, rows with different pasts in
+/// shuffled slots (the sequence table), decode over a long context, more queries than one
+/// tile holds, grouped heads, a tensor-parallel shard, and bidirectional masks with padding.
+#[test]
+fn attention_every_variant_causal_and_bidirectional() {
+    let gpu = &common::gpus(1)[0];
+    // (batch, seq, past of row 0, max_seq, n_heads, n_kv_heads, group, q_off, kv_off, head_dim)
+    let cases = [
+        (2, 5, 0usize, 16, 6, 2, 3, 0, 0, 12),
+        (2, 3, 4, 16, 4, 2, 3, 2, 0, 12),
+        (1, 1, 130, 160, 4, 1, 4, 0, 0, 16),
+        (2, 70, 3, 80, 2, 2, 1, 0, 0, 8),
+        (3, 1, 9, 16, 6, 2, 3, 0, 0, 128),
+        (1, 2, 0, 8, 2, 2, 1, 0, 0, 200),
+    ];
+    for (batch, seq, past0, max_seq, nh, nkv, group, q_off, kv_off, d) in cases {
+        let slots = batch + 1;
+        let shape = AttnShape {
+            batch,
+            seq,
+            slots,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: d,
+            max_seq,
+            group,
+            q_head_offset: q_off,
+            kv_head_offset: kv_off,
+        };
+        // Row b: slot slots-1-b, past past0 - b (rows at different positions).
+        let rows: Vec<(usize, usize)> = (0..batch)
+            .map(|b| (slots - 1 - b, past0.saturating_sub(b)))
+            .collect();
+        let seqs = seq_table(gpu, &rows);
+        let tokens = batch * seq;
+        let kc = common::random(shape.cache_len(), 31);
+        let vc = common::random(shape.cache_len(), 32);
+        let q: Vec<f32> = common::random(tokens * nh * d, 33)
+            .iter()
+            .map(|v| v * 3.0)
+            .collect();
+        let (kt, vt, qt) = (
+            gpu.upload_f32("kc", &kc).unwrap(),
+            gpu.upload_f32("vc", &vc).unwrap(),
+            gpu.upload_f32("q", &q).unwrap(),
+        );
+        // Row b has lens[b] real keys (bidirectional): all, or fewer (right padding).
+        let lens: Vec<u32> = rows
+            .iter()
+            .enumerate()
+            .map(|(b, &(_, past))| ((past + seq) as u32).saturating_sub(b as u32).max(1))
+            .collect();
+        let lens_t = gpu.upload_u32("lens", &lens).unwrap();
+        let at = |slot: usize, h: usize, p: usize| ((slot * nkv + h) * max_seq + p) * d;
+        for causal in [true, false] {
+            let scale = 1.0 / (d as f64).sqrt();
+            let mut want = vec![0.0; tokens * nh * d];
+            for t in 0..tokens {
+                let (b, i) = (t / seq, t % seq);
+                let (slot, past) = rows[b];
+                let end = if causal {
+                    past + i + 1
+                } else {
+                    (past + seq).min(lens[b] as usize)
+                };
+                for h in 0..nh {
+                    let kvh = (h + q_off) / group - kv_off;
+                    let qv = &q[(t * nh + h) * d..(t * nh + h + 1) * d];
+                    let scores: Vec<f64> = (0..end)
+                        .map(|p| {
+                            let s = at(slot, kvh, p);
+                            (0..d).map(|c| qv[c] as f64 * kc[s + c] as f64).sum::<f64>() * scale
+                        })
+                        .collect();
+                    let m = scores.iter().cloned().fold(f64::MIN, f64::max);
+                    let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                    for (p, s) in scores.iter().enumerate() {
+                        let w = (s - m).exp() / z;
+                        for c in 0..d {
+                            want[(t * nh + h) * d + c] += w * vc[at(slot, kvh, p) + c] as f64;
+                        }
+                    }
+                }
+            }
+            let mask = if causal {
+                ops::AttnMask::Causal
+            } else {
+                ops::AttnMask::Bidirectional { lens: &lens_t }
+            };
+            let mut kernels: Vec<Option<&'static str>> = vec![None];
+            kernels.extend(
+                variants::ATTENTION
+                    .iter()
+                    .filter(|v| variants::attention_applies(v, seq, d))
+                    .map(|v| Some(v.name)),
+            );
+            for kernel in kernels {
+                let out = poisoned(gpu, tokens * nh * d);
+                let cache = ops::KvCache {
+                    k: &kt,
+                    v: &vt,
+                    seqs: &seqs,
+                };
+                run(gpu, |e| {
+                    ops::attention_with(gpu, e, (&qt, cache, &out), &shape, mask, kernel).unwrap()
+                });
+                let name = format!(
+                    "attention {kernel:?} causal={causal} b{batch} s{seq} past{past0} h{nh}/{nkv} d{d}"
+                );
+                assert_close(&name, &gpu.read_f32(&out).unwrap(), &want, 1e-5);
+            }
         }
     }
 }

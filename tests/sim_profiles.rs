@@ -53,11 +53,18 @@ fn every_file_in_hosts_parses_and_is_shipped() {
 fn shipped_profiles_have_the_expected_shape() {
     let a100 = HostProfile::shipped("dgx-a100").unwrap();
     assert_eq!(a100.device_count(), 8);
-    assert_eq!(a100.device_link.as_ref().map(|l| l.beta_gbps), Some(230.0));
+    // Hardware figures: NVLink3's 300 GB/s per direction (what NCCL reaches of it is the
+    // engine's efficiency), and no in-switch reduction on the A100's NVSwitch.
+    assert_eq!(a100.device_link.as_ref().map(|l| l.beta_gbps), Some(300.0));
+    assert_eq!(a100.device_link.as_ref().map(|l| l.nvls), Some(false));
+    assert_eq!(a100.devices[0].f16_tensor_tflops, Some(312.0));
+    let h100 = HostProfile::shipped("dgx-h100").unwrap();
+    assert_eq!(h100.device_link.as_ref().map(|l| l.nvls), Some(true));
     assert_eq!(a100.devices[0].f32_tflops, 19.5);
     let ib = HostProfile::shipped("2node-ib200").unwrap();
     assert_eq!((ib.nodes, ib.device_count()), (2, 8));
-    assert_eq!(ib.network.as_ref().map(|n| n.beta_gbps), Some(22.5));
+    assert_eq!(ib.network.as_ref().map(|n| n.beta_gbps), Some(25.0));
+    assert_eq!(ib.network.as_ref().and_then(|n| n.nics_per_node), Some(1));
     let pcie3 = HostProfile::shipped("pcie3-2gpu").unwrap();
     assert_eq!(pcie3.devices[0].host_link.d2h.beta_gbps, 12.0);
     assert!(pcie3.device_link.is_none());
@@ -73,10 +80,34 @@ fn shipped_profiles_have_the_expected_shape() {
     assert!(err.to_string().contains("pcie4-2gpu"), "{err}");
 }
 
+/// The profiles docs/VALIDATION.md projects onto parse, and source every figure too.
+#[test]
+fn validation_profiles_parse_and_source_their_figures() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("hosts/validation");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let p = entry.unwrap().path();
+        if p.extension().is_some_and(|x| x == "toml") {
+            let profile = HostProfile::load(&p).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(profile.name, p.file_stem().unwrap().to_string_lossy());
+            let text = std::fs::read_to_string(&p).unwrap();
+            check_sources(&profile.name, &text);
+            n += 1;
+        }
+    }
+    assert!(n >= 2, "{n} validation profiles");
+}
+
 /// Every numeric constant line in a shipped profile is preceded by a comment naming its source.
 #[test]
 fn every_constant_has_a_source_comment() {
     for (name, text) in SHIPPED_PROFILES {
+        check_sources(name, text);
+    }
+}
+
+fn check_sources(name: &str, text: &str) {
+    {
         let lines: Vec<&str> = text.lines().collect();
         for (i, line) in lines.iter().enumerate() {
             let t = line.trim();
@@ -204,6 +235,71 @@ fn unknown_field_is_rejected() {
         Some(line_of(&text, "f8_tflops")),
         "{err}"
     );
+}
+
+#[test]
+fn implausible_figures_are_rejected_with_their_line() {
+    // A bandwidth of 1e-300 GB/s once printed a 300-digit makespan.
+    let text = base().replacen("beta_gbps = 25.0", "beta_gbps = 1e-300", 1);
+    let err = HostProfile::from_toml_str(&text, "tiny.toml").unwrap_err();
+    assert_eq!(
+        err.field(),
+        Some("devices[0].host_link.h2d.beta_gbps"),
+        "{err}"
+    );
+    assert_eq!(err.location().unwrap().line, Some(line_of(&text, "1e-300")));
+    assert!(err.to_string().contains("GB/s"), "{err}");
+    for (from, to, field) in [
+        (
+            "f32_tflops = 35.6",
+            "f32_tflops = 1e9",
+            "devices[0].f32_tflops",
+        ),
+        (
+            "alpha_us = 10.0",
+            "alpha_us = 1e12",
+            "devices[0].host_link.h2d.alpha_us",
+        ),
+        (
+            "memory_gbps = 936.0",
+            "memory_gbps = 1e30",
+            "devices[0].memory_gbps",
+        ),
+        (
+            "launch_overhead_us = 5.0",
+            "launch_overhead_us = -1",
+            "devices[0].launch_overhead_us",
+        ),
+    ] {
+        let text = base().replacen(from, to, 1);
+        let err = HostProfile::from_toml_str(&text, "x.toml").unwrap_err();
+        assert_eq!(err.field(), Some(field), "{from}: {err}");
+        assert!(err.location().unwrap().line.is_some(), "{err}");
+    }
+}
+
+#[test]
+fn processor_sharing_cannot_span_more_devices_than_the_group_has() {
+    let text = base().replace(
+        "[devices.host_link]",
+        "[devices.compute_sharing]\nshared_by = 3\n\n[devices.host_link]",
+    );
+    let err = HostProfile::from_toml_str(&text, "s.toml").unwrap_err();
+    assert_eq!(
+        err.field(),
+        Some("devices[0].compute_sharing.shared_by"),
+        "{err}"
+    );
+    assert_eq!(
+        err.location().unwrap().line,
+        Some(line_of(&text, "shared_by = 3"))
+    );
+    assert!(err.to_string().contains("device count"), "{err}");
+    let ok = base().replace(
+        "[devices.host_link]",
+        "[devices.compute_sharing]\nshared_by = 2\n\n[devices.host_link]",
+    );
+    assert!(HostProfile::from_toml_str(&ok, "s.toml").is_ok());
 }
 
 #[test]

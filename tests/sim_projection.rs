@@ -456,6 +456,30 @@ fn inconsistent_timelines_are_errors() {
         Err(ProjectError::Cycle { .. })
     ));
 
+    // A dependency that started after the span depending on it: named, not called a cycle.
+    let mut t = Timeline::new();
+    let early = t.push_us(SpanAttrs::compute("early", 0), 0.0, 1.0);
+    let late = t.push_us(SpanAttrs::compute("late", 0).after(early), 5.0, 1.0);
+    t.spans[0].deps.clear();
+    t.spans[0].start_ns = 10_000;
+    t.spans[1].deps = vec![early];
+    let _ = late;
+    match project(&t, &p, &opts) {
+        Err(e @ ProjectError::DependencyStartsLater(_)) => {
+            let text = e.to_string();
+            assert!(
+                text.contains("late") && text.contains("early") && text.contains("forward in time"),
+                "{text}"
+            );
+        }
+        other => panic!("expected DependencyStartsLater, got {other:?}"),
+    }
+    // Nothing to project.
+    assert!(matches!(
+        project(&Timeline::new(), &p, &opts),
+        Err(ProjectError::EmptyTimeline)
+    ));
+
     // Members of one group that disagree on the size.
     let mut t = Timeline::new();
     t.push_us(
@@ -480,7 +504,7 @@ fn report_prints_a_table() {
     let proj = project(&pipeline_timeline(), &p, &ProjectOptions::default()).unwrap();
     let text = proj.report.to_string();
     assert!(
-        text.contains("projection onto `hand`: 2 of 2 devices, 16 spans"),
+        text.contains("projection onto `hand` as `peak` runs it: 2 of 2 devices, 16 spans"),
         "{text}"
     );
     let makespan = text

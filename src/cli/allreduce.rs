@@ -15,40 +15,40 @@ use super::DeviceArgs;
 #[derive(Args, Clone, Debug)]
 pub struct AllreduceArgs {
     #[command(flatten)]
-    devices: DeviceArgs,
+    pub(super) devices: DeviceArgs,
     /// Smallest size, bytes (suffixes K, M, G).
     #[arg(short = 'b', long = "minbytes", default_value = "8")]
-    min: String,
+    pub(super) min: String,
     /// Largest size.
     #[arg(short = 'e', long = "maxbytes", default_value = "64M")]
-    max: String,
+    pub(super) max: String,
     /// Size multiplier.
     #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
-    factor: u64,
+    pub(super) factor: u64,
     /// Timed iterations per size.
     #[arg(short = 'n', long = "iters", default_value_t = 20)]
-    iters: usize,
+    pub(super) iters: usize,
     /// Warm-up iterations per size.
     #[arg(short = 'w', long = "warmup_iters", default_value_t = 5)]
-    warmup: usize,
+    pub(super) warmup: usize,
     /// allreduce, allgather, reducescatter or sendrecv.
     #[arg(long, default_value = "allreduce")]
-    op: String,
+    pub(super) op: String,
     /// f32 or f16.
     #[arg(short = 'd', long, default_value = "f32")]
-    dtype: String,
+    pub(super) dtype: String,
     /// auto (by size), grb (gather-reduce-broadcast) or pipe (chunked, pipelined).
     #[arg(short = 'a', long, default_value = "auto")]
-    algorithm: String,
+    pub(super) algorithm: String,
     /// Send f32 payloads as f16 over the link (reduce in f32): halves the bytes.
     #[arg(long, default_value = "native", value_parser = ["native", "f16"])]
-    link: String,
+    pub(super) link: String,
     /// Pipelined chunk size per device.
     #[arg(long)]
-    chunk: Option<String>,
+    pub(super) chunk: Option<String>,
     /// Print JSON.
     #[arg(long)]
-    json: bool,
+    pub(super) json: bool,
 }
 
 /// Runs the benchmark and prints the nccl-tests style table.

@@ -1,6 +1,6 @@
 //! `wgpar bench ...`.
 
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 use wgpar::device::Adapters;
 use wgpar::kernels::bench::{bench_kernels, KernelBenchOptions};
 use wgpar::{Result, WgparError};
@@ -10,44 +10,55 @@ use super::DeviceArgs;
 /// What to benchmark.
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
-    /// Pipeline throughput and bubble: p stages x m micro-batches (GPipe prefill), measured
-    /// bubble beside (p-1)/(m+p-1), throughput beside the ideal from measured stage times.
-    Pipeline {
-        #[command(flatten)]
-        model: super::ModelArgs,
-        /// Stage counts (virtual devices on the preferred adapter).
-        #[arg(long, value_delimiter = ',', default_value = "2,4")]
-        stages: Vec<usize>,
-        /// Micro-batch counts; "p" and "4p" scale with the stage count.
-        #[arg(long, value_delimiter = ',', default_value = "1,p,4p")]
-        micro_batches: Vec<String>,
-        /// Prompt length per sequence.
-        #[arg(long, default_value_t = 32)]
-        prompt_len: usize,
-        /// Sequences per micro-batch.
-        #[arg(long, default_value_t = 1)]
-        per_microbatch: usize,
-        /// Timed repetitions (best kept, after a warm-up).
-        #[arg(long, default_value_t = 3)]
-        reps: usize,
-    },
+    /// Pipeline throughput and bubble: p stages x m micro-batches, GPipe prefill and
+    /// in-flight (or GPipe) decode; measured bubble beside the theoretical one, throughput
+    /// beside the ideal from the measured stage times.
+    Pipeline(PipelineBenchArgs),
     /// Projection accuracy on this machine: rounds of calibrate + traced runs (single, TP,
     /// PP), every run projected onto every calibration; median makespan error per
     /// configuration.
     Projection(super::bench_projection::ProjectionBenchArgs),
     /// Host time to stage, record and submit one decode step, decode tokens/s, and the
-    /// buffers and bind groups a steady-state step creates (single device and tensor
-    /// parallel).
+    /// buffers and bind groups a steady-state step creates (single device, tensor and
+    /// pipeline parallel).
     Decode(super::bench_decode::DecodeBenchArgs),
-    /// Matmul GFLOP/s (against a naive baseline) and the other kernels' GB/s, per device.
+    /// Every matmul variant timed per shape (the winner is what autotuning picks, today's
+    /// kernel beside it), attention prefill, and the other kernels' GB/s, per device.
     Kernels {
         #[command(flatten)]
         devices: DeviceArgs,
-        /// Square matmul sizes.
-        #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048")]
-        sizes: Vec<usize>,
+        /// Square matmul sizes (M = N = K); `--sizes=` for none.
+        #[arg(long, value_delimiter = ',', default_value = "256,512,1024")]
+        sizes: Vec<String>,
+        /// Further matmul shapes MxNxK (e.g. 1x14336x4096: decode GEMV, 1 row).
+        #[arg(long, value_delimiter = ',')]
+        shapes: Vec<String>,
+        /// Weight types: f32, f16 or both.
+        #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
+        dtypes: Vec<String>,
+        /// Only these matmul variants (today's kernel is always timed beside them).
+        #[arg(long, value_delimiter = ',')]
+        kernels: Vec<String>,
+        /// Also time the naive one-invocation-per-output matmul.
+        #[arg(long)]
+        naive: bool,
+        /// Attention prefill lengths to time (one sequence, 32 heads of 128).
+        #[arg(long, value_delimiter = ',')]
+        attention_prefill: Vec<usize>,
+        /// Skip the memory-bound kernels (norms, element-wise, embedding, short attention).
+        #[arg(long)]
+        no_others: bool,
+        /// Do not store each shape's winner in the tuning cache.
+        #[arg(long)]
+        no_save: bool,
+        /// The adapter's peak arithmetic rate, GFLOP/s: each rate is followed by its fraction.
+        #[arg(long)]
+        peak_gflops: Option<f64>,
+        /// The adapter's peak memory bandwidth, GB/s: each rate is followed by its fraction.
+        #[arg(long)]
+        peak_gbps: Option<f64>,
         /// Timed samples per kernel (median reported).
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, default_value_t = 3)]
         iters: usize,
         /// Untimed warm-up samples.
         #[arg(long, default_value_t = 1)]
@@ -56,6 +67,20 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+fn parse_shape(text: &str) -> Result<(usize, usize, usize)> {
+    let dims: Vec<usize> = text
+        .split('x')
+        .map(|d| d.trim().parse::<usize>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| WgparError::Config(format!("bad shape '{text}': expected MxNxK")))?;
+    match dims[..] {
+        [m, n, k] if m > 0 && n > 0 && k > 0 => Ok((m, n, k)),
+        _ => Err(WgparError::Config(format!(
+            "bad shape '{text}': expected MxNxK, each at least 1"
+        ))),
+    }
 }
 
 fn micro_batch_count(text: &str, p: usize) -> Result<usize> {
@@ -71,20 +96,82 @@ fn micro_batch_count(text: &str, p: usize) -> Result<usize> {
     }
 }
 
-fn bench_pipeline(
-    model: &super::ModelArgs,
-    stages: &[usize],
-    micro_batches: &[String],
+/// Options of `wgpar bench pipeline`.
+#[derive(Args, Debug)]
+pub struct PipelineBenchArgs {
+    #[command(flatten)]
+    model: super::ModelArgs,
+    /// Stage counts (virtual devices on the preferred adapter).
+    #[arg(long, value_delimiter = ',', default_value = "2,4")]
+    stages: Vec<usize>,
+    /// Micro-batch counts; "p" and "4p" scale with the stage count.
+    #[arg(long, value_delimiter = ',', default_value = "1,p,4p")]
+    micro_batches: Vec<String>,
+    /// Prompt length per sequence.
+    #[arg(long, default_value_t = 32)]
     prompt_len: usize,
+    /// Sequences per micro-batch (the batch grows with m); see --batch.
+    #[arg(long, default_value_t = 1)]
     per_microbatch: usize,
+    /// A fixed batch for every m (split into m micro-batches) instead of --per-microbatch.
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Phases to measure: prefill (GPipe fill-drain), decode.
+    #[arg(long, value_delimiter = ',', default_value = "prefill,decode", value_parser = ["prefill", "decode"])]
+    phases: Vec<String>,
+    /// Tokens generated per sequence in the decode phase (the first comes from the prefill).
+    #[arg(long, default_value_t = 16)]
+    gen: usize,
+    /// Decode schedules: in-flight, gpipe.
+    #[arg(long, value_delimiter = ',', default_value = "in-flight", value_parser = ["in-flight", "gpipe"])]
+    schedules: Vec<String>,
+    /// Timed repetitions (best kept, after a warm-up).
+    #[arg(long, default_value_t = 3)]
     reps: usize,
-) -> Result<()> {
+}
+
+fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
     use wgpar::comm::CommConfig;
     use wgpar::device::{open_devices, DeviceSelection, GpuOptions};
-    use wgpar::parallel::{Engine, Partition, PipelineEngine};
-    let config = model.config()?;
+    use wgpar::parallel::{Engine, Partition, PipelineEngine, PipelineStats, Schedule};
+    let config = args.model.config()?;
+    if args.stages.is_empty() || args.stages.contains(&0) {
+        return Err(WgparError::Config("--stages must be positive".into()));
+    }
+    if args.prompt_len == 0 || args.per_microbatch == 0 || args.batch == Some(0) {
+        return Err(WgparError::Config(
+            "--prompt-len, --per-microbatch and --batch must be positive".into(),
+        ));
+    }
+    let decode = args.phases.iter().any(|p| p == "decode");
+    if decode && args.gen < 2 {
+        return Err(WgparError::Config(
+            "--gen must be at least 2 to measure decode".into(),
+        ));
+    }
+    if args.prompt_len + args.gen > config.max_seq {
+        return Err(WgparError::Config(format!(
+            "--prompt-len {} + --gen {} exceed max_seq {} of model '{}'",
+            args.prompt_len, args.gen, config.max_seq, config.name
+        )));
+    }
+    let schedules: Vec<Schedule> = args
+        .schedules
+        .iter()
+        .filter_map(|s| Schedule::parse(s))
+        .collect();
+    let counts = args
+        .stages
+        .iter()
+        .map(|&p| {
+            args.micro_batches
+                .iter()
+                .map(|t| micro_batch_count(t, p))
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()?;
     let adapters = Adapters::discover()?;
-    let max = stages.iter().copied().max().unwrap_or(1);
+    let max = args.stages.iter().copied().max().unwrap_or(1);
     let gpus = open_devices(
         &adapters,
         &DeviceSelection::Virtual {
@@ -93,31 +180,64 @@ fn bench_pipeline(
         },
         &GpuOptions::default(),
     )?;
-    let dtype = model.dtype(&gpus)?;
-    let weights = model.weights(&config)?;
+    let dtype = args.model.dtype(&gpus)?;
+    let weights = args.model.weights(&config)?;
     println!(
-        "# model {} ({} layers), prompt {prompt_len}, {per_microbatch} sequence(s) per micro-batch, {} ({} {})",
+        "# model {} ({} layers), prompt {}, {}, gen {}, {} ({} {})",
         config.name,
         config.layers,
+        args.prompt_len,
+        match args.batch {
+            Some(b) => format!("batch {b}"),
+            None => format!("{} sequence(s) per micro-batch", args.per_microbatch),
+        },
+        args.gen,
         gpus[0].describe(),
         gpus[0].info().driver,
         gpus[0].info().driver_info
     );
     println!(
-        "{:>3} {:>4} {:>10} {:>12} {:>12} {:>9} {:>9} {:>11} {:>12}",
+        "{:<8} {:<9} {:>3} {:>4} {:>5} {:>8} {:>10} {:>11} {:>8} {:>8} {:>8} {:>18}",
+        "phase",
+        "schedule",
         "p",
         "m",
+        "batch",
         "tokens",
         "tokens/s",
         "ideal tok/s",
         "of ideal",
         "bubble",
-        "(p-1)/(m+p-1)",
-        "hand-off/mb"
+        "theory",
+        "hand-off/pass"
     );
-    for &p in stages {
-        for text in micro_batches {
-            let m = micro_batch_count(text, p)?;
+    let row = |phase: &str, schedule: &str, p: usize, batch: usize, s: &PipelineStats| {
+        let (handoff_s, handoff_b) = s.handoff_per_microbatch();
+        println!(
+            "{:<8} {:<9} {:>3} {:>4} {:>5} {:>8} {:>10.1} {:>11.1} {:>7.0}% {:>7.1}% {:>7.1}% {:>7.2} ms {:>6} B",
+            phase,
+            schedule,
+            p,
+            s.microbatches,
+            batch,
+            s.tokens,
+            s.tokens_per_s(),
+            s.ideal_tokens_per_s(),
+            s.tokens_per_s() / s.ideal_tokens_per_s() * 100.0,
+            s.measured_bubble * 100.0,
+            s.theoretical_bubble * 100.0,
+            handoff_s * 1e3,
+            handoff_b
+        );
+    };
+    let best = |runs: Vec<PipelineStats>| {
+        runs.into_iter()
+            .min_by(|a, b| a.makespan_s.total_cmp(&b.makespan_s))
+            .ok_or_else(|| WgparError::Internal("the pipeline reported no run".into()))
+    };
+    for (&p, ms) in args.stages.iter().zip(&counts) {
+        for &m in ms {
+            let batch = args.batch.unwrap_or(m * args.per_microbatch);
             let mut pp = PipelineEngine::new(
                 &gpus[..p],
                 &weights,
@@ -126,70 +246,120 @@ fn bench_pipeline(
                 m,
                 CommConfig::default(),
             )?;
-            let prompts: Vec<Vec<u32>> = (0..m * per_microbatch)
+            let prompts: Vec<Vec<u32>> = (0..batch)
                 .map(|b| {
-                    (0..prompt_len)
+                    (0..args.prompt_len)
                         .map(|i| ((b * 7919 + i * 131) % config.vocab) as u32)
                         .collect()
                 })
                 .collect();
-            pp.prefill(&prompts)?;
-            let mut best: Option<wgpar::parallel::PipelineStats> = None;
-            for _ in 0..reps.max(1) {
-                pp.prefill(&prompts)?;
-                let s = pp
-                    .last_run()
-                    .cloned()
-                    .ok_or_else(|| WgparError::Internal("the pipeline reported no run".into()))?;
-                if best.as_ref().is_none_or(|b| s.makespan_s < b.makespan_s) {
-                    best = Some(s);
+            // Warm-up: pipelines compiled, buffers allocated for every shape.
+            let first = pp.prefill(&prompts)?;
+            pp.decode_greedy(&first.argmax(), 1, false)?;
+            if args.phases.iter().any(|p| p == "prefill") {
+                let mut runs = Vec::new();
+                for _ in 0..args.reps.max(1) {
+                    pp.prefill(&prompts)?;
+                    runs.extend(pp.last_run().cloned());
+                }
+                row("prefill", "gpipe", p, batch, &best(runs)?);
+            }
+            if decode {
+                for &schedule in &schedules {
+                    pp.set_schedule(schedule);
+                    let mut runs = Vec::new();
+                    for _ in 0..args.reps.max(1) {
+                        let first = pp.prefill(&prompts)?;
+                        match schedule {
+                            Schedule::InFlight => {
+                                pp.decode_greedy(&first.argmax(), args.gen - 1, false)?;
+                                runs.extend(pp.last_run().cloned());
+                            }
+                            // A GPipe decode is one pipeline run per token: sum them.
+                            Schedule::GPipe => {
+                                let wall = std::time::Instant::now();
+                                let mut next = first.argmax();
+                                let mut total: Option<PipelineStats> = None;
+                                for _ in 1..args.gen {
+                                    next = pp.decode(&next)?.argmax();
+                                    let s = pp.last_run().cloned().unwrap_or_default();
+                                    total = Some(match total {
+                                        None => s,
+                                        Some(t) => gpipe_sum(t, &s),
+                                    });
+                                }
+                                // The driver's sampling between steps counts, as it
+                                // does in flight.
+                                if let Some(t) = total.as_mut() {
+                                    let busy: f64 = t.stages.iter().map(|s| s.busy_s).sum();
+                                    t.makespan_s = wall.elapsed().as_secs_f64();
+                                    t.measured_bubble = 1.0 - busy / (p as f64 * t.makespan_s);
+                                }
+                                runs.extend(total);
+                            }
+                        }
+                    }
+                    row("decode", schedule.label(), p, batch, &best(runs)?);
                 }
             }
-            let s =
-                best.ok_or_else(|| WgparError::Internal("the pipeline reported no run".into()))?;
-            let (handoff_s, handoff_b) = s.handoff_per_microbatch();
-            println!(
-                "{:>3} {:>4} {:>10} {:>12.1} {:>12.1} {:>8.0}% {:>8.1}% {:>13.1}% {:>7.2} ms {} B",
-                p,
-                m,
-                s.tokens,
-                s.tokens_per_s(),
-                s.ideal_tokens_per_s(),
-                s.tokens_per_s() / s.ideal_tokens_per_s() * 100.0,
-                s.measured_bubble * 100.0,
-                s.theoretical_bubble * 100.0,
-                handoff_s * 1e3,
-                handoff_b
-            );
             drop(pp);
         }
     }
     Ok(())
 }
 
+/// Two GPipe steps run back to back, as one run: times, tokens and passes add up.
+fn gpipe_sum(
+    mut a: wgpar::parallel::PipelineStats,
+    b: &wgpar::parallel::PipelineStats,
+) -> wgpar::parallel::PipelineStats {
+    let busy =
+        |s: &wgpar::parallel::PipelineStats| -> f64 { s.stages.iter().map(|st| st.busy_s).sum() };
+    let p = a.stages.len().max(1) as f64;
+    let total_busy = busy(&a) + busy(b);
+    // Bubbles weighted by each step's device-time.
+    a.theoretical_bubble = (a.theoretical_bubble * a.makespan_s
+        + b.theoretical_bubble * b.makespan_s)
+        / (a.makespan_s + b.makespan_s);
+    a.makespan_s += b.makespan_s;
+    a.ideal_makespan_s += b.ideal_makespan_s;
+    a.tokens += b.tokens;
+    a.passes += b.passes;
+    for (x, y) in a.stages.iter_mut().zip(&b.stages) {
+        x.busy_s += y.busy_s;
+        x.upload_s += y.upload_s;
+        x.download_s += y.download_s;
+        x.collective_s += y.collective_s;
+        x.occupied_s += y.occupied_s;
+        x.bytes_in += y.bytes_in;
+        x.bytes_out += y.bytes_out;
+        x.collective_bytes += y.collective_bytes;
+        x.transfers += y.transfers;
+        x.collectives += y.collectives;
+        x.microbatches += y.microbatches;
+    }
+    a.measured_bubble = 1.0 - total_busy / (p * a.makespan_s);
+    a
+}
+
 /// Runs a benchmark command.
 pub fn run(cmd: &BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Pipeline {
-            model,
-            stages,
-            micro_batches,
-            prompt_len,
-            per_microbatch,
-            reps,
-        } => bench_pipeline(
-            model,
-            stages,
-            micro_batches,
-            *prompt_len,
-            *per_microbatch,
-            *reps,
-        ),
+        BenchCommand::Pipeline(args) => bench_pipeline(args),
         BenchCommand::Projection(args) => super::bench_projection::run(args),
         BenchCommand::Decode(args) => super::bench_decode::run(args),
         BenchCommand::Kernels {
             devices,
             sizes,
+            shapes,
+            dtypes,
+            kernels,
+            naive,
+            attention_prefill,
+            no_others,
+            no_save,
+            peak_gflops,
+            peak_gbps,
             iters,
             warmup,
             json,
@@ -197,43 +367,54 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
             if *iters == 0 {
                 return Err(WgparError::Config("--iters must be at least 1".into()));
             }
-            let adapters = Adapters::discover()?;
-            let gpus = devices.open(&adapters)?;
+            let shapes = shapes
+                .iter()
+                .map(|s| parse_shape(s))
+                .collect::<Result<Vec<_>>>()?;
+            let sizes = sizes
+                .iter()
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| match s.trim().parse::<usize>() {
+                    Ok(n) if n > 0 => Ok(n),
+                    _ => Err(WgparError::Config(format!(
+                        "--sizes {s}: expected a size of at least 1"
+                    ))),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            for d in dtypes {
+                if d != "f32" && d != "f16" {
+                    return Err(WgparError::Config(format!(
+                        "--dtypes {d}: expected f32 or f16"
+                    )));
+                }
+            }
+            for p in [peak_gflops, peak_gbps].into_iter().flatten() {
+                if !(p.is_finite() && *p > 0.0) {
+                    return Err(WgparError::Config(format!("peak {p}: must be positive")));
+                }
+            }
+            let only = wgpar::kernels::tune::parse_forced("--kernels", &kernels.join(","))?;
             let opts = KernelBenchOptions {
-                sizes: sizes.clone(),
+                sizes,
+                shapes,
                 iters: *iters,
                 warmup: *warmup,
+                f32: dtypes.iter().any(|d| d == "f32"),
+                f16: dtypes.iter().any(|d| d == "f16"),
+                naive: *naive,
+                only,
+                others: !no_others,
+                attention_prefill: attention_prefill.clone(),
+                save: !no_save,
                 ..Default::default()
             };
+            let adapters = Adapters::discover()?;
+            let gpus = devices.open(&adapters)?;
             let mut all = Vec::new();
             for gpu in &gpus {
                 let rows = bench_kernels(gpu, &opts)?;
                 if !json {
-                    println!(
-                        "# {} driver: {} {}",
-                        gpu.describe(),
-                        gpu.info().driver,
-                        gpu.info().driver_info
-                    );
-                    println!(
-                        "{:<18} {:<22} {:<5} {:>10} {:>9} {:>8} {:>8}",
-                        "kernel", "shape", "dtype", "median ms", "GFLOP/s", "GB/s", "x naive"
-                    );
-                    let opt = |v: Option<f64>, p: usize| {
-                        v.map_or("-".to_string(), |v| format!("{v:.p$}"))
-                    };
-                    for r in &rows {
-                        println!(
-                            "{:<18} {:<22} {:<5} {:>10.3} {:>9} {:>8} {:>8}",
-                            r.kernel,
-                            r.shape,
-                            r.dtype,
-                            r.median_ms,
-                            opt(r.gflops, 1),
-                            opt(r.gbps, 2),
-                            opt(r.speedup_vs_naive, 2)
-                        );
-                    }
+                    print_kernel_rows(gpu, &rows, *peak_gflops, *peak_gbps);
                 }
                 all.push(serde_json::json!({ "device": gpu.describe(), "adapter": gpu.info(), "rows": rows }));
             }
@@ -247,5 +428,58 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+fn print_kernel_rows(
+    gpu: &wgpar::device::Gpu,
+    rows: &[wgpar::kernels::bench::KernelBenchRow],
+    peak_gflops: Option<f64>,
+    peak_gbps: Option<f64>,
+) {
+    println!(
+        "# {} driver: {} {}",
+        gpu.describe(),
+        gpu.info().driver,
+        gpu.info().driver_info
+    );
+    println!(
+        "{:<18} {:<20} {:<5} {:>11} {:>9} {:>7} {:>8} {:>7} {:>8} {:>8}  note",
+        "kernel",
+        "shape",
+        "dtype",
+        "median ms",
+        "GFLOP/s",
+        "peak",
+        "GB/s",
+        "peak",
+        "x naive",
+        "x today"
+    );
+    let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
+    let frac = |v: Option<f64>, peak: Option<f64>| match (v, peak) {
+        (Some(v), Some(p)) => format!("{:.1}%", v / p * 100.0),
+        _ => "-".to_string(),
+    };
+    for r in rows {
+        let note = match (r.winner, r.legacy) {
+            (true, true) => "winner, today's",
+            (true, false) => "winner",
+            (false, true) => "today's",
+            _ => "",
+        };
+        println!(
+            "{:<18} {:<20} {:<5} {:>11.3} {:>9} {:>7} {:>8} {:>7} {:>8} {:>8}  {note}",
+            r.kernel,
+            r.shape,
+            r.dtype,
+            r.median_ms,
+            opt(r.gflops, 1),
+            frac(r.gflops, peak_gflops),
+            opt(r.gbps, 2),
+            frac(r.gbps, peak_gbps),
+            opt(r.speedup_vs_naive, 2),
+            opt(r.speedup_vs_legacy, 2)
+        );
     }
 }

@@ -1,8 +1,11 @@
 //! `wgpar bench projection`: how well does a projection onto this machine's calibrated
 //! profile predict what the machine measures?
 //!
-//! Each round calibrates the machine, then records one traced run per configuration; every run
-//! is then projected onto every round's profile. Runs and calibrations are separate processes
+//! Each round calibrates the machine once, at one shape (`--model`, `--batch`, `--prompt-len`),
+//! then records one traced run per workload and configuration; every run is then projected onto
+//! every round's profile. Workloads (`--runs`) default to the calibration shape (in sample);
+//! other batch sizes, prompt lengths and models test the projection out of sample: the profile
+//! has never seen them. Runs and calibrations are separate processes
 //! of this executable (`wgpar calibrate`, `wgpar run --trace`), exactly the commands a user
 //! would type, so nothing of one run (threads, caches, devices) carries into the next. On a
 //! noisy machine single pairs scatter by tens of percent; the medians over all pairs are the
@@ -31,13 +34,18 @@ pub struct ProjectionBenchArgs {
         default_value = "single,tp2,tp4,pp2-m1,pp2-m8,pp4-m1,pp4-m8"
     )]
     configs: Vec<String>,
+    /// Workloads to record and project, `MODEL:BATCHxPROMPT` each (e.g. `tiny-gpt2:4x32`);
+    /// default: the calibration shape only. Configurations a model cannot run (a TP degree its
+    /// heads do not divide, more stages than layers) are skipped and listed.
+    #[arg(long, value_delimiter = ',', value_name = "MODEL:BxP")]
+    runs: Vec<String>,
     /// Rounds: each calibrates, then records every configuration once.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
-    /// Sequences per batch.
+    /// Sequences per batch of the calibration (and of the default workload).
     #[arg(long, default_value_t = 8)]
     batch: usize,
-    /// Prompt length.
+    /// Prompt length of the calibration (and of the default workload).
     #[arg(long, default_value_t = 32)]
     prompt_len: usize,
     /// Tokens generated per sequence.
@@ -115,6 +123,82 @@ fn parse_config(text: &str) -> Result<Config> {
     Err(bad())
 }
 
+/// A model and shape to record and project.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+struct Workload {
+    model: String,
+    batch: usize,
+    prompt_len: usize,
+}
+
+impl Workload {
+    fn name(&self) -> String {
+        format!("{}:{}x{}", self.model, self.batch, self.prompt_len)
+    }
+
+    /// A name safe in file names.
+    fn file_stem(&self) -> String {
+        self.name()
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect()
+    }
+}
+
+fn parse_workload(text: &str) -> Result<Workload> {
+    let bad = |why: &str| {
+        WgparError::Config(format!(
+            "--runs '{text}': {why}; expected MODEL:BATCHxPROMPT, e.g. tiny-gpt2:4x32"
+        ))
+    };
+    let (model, shape) = text.rsplit_once(':').ok_or_else(|| bad("no ':'"))?;
+    let (b, p) = shape
+        .split_once('x')
+        .ok_or_else(|| bad("no 'x' in the shape"))?;
+    let positive = |s: &str, what: &str| {
+        s.trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| bad(&format!("{what} '{s}' is not a positive whole number")))
+    };
+    if model.trim().is_empty() {
+        return Err(bad("no model"));
+    }
+    Ok(Workload {
+        model: model.trim().to_owned(),
+        batch: positive(b, "batch")?,
+        prompt_len: positive(p, "prompt length")?,
+    })
+}
+
+/// Why `config` cannot run `model` (a TP degree its heads do not divide, more pipeline stages
+/// than layers), or `None`. Unknown names pass: `wgpar run` reports them.
+fn unrunnable(config: &Config, model: &str) -> Option<String> {
+    let m = wgpar::model::ModelConfig::preset(model).ok()?;
+    if config.name.starts_with("tp")
+        && !wgpar::model::valid_tp_degrees(&m).contains(&config.devices)
+    {
+        return Some(format!(
+            "{}: {} heads / {} KV heads do not split over {}",
+            config.name, m.heads, m.kv_heads, config.devices
+        ));
+    }
+    if config.name.starts_with("pp") && config.devices > m.layers {
+        return Some(format!(
+            "{}: {} stages for {} layers",
+            config.name, config.devices, m.layers
+        ));
+    }
+    None
+}
+
 /// Runs this executable with `args`; its output goes to `log`.
 fn wgpar(args: &[String], log: &Path) -> Result<()> {
     let exe = std::env::current_exe().map_err(|e| WgparError::Subprocess {
@@ -162,9 +246,11 @@ struct Pair {
     error_pct: f64,
 }
 
-/// The figures of one configuration.
+/// The figures of one configuration on one workload.
 #[derive(Debug, Clone, Serialize)]
 struct Row {
+    workload: Workload,
+    in_sample: bool,
     config: Config,
     measured_ms_median: f64,
     measured_ms_range: [f64; 2],
@@ -177,9 +263,10 @@ struct Row {
 
 #[derive(Serialize)]
 struct Report<'a> {
-    model: &'a str,
-    batch: usize,
-    prompt_len: usize,
+    calibration_model: &'a str,
+    calibration_batch: usize,
+    calibration_prompt_len: usize,
+    skipped: Vec<String>,
     gen: usize,
     rounds: usize,
     host_gaps_kept: bool,
@@ -230,6 +317,36 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
     if configs.is_empty() {
         return Err(WgparError::Config("--configs is empty".into()));
     }
+    let calibration = Workload {
+        model: args.model.clone(),
+        batch: args.batch,
+        prompt_len: args.prompt_len,
+    };
+    let workloads = if args.runs.is_empty() {
+        vec![calibration.clone()]
+    } else {
+        args.runs
+            .iter()
+            .map(|r| parse_workload(r))
+            .collect::<Result<Vec<_>>>()?
+    };
+    // Every (workload, configuration) the models can run; the others are listed.
+    let mut cases: Vec<(Workload, Config)> = Vec::new();
+    let mut skipped = Vec::new();
+    for w in &workloads {
+        for c in &configs {
+            match unrunnable(c, &w.model) {
+                Some(why) => skipped.push(format!("{}: {why}", w.name())),
+                None => cases.push((w.clone(), c.clone())),
+            }
+        }
+    }
+    if cases.is_empty() {
+        return Err(WgparError::Config(format!(
+            "no configuration can run any workload: {}",
+            skipped.join("; ")
+        )));
+    }
     let devices = configs.iter().map(|c| c.devices).max().unwrap_or(1).max(2);
     let dir = &args.out_dir;
     std::fs::create_dir_all(dir).map_err(|source| WgparError::Io {
@@ -237,12 +354,9 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         source,
     })?;
     let path = |name: String| dir.join(name);
-    let shape = [
-        "--batch".to_string(),
-        args.batch.to_string(),
-        "--prompt-len".into(),
-        args.prompt_len.to_string(),
-    ];
+    let trace_of = |w: &Workload, c: &Config, round: usize| {
+        path(format!("{}.{}.r{round}.json", w.file_stem(), c.name))
+    };
 
     for round in 0..args.rounds {
         let mut cal: Vec<String> = vec![
@@ -255,27 +369,38 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
             args.max_bytes.clone(),
             "--out".into(),
             path(format!("cal{round}.toml")).display().to_string(),
+            "--batch".into(),
+            args.batch.to_string(),
+            "--prompt-len".into(),
+            args.prompt_len.to_string(),
         ];
-        cal.extend(shape.iter().cloned());
         if args.quick {
             cal.push("--quick".into());
         }
         eprintln!("round {}/{}: calibrating", round + 1, args.rounds);
         wgpar(&cal, &path(format!("cal{round}.log")))?;
-        for c in &configs {
-            eprintln!("round {}/{}: {}", round + 1, args.rounds, c.name);
-            let mut run: Vec<String> = vec!["run".into(), "--model".into(), args.model.clone()];
+        for (w, c) in &cases {
+            eprintln!(
+                "round {}/{}: {} {}",
+                round + 1,
+                args.rounds,
+                w.name(),
+                c.name
+            );
+            let mut run: Vec<String> = vec!["run".into(), "--model".into(), w.model.clone()];
             run.extend(c.args.iter().cloned());
-            run.extend(shape.iter().cloned());
             run.extend([
+                "--batch".into(),
+                w.batch.to_string(),
+                "--prompt-len".into(),
+                w.prompt_len.to_string(),
                 "--gen".into(),
                 args.gen.to_string(),
                 "--trace".into(),
-                path(format!("{}.r{round}.json", c.name))
-                    .display()
-                    .to_string(),
+                trace_of(w, c, round).display().to_string(),
             ]);
-            wgpar(&run, &path(format!("{}.r{round}.log", c.name)))?;
+            let log = path(format!("{}.{}.r{round}.log", w.file_stem(), c.name));
+            wgpar(&run, &log)?;
         }
     }
 
@@ -294,10 +419,10 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         ..Default::default()
     };
     let mut rows = Vec::new();
-    for c in configs {
+    for (w, c) in cases {
         let mut pairs = Vec::new();
         for run_round in 0..args.rounds {
-            let trace = path(format!("{}.r{run_round}.json", c.name));
+            let trace = trace_of(&w, &c, run_round);
             let timeline = Timeline::read_chrome_trace(&trace)?;
             for (calibration_round, profile) in profiles.iter().enumerate() {
                 let p = project(&timeline, profile, &options).map_err(|source| {
@@ -327,6 +452,8 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         let errors: Vec<f64> = pairs.iter().map(|p| p.error_pct).collect();
         let error = median(&errors);
         rows.push(Row {
+            in_sample: w == calibration,
+            workload: w,
             config: c,
             measured_ms_median: median(&measured),
             measured_ms_range: range(&measured),
@@ -339,9 +466,10 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
     }
     let within = rows.iter().filter(|r| r.within_tolerance).count();
     let report = Report {
-        model: &args.model,
-        batch: args.batch,
-        prompt_len: args.prompt_len,
+        calibration_model: &args.model,
+        calibration_batch: args.batch,
+        calibration_prompt_len: args.prompt_len,
+        skipped,
         gen: args.gen,
         rounds: args.rounds,
         host_gaps_kept: args.keep_host_gaps,
@@ -359,7 +487,7 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
     }
     let n = args.rounds;
     println!(
-        "projection onto this machine's calibrated profile: model {}, batch {}, prompt {}, {} generated; {n} rounds, every run onto every calibration ({} pairs per configuration)",
+        "projection onto this machine's calibrated profile (calibrated on {}, batch {}, prompt {}); {} generated per run; {n} rounds, every run onto every calibration ({} pairs per row)",
         args.model,
         args.batch,
         args.prompt_len,
@@ -368,14 +496,16 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
     );
     println!();
     println!(
-        "| config | measured ms, median of {n} (range) | projected ms, median of {} | error, median [range] |",
+        "| workload | config | sample | measured ms, median of {n} (range) | projected ms, median of {} | error, median [range] |",
         n * n
     );
-    println!("|---|---:|---:|---:|");
+    println!("|---|---|---|---:|---:|---:|");
     for r in &report.rows {
         println!(
-            "| {} | {:.0} ({:.0}-{:.0}) | {:.0} | {:+.1} % [{:+.0}, {:+.0}] |",
+            "| {} | {} | {} | {:.0} ({:.0}-{:.0}) | {:.0} | {:+.1} % [{:+.0}, {:+.0}] |",
+            r.workload.name(),
             r.config.name,
+            if r.in_sample { "in" } else { "out" },
             r.measured_ms_median,
             r.measured_ms_range[0],
             r.measured_ms_range[1],
@@ -386,8 +516,11 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         );
     }
     println!();
+    for s in &report.skipped {
+        println!("skipped {s}");
+    }
     println!(
-        "{within} of {} configurations within {} % (median error); profiles and traces in {}",
+        "{within} of {} rows within {} % (median error); profiles and traces in {}",
         report.rows.len(),
         args.tolerance,
         dir.display()
@@ -413,6 +546,27 @@ mod tests {
             let e = parse_config(bad).unwrap_err().to_string();
             assert!(e.contains(bad) && e.contains("ppN-mM"), "{e}");
         }
+    }
+
+    #[test]
+    fn workloads_parse_and_unrunnable_configurations_are_named() {
+        let w = parse_workload("tiny-gpt2:4x32").unwrap();
+        assert_eq!(
+            (w.model.as_str(), w.batch, w.prompt_len),
+            ("tiny-gpt2", 4, 32)
+        );
+        assert_eq!(w.file_stem(), "tiny-gpt2_4x32");
+        for bad in ["tiny-gpt2", "m:4", "m:0x3", "m:4xq", ":4x4"] {
+            let e = parse_workload(bad).unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains("MODEL:BATCHxPROMPT"), "{e}");
+        }
+        // tiny-gpt2 has 6 heads and 2 layers: no TP over 4, no 4-stage pipeline.
+        let tp4 = parse_config("tp4").unwrap();
+        let pp4 = parse_config("pp4-m1").unwrap();
+        assert!(unrunnable(&tp4, "tiny-gpt2").is_some());
+        assert!(unrunnable(&pp4, "tiny-gpt2").is_some());
+        assert!(unrunnable(&parse_config("tp2").unwrap(), "tiny-gpt2").is_none());
+        assert!(unrunnable(&tp4, "default").is_none());
     }
 
     #[test]

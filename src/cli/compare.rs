@@ -5,9 +5,13 @@ use std::path::PathBuf;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use wgpar::compare::{breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions};
+use wgpar::compare::{
+    breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions, ServingOptions,
+};
 use wgpar::device::{open_devices, Adapters, DeviceSelection, GpuOptions};
-use wgpar::sim::HostProfile;
+use wgpar::parallel::Schedule;
+use wgpar::serve::{Length, Rate};
+use wgpar::sim::{Engine, HostProfile};
 use wgpar::{Result, WgparError};
 
 use super::ModelArgs;
@@ -29,6 +33,9 @@ pub struct CompareArgs {
     /// Pipeline micro-batch counts to sweep.
     #[arg(long, value_delimiter = ',', default_value = "1,4")]
     micro_batches: Vec<usize>,
+    /// Pipeline decode: in-flight, or gpipe (a fill-drain of all micro-batches per token).
+    #[arg(long, default_value = "in-flight", value_parser = ["in-flight", "gpipe"])]
+    schedule: String,
     /// Prompt length.
     #[arg(long, default_value_t = 32)]
     prompt_len: usize,
@@ -38,9 +45,28 @@ pub struct CompareArgs {
     /// Timed repetitions per configuration.
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// Serving section: requests every strategy serves with continuous batching (0: skip it).
+    #[arg(long, default_value_t = 16)]
+    serve_requests: usize,
+    /// Serving section: arrival rate in requests/s, or inf (all at once: the heaviest load).
+    #[arg(long, default_value = "inf")]
+    serve_rate: Rate,
+    /// Serving section: prompt tokens per request, N or MIN:MAX (default: --prompt-len).
+    #[arg(long)]
+    serve_prompt_len: Option<Length>,
+    /// Serving section: tokens generated per request, N or MIN:MAX (default: --gen).
+    #[arg(long)]
+    serve_output_len: Option<Length>,
+    /// Serving section: KV slots (sequences in the running batches at once).
+    #[arg(long, default_value_t = 8)]
+    serve_max_batch: usize,
     /// Host profiles to project onto (shipped names or TOML paths).
     #[arg(long, value_delimiter = ',', default_value = "pcie4-4gpu,dgx-h100")]
     profiles: Vec<String>,
+    /// Engines each run is projected with on every profile: wgpar as it runs here, and others
+    /// modeled on the same work (shipped names or TOML paths).
+    #[arg(long, value_delimiter = ',', default_value = "wgpar,cuda-nccl")]
+    engines: Vec<String>,
     /// Folder for the report and charts.
     #[arg(long, default_value = "wgpar-report")]
     out: PathBuf,
@@ -63,10 +89,17 @@ impl CompareArgs {
             virtual_count: None,
             batches: vec![1, 4],
             micro_batches: vec![1, 4],
+            schedule: "in-flight".into(),
             prompt_len: 32,
             gen: 8,
             reps: 3,
+            serve_requests: 16,
+            serve_rate: Rate::Burst,
+            serve_prompt_len: None,
+            serve_output_len: None,
+            serve_max_batch: 8,
             profiles: vec!["pcie4-4gpu".into(), "dgx-h100".into()],
+            engines: vec!["wgpar".into(), "cuda-nccl".into()],
             out: PathBuf::from("wgpar-report"),
             json: false,
         }
@@ -136,6 +169,11 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         .iter()
         .map(|p| HostProfile::resolve(p).map_err(WgparError::from))
         .collect::<Result<Vec<_>>>()?;
+    let engines = args
+        .engines
+        .iter()
+        .map(|e| Engine::resolve(e).map_err(|e| WgparError::Config(format!("--engines: {e}"))))
+        .collect::<Result<Vec<_>>>()?;
     let adapters = Adapters::discover()?;
     let gpus = open_devices(
         &adapters,
@@ -148,11 +186,25 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         dtype,
         batches: args.batches.clone(),
         micro_batches: args.micro_batches.clone(),
+        schedule: Schedule::parse(&args.schedule).unwrap_or_default(),
         prompt_len: args.prompt_len,
         gen: args.gen,
         reps: args.reps,
         profiles,
+        engines,
         seed: args.model.seed,
+        serving: (args.serve_requests > 0).then(|| ServingOptions {
+            requests: args.serve_requests,
+            rate: args.serve_rate,
+            prompt_len: args
+                .serve_prompt_len
+                .unwrap_or(Length::Fixed(args.prompt_len.max(1))),
+            output_len: args
+                .serve_output_len
+                .unwrap_or(Length::Fixed(args.gen.max(1))),
+            max_batch: args.serve_max_batch,
+            seed: args.model.seed,
+        }),
     };
     if !args.json {
         println!(

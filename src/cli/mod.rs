@@ -9,9 +9,11 @@ mod calibrate;
 mod compare;
 mod devices;
 mod embed;
+mod mpi;
 mod plan;
 mod project;
 mod run;
+mod serve;
 mod text;
 
 use clap::{Args, Parser, Subcommand};
@@ -30,6 +32,8 @@ use std::sync::Arc;
 pub struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    #[command(flatten)]
+    mpi: mpi::MpiArgs,
 }
 
 #[derive(Subcommand)]
@@ -43,6 +47,9 @@ enum Command {
     /// Prefill a batch of prompts and greedily decode, reporting tokens/s; with --prompt and a
     /// model folder, generate text.
     Run(run::RunArgs),
+    /// Serving benchmark (vLLM benchmark_serving style): seeded Poisson arrivals, continuous
+    /// batching on any strategy; throughput, TTFT, TPOT and latency percentiles.
+    Serve(serve::ServeArgs),
     /// Single vs tensor vs pipeline vs hybrid parallelism: measured here, projected onto host
     /// profiles, with verdicts, a Markdown report and SVG charts.
     Compare(compare::CompareArgs),
@@ -288,9 +295,15 @@ fn forget_unreachable_wayland_display() {
 pub fn main() -> Result<()> {
     forget_unreachable_wayland_display();
     let cli = Cli::parse();
+    // Under mpirun (or --mpi) every rank runs its part of the job; a build without the `mpi`
+    // feature refuses a parallel launch here.
+    if cli.mpi.active()? {
+        return mpi::main(cli);
+    }
     match cli.command {
         Some(Command::Devices { json }) => devices::print(&Adapters::discover()?, json),
         Some(Command::Run(args)) => run::run(&args),
+        Some(Command::Serve(args)) => serve::run(&args),
         Some(Command::Embed(args)) => embed::run(&args),
         Some(Command::Bench { what }) => bench::run(&what),
         Some(Command::Compare(args)) => compare::run(&args),

@@ -1,30 +1,44 @@
-//! `wgpar plan`: modeled projections of a model on host profiles (no GPU needed).
+//! `wgpar plan`: modeled projections of a model on host profiles, per engine (no GPU and no
+//! weights needed).
 
 use clap::Args;
-use wgpar::compare::{plan, plan_markdown, PlanOptions};
-use wgpar::device::DType;
-use wgpar::model::ModelConfig;
-use wgpar::sim::HostProfile;
+use wgpar::compare::{
+    default_strategies, plan, plan_markdown, plan_model, PlanOptions, PlanStrategy,
+};
+use wgpar::sim::{Engine, HostProfile, NumFormat};
 use wgpar::{Result, WgparError};
 
 /// Options of `wgpar plan`.
 #[derive(Args, Clone, Debug)]
 pub struct PlanArgs {
-    /// Model preset.
-    #[arg(long, default_value = "llama-8b")]
+    /// Model: a preset (llama-8b, llama2-70b, qwen2-72b, ...), a Hugging Face model folder or
+    /// its config.json (GPT-2, Llama, Mistral, Qwen2 families; no weights needed).
+    #[arg(
+        long,
+        default_value = "llama-8b",
+        value_name = "PRESET|DIR|config.json"
+    )]
     model: String,
-    /// Weight storage of the modeled run.
-    #[arg(long, default_value = "f16", value_parser = ["f32", "f16"])]
-    dtype: String,
-    /// Devices per configuration.
+    /// How the weights are stored: f32, f16, bf16, fp8, int8, int4, q8_0, q4_0, q4_k, or bytes
+    /// per parameter (e.g. 0.6).
+    #[arg(long, default_value = "f16", value_name = "FORMAT", alias = "dtype")]
+    weights: String,
+    /// Devices per configuration (used when --strategies is not given).
     #[arg(long, default_value_t = 4)]
     devices: usize,
+    /// Strategies to model: single, tpN, ppN, ppN-mM, tpNxppP, tpNxppP-mM (M micro-batches).
+    /// Default: single, tpN, ppN with 1 and 4N micro-batches for N = --devices.
+    #[arg(long, value_delimiter = ',')]
+    strategies: Vec<String>,
     /// Batch sizes.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     batches: Vec<usize>,
     /// Prompt lengths.
     #[arg(long, value_delimiter = ',', default_value = "128,512,1536")]
     seqs: Vec<usize>,
+    /// Model a longer context than the model's own (`max_seq`), e.g. for a long prompt.
+    #[arg(long, value_name = "TOKENS")]
+    max_seq: Option<usize>,
     /// Host profiles (shipped names or TOML paths).
     #[arg(
         long = "host",
@@ -32,7 +46,10 @@ pub struct PlanArgs {
         default_value = "pcie4-4gpu,dgx-h100"
     )]
     hosts: Vec<String>,
-    /// Decode steps modeled.
+    /// Engines (shipped names or TOML paths), each projected onto every profile.
+    #[arg(long, value_delimiter = ',', default_value = "wgpar,cuda-nccl")]
+    engines: Vec<String>,
+    /// Decode steps modeled (the request latency is prefill plus these steps).
     #[arg(long, default_value_t = 8)]
     decode_steps: usize,
     /// Print JSON rows instead of Markdown.
@@ -40,25 +57,59 @@ pub struct PlanArgs {
     json: bool,
 }
 
-/// Models and prints.
-pub fn run(args: &PlanArgs) -> Result<()> {
-    let opts = PlanOptions {
-        config: ModelConfig::preset(&args.model)?,
-        dtype: if args.dtype == "f16" {
-            DType::F16
-        } else {
-            DType::F32
-        },
-        devices: args.devices,
+/// Everything `plan` needs, checked before anything is modeled.
+fn options(args: &PlanArgs) -> Result<PlanOptions> {
+    let mut config = plan_model(&args.model)?;
+    if let Some(m) = args.max_seq {
+        if m == 0 {
+            return Err(WgparError::Config(
+                "--max-seq 0: the context needs tokens".into(),
+            ));
+        }
+        config.max_seq = m;
+    }
+    let weights: NumFormat = args
+        .weights
+        .parse()
+        .map_err(|e| WgparError::Config(format!("--weights: {e}")))?;
+    if args.devices == 0 {
+        return Err(WgparError::Config(
+            "--devices 0: a configuration needs at least one device".into(),
+        ));
+    }
+    let strategies = if args.strategies.is_empty() {
+        default_strategies(&config, args.devices)
+    } else {
+        args.strategies
+            .iter()
+            .map(|s| PlanStrategy::parse(s))
+            .collect::<Result<Vec<_>>>()?
+    };
+    let profiles = args
+        .hosts
+        .iter()
+        .map(|h| HostProfile::resolve(h).map_err(WgparError::from))
+        .collect::<Result<Vec<_>>>()?;
+    let engines = args
+        .engines
+        .iter()
+        .map(|e| Engine::resolve(e).map_err(WgparError::from))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(PlanOptions {
+        config,
+        weights,
+        strategies,
         batches: args.batches.clone(),
         seqs: args.seqs.clone(),
-        profiles: args
-            .hosts
-            .iter()
-            .map(|h| HostProfile::resolve(h).map_err(WgparError::from))
-            .collect::<Result<Vec<_>>>()?,
+        profiles,
+        engines,
         decode_steps: args.decode_steps,
-    };
+    })
+}
+
+/// Models and prints.
+pub fn run(args: &PlanArgs) -> Result<()> {
+    let opts = options(args)?;
     let rows = plan(&opts)?;
     if args.json {
         let text = serde_json::to_string_pretty(&rows).map_err(|source| WgparError::Json {

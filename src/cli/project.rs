@@ -4,22 +4,33 @@
 use clap::Args;
 use serde::Serialize;
 use wgpar::sim::{
-    project, CollectivePolicy, HostGaps, HostProfile, ProjectOptions, ProjectionReport,
-    StepBarriers,
+    project_engine, CollectivePolicy, Engine, HostGaps, HostProfile, ProjectOptions,
+    ProjectionReport, StepBarriers,
 };
-use wgpar::trace::{timeline_svg_with, SvgOptions, Timeline};
+use wgpar::trace::{timeline_svg_with, RankPlacement, SvgOptions, Timeline};
 use wgpar::{Result, WgparError};
 
 /// Options of `wgpar project`.
 #[derive(Args, Clone, Debug)]
 pub struct ProjectArgs {
-    /// Trace written by `wgpar run --trace`.
+    /// Trace written by `wgpar run --trace`; of a run under mpirun, every rank's trace
+    /// (`--trace run.rank0.json --trace run.rank1.json`), merged with one rank per node of a
+    /// multi-node profile (packed onto one node otherwise), or one merged trace (--merged-out).
+    #[arg(long, value_name = "FILE", required = true)]
+    trace: Vec<String>,
+    /// With several rank traces: also write the merged trace.
     #[arg(long, value_name = "FILE")]
-    trace: String,
+    merged_out: Option<String>,
     /// Host profile: a file, or a shipped name (pcie4-2gpu, dgx-h100, ...).
     #[arg(long, value_name = "PROFILE")]
     host: String,
-    /// Cost collectives with the cheapest algorithm on the profile instead of the recorded one.
+    /// Engine whose figures cost the run: `wgpar` (this code; on a calibrated profile its
+    /// measurements), `cuda-nccl` (the same work in f16 on tensor cores with NCCL), `peak`
+    /// (every figure of the profile at 100 %), or an engine TOML file.
+    #[arg(long, default_value = "wgpar", value_name = "ENGINE")]
+    engine: String,
+    /// Cost collectives with the cheapest algorithm the engine has on the profile instead of
+    /// the recorded one.
     #[arg(long)]
     best_collectives: bool,
     /// Keep each span's measured host gap (only meaningful on the calibrated profile of the
@@ -126,10 +137,45 @@ fn write_svg(timeline: &Timeline, path: &str, title: String, args: &ProjectArgs)
     })
 }
 
+/// The timeline to project: one trace, or the rank traces of an MPI run merged (ranks on the
+/// profile's nodes, one per node when it has several).
+fn load(args: &ProjectArgs, profile: &HostProfile) -> Result<Timeline> {
+    let mut traces = Vec::with_capacity(args.trace.len());
+    for path in &args.trace {
+        traces.push(Timeline::read_chrome_trace(path)?);
+    }
+    if traces.len() == 1 {
+        if let Some((rank, size)) = traces[0].rank_of_job().filter(|(_, n)| *n > 1) {
+            return Err(WgparError::Config(format!(
+                "--trace {}: this is rank {rank} of a {size}-rank run: pass every rank's trace (--trace once per rank)",
+                args.trace[0]
+            )));
+        }
+        if args.merged_out.is_some() {
+            return Err(WgparError::Config(
+                "--merged-out needs several rank traces".into(),
+            ));
+        }
+        return Ok(traces.remove(0));
+    }
+    let placement = if profile.nodes > 1 {
+        RankPlacement::PerNode(profile.devices_per_node())
+    } else {
+        RankPlacement::Pack
+    };
+    let merged = Timeline::merge_ranks(&traces, placement)?;
+    if let Some(path) = &args.merged_out {
+        merged.write_chrome_trace(path)?;
+    }
+    Ok(merged)
+}
+
 /// Runs the projection and prints it.
 pub fn run(args: &ProjectArgs) -> Result<()> {
-    let timeline = Timeline::read_chrome_trace(&args.trace)?;
     let profile = HostProfile::resolve(&args.host)?;
+    let engine = Engine::resolve(&args.engine)?;
+    let timeline = load(args, &profile)?;
+    let trace_name = args.trace.join(" + ");
     let options = ProjectOptions {
         collectives: if args.best_collectives {
             CollectivePolicy::Best
@@ -147,12 +193,13 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
             StepBarriers::Idle
         },
     };
-    let projection =
-        project(&timeline, &profile, &options).map_err(|source| WgparError::Projection {
-            what: args.trace.clone(),
+    let projection = project_engine(&timeline, &profile, &engine, &options).map_err(|source| {
+        WgparError::Projection {
+            what: format!("{trace_name} as {}", engine.label()),
             profile: profile.name.clone(),
             source,
-        })?;
+        }
+    })?;
     let report = &projection.report;
     let tokens = match args.tokens {
         Some(t) => Some(t),
@@ -178,19 +225,19 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
     if let Some(path) = &args.svg {
         let title = match &args.title {
             Some(t) => format!("measured: {t}"),
-            None => format!("measured: {}", args.trace),
+            None => format!("measured: {trace_name}"),
         };
         write_svg(&timeline, path, title, args)?;
     }
     if let Some(path) = &args.svg_projected {
-        let what = args.title.as_deref().unwrap_or(&args.trace);
+        let what = args.title.as_deref().unwrap_or(&trace_name);
         let title = format!("projected onto {}: {what}", profile.name);
         write_svg(&projection.timeline, path, title, args)?;
     }
 
     if args.json {
         let out = Output {
-            trace: &args.trace,
+            trace: &trace_name,
             report,
             projected_over_measured: if m > 0.0 { p / m } else { 0.0 },
             throughput,
@@ -202,7 +249,7 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
         println!("{text}");
         return Ok(());
     }
-    println!("trace {} ({} steps)", args.trace, timeline.steps().len());
+    println!("trace {trace_name} ({} steps)", timeline.steps().len());
     print!("{report}");
     println!();
     println!(

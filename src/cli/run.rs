@@ -6,9 +6,11 @@ use std::sync::Arc;
 use wgpar::comm::CommConfig;
 use wgpar::device::{AdapterDesc, Adapters, DType};
 use wgpar::model::{budget, ModelConfig};
-use wgpar::parallel::{build_engine, generate, Engine, Fault, FaultKind, PartitionSpec, Strategy};
+use wgpar::parallel::{
+    build_engine, generate, Engine, Fault, FaultKind, PartitionSpec, Schedule, Strategy,
+};
 
-use wgpar::sim::{HostProfile, LinkPacer};
+use wgpar::sim::{HostProfile, LinkPacer, PaceSpec};
 use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
 
@@ -18,9 +20,10 @@ use super::{DeviceArgs, ModelArgs};
 /// Strategy options of `run`.
 #[derive(Args, Clone, Debug)]
 pub struct StrategyArgs {
-    /// How to spread the model: none (first device), tp (tensor parallel over all devices),
-    /// pp (one pipeline stage per device), hybrid (pipeline stages of --tp devices each).
-    #[arg(long, default_value = "none", value_parser = ["none", "tp", "pp", "hybrid"])]
+    /// How to spread the model: none or single (first device), tp (tensor parallel over all
+    /// devices), pp (one pipeline stage per device), hybrid (pipeline stages of --tp devices
+    /// each).
+    #[arg(long, default_value = "none", value_parser = ["none", "single", "tp", "pp", "hybrid"])]
     pub strategy: String,
     /// Hybrid: devices per pipeline stage (tensor-parallel degree inside a stage; default 2).
     #[arg(long)]
@@ -34,9 +37,15 @@ pub struct StrategyArgs {
     /// Pipeline and hybrid: even, or balanced by measured per-device layer/embedding/head time.
     #[arg(long, value_parser = ["even", "balanced"])]
     pub partition: Option<String>,
-    /// Pipeline and hybrid: micro-batches per batch (GPipe; default 1, at most --batch).
+    /// Pipeline and hybrid: micro-batches per batch (default 1, at most --batch; `serve`:
+    /// lanes in flight, default one per stage).
     #[arg(long)]
     pub micro_batches: Option<usize>,
+    /// Pipeline and hybrid decode: in-flight (each micro-batch's next token enters stage 0 as
+    /// soon as its previous one is sampled; the default) or gpipe (a fill-drain of all
+    /// micro-batches per token).
+    #[arg(long, value_parser = ["in-flight", "gpipe"])]
+    pub schedule: Option<String>,
 }
 
 impl StrategyArgs {
@@ -46,6 +55,14 @@ impl StrategyArgs {
             (None, Some("balanced")) => PartitionSpec::Balanced,
             _ => PartitionSpec::Even,
         }
+    }
+
+    /// The pipeline decode schedule (in flight unless `--schedule gpipe`).
+    pub fn schedule(&self) -> Schedule {
+        self.schedule
+            .as_deref()
+            .and_then(Schedule::parse)
+            .unwrap_or_default()
     }
 
     /// Refuses options that do not apply to the chosen strategy instead of ignoring them.
@@ -80,6 +97,9 @@ impl StrategyArgs {
                 "splits a batch for a pipeline (pp, hybrid)",
             );
         }
+        if self.schedule.is_some() && !pipeline {
+            return refuse("--schedule", "schedules a pipeline's decode (pp, hybrid)");
+        }
         if self.tp.is_some() && s != "hybrid" {
             return refuse(
                 "--tp",
@@ -91,8 +111,13 @@ impl StrategyArgs {
 
     /// The strategy these options name.
     pub fn strategy(&self) -> Result<Strategy> {
+        self.strategy_with(1)
+    }
+
+    /// The strategy these options name, with `micro_batches` where none is given.
+    pub fn strategy_with(&self, micro_batches: usize) -> Result<Strategy> {
         self.check_options()?;
-        let micro_batches = self.micro_batches.unwrap_or(1);
+        let micro_batches = self.micro_batches.unwrap_or(micro_batches);
         Ok(match self.strategy.as_str() {
             "tp" => Strategy::Tensor {
                 split: self.split.clone(),
@@ -100,11 +125,13 @@ impl StrategyArgs {
             "pp" => Strategy::Pipeline {
                 partition: self.partition_spec(),
                 micro_batches,
+                schedule: self.schedule(),
             },
             "hybrid" => Strategy::Hybrid {
                 tp: self.tp.unwrap_or(2),
                 partition: self.partition_spec(),
                 micro_batches,
+                schedule: self.schedule(),
             },
             _ => Strategy::Single,
         })
@@ -122,10 +149,10 @@ pub struct RunArgs {
     pub(super) strategy: StrategyArgs,
     /// Sequences per batch.
     #[arg(long, default_value_t = 4)]
-    batch: usize,
+    pub(super) batch: usize,
     /// Prompt length (random token ids).
     #[arg(long, default_value_t = 64)]
-    prompt_len: usize,
+    pub(super) prompt_len: usize,
     /// Tokens to generate per sequence.
     #[arg(long, default_value_t = 16)]
     pub(super) gen: usize,
@@ -148,6 +175,10 @@ pub struct RunArgs {
     /// stage), e.g. `stage=1,kind=panic,at=step:3`.
     #[arg(long, value_name = "SPEC")]
     pub(super) inject_fault: Option<String>,
+    /// Write every step's logits and the generated tokens as JSON (rank 0 under MPI): for
+    /// comparing strategies and layouts bit for bit.
+    #[arg(long, value_name = "FILE")]
+    pub(super) logits_out: Option<String>,
     #[command(flatten)]
     pub(super) text: TextArgs,
 }
@@ -320,9 +351,10 @@ pub(super) fn recorder_for(args: &RunArgs) -> Recorder {
 pub(super) fn print_bubble(engine: &dyn Engine, indent: &str) {
     if let Some(p) = engine.pipeline_stats() {
         println!(
-            "{indent}pipeline: {} stages x {} micro-batches, bubble {:.0}% measured ({:.0}% = (p-1)/(m+p-1) for equal stages)",
+            "{indent}pipeline: {} stages x {} micro-batches ({}), bubble {:.0}% measured ({:.0}% for equal stages)",
             p.stages.len(),
             p.microbatches,
+            p.schedule,
             p.measured_bubble * 100.0,
             p.theoretical_bubble * 100.0
         );
@@ -454,7 +486,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let prefill_stats = engine.last_step();
     let prefill_pipeline = engine.pipeline_stats();
     let g = generate(engine.as_mut(), &prompts, args.gen)?;
-    let decode_stats = engine.last_step();
     println!(
         "prefill: {} tokens in {:.1} ms = {:.1} tokens/s (time to first token {:.1} ms)",
         g.prompt_tokens,
@@ -482,25 +513,31 @@ pub fn run(args: &RunArgs) -> Result<()> {
             p.theoretical_bubble * 100.0
         );
     }
-    let per_step_ms = g.decode_s.iter().sum::<f64>() / g.decode_s.len().max(1) as f64 * 1e3;
     println!(
-        "decode: {} steps x {} sequences, {:.2} ms per step = {:.1} tokens/s",
-        g.decode_s.len(),
+        "decode: {} tokens x {} sequences in {:.1} ms, {:.2} ms per token = {:.1} tokens/s",
+        g.decode_steps,
         args.batch,
-        per_step_ms,
+        g.decode_s * 1e3,
+        g.per_token_s() * 1e3,
         g.decode_tokens_per_s()
     );
-    if let Some(s) = &decode_stats {
+    if g.decode_steps > 0 {
+        let s = &g.decode_stats;
         println!(
-            "  last step: compute {:.2} ms, communication {:.2} ms ({:.0}%)",
+            "  compute {:.2} ms, communication {:.2} ms ({:.0}%), {} collectives/hand-offs per device",
             s.compute_s * 1e3,
             s.comm_s * 1e3,
-            s.comm_share() * 100.0
+            s.comm_share() * 100.0,
+            s.collectives
         );
         println!("  {}", s.per_token_line());
     }
-    print_bubble(engine.as_ref(), "  last step ");
+    // In flight, the last run is the whole decode; under GPipe, its last step.
+    print_bubble(engine.as_ref(), "  decode ");
     println!("first sequence's tokens: {:?}", g.tokens[0]);
+    if let Some(path) = &args.logits_out {
+        write_logits(path, args.batch, config.vocab, &g)?;
+    }
     if let Some(path) = &args.trace {
         write_trace(&recorder, path)?;
     }
@@ -509,9 +546,37 @@ pub fn run(args: &RunArgs) -> Result<()> {
 
 /// The pacer `--pace` names: one link as `ALPHA_US:BETA_GBPS`, else a host profile (device 0's
 /// host link, collectives by the profile's cost model). Also says what it paces to.
-fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
-    if let Some((alpha, beta)) = text.split_once(':') {
-        if let (Ok(alpha_us), Ok(beta_gbps)) = (alpha.trim().parse(), beta.trim().parse()) {
+/// Writes a generation's tokens and every step's logits as JSON (`--logits-out`).
+pub(super) fn write_logits(
+    path: &str,
+    batch: usize,
+    vocab: usize,
+    g: &wgpar::parallel::Generation,
+) -> Result<()> {
+    let rows: Vec<&Vec<f32>> = g.logits.iter().map(|l| &l.data).collect();
+    let text = serde_json::to_string(&serde_json::json!({
+        "batch": batch, "vocab": vocab, "tokens": g.tokens, "logits": rows
+    }))
+    .map_err(|source| WgparError::Json {
+        what: "logits".into(),
+        source,
+    })?;
+    std::fs::write(path, text).map_err(|source| WgparError::Io {
+        path: path.to_string(),
+        source,
+    })
+}
+
+pub(super) fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
+    let spec = PaceSpec::parse(text).map_err(|source| WgparError::Pacing {
+        target: format!("--pace {text}"),
+        source,
+    })?;
+    let name = match spec {
+        PaceSpec::Link {
+            alpha_us,
+            beta_gbps,
+        } => {
             let pacer = LinkPacer::from_alpha_beta(alpha_us, beta_gbps).map_err(|source| {
                 WgparError::Pacing {
                     target: format!("--pace {text}"),
@@ -523,8 +588,9 @@ fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
                 format!("one link of {alpha_us} us + bytes / {beta_gbps} GB/s per message"),
             ));
         }
-    }
-    let profile = HostProfile::resolve(text)?;
+        PaceSpec::Profile(name) => name,
+    };
+    let profile = HostProfile::resolve(&name)?;
     let pacer = LinkPacer::from_profile(&profile, 0).map_err(|source| WgparError::Pacing {
         target: format!("profile {}", profile.name),
         source,
@@ -551,6 +617,12 @@ mod tests {
         assert!(what.contains("pcie3-2gpu"), "{what}");
         let e = pacer_for("50:-1").unwrap_err().to_string();
         assert!(e.contains("--pace 50:-1"), "{e}");
+        // A link with a bad number names the number, not a missing profile.
+        let e = pacer_for("5:abc").unwrap_err().to_string();
+        assert!(
+            e.contains("'abc'") && !e.contains("shipped profiles"),
+            "{e}"
+        );
         assert!(pacer_for("no-such-profile").is_err());
     }
 }

@@ -60,14 +60,14 @@ pub fn throughput_svg(r: &CompareReport) -> Result<String, String> {
                     .filter_map(|m| {
                         m.projected
                             .iter()
-                            .find(|x| x.profile == p)
+                            .find(|x| x.key() == p)
                             .map(|x| (m.batch as f64, x.tg_tps))
                     })
                     .collect();
                 (n.clone(), pts)
             })
             .collect();
-        panels.push((format!("{p} (projected)"), series));
+        panels.push((p.to_string(), series));
     }
     let mut svg = String::new();
     {
@@ -148,12 +148,12 @@ pub fn breakdown_svg(r: &CompareReport) -> Result<String, String> {
     )];
     for p in r.profile_names() {
         panels.push((
-            format!("{p}, batch {batch} (projected)"),
+            format!("{p}, batch {batch}"),
             rows.iter()
                 .filter_map(|m| {
                     m.projected
                         .iter()
-                        .find(|x| x.profile == p)
+                        .find(|x| x.key() == p)
                         .map(|x| (m.label.clone(), x.comm_share, x.bubble_share))
                 })
                 .collect(),

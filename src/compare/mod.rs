@@ -4,9 +4,12 @@
 //! say which strategy wins where, and why.
 
 mod charts;
+mod memory;
 mod modeled;
 mod plan;
+mod presets;
 mod report;
+mod serving;
 mod verdict;
 
 use std::sync::Arc;
@@ -19,16 +22,23 @@ use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::model::{valid_tp_degrees, ModelConfig, ModelWeights};
 use crate::parallel::{
-    build_engine, generate, generate_keeping, Engine, KeepLogits, PartitionSpec, Strategy,
+    build_engine, generate, generate_keeping, Engine, KeepLogits, PartitionSpec, Schedule, Strategy,
 };
-use crate::sim::{project, CollectivePolicy, HostProfile, ProjectOptions};
+use crate::sim::{project_engine, HostProfile, ProjectOptions};
 use crate::trace::{Recorder, Timeline};
 
 pub use charts::{breakdown_svg, throughput_svg};
-pub use modeled::modeled_timeline;
-pub use plan::{plan, plan_markdown, PlanOptions, PlanRow};
+pub use memory::{memory_per_device, DeviceMemory, Workload};
+pub use modeled::{modeled_timeline, Formats};
+pub use plan::{
+    default_strategies, plan, plan_markdown, plan_model, PlanOptions, PlanRow, PlanStrategy,
+};
+pub use presets::{plan_preset, PLAN_PRESETS};
 pub use report::{markdown, table};
-pub use verdict::{verdicts, Verdict};
+pub use serving::{
+    serving_plans, ServingMeasurement, ServingOptions, ServingProjected, ServingSection,
+};
+pub use verdict::{verdicts, UnderLoad, Verdict};
 
 /// What to compare.
 #[derive(Debug, Clone)]
@@ -41,6 +51,8 @@ pub struct CompareOptions {
     pub batches: Vec<usize>,
     /// Micro-batch counts to sweep for pipelines (capped at the batch size).
     pub micro_batches: Vec<usize>,
+    /// How pipelines decode (in flight unless GPipe is asked for).
+    pub schedule: Schedule,
     /// Prompt length.
     pub prompt_len: usize,
     /// Tokens generated per sequence (the first comes from the prefill).
@@ -49,8 +61,13 @@ pub struct CompareOptions {
     pub reps: usize,
     /// Host profiles to project onto.
     pub profiles: Vec<HostProfile>,
+    /// Engines each run is projected with, per profile: wgpar as it runs here, and others (CUDA
+    /// + NCCL) modeled on the same machine.
+    pub engines: Vec<crate::sim::Engine>,
     /// Seed of the synthetic weights.
     pub seed: u64,
+    /// The serving section: every strategy under one stream of requests (`None`: skip it).
+    pub serving: Option<ServingOptions>,
 }
 
 /// Mean and standard deviation over repetitions.
@@ -78,11 +95,23 @@ impl Stat {
     }
 }
 
-/// One configuration projected onto one host profile.
+/// One configuration projected onto one host profile, as one engine would run it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Projected {
     /// Profile name.
     pub profile: String,
+    /// Engine label (`wgpar`, `CUDA+NCCL`).
+    pub engine: String,
+    /// Whether this is wgpar's own run replayed (`projected`) or another engine's costs applied
+    /// to the same work (`modeled`).
+    pub kind: &'static str,
+    /// Collective paths the engine took there.
+    pub collectives_via: Vec<String>,
+    /// Whether this configuration's weights, KV cache and activations fit every device of the
+    /// profile in the engine's formats (the times are still the run's, projected).
+    pub fits: bool,
+    /// Memory of the fullest device, bytes, and what the engine may use of it.
+    pub memory: (u64, u64),
     /// Projected time to first token (the prefill), ms.
     pub ttft_ms: f64,
     /// Projected per-token latency (one decode step), ms.
@@ -152,20 +181,32 @@ pub struct CompareReport {
     pub reps: usize,
     /// Every configuration.
     pub measurements: Vec<Measurement>,
+    /// Every strategy under one stream of requests.
+    pub serving: Option<ServingSection>,
     /// Per profile: best latency and throughput, with reasons.
     pub verdicts: Vec<Verdict>,
     /// When it ran (UTC, seconds since the epoch).
     pub unix_time: u64,
 }
 
+impl Projected {
+    /// The name of this projection in reports: profile, engine and whether it is modeled,
+    /// e.g. `dgx-h100, CUDA+NCCL (modeled)`.
+    pub fn key(&self) -> String {
+        format!("{}, {} ({})", self.profile, self.engine, self.kind)
+    }
+}
+
 impl CompareReport {
-    /// Names of the profiles projected onto, in first-seen order.
+    /// Names of the (profile, engine) projections, in first-seen order (see
+    /// [`Projected::key`]).
     pub fn profile_names(&self) -> Vec<String> {
         let mut v: Vec<String> = Vec::new();
         for m in &self.measurements {
             for p in &m.projected {
-                if !v.contains(&p.profile) {
-                    v.push(p.profile.clone());
+                let k = p.key();
+                if !v.contains(&k) {
+                    v.push(k);
                 }
             }
         }
@@ -240,6 +281,7 @@ pub fn plans(config: &ModelConfig, n: usize, opts: &CompareOptions) -> Vec<Plan>
                     strategy: Strategy::Pipeline {
                         partition: PartitionSpec::Even,
                         micro_batches: m,
+                        schedule: opts.schedule,
                     },
                     devices: p,
                     batch,
@@ -256,6 +298,7 @@ pub fn plans(config: &ModelConfig, n: usize, opts: &CompareOptions) -> Vec<Plan>
                         tp: 2,
                         partition: PartitionSpec::Even,
                         micro_batches: m,
+                        schedule: opts.schedule,
                     },
                     devices: n,
                     batch,
@@ -286,27 +329,40 @@ struct Reference {
 fn project_pair(
     timelines: &(Timeline, Timeline),
     profile: &HostProfile,
+    engine: &crate::sim::Engine,
     decode_steps: usize,
     tokens: (usize, usize),
 ) -> Result<Projected> {
-    // The cheapest collective each profile offers (an NVLink ring on a DGX): what the run would
-    // cost there with a comm layer built for that machine.
-    let opts = ProjectOptions {
-        collectives: CollectivePolicy::Best,
-        ..ProjectOptions::default()
-    };
+    // Each engine runs the collectives it would choose on that machine: wgpar its host-staged
+    // path everywhere, CUDA + NCCL an NVLink ring or NVLS on a DGX.
+    let opts = ProjectOptions::default();
     let err = |source: crate::sim::ProjectError| WgparError::Projection {
-        what: "the measured run".into(),
+        what: format!("the measured run as {}", engine.label()),
         profile: profile.name.clone(),
         source,
     };
-    let pre = project(&timelines.0, profile, &opts).map_err(err)?;
-    let dec = project(&timelines.1, profile, &opts).map_err(err)?;
+    let pre = project_engine(&timelines.0, profile, engine, &opts).map_err(err)?;
+    let dec = project_engine(&timelines.1, profile, engine, &opts).map_err(err)?;
     let ttft_ms = pre.report.projected.makespan_us / 1e3;
     let decode_ms = dec.report.projected.makespan_us / 1e3;
     let per_token_ms = decode_ms / decode_steps.max(1) as f64;
+    let mut via = pre.report.collectives_via.clone();
+    for v in &dec.report.collectives_via {
+        if !via.contains(v) {
+            via.push(v.clone());
+        }
+    }
     Ok(Projected {
         profile: profile.name.clone(),
+        engine: engine.label().to_owned(),
+        kind: if engine.name == "wgpar" {
+            "projected"
+        } else {
+            "modeled"
+        },
+        collectives_via: via,
+        fits: true,
+        memory: (0, 0),
         ttft_ms,
         per_token_ms,
         pp_tps: tokens.0 as f64 / (ttft_ms / 1e3),
@@ -347,18 +403,17 @@ fn measure(
         max_rel_err = max_rel_err.max(first_logits.relative_error(&reference.logits));
         let dec_rec = Recorder::new();
         engine.set_recorder(dec_rec.clone());
-        let mut next = first.tokens;
-        let mut tokens: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+        let next = first.tokens;
+        // Pipelines keep their micro-batches in flight here (unless GPipe is asked for).
         let start = Instant::now();
-        let mut sent = 0u64;
-        for _ in 1..steps {
-            next = engine.decode_step(&next, false)?.tokens;
-            for (s, &t) in tokens.iter_mut().zip(&next) {
-                s.push(t);
-            }
-            sent += engine.last_step().map_or(0, |s| s.bytes_sent);
-        }
+        let decoded = engine.decode_greedy(&next, steps - 1, false)?;
         let decode_s = start.elapsed().as_secs_f64();
+        let sent = decoded.stats.bytes_sent;
+        let tokens: Vec<Vec<u32>> = next
+            .iter()
+            .zip(&decoded.tokens)
+            .map(|(&t, rest)| std::iter::once(t).chain(rest.iter().copied()).collect())
+            .collect();
         engine.set_recorder(Recorder::disabled());
         if tokens != reference.tokens {
             return Err(WgparError::Config(format!(
@@ -382,19 +437,45 @@ fn measure(
     }
     let pre_summary = timelines.0.summary();
     let dec_summary = timelines.1.summary();
-    let projected = opts
+    let mut projected = Vec::new();
+    for p in opts
         .profiles
         .iter()
         .filter(|p| p.device_count() >= plan.devices)
-        .map(|p| {
-            project_pair(
+    {
+        for e in &opts.engines {
+            let mut proj = project_pair(
                 &timelines,
                 p,
+                e,
                 steps - 1,
                 (plan.batch * opts.prompt_len, plan.batch * (steps - 1)),
-            )
-        })
-        .collect::<Result<Vec<_>>>()?;
+            )?;
+            let weights = match opts.dtype {
+                DType::F16 => crate::sim::NumFormat::F16,
+                _ => crate::sim::NumFormat::F32,
+            };
+            let memory = memory_per_device(
+                &opts.config,
+                &plan.strategy,
+                plan.devices,
+                weights,
+                e,
+                p,
+                Workload {
+                    batch: plan.batch,
+                    prompt: opts.prompt_len,
+                    context: opts.prompt_len + steps,
+                },
+            )?;
+            proj.fits = memory.iter().all(DeviceMemory::fits);
+            proj.memory = memory
+                .iter()
+                .max_by_key(|m| m.total)
+                .map_or((0, 0), |m| (m.total, m.capacity));
+            projected.push(proj);
+        }
+    }
     Ok(Measurement {
         label: plan.label.clone(),
         family: plan.family.into(),
@@ -432,17 +513,22 @@ pub fn run_compare(
             opts.prompt_len, opts.gen, opts.config.max_seq
         )));
     }
+    if let Some(s) = &opts.serving {
+        serving::validate(opts, s)?;
+    }
     let weights = ModelWeights::synthetic(&opts.config, opts.seed);
     let plans = plans(&opts.config, gpus.len(), opts);
+    let serve_plans = if opts.serving.is_some() {
+        serving_plans(opts, gpus.len())
+    } else {
+        Vec::new()
+    };
+    let total = plans.len() + serve_plans.len();
     let mut measurements = Vec::new();
     let comm = CommConfig::default();
     let mut references = std::collections::HashMap::new();
     for (i, plan) in plans.iter().enumerate() {
-        progress(
-            i,
-            plans.len(),
-            &format!("{} batch {}", plan.label, plan.batch),
-        );
+        progress(i, total, &format!("{} batch {}", plan.label, plan.batch));
         if let std::collections::hash_map::Entry::Vacant(slot) = references.entry(plan.batch) {
             let mut single =
                 build_engine(&Strategy::Single, gpus, &weights, opts.dtype, &comm, (1, 1))?;
@@ -476,8 +562,33 @@ pub fn run_compare(
             &references[&plan.batch],
         )?);
     }
-    progress(plans.len(), plans.len(), "done");
-    let verdicts = verdicts(&measurements, &opts.profiles);
+    let mut served: Vec<ServingMeasurement> = Vec::new();
+    if let Some(options) = &opts.serving {
+        for (i, plan) in serve_plans.iter().enumerate() {
+            progress(
+                plans.len() + i,
+                total,
+                &format!("{} serving {} requests", plan.label, options.requests),
+            );
+            let m = serving::measure_serving(plan, gpus, &weights, opts, options)?;
+            // Greedy, so every strategy must serve every request the same tokens.
+            if let Some(first) = served.first() {
+                if let Some(i) = (0..m.tokens.len()).find(|&i| m.tokens[i] != first.tokens[i]) {
+                    return Err(WgparError::Config(format!(
+                        "{} served request {i} different tokens than {}: {:?} vs {:?}",
+                        m.label, first.label, m.tokens[i], first.tokens[i]
+                    )));
+                }
+            }
+            served.push(m);
+        }
+    }
+    progress(total, total, "done");
+    let serving = opts.serving.clone().map(|options| ServingSection {
+        options,
+        measurements: served,
+    });
+    let verdicts = verdicts(&measurements, serving.as_ref(), &opts.profiles);
     Ok(CompareReport {
         model: opts.config.clone(),
         devices: gpus.iter().map(|g| g.describe()).collect(),
@@ -485,6 +596,7 @@ pub fn run_compare(
         gen: opts.gen,
         reps: opts.reps,
         measurements,
+        serving,
         verdicts,
         unix_time: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

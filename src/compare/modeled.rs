@@ -1,14 +1,131 @@
-//! Timelines of configurations that cannot run here (an 8B model on a CPU driver): the spans
-//! an engine would record for a step, built from the same cost functions, shard specs,
-//! partitions and schedules, with nominal times in schedule order that the projection
-//! replaces. Figures from these are labelled "modeled" wherever they appear.
+//! Timelines of configurations that cannot run here (a 70B model on eight GPUs): the spans an
+//! engine would record for its steps, built from the model's shapes, the shard specs,
+//! partitions and schedules of the real engines, and the engine's formats (weights, KV cache,
+//! attention tiling), with nominal times in schedule order that the projection replaces.
+//! Figures from these are labelled "modeled" wherever they appear.
 
-use crate::device::DType;
 use crate::error::{Result, WgparError};
-use crate::model::{ModelConfig, ShardSpec, Step};
-use crate::parallel::cost::{self, BlockCost};
+use crate::model::{Arch, ModelConfig, ShardSpec, Step};
+use crate::parallel::cost::BlockCost;
 use crate::parallel::{partition, split_groups, Partition, PartitionSpec, Strategy};
+use crate::sim::{Engine, NumFormat};
 use crate::trace::{CollectiveOp, KernelFamily, SpanAttrs, SpanId, Timeline};
+
+/// What a modeled step stores and streams, per element.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Formats {
+    /// Bytes per weight.
+    pub weight: f64,
+    /// Bytes per cached key or value.
+    pub kv: f64,
+    /// Bytes per activation element in device memory.
+    pub activation: f64,
+    /// Query tokens per pass over the KV cache (1: every token streams its context).
+    pub query_block: usize,
+    /// Logits go back to the host (`false`: tokens are sampled on the device).
+    pub logits_to_host: bool,
+}
+
+impl Formats {
+    /// The formats of `engine` with weights stored as `weights`.
+    pub fn of(engine: &Engine, weights: NumFormat) -> Formats {
+        Formats {
+            weight: weights.bytes(),
+            kv: engine.compute.kv_dtype.bytes(),
+            activation: engine.wire.dtype.bytes().max(engine.compute.dtype.bytes()),
+            query_block: engine.compute.attention_query_block.max(1) as usize,
+            logits_to_host: !engine.compute.sample_on_device,
+        }
+    }
+}
+
+fn b(x: f64) -> u64 {
+    x.round() as u64
+}
+
+/// Attention projections of a layer half on a shard: norm, Q/K/V, RoPE, output projection,
+/// bias and residual.
+pub fn attention_projections(
+    config: &ModelConfig,
+    shard: &ShardSpec,
+    step: &Step,
+    f: &Formats,
+) -> BlockCost {
+    let t = step.tokens() as f64;
+    let h = config.hidden as f64;
+    let d = config.head_dim as f64;
+    let q = shard.local_heads() as f64 * d;
+    let kv = shard.local_kv_heads() as f64 * d;
+    let flops = 2.0 * t * h * (q + 2.0 * kv) + 2.0 * t * q * h;
+    let weights = (h * (q + 2.0 * kv) + q * h) * f.weight;
+    let acts = t * (3.0 * h + 2.0 * q + 2.0 * kv) * f.activation;
+    let rope = if config.arch == Arch::Llama { 2 } else { 0 };
+    let bias = u32::from(config.arch != Arch::Llama);
+    BlockCost {
+        flops: b(flops),
+        bytes: b(weights + acts),
+        // norm, Q, K, V, (2 RoPE), output projection, (bias), residual.
+        kernels: 6 + rope + bias,
+    }
+}
+
+/// Attention over the KV cache of a layer on a shard: the cache append and the score and
+/// value products. A pass reads every cached key and value up to the last query of its block
+/// of `query_block` tokens, so a per-token kernel reads the context once per token and a flash
+/// kernel once per tile.
+pub fn attention_core(
+    config: &ModelConfig,
+    shard: &ShardSpec,
+    step: &Step,
+    f: &Formats,
+) -> BlockCost {
+    let d = config.head_dim as f64;
+    let q = shard.local_heads() as f64 * d;
+    let kv = shard.local_kv_heads() as f64 * d;
+    let (seq, past) = (step.seq as f64, step.past as f64);
+    // Keys attended, summed over the step's query positions, per sequence.
+    let ctx = seq * past + seq * (seq + 1.0) / 2.0;
+    // Keys read, summed over the passes of one sequence.
+    let qb = f.query_block.max(1);
+    let passes = step.seq.div_ceil(qb);
+    let read: f64 = (0..passes)
+        .map(|j| past + (((j + 1) * qb).min(step.seq)) as f64)
+        .sum();
+    let batch = step.batch as f64;
+    let flops = 4.0 * batch * ctx * q;
+    let cache = batch * 2.0 * kv * f.kv * (read + seq);
+    let acts = step.tokens() as f64 * 2.0 * q * f.activation;
+    BlockCost {
+        flops: b(flops),
+        bytes: b(cache + acts),
+        // cache append, attention.
+        kernels: 2,
+    }
+}
+
+/// MLP half of a layer on a shard: norm, up (and gate), activation, down, bias, residual.
+pub fn mlp(config: &ModelConfig, shard: &ShardSpec, step: &Step, f: &Formats) -> BlockCost {
+    let t = step.tokens() as f64;
+    let h = config.hidden as f64;
+    let ffn = shard.local_ffn() as f64;
+    let mats = if config.arch == Arch::Llama { 3.0 } else { 2.0 };
+    BlockCost {
+        flops: b(2.0 * t * h * ffn * mats),
+        bytes: b(mats * h * ffn * f.weight + t * (3.0 * h + 3.0 * ffn) * f.activation),
+        kernels: 3 + mats as u32 + u32::from(config.arch != Arch::Llama),
+    }
+}
+
+/// Final norm and LM head over each sequence's last token.
+pub fn head(config: &ModelConfig, batch: usize, f: &Formats) -> BlockCost {
+    let (bt, h, v) = (batch as f64, config.hidden as f64, config.vocab as f64);
+    BlockCost {
+        flops: b(2.0 * bt * h * v),
+        bytes: b(v * h * f.weight + bt * (2.0 * h + v) * f.activation),
+        // last-row copies, norm, LM head.
+        kernels: 2 + batch as u32,
+    }
+}
 
 /// Appends spans at increasing nominal times (1 µs apart), so recorded order is schedule order.
 struct Builder {
@@ -24,6 +141,7 @@ impl Builder {
         id
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn compute(
         &mut self,
         name: &'static str,
@@ -31,6 +149,7 @@ impl Builder {
         c: BlockCost,
         family: KernelFamily,
         deps: &[SpanId],
+        layer: Option<usize>,
         mb: Option<u32>,
     ) -> SpanId {
         let mut a = SpanAttrs::compute(name, dev)
@@ -39,6 +158,9 @@ impl Builder {
             .kernels(c.kernels)
             .family(family)
             .after_all(deps);
+        if let Some(l) = layer {
+            a = a.layer(l as u32);
+        }
         if let Some(k) = mb {
             a = a.microbatch(k);
         }
@@ -61,8 +183,8 @@ fn pipeline_partition(
 }
 
 /// One tensor-parallel group running `layers` for one micro-batch: per layer, each rank's
-/// attention and MLP compute followed by an all-reduce of the group. Returns each rank's last
-/// span. `first`/`last` add the embedding and the head (rank 0).
+/// attention projections, attention and MLP, with an all-reduce of the group after the
+/// attention and after the MLP. Returns each rank's last span. `last` adds the head (rank 0).
 #[allow(clippy::too_many_arguments)]
 fn tp_block(
     b: &mut Builder,
@@ -71,42 +193,61 @@ fn tp_block(
     devices: &[u32],
     layers: std::ops::Range<usize>,
     step: &Step,
-    dtype: DType,
+    f: &Formats,
     deps: &[Vec<SpanId>],
     mb: Option<u32>,
     last: bool,
 ) -> Vec<SpanId> {
     let world = shards.len() as u32;
+    // Recorded as f32 payloads; each engine scales them to its wire format.
     let bytes = (step.tokens() * config.hidden * 4) as u64;
     let mut prev: Vec<Vec<SpanId>> = deps.to_vec();
     for layer in layers {
         for half in 0..2 {
-            let mut computes = Vec::new();
+            let mut ends = Vec::new();
             for (r, shard) in shards.iter().enumerate() {
-                let (c, name, family) = if half == 0 {
-                    (
-                        cost::attention(config, shard, step, dtype),
+                let end = if half == 0 {
+                    let p = b.compute(
+                        "attention.projections",
+                        devices[r],
+                        attention_projections(config, shard, step, f),
+                        KernelFamily::Matmul,
+                        &prev[r],
+                        Some(layer),
+                        mb,
+                    );
+                    b.compute(
                         "attention",
+                        devices[r],
+                        attention_core(config, shard, step, f),
                         KernelFamily::Attention,
+                        &[p],
+                        Some(layer),
+                        mb,
                     )
                 } else {
-                    (
-                        cost::mlp(config, shard, step, dtype),
+                    b.compute(
                         "mlp",
+                        devices[r],
+                        mlp(config, shard, step, f),
                         KernelFamily::Matmul,
+                        &prev[r],
+                        Some(layer),
+                        mb,
                     )
                 };
-                computes.push(b.compute(name, devices[r], c, family, &prev[r], mb));
+                ends.push(end);
             }
             if shards.len() > 1 {
                 let group = b.group;
                 b.group += 1;
-                for (r, &c) in computes.iter().enumerate() {
+                for (r, &c) in ends.iter().enumerate() {
+                    // "auto": each engine runs its preferred collective on the machine.
                     let mut a = SpanAttrs::collective(
                         "allreduce",
                         devices[r],
                         CollectiveOp::AllReduce,
-                        "host-staged",
+                        "auto",
                         world,
                         bytes,
                     )
@@ -119,7 +260,7 @@ fn tp_block(
                     prev[r] = vec![b.push(a)];
                 }
             } else {
-                prev[0] = vec![computes[0]];
+                prev[0] = vec![ends[0]];
             }
         }
     }
@@ -128,38 +269,38 @@ fn tp_block(
         .map(|p| p.last().copied().unwrap_or(SpanId::NONE))
         .collect();
     if last {
-        let head = cost::head(config, step.batch, dtype);
-        out[0] = b.compute("head", devices[0], head, KernelFamily::Matmul, &prev[0], mb);
+        out[0] = b.compute(
+            "head",
+            devices[0],
+            head(config, step.batch, f),
+            KernelFamily::Matmul,
+            &prev[0],
+            None,
+            mb,
+        );
     }
     out
 }
 
-/// The modeled timeline of `steps` consecutive forward steps (the first is `step`; later ones
-/// are decode steps of one token) for `strategy` on `devices` devices.
-pub fn modeled_timeline(
+/// Tensor-parallel degree, pipeline stages, micro-batches and partition of a strategy on
+/// `devices` devices.
+pub fn shape_of(
     strategy: &Strategy,
     devices: usize,
-    config: &ModelConfig,
-    dtype: DType,
-    step: Step,
-    steps: usize,
-) -> Result<Timeline> {
-    let mut b = Builder {
-        timeline: Timeline::new(),
-        clock_us: 0.0,
-        group: 0,
-    };
+) -> Result<(usize, usize, usize, PartitionSpec)> {
     let (tp, pp, m, spec) = match strategy {
         Strategy::Single => (1, 1, 1, PartitionSpec::Even),
         Strategy::Tensor { .. } => (devices, 1, 1, PartitionSpec::Even),
         Strategy::Pipeline {
             partition,
             micro_batches,
+            ..
         } => (1, devices, *micro_batches, partition.clone()),
         Strategy::Hybrid {
             tp,
             partition,
             micro_batches,
+            ..
         } => (
             *tp,
             devices / (*tp).max(1),
@@ -172,6 +313,27 @@ pub fn modeled_timeline(
             "{devices} devices do not fit {strategy}"
         )));
     }
+    Ok((tp, pp, m.max(1), spec))
+}
+
+/// The modeled timeline of `steps` consecutive forward steps (the first is `step`; later ones
+/// are decode steps of one token) for `strategy` on `devices` devices, in `formats`. Device `i`
+/// of the timeline is device `i` of the profile it is projected onto: stage `s`, rank `r` is
+/// device `s * tp + r`.
+pub fn modeled_timeline(
+    strategy: &Strategy,
+    devices: usize,
+    config: &ModelConfig,
+    formats: &Formats,
+    step: Step,
+    steps: usize,
+) -> Result<Timeline> {
+    let mut b = Builder {
+        timeline: Timeline::new(),
+        clock_us: 0.0,
+        group: 0,
+    };
+    let (tp, pp, m, spec) = shape_of(strategy, devices)?;
     let split = match strategy {
         Strategy::Tensor { split: Some(s) } => s.clone(),
         _ => vec![1; tp],
@@ -213,18 +375,19 @@ pub fn modeled_timeline(
                     &devs,
                     layers.clone(),
                     &mb_step,
-                    dtype,
+                    formats,
                     &deps,
                     mb,
                     last_stage,
                 );
-                let out_bytes = if last_stage {
-                    (mb_step.batch * config.vocab * 4) as u64
-                } else {
-                    hidden
+                let out_bytes = match (last_stage, formats.logits_to_host) {
+                    (true, true) => (mb_step.batch * config.vocab * 4) as u64,
+                    // Sampled on the device: one token id per sequence comes back.
+                    (true, false) => (mb_step.batch * 4) as u64,
+                    (false, _) => hidden,
                 };
                 let mut a = SpanAttrs::d2h(
-                    if last_stage { "logits" } else { "activations" },
+                    if last_stage { "output" } else { "activations" },
                     devs[0],
                     out_bytes,
                 )
@@ -247,9 +410,21 @@ pub fn modeled_timeline(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::DType;
+    use crate::parallel::cost;
 
     fn llama() -> ModelConfig {
         ModelConfig::preset("llama-1b").unwrap()
+    }
+
+    fn wgpar_f16() -> Formats {
+        Formats {
+            weight: 2.0,
+            kv: 4.0,
+            activation: 4.0,
+            query_block: 1,
+            logits_to_host: true,
+        }
     }
 
     #[test]
@@ -264,7 +439,7 @@ mod tests {
             &Strategy::Tensor { split: None },
             4,
             &c,
-            DType::F16,
+            &wgpar_f16(),
             step,
             1,
         )
@@ -281,8 +456,37 @@ mod tests {
             false,
             true,
         );
-        // Shards add up to the whole model's work.
-        assert_eq!(flops, single.flops);
+        // Shards add up to the whole model's work, as the engines' own accounting counts it.
+        let rel = (flops as f64 - single.flops as f64).abs() / single.flops as f64;
+        assert!(rel < 1e-9, "{flops} vs {}", single.flops);
+    }
+
+    #[test]
+    fn flash_tiles_read_the_cache_once_per_tile() {
+        let c = llama();
+        let shard = ShardSpec::full(&c);
+        let step = Step {
+            batch: 1,
+            seq: 256,
+            past: 0,
+        };
+        let per_token = attention_core(&c, &shard, &step, &wgpar_f16());
+        let tiled = attention_core(
+            &c,
+            &shard,
+            &step,
+            &Formats {
+                query_block: 128,
+                ..wgpar_f16()
+            },
+        );
+        assert_eq!(per_token.flops, tiled.flops);
+        // Per token: sum over 256 positions of (i + 1) keys; tiled: 128 + 256 keys.
+        let kv = (c.kv_heads * c.head_dim) as f64;
+        let cache = |read: f64| (2.0 * kv * 4.0 * (read + 256.0)) as u64;
+        let acts = (256.0 * 2.0 * (c.heads * c.head_dim) as f64 * 4.0) as u64;
+        assert_eq!(per_token.bytes, cache(256.0 * 257.0 / 2.0) + acts);
+        assert_eq!(tiled.bytes, cache(384.0) + acts);
     }
 
     #[test]
@@ -296,8 +500,9 @@ mod tests {
         let strategy = Strategy::Pipeline {
             partition: PartitionSpec::Even,
             micro_batches: 4,
+            schedule: crate::parallel::Schedule::InFlight,
         };
-        let tl = modeled_timeline(&strategy, 4, &c, DType::F16, step, 3).unwrap();
+        let tl = modeled_timeline(&strategy, 4, &c, &wgpar_f16(), step, 3).unwrap();
         let h2d = tl
             .spans
             .iter()
@@ -305,12 +510,13 @@ mod tests {
             .count();
         // 3 boundaries x 4 micro-batches x 3 steps.
         assert_eq!(h2d, 3 * 4 * 3);
-        assert!(modeled_timeline(&strategy, 3, &c, DType::F16, step, 1).is_ok());
+        assert!(modeled_timeline(&strategy, 3, &c, &wgpar_f16(), step, 1).is_ok());
         let bad = Strategy::Hybrid {
             tp: 2,
             partition: PartitionSpec::Even,
             micro_batches: 1,
+            schedule: crate::parallel::Schedule::InFlight,
         };
-        assert!(modeled_timeline(&bad, 3, &c, DType::F16, step, 1).is_err());
+        assert!(modeled_timeline(&bad, 3, &c, &wgpar_f16(), step, 1).is_err());
     }
 }

@@ -1,160 +1,385 @@
 //! `wgpar plan`: modeled projections for models and machines that are not at hand. The
 //! engines' schedules are rebuilt as timelines ([`modeled_timeline`]) and projected onto host
-//! profiles: how TP's all-reduce share grows with batch and sequence over PCIe and NVLink, where
-//! PP's throughput overtakes TP's, and what the bubble costs at m = 1 and m = 4p.
+//! profiles, once per engine: wgpar as it runs today, and CUDA + NCCL (or any engine file) on
+//! the same machine, side by side. Configurations whose weights, KV cache and activations do
+//! not fit a device are marked, not timed.
 
 use std::fmt::Write;
+use std::path::Path;
 
 use serde::Serialize;
 
-use super::modeled::modeled_timeline;
-use crate::device::DType;
+use super::memory::{gib, memory_per_device, DeviceMemory, Workload};
+use super::modeled::{modeled_timeline, shape_of, Formats};
 use crate::error::{Result, WgparError};
 use crate::model::{valid_tp_degrees, ModelConfig, Step};
-use crate::parallel::{PartitionSpec, Strategy};
-use crate::sim::{project, CollectivePolicy, HostProfile, ProjectOptions};
+use crate::parallel::{PartitionSpec, Schedule, Strategy};
+use crate::sim::{project_engine, Engine, HostProfile, NumFormat, ProjectOptions};
+
+/// A strategy to model: its label, the strategy and the devices it uses.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanStrategy {
+    /// Label, e.g. `tp8`, `pp4 m=16`, `tp8xpp3 m=3`.
+    pub label: String,
+    /// The strategy.
+    pub strategy: Strategy,
+    /// Devices it uses.
+    pub devices: usize,
+}
+
+impl PlanStrategy {
+    /// Parses `single`, `tpN`, `ppN`, `ppN-mM`, `tpNxppP` or `tpNxppP-mM` (M micro-batches,
+    /// default 1).
+    pub fn parse(text: &str) -> Result<PlanStrategy> {
+        let t = text.trim().to_ascii_lowercase();
+        let bad = || {
+            WgparError::Config(format!(
+                "strategy '{text}': expected single, tpN, ppN, ppN-mM, tpNxppP or tpNxppP-mM \
+                 (e.g. tp8, pp4-m16, tp8xpp3-m3)"
+            ))
+        };
+        let number = |s: &str| s.parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(bad);
+        if t == "single" {
+            return Ok(PlanStrategy {
+                label: "single".into(),
+                strategy: Strategy::Single,
+                devices: 1,
+            });
+        }
+        let (body, m) = match t.split_once("-m") {
+            Some((b, m)) => (b, number(m)?),
+            None => (t.as_str(), 1),
+        };
+        if let Some((tp, pp)) = body.split_once('x') {
+            let tp = number(tp.strip_prefix("tp").ok_or_else(bad)?)?;
+            let pp = number(pp.strip_prefix("pp").ok_or_else(bad)?)?;
+            return Ok(PlanStrategy {
+                label: format!("tp{tp}xpp{pp} m={m}"),
+                strategy: Strategy::Hybrid {
+                    tp,
+                    partition: PartitionSpec::Even,
+                    micro_batches: m,
+                    // Each micro-batch's step waits only for its own previous output.
+                    schedule: Schedule::InFlight,
+                },
+                devices: tp * pp,
+            });
+        }
+        if let Some(n) = body.strip_prefix("tp") {
+            if t.contains("-m") {
+                return Err(bad());
+            }
+            let n = number(n)?;
+            return Ok(PlanStrategy {
+                label: format!("tp{n}"),
+                strategy: Strategy::Tensor { split: None },
+                devices: n,
+            });
+        }
+        if let Some(n) = body.strip_prefix("pp") {
+            let n = number(n)?;
+            return Ok(PlanStrategy {
+                label: format!("pp{n} m={m}"),
+                strategy: Strategy::Pipeline {
+                    partition: PartitionSpec::Even,
+                    micro_batches: m,
+                    // Each micro-batch's step waits only for its own previous output.
+                    schedule: Schedule::InFlight,
+                },
+                devices: n,
+            });
+        }
+        Err(bad())
+    }
+
+    /// Why this strategy cannot split `config`, if it cannot.
+    pub fn check(&self, config: &ModelConfig) -> Result<()> {
+        let (tp, pp, _, _) = shape_of(&self.strategy, self.devices)?;
+        if tp > 1 && !valid_tp_degrees(config).contains(&tp) {
+            return Err(WgparError::Config(format!(
+                "{}: {} query / {} KV heads do not split over {tp} devices (valid degrees: {:?})",
+                self.label,
+                config.heads,
+                config.kv_heads,
+                valid_tp_degrees(config)
+            )));
+        }
+        if pp > config.layers {
+            return Err(WgparError::Config(format!(
+                "{}: {pp} pipeline stages for {} layers",
+                self.label, config.layers
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The strategies `wgpar plan` models on `n` devices by default: single; TP over n where the
+/// heads allow; PP over n with 1 and 4n micro-batches where the layers allow.
+pub fn default_strategies(config: &ModelConfig, n: usize) -> Vec<PlanStrategy> {
+    let mut v = vec![PlanStrategy {
+        label: "single".into(),
+        strategy: Strategy::Single,
+        devices: 1,
+    }];
+    if n >= 2 && valid_tp_degrees(config).contains(&n) {
+        v.push(PlanStrategy {
+            label: format!("tp{n}"),
+            strategy: Strategy::Tensor { split: None },
+            devices: n,
+        });
+    }
+    if n >= 2 && n <= config.layers {
+        for m in [1, 4 * n] {
+            v.push(PlanStrategy {
+                label: format!("pp{n} m={m}"),
+                strategy: Strategy::Pipeline {
+                    partition: PartitionSpec::Even,
+                    micro_batches: m,
+                    // Each micro-batch's step waits only for its own previous output.
+                    schedule: Schedule::InFlight,
+                },
+                devices: n,
+            });
+        }
+    }
+    v
+}
 
 /// What to model.
 #[derive(Debug, Clone)]
 pub struct PlanOptions {
-    /// The model.
+    /// The model (its `max_seq` bounds prompt + decode steps).
     pub config: ModelConfig,
-    /// Weight storage (sets bytes moved per FLOP on the modeled devices).
-    pub dtype: DType,
-    /// Devices per configuration.
-    pub devices: usize,
+    /// How the weights are stored (bytes per parameter of the memory-bound decode).
+    pub weights: NumFormat,
+    /// Strategies.
+    pub strategies: Vec<PlanStrategy>,
     /// Batch sizes.
     pub batches: Vec<usize>,
     /// Prompt lengths.
     pub seqs: Vec<usize>,
     /// Host profiles.
     pub profiles: Vec<HostProfile>,
-    /// Decode steps modeled per configuration.
+    /// Engines, each projected onto every profile.
+    pub engines: Vec<Engine>,
+    /// Decode steps modeled per configuration (at least 1).
     pub decode_steps: usize,
 }
 
-/// One modeled configuration on one profile.
+/// One modeled configuration on one profile, as one engine runs it.
 #[derive(Debug, Clone, Serialize)]
 pub struct PlanRow {
     /// Profile.
     pub profile: String,
+    /// Engine label.
+    pub engine: String,
     /// Strategy label.
     pub strategy: String,
+    /// Devices used.
+    pub devices: usize,
     /// Batch.
     pub batch: usize,
     /// Prompt length.
     pub seq: usize,
-    /// Prefill latency (time to first token), ms.
-    pub prefill_ms: f64,
+    /// Whether weights, KV cache and activations fit every device.
+    pub fits: bool,
+    /// Memory of the fullest device (the one furthest over, when it does not fit).
+    pub memory: DeviceMemory,
+    /// Prefill latency (time to first token), ms; absent when it does not fit.
+    pub prefill_ms: Option<f64>,
     /// Communication share of device-time during prefill.
-    pub prefill_comm: f64,
-    /// One decode step, ms.
-    pub decode_ms: f64,
+    pub prefill_comm: Option<f64>,
+    /// One decode step, ms (mean over the modeled steps).
+    pub decode_ms: Option<f64>,
     /// Generated tokens/s.
-    pub decode_tps: f64,
+    pub decode_tps: Option<f64>,
+    /// Prefill plus the modeled decode steps, ms: the latency of a request that generates
+    /// `decode_steps` tokens after the first.
+    pub request_ms: Option<f64>,
     /// Communication share during decode.
-    pub decode_comm: f64,
+    pub decode_comm: Option<f64>,
     /// Bubble share during decode.
-    pub decode_bubble: f64,
+    pub decode_bubble: Option<f64>,
+    /// Collective paths the engine took.
+    pub collectives_via: Vec<String>,
 }
 
-fn strategies(config: &ModelConfig, n: usize) -> Vec<(String, Strategy)> {
-    let mut v = vec![("single".to_string(), Strategy::Single)];
-    if n >= 2 && valid_tp_degrees(config).contains(&n) {
-        v.push((format!("tp{n}"), Strategy::Tensor { split: None }));
-    }
-    if n >= 2 && n <= config.layers {
-        for m in [1, 4 * n] {
-            v.push((
-                format!("pp{n} m={m}"),
-                Strategy::Pipeline {
-                    partition: PartitionSpec::Even,
-                    micro_batches: m,
-                },
-            ));
-        }
-    }
-    v
-}
-
-/// Models every (profile, strategy, batch, seq).
-pub fn plan(opts: &PlanOptions) -> Result<Vec<PlanRow>> {
-    if opts.devices == 0 || opts.batches.is_empty() || opts.seqs.is_empty() {
-        return Err(WgparError::Config(
-            "plan needs devices, batches and sequence lengths".into(),
+/// Checks everything the options say before modeling anything.
+pub fn validate(opts: &PlanOptions) -> Result<()> {
+    let fail = |m: String| Err(WgparError::Config(m));
+    if opts.batches.is_empty() || opts.batches.contains(&0) {
+        return fail(format!(
+            "--batches {:?}: every batch size must be at least 1",
+            opts.batches
         ));
     }
-    let mut rows = Vec::new();
-    // The cheapest collective on each profile: NVLink rings on a DGX, the host path elsewhere.
-    let popts = ProjectOptions {
-        collectives: CollectivePolicy::Best,
-        ..ProjectOptions::default()
-    };
-    for profile in &opts.profiles {
-        if profile.device_count() < opts.devices {
-            return Err(WgparError::Config(format!(
-                "profile {} has {} devices, fewer than {}",
-                profile.name,
-                profile.device_count(),
-                opts.devices
-            )));
+    if opts.seqs.is_empty() || opts.seqs.contains(&0) {
+        return fail(format!(
+            "--seqs {:?}: every prompt length must be at least 1 token",
+            opts.seqs
+        ));
+    }
+    if opts.decode_steps == 0 {
+        return fail(
+            "--decode-steps 0: at least one decode step is needed to model decode latency".into(),
+        );
+    }
+    if opts.strategies.is_empty() {
+        return fail("no strategy to model: give --strategies or --devices".into());
+    }
+    if opts.profiles.is_empty() || opts.engines.is_empty() {
+        return fail("plan needs at least one host profile and one engine".into());
+    }
+    let c = &opts.config;
+    let longest = opts.seqs.iter().copied().max().unwrap_or(0);
+    if longest + opts.decode_steps > c.max_seq {
+        return fail(format!(
+            "prompt {longest} + {} decode steps = {} tokens exceed {}'s context of {} tokens \
+             (max_seq): give shorter --seqs, or --max-seq {} to model the longer context anyway",
+            opts.decode_steps,
+            longest + opts.decode_steps,
+            c.name,
+            c.max_seq,
+            longest + opts.decode_steps
+        ));
+    }
+    for s in &opts.strategies {
+        s.check(c)?;
+        for p in &opts.profiles {
+            if p.device_count() < s.devices {
+                return fail(format!(
+                    "{} needs {} devices but profile {} has {}",
+                    s.label,
+                    s.devices,
+                    p.name,
+                    p.device_count()
+                ));
+            }
         }
-        for (label, strategy) in strategies(&opts.config, opts.devices) {
-            let n = if matches!(strategy, Strategy::Single) {
-                1
-            } else {
-                opts.devices
-            };
-            for &batch in &opts.batches {
-                for &seq in &opts.seqs {
-                    if seq + opts.decode_steps > opts.config.max_seq {
-                        continue;
+    }
+    Ok(())
+}
+
+/// Models every (profile, engine, strategy, batch, seq).
+pub fn plan(opts: &PlanOptions) -> Result<Vec<PlanRow>> {
+    validate(opts)?;
+    let mut rows = Vec::new();
+    // Each engine runs its own preferred collective on each machine (wgpar: host-staged;
+    // CUDA + NCCL: NVLS, NVLink ring, P2P or shared memory as the hardware allows).
+    let popts = ProjectOptions::default();
+    for profile in &opts.profiles {
+        for engine in &opts.engines {
+            let formats = Formats::of(engine, opts.weights);
+            for s in &opts.strategies {
+                for &batch in &opts.batches {
+                    for &seq in &opts.seqs {
+                        let work = Workload {
+                            batch,
+                            prompt: seq,
+                            context: seq + opts.decode_steps,
+                        };
+                        let memory = memory_per_device(
+                            &opts.config,
+                            &s.strategy,
+                            s.devices,
+                            opts.weights,
+                            engine,
+                            profile,
+                            work,
+                        )?;
+                        let fits = memory.iter().all(DeviceMemory::fits);
+                        let worst = memory
+                            .iter()
+                            .max_by(|a, b| {
+                                let r =
+                                    |m: &DeviceMemory| m.total as f64 / m.capacity.max(1) as f64;
+                                r(a).total_cmp(&r(b))
+                            })
+                            .cloned()
+                            .unwrap_or(DeviceMemory {
+                                device: 0,
+                                weights: 0,
+                                kv_cache: 0,
+                                activations: 0,
+                                reserve: 0,
+                                total: 0,
+                                capacity: 0,
+                            });
+                        let mut row = PlanRow {
+                            profile: profile.name.clone(),
+                            engine: engine.label().to_owned(),
+                            strategy: s.label.clone(),
+                            devices: s.devices,
+                            batch,
+                            seq,
+                            fits,
+                            memory: worst,
+                            prefill_ms: None,
+                            prefill_comm: None,
+                            decode_ms: None,
+                            decode_tps: None,
+                            request_ms: None,
+                            decode_comm: None,
+                            decode_bubble: None,
+                            collectives_via: Vec::new(),
+                        };
+                        if !fits {
+                            rows.push(row);
+                            continue;
+                        }
+                        let err = |source: crate::sim::ProjectError| WgparError::Projection {
+                            what: format!("{} as {}", s.label, engine.label()),
+                            profile: profile.name.clone(),
+                            source,
+                        };
+                        let step = Step {
+                            batch,
+                            seq,
+                            past: 0,
+                        };
+                        let pre = modeled_timeline(
+                            &s.strategy,
+                            s.devices,
+                            &opts.config,
+                            &formats,
+                            step,
+                            1,
+                        )?;
+                        let dec_step = Step {
+                            batch,
+                            seq: 1,
+                            past: seq,
+                        };
+                        let dec = modeled_timeline(
+                            &s.strategy,
+                            s.devices,
+                            &opts.config,
+                            &formats,
+                            dec_step,
+                            opts.decode_steps,
+                        )?;
+                        let p = project_engine(&pre, profile, engine, &popts).map_err(err)?;
+                        let d = project_engine(&dec, profile, engine, &popts).map_err(err)?;
+                        let prefill_ms = p.report.projected.makespan_us / 1e3;
+                        let decode_ms =
+                            d.report.projected.makespan_us / 1e3 / opts.decode_steps as f64;
+                        let mut via = p.report.collectives_via.clone();
+                        for v in &d.report.collectives_via {
+                            if !via.contains(v) {
+                                via.push(v.clone());
+                            }
+                        }
+                        row.prefill_ms = Some(prefill_ms);
+                        row.prefill_comm = Some(p.report.projected.comm_share);
+                        row.decode_ms = Some(decode_ms);
+                        row.decode_tps = Some(batch as f64 / (decode_ms / 1e3));
+                        row.request_ms = Some(prefill_ms + opts.decode_steps as f64 * decode_ms);
+                        row.decode_comm = Some(d.report.projected.comm_share);
+                        row.decode_bubble = Some(d.report.projected.bubble_share);
+                        row.collectives_via = via;
+                        rows.push(row);
                     }
-                    let step = Step {
-                        batch,
-                        seq,
-                        past: 0,
-                    };
-                    let pre = modeled_timeline(&strategy, n, &opts.config, opts.dtype, step, 1)?;
-                    let dec_step = Step {
-                        batch,
-                        seq: 1,
-                        past: seq,
-                    };
-                    let dec = modeled_timeline(
-                        &strategy,
-                        n,
-                        &opts.config,
-                        opts.dtype,
-                        dec_step,
-                        opts.decode_steps,
-                    )?;
-                    let err = |source: crate::sim::ProjectError| WgparError::Projection {
-                        what: label.clone(),
-                        profile: profile.name.clone(),
-                        source,
-                    };
-                    let p = project(&pre, profile, &popts)
-                        .map_err(err)?
-                        .report
-                        .projected;
-                    let d = project(&dec, profile, &popts)
-                        .map_err(err)?
-                        .report
-                        .projected;
-                    let decode_ms = d.makespan_us / 1e3 / opts.decode_steps.max(1) as f64;
-                    rows.push(PlanRow {
-                        profile: profile.name.clone(),
-                        strategy: label.clone(),
-                        batch,
-                        seq,
-                        prefill_ms: p.makespan_us / 1e3,
-                        prefill_comm: p.comm_share,
-                        decode_ms,
-                        decode_tps: batch as f64 / (decode_ms / 1e3),
-                        decode_comm: d.comm_share,
-                        decode_bubble: d.bubble_share,
-                    });
                 }
             }
         }
@@ -162,39 +387,133 @@ pub fn plan(opts: &PlanOptions) -> Result<Vec<PlanRow>> {
     Ok(rows)
 }
 
-/// The rows as Markdown tables, one per profile.
+/// The model as `wgpar plan --model` names it: a shipped preset, a plan-only preset of a
+/// published model's shapes ([`super::PLAN_PRESETS`]), a Hugging Face model folder, or its
+/// `config.json`.
+pub fn plan_model(name: &str) -> Result<ModelConfig> {
+    let path = Path::new(name);
+    let file = if path.is_dir() {
+        Some(path.join("config.json"))
+    } else if path.is_file() {
+        Some(path.to_path_buf())
+    } else {
+        None
+    };
+    if let Some(file) = file {
+        let text = std::fs::read_to_string(&file).map_err(|source| WgparError::Io {
+            path: file.display().to_string(),
+            source,
+        })?;
+        let stem = if path.is_dir() {
+            path.file_name()
+        } else {
+            path.file_stem()
+        };
+        let model_name = stem
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into());
+        return Ok(crate::model::hf::config::parse(&file, &text, &model_name)?.config);
+    }
+    if let Some(c) = super::presets::plan_preset(name) {
+        return Ok(c);
+    }
+    ModelConfig::preset(name).map_err(|e| {
+        WgparError::Config(format!(
+            "{e}; plan also knows {} and takes a model folder or a config.json path",
+            super::presets::PLAN_PRESETS.join(", ")
+        ))
+    })
+}
+
+fn ms(v: Option<f64>, decimals: usize) -> String {
+    v.map_or_else(|| "-".into(), |x| format!("{x:.decimals$}"))
+}
+
+fn pct(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".into(), |x| format!("{:.1}", x * 100.0))
+}
+
+/// The rows as Markdown tables, one per profile, engines side by side.
 pub fn plan_markdown(opts: &PlanOptions, rows: &[PlanRow]) -> String {
     let mut s = String::new();
     let c = &opts.config;
+    let engines: Vec<&str> = opts.engines.iter().map(|e| e.label()).collect();
     let _ = writeln!(
         s,
-        "Modeled (not measured): {} ({:.2}B parameters, {:?} weights, f32 arithmetic as wgpar's kernels do) on {} devices; decode averaged over {} steps; collectives costed with the best algorithm each profile has (NVLink ring on DGX, host-staged elsewhere).\n",
+        "Modeled (not measured): {} ({:.2}B parameters, {} weights, {:.4} bytes per parameter), \
+         engines {}; decode averaged over {} steps; request = prefill + {} decode steps. Each \
+         engine runs its own arithmetic and collectives (wgpar: f32 WGSL, host-staged; \
+         CUDA+NCCL: f16 tensor cores, NCCL over the best link the machine has).\n",
         c.name,
         c.params() as f64 / 1e9,
-        opts.dtype,
-        opts.devices,
+        opts.weights,
+        opts.weights.bytes(),
+        engines.join(", "),
+        opts.decode_steps,
         opts.decode_steps
     );
     for profile in &opts.profiles {
         let _ = writeln!(s, "### {}\n", profile.name);
-        let _ = writeln!(s, "| strategy | batch | prompt | TTFT ms | prefill comm % | decode ms/step | tokens/s | decode comm % | bubble % |");
-        let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(
+            s,
+            "| strategy | engine | batch | prompt | memory (fullest device) | TTFT ms | decode ms/step | tokens/s | request ms | prefill comm % | decode comm % | bubble % | collectives |"
+        );
+        let _ = writeln!(
+            s,
+            "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"
+        );
         for r in rows.iter().filter(|r| r.profile == profile.name) {
+            let memory = if r.fits {
+                format!("{} of {}", gib(r.memory.total), gib(r.memory.capacity))
+            } else {
+                format!(
+                    "**does not fit**: device {} needs {} of {}",
+                    r.memory.device,
+                    gib(r.memory.total),
+                    gib(r.memory.capacity)
+                )
+            };
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {:.2} | {:.1} | {:.3} | {:.0} | {:.1} | {:.1} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 r.strategy,
+                r.engine,
                 r.batch,
                 r.seq,
-                r.prefill_ms,
-                r.prefill_comm * 100.0,
-                r.decode_ms,
-                r.decode_tps,
-                r.decode_comm * 100.0,
-                r.decode_bubble * 100.0
+                memory,
+                ms(r.prefill_ms, 2),
+                ms(r.decode_ms, 3),
+                ms(r.decode_tps, 0),
+                ms(r.request_ms, 1),
+                pct(r.prefill_comm),
+                pct(r.decode_comm),
+                pct(r.decode_bubble),
+                if r.collectives_via.is_empty() {
+                    "-".to_string()
+                } else {
+                    r.collectives_via.join(", ")
+                }
             );
         }
         let _ = writeln!(s);
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strategies_parse_and_bad_ones_are_named() {
+        let s = PlanStrategy::parse("tp8xpp3-m3").unwrap();
+        assert_eq!((s.devices, s.label.as_str()), (24, "tp8xpp3 m=3"));
+        assert_eq!(PlanStrategy::parse("pp4-m16").unwrap().devices, 4);
+        assert_eq!(PlanStrategy::parse("TP2").unwrap().label, "tp2");
+        assert_eq!(PlanStrategy::parse("single").unwrap().devices, 1);
+        for bad in ["tp0", "tp", "pp2-m0", "dp2", "tp2-m4", "tp2xdp2", "x"] {
+            let e = PlanStrategy::parse(bad).unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains("tpNxppP"), "{e}");
+        }
+    }
 }

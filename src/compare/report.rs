@@ -2,10 +2,195 @@
 
 use std::fmt::Write;
 
-use super::CompareReport;
+use super::{CompareReport, ServingSection};
 
 fn pm(mean: f64, std: f64) -> String {
     format!("{mean:.1} ± {std:.1}")
+}
+
+/// What the serving section ran, in one line.
+fn stream_line(s: &ServingSection) -> String {
+    let o = &s.options;
+    format!(
+        "{} requests at {} (continuous batching, {} KV slots; pipelines keep one lane per stage in flight), prompt {} tokens, output {} tokens",
+        o.requests, o.rate, o.max_batch, o.prompt_len, o.output_len
+    )
+}
+
+fn of_ideal(p: &Option<crate::parallel::PipelineStats>) -> String {
+    match p {
+        Some(p) if p.ideal_makespan_s > 0.0 => {
+            format!("{:.0}%", p.tokens_per_s() / p.ideal_tokens_per_s() * 100.0)
+        }
+        _ => "-".into(),
+    }
+}
+
+/// The serving section as terminal text.
+fn serving_table(s: &ServingSection, out: &mut String) {
+    let _ = writeln!(
+        out,
+        "
+serving under load: {}",
+        stream_line(s)
+    );
+    let _ = writeln!(
+        out,
+        "{:<16} {:>5} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {:>6} {:>8}",
+        "strategy",
+        "lanes",
+        "req/s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "TPOT p99",
+        "E2E p50",
+        "bubb%",
+        "comm%",
+        "of ideal"
+    );
+    for m in &s.measurements {
+        let x = &m.metrics;
+        let _ = writeln!(
+            out,
+            "{:<16} {:>5} {:>7.2} {:>10.1} {:>10.1} {:>10.1} {:>10.2} {:>10.2} {:>10.1} {:>6.1} {:>6.1} {:>8}",
+            m.label,
+            m.lanes,
+            x.request_throughput,
+            x.output_tokens_per_s,
+            x.ttft_ms.p50,
+            x.ttft_ms.p99,
+            x.tpot_ms.p50,
+            x.tpot_ms.p99,
+            x.e2e_ms.p50,
+            x.bubble_share * 100.0,
+            x.comm_share * 100.0,
+            of_ideal(&m.pipeline)
+        );
+    }
+    let mut profiles: Vec<&str> = Vec::new();
+    for m in &s.measurements {
+        for p in &m.projected {
+            if !profiles.contains(&p.profile.as_str()) {
+                profiles.push(&p.profile);
+            }
+        }
+    }
+    for profile in profiles {
+        let _ = writeln!(
+            out,
+            "
+serving under load, projected onto {profile} (ms):"
+        );
+        let _ = writeln!(
+            out,
+            "{:<16} {:>9} {:>11} {:>10} {:>10} {:>10} {:>6} {:>6}",
+            "strategy", "req/s", "out tok/s", "TTFT p50", "TPOT p50", "E2E p50", "bubb%", "comm%"
+        );
+        for m in &s.measurements {
+            if let Some(p) = m.projected.iter().find(|p| p.profile == profile) {
+                let x = &p.metrics;
+                let _ = writeln!(
+                    out,
+                    "{:<16} {:>9.1} {:>11.0} {:>10.3} {:>10.4} {:>10.3} {:>6.1} {:>6.1}",
+                    m.label,
+                    x.request_throughput,
+                    x.output_tokens_per_s,
+                    x.ttft_ms.p50,
+                    x.tpot_ms.p50,
+                    x.e2e_ms.p50,
+                    x.bubble_share * 100.0,
+                    x.comm_share * 100.0
+                );
+            }
+        }
+    }
+}
+
+/// The serving section as Markdown.
+fn serving_markdown(s: &ServingSection, out: &mut String) {
+    let _ = writeln!(
+        out,
+        "
+## Serving under load
+
+{}.
+",
+        stream_line(s)
+    );
+    let _ = writeln!(
+        out,
+        "Measured on this machine:
+"
+    );
+    let _ = writeln!(out, "| strategy | lanes | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | E2E p50 ms | bubble % | comm % | of ideal |");
+    let _ = writeln!(
+        out,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for m in &s.measurements {
+        let x = &m.metrics;
+        let _ = writeln!(
+            out,
+            "| {} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {} |",
+            m.label,
+            m.lanes,
+            x.request_throughput,
+            x.output_tokens_per_s,
+            x.ttft_ms.p50,
+            x.ttft_ms.p99,
+            x.tpot_ms.p50,
+            x.tpot_ms.p99,
+            x.e2e_ms.p50,
+            x.bubble_share * 100.0,
+            x.comm_share * 100.0,
+            of_ideal(&m.pipeline)
+        );
+    }
+    let mut profiles: Vec<&str> = Vec::new();
+    for m in &s.measurements {
+        for p in &m.projected {
+            if !profiles.contains(&p.profile.as_str()) {
+                profiles.push(&p.profile);
+            }
+        }
+    }
+    for profile in profiles {
+        let _ = writeln!(
+            out,
+            "
+Projected onto `{profile}` (the same run replayed, requests released at their arrivals):
+"
+        );
+        let _ = writeln!(out, "| strategy | req/s | output tok/s | TTFT p50 ms | TPOT p50 ms | E2E p50 ms | bubble % | comm % |");
+        let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|");
+        for m in &s.measurements {
+            if let Some(p) = m.projected.iter().find(|p| p.profile == profile) {
+                let x = &p.metrics;
+                let _ = writeln!(
+                    out,
+                    "| {} | {:.1} | {:.0} | {:.3} | {:.4} | {:.3} | {:.1} | {:.1} |",
+                    m.label,
+                    x.request_throughput,
+                    x.output_tokens_per_s,
+                    x.ttft_ms.p50,
+                    x.tpot_ms.p50,
+                    x.e2e_ms.p50,
+                    x.bubble_share * 100.0,
+                    x.comm_share * 100.0
+                );
+            }
+        }
+    }
+}
+
+fn under_load_line(v: &super::Verdict) -> Option<String> {
+    let u = v.under_load.as_ref()?;
+    Some(format!(
+        "under load: highest throughput {} ({:.1} output tokens/s); lowest TPOT {} ({:.3} ms); lowest TTFT {} ({:.2} ms)",
+        u.highest_throughput, u.throughput_tps, u.lowest_tpot, u.tpot_ms, u.lowest_ttft, u.ttft_ms
+    ))
 }
 
 /// A terminal table of the measured figures, then the projections and the verdicts.
@@ -49,7 +234,7 @@ pub fn table(r: &CompareReport) -> String {
             "strategy", "batch", "ttft ms", "ms/token", "pp tok/s", "tg tok/s", "comm%", "bubb%"
         );
         for m in &r.measurements {
-            if let Some(p) = m.projected.iter().find(|p| p.profile == profile) {
+            if let Some(p) = m.projected.iter().find(|p| p.key() == profile) {
                 let _ = writeln!(
                     s,
                     "{:<16} {:>5} {:>10.3} {:>10.4} {:>12.0} {:>10.0} {:>6.1} {:>6.1}",
@@ -65,6 +250,9 @@ pub fn table(r: &CompareReport) -> String {
             }
         }
     }
+    if let Some(serving) = &r.serving {
+        serving_table(serving, &mut s);
+    }
     let _ = writeln!(s, "\nverdicts:");
     for v in &r.verdicts {
         let _ = writeln!(
@@ -72,6 +260,9 @@ pub fn table(r: &CompareReport) -> String {
             "- {}: lowest latency {} ({:.3} ms/token); highest throughput {} ({:.0} tokens/s)",
             v.profile, v.lowest_latency, v.latency_ms, v.highest_throughput, v.throughput_tps
         );
+        if let Some(line) = under_load_line(v) {
+            let _ = writeln!(s, "  {line}");
+        }
         for w in &v.why {
             let _ = writeln!(s, "    {w}");
         }
@@ -118,7 +309,7 @@ pub fn markdown(r: &CompareReport, charts: &[(String, String)]) -> String {
         let _ = writeln!(s, "| strategy | batch | TTFT ms | ms/token | pp tok/s | tg tok/s | comm % (prefill) | comm % (decode) | bubble % |");
         let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
         for m in &r.measurements {
-            if let Some(p) = m.projected.iter().find(|p| &p.profile == profile) {
+            if let Some(p) = m.projected.iter().find(|p| &p.key() == profile) {
                 let _ = writeln!(
                     s,
                     "| {} | {} | {:.3} | {:.4} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} |",
@@ -132,8 +323,20 @@ pub fn markdown(r: &CompareReport, charts: &[(String, String)]) -> String {
                     p.comm_share * 100.0,
                     p.bubble_share * 100.0
                 );
+                if !p.fits {
+                    let _ = writeln!(
+                        s,
+                        "| ↳ {} does not fit: {:.2} of {:.2} GiB on the fullest device | | | | | | | | |",
+                        m.label,
+                        p.memory.0 as f64 / (1u64 << 30) as f64,
+                        p.memory.1 as f64 / (1u64 << 30) as f64
+                    );
+                }
             }
         }
+    }
+    if let Some(serving) = &r.serving {
+        serving_markdown(serving, &mut s);
     }
     let _ = writeln!(s, "\n## Verdicts\n");
     for v in &r.verdicts {
@@ -142,6 +345,9 @@ pub fn markdown(r: &CompareReport, charts: &[(String, String)]) -> String {
             "**{}**: lowest latency {} ({:.3} ms/token); highest throughput {} ({:.0} tokens/s).\n",
             v.profile, v.lowest_latency, v.latency_ms, v.highest_throughput, v.throughput_tps
         );
+        if let Some(line) = under_load_line(v) {
+            let _ = writeln!(s, "{}.\n", line[..1].to_uppercase() + &line[1..]);
+        }
         for w in &v.why {
             let _ = writeln!(s, "- {w}");
         }

@@ -2,7 +2,8 @@
 
 use serde::Serialize;
 
-use super::{Measurement, Projected};
+use super::{Measurement, Projected, ServingSection};
+use crate::serve::ServeMetrics;
 use crate::sim::HostProfile;
 
 /// The answer for one host profile (or for this machine, measured).
@@ -18,8 +19,72 @@ pub struct Verdict {
     pub highest_throughput: String,
     /// Its tokens/s.
     pub throughput_tps: f64,
+    /// The best strategies under the serving section's stream of requests.
+    pub under_load: Option<UnderLoad>,
     /// The numbers behind the choice.
     pub why: Vec<String>,
+}
+
+/// Which strategy served the comparison's stream of requests best on one machine.
+#[derive(Debug, Clone, Serialize)]
+pub struct UnderLoad {
+    /// Highest output tokens/s.
+    pub highest_throughput: String,
+    /// Its output tokens/s.
+    pub throughput_tps: f64,
+    /// Lowest median time to first token.
+    pub lowest_ttft: String,
+    /// Its median TTFT, ms.
+    pub ttft_ms: f64,
+    /// Lowest median time per output token.
+    pub lowest_tpot: String,
+    /// Its median TPOT, ms.
+    pub tpot_ms: f64,
+}
+
+fn explain_load(label: &str, m: &ServeMetrics, what: &str) -> String {
+    format!(
+        "{what}: {label} at {:.1} output tokens/s ({:.2} requests/s), TTFT p50 {:.2} ms, TPOT p50 {:.3} ms; bubble {:.0}%, communication {:.0}%",
+        m.output_tokens_per_s,
+        m.request_throughput,
+        m.ttft_ms.p50,
+        m.tpot_ms.p50,
+        m.bubble_share * 100.0,
+        m.comm_share * 100.0
+    )
+}
+
+/// The best under load among (label, figures) pairs, with the lines that explain it.
+fn decide_load(points: &[(&str, &ServeMetrics)]) -> Option<(UnderLoad, Vec<String>)> {
+    let fastest = points
+        .iter()
+        .max_by(|a, b| a.1.output_tokens_per_s.total_cmp(&b.1.output_tokens_per_s))?;
+    let first = points
+        .iter()
+        .min_by(|a, b| a.1.ttft_ms.p50.total_cmp(&b.1.ttft_ms.p50))?;
+    let steady = points
+        .iter()
+        .min_by(|a, b| a.1.tpot_ms.p50.total_cmp(&b.1.tpot_ms.p50))?;
+    let why = vec![
+        explain_load(fastest.0, fastest.1, "highest throughput under load"),
+        explain_load(
+            steady.0,
+            steady.1,
+            "lowest time per output token under load",
+        ),
+        explain_load(first.0, first.1, "lowest time to first token under load"),
+    ];
+    Some((
+        UnderLoad {
+            highest_throughput: fastest.0.to_string(),
+            throughput_tps: fastest.1.output_tokens_per_s,
+            lowest_ttft: first.0.to_string(),
+            ttft_ms: first.1.ttft_ms.p50,
+            lowest_tpot: steady.0.to_string(),
+            tpot_ms: steady.1.tpot_ms.p50,
+        },
+        why,
+    ))
 }
 
 struct Point<'a> {
@@ -43,7 +108,7 @@ fn explain(p: &Point, what: &str) -> String {
     )
 }
 
-fn decide(name: &str, points: &[Point]) -> Option<Verdict> {
+fn decide(name: &str, points: &[Point], load: &[(&str, &ServeMetrics)]) -> Option<Verdict> {
     let smallest = points.iter().map(|p| p.m.batch).min()?;
     let latency = points
         .iter()
@@ -66,18 +131,30 @@ fn decide(name: &str, points: &[Point]) -> Option<Verdict> {
             }
         }
     }
+    let under_load = decide_load(load).map(|(u, lines)| {
+        why.extend(lines);
+        u
+    });
     Some(Verdict {
         profile: name.into(),
         lowest_latency: format!("{} (batch {})", latency.m.label, latency.m.batch),
         latency_ms: latency.per_token_ms,
         highest_throughput: format!("{} (batch {})", throughput.m.label, throughput.m.batch),
         throughput_tps: throughput.tg_tps,
+        under_load,
         why,
     })
 }
 
-/// Verdicts for the measured machine and for each profile.
-pub fn verdicts(measurements: &[Measurement], profiles: &[HostProfile]) -> Vec<Verdict> {
+/// Verdicts for the measured machine and for each (profile, engine) projection, from the
+/// static batches and, when there is one, the serving section (measured here, and projected
+/// as wgpar runs it onto each profile).
+pub fn verdicts(
+    measurements: &[Measurement],
+    serving: Option<&ServingSection>,
+    profiles: &[HostProfile],
+) -> Vec<Verdict> {
+    let served = serving.map_or(&[][..], |s| &s.measurements[..]);
     let mut out = Vec::new();
     let measured: Vec<Point> = measurements
         .iter()
@@ -89,12 +166,27 @@ pub fn verdicts(measurements: &[Measurement], profiles: &[HostProfile]) -> Vec<V
             bubble_share: m.bubble_share,
         })
         .collect();
-    out.extend(decide("this machine (measured)", &measured));
+    let load: Vec<(&str, &ServeMetrics)> = served
+        .iter()
+        .map(|m| (m.label.as_str(), &m.metrics))
+        .collect();
+    out.extend(decide("this machine (measured)", &measured, &load));
+    let mut keys: Vec<(String, String, String)> = Vec::new();
     for profile in profiles {
+        for m in measurements {
+            for p in m.projected.iter().filter(|p| p.profile == profile.name) {
+                let k = (p.key(), p.profile.clone(), p.engine.clone());
+                if !keys.contains(&k) {
+                    keys.push(k);
+                }
+            }
+        }
+    }
+    for (key, profile, engine) in keys {
         let points: Vec<Point> = measurements
             .iter()
             .filter_map(|m| {
-                let p: &Projected = m.projected.iter().find(|p| p.profile == profile.name)?;
+                let p: &Projected = m.projected.iter().find(|p| p.key() == key)?;
                 Some(Point {
                     m,
                     per_token_ms: p.per_token_ms,
@@ -104,7 +196,19 @@ pub fn verdicts(measurements: &[Measurement], profiles: &[HostProfile]) -> Vec<V
                 })
             })
             .collect();
-        out.extend(decide(&format!("{} (projected)", profile.name), &points));
+        // The serving stream is projected as wgpar runs it; other engines have no serving run.
+        let load: Vec<(&str, &ServeMetrics)> = if engine == "wgpar" {
+            served
+                .iter()
+                .filter_map(|m| {
+                    let p = m.projected.iter().find(|p| p.profile == profile)?;
+                    Some((m.label.as_str(), &p.metrics))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        out.extend(decide(&key, &points, &load));
     }
     out
 }

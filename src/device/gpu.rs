@@ -93,6 +93,8 @@ impl Gpu {
             wanted |= wgpu::Features::SHADER_F16;
         }
         wanted |= wgpu::Features::TIMESTAMP_QUERY;
+        // Subgroup reductions in the kernel variants that use them (chosen per adapter).
+        wanted |= wgpu::Features::SUBGROUP;
         let required_features = available & wanted;
         let label = format!("gpu{ordinal}");
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {

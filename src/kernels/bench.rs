@@ -1,37 +1,64 @@
-//! Kernel benchmark: matmul GFLOP/s against the naive baseline, and the other kernels' GB/s,
-//! on one device. Warm-up first, then the median of timed repetitions.
+//! Kernel benchmark: every matmul variant that applies to each shape timed against the others
+//! (the winner is what autotuning picks; today's kernel and the naive one are shown beside it),
+//! and the other kernels' GB/s, on one device. Warm-up first, then the median of timed samples.
 
 use std::time::Instant;
 
 use serde::Serialize;
 
-use super::ops::{self, AttnShape, Elementwise, MatmulIo, MatmulKernel, Norm};
+use super::ops::{self, AttnShape, Elementwise, Norm};
+use super::tune::{self, Effort};
+use super::variants::{self, Class, MatmulClass};
+use super::WeightType;
 use crate::device::{DType, Gpu, Tensor};
-use crate::error::Result;
+use crate::error::{Result, WgparError};
 
 /// Benchmark settings.
 #[derive(Debug, Clone)]
 pub struct KernelBenchOptions {
     /// Square matmul sizes (M = N = K).
     pub sizes: Vec<usize>,
+    /// Further matmul shapes `(m, n, k)` (e.g. decode GEMV `1 x 4096 x 14336`).
+    pub shapes: Vec<(usize, usize, usize)>,
     /// Timed samples per kernel (the median is reported).
     pub iters: usize,
-    /// Untimed samples first.
+    /// Untimed samples first (the memory-bound kernels).
     pub warmup: usize,
-    /// Dispatches recorded per timed submit, so submit latency is amortised.
+    /// Dispatches recorded per timed submit (the memory-bound kernels; matmul variants size
+    /// their own so a sample lasts ~10 ms).
     pub reps: usize,
     /// Also measure matmul with f16 weights (when the adapter allows).
     pub f16: bool,
+    /// Also measure with f32 weights.
+    pub f32: bool,
+    /// Also time the naive one-invocation-per-output matmul (slow: seconds at 2048 on a CPU
+    /// driver).
+    pub naive: bool,
+    /// Only these variants (empty: every one that applies).
+    pub only: Vec<String>,
+    /// Run the memory-bound kernels too.
+    pub others: bool,
+    /// Attention prefill lengths to time (tokens, one sequence, 32 heads of 128).
+    pub attention_prefill: Vec<usize>,
+    /// Store each shape's winner as the tuned choice (as first-use tuning would).
+    pub save: bool,
 }
 
 impl Default for KernelBenchOptions {
     fn default() -> Self {
         Self {
-            sizes: vec![256, 512, 1024, 2048],
-            iters: 5,
+            sizes: vec![256, 512, 1024],
+            shapes: Vec::new(),
+            iters: 3,
             warmup: 1,
             reps: 4,
             f16: true,
+            f32: true,
+            naive: false,
+            only: Vec::new(),
+            others: true,
+            attention_prefill: Vec::new(),
+            save: true,
         }
     }
 }
@@ -39,7 +66,7 @@ impl Default for KernelBenchOptions {
 /// One measured kernel.
 #[derive(Debug, Clone, Serialize)]
 pub struct KernelBenchRow {
-    /// Kernel name.
+    /// Kernel (variant) name.
     pub kernel: String,
     /// Shape, e.g. `512x512x512`.
     pub shape: String,
@@ -47,12 +74,19 @@ pub struct KernelBenchRow {
     pub dtype: String,
     /// Median time per dispatch, milliseconds.
     pub median_ms: f64,
-    /// Arithmetic rate (matmul).
+    /// Arithmetic rate (matmul, attention).
     pub gflops: Option<f64>,
     /// Memory traffic rate (bytes read + written / time).
     pub gbps: Option<f64>,
-    /// For the production matmul: speed-up over the naive kernel at the same shape.
+    /// For matmul variants: speed-up over the naive kernel at the same shape (when timed).
     pub speedup_vs_naive: Option<f64>,
+    /// For matmul variants: speed-up over today's kernel (the one wgpar ran before variants
+    /// existed, for this shape) at the same shape, in the same run.
+    pub speedup_vs_legacy: Option<f64>,
+    /// The fastest variant for this shape and weight type (what tuning picks).
+    pub winner: bool,
+    /// Today's kernel for this shape.
+    pub legacy: bool,
 }
 
 /// Times `record` (one dispatch) as the median over samples of `reps` dispatches per submit.
@@ -75,19 +109,12 @@ fn time(
             samples.push(dt);
         }
     }
-    crate::stats::median(samples).ok_or_else(|| {
-        crate::error::WgparError::Measurement("kernel benchmark needs at least one sample".into())
-    })
+    crate::stats::median(samples)
+        .ok_or_else(|| WgparError::Measurement("kernel benchmark needs at least one sample".into()))
 }
 
 fn random(len: usize, seed: u32) -> Vec<f32> {
-    // A cheap deterministic hash: benchmark inputs only need to be non-trivial.
-    (0..len as u32)
-        .map(|i| {
-            let h = (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) >> 9;
-            (h % 2000) as f32 / 1000.0 - 1.0
-        })
-        .collect()
+    tune::pattern(len, seed)
 }
 
 fn row(kernel: &str, shape: String, dtype: &str, secs: f64) -> KernelBenchRow {
@@ -99,55 +126,187 @@ fn row(kernel: &str, shape: String, dtype: &str, secs: f64) -> KernelBenchRow {
         gflops: None,
         gbps: None,
         speedup_vs_naive: None,
+        speedup_vs_legacy: None,
+        winner: false,
+        legacy: false,
     }
 }
 
-/// Runs the benchmark on `gpu`. Matmul sizes the adapter cannot hold are skipped.
+/// Runs the benchmark on `gpu`. Matmul shapes the adapter cannot hold are skipped.
 pub fn bench_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelBenchRow>> {
     let mut rows = Vec::new();
-    for &n in &opts.sizes {
-        if gpu.check_size("bench", (n * n * 4) as u64).is_err() {
-            continue;
-        }
-        let x = gpu.upload_f32("x", &random(n * n, 1))?;
-        let y = gpu.empty("y", DType::F32, n * n)?;
-        let flops = 2.0 * (n as f64).powi(3);
-        let shape = format!("{n}x{n}x{n}");
-        let mut dtypes = vec![DType::F32];
-        if opts.f16 && gpu.supports_f16_weights() {
-            dtypes.push(DType::F16);
-        }
-        for dtype in dtypes {
-            let w = gpu.upload_weights("w", &random(n * n, 2), dtype)?;
-            let dname = if dtype == DType::F16 { "f16" } else { "f32" };
-            let mut naive_s = None;
-            for kernel in [MatmulKernel::Naive, MatmulKernel::Tiled] {
-                // The naive kernel at 2048 takes seconds per call on a CPU driver; one sample
-                // is enough there.
-                let s = time(gpu, opts, &|e| {
-                    let io = MatmulIo {
-                        x: &x,
-                        w: &w,
-                        bias: None,
-                        y: &y,
-                    };
-                    ops::matmul(gpu, e, io, (n, n, n), kernel)
-                })?;
-                let name = match kernel {
-                    MatmulKernel::Naive => "matmul_naive",
-                    MatmulKernel::Tiled => "matmul",
-                };
-                let mut r = row(name, shape.clone(), dname, s);
-                r.gflops = Some(flops / s / 1e9);
-                match kernel {
-                    MatmulKernel::Naive => naive_s = Some(s),
-                    MatmulKernel::Tiled => r.speedup_vs_naive = naive_s.map(|ns| ns / s),
-                }
-                rows.push(r);
+    let mut shapes: Vec<(usize, usize, usize)> = opts.sizes.iter().map(|&n| (n, n, n)).collect();
+    shapes.extend(opts.shapes.iter().copied());
+    let mut dtypes = Vec::new();
+    if opts.f32 {
+        dtypes.push(DType::F32);
+    }
+    if opts.f16 && gpu.supports_f16_weights() {
+        dtypes.push(DType::F16);
+    }
+    for (m, n, k) in shapes {
+        for &dtype in &dtypes {
+            let wbytes = if dtype == DType::F16 { 2 } else { 4 };
+            let fits = [m * k * 4, n * k * wbytes, m * n * 4]
+                .iter()
+                .all(|&b| gpu.check_size("bench", b as u64).is_ok());
+            if !fits {
+                continue;
             }
+            rows.extend(bench_matmul(gpu, opts, (m, n, k), dtype)?);
         }
     }
-    rows.extend(bandwidth_kernels(gpu, opts)?);
+    for &tokens in &opts.attention_prefill {
+        rows.extend(bench_attention_prefill(gpu, opts, tokens)?);
+    }
+    if opts.others {
+        rows.extend(bandwidth_kernels(gpu, opts)?);
+    }
+    Ok(rows)
+}
+
+fn bench_matmul(
+    gpu: &Gpu,
+    opts: &KernelBenchOptions,
+    (m, n, k): (usize, usize, usize),
+    dtype: DType,
+) -> Result<Vec<KernelBenchRow>> {
+    let shape = (m, n, k);
+    let wt = if dtype == DType::F16 {
+        WeightType::F16
+    } else {
+        WeightType::F32
+    };
+    let dname = if dtype == DType::F16 { "f16" } else { "f32" };
+    let x = gpu.upload_f32("x", &random(m * k, 1))?;
+    let w = gpu.upload_weights("w", &random(n * k, 2), dtype)?;
+    let operands = Some(tune::MatmulOperands {
+        x: x.buffer(),
+        w: w.buffer(),
+    });
+    let effort = Effort::Bench {
+        samples: opts.iters,
+    };
+    let legacy = variants::MATMUL
+        .iter()
+        .find(|v| v.legacy && v.applies(gpu, shape) && (v.k_multiple_of_4 || k % 4 != 0));
+    let mut candidates: Vec<&'static variants::Variant> = variants::MATMUL
+        .iter()
+        .filter(|v| v.candidate && v.applies(gpu, shape))
+        .filter(|v| {
+            opts.only.is_empty()
+                || opts.only.iter().any(|o| o == v.name)
+                || legacy.is_some_and(|l| l.name == v.name)
+        })
+        .collect();
+    if opts.naive {
+        candidates.insert(
+            0,
+            variants::by_name("matmul_naive").ok_or_else(|| WgparError::Shape {
+                op: "bench".into(),
+                detail: "no naive matmul".into(),
+            })?,
+        );
+    }
+    let timings = tune::measure_matmul_variants(gpu, shape, wt, operands, effort, &candidates)?;
+    let flops = 2.0 * m as f64 * n as f64 * k as f64;
+    let bytes = (m * k * 4 + n * k * dtype.size() + m * n * 4) as f64;
+    let secs_of = |name: &str| {
+        timings
+            .iter()
+            .find(|t| t.variant.name == name)
+            .and_then(|t| t.seconds)
+    };
+    let naive_s = secs_of("matmul_naive");
+    let legacy_s = legacy.and_then(|l| secs_of(l.name));
+    let winner = tune::fastest(&timings);
+    let mut out = Vec::new();
+    for t in &timings {
+        let Some(s) = t.seconds else { continue };
+        let mut r = row(t.variant.name, format!("{m}x{n}x{k}"), dname, s);
+        r.gflops = Some(flops / s / 1e9);
+        r.gbps = Some(bytes / s / 1e9);
+        if t.variant.name != "matmul_naive" {
+            r.speedup_vs_naive = naive_s.map(|ns| ns / s);
+            r.speedup_vs_legacy = legacy_s.map(|ls| ls / s);
+        }
+        r.winner = winner.is_some_and(|v| v.name == t.variant.name);
+        r.legacy = legacy.is_some_and(|l| l.name == t.variant.name);
+        out.push(r);
+    }
+    if opts.save && opts.only.is_empty() {
+        if let Some(v) = winner {
+            tune::record_choice(gpu, Class::Matmul(MatmulClass::of(shape, wt)), v, &timings)?;
+        }
+    }
+    Ok(out)
+}
+
+/// Causal attention prefill of `tokens` tokens (one sequence, 32 heads of 128), every variant
+/// that applies: time and the rate of its 2 x 2 x d multiply-adds per (query, key) pair.
+fn bench_attention_prefill(
+    gpu: &Gpu,
+    opts: &KernelBenchOptions,
+    tokens: usize,
+) -> Result<Vec<KernelBenchRow>> {
+    let (heads, dim) = (32usize, 128usize);
+    let shape = AttnShape {
+        batch: 1,
+        seq: tokens,
+        slots: 1,
+        n_heads: heads,
+        n_kv_heads: heads,
+        head_dim: dim,
+        max_seq: tokens,
+        group: 1,
+        q_head_offset: 0,
+        kv_head_offset: 0,
+    };
+    let cache_bytes = (shape.cache_len() * 4) as u64;
+    if gpu.check_size("bench", cache_bytes).is_err() {
+        return Ok(Vec::new());
+    }
+    let kv = gpu.upload_f32("kc", &random(shape.cache_len(), 7))?;
+    let q = gpu.upload_f32("q", &random(tokens * heads * dim, 8))?;
+    let o = gpu.empty("o", DType::F32, tokens * heads * dim)?;
+    let seqs = gpu.upload_u32("seqs", &[0, 0])?;
+    let cache = ops::KvCache {
+        k: &kv,
+        v: &kv,
+        seqs: &seqs,
+    };
+    let pairs = (tokens * (tokens + 1) / 2) as f64;
+    let flops = pairs * heads as f64 * dim as f64 * 4.0;
+    // Only the tiled kernel shares key tiles: the others read each key once per query.
+    let mut rows = Vec::new();
+    for v in variants::ATTENTION
+        .iter()
+        .filter(|v| variants::attention_applies(v, tokens, dim))
+    {
+        let s = time(gpu, opts, &|e| {
+            ops::attention_with(
+                gpu,
+                e,
+                (&q, cache, &o),
+                &shape,
+                ops::AttnMask::Causal,
+                Some(v.name),
+            )
+        })?;
+        let mut r = row(v.name, format!("s{tokens} h{heads}x{dim}"), "f32", s);
+        r.gflops = Some(flops / s / 1e9);
+        r.legacy = v.legacy;
+        rows.push(r);
+    }
+    let best = rows
+        .iter()
+        .map(|r| r.median_ms)
+        .fold(f64::INFINITY, f64::min);
+    let legacy_ms = rows.iter().find(|r| r.legacy).map(|r| r.median_ms);
+    for r in &mut rows {
+        r.winner = r.median_ms == best;
+        r.speedup_vs_legacy = legacy_ms.map(|l| l / r.median_ms);
+    }
     Ok(rows)
 }
 

@@ -1,8 +1,10 @@
-//! Per-device pipeline cache: each (family, entry point, weight type) is compiled once.
+//! Per-device pipeline cache: each (family, entry point, weight type, variant) is compiled
+//! once, and the tuned variant choices of this device.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use super::variants::{Class, Variant};
 use super::{BindingKind, Family, WeightType};
 
 /// A compiled compute pipeline and the explicit layout its bind groups use.
@@ -14,7 +16,8 @@ pub struct Kernel {
     pub layout: wgpu::BindGroupLayout,
 }
 
-type Key = (Family, &'static str, WeightType);
+/// (family, entry point, weight type, variant tag: "" for the plain pipeline).
+type Key = (Family, &'static str, WeightType, &'static str);
 
 /// `WGPAR_CHECKED_SHADERS=1` compiles every shader with wgpu's injected bounds checks and loop
 /// bounding (the default path leaves them out; CI runs the kernel tests both ways).
@@ -26,10 +29,11 @@ fn checked_shaders() -> bool {
 #[derive(Debug, Default)]
 pub struct KernelCache {
     kernels: Mutex<HashMap<Key, Arc<Kernel>>>,
-    /// Keyed by the bindings, not the family: families whose entries are identical (every
-    /// variant of an op) share one layout, so a bind group made once serves them all.
+    // Keyed by the entries: families (and so every variant of an op) whose layouts have the
+    // same entries share one layout object, so one bind group serves them all.
     layouts: Mutex<HashMap<&'static [BindingKind], wgpu::BindGroupLayout>>,
     modules: Mutex<HashMap<(Family, WeightType), wgpu::ShaderModule>>,
+    choices: Mutex<HashMap<Class, &'static Variant>>,
 }
 
 impl KernelCache {
@@ -41,12 +45,26 @@ impl KernelCache {
         entry: &'static str,
         weights: WeightType,
     ) -> Arc<Kernel> {
+        self.get_variant(device, family, entry, weights, &[], "")
+    }
+
+    /// The pipeline for `entry` of `family` with `weights` and the override `constants` of the
+    /// variant `tag`, compiling it on first use.
+    pub fn get_variant(
+        &self,
+        device: &wgpu::Device,
+        family: Family,
+        entry: &'static str,
+        weights: WeightType,
+        constants: &'static [(&'static str, f64)],
+        tag: &'static str,
+    ) -> Arc<Kernel> {
         let weights = if family.has_weight_variants() {
             weights
         } else {
             WeightType::F32
         };
-        let key = (family, entry, weights);
+        let key = (family, entry, weights, tag);
         if let Some(k) = self.kernels.lock().ok().and_then(|m| m.get(&key).cloned()) {
             return k;
         }
@@ -62,7 +80,11 @@ impl KernelCache {
             layout: Some(&pipeline_layout),
             module: &module,
             entry_point: Some(entry),
-            compilation_options: wgpu::PipelineCompilationOptions::default(),
+            compilation_options: wgpu::PipelineCompilationOptions {
+                constants,
+                // Every kernel writes its workgroup memory before reading it.
+                zero_initialize_workgroup_memory: checked_shaders(),
+            },
             cache: None,
         });
         let kernel = Arc::new(Kernel { pipeline, layout });
@@ -72,6 +94,18 @@ impl KernelCache {
             return m.entry(key).or_insert(kernel).clone();
         }
         kernel
+    }
+
+    /// The variant chosen on this device for `class`, if one has been.
+    pub(crate) fn choice(&self, class: &Class) -> Option<&'static Variant> {
+        self.choices.lock().ok().and_then(|m| m.get(class).copied())
+    }
+
+    /// Records the variant chosen on this device for `class`.
+    pub(crate) fn set_choice(&self, class: Class, variant: &'static Variant) {
+        if let Ok(mut m) = self.choices.lock() {
+            m.insert(class, variant);
+        }
     }
 
     /// Number of pipelines compiled so far.

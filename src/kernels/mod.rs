@@ -5,11 +5,13 @@
 pub mod bench;
 mod cache;
 pub mod ops;
+pub mod tune;
+pub mod variants;
 
-pub use cache::KernelCache;
+pub use cache::{Kernel, KernelCache};
 
 /// Storage type of the weights a kernel reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 pub enum WeightType {
     /// f32 weights.
     F32,
@@ -33,8 +35,11 @@ pub enum BindingKind {
 pub enum Family {
     /// `matmul.wgsl`: tiled and naive matrix multiply.
     Matmul,
-    /// `matmul_vec4.wgsl`: the tiled matmul with vec4 loads, for inner dimensions divisible by 4.
+    /// `matmul_vec4.wgsl`: matmul variants with vec4 loads, for inner dimensions divisible by 4
+    /// (register-tiled, decode GEMV, workgroup-memory tiled GEMM).
     MatmulVec4,
+    /// `matmul_subgroup.wgsl`: decode GEMV with subgroup reductions (needs `SUBGROUP`).
+    MatmulSubgroup,
     /// `norm.wgsl`: LayerNorm and RMSNorm.
     Norm,
     /// `softmax.wgsl`: row softmax.
@@ -58,9 +63,10 @@ pub enum Family {
 
 impl Family {
     /// Every family, for validation tests.
-    pub const ALL: [Family; 11] = [
+    pub const ALL: [Family; 12] = [
         Family::Matmul,
         Family::MatmulVec4,
+        Family::MatmulSubgroup,
         Family::Norm,
         Family::Softmax,
         Family::Attention,
@@ -77,6 +83,7 @@ impl Family {
         match self {
             Family::Matmul => include_str!("../../shaders/matmul.wgsl"),
             Family::MatmulVec4 => include_str!("../../shaders/matmul_vec4.wgsl"),
+            Family::MatmulSubgroup => include_str!("../../shaders/matmul_subgroup.wgsl"),
             Family::Norm => include_str!("../../shaders/norm.wgsl"),
             Family::Softmax => include_str!("../../shaders/softmax.wgsl"),
             Family::Attention => include_str!("../../shaders/attention.wgsl"),
@@ -93,7 +100,7 @@ impl Family {
     pub fn has_weight_variants(self) -> bool {
         matches!(
             self,
-            Family::Matmul | Family::MatmulVec4 | Family::Embedding
+            Family::Matmul | Family::MatmulVec4 | Family::MatmulSubgroup | Family::Embedding
         )
     }
 
@@ -115,7 +122,9 @@ impl Family {
     pub fn bindings(self) -> &'static [BindingKind] {
         use BindingKind::*;
         match self {
-            Family::Matmul | Family::MatmulVec4 => &[Read, Read, Read, ReadWrite, Uniform],
+            Family::Matmul | Family::MatmulVec4 | Family::MatmulSubgroup => {
+                &[Read, Read, Read, ReadWrite, Uniform]
+            }
             Family::Norm => &[Read, ReadWrite, Read, Read, Uniform],
             Family::Softmax => &[ReadWrite, Uniform],
             // Position-dependent families read the step's sequence table just before the
@@ -133,11 +142,12 @@ impl Family {
     /// Entry points of the family.
     pub fn entry_points(self) -> &'static [&'static str] {
         match self {
-            Family::Matmul => &["matmul", "matmul_naive"],
-            Family::MatmulVec4 => &["matmul_vec4"],
+            Family::Matmul => &["matmul", "matmul_naive", "gemm_tiled_scalar"],
+            Family::MatmulVec4 => &["matmul_vec4", "matmul_vec4_rt", "gemv", "gemm_tiled"],
+            Family::MatmulSubgroup => &["gemv_subgroup"],
             Family::Norm => &["layernorm", "rmsnorm"],
             Family::Softmax => &["softmax"],
-            Family::Attention => &["attend"],
+            Family::Attention => &["attend", "attend_tiled", "attend_split"],
             Family::KvCache => &["kv_store"],
             Family::Rope => &["rope"],
             Family::Elementwise => &["add", "bias_add", "gelu", "gelu_erf", "swiglu"],
@@ -206,6 +216,53 @@ mod tests {
                 assert_eq!(
                     globals, expected,
                     "{family:?} layout differs from its shader"
+                );
+            }
+        }
+    }
+
+    /// Every kernel variant's override constants exist in its module and give a valid module
+    /// for its entry point (what wgpu does when it creates the pipeline).
+    #[test]
+    fn every_variant_validates_with_its_constants() {
+        for v in variants::MATMUL.iter().chain(variants::ATTENTION) {
+            for weights in [WeightType::F32, WeightType::F16] {
+                let src = v.family.source_for(weights);
+                let module = validate(v.name, &src);
+                let info = naga::valid::Validator::new(
+                    naga::valid::ValidationFlags::all(),
+                    naga::valid::Capabilities::all(),
+                )
+                .validate(&module)
+                .unwrap();
+                let constants: naga::back::PipelineConstants = v
+                    .constants
+                    .iter()
+                    .map(|(k, c)| (k.to_string(), *c))
+                    .collect();
+                let (module, _) = naga::back::pipeline_constants::process_overrides(
+                    &module,
+                    &info,
+                    Some((naga::ShaderStage::Compute, v.entry)),
+                    &constants,
+                )
+                .unwrap_or_else(|e| panic!("{}: {e}", v.name));
+                naga::valid::Validator::new(
+                    naga::valid::ValidationFlags::all(),
+                    naga::valid::Capabilities::all(),
+                )
+                .validate(&module)
+                .unwrap_or_else(|e| panic!("{} after overrides: {e}", v.name));
+                let ep = module
+                    .entry_points
+                    .iter()
+                    .find(|e| e.name == v.entry)
+                    .unwrap_or_else(|| panic!("{}: no entry {}", v.name, v.entry));
+                let threads: u32 = ep.workgroup_size.iter().product();
+                assert!(
+                    (1..=256).contains(&threads),
+                    "{}: {threads} invocations",
+                    v.name
                 );
             }
         }

@@ -15,8 +15,8 @@ use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
 
-use super::cache::Kernel;
-use super::{Family, WeightType};
+use super::variants::Variant;
+use super::{tune, variants, Family, Kernel, WeightType};
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
 
@@ -25,11 +25,6 @@ const MAX_GROUPS: u32 = 65_535;
 /// Most rows (tokens of one step) a row-per-workgroup kernel takes in one dispatch; the CLI
 /// checks a run's shapes against it before opening devices. Lift both together.
 pub const MAX_ROWS_PER_DISPATCH: usize = MAX_GROUPS as usize;
-/// Matmul rows per workgroup, columns per invocation and workgroup size; must match
-/// `shaders/matmul.wgsl`.
-const MATMUL_TM: u32 = 4;
-const MATMUL_TN: u32 = 4;
-const MATMUL_WG: u32 = 8;
 /// Bytes between two ops' parameters in a [`Params`] buffer: the largest
 /// `min_uniform_buffer_offset_alignment` wgpu allows, so every adapter accepts the offsets.
 pub const PARAM_STRIDE: u64 = 256;
@@ -206,6 +201,7 @@ impl Params {
 pub struct Dispatch {
     kernel: Arc<Kernel>,
     groups: [u32; 3],
+    variant: &'static str,
 }
 
 impl Dispatch {
@@ -218,7 +214,23 @@ impl Dispatch {
         Self {
             kernel: gpu.kernels().get(gpu.device(), family, entry, weights),
             groups,
+            variant: entry,
         }
+    }
+
+    /// The pipeline of kernel variant `v` (chosen by `kernels::tune`): its layout is the op's
+    /// one layout, so the op's bind group serves it.
+    fn of_variant(gpu: &Gpu, v: &'static Variant, weights: WeightType, groups: [u32; 3]) -> Self {
+        Self {
+            kernel: v.kernel(gpu, weights),
+            groups,
+            variant: v.name,
+        }
+    }
+
+    /// The kernel variant (or entry point, for ops without variants) dispatched.
+    pub fn variant(&self) -> &'static str {
+        self.variant
     }
 
     /// Workgroups launched.
@@ -388,10 +400,14 @@ struct MatmulParams {
 /// Which matmul kernel to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatmulKernel {
-    /// The production kernel (register-tiled).
+    /// The production choice: the variant tuned for this adapter and shape class
+    /// (`kernels::tune`).
     Tiled,
     /// One invocation per output: the benchmark baseline.
     Naive,
+    /// A named variant of `kernels::variants::MATMUL` (tests, benchmarks); an error if it does
+    /// not apply to the shape or device.
+    Variant(&'static str),
 }
 
 /// Operands of a matmul `y[m][n] = x[m][k] . w[n][k] (+ bias[n])`.
@@ -407,46 +423,46 @@ pub struct MatmulIo<'a> {
     pub y: &'a Tensor,
 }
 
-/// The pipeline and grid of a matmul at one shape: the vec4-load kernel when the inner
-/// dimension allows it.
+/// The variant and grid of a matmul at one shape: the tuner's choice for this device and
+/// shape class (`kernels::tune`), or the named kernel.
 fn matmul_launch(
+    gpu: &Gpu,
     (m, n, k): (usize, usize, usize),
+    weights: WeightType,
     kernel: MatmulKernel,
-) -> Result<((Family, &'static str), [u32; 3])> {
-    let (n32, m32) = (to_u32("matmul", "n", n)?, to_u32("matmul", "m", m)?);
-    let (family, groups) = match kernel {
-        // Inner dimensions divisible by 4 (every real model's) take the vec4-load kernel.
-        MatmulKernel::Tiled if k.is_multiple_of(4) => (
-            (Family::MatmulVec4, "matmul_vec4"),
-            [
-                n32.div_ceil(MATMUL_WG * MATMUL_TN),
-                m32.div_ceil(MATMUL_TM),
-                1,
-            ],
-        ),
-        MatmulKernel::Tiled => (
-            (Family::Matmul, "matmul"),
-            [
-                n32.div_ceil(MATMUL_WG * MATMUL_TN),
-                m32.div_ceil(MATMUL_TM),
-                1,
-            ],
-        ),
-        MatmulKernel::Naive => (
-            (Family::Matmul, "matmul_naive"),
-            [n32.div_ceil(8), m32.div_ceil(8), 1],
-        ),
+    operands: Option<tune::MatmulOperands<'_>>,
+) -> Result<(&'static Variant, [u32; 3])> {
+    const OP: &str = "matmul";
+    // The variant: tuned per adapter and shape class (see `kernels::tune`), or named.
+    let variant = match kernel {
+        MatmulKernel::Tiled if m == 0 || n == 0 => variants::default_matmul(gpu, (m, n, k)),
+        MatmulKernel::Tiled => tune::choose_matmul(gpu, (m, n, k), weights, operands)?,
+        MatmulKernel::Naive => {
+            variants::by_name("matmul_naive").ok_or_else(|| unknown("matmul_naive"))?
+        }
+        MatmulKernel::Variant(name) => {
+            let v = variants::by_name(name).ok_or_else(|| unknown(name))?;
+            if v.op != variants::Op::Matmul || !v.applies(gpu, (m, n, k)) {
+                return Err(WgparError::Shape {
+                    op: OP.into(),
+                    detail: format!("variant {name} does not apply to {m}x{n}x{k} on this device"),
+                });
+            }
+            v
+        }
     };
-    if groups[0] > MAX_GROUPS || groups[1] > MAX_GROUPS {
-        return Err(WgparError::Shape {
-            op: "matmul".into(),
-            detail: format!("{m}x{n} output exceeds the dispatch limit"),
-        });
+    if m == 0 || n == 0 {
+        return Ok((variant, [0, 0, 0]));
     }
-    Ok((family, groups))
+    let groups = variant.grid((m, n, k)).ok_or_else(|| WgparError::Shape {
+        op: OP.into(),
+        detail: format!("{m}x{n} output exceeds the dispatch limit"),
+    })?;
+    Ok((variant, groups))
 }
 
-/// A bound matmul over up to `rows` rows.
+/// A bound matmul over up to `rows` rows. Every matmul variant reads the same layout, so the
+/// bind group made here serves whichever the tuner picks per step shape.
 pub struct Matmul {
     op: Bound,
     rows: usize,
@@ -455,6 +471,9 @@ pub struct Matmul {
     bias: bool,
     weights: WeightType,
     kernel: MatmulKernel,
+    /// Input and weights, which a first-use tuning run times the variants on.
+    x: wgpu::Buffer,
+    w: wgpu::Buffer,
 }
 bound_op!(Matmul);
 
@@ -483,16 +502,19 @@ impl Matmul {
             bias: io.bias.is_some(),
             weights: weight_type(io.w),
             kernel: MatmulKernel::Tiled,
+            x: io.x.buffer().clone(),
+            w: io.w.buffer().clone(),
         })
     }
 
-    /// Runs `kernel` instead of the production kernel (benchmarks).
+    /// Runs `kernel` instead of the tuned choice (tests, benchmarks).
     pub fn with_kernel(mut self, kernel: MatmulKernel) -> Self {
         self.kernel = kernel;
         self
     }
 
-    /// Configures the op for `m` rows.
+    /// Configures the op for `m` rows: the params, and the variant and grid the kernels
+    /// module chooses for this shape on this device.
     pub fn configure(&mut self, gpu: &Gpu, params: &mut Params, m: usize) -> Result<()> {
         const OP: &str = "matmul";
         over(OP, "rows", m, self.rows)?;
@@ -502,11 +524,18 @@ impl Matmul {
             k: to_u32(OP, "k", self.k)?,
             has_bias: self.bias as u32,
         };
-        let (pipeline, mut groups) = matmul_launch((m, self.n, self.k), self.kernel)?;
-        if m == 0 || self.n == 0 {
-            groups = [0, 0, 0];
-        }
-        let dispatch = Dispatch::new(gpu, pipeline, self.weights, groups);
+        let operands = tune::MatmulOperands {
+            x: &self.x,
+            w: &self.w,
+        };
+        let (variant, groups) = matmul_launch(
+            gpu,
+            (m, self.n, self.k),
+            self.weights,
+            self.kernel,
+            Some(operands),
+        )?;
+        let dispatch = Dispatch::of_variant(gpu, variant, self.weights, groups);
         self.op.set(params, &values, dispatch);
         Ok(())
     }
@@ -525,6 +554,14 @@ pub fn matmul(
         op.configure(gpu, params, m)?;
         Ok(op)
     })
+}
+
+fn unknown(name: &str) -> WgparError {
+    WgparError::TuneSetting {
+        name: "matmul variant".into(),
+        value: name.into(),
+        expected: format!("one of {}", variants::names().join(", ")),
+    }
 }
 
 #[repr(C)]
@@ -849,6 +886,11 @@ pub struct Attention {
     op: Bound,
     shape: AttnShape,
     causal: bool,
+    /// A named variant (tests, benchmarks) instead of the tuned choice.
+    variant: Option<&'static str>,
+    /// `q, k_cache, v_cache, lens, out, seqs` as bound: a first-use tuning run times the
+    /// variants on them (writing a scratch output instead of `out`).
+    buffers: [wgpu::Buffer; 6],
 }
 bound_op!(Attention);
 
@@ -888,7 +930,16 @@ impl Attention {
             op: Bound::new(gpu, params, Family::Attention, OP, &buffers)?,
             shape: *capacity,
             causal,
+            variant: None,
+            buffers: buffers.map(|b| b.clone()),
         })
+    }
+
+    /// Runs the variant called `name` instead of the tuned choice (tests, benchmarks); an
+    /// error at configure time where it does not apply.
+    pub fn with_variant(mut self, name: Option<&'static str>) -> Self {
+        self.variant = name;
+        self
     }
 
     /// Configures the op for `batch` rows of `seq` new tokens.
@@ -901,14 +952,79 @@ impl Attention {
         const OP: &str = "attention";
         let shape = step_shape(OP, &self.shape, batch, seq)?;
         let values = AttnParams::new(OP, &shape, self.causal)?;
-        let dispatch = Dispatch::new(
-            gpu,
-            (Family::Attention, "attend"),
-            WeightType::F32,
-            grid_1d(OP, shape.tokens() * shape.n_heads, 64)?,
-        );
+        let variant = self.choose(gpu, &shape, &values)?;
+        let heads = shape.n_heads;
+        let groups = variants::attention_grid(variant, batch, seq, heads).ok_or_else(|| {
+            WgparError::Shape {
+                op: OP.into(),
+                detail: format!(
+                    "{} tokens x {heads} heads exceed the dispatch limit",
+                    batch * seq
+                ),
+            }
+        })?;
+        let dispatch = Dispatch::of_variant(gpu, variant, WeightType::F32, groups);
         self.op.set(params, &values, dispatch);
         Ok(())
+    }
+
+    /// The variant for `shape`: the named one, or the tuner's choice for its class on this
+    /// device (timed on the bound operands on first use).
+    fn choose(
+        &self,
+        gpu: &Gpu,
+        shape: &AttnShape,
+        values: &AttnParams,
+    ) -> Result<&'static Variant> {
+        const OP: &str = "attention";
+        let (batch, seq, heads, dim) = (shape.batch, shape.seq, shape.n_heads, shape.head_dim);
+        let applies = |v: &Variant| {
+            variants::attention_applies(v, seq, dim)
+                && variants::attention_grid(v, batch, seq, heads).is_some()
+        };
+        if let Some(name) = self.variant {
+            let v = variants::by_name(name).ok_or_else(|| unknown(name))?;
+            if !applies(v) {
+                return Err(WgparError::Shape {
+                    op: OP.into(),
+                    detail: format!("variant {name} does not apply to seq {seq}, head_dim {dim}"),
+                });
+            }
+            return Ok(v);
+        }
+        // Past lengths live in the sequence table on the device: the cache capacity stands
+        // for the context in the shape class.
+        let context = shape.max_seq;
+        let class = variants::Class::Attention(variants::AttnClass::of(
+            seq,
+            context,
+            batch * heads,
+            dim,
+            self.causal,
+        ));
+        let candidates: Vec<&'static Variant> =
+            variants::ATTENTION.iter().filter(|v| applies(v)).collect();
+        let out_len = shape.tokens() * heads * dim;
+        tune::choose(
+            gpu,
+            class,
+            &applies,
+            variants::default_attention(gpu, seq, context, dim),
+            &mut || {
+                // Timing reads the bound operands and writes a scratch output.
+                let scratch = gpu.empty("tune.attention.out", DType::F32, out_len)?;
+                let [q, k, v, lens, _, seqs] = &self.buffers;
+                tune::measure_variants(
+                    gpu,
+                    &candidates,
+                    WeightType::F32,
+                    &[q, k, v, lens, scratch.buffer(), seqs],
+                    bytemuck::bytes_of(values),
+                    &|v| variants::attention_grid(v, batch, seq, heads),
+                    tune::Effort::Tune,
+                )
+            },
+        )
     }
 }
 
@@ -946,8 +1062,21 @@ pub fn attention_masked(
     shape: &AttnShape,
     mask: AttnMask<'_>,
 ) -> Result<()> {
+    attention_with(gpu, encoder, io, shape, mask, None)
+}
+
+/// [`attention_masked`] with the kernel variant named (`Some`: tests, benchmarks; an error if
+/// it does not apply) or tuned (`None`).
+pub fn attention_with(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    io: (&Tensor, KvCache<'_>, &Tensor),
+    shape: &AttnShape,
+    mask: AttnMask<'_>,
+    variant: Option<&'static str>,
+) -> Result<()> {
     once(gpu, encoder, "attention", |params| {
-        let mut op = Attention::bind(gpu, params, io, shape, mask)?;
+        let mut op = Attention::bind(gpu, params, io, shape, mask)?.with_variant(variant);
         op.configure(gpu, params, (shape.batch, shape.seq))?;
         Ok(op)
     })

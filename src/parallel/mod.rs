@@ -2,11 +2,12 @@
 //! same prefill/decode interface, so the CLI, the benchmarks and the tests treat them alike.
 
 mod balance;
+mod batch;
 pub mod cost;
 mod encoder;
 pub mod partition;
 mod pick;
-mod pp;
+pub(crate) mod pp;
 mod single;
 mod strategy;
 mod tp;
@@ -15,13 +16,12 @@ mod worker;
 use std::time::Instant;
 
 pub use balance::measure_stage_costs;
+pub use batch::{BatchStep, SeqRow, StepDone, StepEngine};
 pub use encoder::{cosine_similarity, pad_batch, Embeddings, Encoder, SingleEncoder};
 pub use partition::{partition, Partition, StageCost};
-pub use pp::{
-    split_groups, Fault, FaultKind, PipelineEngine, PipelineStats, Request, Response, StageStats,
-};
+pub use pp::{split_groups, Fault, FaultKind, PipelineEngine, PipelineStats, Schedule, StageStats};
 pub use single::SingleEngine;
-pub use strategy::{build_engine, PartitionSpec, Strategy};
+pub use strategy::{build_engine, build_pipeline, build_step_engine, PartitionSpec, Strategy};
 pub use tp::TensorParallelEngine;
 
 use crate::error::{Result, WgparError};
@@ -57,6 +57,26 @@ pub struct StepStats {
 }
 
 impl StepStats {
+    /// Adds `other`'s tokens, times, collectives and bytes (a run of several steps).
+    pub fn accumulate(&mut self, other: &StepStats) {
+        // A run's encode time is known where every step's is.
+        let first = *self == StepStats::default();
+        self.tokens += other.tokens;
+        self.wall_s += other.wall_s;
+        self.compute_s += other.compute_s;
+        self.comm_s += other.comm_s;
+        self.collectives += other.collectives;
+        self.bytes_sent += other.bytes_sent;
+        self.bytes_received += other.bytes_received;
+        let sum = |a: Option<f64>, b: Option<f64>, first: bool| match (a, b) {
+            (Some(a), Some(b)) => Some(a + b),
+            (None, Some(b)) if first => Some(b),
+            _ => None,
+        };
+        self.encode_s = sum(self.encode_s, other.encode_s, first);
+        self.encode_cpu_s = sum(self.encode_cpu_s, other.encode_cpu_s, first);
+    }
+
     /// Communication as a share of compute + communication.
     pub fn comm_share(&self) -> f64 {
         let total = self.compute_s + self.comm_s;
@@ -177,6 +197,17 @@ pub trait Engine {
         self.decode_step(tokens, true)?.into_logits()
     }
 
+    /// Greedily decodes `steps` more tokens per sequence after a prefill, starting from `next`
+    /// (the tokens chosen from the last logits). The default runs one batched [`decode`]
+    /// per token; a pipeline overrides it to keep its micro-batches in flight, each moving to
+    /// its next token as soon as its own logits return. `keep_logits` keeps every step's
+    /// logits (for checks against a reference); otherwise only tokens are kept.
+    ///
+    /// [`decode`]: Engine::decode
+    fn decode_greedy(&mut self, next: &[u32], steps: usize, keep_logits: bool) -> Result<Decoded> {
+        decode_step_by_step(self, next, steps, keep_logits)
+    }
+
     /// Accounting of the last prefill or decode step.
     fn last_step(&self) -> Option<StepStats>;
 
@@ -203,6 +234,48 @@ pub trait Engine {
             self.name()
         )))
     }
+}
+
+/// Tokens (and, when asked, logits) of a greedy decode run, with its accounting.
+#[derive(Debug, Clone, Default)]
+pub struct Decoded {
+    /// Generated tokens per sequence (`steps` each).
+    pub tokens: Vec<Vec<u32>>,
+    /// Logits of every step, when kept (`[batch][vocab]` per step, in sequence order).
+    pub logits: Vec<Logits>,
+    /// Wall time of the whole run, seconds.
+    pub wall_s: f64,
+    /// Accounting summed over the run (tokens, compute, communication, bytes).
+    pub stats: StepStats,
+}
+
+/// [`Engine::decode_greedy`] as one batched step per token: every sequence waits for the
+/// whole batch's logits before its next token.
+pub fn decode_step_by_step<E: Engine + ?Sized>(
+    engine: &mut E,
+    next: &[u32],
+    steps: usize,
+    keep_logits: bool,
+) -> Result<Decoded> {
+    let start = Instant::now();
+    let mut next = next.to_vec();
+    let mut out = Decoded {
+        tokens: vec![Vec::with_capacity(steps); next.len()],
+        ..Decoded::default()
+    };
+    for _ in 0..steps {
+        let step = engine.decode_step(&next, keep_logits)?;
+        next = step.tokens;
+        for (seq_tokens, &t) in out.tokens.iter_mut().zip(&next) {
+            seq_tokens.push(t);
+        }
+        if let Some(s) = engine.last_step() {
+            out.stats.accumulate(&s);
+        }
+        out.logits.extend(step.logits);
+    }
+    out.wall_s = start.elapsed().as_secs_f64();
+    Ok(out)
 }
 
 /// Checks a decode step's tokens against the prefilled batch (one token per sequence).
@@ -248,8 +321,14 @@ pub struct Generation {
     pub logits: Vec<Logits>,
     /// Prefill wall time, seconds.
     pub prefill_s: f64,
-    /// Wall time of each decode step, seconds.
-    pub decode_s: Vec<f64>,
+    /// Wall time of the decode run (every token after the first), seconds. Under an
+    /// in-flight pipeline the micro-batches do not share step boundaries, so only the whole
+    /// run has a wall time.
+    pub decode_s: f64,
+    /// Tokens decoded per sequence after the first.
+    pub decode_steps: usize,
+    /// Accounting of the decode run.
+    pub decode_stats: StepStats,
     /// Prompt tokens processed.
     pub prompt_tokens: usize,
 }
@@ -262,8 +341,12 @@ impl Generation {
 
     /// Generation rate over all sequences, tokens/s.
     pub fn decode_tokens_per_s(&self) -> f64 {
-        let total: f64 = self.decode_s.iter().sum();
-        (self.decode_s.len() * self.tokens.len()) as f64 / total
+        (self.decode_steps * self.tokens.len()) as f64 / self.decode_s
+    }
+
+    /// Mean time between two tokens of one sequence, seconds.
+    pub fn per_token_s(&self) -> f64 {
+        self.decode_s / self.decode_steps.max(1) as f64
     }
 }
 
@@ -279,8 +362,9 @@ pub enum KeepLogits {
     All,
 }
 
-/// Prefills `prompts`, then decodes `steps` tokens per sequence (the engine's token pick:
-/// greedy unless [`Engine::set_sampling`] said otherwise); keeps tokens only.
+/// Prefills `prompts`, then decodes up to `steps` tokens per sequence in all (the first from
+/// the prefill) with the engine's token pick (greedy unless [`Engine::set_sampling`] said
+/// otherwise), through [`Engine::decode_greedy`] (in flight on a pipeline); keeps tokens only.
 pub fn generate(engine: &mut dyn Engine, prompts: &[Vec<u32>], steps: usize) -> Result<Generation> {
     generate_keeping(engine, prompts, steps, KeepLogits::None)
 }
@@ -296,25 +380,22 @@ pub fn generate_keeping(
     let start = Instant::now();
     let first = engine.prefill_step(prompts, keep != KeepLogits::None)?;
     let prefill_s = start.elapsed().as_secs_f64();
-    let mut next = first.tokens;
-    let mut tokens: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+    let next = first.tokens;
+    let decoded = engine.decode_greedy(&next, steps.max(1) - 1, keep == KeepLogits::All)?;
+    let tokens = next
+        .iter()
+        .zip(&decoded.tokens)
+        .map(|(&t, rest)| std::iter::once(t).chain(rest.iter().copied()).collect())
+        .collect();
     let mut logits: Vec<Logits> = first.logits.into_iter().collect();
-    let mut decode_s = Vec::with_capacity(steps);
-    for _ in 1..steps.max(1) {
-        let start = Instant::now();
-        let out = engine.decode_step(&next, keep == KeepLogits::All)?;
-        decode_s.push(start.elapsed().as_secs_f64());
-        next = out.tokens;
-        for (seq_tokens, &t) in tokens.iter_mut().zip(&next) {
-            seq_tokens.push(t);
-        }
-        logits.extend(out.logits);
-    }
+    logits.extend(decoded.logits);
     Ok(Generation {
         tokens,
         logits,
         prefill_s,
-        decode_s,
+        decode_s: decoded.wall_s,
+        decode_steps: steps.max(1) - 1,
+        decode_stats: decoded.stats,
         prompt_tokens: batch * seq,
     })
 }

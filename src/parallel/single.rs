@@ -1,21 +1,29 @@
 //! The single-device engine: the whole model on one `Gpu`.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::pick::{check_finite, count_non_finite, Picker};
-use super::{check_decode, cost, prompt_shape, Engine, Logits, StepOutput, StepStats};
+use super::{
+    check_decode, cost, prompt_shape, BatchStep, Engine, Logits, SeqRow, StepDone, StepEngine,
+    StepOutput, StepStats,
+};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
 use crate::model::sampling::SamplingParams;
-use crate::model::{Activations, GpuModel, KvCache, ModelWeights, Placement, Step};
-use crate::trace::{KernelFamily, Recorder, SpanAttrs};
+use crate::model::{Activations, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, Step};
+use crate::trace::{KernelFamily, Recorder, SpanAttrs, SpanId};
 
 /// The whole model on one device, with its KV cache.
 pub struct SingleEngine {
     model: GpuModel,
     act: Option<Activations>,
+    /// Sequences `act` has room for.
+    act_batch: usize,
     kv: Option<KvCache>,
+    /// Finished continuous-batching steps not yet collected (one at most: steps run at once).
+    done: VecDeque<StepDone>,
     batch: usize,
     past: usize,
     /// Steps since the prefill (the prefill is step 0).
@@ -34,7 +42,9 @@ impl SingleEngine {
         Ok(Self {
             model: GpuModel::upload(gpu, weights, placement, dtype)?,
             act: None,
+            act_batch: 0,
             kv: None,
+            done: VecDeque::new(),
             batch: 0,
             past: 0,
             steps: 0,
@@ -50,7 +60,31 @@ impl SingleEngine {
         &self.model
     }
 
-    fn forward(&mut self, ids: &[u32], step: Step, want_logits: bool) -> Result<StepOutput> {
+    /// Makes sure the activations hold `tokens` tokens of `batch` sequences.
+    fn reserve_activations(&mut self, tokens: usize, batch: usize) -> Result<()> {
+        let fits = self
+            .act
+            .as_ref()
+            .is_some_and(|a| self.act_batch >= batch && a.capacity() >= tokens);
+        if !fits {
+            let tokens = tokens.max(self.act.as_ref().map_or(0, Activations::capacity));
+            let batch = batch.max(self.act_batch);
+            self.act = Some(self.model.activations(tokens, batch)?);
+            self.act_batch = batch;
+        }
+        Ok(())
+    }
+
+    /// One forward step of `rows`; its span waits for `deps` and starts no earlier than
+    /// `release_us`. Returns the step's tokens (and logits when `want_logits`) and the span.
+    fn forward(
+        &mut self,
+        ids: &[u32],
+        step: Step,
+        rows: &[SeqRow],
+        (deps, release_us): (&[SpanId], Option<f64>),
+        want_logits: bool,
+    ) -> Result<(StepOutput, SpanId)> {
         let (Some(act), Some(kv)) = (&mut self.act, &mut self.kv) else {
             return Err(WgparError::InvalidCall("decode before prefill".into()));
         };
@@ -63,7 +97,7 @@ impl SingleEngine {
             want_logits || self.picker.needs_logits(),
         );
         m.write_ids(act, ids)?;
-        m.begin_step(act, kv, &step, &step.rows())?;
+        m.begin_step(act, kv, &step, rows)?;
         let draws = self.picker.draws(step.batch);
         if !draws.is_empty() {
             m.write_draws(act, &draws)?;
@@ -94,13 +128,18 @@ impl SingleEngine {
         let dev = gpu.ordinal() as u32;
         // One span: the whole step is one submit, with no point where the host could time a
         // layer without adding a synchronisation the single-device path does not need.
-        self.recorder.record_with(start, end, || {
-            SpanAttrs::compute("forward", dev)
+        let span = self.recorder.record_with(start, end, || {
+            let a = SpanAttrs::compute("forward", dev)
                 .flops(work.flops)
                 .bytes(work.bytes)
                 .family(KernelFamily::Matmul)
                 .kernels(work.kernels)
                 .device_us(device_us)
+                .after_all(deps);
+            match release_us {
+                Some(us) => a.not_before_us(us),
+                None => a,
+            }
         });
         self.last = Some(StepStats {
             tokens: step.tokens(),
@@ -131,10 +170,13 @@ impl SingleEngine {
         };
         self.past += step.seq;
         self.steps += 1;
-        Ok(StepOutput {
-            tokens,
-            logits: logits.filter(|_| want_logits),
-        })
+        Ok((
+            StepOutput {
+                tokens,
+                logits: logits.filter(|_| want_logits),
+            },
+            span,
+        ))
     }
 }
 
@@ -145,14 +187,7 @@ impl Engine for SingleEngine {
 
     fn prefill_step(&mut self, prompts: &[Vec<u32>], logits: bool) -> Result<StepOutput> {
         let (batch, seq) = prompt_shape(prompts)?;
-        let tokens = batch * seq;
-        let fits = self
-            .act
-            .as_ref()
-            .is_some_and(|a| a.batch() == batch && a.capacity() >= tokens);
-        if !fits {
-            self.act = Some(self.model.activations(tokens, batch)?);
-        }
+        self.reserve_activations(batch * seq, batch)?;
         if self.kv.as_ref().map(|k| k.slots()) != Some(batch) {
             self.kv = Some(self.model.kv_cache(batch)?);
         }
@@ -165,7 +200,9 @@ impl Engine for SingleEngine {
             seq,
             past: 0,
         };
-        self.forward(&ids, step, logits)
+        Ok(self
+            .forward(&ids, step, &step.rows(), (&[], None), logits)?
+            .0)
     }
 
     fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput> {
@@ -175,7 +212,9 @@ impl Engine for SingleEngine {
             seq: 1,
             past: self.past,
         };
-        self.forward(tokens, step, logits)
+        Ok(self
+            .forward(tokens, step, &step.rows(), (&[], None), logits)?
+            .0)
     }
 
     fn set_sampling(&mut self, params: SamplingParams) -> Result<()> {
@@ -194,5 +233,58 @@ impl Engine for SingleEngine {
         );
         super::sync_span_timer(&mut self.timer, self.model.gpu(), &recorder);
         self.recorder = recorder;
+    }
+}
+
+impl StepEngine for SingleEngine {
+    fn model_config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn lanes(&self) -> usize {
+        1
+    }
+
+    fn reserve_slots(&mut self, slots: usize) -> Result<()> {
+        self.kv = Some(self.model.kv_cache(slots)?);
+        // The plain batch (prefill/decode) lived in the old cache.
+        self.batch = 0;
+        self.done.clear();
+        Ok(())
+    }
+
+    fn slots(&self) -> usize {
+        self.kv.as_ref().map_or(0, KvCache::slots)
+    }
+
+    /// Runs the step at once; [`complete`](StepEngine::complete) hands it back.
+    fn submit(&mut self, step: BatchStep) -> Result<()> {
+        let shape = Step {
+            batch: step.rows.len(),
+            seq: step.seq,
+            past: 0,
+        };
+        self.reserve_activations(shape.tokens(), shape.batch)?;
+        // The serving loop picks from the logits (see `StepDone`).
+        let (out, span) = self.forward(
+            &step.ids,
+            shape,
+            &step.rows,
+            (&step.deps, step.release_us),
+            true,
+        )?;
+        let logits = out
+            .logits
+            .ok_or_else(|| WgparError::Internal("no logits read".into()))?;
+        self.done.push_back(StepDone {
+            lane: step.lane,
+            logits,
+            span,
+        });
+        Ok(())
+    }
+
+    fn complete(&mut self, _timeout: Option<Duration>) -> Result<Option<StepDone>> {
+        Ok(self.done.pop_front())
     }
 }

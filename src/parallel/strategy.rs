@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::balance::measure_stage_costs;
 use super::partition::Partition;
-use super::{Engine, PipelineEngine, SingleEngine, TensorParallelEngine};
+use super::{Engine, PipelineEngine, Schedule, SingleEngine, StepEngine, TensorParallelEngine};
 use crate::comm::CommConfig;
 use crate::device::{AdapterDesc, DType, Gpu};
 use crate::error::{Result, WgparError};
@@ -38,8 +38,10 @@ pub enum Strategy {
     Pipeline {
         /// Layer assignment.
         partition: PartitionSpec,
-        /// GPipe micro-batches per batch.
+        /// Micro-batches per batch.
         micro_batches: usize,
+        /// How decode is scheduled (in flight unless asked for GPipe).
+        schedule: Schedule,
     },
     /// Pipeline stages that are each a tensor-parallel group of `tp` devices.
     Hybrid {
@@ -47,8 +49,10 @@ pub enum Strategy {
         tp: usize,
         /// Layer assignment.
         partition: PartitionSpec,
-        /// GPipe micro-batches per batch.
+        /// Micro-batches per batch.
         micro_batches: usize,
+        /// How decode is scheduled (in flight unless asked for GPipe).
+        schedule: Schedule,
     },
 }
 
@@ -57,10 +61,17 @@ impl fmt::Display for Strategy {
         match self {
             Strategy::Single => write!(f, "single"),
             Strategy::Tensor { .. } => write!(f, "tp"),
-            Strategy::Pipeline { micro_batches, .. } => write!(f, "pp(m={micro_batches})"),
+            Strategy::Pipeline {
+                micro_batches,
+                schedule,
+                ..
+            } => write!(f, "pp(m={micro_batches}, {schedule})"),
             Strategy::Hybrid {
-                tp, micro_batches, ..
-            } => write!(f, "tp{tp}xpp(m={micro_batches})"),
+                tp,
+                micro_batches,
+                schedule,
+                ..
+            } => write!(f, "tp{tp}xpp(m={micro_batches}, {schedule})"),
         }
     }
 }
@@ -74,6 +85,20 @@ pub fn build_engine(
     comm: &CommConfig,
     probe: (usize, usize),
 ) -> Result<Box<dyn Engine>> {
+    let engine: Box<dyn Engine> = build_step_engine(strategy, gpus, weights, dtype, comm, probe)?;
+    Ok(engine)
+}
+
+/// Builds the engine for `strategy` on `gpus` as a [`StepEngine`], for continuous batching
+/// (every engine is one).
+pub fn build_step_engine(
+    strategy: &Strategy,
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+    dtype: DType,
+    comm: &CommConfig,
+    probe: (usize, usize),
+) -> Result<Box<dyn StepEngine>> {
     let first = gpus
         .first()
         .ok_or_else(|| WgparError::Config("no devices".into()))?;
@@ -86,26 +111,45 @@ pub fn build_engine(
             split.as_deref(),
             comm.clone(),
         )?),
+        Strategy::Pipeline { .. } | Strategy::Hybrid { .. } => {
+            Box::new(build_pipeline(strategy, gpus, weights, dtype, comm, probe)?)
+        }
+    })
+}
+
+/// Builds the pipeline engine for a [`Strategy::Pipeline`] or [`Strategy::Hybrid`], as
+/// itself (its schedule, stage statistics and faults are reachable).
+pub fn build_pipeline(
+    strategy: &Strategy,
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+    dtype: DType,
+    comm: &CommConfig,
+    probe: (usize, usize),
+) -> Result<PipelineEngine> {
+    let mut engine = match strategy {
         Strategy::Pipeline {
             partition,
             micro_batches,
-        } => Box::new(PipelineEngine::new(
+            ..
+        } => PipelineEngine::new(
             gpus,
             weights,
             dtype,
             &resolve(partition, gpus, weights, dtype, probe)?,
             *micro_batches,
             comm.clone(),
-        )?),
+        )?,
         Strategy::Hybrid {
             tp,
             partition,
             micro_batches,
+            ..
         } => {
             // Balance on one device per stage: the stage's devices run shards of the same
             // layers, so the first stands for its group.
             let leaders: Vec<Arc<Gpu>> = gpus.iter().step_by((*tp).max(1)).cloned().collect();
-            Box::new(PipelineEngine::hybrid(
+            PipelineEngine::hybrid(
                 gpus,
                 weights,
                 dtype,
@@ -113,9 +157,18 @@ pub fn build_engine(
                 &resolve(partition, &leaders, weights, dtype, probe)?,
                 *micro_batches,
                 comm.clone(),
-            )?)
+            )?
         }
-    })
+        other => {
+            return Err(WgparError::Config(format!(
+                "{other} is not a pipeline strategy"
+            )))
+        }
+    };
+    if let Strategy::Pipeline { schedule, .. } | Strategy::Hybrid { schedule, .. } = strategy {
+        engine.set_schedule(*schedule);
+    }
+    Ok(engine)
 }
 
 fn resolve(
@@ -191,6 +244,7 @@ impl Strategy {
             Strategy::Pipeline {
                 partition,
                 micro_batches,
+                ..
             } => {
                 micro(*micro_batches)?;
                 let ranges = stages(devices, partition)?;
@@ -210,6 +264,7 @@ impl Strategy {
                 tp,
                 partition,
                 micro_batches,
+                ..
             } => {
                 micro(*micro_batches)?;
                 if *tp == 0 || !devices.is_multiple_of(*tp) {

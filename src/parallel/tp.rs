@@ -8,7 +8,7 @@
 //! `batch x vocab` logits per step to save `vocab x hidden` weights per device. Only rank 0
 //! computes the head; the other ranks skip it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,15 +17,18 @@ use super::cost;
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::pick::{check_finite, count_non_finite, Picker};
 use super::worker::Workers;
-use super::{check_decode, prompt_shape, Engine, Fault, FaultKind, Logits, StepOutput, StepStats};
-use crate::comm::{CommConfig, Communicator, RankHandle};
+use super::{
+    check_decode, prompt_shape, BatchStep, Engine, Fault, FaultKind, Logits, StepDone, StepEngine,
+    StepOutput, StepStats,
+};
+use crate::comm::{CommConfig, Communicator, CrossProcessGroup, RankHandle};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
 use crate::kernels::ops::TokenPick;
 use crate::model::sampling::SamplingParams;
 use crate::model::{
-    Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, ShardSpec,
-    Step, StepOut,
+    Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, SeqRow,
+    ShardSpec, Step, StepOut,
 };
 use crate::sim::{Algorithm, Direction, LinkPacer};
 use crate::trace::{CollectiveOp, KernelFamily, Recorder, SpanAttrs, SpanId};
@@ -42,10 +45,16 @@ struct Rank {
     group_tag: u64,
     /// Device-side timing of compute spans while a trace is recorded.
     timer: SpanTimer,
+    /// The group's ranks in other processes, when it spans processes (one device here).
+    remote: Option<Arc<dyn CrossProcessGroup>>,
     /// A fault to inject (tests, `run --inject-fault`), and the jobs run so far.
     fault: Arc<Mutex<Option<Fault>>>,
     jobs: usize,
 }
+
+/// Collective group ids of a group that spans processes carry this bit: every process numbers
+/// them alike, so a merge of the processes' traces keeps them (and renumbers the others).
+pub(crate) const CROSS_PROCESS_GROUP_BIT: u64 = crate::trace::CROSS_PROCESS_GROUP;
 
 /// What a tensor-parallel group computes on: token ids (the group holds the embedding) or
 /// the previous pipeline stage's hidden states (host bytes, uploaded to every rank).
@@ -84,6 +93,18 @@ impl Default for Readout {
     }
 }
 
+impl Readout {
+    /// The readout of a head in another process (`dist`): the pick's settings do not travel
+    /// over the link, so the head picks greedily (counting non-finite logits) and sends the
+    /// logits too, for the driver to pick from where it samples.
+    pub(crate) fn remote() -> Self {
+        Self {
+            logits: true,
+            ..Self::default()
+        }
+    }
+}
+
 /// One step for a tensor-parallel group.
 #[derive(Clone)]
 pub(crate) struct GroupJob {
@@ -94,7 +115,14 @@ pub(crate) struct GroupJob {
     pub release: bool,
     pub recorder: Recorder,
     pub microbatch: Option<u32>,
-    pub dep: SpanId,
+    /// What the step's first span waits for.
+    pub deps: Vec<SpanId>,
+    /// Earliest start of the step's first span, microseconds since the recorder's epoch.
+    pub release_us: Option<f64>,
+    /// The step's sequence table (`None`: row b in slot b, all at `step.past`).
+    pub rows: Option<Arc<Vec<SeqRow>>>,
+    /// Slots of the cache `new_cache` makes (`None`: one per sequence of the step).
+    pub slots: Option<usize>,
     /// Encoders: token types and real lengths of the padded batch (every rank needs the
     /// lengths: they mask attention).
     pub encoder: Option<Arc<EncoderExtras>>,
@@ -115,15 +143,25 @@ pub(crate) struct EncoderExtras {
 pub(crate) struct RankOutput {
     pub output: Option<GroupOutput>,
     pub compute_s: f64,
+    /// Time in all-reduces, waits for the slowest rank included.
     pub comm_s: f64,
-    pub handoff_s: f64,
+    /// The part of `comm_s` spent waiting for the slowest rank (the wait spans).
+    pub wait_s: f64,
+    /// Upload of a pipeline hand-off (the h2d span).
+    pub upload_s: f64,
+    /// Download of the output (the d2h span), rank 0.
+    pub download_s: f64,
+    /// Host transfers (uploads and downloads).
+    pub transfers: usize,
+    /// Bytes uploaded from a previous pipeline stage.
+    pub upload_bytes: u64,
+    pub collectives: usize,
+    pub bytes: u64,
+    pub last_span: SpanId,
     /// Host time staging inputs, recording and submitting.
     pub encode_s: f64,
     /// The same in this thread's CPU time (`None`: no thread CPU clock).
     pub encode_cpu_s: Option<f64>,
-    pub collectives: usize,
-    pub bytes: u64,
-    pub last_span: SpanId,
 }
 
 impl Rank {
@@ -157,11 +195,14 @@ impl Rank {
         self.model.gpu().check()?;
         let step = job.step;
         let rec = &job.recorder;
-        // A new sequence group reuses its cache when the slots match (the prefill's table
-        // starts every row at position 0).
-        if job.new_cache && self.caches.get(&job.group).map(KvCache::slots) != Some(step.batch) {
-            let cache = self.model.kv_cache(step.batch)?;
-            self.caches.insert(job.group, cache);
+        if job.new_cache {
+            let slots = job.slots.unwrap_or(step.batch);
+            // A new cache of the same size reuses the old one (and its bound ops): every row
+            // of the step's table starts where the table says.
+            if self.caches.get(&job.group).map(KvCache::slots) != Some(slots) {
+                let cache = self.model.kv_cache(slots)?;
+                self.caches.insert(job.group, cache);
+            }
         }
         let tokens = step.tokens();
         let key = (tokens, step.batch);
@@ -189,18 +230,29 @@ impl Rank {
             output: None,
             compute_s: 0.0,
             comm_s: 0.0,
-            handoff_s: 0.0,
-            encode_s: 0.0,
-            encode_cpu_s: Some(0.0),
+            wait_s: 0.0,
+            upload_s: 0.0,
+            download_s: 0.0,
+            transfers: 0,
+            upload_bytes: 0,
             collectives: 0,
             bytes: 0,
             last_span: SpanId::NONE,
+            encode_s: 0.0,
+            encode_cpu_s: Some(0.0),
         };
-        let mut prev = job.dep;
+        // The first span waits for the job's dependencies; each later one for the one before.
+        let mut prev: Vec<SpanId> = job.deps.clone();
+        // ... and starts no earlier than the job's release, if it has one.
+        let mut release = job.release_us;
+        let released = |a: SpanAttrs, rel: Option<f64>| match rel {
+            Some(us) => a.not_before_us(us),
+            None => a,
+        };
         let holds_head = m.placement().head;
         let staged = Instant::now();
         let mut cpu_mark = super::thread_cpu_s();
-        // Adds the thread CPU time since `cpu_mark` to the encode total.
+        // Adds the thread CPU time since `mark` to the encode total.
         let cpu_add = |out: &mut RankOutput, mark: Option<f64>| {
             out.encode_cpu_s = (out.encode_cpu_s.zip(super::thread_cpu_s()).zip(mark))
                 .map(|((total, now), mark)| total + now - mark);
@@ -214,7 +266,10 @@ impl Rank {
                 m.write_draws(act, &job.readout.draws)?;
             }
         }
-        m.begin_step(act, kv, &step, &step.rows())?;
+        match &job.rows {
+            Some(rows) => m.begin_step(act, kv, &step, rows)?,
+            None => m.begin_step(act, kv, &step, &step.rows())?,
+        }
         out.encode_s += staged.elapsed().as_secs_f64();
         cpu_add(&mut out, cpu_mark);
         let (act, kv) = (&*act, &*kv);
@@ -238,15 +293,24 @@ impl Rank {
                     .communicator()
                     .collectives()
                     .upload(&gpu, act.x(), 0, hidden)?;
+                if let Some(p) = &job.pacer {
+                    p.pace(Direction::HostToDevice, bytes, t0);
+                }
                 let t1 = Instant::now();
-                out.handoff_s += (t1 - t0).as_secs_f64();
-                prev = rec.record_with(t0, t1, || {
-                    let a = SpanAttrs::h2d("activations", dev, bytes).after(prev);
+                out.upload_s += (t1 - t0).as_secs_f64();
+                out.upload_bytes += bytes;
+                out.transfers += 1;
+                let rel = release.take();
+                prev = vec![rec.record_with(t0, t1, || {
+                    let a = released(
+                        SpanAttrs::h2d("activations", dev, bytes).after_all(&prev),
+                        rel,
+                    );
                     match mb {
                         Some(k) => a.microbatch(k),
                         None => a,
                     }
-                });
+                })];
             }
         }
         super::sync_span_timer(&mut self.timer, &gpu, rec);
@@ -286,6 +350,7 @@ impl Rank {
                 // The next span's work goes into the fresh encoder.
                 timer.begin(&mut enc);
                 out.compute_s += (end - start).as_secs_f64();
+                let rel = release.take();
                 let compute = rec.record_with(start, end, || {
                     let a = SpanAttrs::compute(name, dev)
                         .layer(layer)
@@ -294,7 +359,8 @@ impl Rank {
                         .kernels(cost.kernels)
                         .family(family)
                         .device_us(device_us)
-                        .after(prev);
+                        .after_all(&prev);
+                    let a = released(a, rel);
                     match mb {
                         Some(k) => a.microbatch(k),
                         None => a,
@@ -306,7 +372,14 @@ impl Rank {
                     act.mlp_out()
                 };
                 let comm_start = Instant::now();
-                let all_arrived = self.comm.all_reduce_timed(partial)?;
+                let all_arrived = match &self.remote {
+                    // One device here: the in-process part is a no-op.
+                    Some(remote) => {
+                        remote.all_reduce(&gpu, partial)?;
+                        comm_start
+                    }
+                    None => self.comm.all_reduce_timed(partial)?,
+                };
                 if let Some(p) = &job.pacer {
                     p.collective(
                         CollectiveOp::AllReduce,
@@ -334,9 +407,18 @@ impl Rank {
                     .config()
                     .chunks(bytes);
                 let group = (self.group_tag << 48) | self.collectives;
+                let group = if self.remote.is_some() {
+                    group | CROSS_PROCESS_GROUP_BIT
+                } else {
+                    group
+                };
                 self.collectives += 1;
                 // Time spent waiting for the slowest rank is a wait span, not communication
                 // (the last rank to arrive waits for nobody).
+                // What precedes the collective span is waiting, recorded as a span or not.
+                out.wait_s += all_arrived
+                    .saturating_duration_since(comm_start)
+                    .as_secs_f64();
                 let waited = if all_arrived > comm_start + Duration::from_micros(1) {
                     rec.record_with(comm_start, all_arrived, || {
                         let a = SpanAttrs::wait("allreduce wait", dev)
@@ -351,7 +433,7 @@ impl Rank {
                     compute
                 };
                 let comm_start = all_arrived.max(comm_start);
-                prev = rec.record_with(comm_start, comm_end, || {
+                prev = vec![rec.record_with(comm_start, comm_end, || {
                     let a = SpanAttrs::collective(
                         "allreduce",
                         dev,
@@ -368,7 +450,7 @@ impl Rank {
                         Some(k) => a.microbatch(k),
                         None => a,
                     }
-                });
+                })];
                 start = Instant::now();
                 cpu_mark = super::thread_cpu_s();
                 if half == 0 {
@@ -405,7 +487,7 @@ impl Rank {
                 .bytes(if holds_head { head.bytes } else { bytes * 3 })
                 .kernels(if holds_head { head.kernels } else { 1 })
                 .device_us(device_us)
-                .after(prev);
+                .after_all(&prev);
             match mb {
                 Some(k) => a.microbatch(k),
                 None => a,
@@ -414,12 +496,19 @@ impl Rank {
         out.last_span = tail;
         if shard.rank == 0 {
             let t0 = Instant::now();
-            out.output = Some(match (holds_head, m.output(act)) {
-                (true, _) if picks => GroupOutput::Picked(m.read_out(act)?),
+            let (output, name, n) = match (holds_head, m.output(act)) {
+                (true, _) if picks => {
+                    // The picks (and logits when asked) were copied out with the step.
+                    let o = m.read_out(act)?;
+                    let n =
+                        (4 * (2 * o.tokens.len() + o.logits.as_ref().map_or(0, Vec::len))) as u64;
+                    (GroupOutput::Picked(o), "tokens", n)
+                }
                 (true, Some((result, width))) => {
                     let mut data = gpu.read_f32(result)?;
                     data.truncate(step.batch * width);
-                    GroupOutput::Pooled(data)
+                    let n = (data.len() * 4) as u64;
+                    (GroupOutput::Pooled(data), "pooled", n)
                 }
                 _ => {
                     let download = self
@@ -427,22 +516,27 @@ impl Rank {
                         .communicator()
                         .collectives()
                         .begin_download_range(&gpu, act.x(), 0..tokens * config.hidden)?;
-                    let hidden = download.finish()?;
-                    if let Some(p) = &job.pacer {
-                        p.pace(Direction::DeviceToHost, bytes, t0);
-                    }
-                    let t1 = Instant::now();
-                    out.last_span = rec.record_with(t0, t1, || {
-                        let a = SpanAttrs::d2h("activations", dev, bytes).after(tail);
-                        match mb {
-                            Some(k) => a.microbatch(k),
-                            None => a,
-                        }
-                    });
-                    GroupOutput::Hidden(hidden)
+                    (
+                        GroupOutput::Hidden(download.finish()?),
+                        "activations",
+                        bytes,
+                    )
+                }
+            };
+            if let Some(p) = &job.pacer {
+                p.pace(Direction::DeviceToHost, n, t0);
+            }
+            let t1 = Instant::now();
+            out.last_span = rec.record_with(t0, t1, || {
+                let a = SpanAttrs::d2h(name, dev, n).after(tail);
+                match mb {
+                    Some(k) => a.microbatch(k),
+                    None => a,
                 }
             });
-            out.handoff_s += t0.elapsed().as_secs_f64();
+            out.download_s += (t1 - t0).as_secs_f64();
+            out.transfers += 1;
+            out.output = Some(output);
         }
         if job.release {
             self.caches.remove(&job.group);
@@ -459,6 +553,7 @@ pub(crate) struct TpGroup {
     comm: Arc<Communicator>,
     shards: Vec<ShardSpec>,
     labels: Vec<String>,
+    remote: Option<Arc<dyn CrossProcessGroup>>,
     faults: Vec<Arc<Mutex<Option<Fault>>>>,
 }
 
@@ -487,6 +582,70 @@ impl TpGroup {
             )));
         }
         let shards = ShardSpec::tensor_parallel(config, split)?;
+        Self::build(
+            gpus,
+            weights,
+            dtype,
+            shards,
+            layers,
+            first,
+            last,
+            comm_config,
+            None,
+        )
+    }
+
+    /// A group whose ranks are one device in each of `remote.size()` processes: this process
+    /// holds shard `remote.rank()` of the `split` (even by default) on `gpu`.
+    pub(crate) fn spanning(
+        gpu: &Arc<Gpu>,
+        weights: &ModelWeights,
+        dtype: DType,
+        split: Option<&[usize]>,
+        comm_config: CommConfig,
+        remote: Arc<dyn CrossProcessGroup>,
+    ) -> Result<Self> {
+        let n = remote.size();
+        let even = vec![1; n];
+        let split = split.unwrap_or(&even);
+        if split.len() != n {
+            return Err(WgparError::Config(format!(
+                "--split has {} shares for {n} ranks (one device each)",
+                split.len()
+            )));
+        }
+        let shard = ShardSpec::tensor_parallel(&weights.config, split)?
+            .into_iter()
+            .nth(remote.rank())
+            .ok_or_else(|| {
+                WgparError::Config(format!("rank {} outside a group of {n}", remote.rank()))
+            })?;
+        let layers = 0..weights.config.layers;
+        Self::build(
+            std::slice::from_ref(gpu),
+            weights,
+            dtype,
+            vec![shard],
+            layers,
+            true,
+            true,
+            comm_config,
+            Some(remote),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        gpus: &[Arc<Gpu>],
+        weights: &ModelWeights,
+        dtype: DType,
+        shards: Vec<ShardSpec>,
+        layers: Range<usize>,
+        first: bool,
+        last: bool,
+        comm_config: CommConfig,
+        remote: Option<Arc<dyn CrossProcessGroup>>,
+    ) -> Result<Self> {
         let comm = Communicator::new(gpus.to_vec(), comm_config)?;
         // Upload every rank's shard at once: each device copies its own weights.
         let models: Vec<Result<GpuModel>> = std::thread::scope(|s| {
@@ -534,6 +693,7 @@ impl TpGroup {
                     collectives: 0,
                     group_tag: gpus[0].ordinal() as u64,
                     timer: SpanTimer::default(),
+                    remote: remote.clone(),
                     fault: faults[rank].clone(),
                     jobs: 0,
                 },
@@ -544,6 +704,7 @@ impl TpGroup {
             comm,
             shards,
             labels: gpus.iter().map(|g| g.label().to_string()).collect(),
+            remote,
             faults,
         })
     }
@@ -577,6 +738,23 @@ impl TpGroup {
     }
 }
 
+/// How a step uses the KV cache and the timeline, beyond its shape.
+#[derive(Default)]
+struct StepPlan {
+    /// Make a fresh KV cache of this many slots first.
+    new_cache: Option<usize>,
+    /// The sequence table (`None`: the plain batch).
+    rows: Option<Arc<Vec<SeqRow>>>,
+    /// What the step waits for (`None`: the previous step's logits).
+    deps: Option<Vec<SpanId>>,
+    /// Earliest start, microseconds since the recorder's epoch.
+    release_us: Option<f64>,
+    /// Encoder inputs.
+    encoder: Option<Arc<EncoderExtras>>,
+    /// The head's token pick and readback.
+    readout: Readout,
+}
+
 /// The model sharded over several devices, one worker thread per device.
 pub struct TensorParallelEngine {
     group: TpGroup,
@@ -592,6 +770,11 @@ pub struct TensorParallelEngine {
     last: Option<StepStats>,
     failed: Option<String>,
     recorder: Recorder,
+    /// Continuous batching: slots reserved, and whether the next step makes the cache.
+    serve_slots: usize,
+    serve_fresh: bool,
+    /// Finished continuous-batching steps not yet collected.
+    done: VecDeque<StepDone>,
 }
 
 impl TensorParallelEngine {
@@ -615,7 +798,25 @@ impl TensorParallelEngine {
             true,
             comm_config,
         )?;
-        Ok(Self {
+        Ok(Self::with_group(group, config))
+    }
+
+    /// Tensor parallelism across processes: this process holds one shard on `gpu`, its peers
+    /// the others (`remote`, e.g. MPI ranks); every process gets the logits.
+    pub fn spanning(
+        gpu: &Arc<Gpu>,
+        weights: &ModelWeights,
+        dtype: DType,
+        split: Option<&[usize]>,
+        comm_config: CommConfig,
+        remote: Arc<dyn CrossProcessGroup>,
+    ) -> Result<Self> {
+        let group = TpGroup::spanning(gpu, weights, dtype, split, comm_config, remote)?;
+        Ok(Self::with_group(group, weights.config.clone()))
+    }
+
+    fn with_group(group: TpGroup, config: ModelConfig) -> Self {
+        Self {
             group,
             pacer: None,
             last_span: SpanId::NONE,
@@ -627,7 +828,10 @@ impl TensorParallelEngine {
             last: None,
             failed: None,
             recorder: Recorder::disabled(),
-        })
+            serve_slots: 0,
+            serve_fresh: false,
+            done: VecDeque::new(),
+        }
     }
 
     /// Each rank's shard.
@@ -640,6 +844,47 @@ impl TensorParallelEngine {
         &self.group.comm
     }
 
+    /// Whether tokens are picked on the host from read-back logits: where the device cannot
+    /// pick this way, or where the group spans processes (every process then gets the
+    /// logits and picks alike).
+    fn host_picks(&self) -> bool {
+        self.picker.needs_logits() || self.group.remote.is_some()
+    }
+
+    /// The readout of a step of `batch` sequences.
+    fn readout(&mut self, batch: usize, want_logits: bool) -> Readout {
+        Readout {
+            pick: self.picker.device_or_greedy(),
+            draws: Arc::new(self.picker.draws(batch)),
+            logits: want_logits || self.host_picks(),
+        }
+    }
+
+    /// A step's tokens (and logits when asked) from the head's picks: refused when the
+    /// logits were not finite, picked here where the host picks.
+    fn tokens_of(&mut self, out: StepOut, batch: usize, want_logits: bool) -> Result<StepOutput> {
+        let logits = out.logits.map(|data| Logits {
+            batch,
+            vocab: self.config.vocab,
+            data,
+        });
+        let tokens = match (&logits, self.host_picks()) {
+            (Some(l), true) => {
+                check_finite(self.steps, &count_non_finite(l), None)?;
+                self.picker.host(l)
+            }
+            (None, true) => return Err(no_output()),
+            (_, false) => {
+                check_finite(self.steps, &out.non_finite, None)?;
+                out.tokens
+            }
+        };
+        Ok(StepOutput {
+            tokens,
+            logits: logits.filter(|_| want_logits),
+        })
+    }
+
     fn step(
         &mut self,
         ids: Vec<u32>,
@@ -647,44 +892,22 @@ impl TensorParallelEngine {
         new_cache: bool,
         want_logits: bool,
     ) -> Result<StepOutput> {
-        let readout = Readout {
-            pick: self.picker.device_or_greedy(),
-            draws: Arc::new(self.picker.draws(step.batch)),
-            logits: want_logits || self.picker.needs_logits(),
+        let plan = StepPlan {
+            new_cache: new_cache.then_some(step.batch),
+            readout: self.readout(step.batch, want_logits),
+            ..StepPlan::default()
         };
-        let out = match self.run(ids, step, new_cache, None, readout)? {
+        let out = match self.run(ids, step, plan)? {
             GroupOutput::Picked(out) => out,
             _ => return Err(no_output()),
         };
-        let logits = out.logits.map(|data| Logits {
-            batch: step.batch,
-            vocab: self.config.vocab,
-            data,
-        });
-        check_finite(self.steps, &out.non_finite, None)?;
-        let tokens = match (&logits, self.picker.needs_logits()) {
-            (Some(l), true) => {
-                check_finite(self.steps, &count_non_finite(l), None)?;
-                self.picker.host(l)
-            }
-            _ => out.tokens,
-        };
+        let out = self.tokens_of(out, step.batch, want_logits)?;
         self.steps += 1;
-        Ok(StepOutput {
-            tokens,
-            logits: logits.filter(|_| want_logits),
-        })
+        Ok(out)
     }
 
     /// One step on every rank; returns rank 0's final output (picks or pooled embeddings).
-    fn run(
-        &mut self,
-        ids: Vec<u32>,
-        step: Step,
-        new_cache: bool,
-        encoder: Option<Arc<EncoderExtras>>,
-        readout: Readout,
-    ) -> Result<GroupOutput> {
+    fn run(&mut self, ids: Vec<u32>, step: Step, plan: StepPlan) -> Result<GroupOutput> {
         if let Some(why) = &self.failed {
             return Err(WgparError::EngineStopped {
                 engine: "tensor-parallel engine".into(),
@@ -692,6 +915,8 @@ impl TensorParallelEngine {
             });
         }
         let start = Instant::now();
+        let new_cache = plan.new_cache.is_some();
+        let encoder = plan.encoder.is_some();
         let job = GroupJob {
             group: 0,
             input: GroupInput::Ids(Arc::new(ids)),
@@ -700,14 +925,19 @@ impl TensorParallelEngine {
             release: false,
             recorder: self.recorder.clone(),
             microbatch: None,
-            dep: if new_cache {
-                SpanId::NONE
-            } else {
-                self.last_span
-            },
-            encoder,
+            deps: plan.deps.unwrap_or_else(|| {
+                if new_cache {
+                    Vec::new()
+                } else {
+                    vec![self.last_span]
+                }
+            }),
+            release_us: plan.release_us,
+            rows: plan.rows,
+            slots: plan.new_cache,
+            encoder: plan.encoder,
             pacer: self.pacer.clone(),
-            readout,
+            readout: plan.readout,
         };
         let outputs = match self.group.run(job) {
             Ok(o) => o,
@@ -733,10 +963,29 @@ impl TensorParallelEngine {
         });
         self.past = step.past + step.seq;
         self.last_span = outputs[0].last_span;
-        outputs
-            .into_iter()
-            .find_map(|o| o.output)
-            .ok_or_else(no_output)
+        let output = outputs.into_iter().find_map(|o| o.output);
+        match &self.group.remote {
+            // Across processes only floats travel: the logits (the readout asked for them)
+            // or the pooled embeddings; every process then picks from the logits.
+            Some(remote) => {
+                let shared = output.map(|o| match o {
+                    GroupOutput::Picked(p) => p.logits.unwrap_or_default(),
+                    GroupOutput::Pooled(p) => p,
+                    GroupOutput::Hidden(_) => Vec::new(),
+                });
+                let data = remote.share_output(shared)?;
+                Ok(if encoder {
+                    GroupOutput::Pooled(data)
+                } else {
+                    GroupOutput::Picked(StepOut {
+                        tokens: Vec::new(),
+                        non_finite: Vec::new(),
+                        logits: Some(data),
+                    })
+                })
+            }
+            None => output.ok_or_else(no_output),
+        }
     }
 }
 
@@ -758,7 +1007,12 @@ impl Encoder for TensorParallelEngine {
             past: 0,
         };
         let extras = Arc::new(EncoderExtras { types, lens });
-        let data = match self.run(ids, step, true, Some(extras), Readout::default())? {
+        let plan = StepPlan {
+            new_cache: Some(step.batch),
+            encoder: Some(extras),
+            ..StepPlan::default()
+        };
+        let data = match self.run(ids, step, plan)? {
             GroupOutput::Pooled(data) => data,
             _ => return Err(no_output()),
         };
@@ -773,6 +1027,16 @@ impl Encoder for TensorParallelEngine {
 impl Engine for TensorParallelEngine {
     fn name(&self) -> String {
         let shares: Vec<usize> = self.shards().iter().map(|s| s.local_heads()).collect();
+        if let Some(remote) = &self.group.remote {
+            return format!(
+                "tp={} across {} processes (this one: rank {}, {} query heads on {})",
+                remote.size(),
+                remote.size(),
+                remote.rank(),
+                shares.iter().sum::<usize>(),
+                self.group.labels().join(",")
+            );
+        }
         format!(
             "tp={} on {} (query heads {:?})",
             shares.len(),
@@ -831,5 +1095,83 @@ impl Engine for TensorParallelEngine {
 
     fn inject_fault(&mut self, rank: usize, fault: Fault) -> Result<()> {
         self.group.inject_fault(rank, fault)
+    }
+}
+
+impl StepEngine for TensorParallelEngine {
+    fn model_config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn lanes(&self) -> usize {
+        1
+    }
+
+    /// The ranks make their caches with the next step.
+    fn reserve_slots(&mut self, slots: usize) -> Result<()> {
+        if slots == 0 {
+            return Err(WgparError::InvalidCall(
+                "a KV cache needs at least one slot".into(),
+            ));
+        }
+        self.serve_slots = slots;
+        self.serve_fresh = true;
+        // The plain batch (prefill/decode) lived in the old cache.
+        self.batch = 0;
+        self.done.clear();
+        Ok(())
+    }
+
+    fn slots(&self) -> usize {
+        self.serve_slots
+    }
+
+    /// Runs the step at once on every rank; [`complete`](StepEngine::complete) hands it back.
+    fn submit(&mut self, step: BatchStep) -> Result<()> {
+        if self.serve_slots == 0 {
+            return Err(WgparError::InvalidCall(
+                "submit before reserve_slots".into(),
+            ));
+        }
+        let shape = Step {
+            batch: step.rows.len(),
+            seq: step.seq,
+            past: 0,
+        };
+        let plan = StepPlan {
+            new_cache: std::mem::take(&mut self.serve_fresh).then_some(self.serve_slots),
+            rows: Some(Arc::new(step.rows)),
+            deps: Some(step.deps),
+            release_us: step.release_us,
+            encoder: None,
+            // The serving loop picks from the logits (see `StepDone`).
+            readout: Readout {
+                logits: true,
+                ..Readout::default()
+            },
+        };
+        let data = match self.run(step.ids, shape, plan)? {
+            GroupOutput::Picked(out) => {
+                if self.group.remote.is_none() {
+                    check_finite(self.steps, &out.non_finite, None)?;
+                }
+                out.logits.ok_or_else(no_output)?
+            }
+            _ => return Err(no_output()),
+        };
+        self.done.push_back(StepDone {
+            lane: step.lane,
+            logits: Logits {
+                batch: shape.batch,
+                vocab: self.config.vocab,
+                data,
+            },
+            span: self.last_span,
+        });
+        Ok(())
+    }
+
+    fn complete(&mut self, _timeout: Option<Duration>) -> Result<Option<StepDone>> {
+        Ok(self.done.pop_front())
     }
 }

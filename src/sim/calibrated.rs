@@ -74,10 +74,12 @@ pub fn calibrated_profile(m: &MachineMeasurement) -> Result<HostProfile, Profile
             memory_gbps: d.elementwise_gbps,
             f32_tflops: d.matmul_gflops / 1e3,
             f16_tflops: d.matmul_f16_gflops.unwrap_or(d.matmul_gflops) / 1e3,
+            f16_tensor_tflops: None,
             launch_overhead_us: d.launch_overhead_us,
             host_link: HostLinkSpec {
                 name: "measured host link".into(),
                 shared_by: 1,
+                p2p: false,
                 h2d: d.h2d.link(),
                 d2h: d.d2h.link(),
             },

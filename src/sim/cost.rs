@@ -1,18 +1,24 @@
-//! The cost model: how long one operation takes on a profile.
+//! The cost model: how long one operation takes on a profile, run by an engine.
 //!
-//! Compute: roofline `max(flops / rate, bytes / bandwidth) + kernels * launch overhead`, with
-//! calibrated per-family rates replacing the datasheet peaks when the profile has them.
-//! Transfers: alpha-beta per link direction. Collectives: alpha-beta per algorithm (formulas on
-//! each function and in `docs/PROJECTION.md`).
+//! Compute: roofline `max(flops / (peak x gemm), bytes / (bandwidth x memory)) + kernels x
+//! launch overhead`, where the engine picks the peak (f32 shader cores, f16 shader cores or
+//! tensor cores) and the fractions; calibrated per-family rates and rate curves replace the
+//! roofline for an engine whose kernels calibration measures. Transfers: alpha-beta per link
+//! direction, on the engine's wire format. Collectives: the engine's choice among the paths the
+//! machine allows (formulas on each function and in `docs/PROJECTION.md`).
 
 use std::collections::BTreeMap;
+use std::sync::OnceLock;
 
 use crate::trace::{CollectiveOp, KernelFamily, Precision};
 
+use super::engine::{CollectiveEntry, Engine, LinkKind};
+use super::numformat::NumFormat;
 use super::profile::{rate_at, DeviceSpec, HostProfile, LinkSpec};
+use super::project::CollectivePolicy;
 use super::project_error::ProjectError;
 
-/// Collective algorithms the cost model knows.
+/// Collective algorithms the cost model knows by their recorded names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Algorithm {
     /// Gather to host memory, reduce on the CPU, broadcast back (wgpar's host-staged path).
@@ -41,18 +47,47 @@ impl Algorithm {
             Algorithm::Ring => "ring",
         }
     }
+
+    fn kind(self) -> LinkKind {
+        match self {
+            Algorithm::HostStaged => LinkKind::HostStaged,
+            Algorithm::Ring => LinkKind::Ring,
+        }
+    }
 }
 
-/// Operation costs on one profile, in microseconds.
+static PEAK: OnceLock<Engine> = OnceLock::new();
+
+/// Operation costs on one profile, run by one engine, in microseconds.
 #[derive(Debug, Clone, Copy)]
 pub struct CostModel<'a> {
     profile: &'a HostProfile,
+    engine: &'a Engine,
 }
 
 impl<'a> CostModel<'a> {
-    /// A cost model for `profile`.
+    /// A cost model for `profile` at its peak figures ([`Engine::peak`]).
     pub fn new(profile: &'a HostProfile) -> Self {
-        CostModel { profile }
+        CostModel {
+            profile,
+            engine: PEAK.get_or_init(Engine::peak),
+        }
+    }
+
+    /// A cost model for `engine` running on `profile`.
+    pub fn with_engine(profile: &'a HostProfile, engine: &'a Engine) -> Self {
+        CostModel { profile, engine }
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &'a Engine {
+        self.engine
+    }
+
+    /// Whether the profile's measurements describe this engine (see
+    /// [`EngineCompute::calibrated`](super::EngineCompute::calibrated)).
+    fn measured(&self) -> bool {
+        self.engine.compute.calibrated && self.profile.is_measured()
     }
 
     fn device(&self, index: usize) -> Result<&'a DeviceSpec, ProjectError> {
@@ -65,9 +100,14 @@ impl<'a> CostModel<'a> {
             })
     }
 
-    /// Time of kernels doing `flops` and moving `bytes` on device `index`: the family's measured
-    /// rate-by-intensity curve when the profile has one, else the roofline; plus one launch
+    /// Time of kernels doing `flops` and moving `bytes` on device `index`, plus one launch
     /// overhead per kernel.
+    ///
+    /// For an engine whose kernels calibration measures, on a device with measured rates: the
+    /// family's rate-by-intensity curve, else the calibrated roofline. Otherwise the engine's
+    /// roofline: `max(flops / (peak x fraction), bytes / (memory_gbps x memory))`, with the
+    /// peak of the engine's arithmetic (an f32 engine keeps the span's recorded precision;
+    /// f16/bf16/fp8 on tensor cores use `f16_tensor_tflops` where the device has it).
     pub fn compute_us(
         &self,
         index: usize,
@@ -78,52 +118,47 @@ impl<'a> CostModel<'a> {
         precision: Precision,
     ) -> Result<f64, ProjectError> {
         let d = self.device(index)?;
-        let peak_gflops = match precision {
-            Precision::F32 => d.f32_tflops * 1e3,
-            Precision::F16 => d.f16_tflops * 1e3,
-        };
-        // A measured curve knows how the rate depends on the shape (through the intensity);
-        // a single rate does not, so the curve wins when both are given.
-        let intensity = if bytes > 0 {
-            flops as f64 / bytes as f64
-        } else {
-            f64::INFINITY
-        };
-        let curve = match (family, precision) {
-            (Some(KernelFamily::Matmul), Precision::F32) => {
-                rate_at(&d.rates.matmul_curve, intensity)
-            }
-            (Some(KernelFamily::Attention), _) => rate_at(&d.rates.attention_curve, intensity),
-            _ => None,
-        };
-        let launches = kernels as f64 * d.launch_overhead_us;
-        // 1 GFLOP/s = 1e3 FLOP per us, 1 GB/s = 1e3 bytes per us.
-        if let Some(gflops) = curve {
-            // The curve is an achieved rate at this intensity, memory stalls included: it is
-            // the measured roofline itself, so no separate memory bound applies.
-            return Ok(flops as f64 / (gflops * 1e3) + launches);
+        let c = &self.engine.compute;
+        let launch = c.launch_overhead_us.unwrap_or(d.launch_overhead_us);
+        let launches = kernels as f64 * launch;
+        if c.calibrated && !d.rates.is_empty() {
+            return Ok(measured_compute_us(d, flops, bytes, family, precision) + launches);
         }
-        let gflops = match (family, precision) {
-            (Some(KernelFamily::Matmul), Precision::F32) => d.rates.matmul_gflops,
-            (Some(KernelFamily::Matmul), Precision::F16) => d.rates.matmul_f16_gflops,
-            (Some(KernelFamily::Attention), _) => d.rates.attention_gflops,
-            _ => None,
-        }
-        .unwrap_or(peak_gflops);
-        let gbps = d.rates.elementwise_gbps.unwrap_or(d.memory_gbps);
-        let math = flops as f64 / (gflops * 1e3);
-        let memory = bytes as f64 / (gbps * 1e3);
+        let precision = match c.dtype {
+            NumFormat::F32 => precision,
+            _ => Precision::F16,
+        };
+        let peak_tflops = match precision {
+            Precision::F32 => d.f32_tflops,
+            Precision::F16 if c.tensor_cores => d.f16_tensor_tflops.unwrap_or(d.f16_tflops),
+            Precision::F16 => d.f16_tflops,
+        };
+        let fraction = match family {
+            Some(KernelFamily::Attention) => c.attention,
+            _ => c.gemm,
+        };
+        // 1 TFLOP/s = 1e6 FLOP per us, 1 GB/s = 1e3 bytes per us.
+        let math = flops as f64 / (peak_tflops * 1e6 * fraction);
+        let memory = bytes as f64 / (d.memory_gbps * 1e3 * c.memory);
         Ok(math.max(memory) + launches)
     }
 
-    /// Time of a device-to-host copy of `bytes` from device `index`.
+    /// Time of a device-to-host copy of `bytes` (recorded, f32) from device `index`.
     pub fn d2h_us(&self, index: usize, bytes: f64) -> Result<f64, ProjectError> {
-        Ok(self.device(index)?.host_link.d2h.time_us(bytes))
+        Ok(self
+            .device(index)?
+            .host_link
+            .d2h
+            .time_us(bytes * self.engine.wire_scale()))
     }
 
-    /// Time of a host-to-device copy of `bytes` to device `index`.
+    /// Time of a host-to-device copy of `bytes` (recorded, f32) to device `index`.
     pub fn h2d_us(&self, index: usize, bytes: f64) -> Result<f64, ProjectError> {
-        Ok(self.device(index)?.host_link.h2d.time_us(bytes))
+        Ok(self
+            .device(index)?
+            .host_link
+            .h2d
+            .time_us(bytes * self.engine.wire_scale()))
     }
 
     /// Time for the host to stream `bytes` (read plus written) through memory.
@@ -131,7 +166,9 @@ impl<'a> CostModel<'a> {
         bytes / (self.profile.host.memory_gbps * 1e3)
     }
 
-    /// Cost of collective `op` of size `bytes` (S, nccl-tests convention) over `devices`.
+    /// Cost of collective `op` of size `bytes` (S, nccl-tests convention) over `devices` with
+    /// `algorithm` at the profile's figures (the peak engine's formulas, whatever engine this
+    /// model holds).
     ///
     /// `chunks` pipelines the host-staged phases; the ring ignores it (a ring is already
     /// pipelined step by step). With one participant there is nothing to exchange: 0.
@@ -143,12 +180,143 @@ impl<'a> CostModel<'a> {
         bytes: u64,
         chunks: u32,
     ) -> Result<f64, ProjectError> {
+        let entry = CollectiveEntry {
+            kind: algorithm.kind(),
+            efficiency: 1.0,
+            latency_us: 0.0,
+        };
         if devices.len() < 2 {
             return Ok(0.0);
         }
-        match algorithm {
-            Algorithm::HostStaged => self.host_staged_us(op, devices, bytes as f64, chunks.max(1)),
-            Algorithm::Ring => self.ring_us(op, devices, bytes as f64),
+        self.entry_us(op, &entry, devices, bytes as f64, chunks.max(1), true)
+    }
+
+    /// Cost of collective `op` as this model's engine runs it over `devices`: the entry the
+    /// engine would choose (see [`Engine::collective_for`]; with [`CollectivePolicy::Best`] the
+    /// cheapest entry the machine allows), on the engine's wire format. Returns the time and
+    /// the kind used.
+    pub fn engine_collective_us(
+        &self,
+        op: CollectiveOp,
+        recorded: &str,
+        policy: CollectivePolicy,
+        devices: &[usize],
+        bytes: u64,
+        chunks: u32,
+    ) -> Result<(f64, LinkKind), ProjectError> {
+        if devices.len() < 2 {
+            return Ok((0.0, LinkKind::HostStaged));
+        }
+        let wire = bytes as f64 * self.engine.wire_scale();
+        let none = || ProjectError::NoCollective {
+            engine: self.engine.name.clone(),
+            profile: self.profile.name.clone(),
+            devices: devices.len(),
+            nodes: self.per_node(devices).len(),
+        };
+        match policy {
+            CollectivePolicy::AsRecorded => {
+                let entry = self
+                    .engine
+                    .collective_for(self.profile, devices, Some(recorded))
+                    .ok_or_else(none)?;
+                let t = self.entry_us(op, entry, devices, wire, chunks.max(1), false)?;
+                Ok((t, entry.kind))
+            }
+            CollectivePolicy::Best => {
+                let mut best: Option<(f64, LinkKind)> = None;
+                for e in self
+                    .engine
+                    .collectives
+                    .iter()
+                    .filter(|e| e.kind.available(self.profile, devices))
+                {
+                    let t = self.entry_us(op, e, devices, wire, chunks.max(1), false)?;
+                    if best.is_none_or(|(b, _)| t < b) {
+                        best = Some((t, e.kind));
+                    }
+                }
+                best.ok_or_else(none)
+            }
+        }
+    }
+
+    /// Cost of one entry; `peak` ignores the engine's efficiency and latency (the profile's
+    /// figures as they are).
+    fn entry_us(
+        &self,
+        op: CollectiveOp,
+        entry: &CollectiveEntry,
+        devices: &[usize],
+        bytes: f64,
+        chunks: u32,
+        peak: bool,
+    ) -> Result<f64, ProjectError> {
+        // The profile's measured links and collective cost describe wgpar itself.
+        let (eff, latency) = if peak || self.measured() {
+            (1.0, 0.0)
+        } else {
+            (entry.efficiency, entry.latency_us)
+        };
+        match entry.kind {
+            LinkKind::HostStaged => {
+                let fixed = if peak || self.measured() {
+                    self.profile.host.collective_overhead(devices.len())
+                } else {
+                    latency
+                };
+                Ok(self.host_staged_us(op, devices, bytes, chunks, eff)? + fixed)
+            }
+            LinkKind::Ring => Ok(self.ring_us(op, devices, bytes, eff, true)? + latency),
+            LinkKind::HostRing => {
+                let fixed = if self.measured() {
+                    self.profile.host.collective_overhead(devices.len())
+                } else {
+                    latency
+                };
+                Ok(self.ring_us(op, devices, bytes, eff, false)? + fixed)
+            }
+            LinkKind::NcclShm | LinkKind::NcclP2p => {
+                let shared = entry.kind == LinkKind::NcclShm;
+                let beta = self.host_path_gbps(devices, shared)?;
+                Ok(latency + bus_factor(op, devices.len()) * bytes / (beta * eff * 1e3))
+            }
+            LinkKind::NcclRingNvlink | LinkKind::NcclNvls => {
+                let beta = self.device_link_gbps()?;
+                Ok(latency + bus_factor(op, devices.len()) * bytes / (beta * eff * 1e3))
+            }
+            LinkKind::NcclNet => {
+                // Rings cross each node boundary through the node's interfaces; inside a node
+                // they run over the device link or PCIe, whichever the node has.
+                let nodes = self.per_node(devices).len();
+                let net = self.network(nodes)?;
+                let nics = self
+                    .profile
+                    .network
+                    .as_ref()
+                    .and_then(|n| n.nics_per_node)
+                    .unwrap_or(1) as f64;
+                let intra = match &self.profile.device_link {
+                    Some(dl) => dl.beta_gbps,
+                    None => self.host_path_gbps(devices, true)?,
+                };
+                let beta = intra.min(nics * net.beta_gbps);
+                Ok(latency + bus_factor(op, devices.len()) * bytes / (beta * eff * 1e3))
+            }
+            LinkKind::TcpStar => {
+                // The root exchanges with one worker after another: it receives each partial,
+                // reduces, then sends the result to each (a gather and a broadcast of S per
+                // worker, every message paying the network's latency).
+                let nodes = self.per_node(devices).len();
+                let net = self.network(nodes)?;
+                let per_message = net.alpha_us + bytes / (net.beta_gbps * eff * 1e3);
+                let messages = match op {
+                    CollectiveOp::AllReduce => 2.0,
+                    CollectiveOp::AllGather | CollectiveOp::ReduceScatter => 2.0,
+                    CollectiveOp::SendRecv => 1.0 / (devices.len() as f64 - 1.0),
+                };
+                Ok(latency + messages * (devices.len() as f64 - 1.0) * per_message)
+            }
         }
     }
 
@@ -166,14 +334,14 @@ impl<'a> CostModel<'a> {
     /// a network phase sits between reduce and broadcast: a ring among node hosts,
     /// `2(N-1)(alpha + s/(N beta))` for allreduce, `(N-1)(...)` for allgather/reducescatter,
     /// `alpha + s/beta` for sendrecv. With k chunks the phases form a pipeline:
-    /// `T = sum(phases) + (k - 1) * max(phases)`, plus the host's measured fixed cost per call
-    /// ([`HostSpec::collective_overhead_us`](super::HostSpec::collective_overhead_us)).
+    /// `T = sum(phases) + (k - 1) * max(phases)`. `eff` scales every link's bandwidth.
     fn host_staged_us(
         &self,
         op: CollectiveOp,
         devices: &[usize],
         bytes: f64,
         chunks: u32,
+        eff: f64,
     ) -> Result<f64, ProjectError> {
         let n = devices.len() as f64;
         let s = bytes / chunks as f64;
@@ -187,8 +355,8 @@ impl<'a> CostModel<'a> {
             CollectiveOp::SendRecv => (&devices[..1], &devices[devices.len() - 1..]),
             _ => (devices, devices),
         };
-        let d2h = self.copy_phase_us(senders, |l| l.d2h, d2h_each)?;
-        let h2d = self.copy_phase_us(receivers, |l| l.h2d, h2d_each)?;
+        let d2h = self.copy_phase_us(senders, |l| l.d2h, d2h_each / eff)?;
+        let h2d = self.copy_phase_us(receivers, |l| l.h2d, h2d_each / eff)?;
 
         let per_node = self.per_node(devices);
         let reduce = match op {
@@ -202,11 +370,11 @@ impl<'a> CostModel<'a> {
         let network = if nodes > 1 {
             let net = self.network(nodes)?;
             let big_n = nodes as f64;
-            let ring_step = net.alpha_us + s / (big_n * net.beta_gbps * 1e3);
+            let ring_step = net.alpha_us + s / (big_n * net.beta_gbps * eff * 1e3);
             match op {
                 CollectiveOp::AllReduce => 2.0 * (big_n - 1.0) * ring_step,
                 CollectiveOp::AllGather | CollectiveOp::ReduceScatter => (big_n - 1.0) * ring_step,
-                CollectiveOp::SendRecv => net.time_us(s),
+                CollectiveOp::SendRecv => net.alpha_us + s / (net.beta_gbps * eff * 1e3),
             }
         } else {
             0.0
@@ -214,9 +382,7 @@ impl<'a> CostModel<'a> {
         let phases = [d2h, reduce, network, h2d];
         let sum: f64 = phases.iter().sum();
         let max = phases.iter().copied().fold(0.0, f64::max);
-        // The fixed host cost is paid once per call, not per chunk.
-        let overhead = self.profile.host.collective_overhead(devices.len());
-        Ok(sum + (chunks as f64 - 1.0) * max + overhead)
+        Ok(sum + (chunks as f64 - 1.0) * max)
     }
 
     /// Ring collective: `steps * (alpha + c / beta)` with
@@ -227,15 +393,18 @@ impl<'a> CostModel<'a> {
     /// | allgather, reducescatter | n-1 | S/n |
     /// | sendrecv | 1 | S |
     ///
-    /// The step link is the profile's device link. Without one, each step bounces through the
-    /// host (d2h then h2d, alphas added, slowest participant) and devices sharing an upstream
-    /// link divide its bandwidth. When the ring crosses nodes, a step takes at least one
-    /// network message `alpha_net + c / beta_net`.
+    /// With `device_link` allowed, the step link is the profile's device link. Otherwise each
+    /// step bounces through the host (d2h then h2d, alphas added, slowest participant) and
+    /// devices sharing an upstream link divide its bandwidth. When the ring crosses nodes, a
+    /// step takes at least one network message `alpha_net + c / beta_net`. `eff` scales every
+    /// bandwidth.
     fn ring_us(
         &self,
         op: CollectiveOp,
         devices: &[usize],
         bytes: f64,
+        eff: f64,
+        device_link: bool,
     ) -> Result<f64, ProjectError> {
         let n = devices.len() as f64;
         let (steps, c) = match op {
@@ -243,9 +412,9 @@ impl<'a> CostModel<'a> {
             CollectiveOp::AllGather | CollectiveOp::ReduceScatter => (n - 1.0, bytes / n),
             CollectiveOp::SendRecv => (1.0, bytes),
         };
-        let intra = match &self.profile.device_link {
-            Some(dl) => dl.link().time_us(c),
-            None => {
+        let intra = match (&self.profile.device_link, device_link) {
+            (Some(dl), true) => dl.link().time_us(c / eff),
+            _ => {
                 let sharing = self.max_sharing(devices) as f64;
                 let mut alpha: f64 = 0.0;
                 let mut per_byte: f64 = 0.0;
@@ -255,16 +424,42 @@ impl<'a> CostModel<'a> {
                     per_byte = per_byte
                         .max(1.0 / (link.d2h.beta_gbps * 1e3) + 1.0 / (link.h2d.beta_gbps * 1e3));
                 }
-                alpha + sharing * c * per_byte
+                alpha + sharing * c * per_byte / eff
             }
         };
         let nodes = self.per_node(devices).len();
         let step = if nodes > 1 {
-            intra.max(self.network(nodes)?.time_us(c))
+            intra.max(self.network(nodes)?.time_us(c / eff))
         } else {
             intra
         };
         Ok(steps * step)
+    }
+
+    /// Per-direction bandwidth of a path through PCIe among `devices`: the slowest link, divided
+    /// among devices sharing one upstream link when the path goes through host memory.
+    fn host_path_gbps(&self, devices: &[usize], through_host: bool) -> Result<f64, ProjectError> {
+        let mut beta = f64::INFINITY;
+        for &d in devices {
+            let l = &self.device(d)?.host_link;
+            beta = beta.min(l.d2h.beta_gbps.min(l.h2d.beta_gbps));
+        }
+        let sharing = if through_host {
+            self.max_sharing(devices) as f64
+        } else {
+            1.0
+        };
+        Ok(beta / sharing)
+    }
+
+    fn device_link_gbps(&self) -> Result<f64, ProjectError> {
+        self.profile
+            .device_link
+            .as_ref()
+            .map(|l| l.beta_gbps)
+            .ok_or_else(|| ProjectError::NoDeviceLink {
+                profile: self.profile.name.clone(),
+            })
     }
 
     /// Longest time over upstream links for `devices` each copying `bytes` in one direction.
@@ -311,6 +506,60 @@ impl<'a> CostModel<'a> {
                 nodes,
             })
     }
+}
+
+/// nccl-tests' bus-bandwidth factor: the bytes each participant moves per byte of S.
+fn bus_factor(op: CollectiveOp, n: usize) -> f64 {
+    let n = n as f64;
+    match op {
+        CollectiveOp::AllReduce => 2.0 * (n - 1.0) / n,
+        CollectiveOp::AllGather | CollectiveOp::ReduceScatter => (n - 1.0) / n,
+        CollectiveOp::SendRecv => 1.0,
+    }
+}
+
+/// A calibrated device's time for a span (no launches): the family's measured curve at the
+/// span's intensity, else the roofline of the measured rates (peaks where none was measured).
+fn measured_compute_us(
+    d: &DeviceSpec,
+    flops: u64,
+    bytes: u64,
+    family: Option<KernelFamily>,
+    precision: Precision,
+) -> f64 {
+    let peak_gflops = match precision {
+        Precision::F32 => d.f32_tflops * 1e3,
+        Precision::F16 => d.f16_tflops * 1e3,
+    };
+    // A measured curve knows how the rate depends on the shape (through the intensity); a
+    // single rate does not, so the curve wins when both are given.
+    let intensity = if bytes > 0 {
+        flops as f64 / bytes as f64
+    } else {
+        f64::INFINITY
+    };
+    let curve = match (family, precision) {
+        (Some(KernelFamily::Matmul), Precision::F32) => rate_at(&d.rates.matmul_curve, intensity),
+        (Some(KernelFamily::Attention), _) => rate_at(&d.rates.attention_curve, intensity),
+        _ => None,
+    };
+    // 1 GFLOP/s = 1e3 FLOP per us, 1 GB/s = 1e3 bytes per us.
+    if let Some(gflops) = curve {
+        // The curve is an achieved rate at this intensity, memory stalls included: it is the
+        // measured roofline itself, so no separate memory bound applies.
+        return flops as f64 / (gflops * 1e3);
+    }
+    let gflops = match (family, precision) {
+        (Some(KernelFamily::Matmul), Precision::F32) => d.rates.matmul_gflops,
+        (Some(KernelFamily::Matmul), Precision::F16) => d.rates.matmul_f16_gflops,
+        (Some(KernelFamily::Attention), _) => d.rates.attention_gflops,
+        _ => None,
+    }
+    .unwrap_or(peak_gflops);
+    let gbps = d.rates.elementwise_gbps.unwrap_or(d.memory_gbps);
+    let math = flops as f64 / (gflops * 1e3);
+    let memory = bytes as f64 / (gbps * 1e3);
+    math.max(memory)
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! Host profiles, the link and compute cost model, and projection of timelines onto profiles.
+//! Host profiles, engines, the link and compute cost model, and projection of timelines onto
+//! profiles.
 //!
 //! Pure CPU code: nothing here touches a GPU. See `docs/PROJECTION.md` for the model.
 //!
@@ -14,14 +15,17 @@
 
 mod calibrated;
 mod cost;
+mod engine;
 mod fit;
 mod locate;
+mod numformat;
 mod pacing;
 mod profile;
 mod profile_error;
 mod project;
 mod project_error;
 mod report;
+mod rules;
 mod shipped;
 
 pub use calibrated::{
@@ -29,15 +33,19 @@ pub use calibrated::{
     MeasuredDevice,
 };
 pub use cost::{Algorithm, CostModel};
+pub use engine::{CollectiveEntry, Engine, EngineCompute, LinkKind, Wire, SHIPPED_ENGINES};
 pub use fit::{fit_alpha_beta, AlphaBetaFit, FitError};
 pub use locate::{FieldPath, Seg};
-pub use pacing::{Direction, LinkPacer, PacingError};
+pub use numformat::{NumFormat, NumFormatError};
+pub use pacing::{Direction, LinkPacer, PaceSpec, PacingError};
 pub use profile::{
     rate_at, ComputeSharing, DeviceSpec, HostLinkSpec, HostProfile, HostSpec, LinkSpec, NamedLink,
     Rates,
 };
 pub use profile_error::{Location, ProfileError};
-pub use project::{project, CollectivePolicy, HostGaps, ProjectOptions, Projection, StepBarriers};
-pub use project_error::ProjectError;
+pub use project::{
+    project, project_engine, CollectivePolicy, HostGaps, ProjectOptions, Projection, StepBarriers,
+};
+pub use project_error::{ForwardDependency, ProjectError};
 pub use report::{KindTotal, ProjectionReport};
 pub use shipped::SHIPPED_PROFILES;

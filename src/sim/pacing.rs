@@ -56,9 +56,69 @@ pub enum PacingError {
         /// Bandwidth given.
         beta_gbps: f64,
     },
+    /// A link given as `ALPHA_US:BETA_GBPS` with a part that is not a number.
+    #[error(
+        "'{text}': the {which} '{part}' is not a number; a link is ALPHA_US:BETA_GBPS, e.g. \
+         50:0.125 for 50 us and 1 Gb/s (or give a host profile name or file)"
+    )]
+    NotANumber {
+        /// The whole text.
+        text: String,
+        /// `latency (ALPHA_US)` or `bandwidth (BETA_GBPS)`.
+        which: &'static str,
+        /// The part that did not parse.
+        part: String,
+    },
     /// The cost model refused the collective (e.g. more participants than the profile has).
     #[error("cannot model the collective: {0}")]
     Model(#[from] ProjectError),
+}
+
+/// What a `--pace` argument names: one explicit link, or a host profile.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PaceSpec {
+    /// `ALPHA_US:BETA_GBPS`.
+    Link {
+        /// Latency, microseconds.
+        alpha_us: f64,
+        /// Bandwidth, GB/s.
+        beta_gbps: f64,
+    },
+    /// A profile name or file.
+    Profile(String),
+}
+
+impl PaceSpec {
+    /// Reads `ALPHA_US:BETA_GBPS` (two numbers around one colon, e.g. `50:0.125`) as a link
+    /// and anything else as a profile name or file. Text shaped like a link but with a part
+    /// that is not a number (`5:abc`) is an error naming that part, not a profile lookup; an
+    /// existing file wins over the link reading.
+    pub fn parse(text: &str) -> Result<PaceSpec, PacingError> {
+        if std::path::Path::new(text).exists() {
+            return Ok(PaceSpec::Profile(text.to_owned()));
+        }
+        let Some((a, b)) = text.split_once(':') else {
+            return Ok(PaceSpec::Profile(text.to_owned()));
+        };
+        if b.contains(':') || a.contains(['/', '\\']) || b.contains(['/', '\\']) {
+            return Ok(PaceSpec::Profile(text.to_owned()));
+        }
+        let number = |part: &str, which| {
+            part.trim()
+                .parse::<f64>()
+                .map_err(|_| PacingError::NotANumber {
+                    text: text.to_owned(),
+                    which,
+                    part: part.to_owned(),
+                })
+        };
+        let alpha_us = number(a, "latency (ALPHA_US)")?;
+        let beta_gbps = number(b, "bandwidth (BETA_GBPS)")?;
+        Ok(PaceSpec::Link {
+            alpha_us,
+            beta_gbps,
+        })
+    }
 }
 
 /// Sleeps transfers and collectives up to the time a profile's links would take.
@@ -213,10 +273,12 @@ fn link_only_profile(h2d: LinkSpec, d2h: LinkSpec) -> HostProfile {
             memory_gbps: f64::MAX,
             f32_tflops: f64::MAX,
             f16_tflops: f64::MAX,
+            f16_tensor_tflops: None,
             launch_overhead_us: 0.0,
             host_link: HostLinkSpec {
                 name: "paced link".into(),
                 shared_by: 1,
+                p2p: false,
                 h2d,
                 d2h,
             },
@@ -234,6 +296,25 @@ mod tests {
 
     fn secs(d: Duration) -> f64 {
         d.as_secs_f64()
+    }
+
+    #[test]
+    fn pace_specs_are_links_or_profiles() {
+        assert_eq!(
+            PaceSpec::parse("50:0.125").unwrap(),
+            PaceSpec::Link {
+                alpha_us: 50.0,
+                beta_gbps: 0.125
+            }
+        );
+        assert_eq!(
+            PaceSpec::parse("pcie3-2gpu").unwrap(),
+            PaceSpec::Profile("pcie3-2gpu".into())
+        );
+        let e = PaceSpec::parse("5:abc").unwrap_err().to_string();
+        assert!(e.contains("'abc'") && e.contains("BETA_GBPS"), "{e}");
+        let e = PaceSpec::parse("x:1").unwrap_err().to_string();
+        assert!(e.contains("'x'") && e.contains("ALPHA_US"), "{e}");
     }
 
     #[test]

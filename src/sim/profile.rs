@@ -8,8 +8,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::locate::{key_on_line, line_col, Document, FieldPath};
-use super::profile_error::{Location, ProfileError};
+use super::locate::FieldPath;
+use super::profile_error::ProfileError;
+use super::rules::{self, Violation};
 
 /// A machine (or a cluster of identical machines) as the projection sees it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -79,6 +80,11 @@ pub struct DeviceSpec {
     pub f32_tflops: f64,
     /// Peak f16 rate of the shader cores, TFLOP/s.
     pub f16_tflops: f64,
+    /// Peak dense f16/bf16 rate of the matrix units (NVIDIA tensor cores, FP32 accumulate),
+    /// TFLOP/s; absent on devices without them. What an engine that computes on tensor cores
+    /// (cuBLAS) reaches a fraction of; wgpar's WGSL kernels do not use them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub f16_tensor_tflops: Option<f64>,
     /// Fixed cost of one kernel dispatch, microseconds.
     pub launch_overhead_us: f64,
     /// The link between this device and host memory.
@@ -202,29 +208,16 @@ impl Rates {
     }
 }
 
-/// A slowdown: a device cannot compute faster for sharing its processor.
-fn at_least_unity(path: &FieldPath, s: f64) -> Result<(), Violation> {
-    if s.is_finite() && s >= 1.0 {
-        Ok(())
-    } else {
-        Err(Violation {
-            path: path.clone(),
-            value: s.to_string(),
-            reason: "must be a finite number, 1 or more",
-        })
-    }
-}
-
 fn check_curve(path: &FieldPath, curve: &[[f64; 2]]) -> Result<(), Violation> {
     for (i, p) in curve.iter().enumerate() {
-        positive(&path.index(i), p[0])?;
-        positive(&path.index(i), p[1])?;
+        rules::intensity(&path.index(i).index(0), p[0])?;
+        rules::gflops(&path.index(i).index(1), p[1])?;
         if i > 0 && p[0] <= curve[i - 1][0] {
-            return Err(Violation {
-                path: path.index(i),
-                value: format!("[{}, {}]", p[0], p[1]),
-                reason: "curve points must have strictly increasing intensity",
-            });
+            return Err(Violation::new(
+                path.index(i),
+                format!("[{}, {}]", p[0], p[1]),
+                "curve points must have strictly increasing intensity",
+            ));
         }
     }
     Ok(())
@@ -240,6 +233,10 @@ pub struct HostLinkSpec {
     /// or host memory itself): 1 when every device has its own lanes to the host. Transfers in
     /// the same direction through one upstream link run one at a time; others overlap.
     pub shared_by: u32,
+    /// Whether devices of this group can copy to each other directly over PCIe (peer to peer,
+    /// as NCCL's P2P transport does); false for GeForce cards, whose driver does not allow it.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub p2p: bool,
     /// Host to device.
     pub h2d: LinkSpec,
     /// Device to host.
@@ -272,8 +269,21 @@ pub struct NamedLink {
     pub name: String,
     /// Latency per message (per ring step for ring collectives), microseconds.
     pub alpha_us: f64,
-    /// Bandwidth per device and direction, GB/s.
+    /// Bandwidth per device (device link) or per network interface (network) and direction,
+    /// GB/s.
     pub beta_gbps: f64,
+    /// Device link only: the switch reduces in the fabric (NVLink SHARP, NCCL's NVLS
+    /// algorithm; third-generation NVSwitch, H100 and later).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub nvls: bool,
+    /// Network only: interfaces per node (one per GPU on a DGX SuperPOD); each carries
+    /// `beta_gbps`. Absent: one per node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nics_per_node: Option<u32>,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 impl NamedLink {
@@ -284,14 +294,6 @@ impl NamedLink {
             beta_gbps: self.beta_gbps,
         }
     }
-}
-
-/// A value that breaks a validation rule, before it is given a file location.
-#[derive(Debug)]
-pub(crate) struct Violation {
-    pub path: FieldPath,
-    pub value: String,
-    pub reason: &'static str,
 }
 
 impl HostProfile {
@@ -307,69 +309,13 @@ impl HostProfile {
 
     /// Parses and validates profile text; `file` names the source in errors.
     pub fn from_toml_str(text: &str, file: &str) -> Result<HostProfile, ProfileError> {
-        let locate = |span: Option<std::ops::Range<usize>>| {
-            let (line, column) = span.map(|s| line_col(text, s.start)).unzip();
-            Location {
-                file: file.to_owned(),
-                line,
-                column,
-            }
-        };
-        // Pass 1: syntax only, into a tree that remembers where every value is.
-        let doc = Document::parse(text).map_err(|e| {
-            let at = locate(e.span());
-            let field = at
-                .line
-                .and_then(|l| key_on_line(text, l))
-                .unwrap_or_else(|| "(unknown)".to_owned());
-            ProfileError::Parse {
-                at,
-                field,
-                message: e.message().trim().to_owned(),
-            }
-        })?;
-        // Pass 2: the typed structs; type errors and missing or unknown fields end up here.
-        let profile: HostProfile = toml::from_str(text).map_err(|e| {
-            let message = e.message().trim().to_owned();
-            let mut path = e
-                .span()
-                .map(|s| doc.path_at(&s))
-                .unwrap_or_else(FieldPath::root);
-            // "missing field `x`" and "unknown field `x`" point at the enclosing table.
-            // The span may be the key itself, in which case the path already ends with it.
-            if let Some(name) = named_field(&message) {
-                if path.0.last() != Some(&super::locate::Seg::Key(name.to_owned())) {
-                    path = path.key(name);
-                }
-            }
-            ProfileError::Parse {
-                at: locate(e.span()),
-                field: path.to_string(),
-                message,
-            }
-        })?;
-        // Pass 3: value ranges, located through the tree of pass 1.
-        profile.check().map_err(|v| ProfileError::Invalid {
-            at: locate(doc.span_of(&v.path)),
-            field: v.path.to_string(),
-            value: v.value,
-            reason: v.reason,
-        })?;
-        Ok(profile)
+        rules::parse_checked(text, file, HostProfile::check)
     }
 
     /// Checks value ranges of a profile built in code (no file, so no line numbers).
     pub fn validate(&self) -> Result<(), ProfileError> {
-        self.check().map_err(|v| ProfileError::Invalid {
-            at: Location {
-                file: format!("<profile {}>", self.name),
-                line: None,
-                column: None,
-            },
-            field: v.path.to_string(),
-            value: v.value,
-            reason: v.reason,
-        })
+        self.check()
+            .map_err(|v| rules::unlocated(&format!("<profile {}>", self.name), v))
     }
 
     /// The profile as TOML text (without source comments).
@@ -468,97 +414,81 @@ impl HostProfile {
         None
     }
 
+    /// Whether the profile holds measurements of wgpar itself (written by `wgpar calibrate`):
+    /// measured kernel rates or a measured collective cost. An engine that says its kernels are
+    /// what calibration measures (`calibrated = true`) then uses them as they are.
+    pub fn is_measured(&self) -> bool {
+        !self.host.collective_overhead_us.is_empty()
+            || self.devices.iter().any(|d| !d.rates.is_empty())
+    }
+
     /// Every rule a profile must satisfy; the first broken one is returned.
-    fn check(&self) -> Result<(), Violation> {
+    pub(crate) fn check(&self) -> Result<(), Violation> {
         let root = FieldPath::root();
-        non_empty(&root.key("name"), &self.name)?;
-        at_least_one(&root.key("nodes"), self.nodes as u64)?;
-        positive(&root.key("host").key("memory_gbps"), self.host.memory_gbps)?;
+        rules::non_empty(&root.key("name"), &self.name)?;
+        rules::at_least_one(&root.key("nodes"), self.nodes as u64)?;
+        if self.nodes > 100_000 {
+            return Err(Violation::new(
+                root.key("nodes"),
+                self.nodes,
+                "must be at most 100000",
+            ));
+        }
+        let host = root.key("host");
+        rules::non_empty(&host.key("name"), &self.host.name)?;
+        rules::bandwidth_gbps(&host.key("memory_gbps"), self.host.memory_gbps)?;
         for (i, &v) in self.host.collective_overhead_us.iter().enumerate() {
-            non_negative(&root.key("host").key("collective_overhead_us").index(i), v)?;
+            rules::latency_us(&host.key("collective_overhead_us").index(i), v)?;
         }
         if self.devices.is_empty() {
-            return Err(Violation {
-                path: root.key("devices"),
-                value: "[]".into(),
-                reason: "a profile needs at least one [[devices]] group",
-            });
+            return Err(Violation::new(
+                root.key("devices"),
+                "[]",
+                "a profile needs at least one [[devices]] group",
+            ));
         }
         for (i, d) in self.devices.iter().enumerate() {
-            let p = root.key("devices").index(i);
-            non_empty(&p.key("name"), &d.name)?;
-            at_least_one(&p.key("count"), d.count as u64)?;
-            at_least_one(&p.key("memory_bytes"), d.memory_bytes)?;
-            positive(&p.key("memory_gbps"), d.memory_gbps)?;
-            positive(&p.key("f32_tflops"), d.f32_tflops)?;
-            positive(&p.key("f16_tflops"), d.f16_tflops)?;
-            non_negative(&p.key("launch_overhead_us"), d.launch_overhead_us)?;
-            let l = p.key("host_link");
-            at_least_one(&l.key("shared_by"), d.host_link.shared_by as u64)?;
-            check_link(&l.key("h2d"), &d.host_link.h2d)?;
-            check_link(&l.key("d2h"), &d.host_link.d2h)?;
-            let r = p.key("rates");
-            for (name, v) in [
-                ("matmul_gflops", d.rates.matmul_gflops),
-                ("matmul_f16_gflops", d.rates.matmul_f16_gflops),
-                ("attention_gflops", d.rates.attention_gflops),
-                ("elementwise_gbps", d.rates.elementwise_gbps),
-            ] {
-                if let Some(v) = v {
-                    positive(&r.key(name), v)?;
-                }
-            }
-            check_curve(&r.key("matmul_curve"), &d.rates.matmul_curve)?;
-            check_curve(&r.key("attention_curve"), &d.rates.attention_curve)?;
-            if let Some(c) = &d.compute_sharing {
-                let cp = p.key("compute_sharing");
-                at_least_one(&cp.key("shared_by"), c.shared_by as u64)?;
-                if !c.slowdown.is_empty() && c.slowdown.len() != c.shared_by as usize {
-                    return Err(Violation {
-                        path: cp.key("slowdown"),
-                        value: format!("{} entries", c.slowdown.len()),
-                        reason: "needs one entry per device sharing the processor",
-                    });
-                }
-                for (k, &s) in c.slowdown.iter().enumerate() {
-                    at_least_unity(&cp.key("slowdown").index(k), s)?;
-                }
-                let curve = cp.key("slowdown_curve");
-                for (i, row) in c.slowdown_curve.iter().enumerate() {
-                    let rp = curve.index(i);
-                    if row.len() != c.shared_by as usize + 1 {
-                        return Err(Violation {
-                            path: rp,
-                            value: format!("{} entries", row.len()),
-                            reason: "needs the intensity, then one slowdown per device sharing \
-                                     the processor",
-                        });
-                    }
-                    positive(&rp.index(0), row[0])?;
-                    if i > 0 && row[0] <= c.slowdown_curve[i - 1][0] {
-                        return Err(Violation {
-                            path: rp.index(0),
-                            value: row[0].to_string(),
-                            reason: "curve rows must have strictly increasing intensity",
-                        });
-                    }
-                    for (k, &s) in row.iter().enumerate().skip(1) {
-                        at_least_unity(&rp.index(k), s)?;
-                    }
-                }
-            }
+            check_device(&root.key("devices").index(i), d)?;
+        }
+        if self.devices_per_node() > 100_000 {
+            return Err(Violation::new(
+                root.key("devices"),
+                self.devices_per_node(),
+                "at most 100000 devices per node",
+            ));
         }
         if let Some(dl) = &self.device_link {
-            check_link(&root.key("device_link"), &dl.link())?;
+            let p = root.key("device_link");
+            check_named(&p, dl)?;
+            if dl.nics_per_node.is_some() {
+                return Err(Violation::new(
+                    p.key("nics_per_node"),
+                    dl.nics_per_node.unwrap_or(0),
+                    "belongs in [network], not [device_link]",
+                ));
+            }
         }
         match &self.network {
-            Some(net) => check_link(&root.key("network"), &net.link())?,
+            Some(net) => {
+                let p = root.key("network");
+                check_named(&p, net)?;
+                if net.nvls {
+                    return Err(Violation::new(
+                        p.key("nvls"),
+                        true,
+                        "an in-switch reduction (NVLS) belongs to [device_link], not [network]",
+                    ));
+                }
+                if let Some(n) = net.nics_per_node {
+                    rules::at_least_one(&p.key("nics_per_node"), n as u64)?;
+                }
+            }
             None if self.nodes > 1 => {
-                return Err(Violation {
-                    path: root.key("nodes"),
-                    value: self.nodes.to_string(),
-                    reason: "more than one node needs a [network] table",
-                })
+                return Err(Violation::new(
+                    root.key("nodes"),
+                    self.nodes,
+                    "more than one node needs a [network] table",
+                ))
             }
             None => {}
         }
@@ -566,65 +496,92 @@ impl HostProfile {
     }
 }
 
-/// The field named in serde's "missing field `x`" / "unknown field `x`" messages.
-fn named_field(message: &str) -> Option<&str> {
-    let rest = message
-        .strip_prefix("missing field `")
-        .or_else(|| message.strip_prefix("unknown field `"))?;
-    rest.split('`').next()
+fn check_device(p: &FieldPath, d: &DeviceSpec) -> Result<(), Violation> {
+    rules::non_empty(&p.key("name"), &d.name)?;
+    rules::at_least_one(&p.key("count"), d.count as u64)?;
+    rules::memory_bytes(&p.key("memory_bytes"), d.memory_bytes)?;
+    rules::bandwidth_gbps(&p.key("memory_gbps"), d.memory_gbps)?;
+    rules::tflops(&p.key("f32_tflops"), d.f32_tflops)?;
+    rules::tflops(&p.key("f16_tflops"), d.f16_tflops)?;
+    if let Some(t) = d.f16_tensor_tflops {
+        rules::tflops(&p.key("f16_tensor_tflops"), t)?;
+    }
+    rules::latency_us(&p.key("launch_overhead_us"), d.launch_overhead_us)?;
+    let l = p.key("host_link");
+    rules::non_empty(&l.key("name"), &d.host_link.name)?;
+    rules::at_least_one(&l.key("shared_by"), d.host_link.shared_by as u64)?;
+    check_link(&l.key("h2d"), &d.host_link.h2d)?;
+    check_link(&l.key("d2h"), &d.host_link.d2h)?;
+    let r = p.key("rates");
+    for (name, v) in [
+        ("matmul_gflops", d.rates.matmul_gflops),
+        ("matmul_f16_gflops", d.rates.matmul_f16_gflops),
+        ("attention_gflops", d.rates.attention_gflops),
+    ] {
+        if let Some(v) = v {
+            rules::gflops(&r.key(name), v)?;
+        }
+    }
+    if let Some(v) = d.rates.elementwise_gbps {
+        rules::bandwidth_gbps(&r.key("elementwise_gbps"), v)?;
+    }
+    check_curve(&r.key("matmul_curve"), &d.rates.matmul_curve)?;
+    check_curve(&r.key("attention_curve"), &d.rates.attention_curve)?;
+    if let Some(c) = &d.compute_sharing {
+        let cp = p.key("compute_sharing");
+        rules::at_least_one(&cp.key("shared_by"), c.shared_by as u64)?;
+        if c.shared_by > d.count {
+            return Err(Violation::new(
+                cp.key("shared_by"),
+                c.shared_by,
+                "cannot exceed the group's device count: only devices of this group can share \
+                 its processor",
+            ));
+        }
+        if !c.slowdown.is_empty() && c.slowdown.len() != c.shared_by as usize {
+            return Err(Violation::new(
+                cp.key("slowdown"),
+                format!("{} entries", c.slowdown.len()),
+                "needs one entry per device sharing the processor",
+            ));
+        }
+        for (k, &s) in c.slowdown.iter().enumerate() {
+            rules::slowdown(&cp.key("slowdown").index(k), s)?;
+        }
+        let curve = cp.key("slowdown_curve");
+        for (i, row) in c.slowdown_curve.iter().enumerate() {
+            let rp = curve.index(i);
+            if row.len() != c.shared_by as usize + 1 {
+                return Err(Violation::new(
+                    rp,
+                    format!("{} entries", row.len()),
+                    "needs the intensity, then one slowdown per device sharing the processor",
+                ));
+            }
+            rules::intensity(&rp.index(0), row[0])?;
+            if i > 0 && row[0] <= c.slowdown_curve[i - 1][0] {
+                return Err(Violation::new(
+                    rp.index(0),
+                    row[0],
+                    "curve rows must have strictly increasing intensity",
+                ));
+            }
+            for (k, &s) in row.iter().enumerate().skip(1) {
+                rules::slowdown(&rp.index(k), s)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_named(path: &FieldPath, l: &NamedLink) -> Result<(), Violation> {
+    rules::non_empty(&path.key("name"), &l.name)?;
+    check_link(path, &l.link())
 }
 
 fn check_link(path: &FieldPath, l: &LinkSpec) -> Result<(), Violation> {
-    non_negative(&path.key("alpha_us"), l.alpha_us)?;
-    positive(&path.key("beta_gbps"), l.beta_gbps)
-}
-
-fn positive(path: &FieldPath, v: f64) -> Result<(), Violation> {
-    if v.is_finite() && v > 0.0 {
-        Ok(())
-    } else {
-        Err(Violation {
-            path: path.clone(),
-            value: v.to_string(),
-            reason: "must be a finite number greater than zero",
-        })
-    }
-}
-
-fn non_negative(path: &FieldPath, v: f64) -> Result<(), Violation> {
-    if v.is_finite() && v >= 0.0 {
-        Ok(())
-    } else {
-        Err(Violation {
-            path: path.clone(),
-            value: v.to_string(),
-            reason: "must be a finite number, zero or more",
-        })
-    }
-}
-
-fn at_least_one(path: &FieldPath, v: u64) -> Result<(), Violation> {
-    if v >= 1 {
-        Ok(())
-    } else {
-        Err(Violation {
-            path: path.clone(),
-            value: v.to_string(),
-            reason: "must be at least 1",
-        })
-    }
-}
-
-fn non_empty(path: &FieldPath, s: &str) -> Result<(), Violation> {
-    if s.trim().is_empty() {
-        Err(Violation {
-            path: path.clone(),
-            value: format!("{s:?}"),
-            reason: "must not be empty",
-        })
-    } else {
-        Ok(())
-    }
+    rules::latency_us(&path.key("alpha_us"), l.alpha_us)?;
+    rules::bandwidth_gbps(&path.key("beta_gbps"), l.beta_gbps)
 }
 
 #[cfg(test)]

@@ -27,7 +27,8 @@ impl fmt::Display for Location {
     }
 }
 
-/// Everything that can go wrong with a host profile.
+/// Everything that can go wrong with a host profile or an engine description (both are TOML
+/// files whose errors name file, line and field).
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
     /// The file could not be read or written.
@@ -66,6 +67,14 @@ pub enum ProfileError {
         /// The name given.
         name: String,
         /// Comma-separated list of shipped profile names.
+        known: String,
+    },
+    /// An engine name that is neither a file nor a shipped engine.
+    #[error("no engine file or shipped engine named `{name}`; shipped engines: {known}")]
+    UnknownEngine {
+        /// The name given.
+        name: String,
+        /// Comma-separated list of shipped engine names.
         known: String,
     },
     /// The profile could not be turned into TOML.

@@ -9,7 +9,11 @@
 //!    `shared_by`) wait for each other;
 //! 3. spans of one collective group start together, when the last participant is ready;
 //! 4. (with [`StepBarriers::Idle`]) where nothing was running in the recorded run, the host was
-//!    between steps: every later span waits for every earlier one;
+//!    between steps: every later span waits for every earlier one. Not for a timeline whose
+//!    engine recorded every wait of its driver ([`Timeline::has_complete_dependencies`], e.g.
+//!    an in-flight pipeline, where micro-batches share no step boundary);
+//!    A span released by an outside event (a request's arrival, [`Span::release_ns`])
+//!    starts no earlier than the same time after the first span as it was released;
 //! 5. compute spans of devices that share a processor ([`ComputeSharing`]) slow each other
 //!    down while they overlap, by the profile's measured slowdown.
 //!
@@ -23,8 +27,9 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 use crate::trace::{us_to_ns, CollectiveInfo, Interval, Span, SpanKind, Summary, Timeline, Track};
 
 use super::cost::{Algorithm, CostModel};
+use super::engine::{Engine, LinkKind};
 use super::profile::{ComputeSharing, HostProfile};
-use super::project_error::ProjectError;
+use super::project_error::{ForwardDependency, ProjectError};
 use super::report::{KindTotal, ProjectionReport};
 
 /// Which algorithm a collective is costed with.
@@ -34,8 +39,9 @@ pub enum CollectivePolicy {
     /// The algorithm the run recorded.
     #[default]
     AsRecorded,
-    /// The cheapest algorithm on the profile (e.g. a ring over NVLink instead of the host
-    /// path): what the run would cost with a comm layer tuned for that machine.
+    /// The cheapest collective the engine can run on the profile (for the peak engine, a ring
+    /// over NVLink instead of the host path): what the run would cost with the engine's comm
+    /// layer tuned for that machine.
     Best,
 }
 
@@ -61,7 +67,9 @@ pub enum StepBarriers {
     /// Engines are driven by a host loop that collects a step's results before it issues the
     /// next step; that wait is not a recorded dependency, and without this rule a projection
     /// would overlap consecutive steps (a pipeline's next step would enter stage 0 while the
-    /// previous one still runs on the last stage).
+    /// previous one still runs on the last stage). A timeline that declares its dependencies
+    /// complete ([`Timeline::has_complete_dependencies`]) records those waits, and is
+    /// projected as with [`StepBarriers::Off`].
     #[default]
     Idle,
     /// Only recorded dependencies and resource order constrain the schedule.
@@ -95,17 +103,37 @@ enum Resource {
     Uplink { to_device: bool, uplink: usize },
 }
 
-/// Projects `timeline` onto `profile`.
+/// Projects `timeline` onto `profile` at the profile's peak figures ([`Engine::peak`]).
 pub fn project(
     timeline: &Timeline,
     profile: &HostProfile,
     options: &ProjectOptions,
 ) -> Result<Projection, ProjectError> {
+    project_engine(timeline, profile, &Engine::peak(), options)
+}
+
+/// Projects `timeline` onto `profile` as `engine` would run it: the engine's arithmetic and
+/// efficiencies for compute, its wire format for transfers and collectives, and its choice of
+/// collective on that machine.
+pub fn project_engine(
+    timeline: &Timeline,
+    profile: &HostProfile,
+    engine: &Engine,
+    options: &ProjectOptions,
+) -> Result<Projection, ProjectError> {
+    if timeline.spans.is_empty() {
+        return Err(ProjectError::EmptyTimeline);
+    }
     let mut tl = timeline.clone();
     tl.validate()?;
+    let mut options = *options;
+    if tl.has_complete_dependencies() {
+        options.barriers = StepBarriers::Off;
+    }
+    let options = &options;
     let spans = &tl.spans;
     let n = spans.len();
-    let model = CostModel::new(profile);
+    let model = CostModel::with_engine(profile, engine);
 
     let devices: Vec<Option<usize>> = spans
         .iter()
@@ -121,6 +149,26 @@ pub fn project(
         }
     }
     let index_of: HashMap<_, usize> = spans.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
+    // A dependency that started after its dependent is not something a run records; caught
+    // here it names both spans, instead of surfacing as a cycle with resource order.
+    for s in spans {
+        for dep in &s.deps {
+            if let Some(d) = index_of.get(dep).map(|&i| &spans[i]) {
+                if d.start_ns > s.start_ns {
+                    return Err(ProjectError::DependencyStartsLater(Box::new(
+                        ForwardDependency {
+                            span: s.id,
+                            name: s.name.clone(),
+                            start_us: s.start_us(),
+                            dep: d.id,
+                            dep_name: d.name.clone(),
+                            dep_start_us: d.start_us(),
+                        },
+                    )));
+                }
+            }
+        }
+    }
 
     // Units: a collective group is scheduled as one unit, every other span alone.
     let mut unit_of = vec![0usize; n];
@@ -148,10 +196,17 @@ pub fn project(
 
     // Cost of every unit (a group's members share one collective cost).
     let mut cost = vec![0.0f64; n];
+    let mut via: Vec<LinkKind> = Vec::new();
     for unit_members in &members {
         let first = &spans[unit_members[0]];
         if first.kind == SpanKind::Collective {
-            let t = collective_cost(&model, profile, spans, unit_members, &devices, options)?;
+            let (t, kind) =
+                collective_cost(&model, profile, spans, unit_members, &devices, options)?;
+            if let Some(kind) = kind {
+                if !via.contains(&kind) {
+                    via.push(kind);
+                }
+            }
             for &m in unit_members {
                 cost[m] = t;
             }
@@ -194,6 +249,14 @@ pub fn project(
 
     // Measured host gap of each span: start minus the latest end of its predecessors.
     let first_start = spans.iter().map(|s| s.start_ns).min().unwrap_or(0);
+    // Release times, on the projection's clock (the first span starts at 0).
+    let release_us: Vec<f64> = spans
+        .iter()
+        .map(|s| {
+            s.release_ns
+                .map_or(0.0, |r| r.saturating_sub(first_start) as f64 / 1e3)
+        })
+        .collect();
     let gap_us: Vec<f64> = (0..n)
         .map(|i| match options.host_gaps {
             HostGaps::Drop => 0.0,
@@ -229,11 +292,18 @@ pub fn project(
             }
         })
         .collect();
-    let (start, end) = simulate(&members, &unit_of, &preds, &gap_us, &cost, &pool_of_unit)
-        .map_err(|stuck| ProjectError::Cycle {
-            span: spans[stuck].id,
-            name: spans[stuck].name.clone(),
-        })?;
+    let (start, end) = simulate(
+        &members,
+        &unit_of,
+        &preds,
+        (&gap_us, &release_us),
+        &cost,
+        &pool_of_unit,
+    )
+    .map_err(|stuck| ProjectError::Cycle {
+        span: spans[stuck].id,
+        name: spans[stuck].name.clone(),
+    })?;
 
     let device_count = tl.device_count();
     let projected = Summary::from_intervals(
@@ -268,6 +338,8 @@ pub fn project(
         .collect();
     let report = ProjectionReport {
         profile: profile.name.clone(),
+        engine: engine.label().to_owned(),
+        collectives_via: via.iter().map(|k| k.name().to_owned()).collect(),
         profile_devices: profile.device_count(),
         devices_used: device_count,
         spans: n,
@@ -284,6 +356,8 @@ pub fn project(
     }
     out.meta
         .insert("projected_onto".to_owned(), profile.name.clone());
+    out.meta
+        .insert("projected_engine".to_owned(), engine.name.clone());
     Ok(Projection {
         report,
         timeline: out,
@@ -317,7 +391,8 @@ fn span_cost(model: &CostModel<'_>, s: &Span, device: Option<usize>) -> Result<f
     }
 }
 
-/// Cost of the collective a unit's members took part in.
+/// Cost of the collective a unit's members took part in, and the path it took (none with a
+/// single participant).
 fn collective_cost(
     model: &CostModel<'_>,
     profile: &HostProfile,
@@ -325,7 +400,7 @@ fn collective_cost(
     unit: &[usize],
     devices: &[Option<usize>],
     options: &ProjectOptions,
-) -> Result<f64, ProjectError> {
+) -> Result<(f64, Option<LinkKind>), ProjectError> {
     let first = &spans[unit[0]];
     let info: &CollectiveInfo =
         first
@@ -335,12 +410,21 @@ fn collective_cost(
                 span: first.id,
                 name: first.name.clone(),
             })?;
-    let recorded =
-        Algorithm::parse(&info.algorithm).ok_or_else(|| ProjectError::UnknownAlgorithm {
+    // "auto" (modeled timelines): whatever the engine prefers on the machine.
+    let known = Algorithm::parse(&info.algorithm).is_some()
+        || info.algorithm == "auto"
+        || model
+            .engine()
+            .collectives
+            .iter()
+            .any(|c| c.kind.name() == info.algorithm);
+    if !known {
+        return Err(ProjectError::UnknownAlgorithm {
             span: first.id,
             name: first.name.clone(),
             algorithm: info.algorithm.clone(),
-        })?;
+        });
+    }
     // Participants: the recorded members' devices, topped up with the lowest free indices
     // when fewer participants recorded a span than the collective had.
     let mut parts: BTreeSet<usize> = unit.iter().filter_map(|&m| devices[m]).collect();
@@ -360,11 +444,18 @@ fn collective_cost(
             });
         }
     }
-    let cost = |alg| model.collective_us(info.op, alg, &parts, first.bytes, info.chunks);
-    match options.collectives {
-        CollectivePolicy::AsRecorded => cost(recorded),
-        CollectivePolicy::Best => Ok(cost(Algorithm::HostStaged)?.min(cost(Algorithm::Ring)?)),
+    if parts.len() < 2 {
+        return Ok((0.0, None));
     }
+    let (t, kind) = model.engine_collective_us(
+        info.op,
+        &info.algorithm,
+        options.collectives,
+        &parts,
+        first.bytes,
+        info.chunks,
+    )?;
+    Ok((t, Some(kind)))
 }
 
 fn check_same_collective(group: u64, first: &Span, other: &Span) -> Result<(), ProjectError> {
@@ -507,14 +598,14 @@ impl Pool<'_> {
 const DONE_US: f64 = 1e-6;
 
 /// Event-driven schedule of the units: a unit starts when every predecessor outside it has
-/// ended (plus hops) and its host gap has passed; it then runs for its cost, or, on a shared
+/// ended (plus hops) and its host gap has passed, and not before its release time; it then runs for its cost, or, on a shared
 /// processor, until its work is done at the rate the current sharing allows. Returns start and
 /// end per span, or the index of a span stuck in a cycle.
 fn simulate(
     members: &[Vec<usize>],
     unit_of: &[usize],
     preds: &[Vec<(usize, f64)>],
-    gap_us: &[f64],
+    (gap_us, release_us): (&[f64], &[f64]),
     cost: &[f64],
     pool_of_unit: &[Option<Shared<'_>>],
 ) -> Result<(Vec<f64>, Vec<f64>), usize> {
@@ -542,7 +633,7 @@ fn simulate(
                     .filter(|&&(p, _)| unit_of[p] != u)
                     .map(|&(p, hop)| end[p] + hop)
                     .fold(0.0, f64::max);
-                after + gap_us[m]
+                (after + gap_us[m]).max(release_us[m])
             })
             .fold(0.0, f64::max)
     };
@@ -644,4 +735,66 @@ fn simulate(
         return Err(stuck);
     }
     Ok((start, end))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::{KernelFamily, SpanAttrs};
+
+    fn work(name: &'static str, device: u32) -> SpanAttrs {
+        SpanAttrs::compute(name, device)
+            .flops(1_000_000)
+            .bytes(1_000_000)
+            .family(KernelFamily::Matmul)
+    }
+
+    /// Two independent spans on two devices, the second recorded after an idle instant.
+    fn two_steps() -> Timeline {
+        let mut tl = Timeline::new();
+        tl.push_us(work("a", 0), 0.0, 100.0);
+        tl.push_us(work("b", 1), 300.0, 100.0);
+        tl
+    }
+
+    fn starts(p: &Projection) -> Vec<u64> {
+        p.timeline.spans.iter().map(|s| s.start_ns).collect()
+    }
+
+    #[test]
+    fn idle_instants_are_barriers_unless_dependencies_are_complete() {
+        let profile = HostProfile::resolve("pcie4-2gpu").unwrap();
+        let opts = ProjectOptions::default();
+        let barred = project(&two_steps(), &profile, &opts).unwrap();
+        let s = starts(&barred);
+        assert!(
+            s[1] > 0 && s[1] >= barred.timeline.spans[0].end_ns(),
+            "{s:?}"
+        );
+
+        let mut complete = two_steps();
+        complete
+            .meta
+            .insert("dependencies".into(), "complete".into());
+        assert!(complete.has_complete_dependencies());
+        let free = project(&complete, &profile, &opts).unwrap();
+        assert_eq!(starts(&free), vec![0, 0]);
+        assert_eq!(free.report.options.barriers, StepBarriers::Off);
+    }
+
+    #[test]
+    fn a_released_span_starts_no_earlier_than_its_release() {
+        let profile = HostProfile::resolve("pcie4-2gpu").unwrap();
+        let mut tl = Timeline::new();
+        tl.meta.insert("dependencies".into(), "complete".into());
+        // The first span starts 1 ms after the epoch; the second was released 5 ms later.
+        tl.push_us(work("a", 0), 1000.0, 100.0);
+        tl.push_us(work("b", 1).not_before_us(6000.0), 6100.0, 100.0);
+        let p = project(&tl, &profile, &ProjectOptions::default()).unwrap();
+        assert_eq!(p.timeline.spans[1].start_ns, 5_000_000);
+        // Without the release it would start at once on its idle device.
+        tl.spans[1].release_ns = None;
+        let p = project(&tl, &profile, &ProjectOptions::default()).unwrap();
+        assert_eq!(p.timeline.spans[1].start_ns, 0);
+    }
 }

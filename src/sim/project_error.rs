@@ -41,7 +41,7 @@ pub enum ProjectError {
     /// The recorded algorithm has no cost model.
     #[error(
         "span {span} ({name}): unknown collective algorithm `{algorithm}` \
-         (known: host-staged, ring)"
+         (known: host-staged, ring, auto, or a kind of the engine)"
     )]
     UnknownAlgorithm {
         /// The span.
@@ -74,6 +74,38 @@ pub enum ProjectError {
         /// Nodes spanned.
         nodes: usize,
     },
+    /// The engine has no collective the machine allows for these participants.
+    #[error(
+        "engine `{engine}` has no collective that profile `{profile}` allows for {devices} devices \
+         on {nodes} node(s): add an entry for this path (e.g. nccl-net or host-staged across \
+         nodes) to the engine's [[collectives]]"
+    )]
+    NoCollective {
+        /// Engine name.
+        engine: String,
+        /// Profile name.
+        profile: String,
+        /// Participants.
+        devices: usize,
+        /// Nodes they span.
+        nodes: usize,
+    },
+    /// An NVLink collective was asked of a profile without a device link.
+    #[error("profile `{profile}` has no [device_link] for an NVLink collective")]
+    NoDeviceLink {
+        /// Profile name.
+        profile: String,
+    },
+    /// The timeline has no spans: there is nothing to replay.
+    #[error(
+        "the timeline has no spans, so there is nothing to project: record one with \
+         `wgpar run --trace FILE` (a run that computes at least one step)"
+    )]
+    EmptyTimeline,
+    /// A span depends on a span that started after it, which no run can record: the trace
+    /// was edited or its clocks are inconsistent. (Boxed: errors stay small.)
+    #[error("{0}")]
+    DependencyStartsLater(Box<ForwardDependency>),
     /// Dependencies, track order and collective groups form a cycle (e.g. two devices that
     /// recorded the same two collectives in opposite orders).
     #[error("span {span} ({name}) waits on itself through dependencies, track order or a collective group")]
@@ -83,4 +115,27 @@ pub enum ProjectError {
         /// Its name.
         name: String,
     },
+}
+
+/// A dependency that points forward in time: span `span` starts before span `dep`, which it
+/// depends on.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error(
+    "span {span} ({name}) starts at {start_us:.3} us but depends on span {dep} ({dep_name}), \
+     which starts later, at {dep_start_us:.3} us: a dependency that points forward in time \
+     (the trace's times or dependencies were edited)"
+)]
+pub struct ForwardDependency {
+    /// The dependent span.
+    pub span: SpanId,
+    /// Its name.
+    pub name: String,
+    /// Its recorded start, microseconds.
+    pub start_us: f64,
+    /// The dependency.
+    pub dep: SpanId,
+    /// Its name.
+    pub dep_name: String,
+    /// Its recorded start, microseconds.
+    pub dep_start_us: f64,
 }

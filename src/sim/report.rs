@@ -22,6 +22,10 @@ pub struct KindTotal {
 pub struct ProjectionReport {
     /// Profile projected onto.
     pub profile: String,
+    /// Engine whose figures were used (its label).
+    pub engine: String,
+    /// Collective paths the projection used (`host-staged`, `nccl-ring-nvlink`, ...).
+    pub collectives_via: Vec<String>,
     /// Devices the profile has.
     pub profile_devices: usize,
     /// Devices the timeline uses.
@@ -49,9 +53,14 @@ impl ProjectionReport {
     }
 }
 
-/// Microseconds in a readable unit.
-fn time(us: f64) -> String {
-    if us >= 1e6 {
+/// Microseconds in a readable unit; beyond 10^6 s (a profile with absurd figures can get
+/// there) in scientific notation rather than hundreds of digits.
+pub(crate) fn time(us: f64) -> String {
+    if !us.is_finite() {
+        format!("{us} us")
+    } else if us >= 1e12 {
+        format!("{:.3e} s", us / 1e6)
+    } else if us >= 1e6 {
         format!("{:.3} s", us / 1e6)
     } else if us >= 1e3 {
         format!("{:.3} ms", us / 1e3)
@@ -94,9 +103,12 @@ impl fmt::Display for ProjectionReport {
         };
         writeln!(
             f,
-            "projection onto `{}`: {} of {} devices, {} spans ({policy}, {gaps}, {barriers})",
-            self.profile, self.devices_used, self.profile_devices, self.spans
+            "projection onto `{}` as `{}` runs it: {} of {} devices, {} spans ({policy}, {gaps}, {barriers})",
+            self.profile, self.engine, self.devices_used, self.profile_devices, self.spans
         )?;
+        if !self.collectives_via.is_empty() {
+            writeln!(f, "collectives via: {}", self.collectives_via.join(", "))?;
+        }
         writeln!(f)?;
         let (m, p) = (&self.measured, &self.projected);
         writeln!(f, "  {:<22}{:>14}{:>14}", "", "measured", "projected")?;
@@ -182,6 +194,7 @@ mod tests {
         assert_eq!(time(12.34), "12.3 us");
         assert_eq!(time(12_345.0), "12.345 ms");
         assert_eq!(time(2.5e6), "2.500 s");
+        assert_eq!(time(3e300), "3.000e294 s");
         assert_eq!(bytes(999), "999 B");
         assert_eq!(bytes(1_500_000), "1.50 MB");
         assert_eq!(pct(0.25), "25.0 %");

@@ -52,6 +52,8 @@ pub struct SpanAttrs {
     pub collective: Option<CollectiveInfo>,
     /// Device time from timestamp queries (see [`Span::device_ns`]).
     pub device_ns: Option<u64>,
+    /// Earliest start (see [`Span::release_ns`]).
+    pub release_ns: Option<u64>,
 }
 
 impl SpanAttrs {
@@ -72,6 +74,7 @@ impl SpanAttrs {
             deps: Vec::new(),
             collective: None,
             device_ns: None,
+            release_ns: None,
         }
     }
 
@@ -175,6 +178,13 @@ impl SpanAttrs {
         self
     }
 
+    /// Sets the earliest start, microseconds since the epoch (see [`Span::release_ns`]),
+    /// e.g. `recorder.us_since_epoch(arrival)`.
+    pub fn not_before_us(mut self, us: f64) -> Self {
+        self.release_ns = Some(super::us_to_ns(us));
+        self
+    }
+
     /// Sets the kernel family.
     pub fn family(mut self, family: KernelFamily) -> Self {
         self.family = Some(family);
@@ -244,6 +254,7 @@ impl SpanAttrs {
             deps,
             collective: self.collective,
             device_ns: self.device_ns,
+            release_ns: self.release_ns,
         }
     }
 }

@@ -8,6 +8,7 @@
 mod attrs;
 mod chrome;
 mod error;
+mod merge;
 mod recorder;
 mod span;
 mod summary;
@@ -17,6 +18,7 @@ mod timeline;
 pub use attrs::SpanAttrs;
 pub use chrome::TRACE_FORMAT_VERSION;
 pub use error::TraceError;
+pub use merge::{keys as rank_keys, MergeError, RankPlacement, CROSS_PROCESS_GROUP};
 pub use recorder::{DeviceTiming, Recorder};
 pub use span::{
     CollectiveInfo, CollectiveOp, KernelFamily, Precision, Span, SpanId, SpanKind, Track,
@@ -24,4 +26,4 @@ pub use span::{
 pub use summary::{DeviceSummary, Interval, Summary};
 pub use svg::{timeline_svg, timeline_svg_with, SvgOptions};
 pub(crate) use timeline::us_to_ns;
-pub use timeline::Timeline;
+pub use timeline::{RemoteDep, Timeline};

@@ -156,6 +156,19 @@ impl Recorder {
         }
     }
 
+    /// Notes that span `span` depends on span `remote` of rank `rank`'s trace (a message from
+    /// another MPI rank); [`Timeline::merge_ranks`] turns it into a dependency.
+    pub fn remote_dep(&self, span: SpanId, rank: u32, remote: SpanId) {
+        if let Some(inner) = &self.inner {
+            if !span.is_none() && !remote.is_none() {
+                inner
+                    .lock()
+                    .remote_deps
+                    .push(super::timeline::RemoteDep { span, rank, remote });
+            }
+        }
+    }
+
     /// Labels a device in exported traces, e.g. `"NVIDIA RTX 4090 (Vulkan)"`.
     pub fn label_device(&self, device: u32, label: impl Into<String>) {
         if let Some(inner) = &self.inner {
@@ -168,6 +181,14 @@ impl Recorder {
         if let Some(inner) = &self.inner {
             inner.lock().meta.insert(key.into(), value.into());
         }
+    }
+
+    /// Declares that the engine recording here records, for every span, everything it waited
+    /// for (including its driver's waits between steps), so that a projection replays the
+    /// dependencies as recorded and infers no step barriers from idle instants.
+    pub fn declare_complete_dependencies(&self) {
+        let (key, value) = super::timeline::COMPLETE_DEPENDENCIES;
+        self.set_meta(key, value);
     }
 
     /// A copy of everything recorded so far, spans sorted by id (empty when disabled).

@@ -307,6 +307,11 @@ pub struct Span {
     /// which also holds encoding, submission and the wait; this is the device's part of it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_ns: Option<u64>,
+    /// Earliest start, nanoseconds since the epoch: the span's work was released by an event
+    /// outside the run (a request arriving at a server). The projection starts it no earlier
+    /// than the same time after the timeline's first span.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_ns: Option<u64>,
 }
 
 impl Span {

@@ -23,6 +23,21 @@ pub struct Timeline {
     pub meta: BTreeMap<String, String>,
     /// The spans, sorted by id.
     pub spans: Vec<Span>,
+    /// Dependencies on spans of other processes' timelines (MPI ranks): resolved when the
+    /// ranks' traces are merged ([`Timeline::merge_ranks`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remote_deps: Vec<RemoteDep>,
+}
+
+/// Span `span` of this timeline depends on span `remote` of rank `rank`'s timeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteDep {
+    /// The local span.
+    pub span: SpanId,
+    /// The rank whose timeline holds the dependency.
+    pub rank: u32,
+    /// The span there.
+    pub remote: SpanId,
 }
 
 impl Timeline {
@@ -101,6 +116,15 @@ impl Timeline {
             .collect()
     }
 
+    /// True when the recorder declared that every span records all it waited for, the
+    /// driver's waits included ([`Recorder::declare_complete_dependencies`]): idle instants
+    /// are then not step boundaries.
+    ///
+    /// [`Recorder::declare_complete_dependencies`]: super::Recorder::declare_complete_dependencies
+    pub fn has_complete_dependencies(&self) -> bool {
+        self.meta.get(COMPLETE_DEPENDENCIES.0).map(String::as_str) == Some(COMPLETE_DEPENDENCIES.1)
+    }
+
     /// Busy time, communication and bubble shares, bytes moved (see [`Summary`]).
     pub fn summary(&self) -> Summary {
         Summary::from_intervals(
@@ -148,6 +172,9 @@ impl Timeline {
 }
 
 /// Microseconds to whole nanoseconds; negative and NaN inputs become 0.
+/// The metadata entry of a timeline whose spans record every dependency.
+pub(crate) const COMPLETE_DEPENDENCIES: (&str, &str) = ("dependencies", "complete");
+
 pub(crate) fn us_to_ns(us: f64) -> u64 {
     if us.is_finite() && us > 0.0 {
         (us * 1e3).round() as u64

@@ -3,6 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
+use std::str::FromStr;
+
 use tokenizers::{Tokenizer, TruncationParams};
 
 use crate::error::{Result, WgparError};
@@ -70,7 +72,20 @@ impl TextTokenizer {
                     .into(),
             ));
         }
-        let mut inner = Tokenizer::from_file(file).map_err(|e| fail(diagnose(file, &e)))?;
+        let text = std::fs::read_to_string(file).map_err(|e| fail(format!("unreadable: {e}")))?;
+        // Not JSON: say so (the tokenizers crate panics on some malformed sections instead of
+        // returning an error, e.g. a `decoder` that is not an object).
+        if let Err(e) = serde_json::from_str::<serde_json::Value>(&text) {
+            return Err(fail(diagnose(file, &e)));
+        }
+        let parsed = std::panic::catch_unwind(|| Tokenizer::from_str(&text)).map_err(|_| {
+            fail(
+                "a section has a value of the wrong kind (the tokenizers crate could not read it); \
+                 save the checkpoint's fast tokenizer again with `save_pretrained`"
+                    .into(),
+            )
+        })?;
+        let mut inner = parsed.map_err(|e| fail(diagnose(file, &e)))?;
         inner.with_padding(None);
         let truncation = max_len.map(|max_length| TruncationParams {
             max_length,

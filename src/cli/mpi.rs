@@ -1,0 +1,602 @@
+//! Running as MPI ranks: `mpirun -np N wgpar devices | run | allreduce`.
+//!
+//! Without the `mpi` feature this module only detects a launch and refuses it (N independent
+//! copies of a run would each use every device and report N times).
+
+use clap::Args;
+use wgpar::dist::{launch, DistError};
+use wgpar::Result;
+
+/// Options of every command about MPI ranks.
+#[derive(Args, Clone, Debug)]
+pub struct MpiArgs {
+    /// Run as MPI ranks even if no launcher is detected (it is detected from the variables
+    /// mpirun sets: OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK). Needs a build with `--features
+    /// mpi`.
+    #[arg(long, global = true)]
+    mpi: bool,
+    /// Under MPI: seconds any wait on another rank may take before the run fails with an
+    /// error naming that rank.
+    #[arg(long, global = true, default_value_t = 120.0, value_name = "SECS")]
+    mpi_timeout: f64,
+    /// Under MPI, for tests and demonstrations of the failure path: make RANK fail with KIND
+    /// (error, panic, kill, hang) after AFTER micro-batches (error, panic in a pipeline; steps
+    /// of tensor parallelism) or milliseconds (kill: SIGKILL; hang: SIGSTOP).
+    #[arg(long, global = true, value_name = "RANK:KIND[:AFTER]")]
+    mpi_fault: Option<String>,
+}
+
+/// How a rank is told to fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+enum FaultKind {
+    Error,
+    Panic,
+    Kill,
+    Hang,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+struct Fault {
+    rank: usize,
+    kind: FaultKind,
+    after: u64,
+}
+
+impl MpiArgs {
+    /// True when this process is one of several MPI ranks (or `--mpi` asks for it). A binary
+    /// without the feature refuses a parallel launch here, before anything else runs.
+    pub fn active(&self) -> Result<bool> {
+        let detected = launch::detect();
+        if cfg!(feature = "mpi") {
+            return Ok(self.mpi || detected.is_some_and(|l| l.is_parallel()));
+        }
+        if self.mpi {
+            return Err(DistError::FeatureMissing.into());
+        }
+        match detected {
+            Some(l) if l.is_parallel() => Err(DistError::NotBuilt {
+                launcher: l.launcher,
+                rank: l.rank,
+                size: l.size,
+            }
+            .into()),
+            _ => Ok(false),
+        }
+    }
+
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    fn fault(&self) -> Result<Option<Fault>> {
+        let Some(text) = &self.mpi_fault else {
+            return Ok(None);
+        };
+        let bad = || {
+            wgpar::WgparError::Config(format!(
+                "--mpi-fault {text}: expected RANK:KIND[:AFTER] with KIND error, panic, kill or \
+                 hang, e.g. 1:error or 1:kill:500"
+            ))
+        };
+        let mut parts = text.split(':');
+        let rank = parts.next().and_then(|r| r.parse().ok()).ok_or_else(bad)?;
+        let kind = match parts.next() {
+            Some("error") => FaultKind::Error,
+            Some("panic") => FaultKind::Panic,
+            Some("kill") => FaultKind::Kill,
+            Some("hang") => FaultKind::Hang,
+            _ => return Err(bad()),
+        };
+        let after = match parts.next() {
+            Some(a) => a.parse().map_err(|_| bad())?,
+            None => 0,
+        };
+        if parts.next().is_some() {
+            return Err(bad());
+        }
+        Ok(Some(Fault { rank, kind, after }))
+    }
+
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    fn timeout(&self) -> Result<std::time::Duration> {
+        if !(self.mpi_timeout.is_finite() && self.mpi_timeout > 0.0) {
+            return Err(wgpar::WgparError::Config(format!(
+                "--mpi-timeout {}: must be a positive number of seconds",
+                self.mpi_timeout
+            )));
+        }
+        Ok(std::time::Duration::from_secs_f64(self.mpi_timeout))
+    }
+}
+
+#[cfg(feature = "mpi")]
+pub use ranks::main;
+
+#[cfg(not(feature = "mpi"))]
+/// Unreachable without the feature: [`MpiArgs::active`] refuses first.
+pub fn main(_cli: super::Cli) -> Result<()> {
+    Err(DistError::FeatureMissing.into())
+}
+
+#[cfg(feature = "mpi")]
+mod ranks {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use wgpar::comm::bench::parse_dtype;
+    use wgpar::comm::units::parse_size;
+    use wgpar::comm::{Algorithm, CommConfig, LinkPrecision};
+    use wgpar::device::{Adapters, DType, Gpu};
+    use wgpar::dist::bench::{run_bench, MpiBenchOptions};
+    use wgpar::dist::{build, gather_stage_stats, DistEngine, DistError, World};
+    use wgpar::error::human_bytes;
+    use wgpar::parallel::{
+        generate, Fault as StageFault, FaultKind as StageFaultKind, PipelineStats, StageStats,
+        Strategy,
+    };
+    use wgpar::trace::{rank_keys, DeviceTiming, Recorder};
+    use wgpar::{Result, WgparError};
+
+    use super::{Fault, FaultKind};
+    use crate::cli::allreduce::AllreduceArgs;
+    use crate::cli::run::RunArgs;
+    use crate::cli::{Cli, Command};
+
+    /// Runs the command as one rank of the job. A failure is reported to every other rank
+    /// (which stop at once, naming this one) and ends the job; never returns an error.
+    pub fn main(cli: Cli) -> Result<()> {
+        let timeout = cli.mpi.timeout()?;
+        let fault = cli.mpi.fault()?;
+        let world = World::init(timeout)?;
+        let outcome = catch_unwind(AssertUnwindSafe(|| dispatch(&cli, &world, fault)));
+        let message = match outcome {
+            Ok(Ok(())) => {
+                world.finish();
+                return Ok(());
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(payload) => format!(
+                "panicked: {}",
+                payload
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "?".into())
+            ),
+        };
+        eprintln!("error: rank {} ({}): {message}", world.rank(), world.host());
+        world.fail(&message)
+    }
+
+    fn dispatch(cli: &Cli, world: &World, fault: Option<Fault>) -> Result<()> {
+        if let Some(f) = fault {
+            if f.rank >= world.size() {
+                return Err(WgparError::Config(format!(
+                    "--mpi-fault names rank {} of a {}-rank job",
+                    f.rank,
+                    world.size()
+                )));
+            }
+        }
+        match &cli.command {
+            Some(Command::Devices { json }) => devices(world, *json),
+            Some(Command::Run(args)) => run(world, args, fault),
+            Some(Command::Allreduce(args)) => allreduce(world, args),
+            _ => Err(DistError::Unsupported {
+                option: "this command".into(),
+                why: "under mpirun wgpar runs `devices`, `run` and `allreduce`; run the others \
+                      without mpirun"
+                    .into(),
+            }
+            .into()),
+        }
+    }
+
+    fn devices(world: &World, json: bool) -> Result<()> {
+        let adapters = Adapters::discover()?;
+        let text = serde_json::to_string(adapters.list())
+            .map_err(|e| WgparError::Config(e.to_string()))?;
+        let all = world.gather_to_root(&text);
+        if world.rank() != 0 {
+            return Ok(());
+        }
+        let parsed: Vec<serde_json::Value> = all
+            .iter()
+            .map(|t| serde_json::from_str(t).unwrap_or(serde_json::Value::Null))
+            .collect();
+        if json {
+            let out: Vec<serde_json::Value> = parsed
+                .into_iter()
+                .enumerate()
+                .map(|(r, a)| serde_json::json!({ "rank": r, "host": world.hosts()[r], "adapters": a }))
+                .collect();
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&out)
+                    .map_err(|e| WgparError::Config(e.to_string()))?
+            );
+            return Ok(());
+        }
+        for (r, list) in parsed.iter().enumerate() {
+            println!("rank {r} on {}:", world.hosts()[r]);
+            println!(
+                "  {:>3}  {:<40} {:<7} {:<13} {:>10} {:>12}",
+                "idx", "name", "backend", "type", "max buffer", "max storage"
+            );
+            for d in list.as_array().into_iter().flatten() {
+                let s = |k: &str| d[k].as_str().unwrap_or("").to_string();
+                let n = |k: &str| d[k].as_u64().unwrap_or(0);
+                let name: String = s("name").chars().take(40).collect();
+                println!(
+                    "  {:>3}  {:<40} {:<7} {:<13} {:>10} {:>12}",
+                    n("index"),
+                    name,
+                    s("backend"),
+                    s("device_type"),
+                    human_bytes(n("max_buffer_size")),
+                    human_bytes(n("max_storage_binding"))
+                );
+                println!("       driver: {} {}", s("driver"), s("driver_info"));
+            }
+        }
+        Ok(())
+    }
+
+    fn allreduce(world: &World, args: &AllreduceArgs) -> Result<()> {
+        let cfg_err = |e: wgpar::comm::CommError| WgparError::Config(e.to_string());
+        if args.op != "allreduce" {
+            return Err(DistError::Unsupported {
+                option: format!("--op {}", args.op),
+                why: "across ranks wgpar measures the all-reduce".into(),
+            }
+            .into());
+        }
+        if parse_dtype(&args.dtype).map_err(cfg_err)? != DType::F32 {
+            return Err(DistError::Unsupported {
+                option: format!("-d {}", args.dtype),
+                why: "the cross-process all-reduce sums f32 tensors (use --link f16 to halve \
+                      the bytes on the link)"
+                    .into(),
+            }
+            .into());
+        }
+        if args.algorithm.parse::<Algorithm>().map_err(cfg_err)? != Algorithm::Auto {
+            return Err(DistError::Unsupported {
+                option: format!("-a {}", args.algorithm),
+                why: "across ranks the chunk size decides (--chunk)".into(),
+            }
+            .into());
+        }
+        let adapters = Adapters::discover()?;
+        let mut devices = args.devices.clone();
+        if devices.devices.is_none() && devices.virtual_count.is_none() {
+            devices.virtual_count = Some(1);
+        }
+        let gpus = devices.open(&adapters)?;
+        if gpus.len() != 1 {
+            return Err(DistError::Layout(format!(
+                "the all-reduce across ranks uses one device per rank; rank {} opened {}",
+                world.rank(),
+                gpus.len()
+            ))
+            .into());
+        }
+        let mut config = CommConfig::default();
+        if let Some(c) = &args.chunk {
+            config.chunk_bytes = parse_size(c).map_err(cfg_err)?;
+        }
+        config.link = args.link.parse::<LinkPrecision>().map_err(cfg_err)?;
+        config.validate()?;
+        let opts = MpiBenchOptions {
+            min_bytes: parse_size(&args.min).map_err(cfg_err)?,
+            max_bytes: parse_size(&args.max).map_err(cfg_err)?,
+            factor: args.factor,
+            iters: args.iters,
+            warmup: args.warmup,
+            seed: 42,
+            config,
+        };
+        if let Some(report) = run_bench(world, &gpus[0], &opts)? {
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report)
+                        .map_err(|e| WgparError::Config(e.to_string()))?
+                );
+            } else {
+                print!("{report}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Says something on rank 0 only.
+    macro_rules! say {
+        ($world:expr, $($t:tt)*) => {
+            if $world.rank() == 0 {
+                println!($($t)*);
+            }
+        };
+    }
+
+    fn self_signal(kind: FaultKind, after_ms: u64) {
+        let signal = if kind == FaultKind::Kill {
+            "-KILL"
+        } else {
+            "-STOP"
+        };
+        let pid = std::process::id().to_string();
+        let _ = std::thread::Builder::new()
+            .name("mpi-fault".into())
+            .spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(after_ms));
+                let _ = std::process::Command::new("kill")
+                    .args([signal, &pid])
+                    .status();
+            });
+    }
+
+    fn run(world: &World, args: &RunArgs, fault: Option<Fault>) -> Result<()> {
+        if args.text.prompt.is_some() {
+            return Err(DistError::Unsupported {
+                option: "--prompt".into(),
+                why: "text generation runs in one process".into(),
+            }
+            .into());
+        }
+        if args.pace.is_some() {
+            return Err(DistError::Unsupported {
+                option: "--pace".into(),
+                why: "ranks talk over a real link; project a trace onto a profile instead".into(),
+            }
+            .into());
+        }
+        let config = args.model.config()?;
+        if args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
+            return Err(WgparError::Config(
+                "--batch, --prompt-len and --gen must be positive".into(),
+            ));
+        }
+        if args.prompt_len + args.gen > config.max_seq {
+            return Err(WgparError::Config(format!(
+                "--prompt-len {} + --gen {} exceed max_seq {} of model '{}'",
+                args.prompt_len, args.gen, config.max_seq, config.name
+            )));
+        }
+        let strategy = args.strategy.strategy()?;
+        // Every rank must run the same model, options and wgpar.
+        world.check_same("wgpar version", env!("CARGO_PKG_VERSION"))?;
+        world.check_same(
+            "model and options",
+            &format!(
+                "{} layers {} hidden {} vocab {} dtype {} seed {} strategy {strategy:?} batch {} prompt {} gen {}",
+                config.name, config.layers, config.hidden, config.vocab, args.model.dtype, args.model.seed,
+                args.batch, args.prompt_len, args.gen
+            ),
+        )?;
+        let adapters = Adapters::discover()?;
+        let gpus: Vec<Arc<Gpu>> = args.devices.open(&adapters)?;
+        let dtype = args.model.dtype(&gpus)?;
+        let weights = args.model.weights(&config)?;
+        say!(
+            world,
+            "model {} ({} layers, hidden {}, {:.1}M params, {:?} weights) on {} ranks ({})",
+            config.name,
+            config.layers,
+            config.hidden,
+            config.params() as f64 / 1e6,
+            dtype,
+            world.size(),
+            world.hosts().join(", ")
+        );
+        let engine = build(
+            world,
+            &strategy,
+            &gpus,
+            &weights,
+            dtype,
+            &CommConfig::default(),
+        )?;
+        let is_pipeline = matches!(
+            strategy,
+            Strategy::Pipeline { .. } | Strategy::Hybrid { .. }
+        );
+        let mine = fault.filter(|f| f.rank == world.rank());
+        if let Some(f) = mine {
+            if matches!(f.kind, FaultKind::Kill | FaultKind::Hang) {
+                self_signal(f.kind, f.after);
+            }
+        }
+        let stage_fault = |f: Fault| StageFault {
+            after: f.after as usize,
+            kind: if f.kind == FaultKind::Panic {
+                StageFaultKind::Panic
+            } else {
+                StageFaultKind::Error
+            },
+        };
+        let prompts: Vec<Vec<u32>> = (0..args.batch)
+            .map(|b| {
+                (0..args.prompt_len)
+                    .map(|i| ((b * 7919 + i * 104_729) % config.vocab) as u32)
+                    .collect()
+            })
+            .collect();
+        let mut local_stats: Vec<StageStats> = Vec::new();
+        let mut run_stats: Option<PipelineStats> = None;
+        let recorder = Recorder::new()
+            .with_device_timing(DeviceTiming::parse(&args.device_timestamps).unwrap_or_default());
+        match engine {
+            DistEngine::Driver(mut e) => {
+                say!(world, "engine: {}", e.name());
+                if let Some(f) =
+                    mine.filter(|f| matches!(f.kind, FaultKind::Error | FaultKind::Panic))
+                {
+                    if let Some(p) = e.pipeline() {
+                        p.inject_fault(0, stage_fault(f))?;
+                    }
+                }
+                // One untimed pass compiles pipelines and allocates buffers on every rank.
+                generate(e.as_mut(), &prompts, 2)?;
+                let processed = args.batch * (2 * args.prompt_len + args.gen - 1);
+                recorder.set_meta("model", config.name.clone());
+                recorder.set_meta("strategy", e.name());
+                recorder.set_meta("batch", args.batch.to_string());
+                recorder.set_meta("prompt_len", args.prompt_len.to_string());
+                recorder.set_meta("gen", args.gen.to_string());
+                recorder.set_meta("tokens", processed.to_string());
+                e.set_recorder(recorder.clone());
+                let tp_fault = mine.filter(|f| {
+                    !is_pipeline && matches!(f.kind, FaultKind::Error | FaultKind::Panic)
+                });
+                let start = Instant::now();
+                e.prefill(&prompts)?;
+                let prefill_stats = e.last_step();
+                if let Some(f) = tp_fault {
+                    if f.kind == FaultKind::Panic {
+                        panic!("injected panic");
+                    }
+                    return Err(WgparError::Config("injected fault".into()));
+                }
+                let g = generate(e.as_mut(), &prompts, args.gen)?;
+                let wall = start.elapsed().as_secs_f64();
+                let decode_stats = e.last_step();
+                say!(
+                    world,
+                    "prefill: {} tokens in {:.1} ms = {:.1} tokens/s",
+                    g.prompt_tokens,
+                    g.prefill_s * 1e3,
+                    g.prefill_tokens_per_s()
+                );
+                if let Some(s) = &prefill_stats {
+                    say!(world, "  {}", s.per_token_line());
+                }
+                let per_step_ms = g.decode_s / g.decode_steps.max(1) as f64 * 1e3;
+                say!(
+                    world,
+                    "decode: {} steps x {} sequences, {:.2} ms per step = {:.1} tokens/s",
+                    g.decode_steps,
+                    args.batch,
+                    per_step_ms,
+                    g.decode_tokens_per_s()
+                );
+                if let Some(s) = &decode_stats {
+                    say!(world, "  {}", s.per_token_line());
+                }
+                say!(world, "first sequence's tokens: {:?}", g.tokens[0]);
+                say!(world, "recorded phase: {:.1} ms", wall * 1e3);
+                if let Some(path) = &args.logits_out {
+                    if world.rank() == 0 {
+                        crate::cli::run::write_logits(path, args.batch, config.vocab, &g)?;
+                    }
+                }
+                if is_pipeline {
+                    run_stats = e.pipeline_stats();
+                    local_stats = run_stats
+                        .as_ref()
+                        .map(|s| s.stages.clone())
+                        .unwrap_or_default();
+                }
+                drop(e);
+            }
+            DistEngine::Server(mut s) => {
+                if let Some(f) =
+                    mine.filter(|f| matches!(f.kind, FaultKind::Error | FaultKind::Panic))
+                {
+                    s.inject_fault(0, stage_fault(f))?;
+                }
+                s.serve(world)?;
+                local_stats = s.stage_stats();
+                // Its spans go into this rank's trace.
+                write_trace(world, args, s.recorder(), gpus.len())?;
+                if is_pipeline {
+                    let _ = gather_stage_stats(world, &local_stats)?;
+                }
+                return Ok(());
+            }
+        }
+        write_trace(world, args, &recorder, gpus.len())?;
+        if is_pipeline {
+            let all = gather_stage_stats(world, &local_stats)?;
+            if let Some(last) = run_stats {
+                let combined = PipelineStats::from_stages(
+                    all,
+                    last.schedule,
+                    last.makespan_s,
+                    last.tokens,
+                    last.microbatches,
+                    last.chain,
+                );
+                say!(
+                    world,
+                    "pipeline over ranks (last run, {} passes per stage, {} lanes, {}): {:.1} tokens/s, makespan {:.1} ms; ideal from the measured stage times {:.1} ms: {:.0} % of ideal throughput; bubble {:.0} % measured vs {:.0} % for a perfect pipeline",
+                    combined.passes,
+                    combined.microbatches,
+                    combined.schedule,
+                    combined.tokens_per_s(),
+                    combined.makespan_s * 1e3,
+                    combined.ideal_makespan_s * 1e3,
+                    combined.ideal_makespan_s / combined.makespan_s * 100.0,
+                    combined.measured_bubble * 100.0,
+                    combined.theoretical_bubble * 100.0
+                );
+                for (i, st) in combined.stages.iter().enumerate() {
+                    say!(
+                        world,
+                        "  stage {i}: layers {}..{} on {}: busy {:.1} ms, hand-off {:.1} ms, {} micro-batches",
+                        st.layers.start,
+                        st.layers.end,
+                        st.device,
+                        st.busy_s * 1e3,
+                        st.handoff_s() * 1e3,
+                        st.microbatches
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes this rank's trace as `STEM.rankR.json` (with the rank, host and clock offset that
+    /// a merge needs).
+    fn write_trace(
+        world: &World,
+        args: &RunArgs,
+        recorder: &Recorder,
+        devices: usize,
+    ) -> Result<()> {
+        let Some(path) = &args.trace else {
+            return Ok(());
+        };
+        let offset_us = recorder
+            .epoch()
+            .map(|e| e.saturating_duration_since(world.epoch()).as_secs_f64() * 1e6)
+            .unwrap_or(0.0);
+        recorder.set_meta(rank_keys::RANK, world.rank().to_string());
+        recorder.set_meta(rank_keys::SIZE, world.size().to_string());
+        recorder.set_meta(rank_keys::HOST, world.host());
+        recorder.set_meta(rank_keys::CLOCK_OFFSET_US, format!("{offset_us:.3}"));
+        recorder.set_meta(rank_keys::DEVICES, devices.to_string());
+        let file = rank_path(path, world.rank());
+        let timeline = recorder.timeline();
+        timeline
+            .write_chrome_trace(&file)
+            .map_err(|e| WgparError::Config(e.to_string()))?;
+        let files = world.gather_to_root(&file);
+        say!(
+            world,
+            "traces: {} (project them together: wgpar project --trace {} --host PROFILE)",
+            files.join(", "),
+            files.join(" --trace ")
+        );
+        Ok(())
+    }
+
+    /// `run.json` -> `run.rank1.json`.
+    fn rank_path(path: &str, rank: usize) -> String {
+        match path.strip_suffix(".json") {
+            Some(stem) => format!("{stem}.rank{rank}.json"),
+            None => format!("{path}.rank{rank}"),
+        }
+    }
+}

@@ -1,0 +1,266 @@
+//! `wgpar serve`: a serving benchmark in the style of vLLM's `benchmark_serving`. Requests
+//! arrive on a seeded Poisson clock (or all at once) and run through one engine with
+//! continuous batching; the command prints request and token throughput, TTFT, TPOT and
+//! end-to-end percentiles, bubble and communication shares, and writes a trace that
+//! `wgpar project` replays on any host profile.
+
+use std::sync::Arc;
+
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use wgpar::comm::CommConfig;
+use wgpar::device::Adapters;
+use wgpar::parallel::{build_step_engine, Schedule};
+use wgpar::serve::{serve, Length, Rate, ServeOptions, ServeRun, WorkloadSpec};
+use wgpar::trace::{DeviceTiming, Recorder};
+use wgpar::{Result, WgparError};
+
+use super::run::StrategyArgs;
+use super::{DeviceArgs, ModelArgs};
+
+/// Options of `wgpar serve`.
+#[derive(Args, Clone, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    devices: DeviceArgs,
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    strategy: StrategyArgs,
+    /// Requests to send.
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    /// Arrival rate: requests per second of a seeded Poisson process, or inf (all at once).
+    #[arg(long, default_value = "inf")]
+    rate: Rate,
+    /// Prompt tokens per request: N, or MIN:MAX drawn uniformly.
+    #[arg(long, default_value = "32")]
+    prompt_len: Length,
+    /// Tokens to generate per request (the first comes from the prefill): N or MIN:MAX.
+    #[arg(long, default_value = "16")]
+    output_len: Length,
+    /// Seed of the arrivals, lengths and prompt tokens.
+    #[arg(long, default_value_t = 0)]
+    workload_seed: u64,
+    /// KV slots: sequences in the running batches at once (over all pipeline lanes).
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Most prompt tokens one prefill step takes.
+    #[arg(long, default_value_t = 2048)]
+    max_prefill_tokens: usize,
+    /// Write the run's timeline as a Chrome trace (replay it with `wgpar project`).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<String>,
+    /// Pace transfers and collectives to a host profile's links, or to ALPHA_US:BETA_GBPS.
+    #[arg(long, value_name = "PROFILE|ALPHA_US:BETA_GBPS")]
+    pace: Option<String>,
+    /// Print JSON (every request's outcome and the figures) instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Output<'a> {
+    model: &'a str,
+    strategy: String,
+    workload: &'a WorkloadSpec,
+    options: &'a ServeOptions,
+    #[serde(flatten)]
+    run: &'a ServeRun,
+}
+
+/// Runs the benchmark.
+pub fn run(args: &ServeArgs) -> Result<()> {
+    let config = args.model.config()?;
+    if args.requests == 0 {
+        return Err(WgparError::Config("--requests must be at least 1".into()));
+    }
+    if args.strategy.schedule() == Schedule::GPipe {
+        return Err(WgparError::Config(
+            "--schedule gpipe does not apply to serve: requests join and leave the running \
+             batch at every token"
+                .into(),
+        ));
+    }
+    let longest = args.prompt_len.max() + args.output_len.max() - 1;
+    if longest > config.max_seq {
+        return Err(WgparError::Config(format!(
+            "--prompt-len up to {} and --output-len up to {} need {longest} tokens of KV \
+             cache per request, but model '{}' holds {} (max_seq): every such request would be \
+             refused",
+            args.prompt_len.max(),
+            args.output_len.max(),
+            config.name,
+            config.max_seq
+        )));
+    }
+    let opts = ServeOptions {
+        max_batch: args.max_batch,
+        max_prefill_tokens: args.max_prefill_tokens,
+    };
+    if opts.max_batch == 0 || opts.max_prefill_tokens == 0 {
+        return Err(WgparError::Config(
+            "--max-batch and --max-prefill-tokens must be at least 1".into(),
+        ));
+    }
+    let pacer = args
+        .pace
+        .as_deref()
+        .map(super::run::pacer_for)
+        .transpose()?;
+    let spec = WorkloadSpec {
+        requests: args.requests,
+        rate: args.rate,
+        prompt_len: args.prompt_len,
+        output_len: args.output_len,
+        seed: args.workload_seed,
+    };
+    let adapters = Adapters::discover()?;
+    let gpus = args.devices.open(&adapters)?;
+    let dtype = args.model.dtype(&gpus)?;
+    // A pipeline keeps one step per lane in flight: one lane per stage by default.
+    let stages = match args.strategy.strategy.as_str() {
+        "pp" => gpus.len(),
+        "hybrid" => gpus.len() / args.strategy.tp.unwrap_or(2).max(1),
+        _ => 1,
+    };
+    let strategy = args.strategy.strategy_with(stages.max(1))?;
+    let weights = args.model.weights(&config)?;
+    let mut engine = build_step_engine(
+        &strategy,
+        &gpus,
+        &weights,
+        dtype,
+        &CommConfig::default(),
+        (opts.max_batch, args.prompt_len.max()),
+    )?;
+    if let Some((pacer, what)) = pacer {
+        if !args.json {
+            println!("pacing transfers to {what}");
+        }
+        engine.set_pacer(Some(Arc::new(pacer)));
+    }
+    let requests = spec.generate(config.vocab);
+    if !args.json {
+        println!(
+            "model {} ({} layers, hidden {}, {:?} weights); engine: {}",
+            config.name,
+            config.layers,
+            config.hidden,
+            dtype,
+            engine.name()
+        );
+        println!(
+            "{} requests at {}, prompt {} tokens, output {} tokens, {} KV slots over {} lane(s)",
+            spec.requests,
+            spec.rate,
+            spec.prompt_len,
+            spec.output_len,
+            opts.max_batch,
+            engine.lanes()
+        );
+    }
+    // Untimed warm-up: every kernel compiled, the step shapes of a small batch allocated.
+    let warm: Vec<_> = WorkloadSpec {
+        requests: (2 * engine.lanes()).clamp(2, args.requests),
+        rate: Rate::Burst,
+        output_len: Length::Fixed(2.min(args.output_len.max())),
+        ..spec.clone()
+    }
+    .generate(config.vocab);
+    serve(
+        engine.as_mut(),
+        &warm,
+        &opts,
+        Recorder::disabled(),
+        &mut |_, _| {},
+    )?;
+    let recorder = Recorder::new().with_device_timing(DeviceTiming::Off);
+    let bar = if args.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(spec.requests as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} requests [{elapsed}]")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let result = serve(
+        engine.as_mut(),
+        &requests,
+        &opts,
+        recorder.clone(),
+        &mut |done, _| bar.set_position(done as u64),
+    );
+    bar.finish_and_clear();
+    let run = result?;
+    if let Some(path) = &args.trace {
+        let processed: usize = run
+            .outcomes
+            .iter()
+            .filter(|o| o.error.is_none())
+            .map(|o| o.prompt_len + o.tokens.len().saturating_sub(1))
+            .sum();
+        for (key, value) in [
+            ("model", config.name.clone()),
+            ("strategy", run.engine.clone()),
+            ("dtype", format!("{dtype:?}").to_lowercase()),
+            ("workload", format!("{spec:?}")),
+            ("requests", spec.requests.to_string()),
+            ("max_batch", opts.max_batch.to_string()),
+            ("tokens", processed.to_string()),
+            (
+                "adapters",
+                gpus.iter()
+                    .map(|g| g.info().label())
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            ),
+        ] {
+            recorder.set_meta(key, value);
+        }
+        recorder.timeline().write_chrome_trace(path)?;
+        if !args.json {
+            println!(
+                "trace: {} spans written to {path} (replay with `wgpar project --trace {path} --host PROFILE`)",
+                run.timeline.spans.len()
+            );
+        }
+    }
+    if args.json {
+        let out = Output {
+            model: &config.name,
+            strategy: strategy.to_string(),
+            workload: &spec,
+            options: &opts,
+            run: &run,
+        };
+        let text = serde_json::to_string_pretty(&out).map_err(|source| WgparError::Json {
+            what: "the serving run".into(),
+            source,
+        })?;
+        println!("{text}");
+        return Ok(());
+    }
+    print!("{}", run.metrics.lines("Serving Benchmark Result"));
+    for o in run.outcomes.iter().filter(|o| o.error.is_some()) {
+        println!(
+            "refused: {}",
+            o.error.as_deref().unwrap_or("(no reason given)")
+        );
+    }
+    if let Some(p) = &run.pipeline {
+        println!(
+            "pipeline: {} passes over {} lane(s), {:.1} tokens/s = {:.0}% of the {:.1} its measured stage times allow; bubble {:.1}% (a full pipeline of equal stages: {:.1}%)",
+            p.passes,
+            p.microbatches,
+            p.tokens_per_s(),
+            p.tokens_per_s() / p.ideal_tokens_per_s() * 100.0,
+            p.ideal_tokens_per_s(),
+            p.measured_bubble * 100.0,
+            p.theoretical_bubble * 100.0
+        );
+    }
+    Ok(())
+}

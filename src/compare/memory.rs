@@ -1,0 +1,190 @@
+//! Whether a configuration fits: weights, KV cache and activations per device against the
+//! profile's memory, before anything is timed.
+
+use serde::Serialize;
+
+use super::modeled::shape_of;
+use crate::error::Result;
+use crate::model::{ModelConfig, ShardSpec};
+use crate::parallel::{partition, Partition, PartitionSpec, Strategy};
+use crate::sim::{Engine, HostProfile, NumFormat};
+
+/// What one device of a configuration holds.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DeviceMemory {
+    /// Device index in the profile.
+    pub device: usize,
+    /// Weights it holds, bytes.
+    pub weights: u64,
+    /// Its KV cache, bytes.
+    pub kv_cache: u64,
+    /// Activations of the largest step (and the logits on the last stage), bytes.
+    pub activations: u64,
+    /// The engine's own reserve, bytes.
+    pub reserve: u64,
+    /// Sum of the above.
+    pub total: u64,
+    /// What the engine may use of the device: memory size x the engine's memory fraction.
+    pub capacity: u64,
+}
+
+impl DeviceMemory {
+    /// Whether it fits.
+    pub fn fits(&self) -> bool {
+        self.total <= self.capacity
+    }
+}
+
+/// The workload whose memory is counted.
+#[derive(Debug, Clone, Copy)]
+pub struct Workload {
+    /// Sequences.
+    pub batch: usize,
+    /// Prompt tokens per sequence.
+    pub prompt: usize,
+    /// Tokens each sequence holds at the end (prompt plus generated).
+    pub context: usize,
+}
+
+/// Memory of every device `strategy` uses on `profile` (devices `0..n` in stage-major order,
+/// as [`super::modeled_timeline`] places them).
+pub fn memory_per_device(
+    config: &ModelConfig,
+    strategy: &Strategy,
+    devices: usize,
+    weights: NumFormat,
+    engine: &Engine,
+    profile: &HostProfile,
+    work: Workload,
+) -> Result<Vec<DeviceMemory>> {
+    let (tp, pp, m, spec) = shape_of(strategy, devices)?;
+    let split = match strategy {
+        Strategy::Tensor { split: Some(s) } => s.clone(),
+        _ => vec![1; tp],
+    };
+    let shards = ShardSpec::tensor_parallel(config, &split)?;
+    let ranges = match &spec {
+        PartitionSpec::Explicit(v) => {
+            partition(config.layers, pp, &Partition::Explicit(v.clone()))?
+        }
+        _ => partition(config.layers, pp, &Partition::Even)?,
+    };
+    let c = &engine.compute;
+    let wb = weights.bytes();
+    let kvb = c.kv_dtype.bytes();
+    let ab = engine.wire.dtype.bytes().max(c.dtype.bytes());
+    let (h, d) = (config.hidden as f64, config.head_dim as f64);
+    let embed = (config.vocab * config.hidden) as f64;
+    let positions = if config.learned_positions() {
+        (config.max_seq * config.hidden) as f64
+    } else {
+        0.0
+    };
+    let context = if c.kv_preallocated {
+        config.max_seq.max(work.context)
+    } else {
+        work.context
+    };
+    let vocab_share = if c.vocab_parallel { tp as f64 } else { 1.0 };
+    // A micro-batch is what one stage holds activations for at a time.
+    let mb_batch = work.batch.div_ceil(m.min(work.batch.max(1)));
+    let mut out = Vec::new();
+    for (stage, layers) in ranges.iter().enumerate() {
+        let n_layers = layers.len() as f64;
+        for (r, shard) in shards.iter().enumerate() {
+            let q = shard.local_heads() as f64 * d;
+            let kv = shard.local_kv_heads() as f64 * d;
+            let ffn = shard.local_ffn() as f64;
+            let mats = if config.arch == crate::model::Arch::Llama {
+                3.0
+            } else {
+                2.0
+            };
+            let layer_weights = h * (q + 2.0 * kv) + q * h + mats * h * ffn + 4.0 * h;
+            let mut params = n_layers * layer_weights;
+            if stage == 0 {
+                params += embed / vocab_share + positions;
+            }
+            let last = stage + 1 == ranges.len();
+            // A tied head on a single stage reads the embedding it already holds.
+            if last && !(config.tied_head && stage == 0) {
+                params += embed / vocab_share;
+            }
+            let kv_cache = work.batch as f64 * context as f64 * n_layers * 2.0 * kv * kvb;
+            let tokens = (mb_batch * work.prompt) as f64;
+            let mut activations = tokens * (4.0 * h + q + 2.0 * kv + 2.0 * ffn) * ab;
+            if last {
+                activations += (mb_batch * config.vocab) as f64 * 4.0;
+            }
+            let device = stage * tp + r;
+            let capacity = profile
+                .device(device)
+                .map_or(0.0, |s| s.memory_bytes as f64 * c.memory_fraction);
+            let weights = (params * wb).round() as u64;
+            let kv_cache = kv_cache.round() as u64;
+            let activations = activations.round() as u64;
+            let reserve = c.memory_reserve_bytes;
+            out.push(DeviceMemory {
+                device,
+                weights,
+                kv_cache,
+                activations,
+                reserve,
+                total: weights
+                    .saturating_add(kv_cache)
+                    .saturating_add(activations)
+                    .saturating_add(reserve),
+                capacity: capacity as u64,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Bytes in GiB with two decimals, for reports.
+pub fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_8b_model_in_f16_does_not_fit_an_8_gb_device_alone() {
+        let config = ModelConfig::preset("llama-8b").unwrap();
+        let laptop = HostProfile::shipped("laptop-igpu-dgpu").unwrap();
+        let engine = Engine::shipped("cuda-nccl").unwrap();
+        let work = Workload {
+            batch: 1,
+            prompt: 128,
+            context: 136,
+        };
+        let single = memory_per_device(
+            &config,
+            &Strategy::Single,
+            1,
+            NumFormat::F16,
+            &engine,
+            &laptop,
+            work,
+        )
+        .unwrap();
+        // 8.03e9 parameters x 2 bytes: about 15 GiB of weights on an 8 GiB card.
+        assert_eq!(single.len(), 1);
+        assert!(single[0].weights > 14 * (1 << 30), "{:?}", single[0]);
+        assert!(!single[0].fits());
+        // At 4 bits the weights take about a quarter and fit.
+        let q4 = memory_per_device(
+            &config,
+            &Strategy::Single,
+            1,
+            NumFormat::Q4_0,
+            &engine,
+            &laptop,
+            work,
+        )
+        .unwrap();
+        assert!(q4[0].fits(), "{:?}", q4[0]);
+    }
+}

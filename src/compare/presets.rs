@@ -1,0 +1,150 @@
+//! Shapes of published models for `wgpar plan`, which needs no weights: 7B to 72B decoders as
+//! their Hugging Face `config.json` files give them. (`wgpar plan --model` also reads any such
+//! file or folder directly.)
+
+use crate::model::ModelConfig;
+
+/// Names of the plan-only presets.
+pub const PLAN_PRESETS: [&str; 7] = [
+    "llama2-7b",
+    "llama2-13b",
+    "llama2-70b",
+    "llama3-70b",
+    "mistral-7b",
+    "qwen2-7b",
+    "qwen2-72b",
+];
+
+/// A plan-only preset by name.
+pub fn plan_preset(name: &str) -> Option<ModelConfig> {
+    let base = ModelConfig::preset("llama-8b").ok()?;
+    let c = match name {
+        // meta-llama/Llama-2-7b-hf config.json.
+        "llama2-7b" => ModelConfig {
+            name: name.into(),
+            vocab: 32_000,
+            hidden: 4096,
+            layers: 32,
+            heads: 32,
+            kv_heads: 32,
+            head_dim: 128,
+            ffn: 11_008,
+            max_seq: 4096,
+            rope_theta: 10_000.0,
+            ..base
+        },
+        // meta-llama/Llama-2-13b-hf config.json.
+        "llama2-13b" => ModelConfig {
+            name: name.into(),
+            vocab: 32_000,
+            hidden: 5120,
+            layers: 40,
+            heads: 40,
+            kv_heads: 40,
+            head_dim: 128,
+            ffn: 13_824,
+            max_seq: 4096,
+            rope_theta: 10_000.0,
+            ..base
+        },
+        // meta-llama/Llama-2-70b-hf config.json.
+        "llama2-70b" => ModelConfig {
+            name: name.into(),
+            vocab: 32_000,
+            hidden: 8192,
+            layers: 80,
+            heads: 64,
+            kv_heads: 8,
+            head_dim: 128,
+            ffn: 28_672,
+            max_seq: 4096,
+            rope_theta: 10_000.0,
+            ..base
+        },
+        // meta-llama/Meta-Llama-3-70B config.json.
+        "llama3-70b" => ModelConfig {
+            name: name.into(),
+            vocab: 128_256,
+            hidden: 8192,
+            layers: 80,
+            heads: 64,
+            kv_heads: 8,
+            head_dim: 128,
+            ffn: 28_672,
+            max_seq: 8192,
+            rope_theta: 500_000.0,
+            ..base
+        },
+        // mistralai/Mistral-7B-v0.1 config.json (sliding window 4096 bounds the context).
+        "mistral-7b" => ModelConfig {
+            name: name.into(),
+            vocab: 32_000,
+            hidden: 4096,
+            layers: 32,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            ffn: 14_336,
+            max_seq: 4096,
+            rope_theta: 10_000.0,
+            ..base
+        },
+        // Qwen/Qwen2-7B config.json.
+        "qwen2-7b" => ModelConfig {
+            name: name.into(),
+            vocab: 152_064,
+            hidden: 3584,
+            layers: 28,
+            heads: 28,
+            kv_heads: 4,
+            head_dim: 128,
+            ffn: 18_944,
+            max_seq: 32_768,
+            rope_theta: 1_000_000.0,
+            ..base
+        },
+        // Qwen/Qwen2-72B config.json.
+        "qwen2-72b" => ModelConfig {
+            name: name.into(),
+            vocab: 152_064,
+            hidden: 8192,
+            layers: 80,
+            heads: 64,
+            kv_heads: 8,
+            head_dim: 128,
+            ffn: 29_568,
+            max_seq: 32_768,
+            rope_theta: 1_000_000.0,
+            ..base
+        },
+        _ => return None,
+    };
+    c.validate().ok()?;
+    Some(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_are_valid_and_have_their_published_sizes() {
+        for name in PLAN_PRESETS {
+            assert!(plan_preset(name).is_some(), "{name}");
+        }
+        let b = |n: &str| plan_preset(n).unwrap().params() as f64 / 1e9;
+        assert!((6.6..6.9).contains(&b("llama2-7b")), "{}", b("llama2-7b"));
+        assert!(
+            (12.8..13.2).contains(&b("llama2-13b")),
+            "{}",
+            b("llama2-13b")
+        );
+        assert!(
+            (68.5..69.5).contains(&b("llama2-70b")),
+            "{}",
+            b("llama2-70b")
+        );
+        assert!((7.0..7.5).contains(&b("mistral-7b")), "{}", b("mistral-7b"));
+        assert!(plan_preset("gpt-5").is_none());
+    }
+}

@@ -1,0 +1,430 @@
+//! Engines whose devices are spread over MPI ranks.
+//!
+//! - Tensor parallel: one device per rank; the all-reduce runs over MPI ([`MpiGroup`]) and
+//!   every rank gets the logits, so every rank drives the same generation loop.
+//! - Pipeline parallel and hybrid: each rank runs a segment of the pipeline (one stage per
+//!   device, or per `tp` devices for hybrid, which keeps tensor parallelism inside a rank);
+//!   stages inside a rank hand off in process, stage boundaries between ranks go over remote
+//!   stage links ([`super::link`]). Rank 0 drives (it embeds and schedules); the other ranks
+//!   serve their stages until rank 0 stops; the last rank sends the logits back to rank 0.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crossbeam::channel::{bounded, unbounded, Receiver};
+
+use super::error::DistError;
+use super::link::{self, Links};
+use super::reduce::MpiGroup;
+use super::world::World;
+use crate::comm::{Collectives, CommConfig};
+use crate::device::{DType, Gpu};
+use crate::error::Result;
+use crate::model::sampling::SamplingParams;
+use crate::model::ModelWeights;
+use crate::parallel::pp::{Output, Segment};
+use crate::parallel::{
+    partition, Engine, Partition, PartitionSpec, PipelineEngine, PipelineStats, Schedule,
+    StageStats, StepOutput, StepStats, Strategy, TensorParallelEngine,
+};
+use crate::sim::LinkPacer;
+use crate::trace::Recorder;
+
+/// What this rank runs.
+pub enum DistEngine {
+    /// Drives generation: rank 0 of a pipeline, or any rank of tensor parallelism.
+    Driver(Box<dyn DistDriver>),
+    /// Serves its pipeline stages until rank 0 stops (pipeline ranks other than 0).
+    Server(Box<StageServer>),
+}
+
+/// An engine that drives generation under MPI.
+pub trait DistDriver: Engine {
+    /// The in-process pipeline on this rank, for its other schedules (pipelines only).
+    fn pipeline(&mut self) -> Option<&mut PipelineEngine> {
+        None
+    }
+}
+
+impl DistDriver for TensorParallelEngine {}
+
+/// Builds this rank's part of `strategy` over every rank's devices (`gpus` are this rank's).
+pub fn build(
+    world: &World,
+    strategy: &Strategy,
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+    dtype: DType,
+    config: &CommConfig,
+) -> Result<DistEngine> {
+    let counts: Vec<usize> = world
+        .all_gather(&gpus.len().to_string())
+        .iter()
+        .map(|c| c.parse().unwrap_or(0))
+        .collect();
+    match strategy {
+        Strategy::Single => Err(DistError::Unsupported {
+            option: "--strategy none".into(),
+            why: "one device has nothing to spread over ranks: use tp, pp or hybrid under \
+                  mpirun, or run without it"
+                .into(),
+        }
+        .into()),
+        Strategy::Tensor { split } => {
+            if let Some((r, n)) = counts.iter().enumerate().find(|(_, n)| **n != 1) {
+                return Err(DistError::Layout(format!(
+                    "tensor parallelism across ranks uses one device per rank, but rank {r} \
+                     ({}) opened {n}: pass --virtual 1 or one --devices index; for tensor \
+                     parallelism inside a rank and pipeline stages across ranks, use \
+                     --strategy hybrid --tp N",
+                    world.hosts()[r]
+                ))
+                .into());
+            }
+            let coll = Arc::new(Collectives::new(config.clone())?);
+            let group = Arc::new(MpiGroup::new(world, coll, config));
+            let engine = TensorParallelEngine::spanning(
+                &gpus[0],
+                weights,
+                dtype,
+                split.as_deref(),
+                config.clone(),
+                group,
+            )?;
+            Ok(DistEngine::Driver(Box::new(engine)))
+        }
+        Strategy::Pipeline {
+            partition,
+            micro_batches,
+            schedule,
+        } => pipeline(
+            world,
+            &counts,
+            1,
+            partition,
+            (*micro_batches, *schedule),
+            gpus,
+            weights,
+            dtype,
+            config,
+        ),
+        Strategy::Hybrid {
+            tp,
+            partition,
+            micro_batches,
+            schedule,
+        } => pipeline(
+            world,
+            &counts,
+            *tp,
+            partition,
+            (*micro_batches, *schedule),
+            gpus,
+            weights,
+            dtype,
+            config,
+        ),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn pipeline(
+    world: &World,
+    counts: &[usize],
+    tp: usize,
+    how: &PartitionSpec,
+    (micro_batches, schedule): (usize, Schedule),
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+    dtype: DType,
+    config: &CommConfig,
+) -> Result<DistEngine> {
+    if tp == 0 {
+        return Err(DistError::Layout("--tp must be at least 1".into()).into());
+    }
+    if let Some((r, n)) = counts
+        .iter()
+        .enumerate()
+        .find(|(_, n)| **n == 0 || **n % tp != 0)
+    {
+        return Err(DistError::Layout(format!(
+            "rank {r} ({}) opened {n} devices, which do not form stages of {tp} (--tp): every \
+             rank needs a multiple of {tp} devices",
+            world.hosts()[r]
+        ))
+        .into());
+    }
+    let stages: Vec<usize> = counts.iter().map(|n| n / tp).collect();
+    let total: usize = stages.iter().sum();
+    let how = match how {
+        PartitionSpec::Even => Partition::Even,
+        PartitionSpec::Explicit(l) => Partition::Explicit(l.clone()),
+        PartitionSpec::Balanced => {
+            return Err(DistError::Unsupported {
+                option: "--partition balanced".into(),
+                why: "it measures every device in one process; give --layers or use even".into(),
+            }
+            .into())
+        }
+    };
+    let ranges = partition(weights.config.layers, total, &how)?;
+    let rank = world.rank();
+    let size = world.size();
+    let first: usize = stages[..rank].iter().sum();
+    let mine = ranges[first..first + stages[rank]].to_vec();
+    let (to_first, upstream) = if rank > 0 {
+        let (tx, rx) = bounded(2);
+        (Some(tx), Some(rx))
+    } else {
+        (None, None)
+    };
+    let (downstream, from_last) = if rank + 1 < size {
+        let (tx, rx) = bounded(2);
+        (Some(tx), Some(rx))
+    } else {
+        (None, None)
+    };
+    let (out_tx, out_rx) = unbounded();
+    let mut segment = PipelineEngine::segment(
+        gpus,
+        weights,
+        dtype,
+        tp,
+        mine.clone(),
+        micro_batches,
+        config.clone(),
+        Segment {
+            embeds: rank == 0,
+            head: rank + 1 == size,
+            upstream,
+            downstream,
+            output: (out_tx.clone(), out_rx.clone()),
+        },
+    )?;
+    // The driver (rank 0) schedules decode; the other ranks' stages follow its passes.
+    segment.set_schedule(schedule);
+    // Spans of remote ranks start at the job's clock origin.
+    let recorder = Recorder::with_epoch(world.epoch());
+    let stats = segment.stage_stats_handle();
+    let links = Links::start(
+        world,
+        to_first,
+        from_last,
+        out_tx,
+        recorder.clone(),
+        stats.clone(),
+    )?;
+    let name = format!(
+        "{} over {size} ranks ({total} stages, layers {:?}; this rank: stages {}..{}, layers \
+         {}..{}, {micro_batches} micro-batches)",
+        if tp > 1 {
+            format!("hybrid tp={tp} x pp={total}")
+        } else {
+            format!("pp={total}")
+        },
+        ranges.iter().map(|r| r.len()).collect::<Vec<_>>(),
+        first,
+        first + stages[rank],
+        mine[0].start,
+        mine[mine.len() - 1].end
+    );
+    if rank == 0 {
+        Ok(DistEngine::Driver(Box::new(PipelineDriver {
+            inner: Some(segment),
+            links: Some(links),
+            name,
+            failed: false,
+        })))
+    } else {
+        Ok(DistEngine::Server(Box::new(StageServer {
+            inner: Some(segment),
+            links: Some(links),
+            output: out_rx,
+            last: rank + 1 == size,
+            stats,
+            recorder,
+            name,
+            failed: false,
+        })))
+    }
+}
+
+/// How long a rank waits, when leaving cleanly, for the stop message to make its way round the
+/// pipeline (one message per rank boundary).
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// Rank 0 of a pipeline over ranks: the in-process pipeline of its own stages, whose last
+/// stage hands off to rank 1 and whose output receives the last rank's logits.
+pub struct PipelineDriver {
+    inner: Option<PipelineEngine>,
+    links: Option<Links>,
+    name: String,
+    /// A run failed: leave at once, without waiting for peers.
+    failed: bool,
+}
+
+impl PipelineDriver {
+    fn inner(&mut self) -> &mut PipelineEngine {
+        // Only `Drop` takes it.
+        self.inner.as_mut().expect("pipeline used after drop")
+    }
+}
+
+impl Engine for PipelineDriver {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn prefill_step(&mut self, prompts: &[Vec<u32>], logits: bool) -> Result<StepOutput> {
+        let r = self.inner().prefill_step(prompts, logits);
+        self.failed |= r.is_err();
+        r
+    }
+
+    fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput> {
+        let r = self.inner().decode_step(tokens, logits);
+        self.failed |= r.is_err();
+        r
+    }
+
+    fn set_sampling(&mut self, params: SamplingParams) -> Result<()> {
+        self.inner().set_sampling(params)
+    }
+
+    fn last_step(&self) -> Option<StepStats> {
+        self.inner.as_ref().and_then(|p| p.last_step())
+    }
+
+    fn set_recorder(&mut self, recorder: Recorder) {
+        self.inner().set_recorder(recorder);
+    }
+
+    fn set_pacer(&mut self, pacer: Option<Arc<LinkPacer>>) {
+        self.inner().set_pacer(pacer);
+    }
+
+    fn inject_fault(&mut self, worker: usize, fault: crate::parallel::Fault) -> Result<()> {
+        self.inner().inject_fault(worker, fault)
+    }
+
+    /// This rank's own stages only; `gather_stage_stats` adds the other ranks'.
+    fn pipeline_stats(&self) -> Option<PipelineStats> {
+        self.inner.as_ref().and_then(|p| p.last_run().cloned())
+    }
+}
+
+impl DistDriver for PipelineDriver {
+    fn pipeline(&mut self) -> Option<&mut PipelineEngine> {
+        self.inner.as_mut()
+    }
+}
+
+impl Drop for PipelineDriver {
+    fn drop(&mut self) {
+        // Closing the stages closes the link to rank 1, which sends it the stop; the stop
+        // travels to the last rank and comes back on the logits link, ending its thread.
+        self.inner = None;
+        if let Some(l) = self.links.take() {
+            l.finish(if self.failed {
+                Duration::ZERO
+            } else {
+                STOP_GRACE
+            });
+        }
+    }
+}
+
+/// A pipeline rank other than 0: its stages, fed by the link from the previous rank.
+pub struct StageServer {
+    inner: Option<PipelineEngine>,
+    links: Option<Links>,
+    output: Receiver<Result<Output>>,
+    last: bool,
+    stats: Arc<Mutex<Vec<StageStats>>>,
+    recorder: Recorder,
+    name: String,
+    failed: bool,
+}
+
+impl StageServer {
+    /// What this rank runs.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// This rank's recorder (spans of the work rank 0 recorded).
+    pub fn recorder(&self) -> &Recorder {
+        &self.recorder
+    }
+
+    /// Serves until rank 0 stops the pipeline: the last rank sends each micro-batch's logits
+    /// to rank 0. Returns the first error of a stage or link.
+    pub fn serve(&mut self, world: &World) -> Result<()> {
+        // Drop this handle's own sender side: `output` ends when every stage and link has.
+        let r = self.relay(world);
+        self.failed = r.is_err();
+        r?;
+        self.inner = None;
+        if let Some(l) = self.links.take() {
+            l.finish(STOP_GRACE);
+        }
+        Ok(())
+    }
+
+    fn relay(&mut self, world: &World) -> Result<()> {
+        for msg in self.output.iter() {
+            let out = msg?;
+            if self.last {
+                link::send_logits(world, &out, !out.dep.is_none())?;
+            }
+        }
+        if self.last {
+            link::send_logits_stop(world)?;
+        }
+        Ok(())
+    }
+
+    /// Makes local `stage` fail as `fault` says (tests and demonstrations).
+    pub fn inject_fault(&mut self, stage: usize, fault: crate::parallel::Fault) -> Result<()> {
+        match self.inner.as_mut() {
+            Some(p) => p.inject_fault(stage, fault),
+            None => Ok(()),
+        }
+    }
+
+    /// This rank's stage accounting since rank 0 started recording.
+    pub fn stage_stats(&self) -> Vec<StageStats> {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+impl Drop for StageServer {
+    fn drop(&mut self) {
+        self.inner = None;
+        if let Some(l) = self.links.take() {
+            l.finish(if self.failed {
+                Duration::ZERO
+            } else {
+                STOP_GRACE
+            });
+        }
+    }
+}
+
+/// Every rank's stage accounting, in pipeline order, on rank 0 (empty elsewhere).
+pub fn gather_stage_stats(world: &World, mine: &[StageStats]) -> Result<Vec<StageStats>> {
+    let text = serde_json::to_string(mine).map_err(|e| DistError::Protocol {
+        peer: world.rank(),
+        detail: e.to_string(),
+    })?;
+    let all = world.gather_to_root(&text);
+    let mut out = Vec::new();
+    for (r, t) in all.iter().enumerate() {
+        let stages: Vec<StageStats> = serde_json::from_str(t).map_err(|e| DistError::Protocol {
+            peer: r,
+            detail: format!("stage accounting: {e}"),
+        })?;
+        out.extend(stages);
+    }
+    Ok(out)
+}

@@ -1,0 +1,31 @@
+//! Ranks over MPI: one wgpar process per rank, launched by `mpirun`, each opening its own
+//! devices. Tensor parallelism across ranks all-reduces through MPI; pipeline stages across
+//! ranks hand activations over MPI; hybrid keeps tensor parallelism inside a rank and puts
+//! pipeline stages across ranks. Built on the `mpi` crate (rsmpi) over the system's MPI,
+//! behind the `mpi` cargo feature; [`launch`] and [`DistError`] are always there, so a binary
+//! built without the feature refuses to run as N copies under `mpirun`.
+//!
+//! See `docs/MULTINODE.md`.
+
+mod error;
+pub mod launch;
+
+pub use error::DistError;
+
+#[cfg(feature = "mpi")]
+pub mod bench;
+#[cfg(feature = "mpi")]
+mod engine;
+#[cfg(feature = "mpi")]
+mod link;
+#[cfg(feature = "mpi")]
+mod reduce;
+#[cfg(feature = "mpi")]
+mod world;
+
+#[cfg(feature = "mpi")]
+pub use engine::{build, gather_stage_stats, DistDriver, DistEngine, PipelineDriver, StageServer};
+#[cfg(feature = "mpi")]
+pub use reduce::MpiGroup;
+#[cfg(feature = "mpi")]
+pub use world::World;

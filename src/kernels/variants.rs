@@ -1,0 +1,673 @@
+//! Kernel variants: for each op with candidates, the pipelines that compute it (entry point and
+//! override constants), which shapes each applies to, and the workgroup grid each needs.
+//!
+//! Every variant of an op binds that op's one bind-group layout (same bindings, same kinds, the
+//! params uniform last), so a bind group made once serves whichever variant is chosen; variants
+//! differ only by pipeline and grid. Which variant runs is chosen per adapter by [`super::tune`].
+
+use std::sync::Arc;
+
+use super::cache::Kernel;
+use super::{Family, WeightType};
+use crate::device::Gpu;
+
+/// An op whose kernel is chosen among variants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// `y = x . w^T (+ bias)`.
+    Matmul,
+    /// Attention over the KV cache.
+    Attention,
+}
+
+/// How a matmul variant maps the output onto workgroups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulGrid {
+    /// A workgroup per `rows x cols` block of the output: `[ceil(n / cols), ceil(m / rows)]`.
+    Blocks {
+        /// Output rows per workgroup.
+        rows: u32,
+        /// Output columns per workgroup.
+        cols: u32,
+    },
+    /// A workgroup per `cols` output columns for all rows (m <= 8), folded into two grid
+    /// dimensions when the count exceeds the per-dimension limit.
+    Columns {
+        /// Output columns per workgroup.
+        cols: u32,
+    },
+}
+
+/// One candidate kernel of an op.
+#[derive(Debug)]
+pub struct Variant {
+    /// Unique name (what `WGPAR_KERNELS` and `bench kernels` use).
+    pub name: &'static str,
+    /// The op it computes.
+    pub op: Op,
+    /// Shader family (file).
+    pub family: Family,
+    /// Entry point.
+    pub entry: &'static str,
+    /// Override constants of the pipeline.
+    pub constants: &'static [(&'static str, f64)],
+    /// Needs `Features::SUBGROUP`.
+    pub subgroups: bool,
+    /// Needs an inner dimension divisible by 4 (vec4 loads).
+    pub k_multiple_of_4: bool,
+    /// Most rows (m) it accepts; `u32::MAX` for any.
+    pub max_rows: u32,
+    /// Grid shape (matmul variants; attention variants name theirs by `entry`).
+    pub grid: MatmulGrid,
+    /// Largest head dimension it takes (attention variants).
+    pub max_head_dim: u32,
+    /// Offered to the autotuner (the naive baseline is not).
+    pub candidate: bool,
+    /// Today's production kernel before GPU-shaped variants existed (the A/B reference).
+    pub legacy: bool,
+}
+
+const ANY: u32 = u32::MAX;
+
+macro_rules! mm {
+    ($name:expr, $family:ident, $entry:expr, $consts:expr, sg = $sg:expr, k4 = $k4:expr,
+     max_rows = $mr:expr, $grid:expr, candidate = $cand:expr, legacy = $legacy:expr) => {
+        Variant {
+            name: $name,
+            op: Op::Matmul,
+            family: Family::$family,
+            entry: $entry,
+            constants: $consts,
+            subgroups: $sg,
+            k_multiple_of_4: $k4,
+            max_rows: $mr,
+            grid: $grid,
+            max_head_dim: ANY,
+            candidate: $cand,
+            legacy: $legacy,
+        }
+    };
+}
+
+const fn blocks(rows: u32, cols: u32) -> MatmulGrid {
+    MatmulGrid::Blocks { rows, cols }
+}
+
+/// Every matmul variant. The first two are the CPU-shaped kernels wgpar had before (rows from
+/// the workgroup id, an 8-invocation workgroup, a 4 x 4 register tile); the `rt_*` ones vary
+/// that scheme's tile and workgroup; `gemv_*` are decode kernels (m <= 8) with a workgroup per
+/// block of columns and a reduction along k; `gemm_*` are workgroup-memory tiled GEMMs.
+pub static MATMUL: &[Variant] = &[
+    mm!(
+        "matmul",
+        Matmul,
+        "matmul",
+        &[],
+        sg = false,
+        k4 = false,
+        max_rows = ANY,
+        blocks(4, 32),
+        candidate = true,
+        legacy = true
+    ),
+    mm!(
+        "matmul_vec4",
+        MatmulVec4,
+        "matmul_vec4",
+        &[],
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(4, 32),
+        candidate = true,
+        legacy = true
+    ),
+    mm!(
+        "matmul_naive",
+        Matmul,
+        "matmul_naive",
+        &[],
+        sg = false,
+        k4 = false,
+        max_rows = ANY,
+        blocks(8, 8),
+        candidate = false,
+        legacy = false
+    ),
+    mm!(
+        "rt_2x8_wg8",
+        MatmulVec4,
+        "matmul_vec4_rt",
+        &[("RT_TM", 2.0), ("RT_TN", 8.0), ("RT_WG", 8.0)],
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(2, 64),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "rt_8x2_wg8",
+        MatmulVec4,
+        "matmul_vec4_rt",
+        &[("RT_TM", 8.0), ("RT_TN", 2.0), ("RT_WG", 8.0)],
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(8, 16),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "rt_4x4_wg16",
+        MatmulVec4,
+        "matmul_vec4_rt",
+        &[("RT_TM", 4.0), ("RT_TN", 4.0), ("RT_WG", 16.0)],
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(4, 64),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "rt_4x2_wg32",
+        MatmulVec4,
+        "matmul_vec4_rt",
+        &[("RT_TM", 4.0), ("RT_TN", 2.0), ("RT_WG", 32.0)],
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(4, 64),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemv_wg64",
+        MatmulVec4,
+        "gemv",
+        &[("GV_WG", 64.0)],
+        sg = false,
+        k4 = true,
+        max_rows = 8,
+        MatmulGrid::Columns { cols: 4 },
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemv_wg128",
+        MatmulVec4,
+        "gemv",
+        &[("GV_WG", 128.0)],
+        sg = false,
+        k4 = true,
+        max_rows = 8,
+        MatmulGrid::Columns { cols: 4 },
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemv_wg256",
+        MatmulVec4,
+        "gemv",
+        &[("GV_WG", 256.0)],
+        sg = false,
+        k4 = true,
+        max_rows = 8,
+        MatmulGrid::Columns { cols: 4 },
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemv_sg128",
+        MatmulSubgroup,
+        "gemv_subgroup",
+        &[("GV_WG", 128.0)],
+        sg = true,
+        k4 = true,
+        max_rows = 8,
+        MatmulGrid::Columns { cols: 4 },
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemv_sg256",
+        MatmulSubgroup,
+        "gemv_subgroup",
+        &[("GV_WG", 256.0)],
+        sg = true,
+        k4 = true,
+        max_rows = 8,
+        MatmulGrid::Columns { cols: 4 },
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemm_32x32",
+        MatmulVec4,
+        "gemm_tiled",
+        &[
+            ("GT_TM", 4.0),
+            ("GT_TN", 4.0),
+            ("GT_WGX", 8.0),
+            ("GT_WGY", 8.0)
+        ],
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(32, 32),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemm_64x64",
+        MatmulVec4,
+        "gemm_tiled",
+        &[
+            ("GT_TM", 4.0),
+            ("GT_TN", 4.0),
+            ("GT_WGX", 16.0),
+            ("GT_WGY", 16.0)
+        ],
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(64, 64),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemm_128x64",
+        MatmulVec4,
+        "gemm_tiled",
+        &[
+            ("GT_TM", 8.0),
+            ("GT_TN", 4.0),
+            ("GT_WGX", 16.0),
+            ("GT_WGY", 16.0)
+        ],
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(128, 64),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemm_64x128",
+        MatmulVec4,
+        "gemm_tiled",
+        &[
+            ("GT_TM", 4.0),
+            ("GT_TN", 8.0),
+            ("GT_WGX", 16.0),
+            ("GT_WGY", 16.0)
+        ],
+        sg = false,
+        k4 = true,
+        max_rows = ANY,
+        blocks(64, 128),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemm_s_64x64",
+        Matmul,
+        "gemm_tiled_scalar",
+        &[
+            ("GT_TM", 4.0),
+            ("GT_TN", 4.0),
+            ("GT_WGX", 16.0),
+            ("GT_WGY", 16.0)
+        ],
+        sg = false,
+        k4 = false,
+        max_rows = ANY,
+        blocks(64, 64),
+        candidate = true,
+        legacy = false
+    ),
+    mm!(
+        "gemm_s_32x32",
+        Matmul,
+        "gemm_tiled_scalar",
+        &[
+            ("GT_TM", 4.0),
+            ("GT_TN", 4.0),
+            ("GT_WGX", 8.0),
+            ("GT_WGY", 8.0)
+        ],
+        sg = false,
+        k4 = false,
+        max_rows = ANY,
+        blocks(32, 32),
+        candidate = true,
+        legacy = false
+    ),
+];
+
+macro_rules! attn {
+    ($name:expr, $entry:expr, max_head_dim = $hd:expr, legacy = $legacy:expr) => {
+        Variant {
+            name: $name,
+            op: Op::Attention,
+            family: Family::Attention,
+            entry: $entry,
+            constants: &[],
+            subgroups: false,
+            k_multiple_of_4: false,
+            max_rows: ANY,
+            grid: MatmulGrid::Columns { cols: 1 },
+            max_head_dim: $hd,
+            candidate: true,
+            legacy: $legacy,
+        }
+    };
+}
+
+/// Every attention variant: today's (one invocation per (token, head) streaming over the
+/// keys), the tiled flash-style prefill (key/value tiles shared by 64 queries in workgroup
+/// memory) and the decode kernel split over the context (a workgroup per (token, head), then
+/// a reduction pass).
+pub static ATTENTION: &[Variant] = &[
+    attn!("attend", "attend", max_head_dim = 256, legacy = true),
+    attn!(
+        "attend_tiled",
+        "attend_tiled",
+        max_head_dim = 128,
+        legacy = false
+    ),
+    attn!(
+        "attend_split",
+        "attend_split",
+        max_head_dim = 256,
+        legacy = false
+    ),
+];
+
+/// The variant called `name`, of any op.
+pub fn by_name(name: &str) -> Option<&'static Variant> {
+    MATMUL.iter().chain(ATTENTION).find(|v| v.name == name)
+}
+
+/// Every variant name, for messages.
+pub fn names() -> Vec<&'static str> {
+    MATMUL.iter().chain(ATTENTION).map(|v| v.name).collect()
+}
+
+/// Whether attention variant `v` takes `shape` (query tokens per sequence, head dim).
+pub fn attention_applies(v: &Variant, seq: usize, head_dim: usize) -> bool {
+    v.op == Op::Attention
+        && head_dim <= v.max_head_dim as usize
+        // The tiled kernel shares key tiles between the queries of a sequence: prefill only.
+        && (v.entry != "attend_tiled" || seq > 1)
+}
+
+/// Workgroup grid of attention variant `v` for `batch x seq` tokens and `n_heads` heads.
+pub fn attention_grid(v: &Variant, batch: usize, seq: usize, n_heads: usize) -> Option<[u32; 3]> {
+    let fold = |groups: usize| -> Option<[u32; 3]> {
+        let groups = groups.max(1);
+        let x = groups.min(MAX_GROUPS as usize);
+        let y = groups.div_ceil(x);
+        (y <= MAX_GROUPS as usize).then_some([x as u32, y as u32, 1])
+    };
+    match v.entry {
+        "attend" => fold((batch * seq * n_heads).div_ceil(64)),
+        "attend_split" => fold(batch * seq * n_heads),
+        "attend_tiled" => {
+            let g = [seq.div_ceil(64), n_heads, batch];
+            g.iter().all(|&d| d <= MAX_GROUPS as usize).then_some([
+                g[0] as u32,
+                g[1] as u32,
+                g[2] as u32,
+            ])
+        }
+        _ => None,
+    }
+}
+
+/// The attention variant used untuned: today's kernel on a CPU driver; on a GPU the tiled
+/// kernel for prefill and the split one for decode over a context of 256 keys or more.
+pub fn default_attention(
+    gpu: &Gpu,
+    seq: usize,
+    context: usize,
+    head_dim: usize,
+) -> &'static Variant {
+    let name = if gpu.info().is_cpu() {
+        "attend"
+    } else if seq > 1 && head_dim <= 128 {
+        "attend_tiled"
+    } else if context >= 256 {
+        "attend_split"
+    } else {
+        "attend"
+    };
+    by_name(name).unwrap_or(&ATTENTION[0])
+}
+
+/// The shape class a tuned attention choice is kept for: power-of-two buckets of new tokens,
+/// cache capacity (the past lengths are in the device-side sequence table) and query rows, the
+/// head dimension, causal or not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AttnClass {
+    seq_log2: u32,
+    ctx_log2: u32,
+    rows_log2: u32,
+    head_dim: u32,
+    causal: bool,
+}
+
+impl AttnClass {
+    /// The class of `rows` (batch x heads) query rows of `seq` new tokens over a cache of
+    /// `context` positions.
+    pub fn of(seq: usize, context: usize, rows: usize, head_dim: usize, causal: bool) -> Self {
+        Self {
+            seq_log2: log2_bucket(seq),
+            ctx_log2: log2_bucket(context),
+            rows_log2: log2_bucket(rows),
+            head_dim: head_dim as u32,
+            causal,
+        }
+    }
+
+    /// A stable text key, e.g. `attention/causal/s2^0/ctx2^11/rows2^5/d128`.
+    pub fn key(&self) -> String {
+        format!(
+            "attention/{}/s2^{}/ctx2^{}/rows2^{}/d{}",
+            if self.causal {
+                "causal"
+            } else {
+                "bidirectional"
+            },
+            self.seq_log2,
+            self.ctx_log2,
+            self.rows_log2,
+            self.head_dim
+        )
+    }
+}
+
+/// A shape class of any op: what a tuned choice is kept for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Class {
+    /// A matmul class.
+    Matmul(MatmulClass),
+    /// An attention class.
+    Attention(AttnClass),
+}
+
+impl Class {
+    /// A stable text key.
+    pub fn key(&self) -> String {
+        match self {
+            Class::Matmul(c) => c.key(),
+            Class::Attention(c) => c.key(),
+        }
+    }
+}
+
+/// Largest workgroup count per dimension that every adapter accepts.
+pub const MAX_GROUPS: u32 = 65_535;
+
+impl Variant {
+    /// Whether this variant computes a `m x n x k` matmul on `gpu` (shape and features).
+    pub fn applies(&self, gpu: &Gpu, (m, _n, k): (usize, usize, usize)) -> bool {
+        if self.k_multiple_of_4 && !k.is_multiple_of(4) {
+            return false;
+        }
+        if m > self.max_rows as usize {
+            return false;
+        }
+        !self.subgroups || subgroups_usable(gpu)
+    }
+
+    /// Workgroup grid for an `m x n` output, or `None` past the dispatch limits.
+    pub fn grid(&self, (m, n, _k): (usize, usize, usize)) -> Option<[u32; 3]> {
+        let (m, n) = (u32::try_from(m).ok()?, u32::try_from(n).ok()?);
+        match self.grid {
+            MatmulGrid::Blocks { rows, cols } => {
+                let g = [n.div_ceil(cols), m.div_ceil(rows), 1];
+                (g[0] <= MAX_GROUPS && g[1] <= MAX_GROUPS).then_some(g)
+            }
+            MatmulGrid::Columns { cols } => {
+                let groups = n.div_ceil(cols).max(1);
+                let x = groups.min(MAX_GROUPS);
+                let y = groups.div_ceil(x);
+                (y <= MAX_GROUPS).then_some([x, y, 1])
+            }
+        }
+    }
+
+    /// The compiled pipeline of this variant on `gpu` for `weights`.
+    pub fn kernel(&'static self, gpu: &Gpu, weights: WeightType) -> Arc<Kernel> {
+        gpu.kernels().get_variant(
+            gpu.device(),
+            self.family,
+            self.entry,
+            weights,
+            self.constants,
+            self.name,
+        )
+    }
+}
+
+/// Whether subgroup variants may run on `gpu`: the device has `SUBGROUP` and
+/// `WGPAR_NO_SUBGROUPS` is not set (the switch CI uses to cover the fallback path).
+pub fn subgroups_usable(gpu: &Gpu) -> bool {
+    gpu.device().features().contains(wgpu::Features::SUBGROUP)
+        && !std::env::var("WGPAR_NO_SUBGROUPS").is_ok_and(|v| v == "1" || v == "true")
+}
+
+/// The variant used when nothing is tuned (`WGPAR_TUNE=off`, or no timing possible): on a CPU
+/// driver the kernels wgpar always ran there; on a GPU the GPU-shaped ones.
+pub fn default_matmul(gpu: &Gpu, shape: (usize, usize, usize)) -> &'static Variant {
+    let (m, _, k) = shape;
+    let name = if gpu.info().is_cpu() {
+        if k.is_multiple_of(4) {
+            "matmul_vec4"
+        } else {
+            "matmul"
+        }
+    } else if k.is_multiple_of(4) {
+        if m <= 8 {
+            "gemv_wg128"
+        } else {
+            "gemm_64x64"
+        }
+    } else {
+        "gemm_s_64x64"
+    };
+    by_name(name).unwrap_or(&MATMUL[0])
+}
+
+/// The shape class a tuned choice is kept for: exact m up to 8 (decode batches), then
+/// power-of-two buckets of m, n and k; whether k is a multiple of 4; the weight type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MatmulClass {
+    m: u32,
+    n_log2: u32,
+    k_log2: u32,
+    k4: bool,
+    weights: WeightType,
+}
+
+fn log2_bucket(v: usize) -> u32 {
+    usize::BITS - v.max(1).saturating_sub(1).leading_zeros()
+}
+
+impl MatmulClass {
+    /// The class of an `m x n x k` matmul with `weights`.
+    pub fn of((m, n, k): (usize, usize, usize), weights: WeightType) -> Self {
+        let m = if m <= 8 {
+            m as u32
+        } else {
+            1000 + log2_bucket(m)
+        };
+        Self {
+            m,
+            n_log2: log2_bucket(n),
+            k_log2: log2_bucket(k),
+            k4: k.is_multiple_of(4),
+            weights,
+        }
+    }
+
+    /// A stable text key, e.g. `matmul/f16/m1/n2^14/k2^12/k4`.
+    pub fn key(&self) -> String {
+        let m = if self.m <= 8 {
+            format!("m{}", self.m)
+        } else {
+            format!("m2^{}", self.m - 1000)
+        };
+        let w = match self.weights {
+            WeightType::F32 => "f32",
+            WeightType::F16 => "f16",
+        };
+        let k4 = if self.k4 { "/k4" } else { "" };
+        format!("matmul/{w}/{m}/n2^{}/k2^{}{k4}", self.n_log2, self.k_log2)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_classes_bucket() {
+        let mut names = names();
+        names.sort();
+        let before = names.len();
+        names.dedup();
+        assert_eq!(before, names.len());
+        assert_eq!(
+            MatmulClass::of((1, 14336, 4096), WeightType::F16).key(),
+            "matmul/f16/m1/n2^14/k2^12/k4"
+        );
+        assert_eq!(
+            MatmulClass::of((100, 1000, 1023), WeightType::F32),
+            MatmulClass::of((128, 1024, 999), WeightType::F32)
+        );
+        assert_ne!(
+            MatmulClass::of((100, 1000, 1023), WeightType::F32),
+            MatmulClass::of((129, 1000, 1023), WeightType::F32)
+        );
+    }
+
+    #[test]
+    fn grids_cover_the_output() {
+        for v in MATMUL {
+            let g = v.grid((13, 200_000, 64)).unwrap_or([0; 3]);
+            match v.grid {
+                MatmulGrid::Blocks { rows, cols } => {
+                    if g[0] > 0 {
+                        assert!(g[0] * cols >= 200_000 && g[1] * rows >= 13, "{}", v.name);
+                    }
+                }
+                MatmulGrid::Columns { cols } => {
+                    assert!(g[0] * g[1] * cols >= 200_000, "{}", v.name)
+                }
+            }
+        }
+    }
+}

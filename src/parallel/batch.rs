@@ -1,0 +1,74 @@
+//! Continuous batching at the engine level: a step runs rows of sequences, each in its own KV
+//! slot with its own count of cached tokens, so sequences can join and leave a running batch
+//! at any token boundary. [`StepEngine`] is what the serving loop (`crate::serve`) drives.
+//!
+//! An engine has one or more *lanes*: a single device or a tensor-parallel group runs one step
+//! at a time (one lane); a pipeline keeps one step per micro-batch lane in flight, each lane a
+//! running batch of its own, so the stages overlap.
+
+use std::time::Duration;
+
+use super::{Engine, Logits, PipelineStats};
+use crate::error::Result;
+use crate::model::ModelConfig;
+pub use crate::model::SeqRow;
+use crate::trace::SpanId;
+
+/// One step of a running batch on one lane.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchStep {
+    /// Lane the step runs on (`0..lanes()`).
+    pub lane: usize,
+    /// Rows, each with `seq` new tokens.
+    pub rows: Vec<SeqRow>,
+    /// New tokens per row (prompt length for a prefill, 1 for a decode step).
+    pub seq: usize,
+    /// Token ids, `rows.len() * seq`, row after row.
+    pub ids: Vec<u32>,
+    /// Spans the step waits for: the lane's previous output, and whatever freed the slots it
+    /// fills.
+    pub deps: Vec<SpanId>,
+    /// Earliest start, microseconds since the recorder's epoch: when the requests a prefill
+    /// admits arrived (see [`crate::trace::Span::release_ns`]).
+    pub release_us: Option<f64>,
+}
+
+/// A finished step.
+#[derive(Debug, Clone)]
+pub struct StepDone {
+    /// Lane it ran on.
+    pub lane: usize,
+    /// Last-token logits of each row, in row order.
+    pub logits: Logits,
+    /// The span that delivered the logits (the lane's next step depends on it).
+    pub span: SpanId,
+}
+
+/// An engine that runs a continuously batched workload: steps over rows of (slot, past).
+pub trait StepEngine: Engine {
+    /// The model it runs.
+    fn model_config(&self) -> &ModelConfig;
+
+    /// Steps that can be in flight at once.
+    fn lanes(&self) -> usize;
+
+    /// Allocates KV caches for `slots` sequences of up to `max_seq` tokens each, replacing
+    /// any earlier caches.
+    fn reserve_slots(&mut self, slots: usize) -> Result<()>;
+
+    /// KV slots reserved.
+    fn slots(&self) -> usize;
+
+    /// Starts `step` on its lane (which must be idle).
+    fn submit(&mut self, step: BatchStep) -> Result<()>;
+
+    /// The next finished step, waiting at most `timeout` (`None`: until one finishes).
+    /// `Ok(None)` when the timeout passed first.
+    fn complete(&mut self, timeout: Option<Duration>) -> Result<Option<StepDone>>;
+
+    /// Pipeline accounting of the work since the last [`reserve_slots`](Self::reserve_slots)
+    /// (pipelines only).
+    fn serving_stats(&self) -> Option<PipelineStats> {
+        None
+    }
+}

@@ -1,0 +1,278 @@
+//! What a serving run achieved, as vLLM's `benchmark_serving` reports it: request and token
+//! throughput, time to first token (TTFT), time per output token after the first (TPOT) and
+//! end-to-end latency percentiles; plus the bubble and communication shares of the devices.
+
+use serde::Serialize;
+
+use crate::stats::percentile;
+use crate::trace::{SpanId, Summary};
+
+/// What happened to one request.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RequestOutcome {
+    /// Index in the workload.
+    pub id: usize,
+    /// Arrival, seconds after the start of the run.
+    pub arrival_s: f64,
+    /// Prompt tokens.
+    pub prompt_len: usize,
+    /// Tokens asked for.
+    pub max_new: usize,
+    /// Generated tokens (greedy); empty when refused.
+    pub tokens: Vec<u32>,
+    /// Why the request was refused (it never entered the batch), if it was.
+    pub error: Option<String>,
+    /// First token sampled, seconds after the start of the run.
+    pub first_token_s: Option<f64>,
+    /// Last token sampled, seconds after the start of the run.
+    pub done_s: Option<f64>,
+    /// Arrival on the recorder's clock, microseconds since its epoch.
+    #[serde(skip)]
+    pub arrival_us: f64,
+    /// The span that delivered the first token.
+    #[serde(skip)]
+    pub first_span: SpanId,
+    /// The span that delivered the last token.
+    #[serde(skip)]
+    pub last_span: SpanId,
+}
+
+/// One completed request's times, seconds on one clock.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// Arrival.
+    pub arrival_s: f64,
+    /// First token.
+    pub first_s: f64,
+    /// Last token.
+    pub done_s: f64,
+    /// Prompt tokens.
+    pub prompt_len: usize,
+    /// Generated tokens.
+    pub output_tokens: usize,
+}
+
+/// Mean and percentiles of one latency, milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Percentiles {
+    /// Mean.
+    pub mean: f64,
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
+impl Percentiles {
+    /// Of `values` (all zero when empty).
+    pub fn of(values: &[f64]) -> Self {
+        if values.is_empty() {
+            return Self::default();
+        }
+        let p = |q| percentile(values, q).unwrap_or(0.0);
+        Self {
+            mean: values.iter().sum::<f64>() / values.len() as f64,
+            p50: p(50.0),
+            p90: p(90.0),
+            p99: p(99.0),
+        }
+    }
+}
+
+/// Headline figures of a serving run (measured, or projected onto a host profile).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ServeMetrics {
+    /// Requests that finished.
+    pub completed: usize,
+    /// Requests refused (longer than the KV capacity, ...).
+    pub failed: usize,
+    /// First arrival to last completion, seconds.
+    pub duration_s: f64,
+    /// Prompt tokens of the completed requests.
+    pub input_tokens: usize,
+    /// Generated tokens.
+    pub output_tokens: usize,
+    /// Completed requests per second.
+    pub request_throughput: f64,
+    /// Generated tokens per second.
+    pub output_tokens_per_s: f64,
+    /// Prompt and generated tokens per second.
+    pub total_tokens_per_s: f64,
+    /// Time to first token, ms.
+    pub ttft_ms: Percentiles,
+    /// Time per output token after the first, ms (requests of one token have none).
+    pub tpot_ms: Percentiles,
+    /// Arrival to last token, ms.
+    pub e2e_ms: Percentiles,
+    /// Device-time not spent computing, over the run.
+    pub bubble_share: f64,
+    /// Device-time with a transfer or collective in flight, over the run.
+    pub comm_share: f64,
+}
+
+impl ServeMetrics {
+    /// The figures of `timings`, with `failed` refused requests, and the shares of the run's
+    /// timeline `summary`.
+    pub fn from_timings(timings: &[Timing], failed: usize, summary: &Summary) -> Self {
+        let start = timings
+            .iter()
+            .map(|t| t.arrival_s)
+            .fold(f64::INFINITY, f64::min);
+        let end = timings
+            .iter()
+            .map(|t| t.done_s)
+            .fold(f64::NEG_INFINITY, f64::max);
+        let duration_s = if timings.is_empty() {
+            0.0
+        } else {
+            (end - start).max(0.0)
+        };
+        let per_s = |n: usize| {
+            if duration_s > 0.0 {
+                n as f64 / duration_s
+            } else {
+                0.0
+            }
+        };
+        let input_tokens = timings.iter().map(|t| t.prompt_len).sum();
+        let output_tokens = timings.iter().map(|t| t.output_tokens).sum();
+        let ms = |v: Vec<f64>| Percentiles::of(&v.iter().map(|s| s * 1e3).collect::<Vec<_>>());
+        Self {
+            completed: timings.len(),
+            failed,
+            duration_s,
+            input_tokens,
+            output_tokens,
+            request_throughput: per_s(timings.len()),
+            output_tokens_per_s: per_s(output_tokens),
+            total_tokens_per_s: per_s(input_tokens + output_tokens),
+            ttft_ms: ms(timings.iter().map(|t| t.first_s - t.arrival_s).collect()),
+            tpot_ms: ms(timings
+                .iter()
+                .filter(|t| t.output_tokens > 1)
+                .map(|t| (t.done_s - t.first_s) / (t.output_tokens - 1) as f64)
+                .collect()),
+            e2e_ms: ms(timings.iter().map(|t| t.done_s - t.arrival_s).collect()),
+            bubble_share: summary.bubble_share,
+            comm_share: summary.comm_share,
+        }
+    }
+
+    /// The figures as a vLLM-style block of lines.
+    pub fn lines(&self, title: &str) -> String {
+        let mut s = format!("============ {title} ============\n");
+        let mut row = |k: &str, v: String| s.push_str(&format!("{k:<40}{v:>14}\n"));
+        row("Successful requests:", self.completed.to_string());
+        row("Refused requests:", self.failed.to_string());
+        row("Duration (s):", format!("{:.2}", self.duration_s));
+        row("Total input tokens:", self.input_tokens.to_string());
+        row("Total generated tokens:", self.output_tokens.to_string());
+        row(
+            "Request throughput (req/s):",
+            format!("{:.2}", self.request_throughput),
+        );
+        row(
+            "Output token throughput (tok/s):",
+            format!("{:.2}", self.output_tokens_per_s),
+        );
+        row(
+            "Total token throughput (tok/s):",
+            format!("{:.2}", self.total_tokens_per_s),
+        );
+        for (name, p) in [
+            ("Time to First Token", &self.ttft_ms),
+            ("Time per Output Token (excl. 1st)", &self.tpot_ms),
+            ("End-to-end Latency", &self.e2e_ms),
+        ] {
+            s.push_str(&format!("{:-^54}\n", format!(" {name} ")));
+            let short = match name {
+                "Time to First Token" => "TTFT",
+                "End-to-end Latency" => "E2E",
+                _ => "TPOT",
+            };
+            for (q, v) in [
+                ("Mean", p.mean),
+                ("Median", p.p50),
+                ("P90", p.p90),
+                ("P99", p.p99),
+            ] {
+                s.push_str(&format!(
+                    "{:<40}{:>14.2}\n",
+                    format!("{q} {short} (ms):"),
+                    v
+                ));
+            }
+        }
+        s.push_str(&format!("{:-^54}\n", " Devices "));
+        s.push_str(&format!(
+            "{:<40}{:>14.1}\n{:<40}{:>14.1}\n",
+            "Bubble (% of device-time):",
+            self.bubble_share * 100.0,
+            "Communication (% of device-time):",
+            self.comm_share * 100.0
+        ));
+        s.push_str(&"=".repeat(54));
+        s.push('\n');
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::Timeline;
+
+    #[test]
+    fn figures_follow_their_definitions() {
+        let timings = [
+            // Arrives at 0, first token at 0.1, 5 tokens by 0.5: TPOT 0.1 s.
+            Timing {
+                arrival_s: 0.0,
+                first_s: 0.1,
+                done_s: 0.5,
+                prompt_len: 8,
+                output_tokens: 5,
+            },
+            // One token only: no TPOT.
+            Timing {
+                arrival_s: 1.0,
+                first_s: 1.3,
+                done_s: 1.3,
+                prompt_len: 4,
+                output_tokens: 1,
+            },
+            Timing {
+                arrival_s: 1.5,
+                first_s: 1.6,
+                done_s: 2.0,
+                prompt_len: 8,
+                output_tokens: 3,
+            },
+        ];
+        let m = ServeMetrics::from_timings(&timings, 1, &Timeline::new().summary());
+        assert_eq!((m.completed, m.failed), (3, 1));
+        assert!((m.duration_s - 2.0).abs() < 1e-12);
+        assert_eq!((m.input_tokens, m.output_tokens), (20, 9));
+        assert!((m.request_throughput - 1.5).abs() < 1e-12);
+        assert!((m.output_tokens_per_s - 4.5).abs() < 1e-12);
+        assert!((m.total_tokens_per_s - 14.5).abs() < 1e-12);
+        assert!((m.ttft_ms.p50 - 100.0).abs() < 1e-9);
+        assert!((m.ttft_ms.mean - 500.0 / 3.0).abs() < 1e-9);
+        assert!((m.tpot_ms.mean - 150.0).abs() < 1e-9, "{:?}", m.tpot_ms);
+        assert!((m.e2e_ms.p99 - 500.0).abs() < 1e-6, "{:?}", m.e2e_ms);
+        assert!((m.e2e_ms.p50 - 500.0).abs() < 1e-6, "{:?}", m.e2e_ms);
+        let text = m.lines("Serving Benchmark Result");
+        for want in [
+            "Mean TTFT (ms):",
+            "P99 TPOT (ms):",
+            "Median E2E (ms):",
+            "Bubble",
+        ] {
+            assert!(text.contains(want), "{text}");
+        }
+        let empty = ServeMetrics::from_timings(&[], 2, &Timeline::new().summary());
+        assert_eq!((empty.completed, empty.duration_s), (0, 0.0));
+    }
+}

@@ -1,0 +1,220 @@
+//! The requests of a serving benchmark: seeded Poisson arrivals (or all at once) and prompt
+//! and output lengths, fixed or drawn uniformly, as vLLM's `benchmark_serving` makes them.
+
+use std::fmt;
+use std::str::FromStr;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+/// How requests arrive.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub enum Rate {
+    /// A Poisson process of this many requests per second (exponential gaps).
+    PerSecond(f64),
+    /// Every request at time zero.
+    Burst,
+}
+
+impl FromStr for Rate {
+    type Err = String;
+
+    /// `inf` or a positive number of requests per second.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if text.eq_ignore_ascii_case("inf") {
+            return Ok(Rate::Burst);
+        }
+        match text.parse::<f64>() {
+            Ok(r) if r.is_finite() && r > 0.0 => Ok(Rate::PerSecond(r)),
+            Ok(f) if f.is_infinite() && f > 0.0 => Ok(Rate::Burst),
+            _ => Err(format!(
+                "'{text}' is not a rate: expected requests per second (> 0) or inf"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Rate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Rate::PerSecond(r) => write!(f, "{r} req/s"),
+            Rate::Burst => f.write_str("inf"),
+        }
+    }
+}
+
+/// A length, fixed or drawn uniformly from an inclusive range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Length {
+    /// Always this many tokens.
+    Fixed(usize),
+    /// Uniform over `min..=max` tokens.
+    Uniform {
+        /// Smallest.
+        min: usize,
+        /// Largest.
+        max: usize,
+    },
+}
+
+impl Length {
+    /// The largest value it can take.
+    pub fn max(&self) -> usize {
+        match *self {
+            Length::Fixed(n) => n,
+            Length::Uniform { max, .. } => max,
+        }
+    }
+
+    fn draw(&self, rng: &mut ChaCha8Rng) -> usize {
+        match *self {
+            Length::Fixed(n) => n,
+            Length::Uniform { min, max } => rng.random_range(min..=max),
+        }
+    }
+}
+
+impl FromStr for Length {
+    type Err = String;
+
+    /// `N` (fixed) or `MIN:MAX` (uniform, inclusive); every value at least 1.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let bad = || format!("'{text}' is not a length: expected N or MIN:MAX, all >= 1");
+        let num = |t: &str| t.trim().parse::<usize>().ok().filter(|&n| n >= 1);
+        match text.split_once(':') {
+            None => num(text).map(Length::Fixed).ok_or_else(bad),
+            Some((a, b)) => match (num(a), num(b)) {
+                (Some(min), Some(max)) if min <= max => Ok(if min == max {
+                    Length::Fixed(min)
+                } else {
+                    Length::Uniform { min, max }
+                }),
+                _ => Err(bad()),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Length {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Length::Fixed(n) => write!(f, "{n}"),
+            Length::Uniform { min, max } => write!(f, "{min}:{max}"),
+        }
+    }
+}
+
+/// What requests to make.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WorkloadSpec {
+    /// Number of requests.
+    pub requests: usize,
+    /// Arrival process.
+    pub rate: Rate,
+    /// Prompt tokens per request.
+    pub prompt_len: Length,
+    /// Tokens to generate per request (the first comes from the prefill).
+    pub output_len: Length,
+    /// Seed of arrivals, lengths and token ids.
+    pub seed: u64,
+}
+
+/// One request of a serving run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServeRequest {
+    /// Index in the workload.
+    pub id: usize,
+    /// Arrival, seconds after the start of the run.
+    pub arrival_s: f64,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate (>= 1; the first comes from the prefill).
+    pub max_new: usize,
+}
+
+impl WorkloadSpec {
+    /// The requests, in arrival order, with token ids below `vocab`.
+    pub fn generate(&self, vocab: usize) -> Vec<ServeRequest> {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
+        let mut t = 0.0f64;
+        (0..self.requests)
+            .map(|id| {
+                if let Rate::PerSecond(r) = self.rate {
+                    // Exponential gap: -ln(U) / rate, U in (0, 1].
+                    let u: f64 = 1.0 - rng.random::<f64>();
+                    t += -u.ln() / r;
+                }
+                let prompt_len = self.prompt_len.draw(&mut rng);
+                let max_new = self.output_len.draw(&mut rng);
+                let prompt = (0..prompt_len)
+                    .map(|_| rng.random_range(0..vocab.max(1) as u32))
+                    .collect();
+                ServeRequest {
+                    id,
+                    arrival_s: t,
+                    prompt,
+                    max_new,
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_and_lengths_parse_or_say_why_not() {
+        assert_eq!("inf".parse::<Rate>(), Ok(Rate::Burst));
+        assert_eq!("2.5".parse::<Rate>(), Ok(Rate::PerSecond(2.5)));
+        for bad in ["0", "-1", "nan", "fast", ""] {
+            let e = bad.parse::<Rate>().unwrap_err();
+            assert!(e.contains("requests per second"), "{bad}: {e}");
+        }
+        assert_eq!("32".parse::<Length>(), Ok(Length::Fixed(32)));
+        assert_eq!(
+            "8:40".parse::<Length>(),
+            Ok(Length::Uniform { min: 8, max: 40 })
+        );
+        assert_eq!("5:5".parse::<Length>(), Ok(Length::Fixed(5)));
+        for bad in ["0", "9:3", "a:b", "1:", "-4", "3:0"] {
+            assert!(bad.parse::<Length>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn poisson_arrivals_are_seeded_and_at_the_asked_rate() {
+        let spec = WorkloadSpec {
+            requests: 4000,
+            rate: Rate::PerSecond(20.0),
+            prompt_len: Length::Uniform { min: 4, max: 12 },
+            output_len: Length::Fixed(3),
+            seed: 7,
+        };
+        let a = spec.generate(100);
+        assert_eq!(a, spec.generate(100), "same seed, same workload");
+        let other = WorkloadSpec {
+            seed: 8,
+            ..spec.clone()
+        }
+        .generate(100);
+        assert_ne!(a, other);
+        assert!(a.windows(2).all(|w| w[0].arrival_s <= w[1].arrival_s));
+        // 4000 arrivals at 20/s take about 200 s (sd of the sum: sqrt(4000)/20 = 3.2 s).
+        let last = a.last().unwrap().arrival_s;
+        assert!((last - 200.0).abs() < 20.0, "{last}");
+        assert!(a.iter().all(|r| (4..=12).contains(&r.prompt.len())
+            && r.max_new == 3
+            && r.prompt.iter().all(|&t| t < 100)));
+        let lens: std::collections::BTreeSet<usize> = a.iter().map(|r| r.prompt.len()).collect();
+        assert_eq!(lens.len(), 9, "every length in the range is drawn");
+        let burst = WorkloadSpec {
+            rate: Rate::Burst,
+            ..spec
+        }
+        .generate(100);
+        assert!(burst.iter().all(|r| r.arrival_s == 0.0));
+    }
+}

@@ -1,0 +1,428 @@
+//! wgpar as MPI ranks (`mpirun -np N wgpar ...`), end to end through the command line: the
+//! ranks' adapters, PP / TP / hybrid outputs against one device, the cross-process all-reduce
+//! benchmark, rank traces merged and projected, and failures. Needs `--features mpi` and
+//! Open MPI's `mpirun`; CI runs it (`.ci/run`).
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn wgpar() -> &'static str {
+    env!("CARGO_BIN_EXE_wgpar")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("wgpar-mpi-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `mpirun -np N wgpar ARGS` (as root where the tests run as root; oversubscribed cores).
+fn mpirun(np: usize, args: &[&str]) -> Output {
+    Command::new("mpirun")
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            &np.to_string(),
+        ])
+        .arg(wgpar())
+        .args(args)
+        .output()
+        .expect("mpirun runs (install Open MPI: openmpi-bin)")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn ok(o: Output) -> String {
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    t
+}
+
+struct Logits {
+    tokens: Vec<Vec<u32>>,
+    logits: Vec<Vec<f32>>,
+}
+
+fn read_logits(path: &Path) -> Logits {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    Logits {
+        tokens: serde_json::from_value(v["tokens"].clone()).unwrap(),
+        logits: serde_json::from_value(v["logits"].clone()).unwrap(),
+    }
+}
+
+/// Largest |a - b| over max |b| of every step.
+fn rel_err(a: &Logits, b: &Logits) -> f64 {
+    assert_eq!(a.logits.len(), b.logits.len(), "steps differ");
+    let mut worst = 0.0f64;
+    for (x, y) in a.logits.iter().zip(&b.logits) {
+        assert_eq!(x.len(), y.len());
+        let scale = y.iter().fold(0.0f64, |m, v| m.max((*v as f64).abs()));
+        let diff = x.iter().zip(y).fold(0.0f64, |m, (p, q)| {
+            let d = (*p as f64 - *q as f64).abs();
+            if d.is_nan() {
+                f64::INFINITY
+            } else {
+                m.max(d)
+            }
+        });
+        worst = worst.max(diff / scale);
+    }
+    worst
+}
+
+/// Shapes of every comparison; the model comes with each case.
+const SHAPE: [&str; 6] = ["--batch", "2", "--prompt-len", "8", "--gen", "3"];
+
+fn reference(dir: &Path, model: &str) -> Logits {
+    let path = dir.join(format!("single-{model}.json"));
+    let o = Command::new(wgpar())
+        .args(["run", "--virtual", "1", "--model", model])
+        .args(SHAPE)
+        .args(["--logits-out", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    ok(o);
+    read_logits(&path)
+}
+
+fn ranked(dir: &Path, name: &str, np: usize, model: &str, args: &[&str]) -> Logits {
+    let path = dir.join(format!("{name}.json"));
+    let mut all: Vec<&str> = vec!["run", "--model", model];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&SHAPE);
+    all.extend_from_slice(&["--logits-out", path.to_str().unwrap()]);
+    ok(mpirun(np, &all));
+    read_logits(&path)
+}
+
+#[test]
+fn devices_lists_every_rank() {
+    let t = ok(mpirun(2, &["devices"]));
+    assert!(t.contains("rank 0 on") && t.contains("rank 1 on"), "{t}");
+    assert!(t.contains("driver:"), "{t}");
+}
+
+#[test]
+fn pp_tp_and_hybrid_across_two_and_three_ranks_equal_one_device() {
+    let dir = scratch("equal");
+    // `default`: 6 layers, 12 query / 4 KV heads (TP over 2); `tiny-gpt2`: 6 heads (TP over 3).
+    let default = reference(&dir, "default");
+    let gpt2 = reference(&dir, "tiny-gpt2");
+    let pp = ["--strategy", "pp"];
+    let cases: [(&str, usize, &str, Vec<&str>, f64); 7] = [
+        (
+            "pp2",
+            2,
+            "default",
+            [&pp[..], &["--virtual", "1"]].concat(),
+            1e-5,
+        ),
+        // Two stages per rank: in-process hand-offs and one between ranks, two micro-batches.
+        (
+            "pp2x2",
+            2,
+            "default",
+            [&pp[..], &["--virtual", "2", "--micro-batches", "2"]].concat(),
+            1e-5,
+        ),
+        (
+            "pp3",
+            3,
+            "default",
+            [&pp[..], &["--virtual", "1", "--micro-batches", "2"]].concat(),
+            1e-5,
+        ),
+        (
+            "tp2",
+            2,
+            "default",
+            vec!["--strategy", "tp", "--virtual", "1"],
+            1e-4,
+        ),
+        (
+            "tp3",
+            3,
+            "tiny-gpt2",
+            vec!["--strategy", "tp", "--virtual", "1"],
+            1e-4,
+        ),
+        (
+            "hybrid2",
+            2,
+            "default",
+            vec![
+                "--strategy",
+                "hybrid",
+                "--tp",
+                "2",
+                "--virtual",
+                "2",
+                "--micro-batches",
+                "2",
+            ],
+            1e-4,
+        ),
+        (
+            "hybrid3",
+            3,
+            "default",
+            vec!["--strategy", "hybrid", "--tp", "2", "--virtual", "2"],
+            1e-4,
+        ),
+    ];
+    for (name, np, model, args, tol) in cases {
+        let single = if model == "default" { &default } else { &gpt2 };
+        let got = ranked(&dir, name, np, model, &args);
+        let err = rel_err(&got, single);
+        assert!(err <= tol, "{name}: relative error {err:e} > {tol:e}");
+        assert_eq!(got.tokens, single.tokens, "{name}: generated tokens differ");
+    }
+}
+
+#[test]
+fn allreduce_benchmark_checks_every_size_and_reports_its_floor() {
+    let t = ok(mpirun(
+        2,
+        &[
+            "allreduce",
+            "-b",
+            "8",
+            "-e",
+            "2M",
+            "-f",
+            "4",
+            "-n",
+            "3",
+            "-w",
+            "1",
+            "--chunk",
+            "512K",
+        ],
+    ));
+    assert!(t.contains("Out of bounds values : 0 OK"), "{t}");
+    assert!(t.contains("x floor") && t.contains("Rank  1"), "{t}");
+    // 2 MiB runs in 512 KiB chunks: pipelined.
+    let row = t
+        .lines()
+        .find(|l| l.trim_start().starts_with("2097152"))
+        .unwrap_or_else(|| panic!("{t}"));
+    assert!(row.split_whitespace().nth(4) == Some("4"), "{row}");
+    let t = ok(mpirun(
+        2,
+        &[
+            "allreduce",
+            "-b",
+            "1K",
+            "-e",
+            "64K",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "--link",
+            "f16",
+        ],
+    ));
+    assert!(
+        t.contains("Out of bounds values : 0 OK") && t.contains("link F16"),
+        "{t}"
+    );
+    let bad = mpirun(2, &["allreduce", "--op", "allgather"]);
+    assert!(!bad.status.success());
+    assert!(
+        text(&bad).contains("not supported across MPI ranks"),
+        "{}",
+        text(&bad)
+    );
+}
+
+#[test]
+fn rank_traces_merge_and_project_onto_one_or_two_nodes() {
+    let dir = scratch("trace");
+    let trace = dir.join("run.json");
+    let t = ok(mpirun(
+        2,
+        &[
+            "run",
+            "--strategy",
+            "pp",
+            "--virtual",
+            "1",
+            "--micro-batches",
+            "2",
+            "--model",
+            "tiny-llama",
+            "--batch",
+            "2",
+            "--prompt-len",
+            "8",
+            "--gen",
+            "3",
+            "--trace",
+            trace.to_str().unwrap(),
+        ],
+    ));
+    let r0 = dir.join("run.rank0.json");
+    let r1 = dir.join("run.rank1.json");
+    assert!(r0.exists() && r1.exists(), "{t}");
+    for host in ["pcie4-2gpu", "2node-ib200"] {
+        let o = Command::new(wgpar())
+            .args([
+                "project",
+                "--trace",
+                r0.to_str().unwrap(),
+                "--trace",
+                r1.to_str().unwrap(),
+                "--host",
+                host,
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        let t = ok(o);
+        assert!(t.contains("projected"), "{t}");
+    }
+    // One rank's trace alone is not the run.
+    let o = Command::new(wgpar())
+        .args([
+            "project",
+            "--trace",
+            r1.to_str().unwrap(),
+            "--host",
+            "pcie4-2gpu",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(text(&o).contains("rank 1 of a 2-rank run"), "{}", text(&o));
+}
+
+/// Runs a job in which one rank fails; every rank must be gone, the launcher non-zero, the
+/// failure named, all well within the timeout.
+fn fails(np: usize, args: &[&str], fault: &str, expect: &[&str]) {
+    let dir = scratch(&format!("fault-{}", fault.replace(':', "-")));
+    let marker = dir.join("marker.json");
+    let mut all: Vec<&str> = vec!["run"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&[
+        "--batch",
+        "2",
+        "--prompt-len",
+        "8",
+        "--gen",
+        "4",
+        "--mpi-timeout",
+        "8",
+        "--mpi-fault",
+        fault,
+    ]);
+    all.extend_from_slice(&["--logits-out", marker.to_str().unwrap()]);
+    let start = Instant::now();
+    let o = mpirun(np, &all);
+    let took = start.elapsed();
+    let t = text(&o);
+    assert!(!o.status.success(), "{fault}: the job succeeded\n{t}");
+    for e in expect {
+        assert!(t.contains(e), "{fault}: no '{e}' in\n{t}");
+    }
+    // Generous: start-up and weights plus the 8 s timeout; a hang would take far longer.
+    assert!(
+        took < Duration::from_secs(90),
+        "{fault}: took {took:?}\n{t}"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let left = Command::new("pgrep")
+        .args(["-f", marker.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        left.stdout.is_empty(),
+        "{fault}: processes left: {}",
+        String::from_utf8_lossy(&left.stdout)
+    );
+}
+
+#[test]
+fn a_failing_rank_stops_every_rank_and_is_named() {
+    let pp = [
+        "--model",
+        "tiny-llama",
+        "--strategy",
+        "pp",
+        "--virtual",
+        "1",
+    ];
+    let tp = [
+        "--model",
+        "tiny-llama",
+        "--strategy",
+        "tp",
+        "--virtual",
+        "1",
+    ];
+    // An error in rank 1's stage: rank 0 stops naming rank 1.
+    fails(
+        2,
+        &pp,
+        "1:error",
+        &["injected error fault", "rank 1 (", "failed"],
+    );
+    // A panic on rank 0 of a tensor-parallel job: rank 1 stops naming rank 0.
+    fails(2, &tp, "0:panic", &["injected panic", "rank 0 ("]);
+    // Three ranks, the middle one fails: both others stop.
+    let pp3 = [
+        "--model",
+        "default",
+        "--strategy",
+        "pp",
+        "--virtual",
+        "1",
+        "--micro-batches",
+        "2",
+    ];
+    fails(3, &pp3, "1:error:1", &["injected error fault", "rank 1 ("]);
+    // Killed: the launcher ends the job and names the rank.
+    fails(2, &pp, "1:kill:0", &["rank 1"]);
+    // Hung (stopped): the peer's receive times out, naming the rank it waited for.
+    fails(2, &pp, "1:hang:0", &["nothing from rank 1 within"]);
+}
+
+#[test]
+fn options_that_do_not_apply_across_ranks_are_refused() {
+    let o = mpirun(
+        2,
+        &[
+            "run",
+            "--strategy",
+            "tp",
+            "--virtual",
+            "2",
+            "--model",
+            "tiny-llama",
+        ],
+    );
+    assert!(!o.status.success());
+    assert!(text(&o).contains("one device per rank"), "{}", text(&o));
+    let o = mpirun(2, &["run", "--model", "tiny-llama"]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("--strategy none is not supported across MPI ranks"),
+        "{}",
+        text(&o)
+    );
+    let o = mpirun(2, &["compare"]);
+    assert!(!o.status.success());
+}
