@@ -1,6 +1,7 @@
 //! The dispatch path allocates nothing in the token loop: after the first decode step, a
-//! decode step creates no buffer and no bind group on any device, for every strategy (and
-//! with the logits read back too, once their readback exists). Plus the token path itself:
+//! decode step creates no buffer and no bind group on any device, for every strategy (the
+//! in-flight pipeline schedule included, and with the logits read back too, once their
+//! readback exists). Plus the token path itself:
 //! device-picked tokens against the logits, seeded device sampling against the host sampler,
 //! non-finite logits refused with the step (and the layer on one device), and generation that
 //! keeps only what it is asked for.
@@ -14,8 +15,8 @@ use wgpar::device::{Created, DType, Gpu};
 use wgpar::model::sampling::{Sampler, SamplingParams};
 use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::{
-    generate, generate_keeping, Engine, KeepLogits, Partition, PipelineEngine, SingleEngine,
-    TensorParallelEngine,
+    generate, generate_keeping, Engine, KeepLogits, Partition, PipelineEngine, Schedule,
+    SingleEngine, TensorParallelEngine,
 };
 use wgpar::WgparError;
 
@@ -106,6 +107,57 @@ fn pipeline_and_hybrid_decode_create_nothing() {
     )
     .unwrap();
     assert_steady(&mut hybrid, &gpus, &w.config, false);
+}
+
+/// The in-flight pipeline schedule (each micro-batch to its next token as soon as its own
+/// pick is back) creates nothing either once every micro-batch shape has run, and reads back
+/// the same tokens as the GPipe schedule.
+#[test]
+fn in_flight_pipeline_decode_creates_nothing() {
+    let w = weights();
+    let gpus = common::gpus(2);
+    let prompts = common::prompts(3, 5, w.config.vocab, 12);
+    let mut pp = PipelineEngine::new(
+        &gpus,
+        &w,
+        DType::F32,
+        &Partition::Even,
+        2,
+        CommConfig::default(),
+    )
+    .unwrap();
+    assert_eq!(pp.schedule(), Schedule::InFlight);
+    let first = pp.prefill_step(&prompts, false).unwrap().tokens;
+    let warm = pp.decode_greedy(&first, 2, false).unwrap();
+    let next: Vec<u32> = warm.tokens.iter().map(|t| t[1]).collect();
+    let before = created(&gpus);
+    let run = pp.decode_greedy(&next, 4, false).unwrap();
+    let after = created(&gpus);
+    assert!(run.logits.is_empty());
+    for (i, (a, b)) in after.iter().zip(&before).enumerate() {
+        assert_eq!(
+            *a - *b,
+            Created::default(),
+            "device {i} created buffers or bind groups in in-flight decode"
+        );
+    }
+    // The same run under GPipe gives the same tokens.
+    let mut gpipe = PipelineEngine::new(
+        &gpus,
+        &w,
+        DType::F32,
+        &Partition::Even,
+        2,
+        CommConfig::default(),
+    )
+    .unwrap();
+    gpipe.set_schedule(Schedule::GPipe);
+    let g_first = gpipe.prefill_step(&prompts, false).unwrap().tokens;
+    assert_eq!(g_first, first);
+    let g_warm = gpipe.decode_greedy(&g_first, 2, false).unwrap();
+    assert_eq!(g_warm.tokens, warm.tokens);
+    let g_run = gpipe.decode_greedy(&next, 4, false).unwrap();
+    assert_eq!(g_run.tokens, run.tokens);
 }
 
 /// Greedy device picks are the logits' argmax; a seeded device sample is what the host
