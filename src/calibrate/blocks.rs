@@ -67,34 +67,29 @@ pub(super) struct Point {
 
 /// Buffers for running `step` on a model: activations, a KV cache and token ids written.
 pub(super) fn step_buffers(m: &GpuModel, step: &Step) -> Result<(Activations, KvCache)> {
-    let act = m.activations(step.tokens(), step.batch)?;
-    let kv = m.kv_cache(step.batch)?;
+    let mut act = m.activations(step.tokens(), step.batch)?;
+    let mut kv = m.kv_cache(step.batch)?;
     let vocab = m.config().vocab as u32;
     let ids: Vec<u32> = (0..step.tokens() as u32)
         .map(|i| i * 7919 % vocab)
         .collect();
     m.write_ids(&act, &ids)?;
-    m.write_seqs(&act, &kv, step, &step.rows())?;
+    m.begin_step(&mut act, &mut kv, step, &step.rows())?;
     Ok((act, kv))
 }
 
-/// Every layer's blocks of `step` in one submit, like the single and pipeline engines, and a
-/// wait; `whole` = attention and MLP halves, else attention halves only.
-pub(super) fn run_blocks(
-    m: &GpuModel,
-    act: &Activations,
-    kv: &KvCache,
-    step: &Step,
-    whole: bool,
-) -> Result<()> {
+/// Every layer's blocks of the step `act` is set up for ([`step_buffers`]) in one submit,
+/// like the single and pipeline engines, and a wait; `whole` = attention and MLP halves, else
+/// attention halves only.
+pub(super) fn run_blocks(m: &GpuModel, act: &Activations, kv: &KvCache, whole: bool) -> Result<()> {
     let gpu = m.gpu();
     let mut e = gpu.encoder();
     if whole {
-        m.layers(&mut e, act, kv, step)?;
+        m.layers(&mut e, act, kv)?;
     } else {
         for i in 0..m.num_layers() {
-            m.attention(&mut e, i, act, kv, step)?;
-            m.attention_residual(&mut e, i, act, step)?;
+            m.attention(&mut e, i, act, kv)?;
+            m.attention_residual(&mut e, i, act)?;
         }
     }
     gpu.submit(e);
@@ -104,7 +99,7 @@ pub(super) fn run_blocks(
 /// Median time of [`run_blocks`], seconds.
 pub(super) fn time_blocks(m: &GpuModel, step: &Step, whole: bool, iters: usize) -> Result<f64> {
     let (act, kv) = step_buffers(m, step)?;
-    median_time(iters, || run_blocks(m, &act, &kv, step, whole))
+    median_time(iters, || run_blocks(m, &act, &kv, whole))
 }
 
 /// The blocks measured at each step: achieved rates of the attention halves and of whole
