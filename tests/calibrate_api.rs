@@ -26,7 +26,8 @@ fn quick_calibration_logs_and_returns_a_profile() {
     let text = String::from_utf8(log).unwrap();
     for section in [
         "host links",
-        "one dispatch",
+        "submissions of n dispatches",
+        "us per submission and its wait",
         "model blocks",
         "shared processor",
         "host reduce rate",
