@@ -40,6 +40,9 @@ pub enum Family {
     MatmulVec4,
     /// `matmul_subgroup.wgsl`: decode GEMV with subgroup reductions (needs `SUBGROUP`).
     MatmulSubgroup,
+    /// `matmul_block.wgsl`: block GEMM with large per-invocation register tiles staged through
+    /// workgroup memory (prefill shapes, inner dimension divisible by 4).
+    MatmulBlock,
     /// `norm.wgsl`: LayerNorm and RMSNorm.
     Norm,
     /// `softmax.wgsl`: row softmax.
@@ -60,10 +63,11 @@ pub enum Family {
 
 impl Family {
     /// Every family, for validation tests.
-    pub const ALL: [Family; 11] = [
+    pub const ALL: [Family; 12] = [
         Family::Matmul,
         Family::MatmulVec4,
         Family::MatmulSubgroup,
+        Family::MatmulBlock,
         Family::Norm,
         Family::Softmax,
         Family::Attention,
@@ -80,6 +84,7 @@ impl Family {
             Family::Matmul => include_str!("../../shaders/matmul.wgsl"),
             Family::MatmulVec4 => include_str!("../../shaders/matmul_vec4.wgsl"),
             Family::MatmulSubgroup => include_str!("../../shaders/matmul_subgroup.wgsl"),
+            Family::MatmulBlock => include_str!("../../shaders/matmul_block.wgsl"),
             Family::Norm => include_str!("../../shaders/norm.wgsl"),
             Family::Softmax => include_str!("../../shaders/softmax.wgsl"),
             Family::Attention => include_str!("../../shaders/attention.wgsl"),
@@ -95,7 +100,11 @@ impl Family {
     pub fn has_weight_variants(self) -> bool {
         matches!(
             self,
-            Family::Matmul | Family::MatmulVec4 | Family::MatmulSubgroup | Family::Embedding
+            Family::Matmul
+                | Family::MatmulVec4
+                | Family::MatmulSubgroup
+                | Family::MatmulBlock
+                | Family::Embedding
         )
     }
 
@@ -117,7 +126,7 @@ impl Family {
     pub fn bindings(self) -> &'static [BindingKind] {
         use BindingKind::*;
         match self {
-            Family::Matmul | Family::MatmulVec4 | Family::MatmulSubgroup => {
+            Family::Matmul | Family::MatmulVec4 | Family::MatmulSubgroup | Family::MatmulBlock => {
                 &[Read, Read, Read, ReadWrite, Uniform]
             }
             Family::Norm => &[Read, ReadWrite, Read, Read, Uniform],
@@ -139,6 +148,7 @@ impl Family {
             Family::Matmul => &["matmul", "matmul_naive", "gemm_tiled_scalar"],
             Family::MatmulVec4 => &["matmul_vec4", "matmul_vec4_rt", "gemv", "gemm_tiled"],
             Family::MatmulSubgroup => &["gemv_subgroup"],
+            Family::MatmulBlock => &["gemm_block"],
             Family::Norm => &["layernorm", "rmsnorm"],
             Family::Softmax => &["softmax"],
             Family::Attention => &["attend", "attend_tiled", "attend_split"],
