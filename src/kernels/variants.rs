@@ -128,26 +128,17 @@ macro_rules! block {
     };
 }
 
-/// Every matmul variant. The first two are the CPU-shaped kernels wgpar had before (rows from
-/// the workgroup id, an 8-invocation workgroup, a 4 x 4 register tile); the `rt_*` ones vary
+/// Every matmul variant, in the order first-use tuning times them (it has a time budget, so
+/// the likeliest winners come first; the default of each shape is the first that applies:
+/// `matmul_vec4` for an inner dimension divisible by 4, `matmul` otherwise). `matmul` and
+/// `matmul_vec4` are the CPU-shaped kernels wgpar had before (rows from the workgroup id, an
+/// 8-invocation workgroup, a 4 x 4 register tile); the `rt_*` ones vary
 /// that scheme's tile and workgroup; `gemv_*` are decode kernels (m <= 8) with a workgroup per
 /// block of columns and a reduction along k; `gemm_*` are workgroup-memory tiled GEMMs, and
 /// among them `gemm_r*` the block GEMMs with large register tiles (`gemm_rTMxTN_BMxBN`: a
-/// TM x TN tile per invocation, a BM x BN block per workgroup), listed early so that first-use
-/// tuning, which has a time budget, reaches them.
+/// TM x TN tile per invocation, a BM x BN block per workgroup), listed right after
+/// `matmul_vec4`, largest blocks first.
 pub static MATMUL: &[Variant] = &[
-    mm!(
-        "matmul",
-        Matmul,
-        "matmul",
-        &[],
-        sg = false,
-        k4 = false,
-        max_rows = ANY,
-        blocks(4, 32),
-        candidate = true,
-        legacy = true
-    ),
     mm!(
         "matmul_vec4",
         MatmulVec4,
@@ -160,19 +151,22 @@ pub static MATMUL: &[Variant] = &[
         candidate = true,
         legacy = true
     ),
-    mm!(
-        "matmul_naive",
-        Matmul,
-        "matmul_naive",
-        &[],
-        sg = false,
-        k4 = false,
-        max_rows = ANY,
-        blocks(8, 8),
-        candidate = false,
-        legacy = false
+    block!(
+        "gemm_r16x8_128x128",
+        tm = 16,
+        tn = 8,
+        wgx = 16,
+        wgy = 8,
+        bk = 8
     ),
-    block!("gemm_r8x8_64x64", tm = 8, tn = 8, wgx = 8, wgy = 8, bk = 16),
+    block!(
+        "gemm_r8x8_128x128",
+        tm = 8,
+        tn = 8,
+        wgx = 16,
+        wgy = 16,
+        bk = 8
+    ),
     block!(
         "gemm_r16x8_128x64",
         tm = 16,
@@ -197,21 +191,30 @@ pub static MATMUL: &[Variant] = &[
         wgy = 16,
         bk = 16
     ),
-    block!(
-        "gemm_r16x8_128x128",
-        tm = 16,
-        tn = 8,
-        wgx = 16,
-        wgy = 8,
-        bk = 8
+    block!("gemm_r8x8_64x64", tm = 8, tn = 8, wgx = 8, wgy = 8, bk = 16),
+    mm!(
+        "matmul",
+        Matmul,
+        "matmul",
+        &[],
+        sg = false,
+        k4 = false,
+        max_rows = ANY,
+        blocks(4, 32),
+        candidate = true,
+        legacy = true
     ),
-    block!(
-        "gemm_r8x8_128x128",
-        tm = 8,
-        tn = 8,
-        wgx = 16,
-        wgy = 16,
-        bk = 8
+    mm!(
+        "matmul_naive",
+        Matmul,
+        "matmul_naive",
+        &[],
+        sg = false,
+        k4 = false,
+        max_rows = ANY,
+        blocks(8, 8),
+        candidate = false,
+        legacy = false
     ),
     mm!(
         "rt_2x8_wg8",
