@@ -269,6 +269,21 @@ pub enum WgparError {
         /// What is wrong, with the numbers found and expected.
         detail: String,
     },
+    /// A step produced NaN or infinite logits: no token is emitted from them.
+    #[error(
+        "non-finite logits (NaN or infinity) at step {step} for sequence(s) {rows:?}{}: no \
+         token was emitted. Check the weights for NaN/inf and the config (norm eps, rope theta)",
+        location.as_ref().map(|l| format!(", first seen after {l}")).unwrap_or_default()
+    )]
+    NonFinite {
+        /// The step: 0 is the prefill, k the k-th decode step.
+        step: usize,
+        /// Sequences (rows of the batch) whose logits were not finite.
+        rows: Vec<usize>,
+        /// Where the values first turned non-finite, where it was cheap to find out (e.g.
+        /// "layer 3" on a single device).
+        location: Option<String>,
+    },
     /// Running as MPI ranks (`dist`): a failed or silent peer, a layout the ranks cannot run.
     #[error(transparent)]
     Dist(#[from] crate::dist::DistError),

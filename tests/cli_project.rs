@@ -284,7 +284,7 @@ fn bench_projection_records_calibrates_and_projects_every_pair() {
         "single,pp2-m2,tp4",
         // The calibration shape, and another model and shape it never saw.
         "--runs",
-        "tiny-llama:2x8,tiny-gpt2:1x12",
+        "tiny-llama:2x8,tiny-gpt2:2x12",
         "--out-dir",
         out.to_str().unwrap(),
         "--json",
@@ -328,7 +328,7 @@ fn bench_projection_records_calibrates_and_projects_every_pair() {
         "cal0.toml",
         "cal1.toml",
         "tiny-llama_2x8.single.r0.json",
-        "tiny-gpt2_1x12.pp2-m2.r1.json",
+        "tiny-gpt2_2x12.pp2-m2.r1.json",
     ] {
         assert!(out.join(file).is_file(), "{file} missing");
     }

@@ -5,7 +5,7 @@ mod common;
 use std::time::Instant;
 
 use wgpar::device::{DType, GpuTimer, SpanTimer};
-use wgpar::kernels::ops::{self, MatmulKernel};
+use wgpar::kernels::ops::{self, MatmulIo, MatmulKernel};
 use wgpar::parallel::{Engine, SingleEngine};
 use wgpar::trace::{DeviceTiming, Recorder, SpanKind};
 
@@ -27,17 +27,13 @@ fn timestamps_bracket_the_device_work_of_a_submission() {
         let mut enc = gpu.encoder();
         timer.begin(&mut enc);
         for _ in 0..dispatches {
-            ops::matmul(
-                gpu,
-                &mut enc,
-                &x,
-                &w,
-                None,
-                &y,
-                (m, n, k),
-                MatmulKernel::Naive,
-            )
-            .unwrap();
+            let io = MatmulIo {
+                x: &x,
+                w: &w,
+                bias: None,
+                y: &y,
+            };
+            ops::matmul(gpu, &mut enc, io, (m, n, k), MatmulKernel::Naive).unwrap();
         }
         timer.end(&mut enc);
         let t0 = Instant::now();

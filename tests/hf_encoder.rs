@@ -202,12 +202,14 @@ fn tensor_and_pipeline_splits_match_reference() {
                 ..Placement::whole(&config)
             };
             let m = GpuModel::upload(g.clone(), &weights, placement, DType::F32).unwrap();
-            let act = m.activations(step.tokens(), step.batch).unwrap();
-            let kv = m.kv_cache(step.batch).unwrap();
+            let mut act = m.activations(step.tokens(), step.batch).unwrap();
+            let mut kv = m.kv_cache(step.batch).unwrap();
             m.write_ids(&act, &ids).unwrap();
             m.write_encoder_inputs(&act, &step, &types, &lens).unwrap();
+            m.begin_step(&mut act, &mut kv, &step, &step.rows())
+                .unwrap();
             let mut enc = m.gpu().encoder();
-            m.embed(&mut enc, &act, &step).unwrap();
+            m.embed(&mut enc, &act).unwrap();
             m.gpu().submit(enc);
             (m, act, kv)
         })
@@ -225,29 +227,29 @@ fn tensor_and_pipeline_splits_match_reference() {
     for i in 0..config.layers {
         for (m, act, kv) in &ranks {
             let mut enc = m.gpu().encoder();
-            m.attention(&mut enc, i, act, kv, &step).unwrap();
+            m.attention(&mut enc, i, act, kv).unwrap();
             m.gpu().submit(enc);
         }
-        all_reduce(|a| &a.attn_out);
+        all_reduce(|a| a.attn_out());
         for (m, act, _) in &ranks {
             let mut enc = m.gpu().encoder();
-            m.attention_residual(&mut enc, i, act, &step).unwrap();
-            m.mlp(&mut enc, i, act, &step).unwrap();
+            m.attention_residual(&mut enc, i, act).unwrap();
+            m.mlp(&mut enc, i, act).unwrap();
             m.gpu().submit(enc);
         }
-        all_reduce(|a| &a.mlp_out);
+        all_reduce(|a| a.mlp_out());
         for (m, act, _) in &ranks {
             let mut enc = m.gpu().encoder();
-            m.mlp_residual(&mut enc, i, act, &step).unwrap();
+            m.mlp_residual(&mut enc, i, act).unwrap();
             m.gpu().submit(enc);
         }
     }
     for (r, (m, act, _)) in ranks.iter().enumerate() {
         let mut enc = m.gpu().encoder();
-        m.pool(&mut enc, act, &step).unwrap();
+        m.pool(&mut enc, act).unwrap();
         m.gpu().submit(enc);
         check(
-            m.gpu().read_f32(act.pooled.as_ref().unwrap()).unwrap(),
+            m.gpu().read_f32(act.pooled().unwrap()).unwrap(),
             &format!("tp rank {r}"),
         );
     }
@@ -261,40 +263,39 @@ fn tensor_and_pipeline_splits_match_reference() {
             ..Placement::whole(&config)
         };
         let m = GpuModel::upload(gpus[g].clone(), &weights, placement, DType::F32).unwrap();
-        let act = m.activations(step.tokens(), step.batch).unwrap();
-        let kv = m.kv_cache(step.batch).unwrap();
+        let mut act = m.activations(step.tokens(), step.batch).unwrap();
+        let mut kv = m.kv_cache(step.batch).unwrap();
         m.write_encoder_inputs(&act, &step, &types, &lens).unwrap();
+        m.begin_step(&mut act, &mut kv, &step, &step.rows())
+            .unwrap();
         (m, act, kv)
     };
     let run_layers =
         |(m, act, kv): &(GpuModel, wgpar::model::Activations, wgpar::model::KvCache),
          enc: &mut wgpu::CommandEncoder| {
             for i in 0..m.num_layers() {
-                m.attention(enc, i, act, kv, &step).unwrap();
-                m.attention_residual(enc, i, act, &step).unwrap();
-                m.mlp(enc, i, act, &step).unwrap();
-                m.mlp_residual(enc, i, act, &step).unwrap();
+                m.attention(enc, i, act, kv).unwrap();
+                m.attention_residual(enc, i, act).unwrap();
+                m.mlp(enc, i, act).unwrap();
+                m.mlp_residual(enc, i, act).unwrap();
             }
         };
     let first = stage(0, 0..1, true);
     let last = stage(1, 1..config.layers, false);
     first.0.write_ids(&first.1, &ids).unwrap();
     let mut enc = first.0.gpu().encoder();
-    first.0.embed(&mut enc, &first.1, &step).unwrap();
+    first.0.embed(&mut enc, &first.1).unwrap();
     run_layers(&first, &mut enc);
     first.0.gpu().submit(enc);
-    let hand_off = first.0.gpu().read_f32(&first.1.x).unwrap();
-    last.0.gpu().write_f32(&last.1.x, &hand_off[..n]).unwrap();
+    let hand_off = first.0.gpu().read_f32(first.1.x()).unwrap();
+    last.0.gpu().write_f32(last.1.x(), &hand_off[..n]).unwrap();
     let mut enc = last.0.gpu().encoder();
     run_layers(&last, &mut enc);
-    last.0.pool(&mut enc, &last.1, &step).unwrap();
+    last.0.pool(&mut enc, &last.1).unwrap();
     last.0.gpu().submit(enc);
     check(
-        last.0
-            .gpu()
-            .read_f32(last.1.pooled.as_ref().unwrap())
-            .unwrap(),
+        last.0.gpu().read_f32(last.1.pooled().unwrap()).unwrap(),
         "pipeline",
     );
-    assert!(first.1.pooled.is_none());
+    assert!(first.1.pooled().is_none());
 }

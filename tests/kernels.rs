@@ -4,7 +4,7 @@
 mod common;
 
 use wgpar::device::{DType, Gpu, Tensor};
-use wgpar::kernels::ops::{self, AttnShape, Elementwise, MatmulKernel, Norm};
+use wgpar::kernels::ops::{self, AttnShape, Elementwise, MatmulIo, MatmulKernel, Norm, TokenPick};
 use wgpar::kernels::{tune, variants};
 use wgpar::model::reference::{gelu_tanh, silu};
 
@@ -95,9 +95,13 @@ fn matmul_every_variant_any_shape_f32_f16() {
                 }
                 for bias in [None, Some(&bt)] {
                     let y = poisoned(gpu, m * n);
-                    run(gpu, |e| {
-                        ops::matmul(gpu, e, &xt, &wt, bias, &y, (m, n, k), kernel).unwrap()
-                    });
+                    let io = MatmulIo {
+                        x: &xt,
+                        w: &wt,
+                        bias,
+                        y: &y,
+                    };
+                    run(gpu, |e| ops::matmul(gpu, e, io, (m, n, k), kernel).unwrap());
                     let want = matmul_ref(&x, &w_used, bias.map(|_| &b[..]), m, n, k);
                     let name = format!(
                         "matmul {m}x{n}x{k} {dtype:?} {kernel:?} bias={}",
@@ -124,32 +128,26 @@ fn matmul_variant_that_does_not_apply_is_an_error() {
     let mut enc = gpu.encoder();
     // gemv takes at most 8 rows; vec4 variants need k divisible by 4.
     for (name, shape) in [("gemv_wg64", (16, 16, 4)), ("matmul_vec4", (2, 2, 6))] {
-        let e = ops::matmul(
-            gpu,
-            &mut enc,
-            &x,
-            &x,
-            None,
-            &y,
-            shape,
-            MatmulKernel::Variant(name),
-        )
-        .unwrap_err()
-        .to_string();
+        let io = MatmulIo {
+            x: &x,
+            w: &x,
+            bias: None,
+            y: &y,
+        };
+        let e = ops::matmul(gpu, &mut enc, io, shape, MatmulKernel::Variant(name))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("does not apply"), "{e}");
     }
-    let e = ops::matmul(
-        gpu,
-        &mut enc,
-        &x,
-        &x,
-        None,
-        &y,
-        (1, 1, 1),
-        MatmulKernel::Variant("nope"),
-    )
-    .unwrap_err()
-    .to_string();
+    let io = MatmulIo {
+        x: &x,
+        w: &x,
+        bias: None,
+        y: &y,
+    };
+    let e = ops::matmul(gpu, &mut enc, io, (1, 1, 1), MatmulKernel::Variant("nope"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("nope") && e.contains("gemm_64x64"), "{e}");
 }
 
@@ -247,7 +245,13 @@ fn tuning_chooses_a_variant_and_caches_it() {
     );
     let y = poisoned(gpu, m * n);
     run(gpu, |e| {
-        ops::matmul(gpu, e, &xt, &wt, None, &y, (m, n, k), MatmulKernel::Tiled).unwrap()
+        let io = MatmulIo {
+            x: &xt,
+            w: &wt,
+            bias: None,
+            y: &y,
+        };
+        ops::matmul(gpu, e, io, (m, n, k), MatmulKernel::Tiled).unwrap()
     });
     assert_close(
         "tuned matmul",
@@ -286,18 +290,15 @@ fn matmul_rejects_short_operands() {
     let x = gpu.upload_f32("x", &common::random(10, 1)).unwrap();
     let y = gpu.empty("y", DType::F32, 4).unwrap();
     let mut enc = gpu.encoder();
-    let e = ops::matmul(
-        gpu,
-        &mut enc,
-        &x,
-        &x,
-        None,
-        &y,
-        (2, 2, 6),
-        MatmulKernel::Tiled,
-    )
-    .unwrap_err()
-    .to_string();
+    let io = MatmulIo {
+        x: &x,
+        w: &x,
+        bias: None,
+        y: &y,
+    };
+    let e = ops::matmul(gpu, &mut enc, io, (2, 2, 6), MatmulKernel::Tiled)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("x has 10 elements, needs 12"), "{e}");
 }
 
@@ -327,7 +328,7 @@ fn layernorm_and_rmsnorm() {
                 Norm::Rms { gamma: &gt }
             };
             run(gpu, |e| {
-                ops::norm(gpu, e, kind, &xt, &y, rows, cols, 1e-5).unwrap()
+                ops::norm(gpu, e, kind, (&xt, &y), (rows, cols), 1e-5).unwrap()
             });
             let mut want = Vec::new();
             for r in x.chunks(cols) {
@@ -461,7 +462,7 @@ fn embedding_with_and_without_positions() {
             seqs: &seqs,
         });
         run(gpu, |e| {
-            ops::embed(gpu, e, &idt, &wtet, pos_arg, &out, (batch, seq, hidden)).unwrap()
+            ops::embed(gpu, e, (&idt, &wtet, pos_arg), &out, (batch, seq, hidden)).unwrap()
         });
         let mut want = Vec::new();
         for (t, &id) in ids.iter().enumerate() {
@@ -506,7 +507,7 @@ fn rope_rotates_pairs_by_position() {
         positions,
     };
     run(gpu, |e| {
-        ops::rope(gpu, e, &xt, tables, &seqs, (batch, seq), (heads, dim)).unwrap()
+        ops::rope(gpu, e, (&xt, tables, &seqs), (batch, seq), (heads, dim)).unwrap()
     });
     let mut want = vec![0.0; x.len()];
     for t in 0..batch * seq {
@@ -739,7 +740,7 @@ fn attention_every_variant_causal_and_bidirectional() {
                     seqs: &seqs,
                 };
                 run(gpu, |e| {
-                    ops::attention_with(gpu, e, &qt, cache, &out, &shape, mask, kernel).unwrap()
+                    ops::attention_with(gpu, e, (&qt, cache, &out), &shape, mask, kernel).unwrap()
                 });
                 let name = format!(
                     "attention {kernel:?} causal={causal} b{batch} s{seq} past{past0} h{nh}/{nkv} d{d}"
@@ -800,4 +801,132 @@ fn oversized_buffer_is_a_clear_error() {
         e.contains("huge needs") && e.contains("allows at most"),
         "{e}"
     );
+}
+
+/// Runs the device pick over `logits` (`batch` rows) with `draws`; returns (tokens,
+/// non-finite counts).
+fn device_pick(
+    gpu: &Gpu,
+    logits: &[f32],
+    batch: usize,
+    draws: &[f32],
+    how: TokenPick,
+) -> (Vec<u32>, Vec<u32>) {
+    let vocab = logits.len() / batch;
+    let lt = gpu.upload_f32("logits", logits).unwrap();
+    let dt = gpu.upload_f32("draws", draws).unwrap();
+    let out = gpu.empty("picked", DType::U32, 2 * batch).unwrap();
+    gpu.write_u32(&out, &vec![0xdead_beef; 2 * batch]).unwrap();
+    run(gpu, |e| {
+        ops::pick(gpu, e, (&lt, &dt, &out), (batch, vocab), how).unwrap()
+    });
+    let words: Vec<u32> =
+        bytemuck::pod_collect_to_vec(&gpu.read_bytes(out.buffer(), 0, out.bytes()).unwrap());
+    (words[..batch].to_vec(), words[batch..].to_vec())
+}
+
+/// Greedy picks against the host argmax (ties to the lower id, NaN never wins), non-finite
+/// logits counted per row, on vocabularies that are not workgroup multiples.
+#[test]
+fn argmax_picks_and_counts_non_finite() {
+    let gpu = &common::gpus(1)[0];
+    for (batch, vocab) in [(1, 1), (3, 257), (5, 1000), (2, 8193)] {
+        let mut logits = common::random(batch * vocab, 30);
+        // Row 1 (when there is one): a tie at the maximum, a NaN and an infinity.
+        if batch > 1 && vocab > 10 {
+            let r = &mut logits[vocab..2 * vocab];
+            r[3] = 5.0;
+            r[9] = 5.0;
+            r[4] = f32::NAN;
+            r[7] = f32::NEG_INFINITY;
+        }
+        let draws = vec![0.5; batch];
+        let (tokens, bad) = device_pick(gpu, &logits, batch, &draws, TokenPick::Greedy);
+        let want = wgpar::parallel::Logits {
+            batch,
+            vocab,
+            data: logits.clone(),
+        }
+        .argmax();
+        assert_eq!(tokens, want, "argmax {batch}x{vocab}");
+        let want_bad: Vec<u32> = logits
+            .chunks(vocab)
+            .map(|r| r.iter().filter(|v| !v.is_finite()).count() as u32)
+            .collect();
+        assert_eq!(bad, want_bad, "non-finite counts {batch}x{vocab}");
+    }
+    // A row of NaN picks token 0 and counts every logit.
+    let (tokens, bad) = device_pick(gpu, &[f32::NAN; 300], 1, &[0.1], TokenPick::Greedy);
+    assert_eq!((tokens, bad), (vec![0], vec![300]));
+}
+
+/// Seeded top-k / temperature / top-p draws against the host sampler fed the same stream.
+#[test]
+fn device_sampling_matches_the_host_sampler() {
+    use rand::{Rng, SeedableRng};
+    use wgpar::model::sampling::{Sampler, SamplingParams};
+    let gpu = &common::gpus(1)[0];
+    let (batch, vocab) = (6, 733);
+    for (top_k, temperature, top_p) in
+        [(1, 1.0, 1.0), (5, 1.0, 1.0), (40, 0.7, 0.9), (64, 1.3, 0.5)]
+    {
+        let params = SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed: 5 + top_k as u64,
+        };
+        let mut host = Sampler::new(params).unwrap();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(params.seed);
+        for round in 0..4 {
+            let logits: Vec<f32> = common::random(batch * vocab, 40 + round)
+                .iter()
+                .map(|v| v * 4.0)
+                .collect();
+            let draws: Vec<f32> = (0..batch).map(|_| rng.random::<f64>() as f32).collect();
+            let how = TokenPick::Sample {
+                top_k,
+                temperature,
+                top_p,
+            };
+            let (tokens, bad) = device_pick(gpu, &logits, batch, &draws, how);
+            let want: Vec<u32> = logits.chunks(vocab).map(|r| host.sample(r)).collect();
+            assert_eq!(
+                tokens, want,
+                "top-k {top_k} T {temperature} top-p {top_p} round {round}"
+            );
+            assert!(bad.iter().all(|&n| n == 0));
+        }
+    }
+    // Parameters the kernel cannot honour are refused, not clamped.
+    let mut enc = gpu.encoder();
+    let t = gpu.empty("t", DType::F32, 16).unwrap();
+    let o = gpu.empty("o", DType::U32, 2).unwrap();
+    for how in [
+        TokenPick::Sample {
+            top_k: 0,
+            temperature: 1.0,
+            top_p: 1.0,
+        },
+        TokenPick::Sample {
+            top_k: ops::MAX_TOP_K + 1,
+            temperature: 1.0,
+            top_p: 1.0,
+        },
+        TokenPick::Sample {
+            top_k: 4,
+            temperature: 0.0,
+            top_p: 1.0,
+        },
+        TokenPick::Sample {
+            top_k: 4,
+            temperature: 1.0,
+            top_p: 0.0,
+        },
+    ] {
+        assert!(
+            ops::pick(gpu, &mut enc, (&t, &t, &o), (1, 16), how).is_err(),
+            "{how:?}"
+        );
+    }
 }

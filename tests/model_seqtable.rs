@@ -11,8 +11,8 @@ use wgpar::model::{CpuReference, GpuModel, ModelConfig, ModelWeights, Placement,
 /// logits.
 fn gpu_step(
     m: &GpuModel,
-    act: &wgpar::model::Activations,
-    kv: &wgpar::model::KvCache,
+    act: &mut wgpar::model::Activations,
+    kv: &mut wgpar::model::KvCache,
     rows: &[(usize, usize, Vec<u32>)],
 ) -> Vec<Vec<f32>> {
     let seq = rows[0].2.len();
@@ -27,15 +27,15 @@ fn gpu_step(
         .collect();
     let ids: Vec<u32> = rows.iter().flat_map(|r| r.2.clone()).collect();
     m.write_ids(act, &ids).unwrap();
-    m.write_seqs(act, kv, &step, &table).unwrap();
+    m.begin_step(act, kv, &step, &table).unwrap();
     let gpu = m.gpu();
     let mut enc = gpu.encoder();
-    m.embed(&mut enc, act, &step).unwrap();
-    m.layers(&mut enc, act, kv, &step).unwrap();
-    m.head(&mut enc, act, &step).unwrap();
+    m.embed(&mut enc, act).unwrap();
+    m.layers(&mut enc, act, kv).unwrap();
+    m.head(&mut enc, act).unwrap();
     gpu.submit(enc);
     let vocab = m.config().vocab;
-    let logits = gpu.read_f32(act.logits.as_ref().unwrap()).unwrap();
+    let logits = gpu.read_f32(act.logits().unwrap()).unwrap();
     logits[..rows.len() * vocab]
         .chunks(vocab)
         .map(<[f32]>::to_vec)
@@ -47,15 +47,15 @@ fn check(config: &ModelConfig) {
     let weights = ModelWeights::synthetic(config, 21);
     let m = GpuModel::upload(gpu, &weights, Placement::whole(config), DType::F32).unwrap();
     let slots = 4;
-    let act = m.activations(16, 3).unwrap();
-    let kv = m.kv_cache(slots).unwrap();
+    let mut act = m.activations(16, 3).unwrap();
+    let mut kv = m.kv_cache(slots).unwrap();
     let mut cpu = CpuReference::with_slots(&weights, slots).unwrap();
     let vocab = config.vocab;
-    let compare = |cpu: &mut CpuReference, what: &str, rows: Vec<(usize, usize, Vec<u32>)>| {
+    let mut compare = |cpu: &mut CpuReference, what: &str, rows: Vec<(usize, usize, Vec<u32>)>| {
         for &(slot, past, _) in &rows {
             assert_eq!(cpu.past(slot), past, "{what}: test bookkeeping");
         }
-        let got = gpu_step(&m, &act, &kv, &rows);
+        let got = gpu_step(&m, &mut act, &mut kv, &rows);
         let cpu_rows: Vec<(usize, &[u32])> = rows.iter().map(|r| (r.0, &r.2[..])).collect();
         let want = cpu.step(&cpu_rows).unwrap();
         for (b, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -113,16 +113,16 @@ fn bad_tables_are_refused_before_any_dispatch() {
     let gpu = common::gpus(1).remove(0);
     let weights = ModelWeights::synthetic(&config, 21);
     let m = GpuModel::upload(gpu, &weights, Placement::whole(&config), DType::F32).unwrap();
-    let act = m.activations(8, 2).unwrap();
-    let kv = m.kv_cache(2).unwrap();
+    let mut act = m.activations(8, 2).unwrap();
+    let mut kv = m.kv_cache(2).unwrap();
     let step = Step {
         batch: 2,
         seq: 1,
         past: 0,
     };
     let row = |slot, past| SeqRow { slot, past };
-    let err = |rows: &[SeqRow]| {
-        m.write_seqs(&act, &kv, &step, rows)
+    let mut err = |rows: &[SeqRow]| {
+        m.begin_step(&mut act, &mut kv, &step, rows)
             .unwrap_err()
             .to_string()
     };
@@ -131,6 +131,6 @@ fn bad_tables_are_refused_before_any_dispatch() {
     assert!(err(&[row(1, 0), row(1, 3)]).contains("share KV slot 1"));
     let e = err(&[row(0, config.max_seq), row(1, 0)]);
     assert!(e.contains("exceed max_seq"), "{e}");
-    m.write_seqs(&act, &kv, &step, &[row(1, 5), row(0, 0)])
+    m.begin_step(&mut act, &mut kv, &step, &[row(1, 5), row(0, 0)])
         .unwrap();
 }

@@ -6,8 +6,9 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use wgpar::model::sampling::SamplingParams;
 use wgpar::model::ModelConfig;
-use wgpar::parallel::{BatchStep, Engine, Logits, StepDone, StepEngine, StepStats};
+use wgpar::parallel::{BatchStep, Engine, Logits, StepDone, StepEngine, StepOutput, StepStats};
 use wgpar::serve::{serve, Length, Rate, ServeOptions, ServeRequest, WorkloadSpec};
 use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
@@ -71,10 +72,13 @@ impl Engine for Mock {
     fn name(&self) -> String {
         format!("mock with {} lanes", self.lanes)
     }
-    fn prefill(&mut self, _: &[Vec<u32>]) -> Result<Logits> {
+    fn prefill_step(&mut self, _: &[Vec<u32>], _: bool) -> Result<StepOutput> {
         Err(WgparError::Config("not used".into()))
     }
-    fn decode(&mut self, _: &[u32]) -> Result<Logits> {
+    fn decode_step(&mut self, _: &[u32], _: bool) -> Result<StepOutput> {
+        Err(WgparError::Config("not used".into()))
+    }
+    fn set_sampling(&mut self, _: SamplingParams) -> Result<()> {
         Err(WgparError::Config("not used".into()))
     }
     fn last_step(&self) -> Option<StepStats> {

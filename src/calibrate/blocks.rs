@@ -8,6 +8,7 @@ use crate::error::Result;
 use crate::model::{Activations, GpuModel, KvCache, ModelConfig, ShardSpec, Step};
 use crate::parallel::cost;
 
+use super::kernels::DispatchCosts;
 use super::median_time;
 
 /// Dispatches the model's blocks encode per layer: (attention half with its residual, whole
@@ -66,34 +67,29 @@ pub(super) struct Point {
 
 /// Buffers for running `step` on a model: activations, a KV cache and token ids written.
 pub(super) fn step_buffers(m: &GpuModel, step: &Step) -> Result<(Activations, KvCache)> {
-    let act = m.activations(step.tokens(), step.batch)?;
-    let kv = m.kv_cache(step.batch)?;
+    let mut act = m.activations(step.tokens(), step.batch)?;
+    let mut kv = m.kv_cache(step.batch)?;
     let vocab = m.config().vocab as u32;
     let ids: Vec<u32> = (0..step.tokens() as u32)
         .map(|i| i * 7919 % vocab)
         .collect();
     m.write_ids(&act, &ids)?;
-    m.write_seqs(&act, &kv, step, &step.rows())?;
+    m.begin_step(&mut act, &mut kv, step, &step.rows())?;
     Ok((act, kv))
 }
 
-/// Every layer's blocks of `step` in one submit, like the single and pipeline engines, and a
-/// wait; `whole` = attention and MLP halves, else attention halves only.
-pub(super) fn run_blocks(
-    m: &GpuModel,
-    act: &Activations,
-    kv: &KvCache,
-    step: &Step,
-    whole: bool,
-) -> Result<()> {
+/// Every layer's blocks of the step `act` is set up for ([`step_buffers`]) in one submit,
+/// like the single and pipeline engines, and a wait; `whole` = attention and MLP halves, else
+/// attention halves only.
+pub(super) fn run_blocks(m: &GpuModel, act: &Activations, kv: &KvCache, whole: bool) -> Result<()> {
     let gpu = m.gpu();
     let mut e = gpu.encoder();
     if whole {
-        m.layers(&mut e, act, kv, step)?;
+        m.layers(&mut e, act, kv)?;
     } else {
         for i in 0..m.num_layers() {
-            m.attention(&mut e, i, act, kv, step)?;
-            m.attention_residual(&mut e, i, act, step)?;
+            m.attention(&mut e, i, act, kv)?;
+            m.attention_residual(&mut e, i, act)?;
         }
     }
     gpu.submit(e);
@@ -103,7 +99,7 @@ pub(super) fn run_blocks(
 /// Median time of [`run_blocks`], seconds.
 pub(super) fn time_blocks(m: &GpuModel, step: &Step, whole: bool, iters: usize) -> Result<f64> {
     let (act, kv) = step_buffers(m, step)?;
-    median_time(iters, || run_blocks(m, &act, &kv, step, whole))
+    median_time(iters, || run_blocks(m, &act, &kv, whole))
 }
 
 /// The blocks measured at each step: achieved rates of the attention halves and of whole
@@ -119,7 +115,7 @@ pub(super) struct BlockCurves {
 pub(super) fn block_curves(
     m: &GpuModel,
     steps: &[Step],
-    launch_us: f64,
+    dispatch: DispatchCosts,
     iters: usize,
     log: &mut dyn Write,
 ) -> Result<BlockCurves> {
@@ -130,9 +126,10 @@ pub(super) fn block_curves(
     let (mut attn, mut whole, mut alone_s) = (Vec::new(), Vec::new(), Vec::new());
     say!(
         log,
-        "  model blocks ({} layers, one submit), net of {:.1} us per dispatch:",
+        "  model blocks ({} layers, one submit), net of {:.1} us per dispatch and {:.1} us per submit:",
         m.num_layers(),
-        launch_us
+        dispatch.launch_us,
+        dispatch.submit_us
     );
     say!(
         log,
@@ -154,9 +151,11 @@ pub(super) fn block_curves(
             (true, a.flops + mc.flops, a.bytes + mc.bytes, layer_k),
         ] {
             let t = time_blocks(m, step, whole_layer, iters)?;
-            // Dispatch costs are added back per recorded kernel by the projection; a noisy
-            // estimate must not leave less than a tenth of the measured time.
-            let net = (t - layers * k as f64 * launch_us / 1e6).max(t / 10.0);
+            // Dispatch costs are added back per recorded kernel, the submission's per
+            // compute span, by the projection; a noisy estimate must not leave less than a
+            // tenth of the measured time.
+            let fixed_us = layers * k as f64 * dispatch.launch_us + dispatch.submit_us;
+            let net = (t - fixed_us / 1e6).max(t / 10.0);
             let p = Point {
                 intensity: flops as f64 / bytes as f64,
                 gflops: flops as f64 * layers / net / 1e9,

@@ -5,28 +5,101 @@ use std::io::Write;
 
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
-use crate::kernels::ops::{self, AttnShape, Elementwise, MatmulKernel, Norm};
+use crate::kernels::ops::{
+    self, AttnShape, Elementwise, ElementwiseOp, MatmulIo, MatmulKernel, Norm, Operand, Params,
+    Pass,
+};
 use crate::model::ModelConfig;
 
 use super::{median_time, random};
 use crate::stats::median;
 
-/// Cost of one dispatch, microseconds: a batch of tiny dispatches in one submit, minus one.
-pub(super) fn launch_overhead_us(gpu: &Gpu, iters: usize) -> Result<f64> {
-    let a = gpu.upload_f32("calibrate.a", &random(64, 1))?;
-    let b = gpu.upload_f32("calibrate.b", &random(64, 2))?;
-    let batch = |reps: usize| {
-        median_time(iters, || {
+/// Dispatches per submission of the dispatch-cost sweep.
+const DISPATCH_SWEEP: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+
+/// Host cost of a submission, fitted from submissions of 1 to 64 small dispatches, each
+/// submission with its wait: `t(n) = submit + n x launch`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct DispatchCosts {
+    /// Cost of one more dispatch in a submission, microseconds (`launch_overhead_us`).
+    pub(super) launch_us: f64,
+    /// Fixed cost of a submission and its wait beyond its dispatches, microseconds
+    /// (`submit_overhead_us`).
+    pub(super) submit_us: f64,
+}
+
+/// Measures [`DispatchCosts`]. The dispatch is an element-wise add over 16 workgroups of
+/// 256 (4096 elements, 48 KiB of traffic): enough workgroups that a driver spreads it over its
+/// threads as it does the model's small kernels, too little work to matter.
+pub(super) fn dispatch_costs(
+    gpu: &Gpu,
+    iters: usize,
+    log: &mut dyn Write,
+) -> Result<DispatchCosts> {
+    let len = 4096;
+    let a = gpu.upload_f32("calibrate.a", &random(len, 1))?;
+    let b = gpu.upload_f32("calibrate.b", &random(len, 2))?;
+    // The op is bound once and its dispatches share a compute pass, as the engines run theirs.
+    let mut params = Params::new(gpu, "calibrate.params", 1)?;
+    let mut op = ElementwiseOp::bind(
+        gpu,
+        &mut params,
+        Elementwise::Add,
+        (&a, Operand::Tensor(&b)),
+        (1, len),
+    )?;
+    op.configure(gpu, &mut params, 1)?;
+    params.flush(gpu);
+    let mut points = Vec::with_capacity(DISPATCH_SWEEP.len());
+    for reps in DISPATCH_SWEEP {
+        let t = median_time(iters, || {
             let mut e = gpu.encoder();
+            let mut pass = Pass::new(&mut e);
             for _ in 0..reps {
-                ops::elementwise(gpu, &mut e, Elementwise::Add, &a, Some(&b), (1, 64))?;
+                pass.run(&op)?;
             }
+            drop(pass);
             gpu.submit(e);
             gpu.wait()
-        })
-    };
-    let (one, many, reps) = (batch(1)?, batch(65)?, 64.0);
-    Ok(((many - one) / reps * 1e6).max(0.0))
+        })?;
+        points.push((reps as f64, t * 1e6));
+    }
+    say_part!(log, "  submissions of n dispatches, us:");
+    for (n, t) in &points {
+        say_part!(log, " {n}: {t:.0}");
+    }
+    say!(log);
+    let (submit_us, launch_us) = fit_fixed_per_unit(&points);
+    Ok(DispatchCosts {
+        launch_us,
+        submit_us,
+    })
+}
+
+/// Least-squares fit of `t = fixed + n x per_unit` to `(n, t)` points, weighted by `1 / t^2`
+/// (relative error, so the one-dispatch submissions weigh as much as the 64-dispatch ones).
+/// Both coefficients are clamped at 0: a noisy sweep must not give a negative cost. Returns
+/// `(fixed, per_unit)`; with fewer than two distinct `n`, all of the time is fixed.
+pub(super) fn fit_fixed_per_unit(points: &[(f64, f64)]) -> (f64, f64) {
+    let (mut sw, mut sx, mut sy, mut sxx, mut sxy) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(x, y) in points.iter().filter(|p| p.1.is_finite() && p.1 > 0.0) {
+        let w = 1.0 / (y * y);
+        sw += w;
+        sx += w * x;
+        sy += w * y;
+        sxx += w * x * x;
+        sxy += w * x * y;
+    }
+    if sw == 0.0 {
+        return (0.0, 0.0);
+    }
+    let det = sw * sxx - sx * sx;
+    if det.abs() <= f64::EPSILON * sw * sxx {
+        return (sy / sw, 0.0);
+    }
+    let per = ((sw * sxy - sx * sy) / det).max(0.0);
+    let fixed = ((sy - per * sx) / sw).max(0.0);
+    (fixed, per)
 }
 
 /// Times `record` (one dispatch) `reps` times per submit; seconds per dispatch.
@@ -81,7 +154,13 @@ pub(super) fn kernel_rates(
         say_part!(log, "    {t:>8}");
         for (&(n, k), w) in shapes.iter().zip(&weights) {
             let s = per_dispatch(gpu, iters, 2, |e| {
-                ops::matmul(gpu, e, &x, w, None, &y, (t, n, k), MatmulKernel::Tiled)
+                let io = MatmulIo {
+                    x: &x,
+                    w,
+                    bias: None,
+                    y: &y,
+                };
+                ops::matmul(gpu, e, io, (t, n, k), MatmulKernel::Tiled)
             })?;
             say_part!(log, " {:>12.2}", 2.0 * (t * n * k) as f64 / s / 1e9);
         }
@@ -97,7 +176,14 @@ pub(super) fn kernel_rates(
     let (hr, fr) = (len / h, len / f);
     let mut gbps = Vec::new();
     let s = per_dispatch(gpu, iters, 2, |e| {
-        ops::norm(gpu, e, Norm::Rms { gamma: &gamma }, &a, &out, hr, h, 1e-5)
+        ops::norm(
+            gpu,
+            e,
+            Norm::Rms { gamma: &gamma },
+            (&a, &out),
+            (hr, h),
+            1e-5,
+        )
     })?;
     gbps.push(("rmsnorm", 2.0 * (hr * h * 4) as f64 / s / 1e9));
     let s = per_dispatch(gpu, iters, 2, |e| {
@@ -163,4 +249,33 @@ pub(super) fn kernel_rates(
     }
     median(gbps.iter().map(|g| g.1).collect())
         .ok_or_else(|| WgparError::Config("no element-wise kernel was timed".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fit_fixed_per_unit;
+
+    #[test]
+    fn fixed_and_per_unit_costs_are_recovered() {
+        let pts: Vec<(f64, f64)> = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+            .iter()
+            .map(|&n| (n, 180.0 + 37.5 * n))
+            .collect();
+        let (fixed, per) = fit_fixed_per_unit(&pts);
+        assert!((fixed - 180.0).abs() < 1e-6, "{fixed}");
+        assert!((per - 37.5).abs() < 1e-9, "{per}");
+    }
+
+    #[test]
+    fn noisy_sweeps_never_give_negative_costs() {
+        // Time falling with the dispatch count (a machine that got quieter mid-sweep).
+        let (fixed, per) = fit_fixed_per_unit(&[(1.0, 500.0), (64.0, 400.0)]);
+        assert_eq!(per, 0.0);
+        assert!(fixed > 0.0);
+        // A huge fixed part with a steep slope would put the intercept below zero.
+        let (fixed, per) = fit_fixed_per_unit(&[(1.0, 10.0), (2.0, 200.0), (64.0, 13_000.0)]);
+        assert!(fixed >= 0.0 && per > 0.0);
+        assert_eq!(fit_fixed_per_unit(&[]), (0.0, 0.0));
+        assert_eq!(fit_fixed_per_unit(&[(4.0, 100.0), (4.0, 300.0)]).1, 0.0);
+    }
 }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Barrier};
 use crate::comm::{CollectiveOp as CommOp, Collectives, CommConfig, Communicator};
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
-use crate::kernels::ops::{self, MatmulKernel};
+use crate::kernels::ops::{self, MatmulIo, MatmulKernel};
 use crate::sim::{fit_alpha_beta, Algorithm, AlphaBetaFit, CostModel, HostProfile};
 use crate::trace::CollectiveOp as TraceOp;
 
@@ -211,16 +211,13 @@ pub(super) fn communicator_all_reduce_us(
                     for _ in 0..=iters {
                         barrier.wait();
                         let mut enc = gpu.encoder();
-                        ops::matmul(
-                            &gpu,
-                            &mut enc,
-                            &x,
-                            &w,
-                            None,
-                            &y,
-                            (rows, out, inner),
-                            MatmulKernel::Tiled,
-                        )?;
+                        let io = MatmulIo {
+                            x: &x,
+                            w: &w,
+                            bias: None,
+                            y: &y,
+                        };
+                        ops::matmul(&gpu, &mut enc, io, (rows, out, inner), MatmulKernel::Tiled)?;
                         gpu.submit(enc);
                         gpu.wait()?;
                         let all_arrived = handle.all_reduce_timed(&t)?;

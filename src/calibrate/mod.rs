@@ -6,9 +6,12 @@
 //!   to `t = alpha + bytes / beta` by `sim::fit_alpha_beta`; the host reduction rate from the
 //!   reduce phase of real host-staged all-reduces; the fixed cost of an all-reduce through the
 //!   rank-per-thread communicator as the tensor-parallel engine meets it;
-//! - kernels at the model's own shapes (`kernels.rs`): the cost of one dispatch, matmul
-//!   GFLOP/s, attention and element-wise GB/s (the element-wise rate and the dispatch cost go
-//!   into the profile);
+//! - the host cost of a submission (`kernels.rs`): submissions of 1 to 64 small dispatches,
+//!   each with its wait, fitted to `submit + n x launch` (`submit_overhead_us` and
+//!   `launch_overhead_us`): every engine span is one submission, so a step of a small model
+//!   pays these fixed costs in full while its arithmetic is short;
+//! - kernels at the model's own shapes (`kernels.rs`): matmul GFLOP/s, attention and
+//!   element-wise GB/s (the element-wise rate goes into the profile);
 //! - the model's blocks (`blocks.rs`: attention half, whole decoder layer) at decode and
 //!   prefill steps of the run's shapes, net of dispatch costs: the achieved rate as a function
 //!   of arithmetic intensity (`attention_curve`, `matmul_curve`). Engines record a whole
@@ -178,8 +181,13 @@ pub fn calibrate(
             "kernels at the shapes of model {} (median of {iters}):",
             config.name
         );
-        let launch_us = kernels::launch_overhead_us(gpu, iters)?;
-        say!(log, "  one dispatch: {launch_us:.1} us");
+        let dispatch = kernels::dispatch_costs(gpu, iters, log)?;
+        let launch_us = dispatch.launch_us;
+        say!(
+            log,
+            "  fitted: {:.1} us per submission and its wait + {launch_us:.1} us per dispatch",
+            dispatch.submit_us
+        );
         let elementwise_gbps = kernels::kernel_rates(gpu, config, &tokens, prompt_len, iters, log)?;
         let model = Arc::new(GpuModel::upload(
             gpu.clone(),
@@ -187,7 +195,7 @@ pub fn calibrate(
             Placement::whole(config),
             DType::F32,
         )?);
-        let measured_blocks = blocks::block_curves(&model, &steps, launch_us, iters, log)?;
+        let measured_blocks = blocks::block_curves(&model, &steps, dispatch, iters, log)?;
         let attention_curve = blocks::curve(measured_blocks.attention);
         let matmul_curve = blocks::curve(measured_blocks.layers);
         let plateau = |c: &[[f64; 2]]| c.last().map_or(0.0, |p| p[1]);
@@ -256,6 +264,7 @@ pub fn calibrate(
             attention_gflops: Some(plateau(&attention_curve)),
             elementwise_gbps,
             launch_overhead_us: launch_us,
+            submit_overhead_us: dispatch.submit_us,
             matmul_curve,
             attention_curve,
             compute_sharing,

@@ -22,7 +22,7 @@ pub(super) fn sustained_block_time(m: &GpuModel, step: &Step, until: Instant) ->
     let mut done = Vec::new();
     loop {
         let t = Instant::now();
-        run_blocks(m, &act, &kv, step, true)?;
+        run_blocks(m, &act, &kv, true)?;
         let end = Instant::now();
         if end > until {
             break;

@@ -18,6 +18,10 @@ pub enum BenchCommand {
     /// PP), every run projected onto every calibration; median makespan error per
     /// configuration.
     Projection(super::bench_projection::ProjectionBenchArgs),
+    /// Host time to stage, record and submit one decode step, decode tokens/s, and the
+    /// buffers and bind groups a steady-state step creates (single device, tensor and
+    /// pipeline parallel).
+    Decode(super::bench_decode::DecodeBenchArgs),
     /// Every matmul variant timed per shape (the winner is what autotuning picks, today's
     /// kernel beside it), attention prefill, and the other kernels' GB/s, per device.
     Kernels {
@@ -343,6 +347,7 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Pipeline(args) => bench_pipeline(args),
         BenchCommand::Projection(args) => super::bench_projection::run(args),
+        BenchCommand::Decode(args) => super::bench_decode::run(args),
         BenchCommand::Kernels {
             devices,
             sizes,

@@ -36,7 +36,8 @@ pub struct ProjectionBenchArgs {
     configs: Vec<String>,
     /// Workloads to record and project, `MODEL:BATCHxPROMPT` each (e.g. `tiny-gpt2:4x32`);
     /// default: the calibration shape only. Configurations a model cannot run (a TP degree its
-    /// heads do not divide, more stages than layers) are skipped and listed.
+    /// heads do not divide, more stages than layers, more micro-batches than sequences) are
+    /// skipped and listed.
     #[arg(long, value_delimiter = ',', value_name = "MODEL:BxP")]
     runs: Vec<String>,
     /// Rounds: each calibrates, then records every configuration once.
@@ -178,10 +179,23 @@ fn parse_workload(text: &str) -> Result<Workload> {
     })
 }
 
-/// Why `config` cannot run `model` (a TP degree its heads do not divide, more pipeline stages
-/// than layers), or `None`. Unknown names pass: `wgpar run` reports them.
-fn unrunnable(config: &Config, model: &str) -> Option<String> {
-    let m = wgpar::model::ModelConfig::preset(model).ok()?;
+/// Why `config` cannot run `workload` (more micro-batches than sequences, a TP degree its
+/// heads do not divide, more pipeline stages than layers), or `None`. Unknown model names
+/// pass: `wgpar run` reports them.
+fn unrunnable(config: &Config, workload: &Workload) -> Option<String> {
+    let micro_batches = config
+        .args
+        .iter()
+        .position(|a| a == "--micro-batches")
+        .and_then(|i| config.args.get(i + 1))
+        .and_then(|m| m.parse::<usize>().ok());
+    if let Some(m) = micro_batches.filter(|&m| m > workload.batch) {
+        return Some(format!(
+            "{}: {m} micro-batches for a batch of {}",
+            config.name, workload.batch
+        ));
+    }
+    let m = wgpar::model::ModelConfig::preset(&workload.model).ok()?;
     if config.name.starts_with("tp")
         && !wgpar::model::valid_tp_degrees(&m).contains(&config.devices)
     {
@@ -335,7 +349,7 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
     let mut skipped = Vec::new();
     for w in &workloads {
         for c in &configs {
-            match unrunnable(c, &w.model) {
+            match unrunnable(c, w) {
                 Some(why) => skipped.push(format!("{}: {why}", w.name())),
                 None => cases.push((w.clone(), c.clone())),
             }
@@ -563,10 +577,17 @@ mod tests {
         // tiny-gpt2 has 6 heads and 2 layers: no TP over 4, no 4-stage pipeline.
         let tp4 = parse_config("tp4").unwrap();
         let pp4 = parse_config("pp4-m1").unwrap();
-        assert!(unrunnable(&tp4, "tiny-gpt2").is_some());
-        assert!(unrunnable(&pp4, "tiny-gpt2").is_some());
-        assert!(unrunnable(&parse_config("tp2").unwrap(), "tiny-gpt2").is_none());
-        assert!(unrunnable(&tp4, "default").is_none());
+        let default = parse_workload("default:8x32").unwrap();
+        assert!(unrunnable(&tp4, &w).is_some());
+        assert!(unrunnable(&pp4, &w).is_some());
+        assert!(unrunnable(&parse_config("tp2").unwrap(), &w).is_none());
+        assert!(unrunnable(&tp4, &default).is_none());
+        // Four micro-batches need four sequences.
+        let pp2_m4 = parse_config("pp2-m4").unwrap();
+        let two = parse_workload("default:2x64").unwrap();
+        let why = unrunnable(&pp2_m4, &two).unwrap();
+        assert!(why.contains("4 micro-batches for a batch of 2"), "{why}");
+        assert!(unrunnable(&pp2_m4, &w).is_none());
     }
 
     #[test]

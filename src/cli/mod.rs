@@ -3,6 +3,7 @@
 
 mod allreduce;
 mod bench;
+mod bench_decode;
 mod bench_projection;
 mod calibrate;
 mod compare;

@@ -56,12 +56,15 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
             model.model
         ))
     })?;
-    let mut sampler = Sampler::new(SamplingParams {
+    let sampling = SamplingParams {
         temperature: text.temperature,
         top_k: text.top_k,
         top_p: text.top_p,
         seed: model.seed,
-    })?;
+    };
+    // Checked before anything is loaded; the engine picks the tokens (on the device where it
+    // can).
+    Sampler::new(sampling)?;
     if max_new == 0 {
         return Err(WgparError::Config("--gen must be positive".into()));
     }
@@ -103,6 +106,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
         &CommConfig::default(),
         (1, ids.len()),
     )?;
+    engine.set_sampling(sampling)?;
     if let Some((pacer, what)) = plan.pacer {
         eprintln!("pacing transfers to {what}");
         engine.set_pacer(Some(Arc::new(pacer)));
@@ -125,7 +129,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     );
     drop(weights);
     let start = Instant::now();
-    let mut logits = engine.prefill(std::slice::from_ref(&ids))?;
+    let mut step = engine.prefill_step(std::slice::from_ref(&ids), false)?;
     let prefill_s = start.elapsed().as_secs_f64();
     // Print the decoded continuation as it grows; decoding prompt and continuation together
     // keeps word boundaries right for tokenizers that mark spaces on the following token.
@@ -137,7 +141,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     let decode_start = Instant::now();
     let mut generated = 0;
     loop {
-        let next = sampler.sample(logits.row(0));
+        let next = step.tokens[0];
         if eos.contains(&next) {
             break;
         }
@@ -153,7 +157,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
         if generated == max_new {
             break;
         }
-        logits = engine.decode(&[next])?;
+        step = engine.decode_step(&[next], false)?;
     }
     let _ = writeln!(out);
     drop(out);

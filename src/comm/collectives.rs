@@ -108,6 +108,7 @@ impl Collectives {
             .or_insert_with(|| {
                 Arc::new(Mutex::new(StagingPool::new(
                     gpu.device().clone(),
+                    gpu.creation_counts(),
                     self.config.max_idle_slots,
                     self.config.max_slot_bytes,
                 )))

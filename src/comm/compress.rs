@@ -184,7 +184,7 @@ impl LinkCache {
                 return b;
             }
         }
-        gpu.device().create_buffer(&wgpu::BufferDescriptor {
+        gpu.create_buffer(&wgpu::BufferDescriptor {
             label: Some("comm f16 link scratch"),
             size: bytes.next_power_of_two(),
             usage: wgpu::BufferUsages::STORAGE
@@ -238,7 +238,7 @@ impl LinkCache {
         let y = groups.div_ceil(x);
         let params = gpu.uniform(&[tensor.len as u32, x * GROUP, 0, 0]);
         let scope = gpu.device().push_error_scope(wgpu::ErrorFilter::Validation);
-        let bind = gpu.device().create_bind_group(&wgpu::BindGroupDescriptor {
+        let bind = gpu.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("comm f16 link"),
             layout: &k.layout,
             entries: &[

@@ -260,6 +260,8 @@ pub struct StagingStats {
 /// The staging buffers of one device.
 pub(crate) struct StagingPool {
     device: wgpu::Device,
+    /// The device's creation counters (`Gpu::created`).
+    counts: Arc<crate::device::CreationCounts>,
     downloads: Vec<Slot>,
     uploads: Vec<Slot>,
     max_idle: usize,
@@ -268,9 +270,15 @@ pub(crate) struct StagingPool {
 }
 
 impl StagingPool {
-    pub(crate) fn new(device: wgpu::Device, max_idle: usize, max_slot: u64) -> Self {
+    pub(crate) fn new(
+        device: wgpu::Device,
+        counts: Arc<crate::device::CreationCounts>,
+        max_idle: usize,
+        max_slot: u64,
+    ) -> Self {
         Self {
             device,
+            counts,
             downloads: Vec::new(),
             uploads: Vec::new(),
             max_idle,
@@ -313,6 +321,7 @@ impl StagingPool {
             .unwrap_or(bytes)
             .min(self.max_slot.max(bytes));
         self.allocations += 1;
+        self.counts.buffer();
         Slot::new(&self.device, direction, size)
     }
 

@@ -21,7 +21,9 @@ use crate::comm::CommConfig;
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::model::{valid_tp_degrees, ModelConfig, ModelWeights};
-use crate::parallel::{build_engine, generate, Engine, PartitionSpec, Schedule, Strategy};
+use crate::parallel::{
+    build_engine, generate, generate_keeping, Engine, KeepLogits, PartitionSpec, Schedule, Strategy,
+};
 use crate::sim::{project_engine, HostProfile, ProjectOptions};
 use crate::trace::{Recorder, Timeline};
 
@@ -390,12 +392,18 @@ fn measure(
         let pre_rec = Recorder::new();
         engine.set_recorder(pre_rec.clone());
         let start = Instant::now();
-        let first = engine.prefill(&prompts)?;
+        // The prefill's logits are checked against the single device; decode steps read
+        // back token ids only, as generation does.
+        let first = engine.prefill_step(&prompts, true)?;
         let prefill_s = start.elapsed().as_secs_f64();
-        max_rel_err = max_rel_err.max(first.relative_error(&reference.logits));
+        let first_logits = first.logits.ok_or_else(|| WgparError::Worker {
+            worker: plan.label.clone(),
+            message: "the prefill returned no logits".into(),
+        })?;
+        max_rel_err = max_rel_err.max(first_logits.relative_error(&reference.logits));
         let dec_rec = Recorder::new();
         engine.set_recorder(dec_rec.clone());
-        let next = first.argmax();
+        let next = first.tokens;
         // Pipelines keep their micro-batches in flight here (unless GPipe is asked for).
         let start = Instant::now();
         let decoded = engine.decode_greedy(&next, steps - 1, false)?;
@@ -525,9 +533,17 @@ pub fn run_compare(
             let mut single =
                 build_engine(&Strategy::Single, gpus, &weights, opts.dtype, &comm, (1, 1))?;
             let p = prompts(plan.batch, opts.prompt_len, opts.config.vocab);
-            let g = generate(single.as_mut(), &p, opts.gen.max(2))?;
+            let g = generate_keeping(single.as_mut(), &p, opts.gen.max(2), KeepLogits::Prefill)?;
+            let first = g
+                .logits
+                .into_iter()
+                .next()
+                .ok_or_else(|| WgparError::Worker {
+                    worker: "compare".into(),
+                    message: "the reference run kept no prefill logits".into(),
+                })?;
             slot.insert(Reference {
-                logits: g.logits[0].data.clone(),
+                logits: first.data,
                 tokens: g.tokens,
             });
         }

@@ -27,6 +27,17 @@ fn of_ideal(p: &Option<crate::parallel::PipelineStats>) -> String {
 }
 
 /// The serving section as terminal text.
+/// The profiles the serving runs were projected onto, in first-seen order.
+fn projected_profiles(s: &ServingSection) -> Vec<&str> {
+    let mut profiles: Vec<&str> = Vec::new();
+    for p in s.measurements.iter().flat_map(|m| &m.projected) {
+        if !profiles.contains(&p.profile.as_str()) {
+            profiles.push(&p.profile);
+        }
+    }
+    profiles
+}
+
 fn serving_table(s: &ServingSection, out: &mut String) {
     let _ = writeln!(
         out,
@@ -69,15 +80,7 @@ serving under load: {}",
             of_ideal(&m.pipeline)
         );
     }
-    let mut profiles: Vec<&str> = Vec::new();
-    for m in &s.measurements {
-        for p in &m.projected {
-            if !profiles.contains(&p.profile.as_str()) {
-                profiles.push(&p.profile);
-            }
-        }
-    }
-    for profile in profiles {
+    for profile in projected_profiles(s) {
         let _ = writeln!(
             out,
             "
@@ -148,15 +151,7 @@ fn serving_markdown(s: &ServingSection, out: &mut String) {
             of_ideal(&m.pipeline)
         );
     }
-    let mut profiles: Vec<&str> = Vec::new();
-    for m in &s.measurements {
-        for p in &m.projected {
-            if !profiles.contains(&p.profile.as_str()) {
-                profiles.push(&p.profile);
-            }
-        }
-    }
-    for profile in profiles {
+    for profile in projected_profiles(s) {
         let _ = writeln!(
             out,
             "

@@ -1,6 +1,6 @@
 //! `Gpu`: one wgpu device and queue, with error capture, limits and buffer helpers.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::adapter::AdapterDesc;
@@ -29,6 +29,43 @@ pub struct Gpu {
     lost: Arc<Mutex<Option<String>>>,
     kernels: KernelCache,
     bytes_allocated: AtomicUsize,
+    counts: Arc<CreationCounts>,
+}
+
+/// The counters behind [`Gpu::created`], shareable with code that creates buffers on the
+/// raw device (the communicator's staging pools).
+#[derive(Debug, Default)]
+pub(crate) struct CreationCounts {
+    buffers: AtomicU64,
+    bind_groups: AtomicU64,
+}
+
+impl CreationCounts {
+    /// Counts one buffer created.
+    pub(crate) fn buffer(&self) {
+        self.buffers.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// How many buffers and bind groups wgpar has created on one device: what the dispatch
+/// path must not do per step once a model's buffers and bindings exist.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Created {
+    /// Buffers (tensors, params, staging, readback).
+    pub buffers: u64,
+    /// Bind groups.
+    pub bind_groups: u64,
+}
+
+impl std::ops::Sub for Created {
+    type Output = Created;
+
+    fn sub(self, earlier: Created) -> Created {
+        Created {
+            buffers: self.buffers.saturating_sub(earlier.buffers),
+            bind_groups: self.bind_groups.saturating_sub(earlier.bind_groups),
+        }
+    }
 }
 
 impl std::fmt::Debug for Gpu {
@@ -99,6 +136,7 @@ impl Gpu {
             lost,
             kernels: KernelCache::default(),
             bytes_allocated: AtomicUsize::new(0),
+            counts: Arc::default(),
         })
     }
 
@@ -140,6 +178,33 @@ impl Gpu {
     /// Bytes of tensors allocated through this `Gpu` so far.
     pub fn bytes_allocated(&self) -> u64 {
         self.bytes_allocated.load(Ordering::Relaxed) as u64
+    }
+
+    /// Buffers and bind groups created through this `Gpu` so far.
+    pub fn created(&self) -> Created {
+        Created {
+            buffers: self.counts.buffers.load(Ordering::Relaxed),
+            bind_groups: self.counts.bind_groups.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The counters of [`created`](Self::created), for pools that create buffers later.
+    pub(crate) fn creation_counts(&self) -> Arc<CreationCounts> {
+        self.counts.clone()
+    }
+
+    /// Creates a buffer, counted in [`created`](Self::created). Every buffer wgpar makes goes
+    /// through here.
+    pub fn create_buffer(&self, desc: &wgpu::BufferDescriptor<'_>) -> wgpu::Buffer {
+        self.counts.buffer();
+        self.device.create_buffer(desc)
+    }
+
+    /// Creates a bind group, counted in [`created`](Self::created). Every bind group wgpar
+    /// makes goes through here.
+    pub fn create_bind_group(&self, desc: &wgpu::BindGroupDescriptor<'_>) -> wgpu::BindGroup {
+        self.counts.bind_groups.fetch_add(1, Ordering::Relaxed);
+        self.device.create_bind_group(desc)
     }
 
     /// Returns the first GPU error captured since the last check, or device loss.
@@ -219,7 +284,7 @@ impl Gpu {
     pub fn empty(&self, what: &str, dtype: DType, len: usize) -> Result<Tensor> {
         let bytes = padded_bytes(((len.max(1)) * dtype.size()) as u64);
         self.check_size(what, bytes)?;
-        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+        let buffer = self.create_buffer(&wgpu::BufferDescriptor {
             label: Some(what),
             size: bytes,
             usage: Self::storage_usage(),
@@ -243,7 +308,7 @@ impl Gpu {
         // create + write rather than create_buffer_init: the latter maps at creation and panics
         // inside wgpu when the device has been lost; a queued write just fails quietly and the
         // loss surfaces through `check`.
-        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+        let buffer = self.create_buffer(&wgpu::BufferDescriptor {
             label: Some(what),
             size: padded as u64,
             usage: Self::storage_usage(),
@@ -337,7 +402,7 @@ impl Gpu {
     /// Copies `len` bytes at `offset` of `buffer` to the host through a fresh staging buffer.
     pub fn read_bytes(&self, buffer: &wgpu::Buffer, offset: u64, len: u64) -> Result<Vec<u8>> {
         let size = padded_bytes(len.max(4));
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+        let staging = self.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
             size,
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
@@ -383,11 +448,11 @@ impl Gpu {
         Ok(bytes)
     }
 
-    /// A small uniform buffer holding `params` (kernel shapes). Created per dispatch: it is a
-    /// few bytes, and per-dispatch buffers keep every recorded command independent.
+    /// A small uniform buffer holding `params`, for a one-off dispatch (the model's ops keep
+    /// their parameters in a `kernels::ops::Params` made once instead).
     pub fn uniform<T: bytemuck::Pod>(&self, params: &T) -> wgpu::Buffer {
         let bytes = bytemuck::bytes_of(params);
-        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+        let buffer = self.create_buffer(&wgpu::BufferDescriptor {
             label: Some("params"),
             size: padded_bytes(bytes.len() as u64),
             usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
@@ -395,6 +460,74 @@ impl Gpu {
         });
         self.queue.write_buffer(&buffer, 0, bytes);
         buffer
+    }
+}
+
+/// A `MAP_READ` buffer kept for repeated readbacks of up to one size (a step's tokens, or
+/// its logits when asked for), so reading a step's result back creates nothing.
+#[derive(Debug)]
+pub struct Readback {
+    buffer: wgpu::Buffer,
+    size: u64,
+}
+
+impl Readback {
+    /// A readback of up to `bytes` bytes on `gpu`.
+    pub fn new(gpu: &Gpu, what: &str, bytes: u64) -> Result<Self> {
+        let size = padded_bytes(bytes.max(4));
+        if size > gpu.info.max_buffer_size {
+            return Err(WgparError::TooLarge {
+                what: what.to_string(),
+                bytes: size,
+                limit: gpu.info.max_buffer_size,
+                kind: "buffer",
+                adapter: gpu.info.label(),
+            });
+        }
+        let buffer = gpu.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(what),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        Ok(Self { buffer, size })
+    }
+
+    /// Bytes it holds at most.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn check(&self, bytes: u64) -> Result<u64> {
+        let padded = padded_bytes(bytes);
+        if padded > self.size {
+            return Err(WgparError::Shape {
+                op: "readback".into(),
+                detail: format!("{bytes} bytes into a readback of {}", self.size),
+            });
+        }
+        Ok(padded)
+    }
+
+    /// Records a copy of the first `bytes` bytes of `src` into the readback.
+    pub fn copy(&self, encoder: &mut wgpu::CommandEncoder, src: &Tensor, bytes: u64) -> Result<()> {
+        let padded = self.check(bytes)?;
+        if padded > padded_bytes(src.bytes()) {
+            return Err(WgparError::Shape {
+                op: "readback".into(),
+                detail: format!("{bytes} bytes out of a tensor of {}", src.bytes()),
+            });
+        }
+        encoder.copy_buffer_to_buffer(src.buffer(), 0, &self.buffer, 0, padded);
+        Ok(())
+    }
+
+    /// Waits for the submitted copy and returns its first `bytes` bytes.
+    pub fn read(&self, gpu: &Gpu, bytes: u64) -> Result<Vec<u8>> {
+        let padded = self.check(bytes)?;
+        let mut data = gpu.map_read(&self.buffer, padded.max(4))?;
+        data.truncate(bytes as usize);
+        Ok(data)
     }
 }
 

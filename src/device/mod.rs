@@ -9,7 +9,8 @@ mod timer;
 use std::sync::Arc;
 
 pub use adapter::{AdapterDesc, Adapters};
-pub use gpu::{Gpu, GpuOptions};
+pub(crate) use gpu::CreationCounts;
+pub use gpu::{Created, Gpu, GpuOptions, Readback};
 pub use tensor::{DType, Tensor};
 pub use timer::{GpuTimer, SpanTimer};
 

@@ -36,13 +36,13 @@ impl GpuTimer {
             ty: wgpu::QueryType::Timestamp,
             count: 2,
         });
-        let resolve = device.create_buffer(&wgpu::BufferDescriptor {
+        let resolve = gpu.create_buffer(&wgpu::BufferDescriptor {
             label: Some("span timestamps (resolved)"),
             size: wgpu::QUERY_RESOLVE_BUFFER_ALIGNMENT.max(STAMPS_BYTES),
             usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: false,
         });
-        let readback = device.create_buffer(&wgpu::BufferDescriptor {
+        let readback = gpu.create_buffer(&wgpu::BufferDescriptor {
             label: Some("span timestamps (readback)"),
             size: STAMPS_BYTES,
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,

@@ -20,11 +20,12 @@ use super::world::World;
 use crate::comm::{Collectives, CommConfig};
 use crate::device::{DType, Gpu};
 use crate::error::Result;
+use crate::model::sampling::SamplingParams;
 use crate::model::ModelWeights;
 use crate::parallel::pp::{Output, Segment};
 use crate::parallel::{
-    partition, Engine, Logits, Partition, PartitionSpec, PipelineEngine, PipelineStats, Schedule,
-    StageStats, StepStats, Strategy, TensorParallelEngine,
+    partition, Decoded, Engine, Partition, PartitionSpec, PipelineEngine, PipelineStats, Schedule,
+    StageStats, StepOutput, StepStats, Strategy, TensorParallelEngine,
 };
 use crate::sim::LinkPacer;
 use crate::trace::Recorder;
@@ -274,16 +275,28 @@ impl Engine for PipelineDriver {
         self.name.clone()
     }
 
-    fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits> {
-        let r = self.inner().prefill(prompts);
+    fn prefill_step(&mut self, prompts: &[Vec<u32>], logits: bool) -> Result<StepOutput> {
+        let r = self.inner().prefill_step(prompts, logits);
         self.failed |= r.is_err();
         r
     }
 
-    fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
-        let r = self.inner().decode(tokens);
+    fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput> {
+        let r = self.inner().decode_step(tokens, logits);
         self.failed |= r.is_err();
         r
+    }
+
+    /// The pipeline's own schedule (in flight unless `--schedule gpipe`): the other ranks'
+    /// stages take whatever passes arrive, so in-flight decode spans ranks as it is.
+    fn decode_greedy(&mut self, next: &[u32], steps: usize, keep_logits: bool) -> Result<Decoded> {
+        let r = self.inner().decode_greedy(next, steps, keep_logits);
+        self.failed |= r.is_err();
+        r
+    }
+
+    fn set_sampling(&mut self, params: SamplingParams) -> Result<()> {
+        self.inner().set_sampling(params)
     }
 
     fn last_step(&self) -> Option<StepStats> {

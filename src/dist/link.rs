@@ -16,8 +16,8 @@ use mpi::traits::*;
 use super::error::DistError;
 use super::world::{poll_until, Comm, World};
 use crate::error::{Result, WgparError};
-use crate::model::{SeqRow, Step};
-use crate::parallel::pp::{Output, Work};
+use crate::model::{SeqRow, Step, StepOut};
+use crate::parallel::pp::{Output, Payload, Readout, Work};
 use crate::parallel::StageStats;
 use crate::trace::{Recorder, SpanAttrs, SpanId, Track};
 
@@ -28,7 +28,7 @@ const TAG_LOGITS: i32 = 11;
 
 /// First header word: protocol name and version (ranks of different wgpar builds disagree
 /// here rather than misreading each other's bytes).
-const MAGIC: u64 = 0x7767_7061_725f_0002;
+const MAGIC: u64 = 0x7767_7061_725f_0003;
 const HEADER_WORDS: usize = 13;
 /// `rows` word of a pass without a sequence table.
 const NO_ROWS: u64 = u64::MAX;
@@ -469,6 +469,9 @@ fn upstream(
             deps: vec![dep],
             recorder: rec,
             run: h.run,
+            // The pick's settings stay on rank 0: the head picks greedily and sends the
+            // logits too (see `Readout::remote`).
+            readout: Readout::remote(),
         };
         if tx.send(work).is_err() {
             // The stages stopped (their error is on its way to the driver).
@@ -557,11 +560,14 @@ fn logits_in(
             }
             Kind::Logits => {}
         }
-        if payload.len() % 4 != 0 {
+        // `seq` counts the pick words in front of the floats (tokens, then non-finite
+        // counts: 2 x batch for a decoder's picks, 0 for pooled embeddings).
+        let words = h.seq as usize;
+        if payload.len() % 4 != 0 || payload.len() < 4 * words || !words.is_multiple_of(2) {
             return Err(DistError::Protocol {
                 peer: last,
                 detail: format!(
-                    "{} bytes of logits is not a whole number of f32",
+                    "{} bytes of output do not hold {words} pick words and whole f32s",
                     payload.len()
                 ),
             });
@@ -580,10 +586,23 @@ fn logits_in(
         if !dep.is_none() && h.dep != 0 {
             rec.remote_dep(dep, last as u32, SpanId(h.dep));
         }
+        let (picks, floats) = payload.split_at(4 * words);
+        let floats: Vec<f32> = bytemuck::pod_collect_to_vec(floats);
+        let payload = if words == 0 {
+            Payload::Pooled(floats)
+        } else {
+            let picks: Vec<u32> = bytemuck::pod_collect_to_vec(picks);
+            let half = words / 2;
+            Payload::Picked(StepOut {
+                tokens: picks[..half].to_vec(),
+                non_finite: picks[half..].to_vec(),
+                logits: (!floats.is_empty()).then_some(floats),
+            })
+        };
         let output = Output {
             group: h.group as usize,
             batch: h.batch as usize,
-            logits: bytemuck::pod_collect_to_vec(payload),
+            payload,
             dep,
         };
         if out.send(Ok(output)).is_err() {
@@ -594,11 +613,19 @@ fn logits_in(
 
 /// The last rank: sends one micro-batch's logits to rank 0.
 pub(crate) fn send_logits(world: &World, out: &Output, record: bool) -> Result<()> {
+    // The picks (as u32 words) in front of the floats; `seq` says how many words.
+    let (picks, floats): (Vec<u32>, &[f32]) = match &out.payload {
+        Payload::Picked(p) => (
+            p.tokens.iter().chain(&p.non_finite).copied().collect(),
+            p.logits.as_deref().unwrap_or(&[]),
+        ),
+        Payload::Pooled(p) => (Vec::new(), p),
+    };
     let h = Header {
         kind: Kind::Logits,
         group: out.group as u64,
         batch: out.batch as u64,
-        seq: 0,
+        seq: picks.len() as u64,
         past: 0,
         new_cache: false,
         release: false,
@@ -614,7 +641,13 @@ pub(crate) fn send_logits(world: &World, out: &Output, record: bool) -> Result<(
         world.p2p(),
         0,
         TAG_LOGITS,
-        h.encode(bytemuck::cast_slice(&out.logits)),
+        h.encode(
+            &[
+                bytemuck::cast_slice::<u32, u8>(&picks),
+                bytemuck::cast_slice(floats),
+            ]
+            .concat(),
+        ),
         world.timeout(),
         &what,
     )?;

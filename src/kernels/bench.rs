@@ -287,9 +287,7 @@ fn bench_attention_prefill(
             ops::attention_with(
                 gpu,
                 e,
-                &q,
-                cache,
-                &o,
+                (&q, cache, &o),
                 &shape,
                 ops::AttnMask::Causal,
                 Some(v.name),
@@ -336,10 +334,8 @@ fn bandwidth_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
                 gamma: &gamma,
                 beta: &gamma,
             },
-            &a,
-            &out,
-            rows,
-            cols,
+            (&a, &out),
+            (rows, cols),
             1e-5,
         )
     })?;
@@ -349,10 +345,8 @@ fn bandwidth_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
             gpu,
             e,
             Norm::Rms { gamma: &gamma },
-            &a,
-            &out,
-            rows,
-            cols,
+            (&a, &out),
+            (rows, cols),
             1e-5,
         )
     })?;
@@ -374,7 +368,7 @@ fn bandwidth_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
     let ids: Vec<u32> = (0..rows as u32).map(|i| i * 31 % vocab as u32).collect();
     let ids = gpu.upload_u32("ids", &ids)?;
     let s = time(gpu, opts, &|e| {
-        ops::embed(gpu, e, &ids, &wte, None, &out, (1, rows, cols))
+        ops::embed(gpu, e, (&ids, &wte, None), &out, (1, rows, cols))
     })?;
     push("embed", 2.0 * bytes, s, shape.clone());
     // Attention: decode against a 512-token cache, and a 128-token prefill, 16 heads of 64.

@@ -113,7 +113,9 @@ impl KernelCache {
         self.kernels.lock().map(|m| m.len()).unwrap_or(0)
     }
 
-    fn layout(&self, device: &wgpu::Device, family: Family) -> wgpu::BindGroupLayout {
+    /// The bind group layout of `family`, made on first use and shared by every family with
+    /// the same bindings.
+    pub(crate) fn layout(&self, device: &wgpu::Device, family: Family) -> wgpu::BindGroupLayout {
         let mut layouts = match self.layouts.lock() {
             Ok(l) => l,
             Err(poisoned) => poisoned.into_inner(),

@@ -59,6 +59,9 @@ pub enum Family {
     Embedding,
     /// `pool.wgsl`: encoder pooling (mean or first token, optional L2 normalisation).
     Pool,
+    /// `argmax.wgsl`: the next token per row of logits (greedy, or top-k/top-p sampling),
+    /// with a count of non-finite logits.
+    Argmax,
 }
 
 impl Family {
@@ -76,6 +79,7 @@ impl Family {
         Family::Elementwise,
         Family::Embedding,
         Family::Pool,
+        Family::Argmax,
     ];
 
     /// The WGSL source as shipped.
@@ -93,6 +97,7 @@ impl Family {
             Family::Elementwise => include_str!("../../shaders/elementwise.wgsl"),
             Family::Embedding => include_str!("../../shaders/embedding.wgsl"),
             Family::Pool => include_str!("../../shaders/pool.wgsl"),
+            Family::Argmax => include_str!("../../shaders/argmax.wgsl"),
         }
     }
 
@@ -139,6 +144,7 @@ impl Family {
             Family::Elementwise => &[ReadWrite, Read, Uniform],
             Family::Embedding => &[Read, Read, Read, ReadWrite, Read, Read, Read, Uniform],
             Family::Pool => &[Read, Read, ReadWrite, Uniform],
+            Family::Argmax => &[Read, Read, ReadWrite, Uniform],
         }
     }
 
@@ -157,6 +163,7 @@ impl Family {
             Family::Elementwise => &["add", "bias_add", "gelu", "gelu_erf", "swiglu"],
             Family::Embedding => &["embed"],
             Family::Pool => &["pool"],
+            Family::Argmax => &["argmax", "sample"],
         }
     }
 }

@@ -1,8 +1,21 @@
-//! Typed kernel calls. Each checks its operands against the shape it is given (a wrong length is
-//! an error, never an out-of-bounds GPU access) and records one dispatch into an encoder.
+//! Kernel dispatch. An op is bound once to its buffers ([`Bound`]: a bind group made when the
+//! buffers are allocated, pointing at the op's 256-byte slot of a [`Params`] uniform buffer),
+//! configured per step shape (the params written into the host copy of that buffer, the
+//! pipeline and workgroup grid chosen), and recorded into a [`Pass`] that shares one compute
+//! pass between consecutive dispatches. Binding checks every operand against the largest shape
+//! the op will run (a wrong length is an error, never an out-of-bounds GPU access); configuring
+//! checks the step's shape against that capacity.
+//!
+//! The free functions (`matmul`, `norm`, ...) run one op once, with a params buffer of its
+//! own: tests, benchmarks and calibration. The model binds its ops once instead
+//! (`model::Activations`), so a decode step creates no buffer and no bind group.
+
+use std::num::NonZeroU64;
+use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
 
+use super::variants::Variant;
 use super::{tune, variants, Family, Kernel, WeightType};
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
@@ -12,6 +25,11 @@ const MAX_GROUPS: u32 = 65_535;
 /// Most rows (tokens of one step) a row-per-workgroup kernel takes in one dispatch; the CLI
 /// checks a run's shapes against it before opening devices. Lift both together.
 pub const MAX_ROWS_PER_DISPATCH: usize = MAX_GROUPS as usize;
+/// Bytes between two ops' parameters in a [`Params`] buffer: the largest
+/// `min_uniform_buffer_offset_alignment` wgpu allows, so every adapter accepts the offsets.
+pub const PARAM_STRIDE: u64 = 256;
+/// Candidates the device sampler keeps at most (`top_k`); must match `shaders/argmax.wgsl`.
+pub const MAX_TOP_K: usize = 64;
 
 fn weight_type(t: &Tensor) -> WeightType {
     match t.dtype() {
@@ -45,10 +63,24 @@ fn to_u32(op: &str, what: &str, v: usize) -> Result<u32> {
     })
 }
 
+/// A step shape above what an op was bound for.
+fn over(op: &str, what: &str, asked: usize, bound: usize) -> Result<()> {
+    if asked > bound {
+        return Err(WgparError::Shape {
+            op: op.into(),
+            detail: format!("{asked} {what}, the op was bound for {bound}"),
+        });
+    }
+    Ok(())
+}
+
 /// Workgroups for `items` invocations in groups of `wg`, folded into two dimensions when one
 /// would exceed the per-dimension limit (the shaders linearise `wid.y * nwg.x + wid.x`).
 fn grid_1d(op: &str, items: usize, wg: u32) -> Result<[u32; 3]> {
-    let groups = items.div_ceil(wg as usize).max(1);
+    if items == 0 {
+        return Ok([0, 0, 0]);
+    }
+    let groups = items.div_ceil(wg as usize);
     let x = groups.min(MAX_GROUPS as usize);
     let y = groups.div_ceil(x);
     if y > MAX_GROUPS as usize {
@@ -67,61 +99,293 @@ fn rows_grid(op: &str, rows: usize) -> Result<[u32; 3]> {
             detail: format!("{rows} rows exceed {MAX_GROUPS} (one workgroup per row)"),
         });
     }
-    Ok([rows.max(1) as u32, 1, 1])
+    Ok([rows as u32, 1, 1])
 }
 
-/// Records one dispatch: binds `buffers` in the family's binding order, then `params` as the
-/// final uniform binding.
-#[allow(clippy::too_many_arguments)]
-fn dispatch<P: Pod>(
-    gpu: &Gpu,
-    encoder: &mut wgpu::CommandEncoder,
-    family: Family,
-    entry: &'static str,
-    weights: WeightType,
-    buffers: &[&wgpu::Buffer],
-    params: &P,
-    groups: [u32; 3],
-) {
-    let kernel = gpu.kernels().get(gpu.device(), family, entry, weights);
-    dispatch_kernel(gpu, encoder, &kernel, entry, buffers, params, groups);
+/// The shape parameters of a set of ops: one uniform buffer with a [`PARAM_STRIDE`]-byte slot
+/// per op and a host copy of it. Configuring an op writes its slot in the host copy;
+/// [`flush`](Self::flush) sends what changed to the device in one write.
+pub struct Params {
+    buffer: wgpu::Buffer,
+    host: Vec<u8>,
+    reserved: u32,
+    dirty: bool,
 }
 
-/// [`dispatch`] with a pipeline already chosen (a tuned variant).
-fn dispatch_kernel<P: Pod>(
-    gpu: &Gpu,
-    encoder: &mut wgpu::CommandEncoder,
-    kernel: &Kernel,
-    entry: &'static str,
-    buffers: &[&wgpu::Buffer],
-    params: &P,
-    groups: [u32; 3],
-) {
-    let uniform = gpu.uniform(params);
-    let mut entries: Vec<wgpu::BindGroupEntry> = buffers
-        .iter()
-        .enumerate()
-        .map(|(i, b)| wgpu::BindGroupEntry {
-            binding: i as u32,
-            resource: b.as_entire_binding(),
+impl Params {
+    /// A params buffer with room for `capacity` ops.
+    pub fn new(gpu: &Gpu, what: &str, capacity: usize) -> Result<Self> {
+        let bytes = capacity.max(1) as u64 * PARAM_STRIDE;
+        if bytes > gpu.info().max_buffer_size {
+            return Err(WgparError::TooLarge {
+                what: what.to_string(),
+                bytes,
+                limit: gpu.info().max_buffer_size,
+                kind: "buffer",
+                adapter: gpu.info().label(),
+            });
+        }
+        let buffer = gpu.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(what),
+            size: bytes,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        Ok(Self {
+            buffer,
+            host: vec![0; bytes as usize],
+            reserved: 0,
+            dirty: false,
         })
-        .collect();
-    entries.push(wgpu::BindGroupEntry {
-        binding: buffers.len() as u32,
-        resource: uniform.as_entire_binding(),
-    });
-    let bind_group = gpu.device().create_bind_group(&wgpu::BindGroupDescriptor {
-        label: Some(entry),
-        layout: &kernel.layout,
-        entries: &entries,
-    });
-    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-        label: Some(entry),
-        timestamp_writes: None,
-    });
-    pass.set_pipeline(&kernel.pipeline);
-    pass.set_bind_group(0, &bind_group, &[]);
-    pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+    }
+
+    /// Ops this buffer has room for.
+    pub fn capacity(&self) -> usize {
+        self.host.len() / PARAM_STRIDE as usize
+    }
+
+    /// Slots taken by bound ops.
+    pub fn used(&self) -> usize {
+        self.reserved as usize
+    }
+
+    fn reserve(&mut self, op: &str) -> Result<u32> {
+        if self.reserved as usize >= self.capacity() {
+            return Err(WgparError::Shape {
+                op: op.into(),
+                detail: format!(
+                    "no params slot left ({} reserved for this set of ops)",
+                    self.capacity()
+                ),
+            });
+        }
+        self.reserved += 1;
+        Ok(self.reserved - 1)
+    }
+
+    fn write<P: Pod>(&mut self, slot: u32, params: &P) {
+        let bytes = bytemuck::bytes_of(params);
+        let at = slot as usize * PARAM_STRIDE as usize;
+        let dst = &mut self.host[at..at + bytes.len()];
+        if dst != bytes {
+            dst.copy_from_slice(bytes);
+            self.dirty = true;
+        }
+    }
+
+    /// Sends the params changed since the last flush to the device: one `write_buffer` (it
+    /// lands at the next submit, before the work recorded for it), or nothing when nothing
+    /// changed. Returns whether it wrote.
+    pub fn flush(&mut self, gpu: &Gpu) -> bool {
+        if !self.dirty {
+            return false;
+        }
+        let used = self.reserved as usize * PARAM_STRIDE as usize;
+        gpu.queue()
+            .write_buffer(&self.buffer, 0, &self.host[..used]);
+        self.dirty = false;
+        true
+    }
+
+    fn binding(&self, slot: u32) -> wgpu::BindingResource<'_> {
+        wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+            buffer: &self.buffer,
+            offset: slot as u64 * PARAM_STRIDE,
+            size: NonZeroU64::new(PARAM_STRIDE),
+        })
+    }
+}
+
+/// The pipeline and workgroup grid chosen for one op at one step shape.
+#[derive(Clone)]
+pub struct Dispatch {
+    kernel: Arc<Kernel>,
+    groups: [u32; 3],
+    variant: &'static str,
+}
+
+impl Dispatch {
+    fn new(
+        gpu: &Gpu,
+        (family, entry): (Family, &'static str),
+        weights: WeightType,
+        groups: [u32; 3],
+    ) -> Self {
+        Self {
+            kernel: gpu.kernels().get(gpu.device(), family, entry, weights),
+            groups,
+            variant: entry,
+        }
+    }
+
+    /// The pipeline of kernel variant `v` (chosen by `kernels::tune`): its layout is the op's
+    /// one layout, so the op's bind group serves it.
+    fn of_variant(gpu: &Gpu, v: &'static Variant, weights: WeightType, groups: [u32; 3]) -> Self {
+        Self {
+            kernel: v.kernel(gpu, weights),
+            groups,
+            variant: v.name,
+        }
+    }
+
+    /// The kernel variant (or entry point, for ops without variants) dispatched.
+    pub fn variant(&self) -> &'static str {
+        self.variant
+    }
+
+    /// Workgroups launched.
+    pub fn groups(&self) -> [u32; 3] {
+        self.groups
+    }
+}
+
+/// An op bound to its buffers: a bind group made once (the family's layout, so it serves
+/// every variant of the op), the params slot it reads, and its dispatch for the shape it was
+/// last configured for.
+pub struct Bound {
+    group: wgpu::BindGroup,
+    slot: u32,
+    name: &'static str,
+    dispatch: Option<Dispatch>,
+}
+
+impl Bound {
+    fn new(
+        gpu: &Gpu,
+        params: &mut Params,
+        family: Family,
+        name: &'static str,
+        buffers: &[&wgpu::Buffer],
+    ) -> Result<Self> {
+        let slot = params.reserve(name)?;
+        let layout = gpu.kernels().layout(gpu.device(), family);
+        let mut entries: Vec<wgpu::BindGroupEntry> = buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| wgpu::BindGroupEntry {
+                binding: i as u32,
+                resource: b.as_entire_binding(),
+            })
+            .collect();
+        entries.push(wgpu::BindGroupEntry {
+            binding: buffers.len() as u32,
+            resource: params.binding(slot),
+        });
+        let group = gpu.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(name),
+            layout: &layout,
+            entries: &entries,
+        });
+        Ok(Self {
+            group,
+            slot,
+            name,
+            dispatch: None,
+        })
+    }
+
+    fn set(&mut self, params: &mut Params, values: &impl Pod, dispatch: Dispatch) {
+        params.write(self.slot, values);
+        self.dispatch = Some(dispatch);
+    }
+
+    /// The dispatch of the last configured shape.
+    pub fn dispatch(&self) -> Option<&Dispatch> {
+        self.dispatch.as_ref()
+    }
+}
+
+/// Records bound ops into an encoder, sharing one compute pass between consecutive
+/// dispatches (wgpu orders the dispatches of a pass and inserts the barriers their buffers
+/// need). A copy ends the pass; the next dispatch opens another.
+pub struct Pass<'e> {
+    encoder: &'e mut wgpu::CommandEncoder,
+    pass: Option<wgpu::ComputePass<'static>>,
+}
+
+impl<'e> Pass<'e> {
+    /// Starts recording into `encoder`.
+    pub fn new(encoder: &'e mut wgpu::CommandEncoder) -> Self {
+        Self {
+            encoder,
+            pass: None,
+        }
+    }
+
+    /// Records `op` with its configured dispatch.
+    pub fn run(&mut self, op: &impl AsRef<Bound>) -> Result<()> {
+        let op = op.as_ref();
+        self.run_group(op.name, &op.group, op.dispatch.as_ref())
+    }
+
+    fn run_group(
+        &mut self,
+        name: &str,
+        group: &wgpu::BindGroup,
+        dispatch: Option<&Dispatch>,
+    ) -> Result<()> {
+        let d = dispatch.ok_or_else(|| WgparError::Shape {
+            op: name.into(),
+            detail: "recorded before it was configured for a step shape".into(),
+        })?;
+        let [x, y, z] = d.groups;
+        if x == 0 || y == 0 || z == 0 {
+            return Ok(());
+        }
+        let encoder = &mut *self.encoder;
+        let pass = self.pass.get_or_insert_with(|| {
+            encoder
+                .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("wgpar ops"),
+                    timestamp_writes: None,
+                })
+                .forget_lifetime()
+        });
+        pass.set_pipeline(&d.kernel.pipeline);
+        pass.set_bind_group(0, group, &[]);
+        pass.dispatch_workgroups(x, y, z);
+        Ok(())
+    }
+
+    /// Ends the open compute pass, if any, and gives the encoder for other commands.
+    pub fn encoder(&mut self) -> &mut wgpu::CommandEncoder {
+        self.pass = None;
+        self.encoder
+    }
+
+    /// Copies `bytes` bytes between buffers (ends the open compute pass).
+    pub fn copy(
+        &mut self,
+        (src, src_offset): (&wgpu::Buffer, u64),
+        (dst, dst_offset): (&wgpu::Buffer, u64),
+        bytes: u64,
+    ) {
+        self.encoder()
+            .copy_buffer_to_buffer(src, src_offset, dst, dst_offset, bytes);
+    }
+}
+
+/// Binds, configures and records one op with a params buffer of its own.
+fn once<O: AsRef<Bound>>(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    name: &str,
+    build: impl FnOnce(&mut Params) -> Result<O>,
+) -> Result<()> {
+    let mut params = Params::new(gpu, name, 1)?;
+    let op = build(&mut params)?;
+    params.flush(gpu);
+    Pass::new(encoder).run(&op)
+}
+
+macro_rules! bound_op {
+    ($t:ty) => {
+        impl AsRef<Bound> for $t {
+            fn as_ref(&self) -> &Bound {
+                &self.op
+            }
+        }
+    };
 }
 
 #[repr(C)]
@@ -146,52 +410,39 @@ pub enum MatmulKernel {
     Variant(&'static str),
 }
 
-/// `y[m][n] = x[m][k] . w[n][k] (+ bias[n])`, with `w` stored transposed (f32 or f16).
-#[allow(clippy::too_many_arguments)]
-pub fn matmul(
+/// Operands of a matmul `y[m][n] = x[m][k] . w[n][k] (+ bias[n])`.
+#[derive(Debug, Clone, Copy)]
+pub struct MatmulIo<'a> {
+    /// `[m][k]` f32 input.
+    pub x: &'a Tensor,
+    /// `[n][k]` weights (f32 or f16), stored transposed as a PyTorch `Linear` holds them.
+    pub w: &'a Tensor,
+    /// `[n]` f32 bias.
+    pub bias: Option<&'a Tensor>,
+    /// `[m][n]` f32 output.
+    pub y: &'a Tensor,
+}
+
+/// The variant and grid of a matmul at one shape: the tuner's choice for this device and
+/// shape class (`kernels::tune`), or the named kernel.
+fn matmul_launch(
     gpu: &Gpu,
-    encoder: &mut wgpu::CommandEncoder,
-    x: &Tensor,
-    w: &Tensor,
-    bias: Option<&Tensor>,
-    y: &Tensor,
     (m, n, k): (usize, usize, usize),
+    weights: WeightType,
     kernel: MatmulKernel,
-) -> Result<()> {
+    operands: Option<tune::MatmulOperands<'_>>,
+) -> Result<(&'static Variant, [u32; 3])> {
     const OP: &str = "matmul";
-    need(OP, "x", x, m * k, Some(DType::F32))?;
-    need(OP, "w", w, n * k, None)?;
-    need(OP, "y", y, m * n, Some(DType::F32))?;
-    if let Some(b) = bias {
-        need(OP, "bias", b, n, Some(DType::F32))?;
-    }
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    let params = MatmulParams {
-        m: to_u32(OP, "m", m)?,
-        n: to_u32(OP, "n", n)?,
-        k: to_u32(OP, "k", k)?,
-        has_bias: bias.is_some() as u32,
-    };
-    let wt = weight_type(w);
     // The variant: tuned per adapter and shape class (see `kernels::tune`), or named.
     let variant = match kernel {
-        MatmulKernel::Tiled => tune::choose_matmul(
-            gpu,
-            (m, n, k),
-            wt,
-            Some(tune::MatmulOperands {
-                x: x.buffer(),
-                w: w.buffer(),
-            }),
-        )?,
+        MatmulKernel::Tiled if m == 0 || n == 0 => variants::default_matmul(gpu, (m, n, k)),
+        MatmulKernel::Tiled => tune::choose_matmul(gpu, (m, n, k), weights, operands)?,
         MatmulKernel::Naive => {
             variants::by_name("matmul_naive").ok_or_else(|| unknown("matmul_naive"))?
         }
         MatmulKernel::Variant(name) => {
             let v = variants::by_name(name).ok_or_else(|| unknown(name))?;
-            if !v.applies(gpu, (m, n, k)) {
+            if v.op != variants::Op::Matmul || !v.applies(gpu, (m, n, k)) {
                 return Err(WgparError::Shape {
                     op: OP.into(),
                     detail: format!("variant {name} does not apply to {m}x{n}x{k} on this device"),
@@ -200,21 +451,109 @@ pub fn matmul(
             v
         }
     };
+    if m == 0 || n == 0 {
+        return Ok((variant, [0, 0, 0]));
+    }
     let groups = variant.grid((m, n, k)).ok_or_else(|| WgparError::Shape {
         op: OP.into(),
         detail: format!("{m}x{n} output exceeds the dispatch limit"),
     })?;
-    let bias_buf = bias.unwrap_or(x).buffer();
-    dispatch_kernel(
-        gpu,
-        encoder,
-        &variant.kernel(gpu, wt),
-        variant.name,
-        &[x.buffer(), w.buffer(), bias_buf, y.buffer()],
-        &params,
-        groups,
-    );
-    Ok(())
+    Ok((variant, groups))
+}
+
+/// A bound matmul over up to `rows` rows. Every matmul variant reads the same layout, so the
+/// bind group made here serves whichever the tuner picks per step shape.
+pub struct Matmul {
+    op: Bound,
+    rows: usize,
+    n: usize,
+    k: usize,
+    bias: bool,
+    weights: WeightType,
+    kernel: MatmulKernel,
+    /// Input and weights, which a first-use tuning run times the variants on.
+    x: wgpu::Buffer,
+    w: wgpu::Buffer,
+}
+bound_op!(Matmul);
+
+impl Matmul {
+    /// Binds `io` for up to `rows` rows of `n` outputs over `k` inputs.
+    pub fn bind(
+        gpu: &Gpu,
+        params: &mut Params,
+        io: MatmulIo<'_>,
+        (rows, n, k): (usize, usize, usize),
+    ) -> Result<Self> {
+        const OP: &str = "matmul";
+        need(OP, "x", io.x, rows * k, Some(DType::F32))?;
+        need(OP, "w", io.w, n * k, None)?;
+        need(OP, "y", io.y, rows * n, Some(DType::F32))?;
+        if let Some(b) = io.bias {
+            need(OP, "bias", b, n, Some(DType::F32))?;
+        }
+        let bias = io.bias.unwrap_or(io.x);
+        let buffers = [io.x.buffer(), io.w.buffer(), bias.buffer(), io.y.buffer()];
+        Ok(Self {
+            op: Bound::new(gpu, params, Family::Matmul, OP, &buffers)?,
+            rows,
+            n,
+            k,
+            bias: io.bias.is_some(),
+            weights: weight_type(io.w),
+            kernel: MatmulKernel::Tiled,
+            x: io.x.buffer().clone(),
+            w: io.w.buffer().clone(),
+        })
+    }
+
+    /// Runs `kernel` instead of the tuned choice (tests, benchmarks).
+    pub fn with_kernel(mut self, kernel: MatmulKernel) -> Self {
+        self.kernel = kernel;
+        self
+    }
+
+    /// Configures the op for `m` rows: the params, and the variant and grid the kernels
+    /// module chooses for this shape on this device.
+    pub fn configure(&mut self, gpu: &Gpu, params: &mut Params, m: usize) -> Result<()> {
+        const OP: &str = "matmul";
+        over(OP, "rows", m, self.rows)?;
+        let values = MatmulParams {
+            m: to_u32(OP, "m", m)?,
+            n: to_u32(OP, "n", self.n)?,
+            k: to_u32(OP, "k", self.k)?,
+            has_bias: self.bias as u32,
+        };
+        let operands = tune::MatmulOperands {
+            x: &self.x,
+            w: &self.w,
+        };
+        let (variant, groups) = matmul_launch(
+            gpu,
+            (m, self.n, self.k),
+            self.weights,
+            self.kernel,
+            Some(operands),
+        )?;
+        let dispatch = Dispatch::of_variant(gpu, variant, self.weights, groups);
+        self.op.set(params, &values, dispatch);
+        Ok(())
+    }
+}
+
+/// `y[m][n] = x[m][k] . w[n][k] (+ bias[n])`, with `w` stored transposed (f32 or f16).
+pub fn matmul(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    io: MatmulIo<'_>,
+    (m, n, k): (usize, usize, usize),
+    kernel: MatmulKernel,
+) -> Result<()> {
+    once(gpu, encoder, "matmul", |params| {
+        let mut op = Matmul::bind(gpu, params, io, (m, n, k))?.with_kernel(kernel);
+        op.configure(gpu, params, m)?;
+        Ok(op)
+    })
 }
 
 fn unknown(name: &str) -> WgparError {
@@ -251,44 +590,80 @@ pub enum Norm<'a> {
     },
 }
 
+/// A bound row normalisation `y = norm(x)` over up to `rows` rows of `cols`.
+pub struct NormOp {
+    op: Bound,
+    entry: &'static str,
+    rows: usize,
+    cols: usize,
+    eps: f32,
+}
+bound_op!(NormOp);
+
+impl NormOp {
+    /// Binds `y = norm(x)` for up to `rows` rows of `cols`.
+    pub fn bind(
+        gpu: &Gpu,
+        params: &mut Params,
+        kind: Norm<'_>,
+        (x, y): (&Tensor, &Tensor),
+        (rows, cols): (usize, usize),
+        eps: f32,
+    ) -> Result<Self> {
+        const OP: &str = "norm";
+        need(OP, "x", x, rows * cols, Some(DType::F32))?;
+        need(OP, "y", y, rows * cols, Some(DType::F32))?;
+        let (entry, gamma, beta) = match kind {
+            Norm::Layer { gamma, beta } => ("layernorm", gamma, beta),
+            Norm::Rms { gamma } => ("rmsnorm", gamma, gamma),
+        };
+        need(OP, "gamma", gamma, cols, Some(DType::F32))?;
+        need(OP, "beta", beta, cols, Some(DType::F32))?;
+        let buffers = [x.buffer(), y.buffer(), gamma.buffer(), beta.buffer()];
+        Ok(Self {
+            op: Bound::new(gpu, params, Family::Norm, OP, &buffers)?,
+            entry,
+            rows,
+            cols,
+            eps,
+        })
+    }
+
+    /// Configures the op for `rows` rows.
+    pub fn configure(&mut self, gpu: &Gpu, params: &mut Params, rows: usize) -> Result<()> {
+        const OP: &str = "norm";
+        over(OP, "rows", rows, self.rows)?;
+        let values = NormParams {
+            rows: to_u32(OP, "rows", rows)?,
+            cols: to_u32(OP, "cols", self.cols)?,
+            eps: self.eps,
+            _pad: 0,
+        };
+        let dispatch = Dispatch::new(
+            gpu,
+            (Family::Norm, self.entry),
+            WeightType::F32,
+            rows_grid(OP, rows)?,
+        );
+        self.op.set(params, &values, dispatch);
+        Ok(())
+    }
+}
+
 /// `y = norm(x)` over rows of `cols`.
-#[allow(clippy::too_many_arguments)]
 pub fn norm(
     gpu: &Gpu,
     encoder: &mut wgpu::CommandEncoder,
     kind: Norm<'_>,
-    x: &Tensor,
-    y: &Tensor,
-    rows: usize,
-    cols: usize,
+    (x, y): (&Tensor, &Tensor),
+    (rows, cols): (usize, usize),
     eps: f32,
 ) -> Result<()> {
-    const OP: &str = "norm";
-    need(OP, "x", x, rows * cols, Some(DType::F32))?;
-    need(OP, "y", y, rows * cols, Some(DType::F32))?;
-    let (entry, gamma, beta) = match kind {
-        Norm::Layer { gamma, beta } => ("layernorm", gamma, beta),
-        Norm::Rms { gamma } => ("rmsnorm", gamma, gamma),
-    };
-    need(OP, "gamma", gamma, cols, Some(DType::F32))?;
-    need(OP, "beta", beta, cols, Some(DType::F32))?;
-    let params = NormParams {
-        rows: to_u32(OP, "rows", rows)?,
-        cols: to_u32(OP, "cols", cols)?,
-        eps,
-        _pad: 0,
-    };
-    dispatch(
-        gpu,
-        encoder,
-        Family::Norm,
-        entry,
-        WeightType::F32,
-        &[x.buffer(), y.buffer(), gamma.buffer(), beta.buffer()],
-        &params,
-        rows_grid(OP, rows)?,
-    );
-    Ok(())
+    once(gpu, encoder, "norm", |params| {
+        let mut op = NormOp::bind(gpu, params, kind, (x, y), (rows, cols), eps)?;
+        op.configure(gpu, params, rows)?;
+        Ok(op)
+    })
 }
 
 #[repr(C)]
@@ -299,6 +674,50 @@ struct RowsParams {
     _pad: [u32; 2],
 }
 
+/// A bound softmax over each row of `x`, in place.
+pub struct Softmax {
+    op: Bound,
+    rows: usize,
+    cols: usize,
+}
+bound_op!(Softmax);
+
+impl Softmax {
+    /// Binds a softmax over up to `rows` rows of `cols` of `x`.
+    pub fn bind(
+        gpu: &Gpu,
+        params: &mut Params,
+        x: &Tensor,
+        (rows, cols): (usize, usize),
+    ) -> Result<Self> {
+        need("softmax", "x", x, rows * cols, Some(DType::F32))?;
+        Ok(Self {
+            op: Bound::new(gpu, params, Family::Softmax, "softmax", &[x.buffer()])?,
+            rows,
+            cols,
+        })
+    }
+
+    /// Configures the op for `rows` rows.
+    pub fn configure(&mut self, gpu: &Gpu, params: &mut Params, rows: usize) -> Result<()> {
+        const OP: &str = "softmax";
+        over(OP, "rows", rows, self.rows)?;
+        let values = RowsParams {
+            rows: to_u32(OP, "rows", rows)?,
+            cols: to_u32(OP, "cols", self.cols)?,
+            _pad: [0; 2],
+        };
+        let dispatch = Dispatch::new(
+            gpu,
+            (Family::Softmax, "softmax"),
+            WeightType::F32,
+            rows_grid(OP, rows)?,
+        );
+        self.op.set(params, &values, dispatch);
+        Ok(())
+    }
+}
+
 /// Softmax over each row of `x`, in place.
 pub fn softmax(
     gpu: &Gpu,
@@ -307,24 +726,11 @@ pub fn softmax(
     rows: usize,
     cols: usize,
 ) -> Result<()> {
-    const OP: &str = "softmax";
-    need(OP, "x", x, rows * cols, Some(DType::F32))?;
-    let params = RowsParams {
-        rows: to_u32(OP, "rows", rows)?,
-        cols: to_u32(OP, "cols", cols)?,
-        _pad: [0; 2],
-    };
-    dispatch(
-        gpu,
-        encoder,
-        Family::Softmax,
-        "softmax",
-        WeightType::F32,
-        &[x.buffer()],
-        &params,
-        rows_grid(OP, rows)?,
-    );
-    Ok(())
+    once(gpu, encoder, "softmax", |params| {
+        let mut op = Softmax::bind(gpu, params, x, (rows, cols))?;
+        op.configure(gpu, params, rows)?;
+        Ok(op)
+    })
 }
 
 /// Shape of one attention call: which tokens and which cache. Where each sequence row's
@@ -421,7 +827,7 @@ struct AttnParams {
 }
 
 impl AttnParams {
-    fn new(op: &str, s: &AttnShape) -> Result<Self> {
+    fn new(op: &str, s: &AttnShape, causal: bool) -> Result<Self> {
         Ok(Self {
             batch: to_u32(op, "batch", s.batch)?,
             seq: to_u32(op, "seq", s.seq)?,
@@ -434,7 +840,7 @@ impl AttnParams {
             group: to_u32(op, "group", s.group)?,
             q_offset: to_u32(op, "q_head_offset", s.q_head_offset)?,
             kv_offset: to_u32(op, "kv_head_offset", s.kv_head_offset)?,
-            causal: 1,
+            causal: causal as u32,
         })
     }
 }
@@ -474,6 +880,167 @@ impl KvCache<'_> {
     }
 }
 
+/// A bound attention of queries over a KV cache (which must already hold the step's keys
+/// and values), for up to `shape.batch` rows of `shape.seq` tokens.
+pub struct Attention {
+    op: Bound,
+    shape: AttnShape,
+    causal: bool,
+    /// A named variant (tests, benchmarks) instead of the tuned choice.
+    variant: Option<&'static str>,
+    /// `q, k_cache, v_cache, lens, out, seqs` as bound: a first-use tuning run times the
+    /// variants on them (writing a scratch output instead of `out`).
+    buffers: [wgpu::Buffer; 6],
+}
+bound_op!(Attention);
+
+impl Attention {
+    /// Binds attention of `q` over `cache` into `out`, for steps up to `capacity` (its batch
+    /// and token count bound the step shapes configured later).
+    pub fn bind(
+        gpu: &Gpu,
+        params: &mut Params,
+        (q, cache, out): (&Tensor, KvCache<'_>, &Tensor),
+        capacity: &AttnShape,
+        mask: AttnMask<'_>,
+    ) -> Result<Self> {
+        const OP: &str = "attention";
+        capacity.validate(OP)?;
+        let q_len = capacity.tokens() * capacity.n_heads * capacity.head_dim;
+        need(OP, "q", q, q_len, Some(DType::F32))?;
+        need(OP, "out", out, q_len, Some(DType::F32))?;
+        cache.check(OP, capacity)?;
+        // A causal op never reads `lens`; bind `q` there (read-only, so aliasing is allowed).
+        let (lens, causal) = match mask {
+            AttnMask::Causal => (q, true),
+            AttnMask::Bidirectional { lens } => {
+                need(OP, "lens", lens, capacity.batch, Some(DType::U32))?;
+                (lens, false)
+            }
+        };
+        let buffers = [
+            q.buffer(),
+            cache.k.buffer(),
+            cache.v.buffer(),
+            lens.buffer(),
+            out.buffer(),
+            cache.seqs.buffer(),
+        ];
+        Ok(Self {
+            op: Bound::new(gpu, params, Family::Attention, OP, &buffers)?,
+            shape: *capacity,
+            causal,
+            variant: None,
+            buffers: buffers.map(|b| b.clone()),
+        })
+    }
+
+    /// Runs the variant called `name` instead of the tuned choice (tests, benchmarks); an
+    /// error at configure time where it does not apply.
+    pub fn with_variant(mut self, name: Option<&'static str>) -> Self {
+        self.variant = name;
+        self
+    }
+
+    /// Configures the op for `batch` rows of `seq` new tokens.
+    pub fn configure(
+        &mut self,
+        gpu: &Gpu,
+        params: &mut Params,
+        (batch, seq): (usize, usize),
+    ) -> Result<()> {
+        const OP: &str = "attention";
+        let shape = step_shape(OP, &self.shape, batch, seq)?;
+        let values = AttnParams::new(OP, &shape, self.causal)?;
+        let variant = self.choose(gpu, &shape, &values)?;
+        let heads = shape.n_heads;
+        let groups = variants::attention_grid(variant, batch, seq, heads).ok_or_else(|| {
+            WgparError::Shape {
+                op: OP.into(),
+                detail: format!(
+                    "{} tokens x {heads} heads exceed the dispatch limit",
+                    batch * seq
+                ),
+            }
+        })?;
+        let dispatch = Dispatch::of_variant(gpu, variant, WeightType::F32, groups);
+        self.op.set(params, &values, dispatch);
+        Ok(())
+    }
+
+    /// The variant for `shape`: the named one, or the tuner's choice for its class on this
+    /// device (timed on the bound operands on first use).
+    fn choose(
+        &self,
+        gpu: &Gpu,
+        shape: &AttnShape,
+        values: &AttnParams,
+    ) -> Result<&'static Variant> {
+        const OP: &str = "attention";
+        let (batch, seq, heads, dim) = (shape.batch, shape.seq, shape.n_heads, shape.head_dim);
+        let applies = |v: &Variant| {
+            variants::attention_applies(v, seq, dim)
+                && variants::attention_grid(v, batch, seq, heads).is_some()
+        };
+        if let Some(name) = self.variant {
+            let v = variants::by_name(name).ok_or_else(|| unknown(name))?;
+            if !applies(v) {
+                return Err(WgparError::Shape {
+                    op: OP.into(),
+                    detail: format!("variant {name} does not apply to seq {seq}, head_dim {dim}"),
+                });
+            }
+            return Ok(v);
+        }
+        // Past lengths live in the sequence table on the device: the cache capacity stands
+        // for the context in the shape class.
+        let context = shape.max_seq;
+        let class = variants::Class::Attention(variants::AttnClass::of(
+            seq,
+            context,
+            batch * heads,
+            dim,
+            self.causal,
+        ));
+        let candidates: Vec<&'static Variant> =
+            variants::ATTENTION.iter().filter(|v| applies(v)).collect();
+        let out_len = shape.tokens() * heads * dim;
+        tune::choose(
+            gpu,
+            class,
+            &applies,
+            variants::default_attention(gpu, seq, context, dim),
+            &mut || {
+                // Timing reads the bound operands and writes a scratch output.
+                let scratch = gpu.empty("tune.attention.out", DType::F32, out_len)?;
+                let [q, k, v, lens, _, seqs] = &self.buffers;
+                tune::measure_variants(
+                    gpu,
+                    &candidates,
+                    WeightType::F32,
+                    &[q, k, v, lens, scratch.buffer(), seqs],
+                    bytemuck::bytes_of(values),
+                    &|v| variants::attention_grid(v, batch, seq, heads),
+                    tune::Effort::Tune,
+                )
+            },
+        )
+    }
+}
+
+/// `capacity` with the step's batch and tokens, checked against it.
+fn step_shape(op: &str, capacity: &AttnShape, batch: usize, seq: usize) -> Result<AttnShape> {
+    over(op, "sequences", batch, capacity.batch)?;
+    over(op, "tokens", batch * seq, capacity.tokens())?;
+    let shape = AttnShape {
+        batch,
+        seq,
+        ..*capacity
+    };
+    shape.validate(op)?;
+    Ok(shape)
+}
+
 /// Causal attention of `q` over the cache (which must already hold the new keys and values).
 pub fn attention(
     gpu: &Gpu,
@@ -483,7 +1050,7 @@ pub fn attention(
     out: &Tensor,
     shape: &AttnShape,
 ) -> Result<()> {
-    attention_masked(gpu, encoder, q, cache, out, shape, AttnMask::Causal)
+    attention_masked(gpu, encoder, (q, cache, out), shape, AttnMask::Causal)
 }
 
 /// Attention of `q` over the cache (which must already hold the new keys and values), causal
@@ -491,126 +1058,86 @@ pub fn attention(
 pub fn attention_masked(
     gpu: &Gpu,
     encoder: &mut wgpu::CommandEncoder,
-    q: &Tensor,
-    cache: KvCache<'_>,
-    out: &Tensor,
+    io: (&Tensor, KvCache<'_>, &Tensor),
     shape: &AttnShape,
     mask: AttnMask<'_>,
 ) -> Result<()> {
-    attention_with(gpu, encoder, q, cache, out, shape, mask, None)
+    attention_with(gpu, encoder, io, shape, mask, None)
 }
 
 /// [`attention_masked`] with the kernel variant named (`Some`: tests, benchmarks; an error if
 /// it does not apply) or tuned (`None`).
-#[allow(clippy::too_many_arguments)]
 pub fn attention_with(
     gpu: &Gpu,
     encoder: &mut wgpu::CommandEncoder,
-    q: &Tensor,
-    cache: KvCache<'_>,
-    out: &Tensor,
+    io: (&Tensor, KvCache<'_>, &Tensor),
     shape: &AttnShape,
     mask: AttnMask<'_>,
     variant: Option<&'static str>,
 ) -> Result<()> {
-    const OP: &str = "attention";
-    shape.validate(OP)?;
-    let q_len = shape.tokens() * shape.n_heads * shape.head_dim;
-    need(OP, "q", q, q_len, Some(DType::F32))?;
-    need(OP, "out", out, q_len, Some(DType::F32))?;
-    cache.check(OP, shape)?;
-    let mut params = AttnParams::new(OP, shape)?;
-    // A causal call never reads `lens`; bind `q` there (read-only, so aliasing is allowed).
-    let lens = match mask {
-        AttnMask::Causal => q,
-        AttnMask::Bidirectional { lens } => {
-            need(OP, "lens", lens, shape.batch, Some(DType::U32))?;
-            params.causal = 0;
-            lens
-        }
-    };
-    let (batch, seq, heads, dim) = (shape.batch, shape.seq, shape.n_heads, shape.head_dim);
-    let applies = |v: &variants::Variant| {
-        variants::attention_applies(v, seq, dim)
-            && variants::attention_grid(v, batch, seq, heads).is_some()
-    };
-    let chosen = match variant {
-        Some(name) => {
-            let v = variants::by_name(name).ok_or_else(|| unknown(name))?;
-            if !applies(v) {
-                return Err(WgparError::Shape {
-                    op: OP.into(),
-                    detail: format!("variant {name} does not apply to seq {seq}, head_dim {dim}"),
-                });
-            }
-            v
-        }
-        None => {
-            // Past lengths live in the sequence table on the device: the cache capacity stands
-            // for the context in the shape class.
-            let context = shape.max_seq;
-            let class = variants::Class::Attention(variants::AttnClass::of(
-                seq,
-                context,
-                batch * heads,
-                dim,
-                params.causal == 1,
-            ));
-            let candidates: Vec<&'static variants::Variant> =
-                variants::ATTENTION.iter().filter(|v| applies(v)).collect();
-            tune::choose(
-                gpu,
-                class,
-                &applies,
-                variants::default_attention(gpu, seq, context, dim),
-                &mut || {
-                    // Timing reads the real operands and writes a scratch output.
-                    let scratch = gpu.empty("tune.attention.out", DType::F32, q_len)?;
-                    tune::measure_variants(
-                        gpu,
-                        &candidates,
-                        WeightType::F32,
-                        &[
-                            q.buffer(),
-                            cache.k.buffer(),
-                            cache.v.buffer(),
-                            lens.buffer(),
-                            scratch.buffer(),
-                            cache.seqs.buffer(),
-                        ],
-                        bytemuck::bytes_of(&params),
-                        &|v| variants::attention_grid(v, batch, seq, heads),
-                        tune::Effort::Tune,
-                    )
-                },
-            )?
-        }
-    };
-    let groups =
-        variants::attention_grid(chosen, batch, seq, heads).ok_or_else(|| WgparError::Shape {
-            op: OP.into(),
-            detail: format!(
-                "{} tokens x {heads} heads exceed the dispatch limit",
-                batch * seq
-            ),
-        })?;
-    dispatch_kernel(
-        gpu,
-        encoder,
-        &chosen.kernel(gpu, WeightType::F32),
-        chosen.name,
-        &[
-            q.buffer(),
+    once(gpu, encoder, "attention", |params| {
+        let mut op = Attention::bind(gpu, params, io, shape, mask)?.with_variant(variant);
+        op.configure(gpu, params, (shape.batch, shape.seq))?;
+        Ok(op)
+    })
+}
+
+/// A bound KV-cache append: the step's keys and values (`[tokens][n_kv_heads * head_dim]`)
+/// into each row's slot at positions `past ..`, as the sequence table says.
+pub struct KvStore {
+    op: Bound,
+    shape: AttnShape,
+}
+bound_op!(KvStore);
+
+impl KvStore {
+    /// Binds the append of `k`, `v` into `cache` for steps up to `capacity`.
+    pub fn bind(
+        gpu: &Gpu,
+        params: &mut Params,
+        (k, v): (&Tensor, &Tensor),
+        cache: KvCache<'_>,
+        capacity: &AttnShape,
+    ) -> Result<Self> {
+        const OP: &str = "kv_store";
+        capacity.validate(OP)?;
+        let len = capacity.tokens() * capacity.n_kv_heads * capacity.head_dim;
+        need(OP, "k", k, len, Some(DType::F32))?;
+        need(OP, "v", v, len, Some(DType::F32))?;
+        cache.check(OP, capacity)?;
+        let buffers = [
+            k.buffer(),
+            v.buffer(),
             cache.k.buffer(),
             cache.v.buffer(),
-            lens.buffer(),
-            out.buffer(),
             cache.seqs.buffer(),
-        ],
-        &params,
-        groups,
-    );
-    Ok(())
+        ];
+        Ok(Self {
+            op: Bound::new(gpu, params, Family::KvCache, OP, &buffers)?,
+            shape: *capacity,
+        })
+    }
+
+    /// Configures the op for `batch` rows of `seq` new tokens.
+    pub fn configure(
+        &mut self,
+        gpu: &Gpu,
+        params: &mut Params,
+        (batch, seq): (usize, usize),
+    ) -> Result<()> {
+        const OP: &str = "kv_store";
+        let shape = step_shape(OP, &self.shape, batch, seq)?;
+        let values = AttnParams::new(OP, &shape, true)?;
+        let len = shape.tokens() * shape.n_kv_heads * shape.head_dim;
+        let dispatch = Dispatch::new(
+            gpu,
+            (Family::KvCache, "kv_store"),
+            WeightType::F32,
+            grid_1d(OP, len, 256)?,
+        );
+        self.op.set(params, &values, dispatch);
+        Ok(())
+    }
 }
 
 /// Appends `k`, `v` ([tokens][n_kv_heads * head_dim]) to the cache: row `b`'s tokens go to
@@ -623,29 +1150,11 @@ pub fn kv_store(
     cache: KvCache<'_>,
     shape: &AttnShape,
 ) -> Result<()> {
-    const OP: &str = "kv_store";
-    shape.validate(OP)?;
-    let len = shape.tokens() * shape.n_kv_heads * shape.head_dim;
-    need(OP, "k", k, len, Some(DType::F32))?;
-    need(OP, "v", v, len, Some(DType::F32))?;
-    cache.check(OP, shape)?;
-    dispatch(
-        gpu,
-        encoder,
-        Family::KvCache,
-        "kv_store",
-        WeightType::F32,
-        &[
-            k.buffer(),
-            v.buffer(),
-            cache.k.buffer(),
-            cache.v.buffer(),
-            cache.seqs.buffer(),
-        ],
-        &AttnParams::new(OP, shape)?,
-        grid_1d(OP, len, 256)?,
-    );
-    Ok(())
+    once(gpu, encoder, "kv_store", |params| {
+        let mut op = KvStore::bind(gpu, params, (k, v), cache, shape)?;
+        op.configure(gpu, params, (shape.batch, shape.seq))?;
+        Ok(op)
+    })
 }
 
 #[repr(C)]
@@ -670,64 +1179,106 @@ pub struct RopeTables<'a> {
     pub positions: usize,
 }
 
+/// A bound rotary embedding, in place on `x` (`[batch * seq][n_heads * head_dim]`).
+pub struct Rope {
+    op: Bound,
+    batch: usize,
+    tokens: usize,
+    heads: (usize, usize),
+    positions: usize,
+}
+bound_op!(Rope);
+
+impl Rope {
+    /// Binds RoPE on `x` for up to `batch` rows and `tokens` tokens of `(n_heads, head_dim)`;
+    /// row `b`'s token `i` is rotated by position `past + i`, `past` from the sequence table
+    /// `seqs` (`[batch][2]`, validated on the host against the tables).
+    pub fn bind(
+        gpu: &Gpu,
+        params: &mut Params,
+        (x, tables, seqs): (&Tensor, RopeTables<'_>, &Tensor),
+        (batch, tokens): (usize, usize),
+        (n_heads, head_dim): (usize, usize),
+    ) -> Result<Self> {
+        const OP: &str = "rope";
+        let bad = |detail: String| {
+            Err(WgparError::Shape {
+                op: OP.into(),
+                detail,
+            })
+        };
+        if !head_dim.is_multiple_of(2) {
+            return bad(format!("head_dim {head_dim} must be even"));
+        }
+        if tables.positions == 0 {
+            return bad("rotary tables cover no positions".into());
+        }
+        need(OP, "x", x, tokens * n_heads * head_dim, Some(DType::F32))?;
+        need(OP, "seqs", seqs, 2 * batch, Some(DType::U32))?;
+        let table = tables.positions * head_dim / 2;
+        need(OP, "cos", tables.cos, table, Some(DType::F32))?;
+        need(OP, "sin", tables.sin, table, Some(DType::F32))?;
+        let buffers = [
+            x.buffer(),
+            tables.cos.buffer(),
+            tables.sin.buffer(),
+            seqs.buffer(),
+        ];
+        Ok(Self {
+            op: Bound::new(gpu, params, Family::Rope, OP, &buffers)?,
+            batch,
+            tokens,
+            heads: (n_heads, head_dim),
+            positions: tables.positions,
+        })
+    }
+
+    /// Configures the op for `batch` rows of `seq` tokens.
+    pub fn configure(
+        &mut self,
+        gpu: &Gpu,
+        params: &mut Params,
+        (batch, seq): (usize, usize),
+    ) -> Result<()> {
+        const OP: &str = "rope";
+        over(OP, "sequences", batch, self.batch)?;
+        over(OP, "tokens", batch * seq, self.tokens)?;
+        let (n_heads, head_dim) = self.heads;
+        let tokens = batch * seq;
+        let values = RopeParams {
+            tokens: to_u32(OP, "tokens", tokens)?,
+            seq: to_u32(OP, "seq", seq)?,
+            positions: to_u32(OP, "positions", self.positions)?,
+            n_heads: to_u32(OP, "n_heads", n_heads)?,
+            head_dim: to_u32(OP, "head_dim", head_dim)?,
+            _pad: [0; 3],
+        };
+        let dispatch = Dispatch::new(
+            gpu,
+            (Family::Rope, "rope"),
+            WeightType::F32,
+            grid_1d(OP, tokens * n_heads * head_dim / 2, 256)?,
+        );
+        self.op.set(params, &values, dispatch);
+        Ok(())
+    }
+}
+
 /// Rotary embedding in place on `x` ([batch * seq][n_heads * head_dim]): row `b`'s token `i`
 /// is rotated by position `past + i`, `past` from the sequence table `seqs` (`[batch][2]`,
 /// validated on the host against the tables).
 pub fn rope(
     gpu: &Gpu,
     encoder: &mut wgpu::CommandEncoder,
-    x: &Tensor,
-    tables: RopeTables<'_>,
-    seqs: &Tensor,
+    io: (&Tensor, RopeTables<'_>, &Tensor),
     (batch, seq): (usize, usize),
-    (n_heads, head_dim): (usize, usize),
+    heads: (usize, usize),
 ) -> Result<()> {
-    const OP: &str = "rope";
-    if !head_dim.is_multiple_of(2) {
-        return Err(WgparError::Shape {
-            op: OP.into(),
-            detail: format!("head_dim {head_dim} must be even"),
-        });
-    }
-    let tokens = batch * seq;
-    need(OP, "x", x, tokens * n_heads * head_dim, Some(DType::F32))?;
-    need(OP, "seqs", seqs, 2 * batch, Some(DType::U32))?;
-    let table = tables.positions * head_dim / 2;
-    if tables.positions == 0 {
-        return Err(WgparError::Shape {
-            op: OP.into(),
-            detail: "rotary tables cover no positions".into(),
-        });
-    }
-    need(OP, "cos", tables.cos, table, Some(DType::F32))?;
-    need(OP, "sin", tables.sin, table, Some(DType::F32))?;
-    if tokens == 0 {
-        return Ok(());
-    }
-    let params = RopeParams {
-        tokens: to_u32(OP, "tokens", tokens)?,
-        seq: to_u32(OP, "seq", seq)?,
-        positions: to_u32(OP, "positions", tables.positions)?,
-        n_heads: to_u32(OP, "n_heads", n_heads)?,
-        head_dim: to_u32(OP, "head_dim", head_dim)?,
-        _pad: [0; 3],
-    };
-    dispatch(
-        gpu,
-        encoder,
-        Family::Rope,
-        "rope",
-        WeightType::F32,
-        &[
-            x.buffer(),
-            tables.cos.buffer(),
-            tables.sin.buffer(),
-            seqs.buffer(),
-        ],
-        &params,
-        grid_1d(OP, tokens * n_heads * head_dim / 2, 256)?,
-    );
-    Ok(())
+    once(gpu, encoder, "rope", |params| {
+        let mut op = Rope::bind(gpu, params, io, (batch, batch * seq), heads)?;
+        op.configure(gpu, params, (batch, seq))?;
+        Ok(op)
+    })
 }
 
 /// Element-wise operation, in place on the first operand.
@@ -745,6 +1296,111 @@ pub enum Elementwise {
     SwiGlu,
 }
 
+impl Elementwise {
+    fn entry(self) -> &'static str {
+        match self {
+            Elementwise::Add => "add",
+            Elementwise::BiasAdd => "bias_add",
+            Elementwise::Gelu => "gelu",
+            Elementwise::GeluErf => "gelu_erf",
+            Elementwise::SwiGlu => "swiglu",
+        }
+    }
+
+    /// Elements of `b` the op reads for `rows x cols` elements of `a` (`None`: no `b`).
+    fn b_len(self, rows: usize, cols: usize) -> Option<usize> {
+        match self {
+            Elementwise::Add | Elementwise::SwiGlu => Some(rows * cols),
+            Elementwise::BiasAdd => Some(cols),
+            Elementwise::Gelu | Elementwise::GeluErf => None,
+        }
+    }
+}
+
+/// The second operand of an element-wise op.
+#[derive(Debug, Clone, Copy)]
+pub enum Operand<'a> {
+    /// The op reads this tensor.
+    Tensor(&'a Tensor),
+    /// The op takes no second operand; its (never read) binding needs some buffer other than
+    /// `a`, which is bound read-write.
+    Unused(&'a Tensor),
+}
+
+/// A bound element-wise op over up to `rows x cols` elements.
+pub struct ElementwiseOp {
+    op: Bound,
+    kind: Elementwise,
+    rows: usize,
+    cols: usize,
+}
+bound_op!(ElementwiseOp);
+
+impl ElementwiseOp {
+    /// Binds `kind` on `a` (and `b`) for up to `rows x cols` elements.
+    pub fn bind(
+        gpu: &Gpu,
+        params: &mut Params,
+        kind: Elementwise,
+        (a, b): (&Tensor, Operand<'_>),
+        (rows, cols): (usize, usize),
+    ) -> Result<Self> {
+        const OP: &str = "elementwise";
+        need(OP, "a", a, rows * cols, Some(DType::F32))?;
+        let b = match (kind.b_len(rows, cols), b) {
+            (Some(n), Operand::Tensor(b)) => {
+                need(OP, "b", b, n, Some(DType::F32))?;
+                b
+            }
+            (Some(_), Operand::Unused(_)) => {
+                return Err(WgparError::Shape {
+                    op: OP.into(),
+                    detail: format!("{kind:?} needs a second operand"),
+                })
+            }
+            (None, Operand::Tensor(b) | Operand::Unused(b)) => b,
+        };
+        if std::ptr::eq(a, b) || a.buffer() == b.buffer() {
+            return Err(WgparError::Shape {
+                op: OP.into(),
+                detail: "the second operand must be another buffer than the first".into(),
+            });
+        }
+        Ok(Self {
+            op: Bound::new(
+                gpu,
+                params,
+                Family::Elementwise,
+                OP,
+                &[a.buffer(), b.buffer()],
+            )?,
+            kind,
+            rows,
+            cols,
+        })
+    }
+
+    /// Configures the op for `rows` rows.
+    pub fn configure(&mut self, gpu: &Gpu, params: &mut Params, rows: usize) -> Result<()> {
+        const OP: &str = "elementwise";
+        over(OP, "rows", rows, self.rows)?;
+        let len = rows * self.cols;
+        let values = RowsParams {
+            rows: to_u32(OP, "len", len)?,
+            cols: to_u32(OP, "cols", self.cols)?,
+            _pad: [0; 2],
+        };
+        let dispatch = Dispatch::new(
+            gpu,
+            (Family::Elementwise, self.kind.entry()),
+            WeightType::F32,
+            grid_1d(OP, len, 256)?,
+        );
+        self.op.set(params, &values, dispatch);
+        Ok(())
+    }
+}
+
 /// Applies `op` to `a` (`rows x cols` elements), with `b` where the op takes one.
 pub fn elementwise(
     gpu: &Gpu,
@@ -754,57 +1410,20 @@ pub fn elementwise(
     b: Option<&Tensor>,
     (rows, cols): (usize, usize),
 ) -> Result<()> {
-    const OP: &str = "elementwise";
-    let len = rows * cols;
-    need(OP, "a", a, len, Some(DType::F32))?;
-    let (entry, b_len) = match op {
-        Elementwise::Add => ("add", Some(len)),
-        Elementwise::BiasAdd => ("bias_add", Some(cols)),
-        Elementwise::Gelu => ("gelu", None),
-        Elementwise::GeluErf => ("gelu_erf", None),
-        Elementwise::SwiGlu => ("swiglu", Some(len)),
-    };
-    let b = match (b_len, b) {
-        (Some(n), Some(b)) => {
-            need(OP, "b", b, n, Some(DType::F32))?;
-            b
+    // An op without a second operand still binds one: a scratch buffer, never read.
+    let scratch;
+    let b = match b {
+        Some(b) => Operand::Tensor(b),
+        None => {
+            scratch = gpu.empty("elementwise.unused", DType::F32, 1)?;
+            Operand::Unused(&scratch)
         }
-        (Some(_), None) => {
-            return Err(WgparError::Shape {
-                op: OP.into(),
-                detail: format!("{op:?} needs a second operand"),
-            })
-        }
-        (None, _) => a,
     };
-    if len == 0 {
-        return Ok(());
-    }
-    let params = RowsParams {
-        rows: to_u32(OP, "len", len)?,
-        cols: to_u32(OP, "cols", cols)?,
-        _pad: [0; 2],
-    };
-    // `a` is bound read-write; when the op has no second operand a dummy read binding is
-    // needed, and it must not alias `a`, so bind the params-sized scratch instead.
-    let dummy;
-    let b_buf = if std::ptr::eq(b, a) {
-        dummy = gpu.empty("elementwise.dummy", DType::F32, 1)?;
-        dummy.buffer()
-    } else {
-        b.buffer()
-    };
-    dispatch(
-        gpu,
-        encoder,
-        Family::Elementwise,
-        entry,
-        WeightType::F32,
-        &[a.buffer(), b_buf],
-        &params,
-        grid_1d(OP, len, 256)?,
-    );
-    Ok(())
+    once(gpu, encoder, "elementwise", |params| {
+        let mut bound = ElementwiseOp::bind(gpu, params, op, (a, b), (rows, cols))?;
+        bound.configure(gpu, params, rows)?;
+        Ok(bound)
+    })
 }
 
 #[repr(C)]
@@ -843,31 +1462,6 @@ pub struct Positions<'a> {
     pub seqs: &'a Tensor,
 }
 
-/// `out[t] = wte[ids[t]] (+ wpe[past + i])` for token `t = b * seq + i`. Token ids must be
-/// < vocab (the caller checks them on the host, where the error can name the bad id).
-pub fn embed(
-    gpu: &Gpu,
-    encoder: &mut wgpu::CommandEncoder,
-    ids: &Tensor,
-    wte: &Tensor,
-    positions: Option<Positions<'_>>,
-    out: &Tensor,
-    (batch, seq, hidden): (usize, usize, usize),
-) -> Result<()> {
-    embed_with_types(
-        gpu,
-        encoder,
-        Embedding {
-            ids,
-            wte,
-            positions,
-            types: None,
-        },
-        out,
-        (batch, seq, hidden),
-    )
-}
-
 /// The inputs of an embedding lookup.
 #[derive(Debug, Clone, Copy)]
 pub struct Embedding<'a> {
@@ -881,6 +1475,128 @@ pub struct Embedding<'a> {
     pub types: Option<TokenTypes<'a>>,
 }
 
+/// A bound embedding lookup into `out` (`[tokens][hidden]`).
+pub struct Embed {
+    op: Bound,
+    batch: usize,
+    tokens: usize,
+    hidden: usize,
+    weights: WeightType,
+    positions: Option<usize>,
+    types: bool,
+}
+bound_op!(Embed);
+
+impl Embed {
+    /// Binds the lookup of `input` into `out` for up to `batch` rows and `tokens` tokens.
+    pub fn bind(
+        gpu: &Gpu,
+        params: &mut Params,
+        (input, out): (Embedding<'_>, &Tensor),
+        (batch, tokens, hidden): (usize, usize, usize),
+    ) -> Result<Self> {
+        const OP: &str = "embed";
+        let Embedding {
+            ids,
+            wte,
+            positions,
+            types,
+        } = input;
+        need(OP, "ids", ids, tokens, Some(DType::U32))?;
+        need(OP, "out", out, tokens * hidden, Some(DType::F32))?;
+        if let Some(p) = &positions {
+            if p.positions == 0 {
+                return Err(WgparError::Shape {
+                    op: OP.into(),
+                    detail: "the position table is empty".into(),
+                });
+            }
+            need(OP, "wpe", p.wpe, p.positions * hidden, Some(DType::F32))?;
+            need(OP, "seqs", p.seqs, 2 * batch, Some(DType::U32))?;
+        }
+        if let Some(t) = &types {
+            need(OP, "token types", t.ids, tokens, Some(DType::U32))?;
+            need(
+                OP,
+                "token type table",
+                t.table,
+                t.count * hidden,
+                Some(DType::F32),
+            )?;
+        }
+        // Tables a call lacks are read bindings that are never read: bind the ids buffer
+        // there rather than `out`, which is bound read-write.
+        let (wpe, seqs) = positions.map_or((ids, ids), |p| (p.wpe, p.seqs));
+        let (type_ids, type_table) = types.map_or((ids, ids), |t| (t.ids, t.table));
+        let buffers = [
+            ids.buffer(),
+            wte.buffer(),
+            wpe.buffer(),
+            out.buffer(),
+            type_ids.buffer(),
+            type_table.buffer(),
+            seqs.buffer(),
+        ];
+        Ok(Self {
+            op: Bound::new(gpu, params, Family::Embedding, OP, &buffers)?,
+            batch,
+            tokens,
+            hidden,
+            weights: weight_type(wte),
+            positions: positions.map(|p| p.positions),
+            types: types.is_some(),
+        })
+    }
+
+    /// Configures the op for `batch` rows of `seq` tokens.
+    pub fn configure(
+        &mut self,
+        gpu: &Gpu,
+        params: &mut Params,
+        (batch, seq): (usize, usize),
+    ) -> Result<()> {
+        const OP: &str = "embed";
+        over(OP, "sequences", batch, self.batch)?;
+        over(OP, "tokens", batch * seq, self.tokens)?;
+        let tokens = batch * seq;
+        let values = EmbedParams {
+            tokens: to_u32(OP, "tokens", tokens)?,
+            hidden: to_u32(OP, "hidden", self.hidden)?,
+            seq: to_u32(OP, "seq", seq)?,
+            positions: to_u32(OP, "positions", self.positions.unwrap_or(0))?,
+            has_positions: self.positions.is_some() as u32,
+            has_types: self.types as u32,
+            _pad: [0; 2],
+        };
+        let dispatch = Dispatch::new(
+            gpu,
+            (Family::Embedding, "embed"),
+            self.weights,
+            grid_1d(OP, tokens * self.hidden, 256)?,
+        );
+        self.op.set(params, &values, dispatch);
+        Ok(())
+    }
+}
+
+/// `out[t] = wte[ids[t]] (+ wpe[past + i])` for token `t = b * seq + i`. Token ids must be
+/// < vocab (the caller checks them on the host, where the error can name the bad id).
+pub fn embed(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    (ids, wte, positions): (&Tensor, &Tensor, Option<Positions<'_>>),
+    out: &Tensor,
+    (batch, seq, hidden): (usize, usize, usize),
+) -> Result<()> {
+    let input = Embedding {
+        ids,
+        wte,
+        positions,
+        types: None,
+    };
+    embed_with_types(gpu, encoder, input, out, (batch, seq, hidden))
+}
+
 /// [`embed`] plus, when `types` is given, `wtt[types[t]]` (BERT's segment embeddings).
 pub fn embed_with_types(
     gpu: &Gpu,
@@ -889,71 +1605,11 @@ pub fn embed_with_types(
     out: &Tensor,
     (batch, seq, hidden): (usize, usize, usize),
 ) -> Result<()> {
-    const OP: &str = "embed";
-    let Embedding {
-        ids,
-        wte,
-        positions,
-        types,
-    } = input;
-    let tokens = batch * seq;
-    need(OP, "ids", ids, tokens, Some(DType::U32))?;
-    need(OP, "out", out, tokens * hidden, Some(DType::F32))?;
-    if let Some(p) = &positions {
-        need(OP, "wpe", p.wpe, p.positions * hidden, Some(DType::F32))?;
-        need(OP, "seqs", p.seqs, 2 * batch, Some(DType::U32))?;
-        if p.positions == 0 {
-            return Err(WgparError::Shape {
-                op: OP.into(),
-                detail: "the position table is empty".into(),
-            });
-        }
-    }
-    if let Some(t) = &types {
-        need(OP, "token types", t.ids, tokens, Some(DType::U32))?;
-        need(
-            OP,
-            "token type table",
-            t.table,
-            t.count * hidden,
-            Some(DType::F32),
-        )?;
-    }
-    if tokens == 0 {
-        return Ok(());
-    }
-    let params = EmbedParams {
-        tokens: to_u32(OP, "tokens", tokens)?,
-        hidden: to_u32(OP, "hidden", hidden)?,
-        seq: to_u32(OP, "seq", seq)?,
-        positions: to_u32(OP, "positions", positions.map_or(0, |p| p.positions))?,
-        has_positions: positions.is_some() as u32,
-        has_types: types.is_some() as u32,
-        _pad: [0; 2],
-    };
-    // Tables a call lacks are read bindings that are never read: bind the ids buffer there
-    // rather than `out`, which is bound read-write.
-    let (wpe_buf, seqs_buf) = positions.map_or((ids, ids), |p| (p.wpe, p.seqs));
-    let (type_ids, type_table) = types.map_or((ids, ids), |t| (t.ids, t.table));
-    dispatch(
-        gpu,
-        encoder,
-        Family::Embedding,
-        "embed",
-        weight_type(wte),
-        &[
-            ids.buffer(),
-            wte.buffer(),
-            wpe_buf.buffer(),
-            out.buffer(),
-            type_ids.buffer(),
-            type_table.buffer(),
-            seqs_buf.buffer(),
-        ],
-        &params,
-        grid_1d(OP, tokens * hidden, 256)?,
-    );
-    Ok(())
+    once(gpu, encoder, "embed", |params| {
+        let mut op = Embed::bind(gpu, params, (input, out), (batch, batch * seq, hidden))?;
+        op.configure(gpu, params, (batch, seq))?;
+        Ok(op)
+    })
 }
 
 #[repr(C)]
@@ -967,41 +1623,216 @@ struct PoolParams {
     _pad: [u32; 3],
 }
 
-/// Encoder pooling: `out[b] = mean(x[b * seq .. b * seq + lens[b]])` (or `x[b * seq]` when
+/// How an encoder pools its token states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pooling {
+    /// The first token's state instead of the mean over real tokens.
+    pub first_token: bool,
+    /// Scale the result to unit L2 norm.
+    pub normalize: bool,
+}
+
+/// A bound encoder pooling of `x` (`[batch * seq][hidden]`) into `out` (`[batch][hidden]`).
+pub struct Pool {
+    op: Bound,
+    batch: usize,
+    tokens: usize,
+    hidden: usize,
+    how: Pooling,
+}
+bound_op!(Pool);
+
+impl Pool {
+    /// Binds pooling for up to `batch` sequences and `tokens` tokens.
+    pub fn bind(
+        gpu: &Gpu,
+        params: &mut Params,
+        (x, lens, out): (&Tensor, &Tensor, &Tensor),
+        (batch, tokens, hidden): (usize, usize, usize),
+        how: Pooling,
+    ) -> Result<Self> {
+        const OP: &str = "pool";
+        need(OP, "x", x, tokens * hidden, Some(DType::F32))?;
+        need(OP, "lens", lens, batch, Some(DType::U32))?;
+        need(OP, "out", out, batch * hidden, Some(DType::F32))?;
+        let buffers = [x.buffer(), lens.buffer(), out.buffer()];
+        Ok(Self {
+            op: Bound::new(gpu, params, Family::Pool, OP, &buffers)?,
+            batch,
+            tokens,
+            hidden,
+            how,
+        })
+    }
+
+    /// Configures the op for `batch` sequences of `seq` tokens.
+    pub fn configure(
+        &mut self,
+        gpu: &Gpu,
+        params: &mut Params,
+        (batch, seq): (usize, usize),
+    ) -> Result<()> {
+        const OP: &str = "pool";
+        over(OP, "sequences", batch, self.batch)?;
+        over(OP, "tokens", batch * seq, self.tokens)?;
+        let values = PoolParams {
+            batch: to_u32(OP, "batch", batch)?,
+            seq: to_u32(OP, "seq", seq)?,
+            hidden: to_u32(OP, "hidden", self.hidden)?,
+            mode: self.how.first_token as u32,
+            normalize: self.how.normalize as u32,
+            _pad: [0; 3],
+        };
+        let dispatch = Dispatch::new(
+            gpu,
+            (Family::Pool, "pool"),
+            WeightType::F32,
+            rows_grid(OP, batch)?,
+        );
+        self.op.set(params, &values, dispatch);
+        Ok(())
+    }
+}
+
+/// Encoder pooling: `out[b] = mean(x[b * seq .. b * seq + lens[b]])` (or `x[b * seq]` with
 /// `first_token`), scaled to unit L2 norm when `normalize`. `lens` values must lie in
 /// `1..=seq` (the caller checks them on the host).
-#[allow(clippy::too_many_arguments)]
 pub fn pool(
     gpu: &Gpu,
     encoder: &mut wgpu::CommandEncoder,
-    x: &Tensor,
-    lens: &Tensor,
-    out: &Tensor,
+    io: (&Tensor, &Tensor, &Tensor),
     (batch, seq, hidden): (usize, usize, usize),
-    first_token: bool,
-    normalize: bool,
+    how: Pooling,
 ) -> Result<()> {
-    const OP: &str = "pool";
-    need(OP, "x", x, batch * seq * hidden, Some(DType::F32))?;
-    need(OP, "lens", lens, batch, Some(DType::U32))?;
-    need(OP, "out", out, batch * hidden, Some(DType::F32))?;
-    let params = PoolParams {
-        batch: to_u32(OP, "batch", batch)?,
-        seq: to_u32(OP, "seq", seq)?,
-        hidden: to_u32(OP, "hidden", hidden)?,
-        mode: first_token as u32,
-        normalize: normalize as u32,
-        _pad: [0; 3],
-    };
-    dispatch(
-        gpu,
-        encoder,
-        Family::Pool,
-        "pool",
-        WeightType::F32,
-        &[x.buffer(), lens.buffer(), out.buffer()],
-        &params,
-        rows_grid(OP, batch)?,
-    );
-    Ok(())
+    once(gpu, encoder, "pool", |params| {
+        let mut op = Pool::bind(gpu, params, io, (batch, batch * seq, hidden), how)?;
+        op.configure(gpu, params, (batch, seq))?;
+        Ok(op)
+    })
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct PickParams {
+    batch: u32,
+    vocab: u32,
+    top_k: u32,
+    temperature: f32,
+    top_p: f32,
+    _pad: [u32; 3],
+}
+
+/// How the device picks each row's token from its logits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TokenPick {
+    /// The largest logit (lowest id among equal ones).
+    Greedy,
+    /// A draw among the `top_k` most likely tokens (1 ..= [`MAX_TOP_K`]) after dividing the
+    /// logits by `temperature` (> 0), cut to the nucleus whose mass first reaches `top_p`
+    /// (0 < top_p <= 1), as `model::sampling::Sampler` does on the host. The draws are the
+    /// caller's uniform random numbers, one per row.
+    Sample {
+        /// Candidates kept.
+        top_k: usize,
+        /// Softmax temperature.
+        temperature: f32,
+        /// Nucleus mass.
+        top_p: f32,
+    },
+}
+
+/// A bound token pick: `logits` (`[batch][vocab]`) and `draws` (`[batch]` f32 in [0, 1)) in,
+/// `out` (`[2][batch]` u32: the tokens, then each row's count of non-finite logits) out.
+pub struct Pick {
+    op: Bound,
+    batch: usize,
+    vocab: usize,
+}
+bound_op!(Pick);
+
+impl Pick {
+    /// Binds a pick over up to `batch` rows of `vocab` logits.
+    pub fn bind(
+        gpu: &Gpu,
+        params: &mut Params,
+        (logits, draws, out): (&Tensor, &Tensor, &Tensor),
+        (batch, vocab): (usize, usize),
+    ) -> Result<Self> {
+        const OP: &str = "pick";
+        need(OP, "logits", logits, batch * vocab, Some(DType::F32))?;
+        need(OP, "draws", draws, batch, Some(DType::F32))?;
+        need(OP, "out", out, 2 * batch, Some(DType::U32))?;
+        let buffers = [logits.buffer(), draws.buffer(), out.buffer()];
+        Ok(Self {
+            op: Bound::new(gpu, params, Family::Argmax, OP, &buffers)?,
+            batch,
+            vocab,
+        })
+    }
+
+    /// Configures the op for `batch` rows picked as `how` says.
+    pub fn configure(
+        &mut self,
+        gpu: &Gpu,
+        params: &mut Params,
+        batch: usize,
+        how: TokenPick,
+    ) -> Result<()> {
+        const OP: &str = "pick";
+        over(OP, "rows", batch, self.batch)?;
+        let (entry, top_k, temperature, top_p) = match how {
+            TokenPick::Greedy => ("argmax", 1, 1.0, 1.0),
+            TokenPick::Sample {
+                top_k,
+                temperature,
+                top_p,
+            } => {
+                let valid = (1..=MAX_TOP_K).contains(&top_k)
+                    && temperature > 0.0
+                    && temperature.is_finite()
+                    && top_p > 0.0
+                    && top_p <= 1.0;
+                if !valid {
+                    return Err(WgparError::Config(format!(
+                        "device sampling needs top-k in 1..={MAX_TOP_K}, a finite temperature \
+                         > 0 and top-p in (0, 1]; got top-k {top_k}, temperature \
+                         {temperature}, top-p {top_p}"
+                    )));
+                }
+                ("sample", top_k, temperature, top_p)
+            }
+        };
+        let values = PickParams {
+            batch: to_u32(OP, "batch", batch)?,
+            vocab: to_u32(OP, "vocab", self.vocab)?,
+            top_k: top_k as u32,
+            temperature,
+            top_p,
+            _pad: [0; 3],
+        };
+        let dispatch = Dispatch::new(
+            gpu,
+            (Family::Argmax, entry),
+            WeightType::F32,
+            rows_grid(OP, batch)?,
+        );
+        self.op.set(params, &values, dispatch);
+        Ok(())
+    }
+}
+
+/// Picks each row's token of `logits` on the device into `out` (`[2][batch]` u32: tokens,
+/// then per-row counts of non-finite logits).
+pub fn pick(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    io: (&Tensor, &Tensor, &Tensor),
+    (batch, vocab): (usize, usize),
+    how: TokenPick,
+) -> Result<()> {
+    once(gpu, encoder, "pick", |params| {
+        let mut op = Pick::bind(gpu, params, io, (batch, vocab))?;
+        op.configure(gpu, params, batch, how)?;
+        Ok(op)
+    })
 }

@@ -14,7 +14,7 @@ pub mod shard;
 pub mod weights;
 
 pub use config::{Activation, Arch, ModelConfig, PoolMode, Pooling, RopeScaling, PRESETS};
-pub use gpu::{Activations, GpuModel, KvCache, Placement, SeqRow, Step};
+pub use gpu::{Activations, GpuModel, KvCache, Placement, SeqRow, Step, StepOut};
 pub use input::EncoderInput;
 pub use reference::CpuReference;
 pub use shard::{valid_tp_degrees, ShardSpec};

@@ -59,6 +59,15 @@ impl Sampler {
         })
     }
 
+    /// Always the most likely token.
+    pub fn greedy() -> Self {
+        let params = SamplingParams::greedy();
+        Self {
+            params,
+            rng: ChaCha8Rng::seed_from_u64(params.seed),
+        }
+    }
+
     /// The parameters.
     pub fn params(&self) -> &SamplingParams {
         &self.params

@@ -36,13 +36,13 @@ pub fn measure_stage_costs(
                 head: true,
             };
             let model = GpuModel::upload(gpu.clone(), weights, placement, dtype)?;
-            let act = model.activations(step.tokens(), batch)?;
-            let kv = model.kv_cache(batch)?;
+            let mut act = model.activations(step.tokens(), batch)?;
+            let mut kv = model.kv_cache(batch)?;
             let ids: Vec<u32> = (0..step.tokens())
                 .map(|i| (i % config.vocab) as u32)
                 .collect();
             model.write_ids(&act, &ids)?;
-            model.write_seqs(&act, &kv, &step, &step.rows())?;
+            model.begin_step(&mut act, &mut kv, &step, &step.rows())?;
             let time = |f: &dyn Fn(&mut wgpu::CommandEncoder) -> Result<()>| -> Result<f64> {
                 let mut v = Vec::new();
                 for i in 0..samples + 1 {
@@ -59,9 +59,9 @@ pub fn measure_stage_costs(
                     WgparError::Measurement("stage costs need at least one timed sample".into())
                 })
             };
-            let embed_s = time(&|e| model.embed(e, &act, &step))?;
-            let layer_s = time(&|e| model.layer(e, 0, &act, &kv, &step))?;
-            let head_s = time(&|e| model.head(e, &act, &step))?;
+            let embed_s = time(&|e| model.embed(e, &act))?;
+            let layer_s = time(&|e| model.layer(e, 0, &act, &kv))?;
+            let head_s = time(&|e| model.head(e, &act))?;
             Ok(StageCost {
                 layer_s,
                 embed_s,

@@ -120,7 +120,7 @@ impl Encoder for SingleEncoder {
         let fits = self
             .act
             .as_ref()
-            .is_some_and(|a| self.batch == batch && a.capacity() >= step.tokens());
+            .is_some_and(|a| a.batch() == batch && a.capacity() >= step.tokens());
         if !fits {
             self.act = Some(m.activations(step.tokens(), batch)?);
         }
@@ -128,21 +128,20 @@ impl Encoder for SingleEncoder {
             self.kv = Some(m.kv_cache(batch)?);
         }
         self.batch = batch;
-        let (Some(act), Some(kv)) = (&self.act, &self.kv) else {
+        let (Some(act), Some(kv)) = (&mut self.act, &mut self.kv) else {
             return Err(WgparError::Internal("encoder buffers missing".into()));
         };
         let (ids, types, lens) = pad_batch(inputs, seq);
         m.write_ids(act, &ids)?;
         m.write_encoder_inputs(act, &step, &types, &lens)?;
-        m.write_seqs(act, kv, &step, &step.rows())?;
+        m.begin_step(act, kv, &step, &step.rows())?;
         let mut enc = m.gpu().encoder();
-        m.embed(&mut enc, act, &step)?;
-        m.layers(&mut enc, act, kv, &step)?;
-        m.pool(&mut enc, act, &step)?;
+        m.embed(&mut enc, act)?;
+        m.layers(&mut enc, act, kv)?;
+        m.pool(&mut enc, act)?;
         m.gpu().submit(enc);
         let pooled = act
-            .pooled
-            .as_ref()
+            .pooled()
             .ok_or_else(|| WgparError::Internal("no pooled output buffer".into()))?;
         let mut data = m.gpu().read_f32(pooled)?;
         data.truncate(batch * c.hidden);

@@ -6,6 +6,7 @@ mod batch;
 pub mod cost;
 mod encoder;
 pub mod partition;
+mod pick;
 pub(crate) mod pp;
 mod single;
 mod strategy;
@@ -24,6 +25,7 @@ pub use strategy::{build_engine, build_pipeline, build_step_engine, PartitionSpe
 pub use tp::TensorParallelEngine;
 
 use crate::error::{Result, WgparError};
+use crate::model::sampling::SamplingParams;
 use crate::sim::LinkPacer;
 use crate::trace::Recorder;
 use std::sync::Arc;
@@ -45,11 +47,20 @@ pub struct StepStats {
     pub bytes_sent: u64,
     /// Bytes one device received from the host in the step.
     pub bytes_received: u64,
+    /// Host time to stage the step's inputs, record its commands and submit them (mean over
+    /// devices; waits for the device and collectives excluded), seconds. Measured by the
+    /// single-device and tensor-parallel engines.
+    pub encode_s: Option<f64>,
+    /// The same span in CPU time of the recording thread (mean over devices), seconds: the
+    /// host work itself, without the time the thread waited for a core. Unix only.
+    pub encode_cpu_s: Option<f64>,
 }
 
 impl StepStats {
     /// Adds `other`'s tokens, times, collectives and bytes (a run of several steps).
     pub fn accumulate(&mut self, other: &StepStats) {
+        // A run's encode time is known where every step's is.
+        let first = *self == StepStats::default();
         self.tokens += other.tokens;
         self.wall_s += other.wall_s;
         self.compute_s += other.compute_s;
@@ -57,6 +68,13 @@ impl StepStats {
         self.collectives += other.collectives;
         self.bytes_sent += other.bytes_sent;
         self.bytes_received += other.bytes_received;
+        let sum = |a: Option<f64>, b: Option<f64>, first: bool| match (a, b) {
+            (Some(a), Some(b)) => Some(a + b),
+            (None, Some(b)) if first => Some(b),
+            _ => None,
+        };
+        self.encode_s = sum(self.encode_s, other.encode_s, first);
+        self.encode_cpu_s = sum(self.encode_cpu_s, other.encode_cpu_s, first);
     }
 
     /// Communication as a share of compute + communication.
@@ -136,16 +154,48 @@ impl Logits {
     }
 }
 
+/// What one engine step hands back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOutput {
+    /// Each sequence's next token: picked on the device (greedy, or the engine's sampling),
+    /// or by the host sampler from read-back logits where the device cannot sample that way.
+    pub tokens: Vec<u32>,
+    /// Last-token logits `[batch][vocab]`, when asked for.
+    pub logits: Option<Logits>,
+}
+
+impl StepOutput {
+    fn into_logits(self) -> Result<Logits> {
+        self.logits
+            .ok_or_else(|| WgparError::Internal("a step asked for logits returned none".into()))
+    }
+}
+
 /// A way of running the model: one device, tensor parallel, pipeline parallel, or hybrid.
 pub trait Engine {
     /// Short description, e.g. `tp=2 on gpu0,gpu1`.
     fn name(&self) -> String;
 
+    /// Runs `prompts` (equal lengths) from an empty cache; returns each sequence's next token
+    /// and, when `logits`, the last-token logits (otherwise only token ids are read back).
+    fn prefill_step(&mut self, prompts: &[Vec<u32>], logits: bool) -> Result<StepOutput>;
+
+    /// Appends one token per sequence; returns each sequence's next token and, when `logits`,
+    /// the new logits.
+    fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput>;
+
+    /// How later steps pick tokens (greedy until set); restarts the seeded draws.
+    fn set_sampling(&mut self, params: SamplingParams) -> Result<()>;
+
     /// Runs `prompts` (equal lengths) from an empty cache; returns last-token logits.
-    fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits>;
+    fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits> {
+        self.prefill_step(prompts, true)?.into_logits()
+    }
 
     /// Appends one token per sequence; returns the new logits.
-    fn decode(&mut self, tokens: &[u32]) -> Result<Logits>;
+    fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
+        self.decode_step(tokens, true)?.into_logits()
+    }
 
     /// Greedily decodes `steps` more tokens per sequence after a prefill, starting from `next`
     /// (the tokens chosen from the last logits). The default runs one batched [`decode`]
@@ -214,17 +264,15 @@ pub fn decode_step_by_step<E: Engine + ?Sized>(
         ..Decoded::default()
     };
     for _ in 0..steps {
-        let l = engine.decode(&next)?;
-        next = l.argmax();
+        let step = engine.decode_step(&next, keep_logits)?;
+        next = step.tokens;
         for (seq_tokens, &t) in out.tokens.iter_mut().zip(&next) {
             seq_tokens.push(t);
         }
         if let Some(s) = engine.last_step() {
             out.stats.accumulate(&s);
         }
-        if keep_logits {
-            out.logits.push(l);
-        }
+        out.logits.extend(step.logits);
     }
     out.wall_s = start.elapsed().as_secs_f64();
     Ok(out)
@@ -263,12 +311,13 @@ pub fn prompt_shape(prompts: &[Vec<u32>]) -> Result<(usize, usize)> {
     Ok((prompts.len(), seq))
 }
 
-/// Result and timings of a greedy generation.
+/// Result and timings of a generation.
 #[derive(Debug, Clone)]
 pub struct Generation {
     /// Generated tokens per sequence.
     pub tokens: Vec<Vec<u32>>,
-    /// Logits of every step (prefill first).
+    /// Logits of the steps asked for ([`KeepLogits`]), prefill first; empty by default, so
+    /// memory does not grow with the number of steps.
     pub logits: Vec<Logits>,
     /// Prefill wall time, seconds.
     pub prefill_s: f64,
@@ -301,21 +350,44 @@ impl Generation {
     }
 }
 
-/// Prefills `prompts`, then greedily decodes up to `steps` tokens per sequence in all (the
-/// first from the prefill), through [`Engine::decode_greedy`] (in flight on a pipeline).
+/// Which steps' logits a generation keeps (tokens are always kept).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeepLogits {
+    /// None: only token ids are read back.
+    #[default]
+    None,
+    /// The prefill's (to check a run against a reference).
+    Prefill,
+    /// Every step's (memory grows with the steps).
+    All,
+}
+
+/// Prefills `prompts`, then decodes up to `steps` tokens per sequence in all (the first from
+/// the prefill) with the engine's token pick (greedy unless [`Engine::set_sampling`] said
+/// otherwise), through [`Engine::decode_greedy`] (in flight on a pipeline); keeps tokens only.
 pub fn generate(engine: &mut dyn Engine, prompts: &[Vec<u32>], steps: usize) -> Result<Generation> {
+    generate_keeping(engine, prompts, steps, KeepLogits::None)
+}
+
+/// [`generate`], also keeping the logits `keep` names.
+pub fn generate_keeping(
+    engine: &mut dyn Engine,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    keep: KeepLogits,
+) -> Result<Generation> {
     let (batch, seq) = prompt_shape(prompts)?;
     let start = Instant::now();
-    let first = engine.prefill(prompts)?;
+    let first = engine.prefill_step(prompts, keep != KeepLogits::None)?;
     let prefill_s = start.elapsed().as_secs_f64();
-    let next = first.argmax();
-    let decoded = engine.decode_greedy(&next, steps.max(1) - 1, true)?;
+    let next = first.tokens;
+    let decoded = engine.decode_greedy(&next, steps.max(1) - 1, keep == KeepLogits::All)?;
     let tokens = next
         .iter()
         .zip(&decoded.tokens)
         .map(|(&t, rest)| std::iter::once(t).chain(rest.iter().copied()).collect())
         .collect();
-    let mut logits = vec![first];
+    let mut logits: Vec<Logits> = first.logits.into_iter().collect();
     logits.extend(decoded.logits);
     Ok(Generation {
         tokens,
@@ -326,6 +398,25 @@ pub fn generate(engine: &mut dyn Engine, prompts: &[Vec<u32>], steps: usize) -> 
         decode_stats: decoded.stats,
         prompt_tokens: batch * seq,
     })
+}
+
+/// CPU time the calling thread has used, seconds (`None` where the platform has no thread
+/// CPU clock).
+pub(crate) fn thread_cpu_s() -> Option<f64> {
+    #[cfg(unix)]
+    {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime only writes the timespec it is given, which lives here.
+        let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        (r == 0).then_some(ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9)
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
 }
 
 /// Keeps an engine's device timer for `gpu`'s compute spans in step with `recorder`: active

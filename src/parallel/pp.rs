@@ -37,17 +37,21 @@ use serde::{Deserialize, Serialize};
 
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::partition::{partition, Partition};
+use super::pick::{check_finite, count_non_finite, Picker};
+pub(crate) use super::tp::Readout;
 use super::tp::{EncoderExtras, GroupInput, GroupJob, GroupOutput, TpGroup};
 use super::{
     check_decode, cost, prompt_shape, BatchStep, Decoded, Engine, Generation, Logits, StepDone,
-    StepEngine, StepStats,
+    StepEngine, StepOutput, StepStats,
 };
 use crate::comm::{Collectives, CommConfig, PendingDownload};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
+use crate::kernels::ops::TokenPick;
+use crate::model::sampling::SamplingParams;
 use crate::model::{
     Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, SeqRow,
-    ShardSpec, Step,
+    ShardSpec, Step, StepOut,
 };
 use crate::sim::{Direction, LinkPacer};
 use crate::trace::{KernelFamily, Recorder, SpanAttrs, SpanId};
@@ -300,15 +304,31 @@ pub(crate) struct Work {
     /// stages in other processes start their accounting afresh when it changes.
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) run: u64,
+    /// The last stage's token pick and readback.
+    pub(crate) readout: Readout,
+}
+
+/// What the last stage hands the driver.
+pub(crate) enum Payload {
+    /// A decoder's picks: tokens and non-finite counts (and the logits when asked for).
+    Picked(StepOut),
+    /// An encoder's pooled embeddings.
+    Pooled(Vec<f32>),
 }
 
 /// What the last stage returns to the driver.
 pub(crate) struct Output {
     pub(crate) group: usize,
     pub(crate) batch: usize,
-    pub(crate) logits: Vec<f32>,
-    /// The span that delivered the logits: the group's next step depends on it.
+    pub(crate) payload: Payload,
+    /// The span that delivered the result: the group's next step depends on it.
     pub(crate) dep: SpanId,
+}
+
+/// What a stage hands on: hidden states to the next stage, or the pipeline's result.
+enum StageOut {
+    Hidden(Vec<u8>),
+    Final(Payload),
 }
 
 /// Where a pipeline segment sits in a pipeline spread over processes (`dist`): which model
@@ -343,7 +363,9 @@ impl Segment {
 /// A finished compute whose output is still being downloaded.
 struct Pending {
     work: Work,
-    download: PendingDownload,
+    /// The stage's output (hidden states, picks or pooled embeddings), then the logits when
+    /// the readout asks for them.
+    downloads: Vec<PendingDownload>,
     started: Instant,
     compute: SpanId,
 }
@@ -359,10 +381,10 @@ pub(crate) enum Downstream {
 }
 
 impl Downstream {
-    /// Hands `work`'s output `bytes`, delivered by span `dep`, to what follows.
-    fn deliver(&self, work: Work, bytes: Vec<u8>, dep: SpanId) -> Result<()> {
-        match self {
-            Downstream::Stage(next) => next
+    /// Hands `work`'s output, delivered by span `dep`, to what follows.
+    fn deliver(&self, work: Work, out: StageOut, dep: SpanId) -> Result<()> {
+        match (self, out) {
+            (Downstream::Stage(next), StageOut::Hidden(bytes)) => next
                 .send(Work {
                     hidden: bytes,
                     deps: vec![dep],
@@ -372,20 +394,22 @@ impl Downstream {
                     worker: "the next stage".into(),
                     detail: "it closed its input".into(),
                 }),
-            Downstream::Driver(driver) => {
-                let logits: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
-                driver
-                    .send(Ok(Output {
-                        group: work.group,
-                        batch: work.step.batch,
-                        logits,
-                        dep,
-                    }))
-                    .map_err(|_| WgparError::WorkerStopped {
-                        worker: "the pipeline's caller".into(),
-                        detail: "it stopped reading logits".into(),
-                    })
-            }
+            (Downstream::Driver(driver), StageOut::Final(payload)) => driver
+                .send(Ok(Output {
+                    group: work.group,
+                    batch: work.step.batch,
+                    payload,
+                    dep,
+                }))
+                .map_err(|_| WgparError::WorkerStopped {
+                    worker: "the pipeline's caller".into(),
+                    detail: "it stopped reading results".into(),
+                }),
+            _ => Err(WgparError::Internal(
+                "a stage's output does not fit what follows it (hidden states go to a stage, \
+                 results to the driver)"
+                    .into(),
+            )),
         }
     }
 }
@@ -527,10 +551,40 @@ impl Stage {
             } => {
                 if work.new_cache {
                     let slots = work.slots.unwrap_or(step.batch);
-                    caches.insert(work.cache, model.kv_cache(slots)?);
+                    // A new cache of the same size reuses the old one (and its bound ops):
+                    // every row of the step's table starts where the table says.
+                    if caches.get(&work.cache).map(KvCache::slots) != Some(slots) {
+                        caches.insert(work.cache, model.kv_cache(slots)?);
+                    }
                 }
                 if let std::collections::hash_map::Entry::Vacant(slot) = acts.entry(key) {
                     slot.insert(model.activations(step.tokens(), step.batch)?);
+                }
+                let (Some(act), Some(kv)) = (acts.get_mut(&key), caches.get_mut(&work.cache))
+                else {
+                    return Err(WgparError::InvalidCall(format!(
+                        "micro-batch {} decoded before its prefill",
+                        work.group
+                    )));
+                };
+                // Inputs staged and the step's ops configured: all that needs the activation
+                // set and the cache mutably (nothing is allocated once they have met).
+                let m = &*model;
+                if self.embeds {
+                    m.write_ids(act, &work.ids)?;
+                }
+                if let Some(e) = &work.encoder {
+                    m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
+                }
+                if self.head && !m.config().is_encoder() {
+                    act.set_readout(work.readout.pick, work.readout.logits);
+                    if !work.readout.draws.is_empty() {
+                        m.write_draws(act, &work.readout.draws)?;
+                    }
+                }
+                match &work.rows {
+                    Some(rows) => m.begin_step(act, kv, &step, rows)?,
+                    None => m.begin_step(act, kv, &step, &step.rows())?,
                 }
             }
             Backend::Group(_) => return self.process_group(work),
@@ -557,16 +611,7 @@ impl Stage {
         let rec = work.recorder.clone();
         let mb = work.group as u32;
         let begun = Instant::now();
-        if self.embeds {
-            m.write_ids(act, &work.ids)?;
-        }
-        if let Some(e) = &work.encoder {
-            m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
-        }
-        match &work.rows {
-            Some(rows) => m.write_seqs(act, kv, &step, rows)?,
-            None => m.write_seqs(act, kv, &step, &step.rows())?,
-        }
+        let picks = self.head && !m.config().is_encoder();
         let mut deps = work.deps.clone();
         // The pass's first span here starts no earlier than its release (the first stage
         // only: later stages wait for the hand-off anyway).
@@ -584,7 +629,7 @@ impl Stage {
                 });
             }
             let upload_start = Instant::now();
-            self.comm.upload(&gpu, &act.x, 0, &work.hidden)?;
+            self.comm.upload(&gpu, act.x(), 0, &work.hidden)?;
             if let Some(p) = &work.pacer {
                 p.pace(
                     Direction::HostToDevice,
@@ -612,11 +657,11 @@ impl Stage {
         let mut enc = gpu.encoder();
         timer.begin(&mut enc);
         if self.embeds {
-            m.embed(&mut enc, act, &step)?;
+            m.embed(&mut enc, act)?;
         }
-        m.layers(&mut enc, act, kv, &step)?;
+        m.layers(&mut enc, act, kv)?;
         if self.is_last() {
-            m.finish(&mut enc, act, &step)?;
+            m.finish(&mut enc, act)?;
         }
         timer.end(&mut enc);
         gpu.submit(enc);
@@ -653,16 +698,30 @@ impl Stage {
         }
         // The copy is queued behind this compute and ahead of the next one, so the next
         // micro-batch may reuse the activations while the hand-off thread waits for it.
-        let download = if self.is_last() {
-            let (result, width) = m
-                .output(act)
-                .ok_or_else(|| WgparError::Internal("last stage has no output buffer".into()))?;
-            self.comm
-                .begin_download_range(&gpu, result, 0..step.batch * width)?
+        let no_output = || WgparError::Internal("last stage has no output buffer".into());
+        let mut downloads = Vec::with_capacity(2);
+        if picks {
+            // Token ids (and non-finite counts) always; logits only when asked for.
+            let picked = act.picked().ok_or_else(no_output)?;
+            downloads.push(
+                self.comm
+                    .begin_download_range(&gpu, picked, 0..2 * step.batch)?,
+            );
+            if work.readout.logits {
+                let logits = act.logits().ok_or_else(no_output)?;
+                let len = step.batch * m.config().vocab;
+                downloads.push(self.comm.begin_download_range(&gpu, logits, 0..len)?);
+            }
+        } else if self.is_last() {
+            let (result, width) = m.output(act).ok_or_else(no_output)?;
+            downloads.push(
+                self.comm
+                    .begin_download_range(&gpu, result, 0..step.batch * width)?,
+            );
         } else {
-            self.comm
-                .begin_download_range(&gpu, &act.x, 0..step.tokens() * m.config().hidden)?
-        };
+            let len = step.tokens() * m.config().hidden;
+            downloads.push(self.comm.begin_download_range(&gpu, act.x(), 0..len)?);
+        }
         let started = Instant::now();
         if work.release {
             if let Backend::Device { caches, .. } = &mut self.backend {
@@ -671,7 +730,7 @@ impl Stage {
         }
         let pending = Pending {
             work,
-            download,
+            downloads,
             started,
             compute,
         };
@@ -713,15 +772,20 @@ impl Stage {
             slots: work.slots,
             encoder: work.encoder.clone(),
             pacer: work.pacer.clone(),
+            readout: work.readout.clone(),
         };
         let outputs = group.run(job)?;
         let rank0 = outputs
             .into_iter()
             .next()
             .ok_or_else(|| WgparError::Internal("empty tensor-parallel group".into()))?;
-        let bytes = match rank0.output {
-            Some(GroupOutput::Hidden(h)) => h,
-            Some(GroupOutput::Logits(l)) => bytemuck::cast_slice(&l).to_vec(),
+        let (bytes, out) = match rank0.output {
+            Some(GroupOutput::Hidden(h)) => (h.len(), StageOut::Hidden(h)),
+            Some(GroupOutput::Picked(p)) => {
+                let words = 2 * p.tokens.len() + p.logits.as_ref().map_or(0, Vec::len);
+                (4 * words, StageOut::Final(Payload::Picked(p)))
+            }
+            Some(GroupOutput::Pooled(p)) => (4 * p.len(), StageOut::Final(Payload::Pooled(p))),
             None => return Err(WgparError::Internal("rank 0 returned nothing".into())),
         };
         {
@@ -733,7 +797,7 @@ impl Stage {
             s.collective_s += rank0.comm_s - rank0.wait_s;
             s.occupied_s += begun.elapsed().as_secs_f64();
             s.bytes_in += rank0.upload_bytes;
-            s.bytes_out += bytes.len() as u64;
+            s.bytes_out += bytes as u64;
             s.collective_bytes += rank0.bytes;
             s.transfers += rank0.transfers;
             s.collectives += rank0.collectives;
@@ -741,7 +805,7 @@ impl Stage {
         }
         let dep = rank0.last_span;
         match &self.outlet {
-            Outlet::Direct(downstream) => downstream.deliver(work, bytes, dep),
+            Outlet::Direct(downstream) => downstream.deliver(work, out, dep),
             Outlet::HandOff(_) => Err(WgparError::Internal(
                 "a hybrid stage hands off directly".into(),
             )),
@@ -771,19 +835,24 @@ impl HandOff {
 
     fn deliver(&self, p: Pending, link_free: &mut Option<Instant>) -> Result<()> {
         let started = link_free.map_or(p.started, |t| t.max(p.started));
-        let bytes = p.download.finish()?;
+        let parts = (p.downloads.into_iter())
+            .map(PendingDownload::finish)
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let n: u64 = parts.iter().map(|b| b.len() as u64).sum();
         if let Some(pacer) = &p.work.pacer {
-            pacer.pace(Direction::DeviceToHost, bytes.len() as u64, started);
+            pacer.pace(Direction::DeviceToHost, n, started);
         }
         let end = Instant::now();
         *link_free = Some(end);
-        let n = bytes.len() as u64;
         let mb = p.work.group as u32;
         let (dev, last) = (self.device, self.last);
+        let what = match (last, p.work.encoder.is_some()) {
+            (false, _) => "activations",
+            (true, false) => "tokens",
+            (true, true) => "pooled",
+        };
         let d2h = p.work.recorder.record_with(started, end, || {
-            SpanAttrs::d2h(if last { "logits" } else { "activations" }, dev, n)
-                .microbatch(mb)
-                .after(p.compute)
+            SpanAttrs::d2h(what, dev, n).microbatch(mb).after(p.compute)
         });
         {
             let mut stats = lock(&self.stats);
@@ -792,8 +861,37 @@ impl HandOff {
             s.bytes_out += n;
             s.transfers += 1;
         }
-        self.downstream.deliver(p.work, bytes, d2h)
+        let out = if last {
+            StageOut::Final(payload_of(&p.work, parts)?)
+        } else {
+            StageOut::Hidden(parts.into_iter().next().unwrap_or_default())
+        };
+        self.downstream.deliver(p.work, out, d2h)
     }
+}
+
+/// The last stage's result from its downloads: pooled embeddings for an encoder; for a
+/// decoder the picks (`[2][batch]` u32: tokens, then non-finite counts) and, when the readout
+/// asked for them, the logits.
+fn payload_of(work: &Work, parts: Vec<Vec<u8>>) -> Result<Payload> {
+    let mut parts = parts.into_iter();
+    let first = parts.next().unwrap_or_default();
+    if work.encoder.is_some() {
+        return Ok(Payload::Pooled(bytemuck::pod_collect_to_vec(&first)));
+    }
+    let batch = work.step.batch;
+    let words: Vec<u32> = bytemuck::pod_collect_to_vec(&first);
+    if words.len() < 2 * batch {
+        return Err(WgparError::Shape {
+            op: "pipeline output".into(),
+            detail: format!("{} picks for {batch} sequences", words.len()),
+        });
+    }
+    Ok(Payload::Picked(StepOut {
+        tokens: words[..batch].to_vec(),
+        non_finite: words[batch..2 * batch].to_vec(),
+        logits: parts.next().map(|b| bytemuck::pod_collect_to_vec(&b)),
+    }))
 }
 
 /// The model split into pipeline stages, one thread per stage (plus one hand-off thread per
@@ -818,6 +916,12 @@ pub struct PipelineEngine {
     /// the driver has them all.
     last_outputs: Vec<SpanId>,
     batch: usize,
+    /// GPipe steps since the prefill (the prefill is step 0).
+    steps: usize,
+    picker: Picker,
+    /// The head is on another rank (`dist`): the pick's settings do not travel there, so its
+    /// last stage picks greedily and sends the logits too; other picks happen here.
+    remote_head: bool,
     last: Option<StepStats>,
     last_run: Option<PipelineStats>,
     failed: Option<String>,
@@ -1116,6 +1220,9 @@ impl PipelineEngine {
             group_past: Vec::new(),
             group_deps: HashMap::new(),
             last_outputs: Vec::new(),
+            steps: 0,
+            picker: Picker::greedy(),
+            remote_head: !head,
             batch: 0,
             last: None,
             last_run: None,
@@ -1267,7 +1374,46 @@ impl PipelineEngine {
             deps,
             recorder: self.recorder.clone(),
             run: self.run,
+            readout: Readout::default(),
         }
+    }
+
+    /// The readout of a step of `batch` sequences: the engine's pick with its draws, and the
+    /// logits when asked for or when the host picks.
+    fn readout(&mut self, batch: usize, logits: bool) -> Readout {
+        if self.remote_head {
+            return Readout::remote();
+        }
+        Readout {
+            pick: self.picker.device_or_greedy(),
+            draws: Arc::new(self.picker.draws(batch)),
+            logits: logits || self.picker.needs_logits(),
+        }
+    }
+
+    /// Whether tokens are picked here from read-back logits rather than on the device.
+    fn host_picks(&self) -> bool {
+        self.picker.needs_logits()
+            || (self.remote_head && self.picker.device() != Some(TokenPick::Greedy))
+    }
+
+    /// A step's tokens from the last stage's picks: refused when logits were not finite,
+    /// sampled here where the device could not pick this way.
+    fn tokens_of(&mut self, step: usize, out: &StepOut) -> Result<Vec<u32>> {
+        check_finite(step, &out.non_finite, None)?;
+        if !self.host_picks() {
+            return Ok(out.tokens.clone());
+        }
+        let data = out.logits.clone().ok_or_else(|| {
+            WgparError::Internal("the host picks tokens but no logits came back".into())
+        })?;
+        let l = Logits {
+            batch: out.tokens.len(),
+            vocab: self.config.vocab,
+            data,
+        };
+        check_finite(step, &count_non_finite(&l), None)?;
+        Ok(self.picker.host(&l))
     }
 
     /// Closes a run: its [`PipelineStats`] and [`StepStats`] from the stage statistics.
@@ -1298,15 +1444,23 @@ impl PipelineEngine {
             collectives: mean(&|s| (s.transfers + s.collectives) as f64).round() as usize,
             bytes_sent: mean(&|s| (s.bytes_out + s.collective_bytes) as f64).round() as u64,
             bytes_received: mean(&|s| (s.bytes_in + s.collective_bytes) as f64).round() as u64,
+            encode_s: None,
+            encode_cpu_s: None,
         };
         let run =
             PipelineStats::from_stages(stages, self.schedule, makespan_s, tokens, lanes, chain);
         (step, run)
     }
 
-    /// One GPipe step: every group's work in, every group's logits out, in group order. The
-    /// step starts after the previous call's outputs (the driver had them all).
-    fn gpipe(&mut self, steps: Vec<(Vec<u32>, Step)>, new_cache: bool) -> Result<Logits> {
+    /// One GPipe step: every group's work in, every group's tokens (and logits when asked)
+    /// out, in group order. The step starts after the previous call's outputs (the driver
+    /// had them all).
+    fn gpipe(
+        &mut self,
+        steps: Vec<(Vec<u32>, Step)>,
+        new_cache: bool,
+        want_logits: bool,
+    ) -> Result<StepOutput> {
         self.check_alive()?;
         self.reset_stats();
         let start = Instant::now();
@@ -1314,30 +1468,42 @@ impl PipelineEngine {
         let n = steps.len();
         let barrier = std::mem::take(&mut self.last_outputs);
         for (g, (ids, step)) in steps.into_iter().enumerate() {
-            let w = self.work(g, ids, step, (new_cache, false), barrier.clone());
+            let mut w = self.work(g, ids, step, (new_cache, false), barrier.clone());
+            w.readout = self.readout(step.batch, want_logits);
             self.send(w)?;
         }
-        let mut rows: Vec<Option<Vec<f32>>> = vec![None; n];
+        let mut rows: Vec<Option<StepOut>> = vec![None; n];
         for _ in 0..n {
             let out = self.receive()?;
             self.group_deps.insert(out.group, out.dep);
             self.last_outputs.push(out.dep);
-            let vocab = self.config.vocab;
-            let mut l = out.logits;
-            l.truncate(out.batch * vocab);
-            rows[out.group] = Some(l);
+            match (out.payload, rows.get_mut(out.group)) {
+                (Payload::Picked(p), Some(row)) => *row = Some(p),
+                _ => return Err(unexpected_output()),
+            }
         }
         self.finish_run(start, tokens, n, 1);
-        let data: Vec<f32> = rows.into_iter().flatten().flatten().collect();
-        Ok(Logits {
-            batch: self.batch,
-            vocab: self.config.vocab,
-            data,
+        let mut next = Vec::with_capacity(self.batch);
+        let mut logits = Vec::new();
+        for out in rows {
+            let out = out.ok_or_else(unexpected_output)?;
+            next.extend(self.tokens_of(self.steps, &out)?);
+            logits.extend(out.logits.unwrap_or_default());
+        }
+        self.steps += 1;
+        Ok(StepOutput {
+            tokens: next,
+            logits: want_logits.then_some(Logits {
+                batch: self.batch,
+                vocab: self.config.vocab,
+                data: logits,
+            }),
         })
     }
 
-    /// Greedy decode with every micro-batch in flight: a group's next token enters stage 0
-    /// as soon as its logits are back and sampled, whatever the other groups are doing.
+    /// Decode with every micro-batch in flight: a group's next token enters stage 0 as soon
+    /// as its pick is back, whatever the other groups are doing. Only token ids come back
+    /// unless `keep_logits` (or a host-side pick) asks for the logits.
     fn decode_in_flight(
         &mut self,
         next: &[u32],
@@ -1367,13 +1533,14 @@ impl PipelineEngine {
                 seq: 1,
                 past: self.group_past[g],
             };
-            let w = self.work(
+            let mut w = self.work(
                 g,
                 next[range.clone()].to_vec(),
                 step,
                 (false, false),
                 barrier.clone(),
             );
+            w.readout = self.readout(step.batch, keep_logits);
             self.send(w)?;
         }
         let mut running = groups.len();
@@ -1383,19 +1550,18 @@ impl PipelineEngine {
             self.group_deps.insert(g, o.dep);
             self.group_past[g] += 1;
             left[g] -= 1;
-            let mut data = o.logits;
-            data.truncate(o.batch * vocab);
-            let logits = Logits {
-                batch: o.batch,
-                vocab,
-                data,
+            let Payload::Picked(picked) = o.payload else {
+                return Err(unexpected_output());
             };
-            let chosen = logits.argmax();
+            // Step k of this group: the prefill was step 0.
+            let chosen = self.tokens_of(steps - left[g], &picked)?;
             for (seq, &t) in groups[g].clone().zip(&chosen) {
                 out.tokens[seq].push(t);
             }
             if keep_logits {
-                kept[g].push(logits.data);
+                let mut data = picked.logits.unwrap_or_default();
+                data.truncate(o.batch * vocab);
+                kept[g].push(data);
             }
             if left[g] > 0 {
                 let step = Step {
@@ -1403,7 +1569,8 @@ impl PipelineEngine {
                     seq: 1,
                     past: self.group_past[g],
                 };
-                let w = self.work(g, chosen, step, (false, false), vec![o.dep]);
+                let mut w = self.work(g, chosen, step, (false, false), vec![o.dep]);
+                w.readout = self.readout(step.batch, keep_logits);
                 self.send(w)?;
             } else {
                 running -= 1;
@@ -1464,9 +1631,12 @@ impl Encoder for PipelineEngine {
         for _ in 0..groups.len() {
             let out = self.receive()?;
             self.last_outputs.push(out.dep);
-            let mut data = out.logits;
+            let (Payload::Pooled(mut data), Some(row)) = (out.payload, rows.get_mut(out.group))
+            else {
+                return Err(unexpected_output());
+            };
             data.truncate(out.batch * dim);
-            rows[out.group] = Some(data);
+            *row = Some(data);
         }
         self.finish_run(start, inputs.len() * seq, groups.len(), 1);
         Ok(Embeddings {
@@ -1475,6 +1645,10 @@ impl Encoder for PipelineEngine {
             data: rows.into_iter().flatten().flatten().collect(),
         })
     }
+}
+
+fn unexpected_output() -> WgparError {
+    WgparError::Internal("the last stage returned an output of another kind or group".into())
 }
 
 /// Contiguous sequence ranges for `m` micro-batches of a batch (at most one per sequence).
@@ -1510,9 +1684,10 @@ impl Engine for PipelineEngine {
         )
     }
 
-    fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits> {
+    fn prefill_step(&mut self, prompts: &[Vec<u32>], logits: bool) -> Result<StepOutput> {
         let (batch, seq) = prompt_shape(prompts)?;
         self.batch = batch;
+        self.steps = 0;
         self.groups = split_groups(batch, self.micro_batches);
         self.group_past = vec![seq; self.groups.len()];
         let steps = self
@@ -1529,10 +1704,10 @@ impl Engine for PipelineEngine {
                 )
             })
             .collect();
-        self.gpipe(steps, true)
+        self.gpipe(steps, true, logits)
     }
 
-    fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
+    fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput> {
         check_decode(self.batch, tokens)?;
         let steps = self
             .groups
@@ -1549,11 +1724,16 @@ impl Engine for PipelineEngine {
                 )
             })
             .collect();
-        let logits = self.gpipe(steps, false)?;
+        let out = self.gpipe(steps, false, logits)?;
         for p in &mut self.group_past {
             *p += 1;
         }
-        Ok(logits)
+        Ok(out)
+    }
+
+    fn set_sampling(&mut self, params: SamplingParams) -> Result<()> {
+        self.picker = Picker::new(params)?;
+        Ok(())
     }
 
     fn decode_greedy(&mut self, next: &[u32], steps: usize, keep_logits: bool) -> Result<Decoded> {
@@ -1665,6 +1845,11 @@ impl StepEngine for PipelineEngine {
         w.rows = Some(Arc::new(step.rows));
         w.slots = Some(self.serving.slots);
         w.release_us = step.release_us;
+        // The serving loop picks from the logits (see `StepDone`).
+        w.readout = Readout {
+            logits: true,
+            ..Readout::default()
+        };
         self.serving.started.get_or_insert_with(Instant::now);
         self.serving.busy[step.lane] = true;
         self.serving.tokens += shape.tokens();
@@ -1696,7 +1881,15 @@ impl StepEngine for PipelineEngine {
             *p += 1;
         }
         s.last_output = Some(Instant::now());
-        let mut data = out.logits;
+        let Payload::Picked(picked) = out.payload else {
+            return Err(unexpected_output());
+        };
+        check_finite(
+            s.passes.get(lane).copied().unwrap_or(0),
+            &picked.non_finite,
+            None,
+        )?;
+        let mut data = picked.logits.unwrap_or_default();
         data.truncate(out.batch * vocab);
         Ok(Some(StepDone {
             lane,

@@ -4,12 +4,14 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::pick::{check_finite, count_non_finite, Picker};
 use super::{
     check_decode, cost, prompt_shape, BatchStep, Engine, Logits, SeqRow, StepDone, StepEngine,
-    StepStats,
+    StepOutput, StepStats,
 };
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
+use crate::model::sampling::SamplingParams;
 use crate::model::{Activations, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, Step};
 use crate::trace::{KernelFamily, Recorder, SpanAttrs, SpanId};
 
@@ -24,6 +26,9 @@ pub struct SingleEngine {
     done: VecDeque<StepDone>,
     batch: usize,
     past: usize,
+    /// Steps since the prefill (the prefill is step 0).
+    steps: usize,
+    picker: Picker,
     last: Option<StepStats>,
     recorder: Recorder,
     /// Device-side timing of the forward span while a trace is recorded.
@@ -42,6 +47,8 @@ impl SingleEngine {
             done: VecDeque::new(),
             batch: 0,
             past: 0,
+            steps: 0,
+            picker: Picker::greedy(),
             last: None,
             recorder: Recorder::disabled(),
             timer: SpanTimer::default(),
@@ -69,49 +76,56 @@ impl SingleEngine {
     }
 
     /// One forward step of `rows`; its span waits for `deps` and starts no earlier than
-    /// `release_us`. Returns the logits and the span.
+    /// `release_us`. Returns the step's tokens (and logits when `want_logits`) and the span.
     fn forward(
         &mut self,
         ids: &[u32],
         step: Step,
         rows: &[SeqRow],
         (deps, release_us): (&[SpanId], Option<f64>),
-    ) -> Result<(Logits, SpanId)> {
-        let (Some(act), Some(kv)) = (&self.act, &self.kv) else {
+        want_logits: bool,
+    ) -> Result<(StepOutput, SpanId)> {
+        let (Some(act), Some(kv)) = (&mut self.act, &mut self.kv) else {
             return Err(WgparError::InvalidCall("decode before prefill".into()));
         };
         let m = &self.model;
-        m.write_ids(act, ids)?;
-        m.write_seqs(act, kv, &step, rows)?;
+        let gpu = m.gpu();
         let start = Instant::now();
-        let mut enc = m.gpu().encoder();
+        let cpu_start = super::thread_cpu_s();
+        act.set_readout(
+            self.picker.device_or_greedy(),
+            want_logits || self.picker.needs_logits(),
+        );
+        m.write_ids(act, ids)?;
+        m.begin_step(act, kv, &step, rows)?;
+        let draws = self.picker.draws(step.batch);
+        if !draws.is_empty() {
+            m.write_draws(act, &draws)?;
+        }
+        let mut enc = gpu.encoder();
         self.timer.begin(&mut enc);
-        m.embed(&mut enc, act, &step)?;
-        m.layers(&mut enc, act, kv, &step)?;
-        m.head(&mut enc, act, &step)?;
+        m.embed(&mut enc, act)?;
+        m.layers(&mut enc, act, kv)?;
+        m.head(&mut enc, act)?;
         self.timer.end(&mut enc);
-        m.gpu().submit(enc);
-        let logits = act
-            .logits
-            .as_ref()
-            .ok_or_else(|| WgparError::Internal("no logits buffer".into()))?;
-        let vocab = m.config().vocab;
-        let mut data = m.gpu().read_f32(logits)?;
-        data.truncate(step.batch * vocab);
+        m.copy_out(&mut enc, act)?;
+        gpu.submit(enc);
+        let encode_s = start.elapsed().as_secs_f64();
+        let encode_cpu_s = super::thread_cpu_s().zip(cpu_start).map(|(b, a)| b - a);
+        let out = m.read_out(act)?;
         let end = Instant::now();
-        let device_us = self.timer.read_us(m.gpu())?;
+        let device_us = self.timer.read_us(gpu)?;
         let c = m.config();
-        let placement = m.placement();
         let work = cost::total(
             c,
-            &placement.shard,
+            &m.placement().shard,
             m.num_layers(),
             &step,
             m.weight_dtype(),
             true,
             true,
         );
-        let dev = m.gpu().ordinal() as u32;
+        let dev = gpu.ordinal() as u32;
         // One span: the whole step is one submit, with no point where the host could time a
         // layer without adding a synchronisation the single-device path does not need.
         let span = self.recorder.record_with(start, end, || {
@@ -131,14 +145,35 @@ impl SingleEngine {
             tokens: step.tokens(),
             wall_s: (end - start).as_secs_f64(),
             compute_s: (end - start).as_secs_f64(),
+            encode_s: Some(encode_s),
+            encode_cpu_s,
             ..Default::default()
         });
+        let logits = out.logits.map(|data| Logits {
+            batch: step.batch,
+            vocab: c.vocab,
+            data,
+        });
+        if out.non_finite.iter().any(|&n| n > 0) {
+            // The error path only: find the first layer whose output is not finite.
+            let location = m
+                .locate_non_finite(act, kv)?
+                .map(|l| format!("{l} on {}", gpu.describe()));
+            check_finite(self.steps, &out.non_finite, location)?;
+        }
+        let tokens = match (&logits, self.picker.needs_logits()) {
+            (Some(l), true) => {
+                check_finite(self.steps, &count_non_finite(l), None)?;
+                self.picker.host(l)
+            }
+            _ => out.tokens,
+        };
         self.past += step.seq;
+        self.steps += 1;
         Ok((
-            Logits {
-                batch: step.batch,
-                vocab,
-                data,
+            StepOutput {
+                tokens,
+                logits: logits.filter(|_| want_logits),
             },
             span,
         ))
@@ -150,7 +185,7 @@ impl Engine for SingleEngine {
         format!("single on {}", self.model.gpu().describe())
     }
 
-    fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits> {
+    fn prefill_step(&mut self, prompts: &[Vec<u32>], logits: bool) -> Result<StepOutput> {
         let (batch, seq) = prompt_shape(prompts)?;
         self.reserve_activations(batch * seq, batch)?;
         if self.kv.as_ref().map(|k| k.slots()) != Some(batch) {
@@ -158,23 +193,33 @@ impl Engine for SingleEngine {
         }
         self.batch = batch;
         self.past = 0;
+        self.steps = 0;
         let ids: Vec<u32> = prompts.concat();
         let step = Step {
             batch,
             seq,
             past: 0,
         };
-        Ok(self.forward(&ids, step, &step.rows(), (&[], None))?.0)
+        Ok(self
+            .forward(&ids, step, &step.rows(), (&[], None), logits)?
+            .0)
     }
 
-    fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
+    fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput> {
         check_decode(self.batch, tokens)?;
         let step = Step {
             batch: self.batch,
             seq: 1,
             past: self.past,
         };
-        Ok(self.forward(tokens, step, &step.rows(), (&[], None))?.0)
+        Ok(self
+            .forward(tokens, step, &step.rows(), (&[], None), logits)?
+            .0)
+    }
+
+    fn set_sampling(&mut self, params: SamplingParams) -> Result<()> {
+        self.picker = Picker::new(params)?;
+        Ok(())
     }
 
     fn last_step(&self) -> Option<StepStats> {
@@ -220,8 +265,17 @@ impl StepEngine for SingleEngine {
             past: 0,
         };
         self.reserve_activations(shape.tokens(), shape.batch)?;
-        let (logits, span) =
-            self.forward(&step.ids, shape, &step.rows, (&step.deps, step.release_us))?;
+        // The serving loop picks from the logits (see `StepDone`).
+        let (out, span) = self.forward(
+            &step.ids,
+            shape,
+            &step.rows,
+            (&step.deps, step.release_us),
+            true,
+        )?;
+        let logits = out
+            .logits
+            .ok_or_else(|| WgparError::Internal("no logits read".into()))?;
         self.done.push_back(StepDone {
             lane: step.lane,
             logits,

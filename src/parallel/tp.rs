@@ -15,17 +15,20 @@ use std::time::{Duration, Instant};
 
 use super::cost;
 use super::encoder::{pad_batch, Embeddings, Encoder};
+use super::pick::{check_finite, count_non_finite, Picker};
 use super::worker::Workers;
 use super::{
     check_decode, prompt_shape, BatchStep, Engine, Fault, FaultKind, Logits, StepDone, StepEngine,
-    StepStats,
+    StepOutput, StepStats,
 };
 use crate::comm::{CommConfig, Communicator, CrossProcessGroup, RankHandle};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
+use crate::kernels::ops::TokenPick;
+use crate::model::sampling::SamplingParams;
 use crate::model::{
     Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, SeqRow,
-    ShardSpec, Step,
+    ShardSpec, Step, StepOut,
 };
 use crate::sim::{Algorithm, Direction, LinkPacer};
 use crate::trace::{CollectiveOp, KernelFamily, Recorder, SpanAttrs, SpanId};
@@ -61,11 +64,45 @@ pub(crate) enum GroupInput {
     Hidden(Arc<Vec<u8>>),
 }
 
-/// What rank 0 hands back: the final output (logits, or pooled embeddings for an encoder)
-/// when the group holds the last block, or hidden states for the next pipeline stage.
+/// What rank 0 hands back: the head's picks (and logits when asked) or an encoder's pooled
+/// embeddings when the group holds the last block, or hidden states for the next pipeline
+/// stage.
 pub(crate) enum GroupOutput {
-    Logits(Vec<f32>),
+    Picked(StepOut),
+    Pooled(Vec<f32>),
     Hidden(Vec<u8>),
+}
+
+/// How the head device picks tokens in a step, and what it reads back.
+#[derive(Clone, Debug)]
+pub(crate) struct Readout {
+    pub pick: TokenPick,
+    /// One draw per sequence for a sampling pick (empty for greedy).
+    pub draws: Arc<Vec<f32>>,
+    /// Read the logits back too.
+    pub logits: bool,
+}
+
+impl Default for Readout {
+    fn default() -> Self {
+        Self {
+            pick: TokenPick::Greedy,
+            draws: Arc::default(),
+            logits: false,
+        }
+    }
+}
+
+impl Readout {
+    /// The readout of a head in another process (`dist`): the pick's settings do not travel
+    /// over the link, so the head picks greedily (counting non-finite logits) and sends the
+    /// logits too, for the driver to pick from where it samples.
+    pub(crate) fn remote() -> Self {
+        Self {
+            logits: true,
+            ..Self::default()
+        }
+    }
 }
 
 /// One step for a tensor-parallel group.
@@ -91,6 +128,8 @@ pub(crate) struct GroupJob {
     pub encoder: Option<Arc<EncoderExtras>>,
     /// Slows collectives and hand-offs to a modelled link.
     pub pacer: Option<Arc<LinkPacer>>,
+    /// The head's token pick and readback (used by the rank that holds the head).
+    pub readout: Readout,
 }
 
 /// Per-batch inputs an encoder needs beside the ids.
@@ -119,6 +158,10 @@ pub(crate) struct RankOutput {
     pub collectives: usize,
     pub bytes: u64,
     pub last_span: SpanId,
+    /// Host time staging inputs, recording and submitting.
+    pub encode_s: f64,
+    /// The same in this thread's CPU time (`None`: no thread CPU clock).
+    pub encode_cpu_s: Option<f64>,
 }
 
 impl Rank {
@@ -153,8 +196,13 @@ impl Rank {
         let step = job.step;
         let rec = &job.recorder;
         if job.new_cache {
-            let cache = self.model.kv_cache(job.slots.unwrap_or(step.batch))?;
-            self.caches.insert(job.group, cache);
+            let slots = job.slots.unwrap_or(step.batch);
+            // A new cache of the same size reuses the old one (and its bound ops): every row
+            // of the step's table starts where the table says.
+            if self.caches.get(&job.group).map(KvCache::slots) != Some(slots) {
+                let cache = self.model.kv_cache(slots)?;
+                self.caches.insert(job.group, cache);
+            }
         }
         let tokens = step.tokens();
         let key = (tokens, step.batch);
@@ -162,7 +210,8 @@ impl Rank {
             let act = self.model.activations(tokens, step.batch)?;
             self.acts.insert(key, act);
         }
-        let (Some(act), Some(kv)) = (self.acts.get(&key), self.caches.get(&job.group)) else {
+        let (Some(act), Some(kv)) = (self.acts.get_mut(&key), self.caches.get_mut(&job.group))
+        else {
             return Err(WgparError::InvalidCall(format!(
                 "sequence group {} decoded before its prefill",
                 job.group
@@ -189,6 +238,8 @@ impl Rank {
             collectives: 0,
             bytes: 0,
             last_span: SpanId::NONE,
+            encode_s: 0.0,
+            encode_cpu_s: Some(0.0),
         };
         // The first span waits for the job's dependencies; each later one for the one before.
         let mut prev: Vec<SpanId> = job.deps.clone();
@@ -198,11 +249,38 @@ impl Rank {
             Some(us) => a.not_before_us(us),
             None => a,
         };
+        let holds_head = m.placement().head;
+        let staged = Instant::now();
+        let mut cpu_mark = super::thread_cpu_s();
+        // Adds the thread CPU time since `mark` to the encode total.
+        let cpu_add = |out: &mut RankOutput, mark: Option<f64>| {
+            out.encode_cpu_s = (out.encode_cpu_s.zip(super::thread_cpu_s()).zip(mark))
+                .map(|((total, now), mark)| total + now - mark);
+        };
         if let Some(e) = &job.encoder {
             m.write_encoder_inputs(act, &step, &e.types, &e.lens)?;
         }
+        if holds_head && !config.is_encoder() {
+            act.set_readout(job.readout.pick, job.readout.logits);
+            if !job.readout.draws.is_empty() {
+                m.write_draws(act, &job.readout.draws)?;
+            }
+        }
+        match &job.rows {
+            Some(rows) => m.begin_step(act, kv, &step, rows)?,
+            None => m.begin_step(act, kv, &step, &step.rows())?,
+        }
+        out.encode_s += staged.elapsed().as_secs_f64();
+        cpu_add(&mut out, cpu_mark);
+        let (act, kv) = (&*act, &*kv);
         match &job.input {
-            GroupInput::Ids(ids) => m.write_ids(act, ids)?,
+            GroupInput::Ids(ids) => {
+                let t0 = Instant::now();
+                cpu_mark = super::thread_cpu_s();
+                m.write_ids(act, ids)?;
+                out.encode_s += t0.elapsed().as_secs_f64();
+                cpu_add(&mut out, cpu_mark);
+            }
             GroupInput::Hidden(hidden) => {
                 if hidden.len() as u64 != bytes {
                     return Err(WgparError::Shape {
@@ -214,7 +292,7 @@ impl Rank {
                 self.comm
                     .communicator()
                     .collectives()
-                    .upload(&gpu, &act.x, 0, hidden)?;
+                    .upload(&gpu, act.x(), 0, hidden)?;
                 if let Some(p) = &job.pacer {
                     p.pace(Direction::HostToDevice, bytes, t0);
                 }
@@ -235,30 +313,27 @@ impl Rank {
                 })];
             }
         }
-        match &job.rows {
-            Some(rows) => m.write_seqs(act, kv, &step, rows)?,
-            None => m.write_seqs(act, kv, &step, &step.rows())?,
-        }
         super::sync_span_timer(&mut self.timer, &gpu, rec);
         let timer = &self.timer;
         let mut start = Instant::now();
+        cpu_mark = super::thread_cpu_s();
         let mut enc = gpu.encoder();
         timer.begin(&mut enc);
         if matches!(job.input, GroupInput::Ids(_)) {
-            m.embed(&mut enc, act, &step)?;
+            m.embed(&mut enc, act)?;
         }
         for i in 0..m.num_layers() {
             let layer = (m.placement().layers.start + i) as u32;
             for half in 0..2 {
                 let (cost, name, family) = if half == 0 {
-                    m.attention(&mut enc, i, act, kv, &step)?;
+                    m.attention(&mut enc, i, act, kv)?;
                     (
                         cost::attention(config, shard, &step, dtype),
                         "attention",
                         KernelFamily::Attention,
                     )
                 } else {
-                    m.mlp(&mut enc, i, act, &step)?;
+                    m.mlp(&mut enc, i, act)?;
                     (
                         cost::mlp(config, shard, &step, dtype),
                         "mlp",
@@ -267,6 +342,8 @@ impl Rank {
                 };
                 timer.end(&mut enc);
                 gpu.submit(std::mem::replace(&mut enc, gpu.encoder()));
+                out.encode_s += start.elapsed().as_secs_f64();
+                cpu_add(&mut out, cpu_mark);
                 gpu.wait()?;
                 let end = Instant::now();
                 let device_us = timer.read_us(&gpu)?;
@@ -290,9 +367,9 @@ impl Rank {
                     }
                 });
                 let partial = if half == 0 {
-                    &act.attn_out
+                    act.attn_out()
                 } else {
-                    &act.mlp_out
+                    act.mlp_out()
                 };
                 let comm_start = Instant::now();
                 let all_arrived = match &self.remote {
@@ -375,19 +452,25 @@ impl Rank {
                     }
                 })];
                 start = Instant::now();
+                cpu_mark = super::thread_cpu_s();
                 if half == 0 {
-                    m.attention_residual(&mut enc, i, act, &step)?;
+                    m.attention_residual(&mut enc, i, act)?;
                 } else {
-                    m.mlp_residual(&mut enc, i, act, &step)?;
+                    m.mlp_residual(&mut enc, i, act)?;
                 }
             }
         }
-        let holds_head = m.placement().head;
         if holds_head {
-            m.finish(&mut enc, act, &step)?;
+            m.finish(&mut enc, act)?;
         }
         timer.end(&mut enc);
+        let picks = holds_head && !config.is_encoder();
+        if picks {
+            m.copy_out(&mut enc, act)?;
+        }
         gpu.submit(enc);
+        out.encode_s += start.elapsed().as_secs_f64();
+        cpu_add(&mut out, cpu_mark);
         gpu.wait()?;
         let end = Instant::now();
         let device_us = timer.read_us(&gpu)?;
@@ -414,18 +497,25 @@ impl Rank {
         if shard.rank == 0 {
             let t0 = Instant::now();
             let (output, name, n) = match (holds_head, m.output(act)) {
+                (true, _) if picks => {
+                    // The picks (and logits when asked) were copied out with the step.
+                    let o = m.read_out(act)?;
+                    let n =
+                        (4 * (2 * o.tokens.len() + o.logits.as_ref().map_or(0, Vec::len))) as u64;
+                    (GroupOutput::Picked(o), "tokens", n)
+                }
                 (true, Some((result, width))) => {
                     let mut data = gpu.read_f32(result)?;
                     data.truncate(step.batch * width);
                     let n = (data.len() * 4) as u64;
-                    (GroupOutput::Logits(data), "logits", n)
+                    (GroupOutput::Pooled(data), "pooled", n)
                 }
                 _ => {
                     let download = self
                         .comm
                         .communicator()
                         .collectives()
-                        .begin_download_range(&gpu, &act.x, 0..tokens * config.hidden)?;
+                        .begin_download_range(&gpu, act.x(), 0..tokens * config.hidden)?;
                     (
                         GroupOutput::Hidden(download.finish()?),
                         "activations",
@@ -661,6 +751,8 @@ struct StepPlan {
     release_us: Option<f64>,
     /// Encoder inputs.
     encoder: Option<Arc<EncoderExtras>>,
+    /// The head's token pick and readback.
+    readout: Readout,
 }
 
 /// The model sharded over several devices, one worker thread per device.
@@ -672,6 +764,9 @@ pub struct TensorParallelEngine {
     config: ModelConfig,
     batch: usize,
     past: usize,
+    /// Steps since the prefill (the prefill is step 0).
+    steps: usize,
+    picker: Picker,
     last: Option<StepStats>,
     failed: Option<String>,
     recorder: Recorder,
@@ -728,6 +823,8 @@ impl TensorParallelEngine {
             config,
             batch: 0,
             past: 0,
+            steps: 0,
+            picker: Picker::greedy(),
             last: None,
             failed: None,
             recorder: Recorder::disabled(),
@@ -747,21 +844,70 @@ impl TensorParallelEngine {
         &self.group.comm
     }
 
-    fn step(&mut self, ids: Vec<u32>, step: Step, new_cache: bool) -> Result<Logits> {
-        let plan = StepPlan {
-            new_cache: new_cache.then_some(step.batch),
-            ..StepPlan::default()
-        };
-        let data = self.run(ids, step, plan)?;
-        Ok(Logits {
-            batch: step.batch,
+    /// Whether tokens are picked on the host from read-back logits: where the device cannot
+    /// pick this way, or where the group spans processes (every process then gets the
+    /// logits and picks alike).
+    fn host_picks(&self) -> bool {
+        self.picker.needs_logits() || self.group.remote.is_some()
+    }
+
+    /// The readout of a step of `batch` sequences.
+    fn readout(&mut self, batch: usize, want_logits: bool) -> Readout {
+        Readout {
+            pick: self.picker.device_or_greedy(),
+            draws: Arc::new(self.picker.draws(batch)),
+            logits: want_logits || self.host_picks(),
+        }
+    }
+
+    /// A step's tokens (and logits when asked) from the head's picks: refused when the
+    /// logits were not finite, picked here where the host picks.
+    fn tokens_of(&mut self, out: StepOut, batch: usize, want_logits: bool) -> Result<StepOutput> {
+        let logits = out.logits.map(|data| Logits {
+            batch,
             vocab: self.config.vocab,
             data,
+        });
+        let tokens = match (&logits, self.host_picks()) {
+            (Some(l), true) => {
+                check_finite(self.steps, &count_non_finite(l), None)?;
+                self.picker.host(l)
+            }
+            (None, true) => return Err(no_output()),
+            (_, false) => {
+                check_finite(self.steps, &out.non_finite, None)?;
+                out.tokens
+            }
+        };
+        Ok(StepOutput {
+            tokens,
+            logits: logits.filter(|_| want_logits),
         })
     }
 
-    /// One step on every rank; returns rank 0's final output (logits or pooled embeddings).
-    fn run(&mut self, ids: Vec<u32>, step: Step, plan: StepPlan) -> Result<Vec<f32>> {
+    fn step(
+        &mut self,
+        ids: Vec<u32>,
+        step: Step,
+        new_cache: bool,
+        want_logits: bool,
+    ) -> Result<StepOutput> {
+        let plan = StepPlan {
+            new_cache: new_cache.then_some(step.batch),
+            readout: self.readout(step.batch, want_logits),
+            ..StepPlan::default()
+        };
+        let out = match self.run(ids, step, plan)? {
+            GroupOutput::Picked(out) => out,
+            _ => return Err(no_output()),
+        };
+        let out = self.tokens_of(out, step.batch, want_logits)?;
+        self.steps += 1;
+        Ok(out)
+    }
+
+    /// One step on every rank; returns rank 0's final output (picks or pooled embeddings).
+    fn run(&mut self, ids: Vec<u32>, step: Step, plan: StepPlan) -> Result<GroupOutput> {
         if let Some(why) = &self.failed {
             return Err(WgparError::EngineStopped {
                 engine: "tensor-parallel engine".into(),
@@ -770,6 +916,7 @@ impl TensorParallelEngine {
         }
         let start = Instant::now();
         let new_cache = plan.new_cache.is_some();
+        let encoder = plan.encoder.is_some();
         let job = GroupJob {
             group: 0,
             input: GroupInput::Ids(Arc::new(ids)),
@@ -790,6 +937,7 @@ impl TensorParallelEngine {
             slots: plan.new_cache,
             encoder: plan.encoder,
             pacer: self.pacer.clone(),
+            readout: plan.readout,
         };
         let outputs = match self.group.run(job) {
             Ok(o) => o,
@@ -808,18 +956,41 @@ impl TensorParallelEngine {
             collectives: outputs[0].collectives,
             bytes_sent: outputs[0].bytes,
             bytes_received: outputs[0].bytes,
+            encode_s: Some(outputs.iter().map(|o| o.encode_s).sum::<f64>() / n),
+            encode_cpu_s: (outputs.iter().map(|o| o.encode_cpu_s))
+                .sum::<Option<f64>>()
+                .map(|s| s / n),
         });
         self.past = step.past + step.seq;
         self.last_span = outputs[0].last_span;
-        let output = outputs.into_iter().find_map(|o| match o.output {
-            Some(GroupOutput::Logits(l)) => Some(l),
-            _ => None,
-        });
+        let output = outputs.into_iter().find_map(|o| o.output);
         match &self.group.remote {
-            Some(remote) => remote.share_output(output),
-            None => output.ok_or_else(|| WgparError::Internal("no rank returned an output".into())),
+            // Across processes only floats travel: the logits (the readout asked for them)
+            // or the pooled embeddings; every process then picks from the logits.
+            Some(remote) => {
+                let shared = output.map(|o| match o {
+                    GroupOutput::Picked(p) => p.logits.unwrap_or_default(),
+                    GroupOutput::Pooled(p) => p,
+                    GroupOutput::Hidden(_) => Vec::new(),
+                });
+                let data = remote.share_output(shared)?;
+                Ok(if encoder {
+                    GroupOutput::Pooled(data)
+                } else {
+                    GroupOutput::Picked(StepOut {
+                        tokens: Vec::new(),
+                        non_finite: Vec::new(),
+                        logits: Some(data),
+                    })
+                })
+            }
+            None => output.ok_or_else(no_output),
         }
     }
+}
+
+fn no_output() -> WgparError {
+    WgparError::Internal("no rank returned the step's output".into())
 }
 
 impl Encoder for TensorParallelEngine {
@@ -841,7 +1012,10 @@ impl Encoder for TensorParallelEngine {
             encoder: Some(extras),
             ..StepPlan::default()
         };
-        let data = self.run(ids, step, plan)?;
+        let data = match self.run(ids, step, plan)? {
+            GroupOutput::Pooled(data) => data,
+            _ => return Err(no_output()),
+        };
         Ok(Embeddings {
             batch: inputs.len(),
             dim: self.config.hidden,
@@ -871,9 +1045,10 @@ impl Engine for TensorParallelEngine {
         )
     }
 
-    fn prefill(&mut self, prompts: &[Vec<u32>]) -> Result<Logits> {
+    fn prefill_step(&mut self, prompts: &[Vec<u32>], logits: bool) -> Result<StepOutput> {
         let (batch, seq) = prompt_shape(prompts)?;
         self.batch = batch;
+        self.steps = 0;
         self.step(
             prompts.concat(),
             Step {
@@ -882,17 +1057,23 @@ impl Engine for TensorParallelEngine {
                 past: 0,
             },
             true,
+            logits,
         )
     }
 
-    fn decode(&mut self, tokens: &[u32]) -> Result<Logits> {
+    fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput> {
         check_decode(self.batch, tokens)?;
         let step = Step {
             batch: self.batch,
             seq: 1,
             past: self.past,
         };
-        self.step(tokens.to_vec(), step, false)
+        self.step(tokens.to_vec(), step, false, logits)
+    }
+
+    fn set_sampling(&mut self, params: SamplingParams) -> Result<()> {
+        self.picker = Picker::new(params)?;
+        Ok(())
     }
 
     fn last_step(&self) -> Option<StepStats> {
@@ -963,8 +1144,21 @@ impl StepEngine for TensorParallelEngine {
             deps: Some(step.deps),
             release_us: step.release_us,
             encoder: None,
+            // The serving loop picks from the logits (see `StepDone`).
+            readout: Readout {
+                logits: true,
+                ..Readout::default()
+            },
         };
-        let data = self.run(step.ids, shape, plan)?;
+        let data = match self.run(step.ids, shape, plan)? {
+            GroupOutput::Picked(out) => {
+                if self.group.remote.is_none() {
+                    check_finite(self.steps, &out.non_finite, None)?;
+                }
+                out.logits.ok_or_else(no_output)?
+            }
+            _ => return Err(no_output()),
+        };
         self.done.push_back(StepDone {
             lane: step.lane,
             logits: Logits {

@@ -28,8 +28,10 @@ pub struct MeasuredDevice {
     pub attention_gflops: Option<f64>,
     /// Achieved bandwidth of a streaming element-wise kernel, GB/s (bytes read plus written).
     pub elementwise_gbps: f64,
-    /// Cost of one empty dispatch, microseconds.
+    /// Cost of one more dispatch in a submission, microseconds.
     pub launch_overhead_us: f64,
+    /// Fixed host cost of one submission and its wait, beyond its dispatches, microseconds.
+    pub submit_overhead_us: f64,
     /// Matmul-family rate by arithmetic intensity, `[flops per byte, GFLOP/s]` (may be empty).
     pub matmul_curve: Vec<[f64; 2]>,
     /// Attention-family rate by arithmetic intensity (may be empty).
@@ -76,6 +78,7 @@ pub fn calibrated_profile(m: &MachineMeasurement) -> Result<HostProfile, Profile
             f16_tflops: d.matmul_f16_gflops.unwrap_or(d.matmul_gflops) / 1e3,
             f16_tensor_tflops: None,
             launch_overhead_us: d.launch_overhead_us,
+            submit_overhead_us: Some(d.submit_overhead_us),
             host_link: HostLinkSpec {
                 name: "measured host link".into(),
                 shared_by: 1,
@@ -167,6 +170,7 @@ mod tests {
             attention_gflops: Some(800.0),
             elementwise_gbps: 300.0,
             launch_overhead_us: 4.0,
+            submit_overhead_us: 150.0,
             matmul_curve: Vec::new(),
             attention_curve: Vec::new(),
             compute_sharing: None,
@@ -189,6 +193,8 @@ mod tests {
         assert_eq!(p.devices[0].f32_tflops, 2.0);
         assert_eq!(p.devices[0].f16_tflops, 2.0);
         assert_eq!(p.devices[0].rates.attention_gflops, Some(800.0));
+        assert_eq!(p.devices[0].submit_overhead_us, Some(150.0));
+        assert!(!p.lacks_submit_overhead());
         let text = calibrated_profile_toml(&p, "2026-01-01, wgpar 0.1.0").unwrap();
         assert!(text.starts_with("# Calibrated profile"));
         assert!(text.contains("# 2026-01-01, wgpar 0.1.0\n"));

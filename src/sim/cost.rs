@@ -1,7 +1,7 @@
 //! The cost model: how long one operation takes on a profile, run by an engine.
 //!
 //! Compute: roofline `max(flops / (peak x gemm), bytes / (bandwidth x memory)) + kernels x
-//! launch overhead`, where the engine picks the peak (f32 shader cores, f16 shader cores or
+//! launch overhead` (plus, per compute span, the submission's fixed cost: `submit_us`), where the engine picks the peak (f32 shader cores, f16 shader cores or
 //! tensor cores) and the fractions; calibrated per-family rates and rate curves replace the
 //! roofline for an engine whose kernels calibration measures. Transfers: alpha-beta per link
 //! direction, on the engine's wire format. Collectives: the engine's choice among the paths the
@@ -141,6 +141,14 @@ impl<'a> CostModel<'a> {
         let math = flops as f64 / (peak_tflops * 1e6 * fraction);
         let memory = bytes as f64 / (d.memory_gbps * 1e3 * c.memory);
         Ok(math.max(memory) + launches)
+    }
+
+    /// Fixed host cost of one submission and its wait on device `index`
+    /// (`submit_overhead_us`, 0 where the profile has none). Engines record each submission
+    /// and its wait as one compute span, so the projection adds this once per compute span,
+    /// on top of [`CostModel::compute_us`] (which charges the dispatches).
+    pub fn submit_us(&self, index: usize) -> Result<f64, ProjectError> {
+        Ok(self.device(index)?.submit_overhead_us.unwrap_or(0.0))
     }
 
     /// Time of a device-to-host copy of `bytes` (recorded, f32) from device `index`.

@@ -275,6 +275,7 @@ fn link_only_profile(h2d: LinkSpec, d2h: LinkSpec) -> HostProfile {
             f16_tflops: f64::MAX,
             f16_tensor_tflops: None,
             launch_overhead_us: 0.0,
+            submit_overhead_us: None,
             host_link: HostLinkSpec {
                 name: "paced link".into(),
                 shared_by: 1,

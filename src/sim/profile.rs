@@ -87,6 +87,15 @@ pub struct DeviceSpec {
     pub f16_tensor_tflops: Option<f64>,
     /// Fixed cost of one kernel dispatch, microseconds.
     pub launch_overhead_us: f64,
+    /// Fixed host cost of one submission, microseconds: recording a command buffer,
+    /// submitting it and waiting until the host sees it done, beyond its dispatches' own
+    /// `launch_overhead_us`. Every compute span an engine records is one submission and its
+    /// wait, so the projection charges this once per compute span. Measured by `wgpar
+    /// calibrate` (fitted with `launch_overhead_us` from submissions of 1 to 64 dispatches);
+    /// absent (profiles calibrated before it was measured, spec-sheet profiles): 0, and
+    /// `wgpar project` says so for a calibrated profile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub submit_overhead_us: Option<f64>,
     /// The link between this device and host memory.
     pub host_link: HostLinkSpec,
     /// Measured kernel rates (filled by `wgpar calibrate`); preferred over the peaks above.
@@ -422,6 +431,13 @@ impl HostProfile {
             || self.devices.iter().any(|d| !d.rates.is_empty())
     }
 
+    /// Whether this is a calibrated profile written before `wgpar calibrate` measured the
+    /// fixed cost of a submission (`submit_overhead_us` absent on some device group): its
+    /// projections charge 0 there, so short steps come out fast.
+    pub fn lacks_submit_overhead(&self) -> bool {
+        self.is_measured() && self.devices.iter().any(|d| d.submit_overhead_us.is_none())
+    }
+
     /// Every rule a profile must satisfy; the first broken one is returned.
     pub(crate) fn check(&self) -> Result<(), Violation> {
         let root = FieldPath::root();
@@ -507,6 +523,9 @@ fn check_device(p: &FieldPath, d: &DeviceSpec) -> Result<(), Violation> {
         rules::tflops(&p.key("f16_tensor_tflops"), t)?;
     }
     rules::latency_us(&p.key("launch_overhead_us"), d.launch_overhead_us)?;
+    if let Some(v) = d.submit_overhead_us {
+        rules::latency_us(&p.key("submit_overhead_us"), v)?;
+    }
     let l = p.key("host_link");
     rules::non_empty(&l.key("name"), &d.host_link.name)?;
     rules::at_least_one(&l.key("shared_by"), d.host_link.shared_by as u64)?;

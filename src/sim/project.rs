@@ -336,6 +336,21 @@ pub fn project_engine(
                 .sum(),
         })
         .collect();
+    let mut submit_overhead_us = 0.0;
+    for (s, d) in spans.iter().zip(&devices) {
+        if let (SpanKind::Compute, Some(d)) = (s.kind, d) {
+            submit_overhead_us += model.submit_us(*d)?;
+        }
+    }
+    let mut notes = Vec::new();
+    if profile.lacks_submit_overhead() {
+        notes.push(format!(
+            "profile `{}` was calibrated before `wgpar calibrate` measured the fixed cost of a \
+             submission (`submit_overhead_us`); it is taken as 0, so short steps come out fast: \
+             calibrate again",
+            profile.name
+        ));
+    }
     let report = ProjectionReport {
         profile: profile.name.clone(),
         engine: engine.label().to_owned(),
@@ -347,6 +362,8 @@ pub fn project_engine(
         measured: timeline.summary(),
         projected,
         by_kind,
+        submit_overhead_us,
+        notes,
     };
 
     let mut out = tl.clone();
@@ -374,14 +391,15 @@ fn span_cost(model: &CostModel<'_>, s: &Span, device: Option<usize>) -> Result<f
         })
     };
     match s.kind {
-        SpanKind::Compute => model.compute_us(
-            need_device()?,
-            s.flops,
-            s.bytes,
-            s.kernels,
-            s.family,
-            s.precision,
-        ),
+        // One compute span is one submission and its wait: its dispatches plus the
+        // submission's fixed host cost.
+        SpanKind::Compute => {
+            let device = need_device()?;
+            Ok(
+                model.compute_us(device, s.flops, s.bytes, s.kernels, s.family, s.precision)?
+                    + model.submit_us(device)?,
+            )
+        }
         SpanKind::DeviceToHost => model.d2h_us(need_device()?, s.bytes as f64),
         SpanKind::HostToDevice => model.h2d_us(need_device()?, s.bytes as f64),
         SpanKind::HostReduce => Ok(model.host_reduce_us(s.bytes as f64)),

@@ -40,6 +40,13 @@ pub struct ProjectionReport {
     pub projected: Summary,
     /// Time per span kind.
     pub by_kind: Vec<KindTotal>,
+    /// Fixed host cost charged per compute span (one submission and its wait), summed over
+    /// the projected compute spans, microseconds (0 where the profile has no
+    /// `submit_overhead_us`).
+    pub submit_overhead_us: f64,
+    /// Caveats about the profile that change how far to trust the figures, one sentence each
+    /// (e.g. a calibrated profile written before the submission cost was measured).
+    pub notes: Vec<String>,
 }
 
 impl ProjectionReport {
@@ -108,6 +115,16 @@ impl fmt::Display for ProjectionReport {
         )?;
         if !self.collectives_via.is_empty() {
             writeln!(f, "collectives via: {}", self.collectives_via.join(", "))?;
+        }
+        if self.submit_overhead_us > 0.0 {
+            writeln!(
+                f,
+                "fixed host cost of the submissions (in compute): {}",
+                time(self.submit_overhead_us)
+            )?;
+        }
+        for note in &self.notes {
+            writeln!(f, "note: {note}")?;
         }
         writeln!(f)?;
         let (m, p) = (&self.measured, &self.projected);

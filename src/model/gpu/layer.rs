@@ -1,0 +1,383 @@
+//! One decoder layer on a device: its (shard of) weights, and its ops bound once to an
+//! activation set. A layer's forward is split where tensor parallelism all-reduces:
+//! `attention` leaves the (partial) output projection in `attn_out`, `attention_residual`
+//! adds it (and the bias, once) to the residual stream; likewise `mlp` / `mlp_residual`.
+//! A post-norm layer (BERT) skips the norm at the start of each half and applies it at the
+//! end of its residual, after the (all-reduced) output has been added.
+
+use std::ops::Range;
+
+use super::act::Buffers;
+use super::kv::KvLayer;
+use crate::device::{DType, Gpu, Tensor};
+use crate::error::Result;
+use crate::kernels::ops::{
+    Elementwise, ElementwiseOp, Matmul, MatmulIo, Norm, NormOp, Operand, Params, Pass, Rope,
+    RopeTables,
+};
+use crate::model::config::{Activation, ModelConfig};
+use crate::model::shard::{slice_cols, slice_rows, ShardSpec};
+use crate::model::weights::LayerWeights;
+
+/// One decoder layer's (shard of) weights on a device.
+pub(super) struct GpuLayer {
+    pub(super) shard: ShardSpec,
+    attn_norm: Tensor,
+    attn_norm_bias: Option<Tensor>,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    bq: Option<Tensor>,
+    bk: Option<Tensor>,
+    bv: Option<Tensor>,
+    wo: Tensor,
+    bo: Option<Tensor>,
+    mlp_norm: Tensor,
+    mlp_norm_bias: Option<Tensor>,
+    w_gate: Option<Tensor>,
+    w_up: Tensor,
+    b_up: Option<Tensor>,
+    w_down: Tensor,
+    b_down: Option<Tensor>,
+}
+
+pub(super) fn upload_opt(gpu: &Gpu, what: &str, v: Option<&Vec<f32>>) -> Result<Option<Tensor>> {
+    v.map(|v| gpu.upload_f32(what, v)).transpose()
+}
+
+pub(super) fn norm<'a>(gamma: &'a Tensor, beta: &'a Option<Tensor>) -> Norm<'a> {
+    match beta {
+        Some(beta) => Norm::Layer { gamma, beta },
+        None => Norm::Rms { gamma },
+    }
+}
+
+/// What binding a layer's ops needs beside its weights and the activation buffers.
+pub(super) struct BindContext<'a> {
+    pub config: &'a ModelConfig,
+    /// Tokens and sequences the activation set holds.
+    pub tokens: usize,
+    pub batch: usize,
+    pub rope: Option<RopeTables<'a>>,
+}
+
+/// Most params slots one layer's ops take (see [`GpuLayer::bind`]).
+pub(super) const PARAM_SLOTS: usize = 20;
+
+/// A layer's ops bound to one activation set (the KV cache's ops are bound per cache, see
+/// `kv::KvLayer`).
+pub(super) struct LayerOps {
+    attn_norm: Option<NormOp>,
+    q: Matmul,
+    k: Matmul,
+    v: Matmul,
+    rope: Option<(Rope, Rope)>,
+    o: Matmul,
+    attn_bias: Option<ElementwiseOp>,
+    attn_add: ElementwiseOp,
+    attn_post_norm: Option<NormOp>,
+    mlp_norm: Option<NormOp>,
+    up: Matmul,
+    gate: Option<Matmul>,
+    activation: ElementwiseOp,
+    down: Matmul,
+    mlp_bias: Option<ElementwiseOp>,
+    mlp_add: ElementwiseOp,
+    mlp_post_norm: Option<NormOp>,
+}
+
+impl GpuLayer {
+    pub(super) fn upload(
+        gpu: &Gpu,
+        config: &ModelConfig,
+        index: usize,
+        w: &LayerWeights,
+        shard: &ShardSpec,
+        dtype: DType,
+    ) -> Result<Self> {
+        let h = config.hidden;
+        let d = config.head_dim;
+        let q_rows = shard.q_heads.start * d..shard.q_heads.end * d;
+        let kv_rows = shard.kv_heads.start * d..shard.kv_heads.end * d;
+        let f = shard.ffn.clone();
+        let name = |part: &str| format!("layer{index}.{part}");
+        let weights = |part: &str, data: Vec<f32>| gpu.upload_weights(&name(part), &data, dtype);
+        let vector = |part: &str, data: &[f32]| gpu.upload_f32(&name(part), data);
+        let opt_slice = |part: &str, v: &Option<Vec<f32>>, r: Range<usize>| {
+            v.as_ref()
+                .map(|v| gpu.upload_f32(&name(part), &v[r]))
+                .transpose()
+        };
+        Ok(Self {
+            attn_norm: vector("attn_norm", &w.attn_norm)?,
+            attn_norm_bias: upload_opt(gpu, &name("attn_norm_bias"), w.attn_norm_bias.as_ref())?,
+            wq: weights("wq", slice_rows(&w.wq, h, q_rows.clone()))?,
+            wk: weights("wk", slice_rows(&w.wk, h, kv_rows.clone()))?,
+            wv: weights("wv", slice_rows(&w.wv, h, kv_rows.clone()))?,
+            bq: opt_slice("bq", &w.bq, q_rows.clone())?,
+            bk: opt_slice("bk", &w.bk, kv_rows.clone())?,
+            bv: opt_slice("bv", &w.bv, kv_rows)?,
+            wo: weights("wo", slice_cols(&w.wo, config.q_dim(), q_rows))?,
+            bo: upload_opt(gpu, &name("bo"), w.bo.as_ref())?,
+            mlp_norm: vector("mlp_norm", &w.mlp_norm)?,
+            mlp_norm_bias: upload_opt(gpu, &name("mlp_norm_bias"), w.mlp_norm_bias.as_ref())?,
+            w_gate: w
+                .w_gate
+                .as_ref()
+                .map(|g| weights("w_gate", slice_rows(g, h, f.clone())))
+                .transpose()?,
+            w_up: weights("w_up", slice_rows(&w.w_up, h, f.clone()))?,
+            b_up: opt_slice("b_up", &w.b_up, f.clone())?,
+            w_down: weights("w_down", slice_cols(&w.w_down, config.ffn, f))?,
+            b_down: upload_opt(gpu, &name("b_down"), w.b_down.as_ref())?,
+            shard: shard.clone(),
+        })
+    }
+
+    /// Binds this layer's ops over the activation buffers `a`: what the layer computes, in
+    /// order, written once. Takes at most [`PARAM_SLOTS`] slots of `params`.
+    pub(super) fn bind(
+        &self,
+        gpu: &Gpu,
+        params: &mut Params,
+        a: &Buffers,
+        cx: &BindContext<'_>,
+    ) -> Result<LayerOps> {
+        let c = cx.config;
+        let (t, h, eps) = (cx.tokens, c.hidden, c.norm_eps);
+        let s = &self.shard;
+        let (hd, q_dim, kv_dim, f) = (
+            c.head_dim,
+            s.local_heads() * c.head_dim,
+            s.local_kv_heads() * c.head_dim,
+            s.local_ffn(),
+        );
+        let post_norm = c.post_norm();
+        // Pre-norm layers project the normed stream `h`; post-norm ones the stream itself.
+        let input = if post_norm { &a.x } else { &a.h };
+        let mut matmul = |x: &Tensor, w: &Tensor, bias: Option<&Tensor>, y: &Tensor, nk| {
+            let (n, k) = nk;
+            Matmul::bind(gpu, params, MatmulIo { x, w, bias, y }, (t, n, k))
+        };
+        let q = matmul(input, &self.wq, self.bq.as_ref(), &a.q, (q_dim, h))?;
+        let k = matmul(input, &self.wk, self.bk.as_ref(), &a.k, (kv_dim, h))?;
+        let v = matmul(input, &self.wv, self.bv.as_ref(), &a.v, (kv_dim, h))?;
+        let o = matmul(&a.attn, &self.wo, None, &a.attn_out, (h, q_dim))?;
+        let up = matmul(input, &self.w_up, self.b_up.as_ref(), &a.up, (f, h))?;
+        let gate = match &self.w_gate {
+            Some(w) => Some(matmul(input, w, None, &a.gate, (f, h))?),
+            None => None,
+        };
+        // SwiGLU leaves its result in `gate`; GELU works on `up` in place.
+        let hidden_act = if gate.is_some() { &a.gate } else { &a.up };
+        let down = matmul(hidden_act, &self.w_down, None, &a.mlp_out, (h, f))?;
+        let norm_op = |params: &mut Params, gamma: &Tensor, beta: &Option<Tensor>| {
+            NormOp::bind(gpu, params, norm(gamma, beta), (&a.x, &a.h), (t, h), eps)
+        };
+        let (attn_norm, attn_post_norm) = if post_norm {
+            (
+                None,
+                Some(norm_op(params, &self.attn_norm, &self.attn_norm_bias)?),
+            )
+        } else {
+            (
+                Some(norm_op(params, &self.attn_norm, &self.attn_norm_bias)?),
+                None,
+            )
+        };
+        let (mlp_norm, mlp_post_norm) = if post_norm {
+            (
+                None,
+                Some(norm_op(params, &self.mlp_norm, &self.mlp_norm_bias)?),
+            )
+        } else {
+            (
+                Some(norm_op(params, &self.mlp_norm, &self.mlp_norm_bias)?),
+                None,
+            )
+        };
+        let rope = match cx.rope {
+            Some(tables) => {
+                let mut rope = |x: &Tensor, heads: usize| {
+                    Rope::bind(
+                        gpu,
+                        params,
+                        (x, tables, &a.seqs),
+                        (cx.batch, t),
+                        (heads, hd),
+                    )
+                };
+                Some((
+                    rope(&a.q, s.local_heads())?,
+                    rope(&a.k, s.local_kv_heads())?,
+                ))
+            }
+            None => None,
+        };
+        let mut elementwise = |kind, x: &Tensor, b: Operand<'_>, cols| {
+            ElementwiseOp::bind(gpu, params, kind, (x, b), (t, cols))
+        };
+        let attn_bias = (self.bo.as_ref())
+            .map(|b| elementwise(Elementwise::BiasAdd, &a.attn_out, Operand::Tensor(b), h))
+            .transpose()?;
+        let mlp_bias = (self.b_down.as_ref())
+            .map(|b| elementwise(Elementwise::BiasAdd, &a.mlp_out, Operand::Tensor(b), h))
+            .transpose()?;
+        let attn_add = elementwise(Elementwise::Add, &a.x, Operand::Tensor(&a.attn_out), h)?;
+        let mlp_add = elementwise(Elementwise::Add, &a.x, Operand::Tensor(&a.mlp_out), h)?;
+        let activation = if gate.is_some() {
+            elementwise(Elementwise::SwiGlu, &a.gate, Operand::Tensor(&a.up), f)?
+        } else {
+            let kind = match c.activation {
+                Activation::GeluErf => Elementwise::GeluErf,
+                _ => Elementwise::Gelu,
+            };
+            elementwise(kind, &a.up, Operand::Unused(&a.unused), f)?
+        };
+        Ok(LayerOps {
+            attn_norm,
+            q,
+            k,
+            v,
+            rope,
+            o,
+            attn_bias,
+            attn_add,
+            attn_post_norm,
+            mlp_norm,
+            up,
+            gate,
+            activation,
+            down,
+            mlp_bias,
+            mlp_add,
+            mlp_post_norm,
+        })
+    }
+}
+
+impl LayerOps {
+    /// Configures every op for `batch` rows of `seq` tokens.
+    pub(super) fn configure(
+        &mut self,
+        gpu: &Gpu,
+        params: &mut Params,
+        (batch, seq): (usize, usize),
+    ) -> Result<()> {
+        let t = batch * seq;
+        for m in [
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.o,
+            &mut self.up,
+        ]
+        .into_iter()
+        .chain(self.gate.as_mut())
+        .chain([&mut self.down])
+        {
+            m.configure(gpu, params, t)?;
+        }
+        for n in [
+            &mut self.attn_norm,
+            &mut self.attn_post_norm,
+            &mut self.mlp_norm,
+            &mut self.mlp_post_norm,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            n.configure(gpu, params, t)?;
+        }
+        for e in [&mut self.attn_bias, &mut self.mlp_bias]
+            .into_iter()
+            .flatten()
+            .chain([&mut self.attn_add, &mut self.mlp_add, &mut self.activation])
+        {
+            e.configure(gpu, params, t)?;
+        }
+        if let Some((q, k)) = &mut self.rope {
+            q.configure(gpu, params, (batch, seq))?;
+            k.configure(gpu, params, (batch, seq))?;
+        }
+        Ok(())
+    }
+
+    /// Attention half up to the output projection: norm, Q/K/V, RoPE, KV append, attention,
+    /// output projection into `attn_out` (partial under tensor parallelism, no bias).
+    pub(super) fn attention(&self, pass: &mut Pass<'_>, kv: &KvLayer) -> Result<()> {
+        if let Some(n) = &self.attn_norm {
+            pass.run(n)?;
+        }
+        pass.run(&self.q)?;
+        pass.run(&self.k)?;
+        pass.run(&self.v)?;
+        if let Some((q, k)) = &self.rope {
+            pass.run(q)?;
+            pass.run(k)?;
+        }
+        pass.run(&kv.store)?;
+        pass.run(&kv.attend)?;
+        pass.run(&self.o)
+    }
+
+    /// Adds the (all-reduced) attention output and its bias to the residual stream, then the
+    /// post-norm where the model has one.
+    pub(super) fn attention_residual(
+        &self,
+        pass: &mut Pass<'_>,
+        a: &Buffers,
+        t: usize,
+    ) -> Result<()> {
+        residual(
+            pass,
+            a,
+            t,
+            (&self.attn_bias, &self.attn_add, &self.attn_post_norm),
+        )
+    }
+
+    /// MLP half: norm, up (and gate), activation, down projection into `mlp_out` (partial
+    /// under tensor parallelism, no bias).
+    pub(super) fn mlp(&self, pass: &mut Pass<'_>) -> Result<()> {
+        if let Some(n) = &self.mlp_norm {
+            pass.run(n)?;
+        }
+        pass.run(&self.up)?;
+        if let Some(g) = &self.gate {
+            pass.run(g)?;
+        }
+        pass.run(&self.activation)?;
+        pass.run(&self.down)
+    }
+
+    /// Adds the (all-reduced) MLP output and its bias to the residual stream, then the
+    /// post-norm where the model has one.
+    pub(super) fn mlp_residual(&self, pass: &mut Pass<'_>, a: &Buffers, t: usize) -> Result<()> {
+        residual(
+            pass,
+            a,
+            t,
+            (&self.mlp_bias, &self.mlp_add, &self.mlp_post_norm),
+        )
+    }
+}
+
+/// `x += out (+ bias)`, then `x = norm(x)` through the scratch `h` for a post-norm model (a
+/// kernel may not read and write one buffer).
+fn residual(
+    pass: &mut Pass<'_>,
+    a: &Buffers,
+    tokens: usize,
+    (bias, add, post_norm): (&Option<ElementwiseOp>, &ElementwiseOp, &Option<NormOp>),
+) -> Result<()> {
+    if let Some(b) = bias {
+        pass.run(b)?;
+    }
+    pass.run(add)?;
+    if let Some(n) = post_norm {
+        pass.run(n)?;
+        a.copy_h_to_x(pass, tokens);
+    }
+    Ok(())
+}
