@@ -191,17 +191,13 @@ fn block_gemms_forced_by_name() {
                 };
                 let y = poisoned(gpu, m * n);
                 run(gpu, |e| {
-                    ops::matmul(
-                        gpu,
-                        e,
-                        &xt,
-                        &wt,
-                        Some(&bt),
-                        &y,
-                        (m, n, k),
-                        MatmulKernel::Tiled,
-                    )
-                    .unwrap()
+                    let io = MatmulIo {
+                        x: &xt,
+                        w: &wt,
+                        bias: Some(&bt),
+                        y: &y,
+                    };
+                    ops::matmul(gpu, e, io, (m, n, k), MatmulKernel::Tiled).unwrap()
                 });
                 assert_close(
                     &format!("{} {m}x{n}x{k} {dtype:?}", v.name),

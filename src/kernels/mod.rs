@@ -66,7 +66,7 @@ pub enum Family {
 
 impl Family {
     /// Every family, for validation tests.
-    pub const ALL: [Family; 12] = [
+    pub const ALL: [Family; 13] = [
         Family::Matmul,
         Family::MatmulVec4,
         Family::MatmulSubgroup,
