@@ -60,6 +60,10 @@ fn matmul_every_variant_any_shape_f32_f16() {
         (67, 45, 36),
         (130, 70, 100),
         (2, 129, 260),
+        // Edges of the block GEMMs (blocks of 64-128 rows and columns, k steps of 8-16).
+        (67, 131, 260),
+        (130, 257, 96),
+        (9, 513, 20),
     ] {
         let x = common::random(m * k, 1);
         let w = common::random(n * k, 2);
@@ -145,6 +149,76 @@ fn matmul_variant_that_does_not_apply_is_an_error() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("nope") && e.contains("gemm_64x64"), "{e}");
+}
+
+/// The block GEMMs, forced by name (what `WGPAR_KERNELS` sets) through the normal matmul path,
+/// on edge shapes in every direction, f32 and f16 weights; decode rows (m <= 8) are left to
+/// the kernels made for them even when a block GEMM is forced.
+#[test]
+fn block_gemms_forced_by_name() {
+    let blocks: Vec<&'static variants::Variant> = variants::MATMUL
+        .iter()
+        .filter(|v| v.family == wgpar::kernels::Family::MatmulBlock)
+        .collect();
+    assert!(blocks.len() >= 4);
+    for v in &blocks {
+        // A fresh device per variant: a device keeps its choice per shape class.
+        let gpus = common::gpus(1);
+        let gpu = &gpus[0];
+        let mut dtypes = vec![DType::F32];
+        if gpu.supports_f16_weights() {
+            dtypes.push(DType::F16);
+        }
+        tune::configure(tune::TuneSettings {
+            mode: tune::TuneMode::Off,
+            forced: vec![v.name.to_string()],
+            cache_dir: None,
+        });
+        for (m, n, k) in [(67, 131, 260), (129, 65, 36), (200, 520, 12)] {
+            let chosen =
+                tune::choose_matmul(gpu, (m, n, k), wgpar::kernels::WeightType::F32, None).unwrap();
+            assert_eq!(chosen.name, v.name);
+            let x = common::random(m * k, 41);
+            let w = common::random(n * k, 42);
+            let b = common::random(n, 43);
+            let xt = gpu.upload_f32("x", &x).unwrap();
+            let bt = gpu.upload_f32("b", &b).unwrap();
+            for &dtype in &dtypes {
+                let wt = gpu.upload_weights("w", &w, dtype).unwrap();
+                let w_used: Vec<f32> = match dtype {
+                    DType::F16 => w.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+                    _ => w.clone(),
+                };
+                let y = poisoned(gpu, m * n);
+                run(gpu, |e| {
+                    let io = MatmulIo {
+                        x: &xt,
+                        w: &wt,
+                        bias: Some(&bt),
+                        y: &y,
+                    };
+                    ops::matmul(gpu, e, io, (m, n, k), MatmulKernel::Tiled).unwrap()
+                });
+                assert_close(
+                    &format!("{} {m}x{n}x{k} {dtype:?}", v.name),
+                    &gpu.read_f32(&y).unwrap(),
+                    &matmul_ref(&x, &w_used, Some(&b), m, n, k),
+                    1e-5,
+                );
+            }
+        }
+        // Decode rows: the forced block GEMM does not apply, the default does.
+        let chosen =
+            tune::choose_matmul(gpu, (1, 64, 64), wgpar::kernels::WeightType::F32, None).unwrap();
+        assert_ne!(
+            chosen.family,
+            wgpar::kernels::Family::MatmulBlock,
+            "{}",
+            v.name
+        );
+        assert!(!v.applies(gpu, (8, 64, 64)) && v.applies(gpu, (9, 64, 64)));
+    }
+    tune::configure(tune::TuneSettings::from_env().unwrap());
 }
 
 /// First-use tuning times the candidates, keeps the fastest (which applies and computes the

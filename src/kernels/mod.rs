@@ -40,6 +40,9 @@ pub enum Family {
     MatmulVec4,
     /// `matmul_subgroup.wgsl`: decode GEMV with subgroup reductions (needs `SUBGROUP`).
     MatmulSubgroup,
+    /// `matmul_block.wgsl`: block GEMM with large per-invocation register tiles staged through
+    /// workgroup memory (prefill shapes, inner dimension divisible by 4).
+    MatmulBlock,
     /// `norm.wgsl`: LayerNorm and RMSNorm.
     Norm,
     /// `softmax.wgsl`: row softmax.
@@ -63,10 +66,11 @@ pub enum Family {
 
 impl Family {
     /// Every family, for validation tests.
-    pub const ALL: [Family; 12] = [
+    pub const ALL: [Family; 13] = [
         Family::Matmul,
         Family::MatmulVec4,
         Family::MatmulSubgroup,
+        Family::MatmulBlock,
         Family::Norm,
         Family::Softmax,
         Family::Attention,
@@ -84,6 +88,7 @@ impl Family {
             Family::Matmul => include_str!("../../shaders/matmul.wgsl"),
             Family::MatmulVec4 => include_str!("../../shaders/matmul_vec4.wgsl"),
             Family::MatmulSubgroup => include_str!("../../shaders/matmul_subgroup.wgsl"),
+            Family::MatmulBlock => include_str!("../../shaders/matmul_block.wgsl"),
             Family::Norm => include_str!("../../shaders/norm.wgsl"),
             Family::Softmax => include_str!("../../shaders/softmax.wgsl"),
             Family::Attention => include_str!("../../shaders/attention.wgsl"),
@@ -100,7 +105,11 @@ impl Family {
     pub fn has_weight_variants(self) -> bool {
         matches!(
             self,
-            Family::Matmul | Family::MatmulVec4 | Family::MatmulSubgroup | Family::Embedding
+            Family::Matmul
+                | Family::MatmulVec4
+                | Family::MatmulSubgroup
+                | Family::MatmulBlock
+                | Family::Embedding
         )
     }
 
@@ -122,7 +131,7 @@ impl Family {
     pub fn bindings(self) -> &'static [BindingKind] {
         use BindingKind::*;
         match self {
-            Family::Matmul | Family::MatmulVec4 | Family::MatmulSubgroup => {
+            Family::Matmul | Family::MatmulVec4 | Family::MatmulSubgroup | Family::MatmulBlock => {
                 &[Read, Read, Read, ReadWrite, Uniform]
             }
             Family::Norm => &[Read, ReadWrite, Read, Read, Uniform],
@@ -145,6 +154,7 @@ impl Family {
             Family::Matmul => &["matmul", "matmul_naive", "gemm_tiled_scalar"],
             Family::MatmulVec4 => &["matmul_vec4", "matmul_vec4_rt", "gemv", "gemm_tiled"],
             Family::MatmulSubgroup => &["gemv_subgroup"],
+            Family::MatmulBlock => &["gemm_block"],
             Family::Norm => &["layernorm", "rmsnorm"],
             Family::Softmax => &["softmax"],
             Family::Attention => &["attend", "attend_tiled", "attend_split"],

@@ -57,6 +57,9 @@ pub struct Variant {
     pub k_multiple_of_4: bool,
     /// Most rows (m) it accepts; `u32::MAX` for any.
     pub max_rows: u32,
+    /// Fewest rows (m) it is offered for: the block GEMMs, whose blocks span 64-128 rows,
+    /// are prefill kernels and leave decode rows (m <= 8) to the GEMV and register-tile ones.
+    pub min_rows: u32,
     /// Grid shape (matmul variants; attention variants name theirs by `entry`).
     pub grid: MatmulGrid,
     /// Largest head dimension it takes (attention variants).
@@ -81,6 +84,7 @@ macro_rules! mm {
             subgroups: $sg,
             k_multiple_of_4: $k4,
             max_rows: $mr,
+            min_rows: 1,
             grid: $grid,
             max_head_dim: ANY,
             candidate: $cand,
@@ -93,23 +97,48 @@ const fn blocks(rows: u32, cols: u32) -> MatmulGrid {
     MatmulGrid::Blocks { rows, cols }
 }
 
-/// Every matmul variant. The first two are the CPU-shaped kernels wgpar had before (rows from
-/// the workgroup id, an 8-invocation workgroup, a 4 x 4 register tile); the `rt_*` ones vary
+/// A block GEMM of `matmul_block.wgsl`: `tm x tn` outputs per invocation, `wgx x wgy`
+/// invocations, a k step of `bk`; the block is `(wgy * tm) x (wgx * tn)` and the stage sizes
+/// follow from it. Prefill only (m > 8).
+macro_rules! block {
+    ($name:expr, tm = $tm:expr, tn = $tn:expr, wgx = $wgx:expr, wgy = $wgy:expr, bk = $bk:expr) => {
+        Variant {
+            name: $name,
+            op: Op::Matmul,
+            family: Family::MatmulBlock,
+            entry: "gemm_block",
+            constants: &[
+                ("BW_TM", $tm as f64),
+                ("BW_TN", $tn as f64),
+                ("BW_WGX", $wgx as f64),
+                ("BW_WGY", $wgy as f64),
+                ("BW_BK", $bk as f64),
+                ("BW_A4", ($bk * $wgy * $tm / 4) as f64),
+                ("BW_W4", ($bk * $wgx * $tn / 4) as f64),
+            ],
+            subgroups: false,
+            k_multiple_of_4: true,
+            max_rows: ANY,
+            min_rows: 9,
+            grid: blocks($wgy * $tm, $wgx * $tn),
+            max_head_dim: ANY,
+            candidate: true,
+            legacy: false,
+        }
+    };
+}
+
+/// Every matmul variant, in the order first-use tuning times them (it has a time budget, so
+/// the likeliest winners come first; the default of each shape is the first that applies:
+/// `matmul_vec4` for an inner dimension divisible by 4, `matmul` otherwise). `matmul` and
+/// `matmul_vec4` are the CPU-shaped kernels wgpar had before (rows from the workgroup id, an
+/// 8-invocation workgroup, a 4 x 4 register tile); the `rt_*` ones vary
 /// that scheme's tile and workgroup; `gemv_*` are decode kernels (m <= 8) with a workgroup per
-/// block of columns and a reduction along k; `gemm_*` are workgroup-memory tiled GEMMs.
+/// block of columns and a reduction along k; `gemm_*` are workgroup-memory tiled GEMMs, and
+/// among them `gemm_r*` the block GEMMs with large register tiles (`gemm_rTMxTN_BMxBN`: a
+/// TM x TN tile per invocation, a BM x BN block per workgroup), listed right after
+/// `matmul_vec4`, largest blocks first.
 pub static MATMUL: &[Variant] = &[
-    mm!(
-        "matmul",
-        Matmul,
-        "matmul",
-        &[],
-        sg = false,
-        k4 = false,
-        max_rows = ANY,
-        blocks(4, 32),
-        candidate = true,
-        legacy = true
-    ),
     mm!(
         "matmul_vec4",
         MatmulVec4,
@@ -117,6 +146,59 @@ pub static MATMUL: &[Variant] = &[
         &[],
         sg = false,
         k4 = true,
+        max_rows = ANY,
+        blocks(4, 32),
+        candidate = true,
+        legacy = true
+    ),
+    block!(
+        "gemm_r16x8_128x128",
+        tm = 16,
+        tn = 8,
+        wgx = 16,
+        wgy = 8,
+        bk = 8
+    ),
+    block!(
+        "gemm_r8x8_128x128",
+        tm = 8,
+        tn = 8,
+        wgx = 16,
+        wgy = 16,
+        bk = 8
+    ),
+    block!(
+        "gemm_r16x8_128x64",
+        tm = 16,
+        tn = 8,
+        wgx = 8,
+        wgy = 8,
+        bk = 16
+    ),
+    block!(
+        "gemm_r8x16_64x128",
+        tm = 8,
+        tn = 16,
+        wgx = 8,
+        wgy = 8,
+        bk = 16
+    ),
+    block!(
+        "gemm_r8x8_128x64",
+        tm = 8,
+        tn = 8,
+        wgx = 8,
+        wgy = 16,
+        bk = 16
+    ),
+    block!("gemm_r8x8_64x64", tm = 8, tn = 8, wgx = 8, wgy = 8, bk = 16),
+    mm!(
+        "matmul",
+        Matmul,
+        "matmul",
+        &[],
+        sg = false,
+        k4 = false,
         max_rows = ANY,
         blocks(4, 32),
         candidate = true,
@@ -357,6 +439,7 @@ macro_rules! attn {
             subgroups: false,
             k_multiple_of_4: false,
             max_rows: ANY,
+            min_rows: 1,
             grid: MatmulGrid::Columns { cols: 1 },
             max_head_dim: $hd,
             candidate: true,
@@ -516,7 +599,7 @@ impl Variant {
         if self.k_multiple_of_4 && !k.is_multiple_of(4) {
             return false;
         }
-        if m > self.max_rows as usize {
+        if m > self.max_rows as usize || m < self.min_rows as usize {
             return false;
         }
         !self.subgroups || subgroups_usable(gpu)
