@@ -97,6 +97,12 @@ impl Collectives {
         }
     }
 
+    /// Holds `count` download buffers of at least `bytes` for `gpu` from now on (see
+    /// `StagingPool::reserve_downloads`).
+    pub(crate) fn reserve_downloads(&self, gpu: &Gpu, bytes: u64, count: usize) {
+        lock(&self.pool(gpu)).reserve_downloads(bytes, count);
+    }
+
     /// Pack/unpack kernels and scratch of the f16 link.
     pub(crate) fn link_cache(&self) -> &LinkCache {
         &self.link

@@ -325,6 +325,19 @@ impl StagingPool {
         Slot::new(&self.device, direction, size)
     }
 
+    /// Makes sure `count` download buffers of at least `bytes` are held (at most the idle
+    /// cap), allocating the missing ones now: a caller that will keep that many downloads in
+    /// flight allocates nothing later, whatever the timing of its hand-offs.
+    pub(crate) fn reserve_downloads(&mut self, bytes: u64, count: usize) {
+        let count = count.min(self.max_idle);
+        let leased: Vec<Slot> = (0..count)
+            .map(|_| self.lease(Direction::Download, bytes))
+            .collect();
+        for slot in leased {
+            self.give_back(slot);
+        }
+    }
+
     /// Takes a buffer back after a successful operation; beyond the idle cap the smallest is
     /// dropped.
     pub(crate) fn give_back(&mut self, slot: Slot) {

@@ -559,6 +559,13 @@ impl Stage {
                 }
                 if let std::collections::hash_map::Entry::Vacant(slot) = acts.entry(key) {
                     slot.insert(model.activations(step.tokens(), step.batch)?);
+                    // Up to three of this shape's downloads are out at once: one in the
+                    // hand-off thread, one queued for it, one just begun. Holding their
+                    // staging buffers now keeps the token loop free of allocations however
+                    // the passes interleave.
+                    let hidden = step.tokens() * model.config().hidden * 4;
+                    self.comm
+                        .reserve_downloads(&self.gpu, hidden as u64, HANDOFF_DEPTH);
                 }
                 let (Some(act), Some(kv)) = (acts.get_mut(&key), caches.get_mut(&work.cache))
                 else {
@@ -950,6 +957,9 @@ struct Serving {
     started: Option<Instant>,
     last_output: Option<Instant>,
 }
+
+/// Downloads a device stage may have out at once (see `Stage::process`).
+const HANDOFF_DEPTH: usize = 3;
 
 /// The key of the serving KV cache on every stage (micro-batch caches use their index).
 const SERVING_CACHE: usize = usize::MAX;
