@@ -77,6 +77,9 @@ pub struct ProjectionBenchArgs {
 struct Config {
     name: String,
     devices: usize,
+    /// Sequence groups a batch is split into (1 outside pipelines).
+    #[serde(skip)]
+    micro_batches: usize,
     /// `run` arguments that select it.
     #[serde(skip)]
     args: Vec<String>,
@@ -94,6 +97,7 @@ fn parse_config(text: &str) -> Result<Config> {
         return Ok(Config {
             name: text.into(),
             devices: 1,
+            micro_batches: 1,
             args: owned(&["--strategy", "none"]),
         });
     }
@@ -102,6 +106,7 @@ fn parse_config(text: &str) -> Result<Config> {
         return Ok(Config {
             name: text.into(),
             devices: n,
+            micro_batches: 1,
             args: owned(&["--strategy", "tp", "--virtual", &n.to_string()]),
         });
     }
@@ -111,6 +116,7 @@ fn parse_config(text: &str) -> Result<Config> {
         return Ok(Config {
             name: text.into(),
             devices: p,
+            micro_batches: m,
             args: owned(&[
                 "--strategy",
                 "pp",
@@ -183,16 +189,10 @@ fn parse_workload(text: &str) -> Result<Workload> {
 /// heads do not divide, more pipeline stages than layers), or `None`. Unknown model names
 /// pass: `wgpar run` reports them.
 fn unrunnable(config: &Config, workload: &Workload) -> Option<String> {
-    let micro_batches = config
-        .args
-        .iter()
-        .position(|a| a == "--micro-batches")
-        .and_then(|i| config.args.get(i + 1))
-        .and_then(|m| m.parse::<usize>().ok());
-    if let Some(m) = micro_batches.filter(|&m| m > workload.batch) {
+    if config.micro_batches > workload.batch {
         return Some(format!(
-            "{}: {m} micro-batches for a batch of {}",
-            config.name, workload.batch
+            "{}: {} micro-batches for a batch of {}",
+            config.name, config.micro_batches, workload.batch
         ));
     }
     let m = wgpar::model::ModelConfig::preset(&workload.model).ok()?;

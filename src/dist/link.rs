@@ -192,14 +192,12 @@ fn split_rows(
                 payload.len()
             ),
         })?;
-    let rows = payload[..table]
-        .chunks_exact(16)
-        .map(|c| {
-            let word = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize;
-            SeqRow {
-                slot: word(&c[..8]),
-                past: word(&c[8..]),
-            }
+    let words: Vec<u64> = bytemuck::pod_collect_to_vec(&payload[..table]);
+    let rows = words
+        .chunks_exact(2)
+        .map(|w| SeqRow {
+            slot: w[0] as usize,
+            past: w[1] as usize,
         })
         .collect();
     Ok((Some(Arc::new(rows)), payload[table..].to_vec()))
