@@ -12,9 +12,33 @@ use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::{Engine, Fault, FaultKind, Partition, PipelineEngine, TensorParallelEngine};
 use wgpar::WgparError;
 
-/// Threads of this process (Linux; elsewhere the join check is skipped).
-fn threads() -> Option<usize> {
-    std::fs::read_dir("/proc/self/task").ok().map(|d| d.count())
+/// Names of this process's threads (Linux; elsewhere the join check is skipped).
+fn threads() -> Option<Vec<String>> {
+    let tasks = std::fs::read_dir("/proc/self/task").ok()?;
+    let mut names: Vec<String> = tasks
+        .filter_map(|t| t.ok())
+        .map(|t| {
+            std::fs::read_to_string(t.path().join("comm"))
+                .map(|n| n.trim().to_string())
+                .unwrap_or_default()
+        })
+        .collect();
+    names.sort();
+    Some(names)
+}
+
+/// Waits until this process's threads are those of `before` again, up to a few seconds: a
+/// joined thread can stay listed in `/proc` for a moment while the kernel finishes its exit, so
+/// one read right after the join can still show it. A thread that was never joined stays, and
+/// fails the check with its name.
+fn assert_threads_back_to(before: &Option<Vec<String>>, kind: FaultKind) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut now = threads();
+    while now != *before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        now = threads();
+    }
+    assert_eq!(now, *before, "{kind:?}: threads left running");
 }
 
 /// The innermost cause of an error chain.
@@ -88,7 +112,7 @@ fn tensor_parallel_rank_faults_end_cleanly() {
         tp.inject_fault(1, Fault { after: 2, kind }).unwrap();
         check_fault(&mut tp, kind, "rank 1", &prompts, 2);
         drop(tp);
-        assert_eq!(threads(), before, "{kind:?}: threads left running");
+        assert_threads_back_to(&before, kind);
     }
 }
 
@@ -112,6 +136,6 @@ fn pipeline_stage_faults_keep_their_cause() {
         Engine::inject_fault(&mut pp, 1, Fault { after: 2, kind }).unwrap();
         check_fault(&mut pp, kind, "stage 1", &prompts, 2);
         drop(pp);
-        assert_eq!(threads(), before, "{kind:?}: threads left running");
+        assert_threads_back_to(&before, kind);
     }
 }
