@@ -58,10 +58,61 @@ pub(super) fn block_steps(batch: usize, prompt: usize, quick: bool) -> Vec<Step>
     steps
 }
 
-/// One measured block: intensity (flops per byte), achieved GFLOP/s net of dispatch cost.
+/// Widths (hidden sizes) of the narrower blocks measured besides the model's own: a half and
+/// a sixth of its width, rounded down to a multiple of 16 (at least 16), each once.
+///
+/// Why: at equal arithmetic intensity a narrow block runs below a wide one (fewer workgroups
+/// per dispatch to fill the device; on a CPU driver, a thread fan-out not paid back), so a
+/// rate keyed by intensity alone projects a narrower model too fast. Measuring the model's
+/// own block shape at narrower widths gives the rate its second axis, the work per dispatch,
+/// without measuring any other model's exact shapes.
+pub(super) fn narrow_widths(c: &ModelConfig) -> Vec<usize> {
+    let mut widths: Vec<usize> = [2, 6]
+        .iter()
+        .map(|f| (c.hidden / f / 16 * 16).max(16))
+        .filter(|&w| w < c.hidden)
+        .collect();
+    widths.dedup();
+    widths
+}
+
+/// The model's block shape at width `hidden`: the same architecture, layer count, head
+/// size (halved until it divides the width), ratio of query to key/value heads (as near as
+/// the head count allows) and ratio of MLP to hidden width. `None` when no valid
+/// configuration has that width.
+pub(super) fn narrow_config(c: &ModelConfig, hidden: usize) -> Option<ModelConfig> {
+    let mut head_dim = c.head_dim;
+    while head_dim > 2 && !hidden.is_multiple_of(head_dim) {
+        head_dim /= 2;
+    }
+    if head_dim == 0 || !hidden.is_multiple_of(head_dim) {
+        return None;
+    }
+    let heads = hidden / head_dim;
+    let group = (c.heads / c.kv_heads.max(1)).max(1);
+    let kv_heads = (1..=(heads / group).max(1))
+        .rev()
+        .find(|k| heads.is_multiple_of(*k))
+        .unwrap_or(1);
+    let ffn = ((c.ffn * hidden / c.hidden).div_ceil(8) * 8).max(8);
+    let n = ModelConfig {
+        name: format!("{}-width{hidden}", c.name),
+        hidden,
+        heads,
+        kv_heads,
+        head_dim,
+        ffn,
+        ..c.clone()
+    };
+    n.validate().ok().map(|()| n)
+}
+
+/// One measured block: intensity (flops per byte), work per dispatch (MFLOP) and achieved
+/// GFLOP/s net of dispatch cost.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Point {
     intensity: f64,
+    mflop_per_dispatch: f64,
     gflops: f64,
 }
 
@@ -158,6 +209,7 @@ pub(super) fn block_curves(
             let net = (t - fixed_us / 1e6).max(t / 10.0);
             let p = Point {
                 intensity: flops as f64 / bytes as f64,
+                mflop_per_dispatch: flops as f64 / k.max(1) as f64 / 1e6,
                 gflops: flops as f64 * layers / net / 1e9,
             };
             row.push((t, p));
@@ -190,18 +242,70 @@ pub(super) fn block_curves(
 
 /// Curve points sorted by intensity; points closer than 2 % in intensity are averaged so the
 /// intensities strictly increase.
-pub(super) fn curve(mut points: Vec<Point>) -> Vec<[f64; 2]> {
+pub(super) fn curve(points: Vec<Point>) -> Vec<[f64; 2]> {
+    surface_curve(points)
+        .into_iter()
+        .map(|[i, _, g]| [i, g])
+        .collect()
+}
+
+/// Like [`curve`], keeping each point's work per dispatch: one curve of a rate surface
+/// (`[flops per byte, MFLOP per dispatch, GFLOP/s]`).
+pub(super) fn surface_curve(mut points: Vec<Point>) -> Vec<[f64; 3]> {
     points.sort_by(|a, b| a.intensity.total_cmp(&b.intensity));
-    let mut out: Vec<(f64, f64, f64)> = Vec::new();
+    let mut out: Vec<([f64; 3], f64)> = Vec::new();
     for p in points {
         match out.last_mut() {
-            Some(last) if p.intensity <= last.0 / last.2 * 1.02 => {
-                last.0 += p.intensity;
-                last.1 += p.gflops;
-                last.2 += 1.0;
+            Some((sum, n)) if p.intensity <= sum[0] / *n * 1.02 => {
+                sum[0] += p.intensity;
+                sum[1] += p.mflop_per_dispatch;
+                sum[2] += p.gflops;
+                *n += 1.0;
             }
-            _ => out.push((p.intensity, p.gflops, 1.0)),
+            _ => out.push(([p.intensity, p.mflop_per_dispatch, p.gflops], 1.0)),
         }
     }
-    out.into_iter().map(|(i, g, n)| [i / n, g / n]).collect()
+    out.into_iter()
+        .map(|(s, n)| [s[0] / n, s[1] / n, s[2] / n])
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn narrow_blocks_keep_the_shape_at_a_half_and_a_sixth_of_the_width() {
+        let c = ModelConfig::default_model();
+        // 384 / 2 and 384 / 6; not 96, the width of the tiny presets the out-of-sample
+        // benchmark projects (they must stay out of sample).
+        assert_eq!(narrow_widths(&c), vec![192, 64]);
+        let half = narrow_config(&c, 192).unwrap();
+        assert_eq!(
+            (
+                half.heads,
+                half.kv_heads,
+                half.head_dim,
+                half.ffn,
+                half.layers
+            ),
+            (6, 2, 32, 512, c.layers)
+        );
+        assert_eq!(half.arch, c.arch);
+        let sixth = narrow_config(&c, 64).unwrap();
+        // 1024 x 64 / 384 = 170.7, rounded up to a multiple of 8.
+        assert_eq!(
+            (sixth.heads, sixth.kv_heads, sixth.head_dim, sixth.ffn),
+            (2, 1, 32, 176)
+        );
+        // A width the head size does not divide halves the head size.
+        let odd = narrow_config(&c, 48).unwrap();
+        assert_eq!((odd.heads, odd.head_dim), (3, 16));
+        // The narrowest model keeps at least one 16-wide width below its own.
+        let tiny = ModelConfig::preset("tiny-llama").unwrap();
+        assert_eq!(narrow_widths(&tiny), vec![48, 16]);
+        for w in narrow_widths(&tiny) {
+            assert!(narrow_config(&tiny, w).is_some(), "{w}");
+        }
+    }
 }

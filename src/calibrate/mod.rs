@@ -16,7 +16,11 @@
 //!   prefill steps of the run's shapes, net of dispatch costs: the achieved rate as a function
 //!   of arithmetic intensity (`attention_curve`, `matmul_curve`). Engines record a whole
 //!   forward pass or layer half as one span, so the rate that predicts such a span is the rate
-//!   of that block, not of a bare matmul;
+//!   of that block, not of a bare matmul. The same blocks are measured at a half and a sixth
+//!   of the model's width too (`blocks::narrow_widths`): at equal intensity a narrow block runs
+//!   slower (fewer workgroups per dispatch), so the rate is kept as a surface over intensity
+//!   and work per dispatch (`attention_surface`, `matmul_surface`), which projects a model of
+//!   another width, or a tensor-parallel shard, from the block widths around it;
 //! - devices on one adapter (`--virtual N`) share its processor (`sharing.rs`): the slowdown of
 //!   k = 2..N of them computing at once, per step shape, written as `compute_sharing`.
 //!
@@ -196,6 +200,30 @@ pub fn calibrate(
             DType::F32,
         )?);
         let measured_blocks = blocks::block_curves(&model, &steps, dispatch, iters, log)?;
+        let mut attention_surface = vec![blocks::surface_curve(measured_blocks.attention.clone())];
+        let mut matmul_surface = vec![blocks::surface_curve(measured_blocks.layers.clone())];
+        for width in blocks::narrow_widths(config) {
+            let Some(narrow) = blocks::narrow_config(config, width) else {
+                continue;
+            };
+            say!(
+                log,
+                "  the same blocks {width} wide ({} heads of {}, {} key/value heads, MLP {}):",
+                narrow.heads,
+                narrow.head_dim,
+                narrow.kv_heads,
+                narrow.ffn
+            );
+            let narrow_model = GpuModel::upload(
+                gpu.clone(),
+                &ModelWeights::synthetic(&narrow, 1),
+                Placement::whole(&narrow),
+                DType::F32,
+            )?;
+            let b = blocks::block_curves(&narrow_model, &steps, dispatch, iters, log)?;
+            attention_surface.push(blocks::surface_curve(b.attention));
+            matmul_surface.push(blocks::surface_curve(b.layers));
+        }
         let attention_curve = blocks::curve(measured_blocks.attention);
         let matmul_curve = blocks::curve(measured_blocks.layers);
         let plateau = |c: &[[f64; 2]]| c.last().map_or(0.0, |p| p[1]);
@@ -267,6 +295,8 @@ pub fn calibrate(
             submit_overhead_us: dispatch.submit_us,
             matmul_curve,
             attention_curve,
+            matmul_surface,
+            attention_surface,
             compute_sharing,
         });
     }

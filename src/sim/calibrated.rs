@@ -36,6 +36,11 @@ pub struct MeasuredDevice {
     pub matmul_curve: Vec<[f64; 2]>,
     /// Attention-family rate by arithmetic intensity (may be empty).
     pub attention_curve: Vec<[f64; 2]>,
+    /// Matmul-family rate by intensity and work per dispatch, one curve per measured block
+    /// width, points `[flops per byte, MFLOP per dispatch, GFLOP/s]` (may be empty).
+    pub matmul_surface: Vec<Vec<[f64; 3]>>,
+    /// Attention-family rate by intensity and work per dispatch (may be empty).
+    pub attention_surface: Vec<Vec<[f64; 3]>>,
     /// Whether the `count` devices share one processor, and the measured slowdown.
     pub compute_sharing: Option<ComputeSharing>,
 }
@@ -93,6 +98,8 @@ pub fn calibrated_profile(m: &MachineMeasurement) -> Result<HostProfile, Profile
                 elementwise_gbps: Some(d.elementwise_gbps),
                 matmul_curve: d.matmul_curve.clone(),
                 attention_curve: d.attention_curve.clone(),
+                matmul_surface: d.matmul_surface.clone(),
+                attention_surface: d.attention_surface.clone(),
             },
             compute_sharing: d.compute_sharing.clone(),
         })
@@ -173,6 +180,8 @@ mod tests {
             submit_overhead_us: 150.0,
             matmul_curve: Vec::new(),
             attention_curve: Vec::new(),
+            matmul_surface: Vec::new(),
+            attention_surface: Vec::new(),
             compute_sharing: None,
         }
     }

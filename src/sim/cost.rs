@@ -14,7 +14,7 @@ use crate::trace::{CollectiveOp, KernelFamily, Precision};
 
 use super::engine::{CollectiveEntry, Engine, LinkKind};
 use super::numformat::NumFormat;
-use super::profile::{rate_at, DeviceSpec, HostProfile, LinkSpec};
+use super::profile::{rate_at, rate_on_surface, DeviceSpec, HostProfile, LinkSpec};
 use super::project::CollectivePolicy;
 use super::project_error::ProjectError;
 
@@ -122,7 +122,7 @@ impl<'a> CostModel<'a> {
         let launch = c.launch_overhead_us.unwrap_or(d.launch_overhead_us);
         let launches = kernels as f64 * launch;
         if c.calibrated && !d.rates.is_empty() {
-            return Ok(measured_compute_us(d, flops, bytes, family, precision) + launches);
+            return Ok(measured_compute_us(d, flops, bytes, kernels, family, precision) + launches);
         }
         let precision = match c.dtype {
             NumFormat::F32 => precision,
@@ -526,12 +526,14 @@ fn bus_factor(op: CollectiveOp, n: usize) -> f64 {
     }
 }
 
-/// A calibrated device's time for a span (no launches): the family's measured curve at the
-/// span's intensity, else the roofline of the measured rates (peaks where none was measured).
+/// A calibrated device's time for a span (no launches): the family's measured surface at the
+/// span's intensity and work per dispatch, else its curve at the intensity, else the roofline
+/// of the measured rates (peaks where none was measured).
 fn measured_compute_us(
     d: &DeviceSpec,
     flops: u64,
     bytes: u64,
+    kernels: u32,
     family: Option<KernelFamily>,
     precision: Precision,
 ) -> f64 {
@@ -546,11 +548,21 @@ fn measured_compute_us(
     } else {
         f64::INFINITY
     };
-    let curve = match (family, precision) {
-        (Some(KernelFamily::Matmul), Precision::F32) => rate_at(&d.rates.matmul_curve, intensity),
-        (Some(KernelFamily::Attention), _) => rate_at(&d.rates.attention_curve, intensity),
-        _ => None,
+    // A span with no recorded dispatches counts as one: its work is all in one dispatch.
+    let mflop_per_dispatch = flops as f64 / 1e6 / f64::from(kernels.max(1));
+    let (surface, curve): (&[Vec<[f64; 3]>], &[[f64; 2]]) = match (family, precision) {
+        (Some(KernelFamily::Matmul), Precision::F32) => {
+            (&d.rates.matmul_surface, &d.rates.matmul_curve)
+        }
+        (Some(KernelFamily::Attention), _) => {
+            (&d.rates.attention_surface, &d.rates.attention_curve)
+        }
+        _ => (&[], &[]),
     };
+    // The surface also knows how the rate depends on the width of the work (through the
+    // work per dispatch), so it wins over the curve of one width.
+    let curve = rate_on_surface(surface, intensity, mflop_per_dispatch)
+        .or_else(|| rate_at(curve, intensity));
     // 1 GFLOP/s = 1e3 FLOP per us, 1 GB/s = 1e3 bytes per us.
     if let Some(gflops) = curve {
         // The curve is an achieved rate at this intensity, memory stalls included: it is the

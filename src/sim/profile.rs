@@ -188,6 +188,16 @@ pub struct Rates {
     /// `matmul_curve`; preferred over `attention_gflops`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attention_curve: Vec<[f64; 2]>,
+    /// Achieved f32 matmul-family rate by arithmetic intensity *and* work per dispatch: one
+    /// curve per measured block width, each a list of points `[flops per byte, MFLOP per
+    /// dispatch, GFLOP/s]` with increasing intensity. Preferred over `matmul_curve`; see
+    /// [`rate_on_surface`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub matmul_surface: Vec<Vec<[f64; 3]>>,
+    /// Attention-family rate by intensity and work per dispatch, like `matmul_surface`;
+    /// preferred over `attention_curve`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attention_surface: Vec<Vec<[f64; 3]>>,
 }
 
 /// Rate of a measured curve at arithmetic intensity `intensity` (flops per byte):
@@ -210,6 +220,51 @@ pub fn rate_at(curve: &[[f64; 2]], intensity: f64) -> Option<f64> {
     Some(a[1] + w * (b[1] - a[1]))
 }
 
+/// Rate of a measured surface (see [`Rates::matmul_surface`]) for work of `intensity` flops
+/// per byte done in dispatches of `mflop_per_dispatch` MFLOP each.
+///
+/// Each curve of the surface is one block width measured at several step shapes. At the
+/// span's intensity every curve gives a rate and a work per dispatch (both interpolated like
+/// [`rate_at`]: linear in log intensity, the work per dispatch in log scale too, held beyond
+/// the ends); the rate is then interpolated between the curves linearly in log work per
+/// dispatch, held at the narrowest and widest curve beyond them.
+///
+/// Why a second axis: at equal intensity a narrow block (few columns per matmul, few
+/// workgroups per dispatch) runs below a wide one: on a GPU too few workgroups leave compute
+/// units idle, on a CPU driver the fixed cost of spreading a dispatch over threads is not
+/// paid back. Intensity alone cannot tell a narrow model's prefill from a wide model's decode.
+/// `None` for an empty surface.
+pub fn rate_on_surface(
+    surface: &[Vec<[f64; 3]>],
+    intensity: f64,
+    mflop_per_dispatch: f64,
+) -> Option<f64> {
+    let mut at: Vec<(f64, f64)> = surface
+        .iter()
+        .filter_map(|curve| {
+            let rate: Vec<[f64; 2]> = curve.iter().map(|p| [p[0], p[2]]).collect();
+            let log_work: Vec<[f64; 2]> = curve.iter().map(|p| [p[0], p[1].ln()]).collect();
+            Some((rate_at(&log_work, intensity)?, rate_at(&rate, intensity)?))
+        })
+        .collect();
+    at.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (first, last) = (*at.first()?, *at.last()?);
+    let w = mflop_per_dispatch.ln();
+    if w.is_nan() || w <= first.0 {
+        return Some(first.1);
+    }
+    if w >= last.0 {
+        return Some(last.1);
+    }
+    let i = at.partition_point(|p| p.0 <= w);
+    let (a, b) = (at[i - 1], at[i]);
+    // Two curves at the same work per dispatch (cannot bracket `w` strictly): their mean.
+    if b.0 - a.0 <= f64::EPSILON {
+        return Some((a.1 + b.1) / 2.0);
+    }
+    Some(a.1 + (w - a.0) / (b.0 - a.0) * (b.1 - a.1))
+}
+
 impl Rates {
     /// True when no rate is set.
     pub fn is_empty(&self) -> bool {
@@ -227,6 +282,32 @@ fn check_curve(path: &FieldPath, curve: &[[f64; 2]]) -> Result<(), Violation> {
                 format!("[{}, {}]", p[0], p[1]),
                 "curve points must have strictly increasing intensity",
             ));
+        }
+    }
+    Ok(())
+}
+
+fn check_surface(path: &FieldPath, surface: &[Vec<[f64; 3]>]) -> Result<(), Violation> {
+    for (k, curve) in surface.iter().enumerate() {
+        let cp = path.index(k);
+        if curve.is_empty() {
+            return Err(Violation::new(
+                cp,
+                "[]",
+                "a curve of the surface needs at least one point",
+            ));
+        }
+        for (i, p) in curve.iter().enumerate() {
+            rules::intensity(&cp.index(i).index(0), p[0])?;
+            rules::mflop_per_dispatch(&cp.index(i).index(1), p[1])?;
+            rules::gflops(&cp.index(i).index(2), p[2])?;
+            if i > 0 && p[0] <= curve[i - 1][0] {
+                return Err(Violation::new(
+                    cp.index(i),
+                    format!("[{}, {}, {}]", p[0], p[1], p[2]),
+                    "curve points must have strictly increasing intensity",
+                ));
+            }
         }
     }
     Ok(())
@@ -546,6 +627,8 @@ fn check_device(p: &FieldPath, d: &DeviceSpec) -> Result<(), Violation> {
     }
     check_curve(&r.key("matmul_curve"), &d.rates.matmul_curve)?;
     check_curve(&r.key("attention_curve"), &d.rates.attention_curve)?;
+    check_surface(&r.key("matmul_surface"), &d.rates.matmul_surface)?;
+    check_surface(&r.key("attention_surface"), &d.rates.attention_surface)?;
     if let Some(c) = &d.compute_sharing {
         let cp = p.key("compute_sharing");
         rules::at_least_one(&cp.key("shared_by"), c.shared_by as u64)?;

@@ -143,6 +143,18 @@ pub(crate) fn slowdown(path: &FieldPath, v: f64) -> Result<(), Violation> {
 }
 
 /// An arithmetic intensity in flops per byte: greater than 0, at most 1e6.
+/// Work per dispatch of a rate surface point: more than 0, at most 1e9 MFLOP (a PFLOP).
+pub(crate) fn mflop_per_dispatch(path: &FieldPath, v: f64) -> Result<(), Violation> {
+    within(
+        path,
+        v,
+        0.0,
+        false,
+        1e9,
+        "must be a work per dispatch greater than 0 and at most 1000000000 MFLOP",
+    )
+}
+
 pub(crate) fn intensity(path: &FieldPath, v: f64) -> Result<(), Violation> {
     within(
         path,

@@ -1,0 +1,251 @@
+//! The calibrated rate surface (rate by arithmetic intensity and work per dispatch): the
+//! lookup by hand, its use by the cost model, older profiles without it, and malformed
+//! surfaces reported with file, line and field.
+
+use wgpar::sim::{rate_on_surface, CostModel, HostProfile, ProfileError};
+use wgpar::trace::{KernelFamily, Precision};
+
+/// A narrow block width measured at intensities 1 and 16 (0.1 and 1.6 MFLOP per dispatch,
+/// 10 and 40 GFLOP/s) and a wide one (1 and 16 MFLOP per dispatch, 30 and 120 GFLOP/s).
+fn surface() -> Vec<Vec<[f64; 3]>> {
+    vec![
+        vec![[1.0, 0.1, 10.0], [16.0, 1.6, 40.0]],
+        vec![[1.0, 1.0, 30.0], [16.0, 16.0, 120.0]],
+    ]
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * b.abs().max(1.0)
+}
+
+#[test]
+fn the_surface_interpolates_in_intensity_then_in_work_per_dispatch() {
+    let s = surface();
+    // Intensity 4 lies halfway between 1 and 16 in log scale. There the narrow curve runs
+    // 10 + (40 - 10) / 2 = 25 GFLOP/s at sqrt(0.1 x 1.6) = 0.4 MFLOP per dispatch, the wide
+    // one 30 + (120 - 30) / 2 = 75 GFLOP/s at sqrt(1 x 16) = 4 MFLOP per dispatch.
+    let at = |w: f64| rate_on_surface(&s, 4.0, w).unwrap();
+    assert!(close(at(0.4), 25.0), "{}", at(0.4));
+    assert!(close(at(4.0), 75.0), "{}", at(4.0));
+    // sqrt(0.4 x 4) is halfway between the two in log work: halfway between the rates.
+    assert!(close(at(1.6_f64.sqrt()), 50.0), "{}", at(1.6_f64.sqrt()));
+    // A quarter of the way (0.4 x 10^(1/4)): 25 + 50 / 4.
+    let quarter = 0.4 * 10f64.powf(0.25);
+    assert!(close(at(quarter), 37.5), "{}", at(quarter));
+    // Beyond the narrowest and the widest curve: held at their rates.
+    assert!(close(at(0.01), 25.0));
+    assert!(close(at(1e6), 75.0));
+    // Below the lowest measured intensity the curves hold their first points: narrow 10 at
+    // 0.1, wide 30 at 1; 0.1 x sqrt(10) is halfway between them in log work.
+    let w = 0.1 * 10f64.sqrt();
+    assert!(close(rate_on_surface(&s, 0.2, w).unwrap(), 20.0));
+    // The order of the curves does not matter.
+    let reversed: Vec<_> = s.iter().rev().cloned().collect();
+    assert!(close(
+        rate_on_surface(&reversed, 4.0, quarter).unwrap(),
+        37.5
+    ));
+    // One curve: its rate at the intensity, whatever the work per dispatch.
+    assert!(close(rate_on_surface(&s[..1], 4.0, 100.0).unwrap(), 25.0));
+    assert_eq!(rate_on_surface(&[], 4.0, 1.0), None);
+}
+
+/// One device, 1 TFLOP/s f32 peak, 2 us per dispatch, with `rates` as its measured rates.
+fn profile(rates: &str) -> HostProfile {
+    let text = format!(
+        "name = \"t\"\nnodes = 1\n[host]\nname = \"c\"\nmemory_gbps = 10\n\
+         [[devices]]\nname = \"g\"\ncount = 1\nmemory_bytes = 1000000000\nmemory_gbps = 100\n\
+         f32_tflops = 1\nf16_tflops = 2\nlaunch_overhead_us = 2\n\
+         [devices.host_link]\nname = \"pcie\"\nshared_by = 1\n\
+         h2d = {{ alpha_us = 10, beta_gbps = 10 }}\nd2h = {{ alpha_us = 10, beta_gbps = 10 }}\n\
+         [devices.rates]\n{rates}"
+    );
+    HostProfile::from_toml_str(&text, "t.toml").unwrap()
+}
+
+#[test]
+fn a_span_is_costed_at_its_intensity_and_work_per_dispatch() {
+    let p = profile(
+        "matmul_curve = [[1, 1000], [16, 1000]]\n\
+         matmul_surface = [[[1, 0.1, 10], [16, 1.6, 40]], [[1, 1, 30], [16, 16, 120]]]\n",
+    );
+    let m = CostModel::new(&p);
+    let mm = Some(KernelFamily::Matmul);
+    // 40 MFLOP over 10 MB (intensity 4) in 10 dispatches: 4 MFLOP each, the wide curve's
+    // 75 GFLOP/s: 40e6 / 75e3 = 533.3 us, plus 10 x 2 us of dispatches. The curve's
+    // 1000 GFLOP/s is ignored: the surface wins.
+    let t = m
+        .compute_us(0, 40_000_000, 10_000_000, 10, mm, Precision::F32)
+        .unwrap();
+    assert!(close(t, 40e6 / 75e3 + 20.0), "{t}");
+    // The same work in 100 dispatches of 0.4 MFLOP: the narrow curve's 25 GFLOP/s.
+    let t = m
+        .compute_us(0, 40_000_000, 10_000_000, 100, mm, Precision::F32)
+        .unwrap();
+    assert!(close(t, 40e6 / 25e3 + 200.0), "{t}");
+    // Attention spans have no surface here (and no curve): the calibrated roofline, i.e.
+    // the f32 peak, 1 TFLOP/s, against 10 MB at 100 GB/s = 100 us.
+    let t = m
+        .compute_us(
+            0,
+            40_000_000,
+            10_000_000,
+            1,
+            Some(KernelFamily::Attention),
+            Precision::F32,
+        )
+        .unwrap();
+    assert!(close(t, 102.0), "{t}");
+}
+
+/// A profile as `wgpar calibrate` wrote it before the rate surface (figures shortened):
+/// curves by intensity only.
+const OLD_CALIBRATED: &str = r#"# Calibrated profile written by `wgpar calibrate`.
+# 2026-12-01, wgpar 0.1.0; driver llvmpipe Mesa 25.0.7-2~bpo12+1 (LLVM 15.0.6)
+
+name = "this-machine"
+description = "this machine as calibrated on 2026-12-01: 2 device(s), llvmpipe (LLVM 15.0.6, 256 bits) [Vulkan]"
+nodes = 1
+
+[host]
+name = "AMD EPYC, 2 hardware threads"
+memory_gbps = 4.8657
+collective_overhead_us = [15656.07]
+
+[[devices]]
+name = "llvmpipe (LLVM 15.0.6, 256 bits) [Vulkan]"
+count = 2
+memory_bytes = 25276063744
+memory_gbps = 0.519
+f32_tflops = 0.000562
+f16_tflops = 0.000562
+launch_overhead_us = 135.3
+submit_overhead_us = 175.7
+
+[devices.host_link]
+name = "measured host link"
+shared_by = 1
+
+[devices.host_link.h2d]
+alpha_us = 52.6
+beta_gbps = 9.72
+
+[devices.host_link.d2h]
+alpha_us = 55.5
+beta_gbps = 6.96
+
+[devices.rates]
+matmul_gflops = 0.562
+attention_gflops = 0.755
+elementwise_gbps = 0.519
+matmul_curve = [[0.503, 0.386], [0.997, 0.688], [13.26, 0.884], [47.28, 0.562]]
+attention_curve = [[0.518, 0.173], [10.86, 1.686], [25.57, 0.755]]
+
+[devices.compute_sharing]
+shared_by = 2
+slowdown = [1.0, 2.75]
+slowdown_curve = [[0.503, 1.0, 3.33], [47.28, 1.0, 2.70]]
+"#;
+
+#[test]
+fn an_older_calibrated_profile_still_loads_and_uses_its_curves() {
+    let p = HostProfile::from_toml_str(OLD_CALIBRATED, "old.toml").unwrap();
+    let d = &p.devices[0];
+    assert!(d.rates.matmul_surface.is_empty() && d.rates.attention_surface.is_empty());
+    // Saved again it has no surface fields, and reloads to the same profile.
+    let text = p.to_toml_string().unwrap();
+    assert!(!text.contains("surface"), "{text}");
+    assert_eq!(HostProfile::from_toml_str(&text, "again.toml").unwrap(), p);
+    // Intensity 13.26 is a curve point: 0.884 GFLOP/s whatever the work per dispatch;
+    // 884 MFLOP takes 1 s, plus 3 dispatches of 135.3 us.
+    let m = CostModel::new(&p);
+    let t = m
+        .compute_us(
+            0,
+            884_000_000,
+            (884e6 / 13.26) as u64,
+            3,
+            Some(KernelFamily::Matmul),
+            Precision::F32,
+        )
+        .unwrap();
+    assert!((t - (1e6 + 3.0 * 135.3)).abs() < 1.0, "{t}");
+}
+
+fn line_of(text: &str, needle: &str) -> usize {
+    text.lines().position(|l| l.contains(needle)).unwrap() + 1
+}
+
+/// `OLD_CALIBRATED` with a surface line added after its attention curve.
+fn with_surface(line: &str) -> String {
+    OLD_CALIBRATED.replace(
+        "attention_curve = [[0.518",
+        &format!("{line}\nattention_curve = [[0.518"),
+    )
+}
+
+#[test]
+fn a_malformed_surface_names_file_line_and_field() {
+    let good = "matmul_surface = [[[1, 0.1, 10], [16, 1.6, 40]], [[1, 1, 30], [16, 16, 120]]]";
+    let p = HostProfile::from_toml_str(&with_surface(good), "good.toml").unwrap();
+    assert_eq!(p.devices[0].rates.matmul_surface, surface());
+    // Saved and reloaded, the surface is unchanged.
+    let again = HostProfile::from_toml_str(&p.to_toml_string().unwrap(), "again.toml").unwrap();
+    assert_eq!(again, p);
+
+    for (line, field, needle) in [
+        // Intensities of a curve must increase.
+        (
+            "matmul_surface = [[[1, 0.1, 10], [16, 1.6, 40]], [[16, 1, 30], [1, 16, 120]]]",
+            "devices[0].rates.matmul_surface[1][1]",
+            "increasing intensity",
+        ),
+        // No work per dispatch.
+        (
+            "attention_surface = [[[1, 0, 10]]]",
+            "devices[0].rates.attention_surface[0][0][1]",
+            "work per dispatch",
+        ),
+        // A negative rate.
+        (
+            "matmul_surface = [[[1, 0.1, -10]]]",
+            "devices[0].rates.matmul_surface[0][0][2]",
+            "GFLOP/s",
+        ),
+        // A curve with no points.
+        (
+            "matmul_surface = [[[1, 0.1, 10]], []]",
+            "devices[0].rates.matmul_surface[1]",
+            "at least one point",
+        ),
+    ] {
+        let text = with_surface(line);
+        let err = HostProfile::from_toml_str(&text, "bad.toml").unwrap_err();
+        assert!(matches!(err, ProfileError::Invalid { .. }), "{err:?}");
+        assert_eq!(err.field(), Some(field), "{err}");
+        let at = err.location().unwrap();
+        assert_eq!(at.file, "bad.toml");
+        assert_eq!(at.line, Some(line_of(&text, "_surface")), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with(&format!("bad.toml:{}:", line_of(&text, "_surface"))),
+            "{msg}"
+        );
+        assert!(msg.contains(needle), "{msg}");
+    }
+
+    // A point with two numbers instead of three: a parse error at the field's line.
+    let text = with_surface("matmul_surface = [[[1, 0.1]]]");
+    let err = HostProfile::from_toml_str(&text, "short.toml").unwrap_err();
+    assert!(matches!(err, ProfileError::Parse { .. }), "{err:?}");
+    assert_eq!(
+        err.location().unwrap().line,
+        Some(line_of(&text, "_surface")),
+        "{err}"
+    );
+    assert!(
+        err.field()
+            .is_some_and(|f| f.starts_with("devices[0].rates.matmul_surface")),
+        "{err}"
+    );
+}
