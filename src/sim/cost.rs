@@ -104,7 +104,8 @@ impl<'a> CostModel<'a> {
     /// overhead per kernel.
     ///
     /// For an engine whose kernels calibration measures, on a device with measured rates: the
-    /// family's rate-by-intensity curve, else the calibrated roofline. Otherwise the engine's
+    /// family's rate surface at the span's intensity and work per dispatch (`flops /
+    /// kernels`), else its rate-by-intensity curve, else the calibrated roofline. Otherwise the engine's
     /// roofline: `max(flops / (peak x fraction), bytes / (memory_gbps x memory))`, with the
     /// peak of the engine's arithmetic (an f32 engine keeps the span's recorded precision;
     /// f16/bf16/fp8 on tensor cores use `f16_tensor_tflops` where the device has it).
