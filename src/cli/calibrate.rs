@@ -93,11 +93,13 @@ impl CalibrateArgs {
     }
 
     /// The devices to open (under mpirun: per rank).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn devices(&self) -> &DeviceArgs {
         &self.devices
     }
 
     /// The model whose shapes are measured.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn model(&self) -> &ModelArgs {
         &self.model
     }

@@ -338,8 +338,7 @@ pub fn calibrate_ranks(
     if let [(new_ms, new_late), (old_ms, old_late)] = lateness[..] {
         let _ = writeln!(
             log,
-            "a message after a {new_ms:.0} ms wait is noticed {:.0} us late with the runtime's back-off, {:.0} us with fixed 50 us sleeps (after {old_ms:.0} ms)",
-            new_late, old_late
+            "a message after a {new_ms:.0} ms wait is noticed {new_late:.0} us late with the runtime's back-off, {old_late:.0} us with fixed 50 us sleeps (after {old_ms:.0} ms)"
         );
     }
 
