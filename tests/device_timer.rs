@@ -42,16 +42,24 @@ fn timestamps_bracket_the_device_work_of_a_submission() {
         let host_us = t0.elapsed().as_secs_f64() * 1e6;
         (timer.read_us(gpu).unwrap(), host_us)
     };
-    timed(1); // compile and warm up
-    let (empty_us, _) = timed(0);
-    let (one_us, one_host) = timed(1);
-    let (eight_us, eight_host) = timed(8);
-    // The device time sits inside the host's submit-to-wait window, and grows with the work.
-    assert!(
-        one_us > 0.0 && one_us <= one_host,
-        "{one_us} us vs {one_host} us"
-    );
-    assert!(eight_us <= eight_host, "{eight_us} us vs {eight_host} us");
+    // Compile and warm up.
+    timed(1);
+    // The device time sits inside the host's submit-to-wait window, every time.
+    let bracketed = |dispatches: usize| {
+        let (device_us, host_us) = timed(dispatches);
+        assert!(
+            device_us <= host_us,
+            "{dispatches} matmuls: {device_us} us on the device vs {host_us} us on the host"
+        );
+        device_us
+    };
+    // The least of three samples each, so that one preempted sample on a shared machine does
+    // not decide the comparisons of work below.
+    let least = |samples: [f64; 3]| samples.into_iter().fold(f64::INFINITY, f64::min);
+    let empty_us = least([bracketed(0), bracketed(0), bracketed(0)]);
+    let one_us = least([bracketed(1), bracketed(1), bracketed(1)]);
+    let eight_us = least([bracketed(8), bracketed(8), bracketed(8)]);
+    assert!(one_us > 0.0, "1 matmul took {one_us} us");
     assert!(
         eight_us > 4.0 * one_us,
         "8 matmuls {eight_us} us, 1 matmul {one_us} us"
