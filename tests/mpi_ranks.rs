@@ -320,15 +320,15 @@ fn calibrate_under_mpirun_writes_one_profile_that_projects_rank_traces() {
     let t = ok(mpirun(2, &args));
     assert!(t.contains("sharing between processes"), "{t}");
     assert!(t.contains("MPI send between ranks on this host"), "{t}");
-    let text = std::fs::read_to_string(&profile).unwrap();
+    let written = std::fs::read_to_string(&profile).unwrap();
     assert!(
-        text.contains("# calibrated under mpirun: 2 ranks on 1 host(s)"),
-        "{text}"
+        written.contains("# calibrated under mpirun: 2 ranks on 1 host(s)"),
+        "{written}"
     );
     // One node whose two devices are the ranks' devices, sharing the processor between the
     // two processes, with one measured slowdown per busy count.
     let p = wgpar::sim::HostProfile::load(&profile).unwrap();
-    assert_eq!((p.nodes, p.device_count()), (1, 2), "{file}");
+    assert_eq!((p.nodes, p.device_count()), (1, 2), "{written}");
     let sharing = p.devices[0]
         .compute_sharing
         .as_ref()
