@@ -15,8 +15,9 @@
 //! 2. **Sharing between processes.** On each host, k = 2..N of its devices (taken round-robin
 //!    over its ranks, so k = 2 is two processes) run the model's whole layers at the run's step
 //!    shapes for a window, at once; the ranks with nothing to run wait in the runtime's own
-//!    MPI polling, as an idle pipeline stage does. The slowdown against the alone figure behind
-//!    the rate curves becomes the group's `compute_sharing`.
+//!    MPI polling, as an idle pipeline stage does. The slowdown against each device alone,
+//!    measured just before in the same way (so that load coming or going on the machine
+//!    between the phases stays out of the ratio), becomes the group's `compute_sharing`.
 //! 3. **What the waiting ranks' polling costs.** One device computes while the other ranks
 //!    wait (a) polling as the runtime does ([`Backoff::RUNTIME`]), (b) polling as it did before
 //!    ([`Backoff::FIXED_50US`]), (c) asleep. Logged, with how late each schedule notices a
@@ -216,6 +217,7 @@ pub fn calibrate_ranks(
         );
     }
     let shard = ShardSpec::full(config);
+    let host0 = slots_of(&infos[0].host);
     for step in &steps {
         // Everyone agrees on the window from the slowest device alone.
         let t1_mine: f64 = my_times.iter().map(|t| lookup(t, step)).fold(0.0, f64::max);
@@ -228,70 +230,102 @@ pub fn calibrate_ranks(
         let m = cost::mlp(config, &shard, step, DType::F32);
         let intensity = (a.flops + m.flops) as f64 / (a.bytes + m.bytes) as f64;
         let mut row = vec![intensity, 1.0];
-        for k in 2..=most_slots {
-            let w = window.max(3.0 * k as f64 * t1_all);
-            let busy: Vec<usize> = my_slots
+        if most_slots < 2 {
+            sharing_rows.push(row);
+            continue;
+        }
+        // Each slot alone right before the shared windows, the other ranks waiting in MPI as
+        // an idle stage does: the alone time the slowdown is taken against. Measured here,
+        // not taken from the rate curves of minutes before, so that load that comes or goes
+        // on the machine between the two phases does not enter the slowdown (the curves
+        // carry the rates; this carries only the ratio).
+        let slot_window = |set: &[usize], w: f64, idle: Backoff| -> Result<Vec<f64>> {
+            let busy: Vec<usize> = set
                 .iter()
-                .take(k)
+                .filter_map(|&j| my_slots.get(j))
                 .filter(|(r, _)| *r == me)
                 .map(|(_, d)| *d)
                 .collect();
-            let times = busy_window(world, &models, &busy, step, w, Backoff::RUNTIME)?;
-            // Throughput-equivalent slowdown per host (see `calibrate::sharing`), from each
-            // busy device's time against its own alone figure.
-            let mut ratio = vec![0.0; gpus.len()];
-            for (d, t) in busy.iter().zip(&times) {
-                ratio[*d] = lookup(&my_times[*d], step) / t;
+            let times = busy_window(world, &models, &busy, step, w, idle)?;
+            // Per host slot index: this rank's times where its slots are.
+            let mut mine = vec![0.0; most_slots];
+            for (&d, t) in busy.iter().zip(&times) {
+                if let Some(j) = my_slots.iter().position(|&(r, dd)| r == me && dd == d) {
+                    mine[j] = *t;
+                }
             }
-            let gathered = world.all_gather_f64(&pad(&ratio, most_slots));
-            let host_slots = slots_of(&infos[0].host);
-            let s = if k <= host_slots.len() {
-                let sum: f64 = host_slots
-                    .iter()
-                    .take(k)
-                    .map(|&(r, d)| gathered[r][d])
+            let gathered = world.all_gather_f64(&mine);
+            Ok((0..host0.len()).map(|j| gathered[host0[j].0][j]).collect())
+        };
+        let alone_w = window.max(3.0 * t1_all);
+        let mut alone_now = vec![0.0; host0.len()];
+        for j in 0..most_slots {
+            let t = slot_window(&[j], alone_w, Backoff::RUNTIME)?;
+            if let Some(v) = t.get(j) {
+                alone_now[j] = *v;
+            }
+        }
+        let mut curve_row = Vec::new();
+        for k in 2..=most_slots {
+            let w = window.max(3.0 * k as f64 * t1_all);
+            let set: Vec<usize> = (0..k).collect();
+            let t = slot_window(&set, w, Backoff::RUNTIME)?;
+            // Throughput-equivalent slowdown (see `calibrate::sharing`).
+            let ratio = |alone: &dyn Fn(usize) -> f64| -> f64 {
+                let sum: f64 = (0..k.min(t.len()))
+                    .map(|j| alone(j) / t[j].max(f64::MIN_POSITIVE))
                     .sum();
-                (k as f64 / sum).max(1.0)
-            } else {
-                k as f64
+                (k as f64 / sum.max(f64::MIN_POSITIVE)).max(1.0)
             };
+            let s = ratio(&|j| alone_now[j]);
+            // Against the curves' alone figure, for the log only.
+            curve_row.push(ratio(&|j| {
+                let (r, d) = host0[j];
+                lookup(
+                    &per_device_times(
+                        &alone_of(r)
+                            .map(|a| a.block_times.clone())
+                            .unwrap_or_default(),
+                        d + 1,
+                    )[d],
+                    step,
+                )
+            }));
             row.push(s);
             weighted[k] += t1_all * s;
         }
         weight += t1_all;
-        // 3. One device busy, the others waiting in three ways.
+        // 3. One device busy, the other ranks waiting with the old polling, and asleep.
         let mut diag = Vec::new();
-        if most_slots > 1 {
-            for backoff in [Backoff::RUNTIME, Backoff::FIXED_50US, ASLEEP] {
-                let busy: Vec<usize> = my_slots
-                    .iter()
-                    .take(1)
-                    .filter(|(r, _)| *r == me)
-                    .map(|(_, d)| *d)
-                    .collect();
-                let w = window.max(3.0 * t1_all);
-                let times = busy_window(world, &models, &busy, step, w, backoff)?;
-                diag.push(times.first().copied().unwrap_or(0.0));
-            }
+        for backoff in [Backoff::FIXED_50US, ASLEEP] {
+            let t = slot_window(&[0], alone_w, backoff)?;
+            diag.push(t.first().copied().unwrap_or(0.0));
         }
-        if root && most_slots > 1 {
+        if root {
             let kind = if step.seq == 1 { "decode" } else { "prefill" };
             let _ = writeln!(
                 log,
-                "    {:<22} {:>9.2} {:>8.2}  {}",
+                "    {:<22} {:>9.2} {:>8.2}  {}   (against the curves' alone {:.2} ms: {})",
                 format!("{kind} {}x{} (+{})", step.batch, step.seq, step.past),
-                lookup(&my_times[0], step) * 1e3,
+                alone_now[0] * 1e3,
                 intensity,
                 row[2..]
                     .iter()
                     .map(|s| format!("{s:.2}"))
                     .collect::<Vec<_>>()
+                    .join("  "),
+                lookup(&my_times[0], step) * 1e3,
+                curve_row
+                    .iter()
+                    .map(|s| format!("{s:.2}"))
+                    .collect::<Vec<_>>()
                     .join("  ")
             );
-            if let [polling, fixed, asleep] = diag[..] {
+            if let [fixed, asleep] = diag[..] {
+                let polling = alone_now[0];
                 let _ = writeln!(
                     log,
-                    "      one busy, the other ranks waiting: polling {:.2} ms ({:.3}x asleep), old 50 us polling {:.2} ms ({:.3}x), asleep {:.2} ms",
+                    "      one busy, the others waiting: polling {:.2} ms ({:.3}x asleep), with the old fixed 50 us polling {:.2} ms ({:.3}x), asleep {:.2} ms",
                     polling * 1e3,
                     polling / asleep,
                     fixed * 1e3,
@@ -738,12 +772,6 @@ fn lookup(times: &[(Step, f64)], step: &Step) -> f64 {
         .iter()
         .find(|(s, _)| s == step)
         .map_or(0.0, |(_, t)| *t)
-}
-
-fn pad(v: &[f64], n: usize) -> Vec<f64> {
-    let mut out = v.to_vec();
-    out.resize(n.max(v.len()), 0.0);
-    out
 }
 
 fn encode_alone(c: &Calibration, log: &str) -> Result<String> {
