@@ -19,8 +19,8 @@
 //!    measured just before in the same way (so that load coming or going on the machine
 //!    between the phases stays out of the ratio), becomes the group's `compute_sharing`.
 //! 3. **What the waiting ranks' polling costs.** One device computes while the other ranks
-//!    wait (a) polling as the runtime does ([`Backoff::RUNTIME`]), (b) polling as it did before
-//!    ([`Backoff::FIXED_50US`]), (c) asleep. Logged, with how late each schedule notices a
+//!    wait (a) polling as the runtime does ([`Backoff::RUNTIME`]), (b) polling less often
+//!    ([`Backoff::SPARSE`]), (c) asleep. Logged, with how late each schedule notices a
 //!    message that arrives after a wait, which is what a longer back-off costs.
 //! 4. **MPI between ranks.** A ping-pong size sweep between rank 0 and another rank of its
 //!    host, and one on another host if there is one, fitted to alpha-beta. Between hosts this
@@ -295,9 +295,9 @@ pub fn calibrate_ranks(
             weighted[k] += t1_all * s;
         }
         weight += t1_all;
-        // 3. One device busy, the other ranks waiting with the old polling, and asleep.
+        // 3. One device busy, the other ranks waiting with sparser polling, and asleep.
         let mut diag = Vec::new();
-        for backoff in [Backoff::FIXED_50US, ASLEEP] {
+        for backoff in [Backoff::SPARSE, ASLEEP] {
             let t = slot_window(&[0], alone_w, backoff)?;
             diag.push(t.first().copied().unwrap_or(0.0));
         }
@@ -325,7 +325,7 @@ pub fn calibrate_ranks(
                 let polling = alone_now[0];
                 let _ = writeln!(
                     log,
-                    "      one busy, the others waiting: polling {:.2} ms ({:.3}x asleep), with the old fixed 50 us polling {:.2} ms ({:.3}x), asleep {:.2} ms",
+                    "      one busy, the others waiting: polling {:.2} ms ({:.3}x asleep), with sparser polling {:.2} ms ({:.3}x), asleep {:.2} ms",
                     polling * 1e3,
                     polling / asleep,
                     fixed * 1e3,
@@ -352,7 +352,7 @@ pub fn calibrate_ranks(
     }
     let mut lateness = Vec::new();
     if let Some(p) = local_peer {
-        for backoff in [Backoff::RUNTIME, Backoff::FIXED_50US] {
+        for backoff in [Backoff::RUNTIME, Backoff::SPARSE] {
             lateness.push(wake_lateness(world, p, backoff)?);
         }
     }
@@ -372,7 +372,7 @@ pub fn calibrate_ranks(
     if let [(new_ms, new_late), (old_ms, old_late)] = lateness[..] {
         let _ = writeln!(
             log,
-            "a message after a {new_ms:.0} ms wait is noticed {new_late:.0} us late with the runtime's back-off, {old_late:.0} us with fixed 50 us sleeps (after {old_ms:.0} ms)"
+            "a message after a {new_ms:.0} ms wait is noticed {new_late:.0} us late with the runtime's back-off, {old_late:.0} us with the sparser one (after {old_ms:.0} ms)"
         );
     }
 

@@ -393,26 +393,25 @@ pub struct Backoff {
 }
 
 impl Backoff {
-    /// What every wait of the runtime uses: yield for 200 us, then sleep 1/16 of the time
-    /// waited so far, from 50 us up to 200 us. A long idle wait polls less than half as often
-    /// as with fixed 50 us sleeps (which the kernel stretches to about 100 us), while a message
-    /// is noticed at most about 0.2 ms late: under 1 % of a pipeline stage's micro-batch on
-    /// this project's test machine (docs/BENCHMARKS.md, "Ranks over MPI").
+    /// What every wait of the runtime uses: yield for 200 us, then sleep 50 us between polls
+    /// (which the kernel stretches to about 100 us). Measured against [`Backoff::SPARSE`] by
+    /// `wgpar calibrate` under mpirun (docs/BENCHMARKS.md, "Ranks over MPI"): a waiting rank's
+    /// polling costs a computing one at most a few per cent, and keeps the cores awake, which
+    /// speeds up small dispatches, while sparser polls notice a message twice as late.
     pub const RUNTIME: Self = Self {
-        spin: Duration::from_micros(200),
-        min_sleep: Duration::from_micros(50),
-        max_sleep: Duration::from_micros(200),
-        fraction: 1.0 / 16.0,
-    };
-
-    /// The schedule before `RUNTIME` (yield for 200 us, then fixed 50 us sleeps); kept so that
-    /// `wgpar calibrate` under mpirun can measure what the waiting ranks' polling costs the
-    /// computing ones under each.
-    pub const FIXED_50US: Self = Self {
         spin: Duration::from_micros(200),
         min_sleep: Duration::from_micros(50),
         max_sleep: Duration::from_micros(50),
         fraction: 0.0,
+    };
+
+    /// A sparser schedule, measured for comparison: yield for 200 us, then sleep 1/16 of the
+    /// time waited so far, 50 to 200 us.
+    pub const SPARSE: Self = Self {
+        spin: Duration::from_micros(200),
+        min_sleep: Duration::from_micros(50),
+        max_sleep: Duration::from_micros(200),
+        fraction: 1.0 / 16.0,
     };
 
     /// The pause after a poll that found nothing, `waited` into the wait.
@@ -467,7 +466,7 @@ mod tests {
 
     #[test]
     fn backoff_yields_then_sleeps_a_bounded_fraction_of_the_wait() {
-        let b = Backoff::RUNTIME;
+        let b = Backoff::SPARSE;
         assert_eq!(b.pause(Duration::from_micros(100)), None);
         assert_eq!(
             b.pause(Duration::from_micros(300)),
@@ -482,7 +481,7 @@ mod tests {
             Some(Duration::from_micros(200))
         );
         assert_eq!(
-            Backoff::FIXED_50US.pause(Duration::from_secs(3)),
+            Backoff::RUNTIME.pause(Duration::from_secs(3)),
             Some(Duration::from_micros(50))
         );
     }
