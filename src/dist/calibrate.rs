@@ -258,12 +258,10 @@ pub fn calibrate_ranks(
             Ok((0..host0.len()).map(|j| gathered[host0[j].0][j]).collect())
         };
         let alone_w = window.max(3.0 * t1_all);
-        let mut alone_now = vec![0.0; host0.len()];
+        let mut alone_now = Vec::with_capacity(most_slots);
         for j in 0..most_slots {
             let t = slot_window(&[j], alone_w, Backoff::RUNTIME)?;
-            if let Some(v) = t.get(j) {
-                alone_now[j] = *v;
-            }
+            alone_now.push(t.get(j).copied().unwrap_or(0.0));
         }
         let mut curve_row = Vec::new();
         for k in 2..=most_slots {
@@ -292,7 +290,9 @@ pub fn calibrate_ranks(
                 )
             }));
             row.push(s);
-            weighted[k] += t1_all * s;
+            if let Some(sum) = weighted.get_mut(k) {
+                *sum += t1_all * s;
+            }
         }
         weight += t1_all;
         // 3. One device busy, the other ranks waiting with sparser polling, and asleep.

@@ -396,8 +396,9 @@ impl Backoff {
     /// What every wait of the runtime uses: yield for 200 us, then sleep 50 us between polls
     /// (which the kernel stretches to about 100 us). Measured against [`Backoff::SPARSE`] by
     /// `wgpar calibrate` under mpirun (docs/BENCHMARKS.md, "Ranks over MPI"): a waiting rank's
-    /// polling costs a computing one at most a few per cent, and keeps the cores awake, which
-    /// speeds up small dispatches, while sparser polls notice a message twice as late.
+    /// polling did not measurably slow a computing one, and keeps the cores awake, which
+    /// speeds up small dispatches on a CPU driver, while sparser polls noticed a message twice
+    /// as late.
     pub const RUNTIME: Self = Self {
         spin: Duration::from_micros(200),
         min_sleep: Duration::from_micros(50),
