@@ -47,6 +47,44 @@ fn oversized_models_are_refused_before_building_weights() {
     }
 }
 
+/// Item 2, in every command that builds a model: `serve`, `compare` and the model benchmarks
+/// check each configuration they will run before opening a device or building a weight.
+#[test]
+fn every_model_command_refuses_oversized_models_first() {
+    let out_dir = std::env::temp_dir().join(format!("wgpar-oversized-{}", std::process::id()));
+    let out_dir = out_dir.to_string_lossy().to_string();
+    let commands: [&[&str]; 5] = [
+        &["serve", "--requests", "2"],
+        &[
+            "serve",
+            "--strategy",
+            "pp",
+            "--virtual",
+            "2",
+            "--requests",
+            "2",
+        ],
+        &["compare", "--virtual", "2", "--out", &out_dir],
+        &["bench", "decode", "--strategies", "single,tp"],
+        &["bench", "pipeline", "--stages", "2"],
+    ];
+    for command in commands {
+        let mut args = command.to_vec();
+        args.extend(["--model", "llama-1b"]);
+        let start = Instant::now();
+        let (out, err) = refused(&args);
+        let took = start.elapsed();
+        assert!(out.is_empty(), "{args:?}: printed {out}");
+        assert_mentions(&err, &["wte", "storage binding", "MiB"]);
+        // Building llama-1b's weights alone takes tens of seconds on this machine.
+        assert!(took < Duration::from_secs(10), "{args:?} took {took:?}");
+    }
+    assert!(
+        !std::path::Path::new(&out_dir).exists(),
+        "compare wrote its output folder before refusing"
+    );
+}
+
 /// Item 2: `allreduce` refuses sizes beyond the adapter's buffers before allocating.
 #[test]
 fn allreduce_refuses_sizes_beyond_the_adapter() {

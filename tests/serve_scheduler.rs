@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use wgpar::model::sampling::SamplingParams;
 use wgpar::model::ModelConfig;
-use wgpar::parallel::{BatchStep, Engine, Logits, StepDone, StepEngine, StepOutput, StepStats};
+use wgpar::parallel::{BatchStep, Engine, StepDone, StepEngine, StepOutput, StepStats};
 use wgpar::serve::{serve, Length, Rate, ServeOptions, ServeRequest, WorkloadSpec};
 use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
@@ -107,7 +107,7 @@ impl StepEngine for Mock {
         assert!(!step.rows.is_empty());
         self.busy[step.lane] = true;
         let vocab = self.config.vocab;
-        let mut data = Vec::new();
+        let mut tokens = Vec::new();
         for (i, row) in step.rows.iter().enumerate() {
             let h = &mut self.history[row.slot];
             if row.past == 0 {
@@ -123,21 +123,14 @@ impl StepEngine for Mock {
                 "slot {} overflows",
                 row.slot
             );
-            let t = next_token(h, vocab) as usize;
-            let mut logits = vec![0.0f32; vocab];
-            logits[t] = 1.0;
-            data.extend(logits);
+            tokens.push(next_token(h, vocab));
         }
         self.widest = self.widest.max(step.rows.len());
         let cached = self.history.iter().filter(|h| !h.is_empty()).count();
         assert!(cached <= self.history.len());
         self.in_flight.push_back(StepDone {
             lane: step.lane,
-            logits: Logits {
-                batch: step.rows.len(),
-                vocab,
-                data,
-            },
+            tokens,
             span: wgpar::trace::SpanId::NONE,
         });
         Ok(())

@@ -288,3 +288,207 @@ fn wgpar_stays_on_the_host_path_where_cuda_uses_nvlink() {
         Some(LinkKind::NcclRingNvlink)
     );
 }
+
+/// Four devices per node, 100 GB/s NVLink-like device link; `nodes` nodes joined by a 5 GB/s
+/// network with one interface per node.
+fn ranks_profile(nodes: u32) -> HostProfile {
+    let text = format!(
+        "name = \"steps\"\nnodes = {nodes}\n[host]\nname = \"c\"\nmemory_gbps = 10\n\
+         [[devices]]\nname = \"g\"\ncount = 4\nmemory_bytes = 1000000000\nmemory_gbps = 1000\n\
+         f32_tflops = 1\nf16_tflops = 2\nlaunch_overhead_us = 2\n\
+         [devices.host_link]\nname = \"pcie\"\nshared_by = 1\n\
+         h2d = {{ alpha_us = 10, beta_gbps = 10 }}\nd2h = {{ alpha_us = 10, beta_gbps = 10 }}\n\
+         [device_link]\nname = \"nv\"\nalpha_us = 10\nbeta_gbps = 100\n\
+         [network]\nname = \"net\"\nalpha_us = 20\nbeta_gbps = 5\n"
+    );
+    HostProfile::from_toml_str(&text, "steps.toml").unwrap()
+}
+
+/// f16 on the wire; an NVLink ring at half the link, 5 us per call and 0.5 us per ring step;
+/// a network ring at the full figure, 20 us per call, 2 us per step between nodes, 0.25 us per
+/// step inside one, and the given tree steps.
+fn stepped_engine(tree: &str) -> Engine {
+    let text = format!(
+        "name = \"s\"\n[compute]\ndtype = \"f16\"\ngemm = 0.5\nattention = 0.5\nmemory = 0.5\n\
+         [wire]\ndtype = \"f16\"\n\
+         [[collectives]]\nkind = \"nccl-ring-nvlink\"\nefficiency = 0.5\nlatency_us = 5\n\
+         step_latency_us = 0.5\n\
+         [[collectives]]\nkind = \"nccl-net\"\nefficiency = 1\nlatency_us = 20\n\
+         step_latency_us = 2\nintra_step_latency_us = 0.25\n{tree}"
+    );
+    Engine::from_toml_str(&text, "s.toml").unwrap()
+}
+
+#[test]
+fn ring_step_latency_grows_with_the_ranks_by_hand() {
+    use wgpar::sim::{CollectivePolicy, CostModel};
+    let p = ranks_profile(1);
+    let e = stepped_engine("");
+    let m = CostModel::with_engine(&p, &e);
+    let ar = |devices: &[usize], bytes: u64| {
+        m.engine_collective_us(
+            CollectiveOp::AllReduce,
+            "auto",
+            CollectivePolicy::AsRecorded,
+            devices,
+            bytes,
+            1,
+        )
+        .unwrap()
+    };
+    // 4 kB recorded in f32 is 2 kB on the f16 wire. Two ranks: 2(n-1)/n = 1 x 2 kB at
+    // 100 GB/s x 0.5 = 0.04 us; 5 us per call; 2 steps x 0.5 us = 1 us.
+    let (t, kind) = ar(&[0, 1], 4000);
+    assert_eq!(kind, LinkKind::NcclRingNvlink);
+    assert!((t - 6.04).abs() < 1e-9, "{t}");
+    // Four ranks: 1.5 x 2 kB = 0.06 us; 6 steps x 0.5 = 3 us on top of the 5 us call.
+    let (t, _) = ar(&[0, 1, 2, 3], 4000);
+    assert!((t - 8.06).abs() < 1e-9, "{t}");
+    // An all-gather over four ranks takes n-1 = 3 steps: 0.75 x 2 kB = 0.03 us + 5 + 1.5.
+    let (t, _) = m
+        .engine_collective_us(
+            CollectiveOp::AllGather,
+            "auto",
+            CollectivePolicy::AsRecorded,
+            &[0, 1, 2, 3],
+            4000,
+            1,
+        )
+        .unwrap();
+    assert!((t - 6.53).abs() < 1e-9, "{t}");
+
+    // Across two nodes of four: 8 ranks, 14 ring steps; NCCL counts 2N = 4 of them as
+    // crossing nodes: 4 x 2 + 10 x 0.25 = 10.5 us. Bytes: 1.75 x 2 kB at min(100, 1 x 5)
+    // GB/s = 0.7 us; + 20 us per call.
+    let p = ranks_profile(2);
+    let m = CostModel::with_engine(&p, &e);
+    let all: Vec<usize> = (0..8).collect();
+    let (t, kind) = m
+        .engine_collective_us(
+            CollectiveOp::AllReduce,
+            "auto",
+            CollectivePolicy::AsRecorded,
+            &all,
+            4000,
+            1,
+        )
+        .unwrap();
+    assert_eq!(kind, LinkKind::NcclNet);
+    assert!((t - 31.2).abs() < 1e-9, "{t}");
+    // With tree steps of 1 us between nodes and 0.5 inside: 2 x (3 x 0.5 + 1 x 1) = 5 us beats
+    // the ring's 10.5.
+    let e = stepped_engine("tree_step_latency_us = 1\ntree_intra_step_latency_us = 0.5\n");
+    let m = CostModel::with_engine(&p, &e);
+    let (t, _) = m
+        .engine_collective_us(
+            CollectiveOp::AllReduce,
+            "auto",
+            CollectivePolicy::AsRecorded,
+            &all,
+            4000,
+            1,
+        )
+        .unwrap();
+    assert!((t - 25.7).abs() < 1e-9, "{t}");
+    // A slow tree (5 us between nodes: 2 x (1.5 + 5) = 13 us) loses to the ring again.
+    let e = stepped_engine("tree_step_latency_us = 5\ntree_intra_step_latency_us = 0.5\n");
+    let m = CostModel::with_engine(&p, &e);
+    let (t, _) = m
+        .engine_collective_us(
+            CollectiveOp::AllReduce,
+            "auto",
+            CollectivePolicy::AsRecorded,
+            &all,
+            4000,
+            1,
+        )
+        .unwrap();
+    assert!((t - 31.2).abs() < 1e-9, "{t}");
+    // Without an intra-node figure the network ring's inside steps take the NVLink entry's
+    // 0.5 us: 4 x 2 + 10 x 0.5 = 13 us.
+    let text = "name = \"s\"\n[compute]\ndtype = \"f16\"\ngemm = 0.5\nattention = 0.5\n\
+        memory = 0.5\n[wire]\ndtype = \"f16\"\n\
+        [[collectives]]\nkind = \"nccl-ring-nvlink\"\nefficiency = 0.5\nlatency_us = 5\n\
+        step_latency_us = 0.5\n\
+        [[collectives]]\nkind = \"nccl-net\"\nefficiency = 1\nlatency_us = 20\n\
+        step_latency_us = 2\n";
+    let e = Engine::from_toml_str(text, "s.toml").unwrap();
+    let m = CostModel::with_engine(&p, &e);
+    let (t, _) = m
+        .engine_collective_us(
+            CollectiveOp::AllReduce,
+            "auto",
+            CollectivePolicy::AsRecorded,
+            &all,
+            4000,
+            1,
+        )
+        .unwrap();
+    assert!((t - 33.7).abs() < 1e-9, "{t}");
+}
+
+#[test]
+fn step_latency_fields_parse_and_malformed_ones_name_file_line_and_field() {
+    // The shipped engine carries them: NVLink ring steps, none on NVLS, network and tree
+    // steps on nccl-net.
+    let e = Engine::shipped("cuda-nccl").unwrap();
+    let entry = |k: LinkKind| e.collectives.iter().find(|c| c.kind == k).unwrap();
+    assert!(entry(LinkKind::NcclRingNvlink).step_latency_us > 0.0);
+    assert_eq!(entry(LinkKind::NcclNvls).step_latency_us, 0.0);
+    let net = entry(LinkKind::NcclNet);
+    assert!(net.intra_step_latency_us.is_some() && net.tree_step_latency_us.is_some());
+    // Absent, it is 0 (the wgpar engine has none).
+    let w = Engine::shipped("wgpar").unwrap();
+    assert!(w.collectives.iter().all(|c| c.step_latency_us == 0.0));
+
+    // A negative step latency.
+    let text = cuda().replace("step_latency_us = 0.47", "step_latency_us = -1");
+    let err = Engine::from_toml_str(&text, "e.toml").unwrap_err();
+    assert!(matches!(err, ProfileError::Invalid { .. }), "{err:?}");
+    assert_eq!(err.field(), Some("collectives[1].step_latency_us"), "{err}");
+    assert_eq!(
+        err.location().unwrap().line,
+        Some(line_of(&text, "step_latency_us = -1"))
+    );
+    assert!(err.to_string().starts_with("e.toml:"), "{err}");
+    // A wrong type.
+    let text = cuda().replace("step_latency_us = 2.7", "step_latency_us = \"slow\"");
+    let err = Engine::from_toml_str(&text, "e.toml").unwrap_err();
+    assert!(matches!(err, ProfileError::Parse { .. }), "{err:?}");
+    assert_eq!(err.field(), Some("collectives[4].step_latency_us"), "{err}");
+    assert_eq!(
+        err.location().unwrap().line,
+        Some(line_of(&text, "\"slow\""))
+    );
+    // Network-only fields on a collective inside one node are refused, not ignored.
+    let text = cuda().replace(
+        "step_latency_us = 1.0\n",
+        "step_latency_us = 1.0\ntree_step_latency_us = 5\n",
+    );
+    let err = Engine::from_toml_str(&text, "e.toml").unwrap_err();
+    assert_eq!(
+        err.field(),
+        Some("collectives[2].tree_step_latency_us"),
+        "{err}"
+    );
+    assert_eq!(
+        err.location().unwrap().line,
+        Some(line_of(&text, "tree_step_latency_us = 5"))
+    );
+    assert!(err.to_string().contains("nccl-net"), "{err}");
+    // An out-of-range intra-node step on nccl-net.
+    let text = cuda().replace(
+        "intra_step_latency_us = 0.85",
+        "intra_step_latency_us = 1e9",
+    );
+    let err = Engine::from_toml_str(&text, "e.toml").unwrap_err();
+    assert_eq!(
+        err.field(),
+        Some("collectives[4].intra_step_latency_us"),
+        "{err}"
+    );
+    assert_eq!(
+        err.location().unwrap().line,
+        Some(line_of(&text, "intra_step_latency_us = 1e9"))
+    );
+}

@@ -133,7 +133,9 @@ pub struct PipelineBenchArgs {
 fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
     use wgpar::comm::CommConfig;
     use wgpar::device::{open_devices, DeviceSelection, GpuOptions};
-    use wgpar::parallel::{Engine, Partition, PipelineEngine, PipelineStats, Schedule};
+    use wgpar::parallel::{
+        Engine, Partition, PartitionSpec, PipelineEngine, PipelineStats, Schedule, Strategy,
+    };
     let config = args.model.config()?;
     if args.stages.is_empty() || args.stages.contains(&0) {
         return Err(WgparError::Config("--stages must be positive".into()));
@@ -172,15 +174,36 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let adapters = Adapters::discover()?;
     let max = args.stages.iter().copied().max().unwrap_or(1);
-    let gpus = open_devices(
-        &adapters,
-        &DeviceSelection::Virtual {
-            adapter: adapters.preferred(),
-            count: max,
-        },
-        &GpuOptions::default(),
-    )?;
-    let dtype = args.model.dtype(&gpus)?;
+    let selection = DeviceSelection::Virtual {
+        adapter: adapters.preferred(),
+        count: max,
+    };
+    let selected = super::described(&selection, &adapters)?;
+    let dtype = args.model.dtype_for(&selected, false)?;
+    // Every (stages, micro-batches) pair, checked before a device opens.
+    let pipelines: Vec<(Strategy, usize, usize, usize)> = (args.stages.iter().zip(&counts))
+        .flat_map(|(&p, ms)| {
+            ms.iter().map(move |&m| {
+                let batch = args.batch.unwrap_or(args.per_microbatch * m);
+                let strategy = Strategy::Pipeline {
+                    partition: PartitionSpec::Even,
+                    micro_batches: m,
+                    schedule: Schedule::InFlight,
+                };
+                (strategy, p, batch, m)
+            })
+        })
+        .collect();
+    let runs: Vec<super::PlannedRun> = (pipelines.iter())
+        .map(|(strategy, p, batch, m)| super::PlannedRun {
+            strategy,
+            devices: *p,
+            step_tokens: batch.div_ceil(*m) * args.prompt_len,
+            batch: *batch,
+        })
+        .collect();
+    super::check_runs_fit(&config, dtype, &selected, &runs)?;
+    let gpus = open_devices(&adapters, &selection, &GpuOptions::default())?;
     let weights = args.model.weights(&config)?;
     println!(
         "# model {} ({} layers), prompt {}, {}, gen {}, {} ({} {})",

@@ -141,15 +141,22 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
         .map(|(_, s)| devices_of(s))
         .max()
         .unwrap_or(1);
-    let gpus = open_devices(
-        &adapters,
-        &DeviceSelection::Virtual {
-            adapter: adapters.preferred(),
-            count,
-        },
-        &GpuOptions::default(),
-    )?;
-    let dtype = args.model.dtype(&gpus)?;
+    let selection = DeviceSelection::Virtual {
+        adapter: adapters.preferred(),
+        count,
+    };
+    let selected = super::described(&selection, &adapters)?;
+    let dtype = args.model.dtype_for(&selected, false)?;
+    let runs: Vec<super::PlannedRun> = (strategies.iter())
+        .map(|(_, s)| super::PlannedRun {
+            strategy: s,
+            devices: devices_of(s),
+            step_tokens: args.batch * args.prompt_len,
+            batch: args.batch,
+        })
+        .collect();
+    super::check_runs_fit(&config, dtype, &selected, &runs)?;
+    let gpus = open_devices(&adapters, &selection, &GpuOptions::default())?;
     let weights = args.model.weights(&config)?;
     let prompts: Vec<Vec<u32>> = (0..args.batch)
         .map(|b| {

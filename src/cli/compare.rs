@@ -9,7 +9,7 @@ use wgpar::compare::{
     breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions, ServingOptions,
 };
 use wgpar::device::{open_devices, Adapters, DeviceSelection, GpuOptions};
-use wgpar::parallel::Schedule;
+use wgpar::parallel::{Schedule, Strategy};
 use wgpar::serve::{Length, Rate};
 use wgpar::sim::{Engine, HostProfile};
 use wgpar::{Result, WgparError};
@@ -175,12 +175,9 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         .map(|e| Engine::resolve(e).map_err(|e| WgparError::Config(format!("--engines: {e}"))))
         .collect::<Result<Vec<_>>>()?;
     let adapters = Adapters::discover()?;
-    let gpus = open_devices(
-        &adapters,
-        &selection(args, &adapters)?,
-        &GpuOptions::default(),
-    )?;
-    let dtype = args.model.dtype(&gpus)?;
+    let selection = selection(args, &adapters)?;
+    let selected = super::described(&selection, &adapters)?;
+    let dtype = args.model.dtype_for(&selected, false)?;
     let opts = CompareOptions {
         config,
         dtype,
@@ -206,6 +203,27 @@ pub fn run(args: &CompareArgs) -> Result<()> {
             seed: args.model.seed,
         }),
     };
+    // Every configuration compare will run, checked before a device opens.
+    let plans = wgpar::compare::plans(&opts.config, selected.len(), &opts);
+    let mut runs: Vec<super::PlannedRun> = plans
+        .iter()
+        .map(|p| super::PlannedRun {
+            strategy: &p.strategy,
+            devices: p.devices,
+            step_tokens: p.batch.div_ceil(p.micro_batches) * opts.prompt_len,
+            batch: p.batch,
+        })
+        .collect();
+    if let Some(serving) = &opts.serving {
+        runs.push(super::PlannedRun {
+            strategy: &Strategy::Single,
+            devices: 1,
+            step_tokens: serving.max_batch * serving.prompt_len.max(),
+            batch: serving.max_batch,
+        });
+    }
+    super::check_runs_fit(&opts.config, dtype, &selected, &runs)?;
+    let gpus = open_devices(&adapters, &selection, &GpuOptions::default())?;
     if !args.json {
         println!(
             "comparing strategies for model '{}' on {} device(s): {}",

@@ -19,7 +19,8 @@ mod text;
 use clap::{Args, Parser, Subcommand};
 use wgpar::device::{open_devices, AdapterDesc, Adapters, DType, DeviceSelection, Gpu, GpuOptions};
 use wgpar::model::hf::Checkpoint;
-use wgpar::model::{ModelConfig, ModelWeights};
+use wgpar::model::{budget, ModelConfig, ModelWeights};
+use wgpar::parallel::Strategy;
 use wgpar::{Result, WgparError};
 
 use std::path::Path;
@@ -104,14 +105,7 @@ impl DeviceArgs {
     fn selected(&self, adapters: &Adapters) -> Result<Vec<AdapterDesc>> {
         let selection =
             DeviceSelection::from_options(self.devices.as_deref(), self.virtual_count, adapters)?;
-        let indices = match &selection {
-            DeviceSelection::Indices(v) => v.clone(),
-            DeviceSelection::Virtual { adapter, count } => vec![*adapter; *count],
-        };
-        indices
-            .into_iter()
-            .map(|i| adapters.get(i).map(|(_, d)| d.clone()))
-            .collect()
+        described(&selection, adapters)
     }
 
     /// Opens only the first `count` selected devices.
@@ -130,6 +124,47 @@ impl DeviceArgs {
         };
         open_devices(adapters, &selection, &self.gpu_options())
     }
+}
+
+/// The adapter of each device of `selection`, in order, without opening any.
+fn described(selection: &DeviceSelection, adapters: &Adapters) -> Result<Vec<AdapterDesc>> {
+    let indices = match selection {
+        DeviceSelection::Indices(v) => v.clone(),
+        DeviceSelection::Virtual { adapter, count } => vec![*adapter; *count],
+    };
+    indices
+        .into_iter()
+        .map(|i| adapters.get(i).map(|(_, d)| d.clone()))
+        .collect()
+}
+
+/// One configuration a command will run, as [`check_runs_fit`] checks it.
+struct PlannedRun<'a> {
+    strategy: &'a Strategy,
+    /// Devices it uses: the first ones of the selection.
+    devices: usize,
+    /// New tokens of its largest step (a whole prefill, or one micro-batch's).
+    step_tokens: usize,
+    /// Sequences whose KV cache a device holds.
+    batch: usize,
+}
+
+/// What a command that builds a model checks before it opens a device or builds a weight:
+/// every configuration it will run fits the selected adapters' buffer and storage-binding
+/// limits, and the model's weights fit the host's memory. So an oversized model is refused
+/// in milliseconds, not after minutes of building weights.
+fn check_runs_fit(
+    config: &ModelConfig,
+    dtype: DType,
+    adapters: &[AdapterDesc],
+    runs: &[PlannedRun],
+) -> Result<()> {
+    for run in runs {
+        let used = &adapters[..run.devices.min(adapters.len())];
+        run.strategy
+            .check_fits(config, dtype, used, run.step_tokens, run.batch)?;
+    }
+    budget::check_host_weights(config, budget::host_available_bytes())
 }
 
 /// Model options shared by commands that run a model.

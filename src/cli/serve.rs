@@ -117,15 +117,27 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         seed: args.workload_seed,
     };
     let adapters = Adapters::discover()?;
-    let gpus = args.devices.open(&adapters)?;
-    let dtype = args.model.dtype(&gpus)?;
+    let selected = args.devices.selected(&adapters)?;
+    let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
     // A pipeline keeps one step per lane in flight: one lane per stage by default.
     let stages = match args.strategy.strategy.as_str() {
-        "pp" => gpus.len(),
-        "hybrid" => gpus.len() / args.strategy.tp.unwrap_or(2).max(1),
+        "pp" => selected.len(),
+        "hybrid" => selected.len() / args.strategy.tp.unwrap_or(2).max(1),
         _ => 1,
     };
     let strategy = args.strategy.strategy_with(stages.max(1))?;
+    super::check_runs_fit(
+        &config,
+        dtype,
+        &selected,
+        &[super::PlannedRun {
+            strategy: &strategy,
+            devices: selected.len(),
+            step_tokens: opts.max_batch * args.prompt_len.max(),
+            batch: opts.max_batch,
+        }],
+    )?;
+    let gpus = args.devices.open(&adapters)?;
     let weights = args.model.weights(&config)?;
     let mut engine = build_step_engine(
         &strategy,

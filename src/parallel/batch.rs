@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use super::{Engine, Logits, PipelineStats};
+use super::{Engine, PipelineStats};
 use crate::error::Result;
 use crate::model::ModelConfig;
 pub use crate::model::SeqRow;
@@ -38,9 +38,10 @@ pub struct BatchStep {
 pub struct StepDone {
     /// Lane it ran on.
     pub lane: usize,
-    /// Last-token logits of each row, in row order.
-    pub logits: Logits,
-    /// The span that delivered the logits (the lane's next step depends on it).
+    /// Each row's next token, in row order: picked greedily on the device, so a step reads
+    /// back token ids rather than `rows x vocab` logits.
+    pub tokens: Vec<u32>,
+    /// The span that delivered the tokens (the lane's next step depends on it).
     pub span: SpanId,
 }
 

@@ -1855,11 +1855,8 @@ impl StepEngine for PipelineEngine {
         w.rows = Some(Arc::new(step.rows));
         w.slots = Some(self.serving.slots);
         w.release_us = step.release_us;
-        // The serving loop picks from the logits (see `StepDone`).
-        w.readout = Readout {
-            logits: true,
-            ..Readout::default()
-        };
+        // Serving is greedy: the device picks, and only token ids come back.
+        w.readout = Readout::default();
         self.serving.started.get_or_insert_with(Instant::now);
         self.serving.busy[step.lane] = true;
         self.serving.tokens += shape.tokens();
@@ -1882,7 +1879,6 @@ impl StepEngine for PipelineEngine {
             },
         };
         let lane = out.group;
-        let vocab = self.config.vocab;
         let s = &mut self.serving;
         if let Some(b) = s.busy.get_mut(lane) {
             *b = false;
@@ -1899,15 +1895,11 @@ impl StepEngine for PipelineEngine {
             &picked.non_finite,
             None,
         )?;
-        let mut data = picked.logits.unwrap_or_default();
-        data.truncate(out.batch * vocab);
+        let mut tokens = picked.tokens;
+        tokens.truncate(out.batch);
         Ok(Some(StepDone {
             lane,
-            logits: Logits {
-                batch: out.batch,
-                vocab,
-                data,
-            },
+            tokens,
             span: out.dep,
         }))
     }

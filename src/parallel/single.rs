@@ -11,6 +11,7 @@ use super::{
 };
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
+use crate::kernels::ops::TokenPick;
 use crate::model::sampling::SamplingParams;
 use crate::model::{Activations, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, Step};
 use crate::trace::{KernelFamily, Recorder, SpanAttrs, SpanId};
@@ -33,6 +34,16 @@ pub struct SingleEngine {
     recorder: Recorder,
     /// Device-side timing of the forward span while a trace is recorded.
     timer: SpanTimer,
+}
+
+/// Who picks a step's next tokens.
+#[derive(Debug, Clone, Copy)]
+enum StepPick {
+    /// The engine's sampler (greedy unless [`Engine::set_sampling`] said otherwise), with the
+    /// logits read back when asked for.
+    Engine { logits: bool },
+    /// Greedy on the device and nothing else read back: the serving loop's steps.
+    Greedy,
 }
 
 impl SingleEngine {
@@ -83,7 +94,7 @@ impl SingleEngine {
         step: Step,
         rows: &[SeqRow],
         (deps, release_us): (&[SpanId], Option<f64>),
-        want_logits: bool,
+        pick: StepPick,
     ) -> Result<(StepOutput, SpanId)> {
         let (Some(act), Some(kv)) = (&mut self.act, &mut self.kv) else {
             return Err(WgparError::InvalidCall("decode before prefill".into()));
@@ -92,13 +103,19 @@ impl SingleEngine {
         let gpu = m.gpu();
         let start = Instant::now();
         let cpu_start = super::thread_cpu_s();
-        act.set_readout(
-            self.picker.device_or_greedy(),
-            want_logits || self.picker.needs_logits(),
-        );
+        let (device_pick, read_logits, host_picks, draws) = match pick {
+            StepPick::Engine { logits } => (
+                self.picker.device_or_greedy(),
+                logits || self.picker.needs_logits(),
+                self.picker.needs_logits(),
+                self.picker.draws(step.batch),
+            ),
+            StepPick::Greedy => (TokenPick::Greedy, false, false, Vec::new()),
+        };
+        let want_logits = matches!(pick, StepPick::Engine { logits: true });
+        act.set_readout(device_pick, read_logits);
         m.write_ids(act, ids)?;
         m.begin_step(act, kv, &step, rows)?;
-        let draws = self.picker.draws(step.batch);
         if !draws.is_empty() {
             m.write_draws(act, &draws)?;
         }
@@ -161,7 +178,7 @@ impl SingleEngine {
                 .map(|l| format!("{l} on {}", gpu.describe()));
             check_finite(self.steps, &out.non_finite, location)?;
         }
-        let tokens = match (&logits, self.picker.needs_logits()) {
+        let tokens = match (&logits, host_picks) {
             (Some(l), true) => {
                 check_finite(self.steps, &count_non_finite(l), None)?;
                 self.picker.host(l)
@@ -201,7 +218,13 @@ impl Engine for SingleEngine {
             past: 0,
         };
         Ok(self
-            .forward(&ids, step, &step.rows(), (&[], None), logits)?
+            .forward(
+                &ids,
+                step,
+                &step.rows(),
+                (&[], None),
+                StepPick::Engine { logits },
+            )?
             .0)
     }
 
@@ -213,7 +236,13 @@ impl Engine for SingleEngine {
             past: self.past,
         };
         Ok(self
-            .forward(tokens, step, &step.rows(), (&[], None), logits)?
+            .forward(
+                tokens,
+                step,
+                &step.rows(),
+                (&[], None),
+                StepPick::Engine { logits },
+            )?
             .0)
     }
 
@@ -265,20 +294,17 @@ impl StepEngine for SingleEngine {
             past: 0,
         };
         self.reserve_activations(shape.tokens(), shape.batch)?;
-        // The serving loop picks from the logits (see `StepDone`).
+        // Serving is greedy: the device picks, and only token ids come back.
         let (out, span) = self.forward(
             &step.ids,
             shape,
             &step.rows,
             (&step.deps, step.release_us),
-            true,
+            StepPick::Greedy,
         )?;
-        let logits = out
-            .logits
-            .ok_or_else(|| WgparError::Internal("no logits read".into()))?;
         self.done.push_back(StepDone {
             lane: step.lane,
-            logits,
+            tokens: out.tokens,
             span,
         });
         Ok(())

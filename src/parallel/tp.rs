@@ -1144,28 +1144,21 @@ impl StepEngine for TensorParallelEngine {
             deps: Some(step.deps),
             release_us: step.release_us,
             encoder: None,
-            // The serving loop picks from the logits (see `StepDone`).
-            readout: Readout {
-                logits: true,
-                ..Readout::default()
-            },
+            // Serving is greedy: the device picks, and only token ids come back.
+            readout: Readout::default(),
         };
-        let data = match self.run(step.ids, shape, plan)? {
+        let tokens = match self.run(step.ids, shape, plan)? {
             GroupOutput::Picked(out) => {
                 if self.group.remote.is_none() {
                     check_finite(self.steps, &out.non_finite, None)?;
                 }
-                out.logits.ok_or_else(no_output)?
+                out.tokens
             }
             _ => return Err(no_output()),
         };
         self.done.push_back(StepDone {
             lane: step.lane,
-            logits: Logits {
-                batch: shape.batch,
-                vocab: self.config.vocab,
-                data,
-            },
+            tokens,
             span: self.last_span,
         });
         Ok(())

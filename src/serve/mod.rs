@@ -387,15 +387,11 @@ impl State<'_> {
             }
             InFlight::Decode => std::mem::take(&mut self.lanes[lane].seqs),
         };
-        let chosen = done.logits.argmax();
+        let chosen = done.tokens;
         if chosen.len() != seqs.len() {
             return Err(WgparError::Shape {
                 op: "serving step".into(),
-                detail: format!(
-                    "{} rows of logits for {} sequences",
-                    chosen.len(),
-                    seqs.len()
-                ),
+                detail: format!("{} tokens for {} sequences", chosen.len(), seqs.len()),
             });
         }
         for (s, &token) in seqs.iter_mut().zip(&chosen) {

@@ -192,6 +192,10 @@ impl<'a> CostModel<'a> {
             kind: algorithm.kind(),
             efficiency: 1.0,
             latency_us: 0.0,
+            step_latency_us: 0.0,
+            intra_step_latency_us: None,
+            tree_step_latency_us: None,
+            tree_intra_step_latency_us: None,
         };
         if devices.len() < 2 {
             return Ok(0.0);
@@ -264,7 +268,10 @@ impl<'a> CostModel<'a> {
         let (eff, latency) = if peak || self.measured() {
             (1.0, 0.0)
         } else {
-            (entry.efficiency, entry.latency_us)
+            (
+                entry.efficiency,
+                entry.latency_us + self.step_latency_us(op, entry, devices),
+            )
         };
         match entry.kind {
             LinkKind::HostStaged => {
@@ -326,6 +333,50 @@ impl<'a> CostModel<'a> {
                 Ok(latency + messages * (devices.len() as f64 - 1.0) * per_message)
             }
         }
+    }
+
+    /// The latency a call's ring steps add: `steps x step_latency_us`, with the steps of a
+    /// ring over n ranks as in [`ring_steps`]. A cross-node ring (`nccl-net`) pays
+    /// `step_latency_us` on the steps that cross nodes (NCCL 2.15's count: 2N for an
+    /// all-reduce over N nodes, N - 1 for an all-gather or reduce-scatter) and the intra-node
+    /// step latency on the rest; an all-reduce takes NCCL's tree instead where the entry gives
+    /// tree steps and they add less.
+    fn step_latency_us(&self, op: CollectiveOp, entry: &CollectiveEntry, devices: &[usize]) -> f64 {
+        let steps = ring_steps(op, devices.len());
+        if entry.kind != LinkKind::NcclNet {
+            return steps * entry.step_latency_us;
+        }
+        let per_node = self.per_node(devices);
+        let nodes = per_node.len();
+        let inter = match op {
+            CollectiveOp::AllReduce if nodes > 1 => 2.0 * nodes as f64,
+            CollectiveOp::AllGather | CollectiveOp::ReduceScatter => nodes as f64 - 1.0,
+            CollectiveOp::SendRecv if nodes > 1 => 1.0,
+            _ => 0.0,
+        }
+        .min(steps);
+        let intra = entry.intra_step_latency_us.unwrap_or_else(|| {
+            // The collective the engine runs among the ranks of one node.
+            per_node
+                .values()
+                .next()
+                .and_then(|node| self.engine.collective_for(self.profile, node, None))
+                .filter(|c| c.kind != LinkKind::NcclNet)
+                .map_or(0.0, |c| c.step_latency_us)
+        });
+        let ring = inter * entry.step_latency_us + (steps - inter) * intra;
+        // NCCL's tree across nodes: up and down a chain inside each node and a binary tree of
+        // depth floor(log2 N) among nodes.
+        let tree = match (op, entry.tree_step_latency_us) {
+            (CollectiveOp::AllReduce, Some(between)) if nodes > 1 => {
+                let per_node_ranks = per_node.values().map(Vec::len).max().unwrap_or(1) as f64;
+                let depth = (usize::BITS - 1 - nodes.leading_zeros()) as f64;
+                let within = entry.tree_intra_step_latency_us.unwrap_or(intra);
+                2.0 * ((per_node_ranks - 1.0) * within + depth * between)
+            }
+            _ => f64::INFINITY,
+        };
+        ring.min(tree)
     }
 
     /// Host-staged collective, as phases per chunk of `s = S / k` bytes:
@@ -513,6 +564,17 @@ impl<'a> CostModel<'a> {
                 profile: self.profile.name.clone(),
                 nodes,
             })
+    }
+}
+
+/// Steps of a ring over `n` ranks: 2(n-1) for an all-reduce (reduce-scatter then
+/// all-gather), n-1 for an all-gather or a reduce-scatter, one for a send/recv.
+fn ring_steps(op: CollectiveOp, n: usize) -> f64 {
+    let n = n as f64;
+    match op {
+        CollectiveOp::AllReduce => 2.0 * (n - 1.0),
+        CollectiveOp::AllGather | CollectiveOp::ReduceScatter => n - 1.0,
+        CollectiveOp::SendRecv => 1.0,
     }
 }
 

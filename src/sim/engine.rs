@@ -126,8 +126,33 @@ pub struct CollectiveEntry {
     /// Bus bandwidth it reaches over the link's figure in the profile (nccl-tests' busbw over
     /// the per-direction link bandwidth).
     pub efficiency: f64,
-    /// Fixed cost of one call, microseconds (what a few-byte message takes).
+    /// Fixed cost of one call, microseconds (what a few-byte message takes on few ranks).
     pub latency_us: f64,
+    /// Latency each step of a ring adds, microseconds, so that a call's fixed cost grows with
+    /// the ranks as NCCL's own tuning model has it (a per-hop latency times the steps): an
+    /// all-reduce over p ranks takes 2(p-1) steps, an all-gather or reduce-scatter p-1, a
+    /// send/recv one. On `nccl-net`, the latency of a step that crosses nodes. 0 (the default):
+    /// the cost of a call does not grow with the ranks (NVLS reduces inside the switch).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub step_latency_us: f64,
+    /// `nccl-net` only: latency of each step of the cross-node ring that stays inside a node.
+    /// Absent: the `step_latency_us` of the collective the engine runs inside one node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intra_step_latency_us: Option<f64>,
+    /// `nccl-net` only: latency of a step between nodes of NCCL's tree all-reduce. Given, an
+    /// all-reduce across nodes pays the lesser of the ring's step latencies and the tree's,
+    /// `2 x ((ranks per node - 1) x tree_intra_step_latency_us + floor(log2 N) x this)`, as
+    /// NCCL picks the faster algorithm for a call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tree_step_latency_us: Option<f64>,
+    /// `nccl-net` only: latency of a tree step inside a node (absent: the ring's intra-node
+    /// step latency).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tree_intra_step_latency_us: Option<f64>,
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 /// A collective's path through the machine and its algorithm.
@@ -261,11 +286,19 @@ impl Engine {
                     kind: LinkKind::HostStaged,
                     efficiency: 1.0,
                     latency_us: 0.0,
+                    step_latency_us: 0.0,
+                    intra_step_latency_us: None,
+                    tree_step_latency_us: None,
+                    tree_intra_step_latency_us: None,
                 },
                 CollectiveEntry {
                     kind: LinkKind::Ring,
                     efficiency: 1.0,
                     latency_us: 0.0,
+                    step_latency_us: 0.0,
+                    intra_step_latency_us: None,
+                    tree_step_latency_us: None,
+                    tree_intra_step_latency_us: None,
                 },
             ],
         }
@@ -401,6 +434,25 @@ impl Engine {
             let p = root.key("collectives").index(i);
             rules::efficiency(&p.key("efficiency"), e.efficiency)?;
             rules::latency_us(&p.key("latency_us"), e.latency_us)?;
+            rules::latency_us(&p.key("step_latency_us"), e.step_latency_us)?;
+            let net_only = [
+                ("intra_step_latency_us", e.intra_step_latency_us),
+                ("tree_step_latency_us", e.tree_step_latency_us),
+                ("tree_intra_step_latency_us", e.tree_intra_step_latency_us),
+            ];
+            for (key, value) in net_only {
+                let Some(v) = value else { continue };
+                let field = p.key(key);
+                if e.kind != LinkKind::NcclNet {
+                    return Err(Violation::new(
+                        field,
+                        v,
+                        "applies only to kind = \"nccl-net\" (steps of a collective across \
+                         nodes)",
+                    ));
+                }
+                rules::latency_us(&field, v)?;
+            }
             if self.collectives[..i].iter().any(|o| o.kind == e.kind) {
                 return Err(Violation::new(
                     p.key("kind"),
