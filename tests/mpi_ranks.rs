@@ -310,6 +310,110 @@ fn rank_traces_merge_and_project_onto_one_or_two_nodes() {
     assert!(text(&o).contains("rank 1 of a 2-rank run"), "{}", text(&o));
 }
 
+#[test]
+fn calibrate_under_mpirun_writes_one_profile_that_projects_rank_traces() {
+    let dir = scratch("calibrate");
+    let profile = dir.join("ranks.toml");
+    let small = ["--model", "tiny-llama", "--batch", "2", "--prompt-len", "8"];
+    let mut args = vec!["calibrate", "--quick", "--out", profile.to_str().unwrap()];
+    args.extend(small);
+    let t = ok(mpirun(2, &args));
+    assert!(t.contains("sharing between processes"), "{t}");
+    assert!(t.contains("MPI send between ranks on this host"), "{t}");
+    let written = std::fs::read_to_string(&profile).unwrap();
+    assert!(
+        written.contains("# calibrated under mpirun: 2 ranks on 1 host(s)"),
+        "{written}"
+    );
+    // One node whose two devices are the ranks' devices, sharing the processor between the
+    // two processes, with one measured slowdown per busy count.
+    let p = wgpar::sim::HostProfile::load(&profile).unwrap();
+    assert_eq!((p.nodes, p.device_count()), (1, 2), "{written}");
+    let sharing = p.devices[0]
+        .compute_sharing
+        .as_ref()
+        .expect("sharing measured");
+    assert_eq!(sharing.shared_by, 2);
+    assert_eq!(sharing.slowdown.len(), 2);
+    assert!(sharing.slowdown[1] >= 1.0 && sharing.slowdown[1].is_finite());
+    assert!(!sharing.slowdown_curve.is_empty());
+    assert!(p.devices[0].rates.matmul_gflops.is_some_and(|g| g > 0.0));
+
+    // Two rank traces of a pipeline over the same two ranks project onto it.
+    let trace = dir.join("run.json");
+    let mut run = vec![
+        "run",
+        "--strategy",
+        "pp",
+        "--virtual",
+        "1",
+        "--micro-batches",
+        "2",
+        "--gen",
+        "3",
+        "--trace",
+        trace.to_str().unwrap(),
+    ];
+    run.extend(small);
+    ok(mpirun(2, &run));
+    let o = Command::new(wgpar())
+        .args([
+            "project",
+            "--trace",
+            dir.join("run.rank0.json").to_str().unwrap(),
+            "--trace",
+            dir.join("run.rank1.json").to_str().unwrap(),
+            "--host",
+            profile.to_str().unwrap(),
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+    let ratio = v["projected_over_measured"].as_f64().unwrap();
+    assert!(ratio.is_finite() && ratio > 0.0, "{t}");
+}
+
+#[test]
+fn calibrate_ranks_must_agree_on_what_they_measure() {
+    let dir = scratch("calibrate-mismatch");
+    let out = dir.join("x.toml");
+    let o = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "1"])
+        .arg(wgpar())
+        .args([
+            "calibrate",
+            "--quick",
+            "--model",
+            "tiny-llama",
+            "--batch",
+            "2",
+        ])
+        .args(["--out", out.to_str().unwrap()])
+        .args([":", "-np", "1"])
+        .arg(wgpar())
+        .args([
+            "calibrate",
+            "--quick",
+            "--model",
+            "tiny-llama",
+            "--batch",
+            "4",
+        ])
+        .args(["--out", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("ranks disagree: calibration options"),
+        "{}",
+        text(&o)
+    );
+    assert!(!out.exists(), "no profile from ranks that disagree");
+}
+
 /// Runs a job in which one rank fails; every rank must be gone, the launcher non-zero, the
 /// failure named, all well within the timeout.
 fn fails(np: usize, args: &[&str], fault: &str, expect: &[&str]) {

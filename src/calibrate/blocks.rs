@@ -117,7 +117,7 @@ pub(super) struct Point {
 }
 
 /// Buffers for running `step` on a model: activations, a KV cache and token ids written.
-pub(super) fn step_buffers(m: &GpuModel, step: &Step) -> Result<(Activations, KvCache)> {
+pub(crate) fn step_buffers(m: &GpuModel, step: &Step) -> Result<(Activations, KvCache)> {
     let mut act = m.activations(step.tokens(), step.batch)?;
     let mut kv = m.kv_cache(step.batch)?;
     let vocab = m.config().vocab as u32;
@@ -132,7 +132,7 @@ pub(super) fn step_buffers(m: &GpuModel, step: &Step) -> Result<(Activations, Kv
 /// Every layer's blocks of the step `act` is set up for ([`step_buffers`]) in one submit,
 /// like the single and pipeline engines, and a wait; `whole` = attention and MLP halves, else
 /// attention halves only.
-pub(super) fn run_blocks(m: &GpuModel, act: &Activations, kv: &KvCache, whole: bool) -> Result<()> {
+pub(crate) fn run_blocks(m: &GpuModel, act: &Activations, kv: &KvCache, whole: bool) -> Result<()> {
     let gpu = m.gpu();
     let mut e = gpu.encoder();
     if whole {
@@ -148,7 +148,7 @@ pub(super) fn run_blocks(m: &GpuModel, act: &Activations, kv: &KvCache, whole: b
 }
 
 /// Median time of [`run_blocks`], seconds.
-pub(super) fn time_blocks(m: &GpuModel, step: &Step, whole: bool, iters: usize) -> Result<f64> {
+pub(crate) fn time_blocks(m: &GpuModel, step: &Step, whole: bool, iters: usize) -> Result<f64> {
     let (act, kv) = step_buffers(m, step)?;
     median_time(iters, || run_blocks(m, &act, &kv, whole))
 }

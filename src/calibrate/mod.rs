@@ -55,10 +55,10 @@ macro_rules! say_part {
     };
 }
 
-mod blocks;
+pub(crate) mod blocks;
 mod kernels;
 mod links;
-mod sharing;
+pub(crate) mod sharing;
 
 /// What to calibrate for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,6 +86,10 @@ pub struct Calibration {
     pub profile: HostProfile,
     /// Lines for the header of the profile file.
     pub note: String,
+    /// Time of the model's whole layers alone at each measured step, seconds, per adapter
+    /// group in device order (what the rate curves were fitted from): a measurement of sharing
+    /// made elsewhere (between MPI ranks) compares against the same alone run.
+    pub block_times: Vec<Vec<(Step, f64)>>,
 }
 
 /// Measures `gpus` (devices on one adapter are measured once, as a group that shares a
@@ -155,6 +159,7 @@ pub fn calibrate(
     };
 
     let mut measured = Vec::new();
+    let mut block_times = Vec::new();
     for group in adapter_groups(gpus) {
         let gpu = &group[0];
         say!(log);
@@ -227,6 +232,7 @@ pub fn calibrate(
         let attention_curve = blocks::curve(measured_blocks.attention);
         let matmul_curve = blocks::curve(measured_blocks.layers);
         let plateau = |c: &[[f64; 2]]| c.last().map_or(0.0, |p| p[1]);
+        block_times.push(measured_blocks.alone_s.clone());
 
         let compute_sharing = if group.len() > 1 {
             say!(
@@ -364,7 +370,11 @@ pub fn calibrate(
         bounce.beta_gbps,
         bounce.r_squared
     );
-    Ok(Calibration { profile, note })
+    Ok(Calibration {
+        profile,
+        note,
+        block_times,
+    })
 }
 
 /// Median of timed repetitions after one untimed warm-up, seconds.

@@ -17,7 +17,7 @@ use super::join_all;
 /// Mean time of `step`'s whole layers on `m` while the other threads do the same: repeats it
 /// from `start` until `until` and averages the repetitions that finished by then, so every
 /// counted repetition ran with all devices busy. Seconds.
-pub(super) fn sustained_block_time(m: &GpuModel, step: &Step, until: Instant) -> Result<f64> {
+pub(crate) fn sustained_block_time(m: &GpuModel, step: &Step, until: Instant) -> Result<f64> {
     let (act, kv) = step_buffers(m, step)?;
     let mut done = Vec::new();
     loop {

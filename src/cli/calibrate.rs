@@ -2,7 +2,7 @@
 //! are `wgpar::calibrate`; this command opens the devices, makes the model and writes the file.
 
 use clap::Args;
-use wgpar::calibrate::{calibrate, CalibrationOptions};
+use wgpar::calibrate::{calibrate, Calibration, CalibrationOptions};
 use wgpar::comm::units::parse_size;
 use wgpar::model::ModelWeights;
 use wgpar::sim::write_calibrated_profile;
@@ -44,38 +44,63 @@ pub struct CalibrateArgs {
 /// Runs the calibration and writes the profile.
 pub fn run(args: &CalibrateArgs) -> Result<()> {
     let config = args.model.config()?;
-    let max_bytes = if args.quick {
-        256 << 10
-    } else {
-        parse_size(&args.max_bytes).map_err(|e| WgparError::Config(format!("--max-bytes: {e}")))?
-    };
-    let options = CalibrationOptions {
-        batch: args.batch,
-        prompt_len: args.prompt_len,
-        max_bytes,
-        iters: if args.quick {
-            args.iters.min(3)
-        } else {
-            args.iters
-        },
-        quick: args.quick,
-        name: args.name.clone(),
-    };
+    let options = args.options()?;
     let adapters = wgpar::device::Adapters::discover()?;
     let gpus = args.devices.open(&adapters)?;
     let weights = ModelWeights::synthetic(&config, args.model.seed);
     let calibration = calibrate(&gpus, &weights, &options, &mut std::io::stdout())?;
-    let (profile, note) = (calibration.profile, calibration.note);
-    if let Some(dir) = std::path::Path::new(&args.out).parent() {
-        if !dir.as_os_str().is_empty() {
-            std::fs::create_dir_all(dir).map_err(|source| WgparError::Io {
-                path: dir.display().to_string(),
-                source,
-            })?;
-        }
+    args.write(&calibration)
+}
+
+impl CalibrateArgs {
+    /// What to calibrate for, from the options (also the MPI path's).
+    pub(crate) fn options(&self) -> Result<CalibrationOptions> {
+        let max_bytes = if self.quick {
+            256 << 10
+        } else {
+            parse_size(&self.max_bytes)
+                .map_err(|e| WgparError::Config(format!("--max-bytes: {e}")))?
+        };
+        Ok(CalibrationOptions {
+            batch: self.batch,
+            prompt_len: self.prompt_len,
+            max_bytes,
+            iters: if self.quick {
+                self.iters.min(3)
+            } else {
+                self.iters
+            },
+            quick: self.quick,
+            name: self.name.clone(),
+        })
     }
-    write_calibrated_profile(&profile, &note, &args.out)?;
-    println!();
-    println!("profile `{}` written to {}", profile.name, args.out);
-    Ok(())
+
+    /// Writes the calibrated profile to `--out` (creating its folder) and says so.
+    pub(crate) fn write(&self, calibration: &Calibration) -> Result<()> {
+        let (profile, note) = (&calibration.profile, &calibration.note);
+        if let Some(dir) = std::path::Path::new(&self.out).parent() {
+            if !dir.as_os_str().is_empty() {
+                std::fs::create_dir_all(dir).map_err(|source| WgparError::Io {
+                    path: dir.display().to_string(),
+                    source,
+                })?;
+            }
+        }
+        write_calibrated_profile(profile, note, &self.out)?;
+        println!();
+        println!("profile `{}` written to {}", profile.name, self.out);
+        Ok(())
+    }
+
+    /// The devices to open (under mpirun: per rank).
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn devices(&self) -> &DeviceArgs {
+        &self.devices
+    }
+
+    /// The model whose shapes are measured.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn model(&self) -> &ModelArgs {
+        &self.model
+    }
 }

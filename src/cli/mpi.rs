@@ -128,8 +128,9 @@ mod ranks {
     use wgpar::comm::{Algorithm, CommConfig, LinkPrecision};
     use wgpar::device::{Adapters, DType, Gpu};
     use wgpar::dist::bench::{run_bench, MpiBenchOptions};
-    use wgpar::dist::{build, gather_stage_stats, DistEngine, DistError, World};
+    use wgpar::dist::{build, calibrate_ranks, gather_stage_stats, DistEngine, DistError, World};
     use wgpar::error::human_bytes;
+    use wgpar::model::ModelWeights;
     use wgpar::parallel::{
         generate, Fault as StageFault, FaultKind as StageFaultKind, PipelineStats, StageStats,
         Strategy,
@@ -139,6 +140,7 @@ mod ranks {
 
     use super::{Fault, FaultKind};
     use crate::cli::allreduce::AllreduceArgs;
+    use crate::cli::calibrate::CalibrateArgs;
     use crate::cli::run::RunArgs;
     use crate::cli::{Cli, Command};
 
@@ -182,10 +184,11 @@ mod ranks {
             Some(Command::Devices { json }) => devices(world, *json),
             Some(Command::Run(args)) => run(world, args, fault),
             Some(Command::Allreduce(args)) => allreduce(world, args),
+            Some(Command::Calibrate(args)) => calibrate(world, args),
             _ => Err(DistError::Unsupported {
                 option: "this command".into(),
-                why: "under mpirun wgpar runs `devices`, `run` and `allreduce`; run the others \
-                      without mpirun"
+                why: "under mpirun wgpar runs `devices`, `run`, `allreduce` and `calibrate`; \
+                      run the others without mpirun"
                     .into(),
             }
             .into()),
@@ -240,6 +243,29 @@ mod ranks {
             }
         }
         Ok(())
+    }
+
+    /// Every rank calibrates its devices; rank 0 writes one profile of the job's machine(s).
+    fn calibrate(world: &World, args: &CalibrateArgs) -> Result<()> {
+        let config = args.model().config()?;
+        let options = args.options()?;
+        // Every rank must measure the same shapes for one profile.
+        world.check_same("wgpar version", env!("CARGO_PKG_VERSION"))?;
+        world.check_same("calibration options", &format!("{config:?} {options:?}"))?;
+        let adapters = Adapters::discover()?;
+        let mut devices = args.devices().clone();
+        if devices.devices.is_none() && devices.virtual_count.is_none() {
+            // One device per rank unless told otherwise, as a pipeline over ranks runs.
+            devices.virtual_count = Some(1);
+        }
+        let gpus = devices.open(&adapters)?;
+        let weights = ModelWeights::synthetic(&config, args.model().seed);
+        let calibration =
+            calibrate_ranks(world, &gpus, &weights, &options, &mut std::io::stdout())?;
+        match calibration {
+            Some(c) => args.write(&c),
+            None => Ok(()),
+        }
     }
 
     fn allreduce(world: &World, args: &AllreduceArgs) -> Result<()> {

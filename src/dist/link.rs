@@ -204,7 +204,7 @@ fn split_rows(
 }
 
 /// Sends `msg` to `dest`, polling the request against the job's timeout.
-fn send(
+pub(super) fn send(
     comm: &Comm,
     dest: usize,
     tag: i32,

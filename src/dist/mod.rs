@@ -15,6 +15,8 @@ pub use error::DistError;
 #[cfg(feature = "mpi")]
 pub mod bench;
 #[cfg(feature = "mpi")]
+mod calibrate;
+#[cfg(feature = "mpi")]
 mod engine;
 #[cfg(feature = "mpi")]
 mod link;
@@ -24,8 +26,10 @@ mod reduce;
 mod world;
 
 #[cfg(feature = "mpi")]
+pub use calibrate::calibrate_ranks;
+#[cfg(feature = "mpi")]
 pub use engine::{build, gather_stage_stats, DistDriver, DistEngine, PipelineDriver, StageServer};
 #[cfg(feature = "mpi")]
 pub use reduce::MpiGroup;
 #[cfg(feature = "mpi")]
-pub use world::World;
+pub use world::{Backoff, World};

@@ -217,6 +217,51 @@ impl World {
         root.broadcast_into(&mut bytes[..]);
     }
 
+    /// Waits until every rank arrives, like [`barrier`](Self::barrier), but polls a
+    /// non-blocking barrier with `backoff` instead of spinning a core in MPI (what a rank that
+    /// waits while others measure must not do), for at most `timeout`.
+    pub fn barrier_with(
+        &self,
+        what: &str,
+        backoff: Backoff,
+        timeout: Duration,
+    ) -> Result<(), DistError> {
+        let mut req = Some(self.world.get().immediate_barrier());
+        let r = poll_with(
+            backoff,
+            Instant::now() + timeout,
+            || match req.take()?.test() {
+                Ok(_) => Some(()),
+                Err(r) => {
+                    req = Some(r);
+                    None
+                }
+            },
+            || DistError::CollectiveTimeout {
+                what: what.into(),
+                ranks: self.size,
+                secs: timeout.as_secs_f64(),
+            },
+        );
+        if let Some(r) = req.take() {
+            // A barrier whose peer is gone never completes: let it go (the job ends).
+            std::mem::forget(r);
+        }
+        r
+    }
+
+    /// Every rank's `values` (the same length on every rank), on every rank, rank by rank.
+    pub fn all_gather_f64(&self, values: &[f64]) -> Vec<Vec<f64>> {
+        let n = values.len();
+        let mut all = vec![0.0f64; n * self.size];
+        if n > 0 {
+            self.world.get().all_gather_into(values, &mut all[..]);
+        }
+        (0..self.size)
+            .map(|r| all[r * n..(r + 1) * n].to_vec())
+            .collect()
+    }
+
     /// Checks that every rank has the same `value` of `what` (model, options, version).
     pub fn check_same(&self, what: &str, value: &str) -> Result<(), DistError> {
         let all = self.all_gather(value);
@@ -328,9 +373,74 @@ fn gather_strings_all(comm: &SimpleCommunicator, text: &str) -> Vec<String> {
         .collect()
 }
 
-/// Polls `done` until it returns `Some`, backing off from yields to short sleeps, or fails with
-/// `timeout` (non-blocking requests polled against a deadline, never a blocking wait).
+/// How a waiting thread polls a non-blocking MPI request. Open MPI's blocking calls spin a
+/// core at 100 % (they poll the shared-memory segment), and on a machine whose cores also run
+/// the devices' drivers (a CPU driver, or the host side of a GPU driver) every core a waiting
+/// rank takes is taken from a computing one, so wgpar polls non-blocking requests: it yields
+/// while a wait is short (a hand-off in flight), then sleeps between polls.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Backoff {
+    /// How long the wait yields between polls before it starts sleeping.
+    pub spin: Duration,
+    /// Shortest sleep between polls.
+    pub min_sleep: Duration,
+    /// Longest sleep between polls.
+    pub max_sleep: Duration,
+    /// Once sleeping, each sleep is this fraction of the time waited so far (between the two
+    /// bounds): the lateness it adds is bounded by that fraction of the wait, while a long
+    /// idle wait wakes up a few hundred times a second instead of thousands.
+    pub fraction: f64,
+}
+
+impl Backoff {
+    /// What every wait of the runtime uses: yield for 200 us, then sleep 50 us between polls
+    /// (which the kernel stretches to about 100 us). Measured against [`Backoff::SPARSE`] by
+    /// `wgpar calibrate` under mpirun (docs/BENCHMARKS.md, "Ranks over MPI"): a waiting rank's
+    /// polling did not measurably slow a computing one, and keeps the cores awake, which
+    /// speeds up small dispatches on a CPU driver, while sparser polls noticed a message twice
+    /// as late.
+    pub const RUNTIME: Self = Self {
+        spin: Duration::from_micros(200),
+        min_sleep: Duration::from_micros(50),
+        max_sleep: Duration::from_micros(50),
+        fraction: 0.0,
+    };
+
+    /// A sparser schedule, measured for comparison: yield for 200 us, then sleep 1/16 of the
+    /// time waited so far, 50 to 200 us.
+    pub const SPARSE: Self = Self {
+        spin: Duration::from_micros(200),
+        min_sleep: Duration::from_micros(50),
+        max_sleep: Duration::from_micros(200),
+        fraction: 1.0 / 16.0,
+    };
+
+    /// The pause after a poll that found nothing, `waited` into the wait.
+    pub fn pause(&self, waited: Duration) -> Option<Duration> {
+        if waited < self.spin {
+            return None;
+        }
+        Some(
+            waited
+                .mul_f64(self.fraction)
+                .clamp(self.min_sleep, self.max_sleep),
+        )
+    }
+}
+
+/// Polls `done` until it returns `Some`, backing off as [`Backoff::RUNTIME`] says, or fails
+/// with `timeout` (non-blocking requests polled against a deadline, never a blocking wait).
 pub(crate) fn poll_until<T>(
+    deadline: Instant,
+    done: impl FnMut() -> Option<T>,
+    timeout: impl FnOnce() -> DistError,
+) -> Result<T, DistError> {
+    poll_with(Backoff::RUNTIME, deadline, done, timeout)
+}
+
+/// [`poll_until`] with a given back-off.
+pub(crate) fn poll_with<T>(
+    backoff: Backoff,
     deadline: Instant,
     mut done: impl FnMut() -> Option<T>,
     timeout: impl FnOnce() -> DistError,
@@ -344,12 +454,36 @@ pub(crate) fn poll_until<T>(
         if now >= deadline {
             return Err(timeout());
         }
-        // Yield while the wait is short (a hand-off in flight), sleep once it is long (an idle
-        // stage), so a waiting rank does not steal the core its own GPU driver runs on.
-        if now - start < Duration::from_micros(200) {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
+        match backoff.pause(now - start) {
+            None => std::thread::yield_now(),
+            Some(d) => std::thread::sleep(d),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_yields_then_sleeps_a_bounded_fraction_of_the_wait() {
+        let b = Backoff::SPARSE;
+        assert_eq!(b.pause(Duration::from_micros(100)), None);
+        assert_eq!(
+            b.pause(Duration::from_micros(300)),
+            Some(Duration::from_micros(50))
+        );
+        assert_eq!(
+            b.pause(Duration::from_micros(2400)),
+            Some(Duration::from_micros(150))
+        );
+        assert_eq!(
+            b.pause(Duration::from_secs(3)),
+            Some(Duration::from_micros(200))
+        );
+        assert_eq!(
+            Backoff::RUNTIME.pause(Duration::from_secs(3)),
+            Some(Duration::from_micros(50))
+        );
     }
 }
