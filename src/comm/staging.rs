@@ -130,9 +130,13 @@ impl Slot {
             });
         }
         let timeout = wait.timeout;
-        // A couple of rounds: the first waits for the submission, later ones only give wgpu a
-        // chance to run callbacks that became ready in between.
-        for round in 0..3 {
+        let deadline = Instant::now() + timeout;
+        // The first round waits for the submission; later ones give wgpu a chance to run
+        // callbacks that became ready in between. Another thread polling the same device (a
+        // pipeline stage and its hand-off thread do) may have taken this buffer's callback
+        // out of wgpu and not run it yet: then our poll returns with nothing to do while the
+        // map is still pending, so keep looking, briefly sleeping, until the deadline.
+        for round in 0.. {
             let (status, after) = match &self.state {
                 MapState::Mapped => return Ok(()),
                 MapState::Pending { status, after } => (status.clone(), after.clone()),
@@ -154,6 +158,12 @@ impl Slot {
                 }
                 _ => {}
             }
+            if round > 0 && Instant::now() >= deadline {
+                break;
+            }
+            if round > 1 {
+                std::thread::sleep(Duration::from_micros(50));
+            }
             let submission_index = if round == 0 { after } else { None };
             poll_wait(device, submission_index, what, label, timeout)?;
         }
@@ -163,7 +173,10 @@ impl Slot {
             Err(CommError::gpu(
                 what,
                 label,
-                "a staging buffer map never completed",
+                format!(
+                    "a staging buffer map did not complete within {:.1} s of its submission",
+                    timeout.as_secs_f64()
+                ),
             ))
         }
     }
