@@ -249,33 +249,7 @@ pub fn calibrate(
                     DType::F32,
                 )?));
             }
-            // The run's own steps, so that the sharing is measured under the concurrency the
-            // runs see: prefill and decode of the whole batch (tensor parallel, single) and of
-            // one sequence (a pipeline's micro-batches).
-            let mut shapes = vec![
-                Step {
-                    batch,
-                    seq: prompt_len,
-                    past: 0,
-                },
-                Step {
-                    batch,
-                    seq: 1,
-                    past: prompt_len,
-                },
-            ];
-            if batch > 1 && !quick {
-                shapes.push(Step {
-                    batch: 1,
-                    seq: prompt_len,
-                    past: 0,
-                });
-                shapes.push(Step {
-                    batch: 1,
-                    seq: 1,
-                    past: prompt_len,
-                });
-            }
+            let shapes = sharing::sharing_steps(batch, prompt_len, quick);
             let window = if quick { 0.3 } else { 1.0 };
             Some(sharing::sharing_slowdown(
                 &models,

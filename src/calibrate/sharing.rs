@@ -14,6 +14,37 @@ use crate::sim::ComputeSharing;
 use super::blocks::{run_blocks, step_buffers, time_blocks};
 use super::join_all;
 
+/// The step shapes the sharing is measured at: the run's own, so that it is measured under the
+/// concurrency the runs see: prefill and decode of the whole batch (tensor parallel, single)
+/// and, unless `quick`, of one sequence (a pipeline's micro-batches).
+pub(crate) fn sharing_steps(batch: usize, prompt_len: usize, quick: bool) -> Vec<Step> {
+    let mut steps = vec![
+        Step {
+            batch,
+            seq: prompt_len,
+            past: 0,
+        },
+        Step {
+            batch,
+            seq: 1,
+            past: prompt_len,
+        },
+    ];
+    if batch > 1 && !quick {
+        steps.push(Step {
+            batch: 1,
+            seq: prompt_len,
+            past: 0,
+        });
+        steps.push(Step {
+            batch: 1,
+            seq: 1,
+            past: prompt_len,
+        });
+    }
+    steps
+}
+
 /// Mean time of `step`'s whole layers on `m` while the other threads do the same: repeats it
 /// from `start` until `until` and averages the repetitions that finished by then, so every
 /// counted repetition ran with all devices busy. Seconds.

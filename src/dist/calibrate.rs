@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use mpi::traits::*;
 
 use crate::calibrate::blocks::time_blocks;
-use crate::calibrate::sharing::sustained_block_time;
+use crate::calibrate::sharing::{sharing_steps, sustained_block_time};
 use crate::calibrate::{calibrate, join_all, Calibration, CalibrationOptions};
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
@@ -186,7 +186,7 @@ pub fn calibrate_ranks(
 
     // 2 and 3. Sharing between processes, host by host (hosts measure at the same time).
     let config = &weights.config;
-    let steps = sharing_steps(options);
+    let steps = sharing_steps(options.batch, options.prompt_len, options.quick);
     let models: Vec<Arc<GpuModel>> = gpus
         .iter()
         .map(|g| {
@@ -418,36 +418,6 @@ pub fn calibrate_ranks(
         note,
         block_times: base.block_times.clone(),
     }))
-}
-
-/// The step shapes of the sharing measurement: the run's own (see `calibrate::sharing`).
-fn sharing_steps(options: &CalibrationOptions) -> Vec<Step> {
-    let (batch, prompt_len) = (options.batch, options.prompt_len);
-    let mut steps = vec![
-        Step {
-            batch,
-            seq: prompt_len,
-            past: 0,
-        },
-        Step {
-            batch,
-            seq: 1,
-            past: prompt_len,
-        },
-    ];
-    if batch > 1 && !options.quick {
-        steps.push(Step {
-            batch: 1,
-            seq: prompt_len,
-            past: 0,
-        });
-        steps.push(Step {
-            batch: 1,
-            seq: 1,
-            past: prompt_len,
-        });
-    }
-    steps
 }
 
 /// Runs `step` on the devices `busy` of this rank for `window` seconds, all ranks starting
