@@ -47,13 +47,16 @@ fn oversized_models_are_refused_before_building_weights() {
     }
 }
 
-/// Item 2, in every command that builds a model: `serve`, `compare` and the model benchmarks
-/// check each configuration they will run before opening a device or building a weight.
+/// Item 2, in every command that builds a model: `serve`, `compare`, the model benchmarks and
+/// `calibrate` check each configuration they will run before opening a device or building a
+/// weight.
 #[test]
 fn every_model_command_refuses_oversized_models_first() {
     let out_dir = std::env::temp_dir().join(format!("wgpar-oversized-{}", std::process::id()));
     let out_dir = out_dir.to_string_lossy().to_string();
-    let commands: [&[&str]; 5] = [
+    let profile = std::env::temp_dir().join(format!("wgpar-oversized-{}.toml", std::process::id()));
+    let profile = profile.to_string_lossy().to_string();
+    let commands: [&[&str]; 6] = [
         &["serve", "--requests", "2"],
         &[
             "serve",
@@ -67,6 +70,7 @@ fn every_model_command_refuses_oversized_models_first() {
         &["compare", "--virtual", "2", "--out", &out_dir],
         &["bench", "decode", "--strategies", "single,tp"],
         &["bench", "pipeline", "--stages", "2"],
+        &["calibrate", "--quick", "--out", &profile],
     ];
     for command in commands {
         let mut args = command.to_vec();
@@ -82,6 +86,10 @@ fn every_model_command_refuses_oversized_models_first() {
     assert!(
         !std::path::Path::new(&out_dir).exists(),
         "compare wrote its output folder before refusing"
+    );
+    assert!(
+        !std::path::Path::new(&profile).exists(),
+        "calibrate wrote a profile"
     );
 }
 

@@ -4,7 +4,9 @@
 use clap::Args;
 use wgpar::calibrate::{calibrate, Calibration, CalibrationOptions};
 use wgpar::comm::units::parse_size;
-use wgpar::model::ModelWeights;
+use wgpar::device::{AdapterDesc, DType};
+use wgpar::model::{ModelConfig, ModelWeights};
+use wgpar::parallel::Strategy;
 use wgpar::sim::write_calibrated_profile;
 use wgpar::{Result, WgparError};
 
@@ -46,6 +48,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     let config = args.model.config()?;
     let options = args.options()?;
     let adapters = wgpar::device::Adapters::discover()?;
+    args.check_fits(&config, &args.devices.selected(&adapters)?)?;
     let gpus = args.devices.open(&adapters)?;
     let weights = ModelWeights::synthetic(&config, args.model.seed);
     let calibration = calibrate(&gpus, &weights, &options, &mut std::io::stdout())?;
@@ -73,6 +76,26 @@ impl CalibrateArgs {
             quick: self.quick,
             name: self.name.clone(),
         })
+    }
+
+    /// Checks, before a device opens or a weight is built, that the whole model (the
+    /// calibration runs it in f32 on every device) fits each of `adapters` at the largest
+    /// step it measures, and fits the host's memory.
+    pub(crate) fn check_fits(&self, config: &ModelConfig, adapters: &[AdapterDesc]) -> Result<()> {
+        for adapter in adapters {
+            super::check_runs_fit(
+                config,
+                DType::F32,
+                std::slice::from_ref(adapter),
+                &[super::PlannedRun {
+                    strategy: &Strategy::Single,
+                    devices: 1,
+                    step_tokens: self.batch * self.prompt_len,
+                    batch: self.batch,
+                }],
+            )?;
+        }
+        Ok(())
     }
 
     /// Writes the calibrated profile to `--out` (creating its folder) and says so.

@@ -258,6 +258,7 @@ mod ranks {
             // One device per rank unless told otherwise, as a pipeline over ranks runs.
             devices.virtual_count = Some(1);
         }
+        args.check_fits(&config, &devices.selected(&adapters)?)?;
         let gpus = devices.open(&adapters)?;
         let weights = ModelWeights::synthetic(&config, args.model().seed);
         let calibration =
