@@ -319,14 +319,17 @@ fn stepped_engine(tree: &str) -> Engine {
     Engine::from_toml_str(&text, "s.toml").unwrap()
 }
 
-#[test]
-fn ring_step_latency_grows_with_the_ranks_by_hand() {
+/// The all-reduce of `bytes` (as recorded, f32) over `devices` of `profile` with `engine`:
+/// microseconds and the link kind it took.
+fn engine_all_reduce_us(
+    profile: &HostProfile,
+    engine: &Engine,
+    devices: &[usize],
+    bytes: u64,
+) -> (f64, LinkKind) {
     use wgpar::sim::{CollectivePolicy, CostModel};
-    let p = ranks_profile(1);
-    let e = stepped_engine("");
-    let m = CostModel::with_engine(&p, &e);
-    let ar = |devices: &[usize], bytes: u64| {
-        m.engine_collective_us(
+    CostModel::with_engine(profile, engine)
+        .engine_collective_us(
             CollectiveOp::AllReduce,
             "auto",
             CollectivePolicy::AsRecorded,
@@ -335,7 +338,15 @@ fn ring_step_latency_grows_with_the_ranks_by_hand() {
             1,
         )
         .unwrap()
-    };
+}
+
+#[test]
+fn ring_step_latency_grows_with_the_ranks_by_hand() {
+    use wgpar::sim::{CollectivePolicy, CostModel};
+    let p = ranks_profile(1);
+    let e = stepped_engine("");
+    let m = CostModel::with_engine(&p, &e);
+    let ar = |devices: &[usize], bytes: u64| engine_all_reduce_us(&p, &e, devices, bytes);
     // 4 kB recorded in f32 is 2 kB on the f16 wire. Two ranks: 2(n-1)/n = 1 x 2 kB at
     // 100 GB/s x 0.5 = 0.04 us; 5 us per call; 2 steps x 0.5 us = 1 us.
     let (t, kind) = ar(&[0, 1], 4000);
@@ -361,48 +372,18 @@ fn ring_step_latency_grows_with_the_ranks_by_hand() {
     // crossing nodes: 4 x 2 + 10 x 0.25 = 10.5 us. Bytes: 1.75 x 2 kB at min(100, 1 x 5)
     // GB/s = 0.7 us; + 20 us per call.
     let p = ranks_profile(2);
-    let m = CostModel::with_engine(&p, &e);
     let all: Vec<usize> = (0..8).collect();
-    let (t, kind) = m
-        .engine_collective_us(
-            CollectiveOp::AllReduce,
-            "auto",
-            CollectivePolicy::AsRecorded,
-            &all,
-            4000,
-            1,
-        )
-        .unwrap();
+    let (t, kind) = engine_all_reduce_us(&p, &e, &all, 4000);
     assert_eq!(kind, LinkKind::NcclNet);
     assert!((t - 31.2).abs() < 1e-9, "{t}");
     // With tree steps of 1 us between nodes and 0.5 inside: 2 x (3 x 0.5 + 1 x 1) = 5 us beats
     // the ring's 10.5.
     let e = stepped_engine("tree_step_latency_us = 1\ntree_intra_step_latency_us = 0.5\n");
-    let m = CostModel::with_engine(&p, &e);
-    let (t, _) = m
-        .engine_collective_us(
-            CollectiveOp::AllReduce,
-            "auto",
-            CollectivePolicy::AsRecorded,
-            &all,
-            4000,
-            1,
-        )
-        .unwrap();
+    let (t, _) = engine_all_reduce_us(&p, &e, &all, 4000);
     assert!((t - 25.7).abs() < 1e-9, "{t}");
     // A slow tree (5 us between nodes: 2 x (1.5 + 5) = 13 us) loses to the ring again.
     let e = stepped_engine("tree_step_latency_us = 5\ntree_intra_step_latency_us = 0.5\n");
-    let m = CostModel::with_engine(&p, &e);
-    let (t, _) = m
-        .engine_collective_us(
-            CollectiveOp::AllReduce,
-            "auto",
-            CollectivePolicy::AsRecorded,
-            &all,
-            4000,
-            1,
-        )
-        .unwrap();
+    let (t, _) = engine_all_reduce_us(&p, &e, &all, 4000);
     assert!((t - 31.2).abs() < 1e-9, "{t}");
     // Without an intra-node figure the network ring's inside steps take the NVLink entry's
     // 0.5 us: 4 x 2 + 10 x 0.5 = 13 us.
@@ -413,17 +394,7 @@ fn ring_step_latency_grows_with_the_ranks_by_hand() {
         [[collectives]]\nkind = \"nccl-net\"\nefficiency = 1\nlatency_us = 20\n\
         step_latency_us = 2\n";
     let e = Engine::from_toml_str(text, "s.toml").unwrap();
-    let m = CostModel::with_engine(&p, &e);
-    let (t, _) = m
-        .engine_collective_us(
-            CollectiveOp::AllReduce,
-            "auto",
-            CollectivePolicy::AsRecorded,
-            &all,
-            4000,
-            1,
-        )
-        .unwrap();
+    let (t, _) = engine_all_reduce_us(&p, &e, &all, 4000);
     assert!((t - 33.7).abs() < 1e-9, "{t}");
 }
 
