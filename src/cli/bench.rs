@@ -197,12 +197,12 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
     let runs: Vec<super::PlannedRun> = (pipelines.iter())
         .map(|(strategy, p, batch, m)| super::PlannedRun {
             strategy,
-            devices: *p,
+            adapters: &selected[..*p],
             step_tokens: batch.div_ceil(*m) * args.prompt_len,
             batch: *batch,
         })
         .collect();
-    super::check_runs_fit(&config, dtype, &selected, &runs)?;
+    super::check_runs_fit(&config, dtype, &runs)?;
     let gpus = open_devices(&adapters, &selection, &GpuOptions::default())?;
     let weights = args.model.weights(&config)?;
     println!(

@@ -150,12 +150,12 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
     let runs: Vec<super::PlannedRun> = (strategies.iter())
         .map(|(_, s)| super::PlannedRun {
             strategy: s,
-            devices: devices_of(s),
+            adapters: &selected[..devices_of(s)],
             step_tokens: args.batch * args.prompt_len,
             batch: args.batch,
         })
         .collect();
-    super::check_runs_fit(&config, dtype, &selected, &runs)?;
+    super::check_runs_fit(&config, dtype, &runs)?;
     let gpus = open_devices(&adapters, &selection, &GpuOptions::default())?;
     let weights = args.model.weights(&config)?;
     let prompts: Vec<Vec<u32>> = (0..args.batch)

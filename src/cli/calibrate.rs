@@ -82,20 +82,16 @@ impl CalibrateArgs {
     /// calibration runs it in f32 on every device) fits each of `adapters` at the largest
     /// step it measures, and fits the host's memory.
     pub(crate) fn check_fits(&self, config: &ModelConfig, adapters: &[AdapterDesc]) -> Result<()> {
-        for adapter in adapters {
-            super::check_runs_fit(
-                config,
-                DType::F32,
-                std::slice::from_ref(adapter),
-                &[super::PlannedRun {
-                    strategy: &Strategy::Single,
-                    devices: 1,
-                    step_tokens: self.batch * self.prompt_len,
-                    batch: self.batch,
-                }],
-            )?;
-        }
-        Ok(())
+        let runs: Vec<super::PlannedRun> = adapters
+            .iter()
+            .map(|adapter| super::PlannedRun {
+                strategy: &Strategy::Single,
+                adapters: std::slice::from_ref(adapter),
+                step_tokens: self.batch * self.prompt_len,
+                batch: self.batch,
+            })
+            .collect();
+        super::check_runs_fit(config, DType::F32, &runs)
     }
 
     /// Writes the calibrated profile to `--out` (creating its folder) and says so.

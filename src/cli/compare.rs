@@ -209,7 +209,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         .iter()
         .map(|p| super::PlannedRun {
             strategy: &p.strategy,
-            devices: p.devices,
+            adapters: &selected[..p.devices],
             step_tokens: p.batch.div_ceil(p.micro_batches) * opts.prompt_len,
             batch: p.batch,
         })
@@ -217,12 +217,12 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     if let Some(serving) = &opts.serving {
         runs.push(super::PlannedRun {
             strategy: &Strategy::Single,
-            devices: 1,
+            adapters: &selected[..1],
             step_tokens: serving.max_batch * serving.prompt_len.max(),
             batch: serving.max_batch,
         });
     }
-    super::check_runs_fit(&opts.config, dtype, &selected, &runs)?;
+    super::check_runs_fit(&opts.config, dtype, &runs)?;
     let gpus = open_devices(&adapters, &selection, &GpuOptions::default())?;
     if !args.json {
         println!(

@@ -141,8 +141,8 @@ fn described(selection: &DeviceSelection, adapters: &Adapters) -> Result<Vec<Ada
 /// One configuration a command will run, as [`check_runs_fit`] checks it.
 struct PlannedRun<'a> {
     strategy: &'a Strategy,
-    /// Devices it uses: the first ones of the selection.
-    devices: usize,
+    /// The adapters of the devices it uses, in order.
+    adapters: &'a [AdapterDesc],
     /// New tokens of its largest step (a whole prefill, or one micro-batch's).
     step_tokens: usize,
     /// Sequences whose KV cache a device holds.
@@ -153,16 +153,10 @@ struct PlannedRun<'a> {
 /// every configuration it will run fits the selected adapters' buffer and storage-binding
 /// limits, and the model's weights fit the host's memory. So an oversized model is refused
 /// in milliseconds, not after minutes of building weights.
-fn check_runs_fit(
-    config: &ModelConfig,
-    dtype: DType,
-    adapters: &[AdapterDesc],
-    runs: &[PlannedRun],
-) -> Result<()> {
+fn check_runs_fit(config: &ModelConfig, dtype: DType, runs: &[PlannedRun]) -> Result<()> {
     for run in runs {
-        let used = &adapters[..run.devices.min(adapters.len())];
         run.strategy
-            .check_fits(config, dtype, used, run.step_tokens, run.batch)?;
+            .check_fits(config, dtype, run.adapters, run.step_tokens, run.batch)?;
     }
     budget::check_host_weights(config, budget::host_available_bytes())
 }

@@ -5,7 +5,7 @@ use clap::Args;
 use std::sync::Arc;
 use wgpar::comm::CommConfig;
 use wgpar::device::{AdapterDesc, Adapters, DType};
-use wgpar::model::{budget, ModelConfig};
+use wgpar::model::ModelConfig;
 use wgpar::parallel::{
     build_engine, generate, Engine, Fault, FaultKind, PartitionSpec, Schedule, Strategy,
 };
@@ -318,8 +318,16 @@ pub(super) fn plan(
         Strategy::Pipeline { .. } | Strategy::Hybrid { .. } => batch.div_ceil(micro),
         _ => batch,
     };
-    strategy.check_fits(config, dtype, &selected, step_batch * seq, step_batch)?;
-    budget::check_host_weights(config, budget::host_available_bytes())?;
+    super::check_runs_fit(
+        config,
+        dtype,
+        &[super::PlannedRun {
+            strategy: &strategy,
+            adapters: &selected,
+            step_tokens: step_batch * seq,
+            batch: step_batch,
+        }],
+    )?;
     if let Some(path) = &args.trace {
         // Fail now, not after the run: create (or truncate) the file it will be written to.
         std::fs::File::create(path).map_err(|source| WgparError::Io {

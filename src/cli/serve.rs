@@ -129,10 +129,9 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     super::check_runs_fit(
         &config,
         dtype,
-        &selected,
         &[super::PlannedRun {
             strategy: &strategy,
-            devices: selected.len(),
+            adapters: &selected,
             step_tokens: opts.max_batch * args.prompt_len.max(),
             batch: opts.max_batch,
         }],
