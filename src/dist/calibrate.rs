@@ -36,8 +36,6 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mpi::traits::*;
-
 use crate::calibrate::blocks::time_blocks;
 use crate::calibrate::sharing::{sharing_steps, sustained_block_time};
 use crate::calibrate::{calibrate, join_all, Calibration, CalibrationOptions};
@@ -51,7 +49,7 @@ use crate::sim::{
 use crate::stats::median;
 
 use super::error::DistError;
-use super::world::{poll_with, Backoff, World};
+use super::world::{Backoff, World};
 
 /// How a rank waits while another rank measures alone: polls seldom, so that it takes next
 /// to nothing from the measured one.
@@ -549,19 +547,14 @@ fn send(world: &World, to: usize, buf: &[u8]) -> Result<()> {
 }
 
 fn receive(world: &World, from: usize, buf: &mut [u8], backoff: Backoff) -> Result<()> {
-    let comm = world.p2p().get();
-    let p = comm.process_at_rank(from as i32);
-    let got = poll_with(
+    let msg = super::link::receive_with(
+        world.p2p(),
+        from,
+        TAG_PING,
+        world.timeout(),
+        &format!("calibration ping-pong from rank {from}"),
         backoff,
-        Instant::now() + world.timeout(),
-        || p.immediate_matched_probe_with_tag(TAG_PING),
-        || DistError::Timeout {
-            what: format!("calibration ping-pong from rank {from}"),
-            peer: from,
-            secs: world.timeout().as_secs_f64(),
-        },
     )?;
-    let (msg, _) = got.matched_receive_vec::<u8>();
     if msg.len() != buf.len() {
         return Err(DistError::Protocol {
             peer: from,

@@ -14,7 +14,7 @@ use mpi::request::StaticScope;
 use mpi::traits::*;
 
 use super::error::DistError;
-use super::world::{poll_until, Comm, World};
+use super::world::{poll_until, poll_with, Backoff, Comm, World};
 use crate::error::{Result, WgparError};
 use crate::model::{SeqRow, Step, StepOut};
 use crate::parallel::pp::{Output, Payload, Readout, Work};
@@ -259,10 +259,23 @@ fn receive(
     timeout: std::time::Duration,
     what: &str,
 ) -> std::result::Result<Vec<u8>, DistError> {
+    receive_with(comm, src, tag, timeout, what, Backoff::RUNTIME)
+}
+
+/// [`receive`] polling with `backoff` (the calibration compares schedules).
+pub(super) fn receive_with(
+    comm: &Comm,
+    src: usize,
+    tag: i32,
+    timeout: std::time::Duration,
+    what: &str,
+    backoff: Backoff,
+) -> std::result::Result<Vec<u8>, DistError> {
     let deadline = Instant::now() + timeout;
     let started = Instant::now();
     let process = comm.get().process_at_rank(src as i32);
-    let msg = poll_until(
+    let msg = poll_with(
+        backoff,
         deadline,
         || process.immediate_matched_probe_with_tag(tag),
         || DistError::Timeout {
