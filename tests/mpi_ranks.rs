@@ -377,6 +377,65 @@ fn calibrate_under_mpirun_writes_one_profile_that_projects_rank_traces() {
 }
 
 #[test]
+fn projection_benchmark_runs_and_calibrates_as_ranks() {
+    // `bench projection --ranks 2`: the calibration and every run under the launcher, the
+    // rank traces merged and projected onto each round's profile.
+    let dir = scratch("bench-projection");
+    let out = Command::new(wgpar())
+        .args([
+            "bench",
+            "projection",
+            "--ranks",
+            "2",
+            "--launcher",
+            "mpirun --allow-run-as-root --oversubscribe",
+            "--quick",
+            "--rounds",
+            "1",
+            "--model",
+            "tiny-gpt2",
+            "--batch",
+            "2",
+            "--prompt-len",
+            "8",
+            "--gen",
+            "2",
+            "--configs",
+            "pp2-m2",
+            "--json",
+            "--out-dir",
+            dir.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["ranks"], 2, "{t}");
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{t}");
+    let pair = &rows[0]["pairs"][0];
+    assert!(pair["measured_ms"].as_f64().unwrap() > 0.0, "{t}");
+    assert!(pair["projected_ms"].as_f64().unwrap() > 0.0, "{t}");
+    // The profile came from `calibrate` under mpirun, the traces from both ranks.
+    let cal = std::fs::read_to_string(dir.join("cal0.toml")).unwrap();
+    assert!(cal.contains("calibrated under mpirun: 2 ranks"), "{cal}");
+    for r in 0..2 {
+        assert!(dir
+            .join(format!("tiny-gpt2_2x8.pp2-m2.r0.rank{r}.json"))
+            .exists());
+    }
+    // A configuration that cannot spread over the ranks is refused before anything runs.
+    let refused = Command::new(wgpar())
+        .args(["bench", "projection", "--ranks", "2", "--configs", "single"])
+        .output()
+        .unwrap();
+    let t = text(&refused);
+    assert!(!refused.status.success(), "{t}");
+    assert!(t.contains("one device is one process"), "{t}");
+}
+
+#[test]
 fn calibrate_ranks_must_agree_on_what_they_measure() {
     let dir = scratch("calibrate-mismatch");
     let out = dir.join("x.toml");

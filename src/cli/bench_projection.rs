@@ -17,8 +17,10 @@ use std::process::Command;
 use clap::Args;
 use serde::Serialize;
 use wgpar::sim::{project, HostGaps, HostProfile, ProjectOptions};
-use wgpar::trace::Timeline;
+use wgpar::trace::{rank_trace_path, Timeline};
 use wgpar::{Result, WgparError};
+
+use super::project::merge_rank_traces;
 
 /// Options of `wgpar bench projection`.
 #[derive(Args, Debug, Clone)]
@@ -70,13 +72,81 @@ pub struct ProjectionBenchArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Run every configuration as this many MPI ranks (`LAUNCHER -np N wgpar run ...`, each
+    /// rank writing its trace), calibrate under the same launcher (`wgpar calibrate` under
+    /// mpirun), and project the merged rank traces: what `project` makes of a multi-process
+    /// run on this machine. 1: one process, no MPI. Needs a build with `--features mpi`.
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// With --ranks: the MPI launcher and its options, split at spaces, placed before `-np N`
+    /// [default: mpirun], e.g. `mpirun --oversubscribe` (as root Open MPI also wants
+    /// `--allow-run-as-root`, or OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1).
+    #[arg(long, value_name = "COMMAND")]
+    launcher: Option<String>,
+}
+
+/// How the benchmark's runs are started: this executable as one process, or under an MPI
+/// launcher as `ranks` processes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Launch {
+    Process,
+    Ranks { ranks: usize, launcher: Vec<String> },
+}
+
+impl Launch {
+    fn from_args(ranks: usize, launcher: Option<&str>) -> Result<Self> {
+        match (ranks, launcher) {
+            (0, _) => Err(WgparError::Config("--ranks must be at least 1".into())),
+            (1, None) => Ok(Launch::Process),
+            (1, Some(_)) => Err(WgparError::Config(
+                "--launcher applies only with --ranks 2 or more".into(),
+            )),
+            (n, l) => {
+                if !cfg!(feature = "mpi") {
+                    return Err(WgparError::Config(format!(
+                        "--ranks {n} runs wgpar under MPI: this build has no MPI (build with `--features mpi`)"
+                    )));
+                }
+                let launcher: Vec<String> = l
+                    .unwrap_or("mpirun")
+                    .split_whitespace()
+                    .map(str::to_string)
+                    .collect();
+                if launcher.is_empty() {
+                    return Err(WgparError::Config("--launcher is empty".into()));
+                }
+                Ok(Launch::Ranks { ranks: n, launcher })
+            }
+        }
+    }
+
+    fn ranks(&self) -> usize {
+        match self {
+            Launch::Process => 1,
+            Launch::Ranks { ranks, .. } => *ranks,
+        }
+    }
+
+    /// The trace files a run asked for `path` writes: itself, or one per rank.
+    fn trace_files(&self, path: &Path) -> Vec<PathBuf> {
+        match self {
+            Launch::Process => vec![path.to_path_buf()],
+            Launch::Ranks { ranks, .. } => (0..*ranks)
+                .map(|r| PathBuf::from(rank_trace_path(&path.display().to_string(), r)))
+                .collect(),
+        }
+    }
 }
 
 /// A configuration of the benchmark.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 struct Config {
     name: String,
+    /// Devices of the whole job.
     devices: usize,
+    /// Devices each process opens (`--virtual`): all of them in one process.
+    #[serde(skip)]
+    devices_per_rank: usize,
     /// Sequence groups a batch is split into (1 outside pipelines).
     #[serde(skip)]
     micro_batches: usize,
@@ -85,43 +155,67 @@ struct Config {
     args: Vec<String>,
 }
 
-fn parse_config(text: &str) -> Result<Config> {
+/// Parses a configuration for a job of `ranks` processes: over ranks a pipeline's stages are
+/// spread evenly (P a multiple of the ranks) and tensor parallelism is one device per rank.
+fn parse_config(text: &str, ranks: usize) -> Result<Config> {
     let bad = || {
         WgparError::Config(format!(
             "bad configuration '{text}': expected single, tpN or ppN-mM (e.g. tp2, pp4-m8)"
         ))
     };
+    let over_ranks =
+        |why: &str| WgparError::Config(format!("configuration '{text}' over {ranks} ranks: {why}"));
     let number = |s: &str| s.parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(bad);
     let owned = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     if text == "single" {
+        if ranks > 1 {
+            return Err(over_ranks(
+                "one device is one process; choose tpN (N = the ranks) or ppP-mM (P a multiple of the ranks)",
+            ));
+        }
         return Ok(Config {
             name: text.into(),
             devices: 1,
+            devices_per_rank: 1,
             micro_batches: 1,
             args: owned(&["--strategy", "none"]),
         });
     }
     if let Some(n) = text.strip_prefix("tp") {
         let n = number(n)?;
+        if ranks > 1 && n != ranks {
+            return Err(over_ranks(&format!(
+                "tensor parallelism over ranks takes one device per rank: tp{ranks}"
+            )));
+        }
+        let per_rank = n / ranks;
         return Ok(Config {
             name: text.into(),
             devices: n,
+            devices_per_rank: per_rank,
             micro_batches: 1,
-            args: owned(&["--strategy", "tp", "--virtual", &n.to_string()]),
+            args: owned(&["--strategy", "tp", "--virtual", &per_rank.to_string()]),
         });
     }
     if let Some(rest) = text.strip_prefix("pp") {
         let (p, m) = rest.split_once("-m").ok_or_else(bad)?;
         let (p, m) = (number(p)?, number(m)?);
+        if p % ranks != 0 {
+            return Err(over_ranks(&format!(
+                "{p} stages do not spread evenly over {ranks} ranks"
+            )));
+        }
+        let per_rank = p / ranks;
         return Ok(Config {
             name: text.into(),
             devices: p,
+            devices_per_rank: per_rank,
             micro_batches: m,
             args: owned(&[
                 "--strategy",
                 "pp",
                 "--virtual",
-                &p.to_string(),
+                &per_rank.to_string(),
                 "--micro-batches",
                 &m.to_string(),
             ]),
@@ -213,17 +307,29 @@ fn unrunnable(config: &Config, workload: &Workload) -> Option<String> {
     None
 }
 
-/// Runs this executable with `args`; its output goes to `log`.
-fn wgpar(args: &[String], log: &Path) -> Result<()> {
+/// Runs this executable with `args`, as one process or as MPI ranks; its output goes to
+/// `log`.
+fn wgpar(launch: &Launch, args: &[String], log: &Path) -> Result<()> {
     let exe = std::env::current_exe().map_err(|e| WgparError::Subprocess {
         command: "wgpar".into(),
         detail: format!("cannot find this executable: {e}"),
     })?;
-    let out = Command::new(&exe)
+    let mut command = match launch {
+        Launch::Process => Command::new(&exe),
+        Launch::Ranks { ranks, launcher } => {
+            let mut c = Command::new(&launcher[0]);
+            c.args(&launcher[1..])
+                .args(["-np", &ranks.to_string()])
+                .arg(&exe);
+            c
+        }
+    };
+    let shown = format!("{command:?} {}", args.join(" "));
+    let out = command
         .args(args)
         .output()
         .map_err(|e| WgparError::Subprocess {
-            command: format!("{} {}", exe.display(), args.join(" ")),
+            command: shown.clone(),
             detail: format!("cannot start: {e}"),
         })?;
     let mut text = out.stdout;
@@ -243,7 +349,7 @@ fn wgpar(args: &[String], log: &Path) -> Result<()> {
             .collect::<Vec<_>>()
             .join("\n");
         return Err(WgparError::Subprocess {
-            command: format!("wgpar {}", args.join(" ")),
+            command: shown,
             detail: format!("{} (log: {}):\n{tail}", out.status, log.display()),
         });
     }
@@ -283,6 +389,8 @@ struct Report<'a> {
     skipped: Vec<String>,
     gen: usize,
     rounds: usize,
+    /// Processes per run (MPI ranks; 1 without MPI).
+    ranks: usize,
     host_gaps_kept: bool,
     tolerance_pct: f64,
     rows: Vec<Row>,
@@ -323,10 +431,11 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
             args.tolerance
         )));
     }
+    let launch = Launch::from_args(args.ranks, args.launcher.as_deref())?;
     let configs = args
         .configs
         .iter()
-        .map(|c| parse_config(c))
+        .map(|c| parse_config(c, launch.ranks()))
         .collect::<Result<Vec<_>>>()?;
     if configs.is_empty() {
         return Err(WgparError::Config("--configs is empty".into()));
@@ -361,7 +470,18 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
             skipped.join("; ")
         )));
     }
-    let devices = configs.iter().map(|c| c.devices).max().unwrap_or(1).max(2);
+    // Devices each calibrating process opens: one process measures two or more (their
+    // sharing of the processor); under MPI each rank opens what its runs open, and the
+    // sharing between ranks is measured across processes.
+    let per_rank = configs
+        .iter()
+        .map(|c| c.devices_per_rank)
+        .max()
+        .unwrap_or(1);
+    let devices = match launch {
+        Launch::Process => per_rank.max(2),
+        Launch::Ranks { .. } => per_rank,
+    };
     let dir = &args.out_dir;
     std::fs::create_dir_all(dir).map_err(|source| WgparError::Io {
         path: dir.display().to_string(),
@@ -392,7 +512,7 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
             cal.push("--quick".into());
         }
         eprintln!("round {}/{}: calibrating", round + 1, args.rounds);
-        wgpar(&cal, &path(format!("cal{round}.log")))?;
+        wgpar(&launch, &cal, &path(format!("cal{round}.log")))?;
         for (w, c) in &cases {
             eprintln!(
                 "round {}/{}: {} {}",
@@ -414,7 +534,7 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
                 trace_of(w, c, round).display().to_string(),
             ]);
             let log = path(format!("{}.{}.r{round}.log", w.file_stem(), c.name));
-            wgpar(&run, &log)?;
+            wgpar(&launch, &run, &log)?;
         }
     }
 
@@ -437,8 +557,16 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         let mut pairs = Vec::new();
         for run_round in 0..args.rounds {
             let trace = trace_of(&w, &c, run_round);
-            let timeline = Timeline::read_chrome_trace(&trace)?;
+            let traces = launch
+                .trace_files(&trace)
+                .iter()
+                .map(Timeline::read_chrome_trace)
+                .collect::<std::result::Result<Vec<_>, _>>()?;
             for (calibration_round, profile) in profiles.iter().enumerate() {
+                let timeline = match launch {
+                    Launch::Process => traces[0].clone(),
+                    Launch::Ranks { .. } => merge_rank_traces(&traces, profile)?,
+                };
                 let p = project(&timeline, profile, &options).map_err(|source| {
                     WgparError::Projection {
                         what: trace.display().to_string(),
@@ -486,6 +614,7 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         skipped,
         gen: args.gen,
         rounds: args.rounds,
+        ranks: launch.ranks(),
         host_gaps_kept: args.keep_host_gaps,
         tolerance_pct: args.tolerance,
         within,
@@ -500,8 +629,15 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         return Ok(());
     }
     let n = args.rounds;
+    let processes = match &launch {
+        Launch::Process => String::new(),
+        Launch::Ranks { ranks, launcher } => format!(
+            "; every run and calibration as {ranks} MPI ranks ({} -np {ranks})",
+            launcher.join(" ")
+        ),
+    };
     println!(
-        "projection onto this machine's calibrated profile (calibrated on {}, batch {}, prompt {}); {} generated per run; {n} rounds, every run onto every calibration ({} pairs per row)",
+        "projection onto this machine's calibrated profile (calibrated on {}, batch {}, prompt {}); {} generated per run; {n} rounds, every run onto every calibration ({} pairs per row){processes}",
         args.model,
         args.batch,
         args.prompt_len,
@@ -548,16 +684,16 @@ mod tests {
 
     #[test]
     fn configurations_parse_and_bad_ones_are_named() {
-        let c = parse_config("pp4-m8").unwrap();
+        let c = parse_config("pp4-m8", 1).unwrap();
         assert_eq!(c.devices, 4);
         assert_eq!(
             c.args,
             ["--strategy", "pp", "--virtual", "4", "--micro-batches", "8"]
         );
-        assert_eq!(parse_config("tp2").unwrap().devices, 2);
-        assert_eq!(parse_config("single").unwrap().devices, 1);
+        assert_eq!(parse_config("tp2", 1).unwrap().devices, 2);
+        assert_eq!(parse_config("single", 1).unwrap().devices, 1);
         for bad in ["tp", "tp0", "pp2", "pp2-m0", "dp2", "pp-m2"] {
-            let e = parse_config(bad).unwrap_err().to_string();
+            let e = parse_config(bad, 1).unwrap_err().to_string();
             assert!(e.contains(bad) && e.contains("ppN-mM"), "{e}");
         }
     }
@@ -575,19 +711,66 @@ mod tests {
             assert!(e.contains(bad) && e.contains("MODEL:BATCHxPROMPT"), "{e}");
         }
         // tiny-gpt2 has 6 heads and 2 layers: no TP over 4, no 4-stage pipeline.
-        let tp4 = parse_config("tp4").unwrap();
-        let pp4 = parse_config("pp4-m1").unwrap();
+        let tp4 = parse_config("tp4", 1).unwrap();
+        let pp4 = parse_config("pp4-m1", 1).unwrap();
         let default = parse_workload("default:8x32").unwrap();
         assert!(unrunnable(&tp4, &w).is_some());
         assert!(unrunnable(&pp4, &w).is_some());
-        assert!(unrunnable(&parse_config("tp2").unwrap(), &w).is_none());
+        assert!(unrunnable(&parse_config("tp2", 1).unwrap(), &w).is_none());
         assert!(unrunnable(&tp4, &default).is_none());
         // Four micro-batches need four sequences.
-        let pp2_m4 = parse_config("pp2-m4").unwrap();
+        let pp2_m4 = parse_config("pp2-m4", 1).unwrap();
         let two = parse_workload("default:2x64").unwrap();
         let why = unrunnable(&pp2_m4, &two).unwrap();
         assert!(why.contains("4 micro-batches for a batch of 2"), "{why}");
         assert!(unrunnable(&pp2_m4, &w).is_none());
+    }
+
+    #[test]
+    fn configurations_over_ranks_split_devices_or_are_refused() {
+        let pp = parse_config("pp4-m8", 2).unwrap();
+        assert_eq!((pp.devices, pp.devices_per_rank), (4, 2));
+        assert_eq!(
+            pp.args,
+            ["--strategy", "pp", "--virtual", "2", "--micro-batches", "8"]
+        );
+        let tp = parse_config("tp2", 2).unwrap();
+        assert_eq!(tp.args, ["--strategy", "tp", "--virtual", "1"]);
+        for (bad, why) in [
+            ("single", "one device is one process"),
+            ("tp4", "one device per rank: tp2"),
+            ("pp3-m2", "3 stages do not spread evenly over 2 ranks"),
+        ] {
+            let e = parse_config(bad, 2).unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains(why), "{e}");
+        }
+        assert_eq!(Launch::from_args(1, None).unwrap(), Launch::Process);
+        let e = Launch::from_args(1, Some("mpirun"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--launcher applies only with --ranks"), "{e}");
+        assert!(Launch::from_args(0, None).is_err());
+        let launch = Launch::from_args(2, Some("mpirun  --oversubscribe"));
+        if cfg!(feature = "mpi") {
+            let launch = launch.unwrap();
+            assert_eq!(
+                launch,
+                Launch::Ranks {
+                    ranks: 2,
+                    launcher: vec!["mpirun".into(), "--oversubscribe".into()]
+                }
+            );
+            assert_eq!(
+                launch.trace_files(Path::new("d/run.json")),
+                [
+                    PathBuf::from("d/run.rank0.json"),
+                    PathBuf::from("d/run.rank1.json")
+                ]
+            );
+        } else {
+            let e = launch.unwrap_err().to_string();
+            assert!(e.contains("--features mpi"), "{e}");
+        }
     }
 
     #[test]

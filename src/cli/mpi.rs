@@ -604,7 +604,7 @@ mod ranks {
         recorder.set_meta(rank_keys::HOST, world.host());
         recorder.set_meta(rank_keys::CLOCK_OFFSET_US, format!("{offset_us:.3}"));
         recorder.set_meta(rank_keys::DEVICES, devices.to_string());
-        let file = rank_path(path, world.rank());
+        let file = wgpar::trace::rank_trace_path(path, world.rank());
         let timeline = recorder.timeline();
         timeline
             .write_chrome_trace(&file)
@@ -617,13 +617,5 @@ mod ranks {
             files.join(" --trace ")
         );
         Ok(())
-    }
-
-    /// `run.json` -> `run.rank1.json`.
-    fn rank_path(path: &str, rank: usize) -> String {
-        match path.strip_suffix(".json") {
-            Some(stem) => format!("{stem}.rank{rank}.json"),
-            None => format!("{path}.rank{rank}"),
-        }
     }
 }

@@ -158,16 +158,22 @@ fn load(args: &ProjectArgs, profile: &HostProfile) -> Result<Timeline> {
         }
         return Ok(traces.remove(0));
     }
+    let merged = merge_rank_traces(&traces, profile)?;
+    if let Some(path) = &args.merged_out {
+        merged.write_chrome_trace(path)?;
+    }
+    Ok(merged)
+}
+
+/// The rank traces of one MPI run merged for projection onto `profile`: one rank per node
+/// when the profile has several nodes, packed onto its one node otherwise.
+pub(crate) fn merge_rank_traces(traces: &[Timeline], profile: &HostProfile) -> Result<Timeline> {
     let placement = if profile.nodes > 1 {
         RankPlacement::PerNode(profile.devices_per_node())
     } else {
         RankPlacement::Pack
     };
-    let merged = Timeline::merge_ranks(&traces, placement)?;
-    if let Some(path) = &args.merged_out {
-        merged.write_chrome_trace(path)?;
-    }
-    Ok(merged)
+    Ok(Timeline::merge_ranks(traces, placement)?)
 }
 
 /// Runs the projection and prints it.

@@ -91,6 +91,15 @@ fn meta<'a>(t: &'a Timeline, index: usize, key: &'static str) -> Result<&'a str,
         .ok_or(MergeError::NotARankTrace { index, key })
 }
 
+/// Where rank `rank` of an MPI run writes the trace asked for as `path`: `run.json` ->
+/// `run.rank1.json` (`run` -> `run.rank1`).
+pub fn rank_trace_path(path: &str, rank: usize) -> String {
+    match path.strip_suffix(".json") {
+        Some(stem) => format!("{stem}.rank{rank}.json"),
+        None => format!("{path}.rank{rank}"),
+    }
+}
+
 impl Timeline {
     /// The job's size if this is one rank's trace of a multi-rank run (`None` otherwise).
     pub fn rank_of_job(&self) -> Option<(usize, usize)> {

@@ -18,7 +18,9 @@ mod timeline;
 pub use attrs::SpanAttrs;
 pub use chrome::TRACE_FORMAT_VERSION;
 pub use error::TraceError;
-pub use merge::{keys as rank_keys, MergeError, RankPlacement, CROSS_PROCESS_GROUP};
+pub use merge::{
+    keys as rank_keys, rank_trace_path, MergeError, RankPlacement, CROSS_PROCESS_GROUP,
+};
 pub use recorder::{DeviceTiming, Recorder};
 pub use span::{
     CollectiveInfo, CollectiveOp, KernelFamily, Precision, Span, SpanId, SpanKind, Track,
