@@ -295,6 +295,58 @@ fn rank_traces_merge_and_project_onto_one_or_two_nodes() {
         let t = ok(o);
         assert!(t.contains("projected"), "{t}");
     }
+    // The merged trace keeps the loop back from the last rank to the first: each micro-batch's
+    // picks arrive on rank 0 (a span there that depends on the last rank's output), and rank
+    // 0's next pass of that micro-batch waits for the arrival. Without it a projection lets
+    // rank 0 run ahead of the tokens it embeds.
+    let merged = dir.join("merged.json");
+    ok(Command::new(wgpar())
+        .args([
+            "project",
+            "--trace",
+            r0.to_str().unwrap(),
+            "--trace",
+            r1.to_str().unwrap(),
+            "--host",
+            "pcie4-2gpu",
+            "--merged-out",
+            merged.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap());
+    let m = wgpar::trace::Timeline::read_chrome_trace(&merged).unwrap();
+    let by_id: std::collections::HashMap<_, _> = m.spans.iter().map(|s| (s.id, s)).collect();
+    let arrivals: Vec<_> = m
+        .spans
+        .iter()
+        .filter(|s| s.name == "mpi recv logits")
+        .collect();
+    let outputs = m
+        .spans
+        .iter()
+        .filter(|s| s.name == "tokens" && s.device == Some(1))
+        .count();
+    assert!(outputs > 0);
+    assert_eq!(arrivals.len(), outputs, "one arrival per last-rank output");
+    for a in &arrivals {
+        assert!(
+            a.deps.iter().any(|d| by_id[d].device == Some(1)),
+            "arrival {:?} does not depend on the last rank: {:?}",
+            a.id,
+            a.deps
+        );
+    }
+    let waiting = m
+        .spans
+        .iter()
+        .filter(|s| s.device == Some(0) && s.kind == wgpar::trace::SpanKind::Compute)
+        .filter(|s| s.deps.iter().any(|d| arrivals.iter().any(|a| a.id == *d)))
+        .count();
+    assert!(
+        waiting >= arrivals.len() / 2,
+        "{waiting} of rank 0's passes wait for the {} arrivals",
+        arrivals.len()
+    );
     // One rank's trace alone is not the run.
     let o = Command::new(wgpar())
         .args([

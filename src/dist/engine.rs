@@ -304,6 +304,11 @@ impl Engine for PipelineDriver {
     }
 
     fn set_recorder(&mut self, recorder: Recorder) {
+        // The last rank's logits arrive on a link thread: their arrival spans belong to the
+        // same timeline as the passes that wait for them.
+        if let Some(l) = &self.links {
+            l.set_logits_recorder(recorder.clone());
+        }
         self.inner().set_recorder(recorder);
     }
 

@@ -293,6 +293,11 @@ pub(crate) struct Links {
     threads: Vec<JoinHandle<()>>,
     /// One message per thread as it ends (also when it unwinds).
     done: Receiver<()>,
+    /// Where rank 0's logits thread records each arrival: the driver's recorder, which the
+    /// run sets after the links start ([`Links::set_logits_recorder`]). The arrival span is
+    /// what the driver's next pass of that micro-batch depends on, so it must be in the same
+    /// timeline as the pass, or the pass's dependency names a span of another recorder.
+    logits_recorder: Arc<Mutex<Recorder>>,
 }
 
 /// Tells `Links` that its thread ended, however it ended.
@@ -361,9 +366,10 @@ impl Links {
                 }),
             )?);
         }
+        let logits_recorder = Arc::new(Mutex::new(recorder.clone()));
         if rank == 0 && size > 1 {
             let comm = world.p2p().clone();
-            let recorder = recorder.clone();
+            let recorder = logits_recorder.clone();
             threads.push(spawn(
                 "mpi-logits".into(),
                 Box::new(move || {
@@ -373,7 +379,18 @@ impl Links {
                 }),
             )?);
         }
-        Ok(Self { threads, done })
+        Ok(Self {
+            threads,
+            done,
+            logits_recorder,
+        })
+    }
+
+    /// Records the logits' arrivals on rank 0 into `recorder` from now on.
+    pub(crate) fn set_logits_recorder(&self, recorder: Recorder) {
+        if let Ok(mut r) = self.logits_recorder.lock() {
+            *r = recorder;
+        }
     }
 
     /// Waits up to `grace` for every link thread to end (they end when their stream stops);
@@ -549,7 +566,7 @@ fn logits_in(
     last: usize,
     timeout: std::time::Duration,
     out: &Sender<Result<Output>>,
-    recorder: &Recorder,
+    recorder: &Mutex<Recorder>,
 ) -> std::result::Result<(), DistError> {
     loop {
         let msg = receive(
@@ -583,10 +600,9 @@ fn logits_in(
                 ),
             });
         }
-        let rec = if h.record {
-            recorder.clone()
-        } else {
-            Recorder::disabled()
+        let rec = match recorder.lock() {
+            Ok(r) if h.record => r.clone(),
+            _ => Recorder::disabled(),
         };
         let dep = rec.record_with(got, Instant::now(), || {
             SpanAttrs::wait("mpi recv logits", 0)
