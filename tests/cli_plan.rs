@@ -295,3 +295,42 @@ fn zeros_and_impossible_models_are_refused_with_a_reason() {
         "{stderr}"
     );
 }
+
+/// A bare shipped name means the shipped engine or profile even when the working folder holds
+/// a file of that name (e.g. the `wgpar` binary copied next to one's traces); `./NAME` names
+/// the file.
+#[test]
+fn shipped_names_win_over_files_of_that_name_in_the_working_folder() {
+    let dir = scratch("plan-shadowed-names");
+    std::fs::write(dir.join("wgpar"), [0xff_u8, 0xfe, 0x00, 0x01]).unwrap();
+    std::fs::write(dir.join("pcie4-2gpu"), "not a profile").unwrap();
+    let run = |engines: &str, host: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_wgpar"))
+            .current_dir(&dir)
+            .args([
+                "plan",
+                "--model",
+                "tiny-llama",
+                "--strategies",
+                "single",
+                "--seqs",
+                "32",
+            ])
+            .args(["--engines", engines, "--host", host, "--json"])
+            .output()
+            .unwrap()
+    };
+    let out = run("wgpar", "pcie4-2gpu");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!json_rows(&String::from_utf8_lossy(&out.stdout)).is_empty());
+    // The file, when asked for by path, is read (and refused as the garbage it is).
+    let out = run("./wgpar", "pcie4-2gpu");
+    assert!(!out.status.success());
+    let out = run("wgpar", "./pcie4-2gpu");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("pcie4-2gpu"),
+        "{stderr}"
+    );
+}

@@ -348,8 +348,15 @@ impl Engine {
         }
     }
 
-    /// An engine file if one exists at `name_or_path`, else a shipped engine by name.
+    /// A shipped engine when `name_or_path` is exactly its name (`wgpar`, even with a file of
+    /// that name in the working folder: write `./wgpar` for the file), else an engine file if
+    /// one exists there, else a shipped engine by the file's stem.
     pub fn resolve(name_or_path: &str) -> Result<Engine, ProfileError> {
+        let shipped_name =
+            name_or_path == "peak" || SHIPPED_ENGINES.iter().any(|(n, _)| *n == name_or_path);
+        if shipped_name {
+            return Engine::shipped(name_or_path);
+        }
         if Path::new(name_or_path).is_file() {
             return Engine::load(name_or_path);
         }

@@ -36,8 +36,13 @@ impl HostProfile {
         }
     }
 
-    /// A profile from a file path if one exists there, otherwise a shipped profile by name.
+    /// A shipped profile when `name_or_path` is exactly its name (even with a file of that
+    /// name in the working folder: write `./NAME` for the file), else a profile file if one
+    /// exists there, else a shipped profile by the file's stem.
     pub fn resolve(name_or_path: &str) -> Result<HostProfile, ProfileError> {
+        if SHIPPED_PROFILES.iter().any(|(n, _)| *n == name_or_path) {
+            return HostProfile::shipped(name_or_path);
+        }
         if Path::new(name_or_path).is_file() {
             return HostProfile::load(name_or_path);
         }
