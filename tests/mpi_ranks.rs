@@ -192,6 +192,40 @@ fn pp_tp_and_hybrid_across_two_and_three_ranks_equal_one_device() {
     }
 }
 
+/// Open MPI binds each of two ranks to one core: a rank whose adapter is a CPU driver (whose
+/// worker threads then share that core) says so and names the remedy; unbound, it does not.
+#[test]
+fn a_rank_bound_to_a_core_with_a_cpu_driver_is_warned() {
+    let launch = |bind: &str| {
+        Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", bind])
+            .args(["-np", "2"])
+            .arg(wgpar())
+            .args(["allreduce", "-b", "8", "-e", "8", "-n", "1", "-w", "0"])
+            .output()
+            .expect("mpirun runs")
+    };
+    let free = ok(launch("none"));
+    assert!(!free.contains("warning: rank"), "{free}");
+    let devices = Command::new(wgpar())
+        .args(["devices", "--json"])
+        .output()
+        .unwrap();
+    let list: serde_json::Value = serde_json::from_slice(&devices.stdout).unwrap();
+    let cpu_driver = list[0]["device_type"] == "Cpu";
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let bound = ok(launch("core"));
+    if cpu_driver && cores >= 2 {
+        for rank in 0..2 {
+            let line = format!("warning: rank {rank} (");
+            assert!(bound.contains(&line), "{bound}");
+        }
+        assert!(bound.contains("mpirun --bind-to none"), "{bound}");
+    } else {
+        assert!(!bound.contains("warning: rank"), "{bound}");
+    }
+}
+
 #[test]
 fn allreduce_benchmark_checks_every_size_and_reports_its_floor() {
     let t = ok(mpirun(

@@ -4,6 +4,7 @@
 //! copies of a run would each use every device and report N times).
 
 use clap::Args;
+use wgpar::dist::launch::CpuBinding;
 use wgpar::dist::{launch, DistError};
 use wgpar::Result;
 
@@ -106,6 +107,23 @@ impl MpiArgs {
         }
         Ok(std::time::Duration::from_secs_f64(self.mpi_timeout))
     }
+}
+
+/// The warning a rank prints when its launcher bound it to fewer CPUs than it may use while one
+/// of its adapters is a CPU driver, whose worker threads then run on the rank's CPUs alone
+/// (measured 1.6x slower per stage on this project's 2-core machine, docs/MULTINODE.md).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+fn cpu_binding_warning(binding: CpuBinding, cpu_adapter: Option<&str>) -> Option<String> {
+    let adapter = cpu_adapter?;
+    binding.is_restricted().then(|| {
+        format!(
+            "this rank may run on {} of the {} CPUs its launcher may use (it bound the rank), and its \
+             adapter '{adapter}' is a CPU driver whose threads share those CPUs; to let them \
+             use every core, start the ranks with `mpirun --bind-to none` (Open MPI), and \
+             calibrate with the same launch",
+            binding.allowed, binding.launcher
+        )
+    })
 }
 
 #[cfg(feature = "mpi")]
@@ -260,6 +278,7 @@ mod ranks {
         }
         args.check_fits(&config, &devices.selected(&adapters)?)?;
         let gpus = devices.open(&adapters)?;
+        warn_if_bound(world, &gpus);
         let weights = ModelWeights::synthetic(&config, args.model().seed);
         let calibration =
             calibrate_ranks(world, &gpus, &weights, &options, &mut std::io::stdout())?;
@@ -300,6 +319,7 @@ mod ranks {
             devices.virtual_count = Some(1);
         }
         let gpus = devices.open(&adapters)?;
+        warn_if_bound(world, &gpus);
         if gpus.len() != 1 {
             return Err(DistError::Layout(format!(
                 "the all-reduce across ranks uses one device per rank; rank {} opened {}",
@@ -344,6 +364,17 @@ mod ranks {
                 println!($($t)*);
             }
         };
+    }
+
+    /// Warns (on this rank's stderr) when a bound rank drives a CPU driver.
+    fn warn_if_bound(world: &World, gpus: &[Arc<Gpu>]) {
+        let cpu_adapter = gpus.iter().find(|g| g.info().is_cpu());
+        let warning = super::CpuBinding::of_this_process().and_then(|b| {
+            super::cpu_binding_warning(b, cpu_adapter.map(|g| g.info().name.as_str()))
+        });
+        if let Some(w) = warning {
+            eprintln!("warning: rank {} ({}): {w}", world.rank(), world.host());
+        }
     }
 
     fn self_signal(kind: FaultKind, after_ms: u64) {
@@ -403,6 +434,7 @@ mod ranks {
         )?;
         let adapters = Adapters::discover()?;
         let gpus: Vec<Arc<Gpu>> = args.devices.open(&adapters)?;
+        warn_if_bound(world, &gpus);
         let dtype = args.model.dtype(&gpus)?;
         let weights = args.model.weights(&config)?;
         say!(
@@ -617,5 +649,31 @@ mod ranks {
             files.join(" --trace ")
         );
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bound_rank_with_a_cpu_driver_is_warned() {
+        let bound = CpuBinding {
+            allowed: 1,
+            launcher: 2,
+        };
+        let free = CpuBinding {
+            allowed: 2,
+            launcher: 2,
+        };
+        let w = cpu_binding_warning(bound, Some("llvmpipe")).unwrap();
+        assert!(
+            w.contains("1 of the 2 CPUs") && w.contains("--bind-to none"),
+            "{w}"
+        );
+        assert!(w.contains("'llvmpipe'"), "{w}");
+        assert_eq!(cpu_binding_warning(free, Some("llvmpipe")), None);
+        // A GPU rank bound to a core is what launchers intend.
+        assert_eq!(cpu_binding_warning(bound, None), None);
     }
 }

@@ -61,6 +61,69 @@ impl Launch {
     }
 }
 
+/// The CPUs this process may run on against those its launcher may use. MPI launchers bind
+/// ranks to cores (Open MPI binds each rank to one core when there are at most two), which a GPU
+/// rank does not mind, but a CPU driver (lavapipe, llvmpipe) runs its worker threads on the
+/// rank's CPUs only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuBinding {
+    /// CPUs in this process's affinity mask.
+    pub allowed: usize,
+    /// CPUs in the parent process's affinity mask (the launcher's daemon), or online when that
+    /// cannot be read. The parent, not the machine: a container may give both fewer CPUs than
+    /// the machine has, and that is not the launcher's doing.
+    pub launcher: usize,
+}
+
+impl CpuBinding {
+    /// Reads both from Linux's `/proc` (`None` elsewhere, or if this process's mask cannot be
+    /// read).
+    pub fn of_this_process() -> Option<CpuBinding> {
+        let allowed_of = |pid: &str| {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .ok()?
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .and_then(count_cpu_list)
+        };
+        let allowed = allowed_of("self")?;
+        let launcher =
+            allowed_of(&std::os::unix::process::parent_id().to_string()).or_else(|| {
+                std::fs::read_to_string("/sys/devices/system/cpu/online")
+                    .ok()
+                    .as_deref()
+                    .and_then(count_cpu_list)
+            })?;
+        Some(CpuBinding { allowed, launcher })
+    }
+
+    /// True when the launcher narrowed the CPUs this process may use.
+    pub fn is_restricted(&self) -> bool {
+        self.allowed < self.launcher
+    }
+}
+
+/// Counts the CPUs of a Linux CPU list such as `0-3,8,10-11` (`None` if it is malformed).
+pub fn count_cpu_list(text: &str) -> Option<usize> {
+    let mut n = 0;
+    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        n += match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (
+                    a.trim().parse::<usize>().ok()?,
+                    b.trim().parse::<usize>().ok()?,
+                );
+                b.checked_sub(a)? + 1
+            }
+            None => {
+                part.trim().parse::<usize>().ok()?;
+                1
+            }
+        };
+    }
+    (n > 0).then_some(n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,5 +158,23 @@ mod tests {
             ("OMPI_COMM_WORLD_RANK", "0")
         ]))
         .is_none());
+    }
+
+    #[test]
+    fn counts_linux_cpu_lists() {
+        assert_eq!(count_cpu_list("0-1\n"), Some(2));
+        assert_eq!(count_cpu_list("0"), Some(1));
+        assert_eq!(count_cpu_list("0-3,8,10-11"), Some(7));
+        assert_eq!(count_cpu_list(""), None);
+        assert_eq!(count_cpu_list("3-1"), None);
+        assert_eq!(count_cpu_list("a-b"), None);
+        let b = CpuBinding {
+            allowed: 1,
+            launcher: 2,
+        };
+        assert!(b.is_restricted());
+        if let Some(here) = CpuBinding::of_this_process() {
+            assert!(here.allowed >= 1 && here.launcher >= 1);
+        }
     }
 }
