@@ -2,6 +2,9 @@
 // (+ wtt[types[t]][c] for token types, BERT). Ids and types are validated on the host first.
 // Token t = b * seq + i sits at position pos = seqs[2b + 1] + i, read from the step's sequence
 // table ([batch][2] = (KV slot, past)), validated on the host and clamped to wpe here.
+// wte may be one block of the table (rows first_row .. first_row + rows, when the whole table
+// exceeds a storage binding): a lookup then writes only the tokens whose id is in its block, and
+// one lookup per block writes every token once.
 alias WT = f32;
 
 struct Params {
@@ -12,8 +15,8 @@ struct Params {
     positions: u32,
     has_positions: u32,
     has_types: u32,
-    _pad1: u32,
-    _pad2: u32,
+    first_row: u32,
+    rows: u32,
 }
 
 @group(0) @binding(0) var<storage, read> ids: array<u32>;
@@ -39,7 +42,11 @@ fn embed(
     }
     let t = idx / p.hidden;
     let c = idx % p.hidden;
-    var v = f32(wte[ids[t] * p.hidden + c]);
+    let id = ids[t];
+    if (id < p.first_row || id - p.first_row >= p.rows) {
+        return;
+    }
+    var v = f32(wte[(id - p.first_row) * p.hidden + c]);
     if (p.has_positions != 0u) {
         let pos = min(seqs[2u * (t / p.seq) + 1u] + t % p.seq, p.positions - 1u);
         v += wpe[pos * p.hidden + c];

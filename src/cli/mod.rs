@@ -97,6 +97,7 @@ impl DeviceArgs {
     fn gpu_options(&self) -> GpuOptions {
         GpuOptions {
             force_f32: self.force_f32,
+            max_storage_binding: None,
         }
     }
 

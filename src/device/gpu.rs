@@ -14,6 +14,11 @@ pub struct GpuOptions {
     /// Store weights in f32 even when the adapter has `SHADER_F16` (the fallback path).
     /// The environment variable `WGPAR_FORCE_F32=1` sets it too.
     pub force_f32: bool,
+    /// Opens the device with a storage-binding limit below the adapter's (bytes), so that it
+    /// behaves as an adapter with that limit would: tables larger than it (a model's token
+    /// embedding and LM head) are split into blocks of rows. For tests, and for reproducing a
+    /// smaller adapter's behaviour on a larger one. At least 256 bytes.
+    pub max_storage_binding: Option<u64>,
 }
 
 /// One wgpu device. Every GPU resource belongs to exactly one `Gpu`; data moves between
@@ -97,10 +102,22 @@ impl Gpu {
         wanted |= wgpu::Features::SUBGROUP;
         let required_features = available & wanted;
         let label = format!("gpu{ordinal}");
+        let mut required_limits = adapter.limits();
+        let mut info = info.clone();
+        if let Some(cap) = options.max_storage_binding {
+            if cap < 256 {
+                return Err(WgparError::Config(format!(
+                    "a storage-binding limit of {cap} B is below the 256 B minimum"
+                )));
+            }
+            let cap = cap.min(required_limits.max_storage_buffer_binding_size);
+            required_limits.max_storage_buffer_binding_size = cap;
+            info.max_storage_binding = cap;
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some(&label),
             required_features,
-            required_limits: adapter.limits(),
+            required_limits,
             experimental_features: wgpu::ExperimentalFeatures::disabled(),
             memory_hints: wgpu::MemoryHints::Performance,
             trace: wgpu::Trace::Off,
@@ -129,7 +146,7 @@ impl Gpu {
             f16_weights: required_features.contains(wgpu::Features::SHADER_F16),
             device,
             queue,
-            info: info.clone(),
+            info,
             label,
             ordinal,
             errors,

@@ -1435,7 +1435,8 @@ struct EmbedParams {
     positions: u32,
     has_positions: u32,
     has_types: u32,
-    _pad: [u32; 2],
+    first_row: u32,
+    rows: u32,
 }
 
 /// Token type (segment) embeddings for [`embed_with_types`].
@@ -1467,8 +1468,12 @@ pub struct Positions<'a> {
 pub struct Embedding<'a> {
     /// `[tokens]` u32 token ids.
     pub ids: &'a Tensor,
-    /// `[vocab][hidden]` token table (f32 or f16).
+    /// Rows `first_row ..` of the `[vocab][hidden]` token table (f32 or f16): the whole table,
+    /// or one block of it when the table is split to fit a binding. Only tokens whose id falls
+    /// in the block are written, so one lookup per block fills every token once.
     pub wte: &'a Tensor,
+    /// Token id of `wte`'s first row (0 for a whole table).
+    pub first_row: usize,
     /// Learned positions, when the model has them.
     pub positions: Option<Positions<'a>>,
     /// Token types, when the model has them (BERT).
@@ -1484,6 +1489,9 @@ pub struct Embed {
     weights: WeightType,
     positions: Option<usize>,
     types: bool,
+    /// Token ids the bound table block covers.
+    first_row: usize,
+    rows: usize,
 }
 bound_op!(Embed);
 
@@ -1499,10 +1507,20 @@ impl Embed {
         let Embedding {
             ids,
             wte,
+            first_row,
             positions,
             types,
         } = input;
         need(OP, "ids", ids, tokens, Some(DType::U32))?;
+        if hidden == 0 || wte.is_empty() || wte.len() % hidden != 0 {
+            return Err(WgparError::Shape {
+                op: OP.into(),
+                detail: format!(
+                    "a token table of {} values is not whole rows of {hidden}",
+                    wte.len()
+                ),
+            });
+        }
         need(OP, "out", out, tokens * hidden, Some(DType::F32))?;
         if let Some(p) = &positions {
             if p.positions == 0 {
@@ -1545,6 +1563,8 @@ impl Embed {
             weights: weight_type(wte),
             positions: positions.map(|p| p.positions),
             types: types.is_some(),
+            first_row,
+            rows: wte.len() / hidden,
         })
     }
 
@@ -1566,7 +1586,8 @@ impl Embed {
             positions: to_u32(OP, "positions", self.positions.unwrap_or(0))?,
             has_positions: self.positions.is_some() as u32,
             has_types: self.types as u32,
-            _pad: [0; 2],
+            first_row: to_u32(OP, "first row", self.first_row)?,
+            rows: to_u32(OP, "rows", self.rows)?,
         };
         let dispatch = Dispatch::new(
             gpu,
@@ -1591,6 +1612,7 @@ pub fn embed(
     let input = Embedding {
         ids,
         wte,
+        first_row: 0,
         positions,
         types: None,
     };

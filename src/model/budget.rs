@@ -15,12 +15,42 @@ pub struct Buffer {
     pub what: String,
     /// Bytes, before the 4-byte padding of a copy.
     pub bytes: u64,
+    /// For a `[vocab][hidden]` table (token embedding, LM head), the bytes of one row: such a
+    /// table is split by rows into blocks that each fit a binding
+    /// ([`vocab_block_rows`]), so only a row has to fit. `None` for every other buffer.
+    pub row_bytes: Option<u64>,
 }
 
 fn buffer(what: impl Into<String>, elements: u64, width: u64) -> Buffer {
     Buffer {
         what: what.into(),
         bytes: elements.saturating_mul(width),
+        row_bytes: None,
+    }
+}
+
+fn vocab_table(what: &str, config: &ModelConfig, width: u64) -> Buffer {
+    Buffer {
+        row_bytes: Some(config.hidden as u64 * width),
+        ..buffer(what, config.vocab as u64 * config.hidden as u64, width)
+    }
+}
+
+/// Rows of a `[rows][row_bytes / width]` table that one block holds when each block must fit
+/// `limit` bytes (an adapter's storage-binding or buffer limit): all of them when the table
+/// fits, else as many as fit, rounded down to a multiple of 64 where that leaves any (whole
+/// matmul tiles). 0 when not even one row fits.
+pub fn vocab_block_rows(rows: usize, row_bytes: u64, limit: u64) -> usize {
+    // Blocks are padded to 4 bytes; a limit that is a multiple of 4 keeps a padded block in it.
+    let limit = limit / 4 * 4;
+    if row_bytes == 0 || (rows as u64).saturating_mul(row_bytes) <= limit {
+        return rows;
+    }
+    let fit = (limit / row_bytes) as usize;
+    if fit >= 64 {
+        fit / 64 * 64
+    } else {
+        fit
     }
 }
 
@@ -47,17 +77,17 @@ pub fn device_buffers(
     let (t, b) = (tokens as u64, batch as u64);
     let mut out = Vec::new();
     if placement.embedding {
-        out.push(buffer("wte", config.vocab as u64 * h, w));
+        out.push(vocab_table("wte", config, w));
         if config.learned_positions() {
             out.push(buffer("wpe", config.max_seq as u64 * h, 4));
         }
     }
     if placement.head && !config.is_encoder() && !config.tied_head {
-        out.push(buffer("lm_head", config.vocab as u64 * h, w));
+        out.push(vocab_table("lm_head", config, w));
     }
     if placement.head && !config.is_encoder() && config.tied_head && !placement.embedding {
         // A tied head on a device without the embedding uploads the table as its head.
-        out.push(buffer("lm_head", config.vocab as u64 * h, w));
+        out.push(vocab_table("lm_head", config, w));
     }
     if !placement.layers.is_empty() {
         let first = placement.layers.start;
@@ -86,18 +116,22 @@ pub fn device_buffers(
 }
 
 /// Checks every buffer against `adapter`'s limits; the error names the buffer, both numbers and
-/// what to change.
+/// what to change. A vocabulary table is checked by its row: it is split into blocks that fit.
 pub fn check_buffers(buffers: &[Buffer], adapter: &AdapterDesc, device: &str) -> Result<()> {
     for b in buffers {
-        let bytes = b.bytes.div_ceil(4) * 4;
         let (limit, kind) = if adapter.max_storage_binding < adapter.max_buffer_size {
             (adapter.max_storage_binding, "storage binding")
         } else {
             (adapter.max_buffer_size, "buffer")
         };
+        let (what, bytes) = match b.row_bytes {
+            Some(row) => (format!("{device}'s {} (one row)", b.what), row),
+            None => (format!("{device}'s {}", b.what), b.bytes),
+        };
+        let bytes = bytes.div_ceil(4) * 4;
         if bytes > limit {
             return Err(WgparError::TooLarge {
-                what: format!("{device}'s {}", b.what),
+                what,
                 bytes,
                 limit,
                 kind,
@@ -159,14 +193,35 @@ mod tests {
     }
 
     #[test]
-    fn llama_1b_embedding_exceeds_a_128_mib_binding() {
+    fn llama_1b_embedding_is_split_to_fit_a_128_mib_binding() {
         let c = ModelConfig::preset("llama-1b").unwrap();
         let bufs = device_buffers(&c, &Placement::whole(&c), DType::F32, 64, 1);
         let wte = bufs.iter().find(|b| b.what == "wte").unwrap();
         assert_eq!(wte.bytes, 128_256 * 2048 * 4);
-        let e = check_buffers(&bufs, &adapter(128 << 20), "gpu0").unwrap_err();
+        assert_eq!(wte.row_bytes, Some(2048 * 4));
+        check_buffers(&bufs, &adapter(128 << 20), "gpu0").unwrap();
+        // 16384 rows of 8 KiB per 128 MiB block: 7 full blocks and one of 13568 rows.
+        assert_eq!(vocab_block_rows(128_256, 2048 * 4, 128 << 20), 16_384);
+        // A binding smaller than one row cannot hold the table at all.
+        let e = check_buffers(&bufs, &adapter(4 << 10), "gpu0").unwrap_err();
         let text = e.to_string();
-        assert!(text.contains("wte") && text.contains("128.0 MiB"), "{text}");
+        assert!(
+            text.contains("wte (one row)") && text.contains("8.0 KiB"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn vocab_blocks_are_whole_tiles_where_they_can_be() {
+        // Fits: one block of every row, whatever the count.
+        assert_eq!(vocab_block_rows(411, 384, 1 << 20), 411);
+        // 163840 / 384 = 426 rows fit, rounded down to 384 (6 x 64).
+        assert_eq!(vocab_block_rows(2053, 384, 160 << 10), 384);
+        // Fewer than 64 rows fit: as many as fit.
+        assert_eq!(vocab_block_rows(2053, 384, 20_000), 52);
+        assert_eq!(vocab_block_rows(2053, 384, 300), 0);
+        // A limit that is not a multiple of 4 is used as the multiple of 4 below it.
+        assert_eq!(vocab_block_rows(10, 4, 39), 9);
     }
 
     #[test]

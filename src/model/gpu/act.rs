@@ -56,7 +56,8 @@ impl Buffers {
 
 /// The embedding's ops.
 pub(super) struct EmbedOps {
-    pub(super) embed: Embed,
+    /// One lookup per block of the token table.
+    pub(super) embed: Vec<Embed>,
     /// BERT's embedding LayerNorm (x -> h, then copied back).
     pub(super) norm: Option<NormOp>,
 }
@@ -68,8 +69,20 @@ pub(super) struct HeadOps {
     pub(super) norm_x: NormOp,
     /// Final norm of the gathered last tokens (steps of several tokens per sequence).
     pub(super) norm_last: NormOp,
-    pub(super) logits: Matmul,
+    /// One matmul per block of the head's table.
+    pub(super) logits: Vec<HeadBlock>,
     pub(super) pick: Pick,
+}
+
+/// The LM head over one block of the vocabulary.
+pub(super) struct HeadBlock {
+    pub(super) matmul: Matmul,
+    /// Logit column (token id) of the block's first row.
+    pub(super) first: usize,
+    pub(super) rows: usize,
+    /// `[batch][rows]`, copied into the logits' columns `first .. first + rows` after the
+    /// matmul; `None` when the block is the whole table and the matmul writes the logits.
+    pub(super) part: Option<Tensor>,
 }
 
 /// Reusable activation buffers for up to `tokens` tokens and `batch` sequences on one device,

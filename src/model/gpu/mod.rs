@@ -26,6 +26,7 @@
 mod act;
 mod kv;
 mod layer;
+mod vocab;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -43,9 +44,10 @@ use crate::kernels::ops::{
     AttnShape, Embed, Embedding, Matmul, MatmulIo, NormOp, Params, Pass, Pick, Pool, Pooling,
     Positions, RopeTables, TokenPick, TokenTypes,
 };
-use act::{Buffers, EmbedOps, HeadOps};
+use act::{Buffers, EmbedOps, HeadBlock, HeadOps};
 use kv::KvSpec;
 use layer::{norm, upload_opt, BindContext, GpuLayer};
+use vocab::VocabTable;
 
 /// Which part of the model one device holds.
 #[derive(Debug, Clone)]
@@ -122,12 +124,12 @@ pub struct GpuModel {
     placement: Placement,
     weight_dtype: DType,
     layers: Vec<GpuLayer>,
-    wte: Option<Arc<Tensor>>,
+    wte: Option<Arc<VocabTable>>,
     wpe: Option<Tensor>,
     token_types: Option<Tensor>,
     embed_norm: Option<(Tensor, Tensor)>,
     final_norm: Option<(Tensor, Option<Tensor>)>,
-    head: Option<Arc<Tensor>>,
+    head: Option<Arc<VocabTable>>,
     rope: Option<(Tensor, Tensor)>,
 }
 
@@ -175,8 +177,15 @@ impl GpuModel {
             })
             .collect::<Result<Vec<_>>>()?;
         let decoder_head = placement.head && !config.is_encoder();
+        let table = (config.vocab, config.hidden);
         let wte = if placement.embedding || (decoder_head && config.tied_head) {
-            Some(Arc::new(gpu.upload_weights("wte", &weights.wte, dtype)?))
+            Some(Arc::new(VocabTable::upload(
+                &gpu,
+                "wte",
+                &weights.wte,
+                table,
+                dtype,
+            )?))
         } else {
             None
         };
@@ -207,7 +216,7 @@ impl GpuModel {
                 upload_opt(&gpu, "final_norm_bias", weights.final_norm_bias.as_ref())?,
             );
             let head = match (&weights.lm_head, &wte) {
-                (Some(h), _) => Arc::new(gpu.upload_weights("lm_head", h, dtype)?),
+                (Some(h), _) => Arc::new(VocabTable::upload(&gpu, "lm_head", h, table, dtype)?),
                 (None, Some(wte)) => wte.clone(),
                 (None, None) => {
                     return Err(WgparError::Config("tied head without an embedding".into()))
@@ -323,9 +332,15 @@ impl GpuModel {
             unused: f32s("act.unused", 1)?,
             hidden: c.hidden,
         };
-        // Upper bound of the ops' params slots: embedding and its norm, every layer, the
-        // head's four ops, pooling.
-        let slots = 2 + self.layers.len() * layer::PARAM_SLOTS + 4 + 1;
+        // Upper bound of the ops' params slots: a lookup per table block and the embedding
+        // norm, every layer, the head's two norms, matmul per table block and pick, pooling.
+        let blocks = |t: &Option<Arc<VocabTable>>| t.as_ref().map_or(0, |t| t.blocks().len());
+        let slots = blocks(&self.wte)
+            + 1
+            + self.layers.len() * layer::PARAM_SLOTS
+            + blocks(&self.head)
+            + 3
+            + 1;
         let mut params = Params::new(g, "act.params", slots)?;
         let rope = self.rope.as_ref().map(|(cos, sin)| RopeTables {
             cos,
@@ -391,21 +406,28 @@ impl GpuModel {
         };
         let g = &*self.gpu;
         let c = &self.config;
-        let input = Embedding {
-            ids: &a.ids,
-            wte,
-            positions: self.wpe.as_ref().map(|wpe| Positions {
-                wpe,
-                positions: c.max_seq,
-                seqs: &a.seqs,
-            }),
-            types: self.token_types.as_ref().map(|table| TokenTypes {
-                ids: &a.types,
-                table,
-                count: c.type_vocab,
-            }),
-        };
-        let embed = Embed::bind(g, params, (input, &a.x), (batch, tokens, c.hidden))?;
+        let embed = wte
+            .blocks()
+            .iter()
+            .map(|block| {
+                let input = Embedding {
+                    ids: &a.ids,
+                    wte: &block.table,
+                    first_row: block.first,
+                    positions: self.wpe.as_ref().map(|wpe| Positions {
+                        wpe,
+                        positions: c.max_seq,
+                        seqs: &a.seqs,
+                    }),
+                    types: self.token_types.as_ref().map(|table| TokenTypes {
+                        ids: &a.types,
+                        table,
+                        count: c.type_vocab,
+                    }),
+                };
+                Embed::bind(g, params, (input, &a.x), (batch, tokens, c.hidden))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let norm = match &self.embed_norm {
             Some((gamma, beta)) => Some(NormOp::bind(
                 g,
@@ -442,19 +464,55 @@ impl GpuModel {
         Ok(Some(HeadOps {
             norm_x: final_norm(params, &a.x)?,
             norm_last: final_norm(params, &a.last)?,
-            logits: Matmul::bind(
-                g,
-                params,
-                MatmulIo {
-                    x: &a.last_norm,
-                    w: head,
-                    bias: None,
-                    y: logits,
-                },
-                (rows, c.vocab, h),
-            )?,
+            logits: self.bind_head_blocks(params, head, (&a.last_norm, logits), rows)?,
             pick: Pick::bind(g, params, (logits, draws, picked), (rows, c.vocab))?,
         }))
+    }
+
+    /// The LM head's matmul per block of its table, over `rows` normed last tokens: a table of
+    /// one block writes the logits directly, blocks of a split table write a part each, which
+    /// [`Self::head`] copies into the logits' columns.
+    fn bind_head_blocks(
+        &self,
+        params: &mut Params,
+        head: &VocabTable,
+        (x, logits): (&Tensor, &Tensor),
+        rows: usize,
+    ) -> Result<Vec<HeadBlock>> {
+        let g = &*self.gpu;
+        let whole = head.blocks().len() == 1;
+        head.blocks()
+            .iter()
+            .enumerate()
+            .map(|(i, block)| {
+                let part = (!whole)
+                    .then(|| {
+                        g.empty(
+                            &format!("act.logits.block{i}"),
+                            DType::F32,
+                            rows * block.rows,
+                        )
+                    })
+                    .transpose()?;
+                let matmul = Matmul::bind(
+                    g,
+                    params,
+                    MatmulIo {
+                        x,
+                        w: &block.table,
+                        bias: None,
+                        y: part.as_ref().unwrap_or(logits),
+                    },
+                    (rows, block.rows, self.config.hidden),
+                )?;
+                Ok(HeadBlock {
+                    matmul,
+                    first: block.first,
+                    rows: block.rows,
+                    part,
+                })
+            })
+            .collect()
     }
 
     /// Allocates a KV cache of `slots` sequences of up to `max_seq` tokens each.
@@ -568,7 +626,9 @@ impl GpuModel {
             // A failure part-way leaves the set unconfigured, never half-configured.
             act.configured = None;
             if let Some(e) = &mut act.embed {
-                e.embed.configure(g, params, shape)?;
+                for lookup in &mut e.embed {
+                    lookup.configure(g, params, shape)?;
+                }
                 if let Some(n) = &mut e.norm {
                     n.configure(g, params, step.tokens())?;
                 }
@@ -579,7 +639,9 @@ impl GpuModel {
             if let Some(h) = &mut act.head {
                 h.norm_x.configure(g, params, step.batch)?;
                 h.norm_last.configure(g, params, step.batch)?;
-                h.logits.configure(g, params, step.batch)?;
+                for block in &mut h.logits {
+                    block.matmul.configure(g, params, step.batch)?;
+                }
             }
             if let Some(p) = &mut act.pool {
                 p.configure(g, params, shape)?;
@@ -696,7 +758,9 @@ impl GpuModel {
             .as_ref()
             .ok_or_else(|| WgparError::Config("this device holds no embedding".into()))?;
         let mut pass = Pass::new(encoder);
-        pass.run(&ops.embed)?;
+        for lookup in &ops.embed {
+            pass.run(lookup)?;
+        }
         if let Some(n) = &ops.norm {
             pass.run(n)?;
             act.buf.copy_h_to_x(&mut pass, batch * seq);
@@ -847,7 +911,22 @@ impl GpuModel {
             }
             pass.run(&h.norm_last)?;
         }
-        pass.run(&h.logits)?;
+        let logits = act.buf.logits.as_ref().ok_or_else(|| act.no_head())?;
+        let vocab = self.config.vocab as u64;
+        for block in &h.logits {
+            pass.run(&block.matmul)?;
+            if let Some(part) = &block.part {
+                // The block's columns of each sequence's logits row.
+                let width = block.rows as u64 * 4;
+                for b in 0..batch as u64 {
+                    pass.copy(
+                        (part.buffer(), b * width),
+                        (logits.buffer(), (b * vocab + block.first as u64) * 4),
+                        width,
+                    );
+                }
+            }
+        }
         pass.run(&h.pick)
     }
 

@@ -1,0 +1,150 @@
+//! Token tables larger than a storage binding: devices opened with a binding limit below the
+//! table's size split the embedding and the LM head into blocks of rows. Every engine must then
+//! compute what the CPU reference computes, with the block boundaries inside the vocabulary
+//! (not at tile multiples) and tokens on both sides of them.
+
+mod common;
+
+use std::sync::Arc;
+
+use wgpar::comm::CommConfig;
+use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, Gpu, GpuOptions};
+use wgpar::model::{CpuReference, ModelConfig, ModelWeights};
+use wgpar::parallel::{
+    Engine, Logits, Partition, PipelineEngine, SingleEngine, TensorParallelEngine,
+};
+
+/// 160 KiB: above every other buffer of the tiny presets at these shapes, below their token
+/// table at this vocabulary (2053 x 96 x 4 B = 770 KiB in f32: blocks of 384 rows, the last
+/// of 133; 385 KiB in f16: blocks of 832, the last of 389).
+const CAP: u64 = 160 << 10;
+const VOCAB: usize = 2053;
+
+fn capped_gpus(count: usize) -> Vec<Arc<Gpu>> {
+    let adapters = Adapters::discover().expect("tests need a wgpu adapter (lavapipe on CI)");
+    let selection = DeviceSelection::Virtual {
+        adapter: adapters.preferred(),
+        count,
+    };
+    let options = GpuOptions {
+        max_storage_binding: Some(CAP),
+        ..GpuOptions::default()
+    };
+    open_devices(&adapters, &selection, &options).expect("open devices")
+}
+
+fn config(preset: &str, tied_head: bool) -> ModelConfig {
+    ModelConfig {
+        vocab: VOCAB,
+        tied_head,
+        ..ModelConfig::preset(preset).unwrap()
+    }
+}
+
+/// Prompts whose tokens sit in the first, a middle and the last block, and on the rows either
+/// side of a block boundary.
+fn prompts(batch: usize, seq: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut p = common::prompts(batch, seq, VOCAB, seed);
+    let edges = [0u32, 383, 384, 831, 832, 1663, 1664, 1920, VOCAB as u32 - 1];
+    for (i, &id) in edges.iter().enumerate() {
+        p[i % batch][i % seq] = id;
+    }
+    p
+}
+
+/// Runs `engine` against the CPU reference: prefill, then greedy decode steps with the
+/// reference's choices, every step's logits within `bar`.
+fn check(engine: &mut dyn Engine, weights: &ModelWeights, bar: f64, what: &str) {
+    let (batch, seq) = (3, 13);
+    let mut oracle = CpuReference::new(weights);
+    let prompts = prompts(batch, seq, 7);
+    let mut got = engine.prefill(&prompts).unwrap();
+    let mut want = oracle.prefill(&prompts).unwrap().concat();
+    for step in 0..4 {
+        let err = got.relative_error(&want);
+        assert!(
+            err <= bar,
+            "{what} step {step}: relative error {err:.2e} > {bar:.0e}"
+        );
+        let next = Logits {
+            batch,
+            vocab: VOCAB,
+            data: want.clone(),
+        }
+        .argmax();
+        got = engine.decode(&next).unwrap();
+        want = oracle.decode(&next).unwrap().concat();
+    }
+}
+
+#[test]
+fn the_capped_device_cannot_bind_the_whole_table() {
+    let gpu = capped_gpus(1).remove(0);
+    assert_eq!(gpu.info().max_storage_binding, CAP);
+    let table = (VOCAB * 96 * 4) as u64;
+    let e = gpu.check_size("wte", table).unwrap_err().to_string();
+    assert!(
+        e.contains("160.0 KiB") && e.contains("storage binding"),
+        "{e}"
+    );
+}
+
+#[test]
+fn single_device_tied_and_untied_f32_and_f16() {
+    let gpu = capped_gpus(1).remove(0);
+    for (preset, tied) in [
+        ("tiny-gpt2", true),
+        ("tiny-llama", false),
+        ("tiny-llama", true),
+    ] {
+        let config = config(preset, tied);
+        let weights = ModelWeights::synthetic(&config, 11);
+        let mut engine = SingleEngine::new(gpu.clone(), &weights, DType::F32).unwrap();
+        check(
+            &mut engine,
+            &weights,
+            1e-4,
+            &format!("{preset} tied={tied} f32"),
+        );
+        if gpu.info().shader_f16 {
+            let rounded = weights.rounded_to_f16();
+            let mut engine = SingleEngine::new(gpu.clone(), &weights, DType::F16).unwrap();
+            check(
+                &mut engine,
+                &rounded,
+                1e-3,
+                &format!("{preset} tied={tied} f16"),
+            );
+        }
+    }
+}
+
+#[test]
+fn pipeline_stages_split_their_own_tables() {
+    // Tied head on the last stage, which does not hold the embedding: it uploads the table as
+    // its head, in blocks of its own.
+    let gpus = capped_gpus(2);
+    let config = config("tiny-gpt2", true);
+    let weights = ModelWeights::synthetic(&config, 5);
+    let mut pp = PipelineEngine::new(
+        &gpus,
+        &weights,
+        DType::F32,
+        &Partition::Even,
+        3,
+        CommConfig::default(),
+    )
+    .unwrap();
+    check(&mut pp, &weights, 1e-4, "tiny-gpt2 pp=2 m=3");
+}
+
+#[test]
+fn tensor_parallel_ranks_split_the_replicated_tables() {
+    let gpus = capped_gpus(2);
+    let config = config("tiny-llama", false);
+    let weights = ModelWeights::synthetic(&config, 9);
+    let mut tp =
+        TensorParallelEngine::new(&gpus, &weights, DType::F32, None, CommConfig::default())
+            .unwrap();
+    check(&mut tp, &weights, 1e-4, "tiny-llama tp=2");
+}
