@@ -148,3 +148,53 @@ fn tensor_parallel_ranks_split_the_replicated_tables() {
             .unwrap();
     check(&mut tp, &weights, 1e-4, "tiny-llama tp=2");
 }
+
+/// The token line `run` prints.
+fn tokens_line(stdout: &str) -> String {
+    stdout
+        .lines()
+        .find(|l| l.starts_with("first sequence's tokens"))
+        .unwrap_or_else(|| panic!("no tokens in {stdout}"))
+        .to_string()
+}
+
+#[test]
+fn run_max_binding_splits_the_table_and_refuses_what_cannot_split() {
+    let base = [
+        "run",
+        "--model",
+        "tiny-gpt2",
+        "--batch",
+        "2",
+        "--prompt-len",
+        "9",
+        "--gen",
+        "5",
+    ];
+    let (ok, whole, err) = common::wgpar(&base);
+    assert!(ok, "{err}");
+    // 150 KiB: below tiny-gpt2's 154 KiB token table (split in two), above its 144 KiB MLP
+    // matrices.
+    let capped: Vec<&str> = base
+        .iter()
+        .copied()
+        .chain(["--max-binding", "150K"])
+        .collect();
+    let (ok, split, err) = common::wgpar(&capped);
+    assert!(ok, "{err}");
+    assert_eq!(tokens_line(&split), tokens_line(&whole));
+    // A layer matrix cannot be split: refused before a device opens, with both sizes.
+    let small: Vec<&str> = base
+        .iter()
+        .copied()
+        .chain(["--max-binding", "64K"])
+        .collect();
+    let (ok, _, err) = common::wgpar(&small);
+    assert!(!ok);
+    assert!(
+        err.contains("layer0.") && err.contains("64.0 KiB") && err.contains("storage binding"),
+        "{err}"
+    );
+    let (ok, _, err) = common::wgpar(&[&base[..], &["--max-binding", "12Q"]].concat());
+    assert!(!ok && err.contains("not a size"), "{err}");
+}

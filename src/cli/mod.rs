@@ -85,6 +85,22 @@ pub struct DeviceArgs {
     /// Keep weights in f32 even where the adapter has SHADER_F16.
     #[arg(long)]
     force_f32: bool,
+    /// Run as if every adapter bound at most SIZE per storage buffer (e.g. 128M, WebGPU's
+    /// default), below its own limit: the token embedding and LM head are split into blocks
+    /// that fit, any other buffer larger than SIZE is refused, as on such an adapter. To
+    /// rehearse a smaller adapter on a larger one.
+    #[arg(long, value_name = "SIZE", value_parser = parse_binding)]
+    max_binding: Option<u64>,
+}
+
+fn parse_binding(text: &str) -> std::result::Result<u64, String> {
+    let bytes = wgpar::comm::units::parse_size(text).map_err(|e| e.to_string())?;
+    if bytes < 256 {
+        return Err(format!(
+            "{bytes} B is below the smallest binding wgpar opens (256 B)"
+        ));
+    }
+    Ok(bytes)
 }
 
 impl DeviceArgs {
@@ -97,7 +113,7 @@ impl DeviceArgs {
     fn gpu_options(&self) -> GpuOptions {
         GpuOptions {
             force_f32: self.force_f32,
-            max_storage_binding: None,
+            max_storage_binding: self.max_binding,
         }
     }
 
@@ -106,7 +122,14 @@ impl DeviceArgs {
     fn selected(&self, adapters: &Adapters) -> Result<Vec<AdapterDesc>> {
         let selection =
             DeviceSelection::from_options(self.devices.as_deref(), self.virtual_count, adapters)?;
-        described(&selection, adapters)
+        let mut selected = described(&selection, adapters)?;
+        if let Some(cap) = self.max_binding {
+            // The checks before opening must see the limit the devices will be opened with.
+            for adapter in &mut selected {
+                adapter.max_storage_binding = adapter.max_storage_binding.min(cap);
+            }
+        }
+        Ok(selected)
     }
 
     /// Opens only the first `count` selected devices.
