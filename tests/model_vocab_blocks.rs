@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 
 use wgpar::comm::CommConfig;
-use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, Gpu, GpuOptions};
+use wgpar::device::{DType, Gpu, GpuOptions};
 use wgpar::model::{CpuReference, ModelConfig, ModelWeights};
 use wgpar::parallel::{
     Engine, Logits, Partition, PipelineEngine, SingleEngine, TensorParallelEngine,
@@ -21,16 +21,11 @@ const CAP: u64 = 160 << 10;
 const VOCAB: usize = 2053;
 
 fn capped_gpus(count: usize) -> Vec<Arc<Gpu>> {
-    let adapters = Adapters::discover().expect("tests need a wgpu adapter (lavapipe on CI)");
-    let selection = DeviceSelection::Virtual {
-        adapter: adapters.preferred(),
-        count,
-    };
     let options = GpuOptions {
         max_storage_binding: Some(CAP),
         ..GpuOptions::default()
     };
-    open_devices(&adapters, &selection, &options).expect("open devices")
+    common::gpus_with(count, &options)
 }
 
 fn config(preset: &str, tied_head: bool) -> ModelConfig {
@@ -175,21 +170,11 @@ fn run_max_binding_splits_the_table_and_refuses_what_cannot_split() {
     assert!(ok, "{err}");
     // 150 KiB: below tiny-gpt2's 154 KiB token table (split in two), above its 144 KiB MLP
     // matrices.
-    let capped: Vec<&str> = base
-        .iter()
-        .copied()
-        .chain(["--max-binding", "150K"])
-        .collect();
-    let (ok, split, err) = common::wgpar(&capped);
+    let (ok, split, err) = common::wgpar(&[&base[..], &["--max-binding", "150K"]].concat());
     assert!(ok, "{err}");
     assert_eq!(tokens_line(&split), tokens_line(&whole));
     // A layer matrix cannot be split: refused before a device opens, with both sizes.
-    let small: Vec<&str> = base
-        .iter()
-        .copied()
-        .chain(["--max-binding", "64K"])
-        .collect();
-    let (ok, _, err) = common::wgpar(&small);
+    let (ok, _, err) = common::wgpar(&[&base[..], &["--max-binding", "64K"]].concat());
     assert!(!ok);
     assert!(
         err.contains("layer0.") && err.contains("64.0 KiB") && err.contains("storage binding"),

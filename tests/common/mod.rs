@@ -9,12 +9,17 @@ use wgpar::device::{open_devices, Adapters, DeviceSelection, Gpu, GpuOptions};
 
 /// `count` independent devices on the preferred adapter.
 pub fn gpus(count: usize) -> Vec<Arc<Gpu>> {
+    gpus_with(count, &GpuOptions::default())
+}
+
+/// `count` independent devices on the preferred adapter, opened with `options`.
+pub fn gpus_with(count: usize, options: &GpuOptions) -> Vec<Arc<Gpu>> {
     let adapters = Adapters::discover().expect("tests need a wgpu adapter (lavapipe on CI)");
     let selection = DeviceSelection::Virtual {
         adapter: adapters.preferred(),
         count,
     };
-    open_devices(&adapters, &selection, &GpuOptions::default()).expect("open devices")
+    open_devices(&adapters, &selection, options).expect("open devices")
 }
 
 /// Uniform random values in [-1, 1), never all zero.
