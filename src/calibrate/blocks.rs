@@ -8,7 +8,7 @@ use crate::error::Result;
 use crate::model::{Activations, GpuModel, KvCache, ModelConfig, ShardSpec, Step};
 use crate::parallel::cost;
 
-use super::kernels::DispatchCosts;
+use super::kernels::{fit_fixed_per_unit, DispatchCosts};
 use super::median_time;
 
 /// Dispatches the model's blocks encode per layer: (attention half with its residual, whole
@@ -105,6 +105,63 @@ pub(super) fn narrow_config(c: &ModelConfig, hidden: usize) -> Option<ModelConfi
         ..c.clone()
     };
     n.validate().ok().map(|()| n)
+}
+
+/// Layers per submission of the dispatch-cost sweep; the model it runs has the last count.
+pub(super) const LAYER_SWEEP: [usize; 5] = [1, 2, 4, 6, 8];
+
+/// Width of the blocks whose dispatches the dispatch cost is measured with: the least a
+/// block can be ([`narrow_config`] rounds to multiples of 16).
+pub(super) const DISPATCH_WIDTH: usize = 16;
+
+/// Measures [`DispatchCosts`] with the model's own kernels doing the least work they can:
+/// `m` (the model's block shape at [`DISPATCH_WIDTH`] with 8 layers, see [`narrow_config`])
+/// on one token, submissions of its first 1 to 8 layers in one compute pass, as the engines
+/// run theirs, each with its wait; `t(n) = submit + n x dispatches per layer x launch`.
+///
+/// Why not a sweep of one small element-wise kernel: on a CPU driver a dispatch's cost
+/// depends on how the driver spreads its workgroups over threads, and the model's chain of
+/// small dependent kernels paid less than half of what a sweep of 16-workgroup adds fitted
+/// (27 against 65 us per dispatch, 2026-12-02); the excess made tiny decode steps project slow
+/// and, taken off the measured blocks, their rates fast. The launch figure includes the
+/// little work of a 16-wide kernel on one token.
+pub(super) fn dispatch_costs(
+    m: &GpuModel,
+    iters: usize,
+    log: &mut dyn Write,
+) -> Result<DispatchCosts> {
+    let step = Step {
+        batch: 1,
+        seq: 1,
+        past: 0,
+    };
+    let (act, kv) = step_buffers(m, &step)?;
+    let per_layer = dispatches_per_layer(m.config()).1 as f64;
+    let gpu = m.gpu();
+    let mut points = Vec::with_capacity(LAYER_SWEEP.len());
+    for layers in LAYER_SWEEP.into_iter().filter(|&n| n <= m.num_layers()) {
+        let t = median_time(iters, || {
+            let mut e = gpu.encoder();
+            m.layer_range(&mut e, 0..layers, &act, &kv)?;
+            gpu.submit(e);
+            gpu.wait()
+        })?;
+        points.push((layers as f64 * per_layer, t * 1e6));
+    }
+    say_part!(
+        log,
+        "  submissions of n dispatches ({} wide layers, {per_layer} dispatches each), us:",
+        m.config().hidden
+    );
+    for (n, t) in &points {
+        say_part!(log, " {n}: {t:.0}");
+    }
+    say!(log);
+    let (submit_us, launch_us) = fit_fixed_per_unit(&points);
+    Ok(DispatchCosts {
+        launch_us,
+        submit_us,
+    })
 }
 
 /// One measured block: intensity (flops per byte), work per dispatch (MFLOP) and achieved

@@ -5,20 +5,14 @@ use std::io::Write;
 
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
-use crate::kernels::ops::{
-    self, AttnShape, Elementwise, ElementwiseOp, MatmulIo, MatmulKernel, Norm, Operand, Params,
-    Pass,
-};
+use crate::kernels::ops::{self, AttnShape, Elementwise, MatmulIo, MatmulKernel, Norm};
 use crate::model::ModelConfig;
 
 use super::{median_time, random};
 use crate::stats::median;
 
-/// Dispatches per submission of the dispatch-cost sweep.
-const DISPATCH_SWEEP: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
-
-/// Host cost of a submission, fitted from submissions of 1 to 64 small dispatches, each
-/// submission with its wait: `t(n) = submit + n x launch`.
+/// Host cost of a submission: `t(n) = submit + n x launch` for a submission of `n`
+/// dispatches with its wait, fitted by [`super::blocks::dispatch_costs`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct DispatchCosts {
     /// Cost of one more dispatch in a submission, microseconds (`launch_overhead_us`).
@@ -26,54 +20,6 @@ pub(super) struct DispatchCosts {
     /// Fixed cost of a submission and its wait beyond its dispatches, microseconds
     /// (`submit_overhead_us`).
     pub(super) submit_us: f64,
-}
-
-/// Measures [`DispatchCosts`]. The dispatch is an element-wise add over 16 workgroups of
-/// 256 (4096 elements, 48 KiB of traffic): enough workgroups that a driver spreads it over its
-/// threads as it does the model's small kernels, too little work to matter.
-pub(super) fn dispatch_costs(
-    gpu: &Gpu,
-    iters: usize,
-    log: &mut dyn Write,
-) -> Result<DispatchCosts> {
-    let len = 4096;
-    let a = gpu.upload_f32("calibrate.a", &random(len, 1))?;
-    let b = gpu.upload_f32("calibrate.b", &random(len, 2))?;
-    // The op is bound once and its dispatches share a compute pass, as the engines run theirs.
-    let mut params = Params::new(gpu, "calibrate.params", 1)?;
-    let mut op = ElementwiseOp::bind(
-        gpu,
-        &mut params,
-        Elementwise::Add,
-        (&a, Operand::Tensor(&b)),
-        (1, len),
-    )?;
-    op.configure(gpu, &mut params, 1)?;
-    params.flush(gpu);
-    let mut points = Vec::with_capacity(DISPATCH_SWEEP.len());
-    for reps in DISPATCH_SWEEP {
-        let t = median_time(iters, || {
-            let mut e = gpu.encoder();
-            let mut pass = Pass::new(&mut e);
-            for _ in 0..reps {
-                pass.run(&op)?;
-            }
-            drop(pass);
-            gpu.submit(e);
-            gpu.wait()
-        })?;
-        points.push((reps as f64, t * 1e6));
-    }
-    say_part!(log, "  submissions of n dispatches, us:");
-    for (n, t) in &points {
-        say_part!(log, " {n}: {t:.0}");
-    }
-    say!(log);
-    let (submit_us, launch_us) = fit_fixed_per_unit(&points);
-    Ok(DispatchCosts {
-        launch_us,
-        submit_us,
-    })
 }
 
 /// Least-squares fit of `t = fixed + n x per_unit` to `(n, t)` points, weighted by `1 / t^2`

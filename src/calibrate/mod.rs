@@ -33,7 +33,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use crate::comm::{Collectives, CommConfig};
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
-use crate::model::{GpuModel, ModelWeights, Placement, Step};
+use crate::model::{GpuModel, ModelConfig, ModelWeights, Placement, Step};
 use crate::sim::{calibrated_profile, HostProfile, MachineMeasurement, MeasuredDevice};
 use crate::stats::median;
 
@@ -190,7 +190,19 @@ pub fn calibrate(
             "kernels at the shapes of model {} (median of {iters}):",
             config.name
         );
-        let dispatch = kernels::dispatch_costs(gpu, iters, log)?;
+        let least = ModelConfig {
+            layers: blocks::LAYER_SWEEP[blocks::LAYER_SWEEP.len() - 1],
+            ..blocks::narrow_config(config, blocks::DISPATCH_WIDTH)
+                .unwrap_or_else(|| config.clone())
+        };
+        let least_model = GpuModel::upload(
+            gpu.clone(),
+            &ModelWeights::synthetic(&least, 1),
+            Placement::whole(&least),
+            DType::F32,
+        )?;
+        let dispatch = blocks::dispatch_costs(&least_model, iters, log)?;
+        drop(least_model);
         let launch_us = dispatch.launch_us;
         say!(
             log,

@@ -855,7 +855,8 @@ impl GpuModel {
         self.layer_range(encoder, 0..self.layers.len(), act, kv)
     }
 
-    fn layer_range(
+    /// Local layers `range` whole ([`layer`](Self::layer)), in order, in one compute pass.
+    pub(crate) fn layer_range(
         &self,
         encoder: &mut wgpu::CommandEncoder,
         range: Range<usize>,
