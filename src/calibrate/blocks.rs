@@ -108,7 +108,9 @@ pub(super) fn narrow_config(c: &ModelConfig, hidden: usize) -> Option<ModelConfi
 }
 
 /// Layers per submission of the dispatch-cost sweep; the model it runs has the last count.
-pub(super) const LAYER_SWEEP: [usize; 5] = [1, 2, 4, 6, 8];
+/// Zero layers is a submission of an empty compute pass: it anchors the fixed cost, which the
+/// fit would otherwise extrapolate from 16 dispatches down.
+pub(super) const LAYER_SWEEP: [usize; 6] = [0, 1, 2, 4, 6, 8];
 
 /// Width of the blocks whose dispatches the dispatch cost is measured with: the least a
 /// block can be ([`narrow_config`] rounds to multiples of 16).
@@ -116,7 +118,7 @@ pub(super) const DISPATCH_WIDTH: usize = 16;
 
 /// Measures [`DispatchCosts`] with the model's own kernels doing the least work they can:
 /// `m` (the model's block shape at [`DISPATCH_WIDTH`] with 8 layers, see [`narrow_config`])
-/// on one token, submissions of its first 1 to 8 layers in one compute pass, as the engines
+/// on one token, submissions of its first 0 to 8 layers in one compute pass, as the engines
 /// run theirs, each with its wait; `t(n) = submit + n x dispatches per layer x launch`.
 ///
 /// Why not a sweep of one small element-wise kernel: on a CPU driver a dispatch's cost
