@@ -124,7 +124,7 @@ pub(super) const DISPATCH_WIDTH: usize = 16;
 /// Why not a sweep of one small element-wise kernel: on a CPU driver a dispatch's cost
 /// depends on how the driver spreads its workgroups over threads, and the model's chain of
 /// small dependent kernels paid less than half of what a sweep of 16-workgroup adds fitted
-/// (27 against 65 us per dispatch, 2026-12-02); the excess made tiny decode steps project slow
+/// (30 against 65 us per dispatch, 2026-12-02); the excess made tiny decode steps project slow
 /// and, taken off the measured blocks, their rates fast. The launch figure includes the
 /// little work of a 16-wide kernel on one token.
 pub(super) fn dispatch_costs(
