@@ -195,12 +195,7 @@ pub fn calibrate(
             ..blocks::narrow_config(config, blocks::DISPATCH_WIDTH)
                 .unwrap_or_else(|| config.clone())
         };
-        let least_model = GpuModel::upload(
-            gpu.clone(),
-            &ModelWeights::synthetic(&least, 1),
-            Placement::whole(&least),
-            DType::F32,
-        )?;
+        let least_model = synthetic_model(gpu, &least)?;
         let dispatch = blocks::dispatch_costs(&least_model, iters, log)?;
         drop(least_model);
         let launch_us = dispatch.launch_us;
@@ -231,12 +226,7 @@ pub fn calibrate(
                 narrow.kv_heads,
                 narrow.ffn
             );
-            let narrow_model = GpuModel::upload(
-                gpu.clone(),
-                &ModelWeights::synthetic(&narrow, 1),
-                Placement::whole(&narrow),
-                DType::F32,
-            )?;
+            let narrow_model = synthetic_model(gpu, &narrow)?;
             let b = blocks::block_curves(&narrow_model, &steps, dispatch, iters, log)?;
             attention_surface.push(blocks::surface_curve(b.attention));
             matmul_surface.push(blocks::surface_curve(b.layers));
@@ -364,6 +354,17 @@ pub fn calibrate(
 }
 
 /// Median of timed repetitions after one untimed warm-up, seconds.
+/// A model of shape `c` with synthetic weights, whole on `gpu` in f32: the blocks the
+/// calibration times at shapes other than the calibrated model's.
+fn synthetic_model(gpu: &Arc<Gpu>, c: &ModelConfig) -> Result<GpuModel> {
+    GpuModel::upload(
+        gpu.clone(),
+        &ModelWeights::synthetic(c, 1),
+        Placement::whole(c),
+        DType::F32,
+    )
+}
+
 pub(crate) fn median_time(iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
     let mut v = Vec::with_capacity(iters);
