@@ -1,5 +1,6 @@
 //! The model's blocks (attention halves, whole layers) at the run's decode and prefill steps:
-//! achieved rate against arithmetic intensity.
+//! achieved rate against arithmetic intensity; and the cost of a dispatch and of a submission,
+//! measured with the same blocks at their narrowest.
 
 use std::io::Write;
 
@@ -8,7 +9,6 @@ use crate::error::Result;
 use crate::model::{Activations, GpuModel, KvCache, ModelConfig, ShardSpec, Step};
 use crate::parallel::cost;
 
-use super::kernels::{fit_fixed_per_unit, DispatchCosts};
 use super::median_time;
 
 /// Dispatches the model's blocks encode per layer: (attention half with its residual, whole
@@ -110,14 +110,60 @@ pub(super) fn narrow_config(c: &ModelConfig, hidden: usize) -> Option<ModelConfi
 /// Layers per submission of the dispatch-cost sweep; the model it runs has the last count.
 /// Zero layers is a submission of an empty compute pass: it anchors the fixed cost, which the
 /// fit would otherwise extrapolate from 16 dispatches down.
-pub(super) const LAYER_SWEEP: [usize; 6] = [0, 1, 2, 4, 6, 8];
+const LAYER_SWEEP: [usize; 6] = [0, 1, 2, 4, 6, 8];
 
 /// Width of the blocks whose dispatches the dispatch cost is measured with: the least a
 /// block can be ([`narrow_config`] rounds to multiples of 16).
-pub(super) const DISPATCH_WIDTH: usize = 16;
+const DISPATCH_WIDTH: usize = 16;
+
+/// The model [`dispatch_costs`] runs: `c`'s block shape at [`DISPATCH_WIDTH`] (or `c` itself
+/// when no block has that width) with as many layers as the sweep's longest submission.
+pub(super) fn dispatch_config(c: &ModelConfig) -> ModelConfig {
+    ModelConfig {
+        layers: LAYER_SWEEP[LAYER_SWEEP.len() - 1],
+        ..narrow_config(c, DISPATCH_WIDTH).unwrap_or_else(|| c.clone())
+    }
+}
+
+/// Host cost of a submission: `t(n) = submit + n x launch` for a submission of `n`
+/// dispatches with its wait, fitted by [`dispatch_costs`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct DispatchCosts {
+    /// Cost of one more dispatch in a submission, microseconds (`launch_overhead_us`).
+    pub(super) launch_us: f64,
+    /// Fixed cost of a submission and its wait beyond its dispatches, microseconds
+    /// (`submit_overhead_us`).
+    pub(super) submit_us: f64,
+}
+
+/// Least-squares fit of `t = fixed + n x per_unit` to `(n, t)` points, weighted by `1 / t^2`
+/// (relative error, so the short submissions weigh as much as the long ones).
+/// Both coefficients are clamped at 0: a noisy sweep must not give a negative cost. Returns
+/// `(fixed, per_unit)`; with fewer than two distinct `n`, all of the time is fixed.
+pub(super) fn fit_fixed_per_unit(points: &[(f64, f64)]) -> (f64, f64) {
+    let (mut sw, mut sx, mut sy, mut sxx, mut sxy) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(x, y) in points.iter().filter(|p| p.1.is_finite() && p.1 > 0.0) {
+        let w = 1.0 / (y * y);
+        sw += w;
+        sx += w * x;
+        sy += w * y;
+        sxx += w * x * x;
+        sxy += w * x * y;
+    }
+    if sw == 0.0 {
+        return (0.0, 0.0);
+    }
+    let det = sw * sxx - sx * sx;
+    if det.abs() <= f64::EPSILON * sw * sxx {
+        return (sy / sw, 0.0);
+    }
+    let per = ((sw * sxy - sx * sy) / det).max(0.0);
+    let fixed = ((sy - per * sx) / sw).max(0.0);
+    (fixed, per)
+}
 
 /// Measures [`DispatchCosts`] with the model's own kernels doing the least work they can:
-/// `m` (the model's block shape at [`DISPATCH_WIDTH`] with 8 layers, see [`narrow_config`])
+/// `m` (the model of [`dispatch_config`])
 /// on one token, submissions of its first 0 to 8 layers in one compute pass, as the engines
 /// run theirs, each with its wait; `t(n) = submit + n x dispatches per layer x launch`.
 ///
@@ -366,5 +412,41 @@ mod tests {
         for w in narrow_widths(&tiny) {
             assert!(narrow_config(&tiny, w).is_some(), "{w}");
         }
+    }
+
+    #[test]
+    fn the_dispatch_sweep_model_is_the_narrowest_block_with_every_swept_layer() {
+        for name in ["default", "tiny-gpt2", "gpt2-small"] {
+            let c = ModelConfig::preset(name).unwrap();
+            let d = dispatch_config(&c);
+            assert_eq!(d.hidden, DISPATCH_WIDTH, "{name}");
+            assert_eq!(d.arch, c.arch, "{name}");
+            assert!(LAYER_SWEEP.iter().all(|&n| n <= d.layers), "{name}");
+            d.validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn fixed_and_per_unit_costs_are_recovered() {
+        let pts: Vec<(f64, f64)> = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+            .iter()
+            .map(|&n| (n, 180.0 + 37.5 * n))
+            .collect();
+        let (fixed, per) = fit_fixed_per_unit(&pts);
+        assert!((fixed - 180.0).abs() < 1e-6, "{fixed}");
+        assert!((per - 37.5).abs() < 1e-9, "{per}");
+    }
+
+    #[test]
+    fn noisy_sweeps_never_give_negative_costs() {
+        // Time falling with the dispatch count (a machine that got quieter mid-sweep).
+        let (fixed, per) = fit_fixed_per_unit(&[(1.0, 500.0), (64.0, 400.0)]);
+        assert_eq!(per, 0.0);
+        assert!(fixed > 0.0);
+        // A huge fixed part with a steep slope would put the intercept below zero.
+        let (fixed, per) = fit_fixed_per_unit(&[(1.0, 10.0), (2.0, 200.0), (64.0, 13_000.0)]);
+        assert!(fixed >= 0.0 && per > 0.0);
+        assert_eq!(fit_fixed_per_unit(&[]), (0.0, 0.0));
+        assert_eq!(fit_fixed_per_unit(&[(4.0, 100.0), (4.0, 300.0)]).1, 0.0);
     }
 }

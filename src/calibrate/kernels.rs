@@ -1,5 +1,4 @@
-//! Bare kernels at the model's shapes: the cost of one dispatch, matmul, attention and
-//! element-wise rates.
+//! Bare kernels at the model's shapes: matmul, attention and element-wise rates.
 
 use std::io::Write;
 
@@ -10,43 +9,6 @@ use crate::model::ModelConfig;
 
 use super::{median_time, random};
 use crate::stats::median;
-
-/// Host cost of a submission: `t(n) = submit + n x launch` for a submission of `n`
-/// dispatches with its wait, fitted by [`super::blocks::dispatch_costs`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(super) struct DispatchCosts {
-    /// Cost of one more dispatch in a submission, microseconds (`launch_overhead_us`).
-    pub(super) launch_us: f64,
-    /// Fixed cost of a submission and its wait beyond its dispatches, microseconds
-    /// (`submit_overhead_us`).
-    pub(super) submit_us: f64,
-}
-
-/// Least-squares fit of `t = fixed + n x per_unit` to `(n, t)` points, weighted by `1 / t^2`
-/// (relative error, so the one-dispatch submissions weigh as much as the 64-dispatch ones).
-/// Both coefficients are clamped at 0: a noisy sweep must not give a negative cost. Returns
-/// `(fixed, per_unit)`; with fewer than two distinct `n`, all of the time is fixed.
-pub(super) fn fit_fixed_per_unit(points: &[(f64, f64)]) -> (f64, f64) {
-    let (mut sw, mut sx, mut sy, mut sxx, mut sxy) = (0.0, 0.0, 0.0, 0.0, 0.0);
-    for &(x, y) in points.iter().filter(|p| p.1.is_finite() && p.1 > 0.0) {
-        let w = 1.0 / (y * y);
-        sw += w;
-        sx += w * x;
-        sy += w * y;
-        sxx += w * x * x;
-        sxy += w * x * y;
-    }
-    if sw == 0.0 {
-        return (0.0, 0.0);
-    }
-    let det = sw * sxx - sx * sx;
-    if det.abs() <= f64::EPSILON * sw * sxx {
-        return (sy / sw, 0.0);
-    }
-    let per = ((sw * sxy - sx * sy) / det).max(0.0);
-    let fixed = ((sy - per * sx) / sw).max(0.0);
-    (fixed, per)
-}
 
 /// Times `record` (one dispatch) `reps` times per submit; seconds per dispatch.
 pub(super) fn per_dispatch(
@@ -195,33 +157,4 @@ pub(super) fn kernel_rates(
     }
     median(gbps.iter().map(|g| g.1).collect())
         .ok_or_else(|| WgparError::Config("no element-wise kernel was timed".into()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::fit_fixed_per_unit;
-
-    #[test]
-    fn fixed_and_per_unit_costs_are_recovered() {
-        let pts: Vec<(f64, f64)> = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
-            .iter()
-            .map(|&n| (n, 180.0 + 37.5 * n))
-            .collect();
-        let (fixed, per) = fit_fixed_per_unit(&pts);
-        assert!((fixed - 180.0).abs() < 1e-6, "{fixed}");
-        assert!((per - 37.5).abs() < 1e-9, "{per}");
-    }
-
-    #[test]
-    fn noisy_sweeps_never_give_negative_costs() {
-        // Time falling with the dispatch count (a machine that got quieter mid-sweep).
-        let (fixed, per) = fit_fixed_per_unit(&[(1.0, 500.0), (64.0, 400.0)]);
-        assert_eq!(per, 0.0);
-        assert!(fixed > 0.0);
-        // A huge fixed part with a steep slope would put the intercept below zero.
-        let (fixed, per) = fit_fixed_per_unit(&[(1.0, 10.0), (2.0, 200.0), (64.0, 13_000.0)]);
-        assert!(fixed >= 0.0 && per > 0.0);
-        assert_eq!(fit_fixed_per_unit(&[]), (0.0, 0.0));
-        assert_eq!(fit_fixed_per_unit(&[(4.0, 100.0), (4.0, 300.0)]).1, 0.0);
-    }
 }

@@ -6,10 +6,11 @@
 //!   to `t = alpha + bytes / beta` by `sim::fit_alpha_beta`; the host reduction rate from the
 //!   reduce phase of real host-staged all-reduces; the fixed cost of an all-reduce through the
 //!   rank-per-thread communicator as the tensor-parallel engine meets it;
-//! - the host cost of a submission (`kernels.rs`): submissions of 1 to 64 small dispatches,
-//!   each with its wait, fitted to `submit + n x launch` (`submit_overhead_us` and
-//!   `launch_overhead_us`): every engine span is one submission, so a step of a small model
-//!   pays these fixed costs in full while its arithmetic is short;
+//! - the host cost of a submission (`blocks::dispatch_costs`): submissions of the model's own
+//!   layers at a width of 16 on one token (an empty pass, then 1 to 8 layers), each with its
+//!   wait, fitted to `submit + n x launch` (`submit_overhead_us` and `launch_overhead_us`):
+//!   every engine span is one submission, so a step of a small model pays these fixed costs
+//!   in full while its arithmetic is short;
 //! - kernels at the model's own shapes (`kernels.rs`): matmul GFLOP/s, attention and
 //!   element-wise GB/s (the element-wise rate goes into the profile);
 //! - the model's blocks (`blocks.rs`: attention half, whole decoder layer) at decode and
@@ -190,12 +191,7 @@ pub fn calibrate(
             "kernels at the shapes of model {} (median of {iters}):",
             config.name
         );
-        let least = ModelConfig {
-            layers: blocks::LAYER_SWEEP[blocks::LAYER_SWEEP.len() - 1],
-            ..blocks::narrow_config(config, blocks::DISPATCH_WIDTH)
-                .unwrap_or_else(|| config.clone())
-        };
-        let least_model = synthetic_model(gpu, &least)?;
+        let least_model = synthetic_model(gpu, &blocks::dispatch_config(config))?;
         let dispatch = blocks::dispatch_costs(&least_model, iters, log)?;
         drop(least_model);
         let launch_us = dispatch.launch_us;
@@ -353,7 +349,6 @@ pub fn calibrate(
     })
 }
 
-/// Median of timed repetitions after one untimed warm-up, seconds.
 /// A model of shape `c` with synthetic weights, whole on `gpu` in f32: the blocks the
 /// calibration times at shapes other than the calibrated model's.
 fn synthetic_model(gpu: &Arc<Gpu>, c: &ModelConfig) -> Result<GpuModel> {
@@ -365,6 +360,7 @@ fn synthetic_model(gpu: &Arc<Gpu>, c: &ModelConfig) -> Result<GpuModel> {
     )
 }
 
+/// Median of timed repetitions after one untimed warm-up, seconds.
 pub(crate) fn median_time(iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
     let mut v = Vec::with_capacity(iters);
