@@ -293,6 +293,21 @@ fn stage_statistics_are_the_sums_of_the_spans() {
         let timeline = rec.timeline();
         assert!(timeline.has_complete_dependencies());
         assert_eq!(stats.passes, 2 * 3);
+        // Compute spans record the model's width and the stage's tensor-parallel shards (a
+        // head: one device's whole matrix).
+        for s in timeline
+            .spans
+            .iter()
+            .filter(|s| s.kind == SpanKind::Compute && s.flops > 0)
+        {
+            let shards = if s.name == "head" { 1 } else { tp as u32 };
+            assert_eq!(
+                (s.width, s.shards),
+                (Some(config.hidden as u32), shards),
+                "{}",
+                s.name
+            );
+        }
         for (s, st) in stats.stages.iter().enumerate() {
             // A hybrid stage is accounted on its first device (rank 0).
             let dev = (s * tp) as u32;

@@ -187,4 +187,18 @@ fn traced_all_reduces_split_waiting_from_communicating() {
     }
     // The rank that arrives first waits for the other (the engine skips waits under 1 us).
     assert!(waits >= 1, "{waits} waits in {} all-reduces", groups.len());
+    // Every layer half records the model's width and its two shards (the projection reads
+    // its rate at the block width 96 / sqrt 2); the head is one device's whole matrix.
+    for s in timeline
+        .spans
+        .iter()
+        .filter(|s| s.kind == SpanKind::Compute)
+    {
+        let shards = if s.name == "head" || s.name == "residual" {
+            1
+        } else {
+            2
+        };
+        assert_eq!((s.width, s.shards), (Some(96), shards), "{}", s.name);
+    }
 }

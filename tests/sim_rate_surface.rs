@@ -249,3 +249,102 @@ fn a_malformed_surface_names_file_line_and_field() {
         "{err}"
     );
 }
+
+#[test]
+fn a_surface_with_widths_interpolates_in_log_width() {
+    let s = surface();
+    let widths = [64.0, 256.0];
+    // At intensity 4 the narrow curve runs 25 GFLOP/s and the wide one 75 (see above);
+    // width 128 lies halfway between 64 and 256 in log scale.
+    let at = |w: f64| wgpar::sim::rate_on_surface_at_width(&s, &widths, 4.0, w).unwrap();
+    assert!(close(at(64.0), 25.0), "{}", at(64.0));
+    assert!(close(at(128.0), 50.0), "{}", at(128.0));
+    assert!(close(at(256.0), 75.0), "{}", at(256.0));
+    // Beyond the narrowest and the widest curve: held.
+    assert!(close(at(16.0), 25.0) && close(at(4096.0), 75.0));
+    // The curves' order does not matter as long as the widths follow it.
+    let reversed: Vec<_> = s.iter().rev().cloned().collect();
+    let r = wgpar::sim::rate_on_surface_at_width(&reversed, &[256.0, 64.0], 4.0, 128.0);
+    assert!(close(r.unwrap(), 50.0));
+    // Widths that do not name every curve: no answer (the caller falls back).
+    assert_eq!(
+        wgpar::sim::rate_on_surface_at_width(&s, &[64.0], 4.0, 128.0),
+        None
+    );
+}
+
+#[test]
+fn a_span_that_records_its_width_is_read_at_it() {
+    use wgpar::trace::{SpanAttrs, SpanId};
+    let p = profile(
+        "matmul_surface = [[[1, 0.1, 10], [16, 1.6, 40]], [[1, 1, 30], [16, 16, 120]]]\n\
+         matmul_surface_widths = [64, 256]\n",
+    );
+    let m = CostModel::new(&p);
+    let span = |attrs: SpanAttrs| attrs.into_span(SpanId(0), 0, 1000);
+    // 40 MFLOP over 10 MB (intensity 4) in 10 dispatches, 4 MFLOP each: by work per
+    // dispatch the wide curve's 75 GFLOP/s; recorded as 128 wide, 50 GFLOP/s, whatever the
+    // work per dispatch: 40e6 / 50e3 = 800 us, plus 10 x 2 us of dispatches.
+    let work = SpanAttrs::compute("forward", 0)
+        .flops(40_000_000)
+        .bytes(10_000_000)
+        .kernels(10)
+        .family(KernelFamily::Matmul);
+    let t = m.span_compute_us(0, &span(work.clone())).unwrap();
+    assert!(close(t, 40e6 / 75e3 + 20.0), "{t}");
+    let t = m
+        .span_compute_us(0, &span(work.clone().blocks_of(128, 1)))
+        .unwrap();
+    assert!(close(t, 40e6 / 50e3 + 20.0), "{t}");
+    // A shard of a 256-wide model split 4 ways holds a quarter of its matrices, as a whole
+    // block 128 wide does: the same rate.
+    let shard = span(work.clone().blocks_of(256, 4));
+    assert_eq!(shard.block_width(), Some(128.0));
+    let t = m.span_compute_us(0, &shard).unwrap();
+    assert!(close(t, 40e6 / 50e3 + 20.0), "{t}");
+    // Without widths in the profile, the recorded width changes nothing.
+    let p =
+        profile("matmul_surface = [[[1, 0.1, 10], [16, 1.6, 40]], [[1, 1, 30], [16, 16, 120]]]\n");
+    let t = CostModel::new(&p)
+        .span_compute_us(0, &span(work.blocks_of(128, 1)))
+        .unwrap();
+    assert!(close(t, 40e6 / 75e3 + 20.0), "{t}");
+}
+
+#[test]
+fn malformed_surface_widths_name_file_line_and_field() {
+    let curves = "matmul_surface = [[[1, 0.1, 10], [16, 1.6, 40]], [[1, 1, 30], [16, 16, 120]]]";
+    let good = format!("{curves}\nmatmul_surface_widths = [64, 256]");
+    let p = HostProfile::from_toml_str(&with_surface(&good), "good.toml").unwrap();
+    assert_eq!(p.devices[0].rates.matmul_surface_widths, vec![64.0, 256.0]);
+    let again = HostProfile::from_toml_str(&p.to_toml_string().unwrap(), "again.toml").unwrap();
+    assert_eq!(again, p);
+    for (widths, field, needle) in [
+        (
+            "matmul_surface_widths = [64]",
+            "devices[0].rates.matmul_surface_widths",
+            "one width per curve",
+        ),
+        (
+            "matmul_surface_widths = [64, 0]",
+            "devices[0].rates.matmul_surface_widths[1]",
+            "block width",
+        ),
+        // Widths for a surface that has no curves.
+        (
+            "attention_surface_widths = [64]",
+            "devices[0].rates.attention_surface_widths",
+            "one width per curve",
+        ),
+    ] {
+        let text = with_surface(&format!("{curves}\n{widths}"));
+        let err = HostProfile::from_toml_str(&text, "bad.toml").unwrap_err();
+        assert_eq!(err.field(), Some(field), "{err}");
+        let line = line_of(&text, "_surface_widths");
+        assert!(
+            err.to_string().starts_with(&format!("bad.toml:{line}:")),
+            "{err}"
+        );
+        assert!(err.to_string().contains(needle), "{err}");
+    }
+}

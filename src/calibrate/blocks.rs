@@ -64,7 +64,7 @@ pub(super) fn block_steps(batch: usize, prompt: usize, quick: bool) -> Vec<Step>
 /// Why: at equal arithmetic intensity a narrow block runs below a wide one (fewer workgroups
 /// per dispatch to fill the device; on a CPU driver, a thread fan-out not paid back), so a
 /// rate keyed by intensity alone projects a narrower model too fast. Measuring the model's
-/// own block shape at narrower widths gives the rate its second axis, the work per dispatch,
+/// own block shape at other widths gives the rate its second axis, the block width,
 /// without measuring any other model's exact shapes.
 pub(super) fn narrow_widths(c: &ModelConfig) -> Vec<usize> {
     let mut widths: Vec<usize> = [2, 6]
@@ -76,11 +76,25 @@ pub(super) fn narrow_widths(c: &ModelConfig) -> Vec<usize> {
     widths
 }
 
+/// The model's block shape at twice its width, for the rate of models wider than the
+/// calibrated one (which would otherwise be held at the calibrated width's rate), with its
+/// layers cut so that they hold no more weights than the model's own: a quarter as many, at
+/// least one. `None` when no such configuration is valid, or when it would still need more
+/// than twice the model's parameters (its embedding doubles).
+pub(super) fn wide_config(c: &ModelConfig) -> Option<ModelConfig> {
+    let wide = config_at_width(c, 2 * c.hidden)?;
+    let wide = ModelConfig {
+        layers: (c.layers / 4).max(1),
+        ..wide
+    };
+    (wide.params() <= 2 * c.params()).then_some(wide)
+}
+
 /// The model's block shape at width `hidden`: the same architecture, layer count, head
 /// size (halved until it divides the width), ratio of query to key/value heads (as near as
 /// the head count allows) and ratio of MLP to hidden width. `None` when no valid
 /// configuration has that width.
-pub(super) fn narrow_config(c: &ModelConfig, hidden: usize) -> Option<ModelConfig> {
+pub(super) fn config_at_width(c: &ModelConfig, hidden: usize) -> Option<ModelConfig> {
     let mut head_dim = c.head_dim;
     while head_dim > 2 && !hidden.is_multiple_of(head_dim) {
         head_dim /= 2;
@@ -113,7 +127,7 @@ pub(super) fn narrow_config(c: &ModelConfig, hidden: usize) -> Option<ModelConfi
 const LAYER_SWEEP: [usize; 6] = [0, 1, 2, 4, 6, 8];
 
 /// Width of the blocks whose dispatches the dispatch cost is measured with: the least a
-/// block can be ([`narrow_config`] rounds to multiples of 16).
+/// block can be ([`narrow_widths`] rounds to multiples of 16).
 const DISPATCH_WIDTH: usize = 16;
 
 /// The model [`dispatch_costs`] runs: `c`'s block shape at [`DISPATCH_WIDTH`] (or `c` itself
@@ -121,7 +135,7 @@ const DISPATCH_WIDTH: usize = 16;
 pub(super) fn dispatch_config(c: &ModelConfig) -> ModelConfig {
     ModelConfig {
         layers: LAYER_SWEEP[LAYER_SWEEP.len() - 1],
-        ..narrow_config(c, DISPATCH_WIDTH).unwrap_or_else(|| c.clone())
+        ..config_at_width(c, DISPATCH_WIDTH).unwrap_or_else(|| c.clone())
     }
 }
 
@@ -385,7 +399,7 @@ mod tests {
         // 384 / 2 and 384 / 6; not 96, the width of the tiny presets the out-of-sample
         // benchmark projects (they must stay out of sample).
         assert_eq!(narrow_widths(&c), vec![192, 64]);
-        let half = narrow_config(&c, 192).unwrap();
+        let half = config_at_width(&c, 192).unwrap();
         assert_eq!(
             (
                 half.heads,
@@ -397,21 +411,50 @@ mod tests {
             (6, 2, 32, 512, c.layers)
         );
         assert_eq!(half.arch, c.arch);
-        let sixth = narrow_config(&c, 64).unwrap();
+        let sixth = config_at_width(&c, 64).unwrap();
         // 1024 x 64 / 384 = 170.7, rounded up to a multiple of 8.
         assert_eq!(
             (sixth.heads, sixth.kv_heads, sixth.head_dim, sixth.ffn),
             (2, 1, 32, 176)
         );
         // A width the head size does not divide halves the head size.
-        let odd = narrow_config(&c, 48).unwrap();
+        let odd = config_at_width(&c, 48).unwrap();
         assert_eq!((odd.heads, odd.head_dim), (3, 16));
         // The narrowest model keeps at least one 16-wide width below its own.
         let tiny = ModelConfig::preset("tiny-llama").unwrap();
         assert_eq!(narrow_widths(&tiny), vec![48, 16]);
         for w in narrow_widths(&tiny) {
-            assert!(narrow_config(&tiny, w).is_some(), "{w}");
+            assert!(config_at_width(&tiny, w).is_some(), "{w}");
         }
+    }
+
+    #[test]
+    fn the_wide_block_doubles_the_width_with_a_quarter_of_the_layers() {
+        let c = ModelConfig::default_model();
+        let wide = wide_config(&c).unwrap();
+        assert_eq!(
+            (
+                wide.hidden,
+                wide.heads,
+                wide.kv_heads,
+                wide.head_dim,
+                wide.ffn,
+                wide.layers
+            ),
+            (768, 24, 8, 32, 2048, 1)
+        );
+        assert!(wide.params() <= 2 * c.params());
+        let gpt2 = ModelConfig::preset("gpt2-small").unwrap();
+        let wide = wide_config(&gpt2).unwrap();
+        assert_eq!((wide.hidden, wide.ffn, wide.layers), (1536, 6144, 3));
+        assert_eq!(wide.arch, gpt2.arch);
+        // A one-layer model keeps its one layer, which at twice the width holds four times
+        // the weights: with the doubled embedding, more than twice the model's parameters.
+        let one_layer = ModelConfig {
+            layers: 1,
+            ..c.clone()
+        };
+        assert_eq!(wide_config(&one_layer), None);
     }
 
     #[test]

@@ -18,10 +18,11 @@
 //!   of arithmetic intensity (`attention_curve`, `matmul_curve`). Engines record a whole
 //!   forward pass or layer half as one span, so the rate that predicts such a span is the rate
 //!   of that block, not of a bare matmul. The same blocks are measured at a half and a sixth
-//!   of the model's width too (`blocks::narrow_widths`): at equal intensity a narrow block runs
-//!   slower (fewer workgroups per dispatch), so the rate is kept as a surface over intensity
-//!   and work per dispatch (`attention_surface`, `matmul_surface`), which projects a model of
-//!   another width, or a tensor-parallel shard, from the block widths around it;
+//!   of the model's width too (`blocks::narrow_widths`), and at twice it with fewer layers
+//!   (`blocks::wide_config`): at equal intensity a narrow block runs slower (fewer workgroups
+//!   per dispatch), so the rate is kept as a surface over intensity and block width
+//!   (`attention_surface`, `matmul_surface`, with `*_surface_widths`), which projects a model
+//!   of another width, or a tensor-parallel shard, from the block widths around it;
 //! - devices on one adapter (`--virtual N`) share its processor (`sharing.rs`): the slowdown of
 //!   k = 2..N of them computing at once, per step shape, written as `compute_sharing`.
 //!
@@ -210,22 +211,27 @@ pub fn calibrate(
         let measured_blocks = blocks::block_curves(&model, &steps, dispatch, iters, log)?;
         let mut attention_surface = vec![blocks::surface_curve(measured_blocks.attention.clone())];
         let mut matmul_surface = vec![blocks::surface_curve(measured_blocks.layers.clone())];
-        for width in blocks::narrow_widths(config) {
-            let Some(narrow) = blocks::narrow_config(config, width) else {
-                continue;
-            };
+        let mut surface_widths = vec![config.hidden as f64];
+        let other_widths = blocks::wide_config(config).into_iter().chain(
+            blocks::narrow_widths(config)
+                .into_iter()
+                .filter_map(|w| blocks::config_at_width(config, w)),
+        );
+        for other in other_widths {
             say!(
                 log,
-                "  the same blocks {width} wide ({} heads of {}, {} key/value heads, MLP {}):",
-                narrow.heads,
-                narrow.head_dim,
-                narrow.kv_heads,
-                narrow.ffn
+                "  the same blocks {} wide ({} heads of {}, {} key/value heads, MLP {}):",
+                other.hidden,
+                other.heads,
+                other.head_dim,
+                other.kv_heads,
+                other.ffn
             );
-            let narrow_model = synthetic_model(gpu, &narrow)?;
-            let b = blocks::block_curves(&narrow_model, &steps, dispatch, iters, log)?;
+            let other_model = synthetic_model(gpu, &other)?;
+            let b = blocks::block_curves(&other_model, &steps, dispatch, iters, log)?;
             attention_surface.push(blocks::surface_curve(b.attention));
             matmul_surface.push(blocks::surface_curve(b.layers));
+            surface_widths.push(other.hidden as f64);
         }
         let attention_curve = blocks::curve(measured_blocks.attention);
         let matmul_curve = blocks::curve(measured_blocks.layers);
@@ -275,6 +281,7 @@ pub fn calibrate(
             attention_curve,
             matmul_surface,
             attention_surface,
+            surface_widths,
             compute_sharing,
         });
     }

@@ -132,6 +132,10 @@ struct Builder {
     timeline: Timeline,
     clock_us: f64,
     group: u64,
+    /// Hidden width of the model the compute spans run (see `Span::width`).
+    width: usize,
+    /// Tensor-parallel shards of the blocks being built (see `Span::shards`).
+    shards: usize,
 }
 
 impl Builder {
@@ -157,6 +161,7 @@ impl Builder {
             .bytes(c.bytes)
             .kernels(c.kernels)
             .family(family)
+            .blocks_of(self.width, self.shards)
             .after_all(deps);
         if let Some(l) = layer {
             a = a.layer(l as u32);
@@ -199,6 +204,7 @@ fn tp_block(
     last: bool,
 ) -> Vec<SpanId> {
     let world = shards.len() as u32;
+    b.shards = shards.len();
     // Recorded as f32 payloads; each engine scales them to its wire format.
     let bytes = (step.tokens() * config.hidden * 4) as u64;
     let mut prev: Vec<Vec<SpanId>> = deps.to_vec();
@@ -269,6 +275,8 @@ fn tp_block(
         .map(|p| p.last().copied().unwrap_or(SpanId::NONE))
         .collect();
     if last {
+        // The head is one device's whole matrix.
+        b.shards = 1;
         out[0] = b.compute(
             "head",
             devices[0],
@@ -332,6 +340,8 @@ pub fn modeled_timeline(
         timeline: Timeline::new(),
         clock_us: 0.0,
         group: 0,
+        width: config.hidden,
+        shards: 1,
     };
     let (tp, pp, m, spec) = shape_of(strategy, devices)?;
     let split = match strategy {

@@ -692,6 +692,7 @@ impl Stage {
                 .bytes(work_cost.bytes)
                 .kernels(work_cost.kernels)
                 .family(KernelFamily::Matmul)
+                .blocks_of(m.config().hidden, m.placement().shard.world)
                 .device_us(device_us)
                 .after_all(&deps);
             released(a)

@@ -151,6 +151,7 @@ impl SingleEngine {
                 .bytes(work.bytes)
                 .family(KernelFamily::Matmul)
                 .kernels(work.kernels)
+                .blocks_of(c.hidden, m.placement().shard.world)
                 .device_us(device_us)
                 .after_all(deps);
             match release_us {

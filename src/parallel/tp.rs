@@ -358,6 +358,7 @@ impl Rank {
                         .bytes(cost.bytes)
                         .kernels(cost.kernels)
                         .family(family)
+                        .blocks_of(config.hidden, shard.world)
                         .device_us(device_us)
                         .after_all(&prev);
                     let a = released(a, rel);
@@ -486,6 +487,8 @@ impl Rank {
                 .flops(if holds_head { head.flops } else { 0 })
                 .bytes(if holds_head { head.bytes } else { bytes * 3 })
                 .kernels(if holds_head { head.kernels } else { 1 })
+                // The head is one device's whole matrix.
+                .blocks_of(config.hidden, 1)
                 .device_us(device_us)
                 .after_all(&prev);
             match mb {

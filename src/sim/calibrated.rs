@@ -41,6 +41,9 @@ pub struct MeasuredDevice {
     pub matmul_surface: Vec<Vec<[f64; 3]>>,
     /// Attention-family rate by intensity and work per dispatch (may be empty).
     pub attention_surface: Vec<Vec<[f64; 3]>>,
+    /// The block width each curve of both surfaces was measured at, in their order (empty
+    /// with empty surfaces).
+    pub surface_widths: Vec<f64>,
     /// Whether the `count` devices share one processor, and the measured slowdown.
     pub compute_sharing: Option<ComputeSharing>,
 }
@@ -100,6 +103,8 @@ pub fn calibrated_profile(m: &MachineMeasurement) -> Result<HostProfile, Profile
                 attention_curve: d.attention_curve.clone(),
                 matmul_surface: d.matmul_surface.clone(),
                 attention_surface: d.attention_surface.clone(),
+                matmul_surface_widths: d.surface_widths.clone(),
+                attention_surface_widths: d.surface_widths.clone(),
             },
             compute_sharing: d.compute_sharing.clone(),
         })
@@ -182,6 +187,7 @@ mod tests {
             attention_curve: Vec::new(),
             matmul_surface: Vec::new(),
             attention_surface: Vec::new(),
+            surface_widths: Vec::new(),
             compute_sharing: None,
         }
     }

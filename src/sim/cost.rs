@@ -10,11 +10,13 @@
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
-use crate::trace::{CollectiveOp, KernelFamily, Precision};
+use crate::trace::{CollectiveOp, KernelFamily, Precision, Span};
 
 use super::engine::{CollectiveEntry, Engine, LinkKind};
 use super::numformat::NumFormat;
-use super::profile::{rate_at, rate_on_surface, DeviceSpec, HostProfile, LinkSpec};
+use super::profile::{
+    rate_at, rate_on_surface, rate_on_surface_at_width, DeviceSpec, HostProfile, LinkSpec,
+};
 use super::project::CollectivePolicy;
 use super::project_error::ProjectError;
 
@@ -118,12 +120,47 @@ impl<'a> CostModel<'a> {
         family: Option<KernelFamily>,
         precision: Precision,
     ) -> Result<f64, ProjectError> {
+        let work = ComputeWork {
+            flops,
+            bytes,
+            kernels,
+            family,
+            precision,
+            block_width: None,
+        };
+        self.work_us(index, &work)
+    }
+
+    /// [`CostModel::compute_us`] of a compute span's work, read at the span's block width
+    /// where it records one ([`Span::block_width`]) and the profile's surface says which width
+    /// each curve was measured at.
+    pub fn span_compute_us(&self, index: usize, span: &Span) -> Result<f64, ProjectError> {
+        let work = ComputeWork {
+            flops: span.flops,
+            bytes: span.bytes,
+            kernels: span.kernels,
+            family: span.family,
+            precision: span.precision,
+            block_width: span.block_width(),
+        };
+        self.work_us(index, &work)
+    }
+
+    fn work_us(&self, index: usize, work: &ComputeWork) -> Result<f64, ProjectError> {
+        let &ComputeWork {
+            flops,
+            bytes,
+            kernels,
+            family,
+            precision,
+            ..
+        } = work;
         let d = self.device(index)?;
         let c = &self.engine.compute;
         let launch = c.launch_overhead_us.unwrap_or(d.launch_overhead_us);
         let launches = kernels as f64 * launch;
         if c.calibrated && !d.rates.is_empty() {
-            return Ok(measured_compute_us(d, flops, bytes, kernels, family, precision) + launches);
+            return Ok(measured_compute_us(d, work) + launches);
         }
         let precision = match c.dtype {
             NumFormat::F32 => precision,
@@ -589,17 +626,35 @@ fn bus_factor(op: CollectiveOp, n: usize) -> f64 {
     }
 }
 
-/// A calibrated device's time for a span (no launches): the family's measured surface at the
-/// span's intensity and work per dispatch, else its curve at the intensity, else the roofline
-/// of the measured rates (peaks where none was measured).
-fn measured_compute_us(
-    d: &DeviceSpec,
+/// A family's measured rates: its surface, the widths of the surface's curves, and its curve
+/// by intensity alone.
+type FamilyRates<'a> = (&'a [Vec<[f64; 3]>], &'a [f64], &'a [[f64; 2]]);
+
+/// What a compute span asks of a device.
+#[derive(Debug, Clone, Copy)]
+struct ComputeWork {
     flops: u64,
     bytes: u64,
     kernels: u32,
     family: Option<KernelFamily>,
     precision: Precision,
-) -> f64 {
+    /// See [`Span::block_width`].
+    block_width: Option<f64>,
+}
+
+/// A calibrated device's time for a span (no launches): the family's measured surface at the
+/// span's intensity and block width (where both span and surface know widths) or work per
+/// dispatch, else its curve at the intensity, else the roofline of the measured rates (peaks
+/// where none was measured).
+fn measured_compute_us(d: &DeviceSpec, work: &ComputeWork) -> f64 {
+    let &ComputeWork {
+        flops,
+        bytes,
+        kernels,
+        family,
+        precision,
+        block_width,
+    } = work;
     let peak_gflops = match precision {
         Precision::F32 => d.f32_tflops * 1e3,
         Precision::F16 => d.f16_tflops * 1e3,
@@ -613,18 +668,28 @@ fn measured_compute_us(
     };
     // A span with no recorded dispatches counts as one: its work is all in one dispatch.
     let mflop_per_dispatch = flops as f64 / 1e6 / f64::from(kernels.max(1));
-    let (surface, curve): (&[Vec<[f64; 3]>], &[[f64; 2]]) = match (family, precision) {
-        (Some(KernelFamily::Matmul), Precision::F32) => {
-            (&d.rates.matmul_surface, &d.rates.matmul_curve)
-        }
-        (Some(KernelFamily::Attention), _) => {
-            (&d.rates.attention_surface, &d.rates.attention_curve)
-        }
-        _ => (&[], &[]),
+    let (surface, widths, curve): FamilyRates<'_> = match (family, precision) {
+        (Some(KernelFamily::Matmul), Precision::F32) => (
+            &d.rates.matmul_surface,
+            &d.rates.matmul_surface_widths,
+            &d.rates.matmul_curve,
+        ),
+        (Some(KernelFamily::Attention), _) => (
+            &d.rates.attention_surface,
+            &d.rates.attention_surface_widths,
+            &d.rates.attention_curve,
+        ),
+        _ => (&[], &[], &[]),
     };
-    // The surface also knows how the rate depends on the width of the work (through the
-    // work per dispatch), so it wins over the curve of one width.
-    let curve = rate_on_surface(surface, intensity, mflop_per_dispatch)
+    // The surface also knows how the rate depends on the width of the work, so it wins over
+    // the curve of one width; by the width itself where span and surface both record it,
+    // else through the work per dispatch.
+    let on_surface = match block_width {
+        Some(w) if !widths.is_empty() => rate_on_surface_at_width(surface, widths, intensity, w),
+        _ => None,
+    };
+    let curve = on_surface
+        .or_else(|| rate_on_surface(surface, intensity, mflop_per_dispatch))
         .or_else(|| rate_at(curve, intensity));
     // 1 GFLOP/s = 1e3 FLOP per us, 1 GB/s = 1e3 bytes per us.
     if let Some(gflops) = curve {

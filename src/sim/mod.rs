@@ -39,8 +39,8 @@ pub use locate::{FieldPath, Seg};
 pub use numformat::{NumFormat, NumFormatError};
 pub use pacing::{Direction, LinkPacer, PaceSpec, PacingError};
 pub use profile::{
-    rate_at, rate_on_surface, ComputeSharing, DeviceSpec, HostLinkSpec, HostProfile, HostSpec,
-    LinkSpec, NamedLink, Rates,
+    rate_at, rate_on_surface, rate_on_surface_at_width, ComputeSharing, DeviceSpec, HostLinkSpec,
+    HostProfile, HostSpec, LinkSpec, NamedLink, Rates,
 };
 pub use profile_error::{Location, ProfileError};
 pub use project::{

@@ -198,6 +198,14 @@ pub struct Rates {
     /// preferred over `attention_curve`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attention_surface: Vec<Vec<[f64; 3]>>,
+    /// The block width (hidden size of a whole block) each curve of `matmul_surface` was
+    /// measured at, in the curves' order. Empty where unknown: the curves are then told apart
+    /// by work per dispatch alone. See [`rate_on_surface_at_width`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub matmul_surface_widths: Vec<f64>,
+    /// The block width of each curve of `attention_surface`, like `matmul_surface_widths`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attention_surface_widths: Vec<f64>,
 }
 
 /// Rate of a measured curve at arithmetic intensity `intensity` (flops per byte):
@@ -239,7 +247,7 @@ pub fn rate_on_surface(
     intensity: f64,
     mflop_per_dispatch: f64,
 ) -> Option<f64> {
-    let mut at: Vec<(f64, f64)> = surface
+    let at: Vec<(f64, f64)> = surface
         .iter()
         .filter_map(|curve| {
             let rate: Vec<[f64; 2]> = curve.iter().map(|p| [p[0], p[2]]).collect();
@@ -247,9 +255,47 @@ pub fn rate_on_surface(
             Some((rate_at(&log_work, intensity)?, rate_at(&rate, intensity)?))
         })
         .collect();
+    across_curves(at, mflop_per_dispatch.ln())
+}
+
+/// Rate of a measured surface whose curves carry the block width they were measured at
+/// (`widths[k]` for `surface[k]`), for work of `intensity` flops per byte done by blocks
+/// `width` wide (see [`crate::trace::Span::block_width`]).
+///
+/// Every curve gives its rate at the intensity (as in [`rate_at`]); the rate is then
+/// interpolated between the curves linearly in log width, held at the narrowest and widest
+/// curve beyond them.
+///
+/// Why width rather than work per dispatch: the curves are one architecture's blocks, and
+/// another architecture at the same width does more or less work per dispatch (GPT-2's MLP
+/// is 4x its width, a Llama's about 2.7x in three matrices) without its kernels running at
+/// another width's rate: the workgroups a dispatch spreads over follow its matrices' width.
+/// `None` for an empty surface or when `widths` does not name every curve.
+pub fn rate_on_surface_at_width(
+    surface: &[Vec<[f64; 3]>],
+    widths: &[f64],
+    intensity: f64,
+    width: f64,
+) -> Option<f64> {
+    if widths.len() != surface.len() {
+        return None;
+    }
+    let at: Vec<(f64, f64)> = surface
+        .iter()
+        .zip(widths)
+        .filter_map(|(curve, w)| {
+            let rate: Vec<[f64; 2]> = curve.iter().map(|p| [p[0], p[2]]).collect();
+            Some((w.ln(), rate_at(&rate, intensity)?))
+        })
+        .collect();
+    across_curves(at, width.ln())
+}
+
+/// Interpolates `(key, rate)` points of several curves at `key`: linearly between the two
+/// curves around it, held at the ends; the mean of two curves at one key. `None` when empty.
+fn across_curves(mut at: Vec<(f64, f64)>, w: f64) -> Option<f64> {
     at.sort_by(|a, b| a.0.total_cmp(&b.0));
     let (first, last) = (*at.first()?, *at.last()?);
-    let w = mflop_per_dispatch.ln();
     if w.is_nan() || w <= first.0 {
         return Some(first.1);
     }
@@ -258,7 +304,7 @@ pub fn rate_on_surface(
     }
     let i = at.partition_point(|p| p.0 <= w);
     let (a, b) = (at[i - 1], at[i]);
-    // Two curves at the same work per dispatch (cannot bracket `w` strictly): their mean.
+    // Two curves at the same key (cannot bracket `w` strictly): their mean.
     if b.0 - a.0 <= f64::EPSILON {
         return Some((a.1 + b.1) / 2.0);
     }
@@ -309,6 +355,21 @@ fn check_surface(path: &FieldPath, surface: &[Vec<[f64; 3]>]) -> Result<(), Viol
                 ));
             }
         }
+    }
+    Ok(())
+}
+
+/// Widths of a surface's curves: none, or one per curve, each a valid block width.
+fn check_surface_widths(path: &FieldPath, widths: &[f64], curves: usize) -> Result<(), Violation> {
+    if !widths.is_empty() && widths.len() != curves {
+        return Err(Violation::new(
+            path.clone(),
+            format!("{} widths for {curves} curves", widths.len()),
+            "needs one width per curve of the surface, in the curves' order, or none",
+        ));
+    }
+    for (i, &w) in widths.iter().enumerate() {
+        rules::block_width(&path.index(i), w)?;
     }
     Ok(())
 }
@@ -629,6 +690,16 @@ fn check_device(p: &FieldPath, d: &DeviceSpec) -> Result<(), Violation> {
     check_curve(&r.key("attention_curve"), &d.rates.attention_curve)?;
     check_surface(&r.key("matmul_surface"), &d.rates.matmul_surface)?;
     check_surface(&r.key("attention_surface"), &d.rates.attention_surface)?;
+    check_surface_widths(
+        &r.key("matmul_surface_widths"),
+        &d.rates.matmul_surface_widths,
+        d.rates.matmul_surface.len(),
+    )?;
+    check_surface_widths(
+        &r.key("attention_surface_widths"),
+        &d.rates.attention_surface_widths,
+        d.rates.attention_surface.len(),
+    )?;
     if let Some(c) = &d.compute_sharing {
         let cp = p.key("compute_sharing");
         rules::at_least_one(&cp.key("shared_by"), c.shared_by as u64)?;

@@ -395,10 +395,7 @@ fn span_cost(model: &CostModel<'_>, s: &Span, device: Option<usize>) -> Result<f
         // submission's fixed host cost.
         SpanKind::Compute => {
             let device = need_device()?;
-            Ok(
-                model.compute_us(device, s.flops, s.bytes, s.kernels, s.family, s.precision)?
-                    + model.submit_us(device)?,
-            )
+            Ok(model.span_compute_us(device, s)? + model.submit_us(device)?)
         }
         SpanKind::DeviceToHost => model.d2h_us(need_device()?, s.bytes as f64),
         SpanKind::HostToDevice => model.h2d_us(need_device()?, s.bytes as f64),

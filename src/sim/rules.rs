@@ -142,7 +142,18 @@ pub(crate) fn slowdown(path: &FieldPath, v: f64) -> Result<(), Violation> {
     )
 }
 
-/// An arithmetic intensity in flops per byte: greater than 0, at most 1e6.
+/// A block width (hidden size) of a rate surface's curve: at least 1, at most 1e6.
+pub(crate) fn block_width(path: &FieldPath, v: f64) -> Result<(), Violation> {
+    within(
+        path,
+        v,
+        1.0,
+        true,
+        1e6,
+        "must be a block width (hidden size) from 1 to 1000000",
+    )
+}
+
 /// Work per dispatch of a rate surface point: more than 0, at most 1e9 MFLOP (a PFLOP).
 pub(crate) fn mflop_per_dispatch(path: &FieldPath, v: f64) -> Result<(), Violation> {
     within(
@@ -155,6 +166,7 @@ pub(crate) fn mflop_per_dispatch(path: &FieldPath, v: f64) -> Result<(), Violati
     )
 }
 
+/// An arithmetic intensity in flops per byte: greater than 0, at most 1e6.
 pub(crate) fn intensity(path: &FieldPath, v: f64) -> Result<(), Violation> {
     within(
         path,

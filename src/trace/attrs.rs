@@ -54,6 +54,10 @@ pub struct SpanAttrs {
     pub device_ns: Option<u64>,
     /// Earliest start (see [`Span::release_ns`]).
     pub release_ns: Option<u64>,
+    /// Model width (see [`Span::width`]).
+    pub width: Option<u32>,
+    /// Tensor-parallel shards (see [`Span::shards`]).
+    pub shards: u32,
 }
 
 impl SpanAttrs {
@@ -75,6 +79,8 @@ impl SpanAttrs {
             collective: None,
             device_ns: None,
             release_ns: None,
+            width: None,
+            shards: 1,
         }
     }
 
@@ -191,6 +197,14 @@ impl SpanAttrs {
         self
     }
 
+    /// Sets the hidden width of the model whose blocks the span runs and the tensor-parallel
+    /// shards they are split over (see [`Span::width`], [`Span::shards`]).
+    pub fn blocks_of(mut self, width: usize, shards: usize) -> Self {
+        self.width = u32::try_from(width).ok();
+        self.shards = u32::try_from(shards).unwrap_or(u32::MAX).max(1);
+        self
+    }
+
     /// Sets the precision.
     pub fn precision(mut self, precision: Precision) -> Self {
         self.precision = precision;
@@ -255,6 +269,8 @@ impl SpanAttrs {
             collective: self.collective,
             device_ns: self.device_ns,
             release_ns: self.release_ns,
+            width: self.width,
+            shards: self.shards,
         }
     }
 }

@@ -307,6 +307,14 @@ pub struct Span {
     /// which also holds encoding, submission and the wait; this is the device's part of it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_ns: Option<u64>,
+    /// Hidden width of the model whose blocks a compute span ran (e.g. 768 for GPT-2 small),
+    /// where the span is a model's work. With [`Span::shards`] it tells a calibrated
+    /// projection which measured block width the span's rate is read at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub width: Option<u32>,
+    /// Tensor-parallel shards the blocks' matrices were split over (1: whole blocks).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub shards: u32,
     /// Earliest start, nanoseconds since the epoch: the span's work was released by an event
     /// outside the run (a request arriving at a server). The projection starts it no earlier
     /// than the same time after the timeline's first span.
@@ -323,6 +331,15 @@ impl Span {
     /// Duration in microseconds.
     pub fn dur_us(&self) -> f64 {
         self.dur_ns as f64 / 1e3
+    }
+
+    /// Width of a whole (unsharded) block of the same architecture with as much work per
+    /// dispatch as this span's: `width / sqrt(shards)`, since a block's matrices grow with the
+    /// square of its width and a tensor-parallel shard holds `1 / shards` of them. `None`
+    /// where the span records no width.
+    pub fn block_width(&self) -> Option<f64> {
+        self.width
+            .map(|w| f64::from(w) / f64::from(self.shards.max(1)).sqrt())
     }
 
     /// End in nanoseconds since the epoch.
