@@ -176,6 +176,24 @@ fn line_of(text: &str, needle: &str) -> usize {
     text.lines().position(|l| l.contains(needle)).unwrap() + 1
 }
 
+/// `text` is refused as invalid at `field`, with a message that contains `needle` and names
+/// the file and the first line containing `line_needle`.
+fn assert_invalid_at(text: &str, field: &str, needle: &str, line_needle: &str) {
+    let err = HostProfile::from_toml_str(text, "bad.toml").unwrap_err();
+    assert!(matches!(err, ProfileError::Invalid { .. }), "{err:?}");
+    assert_eq!(err.field(), Some(field), "{err}");
+    let line = line_of(text, line_needle);
+    let at = err.location().unwrap();
+    assert_eq!(
+        (at.file.as_str(), at.line),
+        ("bad.toml", Some(line)),
+        "{err}"
+    );
+    let msg = err.to_string();
+    assert!(msg.starts_with(&format!("bad.toml:{line}:")), "{msg}");
+    assert!(msg.contains(needle), "{msg}");
+}
+
 /// `OLD_CALIBRATED` with a surface line added after its attention curve.
 fn with_surface(line: &str) -> String {
     OLD_CALIBRATED.replace(
@@ -219,19 +237,7 @@ fn a_malformed_surface_names_file_line_and_field() {
             "at least one point",
         ),
     ] {
-        let text = with_surface(line);
-        let err = HostProfile::from_toml_str(&text, "bad.toml").unwrap_err();
-        assert!(matches!(err, ProfileError::Invalid { .. }), "{err:?}");
-        assert_eq!(err.field(), Some(field), "{err}");
-        let at = err.location().unwrap();
-        assert_eq!(at.file, "bad.toml");
-        assert_eq!(at.line, Some(line_of(&text, "_surface")), "{err}");
-        let msg = err.to_string();
-        assert!(
-            msg.starts_with(&format!("bad.toml:{}:", line_of(&text, "_surface"))),
-            "{msg}"
-        );
-        assert!(msg.contains(needle), "{msg}");
+        assert_invalid_at(&with_surface(line), field, needle, "_surface");
     }
 
     // A point with two numbers instead of three: a parse error at the field's line.
@@ -338,13 +344,6 @@ fn malformed_surface_widths_name_file_line_and_field() {
         ),
     ] {
         let text = with_surface(&format!("{curves}\n{widths}"));
-        let err = HostProfile::from_toml_str(&text, "bad.toml").unwrap_err();
-        assert_eq!(err.field(), Some(field), "{err}");
-        let line = line_of(&text, "_surface_widths");
-        assert!(
-            err.to_string().starts_with(&format!("bad.toml:{line}:")),
-            "{err}"
-        );
-        assert!(err.to_string().contains(needle), "{err}");
+        assert_invalid_at(&text, field, needle, "_surface_widths");
     }
 }

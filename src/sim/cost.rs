@@ -106,8 +106,9 @@ impl<'a> CostModel<'a> {
     /// overhead per kernel.
     ///
     /// For an engine whose kernels calibration measures, on a device with measured rates: the
-    /// family's rate surface at the span's intensity and work per dispatch (`flops /
-    /// kernels`), else its rate-by-intensity curve, else the calibrated roofline. Otherwise the engine's
+    /// family's rate surface at the work's intensity and work per dispatch (`flops /
+    /// kernels`; [`CostModel::span_compute_us`] reads it at a span's block width instead),
+    /// else its rate-by-intensity curve, else the calibrated roofline. Otherwise the engine's
     /// roofline: `max(flops / (peak x fraction), bytes / (memory_gbps x memory))`, with the
     /// peak of the engine's arithmetic (an f32 engine keeps the span's recorded precision;
     /// f16/bf16/fp8 on tensor cores use `f16_tensor_tflops` where the device has it).
@@ -147,23 +148,15 @@ impl<'a> CostModel<'a> {
     }
 
     fn work_us(&self, index: usize, work: &ComputeWork) -> Result<f64, ProjectError> {
-        let &ComputeWork {
-            flops,
-            bytes,
-            kernels,
-            family,
-            precision,
-            ..
-        } = work;
         let d = self.device(index)?;
         let c = &self.engine.compute;
         let launch = c.launch_overhead_us.unwrap_or(d.launch_overhead_us);
-        let launches = kernels as f64 * launch;
+        let launches = work.kernels as f64 * launch;
         if c.calibrated && !d.rates.is_empty() {
             return Ok(measured_compute_us(d, work) + launches);
         }
         let precision = match c.dtype {
-            NumFormat::F32 => precision,
+            NumFormat::F32 => work.precision,
             _ => Precision::F16,
         };
         let peak_tflops = match precision {
@@ -171,13 +164,13 @@ impl<'a> CostModel<'a> {
             Precision::F16 if c.tensor_cores => d.f16_tensor_tflops.unwrap_or(d.f16_tflops),
             Precision::F16 => d.f16_tflops,
         };
-        let fraction = match family {
+        let fraction = match work.family {
             Some(KernelFamily::Attention) => c.attention,
             _ => c.gemm,
         };
         // 1 TFLOP/s = 1e6 FLOP per us, 1 GB/s = 1e3 bytes per us.
-        let math = flops as f64 / (peak_tflops * 1e6 * fraction);
-        let memory = bytes as f64 / (d.memory_gbps * 1e3 * c.memory);
+        let math = work.flops as f64 / (peak_tflops * 1e6 * fraction);
+        let memory = work.bytes as f64 / (d.memory_gbps * 1e3 * c.memory);
         Ok(math.max(memory) + launches)
     }
 
