@@ -1,7 +1,7 @@
 //! Serving: a stream of requests through one engine with continuous batching, measured the
 //! way vLLM's `benchmark_serving` measures a server (`wgpar serve`).
 //!
-//! Requests arrive on their own clock ([`workload`]). Each lane of the engine (one for a
+//! Requests arrive on their own clock (`workload.rs`). Each lane of the engine (one for a
 //! device or a tensor-parallel group, one per micro-batch for a pipeline; see
 //! [`StepEngine`]) holds a running batch: sequences in KV slots, each at its own position.
 //! Whenever a lane is free the scheduler gives it its next step: first a prefill of waiting

@@ -36,10 +36,11 @@ pub struct MeasuredDevice {
     pub matmul_curve: Vec<[f64; 2]>,
     /// Attention-family rate by arithmetic intensity (may be empty).
     pub attention_curve: Vec<[f64; 2]>,
-    /// Matmul-family rate by intensity and work per dispatch, one curve per measured block
-    /// width, points `[flops per byte, MFLOP per dispatch, GFLOP/s]` (may be empty).
+    /// Matmul-family rate by intensity and block width, one curve per measured block width
+    /// (`surface_widths`), points `[flops per byte, MFLOP per dispatch, GFLOP/s]` (may be
+    /// empty).
     pub matmul_surface: Vec<Vec<[f64; 3]>>,
-    /// Attention-family rate by intensity and work per dispatch (may be empty).
+    /// Attention-family rate by intensity and block width (may be empty).
     pub attention_surface: Vec<Vec<[f64; 3]>>,
     /// The block width each curve of both surfaces was measured at, in their order (empty
     /// with empty surfaces).

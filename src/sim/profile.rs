@@ -188,13 +188,14 @@ pub struct Rates {
     /// `matmul_curve`; preferred over `attention_gflops`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attention_curve: Vec<[f64; 2]>,
-    /// Achieved f32 matmul-family rate by arithmetic intensity *and* work per dispatch: one
-    /// curve per measured block width, each a list of points `[flops per byte, MFLOP per
-    /// dispatch, GFLOP/s]` with increasing intensity. Preferred over `matmul_curve`; see
-    /// [`rate_on_surface`].
+    /// Achieved f32 matmul-family rate by arithmetic intensity *and* block width: one curve
+    /// per measured block width, each a list of points `[flops per byte, MFLOP per dispatch,
+    /// GFLOP/s]` with increasing intensity. Preferred over `matmul_curve`; read by block
+    /// width where `matmul_surface_widths` names each curve's ([`rate_on_surface_at_width`]),
+    /// else by work per dispatch ([`rate_on_surface`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub matmul_surface: Vec<Vec<[f64; 3]>>,
-    /// Attention-family rate by intensity and work per dispatch, like `matmul_surface`;
+    /// Attention-family rate by intensity and block width, like `matmul_surface`;
     /// preferred over `attention_curve`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attention_surface: Vec<Vec<[f64; 3]>>,

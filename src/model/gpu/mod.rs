@@ -1,9 +1,9 @@
 //! A model (or one device's part of it) in GPU memory, and how a step runs on it.
 //!
-//! [`GpuModel`] holds the weights ([`layer`] per decoder layer, the embedding, the head).
+//! [`GpuModel`] holds the weights (`layer.rs` per decoder layer, the embedding, the head).
 //! [`GpuModel::activations`] allocates an activation set and binds every op of the model part
-//! to it once ([`act`]); [`GpuModel::kv_cache`] allocates a KV cache, whose own ops are bound to
-//! each activation set the first time they meet ([`kv`]). A step is then:
+//! to it once (`act.rs`); [`GpuModel::kv_cache`] allocates a KV cache, whose own ops are bound to
+//! each activation set the first time they meet (`kv.rs`). A step is then:
 //!
 //! 1. [`GpuModel::write_ids`] (first stage), [`GpuModel::begin_step`]: the sequence table is
 //!    written, and the ops are configured for the step's shape when it changed (their params
