@@ -102,6 +102,15 @@ fn misuse_is_an_error() {
     assert!(!ok && err.contains("decoder"), "{err}");
     let (ok, _, err) = wgpar(&["run", "--prompt", "hello"]);
     assert!(!ok && err.contains("--model DIR"), "{err}");
+    // Sampling options pick text tokens: without a prompt they would be ignored.
+    for option in [
+        ["--temperature", "0.8"],
+        ["--top-k", "5"],
+        ["--top-p", "0.9"],
+    ] {
+        let (ok, _, err) = wgpar(&["run", "--model", "tiny-llama", option[0], option[1]]);
+        assert!(!ok && err.contains("need --prompt"), "{option:?}: {err}");
+    }
     let (ok, _, err) = wgpar(&["run", "--model", "no-such-thing"]);
     assert!(
         !ok && err.contains("no-such-thing") && err.contains("tiny-llama"),

@@ -402,6 +402,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if let Some(prompt) = &args.text.prompt {
         return super::text::generate(args, prompt);
     }
+    if args.text.samples() {
+        return Err(WgparError::Config(
+            "--temperature, --top-k and --top-p pick the tokens of text generation: they need \
+             --prompt (a run on synthetic prompts decodes greedily)"
+                .into(),
+        ));
+    }
     let config = args.model.config()?;
     if args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
         return Err(WgparError::Config(

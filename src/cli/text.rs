@@ -34,6 +34,16 @@ pub struct TextArgs {
     pub top_p: f32,
 }
 
+impl TextArgs {
+    /// Whether any sampling option differs from greedy decoding's defaults.
+    pub fn samples(&self) -> bool {
+        let greedy = Self::default();
+        self.temperature != greedy.temperature
+            || self.top_k != greedy.top_k
+            || self.top_p != greedy.top_p
+    }
+}
+
 impl Default for TextArgs {
     fn default() -> Self {
         Self {
