@@ -362,6 +362,17 @@ fn rank_traces_merge_and_project_onto_one_or_two_nodes() {
         .count();
     assert!(outputs > 0);
     assert_eq!(arrivals.len(), outputs, "one arrival per last-rank output");
+    // Decoding greedily, rank 0 needs only the picks: 8 bytes per sequence (token and
+    // non-finite count) for each decode step's micro-batch of one; the prefill's arrivals
+    // carry the logits too, which `run` asks for.
+    let picks_only = arrivals.iter().filter(|a| a.bytes == 8).count();
+    let with_logits = arrivals.iter().filter(|a| a.bytes == 8 + 4 * 389).count();
+    assert_eq!(
+        (picks_only, with_logits),
+        (arrivals.len() - 2, 2),
+        "{:?}",
+        arrivals.iter().map(|a| a.bytes).collect::<Vec<_>>()
+    );
     for a in &arrivals {
         assert!(
             a.deps.iter().any(|d| by_id[d].device == Some(1)),

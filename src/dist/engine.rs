@@ -6,7 +6,8 @@
 //!   device, or per `tp` devices for hybrid, which keeps tensor parallelism inside a rank);
 //!   stages inside a rank hand off in process, stage boundaries between ranks go over remote
 //!   stage links ([`super::link`]). Rank 0 drives (it embeds and schedules); the other ranks
-//!   serve their stages until rank 0 stops; the last rank sends the logits back to rank 0.
+//!   serve their stages until rank 0 stops; the last rank sends its picks back to rank 0,
+//!   with the logits where rank 0 needs them (it samples, or was asked for logits).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

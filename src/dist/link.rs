@@ -51,6 +51,9 @@ struct Header {
     new_cache: bool,
     release: bool,
     record: bool,
+    /// The head must send its logits back, not only its picks (rank 0 asked for them, or
+    /// picks on the host).
+    logits: bool,
     dep: u64,
     run: u64,
     /// The KV cache the pass uses on every stage.
@@ -72,6 +75,7 @@ impl Header {
             new_cache: false,
             release: false,
             record: false,
+            logits: false,
             dep: 0,
             run: 0,
             cache: 0,
@@ -81,8 +85,10 @@ impl Header {
     }
 
     fn encode(&self, payload: &[u8]) -> Vec<u8> {
-        let flags =
-            u64::from(self.new_cache) | u64::from(self.release) << 1 | u64::from(self.record) << 2;
+        let flags = u64::from(self.new_cache)
+            | u64::from(self.release) << 1
+            | u64::from(self.record) << 2
+            | u64::from(self.logits) << 3;
         let words = [
             MAGIC,
             self.kind as u64,
@@ -147,6 +153,7 @@ impl Header {
                 new_cache: flags & 1 != 0,
                 release: flags & 2 != 0,
                 record: flags & 4 != 0,
+                logits: flags & 8 != 0,
                 dep: word(7),
                 run: word(8),
                 cache: word(9),
@@ -498,8 +505,8 @@ fn upstream(
             recorder: rec,
             run: h.run,
             // The pick's settings stay on rank 0: the head picks greedily and sends the
-            // logits too (see `Readout::remote`).
-            readout: Readout::remote(),
+            // logits too only where rank 0 needs them (see `Readout::remote`).
+            readout: Readout::remote(h.logits),
         };
         if tx.send(work).is_err() {
             // The stages stopped (their error is on its way to the driver).
@@ -527,6 +534,7 @@ fn downstream(
             new_cache: work.new_cache,
             release: work.release,
             record: work.recorder.is_enabled(),
+            logits: work.readout.logits,
             // The hand-off's download: what the next stage's first span waits for.
             dep: work.deps.first().map_or(0, |d| d.0),
             run: work.run,
@@ -657,6 +665,7 @@ pub(crate) fn send_logits(world: &World, out: &Output, record: bool) -> Result<(
         new_cache: false,
         release: false,
         record,
+        logits: false,
         dep: out.dep.0,
         run: 0,
         cache: 0,
@@ -709,6 +718,7 @@ mod tests {
             new_cache: false,
             release: true,
             record: true,
+            logits: true,
             dep: 99,
             run: 4,
             cache: 5,
@@ -741,6 +751,7 @@ mod tests {
             new_cache: false,
             release: false,
             record: false,
+            logits: false,
             dep: 0,
             run: 1,
             cache: usize::MAX as u64,

@@ -68,6 +68,12 @@ impl Picker {
         self.device().is_none()
     }
 
+    /// Whether the host samples from read-back logits when the head is in another process,
+    /// which picks greedily (the sampling settings stay here): for every pick but greedy.
+    pub(crate) fn needs_remote_logits(&self) -> bool {
+        self.device() != Some(TokenPick::Greedy)
+    }
+
     /// One draw in [0, 1) per sequence for a device sampling pick; none for a greedy one.
     pub(crate) fn draws(&mut self, batch: usize) -> Vec<f32> {
         match self.device() {
@@ -140,6 +146,19 @@ mod tests {
             let p = Picker::new(params(0.7, k, 0.9)).unwrap();
             assert!(p.needs_logits());
             assert_eq!(p.device_or_greedy(), TokenPick::Greedy);
+        }
+    }
+
+    #[test]
+    fn a_remote_head_sends_logits_only_for_sampling() {
+        assert!(!Picker::greedy().needs_remote_logits());
+        // Top-1 is greedy whatever the temperature.
+        assert!(!Picker::new(params(0.7, 1, 1.0))
+            .unwrap()
+            .needs_remote_logits());
+        for k in [0, 40, MAX_TOP_K + 1] {
+            let p = Picker::new(params(0.7, k, 0.9)).unwrap();
+            assert!(p.needs_remote_logits(), "top-k {k}");
         }
     }
 

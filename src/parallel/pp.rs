@@ -47,7 +47,6 @@ use super::{
 use crate::comm::{Collectives, CommConfig, PendingDownload};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
-use crate::kernels::ops::TokenPick;
 use crate::model::sampling::SamplingParams;
 use crate::model::{
     Activations, EncoderInput, GpuModel, KvCache, ModelConfig, ModelWeights, Placement, SeqRow,
@@ -1393,7 +1392,7 @@ impl PipelineEngine {
     /// logits when asked for or when the host picks.
     fn readout(&mut self, batch: usize, logits: bool) -> Readout {
         if self.remote_head {
-            return Readout::remote();
+            return Readout::remote(logits || self.host_picks());
         }
         Readout {
             pick: self.picker.device_or_greedy(),
@@ -1404,8 +1403,7 @@ impl PipelineEngine {
 
     /// Whether tokens are picked here from read-back logits rather than on the device.
     fn host_picks(&self) -> bool {
-        self.picker.needs_logits()
-            || (self.remote_head && self.picker.device() != Some(TokenPick::Greedy))
+        self.picker.needs_logits() || (self.remote_head && self.picker.needs_remote_logits())
     }
 
     /// A step's tokens from the last stage's picks: refused when logits were not finite,

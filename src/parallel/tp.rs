@@ -95,11 +95,12 @@ impl Default for Readout {
 
 impl Readout {
     /// The readout of a head in another process (`dist`): the pick's settings do not travel
-    /// over the link, so the head picks greedily (counting non-finite logits) and sends the
-    /// logits too, for the driver to pick from where it samples.
-    pub(crate) fn remote() -> Self {
+    /// over the link, so the head picks greedily (counting non-finite logits) and reads the
+    /// logits back only with `logits`: where the driver asked for them or picks on the host
+    /// (a sampling pick). Greedy decoding then moves only the picks between ranks.
+    pub(crate) fn remote(logits: bool) -> Self {
         Self {
-            logits: true,
+            logits,
             ..Self::default()
         }
     }
