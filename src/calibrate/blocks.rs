@@ -76,18 +76,25 @@ pub(super) fn narrow_widths(c: &ModelConfig) -> Vec<usize> {
     widths
 }
 
+/// Most parameters of the wide synthetic model [`wide_config`] measures: 1 GiB of f32
+/// weights, built on the host and uploaded beside the calibrated model. Past it the wide
+/// curve is skipped: a model that wide already fills a GPU at its own width, and the widest
+/// measured curve holds beyond it.
+const WIDE_MAX_PARAMS: usize = 1 << 28;
+
 /// The model's block shape at twice its width, for the rate of models wider than the
 /// calibrated one (which would otherwise be held at the calibrated width's rate), with its
 /// layers cut so that they hold no more weights than the model's own: a quarter as many, at
-/// least one. `None` when no such configuration is valid, or when it would still need more
-/// than twice the model's parameters (its embedding doubles).
+/// least one. `None` when no such configuration is valid, or when it would need more than
+/// twice the model's parameters (its embedding doubles) or more than [`WIDE_MAX_PARAMS`].
 pub(super) fn wide_config(c: &ModelConfig) -> Option<ModelConfig> {
     let wide = config_at_width(c, 2 * c.hidden)?;
     let wide = ModelConfig {
         layers: (c.layers / 4).max(1),
         ..wide
     };
-    (wide.params() <= 2 * c.params()).then_some(wide)
+    let params = wide.params();
+    (params <= 2 * c.params() && params <= WIDE_MAX_PARAMS).then_some(wide)
 }
 
 /// The model's block shape at width `hidden`: the same architecture, layer count, head
@@ -455,6 +462,12 @@ mod tests {
             ..c.clone()
         };
         assert_eq!(wide_config(&one_layer), None);
+        // Nor is a model whose widened blocks would take more than 1 GiB of f32 weights:
+        // Llama 3 8B at 8192 wide (8 layers) would hold about 9 billion.
+        let big = ModelConfig::preset("llama-8b").unwrap();
+        assert!(config_at_width(&big, 2 * big.hidden).is_some());
+        assert_eq!(wide_config(&big), None);
+        assert!(wide_config(&gpt2).unwrap().params() <= WIDE_MAX_PARAMS);
     }
 
     #[test]
