@@ -134,8 +134,6 @@ struct Builder {
     group: u64,
     /// Hidden width of the model the compute spans run (see `Span::width`).
     width: usize,
-    /// Tensor-parallel shards of the blocks being built (see `Span::shards`).
-    shards: usize,
 }
 
 impl Builder {
@@ -152,6 +150,7 @@ impl Builder {
         dev: u32,
         c: BlockCost,
         family: KernelFamily,
+        shards: usize,
         deps: &[SpanId],
         layer: Option<usize>,
         mb: Option<u32>,
@@ -161,7 +160,7 @@ impl Builder {
             .bytes(c.bytes)
             .kernels(c.kernels)
             .family(family)
-            .blocks_of(self.width, self.shards)
+            .blocks_of(self.width, shards)
             .after_all(deps);
         if let Some(l) = layer {
             a = a.layer(l as u32);
@@ -204,7 +203,6 @@ fn tp_block(
     last: bool,
 ) -> Vec<SpanId> {
     let world = shards.len() as u32;
-    b.shards = shards.len();
     // Recorded as f32 payloads; each engine scales them to its wire format.
     let bytes = (step.tokens() * config.hidden * 4) as u64;
     let mut prev: Vec<Vec<SpanId>> = deps.to_vec();
@@ -218,6 +216,7 @@ fn tp_block(
                         devices[r],
                         attention_projections(config, shard, step, f),
                         KernelFamily::Matmul,
+                        shard.world,
                         &prev[r],
                         Some(layer),
                         mb,
@@ -227,6 +226,7 @@ fn tp_block(
                         devices[r],
                         attention_core(config, shard, step, f),
                         KernelFamily::Attention,
+                        shard.world,
                         &[p],
                         Some(layer),
                         mb,
@@ -237,6 +237,7 @@ fn tp_block(
                         devices[r],
                         mlp(config, shard, step, f),
                         KernelFamily::Matmul,
+                        shard.world,
                         &prev[r],
                         Some(layer),
                         mb,
@@ -275,13 +276,13 @@ fn tp_block(
         .map(|p| p.last().copied().unwrap_or(SpanId::NONE))
         .collect();
     if last {
-        // The head is one device's whole matrix.
-        b.shards = 1;
         out[0] = b.compute(
             "head",
             devices[0],
             head(config, step.batch, f),
             KernelFamily::Matmul,
+            // The head is one device's whole matrix.
+            1,
             &prev[0],
             None,
             mb,
@@ -341,7 +342,6 @@ pub fn modeled_timeline(
         clock_us: 0.0,
         group: 0,
         width: config.hidden,
-        shards: 1,
     };
     let (tp, pp, m, spec) = shape_of(strategy, devices)?;
     let split = match strategy {
@@ -469,6 +469,17 @@ mod tests {
         // Shards add up to the whole model's work, as the engines' own accounting counts it.
         let rel = (flops as f64 - single.flops as f64).abs() / single.flops as f64;
         assert!(rel < 1e-9, "{flops} vs {}", single.flops);
+        // Compute spans record the model's width and their 4 shards; the head, one device's
+        // whole matrix, 1.
+        for s in tl.spans.iter().filter(|s| s.flops > 0) {
+            let shards = if s.name == "head" { 1 } else { 4 };
+            assert_eq!(
+                (s.width, s.shards),
+                (Some(c.hidden as u32), shards),
+                "{}",
+                s.name
+            );
+        }
     }
 
     #[test]

@@ -251,9 +251,11 @@ pub fn rate_on_surface(
     let at: Vec<(f64, f64)> = surface
         .iter()
         .filter_map(|curve| {
-            let rate: Vec<[f64; 2]> = curve.iter().map(|p| [p[0], p[2]]).collect();
             let log_work: Vec<[f64; 2]> = curve.iter().map(|p| [p[0], p[1].ln()]).collect();
-            Some((rate_at(&log_work, intensity)?, rate_at(&rate, intensity)?))
+            Some((
+                rate_at(&log_work, intensity)?,
+                surface_curve_rate(curve, intensity)?,
+            ))
         })
         .collect();
     across_curves(at, mflop_per_dispatch.ln())
@@ -284,12 +286,15 @@ pub fn rate_on_surface_at_width(
     let at: Vec<(f64, f64)> = surface
         .iter()
         .zip(widths)
-        .filter_map(|(curve, w)| {
-            let rate: Vec<[f64; 2]> = curve.iter().map(|p| [p[0], p[2]]).collect();
-            Some((w.ln(), rate_at(&rate, intensity)?))
-        })
+        .filter_map(|(curve, w)| Some((w.ln(), surface_curve_rate(curve, intensity)?)))
         .collect();
     across_curves(at, width.ln())
+}
+
+/// Rate of one curve of a surface at `intensity`, as [`rate_at`] reads a curve.
+fn surface_curve_rate(curve: &[[f64; 3]], intensity: f64) -> Option<f64> {
+    let rate: Vec<[f64; 2]> = curve.iter().map(|p| [p[0], p[2]]).collect();
+    rate_at(&rate, intensity)
 }
 
 /// Interpolates `(key, rate)` points of several curves at `key`: linearly between the two
