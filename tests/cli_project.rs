@@ -324,6 +324,35 @@ fn bench_projection_records_calibrates_and_projects_every_pair() {
         assert!(lo <= e && e <= hi);
         assert_eq!(row["within_tolerance"], e.abs() <= 15.0);
     }
+    // Per configuration, the out-of-sample pairs only: tiny-gpt2's, one workload each.
+    let summary = v["out_of_sample"].as_array().unwrap();
+    let configs: Vec<&str> = summary
+        .iter()
+        .map(|c| c["config"].as_str().unwrap())
+        .collect();
+    assert_eq!(configs, ["single", "pp2-m2"], "{v}");
+    for c in summary {
+        assert_eq!(
+            (c["workloads"].as_u64(), c["pairs"].as_u64()),
+            (Some(1), Some(4))
+        );
+        let row = rows
+            .iter()
+            .find(|r| r["config"]["name"] == c["config"] && r["in_sample"] == false)
+            .unwrap();
+        let mut magnitudes: Vec<f64> = row["pairs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["error_pct"].as_f64().unwrap().abs())
+            .collect();
+        magnitudes.sort_by(f64::total_cmp);
+        let expected = (magnitudes[1] + magnitudes[2]) / 2.0;
+        let got = c["abs_error_pct_median"].as_f64().unwrap();
+        assert!((got - expected).abs() < 1e-9, "{got} vs {expected}");
+        assert_eq!(c["error_pct_median"], row["error_pct_median"]);
+        assert_eq!(c["within_tolerance"], got <= 15.0);
+    }
     for file in [
         "cal0.toml",
         "cal1.toml",

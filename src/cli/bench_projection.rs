@@ -395,6 +395,57 @@ struct Report<'a> {
     tolerance_pct: f64,
     rows: Vec<Row>,
     within: usize,
+    /// Per configuration, all its out-of-sample pairs together.
+    out_of_sample: Vec<ConfigSummary>,
+}
+
+/// One configuration's out-of-sample pairs, over every workload the profile has not seen.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+struct ConfigSummary {
+    config: String,
+    /// Out-of-sample workloads the configuration ran.
+    workloads: usize,
+    pairs: usize,
+    error_pct_median: f64,
+    /// Median of the errors' magnitudes: over- and under-projections do not cancel.
+    abs_error_pct_median: f64,
+    /// Whether the median magnitude is within the tolerance.
+    within_tolerance: bool,
+}
+
+/// Per configuration, in the order the configurations first appear, the errors of every
+/// out-of-sample pair: the "median error per configuration", with the magnitudes'
+/// median as the figure held to the tolerance.
+fn summarise_out_of_sample(rows: &[Row], tolerance: f64) -> Vec<ConfigSummary> {
+    let mut names: Vec<&str> = Vec::new();
+    for r in rows.iter().filter(|r| !r.in_sample) {
+        if !names.contains(&r.config.name.as_str()) {
+            names.push(&r.config.name);
+        }
+    }
+    names
+        .into_iter()
+        .map(|name| {
+            let of_config: Vec<&Row> = rows
+                .iter()
+                .filter(|r| !r.in_sample && r.config.name == name)
+                .collect();
+            let errors: Vec<f64> = of_config
+                .iter()
+                .flat_map(|r| r.pairs.iter().map(|p| p.error_pct))
+                .collect();
+            let magnitudes: Vec<f64> = errors.iter().map(|e| e.abs()).collect();
+            let abs_median = median(&magnitudes);
+            ConfigSummary {
+                config: name.to_string(),
+                workloads: of_config.len(),
+                pairs: errors.len(),
+                error_pct_median: median(&errors),
+                abs_error_pct_median: abs_median,
+                within_tolerance: abs_median <= tolerance,
+            }
+        })
+        .collect()
 }
 
 /// The reported median: the mean of the two middle values for an even count (unlike
@@ -607,6 +658,7 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         });
     }
     let within = rows.iter().filter(|r| r.within_tolerance).count();
+    let out_of_sample = summarise_out_of_sample(&rows, args.tolerance);
     let report = Report {
         calibration_model: &args.model,
         calibration_batch: args.batch,
@@ -619,6 +671,7 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         tolerance_pct: args.tolerance,
         within,
         rows,
+        out_of_sample,
     };
     if args.json {
         let text = serde_json::to_string_pretty(&report).map_err(|source| WgparError::Json {
@@ -675,6 +728,27 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         args.tolerance,
         dir.display()
     );
+    if !report.out_of_sample.is_empty() {
+        println!();
+        println!("out of sample, per configuration (every pair of every workload the calibration did not see):");
+        println!();
+        println!(
+            "| config | workloads | pairs | error, median | magnitude, median | within {} % |",
+            args.tolerance
+        );
+        println!("|---|---:|---:|---:|---:|---|");
+        for c in &report.out_of_sample {
+            println!(
+                "| {} | {} | {} | {:+.1} % | {:.1} % | {} |",
+                c.config,
+                c.workloads,
+                c.pairs,
+                c.error_pct_median,
+                c.abs_error_pct_median,
+                if c.within_tolerance { "yes" } else { "no" }
+            );
+        }
+    }
     Ok(())
 }
 
@@ -771,6 +845,58 @@ mod tests {
             let e = launch.unwrap_err().to_string();
             assert!(e.contains("--features mpi"), "{e}");
         }
+    }
+
+    fn row(workload: &str, config: &str, in_sample: bool, errors: &[f64]) -> Row {
+        Row {
+            workload: parse_workload(workload).unwrap(),
+            in_sample,
+            config: parse_config(config, 1).unwrap(),
+            measured_ms_median: 100.0,
+            measured_ms_range: [100.0, 100.0],
+            projected_ms_median: 100.0,
+            error_pct_median: median(errors),
+            error_pct_range: range(errors),
+            within_tolerance: median(errors).abs() <= 15.0,
+            pairs: errors
+                .iter()
+                .enumerate()
+                .map(|(i, &e)| Pair {
+                    run_round: i,
+                    calibration_round: 0,
+                    measured_ms: 100.0,
+                    projected_ms: 100.0 + e,
+                    error_pct: e,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn out_of_sample_summary_pools_a_configurations_pairs_and_skips_in_sample_ones() {
+        let rows = [
+            // In sample: left out, however far off.
+            row("default:8x32", "tp2", true, &[90.0, 95.0, 99.0]),
+            row("default:2x64", "tp2", false, &[-20.0, 4.0, 30.0]),
+            row("tiny-gpt2:4x32", "tp2", false, &[-18.0, -16.0, 2.0]),
+            row("default:2x64", "single", false, &[1.0, -3.0, 5.0]),
+        ];
+        let s = summarise_out_of_sample(&rows, 15.0);
+        assert_eq!(s.len(), 2);
+        let tp2 = &s[0];
+        assert_eq!(
+            (tp2.config.as_str(), tp2.workloads, tp2.pairs),
+            ("tp2", 2, 6)
+        );
+        // Errors -20 -18 -16 2 4 30: the signed median -7 hides what the magnitudes show,
+        // 2 4 16 18 20 30 -> 17.
+        assert_eq!(tp2.error_pct_median, -7.0);
+        assert_eq!(tp2.abs_error_pct_median, 17.0);
+        assert!(!tp2.within_tolerance);
+        let single = &s[1];
+        assert_eq!((single.config.as_str(), single.pairs), ("single", 3));
+        assert_eq!(single.abs_error_pct_median, 3.0);
+        assert!(single.within_tolerance);
     }
 
     #[test]
