@@ -55,6 +55,18 @@ fn quick_calibration_writes_a_profile_that_parses() {
         d.rates.matmul_curve
     );
     assert!(d.rates.attention_curve.len() >= 2);
+    // The LM head alone at each batch size: a point per size, at about half a flop per byte
+    // per sequence (each f32 weight read once per step, two flops per sequence).
+    assert!(
+        d.rates.head_curve.len() >= 2
+            && d.rates
+                .head_curve
+                .iter()
+                .all(|p| p[0] > 0.1 && p[0] <= 1.0 && p[1] > 0.0),
+        "{:?}",
+        d.rates.head_curve
+    );
+    assert!(stdout.contains("final norm and LM head"), "{stdout}");
     let sharing = d
         .compute_sharing
         .as_ref()

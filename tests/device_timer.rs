@@ -96,6 +96,15 @@ fn traced_compute_spans_carry_device_time_within_their_host_time() {
         .filter(|s| s.kind == SpanKind::Compute)
         .collect();
     assert_eq!(compute.len(), 2);
+    // Each forward holds the LM head for its two sequences' last tokens.
+    let head = 2 * 2 * (config.hidden * config.vocab) as u64;
+    for s in &compute {
+        let h = s.head.expect("a forward records its head part");
+        assert!(
+            h.flops == head && h.flops < s.flops && h.bytes < s.bytes,
+            "{h:?}"
+        );
+    }
     for s in compute {
         match s.device_ns {
             Some(ns) => {

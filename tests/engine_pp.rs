@@ -307,6 +307,24 @@ fn stage_statistics_are_the_sums_of_the_spans() {
                 "{}",
                 s.name
             );
+            // The LM head's share: all of a hybrid's head span; part of a plain pipeline's
+            // last stage, one vocabulary-wide matrix per sequence of its micro-batch; none
+            // elsewhere.
+            let per_sequence = 2 * (config.hidden * config.vocab) as u64;
+            let last_stage = tp == 1 && s.device == Some(devices as u32 - 1);
+            match s.head {
+                Some(h) if s.name == "head" => assert_eq!((h.flops, h.bytes), (s.flops, s.bytes)),
+                Some(h) if last_stage => {
+                    assert!(h.flops > 0 && h.flops % per_sequence == 0, "{}", h.flops);
+                    assert!(
+                        h.flops < s.flops && h.bytes < s.bytes,
+                        "{h:?} in {}",
+                        s.name
+                    );
+                }
+                None => assert!(s.name != "head" && !last_stage, "{} has no head", s.name),
+                Some(h) => panic!("{} on device {:?} has head {h:?}", s.name, s.device),
+            }
         }
         for (s, st) in stats.stages.iter().enumerate() {
             // A hybrid stage is accounted on its first device (rank 0).

@@ -200,5 +200,8 @@ fn traced_all_reduces_split_waiting_from_communicating() {
             2
         };
         assert_eq!((s.width, s.shards), (Some(96), shards), "{}", s.name);
+        // The head span is all LM head; nothing else is.
+        let head = (s.name == "head").then_some((s.flops, s.bytes));
+        assert_eq!(s.head.map(|h| (h.flops, h.bytes)), head, "{}", s.name);
     }
 }

@@ -318,6 +318,74 @@ fn a_span_that_records_its_width_is_read_at_it() {
 }
 
 #[test]
+fn a_spans_head_part_is_priced_at_the_measured_head_rate() {
+    use wgpar::trace::{SpanAttrs, SpanId};
+    let rates = "matmul_surface = [[[1, 0.1, 10], [16, 1.6, 40]], [[1, 1, 30], [16, 16, 120]]]\n\
+                 matmul_surface_widths = [64, 256]\n";
+    let with_head = profile(&format!("{rates}head_curve = [[0.5, 20], [2, 80]]\n"));
+    let without = profile(rates);
+    // 40 MFLOP over 10 MB (intensity 4) in 10 dispatches, 128 wide: 50 GFLOP/s on the
+    // surface (see above). Of it, the head: 8 MFLOP over 8 MB, intensity 1, halfway between
+    // the head curve's points in log intensity: 50 GFLOP/s.
+    let span = SpanAttrs::compute("layers 3..6", 0)
+        .flops(40_000_000)
+        .bytes(10_000_000)
+        .kernels(10)
+        .family(KernelFamily::Matmul)
+        .blocks_of(128, 1)
+        .head_part(8_000_000, 8_000_000)
+        .into_span(SpanId(0), 0, 1000);
+    // The rest: 32 MFLOP over 2 MB, intensity 16, 128 wide: halfway between 40 and 120 in
+    // log width = 80 GFLOP/s -> 400 us. The head: 8e6 / 50e3 = 160 us. Dispatches 10 x 2 us.
+    let t = CostModel::new(&with_head)
+        .span_compute_us(0, &span)
+        .unwrap();
+    assert!(close(t, 32e6 / 80e3 + 8e6 / 50e3 + 20.0), "{t}");
+    // Without a head curve the head is priced with the rest of the span, as before.
+    let t = CostModel::new(&without).span_compute_us(0, &span).unwrap();
+    assert!(close(t, 40e6 / 50e3 + 20.0), "{t}");
+    // A span that is all head (the tensor-parallel engine's head span).
+    let all_head = SpanAttrs::compute("head", 0)
+        .flops(8_000_000)
+        .bytes(8_000_000)
+        .kernels(4)
+        .family(KernelFamily::Matmul)
+        .blocks_of(128, 1)
+        .head_part(8_000_000, 8_000_000)
+        .into_span(SpanId(1), 0, 1000);
+    let t = CostModel::new(&with_head)
+        .span_compute_us(0, &all_head)
+        .unwrap();
+    assert!(close(t, 8e6 / 50e3 + 8.0), "{t}");
+}
+
+#[test]
+fn a_malformed_head_curve_names_file_line_and_field() {
+    let good = "head_curve = [[0.5, 20], [2, 80]]";
+    let p = HostProfile::from_toml_str(&with_surface(good), "good.toml").unwrap();
+    assert_eq!(
+        p.devices[0].rates.head_curve,
+        vec![[0.5, 20.0], [2.0, 80.0]]
+    );
+    let again = HostProfile::from_toml_str(&p.to_toml_string().unwrap(), "again.toml").unwrap();
+    assert_eq!(again, p);
+    for (line, field, needle) in [
+        (
+            "head_curve = [[2, 20], [0.5, 80]]",
+            "devices[0].rates.head_curve[1]",
+            "strictly increasing intensity",
+        ),
+        (
+            "head_curve = [[0.5, -20]]",
+            "devices[0].rates.head_curve[0][1]",
+            "GFLOP/s",
+        ),
+    ] {
+        assert_invalid_at(&with_surface(line), field, needle, "head_curve");
+    }
+}
+
+#[test]
 fn malformed_surface_widths_name_file_line_and_field() {
     let curves = "matmul_surface = [[[1, 0.1, 10], [16, 1.6, 40]], [[1, 1, 30], [16, 16, 120]]]";
     let good = format!("{curves}\nmatmul_surface_widths = [64, 256]");

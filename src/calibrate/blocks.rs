@@ -366,6 +366,76 @@ pub(super) fn block_curves(
     })
 }
 
+/// Achieved rate of the model's final norm and LM head (with its token pick), one point per
+/// batch size of `steps`: each alone in a submission of its own, net of that submission and
+/// of the dispatches a span's head part is charged ([`cost::head`]'s count), as the
+/// projection adds those back. Points `[flops per byte, GFLOP/s]` ([`curve`]). Empty for an
+/// encoder, which has no head.
+pub(super) fn head_curve(
+    m: &GpuModel,
+    steps: &[Step],
+    dispatch: DispatchCosts,
+    iters: usize,
+    log: &mut dyn Write,
+) -> Result<Vec<[f64; 2]>> {
+    let c = m.config();
+    if c.is_encoder() {
+        return Ok(Vec::new());
+    }
+    let mut batches: Vec<usize> = steps.iter().map(|s| s.batch).collect();
+    batches.sort_unstable();
+    batches.dedup();
+    say!(
+        log,
+        "  final norm and LM head ({} x {}, one submit each), net of the same dispatch costs:",
+        c.vocab,
+        c.hidden
+    );
+    say!(
+        log,
+        "    {:<10} {:>10} {:>10} {:>9}",
+        "sequences",
+        "ms",
+        "flop/B",
+        "GFLOP/s"
+    );
+    let gpu = m.gpu();
+    let mut points = Vec::with_capacity(batches.len());
+    for batch in batches {
+        // The head reads each sequence's last row: a decode step's rows are exactly those.
+        let step = Step {
+            batch,
+            seq: 1,
+            past: 0,
+        };
+        let (act, _kv) = step_buffers(m, &step)?;
+        let t = median_time(iters, || {
+            let mut e = gpu.encoder();
+            m.head(&mut e, &act)?;
+            gpu.submit(e);
+            gpu.wait()
+        })?;
+        let work = cost::head(c, batch, DType::F32);
+        let fixed_us = f64::from(work.kernels) * dispatch.launch_us + dispatch.submit_us;
+        let net = (t - fixed_us / 1e6).max(t / 10.0);
+        let p = Point {
+            intensity: work.flops as f64 / work.bytes as f64,
+            mflop_per_dispatch: work.flops as f64 / f64::from(work.kernels.max(1)) / 1e6,
+            gflops: work.flops as f64 / net / 1e9,
+        };
+        say!(
+            log,
+            "    {:<10} {:>10.3} {:>10.2} {:>9.2}",
+            batch,
+            t * 1e3,
+            p.intensity,
+            p.gflops
+        );
+        points.push(p);
+    }
+    Ok(curve(points))
+}
+
 /// Curve points sorted by intensity; points closer than 2 % in intensity are averaged so the
 /// intensities strictly increase.
 pub(super) fn curve(points: Vec<Point>) -> Vec<[f64; 2]> {

@@ -23,6 +23,9 @@
 //!   per dispatch), so the rate is kept as a surface over intensity and block width
 //!   (`attention_surface`, `matmul_surface`, with `*_surface_widths`), which projects a model
 //!   of another width, or a tensor-parallel shard, from the block widths around it;
+//! - the model's final norm and LM head alone at each batch size (`blocks::head_curve`):
+//!   one large matrix over the vocabulary, which does not run at a block's rate
+//!   (`head_curve`, used for the head part that spans record);
 //! - devices on one adapter (`--virtual N`) share its processor (`sharing.rs`): the slowdown of
 //!   k = 2..N of them computing at once, per step shape, written as `compute_sharing`.
 //!
@@ -209,6 +212,7 @@ pub fn calibrate(
             DType::F32,
         )?);
         let measured_blocks = blocks::block_curves(&model, &steps, dispatch, iters, log)?;
+        let head_curve = blocks::head_curve(&model, &steps, dispatch, iters, log)?;
         let mut attention_surface = vec![blocks::surface_curve(measured_blocks.attention.clone())];
         let mut matmul_surface = vec![blocks::surface_curve(measured_blocks.layers.clone())];
         let mut surface_widths = vec![config.hidden as f64];
@@ -282,6 +286,7 @@ pub fn calibrate(
             matmul_surface,
             attention_surface,
             surface_widths,
+            head_curve,
             compute_sharing,
         });
     }

@@ -116,6 +116,9 @@ pub fn mlp(config: &ModelConfig, shard: &ShardSpec, step: &Step, f: &Formats) ->
     }
 }
 
+/// Name of the modeled span of the final norm and LM head.
+const HEAD: &str = "head";
+
 /// Final norm and LM head over each sequence's last token.
 pub fn head(config: &ModelConfig, batch: usize, f: &Formats) -> BlockCost {
     let (bt, h, v) = (batch as f64, config.hidden as f64, config.vocab as f64);
@@ -167,6 +170,10 @@ impl Builder {
         }
         if let Some(k) = mb {
             a = a.microbatch(k);
+        }
+        // The head span is all head, which a profile with a measured head rate prices so.
+        if name == HEAD {
+            a = a.head_part(c.flops, c.bytes);
         }
         self.push(a)
     }
@@ -277,7 +284,7 @@ fn tp_block(
         .collect();
     if last {
         out[0] = b.compute(
-            "head",
+            HEAD,
             devices[0],
             head(config, step.batch, f),
             KernelFamily::Matmul,
@@ -479,6 +486,12 @@ mod tests {
                 "{}",
                 s.name
             );
+            // Only the head span is marked as head work, all of it.
+            let head = (s.name == "head").then_some(crate::trace::HeadWork {
+                flops: s.flops,
+                bytes: s.bytes,
+            });
+            assert_eq!(s.head, head, "{}", s.name);
         }
     }
 

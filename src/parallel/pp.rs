@@ -684,6 +684,9 @@ impl Stage {
             self.is_last(),
         );
         let layers = m.placement().layers.clone();
+        // An encoder's last stage pools; only a decoder's holds the LM head.
+        let head = (self.is_last() && !m.config().is_encoder())
+            .then(|| cost::head(m.config(), step.batch, m.weight_dtype()));
         let compute = rec.record_with(start, end, || {
             let a = SpanAttrs::compute(format!("layers {}..{}", layers.start, layers.end), dev)
                 .microbatch(mb)
@@ -694,7 +697,10 @@ impl Stage {
                 .blocks_of(m.config().hidden, m.placement().shard.world)
                 .device_us(device_us)
                 .after_all(&deps);
-            released(a)
+            released(match head {
+                Some(h) => a.head_part(h.flops, h.bytes),
+                None => a,
+            })
         });
         {
             let mut stats = lock(&self.stats);

@@ -492,6 +492,11 @@ impl Rank {
                 .blocks_of(config.hidden, 1)
                 .device_us(device_us)
                 .after_all(&prev);
+            let a = if holds_head && !config.is_encoder() {
+                a.head_part(head.flops, head.bytes)
+            } else {
+                a
+            };
             match mb {
                 Some(k) => a.microbatch(k),
                 None => a,

@@ -45,6 +45,8 @@ pub struct MeasuredDevice {
     /// The block width each curve of both surfaces was measured at, in their order (empty
     /// with empty surfaces).
     pub surface_widths: Vec<f64>,
+    /// Final norm and LM head rate by arithmetic intensity (may be empty).
+    pub head_curve: Vec<[f64; 2]>,
     /// Whether the `count` devices share one processor, and the measured slowdown.
     pub compute_sharing: Option<ComputeSharing>,
 }
@@ -106,6 +108,7 @@ pub fn calibrated_profile(m: &MachineMeasurement) -> Result<HostProfile, Profile
                 attention_surface: d.attention_surface.clone(),
                 matmul_surface_widths: d.surface_widths.clone(),
                 attention_surface_widths: d.surface_widths.clone(),
+                head_curve: d.head_curve.clone(),
             },
             compute_sharing: d.compute_sharing.clone(),
         })
@@ -189,6 +192,7 @@ mod tests {
             matmul_surface: Vec::new(),
             attention_surface: Vec::new(),
             surface_widths: Vec::new(),
+            head_curve: Vec::new(),
             compute_sharing: None,
         }
     }

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
-use crate::trace::{CollectiveOp, KernelFamily, Precision, Span};
+use crate::trace::{CollectiveOp, HeadWork, KernelFamily, Precision, Span};
 
 use super::engine::{CollectiveEntry, Engine, LinkKind};
 use super::numformat::NumFormat;
@@ -128,6 +128,7 @@ impl<'a> CostModel<'a> {
             family,
             precision,
             block_width: None,
+            head: None,
         };
         self.work_us(index, &work)
     }
@@ -143,6 +144,7 @@ impl<'a> CostModel<'a> {
             family: span.family,
             precision: span.precision,
             block_width: span.block_width(),
+            head: span.head,
         };
         self.work_us(index, &work)
     }
@@ -633,6 +635,8 @@ struct ComputeWork {
     precision: Precision,
     /// See [`Span::block_width`].
     block_width: Option<f64>,
+    /// See [`Span::head`].
+    head: Option<HeadWork>,
 }
 
 /// A calibrated device's time for a span (no launches): the family's measured surface at the
@@ -640,6 +644,19 @@ struct ComputeWork {
 /// dispatch, else its curve at the intensity, else the roofline of the measured rates (peaks
 /// where none was measured).
 fn measured_compute_us(d: &DeviceSpec, work: &ComputeWork) -> f64 {
+    // The LM head is one large matrix streamed once: where the profile measured its rate, the
+    // head part is priced at it and the rest of the span as usual.
+    if let Some(h) = work.head.filter(|h| h.bytes > 0) {
+        if let Some(gflops) = rate_at(&d.rates.head_curve, h.flops as f64 / h.bytes as f64) {
+            let rest = ComputeWork {
+                flops: work.flops.saturating_sub(h.flops),
+                bytes: work.bytes.saturating_sub(h.bytes),
+                head: None,
+                ..*work
+            };
+            return measured_compute_us(d, &rest) + h.flops as f64 / (gflops * 1e3);
+        }
+    }
     let &ComputeWork {
         flops,
         bytes,
@@ -647,6 +664,7 @@ fn measured_compute_us(d: &DeviceSpec, work: &ComputeWork) -> f64 {
         family,
         precision,
         block_width,
+        head: _,
     } = work;
     let peak_gflops = match precision {
         Precision::F32 => d.f32_tflops * 1e3,

@@ -207,6 +207,13 @@ pub struct Rates {
     /// The block width of each curve of `attention_surface`, like `matmul_surface_widths`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attention_surface_widths: Vec<f64>,
+    /// Achieved rate of the model's final norm and LM head by arithmetic intensity,
+    /// `[flops per byte, GFLOP/s]` with increasing intensity, net of dispatch costs: one
+    /// large matrix over the vocabulary, which streams at a rate of its own. Prices the head
+    /// part of a compute span ([`crate::trace::Span::head`]); spans without one, or profiles
+    /// without this curve, price the head with the rest of the span.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub head_curve: Vec<[f64; 2]>,
 }
 
 /// Rate of a measured curve at arithmetic intensity `intensity` (flops per byte):
@@ -694,6 +701,7 @@ fn check_device(p: &FieldPath, d: &DeviceSpec) -> Result<(), Violation> {
     }
     check_curve(&r.key("matmul_curve"), &d.rates.matmul_curve)?;
     check_curve(&r.key("attention_curve"), &d.rates.attention_curve)?;
+    check_curve(&r.key("head_curve"), &d.rates.head_curve)?;
     check_surface(&r.key("matmul_surface"), &d.rates.matmul_surface)?;
     check_surface(&r.key("attention_surface"), &d.rates.attention_surface)?;
     check_surface_widths(

@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 
 use super::span::{
-    CollectiveInfo, CollectiveOp, KernelFamily, Precision, Span, SpanId, SpanKind, Track,
+    CollectiveInfo, CollectiveOp, HeadWork, KernelFamily, Precision, Span, SpanId, SpanKind, Track,
 };
 
 /// Attributes of a span to record; times and the id are added by the recorder.
@@ -58,6 +58,8 @@ pub struct SpanAttrs {
     pub width: Option<u32>,
     /// Tensor-parallel shards (see [`Span::shards`]).
     pub shards: u32,
+    /// The head's part of the work (see [`Span::head`]).
+    pub head: Option<HeadWork>,
 }
 
 impl SpanAttrs {
@@ -81,6 +83,7 @@ impl SpanAttrs {
             release_ns: None,
             width: None,
             shards: 1,
+            head: None,
         }
     }
 
@@ -205,6 +208,13 @@ impl SpanAttrs {
         self
     }
 
+    /// Records that `flops` and `bytes` of the span's work are the model's final norm and LM
+    /// head (see [`Span::head`]).
+    pub fn head_part(mut self, flops: u64, bytes: u64) -> Self {
+        self.head = Some(HeadWork { flops, bytes });
+        self
+    }
+
     /// Sets the precision.
     pub fn precision(mut self, precision: Precision) -> Self {
         self.precision = precision;
@@ -271,6 +281,7 @@ impl SpanAttrs {
             release_ns: self.release_ns,
             width: self.width,
             shards: self.shards,
+            head: self.head,
         }
     }
 }

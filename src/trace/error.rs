@@ -71,4 +71,22 @@ pub enum TraceError {
         /// The dependency with an id not smaller than the span's.
         dep: SpanId,
     },
+    /// A compute span's head part is larger than the span's own work.
+    #[error(
+        "span {span} ({name}): its head part ({head_flops} FLOPs, {head_bytes} B) exceeds the span's work ({flops} FLOPs, {bytes} B)"
+    )]
+    HeadExceedsSpan {
+        /// The span.
+        span: SpanId,
+        /// Its name.
+        name: String,
+        /// The head's FLOPs.
+        head_flops: u64,
+        /// The head's bytes.
+        head_bytes: u64,
+        /// The span's FLOPs.
+        flops: u64,
+        /// The span's bytes.
+        bytes: u64,
+    },
 }

@@ -23,7 +23,7 @@ pub use merge::{
 };
 pub use recorder::{DeviceTiming, Recorder};
 pub use span::{
-    CollectiveInfo, CollectiveOp, KernelFamily, Precision, Span, SpanId, SpanKind, Track,
+    CollectiveInfo, CollectiveOp, HeadWork, KernelFamily, Precision, Span, SpanId, SpanKind, Track,
 };
 pub use summary::{DeviceSummary, Interval, Summary};
 pub use svg::{timeline_svg, timeline_svg_with, SvgOptions};

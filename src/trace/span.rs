@@ -315,11 +315,25 @@ pub struct Span {
     /// Tensor-parallel shards the blocks' matrices were split over (1: whole blocks).
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub shards: u32,
+    /// The part of a compute span's `flops` and `bytes` that is the model's final norm and LM
+    /// head (one large matrix over the vocabulary), where the span includes it: a calibrated
+    /// profile with a measured head rate prices that part on its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head: Option<HeadWork>,
     /// Earliest start, nanoseconds since the epoch: the span's work was released by an event
     /// outside the run (a request arriving at a server). The projection starts it no earlier
     /// than the same time after the timeline's first span.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub release_ns: Option<u64>,
+}
+
+/// The final norm and LM head inside a compute span (see [`Span::head`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeadWork {
+    /// FLOPs of the head, counted in the span's `flops`.
+    pub flops: u64,
+    /// Bytes the head moves, counted in the span's `bytes`.
+    pub bytes: u64,
 }
 
 impl Span {

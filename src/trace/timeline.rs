@@ -139,8 +139,8 @@ impl Timeline {
         )
     }
 
-    /// Sorts spans by id and checks that ids are unique and every dependency points to an
-    /// earlier span of this timeline.
+    /// Sorts spans by id and checks that ids are unique, every dependency points to an
+    /// earlier span of this timeline and no span's head part exceeds its work.
     pub fn validate(&mut self) -> Result<(), TraceError> {
         self.spans.sort_by_key(|s| s.id);
         let mut seen = HashSet::with_capacity(self.spans.len());
@@ -165,6 +165,16 @@ impl Timeline {
                         dep,
                     });
                 }
+            }
+            if let Some(h) = s.head.filter(|h| h.flops > s.flops || h.bytes > s.bytes) {
+                return Err(TraceError::HeadExceedsSpan {
+                    span: s.id,
+                    name: s.name.clone(),
+                    head_flops: h.flops,
+                    head_bytes: h.bytes,
+                    flops: s.flops,
+                    bytes: s.bytes,
+                });
             }
         }
         Ok(())
@@ -197,7 +207,7 @@ pub(crate) fn track_order(t: &Track) -> (u8, u32, u8, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::SpanAttrs;
+    use crate::trace::{HeadWork, SpanAttrs};
 
     #[test]
     fn push_assigns_ids_and_validate_checks_deps() {
@@ -224,6 +234,27 @@ mod tests {
         t.spans[1].deps.clear();
         t.spans[1].id = SpanId(1);
         assert!(matches!(t.validate(), Err(TraceError::DuplicateId { .. })));
+    }
+
+    #[test]
+    fn a_head_part_larger_than_its_span_is_refused() {
+        let mut t = Timeline::new();
+        t.push_us(
+            SpanAttrs::compute("forward", 0)
+                .flops(100)
+                .bytes(40)
+                .head_part(100, 40),
+            0.0,
+            1.0,
+        );
+        assert!(t.validate().is_ok());
+        t.spans[0].head = Some(HeadWork {
+            flops: 60,
+            bytes: 41,
+        });
+        let e = t.validate().unwrap_err();
+        assert!(matches!(e, TraceError::HeadExceedsSpan { .. }));
+        assert!(e.to_string().contains("41 B) exceeds"), "{e}");
     }
 
     #[test]
