@@ -202,14 +202,19 @@ fn with_surface(line: &str) -> String {
     )
 }
 
+/// `OLD_CALIBRATED` with `line` added loads, and saved and reloaded it is unchanged.
+fn loads_and_round_trips(line: &str) -> HostProfile {
+    let p = HostProfile::from_toml_str(&with_surface(line), "good.toml").unwrap();
+    let again = HostProfile::from_toml_str(&p.to_toml_string().unwrap(), "again.toml").unwrap();
+    assert_eq!(again, p);
+    p
+}
+
 #[test]
 fn a_malformed_surface_names_file_line_and_field() {
     let good = "matmul_surface = [[[1, 0.1, 10], [16, 1.6, 40]], [[1, 1, 30], [16, 16, 120]]]";
-    let p = HostProfile::from_toml_str(&with_surface(good), "good.toml").unwrap();
+    let p = loads_and_round_trips(good);
     assert_eq!(p.devices[0].rates.matmul_surface, surface());
-    // Saved and reloaded, the surface is unchanged.
-    let again = HostProfile::from_toml_str(&p.to_toml_string().unwrap(), "again.toml").unwrap();
-    assert_eq!(again, p);
 
     for (line, field, needle) in [
         // Intensities of a curve must increase.
@@ -324,35 +329,33 @@ fn a_spans_head_part_is_priced_at_the_measured_head_rate() {
                  matmul_surface_widths = [64, 256]\n";
     let with_head = profile(&format!("{rates}head_curve = [[0.5, 20], [2, 80]]\n"));
     let without = profile(rates);
-    // 40 MFLOP over 10 MB (intensity 4) in 10 dispatches, 128 wide: 50 GFLOP/s on the
-    // surface (see above). Of it, the head: 8 MFLOP over 8 MB, intensity 1, halfway between
-    // the head curve's points in log intensity: 50 GFLOP/s.
-    let span = SpanAttrs::compute("layers 3..6", 0)
-        .flops(40_000_000)
-        .bytes(10_000_000)
-        .kernels(10)
-        .family(KernelFamily::Matmul)
-        .blocks_of(128, 1)
-        .head_part(8_000_000, 8_000_000)
-        .into_span(SpanId(0), 0, 1000);
-    // The rest: 32 MFLOP over 2 MB, intensity 16, 128 wide: halfway between 40 and 120 in
-    // log width = 80 GFLOP/s -> 400 us. The head: 8e6 / 50e3 = 160 us. Dispatches 10 x 2 us.
+    // A 128-wide matmul span of `flops` over `bytes` in `kernels` dispatches, of which the
+    // head is 8 MFLOP over 8 MB (intensity 1, halfway between the head curve's points in
+    // log intensity: 50 GFLOP/s).
+    let span = |flops: u64, bytes: u64, kernels: u32| {
+        SpanAttrs::compute("layers", 0)
+            .flops(flops)
+            .bytes(bytes)
+            .kernels(kernels)
+            .family(KernelFamily::Matmul)
+            .blocks_of(128, 1)
+            .head_part(8_000_000, 8_000_000)
+            .into_span(SpanId(0), 0, 1000)
+    };
+    // 40 MFLOP over 10 MB (intensity 4) in 10 dispatches: 50 GFLOP/s on the surface (see
+    // above). The rest: 32 MFLOP over 2 MB, intensity 16, 128 wide: halfway between 40 and
+    // 120 in log width = 80 GFLOP/s -> 400 us. The head: 8e6 / 50e3 = 160 us. Dispatches
+    // 10 x 2 us.
+    let stage = span(40_000_000, 10_000_000, 10);
     let t = CostModel::new(&with_head)
-        .span_compute_us(0, &span)
+        .span_compute_us(0, &stage)
         .unwrap();
     assert!(close(t, 32e6 / 80e3 + 8e6 / 50e3 + 20.0), "{t}");
     // Without a head curve the head is priced with the rest of the span, as before.
-    let t = CostModel::new(&without).span_compute_us(0, &span).unwrap();
+    let t = CostModel::new(&without).span_compute_us(0, &stage).unwrap();
     assert!(close(t, 40e6 / 50e3 + 20.0), "{t}");
-    // A span that is all head (the tensor-parallel engine's head span).
-    let all_head = SpanAttrs::compute("head", 0)
-        .flops(8_000_000)
-        .bytes(8_000_000)
-        .kernels(4)
-        .family(KernelFamily::Matmul)
-        .blocks_of(128, 1)
-        .head_part(8_000_000, 8_000_000)
-        .into_span(SpanId(1), 0, 1000);
+    // A span that is all head (the tensor-parallel engine's head span): 160 us + 4 x 2 us.
+    let all_head = span(8_000_000, 8_000_000, 4);
     let t = CostModel::new(&with_head)
         .span_compute_us(0, &all_head)
         .unwrap();
@@ -361,14 +364,11 @@ fn a_spans_head_part_is_priced_at_the_measured_head_rate() {
 
 #[test]
 fn a_malformed_head_curve_names_file_line_and_field() {
-    let good = "head_curve = [[0.5, 20], [2, 80]]";
-    let p = HostProfile::from_toml_str(&with_surface(good), "good.toml").unwrap();
+    let p = loads_and_round_trips("head_curve = [[0.5, 20], [2, 80]]");
     assert_eq!(
         p.devices[0].rates.head_curve,
         vec![[0.5, 20.0], [2.0, 80.0]]
     );
-    let again = HostProfile::from_toml_str(&p.to_toml_string().unwrap(), "again.toml").unwrap();
-    assert_eq!(again, p);
     for (line, field, needle) in [
         (
             "head_curve = [[2, 20], [0.5, 80]]",
