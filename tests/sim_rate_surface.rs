@@ -354,6 +354,13 @@ fn a_spans_head_part_is_priced_at_the_measured_head_rate() {
     // Without a head curve the head is priced with the rest of the span, as before.
     let t = CostModel::new(&without).span_compute_us(0, &stage).unwrap();
     assert!(close(t, 40e6 / 50e3 + 20.0), "{t}");
+    // The curve is an f32 measurement: an f16 span's head is priced with the rest.
+    let mut f16 = stage.clone();
+    f16.precision = Precision::F16;
+    assert_eq!(
+        CostModel::new(&with_head).span_compute_us(0, &f16).unwrap(),
+        CostModel::new(&without).span_compute_us(0, &f16).unwrap()
+    );
     // A span that is all head (the tensor-parallel engine's head span): 160 us + 4 x 2 us.
     let all_head = span(8_000_000, 8_000_000, 4);
     let t = CostModel::new(&with_head)

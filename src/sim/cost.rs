@@ -644,9 +644,12 @@ struct ComputeWork {
 /// dispatch, else its curve at the intensity, else the roofline of the measured rates (peaks
 /// where none was measured).
 fn measured_compute_us(d: &DeviceSpec, work: &ComputeWork) -> f64 {
-    // The LM head is one large matrix streamed once: where the profile measured its rate, the
-    // head part is priced at it and the rest of the span as usual.
-    if let Some(h) = work.head.filter(|h| h.bytes > 0) {
+    // The LM head is one large matrix streamed once: where the profile measured its rate (in
+    // f32, as the surfaces), the head part is priced at it and the rest of the span as usual.
+    let f32_head = work
+        .head
+        .filter(|h| h.bytes > 0 && work.precision == Precision::F32);
+    if let Some(h) = f32_head {
         if let Some(gflops) = rate_at(&d.rates.head_curve, h.flops as f64 / h.bytes as f64) {
             let rest = ComputeWork {
                 flops: work.flops.saturating_sub(h.flops),

@@ -207,7 +207,7 @@ pub struct Rates {
     /// The block width of each curve of `attention_surface`, like `matmul_surface_widths`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attention_surface_widths: Vec<f64>,
-    /// Achieved rate of the model's final norm and LM head by arithmetic intensity,
+    /// Achieved f32 rate of the model's final norm and LM head by arithmetic intensity,
     /// `[flops per byte, GFLOP/s]` with increasing intensity, net of dispatch costs: one
     /// large matrix over the vocabulary, which streams at a rate of its own. Prices the head
     /// part of a compute span ([`crate::trace::Span::head`]); spans without one, or profiles
