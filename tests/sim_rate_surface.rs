@@ -324,7 +324,7 @@ fn a_span_that_records_its_width_is_read_at_it() {
 
 #[test]
 fn a_spans_head_part_is_priced_at_the_measured_head_rate() {
-    use wgpar::trace::{SpanAttrs, SpanId};
+    use wgpar::trace::{HeadWork, SpanAttrs, SpanId};
     let rates = "matmul_surface = [[[1, 0.1, 10], [16, 1.6, 40]], [[1, 1, 30], [16, 16, 120]]]\n\
                  matmul_surface_widths = [64, 256]\n";
     let with_head = profile(&format!("{rates}head_curve = [[0.5, 20], [2, 80]]\n"));
@@ -339,7 +339,10 @@ fn a_spans_head_part_is_priced_at_the_measured_head_rate() {
             .kernels(kernels)
             .family(KernelFamily::Matmul)
             .blocks_of(128, 1)
-            .head_part(8_000_000, 8_000_000)
+            .head_part(HeadWork {
+                flops: 8_000_000,
+                bytes: 8_000_000,
+            })
             .into_span(SpanId(0), 0, 1000)
     };
     // 40 MFLOP over 10 MB (intensity 4) in 10 dispatches: 50 GFLOP/s on the surface (see

@@ -157,6 +157,17 @@ pub(super) struct DispatchCosts {
     pub(super) submit_us: f64,
 }
 
+impl DispatchCosts {
+    /// Of `t` seconds measured for one submission of `dispatches` dispatches, the part left
+    /// for the work itself. The projection adds dispatch costs back per recorded kernel and
+    /// the submission's per compute span; a noisy estimate must not leave less than a tenth
+    /// of the measured time.
+    fn net_s(&self, t: f64, dispatches: f64) -> f64 {
+        let fixed_us = dispatches * self.launch_us + self.submit_us;
+        (t - fixed_us / 1e6).max(t / 10.0)
+    }
+}
+
 /// Least-squares fit of `t = fixed + n x per_unit` to `(n, t)` points, weighted by `1 / t^2`
 /// (relative error, so the short submissions weigh as much as the long ones).
 /// Both coefficients are clamped at 0: a noisy sweep must not give a negative cost. Returns
@@ -328,11 +339,7 @@ pub(super) fn block_curves(
             (true, a.flops + mc.flops, a.bytes + mc.bytes, layer_k),
         ] {
             let t = time_blocks(m, step, whole_layer, iters)?;
-            // Dispatch costs are added back per recorded kernel, the submission's per
-            // compute span, by the projection; a noisy estimate must not leave less than a
-            // tenth of the measured time.
-            let fixed_us = layers * k as f64 * dispatch.launch_us + dispatch.submit_us;
-            let net = (t - fixed_us / 1e6).max(t / 10.0);
+            let net = dispatch.net_s(t, layers * k as f64);
             let p = Point {
                 intensity: flops as f64 / bytes as f64,
                 mflop_per_dispatch: flops as f64 / k.max(1) as f64 / 1e6,
@@ -416,8 +423,7 @@ pub(super) fn head_curve(
             gpu.wait()
         })?;
         let work = cost::head(c, batch, DType::F32);
-        let fixed_us = f64::from(work.kernels) * dispatch.launch_us + dispatch.submit_us;
-        let net = (t - fixed_us / 1e6).max(t / 10.0);
+        let net = dispatch.net_s(t, f64::from(work.kernels));
         let p = Point {
             intensity: work.flops as f64 / work.bytes as f64,
             mflop_per_dispatch: work.flops as f64 / f64::from(work.kernels.max(1)) / 1e6,

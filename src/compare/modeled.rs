@@ -9,7 +9,7 @@ use crate::model::{Arch, ModelConfig, ShardSpec, Step};
 use crate::parallel::cost::BlockCost;
 use crate::parallel::{partition, split_groups, Partition, PartitionSpec, Strategy};
 use crate::sim::{Engine, NumFormat};
-use crate::trace::{CollectiveOp, KernelFamily, SpanAttrs, SpanId, Timeline};
+use crate::trace::{CollectiveOp, HeadWork, KernelFamily, SpanAttrs, SpanId, Timeline};
 
 /// What a modeled step stores and streams, per element.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -173,7 +173,10 @@ impl Builder {
         }
         // The head span is all head, which a profile with a measured head rate prices so.
         if name == HEAD {
-            a = a.head_part(c.flops, c.bytes);
+            a = a.head_part(HeadWork {
+                flops: c.flops,
+                bytes: c.bytes,
+            });
         }
         self.push(a)
     }
@@ -487,7 +490,7 @@ mod tests {
                 s.name
             );
             // Only the head span is marked as head work, all of it.
-            let head = (s.name == "head").then_some(crate::trace::HeadWork {
+            let head = (s.name == "head").then_some(HeadWork {
                 flops: s.flops,
                 bytes: s.bytes,
             });

@@ -3,6 +3,7 @@
 
 use crate::device::DType;
 use crate::model::{ModelConfig, ShardSpec, Step};
+use crate::trace::HeadWork;
 
 /// Work of one block on one device.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -78,6 +79,18 @@ pub fn head(config: &ModelConfig, batch: usize, dtype: DType) -> BlockCost {
         bytes: v * h * wbytes(dtype) + 4 * b * (2 * h + v),
         kernels: 2 + batch as u32,
     }
+}
+
+/// The LM head's share of the work of the span that holds it ([`crate::trace::Span::head`]):
+/// [`head`]'s flops and bytes; `None` for an encoder, whose last block pools instead.
+pub fn head_work(config: &ModelConfig, batch: usize, dtype: DType) -> Option<HeadWork> {
+    (!config.is_encoder()).then(|| {
+        let h = head(config, batch, dtype);
+        HeadWork {
+            flops: h.flops,
+            bytes: h.bytes,
+        }
+    })
 }
 
 /// Embedding lookup.

@@ -684,9 +684,6 @@ impl Stage {
             self.is_last(),
         );
         let layers = m.placement().layers.clone();
-        // An encoder's last stage pools; only a decoder's holds the LM head.
-        let head = (self.is_last() && !m.config().is_encoder())
-            .then(|| cost::head(m.config(), step.batch, m.weight_dtype()));
         let compute = rec.record_with(start, end, || {
             let a = SpanAttrs::compute(format!("layers {}..{}", layers.start, layers.end), dev)
                 .microbatch(mb)
@@ -695,12 +692,14 @@ impl Stage {
                 .kernels(work_cost.kernels)
                 .family(KernelFamily::Matmul)
                 .blocks_of(m.config().hidden, m.placement().shard.world)
+                .head_part(if self.is_last() {
+                    cost::head_work(m.config(), step.batch, m.weight_dtype())
+                } else {
+                    None
+                })
                 .device_us(device_us)
                 .after_all(&deps);
-            released(match head {
-                Some(h) => a.head_part(h.flops, h.bytes),
-                None => a,
-            })
+            released(a)
         });
         {
             let mut stats = lock(&self.stats);

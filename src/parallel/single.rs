@@ -142,8 +142,6 @@ impl SingleEngine {
             true,
             true,
         );
-        // An encoder's last block pools; only a decoder's is the LM head.
-        let head = (!c.is_encoder()).then(|| cost::head(c, step.batch, m.weight_dtype()));
         let dev = gpu.ordinal() as u32;
         // One span: the whole step is one submit, with no point where the host could time a
         // layer without adding a synchronisation the single-device path does not need.
@@ -154,12 +152,9 @@ impl SingleEngine {
                 .family(KernelFamily::Matmul)
                 .kernels(work.kernels)
                 .blocks_of(c.hidden, m.placement().shard.world)
+                .head_part(cost::head_work(c, step.batch, m.weight_dtype()))
                 .device_us(device_us)
                 .after_all(deps);
-            let a = match head {
-                Some(h) => a.head_part(h.flops, h.bytes),
-                None => a,
-            };
             match release_us {
                 Some(us) => a.not_before_us(us),
                 None => a,

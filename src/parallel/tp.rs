@@ -490,13 +490,13 @@ impl Rank {
                 .kernels(if holds_head { head.kernels } else { 1 })
                 // The head is one device's whole matrix.
                 .blocks_of(config.hidden, 1)
+                .head_part(if holds_head {
+                    cost::head_work(config, step.batch, dtype)
+                } else {
+                    None
+                })
                 .device_us(device_us)
                 .after_all(&prev);
-            let a = if holds_head && !config.is_encoder() {
-                a.head_part(head.flops, head.bytes)
-            } else {
-                a
-            };
             match mb {
                 Some(k) => a.microbatch(k),
                 None => a,

@@ -208,10 +208,10 @@ impl SpanAttrs {
         self
     }
 
-    /// Records that `flops` and `bytes` of the span's work are the model's final norm and LM
-    /// head (see [`Span::head`]).
-    pub fn head_part(mut self, flops: u64, bytes: u64) -> Self {
-        self.head = Some(HeadWork { flops, bytes });
+    /// Records the part of the span's work that is the model's final norm and LM head (see
+    /// [`Span::head`]); `None` leaves the span without one.
+    pub fn head_part(mut self, head: impl Into<Option<HeadWork>>) -> Self {
+        self.head = head.into();
         self
     }
 

@@ -243,7 +243,10 @@ mod tests {
             SpanAttrs::compute("forward", 0)
                 .flops(100)
                 .bytes(40)
-                .head_part(100, 40),
+                .head_part(HeadWork {
+                    flops: 100,
+                    bytes: 40,
+                }),
             0.0,
             1.0,
         );
