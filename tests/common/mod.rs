@@ -74,3 +74,19 @@ pub fn wgpar(args: &[&str]) -> (bool, String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// The tests' Python interpreter (made by `bash .ci/python-env`): `$WGPAR_PYTHON`, else
+/// `.venv/bin/python` at the repository root. Panics with the command to run when neither exists:
+/// the tests that need it never skip.
+pub fn python() -> std::path::PathBuf {
+    let path = match std::env::var_os("WGPAR_PYTHON") {
+        Some(p) if !p.is_empty() => std::path::PathBuf::from(p),
+        _ => std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"),
+    };
+    assert!(
+        path.is_file(),
+        "no Python environment at {}: run `bash .ci/python-env` (README, Prerequisites)",
+        path.display()
+    );
+    path
+}
