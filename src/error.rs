@@ -73,7 +73,7 @@ pub enum WgparError {
         /// What did not fit.
         detail: String,
     },
-    /// A kernel-tuning switch has a value wgpar does not know.
+    /// An environment switch (`WGPAR_*`) or a tuning flag has a value wgpar does not know.
     #[error("{name}={value} is not valid: expected {expected}")]
     TuneSetting {
         /// The switch (environment variable or flag).

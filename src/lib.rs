@@ -19,6 +19,7 @@ pub mod parallel;
 pub mod serve;
 pub mod sim;
 pub mod stats;
+pub mod switches;
 pub mod trace;
 
 pub use error::{Result, WgparError};

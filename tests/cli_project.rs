@@ -72,19 +72,22 @@ fn a_recorded_pipeline_run_projects_onto_shipped_and_calibrated_profiles() {
     let measured = r["measured"]["makespan_us"].as_f64().unwrap();
     assert!((measured - recorded.makespan_us()).abs() < 1e-6);
     let projected = r["projected"]["makespan_us"].as_f64().unwrap();
-    // A 2x RTX 3090 box runs this toy model far faster than a CPU driver.
-    assert!(
-        projected > 0.0 && projected < measured,
-        "{projected} vs {measured}"
-    );
+    // Whether the profiled box beats this adapter depends on the adapter (a CPU driver loses,
+    // a GPU may not): check what holds on any, that both runs are timed and the throughput
+    // is the tokens over each makespan.
+    assert!(projected > 0.0 && projected.is_finite(), "{projected}");
     let bubble = r["projected"]["bubble_share"].as_f64().unwrap();
     assert!((0.0..1.0).contains(&bubble));
     let tp = &v["throughput"];
     assert_eq!(tp["tokens"], 22);
-    assert!(
-        tp["projected_tokens_per_s"].as_f64().unwrap()
-            > tp["measured_tokens_per_s"].as_f64().unwrap()
-    );
+    for (key, makespan_us) in [
+        ("projected_tokens_per_s", projected),
+        ("measured_tokens_per_s", measured),
+    ] {
+        let rate = tp[key].as_f64().unwrap();
+        let want = 22.0 / (makespan_us * 1e-6);
+        assert!((rate / want - 1.0).abs() < 1e-6, "{key}: {rate} vs {want}");
+    }
 
     // Onto this machine, calibrated: a table, a projected trace and both pictures of step 0.
     let cal = dir.join("cal.toml");

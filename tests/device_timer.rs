@@ -14,7 +14,7 @@ fn timestamps_bracket_the_device_work_of_a_submission() {
     let gpu = &common::gpus(1)[0];
     let Some(timer) = GpuTimer::new(gpu) else {
         // Host clocks only: nothing to check on an adapter without TIMESTAMP_QUERY.
-        eprintln!("{} has no TIMESTAMP_QUERY; skipped", gpu.describe());
+        common::feature_missing("TIMESTAMP_QUERY", "device span timing");
         return;
     };
     let (m, n, k) = (64, 200, 256);
@@ -147,7 +147,7 @@ fn automatic_device_timing_leaves_cpu_drivers_on_host_clocks() {
 fn tensor_and_pipeline_runs_time_every_compute_span_on_the_device() {
     let gpu = common::gpus(1).remove(0);
     if GpuTimer::new(&gpu).is_none() {
-        eprintln!("{} has no TIMESTAMP_QUERY; skipped", gpu.describe());
+        common::feature_missing("TIMESTAMP_QUERY", "device span timing");
         return;
     }
     let dir = std::env::temp_dir().join(format!("wgpar-device-timer-{}", std::process::id()));

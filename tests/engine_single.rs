@@ -82,7 +82,7 @@ fn gpt2_f32_matches_reference() {
 fn f16_weights_match_reference() {
     let gpu = common::gpus(1).remove(0);
     if !gpu.supports_f16_weights() {
-        eprintln!("adapter lacks SHADER_F16: f16 weights are covered by the f32 fallback test");
+        common::feature_missing("SHADER_F16", "f16 weights");
         return;
     }
     for name in ["tiny-llama", "tiny-gpt2"] {

@@ -80,7 +80,7 @@ fn f16_weights_stay_close() {
     let weights = ModelWeights::synthetic(&config, 32);
     let gpu = common::gpus(1).remove(0);
     if !gpu.supports_f16_weights() {
-        eprintln!("adapter lacks SHADER_F16: f16 weights are covered by the f32 fallback");
+        common::feature_missing("SHADER_F16", "f16 encoder weights");
         return;
     }
     let mut encoder = SingleEncoder::new(gpu, &weights, DType::F16).unwrap();

@@ -144,3 +144,41 @@ fn a_json_file_that_is_not_a_tokenizer_says_so() {
         .to_string();
     assert!(e.contains("not valid JSON") && e.contains("line 1"), "{e}");
 }
+
+/// Issue 29 item 5: tensors the config does not use (a second layer's under
+/// `num_hidden_layers: 1`) are named in a warning, as Hugging Face does; a checkpoint whose
+/// tensors are all used loads without one.
+#[test]
+fn tensors_the_config_does_not_use_are_named() {
+    let run = |dir: &Path| {
+        common::wgpar(&[
+            "run",
+            "--model",
+            dir.to_str().unwrap(),
+            "--batch",
+            "1",
+            "--prompt-len",
+            "2",
+            "--gen",
+            "1",
+        ])
+    };
+    let full = write_checkpoint("unused-none", &weights("tiny-llama"), Store::F32);
+    let (ok, out, err) = run(&full);
+    assert!(ok, "{out}{err}");
+    assert!(!err.contains("not used"), "{err}");
+
+    let layers = weights("tiny-llama").config.layers;
+    assert!(
+        layers >= 2,
+        "the preset needs a second layer to leave unused"
+    );
+    let cut = with_config("unused-some", "tiny-llama", |c| {
+        c["num_hidden_layers"] = serde_json::json!(1)
+    });
+    let (ok, out, err) = run(&cut);
+    assert!(ok, "{out}{err}");
+    assert!(err.contains("not used by its config.json"), "{err}");
+    assert!(err.contains("model.layers.1."), "{err}");
+    assert!(!err.contains("model.layers.0."), "{err}");
+}

@@ -63,9 +63,20 @@ fn read_logits(path: &Path) -> Logits {
     }
 }
 
-/// Largest |a - b| over max |b| of every step.
+/// Largest |a - b| over max |b| of every step. Both runs must have kept every step's logits
+/// (the prefill's and each decode step's: `--gen` rows), so the comparison cannot pass empty.
 fn rel_err(a: &Logits, b: &Logits) -> f64 {
     assert_eq!(a.logits.len(), b.logits.len(), "steps differ");
+    assert_eq!(
+        b.logits.len(),
+        GEN,
+        "the runs kept {} steps' logits",
+        b.logits.len()
+    );
+    assert!(
+        b.logits.iter().all(|l| !l.is_empty()),
+        "an empty row of logits"
+    );
     let mut worst = 0.0f64;
     for (x, y) in a.logits.iter().zip(&b.logits) {
         assert_eq!(x.len(), y.len());
@@ -85,6 +96,8 @@ fn rel_err(a: &Logits, b: &Logits) -> f64 {
 
 /// Shapes of every comparison; the model comes with each case.
 const SHAPE: [&str; 6] = ["--batch", "2", "--prompt-len", "8", "--gen", "3"];
+/// `--gen` of [`SHAPE`]: the steps whose logits a run keeps.
+const GEN: usize = 3;
 
 fn reference(dir: &Path, model: &str) -> Logits {
     let path = dir.join(format!("single-{model}.json"));

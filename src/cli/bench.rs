@@ -100,6 +100,8 @@ fn micro_batch_count(text: &str, p: usize) -> Result<usize> {
 #[derive(Args, Debug)]
 pub struct PipelineBenchArgs {
     #[command(flatten)]
+    binding: super::BindingCap,
+    #[command(flatten)]
     model: super::ModelArgs,
     /// Stage counts (virtual devices on the preferred adapter).
     #[arg(long, value_delimiter = ',', default_value = "2,4")]
@@ -132,7 +134,7 @@ pub struct PipelineBenchArgs {
 
 fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
     use wgpar::comm::CommConfig;
-    use wgpar::device::{open_devices, DeviceSelection, GpuOptions};
+    use wgpar::device::{open_devices, DeviceSelection};
     use wgpar::parallel::{
         Engine, Partition, PartitionSpec, PipelineEngine, PipelineStats, Schedule, Strategy,
     };
@@ -178,7 +180,7 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
         adapter: adapters.preferred(),
         count: max,
     };
-    let selected = super::described(&selection, &adapters)?;
+    let selected = args.binding.described(&selection, &adapters)?;
     let dtype = args.model.dtype_for(&selected, false)?;
     // Every (stages, micro-batches) pair, checked before a device opens.
     let pipelines: Vec<(Strategy, usize, usize, usize)> = (args.stages.iter().zip(&counts))
@@ -203,7 +205,7 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
         })
         .collect();
     super::check_runs_fit(&config, dtype, &runs)?;
-    let gpus = open_devices(&adapters, &selection, &GpuOptions::default())?;
+    let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
     let weights = args.model.weights(&config)?;
     println!(
         "# model {} ({} layers), prompt {}, {}, gen {}, {} ({} {})",

@@ -9,7 +9,7 @@ use std::time::Instant;
 use clap::Args;
 use serde::Serialize;
 use wgpar::comm::CommConfig;
-use wgpar::device::{open_devices, Adapters, Created, DeviceSelection, Gpu, GpuOptions};
+use wgpar::device::{open_devices, Adapters, Created, DeviceSelection, Gpu};
 use wgpar::parallel::{build_engine, PartitionSpec, Schedule, Strategy};
 use wgpar::stats::median;
 use wgpar::{Result, WgparError};
@@ -19,6 +19,8 @@ use wgpar::{Result, WgparError};
 pub struct DecodeBenchArgs {
     #[command(flatten)]
     model: super::ModelArgs,
+    #[command(flatten)]
+    binding: super::BindingCap,
     /// Strategies: single, tp (over --tp virtual devices on the preferred adapter), pp (over
     /// --stages virtual devices, one micro-batch).
     #[arg(long, value_delimiter = ',', default_value = "single,tp,pp")]
@@ -145,7 +147,7 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
         adapter: adapters.preferred(),
         count,
     };
-    let selected = super::described(&selection, &adapters)?;
+    let selected = args.binding.described(&selection, &adapters)?;
     let dtype = args.model.dtype_for(&selected, false)?;
     let runs: Vec<super::PlannedRun> = (strategies.iter())
         .map(|(_, s)| super::PlannedRun {
@@ -156,7 +158,7 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
         })
         .collect();
     super::check_runs_fit(&config, dtype, &runs)?;
-    let gpus = open_devices(&adapters, &selection, &GpuOptions::default())?;
+    let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
     let weights = args.model.weights(&config)?;
     let prompts: Vec<Vec<u32>> = (0..args.batch)
         .map(|b| {

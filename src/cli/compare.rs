@@ -8,7 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use wgpar::compare::{
     breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions, ServingOptions,
 };
-use wgpar::device::{open_devices, Adapters, DeviceSelection, GpuOptions};
+use wgpar::device::{open_devices, Adapters, DeviceSelection};
 use wgpar::parallel::{Schedule, Strategy};
 use wgpar::serve::{Length, Rate};
 use wgpar::sim::{Engine, HostProfile};
@@ -27,6 +27,8 @@ pub struct CompareArgs {
     /// Use N virtual devices on one adapter (the default, 4, when there is one GPU).
     #[arg(long = "virtual", value_name = "N")]
     virtual_count: Option<usize>,
+    #[command(flatten)]
+    binding: super::BindingCap,
     /// Batch sizes to sweep.
     #[arg(long, value_delimiter = ',', default_value = "1,4")]
     batches: Vec<usize>,
@@ -87,6 +89,7 @@ impl CompareArgs {
             },
             devices: None,
             virtual_count: None,
+            binding: super::BindingCap::default(),
             batches: vec![1, 4],
             micro_batches: vec![1, 4],
             schedule: "in-flight".into(),
@@ -176,7 +179,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let adapters = Adapters::discover()?;
     let selection = selection(args, &adapters)?;
-    let selected = super::described(&selection, &adapters)?;
+    let selected = args.binding.described(&selection, &adapters)?;
     let dtype = args.model.dtype_for(&selected, false)?;
     let opts = CompareOptions {
         config,
@@ -223,7 +226,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         });
     }
     super::check_runs_fit(&opts.config, dtype, &runs)?;
-    let gpus = open_devices(&adapters, &selection, &GpuOptions::default())?;
+    let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
     if !args.json {
         println!(
             "comparing strategies for model '{}' on {} device(s): {}",

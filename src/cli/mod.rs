@@ -85,12 +85,49 @@ pub struct DeviceArgs {
     /// Keep weights in f32 even where the adapter has SHADER_F16.
     #[arg(long)]
     force_f32: bool,
+    #[command(flatten)]
+    binding: BindingCap,
+}
+
+/// `--max-binding`, for every command that opens devices for a model.
+#[derive(Args, Clone, Debug, Default)]
+pub struct BindingCap {
     /// Run as if every adapter bound at most SIZE per storage buffer (e.g. 128M, WebGPU's
     /// default), below its own limit: the token embedding and LM head are split into blocks
     /// that fit, any other buffer larger than SIZE is refused, as on such an adapter. To
     /// rehearse a smaller adapter on a larger one.
     #[arg(long, value_name = "SIZE", value_parser = parse_binding)]
     max_binding: Option<u64>,
+}
+
+impl BindingCap {
+    /// Device options with this cap (f32 forcing comes from the environment alone).
+    fn gpu_options(&self) -> GpuOptions {
+        GpuOptions {
+            force_f32: false,
+            max_storage_binding: self.max_binding,
+        }
+    }
+
+    /// `selected` as the checks before opening must see them: with the cap the devices will
+    /// be opened with.
+    fn apply(&self, mut selected: Vec<AdapterDesc>) -> Vec<AdapterDesc> {
+        if let Some(cap) = self.max_binding {
+            for adapter in &mut selected {
+                adapter.max_storage_binding = adapter.max_storage_binding.min(cap);
+            }
+        }
+        selected
+    }
+
+    /// The adapters of `selection`, described without opening any, with the cap applied.
+    fn described(
+        &self,
+        selection: &DeviceSelection,
+        adapters: &Adapters,
+    ) -> Result<Vec<AdapterDesc>> {
+        Ok(self.apply(described(selection, adapters)?))
+    }
 }
 
 fn parse_binding(text: &str) -> std::result::Result<u64, String> {
@@ -113,7 +150,7 @@ impl DeviceArgs {
     fn gpu_options(&self) -> GpuOptions {
         GpuOptions {
             force_f32: self.force_f32,
-            max_storage_binding: self.max_binding,
+            ..self.binding.gpu_options()
         }
     }
 
@@ -122,14 +159,7 @@ impl DeviceArgs {
     fn selected(&self, adapters: &Adapters) -> Result<Vec<AdapterDesc>> {
         let selection =
             DeviceSelection::from_options(self.devices.as_deref(), self.virtual_count, adapters)?;
-        let mut selected = described(&selection, adapters)?;
-        if let Some(cap) = self.max_binding {
-            // The checks before opening must see the limit the devices will be opened with.
-            for adapter in &mut selected {
-                adapter.max_storage_binding = adapter.max_storage_binding.min(cap);
-            }
-        }
-        Ok(selected)
+        self.binding.described(&selection, adapters)
     }
 
     /// Opens only the first `count` selected devices.
@@ -286,9 +316,7 @@ impl ModelArgs {
         if self.dtype != "f16" {
             return Ok(DType::F32);
         }
-        let force_f32 = force_f32
-            || std::env::var("WGPAR_FORCE_F32")
-                .is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
+        let force_f32 = force_f32 || wgpar::switches::flag(wgpar::switches::FORCE_F32);
         if force_f32 {
             return Err(WgparError::Config(
                 "--dtype f16 asks for f16 weights, but --force-f32 (or WGPAR_FORCE_F32=1) keeps \
@@ -327,27 +355,39 @@ impl ModelArgs {
     }
 }
 
-/// A Wayland display named relative to `XDG_RUNTIME_DIR` cannot be reached when that variable
-/// is unset or not a folder (a headless shell that inherited `WAYLAND_DISPLAY`): the EGL probe
-/// of adapter discovery would still try, and libwayland print "error: XDG_RUNTIME_DIR is invalid
-/// or not set" although nothing failed. Forgetting such a display silences that and changes no
-/// outcome; a reachable display (absolute path, or a valid runtime folder) is kept.
-fn forget_unreachable_wayland_display() {
-    let Some(display) = std::env::var_os("WAYLAND_DISPLAY") else {
-        return;
-    };
+/// Where no Wayland display can be reached (`XDG_RUNTIME_DIR` unset or not a folder, and
+/// `WAYLAND_DISPLAY` unset or relative to it: a headless shell, CI), adapter discovery would
+/// still probe for one and libwayland print "error: XDG_RUNTIME_DIR is invalid or not set"
+/// although nothing failed. Two probes do it: the EGL one of the GL backend (which reads
+/// `WAYLAND_DISPLAY`: forgotten here) and Mesa's Vulkan device-select layer, which up to Mesa
+/// 22.3 connects to the default display `wayland-0` even with no `WAYLAND_DISPLAY` (disabled
+/// here with its own switch `NODEVICE_SELECT=1`, unless the user set it or chose a device with
+/// `MESA_VK_DEVICE_SELECT`). The layer only orders GPUs by the display they drive, and there
+/// is none; wgpar lists and picks every adapter itself. A reachable display changes nothing.
+fn quiet_unreachable_display_probes() {
     let runtime_ok = std::env::var_os("XDG_RUNTIME_DIR")
         .is_some_and(|d| !d.is_empty() && Path::new(&d).is_dir());
-    if !runtime_ok && !Path::new(&display).is_absolute() {
-        // Runs first in main, before any thread exists.
-        std::env::remove_var("WAYLAND_DISPLAY");
+    let display_absolute =
+        std::env::var_os("WAYLAND_DISPLAY").is_some_and(|d| Path::new(&d).is_absolute());
+    if runtime_ok || display_absolute {
+        return;
+    }
+    // Runs first in main, before any thread exists.
+    std::env::remove_var("WAYLAND_DISPLAY");
+    let user_chose = ["NODEVICE_SELECT", "MESA_VK_DEVICE_SELECT"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some());
+    if !user_chose {
+        std::env::set_var("NODEVICE_SELECT", "1");
     }
 }
 
 /// Entry point: parse, dispatch, report errors as values.
 pub fn main() -> Result<()> {
-    forget_unreachable_wayland_display();
+    quiet_unreachable_display_probes();
     let cli = Cli::parse();
+    // Every environment switch is checked before a device opens or a model is built.
+    wgpar::switches::validate()?;
     // Under mpirun (or --mpi) every rank runs its part of the job; a build without the `mpi`
     // feature refuses a parallel launch here.
     if cli.mpi.active()? {

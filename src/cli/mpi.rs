@@ -150,8 +150,8 @@ mod ranks {
     use wgpar::error::human_bytes;
     use wgpar::model::ModelWeights;
     use wgpar::parallel::{
-        generate, Fault as StageFault, FaultKind as StageFaultKind, PipelineStats, StageStats,
-        Strategy,
+        generate, generate_keeping, Fault as StageFault, FaultKind as StageFaultKind,
+        PipelineStats, StageStats, Strategy,
     };
     use wgpar::trace::{rank_keys, DeviceTiming, Recorder};
     use wgpar::{Result, WgparError};
@@ -517,7 +517,8 @@ mod ranks {
                     }
                     return Err(WgparError::Config("injected fault".into()));
                 }
-                let g = generate(e.as_mut(), &prompts, args.gen)?;
+                let keep = crate::cli::run::keep_for(args);
+                let g = generate_keeping(e.as_mut(), &prompts, args.gen, keep)?;
                 let wall = start.elapsed().as_secs_f64();
                 let decode_stats = e.last_step();
                 say!(

@@ -7,7 +7,8 @@ use wgpar::comm::CommConfig;
 use wgpar::device::{AdapterDesc, Adapters, DType};
 use wgpar::model::ModelConfig;
 use wgpar::parallel::{
-    build_engine, generate, Engine, Fault, FaultKind, PartitionSpec, Schedule, Strategy,
+    build_engine, generate, generate_keeping, Engine, Fault, FaultKind, KeepLogits, PartitionSpec,
+    Schedule, Strategy,
 };
 
 use wgpar::sim::{HostProfile, LinkPacer, PaceSpec};
@@ -500,7 +501,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     engine.prefill(&prompts)?;
     let prefill_stats = engine.last_step();
     let prefill_pipeline = engine.pipeline_stats();
-    let g = generate(engine.as_mut(), &prompts, args.gen)?;
+    let g = generate_keeping(engine.as_mut(), &prompts, args.gen, keep_for(args))?;
     println!(
         "prefill: {} tokens in {:.1} ms = {:.1} tokens/s (time to first token {:.1} ms)",
         g.prompt_tokens,
@@ -561,6 +562,16 @@ pub fn run(args: &RunArgs) -> Result<()> {
 
 /// The pacer `--pace` names: one link as `ALPHA_US:BETA_GBPS`, else a host profile (device 0's
 /// host link, collectives by the profile's cost model). Also says what it paces to.
+/// The logits a run keeps: every step's where `--logits-out` asks for them, else none (only
+/// token ids are read back).
+pub(super) fn keep_for(args: &RunArgs) -> KeepLogits {
+    if args.logits_out.is_some() {
+        KeepLogits::All
+    } else {
+        KeepLogits::None
+    }
+}
+
 /// Writes a generation's tokens and every step's logits as JSON (`--logits-out`).
 pub(super) fn write_logits(
     path: &str,

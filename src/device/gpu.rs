@@ -91,7 +91,7 @@ impl Gpu {
         ordinal: usize,
         options: &GpuOptions,
     ) -> Result<Self> {
-        let force_f32 = options.force_f32 || env_flag("WGPAR_FORCE_F32");
+        let force_f32 = options.force_f32 || crate::switches::flag(crate::switches::FORCE_F32);
         let available = adapter.features();
         let mut wanted = wgpu::Features::empty();
         if !force_f32 {
@@ -546,10 +546,4 @@ impl Readback {
         data.truncate(bytes as usize);
         Ok(data)
     }
-}
-
-fn env_flag(name: &str) -> bool {
-    std::env::var(name)
-        .map(|v| v == "1" || v.eq_ignore_ascii_case("true"))
-        .unwrap_or(false)
 }

@@ -22,7 +22,7 @@ type Key = (Family, &'static str, WeightType, &'static str);
 /// `WGPAR_CHECKED_SHADERS=1` compiles every shader with wgpu's injected bounds checks and loop
 /// bounding (the default path leaves them out; CI runs the kernel tests both ways).
 fn checked_shaders() -> bool {
-    std::env::var("WGPAR_CHECKED_SHADERS").is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+    crate::switches::flag(crate::switches::CHECKED_SHADERS)
 }
 
 /// Pipelines compiled on one device. Thread-safe; compilation happens at most once per key.

@@ -150,6 +150,10 @@ struct CacheEntry {
     /// Median ms of every candidate timed, for the curious.
     #[serde(default)]
     times_ms: BTreeMap<String, f64>,
+    /// When it was saved (seconds since the Unix epoch; 0 in files from before it was kept):
+    /// the oldest entries go first when the file is full.
+    #[serde(default)]
+    saved_s: u64,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -160,10 +164,24 @@ struct CacheFile {
 /// The cache file's name inside the cache folder.
 pub const CACHE_FILE: &str = "tune.json";
 
+/// A cache file larger than this is not read (it is only a cache: it is replaced at the next
+/// save). Its entries are a few hundred bytes, so [`MAX_CACHE_ENTRIES`] of them fit.
+pub const MAX_CACHE_BYTES: u64 = 4 << 20;
+
+/// Entries kept in the file; past it the oldest are dropped at a save.
+pub const MAX_CACHE_ENTRIES: usize = 4096;
+
+/// A temporary file of a save older than this was left by a process that died mid-save (a
+/// save takes milliseconds): the next save removes it.
+const ORPHAN_AGE_S: u64 = 60;
+
 /// Choices of this process, by full key (adapter + class); loaded from the file on first use.
 struct Memory {
     loaded_from: Option<PathBuf>,
     file: CacheFile,
+    /// A save failed in this process: later choices stay in memory, and the warning was
+    /// printed once.
+    save_failed: bool,
 }
 
 static MEMORY: OnceLock<Mutex<Memory>> = OnceLock::new();
@@ -173,6 +191,7 @@ fn memory() -> std::sync::MutexGuard<'static, Memory> {
         Mutex::new(Memory {
             loaded_from: None,
             file: CacheFile::default(),
+            save_failed: false,
         })
     });
     match m.lock() {
@@ -182,12 +201,61 @@ fn memory() -> std::sync::MutexGuard<'static, Memory> {
 }
 
 fn read_cache(path: &Path) -> CacheFile {
-    // An unreadable or corrupt cache is no error: it is only a cache, and the choices are
-    // timed again (and the file rewritten) on first use.
+    // An unreadable, corrupt or oversized cache is no error: it is only a cache, and the
+    // choices are timed again (and the file rewritten) on first use.
+    let small = std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() <= MAX_CACHE_BYTES);
+    if !small {
+        return CacheFile::default();
+    }
     std::fs::read(path)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default()
+}
+
+fn now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Drops what no later run can use: entries of other wgpar versions (their keys name the
+/// version), then the oldest beyond [`MAX_CACHE_ENTRIES`].
+fn prune(file: &mut CacheFile) {
+    let version = format!("| wgpar {} |", env!("CARGO_PKG_VERSION"));
+    file.entries.retain(|k, _| k.contains(&version));
+    let excess = file.entries.len().saturating_sub(MAX_CACHE_ENTRIES);
+    if excess > 0 {
+        let mut by_age: Vec<(u64, String)> = file
+            .entries
+            .iter()
+            .map(|(k, e)| (e.saved_s, k.clone()))
+            .collect();
+        by_age.sort();
+        for (_, k) in by_age.into_iter().take(excess) {
+            file.entries.remove(&k);
+        }
+    }
+}
+
+/// Removes temporary files of saves that never finished (a process killed mid-save).
+fn remove_orphans(dir: &Path) {
+    let Ok(list) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let prefix = format!("{CACHE_FILE}.");
+    for entry in list.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let old = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age.as_secs() > ORPHAN_AGE_S);
+        if name.starts_with(&prefix) && name.ends_with(".tmp") && old {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 fn write_cache(dir: &Path, file: &CacheFile) -> Result<()> {
@@ -196,12 +264,15 @@ fn write_cache(dir: &Path, file: &CacheFile) -> Result<()> {
         source,
     };
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    remove_orphans(dir);
     let path = dir.join(CACHE_FILE);
-    // Merge with what another process may have written meanwhile, then replace atomically.
+    // Merge with what another process may have written meanwhile, prune, then replace
+    // atomically.
     let mut merged = read_cache(&path);
     for (k, v) in &file.entries {
         merged.entries.insert(k.clone(), v.clone());
     }
+    prune(&mut merged);
     let text = serde_json::to_vec_pretty(&merged).map_err(|e| {
         io(
             &path,
@@ -210,7 +281,10 @@ fn write_cache(dir: &Path, file: &CacheFile) -> Result<()> {
     })?;
     let tmp = dir.join(format!("{CACHE_FILE}.{}.tmp", std::process::id()));
     std::fs::write(&tmp, text).map_err(|e| io(&tmp, e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| io(&path, e))
+    std::fs::rename(&tmp, &path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        io(&path, e)
+    })
 }
 
 /// The adapter part of a cache key: name, backend, driver, driver version, wgpar version.
@@ -236,6 +310,7 @@ fn cached(settings: &TuneSettings, key: &str) -> Option<String> {
             .map(|d| read_cache(&d.join(CACHE_FILE)))
             .unwrap_or_default();
         mem.loaded_from = settings.cache_dir.clone();
+        mem.save_failed = false;
     }
     mem.file.entries.get(key).map(|e| e.variant.clone())
 }
@@ -243,14 +318,20 @@ fn cached(settings: &TuneSettings, key: &str) -> Option<String> {
 fn remember(settings: &TuneSettings, key: String, entry: CacheEntry) {
     let mut mem = memory();
     mem.file.entries.insert(key.clone(), entry.clone());
-    if let Some(dir) = &settings.cache_dir {
-        let one = CacheFile {
-            entries: BTreeMap::from([(key, entry)]),
-        };
-        // A read-only or full cache folder costs a retune next time, nothing more.
-        if let Err(e) = write_cache(dir, &one) {
-            eprintln!("wgpar: warning: tuning cache not saved: {e}");
-        }
+    let Some(dir) = &settings.cache_dir else {
+        return;
+    };
+    if mem.save_failed {
+        return;
+    }
+    let one = CacheFile {
+        entries: BTreeMap::from([(key, entry)]),
+    };
+    // A read-only or full cache folder costs a retune next time, nothing more: said once,
+    // and not tried again in this process.
+    if let Err(e) = write_cache(dir, &one) {
+        mem.save_failed = true;
+        eprintln!("wgpar: warning: tuning cache not saved (choices kept in memory): {e}");
     }
 }
 
@@ -384,6 +465,7 @@ fn entry_of(winner: &Variant, timings: &[Timing]) -> CacheEntry {
             .filter(|t| t.variant.candidate)
             .filter_map(|t| t.seconds.map(|s| (t.variant.name.to_string(), s * 1e3)))
             .collect(),
+        saved_s: now_s(),
     }
 }
 
@@ -623,26 +705,93 @@ mod tests {
         assert!(e.contains("nope") && e.contains("gemm_64x64"), "{e}");
     }
 
-    #[test]
-    fn cache_file_round_trips_and_merges() {
-        let dir = std::env::temp_dir().join(format!("wgpar-tune-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let one = |k: &str, v: &str| CacheFile {
+    fn key(class: &str) -> String {
+        format!(
+            "lavapipe [Vulkan] | llvmpipe 1 | wgpar {} | {class}",
+            env!("CARGO_PKG_VERSION")
+        )
+    }
+
+    fn one(k: &str, v: &str, saved_s: u64) -> CacheFile {
+        CacheFile {
             entries: BTreeMap::from([(
                 k.to_string(),
                 CacheEntry {
                     variant: v.into(),
                     times_ms: BTreeMap::new(),
+                    saved_s,
                 },
             )]),
-        };
-        write_cache(&dir, &one("a", "gemv_wg64")).unwrap();
-        write_cache(&dir, &one("b", "gemm_64x64")).unwrap();
+        }
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("wgpar-tune-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn cache_file_round_trips_and_merges() {
+        let dir = scratch("merge");
+        write_cache(&dir, &one(&key("a"), "gemv_wg64", 1)).unwrap();
+        write_cache(&dir, &one(&key("b"), "gemm_64x64", 2)).unwrap();
         let back = read_cache(&dir.join(CACHE_FILE));
-        assert_eq!(back.entries["a"].variant, "gemv_wg64");
-        assert_eq!(back.entries["b"].variant, "gemm_64x64");
+        assert_eq!(back.entries[&key("a")].variant, "gemv_wg64");
+        assert_eq!(back.entries[&key("b")].variant, "gemm_64x64");
         std::fs::write(dir.join(CACHE_FILE), b"not json").unwrap();
         assert!(read_cache(&dir.join(CACHE_FILE)).entries.is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Issue 29 item 17: other versions' entries and the oldest past the cap are dropped.
+    #[test]
+    fn prune_drops_other_versions_and_the_oldest() {
+        let mut file = CacheFile::default();
+        let stale = "lavapipe [Vulkan] | llvmpipe 1 | wgpar 0.0.1 | matmul/x".to_string();
+        file.entries.extend(one(&stale, "gemv_wg64", 9).entries);
+        for i in 0..MAX_CACHE_ENTRIES + 3 {
+            file.entries
+                .extend(one(&key(&format!("c{i}")), "gemv_wg64", 10 + i as u64).entries);
+        }
+        prune(&mut file);
+        assert_eq!(file.entries.len(), MAX_CACHE_ENTRIES);
+        assert!(!file.entries.contains_key(&stale));
+        for i in 0..3 {
+            assert!(
+                !file.entries.contains_key(&key(&format!("c{i}"))),
+                "c{i} kept"
+            );
+        }
+        assert!(file.entries.contains_key(&key("c3")));
+    }
+
+    /// Issue 29 item 17: an oversized file is not read, and a save replaces it with what is
+    /// current; an orphaned temporary file of a killed save is removed, a fresh one is not.
+    #[test]
+    fn oversized_files_and_orphans_are_cleaned_at_a_save() {
+        let dir = scratch("orphans");
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(CACHE_FILE);
+        let big = vec![b' '; MAX_CACHE_BYTES as usize + 1];
+        std::fs::write(&path, &big).unwrap();
+        assert!(read_cache(&path).entries.is_empty());
+        let orphan = dir.join(format!("{CACHE_FILE}.999999.tmp"));
+        let fresh = dir.join(format!("{CACHE_FILE}.999998.tmp"));
+        std::fs::write(&orphan, b"{").unwrap();
+        std::fs::write(&fresh, b"{").unwrap();
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        std::fs::File::options()
+            .write(true)
+            .open(&orphan)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        write_cache(&dir, &one(&key("a"), "gemv_wg64", 1)).unwrap();
+        assert!(std::fs::metadata(&path).unwrap().len() < 4096);
+        assert_eq!(read_cache(&path).entries.len(), 1);
+        assert!(!orphan.exists(), "the orphan was kept");
+        assert!(fresh.exists(), "a save in progress elsewhere was removed");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -639,7 +639,7 @@ impl Variant {
 /// `WGPAR_NO_SUBGROUPS` is not set (the switch CI uses to cover the fallback path).
 pub fn subgroups_usable(gpu: &Gpu) -> bool {
     gpu.device().features().contains(wgpu::Features::SUBGROUP)
-        && !std::env::var("WGPAR_NO_SUBGROUPS").is_ok_and(|v| v == "1" || v == "true")
+        && !crate::switches::flag(crate::switches::NO_SUBGROUPS)
 }
 
 /// The variant used when nothing is tuned (`WGPAR_TUNE=off`, or no timing possible): on a CPU

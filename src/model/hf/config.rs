@@ -244,9 +244,14 @@ pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
             let hidden = keys.usize("hidden_size")?;
             let heads = keys.usize("num_attention_heads")?;
             let mut max_seq = keys.opt_usize("max_position_embeddings")?.unwrap_or(2048);
-            // Mistral's sliding window equals full attention up to the window's length.
-            if let Some(window) = keys.opt_usize("sliding_window")? {
-                max_seq = max_seq.min(window);
+            // A sliding window equals full attention up to the window's length, so the context
+            // is capped there. Mistral applies its window whenever it is set; Qwen2 only under
+            // "use_sliding_window" (false by default), as Hugging Face reads them.
+            let windowed_by_default = keys.str_or("model_type", "")? != "qwen2";
+            if keys.bool_or("use_sliding_window", windowed_by_default)? {
+                if let Some(window) = keys.opt_usize("sliding_window")? {
+                    max_seq = max_seq.min(window);
+                }
             }
             ModelConfig {
                 vocab: keys.usize("vocab_size")?,
@@ -344,6 +349,28 @@ mod tests {
         want.name = "m".into();
         assert_eq!(c.config, want);
         assert_eq!(c.eos, vec![1, 2]);
+    }
+
+    /// Issue 29 item 4: Qwen2 attends over the whole context unless "use_sliding_window" is
+    /// true; Mistral applies a set window; either may say so explicitly.
+    #[test]
+    fn sliding_window_caps_the_context_only_where_it_is_used() {
+        let cases = [
+            ("qwen2", "", 4096),
+            ("qwen2", r#""use_sliding_window":false,"#, 4096),
+            ("qwen2", r#""use_sliding_window":true,"#, 512),
+            ("mistral", "", 512),
+            ("mistral", r#""use_sliding_window":false,"#, 4096),
+        ];
+        for (model_type, flag, want) in cases {
+            let c = parse_str(&format!(
+                r#"{{"model_type":"{model_type}",{flag}"vocab_size":10,"hidden_size":64,
+                    "num_hidden_layers":1,"num_attention_heads":4,"intermediate_size":128,
+                    "max_position_embeddings":4096,"sliding_window":512}}"#
+            ))
+            .unwrap();
+            assert_eq!(c.config.max_seq, want, "{model_type} {flag}");
+        }
     }
 
     #[test]

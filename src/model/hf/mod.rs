@@ -154,6 +154,25 @@ fn check_layers_present(
     Ok(())
 }
 
+/// The warning for tensors a checkpoint holds but its config does not use, naming the first
+/// few; `None` when every tensor was read.
+fn unused_warning(unused: &[String]) -> Option<String> {
+    const SHOWN: usize = 6;
+    let (first, rest) = unused.split_at(unused.len().min(SHOWN));
+    let more = match rest.len() {
+        0 => String::new(),
+        n => format!(" and {n} more"),
+    };
+    (!first.is_empty()).then(|| {
+        format!(
+            "wgpar: warning: {} tensor(s) of the checkpoint are not used by its config.json \
+             (ignored, as Hugging Face does): {}{more}",
+            unused.len(),
+            first.join(", ")
+        )
+    })
+}
+
 impl Checkpoint {
     /// Opens the checkpoint in `dir`: parses config.json, maps the safetensors files and checks
     /// their headers. Tensors are converted later, by [`Self::weights`].
@@ -253,6 +272,11 @@ impl Checkpoint {
             Arch::Bert => bert::load(&r, c, self.positions),
         };
         r.finish();
+        if weights.is_ok() {
+            if let Some(line) = unused_warning(&r.unused()) {
+                eprintln!("{line}");
+            }
+        }
         weights
     }
 

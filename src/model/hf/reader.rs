@@ -1,6 +1,9 @@
 //! Reading one family's tensors by their Hugging Face names: the checkpoint's name prefix is
 //! applied, shapes come from the config, and a progress bar counts the converted bytes.
 
+use std::cell::RefCell;
+use std::collections::HashSet;
+
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::tensors::TensorStore;
@@ -11,7 +14,20 @@ pub struct Reader<'a> {
     store: &'a TensorStore,
     prefix: String,
     bar: ProgressBar,
+    /// Full names of the tensors read so far (for [`Self::unused`]).
+    used: RefCell<HashSet<String>>,
 }
+
+/// Tensors that checkpoints carry but no model reads, and Hugging Face loads without a word:
+/// GPT-2's causal-mask buffers, rotary frequency tables, BERT's position ids and the pooler,
+/// which sentence embeddings do not use.
+const IGNORED_SUFFIXES: [&str; 4] = [
+    ".attn.bias",
+    ".attn.masked_bias",
+    "rotary_emb.inv_freq",
+    "position_ids",
+];
+const IGNORED_PARTS: [&str; 1] = ["pooler."];
 
 impl<'a> Reader<'a> {
     /// The first of `prefixes` under which `probe` exists (the first prefix when none does,
@@ -33,7 +49,12 @@ impl<'a> Reader<'a> {
         } else {
             ProgressBar::hidden()
         };
-        Self { store, prefix, bar }
+        Self {
+            store,
+            prefix,
+            bar,
+            used: RefCell::new(HashSet::new()),
+        }
     }
 
     fn full(&self, name: &str) -> String {
@@ -63,7 +84,25 @@ impl<'a> Reader<'a> {
     pub fn top_level(&self, name: &str, shape: &[usize], what: &str) -> Result<Vec<f32>> {
         let v = self.store.load(name, shape, what)?;
         self.bar.inc(self.store.stored_bytes(name));
+        self.used.borrow_mut().insert(name.to_string());
         Ok(v)
+    }
+
+    /// The checkpoint's tensors that nothing has read (sorted), less those Hugging Face also
+    /// skips silently: after a model is loaded, what its config does not use (for example a
+    /// second layer's tensors under `num_hidden_layers: 1`).
+    pub fn unused(&self) -> Vec<String> {
+        let used = self.used.borrow();
+        let mut names: Vec<String> = self
+            .store
+            .names()
+            .filter(|n| !used.contains(*n))
+            .filter(|n| !IGNORED_SUFFIXES.iter().any(|s| n.ends_with(s)))
+            .filter(|n| !IGNORED_PARTS.iter().any(|p| n.contains(p)))
+            .map(str::to_string)
+            .collect();
+        names.sort();
+        names
     }
 
     /// Clears the progress bar.
