@@ -52,7 +52,7 @@ fn bad_switches_are_refused_before_anything_runs() {
             assert!(!ok, "{name}={value} {args:?}: exit 0");
             assert!(out.is_empty(), "{name}={value} {args:?}: printed {out}");
             assert!(
-                err.contains(name) && err.contains(value.split(',').last().unwrap()),
+                err.contains(name) && err.contains(value.split(',').next_back().unwrap()),
                 "{name}={value}: {err}"
             );
         }

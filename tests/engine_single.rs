@@ -139,3 +139,41 @@ fn bad_input_is_an_error_not_a_panic() {
     let e = engine.prefill(&too_long).unwrap_err().to_string();
     assert!(e.contains("max_seq"), "{e}");
 }
+
+/// Issue 29 item 20: attention variants are chosen per context bucket, so a generation that
+/// grows past 64 positions runs the variant chosen for its longer context (the class keyed by
+/// the cache's capacity served the whole generation before). The tokens stay the reference's.
+#[test]
+fn attention_is_chosen_again_as_the_context_grows() {
+    let gpu = common::gpus(1).remove(0);
+    let config = ModelConfig::preset("tiny-llama").unwrap();
+    assert!(config.max_seq > 80, "the preset must hold a context past 64");
+    let weights = ModelWeights::synthetic(&config, 11);
+    let mut engine = SingleEngine::new(gpu.clone(), &weights, DType::F32).unwrap();
+    let mut oracle = CpuReference::new(&weights);
+    let prompts = common::prompts(1, 60, config.vocab, 5);
+    let first = engine.prefill(&prompts).unwrap();
+    oracle.prefill(&prompts).unwrap();
+    let mut next = first.argmax();
+    // Contexts 61..=70: across the bucket boundary at 64 (bucket 2^6, then 2^7).
+    for step in 0..10 {
+        let got = engine.decode(&next).unwrap();
+        let want = oracle.decode(&next).unwrap().concat();
+        let err = common::rel_err(&got.data, &want);
+        assert!(err < 1e-4, "step {step}: rel err {err}");
+        next = got.argmax();
+    }
+    let classes: Vec<String> = gpu
+        .kernels()
+        .choices()
+        .into_iter()
+        .map(|(class, _)| class)
+        .filter(|c| c.starts_with("attention/causal/s2^0/"))
+        .collect();
+    for bucket in ["ctx2^6", "ctx2^7"] {
+        assert!(
+            classes.iter().any(|c| c.contains(bucket)),
+            "no decode attention class for {bucket}: {classes:?}"
+        );
+    }
+}

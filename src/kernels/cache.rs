@@ -108,6 +108,18 @@ impl KernelCache {
         }
     }
 
+    /// The shape classes this device has chosen a variant for (their keys, sorted), with the
+    /// variant: what ran, for diagnostics and tests.
+    pub fn choices(&self) -> Vec<(String, &'static str)> {
+        let mut out: Vec<(String, &'static str)> = self
+            .choices
+            .lock()
+            .map(|m| m.iter().map(|(c, v)| (c.key(), v.name)).collect())
+            .unwrap_or_default();
+        out.sort();
+        out
+    }
+
     /// Number of pipelines compiled so far.
     pub fn compiled(&self) -> usize {
         self.kernels.lock().map(|m| m.len()).unwrap_or(0)

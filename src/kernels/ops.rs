@@ -942,17 +942,22 @@ impl Attention {
         self
     }
 
-    /// Configures the op for `batch` rows of `seq` new tokens.
+    /// Configures the op for `batch` rows of `seq` new tokens over a context of up to
+    /// `context` positions (the longest row's past plus `seq`; held within `seq..=max_seq`):
+    /// the variant is the one tuned for that context's bucket
+    /// ([`variants::context_bucket`]), so callers configure again when the bucket changes.
     pub fn configure(
         &mut self,
         gpu: &Gpu,
         params: &mut Params,
         (batch, seq): (usize, usize),
+        context: usize,
     ) -> Result<()> {
         const OP: &str = "attention";
         let shape = step_shape(OP, &self.shape, batch, seq)?;
         let values = AttnParams::new(OP, &shape, self.causal)?;
-        let variant = self.choose(gpu, &shape, &values)?;
+        let context = context.clamp(seq, shape.max_seq);
+        let variant = self.choose(gpu, &shape, &values, context)?;
         let heads = shape.n_heads;
         let groups = variants::attention_grid(variant, batch, seq, heads).ok_or_else(|| {
             WgparError::Shape {
@@ -975,6 +980,7 @@ impl Attention {
         gpu: &Gpu,
         shape: &AttnShape,
         values: &AttnParams,
+        context: usize,
     ) -> Result<&'static Variant> {
         const OP: &str = "attention";
         let (batch, seq, heads, dim) = (shape.batch, shape.seq, shape.n_heads, shape.head_dim);
@@ -992,9 +998,6 @@ impl Attention {
             }
             return Ok(v);
         }
-        // Past lengths live in the sequence table on the device: the cache capacity stands
-        // for the context in the shape class.
-        let context = shape.max_seq;
         let class = variants::Class::Attention(variants::AttnClass::of(
             seq,
             context,
@@ -1077,7 +1080,8 @@ pub fn attention_with(
 ) -> Result<()> {
     once(gpu, encoder, "attention", |params| {
         let mut op = Attention::bind(gpu, params, io, shape, mask)?.with_variant(variant);
-        op.configure(gpu, params, (shape.batch, shape.seq))?;
+        // The past lengths are in the device-side table: the cache's capacity bounds them.
+        op.configure(gpu, params, (shape.batch, shape.seq), shape.max_seq)?;
         Ok(op)
     })
 }

@@ -530,8 +530,9 @@ pub fn default_attention(
 }
 
 /// The shape class a tuned attention choice is kept for: power-of-two buckets of new tokens,
-/// cache capacity (the past lengths are in the device-side sequence table) and query rows, the
-/// head dimension, causal or not.
+/// of the context the step attends over ([`context_bucket`]) and of query rows, the head
+/// dimension, causal or not. Keyed by the context rather than the cache's capacity, a
+/// generation moves to the variant tuned for longer contexts as its context grows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AttnClass {
     seq_log2: u32,
@@ -542,12 +543,12 @@ pub struct AttnClass {
 }
 
 impl AttnClass {
-    /// The class of `rows` (batch x heads) query rows of `seq` new tokens over a cache of
-    /// `context` positions.
+    /// The class of `rows` (batch x heads) query rows of `seq` new tokens over a context of
+    /// `context` positions (the longest row's past plus its new tokens).
     pub fn of(seq: usize, context: usize, rows: usize, head_dim: usize, causal: bool) -> Self {
         Self {
             seq_log2: log2_bucket(seq),
-            ctx_log2: log2_bucket(context),
+            ctx_log2: context_bucket(context),
             rows_log2: log2_bucket(rows),
             head_dim: head_dim as u32,
             causal,
@@ -677,6 +678,18 @@ pub struct MatmulClass {
 
 fn log2_bucket(v: usize) -> u32 {
     usize::BITS - v.max(1).saturating_sub(1).leading_zeros()
+}
+
+/// Contexts up to 2^6 = 64 positions share one attention class: below that every variant
+/// reads a few KiB of cache, and a step that crossed a bucket at every power of two would
+/// retune (and allocate its scratch) in the first tokens of most generations.
+pub const MIN_CONTEXT_LOG2: u32 = 6;
+
+/// The context bucket of an attention class: `ceil(log2(context))`, at least
+/// [`MIN_CONTEXT_LOG2`]. A generation changes bucket (and so may change variant) when its
+/// context passes 64, 128, 256, ... positions.
+pub fn context_bucket(context: usize) -> u32 {
+    log2_bucket(context).max(MIN_CONTEXT_LOG2)
 }
 
 impl MatmulClass {

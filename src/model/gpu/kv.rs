@@ -7,6 +7,7 @@ use super::act::Activations;
 use crate::device::{Gpu, Tensor};
 use crate::error::{Result, WgparError};
 use crate::kernels::ops::{self, Attention, AttnMask, AttnShape, KvStore, Params};
+use crate::kernels::variants::context_bucket;
 
 /// One device's KV cache for its layers and heads: per layer, keys and values laid out
 /// `[slots][kv_heads][max_seq][head_dim]`, one slot per sequence. A step's sequence table
@@ -30,6 +31,8 @@ struct KvBinding {
     params: Params,
     layers: Vec<KvLayer>,
     shape: Option<(usize, usize)>,
+    /// The context bucket the attention ops are configured for.
+    context_bucket: Option<u32>,
 }
 
 /// What the cache's ops need to know about the model on this device.
@@ -62,13 +65,15 @@ impl KvCache {
     }
 
     /// Binds the cache's ops to `act` on first use (dropping bindings of activation sets that
-    /// are gone) and configures them for `batch` rows of `seq` tokens when that changed.
+    /// are gone) and configures them for `batch` rows of `seq` tokens when that changed, and
+    /// the attention for a step over `context` positions when its bucket changed.
     pub(super) fn prepare(
         &mut self,
         gpu: &Gpu,
         act: &Activations,
         spec: &KvSpec,
         (batch, seq): (usize, usize),
+        context: usize,
     ) -> Result<()> {
         self.bindings.retain(|b| b.act.strong_count() > 0);
         let index = match self.find(act) {
@@ -80,12 +85,19 @@ impl KvCache {
             }
         };
         let binding = &mut self.bindings[index];
-        if binding.shape != Some((batch, seq)) {
+        let bucket = context_bucket(context);
+        let reshaped = binding.shape != Some((batch, seq));
+        if reshaped || binding.context_bucket != Some(bucket) {
+            // A failure part-way leaves the binding unconfigured, never half-configured.
+            (binding.shape, binding.context_bucket) = (None, None);
             for l in &mut binding.layers {
-                l.store.configure(gpu, &mut binding.params, (batch, seq))?;
-                l.attend.configure(gpu, &mut binding.params, (batch, seq))?;
+                if reshaped {
+                    l.store.configure(gpu, &mut binding.params, (batch, seq))?;
+                }
+                l.attend
+                    .configure(gpu, &mut binding.params, (batch, seq), context)?;
             }
-            binding.shape = Some((batch, seq));
+            (binding.shape, binding.context_bucket) = (Some((batch, seq)), Some(bucket));
         }
         binding.params.flush(gpu);
         Ok(())
@@ -131,6 +143,7 @@ impl KvCache {
             params,
             layers,
             shape: None,
+            context_bucket: None,
         })
     }
 

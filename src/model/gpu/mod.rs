@@ -665,7 +665,8 @@ impl GpuModel {
                 heads: self.attn_heads(),
                 causal: self.config.causal(),
             };
-            kv.prepare(g, act, &spec, shape)?;
+            let context = rows.iter().map(|r| r.past).max().unwrap_or(0) + step.seq;
+            kv.prepare(g, act, &spec, shape, context)?;
         }
         Ok(())
     }
