@@ -346,3 +346,45 @@ fn text_generation_runs_under_every_strategy() {
         assert!(std::fs::metadata(trace).unwrap().len() > 100);
     }
 }
+
+/// `run --logits-out` writes one row of logits per generated step, and each sequence's pick in
+/// a row is the token the run reports (greedy), for a single device and a pipeline alike.
+#[test]
+fn logits_out_holds_every_step_and_its_picks() {
+    for strategy in ["single", "pp"] {
+        let dir = common::scratch(&format!("logits-{strategy}"));
+        let path = dir.join("logits.json");
+        let mut args = vec!["run", "--model", "tiny-gpt2", "--strategy", strategy];
+        if strategy == "pp" {
+            args.extend(["--virtual", "2"]);
+        }
+        args.extend(["--batch", "2", "--prompt-len", "5", "--gen", "4"]);
+        args.extend(["--logits-out", path.to_str().unwrap()]);
+        let (ok, _, err) = common::wgpar(&args);
+        assert!(ok, "{strategy}: {err}");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let (batch, vocab) = (
+            v["batch"].as_u64().unwrap() as usize,
+            v["vocab"].as_u64().unwrap() as usize,
+        );
+        let tokens: Vec<Vec<u64>> = serde_json::from_value(v["tokens"].clone()).unwrap();
+        let rows: Vec<Vec<f32>> = serde_json::from_value(v["logits"].clone()).unwrap();
+        assert_eq!((batch, tokens.len()), (2, 2), "{strategy}");
+        assert_eq!(rows.len(), 4, "{strategy}: one row per generated step");
+        let mut compared = 0;
+        for (step, row) in rows.iter().enumerate() {
+            assert_eq!(row.len(), batch * vocab, "{strategy} step {step}");
+            for (b, seq) in tokens.iter().enumerate() {
+                let logits = &row[b * vocab..(b + 1) * vocab];
+                let argmax = (0..vocab)
+                    .max_by(|&i, &j| logits[i].total_cmp(&logits[j]))
+                    .unwrap();
+                assert_eq!(argmax as u64, seq[step], "{strategy} step {step} seq {b}");
+                compared += 1;
+            }
+        }
+        assert_eq!(compared, 8);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

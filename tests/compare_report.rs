@@ -115,6 +115,7 @@ fn small_comparison_end_to_end() {
     assert_eq!(via("dgx-h100", "wgpar"), ["host-staged"]);
     assert_eq!(via("dgx-h100", "CUDA+NCCL"), ["nccl-nvls"]);
     assert_eq!(via("pcie4-4gpu", "CUDA+NCCL"), ["nccl-shm"]);
+    assert!(!tp2.projected.is_empty());
     assert!(tp2
         .projected
         .iter()

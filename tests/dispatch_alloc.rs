@@ -267,3 +267,44 @@ fn non_finite_logits_are_refused_with_step_and_layer() {
     let e = pp.prefill_step(&prompts, false).unwrap_err();
     assert!(matches!(e, WgparError::NonFinite { step: 0, .. }), "{e}");
 }
+
+/// Tuning creates its buffers and bind groups through the device's counters (so the counts
+/// above see everything wgpar makes): one bind group per variant timed, and the uniform
+/// beside the output scratch.
+#[test]
+fn tuning_creates_through_the_counters() {
+    use wgpar::kernels::tune::{self, Effort, MatmulOperands};
+    let gpu = &common::gpus(1)[0];
+    let (m, n, k) = (3, 70, 45);
+    let x = gpu.upload_f32("x", &common::random(m * k, 5)).unwrap();
+    let w = gpu.upload_f32("w", &common::random(n * k, 6)).unwrap();
+    let candidates: Vec<_> = wgpar::kernels::variants::MATMUL
+        .iter()
+        .filter(|v| v.candidate && v.applies(gpu, (m, n, k)))
+        .collect();
+    let before = gpu.created();
+    let operands = MatmulOperands {
+        x: x.buffer(),
+        w: w.buffer(),
+    };
+    let timings = tune::measure_matmul_variants(
+        gpu,
+        (m, n, k),
+        wgpar::kernels::WeightType::F32,
+        Some(operands),
+        Effort::Bench { samples: 1 },
+        &candidates,
+    )
+    .unwrap();
+    let made = gpu.created() - before;
+    let timed = timings.iter().filter(|t| t.seconds.is_some()).count() as u64;
+    assert!(timed >= 2, "only {timed} variants timed");
+    assert_eq!(
+        made.bind_groups, timed,
+        "one counted bind group per variant timed"
+    );
+    assert_eq!(
+        made.buffers, 2,
+        "the output scratch and the uniform, both counted"
+    );
+}

@@ -410,6 +410,7 @@ fn step_latency_fields_parse_and_malformed_ones_name_file_line_and_field() {
     assert!(net.intra_step_latency_us.is_some() && net.tree_step_latency_us.is_some());
     // Absent, it is 0 (the wgpar engine has none).
     let w = Engine::shipped("wgpar").unwrap();
+    assert!(!w.collectives.is_empty());
     assert!(w.collectives.iter().all(|c| c.step_latency_us == 0.0));
 
     // A negative step latency.

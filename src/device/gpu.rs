@@ -468,7 +468,12 @@ impl Gpu {
     /// A small uniform buffer holding `params`, for a one-off dispatch (the model's ops keep
     /// their parameters in a `kernels::ops::Params` made once instead).
     pub fn uniform<T: bytemuck::Pod>(&self, params: &T) -> wgpu::Buffer {
-        let bytes = bytemuck::bytes_of(params);
+        self.uniform_bytes(bytemuck::bytes_of(params))
+    }
+
+    /// A small uniform buffer holding `bytes` (already laid out as the kernel reads them),
+    /// counted like every other buffer.
+    pub fn uniform_bytes(&self, bytes: &[u8]) -> wgpu::Buffer {
         let buffer = self.create_buffer(&wgpu::BufferDescriptor {
             label: Some("params"),
             size: padded_bytes(bytes.len() as u64),

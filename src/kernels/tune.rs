@@ -577,14 +577,9 @@ pub fn measure_variants(
     grid: &dyn Fn(&Variant) -> Option<[u32; 3]>,
     effort: Effort,
 ) -> Result<Vec<Timing>> {
-    use wgpu::util::DeviceExt;
-    let uniform = gpu
-        .device()
-        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("tune.params"),
-            contents: params,
-            usage: wgpu::BufferUsages::UNIFORM,
-        });
+    // Through the counted constructors: tests/dispatch_alloc.rs counts every buffer and bind
+    // group, tuning's included.
+    let uniform = gpu.uniform_bytes(params);
     let mut out = Vec::new();
     let mut best = f64::INFINITY;
     let started = Instant::now();
@@ -616,7 +611,7 @@ pub fn measure_variants(
             .map(|(i, b)| entry(i as u32, b))
             .collect();
         entries.push(entry(buffers.len() as u32, &uniform));
-        let bind_group = gpu.device().create_bind_group(&wgpu::BindGroupDescriptor {
+        let bind_group = gpu.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("tune"),
             layout: &kernel.layout,
             entries: &entries,
