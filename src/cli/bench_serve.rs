@@ -1,4 +1,4 @@
-//! `wgpar serve`: a serving benchmark in the style of vLLM's `benchmark_serving`. Requests
+//! `wgpar bench serve`: a serving benchmark in the style of vLLM's `benchmark_serving`. Requests
 //! arrive on a seeded Poisson clock (or all at once) and run through one engine with
 //! continuous batching; the command prints request and token throughput, TTFT, TPOT and
 //! end-to-end percentiles, bubble and communication shares, and writes a trace that
@@ -19,7 +19,7 @@ use wgpar::{Result, WgparError};
 use super::run::StrategyArgs;
 use super::{DeviceArgs, ModelArgs};
 
-/// Options of `wgpar serve`.
+/// Options of `wgpar bench serve`.
 #[derive(Args, Clone, Debug)]
 pub struct ServeArgs {
     #[command(flatten)]
