@@ -14,6 +14,7 @@ mod mpi;
 mod plan;
 mod project;
 mod run;
+mod server;
 mod text;
 
 use clap::{Args, Parser, Subcommand};
@@ -48,6 +49,9 @@ enum Command {
     /// Prefill a batch of prompts and greedily decode, reporting tokens/s; with --prompt and a
     /// model folder, generate text.
     Run(run::RunArgs),
+    /// OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics) over any
+    /// strategy, with continuous batching; the benchmark is `bench serve`.
+    Serve(server::ServerArgs),
     /// Single vs tensor vs pipeline vs hybrid parallelism: measured here, projected onto host
     /// profiles, with verdicts, a Markdown report and SVG charts.
     Compare(compare::CompareArgs),
@@ -395,6 +399,7 @@ pub fn main() -> Result<()> {
         Some(Command::Run(args)) => run::run(&args),
         Some(Command::Embed(args)) => embed::run(&args),
         Some(Command::Bench { what }) => bench::run(&what),
+        Some(Command::Serve(args)) => server::run(&args),
         Some(Command::Compare(args)) => compare::run(&args),
         Some(Command::Plan(args)) => plan::run(&args),
         Some(Command::Allreduce(args)) => allreduce::run(&args),
