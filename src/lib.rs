@@ -17,6 +17,7 @@ pub mod kernels;
 pub mod model;
 pub mod parallel;
 pub mod serve;
+pub mod server;
 pub mod sim;
 pub mod stats;
 pub mod switches;

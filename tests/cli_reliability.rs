@@ -51,7 +51,7 @@ fn oversized_models_are_refused_before_building_weights() {
     assert_mentions(&err, &["wte (one row)", "storage binding", "KiB"]);
 }
 
-/// Item 2, in every command that builds a model: `serve`, `compare`, the model benchmarks and
+/// Item 2, in every command that builds a model: `bench serve`, `compare`, the model benchmarks and
 /// `calibrate` check each configuration they will run before opening a device or building a
 /// weight.
 #[test]
@@ -61,8 +61,9 @@ fn every_model_command_refuses_oversized_models_first() {
     let profile = std::env::temp_dir().join(format!("wgpar-oversized-{}.toml", std::process::id()));
     let profile = profile.to_string_lossy().to_string();
     let commands: [&[&str]; 6] = [
-        &["serve", "--requests", "2"],
+        &["bench", "serve", "--requests", "2"],
         &[
+            "bench",
             "serve",
             "--strategy",
             "pp",

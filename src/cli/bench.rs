@@ -22,6 +22,9 @@ pub enum BenchCommand {
     /// buffers and bind groups a steady-state step creates (single device, tensor and
     /// pipeline parallel).
     Decode(super::bench_decode::DecodeBenchArgs),
+    /// Serving benchmark (vLLM benchmark_serving style): seeded Poisson arrivals, continuous
+    /// batching on any strategy; throughput, TTFT, TPOT and latency percentiles.
+    Serve(super::bench_serve::ServeArgs),
     /// Every matmul variant timed per shape (the winner is what autotuning picks, today's
     /// kernel beside it), attention prefill, and the other kernels' GB/s, per device.
     Kernels {
@@ -373,6 +376,7 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Pipeline(args) => bench_pipeline(args),
         BenchCommand::Projection(args) => super::bench_projection::run(args),
         BenchCommand::Decode(args) => super::bench_decode::run(args),
+        BenchCommand::Serve(args) => super::bench_serve::run(args),
         BenchCommand::Kernels {
             devices,
             sizes,

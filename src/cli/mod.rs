@@ -5,6 +5,7 @@ mod allreduce;
 mod bench;
 mod bench_decode;
 mod bench_projection;
+mod bench_serve;
 mod calibrate;
 mod compare;
 mod devices;
@@ -13,7 +14,7 @@ mod mpi;
 mod plan;
 mod project;
 mod run;
-mod serve;
+mod server;
 mod text;
 
 use clap::{Args, Parser, Subcommand};
@@ -48,9 +49,9 @@ enum Command {
     /// Prefill a batch of prompts and greedily decode, reporting tokens/s; with --prompt and a
     /// model folder, generate text.
     Run(run::RunArgs),
-    /// Serving benchmark (vLLM benchmark_serving style): seeded Poisson arrivals, continuous
-    /// batching on any strategy; throughput, TTFT, TPOT and latency percentiles.
-    Serve(serve::ServeArgs),
+    /// OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics) over any
+    /// strategy, with continuous batching; the benchmark is `bench serve`.
+    Serve(server::ServerArgs),
     /// Single vs tensor vs pipeline vs hybrid parallelism: measured here, projected onto host
     /// profiles, with verdicts, a Markdown report and SVG charts.
     Compare(compare::CompareArgs),
@@ -396,9 +397,9 @@ pub fn main() -> Result<()> {
     match cli.command {
         Some(Command::Devices { json }) => devices::print(&Adapters::discover()?, json),
         Some(Command::Run(args)) => run::run(&args),
-        Some(Command::Serve(args)) => serve::run(&args),
         Some(Command::Embed(args)) => embed::run(&args),
         Some(Command::Bench { what }) => bench::run(&what),
+        Some(Command::Serve(args)) => server::run(&args),
         Some(Command::Compare(args)) => compare::run(&args),
         Some(Command::Plan(args)) => plan::run(&args),
         Some(Command::Allreduce(args)) => allreduce::run(&args),

@@ -193,7 +193,10 @@ pub fn serve(
         let now = t0.elapsed().as_secs_f64();
         while arrived < total && requests[arrived].arrival_s <= now {
             let r = &requests[arrived];
-            let at = t0 + Duration::from_secs_f64(r.arrival_s);
+            let at = Duration::try_from_secs_f64(r.arrival_s)
+                .ok()
+                .and_then(|d| t0.checked_add(d))
+                .unwrap_or(t0);
             state.outcomes[arrived].arrival_us = recorder.us_since_epoch(at);
             match refusal(r, config.max_seq, config.vocab, &config.name) {
                 Some(e) => {
@@ -220,7 +223,7 @@ pub fn serve(
         if state.lanes.iter().all(|l| l.busy.is_none()) {
             match until_arrival {
                 Some(wait) => {
-                    std::thread::sleep(Duration::from_secs_f64(wait));
+                    std::thread::sleep(Duration::try_from_secs_f64(wait).unwrap_or(Duration::MAX));
                     continue;
                 }
                 None => {
@@ -235,7 +238,7 @@ pub fn serve(
         let could_start = state.lanes.iter().any(|l| l.busy.is_none()) && !state.free.is_empty();
         let timeout = until_arrival
             .filter(|_| could_start)
-            .map(Duration::from_secs_f64);
+            .map(|w| Duration::try_from_secs_f64(w).unwrap_or(Duration::MAX));
         if let Some(done) = engine.complete(timeout)? {
             let now = t0.elapsed().as_secs_f64();
             state.finish_step(done, now, &mut |d| progress(d, total))?;

@@ -8,6 +8,16 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
+/// The slowest Poisson rate accepted: one request per 10^6 s (about 11.6 days) on average.
+/// Slower rates put arrivals past what a clock can wait for.
+pub const MIN_RATE: f64 = 1e-6;
+
+/// Most requests one workload makes.
+pub const MAX_REQUESTS: usize = 1_000_000;
+
+/// Most prompt tokens one workload holds at once (256 MiB of token ids).
+pub const MAX_WORKLOAD_TOKENS: usize = 1 << 26;
+
 /// How requests arrive.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub enum Rate {
@@ -26,6 +36,11 @@ impl FromStr for Rate {
             return Ok(Rate::Burst);
         }
         match text.parse::<f64>() {
+            Ok(r) if r.is_finite() && r > 0.0 && r < MIN_RATE => Err(format!(
+                "rate {text} req/s is a request every {:.3e} s on average; the slowest rate \
+                 is {MIN_RATE:e} req/s",
+                1.0 / r
+            )),
             Ok(r) if r.is_finite() && r > 0.0 => Ok(Rate::PerSecond(r)),
             Ok(f) if f.is_infinite() && f > 0.0 => Ok(Rate::Burst),
             _ => Err(format!(
@@ -134,6 +149,30 @@ pub struct ServeRequest {
 }
 
 impl WorkloadSpec {
+    /// Checks the workload's size before anything is allocated: at most [`MAX_REQUESTS`]
+    /// requests and [`MAX_WORKLOAD_TOKENS`] prompt tokens (at the longest prompt).
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if self.requests == 0 {
+            return Err("--requests must be at least 1".into());
+        }
+        if self.requests > MAX_REQUESTS {
+            return Err(format!(
+                "--requests {} is more than the {MAX_REQUESTS} one run makes",
+                self.requests
+            ));
+        }
+        let tokens = self.requests.saturating_mul(self.prompt_len.max());
+        if tokens > MAX_WORKLOAD_TOKENS {
+            return Err(format!(
+                "--requests {} x --prompt-len up to {} is {tokens} prompt tokens; one run \
+                 holds at most {MAX_WORKLOAD_TOKENS}",
+                self.requests,
+                self.prompt_len.max()
+            ));
+        }
+        Ok(())
+    }
+
     /// The requests, in arrival order, with token ids below `vocab`.
     pub fn generate(&self, vocab: usize) -> Vec<ServeRequest> {
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
@@ -173,6 +212,11 @@ mod tests {
             let e = bad.parse::<Rate>().unwrap_err();
             assert!(e.contains("requests per second"), "{bad}: {e}");
         }
+        for slow in ["1e-20", "1e-7", "5e-300"] {
+            let e = slow.parse::<Rate>().unwrap_err();
+            assert!(e.contains("slowest rate"), "{slow}: {e}");
+        }
+        assert!("1e-6".parse::<Rate>().is_ok());
         assert_eq!("32".parse::<Length>(), Ok(Length::Fixed(32)));
         assert_eq!(
             "8:40".parse::<Length>(),

@@ -118,6 +118,16 @@ impl TextTokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Token ids of `text` alone, without the special tokens of the post-processor: for a
+    /// chat prompt, whose template writes its own.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| self.fail("encoding", e))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     /// An encoder input: ids and token types of `text`.
     pub fn encode_for_encoder(&self, text: &str) -> Result<EncoderInput> {
         let enc = self

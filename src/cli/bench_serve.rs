@@ -1,4 +1,4 @@
-//! `wgpar serve`: a serving benchmark in the style of vLLM's `benchmark_serving`. Requests
+//! `wgpar bench serve`: a serving benchmark in the style of vLLM's `benchmark_serving`. Requests
 //! arrive on a seeded Poisson clock (or all at once) and run through one engine with
 //! continuous batching; the command prints request and token throughput, TTFT, TPOT and
 //! end-to-end percentiles, bubble and communication shares, and writes a trace that
@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
-use wgpar::parallel::{build_step_engine, Schedule};
+use wgpar::parallel::{build_step_engine, Schedule, Strategy};
 use wgpar::serve::{serve, Length, Rate, ServeOptions, ServeRun, WorkloadSpec};
 use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
@@ -19,7 +19,7 @@ use wgpar::{Result, WgparError};
 use super::run::StrategyArgs;
 use super::{DeviceArgs, ModelArgs};
 
-/// Options of `wgpar serve`.
+/// Options of `wgpar bench serve`.
 #[derive(Args, Clone, Debug)]
 pub struct ServeArgs {
     #[command(flatten)]
@@ -73,9 +73,14 @@ struct Output<'a> {
 /// Runs the benchmark.
 pub fn run(args: &ServeArgs) -> Result<()> {
     let config = args.model.config()?;
-    if args.requests == 0 {
-        return Err(WgparError::Config("--requests must be at least 1".into()));
-    }
+    let spec = WorkloadSpec {
+        requests: args.requests,
+        rate: args.rate,
+        prompt_len: args.prompt_len,
+        output_len: args.output_len,
+        seed: args.workload_seed,
+    };
+    spec.check().map_err(WgparError::Config)?;
     if args.strategy.schedule() == Schedule::GPipe {
         return Err(WgparError::Config(
             "--schedule gpipe does not apply to serve: requests join and leave the running \
@@ -83,18 +88,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                 .into(),
         ));
     }
-    let longest = args.prompt_len.max() + args.output_len.max() - 1;
-    if longest > config.max_seq {
-        return Err(WgparError::Config(format!(
-            "--prompt-len up to {} and --output-len up to {} need {longest} tokens of KV \
-             cache per request, but model '{}' holds {} (max_seq): every such request would be \
-             refused",
-            args.prompt_len.max(),
-            args.output_len.max(),
-            config.name,
-            config.max_seq
-        )));
-    }
+    check_lengths_fit(args, &config)?;
     let opts = ServeOptions {
         max_batch: args.max_batch,
         max_prefill_tokens: args.max_prefill_tokens,
@@ -104,18 +98,18 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             "--max-batch and --max-prefill-tokens must be at least 1".into(),
         ));
     }
+    if let Some(path) = &args.trace {
+        // Fail now, not after the run: create (or truncate) the file it will be written to.
+        std::fs::File::create(path).map_err(|source| WgparError::Io {
+            path: path.clone(),
+            source,
+        })?;
+    }
     let pacer = args
         .pace
         .as_deref()
         .map(super::run::pacer_for)
         .transpose()?;
-    let spec = WorkloadSpec {
-        requests: args.requests,
-        rate: args.rate,
-        prompt_len: args.prompt_len,
-        output_len: args.output_len,
-        seed: args.workload_seed,
-    };
     let adapters = Adapters::discover()?;
     let selected = args.devices.selected(&adapters)?;
     let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
@@ -125,7 +119,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         "hybrid" => selected.len() / args.strategy.tp.unwrap_or(2).max(1),
         _ => 1,
     };
-    let strategy = args.strategy.strategy_with(stages.max(1))?;
+    let strategy = args
+        .strategy
+        .strategy_with(stages.clamp(1, opts.max_batch))?;
+    check_lanes_have_slots(&strategy, opts.max_batch)?;
     super::check_runs_fit(
         &config,
         dtype,
@@ -272,6 +269,55 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             p.measured_bubble * 100.0,
             p.theoretical_bubble * 100.0
         );
+    }
+    Ok(())
+}
+
+/// Refuses prompt and output lengths of which some requests cannot fit a KV slot, saying
+/// which do fit.
+fn check_lengths_fit(args: &ServeArgs, config: &wgpar::model::ModelConfig) -> Result<()> {
+    let (prompt, output) = (args.prompt_len.max(), args.output_len.max());
+    // The last generated token is sampled, never cached.
+    let longest = prompt + output - 1;
+    if longest <= config.max_seq {
+        return Ok(());
+    }
+    let fitting_prompt = (config.max_seq + 1).saturating_sub(output);
+    let advice = if fitting_prompt >= 1 {
+        format!(
+            "with --output-len up to {output}, prompts of at most {fitting_prompt} tokens fit: \
+             lower --prompt-len to at most {fitting_prompt}, or raise --max-seq to {longest}"
+        )
+    } else {
+        format!(
+            "--output-len up to {output} alone needs {} tokens: no prompt fits; raise \
+             --max-seq to {longest}",
+            output - 1
+        )
+    };
+    Err(WgparError::Config(format!(
+        "--prompt-len up to {prompt} and --output-len up to {output} need up to {longest} \
+         tokens of KV cache per request, but model '{}' holds {} (max_seq), so the longest \
+         requests would be refused; {advice}",
+        config.name, config.max_seq
+    )))
+}
+
+/// Refuses a pipeline with more micro-batch lanes than KV slots: the extra lanes would never
+/// run a sequence.
+fn check_lanes_have_slots(strategy: &Strategy, max_batch: usize) -> Result<()> {
+    let lanes = match strategy {
+        Strategy::Pipeline { micro_batches, .. } | Strategy::Hybrid { micro_batches, .. } => {
+            *micro_batches
+        }
+        _ => return Ok(()),
+    };
+    if lanes > max_batch {
+        return Err(WgparError::Config(format!(
+            "--micro-batches {lanes} keeps {lanes} lanes in flight, but --max-batch {max_batch} \
+             gives KV slots to only {max_batch} of them: raise --max-batch to at least {lanes} \
+             or lower --micro-batches to {max_batch}"
+        )));
     }
     Ok(())
 }

@@ -1,0 +1,204 @@
+//! `wgpar serve`: the OpenAI-compatible HTTP server (see `wgpar::server` and docs/SERVING.md).
+//! Checks the options, the model and the strategy before anything opens, then hands a
+//! builder of the engine to the server.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use wgpar::comm::CommConfig;
+use wgpar::device::Adapters;
+use wgpar::model::hf::Checkpoint;
+use wgpar::parallel::{build_step_engine, Schedule};
+use wgpar::serve::{serve, Length, Rate, ServeOptions, WorkloadSpec};
+use wgpar::server::{BatchOptions, ChatTemplate, EngineBuilder, ServerOptions, TextModel};
+use wgpar::trace::Recorder;
+use wgpar::{Result, WgparError};
+
+use super::run::{FaultSpec, StrategyArgs};
+use super::{DeviceArgs, ModelArgs};
+
+/// Options of `wgpar serve`.
+#[derive(Args, Clone, Debug)]
+pub struct ServerArgs {
+    #[command(flatten)]
+    devices: DeviceArgs,
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    strategy: StrategyArgs,
+    /// Address to listen on (loopback unless told otherwise).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Port to listen on (0: any free port, printed at start).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// KV slots: sequences in the running batches at once (over all pipeline lanes).
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Most prompt tokens one prefill step takes.
+    #[arg(long, default_value_t = 2048)]
+    max_prefill_tokens: usize,
+    /// Requests that may wait for a KV slot; beyond, 503 with Retry-After.
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Require `Authorization: Bearer KEY` on every route but /health.
+    #[arg(long, value_name = "KEY")]
+    api_key: Option<String>,
+    /// Largest request body, bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body: usize,
+    /// Seconds requests in flight get to finish after SIGINT or SIGTERM.
+    #[arg(long, default_value_t = 30.0)]
+    shutdown_timeout: f64,
+    /// Pace transfers and collectives to a host profile's links, or to ALPHA_US:BETA_GBPS.
+    #[arg(long, value_name = "PROFILE|ALPHA_US:BETA_GBPS")]
+    pace: Option<String>,
+    /// Make a worker fail after warm-up (tests of the failure path), as `run --inject-fault`:
+    /// e.g. `stage=1,kind=error,at=step:0`.
+    #[arg(long, value_name = "SPEC")]
+    inject_fault: Option<String>,
+}
+
+/// Most KV slots and queue places the server takes.
+const MAX_SLOTS: usize = 4096;
+const MAX_QUEUE: usize = 1 << 20;
+
+/// Checks the options that need no model.
+fn check_options(args: &ServerArgs) -> Result<()> {
+    if args.max_batch == 0 || args.max_batch > MAX_SLOTS || args.max_prefill_tokens == 0 {
+        return Err(WgparError::Config(format!(
+            "--max-batch must be within 1..={MAX_SLOTS} and --max-prefill-tokens at least 1"
+        )));
+    }
+    if args.max_queue > MAX_QUEUE || args.max_body < 64 {
+        return Err(WgparError::Config(format!(
+            "--max-queue must be at most {MAX_QUEUE}, --max-body at least 64 bytes"
+        )));
+    }
+    if !(0.0..=86400.0).contains(&args.shutdown_timeout) {
+        return Err(WgparError::Config(
+            "--shutdown-timeout must be within 0..=86400 seconds".into(),
+        ));
+    }
+    if args.strategy.schedule() == Schedule::GPipe {
+        return Err(WgparError::Config(
+            "--schedule gpipe does not apply to serve: requests join and leave the running \
+             batch at every token"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Runs the server until SIGINT or SIGTERM.
+pub fn run(args: &ServerArgs) -> Result<()> {
+    check_options(args)?;
+    let dir = args.model.checkpoint_dir().ok_or_else(|| {
+        WgparError::Config(format!(
+            "serve needs --model DIR, a Hugging Face model folder with tokenizer.json ('{}' \
+             is not a folder)",
+            args.model.model
+        ))
+    })?;
+    let config = args.model.config()?;
+    let ckpt = Checkpoint::open(dir)?;
+    let text = TextModel {
+        name: config.name.clone(),
+        tokenizer: ckpt.tokenizer()?,
+        template: ChatTemplate::load(dir)?,
+        eos: ckpt.eos_tokens().to_vec(),
+        max_seq: config.max_seq,
+        vocab: config.vocab,
+    };
+    let adapters = Adapters::discover()?;
+    let selected = args.devices.selected(&adapters)?;
+    let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
+    let stages = match args.strategy.strategy.as_str() {
+        "pp" => selected.len(),
+        "hybrid" => selected.len() / args.strategy.tp.unwrap_or(2).max(1),
+        _ => 1,
+    };
+    let strategy = args
+        .strategy
+        .strategy_with(stages.clamp(1, args.max_batch))?;
+    let fault = match &args.inject_fault {
+        Some(t) => {
+            let spec = FaultSpec::parse(t)?;
+            spec.check(&strategy, selected.len())?;
+            Some(spec)
+        }
+        None => None,
+    };
+    super::check_runs_fit(
+        &config,
+        dtype,
+        &[super::PlannedRun {
+            strategy: &strategy,
+            adapters: &selected,
+            step_tokens: args.max_prefill_tokens.min(config.max_seq),
+            batch: args.max_batch,
+        }],
+    )?;
+    let pacer = args
+        .pace
+        .as_deref()
+        .map(super::run::pacer_for)
+        .transpose()?;
+    let batch = BatchOptions {
+        slots: args.max_batch,
+        max_prefill_tokens: args.max_prefill_tokens,
+    };
+    let (devices, model) = (args.devices.clone(), args.model.clone());
+    let build: EngineBuilder = Box::new(move || {
+        let gpus = devices.open(&adapters)?;
+        let weights = model.weights(&config)?;
+        let mut engine = build_step_engine(
+            &strategy,
+            &gpus,
+            &weights,
+            dtype,
+            &CommConfig::default(),
+            (batch.slots, 16.min(config.max_seq)),
+        )?;
+        drop(weights);
+        if let Some((pacer, _)) = pacer {
+            engine.set_pacer(Some(Arc::new(pacer)));
+        }
+        warm_up(engine.as_mut(), batch)?;
+        if let Some(f) = fault {
+            engine.inject_fault(f.worker, f.fault)?;
+        }
+        Ok(engine)
+    });
+    let opts = ServerOptions {
+        addr: SocketAddr::new(args.host, args.port),
+        max_queue: args.max_queue,
+        api_key: args.api_key.clone(),
+        max_body: args.max_body,
+        shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),
+        batch,
+    };
+    wgpar::server::run(opts, text, build)
+}
+
+/// Compiles every kernel and reserves the KV slots: a few short requests through the
+/// scheduler, untimed.
+fn warm_up(engine: &mut dyn wgpar::parallel::StepEngine, batch: BatchOptions) -> Result<()> {
+    let config = engine.model_config().clone();
+    let warm = WorkloadSpec {
+        requests: (2 * engine.lanes()).clamp(2, batch.slots.max(2)),
+        rate: Rate::Burst,
+        prompt_len: Length::Fixed(4.min(config.max_seq)),
+        output_len: Length::Fixed(2.min(config.max_seq + 1 - 4.min(config.max_seq))),
+        seed: 0,
+    }
+    .generate(config.vocab);
+    let opts = ServeOptions {
+        max_batch: batch.slots,
+        max_prefill_tokens: batch.max_prefill_tokens,
+    };
+    serve(engine, &warm, &opts, Recorder::disabled(), &mut |_, _| {})?;
+    Ok(())
+}

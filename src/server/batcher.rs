@@ -1,0 +1,356 @@
+//! The engine thread: requests from every connection join the running batches at token
+//! boundaries (continuous batching, as `serve::serve` schedules a benchmark), and each picked
+//! token goes to its request's channel at once.
+//!
+//! The thread owns the engine (engines are not `Send`; it builds its own). A request whose
+//! receiver is gone (the client disconnected, or a stop string ended it) leaves its lane at
+//! the lane's next step boundary and frees its KV slot. An engine error ends every request
+//! with that error and marks the server failed.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam::channel::{Receiver, RecvTimeoutError, TryRecvError};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::metrics::Metrics;
+use super::Shared;
+use crate::error::Result;
+use crate::parallel::{BatchStep, SeqRow, StepEngine};
+
+/// What the engine sends a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The next token.
+    Token(u32),
+    /// The request has its tokens: `true` when an end-of-sequence token ended it (that token
+    /// is not sent), `false` at `max_new`.
+    Done { eos: bool },
+    /// The engine failed.
+    Error(String),
+}
+
+/// A request for the engine.
+#[derive(Debug)]
+pub struct Job {
+    /// Prompt token ids (checked against the vocabulary and the context).
+    pub prompt: Vec<u32>,
+    /// Tokens to generate, at least 1.
+    pub max_new: usize,
+    /// Where its events go; dropping the receiver cancels the request.
+    pub events: UnboundedSender<Event>,
+    /// When it was accepted (for the time-to-first-token histogram).
+    pub accepted: Instant,
+}
+
+struct Seq {
+    job: Job,
+    slot: usize,
+    past: usize,
+    next: u32,
+    generated: usize,
+    first_at: Option<Instant>,
+}
+
+enum Flight {
+    Prefill(Vec<Seq>),
+    Decode,
+}
+
+#[derive(Default)]
+struct Lane {
+    seqs: Vec<Seq>,
+    busy: Option<Flight>,
+}
+
+/// How the engine loop batches.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchOptions {
+    /// KV slots over all lanes.
+    pub slots: usize,
+    /// Most prompt tokens one prefill step takes (a longer prompt still runs, alone).
+    pub max_prefill_tokens: usize,
+}
+
+/// The scheduler's state between steps.
+struct Batcher {
+    lanes: Vec<Lane>,
+    free: Vec<usize>,
+    waiting: VecDeque<Job>,
+    per_lane: usize,
+    opts: BatchOptions,
+    eos: Vec<u32>,
+    metrics: Arc<Metrics>,
+    shared: Arc<Shared>,
+}
+
+/// Runs the engine loop until `jobs` closes and every request has finished, or the engine
+/// fails (then every request gets the error and the server is marked failed).
+pub fn run(
+    engine: &mut dyn StepEngine,
+    jobs: &Receiver<Job>,
+    opts: BatchOptions,
+    eos: Vec<u32>,
+    shared: Arc<Shared>,
+) {
+    let metrics = shared.metrics.clone();
+    let mut b = Batcher {
+        lanes: (0..engine.lanes().max(1))
+            .map(|_| Lane::default())
+            .collect(),
+        free: (0..opts.slots).rev().collect(),
+        waiting: VecDeque::new(),
+        per_lane: opts.slots.div_ceil(engine.lanes().max(1)),
+        opts,
+        eos,
+        metrics,
+        shared,
+    };
+    if let Err(e) = b.serve(engine, jobs) {
+        b.fail(&e.to_string());
+        // Whatever arrives later gets the error too, until the listener closes.
+        while let Ok(job) = jobs.recv() {
+            b.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            let _ = job
+                .events
+                .send(Event::Error(format!("the engine failed: {e}")));
+        }
+    }
+}
+
+impl Batcher {
+    fn serve(&mut self, engine: &mut dyn StepEngine, jobs: &Receiver<Job>) -> Result<()> {
+        let mut open = true;
+        let mut steps = 0usize;
+        loop {
+            let idle = self.lanes.iter().all(|l| l.busy.is_none());
+            if idle && self.waiting.is_empty() && self.running() == 0 {
+                if !open {
+                    return Ok(());
+                }
+                // Nothing to do: block for the next request (bounded, to notice shutdown).
+                match jobs.recv_timeout(Duration::from_millis(200)) {
+                    Ok(job) => self.waiting.push_back(job),
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => open = false,
+                }
+            }
+            loop {
+                match jobs.try_recv() {
+                    Ok(job) => self.waiting.push_back(job),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            self.drop_cancelled();
+            for lane in 0..self.lanes.len() {
+                if self.lanes[lane].busy.is_none() {
+                    if let Some((step, flight)) = self.plan(lane) {
+                        engine.submit(step)?;
+                        self.lanes[lane].busy = Some(flight);
+                    }
+                }
+            }
+            self.publish();
+            if self.lanes.iter().all(|l| l.busy.is_none()) {
+                continue;
+            }
+            // With an idle lane, wake soon to start new requests; otherwise wait for a step.
+            let any_idle = self.lanes.iter().any(|l| l.busy.is_none());
+            let timeout = any_idle.then_some(Duration::from_millis(2));
+            if let Some(done) = engine.complete(timeout)? {
+                self.finish(done.lane, &done.tokens)?;
+                steps += 1;
+                if steps % 16 == 0 {
+                    self.account(engine);
+                }
+            }
+        }
+    }
+
+    fn running(&self) -> usize {
+        self.lanes
+            .iter()
+            .map(|l| {
+                l.seqs.len()
+                    + match &l.busy {
+                        Some(Flight::Prefill(s)) => s.len(),
+                        _ => 0,
+                    }
+            })
+            .sum()
+    }
+
+    /// Requests whose client went away leave idle lanes and the queue; their slots free.
+    fn drop_cancelled(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|j| !j.events.is_closed());
+        let gone = before - self.waiting.len();
+        if gone > 0 {
+            self.shared.queued.fetch_sub(gone, Ordering::SeqCst);
+            self.metrics.cancelled.inc_by(gone as u64);
+        }
+        for lane in self.lanes.iter_mut().filter(|l| l.busy.is_none()) {
+            let (keep, gone): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut lane.seqs)
+                .into_iter()
+                .partition(|s| !s.job.events.is_closed());
+            lane.seqs = keep;
+            for s in gone {
+                self.free.push(s.slot);
+                self.metrics.cancelled.inc();
+            }
+        }
+    }
+
+    /// The next step for idle `lane`: a prefill of waiting requests of the oldest one's
+    /// prompt length if the lane has room, else a decode step of its batch.
+    fn plan(&mut self, lane: usize) -> Option<(BatchStep, Flight)> {
+        let room = self
+            .per_lane
+            .saturating_sub(self.lanes[lane].seqs.len())
+            .min(self.free.len());
+        if let (Some(oldest), true) = (self.waiting.front(), room > 0) {
+            let len = oldest.prompt.len();
+            let (mut rows, mut ids, mut joining) = (Vec::new(), Vec::new(), Vec::new());
+            while let Some(job) = self.waiting.front() {
+                let fits =
+                    rows.is_empty() || (rows.len() + 1) * len <= self.opts.max_prefill_tokens;
+                if job.prompt.len() != len || rows.len() == room || !fits {
+                    break;
+                }
+                let job = self.waiting.pop_front()?;
+                self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                let slot = self.free.pop()?;
+                rows.push(SeqRow { slot, past: 0 });
+                ids.extend_from_slice(&job.prompt);
+                joining.push(Seq {
+                    job,
+                    slot,
+                    past: 0,
+                    next: 0,
+                    generated: 0,
+                    first_at: None,
+                });
+            }
+            let step = BatchStep {
+                lane,
+                rows,
+                seq: len,
+                ids,
+                deps: Vec::new(),
+                release_us: None,
+            };
+            return Some((step, Flight::Prefill(joining)));
+        }
+        let seqs = &self.lanes[lane].seqs;
+        if seqs.is_empty() {
+            return None;
+        }
+        let step = BatchStep {
+            lane,
+            rows: seqs
+                .iter()
+                .map(|s| SeqRow {
+                    slot: s.slot,
+                    past: s.past,
+                })
+                .collect(),
+            seq: 1,
+            ids: seqs.iter().map(|s| s.next).collect(),
+            deps: Vec::new(),
+            release_us: None,
+        };
+        Some((step, Flight::Decode))
+    }
+
+    /// Hands a finished step's tokens to their requests; finished ones leave.
+    fn finish(&mut self, lane: usize, tokens: &[u32]) -> Result<()> {
+        let flight = self
+            .lanes
+            .get_mut(lane)
+            .and_then(|l| l.busy.take())
+            .ok_or_else(|| {
+                crate::WgparError::Internal(format!("lane {lane} returned a step it never ran"))
+            })?;
+        let (prefill, mut seqs) = match flight {
+            Flight::Prefill(new) => (true, new),
+            Flight::Decode => (false, std::mem::take(&mut self.lanes[lane].seqs)),
+        };
+        if tokens.len() != seqs.len() {
+            return Err(crate::WgparError::Shape {
+                op: "serving step".into(),
+                detail: format!("{} tokens for {} sequences", tokens.len(), seqs.len()),
+            });
+        }
+        let now = Instant::now();
+        for (mut s, &token) in seqs.drain(..).zip(tokens) {
+            s.past += if prefill { s.job.prompt.len() } else { 1 };
+            s.next = token;
+            s.generated += 1;
+            if s.first_at.is_none() {
+                s.first_at = Some(now);
+                self.metrics.observe_first(&s.job);
+            }
+            let eos = self.eos.contains(&token);
+            if !eos {
+                let _ = s.job.events.send(Event::Token(token));
+                self.metrics.generation_tokens.inc();
+            }
+            if eos || s.generated >= s.job.max_new {
+                let _ = s.job.events.send(Event::Done { eos });
+                self.metrics.observe_done(&s.job, s.first_at, s.generated);
+                self.free.push(s.slot);
+            } else {
+                self.lanes[lane].seqs.push(s);
+            }
+        }
+        Ok(())
+    }
+
+    /// Bubble and communication shares, from the engine's accounting.
+    fn account(&self, engine: &dyn StepEngine) {
+        if let Some(p) = engine.serving_stats() {
+            self.metrics.bubble.set(p.measured_bubble);
+        }
+        if let Some(s) = engine.last_step() {
+            self.metrics.communication.set(s.comm_share());
+        }
+    }
+
+    /// Gauges: requests running and waiting, KV slots in use.
+    fn publish(&self) {
+        let running = self.running() as i64;
+        self.metrics.running.set(running);
+        self.metrics.waiting.set(self.waiting.len() as i64);
+        self.metrics
+            .kv_slots_used
+            .set((self.opts.slots - self.free.len()) as i64);
+    }
+
+    /// Ends every request with `why` and marks the server failed.
+    fn fail(&mut self, why: &str) {
+        self.shared.failed.store(true, Ordering::SeqCst);
+        let message = format!("the engine failed: {why}");
+        eprintln!("error: {message}");
+        for job in self.waiting.drain(..) {
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            let _ = job.events.send(Event::Error(message.clone()));
+        }
+        for lane in &mut self.lanes {
+            let in_flight = match lane.busy.take() {
+                Some(Flight::Prefill(s)) => s,
+                _ => Vec::new(),
+            };
+            for s in lane.seqs.drain(..).chain(in_flight) {
+                let _ = s.job.events.send(Event::Error(message.clone()));
+            }
+        }
+        self.metrics.running.set(0);
+        self.metrics.waiting.set(0);
+    }
+}

@@ -1,0 +1,116 @@
+//! Chat prompts from the checkpoint's own template: `chat_template` of tokenizer_config.json
+//! (or chat_template.jinja), rendered by minijinja with the variables Hugging Face templates
+//! use (`messages`, `add_generation_prompt`, `bos_token`, `eos_token`) and the Python string
+//! methods they call (minijinja-contrib's pycompat).
+
+use std::path::Path;
+
+use minijinja::{Environment, Error, ErrorKind};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::error::{Result, WgparError};
+
+/// One chat message, as the template sees it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Message {
+    /// `system`, `user`, `assistant`, ...
+    pub role: String,
+    /// Its text.
+    pub content: String,
+}
+
+/// A checkpoint's chat template with its special tokens.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos: String,
+    eos: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ChatTemplate")
+    }
+}
+
+/// A special token of tokenizer_config.json: a string, or an object with `content`.
+fn token_text(v: Option<&Value>) -> String {
+    match v {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Object(o)) => o
+            .get("content")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string(),
+        _ => String::new(),
+    }
+}
+
+/// `chat_template` as a string, or the `default` of a list of named templates.
+fn template_text(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .or_else(|| list.first())
+            .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+        _ => None,
+    }
+}
+
+fn raise_exception(message: String) -> std::result::Result<String, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+impl ChatTemplate {
+    /// The template of the checkpoint in `dir`, or `None` when it has none.
+    pub fn load(dir: &Path) -> Result<Option<Self>> {
+        let config_path = dir.join("tokenizer_config.json");
+        let config: Value = match std::fs::read_to_string(&config_path) {
+            Ok(text) => serde_json::from_str(&text).map_err(|source| WgparError::Json {
+                what: config_path.display().to_string(),
+                source,
+            })?,
+            Err(_) => Value::Null,
+        };
+        let file = std::fs::read_to_string(dir.join("chat_template.jinja")).ok();
+        let Some(source) = file.or_else(|| template_text(config.get("chat_template"))) else {
+            return Ok(None);
+        };
+        let bos = token_text(config.get("bos_token"));
+        let eos = token_text(config.get("eos_token"));
+        Self::new(&source, &bos, &eos).map(Some)
+    }
+
+    /// A template from its source and special tokens.
+    pub fn new(source: &str, bos: &str, eos: &str) -> Result<Self> {
+        let mut env = Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.add_function("raise_exception", raise_exception);
+        // Hugging Face renders with trim_blocks and lstrip_blocks.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| WgparError::Config(format!("the chat template does not parse: {e}")))?;
+        Ok(Self {
+            env,
+            bos: bos.to_string(),
+            eos: eos.to_string(),
+        })
+    }
+
+    /// The prompt for `messages`, ending where the assistant's answer starts.
+    pub fn render(&self, messages: &[Message]) -> std::result::Result<String, String> {
+        let template = self.env.get_template("chat").map_err(|e| e.to_string())?;
+        template
+            .render(minijinja::context! {
+                messages => messages,
+                add_generation_prompt => true,
+                bos_token => &self.bos,
+                eos_token => &self.eos,
+            })
+            .map_err(|e| format!("the chat template failed: {e}"))
+    }
+}

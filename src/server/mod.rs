@@ -1,0 +1,180 @@
+//! `wgpar serve`: an OpenAI-compatible HTTP server (axum on tokio) over any engine that runs a
+//! continuously batched workload ([`StepEngine`]).
+//!
+//! The engine lives on its own thread ([`batcher`]); HTTP handlers ([`routes`]) check a
+//! request, tokenize it (chat prompts through the checkpoint's template, [`chat`]) and hand
+//! it over with a channel that its tokens come back on, as they are picked. `/health` says 503
+//! until the engine is built and warmed, and again after it fails. SIGINT or SIGTERM stop
+//! accepting connections; requests in flight get `shutdown_timeout` to finish.
+
+pub mod api;
+pub mod batcher;
+pub mod chat;
+pub mod metrics;
+mod routes;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{Result, WgparError};
+use crate::model::hf::TextTokenizer;
+use crate::parallel::StepEngine;
+
+pub use batcher::BatchOptions;
+pub use chat::{ChatTemplate, Message};
+pub use metrics::Metrics;
+
+/// State the HTTP side and the engine thread share.
+#[derive(Default)]
+pub struct Shared {
+    /// The engine is built and warmed.
+    pub ready: AtomicBool,
+    /// The engine failed: no more requests are served.
+    pub failed: AtomicBool,
+    /// Requests handed to the engine and not yet in a running batch.
+    pub queued: AtomicUsize,
+    /// Why the engine could not be built (the server then exits with it).
+    pub load_error: Mutex<Option<String>>,
+    /// The exported figures.
+    pub metrics: Arc<Metrics>,
+    /// Wakes the listener to shut down (a signal, or a failed load).
+    pub stop: tokio::sync::Notify,
+}
+
+/// The text side of the model: what turns requests into token ids and back.
+pub struct TextModel {
+    /// The name `/v1/models` lists.
+    pub name: String,
+    /// The checkpoint's tokenizer.
+    pub tokenizer: TextTokenizer,
+    /// The chat template, if the checkpoint has one.
+    pub template: Option<ChatTemplate>,
+    /// Tokens that end generation.
+    pub eos: Vec<u32>,
+    /// Tokens per KV slot (prompt plus generated, less the last).
+    pub max_seq: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+}
+
+/// How the server listens and admits requests.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// Address to bind.
+    pub addr: SocketAddr,
+    /// Requests that may wait for a KV slot; beyond, 503 with Retry-After.
+    pub max_queue: usize,
+    /// Required `Authorization: Bearer` key (every route but /health).
+    pub api_key: Option<String>,
+    /// Largest request body, bytes.
+    pub max_body: usize,
+    /// How long requests in flight get to finish after SIGINT or SIGTERM.
+    pub shutdown_timeout: Duration,
+    /// How the engine batches.
+    pub batch: BatchOptions,
+}
+
+/// Builds the engine on the engine thread (engines are not `Send`), warmed and with its KV
+/// slots reserved.
+pub type EngineBuilder = Box<dyn FnOnce() -> Result<Box<dyn StepEngine>> + Send>;
+
+/// Serves until SIGINT or SIGTERM (then drains), or until the engine cannot be built.
+pub fn run(opts: ServerOptions, text: TextModel, build: EngineBuilder) -> Result<()> {
+    let shared = Arc::new(Shared::default());
+    shared.metrics.kv_slots.set(opts.batch.slots as i64);
+    let (jobs_tx, jobs_rx) = crossbeam::channel::unbounded();
+    let engine_thread = {
+        let shared = shared.clone();
+        let (batch, eos) = (opts.batch, text.eos.clone());
+        std::thread::Builder::new()
+            .name("wgpar-engine".into())
+            .spawn(move || match build() {
+                Ok(mut engine) => {
+                    shared.ready.store(true, Ordering::SeqCst);
+                    eprintln!("ready: {}", engine.name());
+                    batcher::run(engine.as_mut(), &jobs_rx, batch, eos, shared);
+                }
+                Err(e) => {
+                    shared.failed.store(true, Ordering::SeqCst);
+                    *shared.load_error.lock().unwrap_or_else(|p| p.into_inner()) =
+                        Some(e.to_string());
+                    shared.stop.notify_one();
+                }
+            })
+            .map_err(|e| WgparError::Internal(format!("cannot start the engine thread: {e}")))?
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| WgparError::Internal(format!("cannot start the async runtime: {e}")))?;
+    let state = routes::AppState::new(&opts, text, shared.clone(), jobs_tx);
+    runtime.block_on(listen(&opts, state, shared.clone()))?;
+    // The job sender is gone with the router: the engine loop ends once idle.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !engine_thread.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let load_error = shared
+        .load_error
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    match load_error {
+        Some(e) => Err(WgparError::Config(format!(
+            "the engine could not start: {e}"
+        ))),
+        None => Ok(()),
+    }
+}
+
+async fn listen(opts: &ServerOptions, state: routes::AppState, shared: Arc<Shared>) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(opts.addr)
+        .await
+        .map_err(|source| WgparError::Io {
+            path: format!("listening on {}", opts.addr),
+            source,
+        })?;
+    let bound = listener.local_addr().map_err(|source| WgparError::Io {
+        path: format!("listening on {}", opts.addr),
+        source,
+    })?;
+    eprintln!("listening on http://{bound} (loading the model; /health says 503 until ready)");
+    let app = routes::router(state, opts.max_body);
+    let stopping = Arc::new(tokio::sync::Notify::new());
+    let signal = {
+        let (shared, stopping) = (shared.clone(), stopping.clone());
+        async move {
+            wait_for_stop(&shared).await;
+            eprintln!("shutting down: no new connections; finishing requests in flight");
+            stopping.notify_waiters();
+        }
+    };
+    let server = axum::serve(listener, app).with_graceful_shutdown(signal);
+    let timeout = opts.shutdown_timeout;
+    tokio::select! {
+        r = server => r.map_err(|source| WgparError::Io { path: format!("serving on {bound}"), source }),
+        _ = async { stopping.notified().await; tokio::time::sleep(timeout).await } => {
+            eprintln!("shutdown: --shutdown-timeout of {timeout:?} passed with requests in flight");
+            Ok(())
+        }
+    }
+}
+
+/// SIGINT, SIGTERM, or a failed load.
+async fn wait_for_stop(shared: &Shared) {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+        _ = shared.stop.notified() => {}
+    }
+}

@@ -1,0 +1,538 @@
+//! `wgpar serve` over HTTP (issue 27), on a tiny GPT-2 checkpoint the test writes with a real
+//! tokenizer.json and a chat template: tokens equal `wgpar run --prompt` on single, tp and pp;
+//! the chat prompt equals jinja2's; 64 concurrent streams; cancellation; bad input; the queue
+//! bound; SIGTERM; an injected stage fault. Clients: curl and the Python `openai` package.
+
+mod common;
+mod hf_support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hf_support::{write_checkpoint, write_word_tokenizer, Scratch, Store};
+use serde_json::Value;
+use wgpar::model::{ModelConfig, ModelWeights};
+
+const TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %} t3 \
+{{ m['content'].strip() }}{% else %} t4 {{ m.content | trim }}{% endif %}{% endfor %}\
+{% if add_generation_prompt %} t5{% endif %}";
+
+/// tiny-gpt2 (context 128) with a word tokenizer (`t0` ends text) and a chat template.
+fn checkpoint() -> Scratch {
+    let mut config = ModelConfig::preset("tiny-gpt2").unwrap();
+    config.max_seq = config.max_seq.min(128);
+    let weights = ModelWeights::synthetic(&config, 12);
+    let dir = write_checkpoint("serve-http", &weights, Store::F32);
+    write_word_tokenizer(&dir, weights.config.vocab);
+    let tok = serde_json::json!({"chat_template": TEMPLATE, "bos_token": "t2", "eos_token": "t0"});
+    std::fs::write(dir.join("tokenizer_config.json"), tok.to_string()).unwrap();
+    std::fs::write(dir.join("template.jinja"), TEMPLATE).unwrap();
+    dir
+}
+
+/// A running `wgpar serve`, stopped by PID when dropped.
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Server {
+    fn start(dir: &Scratch, extra: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_wgpar"))
+            .args(["serve", "--model", dir.to_str().unwrap(), "--port", "0"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("server: {line}");
+                if let Some(rest) = line.strip_prefix("listening on http://") {
+                    let addr = rest.split_whitespace().next().unwrap_or_default();
+                    let port = addr.rsplit(':').next().unwrap().parse::<u16>().unwrap();
+                    let _ = tx.send(port);
+                }
+            }
+        });
+        let port = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the server printed no address");
+        let server = Server { child, port };
+        let t0 = Instant::now();
+        while server.get("/health").0 != 200 {
+            assert!(t0.elapsed() < Duration::from_secs(300), "never healthy");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        server
+    }
+
+    /// curl: (status, body).
+    fn curl(&self, args: &[&str], path: &str) -> (u16, String) {
+        let out = Command::new("curl")
+            .args(["-s", "-m", "120", "-w", "\n%{http_code}"])
+            .args(args)
+            .arg(format!("http://127.0.0.1:{}{path}", self.port))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    }
+
+    fn get(&self, path: &str) -> (u16, String) {
+        self.curl(&[], path)
+    }
+
+    fn post(&self, path: &str, body: &str) -> (u16, String) {
+        self.curl(&["-H", "Content-Type: application/json", "-d", body], path)
+    }
+
+    /// Runs tests/serve_http/client.py against this server; its JSON output.
+    fn python(&self, args: &[&str]) -> Value {
+        let port = self.port.to_string();
+        python(&[&[port.as_str()][..], args].concat())
+    }
+
+    /// A gauge or counter of /metrics.
+    fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.get("/metrics");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} not in /metrics:\n{text}"))
+    }
+
+    /// SIGTERM, then the exit status within `limit`.
+    fn terminate(&mut self, limit: Duration) -> std::process::ExitStatus {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let t0 = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                t0.elapsed() < limit,
+                "still running {limit:?} after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn python(args: &[&str]) -> Value {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/serve_http/client.py");
+    let out = Command::new(common::python())
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "client.py {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// `wgpar run --prompt` text after the prompt.
+fn run_text(dir: &Scratch, prompt: &str, gen: usize, strategy: &[&str]) -> String {
+    let gen = gen.to_string();
+    let mut args = vec![
+        "run",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        prompt,
+        "--gen",
+        &gen,
+    ];
+    args.extend_from_slice(strategy);
+    let (ok, out, err) = common::wgpar(&args);
+    assert!(ok, "{err}");
+    // The text is the first line; a pipeline adds its bubble line.
+    let text = out.lines().next().unwrap_or_default();
+    text.strip_prefix(prompt)
+        .unwrap_or_else(|| panic!("{text}"))
+        .to_string()
+}
+
+#[test]
+fn tokens_equal_run_on_every_strategy() {
+    let dir = checkpoint();
+    let prompt = "t5 t17 t300 t42 t7";
+    for strategy in [
+        &[][..],
+        &["--strategy", "tp", "--virtual", "2"],
+        &["--strategy", "pp", "--virtual", "2"],
+    ] {
+        let want = run_text(&dir, prompt, 12, strategy);
+        assert!(
+            !want.trim().is_empty(),
+            "{strategy:?}: run generated nothing"
+        );
+        let server = Server::start(&dir, strategy);
+        let got = server.python(&["complete", prompt, "12"]);
+        assert_eq!(
+            got["text"].as_str().unwrap(),
+            want,
+            "{strategy:?}: non-streamed"
+        );
+        assert_eq!(
+            got["stream_text"].as_str().unwrap(),
+            want,
+            "{strategy:?}: streamed"
+        );
+        assert!(
+            got["chunks"].as_u64().unwrap() >= 2,
+            "{strategy:?}: one chunk per token: {got}"
+        );
+        let words = want.split_whitespace().count() as u64;
+        assert_eq!(got["usage"]["completion_tokens"], words, "{got}");
+        assert_eq!(got["usage"]["prompt_tokens"], 5, "{got}");
+        assert_eq!(got["stream_usage"], got["usage"], "{got}");
+        // curl agrees, and stop strings cut the text.
+        let body = format!(r#"{{"model":"m","prompt":"{prompt}","max_tokens":12}}"#);
+        let (code, text) = server.post("/v1/completions", &body);
+        assert_eq!(code, 200, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["choices"][0]["text"].as_str().unwrap(), want);
+        let second = want.split_whitespace().nth(1).unwrap().to_string();
+        let body = format!(r#"{{"prompt":"{prompt}","max_tokens":12,"stop":["{second}"]}}"#);
+        let (_, text) = server.post("/v1/completions", &body);
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{text}");
+        assert!(
+            !v["choices"][0]["text"].as_str().unwrap().contains(&second),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn chat_prompt_equals_jinja2() {
+    let dir = checkpoint();
+    let messages = r#"[{"role":"system","content":"  t10 t11 "},{"role":"user","content":"t12 t13"},{"role":"assistant","content":"t14"},{"role":"user","content":"t15"}]"#;
+    let template = dir.join("template.jinja");
+    let want = python(&[
+        "0",
+        "render",
+        template.to_str().unwrap(),
+        messages,
+        "t2",
+        "t0",
+    ]);
+    let want = want["prompt"].as_str().unwrap();
+    let parsed: Vec<wgpar::server::Message> = serde_json::from_str::<Vec<Value>>(messages)
+        .unwrap()
+        .iter()
+        .map(|m| wgpar::server::Message {
+            role: m["role"].as_str().unwrap().into(),
+            content: m["content"].as_str().unwrap().into(),
+        })
+        .collect();
+    let ours = wgpar::server::ChatTemplate::load(&dir).unwrap().unwrap();
+    assert_eq!(ours.render(&parsed).unwrap(), want);
+    // Over HTTP: the chat answer is the completion of jinja2's prompt.
+    let server = Server::start(&dir, &[]);
+    let chat = server.python(&["chat", messages, "8"]);
+    let completion = server.python(&["complete", want, "8"]);
+    assert_eq!(chat["text"], completion["text"], "{chat} {completion}");
+    assert_eq!(
+        chat["usage"]["prompt_tokens"].as_u64().unwrap() as usize,
+        want.split_whitespace().count()
+    );
+}
+
+#[test]
+fn sixty_four_concurrent_streams_on_pp_and_tp() {
+    let dir = checkpoint();
+    let prompts: Vec<String> = (0..64)
+        .map(|i| format!("t{} t{} t{}", 10 + i, 200 + 3 * i, 7 + (i % 5)))
+        .collect();
+    let prompts_json = serde_json::to_string(&prompts).unwrap();
+    for strategy in [
+        ["--strategy", "pp", "--virtual", "2"],
+        ["--strategy", "tp", "--virtual", "2"],
+    ] {
+        let server = Server::start(&dir, &[&strategy[..], &["--max-batch", "16"]].concat());
+        let out = server.python(&["concurrent", &prompts_json, "6"]);
+        let (alone, together) = (
+            out["alone"].as_array().unwrap(),
+            out["together"].as_array().unwrap(),
+        );
+        assert_eq!(together.len(), 64);
+        for (i, (a, t)) in alone.iter().zip(together).enumerate() {
+            assert_eq!(&t["text"], a, "{strategy:?} request {i}: {t}");
+            assert_eq!(t["usage"]["prompt_tokens"], 3, "{t}");
+            let words = a.as_str().unwrap().split_whitespace().count() as u64;
+            assert_eq!(t["usage"]["completion_tokens"], words, "{t}");
+        }
+        let distinct: std::collections::BTreeSet<_> = alone.iter().map(|a| a.to_string()).collect();
+        assert!(
+            distinct.len() > 1,
+            "every prompt gave the same text: no check of mixing"
+        );
+    }
+}
+
+#[test]
+fn dropped_streams_free_their_slots() {
+    let dir = checkpoint();
+    let server = Server::start(&dir, &["--max-batch", "4"]);
+    let out = server.python(&["cancel", "4", "t9 t8 t7"]);
+    assert_eq!(out["firsts"].as_array().unwrap().len(), 4);
+    let t0 = Instant::now();
+    while server.metric("wgpar_kv_slots_used") != 0.0
+        || server.metric("wgpar_requests_cancelled_total") < 4.0
+    {
+        assert!(t0.elapsed() < Duration::from_secs(30), "slots not freed");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The freed slots serve new requests.
+    let (code, body) = server.post("/v1/completions", r#"{"prompt":"t1 t2","max_tokens":3}"#);
+    assert_eq!(code, 200, "{body}");
+}
+
+#[test]
+fn bad_requests_get_4xx_and_the_server_stays_up() {
+    let dir = checkpoint();
+    let server = Server::start(&dir, &["--api-key", "sesame", "--max-body", "4096"]);
+    let auth = [
+        "-H",
+        "Authorization: Bearer sesame",
+        "-H",
+        "Content-Type: application/json",
+    ];
+    let big = format!(r#"{{"prompt":"{}"}}"#, "t1 ".repeat(3000));
+    let long_prompt = format!(r#"{{"prompt":"{}","max_tokens":4}}"#, "t1 ".repeat(200));
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("/v1/completions", "{".into(), "JSON"),
+        ("/v1/completions", "[]".into(), "object"),
+        ("/v1/completions", "null".into(), "object"),
+        ("/v1/completions", "{}".into(), "prompt"),
+        ("/v1/completions", r#"{"prompt":5}"#.into(), "prompt"),
+        ("/v1/completions", r#"{"prompt":[]}"#.into(), "prompt"),
+        ("/v1/completions", r#"{"prompt":[1,-2]}"#.into(), "prompt"),
+        (
+            "/v1/completions",
+            r#"{"prompt":[99999999]}"#.into(),
+            "vocabulary",
+        ),
+        ("/v1/completions", r#"{"prompt":""}"#.into(), "no tokens"),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","max_tokens":0}"#.into(),
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","max_tokens":-1}"#.into(),
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","max_tokens":"8"}"#.into(),
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","max_tokens":1e30}"#.into(),
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","max_tokens":500}"#.into(),
+            "context",
+        ),
+        ("/v1/completions", long_prompt, "context"),
+        ("/v1/completions", r#"{"prompt":"t1","n":2}"#.into(), "'n'"),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","temperature":-1}"#.into(),
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","temperature":"hot"}"#.into(),
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","top_p":1.5}"#.into(),
+            "top_p",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","stop":7}"#.into(),
+            "stop",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","stop":["a","b","c","d","e"]}"#.into(),
+            "stop",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","stop":[""]}"#.into(),
+            "stop",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","stream":"yes"}"#.into(),
+            "stream",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","stream_options":1}"#.into(),
+            "stream_options",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","seed":-3}"#.into(),
+            "seed",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","model":7}"#.into(),
+            "model",
+        ),
+        ("/v1/chat/completions", "{}".into(), "messages"),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[]}"#.into(),
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"content":"t1"}]}"#.into(),
+            "role",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":5}]}"#.into(),
+            "content",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":"hi"}"#.into(),
+            "messages",
+        ),
+        ("/v1/completions", big, ""),
+    ];
+    assert!(cases.len() >= 25);
+    for (path, body, needle) in &cases {
+        let (code, text) = server.curl(&[&auth[..], &["-d", body]].concat(), path);
+        assert!((400..500).contains(&code), "{path} {body}: {code} {text}");
+        assert!(
+            text.contains(needle),
+            "{path} {body}: '{needle}' not in {text}"
+        );
+    }
+    // Without the key: 401, but /health needs none.
+    let (code, _) = server.post("/v1/completions", r#"{"prompt":"t1"}"#);
+    assert_eq!(code, 401);
+    assert_eq!(server.get("/v1/models").0, 401);
+    assert_eq!(server.get("/health").0, 200);
+    let (code, text) = server.curl(
+        &[&auth[..], &["-d", r#"{"prompt":"t1 t2","max_tokens":2}"#]].concat(),
+        "/v1/completions",
+    );
+    assert_eq!(code, 200, "{text}");
+}
+
+#[test]
+fn queue_overflow_gets_503() {
+    let dir = checkpoint();
+    let server = Server::start(&dir, &["--max-batch", "1", "--max-queue", "1"]);
+    let out = server.python(&["flood", "12", "t3 t4 t5"]);
+    let statuses: Vec<u64> = out
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["status"].as_u64().unwrap())
+        .collect();
+    assert!(statuses.contains(&200), "{out}");
+    let refused: Vec<&Value> = out
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["status"] == 503)
+        .collect();
+    assert!(!refused.is_empty(), "no 503: {out}");
+    assert!(refused.iter().all(|r| r["retry_after"] == "1"), "{out}");
+    assert!(statuses.iter().all(|&s| s == 200 || s == 503), "{out}");
+}
+
+#[test]
+fn sigterm_drains_and_exits_0() {
+    let dir = checkpoint();
+    let mut server = Server::start(&dir, &["--shutdown-timeout", "60"]);
+    let port = server.port;
+    let client = std::thread::spawn(move || {
+        let out = Command::new("curl")
+            .args([
+                "-s",
+                "-N",
+                "-m",
+                "120",
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+            ])
+            .arg(r#"{"prompt":"t3 t4","max_tokens":40,"stream":true}"#)
+            .arg(format!("http://127.0.0.1:{port}/v1/completions"))
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    });
+    let t0 = Instant::now();
+    while server.metric("wgpar_num_requests_running") < 1.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the request never ran"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = server.terminate(Duration::from_secs(90));
+    assert!(status.success(), "{status:?}");
+    let streamed = client.join().unwrap();
+    assert!(streamed.trim_end().ends_with("data: [DONE]"), "{streamed}");
+    assert!(streamed.contains("\"finish_reason\":"), "{streamed}");
+}
+
+#[test]
+fn stage_fault_ends_streams_with_an_error_and_health_turns_503() {
+    let dir = checkpoint();
+    let server = Server::start(
+        &dir,
+        &[
+            "--strategy",
+            "pp",
+            "--virtual",
+            "2",
+            "--inject-fault",
+            "stage=1,kind=error,at=step:0",
+        ],
+    );
+    let out = server.python(&["streams", "4", "t3 t4 t5"]);
+    for r in out.as_array().unwrap() {
+        assert!(
+            r["error"].is_string(),
+            "a stream ended without an error: {out}"
+        );
+    }
+    assert_eq!(server.get("/health").0, 503);
+    let (code, _) = server.post("/v1/completions", r#"{"prompt":"t1","max_tokens":2}"#);
+    assert_eq!(code, 503);
+}
