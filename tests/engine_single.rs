@@ -147,7 +147,10 @@ fn bad_input_is_an_error_not_a_panic() {
 fn attention_is_chosen_again_as_the_context_grows() {
     let gpu = common::gpus(1).remove(0);
     let config = ModelConfig::preset("tiny-llama").unwrap();
-    assert!(config.max_seq > 80, "the preset must hold a context past 64");
+    assert!(
+        config.max_seq > 80,
+        "the preset must hold a context past 64"
+    );
     let weights = ModelWeights::synthetic(&config, 11);
     let mut engine = SingleEngine::new(gpu.clone(), &weights, DType::F32).unwrap();
     let mut oracle = CpuReference::new(&weights);
