@@ -104,7 +104,10 @@ fn assert_same_ids(reference: &TextTokenizer, mine: &TextTokenizer) {
         let want = reference.encode(text).unwrap();
         assert!(!want.is_empty());
         assert_eq!(mine.encode(text).unwrap(), want, "ids of {text:?}");
-        assert_eq!(mine.decode(&want).unwrap(), reference.decode(&want).unwrap());
+        assert_eq!(
+            mine.decode(&want).unwrap(),
+            reference.decode(&want).unwrap()
+        );
         compared += want.len();
     }
     assert!(compared > 50, "compared {compared} ids");
@@ -113,9 +116,8 @@ fn assert_same_ids(reference: &TextTokenizer, mine: &TextTokenizer) {
 #[test]
 fn byte_level_bpe_gives_the_tokenizer_json_ids() {
     let chars = byte_chars();
-    let to_symbols = |w: &str| -> Vec<String> {
-        w.bytes().map(|b| chars[b as usize].to_string()).collect()
-    };
+    let to_symbols =
+        |w: &str| -> Vec<String> { w.bytes().map(|b| chars[b as usize].to_string()).collect() };
     let words: Vec<Vec<String>> = SAMPLE
         .split_inclusive(' ')
         .map(|w| to_symbols(&format!(" {}", w.trim_end())))
@@ -130,8 +132,11 @@ fn byte_level_bpe_gives_the_tokenizer_json_ids() {
     }
     tokens.push("<|endoftext|>".into());
     let eot = tokens.len() - 1;
-    let vocab: serde_json::Map<String, Value> =
-        tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+    let vocab: serde_json::Map<String, Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), json!(i)))
+        .collect();
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false,
                             "trim_offsets": true, "use_regex": true});
     let reference = json!({
@@ -159,8 +164,14 @@ fn byte_level_bpe_gives_the_tokenizer_json_ids() {
             json!(["tokenizer.ggml.pre", "str", "gpt-2"]),
             json!(["tokenizer.ggml.tokens", "str_array", tokens]),
             json!(["tokenizer.ggml.token_type", "i32_array", types]),
-            json!(["tokenizer.ggml.merges", "str_array",
-                   merges.iter().map(|(a, b)| format!("{a} {b}")).collect::<Vec<_>>()]),
+            json!([
+                "tokenizer.ggml.merges",
+                "str_array",
+                merges
+                    .iter()
+                    .map(|(a, b)| format!("{a} {b}"))
+                    .collect::<Vec<_>>()
+            ]),
             json!(["tokenizer.ggml.bos_token_id", "u32", eot]),
             json!(["tokenizer.ggml.add_bos_token", "bool", false]),
         ],
@@ -202,15 +213,16 @@ fn sentencepiece_vocabulary_gives_the_tokenizer_json_ids() {
             scores.push(-(rank as f32));
         }
     }
-    let vocab: serde_json::Map<String, Value> =
-        tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+    let vocab: serde_json::Map<String, Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), json!(i)))
+        .collect();
     let special = |id: usize, s: &str| {
         json!({"id": id, "content": s, "single_word": false, "lstrip": false, "rstrip": false,
                "normalized": false, "special": true})
     };
-    let replace = |from: &str, to: &str| {
-        json!({"type": "Replace", "pattern": {"String": from}, "content": to})
-    };
+    let replace = |from: &str, to: &str| json!({"type": "Replace", "pattern": {"String": from}, "content": to});
     let bos = json!({"SpecialToken": {"id": "<s>", "type_id": 0}});
     let reference = json!({
         "version": "1.0", "truncation": null, "padding": null,
