@@ -220,9 +220,9 @@ fn check_runs_fit(config: &ModelConfig, dtype: DType, runs: &[PlannedRun]) -> Re
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
     /// Model: a preset (default, tiny-llama, tiny-gpt2, tiny-bert, gpt2-small, llama-1b,
-    /// llama-8b; synthetic weights) or a Hugging Face model folder (config.json,
-    /// *.safetensors, tokenizer.json).
-    #[arg(long, default_value = "default", value_name = "PRESET|DIR")]
+    /// llama-8b; synthetic weights), a Hugging Face model folder (config.json,
+    /// *.safetensors, tokenizer.json) or a GGUF file.
+    #[arg(long, default_value = "default", value_name = "PRESET|DIR|FILE.gguf")]
     model: String,
     /// Weight storage: f32, or f16 (needs SHADER_F16 on every device).
     #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
@@ -245,10 +245,10 @@ const DEFAULT_CONTEXT: usize = 2048;
 const MAX_CONTEXT: usize = 1 << 20;
 
 impl ModelArgs {
-    /// The model folder, when `--model` names one rather than a preset.
+    /// The model folder or GGUF file, when `--model` names one rather than a preset.
     fn checkpoint_dir(&self) -> Option<&Path> {
         let p = Path::new(&self.model);
-        p.is_dir().then_some(p)
+        (p.is_dir() || wgpar::model::gguf::is_gguf(p)).then_some(p)
     }
 
     /// The checkpoint, its context limited to `context` (or its own, if shorter).

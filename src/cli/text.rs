@@ -61,8 +61,9 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     let (model, text, max_new) = (&args.model, &args.text, args.gen);
     let dir = model.checkpoint_dir().ok_or_else(|| {
         WgparError::Config(format!(
-            "--prompt needs --model DIR, a Hugging Face model folder with tokenizer.json \
-             ('{}' is not a folder)",
+            "--prompt needs --model DIR or FILE.gguf, a Hugging Face model folder with \
+             tokenizer.json or a GGUF file \
+             ('{}' is neither)",
             model.model
         ))
     })?;

@@ -392,6 +392,9 @@ pub fn plan(opts: &PlanOptions) -> Result<Vec<PlanRow>> {
 /// `config.json`.
 pub fn plan_model(name: &str) -> Result<ModelConfig> {
     let path = Path::new(name);
+    if crate::model::gguf::is_gguf(path) {
+        return Ok(crate::model::gguf::Gguf::open(path)?.config().clone());
+    }
     let file = if path.is_dir() {
         Some(path.join("config.json"))
     } else if path.is_file() {

@@ -4,9 +4,11 @@
 
 pub mod budget;
 pub mod config;
+pub mod gguf;
 pub mod gpu;
 pub mod hf;
 pub mod input;
+pub mod quant;
 pub mod reference;
 pub mod reference_encoder;
 pub mod sampling;

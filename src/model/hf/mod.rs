@@ -33,7 +33,15 @@ pub struct Checkpoint {
     /// Positions the checkpoint's tables hold (before [`Self::limit_context`]).
     positions: usize,
     eos: Vec<u32>,
-    store: TensorStore,
+    source: Source,
+}
+
+/// Where the weights and tokenizer come from.
+enum Source {
+    /// A Hugging Face folder's safetensors files.
+    Folder(TensorStore),
+    /// One GGUF file (weights and tokenizer inside).
+    Gguf(crate::model::gguf::Gguf),
 }
 
 fn read_text(path: &Path) -> Result<Option<String>> {
@@ -174,9 +182,24 @@ fn unused_warning(unused: &[String]) -> Option<String> {
 }
 
 impl Checkpoint {
-    /// Opens the checkpoint in `dir`: parses config.json, maps the safetensors files and checks
-    /// their headers. Tensors are converted later, by [`Self::weights`].
-    pub fn open(dir: &Path) -> Result<Self> {
+    /// Opens the checkpoint at `path`: a GGUF file ([`crate::model::gguf`]), or a Hugging Face
+    /// folder, whose config.json is parsed and safetensors headers checked. Tensors are
+    /// converted later, by [`Self::weights`].
+    pub fn open(path: &Path) -> Result<Self> {
+        if crate::model::gguf::is_gguf(path) {
+            let gguf = crate::model::gguf::Gguf::open(path)?;
+            return Ok(Self {
+                dir: path.to_path_buf(),
+                positions: gguf.config().max_seq,
+                config: gguf.config().clone(),
+                eos: gguf.eos_tokens().to_vec(),
+                source: Source::Gguf(gguf),
+            });
+        }
+        Self::open_folder(path)
+    }
+
+    fn open_folder(dir: &Path) -> Result<Self> {
         if !dir.is_dir() {
             return Err(json_error(dir, "not a model folder".into()));
         }
@@ -217,7 +240,7 @@ impl Checkpoint {
             positions: config.max_seq,
             config,
             eos,
-            store,
+            source: Source::Folder(store),
         })
     }
 
@@ -226,7 +249,7 @@ impl Checkpoint {
         &self.config
     }
 
-    /// The model folder.
+    /// The model folder (or GGUF file).
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -258,6 +281,10 @@ impl Checkpoint {
     /// `progress` draws a bar on a terminal.
     pub fn weights(&self, progress: bool) -> Result<ModelWeights> {
         let c = &self.config;
+        let store = match &self.source {
+            Source::Folder(store) => store,
+            Source::Gguf(gguf) => return gguf.weights(c),
+        };
         // Name prefixes each family is saved with (the first is the canonical one), and a
         // tensor every checkpoint of the family has, to tell which prefix this one uses.
         let (prefixes, probe): (&[&str], &str) = match c.arch {
@@ -265,7 +292,7 @@ impl Checkpoint {
             Arch::Llama => (&["model.", ""], "embed_tokens.weight"),
             Arch::Bert => (&["", "bert."], "embeddings.word_embeddings.weight"),
         };
-        let r = Reader::new(&self.store, prefixes, probe, progress);
+        let r = Reader::new(store, prefixes, probe, progress);
         let weights = match c.arch {
             Arch::Gpt2 => gpt2::load(&r, c, self.positions),
             Arch::Llama => llama::load(&r, c),
@@ -283,6 +310,9 @@ impl Checkpoint {
     /// The checkpoint's `tokenizer.json`. Encoders cut texts to the model's context (or the
     /// shorter `max_seq_length` of `sentence_bert_config.json`); decoders never cut a prompt.
     pub fn tokenizer(&self) -> Result<TextTokenizer> {
+        if let Source::Gguf(gguf) = &self.source {
+            return gguf.tokenizer();
+        }
         let max_len = if self.config.is_encoder() {
             let st_path = self.dir.join("sentence_bert_config.json");
             let st_max = read_text(&st_path)?

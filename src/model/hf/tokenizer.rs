@@ -25,12 +25,8 @@ impl std::fmt::Debug for TextTokenizer {
 /// Says why `file` is not a tokenizer in the user's terms: not JSON (with the line and column),
 /// JSON that is not a `tokenizers` file (which sections are missing), or the crate's own
 /// message when the file has the right sections but a bad value.
-fn diagnose(file: &Path, e: &dyn std::fmt::Display) -> String {
-    let text = match std::fs::read_to_string(file) {
-        Ok(t) => t,
-        Err(io) => return format!("unreadable: {io}"),
-    };
-    let json: serde_json::Value = match serde_json::from_str(&text) {
+fn diagnose(text: &str, e: &dyn std::fmt::Display) -> String {
+    let json: serde_json::Value = match serde_json::from_str(text) {
         Ok(v) => v,
         Err(j) => {
             return format!(
@@ -73,19 +69,30 @@ impl TextTokenizer {
             ));
         }
         let text = std::fs::read_to_string(file).map_err(|e| fail(format!("unreadable: {e}")))?;
+        Self::from_json(&text, file, max_len)
+    }
+
+    /// Loads a tokenizer from the text of a `tokenizer.json` (`file` names its origin in
+    /// errors), as [`Self::from_file`] does.
+    pub fn from_json(text: &str, file: &Path, max_len: Option<usize>) -> Result<Self> {
+        let fail = |detail: String| WgparError::Checkpoint {
+            file: file.display().to_string(),
+            tensor: None,
+            detail,
+        };
         // Not JSON: say so (the tokenizers crate panics on some malformed sections instead of
         // returning an error, e.g. a `decoder` that is not an object).
-        if let Err(e) = serde_json::from_str::<serde_json::Value>(&text) {
-            return Err(fail(diagnose(file, &e)));
+        if let Err(e) = serde_json::from_str::<serde_json::Value>(text) {
+            return Err(fail(diagnose(text, &e)));
         }
-        let parsed = std::panic::catch_unwind(|| Tokenizer::from_str(&text)).map_err(|_| {
+        let parsed = std::panic::catch_unwind(|| Tokenizer::from_str(text)).map_err(|_| {
             fail(
                 "a section has a value of the wrong kind (the tokenizers crate could not read it); \
                  save the checkpoint's fast tokenizer again with `save_pretrained`"
                     .into(),
             )
         })?;
-        let mut inner = parsed.map_err(|e| fail(diagnose(file, &e)))?;
+        let mut inner = parsed.map_err(|e| fail(diagnose(text, &e)))?;
         inner.with_padding(None);
         let truncation = max_len.map(|max_length| TruncationParams {
             max_length,

@@ -1,0 +1,217 @@
+//! A GGUF file's metadata to a [`ModelConfig`]: `general.architecture` picks the family, and
+//! `<arch>.*` keys give the shapes, as llama.cpp's converter writes them.
+
+use super::file::{GgufFile, Value};
+use crate::error::{Result, WgparError};
+use crate::model::config::{Activation, Arch, ModelConfig};
+
+/// The `general.architecture` values wgpar reads, and the family each maps to.
+pub const GGUF_ARCHS: [(&str, Arch); 4] = [
+    ("llama", Arch::Llama),
+    ("mistral", Arch::Llama),
+    ("qwen2", Arch::Llama),
+    ("gpt2", Arch::Gpt2),
+];
+
+/// Typed reads of the metadata whose errors name the file and key.
+pub struct Meta<'a> {
+    file: &'a GgufFile,
+    /// `general.architecture`, the prefix of the model's own keys.
+    pub arch_name: String,
+}
+
+impl<'a> Meta<'a> {
+    /// The metadata of `file`; refuses an architecture wgpar does not run.
+    pub fn new(file: &'a GgufFile) -> Result<Self> {
+        let mut m = Self {
+            file,
+            arch_name: String::new(),
+        };
+        m.arch_name = m.string("general.architecture")?.to_string();
+        if !GGUF_ARCHS.iter().any(|(n, _)| *n == m.arch_name) {
+            let known: Vec<&str> = GGUF_ARCHS.iter().map(|(n, _)| *n).collect();
+            return Err(m.fail(format!(
+                "key 'general.architecture' is '{}': wgpar runs {}",
+                m.arch_name,
+                known.join(", ")
+            )));
+        }
+        Ok(m)
+    }
+
+    /// A checkpoint error about the file.
+    pub fn fail(&self, detail: String) -> WgparError {
+        WgparError::Checkpoint {
+            file: self.file.path().display().to_string(),
+            tensor: None,
+            detail,
+        }
+    }
+
+    /// The value of `key`, if present.
+    pub fn get(&self, key: &str) -> Option<&'a Value> {
+        self.file.meta.get(key)
+    }
+
+    fn wrong(&self, key: &str, v: &Value, want: &str) -> WgparError {
+        let shown = match v {
+            Value::Array(items) => format!("an array of {}", items.len()),
+            other => format!("{other:?}"),
+        };
+        self.fail(format!("key '{key}' is {shown}, expected {want}"))
+    }
+
+    /// String `key`.
+    pub fn string(&self, key: &str) -> Result<&'a str> {
+        match self.get(key) {
+            Some(Value::Str(s)) => Ok(s),
+            Some(v) => Err(self.wrong(key, v, "a string")),
+            None => Err(self.fail(format!("key '{key}' is missing"))),
+        }
+    }
+
+    /// Whole number `key`, if present.
+    pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| self.wrong(key, v, "a whole number")),
+        }
+    }
+
+    /// Whole number `key` of the model's architecture (`<arch>.<key>`).
+    pub fn arch_usize(&self, key: &str) -> Result<usize> {
+        let full = format!("{}.{key}", self.arch_name);
+        self.opt_usize(&full)?
+            .ok_or_else(|| self.fail(format!("key '{full}' is missing")))
+    }
+
+    /// Number `<arch>.<key>`, `default` when absent.
+    pub fn arch_f32_or(&self, key: &str, default: f32) -> Result<f32> {
+        let full = format!("{}.{key}", self.arch_name);
+        match self.get(&full) {
+            None => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .map(|x| x as f32)
+                .ok_or_else(|| self.wrong(&full, v, "a number")),
+        }
+    }
+
+    /// Boolean `key`, `default` when absent.
+    pub fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(self.wrong(key, v, "a boolean")),
+        }
+    }
+
+    /// Array `key`, if present.
+    pub fn opt_array(&self, key: &str) -> Result<Option<&'a [Value]>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => Ok(Some(items)),
+            Some(v) => Err(self.wrong(key, v, "an array")),
+        }
+    }
+}
+
+/// The model's shapes from the metadata; `name` names it where `general.name` is absent.
+pub fn model_config(meta: &Meta, file: &GgufFile, name: &str) -> Result<ModelConfig> {
+    let arch = GGUF_ARCHS
+        .iter()
+        .find(|(n, _)| *n == meta.arch_name)
+        .map(|(_, a)| *a)
+        .unwrap_or(Arch::Llama);
+    let scaling = format!("{}.rope.scaling.type", meta.arch_name);
+    if let Some(kind) = meta.get(&scaling) {
+        if *kind != Value::Str("none".into()) {
+            return Err(meta.fail(format!(
+                "key '{scaling}' is {kind:?}: RoPE scaling in GGUF files is not supported"
+            )));
+        }
+    }
+    if file.tensor("rope_freqs.weight").is_some() {
+        return Err(meta.fail(
+            "tensor 'rope_freqs.weight' (Llama 3.1 RoPE frequency factors) is not supported".into(),
+        ));
+    }
+    let hidden = meta.arch_usize("embedding_length")?;
+    let heads = meta.arch_usize("attention.head_count")?;
+    let kv_key = format!("{}.attention.head_count_kv", meta.arch_name);
+    let head_key = format!("{}.attention.key_length", meta.arch_name);
+    let vocab = match meta.opt_array("tokenizer.ggml.tokens")? {
+        Some(tokens) => tokens.len(),
+        None => file
+            .tensor("token_embd.weight")
+            .and_then(|t| t.dims.get(1).copied())
+            .unwrap_or(0),
+    };
+    let base = ModelConfig {
+        name: match meta.get("general.name") {
+            Some(Value::Str(s)) if !s.is_empty() => s.clone(),
+            _ => name.to_string(),
+        },
+        arch,
+        vocab,
+        hidden,
+        layers: meta.arch_usize("block_count")?,
+        heads,
+        kv_heads: meta.opt_usize(&kv_key)?.unwrap_or(heads),
+        head_dim: meta.opt_usize(&head_key)?.unwrap_or(hidden / heads.max(1)),
+        ffn: meta.arch_usize("feed_forward_length")?,
+        max_seq: meta.arch_usize("context_length")?,
+        tied_head: file.tensor("output.weight").is_none(),
+        ..ModelConfig::default_model()
+    };
+    let config = match arch {
+        Arch::Gpt2 => ModelConfig {
+            norm_eps: meta.arch_f32_or("attention.layer_norm_epsilon", 1e-5)?,
+            activation: Activation::GeluTanh,
+            ..base
+        },
+        _ => ModelConfig {
+            norm_eps: meta.arch_f32_or("attention.layer_norm_rms_epsilon", 1e-6)?,
+            rope_theta: meta.arch_f32_or("rope.freq_base", 10_000.0)?,
+            activation: Activation::Silu,
+            ..base
+        },
+    };
+    // The declared blocks must be in the file before anything is sized by their count.
+    let present = (0..config.layers)
+        .take_while(|i| file.tensor(&format!("blk.{i}.attn_norm.weight")).is_some())
+        .count();
+    if present < config.layers {
+        return Err(meta.fail(format!(
+            "key '{}.block_count' is {}, but the file holds {present} block(s) (no \
+             'blk.{present}.attn_norm.weight')",
+            meta.arch_name, config.layers
+        )));
+    }
+    if arch == Arch::Gpt2 && config.head_dim * config.heads != config.hidden {
+        return Err(meta.fail(format!(
+            "embedding length {} is not a multiple of {} heads",
+            config.hidden, config.heads
+        )));
+    }
+    config.validate().map_err(|e| meta.fail(e.to_string()))?;
+    Ok(config)
+}
+
+/// Token ids that end generation: the end-of-sequence and end-of-turn ids the file names.
+pub fn eos_tokens(meta: &Meta) -> Result<Vec<u32>> {
+    let mut eos = Vec::new();
+    for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
+        if let Some(id) = meta.opt_usize(key)? {
+            let id = u32::try_from(id).map_err(|_| meta.fail(format!("key '{key}' is {id}")))?;
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+    }
+    Ok(eos)
+}

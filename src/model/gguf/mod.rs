@@ -1,0 +1,87 @@
+//! GGUF checkpoints (llama.cpp's single-file format, versions 2 and 3) for the llama, mistral,
+//! qwen2 and gpt2 architectures: shapes from the metadata, weights dequantized from F32, F16,
+//! BF16, Q8_0, Q4_0, Q4_K and Q6_K tensors, and the tokenizer from the metadata. See
+//! `docs/MODELS.md` for the conventions and why the container reader is wgpar's own.
+
+pub mod config;
+pub mod file;
+pub mod tokenizer;
+pub mod weights;
+
+use std::io::Read;
+use std::path::Path;
+
+pub use file::{GgufFile, TensorInfo, Value};
+
+use crate::error::Result;
+use crate::model::config::ModelConfig;
+use crate::model::hf::TextTokenizer;
+use crate::model::weights::ModelWeights;
+use config::Meta;
+
+/// Whether `path` is a GGUF file (a regular file that starts with the magic).
+pub fn is_gguf(path: &Path) -> bool {
+    let mut magic = [0u8; 4];
+    path.is_file()
+        && std::fs::File::open(path)
+            .and_then(|mut f| f.read_exact(&mut magic))
+            .is_ok()
+        && magic == file::MAGIC
+}
+
+/// An opened GGUF checkpoint.
+pub struct Gguf {
+    file: GgufFile,
+    config: ModelConfig,
+    eos: Vec<u32>,
+    /// The Q/K rows were permuted by the converter (`llama` and `mistral` architectures).
+    permuted: bool,
+}
+
+impl Gguf {
+    /// Maps `path`, parses its metadata and tensor index and derives the model's shapes.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = GgufFile::open(path)?;
+        let meta = Meta::new(&file)?;
+        let stem = path
+            .file_stem()
+            .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+        let config = config::model_config(&meta, &file, &stem)?;
+        let eos = config::eos_tokens(&meta)?;
+        let permuted = meta.arch_name != "qwen2";
+        Ok(Self {
+            file,
+            config,
+            eos,
+            permuted,
+        })
+    }
+
+    /// The model's shapes (`max_seq` is the file's context length).
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Token ids that end generation.
+    pub fn eos_tokens(&self) -> &[u32] {
+        &self.eos
+    }
+
+    /// The container.
+    pub fn file(&self) -> &GgufFile {
+        &self.file
+    }
+
+    /// Every tensor dequantized into [`ModelWeights`] for `config` (the file's, with its
+    /// context possibly limited).
+    pub fn weights(&self, config: &ModelConfig) -> Result<ModelWeights> {
+        weights::load(&self.file, config, self.permuted)
+    }
+
+    /// The tokenizer from the metadata.
+    pub fn tokenizer(&self) -> Result<TextTokenizer> {
+        let meta = Meta::new(&self.file)?;
+        let json = tokenizer::tokenizer_json(&meta)?;
+        TextTokenizer::from_json(&json, self.file.path(), None)
+    }
+}

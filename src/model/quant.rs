@@ -1,0 +1,436 @@
+//! Block-quantized weight formats of GGUF (ggml's layouts): Q8_0, Q4_0, Q4_K and Q6_K, with
+//! F32, F16 and BF16 beside them. A row of `n` values is `n / block_len` blocks stored one after
+//! another; rows follow each other. This module converts between packed bytes and f32 on the
+//! host: [`dequantize`] for loading a GGUF file, [`quantize`] for `--weights` on a safetensors
+//! checkpoint. Layouts (per block):
+//!
+//! | type | values | bytes | layout |
+//! |---|---|---|---|
+//! | Q8_0 | 32 | 34 | f16 scale `d`, 32 × i8 `q`: `x = d q` |
+//! | Q4_0 | 32 | 18 | f16 `d`, 16 bytes: low nibbles are values 0..16, high 16..32, `x = d (q - 8)` |
+//! | Q4_K | 256 | 144 | f16 `d`, f16 `dmin`, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles |
+//! | Q6_K | 256 | 210 | 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 × i8 scales, f16 `d` |
+
+use half::{bf16, f16};
+
+/// A tensor element type of GGUF that wgpar reads, with ggml's type id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QuantType {
+    /// 32-bit float.
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    Bf16,
+    /// 8-bit, one f16 scale per 32.
+    Q8_0,
+    /// 4-bit, one f16 scale per 32, offset 8.
+    Q4_0,
+    /// 4-bit K-quant: 256-value super-blocks of eight 32-value sub-blocks with 6-bit scales and
+    /// mins.
+    Q4K,
+    /// 6-bit K-quant: 256-value super-blocks of sixteen 16-value sub-blocks with i8 scales.
+    Q6K,
+}
+
+/// Every type, for tests and help texts.
+pub const ALL_TYPES: [QuantType; 7] = [
+    QuantType::F32,
+    QuantType::F16,
+    QuantType::Bf16,
+    QuantType::Q8_0,
+    QuantType::Q4_0,
+    QuantType::Q4K,
+    QuantType::Q6K,
+];
+
+impl QuantType {
+    /// The type of ggml id `id`, `None` for one wgpar does not read.
+    pub fn from_ggml(id: u32) -> Option<Self> {
+        Some(match id {
+            0 => Self::F32,
+            1 => Self::F16,
+            2 => Self::Q4_0,
+            8 => Self::Q8_0,
+            12 => Self::Q4K,
+            14 => Self::Q6K,
+            30 => Self::Bf16,
+            _ => return None,
+        })
+    }
+
+    /// ggml's id of the type.
+    pub fn ggml_id(self) -> u32 {
+        match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Q4_0 => 2,
+            Self::Q8_0 => 8,
+            Self::Q4K => 12,
+            Self::Q6K => 14,
+            Self::Bf16 => 30,
+        }
+    }
+
+    /// ggml's name of a type id, for errors about types wgpar does not read.
+    pub fn ggml_name(id: u32) -> String {
+        const NAMES: [&str; 31] = [
+            "F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K",
+            "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S",
+            "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M",
+            "BF16",
+        ];
+        NAMES
+            .get(id as usize)
+            .map_or_else(|| format!("type {id}"), |n| n.to_string())
+    }
+
+    /// The name `--weights` and the docs use (`q8_0`, `q4_k`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+            Self::Bf16 => "bf16",
+            Self::Q8_0 => "q8_0",
+            Self::Q4_0 => "q4_0",
+            Self::Q4K => "q4_k",
+            Self::Q6K => "q6_k",
+        }
+    }
+
+    /// The type `--weights` names.
+    pub fn parse(name: &str) -> Option<Self> {
+        ALL_TYPES.into_iter().find(|t| t.name() == name)
+    }
+
+    /// Values per block (1 for the float types).
+    pub fn block_len(self) -> usize {
+        match self {
+            Self::F32 | Self::F16 | Self::Bf16 => 1,
+            Self::Q8_0 | Self::Q4_0 => 32,
+            Self::Q4K | Self::Q6K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::Bf16 => 2,
+            Self::Q8_0 => 34,
+            Self::Q4_0 => 18,
+            Self::Q4K => 144,
+            Self::Q6K => 210,
+        }
+    }
+
+    /// Whether the type packs blocks (not a plain float).
+    pub fn is_quantized(self) -> bool {
+        self.block_len() > 1
+    }
+
+    /// Bytes of a row of `n` values, `None` when `n` is not a whole number of blocks.
+    pub fn row_bytes(self, n: usize) -> Option<usize> {
+        (n % self.block_len() == 0).then(|| n / self.block_len() * self.block_bytes())
+    }
+}
+
+fn half_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Q4_K's `j`-th 6-bit (scale, min) of the 12 packed bytes `s`.
+fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    }
+}
+
+fn dequant_block(t: QuantType, b: &[u8], out: &mut [f32]) {
+    match t {
+        QuantType::F32 => out[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        QuantType::F16 => out[0] = half_at(b, 0),
+        QuantType::Bf16 => out[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+        QuantType::Q8_0 => {
+            let d = half_at(b, 0);
+            for (o, &q) in out.iter_mut().zip(&b[2..34]) {
+                *o = d * f32::from(q as i8);
+            }
+        }
+        QuantType::Q4_0 => {
+            let d = half_at(b, 0);
+            for (j, &q) in b[2..18].iter().enumerate() {
+                out[j] = d * (f32::from(q & 0xF) - 8.0);
+                out[j + 16] = d * (f32::from(q >> 4) - 8.0);
+            }
+        }
+        QuantType::Q4K => dequant_q4k(b, out),
+        QuantType::Q6K => dequant_q6k(b, out),
+    }
+}
+
+fn dequant_q4k(b: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+    let (scales, qs) = (&b[4..16], &b[16..144]);
+    // Four groups of 64 values: 32 bytes whose low nibbles are sub-block 2g, high 2g+1.
+    for g in 0..4 {
+        let (s1, m1) = scale_min_k4(2 * g, scales);
+        let (s2, m2) = scale_min_k4(2 * g + 1, scales);
+        let (d1, m1) = (d * f32::from(s1), dmin * f32::from(m1));
+        let (d2, m2) = (d * f32::from(s2), dmin * f32::from(m2));
+        for l in 0..32 {
+            let q = qs[32 * g + l];
+            out[64 * g + l] = d1 * f32::from(q & 0xF) - m1;
+            out[64 * g + 32 + l] = d2 * f32::from(q >> 4) - m2;
+        }
+    }
+}
+
+fn dequant_q6k(b: &[u8], out: &mut [f32]) {
+    let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+    let d = half_at(b, 208);
+    // Two halves of 128 values; each byte position l feeds four values 32 apart.
+    for h in 0..2 {
+        let (ql, qh, sc) = (&ql[64 * h..], &qh[32 * h..], &sc[8 * h..]);
+        for l in 0..32 {
+            let is = l / 16;
+            let q = |low: u8, shift: u32| -> f32 {
+                f32::from((low | (((qh[l] >> shift) & 3) << 4)) as i8 - 32)
+            };
+            let s = |k: usize| d * f32::from(sc[is + k] as i8);
+            let o = &mut out[128 * h..];
+            o[l] = s(0) * q(ql[l] & 0xF, 0);
+            o[l + 32] = s(2) * q(ql[l + 32] & 0xF, 2);
+            o[l + 64] = s(4) * q(ql[l] >> 4, 4);
+            o[l + 96] = s(6) * q(ql[l + 32] >> 4, 6);
+        }
+    }
+}
+
+/// The values of `bytes`, packed as `t`. `bytes.len()` must be a whole number of blocks.
+pub fn dequantize(t: QuantType, bytes: &[u8]) -> Vec<f32> {
+    let (bl, bb) = (t.block_len(), t.block_bytes());
+    let blocks = bytes.len() / bb;
+    let mut out = vec![0.0f32; blocks * bl];
+    for (b, o) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(bl)) {
+        dequant_block(t, b, o);
+    }
+    out
+}
+
+fn push_half(out: &mut Vec<u8>, x: f32) {
+    out.extend_from_slice(&f16::from_f32(x).to_le_bytes());
+}
+
+fn quant_q8_0(x: &[f32], out: &mut Vec<u8>) {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    push_half(out, d);
+    out.extend(x.iter().map(|v| (v * inv).round() as i8 as u8));
+}
+
+fn quant_q4_0(x: &[f32], out: &mut Vec<u8>) {
+    // ggml's choice: the value of largest magnitude maps to -8, so the scale keeps its sign.
+    let max = x
+        .iter()
+        .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+    let d = max / -8.0;
+    let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+    push_half(out, d);
+    let q = |v: f32| ((v * inv + 8.5) as i32).clamp(0, 15) as u8;
+    out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+}
+
+/// Packs Q4_K's eight 6-bit scales and mins into 12 bytes (the inverse of [`scale_min_k4`]).
+fn pack_scales_k4(sc: &[u8; 8], mn: &[u8; 8]) -> [u8; 12] {
+    let mut s = [0u8; 12];
+    for j in 0..4 {
+        s[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        s[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
+        s[j + 8] = (sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4);
+    }
+    s
+}
+
+fn quant_q4k(x: &[f32], out: &mut Vec<u8>) {
+    // Per 32-value sub-block: x ≈ scale q - min with q in 0..=15 and min >= 0; then the
+    // scales and mins are themselves quantized to 6 bits against the block's d and dmin.
+    let mut scale = [0.0f32; 8];
+    let mut min = [0.0f32; 8];
+    for (s, sub) in x.chunks_exact(32).enumerate() {
+        let lo = sub.iter().fold(0.0f32, |m, &v| m.min(v));
+        let hi = sub.iter().fold(f32::MIN, |m, &v| m.max(v));
+        min[s] = -lo;
+        scale[s] = (hi - lo) / 15.0;
+    }
+    let max_scale = scale.iter().fold(0.0f32, |m, &v| m.max(v));
+    let max_min = min.iter().fold(0.0f32, |m, &v| m.max(v));
+    let d = f16::from_f32(max_scale / 63.0).to_f32();
+    let dmin = f16::from_f32(max_min / 63.0).to_f32();
+    let q6 = |v: f32, unit: f32| {
+        if unit > 0.0 {
+            (v / unit).round().clamp(0.0, 63.0) as u8
+        } else {
+            0
+        }
+    };
+    let sc: [u8; 8] = std::array::from_fn(|s| q6(scale[s], d));
+    let mn: [u8; 8] = std::array::from_fn(|s| q6(min[s], dmin));
+    push_half(out, d);
+    push_half(out, dmin);
+    out.extend_from_slice(&pack_scales_k4(&sc, &mn));
+    let q4 = |v: f32, s: usize| {
+        let step = d * f32::from(sc[s]);
+        if step > 0.0 {
+            ((v + dmin * f32::from(mn[s])) / step)
+                .round()
+                .clamp(0.0, 15.0) as u8
+        } else {
+            0
+        }
+    };
+    for g in 0..4 {
+        out.extend(
+            (0..32).map(|l| q4(x[64 * g + l], 2 * g) | (q4(x[64 * g + 32 + l], 2 * g + 1) << 4)),
+        );
+    }
+}
+
+fn quant_q6k(x: &[f32], out: &mut Vec<u8>) {
+    // Sixteen 16-value sub-blocks, each with an i8 scale of a common f16 d; values in -32..=31.
+    let amax: [f32; 16] = std::array::from_fn(|s| {
+        x[16 * s..16 * s + 16]
+            .iter()
+            .fold(0.0f32, |m, v| m.max(v.abs()))
+    });
+    let max_scale = amax.iter().fold(0.0f32, |m, &v| m.max(v)) / 32.0;
+    let d = f16::from_f32(max_scale / 127.0).to_f32();
+    let sc: [i8; 16] = std::array::from_fn(|s| {
+        if d > 0.0 {
+            (amax[s] / 32.0 / d).round().clamp(-128.0, 127.0) as i8
+        } else {
+            0
+        }
+    });
+    let q = |i: usize| -> u8 {
+        let step = d * f32::from(sc[i / 16]);
+        let v = if step > 0.0 {
+            (x[i] / step).round()
+        } else {
+            0.0
+        };
+        (v.clamp(-32.0, 31.0) as i32 + 32) as u8
+    };
+    let mut ql = [0u8; 128];
+    let mut qh = [0u8; 64];
+    for h in 0..2 {
+        for l in 0..32 {
+            let base = 128 * h;
+            let (q1, q2) = (q(base + l), q(base + l + 32));
+            let (q3, q4) = (q(base + l + 64), q(base + l + 96));
+            ql[64 * h + l] = (q1 & 0xF) | ((q3 & 0xF) << 4);
+            ql[64 * h + l + 32] = (q2 & 0xF) | ((q4 & 0xF) << 4);
+            qh[32 * h + l] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6);
+        }
+    }
+    out.extend_from_slice(&ql);
+    out.extend_from_slice(&qh);
+    out.extend(sc.iter().map(|&s| s as u8));
+    push_half(out, d);
+}
+
+/// `x` packed as `t`. `x.len()` must be a whole number of blocks (callers check rows with
+/// [`QuantType::row_bytes`]).
+pub fn quantize(t: QuantType, x: &[f32]) -> Vec<u8> {
+    let bl = t.block_len();
+    let mut out = Vec::with_capacity(x.len() / bl * t.block_bytes());
+    for block in x.chunks_exact(bl) {
+        match t {
+            QuantType::F32 => out.extend_from_slice(&block[0].to_le_bytes()),
+            QuantType::F16 => push_half(&mut out, block[0]),
+            QuantType::Bf16 => out.extend_from_slice(&bf16::from_f32(block[0]).to_le_bytes()),
+            QuantType::Q8_0 => quant_q8_0(block, &mut out),
+            QuantType::Q4_0 => quant_q4_0(block, &mut out),
+            QuantType::Q4K => quant_q4k(block, &mut out),
+            QuantType::Q6K => quant_q6k(block, &mut out),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    #[test]
+    fn round_trips_within_each_types_step() {
+        // Relative RMS error bounds well above each format's expected error on uniform data,
+        // well below what a wrong layout gives (~1).
+        let bounds = [
+            (QuantType::F32, 0.0),
+            (QuantType::F16, 1e-3),
+            (QuantType::Bf16, 5e-3),
+            (QuantType::Q8_0, 0.01),
+            (QuantType::Q4_0, 0.12),
+            (QuantType::Q4K, 0.1),
+            (QuantType::Q6K, 0.03),
+        ];
+        let x = random(1024, 3);
+        for (t, bound) in bounds {
+            let packed = quantize(t, &x);
+            assert_eq!(packed.len(), t.row_bytes(x.len()).unwrap(), "{t:?}");
+            let y = dequantize(t, &packed);
+            assert_eq!(y.len(), x.len());
+            let err: f32 = x.iter().zip(&y).map(|(a, b)| (a - b) * (a - b)).sum();
+            let norm: f32 = x.iter().map(|a| a * a).sum();
+            let rel = (err / norm).sqrt();
+            assert!(rel <= bound, "{t:?}: relative RMS error {rel} > {bound}");
+        }
+    }
+
+    #[test]
+    fn q8_0_and_q4_0_by_hand() {
+        let mut b = f16::from_f32(0.5).to_le_bytes().to_vec();
+        b.extend((0..32).map(|i| (i as i8 - 16) as u8));
+        let y = dequantize(QuantType::Q8_0, &b);
+        assert_eq!((y[0], y[16], y[31]), (-8.0, 0.0, 7.5));
+        let mut b = f16::from_f32(2.0).to_le_bytes().to_vec();
+        b.extend([0x9Fu8; 16]);
+        let y = dequantize(QuantType::Q4_0, &b);
+        // Low nibble 0xF -> (15 - 8) * 2, high nibble 0x9 -> (9 - 8) * 2.
+        assert_eq!((y[0], y[15], y[16], y[31]), (14.0, 14.0, 2.0, 2.0));
+    }
+
+    #[test]
+    fn k4_scales_pack_and_unpack() {
+        let sc = [1, 63, 17, 40, 62, 5, 33, 48];
+        let mn = [0, 12, 63, 7, 31, 60, 2, 45];
+        let packed = pack_scales_k4(&sc, &mn);
+        for j in 0..8 {
+            assert_eq!(scale_min_k4(j, &packed), (sc[j], mn[j]), "sub-block {j}");
+        }
+    }
+
+    #[test]
+    fn ggml_ids_round_trip() {
+        for t in ALL_TYPES {
+            assert_eq!(QuantType::from_ggml(t.ggml_id()), Some(t));
+            assert_eq!(QuantType::parse(t.name()), Some(t));
+        }
+        assert_eq!(QuantType::from_ggml(3), None);
+        assert_eq!(QuantType::ggml_name(13), "Q5_K");
+    }
+}

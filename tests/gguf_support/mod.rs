@@ -1,0 +1,234 @@
+//! Writes GGUF checkpoints for the tests with llama.cpp's `gguf` Python package (from the tests'
+//! `.venv`): `ModelWeights` under llama.cpp's tensor names, metadata as its converter writes
+//! it, tensors in a chosen type. Q8_0, Q4_0, BF16 and F16 are packed by the package itself;
+//! Q4_K and Q6_K (which it cannot quantize) by wgpar's quantizer, and the package then
+//! dequantizes every packed tensor (`.deq` files) so the loader is checked against llama.cpp's
+//! reference code.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+use wgpar::model::quant::{quantize, QuantType};
+use wgpar::model::{Arch, ModelWeights};
+
+/// One tensor to write: name, shape (outermost first), values, heads to permute (llama Q/K).
+pub struct GgufTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub values: Vec<f32>,
+    pub permute_heads: usize,
+}
+
+fn tensor(name: String, shape: Vec<usize>, values: &[f32]) -> GgufTensor {
+    assert_eq!(shape.iter().product::<usize>(), values.len(), "{name}");
+    GgufTensor {
+        name,
+        shape,
+        values: values.to_vec(),
+        permute_heads: 0,
+    }
+}
+
+/// llama.cpp's tensors of `w`; `permute`: Q/K rows permuted as the converter does for `llama`.
+pub fn gguf_tensors(w: &ModelWeights, permute: bool) -> Vec<GgufTensor> {
+    let c = &w.config;
+    let (h, f, q, kv) = (c.hidden, c.ffn, c.q_dim(), c.kv_dim());
+    let mut t = vec![
+        tensor("token_embd.weight".into(), vec![c.vocab, h], &w.wte),
+        tensor("output_norm.weight".into(), vec![h], &w.final_norm),
+    ];
+    if let Some(b) = &w.final_norm_bias {
+        t.push(tensor("output_norm.bias".into(), vec![h], b));
+    }
+    if let Some(wpe) = &w.wpe {
+        t.push(tensor(
+            "position_embd.weight".into(),
+            vec![c.max_seq, h],
+            wpe,
+        ));
+    }
+    if let Some(head) = &w.lm_head {
+        t.push(tensor("output.weight".into(), vec![c.vocab, h], head));
+    }
+    for (i, l) in w.layers.iter().enumerate() {
+        let n = |s: &str| format!("blk.{i}.{s}");
+        t.push(tensor(n("attn_norm.weight"), vec![h], &l.attn_norm));
+        t.push(tensor(n("ffn_norm.weight"), vec![h], &l.mlp_norm));
+        t.push(tensor(n("attn_output.weight"), vec![h, q], &l.wo));
+        t.push(tensor(n("ffn_up.weight"), vec![f, h], &l.w_up));
+        t.push(tensor(n("ffn_down.weight"), vec![h, f], &l.w_down));
+        let biases = [
+            ("attn_norm.bias", &l.attn_norm_bias, h),
+            ("ffn_norm.bias", &l.mlp_norm_bias, h),
+            ("attn_output.bias", &l.bo, h),
+            ("ffn_up.bias", &l.b_up, f),
+            ("ffn_down.bias", &l.b_down, h),
+        ];
+        for (name, b, len) in biases {
+            if let Some(b) = b {
+                t.push(tensor(n(name), vec![len], b));
+            }
+        }
+        if c.arch == Arch::Gpt2 {
+            let qkv: Vec<f32> = [&l.wq, &l.wk, &l.wv]
+                .into_iter()
+                .flatten()
+                .copied()
+                .collect();
+            t.push(tensor(n("attn_qkv.weight"), vec![3 * h, h], &qkv));
+            let bias: Vec<f32> = [&l.bq, &l.bk, &l.bv]
+                .into_iter()
+                .flat_map(|b| b.clone().unwrap())
+                .collect();
+            t.push(tensor(n("attn_qkv.bias"), vec![3 * h], &bias));
+            continue;
+        }
+        t.push(tensor(
+            n("ffn_gate.weight"),
+            vec![f, h],
+            l.w_gate.as_ref().unwrap(),
+        ));
+        let mut wq = tensor(n("attn_q.weight"), vec![q, h], &l.wq);
+        let mut wk = tensor(n("attn_k.weight"), vec![kv, h], &l.wk);
+        if permute {
+            (wq.permute_heads, wk.permute_heads) = (c.heads, c.kv_heads);
+        }
+        t.extend([wq, wk, tensor(n("attn_v.weight"), vec![kv, h], &l.wv)]);
+        for (name, b, len) in [
+            ("attn_q.bias", &l.bq, q),
+            ("attn_k.bias", &l.bk, kv),
+            ("attn_v.bias", &l.bv, kv),
+        ] {
+            if let Some(b) = b {
+                t.push(tensor(n(name), vec![len], b));
+            }
+        }
+    }
+    t
+}
+
+/// Metadata llama.cpp's converter writes for `w` under architecture `arch`.
+pub fn model_meta(w: &ModelWeights, arch: &str) -> Vec<Value> {
+    let c = &w.config;
+    let k = |key: &str| format!("{arch}.{key}");
+    let mut m = vec![
+        json!(["general.name", "str", "gguf-test"]),
+        json!([k("context_length"), "u32", c.max_seq]),
+        json!([k("embedding_length"), "u32", c.hidden]),
+        json!([k("block_count"), "u32", c.layers]),
+        json!([k("feed_forward_length"), "u32", c.ffn]),
+        json!([k("attention.head_count"), "u32", c.heads]),
+        json!(["tokenizer.ggml.eos_token_id", "u32", 0]),
+    ];
+    if c.arch == Arch::Gpt2 {
+        m.push(json!([
+            k("attention.layer_norm_epsilon"),
+            "f32",
+            c.norm_eps
+        ]));
+    } else {
+        m.push(json!([k("attention.head_count_kv"), "u32", c.kv_heads]));
+        m.push(json!([
+            k("attention.layer_norm_rms_epsilon"),
+            "f32",
+            c.norm_eps
+        ]));
+        m.push(json!([k("rope.freq_base"), "f32", c.rope_theta]));
+    }
+    m
+}
+
+/// What to write: the matrices' type (1-D tensors stay F32, as llama.cpp keeps them).
+pub struct GgufSpec<'a> {
+    pub arch: &'a str,
+    pub matrices: QuantType,
+    pub meta: Vec<Value>,
+}
+
+/// Writes `tensors` and `spec`'s metadata to `dir/name.gguf` and returns the file's path. Each
+/// packed tensor's llama.cpp dequantization is at `dir/NAME.bin.deq`.
+pub fn write_gguf(dir: &Path, name: &str, tensors: &[GgufTensor], spec: &GgufSpec) -> PathBuf {
+    let path = dir.join(format!("{name}.gguf"));
+    let mut entries = Vec::new();
+    for t in tensors {
+        let file = dir.join(format!("{}.bin", t.name));
+        let matrix = t.shape.len() == 2;
+        let qtype = if matrix {
+            spec.matrices
+        } else {
+            QuantType::F32
+        };
+        // wgpar packs the K-quants (the package has no quantizer for them), after permuting.
+        let packed = matches!(qtype, QuantType::Q4K | QuantType::Q6K);
+        let bytes: Vec<u8> = if packed {
+            let v = if t.permute_heads > 0 {
+                permute_rows(&t.values, t.permute_heads, t.shape[1])
+            } else {
+                t.values.clone()
+            };
+            quantize(qtype, &v)
+        } else {
+            t.values.iter().flat_map(|x| x.to_le_bytes()).collect()
+        };
+        std::fs::write(&file, bytes).unwrap();
+        entries.push(json!({
+            "name": t.name, "shape": t.shape, "file": file, "packed": packed,
+            "type": ggml_type_name(qtype),
+            "permute_heads": if packed { 0 } else { t.permute_heads },
+        }));
+    }
+    let manifest = json!({"path": path, "arch": spec.arch, "meta": spec.meta, "tensors": entries});
+    let manifest_path = dir.join(format!("{name}.json"));
+    std::fs::write(&manifest_path, manifest.to_string()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf_support/write_gguf.py");
+    let out = std::process::Command::new(crate::common::python())
+        .arg(script)
+        .arg(&manifest_path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "write_gguf.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    path
+}
+
+/// The converter's permutation (the test's own, for the tensors wgpar packs).
+pub fn permute_rows(m: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let head_dim = m.len() / cols / heads;
+    let half = head_dim / 2;
+    let mut out = vec![0.0; m.len()];
+    for h in 0..heads {
+        for s in 0..2 {
+            for i in 0..half {
+                let from = (h * head_dim + s * half + i) * cols;
+                let to = (h * head_dim + 2 * i + s) * cols;
+                out[to..to + cols].copy_from_slice(&m[from..from + cols]);
+            }
+        }
+    }
+    out
+}
+
+fn ggml_type_name(t: QuantType) -> &'static str {
+    match t {
+        QuantType::F32 => "F32",
+        QuantType::F16 => "F16",
+        QuantType::Bf16 => "BF16",
+        QuantType::Q8_0 => "Q8_0",
+        QuantType::Q4_0 => "Q4_0",
+        QuantType::Q4K => "Q4_K",
+        QuantType::Q6K => "Q6_K",
+    }
+}
+
+/// llama.cpp's dequantization of tensor `name`, written beside it by the script.
+pub fn reference_dequant(dir: &Path, name: &str) -> Vec<f32> {
+    let bytes = std::fs::read(dir.join(format!("{name}.bin.deq"))).unwrap();
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
