@@ -131,7 +131,8 @@ impl QuantType {
 
     /// Bytes of a row of `n` values, `None` when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        (n % self.block_len() == 0).then(|| n / self.block_len() * self.block_bytes())
+        n.is_multiple_of(self.block_len())
+            .then(|| n / self.block_len() * self.block_bytes())
     }
 }
 

@@ -166,7 +166,7 @@ impl Batcher {
             if let Some(done) = engine.complete(timeout)? {
                 self.finish(done.lane, &done.tokens)?;
                 steps += 1;
-                if steps % 16 == 0 {
+                if steps.is_multiple_of(16) {
                     self.account(engine);
                 }
             }

@@ -349,10 +349,13 @@ fn descriptor(c: &mut Cursor, name: &str) -> Result<(Vec<usize>, QuantType, u64)
     Ok((dims, dtype, offset))
 }
 
+/// A tensor as the header describes it: dimensions (innermost first), type and offset.
+type TensorDesc = (Vec<usize>, QuantType, u64);
+
 /// Each tensor's byte range, checked against the file: whole blocks per row, aligned, inside.
 fn place(
     c: &Cursor,
-    descs: Vec<(String, (Vec<usize>, QuantType, u64))>,
+    descs: Vec<(String, TensorDesc)>,
     data_start: usize,
     align: usize,
 ) -> Result<Vec<(String, TensorInfo)>> {
@@ -372,7 +375,7 @@ fn place(
         let (Some(size), Some(start)) = (size, start) else {
             return fail(format!("dimensions {dims:?} overflow"));
         };
-        if offset as usize % align != 0 {
+        if !(offset as usize).is_multiple_of(align) {
             return fail(format!("offset {offset} is not aligned to {align} bytes"));
         }
         match start.checked_add(size) {

@@ -40,8 +40,9 @@ pub struct Checkpoint {
 enum Source {
     /// A Hugging Face folder's safetensors files.
     Folder(TensorStore),
-    /// One GGUF file (weights and tokenizer inside).
-    Gguf(crate::model::gguf::Gguf),
+    /// One GGUF file (weights and tokenizer inside); boxed, being much larger than a folder's
+    /// store.
+    Gguf(Box<crate::model::gguf::Gguf>),
 }
 
 fn read_text(path: &Path) -> Result<Option<String>> {
@@ -193,7 +194,7 @@ impl Checkpoint {
                 positions: gguf.config().max_seq,
                 config: gguf.config().clone(),
                 eos: gguf.eos_tokens().to_vec(),
-                source: Source::Gguf(gguf),
+                source: Source::Gguf(Box::new(gguf)),
             });
         }
         Self::open_folder(path)
