@@ -40,6 +40,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             max_batch: 4,
             seed: 1,
         }),
+        at_scale: false,
     };
     let report = run_compare(&gpus, &opts, &mut |done, total, what| {
         eprintln!("[{done}/{total}] {what}");

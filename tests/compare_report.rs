@@ -4,7 +4,8 @@
 mod common;
 
 use wgpar::compare::{
-    breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions, ServingOptions,
+    breakdown_svg, markdown, plan, plan_model, question_lines, run_compare, scale_svg, table,
+    throughput_svg, CompareOptions, PlanOptions, PlanStrategy, ServingOptions,
 };
 use wgpar::device::DType;
 use wgpar::model::ModelConfig;
@@ -44,6 +45,7 @@ fn small_comparison_end_to_end() {
             max_batch: 3,
             seed: 3,
         }),
+        at_scale: true,
     };
     let mut calls = 0;
     let report = run_compare(&gpus, &opts, &mut |_, _, _| calls += 1).unwrap();
@@ -157,7 +159,22 @@ fn small_comparison_end_to_end() {
     }
     let text = table(&report);
     assert!(text.contains("verdicts") && text.contains("dgx-h100"));
-    assert!(text.contains("serving under load") && text.contains("under load: highest throughput"));
+    assert!(text.contains("serving under load"));
+    // One line per question, each naming every machine that answers it (the stream's
+    // questions: the machines that served it).
+    let lines = question_lines(&report.verdicts);
+    assert_eq!(lines.len(), 5, "{lines:?}");
+    for (i, line) in lines.iter().enumerate() {
+        let machines = if i < 2 { 5 } else { 3 };
+        let named = report
+            .verdicts
+            .iter()
+            .filter(|v| line.contains(&format!("{}: ", v.profile)))
+            .count();
+        assert_eq!(named, machines, "{line}");
+        assert!(text.contains(line.as_str()), "{line}");
+    }
+    check_scale(&report, &text);
     let md = markdown(&report, &[("t".into(), "throughput.svg".into())]);
     assert!(
         md.contains("## Projected onto `pcie4-4gpu, wgpar (projected)`")
@@ -174,4 +191,54 @@ fn small_comparison_end_to_end() {
     }
     let json = serde_json::to_string(&report).unwrap();
     assert!(json.contains("\"tg_tps\""));
+}
+
+/// The modeled section at scale: every (profile, engine, strategy, batch) of both questions,
+/// the same rows `wgpar plan` gives, an answer line per question, in the table, the
+/// Markdown report and one chart.
+fn check_scale(report: &wgpar::compare::CompareReport, text: &str) {
+    let scale = report.scale.as_ref().expect("asked for at_scale");
+    let sizes: Vec<(usize, &str)> = scale
+        .cases
+        .iter()
+        .map(|c| (c.rows.len(), c.model.as_str()))
+        .collect();
+    // 2 profiles x 2 engines x 5 strategies x 2 batches; then 1 profile.
+    assert_eq!(sizes, [(40, "llama-8b"), (20, "llama3-70b")]);
+    for case in &scale.cases {
+        assert!(case.params_b > 7.0, "{}", case.model);
+        assert_eq!(case.answers.len(), 2);
+        assert!(!case.answers.iter().any(|a| a.contains("nothing fits")));
+        assert!(text.contains(&case.question) && text.contains(&case.answers[0]));
+        let fit = case.rows.iter().filter(|r| r.fits).count();
+        assert!(fit > case.rows.len() / 2, "{}: {fit} fit", case.model);
+        assert!(case
+            .rows
+            .iter()
+            .filter(|r| r.fits)
+            .all(|r| r.decode_tps.unwrap() > 0.0 && r.decode_ms.unwrap() > 0.0));
+    }
+    // The same numbers as the planner's.
+    let c = &scale.cases[1];
+    let opts = PlanOptions {
+        config: plan_model("llama3-70b").unwrap(),
+        weights: wgpar::sim::NumFormat::F16,
+        strategies: vec![PlanStrategy::parse("tp4xpp2-m4").unwrap()],
+        batches: vec![32],
+        seqs: vec![scale.prompt],
+        profiles: vec![HostProfile::resolve("2node-ib200").unwrap()],
+        engines: vec![Engine::shipped("wgpar").unwrap()],
+        decode_steps: scale.decode_steps,
+    };
+    let planned = &plan(&opts).unwrap()[0];
+    let row = c
+        .rows
+        .iter()
+        .find(|r| r.engine == planned.engine && r.strategy == planned.strategy && r.batch == 32)
+        .unwrap();
+    assert_eq!(row.decode_tps, planned.decode_tps);
+    let md = markdown(report, &[]);
+    assert!(md.contains("## Modeled at scale") && md.contains("| 2node-ib200 | wgpar | tp8 |"));
+    let svg = scale_svg(scale).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("llama3-70b on 2node-ib200"));
 }

@@ -75,6 +75,10 @@ pub struct CompareArgs {
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
+    /// Add a modeled section at realistic scale (Llama-3-8B on PCIe GPUs against a DGX H100,
+    /// Llama-3-70B on two nodes), built by the same code as `wgpar plan`, on `--engines`.
+    #[arg(long)]
+    at_scale: bool,
 }
 
 impl CompareArgs {
@@ -105,6 +109,7 @@ impl CompareArgs {
             engines: vec!["wgpar".into(), "cuda-nccl".into()],
             out: PathBuf::from("wgpar-report"),
             json: false,
+            at_scale: true,
         }
     }
 }
@@ -205,6 +210,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
             max_batch: args.serve_max_batch,
             seed: args.model.seed,
         }),
+        at_scale: args.at_scale,
     };
     // Every configuration compare will run, checked before a device opens.
     let plans = wgpar::compare::plans(&opts.config, selected.len(), &opts);
@@ -278,6 +284,18 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         let path = args.out.join(file);
         std::fs::write(&path, svg).map_err(|e| io_err(&path, e))?;
         charts.push((title.to_string(), file.to_string()));
+    }
+    if let Some(scale) = &report.scale {
+        let svg = wgpar::compare::scale_svg(scale).map_err(|message| WgparError::Chart {
+            path: "scale.svg".into(),
+            message,
+        })?;
+        let path = args.out.join("scale.svg");
+        std::fs::write(&path, svg).map_err(|e| io_err(&path, e))?;
+        charts.push((
+            "Modeled at scale: decode tokens/s".to_string(),
+            "scale.svg".to_string(),
+        ));
     }
     // The richest pipeline timeline, for Perfetto and for `wgpar project`.
     if let Some(m) = report

@@ -4,7 +4,7 @@
 
 use plotters::prelude::*;
 
-use super::CompareReport;
+use super::{CompareReport, ScaleSection};
 
 const PALETTE: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
@@ -69,13 +69,18 @@ pub fn throughput_svg(r: &CompareReport) -> Result<String, String> {
             .collect();
         panels.push((p.to_string(), series));
     }
+    panels_svg(&panels, "batch (sequences)", "generated tokens/s")
+}
+
+/// Side-by-side panels of lines (log-scale y), one line per named series.
+fn panels_svg(panels: &[(String, Series)], x_desc: &str, y_desc: &str) -> Result<String, String> {
     let mut svg = String::new();
     {
         let width = 480 * panels.len() as u32;
         let root = SVGBackend::with_string(&mut svg, (width, 420)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| e.to_string())?;
         let areas = root.split_evenly((1, panels.len()));
-        for (area, (title, series)) in areas.iter().zip(&panels) {
+        for (area, (title, series)) in areas.iter().zip(panels) {
             let xs: Vec<f64> = series
                 .iter()
                 .flat_map(|(_, p)| p.iter().map(|q| q.0))
@@ -100,8 +105,8 @@ pub fn throughput_svg(r: &CompareReport) -> Result<String, String> {
                 .map_err(|e| e.to_string())?;
             chart
                 .configure_mesh()
-                .x_desc("batch (sequences)")
-                .y_desc("generated tokens/s")
+                .x_desc(x_desc)
+                .y_desc(y_desc)
                 .draw()
                 .map_err(|e| e.to_string())?;
             for (i, (name, pts)) in series.iter().enumerate() {
@@ -252,4 +257,32 @@ pub fn breakdown_svg(r: &CompareReport) -> Result<String, String> {
         root.present().map_err(|e| e.to_string())?;
     }
     Ok(svg)
+}
+
+/// The modeled-at-scale section in one chart: decode tokens/s against batch, a panel per
+/// (question, profile), a line per (engine, strategy); configurations that do not fit are left
+/// out.
+pub fn scale_svg(scale: &ScaleSection) -> Result<String, String> {
+    let mut panels: Vec<(String, Series)> = Vec::new();
+    for case in &scale.cases {
+        let mut profiles: Vec<&str> = Vec::new();
+        for r in &case.rows {
+            if !profiles.contains(&r.profile.as_str()) {
+                profiles.push(&r.profile);
+            }
+        }
+        for profile in profiles {
+            let mut series: Series = Vec::new();
+            for r in case.rows.iter().filter(|r| r.profile == profile && r.fits) {
+                let name = format!("{} {}", r.engine, r.strategy);
+                let Some(tps) = r.decode_tps else { continue };
+                match series.iter_mut().find(|(n, _)| *n == name) {
+                    Some((_, pts)) => pts.push((r.batch as f64, tps)),
+                    None => series.push((name, vec![(r.batch as f64, tps)])),
+                }
+            }
+            panels.push((format!("{} on {profile}", case.model), series));
+        }
+    }
+    panels_svg(&panels, "batch (sequences)", "modeled decode tokens/s")
 }

@@ -9,6 +9,7 @@ mod modeled;
 mod plan;
 mod presets;
 mod report;
+mod scale;
 mod serving;
 mod verdict;
 
@@ -27,7 +28,7 @@ use crate::parallel::{
 use crate::sim::{project_engine, HostProfile, ProjectOptions};
 use crate::trace::{Recorder, Timeline};
 
-pub use charts::{breakdown_svg, throughput_svg};
+pub use charts::{breakdown_svg, scale_svg, throughput_svg};
 pub use memory::{memory_per_device, DeviceMemory, Workload};
 pub use modeled::{modeled_timeline, Formats};
 pub use plan::{
@@ -35,10 +36,11 @@ pub use plan::{
 };
 pub use presets::{plan_preset, PLAN_PRESETS};
 pub use report::{markdown, table};
+pub use scale::{modeled_at_scale, ScaleCase, ScaleSection};
 pub use serving::{
     serving_plans, ServingMeasurement, ServingOptions, ServingProjected, ServingSection,
 };
-pub use verdict::{verdicts, UnderLoad, Verdict};
+pub use verdict::{question_lines, verdicts, UnderLoad, Verdict};
 
 /// What to compare.
 #[derive(Debug, Clone)]
@@ -68,6 +70,8 @@ pub struct CompareOptions {
     pub seed: u64,
     /// The serving section: every strategy under one stream of requests (`None`: skip it).
     pub serving: Option<ServingOptions>,
+    /// Add the modeled section at realistic scale ([`modeled_at_scale`]) on `engines`.
+    pub at_scale: bool,
 }
 
 /// Mean and standard deviation over repetitions.
@@ -185,6 +189,8 @@ pub struct CompareReport {
     pub serving: Option<ServingSection>,
     /// Per profile: best latency and throughput, with reasons.
     pub verdicts: Vec<Verdict>,
+    /// Llama-3-8B and Llama-3-70B modeled on real machines, when asked for.
+    pub scale: Option<ScaleSection>,
     /// When it ran (UTC, seconds since the epoch).
     pub unix_time: u64,
 }
@@ -589,6 +595,11 @@ pub fn run_compare(
         measurements: served,
     });
     let verdicts = verdicts(&measurements, serving.as_ref(), &opts.profiles);
+    let scale = if opts.at_scale {
+        Some(modeled_at_scale(&opts.engines)?)
+    } else {
+        None
+    };
     Ok(CompareReport {
         model: opts.config.clone(),
         devices: gpus.iter().map(|g| g.describe()).collect(),
@@ -598,6 +609,7 @@ pub fn run_compare(
         measurements,
         serving,
         verdicts,
+        scale,
         unix_time: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())

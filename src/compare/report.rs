@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use super::{CompareReport, ServingSection};
+use super::{question_lines, CompareReport, ScaleSection, ServingSection};
 
 fn pm(mean: f64, std: f64) -> String {
     format!("{mean:.1} ± {std:.1}")
@@ -248,21 +248,107 @@ pub fn table(r: &CompareReport) -> String {
     if let Some(serving) = &r.serving {
         serving_table(serving, &mut s);
     }
-    let _ = writeln!(s, "\nverdicts:");
-    for v in &r.verdicts {
-        let _ = writeln!(
-            s,
-            "- {}: lowest latency {} ({:.3} ms/token); highest throughput {} ({:.0} tokens/s)",
-            v.profile, v.lowest_latency, v.latency_ms, v.highest_throughput, v.throughput_tps
-        );
-        if let Some(line) = under_load_line(v) {
-            let _ = writeln!(s, "  {line}");
-        }
-        for w in &v.why {
-            let _ = writeln!(s, "    {w}");
-        }
+    if let Some(scale) = &r.scale {
+        scale_table(scale, &mut s);
+    }
+    let _ = writeln!(
+        s,
+        "\nverdicts (one line per question, each machine's winner; the numbers behind them in report.md):"
+    );
+    for line in question_lines(&r.verdicts) {
+        let _ = writeln!(s, "- {line}");
     }
     s
+}
+
+fn opt(v: Option<f64>, decimals: usize) -> String {
+    v.map_or_else(|| "-".into(), |x| format!("{x:.decimals$}"))
+}
+
+fn pct(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".into(), |x| format!("{:.0}", x * 100.0))
+}
+
+fn scale_table(scale: &ScaleSection, s: &mut String) {
+    let _ = writeln!(
+        s,
+        "\nmodeled at scale (f16 weights, prompt {} tokens, {} decode steps; as `wgpar plan` models them):",
+        scale.prompt, scale.decode_steps
+    );
+    for case in &scale.cases {
+        let _ = writeln!(
+            s,
+            "\n{} ({}, {:.1}B parameters)",
+            case.question, case.model, case.params_b
+        );
+        let _ = writeln!(
+            s,
+            "{:<12} {:<12} {:<12} {:>5} {:>10} {:>10} {:>10} {:>6} {:>6}",
+            "profile",
+            "engine",
+            "strategy",
+            "batch",
+            "TTFT ms",
+            "ms/token",
+            "tok/s",
+            "comm%",
+            "bubb%"
+        );
+        for r in &case.rows {
+            let _ = writeln!(
+                s,
+                "{:<12} {:<12} {:<12} {:>5} {:>10} {:>10} {:>10} {:>6} {:>6}{}",
+                r.profile,
+                r.engine,
+                r.strategy,
+                r.batch,
+                opt(r.prefill_ms, 1),
+                opt(r.decode_ms, 2),
+                opt(r.decode_tps, 0),
+                pct(r.decode_comm),
+                pct(r.decode_bubble),
+                if r.fits { "" } else { "  does not fit" }
+            );
+        }
+        for a in &case.answers {
+            let _ = writeln!(s, "  {a}");
+        }
+    }
+}
+
+fn scale_markdown(scale: &ScaleSection, s: &mut String) {
+    let _ = writeln!(s, "\n## Modeled at scale\n");
+    let _ = writeln!(
+        s,
+        "The models people split, on machines people split them over: f16 weights, a prompt of {} tokens, {} decode steps, modeled by the same code as `wgpar plan` (wgpar's host-staged path and CUDA + NCCL on the same work).\n",
+        scale.prompt, scale.decode_steps
+    );
+    for case in &scale.cases {
+        let _ = writeln!(s, "### {}\n", case.question);
+        let _ = writeln!(s, "{}, {:.1}B parameters.\n", case.model, case.params_b);
+        for a in &case.answers {
+            let _ = writeln!(s, "- {}{}", a[..1].to_uppercase(), &a[1..]);
+        }
+        let _ = writeln!(s, "\n| profile | engine | strategy | batch | TTFT ms | ms/token | tokens/s | comm % | bubble % | fits |");
+        let _ = writeln!(s, "|---|---|---|---:|---:|---:|---:|---:|---:|---|");
+        for r in &case.rows {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                r.profile,
+                r.engine,
+                r.strategy,
+                r.batch,
+                opt(r.prefill_ms, 1),
+                opt(r.decode_ms, 2),
+                opt(r.decode_tps, 0),
+                pct(r.decode_comm),
+                pct(r.decode_bubble),
+                if r.fits { "yes" } else { "no" }
+            );
+        }
+        let _ = writeln!(s);
+    }
 }
 
 /// A Markdown report; `charts` are (title, relative path) pairs of images written beside it.
@@ -333,7 +419,14 @@ pub fn markdown(r: &CompareReport, charts: &[(String, String)]) -> String {
     if let Some(serving) = &r.serving {
         serving_markdown(serving, &mut s);
     }
+    if let Some(scale) = &r.scale {
+        scale_markdown(scale, &mut s);
+    }
     let _ = writeln!(s, "\n## Verdicts\n");
+    for line in question_lines(&r.verdicts) {
+        let _ = writeln!(s, "- {}{}", line[..1].to_uppercase(), &line[1..]);
+    }
+    let _ = writeln!(s, "\n### The numbers behind them\n");
     for v in &r.verdicts {
         let _ = writeln!(
             s,

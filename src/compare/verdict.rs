@@ -212,3 +212,40 @@ pub fn verdicts(
     }
     out
 }
+
+/// The verdicts as one line per question (lowest latency, highest throughput and, where a
+/// stream was served, the three under-load questions), each naming every machine's winner
+/// with the figure it won with.
+pub fn question_lines(verdicts: &[Verdict]) -> Vec<String> {
+    let line = |question: &str, answer: &dyn Fn(&Verdict) -> Option<String>| {
+        let parts: Vec<String> = verdicts
+            .iter()
+            .filter_map(|v| answer(v).map(|a| format!("{}: {a}", v.profile)))
+            .collect();
+        (!parts.is_empty()).then(|| format!("{question}: {}", parts.join("; ")))
+    };
+    let load = |v: &Verdict| v.under_load.clone();
+    [
+        line("lowest latency", &|v| {
+            Some(format!("{} {:.3} ms/token", v.lowest_latency, v.latency_ms))
+        }),
+        line("highest throughput", &|v| {
+            Some(format!(
+                "{} {:.0} tokens/s",
+                v.highest_throughput, v.throughput_tps
+            ))
+        }),
+        line("under a request stream, most output tokens/s", &|v| {
+            load(v).map(|u| format!("{} {:.1}", u.highest_throughput, u.throughput_tps))
+        }),
+        line("under a request stream, lowest TTFT p50", &|v| {
+            load(v).map(|u| format!("{} {:.2} ms", u.lowest_ttft, u.ttft_ms))
+        }),
+        line("under a request stream, lowest TPOT p50", &|v| {
+            load(v).map(|u| format!("{} {:.3} ms", u.lowest_tpot, u.tpot_ms))
+        }),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
