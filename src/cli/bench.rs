@@ -24,7 +24,7 @@ pub enum BenchCommand {
     Decode(super::bench_decode::DecodeBenchArgs),
     /// Serving benchmark (vLLM benchmark_serving style): seeded Poisson arrivals, continuous
     /// batching on any strategy; throughput, TTFT, TPOT and latency percentiles.
-    Serve(super::bench_serve::ServeArgs),
+    Serve(Box<super::bench_serve::ServeArgs>),
     /// Every matmul variant timed per shape (the winner is what autotuning picks, today's
     /// kernel beside it), attention prefill, and the other kernels' GB/s, per device.
     Kernels {

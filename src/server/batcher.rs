@@ -43,6 +43,8 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
     /// When it was accepted (for the time-to-first-token histogram).
     pub accepted: Instant,
+    /// Whether end-of-sequence tokens are generated like any other.
+    pub ignore_eos: bool,
 }
 
 struct Seq {
@@ -166,7 +168,7 @@ impl Batcher {
             if let Some(done) = engine.complete(timeout)? {
                 self.finish(done.lane, &done.tokens)?;
                 steps += 1;
-                if steps % 16 == 0 {
+                if steps.is_multiple_of(16) {
                     self.account(engine);
                 }
             }
@@ -296,7 +298,7 @@ impl Batcher {
                 s.first_at = Some(now);
                 self.metrics.observe_first(&s.job);
             }
-            let eos = self.eos.contains(&token);
+            let eos = !s.job.ignore_eos && self.eos.contains(&token);
             if !eos {
                 let _ = s.job.events.send(Event::Token(token));
                 self.metrics.generation_tokens.inc();
