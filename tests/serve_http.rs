@@ -570,6 +570,10 @@ fn bench_serve_url_drives_the_server() {
     assert_eq!(v["errors"].as_array().unwrap().len(), 0, "{out}");
     assert_eq!(v["metrics"]["completed"], 12, "{out}");
     assert_eq!(v["metrics"]["failed"], 0, "{out}");
+    // Once all are done, the gauges say so.
+    assert_eq!(server.metric("wgpar_requests_finished_total"), 12.0);
+    assert_eq!(server.metric("wgpar_kv_slots_used"), 0.0);
+    assert_eq!(server.metric("wgpar_num_requests_running"), 0.0);
     // ignore_eos: every request gets its drawn output length; the in-process run agrees.
     let (ok, local, err) = common::wgpar(&[
         "bench",

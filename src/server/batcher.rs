@@ -167,6 +167,7 @@ impl Batcher {
             let timeout = any_idle.then_some(Duration::from_millis(2));
             if let Some(done) = engine.complete(timeout)? {
                 self.finish(done.lane, &done.tokens)?;
+                self.publish();
                 steps += 1;
                 if steps.is_multiple_of(16) {
                     self.account(engine);
