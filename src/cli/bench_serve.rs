@@ -313,7 +313,7 @@ fn check_lengths_fit(args: &ServeArgs, config: &wgpar::model::ModelConfig) -> Re
 
 /// Refuses a pipeline with more micro-batch lanes than KV slots: the extra lanes would never
 /// run a sequence.
-fn check_lanes_have_slots(strategy: &Strategy, max_batch: usize) -> Result<()> {
+pub(super) fn check_lanes_have_slots(strategy: &Strategy, max_batch: usize) -> Result<()> {
     let lanes = match strategy {
         Strategy::Pipeline { micro_batches, .. } | Strategy::Hybrid { micro_batches, .. } => {
             *micro_batches

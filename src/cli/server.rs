@@ -109,6 +109,7 @@ pub fn run(args: &ServerArgs) -> Result<()> {
     let strategy = args
         .strategy
         .strategy_with(stages.clamp(1, args.max_batch))?;
+    super::bench_serve::check_lanes_have_slots(&strategy, args.max_batch)?;
     let fault = match &args.inject_fault {
         Some(t) => {
             let spec = FaultSpec::parse(t)?;
@@ -123,7 +124,11 @@ pub fn run(args: &ServerArgs) -> Result<()> {
         &[super::PlannedRun {
             strategy: &strategy,
             adapters: &selected,
-            step_tokens: args.max_prefill_tokens.min(config.max_seq),
+            // Prefills batch up to --max-prefill-tokens; one longer prompt runs alone.
+            step_tokens: args
+                .max_prefill_tokens
+                .min(args.max_batch * config.max_seq)
+                .max(config.max_seq),
             batch: args.max_batch,
         }],
     )?;
