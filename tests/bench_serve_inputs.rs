@@ -117,3 +117,32 @@ fn too_long_lengths_say_what_fits() {
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("prompts of at most 5 tokens fit"), "{err}");
 }
+
+/// The server refuses the same lane/slot mismatch, before a device opens.
+#[test]
+fn server_refuses_more_lanes_than_slots() {
+    let out = Command::new(env!("CARGO_BIN_EXE_wgpar"))
+        .args([
+            "serve",
+            "--model",
+            "tiny-gpt2",
+            "--strategy",
+            "pp",
+            "--virtual",
+            "2",
+            "--micro-batches",
+            "9",
+            "--max-batch",
+            "2",
+            "--port",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--micro-batches 9") && !err.contains("listening"),
+        "{err}"
+    );
+}

@@ -39,9 +39,14 @@ struct Server {
 
 impl Server {
     fn start(dir: &Scratch, extra: &[&str]) -> Server {
+        Self::launch(&[&["--model", dir.to_str().unwrap()][..], extra].concat())
+    }
+
+    /// `wgpar serve --port 0 ARGS`, once /health says 200.
+    fn launch(args: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_wgpar"))
-            .args(["serve", "--model", dir.to_str().unwrap(), "--port", "0"])
-            .args(extra)
+            .args(["serve", "--port", "0"])
+            .args(args)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -535,4 +540,71 @@ fn stage_fault_ends_streams_with_an_error_and_health_turns_503() {
     assert_eq!(server.get("/health").0, 503);
     let (code, _) = server.post("/v1/completions", r#"{"prompt":"t1","max_tokens":2}"#);
     assert_eq!(code, 503);
+}
+
+/// `bench serve --url` drives the server (here on a preset, served with a word-level
+/// tokenizer) with the seeded workload: every request completes with its output length.
+#[test]
+fn bench_serve_url_drives_the_server() {
+    let server = Server::launch(&["--model", "tiny-gpt2", "--max-batch", "4"]);
+    let url = format!("http://127.0.0.1:{}", server.port);
+    let (ok, out, err) = common::wgpar(&[
+        "bench",
+        "serve",
+        "--url",
+        &url,
+        "--model",
+        "tiny-gpt2",
+        "--requests",
+        "12",
+        "--rate",
+        "50",
+        "--prompt-len",
+        "3:9",
+        "--output-len",
+        "2:6",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["errors"].as_array().unwrap().len(), 0, "{out}");
+    assert_eq!(v["metrics"]["completed"], 12, "{out}");
+    assert_eq!(v["metrics"]["failed"], 0, "{out}");
+    // Once all are done, the gauges say so.
+    assert_eq!(server.metric("wgpar_requests_finished_total"), 12.0);
+    assert_eq!(server.metric("wgpar_kv_slots_used"), 0.0);
+    assert_eq!(server.metric("wgpar_num_requests_running"), 0.0);
+    // ignore_eos: every request gets its drawn output length; the in-process run agrees.
+    let (ok, local, err) = common::wgpar(&[
+        "bench",
+        "serve",
+        "--model",
+        "tiny-gpt2",
+        "--requests",
+        "12",
+        "--rate",
+        "50",
+        "--prompt-len",
+        "3:9",
+        "--output-len",
+        "2:6",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let local: Value = serde_json::from_str(&local).unwrap();
+    assert_eq!(
+        v["metrics"]["output_tokens"], local["metrics"]["output_tokens"],
+        "{out}"
+    );
+    assert_eq!(
+        v["metrics"]["input_tokens"], local["metrics"]["input_tokens"],
+        "{out}"
+    );
+    // A preset has no chat template: chat gets a 400 that says so.
+    let (code, body) = server.post(
+        "/v1/chat/completions",
+        r#"{"messages":[{"role":"user","content":"t1"}]}"#,
+    );
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("no chat template"), "{body}");
 }

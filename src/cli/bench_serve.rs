@@ -55,6 +55,11 @@ pub struct ServeArgs {
     /// Pace transfers and collectives to a host profile's links, or to ALPHA_US:BETA_GBPS.
     #[arg(long, value_name = "PROFILE|ALPHA_US:BETA_GBPS")]
     pace: Option<String>,
+    /// Send the workload to an OpenAI-compatible server at this address (http://HOST:PORT)
+    /// as streamed completions of token ids, instead of running an engine here; --model
+    /// gives the vocabulary the token ids are drawn from and the model name sent.
+    #[arg(long, value_name = "URL")]
+    url: Option<String>,
     /// Print JSON (every request's outcome and the figures) instead of the table.
     #[arg(long)]
     json: bool,
@@ -89,6 +94,9 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         ));
     }
     check_lengths_fit(args, &config)?;
+    if let Some(url) = &args.url {
+        return run_http(args, url, &config, &spec);
+    }
     let opts = ServeOptions {
         max_batch: args.max_batch,
         max_prefill_tokens: args.max_prefill_tokens,
@@ -305,7 +313,7 @@ fn check_lengths_fit(args: &ServeArgs, config: &wgpar::model::ModelConfig) -> Re
 
 /// Refuses a pipeline with more micro-batch lanes than KV slots: the extra lanes would never
 /// run a sequence.
-fn check_lanes_have_slots(strategy: &Strategy, max_batch: usize) -> Result<()> {
+pub(super) fn check_lanes_have_slots(strategy: &Strategy, max_batch: usize) -> Result<()> {
     let lanes = match strategy {
         Strategy::Pipeline { micro_batches, .. } | Strategy::Hybrid { micro_batches, .. } => {
             *micro_batches
@@ -318,6 +326,54 @@ fn check_lanes_have_slots(strategy: &Strategy, max_batch: usize) -> Result<()> {
              gives KV slots to only {max_batch} of them: raise --max-batch to at least {lanes} \
              or lower --micro-batches to {max_batch}"
         )));
+    }
+    Ok(())
+}
+
+/// `--url`: the workload over HTTP against any OpenAI-compatible server.
+fn run_http(
+    args: &ServeArgs,
+    url: &str,
+    config: &wgpar::model::ModelConfig,
+    spec: &WorkloadSpec,
+) -> Result<()> {
+    if !url.starts_with("http://") {
+        return Err(WgparError::Config(format!(
+            "--url '{url}': expected http://HOST:PORT"
+        )));
+    }
+    if args.trace.is_some() || args.pace.is_some() {
+        return Err(WgparError::Config(
+            "--trace and --pace record and pace an engine run here; with --url the engine \
+             runs in the server"
+                .into(),
+        ));
+    }
+    let requests = spec.generate(config.vocab);
+    let bar = if args.json {
+        ProgressBar::hidden()
+    } else {
+        println!(
+            "{} requests at {} to {url}, prompt {} tokens, output {} tokens",
+            spec.requests, spec.rate, spec.prompt_len, spec.output_len
+        );
+        ProgressBar::new(spec.requests as u64)
+    };
+    let (metrics, outcomes) =
+        wgpar::server::client::run_http(url, &config.name, &requests, &|d| {
+            bar.set_position(d as u64)
+        })?;
+    bar.finish_and_clear();
+    if args.json {
+        let errors: Vec<_> = outcomes.iter().filter_map(|o| o.error.clone()).collect();
+        let out =
+            serde_json::json!({"url": url, "workload": spec, "metrics": metrics, "errors": errors});
+        println!("{out:#}");
+        return Ok(());
+    }
+    print!("{}", metrics.lines("Serving Benchmark Result (HTTP)"));
+    for e in outcomes.iter().filter_map(|o| o.error.as_deref()) {
+        println!("failed: {e}");
     }
     Ok(())
 }

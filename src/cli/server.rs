@@ -9,7 +9,8 @@ use std::time::Duration;
 use clap::Args;
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
-use wgpar::model::hf::Checkpoint;
+use wgpar::model::hf::{Checkpoint, TextTokenizer};
+use wgpar::model::ModelConfig;
 use wgpar::parallel::{build_step_engine, Schedule};
 use wgpar::serve::{serve, Length, Rate, ServeOptions, WorkloadSpec};
 use wgpar::server::{BatchOptions, ChatTemplate, EngineBuilder, ServerOptions, TextModel};
@@ -95,23 +96,8 @@ fn check_options(args: &ServerArgs) -> Result<()> {
 /// Runs the server until SIGINT or SIGTERM.
 pub fn run(args: &ServerArgs) -> Result<()> {
     check_options(args)?;
-    let dir = args.model.checkpoint_dir().ok_or_else(|| {
-        WgparError::Config(format!(
-            "serve needs --model DIR, a Hugging Face model folder with tokenizer.json ('{}' \
-             is not a folder)",
-            args.model.model
-        ))
-    })?;
     let config = args.model.config()?;
-    let ckpt = Checkpoint::open(dir)?;
-    let text = TextModel {
-        name: config.name.clone(),
-        tokenizer: ckpt.tokenizer()?,
-        template: ChatTemplate::load(dir)?,
-        eos: ckpt.eos_tokens().to_vec(),
-        max_seq: config.max_seq,
-        vocab: config.vocab,
-    };
+    let text = text_model(args, &config)?;
     let adapters = Adapters::discover()?;
     let selected = args.devices.selected(&adapters)?;
     let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
@@ -123,6 +109,7 @@ pub fn run(args: &ServerArgs) -> Result<()> {
     let strategy = args
         .strategy
         .strategy_with(stages.clamp(1, args.max_batch))?;
+    super::bench_serve::check_lanes_have_slots(&strategy, args.max_batch)?;
     let fault = match &args.inject_fault {
         Some(t) => {
             let spec = FaultSpec::parse(t)?;
@@ -137,7 +124,11 @@ pub fn run(args: &ServerArgs) -> Result<()> {
         &[super::PlannedRun {
             strategy: &strategy,
             adapters: &selected,
-            step_tokens: args.max_prefill_tokens.min(config.max_seq),
+            // Prefills batch up to --max-prefill-tokens; one longer prompt runs alone.
+            step_tokens: args
+                .max_prefill_tokens
+                .min(args.max_batch * config.max_seq)
+                .max(config.max_seq),
             batch: args.max_batch,
         }],
     )?;
@@ -181,6 +172,27 @@ pub fn run(args: &ServerArgs) -> Result<()> {
         batch,
     };
     wgpar::server::run(opts, text, build)
+}
+
+/// The checkpoint's tokenizer, chat template and end tokens; for a preset (synthetic
+/// weights), a word-level tokenizer of `t0` ... and no template or end token.
+fn text_model(args: &ServerArgs, config: &ModelConfig) -> Result<TextModel> {
+    let (tokenizer, template, eos) = match args.model.checkpoint_dir() {
+        Some(dir) => {
+            let ckpt = Checkpoint::open(dir)?;
+            let eos = ckpt.eos_tokens().to_vec();
+            (ckpt.tokenizer()?, ChatTemplate::load(dir)?, eos)
+        }
+        None => (TextTokenizer::word_level(config.vocab)?, None, Vec::new()),
+    };
+    Ok(TextModel {
+        name: config.name.clone(),
+        tokenizer,
+        template,
+        eos,
+        max_seq: config.max_seq,
+        vocab: config.vocab,
+    })
 }
 
 /// Compiles every kernel and reserves the KV slots: a few short requests through the

@@ -16,6 +16,9 @@ pub struct Params {
     pub stream: bool,
     /// A last chunk with `usage` (`stream_options.include_usage`).
     pub include_usage: bool,
+    /// Generate `max_tokens` even past an end-of-sequence token (vLLM's `ignore_eos`, for
+    /// benchmarks).
+    pub ignore_eos: bool,
 }
 
 /// The prompt of a request.
@@ -139,6 +142,7 @@ pub fn params(obj: &Map<String, Value>) -> Result<Params, Invalid> {
         stop,
         stream: boolean(obj, "stream")?,
         include_usage,
+        ignore_eos: boolean(obj, "ignore_eos")?,
     })
 }
 

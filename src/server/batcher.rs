@@ -43,6 +43,8 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
     /// When it was accepted (for the time-to-first-token histogram).
     pub accepted: Instant,
+    /// Whether end-of-sequence tokens are generated like any other.
+    pub ignore_eos: bool,
 }
 
 struct Seq {
@@ -165,6 +167,7 @@ impl Batcher {
             let timeout = any_idle.then_some(Duration::from_millis(2));
             if let Some(done) = engine.complete(timeout)? {
                 self.finish(done.lane, &done.tokens)?;
+                self.publish();
                 steps += 1;
                 if steps.is_multiple_of(16) {
                     self.account(engine);
@@ -296,7 +299,7 @@ impl Batcher {
                 s.first_at = Some(now);
                 self.metrics.observe_first(&s.job);
             }
-            let eos = self.eos.contains(&token);
+            let eos = !s.job.ignore_eos && self.eos.contains(&token);
             if !eos {
                 let _ = s.job.events.send(Event::Token(token));
                 self.metrics.generation_tokens.inc();

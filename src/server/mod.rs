@@ -10,6 +10,7 @@
 pub mod api;
 pub mod batcher;
 pub mod chat;
+pub mod client;
 pub mod metrics;
 mod routes;
 

@@ -243,6 +243,7 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
         max_new: accepted.max_new,
         events: tx,
         accepted: Instant::now(),
+        ignore_eos: accepted.params.ignore_eos,
     };
     if state.jobs.send(job).is_err() {
         shared.queued.fetch_sub(1, Ordering::SeqCst);

@@ -107,6 +107,28 @@ impl TextTokenizer {
         })
     }
 
+    /// A word-level tokenizer whose words are `t0`, `t1`, ... `t{vocab-1}` (one per id),
+    /// split on whitespace: text in and out for a preset's synthetic weights (`wgpar serve`
+    /// on a preset).
+    pub fn word_level(vocab: usize) -> Result<Self> {
+        let words: serde_json::Map<String, serde_json::Value> = (0..vocab)
+            .map(|i| (format!("t{i}"), serde_json::Value::from(i)))
+            .collect();
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": words, "unk_token": "t0"}
+        });
+        let file = PathBuf::from(format!("(word-level t0..t{})", vocab.saturating_sub(1)));
+        let inner = Tokenizer::from_str(&json.to_string()).map_err(|e| WgparError::Checkpoint {
+            file: file.display().to_string(),
+            tensor: None,
+            detail: e.to_string(),
+        })?;
+        Ok(Self { inner, file })
+    }
+
     fn fail(&self, what: &str, e: impl std::fmt::Display) -> WgparError {
         WgparError::Checkpoint {
             file: self.file.display().to_string(),
