@@ -83,9 +83,9 @@ pub fn run(args: &AllreduceArgs) -> Result<()> {
             what: "the collective benchmark".into(),
             source,
         })?;
-        println!("{text}");
+        outln!("{text}")?;
     } else {
-        print!("{report}");
+        out!("{report}")?;
     }
     Ok(())
 }

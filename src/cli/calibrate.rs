@@ -106,8 +106,8 @@ impl CalibrateArgs {
             }
         }
         write_calibrated_profile(profile, note, &self.out)?;
-        println!();
-        println!("profile `{}` written to {}", profile.name, self.out);
+        outln!()?;
+        outln!("profile `{}` written to {}", profile.name, self.out)?;
         Ok(())
     }
 

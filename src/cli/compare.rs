@@ -228,7 +228,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     super::check_runs_fit(&opts.config, dtype, &runs)?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
     if !args.json {
-        println!(
+        outln!(
             "comparing strategies for model '{}' on {} device(s): {}",
             opts.config.name,
             gpus.len(),
@@ -236,7 +236,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
                 .map(|g| g.describe())
                 .collect::<Vec<_>>()
                 .join(", ")
-        );
+        )?;
     }
     let bar = if args.json {
         ProgressBar::hidden()
@@ -308,13 +308,13 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     })?;
     std::fs::write(&json_path, &json).map_err(|e| io_err(&json_path, e))?;
     if args.json {
-        println!("{json}");
+        outln!("{json}")?;
     } else {
-        print!("{}", table(&report));
-        println!(
+        out!("{}", table(&report))?;
+        outln!(
             "\nreport: {} (charts and JSON beside it)",
             md_path.display()
-        );
+        )?;
     }
     Ok(())
 }

@@ -78,17 +78,17 @@ pub fn run(args: &EmbedArgs) -> Result<()> {
         };
         let values: Vec<String> = row[..shown].iter().map(|v| format!("{v:.6}")).collect();
         let more = if shown < row.len() { " ..." } else { "" };
-        println!(
+        outln!(
             "[{b}] {text:?} ({} tokens): [{}{more}]",
             inputs[b].ids.len(),
             values.join(", ")
-        );
+        )?;
     }
     if e.batch > 1 {
-        println!("cosine similarity:");
+        outln!("cosine similarity:")?;
         for i in 0..e.batch {
             for j in i + 1..e.batch {
-                println!("  [{i}] vs [{j}]: {:.4}", e.cosine(i, j));
+                outln!("  [{i}] vs [{j}]: {:.4}", e.cosine(i, j))?;
             }
         }
     }

@@ -1,6 +1,24 @@
 //! Command-line interface: parses arguments and hands them to the engines and benchmarks.
 //! Nothing here touches wgpu directly.
 
+/// Writes to stdout, formatted like `print!`, as a `Result`: a closed pipe (`wgpar devices |
+/// true`) or a full disk is an error the command returns, where `print!` would panic.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::cli::write_stdout(format_args!($($arg)*))
+    };
+}
+
+/// [`out!`] with a newline, like `println!`.
+macro_rules! outln {
+    () => {
+        $crate::cli::write_stdout(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        $crate::cli::write_stdout(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 mod allreduce;
 mod bench;
 mod bench_decode;
@@ -71,6 +89,17 @@ enum Command {
     Calibrate(calibrate::CalibrateArgs),
     /// Replay a recorded run (`run --trace`) on a host profile.
     Project(project::ProjectArgs),
+}
+
+/// Writes `text` to stdout and flushes it, so that a failed write is seen here, by the command
+/// that printed, and not lost in the flush at exit.
+pub(crate) fn write_stdout(text: std::fmt::Arguments) -> Result<()> {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    stdout
+        .write_fmt(text)
+        .and_then(|()| stdout.flush())
+        .map_err(|source| WgparError::Stdout { source })
 }
 
 /// Device selection options shared by every command that runs on GPUs.
@@ -409,7 +438,7 @@ pub fn main() -> Result<()> {
             // the embedded default model.
             let adapters = Adapters::discover()?;
             devices::print(&adapters, false)?;
-            println!();
+            outln!()?;
             compare::run(&compare::CompareArgs::default_job())
         }
     }

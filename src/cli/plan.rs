@@ -116,9 +116,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             what: "the plan".into(),
             source,
         })?;
-        println!("{text}");
+        outln!("{text}")?;
     } else {
-        print!("{}", plan_markdown(&opts, &rows));
+        out!("{}", plan_markdown(&opts, &rows))?;
     }
     Ok(())
 }

@@ -357,27 +357,28 @@ pub(super) fn recorder_for(args: &RunArgs) -> Recorder {
 }
 
 /// Prints a pipeline's bubble share (measured and the GPipe bound), as compare and bench do.
-pub(super) fn print_bubble(engine: &dyn Engine, indent: &str) {
+pub(super) fn print_bubble(engine: &dyn Engine, indent: &str) -> Result<()> {
     if let Some(p) = engine.pipeline_stats() {
-        println!(
+        outln!(
             "{indent}pipeline: {} stages x {} micro-batches ({}), bubble {:.0}% measured ({:.0}% for equal stages)",
             p.stages.len(),
             p.microbatches,
             p.schedule,
             p.measured_bubble * 100.0,
             p.theoretical_bubble * 100.0
-        );
+        )?;
     }
+    Ok(())
 }
 
 /// Writes the recorded timeline to `--trace` and summarises it.
 pub(super) fn write_trace(recorder: &Recorder, path: &str) -> Result<()> {
     let timeline = recorder.timeline();
     timeline.write_chrome_trace(path)?;
-    println!(
+    outln!(
         "trace: {} spans written to {path} (open in https://ui.perfetto.dev)",
         timeline.spans.len()
-    );
+    )?;
     let timed: Vec<_> = timeline
         .spans
         .iter()
@@ -386,13 +387,13 @@ pub(super) fn write_trace(recorder: &Recorder, path: &str) -> Result<()> {
     if !timed.is_empty() {
         let device: u64 = timed.iter().map(|t| t.0).sum();
         let host: u64 = timed.iter().map(|t| t.1).sum();
-        println!(
+        outln!(
             "  device time (timestamp queries) of {} compute spans: {:.1} ms of their {:.1} ms on the host clock ({:.0} %)",
             timed.len(),
             device as f64 / 1e6,
             host as f64 / 1e6,
             device as f64 / host.max(1) as f64 * 100.0
-        );
+        )?;
     }
     Ok(())
 }
@@ -431,7 +432,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let dtype = args.model.dtype(&gpus)?;
     debug_assert_eq!(dtype, plan.dtype);
     let weights = args.model.weights(&config)?;
-    println!(
+    outln!(
         "model {} ({} arch, {} layers, hidden {}, {:.1}M params, {:?} weights)",
         config.name,
         format!("{:?}", config.arch).to_lowercase(),
@@ -439,7 +440,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         config.hidden,
         config.params() as f64 / 1e6,
         dtype
-    );
+    )?;
     let mut engine = build_engine(
         &strategy,
         &gpus,
@@ -449,9 +450,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         (args.batch, args.prompt_len),
     )?;
     drop(weights);
-    println!("engine: {}", engine.name());
+    outln!("engine: {}", engine.name())?;
     if let Some((pacer, what)) = plan.pacer {
-        println!("pacing transfers to {what}");
+        outln!("pacing transfers to {what}")?;
         engine.set_pacer(Some(Arc::new(pacer)));
     }
     let prompts: Vec<Vec<u32>> = (0..args.batch)
@@ -464,13 +465,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
     // One untimed pass compiles the pipelines and allocates buffers.
     generate(engine.as_mut(), &prompts, 2)?;
     if let Some(f) = plan.fault {
-        println!(
+        outln!(
             "injecting a {:?} fault into {} {} after {} of its jobs",
             f.fault.kind,
             if f.stage { "stage" } else { "rank" },
             f.worker,
             f.fault.after
-        );
+        )?;
         engine.inject_fault(f.worker, f.fault)?;
     }
     let recorder = recorder_for(args);
@@ -502,55 +503,55 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let prefill_stats = engine.last_step();
     let prefill_pipeline = engine.pipeline_stats();
     let g = generate_keeping(engine.as_mut(), &prompts, args.gen, keep_for(args))?;
-    println!(
+    outln!(
         "prefill: {} tokens in {:.1} ms = {:.1} tokens/s (time to first token {:.1} ms)",
         g.prompt_tokens,
         g.prefill_s * 1e3,
         g.prefill_tokens_per_s(),
         g.prefill_s * 1e3
-    );
+    )?;
     if let Some(s) = &prefill_stats {
-        println!(
+        outln!(
             "  compute {:.1} ms, communication {:.1} ms ({:.0}% of device time), {} collectives/hand-offs, {} B sent per device",
             s.compute_s * 1e3,
             s.comm_s * 1e3,
             s.comm_share() * 100.0,
             s.collectives,
             s.bytes_sent
-        );
-        println!("  {}", s.per_token_line());
+        )?;
+        outln!("  {}", s.per_token_line())?;
     }
     if let Some(p) = prefill_pipeline {
-        println!(
+        outln!(
             "  pipeline: {} stages x {} micro-batches, bubble {:.0}% measured ({:.0}% = (p-1)/(m+p-1) for equal stages)",
             p.stages.len(),
             p.microbatches,
             p.measured_bubble * 100.0,
             p.theoretical_bubble * 100.0
-        );
+        )?;
     }
-    println!(
+    outln!(
         "decode: {} tokens x {} sequences in {:.1} ms, {:.2} ms per token = {:.1} tokens/s",
         g.decode_steps,
         args.batch,
         g.decode_s * 1e3,
         g.per_token_s() * 1e3,
         g.decode_tokens_per_s()
-    );
+    )?;
     if g.decode_steps > 0 {
         let s = &g.decode_stats;
-        println!(
+        outln!(
             "  compute {:.2} ms, communication {:.2} ms ({:.0}%), {} collectives/hand-offs per device",
             s.compute_s * 1e3,
             s.comm_s * 1e3,
             s.comm_share() * 100.0,
             s.collectives
-        );
-        println!("  {}", s.per_token_line());
+        )?;
+        outln!("  {}", s.per_token_line())?;
     }
     // In flight, the last run is the whole decode; under GPipe, its last step.
-    print_bubble(engine.as_ref(), "  decode ");
-    println!("first sequence's tokens: {:?}", g.tokens[0]);
+    print_bubble(engine.as_ref(), "  decode ")?;
+    outln!("first sequence's tokens: {:?}", g.tokens[0])?;
     if let Some(path) = &args.logits_out {
         write_logits(path, args.batch, config.vocab, &g)?;
     }

@@ -1,7 +1,6 @@
 //! Text in, text out: `wgpar run --model DIR --prompt "..."` tokenizes the prompt with the
 //! checkpoint's tokenizer, generates greedily or by sampling, and streams the text as it comes.
 
-use std::io::Write;
 use std::time::Instant;
 
 use std::sync::Arc;
@@ -144,8 +143,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     // Print the decoded continuation as it grows; decoding prompt and continuation together
     // keeps word boundaries right for tokenizers that mark spaces on the following token.
     let prompt_text = tokenizer.decode(&ids)?;
-    let mut out = std::io::stdout().lock();
-    let _ = write!(out, "{prompt}");
+    out!("{prompt}")?;
     let mut all = ids.clone();
     let mut printed = String::new();
     let decode_start = Instant::now();
@@ -160,8 +158,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
         let full = tokenizer.decode(&all)?;
         let continuation = full.strip_prefix(prompt_text.as_str()).unwrap_or(&full);
         if let Some(new) = continuation.strip_prefix(printed.as_str()) {
-            let _ = write!(out, "{new}");
-            let _ = out.flush();
+            out!("{new}")?;
             printed = continuation.to_string();
         }
         if generated == max_new {
@@ -169,8 +166,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
         }
         step = engine.decode_step(&[next], false)?;
     }
-    let _ = writeln!(out);
-    drop(out);
+    outln!()?;
     let decode_s = decode_start.elapsed().as_secs_f64();
     eprintln!(
         "prefill {:.1} ms; {generated} tokens in {:.1} ms ({:.1} tokens/s)",
@@ -178,7 +174,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
         decode_s * 1e3,
         generated as f64 / decode_s.max(1e-9)
     );
-    super::run::print_bubble(engine.as_ref(), "");
+    super::run::print_bubble(engine.as_ref(), "")?;
     if let Some(path) = &args.trace {
         super::run::write_trace(&recorder, path)?;
     }
