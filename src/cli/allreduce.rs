@@ -70,6 +70,8 @@ pub fn run(args: &AllreduceArgs) -> Result<()> {
         algorithm: args.algorithm.parse::<Algorithm>()?,
         ..BenchOptions::default()
     };
+    // Sizes, counts and names are checked before an adapter is looked for.
+    opts.validate()?;
     let adapters = Adapters::discover()?;
     let mut devices = args.devices.clone();
     if devices.devices.is_none() && devices.virtual_count.is_none() {

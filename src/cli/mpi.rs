@@ -642,6 +642,20 @@ mod ranks {
         recorder.set_meta(rank_keys::HOST, world.host());
         recorder.set_meta(rank_keys::CLOCK_OFFSET_US, format!("{offset_us:.3}"));
         recorder.set_meta(rank_keys::DEVICES, devices.to_string());
+        // What every rank of one job shares, so that traces of different runs do not merge.
+        recorder.set_meta(
+            rank_keys::RUN,
+            format!(
+                "--model {} --strategy {} --dtype {} --batch {} --prompt-len {} --gen {} --seed {}",
+                args.model.model,
+                args.strategy.strategy,
+                args.model.dtype,
+                args.batch,
+                args.prompt_len,
+                args.gen,
+                args.model.seed
+            ),
+        );
         let file = wgpar::trace::rank_trace_path(path, world.rank());
         let timeline = recorder.timeline();
         timeline

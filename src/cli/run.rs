@@ -267,6 +267,35 @@ impl FaultSpec {
         }
         Ok(())
     }
+
+    /// Refuses a fault that the run would end before: the worker runs `jobs` jobs after the
+    /// fault is injected (`per_step` per step, micro-batches for a stage).
+    pub fn check_reached(&self, jobs: usize, per_step: usize) -> Result<()> {
+        if self.fault.after < jobs {
+            return Ok(());
+        }
+        let worker = if self.stage { "stage" } else { "rank" };
+        Err(WgparError::Config(format!(
+            "--inject-fault at=step:{}: {worker} {} runs {jobs} jobs in this run ({per_step} \
+             per step), so the fault would never fire: use at=step:0 to at=step:{}, or a longer \
+             --gen",
+            self.fault.after,
+            self.worker,
+            jobs.saturating_sub(1)
+        )))
+    }
+}
+
+/// Checks the syntax of the options `run` parses itself (`--inject-fault`, `--pace`) before
+/// anything is loaded or discovered; [`plan`] checks them against the strategy later.
+pub(super) fn check_syntax(args: &RunArgs) -> Result<()> {
+    if let Some(text) = &args.inject_fault {
+        FaultSpec::parse(text)?;
+    }
+    if let Some(text) = &args.pace {
+        pacer_for(text)?;
+    }
+    Ok(())
 }
 
 /// What `run` checks before it opens a device or builds a weight: the options against each
@@ -281,13 +310,14 @@ pub(super) struct Plan {
 }
 
 /// Checks what `run` (and text generation) can check before opening devices; `batch`
-/// sequences, `seq` prompt tokens each.
+/// sequences, `seq` prompt tokens each, `steps` steps (prefill and decode) after the fault is
+/// injected.
 pub(super) fn plan(
     args: &RunArgs,
     config: &ModelConfig,
     adapters: &Adapters,
-    batch: usize,
-    seq: usize,
+    (batch, seq): (usize, usize),
+    steps: usize,
 ) -> Result<Plan> {
     let strategy = args.strategy.strategy()?;
     let selected = args.devices.selected(adapters)?;
@@ -309,6 +339,8 @@ pub(super) fn plan(
         Some(text) => {
             let spec = FaultSpec::parse(text)?;
             spec.check(&strategy, selected.len())?;
+            let per_step = jobs_per_step(&strategy, micro);
+            spec.check_reached(steps * per_step, per_step)?;
             Some(spec)
         }
         None => None,
@@ -325,7 +357,7 @@ pub(super) fn plan(
         &[super::PlannedRun {
             strategy: &strategy,
             adapters: &selected,
-            step_tokens: step_batch * seq,
+            step_tokens: step_batch.saturating_mul(seq),
             batch: step_batch,
         }],
     )?;
@@ -345,6 +377,18 @@ pub(super) fn plan(
         fault,
     })
 }
+
+/// Jobs a faulted worker runs per step: one per micro-batch for a pipeline stage, one for a
+/// tensor-parallel rank.
+fn jobs_per_step(strategy: &Strategy, micro_batches: usize) -> usize {
+    match strategy {
+        Strategy::Pipeline { .. } | Strategy::Hybrid { .. } => micro_batches,
+        _ => 1,
+    }
+}
+
+/// Steps of `run`'s warm-up (a generation of 2 tokens: prefill and one decode step).
+const WARMUP_STEPS: usize = 2;
 
 /// The recorder `--trace` asks for.
 pub(super) fn recorder_for(args: &RunArgs) -> Recorder {
@@ -401,6 +445,7 @@ pub(super) fn write_trace(recorder: &Recorder, path: &str) -> Result<()> {
 /// Runs generation and prints the rates.
 pub fn run(args: &RunArgs) -> Result<()> {
     args.strategy.check_options()?;
+    check_syntax(args)?;
     if let Some(prompt) = &args.text.prompt {
         return super::text::generate(args, prompt);
     }
@@ -417,14 +462,22 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "--batch, --prompt-len and --gen must be positive".into(),
         ));
     }
-    if args.prompt_len + args.gen > config.max_seq {
+    if args.prompt_len.saturating_add(args.gen) > config.max_seq {
         return Err(WgparError::Config(format!(
             "--prompt-len {} + --gen {} exceed max_seq {} of model '{}' (raise it with --max-seq)",
             args.prompt_len, args.gen, config.max_seq, config.name
         )));
     }
     let adapters = Adapters::discover()?;
-    let plan = plan(args, &config, &adapters, args.batch, args.prompt_len)?;
+    // The timed part: one prefill, then a generation (a prefill and gen - 1 decode steps).
+    let timed_steps = args.gen + 1;
+    let plan = plan(
+        args,
+        &config,
+        &adapters,
+        (args.batch, args.prompt_len),
+        timed_steps,
+    )?;
     let strategy = plan.strategy;
     let gpus = args
         .devices
@@ -462,18 +515,25 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 .collect()
         })
         .collect();
-    // One untimed pass compiles the pipelines and allocates buffers.
-    generate(engine.as_mut(), &prompts, 2)?;
     if let Some(f) = plan.fault {
+        // A worker counts its jobs from its start: the warm-up's come first.
+        let micro = args.strategy.micro_batches.unwrap_or(1);
+        let warmup = WARMUP_STEPS * jobs_per_step(&strategy, micro);
         outln!(
-            "injecting a {:?} fault into {} {} after {} of its jobs",
+            "injecting a {:?} fault into {} {} after {} of its jobs in the timed run ({} with \
+             the warm-up's)",
             f.fault.kind,
             if f.stage { "stage" } else { "rank" },
             f.worker,
-            f.fault.after
+            f.fault.after,
+            f.fault.after + warmup
         )?;
-        engine.inject_fault(f.worker, f.fault)?;
+        let mut fault = f.fault;
+        fault.after += warmup;
+        engine.inject_fault(f.worker, fault)?;
     }
+    // One untimed pass compiles the pipelines and allocates buffers.
+    generate(engine.as_mut(), &prompts, WARMUP_STEPS)?;
     let recorder = recorder_for(args);
     // What `wgpar project` needs to turn a makespan into throughput, and what a reader of the
     // trace needs to know what ran. The recorded part is one prefill, then a generation (a

@@ -77,6 +77,19 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     if max_new == 0 {
         return Err(WgparError::Config("--gen must be positive".into()));
     }
+    if args.logits_out.is_some() {
+        return Err(WgparError::Config(
+            "--logits-out writes the logits of a run on synthetic prompts: it does not apply \
+             to text generation (--prompt)"
+                .into(),
+        ));
+    }
+    if model.max_seq == Some(0) || model.max_seq > Some(super::MAX_CONTEXT) {
+        return Err(WgparError::Config(format!(
+            "--max-seq must be within 1..={}",
+            super::MAX_CONTEXT
+        )));
+    }
     let mut ckpt = Checkpoint::open(dir)?;
     if ckpt.config().is_encoder() {
         return Err(WgparError::Config(format!(
@@ -89,7 +102,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     if ids.is_empty() {
         return Err(WgparError::Config("the prompt has no tokens".into()));
     }
-    let context = ids.len() + max_new;
+    let context = ids.len().saturating_add(max_new);
     if context > ckpt.max_context() {
         return Err(WgparError::Config(format!(
             "{} prompt tokens + --gen {max_new} exceed the model's context of {}",
@@ -97,10 +110,18 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
             ckpt.max_context()
         )));
     }
+    if let Some(limit) = model.max_seq.filter(|&limit| context > limit) {
+        return Err(WgparError::Config(format!(
+            "{} prompt tokens + --gen {max_new} = {context} tokens exceed --max-seq {limit}: \
+             raise --max-seq or lower --gen",
+            ids.len()
+        )));
+    }
     // The KV cache and position tables need only this run's length.
     ckpt.limit_context(context)?;
     let adapters = Adapters::discover()?;
-    let plan = super::run::plan(args, ckpt.config(), &adapters, 1, ids.len())?;
+    // Prefill and max_new - 1 decode steps, the fault injected before the first.
+    let plan = super::run::plan(args, ckpt.config(), &adapters, (1, ids.len()), max_new)?;
     let eos = ckpt.eos_tokens().to_vec();
     let weights = ckpt.weights(true)?;
     let gpus = args

@@ -233,15 +233,15 @@ pub fn validate(opts: &PlanOptions) -> Result<()> {
     }
     let c = &opts.config;
     let longest = opts.seqs.iter().copied().max().unwrap_or(0);
-    if longest + opts.decode_steps > c.max_seq {
+    // Checked: a sum that wrapped would pass the context check.
+    let context = longest.checked_add(opts.decode_steps);
+    if context.is_none_or(|n| n > c.max_seq) {
+        let sum = context.map_or_else(|| "more than 2^64".to_string(), |n| n.to_string());
         return fail(format!(
-            "prompt {longest} + {} decode steps = {} tokens exceed {}'s context of {} tokens \
-             (max_seq): give shorter --seqs, or --max-seq {} to model the longer context anyway",
-            opts.decode_steps,
-            longest + opts.decode_steps,
-            c.name,
-            c.max_seq,
-            longest + opts.decode_steps
+            "prompt {longest} + {} decode steps = {sum} tokens exceed {}'s context of {} tokens \
+             (max_seq): give shorter --seqs, or --max-seq {sum} to model the longer context \
+             anyway",
+            opts.decode_steps, c.name, c.max_seq,
         ));
     }
     for s in &opts.strategies {
@@ -400,10 +400,13 @@ pub fn plan_model(name: &str) -> Result<ModelConfig> {
         None
     };
     if let Some(file) = file {
-        let text = std::fs::read_to_string(&file).map_err(|source| WgparError::Io {
-            path: file.display().to_string(),
-            source,
-        })?;
+        let text =
+            crate::files::read_text(&file, crate::files::CONFIG_LIMIT).map_err(|source| {
+                WgparError::Io {
+                    path: file.display().to_string(),
+                    source,
+                }
+            })?;
         let stem = if path.is_dir() {
             path.file_name()
         } else {

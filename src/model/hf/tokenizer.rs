@@ -26,7 +26,7 @@ impl std::fmt::Debug for TextTokenizer {
 /// JSON that is not a `tokenizers` file (which sections are missing), or the crate's own
 /// message when the file has the right sections but a bad value.
 fn diagnose(file: &Path, e: &dyn std::fmt::Display) -> String {
-    let text = match std::fs::read_to_string(file) {
+    let text = match crate::files::read_text(file, crate::files::TOKENIZER_LIMIT) {
         Ok(t) => t,
         Err(io) => return format!("unreadable: {io}"),
     };
@@ -72,7 +72,8 @@ impl TextTokenizer {
                     .into(),
             ));
         }
-        let text = std::fs::read_to_string(file).map_err(|e| fail(format!("unreadable: {e}")))?;
+        let text = crate::files::read_text(file, crate::files::TOKENIZER_LIMIT)
+            .map_err(|e| fail(format!("unreadable: {e}")))?;
         // Not JSON: say so (the tokenizers crate panics on some malformed sections instead of
         // returning an error, e.g. a `decoder` that is not an object).
         if let Err(e) = serde_json::from_str::<serde_json::Value>(&text) {
