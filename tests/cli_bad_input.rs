@@ -419,7 +419,7 @@ fn options_that_would_be_ignored_are_refused() {
     );
     refused_early(
         &["calibrate", "--quick", "--max-bytes", "garbage"],
-        &["--max-bytes", "--quick"],
+        &["--max-bytes", "'garbage'"],
     );
     refused_early(
         &[

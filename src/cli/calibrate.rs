@@ -32,13 +32,15 @@ pub struct CalibrateArgs {
     /// Profile name.
     #[arg(long, default_value = "this-machine")]
     name: String,
-    /// Largest copy in the link sweep (sizes grow by 4 from 256 bytes) [default: 16M].
+    /// Largest copy in the link sweep (sizes grow by 4 from 256 bytes) [default: 16M, or 256K
+    /// with --quick].
     #[arg(long)]
     max_bytes: Option<String>,
     /// Timed repetitions per point (the median is used) [default: 5, or 3 with --quick].
     #[arg(long)]
     iters: Option<usize>,
-    /// A fast, rough calibration: copies up to 256K, 3 repetitions, two batch sizes.
+    /// A fast, rough calibration: copies up to 256K, 3 repetitions (unless --max-bytes or
+    /// --iters say otherwise), two batch sizes.
     #[arg(long)]
     quick: bool,
 }
@@ -60,16 +62,10 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
 impl CalibrateArgs {
     /// What to calibrate for, from the options (also the MPI path's).
     pub(crate) fn options(&self) -> Result<CalibrationOptions> {
+        // --quick sets the defaults; what is given explicitly wins.
         let max_bytes = match (&self.max_bytes, self.quick) {
-            (Some(_), true) => {
-                return Err(WgparError::Config(
-                    "--max-bytes does not apply to --quick, which sweeps copies up to 256K: \
-                     give one of the two"
-                        .into(),
-                ))
-            }
             (None, true) => 256 << 10,
-            (text, false) => parse_size(text.as_deref().unwrap_or("16M"))
+            (text, _) => parse_size(text.as_deref().unwrap_or("16M"))
                 .map_err(|e| WgparError::Config(format!("--max-bytes: {e}")))?,
         };
         Ok(CalibrationOptions {
