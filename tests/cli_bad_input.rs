@@ -376,6 +376,19 @@ fn outputs_are_checked_before_the_work() {
         ],
         &["/proc/x.toml"],
     );
+    let run = [
+        "run",
+        "--model",
+        "tiny-gpt2",
+        "--batch",
+        "1",
+        "--prompt-len",
+        "4",
+    ];
+    refused_early(
+        &[&run[..], &["--gen", "2", "--logits-out", "/proc/x.json"]].concat(),
+        &["/proc/x.json"],
+    );
 }
 
 fn tiny_checkpoint(name: &str, preset: &str) -> hf_support::Scratch {

@@ -368,6 +368,9 @@ pub(super) fn plan(
             source,
         })?;
     }
+    if let Some(path) = &args.logits_out {
+        super::check_writable_file(std::path::Path::new(path))?;
+    }
     let pacer = args.pace.as_deref().map(pacer_for).transpose()?;
     Ok(Plan {
         strategy,
@@ -389,6 +392,24 @@ fn jobs_per_step(strategy: &Strategy, micro_batches: usize) -> usize {
 
 /// Steps of `run`'s warm-up (a generation of 2 tokens: prefill and one decode step).
 const WARMUP_STEPS: usize = 2;
+
+/// Injects fault `f` before the warm-up, so that its count of jobs (kept by the worker from its
+/// start) skips the warm-up's `per_step` jobs per step and counts the timed run's.
+fn inject_before_warmup(engine: &mut dyn Engine, f: FaultSpec, per_step: usize) -> Result<()> {
+    let warmup = WARMUP_STEPS * per_step;
+    outln!(
+        "injecting a {:?} fault into {} {} after {} of its jobs in the timed run ({} with the \
+         warm-up's)",
+        f.fault.kind,
+        if f.stage { "stage" } else { "rank" },
+        f.worker,
+        f.fault.after,
+        f.fault.after + warmup
+    )?;
+    let mut fault = f.fault;
+    fault.after += warmup;
+    engine.inject_fault(f.worker, fault)
+}
 
 /// The recorder `--trace` asks for.
 pub(super) fn recorder_for(args: &RunArgs) -> Recorder {
@@ -516,21 +537,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
         })
         .collect();
     if let Some(f) = plan.fault {
-        // A worker counts its jobs from its start: the warm-up's come first.
         let micro = args.strategy.micro_batches.unwrap_or(1);
-        let warmup = WARMUP_STEPS * jobs_per_step(&strategy, micro);
-        outln!(
-            "injecting a {:?} fault into {} {} after {} of its jobs in the timed run ({} with \
-             the warm-up's)",
-            f.fault.kind,
-            if f.stage { "stage" } else { "rank" },
-            f.worker,
-            f.fault.after,
-            f.fault.after + warmup
-        )?;
-        let mut fault = f.fault;
-        fault.after += warmup;
-        engine.inject_fault(f.worker, fault)?;
+        inject_before_warmup(engine.as_mut(), f, jobs_per_step(&strategy, micro))?;
     }
     // One untimed pass compiles the pipelines and allocates buffers.
     generate(engine.as_mut(), &prompts, WARMUP_STEPS)?;
@@ -563,6 +571,32 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let prefill_stats = engine.last_step();
     let prefill_pipeline = engine.pipeline_stats();
     let g = generate_keeping(engine.as_mut(), &prompts, args.gen, keep_for(args))?;
+    print_rates(
+        &g,
+        args.batch,
+        prefill_stats.as_ref(),
+        prefill_pipeline.as_ref(),
+    )?;
+    // In flight, the last run is the whole decode; under GPipe, its last step.
+    print_bubble(engine.as_ref(), "  decode ")?;
+    outln!("first sequence's tokens: {:?}", g.tokens[0])?;
+    if let Some(path) = &args.logits_out {
+        write_logits(path, args.batch, config.vocab, &g)?;
+    }
+    if let Some(path) = &args.trace {
+        write_trace(&recorder, path)?;
+    }
+    Ok(())
+}
+
+/// Prints a run's prefill and decode rates, with the prefill's accounting (`prefill_stats`)
+/// and its pipeline's bubble.
+fn print_rates(
+    g: &wgpar::parallel::Generation,
+    batch: usize,
+    prefill_stats: Option<&wgpar::parallel::StepStats>,
+    prefill_pipeline: Option<&wgpar::parallel::PipelineStats>,
+) -> Result<()> {
     outln!(
         "prefill: {} tokens in {:.1} ms = {:.1} tokens/s (time to first token {:.1} ms)",
         g.prompt_tokens,
@@ -570,7 +604,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         g.prefill_tokens_per_s(),
         g.prefill_s * 1e3
     )?;
-    if let Some(s) = &prefill_stats {
+    if let Some(s) = prefill_stats {
         outln!(
             "  compute {:.1} ms, communication {:.1} ms ({:.0}% of device time), {} collectives/hand-offs, {} B sent per device",
             s.compute_s * 1e3,
@@ -593,7 +627,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     outln!(
         "decode: {} tokens x {} sequences in {:.1} ms, {:.2} ms per token = {:.1} tokens/s",
         g.decode_steps,
-        args.batch,
+        batch,
         g.decode_s * 1e3,
         g.per_token_s() * 1e3,
         g.decode_tokens_per_s()
@@ -609,20 +643,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         )?;
         outln!("  {}", s.per_token_line())?;
     }
-    // In flight, the last run is the whole decode; under GPipe, its last step.
-    print_bubble(engine.as_ref(), "  decode ")?;
-    outln!("first sequence's tokens: {:?}", g.tokens[0])?;
-    if let Some(path) = &args.logits_out {
-        write_logits(path, args.batch, config.vocab, &g)?;
-    }
-    if let Some(path) = &args.trace {
-        write_trace(&recorder, path)?;
-    }
     Ok(())
 }
 
-/// The pacer `--pace` names: one link as `ALPHA_US:BETA_GBPS`, else a host profile (device 0's
-/// host link, collectives by the profile's cost model). Also says what it paces to.
 /// The logits a run keeps: every step's where `--logits-out` asks for them, else none (only
 /// token ids are read back).
 pub(super) fn keep_for(args: &RunArgs) -> KeepLogits {
@@ -654,6 +677,8 @@ pub(super) fn write_logits(
     })
 }
 
+/// The pacer `--pace` names: one link as `ALPHA_US:BETA_GBPS`, else a host profile (device 0's
+/// host link, collectives by the profile's cost model). Also says what it paces to.
 pub(super) fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
     let spec = PaceSpec::parse(text).map_err(|source| WgparError::Pacing {
         target: format!("--pace {text}"),
