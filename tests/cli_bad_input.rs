@@ -170,7 +170,7 @@ fn device_counts_are_bounded_before_anything_is_allocated() {
 /// is looked for, and the iteration counts are bounded.
 #[test]
 fn allreduce_options_are_checked_before_any_device() {
-    let cases: [(&[&str], &[&str]); 5] = [
+    let cases: [(&[&str], &[&str]); 6] = [
         (
             &["-b", "8", "-e", "8", "-n", "1000000000", "-w", "0"],
             &["-n", "1000000000", "1000000"],
@@ -179,6 +179,7 @@ fn allreduce_options_are_checked_before_any_device() {
         (&["-b", "64", "-e", "8"], &["64", "8"]),
         (&["-f", "1"], &["factor", "1"]),
         (&["-b", "lots"], &["'lots'"]),
+        (&["--chunk", "3"], &["chunk_bytes", "4096", "3"]),
     ];
     for (options, parts) in cases {
         let args = [&["allreduce", "--virtual", "2"][..], options].concat();
