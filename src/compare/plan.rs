@@ -234,13 +234,18 @@ pub fn validate(opts: &PlanOptions) -> Result<()> {
     let c = &opts.config;
     let longest = opts.seqs.iter().copied().max().unwrap_or(0);
     // Checked: a sum that wrapped would pass the context check.
-    let context = longest.checked_add(opts.decode_steps);
-    if context.is_none_or(|n| n > c.max_seq) {
-        let sum = context.map_or_else(|| "more than 2^64".to_string(), |n| n.to_string());
+    let Some(context) = longest.checked_add(opts.decode_steps) else {
         return fail(format!(
-            "prompt {longest} + {} decode steps = {sum} tokens exceed {}'s context of {} tokens \
-             (max_seq): give shorter --seqs, or --max-seq {sum} to model the longer context \
-             anyway",
+            "prompt {longest} + {} decode steps overflow a token count: give shorter --seqs \
+             (the context of {} is {} tokens)",
+            opts.decode_steps, c.name, c.max_seq
+        ));
+    };
+    if context > c.max_seq {
+        return fail(format!(
+            "prompt {longest} + {} decode steps = {context} tokens exceed {}'s context of {} \
+             tokens (max_seq): give shorter --seqs, or --max-seq {context} to model the longer \
+             context anyway",
             opts.decode_steps, c.name, c.max_seq,
         ));
     }
