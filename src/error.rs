@@ -317,6 +317,12 @@ pub enum WgparError {
         /// What is wrong.
         reason: String,
     },
+    /// Standard output cannot be written: the reader closed the pipe, or the disk is full.
+    #[error("cannot write to standard output: {source}")]
+    Stdout {
+        /// The write's error.
+        source: std::io::Error,
+    },
     /// File input/output.
     #[error("{path}: {source}")]
     Io {

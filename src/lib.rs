@@ -13,6 +13,7 @@ pub mod compare;
 pub mod device;
 pub mod dist;
 pub mod error;
+pub mod files;
 pub mod kernels;
 pub mod model;
 pub mod parallel;

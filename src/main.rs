@@ -4,7 +4,9 @@ mod cli;
 
 fn main() {
     if let Err(e) = cli::main() {
-        eprintln!("error: {e}");
+        // Not `eprintln!`, which panics where stderr is closed too.
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "error: {e}");
         std::process::exit(1);
     }
 }

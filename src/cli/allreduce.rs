@@ -70,6 +70,9 @@ pub fn run(args: &AllreduceArgs) -> Result<()> {
         algorithm: args.algorithm.parse::<Algorithm>()?,
         ..BenchOptions::default()
     };
+    // Sizes, counts, the chunk and names are checked before an adapter is looked for.
+    opts.validate()?;
+    opts.config.validate()?;
     let adapters = Adapters::discover()?;
     let mut devices = args.devices.clone();
     if devices.devices.is_none() && devices.virtual_count.is_none() {
@@ -83,9 +86,9 @@ pub fn run(args: &AllreduceArgs) -> Result<()> {
             what: "the collective benchmark".into(),
             source,
         })?;
-        println!("{text}");
+        outln!("{text}")?;
     } else {
-        print!("{report}");
+        out!("{report}")?;
     }
     Ok(())
 }

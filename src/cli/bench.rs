@@ -210,7 +210,7 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
     super::check_runs_fit(&config, dtype, &runs)?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
     let weights = args.model.weights(&config)?;
-    println!(
+    outln!(
         "# model {} ({} layers), prompt {}, {}, gen {}, {} ({} {})",
         config.name,
         config.layers,
@@ -223,8 +223,8 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
         gpus[0].describe(),
         gpus[0].info().driver,
         gpus[0].info().driver_info
-    );
-    println!(
+    )?;
+    outln!(
         "{:<8} {:<9} {:>3} {:>4} {:>5} {:>8} {:>10} {:>11} {:>8} {:>8} {:>8} {:>18}",
         "phase",
         "schedule",
@@ -238,10 +238,10 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
         "bubble",
         "theory",
         "hand-off/pass"
-    );
+    )?;
     let row = |phase: &str, schedule: &str, p: usize, batch: usize, s: &PipelineStats| {
         let (handoff_s, handoff_b) = s.handoff_per_microbatch();
-        println!(
+        outln!(
             "{:<8} {:<9} {:>3} {:>4} {:>5} {:>8} {:>10.1} {:>11.1} {:>7.0}% {:>7.1}% {:>7.1}% {:>7.2} ms {:>6} B",
             phase,
             schedule,
@@ -256,7 +256,7 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
             s.theoretical_bubble * 100.0,
             handoff_s * 1e3,
             handoff_b
-        );
+        )
     };
     let best = |runs: Vec<PipelineStats>| {
         runs.into_iter()
@@ -290,7 +290,7 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
                     pp.prefill(&prompts)?;
                     runs.extend(pp.last_run().cloned());
                 }
-                row("prefill", "gpipe", p, batch, &best(runs)?);
+                row("prefill", "gpipe", p, batch, &best(runs)?)?;
             }
             if decode {
                 for &schedule in &schedules {
@@ -327,7 +327,7 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
                             }
                         }
                     }
-                    row("decode", schedule.label(), p, batch, &best(runs)?);
+                    row("decode", schedule.label(), p, batch, &best(runs)?)?;
                 }
             }
             drop(pp);
@@ -443,7 +443,7 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
             for gpu in &gpus {
                 let rows = bench_kernels(gpu, &opts)?;
                 if !json {
-                    print_kernel_rows(gpu, &rows, *peak_gflops, *peak_gbps);
+                    print_kernel_rows(gpu, &rows, *peak_gflops, *peak_gbps)?;
                 }
                 all.push(serde_json::json!({ "device": gpu.describe(), "adapter": gpu.info(), "rows": rows }));
             }
@@ -453,7 +453,7 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
                         what: "the kernel benchmark".into(),
                         source,
                     })?;
-                println!("{text}");
+                outln!("{text}")?;
             }
             Ok(())
         }
@@ -465,14 +465,14 @@ fn print_kernel_rows(
     rows: &[wgpar::kernels::bench::KernelBenchRow],
     peak_gflops: Option<f64>,
     peak_gbps: Option<f64>,
-) {
-    println!(
+) -> Result<()> {
+    outln!(
         "# {} driver: {} {}",
         gpu.describe(),
         gpu.info().driver,
         gpu.info().driver_info
-    );
-    println!(
+    )?;
+    outln!(
         "{:<18} {:<20} {:<5} {:>11} {:>9} {:>7} {:>8} {:>7} {:>8} {:>8}  note",
         "kernel",
         "shape",
@@ -484,7 +484,7 @@ fn print_kernel_rows(
         "peak",
         "x naive",
         "x today"
-    );
+    )?;
     let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
     let frac = |v: Option<f64>, peak: Option<f64>| match (v, peak) {
         (Some(v), Some(p)) => format!("{:.1}%", v / p * 100.0),
@@ -497,7 +497,7 @@ fn print_kernel_rows(
             (false, true) => "today's",
             _ => "",
         };
-        println!(
+        outln!(
             "{:<18} {:<20} {:<5} {:>11.3} {:>9} {:>7} {:>8} {:>7} {:>8} {:>8}  {note}",
             r.kernel,
             r.shape,
@@ -509,6 +509,7 @@ fn print_kernel_rows(
             frac(r.gbps, peak_gbps),
             opt(r.speedup_vs_naive, 2),
             opt(r.speedup_vs_legacy, 2)
-        );
+        )?;
     }
+    Ok(())
 }

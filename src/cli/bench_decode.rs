@@ -222,11 +222,11 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
             what: "the decode benchmark".into(),
             source,
         })?;
-        println!("{text}");
+        outln!("{text}")?;
         return Ok(());
     }
     let g = &gpus[0];
-    println!(
+    outln!(
         "# model {} ({} layers), batch {}, prompt {}, {} timed decode steps after {}, {} ({} {})",
         config.name,
         config.layers,
@@ -237,8 +237,8 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
         g.describe(),
         g.info().driver,
         g.info().driver_info
-    );
-    println!(
+    )?;
+    outln!(
         "{:>10} {:>7} {:>14} {:>13} {:>10} {:>10} {:>13} {:>17}",
         "strategy",
         "devices",
@@ -248,10 +248,10 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
         "tokens/s",
         "buffers/step",
         "bind groups/step"
-    );
+    )?;
     for r in &rows {
         let us = |v: Option<f64>| v.map_or("-".into(), |c| format!("{c:.1}"));
-        println!(
+        outln!(
             "{:>10} {:>7} {:>14} {:>13} {:>10.2} {:>10.1} {:>13.1} {:>17.1}",
             r.strategy,
             r.devices,
@@ -261,7 +261,7 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
             r.tokens_per_s,
             r.buffers_per_step,
             r.bind_groups_per_step
-        );
+        )?;
     }
     Ok(())
 }

@@ -678,7 +678,7 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
             what: "the benchmark report".into(),
             source,
         })?;
-        println!("{text}");
+        outln!("{text}")?;
         return Ok(());
     }
     let n = args.rounds;
@@ -689,22 +689,22 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
             launcher.join(" ")
         ),
     };
-    println!(
+    outln!(
         "projection onto this machine's calibrated profile (calibrated on {}, batch {}, prompt {}); {} generated per run; {n} rounds, every run onto every calibration ({} pairs per row){processes}",
         args.model,
         args.batch,
         args.prompt_len,
         args.gen,
         n * n
-    );
-    println!();
-    println!(
+    )?;
+    outln!()?;
+    outln!(
         "| workload | config | sample | measured ms, median of {n} (range) | projected ms, median of {} | error, median [range] |",
         n * n
-    );
-    println!("|---|---|---|---:|---:|---:|");
+    )?;
+    outln!("|---|---|---|---:|---:|---:|")?;
     for r in &report.rows {
-        println!(
+        outln!(
             "| {} | {} | {} | {:.0} ({:.0}-{:.0}) | {:.0} | {:+.1} % [{:+.0}, {:+.0}] |",
             r.workload.name(),
             r.config.name,
@@ -716,29 +716,29 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
             r.error_pct_median,
             r.error_pct_range[0],
             r.error_pct_range[1]
-        );
+        )?;
     }
-    println!();
+    outln!()?;
     for s in &report.skipped {
-        println!("skipped {s}");
+        outln!("skipped {s}")?;
     }
-    println!(
+    outln!(
         "{within} of {} rows within {} % (median error); profiles and traces in {}",
         report.rows.len(),
         args.tolerance,
         dir.display()
-    );
+    )?;
     if !report.out_of_sample.is_empty() {
-        println!();
-        println!("out of sample, per configuration (every pair of every workload the calibration did not see):");
-        println!();
-        println!(
+        outln!()?;
+        outln!("out of sample, per configuration (every pair of every workload the calibration did not see):")?;
+        outln!()?;
+        outln!(
             "| config | workloads | pairs | error, median | magnitude, median | within {} % |",
             args.tolerance
-        );
-        println!("|---|---:|---:|---:|---:|---|");
+        )?;
+        outln!("|---|---:|---:|---:|---:|---|")?;
         for c in &report.out_of_sample {
-            println!(
+            outln!(
                 "| {} | {} | {} | {:+.1} % | {:.1} % | {} |",
                 c.config,
                 c.workloads,
@@ -746,7 +746,7 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
                 c.error_pct_median,
                 c.abs_error_pct_median,
                 if c.within_tolerance { "yes" } else { "no" }
-            );
+            )?;
         }
     }
     Ok(())

@@ -32,13 +32,15 @@ pub struct CalibrateArgs {
     /// Profile name.
     #[arg(long, default_value = "this-machine")]
     name: String,
-    /// Largest copy in the link sweep (sizes grow by 4 from 256 bytes).
-    #[arg(long, default_value = "16M")]
-    max_bytes: String,
-    /// Timed repetitions per point (the median is used).
-    #[arg(long, default_value_t = 5)]
-    iters: usize,
-    /// A fast, rough calibration: copies up to 256K, 3 repetitions, two batch sizes.
+    /// Largest copy in the link sweep (sizes grow by 4 from 256 bytes) [default: 16M, or 256K
+    /// with --quick].
+    #[arg(long)]
+    max_bytes: Option<String>,
+    /// Timed repetitions per point (the median is used) [default: 5, or 3 with --quick].
+    #[arg(long)]
+    iters: Option<usize>,
+    /// A fast, rough calibration: copies up to 256K, 3 repetitions (unless --max-bytes or
+    /// --iters say otherwise), two batch sizes.
     #[arg(long)]
     quick: bool,
 }
@@ -49,6 +51,8 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     let options = args.options()?;
     let adapters = wgpar::device::Adapters::discover()?;
     args.check_fits(&config, &args.devices.selected(&adapters)?)?;
+    // The profile goes there: fail now, not after the measurements.
+    super::check_writable_file(std::path::Path::new(&args.out))?;
     let gpus = args.devices.open(&adapters)?;
     let weights = ModelWeights::synthetic(&config, args.model.seed);
     let calibration = calibrate(&gpus, &weights, &options, &mut std::io::stdout())?;
@@ -58,21 +62,17 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
 impl CalibrateArgs {
     /// What to calibrate for, from the options (also the MPI path's).
     pub(crate) fn options(&self) -> Result<CalibrationOptions> {
-        let max_bytes = if self.quick {
-            256 << 10
-        } else {
-            parse_size(&self.max_bytes)
-                .map_err(|e| WgparError::Config(format!("--max-bytes: {e}")))?
+        // --quick sets the defaults; what is given explicitly wins.
+        let max_bytes = match (&self.max_bytes, self.quick) {
+            (None, true) => 256 << 10,
+            (text, _) => parse_size(text.as_deref().unwrap_or("16M"))
+                .map_err(|e| WgparError::Config(format!("--max-bytes: {e}")))?,
         };
         Ok(CalibrationOptions {
             batch: self.batch,
             prompt_len: self.prompt_len,
             max_bytes,
-            iters: if self.quick {
-                self.iters.min(3)
-            } else {
-                self.iters
-            },
+            iters: self.iters.unwrap_or(if self.quick { 3 } else { 5 }),
             quick: self.quick,
             name: self.name.clone(),
         })
@@ -106,8 +106,8 @@ impl CalibrateArgs {
             }
         }
         write_calibrated_profile(profile, note, &self.out)?;
-        println!();
-        println!("profile `{}` written to {}", profile.name, self.out);
+        outln!()?;
+        outln!("profile `{}` written to {}", profile.name, self.out)?;
         Ok(())
     }
 

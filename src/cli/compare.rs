@@ -25,7 +25,7 @@ pub struct CompareArgs {
     #[arg(long)]
     devices: Option<String>,
     /// Use N virtual devices on one adapter (the default, 4, when there is one GPU).
-    #[arg(long = "virtual", value_name = "N")]
+    #[arg(long = "virtual", value_name = "N", value_parser = super::parse_virtual)]
     virtual_count: Option<usize>,
     #[command(flatten)]
     binding: super::BindingCap,
@@ -219,7 +219,10 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         .map(|p| super::PlannedRun {
             strategy: &p.strategy,
             adapters: &selected[..p.devices],
-            step_tokens: p.batch.div_ceil(p.micro_batches) * opts.prompt_len,
+            step_tokens: p
+                .batch
+                .div_ceil(p.micro_batches)
+                .saturating_mul(opts.prompt_len),
             batch: p.batch,
         })
         .collect();
@@ -227,14 +230,16 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         runs.push(super::PlannedRun {
             strategy: &Strategy::Single,
             adapters: &selected[..1],
-            step_tokens: serving.max_batch * serving.prompt_len.max(),
+            step_tokens: serving.max_batch.saturating_mul(serving.prompt_len.max()),
             batch: serving.max_batch,
         });
     }
     super::check_runs_fit(&opts.config, dtype, &runs)?;
+    // The report goes there: a folder that cannot be written fails now, not after the runs.
+    super::check_writable_dir(&args.out, &args.out)?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
     if !args.json {
-        println!(
+        outln!(
             "comparing strategies for model '{}' on {} device(s): {}",
             opts.config.name,
             gpus.len(),
@@ -242,7 +247,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
                 .map(|g| g.describe())
                 .collect::<Vec<_>>()
                 .join(", ")
-        );
+        )?;
     }
     let bar = if args.json {
         ProgressBar::hidden()
@@ -326,13 +331,13 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     })?;
     std::fs::write(&json_path, &json).map_err(|e| io_err(&json_path, e))?;
     if args.json {
-        println!("{json}");
+        outln!("{json}")?;
     } else {
-        print!("{}", table(&report));
-        println!(
+        out!("{}", table(&report))?;
+        outln!(
             "\nreport: {} (charts and JSON beside it)",
             md_path.display()
-        );
+        )?;
     }
     Ok(())
 }

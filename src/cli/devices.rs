@@ -12,13 +12,19 @@ pub fn print(adapters: &Adapters, json: bool) -> Result<()> {
                 what: "the adapter list".into(),
                 source,
             })?;
-        println!("{text}");
+        outln!("{text}")?;
         return Ok(());
     }
-    println!(
+    outln!(
         "{:>3}  {:<40} {:<7} {:<13} {:<8} {:>10} {:>12}  features",
-        "idx", "name", "backend", "type", "vendor", "max buffer", "max storage"
-    );
+        "idx",
+        "name",
+        "backend",
+        "type",
+        "vendor",
+        "max buffer",
+        "max storage"
+    )?;
     for d in adapters.list() {
         let mut features = Vec::new();
         if d.shader_f16 {
@@ -34,7 +40,7 @@ pub fn print(adapters: &Adapters, json: bool) -> Result<()> {
             ));
         }
         let name: String = d.name.chars().take(40).collect();
-        println!(
+        outln!(
             "{:>3}  {:<40} {:<7} {:<13} {:<#8x} {:>10} {:>12}  {}",
             d.index,
             name,
@@ -48,8 +54,8 @@ pub fn print(adapters: &Adapters, json: bool) -> Result<()> {
             } else {
                 features.join(" ")
             }
-        );
-        println!("     driver: {} {}", d.driver, d.driver_info);
+        )?;
+        outln!("     driver: {} {}", d.driver, d.driver_info)?;
     }
     Ok(())
 }

@@ -33,6 +33,23 @@ pub fn run(args: &EmbedArgs) -> Result<()> {
             args.model.model
         ))
     })?;
+    let selected = match (&args.devices.virtual_count, &args.devices.devices) {
+        (Some(n), _) => *n,
+        (None, Some(list)) => list.split(',').count(),
+        (None, None) => 1,
+    };
+    if selected > 1 {
+        return Err(WgparError::Config(format!(
+            "{selected} devices selected, but embed encodes on one: select one with --devices \
+             (--virtual does not apply)"
+        )));
+    }
+    if args.model.max_seq == Some(0) || args.model.max_seq > Some(super::MAX_CONTEXT) {
+        return Err(WgparError::Config(format!(
+            "--max-seq must be within 1..={}",
+            super::MAX_CONTEXT
+        )));
+    }
     let mut ckpt = Checkpoint::open(dir)?;
     if !ckpt.config().is_encoder() {
         return Err(WgparError::Config(format!(
@@ -48,6 +65,12 @@ pub fn run(args: &EmbedArgs) -> Result<()> {
         .map(|t| tokenizer.encode_for_encoder(t))
         .collect::<Result<Vec<_>>>()?;
     let longest = inputs.iter().map(|i| i.ids.len()).max().unwrap_or(1);
+    if let Some(limit) = args.model.max_seq.filter(|&limit| longest > limit) {
+        return Err(WgparError::Config(format!(
+            "a text has {longest} tokens, more than --max-seq {limit}: raise --max-seq or \
+             shorten the text"
+        )));
+    }
     ckpt.limit_context(longest.clamp(1, ckpt.max_context()))?;
     let weights = ckpt.weights(true)?;
     let adapters = Adapters::discover()?;
@@ -78,17 +101,17 @@ pub fn run(args: &EmbedArgs) -> Result<()> {
         };
         let values: Vec<String> = row[..shown].iter().map(|v| format!("{v:.6}")).collect();
         let more = if shown < row.len() { " ..." } else { "" };
-        println!(
+        outln!(
             "[{b}] {text:?} ({} tokens): [{}{more}]",
             inputs[b].ids.len(),
             values.join(", ")
-        );
+        )?;
     }
     if e.batch > 1 {
-        println!("cosine similarity:");
+        outln!("cosine similarity:")?;
         for i in 0..e.batch {
             for j in i + 1..e.batch {
-                println!("  [{i}] vs [{j}]: {:.4}", e.cosine(i, j));
+                outln!("  [{i}] vs [{j}]: {:.4}", e.cosine(i, j))?;
             }
         }
     }

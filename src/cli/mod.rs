@@ -1,6 +1,24 @@
 //! Command-line interface: parses arguments and hands them to the engines and benchmarks.
 //! Nothing here touches wgpu directly.
 
+/// Writes to stdout, formatted like `print!`, as a `Result`: a closed pipe (`wgpar devices |
+/// true`) or a full disk is an error the command returns, where `print!` would panic.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::cli::write_stdout(format_args!($($arg)*))
+    };
+}
+
+/// [`out!`] with a newline, like `println!`.
+macro_rules! outln {
+    () => {
+        $crate::cli::write_stdout(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        $crate::cli::write_stdout(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 mod allreduce;
 mod bench;
 mod bench_decode;
@@ -74,6 +92,50 @@ enum Command {
     Project(project::ProjectArgs),
 }
 
+/// Writes `text` to stdout and flushes it, so that a failed write is seen here, by the command
+/// that printed, and not lost in the flush at exit.
+pub(crate) fn write_stdout(text: std::fmt::Arguments) -> Result<()> {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    stdout
+        .write_fmt(text)
+        .and_then(|()| stdout.flush())
+        .map_err(|source| WgparError::Stdout { source })
+}
+
+/// Checks, before the work whose results go there, that files can be written in folder `dir`
+/// (created if missing): a probe file is made and removed.
+fn check_writable_dir(dir: &Path, shown: &Path) -> Result<()> {
+    let io = |source| WgparError::Io {
+        path: shown.display().to_string(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let probe = dir.join(format!(".wgpar-write-check-{}", std::process::id()));
+    std::fs::File::create(&probe).map_err(io)?;
+    std::fs::remove_file(&probe).map_err(io)
+}
+
+/// Checks, before the work, that file `path` can be written: its folder takes a file, and an
+/// existing `path` opens for writing. Nothing is truncated or left behind.
+fn check_writable_file(path: &Path) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    check_writable_dir(dir, path)?;
+    if path.exists() {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(|source| WgparError::Io {
+                path: path.display().to_string(),
+                source,
+            })?;
+    }
+    Ok(())
+}
+
 /// Device selection options shared by every command that runs on GPUs.
 #[derive(Args, Clone, Debug)]
 pub struct DeviceArgs {
@@ -81,7 +143,7 @@ pub struct DeviceArgs {
     #[arg(long)]
     devices: Option<String>,
     /// Open N independent devices on one adapter (the first of --devices, or the preferred one).
-    #[arg(long = "virtual", value_name = "N")]
+    #[arg(long = "virtual", value_name = "N", value_parser = parse_virtual)]
     virtual_count: Option<usize>,
     /// Keep weights in f32 even where the adapter has SHADER_F16.
     #[arg(long)]
@@ -128,6 +190,16 @@ impl BindingCap {
         adapters: &Adapters,
     ) -> Result<Vec<AdapterDesc>> {
         Ok(self.apply(described(selection, adapters)?))
+    }
+}
+
+/// `--virtual N`: 1 to [`wgpar::device::MAX_DEVICES`], checked as the arguments are parsed.
+fn parse_virtual(text: &str) -> std::result::Result<usize, String> {
+    let max = wgpar::device::MAX_DEVICES;
+    match text.trim().parse::<usize>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        Ok(n) => Err(format!("{n} devices: select 1 to {max}")),
+        Err(e) => Err(format!("'{text}' is not a device count: {e}")),
     }
 }
 
@@ -410,7 +482,7 @@ pub fn main() -> Result<()> {
             // the embedded default model.
             let adapters = Adapters::discover()?;
             devices::print(&adapters, false)?;
-            println!();
+            outln!()?;
             compare::run(&compare::CompareArgs::default_job())
         }
     }

@@ -231,24 +231,29 @@ mod ranks {
                 .enumerate()
                 .map(|(r, a)| serde_json::json!({ "rank": r, "host": world.hosts()[r], "adapters": a }))
                 .collect();
-            println!(
+            outln!(
                 "{}",
                 serde_json::to_string_pretty(&out)
                     .map_err(|e| WgparError::Config(e.to_string()))?
-            );
+            )?;
             return Ok(());
         }
         for (r, list) in parsed.iter().enumerate() {
-            println!("rank {r} on {}:", world.hosts()[r]);
-            println!(
+            outln!("rank {r} on {}:", world.hosts()[r])?;
+            outln!(
                 "  {:>3}  {:<40} {:<7} {:<13} {:>10} {:>12}",
-                "idx", "name", "backend", "type", "max buffer", "max storage"
-            );
+                "idx",
+                "name",
+                "backend",
+                "type",
+                "max buffer",
+                "max storage"
+            )?;
             for d in list.as_array().into_iter().flatten() {
                 let s = |k: &str| d[k].as_str().unwrap_or("").to_string();
                 let n = |k: &str| d[k].as_u64().unwrap_or(0);
                 let name: String = s("name").chars().take(40).collect();
-                println!(
+                outln!(
                     "  {:>3}  {:<40} {:<7} {:<13} {:>10} {:>12}",
                     n("index"),
                     name,
@@ -256,8 +261,8 @@ mod ranks {
                     s("device_type"),
                     human_bytes(n("max_buffer_size")),
                     human_bytes(n("max_storage_binding"))
-                );
-                println!("       driver: {} {}", s("driver"), s("driver_info"));
+                )?;
+                outln!("       driver: {} {}", s("driver"), s("driver_info"))?;
             }
         }
         Ok(())
@@ -345,13 +350,13 @@ mod ranks {
         };
         if let Some(report) = run_bench(world, &gpus[0], &opts)? {
             if args.json {
-                println!(
+                outln!(
                     "{}",
                     serde_json::to_string_pretty(&report)
                         .map_err(|e| WgparError::Config(e.to_string()))?
-                );
+                )?;
             } else {
-                print!("{report}");
+                out!("{report}")?;
             }
         }
         Ok(())
@@ -361,7 +366,7 @@ mod ranks {
     macro_rules! say {
         ($world:expr, $($t:tt)*) => {
             if $world.rank() == 0 {
-                println!($($t)*);
+                outln!($($t)*)?;
             }
         };
     }
@@ -637,6 +642,20 @@ mod ranks {
         recorder.set_meta(rank_keys::HOST, world.host());
         recorder.set_meta(rank_keys::CLOCK_OFFSET_US, format!("{offset_us:.3}"));
         recorder.set_meta(rank_keys::DEVICES, devices.to_string());
+        // What every rank of one job shares, so that traces of different runs do not merge.
+        recorder.set_meta(
+            rank_keys::RUN,
+            format!(
+                "--model {} --strategy {} --dtype {} --batch {} --prompt-len {} --gen {} --seed {}",
+                args.model.model,
+                args.strategy.strategy,
+                args.model.dtype,
+                args.batch,
+                args.prompt_len,
+                args.gen,
+                args.model.seed
+            ),
+        );
         let file = wgpar::trace::rank_trace_path(path, world.rank());
         let timeline = recorder.timeline();
         timeline

@@ -5,6 +5,7 @@ use clap::Args;
 use wgpar::compare::{
     default_strategies, plan, plan_markdown, plan_model, PlanOptions, PlanStrategy,
 };
+use wgpar::parallel::Strategy;
 use wgpar::sim::{Engine, HostProfile, NumFormat};
 use wgpar::{Result, WgparError};
 
@@ -57,16 +58,51 @@ pub struct PlanArgs {
     json: bool,
 }
 
+/// Longest context `plan --max-seq` models (16M tokens: beyond any published model's).
+const MAX_PLAN_CONTEXT: usize = 1 << 24;
+/// Largest batch `plan --batches` models.
+const MAX_PLAN_BATCH: usize = 1 << 20;
+
+/// Refuses a pipeline strategy given with more micro-batches than the largest batch: no row
+/// would run that many (each micro-batch needs a sequence).
+fn check_micro_batches(strategies: &[PlanStrategy], batches: &[usize]) -> Result<()> {
+    let largest = batches.iter().copied().max().unwrap_or(0);
+    for s in strategies {
+        let m = match s.strategy {
+            Strategy::Pipeline { micro_batches, .. } | Strategy::Hybrid { micro_batches, .. } => {
+                micro_batches
+            }
+            _ => continue,
+        };
+        if m > largest {
+            return Err(WgparError::Config(format!(
+                "--strategies {}: {m} micro-batches, but the largest of --batches is {largest}: \
+                 each micro-batch needs a sequence, so at most {largest} would run; give -m{largest} \
+                 or less, or larger --batches",
+                s.label
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Everything `plan` needs, checked before anything is modeled.
 fn options(args: &PlanArgs) -> Result<PlanOptions> {
     let mut config = plan_model(&args.model)?;
     if let Some(m) = args.max_seq {
-        if m == 0 {
-            return Err(WgparError::Config(
-                "--max-seq 0: the context needs tokens".into(),
-            ));
+        if m == 0 || m > MAX_PLAN_CONTEXT {
+            return Err(WgparError::Config(format!(
+                "--max-seq {m}: model a context of 1 to {MAX_PLAN_CONTEXT} tokens"
+            )));
         }
         config.max_seq = m;
+        // The tables sized by the context stay within the model's size bounds.
+        config.validate()?;
+    }
+    if let Some(&b) = args.batches.iter().find(|&&b| b > MAX_PLAN_BATCH) {
+        return Err(WgparError::Config(format!(
+            "--batches {b}: model batches of at most {MAX_PLAN_BATCH} sequences"
+        )));
     }
     let weights: NumFormat = args
         .weights
@@ -80,10 +116,13 @@ fn options(args: &PlanArgs) -> Result<PlanOptions> {
     let strategies = if args.strategies.is_empty() {
         default_strategies(&config, args.devices)
     } else {
-        args.strategies
+        let given = args
+            .strategies
             .iter()
             .map(|s| PlanStrategy::parse(s))
-            .collect::<Result<Vec<_>>>()?
+            .collect::<Result<Vec<_>>>()?;
+        check_micro_batches(&given, &args.batches)?;
+        given
     };
     let profiles = args
         .hosts
@@ -116,9 +155,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             what: "the plan".into(),
             source,
         })?;
-        println!("{text}");
+        outln!("{text}")?;
     } else {
-        print!("{}", plan_markdown(&opts, &rows));
+        out!("{}", plan_markdown(&opts, &rows))?;
     }
     Ok(())
 }

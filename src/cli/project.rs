@@ -252,23 +252,25 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
             what: "the projection".into(),
             source,
         })?;
-        println!("{text}");
+        outln!("{text}")?;
         return Ok(());
     }
-    println!("trace {trace_name} ({} steps)", timeline.steps().len());
-    print!("{report}");
-    println!();
-    println!(
+    outln!("trace {trace_name} ({} steps)", timeline.steps().len())?;
+    out!("{report}")?;
+    outln!()?;
+    outln!(
         "  latency (makespan): measured {:.3} ms, projected {:.3} ms",
         m / 1e3,
         p / 1e3
-    );
+    )?;
     match &throughput {
-        Some(t) => println!(
+        Some(t) => outln!(
             "  throughput ({} tokens): measured {:.1} tokens/s, projected {:.1} tokens/s",
-            t.tokens, t.measured_tokens_per_s, t.projected_tokens_per_s
-        ),
-        None => println!("  throughput: pass --tokens N (the trace does not say how many tokens)"),
+            t.tokens,
+            t.measured_tokens_per_s,
+            t.projected_tokens_per_s
+        )?,
+        None => outln!("  throughput: pass --tokens N (the trace does not say how many tokens)")?,
     }
     for (what, path) in [
         ("projected trace", &args.out),
@@ -276,7 +278,7 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
         ("projected timeline SVG", &args.svg_projected),
     ] {
         if let Some(path) = path {
-            println!("{what}: {path}");
+            outln!("{what}: {path}")?;
         }
     }
     Ok(())

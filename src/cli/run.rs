@@ -267,6 +267,35 @@ impl FaultSpec {
         }
         Ok(())
     }
+
+    /// Refuses a fault that the run would end before: the worker runs `jobs` jobs after the
+    /// fault is injected (`per_step` per step, micro-batches for a stage).
+    pub fn check_reached(&self, jobs: usize, per_step: usize) -> Result<()> {
+        if self.fault.after < jobs {
+            return Ok(());
+        }
+        let worker = if self.stage { "stage" } else { "rank" };
+        Err(WgparError::Config(format!(
+            "--inject-fault at=step:{}: {worker} {} runs {jobs} jobs in this run ({per_step} \
+             per step), so the fault would never fire: use at=step:0 to at=step:{}, or a longer \
+             --gen",
+            self.fault.after,
+            self.worker,
+            jobs.saturating_sub(1)
+        )))
+    }
+}
+
+/// Checks the syntax of the options `run` parses itself (`--inject-fault`, `--pace`) before
+/// anything is loaded or discovered; [`plan`] checks them against the strategy later.
+pub(super) fn check_syntax(args: &RunArgs) -> Result<()> {
+    if let Some(text) = &args.inject_fault {
+        FaultSpec::parse(text)?;
+    }
+    if let Some(text) = &args.pace {
+        pacer_for(text)?;
+    }
+    Ok(())
 }
 
 /// What `run` checks before it opens a device or builds a weight: the options against each
@@ -281,13 +310,14 @@ pub(super) struct Plan {
 }
 
 /// Checks what `run` (and text generation) can check before opening devices; `batch`
-/// sequences, `seq` prompt tokens each.
+/// sequences, `seq` prompt tokens each, `steps` steps (prefill and decode) after the fault is
+/// injected.
 pub(super) fn plan(
     args: &RunArgs,
     config: &ModelConfig,
     adapters: &Adapters,
-    batch: usize,
-    seq: usize,
+    (batch, seq): (usize, usize),
+    steps: usize,
 ) -> Result<Plan> {
     let strategy = args.strategy.strategy()?;
     let selected = args.devices.selected(adapters)?;
@@ -309,6 +339,8 @@ pub(super) fn plan(
         Some(text) => {
             let spec = FaultSpec::parse(text)?;
             spec.check(&strategy, selected.len())?;
+            let per_step = jobs_per_step(&strategy, micro);
+            spec.check_reached(steps * per_step, per_step)?;
             Some(spec)
         }
         None => None,
@@ -325,7 +357,7 @@ pub(super) fn plan(
         &[super::PlannedRun {
             strategy: &strategy,
             adapters: &selected,
-            step_tokens: step_batch * seq,
+            step_tokens: step_batch.saturating_mul(seq),
             batch: step_batch,
         }],
     )?;
@@ -336,6 +368,9 @@ pub(super) fn plan(
             source,
         })?;
     }
+    if let Some(path) = &args.logits_out {
+        super::check_writable_file(std::path::Path::new(path))?;
+    }
     let pacer = args.pace.as_deref().map(pacer_for).transpose()?;
     Ok(Plan {
         strategy,
@@ -344,6 +379,36 @@ pub(super) fn plan(
         pacer,
         fault,
     })
+}
+
+/// Jobs a faulted worker runs per step: one per micro-batch for a pipeline stage, one for a
+/// tensor-parallel rank.
+fn jobs_per_step(strategy: &Strategy, micro_batches: usize) -> usize {
+    match strategy {
+        Strategy::Pipeline { .. } | Strategy::Hybrid { .. } => micro_batches,
+        _ => 1,
+    }
+}
+
+/// Steps of `run`'s warm-up (a generation of 2 tokens: prefill and one decode step).
+const WARMUP_STEPS: usize = 2;
+
+/// Injects fault `f` before the warm-up, so that its count of jobs (kept by the worker from its
+/// start) skips the warm-up's `per_step` jobs per step and counts the timed run's.
+fn inject_before_warmup(engine: &mut dyn Engine, f: FaultSpec, per_step: usize) -> Result<()> {
+    let warmup = WARMUP_STEPS * per_step;
+    outln!(
+        "injecting a {:?} fault into {} {} after {} of its jobs in the timed run ({} with the \
+         warm-up's)",
+        f.fault.kind,
+        if f.stage { "stage" } else { "rank" },
+        f.worker,
+        f.fault.after,
+        f.fault.after + warmup
+    )?;
+    let mut fault = f.fault;
+    fault.after += warmup;
+    engine.inject_fault(f.worker, fault)
 }
 
 /// The recorder `--trace` asks for.
@@ -357,27 +422,28 @@ pub(super) fn recorder_for(args: &RunArgs) -> Recorder {
 }
 
 /// Prints a pipeline's bubble share (measured and the GPipe bound), as compare and bench do.
-pub(super) fn print_bubble(engine: &dyn Engine, indent: &str) {
+pub(super) fn print_bubble(engine: &dyn Engine, indent: &str) -> Result<()> {
     if let Some(p) = engine.pipeline_stats() {
-        println!(
+        outln!(
             "{indent}pipeline: {} stages x {} micro-batches ({}), bubble {:.0}% measured ({:.0}% for equal stages)",
             p.stages.len(),
             p.microbatches,
             p.schedule,
             p.measured_bubble * 100.0,
             p.theoretical_bubble * 100.0
-        );
+        )?;
     }
+    Ok(())
 }
 
 /// Writes the recorded timeline to `--trace` and summarises it.
 pub(super) fn write_trace(recorder: &Recorder, path: &str) -> Result<()> {
     let timeline = recorder.timeline();
     timeline.write_chrome_trace(path)?;
-    println!(
+    outln!(
         "trace: {} spans written to {path} (open in https://ui.perfetto.dev)",
         timeline.spans.len()
-    );
+    )?;
     let timed: Vec<_> = timeline
         .spans
         .iter()
@@ -386,13 +452,13 @@ pub(super) fn write_trace(recorder: &Recorder, path: &str) -> Result<()> {
     if !timed.is_empty() {
         let device: u64 = timed.iter().map(|t| t.0).sum();
         let host: u64 = timed.iter().map(|t| t.1).sum();
-        println!(
+        outln!(
             "  device time (timestamp queries) of {} compute spans: {:.1} ms of their {:.1} ms on the host clock ({:.0} %)",
             timed.len(),
             device as f64 / 1e6,
             host as f64 / 1e6,
             device as f64 / host.max(1) as f64 * 100.0
-        );
+        )?;
     }
     Ok(())
 }
@@ -400,6 +466,7 @@ pub(super) fn write_trace(recorder: &Recorder, path: &str) -> Result<()> {
 /// Runs generation and prints the rates.
 pub fn run(args: &RunArgs) -> Result<()> {
     args.strategy.check_options()?;
+    check_syntax(args)?;
     if let Some(prompt) = &args.text.prompt {
         return super::text::generate(args, prompt);
     }
@@ -416,14 +483,22 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "--batch, --prompt-len and --gen must be positive".into(),
         ));
     }
-    if args.prompt_len + args.gen > config.max_seq {
+    if args.prompt_len.saturating_add(args.gen) > config.max_seq {
         return Err(WgparError::Config(format!(
             "--prompt-len {} + --gen {} exceed max_seq {} of model '{}' (raise it with --max-seq)",
             args.prompt_len, args.gen, config.max_seq, config.name
         )));
     }
     let adapters = Adapters::discover()?;
-    let plan = plan(args, &config, &adapters, args.batch, args.prompt_len)?;
+    // The timed part: one prefill, then a generation (a prefill and gen - 1 decode steps).
+    let timed_steps = args.gen + 1;
+    let plan = plan(
+        args,
+        &config,
+        &adapters,
+        (args.batch, args.prompt_len),
+        timed_steps,
+    )?;
     let strategy = plan.strategy;
     let gpus = args
         .devices
@@ -431,7 +506,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let dtype = args.model.dtype(&gpus)?;
     debug_assert_eq!(dtype, plan.dtype);
     let weights = args.model.weights(&config)?;
-    println!(
+    outln!(
         "model {} ({} arch, {} layers, hidden {}, {:.1}M params, {:?} weights)",
         config.name,
         format!("{:?}", config.arch).to_lowercase(),
@@ -439,7 +514,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         config.hidden,
         config.params() as f64 / 1e6,
         dtype
-    );
+    )?;
     let mut engine = build_engine(
         &strategy,
         &gpus,
@@ -449,9 +524,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         (args.batch, args.prompt_len),
     )?;
     drop(weights);
-    println!("engine: {}", engine.name());
+    outln!("engine: {}", engine.name())?;
     if let Some((pacer, what)) = plan.pacer {
-        println!("pacing transfers to {what}");
+        outln!("pacing transfers to {what}")?;
         engine.set_pacer(Some(Arc::new(pacer)));
     }
     let prompts: Vec<Vec<u32>> = (0..args.batch)
@@ -461,18 +536,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 .collect()
         })
         .collect();
-    // One untimed pass compiles the pipelines and allocates buffers.
-    generate(engine.as_mut(), &prompts, 2)?;
     if let Some(f) = plan.fault {
-        println!(
-            "injecting a {:?} fault into {} {} after {} of its jobs",
-            f.fault.kind,
-            if f.stage { "stage" } else { "rank" },
-            f.worker,
-            f.fault.after
-        );
-        engine.inject_fault(f.worker, f.fault)?;
+        let micro = args.strategy.micro_batches.unwrap_or(1);
+        inject_before_warmup(engine.as_mut(), f, jobs_per_step(&strategy, micro))?;
     }
+    // One untimed pass compiles the pipelines and allocates buffers.
+    generate(engine.as_mut(), &prompts, WARMUP_STEPS)?;
     let recorder = recorder_for(args);
     // What `wgpar project` needs to turn a makespan into throughput, and what a reader of the
     // trace needs to know what ran. The recorded part is one prefill, then a generation (a
@@ -502,55 +571,15 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let prefill_stats = engine.last_step();
     let prefill_pipeline = engine.pipeline_stats();
     let g = generate_keeping(engine.as_mut(), &prompts, args.gen, keep_for(args))?;
-    println!(
-        "prefill: {} tokens in {:.1} ms = {:.1} tokens/s (time to first token {:.1} ms)",
-        g.prompt_tokens,
-        g.prefill_s * 1e3,
-        g.prefill_tokens_per_s(),
-        g.prefill_s * 1e3
-    );
-    if let Some(s) = &prefill_stats {
-        println!(
-            "  compute {:.1} ms, communication {:.1} ms ({:.0}% of device time), {} collectives/hand-offs, {} B sent per device",
-            s.compute_s * 1e3,
-            s.comm_s * 1e3,
-            s.comm_share() * 100.0,
-            s.collectives,
-            s.bytes_sent
-        );
-        println!("  {}", s.per_token_line());
-    }
-    if let Some(p) = prefill_pipeline {
-        println!(
-            "  pipeline: {} stages x {} micro-batches, bubble {:.0}% measured ({:.0}% = (p-1)/(m+p-1) for equal stages)",
-            p.stages.len(),
-            p.microbatches,
-            p.measured_bubble * 100.0,
-            p.theoretical_bubble * 100.0
-        );
-    }
-    println!(
-        "decode: {} tokens x {} sequences in {:.1} ms, {:.2} ms per token = {:.1} tokens/s",
-        g.decode_steps,
+    print_rates(
+        &g,
         args.batch,
-        g.decode_s * 1e3,
-        g.per_token_s() * 1e3,
-        g.decode_tokens_per_s()
-    );
-    if g.decode_steps > 0 {
-        let s = &g.decode_stats;
-        println!(
-            "  compute {:.2} ms, communication {:.2} ms ({:.0}%), {} collectives/hand-offs per device",
-            s.compute_s * 1e3,
-            s.comm_s * 1e3,
-            s.comm_share() * 100.0,
-            s.collectives
-        );
-        println!("  {}", s.per_token_line());
-    }
+        prefill_stats.as_ref(),
+        prefill_pipeline.as_ref(),
+    )?;
     // In flight, the last run is the whole decode; under GPipe, its last step.
-    print_bubble(engine.as_ref(), "  decode ");
-    println!("first sequence's tokens: {:?}", g.tokens[0]);
+    print_bubble(engine.as_ref(), "  decode ")?;
+    outln!("first sequence's tokens: {:?}", g.tokens[0])?;
     if let Some(path) = &args.logits_out {
         write_logits(path, args.batch, config.vocab, &g)?;
     }
@@ -560,8 +589,63 @@ pub fn run(args: &RunArgs) -> Result<()> {
     Ok(())
 }
 
-/// The pacer `--pace` names: one link as `ALPHA_US:BETA_GBPS`, else a host profile (device 0's
-/// host link, collectives by the profile's cost model). Also says what it paces to.
+/// Prints a run's prefill and decode rates, with the prefill's accounting (`prefill_stats`)
+/// and its pipeline's bubble.
+fn print_rates(
+    g: &wgpar::parallel::Generation,
+    batch: usize,
+    prefill_stats: Option<&wgpar::parallel::StepStats>,
+    prefill_pipeline: Option<&wgpar::parallel::PipelineStats>,
+) -> Result<()> {
+    outln!(
+        "prefill: {} tokens in {:.1} ms = {:.1} tokens/s (time to first token {:.1} ms)",
+        g.prompt_tokens,
+        g.prefill_s * 1e3,
+        g.prefill_tokens_per_s(),
+        g.prefill_s * 1e3
+    )?;
+    if let Some(s) = prefill_stats {
+        outln!(
+            "  compute {:.1} ms, communication {:.1} ms ({:.0}% of device time), {} collectives/hand-offs, {} B sent per device",
+            s.compute_s * 1e3,
+            s.comm_s * 1e3,
+            s.comm_share() * 100.0,
+            s.collectives,
+            s.bytes_sent
+        )?;
+        outln!("  {}", s.per_token_line())?;
+    }
+    if let Some(p) = prefill_pipeline {
+        outln!(
+            "  pipeline: {} stages x {} micro-batches, bubble {:.0}% measured ({:.0}% = (p-1)/(m+p-1) for equal stages)",
+            p.stages.len(),
+            p.microbatches,
+            p.measured_bubble * 100.0,
+            p.theoretical_bubble * 100.0
+        )?;
+    }
+    outln!(
+        "decode: {} tokens x {} sequences in {:.1} ms, {:.2} ms per token = {:.1} tokens/s",
+        g.decode_steps,
+        batch,
+        g.decode_s * 1e3,
+        g.per_token_s() * 1e3,
+        g.decode_tokens_per_s()
+    )?;
+    if g.decode_steps > 0 {
+        let s = &g.decode_stats;
+        outln!(
+            "  compute {:.2} ms, communication {:.2} ms ({:.0}%), {} collectives/hand-offs per device",
+            s.compute_s * 1e3,
+            s.comm_s * 1e3,
+            s.comm_share() * 100.0,
+            s.collectives
+        )?;
+        outln!("  {}", s.per_token_line())?;
+    }
+    Ok(())
+}
+
 /// The logits a run keeps: every step's where `--logits-out` asks for them, else none (only
 /// token ids are read back).
 pub(super) fn keep_for(args: &RunArgs) -> KeepLogits {
@@ -593,6 +677,8 @@ pub(super) fn write_logits(
     })
 }
 
+/// The pacer `--pace` names: one link as `ALPHA_US:BETA_GBPS`, else a host profile (device 0's
+/// host link, collectives by the profile's cost model). Also says what it paces to.
 pub(super) fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
     let spec = PaceSpec::parse(text).map_err(|source| WgparError::Pacing {
         target: format!("--pace {text}"),

@@ -1,7 +1,6 @@
 //! Text in, text out: `wgpar run --model DIR --prompt "..."` tokenizes the prompt with the
 //! checkpoint's tokenizer, generates greedily or by sampling, and streams the text as it comes.
 
-use std::io::Write;
 use std::time::Instant;
 
 use std::sync::Arc;
@@ -79,6 +78,19 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     if max_new == 0 {
         return Err(WgparError::Config("--gen must be positive".into()));
     }
+    if args.logits_out.is_some() {
+        return Err(WgparError::Config(
+            "--logits-out writes the logits of a run on synthetic prompts: it does not apply \
+             to text generation (--prompt)"
+                .into(),
+        ));
+    }
+    if model.max_seq == Some(0) || model.max_seq > Some(super::MAX_CONTEXT) {
+        return Err(WgparError::Config(format!(
+            "--max-seq must be within 1..={}",
+            super::MAX_CONTEXT
+        )));
+    }
     let mut ckpt = Checkpoint::open(dir)?;
     if ckpt.config().is_encoder() {
         return Err(WgparError::Config(format!(
@@ -91,7 +103,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     if ids.is_empty() {
         return Err(WgparError::Config("the prompt has no tokens".into()));
     }
-    let context = ids.len() + max_new;
+    let context = ids.len().saturating_add(max_new);
     if context > ckpt.max_context() {
         return Err(WgparError::Config(format!(
             "{} prompt tokens + --gen {max_new} exceed the model's context of {}",
@@ -99,10 +111,18 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
             ckpt.max_context()
         )));
     }
+    if let Some(limit) = model.max_seq.filter(|&limit| context > limit) {
+        return Err(WgparError::Config(format!(
+            "{} prompt tokens + --gen {max_new} = {context} tokens exceed --max-seq {limit}: \
+             raise --max-seq or lower --gen",
+            ids.len()
+        )));
+    }
     // The KV cache and position tables need only this run's length.
     ckpt.limit_context(context)?;
     let adapters = Adapters::discover()?;
-    let plan = super::run::plan(args, ckpt.config(), &adapters, 1, ids.len())?;
+    // Prefill and max_new - 1 decode steps, the fault injected before the first.
+    let plan = super::run::plan(args, ckpt.config(), &adapters, (1, ids.len()), max_new)?;
     let eos = ckpt.eos_tokens().to_vec();
     let weights = ckpt.weights(true)?;
     let gpus = args
@@ -145,8 +165,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     // Print the decoded continuation as it grows; decoding prompt and continuation together
     // keeps word boundaries right for tokenizers that mark spaces on the following token.
     let prompt_text = tokenizer.decode(&ids)?;
-    let mut out = std::io::stdout().lock();
-    let _ = write!(out, "{prompt}");
+    out!("{prompt}")?;
     let mut all = ids.clone();
     let mut printed = String::new();
     let decode_start = Instant::now();
@@ -161,8 +180,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
         let full = tokenizer.decode(&all)?;
         let continuation = full.strip_prefix(prompt_text.as_str()).unwrap_or(&full);
         if let Some(new) = continuation.strip_prefix(printed.as_str()) {
-            let _ = write!(out, "{new}");
-            let _ = out.flush();
+            out!("{new}")?;
             printed = continuation.to_string();
         }
         if generated == max_new {
@@ -170,8 +188,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
         }
         step = engine.decode_step(&[next], false)?;
     }
-    let _ = writeln!(out);
-    drop(out);
+    outln!()?;
     let decode_s = decode_start.elapsed().as_secs_f64();
     eprintln!(
         "prefill {:.1} ms; {generated} tokens in {:.1} ms ({:.1} tokens/s)",
@@ -179,7 +196,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
         decode_s * 1e3,
         generated as f64 / decode_s.max(1e-9)
     );
-    super::run::print_bubble(engine.as_ref(), "");
+    super::run::print_bubble(engine.as_ref(), "")?;
     if let Some(path) = &args.trace {
         super::run::write_trace(&recorder, path)?;
     }

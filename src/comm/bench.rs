@@ -136,8 +136,13 @@ impl Default for BenchOptions {
     }
 }
 
+/// Most timed or warm-up iterations per size: their times are kept (a million is 8 MB, and
+/// minutes per size at the fastest collective).
+pub const MAX_ITERS: usize = 1_000_000;
+
 impl BenchOptions {
-    fn validate(&self) -> std::result::Result<(), CommError> {
+    /// Checks the options against each other, before any device is opened.
+    pub fn validate(&self) -> std::result::Result<(), CommError> {
         let bad = |m: String| Err(CommError::Config(m));
         if self.min_bytes == 0 || self.min_bytes > self.max_bytes {
             return bad(format!(
@@ -150,6 +155,12 @@ impl BenchOptions {
         }
         if self.iters == 0 {
             return bad("iters must be at least 1".into());
+        }
+        if self.iters > MAX_ITERS || self.warmup > MAX_ITERS {
+            return bad(format!(
+                "iters (-n) {} and warm-up iters (-w) {} per size: at most {MAX_ITERS} each",
+                self.iters, self.warmup
+            ));
         }
         if !matches!(self.dtype, DType::F32 | DType::F16) {
             return bad(format!("dtype {} is not benchmarked", self.dtype.name()));

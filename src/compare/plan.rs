@@ -233,15 +233,20 @@ pub fn validate(opts: &PlanOptions) -> Result<()> {
     }
     let c = &opts.config;
     let longest = opts.seqs.iter().copied().max().unwrap_or(0);
-    if longest + opts.decode_steps > c.max_seq {
+    // Checked: a sum that wrapped would pass the context check.
+    let Some(context) = longest.checked_add(opts.decode_steps) else {
         return fail(format!(
-            "prompt {longest} + {} decode steps = {} tokens exceed {}'s context of {} tokens \
-             (max_seq): give shorter --seqs, or --max-seq {} to model the longer context anyway",
-            opts.decode_steps,
-            longest + opts.decode_steps,
-            c.name,
-            c.max_seq,
-            longest + opts.decode_steps
+            "prompt {longest} + {} decode steps overflow a token count: give shorter --seqs \
+             (the context of {} is {} tokens)",
+            opts.decode_steps, c.name, c.max_seq
+        ));
+    };
+    if context > c.max_seq {
+        return fail(format!(
+            "prompt {longest} + {} decode steps = {context} tokens exceed {}'s context of {} \
+             tokens (max_seq): give shorter --seqs, or --max-seq {context} to model the longer \
+             context anyway",
+            opts.decode_steps, c.name, c.max_seq,
         ));
     }
     for s in &opts.strategies {
@@ -403,10 +408,13 @@ pub fn plan_model(name: &str) -> Result<ModelConfig> {
         None
     };
     if let Some(file) = file {
-        let text = std::fs::read_to_string(&file).map_err(|source| WgparError::Io {
-            path: file.display().to_string(),
-            source,
-        })?;
+        let text =
+            crate::files::read_text(&file, crate::files::CONFIG_LIMIT).map_err(|source| {
+                WgparError::Io {
+                    path: file.display().to_string(),
+                    source,
+                }
+            })?;
         let stem = if path.is_dir() {
             path.file_name()
         } else {

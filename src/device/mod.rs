@@ -16,6 +16,10 @@ pub use timer::{GpuTimer, SpanTimer};
 
 use crate::error::{Result, WgparError};
 
+/// Most devices one process selects (`--virtual N`, or indices in `--devices`): far more than
+/// any strategy splits a model over, small enough that describing them costs nothing.
+pub const MAX_DEVICES: usize = 4096;
+
 /// Which devices a run uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeviceSelection {
@@ -39,6 +43,20 @@ impl DeviceSelection {
         virtual_count: Option<usize>,
         adapters: &Adapters,
     ) -> Result<Self> {
+        let too_many = |n: usize, option: &str| {
+            WgparError::Config(format!(
+                "{option} selects {n} devices; at most {MAX_DEVICES} can be selected"
+            ))
+        };
+        if let Some(n) = virtual_count.filter(|&n| n > MAX_DEVICES) {
+            return Err(too_many(n, "--virtual"));
+        }
+        if let Some(n) = devices
+            .map(|text| text.split(',').count())
+            .filter(|&n| n > MAX_DEVICES)
+        {
+            return Err(too_many(n, "--devices"));
+        }
         let indices = match devices {
             Some(text) => text
                 .split(',')

@@ -313,11 +313,15 @@ impl ModelConfig {
             && product(&[self.ffn, self.hidden])
             && product(&[self.heads, self.head_dim, self.max_seq])
             && product(&[self.heads, self.head_dim, self.hidden])
-            && product(&[self.type_vocab, self.hidden]);
+            && product(&[self.type_vocab, self.hidden])
+            // The parameter count sums every layer's matrices.
+            && product(&[self.layers, self.ffn, self.hidden])
+            && product(&[self.layers, self.heads, self.head_dim, self.hidden]);
         if !fits {
             return fail(format!(
-                "shapes beyond any device: vocab {}, hidden {}, ffn {}, heads {}, max_seq {}",
-                self.vocab, self.hidden, self.ffn, self.heads, self.max_seq
+                "shapes beyond any device: layers {}, vocab {}, hidden {}, ffn {}, heads {}, \
+                 max_seq {}",
+                self.layers, self.vocab, self.hidden, self.ffn, self.heads, self.max_seq
             ));
         }
         let gated = self.activation == Activation::Silu;

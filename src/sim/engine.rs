@@ -321,10 +321,13 @@ impl Engine {
     /// Reads and validates an engine file.
     pub fn load(path: impl AsRef<Path>) -> Result<Engine, ProfileError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ProfileError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
+        let text =
+            crate::files::read_text(path, crate::files::PROFILE_LIMIT).map_err(|source| {
+                ProfileError::Io {
+                    path: path.to_owned(),
+                    source,
+                }
+            })?;
         Self::from_toml_str(&text, &path.display().to_string())
     }
 

@@ -69,11 +69,29 @@ impl fmt::Display for NumFormat {
 
 /// Why a format name was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("'{given}' is not a number format: expected {}", NumFormat::NAMES)]
-pub struct NumFormatError {
-    /// What was given.
-    pub given: String,
+pub enum NumFormatError {
+    /// Neither a format's name nor a number.
+    #[error("'{given}' is not a number format: expected {}", NumFormat::NAMES)]
+    Unknown {
+        /// What was given.
+        given: String,
+    },
+    /// A number of bytes per element outside what any format stores.
+    #[error(
+        "'{given}' bytes per element is outside {}..={}: a format stores between 1 bit and \
+         8 bytes (f64) per element; or name one: {}",
+        BYTES_RANGE.start(),
+        BYTES_RANGE.end(),
+        NumFormat::NAMES
+    )]
+    BytesOutOfRange {
+        /// What was given.
+        given: String,
+    },
 }
+
+/// Bytes per element a number may give: down to about a bit, up to f64.
+const BYTES_RANGE: std::ops::RangeInclusive<f64> = 0.1..=8.0;
 
 impl FromStr for NumFormat {
     type Err = NumFormatError;
@@ -90,10 +108,14 @@ impl FromStr for NumFormat {
             "q4_0" | "q4" | "q40" => NumFormat::Q4_0,
             "q4_k" | "q4_k_m" | "q4k" => NumFormat::Q4K,
             other => match other.parse::<f64>() {
-                // A byte per element or less down to 1 bit, up to f64.
-                Ok(b) if b.is_finite() && (0.1..=8.0).contains(&b) => NumFormat::Bytes(b),
-                _ => {
-                    return Err(NumFormatError {
+                Ok(b) if BYTES_RANGE.contains(&b) => NumFormat::Bytes(b),
+                Ok(_) => {
+                    return Err(NumFormatError::BytesOutOfRange {
+                        given: s.to_owned(),
+                    })
+                }
+                Err(_) => {
+                    return Err(NumFormatError::Unknown {
                         given: s.to_owned(),
                     })
                 }

@@ -48,13 +48,18 @@ pub enum PacingError {
         /// Devices in the profile.
         available: usize,
     },
-    /// A link with a latency below zero or a bandwidth that is not a positive number.
-    #[error("link alpha {alpha_us} us, beta {beta_gbps} GB/s: alpha must be >= 0 and beta > 0")]
+    /// A link outside what a host profile may describe (latency 0 to 10 s, bandwidth 0.1 MB/s
+    /// to 1 PB/s): beyond them a paced run would sleep for hours.
+    #[error("link alpha {alpha_us} us, beta {beta_gbps} GB/s: {field} {reason}")]
     BadLink {
         /// Latency given.
         alpha_us: f64,
         /// Bandwidth given.
         beta_gbps: f64,
+        /// The field out of range: `alpha_us` or `beta_gbps`.
+        field: &'static str,
+        /// The range it must be within.
+        reason: &'static str,
     },
     /// A link given as `ALPHA_US:BETA_GBPS` with a part that is not a number.
     #[error(
@@ -164,12 +169,18 @@ impl LinkPacer {
 
     /// [`LinkPacer::from_link`] after checking the numbers (alpha >= 0, beta > 0, finite).
     pub fn from_alpha_beta(alpha_us: f64, beta_gbps: f64) -> Result<Self, PacingError> {
-        let ok =
-            alpha_us.is_finite() && alpha_us >= 0.0 && beta_gbps.is_finite() && beta_gbps > 0.0;
-        if !ok {
+        // The bounds a host profile's links must keep.
+        let root = super::locate::FieldPath::root();
+        let checks = [
+            ("alpha_us", super::rules::latency_us(&root, alpha_us)),
+            ("beta_gbps", super::rules::bandwidth_gbps(&root, beta_gbps)),
+        ];
+        if let Some((field, Err(v))) = checks.into_iter().find(|(_, c)| c.is_err()) {
             return Err(PacingError::BadLink {
                 alpha_us,
                 beta_gbps,
+                field,
+                reason: v.reason,
             });
         }
         Ok(Self::from_link(LinkSpec {

@@ -464,10 +464,13 @@ impl HostProfile {
     /// Reads and validates a profile file.
     pub fn load(path: impl AsRef<Path>) -> Result<HostProfile, ProfileError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ProfileError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
+        let text =
+            crate::files::read_text(path, crate::files::PROFILE_LIMIT).map_err(|source| {
+                ProfileError::Io {
+                    path: path.to_owned(),
+                    source,
+                }
+            })?;
         Self::from_toml_str(&text, &path.display().to_string())
     }
 

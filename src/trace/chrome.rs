@@ -174,9 +174,11 @@ impl Timeline {
     /// Reads a trace written by [`Timeline::write_chrome_trace`].
     pub fn read_chrome_trace(path: impl AsRef<Path>) -> Result<Timeline, TraceError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| TraceError::Io {
-            path: path.to_owned(),
-            source,
+        let text = crate::files::read_text(path, crate::files::TRACE_LIMIT).map_err(|source| {
+            TraceError::Io {
+                path: path.to_owned(),
+                source,
+            }
         })?;
         Self::from_chrome_trace_str(&text, &path.display().to_string())
     }

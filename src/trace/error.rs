@@ -71,6 +71,17 @@ pub enum TraceError {
         /// The dependency with an id not smaller than the span's.
         dep: SpanId,
     },
+    /// A span's numbers are so large that its end time, or the timeline's byte or FLOP
+    /// totals, would not fit in 64 bits: not a recorded run.
+    #[error("span {span} ({name}): {what} overflows 64 bits; the trace was not recorded by a run")]
+    Overflow {
+        /// The span.
+        span: SpanId,
+        /// Its name.
+        name: String,
+        /// What overflowed, with the span's number.
+        what: String,
+    },
     /// A compute span's head part is larger than the span's own work.
     #[error(
         "span {span} ({name}): its head part ({head_flops} FLOPs, {head_bytes} B) exceeds the span's work ({flops} FLOPs, {bytes} B)"

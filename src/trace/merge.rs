@@ -27,7 +27,22 @@ pub mod keys {
     pub const CLOCK_OFFSET_US: &str = "mpi_clock_offset_us";
     /// Devices this rank opened.
     pub const DEVICES: &str = "mpi_devices";
+    /// The run's options as every rank saw them (model, strategy, batch, lengths, seed): the
+    /// traces of one job carry the same.
+    pub const RUN: &str = "mpi_run";
 }
+
+/// Metadata that names the run a trace belongs to: where two traces both carry one, they
+/// must agree to be merged.
+const RUN_IDENTITY: [&str; 7] = [
+    keys::SIZE,
+    keys::RUN,
+    "model",
+    "strategy",
+    "dtype",
+    "batch",
+    "gen",
+];
 
 /// How the ranks' devices are numbered in the merged timeline (which decides which node of a
 /// host profile each rank lands on).
@@ -70,6 +85,33 @@ pub enum MergeError {
         /// Devices per node.
         per_node: usize,
     },
+    /// Two traces of different runs (or jobs of different sizes).
+    #[error(
+        "trace {index} is of another run than trace {first_index}: its '{key}' is '{value}', \
+         trace {first_index}'s is '{first}'; pass the rank traces of one run"
+    )]
+    DifferentRuns {
+        /// The metadata that differs.
+        key: &'static str,
+        /// The first trace that has it.
+        first_index: usize,
+        /// Its value there.
+        first: String,
+        /// The trace that differs.
+        index: usize,
+        /// Its value there.
+        value: String,
+    },
+    /// A rank claims more devices than one process can select.
+    #[error("rank {rank} has {devices} devices; a rank opens at most {max}")]
+    TooManyDevices {
+        /// The rank.
+        rank: usize,
+        /// Its `mpi_devices`.
+        devices: usize,
+        /// The most a process selects.
+        max: usize,
+    },
     /// A remote dependency names a span that does not exist.
     #[error("rank {rank}'s span {span} waits for span {remote} of rank {from}, which its trace does not have")]
     UnknownRemote {
@@ -100,6 +142,32 @@ pub fn rank_trace_path(path: &str, rank: usize) -> String {
     }
 }
 
+/// Refuses traces whose run identity ([`RUN_IDENTITY`]) differs, whatever their order.
+fn same_run(traces: &[Timeline]) -> Result<(), MergeError> {
+    for key in RUN_IDENTITY {
+        let mut first: Option<(usize, &String)> = None;
+        for (index, t) in traces.iter().enumerate() {
+            let Some(value) = t.meta.get(key) else {
+                continue;
+            };
+            match first {
+                None => first = Some((index, value)),
+                Some((first_index, seen)) if seen != value => {
+                    return Err(MergeError::DifferentRuns {
+                        key,
+                        first_index,
+                        first: seen.clone(),
+                        index,
+                        value: value.clone(),
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Timeline {
     /// The job's size if this is one rank's trace of a multi-rank run (`None` otherwise).
     pub fn rank_of_job(&self) -> Option<(usize, usize)> {
@@ -116,24 +184,20 @@ impl Timeline {
         let mut ranked: Vec<(usize, &Timeline)> = Vec::with_capacity(traces.len());
         let mut size = 0;
         for (i, t) in traces.iter().enumerate() {
-            let rank: usize =
-                meta(t, i, keys::RANK)?
-                    .parse()
-                    .map_err(|_| MergeError::NotARankTrace {
-                        index: i,
-                        key: keys::RANK,
-                    })?;
-            size = meta(t, i, keys::SIZE)?
-                .parse()
-                .map_err(|_| MergeError::NotARankTrace {
-                    index: i,
-                    key: keys::SIZE,
-                })?;
+            let number = |key| {
+                meta(t, i, key)?
+                    .parse::<usize>()
+                    .map_err(|_| MergeError::NotARankTrace { index: i, key })
+            };
+            let rank = number(keys::RANK)?;
+            size = number(keys::SIZE)?;
             ranked.push((rank, t));
         }
+        same_run(traces)?;
         ranked.sort_by_key(|(r, _)| *r);
         let found: Vec<usize> = ranked.iter().map(|(r, _)| *r).collect();
-        if found != (0..size).collect::<Vec<_>>() || size == 0 {
+        // Every trace gives the same size (checked above); the ranks must be 0..size, each once.
+        if size == 0 || size != found.len() || found.iter().enumerate().any(|(i, &r)| i != r) {
             return Err(MergeError::Ranks { found, size });
         }
         // Device offsets and clock shifts per rank.
@@ -146,6 +210,14 @@ impl Timeline {
                 .and_then(|d| d.parse().ok())
                 .unwrap_or(0usize)
                 .max(t.device_count());
+            let max = crate::device::MAX_DEVICES;
+            if devices > max {
+                return Err(MergeError::TooManyDevices {
+                    rank: *r,
+                    devices,
+                    max,
+                });
+            }
             let off = match placement {
                 RankPlacement::Pack => next,
                 RankPlacement::PerNode(n) => {

@@ -177,6 +177,32 @@ impl Timeline {
                 });
             }
         }
+        self.check_totals()
+    }
+
+    /// Every sum a summary or a projection takes over the spans (end times, bytes, FLOPs)
+    /// fits in 64 bits.
+    fn check_totals(&self) -> Result<(), TraceError> {
+        let (mut bytes, mut flops) = (0u64, 0u64);
+        for s in &self.spans {
+            let overflow = |what: String| TraceError::Overflow {
+                span: s.id,
+                name: s.name.clone(),
+                what,
+            };
+            s.start_ns.checked_add(s.dur_ns).ok_or_else(|| {
+                overflow(format!(
+                    "start {} ns + duration {} ns",
+                    s.start_ns, s.dur_ns
+                ))
+            })?;
+            bytes = bytes
+                .checked_add(s.bytes)
+                .ok_or_else(|| overflow(format!("the byte total with its {} B", s.bytes)))?;
+            flops = flops
+                .checked_add(s.flops)
+                .ok_or_else(|| overflow(format!("the FLOP total with its {} FLOPs", s.flops)))?;
+        }
         Ok(())
     }
 }

@@ -46,7 +46,7 @@ enum Source {
 }
 
 fn read_text(path: &Path) -> Result<Option<String>> {
-    match std::fs::read_to_string(path) {
+    match crate::files::read_text(path, crate::files::CONFIG_LIMIT) {
         Ok(t) => Ok(Some(t)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(WgparError::Io {

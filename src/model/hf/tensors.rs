@@ -64,9 +64,11 @@ impl TensorStore {
     }
 
     fn open_sharded(dir: &Path, index: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(index).map_err(|e| WgparError::Io {
-            path: index.display().to_string(),
-            source: e,
+        let text = crate::files::read_text(index, crate::files::CONFIG_LIMIT).map_err(|e| {
+            WgparError::Io {
+                path: index.display().to_string(),
+                source: e,
+            }
         })?;
         let json: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| checkpoint_error(index, None, format!("invalid JSON: {e}")))?;

@@ -68,7 +68,8 @@ impl TextTokenizer {
                     .into(),
             ));
         }
-        let text = std::fs::read_to_string(file).map_err(|e| fail(format!("unreadable: {e}")))?;
+        let text = crate::files::read_text(file, crate::files::TOKENIZER_LIMIT)
+            .map_err(|e| fail(format!("unreadable: {e}")))?;
         Self::from_json(&text, file, max_len)
     }
 
