@@ -153,21 +153,21 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     )?;
     if let Some((pacer, what)) = pacer {
         if !args.json {
-            println!("pacing transfers to {what}");
+            outln!("pacing transfers to {what}")?;
         }
         engine.set_pacer(Some(Arc::new(pacer)));
     }
     let requests = spec.generate(config.vocab);
     if !args.json {
-        println!(
+        outln!(
             "model {} ({} layers, hidden {}, {:?} weights); engine: {}",
             config.name,
             config.layers,
             config.hidden,
             dtype,
             engine.name()
-        );
-        println!(
+        )?;
+        outln!(
             "{} requests at {}, prompt {} tokens, output {} tokens, {} KV slots over {} lane(s)",
             spec.requests,
             spec.rate,
@@ -175,7 +175,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             spec.output_len,
             opts.max_batch,
             engine.lanes()
-        );
+        )?;
     }
     // Untimed warm-up: every kernel compiled, the step shapes of a small batch allocated.
     let warm: Vec<_> = WorkloadSpec {
@@ -238,10 +238,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         }
         recorder.timeline().write_chrome_trace(path)?;
         if !args.json {
-            println!(
+            outln!(
                 "trace: {} spans written to {path} (replay with `wgpar project --trace {path} --host PROFILE`)",
                 run.timeline.spans.len()
-            );
+            )?;
         }
     }
     if args.json {
@@ -256,18 +256,18 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             what: "the serving run".into(),
             source,
         })?;
-        println!("{text}");
+        outln!("{text}")?;
         return Ok(());
     }
-    print!("{}", run.metrics.lines("Serving Benchmark Result"));
+    out!("{}", run.metrics.lines("Serving Benchmark Result"))?;
     for o in run.outcomes.iter().filter(|o| o.error.is_some()) {
-        println!(
+        outln!(
             "refused: {}",
             o.error.as_deref().unwrap_or("(no reason given)")
-        );
+        )?;
     }
     if let Some(p) = &run.pipeline {
-        println!(
+        outln!(
             "pipeline: {} passes over {} lane(s), {:.1} tokens/s = {:.0}% of the {:.1} its measured stage times allow; bubble {:.1}% (a full pipeline of equal stages: {:.1}%)",
             p.passes,
             p.microbatches,
@@ -276,7 +276,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             p.ideal_tokens_per_s(),
             p.measured_bubble * 100.0,
             p.theoretical_bubble * 100.0
-        );
+        )?;
     }
     Ok(())
 }
@@ -353,10 +353,13 @@ fn run_http(
     let bar = if args.json {
         ProgressBar::hidden()
     } else {
-        println!(
+        outln!(
             "{} requests at {} to {url}, prompt {} tokens, output {} tokens",
-            spec.requests, spec.rate, spec.prompt_len, spec.output_len
-        );
+            spec.requests,
+            spec.rate,
+            spec.prompt_len,
+            spec.output_len
+        )?;
         ProgressBar::new(spec.requests as u64)
     };
     let (metrics, outcomes) =
@@ -368,12 +371,12 @@ fn run_http(
         let errors: Vec<_> = outcomes.iter().filter_map(|o| o.error.clone()).collect();
         let out =
             serde_json::json!({"url": url, "workload": spec, "metrics": metrics, "errors": errors});
-        println!("{out:#}");
+        outln!("{out:#}")?;
         return Ok(());
     }
-    print!("{}", metrics.lines("Serving Benchmark Result (HTTP)"));
+    out!("{}", metrics.lines("Serving Benchmark Result (HTTP)"))?;
     for e in outcomes.iter().filter_map(|o| o.error.as_deref()) {
-        println!("failed: {e}");
+        outln!("failed: {e}")?;
     }
     Ok(())
 }

@@ -105,6 +105,9 @@ impl FromStr for Length {
                 } else {
                     Length::Uniform { min, max }
                 }),
+                (Some(min), Some(max)) => Err(format!(
+                    "'{text}': MIN {min} is larger than MAX {max}; give MIN:MAX with MIN <= MAX"
+                )),
                 _ => Err(bad()),
             },
         }
