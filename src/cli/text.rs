@@ -104,7 +104,8 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     let adapters = Adapters::discover()?;
     let plan = super::run::plan(args, ckpt.config(), &adapters, 1, ids.len())?;
     let eos = ckpt.eos_tokens().to_vec();
-    let weights = ckpt.weights(true)?;
+    let mut weights = ckpt.weights(true)?;
+    weights.packed = model.packed(ckpt.config())?;
     let gpus = args
         .devices
         .open_first(&adapters, plan.strategy.devices_used(plan.adapters.len()))?;
