@@ -169,8 +169,12 @@ fn qgemv(
             }
         }
     }
-    for (var i = 0u; i < 32u; i++) {
-        gv_sum[i * GV_WG + lid] = acc[i];
+    // Only the rows the step has are reduced (decode runs one to a few).
+    for (var cc = 0u; cc < GV_COLS; cc++) {
+        for (var r = 0u; r < p.m; r++) {
+            let i = cc * GV_ROWS + r;
+            gv_sum[i * GV_WG + lid] = acc[i];
+        }
     }
     workgroupBarrier();
     if (lid < 32u) {
