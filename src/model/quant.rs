@@ -134,7 +134,8 @@ impl QuantType {
 
     /// Bytes of a row of `n` values, `None` when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        (n % self.block_len() == 0).then(|| n / self.block_len() * self.block_bytes())
+        n.is_multiple_of(self.block_len())
+            .then(|| n / self.block_len() * self.block_bytes())
     }
 }
 
@@ -148,7 +149,7 @@ pub fn check_packable(config: &ModelConfig, t: QuantType) -> Result<()> {
         ("MLP width", config.ffn),
     ];
     for (what, n) in dims {
-        if n % t.block_len() != 0 {
+        if !n.is_multiple_of(t.block_len()) {
             return Err(WgparError::Config(format!(
                 "--weights {} packs rows in blocks of {} values, but model '{}' has a {what} of \
                  {n}; pick a type with smaller blocks (q8_0 and q4_0 take multiples of 32)",

@@ -41,7 +41,7 @@ enum Source {
     /// A Hugging Face folder's safetensors files.
     Folder(TensorStore),
     /// One GGUF file (weights and tokenizer inside).
-    Gguf(crate::model::gguf::Gguf),
+    Gguf(Box<crate::model::gguf::Gguf>),
 }
 
 fn read_text(path: &Path) -> Result<Option<String>> {
@@ -193,7 +193,7 @@ impl Checkpoint {
                 positions: gguf.config().max_seq,
                 config: gguf.config().clone(),
                 eos: gguf.eos_tokens().to_vec(),
-                source: Source::Gguf(gguf),
+                source: Source::Gguf(Box::new(gguf)),
             });
         }
         Self::open_folder(path)
