@@ -67,19 +67,28 @@ fn same_tokens(gpus: &[Arc<Gpu>], w: &ModelWeights, prompt: &[Vec<u32>]) -> bool
     let mut single = SingleEngine::new(gpus[0].clone(), w, DType::F32).expect("single");
     let want = run(&mut single);
     drop(single);
-    let mut tp = TensorParallelEngine::new(gpus, w, DType::F32, None, CommConfig::default())
-        .expect("tp");
+    let mut tp =
+        TensorParallelEngine::new(gpus, w, DType::F32, None, CommConfig::default()).expect("tp");
     let tp_same = run(&mut tp) == want;
     drop(tp);
-    let mut pp = PipelineEngine::new(gpus, w, DType::F32, &Partition::Even, 1, CommConfig::default())
-        .expect("pp");
+    let mut pp = PipelineEngine::new(
+        gpus,
+        w,
+        DType::F32,
+        &Partition::Even,
+        1,
+        CommConfig::default(),
+    )
+    .expect("pp");
     tp_same && run(&mut pp) == want
 }
 
 fn decode_rate(gpu: &Arc<Gpu>, w: &ModelWeights, dtype: DType, prompt: &[Vec<u32>]) -> f64 {
     let mut e = SingleEngine::new(gpu.clone(), w, dtype).expect("engine");
     generate(&mut e, prompt, 8).expect("warm-up");
-    generate(&mut e, prompt, 64).expect("generate").decode_tokens_per_s()
+    generate(&mut e, prompt, 64)
+        .expect("generate")
+        .decode_tokens_per_s()
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -91,7 +100,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let gpus = open_devices(&adapters, &selection, &GpuOptions::default())?;
     println!("adapter: {}", gpus[0].describe());
     let w = ModelWeights::synthetic(&config(), 5);
-    let prompt = vec![(0..PROMPT as u32).map(|i| (i * 37 + 11) % 2048).collect::<Vec<_>>()];
+    let prompt = vec![(0..PROMPT as u32)
+        .map(|i| (i * 37 + 11) % 2048)
+        .collect::<Vec<_>>()];
     let mut dense = SingleEngine::new(gpus[0].clone(), &w, DType::F32)?;
     let f32_rate = decode_rate(&gpus[0], &w, DType::F32, &prompt);
     let f16_rate = if gpus[0].supports_f16_weights() {
@@ -102,7 +113,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("f32 weights: {f32_rate:.1} tok/s, f16 weights: {f16_rate} tok/s (decode, batch 1)");
     println!("| type | greedy agreement ({STEPS} steps) | mean abs Δ log-prob | single = tp = pp | decode tok/s |");
     println!("|---|---|---|---|---|");
-    for t in [QuantType::Q8_0, QuantType::Q6K, QuantType::Q4K, QuantType::Q4_0] {
+    for t in [
+        QuantType::Q8_0,
+        QuantType::Q6K,
+        QuantType::Q4K,
+        QuantType::Q4_0,
+    ] {
         let pw = ModelWeights {
             packed: Some(t),
             ..w.clone()
