@@ -115,3 +115,39 @@ fn gguf_runs_like_its_safetensors_folder_on_every_engine() {
     assert!(ok, "{err}");
     assert!(out.contains("gguf-test"), "{out}");
 }
+
+#[test]
+fn weights_option_packs_or_refuses_before_devices_open() {
+    // The default model's widths (384, 384, 1024) are whole Q8_0 blocks but not Q4_K ones.
+    let args = |t: &'static str| ["run", "--weights", t, "--prompt-len", "4", "--gen", "2"];
+    let (ok, out, err) = wgpar(&args("q8_0"));
+    assert!(ok && out.contains("decode:"), "{out}{err}");
+    let (ok, _, err) = wgpar(&args("q4_k"));
+    assert!(
+        !ok && err.contains("hidden size of 384") && err.contains("256"),
+        "{err}"
+    );
+    // plan projects the wgpar engine only with formats the runtime holds.
+    let plan = |w: &'static str, engines: &'static str| {
+        wgpar(&[
+            "plan",
+            "--model",
+            "tiny-llama",
+            "--weights",
+            w,
+            "--engines",
+            engines,
+            "--seqs",
+            "16",
+        ])
+    };
+    let (ok, _, err) = plan("int4", "wgpar,cuda-nccl");
+    assert!(
+        !ok && err.contains("--weights int4") && err.contains("q6_k"),
+        "{err}"
+    );
+    let (ok, _, err) = plan("int4", "cuda-nccl");
+    assert!(ok, "{err}");
+    let (ok, _, err) = plan("q4_k", "wgpar");
+    assert!(ok, "{err}");
+}

@@ -88,6 +88,7 @@ impl CompareArgs {
             model: ModelArgs {
                 model: "default".into(),
                 dtype: "f32".into(),
+                weights: None,
                 seed: 42,
                 max_seq: None,
             },

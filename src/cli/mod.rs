@@ -38,6 +38,7 @@ mod text;
 use clap::{Args, Parser, Subcommand};
 use wgpar::device::{open_devices, AdapterDesc, Adapters, DType, DeviceSelection, Gpu, GpuOptions};
 use wgpar::model::hf::Checkpoint;
+use wgpar::model::quant::QuantType;
 use wgpar::model::{budget, ModelConfig, ModelWeights};
 use wgpar::parallel::Strategy;
 use wgpar::{Result, WgparError};
@@ -299,6 +300,10 @@ pub struct ModelArgs {
     /// Weight storage: f32, or f16 (needs SHADER_F16 on every device).
     #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
     dtype: String,
+    /// Store the layers' projection matrices packed on the device as q8_0, q4_0, q4_k or q6_k
+    /// blocks, dequantized in the kernels (embeddings and the LM head stay in --dtype).
+    #[arg(long, value_name = "TYPE", value_parser = ["q8_0", "q4_0", "q4_k", "q6_k"])]
+    weights: Option<String>,
     /// Seed of the synthetic weights (presets), or of sampling (--prompt with --temperature).
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -371,16 +376,30 @@ impl ModelArgs {
                 config.name
             )));
         }
+        self.packed(&config)?;
         Ok(config)
     }
 
     /// Weights for `config` (from [`Self::config`]): synthetic for a preset, loaded (with a
     /// progress bar) for a checkpoint.
     fn weights(&self, config: &ModelConfig) -> Result<ModelWeights> {
-        match self.checkpoint_dir() {
-            Some(dir) => self.checkpoint(dir, config.max_seq)?.weights(true),
-            None => Ok(ModelWeights::synthetic(config, self.seed)),
-        }
+        let mut w = match self.checkpoint_dir() {
+            Some(dir) => self.checkpoint(dir, config.max_seq)?.weights(true)?,
+            None => ModelWeights::synthetic(config, self.seed),
+        };
+        w.packed = self.packed(config)?;
+        Ok(w)
+    }
+
+    /// The block type `--weights` asks for, checked against the model's shapes.
+    fn packed(&self, config: &ModelConfig) -> Result<Option<QuantType>> {
+        let Some(name) = &self.weights else {
+            return Ok(None);
+        };
+        let t = QuantType::parse(name)
+            .ok_or_else(|| WgparError::Config(format!("--weights {name} is not a block type")))?;
+        wgpar::model::quant::check_packable(config, t)?;
+        Ok(Some(t))
     }
 
     /// The weight dtype `--dtype` asks for, checked against the selected adapters before any

@@ -134,6 +134,20 @@ fn options(args: &PlanArgs) -> Result<PlanOptions> {
         .iter()
         .map(|e| Engine::resolve(e).map_err(WgparError::from))
         .collect::<Result<Vec<_>>>()?;
+    // The wgpar engine is projected only with weights its runtime can hold (`--dtype`,
+    // `--weights`); other engines take any format.
+    let loadable = matches!(
+        weights,
+        NumFormat::F32 | NumFormat::F16 | NumFormat::Q8_0 | NumFormat::Q4_0 | NumFormat::Q4K
+    );
+    if !loadable && engines.iter().any(|e| e.name == "wgpar") {
+        return Err(WgparError::Config(format!(
+            "--weights {}: the wgpar runtime holds f32, f16, q8_0, q4_0, q4_k and q6_k weights, \
+             so the wgpar engine is not projected with this format; pick one of those, or \
+             --engines without wgpar (e.g. cuda-nccl)",
+            args.weights
+        )));
+    }
     Ok(PlanOptions {
         config,
         weights,

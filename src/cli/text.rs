@@ -124,7 +124,8 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     // Prefill and max_new - 1 decode steps, the fault injected before the first.
     let plan = super::run::plan(args, ckpt.config(), &adapters, (1, ids.len()), max_new)?;
     let eos = ckpt.eos_tokens().to_vec();
-    let weights = ckpt.weights(true)?;
+    let mut weights = ckpt.weights(true)?;
+    weights.packed = model.packed(ckpt.config())?;
     let gpus = args
         .devices
         .open_first(&adapters, plan.strategy.devices_used(plan.adapters.len()))?;

@@ -5,6 +5,7 @@
 pub mod bench;
 mod cache;
 pub mod ops;
+pub mod quant;
 pub mod tune;
 pub mod variants;
 
@@ -43,6 +44,9 @@ pub enum Family {
     /// `matmul_block.wgsl`: block GEMM with large per-invocation register tiles staged through
     /// workgroup memory (prefill shapes, inner dimension divisible by 4).
     MatmulBlock,
+    /// `matmul_quant.wgsl`: decode GEMV and prefill GEMM on block-quantized weights (Q8_0,
+    /// Q4_0, Q4_K, Q6_K), dequantized in registers.
+    MatmulQuant,
     /// `norm.wgsl`: LayerNorm and RMSNorm.
     Norm,
     /// `softmax.wgsl`: row softmax.
@@ -66,11 +70,12 @@ pub enum Family {
 
 impl Family {
     /// Every family, for validation tests.
-    pub const ALL: [Family; 13] = [
+    pub const ALL: [Family; 14] = [
         Family::Matmul,
         Family::MatmulVec4,
         Family::MatmulSubgroup,
         Family::MatmulBlock,
+        Family::MatmulQuant,
         Family::Norm,
         Family::Softmax,
         Family::Attention,
@@ -89,6 +94,7 @@ impl Family {
             Family::MatmulVec4 => include_str!("../../shaders/matmul_vec4.wgsl"),
             Family::MatmulSubgroup => include_str!("../../shaders/matmul_subgroup.wgsl"),
             Family::MatmulBlock => include_str!("../../shaders/matmul_block.wgsl"),
+            Family::MatmulQuant => include_str!("../../shaders/matmul_quant.wgsl"),
             Family::Norm => include_str!("../../shaders/norm.wgsl"),
             Family::Softmax => include_str!("../../shaders/softmax.wgsl"),
             Family::Attention => include_str!("../../shaders/attention.wgsl"),
@@ -131,9 +137,11 @@ impl Family {
     pub fn bindings(self) -> &'static [BindingKind] {
         use BindingKind::*;
         match self {
-            Family::Matmul | Family::MatmulVec4 | Family::MatmulSubgroup | Family::MatmulBlock => {
-                &[Read, Read, Read, ReadWrite, Uniform]
-            }
+            Family::Matmul
+            | Family::MatmulVec4
+            | Family::MatmulSubgroup
+            | Family::MatmulBlock
+            | Family::MatmulQuant => &[Read, Read, Read, ReadWrite, Uniform],
             Family::Norm => &[Read, ReadWrite, Read, Read, Uniform],
             Family::Softmax => &[ReadWrite, Uniform],
             // Position-dependent families read the step's sequence table just before the
@@ -155,6 +163,7 @@ impl Family {
             Family::MatmulVec4 => &["matmul_vec4", "matmul_vec4_rt", "gemv", "gemm_tiled"],
             Family::MatmulSubgroup => &["gemv_subgroup"],
             Family::MatmulBlock => &["gemm_block"],
+            Family::MatmulQuant => &["qgemv", "qgemm"],
             Family::Norm => &["layernorm", "rmsnorm"],
             Family::Softmax => &["softmax"],
             Family::Attention => &["attend", "attend_tiled", "attend_split"],

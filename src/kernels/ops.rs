@@ -38,7 +38,13 @@ fn weight_type(t: &Tensor) -> WeightType {
     }
 }
 
-fn need(op: &str, name: &str, t: &Tensor, len: usize, dtype: Option<DType>) -> Result<()> {
+pub(crate) fn need(
+    op: &str,
+    name: &str,
+    t: &Tensor,
+    len: usize,
+    dtype: Option<DType>,
+) -> Result<()> {
     if t.len() < len {
         return Err(WgparError::Shape {
             op: op.into(),
@@ -56,7 +62,7 @@ fn need(op: &str, name: &str, t: &Tensor, len: usize, dtype: Option<DType>) -> R
     Ok(())
 }
 
-fn to_u32(op: &str, what: &str, v: usize) -> Result<u32> {
+pub(crate) fn to_u32(op: &str, what: &str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| WgparError::Shape {
         op: op.into(),
         detail: format!("{what} = {v} exceeds u32"),
@@ -64,7 +70,7 @@ fn to_u32(op: &str, what: &str, v: usize) -> Result<u32> {
 }
 
 /// A step shape above what an op was bound for.
-fn over(op: &str, what: &str, asked: usize, bound: usize) -> Result<()> {
+pub(crate) fn over(op: &str, what: &str, asked: usize, bound: usize) -> Result<()> {
     if asked > bound {
         return Err(WgparError::Shape {
             op: op.into(),
@@ -76,7 +82,7 @@ fn over(op: &str, what: &str, asked: usize, bound: usize) -> Result<()> {
 
 /// Workgroups for `items` invocations in groups of `wg`, folded into two dimensions when one
 /// would exceed the per-dimension limit (the shaders linearise `wid.y * nwg.x + wid.x`).
-fn grid_1d(op: &str, items: usize, wg: u32) -> Result<[u32; 3]> {
+pub(crate) fn grid_1d(op: &str, items: usize, wg: u32) -> Result<[u32; 3]> {
     if items == 0 {
         return Ok([0, 0, 0]);
     }
@@ -228,6 +234,15 @@ impl Dispatch {
         }
     }
 
+    /// A compiled pipeline and its grid (ops outside this module, e.g. `kernels::quant`).
+    pub(crate) fn of_kernel(kernel: Arc<Kernel>, groups: [u32; 3], variant: &'static str) -> Self {
+        Self {
+            kernel,
+            groups,
+            variant,
+        }
+    }
+
     /// The kernel variant (or entry point, for ops without variants) dispatched.
     pub fn variant(&self) -> &'static str {
         self.variant
@@ -250,7 +265,7 @@ pub struct Bound {
 }
 
 impl Bound {
-    fn new(
+    pub(crate) fn new(
         gpu: &Gpu,
         params: &mut Params,
         family: Family,
@@ -284,7 +299,7 @@ impl Bound {
         })
     }
 
-    fn set(&mut self, params: &mut Params, values: &impl Pod, dispatch: Dispatch) {
+    pub(crate) fn set(&mut self, params: &mut Params, values: &impl Pod, dispatch: Dispatch) {
         params.write(self.slot, values);
         self.dispatch = Some(dispatch);
     }
@@ -366,7 +381,7 @@ impl<'e> Pass<'e> {
 }
 
 /// Binds, configures and records one op with a params buffer of its own.
-fn once<O: AsRef<Bound>>(
+pub(crate) fn once<O: AsRef<Bound>>(
     gpu: &Gpu,
     encoder: &mut wgpu::CommandEncoder,
     name: &str,

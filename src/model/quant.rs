@@ -13,6 +13,9 @@
 
 use half::{bf16, f16};
 
+use crate::error::{Result, WgparError};
+use crate::model::config::ModelConfig;
+
 /// A tensor element type of GGUF that wgpar reads, with ggml's type id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum QuantType {
@@ -134,6 +137,29 @@ impl QuantType {
         n.is_multiple_of(self.block_len())
             .then(|| n / self.block_len() * self.block_bytes())
     }
+}
+
+/// Refuses storing `config`'s projection matrices as `t` when an inner dimension (hidden for
+/// Q/K/V, up and gate; the attention width for the output projection; the MLP width for down)
+/// is not a whole number of `t`'s blocks, naming the dimension.
+pub fn check_packable(config: &ModelConfig, t: QuantType) -> Result<()> {
+    let dims = [
+        ("hidden size", config.hidden),
+        ("attention width (heads x head_dim)", config.q_dim()),
+        ("MLP width", config.ffn),
+    ];
+    for (what, n) in dims {
+        if !n.is_multiple_of(t.block_len()) {
+            return Err(WgparError::Config(format!(
+                "--weights {} packs rows in blocks of {} values, but model '{}' has a {what} of \
+                 {n}; pick a type with smaller blocks (q8_0 and q4_0 take multiples of 32)",
+                t.name(),
+                t.block_len(),
+                config.name
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn half_at(b: &[u8], at: usize) -> f32 {

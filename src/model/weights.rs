@@ -5,6 +5,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::config::{Arch, ModelConfig};
+use super::quant::{dequantize, quantize, QuantType};
 
 /// One layer's weights. Biases and the gate projection exist only where the family has them.
 /// In a post-norm (BERT) layer the two norms follow the residual adds instead of starting the
@@ -70,6 +71,10 @@ pub struct ModelWeights {
     pub final_norm_bias: Option<Vec<f32>>,
     /// LM head `[vocab][hidden]`; `None` when tied to `wte` (and for an encoder).
     pub lm_head: Option<Vec<f32>>,
+    /// Block type the layers' projection matrices are stored in on the device (`--weights`);
+    /// `None` keeps them dense (f32, or f16 under `--dtype f16`). Embeddings and the LM head
+    /// stay dense.
+    pub packed: Option<QuantType>,
 }
 
 impl ModelWeights {
@@ -174,12 +179,41 @@ impl ModelWeights {
             final_norm,
             final_norm_bias,
             lm_head,
+            packed: None,
         }
     }
 
     /// The LM head matrix `[vocab][hidden]` (the embedding when tied).
     pub fn head(&self) -> &[f32] {
         self.lm_head.as_deref().unwrap_or(&self.wte)
+    }
+
+    /// The layers' projection matrices, mutably (what `--weights` packs).
+    fn matrices_mut(&mut self) -> impl Iterator<Item = &mut Vec<f32>> {
+        self.layers.iter_mut().flat_map(|l| {
+            [
+                &mut l.wq,
+                &mut l.wk,
+                &mut l.wv,
+                &mut l.wo,
+                &mut l.w_up,
+                &mut l.w_down,
+            ]
+            .into_iter()
+            .chain(l.w_gate.as_mut())
+        })
+    }
+
+    /// The same weights with every projection matrix packed as `t` and unpacked again: what
+    /// the device computes with when the matrices are stored as `t` (a CPU reference for
+    /// packed runs, and the accuracy figures). Rows must be whole blocks.
+    pub fn dequantized(&self, t: QuantType) -> Self {
+        let mut out = self.clone();
+        for m in out.matrices_mut() {
+            *m = dequantize(t, &quantize(t, m));
+        }
+        out.packed = None;
+        out
     }
 
     /// The same weights rounded through f16, so a reference can match an f16-weight run.

@@ -258,6 +258,8 @@ impl GgufFile {
 }
 
 type Parsed = (u32, HashMap<String, Value>, Vec<(String, TensorInfo)>);
+/// A descriptor as read: dimensions, type, offset in the data section.
+type Descriptor = (Vec<usize>, QuantType, u64);
 
 fn parse(bytes: &[u8], path: &Path) -> Result<Parsed> {
     let mut c = Cursor { bytes, at: 0, path };
@@ -312,7 +314,7 @@ fn parse(bytes: &[u8], path: &Path) -> Result<Parsed> {
 }
 
 /// A descriptor: dimensions, type, offset (relative to the data section), checked for shape.
-fn descriptor(c: &mut Cursor, name: &str) -> Result<(Vec<usize>, QuantType, u64)> {
+fn descriptor(c: &mut Cursor, name: &str) -> Result<Descriptor> {
     let n_dims = c.u32(&format!("the rank of tensor '{name}'"))?;
     if n_dims == 0 || n_dims > MAX_DIMS {
         return Err(c.fail(
@@ -349,13 +351,10 @@ fn descriptor(c: &mut Cursor, name: &str) -> Result<(Vec<usize>, QuantType, u64)
     Ok((dims, dtype, offset))
 }
 
-/// A tensor as the header describes it: dimensions (innermost first), type and offset.
-type TensorDesc = (Vec<usize>, QuantType, u64);
-
 /// Each tensor's byte range, checked against the file: whole blocks per row, aligned, inside.
 fn place(
     c: &Cursor,
-    descs: Vec<(String, TensorDesc)>,
+    descs: Vec<(String, Descriptor)>,
     data_start: usize,
     align: usize,
 ) -> Result<Vec<(String, TensorInfo)>> {

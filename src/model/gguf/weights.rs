@@ -127,6 +127,7 @@ pub fn load(file: &GgufFile, config: &ModelConfig, permuted: bool) -> Result<Mod
         final_norm: t.get("output_norm.weight", &[h], "final norm")?,
         final_norm_bias: t.optional("output_norm.bias", &[h], "final norm shift")?,
         lm_head,
+        packed: None,
     })
 }
 

@@ -12,10 +12,12 @@ use super::kv::KvLayer;
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::Result;
 use crate::kernels::ops::{
-    Elementwise, ElementwiseOp, Matmul, MatmulIo, Norm, NormOp, Operand, Params, Pass, Rope,
+    Bound, Elementwise, ElementwiseOp, Matmul, MatmulIo, Norm, NormOp, Operand, Params, Pass, Rope,
     RopeTables,
 };
+use crate::kernels::quant::{PackedMatrix, QuantIo, QuantMatmul};
 use crate::model::config::{Activation, ModelConfig};
+use crate::model::quant::{quantize, QuantType};
 use crate::model::shard::{slice_cols, slice_rows, ShardSpec};
 use crate::model::weights::LayerWeights;
 
@@ -24,21 +26,69 @@ pub(super) struct GpuLayer {
     pub(super) shard: ShardSpec,
     attn_norm: Tensor,
     attn_norm_bias: Option<Tensor>,
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
+    wq: LayerMatrix,
+    wk: LayerMatrix,
+    wv: LayerMatrix,
     bq: Option<Tensor>,
     bk: Option<Tensor>,
     bv: Option<Tensor>,
-    wo: Tensor,
+    wo: LayerMatrix,
     bo: Option<Tensor>,
     mlp_norm: Tensor,
     mlp_norm_bias: Option<Tensor>,
-    w_gate: Option<Tensor>,
-    w_up: Tensor,
+    w_gate: Option<LayerMatrix>,
+    w_up: LayerMatrix,
     b_up: Option<Tensor>,
-    w_down: Tensor,
+    w_down: LayerMatrix,
     b_down: Option<Tensor>,
+}
+
+/// A projection matrix on a device: dense (f32 or f16), or packed blocks (`--weights`).
+enum LayerMatrix {
+    Dense(Tensor),
+    Packed(PackedMatrix),
+}
+
+/// A projection bound to its operands: the dense matmul, or the one on packed blocks.
+enum Projection {
+    Dense(Matmul),
+    Packed(QuantMatmul),
+}
+
+impl AsRef<Bound> for Projection {
+    fn as_ref(&self) -> &Bound {
+        match self {
+            Projection::Dense(m) => m.as_ref(),
+            Projection::Packed(m) => m.as_ref(),
+        }
+    }
+}
+
+impl Projection {
+    fn configure(&mut self, gpu: &Gpu, params: &mut Params, m: usize) -> Result<()> {
+        match self {
+            Projection::Dense(op) => op.configure(gpu, params, m),
+            Projection::Packed(op) => op.configure(gpu, params, m),
+        }
+    }
+}
+
+/// Refuses a tensor-parallel shard whose column range (`wo`'s heads, `w_down`'s MLP columns)
+/// would cut `t`'s blocks, with the numbers.
+fn check_block_split(t: QuantType, what: &str, cols: &Range<usize>, index: usize) -> Result<()> {
+    let bl = cols.start % t.block_len() + cols.len() % t.block_len();
+    if bl == 0 {
+        return Ok(());
+    }
+    Err(crate::error::WgparError::Config(format!(
+        "layer {index} {what}: this tensor-parallel shard holds input columns {}..{} ({} \
+         values), which cut {} blocks of {} values; use fewer devices or another --weights type",
+        cols.start,
+        cols.end,
+        cols.len(),
+        t.name(),
+        t.block_len()
+    )))
 }
 
 pub(super) fn upload_opt(gpu: &Gpu, what: &str, v: Option<&Vec<f32>>) -> Result<Option<Tensor>> {
@@ -68,19 +118,19 @@ pub(super) const PARAM_SLOTS: usize = 20;
 /// `kv::KvLayer`).
 pub(super) struct LayerOps {
     attn_norm: Option<NormOp>,
-    q: Matmul,
-    k: Matmul,
-    v: Matmul,
+    q: Projection,
+    k: Projection,
+    v: Projection,
     rope: Option<(Rope, Rope)>,
-    o: Matmul,
+    o: Projection,
     attn_bias: Option<ElementwiseOp>,
     attn_add: ElementwiseOp,
     attn_post_norm: Option<NormOp>,
     mlp_norm: Option<NormOp>,
-    up: Matmul,
-    gate: Option<Matmul>,
+    up: Projection,
+    gate: Option<Projection>,
     activation: ElementwiseOp,
-    down: Matmul,
+    down: Projection,
     mlp_bias: Option<ElementwiseOp>,
     mlp_add: ElementwiseOp,
     mlp_post_norm: Option<NormOp>,
@@ -93,7 +143,7 @@ impl GpuLayer {
         index: usize,
         w: &LayerWeights,
         shard: &ShardSpec,
-        dtype: DType,
+        (dtype, packed): (DType, Option<QuantType>),
     ) -> Result<Self> {
         let h = config.hidden;
         let d = config.head_dim;
@@ -101,7 +151,29 @@ impl GpuLayer {
         let kv_rows = shard.kv_heads.start * d..shard.kv_heads.end * d;
         let f = shard.ffn.clone();
         let name = |part: &str| format!("layer{index}.{part}");
-        let weights = |part: &str, data: Vec<f32>| gpu.upload_weights(&name(part), &data, dtype);
+        let (q_len, f_len) = (q_rows.len(), f.len());
+        if let Some(t) = packed {
+            check_block_split(t, "attention output (wo)", &q_rows, index)?;
+            check_block_split(t, "MLP down projection", &f, index)?;
+        }
+        let weights = |part: &str, data: Vec<f32>| -> Result<LayerMatrix> {
+            let Some(t) = packed else {
+                return Ok(LayerMatrix::Dense(gpu.upload_weights(
+                    &name(part),
+                    &data,
+                    dtype,
+                )?));
+            };
+            // Inner dimension: wo's and w_down's inputs are this shard's columns.
+            let cols = match part {
+                "wo" => q_len,
+                "w_down" => f_len,
+                _ => h,
+            };
+            let rows = data.len() / cols.max(1);
+            let bytes = quantize(t, &data);
+            PackedMatrix::upload(gpu, &name(part), t, &bytes, (rows, cols)).map(LayerMatrix::Packed)
+        };
         let vector = |part: &str, data: &[f32]| gpu.upload_f32(&name(part), data);
         let opt_slice = |part: &str, v: &Option<Vec<f32>>, r: Range<usize>| {
             v.as_ref()
@@ -155,9 +227,22 @@ impl GpuLayer {
         let post_norm = c.post_norm();
         // Pre-norm layers project the normed stream `h`; post-norm ones the stream itself.
         let input = if post_norm { &a.x } else { &a.h };
-        let mut matmul = |x: &Tensor, w: &Tensor, bias: Option<&Tensor>, y: &Tensor, nk| {
+        let mut matmul = |x: &Tensor, w: &LayerMatrix, bias: Option<&Tensor>, y: &Tensor, nk| {
             let (n, k) = nk;
-            Matmul::bind(gpu, params, MatmulIo { x, w, bias, y }, (t, n, k))
+            Ok::<_, crate::error::WgparError>(match w {
+                LayerMatrix::Dense(w) => Projection::Dense(Matmul::bind(
+                    gpu,
+                    params,
+                    MatmulIo { x, w, bias, y },
+                    (t, n, k),
+                )?),
+                LayerMatrix::Packed(w) => Projection::Packed(QuantMatmul::bind(
+                    gpu,
+                    params,
+                    QuantIo { x, w, bias, y },
+                    t,
+                )?),
+            })
         };
         let q = matmul(input, &self.wq, self.bq.as_ref(), &a.q, (q_dim, h))?;
         let k = matmul(input, &self.wk, self.bk.as_ref(), &a.k, (kv_dim, h))?;

@@ -156,6 +156,9 @@ impl GpuModel {
     ) -> Result<Self> {
         let config = weights.config.clone();
         config.validate()?;
+        if let Some(t) = weights.packed {
+            crate::model::quant::check_packable(&config, t)?;
+        }
         if placement.layers.end > config.layers || placement.layers.start > placement.layers.end {
             return Err(WgparError::Config(format!(
                 "layers {:?} outside the model's {} layers",
@@ -172,7 +175,7 @@ impl GpuModel {
                     i,
                     &weights.layers[i],
                     &placement.shard,
-                    dtype,
+                    (dtype, weights.packed),
                 )
             })
             .collect::<Result<Vec<_>>>()?;

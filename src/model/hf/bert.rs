@@ -112,5 +112,6 @@ pub fn load(r: &Reader, config: &ModelConfig, positions: usize) -> Result<ModelW
         final_norm: Vec::new(),
         final_norm_bias: None,
         lm_head: None,
+        packed: None,
     })
 }

@@ -1,0 +1,257 @@
+// Matrix multiply on block-quantized weights: y[m][n] = x[m][k] . dequant(w)[n][k] (+ bias[n]).
+// Each row of w is k / block_len ggml blocks (Q8_0, Q4_0, Q4_K or Q6_K, as GGUF stores them)
+// packed back to back; the buffer is read as u32 words and the blocks' bytes picked out, so
+// rows need no padding. Values are dequantized in registers, 16 at a time (every type keeps
+// one scale and offset per 16 values: value = scale * q - offset), and accumulated in f32.
+// QTYPE (ggml's type id) selects the layout: the host makes one pipeline per type.
+
+struct Params {
+    m: u32,
+    n: u32,
+    k: u32,
+    has_bias: u32,
+}
+
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read> w: array<u32>;
+@group(0) @binding(2) var<storage, read> bias: array<f32>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+@group(0) @binding(4) var<uniform> p: Params;
+
+// ggml type ids: 8 Q8_0, 2 Q4_0, 12 Q4_K, 14 Q6_K.
+override QTYPE: u32 = 8u;
+
+fn block_len() -> u32 {
+    return select(32u, 256u, QTYPE == 12u || QTYPE == 14u);
+}
+
+fn block_bytes() -> u32 {
+    switch QTYPE {
+        case 2u: { return 18u; }
+        case 12u: { return 144u; }
+        case 14u: { return 210u; }
+        default: { return 34u; }
+    }
+}
+
+fn byte_at(a: u32) -> u32 {
+    return (w[a >> 2u] >> ((a & 3u) * 8u)) & 0xffu;
+}
+
+fn half_at(a: u32) -> f32 {
+    return unpack2x16float(byte_at(a) | (byte_at(a + 1u) << 8u)).x;
+}
+
+fn signed_byte(b: u32) -> i32 {
+    return bitcast<i32>(b << 24u) >> 24u;
+}
+
+// Scale and offset of chunk c (values 16c .. 16c + 16) of the block at byte a.
+fn chunk_scale(a: u32, c: u32) -> vec2<f32> {
+    switch QTYPE {
+        case 2u: {
+            let d = half_at(a);
+            return vec2<f32>(d, 8.0 * d);
+        }
+        case 12u: {
+            // Eight 6-bit scales and mins packed in 12 bytes, one pair per 32 values.
+            let s = c / 2u;
+            let sb = a + 4u;
+            var sc: u32;
+            var mn: u32;
+            if (s < 4u) {
+                sc = byte_at(sb + s) & 63u;
+                mn = byte_at(sb + s + 4u) & 63u;
+            } else {
+                sc = (byte_at(sb + s + 4u) & 0xfu) | ((byte_at(sb + s - 4u) >> 6u) << 4u);
+                mn = (byte_at(sb + s + 4u) >> 4u) | ((byte_at(sb + s) >> 6u) << 4u);
+            }
+            return vec2<f32>(half_at(a) * f32(sc), half_at(a + 2u) * f32(mn));
+        }
+        case 14u: {
+            let v0 = c * 16u;
+            let r0 = v0 % 128u;
+            let sc = signed_byte(byte_at(a + 192u + 8u * (v0 / 128u) + (r0 % 32u) / 16u + 2u * (r0 / 32u)));
+            let s = half_at(a + 208u) * f32(sc);
+            return vec2<f32>(s, 32.0 * s);
+        }
+        default: {
+            return vec2<f32>(half_at(a), 0.0);
+        }
+    }
+}
+
+// Quant j (0..16) of chunk c of the block at byte a, before scale and offset.
+fn chunk_q(a: u32, c: u32, j: u32) -> f32 {
+    switch QTYPE {
+        case 2u: {
+            // Values 0..16 are the low nibbles of the 16 bytes, 16..32 the high ones.
+            let b = byte_at(a + 2u + j);
+            return f32(select(b & 0xfu, b >> 4u, c == 1u));
+        }
+        case 12u: {
+            // 64 values per 32 bytes: low nibbles first, then high.
+            let s = c / 2u;
+            let b = byte_at(a + 16u + 32u * (s / 2u) + 16u * (c % 2u) + j);
+            return f32((b >> (4u * (s % 2u))) & 0xfu);
+        }
+        case 14u: {
+            // 128 values per 64 low-nibble bytes and 32 high-pair bytes.
+            let v0 = c * 16u;
+            let h = v0 / 128u;
+            let r0 = v0 % 128u;
+            let qq = r0 / 32u;
+            let l = r0 % 32u + j;
+            let lb = byte_at(a + 64u * h + l + 32u * (qq & 1u));
+            let low = select(lb & 0xfu, lb >> 4u, qq >= 2u);
+            let hb = (byte_at(a + 128u + 32u * h + l) >> (2u * qq)) & 3u;
+            return f32(low | (hb << 4u));
+        }
+        default: {
+            return f32(signed_byte(byte_at(a + 2u + 16u * c + j)));
+        }
+    }
+}
+
+fn row_bytes() -> u32 {
+    return (p.k / block_len()) * block_bytes();
+}
+
+// Byte address of the block holding chunk ci of weight row n, and the chunk's index in it.
+fn chunk_at(n: u32, ci: u32) -> vec2<u32> {
+    let per_block = block_len() / 16u;
+    return vec2<u32>(n * row_bytes() + (ci / per_block) * block_bytes(), ci % per_block);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode GEMV (m <= 8): a workgroup per GV_COLS weight rows; its invocations stride over the
+// 16-value chunks along k (neighbours read neighbouring blocks), each dequantizes a chunk once
+// and applies it to every row of x, and the partial sums meet in workgroup memory.
+override GV_WG: u32 = 64u;
+const GV_COLS: u32 = 4u;
+const GV_ROWS: u32 = 8u;
+
+var<workgroup> gv_sum: array<f32, GV_WG * 32u>;
+
+@compute @workgroup_size(GV_WG)
+fn qgemv(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let n0 = (wid.y * nwg.x + wid.x) * GV_COLS;
+    let chunks = p.k / 16u;
+    var acc: array<f32, 32>;
+    for (var ci = lid; ci < chunks; ci += GV_WG) {
+        let k0 = ci * 16u;
+        // Sum of each row's 16 inputs, for the offset term (independent of the weight row).
+        var xs: array<f32, GV_ROWS>;
+        for (var r = 0u; r < p.m; r++) {
+            var s = 0.0;
+            for (var j = 0u; j < 16u; j++) {
+                s += x[r * p.k + k0 + j];
+            }
+            xs[r] = s;
+        }
+        for (var cc = 0u; cc < GV_COLS; cc++) {
+            let at = chunk_at(min(n0 + cc, p.n - 1u), ci);
+            let sc = chunk_scale(at.x, at.y);
+            var q: array<f32, 16>;
+            for (var j = 0u; j < 16u; j++) {
+                q[j] = chunk_q(at.x, at.y, j);
+            }
+            for (var r = 0u; r < p.m; r++) {
+                var qx = 0.0;
+                for (var j = 0u; j < 16u; j++) {
+                    qx += q[j] * x[r * p.k + k0 + j];
+                }
+                acc[cc * GV_ROWS + r] += sc.x * qx - sc.y * xs[r];
+            }
+        }
+    }
+    // Only the rows the step has are reduced (decode runs one to a few).
+    for (var cc = 0u; cc < GV_COLS; cc++) {
+        for (var r = 0u; r < p.m; r++) {
+            let i = cc * GV_ROWS + r;
+            gv_sum[i * GV_WG + lid] = acc[i];
+        }
+    }
+    workgroupBarrier();
+    if (lid < 32u) {
+        let cc = lid / GV_ROWS;
+        let r = lid % GV_ROWS;
+        let n = n0 + cc;
+        if (r < p.m && n < p.n) {
+            var v = 0.0;
+            for (var t = 0u; t < GV_WG; t++) {
+                v += gv_sum[lid * GV_WG + t];
+            }
+            if (p.has_bias != 0u) {
+                v += bias[n];
+            }
+            y[r * p.n + n] = v;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill GEMM: a 64 x 64 output block per 16 x 16 workgroup, 4 x 4 outputs per invocation
+// (strided by 16 so stores are coalesced). Per 16-value step along k the workgroup stages a
+// 64 x 16 tile of x and the dequantized 64 x 16 tile of w in workgroup memory.
+const GM_TILE: u32 = 64u;
+
+var<workgroup> gm_x: array<f32, 1024>;
+var<workgroup> gm_w: array<f32, 1024>;
+
+@compute @workgroup_size(16, 16)
+fn qgemm(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_id) lid3: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let m0 = wid.y * GM_TILE;
+    let n0 = wid.x * GM_TILE;
+    // Each invocation stages 4 values of one x row and one w row per step.
+    let row = lid / 4u;
+    let j0 = (lid % 4u) * 4u;
+    let xrow = min(m0 + row, p.m - 1u);
+    let wrow = min(n0 + row, p.n - 1u);
+    var acc: array<array<f32, 4>, 4>;
+    let chunks = p.k / 16u;
+    for (var ci = 0u; ci < chunks; ci++) {
+        let at = chunk_at(wrow, ci);
+        let sc = chunk_scale(at.x, at.y);
+        for (var j = 0u; j < 4u; j++) {
+            gm_x[row * 16u + j0 + j] = x[xrow * p.k + ci * 16u + j0 + j];
+            gm_w[row * 16u + j0 + j] = sc.x * chunk_q(at.x, at.y, j0 + j) - sc.y;
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < 16u; kk++) {
+            var xv: array<f32, 4>;
+            var wv: array<f32, 4>;
+            for (var i = 0u; i < 4u; i++) {
+                xv[i] = gm_x[(lid3.y + 16u * i) * 16u + kk];
+                wv[i] = gm_w[(lid3.x + 16u * i) * 16u + kk];
+            }
+            for (var i = 0u; i < 4u; i++) {
+                for (var j = 0u; j < 4u; j++) {
+                    acc[i][j] += xv[i] * wv[j];
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var i = 0u; i < 4u; i++) {
+        let m = m0 + lid3.y + 16u * i;
+        for (var j = 0u; j < 4u; j++) {
+            let n = n0 + lid3.x + 16u * j;
+            if (m < p.m && n < p.n) {
+                var v = acc[i][j];
+                if (p.has_bias != 0u) {
+                    v += bias[n];
+                }
+                y[m * p.n + n] = v;
+            }
+        }
+    }
+}

@@ -1,0 +1,348 @@
+//! Matmul on block-quantized weights (`shaders/matmul_quant.wgsl`): the packed GGUF blocks
+//! stay on the device as they are stored, and the kernels dequantize them in registers. A
+//! [`PackedMatrix`] is `[n][k]` like a PyTorch `Linear`, each row `k / block_len` blocks.
+//!
+//! Variants: a decode GEMV (m <= 8) with 64- or 128-invocation workgroups and a prefill GEMM,
+//! one pipeline per type (the type is an override constant). [`QuantMatmul`] runs the GEMV
+//! with 64 invocations for decode rows and the GEMM above; `with_variant` names another.
+
+use std::sync::Arc;
+
+use bytemuck::{Pod, Zeroable};
+
+use super::ops::{grid_1d, need, once, over, to_u32, Bound, Dispatch, Params};
+use super::{Family, Kernel, WeightType};
+use crate::device::{DType, Gpu, Tensor};
+use crate::error::{Result, WgparError};
+use crate::model::quant::QuantType;
+
+/// Most rows the GEMV takes (its accumulators are sized for them).
+pub const GEMV_MAX_ROWS: usize = 8;
+/// Weight rows per GEMV workgroup (`GV_COLS` in the shader).
+const GEMV_COLS: usize = 4;
+/// Output block edge of the GEMM (`GM_TILE`).
+const GEMM_TILE: usize = 64;
+
+/// One candidate pipeline of the quantized matmul.
+#[derive(Debug)]
+pub struct QuantVariant {
+    /// Unique name, e.g. `qgemv64_q8_0`.
+    pub name: &'static str,
+    /// Entry point (`qgemv` or `qgemm`).
+    pub entry: &'static str,
+    /// The packed type it reads.
+    pub qtype: QuantType,
+    /// Override constants (the type, the GEMV's workgroup size).
+    pub constants: &'static [(&'static str, f64)],
+}
+
+impl QuantVariant {
+    /// Whether it is a decode GEMV (m <= 8).
+    pub fn is_gemv(&self) -> bool {
+        self.entry == "qgemv"
+    }
+
+    fn kernel(&'static self, gpu: &Gpu) -> Arc<Kernel> {
+        gpu.kernels().get_variant(
+            gpu.device(),
+            Family::MatmulQuant,
+            self.entry,
+            WeightType::F32,
+            self.constants,
+            self.name,
+        )
+    }
+
+    fn workgroup(&self) -> usize {
+        self.constants
+            .iter()
+            .find(|(k, _)| *k == "GV_WG")
+            .map_or(256, |(_, v)| *v as usize)
+    }
+}
+
+macro_rules! qvariants {
+    ($($t:ident $id:literal $suffix:literal),*) => {
+        /// Every quantized matmul variant: per type, GEMV with 64 and 128 invocations, GEMM.
+        pub static QUANT_VARIANTS: &[QuantVariant] = &[$(
+            QuantVariant {
+                name: concat!("qgemv64_", $suffix),
+                entry: "qgemv",
+                qtype: QuantType::$t,
+                constants: &[("QTYPE", $id as f64), ("GV_WG", 64.0)],
+            },
+            QuantVariant {
+                name: concat!("qgemv128_", $suffix),
+                entry: "qgemv",
+                qtype: QuantType::$t,
+                constants: &[("QTYPE", $id as f64), ("GV_WG", 128.0)],
+            },
+            QuantVariant {
+                name: concat!("qgemm_", $suffix),
+                entry: "qgemm",
+                qtype: QuantType::$t,
+                constants: &[("QTYPE", $id as f64)],
+            },
+        )*];
+    };
+}
+
+qvariants!(Q8_0 8 "q8_0", Q4_0 2 "q4_0", Q4K 12 "q4_k", Q6K 14 "q6_k");
+
+/// A quantized `[rows][cols]` matrix on a device: the packed blocks, row after row, in a u32
+/// buffer (the last word zero-padded).
+#[derive(Debug)]
+pub struct PackedMatrix {
+    /// The packed bytes as u32 words.
+    pub tensor: Tensor,
+    /// Block type.
+    pub qtype: QuantType,
+    /// Rows (outputs).
+    pub rows: usize,
+    /// Columns (inputs), a whole number of blocks.
+    pub cols: usize,
+}
+
+impl PackedMatrix {
+    /// Uploads `bytes`, which must be `rows` rows of `cols` values packed as `qtype`.
+    pub fn upload(
+        gpu: &Gpu,
+        what: &str,
+        qtype: QuantType,
+        bytes: &[u8],
+        (rows, cols): (usize, usize),
+    ) -> Result<Self> {
+        let fail = |detail: String| WgparError::Shape {
+            op: "quantized matmul".into(),
+            detail: format!("{what}: {detail}"),
+        };
+        if !qtype.is_quantized() {
+            return Err(fail(format!("{qtype:?} is not a block type")));
+        }
+        let row = qtype.row_bytes(cols).ok_or_else(|| {
+            fail(format!(
+                "{cols} columns are not whole {qtype:?} blocks of {}",
+                qtype.block_len()
+            ))
+        })?;
+        if Some(bytes.len()) != row.checked_mul(rows) {
+            return Err(fail(format!(
+                "{} bytes for {rows} rows of {row}",
+                bytes.len()
+            )));
+        }
+        let words: Vec<u32> = bytes
+            .chunks(4)
+            .map(|c| {
+                let mut b = [0u8; 4];
+                b[..c.len()].copy_from_slice(c);
+                u32::from_le_bytes(b)
+            })
+            .collect();
+        Ok(Self {
+            tensor: gpu.upload_u32(what, &words)?,
+            qtype,
+            rows,
+            cols,
+        })
+    }
+
+    /// Bytes on the device.
+    pub fn bytes(&self) -> u64 {
+        self.tensor.bytes()
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct QuantParams {
+    m: u32,
+    n: u32,
+    k: u32,
+    has_bias: u32,
+}
+
+/// Operands of `y[m][n] = x[m][k] . dequant(w)[n][k] (+ bias[n])`.
+#[derive(Debug, Clone, Copy)]
+pub struct QuantIo<'a> {
+    /// `[m][k]` f32 input.
+    pub x: &'a Tensor,
+    /// `[n][k]` packed weights.
+    pub w: &'a PackedMatrix,
+    /// `[n]` f32 bias.
+    pub bias: Option<&'a Tensor>,
+    /// `[m][n]` f32 output.
+    pub y: &'a Tensor,
+}
+
+/// A bound quantized matmul over up to `rows` rows.
+pub struct QuantMatmul {
+    op: Bound,
+    rows: usize,
+    n: usize,
+    k: usize,
+    bias: bool,
+    qtype: QuantType,
+    variant: Option<&'static QuantVariant>,
+}
+
+impl AsRef<Bound> for QuantMatmul {
+    fn as_ref(&self) -> &Bound {
+        &self.op
+    }
+}
+
+/// The variant named `name` for `qtype`.
+pub fn variant_by_name(name: &str) -> Option<&'static QuantVariant> {
+    QUANT_VARIANTS.iter().find(|v| v.name == name)
+}
+
+fn default_variant(qtype: QuantType, m: usize) -> &'static QuantVariant {
+    let gemv = m <= GEMV_MAX_ROWS;
+    QUANT_VARIANTS
+        .iter()
+        .find(|v| v.qtype == qtype && v.is_gemv() == gemv)
+        .unwrap_or(&QUANT_VARIANTS[0])
+}
+
+impl QuantMatmul {
+    /// Binds `io` for up to `rows` rows.
+    pub fn bind(gpu: &Gpu, params: &mut Params, io: QuantIo<'_>, rows: usize) -> Result<Self> {
+        const OP: &str = "quantized matmul";
+        let (n, k) = (io.w.rows, io.w.cols);
+        need(OP, "x", io.x, rows * k, Some(DType::F32))?;
+        need(OP, "y", io.y, rows * n, Some(DType::F32))?;
+        if let Some(b) = io.bias {
+            need(OP, "bias", b, n, Some(DType::F32))?;
+        }
+        let bias = io.bias.unwrap_or(io.x);
+        let buffers = [
+            io.x.buffer(),
+            io.w.tensor.buffer(),
+            bias.buffer(),
+            io.y.buffer(),
+        ];
+        Ok(Self {
+            op: Bound::new(gpu, params, Family::MatmulQuant, OP, &buffers)?,
+            rows,
+            n,
+            k,
+            bias: io.bias.is_some(),
+            qtype: io.w.qtype,
+            variant: None,
+        })
+    }
+
+    /// Runs the variant named `name` instead of the default choice (tests, benchmarks).
+    pub fn with_variant(mut self, name: &str) -> Result<Self> {
+        let v = variant_by_name(name).filter(|v| v.qtype == self.qtype);
+        self.variant = Some(v.ok_or_else(|| WgparError::Shape {
+            op: "quantized matmul".into(),
+            detail: format!("no variant {name} for {:?} weights", self.qtype),
+        })?);
+        Ok(self)
+    }
+
+    /// Configures the op for `m` rows.
+    pub fn configure(&mut self, gpu: &Gpu, params: &mut Params, m: usize) -> Result<()> {
+        const OP: &str = "quantized matmul";
+        over(OP, "rows", m, self.rows)?;
+        let v = self
+            .variant
+            .unwrap_or_else(|| default_variant(self.qtype, m));
+        if v.is_gemv() && m > GEMV_MAX_ROWS {
+            return Err(WgparError::Shape {
+                op: OP.into(),
+                detail: format!("{} takes at most {GEMV_MAX_ROWS} rows, got {m}", v.name),
+            });
+        }
+        let values = QuantParams {
+            m: to_u32(OP, "m", m)?,
+            n: to_u32(OP, "n", self.n)?,
+            k: to_u32(OP, "k", self.k)?,
+            has_bias: self.bias as u32,
+        };
+        let groups = if m == 0 {
+            [0, 0, 0]
+        } else if v.is_gemv() {
+            grid_1d(
+                OP,
+                self.n.div_ceil(GEMV_COLS) * v.workgroup(),
+                v.workgroup() as u32,
+            )?
+        } else {
+            let (gx, gy) = (self.n.div_ceil(GEMM_TILE), m.div_ceil(GEMM_TILE));
+            [to_u32(OP, "n blocks", gx)?, to_u32(OP, "m blocks", gy)?, 1]
+        };
+        let dispatch = Dispatch::of_kernel(v.kernel(gpu), groups, v.name);
+        self.op.set(params, &values, dispatch);
+        Ok(())
+    }
+}
+
+/// Runs `y = x . dequant(w)^T (+ bias)` once for `m` rows (tests, benchmarks); `variant`
+/// names a variant, or `None` for the default choice.
+pub fn quant_matmul(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    io: QuantIo<'_>,
+    m: usize,
+    variant: Option<&str>,
+) -> Result<()> {
+    once(gpu, encoder, "quantized matmul", |params| {
+        let mut op = QuantMatmul::bind(gpu, params, io, m)?;
+        if let Some(name) = variant {
+            op = op.with_variant(name)?;
+        }
+        op.configure(gpu, params, m)?;
+        Ok(op)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each variant, with its constants applied, validates with naga (no GPU needed).
+    #[test]
+    fn every_quant_variant_validates_with_its_constants() {
+        let src = Family::MatmulQuant.source();
+        let module = naga::front::wgsl::parse_str(src).unwrap();
+        let mut validator = naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        );
+        let info = validator.validate(&module).unwrap();
+        assert_eq!(QUANT_VARIANTS.len(), 12);
+        for v in QUANT_VARIANTS {
+            let constants: naga::back::PipelineConstants = v
+                .constants
+                .iter()
+                .map(|(k, c)| (k.to_string(), *c))
+                .collect();
+            let (module, _) = naga::back::pipeline_constants::process_overrides(
+                &module,
+                &info,
+                Some((naga::ShaderStage::Compute, v.entry)),
+                &constants,
+            )
+            .unwrap_or_else(|e| panic!("{}: {e}", v.name));
+            validator
+                .validate(&module)
+                .unwrap_or_else(|e| panic!("{} after overrides: {e}", v.name));
+            assert_eq!(
+                QuantType::parse(
+                    v.name
+                        .split('_')
+                        .skip(1)
+                        .collect::<Vec<_>>()
+                        .join("_")
+                        .as_str()
+                ),
+                Some(v.qtype),
+                "{}",
+                v.name
+            );
+        }
+    }
+}
