@@ -269,6 +269,22 @@ fn pct(v: Option<f64>) -> String {
     v.map_or_else(|| "-".into(), |x| format!("{:.0}", x * 100.0))
 }
 
+/// A modeled row's cells: profile, engine, strategy, batch, TTFT, ms/token, tokens/s and the
+/// communication and bubble percentages ("-" where it does not fit).
+fn scale_cells(r: &super::PlanRow) -> [String; 9] {
+    [
+        r.profile.clone(),
+        r.engine.clone(),
+        r.strategy.clone(),
+        r.batch.to_string(),
+        opt(r.prefill_ms, 1),
+        opt(r.decode_ms, 2),
+        opt(r.decode_tps, 0),
+        pct(r.decode_comm),
+        pct(r.decode_bubble),
+    ]
+}
+
 fn scale_table(scale: &ScaleSection, s: &mut String) {
     let _ = writeln!(
         s,
@@ -295,18 +311,10 @@ fn scale_table(scale: &ScaleSection, s: &mut String) {
             "bubb%"
         );
         for r in &case.rows {
+            let [profile, engine, strategy, batch, ttft, ms, tps, comm, bubble] = scale_cells(r);
             let _ = writeln!(
                 s,
-                "{:<12} {:<12} {:<12} {:>5} {:>10} {:>10} {:>10} {:>6} {:>6}{}",
-                r.profile,
-                r.engine,
-                r.strategy,
-                r.batch,
-                opt(r.prefill_ms, 1),
-                opt(r.decode_ms, 2),
-                opt(r.decode_tps, 0),
-                pct(r.decode_comm),
-                pct(r.decode_bubble),
+                "{profile:<12} {engine:<12} {strategy:<12} {batch:>5} {ttft:>10} {ms:>10} {tps:>10} {comm:>6} {bubble:>6}{}",
                 if r.fits { "" } else { "  does not fit" }
             );
         }
@@ -332,20 +340,9 @@ fn scale_markdown(scale: &ScaleSection, s: &mut String) {
         let _ = writeln!(s, "\n| profile | engine | strategy | batch | TTFT ms | ms/token | tokens/s | comm % | bubble % | fits |");
         let _ = writeln!(s, "|---|---|---|---:|---:|---:|---:|---:|---:|---|");
         for r in &case.rows {
-            let _ = writeln!(
-                s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-                r.profile,
-                r.engine,
-                r.strategy,
-                r.batch,
-                opt(r.prefill_ms, 1),
-                opt(r.decode_ms, 2),
-                opt(r.decode_tps, 0),
-                pct(r.decode_comm),
-                pct(r.decode_bubble),
-                if r.fits { "yes" } else { "no" }
-            );
+            let cells = scale_cells(r).join(" | ");
+            let fits = if r.fits { "yes" } else { "no" };
+            let _ = writeln!(s, "| {cells} | {fits} |");
         }
         let _ = writeln!(s);
     }
