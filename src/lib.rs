@@ -22,6 +22,7 @@ pub mod server;
 pub mod sim;
 pub mod stats;
 pub mod switches;
+pub mod threads;
 pub mod trace;
 
 pub use error::{Result, WgparError};

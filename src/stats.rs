@@ -20,9 +20,29 @@ pub fn percentile(values: &[f64], q: f64) -> Option<f64> {
     Some(v[lo] + (v[hi] - v[lo]) * (pos - lo as f64))
 }
 
+/// The `q` quantile (0..=1) by nearest rank: the smallest value with at least a share `q` of
+/// the values at or below it, always a value that was measured (the collective benchmarks'
+/// p50/p99, as nccl-tests and OSU report them); `None` when there are none. NaNs sort last.
+pub fn nearest_rank(values: &[f64], q: f64) -> Option<f64> {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    let rank = ((n as f64 * q.clamp(0.0, 1.0)).ceil() as usize).clamp(1, n.max(1));
+    v.get(rank - 1).copied()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{median, percentile};
+    use super::{median, nearest_rank, percentile};
+
+    #[test]
+    fn nearest_ranks_are_measured_values() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(nearest_rank(&v, 0.5), Some(50.0));
+        assert_eq!(nearest_rank(&v, 0.99), Some(99.0));
+        assert_eq!(nearest_rank(&v, 0.0), Some(1.0));
+        assert_eq!(nearest_rank(&[], 0.5), None);
+    }
 
     #[test]
     fn percentiles_interpolate_between_ranks() {

@@ -451,14 +451,8 @@ fn summarise_out_of_sample(rows: &[Row], tolerance: f64) -> Vec<ConfigSummary> {
 /// The reported median: the mean of the two middle values for an even count (unlike
 /// `wgpar::stats::median`, which keeps a measured value), NaN for none.
 fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    match n {
-        0 => f64::NAN,
-        _ if n % 2 == 1 => v[n / 2],
-        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
+    // The 50th percentile interpolated between the two middle ranks is their mean.
+    wgpar::stats::percentile(values, 50.0).unwrap_or(f64::NAN)
 }
 
 fn range(values: &[f64]) -> [f64; 2] {

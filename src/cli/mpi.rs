@@ -177,11 +177,7 @@ mod ranks {
             Ok(Err(e)) => e.to_string(),
             Err(payload) => format!(
                 "panicked: {}",
-                payload
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| payload.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "?".into())
+                wgpar::threads::panic_message(&*payload).unwrap_or("?")
             ),
         };
         eprintln!("error: rank {} ({}): {message}", world.rank(), world.host());

@@ -322,7 +322,7 @@ fn single_round_trip(coll: &Collectives, gpu: &Arc<Gpu>) -> Result<f64> {
             times.push(start.elapsed());
         }
     }
-    Ok(percentile(&mut times, 0.5))
+    Ok(percentile(&times, 0.5))
 }
 
 fn random(seed: u64, len: usize, dtype: DType) -> Vec<f32> {
@@ -541,8 +541,8 @@ fn bench_size(
     let time = mean(&times);
     let floor = mean(&floors);
     let algbw = s as f64 / time / 1e9;
-    let p50 = percentile(&mut times, 0.5);
-    let floor_p50 = percentile(&mut floors, 0.5);
+    let p50 = percentile(&times, 0.5);
+    let floor_p50 = percentile(&floors, 0.5);
     Ok(BenchRow {
         size: s,
         count: (s / opts.dtype.size() as u64) as usize,
@@ -559,7 +559,7 @@ fn bench_size(
             .map(|d| d.as_secs_f64() * 1e6)
             .unwrap_or(0.0),
         p50_us: p50,
-        p99_us: percentile(&mut times, 0.99),
+        p99_us: percentile(&times, 0.99),
         floor_us: floor * 1e6,
         floor_p50_us: floor_p50,
         floor_ratio: time / floor,
@@ -567,14 +567,10 @@ fn bench_size(
     })
 }
 
-/// The `q` quantile (nearest rank) of `times`, in microseconds.
-fn percentile(times: &mut [Duration], q: f64) -> f64 {
-    if times.is_empty() {
-        return 0.0;
-    }
-    times.sort();
-    let i = ((times.len() as f64 * q).ceil() as usize).clamp(1, times.len()) - 1;
-    times[i].as_secs_f64() * 1e6
+/// The `q` quantile (nearest rank) of `times`, in microseconds; 0 for none.
+fn percentile(times: &[Duration], q: f64) -> f64 {
+    let us: Vec<f64> = times.iter().map(|t| t.as_secs_f64() * 1e6).collect();
+    crate::stats::nearest_rank(&us, q).unwrap_or(0.0)
 }
 
 impl fmt::Display for BenchReport {
@@ -719,8 +715,8 @@ mod tests {
 
     #[test]
     fn percentiles_use_nearest_rank() {
-        let mut v: Vec<Duration> = (1..=100).map(Duration::from_micros).collect();
-        assert_eq!(percentile(&mut v, 0.5), 50.0);
-        assert_eq!(percentile(&mut v, 0.99), 99.0);
+        let v: Vec<Duration> = (1..=100).map(Duration::from_micros).collect();
+        assert_eq!(percentile(&v, 0.5), 50.0);
+        assert_eq!(percentile(&v, 0.99), 99.0);
     }
 }

@@ -53,10 +53,7 @@ pub(crate) struct RunSpec<'a> {
     pub link: LinkPrecision,
 }
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while a pool was locked leaves at worst fewer idle buffers: keep going.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+pub(crate) use crate::threads::lock;
 
 impl Collectives {
     /// Starts the host worker threads; checks the configuration.

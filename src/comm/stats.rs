@@ -179,7 +179,7 @@ impl CommStats {
 
     fn log(&self) -> std::sync::MutexGuard<'_, Log> {
         // A panic elsewhere while holding the lock leaves the log consistent enough to read.
-        self.log.lock().unwrap_or_else(|e| e.into_inner())
+        crate::threads::lock(&self.log)
     }
 
     /// Appends a record (its `seq` and `start_us` are filled in here).

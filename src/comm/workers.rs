@@ -83,12 +83,9 @@ fn run_guarded(job: Job) -> Result<(), String> {
 }
 
 pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        format!("host step panicked: {s}")
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        format!("host step panicked: {s}")
-    } else {
-        "host step panicked".into()
+    match crate::threads::panic_message(p) {
+        Some(s) => format!("host step panicked: {s}"),
+        None => "host step panicked".into(),
     }
 }
 

@@ -112,11 +112,7 @@ struct RankSamples {
 }
 
 fn percentile(v: &[f64], p: f64) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s.get(((s.len() as f64 - 1.0) * p).round() as usize)
-        .copied()
-        .unwrap_or(0.0)
+    crate::stats::nearest_rank(v, p).unwrap_or(0.0)
 }
 
 /// Runs the benchmark on every rank (`gpu` is this rank's device); rank 0 gets the report.

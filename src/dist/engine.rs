@@ -408,7 +408,7 @@ impl StageServer {
 
     /// This rank's stage accounting since rank 0 started recording.
     pub fn stage_stats(&self) -> Vec<StageStats> {
-        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        crate::threads::lock(&self.stats).clone()
     }
 }
 

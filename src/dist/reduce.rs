@@ -107,7 +107,7 @@ impl MpiGroup {
         };
         let steps = len.div_ceil(chunk);
         let range = |k: usize| k * chunk..((k + 1) * chunk).min(len);
-        let mut bufs = self.bufs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut bufs = crate::threads::lock(&self.bufs);
         let mut pending = Some(self.coll.begin_download_range(gpu, tensor, range(0))?);
         for k in 0..steps {
             let r = range(k);

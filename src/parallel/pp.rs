@@ -53,6 +53,7 @@ use crate::model::{
     ShardSpec, Step, StepOut,
 };
 use crate::sim::{Direction, LinkPacer};
+use crate::threads::lock;
 use crate::trace::{KernelFamily, Recorder, SpanAttrs, SpanId};
 
 /// How a pipeline schedules decode steps.
@@ -467,16 +468,10 @@ struct HandOff {
     stats: Arc<Mutex<Vec<StageStats>>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "panic".into())
+    crate::threads::panic_message(payload)
+        .unwrap_or("panic")
+        .to_string()
 }
 
 /// Sends `cause` to the driver as the failure of worker `name` (a panic names its worker

@@ -168,7 +168,7 @@ pub(crate) struct RankOutput {
 impl Rank {
     /// Fails as an injected fault says, once the rank has run `after` jobs.
     fn inject_fault(&mut self) -> Result<()> {
-        let fault = *self.fault.lock().unwrap_or_else(|e| e.into_inner());
+        let fault = *crate::threads::lock(&self.fault);
         let done = self.jobs;
         self.jobs += 1;
         match fault {
@@ -726,7 +726,7 @@ impl TpGroup {
                 self.faults.len()
             ))
         })?;
-        *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(fault);
+        *crate::threads::lock(slot) = Some(fault);
         Ok(())
     }
 

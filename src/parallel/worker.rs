@@ -19,11 +19,9 @@ pub(crate) struct Workers<J: Send + 'static, R: Send + 'static> {
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "panicked".into())
+    crate::threads::panic_message(payload)
+        .unwrap_or("panicked")
+        .to_string()
 }
 
 /// Whether `e` is a peer's echo of another rank's failure (its communicator was aborted),

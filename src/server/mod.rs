@@ -99,8 +99,7 @@ pub fn run(opts: ServerOptions, text: TextModel, build: EngineBuilder) -> Result
                 }
                 Err(e) => {
                     shared.failed.store(true, Ordering::SeqCst);
-                    *shared.load_error.lock().unwrap_or_else(|p| p.into_inner()) =
-                        Some(e.to_string());
+                    *crate::threads::lock(&shared.load_error) = Some(e.to_string());
                     shared.stop.notify_one();
                 }
             })
@@ -117,11 +116,7 @@ pub fn run(opts: ServerOptions, text: TextModel, build: EngineBuilder) -> Result
     while !engine_thread.is_finished() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    let load_error = shared
-        .load_error
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take();
+    let load_error = crate::threads::lock(&shared.load_error).take();
     match load_error {
         Some(e) => Err(WgparError::Config(format!(
             "the engine could not start: {e}"

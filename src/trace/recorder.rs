@@ -216,9 +216,7 @@ impl Inner {
     fn lock(&self) -> MutexGuard<'_, Timeline> {
         // A thread that panicked while pushing cannot leave the Vec half-written, so the data
         // behind a poisoned lock is still sound: keep recording.
-        self.timeline
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::threads::lock(&self.timeline)
     }
 }
 
