@@ -456,7 +456,7 @@ fn upstream(
         if run != Some(h.run) {
             // Rank 0 started another run (a GPipe step, a stream): this rank's stage
             // accounting starts afresh too, so that both cover the same work.
-            for s in crate::threads::lock(&stats).iter_mut() {
+            for s in crate::threads::lock(stats).iter_mut() {
                 *s = StageStats {
                     layers: s.layers.clone(),
                     device: s.device.clone(),
