@@ -121,16 +121,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let adapters = Adapters::discover()?;
     let selected = args.devices.selected(&adapters)?;
     let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
-    // A pipeline keeps one step per lane in flight: one lane per stage by default.
-    let stages = match args.strategy.strategy.as_str() {
-        "pp" => selected.len(),
-        "hybrid" => selected.len() / args.strategy.tp.unwrap_or(2).max(1),
-        _ => 1,
-    };
-    let strategy = args
-        .strategy
-        .strategy_with(stages.clamp(1, opts.max_batch))?;
-    check_lanes_have_slots(&strategy, opts.max_batch)?;
+    let strategy = serving_strategy(&args.strategy, selected.len(), opts.max_batch)?;
     super::check_runs_fit(
         &config,
         dtype,
@@ -309,6 +300,24 @@ fn check_lengths_fit(args: &ServeArgs, config: &wgpar::model::ModelConfig) -> Re
          requests would be refused; {advice}",
         config.name, config.max_seq
     )))
+}
+
+/// The strategy a serving run uses on `devices` devices with `max_batch` KV slots: a pipeline
+/// keeps one step per lane in flight, one lane per stage by default (never more lanes than
+/// slots), and more lanes than slots are refused.
+pub(super) fn serving_strategy(
+    args: &StrategyArgs,
+    devices: usize,
+    max_batch: usize,
+) -> Result<Strategy> {
+    let stages = match args.strategy.as_str() {
+        "pp" => devices,
+        "hybrid" => devices / args.tp.unwrap_or(2).max(1),
+        _ => 1,
+    };
+    let strategy = args.strategy_with(stages.clamp(1, max_batch))?;
+    check_lanes_have_slots(&strategy, max_batch)?;
+    Ok(strategy)
 }
 
 /// Refuses a pipeline with more micro-batch lanes than KV slots: the extra lanes would never

@@ -101,15 +101,8 @@ pub fn run(args: &ServerArgs) -> Result<()> {
     let adapters = Adapters::discover()?;
     let selected = args.devices.selected(&adapters)?;
     let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
-    let stages = match args.strategy.strategy.as_str() {
-        "pp" => selected.len(),
-        "hybrid" => selected.len() / args.strategy.tp.unwrap_or(2).max(1),
-        _ => 1,
-    };
-    let strategy = args
-        .strategy
-        .strategy_with(stages.clamp(1, args.max_batch))?;
-    super::bench_serve::check_lanes_have_slots(&strategy, args.max_batch)?;
+    let strategy =
+        super::bench_serve::serving_strategy(&args.strategy, selected.len(), args.max_batch)?;
     let fault = match &args.inject_fault {
         Some(t) => {
             let spec = FaultSpec::parse(t)?;
