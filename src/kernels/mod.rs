@@ -177,6 +177,38 @@ impl Family {
     }
 }
 
+/// Applies a variant's override constants to a parsed module for its entry point, as wgpu does
+/// when it creates the pipeline, and validates the result (naga, no GPU): the module the device
+/// would compile. Panics naming the variant.
+#[cfg(test)]
+pub(crate) fn with_overrides(
+    module: &naga::Module,
+    name: &str,
+    entry: &str,
+    constants: &[(&str, f64)],
+) -> naga::Module {
+    let mut validator = naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::all(),
+    );
+    let info = validator
+        .validate(module)
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let constants: naga::back::PipelineConstants =
+        constants.iter().map(|(k, c)| (k.to_string(), *c)).collect();
+    let (module, _) = naga::back::pipeline_constants::process_overrides(
+        module,
+        &info,
+        Some((naga::ShaderStage::Compute, entry)),
+        &constants,
+    )
+    .unwrap_or_else(|e| panic!("{name}: {e}"));
+    validator
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{name} after overrides: {e}"));
+    module.into_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,30 +280,7 @@ mod tests {
             for weights in [WeightType::F32, WeightType::F16] {
                 let src = v.family.source_for(weights);
                 let module = validate(v.name, &src);
-                let info = naga::valid::Validator::new(
-                    naga::valid::ValidationFlags::all(),
-                    naga::valid::Capabilities::all(),
-                )
-                .validate(&module)
-                .unwrap();
-                let constants: naga::back::PipelineConstants = v
-                    .constants
-                    .iter()
-                    .map(|(k, c)| (k.to_string(), *c))
-                    .collect();
-                let (module, _) = naga::back::pipeline_constants::process_overrides(
-                    &module,
-                    &info,
-                    Some((naga::ShaderStage::Compute, v.entry)),
-                    &constants,
-                )
-                .unwrap_or_else(|e| panic!("{}: {e}", v.name));
-                naga::valid::Validator::new(
-                    naga::valid::ValidationFlags::all(),
-                    naga::valid::Capabilities::all(),
-                )
-                .validate(&module)
-                .unwrap_or_else(|e| panic!("{} after overrides: {e}", v.name));
+                let module = with_overrides(&module, v.name, v.entry, v.constants);
                 let ep = module
                     .entry_points
                     .iter()

@@ -308,28 +308,9 @@ mod tests {
     fn every_quant_variant_validates_with_its_constants() {
         let src = Family::MatmulQuant.source();
         let module = naga::front::wgsl::parse_str(src).unwrap();
-        let mut validator = naga::valid::Validator::new(
-            naga::valid::ValidationFlags::all(),
-            naga::valid::Capabilities::all(),
-        );
-        let info = validator.validate(&module).unwrap();
         assert_eq!(QUANT_VARIANTS.len(), 12);
         for v in QUANT_VARIANTS {
-            let constants: naga::back::PipelineConstants = v
-                .constants
-                .iter()
-                .map(|(k, c)| (k.to_string(), *c))
-                .collect();
-            let (module, _) = naga::back::pipeline_constants::process_overrides(
-                &module,
-                &info,
-                Some((naga::ShaderStage::Compute, v.entry)),
-                &constants,
-            )
-            .unwrap_or_else(|e| panic!("{}: {e}", v.name));
-            validator
-                .validate(&module)
-                .unwrap_or_else(|e| panic!("{} after overrides: {e}", v.name));
+            crate::kernels::with_overrides(&module, v.name, v.entry, v.constants);
             assert_eq!(
                 QuantType::parse(
                     v.name
