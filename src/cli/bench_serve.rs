@@ -217,13 +217,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             ("requests", spec.requests.to_string()),
             ("max_batch", opts.max_batch.to_string()),
             ("tokens", processed.to_string()),
-            (
-                "adapters",
-                gpus.iter()
-                    .map(|g| g.info().label())
-                    .collect::<Vec<_>>()
-                    .join("; "),
-            ),
+            ("adapters", super::adapter_labels(&gpus)),
         ] {
             recorder.set_meta(key, value);
         }

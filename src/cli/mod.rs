@@ -474,6 +474,12 @@ fn quiet_unreachable_display_probes() {
     }
 }
 
+/// The devices' adapters for a trace's metadata: their labels, `; `-separated.
+fn adapter_labels(gpus: &[std::sync::Arc<wgpar::device::Gpu>]) -> String {
+    let labels: Vec<String> = gpus.iter().map(|g| g.info().label()).collect();
+    labels.join("; ")
+}
+
 /// Entry point: parse, dispatch, report errors as values.
 pub fn main() -> Result<()> {
     quiet_unreachable_display_probes();

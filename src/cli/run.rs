@@ -555,13 +555,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         ("prompt_len", args.prompt_len.to_string()),
         ("gen", args.gen.to_string()),
         ("tokens", processed.to_string()),
-        (
-            "adapters",
-            gpus.iter()
-                .map(|g| g.info().label())
-                .collect::<Vec<_>>()
-                .join("; "),
-        ),
+        ("adapters", super::adapter_labels(&gpus)),
     ] {
         recorder.set_meta(key, value);
     }
