@@ -63,19 +63,21 @@ fn run_with(args: &[&str], env: &[(&str, &str)], out: Out, limit: Duration) -> O
         cmd.env(k, v);
     }
     match out {
-        Out::Piped | Out::ClosedPipe => cmd.stdout(Stdio::piped()),
+        Out::Piped => cmd.stdout(Stdio::piped()),
+        // The reading end is closed before the child starts: closing it after the spawn races
+        // with a quick command, whose few lines would fit in the pipe's buffer and succeed.
+        Out::ClosedPipe => {
+            let (reader, writer) = std::io::pipe().unwrap();
+            drop(reader);
+            cmd.stdout(writer)
+        }
         Out::Full => cmd.stdout(std::fs::File::create("/dev/full").unwrap()),
     };
     let start = Instant::now();
     let mut child = cmd.spawn().unwrap();
-    let stdout = child.stdout.take();
-    let stdout = match out {
-        Out::ClosedPipe => {
-            drop(stdout);
-            None
-        }
-        _ => stdout.map(drain),
-    };
+    // The parent's copy of the writing end goes with `cmd`, so only the child holds it.
+    drop(cmd);
+    let stdout = child.stdout.take().map(drain);
     let stderr = drain(child.stderr.take().unwrap());
     let status = wait_bounded(&mut child, limit);
     Outcome {
