@@ -207,13 +207,16 @@ fn tokens_equal_run_on_every_strategy() {
         assert_eq!(got["usage"]["prompt_tokens"], 5, "{got}");
         assert_eq!(got["stream_usage"], got["usage"], "{got}");
         // curl agrees, and stop strings cut the text.
-        let body = format!(r#"{{"model":"m","prompt":"{prompt}","max_tokens":12}}"#);
+        let body =
+            format!(r#"{{"model":"m","prompt":"{prompt}","max_tokens":12,"temperature":0}}"#);
         let (code, text) = server.post("/v1/completions", &body);
         assert_eq!(code, 200, "{text}");
         let v: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["choices"][0]["text"].as_str().unwrap(), want);
         let second = want.split_whitespace().nth(1).unwrap().to_string();
-        let body = format!(r#"{{"prompt":"{prompt}","max_tokens":12,"stop":["{second}"]}}"#);
+        let body = format!(
+            r#"{{"prompt":"{prompt}","max_tokens":12,"temperature":0,"stop":["{second}"]}}"#
+        );
         let (_, text) = server.post("/v1/completions", &body);
         let v: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["choices"][0]["finish_reason"], "stop", "{text}");
@@ -221,7 +224,24 @@ fn tokens_equal_run_on_every_strategy() {
             !v["choices"][0]["text"].as_str().unwrap().contains(&second),
             "{text}"
         );
+        stop_strings_are_never_streamed_in_part(&server, prompt, &want);
     }
+}
+
+/// A stop string of two words: while its first word ends the text, the stream holds it back,
+/// so streamed and whole texts both end before it, and neither shows its first word.
+fn stop_strings_are_never_streamed_in_part(server: &Server, prompt: &str, want: &str) {
+    let words: Vec<&str> = want.split_whitespace().collect();
+    assert!(words.len() >= 4, "too short to place a stop string: {want}");
+    let stop = format!("{} {}", words[2], words[3]);
+    let cut = &want[..want.find(&stop).unwrap()];
+    let stops = serde_json::to_string(&[&stop]).unwrap();
+    let got = server.python(&["complete", prompt, "12", &stops]);
+    for key in ["text", "stream_text"] {
+        assert_eq!(got[key].as_str().unwrap(), cut, "{key}: {got}");
+    }
+    assert_eq!(got["finish"], "stop", "{got}");
+    assert_eq!(got["stream_finish"], "stop", "{got}");
 }
 
 #[test]
@@ -289,6 +309,56 @@ fn sixty_four_concurrent_streams_on_pp_and_tp() {
             "every prompt gave the same text: no check of mixing"
         );
     }
+}
+
+/// `wgpar run --prompt` text after the prompt, sampled with `--temperature`, `--top-p` and
+/// `--seed`.
+fn run_sampled(dir: &Scratch, prompt: &str, gen: usize, (t, p, seed): (&str, &str, u64)) -> String {
+    let seed = seed.to_string();
+    let sampling = ["--temperature", t, "--top-p", p, "--seed", &seed];
+    run_text(dir, prompt, gen, &sampling)
+}
+
+/// Per-request sampling: a seeded request gets the tokens `wgpar run` samples with that seed,
+/// alone or batched with greedy and other sampled requests; another seed gives other tokens.
+#[test]
+fn sampled_requests_follow_their_own_seed() {
+    let dir = checkpoint();
+    let prompts: Vec<String> = (0..8)
+        .map(|i| format!("t{} t{} t{}", 30 + i, 90 + 7 * i, 5 + i))
+        .collect();
+    let prompts_json = serde_json::to_string(&prompts).unwrap();
+    let (t, p) = ("1.3", "0.95");
+    let mut compared = 0;
+    for strategy in [&[][..], &["--strategy", "pp", "--virtual", "2"]] {
+        let server = Server::start(&dir, &[strategy, &["--max-batch", "8"]].concat());
+        let out = server.python(&["sampled", &prompts_json, "10", t, p]);
+        let (alone, together) = (
+            out["alone"].as_array().unwrap(),
+            out["together"].as_array().unwrap(),
+        );
+        assert_eq!(together.len(), prompts.len(), "{out}");
+        for (i, (a, t)) in alone.iter().zip(together).enumerate() {
+            assert_eq!(&t["text"], a, "{strategy:?} request {i}: {t}");
+        }
+        // Sampled requests (even ones) against `run` with the same seed.
+        for i in (0..prompts.len()).step_by(2) {
+            let want = run_sampled(&dir, &prompts[i], 10, (t, p, 100 + i as u64));
+            assert_eq!(alone[i].as_str().unwrap(), want, "{strategy:?} request {i}");
+            compared += 1;
+        }
+        assert_ne!(
+            out["reseeded"], alone[0],
+            "seed 7 gave seed 100's text: {out}"
+        );
+        let greedy = run_text(&dir, &prompts[1], 10, &[]);
+        assert_eq!(
+            alone[1].as_str().unwrap(),
+            greedy,
+            "{strategy:?}: greedy row"
+        );
+    }
+    assert_eq!(compared, 8);
 }
 
 #[test]
@@ -376,6 +446,16 @@ fn bad_requests_get_4xx_and_the_server_stays_up() {
             "/v1/completions",
             r#"{"prompt":"t1","top_p":1.5}"#.into(),
             "top_p",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","temperature":2.5}"#.into(),
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"t1","top_k":-2}"#.into(),
+            "top_k",
         ),
         (
             "/v1/completions",

@@ -131,6 +131,7 @@ impl StepEngine for Mock {
         self.in_flight.push_back(StepDone {
             lane: step.lane,
             tokens,
+            logits: None,
             span: wgpar::trace::SpanId::NONE,
         });
         Ok(())

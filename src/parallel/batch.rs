@@ -8,8 +8,8 @@
 
 use std::time::Duration;
 
-use super::{Engine, PipelineStats};
-use crate::error::Result;
+use super::{Engine, Logits, PipelineStats};
+use crate::error::{Result, WgparError};
 use crate::model::ModelConfig;
 pub use crate::model::SeqRow;
 use crate::trace::SpanId;
@@ -31,6 +31,9 @@ pub struct BatchStep {
     /// Earliest start, microseconds since the recorder's epoch: when the requests a prefill
     /// admits arrived (see [`crate::trace::Span::release_ns`]).
     pub release_us: Option<f64>,
+    /// Read each row's logits back as well, for a caller that samples some rows itself (a
+    /// server whose requests carry their own temperature and seed).
+    pub logits: bool,
 }
 
 /// A finished step.
@@ -41,8 +44,36 @@ pub struct StepDone {
     /// Each row's next token, in row order: picked greedily on the device, so a step reads
     /// back token ids rather than `rows x vocab` logits.
     pub tokens: Vec<u32>,
+    /// Each row's logits (`rows x vocab`), when the step asked for them
+    /// ([`BatchStep::logits`]), checked finite.
+    pub logits: Option<Logits>,
     /// The span that delivered the tokens (the lane's next step depends on it).
     pub span: SpanId,
+}
+
+/// The first `rows` rows of read-back logits (a pipeline may pad its batch), or `None`
+/// when none were read.
+pub(crate) fn row_logits(
+    data: Option<Vec<f32>>,
+    rows: usize,
+    vocab: usize,
+) -> Result<Option<Logits>> {
+    let Some(mut data) = data else {
+        return Ok(None);
+    };
+    let want = rows * vocab;
+    if data.len() < want {
+        return Err(WgparError::Shape {
+            op: "serving step logits".into(),
+            detail: format!("{} values for {rows} rows of {vocab}", data.len()),
+        });
+    }
+    data.truncate(want);
+    Ok(Some(Logits {
+        batch: rows,
+        vocab,
+        data,
+    }))
 }
 
 /// An engine that runs a continuously batched workload: steps over rows of (slot, past).

@@ -1854,8 +1854,11 @@ impl StepEngine for PipelineEngine {
         w.rows = Some(Arc::new(step.rows));
         w.slots = Some(self.serving.slots);
         w.release_us = step.release_us;
-        // Serving is greedy: the device picks, and only token ids come back.
-        w.readout = Readout::default();
+        // The device picks greedily; logits come back only for a caller that samples.
+        w.readout = Readout {
+            logits: step.logits,
+            ..Readout::default()
+        };
         self.serving.started.get_or_insert_with(Instant::now);
         self.serving.busy[step.lane] = true;
         self.serving.tokens += shape.tokens();
@@ -1896,9 +1899,11 @@ impl StepEngine for PipelineEngine {
         )?;
         let mut tokens = picked.tokens;
         tokens.truncate(out.batch);
+        let vocab = self.model_config().vocab;
         Ok(Some(StepDone {
             lane,
             tokens,
+            logits: super::batch::row_logits(picked.logits, out.batch, vocab)?,
             span: out.dep,
         }))
     }

@@ -42,8 +42,9 @@ enum StepPick {
     /// The engine's sampler (greedy unless [`Engine::set_sampling`] said otherwise), with the
     /// logits read back when asked for.
     Engine { logits: bool },
-    /// Greedy on the device and nothing else read back: the serving loop's steps.
-    Greedy,
+    /// Greedy on the device, and the logits read back only when asked for: the serving
+    /// loop's steps.
+    Greedy { logits: bool },
 }
 
 impl SingleEngine {
@@ -110,9 +111,11 @@ impl SingleEngine {
                 self.picker.needs_logits(),
                 self.picker.draws(step.batch),
             ),
-            StepPick::Greedy => (TokenPick::Greedy, false, false, Vec::new()),
+            StepPick::Greedy { logits } => (TokenPick::Greedy, logits, false, Vec::new()),
         };
-        let want_logits = matches!(pick, StepPick::Engine { logits: true });
+        let want_logits = match pick {
+            StepPick::Engine { logits } | StepPick::Greedy { logits } => logits,
+        };
         act.set_readout(device_pick, read_logits);
         m.write_ids(act, ids)?;
         m.begin_step(act, kv, &step, rows)?;
@@ -296,17 +299,21 @@ impl StepEngine for SingleEngine {
             past: 0,
         };
         self.reserve_activations(shape.tokens(), shape.batch)?;
-        // Serving is greedy: the device picks, and only token ids come back.
+        // The device picks greedily; logits come back only for a caller that samples.
         let (out, span) = self.forward(
             &step.ids,
             shape,
             &step.rows,
             (&step.deps, step.release_us),
-            StepPick::Greedy,
+            StepPick::Greedy {
+                logits: step.logits,
+            },
         )?;
+        // Logits with a non-finite value were refused by the device's counts in `forward`.
         self.done.push_back(StepDone {
             lane: step.lane,
             tokens: out.tokens,
+            logits: out.logits,
             span,
         });
         Ok(())

@@ -13,6 +13,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::batch::row_logits;
 use super::cost;
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::pick::{check_finite, count_non_finite, Picker};
@@ -1153,21 +1154,26 @@ impl StepEngine for TensorParallelEngine {
             deps: Some(step.deps),
             release_us: step.release_us,
             encoder: None,
-            // Serving is greedy: the device picks, and only token ids come back.
-            readout: Readout::default(),
+            // The device picks greedily; logits come back only for a caller that samples.
+            readout: Readout {
+                logits: step.logits,
+                ..Readout::default()
+            },
         };
-        let tokens = match self.run(step.ids, shape, plan)? {
+        let out = match self.run(step.ids, shape, plan)? {
             GroupOutput::Picked(out) => {
                 if self.group.remote.is_none() {
                     check_finite(self.steps, &out.non_finite, None)?;
                 }
-                out.tokens
+                out
             }
             _ => return Err(no_output()),
         };
+        let vocab = self.model_config().vocab;
         self.done.push_back(StepDone {
             lane: step.lane,
-            tokens,
+            tokens: out.tokens,
+            logits: row_logits(out.logits, shape.batch, vocab)?,
             span: self.last_span,
         });
         Ok(())

@@ -330,6 +330,7 @@ impl State<'_> {
                     ids,
                     deps,
                     release_us: Some(release),
+                    logits: false,
                 },
                 InFlight::Prefill(joining),
             ));
@@ -357,6 +358,7 @@ impl State<'_> {
                     vec![l.last]
                 },
                 release_us: None,
+                logits: false,
             },
             InFlight::Decode,
         ))

@@ -4,6 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::chat::Message;
+use crate::model::sampling::SamplingParams;
 
 /// What a request asks for, checked.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,6 +20,9 @@ pub struct Params {
     /// Generate `max_tokens` even past an end-of-sequence token (vLLM's `ignore_eos`, for
     /// benchmarks).
     pub ignore_eos: bool,
+    /// How to draw tokens when `temperature` > 0 (`None`: greedy). Without a `seed` the
+    /// request gets a random one, as OpenAI's API does.
+    pub sampling: Option<SamplingParams>,
 }
 
 /// The prompt of a request.
@@ -96,17 +100,7 @@ pub fn params(obj: &Map<String, Value>) -> Result<Params, Invalid> {
             ));
         }
     }
-    // Greedy decoding: each request gets exactly the tokens it gets alone (the batched
-    // engines pick for every row alike, so a per-request sampler is not available).
-    if let Some(t) = number(obj, "temperature", 0.0, 2.0)? {
-        if t > 0.0 {
-            return Err(format!(
-                "'temperature' is {t}: this server decodes greedily; send 0 or leave it out"
-            ));
-        }
-    }
-    number(obj, "top_p", 0.0, 1.0)?;
-    integer(obj, "seed", 0, u64::MAX)?;
+    let sampling = sampling(obj)?;
     number(obj, "presence_penalty", -2.0, 2.0)?;
     number(obj, "frequency_penalty", -2.0, 2.0)?;
     let max_tokens = match integer(obj, "max_completion_tokens", 1, MAX_TOKENS_LIMIT)? {
@@ -143,7 +137,40 @@ pub fn params(obj: &Map<String, Value>) -> Result<Params, Invalid> {
         stream: boolean(obj, "stream")?,
         include_usage,
         ignore_eos: boolean(obj, "ignore_eos")?,
+        sampling,
     })
+}
+
+/// `temperature` (OpenAI's default is 1; 0 is greedy), `top_p`, `seed`, and `top_k` (an
+/// extension, as in vLLM and llama-server: 0 or -1 keep every token).
+fn sampling(obj: &Map<String, Value>) -> Result<Option<SamplingParams>, Invalid> {
+    let temperature = number(obj, "temperature", 0.0, 2.0)?.unwrap_or(1.0);
+    let top_p = number(obj, "top_p", 0.0, 1.0)?.unwrap_or(1.0);
+    let seed = integer(obj, "seed", 0, u64::MAX)?;
+    let top_k = match field(obj, "top_k") {
+        None => 0,
+        Some(v) => match v.as_i64() {
+            Some(-1) => 0,
+            Some(k) if (0..=i64::from(u32::MAX)).contains(&k) => k as usize,
+            _ => {
+                return Err(format!(
+                    "'top_k' must be -1 or a whole number >= 0, not {v}"
+                ))
+            }
+        },
+    };
+    if top_p == 0.0 && temperature > 0.0 {
+        return Err("'top_p' is 0: it must be above 0 to keep any token".into());
+    }
+    if temperature == 0.0 || top_k == 1 {
+        return Ok(None);
+    }
+    Ok(Some(SamplingParams {
+        temperature: temperature as f32,
+        top_k,
+        top_p: top_p as f32,
+        seed: seed.unwrap_or_else(rand::random),
+    }))
 }
 
 /// `prompt` of `/v1/completions`: a string, a list of one string, or token ids.
@@ -211,4 +238,68 @@ pub fn chat_messages(obj: &Map<String, Value>) -> Result<Prompt, Invalid> {
 /// Where the first stop string starts in `text`, if any.
 pub fn stop_at(text: &str, stop: &[String]) -> Option<usize> {
     stop.iter().filter_map(|s| text.find(s.as_str())).min()
+}
+
+/// Bytes at the end of `text` that begin some stop string (the longest such tail), to hold
+/// back until the next token says whether the stop string follows.
+pub fn partial_stop(text: &str, stop: &[String]) -> usize {
+    stop.iter()
+        .filter_map(|s| {
+            (1..s.len())
+                .rev()
+                .filter(|&n| s.is_char_boundary(n))
+                .find(|&n| text.ends_with(&s[..n]))
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params_of(json: &str) -> Result<Params, Invalid> {
+        params(&object(json.as_bytes())?)
+    }
+
+    #[test]
+    fn partial_stops_hold_back_the_longest_tail() {
+        let stop = vec!["END".to_string(), "xyz".to_string()];
+        assert_eq!(partial_stop("abc E", &stop), 1);
+        assert_eq!(partial_stop("abc EN", &stop), 2);
+        assert_eq!(partial_stop("abc xy", &stop), 2);
+        assert_eq!(partial_stop("abc", &stop), 0);
+        // A whole stop string is `stop_at`'s, not a partial one.
+        assert_eq!(partial_stop("abc END", &stop), 0);
+        assert_eq!(stop_at("abc END", &stop), Some(4));
+        // Multi-byte stop strings are cut on character boundaries only.
+        let stop = vec!["é!".to_string()];
+        assert_eq!(partial_stop("café", &stop), "é".len());
+        assert_eq!(partial_stop("caf", &stop), 0);
+    }
+
+    #[test]
+    fn sampling_follows_openai_defaults() {
+        // No temperature: OpenAI's default of 1, with a random seed.
+        let p = params_of(r#"{"prompt":"a"}"#).unwrap().sampling.unwrap();
+        assert_eq!((p.temperature, p.top_k, p.top_p), (1.0, 0, 1.0));
+        let s = params_of(r#"{"temperature":0.7,"top_p":0.9,"seed":11,"top_k":-1}"#)
+            .unwrap()
+            .sampling
+            .unwrap();
+        assert_eq!((s.temperature, s.top_k, s.top_p, s.seed), (0.7, 0, 0.9, 11));
+        // Greedy: temperature 0, or top_k 1.
+        assert_eq!(params_of(r#"{"temperature":0}"#).unwrap().sampling, None);
+        assert_eq!(params_of(r#"{"top_k":1}"#).unwrap().sampling, None);
+        for (bad, field) in [
+            (r#"{"temperature":2.5}"#, "temperature"),
+            (r#"{"top_p":0}"#, "top_p"),
+            (r#"{"top_k":-2}"#, "top_k"),
+            (r#"{"top_k":1.5}"#, "top_k"),
+            (r#"{"seed":"s"}"#, "seed"),
+        ] {
+            let e = params_of(bad).unwrap_err();
+            assert!(e.contains(field), "{bad}: {e}");
+        }
+    }
 }

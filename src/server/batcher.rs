@@ -18,7 +18,8 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::metrics::Metrics;
 use super::Shared;
 use crate::error::Result;
-use crate::parallel::{BatchStep, SeqRow, StepEngine};
+use crate::model::sampling::Sampler;
+use crate::parallel::{BatchStep, SeqRow, StepDone, StepEngine};
 
 /// What the engine sends a request.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,6 +46,10 @@ pub struct Job {
     pub accepted: Instant,
     /// Whether end-of-sequence tokens are generated like any other.
     pub ignore_eos: bool,
+    /// The request's own sampler (temperature, top-p, seed), drawing from its row's logits;
+    /// `None`: the device's greedy pick. Its stream advances once per token of this request
+    /// only, so a seeded request gets the same tokens whatever it is batched with.
+    pub sampler: Option<Sampler>,
 }
 
 struct Seq {
@@ -166,7 +171,7 @@ impl Batcher {
             let any_idle = self.lanes.iter().any(|l| l.busy.is_none());
             let timeout = any_idle.then_some(Duration::from_millis(2));
             if let Some(done) = engine.complete(timeout)? {
-                self.finish(done.lane, &done.tokens)?;
+                self.finish(done)?;
                 self.publish();
                 steps += 1;
                 if steps.is_multiple_of(16) {
@@ -247,6 +252,7 @@ impl Batcher {
                 ids,
                 deps: Vec::new(),
                 release_us: None,
+                logits: joining.iter().any(|s| s.job.sampler.is_some()),
             };
             return Some((step, Flight::Prefill(joining)));
         }
@@ -267,12 +273,16 @@ impl Batcher {
             ids: seqs.iter().map(|s| s.next).collect(),
             deps: Vec::new(),
             release_us: None,
+            logits: seqs.iter().any(|s| s.job.sampler.is_some()),
         };
         Some((step, Flight::Decode))
     }
 
-    /// Hands a finished step's tokens to their requests; finished ones leave.
-    fn finish(&mut self, lane: usize, tokens: &[u32]) -> Result<()> {
+    /// Hands a finished step's tokens to their requests (a sampling request draws its own
+    /// from its row's logits); finished ones leave.
+    fn finish(&mut self, done: StepDone) -> Result<()> {
+        let lane = done.lane;
+        let tokens = &done.tokens;
         let flight = self
             .lanes
             .get_mut(lane)
@@ -291,7 +301,16 @@ impl Batcher {
             });
         }
         let now = Instant::now();
-        for (mut s, &token) in seqs.drain(..).zip(tokens) {
+        for (row, (mut s, &greedy)) in seqs.drain(..).zip(tokens).enumerate() {
+            let token = match (&mut s.job.sampler, &done.logits) {
+                (None, _) => greedy,
+                (Some(sampler), Some(logits)) => sampler.sample(logits.row(row)),
+                (Some(_), None) => {
+                    return Err(crate::WgparError::Internal(
+                        "a sampling request's step came back without logits".into(),
+                    ))
+                }
+            };
             s.past += if prefill { s.job.prompt.len() } else { 1 };
             s.next = token;
             s.generated += 1;

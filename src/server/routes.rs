@@ -21,6 +21,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use super::api::{self, Params, Prompt};
 use super::batcher::{Event, Job};
 use super::{ServerOptions, Shared, TextModel};
+use crate::model::sampling::Sampler;
 
 /// What every handler sees.
 #[derive(Clone)]
@@ -233,6 +234,14 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
             .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         return r;
     }
+    let sampler = match accepted.params.sampling.map(Sampler::new).transpose() {
+        Ok(s) => s,
+        Err(e) => {
+            shared.queued.fetch_sub(1, Ordering::SeqCst);
+            shared.metrics.rejected.inc();
+            return error(StatusCode::BAD_REQUEST, e.to_string());
+        }
+    };
     let (tx, rx) = unbounded_channel();
     shared
         .metrics
@@ -244,6 +253,7 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
         events: tx,
         accepted: Instant::now(),
         ignore_eos: accepted.params.ignore_eos,
+        sampler,
     };
     if state.jobs.send(job).is_err() {
         shared.queued.fetch_sub(1, Ordering::SeqCst);
@@ -278,6 +288,8 @@ struct Detok {
     prompt_text: String,
     /// The text sent so far.
     sent: String,
+    /// The whole text so far (cut at a stop string): `sent` and what is held back.
+    text: String,
 }
 
 impl Detok {
@@ -288,6 +300,7 @@ impl Detok {
             ids: prompt,
             prompt_text,
             sent: String::new(),
+            text: String::new(),
         }
     }
 
@@ -295,30 +308,45 @@ impl Detok {
         self.ids.len() - self.prompt_len
     }
 
-    /// Adds `token`; returns the new text (held back while it ends in a partial character)
-    /// and whether a stop string ended it.
+    /// Adds `token`; returns the text that may go out now and whether a stop string ended
+    /// the request. Held back: a partial character, and a tail that could begin a stop string
+    /// (so a client never sees part of one).
     fn push(&mut self, text: &TextModel, token: u32, stop: &[String]) -> (String, bool) {
         self.ids.push(token);
         // Decoding prompt and continuation together keeps word boundaries, as `run --prompt`.
         let full = text.tokenizer.decode(&self.ids).unwrap_or_default();
-        let mut continuation = full
+        self.text = full
             .strip_prefix(self.prompt_text.as_str())
             .unwrap_or(&full)
             .to_string();
-        let stopped = api::stop_at(&continuation, stop);
-        if let Some(at) = stopped {
-            continuation.truncate(at);
-        } else if continuation.ends_with('\u{FFFD}') {
-            return (String::new(), false);
-        }
-        let new = continuation
+        let stopped = api::stop_at(&self.text, stop);
+        let ready = match stopped {
+            Some(at) => {
+                self.text.truncate(at);
+                at
+            }
+            None if self.text.ends_with('\u{FFFD}') => return (String::new(), false),
+            None => self.text.len() - api::partial_stop(&self.text, stop),
+        };
+        (self.release(ready), stopped.is_some())
+    }
+
+    /// The held-back rest, once the request has ended without a stop string.
+    fn flush(&mut self) -> String {
+        self.release(self.text.len())
+    }
+
+    /// Moves `text[..ready]` into `sent`; returns what is new.
+    fn release(&mut self, ready: usize) -> String {
+        let ready = &self.text[..ready];
+        let new = ready
             .strip_prefix(self.sent.as_str())
             .unwrap_or_default()
             .to_string();
-        if continuation.starts_with(self.sent.as_str()) {
-            self.sent = continuation;
+        if ready.starts_with(self.sent.as_str()) {
+            self.sent = ready.to_string();
         }
-        (new, stopped.is_some())
+        new
     }
 }
 
@@ -381,6 +409,7 @@ async fn whole_response(mut out: Output, mut rx: UnboundedReceiver<Event>) -> Re
                 if eos {
                     finish = "stop";
                 }
+                out.detok.flush();
                 break;
             }
             Event::Error(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
@@ -441,7 +470,7 @@ fn stream_response(
                             }
                         }
                         Some(Event::Done { eos }) => {
-                            (String::new(), Some(if eos { "stop" } else { "length" }))
+                            (out.detok.flush(), Some(if eos { "stop" } else { "length" }))
                         }
                         Some(Event::Error(e)) => {
                             let body = json!({"error": {"message": e, "type": "server_error", "code": 500}});

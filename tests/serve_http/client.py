@@ -17,13 +17,16 @@ def client(port):
                          timeout=120.0, max_retries=0)
 
 
-def complete(port, prompt, max_tokens):
-    """One non-streamed and one streamed greedy completion of prompt."""
+def complete(port, prompt, max_tokens, stop=None):
+    """One non-streamed and one streamed greedy completion of prompt (ended by `stop`, a
+    list of strings, if given)."""
     c = client(port)
-    whole = c.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0)
+    whole = c.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                 stop=stop)
     parts, usage, finish = [], None, None
     for chunk in c.completions.create(model="m", prompt=prompt, max_tokens=max_tokens,
-                                      stream=True, stream_options={"include_usage": True}):
+                                      temperature=0, stop=stop, stream=True,
+                                      stream_options={"include_usage": True}):
         if chunk.choices:
             parts.append(chunk.choices[0].text)
             finish = chunk.choices[0].finish_reason or finish
@@ -34,11 +37,14 @@ def complete(port, prompt, max_tokens):
             "stream_finish": finish, "stream_usage": usage, "chunks": len(parts)}
 
 
-def concurrent(port, prompts, max_tokens):
-    """Each prompt alone (non-streamed), then all at once as streams."""
+def concurrent(port, prompts, max_tokens, sampling=None):
+    """Each prompt alone (non-streamed), then all at once as streams. `sampling(i)` gives
+    request i's sampling fields (greedy when None)."""
     c = client(port)
-    alone = [c.completions.create(model="m", prompt=p, max_tokens=max_tokens).choices[0].text
-             for p in prompts]
+    fields = sampling or (lambda i: {"temperature": 0})
+    alone = [c.completions.create(model="m", prompt=p, max_tokens=max_tokens,
+                                  **fields(i)).choices[0].text
+             for i, p in enumerate(prompts)]
     results = [None] * len(prompts)
 
     def one(i):
@@ -46,7 +52,7 @@ def concurrent(port, prompts, max_tokens):
             parts, usage = [], None
             for chunk in client(port).completions.create(
                     model="m", prompt=prompts[i], max_tokens=max_tokens, stream=True,
-                    stream_options={"include_usage": True}):
+                    stream_options={"include_usage": True}, **fields(i)):
                 if chunk.choices:
                     parts.append(chunk.choices[0].text)
                 if chunk.usage:
@@ -61,6 +67,20 @@ def concurrent(port, prompts, max_tokens):
     for t in threads:
         t.join(300)
     return {"alone": alone, "together": results}
+
+
+def sampled(port, prompts, max_tokens, temperature, top_p):
+    """`concurrent` with sampling: request i has seed 100 + i, and odd requests are greedy
+    so sampled and greedy rows share steps. Then request 0 once more with another seed."""
+    def fields(i):
+        if i % 2 == 1:
+            return {"temperature": 0}
+        return {"temperature": temperature, "top_p": top_p, "seed": 100 + i}
+    out = concurrent(port, prompts, max_tokens, fields)
+    out["reseeded"] = client(port).completions.create(
+        model="m", prompt=prompts[0], max_tokens=max_tokens, temperature=temperature,
+        top_p=top_p, seed=7).choices[0].text
+    return out
 
 
 def cancel(port, count, prompt):
@@ -127,16 +147,19 @@ def render(template_file, messages_json, bos, eos):
 
 def chat(port, messages_json, max_tokens):
     r = client(port).chat.completions.create(model="m", messages=json.loads(messages_json),
-                                             max_tokens=max_tokens)
+                                             max_tokens=max_tokens, temperature=0)
     return {"text": r.choices[0].message.content, "usage": r.usage.model_dump()}
 
 
 def main():
     port, command, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     if command == "complete":
-        out = complete(port, args[0], int(args[1]))
+        stop = json.loads(args[2]) if len(args) > 2 else None
+        out = complete(port, args[0], int(args[1]), stop)
     elif command == "concurrent":
         out = concurrent(port, json.loads(args[0]), int(args[1]))
+    elif command == "sampled":
+        out = sampled(port, json.loads(args[0]), int(args[1]), float(args[2]), float(args[3]))
     elif command == "cancel":
         out = cancel(port, int(args[0]), args[1])
     elif command == "flood":
