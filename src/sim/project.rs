@@ -24,7 +24,9 @@
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 
-use crate::trace::{us_to_ns, CollectiveInfo, Interval, Span, SpanKind, Summary, Timeline, Track};
+use crate::trace::{
+    us_to_ns, CollectiveInfo, Interval, Span, SpanId, SpanKind, Summary, Timeline, Track,
+};
 
 use super::cost::{Algorithm, CostModel};
 use super::engine::{Engine, LinkKind};
@@ -132,9 +134,53 @@ pub fn project_engine(
     }
     let options = &options;
     let spans = &tl.spans;
-    let n = spans.len();
     let model = CostModel::with_engine(profile, engine);
+    let devices = span_devices(spans, profile)?;
+    let index_of: HashMap<_, usize> = spans.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
+    check_dependency_order(spans, &index_of)?;
+    let units = Units::of(spans)?;
+    let (cost, via) = unit_costs(&model, profile, spans, &units, &devices, options)?;
+    let resources: Vec<Resource> = spans
+        .iter()
+        .enumerate()
+        .map(|(i, s)| resource_of(s, devices[i], profile))
+        .collect();
+    let preds = predecessors(profile, spans, &index_of, &devices, &resources, options);
+    let waits = host_waits(spans, &preds, options);
+    let pools = compute_pools(profile, spans, &units, &devices);
+    let (start, end) = simulate(
+        &units.members,
+        &units.unit_of,
+        &preds,
+        (&waits.gap_us, &waits.release_us),
+        &cost,
+        &pools,
+    )
+    .map_err(|stuck| ProjectError::Cycle {
+        span: spans[stuck].id,
+        name: spans[stuck].name.clone(),
+    })?;
+    let placed = Placed {
+        devices: &devices,
+        start: &start,
+        end: &end,
+    };
+    let report = projection_report(
+        timeline,
+        &tl,
+        (profile, engine, &model),
+        &placed,
+        options,
+        via,
+    )?;
+    Ok(Projection {
+        report,
+        timeline: projected_timeline(&tl, &placed, profile, engine),
+    })
+}
 
+/// Each span's device (its own, or its track's), checked against the profile.
+fn span_devices(spans: &[Span], profile: &HostProfile) -> Result<Vec<Option<usize>>, ProjectError> {
     let devices: Vec<Option<usize>> = spans
         .iter()
         .map(|s| s.device.or_else(|| s.track.device()).map(|d| d as usize))
@@ -148,9 +194,15 @@ pub fn project_engine(
             });
         }
     }
-    let index_of: HashMap<_, usize> = spans.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
-    // A dependency that started after its dependent is not something a run records; caught
-    // here it names both spans, instead of surfacing as a cycle with resource order.
+    Ok(devices)
+}
+
+/// A dependency that started after its dependent is not something a run records; caught
+/// here it names both spans, instead of surfacing as a cycle with resource order.
+fn check_dependency_order(
+    spans: &[Span],
+    index_of: &HashMap<SpanId, usize>,
+) -> Result<(), ProjectError> {
     for s in spans {
         for dep in &s.deps {
             if let Some(d) = index_of.get(dep).map(|&i| &spans[i]) {
@@ -169,63 +221,90 @@ pub fn project_engine(
             }
         }
     }
+    Ok(())
+}
 
-    // Units: a collective group is scheduled as one unit, every other span alone.
-    let mut unit_of = vec![0usize; n];
-    let mut members: Vec<Vec<usize>> = Vec::new();
-    let mut group_unit: HashMap<u64, usize> = HashMap::new();
-    for (i, s) in spans.iter().enumerate() {
-        let group = s.collective.as_ref().and_then(|c| c.group);
-        let unit = match group.and_then(|g| group_unit.get(&g).copied()) {
-            Some(u) => {
-                check_same_collective(group.unwrap_or_default(), &spans[members[u][0]], s)?;
-                u
-            }
-            None => {
-                members.push(Vec::new());
-                let u = members.len() - 1;
-                if let Some(g) = group {
-                    group_unit.insert(g, u);
+/// Units of scheduling: a collective group is one unit, every other span is one alone.
+struct Units {
+    /// Each span's unit.
+    unit_of: Vec<usize>,
+    /// Each unit's spans, in span order.
+    members: Vec<Vec<usize>>,
+}
+
+impl Units {
+    fn of(spans: &[Span]) -> Result<Self, ProjectError> {
+        let mut unit_of = vec![0usize; spans.len()];
+        let mut members: Vec<Vec<usize>> = Vec::new();
+        let mut group_unit: HashMap<u64, usize> = HashMap::new();
+        for (i, s) in spans.iter().enumerate() {
+            let group = s.collective.as_ref().and_then(|c| c.group);
+            let unit = match group.and_then(|g| group_unit.get(&g).copied()) {
+                Some(u) => {
+                    check_same_collective(group.unwrap_or_default(), &spans[members[u][0]], s)?;
+                    u
                 }
-                u
-            }
-        };
-        unit_of[i] = unit;
-        members[unit].push(i);
+                None => {
+                    members.push(Vec::new());
+                    let u = members.len() - 1;
+                    if let Some(g) = group {
+                        group_unit.insert(g, u);
+                    }
+                    u
+                }
+            };
+            unit_of[i] = unit;
+            members[unit].push(i);
+        }
+        Ok(Self { unit_of, members })
     }
+}
 
-    // Cost of every unit (a group's members share one collective cost).
-    let mut cost = vec![0.0f64; n];
+/// The modelled cost of every span (a group's members share one collective cost), and the
+/// links the collectives went over.
+fn unit_costs(
+    model: &CostModel<'_>,
+    profile: &HostProfile,
+    spans: &[Span],
+    units: &Units,
+    devices: &[Option<usize>],
+    options: &ProjectOptions,
+) -> Result<(Vec<f64>, Vec<LinkKind>), ProjectError> {
+    let mut cost = vec![0.0f64; spans.len()];
     let mut via: Vec<LinkKind> = Vec::new();
-    for unit_members in &members {
+    for unit_members in &units.members {
         let first = &spans[unit_members[0]];
         if first.kind == SpanKind::Collective {
-            let (t, kind) =
-                collective_cost(&model, profile, spans, unit_members, &devices, options)?;
-            if let Some(kind) = kind {
-                if !via.contains(&kind) {
-                    via.push(kind);
-                }
+            let (t, kind) = collective_cost(model, profile, spans, unit_members, devices, options)?;
+            if let Some(kind) = kind.filter(|k| !via.contains(k)) {
+                via.push(kind);
             }
             for &m in unit_members {
                 cost[m] = t;
             }
         } else {
-            cost[unit_members[0]] = span_cost(&model, first, devices[unit_members[0]])?;
+            cost[unit_members[0]] = span_cost(model, first, devices[unit_members[0]])?;
         }
     }
+    Ok((cost, via))
+}
 
-    // Resource order: previous span on the same resource, by recorded start then id.
-    let resources: Vec<Resource> = spans
-        .iter()
-        .enumerate()
-        .map(|(i, s)| resource_of(s, devices[i], profile))
-        .collect();
+/// Every span's predecessors with the network hop before it: the previous span on its
+/// resource (by recorded start, then id), its recorded dependencies, and idle barriers when
+/// the options ask for them.
+fn predecessors(
+    profile: &HostProfile,
+    spans: &[Span],
+    index_of: &HashMap<SpanId, usize>,
+    devices: &[Option<usize>],
+    resources: &[Resource],
+    options: &ProjectOptions,
+) -> Vec<Vec<(usize, f64)>> {
     let mut by_resource: HashMap<&Resource, Vec<usize>> = HashMap::new();
     for (i, r) in resources.iter().enumerate() {
         by_resource.entry(r).or_default().push(i);
     }
-    let mut preds: Vec<Vec<(usize, f64)>> = vec![Vec::new(); n];
+    let mut preds: Vec<Vec<(usize, f64)>> = vec![Vec::new(); spans.len()];
     for list in by_resource.values_mut() {
         list.sort_by_key(|&i| (spans[i].start_ns, spans[i].id));
         for w in list.windows(2) {
@@ -242,22 +321,32 @@ pub fn project_engine(
         }
     }
     if options.barriers == StepBarriers::Idle {
-        for (from, to) in idle_barriers(spans, &resources) {
+        for (from, to) in idle_barriers(spans, resources) {
             preds[to].push((from, 0.0));
         }
     }
+    preds
+}
 
-    // Measured host gap of each span: start minus the latest end of its predecessors.
+/// What holds a span back besides its predecessors, in microseconds on the projection's
+/// clock (the first span starts at 0).
+struct HostWaits {
+    /// Earliest start: when the requests it serves arrived.
+    release_us: Vec<f64>,
+    /// The measured host gap (start minus the latest end of its predecessors), when kept.
+    gap_us: Vec<f64>,
+}
+
+fn host_waits(spans: &[Span], preds: &[Vec<(usize, f64)>], options: &ProjectOptions) -> HostWaits {
     let first_start = spans.iter().map(|s| s.start_ns).min().unwrap_or(0);
-    // Release times, on the projection's clock (the first span starts at 0).
-    let release_us: Vec<f64> = spans
+    let release_us = spans
         .iter()
         .map(|s| {
             s.release_ns
                 .map_or(0.0, |r| r.saturating_sub(first_start) as f64 / 1e3)
         })
         .collect();
-    let gap_us: Vec<f64> = (0..n)
+    let gap_us = (0..spans.len())
         .map(|i| match options.host_gaps {
             HostGaps::Drop => 0.0,
             HostGaps::Keep => {
@@ -270,9 +359,18 @@ pub fn project_engine(
             }
         })
         .collect();
+    HostWaits { release_us, gap_us }
+}
 
-    // Compute spans on a shared processor progress at a rate that depends on what else runs.
-    let pool_of_unit: Vec<Option<Shared<'_>>> = members
+/// The shared processor each compute unit runs on (its rate depends on what else runs there).
+fn compute_pools<'a>(
+    profile: &'a HostProfile,
+    spans: &[Span],
+    units: &Units,
+    devices: &[Option<usize>],
+) -> Vec<Option<Shared<'a>>> {
+    units
+        .members
         .iter()
         .map(|m| {
             let s = &spans[m[0]];
@@ -291,53 +389,40 @@ pub fn project_engine(
                 _ => None,
             }
         })
-        .collect();
-    let (start, end) = simulate(
-        &members,
-        &unit_of,
-        &preds,
-        (&gap_us, &release_us),
-        &cost,
-        &pool_of_unit,
-    )
-    .map_err(|stuck| ProjectError::Cycle {
-        span: spans[stuck].id,
-        name: spans[stuck].name.clone(),
-    })?;
+        .collect()
+}
 
+/// Where and when the projection placed every span.
+struct Placed<'a> {
+    devices: &'a [Option<usize>],
+    start: &'a [f64],
+    end: &'a [f64],
+}
+
+/// The report: measured and projected summaries, totals by kind, the submission overhead
+/// charged, and notes.
+fn projection_report(
+    timeline: &Timeline,
+    tl: &Timeline,
+    (profile, engine, model): (&HostProfile, &Engine, &CostModel<'_>),
+    placed: &Placed<'_>,
+    options: &ProjectOptions,
+    via: Vec<LinkKind>,
+) -> Result<ProjectionReport, ProjectError> {
+    let spans = &tl.spans;
     let device_count = tl.device_count();
     let projected = Summary::from_intervals(
         device_count,
-        (0..n).map(|i| Interval {
+        (0..spans.len()).map(|i| Interval {
             kind: spans[i].kind,
-            device: devices[i].map(|d| d as u32),
-            start_us: start[i],
-            end_us: end[i],
+            device: placed.devices[i].map(|d| d as u32),
+            start_us: placed.start[i],
+            end_us: placed.end[i],
             bytes: spans[i].bytes,
         }),
     );
-    let kinds = [
-        SpanKind::Compute,
-        SpanKind::DeviceToHost,
-        SpanKind::HostToDevice,
-        SpanKind::HostReduce,
-        SpanKind::Collective,
-        SpanKind::Wait,
-    ];
-    let by_kind = kinds
-        .iter()
-        .filter(|k| spans.iter().any(|s| s.kind == **k))
-        .map(|&k| KindTotal {
-            kind: k,
-            measured_us: spans.iter().filter(|s| s.kind == k).map(Span::dur_us).sum(),
-            projected_us: (0..n)
-                .filter(|&i| spans[i].kind == k)
-                .map(|i| end[i] - start[i])
-                .sum(),
-        })
-        .collect();
     let mut submit_overhead_us = 0.0;
-    for (s, d) in spans.iter().zip(&devices) {
+    for (s, d) in spans.iter().zip(placed.devices) {
         if let (SpanKind::Compute, Some(d)) = (s.kind, d) {
             submit_overhead_us += model.submit_us(*d)?;
         }
@@ -351,34 +436,63 @@ pub fn project_engine(
             profile.name
         ));
     }
-    let report = ProjectionReport {
+    Ok(ProjectionReport {
         profile: profile.name.clone(),
         engine: engine.label().to_owned(),
         collectives_via: via.iter().map(|k| k.name().to_owned()).collect(),
         profile_devices: profile.device_count(),
         devices_used: device_count,
-        spans: n,
+        spans: spans.len(),
         options: *options,
         measured: timeline.summary(),
         projected,
-        by_kind,
+        by_kind: totals_by_kind(spans, placed),
         submit_overhead_us,
         notes,
-    };
+    })
+}
 
+/// Measured and projected time per span kind, for the kinds the timeline has.
+fn totals_by_kind(spans: &[Span], placed: &Placed<'_>) -> Vec<KindTotal> {
+    let kinds = [
+        SpanKind::Compute,
+        SpanKind::DeviceToHost,
+        SpanKind::HostToDevice,
+        SpanKind::HostReduce,
+        SpanKind::Collective,
+        SpanKind::Wait,
+    ];
+    kinds
+        .iter()
+        .filter(|k| spans.iter().any(|s| s.kind == **k))
+        .map(|&k| KindTotal {
+            kind: k,
+            measured_us: spans.iter().filter(|s| s.kind == k).map(Span::dur_us).sum(),
+            projected_us: (0..spans.len())
+                .filter(|&i| spans[i].kind == k)
+                .map(|i| placed.end[i] - placed.start[i])
+                .sum(),
+        })
+        .collect()
+}
+
+/// The timeline with every span moved to where the projection placed it.
+fn projected_timeline(
+    tl: &Timeline,
+    placed: &Placed<'_>,
+    profile: &HostProfile,
+    engine: &Engine,
+) -> Timeline {
     let mut out = tl.clone();
     for (i, s) in out.spans.iter_mut().enumerate() {
-        s.start_ns = us_to_ns(start[i]);
-        s.dur_ns = us_to_ns(end[i]).saturating_sub(s.start_ns);
+        s.start_ns = us_to_ns(placed.start[i]);
+        s.dur_ns = us_to_ns(placed.end[i]).saturating_sub(s.start_ns);
     }
     out.meta
         .insert("projected_onto".to_owned(), profile.name.clone());
     out.meta
         .insert("projected_engine".to_owned(), engine.name.clone());
-    Ok(Projection {
-        report,
-        timeline: out,
-    })
+    out
 }
 
 /// Modelled duration of a non-collective span.
