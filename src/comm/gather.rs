@@ -256,7 +256,7 @@ impl Collectives {
             )?;
             check_out_dtype(OP, who, gpus, outs, dtype)?;
             let m = check_lens(OP, who, "input", gpus, &in_refs)?;
-            check_scaled(OP, who, "output", "input", gpus, outs, n, m)?;
+            check_scaled((OP, who), ("output", "input"), gpus, outs, m)?;
             Ok::<_, CommError>((dtype, m))
         })();
         let (dtype, m) = match checked {
@@ -314,7 +314,7 @@ impl Collectives {
             let dtype = check_dtypes(OP, who, gpus, &in_refs, &[DType::F32, DType::F16])?;
             check_out_dtype(OP, who, gpus, outs, dtype)?;
             let m = check_lens(OP, who, "output", gpus, &out_refs)?;
-            check_scaled(OP, who, "input", "output", gpus, ins, n, m)?;
+            check_scaled((OP, who), ("input", "output"), gpus, ins, m)?;
             Ok::<_, CommError>((dtype, m))
         })();
         let (dtype, m) = match checked {
@@ -378,18 +378,16 @@ fn check_out_dtype(
     Ok(())
 }
 
-/// Checks that every tensor in `ts` holds `n * m` elements.
-#[allow(clippy::too_many_arguments)]
+/// Checks that every tensor in `ts` (the `what` side) holds `m` elements of the `per` side
+/// for each of the `gpus.len()` ranks.
 fn check_scaled(
-    op: &str,
-    who: &str,
-    what: &str,
-    per: &str,
+    (op, who): (&str, &str),
+    (what, per): (&str, &str),
     gpus: &[&Gpu],
     ts: &[TensorRef],
-    n: usize,
     m: usize,
 ) -> std::result::Result<(), CommError> {
+    let n = gpus.len();
     for (i, t) in ts.iter().enumerate() {
         if t.len != n * m {
             return Err(CommError::mismatch(

@@ -224,7 +224,13 @@ pub(crate) fn execute(
         let t2 = Instant::now();
         ph.h2d += t2 - t1;
 
-        host_step(ex, &plan, k, s, &mut downs, &down_len, &mut ups, &up_len)?;
+        host_step(
+            ex,
+            &plan,
+            (k, s),
+            (&mut downs, &down_len),
+            (&mut ups, &up_len),
+        )?;
         let t3 = Instant::now();
         ph.host += t3 - t2;
 
@@ -352,16 +358,12 @@ fn split(len: usize, parts: usize, granule: usize) -> Vec<Range<usize>> {
 
 /// Maps the slots of step `k` (slot index `s`), runs the plan's host work on as many threads as
 /// pay off, and unmaps.
-#[allow(clippy::too_many_arguments)]
 fn host_step(
     ex: &Exec<'_>,
     plan: &Arc<dyn Plan>,
-    k: usize,
-    s: usize,
-    downs: &mut [Vec<Slot>],
-    down_len: &[Vec<u64>],
-    ups: &mut [Vec<Slot>],
-    up_len: &[u64],
+    (k, s): (usize, usize),
+    (downs, down_len): (&mut [Vec<Slot>], &[Vec<u64>]),
+    (ups, up_len): (&mut [Vec<Slot>], &[u64]),
 ) -> Result<(), CommError> {
     let view_err = |e: wgpu::MapRangeError| CommError::gpu(ex.op, "staging", e.to_string());
     let mut inputs: Vec<Option<Arc<wgpu::BufferView>>> = Vec::with_capacity(downs.len());

@@ -146,33 +146,25 @@ impl Builder {
         id
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn compute(
-        &mut self,
-        name: &'static str,
-        dev: u32,
-        c: BlockCost,
-        family: KernelFamily,
-        shards: usize,
-        deps: &[SpanId],
-        layer: Option<usize>,
-        mb: Option<u32>,
-    ) -> SpanId {
-        let mut a = SpanAttrs::compute(name, dev)
+    /// A compute span of `k` on device `dev`, after `deps`, in layer `layer` of micro-batch
+    /// `mb`.
+    fn compute(&mut self, dev: u32, k: Kernel, deps: &[SpanId], (layer, mb): Place) -> SpanId {
+        let c = k.cost;
+        let mut a = SpanAttrs::compute(k.name, dev)
             .flops(c.flops)
             .bytes(c.bytes)
             .kernels(c.kernels)
-            .family(family)
-            .blocks_of(self.width, shards)
+            .family(k.family)
+            .blocks_of(self.width, k.shards)
             .after_all(deps);
         if let Some(l) = layer {
             a = a.layer(l as u32);
         }
-        if let Some(k) = mb {
-            a = a.microbatch(k);
+        if let Some(m) = mb {
+            a = a.microbatch(m);
         }
         // The head span is all head, which a profile with a measured head rate prices so.
-        if name == HEAD {
+        if k.name == HEAD {
             a = a.head_part(HeadWork {
                 flops: c.flops,
                 bytes: c.bytes,
@@ -180,6 +172,29 @@ impl Builder {
         }
         self.push(a)
     }
+}
+
+/// What a modeled compute span runs: its name, cost, kernel family, and the number of
+/// shards its matrices are split into.
+struct Kernel {
+    name: &'static str,
+    cost: BlockCost,
+    family: KernelFamily,
+    shards: usize,
+}
+
+/// Where a span sits: its layer (none for the head) and micro-batch.
+type Place = (Option<usize>, Option<u32>);
+
+/// One tensor-parallel group of a modeled step: the model, each rank's shard and device, the
+/// micro-batch's step and formats.
+struct Group<'a> {
+    config: &'a ModelConfig,
+    shards: &'a [ShardSpec],
+    devices: &'a [u32],
+    step: &'a Step,
+    formats: &'a Formats,
+    mb: Option<u32>,
 }
 
 fn pipeline_partition(
@@ -199,19 +214,21 @@ fn pipeline_partition(
 /// One tensor-parallel group running `layers` for one micro-batch: per layer, each rank's
 /// attention projections, attention and MLP, with an all-reduce of the group after the
 /// attention and after the MLP. Returns each rank's last span. `last` adds the head (rank 0).
-#[allow(clippy::too_many_arguments)]
 fn tp_block(
     b: &mut Builder,
-    config: &ModelConfig,
-    shards: &[ShardSpec],
-    devices: &[u32],
+    g: &Group<'_>,
     layers: std::ops::Range<usize>,
-    step: &Step,
-    f: &Formats,
     deps: &[Vec<SpanId>],
-    mb: Option<u32>,
     last: bool,
 ) -> Vec<SpanId> {
+    let Group {
+        config,
+        shards,
+        devices,
+        step,
+        formats: f,
+        mb,
+    } = *g;
     let world = shards.len() as u32;
     // Recorded as f32 payloads; each engine scales them to its wire format.
     let bytes = (step.tokens() * config.hidden * 4) as u64;
@@ -220,37 +237,35 @@ fn tp_block(
         for half in 0..2 {
             let mut ends = Vec::new();
             for (r, shard) in shards.iter().enumerate() {
+                let kernel = |name, cost, family| Kernel {
+                    name,
+                    cost,
+                    family,
+                    shards: shard.world,
+                };
+                let at = (Some(layer), mb);
                 let end = if half == 0 {
+                    let projections = attention_projections(config, shard, step, f);
                     let p = b.compute(
-                        "attention.projections",
                         devices[r],
-                        attention_projections(config, shard, step, f),
-                        KernelFamily::Matmul,
-                        shard.world,
+                        kernel("attention.projections", projections, KernelFamily::Matmul),
                         &prev[r],
-                        Some(layer),
-                        mb,
+                        at,
                     );
+                    let core = attention_core(config, shard, step, f);
                     b.compute(
-                        "attention",
                         devices[r],
-                        attention_core(config, shard, step, f),
-                        KernelFamily::Attention,
-                        shard.world,
+                        kernel("attention", core, KernelFamily::Attention),
                         &[p],
-                        Some(layer),
-                        mb,
+                        at,
                     )
                 } else {
+                    let cost = mlp(config, shard, step, f);
                     b.compute(
-                        "mlp",
                         devices[r],
-                        mlp(config, shard, step, f),
-                        KernelFamily::Matmul,
-                        shard.world,
+                        kernel("mlp", cost, KernelFamily::Matmul),
                         &prev[r],
-                        Some(layer),
-                        mb,
+                        at,
                     )
                 };
                 ends.push(end);
@@ -286,17 +301,14 @@ fn tp_block(
         .map(|p| p.last().copied().unwrap_or(SpanId::NONE))
         .collect();
     if last {
-        out[0] = b.compute(
-            HEAD,
-            devices[0],
-            head(config, step.batch, f),
-            KernelFamily::Matmul,
+        let k = Kernel {
+            name: HEAD,
+            cost: head(config, step.batch, f),
+            family: KernelFamily::Matmul,
             // The head is one device's whole matrix.
-            1,
-            &prev[0],
-            None,
-            mb,
-        );
+            shards: 1,
+        };
+        out[0] = b.compute(devices[0], k, &prev[0], (None, mb));
     }
     out
 }
@@ -388,18 +400,15 @@ pub fn modeled_timeline(
                     }
                 }
                 let last_stage = stage + 1 == ranges.len();
-                let ends = tp_block(
-                    &mut b,
+                let group = Group {
                     config,
-                    &shards,
-                    &devs,
-                    layers.clone(),
-                    &mb_step,
+                    shards: &shards,
+                    devices: &devs,
+                    step: &mb_step,
                     formats,
-                    &deps,
                     mb,
-                    last_stage,
-                );
+                };
+                let ends = tp_block(&mut b, &group, layers.clone(), &deps, last_stage);
                 let out_bytes = match (last_stage, formats.logits_to_host) {
                     (true, true) => (mb_step.batch * config.vocab * 4) as u64,
                     // Sampled on the device: one token id per sequence comes back.
