@@ -39,7 +39,10 @@ use crate::comm::{Collectives, CommConfig};
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::model::{GpuModel, ModelConfig, ModelWeights, Placement, Step};
-use crate::sim::{calibrated_profile, HostProfile, MachineMeasurement, MeasuredDevice};
+use crate::sim::{
+    calibrated_profile, AlphaBetaFit, ComputeSharing, HostProfile, MachineMeasurement,
+    MeasuredDevice,
+};
 use crate::stats::median;
 
 /// Writes a line to the calibration log. A log that cannot be written (a closed pipe) must
@@ -107,12 +110,75 @@ pub fn calibrate(
     log: &mut dyn Write,
 ) -> Result<Calibration> {
     let config = &weights.config;
-    let (batch, prompt_len, iters, quick) = (
+    let sizes = checked_sizes(gpus, config, options)?;
+    let date = utc_date();
+    let host_name = cpu_name();
+    say_devices(gpus, (&host_name, &date), log)?;
+    let coll = Collectives::new(CommConfig::default())?;
+    let steps = blocks::block_steps(options.batch, options.prompt_len, options.quick);
+    let mut tokens: Vec<usize> = steps.iter().map(Step::tokens).collect();
+    tokens.sort_unstable();
+    tokens.dedup();
+    let sweep = Sweep {
+        weights,
+        options,
+        coll: &coll,
+        sizes: &sizes,
+        steps: &steps,
+        tokens: &tokens,
+    };
+    let mut measured = Vec::new();
+    let mut block_times = Vec::new();
+    for group in adapter_groups(gpus) {
+        let (device, alone_s) = sweep.measure_group(&group, log)?;
+        measured.push(device);
+        block_times.push(alone_s);
+    }
+    let (bounce, host_reduce) = sweep.between_devices(gpus, log)?;
+    let mut machine = MachineMeasurement {
+        name: options.name.clone(),
+        description: format!(
+            "this machine as calibrated on {date}: {} device(s), {}",
+            gpus.len(),
+            gpus[0].info().label()
+        ),
+        host_name,
+        host_reduce_gbps: host_reduce,
+        collective_overhead_us: Vec::new(),
+        devices: measured,
+    };
+    if gpus.len() > 1 {
+        machine.collective_overhead_us = collective_overheads(gpus, &machine, options, log)?;
+    }
+    let profile = calibrated_profile(&machine)?;
+    let note = format!(
+        "{date}, wgpar {}; driver {} {}\nkernel rates at model {} shapes, batch up to {}, prompt {}\n\
+         device->host->device fit: alpha {:.1} us, beta {:.3} GB/s (R^2 {:.4})",
+        env!("CARGO_PKG_VERSION"),
+        gpus[0].info().driver,
+        gpus[0].info().driver_info,
+        config.name,
         options.batch,
         options.prompt_len,
-        options.iters,
-        options.quick,
+        bounce.alpha_us,
+        bounce.beta_gbps,
+        bounce.r_squared
     );
+    Ok(Calibration {
+        profile,
+        note,
+        block_times,
+    })
+}
+
+/// The options checked against the devices and the model; the link sweep's sizes (from 256
+/// bytes, times 4, up to `--max-bytes`).
+fn checked_sizes(
+    gpus: &[Arc<Gpu>],
+    config: &ModelConfig,
+    options: &CalibrationOptions,
+) -> Result<Vec<u64>> {
+    let (batch, prompt_len, iters) = (options.batch, options.prompt_len, options.iters);
     if gpus.is_empty() {
         return Err(WgparError::Config(
             "calibration needs at least one device".into(),
@@ -138,8 +204,15 @@ pub fn calibrate(
             "--max-bytes {max_bytes} leaves fewer than two sizes (the sweep starts at 256 bytes)"
         )));
     }
-    let date = utc_date();
-    let host_name = cpu_name();
+    Ok(sizes)
+}
+
+/// The header of the log: the devices and their drivers.
+fn say_devices(
+    gpus: &[Arc<Gpu>],
+    (host_name, date): (&str, &str),
+    log: &mut dyn Write,
+) -> Result<()> {
     say!(
         log,
         "calibrating {} device(s) on {host_name}, {date}",
@@ -154,18 +227,56 @@ pub fn calibrate(
             g.info().driver_info
         );
     }
-    let coll = Collectives::new(CommConfig::default())?;
-    let steps = blocks::block_steps(batch, prompt_len, quick);
-    let tokens: Vec<usize> = {
-        let mut t: Vec<usize> = steps.iter().map(Step::tokens).collect();
-        t.sort_unstable();
-        t.dedup();
-        t
-    };
+    Ok(())
+}
 
-    let mut measured = Vec::new();
-    let mut block_times = Vec::new();
-    for group in adapter_groups(gpus) {
+/// The fixed cost of one host-staged collective for 2..=N devices.
+fn collective_overheads(
+    gpus: &[Arc<Gpu>],
+    machine: &MachineMeasurement,
+    options: &CalibrationOptions,
+    log: &mut dyn Write,
+) -> Result<Vec<f64>> {
+    let base = calibrated_profile(machine)?;
+    let overheads = links::collective_overheads(gpus, &base, options.iters.max(9), log)?;
+    let list: Vec<String> = (overheads.iter().enumerate())
+        .map(|(i, o)| format!("{} devices {o:.1} us", i + 2))
+        .collect();
+    say!(
+        log,
+        "  fixed cost per host-staged collective: {}",
+        list.join(", ")
+    );
+    Ok(overheads)
+}
+
+/// What every adapter group's measurement shares: the model, the options, and the sizes,
+/// steps and token counts swept.
+struct Sweep<'a> {
+    weights: &'a ModelWeights,
+    options: &'a CalibrationOptions,
+    coll: &'a Collectives,
+    sizes: &'a [u64],
+    steps: &'a [Step],
+    tokens: &'a [usize],
+}
+
+/// A model's rate curve and its surface over widths, as measured for one adapter.
+struct Surfaces {
+    attention: Vec<Vec<[f64; 3]>>,
+    matmul: Vec<Vec<[f64; 3]>>,
+    widths: Vec<f64>,
+}
+
+impl Sweep<'_> {
+    /// Links, kernels, blocks and (for several devices on one adapter) the shared processor
+    /// of one adapter group; also the whole layers' time alone at each step.
+    fn measure_group(
+        &self,
+        group: &[Arc<Gpu>],
+        log: &mut dyn Write,
+    ) -> Result<(MeasuredDevice, Vec<(Step, f64)>)> {
+        let (config, iters) = (&self.weights.config, self.options.iters);
         let gpu = &group[0];
         say!(log);
         say!(
@@ -174,22 +285,7 @@ pub fn calibrate(
             gpu.describe(),
             group.len()
         );
-        say!(
-            log,
-            "host links (size sweep {} B .. {} B, median of {iters}):",
-            sizes[0],
-            max_bytes
-        );
-        let (d2h_pts, h2d_pts) = links::link_sweeps(&coll, gpu, &sizes, iters)?;
-        say!(log, "  {:>10} {:>12} {:>12}", "bytes", "d2h us", "h2d us");
-        for (d, h) in d2h_pts.iter().zip(&h2d_pts) {
-            say!(log, "  {:>10} {:>12.1} {:>12.1}", d.0, d.1 * 1e6, h.1 * 1e6);
-        }
-        let d2h = links::fit_link("device->host", &d2h_pts, log)?;
-        let h2d = links::fit_link("host->device", &h2d_pts, log)?;
-        links::print_fit("device->host", &d2h, log);
-        links::print_fit("host->device", &h2d, log);
-
+        let (h2d, d2h) = self.host_links(gpu, log)?;
         say!(
             log,
             "kernels at the shapes of model {} (median of {iters}):",
@@ -198,24 +294,91 @@ pub fn calibrate(
         let least_model = synthetic_model(gpu, &blocks::dispatch_config(config))?;
         let dispatch = blocks::dispatch_costs(&least_model, iters, log)?;
         drop(least_model);
-        let launch_us = dispatch.launch_us;
         say!(
             log,
-            "  fitted: {:.1} us per submission and its wait + {launch_us:.1} us per dispatch",
-            dispatch.submit_us
+            "  fitted: {:.1} us per submission and its wait + {:.1} us per dispatch",
+            dispatch.submit_us,
+            dispatch.launch_us
         );
-        let elementwise_gbps = kernels::kernel_rates(gpu, config, &tokens, prompt_len, iters, log)?;
+        let prompt_len = self.options.prompt_len;
+        let elementwise_gbps =
+            kernels::kernel_rates(gpu, config, self.tokens, prompt_len, iters, log)?;
         let model = Arc::new(GpuModel::upload(
             gpu.clone(),
-            weights,
+            self.weights,
             Placement::whole(config),
             DType::F32,
         )?);
-        let measured_blocks = blocks::block_curves(&model, &steps, dispatch, iters, log)?;
-        let head_curve = blocks::head_curve(&model, &steps, dispatch, iters, log)?;
-        let mut attention_surface = vec![blocks::surface_curve(measured_blocks.attention.clone())];
-        let mut matmul_surface = vec![blocks::surface_curve(measured_blocks.layers.clone())];
-        let mut surface_widths = vec![config.hidden as f64];
+        let measured_blocks = blocks::block_curves(&model, self.steps, dispatch, iters, log)?;
+        let head_curve = blocks::head_curve(&model, self.steps, dispatch, iters, log)?;
+        let surfaces = self.surfaces(gpu, &measured_blocks, dispatch, log)?;
+        let alone_s = measured_blocks.alone_s.clone();
+        let compute_sharing = self.sharing(group, model, &alone_s, log)?;
+        let attention_curve = blocks::curve(measured_blocks.attention);
+        let matmul_curve = blocks::curve(measured_blocks.layers);
+        let plateau = |c: &[[f64; 2]]| c.last().map_or(0.0, |p| p[1]);
+        let device = MeasuredDevice {
+            name: gpu.info().label(),
+            count: group.len() as u32,
+            memory_bytes: memory_bytes(gpu),
+            h2d,
+            d2h,
+            matmul_gflops: plateau(&matmul_curve),
+            matmul_f16_gflops: None,
+            attention_gflops: Some(plateau(&attention_curve)),
+            elementwise_gbps,
+            launch_overhead_us: dispatch.launch_us,
+            submit_overhead_us: dispatch.submit_us,
+            matmul_curve,
+            attention_curve,
+            matmul_surface: surfaces.matmul,
+            attention_surface: surfaces.attention,
+            surface_widths: surfaces.widths,
+            head_curve,
+            compute_sharing,
+        };
+        Ok((device, alone_s))
+    }
+
+    /// Host-to-device and device-to-host fits from a sweep of sizes.
+    fn host_links(
+        &self,
+        gpu: &Arc<Gpu>,
+        log: &mut dyn Write,
+    ) -> Result<(AlphaBetaFit, AlphaBetaFit)> {
+        let (sizes, iters) = (self.sizes, self.options.iters);
+        say!(
+            log,
+            "host links (size sweep {} B .. {} B, median of {iters}):",
+            sizes[0],
+            self.options.max_bytes
+        );
+        let (d2h_pts, h2d_pts) = links::link_sweeps(self.coll, gpu, sizes, iters)?;
+        say!(log, "  {:>10} {:>12} {:>12}", "bytes", "d2h us", "h2d us");
+        for (d, h) in d2h_pts.iter().zip(&h2d_pts) {
+            say!(log, "  {:>10} {:>12.1} {:>12.1}", d.0, d.1 * 1e6, h.1 * 1e6);
+        }
+        let d2h = links::fit_link("device->host", &d2h_pts, log)?;
+        let h2d = links::fit_link("host->device", &h2d_pts, log)?;
+        links::print_fit("device->host", &d2h, log);
+        links::print_fit("host->device", &h2d, log);
+        Ok((h2d, d2h))
+    }
+
+    /// The model's blocks' rate surfaces: its own width, then wider and narrower ones.
+    fn surfaces(
+        &self,
+        gpu: &Arc<Gpu>,
+        own: &blocks::BlockCurves,
+        dispatch: blocks::DispatchCosts,
+        log: &mut dyn Write,
+    ) -> Result<Surfaces> {
+        let config = &self.weights.config;
+        let mut s = Surfaces {
+            attention: vec![blocks::surface_curve(own.attention.clone())],
+            matmul: vec![blocks::surface_curve(own.layers.clone())],
+            widths: vec![config.hidden as f64],
+        };
         let other_widths = blocks::wide_config(config).into_iter().chain(
             blocks::narrow_widths(config)
                 .into_iter()
@@ -232,133 +395,78 @@ pub fn calibrate(
                 other.ffn
             );
             let other_model = synthetic_model(gpu, &other)?;
-            let b = blocks::block_curves(&other_model, &steps, dispatch, iters, log)?;
-            attention_surface.push(blocks::surface_curve(b.attention));
-            matmul_surface.push(blocks::surface_curve(b.layers));
-            surface_widths.push(other.hidden as f64);
+            let b =
+                blocks::block_curves(&other_model, self.steps, dispatch, self.options.iters, log)?;
+            s.attention.push(blocks::surface_curve(b.attention));
+            s.matmul.push(blocks::surface_curve(b.layers));
+            s.widths.push(other.hidden as f64);
         }
-        let attention_curve = blocks::curve(measured_blocks.attention);
-        let matmul_curve = blocks::curve(measured_blocks.layers);
-        let plateau = |c: &[[f64; 2]]| c.last().map_or(0.0, |p| p[1]);
-        block_times.push(measured_blocks.alone_s.clone());
+        Ok(s)
+    }
 
-        let compute_sharing = if group.len() > 1 {
+    /// How devices on one adapter slow each other (none for a group of one).
+    fn sharing(
+        &self,
+        group: &[Arc<Gpu>],
+        model: Arc<GpuModel>,
+        alone_s: &[(Step, f64)],
+        log: &mut dyn Write,
+    ) -> Result<Option<ComputeSharing>> {
+        if group.len() < 2 {
+            return Ok(None);
+        }
+        let (options, config) = (self.options, &self.weights.config);
+        say!(
+            log,
+            "shared processor ({} devices on one adapter):",
+            group.len()
+        );
+        let mut models = vec![model];
+        for g in &group[1..] {
+            models.push(Arc::new(GpuModel::upload(
+                g.clone(),
+                self.weights,
+                Placement::whole(config),
+                DType::F32,
+            )?));
+        }
+        let shapes = sharing::sharing_steps(options.batch, options.prompt_len, options.quick);
+        let window = if options.quick { 0.3 } else { 1.0 };
+        Ok(Some(sharing::sharing_slowdown(
+            &models, &shapes, window, alone_s, log,
+        )?))
+    }
+
+    /// The device-to-host-to-device fit between the first two devices (or the one), and the
+    /// host's reduce rate.
+    fn between_devices(
+        &self,
+        gpus: &[Arc<Gpu>],
+        log: &mut dyn Write,
+    ) -> Result<(AlphaBetaFit, f64)> {
+        let (sizes, iters) = (self.sizes, self.options.iters);
+        say!(log);
+        say!(log, "between devices:");
+        let b = gpus.get(1).unwrap_or(&gpus[0]);
+        let bounce_pts = links::bounce_sweep(self.coll, &gpus[0], b, sizes, iters)?;
+        let bounce = links::fit_link("device->host->device", &bounce_pts, log)?;
+        links::print_fit("dev->host->dev", &bounce, log);
+        let host_reduce = if gpus.len() > 1 {
+            links::host_reduce_gbps(gpus, sizes, iters, log)?
+        } else {
+            let r = links::host_sum_gbps(iters)?;
             say!(
                 log,
-                "shared processor ({} devices on one adapter):",
-                group.len()
+                "  one device: host summing two 16 MiB buffers: {r:.2} GB/s"
             );
-            let mut models = vec![model.clone()];
-            for g in &group[1..] {
-                models.push(Arc::new(GpuModel::upload(
-                    g.clone(),
-                    weights,
-                    Placement::whole(config),
-                    DType::F32,
-                )?));
-            }
-            let shapes = sharing::sharing_steps(batch, prompt_len, quick);
-            let window = if quick { 0.3 } else { 1.0 };
-            Some(sharing::sharing_slowdown(
-                &models,
-                &shapes,
-                window,
-                &measured_blocks.alone_s,
-                log,
-            )?)
-        } else {
-            None
+            r
         };
-        measured.push(MeasuredDevice {
-            name: gpu.info().label(),
-            count: group.len() as u32,
-            memory_bytes: memory_bytes(gpu),
-            h2d,
-            d2h,
-            matmul_gflops: plateau(&matmul_curve),
-            matmul_f16_gflops: None,
-            attention_gflops: Some(plateau(&attention_curve)),
-            elementwise_gbps,
-            launch_overhead_us: launch_us,
-            submit_overhead_us: dispatch.submit_us,
-            matmul_curve,
-            attention_curve,
-            matmul_surface,
-            attention_surface,
-            surface_widths,
-            head_curve,
-            compute_sharing,
-        });
-    }
-
-    say!(log);
-    say!(log, "between devices:");
-    let b = gpus.get(1).unwrap_or(&gpus[0]);
-    let bounce_pts = links::bounce_sweep(&coll, &gpus[0], b, &sizes, iters)?;
-    let bounce = links::fit_link("device->host->device", &bounce_pts, log)?;
-    links::print_fit("dev->host->dev", &bounce, log);
-    let host_reduce = if gpus.len() > 1 {
-        links::host_reduce_gbps(gpus, &sizes, iters, log)?
-    } else {
-        let r = links::host_sum_gbps(iters)?;
         say!(
             log,
-            "  one device: host summing two 16 MiB buffers: {r:.2} GB/s"
+            "  host reduce rate: {host_reduce:.2} GB/s (bytes read plus written)"
         );
-        r
-    };
-    say!(
-        log,
-        "  host reduce rate: {host_reduce:.2} GB/s (bytes read plus written)"
-    );
-
-    let mut machine = MachineMeasurement {
-        name: options.name.clone(),
-        description: format!(
-            "this machine as calibrated on {date}: {} device(s), {}",
-            gpus.len(),
-            gpus[0].info().label()
-        ),
-        host_name,
-        host_reduce_gbps: host_reduce,
-        collective_overhead_us: Vec::new(),
-        devices: measured,
-    };
-    if gpus.len() > 1 {
-        let base = calibrated_profile(&machine)?;
-        machine.collective_overhead_us =
-            links::collective_overheads(gpus, &base, iters.max(9), log)?;
-        let list: Vec<String> = machine
-            .collective_overhead_us
-            .iter()
-            .enumerate()
-            .map(|(i, o)| format!("{} devices {o:.1} us", i + 2))
-            .collect();
-        say!(
-            log,
-            "  fixed cost per host-staged collective: {}",
-            list.join(", ")
-        );
+        Ok((bounce, host_reduce))
     }
-    let profile = calibrated_profile(&machine)?;
-    let note = format!(
-        "{date}, wgpar {}; driver {} {}\nkernel rates at model {} shapes, batch up to {}, prompt {}\n\
-         device->host->device fit: alpha {:.1} us, beta {:.3} GB/s (R^2 {:.4})",
-        env!("CARGO_PKG_VERSION"),
-        gpus[0].info().driver,
-        gpus[0].info().driver_info,
-        config.name,
-        batch,
-        prompt_len,
-        bounce.alpha_us,
-        bounce.beta_gbps,
-        bounce.r_squared
-    );
-    Ok(Calibration {
-        profile,
-        note,
-        block_times,
-    })
 }
 
 /// A model of shape `c` with synthetic weights, whole on `gpu` in f32: the blocks the
