@@ -4,11 +4,11 @@
 //! dependencies between ranks (a message received on one rank after a span of another) made
 //! real dependencies, so that `sim::project` replays the whole job.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use thiserror::Error;
 
-use super::span::{SpanId, SpanKind, Track};
+use super::span::{Span, SpanId, SpanKind, Track};
 use super::timeline::Timeline;
 
 /// Collective group ids with this bit set belong to a collective across processes: every rank
@@ -181,153 +181,16 @@ impl Timeline {
         traces: &[Timeline],
         placement: RankPlacement,
     ) -> Result<Timeline, MergeError> {
-        let mut ranked: Vec<(usize, &Timeline)> = Vec::with_capacity(traces.len());
-        let mut size = 0;
-        for (i, t) in traces.iter().enumerate() {
-            let number = |key| {
-                meta(t, i, key)?
-                    .parse::<usize>()
-                    .map_err(|_| MergeError::NotARankTrace { index: i, key })
-            };
-            let rank = number(keys::RANK)?;
-            size = number(keys::SIZE)?;
-            ranked.push((rank, t));
-        }
-        same_run(traces)?;
-        ranked.sort_by_key(|(r, _)| *r);
-        let found: Vec<usize> = ranked.iter().map(|(r, _)| *r).collect();
-        // Every trace gives the same size (checked above); the ranks must be 0..size, each once.
-        if size == 0 || size != found.len() || found.iter().enumerate().any(|(i, &r)| i != r) {
-            return Err(MergeError::Ranks { found, size });
-        }
-        // Device offsets and clock shifts per rank.
-        let mut offsets = Vec::with_capacity(size);
-        let mut next = 0usize;
-        for (r, t) in &ranked {
-            let devices = t
-                .meta
-                .get(keys::DEVICES)
-                .and_then(|d| d.parse().ok())
-                .unwrap_or(0usize)
-                .max(t.device_count());
-            let max = crate::device::MAX_DEVICES;
-            if devices > max {
-                return Err(MergeError::TooManyDevices {
-                    rank: *r,
-                    devices,
-                    max,
-                });
-            }
-            let off = match placement {
-                RankPlacement::Pack => next,
-                RankPlacement::PerNode(n) => {
-                    if devices > n {
-                        return Err(MergeError::NodeTooSmall {
-                            rank: *r,
-                            devices,
-                            per_node: n,
-                        });
-                    }
-                    r * n
-                }
-            };
-            next = off + devices;
-            offsets.push(off as u32);
-        }
-        let shifts: Vec<i64> = ranked
-            .iter()
-            .map(|(_, t)| {
-                let us: f64 = t
-                    .meta
-                    .get(keys::CLOCK_OFFSET_US)
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(0.0);
-                (us * 1e3).round() as i64
-            })
-            .collect();
-        let origin = ranked
-            .iter()
-            .zip(&shifts)
-            .flat_map(|((_, t), sh)| t.spans.iter().map(move |s| s.start_ns as i64 + sh))
-            .min()
-            .unwrap_or(0)
-            .min(0);
-        // Every span, shifted and moved to its global devices, keyed by (rank, old id).
-        let mut all = Vec::new();
-        for ((r, t), (&off, &shift)) in ranked.iter().zip(offsets.iter().zip(&shifts)) {
-            for s in &t.spans {
-                let mut s = s.clone();
-                s.start_ns = (s.start_ns as i64 + shift - origin).max(0) as u64;
-                s.device = s.device.map(|d| d + off);
-                s.track = match s.track {
-                    Track::Device(d) => Track::Device(d + off),
-                    Track::DeviceToHost(d) => Track::DeviceToHost(d + off),
-                    Track::HostToDevice(d) => Track::HostToDevice(d + off),
-                    Track::Host if *r == 0 => Track::Host,
-                    Track::Host => Track::Other(format!("rank{r} host")),
-                    Track::Other(name) => Track::Other(format!("rank{r} {name}")),
-                };
-                if let Some(c) = &mut s.collective {
-                    if let Some(g) = c.group {
-                        if g & CROSS_PROCESS_GROUP == 0 {
-                            c.group = Some(g | ((*r as u64 + 1) << 55));
-                        }
-                    }
-                }
-                all.push((*r, s));
-            }
-        }
-        all.sort_by_key(|(r, s)| (s.start_ns, s.end_ns(), *r, s.id));
+        let ranked = ranked_traces(traces)?;
+        let offsets = device_offsets(&ranked, placement)?;
+        let all = shifted_spans(&ranked, &offsets);
         let ids: HashMap<(usize, SpanId), SpanId> = all
             .iter()
             .enumerate()
             .map(|(i, (r, s))| ((*r, s.id), SpanId(i as u64 + 1)))
             .collect();
-        // Remote dependencies: the waiting span, and (when it is a wait) what directly follows
-        // it, depend on the remote span; the latter puts a device-to-host copy right before a
-        // host-to-device copy, which is where a projection charges the network.
-        let mut extra: HashMap<(usize, SpanId), Vec<SpanId>> = HashMap::new();
-        for (r, t) in &ranked {
-            for d in &t.remote_deps {
-                let remote =
-                    *ids.get(&(d.rank as usize, d.remote))
-                        .ok_or(MergeError::UnknownRemote {
-                            rank: *r,
-                            span: d.span,
-                            from: d.rank as usize,
-                            remote: d.remote,
-                        })?;
-                extra.entry((*r, d.span)).or_default().push(remote);
-                let waits = t.span(d.span).is_some_and(|s| s.kind == SpanKind::Wait);
-                if waits {
-                    for s in t.spans.iter().filter(|s| s.deps.contains(&d.span)) {
-                        extra.entry((*r, s.id)).or_default().push(remote);
-                    }
-                }
-            }
-        }
-        let mut dropped = 0usize;
-        let mut out = Timeline::new();
-        for (r, mut s) in all {
-            let key = (r, s.id);
-            let new_id = ids[&key];
-            let mut deps: Vec<SpanId> = s
-                .deps
-                .iter()
-                .filter_map(|d| ids.get(&(r, *d)).copied())
-                .collect();
-            deps.extend(extra.remove(&key).unwrap_or_default());
-            deps.sort();
-            deps.dedup();
-            let before = deps.len();
-            // Clock alignment is good to the barrier's skew: an edge that would point forward
-            // in time cannot be kept (the validator forbids it); count it.
-            deps.retain(|d| *d < new_id);
-            dropped += before - deps.len();
-            s.id = new_id;
-            s.deps = deps;
-            out.spans.push(s);
-        }
+        let extra = remote_dependencies(&ranked, &ids)?;
+        let (mut out, dropped) = renumbered(all, &ids, extra);
         for ((r, t), &off) in ranked.iter().zip(&offsets) {
             let host = t.meta.get(keys::HOST).cloned().unwrap_or_default();
             for (d, label) in &t.devices {
@@ -335,26 +198,201 @@ impl Timeline {
                     .insert(d + off, format!("rank {r} ({host}): {label}"));
             }
         }
-        out.meta = ranked[0].1.meta.clone();
-        out.meta.remove(keys::RANK);
-        out.meta.remove(keys::CLOCK_OFFSET_US);
-        out.meta.remove(keys::HOST);
-        out.meta.remove(keys::DEVICES);
-        out.meta.insert(
-            "mpi_hosts".into(),
-            ranked
-                .iter()
-                .map(|(_, t)| t.meta.get(keys::HOST).cloned().unwrap_or_default())
-                .collect::<Vec<_>>()
-                .join(","),
-        );
-        out.meta.insert("mpi_merged_ranks".into(), size.to_string());
-        if dropped > 0 {
-            out.meta
-                .insert("mpi_merge_dropped_deps".into(), dropped.to_string());
-        }
+        out.meta = merged_meta(&ranked, dropped);
         Ok(out)
     }
+}
+
+/// The traces by rank, checked to be one run's ranks 0..size, each once.
+fn ranked_traces(traces: &[Timeline]) -> Result<Vec<(usize, &Timeline)>, MergeError> {
+    let mut ranked: Vec<(usize, &Timeline)> = Vec::with_capacity(traces.len());
+    let mut size = 0;
+    for (i, t) in traces.iter().enumerate() {
+        let number = |key| {
+            meta(t, i, key)?
+                .parse::<usize>()
+                .map_err(|_| MergeError::NotARankTrace { index: i, key })
+        };
+        let rank = number(keys::RANK)?;
+        size = number(keys::SIZE)?;
+        ranked.push((rank, t));
+    }
+    same_run(traces)?;
+    ranked.sort_by_key(|(r, _)| *r);
+    let found: Vec<usize> = ranked.iter().map(|(r, _)| *r).collect();
+    // Every trace gives the same size (checked above); the ranks must be 0..size, each once.
+    if size == 0 || size != found.len() || found.iter().enumerate().any(|(i, &r)| i != r) {
+        return Err(MergeError::Ranks { found, size });
+    }
+    Ok(ranked)
+}
+
+/// The first global device of each rank: packed one after another, or `n` per node.
+fn device_offsets(
+    ranked: &[(usize, &Timeline)],
+    placement: RankPlacement,
+) -> Result<Vec<u32>, MergeError> {
+    let mut offsets = Vec::with_capacity(ranked.len());
+    let mut next = 0usize;
+    for (r, t) in ranked {
+        let devices = t
+            .meta
+            .get(keys::DEVICES)
+            .and_then(|d| d.parse().ok())
+            .unwrap_or(0usize)
+            .max(t.device_count());
+        let max = crate::device::MAX_DEVICES;
+        if devices > max {
+            return Err(MergeError::TooManyDevices {
+                rank: *r,
+                devices,
+                max,
+            });
+        }
+        let off = match placement {
+            RankPlacement::Pack => next,
+            RankPlacement::PerNode(n) if devices > n => {
+                return Err(MergeError::NodeTooSmall {
+                    rank: *r,
+                    devices,
+                    per_node: n,
+                })
+            }
+            RankPlacement::PerNode(n) => r * n,
+        };
+        next = off + devices;
+        offsets.push(off as u32);
+    }
+    Ok(offsets)
+}
+
+/// Every rank's spans on the common clock (the earliest at or after 0), on their global
+/// devices and tracks, with per-rank collective groups kept apart; sorted by time.
+fn shifted_spans(ranked: &[(usize, &Timeline)], offsets: &[u32]) -> Vec<(usize, Span)> {
+    let shifts: Vec<i64> = ranked
+        .iter()
+        .map(|(_, t)| {
+            let us: f64 = t
+                .meta
+                .get(keys::CLOCK_OFFSET_US)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0.0);
+            (us * 1e3).round() as i64
+        })
+        .collect();
+    let origin = ranked
+        .iter()
+        .zip(&shifts)
+        .flat_map(|((_, t), sh)| t.spans.iter().map(move |s| s.start_ns as i64 + sh))
+        .min()
+        .unwrap_or(0)
+        .min(0);
+    let mut all = Vec::new();
+    for ((r, t), (&off, &shift)) in ranked.iter().zip(offsets.iter().zip(&shifts)) {
+        for s in &t.spans {
+            let mut s = s.clone();
+            s.start_ns = (s.start_ns as i64 + shift - origin).max(0) as u64;
+            s.device = s.device.map(|d| d + off);
+            s.track = match s.track {
+                Track::Device(d) => Track::Device(d + off),
+                Track::DeviceToHost(d) => Track::DeviceToHost(d + off),
+                Track::HostToDevice(d) => Track::HostToDevice(d + off),
+                Track::Host if *r == 0 => Track::Host,
+                Track::Host => Track::Other(format!("rank{r} host")),
+                Track::Other(name) => Track::Other(format!("rank{r} {name}")),
+            };
+            if let Some(c) = &mut s.collective {
+                if let Some(g) = c.group {
+                    if g & CROSS_PROCESS_GROUP == 0 {
+                        c.group = Some(g | ((*r as u64 + 1) << 55));
+                    }
+                }
+            }
+            all.push((*r, s));
+        }
+    }
+    all.sort_by_key(|(r, s)| (s.start_ns, s.end_ns(), *r, s.id));
+    all
+}
+
+/// Dependencies across ranks, by (rank, old id): the waiting span, and (when it is a wait)
+/// what directly follows it, depend on the remote span; the latter puts a device-to-host copy
+/// right before a host-to-device copy, which is where a projection charges the network.
+fn remote_dependencies(
+    ranked: &[(usize, &Timeline)],
+    ids: &HashMap<(usize, SpanId), SpanId>,
+) -> Result<HashMap<(usize, SpanId), Vec<SpanId>>, MergeError> {
+    let mut extra: HashMap<(usize, SpanId), Vec<SpanId>> = HashMap::new();
+    for (r, t) in ranked {
+        for d in &t.remote_deps {
+            let remote =
+                *ids.get(&(d.rank as usize, d.remote))
+                    .ok_or(MergeError::UnknownRemote {
+                        rank: *r,
+                        span: d.span,
+                        from: d.rank as usize,
+                        remote: d.remote,
+                    })?;
+            extra.entry((*r, d.span)).or_default().push(remote);
+            let waits = t.span(d.span).is_some_and(|s| s.kind == SpanKind::Wait);
+            if waits {
+                for s in t.spans.iter().filter(|s| s.deps.contains(&d.span)) {
+                    extra.entry((*r, s.id)).or_default().push(remote);
+                }
+            }
+        }
+    }
+    Ok(extra)
+}
+
+/// The spans under their new ids with their own and remote dependencies; also how many edges
+/// were dropped for pointing forward in time.
+fn renumbered(
+    all: Vec<(usize, Span)>,
+    ids: &HashMap<(usize, SpanId), SpanId>,
+    mut extra: HashMap<(usize, SpanId), Vec<SpanId>>,
+) -> (Timeline, usize) {
+    let mut dropped = 0usize;
+    let mut out = Timeline::new();
+    for (r, mut s) in all {
+        let key = (r, s.id);
+        let new_id = ids[&key];
+        let mut deps: Vec<SpanId> = s
+            .deps
+            .iter()
+            .filter_map(|d| ids.get(&(r, *d)).copied())
+            .collect();
+        deps.extend(extra.remove(&key).unwrap_or_default());
+        deps.sort();
+        deps.dedup();
+        let before = deps.len();
+        // Clock alignment is good to the barrier's skew: an edge that would point forward
+        // in time cannot be kept (the validator forbids it); count it.
+        deps.retain(|d| *d < new_id);
+        dropped += before - deps.len();
+        s.id = new_id;
+        s.deps = deps;
+        out.spans.push(s);
+    }
+    (out, dropped)
+}
+
+/// Rank 0's metadata without the per-rank keys, plus the hosts, the rank count and the
+/// dropped edges.
+fn merged_meta(ranked: &[(usize, &Timeline)], dropped: usize) -> BTreeMap<String, String> {
+    let mut meta = ranked[0].1.meta.clone();
+    for key in [keys::RANK, keys::CLOCK_OFFSET_US, keys::HOST, keys::DEVICES] {
+        meta.remove(key);
+    }
+    let hosts: Vec<String> = (ranked.iter())
+        .map(|(_, t)| t.meta.get(keys::HOST).cloned().unwrap_or_default())
+        .collect();
+    meta.insert("mpi_hosts".into(), hosts.join(","));
+    meta.insert("mpi_merged_ranks".into(), ranked.len().to_string());
+    if dropped > 0 {
+        meta.insert("mpi_merge_dropped_deps".into(), dropped.to_string());
+    }
+    meta
 }
 
 #[cfg(test)]
