@@ -5,13 +5,14 @@
 
 mod common;
 mod hf_support;
+mod serve_support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use hf_support::{write_checkpoint, write_word_tokenizer, Scratch, Store};
 use serde_json::Value;
+use serve_support::Server;
 use wgpar::model::{ModelConfig, ModelWeights};
 
 const TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %} t3 \
@@ -31,108 +32,22 @@ fn checkpoint() -> Scratch {
     dir
 }
 
-/// A running `wgpar serve`, stopped by PID when dropped.
-struct Server {
-    child: Child,
-    port: u16,
+/// `wgpar serve` on `dir`'s checkpoint with `extra` options.
+fn start(dir: &Scratch, extra: &[&str]) -> Server {
+    launch(&[&["--model", dir.to_str().unwrap()][..], extra].concat())
 }
 
-impl Server {
-    fn start(dir: &Scratch, extra: &[&str]) -> Server {
-        Self::launch(&[&["--model", dir.to_str().unwrap()][..], extra].concat())
-    }
-
-    /// `wgpar serve --port 0 ARGS`, once /health says 200.
-    fn launch(args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_wgpar"))
-            .args(["serve", "--port", "0"])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                eprintln!("server: {line}");
-                if let Some(rest) = line.strip_prefix("listening on http://") {
-                    let addr = rest.split_whitespace().next().unwrap_or_default();
-                    let port = addr.rsplit(':').next().unwrap().parse::<u16>().unwrap();
-                    let _ = tx.send(port);
-                }
-            }
-        });
-        let port = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("the server printed no address");
-        let server = Server { child, port };
-        let t0 = Instant::now();
-        while server.get("/health").0 != 200 {
-            assert!(t0.elapsed() < Duration::from_secs(300), "never healthy");
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        server
-    }
-
-    /// curl: (status, body).
-    fn curl(&self, args: &[&str], path: &str) -> (u16, String) {
-        let out = Command::new("curl")
-            .args(["-s", "-m", "120", "-w", "\n%{http_code}"])
-            .args(args)
-            .arg(format!("http://127.0.0.1:{}{path}", self.port))
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
-        (code.trim().parse().unwrap_or(0), body.to_string())
-    }
-
-    fn get(&self, path: &str) -> (u16, String) {
-        self.curl(&[], path)
-    }
-
-    fn post(&self, path: &str, body: &str) -> (u16, String) {
-        self.curl(&["-H", "Content-Type: application/json", "-d", body], path)
-    }
-
-    /// Runs tests/serve_http/client.py against this server; its JSON output.
-    fn python(&self, args: &[&str]) -> Value {
-        let port = self.port.to_string();
-        python(&[&[port.as_str()][..], args].concat())
-    }
-
-    /// A gauge or counter of /metrics.
-    fn metric(&self, name: &str) -> f64 {
-        let (_, text) = self.get("/metrics");
-        text.lines()
-            .find_map(|l| l.strip_prefix(&format!("{name} ")))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or_else(|| panic!("{name} not in /metrics:\n{text}"))
-    }
-
-    /// SIGTERM, then the exit status within `limit`.
-    fn terminate(&mut self, limit: Duration) -> std::process::ExitStatus {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let t0 = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                t0.elapsed() < limit,
-                "still running {limit:?} after SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+/// `wgpar serve --port 0 ARGS`, once /health says 200.
+fn launch(args: &[&str]) -> Server {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_wgpar"));
+    cmd.args(["serve", "--port", "0"]).args(args);
+    Server::spawn(cmd, Duration::from_secs(300))
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Runs tests/serve_http/client.py against `server`; its JSON output.
+fn client(server: &Server, args: &[&str]) -> Value {
+    let port = server.port.to_string();
+    python(&[&[port.as_str()][..], args].concat())
 }
 
 fn python(args: &[&str]) -> Value {
@@ -186,8 +101,8 @@ fn tokens_equal_run_on_every_strategy() {
             !want.trim().is_empty(),
             "{strategy:?}: run generated nothing"
         );
-        let server = Server::start(&dir, strategy);
-        let got = server.python(&["complete", prompt, "12"]);
+        let server = start(&dir, strategy);
+        let got = client(&server, &["complete", prompt, "12"]);
         assert_eq!(
             got["text"].as_str().unwrap(),
             want,
@@ -236,7 +151,7 @@ fn stop_strings_are_never_streamed_in_part(server: &Server, prompt: &str, want: 
     let stop = format!("{} {}", words[2], words[3]);
     let cut = &want[..want.find(&stop).unwrap()];
     let stops = serde_json::to_string(&[&stop]).unwrap();
-    let got = server.python(&["complete", prompt, "12", &stops]);
+    let got = client(server, &["complete", prompt, "12", &stops]);
     for key in ["text", "stream_text"] {
         assert_eq!(got[key].as_str().unwrap(), cut, "{key}: {got}");
     }
@@ -269,9 +184,9 @@ fn chat_prompt_equals_jinja2() {
     let ours = wgpar::server::ChatTemplate::load(&dir).unwrap().unwrap();
     assert_eq!(ours.render(&parsed).unwrap(), want);
     // Over HTTP: the chat answer is the completion of jinja2's prompt.
-    let server = Server::start(&dir, &[]);
-    let chat = server.python(&["chat", messages, "8"]);
-    let completion = server.python(&["complete", want, "8"]);
+    let server = start(&dir, &[]);
+    let chat = client(&server, &["chat", messages, "8"]);
+    let completion = client(&server, &["complete", want, "8"]);
     assert_eq!(chat["text"], completion["text"], "{chat} {completion}");
     assert_eq!(
         chat["usage"]["prompt_tokens"].as_u64().unwrap() as usize,
@@ -290,8 +205,8 @@ fn sixty_four_concurrent_streams_on_pp_and_tp() {
         ["--strategy", "pp", "--virtual", "2"],
         ["--strategy", "tp", "--virtual", "2"],
     ] {
-        let server = Server::start(&dir, &[&strategy[..], &["--max-batch", "16"]].concat());
-        let out = server.python(&["concurrent", &prompts_json, "6"]);
+        let server = start(&dir, &[&strategy[..], &["--max-batch", "16"]].concat());
+        let out = client(&server, &["concurrent", &prompts_json, "6"]);
         let (alone, together) = (
             out["alone"].as_array().unwrap(),
             out["together"].as_array().unwrap(),
@@ -331,8 +246,8 @@ fn sampled_requests_follow_their_own_seed() {
     let (t, p) = ("1.3", "0.95");
     let mut compared = 0;
     for strategy in [&[][..], &["--strategy", "pp", "--virtual", "2"]] {
-        let server = Server::start(&dir, &[strategy, &["--max-batch", "8"]].concat());
-        let out = server.python(&["sampled", &prompts_json, "10", t, p]);
+        let server = start(&dir, &[strategy, &["--max-batch", "8"]].concat());
+        let out = client(&server, &["sampled", &prompts_json, "10", t, p]);
         let (alone, together) = (
             out["alone"].as_array().unwrap(),
             out["together"].as_array().unwrap(),
@@ -364,8 +279,8 @@ fn sampled_requests_follow_their_own_seed() {
 #[test]
 fn dropped_streams_free_their_slots() {
     let dir = checkpoint();
-    let server = Server::start(&dir, &["--max-batch", "4"]);
-    let out = server.python(&["cancel", "4", "t9 t8 t7"]);
+    let server = start(&dir, &["--max-batch", "4"]);
+    let out = client(&server, &["cancel", "4", "t9 t8 t7"]);
     assert_eq!(out["firsts"].as_array().unwrap().len(), 4);
     let t0 = Instant::now();
     while server.metric("wgpar_kv_slots_used") != 0.0
@@ -382,7 +297,7 @@ fn dropped_streams_free_their_slots() {
 #[test]
 fn bad_requests_get_4xx_and_the_server_stays_up() {
     let dir = checkpoint();
-    let server = Server::start(&dir, &["--api-key", "sesame", "--max-body", "4096"]);
+    let server = start(&dir, &["--api-key", "sesame", "--max-body", "4096"]);
     let auth = [
         "-H",
         "Authorization: Bearer sesame",
@@ -539,8 +454,8 @@ fn bad_requests_get_4xx_and_the_server_stays_up() {
 #[test]
 fn queue_overflow_gets_503() {
     let dir = checkpoint();
-    let server = Server::start(&dir, &["--max-batch", "1", "--max-queue", "1"]);
-    let out = server.python(&["flood", "12", "t3 t4 t5"]);
+    let server = start(&dir, &["--max-batch", "1", "--max-queue", "1"]);
+    let out = client(&server, &["flood", "12", "t3 t4 t5"]);
     let statuses: Vec<u64> = out
         .as_array()
         .unwrap()
@@ -562,7 +477,7 @@ fn queue_overflow_gets_503() {
 #[test]
 fn sigterm_drains_and_exits_0() {
     let dir = checkpoint();
-    let mut server = Server::start(&dir, &["--shutdown-timeout", "60"]);
+    let mut server = start(&dir, &["--shutdown-timeout", "60"]);
     let port = server.port;
     let client = std::thread::spawn(move || {
         let out = Command::new("curl")
@@ -599,7 +514,7 @@ fn sigterm_drains_and_exits_0() {
 #[test]
 fn stage_fault_ends_streams_with_an_error_and_health_turns_503() {
     let dir = checkpoint();
-    let server = Server::start(
+    let server = start(
         &dir,
         &[
             "--strategy",
@@ -610,7 +525,7 @@ fn stage_fault_ends_streams_with_an_error_and_health_turns_503() {
             "stage=1,kind=error,at=step:0",
         ],
     );
-    let out = server.python(&["streams", "4", "t3 t4 t5"]);
+    let out = client(&server, &["streams", "4", "t3 t4 t5"]);
     for r in out.as_array().unwrap() {
         assert!(
             r["error"].is_string(),
@@ -626,7 +541,7 @@ fn stage_fault_ends_streams_with_an_error_and_health_turns_503() {
 /// tokenizer) with the seeded workload: every request completes with its output length.
 #[test]
 fn bench_serve_url_drives_the_server() {
-    let server = Server::launch(&["--model", "tiny-gpt2", "--max-batch", "4"]);
+    let server = launch(&["--model", "tiny-gpt2", "--max-batch", "4"]);
     let url = format!("http://127.0.0.1:{}", server.port);
     let (ok, out, err) = common::wgpar(&[
         "bench",

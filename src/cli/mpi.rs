@@ -160,14 +160,21 @@ mod ranks {
     use crate::cli::allreduce::AllreduceArgs;
     use crate::cli::calibrate::CalibrateArgs;
     use crate::cli::run::RunArgs;
+    use crate::cli::server::{self, Prepared, ServerArgs};
     use crate::cli::{Cli, Command};
+    use wgpar::parallel::StepEngine;
+    use wgpar::server::EngineBuilder;
 
     /// Runs the command as one rank of the job. A failure is reported to every other rank
     /// (which stop at once, naming this one) and ends the job; never returns an error.
     pub fn main(cli: Cli) -> Result<()> {
         let timeout = cli.mpi.timeout()?;
         let fault = cli.mpi.fault()?;
-        let world = World::init(timeout)?;
+        let mut world = World::init(timeout)?;
+        if matches!(cli.command, Some(Command::Serve(_))) {
+            // A server's pipeline idles between requests.
+            world.serve_requests();
+        }
         let outcome = catch_unwind(AssertUnwindSafe(|| dispatch(&cli, &world, fault)));
         let message = match outcome {
             Ok(Ok(())) => {
@@ -199,13 +206,148 @@ mod ranks {
             Some(Command::Run(args)) => run(world, args, fault),
             Some(Command::Allreduce(args)) => allreduce(world, args),
             Some(Command::Calibrate(args)) => calibrate(world, args),
+            Some(Command::Serve(args)) => serve(world, args, fault),
             _ => Err(DistError::Unsupported {
                 option: "this command".into(),
-                why: "under mpirun wgpar runs `devices`, `run`, `allreduce` and `calibrate`; \
-                      run the others without mpirun"
+                why: "under mpirun wgpar runs `devices`, `run`, `allreduce`, `calibrate` and \
+                      `serve`; run the others without mpirun"
                     .into(),
             }
             .into()),
+        }
+    }
+
+    /// `wgpar serve` over ranks: a pipeline (or hybrid) whose stages span the ranks. Rank 0
+    /// listens and schedules; the other ranks serve their stages until it stops.
+    fn serve(world: &World, args: &ServerArgs, fault: Option<Fault>) -> Result<()> {
+        let Prepared { config, text, opts } = server::prepare(args)?;
+        refuse_for_ranks(args)?;
+        // One lane per rank keeps every rank's stages busy (more with --micro-batches).
+        let lanes = world.size().clamp(1, opts.batch.slots);
+        let strategy = args.strategy.strategy_with(lanes)?;
+        if !matches!(
+            strategy,
+            Strategy::Pipeline { .. } | Strategy::Hybrid { .. }
+        ) {
+            return Err(DistError::Unsupported {
+                option: format!("--strategy {}", args.strategy.strategy),
+                why: "under mpirun the server runs pipeline stages over ranks (pp or hybrid): \
+                      only rank 0 hears the requests, and tensor parallelism would need every \
+                      rank to run the steps its scheduler picks"
+                    .into(),
+            }
+            .into());
+        }
+        crate::cli::bench_serve::check_lanes_have_slots(&strategy, opts.batch.slots)?;
+        world.check_same("wgpar version", env!("CARGO_PKG_VERSION"))?;
+        world.check_same(
+            "model and options",
+            &format!(
+                "{} layers {} hidden {} vocab {} dtype {} seed {} strategy {strategy:?} slots {}",
+                config.name,
+                config.layers,
+                config.hidden,
+                config.vocab,
+                args.model.dtype,
+                args.model.seed,
+                opts.batch.slots
+            ),
+        )?;
+        let adapters = Adapters::discover()?;
+        let gpus: Vec<Arc<Gpu>> = args.devices.open(&adapters)?;
+        warn_if_bound(world, &gpus);
+        let dtype = args.model.dtype(&gpus)?;
+        let weights = args.model.weights(&config)?;
+        let engine = build(
+            world,
+            &strategy,
+            &gpus,
+            &weights,
+            dtype,
+            &CommConfig::default(),
+        )?;
+        drop(weights);
+        let mine = fault.filter(|f| f.rank == world.rank());
+        let stage_fault = mine.and_then(|f| match f.kind {
+            FaultKind::Error | FaultKind::Panic => Some(stage_fault_of(f)),
+            FaultKind::Kill | FaultKind::Hang => {
+                self_signal(f.kind, f.after);
+                None
+            }
+        });
+        match engine {
+            DistEngine::Driver(mut d) => {
+                if let (Some(f), Some(p)) = (stage_fault, d.pipeline()) {
+                    p.inject_fault(0, f)?;
+                }
+                let engine = d.into_serving().ok_or_else(|| {
+                    WgparError::Internal("a pipeline's driver cannot serve".into())
+                })?;
+                let batch = opts.batch;
+                let build: EngineBuilder = Box::new(move || {
+                    let mut engine: Box<dyn StepEngine> = engine;
+                    server::warm_up(engine.as_mut(), batch)?;
+                    Ok(engine)
+                });
+                // mpirun answers SIGTERM by killing the job; rank 0 drains its requests first.
+                eprintln!(
+                    "serving over {} ranks ({}); to drain and stop, SIGTERM rank 0: pid {}",
+                    world.size(),
+                    world.hosts().join(", "),
+                    std::process::id()
+                );
+                wgpar::server::run(opts, text, build)
+            }
+            DistEngine::Server(mut s) => {
+                if let Some(f) = stage_fault {
+                    s.inject_fault(0, f)?;
+                }
+                leave_shutdown_to_rank_0();
+                s.serve(world)
+            }
+        }
+    }
+
+    /// mpirun passes SIGTERM and SIGINT to every rank; a stage rank ignores them and keeps
+    /// serving until rank 0, which drains its requests first, stops the pipeline.
+    fn leave_shutdown_to_rank_0() {
+        // SAFETY: setting a signal's disposition to SIG_IGN installs no handler code; it is
+        // done before this rank starts serving and races with nothing.
+        unsafe {
+            libc::signal(libc::SIGTERM, libc::SIG_IGN);
+            libc::signal(libc::SIGINT, libc::SIG_IGN);
+        }
+    }
+
+    /// What `serve` takes in one process but not over ranks.
+    fn refuse_for_ranks(args: &ServerArgs) -> Result<()> {
+        let refused = [
+            (args.pace.is_some(), "--pace", "ranks talk over a real link"),
+            (
+                args.inject_fault.is_some(),
+                "--inject-fault",
+                "over ranks, faults are --mpi-fault RANK:KIND[:AFTER]",
+            ),
+        ];
+        match refused.into_iter().find(|(given, _, _)| *given) {
+            Some((_, option, why)) => Err(DistError::Unsupported {
+                option: option.into(),
+                why: why.into(),
+            }
+            .into()),
+            None => Ok(()),
+        }
+    }
+
+    /// A stage fault from `--mpi-fault` (error or panic after that many micro-batches).
+    fn stage_fault_of(f: Fault) -> StageFault {
+        StageFault {
+            after: f.after as usize,
+            kind: if f.kind == FaultKind::Panic {
+                StageFaultKind::Panic
+            } else {
+                StageFaultKind::Error
+            },
         }
     }
 
@@ -467,14 +609,6 @@ mod ranks {
                 self_signal(f.kind, f.after);
             }
         }
-        let stage_fault = |f: Fault| StageFault {
-            after: f.after as usize,
-            kind: if f.kind == FaultKind::Panic {
-                StageFaultKind::Panic
-            } else {
-                StageFaultKind::Error
-            },
-        };
         let prompts: Vec<Vec<u32>> = (0..args.batch)
             .map(|b| {
                 (0..args.prompt_len)
@@ -493,7 +627,7 @@ mod ranks {
                     mine.filter(|f| matches!(f.kind, FaultKind::Error | FaultKind::Panic))
                 {
                     if let Some(p) = e.pipeline() {
-                        p.inject_fault(0, stage_fault(f))?;
+                        p.inject_fault(0, stage_fault_of(f))?;
                     }
                 }
                 // One untimed pass compiles pipelines and allocates buffers on every rank.
@@ -564,7 +698,7 @@ mod ranks {
                 if let Some(f) =
                     mine.filter(|f| matches!(f.kind, FaultKind::Error | FaultKind::Panic))
                 {
-                    s.inject_fault(0, stage_fault(f))?;
+                    s.inject_fault(0, stage_fault_of(f))?;
                 }
                 s.serve(world)?;
                 local_stats = s.stage_stats();

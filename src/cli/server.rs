@@ -24,11 +24,11 @@ use super::{DeviceArgs, ModelArgs};
 #[derive(Args, Clone, Debug)]
 pub struct ServerArgs {
     #[command(flatten)]
-    devices: DeviceArgs,
+    pub(super) devices: DeviceArgs,
     #[command(flatten)]
-    model: ModelArgs,
+    pub(super) model: ModelArgs,
     #[command(flatten)]
-    strategy: StrategyArgs,
+    pub(super) strategy: StrategyArgs,
     /// Address to listen on (loopback unless told otherwise).
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
@@ -55,11 +55,11 @@ pub struct ServerArgs {
     shutdown_timeout: f64,
     /// Pace transfers and collectives to a host profile's links, or to ALPHA_US:BETA_GBPS.
     #[arg(long, value_name = "PROFILE|ALPHA_US:BETA_GBPS")]
-    pace: Option<String>,
+    pub(super) pace: Option<String>,
     /// Make a worker fail after warm-up (tests of the failure path), as `run --inject-fault`:
     /// e.g. `stage=1,kind=error,at=step:0`.
     #[arg(long, value_name = "SPEC")]
-    inject_fault: Option<String>,
+    pub(super) inject_fault: Option<String>,
 }
 
 /// Most KV slots and queue places the server takes.
@@ -93,11 +93,37 @@ fn check_options(args: &ServerArgs) -> Result<()> {
     Ok(())
 }
 
-/// Runs the server until SIGINT or SIGTERM.
-pub fn run(args: &ServerArgs) -> Result<()> {
+/// What a server needs besides its engine: the model's shape, its text side, and the
+/// listener's and the scheduler's options, all checked.
+pub(super) struct Prepared {
+    pub(super) config: ModelConfig,
+    pub(super) text: TextModel,
+    pub(super) opts: ServerOptions,
+}
+
+/// Checks the options and loads the text side (tokenizer, chat template), before any device
+/// opens.
+pub(super) fn prepare(args: &ServerArgs) -> Result<Prepared> {
     check_options(args)?;
     let config = args.model.config()?;
     let text = text_model(args, &config)?;
+    let opts = ServerOptions {
+        addr: SocketAddr::new(args.host, args.port),
+        max_queue: args.max_queue,
+        api_key: args.api_key.clone(),
+        max_body: args.max_body,
+        shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),
+        batch: BatchOptions {
+            slots: args.max_batch,
+            max_prefill_tokens: args.max_prefill_tokens,
+        },
+    };
+    Ok(Prepared { config, text, opts })
+}
+
+/// Runs the server until SIGINT or SIGTERM.
+pub fn run(args: &ServerArgs) -> Result<()> {
+    let Prepared { config, text, opts } = prepare(args)?;
     let adapters = Adapters::discover()?;
     let selected = args.devices.selected(&adapters)?;
     let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
@@ -130,10 +156,7 @@ pub fn run(args: &ServerArgs) -> Result<()> {
         .as_deref()
         .map(super::run::pacer_for)
         .transpose()?;
-    let batch = BatchOptions {
-        slots: args.max_batch,
-        max_prefill_tokens: args.max_prefill_tokens,
-    };
+    let batch = opts.batch;
     let (devices, model) = (args.devices.clone(), args.model.clone());
     let build: EngineBuilder = Box::new(move || {
         let gpus = devices.open(&adapters)?;
@@ -156,14 +179,6 @@ pub fn run(args: &ServerArgs) -> Result<()> {
         }
         Ok(engine)
     });
-    let opts = ServerOptions {
-        addr: SocketAddr::new(args.host, args.port),
-        max_queue: args.max_queue,
-        api_key: args.api_key.clone(),
-        max_body: args.max_body,
-        shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),
-        batch,
-    };
     wgpar::server::run(opts, text, build)
 }
 
@@ -190,7 +205,10 @@ fn text_model(args: &ServerArgs, config: &ModelConfig) -> Result<TextModel> {
 
 /// Compiles every kernel and reserves the KV slots: a few short requests through the
 /// scheduler, untimed.
-fn warm_up(engine: &mut dyn wgpar::parallel::StepEngine, batch: BatchOptions) -> Result<()> {
+pub(super) fn warm_up(
+    engine: &mut dyn wgpar::parallel::StepEngine,
+    batch: BatchOptions,
+) -> Result<()> {
     let config = engine.model_config().clone();
     let warm = WorkloadSpec {
         requests: (2 * engine.lanes()).clamp(2, batch.slots.max(2)),

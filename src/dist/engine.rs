@@ -22,11 +22,12 @@ use crate::comm::{Collectives, CommConfig};
 use crate::device::{DType, Gpu};
 use crate::error::Result;
 use crate::model::sampling::SamplingParams;
-use crate::model::ModelWeights;
+use crate::model::{ModelConfig, ModelWeights};
 use crate::parallel::pp::{Output, Segment};
 use crate::parallel::{
-    partition, Decoded, Engine, Partition, PartitionSpec, PipelineEngine, PipelineStats, Schedule,
-    StageStats, StepOutput, StepStats, Strategy, TensorParallelEngine,
+    partition, BatchStep, Decoded, Engine, Partition, PartitionSpec, PipelineEngine, PipelineStats,
+    Schedule, StageStats, StepDone, StepEngine, StepOutput, StepStats, Strategy,
+    TensorParallelEngine,
 };
 use crate::sim::LinkPacer;
 use crate::trace::Recorder;
@@ -43,6 +44,13 @@ pub enum DistEngine {
 pub trait DistDriver: Engine {
     /// The in-process pipeline on this rank, for its other schedules (pipelines only).
     fn pipeline(&mut self) -> Option<&mut PipelineEngine> {
+        None
+    }
+
+    /// This driver as the engine of a server's continuous batching, where it can be one
+    /// (pipelines: the other ranks follow rank 0's passes). Tensor parallelism cannot: every
+    /// rank would have to run the steps only rank 0's scheduler decides.
+    fn into_serving(self: Box<Self>) -> Option<Box<dyn StepEngine + Send>> {
         None
     }
 }
@@ -207,6 +215,7 @@ fn pipeline(
     // Spans of remote ranks start at the job's clock origin.
     let recorder = Recorder::with_epoch(world.epoch());
     let stats = segment.stage_stats_handle();
+    let failed = out_tx.clone();
     let links = Links::start(
         world,
         to_first,
@@ -229,6 +238,19 @@ fn pipeline(
         mine[0].start,
         mine[mine.len() - 1].end
     );
+    if rank == 0 && world.serving() {
+        // A peer's failure fails the steps in flight (the server answers them with the
+        // error) before the watchdog ends this process.
+        world.on_peer_failure(
+            Box::new(move |cause| {
+                let _ = failed.send(Err(crate::WgparError::EngineStopped {
+                    engine: "pipeline over ranks".into(),
+                    cause,
+                }));
+            }),
+            PEER_FAILURE_GRACE,
+        );
+    }
     if rank == 0 {
         Ok(DistEngine::Driver(Box::new(PipelineDriver {
             inner: Some(segment),
@@ -250,6 +272,10 @@ fn pipeline(
     }
 }
 
+/// How long a serving rank 0 keeps answering after a peer failed (its requests in flight get
+/// the error), before it ends.
+const PEER_FAILURE_GRACE: Duration = Duration::from_secs(2);
+
 /// How long a rank waits, when leaving cleanly, for the stop message to make its way round the
 /// pipeline (one message per rank boundary).
 const STOP_GRACE: Duration = Duration::from_secs(10);
@@ -268,6 +294,10 @@ impl PipelineDriver {
     fn inner(&mut self) -> &mut PipelineEngine {
         // Only `Drop` takes it.
         self.inner.as_mut().expect("pipeline used after drop")
+    }
+
+    fn inner_ref(&self) -> &PipelineEngine {
+        self.inner.as_ref().expect("pipeline used after drop")
     }
 }
 
@@ -330,6 +360,46 @@ impl Engine for PipelineDriver {
 impl DistDriver for PipelineDriver {
     fn pipeline(&mut self) -> Option<&mut PipelineEngine> {
         self.inner.as_mut()
+    }
+
+    fn into_serving(self: Box<Self>) -> Option<Box<dyn StepEngine + Send>> {
+        Some(self)
+    }
+}
+
+/// Serving steps run on rank 0's segment; its remote stages take the sequence tables and KV
+/// slots from each pass's header.
+impl StepEngine for PipelineDriver {
+    fn model_config(&self) -> &ModelConfig {
+        self.inner_ref().model_config()
+    }
+
+    fn lanes(&self) -> usize {
+        self.inner_ref().lanes()
+    }
+
+    fn reserve_slots(&mut self, slots: usize) -> Result<()> {
+        self.inner().reserve_slots(slots)
+    }
+
+    fn slots(&self) -> usize {
+        self.inner_ref().slots()
+    }
+
+    fn submit(&mut self, step: BatchStep) -> Result<()> {
+        let r = self.inner().submit(step);
+        self.failed |= r.is_err();
+        r
+    }
+
+    fn complete(&mut self, timeout: Option<Duration>) -> Result<Option<StepDone>> {
+        let r = self.inner().complete(timeout);
+        self.failed |= r.is_err();
+        r
+    }
+
+    fn serving_stats(&self) -> Option<PipelineStats> {
+        self.inner.as_ref().and_then(|p| p.serving_stats())
     }
 }
 

@@ -333,6 +333,7 @@ impl Links {
         let rank = world.rank();
         let size = world.size();
         let timeout = world.timeout();
+        let idle = world.idle_timeout();
         let mut threads = Vec::new();
         let (done_tx, done) = crossbeam::channel::unbounded();
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
@@ -355,7 +356,7 @@ impl Links {
             threads.push(spawn(
                 format!("mpi-recv-{}", rank - 1),
                 Box::new(move || {
-                    if let Err(e) = upstream(&comm, rank, timeout, &tx, &recorder, &stats) {
+                    if let Err(e) = upstream(&comm, rank, idle, &tx, &recorder, &stats) {
                         let _ = errors.send(Err(e.into()));
                     }
                 }),
@@ -380,7 +381,7 @@ impl Links {
             threads.push(spawn(
                 "mpi-logits".into(),
                 Box::new(move || {
-                    if let Err(e) = logits_in(&comm, size - 1, timeout, &errors, &recorder) {
+                    if let Err(e) = logits_in(&comm, size - 1, idle, &errors, &recorder) {
                         let _ = errors.send(Err(e.into()));
                     }
                 }),
@@ -420,11 +421,12 @@ impl Links {
     }
 }
 
-/// Rank r > 0: hand-offs from rank r-1 into the first stage, until rank r-1 says stop.
+/// Rank r > 0: hand-offs from rank r-1 into the first stage, until rank r-1 says stop. Each
+/// waits at most `idle` (the job's timeout, or longer for a server between requests).
 fn upstream(
     comm: &Comm,
     rank: usize,
-    timeout: std::time::Duration,
+    idle: std::time::Duration,
     tx: &Sender<Work>,
     recorder: &Recorder,
     stats: &Mutex<Vec<StageStats>>,
@@ -438,7 +440,7 @@ fn upstream(
             comm,
             src,
             TAG_ACTIVATIONS,
-            timeout,
+            idle,
             &format!("receive hand-off {count} from the previous stage"),
         )?;
         let got = Instant::now();
@@ -569,10 +571,11 @@ fn downstream(
 }
 
 /// Rank 0: logits from the last rank into the driver's output, until the last rank stops.
+/// Each waits at most `idle`; the driver bounds its own wait for a step in flight.
 fn logits_in(
     comm: &Comm,
     last: usize,
-    timeout: std::time::Duration,
+    idle: std::time::Duration,
     out: &Sender<Result<Output>>,
     recorder: &Mutex<Recorder>,
 ) -> std::result::Result<(), DistError> {
@@ -581,7 +584,7 @@ fn logits_in(
             comm,
             last,
             TAG_LOGITS,
-            timeout,
+            idle,
             "receive logits from the last stage",
         )?;
         let got = Instant::now();

@@ -2,7 +2,7 @@
 //! failure protocol (a failed rank tells every peer, which stop at once naming it).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -55,6 +55,11 @@ pub struct World {
     host: String,
     hosts: Vec<String>,
     timeout: Duration,
+    /// How long a link waits for the next pass when none is in flight (a server idles
+    /// between requests; a run never does): `timeout` unless a server says otherwise.
+    idle_timeout: Duration,
+    /// The job serves requests (see [`serve_requests`](Self::serve_requests)).
+    serving: bool,
     epoch: Instant,
     epoch_unix_us: f64,
     control: Arc<Comm>,
@@ -62,6 +67,9 @@ pub struct World {
     coll: Arc<Comm>,
     world: Comm,
     stop: Arc<AtomicBool>,
+    /// What the watchdog does before it ends this process at a peer's failure (a server
+    /// fails its requests first).
+    on_failure: Arc<Mutex<Option<FailureHook>>>,
     watchdog: Option<JoinHandle<()>>,
     // Declared last: dropped (MPI_Finalize) after every communicator.
     universe: Option<Universe>,
@@ -111,13 +119,15 @@ impl World {
             .map(|d| d.as_secs_f64() * 1e6)
             .unwrap_or(0.0);
         let stop = Arc::new(AtomicBool::new(false));
+        let on_failure = Arc::new(Mutex::new(None));
         let watchdog = {
             let control = control.clone();
             let stop = stop.clone();
             let hosts = hosts.clone();
+            let hook = on_failure.clone();
             std::thread::Builder::new()
                 .name("mpi-watchdog".into())
-                .spawn(move || watch(&control, &stop, &hosts, rank))
+                .spawn(move || watch(&control, (&stop, &hook), &hosts, rank))
                 .map_err(|e| DistError::Init(format!("could not start the watchdog: {e}")))?
         };
         Ok(Self {
@@ -127,6 +137,8 @@ impl World {
             host,
             hosts,
             timeout,
+            idle_timeout: timeout,
+            serving: false,
             epoch,
             epoch_unix_us,
             control,
@@ -134,6 +146,7 @@ impl World {
             coll,
             world: Comm(Some(world)),
             stop,
+            on_failure,
             watchdog: Some(watchdog),
             universe: Some(universe),
         })
@@ -167,6 +180,34 @@ impl World {
     /// How long any wait on a peer may take.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// How long a stage link waits for the next pass between passes (see
+    /// [`serve_requests`](Self::serve_requests)).
+    pub fn idle_timeout(&self) -> Duration {
+        self.idle_timeout
+    }
+
+    /// Runs `hook` (with the failure's message) when a peer reports a failure, and ends this
+    /// process `grace` later instead of at once: a server fails its requests in flight with
+    /// that message first. Replaces an earlier hook.
+    pub fn on_peer_failure(&self, hook: Box<dyn FnOnce(String) + Send>, grace: Duration) {
+        *crate::threads::lock(&self.on_failure) = Some(FailureHook { hook, grace });
+    }
+
+    /// Marks the job a server: the stage links of engines built from now on wait without
+    /// limit for the next pass, as a server's do between requests, and rank 0's pipeline
+    /// fails its steps in flight when a peer fails. Waits within a pass keep the timeout: a
+    /// step whose output does not come is still an error after it (the driver's own wait).
+    pub fn serve_requests(&mut self) {
+        // About 136 years: no deadline a server reaches, and no overflow adding it to now.
+        self.idle_timeout = Duration::from_secs(u64::from(u32::MAX));
+        self.serving = true;
+    }
+
+    /// Whether the job serves requests.
+    pub fn serving(&self) -> bool {
+        self.serving
     }
 
     /// The instant this rank left the start-up barrier: the common clock origin of the job.
@@ -333,7 +374,18 @@ impl Drop for World {
 
 /// The watchdog: polls for failure notices and ends this process at the first, naming the
 /// failed rank (exit status 1).
-fn watch(control: &Comm, stop: &AtomicBool, hosts: &[String], rank: usize) {
+/// What to do at a peer's failure before this process ends, and how long to give it.
+struct FailureHook {
+    hook: Box<dyn FnOnce(String) + Send>,
+    grace: Duration,
+}
+
+fn watch(
+    control: &Comm,
+    (stop, on_failure): (&AtomicBool, &Mutex<Option<FailureHook>>),
+    hosts: &[String],
+    rank: usize,
+) {
     let comm = control.get();
     while !stop.load(Ordering::Acquire) {
         if let Some(probed) = comm
@@ -348,6 +400,10 @@ fn watch(control: &Comm, stop: &AtomicBool, hosts: &[String], rank: usize) {
                 message: String::from_utf8_lossy(&text).into_owned(),
             };
             eprintln!("error: rank {rank}: stopping: {err}");
+            if let Some(FailureHook { hook, grace }) = crate::threads::lock(on_failure).take() {
+                hook(err.to_string());
+                std::thread::sleep(grace);
+            }
             std::process::exit(1);
         }
         std::thread::sleep(Duration::from_millis(5));

@@ -1,0 +1,135 @@
+//! `wgpar serve` under mpirun (issue 27): a pipeline whose stages span two ranks answers as
+//! one process does (greedy and seeded sampling, alone and concurrently), idles past the job's
+//! timeout, drains on rank 0's SIGTERM with every rank exiting 0, and a failed rank fails the requests in flight with a 500 and
+//! turns /health to 503 before the job ends. Needs `--features mpi` and Open MPI's `mpirun`;
+//! CI runs it (`.ci/run`).
+#![cfg(feature = "mpi")]
+
+mod serve_support;
+
+use std::process::Command;
+use std::time::Duration;
+
+use serve_support::Server;
+
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// `mpirun -np 2 wgpar serve --port 0 --model tiny-gpt2 --strategy pp ARGS`.
+fn over_ranks(args: &[&str]) -> Server {
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+        .arg(env!("CARGO_BIN_EXE_wgpar"))
+        .args(["serve", "--port", "0", "--model", "tiny-gpt2"])
+        .args(["--strategy", "pp", "--max-batch", "8"])
+        .args(args);
+    Server::spawn(cmd, LIMIT)
+}
+
+/// The same model in one process.
+fn one_process() -> Server {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_wgpar"));
+    cmd.args([
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        "tiny-gpt2",
+        "--max-batch",
+        "8",
+    ]);
+    Server::spawn(cmd, LIMIT)
+}
+
+/// Request `i`: greedy when even, sampled with seed `i` when odd.
+fn body(i: usize, max_tokens: usize) -> String {
+    let prompt = format!("t{} t{} t{}", 11 + i, 140 + 9 * i, 3 + i);
+    let pick = if i.is_multiple_of(2) {
+        r#""temperature":0"#.to_string()
+    } else {
+        format!(r#""temperature":1.1,"top_p":0.9,"seed":{i}"#)
+    };
+    format!(r#"{{"prompt":"{prompt}","max_tokens":{max_tokens},{pick}}}"#)
+}
+
+#[test]
+fn serving_over_ranks_answers_as_one_process() {
+    let bodies: Vec<String> = (0..8).map(|i| body(i, 10)).collect();
+    let want: Vec<String> = {
+        let single = one_process();
+        bodies.iter().map(|b| single.complete(b)).collect()
+    };
+    // --mpi-timeout 3, then an idle wait of 5 s: a server's links wait for the next request.
+    let mut server = over_ranks(&["--mpi-timeout", "3"]);
+    std::thread::sleep(Duration::from_secs(5));
+    for (b, w) in bodies.iter().zip(&want) {
+        assert_eq!(&server.complete(b), w, "{b}");
+    }
+    let together: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (bodies.iter())
+            .map(|b| s.spawn(|| server.complete(b)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(together, want, "concurrent requests over ranks");
+    let distinct: std::collections::BTreeSet<&String> = want.iter().collect();
+    assert!(
+        distinct.len() > 1,
+        "every request gave the same text: {want:?}"
+    );
+    // mpirun kills the job at SIGTERM; rank 0 drains and stops the pipeline at its own.
+    let said = server.stderr.lock().unwrap().join("\n");
+    let pid: i32 = said
+        .split("SIGTERM rank 0: pid ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no pid of rank 0 in: {said}"));
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let status = server.wait(Duration::from_secs(60));
+    assert!(
+        status.success(),
+        "mpirun after rank 0's SIGTERM: {status:?}"
+    );
+}
+
+#[test]
+fn a_failed_rank_fails_requests_in_flight_and_health() {
+    // Rank 1's stage fails 30 micro-batches after the warm-up began: inside the long request.
+    let mut server = over_ranks(&["--mpi-fault", "1:error:30"]);
+    let (code, text) = server.post("/v1/completions", &body(0, 60));
+    assert_eq!(code, 500, "{text}");
+    assert!(
+        text.contains("rank 1") && text.contains("injected"),
+        "{text}"
+    );
+    assert_eq!(server.get("/health").0, 503);
+    let status = server.wait(Duration::from_secs(60));
+    assert!(!status.success(), "the job ends failed: {status:?}");
+    let said = server.stderr.lock().unwrap().join("\n");
+    assert!(
+        said.contains("rank 1 (") && said.contains("failed"),
+        "{said}"
+    );
+}
+
+#[test]
+fn tensor_parallelism_over_ranks_is_refused() {
+    let out = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+        .arg(env!("CARGO_BIN_EXE_wgpar"))
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--model",
+            "tiny-gpt2",
+            "--strategy",
+            "tp",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("pp or hybrid"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
