@@ -90,332 +90,488 @@ pub fn calibrate_ranks(
     options: &CalibrationOptions,
     log: &mut dyn Write,
 ) -> Result<Option<Calibration>> {
-    let me = world.rank();
-    let root = me == 0;
-    // A turn of measuring alone takes minutes: a waiting rank allows for that, beyond the
-    // job's timeout for ordinary waits. A rank that fails tells the others at once anyway.
-    let turn_timeout = world.timeout().max(Duration::from_secs(3600));
+    let layout = Layout::of(world, gpus);
+    if world.rank() == 0 {
+        layout.say(world, log);
+    }
+    // 1. Alone, in turns.
+    let alone = Alone::measure(world, &layout, (gpus, weights, options), log)?;
+    // 2 and 3. Sharing between processes, host by host (hosts measure at the same time).
+    let sharing = SharingRun::new(world, &layout, gpus, weights)?.measure(&alone, options, log)?;
+    // 4. MPI between ranks.
+    let links = MpiLinks::measure(world, &layout.infos, options)?;
+    world.barrier_with("calibration end", ASLEEP, world.timeout())?;
+    if world.rank() != 0 {
+        return Ok(None);
+    }
+    links.say(log);
+    let profile = assemble(
+        &layout.infos,
+        &layout.source,
+        &alone.results,
+        sharing,
+        links.remote.as_ref(),
+        log,
+    )?;
+    let base = alone.of(0)?;
+    Ok(Some(Calibration {
+        note: job_note(&layout.infos, &profile, links.local.as_ref(), &base.note),
+        profile,
+        block_times: base.block_times.clone(),
+    }))
+}
 
-    let labels: Vec<String> = gpus.iter().map(|g| g.info().label()).collect();
-    let infos: Vec<RankInfo> = world
-        .all_gather(&labels.join("\u{1f}"))
-        .into_iter()
-        .zip(world.hosts())
-        .map(|(l, h)| RankInfo {
-            host: h.clone(),
-            labels: l.split('\u{1f}').map(str::to_string).collect(),
-        })
-        .collect();
-    // Who measures for whom: the first rank of the host with the same devices.
-    let source: Vec<usize> = (0..infos.len())
-        .map(|r| {
-            (0..=r)
-                .find(|&q| infos[q].host == infos[r].host && infos[q].labels == infos[r].labels)
-                .unwrap_or(r)
-        })
-        .collect();
-    // Turns: the measuring ranks of one host go one after the other.
-    let turn: Vec<usize> = (0..infos.len())
-        .map(|r| {
-            (0..r)
-                .filter(|&q| source[q] == q && infos[q].host == infos[r].host)
-                .count()
-        })
-        .collect();
-    let turns = (0..infos.len())
-        .filter(|&r| source[r] == r)
-        .map(|r| turn[r] + 1)
-        .max()
-        .unwrap_or(1);
-    if root {
+/// Who measures what: every rank's host and devices, which rank measures alone for each
+/// (the first rank of its host with the same devices), and in which turn.
+struct Layout {
+    infos: Vec<RankInfo>,
+    source: Vec<usize>,
+    turn: Vec<usize>,
+    turns: usize,
+}
+
+impl Layout {
+    fn of(world: &World, gpus: &[Arc<Gpu>]) -> Self {
+        let labels: Vec<String> = gpus.iter().map(|g| g.info().label()).collect();
+        let infos: Vec<RankInfo> = world
+            .all_gather(&labels.join("\u{1f}"))
+            .into_iter()
+            .zip(world.hosts())
+            .map(|(l, h)| RankInfo {
+                host: h.clone(),
+                labels: l.split('\u{1f}').map(str::to_string).collect(),
+            })
+            .collect();
+        let n = infos.len();
+        let source: Vec<usize> = (0..n)
+            .map(|r| {
+                (0..=r)
+                    .find(|&q| infos[q].host == infos[r].host && infos[q].labels == infos[r].labels)
+                    .unwrap_or(r)
+            })
+            .collect();
+        // Turns: the measuring ranks of one host go one after the other.
+        let turn: Vec<usize> = (0..n)
+            .map(|r| {
+                (0..r)
+                    .filter(|&q| source[q] == q && infos[q].host == infos[r].host)
+                    .count()
+            })
+            .collect();
+        let turns = (0..n)
+            .filter(|&r| source[r] == r)
+            .map(|r| turn[r] + 1)
+            .max()
+            .unwrap_or(1);
+        Self {
+            infos,
+            source,
+            turn,
+            turns,
+        }
+    }
+
+    fn say(&self, world: &World, log: &mut dyn Write) {
         let hosts = distinct(world.hosts());
+        let measuring: Vec<String> = (0..self.infos.len())
+            .filter(|&r| self.source[r] == r)
+            .map(|r| r.to_string())
+            .collect();
         let _ = writeln!(
             log,
             "calibrating {} ranks on {} host(s) ({}); measuring alone: rank(s) {}",
-            infos.len(),
+            self.infos.len(),
             hosts.len(),
             hosts.join(", "),
-            (0..infos.len())
-                .filter(|&r| source[r] == r)
-                .map(|r| r.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
+            measuring.join(", ")
         );
     }
+}
 
-    // 1. Alone, in turns.
-    let mut mine: Option<Calibration> = None;
-    let mut my_log = Vec::new();
-    for t in 0..turns {
-        world.barrier_with("calibration turn start", ASLEEP, turn_timeout)?;
-        if source[me] == me && turn[me] == t {
-            mine = Some(calibrate(gpus, weights, options, &mut my_log)?);
-        }
-    }
-    world.barrier_with("calibration turns end", ASLEEP, turn_timeout)?;
-    let payload = match &mine {
-        Some(c) => encode_alone(c, &String::from_utf8_lossy(&my_log))?,
-        None => String::new(),
-    };
-    let all = world.all_gather(&payload);
-    let mut alone: Vec<Option<AloneResult>> = Vec::with_capacity(all.len());
-    for (r, text) in all.iter().enumerate() {
-        alone.push(if text.is_empty() {
-            None
-        } else {
-            Some(decode_alone(text, r)?)
-        });
-    }
-    if root {
-        for (r, a) in alone.iter().enumerate() {
-            if let Some(a) = a {
-                let _ = writeln!(log, "\n## rank {r} ({}) alone", infos[r].host);
-                let _ = write!(log, "{}", a.log);
+/// Every rank's alone measurement (`None` for the ranks whose source measured for them).
+struct Alone {
+    results: Vec<Option<AloneResult>>,
+    source: Vec<usize>,
+}
+
+impl Alone {
+    /// Measures alone in turns, then shares the results with every rank (rank 0 logs them).
+    fn measure(
+        world: &World,
+        layout: &Layout,
+        (gpus, weights, options): (&[Arc<Gpu>], &ModelWeights, &CalibrationOptions),
+        log: &mut dyn Write,
+    ) -> Result<Self> {
+        let me = world.rank();
+        // A turn of measuring alone takes minutes: a waiting rank allows for that, beyond the
+        // job's timeout for ordinary waits. A rank that fails tells the others at once anyway.
+        let turn_timeout = world.timeout().max(Duration::from_secs(3600));
+        let mut mine: Option<Calibration> = None;
+        let mut my_log = Vec::new();
+        for t in 0..layout.turns {
+            world.barrier_with("calibration turn start", ASLEEP, turn_timeout)?;
+            if layout.source[me] == me && layout.turn[me] == t {
+                mine = Some(calibrate(gpus, weights, options, &mut my_log)?);
             }
         }
-    }
-    let alone_of = |r: usize| -> Result<&AloneResult> {
-        alone[source[r]].as_ref().ok_or_else(|| {
-            WgparError::Measurement(format!("rank {} sent no calibration", source[r]))
+        world.barrier_with("calibration turns end", ASLEEP, turn_timeout)?;
+        let payload = match &mine {
+            Some(c) => encode_alone(c, &String::from_utf8_lossy(&my_log))?,
+            None => String::new(),
+        };
+        let results = (world.all_gather(&payload).iter().enumerate())
+            .map(|(r, text)| {
+                (!text.is_empty())
+                    .then(|| decode_alone(text, r))
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if me == 0 {
+            for (r, a) in results.iter().enumerate() {
+                if let Some(a) = a {
+                    let _ = writeln!(log, "\n## rank {r} ({}) alone", layout.infos[r].host);
+                    let _ = write!(log, "{}", a.log);
+                }
+            }
+        }
+        Ok(Self {
+            results,
+            source: layout.source.clone(),
         })
-    };
-    // Each device's whole-layer time alone per step, on this rank.
-    let my_times = per_device_times(&alone_of(me)?.block_times, gpus.len());
+    }
 
-    // 2 and 3. Sharing between processes, host by host (hosts measure at the same time).
-    let config = &weights.config;
-    let steps = sharing_steps(options.batch, options.prompt_len, options.quick);
-    let models: Vec<Arc<GpuModel>> = gpus
-        .iter()
-        .map(|g| {
-            GpuModel::upload(g.clone(), weights, Placement::whole(config), DType::F32).map(Arc::new)
-        })
-        .collect::<Result<_>>()?;
-    // Slots of this host's devices: (rank, local device), round-robin over its ranks.
-    let slots_of = |host: &str| slots(&infos, host);
-    let my_slots = slots_of(world.host());
-    let most_slots = infos
-        .iter()
-        .map(|i| slots_of(&i.host).len())
-        .max()
-        .unwrap_or(1);
-    let window: f64 = if options.quick { 0.3 } else { 1.0 };
-    let mut sharing_rows: Vec<Vec<f64>> = Vec::new();
-    let mut weighted = vec![0.0; most_slots + 1];
-    let mut weight = 0.0;
-    if root && most_slots > 1 {
-        let _ = writeln!(
-            log,
-            "\nsharing between processes (devices of a host taken round-robin over its ranks; idle ranks wait in MPI as a pipeline stage does):"
-        );
-        let _ = writeln!(
-            log,
-            "    {:<22} {:>9} {:>8}  slowdown with k devices busy, k = 2..{most_slots}",
-            "step", "alone ms", "flop/B"
-        );
+    /// The alone measurement that stands for rank `r`.
+    fn of(&self, r: usize) -> Result<&AloneResult> {
+        let source = self.source[r];
+        self.results[source]
+            .as_ref()
+            .ok_or_else(|| WgparError::Measurement(format!("rank {source} sent no calibration")))
     }
-    let shard = ShardSpec::full(config);
-    let host0 = slots_of(&infos[0].host);
-    for step in &steps {
+}
+
+/// The sharing measurement's parts: this rank's models, its host's device slots
+/// (round-robin over the host's ranks), rank 0's host's slots, and the most slots a host has.
+struct SharingRun<'a> {
+    world: &'a World,
+    weights: &'a ModelWeights,
+    models: Vec<Arc<GpuModel>>,
+    my_slots: Vec<(usize, usize)>,
+    host0: Vec<(usize, usize)>,
+    most_slots: usize,
+}
+
+/// One step shape's sharing measurement.
+struct StepRow {
+    /// Flops per byte, 1, then the slowdown with k = 2.. devices busy.
+    row: Vec<f64>,
+    /// The slowest device's whole-layer time alone, seconds (weights the average).
+    t1_all: f64,
+}
+
+impl<'a> SharingRun<'a> {
+    fn new(
+        world: &'a World,
+        layout: &Layout,
+        gpus: &[Arc<Gpu>],
+        weights: &'a ModelWeights,
+    ) -> Result<Self> {
+        let config = &weights.config;
+        let models: Vec<Arc<GpuModel>> = gpus
+            .iter()
+            .map(|g| {
+                GpuModel::upload(g.clone(), weights, Placement::whole(config), DType::F32)
+                    .map(Arc::new)
+            })
+            .collect::<Result<_>>()?;
+        let infos = &layout.infos;
+        let most_slots = (infos.iter().map(|i| slots(infos, &i.host).len()))
+            .max()
+            .unwrap_or(1);
+        Ok(Self {
+            world,
+            weights,
+            models,
+            my_slots: slots(infos, world.host()),
+            host0: slots(infos, &infos[0].host),
+            most_slots,
+        })
+    }
+
+    /// The slowdown curve over the step shapes, and its throughput-weighted average per
+    /// number of busy devices (`None` where no host has two devices).
+    fn measure(
+        &self,
+        alone: &Alone,
+        options: &CalibrationOptions,
+        log: &mut dyn Write,
+    ) -> Result<Option<ComputeSharing>> {
+        let me = self.world.rank();
+        // Each device's whole-layer time alone per step, on this rank.
+        let my_times = per_device_times(&alone.of(me)?.block_times, self.models.len());
+        if me == 0 && self.most_slots > 1 {
+            let _ = writeln!(
+                log,
+                "\nsharing between processes (devices of a host taken round-robin over its ranks; idle ranks wait in MPI as a pipeline stage does):"
+            );
+            let _ = writeln!(
+                log,
+                "    {:<22} {:>9} {:>8}  slowdown with k devices busy, k = 2..{}",
+                "step", "alone ms", "flop/B", self.most_slots
+            );
+        }
+        let window: f64 = if options.quick { 0.3 } else { 1.0 };
+        let mut rows = Vec::new();
+        for step in &sharing_steps(options.batch, options.prompt_len, options.quick) {
+            rows.push(self.step_row(step, (&my_times, alone), window, log)?);
+        }
+        Ok(self.sharing(rows))
+    }
+
+    /// Step `step` alone on each slot, then on k = 2.. slots at once, and the waiting ranks'
+    /// polling costs; the row of slowdowns.
+    fn step_row(
+        &self,
+        step: &Step,
+        (my_times, alone): (&[Vec<(Step, f64)>], &Alone),
+        window: f64,
+        log: &mut dyn Write,
+    ) -> Result<StepRow> {
+        let (world, config) = (self.world, &self.weights.config);
         // Everyone agrees on the window from the slowest device alone.
         let t1_mine: f64 = my_times.iter().map(|t| lookup(t, step)).fold(0.0, f64::max);
-        let t1_all = world
-            .all_gather_f64(&[t1_mine])
-            .iter()
+        let t1_all = (world.all_gather_f64(&[t1_mine]).iter())
             .map(|v| v[0])
             .fold(0.0, f64::max);
+        let shard = ShardSpec::full(config);
         let a = cost::attention(config, &shard, step, DType::F32);
         let m = cost::mlp(config, &shard, step, DType::F32);
         let intensity = (a.flops + m.flops) as f64 / (a.bytes + m.bytes) as f64;
         let mut row = vec![intensity, 1.0];
-        if most_slots < 2 {
-            sharing_rows.push(row);
-            continue;
+        if self.most_slots < 2 {
+            return Ok(StepRow { row, t1_all });
         }
         // Each slot alone right before the shared windows, the other ranks waiting in MPI as
         // an idle stage does: the alone time the slowdown is taken against. Measured here,
         // not taken from the rate curves of minutes before, so that load that comes or goes
         // on the machine between the two phases does not enter the slowdown (the curves
         // carry the rates; this carries only the ratio).
-        let slot_window = |set: &[usize], w: f64, idle: Backoff| -> Result<Vec<f64>> {
-            let busy: Vec<usize> = set
-                .iter()
-                .filter_map(|&j| my_slots.get(j))
-                .filter(|(r, _)| *r == me)
-                .map(|(_, d)| *d)
-                .collect();
-            let times = busy_window(world, &models, &busy, step, w, idle)?;
-            // Per host slot index: this rank's times where its slots are.
-            let mut mine = vec![0.0; most_slots];
-            for (&d, t) in busy.iter().zip(&times) {
-                if let Some(j) = my_slots.iter().position(|&(r, dd)| r == me && dd == d) {
-                    mine[j] = *t;
-                }
-            }
-            let gathered = world.all_gather_f64(&mine);
-            Ok((0..host0.len()).map(|j| gathered[host0[j].0][j]).collect())
-        };
         let alone_w = window.max(3.0 * t1_all);
-        let mut alone_now = Vec::with_capacity(most_slots);
-        for j in 0..most_slots {
-            let t = slot_window(&[j], alone_w, Backoff::RUNTIME)?;
+        let mut alone_now = Vec::with_capacity(self.most_slots);
+        for j in 0..self.most_slots {
+            let t = self.slot_window(&[j], step, alone_w, Backoff::RUNTIME)?;
             alone_now.push(t.get(j).copied().unwrap_or(0.0));
         }
         let mut curve_row = Vec::new();
-        for k in 2..=most_slots {
+        for k in 2..=self.most_slots {
             let w = window.max(3.0 * k as f64 * t1_all);
             let set: Vec<usize> = (0..k).collect();
-            let t = slot_window(&set, w, Backoff::RUNTIME)?;
-            // Throughput-equivalent slowdown (see `calibrate::sharing`).
-            let ratio = |alone: &dyn Fn(usize) -> f64| -> f64 {
-                let sum: f64 = (0..k.min(t.len()))
-                    .map(|j| alone(j) / t[j].max(f64::MIN_POSITIVE))
-                    .sum();
-                (k as f64 / sum.max(f64::MIN_POSITIVE)).max(1.0)
-            };
-            let s = ratio(&|j| alone_now[j]);
+            let t = self.slot_window(&set, step, w, Backoff::RUNTIME)?;
+            row.push(slowdown(k, &t, |j| alone_now[j]));
             // Against the curves' alone figure, for the log only.
-            curve_row.push(ratio(&|j| {
-                let (r, d) = host0[j];
-                lookup(
-                    &per_device_times(
-                        &alone_of(r)
-                            .map(|a| a.block_times.clone())
-                            .unwrap_or_default(),
-                        d + 1,
-                    )[d],
-                    step,
-                )
+            curve_row.push(slowdown(k, &t, |j| {
+                let (r, d) = self.host0[j];
+                let times = alone
+                    .of(r)
+                    .map(|a| a.block_times.clone())
+                    .unwrap_or_default();
+                lookup(&per_device_times(&times, d + 1)[d], step)
             }));
-            row.push(s);
-            if let Some(sum) = weighted.get_mut(k) {
-                *sum += t1_all * s;
-            }
         }
-        weight += t1_all;
         // 3. One device busy, the other ranks waiting with sparser polling, and asleep.
         let mut diag = Vec::new();
         for backoff in [Backoff::SPARSE, ASLEEP] {
-            let t = slot_window(&[0], alone_w, backoff)?;
+            let t = self.slot_window(&[0], step, alone_w, backoff)?;
             diag.push(t.first().copied().unwrap_or(0.0));
         }
-        if root {
-            let kind = if step.seq == 1 { "decode" } else { "prefill" };
-            let _ = writeln!(
+        if world.rank() == 0 {
+            let curves_ms = lookup(&my_times[0], step) * 1e3;
+            say_step_row(
+                step,
+                (&row, &curve_row, curves_ms),
+                (&alone_now, &diag),
                 log,
-                "    {:<22} {:>9.2} {:>8.2}  {}   (against the curves' alone {:.2} ms: {})",
-                format!("{kind} {}x{} (+{})", step.batch, step.seq, step.past),
-                alone_now[0] * 1e3,
-                intensity,
-                row[2..]
-                    .iter()
-                    .map(|s| format!("{s:.2}"))
-                    .collect::<Vec<_>>()
-                    .join("  "),
-                lookup(&my_times[0], step) * 1e3,
-                curve_row
-                    .iter()
-                    .map(|s| format!("{s:.2}"))
-                    .collect::<Vec<_>>()
-                    .join("  ")
             );
-            if let [fixed, asleep] = diag[..] {
-                let polling = alone_now[0];
+        }
+        Ok(StepRow { row, t1_all })
+    }
+
+    /// Runs `step` on the host slots `set` (this rank's among them) for `w` seconds, the
+    /// others waiting with `idle`; the time per repetition of each of rank 0's host's slots.
+    fn slot_window(&self, set: &[usize], step: &Step, w: f64, idle: Backoff) -> Result<Vec<f64>> {
+        let me = self.world.rank();
+        let busy: Vec<usize> = set
+            .iter()
+            .filter_map(|&j| self.my_slots.get(j))
+            .filter(|(r, _)| *r == me)
+            .map(|(_, d)| *d)
+            .collect();
+        let times = busy_window(self.world, &self.models, &busy, step, w, idle)?;
+        // Per host slot index: this rank's times where its slots are.
+        let mut mine = vec![0.0; self.most_slots];
+        for (&d, t) in busy.iter().zip(&times) {
+            if let Some(j) = (self.my_slots.iter()).position(|&(r, dd)| r == me && dd == d) {
+                mine[j] = *t;
+            }
+        }
+        let gathered = self.world.all_gather_f64(&mine);
+        Ok((0..self.host0.len())
+            .map(|j| gathered[self.host0[j].0][j])
+            .collect())
+    }
+
+    /// The job's sharing: per k, the slowdown averaged over the steps weighted by their time
+    /// alone, and the curve over intensity (near-equal intensities merged).
+    fn sharing(&self, rows: Vec<StepRow>) -> Option<ComputeSharing> {
+        if self.most_slots < 2 {
+            return None;
+        }
+        let weight: f64 = rows.iter().map(|r| r.t1_all).sum();
+        let mut slowdown = vec![1.0];
+        for k in 2..=self.most_slots {
+            let sum: f64 = rows.iter().map(|r| r.t1_all * r.row[k]).sum();
+            slowdown.push((sum / weight.max(f64::MIN_POSITIVE)).max(1.0));
+        }
+        let mut curve: Vec<Vec<f64>> = rows.into_iter().map(|r| r.row).collect();
+        curve.sort_by(|a, b| a[0].total_cmp(&b[0]));
+        curve.dedup_by(|b, a| b[0] <= a[0] * 1.02);
+        Some(ComputeSharing {
+            shared_by: self.most_slots as u32,
+            slowdown,
+            slowdown_curve: curve,
+        })
+    }
+}
+
+/// Throughput-equivalent slowdown of `k` devices at once taking `t` per repetition, against
+/// `alone(j)` each (see `calibrate::sharing`).
+fn slowdown(k: usize, t: &[f64], alone: impl Fn(usize) -> f64) -> f64 {
+    let sum: f64 = (0..k.min(t.len()))
+        .map(|j| alone(j) / t[j].max(f64::MIN_POSITIVE))
+        .sum();
+    (k as f64 / sum.max(f64::MIN_POSITIVE)).max(1.0)
+}
+
+/// Rank 0's log line of one step's sharing, and of what the waiting ranks' polling costs.
+fn say_step_row(
+    step: &Step,
+    (row, curve_row, curves_ms): (&[f64], &[f64], f64),
+    (alone_now, diag): (&[f64], &[f64]),
+    log: &mut dyn Write,
+) {
+    let kind = if step.seq == 1 { "decode" } else { "prefill" };
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|s| format!("{s:.2}"))
+            .collect::<Vec<_>>()
+            .join("  ")
+    };
+    let _ = writeln!(
+        log,
+        "    {:<22} {:>9.2} {:>8.2}  {}   (against the curves' alone {:.2} ms: {})",
+        format!("{kind} {}x{} (+{})", step.batch, step.seq, step.past),
+        alone_now[0] * 1e3,
+        row[0],
+        list(&row[2..]),
+        curves_ms,
+        list(curve_row)
+    );
+    if let [fixed, asleep] = diag[..] {
+        let polling = alone_now[0];
+        let _ = writeln!(
+            log,
+            "      one busy, the others waiting: polling {:.2} ms ({:.3}x asleep), with sparser polling {:.2} ms ({:.3}x), asleep {:.2} ms",
+            polling * 1e3,
+            polling / asleep,
+            fixed * 1e3,
+            fixed / asleep,
+            asleep * 1e3
+        );
+    }
+}
+
+/// MPI between ranks: ping-pong fits to a rank on rank 0's host and on another host, and how
+/// late a waiting rank notices a message with each back-off.
+struct MpiLinks {
+    local: Option<AlphaBetaFit>,
+    remote: Option<AlphaBetaFit>,
+    lateness: Vec<(f64, f64)>,
+}
+
+impl MpiLinks {
+    fn measure(world: &World, infos: &[RankInfo], options: &CalibrationOptions) -> Result<Self> {
+        let local_peer = (1..infos.len()).find(|&r| infos[r].host == infos[0].host);
+        let remote_peer = (1..infos.len()).find(|&r| infos[r].host != infos[0].host);
+        let sizes: Vec<u64> = std::iter::successors(Some(256u64), |s| Some(s * 4))
+            .take_while(|&s| s <= options.max_bytes)
+            .collect();
+        let fit = |peer: Option<usize>| -> Result<Option<AlphaBetaFit>> {
+            match peer {
+                Some(p) => ping_pong(world, p, &sizes, options.iters.max(5)),
+                None => Ok(None),
+            }
+        };
+        let (local, remote) = (fit(local_peer)?, fit(remote_peer)?);
+        let mut lateness = Vec::new();
+        if let Some(p) = local_peer {
+            for backoff in [Backoff::RUNTIME, Backoff::SPARSE] {
+                lateness.push(wake_lateness(world, p, backoff)?);
+            }
+        }
+        Ok(Self {
+            local,
+            remote,
+            lateness,
+        })
+    }
+
+    fn say(&self, log: &mut dyn Write) {
+        for (what, fit) in [
+            ("on this host", &self.local),
+            ("between hosts", &self.remote),
+        ] {
+            if let Some(f) = fit {
                 let _ = writeln!(
                     log,
-                    "      one busy, the others waiting: polling {:.2} ms ({:.3}x asleep), with sparser polling {:.2} ms ({:.3}x), asleep {:.2} ms",
-                    polling * 1e3,
-                    polling / asleep,
-                    fixed * 1e3,
-                    fixed / asleep,
-                    asleep * 1e3
+                    "MPI send between ranks {what}: alpha {:.1} us, beta {:.3} GB/s (R^2 {:.4}, ping-pong halves)",
+                    f.alpha_us, f.beta_gbps, f.r_squared
                 );
             }
         }
-        sharing_rows.push(row);
-    }
-
-    // 4. MPI between ranks.
-    let local_peer = (1..infos.len()).find(|&r| infos[r].host == infos[0].host);
-    let remote_peer = (1..infos.len()).find(|&r| infos[r].host != infos[0].host);
-    let sizes: Vec<u64> = std::iter::successors(Some(256u64), |s| Some(s * 4))
-        .take_while(|&s| s <= options.max_bytes)
-        .collect();
-    let mut local_fit = None;
-    let mut remote_fit = None;
-    for (peer, slot) in [(local_peer, &mut local_fit), (remote_peer, &mut remote_fit)] {
-        if let Some(p) = peer {
-            *slot = ping_pong(world, p, &sizes, options.iters.max(5))?;
-        }
-    }
-    let mut lateness = Vec::new();
-    if let Some(p) = local_peer {
-        for backoff in [Backoff::RUNTIME, Backoff::SPARSE] {
-            lateness.push(wake_lateness(world, p, backoff)?);
-        }
-    }
-    world.barrier_with("calibration end", ASLEEP, world.timeout())?;
-    if !root {
-        return Ok(None);
-    }
-    for (what, fit) in [("on this host", &local_fit), ("between hosts", &remote_fit)] {
-        if let Some(f) = fit {
+        if let [(new_ms, new_late), (old_ms, old_late)] = self.lateness[..] {
             let _ = writeln!(
                 log,
-                "MPI send between ranks {what}: alpha {:.1} us, beta {:.3} GB/s (R^2 {:.4}, ping-pong halves)",
-                f.alpha_us, f.beta_gbps, f.r_squared
+                "a message after a {new_ms:.0} ms wait is noticed {new_late:.0} us late with the runtime's back-off, {old_late:.0} us with the sparser one (after {old_ms:.0} ms)"
             );
         }
     }
-    if let [(new_ms, new_late), (old_ms, old_late)] = lateness[..] {
-        let _ = writeln!(
-            log,
-            "a message after a {new_ms:.0} ms wait is noticed {new_late:.0} us late with the runtime's back-off, {old_late:.0} us with the sparser one (after {old_ms:.0} ms)"
-        );
-    }
+}
 
-    // Assemble the job's profile.
-    let sharing = if most_slots > 1 {
-        let mut slowdown = vec![1.0];
-        for s in weighted.iter().skip(2) {
-            slowdown.push((s / weight.max(f64::MIN_POSITIVE)).max(1.0));
-        }
-        sharing_rows.sort_by(|a, b| a[0].total_cmp(&b[0]));
-        sharing_rows.dedup_by(|b, a| b[0] <= a[0] * 1.02);
-        Some(ComputeSharing {
-            shared_by: most_slots as u32,
-            slowdown,
-            slowdown_curve: sharing_rows,
-        })
-    } else {
-        None
-    };
-    let profile = assemble(&infos, &source, &alone, sharing, remote_fit.as_ref(), log)?;
-    let base = alone_of(0)?;
+/// The profile's header: the job's ranks and devices, the MPI link on one host, and rank 0's
+/// alone calibration's note.
+fn job_note(
+    infos: &[RankInfo],
+    profile: &HostProfile,
+    local: Option<&AlphaBetaFit>,
+    base: &str,
+) -> String {
+    let devices: Vec<String> = (infos.iter().enumerate())
+        .map(|(r, i)| format!("rank {r}: {}", i.labels.join(" + ")))
+        .collect();
     let mut note = format!(
         "calibrated under mpirun: {} ranks on {} host(s); devices in rank order ({})",
         infos.len(),
         profile.nodes,
-        infos
-            .iter()
-            .enumerate()
-            .map(|(r, i)| format!("rank {r}: {}", i.labels.join(" + ")))
-            .collect::<Vec<_>>()
-            .join("; ")
+        devices.join("; ")
     );
-    if let Some(f) = &local_fit {
+    if let Some(f) = local {
         note.push_str(&format!(
             "\nMPI between ranks on one host (not costed by the projection): alpha {:.1} us, beta {:.3} GB/s",
             f.alpha_us, f.beta_gbps
         ));
     }
     note.push('\n');
-    note.push_str(&base.note);
-    Ok(Some(Calibration {
-        profile,
-        note,
-        block_times: base.block_times.clone(),
-    }))
+    note.push_str(base);
+    note
 }
 
 /// Runs `step` on the devices `busy` of this rank for `window` seconds, all ranks starting
