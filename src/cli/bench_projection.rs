@@ -463,8 +463,56 @@ fn range(values: &[f64]) -> [f64; 2] {
         })
 }
 
+/// What the benchmark runs: how it launches, every (workload, configuration) pair the models
+/// can run and the ones skipped, the calibration's workload, and the devices a calibration
+/// opens.
+struct Plan {
+    launch: Launch,
+    cases: Vec<(Workload, Config)>,
+    skipped: Vec<String>,
+    calibration: Workload,
+    devices: usize,
+}
+
 /// Runs the benchmark.
 pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
+    let plan = plan(args)?;
+    let dir = &args.out_dir;
+    std::fs::create_dir_all(dir).map_err(|source| WgparError::Io {
+        path: dir.display().to_string(),
+        source,
+    })?;
+    for round in 0..args.rounds {
+        record_round(args, &plan, round)?;
+    }
+    let rows = project_cases(args, &plan)?;
+    let report = Report {
+        calibration_model: &args.model,
+        calibration_batch: args.batch,
+        calibration_prompt_len: args.prompt_len,
+        skipped: plan.skipped,
+        gen: args.gen,
+        rounds: args.rounds,
+        ranks: plan.launch.ranks(),
+        host_gaps_kept: args.keep_host_gaps,
+        tolerance_pct: args.tolerance,
+        within: rows.iter().filter(|r| r.within_tolerance).count(),
+        out_of_sample: summarise_out_of_sample(&rows, args.tolerance),
+        rows,
+    };
+    if args.json {
+        let text = serde_json::to_string_pretty(&report).map_err(|source| WgparError::Json {
+            what: "the benchmark report".into(),
+            source,
+        })?;
+        outln!("{text}")?;
+        return Ok(());
+    }
+    print_report(args, &plan.launch, &report)
+}
+
+/// Checks the options and lists the cases.
+fn plan(args: &ProjectionBenchArgs) -> Result<Plan> {
     if args.rounds == 0 || args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
         return Err(WgparError::Config(
             "--rounds, --batch, --prompt-len and --gen must be positive".into(),
@@ -477,9 +525,7 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         )));
     }
     let launch = Launch::from_args(args.ranks, args.launcher.as_deref())?;
-    let configs = args
-        .configs
-        .iter()
+    let configs = (args.configs.iter())
         .map(|c| parse_config(c, launch.ranks()))
         .collect::<Result<Vec<_>>>()?;
     if configs.is_empty() {
@@ -493,8 +539,7 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
     let workloads = if args.runs.is_empty() {
         vec![calibration.clone()]
     } else {
-        args.runs
-            .iter()
+        (args.runs.iter())
             .map(|r| parse_workload(r))
             .collect::<Result<Vec<_>>>()?
     };
@@ -518,74 +563,81 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
     // Devices each calibrating process opens: one process measures two or more (their
     // sharing of the processor); under MPI each rank opens what its runs open, and the
     // sharing between ranks is measured across processes.
-    let per_rank = configs
-        .iter()
-        .map(|c| c.devices_per_rank)
+    let per_rank = (configs.iter().map(|c| c.devices_per_rank))
         .max()
         .unwrap_or(1);
     let devices = match launch {
         Launch::Process => per_rank.max(2),
         Launch::Ranks { .. } => per_rank,
     };
-    let dir = &args.out_dir;
-    std::fs::create_dir_all(dir).map_err(|source| WgparError::Io {
-        path: dir.display().to_string(),
-        source,
-    })?;
-    let path = |name: String| dir.join(name);
-    let trace_of = |w: &Workload, c: &Config, round: usize| {
-        path(format!("{}.{}.r{round}.json", w.file_stem(), c.name))
-    };
+    Ok(Plan {
+        launch,
+        cases,
+        skipped,
+        calibration,
+        devices,
+    })
+}
 
-    for round in 0..args.rounds {
-        let mut cal: Vec<String> = vec![
-            "calibrate".into(),
-            "--model".into(),
-            args.model.clone(),
-            "--virtual".into(),
-            devices.to_string(),
-            "--max-bytes".into(),
-            args.max_bytes.clone(),
-            "--out".into(),
-            path(format!("cal{round}.toml")).display().to_string(),
-            "--batch".into(),
-            args.batch.to_string(),
-            "--prompt-len".into(),
-            args.prompt_len.to_string(),
-        ];
-        if args.quick {
-            cal.push("--quick".into());
-        }
-        eprintln!("round {}/{}: calibrating", round + 1, args.rounds);
-        wgpar(&launch, &cal, &path(format!("cal{round}.log")))?;
-        for (w, c) in &cases {
-            eprintln!(
-                "round {}/{}: {} {}",
-                round + 1,
-                args.rounds,
-                w.name(),
-                c.name
-            );
-            let mut run: Vec<String> = vec!["run".into(), "--model".into(), w.model.clone()];
-            run.extend(c.args.iter().cloned());
-            run.extend([
-                "--batch".into(),
-                w.batch.to_string(),
-                "--prompt-len".into(),
-                w.prompt_len.to_string(),
-                "--gen".into(),
-                args.gen.to_string(),
-                "--trace".into(),
-                trace_of(w, c, round).display().to_string(),
-            ]);
-            let log = path(format!("{}.{}.r{round}.log", w.file_stem(), c.name));
-            wgpar(&launch, &run, &log)?;
-        }
+/// The trace a case's run writes in `round`.
+fn trace_of(args: &ProjectionBenchArgs, (w, c): (&Workload, &Config), round: usize) -> PathBuf {
+    (args.out_dir).join(format!("{}.{}.r{round}.json", w.file_stem(), c.name))
+}
+
+/// One round: a calibration, then one traced run of every case.
+fn record_round(args: &ProjectionBenchArgs, plan: &Plan, round: usize) -> Result<()> {
+    let path = |name: String| args.out_dir.join(name);
+    let mut cal: Vec<String> = vec![
+        "calibrate".into(),
+        "--model".into(),
+        args.model.clone(),
+        "--virtual".into(),
+        plan.devices.to_string(),
+        "--max-bytes".into(),
+        args.max_bytes.clone(),
+        "--out".into(),
+        path(format!("cal{round}.toml")).display().to_string(),
+        "--batch".into(),
+        args.batch.to_string(),
+        "--prompt-len".into(),
+        args.prompt_len.to_string(),
+    ];
+    if args.quick {
+        cal.push("--quick".into());
     }
+    eprintln!("round {}/{}: calibrating", round + 1, args.rounds);
+    wgpar(&plan.launch, &cal, &path(format!("cal{round}.log")))?;
+    for (w, c) in &plan.cases {
+        eprintln!(
+            "round {}/{}: {} {}",
+            round + 1,
+            args.rounds,
+            w.name(),
+            c.name
+        );
+        let mut run: Vec<String> = vec!["run".into(), "--model".into(), w.model.clone()];
+        run.extend(c.args.iter().cloned());
+        run.extend([
+            "--batch".into(),
+            w.batch.to_string(),
+            "--prompt-len".into(),
+            w.prompt_len.to_string(),
+            "--gen".into(),
+            args.gen.to_string(),
+            "--trace".into(),
+            trace_of(args, (w, c), round).display().to_string(),
+        ]);
+        let log = path(format!("{}.{}.r{round}.log", w.file_stem(), c.name));
+        wgpar(&plan.launch, &run, &log)?;
+    }
+    Ok(())
+}
 
+/// Every case's runs projected onto every round's profile, one row per case.
+fn project_cases(args: &ProjectionBenchArgs, plan: &Plan) -> Result<Vec<Row>> {
     let profiles = (0..args.rounds)
         .map(|r| {
-            let p = path(format!("cal{r}.toml"));
+            let p = args.out_dir.join(format!("cal{r}.toml"));
             HostProfile::load(&p).map_err(WgparError::from)
         })
         .collect::<Result<Vec<_>>>()?;
@@ -598,17 +650,15 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         ..Default::default()
     };
     let mut rows = Vec::new();
-    for (w, c) in cases {
+    for (w, c) in &plan.cases {
         let mut pairs = Vec::new();
         for run_round in 0..args.rounds {
-            let trace = trace_of(&w, &c, run_round);
-            let traces = launch
-                .trace_files(&trace)
-                .iter()
+            let trace = trace_of(args, (w, c), run_round);
+            let traces = (plan.launch.trace_files(&trace).iter())
                 .map(Timeline::read_chrome_trace)
                 .collect::<std::result::Result<Vec<_>, _>>()?;
             for (calibration_round, profile) in profiles.iter().enumerate() {
-                let timeline = match launch {
+                let timeline = match plan.launch {
                     Launch::Process => traces[0].clone(),
                     Launch::Ranks { .. } => merge_rank_traces(&traces, profile)?,
                 };
@@ -630,53 +680,43 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
                 });
             }
         }
-        let measured: Vec<f64> = pairs
-            .iter()
-            .filter(|p| p.calibration_round == 0)
-            .map(|p| p.measured_ms)
-            .collect();
-        let projected: Vec<f64> = pairs.iter().map(|p| p.projected_ms).collect();
-        let errors: Vec<f64> = pairs.iter().map(|p| p.error_pct).collect();
-        let error = median(&errors);
-        rows.push(Row {
-            in_sample: w == calibration,
-            workload: w,
-            config: c,
-            measured_ms_median: median(&measured),
-            measured_ms_range: range(&measured),
-            projected_ms_median: median(&projected),
-            error_pct_median: error,
-            error_pct_range: range(&errors),
-            within_tolerance: error.abs() <= args.tolerance,
+        rows.push(row_of(
+            (w, c),
+            *w == plan.calibration,
             pairs,
-        });
+            args.tolerance,
+        ));
     }
-    let within = rows.iter().filter(|r| r.within_tolerance).count();
-    let out_of_sample = summarise_out_of_sample(&rows, args.tolerance);
-    let report = Report {
-        calibration_model: &args.model,
-        calibration_batch: args.batch,
-        calibration_prompt_len: args.prompt_len,
-        skipped,
-        gen: args.gen,
-        rounds: args.rounds,
-        ranks: launch.ranks(),
-        host_gaps_kept: args.keep_host_gaps,
-        tolerance_pct: args.tolerance,
-        within,
-        rows,
-        out_of_sample,
-    };
-    if args.json {
-        let text = serde_json::to_string_pretty(&report).map_err(|source| WgparError::Json {
-            what: "the benchmark report".into(),
-            source,
-        })?;
-        outln!("{text}")?;
-        return Ok(());
+    Ok(rows)
+}
+
+/// A case's row: medians and ranges of its pairs.
+fn row_of((w, c): (&Workload, &Config), in_sample: bool, pairs: Vec<Pair>, tolerance: f64) -> Row {
+    let measured: Vec<f64> = (pairs.iter())
+        .filter(|p| p.calibration_round == 0)
+        .map(|p| p.measured_ms)
+        .collect();
+    let projected: Vec<f64> = pairs.iter().map(|p| p.projected_ms).collect();
+    let errors: Vec<f64> = pairs.iter().map(|p| p.error_pct).collect();
+    let error = median(&errors);
+    Row {
+        in_sample,
+        workload: w.clone(),
+        config: c.clone(),
+        measured_ms_median: median(&measured),
+        measured_ms_range: range(&measured),
+        projected_ms_median: median(&projected),
+        error_pct_median: error,
+        error_pct_range: range(&errors),
+        within_tolerance: error.abs() <= tolerance,
+        pairs,
     }
+}
+
+/// The report as Markdown tables.
+fn print_report(args: &ProjectionBenchArgs, launch: &Launch, report: &Report<'_>) -> Result<()> {
     let n = args.rounds;
-    let processes = match &launch {
+    let processes = match launch {
         Launch::Process => String::new(),
         Launch::Ranks { ranks, launcher } => format!(
             "; every run and calibration as {ranks} MPI ranks ({} -np {ranks})",
@@ -717,31 +757,37 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
         outln!("skipped {s}")?;
     }
     outln!(
-        "{within} of {} rows within {} % (median error); profiles and traces in {}",
+        "{} of {} rows within {} % (median error); profiles and traces in {}",
+        report.within,
         report.rows.len(),
         args.tolerance,
-        dir.display()
+        args.out_dir.display()
     )?;
-    if !report.out_of_sample.is_empty() {
-        outln!()?;
-        outln!("out of sample, per configuration (every pair of every workload the calibration did not see):")?;
-        outln!()?;
+    print_out_of_sample(args.tolerance, &report.out_of_sample)
+}
+
+/// The out-of-sample summary table, when there are out-of-sample workloads.
+fn print_out_of_sample(tolerance: f64, summaries: &[ConfigSummary]) -> Result<()> {
+    if summaries.is_empty() {
+        return Ok(());
+    }
+    outln!()?;
+    outln!("out of sample, per configuration (every pair of every workload the calibration did not see):")?;
+    outln!()?;
+    outln!(
+        "| config | workloads | pairs | error, median | magnitude, median | within {tolerance} % |"
+    )?;
+    outln!("|---|---:|---:|---:|---:|---|")?;
+    for c in summaries {
         outln!(
-            "| config | workloads | pairs | error, median | magnitude, median | within {} % |",
-            args.tolerance
+            "| {} | {} | {} | {:+.1} % | {:.1} % | {} |",
+            c.config,
+            c.workloads,
+            c.pairs,
+            c.error_pct_median,
+            c.abs_error_pct_median,
+            if c.within_tolerance { "yes" } else { "no" }
         )?;
-        outln!("|---|---:|---:|---:|---:|---|")?;
-        for c in &report.out_of_sample {
-            outln!(
-                "| {} | {} | {} | {:+.1} % | {:.1} % | {} |",
-                c.config,
-                c.workloads,
-                c.pairs,
-                c.error_pct_median,
-                c.abs_error_pct_median,
-                if c.within_tolerance { "yes" } else { "no" }
-            )?;
-        }
     }
     Ok(())
 }
