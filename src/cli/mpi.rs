@@ -538,32 +538,7 @@ mod ranks {
     }
 
     fn run(world: &World, args: &RunArgs, fault: Option<Fault>) -> Result<()> {
-        if args.text.prompt.is_some() {
-            return Err(DistError::Unsupported {
-                option: "--prompt".into(),
-                why: "text generation runs in one process".into(),
-            }
-            .into());
-        }
-        if args.pace.is_some() {
-            return Err(DistError::Unsupported {
-                option: "--pace".into(),
-                why: "ranks talk over a real link; project a trace onto a profile instead".into(),
-            }
-            .into());
-        }
-        let config = args.model.config()?;
-        if args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
-            return Err(WgparError::Config(
-                "--batch, --prompt-len and --gen must be positive".into(),
-            ));
-        }
-        if args.prompt_len + args.gen > config.max_seq {
-            return Err(WgparError::Config(format!(
-                "--prompt-len {} + --gen {} exceed max_seq {} of model '{}'",
-                args.prompt_len, args.gen, config.max_seq, config.name
-            )));
-        }
+        let config = checked_run(args)?;
         let strategy = args.strategy.strategy()?;
         // Every rank must run the same model, options and wgpar.
         world.check_same("wgpar version", env!("CARGO_PKG_VERSION"))?;
@@ -609,99 +584,36 @@ mod ranks {
                 self_signal(f.kind, f.after);
             }
         }
-        let prompts: Vec<Vec<u32>> = (0..args.batch)
-            .map(|b| {
-                (0..args.prompt_len)
-                    .map(|i| ((b * 7919 + i * 104_729) % config.vocab) as u32)
-                    .collect()
-            })
-            .collect();
-        let mut local_stats: Vec<StageStats> = Vec::new();
-        let mut run_stats: Option<PipelineStats> = None;
+        let stage_fault = mine
+            .filter(|f| matches!(f.kind, FaultKind::Error | FaultKind::Panic))
+            .map(stage_fault_of);
         let recorder = Recorder::new()
             .with_device_timing(DeviceTiming::parse(&args.device_timestamps).unwrap_or_default());
-        match engine {
+        let run_stats = match engine {
             DistEngine::Driver(mut e) => {
-                say!(world, "engine: {}", e.name());
-                if let Some(f) =
-                    mine.filter(|f| matches!(f.kind, FaultKind::Error | FaultKind::Panic))
-                {
-                    if let Some(p) = e.pipeline() {
-                        p.inject_fault(0, stage_fault_of(f))?;
-                    }
+                if let (Some(f), Some(p)) = (stage_fault, e.pipeline()) {
+                    p.inject_fault(0, f)?;
                 }
-                // One untimed pass compiles pipelines and allocates buffers on every rank.
-                generate(e.as_mut(), &prompts, 2)?;
-                let processed = args.batch * (2 * args.prompt_len + args.gen - 1);
-                recorder.set_meta("model", config.name.clone());
-                recorder.set_meta("strategy", e.name());
-                recorder.set_meta("batch", args.batch.to_string());
-                recorder.set_meta("prompt_len", args.prompt_len.to_string());
-                recorder.set_meta("gen", args.gen.to_string());
-                recorder.set_meta("tokens", processed.to_string());
-                e.set_recorder(recorder.clone());
+                // A tensor-parallel rank fails in the driver's loop itself.
                 let tp_fault = mine.filter(|f| {
                     !is_pipeline && matches!(f.kind, FaultKind::Error | FaultKind::Panic)
                 });
-                let start = Instant::now();
-                e.prefill(&prompts)?;
-                let prefill_stats = e.last_step();
-                if let Some(f) = tp_fault {
-                    if f.kind == FaultKind::Panic {
-                        panic!("injected panic");
-                    }
-                    return Err(WgparError::Config("injected fault".into()));
-                }
-                let keep = crate::cli::run::keep_for(args);
-                let g = generate_keeping(e.as_mut(), &prompts, args.gen, keep)?;
-                let wall = start.elapsed().as_secs_f64();
-                let decode_stats = e.last_step();
-                say!(
+                let job = DriverJob {
                     world,
-                    "prefill: {} tokens in {:.1} ms = {:.1} tokens/s",
-                    g.prompt_tokens,
-                    g.prefill_s * 1e3,
-                    g.prefill_tokens_per_s()
-                );
-                if let Some(s) = &prefill_stats {
-                    say!(world, "  {}", s.per_token_line());
-                }
-                let per_step_ms = g.decode_s / g.decode_steps.max(1) as f64 * 1e3;
-                say!(
-                    world,
-                    "decode: {} steps x {} sequences, {:.2} ms per step = {:.1} tokens/s",
-                    g.decode_steps,
-                    args.batch,
-                    per_step_ms,
-                    g.decode_tokens_per_s()
-                );
-                if let Some(s) = &decode_stats {
-                    say!(world, "  {}", s.per_token_line());
-                }
-                say!(world, "first sequence's tokens: {:?}", g.tokens[0]);
-                say!(world, "recorded phase: {:.1} ms", wall * 1e3);
-                if let Some(path) = &args.logits_out {
-                    if world.rank() == 0 {
-                        crate::cli::run::write_logits(path, args.batch, config.vocab, &g)?;
-                    }
-                }
-                if is_pipeline {
-                    run_stats = e.pipeline_stats();
-                    local_stats = run_stats
-                        .as_ref()
-                        .map(|s| s.stages.clone())
-                        .unwrap_or_default();
-                }
+                    args,
+                    config: &config,
+                    recorder: &recorder,
+                };
+                let stats = job.drive(e.as_mut(), tp_fault)?;
                 drop(e);
+                stats.filter(|_| is_pipeline)
             }
             DistEngine::Server(mut s) => {
-                if let Some(f) =
-                    mine.filter(|f| matches!(f.kind, FaultKind::Error | FaultKind::Panic))
-                {
-                    s.inject_fault(0, stage_fault_of(f))?;
+                if let Some(f) = stage_fault {
+                    s.inject_fault(0, f)?;
                 }
                 s.serve(world)?;
-                local_stats = s.stage_stats();
+                let local_stats = s.stage_stats();
                 // Its spans go into this rank's trace.
                 write_trace(world, args, s.recorder(), gpus.len())?;
                 if is_pipeline {
@@ -709,45 +621,180 @@ mod ranks {
                 }
                 return Ok(());
             }
-        }
+        };
         write_trace(world, args, &recorder, gpus.len())?;
         if is_pipeline {
-            let all = gather_stage_stats(world, &local_stats)?;
+            let local = (run_stats.as_ref()).map_or_else(Vec::new, |s| s.stages.clone());
+            let all = gather_stage_stats(world, &local)?;
             if let Some(last) = run_stats {
-                let combined = PipelineStats::from_stages(
-                    all,
-                    last.schedule,
-                    last.makespan_s,
-                    last.tokens,
-                    last.microbatches,
-                    last.chain,
-                );
-                say!(
-                    world,
-                    "pipeline over ranks (last run, {} passes per stage, {} lanes, {}): {:.1} tokens/s, makespan {:.1} ms; ideal from the measured stage times {:.1} ms: {:.0} % of ideal throughput; bubble {:.0} % measured vs {:.0} % for a perfect pipeline",
-                    combined.passes,
-                    combined.microbatches,
-                    combined.schedule,
-                    combined.tokens_per_s(),
-                    combined.makespan_s * 1e3,
-                    combined.ideal_makespan_s * 1e3,
-                    combined.ideal_makespan_s / combined.makespan_s * 100.0,
-                    combined.measured_bubble * 100.0,
-                    combined.theoretical_bubble * 100.0
-                );
-                for (i, st) in combined.stages.iter().enumerate() {
-                    say!(
-                        world,
-                        "  stage {i}: layers {}..{} on {}: busy {:.1} ms, hand-off {:.1} ms, {} micro-batches",
-                        st.layers.start,
-                        st.layers.end,
-                        st.device,
-                        st.busy_s * 1e3,
-                        st.handoff_s() * 1e3,
-                        st.microbatches
-                    );
+                say_pipeline(world, all, last)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `run`'s options checked against what ranks do and the model's context; the model.
+    fn checked_run(args: &RunArgs) -> Result<wgpar::model::ModelConfig> {
+        if args.text.prompt.is_some() {
+            return Err(DistError::Unsupported {
+                option: "--prompt".into(),
+                why: "text generation runs in one process".into(),
+            }
+            .into());
+        }
+        if args.pace.is_some() {
+            return Err(DistError::Unsupported {
+                option: "--pace".into(),
+                why: "ranks talk over a real link; project a trace onto a profile instead".into(),
+            }
+            .into());
+        }
+        let config = args.model.config()?;
+        if args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
+            return Err(WgparError::Config(
+                "--batch, --prompt-len and --gen must be positive".into(),
+            ));
+        }
+        if args.prompt_len + args.gen > config.max_seq {
+            return Err(WgparError::Config(format!(
+                "--prompt-len {} + --gen {} exceed max_seq {} of model '{}'",
+                args.prompt_len, args.gen, config.max_seq, config.name
+            )));
+        }
+        Ok(config)
+    }
+
+    /// What the driving rank's measured run needs.
+    struct DriverJob<'a> {
+        world: &'a World,
+        args: &'a RunArgs,
+        config: &'a wgpar::model::ModelConfig,
+        recorder: &'a Recorder,
+    }
+
+    impl DriverJob<'_> {
+        /// An untimed pass, then the recorded prefill and decode, said on rank 0; the
+        /// pipeline's statistics of the run (pipelines only).
+        fn drive(
+            &self,
+            e: &mut dyn wgpar::dist::DistDriver,
+            tp_fault: Option<Fault>,
+        ) -> Result<Option<PipelineStats>> {
+            let (world, args, config) = (self.world, self.args, self.config);
+            say!(world, "engine: {}", e.name());
+            let prompts: Vec<Vec<u32>> = (0..args.batch)
+                .map(|b| {
+                    (0..args.prompt_len)
+                        .map(|i| ((b * 7919 + i * 104_729) % config.vocab) as u32)
+                        .collect()
+                })
+                .collect();
+            // One untimed pass compiles pipelines and allocates buffers on every rank.
+            generate(e, &prompts, 2)?;
+            let processed = args.batch * (2 * args.prompt_len + args.gen - 1);
+            let recorder = self.recorder;
+            recorder.set_meta("model", config.name.clone());
+            recorder.set_meta("strategy", e.name());
+            recorder.set_meta("batch", args.batch.to_string());
+            recorder.set_meta("prompt_len", args.prompt_len.to_string());
+            recorder.set_meta("gen", args.gen.to_string());
+            recorder.set_meta("tokens", processed.to_string());
+            e.set_recorder(recorder.clone());
+            let start = Instant::now();
+            e.prefill(&prompts)?;
+            let prefill_stats = e.last_step();
+            if let Some(f) = tp_fault {
+                if f.kind == FaultKind::Panic {
+                    panic!("injected panic");
+                }
+                return Err(WgparError::Config("injected fault".into()));
+            }
+            let keep = crate::cli::run::keep_for(args);
+            let g = generate_keeping(e, &prompts, args.gen, keep)?;
+            let wall = start.elapsed().as_secs_f64();
+            self.say_run(&g, (prefill_stats, e.last_step()), wall)?;
+            if let Some(path) = &args.logits_out {
+                if world.rank() == 0 {
+                    crate::cli::run::write_logits(path, args.batch, config.vocab, &g)?;
                 }
             }
+            Ok(e.pipeline_stats())
+        }
+
+        /// The run's prefill and decode rates, the first sequence's tokens and the recorded
+        /// phase's time (rank 0).
+        fn say_run(
+            &self,
+            g: &wgpar::parallel::Generation,
+            (prefill, decode): (
+                Option<wgpar::parallel::StepStats>,
+                Option<wgpar::parallel::StepStats>,
+            ),
+            wall: f64,
+        ) -> Result<()> {
+            let world = self.world;
+            say!(
+                world,
+                "prefill: {} tokens in {:.1} ms = {:.1} tokens/s",
+                g.prompt_tokens,
+                g.prefill_s * 1e3,
+                g.prefill_tokens_per_s()
+            );
+            if let Some(s) = &prefill {
+                say!(world, "  {}", s.per_token_line());
+            }
+            let per_step_ms = g.decode_s / g.decode_steps.max(1) as f64 * 1e3;
+            say!(
+                world,
+                "decode: {} steps x {} sequences, {:.2} ms per step = {:.1} tokens/s",
+                g.decode_steps,
+                self.args.batch,
+                per_step_ms,
+                g.decode_tokens_per_s()
+            );
+            if let Some(s) = &decode {
+                say!(world, "  {}", s.per_token_line());
+            }
+            say!(world, "first sequence's tokens: {:?}", g.tokens[0]);
+            say!(world, "recorded phase: {:.1} ms", wall * 1e3);
+            Ok(())
+        }
+    }
+
+    /// The pipeline over every rank's stages (rank 0).
+    fn say_pipeline(world: &World, all: Vec<StageStats>, last: PipelineStats) -> Result<()> {
+        let combined = PipelineStats::from_stages(
+            all,
+            last.schedule,
+            last.makespan_s,
+            last.tokens,
+            last.microbatches,
+            last.chain,
+        );
+        say!(
+            world,
+            "pipeline over ranks (last run, {} passes per stage, {} lanes, {}): {:.1} tokens/s, makespan {:.1} ms; ideal from the measured stage times {:.1} ms: {:.0} % of ideal throughput; bubble {:.0} % measured vs {:.0} % for a perfect pipeline",
+            combined.passes,
+            combined.microbatches,
+            combined.schedule,
+            combined.tokens_per_s(),
+            combined.makespan_s * 1e3,
+            combined.ideal_makespan_s * 1e3,
+            combined.ideal_makespan_s / combined.makespan_s * 100.0,
+            combined.measured_bubble * 100.0,
+            combined.theoretical_bubble * 100.0
+        );
+        for (i, st) in combined.stages.iter().enumerate() {
+            say!(
+                world,
+                "  stage {i}: layers {}..{} on {}: busy {:.1} ms, hand-off {:.1} ms, {} micro-batches",
+                st.layers.start,
+                st.layers.end,
+                st.device,
+                st.busy_s * 1e3,
+                st.handoff_s() * 1e3,
+                st.microbatches
+            );
         }
         Ok(())
     }
