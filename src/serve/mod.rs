@@ -19,6 +19,7 @@
 mod metrics;
 mod workload;
 
+use crate::model::ModelConfig;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -137,6 +138,54 @@ pub fn serve(
     recorder: Recorder,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<ServeRun> {
+    check_requests(requests, opts)?;
+    let config = engine.model_config().clone();
+    engine.reserve_slots(opts.max_batch)?;
+    recorder.declare_complete_dependencies();
+    engine.set_recorder(recorder.clone());
+    let mut state = State::new(requests, engine.lanes().max(1), opts);
+    let t0 = Instant::now();
+    let total = requests.len();
+    let mut arrived = 0;
+    progress(0, total);
+    while state.done < total {
+        let now = t0.elapsed().as_secs_f64();
+        while arrived < total && requests[arrived].arrival_s <= now {
+            state.admit(arrived, (t0, &recorder), &config, &mut |d| {
+                progress(d, total)
+            });
+            arrived += 1;
+        }
+        state.start_idle_lanes(engine)?;
+        if state.done == total {
+            break;
+        }
+        let until_arrival = (arrived < total).then(|| (requests[arrived].arrival_s - now).max(0.0));
+        if state.lanes.iter().all(|l| l.busy.is_none()) {
+            let Some(wait) = until_arrival else {
+                return Err(WgparError::Internal(format!(
+                    "the scheduler stalled with {} requests waiting",
+                    state.waiting.len()
+                )));
+            };
+            std::thread::sleep(Duration::try_from_secs_f64(wait).unwrap_or(Duration::MAX));
+            continue;
+        }
+        // Wake up for the next arrival only when a free lane could take it.
+        let could_start = state.lanes.iter().any(|l| l.busy.is_none()) && !state.free.is_empty();
+        let timeout = until_arrival
+            .filter(|_| could_start)
+            .map(|w| Duration::try_from_secs_f64(w).unwrap_or(Duration::MAX));
+        if let Some(done) = engine.complete(timeout)? {
+            let now = t0.elapsed().as_secs_f64();
+            state.finish_step(done, now, &mut |d| progress(d, total))?;
+        }
+    }
+    Ok(state.into_run(engine, opts, recorder.timeline()))
+}
+
+/// Refuses options that serve nothing and requests out of arrival order.
+fn check_requests(requests: &[ServeRequest], opts: &ServeOptions) -> Result<()> {
     if opts.max_batch == 0 || opts.max_prefill_tokens == 0 {
         return Err(WgparError::Config(
             "--max-batch and --max-prefill-tokens must be at least 1".into(),
@@ -149,126 +198,112 @@ pub fn serve(
             "requests must be in arrival order, with finite arrival times".into(),
         ));
     }
-    let config = engine.model_config().clone();
-    engine.reserve_slots(opts.max_batch)?;
-    recorder.declare_complete_dependencies();
-    engine.set_recorder(recorder.clone());
-    let mut state = State {
-        requests,
-        outcomes: requests
-            .iter()
-            .map(|r| RequestOutcome {
-                id: r.id,
-                arrival_s: r.arrival_s,
-                prompt_len: r.prompt.len(),
-                max_new: r.max_new,
-                tokens: Vec::new(),
-                error: None,
-                first_token_s: None,
-                done_s: None,
-                arrival_us: 0.0,
-                first_span: SpanId::NONE,
-                last_span: SpanId::NONE,
-            })
-            .collect(),
-        lanes: (0..engine.lanes().max(1))
-            .map(|_| Lane {
-                seqs: Vec::new(),
-                busy: None,
-                last: SpanId::NONE,
-            })
-            .collect(),
-        free: (0..opts.max_batch).rev().collect(),
-        freed_by: vec![SpanId::NONE; opts.max_batch],
-        waiting: VecDeque::new(),
-        per_lane: opts.max_batch.div_ceil(engine.lanes().max(1)),
-        max_prefill_tokens: opts.max_prefill_tokens,
-        done: 0,
-    };
-    let t0 = Instant::now();
-    let total = requests.len();
-    let mut arrived = 0;
-    progress(0, total);
-    while state.done < total {
-        let now = t0.elapsed().as_secs_f64();
-        while arrived < total && requests[arrived].arrival_s <= now {
-            let r = &requests[arrived];
-            let at = Duration::try_from_secs_f64(r.arrival_s)
-                .ok()
-                .and_then(|d| t0.checked_add(d))
-                .unwrap_or(t0);
-            state.outcomes[arrived].arrival_us = recorder.us_since_epoch(at);
-            match refusal(r, config.max_seq, config.vocab, &config.name) {
-                Some(e) => {
-                    state.outcomes[arrived].error = Some(e.to_string());
-                    state.done += 1;
-                    progress(state.done, total);
-                }
-                None => state.waiting.push_back(arrived),
-            }
-            arrived += 1;
-        }
-        for lane in 0..state.lanes.len() {
-            if state.lanes[lane].busy.is_none() {
-                if let Some((step, flight)) = state.plan(lane) {
-                    engine.submit(step)?;
-                    state.lanes[lane].busy = Some(flight);
-                }
-            }
-        }
-        if state.done == total {
-            break;
-        }
-        let until_arrival = (arrived < total).then(|| (requests[arrived].arrival_s - now).max(0.0));
-        if state.lanes.iter().all(|l| l.busy.is_none()) {
-            match until_arrival {
-                Some(wait) => {
-                    std::thread::sleep(Duration::try_from_secs_f64(wait).unwrap_or(Duration::MAX));
-                    continue;
-                }
-                None => {
-                    return Err(WgparError::Internal(format!(
-                        "the scheduler stalled with {} requests waiting",
-                        state.waiting.len()
-                    )))
-                }
-            }
-        }
-        // Wake up for the next arrival only when a free lane could take it.
-        let could_start = state.lanes.iter().any(|l| l.busy.is_none()) && !state.free.is_empty();
-        let timeout = until_arrival
-            .filter(|_| could_start)
-            .map(|w| Duration::try_from_secs_f64(w).unwrap_or(Duration::MAX));
-        if let Some(done) = engine.complete(timeout)? {
-            let now = t0.elapsed().as_secs_f64();
-            state.finish_step(done, now, &mut |d| progress(d, total))?;
+    Ok(())
+}
+
+impl<'a> State<'a> {
+    fn new(requests: &'a [ServeRequest], lanes: usize, opts: &ServeOptions) -> Self {
+        Self {
+            requests,
+            outcomes: requests
+                .iter()
+                .map(|r| RequestOutcome {
+                    id: r.id,
+                    arrival_s: r.arrival_s,
+                    prompt_len: r.prompt.len(),
+                    max_new: r.max_new,
+                    tokens: Vec::new(),
+                    error: None,
+                    first_token_s: None,
+                    done_s: None,
+                    arrival_us: 0.0,
+                    first_span: SpanId::NONE,
+                    last_span: SpanId::NONE,
+                })
+                .collect(),
+            lanes: (0..lanes)
+                .map(|_| Lane {
+                    seqs: Vec::new(),
+                    busy: None,
+                    last: SpanId::NONE,
+                })
+                .collect(),
+            free: (0..opts.max_batch).rev().collect(),
+            freed_by: vec![SpanId::NONE; opts.max_batch],
+            waiting: VecDeque::new(),
+            per_lane: opts.max_batch.div_ceil(lanes),
+            max_prefill_tokens: opts.max_prefill_tokens,
+            done: 0,
         }
     }
-    let timeline = recorder.timeline();
-    let timings: Vec<Timing> = state
-        .outcomes
-        .iter()
-        .filter_map(|o| {
-            Some(Timing {
-                arrival_s: o.arrival_s,
-                first_s: o.first_token_s?,
-                done_s: o.done_s?,
-                prompt_len: o.prompt_len,
-                output_tokens: o.tokens.len(),
+
+    /// Request `i` has arrived: it waits for a slot, or is refused (and done) at once.
+    fn admit(
+        &mut self,
+        i: usize,
+        (t0, recorder): (Instant, &Recorder),
+        config: &ModelConfig,
+        progress: &mut dyn FnMut(usize),
+    ) {
+        let r = &self.requests[i];
+        let at = Duration::try_from_secs_f64(r.arrival_s)
+            .ok()
+            .and_then(|d| t0.checked_add(d))
+            .unwrap_or(t0);
+        self.outcomes[i].arrival_us = recorder.us_since_epoch(at);
+        match refusal(r, config.max_seq, config.vocab, &config.name) {
+            Some(e) => {
+                self.outcomes[i].error = Some(e.to_string());
+                self.done += 1;
+                progress(self.done);
+            }
+            None => self.waiting.push_back(i),
+        }
+    }
+
+    /// Submits the next step of every idle lane that has one.
+    fn start_idle_lanes(&mut self, engine: &mut dyn StepEngine) -> Result<()> {
+        for lane in 0..self.lanes.len() {
+            if self.lanes[lane].busy.is_none() {
+                if let Some((step, flight)) = self.plan(lane) {
+                    engine.submit(step)?;
+                    self.lanes[lane].busy = Some(flight);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The run's outcomes with their latency metrics, and the engine's accounting.
+    fn into_run(
+        self,
+        engine: &dyn StepEngine,
+        opts: &ServeOptions,
+        timeline: Timeline,
+    ) -> ServeRun {
+        let timings: Vec<Timing> = (self.outcomes.iter())
+            .filter_map(|o| {
+                Some(Timing {
+                    arrival_s: o.arrival_s,
+                    first_s: o.first_token_s?,
+                    done_s: o.done_s?,
+                    prompt_len: o.prompt_len,
+                    output_tokens: o.tokens.len(),
+                })
             })
-        })
-        .collect();
-    let failed = state.outcomes.iter().filter(|o| o.error.is_some()).count();
-    let metrics = ServeMetrics::from_timings(&timings, failed, &timeline.summary());
-    Ok(ServeRun {
-        engine: engine.name(),
-        lanes: state.lanes.len(),
-        slots: opts.max_batch,
-        outcomes: state.outcomes,
-        metrics,
-        pipeline: engine.serving_stats(),
-        timeline,
-    })
+            .collect();
+        let failed = self.outcomes.iter().filter(|o| o.error.is_some()).count();
+        let metrics = ServeMetrics::from_timings(&timings, failed, &timeline.summary());
+        ServeRun {
+            engine: engine.name(),
+            lanes: self.lanes.len(),
+            slots: opts.max_batch,
+            outcomes: self.outcomes,
+            metrics,
+            pipeline: engine.serving_stats(),
+            timeline,
+        }
+    }
 }
 
 /// The scheduler's state between steps.
