@@ -129,21 +129,117 @@ pub fn run_bench(
         )));
     }
     let coll = Arc::new(Collectives::new(opts.config.clone())?);
-    let group = MpiGroup::new(world, coll.clone(), &opts.config);
-    let n = world.size();
-    let rank = world.rank();
+    let bench = SizeBench {
+        world,
+        gpu,
+        opts,
+        group: MpiGroup::new(world, coll.clone(), &opts.config),
+        coll,
+    };
     let mut rows = Vec::new();
     let mut size = opts.min_bytes;
     loop {
         let count = (size / 4).max(1) as usize;
+        let samples = bench.samples(count)?;
+        rows.extend(bench.row(count, &samples)?);
+        if size >= opts.max_bytes {
+            break;
+        }
+        size = size.saturating_mul(opts.factor).min(opts.max_bytes);
+    }
+    let label = format!(
+        "{} {} ({})",
+        world.host(),
+        gpu.describe(),
+        gpu.info().driver_info
+    );
+    let ranks = world.gather_to_root(&label);
+    if world.rank() != 0 {
+        return Ok(None);
+    }
+    let wrong_total = rows.iter().map(|r| r.wrong).sum();
+    let avg_busbw = rows.iter().map(|r| r.busbw).sum::<f64>() / rows.len().max(1) as f64;
+    Ok(Some(MpiBenchReport {
+        nranks: world.size(),
+        ranks,
+        link: format!("{:?}", opts.config.link),
+        options: opts.clone(),
+        rows,
+        wrong_total,
+        avg_busbw,
+    }))
+}
+
+/// One rank's part of the benchmark at every size.
+struct SizeBench<'a> {
+    world: &'a World,
+    gpu: &'a Arc<Gpu>,
+    opts: &'a MpiBenchOptions,
+    coll: Arc<Collectives>,
+    group: MpiGroup,
+}
+
+impl SizeBench<'_> {
+    /// This rank's timings of `count` floats: the all-reduce, the floor (a download, the MPI
+    /// all-reduce of host memory, an upload) and the MPI part alone; and the elements the
+    /// checked all-reduce got wrong.
+    fn samples(&self, count: usize) -> Result<RankSamples> {
+        let (world, gpu, opts) = (self.world, self.gpu, self.opts);
         let bytes = count as u64 * 4;
-        let mine = data(opts.seed, rank, bytes, count);
+        let mine = data(opts.seed, world.rank(), bytes, count);
         let tensor = gpu.upload_f32("mpi allreduce", &mine)?;
         let floor_tensor = gpu.upload_f32("mpi allreduce floor", &mine)?;
-        // Checked once, on fresh data; the sum is formed in rank order in f64, and an element
-        // is wrong beyond one f32 (or f16, on that link) rounding per rank of the magnitudes.
-        group.all_reduce_tensor(gpu, &tensor)?;
-        let got = gpu.read_f32(&tensor)?;
+        let wrong = self.wrong_elements(&tensor, count)?;
+        let mut s = RankSamples {
+            times: Vec::with_capacity(opts.iters),
+            floors: Vec::with_capacity(opts.iters),
+            mpis: Vec::with_capacity(opts.iters),
+            wrong,
+        };
+        let mut host = Vec::new();
+        let mut recv = vec![0f32; count];
+        for it in 0..opts.warmup + opts.iters {
+            world.barrier();
+            let t0 = Instant::now();
+            self.group.all_reduce_tensor(gpu, &tensor)?;
+            self.coll.wait_idle(gpu)?;
+            let t = t0.elapsed().as_secs_f64() * 1e6;
+            world.barrier();
+            let f0 = Instant::now();
+            self.coll
+                .begin_download(gpu, &floor_tensor)?
+                .finish_into(&mut host)?;
+            let m0 = Instant::now();
+            let copied: Vec<f32>;
+            let send: &[f32] = match bytemuck::try_cast_slice(&host) {
+                Ok(v) => v,
+                Err(_) => {
+                    copied = bytemuck::pod_collect_to_vec(&host);
+                    &copied
+                }
+            };
+            self.group.host_all_reduce(send, &mut recv)?;
+            let m = m0.elapsed().as_secs_f64() * 1e6;
+            self.coll
+                .upload(gpu, &floor_tensor, 0, bytemuck::cast_slice(&recv))?;
+            self.coll.wait_idle(gpu)?;
+            let f = f0.elapsed().as_secs_f64() * 1e6;
+            if it >= opts.warmup {
+                s.times.push(t);
+                s.floors.push(f);
+                s.mpis.push(m);
+            }
+        }
+        Ok(s)
+    }
+
+    /// Checked once, on fresh data; the sum is formed in rank order in f64, and an element is
+    /// wrong beyond one f32 (or f16, on that link) rounding per rank of the magnitudes.
+    fn wrong_elements(&self, tensor: &crate::device::Tensor, count: usize) -> Result<u64> {
+        let (n, opts) = (self.world.size(), self.opts);
+        let bytes = count as u64 * 4;
+        self.group.all_reduce_tensor(self.gpu, tensor)?;
+        let got = self.gpu.read_f32(tensor)?;
         let all: Vec<Vec<f32>> = (0..n).map(|r| data(opts.seed, r, bytes, count)).collect();
         let eps = match opts.config.link {
             LinkPrecision::Native => f32::EPSILON as f64,
@@ -157,117 +253,59 @@ pub fn run_bench(
                 wrong += 1;
             }
         }
-        let mut times = Vec::with_capacity(opts.iters);
-        let mut floors = Vec::with_capacity(opts.iters);
-        let mut mpis = Vec::with_capacity(opts.iters);
-        let mut host = Vec::new();
-        let mut recv = vec![0f32; count];
-        for it in 0..opts.warmup + opts.iters {
-            world.barrier();
-            let t0 = Instant::now();
-            group.all_reduce_tensor(gpu, &tensor)?;
-            coll.wait_idle(gpu)?;
-            let t = t0.elapsed().as_secs_f64() * 1e6;
-            world.barrier();
-            let f0 = Instant::now();
-            coll.begin_download(gpu, &floor_tensor)?
-                .finish_into(&mut host)?;
-            let m0 = Instant::now();
-            let copied: Vec<f32>;
-            let send: &[f32] = match bytemuck::try_cast_slice(&host) {
-                Ok(v) => v,
-                Err(_) => {
-                    copied = bytemuck::pod_collect_to_vec(&host);
-                    &copied
-                }
-            };
-            group.host_all_reduce(send, &mut recv)?;
-            let m = m0.elapsed().as_secs_f64() * 1e6;
-            coll.upload(gpu, &floor_tensor, 0, bytemuck::cast_slice(&recv))?;
-            coll.wait_idle(gpu)?;
-            let f = f0.elapsed().as_secs_f64() * 1e6;
-            if it >= opts.warmup {
-                times.push(t);
-                floors.push(f);
-                mpis.push(m);
-            }
-        }
-        // Per iteration, the slowest rank's time; wrong counts add up.
-        let samples = RankSamples {
-            times,
-            floors,
-            mpis,
-            wrong,
-        };
-        let text = serde_json::to_string(&samples).map_err(|e| DistError::Protocol {
+        Ok(wrong)
+    }
+
+    /// Rank 0's row of the size: per iteration, the slowest rank's time; wrong counts add up.
+    /// Other ranks send their samples and get `None`.
+    fn row(&self, count: usize, samples: &RankSamples) -> Result<Option<MpiBenchRow>> {
+        let (world, opts) = (self.world, self.opts);
+        let rank = world.rank();
+        let text = serde_json::to_string(samples).map_err(|e| DistError::Protocol {
             peer: rank,
             detail: e.to_string(),
         })?;
         let gathered = world.gather_to_root(&text);
-        if rank == 0 {
-            let parsed: Vec<RankSamples> = gathered
-                .iter()
-                .enumerate()
-                .map(|(r, t)| {
-                    serde_json::from_str(t).map_err(|e| DistError::Protocol {
-                        peer: r,
-                        detail: format!("benchmark times: {e}"),
-                    })
+        if rank != 0 {
+            return Ok(None);
+        }
+        let parsed: Vec<RankSamples> = (gathered.iter().enumerate())
+            .map(|(r, t)| {
+                serde_json::from_str(t).map_err(|e| DistError::Protocol {
+                    peer: r,
+                    detail: format!("benchmark times: {e}"),
                 })
-                .collect::<std::result::Result<_, _>>()?;
-            let slowest = |pick: fn(&RankSamples) -> &Vec<f64>| -> Vec<f64> {
-                (0..opts.iters)
-                    .map(|i| parsed.iter().map(|p| pick(p)[i]).fold(0.0, f64::max))
-                    .collect()
-            };
-            let t = slowest(|p| &p.times);
-            let f = slowest(|p| &p.floors);
-            let m = slowest(|p| &p.mpis);
-            let mean = t.iter().sum::<f64>() / t.len() as f64;
-            let p50 = median(t.clone()).unwrap_or(mean);
-            let fp50 = median(f).unwrap_or(0.0);
-            let algbw = bytes as f64 / (mean * 1e-6) / 1e9;
-            rows.push(MpiBenchRow {
-                size: bytes,
-                count,
-                chunks: group.chunks(bytes),
-                time_us: mean,
-                algbw,
-                busbw: algbw * 2.0 * (n as f64 - 1.0) / n as f64,
-                wrong: parsed.iter().map(|p| p.wrong).sum(),
-                p50_us: p50,
-                p99_us: percentile(&t, 0.99),
-                floor_p50_us: fp50,
-                mpi_p50_us: median(m).unwrap_or(0.0),
-                floor_ratio: if fp50 > 0.0 { p50 / fp50 } else { 0.0 },
-            });
-        }
-        if size >= opts.max_bytes {
-            break;
-        }
-        size = size.saturating_mul(opts.factor).min(opts.max_bytes);
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        let slowest = |pick: fn(&RankSamples) -> &Vec<f64>| -> Vec<f64> {
+            (0..opts.iters)
+                .map(|i| parsed.iter().map(|p| pick(p)[i]).fold(0.0, f64::max))
+                .collect()
+        };
+        let t = slowest(|p| &p.times);
+        let f = slowest(|p| &p.floors);
+        let m = slowest(|p| &p.mpis);
+        let bytes = count as u64 * 4;
+        let n = world.size() as f64;
+        let mean = t.iter().sum::<f64>() / t.len() as f64;
+        let p50 = median(t.clone()).unwrap_or(mean);
+        let fp50 = median(f).unwrap_or(0.0);
+        let algbw = bytes as f64 / (mean * 1e-6) / 1e9;
+        Ok(Some(MpiBenchRow {
+            size: bytes,
+            count,
+            chunks: self.group.chunks(bytes),
+            time_us: mean,
+            algbw,
+            busbw: algbw * 2.0 * (n - 1.0) / n,
+            wrong: parsed.iter().map(|p| p.wrong).sum(),
+            p50_us: p50,
+            p99_us: percentile(&t, 0.99),
+            floor_p50_us: fp50,
+            mpi_p50_us: median(m).unwrap_or(0.0),
+            floor_ratio: if fp50 > 0.0 { p50 / fp50 } else { 0.0 },
+        }))
     }
-    let label = format!(
-        "{} {} ({})",
-        world.host(),
-        gpu.describe(),
-        gpu.info().driver_info
-    );
-    let ranks = world.gather_to_root(&label);
-    if rank != 0 {
-        return Ok(None);
-    }
-    let wrong_total = rows.iter().map(|r| r.wrong).sum();
-    let avg_busbw = rows.iter().map(|r| r.busbw).sum::<f64>() / rows.len().max(1) as f64;
-    Ok(Some(MpiBenchReport {
-        nranks: n,
-        ranks,
-        link: format!("{:?}", opts.config.link),
-        options: opts.clone(),
-        rows,
-        wrong_total,
-        avg_busbw,
-    }))
 }
 
 impl fmt::Display for MpiBenchReport {
