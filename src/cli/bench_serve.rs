@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
-use wgpar::parallel::{build_step_engine, Schedule, Strategy};
+use wgpar::parallel::{build_step_engine, Schedule, StepEngine, Strategy};
 use wgpar::serve::{serve, Length, Rate, ServeOptions, ServeRun, WorkloadSpec};
 use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
@@ -113,49 +113,15 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             source,
         })?;
     }
-    let pacer = args
-        .pace
-        .as_deref()
-        .map(super::run::pacer_for)
-        .transpose()?;
-    let adapters = Adapters::discover()?;
-    let selected = args.devices.selected(&adapters)?;
-    let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
-    let strategy = serving_strategy(&args.strategy, selected.len(), opts.max_batch)?;
-    super::check_runs_fit(
-        &config,
-        dtype,
-        &[super::PlannedRun {
-            strategy: &strategy,
-            adapters: &selected,
-            step_tokens: opts.max_batch * args.prompt_len.max(),
-            batch: opts.max_batch,
-        }],
-    )?;
-    let gpus = args.devices.open(&adapters)?;
-    let weights = args.model.weights(&config)?;
-    let mut engine = build_step_engine(
-        &strategy,
-        &gpus,
-        &weights,
-        dtype,
-        &CommConfig::default(),
-        (opts.max_batch, args.prompt_len.max()),
-    )?;
-    if let Some((pacer, what)) = pacer {
-        if !args.json {
-            outln!("pacing transfers to {what}")?;
-        }
-        engine.set_pacer(Some(Arc::new(pacer)));
-    }
-    let requests = spec.generate(config.vocab);
+    let mut built = build(args, &config, &opts)?;
+    let engine = built.engine.as_mut();
     if !args.json {
         outln!(
             "model {} ({} layers, hidden {}, {:?} weights); engine: {}",
             config.name,
             config.layers,
             config.hidden,
-            dtype,
+            built.dtype,
             engine.name()
         )?;
         outln!(
@@ -176,63 +142,27 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         ..spec.clone()
     }
     .generate(config.vocab);
-    serve(
-        engine.as_mut(),
-        &warm,
-        &opts,
-        Recorder::disabled(),
-        &mut |_, _| {},
-    )?;
+    serve(engine, &warm, &opts, Recorder::disabled(), &mut |_, _| {})?;
     let recorder = Recorder::new().with_device_timing(DeviceTiming::Off);
-    let bar = if args.json {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(spec.requests as u64)
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} requests [{elapsed}]")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    let result = serve(
-        engine.as_mut(),
-        &requests,
-        &opts,
-        recorder.clone(),
-        &mut |done, _| bar.set_position(done as u64),
-    );
-    bar.finish_and_clear();
-    let run = result?;
+    let run = measured(
+        args,
+        engine,
+        (&spec.generate(config.vocab), &opts),
+        &recorder,
+    )?;
     if let Some(path) = &args.trace {
-        let processed: usize = run
-            .outcomes
-            .iter()
-            .filter(|o| o.error.is_none())
-            .map(|o| o.prompt_len + o.tokens.len().saturating_sub(1))
-            .sum();
-        for (key, value) in [
-            ("model", config.name.clone()),
-            ("strategy", run.engine.clone()),
-            ("dtype", format!("{dtype:?}").to_lowercase()),
-            ("workload", format!("{spec:?}")),
-            ("requests", spec.requests.to_string()),
-            ("max_batch", opts.max_batch.to_string()),
-            ("tokens", processed.to_string()),
-            ("adapters", super::adapter_labels(&gpus)),
-        ] {
-            recorder.set_meta(key, value);
-        }
-        recorder.timeline().write_chrome_trace(path)?;
-        if !args.json {
-            outln!(
-                "trace: {} spans written to {path} (replay with `wgpar project --trace {path} --host PROFILE`)",
-                run.timeline.spans.len()
-            )?;
-        }
+        let what = TraceMeta {
+            config: &config,
+            spec: &spec,
+            opts: &opts,
+            built: &built,
+        };
+        write_trace(args.json, path, &recorder, &run, &what)?;
     }
     if args.json {
         let out = Output {
             model: &config.name,
-            strategy: strategy.to_string(),
+            strategy: built.strategy.to_string(),
             workload: &spec,
             options: &opts,
             run: &run,
@@ -244,6 +174,135 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         outln!("{text}")?;
         return Ok(());
     }
+    print_run(&run)
+}
+
+/// The engine `bench serve` measures, with what it runs on.
+struct Built {
+    engine: Box<dyn StepEngine>,
+    gpus: Vec<Arc<wgpar::device::Gpu>>,
+    dtype: wgpar::device::DType,
+    strategy: Strategy,
+}
+
+/// Checks the run fits the selected adapters, then opens them and builds the engine (paced
+/// when `--pace` asks).
+fn build(
+    args: &ServeArgs,
+    config: &wgpar::model::ModelConfig,
+    opts: &ServeOptions,
+) -> Result<Built> {
+    let pacer = args
+        .pace
+        .as_deref()
+        .map(super::run::pacer_for)
+        .transpose()?;
+    let adapters = Adapters::discover()?;
+    let selected = args.devices.selected(&adapters)?;
+    let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
+    let strategy = serving_strategy(&args.strategy, selected.len(), opts.max_batch)?;
+    super::check_runs_fit(
+        config,
+        dtype,
+        &[super::PlannedRun {
+            strategy: &strategy,
+            adapters: &selected,
+            step_tokens: opts.max_batch * args.prompt_len.max(),
+            batch: opts.max_batch,
+        }],
+    )?;
+    let gpus = args.devices.open(&adapters)?;
+    let weights = args.model.weights(config)?;
+    let mut engine = build_step_engine(
+        &strategy,
+        &gpus,
+        &weights,
+        dtype,
+        &CommConfig::default(),
+        (opts.max_batch, args.prompt_len.max()),
+    )?;
+    if let Some((pacer, what)) = pacer {
+        if !args.json {
+            outln!("pacing transfers to {what}")?;
+        }
+        engine.set_pacer(Some(Arc::new(pacer)));
+    }
+    Ok(Built {
+        engine,
+        gpus,
+        dtype,
+        strategy,
+    })
+}
+
+/// The recorded run, with a progress bar unless the output is JSON.
+fn measured(
+    args: &ServeArgs,
+    engine: &mut dyn StepEngine,
+    (requests, opts): (&[wgpar::serve::ServeRequest], &ServeOptions),
+    recorder: &Recorder,
+) -> Result<ServeRun> {
+    let bar = if args.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(requests.len() as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} requests [{elapsed}]")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let result = serve(engine, requests, opts, recorder.clone(), &mut |done, _| {
+        bar.set_position(done as u64)
+    });
+    bar.finish_and_clear();
+    result
+}
+
+/// What a trace's metadata names.
+struct TraceMeta<'a> {
+    config: &'a wgpar::model::ModelConfig,
+    spec: &'a WorkloadSpec,
+    opts: &'a ServeOptions,
+    built: &'a Built,
+}
+
+/// Writes the run's trace with the metadata a projection needs.
+fn write_trace(
+    json: bool,
+    path: &str,
+    recorder: &Recorder,
+    run: &ServeRun,
+    what: &TraceMeta<'_>,
+) -> Result<()> {
+    let processed: usize = (run.outcomes.iter())
+        .filter(|o| o.error.is_none())
+        .map(|o| o.prompt_len + o.tokens.len().saturating_sub(1))
+        .sum();
+    let dtype = format!("{:?}", what.built.dtype).to_lowercase();
+    for (key, value) in [
+        ("model", what.config.name.clone()),
+        ("strategy", run.engine.clone()),
+        ("dtype", dtype),
+        ("workload", format!("{:?}", what.spec)),
+        ("requests", what.spec.requests.to_string()),
+        ("max_batch", what.opts.max_batch.to_string()),
+        ("tokens", processed.to_string()),
+        ("adapters", super::adapter_labels(&what.built.gpus)),
+    ] {
+        recorder.set_meta(key, value);
+    }
+    recorder.timeline().write_chrome_trace(path)?;
+    if !json {
+        outln!(
+            "trace: {} spans written to {path} (replay with `wgpar project --trace {path} --host PROFILE`)",
+            run.timeline.spans.len()
+        )?;
+    }
+    Ok(())
+}
+
+/// The run's metrics, refusals and pipeline accounting.
+fn print_run(run: &ServeRun) -> Result<()> {
     out!("{}", run.metrics.lines("Serving Benchmark Result"))?;
     for o in run.outcomes.iter().filter(|o| o.error.is_some()) {
         outln!(
