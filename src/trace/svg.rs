@@ -134,8 +134,6 @@ fn tooltip(s: &Span) -> String {
 /// wide enough to hold them, a time axis from the first span's start, and a legend of the
 /// kinds present. Tooltips (`<title>`) carry each span's name, kind, duration and indices.
 pub fn timeline_svg_with(timeline: &Timeline, opts: &SvgOptions) -> String {
-    let width = opts.width.max(200) as f64;
-    let height = opts.height.max(80) as f64;
     let spans: Vec<&Span> = timeline
         .spans
         .iter()
@@ -144,126 +142,184 @@ pub fn timeline_svg_with(timeline: &Timeline, opts: &SvgOptions) -> String {
             None => true,
         })
         .collect();
-    let (t0, t1) = match opts.window_us {
-        Some((a, b)) if b > a => (a, b),
-        _ => {
-            let a = spans
-                .iter()
-                .map(|s| s.start_us())
-                .fold(f64::INFINITY, f64::min);
-            let b = spans
-                .iter()
-                .map(|s| s.end_us())
-                .fold(f64::NEG_INFINITY, f64::max);
-            if a.is_finite() && b > a {
-                (a, b)
-            } else {
-                (0.0, 1.0)
-            }
-        }
-    };
     let mut tracks: Vec<Track> = spans.iter().map(|s| s.track.clone()).collect();
     tracks.sort_by_key(track_order);
     tracks.dedup();
-
-    let label_w = 96.0;
-    let right = 16.0;
-    let top = if opts.title.is_empty() { 30.0 } else { 52.0 };
-    let bottom = 34.0;
-    let plot_w = (width - label_w - right).max(10.0);
-    let rows = tracks.len().max(1) as f64;
-    let row_h = ((height - top - bottom) / rows).max(6.0);
-    let x_of = |us: f64| label_w + (us - t0) / (t1 - t0) * plot_w;
-
+    let frame = Frame::new(opts, time_window(&spans, opts.window_us), tracks.len());
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">"#
-    );
-    let _ = writeln!(
-        out,
-        r#"<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>"#
-    );
-    if !opts.title.is_empty() {
+    frame.header(&mut out, &opts.title);
+    frame.legend(&mut out, &spans);
+    frame.rows(&mut out, &tracks);
+    frame.axis(&mut out);
+    frame.boxes(&mut out, &spans, &tracks);
+    out.push_str("</svg>\n");
+    out
+}
+
+/// The time range drawn: the window asked for, else from the first span's start to the last
+/// span's end.
+fn time_window(spans: &[&Span], window_us: Option<(f64, f64)>) -> (f64, f64) {
+    if let Some((a, b)) = window_us.filter(|(a, b)| b > a) {
+        return (a, b);
+    }
+    let a = (spans.iter().map(|s| s.start_us())).fold(f64::INFINITY, f64::min);
+    let b = (spans.iter().map(|s| s.end_us())).fold(f64::NEG_INFINITY, f64::max);
+    if a.is_finite() && b > a {
+        (a, b)
+    } else {
+        (0.0, 1.0)
+    }
+}
+
+/// The drawing's geometry: its size, margins, the plot's width, a row's height and the time
+/// range across the plot.
+struct Frame {
+    width: f64,
+    height: f64,
+    label_w: f64,
+    right: f64,
+    top: f64,
+    plot_w: f64,
+    row_h: f64,
+    rows: f64,
+    t0: f64,
+    t1: f64,
+}
+
+impl Frame {
+    fn new(opts: &SvgOptions, (t0, t1): (f64, f64), tracks: usize) -> Self {
+        let width = opts.width.max(200) as f64;
+        let height = opts.height.max(80) as f64;
+        let (label_w, right, bottom) = (96.0, 16.0, 34.0);
+        let top = if opts.title.is_empty() { 30.0 } else { 52.0 };
+        let rows = tracks.max(1) as f64;
+        Self {
+            width,
+            height,
+            label_w,
+            right,
+            top,
+            plot_w: (width - label_w - right).max(10.0),
+            row_h: ((height - top - bottom) / rows).max(6.0),
+            rows,
+            t0,
+            t1,
+        }
+    }
+
+    fn x_of(&self, us: f64) -> f64 {
+        self.label_w + (us - self.t0) / (self.t1 - self.t0) * self.plot_w
+    }
+
+    /// The document's opening, white background and title.
+    fn header(&self, out: &mut String, title: &str) {
+        let (width, height, label_w) = (self.width, self.height, self.label_w);
         let _ = writeln!(
             out,
-            r#"<text x="{label_w}" y="20" font-size="14" font-weight="bold">{}</text>"#,
-            escape(&opts.title)
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">"#
         );
-    }
-    // Legend: the kinds present, right-aligned above the rows.
-    let present: Vec<SpanKind> = KINDS
-        .iter()
-        .copied()
-        .filter(|k| spans.iter().any(|s| s.kind == *k))
-        .collect();
-    let mut lx = width - right - 90.0 * present.len() as f64;
-    for k in &present {
         let _ = writeln!(
             out,
-            r#"<rect x="{lx:.1}" y="{:.1}" width="10" height="10" fill="{}"/><text x="{:.1}" y="{:.1}">{}</text>"#,
-            top - 20.0,
-            color(*k, None),
-            lx + 14.0,
-            top - 11.0,
-            k.label()
+            r#"<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>"#
         );
-        lx += 90.0;
-    }
-    // Rows: alternating background, label on the left.
-    for (r, track) in tracks.iter().enumerate() {
-        let y = top + r as f64 * row_h;
-        if r % 2 == 0 {
+        if !title.is_empty() {
             let _ = writeln!(
                 out,
-                r##"<rect x="{label_w}" y="{y:.1}" width="{plot_w:.1}" height="{row_h:.1}" fill="#f4f4f4"/>"##
+                r#"<text x="{label_w}" y="20" font-size="14" font-weight="bold">{}</text>"#,
+                escape(title)
             );
         }
-        let _ = writeln!(
-            out,
-            r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"#,
-            label_w - 6.0,
-            y + row_h / 2.0 + 4.0,
-            escape(&track.to_string())
-        );
     }
-    // Time axis with round ticks.
-    let axis_y = top + rows * row_h;
-    let _ = writeln!(
-        out,
-        r#"<line x1="{label_w}" y1="{axis_y:.1}" x2="{:.1}" y2="{axis_y:.1}" stroke="black"/>"#,
-        label_w + plot_w
-    );
-    let step = tick_step(t1 - t0, 8.0);
-    let mut tick = 0.0;
-    while tick <= (t1 - t0) * (1.0 + 1e-9) {
-        let x = x_of(t0 + tick);
-        let _ = writeln!(
-            out,
-            r##"<line x1="{x:.1}" y1="{top:.1}" x2="{x:.1}" y2="{:.1}" stroke="#cccccc" stroke-width="0.5"/><text x="{x:.1}" y="{:.1}" text-anchor="middle">{}</text>"##,
-            axis_y + 4.0,
-            axis_y + 16.0,
-            time_label(tick, step)
-        );
-        tick += step;
+
+    /// The kinds present, right-aligned above the rows.
+    fn legend(&self, out: &mut String, spans: &[&Span]) {
+        let present: Vec<SpanKind> = KINDS
+            .iter()
+            .copied()
+            .filter(|k| spans.iter().any(|s| s.kind == *k))
+            .collect();
+        let mut lx = self.width - self.right - 90.0 * present.len() as f64;
+        for k in &present {
+            let _ = writeln!(
+                out,
+                r#"<rect x="{lx:.1}" y="{:.1}" width="10" height="10" fill="{}"/><text x="{:.1}" y="{:.1}">{}</text>"#,
+                self.top - 20.0,
+                color(*k, None),
+                lx + 14.0,
+                self.top - 11.0,
+                k.label()
+            );
+            lx += 90.0;
+        }
     }
-    // Spans; the box keeps a sliver of margin so neighbouring rows stay apart.
-    for s in &spans {
-        let Some(r) = tracks.iter().position(|t| *t == s.track) else {
-            continue;
-        };
-        let y = top + r as f64 * row_h + row_h * 0.12;
-        let h = row_h * 0.76;
-        let x0 = x_of(s.start_us().max(t0));
-        let x1 = x_of(s.end_us().min(t1));
-        let w = (x1 - x0).max(0.5);
+
+    /// Rows: alternating background, label on the left.
+    fn rows(&self, out: &mut String, tracks: &[Track]) {
+        let (label_w, plot_w, row_h) = (self.label_w, self.plot_w, self.row_h);
+        for (r, track) in tracks.iter().enumerate() {
+            let y = self.top + r as f64 * row_h;
+            if r % 2 == 0 {
+                let _ = writeln!(
+                    out,
+                    r##"<rect x="{label_w}" y="{y:.1}" width="{plot_w:.1}" height="{row_h:.1}" fill="#f4f4f4"/>"##
+                );
+            }
+            let _ = writeln!(
+                out,
+                r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"#,
+                label_w - 6.0,
+                y + row_h / 2.0 + 4.0,
+                escape(&track.to_string())
+            );
+        }
+    }
+
+    /// The time axis with round ticks.
+    fn axis(&self, out: &mut String) {
+        let (label_w, top) = (self.label_w, self.top);
+        let axis_y = top + self.rows * self.row_h;
         let _ = writeln!(
             out,
-            r#"<rect x="{x0:.2}" y="{y:.1}" width="{w:.2}" height="{h:.1}" fill="{}"><title>{}</title></rect>"#,
-            color(s.kind, s.microbatch),
-            escape(&tooltip(s))
+            r#"<line x1="{label_w}" y1="{axis_y:.1}" x2="{:.1}" y2="{axis_y:.1}" stroke="black"/>"#,
+            label_w + self.plot_w
         );
-        if let Some(m) = s.microbatch {
+        let span = self.t1 - self.t0;
+        let step = tick_step(span, 8.0);
+        let mut tick = 0.0;
+        while tick <= span * (1.0 + 1e-9) {
+            let x = self.x_of(self.t0 + tick);
+            let _ = writeln!(
+                out,
+                r##"<line x1="{x:.1}" y1="{top:.1}" x2="{x:.1}" y2="{:.1}" stroke="#cccccc" stroke-width="0.5"/><text x="{x:.1}" y="{:.1}" text-anchor="middle">{}</text>"##,
+                axis_y + 4.0,
+                axis_y + 16.0,
+                time_label(tick, step)
+            );
+            tick += step;
+        }
+    }
+
+    /// A box per span (a sliver of margin keeps neighbouring rows apart), with its
+    /// micro-batch number where the box is wide enough.
+    fn boxes(&self, out: &mut String, spans: &[&Span], tracks: &[Track]) {
+        for s in spans {
+            let Some(r) = tracks.iter().position(|t| *t == s.track) else {
+                continue;
+            };
+            let y = self.top + r as f64 * self.row_h + self.row_h * 0.12;
+            let h = self.row_h * 0.76;
+            let x0 = self.x_of(s.start_us().max(self.t0));
+            let x1 = self.x_of(s.end_us().min(self.t1));
+            let w = (x1 - x0).max(0.5);
+            let _ = writeln!(
+                out,
+                r#"<rect x="{x0:.2}" y="{y:.1}" width="{w:.2}" height="{h:.1}" fill="{}"><title>{}</title></rect>"#,
+                color(s.kind, s.microbatch),
+                escape(&tooltip(s))
+            );
+            let Some(m) = s.microbatch else {
+                continue;
+            };
             let text = m.to_string();
             // About 7 px per digit at 11 px type.
             if w >= 7.0 * text.len() as f64 + 4.0 && h >= 10.0 {
@@ -276,8 +332,6 @@ pub fn timeline_svg_with(timeline: &Timeline, opts: &SvgOptions) -> String {
             }
         }
     }
-    out.push_str("</svg>\n");
-    out
 }
 
 #[cfg(test)]
