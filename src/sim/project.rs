@@ -738,80 +738,147 @@ fn simulate(
     cost: &[f64],
     pool_of_unit: &[Option<Shared<'_>>],
 ) -> Result<(Vec<f64>, Vec<f64>), usize> {
-    let n = unit_of.len();
-    let units = members.len();
-    let mut succ: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); units];
-    let mut indegree = vec![0usize; units];
-    for (i, ps) in preds.iter().enumerate() {
-        for &(p, _) in ps {
-            let (from, to) = (unit_of[p], unit_of[i]);
-            if from != to && succ[from].insert(to) {
-                indegree[to] += 1;
-            }
+    let graph = Graph {
+        members,
+        unit_of,
+        preds,
+        gap_us,
+        release_us,
+    };
+    let mut sim = Sim::new(&graph);
+    while let Some(t) = sim.next_event() {
+        sim.advance_to(t);
+        for u in sim.finished() {
+            sim.finish(u);
         }
+        sim.start_ready(cost, pool_of_unit);
     }
-    let mut start = vec![0.0f64; n];
-    let mut end = vec![0.0f64; n];
-    // Earliest start of a unit whose predecessors have all ended.
-    let ready_at = |u: usize, end: &[f64]| {
-        members[u]
+    if sim.done < members.len() {
+        let stuck = (0..unit_of.len())
+            .find(|&i| sim.indegree[unit_of[i]] > 0)
+            .unwrap_or(0);
+        return Err(stuck);
+    }
+    Ok((sim.start, sim.end))
+}
+
+/// The units and what orders them: each unit's spans, each span's unit and predecessors
+/// (with hops), host gaps and release times.
+struct Graph<'g> {
+    members: &'g [Vec<usize>],
+    unit_of: &'g [usize],
+    preds: &'g [Vec<(usize, f64)>],
+    gap_us: &'g [f64],
+    release_us: &'g [f64],
+}
+
+impl Graph<'_> {
+    /// Earliest start of unit `u` once its predecessors outside it have ended.
+    fn ready_at(&self, u: usize, end: &[f64]) -> f64 {
+        self.members[u]
             .iter()
             .map(|&m| {
-                let after = preds[m]
+                let after = self.preds[m]
                     .iter()
-                    .filter(|&&(p, _)| unit_of[p] != u)
+                    .filter(|&&(p, _)| self.unit_of[p] != u)
                     .map(|&(p, hop)| end[p] + hop)
                     .fold(0.0, f64::max);
-                (after + gap_us[m]).max(release_us[m])
+                (after + self.gap_us[m]).max(self.release_us[m])
             })
             .fold(0.0, f64::max)
-    };
-    let mut starts: BinaryHeap<Reverse<Event>> = (0..units)
-        .filter(|&u| indegree[u] == 0)
-        .map(|u| Reverse(Event(ready_at(u, &end), u)))
-        .collect();
-    let mut ends: BinaryHeap<Reverse<Event>> = BinaryHeap::new();
-    let mut pools: BTreeMap<usize, Pool<'_>> = BTreeMap::new();
-    let mut now = 0.0f64;
-    let mut done = 0;
-    loop {
-        let next_start = starts.peek().map(|e| e.0 .0);
-        let next_end = ends.peek().map(|e| e.0 .0);
-        let next_pool = pools
+    }
+}
+
+/// The simulation's state: unit successors and remaining predecessors, span times, the
+/// queues of starts and fixed-length ends, and the shared processors' running work.
+struct Sim<'g, 'p> {
+    graph: &'g Graph<'g>,
+    succ: Vec<BTreeSet<usize>>,
+    indegree: Vec<usize>,
+    start: Vec<f64>,
+    end: Vec<f64>,
+    starts: BinaryHeap<Reverse<Event>>,
+    ends: BinaryHeap<Reverse<Event>>,
+    pools: BTreeMap<usize, Pool<'p>>,
+    now: f64,
+    done: usize,
+}
+
+impl<'g, 'p> Sim<'g, 'p> {
+    fn new(graph: &'g Graph<'g>) -> Self {
+        let units = graph.members.len();
+        let mut succ: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); units];
+        let mut indegree = vec![0usize; units];
+        for (i, ps) in graph.preds.iter().enumerate() {
+            for &(p, _) in ps {
+                let (from, to) = (graph.unit_of[p], graph.unit_of[i]);
+                if from != to && succ[from].insert(to) {
+                    indegree[to] += 1;
+                }
+            }
+        }
+        let n = graph.unit_of.len();
+        let end = vec![0.0f64; n];
+        let starts = (0..units)
+            .filter(|&u| indegree[u] == 0)
+            .map(|u| Reverse(Event(graph.ready_at(u, &end), u)))
+            .collect();
+        Self {
+            graph,
+            succ,
+            indegree,
+            start: vec![0.0f64; n],
+            end,
+            starts,
+            ends: BinaryHeap::new(),
+            pools: BTreeMap::new(),
+            now: 0.0,
+            done: 0,
+        }
+    }
+
+    /// The next start, fixed end, or end of shared work at the current rates.
+    fn next_event(&self) -> Option<f64> {
+        let next_start = self.starts.peek().map(|e| e.0 .0);
+        let next_end = self.ends.peek().map(|e| e.0 .0);
+        let next_pool = self
+            .pools
             .values()
             .filter(|p| !p.active.is_empty())
             .map(|p| {
-                let soonest = p
-                    .active
-                    .iter()
+                let soonest = (p.active.iter())
                     .map(|r| r.left_us * p.slowdown(r))
                     .fold(f64::INFINITY, f64::min);
-                now + soonest
+                self.now + soonest
             })
             .reduce(f64::min);
-        let Some(t) = [next_start, next_end, next_pool]
+        [next_start, next_end, next_pool]
             .into_iter()
             .flatten()
             .reduce(f64::min)
-        else {
-            break;
-        };
-        let t = t.max(now);
-        for p in pools.values_mut() {
+    }
+
+    /// Moves the clock to `t`, the shared work progressing at its current rates.
+    fn advance_to(&mut self, t: f64) {
+        let t = t.max(self.now);
+        for p in self.pools.values_mut() {
             let rates: Vec<f64> = p.active.iter().map(|r| 1.0 / p.slowdown(r)).collect();
             for (r, rate) in p.active.iter_mut().zip(rates) {
-                r.left_us -= (t - now) * rate;
+                r.left_us -= (t - self.now) * rate;
             }
         }
-        now = t;
+        self.now = t;
+    }
 
+    /// Units that end now (fixed ends due, shared work done), in unit order.
+    fn finished(&mut self) -> Vec<usize> {
         let mut finished: Vec<usize> = Vec::new();
-        while ends.peek().is_some_and(|e| e.0 .0 <= now) {
-            if let Some(Reverse(Event(_, u))) = ends.pop() {
+        while self.ends.peek().is_some_and(|e| e.0 .0 <= self.now) {
+            if let Some(Reverse(Event(_, u))) = self.ends.pop() {
                 finished.push(u);
             }
         }
-        for p in pools.values_mut() {
+        for p in self.pools.values_mut() {
             p.active.retain(|r| {
                 let over = r.left_us <= DONE_US;
                 if over {
@@ -821,29 +888,37 @@ fn simulate(
             });
         }
         finished.sort_unstable();
-        for u in finished {
-            done += 1;
-            for &m in &members[u] {
-                end[m] = now;
-            }
-            for &v in &succ[u] {
-                indegree[v] -= 1;
-                if indegree[v] == 0 {
-                    starts.push(Reverse(Event(ready_at(v, &end), v)));
-                }
+        finished
+    }
+
+    /// Unit `u` ends now; successors whose predecessors have all ended get their start.
+    fn finish(&mut self, u: usize) {
+        self.done += 1;
+        for &m in &self.graph.members[u] {
+            self.end[m] = self.now;
+        }
+        for &v in &self.succ[u] {
+            self.indegree[v] -= 1;
+            if self.indegree[v] == 0 {
+                let at = self.graph.ready_at(v, &self.end);
+                self.starts.push(Reverse(Event(at, v)));
             }
         }
+    }
 
-        while starts.peek().is_some_and(|e| e.0 .0 <= now) {
-            let Some(Reverse(Event(_, u))) = starts.pop() else {
+    /// Starts every unit due now: on its shared processor, or for its fixed cost.
+    fn start_ready(&mut self, cost: &[f64], pool_of_unit: &[Option<Shared<'p>>]) {
+        while self.starts.peek().is_some_and(|e| e.0 .0 <= self.now) {
+            let Some(Reverse(Event(_, u))) = self.starts.pop() else {
                 break;
             };
-            let c = cost[members[u][0]];
-            for &m in &members[u] {
-                start[m] = now;
+            let c = cost[self.graph.members[u][0]];
+            for &m in &self.graph.members[u] {
+                self.start[m] = self.now;
             }
             match &pool_of_unit[u] {
-                Some(shared) if c > DONE_US => pools
+                Some(shared) if c > DONE_US => self
+                    .pools
                     .entry(shared.pool)
                     .or_insert_with(|| Pool {
                         sharing: shared.sharing,
@@ -855,15 +930,10 @@ fn simulate(
                         left_us: c,
                         intensity: shared.intensity,
                     }),
-                _ => ends.push(Reverse(Event(now + c, u))),
+                _ => self.ends.push(Reverse(Event(self.now + c, u))),
             }
         }
     }
-    if done < units {
-        let stuck = (0..n).find(|&i| indegree[unit_of[i]] > 0).unwrap_or(0);
-        return Err(stuck);
-    }
-    Ok((start, end))
 }
 
 #[cfg(test)]
