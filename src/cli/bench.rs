@@ -156,12 +156,7 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
             "--gen must be at least 2 to measure decode".into(),
         ));
     }
-    if args.prompt_len + args.gen > config.max_seq {
-        return Err(WgparError::Config(format!(
-            "--prompt-len {} + --gen {} exceed max_seq {} of model '{}'",
-            args.prompt_len, args.gen, config.max_seq, config.name
-        )));
-    }
+    super::check_context(args.prompt_len, args.gen, &config)?;
     let schedules: Vec<Schedule> = args
         .schedules
         .iter()

@@ -281,6 +281,18 @@ struct PlannedRun<'a> {
 /// every configuration it will run fits the selected adapters' buffer and storage-binding
 /// limits, and the model's weights fit the host's memory. So an oversized model is refused
 /// in milliseconds, not after minutes of building weights.
+/// Refuses a prompt and generation longer than the model's context.
+fn check_context(prompt_len: usize, gen: usize, config: &ModelConfig) -> Result<()> {
+    if prompt_len.saturating_add(gen) > config.max_seq {
+        return Err(WgparError::Config(format!(
+            "--prompt-len {prompt_len} + --gen {gen} exceed max_seq {} of model '{}' (raise it \
+             with --max-seq)",
+            config.max_seq, config.name
+        )));
+    }
+    Ok(())
+}
+
 fn check_runs_fit(config: &ModelConfig, dtype: DType, runs: &[PlannedRun]) -> Result<()> {
     for run in runs {
         run.strategy

@@ -253,20 +253,7 @@ mod ranks {
                 opts.batch.slots
             ),
         )?;
-        let adapters = Adapters::discover()?;
-        let gpus: Vec<Arc<Gpu>> = args.devices.open(&adapters)?;
-        warn_if_bound(world, &gpus);
-        let dtype = args.model.dtype(&gpus)?;
-        let weights = args.model.weights(&config)?;
-        let engine = build(
-            world,
-            &strategy,
-            &gpus,
-            &weights,
-            dtype,
-            &CommConfig::default(),
-        )?;
-        drop(weights);
+        let (engine, _, _) = rank_engine(world, (&args.devices, &args.model), &config, &strategy)?;
         let mine = fault.filter(|f| f.rank == world.rank());
         let stage_fault = mine.and_then(|f| match f.kind {
             FaultKind::Error | FaultKind::Panic => Some(stage_fault_of(f)),
@@ -317,6 +304,30 @@ mod ranks {
             libc::signal(libc::SIGTERM, libc::SIG_IGN);
             libc::signal(libc::SIGINT, libc::SIG_IGN);
         }
+    }
+
+    /// This rank's devices opened (warning where a bound rank drives a CPU driver), its
+    /// weights loaded and its part of `strategy` built; the weights are let go after.
+    fn rank_engine(
+        world: &World,
+        (devices, model): (&crate::cli::DeviceArgs, &crate::cli::ModelArgs),
+        config: &wgpar::model::ModelConfig,
+        strategy: &Strategy,
+    ) -> Result<(DistEngine, Vec<Arc<Gpu>>, DType)> {
+        let adapters = Adapters::discover()?;
+        let gpus: Vec<Arc<Gpu>> = devices.open(&adapters)?;
+        warn_if_bound(world, &gpus);
+        let dtype = model.dtype(&gpus)?;
+        let weights = model.weights(config)?;
+        let engine = build(
+            world,
+            strategy,
+            &gpus,
+            &weights,
+            dtype,
+            &CommConfig::default(),
+        )?;
+        Ok((engine, gpus, dtype))
     }
 
     /// What `serve` takes in one process but not over ranks.
@@ -550,11 +561,8 @@ mod ranks {
                 args.batch, args.prompt_len, args.gen
             ),
         )?;
-        let adapters = Adapters::discover()?;
-        let gpus: Vec<Arc<Gpu>> = args.devices.open(&adapters)?;
-        warn_if_bound(world, &gpus);
-        let dtype = args.model.dtype(&gpus)?;
-        let weights = args.model.weights(&config)?;
+        let (engine, gpus, dtype) =
+            rank_engine(world, (&args.devices, &args.model), &config, &strategy)?;
         say!(
             world,
             "model {} ({} layers, hidden {}, {:.1}M params, {:?} weights) on {} ranks ({})",
@@ -566,14 +574,6 @@ mod ranks {
             world.size(),
             world.hosts().join(", ")
         );
-        let engine = build(
-            world,
-            &strategy,
-            &gpus,
-            &weights,
-            dtype,
-            &CommConfig::default(),
-        )?;
         let is_pipeline = matches!(
             strategy,
             Strategy::Pipeline { .. } | Strategy::Hybrid { .. }
@@ -655,12 +655,7 @@ mod ranks {
                 "--batch, --prompt-len and --gen must be positive".into(),
             ));
         }
-        if args.prompt_len + args.gen > config.max_seq {
-            return Err(WgparError::Config(format!(
-                "--prompt-len {} + --gen {} exceed max_seq {} of model '{}'",
-                args.prompt_len, args.gen, config.max_seq, config.name
-            )));
-        }
+        crate::cli::check_context(args.prompt_len, args.gen, &config)?;
         Ok(config)
     }
 
@@ -682,13 +677,7 @@ mod ranks {
         ) -> Result<Option<PipelineStats>> {
             let (world, args, config) = (self.world, self.args, self.config);
             say!(world, "engine: {}", e.name());
-            let prompts: Vec<Vec<u32>> = (0..args.batch)
-                .map(|b| {
-                    (0..args.prompt_len)
-                        .map(|i| ((b * 7919 + i * 104_729) % config.vocab) as u32)
-                        .collect()
-                })
-                .collect();
+            let prompts = crate::cli::run::synthetic_prompts(args, config.vocab);
             // One untimed pass compiles pipelines and allocates buffers on every rank.
             generate(e, &prompts, 2)?;
             let processed = args.batch * (2 * args.prompt_len + args.gen - 1);

@@ -483,12 +483,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "--batch, --prompt-len and --gen must be positive".into(),
         ));
     }
-    if args.prompt_len.saturating_add(args.gen) > config.max_seq {
-        return Err(WgparError::Config(format!(
-            "--prompt-len {} + --gen {} exceed max_seq {} of model '{}' (raise it with --max-seq)",
-            args.prompt_len, args.gen, config.max_seq, config.name
-        )));
-    }
+    super::check_context(args.prompt_len, args.gen, &config)?;
     let adapters = Adapters::discover()?;
     // The timed part: one prefill, then a generation (a prefill and gen - 1 decode steps).
     let timed_steps = args.gen + 1;
@@ -529,13 +524,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         outln!("pacing transfers to {what}")?;
         engine.set_pacer(Some(Arc::new(pacer)));
     }
-    let prompts: Vec<Vec<u32>> = (0..args.batch)
-        .map(|b| {
-            (0..args.prompt_len)
-                .map(|i| ((b * 7919 + i * 104_729) % config.vocab) as u32)
-                .collect()
-        })
-        .collect();
+    let prompts = synthetic_prompts(args, config.vocab);
     if let Some(f) = plan.fault {
         let micro = args.strategy.micro_batches.unwrap_or(1);
         inject_before_warmup(engine.as_mut(), f, jobs_per_step(&strategy, micro))?;
@@ -642,6 +631,18 @@ fn print_rates(
 
 /// The logits a run keeps: every step's where `--logits-out` asks for them, else none (only
 /// token ids are read back).
+/// `--batch` prompts of `--prompt-len` token ids spread over the vocabulary, the same in one
+/// process and over ranks.
+pub(super) fn synthetic_prompts(args: &RunArgs, vocab: usize) -> Vec<Vec<u32>> {
+    (0..args.batch)
+        .map(|b| {
+            (0..args.prompt_len)
+                .map(|i| ((b * 7919 + i * 104_729) % vocab) as u32)
+                .collect()
+        })
+        .collect()
+}
+
 pub(super) fn keep_for(args: &RunArgs) -> KeepLogits {
     if args.logits_out.is_some() {
         KeepLogits::All

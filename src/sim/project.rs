@@ -454,15 +454,7 @@ fn projection_report(
 
 /// Measured and projected time per span kind, for the kinds the timeline has.
 fn totals_by_kind(spans: &[Span], placed: &Placed<'_>) -> Vec<KindTotal> {
-    let kinds = [
-        SpanKind::Compute,
-        SpanKind::DeviceToHost,
-        SpanKind::HostToDevice,
-        SpanKind::HostReduce,
-        SpanKind::Collective,
-        SpanKind::Wait,
-    ];
-    kinds
+    SpanKind::ALL
         .iter()
         .filter(|k| spans.iter().any(|s| s.kind == **k))
         .map(|&k| KindTotal {

@@ -49,6 +49,16 @@ pub enum SpanKind {
 }
 
 impl SpanKind {
+    /// Every kind, in the order reports and legends list them.
+    pub const ALL: [SpanKind; 6] = [
+        SpanKind::Compute,
+        SpanKind::DeviceToHost,
+        SpanKind::HostToDevice,
+        SpanKind::HostReduce,
+        SpanKind::Collective,
+        SpanKind::Wait,
+    ];
+
     /// Short lower-case label, used as the Chrome trace category.
     pub fn label(self) -> &'static str {
         match self {

@@ -53,15 +53,6 @@ fn color(kind: SpanKind, microbatch: Option<u32>) -> &'static str {
     }
 }
 
-const KINDS: [SpanKind; 6] = [
-    SpanKind::Compute,
-    SpanKind::DeviceToHost,
-    SpanKind::HostToDevice,
-    SpanKind::HostReduce,
-    SpanKind::Collective,
-    SpanKind::Wait,
-];
-
 fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
@@ -233,7 +224,7 @@ impl Frame {
 
     /// The kinds present, right-aligned above the rows.
     fn legend(&self, out: &mut String, spans: &[&Span]) {
-        let present: Vec<SpanKind> = KINDS
+        let present: Vec<SpanKind> = SpanKind::ALL
             .iter()
             .copied()
             .filter(|k| spans.iter().any(|s| s.kind == *k))
