@@ -125,7 +125,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     let plan = super::run::plan(args, ckpt.config(), &adapters, (1, ids.len()), max_new)?;
     let eos = ckpt.eos_tokens().to_vec();
     let mut weights = ckpt.weights(true)?;
-    weights.packed = model.packed(ckpt.config())?;
+    model.apply_weights(&mut weights)?;
     let gpus = args
         .devices
         .open_first(&adapters, plan.strategy.devices_used(plan.adapters.len()))?;
