@@ -146,13 +146,35 @@ pub struct GgufSpec<'a> {
     pub meta: Vec<Value>,
 }
 
+/// A tensor's type and bytes exactly as the file is to store them (rows in the file's order).
+pub type Stored = Option<(QuantType, Vec<u8>)>;
+
 /// Writes `tensors` and `spec`'s metadata to `dir/name.gguf` and returns the file's path. Each
 /// packed tensor's llama.cpp dequantization is at `dir/NAME.bin.deq`.
 pub fn write_gguf(dir: &Path, name: &str, tensors: &[GgufTensor], spec: &GgufSpec) -> PathBuf {
+    write_gguf_with(dir, name, tensors, spec, &|_| None)
+}
+
+/// [`write_gguf`], with the tensors `stored` gives bytes for written as those bytes.
+pub fn write_gguf_with(
+    dir: &Path,
+    name: &str,
+    tensors: &[GgufTensor],
+    spec: &GgufSpec,
+    stored: &dyn Fn(&GgufTensor) -> Stored,
+) -> PathBuf {
     let path = dir.join(format!("{name}.gguf"));
     let mut entries = Vec::new();
     for t in tensors {
         let file = dir.join(format!("{}.bin", t.name));
+        if let Some((qtype, bytes)) = stored(t) {
+            std::fs::write(&file, bytes).unwrap();
+            entries.push(json!({
+                "name": t.name, "shape": t.shape, "file": file, "packed": true,
+                "type": ggml_type_name(qtype), "permute_heads": 0,
+            }));
+            continue;
+        }
         let matrix = t.shape.len() == 2;
         let qtype = if matrix {
             spec.matrices
