@@ -305,7 +305,7 @@ fn malformed_files_are_refused_fast_naming_the_key_or_tensor() {
     v[type_at..type_at + 4].copy_from_slice(&13u32.to_le_bytes());
     let e = open_err(&v, &dir);
     assert!(
-        e.contains("'token_embd.weight'") && e.contains("Q5_K"),
+        e.contains("'token_embd.weight'") && e.contains("Q5_K") && e.contains("llama-quantize"),
         "{e}"
     );
     // Metadata that does not match the tensors: the shape error names the tensor.

@@ -325,6 +325,14 @@ impl ModelWeights {
             .flat_map(|(i, l)| l.blocks.iter().map(move |(n, m)| (i, n, m)))
     }
 
+    /// The block types of the file's blocks kept, by name, each once.
+    pub fn block_types(&self) -> Vec<QuantType> {
+        let mut types: Vec<QuantType> = self.blocks().map(|(_, _, m)| m.dtype).collect();
+        types.sort_unstable_by_key(|t| t.name());
+        types.dedup();
+        types
+    }
+
     /// The same weights rounded through f16, so a reference can match an f16-weight run.
     pub fn rounded_to_f16(&self) -> Self {
         let r = |v: &Vec<f32>| -> Vec<f32> {

@@ -342,7 +342,8 @@ fn descriptor(c: &mut Cursor, name: &str) -> Result<Descriptor> {
             Some(name),
             format!(
                 "element type {} is not supported (wgpar reads F32, F16, BF16, Q8_0, Q4_0, Q4_K \
-                 and Q6_K)",
+                 and Q6_K): re-quantize the file with llama.cpp, e.g. `llama-quantize \
+                 --allow-requantize IN.gguf OUT.gguf Q4_K_M`",
                 QuantType::ggml_name(id)
             ),
         )
