@@ -12,7 +12,10 @@ mod hf_support;
 
 use std::path::{Path, PathBuf};
 
-use gguf_support::{gguf_tensors, model_meta, reference_dequant, write_gguf_with, GgufSpec};
+use gguf_support::{
+    ggml_type_name, gguf_tensors, model_meta, permute_rows, reference_dequant, write_gguf_with,
+    GgufSpec,
+};
 use hf_support::scratch;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -83,10 +86,8 @@ fn random_blocks(t: QuantType, blocks: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
     out
 }
 
-/// Writes the mixed file (under `dir`) and returns its path.
-fn write_mixed(dir: &Path) -> PathBuf {
-    let w = ModelWeights::synthetic(&config(), 5);
-    let tensors = gguf_tensors(&w, true);
+/// The metadata of `w` for a `llama` file.
+fn spec(w: &ModelWeights) -> GgufSpec<'static> {
     let mut meta = model_meta(&w, "llama");
     // The attention width (heads x head_dim) is twice the hidden size.
     let key_length = w.config.head_dim;
@@ -95,11 +96,18 @@ fn write_mixed(dir: &Path) -> PathBuf {
         "u32",
         key_length
     ]));
-    let spec = GgufSpec {
+    GgufSpec {
         arch: "llama",
         matrices: QuantType::F32,
         meta,
-    };
+    }
+}
+
+/// Writes the mixed file (under `dir`) and returns its path.
+fn write_mixed(dir: &Path) -> PathBuf {
+    let w = ModelWeights::synthetic(&config(), 5);
+    let tensors = gguf_tensors(&w, true);
+    let spec = spec(&w);
     let mut rng = ChaCha8Rng::seed_from_u64(17);
     let seed: u64 = rng.random();
     write_gguf_with(dir, "mixed", &tensors, &spec, &|t| {
@@ -107,7 +115,10 @@ fn write_mixed(dir: &Path) -> PathBuf {
         let name_seed = (t.name.bytes()).fold(seed, |h, b| h.wrapping_mul(31) ^ u64::from(b));
         let mut rng = ChaCha8Rng::seed_from_u64(name_seed);
         let blocks = t.values.len() / qtype.block_len();
-        Some((qtype, random_blocks(qtype, blocks, &mut rng)))
+        Some((
+            ggml_type_name(qtype),
+            Some(random_blocks(qtype, blocks, &mut rng)),
+        ))
     })
 }
 
@@ -308,4 +319,98 @@ fn a_split_that_cuts_the_files_blocks_is_refused_and_q8_0_repacks_it() {
         TensorParallelEngine::new(&gpus, &repacked, DType::F32, None, CommConfig::default())
             .unwrap();
     assert_eq!(generate(&mut tp, &prompts, 2).unwrap().tokens[0].len(), 2);
+}
+
+#[test]
+fn types_without_kernels_are_dequantized_like_llama_cpp_and_noted() {
+    let dir = scratch("gguf-native-converted");
+    let w = ModelWeights::synthetic(&config(), 9);
+    let tensors = gguf_tensors(&w, true);
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    // Q5_K from random blocks (the package has no quantizer for it), the rest by the package.
+    let q5k = random_blocks_q5k(w.config.hidden * w.config.ffn / 256, &mut rng);
+    let stored = |t: &gguf_support::GgufTensor| -> gguf_support::Stored {
+        match t.name.as_str() {
+            "blk.0.attn_q.weight" => Some(("Q5_0", None)),
+            "blk.0.attn_v.weight" => Some(("Q4_1", None)),
+            "blk.0.ffn_up.weight" => Some(("Q5_1", None)),
+            "blk.0.ffn_down.weight" => Some(("Q5_K", Some(q5k.clone()))),
+            _ => None,
+        }
+    };
+    let path = write_gguf_with(&dir, "converted", &tensors, &spec(&w), &stored);
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let mut converted = ckpt.converted_tensors();
+    converted.sort();
+    assert_eq!(
+        converted,
+        vec![
+            ("blk.0.attn_q.weight".to_string(), "Q5_0"),
+            ("blk.0.attn_v.weight".into(), "Q4_1"),
+            ("blk.0.ffn_down.weight".into(), "Q5_K"),
+            ("blk.0.ffn_up.weight".into(), "Q5_1"),
+        ]
+    );
+    let loaded = ckpt.weights(false).unwrap();
+    let l0 = &loaded.layers[0];
+    let heads = w.config.heads;
+    let mut compared = 0;
+    for (name, mine) in [
+        (
+            "blk.0.attn_q.weight",
+            permute_rows(&l0.wq, heads, w.config.hidden),
+        ),
+        ("blk.0.attn_v.weight", l0.wv.clone()),
+        ("blk.0.ffn_up.weight", l0.w_up.clone()),
+        ("blk.0.ffn_down.weight", l0.w_down.clone()),
+    ] {
+        let reference: Vec<f64> = reference_dequant(&dir, name)
+            .into_iter()
+            .map(f64::from)
+            .collect();
+        assert_eq!(mine.len(), reference.len(), "{name}");
+        let err = common::rel_err(&mine, &reference);
+        assert!(err < 1e-6, "{name}: {err} from llama.cpp's dequantization");
+        compared += 1;
+    }
+    assert_eq!(compared, 4);
+    // Not kept as blocks: no kernel reads them. The other matrices are F32, dense too.
+    assert_eq!(loaded.blocks().count(), 0);
+    let gpu = common::gpus(1).remove(0);
+    let prompts = common::prompts(2, 5, w.config.vocab, 2);
+    let got = SingleEngine::new(gpu, &loaded, DType::F32)
+        .unwrap()
+        .prefill(&prompts)
+        .unwrap();
+    let want = CpuReference::new(&loaded)
+        .prefill(&prompts)
+        .unwrap()
+        .concat();
+    let err = got.relative_error(&want);
+    assert!(err < 1e-4, "logits {err:.2e} from the reference");
+    let (ok, out, err) = common::wgpar(&[
+        "run",
+        "--model",
+        path.to_str().unwrap(),
+        "--prompt-len",
+        "4",
+        "--gen",
+        "2",
+    ]);
+    assert!(ok && out.contains("decode:"), "{out}{err}");
+    assert!(
+        err.contains("note: 4 tensors") && err.contains("Q4_1, Q5_0, Q5_1, Q5_K"),
+        "{err}"
+    );
+}
+
+/// `blocks` random Q5_K blocks with small f16 scales.
+fn random_blocks_q5k(blocks: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
+    let mut out = Vec::with_capacity(blocks * 176);
+    for _ in 0..blocks {
+        out.extend(half(rng, 1e-4, 3e-4));
+        out.extend(half(rng, 1e-4, 3e-4));
+        out.extend((0..172).map(|_| rng.random::<u8>()));
+    }
+    out
 }

@@ -9,10 +9,9 @@
 //! interleaved RoPE (pairs `(2i, 2i+1)`); wgpar rotates halves (`i` with `i + head_dim/2`), as
 //! Hugging Face does, so those rows are put back here. Qwen2 files are not permuted.
 
-use super::file::GgufFile;
+use super::file::{ElementType, GgufFile, TensorInfo};
 use crate::error::{Result, WgparError};
 use crate::model::config::{Arch, ModelConfig};
-use crate::model::quant::dequantize;
 use crate::model::weights::{BlockMatrix, LayerBlocks, LayerWeights, ModelWeights};
 
 /// Reads tensors by name, checking shapes and values.
@@ -46,7 +45,7 @@ impl Tensors<'_> {
                 ),
             ));
         }
-        let values = dequantize(info.dtype, self.file.data(info));
+        let values = info.dtype.dequantize(self.file.data(info));
         if let Some(first) = values.iter().position(|v| !v.is_finite()) {
             return Err(self.fail(
                 name,
@@ -67,16 +66,19 @@ impl Tensors<'_> {
         what: &str,
     ) -> Result<(Vec<f32>, Option<BlockMatrix>)> {
         let dense = self.get(name, shape, what)?;
-        // `get` found the tensor with this shape.
-        let blocks = self
-            .file
-            .tensor(name)
-            .filter(|info| info.dtype.is_quantized())
-            .map(|info| BlockMatrix {
-                dtype: info.dtype,
+        // `get` checked the shape. Blocks the kernels read are kept; converted types and floats
+        // go dense only.
+        let kept = |info: &TensorInfo| match info.dtype {
+            ElementType::Native(t) if t.is_quantized() => Some((t, self.file.data(info))),
+            _ => None,
+        };
+        let blocks = (self.file.tensor(name))
+            .and_then(kept)
+            .map(|(dtype, bytes)| BlockMatrix {
+                dtype,
+                bytes: bytes.to_vec(),
                 rows: shape[0],
                 cols: shape[1],
-                bytes: self.file.data(info).to_vec(),
             });
         Ok((dense, blocks))
     }
