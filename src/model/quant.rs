@@ -1,8 +1,9 @@
 //! Block-quantized weight formats of GGUF (ggml's layouts): Q8_0, Q4_0, Q4_K and Q6_K, with
 //! F32, F16 and BF16 beside them. A row of `n` values is `n / block_len` blocks stored one after
 //! another; rows follow each other. This module converts between packed bytes and f32 on the
-//! host: [`dequantize`] for loading a GGUF file, [`quantize`] for `--weights` on a safetensors
-//! checkpoint. Layouts (per block):
+//! host: [`dequantize`] for loading a GGUF file, [`quantize`] for `--weights`. [`ConvertType`]
+//! holds the block types a GGUF may use that no kernel reads (Q4_1, Q5_0, Q5_1, Q5_K): they are
+//! only dequantized. Layouts (per block):
 //!
 //! | type | values | bytes | layout |
 //! |---|---|---|---|
