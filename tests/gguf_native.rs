@@ -88,7 +88,7 @@ fn random_blocks(t: QuantType, blocks: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
 
 /// The metadata of `w` for a `llama` file.
 fn spec(w: &ModelWeights) -> GgufSpec<'static> {
-    let mut meta = model_meta(&w, "llama");
+    let mut meta = model_meta(w, "llama");
     // The attention width (heads x head_dim) is twice the hidden size.
     let key_length = w.config.head_dim;
     meta.push(serde_json::json!([
