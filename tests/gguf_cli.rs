@@ -151,3 +151,42 @@ fn weights_option_packs_or_refuses_before_devices_open() {
     let (ok, _, err) = plan("q4_k", "wgpar");
     assert!(ok, "{err}");
 }
+
+#[test]
+fn a_gguf_keeps_its_blocks_unless_weights_says_otherwise() {
+    // Every inner dimension whole Q8_0 blocks.
+    let config = ModelConfig {
+        hidden: 128,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        ffn: 256,
+        ..ModelConfig::preset("tiny-llama").unwrap()
+    };
+    let w = ModelWeights::synthetic(&config, 52);
+    let spec = GgufSpec {
+        arch: "llama",
+        matrices: QuantType::Q8_0,
+        meta: model_meta(&w, "llama"),
+    };
+    let dir = hf_support::scratch("gguf-cli-blocks");
+    let file = write_gguf(&dir, "q8", &gguf_tensors(&w, true), &spec);
+    let file = file.to_str().unwrap();
+    let run = |extra: &[&'static str]| {
+        let mut args = vec!["run", "--model", file, "--prompt-len", "4", "--gen", "2"];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = wgpar(&args);
+        assert!(ok && out.contains("decode:"), "{extra:?}: {out}{err}");
+        err
+    };
+    // The file's own Q8_0 blocks, and --weights of the same type: nothing re-packed.
+    for extra in [&[][..], &["--weights", "q8_0"], &["--weights", "dense"]] {
+        let err = run(extra);
+        assert!(!err.contains("re-packs"), "{extra:?}: {err}");
+    }
+    let err = run(&["--weights", "q4_0"]);
+    assert!(
+        err.contains("note: --weights q4_0 re-packs") && err.contains("as q8_0"),
+        "{err}"
+    );
+}

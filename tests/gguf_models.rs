@@ -297,15 +297,16 @@ fn malformed_files_are_refused_fast_naming_the_key_or_tensor() {
     let mut v = good.clone();
     v[24..32].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
     assert!(open_err(&v, &dir).contains("metadata key 0"));
-    // A tensor's type changed to Q5_K (13): the tensor is named.
+    // A tensor's type changed to IQ2_XXS (16), which wgpar neither reads nor converts: the
+    // tensor is named.
     let name = b"token_embd.weight";
     let at = good.windows(name.len()).position(|w| w == name).unwrap() + name.len();
     let type_at = at + 4 + 2 * 8;
     let mut v = good.clone();
-    v[type_at..type_at + 4].copy_from_slice(&13u32.to_le_bytes());
+    v[type_at..type_at + 4].copy_from_slice(&16u32.to_le_bytes());
     let e = open_err(&v, &dir);
     assert!(
-        e.contains("'token_embd.weight'") && e.contains("Q5_K"),
+        e.contains("'token_embd.weight'") && e.contains("IQ2_XXS") && e.contains("llama-quantize"),
         "{e}"
     );
     // Metadata that does not match the tensors: the shape error names the tensor.

@@ -95,6 +95,23 @@ enum Command {
 
 /// Writes `text` to stdout and flushes it, so that a failed write is seen here, by the command
 /// that printed, and not lost in the flush at exit.
+/// Says on stderr which of a GGUF's tensors are in a block type wgpar only dequantizes.
+pub(crate) fn note_converted(ckpt: &Checkpoint) {
+    let tensors = ckpt.converted_tensors();
+    let Some((first, _)) = tensors.first() else {
+        return;
+    };
+    let mut types: Vec<&str> = tensors.iter().map(|(_, t)| *t).collect();
+    types.sort_unstable();
+    types.dedup();
+    eprintln!(
+        "note: {} tensors ({first}, ...) are {}, which wgpar's kernels do not read: they are \
+         dequantized and stored in --dtype, taking more device memory than in the file",
+        tensors.len(),
+        types.join(", ")
+    );
+}
+
 pub(crate) fn write_stdout(text: std::fmt::Arguments) -> Result<()> {
     use std::io::Write;
     let mut stdout = std::io::stdout().lock();
@@ -313,8 +330,10 @@ pub struct ModelArgs {
     #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
     dtype: String,
     /// Store the layers' projection matrices packed on the device as q8_0, q4_0, q4_k or q6_k
-    /// blocks, dequantized in the kernels (embeddings and the LM head stay in --dtype).
-    #[arg(long, value_name = "TYPE", value_parser = ["q8_0", "q4_0", "q4_k", "q6_k"])]
+    /// blocks, dequantized in the kernels (embeddings and the LM head stay in --dtype). A GGUF
+    /// file's blocks are kept as stored by default; a TYPE re-packs the matrices stored in
+    /// another type, `dense` converts every matrix to --dtype.
+    #[arg(long, value_name = "TYPE", value_parser = ["q8_0", "q4_0", "q4_k", "q6_k", "dense"])]
     weights: Option<String>,
     /// Seed of the synthetic weights (presets), or of sampling (--prompt with --temperature).
     #[arg(long, default_value_t = 42)]
@@ -396,16 +415,49 @@ impl ModelArgs {
     /// progress bar) for a checkpoint.
     fn weights(&self, config: &ModelConfig) -> Result<ModelWeights> {
         let mut w = match self.checkpoint_dir() {
-            Some(dir) => self.checkpoint(dir, config.max_seq)?.weights(true)?,
+            Some(dir) => {
+                let ckpt = self.checkpoint(dir, config.max_seq)?;
+                note_converted(&ckpt);
+                ckpt.weights(true)?
+            }
             None => ModelWeights::synthetic(config, self.seed),
         };
-        w.packed = self.packed(config)?;
+        self.apply_weights(&mut w)?;
         Ok(w)
     }
 
-    /// The block type `--weights` asks for, checked against the model's shapes.
+    /// Applies `--weights` to loaded weights: the block type to pack into, or `dense` (the
+    /// file's blocks dropped). A note on stderr names the file's blocks that get re-packed.
+    fn apply_weights(&self, w: &mut ModelWeights) -> Result<()> {
+        w.packed = self.packed(&w.config)?;
+        if self.weights.as_deref() == Some("dense") {
+            w.drop_blocks();
+        }
+        if let Some(t) = w.packed {
+            let mut other: Vec<&str> = w
+                .blocks()
+                .filter(|(_, _, m)| m.dtype != t)
+                .map(|(_, _, m)| m.dtype.name())
+                .collect();
+            let count = other.len();
+            other.sort_unstable();
+            other.dedup();
+            if count > 0 {
+                eprintln!(
+                    "note: --weights {} re-packs {count} layer matrices the file stores as {} \
+                     (a second rounding); leave --weights out to keep the file's own blocks",
+                    t.name(),
+                    other.join(", ")
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The block type `--weights` asks for, checked against the model's shapes (`None` for
+    /// none and for `dense`).
     fn packed(&self, config: &ModelConfig) -> Result<Option<QuantType>> {
-        let Some(name) = &self.weights else {
+        let Some(name) = self.weights.as_ref().filter(|n| *n != "dense") else {
             return Ok(None);
         };
         let t = QuantType::parse(name)

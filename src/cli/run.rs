@@ -501,14 +501,21 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let dtype = args.model.dtype(&gpus)?;
     debug_assert_eq!(dtype, plan.dtype);
     let weights = args.model.weights(&config)?;
+    let storage = match (weights.packed, weights.block_types().as_slice()) {
+        (Some(t), _) => format!("{} layer matrices, {dtype:?} elsewhere", t.name()),
+        (None, []) => format!("{dtype:?} weights"),
+        (None, types) => {
+            let names: Vec<&str> = types.iter().map(|t| t.name()).collect();
+            format!("the file's {} blocks, {dtype:?} elsewhere", names.join("/"))
+        }
+    };
     outln!(
-        "model {} ({} arch, {} layers, hidden {}, {:.1}M params, {:?} weights)",
+        "model {} ({} arch, {} layers, hidden {}, {:.1}M params, {storage})",
         config.name,
         format!("{:?}", config.arch).to_lowercase(),
         config.layers,
         config.hidden,
         config.params() as f64 / 1e6,
-        dtype
     )?;
     let mut engine = build_engine(
         &strategy,

@@ -124,8 +124,9 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     // Prefill and max_new - 1 decode steps, the fault injected before the first.
     let plan = super::run::plan(args, ckpt.config(), &adapters, (1, ids.len()), max_new)?;
     let eos = ckpt.eos_tokens().to_vec();
+    super::note_converted(&ckpt);
     let mut weights = ckpt.weights(true)?;
-    weights.packed = model.packed(ckpt.config())?;
+    model.apply_weights(&mut weights)?;
     let gpus = args
         .devices
         .open_first(&adapters, plan.strategy.devices_used(plan.adapters.len()))?;

@@ -1,8 +1,9 @@
 //! Block-quantized weight formats of GGUF (ggml's layouts): Q8_0, Q4_0, Q4_K and Q6_K, with
 //! F32, F16 and BF16 beside them. A row of `n` values is `n / block_len` blocks stored one after
 //! another; rows follow each other. This module converts between packed bytes and f32 on the
-//! host: [`dequantize`] for loading a GGUF file, [`quantize`] for `--weights` on a safetensors
-//! checkpoint. Layouts (per block):
+//! host: [`dequantize`] for loading a GGUF file, [`quantize`] for `--weights`. [`ConvertType`]
+//! holds the block types a GGUF may use that no kernel reads (Q4_1, Q5_0, Q5_1, Q5_K): they are
+//! only dequantized. Layouts (per block):
 //!
 //! | type | values | bytes | layout |
 //! |---|---|---|---|
@@ -235,6 +236,133 @@ fn dequant_q6k(b: &[u8], out: &mut [f32]) {
             o[l + 32] = s(2) * q(ql[l + 32] & 0xF, 2);
             o[l + 64] = s(4) * q(ql[l] >> 4, 4);
             o[l + 96] = s(6) * q(ql[l + 32] >> 4, 6);
+        }
+    }
+}
+
+/// A GGUF block type wgpar has no kernels for: read by dequantizing at load, then stored in
+/// `--dtype` like an F32 tensor. Layouts (per block of 32 values, or 256 for Q5_K):
+///
+/// | type | bytes | layout |
+/// |---|---|---|
+/// | Q4_1 | 20 | f16 `d`, f16 `m`, 16 bytes of nibbles (low: 0..16, high: 16..32), `x = d q + m` |
+/// | Q5_0 | 22 | f16 `d`, 4 bytes of fifth bits, 16 bytes of nibbles, `x = d (q - 16)` |
+/// | Q5_1 | 24 | f16 `d`, f16 `m`, 4 bytes of fifth bits, 16 bytes of nibbles, `x = d q + m` |
+/// | Q5_K | 176 | as Q4_K, with 32 bytes of fifth bits before the nibbles |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ConvertType {
+    /// 4-bit with a scale and a min per 32.
+    Q4_1,
+    /// 5-bit, one scale per 32, offset 16.
+    Q5_0,
+    /// 5-bit with a scale and a min per 32.
+    Q5_1,
+    /// 5-bit K-quant.
+    Q5K,
+}
+
+impl ConvertType {
+    /// The type of ggml id `id`, `None` for one wgpar does not read.
+    pub fn from_ggml(id: u32) -> Option<Self> {
+        Some(match id {
+            3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            7 => Self::Q5_1,
+            13 => Self::Q5K,
+            _ => return None,
+        })
+    }
+
+    /// ggml's name of the type.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Q4_1 => "Q4_1",
+            Self::Q5_0 => "Q5_0",
+            Self::Q5_1 => "Q5_1",
+            Self::Q5K => "Q5_K",
+        }
+    }
+
+    /// Values per block.
+    pub fn block_len(self) -> usize {
+        match self {
+            Self::Q5K => 256,
+            _ => 32,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
+            Self::Q5K => 176,
+        }
+    }
+
+    /// The values of `bytes`, whole blocks of this type.
+    pub fn dequantize(self, bytes: &[u8]) -> Vec<f32> {
+        let (bl, bb) = (self.block_len(), self.block_bytes());
+        let mut out = vec![0.0f32; bytes.len() / bb * bl];
+        for (b, o) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(bl)) {
+            match self {
+                Self::Q4_1 => dequant_legacy(b, o, (true, false)),
+                Self::Q5_0 => dequant_legacy(b, o, (false, true)),
+                Self::Q5_1 => dequant_legacy(b, o, (true, true)),
+                Self::Q5K => dequant_q5k(b, o),
+            }
+        }
+        out
+    }
+}
+
+/// Q4_1, Q5_0 and Q5_1 (`with_min`: an f16 min follows the scale; `fifth`: 4 bytes of fifth
+/// bits follow, value `j` in bit `j`). Without a min, values are offset by half their range.
+fn dequant_legacy(b: &[u8], out: &mut [f32], (with_min, fifth): (bool, bool)) {
+    let d = half_at(b, 0);
+    let mut at = 2;
+    let m = if with_min {
+        at += 2;
+        half_at(b, 2)
+    } else {
+        0.0
+    };
+    let high = if fifth {
+        at += 4;
+        u32::from_le_bytes([b[at - 4], b[at - 3], b[at - 2], b[at - 1]])
+    } else {
+        0
+    };
+    let offset = match (with_min, fifth) {
+        (true, _) => 0.0,
+        (false, true) => 16.0,
+        (false, false) => 8.0,
+    };
+    for (j, &q) in b[at..at + 16].iter().enumerate() {
+        let bit = |k: usize| (((high >> k) & 1) as u8) << 4;
+        let lo = (q & 0xF) | bit(j);
+        let hi = (q >> 4) | bit(j + 16);
+        out[j] = d * (f32::from(lo) - offset) + m;
+        out[j + 16] = d * (f32::from(hi) - offset) + m;
+    }
+}
+
+fn dequant_q5k(b: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (half_at(b, 0), half_at(b, 2));
+    let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
+    // As Q4_K; value l of sub-block s takes its fifth bit from bit s of qh[l].
+    for g in 0..4 {
+        let (s1, m1) = scale_min_k4(2 * g, scales);
+        let (s2, m2) = scale_min_k4(2 * g + 1, scales);
+        let (d1, m1) = (d * f32::from(s1), dmin * f32::from(m1));
+        let (d2, m2) = (d * f32::from(s2), dmin * f32::from(m2));
+        for l in 0..32 {
+            let q = qs[32 * g + l];
+            let h1 = ((qh[l] >> (2 * g)) & 1) << 4;
+            let h2 = ((qh[l] >> (2 * g + 1)) & 1) << 4;
+            out[64 * g + l] = d1 * f32::from((q & 0xF) | h1) - m1;
+            out[64 * g + 32 + l] = d2 * f32::from((q >> 4) | h2) - m2;
         }
     }
 }

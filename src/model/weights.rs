@@ -1,6 +1,8 @@
 //! Host-side weights in a fixed layout (matrices `[out][in]`, like a PyTorch `Linear`), and the
 //! seeded synthetic weights every test and benchmark uses.
 
+use std::ops::Range;
+
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -46,6 +48,93 @@ pub struct LayerWeights {
     pub w_down: Vec<f32>,
     /// Down bias.
     pub b_down: Option<Vec<f32>>,
+    /// The projection matrices a GGUF file stores in blocks the kernels read, kept as stored
+    /// (the dense fields above hold the same values dequantized, for the CPU reference).
+    pub blocks: LayerBlocks,
+}
+
+/// A projection matrix in a GGUF file's own blocks: `rows` rows of `cols` values, each row a
+/// whole number of `dtype`'s blocks, rows in wgpar's order (the llama Q/K permutation undone).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockMatrix {
+    /// Block type (Q8_0, Q4_0, Q4_K or Q6_K).
+    pub dtype: QuantType,
+    /// Rows (outputs).
+    pub rows: usize,
+    /// Columns (inputs).
+    pub cols: usize,
+    /// `rows` rows of packed blocks.
+    pub bytes: Vec<u8>,
+}
+
+impl BlockMatrix {
+    /// Bytes of one row.
+    fn row_bytes(&self) -> usize {
+        self.bytes.len() / self.rows.max(1)
+    }
+
+    /// Rows `range`: a byte run, since rows are stored one after another.
+    pub fn slice_rows(&self, range: Range<usize>) -> Self {
+        let rb = self.row_bytes();
+        Self {
+            rows: range.len(),
+            bytes: self.bytes[range.start * rb..range.end * rb].to_vec(),
+            ..*self
+        }
+    }
+
+    /// Columns `range`, which must start and end on block boundaries (callers check with the
+    /// tensor-parallel split): the same byte run out of every row.
+    pub fn slice_cols(&self, range: Range<usize>) -> Self {
+        let (bl, bb) = (self.dtype.block_len(), self.dtype.block_bytes());
+        let (from, to) = (range.start / bl * bb, range.end / bl * bb);
+        let bytes = self
+            .bytes
+            .chunks_exact(self.row_bytes().max(1))
+            .flat_map(|row| row[from..to].iter().copied())
+            .collect();
+        Self {
+            cols: range.len(),
+            bytes,
+            ..*self
+        }
+    }
+}
+
+/// A layer's projection matrices kept in a file's blocks; `None` where a matrix is dense.
+#[derive(Debug, Clone, Default)]
+pub struct LayerBlocks {
+    /// Query projection.
+    pub wq: Option<BlockMatrix>,
+    /// Key projection.
+    pub wk: Option<BlockMatrix>,
+    /// Value projection.
+    pub wv: Option<BlockMatrix>,
+    /// Attention output projection.
+    pub wo: Option<BlockMatrix>,
+    /// Gate projection.
+    pub w_gate: Option<BlockMatrix>,
+    /// Up projection.
+    pub w_up: Option<BlockMatrix>,
+    /// Down projection.
+    pub w_down: Option<BlockMatrix>,
+}
+
+impl LayerBlocks {
+    /// The matrices held, with their field names.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, &BlockMatrix)> {
+        [
+            ("wq", &self.wq),
+            ("wk", &self.wk),
+            ("wv", &self.wv),
+            ("wo", &self.wo),
+            ("w_gate", &self.w_gate),
+            ("w_up", &self.w_up),
+            ("w_down", &self.w_down),
+        ]
+        .into_iter()
+        .filter_map(|(n, m)| m.as_ref().map(|m| (n, m)))
+    }
 }
 
 /// A whole model's weights.
@@ -71,9 +160,11 @@ pub struct ModelWeights {
     pub final_norm_bias: Option<Vec<f32>>,
     /// LM head `[vocab][hidden]`; `None` when tied to `wte` (and for an encoder).
     pub lm_head: Option<Vec<f32>>,
-    /// Block type the layers' projection matrices are stored in on the device (`--weights`);
-    /// `None` keeps them dense (f32, or f16 under `--dtype f16`). Embeddings and the LM head
-    /// stay dense.
+    /// Block type the layers' projection matrices are stored in on the device (`--weights`):
+    /// each is packed from its dense values, except one a file already holds in this type's
+    /// blocks ([`LayerWeights::blocks`]), which is kept. `None` keeps a file's blocks as stored
+    /// and the other matrices dense (f32, or f16 under `--dtype f16`). Embeddings and the LM
+    /// head stay dense.
     pub packed: Option<QuantType>,
 }
 
@@ -154,6 +245,7 @@ impl ModelWeights {
                         b_up: opt(bu),
                         w_down: matrix(h, config.ffn),
                         b_down: opt(bd),
+                        blocks: LayerBlocks::default(),
                     }
                 },
             )
@@ -213,7 +305,32 @@ impl ModelWeights {
             *m = dequantize(t, &quantize(t, m));
         }
         out.packed = None;
+        out.drop_blocks();
         out
+    }
+
+    /// Forgets the blocks a file stored (the dense values stay): every matrix then goes to the
+    /// device dense, or packed by `--weights`.
+    pub fn drop_blocks(&mut self) {
+        for l in &mut self.layers {
+            l.blocks = LayerBlocks::default();
+        }
+    }
+
+    /// The layers' matrices kept in a file's blocks: (layer, field name, matrix).
+    pub fn blocks(&self) -> impl Iterator<Item = (usize, &'static str, &BlockMatrix)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, l)| l.blocks.iter().map(move |(n, m)| (i, n, m)))
+    }
+
+    /// The block types of the file's blocks kept, by name, each once.
+    pub fn block_types(&self) -> Vec<QuantType> {
+        let mut types: Vec<QuantType> = self.blocks().map(|(_, _, m)| m.dtype).collect();
+        types.sort_unstable_by_key(|t| t.name());
+        types.dedup();
+        types
     }
 
     /// The same weights rounded through f16, so a reference can match an f16-weight run.
@@ -253,6 +370,29 @@ mod tests {
         assert_eq!(a.layers[0].wq.len(), cfg.q_dim() * cfg.hidden);
         assert!(a.layers[0].bq.is_some() && a.layers[0].w_gate.is_none());
         assert!(a.token_types.is_none() && a.embed_norm.is_none());
+    }
+
+    #[test]
+    fn block_matrices_slice_on_rows_and_block_columns() {
+        // 3 rows of 64 values as Q8_0 (two blocks a row): slices dequantize to the same values
+        // as the dense matrix's slices.
+        let x: Vec<f32> = (0..192)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        let dense = dequantize(QuantType::Q8_0, &quantize(QuantType::Q8_0, &x));
+        let m = BlockMatrix {
+            dtype: QuantType::Q8_0,
+            rows: 3,
+            cols: 64,
+            bytes: quantize(QuantType::Q8_0, &x),
+        };
+        let rows = m.slice_rows(1..3);
+        assert_eq!((rows.rows, rows.cols), (2, 64));
+        assert_eq!(dequantize(rows.dtype, &rows.bytes), dense[64..].to_vec());
+        let cols = m.slice_cols(32..64);
+        assert_eq!((cols.rows, cols.cols), (3, 32));
+        let want: Vec<f32> = dense.chunks(64).flat_map(|r| r[32..].to_vec()).collect();
+        assert_eq!(dequantize(cols.dtype, &cols.bytes), want);
     }
 
     #[test]

@@ -146,13 +146,39 @@ pub struct GgufSpec<'a> {
     pub meta: Vec<Value>,
 }
 
+/// A tensor's ggml type name, and its bytes exactly as the file is to store them (rows in the
+/// file's order), or `None` for the package's quantizer on the values.
+pub type Stored = Option<(&'static str, Option<Vec<u8>>)>;
+
 /// Writes `tensors` and `spec`'s metadata to `dir/name.gguf` and returns the file's path. Each
 /// packed tensor's llama.cpp dequantization is at `dir/NAME.bin.deq`.
 pub fn write_gguf(dir: &Path, name: &str, tensors: &[GgufTensor], spec: &GgufSpec) -> PathBuf {
+    write_gguf_with(dir, name, tensors, spec, &|_| None)
+}
+
+/// [`write_gguf`], with the tensors `stored` gives bytes for written as those bytes.
+pub fn write_gguf_with(
+    dir: &Path,
+    name: &str,
+    tensors: &[GgufTensor],
+    spec: &GgufSpec,
+    stored: &dyn Fn(&GgufTensor) -> Stored,
+) -> PathBuf {
     let path = dir.join(format!("{name}.gguf"));
     let mut entries = Vec::new();
     for t in tensors {
         let file = dir.join(format!("{}.bin", t.name));
+        if let Some((qtype, bytes)) = stored(t) {
+            let packed = bytes.is_some();
+            let bytes =
+                bytes.unwrap_or_else(|| t.values.iter().flat_map(|x| x.to_le_bytes()).collect());
+            std::fs::write(&file, bytes).unwrap();
+            entries.push(json!({
+                "name": t.name, "shape": t.shape, "file": file, "packed": packed,
+                "type": qtype, "permute_heads": if packed { 0 } else { t.permute_heads },
+            }));
+            continue;
+        }
         let matrix = t.shape.len() == 2;
         let qtype = if matrix {
             spec.matrices
@@ -212,7 +238,8 @@ pub fn permute_rows(m: &[f32], heads: usize, cols: usize) -> Vec<f32> {
     out
 }
 
-fn ggml_type_name(t: QuantType) -> &'static str {
+/// ggml's name of `t`.
+pub fn ggml_type_name(t: QuantType) -> &'static str {
     match t {
         QuantType::F32 => "F32",
         QuantType::F16 => "F16",

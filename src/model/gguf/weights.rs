@@ -1,17 +1,18 @@
 //! GGUF tensors to [`ModelWeights`]. llama.cpp names (`blk.N.attn_q.weight`, ...) map to
 //! wgpar's fields; matrices are stored `[out][in]` with the input dimension innermost, which is
 //! wgpar's layout once GGUF's innermost-first dimensions are reversed. Each tensor is
-//! dequantized on its own from the mapped bytes.
+//! dequantized on its own from the mapped bytes; a layer projection matrix stored in blocks the
+//! kernels read (Q8_0, Q4_0, Q4_K, Q6_K) also keeps its bytes as stored
+//! ([`LayerWeights::blocks`]), so the device holds the file's own blocks, type by type.
 //!
 //! The usual converter permutes the Q and K rows of `llama`-architecture files for llama.cpp's
 //! interleaved RoPE (pairs `(2i, 2i+1)`); wgpar rotates halves (`i` with `i + head_dim/2`), as
 //! Hugging Face does, so those rows are put back here. Qwen2 files are not permuted.
 
-use super::file::GgufFile;
+use super::file::{ElementType, GgufFile, TensorInfo};
 use crate::error::{Result, WgparError};
 use crate::model::config::{Arch, ModelConfig};
-use crate::model::quant::dequantize;
-use crate::model::weights::{LayerWeights, ModelWeights};
+use crate::model::weights::{BlockMatrix, LayerBlocks, LayerWeights, ModelWeights};
 
 /// Reads tensors by name, checking shapes and values.
 struct Tensors<'a> {
@@ -44,7 +45,7 @@ impl Tensors<'_> {
                 ),
             ));
         }
-        let values = dequantize(info.dtype, self.file.data(info));
+        let values = info.dtype.dequantize(self.file.data(info));
         if let Some(first) = values.iter().position(|v| !v.is_finite()) {
             return Err(self.fail(
                 name,
@@ -57,6 +58,31 @@ impl Tensors<'_> {
         Ok(values)
     }
 
+    /// Matrix `name` (`shape` = `[rows, cols]`) dense, and as stored when it is in blocks.
+    fn matrix(
+        &self,
+        name: &str,
+        shape: &[usize],
+        what: &str,
+    ) -> Result<(Vec<f32>, Option<BlockMatrix>)> {
+        let dense = self.get(name, shape, what)?;
+        // `get` checked the shape. Blocks the kernels read are kept; converted types and floats
+        // go dense only.
+        let kept = |info: &TensorInfo| match info.dtype {
+            ElementType::Native(t) if t.is_quantized() => Some((t, self.file.data(info))),
+            _ => None,
+        };
+        let blocks = (self.file.tensor(name))
+            .and_then(kept)
+            .map(|(dtype, bytes)| BlockMatrix {
+                dtype,
+                bytes: bytes.to_vec(),
+                rows: shape[0],
+                cols: shape[1],
+            });
+        Ok((dense, blocks))
+    }
+
     fn optional(&self, name: &str, shape: &[usize], what: &str) -> Result<Option<Vec<f32>>> {
         match self.file.tensor(name) {
             Some(_) => self.get(name, shape, what).map(Some),
@@ -65,13 +91,14 @@ impl Tensors<'_> {
     }
 }
 
-/// Undoes the converter's RoPE permutation of `heads` heads' rows (`cols` values per row): in
-/// each head, stored row `2i + s` is the original row `s * head_dim/2 + i`.
-pub fn unpermute_rows(m: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+/// Undoes the converter's RoPE permutation of `heads` heads' rows (`cols` elements per row:
+/// values, or the bytes of a row of blocks): in each head, stored row `2i + s` is the original
+/// row `s * head_dim/2 + i`.
+pub fn unpermute_rows<T: Copy + Default>(m: &[T], heads: usize, cols: usize) -> Vec<T> {
     let rows = m.len() / cols;
     let head_dim = rows / heads;
     let half = head_dim / 2;
-    let mut out = vec![0.0; m.len()];
+    let mut out = vec![T::default(); m.len()];
     for h in 0..heads {
         for i in 0..half {
             for s in 0..2 {
@@ -137,39 +164,65 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
     let what = |part: &str| format!("layer {i} {part}");
     let get = |part: &str, shape: &[usize], w: &str| t.get(&n(part), shape, &what(w));
     let opt = |part: &str, shape: &[usize], w: &str| t.optional(&n(part), shape, &what(w));
-    let fix = |m: Vec<f32>, heads: usize, cols: usize| {
+    let matrix = |part: &str, shape: &[usize], w: &str| t.matrix(&n(part), shape, &what(w));
+    // The converter permuted Q and K rows; dense values and stored rows are put back alike.
+    let fix = |(m, b): (Vec<f32>, Option<BlockMatrix>), heads: usize| {
+        if !permuted {
+            return (m, b);
+        }
+        let b = b.map(|b| BlockMatrix {
+            bytes: unpermute_rows(&b.bytes, heads, b.bytes.len() / b.rows.max(1)),
+            ..b
+        });
+        (unpermute_rows(&m, heads, h), b)
+    };
+    let fix_bias = |b: Vec<f32>, heads: usize| {
         if permuted {
-            unpermute_rows(&m, heads, cols)
+            unpermute_rows(&b, heads, 1)
         } else {
-            m
+            b
         }
     };
+    let (wq, bwq) = fix(
+        matrix("attn_q.weight", &[q, h], "query projection")?,
+        c.heads,
+    );
+    let (wk, bwk) = fix(
+        matrix("attn_k.weight", &[kv, h], "key projection")?,
+        c.kv_heads,
+    );
+    let (wv, bwv) = matrix("attn_v.weight", &[kv, h], "value projection")?;
+    let (wo, bwo) = matrix("attn_output.weight", &[h, q], "attention output")?;
+    let (w_gate, bgate) = matrix("ffn_gate.weight", &[f, h], "MLP gate")?;
+    let (w_up, bup) = matrix("ffn_up.weight", &[f, h], "MLP up")?;
+    let (w_down, bdown) = matrix("ffn_down.weight", &[h, f], "MLP down")?;
     Ok(LayerWeights {
         attn_norm: get("attn_norm.weight", &[h], "attention RMSNorm")?,
         attn_norm_bias: None,
-        wq: fix(
-            get("attn_q.weight", &[q, h], "query projection")?,
-            c.heads,
-            h,
-        ),
-        wk: fix(
-            get("attn_k.weight", &[kv, h], "key projection")?,
-            c.kv_heads,
-            h,
-        ),
-        wv: get("attn_v.weight", &[kv, h], "value projection")?,
-        bq: opt("attn_q.bias", &[q], "query bias")?.map(|b| fix(b, c.heads, 1)),
-        bk: opt("attn_k.bias", &[kv], "key bias")?.map(|b| fix(b, c.kv_heads, 1)),
+        wq,
+        wk,
+        wv,
+        bq: opt("attn_q.bias", &[q], "query bias")?.map(|b| fix_bias(b, c.heads)),
+        bk: opt("attn_k.bias", &[kv], "key bias")?.map(|b| fix_bias(b, c.kv_heads)),
         bv: opt("attn_v.bias", &[kv], "value bias")?,
-        wo: get("attn_output.weight", &[h, q], "attention output")?,
+        wo,
         bo: opt("attn_output.bias", &[h], "attention output bias")?,
         mlp_norm: get("ffn_norm.weight", &[h], "MLP RMSNorm")?,
         mlp_norm_bias: None,
-        w_gate: Some(get("ffn_gate.weight", &[f, h], "MLP gate")?),
-        w_up: get("ffn_up.weight", &[f, h], "MLP up")?,
+        w_gate: Some(w_gate),
+        w_up,
         b_up: None,
-        w_down: get("ffn_down.weight", &[h, f], "MLP down")?,
+        w_down,
         b_down: None,
+        blocks: LayerBlocks {
+            wq: bwq,
+            wk: bwk,
+            wv: bwv,
+            wo: bwo,
+            w_gate: bgate,
+            w_up: bup,
+            w_down: bdown,
+        },
     })
 }
 
@@ -178,11 +231,20 @@ fn gpt2_layer(t: &Tensors, c: &ModelConfig, i: usize) -> Result<LayerWeights> {
     let n = |part: &str| format!("blk.{i}.{part}");
     let what = |part: &str| format!("layer {i} {part}");
     let get = |part: &str, shape: &[usize], w: &str| t.get(&n(part), shape, &what(w));
+    let matrix = |part: &str, shape: &[usize], w: &str| t.matrix(&n(part), shape, &what(w));
     // The fused projection's rows are Q, then K, then V.
-    let qkv = get("attn_qkv.weight", &[3 * h, h], "fused QKV projection")?;
+    let (qkv, qkv_blocks) = matrix("attn_qkv.weight", &[3 * h, h], "fused QKV projection")?;
     let qkv_bias = get("attn_qkv.bias", &[3 * h], "fused QKV bias")?;
     let rows = |k: usize| qkv[k * h * h..(k + 1) * h * h].to_vec();
+    let row_blocks = |k: usize| {
+        qkv_blocks
+            .as_ref()
+            .map(|b| b.slice_rows(k * h..(k + 1) * h))
+    };
     let bias = |k: usize| Some(qkv_bias[k * h..(k + 1) * h].to_vec());
+    let (wo, bwo) = matrix("attn_output.weight", &[h, h], "attention output")?;
+    let (w_up, bup) = matrix("ffn_up.weight", &[f, h], "MLP up projection")?;
+    let (w_down, bdown) = matrix("ffn_down.weight", &[h, f], "MLP down projection")?;
     Ok(LayerWeights {
         attn_norm: get("attn_norm.weight", &[h], "attention LayerNorm scale")?,
         attn_norm_bias: Some(get("attn_norm.bias", &[h], "attention LayerNorm shift")?),
@@ -192,15 +254,24 @@ fn gpt2_layer(t: &Tensors, c: &ModelConfig, i: usize) -> Result<LayerWeights> {
         bq: bias(0),
         bk: bias(1),
         bv: bias(2),
-        wo: get("attn_output.weight", &[h, h], "attention output")?,
+        wo,
         bo: Some(get("attn_output.bias", &[h], "attention output bias")?),
         mlp_norm: get("ffn_norm.weight", &[h], "MLP LayerNorm scale")?,
         mlp_norm_bias: Some(get("ffn_norm.bias", &[h], "MLP LayerNorm shift")?),
         w_gate: None,
-        w_up: get("ffn_up.weight", &[f, h], "MLP up projection")?,
+        w_up,
         b_up: Some(get("ffn_up.bias", &[f], "MLP up bias")?),
-        w_down: get("ffn_down.weight", &[h, f], "MLP down projection")?,
+        w_down,
         b_down: Some(get("ffn_down.bias", &[h], "MLP down bias")?),
+        blocks: LayerBlocks {
+            wq: row_blocks(0),
+            wk: row_blocks(1),
+            wv: row_blocks(2),
+            wo: bwo,
+            w_gate: None,
+            w_up: bup,
+            w_down: bdown,
+        },
     })
 }
 
@@ -221,5 +292,9 @@ mod tests {
         ];
         let want: Vec<f32> = (0..8).flat_map(|r| [r as f32; 2]).collect();
         assert_eq!(unpermute_rows(&stored, 2, 2), want);
+        // Rows of bytes (blocks) move as whole runs.
+        let bytes: Vec<u8> = [0u8, 2, 1, 3].iter().flat_map(|&r| [r; 3]).collect();
+        let want: Vec<u8> = (0..4u8).flat_map(|r| [r; 3]).collect();
+        assert_eq!(unpermute_rows(&bytes, 1, 3), want);
     }
 }

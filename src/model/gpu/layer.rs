@@ -19,7 +19,7 @@ use crate::kernels::quant::{PackedMatrix, QuantIo, QuantMatmul};
 use crate::model::config::{Activation, ModelConfig};
 use crate::model::quant::{quantize, QuantType};
 use crate::model::shard::{slice_cols, slice_rows, ShardSpec};
-use crate::model::weights::LayerWeights;
+use crate::model::weights::{BlockMatrix, LayerWeights};
 
 /// One decoder layer's (shard of) weights on a device.
 pub(super) struct GpuLayer {
@@ -74,21 +74,99 @@ impl Projection {
 }
 
 /// Refuses a tensor-parallel shard whose column range (`wo`'s heads, `w_down`'s MLP columns)
-/// would cut `t`'s blocks, with the numbers.
-fn check_block_split(t: QuantType, what: &str, cols: &Range<usize>, index: usize) -> Result<()> {
+/// would cut `t`'s blocks, with the numbers. `from_file`: the file stores the matrix as `t`.
+fn check_block_split(t: QuantType, what: &str, cols: &Range<usize>, from_file: bool) -> Result<()> {
     let bl = cols.start % t.block_len() + cols.len() % t.block_len();
     if bl == 0 {
         return Ok(());
     }
+    let fix = if from_file {
+        format!(
+            "the file stores it as {}: use fewer devices, or --weights q8_0 to re-pack it in \
+             32-value blocks",
+            t.name()
+        )
+    } else {
+        "use fewer devices or another --weights type".to_string()
+    };
     Err(crate::error::WgparError::Config(format!(
-        "layer {index} {what}: this tensor-parallel shard holds input columns {}..{} ({} \
-         values), which cut {} blocks of {} values; use fewer devices or another --weights type",
+        "{what}: this tensor-parallel shard holds input columns {}..{} ({} values), which cut \
+         {} blocks of {} values; {fix}",
         cols.start,
         cols.end,
         cols.len(),
         t.name(),
         t.block_len()
     )))
+}
+
+/// The part of a `[rows][cols]` matrix a shard holds.
+#[derive(Clone)]
+enum Part {
+    /// Output rows (Q/K/V, up, gate).
+    Rows(Range<usize>),
+    /// Input columns (attention output, down).
+    Cols(Range<usize>),
+}
+
+/// One projection matrix to upload: its dense values, the file's blocks if kept, its shape.
+struct MatrixSource<'a> {
+    name: String,
+    dense: &'a [f32],
+    blocks: Option<&'a BlockMatrix>,
+    /// Columns of the whole matrix.
+    cols: usize,
+    part: Part,
+}
+
+/// How matrices are stored: `--dtype` for dense ones, `--weights` for packing.
+#[derive(Clone, Copy)]
+struct Storage {
+    dtype: DType,
+    packed: Option<QuantType>,
+}
+
+impl Storage {
+    /// The file's blocks, when they are kept: always without `--weights`, and with it when
+    /// they are already in its type.
+    fn kept<'a>(&self, blocks: Option<&'a BlockMatrix>) -> Option<&'a BlockMatrix> {
+        blocks.filter(|b| self.packed.is_none_or(|t| t == b.dtype))
+    }
+
+    /// Checks that a column split keeps whole blocks of the type `src` is stored in.
+    fn check_split(&self, src: &MatrixSource<'_>) -> Result<()> {
+        let Part::Cols(cols) = &src.part else {
+            return Ok(());
+        };
+        match (self.kept(src.blocks), self.packed) {
+            (Some(b), _) => check_block_split(b.dtype, &src.name, cols, true),
+            (None, Some(t)) => check_block_split(t, &src.name, cols, false),
+            (None, None) => Ok(()),
+        }
+    }
+
+    fn upload(&self, gpu: &Gpu, src: &MatrixSource<'_>) -> Result<LayerMatrix> {
+        if let Some(b) = self.kept(src.blocks) {
+            let part = match &src.part {
+                Part::Rows(r) => b.slice_rows(r.clone()),
+                Part::Cols(c) => b.slice_cols(c.clone()),
+            };
+            let shape = (part.rows, part.cols);
+            return PackedMatrix::upload(gpu, &src.name, part.dtype, &part.bytes, shape)
+                .map(LayerMatrix::Packed);
+        }
+        let (data, cols) = match &src.part {
+            Part::Rows(r) => (slice_rows(src.dense, src.cols, r.clone()), src.cols),
+            Part::Cols(c) => (slice_cols(src.dense, src.cols, c.clone()), c.len()),
+        };
+        let Some(t) = self.packed else {
+            let w = gpu.upload_weights(&src.name, &data, self.dtype)?;
+            return Ok(LayerMatrix::Dense(w));
+        };
+        let rows = data.len() / cols.max(1);
+        PackedMatrix::upload(gpu, &src.name, t, &quantize(t, &data), (rows, cols))
+            .map(LayerMatrix::Packed)
+    }
 }
 
 pub(super) fn upload_opt(gpu: &Gpu, what: &str, v: Option<&Vec<f32>>) -> Result<Option<Tensor>> {
@@ -137,11 +215,11 @@ pub(super) struct LayerOps {
 }
 
 impl GpuLayer {
-    pub(super) fn upload(
+    pub(super) fn upload<'a>(
         gpu: &Gpu,
         config: &ModelConfig,
         index: usize,
-        w: &LayerWeights,
+        w: &'a LayerWeights,
         shard: &ShardSpec,
         (dtype, packed): (DType, Option<QuantType>),
     ) -> Result<Self> {
@@ -151,29 +229,45 @@ impl GpuLayer {
         let kv_rows = shard.kv_heads.start * d..shard.kv_heads.end * d;
         let f = shard.ffn.clone();
         let name = |part: &str| format!("layer{index}.{part}");
-        let (q_len, f_len) = (q_rows.len(), f.len());
-        if let Some(t) = packed {
-            check_block_split(t, "attention output (wo)", &q_rows, index)?;
-            check_block_split(t, "MLP down projection", &f, index)?;
-        }
-        let weights = |part: &str, data: Vec<f32>| -> Result<LayerMatrix> {
-            let Some(t) = packed else {
-                return Ok(LayerMatrix::Dense(gpu.upload_weights(
-                    &name(part),
-                    &data,
-                    dtype,
-                )?));
-            };
-            // Inner dimension: wo's and w_down's inputs are this shard's columns.
-            let cols = match part {
-                "wo" => q_len,
-                "w_down" => f_len,
-                _ => h,
-            };
-            let rows = data.len() / cols.max(1);
-            let bytes = quantize(t, &data);
-            PackedMatrix::upload(gpu, &name(part), t, &bytes, (rows, cols)).map(LayerMatrix::Packed)
+        let storage = Storage { dtype, packed };
+        let b = &w.blocks;
+        let src = |part: &str,
+                   dense: &'a [f32],
+                   blocks: Option<&'a BlockMatrix>,
+                   (cols, part_of): (usize, Part)| MatrixSource {
+            name: name(part),
+            dense,
+            blocks,
+            cols,
+            part: part_of,
         };
+        let [q, k, v, o, up, down] = [
+            src("wq", &w.wq, b.wq.as_ref(), (h, Part::Rows(q_rows.clone()))),
+            src("wk", &w.wk, b.wk.as_ref(), (h, Part::Rows(kv_rows.clone()))),
+            src("wv", &w.wv, b.wv.as_ref(), (h, Part::Rows(kv_rows.clone()))),
+            src(
+                "wo",
+                &w.wo,
+                b.wo.as_ref(),
+                (config.q_dim(), Part::Cols(q_rows.clone())),
+            ),
+            src("w_up", &w.w_up, b.w_up.as_ref(), (h, Part::Rows(f.clone()))),
+            src(
+                "w_down",
+                &w.w_down,
+                b.w_down.as_ref(),
+                (config.ffn, Part::Cols(f.clone())),
+            ),
+        ];
+        let gate = (w.w_gate.as_ref())
+            .map(|g| src("w_gate", g, b.w_gate.as_ref(), (h, Part::Rows(f.clone()))));
+        // Every split is checked before anything is uploaded.
+        for m in [&q, &k, &v, &o, &up, &down]
+            .into_iter()
+            .chain(gate.as_ref())
+        {
+            storage.check_split(m)?;
+        }
         let vector = |part: &str, data: &[f32]| gpu.upload_f32(&name(part), data);
         let opt_slice = |part: &str, v: &Option<Vec<f32>>, r: Range<usize>| {
             v.as_ref()
@@ -183,24 +277,20 @@ impl GpuLayer {
         Ok(Self {
             attn_norm: vector("attn_norm", &w.attn_norm)?,
             attn_norm_bias: upload_opt(gpu, &name("attn_norm_bias"), w.attn_norm_bias.as_ref())?,
-            wq: weights("wq", slice_rows(&w.wq, h, q_rows.clone()))?,
-            wk: weights("wk", slice_rows(&w.wk, h, kv_rows.clone()))?,
-            wv: weights("wv", slice_rows(&w.wv, h, kv_rows.clone()))?,
+            wq: storage.upload(gpu, &q)?,
+            wk: storage.upload(gpu, &k)?,
+            wv: storage.upload(gpu, &v)?,
             bq: opt_slice("bq", &w.bq, q_rows.clone())?,
             bk: opt_slice("bk", &w.bk, kv_rows.clone())?,
             bv: opt_slice("bv", &w.bv, kv_rows)?,
-            wo: weights("wo", slice_cols(&w.wo, config.q_dim(), q_rows))?,
+            wo: storage.upload(gpu, &o)?,
             bo: upload_opt(gpu, &name("bo"), w.bo.as_ref())?,
             mlp_norm: vector("mlp_norm", &w.mlp_norm)?,
             mlp_norm_bias: upload_opt(gpu, &name("mlp_norm_bias"), w.mlp_norm_bias.as_ref())?,
-            w_gate: w
-                .w_gate
-                .as_ref()
-                .map(|g| weights("w_gate", slice_rows(g, h, f.clone())))
-                .transpose()?,
-            w_up: weights("w_up", slice_rows(&w.w_up, h, f.clone()))?,
+            w_gate: gate.map(|g| storage.upload(gpu, &g)).transpose()?,
+            w_up: storage.upload(gpu, &up)?,
             b_up: opt_slice("b_up", &w.b_up, f.clone())?,
-            w_down: weights("w_down", slice_cols(&w.w_down, config.ffn, f))?,
+            w_down: storage.upload(gpu, &down)?,
             b_down: upload_opt(gpu, &name("b_down"), w.b_down.as_ref())?,
             shard: shard.clone(),
         })

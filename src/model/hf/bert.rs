@@ -83,6 +83,7 @@ pub fn load(r: &Reader, config: &ModelConfig, positions: usize) -> Result<ModelW
             b_up,
             w_down,
             b_down,
+            blocks: Default::default(),
         });
     }
     let mut wpe = r.tensor(

@@ -62,6 +62,7 @@ pub fn load(r: &Reader, config: &ModelConfig, positions: usize) -> Result<ModelW
             b_up: Some(r.tensor(&p("mlp.c_fc.bias"), &[f], &what("MLP up bias"))?),
             w_down: conv(&p("mlp.c_proj.weight"), f, h, &what("MLP down projection"))?,
             b_down: Some(r.tensor(&p("mlp.c_proj.bias"), &[h], &what("MLP down bias"))?),
+            blocks: Default::default(),
         });
     }
     let mut wpe = r.tensor("wpe.weight", &[positions, h], "position embedding")?;

@@ -72,6 +72,7 @@ pub fn load(r: &Reader, config: &ModelConfig) -> Result<ModelWeights> {
             b_up: None,
             w_down: mlp("down_proj", h, f)?,
             b_down: None,
+            blocks: Default::default(),
         });
     }
     let lm_head = if config.tied_head {

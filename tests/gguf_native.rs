@@ -1,0 +1,416 @@
+//! A GGUF file's packed layer matrices stay in the file's own blocks on the device, type by
+//! type (a Q4_K_M-like mix of Q4_K, Q6_K and Q8_0 written as random blocks, so that no
+//! quantizer of wgpar's could reproduce them): the device holds about the file's tensor bytes;
+//! single, tensor-parallel and pipelined engines pick the tokens of a CPU f64 reference on the
+//! file's blocks dequantized, and their logits match it, not a reference re-rounded through
+//! wgpar's quantizer; a tensor-parallel split that would cut a file's blocks is refused with
+//! the numbers.
+
+mod common;
+mod gguf_support;
+mod hf_support;
+
+use std::path::{Path, PathBuf};
+
+use gguf_support::{
+    ggml_type_name, gguf_tensors, model_meta, permute_rows, reference_dequant, write_gguf_with,
+    GgufSpec,
+};
+use hf_support::scratch;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use wgpar::comm::CommConfig;
+use wgpar::device::DType;
+use wgpar::model::gguf::GgufFile;
+use wgpar::model::hf::Checkpoint;
+use wgpar::model::quant::{dequantize, QuantType};
+use wgpar::model::{CpuReference, GpuModel, ModelConfig, ModelWeights, Placement};
+use wgpar::parallel::{
+    generate, Engine, Logits, Partition, PipelineEngine, SingleEngine, TensorParallelEngine,
+};
+
+/// A Llama with non-tile shapes where they may be (vocabulary 300, prompts of 5) whose inner
+/// dimensions hold whole 256-value blocks, also per tensor-parallel shard of two.
+fn config() -> ModelConfig {
+    ModelConfig {
+        name: "native".into(),
+        vocab: 300,
+        hidden: 256,
+        layers: 2,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 64,
+        ffn: 512,
+        max_seq: 32,
+        ..ModelConfig::preset("tiny-llama").unwrap()
+    }
+}
+
+/// The type a Q4_K_M-like file stores tensor `name` in (V and down in Q6_K, one layer's Q and
+/// up in Q8_0); `None` for embeddings, head and norms (written F32).
+fn file_type(name: &str) -> Option<QuantType> {
+    let part = name.split('.').nth(2)?;
+    let layer1 = name.starts_with("blk.1.");
+    Some(match part {
+        "attn_v" | "ffn_down" => QuantType::Q6K,
+        "attn_q" | "ffn_up" if layer1 => QuantType::Q8_0,
+        "attn_q" | "attn_k" | "attn_output" | "ffn_gate" | "ffn_up" => QuantType::Q4K,
+        _ => return None,
+    })
+}
+
+fn half(rng: &mut ChaCha8Rng, lo: f32, hi: f32) -> [u8; 2] {
+    half::f16::from_f32(rng.random_range(lo..hi)).to_le_bytes()
+}
+
+/// `blocks` random, valid blocks of `t`, scaled so that values stay O(0.05).
+fn random_blocks(t: QuantType, blocks: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
+    let mut out = Vec::with_capacity(blocks * t.block_bytes());
+    for _ in 0..blocks {
+        let start = out.len();
+        match t {
+            QuantType::Q8_0 => out.extend(half(rng, 2e-4, 6e-4)),
+            // d and dmin, then the scales, mins and nibbles below.
+            QuantType::Q4K => {
+                out.extend(half(rng, 1e-4, 3e-4));
+                out.extend(half(rng, 1e-4, 3e-4));
+            }
+            _ => {}
+        }
+        let body = t.block_bytes() - (out.len() - start) - usize::from(t == QuantType::Q6K) * 2;
+        out.extend((0..body).map(|_| rng.random::<u8>()));
+        if t == QuantType::Q6K {
+            out.extend(half(rng, 2e-5, 6e-5));
+        }
+    }
+    out
+}
+
+/// The metadata of `w` for a `llama` file.
+fn spec(w: &ModelWeights) -> GgufSpec<'static> {
+    let mut meta = model_meta(w, "llama");
+    // The attention width (heads x head_dim) is twice the hidden size.
+    let key_length = w.config.head_dim;
+    meta.push(serde_json::json!([
+        "llama.attention.key_length",
+        "u32",
+        key_length
+    ]));
+    GgufSpec {
+        arch: "llama",
+        matrices: QuantType::F32,
+        meta,
+    }
+}
+
+/// Writes the mixed file (under `dir`) and returns its path.
+fn write_mixed(dir: &Path) -> PathBuf {
+    let w = ModelWeights::synthetic(&config(), 5);
+    let tensors = gguf_tensors(&w, true);
+    let spec = spec(&w);
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let seed: u64 = rng.random();
+    write_gguf_with(dir, "mixed", &tensors, &spec, &|t| {
+        let qtype = file_type(&t.name)?;
+        let name_seed = (t.name.bytes()).fold(seed, |h, b| h.wrapping_mul(31) ^ u64::from(b));
+        let mut rng = ChaCha8Rng::seed_from_u64(name_seed);
+        let blocks = t.values.len() / qtype.block_len();
+        Some((
+            ggml_type_name(qtype),
+            Some(random_blocks(qtype, blocks, &mut rng)),
+        ))
+    })
+}
+
+fn load(path: &Path) -> ModelWeights {
+    Checkpoint::open(path).unwrap().weights(false).unwrap()
+}
+
+#[test]
+fn the_device_holds_the_files_blocks_as_stored() {
+    let dir = scratch("gguf-native-bytes");
+    let path = write_mixed(&dir);
+    let w = load(&path);
+    let file = GgufFile::open(&path).unwrap();
+    // Every layer matrix is kept in the file's type; V and down byte for byte (unpermuted).
+    let mut kept = 0;
+    for (name, info) in &file.tensors {
+        let Some(t) = file_type(name) else {
+            continue;
+        };
+        let layer: usize = name.split('.').nth(1).unwrap().parse().unwrap();
+        let b = &w.layers[layer].blocks;
+        let m = match name.split('.').nth(2).unwrap() {
+            "attn_q" => &b.wq,
+            "attn_k" => &b.wk,
+            "attn_v" => &b.wv,
+            "attn_output" => &b.wo,
+            "ffn_gate" => &b.w_gate,
+            "ffn_up" => &b.w_up,
+            _ => &b.w_down,
+        };
+        let m = m.as_ref().unwrap_or_else(|| panic!("{name} not kept"));
+        assert_eq!(m.dtype, t, "{name}");
+        assert_eq!(m.bytes.len(), info.end - info.start, "{name}");
+        if !name.contains("attn_q") && !name.contains("attn_k") {
+            assert_eq!(m.bytes, file.data(info), "{name}");
+        }
+        // The dense values are llama.cpp's dequantization of the same blocks.
+        if name.contains("attn_v") || name.contains("ffn_down") {
+            let dense = if name.contains("attn_v") {
+                &w.layers[layer].wv
+            } else {
+                &w.layers[layer].w_down
+            };
+            assert_eq!(dense, &reference_dequant(&dir, name), "{name}");
+            assert_eq!(dense, &dequantize(t, &m.bytes), "{name}");
+        }
+        kept += 1;
+    }
+    assert_eq!(kept, 14, "two layers of seven matrices");
+    let file_bytes: u64 = file
+        .tensors
+        .iter()
+        .map(|(_, i)| (i.end - i.start) as u64)
+        .sum();
+    let gpu = common::gpus(1).remove(0);
+    let placement = || Placement::whole(&w.config);
+    let before = gpu.bytes_allocated();
+    let model = GpuModel::upload(gpu.clone(), &w, placement(), DType::F32).unwrap();
+    let device_bytes = gpu.bytes_allocated() - before;
+    drop(model);
+    let mut dense = w.clone();
+    dense.drop_blocks();
+    let before = gpu.bytes_allocated();
+    let model = GpuModel::upload(gpu.clone(), &dense, placement(), DType::F32).unwrap();
+    let dense_bytes = gpu.bytes_allocated() - before;
+    drop(model);
+    eprintln!("file tensors {file_bytes} B, device {device_bytes} B, dense f32 {dense_bytes} B");
+    assert!(
+        device_bytes.abs_diff(file_bytes) * 100 <= file_bytes * 5,
+        "device weights {device_bytes} bytes, the file's tensors {file_bytes}"
+    );
+    assert!(dense_bytes > 3 * device_bytes, "dense {dense_bytes}");
+}
+
+/// Greedy tokens and each step's logits (`[batch][vocab]` flattened) of the CPU reference.
+fn reference_run(w: &ModelWeights, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<f32>> {
+    let mut r = CpuReference::new(w);
+    let mut logits = vec![r.prefill(prompts).unwrap()];
+    for _ in 1..steps {
+        let next = argmax(logits.last().unwrap());
+        logits.push(r.decode(&next).unwrap());
+    }
+    logits.into_iter().map(|l| l.concat()).collect()
+}
+
+fn argmax(rows: &[Vec<f32>]) -> Vec<u32> {
+    rows.iter()
+        .map(|r| {
+            let best = r.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1));
+            best.map_or(0, |(i, _)| i as u32)
+        })
+        .collect()
+}
+
+/// Tokens `[batch][steps]` of per-step `[batch][vocab]` logits.
+fn tokens_of(steps: &[Vec<f32>], batch: usize, vocab: usize) -> Vec<Vec<u32>> {
+    let mut out = vec![Vec::new(); batch];
+    for l in steps {
+        let rows: Vec<Vec<f32>> = l.chunks(vocab).map(<[f32]>::to_vec).collect();
+        for (b, t) in argmax(&rows).into_iter().enumerate() {
+            out[b].push(t);
+        }
+    }
+    out
+}
+
+#[test]
+fn engines_on_the_files_blocks_match_the_f64_reference_of_those_blocks() {
+    let dir = scratch("gguf-native-engines");
+    let w = load(&write_mixed(&dir));
+    let (batch, steps, vocab) = (2, 6, config().vocab);
+    let prompts = common::prompts(batch, 5, vocab, 8);
+    let want = reference_run(&w, &prompts, steps);
+    let want_tokens = tokens_of(&want, batch, vocab);
+    // A second rounding (wgpar's quantizer on the dequantized values) is what the device must
+    // not compute with: its logits sit measurably away from the file's.
+    let rerounded = reference_run(&w.dequantized(QuantType::Q4K), &prompts, 1);
+    let rel = |got: &[f32], want: &[f32]| {
+        let got = Logits {
+            batch,
+            vocab,
+            data: got.to_vec(),
+        };
+        got.relative_error(want)
+    };
+    let second_rounding = rel(&rerounded[0], &want[0]);
+    assert!(
+        second_rounding > 1e-3,
+        "re-rounding moved logits by {second_rounding:.2e}"
+    );
+    let gpus = common::gpus(2);
+    let mut single = SingleEngine::new(gpus[0].clone(), &w, DType::F32).unwrap();
+    let mut next = Vec::new();
+    let mut compared = 0;
+    for (step, want) in want.iter().enumerate() {
+        let got = if step == 0 {
+            single.prefill(&prompts).unwrap()
+        } else {
+            single.decode(&next).unwrap()
+        };
+        assert!(got.data.iter().all(|v| v.is_finite()) && got.data.iter().any(|&v| v != 0.0));
+        let err = got.relative_error(want);
+        assert!(
+            err < 1e-4 && err * 10.0 < second_rounding,
+            "step {step}: logits {err:.2e} from the reference (a second rounding: \
+             {second_rounding:.2e})"
+        );
+        next = got.argmax();
+        let want_next: Vec<u32> = want_tokens.iter().map(|t| t[step]).collect();
+        assert_eq!(next, want_next, "step {step}: single-device tokens");
+        compared += 1;
+    }
+    assert_eq!(compared, steps);
+    let mut tp =
+        TensorParallelEngine::new(&gpus, &w, DType::F32, None, CommConfig::default()).unwrap();
+    assert_eq!(
+        generate(&mut tp, &prompts, steps).unwrap().tokens,
+        want_tokens,
+        "tp"
+    );
+    let mut pp = PipelineEngine::new(
+        &gpus,
+        &w,
+        DType::F32,
+        &Partition::Even,
+        1,
+        CommConfig::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        generate(&mut pp, &prompts, steps).unwrap().tokens,
+        want_tokens,
+        "pp"
+    );
+}
+
+#[test]
+fn a_split_that_cuts_the_files_blocks_is_refused_and_q8_0_repacks_it() {
+    let dir = scratch("gguf-native-split");
+    let w = load(&write_mixed(&dir));
+    let gpus = common::gpus(4);
+    // Four shards of the attention output hold 128 columns each: half a Q4_K block.
+    let e = TensorParallelEngine::new(&gpus, &w, DType::F32, None, CommConfig::default())
+        .err()
+        .expect("a split of 128 columns into 256-value blocks must be refused")
+        .to_string();
+    assert!(
+        e.contains("0..128") && e.contains("q4_k") && e.contains("256") && e.contains("q8_0"),
+        "{e}"
+    );
+    // Re-packed in 32-value blocks, the same split holds whole blocks.
+    let repacked = ModelWeights {
+        packed: Some(QuantType::Q8_0),
+        ..w
+    };
+    let prompts = common::prompts(2, 5, config().vocab, 8);
+    let mut tp =
+        TensorParallelEngine::new(&gpus, &repacked, DType::F32, None, CommConfig::default())
+            .unwrap();
+    assert_eq!(generate(&mut tp, &prompts, 2).unwrap().tokens[0].len(), 2);
+}
+
+#[test]
+fn types_without_kernels_are_dequantized_like_llama_cpp_and_noted() {
+    let dir = scratch("gguf-native-converted");
+    let w = ModelWeights::synthetic(&config(), 9);
+    let tensors = gguf_tensors(&w, true);
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    // Q5_K from random blocks (the package has no quantizer for it), the rest by the package.
+    let q5k = random_blocks_q5k(w.config.hidden * w.config.ffn / 256, &mut rng);
+    let stored = |t: &gguf_support::GgufTensor| -> gguf_support::Stored {
+        match t.name.as_str() {
+            "blk.0.attn_q.weight" => Some(("Q5_0", None)),
+            "blk.0.attn_v.weight" => Some(("Q4_1", None)),
+            "blk.0.ffn_up.weight" => Some(("Q5_1", None)),
+            "blk.0.ffn_down.weight" => Some(("Q5_K", Some(q5k.clone()))),
+            _ => None,
+        }
+    };
+    let path = write_gguf_with(&dir, "converted", &tensors, &spec(&w), &stored);
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let mut converted = ckpt.converted_tensors();
+    converted.sort();
+    assert_eq!(
+        converted,
+        vec![
+            ("blk.0.attn_q.weight".to_string(), "Q5_0"),
+            ("blk.0.attn_v.weight".into(), "Q4_1"),
+            ("blk.0.ffn_down.weight".into(), "Q5_K"),
+            ("blk.0.ffn_up.weight".into(), "Q5_1"),
+        ]
+    );
+    let loaded = ckpt.weights(false).unwrap();
+    let l0 = &loaded.layers[0];
+    let heads = w.config.heads;
+    let mut compared = 0;
+    for (name, mine) in [
+        (
+            "blk.0.attn_q.weight",
+            permute_rows(&l0.wq, heads, w.config.hidden),
+        ),
+        ("blk.0.attn_v.weight", l0.wv.clone()),
+        ("blk.0.ffn_up.weight", l0.w_up.clone()),
+        ("blk.0.ffn_down.weight", l0.w_down.clone()),
+    ] {
+        let reference: Vec<f64> = reference_dequant(&dir, name)
+            .into_iter()
+            .map(f64::from)
+            .collect();
+        assert_eq!(mine.len(), reference.len(), "{name}");
+        let err = common::rel_err(&mine, &reference);
+        assert!(err < 1e-6, "{name}: {err} from llama.cpp's dequantization");
+        compared += 1;
+    }
+    assert_eq!(compared, 4);
+    // Not kept as blocks: no kernel reads them. The other matrices are F32, dense too.
+    assert_eq!(loaded.blocks().count(), 0);
+    let gpu = common::gpus(1).remove(0);
+    let prompts = common::prompts(2, 5, w.config.vocab, 2);
+    let got = SingleEngine::new(gpu, &loaded, DType::F32)
+        .unwrap()
+        .prefill(&prompts)
+        .unwrap();
+    let want = CpuReference::new(&loaded)
+        .prefill(&prompts)
+        .unwrap()
+        .concat();
+    let err = got.relative_error(&want);
+    assert!(err < 1e-4, "logits {err:.2e} from the reference");
+    let (ok, out, err) = common::wgpar(&[
+        "run",
+        "--model",
+        path.to_str().unwrap(),
+        "--prompt-len",
+        "4",
+        "--gen",
+        "2",
+    ]);
+    assert!(ok && out.contains("decode:"), "{out}{err}");
+    assert!(
+        err.contains("note: 4 tensors") && err.contains("Q4_1, Q5_0, Q5_1, Q5_K"),
+        "{err}"
+    );
+}
+
+/// `blocks` random Q5_K blocks with small f16 scales.
+fn random_blocks_q5k(blocks: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
+    let mut out = Vec::with_capacity(blocks * 176);
+    for _ in 0..blocks {
+        out.extend(half(rng, 1e-4, 3e-4));
+        out.extend(half(rng, 1e-4, 3e-4));
+        out.extend((0..172).map(|_| rng.random::<u8>()));
+    }
+    out
+}
