@@ -8,6 +8,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+mod common;
+mod gguf_support;
+
+use gguf_support::{gguf_tensors, model_meta, write_gguf, GgufSpec};
+use wgpar::model::quant::QuantType;
+use wgpar::model::{ModelConfig, ModelWeights};
+
 fn wgpar() -> &'static str {
     env!("CARGO_BIN_EXE_wgpar")
 }
@@ -112,13 +119,24 @@ fn reference(dir: &Path, model: &str) -> Logits {
 }
 
 fn ranked(dir: &Path, name: &str, np: usize, model: &str, args: &[&str]) -> Logits {
+    ranked_saying(dir, name, np, model, args).0
+}
+
+/// [`ranked`], with what the job printed.
+fn ranked_saying(
+    dir: &Path,
+    name: &str,
+    np: usize,
+    model: &str,
+    args: &[&str],
+) -> (Logits, String) {
     let path = dir.join(format!("{name}.json"));
     let mut all: Vec<&str> = vec!["run", "--model", model];
     all.extend_from_slice(args);
     all.extend_from_slice(&SHAPE);
     all.extend_from_slice(&["--logits-out", path.to_str().unwrap()]);
-    ok(mpirun(np, &all));
-    read_logits(&path)
+    let said = ok(mpirun(np, &all));
+    (read_logits(&path), said)
 }
 
 #[test]
@@ -201,6 +219,42 @@ fn pp_tp_and_hybrid_across_two_and_three_ranks_equal_one_device() {
         let got = ranked(&dir, name, np, model, &args);
         let err = rel_err(&got, single);
         assert!(err <= tol, "{name}: relative error {err:e} > {tol:e}");
+        assert_eq!(got.tokens, single.tokens, "{name}: generated tokens differ");
+    }
+}
+
+/// A GGUF whose layer matrices are Q8_0 blocks (kept as stored on the device) runs over ranks
+/// as on one device: pipeline stages each upload their own layers' blocks, tensor parallelism
+/// splits them on block boundaries.
+#[test]
+fn a_gguf_on_its_own_blocks_runs_over_ranks_as_on_one_device() {
+    let dir = scratch("gguf");
+    // Every inner dimension whole Q8_0 blocks, also when halved by TP over two ranks.
+    let config = ModelConfig {
+        hidden: 128,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        ffn: 256,
+        ..ModelConfig::preset("tiny-llama").unwrap()
+    };
+    let w = ModelWeights::synthetic(&config, 61);
+    let spec = GgufSpec {
+        arch: "llama",
+        matrices: QuantType::Q8_0,
+        meta: model_meta(&w, "llama"),
+    };
+    let file = write_gguf(&dir, "q8", &gguf_tensors(&w, true), &spec);
+    let file = file.to_str().unwrap();
+    let single = reference(&dir, file);
+    for (name, args) in [
+        ("gguf-pp2", ["--strategy", "pp", "--virtual", "1"]),
+        ("gguf-tp2", ["--strategy", "tp", "--virtual", "1"]),
+    ] {
+        let (got, said) = ranked_saying(&dir, name, 2, file, &args);
+        assert!(said.contains("the file's q8_0 blocks"), "{name}: {said}");
+        let err = rel_err(&got, &single);
+        assert!(err <= 1e-4, "{name}: relative error {err:e}");
         assert_eq!(got.tokens, single.tokens, "{name}: generated tokens differ");
     }
 }

@@ -253,7 +253,7 @@ mod ranks {
                 opts.batch.slots
             ),
         )?;
-        let (engine, _, _) = rank_engine(world, (&args.devices, &args.model), &config, &strategy)?;
+        let (engine, ..) = rank_engine(world, (&args.devices, &args.model), &config, &strategy)?;
         let mine = fault.filter(|f| f.rank == world.rank());
         let stage_fault = mine.and_then(|f| match f.kind {
             FaultKind::Error | FaultKind::Panic => Some(stage_fault_of(f)),
@@ -307,18 +307,20 @@ mod ranks {
     }
 
     /// This rank's devices opened (warning where a bound rank drives a CPU driver), its
-    /// weights loaded and its part of `strategy` built; the weights are let go after.
+    /// weights loaded and its part of `strategy` built, and how the weights are held; the
+    /// weights are let go after.
     fn rank_engine(
         world: &World,
         (devices, model): (&crate::cli::DeviceArgs, &crate::cli::ModelArgs),
         config: &wgpar::model::ModelConfig,
         strategy: &Strategy,
-    ) -> Result<(DistEngine, Vec<Arc<Gpu>>, DType)> {
+    ) -> Result<(DistEngine, Vec<Arc<Gpu>>, String)> {
         let adapters = Adapters::discover()?;
         let gpus: Vec<Arc<Gpu>> = devices.open(&adapters)?;
         warn_if_bound(world, &gpus);
         let dtype = model.dtype(&gpus)?;
         let weights = model.weights(config)?;
+        let storage = crate::cli::run::storage_of(&weights, dtype);
         let engine = build(
             world,
             strategy,
@@ -327,7 +329,7 @@ mod ranks {
             dtype,
             &CommConfig::default(),
         )?;
-        Ok((engine, gpus, dtype))
+        Ok((engine, gpus, storage))
     }
 
     /// What `serve` takes in one process but not over ranks.
@@ -561,16 +563,15 @@ mod ranks {
                 args.batch, args.prompt_len, args.gen
             ),
         )?;
-        let (engine, gpus, dtype) =
+        let (engine, gpus, storage) =
             rank_engine(world, (&args.devices, &args.model), &config, &strategy)?;
         say!(
             world,
-            "model {} ({} layers, hidden {}, {:.1}M params, {:?} weights) on {} ranks ({})",
+            "model {} ({} layers, hidden {}, {:.1}M params, {storage}) on {} ranks ({})",
             config.name,
             config.layers,
             config.hidden,
             config.params() as f64 / 1e6,
-            dtype,
             world.size(),
             world.hosts().join(", ")
         );

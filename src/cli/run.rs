@@ -5,7 +5,7 @@ use clap::Args;
 use std::sync::Arc;
 use wgpar::comm::CommConfig;
 use wgpar::device::{AdapterDesc, Adapters, DType};
-use wgpar::model::ModelConfig;
+use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::{
     build_engine, generate, generate_keeping, Engine, Fault, FaultKind, KeepLogits, PartitionSpec,
     Schedule, Strategy,
@@ -501,14 +501,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let dtype = args.model.dtype(&gpus)?;
     debug_assert_eq!(dtype, plan.dtype);
     let weights = args.model.weights(&config)?;
-    let storage = match (weights.packed, weights.block_types().as_slice()) {
-        (Some(t), _) => format!("{} layer matrices, {dtype:?} elsewhere", t.name()),
-        (None, []) => format!("{dtype:?} weights"),
-        (None, types) => {
-            let names: Vec<&str> = types.iter().map(|t| t.name()).collect();
-            format!("the file's {} blocks, {dtype:?} elsewhere", names.join("/"))
-        }
-    };
+    let storage = storage_of(&weights, dtype);
     outln!(
         "model {} ({} arch, {} layers, hidden {}, {:.1}M params, {storage})",
         config.name,
@@ -638,6 +631,19 @@ fn print_rates(
 
 /// The logits a run keeps: every step's where `--logits-out` asks for them, else none (only
 /// token ids are read back).
+/// How the weights are held on the device: packed into one block type, the file's own
+/// blocks, or `dtype` throughout.
+pub(super) fn storage_of(weights: &ModelWeights, dtype: DType) -> String {
+    match (weights.packed, weights.block_types().as_slice()) {
+        (Some(t), _) => format!("{} layer matrices, {dtype:?} elsewhere", t.name()),
+        (None, []) => format!("{dtype:?} weights"),
+        (None, types) => {
+            let names: Vec<&str> = types.iter().map(|t| t.name()).collect();
+            format!("the file's {} blocks, {dtype:?} elsewhere", names.join("/"))
+        }
+    }
+}
+
 /// `--batch` prompts of `--prompt-len` token ids spread over the vocabulary, the same in one
 /// process and over ranks.
 pub(super) fn synthetic_prompts(args: &RunArgs, vocab: usize) -> Vec<Vec<u32>> {
