@@ -26,9 +26,12 @@ struct Params {
     causal: u32,
 }
 
+// KT: the cache's stored type (f32, or f16 in the f16 variant); scores and sums stay f32.
+alias KT = f32;
+
 @group(0) @binding(0) var<storage, read> q: array<f32>;
-@group(0) @binding(1) var<storage, read> k_cache: array<f32>;
-@group(0) @binding(2) var<storage, read> v_cache: array<f32>;
+@group(0) @binding(1) var<storage, read> k_cache: array<KT>;
+@group(0) @binding(2) var<storage, read> v_cache: array<KT>;
 @group(0) @binding(3) var<storage, read> lens: array<u32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read> seqs: array<u32>;
@@ -78,14 +81,14 @@ fn attend(
         let k_base = kv_base + j * d;
         var s = 0.0;
         for (var c = 0u; c < d; c++) {
-            s += qv[c] * k_cache[k_base + c];
+            s += qv[c] * f32(k_cache[k_base + c]);
         }
         let new_max = max(running_max, s);
         let correction = exp(running_max - new_max);
         let weight = exp(s - new_max);
         denom = denom * correction + weight;
         for (var c = 0u; c < d; c++) {
-            acc[c] = acc[c] * correction + weight * v_cache[k_base + c];
+            acc[c] = acc[c] * correction + weight * f32(v_cache[k_base + c]);
         }
         running_max = new_max;
     }
@@ -152,8 +155,8 @@ fn attend_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
             var kv = 0.0;
             var vv = 0.0;
             if (j < tile_end) {
-                kv = k_cache[kv_base + j * d + c];
-                vv = v_cache[kv_base + j * d + c];
+                kv = f32(k_cache[kv_base + j * d + c]);
+                vv = f32(v_cache[kv_base + j * d + c]);
             }
             ft_k[r * FT_MAXD + c] = kv;
             ft_v[r * FT_MAXD + c] = vv;
@@ -235,14 +238,14 @@ fn attend_split(
         let k_base = kv_base + j * d;
         var s = 0.0;
         for (var c = 0u; c < d; c++) {
-            s += qv[c] * k_cache[k_base + c];
+            s += qv[c] * f32(k_cache[k_base + c]);
         }
         let new_max = max(running_max, s);
         let correction = exp(running_max - new_max);
         let weight = exp(s - new_max);
         denom = denom * correction + weight;
         for (var c = 0u; c < d; c++) {
-            acc[c] = acc[c] * correction + weight * v_cache[k_base + c];
+            acc[c] = acc[c] * correction + weight * f32(v_cache[k_base + c]);
         }
         running_max = new_max;
     }

@@ -20,10 +20,13 @@ struct Params {
     _pad: u32,
 }
 
+// KT: the cache's stored type (f32, or f16 in the f16 variant); activations are f32.
+alias KT = f32;
+
 @group(0) @binding(0) var<storage, read> k_new: array<f32>;
 @group(0) @binding(1) var<storage, read> v_new: array<f32>;
-@group(0) @binding(2) var<storage, read_write> k_cache: array<f32>;
-@group(0) @binding(3) var<storage, read_write> v_cache: array<f32>;
+@group(0) @binding(2) var<storage, read_write> k_cache: array<KT>;
+@group(0) @binding(3) var<storage, read_write> v_cache: array<KT>;
 @group(0) @binding(4) var<storage, read> seqs: array<u32>;
 @group(0) @binding(5) var<uniform> p: Params;
 
@@ -51,6 +54,6 @@ fn kv_store(
         return;
     }
     let dst = ((slot * p.n_kv_heads + h) * p.max_seq + pos) * p.head_dim + c;
-    k_cache[dst] = k_new[idx];
-    v_cache[dst] = v_new[idx];
+    k_cache[dst] = KT(k_new[idx]);
+    v_cache[dst] = KT(v_new[idx]);
 }

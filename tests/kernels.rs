@@ -631,6 +631,120 @@ fn kv_store_and_causal_attention() {
     }
 }
 
+/// An f16 KV cache: the append rounds f32 keys and values to f16 (checked bit for bit against
+/// the host's rounding), and attention over the f16 cache, accumulating in f32, matches the f64
+/// reference over the rounded cache. Prefill and decode, grouped heads, permuted slots,
+/// shapes that fill no tile.
+#[test]
+fn kv_store_and_attention_f16_cache() {
+    let gpu = &common::gpus(1)[0];
+    if !gpu.supports_f16_weights() {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI needs an adapter with SHADER_F16"
+        );
+        eprintln!("skipped: {} has no SHADER_F16", gpu.label());
+        return;
+    }
+    let round =
+        |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect() };
+    let mut compared = 0;
+    for (seq, rows) in [
+        (5usize, vec![(1usize, 0usize), (0, 3)]),
+        (1, vec![(2, 14), (0, 9), (1, 0)]),
+    ] {
+        let (nh, nkv, d, max_seq, slots) = (6, 2, 12, 19, 3);
+        let batch = rows.len();
+        let shape = AttnShape {
+            batch,
+            seq,
+            slots,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: d,
+            max_seq,
+            group: 3,
+            q_head_offset: 0,
+            kv_head_offset: 0,
+        };
+        let tokens = batch * seq;
+        let k_old = common::random(shape.cache_len(), 23);
+        let v_old = common::random(shape.cache_len(), 24);
+        let k_new = common::random(tokens * nkv * d, 25);
+        let v_new = common::random(tokens * nkv * d, 26);
+        let q = common::random(tokens * nh * d, 27);
+        let kc = gpu.upload_f16("kc", &k_old).unwrap();
+        let vc = gpu.upload_f16("vc", &v_old).unwrap();
+        let kt = gpu.upload_f32("k", &k_new).unwrap();
+        let vt = gpu.upload_f32("v", &v_new).unwrap();
+        let qt = gpu.upload_f32("q", &q).unwrap();
+        let seqs = seq_table(gpu, &rows);
+        let cache = ops::KvCache {
+            k: &kc,
+            v: &vc,
+            seqs: &seqs,
+        };
+        let out = poisoned(gpu, tokens * nh * d);
+        run(gpu, |e| {
+            ops::kv_store(gpu, e, &kt, &vt, cache, &shape).unwrap();
+            ops::attention(gpu, e, &qt, cache, &out, &shape).unwrap();
+        });
+        let (mut kref, mut vref) = (round(&k_old), round(&v_old));
+        let at = |slot: usize, h: usize, p: usize| ((slot * nkv + h) * max_seq + p) * d;
+        for t in 0..tokens {
+            let ((slot, past), i) = (rows[t / seq], t % seq);
+            for c in 0..nkv * d {
+                let (h, c) = (c / d, c % d);
+                kref[at(slot, h, past + i) + c] = round(&[k_new[(t * nkv + h) * d + c]])[0];
+                vref[at(slot, h, past + i) + c] = round(&[v_new[(t * nkv + h) * d + c]])[0];
+            }
+        }
+        for (name, t, want) in [("k cache", &kc, &kref), ("v cache", &vc, &vref)] {
+            let bytes = gpu.read_bytes(t.buffer(), 0, t.bytes()).unwrap();
+            let got: Vec<f32> = bytemuck::pod_collect_to_vec::<u8, half::f16>(&bytes)
+                .iter()
+                .map(|h| h.to_f32())
+                .collect();
+            assert_eq!(&got[..want.len()], &want[..], "{name}");
+        }
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut want = vec![0.0; tokens * nh * d];
+        for t in 0..tokens {
+            let ((slot, past), i) = (rows[t / seq], t % seq);
+            for h in 0..nh {
+                let kvh = h / 3;
+                let qv = &q[(t * nh + h) * d..(t * nh + h + 1) * d];
+                let scores: Vec<f64> = (0..=past + i)
+                    .map(|p| {
+                        let s = at(slot, kvh, p);
+                        (0..d)
+                            .map(|c| qv[c] as f64 * kref[s + c] as f64)
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                for (p, s) in scores.iter().enumerate() {
+                    let w = (s - m).exp() / z;
+                    for c in 0..d {
+                        want[(t * nh + h) * d + c] += w * vref[at(slot, kvh, p) + c] as f64;
+                    }
+                }
+            }
+        }
+        // The cache holds exactly the rounded values, so f32 accumulation is the only error.
+        assert_close(
+            &format!("f16 attention s{seq}"),
+            &gpu.read_f32(&out).unwrap(),
+            &want,
+            1e-5,
+        );
+        compared += want.len();
+    }
+    assert!(compared > 0);
+}
+
 /// Every attention variant (today's, tiled prefill, split decode) and the tuned choice against
 /// the CPU reference: causal with and without cached keys, rows with different pasts in
 /// shuffled slots (the sequence table), decode over a long context, more queries than one

@@ -107,29 +107,39 @@ impl Family {
         }
     }
 
-    /// Whether the family reads weights through the `WT` alias (and so has an f16 variant).
+    /// Whether the family has an f16 variant: it reads weights through the `WT` alias, or
+    /// (attention, KV append) stores the KV cache through the `KT` alias.
     pub fn has_weight_variants(self) -> bool {
-        matches!(
-            self,
-            Family::Matmul
-                | Family::MatmulVec4
-                | Family::MatmulSubgroup
-                | Family::MatmulBlock
-                | Family::Embedding
-        )
+        self.stored_alias().is_some()
     }
 
-    /// The source specialised for a weight type: the f16 variant enables the extension and
-    /// retypes the `WT` alias. Other families ignore the weight type.
+    /// The alias the f16 variant retypes.
+    fn stored_alias(self) -> Option<&'static str> {
+        match self {
+            Family::Matmul
+            | Family::MatmulVec4
+            | Family::MatmulSubgroup
+            | Family::MatmulBlock
+            | Family::Embedding => Some("WT"),
+            Family::Attention | Family::KvCache => Some("KT"),
+            _ => None,
+        }
+    }
+
+    /// The source specialised for a stored type (weights, or the KV cache): the f16 variant
+    /// enables the extension and retypes the `WT`/`KT` alias. Other families ignore the type.
     pub fn source_for(self, weights: WeightType) -> String {
         let src = self.source();
-        if self.has_weight_variants() && weights == WeightType::F16 {
-            format!(
+        match self.stored_alias() {
+            Some(alias) if weights == WeightType::F16 => format!(
                 "enable f16;\n{}",
-                src.replacen("alias WT = f32;", "alias WT = f16;", 1)
-            )
-        } else {
-            src.to_string()
+                src.replacen(
+                    &format!("alias {alias} = f32;"),
+                    &format!("alias {alias} = f16;"),
+                    1
+                )
+            ),
+            _ => src.to_string(),
         }
     }
 
@@ -305,5 +315,10 @@ mod tests {
             Family::Norm.source_for(WeightType::F16),
             Family::Norm.source()
         );
+        for family in [Family::Attention, Family::KvCache] {
+            let src = family.source_for(WeightType::F16);
+            assert!(src.starts_with("enable f16;"), "{family:?}");
+            assert!(src.contains("alias KT = f16;"), "{family:?}");
+        }
     }
 }

@@ -888,10 +888,17 @@ pub struct KvCache<'a> {
 }
 
 impl KvCache<'_> {
-    fn check(&self, op: &str, shape: &AttnShape) -> Result<()> {
-        need(op, "k_cache", self.k, shape.cache_len(), Some(DType::F32))?;
-        need(op, "v_cache", self.v, shape.cache_len(), Some(DType::F32))?;
-        need(op, "seqs", self.seqs, 2 * shape.batch, Some(DType::U32))
+    /// Checks the cache against `shape` and returns its stored type: keys and values are both
+    /// f32 or both f16 (the kernels' `KT` variant).
+    fn check(&self, op: &str, shape: &AttnShape) -> Result<WeightType> {
+        let stored = match self.k.dtype() {
+            DType::F16 => DType::F16,
+            _ => DType::F32,
+        };
+        need(op, "k_cache", self.k, shape.cache_len(), Some(stored))?;
+        need(op, "v_cache", self.v, shape.cache_len(), Some(stored))?;
+        need(op, "seqs", self.seqs, 2 * shape.batch, Some(DType::U32))?;
+        Ok(weight_type(self.k))
     }
 }
 
@@ -903,6 +910,8 @@ pub struct Attention {
     causal: bool,
     /// A named variant (tests, benchmarks) instead of the tuned choice.
     variant: Option<&'static str>,
+    /// The cache's stored type, which selects the kernels' `KT` variant.
+    stored: WeightType,
     /// `q, k_cache, v_cache, lens, out, seqs` as bound: a first-use tuning run times the
     /// variants on them (writing a scratch output instead of `out`).
     buffers: [wgpu::Buffer; 6],
@@ -924,7 +933,7 @@ impl Attention {
         let q_len = capacity.tokens() * capacity.n_heads * capacity.head_dim;
         need(OP, "q", q, q_len, Some(DType::F32))?;
         need(OP, "out", out, q_len, Some(DType::F32))?;
-        cache.check(OP, capacity)?;
+        let stored = cache.check(OP, capacity)?;
         // A causal op never reads `lens`; bind `q` there (read-only, so aliasing is allowed).
         let (lens, causal) = match mask {
             AttnMask::Causal => (q, true),
@@ -946,6 +955,7 @@ impl Attention {
             shape: *capacity,
             causal,
             variant: None,
+            stored,
             buffers: buffers.map(|b| b.clone()),
         })
     }
@@ -983,7 +993,7 @@ impl Attention {
                 ),
             }
         })?;
-        let dispatch = Dispatch::of_variant(gpu, variant, WeightType::F32, groups);
+        let dispatch = Dispatch::of_variant(gpu, variant, self.stored, groups);
         self.op.set(params, &values, dispatch);
         Ok(())
     }
@@ -1035,7 +1045,7 @@ impl Attention {
                 tune::measure_variants(
                     gpu,
                     &candidates,
-                    WeightType::F32,
+                    self.stored,
                     &[q, k, v, lens, scratch.buffer(), seqs],
                     bytemuck::bytes_of(values),
                     &|v| variants::attention_grid(v, batch, seq, heads),
@@ -1106,6 +1116,8 @@ pub fn attention_with(
 pub struct KvStore {
     op: Bound,
     shape: AttnShape,
+    /// The cache's stored type, which selects the kernel's `KT` variant.
+    stored: WeightType,
 }
 bound_op!(KvStore);
 
@@ -1123,7 +1135,7 @@ impl KvStore {
         let len = capacity.tokens() * capacity.n_kv_heads * capacity.head_dim;
         need(OP, "k", k, len, Some(DType::F32))?;
         need(OP, "v", v, len, Some(DType::F32))?;
-        cache.check(OP, capacity)?;
+        let stored = cache.check(OP, capacity)?;
         let buffers = [
             k.buffer(),
             v.buffer(),
@@ -1134,6 +1146,7 @@ impl KvStore {
         Ok(Self {
             op: Bound::new(gpu, params, Family::KvCache, OP, &buffers)?,
             shape: *capacity,
+            stored,
         })
     }
 
@@ -1151,7 +1164,7 @@ impl KvStore {
         let dispatch = Dispatch::new(
             gpu,
             (Family::KvCache, "kv_store"),
-            WeightType::F32,
+            self.stored,
             grid_1d(OP, len, 256)?,
         );
         self.op.set(params, &values, dispatch);
