@@ -154,15 +154,7 @@ fn weights_option_packs_or_refuses_before_devices_open() {
 
 #[test]
 fn a_gguf_keeps_its_blocks_unless_weights_says_otherwise() {
-    // Every inner dimension whole Q8_0 blocks.
-    let config = ModelConfig {
-        hidden: 128,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 32,
-        ffn: 256,
-        ..ModelConfig::preset("tiny-llama").unwrap()
-    };
+    let config = gguf_support::whole_block_llama();
     let w = ModelWeights::synthetic(&config, 52);
     let spec = GgufSpec {
         arch: "llama",

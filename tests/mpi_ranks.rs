@@ -13,7 +13,7 @@ mod gguf_support;
 
 use gguf_support::{gguf_tensors, model_meta, write_gguf, GgufSpec};
 use wgpar::model::quant::QuantType;
-use wgpar::model::{ModelConfig, ModelWeights};
+use wgpar::model::ModelWeights;
 
 fn wgpar() -> &'static str {
     env!("CARGO_BIN_EXE_wgpar")
@@ -229,15 +229,7 @@ fn pp_tp_and_hybrid_across_two_and_three_ranks_equal_one_device() {
 #[test]
 fn a_gguf_on_its_own_blocks_runs_over_ranks_as_on_one_device() {
     let dir = scratch("gguf");
-    // Every inner dimension whole Q8_0 blocks, also when halved by TP over two ranks.
-    let config = ModelConfig {
-        hidden: 128,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 32,
-        ffn: 256,
-        ..ModelConfig::preset("tiny-llama").unwrap()
-    };
+    let config = gguf_support::whole_block_llama();
     let w = ModelWeights::synthetic(&config, 61);
     let spec = GgufSpec {
         arch: "llama",

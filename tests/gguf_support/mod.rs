@@ -10,7 +10,20 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 use wgpar::model::quant::{quantize, QuantType};
-use wgpar::model::{Arch, ModelWeights};
+use wgpar::model::{Arch, ModelConfig, ModelWeights};
+
+/// tiny-llama with every inner dimension whole Q8_0 blocks, also when halved by tensor
+/// parallelism over two devices.
+pub fn whole_block_llama() -> ModelConfig {
+    ModelConfig {
+        hidden: 128,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        ffn: 256,
+        ..ModelConfig::preset("tiny-llama").unwrap()
+    }
+}
 
 /// One tensor to write: name, shape (outermost first), values, heads to permute (llama Q/K).
 pub struct GgufTensor {
