@@ -103,7 +103,7 @@ fn micro_batch_count(text: &str, p: usize) -> Result<usize> {
 #[derive(Args, Debug)]
 pub struct PipelineBenchArgs {
     #[command(flatten)]
-    binding: super::BindingCap,
+    binding: super::ModelDeviceArgs,
     #[command(flatten)]
     model: super::ModelArgs,
     /// Stage counts (virtual devices on the preferred adapter).

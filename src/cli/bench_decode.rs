@@ -20,7 +20,7 @@ pub struct DecodeBenchArgs {
     #[command(flatten)]
     model: super::ModelArgs,
     #[command(flatten)]
-    binding: super::BindingCap,
+    binding: super::ModelDeviceArgs,
     /// Strategies: single, tp (over --tp virtual devices on the preferred adapter), pp (over
     /// --stages virtual devices, one micro-batch).
     #[arg(long, value_delimiter = ',', default_value = "single,tp,pp")]

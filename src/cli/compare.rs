@@ -28,7 +28,7 @@ pub struct CompareArgs {
     #[arg(long = "virtual", value_name = "N", value_parser = super::parse_virtual)]
     virtual_count: Option<usize>,
     #[command(flatten)]
-    binding: super::BindingCap,
+    binding: super::ModelDeviceArgs,
     /// Batch sizes to sweep.
     #[arg(long, value_delimiter = ',', default_value = "1,4")]
     batches: Vec<usize>,
@@ -94,7 +94,7 @@ impl CompareArgs {
             },
             devices: None,
             virtual_count: None,
-            binding: super::BindingCap::default(),
+            binding: super::ModelDeviceArgs::default(),
             batches: vec![1, 4],
             micro_batches: vec![1, 4],
             schedule: "in-flight".into(),

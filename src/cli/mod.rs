@@ -36,7 +36,9 @@ mod server;
 mod text;
 
 use clap::{Args, Parser, Subcommand};
-use wgpar::device::{open_devices, AdapterDesc, Adapters, DType, DeviceSelection, Gpu, GpuOptions};
+use wgpar::device::{
+    open_devices, AdapterDesc, Adapters, DType, DeviceSelection, Gpu, GpuOptions, KvCacheType,
+};
 use wgpar::model::hf::Checkpoint;
 use wgpar::model::quant::QuantType;
 use wgpar::model::{budget, ModelConfig, ModelWeights};
@@ -167,26 +169,64 @@ pub struct DeviceArgs {
     #[arg(long)]
     force_f32: bool,
     #[command(flatten)]
-    binding: BindingCap,
+    binding: ModelDeviceArgs,
 }
 
-/// `--max-binding`, for every command that opens devices for a model.
+/// How devices hold a model (`--max-binding`, `--kv-dtype`), for every command that opens
+/// devices for one.
 #[derive(Args, Clone, Debug, Default)]
-pub struct BindingCap {
+pub struct ModelDeviceArgs {
     /// Run as if every adapter bound at most SIZE per storage buffer (e.g. 128M, WebGPU's
     /// default), below its own limit: the token embedding and LM head are split into blocks
     /// that fit, any other buffer larger than SIZE is refused, as on such an adapter. To
     /// rehearse a smaller adapter on a larger one.
     #[arg(long, value_name = "SIZE", value_parser = parse_binding)]
     max_binding: Option<u64>,
+    /// KV-cache element type: f16 halves the cache (attention still accumulates in f32).
+    /// `auto` stores f16 on every device with SHADER_F16 and f32 on the others; `f16` is
+    /// refused when a selected adapter lacks it.
+    #[arg(long, value_enum, default_value_t = KvArg::Auto)]
+    kv_dtype: KvArg,
 }
 
-impl BindingCap {
-    /// Device options with this cap (f32 forcing comes from the environment alone).
+/// `--kv-dtype`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum KvArg {
+    #[default]
+    Auto,
+    F16,
+    F32,
+}
+
+impl ModelDeviceArgs {
+    /// Device options with this cap and KV type (f32 forcing comes from the environment
+    /// alone).
     fn gpu_options(&self) -> GpuOptions {
         GpuOptions {
             force_f32: false,
             max_storage_binding: self.max_binding,
+            kv_cache: match self.kv_dtype {
+                KvArg::Auto => KvCacheType::Auto,
+                KvArg::F16 => KvCacheType::F16,
+                KvArg::F32 => KvCacheType::F32,
+            },
+        }
+    }
+
+    /// Refuses `--kv-dtype f16` before any device opens when a selected adapter lacks
+    /// SHADER_F16 (opening would refuse it too, later).
+    fn check_kv(&self, selected: &[AdapterDesc]) -> Result<()> {
+        if self.kv_dtype != KvArg::F16 {
+            return Ok(());
+        }
+        match selected.iter().find(|a| !a.shader_f16) {
+            Some(a) => Err(WgparError::Config(format!(
+                "--kv-dtype f16 needs SHADER_F16, which adapter {} ({}) lacks: use --kv-dtype \
+                 auto (f16 where available) or f32",
+                a.index,
+                a.label()
+            ))),
+            None => Ok(()),
         }
     }
 
@@ -207,7 +247,9 @@ impl BindingCap {
         selection: &DeviceSelection,
         adapters: &Adapters,
     ) -> Result<Vec<AdapterDesc>> {
-        Ok(self.apply(described(selection, adapters)?))
+        let selected = self.apply(described(selection, adapters)?);
+        self.check_kv(&selected)?;
+        Ok(selected)
     }
 }
 

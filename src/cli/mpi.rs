@@ -320,7 +320,11 @@ mod ranks {
         warn_if_bound(world, &gpus);
         let dtype = model.dtype(&gpus)?;
         let weights = model.weights(config)?;
-        let storage = crate::cli::run::storage_of(&weights, dtype);
+        let storage = format!(
+            "{}, {}",
+            crate::cli::run::storage_of(&weights, dtype),
+            crate::cli::run::kv_of(&gpus)
+        );
         let engine = build(
             world,
             strategy,

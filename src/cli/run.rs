@@ -4,7 +4,7 @@
 use clap::Args;
 use std::sync::Arc;
 use wgpar::comm::CommConfig;
-use wgpar::device::{AdapterDesc, Adapters, DType};
+use wgpar::device::{AdapterDesc, Adapters, DType, Gpu};
 use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::{
     build_engine, generate, generate_keeping, Engine, Fault, FaultKind, KeepLogits, PartitionSpec,
@@ -502,8 +502,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
     debug_assert_eq!(dtype, plan.dtype);
     let weights = args.model.weights(&config)?;
     let storage = storage_of(&weights, dtype);
+    let kv = kv_of(&gpus);
     outln!(
-        "model {} ({} arch, {} layers, hidden {}, {:.1}M params, {storage})",
+        "model {} ({} arch, {} layers, hidden {}, {:.1}M params, {storage}, {kv})",
         config.name,
         format!("{:?}", config.arch).to_lowercase(),
         config.layers,
@@ -642,6 +643,23 @@ pub(super) fn storage_of(weights: &ModelWeights, dtype: DType) -> String {
             format!("the file's {} blocks, {dtype:?} elsewhere", names.join("/"))
         }
     }
+}
+
+/// The KV caches' element type: one for all devices, or each device's where they differ
+/// (`--kv-dtype auto` over adapters with and without SHADER_F16).
+pub(super) fn kv_of(gpus: &[Arc<Gpu>]) -> String {
+    let types: Vec<DType> = gpus.iter().map(|g| g.kv_dtype()).collect();
+    if types.windows(2).all(|w| w[0] == w[1]) {
+        return format!(
+            "{:?} KV cache",
+            types.first().copied().unwrap_or(DType::F32)
+        );
+    }
+    let each: Vec<String> = gpus
+        .iter()
+        .map(|g| format!("{:?} on {}", g.kv_dtype(), g.label()))
+        .collect();
+    format!("KV cache {}", each.join(", "))
 }
 
 /// `--batch` prompts of `--prompt-len` token ids spread over the vocabulary, the same in one

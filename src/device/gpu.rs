@@ -8,6 +8,32 @@ use super::tensor::{padded_bytes, DType, Tensor};
 use crate::error::{Result, WgparError};
 use crate::kernels::KernelCache;
 
+/// The element type a device stores its KV caches in ([`GpuOptions::kv_cache`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvCacheType {
+    /// f16 where the device has `SHADER_F16` enabled, f32 elsewhere: each device of a mixed set
+    /// decides for itself (`wgpar --kv-dtype auto`, the command line's default).
+    Auto,
+    /// f16 (half the bytes; attention still accumulates in f32). A device without
+    /// `SHADER_F16` refuses to open.
+    F16,
+    /// f32: the exact path, and the library's default.
+    #[default]
+    F32,
+}
+
+impl KvCacheType {
+    /// Parses `auto`, `f16` or `f32`.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "auto" => Some(Self::Auto),
+            "f16" => Some(Self::F16),
+            "f32" => Some(Self::F32),
+            _ => None,
+        }
+    }
+}
+
 /// Options that apply when a device is opened.
 #[derive(Debug, Clone, Default)]
 pub struct GpuOptions {
@@ -19,6 +45,8 @@ pub struct GpuOptions {
     /// embedding and LM head) are split into blocks of rows. For tests, and for reproducing a
     /// smaller adapter's behaviour on a larger one. At least 256 bytes.
     pub max_storage_binding: Option<u64>,
+    /// The KV caches' element type on this device.
+    pub kv_cache: KvCacheType,
 }
 
 /// One wgpu device. Every GPU resource belongs to exactly one `Gpu`; data moves between
@@ -30,6 +58,7 @@ pub struct Gpu {
     label: String,
     ordinal: usize,
     f16_weights: bool,
+    kv_dtype: DType,
     errors: Arc<Mutex<Vec<String>>>,
     lost: Arc<Mutex<Option<String>>>,
     kernels: KernelCache,
@@ -79,6 +108,26 @@ impl std::fmt::Debug for Gpu {
             .field("label", &self.label)
             .field("adapter", &self.info.name)
             .finish()
+    }
+}
+
+/// The KV-cache type `asked` resolves to on a device opened with (`f16`) or without
+/// `SHADER_F16`; refused for f16 without it, naming the adapter and why it lacks the feature.
+fn kv_dtype(asked: KvCacheType, f16: bool, force_f32: bool, info: &AdapterDesc) -> Result<DType> {
+    match (asked, f16) {
+        (KvCacheType::F32, _) | (KvCacheType::Auto, false) => Ok(DType::F32),
+        (KvCacheType::Auto | KvCacheType::F16, true) => Ok(DType::F16),
+        (KvCacheType::F16, false) if force_f32 => Err(WgparError::Config(format!(
+            "--kv-dtype f16 asks for an f16 KV cache, but --force-f32 (or WGPAR_FORCE_F32=1) \
+             keeps {} in f32: drop one of the two",
+            info.label()
+        ))),
+        (KvCacheType::F16, false) => Err(WgparError::Config(format!(
+            "--kv-dtype f16 needs SHADER_F16, which adapter {} ({}) lacks: use --kv-dtype auto \
+             (f16 where available) or f32",
+            info.index,
+            info.label()
+        ))),
     }
 }
 
@@ -142,8 +191,10 @@ impl Gpu {
             }
         });
 
+        let f16 = required_features.contains(wgpu::Features::SHADER_F16);
         Ok(Self {
-            f16_weights: required_features.contains(wgpu::Features::SHADER_F16),
+            kv_dtype: kv_dtype(options.kv_cache, f16, force_f32, &info)?,
+            f16_weights: f16,
             device,
             queue,
             info,
@@ -185,6 +236,12 @@ impl Gpu {
     /// Whether weights may be stored as f16 on this device.
     pub fn supports_f16_weights(&self) -> bool {
         self.f16_weights
+    }
+
+    /// The element type of the KV caches made on this device (f16 or f32), resolved from
+    /// [`GpuOptions::kv_cache`] when it was opened.
+    pub fn kv_dtype(&self) -> DType {
+        self.kv_dtype
     }
 
     /// Pipelines compiled on this device.

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 pub use adapter::{AdapterDesc, Adapters};
 pub(crate) use gpu::CreationCounts;
-pub use gpu::{Created, Gpu, GpuOptions, Readback};
+pub use gpu::{Created, Gpu, GpuOptions, KvCacheType, Readback};
 pub use tensor::{DType, Tensor};
 pub use timer::{GpuTimer, SpanTimer};
 

@@ -1023,13 +1023,10 @@ impl Attention {
             }
             return Ok(v);
         }
-        let class = variants::Class::Attention(variants::AttnClass::of(
-            seq,
-            context,
-            batch * heads,
-            dim,
-            self.causal,
-        ));
+        let class = variants::Class::Attention(
+            variants::AttnClass::of(seq, context, batch * heads, dim, self.causal)
+                .cached_as(self.stored),
+        );
         let candidates: Vec<&'static Variant> =
             variants::ATTENTION.iter().filter(|v| applies(v)).collect();
         let out_len = shape.tokens() * heads * dim;

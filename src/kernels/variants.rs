@@ -531,8 +531,9 @@ pub fn default_attention(
 
 /// The shape class a tuned attention choice is kept for: power-of-two buckets of new tokens,
 /// of the context the step attends over ([`context_bucket`]) and of query rows, the head
-/// dimension, causal or not. Keyed by the context rather than the cache's capacity, a
-/// generation moves to the variant tuned for longer contexts as its context grows.
+/// dimension, causal or not, and the cache's element type (an f16 cache halves the bytes each
+/// variant reads, which can change the winner). Keyed by the context rather than the cache's
+/// capacity, a generation moves to the variant tuned for longer contexts as its context grows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AttnClass {
     seq_log2: u32,
@@ -540,6 +541,7 @@ pub struct AttnClass {
     rows_log2: u32,
     head_dim: u32,
     causal: bool,
+    f16_cache: bool,
 }
 
 impl AttnClass {
@@ -552,13 +554,23 @@ impl AttnClass {
             rows_log2: log2_bucket(rows),
             head_dim: head_dim as u32,
             causal,
+            f16_cache: false,
         }
     }
 
-    /// A stable text key, e.g. `attention/causal/s2^0/ctx2^11/rows2^5/d128`.
+    /// The class for a cache stored as `stored` (f32 unless changed).
+    pub fn cached_as(self, stored: crate::kernels::WeightType) -> Self {
+        Self {
+            f16_cache: stored == crate::kernels::WeightType::F16,
+            ..self
+        }
+    }
+
+    /// A stable text key, e.g. `attention/causal/s2^0/ctx2^11/rows2^5/d128`, with `/kv-f16`
+    /// appended for an f16 cache (f32 keys stay as earlier versions saved them).
     pub fn key(&self) -> String {
         format!(
-            "attention/{}/s2^{}/ctx2^{}/rows2^{}/d{}",
+            "attention/{}/s2^{}/ctx2^{}/rows2^{}/d{}{}",
             if self.causal {
                 "causal"
             } else {
@@ -567,7 +579,8 @@ impl AttnClass {
             self.seq_log2,
             self.ctx_log2,
             self.rows_log2,
-            self.head_dim
+            self.head_dim,
+            if self.f16_cache { "/kv-f16" } else { "" }
         )
     }
 }

@@ -518,7 +518,8 @@ impl GpuModel {
             .collect()
     }
 
-    /// Allocates a KV cache of `slots` sequences of up to `max_seq` tokens each.
+    /// Allocates a KV cache of `slots` sequences of up to `max_seq` tokens each, in the
+    /// device's KV type ([`Gpu::kv_dtype`]).
     pub fn kv_cache(&self, slots: usize) -> Result<KvCache> {
         let c = &self.config;
         if slots == 0 {
@@ -528,16 +529,15 @@ impl GpuModel {
             });
         }
         let len = slots * self.placement.shard.local_kv_heads() * c.max_seq * c.head_dim;
+        let stored = self.gpu.kv_dtype();
         let layers = self
             .placement
             .layers
             .clone()
             .map(|i| {
                 Ok((
-                    self.gpu
-                        .empty(&format!("layer{i}.k_cache"), DType::F32, len)?,
-                    self.gpu
-                        .empty(&format!("layer{i}.v_cache"), DType::F32, len)?,
+                    self.gpu.empty(&format!("layer{i}.k_cache"), stored, len)?,
+                    self.gpu.empty(&format!("layer{i}.v_cache"), stored, len)?,
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
