@@ -15,6 +15,8 @@ pub struct CpuReference<'a> {
     v_cache: Vec<Vec<f64>>,
     /// Tokens cached per slot.
     past: Vec<usize>,
+    /// Keys and values are rounded to f16 as they are cached (an f16 KV cache).
+    f16_cache: bool,
 }
 
 pub(super) fn linear(
@@ -209,6 +211,16 @@ impl<'a> CpuReference<'a> {
             k_cache: Vec::new(),
             v_cache: Vec::new(),
             past: Vec::new(),
+            f16_cache: false,
+        }
+    }
+
+    /// The same reference with keys and values rounded to f16 as they enter the cache, as a
+    /// device with an f16 KV cache stores them (everything else stays f64).
+    pub fn with_f16_cache(self) -> Self {
+        Self {
+            f16_cache: true,
+            ..self
         }
     }
 
@@ -382,6 +394,14 @@ impl<'a> CpuReference<'a> {
             let s = slot(kvh, pos);
             self.k_cache[l][s..s + d].copy_from_slice(&k[kvh * d..(kvh + 1) * d]);
             self.v_cache[l][s..s + d].copy_from_slice(&v[kvh * d..(kvh + 1) * d]);
+            if self.f16_cache {
+                for x in self.k_cache[l][s..s + d]
+                    .iter_mut()
+                    .chain(&mut self.v_cache[l][s..s + d])
+                {
+                    *x = half::f16::from_f64(*x).to_f64();
+                }
+            }
         }
         let group = cfg.heads / cfg.kv_heads;
         let mut attn = Vec::with_capacity(cfg.q_dim());
