@@ -12,7 +12,10 @@ use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::{Engine, Fault, FaultKind, Partition, PipelineEngine, TensorParallelEngine};
 use wgpar::WgparError;
 
-/// Names of this process's threads (Linux; elsewhere the join check is skipped).
+/// Names of the threads wgpar started in this process (Linux; elsewhere the join check is
+/// skipped), by the names it gives them: tensor-parallel ranks (`tp rank N ...`), collective
+/// workers (`wgpar-comm-N`) and the pipeline's stage and hand-off threads (`pp-...`). The driver's own threads (lavapipe's rasterizer pool, Mesa's shader-cache
+/// writer) come and go with devices and caches on their own schedule, so they are not counted.
 fn threads() -> Option<Vec<String>> {
     let tasks = std::fs::read_dir("/proc/self/task").ok()?;
     let mut names: Vec<String> = tasks
@@ -21,6 +24,11 @@ fn threads() -> Option<Vec<String>> {
             std::fs::read_to_string(t.path().join("comm"))
                 .map(|n| n.trim().to_string())
                 .unwrap_or_default()
+        })
+        .filter(|n: &String| {
+            ["tp rank", "wgpar-", "pp-"]
+                .iter()
+                .any(|p| n.starts_with(p))
         })
         .collect();
     names.sort();
@@ -39,6 +47,19 @@ fn assert_threads_back_to(before: &Option<Vec<String>>, kind: FaultKind) {
         now = threads();
     }
     assert_eq!(now, *before, "{kind:?}: threads left running");
+}
+
+/// The engine just built runs threads of its own, so the join check compares something. A new
+/// thread names itself once it runs, so this waits for the names a moment.
+fn assert_started_threads(before: &Option<Vec<String>>) {
+    let Some(before) = before else { return };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut now = threads().unwrap_or_default();
+    while now.len() <= before.len() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+        now = threads().unwrap_or_default();
+    }
+    assert!(now.len() > before.len(), "no wgpar thread started: {now:?}");
 }
 
 /// The innermost cause of an error chain.
@@ -109,6 +130,7 @@ fn tensor_parallel_rank_faults_end_cleanly() {
         let mut tp =
             TensorParallelEngine::new(&gpus, &weights, DType::F32, None, CommConfig::default())
                 .unwrap();
+        assert_started_threads(&before);
         tp.inject_fault(1, Fault { after: 2, kind }).unwrap();
         check_fault(&mut tp, kind, "rank 1", &prompts, 2);
         drop(tp);
@@ -133,6 +155,7 @@ fn pipeline_stage_faults_keep_their_cause() {
             CommConfig::default(),
         )
         .unwrap();
+        assert_started_threads(&before);
         Engine::inject_fault(&mut pp, 1, Fault { after: 2, kind }).unwrap();
         check_fault(&mut pp, kind, "stage 1", &prompts, 2);
         drop(pp);
