@@ -521,3 +521,42 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod exit_codes {
+    use super::*;
+
+    #[test]
+    fn usage_errors_exit_2_and_the_rest_1() {
+        let usage = [
+            WgparError::option("--max-seq", "--max-seq must be within 1..=8".into()),
+            WgparError::unsupported("tp does not split 5 heads over 2 devices".into()),
+        ];
+        for e in &usage {
+            assert_eq!(e.exit_code(), 2, "{e}");
+        }
+        let other = [
+            WgparError::model("m", "heads", "model 'm': heads must be positive".into()),
+            WgparError::limit("context (tokens)", (40, 32), "40 tokens exceed 32".into()),
+            WgparError::runtime("the engine could not start", "no adapter".to_string()),
+            WgparError::Config("free text".into()),
+        ];
+        for e in &other {
+            assert_eq!(e.exit_code(), 1, "{e}");
+        }
+        // The message is the detail, which names the option; the numbers stay matchable.
+        assert_eq!(usage[0].to_string(), "--max-seq must be within 1..=8");
+        let WgparError::ResourceLimit {
+            needed, available, ..
+        } = &other[1]
+        else {
+            panic!("not a resource limit")
+        };
+        assert_eq!((*needed, *available), (40, 32));
+        assert!(other[2].to_string().ends_with(": no adapter"));
+        assert!(
+            std::error::Error::source(&other[2]).is_some(),
+            "the cause is kept"
+        );
+    }
+}

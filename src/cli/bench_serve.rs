@@ -85,7 +85,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         output_len: args.output_len,
         seed: args.workload_seed,
     };
-    spec.check().map_err(WgparError::Config)?;
+    spec.check()
+        .map_err(|detail| WgparError::option("workload", detail))?;
     if args.strategy.schedule() == Schedule::GPipe {
         return Err(WgparError::unsupported(
             "--schedule gpipe does not apply to serve: requests join and leave the running \
