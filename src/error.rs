@@ -92,10 +92,58 @@ pub enum WgparError {
         #[source]
         source: std::io::Error,
     },
-    /// An invalid model configuration, strategy or option: something the user can change.
-    /// Runtime failures have their own variants below.
+    /// An invalid configuration with no more specific variant below (a free-text remainder;
+    /// new code uses the typed variants).
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// An option (a flag, or the library parameter behind one) whose value wgpar refuses:
+    /// the user changes that option. `detail` names it and says what it accepts.
+    #[error("{detail}")]
+    InvalidOption {
+        /// The option, e.g. `--max-seq` (or the parameter's name for a library call).
+        option: String,
+        /// What is wrong and what would be accepted.
+        detail: String,
+    },
+    /// A model configuration or checkpoint field wgpar cannot use: the model, not an option,
+    /// has to change.
+    #[error("{detail}")]
+    InvalidModel {
+        /// The model's name or file.
+        model: String,
+        /// The field, e.g. `heads` or a tensor's name.
+        field: String,
+        /// What is wrong, with the numbers.
+        detail: String,
+    },
+    /// Options, model and devices that each make sense but not together (e.g. a strategy that
+    /// does not split this model, a feature the selected adapter lacks).
+    #[error("{detail}")]
+    Unsupported {
+        /// What does not go together, and what would.
+        detail: String,
+    },
+    /// More of a resource than there is: memory, context, rows of a dispatch.
+    #[error("{detail}")]
+    ResourceLimit {
+        /// What ran out, e.g. `context (tokens)` or `host memory (bytes)`.
+        resource: String,
+        /// How much was needed.
+        needed: u64,
+        /// How much there is.
+        available: u64,
+        /// The message, with both numbers and a way out.
+        detail: String,
+    },
+    /// A failure while running (not something an option changes), with its cause kept.
+    #[error("{what}: {source}")]
+    Runtime {
+        /// What was being done.
+        what: String,
+        /// The cause.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// `--model` names neither a preset nor a model folder.
     #[error(
         "no model preset or folder named '{name}': presets are {presets}; or pass a Hugging \
@@ -337,6 +385,67 @@ pub enum WgparError {
 /// Result with [`WgparError`].
 pub type Result<T> = std::result::Result<T, WgparError>;
 
+impl WgparError {
+    /// [`WgparError::InvalidOption`]: `detail` names `option` and says what it accepts.
+    pub fn option(option: impl Into<String>, detail: String) -> Self {
+        Self::InvalidOption {
+            option: option.into(),
+            detail,
+        }
+    }
+
+    /// [`WgparError::InvalidModel`] for `field` of `model`.
+    pub fn model(model: impl Into<String>, field: impl Into<String>, detail: String) -> Self {
+        Self::InvalidModel {
+            model: model.into(),
+            field: field.into(),
+            detail,
+        }
+    }
+
+    /// [`WgparError::Unsupported`].
+    pub fn unsupported(detail: String) -> Self {
+        Self::Unsupported { detail }
+    }
+
+    /// [`WgparError::ResourceLimit`]: `needed` of `resource` against `available`.
+    pub fn limit(
+        resource: impl Into<String>,
+        (needed, available): (u64, u64),
+        detail: String,
+    ) -> Self {
+        Self::ResourceLimit {
+            resource: resource.into(),
+            needed,
+            available,
+            detail,
+        }
+    }
+
+    /// [`WgparError::Runtime`]: `what` failed because of `source`.
+    pub fn runtime(
+        what: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self::Runtime {
+            what: what.into(),
+            source: source.into(),
+        }
+    }
+
+    /// The process exit status for this error: 2 for a usage error (an option, switch or
+    /// combination of them the user changes, as clap's own parse errors), 1 for the rest.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Self::InvalidOption { .. }
+            | Self::Unsupported { .. }
+            | Self::TuneSetting { .. }
+            | Self::UnknownModel { .. } => 2,
+            _ => 1,
+        }
+    }
+}
+
 /// Formats a byte count with a binary unit, e.g. `1.2 GiB`.
 pub fn human_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -409,6 +518,45 @@ mod tests {
         assert!(
             text.contains("3.0 GiB") && text.contains("256.0 MiB"),
             "{text}"
+        );
+    }
+}
+
+#[cfg(test)]
+mod exit_codes {
+    use super::*;
+
+    #[test]
+    fn usage_errors_exit_2_and_the_rest_1() {
+        let usage = [
+            WgparError::option("--max-seq", "--max-seq must be within 1..=8".into()),
+            WgparError::unsupported("tp does not split 5 heads over 2 devices".into()),
+        ];
+        for e in &usage {
+            assert_eq!(e.exit_code(), 2, "{e}");
+        }
+        let other = [
+            WgparError::model("m", "heads", "model 'm': heads must be positive".into()),
+            WgparError::limit("context (tokens)", (40, 32), "40 tokens exceed 32".into()),
+            WgparError::runtime("the engine could not start", "no adapter".to_string()),
+            WgparError::Config("free text".into()),
+        ];
+        for e in &other {
+            assert_eq!(e.exit_code(), 1, "{e}");
+        }
+        // The message is the detail, which names the option; the numbers stay matchable.
+        assert_eq!(usage[0].to_string(), "--max-seq must be within 1..=8");
+        let WgparError::ResourceLimit {
+            needed, available, ..
+        } = &other[1]
+        else {
+            panic!("not a resource limit")
+        };
+        assert_eq!((*needed, *available), (40, 32));
+        assert!(other[2].to_string().ends_with(": no adapter"));
+        assert!(
+            std::error::Error::source(&other[2]).is_some(),
+            "the cause is kept"
         );
     }
 }

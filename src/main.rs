@@ -7,6 +7,6 @@ fn main() {
         // Not `eprintln!`, which panics where stderr is closed too.
         use std::io::Write;
         let _ = writeln!(std::io::stderr(), "error: {e}");
-        std::process::exit(1);
+        std::process::exit(e.exit_code());
     }
 }

@@ -140,7 +140,7 @@ fn server_refuses_more_lanes_than_slots() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(out.status.code(), Some(2), "a usage error: {err}");
     assert!(
         err.contains("--micro-batches 9") && !err.contains("listening"),
         "{err}"

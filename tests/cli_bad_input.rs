@@ -548,3 +548,24 @@ fn messages_say_what_is_wrong() {
     );
     assert!(!o.stderr.contains("not a number format"), "{}", o.stderr);
 }
+
+/// Exit codes follow the error's kind (issue 26): 2 for a usage error (an option, or options
+/// that do not go together, as clap's own parse errors), 1 for the rest (here a broken model
+/// folder).
+#[test]
+fn usage_errors_exit_2_and_model_errors_1() {
+    let usage: [&[&str]; 3] = [
+        &["bench", "decode", "--strategies", "tp", "--tp", "1"],
+        &["run", "--prompt", "hi", "--model", "tiny-gpt2"],
+        &["serve", "--model", "tiny-gpt2", "--max-batch", "0"],
+    ];
+    for args in usage {
+        let o = refused_early(args, &[]);
+        assert_eq!(o.code, Some(2), "{args:?}: {}", o.stderr);
+    }
+    let dir = common::scratch("exit-codes");
+    std::fs::write(dir.join("config.json"), "{\"model_type\": \"llama\"}").unwrap();
+    let model = dir.to_str().unwrap();
+    let o = refused_early(&["run", "--model", model], &["config.json"]);
+    assert_eq!(o.code, Some(1), "{}", o.stderr);
+}

@@ -156,5 +156,5 @@ pub(super) fn kernel_rates(
         );
     }
     median(gbps.iter().map(|g| g.1).collect())
-        .ok_or_else(|| WgparError::Config("no element-wise kernel was timed".into()))
+        .ok_or_else(|| WgparError::Measurement("no element-wise kernel was timed".into()))
 }

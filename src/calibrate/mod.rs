@@ -180,29 +180,37 @@ fn checked_sizes(
 ) -> Result<Vec<u64>> {
     let (batch, prompt_len, iters) = (options.batch, options.prompt_len, options.iters);
     if gpus.is_empty() {
-        return Err(WgparError::Config(
+        return Err(WgparError::InvalidCall(
             "calibration needs at least one device".into(),
         ));
     }
     if iters == 0 || batch == 0 || prompt_len == 0 {
-        return Err(WgparError::Config(
+        return Err(WgparError::option(
+            "--iters",
             "--iters, --batch and --prompt-len must be positive".into(),
         ));
     }
     if prompt_len + 1 > config.max_seq {
-        return Err(WgparError::Config(format!(
-            "--prompt-len {prompt_len} leaves no room to decode in max_seq {} of model '{}'",
-            config.max_seq, config.name
-        )));
+        return Err(WgparError::limit(
+            "context (tokens)",
+            ((prompt_len + 1) as u64, config.max_seq as u64),
+            format!(
+                "--prompt-len {prompt_len} leaves no room to decode in max_seq {} of model '{}'",
+                config.max_seq, config.name
+            ),
+        ));
     }
     let max_bytes = options.max_bytes;
     let sizes: Vec<u64> = std::iter::successors(Some(256u64), |s| Some(s * 4))
         .take_while(|&s| s <= max_bytes)
         .collect();
     if sizes.len() < 2 {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::option(
+            "--max-bytes",
+            format!(
             "--max-bytes {max_bytes} leaves fewer than two sizes (the sweep starts at 256 bytes)"
-        )));
+        ),
+        ));
     }
     Ok(sizes)
 }

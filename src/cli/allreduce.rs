@@ -113,14 +113,18 @@ fn check_sizes(opts: &BenchOptions, adapters: &[AdapterDesc]) -> Result<()> {
     let host = bytes.saturating_mul(adapters.len() as u64 + 1);
     if let Some(available) = wgpar::model::budget::host_available_bytes() {
         if host > available {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::limit(
+                "host memory (bytes)",
+                (host, available),
+                format!(
                 "-e {}: staging {} ranks through host memory needs about {}, but {} is available; \
                  lower -e",
                 human_bytes(bytes),
                 adapters.len(),
                 human_bytes(host),
                 human_bytes(available)
-            )));
+            ),
+            ));
         }
     }
     Ok(())

@@ -77,12 +77,15 @@ fn parse_shape(text: &str) -> Result<(usize, usize, usize)> {
         .split('x')
         .map(|d| d.trim().parse::<usize>())
         .collect::<std::result::Result<_, _>>()
-        .map_err(|_| WgparError::Config(format!("bad shape '{text}': expected MxNxK")))?;
+        .map_err(|_| {
+            WgparError::option("--shapes", format!("bad shape '{text}': expected MxNxK"))
+        })?;
     match dims[..] {
         [m, n, k] if m > 0 && n > 0 && k > 0 => Ok((m, n, k)),
-        _ => Err(WgparError::Config(format!(
-            "bad shape '{text}': expected MxNxK, each at least 1"
-        ))),
+        _ => Err(WgparError::option(
+            "--shapes",
+            format!("bad shape '{text}': expected MxNxK, each at least 1"),
+        )),
     }
 }
 
@@ -92,10 +95,12 @@ fn micro_batch_count(text: &str, p: usize) -> Result<usize> {
         t if t.ends_with('p') => t[..t.len() - 1]
             .parse::<usize>()
             .map(|k| k * p)
-            .map_err(|_| WgparError::Config(format!("bad micro-batch count '{t}'"))),
-        t => t
-            .parse()
-            .map_err(|_| WgparError::Config(format!("bad micro-batch count '{t}'"))),
+            .map_err(|_| {
+                WgparError::option("--micro-batches", format!("bad micro-batch count '{t}'"))
+            }),
+        t => t.parse().map_err(|_| {
+            WgparError::option("--micro-batches", format!("bad micro-batch count '{t}'"))
+        }),
     }
 }
 
@@ -143,16 +148,21 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
     };
     let config = args.model.config()?;
     if args.stages.is_empty() || args.stages.contains(&0) {
-        return Err(WgparError::Config("--stages must be positive".into()));
+        return Err(WgparError::option(
+            "--stages",
+            "--stages must be positive".into(),
+        ));
     }
     if args.prompt_len == 0 || args.per_microbatch == 0 || args.batch == Some(0) {
-        return Err(WgparError::Config(
+        return Err(WgparError::option(
+            "--prompt-len",
             "--prompt-len, --per-microbatch and --batch must be positive".into(),
         ));
     }
     let decode = args.phases.iter().any(|p| p == "decode");
     if decode && args.gen < 2 {
-        return Err(WgparError::Config(
+        return Err(WgparError::option(
+            "--gen",
             "--gen must be at least 2 to measure decode".into(),
         ));
     }
@@ -389,7 +399,10 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
             json,
         } => {
             if *iters == 0 {
-                return Err(WgparError::Config("--iters must be at least 1".into()));
+                return Err(WgparError::option(
+                    "--iters",
+                    "--iters must be at least 1".into(),
+                ));
             }
             let shapes = shapes
                 .iter()
@@ -400,21 +413,26 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
                 .filter(|s| !s.trim().is_empty())
                 .map(|s| match s.trim().parse::<usize>() {
                     Ok(n) if n > 0 => Ok(n),
-                    _ => Err(WgparError::Config(format!(
-                        "--sizes {s}: expected a size of at least 1"
-                    ))),
+                    _ => Err(WgparError::option(
+                        "--sizes",
+                        format!("--sizes {s}: expected a size of at least 1"),
+                    )),
                 })
                 .collect::<Result<Vec<_>>>()?;
             for d in dtypes {
                 if d != "f32" && d != "f16" {
-                    return Err(WgparError::Config(format!(
-                        "--dtypes {d}: expected f32 or f16"
-                    )));
+                    return Err(WgparError::option(
+                        "--dtypes",
+                        format!("--dtypes {d}: expected f32 or f16"),
+                    ));
                 }
             }
             for p in [peak_gflops, peak_gbps].into_iter().flatten() {
                 if !(p.is_finite() && *p > 0.0) {
-                    return Err(WgparError::Config(format!("peak {p}: must be positive")));
+                    return Err(WgparError::option(
+                        "--peak-gflops",
+                        format!("peak {p}: must be positive"),
+                    ));
                 }
             }
             let only = wgpar::kernels::tune::parse_forced("--kernels", &kernels.join(","))?;

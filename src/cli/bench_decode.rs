@@ -80,9 +80,10 @@ fn strategy(name: &str) -> Result<Strategy> {
             micro_batches: 1,
             schedule: Schedule::InFlight,
         }),
-        other => Err(WgparError::Config(format!(
-            "bench decode measures 'single', 'tp' and 'pp', not '{other}'"
-        ))),
+        other => Err(WgparError::option(
+            "--strategies",
+            format!("bench decode measures 'single', 'tp' and 'pp', not '{other}'"),
+        )),
     }
 }
 
@@ -97,7 +98,8 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
         .map(|s| strategy(s).map(|st| (s.clone(), st)))
         .collect::<Result<Vec<_>>>()?;
     if args.steps == 0 || args.batch == 0 || args.prompt_len == 0 {
-        return Err(WgparError::Config(
+        return Err(WgparError::option(
+            "--steps",
             "--steps, --batch and --prompt-len must be at least 1".into(),
         ));
     }
@@ -108,29 +110,36 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
     };
     let needs_tp = (strategies.iter()).any(|(_, s)| matches!(s, Strategy::Tensor { .. }));
     if needs_tp && args.tp < 2 {
-        return Err(WgparError::Config("--tp must be at least 2".into()));
+        return Err(WgparError::option("--tp", "--tp must be at least 2".into()));
     }
     let needs_pp = (strategies.iter()).any(|(_, s)| matches!(s, Strategy::Pipeline { .. }));
     if needs_pp && !(2..=config.layers).contains(&args.stages) {
-        return Err(WgparError::Config(format!(
-            "--stages must be in 2..={} (the layers of model '{}')",
-            config.layers, config.name
-        )));
+        return Err(WgparError::option(
+            "--stages",
+            format!(
+                "--stages must be in 2..={} (the layers of model '{}')",
+                config.layers, config.name
+            ),
+        ));
     }
     let context = args.prompt_len + args.warmup + args.steps + 1;
     if context > config.max_seq {
-        return Err(WgparError::Config(format!(
-            "--prompt-len {} + --warmup {} + --steps {} need {context} positions, model '{}' \
+        return Err(WgparError::limit(
+            "context (tokens)",
+            (context as u64, config.max_seq as u64),
+            format!(
+                "--prompt-len {} + --warmup {} + --steps {} need {context} positions, model '{}' \
              has {}",
-            args.prompt_len, args.warmup, args.steps, config.name, config.max_seq
-        )));
+                args.prompt_len, args.warmup, args.steps, config.name, config.max_seq
+            ),
+        ));
     }
     if needs_tp {
         wgpar::model::valid_tp_degrees(&config)
             .contains(&args.tp)
             .then_some(())
             .ok_or_else(|| {
-                WgparError::Config(format!(
+                WgparError::unsupported(format!(
                     "model '{}' does not split over {} devices (valid: {:?})",
                     config.name,
                     args.tp,

@@ -96,14 +96,17 @@ enum Launch {
 impl Launch {
     fn from_args(ranks: usize, launcher: Option<&str>) -> Result<Self> {
         match (ranks, launcher) {
-            (0, _) => Err(WgparError::Config("--ranks must be at least 1".into())),
+            (0, _) => Err(WgparError::option(
+                "--ranks",
+                "--ranks must be at least 1".into(),
+            )),
             (1, None) => Ok(Launch::Process),
-            (1, Some(_)) => Err(WgparError::Config(
+            (1, Some(_)) => Err(WgparError::unsupported(
                 "--launcher applies only with --ranks 2 or more".into(),
             )),
             (n, l) => {
                 if !cfg!(feature = "mpi") {
-                    return Err(WgparError::Config(format!(
+                    return Err(WgparError::unsupported(format!(
                         "--ranks {n} runs wgpar under MPI: this build has no MPI (build with `--features mpi`)"
                     )));
                 }
@@ -113,7 +116,10 @@ impl Launch {
                     .map(str::to_string)
                     .collect();
                 if launcher.is_empty() {
-                    return Err(WgparError::Config("--launcher is empty".into()));
+                    return Err(WgparError::option(
+                        "--launcher",
+                        "--launcher is empty".into(),
+                    ));
                 }
                 Ok(Launch::Ranks { ranks: n, launcher })
             }
@@ -159,12 +165,16 @@ struct Config {
 /// spread evenly (P a multiple of the ranks) and tensor parallelism is one device per rank.
 fn parse_config(text: &str, ranks: usize) -> Result<Config> {
     let bad = || {
-        WgparError::Config(format!(
-            "bad configuration '{text}': expected single, tpN or ppN-mM (e.g. tp2, pp4-m8)"
-        ))
+        WgparError::option(
+            "--configs",
+            format!(
+                "bad configuration '{text}': expected single, tpN or ppN-mM (e.g. tp2, pp4-m8)"
+            ),
+        )
     };
-    let over_ranks =
-        |why: &str| WgparError::Config(format!("configuration '{text}' over {ranks} ranks: {why}"));
+    let over_ranks = |why: &str| {
+        WgparError::unsupported(format!("configuration '{text}' over {ranks} ranks: {why}"))
+    };
     let number = |s: &str| s.parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(bad);
     let owned = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     if text == "single" {
@@ -254,9 +264,10 @@ impl Workload {
 
 fn parse_workload(text: &str) -> Result<Workload> {
     let bad = |why: &str| {
-        WgparError::Config(format!(
-            "--runs '{text}': {why}; expected MODEL:BATCHxPROMPT, e.g. tiny-gpt2:4x32"
-        ))
+        WgparError::option(
+            "--runs",
+            format!("--runs '{text}': {why}; expected MODEL:BATCHxPROMPT, e.g. tiny-gpt2:4x32"),
+        )
     };
     let (model, shape) = text.rsplit_once(':').ok_or_else(|| bad("no ':'"))?;
     let (b, p) = shape
@@ -514,22 +525,26 @@ pub fn run(args: &ProjectionBenchArgs) -> Result<()> {
 /// Checks the options and lists the cases.
 fn plan(args: &ProjectionBenchArgs) -> Result<Plan> {
     if args.rounds == 0 || args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
-        return Err(WgparError::Config(
+        return Err(WgparError::option(
+            "--rounds",
             "--rounds, --batch, --prompt-len and --gen must be positive".into(),
         ));
     }
     if !(args.tolerance.is_finite() && args.tolerance > 0.0) {
-        return Err(WgparError::Config(format!(
-            "--tolerance must be a positive number of percent, got {}",
-            args.tolerance
-        )));
+        return Err(WgparError::option(
+            "--tolerance",
+            format!(
+                "--tolerance must be a positive number of percent, got {}",
+                args.tolerance
+            ),
+        ));
     }
     let launch = Launch::from_args(args.ranks, args.launcher.as_deref())?;
     let configs = (args.configs.iter())
         .map(|c| parse_config(c, launch.ranks()))
         .collect::<Result<Vec<_>>>()?;
     if configs.is_empty() {
-        return Err(WgparError::Config("--configs is empty".into()));
+        return Err(WgparError::option("--configs", "--configs is empty".into()));
     }
     let calibration = Workload {
         model: args.model.clone(),
@@ -555,7 +570,7 @@ fn plan(args: &ProjectionBenchArgs) -> Result<Plan> {
         }
     }
     if cases.is_empty() {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::unsupported(format!(
             "no configuration can run any workload: {}",
             skipped.join("; ")
         )));

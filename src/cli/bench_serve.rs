@@ -85,9 +85,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         output_len: args.output_len,
         seed: args.workload_seed,
     };
-    spec.check().map_err(WgparError::Config)?;
+    spec.check()
+        .map_err(|detail| WgparError::option("workload", detail))?;
     if args.strategy.schedule() == Schedule::GPipe {
-        return Err(WgparError::Config(
+        return Err(WgparError::unsupported(
             "--schedule gpipe does not apply to serve: requests join and leave the running \
              batch at every token"
                 .into(),
@@ -102,7 +103,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         max_prefill_tokens: args.max_prefill_tokens,
     };
     if opts.max_batch == 0 || opts.max_prefill_tokens == 0 {
-        return Err(WgparError::Config(
+        return Err(WgparError::option(
+            "--max-batch",
             "--max-batch and --max-prefill-tokens must be at least 1".into(),
         ));
     }
@@ -347,12 +349,16 @@ fn check_lengths_fit(args: &ServeArgs, config: &wgpar::model::ModelConfig) -> Re
             output - 1
         )
     };
-    Err(WgparError::Config(format!(
-        "--prompt-len up to {prompt} and --output-len up to {output} need up to {longest} \
+    Err(WgparError::limit(
+        "context (tokens)",
+        (longest as u64, config.max_seq as u64),
+        format!(
+            "--prompt-len up to {prompt} and --output-len up to {output} need up to {longest} \
          tokens of KV cache per request, but model '{}' holds {} (max_seq), so the longest \
          requests would be refused; {advice}",
-        config.name, config.max_seq
-    )))
+            config.name, config.max_seq
+        ),
+    ))
 }
 
 /// The strategy a serving run uses on `devices` devices with `max_batch` KV slots: a pipeline
@@ -383,7 +389,7 @@ pub(super) fn check_lanes_have_slots(strategy: &Strategy, max_batch: usize) -> R
         _ => return Ok(()),
     };
     if lanes > max_batch {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::unsupported(format!(
             "--micro-batches {lanes} keeps {lanes} lanes in flight, but --max-batch {max_batch} \
              gives KV slots to only {max_batch} of them: raise --max-batch to at least {lanes} \
              or lower --micro-batches to {max_batch}"
@@ -400,12 +406,13 @@ fn run_http(
     spec: &WorkloadSpec,
 ) -> Result<()> {
     if !url.starts_with("http://") {
-        return Err(WgparError::Config(format!(
-            "--url '{url}': expected http://HOST:PORT"
-        )));
+        return Err(WgparError::option(
+            "--url",
+            format!("--url '{url}': expected http://HOST:PORT"),
+        ));
     }
     if args.trace.is_some() || args.pace.is_some() {
-        return Err(WgparError::Config(
+        return Err(WgparError::unsupported(
             "--trace and --pace record and pace an engine run here; with --url the engine \
              runs in the server"
                 .into(),

@@ -66,7 +66,7 @@ impl CalibrateArgs {
         let max_bytes = match (&self.max_bytes, self.quick) {
             (None, true) => 256 << 10,
             (text, _) => parse_size(text.as_deref().unwrap_or("16M"))
-                .map_err(|e| WgparError::Config(format!("--max-bytes: {e}")))?,
+                .map_err(|e| WgparError::option("--max-bytes", format!("--max-bytes: {e}")))?,
         };
         Ok(CalibrationOptions {
             batch: self.batch,

@@ -158,9 +158,10 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         ("--micro-batches", &args.micro_batches),
     ] {
         if values.is_empty() || values.contains(&0) {
-            return Err(WgparError::Config(format!(
-                "{option} needs positive counts, got {values:?}"
-            )));
+            return Err(WgparError::option(
+                option,
+                format!("{option} needs positive counts, got {values:?}"),
+            ));
         }
     }
     for (option, value) in [
@@ -169,7 +170,10 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         ("--gen", args.gen),
     ] {
         if value == 0 {
-            return Err(WgparError::Config(format!("{option} must be at least 1")));
+            return Err(WgparError::option(
+                option,
+                format!("{option} must be at least 1"),
+            ));
         }
     }
     let config = args.model.config()?;
@@ -181,7 +185,10 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     let engines = args
         .engines
         .iter()
-        .map(|e| Engine::resolve(e).map_err(|e| WgparError::Config(format!("--engines: {e}"))))
+        .map(|e| {
+            Engine::resolve(e)
+                .map_err(|e| WgparError::option("--engines", format!("--engines: {e}")))
+        })
         .collect::<Result<Vec<_>>>()?;
     let adapters = Adapters::discover()?;
     let selection = selection(args, &adapters)?;

@@ -27,11 +27,14 @@ pub struct EmbedArgs {
 /// Embeds the texts and prints the vectors and their pairwise similarities.
 pub fn run(args: &EmbedArgs) -> Result<()> {
     let dir = args.model.checkpoint_dir().ok_or_else(|| {
-        WgparError::Config(format!(
+        WgparError::option(
+            "--model",
+            format!(
             "embed needs --model DIR, an encoder's Hugging Face folder (e.g. all-MiniLM-L6-v2); \
              '{}' is not a folder",
             args.model.model
-        ))
+        ),
+        )
     })?;
     let selected = match (&args.devices.virtual_count, &args.devices.devices) {
         (Some(n), _) => *n,
@@ -39,20 +42,20 @@ pub fn run(args: &EmbedArgs) -> Result<()> {
         (None, None) => 1,
     };
     if selected > 1 {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::unsupported(format!(
             "{selected} devices selected, but embed encodes on one: select one with --devices \
              (--virtual does not apply)"
         )));
     }
     if args.model.max_seq == Some(0) || args.model.max_seq > Some(super::MAX_CONTEXT) {
-        return Err(WgparError::Config(format!(
-            "--max-seq must be within 1..={}",
-            super::MAX_CONTEXT
-        )));
+        return Err(WgparError::option(
+            "--max-seq",
+            format!("--max-seq must be within 1..={}", super::MAX_CONTEXT),
+        ));
     }
     let mut ckpt = Checkpoint::open(dir)?;
     if !ckpt.config().is_encoder() {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::unsupported(format!(
             "model '{}' is a decoder ({:?}): use `wgpar run --prompt`",
             ckpt.config().name,
             ckpt.config().arch
@@ -66,10 +69,14 @@ pub fn run(args: &EmbedArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let longest = inputs.iter().map(|i| i.ids.len()).max().unwrap_or(1);
     if let Some(limit) = args.model.max_seq.filter(|&limit| longest > limit) {
-        return Err(WgparError::Config(format!(
-            "a text has {longest} tokens, more than --max-seq {limit}: raise --max-seq or \
+        return Err(WgparError::limit(
+            "context (tokens)",
+            (longest as u64, limit as u64),
+            format!(
+                "a text has {longest} tokens, more than --max-seq {limit}: raise --max-seq or \
              shorten the text"
-        )));
+            ),
+        ));
     }
     ckpt.limit_context(longest.clamp(1, ckpt.max_context()))?;
     let weights = ckpt.weights(true)?;

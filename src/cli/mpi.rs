@@ -73,10 +73,13 @@ impl MpiArgs {
             return Ok(None);
         };
         let bad = || {
-            wgpar::WgparError::Config(format!(
+            wgpar::WgparError::option(
+                "--mpi-fault",
+                format!(
                 "--mpi-fault {text}: expected RANK:KIND[:AFTER] with KIND error, panic, kill or \
                  hang, e.g. 1:error or 1:kill:500"
-            ))
+            ),
+            )
         };
         let mut parts = text.split(':');
         let rank = parts.next().and_then(|r| r.parse().ok()).ok_or_else(bad)?;
@@ -100,10 +103,13 @@ impl MpiArgs {
     #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     fn timeout(&self) -> Result<std::time::Duration> {
         if !(self.mpi_timeout.is_finite() && self.mpi_timeout > 0.0) {
-            return Err(wgpar::WgparError::Config(format!(
-                "--mpi-timeout {}: must be a positive number of seconds",
-                self.mpi_timeout
-            )));
+            return Err(wgpar::WgparError::option(
+                "--mpi-timeout",
+                format!(
+                    "--mpi-timeout {}: must be a positive number of seconds",
+                    self.mpi_timeout
+                ),
+            ));
         }
         Ok(std::time::Duration::from_secs_f64(self.mpi_timeout))
     }
@@ -194,11 +200,14 @@ mod ranks {
     fn dispatch(cli: &Cli, world: &World, fault: Option<Fault>) -> Result<()> {
         if let Some(f) = fault {
             if f.rank >= world.size() {
-                return Err(WgparError::Config(format!(
-                    "--mpi-fault names rank {} of a {}-rank job",
-                    f.rank,
-                    world.size()
-                )));
+                return Err(WgparError::option(
+                    "--mpi-fault",
+                    format!(
+                        "--mpi-fault names rank {} of a {}-rank job",
+                        f.rank,
+                        world.size()
+                    ),
+                ));
             }
         }
         match &cli.command {
@@ -370,8 +379,10 @@ mod ranks {
 
     fn devices(world: &World, json: bool) -> Result<()> {
         let adapters = Adapters::discover()?;
-        let text = serde_json::to_string(adapters.list())
-            .map_err(|e| WgparError::Config(e.to_string()))?;
+        let text = serde_json::to_string(adapters.list()).map_err(|source| WgparError::Json {
+            what: "the adapter list".into(),
+            source,
+        })?;
         let all = world.gather_to_root(&text);
         if world.rank() != 0 {
             return Ok(());
@@ -388,8 +399,10 @@ mod ranks {
                 .collect();
             outln!(
                 "{}",
-                serde_json::to_string_pretty(&out)
-                    .map_err(|e| WgparError::Config(e.to_string()))?
+                serde_json::to_string_pretty(&out).map_err(|source| WgparError::Json {
+                    what: "the ranks' adapters".into(),
+                    source,
+                })?
             )?;
             return Ok(());
         }
@@ -449,7 +462,7 @@ mod ranks {
     }
 
     fn allreduce(world: &World, args: &AllreduceArgs) -> Result<()> {
-        let cfg_err = |e: wgpar::comm::CommError| WgparError::Config(e.to_string());
+        let cfg_err = |e: wgpar::comm::CommError| WgparError::option("allreduce", e.to_string());
         if args.op != "allreduce" {
             return Err(DistError::Unsupported {
                 option: format!("--op {}", args.op),
@@ -507,8 +520,10 @@ mod ranks {
             if args.json {
                 outln!(
                     "{}",
-                    serde_json::to_string_pretty(&report)
-                        .map_err(|e| WgparError::Config(e.to_string()))?
+                    serde_json::to_string_pretty(&report).map_err(|source| WgparError::Json {
+                        what: "the all-reduce report".into(),
+                        source,
+                    })?
                 )?;
             } else {
                 out!("{report}")?;
@@ -656,7 +671,8 @@ mod ranks {
         }
         let config = args.model.config()?;
         if args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
-            return Err(WgparError::Config(
+            return Err(WgparError::option(
+                "--batch",
                 "--batch, --prompt-len and --gen must be positive".into(),
             ));
         }
@@ -701,7 +717,10 @@ mod ranks {
                 if f.kind == FaultKind::Panic {
                     panic!("injected panic");
                 }
-                return Err(WgparError::Config("injected fault".into()));
+                return Err(WgparError::InjectedFault {
+                    kind: "error".into(),
+                    at: format!("tp rank {}, after the prefill", f.rank),
+                });
             }
             let keep = crate::cli::run::keep_for(args);
             let g = generate_keeping(e, &prompts, args.gen, keep)?;
@@ -829,9 +848,7 @@ mod ranks {
         );
         let file = wgpar::trace::rank_trace_path(path, world.rank());
         let timeline = recorder.timeline();
-        timeline
-            .write_chrome_trace(&file)
-            .map_err(|e| WgparError::Config(e.to_string()))?;
+        timeline.write_chrome_trace(&file)?;
         let files = world.gather_to_root(&file);
         say!(
             world,

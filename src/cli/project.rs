@@ -113,11 +113,14 @@ fn write_svg(timeline: &Timeline, path: &str, title: String, args: &ProjectArgs)
     if let Some(k) = args.step {
         let steps = timeline.steps();
         let window = steps.get(k).ok_or_else(|| {
-            WgparError::Config(format!(
-                "--step {k}: the timeline has {} steps (0..{})",
-                steps.len(),
-                steps.len().saturating_sub(1)
-            ))
+            WgparError::option(
+                "--step",
+                format!(
+                    "--step {k}: the timeline has {} steps (0..{})",
+                    steps.len(),
+                    steps.len().saturating_sub(1)
+                ),
+            )
         })?;
         opts.window_us = Some(*window);
     }
@@ -146,13 +149,13 @@ fn load(args: &ProjectArgs, profile: &HostProfile) -> Result<Timeline> {
     }
     if traces.len() == 1 {
         if let Some((rank, size)) = traces[0].rank_of_job().filter(|(_, n)| *n > 1) {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::option("--trace", format!(
                 "--trace {}: this is rank {rank} of a {size}-rank run: pass every rank's trace (--trace once per rank)",
                 args.trace[0]
             )));
         }
         if args.merged_out.is_some() {
-            return Err(WgparError::Config(
+            return Err(WgparError::unsupported(
                 "--merged-out needs several rank traces".into(),
             ));
         }

@@ -69,22 +69,27 @@ const MAX_QUEUE: usize = 1 << 20;
 /// Checks the options that need no model.
 fn check_options(args: &ServerArgs) -> Result<()> {
     if args.max_batch == 0 || args.max_batch > MAX_SLOTS || args.max_prefill_tokens == 0 {
-        return Err(WgparError::Config(format!(
-            "--max-batch must be within 1..={MAX_SLOTS} and --max-prefill-tokens at least 1"
-        )));
+        return Err(WgparError::option(
+            "--max-batch",
+            format!(
+                "--max-batch must be within 1..={MAX_SLOTS} and --max-prefill-tokens at least 1"
+            ),
+        ));
     }
     if args.max_queue > MAX_QUEUE || args.max_body < 64 {
-        return Err(WgparError::Config(format!(
-            "--max-queue must be at most {MAX_QUEUE}, --max-body at least 64 bytes"
-        )));
+        return Err(WgparError::option(
+            "--max-queue",
+            format!("--max-queue must be at most {MAX_QUEUE}, --max-body at least 64 bytes"),
+        ));
     }
     if !(0.0..=86400.0).contains(&args.shutdown_timeout) {
-        return Err(WgparError::Config(
+        return Err(WgparError::option(
+            "--shutdown-timeout",
             "--shutdown-timeout must be within 0..=86400 seconds".into(),
         ));
     }
     if args.strategy.schedule() == Schedule::GPipe {
-        return Err(WgparError::Config(
+        return Err(WgparError::unsupported(
             "--schedule gpipe does not apply to serve: requests join and leave the running \
              batch at every token"
                 .into(),

@@ -59,12 +59,15 @@ impl Default for TextArgs {
 pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     let (model, text, max_new) = (&args.model, &args.text, args.gen);
     let dir = model.checkpoint_dir().ok_or_else(|| {
-        WgparError::Config(format!(
-            "--prompt needs --model DIR or FILE.gguf, a Hugging Face model folder with \
+        WgparError::option(
+            "--model",
+            format!(
+                "--prompt needs --model DIR or FILE.gguf, a Hugging Face model folder with \
              tokenizer.json or a GGUF file \
              ('{}' is neither)",
-            model.model
-        ))
+                model.model
+            ),
+        )
     })?;
     let sampling = SamplingParams {
         temperature: text.temperature,
@@ -76,24 +79,24 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     // can).
     Sampler::new(sampling)?;
     if max_new == 0 {
-        return Err(WgparError::Config("--gen must be positive".into()));
+        return Err(WgparError::option("--gen", "--gen must be positive".into()));
     }
     if args.logits_out.is_some() {
-        return Err(WgparError::Config(
+        return Err(WgparError::unsupported(
             "--logits-out writes the logits of a run on synthetic prompts: it does not apply \
              to text generation (--prompt)"
                 .into(),
         ));
     }
     if model.max_seq == Some(0) || model.max_seq > Some(super::MAX_CONTEXT) {
-        return Err(WgparError::Config(format!(
-            "--max-seq must be within 1..={}",
-            super::MAX_CONTEXT
-        )));
+        return Err(WgparError::option(
+            "--max-seq",
+            format!("--max-seq must be within 1..={}", super::MAX_CONTEXT),
+        ));
     }
     let mut ckpt = Checkpoint::open(dir)?;
     if ckpt.config().is_encoder() {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::unsupported(format!(
             "model '{}' is an encoder (BERT): it embeds text, use `wgpar embed`",
             ckpt.config().name
         )));
@@ -101,22 +104,33 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     let tokenizer = ckpt.tokenizer()?;
     let ids = tokenizer.encode(prompt)?;
     if ids.is_empty() {
-        return Err(WgparError::Config("the prompt has no tokens".into()));
+        return Err(WgparError::option(
+            "--prompt",
+            "the prompt has no tokens".into(),
+        ));
     }
     let context = ids.len().saturating_add(max_new);
     if context > ckpt.max_context() {
-        return Err(WgparError::Config(format!(
-            "{} prompt tokens + --gen {max_new} exceed the model's context of {}",
-            ids.len(),
-            ckpt.max_context()
-        )));
+        return Err(WgparError::limit(
+            "context (tokens)",
+            (context as u64, ckpt.max_context() as u64),
+            format!(
+                "{} prompt tokens + --gen {max_new} exceed the model's context of {}",
+                ids.len(),
+                ckpt.max_context()
+            ),
+        ));
     }
     if let Some(limit) = model.max_seq.filter(|&limit| context > limit) {
-        return Err(WgparError::Config(format!(
-            "{} prompt tokens + --gen {max_new} = {context} tokens exceed --max-seq {limit}: \
+        return Err(WgparError::limit(
+            "context (tokens)",
+            (context as u64, limit as u64),
+            format!(
+                "{} prompt tokens + --gen {max_new} = {context} tokens exceed --max-seq {limit}: \
              raise --max-seq or lower --gen",
-            ids.len()
-        )));
+                ids.len()
+            ),
+        ));
     }
     // The KV cache and position tables need only this run's length.
     ckpt.limit_context(context)?;

@@ -97,7 +97,7 @@ impl From<CommError> for WgparError {
     fn from(e: CommError) -> Self {
         match e {
             CommError::Mismatch { op, detail } => WgparError::Shape { op, detail },
-            CommError::Config(message) => WgparError::Config(message),
+            CommError::Config(message) => WgparError::option("collective options", message),
             CommError::Gpu {
                 op,
                 device,

@@ -117,12 +117,12 @@ fn kv_dtype(asked: KvCacheType, f16: bool, force_f32: bool, info: &AdapterDesc) 
     match (asked, f16) {
         (KvCacheType::F32, _) | (KvCacheType::Auto, false) => Ok(DType::F32),
         (KvCacheType::Auto | KvCacheType::F16, true) => Ok(DType::F16),
-        (KvCacheType::F16, false) if force_f32 => Err(WgparError::Config(format!(
+        (KvCacheType::F16, false) if force_f32 => Err(WgparError::unsupported(format!(
             "--kv-dtype f16 asks for an f16 KV cache, but --force-f32 (or WGPAR_FORCE_F32=1) \
              keeps {} in f32: drop one of the two",
             info.label()
         ))),
-        (KvCacheType::F16, false) => Err(WgparError::Config(format!(
+        (KvCacheType::F16, false) => Err(WgparError::unsupported(format!(
             "--kv-dtype f16 needs SHADER_F16, which adapter {} ({}) lacks: use --kv-dtype auto \
              (f16 where available) or f32",
             info.index,
@@ -155,9 +155,10 @@ impl Gpu {
         let mut info = info.clone();
         if let Some(cap) = options.max_storage_binding {
             if cap < 256 {
-                return Err(WgparError::Config(format!(
-                    "a storage-binding limit of {cap} B is below the 256 B minimum"
-                )));
+                return Err(WgparError::option(
+                    "--max-binding",
+                    format!("a storage-binding limit of {cap} B is below the 256 B minimum"),
+                ));
             }
             let cap = cap.min(required_limits.max_storage_buffer_binding_size);
             required_limits.max_storage_buffer_binding_size = cap;
@@ -413,7 +414,7 @@ impl Gpu {
     pub fn upload_weights(&self, what: &str, data: &[f32], dtype: DType) -> Result<Tensor> {
         match dtype {
             DType::F16 if self.f16_weights => self.upload_f16(what, data),
-            DType::F16 => Err(WgparError::Config(format!(
+            DType::F16 => Err(WgparError::unsupported(format!(
                 "{} has no SHADER_F16: f16 weights are not available, use f32",
                 self.describe()
             ))),

@@ -44,9 +44,10 @@ impl DeviceSelection {
         adapters: &Adapters,
     ) -> Result<Self> {
         let too_many = |n: usize, option: &str| {
-            WgparError::Config(format!(
-                "{option} selects {n} devices; at most {MAX_DEVICES} can be selected"
-            ))
+            WgparError::option(
+                option,
+                format!("{option} selects {n} devices; at most {MAX_DEVICES} can be selected"),
+            )
         };
         if let Some(n) = virtual_count.filter(|&n| n > MAX_DEVICES) {
             return Err(too_many(n, "--virtual"));
@@ -62,23 +63,27 @@ impl DeviceSelection {
                 .split(',')
                 .map(|s| {
                     s.trim().parse::<usize>().map_err(|_| {
-                        WgparError::Config(format!(
-                            "--devices expects comma-separated adapter indices, got '{text}'"
-                        ))
+                        WgparError::option(
+                            "--devices",
+                            format!(
+                                "--devices expects comma-separated adapter indices, got '{text}'"
+                            ),
+                        )
                     })
                 })
                 .collect::<Result<Vec<_>>>()?,
             None => vec![adapters.preferred()],
         };
         match virtual_count {
-            Some(0) => Err(WgparError::Config(
+            Some(0) => Err(WgparError::option(
+                "--virtual",
                 "--virtual needs at least 1 device".into(),
             )),
             Some(count) if indices.len() == 1 => Ok(Self::Virtual {
                 adapter: indices[0],
                 count,
             }),
-            Some(_) => Err(WgparError::Config(
+            Some(_) => Err(WgparError::unsupported(
                 "--virtual N takes a single adapter in --devices".into(),
             )),
             None => Ok(Self::Indices(indices)),
@@ -105,7 +110,10 @@ pub fn open_devices(
         DeviceSelection::Virtual { adapter, count } => vec![*adapter; *count],
     };
     if indices.is_empty() {
-        return Err(WgparError::Config("no devices selected".into()));
+        return Err(WgparError::option(
+            "--devices",
+            "no devices selected".into(),
+        ));
     }
     indices
         .iter()

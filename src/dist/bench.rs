@@ -123,10 +123,13 @@ pub fn run_bench(
 ) -> Result<Option<MpiBenchReport>> {
     if opts.min_bytes == 0 || opts.min_bytes > opts.max_bytes || opts.factor < 2 || opts.iters == 0
     {
-        return Err(crate::error::WgparError::Config(format!(
-            "sizes {}..{} x{} with {} iterations: need 0 < min <= max, factor >= 2, iters >= 1",
-            opts.min_bytes, opts.max_bytes, opts.factor, opts.iters
-        )));
+        return Err(crate::error::WgparError::option(
+            "-b/-e",
+            format!(
+                "sizes {}..{} x{} with {} iterations: need 0 < min <= max, factor >= 2, iters >= 1",
+                opts.min_bytes, opts.max_bytes, opts.factor, opts.iters
+            ),
+        ));
     }
     let coll = Arc::new(Collectives::new(opts.config.clone())?);
     let bench = SizeBench {

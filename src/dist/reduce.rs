@@ -325,7 +325,7 @@ impl CrossProcessGroup for MpiGroup {
 
     fn share_output(&self, output: Option<Vec<f32>>) -> Result<Vec<f32>> {
         if self.rank == 0 && output.is_none() {
-            return Err(WgparError::Config(
+            return Err(WgparError::Internal(
                 "rank 0 of a tensor-parallel group returned no output".into(),
             ));
         }

@@ -1844,7 +1844,7 @@ impl Pick {
                     && top_p > 0.0
                     && top_p <= 1.0;
                 if !valid {
-                    return Err(WgparError::Config(format!(
+                    return Err(WgparError::InvalidCall(format!(
                         "device sampling needs top-k in 1..={MAX_TOP_K}, a finite temperature \
                          > 0 and top-p in (0, 1]; got top-k {top_k}, temperature \
                          {temperature}, top-p {top_p}"

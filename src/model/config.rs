@@ -251,7 +251,13 @@ impl ModelConfig {
 
     /// Checks that the shapes fit together.
     pub fn validate(&self) -> Result<()> {
-        let fail = |m: String| Err(WgparError::Config(format!("model '{}': {m}", self.name)));
+        let fail = |m: String| {
+            Err(WgparError::model(
+                self.name.clone(),
+                "shapes",
+                format!("model '{}': {m}", self.name),
+            ))
+        };
         if self.vocab == 0 || self.hidden == 0 || self.layers == 0 || self.ffn == 0 {
             return fail("vocab, hidden, layers and ffn must be positive".into());
         }

@@ -36,12 +36,12 @@ impl EncoderInput {
     /// length.
     pub fn check_batch(inputs: &[Self], config: &ModelConfig) -> Result<usize> {
         if inputs.is_empty() {
-            return Err(WgparError::Config("nothing to encode".into()));
+            return Err(WgparError::InvalidCall("nothing to encode".into()));
         }
         let mut longest = 0;
         for (i, input) in inputs.iter().enumerate() {
             let n = input.ids.len();
-            let fail = |m: String| Err(WgparError::Config(format!("sequence {i}: {m}")));
+            let fail = |m: String| Err(WgparError::InvalidCall(format!("sequence {i}: {m}")));
             if n == 0 {
                 return fail("no tokens".into());
             }

@@ -151,7 +151,7 @@ pub fn check_packable(config: &ModelConfig, t: QuantType) -> Result<()> {
     ];
     for (what, n) in dims {
         if !n.is_multiple_of(t.block_len()) {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::unsupported(format!(
                 "--weights {} packs rows in blocks of {} values, but model '{}' has a {what} of \
                  {n}; pick a type with smaller blocks (q8_0 and q4_0 take multiples of 32)",
                 t.name(),

@@ -235,7 +235,7 @@ impl<'a> CpuReference<'a> {
     fn reset(&mut self, slots: usize) -> Result<()> {
         let cfg = &self.weights.config;
         if cfg.is_encoder() {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::InvalidCall(format!(
                 "model '{}' is an encoder: it has no logits to prefill, encode it instead",
                 cfg.name
             )));
@@ -312,11 +312,15 @@ impl<'a> CpuReference<'a> {
                 return bad(format!("token {t} outside the vocabulary of {}", cfg.vocab));
             }
             if self.past[slot] + tokens.len() > cfg.max_seq {
-                return Err(WgparError::Config(format!(
-                    "{} tokens exceed max_seq {}",
-                    self.past[slot] + tokens.len(),
-                    cfg.max_seq
-                )));
+                return Err(WgparError::limit(
+                    "context (tokens)",
+                    ((self.past[slot] + tokens.len()) as u64, cfg.max_seq as u64),
+                    format!(
+                        "{} tokens exceed max_seq {}",
+                        self.past[slot] + tokens.len(),
+                        cfg.max_seq
+                    ),
+                ));
             }
         }
         let h = cfg.hidden;

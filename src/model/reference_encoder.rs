@@ -13,7 +13,7 @@ impl CpuReference<'_> {
     pub fn encode(&self, inputs: &[EncoderInput]) -> Result<Vec<Vec<f64>>> {
         let cfg = &self.weights.config;
         if !cfg.is_encoder() {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::InvalidCall(format!(
                 "model '{}' is a decoder: it has no pooled embedding",
                 cfg.name
             )));

@@ -42,16 +42,19 @@ impl Sampler {
     /// Checks the parameters and seeds the stream.
     pub fn new(params: SamplingParams) -> Result<Self> {
         if !(params.temperature >= 0.0 && params.temperature.is_finite()) {
-            return Err(WgparError::Config(format!(
-                "temperature {} must be a finite number >= 0",
-                params.temperature
-            )));
+            return Err(WgparError::option(
+                "--temperature",
+                format!(
+                    "temperature {} must be a finite number >= 0",
+                    params.temperature
+                ),
+            ));
         }
         if !(params.top_p > 0.0 && params.top_p <= 1.0) {
-            return Err(WgparError::Config(format!(
-                "top-p {} must lie in (0, 1]",
-                params.top_p
-            )));
+            return Err(WgparError::option(
+                "--top-p",
+                format!("top-p {} must lie in (0, 1]", params.top_p),
+            ));
         }
         Ok(Self {
             params,

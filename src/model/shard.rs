@@ -96,20 +96,26 @@ impl ShardSpec {
         let even = split.windows(2).all(|w| w[0] == w[1]);
         let valid = valid_tp_degrees(config);
         if world == 0 || (even && !valid.contains(&world)) || world > config.heads {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::unsupported(format!(
                 "tensor-parallel degree {world} does not split {} query / {} KV heads of model \
                  '{}'; valid degrees: {:?}",
                 config.heads, config.kv_heads, config.name, valid
             )));
         }
         let heads = proportional(config.heads, split).ok_or_else(|| {
-            WgparError::Config(format!(
-                "split {split:?} leaves a device without query heads ({} heads)",
-                config.heads
-            ))
+            WgparError::option(
+                "--split",
+                format!(
+                    "split {split:?} leaves a device without query heads ({} heads)",
+                    config.heads
+                ),
+            )
         })?;
         let ffn = proportional(config.ffn, split).ok_or_else(|| {
-            WgparError::Config(format!("split {split:?} cannot divide ffn {}", config.ffn))
+            WgparError::option(
+                "--split",
+                format!("split {split:?} cannot divide ffn {}", config.ffn),
+            )
         })?;
         let group = config.heads / config.kv_heads;
         Ok(ranges(&heads)

@@ -82,7 +82,7 @@ impl SingleEncoder {
     /// Uploads an encoder's `weights` to `gpu`, stored as `dtype`.
     pub fn new(gpu: Arc<Gpu>, weights: &ModelWeights, dtype: DType) -> Result<Self> {
         if !weights.config.is_encoder() {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::unsupported(format!(
                 "model '{}' is a decoder; an encoder needs a BERT-style model",
                 weights.config.name
             )));

@@ -187,14 +187,15 @@ pub fn serve(
 /// Refuses options that serve nothing and requests out of arrival order.
 fn check_requests(requests: &[ServeRequest], opts: &ServeOptions) -> Result<()> {
     if opts.max_batch == 0 || opts.max_prefill_tokens == 0 {
-        return Err(WgparError::Config(
+        return Err(WgparError::option(
+            "--max-batch",
             "--max-batch and --max-prefill-tokens must be at least 1".into(),
         ));
     }
     if requests.windows(2).any(|w| w[1].arrival_s < w[0].arrival_s)
         || requests.iter().any(|r| !r.arrival_s.is_finite())
     {
-        return Err(WgparError::Config(
+        return Err(WgparError::InvalidCall(
             "requests must be in arrival order, with finite arrival times".into(),
         ));
     }

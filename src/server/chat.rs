@@ -93,7 +93,13 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.add_template_owned("chat", source.to_string())
-            .map_err(|e| WgparError::Config(format!("the chat template does not parse: {e}")))?;
+            .map_err(|e| {
+                WgparError::model(
+                    "tokenizer_config.json",
+                    "chat_template",
+                    format!("the chat template does not parse: {e}"),
+                )
+            })?;
         Ok(Self {
             env,
             bos: bos.to_string(),

@@ -118,9 +118,7 @@ pub fn run(opts: ServerOptions, text: TextModel, build: EngineBuilder) -> Result
     }
     let load_error = crate::threads::lock(&shared.load_error).take();
     match load_error {
-        Some(e) => Err(WgparError::Config(format!(
-            "the engine could not start: {e}"
-        ))),
+        Some(e) => Err(WgparError::runtime("the engine could not start", e)),
         None => Ok(()),
     }
 }

@@ -169,6 +169,6 @@ impl Activations {
     }
 
     pub(super) fn no_head(&self) -> WgparError {
-        WgparError::Config("this device holds no LM head".into())
+        WgparError::InvalidCall("this device holds no LM head".into())
     }
 }

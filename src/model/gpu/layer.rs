@@ -89,7 +89,7 @@ fn check_block_split(t: QuantType, what: &str, cols: &Range<usize>, from_file: b
     } else {
         "use fewer devices or another --weights type".to_string()
     };
-    Err(crate::error::WgparError::Config(format!(
+    Err(crate::error::WgparError::unsupported(format!(
         "{what}: this tensor-parallel shard holds input columns {}..{} ({} values), which cut \
          {} blocks of {} values; {fix}",
         cols.start,

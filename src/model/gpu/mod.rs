@@ -160,7 +160,7 @@ impl GpuModel {
             crate::model::quant::check_packable(&config, t)?;
         }
         if placement.layers.end > config.layers || placement.layers.start > placement.layers.end {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::InvalidCall(format!(
                 "layers {:?} outside the model's {} layers",
                 placement.layers, config.layers
             )));
@@ -208,7 +208,9 @@ impl GpuModel {
             (Some(g), Some(b)) => Some((g, b)),
             (None, None) => None,
             _ => {
-                return Err(WgparError::Config(
+                return Err(WgparError::model(
+                    config.name.clone(),
+                    "embed_norm",
                     "embedding norm needs both a scale and a shift".into(),
                 ))
             }
@@ -222,7 +224,11 @@ impl GpuModel {
                 (Some(h), _) => Arc::new(VocabTable::upload(&gpu, "lm_head", h, table, dtype)?),
                 (None, Some(wte)) => wte.clone(),
                 (None, None) => {
-                    return Err(WgparError::Config("tied head without an embedding".into()))
+                    return Err(WgparError::model(
+                        config.name.clone(),
+                        "lm_head",
+                        "tied head without an embedding".into(),
+                    ))
                 }
             };
             (Some(norm), Some(head))
@@ -555,10 +561,14 @@ impl GpuModel {
             });
         }
         if step.seq == 0 || step.seq > self.config.max_seq {
-            return Err(WgparError::Config(format!(
-                "{} new tokens per sequence: needs 1..={} (max_seq of model '{}')",
-                step.seq, self.config.max_seq, self.config.name
-            )));
+            return Err(WgparError::limit(
+                "context (tokens)",
+                (step.seq as u64, self.config.max_seq as u64),
+                format!(
+                    "{} new tokens per sequence: needs 1..={} (max_seq of model '{}')",
+                    step.seq, self.config.max_seq, self.config.name
+                ),
+            ));
         }
         Ok(())
     }
@@ -593,10 +603,14 @@ impl GpuModel {
                 return bad(format!("rows share KV slot {}", row.slot));
             }
             if row.past + step.seq > self.config.max_seq {
-                return Err(WgparError::Config(format!(
-                    "{} cached + {} new tokens exceed max_seq {} of model '{}'",
-                    row.past, step.seq, self.config.max_seq, self.config.name
-                )));
+                return Err(WgparError::limit(
+                    "context (tokens)",
+                    ((row.past + step.seq) as u64, self.config.max_seq as u64),
+                    format!(
+                        "{} cached + {} new tokens exceed max_seq {} of model '{}'",
+                        row.past, step.seq, self.config.max_seq, self.config.name
+                    ),
+                ));
             }
             table.push(row.slot as u32);
             table.push(row.past as u32);
@@ -701,7 +715,7 @@ impl GpuModel {
     /// Validates token ids and stages them for [`Self::embed`] (lands at the next submit).
     pub fn write_ids(&self, act: &Activations, ids: &[u32]) -> Result<()> {
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab) {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::InvalidCall(format!(
                 "token id {bad} is outside the vocabulary of {}",
                 self.config.vocab
             )));
@@ -760,7 +774,7 @@ impl GpuModel {
         let ops = act
             .embed
             .as_ref()
-            .ok_or_else(|| WgparError::Config("this device holds no embedding".into()))?;
+            .ok_or_else(|| WgparError::InvalidCall("this device holds no embedding".into()))?;
         let mut pass = Pass::new(encoder);
         for lookup in &ops.embed {
             pass.run(lookup)?;
@@ -774,7 +788,7 @@ impl GpuModel {
 
     fn layer_ops<'a>(&self, act: &'a Activations, i: usize) -> Result<&'a layer::LayerOps> {
         act.layers.get(i).ok_or_else(|| {
-            WgparError::Config(format!(
+            WgparError::InvalidCall(format!(
                 "local layer {i} out of the {} this device holds",
                 self.layers.len()
             ))
@@ -886,7 +900,7 @@ impl GpuModel {
     pub fn pool(&self, encoder: &mut wgpu::CommandEncoder, act: &Activations) -> Result<()> {
         Self::shape(act)?;
         let op = act.pool.as_ref().ok_or_else(|| {
-            WgparError::Config(format!(
+            WgparError::InvalidCall(format!(
                 "model '{}' has no pooled output on this device (an encoder's last stage pools)",
                 self.config.name
             ))

@@ -269,10 +269,13 @@ impl Checkpoint {
     /// most the checkpoint's own limit.
     pub fn limit_context(&mut self, max_seq: usize) -> Result<()> {
         if max_seq == 0 || max_seq > self.positions {
-            return Err(WgparError::Config(format!(
-                "a context of {max_seq} tokens is outside 1..={} of model '{}'",
-                self.positions, self.config.name
-            )));
+            return Err(WgparError::option(
+                "--max-seq",
+                format!(
+                    "a context of {max_seq} tokens is outside 1..={} of model '{}'",
+                    self.positions, self.config.name
+                ),
+            ));
         }
         self.config.max_seq = max_seq;
         Ok(())
