@@ -8,9 +8,9 @@ use std::sync::Arc;
 use clap::Args;
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
-use wgpar::model::hf::Checkpoint;
+use wgpar::model::hf::{Checkpoint, TextTokenizer};
 use wgpar::model::sampling::{Sampler, SamplingParams};
-use wgpar::parallel::build_engine;
+use wgpar::parallel::{build_engine, Engine};
 use wgpar::{Result, WgparError};
 
 use super::run::RunArgs;
@@ -57,28 +57,62 @@ impl Default for TextArgs {
 /// Generates up to `--gen` tokens after `prompt` and prints the text, on the strategy and
 /// devices `run`'s options name (tracing and pacing too).
 pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
-    let (model, text, max_new) = (&args.model, &args.text, args.gen);
-    let dir = model.checkpoint_dir().ok_or_else(|| {
-        WgparError::option(
-            "--model",
-            format!(
-                "--prompt needs --model DIR or FILE.gguf, a Hugging Face model folder with \
-             tokenizer.json or a GGUF file \
-             ('{}' is neither)",
-                model.model
-            ),
-        )
-    })?;
+    let sampling = check_options(args)?;
+    let input = Input::load(args, prompt)?;
+    let adapters = Adapters::discover()?;
+    // Prefill and --gen - 1 decode steps, the fault injected before the first.
+    let (seq, max_new) = (input.ids.len(), args.gen);
+    let plan = super::run::plan(args, input.ckpt.config(), &adapters, (1, seq), max_new)?;
+    super::note_converted(&input.ckpt);
+    let mut weights = input.ckpt.weights(true)?;
+    args.model.apply_weights(&mut weights)?;
+    let gpus = args
+        .devices
+        .open_first(&adapters, plan.strategy.devices_used(plan.adapters.len()))?;
+    let dtype = args.model.dtype(&gpus)?;
+    let comm = CommConfig::default();
+    let mut engine = build_engine(&plan.strategy, &gpus, &weights, dtype, &comm, (1, seq))?;
+    engine.set_sampling(sampling)?;
+    if let Some((pacer, what)) = plan.pacer {
+        eprintln!("pacing transfers to {what}");
+        engine.set_pacer(Some(Arc::new(pacer)));
+    }
+    if let Some(f) = plan.fault {
+        engine.inject_fault(f.worker, f.fault)?;
+    }
+    let recorder = super::run::recorder_for(args);
+    recorder.set_meta("model", weights.config.name.clone());
+    recorder.set_meta("strategy", engine.name());
+    engine.set_recorder(recorder.clone());
+    eprintln!(
+        "model {} ({:?}, {} layers, {:.1}M params) on {}; {seq} prompt tokens",
+        weights.config.name,
+        weights.config.arch,
+        weights.config.layers,
+        weights.config.params() as f64 / 1e6,
+        engine.name(),
+    );
+    drop(weights);
+    stream(engine.as_mut(), &input, prompt, max_new)?;
+    super::run::print_bubble(engine.as_ref(), "")?;
+    if let Some(path) = &args.trace {
+        super::run::write_trace(&recorder, path)?;
+    }
+    Ok(())
+}
+
+/// The options text generation takes, checked before anything is loaded: the sampling they
+/// ask for (the engine picks the tokens, on the device where it can).
+fn check_options(args: &RunArgs) -> Result<SamplingParams> {
+    let (model, text) = (&args.model, &args.text);
     let sampling = SamplingParams {
         temperature: text.temperature,
         top_k: text.top_k,
         top_p: text.top_p,
         seed: model.seed,
     };
-    // Checked before anything is loaded; the engine picks the tokens (on the device where it
-    // can).
     Sampler::new(sampling)?;
-    if max_new == 0 {
+    if args.gen == 0 {
         return Err(WgparError::option("--gen", "--gen must be positive".into()));
     }
     if args.logits_out.is_some() {
@@ -94,93 +128,98 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
             format!("--max-seq must be within 1..={}", super::MAX_CONTEXT),
         ));
     }
-    let mut ckpt = Checkpoint::open(dir)?;
-    if ckpt.config().is_encoder() {
-        return Err(WgparError::unsupported(format!(
-            "model '{}' is an encoder (BERT): it embeds text, use `wgpar embed`",
-            ckpt.config().name
-        )));
+    Ok(sampling)
+}
+
+/// The checkpoint, its tokenizer and the prompt's ids, with the context limited to what this
+/// run needs (prompt + --gen, checked against the model's and --max-seq).
+struct Input {
+    ckpt: Checkpoint,
+    tokenizer: TextTokenizer,
+    ids: Vec<u32>,
+}
+
+impl Input {
+    fn load(args: &RunArgs, prompt: &str) -> Result<Self> {
+        let model = &args.model;
+        let dir = model.checkpoint_dir().ok_or_else(|| {
+            WgparError::option(
+                "--model",
+                format!(
+                    "--prompt needs --model DIR or FILE.gguf, a Hugging Face model folder with \
+                     tokenizer.json or a GGUF file ('{}' is neither)",
+                    model.model
+                ),
+            )
+        })?;
+        let mut ckpt = Checkpoint::open(dir)?;
+        if ckpt.config().is_encoder() {
+            return Err(WgparError::unsupported(format!(
+                "model '{}' is an encoder (BERT): it embeds text, use `wgpar embed`",
+                ckpt.config().name
+            )));
+        }
+        let tokenizer = ckpt.tokenizer()?;
+        let ids = tokenizer.encode(prompt)?;
+        if ids.is_empty() {
+            return Err(WgparError::option(
+                "--prompt",
+                "the prompt has no tokens".into(),
+            ));
+        }
+        let context = check_context(ids.len(), args.gen, ckpt.max_context(), model.max_seq)?;
+        // The KV cache and position tables need only this run's length.
+        ckpt.limit_context(context)?;
+        Ok(Self {
+            ckpt,
+            tokenizer,
+            ids,
+        })
     }
-    let tokenizer = ckpt.tokenizer()?;
-    let ids = tokenizer.encode(prompt)?;
-    if ids.is_empty() {
-        return Err(WgparError::option(
-            "--prompt",
-            "the prompt has no tokens".into(),
-        ));
-    }
-    let context = ids.len().saturating_add(max_new);
-    if context > ckpt.max_context() {
+}
+
+/// Prompt + --gen tokens, refused beyond the model's context or --max-seq.
+fn check_context(
+    prompt: usize,
+    max_new: usize,
+    model_context: usize,
+    max_seq: Option<usize>,
+) -> Result<usize> {
+    let context = prompt.saturating_add(max_new);
+    if context > model_context {
         return Err(WgparError::limit(
             "context (tokens)",
-            (context as u64, ckpt.max_context() as u64),
+            (context as u64, model_context as u64),
             format!(
-                "{} prompt tokens + --gen {max_new} exceed the model's context of {}",
-                ids.len(),
-                ckpt.max_context()
+                "{prompt} prompt tokens + --gen {max_new} exceed the model's context of \
+                 {model_context}"
             ),
         ));
     }
-    if let Some(limit) = model.max_seq.filter(|&limit| context > limit) {
+    if let Some(limit) = max_seq.filter(|&limit| context > limit) {
         return Err(WgparError::limit(
             "context (tokens)",
             (context as u64, limit as u64),
             format!(
-                "{} prompt tokens + --gen {max_new} = {context} tokens exceed --max-seq {limit}: \
-             raise --max-seq or lower --gen",
-                ids.len()
+                "{prompt} prompt tokens + --gen {max_new} = {context} tokens exceed --max-seq \
+                 {limit}: raise --max-seq or lower --gen"
             ),
         ));
     }
-    // The KV cache and position tables need only this run's length.
-    ckpt.limit_context(context)?;
-    let adapters = Adapters::discover()?;
-    // Prefill and max_new - 1 decode steps, the fault injected before the first.
-    let plan = super::run::plan(args, ckpt.config(), &adapters, (1, ids.len()), max_new)?;
-    let eos = ckpt.eos_tokens().to_vec();
-    super::note_converted(&ckpt);
-    let mut weights = ckpt.weights(true)?;
-    model.apply_weights(&mut weights)?;
-    let gpus = args
-        .devices
-        .open_first(&adapters, plan.strategy.devices_used(plan.adapters.len()))?;
-    let dtype = model.dtype(&gpus)?;
-    let mut engine = build_engine(
-        &plan.strategy,
-        &gpus,
-        &weights,
-        dtype,
-        &CommConfig::default(),
-        (1, ids.len()),
-    )?;
-    engine.set_sampling(sampling)?;
-    if let Some((pacer, what)) = plan.pacer {
-        eprintln!("pacing transfers to {what}");
-        engine.set_pacer(Some(Arc::new(pacer)));
-    }
-    if let Some(f) = plan.fault {
-        engine.inject_fault(f.worker, f.fault)?;
-    }
-    let recorder = super::run::recorder_for(args);
-    recorder.set_meta("model", weights.config.name.clone());
-    recorder.set_meta("strategy", engine.name());
-    engine.set_recorder(recorder.clone());
-    eprintln!(
-        "model {} ({:?}, {} layers, {:.1}M params) on {}; {} prompt tokens",
-        weights.config.name,
-        weights.config.arch,
-        weights.config.layers,
-        weights.config.params() as f64 / 1e6,
-        engine.name(),
-        ids.len()
-    );
-    drop(weights);
+    Ok(context)
+}
+
+/// Runs the prefill and up to `max_new` tokens (an end-of-sequence id stops earlier),
+/// printing the continuation as it grows, then the timings on stderr. Decoding prompt and
+/// continuation together keeps word boundaries right for tokenizers that mark spaces on the
+/// following token.
+fn stream(engine: &mut dyn Engine, input: &Input, prompt: &str, max_new: usize) -> Result<()> {
+    let (tokenizer, ids) = (&input.tokenizer, &input.ids);
+    let eos = input.ckpt.eos_tokens();
     let start = Instant::now();
-    let mut step = engine.prefill_step(std::slice::from_ref(&ids), false)?;
+    let mut step = engine.prefill_step(std::slice::from_ref(ids), false)?;
     let prefill_s = start.elapsed().as_secs_f64();
-    // Print the decoded continuation as it grows; decoding prompt and continuation together
-    // keeps word boundaries right for tokenizers that mark spaces on the following token.
-    let prompt_text = tokenizer.decode(&ids)?;
+    let prompt_text = tokenizer.decode(ids)?;
     out!("{prompt}")?;
     let mut all = ids.clone();
     let mut printed = String::new();
@@ -212,9 +251,5 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
         decode_s * 1e3,
         generated as f64 / decode_s.max(1e-9)
     );
-    super::run::print_bubble(engine.as_ref(), "")?;
-    if let Some(path) = &args.trace {
-        super::run::write_trace(&recorder, path)?;
-    }
     Ok(())
 }
