@@ -3,6 +3,7 @@
 
 mod balance;
 mod batch;
+mod buffers;
 pub mod cost;
 mod encoder;
 mod fault;

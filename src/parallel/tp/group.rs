@@ -1,16 +1,18 @@
 //! A tensor-parallel group: its ranks' worker threads, the job every rank runs for a step
 //! and what the group hands back.
 
-use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use super::rank::{Rank, RankOutput};
+use super::collective::RankLink;
+use super::pass::RankOutput;
+use super::rank::Rank;
 use crate::comm::{CommConfig, Communicator, CrossProcessGroup};
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
 use crate::kernels::ops::TokenPick;
 use crate::model::{GpuModel, ModelWeights, Placement, SeqRow, ShardSpec, Step, StepOut};
+use crate::parallel::buffers::StepBuffers;
 use crate::parallel::worker::Workers;
 use crate::parallel::Fault;
 use crate::sim::LinkPacer;
@@ -242,20 +244,22 @@ impl TpGroup {
                 ),
                 Rank {
                     model: model?,
-                    comm: comm.join(rank)?,
-                    acts: HashMap::new(),
-                    caches: HashMap::new(),
-                    collectives: 0,
-                    group_tag: gpus[0].ordinal() as u64,
+                    link: RankLink {
+                        comm: comm.join(rank)?,
+                        remote: remote.clone(),
+                        collectives: 0,
+                        group_tag: gpus[0].ordinal() as u64,
+                        world: shards[rank].world,
+                    },
+                    buffers: StepBuffers::default(),
                     timer: SpanTimer::default(),
-                    remote: remote.clone(),
                     fault: faults[rank].clone(),
                     jobs: 0,
                 },
             ));
         }
         Ok(Self {
-            workers: Workers::spawn(states, Rank::run, |rank, why| rank.comm.abort(why))?,
+            workers: Workers::spawn(states, Rank::run, |rank, why| rank.link.comm.abort(why))?,
             comm,
             shards,
             labels: gpus.iter().map(|g| g.label().to_string()).collect(),

@@ -23,7 +23,11 @@ use crate::model::{EncoderInput, ModelConfig, ModelWeights, SeqRow, ShardSpec, S
 use crate::sim::LinkPacer;
 use crate::trace::{Recorder, SpanId};
 
+mod collective;
+mod compute;
 mod group;
+mod handoff;
+mod pass;
 mod rank;
 mod serve;
 
