@@ -46,8 +46,10 @@ use crate::sim::LinkPacer;
 use crate::threads::lock;
 use crate::trace::{Recorder, SpanId};
 
+mod device;
 mod driver;
 mod handoff;
+mod hybrid;
 mod schedule;
 mod segment;
 mod serve;

@@ -10,12 +10,13 @@ use std::time::Duration;
 
 use crossbeam::channel::{bounded, unbounded, Receiver, Sender};
 
+use super::device::DeviceStage;
 use super::handoff::{Downstream, HandOff, Output, Pending, Work};
 use super::serve::Serving;
-use super::stage::{Backend, Outlet, Stage};
+use super::stage::{Backend, Outlet, Place, Stage};
 use super::{PipelineEngine, Schedule, StageStats};
 use crate::comm::{Collectives, CommConfig};
-use crate::device::{DType, Gpu, SpanTimer};
+use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::model::{GpuModel, ModelWeights, Placement, ShardSpec};
 use crate::parallel::pick::Picker;
@@ -107,11 +108,7 @@ impl PipelineEngine {
                                     message: "while uploading a stage".into(),
                                 })
                             })
-                            .map(|model| Backend::Device {
-                                model,
-                                acts: HashMap::new(),
-                                caches: HashMap::new(),
-                            })
+                            .map(|model| Backend::Device(DeviceStage::new(model, comm.clone())))
                     })
                     .collect()
             })
@@ -201,7 +198,7 @@ impl PipelineEngine {
                 ranges[index].end
             );
             let outlet = match backend {
-                Backend::Device { .. } => {
+                Backend::Device(_) => {
                     // One pass may wait for its download while the next computes.
                     let (tx, rx) = bounded::<Pending>(1);
                     let handoff = HandOff {
@@ -225,20 +222,20 @@ impl PipelineEngine {
                 Backend::Group(_) => Outlet::Direct(downstream),
             };
             let stage = Stage {
-                index,
-                name: name.clone(),
-                gpu: gpus[index].clone(),
+                place: Place {
+                    index,
+                    name: name.clone(),
+                    gpu: gpus[index].clone(),
+                    embeds: embeds && index == 0,
+                    head: head && index + 1 == p,
+                    stats: stats.clone(),
+                },
                 backend,
-                comm: comm.clone(),
                 input: receiver,
                 outlet,
                 output: output_tx.clone(),
-                stats: stats.clone(),
                 fault: faults.clone(),
                 jobs: 0,
-                timer: SpanTimer::default(),
-                embeds: embeds && index == 0,
-                head: head && index + 1 == p,
             };
             spawn(
                 &mut threads,
