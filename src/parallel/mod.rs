@@ -13,6 +13,7 @@ pub(crate) mod pp;
 mod single;
 mod strategy;
 mod tp;
+mod upload;
 mod worker;
 
 use std::time::Instant;

@@ -141,16 +141,8 @@ impl PipelineEngine {
         }
         let p = gpus.len() / tp;
         let ranges = partition(config.layers, p, how)?;
-        Self::segment(
-            gpus,
-            weights,
-            dtype,
-            tp,
-            ranges,
-            micro_batches,
-            comm_config,
-            Segment::whole(),
-        )
+        let seg = Segment::whole(ranges, tp);
+        Self::segment(gpus, weights, dtype, micro_batches, comm_config, seg)
     }
 
     /// Layers of each stage.

@@ -8,11 +8,11 @@ use super::collective::RankLink;
 use super::pass::RankOutput;
 use super::rank::Rank;
 use crate::comm::{CommConfig, Communicator, CrossProcessGroup};
-use crate::device::{DType, Gpu, SpanTimer};
+use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
 use crate::kernels::ops::TokenPick;
-use crate::model::{GpuModel, ModelWeights, Placement, SeqRow, ShardSpec, Step, StepOut};
-use crate::parallel::buffers::StepBuffers;
+use crate::model::{ModelConfig, ModelWeights, Placement, SeqRow, ShardSpec, Step, StepOut};
+use crate::parallel::upload::upload_parts;
 use crate::parallel::worker::Workers;
 use crate::parallel::Fault;
 use crate::sim::LinkPacer;
@@ -102,6 +102,46 @@ pub(crate) struct EncoderExtras {
     pub lens: Vec<u32>,
 }
 
+/// The part of the model a tensor-parallel group holds: its layers, and the model's ends
+/// with them.
+#[derive(Clone, Debug)]
+pub(crate) struct GroupPart {
+    pub layers: Range<usize>,
+    /// Holds the embedding (the pipeline's first stage).
+    pub embeds: bool,
+    /// Holds the final norm and LM head, on rank 0 (the pipeline's last stage).
+    pub head: bool,
+}
+
+impl GroupPart {
+    /// The whole model.
+    pub(crate) fn whole(config: &ModelConfig) -> Self {
+        Self {
+            layers: 0..config.layers,
+            embeds: true,
+            head: true,
+        }
+    }
+
+    /// Where `shard` of this part goes: the head on rank 0 only.
+    pub(crate) fn placement(&self, shard: ShardSpec) -> Placement {
+        Placement {
+            layers: self.layers.clone(),
+            embedding: self.embeds,
+            head: self.head && shard.rank == 0,
+            shard,
+        }
+    }
+}
+
+/// How a group is laid out: the part of the model it holds, each local rank's shard, and its
+/// ranks in other processes when it spans them.
+struct Layout {
+    shards: Vec<ShardSpec>,
+    part: GroupPart,
+    remote: Option<Arc<dyn CrossProcessGroup>>,
+}
+
 /// A tensor-parallel group: one worker thread per device, each holding a shard of the same
 /// layers; the group's collective is the only synchronisation between them. Used alone
 /// (tensor parallelism) or as one stage of a pipeline (hybrid).
@@ -115,17 +155,13 @@ pub(crate) struct TpGroup {
 }
 
 impl TpGroup {
-    /// Shards `layers` of `weights` over `gpus`; `first` adds the embedding, `last` the head
-    /// (on rank 0).
-    #[allow(clippy::too_many_arguments)]
+    /// Shards `part` of `weights` over `gpus` with relative shares `split` (`None`: even).
     pub(crate) fn new(
         gpus: &[Arc<Gpu>],
         weights: &ModelWeights,
         dtype: DType,
         split: Option<&[usize]>,
-        layers: Range<usize>,
-        first: bool,
-        last: bool,
+        part: GroupPart,
         comm_config: CommConfig,
     ) -> Result<Self> {
         let config = &weights.config;
@@ -138,18 +174,12 @@ impl TpGroup {
                 gpus.len()
             )));
         }
-        let shards = ShardSpec::tensor_parallel(config, split)?;
-        Self::build(
-            gpus,
-            weights,
-            dtype,
-            shards,
-            layers,
-            first,
-            last,
-            comm_config,
-            None,
-        )
+        let layout = Layout {
+            shards: ShardSpec::tensor_parallel(config, split)?,
+            part,
+            remote: None,
+        };
+        Self::build(gpus, weights, dtype, layout, comm_config)
     }
 
     /// A group whose ranks are one device in each of `remote.size()` processes: this process
@@ -177,86 +207,55 @@ impl TpGroup {
             .ok_or_else(|| {
                 WgparError::Config(format!("rank {} outside a group of {n}", remote.rank()))
             })?;
-        let layers = 0..weights.config.layers;
+        let layout = Layout {
+            shards: vec![shard],
+            part: GroupPart::whole(&weights.config),
+            remote: Some(remote),
+        };
         Self::build(
             std::slice::from_ref(gpu),
             weights,
             dtype,
-            vec![shard],
-            layers,
-            true,
-            true,
+            layout,
             comm_config,
-            Some(remote),
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Uploads every rank's shard at once (each device copies its own weights) and starts the
+    /// ranks' worker threads.
     fn build(
         gpus: &[Arc<Gpu>],
         weights: &ModelWeights,
         dtype: DType,
-        shards: Vec<ShardSpec>,
-        layers: Range<usize>,
-        first: bool,
-        last: bool,
+        layout: Layout,
         comm_config: CommConfig,
-        remote: Option<Arc<dyn CrossProcessGroup>>,
     ) -> Result<Self> {
         let comm = Communicator::new(gpus.to_vec(), comm_config)?;
-        // Upload every rank's shard at once: each device copies its own weights.
-        let models: Vec<Result<GpuModel>> = std::thread::scope(|s| {
-            let handles: Vec<_> = gpus
-                .iter()
-                .zip(&shards)
-                .map(|(gpu, shard)| {
-                    let placement = Placement {
-                        layers: layers.clone(),
-                        shard: shard.clone(),
-                        embedding: first,
-                        head: last && shard.rank == 0,
-                    };
-                    s.spawn(move || GpuModel::upload(gpu.clone(), weights, placement, dtype))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(WgparError::WorkerPanicked {
-                            worker: "weight upload thread".into(),
-                            message: "while uploading a shard".into(),
-                        })
-                    })
-                })
-                .collect()
-        });
-        let mut states = Vec::new();
+        let Layout {
+            shards,
+            part,
+            remote,
+        } = layout;
+        let placements = shards.iter().map(|s| part.placement(s.clone())).collect();
+        let models = upload_parts(gpus, weights, dtype, placements, "a shard");
         let faults: Vec<Arc<Mutex<Option<Fault>>>> =
             (0..gpus.len()).map(|_| Arc::default()).collect();
+        let mut states = Vec::new();
         for (rank, model) in models.into_iter().enumerate() {
-            states.push((
-                format!(
-                    "tp rank {rank} ({}, layers {}..{})",
-                    gpus[rank].describe(),
-                    layers.start,
-                    layers.end
-                ),
-                Rank {
-                    model: model?,
-                    link: RankLink {
-                        comm: comm.join(rank)?,
-                        remote: remote.clone(),
-                        collectives: 0,
-                        group_tag: gpus[0].ordinal() as u64,
-                        world: shards[rank].world,
-                    },
-                    buffers: StepBuffers::default(),
-                    timer: SpanTimer::default(),
-                    fault: faults[rank].clone(),
-                    jobs: 0,
-                },
-            ));
+            let name = format!(
+                "tp rank {rank} ({}, layers {}..{})",
+                gpus[rank].describe(),
+                part.layers.start,
+                part.layers.end
+            );
+            let link = RankLink {
+                comm: comm.join(rank)?,
+                remote: remote.clone(),
+                collectives: 0,
+                group_tag: gpus[0].ordinal() as u64,
+                world: shards[rank].world,
+            };
+            states.push((name, Rank::new(model?, link, faults[rank].clone())));
         }
         Ok(Self {
             workers: Workers::spawn(states, Rank::run, |rank, why| rank.link.comm.abort(why))?,

@@ -31,7 +31,9 @@ mod pass;
 mod rank;
 mod serve;
 
-pub(crate) use group::{EncoderExtras, GroupInput, GroupJob, GroupOutput, Readout, TpGroup};
+pub(crate) use group::{
+    EncoderExtras, GroupInput, GroupJob, GroupOutput, GroupPart, Readout, TpGroup,
+};
 
 /// How a step uses the KV cache and the timeline, beyond its shape.
 #[derive(Default)]
@@ -83,16 +85,8 @@ impl TensorParallelEngine {
         comm_config: CommConfig,
     ) -> Result<Self> {
         let config = weights.config.clone();
-        let group = TpGroup::new(
-            gpus,
-            weights,
-            dtype,
-            split,
-            0..config.layers,
-            true,
-            true,
-            comm_config,
-        )?;
+        let part = GroupPart::whole(&config);
+        let group = TpGroup::new(gpus, weights, dtype, split, part, comm_config)?;
         Ok(Self::with_group(group, config))
     }
 

@@ -48,6 +48,17 @@ fn buffers_for<'b>(
 }
 
 impl Rank {
+    pub(super) fn new(model: GpuModel, link: RankLink, fault: Arc<Mutex<Option<Fault>>>) -> Self {
+        Self {
+            model,
+            link,
+            buffers: StepBuffers::default(),
+            timer: SpanTimer::default(),
+            fault,
+            jobs: 0,
+        }
+    }
+
     /// Fails as an injected fault says, once the rank has run `after` jobs.
     fn inject_fault(&mut self) -> Result<()> {
         let fault = *crate::threads::lock(&self.fault);
