@@ -202,17 +202,7 @@ fn pipeline(world: &World, counts: &[usize], layout: Layout, local: Local) -> Re
         stats.clone(),
     )?;
     if rank == 0 && world.serving() {
-        // A peer's failure fails the steps in flight (the server answers them with the
-        // error) before the watchdog ends this process.
-        world.on_peer_failure(
-            Box::new(move |cause| {
-                let _ = failed.send(Err(crate::WgparError::EngineStopped {
-                    engine: "pipeline over ranks".into(),
-                    cause,
-                }));
-            }),
-            PEER_FAILURE_GRACE,
-        );
+        fail_steps_on_peer_failure(world, failed);
     }
     if rank == 0 {
         return Ok(DistEngine::Driver(Box::new(PipelineDriver {
@@ -232,6 +222,20 @@ fn pipeline(world: &World, counts: &[usize], layout: Layout, local: Local) -> Re
         name,
         failed: false,
     })))
+}
+
+/// A serving rank 0: a peer's failure fails the steps in flight (the server answers them
+/// with the error) before the watchdog ends this process.
+fn fail_steps_on_peer_failure(world: &World, failed: Sender<Result<Output>>) {
+    world.on_peer_failure(
+        Box::new(move |cause| {
+            let _ = failed.send(Err(crate::WgparError::EngineStopped {
+                engine: "pipeline over ranks".into(),
+                cause,
+            }));
+        }),
+        PEER_FAILURE_GRACE,
+    );
 }
 
 /// Every stage's layers over all ranks, and how many stages each rank holds (its devices

@@ -5,10 +5,10 @@
 //! Each device stage has a second thread for its hand-off: the stage thread uploads its
 //! input, computes, starts the download of its output and goes on to the next micro-batch,
 //! while the hand-off thread finishes the download (paced to a modelled link when asked) and
-//! sends the bytes on ([`Downstream`]). So a micro-batch's hand-off overlaps the next one's
-//! compute (double buffering), and every recorded span holds exactly the time it names: a
-//! compute span is the stage's compute, a `d2h` span the download on its link. The stage
-//! statistics ([`StageStats`]) are sums of those same spans.
+//! sends the bytes on ([`Downstream`](handoff::Downstream)). So a micro-batch's hand-off
+//! overlaps the next one's compute (double buffering), and every recorded span holds exactly
+//! the time it names: a compute span is the stage's compute, a `d2h` span the download on its
+//! link. The stage statistics ([`StageStats`]) are sums of those same spans.
 //!
 //! Schedules ([`Schedule`]): prefill is a GPipe fill-drain of the batch's micro-batches.
 //! Decode is in flight by default: each micro-batch's next token enters stage 0 as soon as its

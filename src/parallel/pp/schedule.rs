@@ -9,13 +9,14 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::driver::unexpected_output;
-use super::handoff::Payload;
+use super::handoff::{Output, Payload};
 use super::PipelineEngine;
 use crate::error::Result;
 use crate::model::{EncoderInput, Step, StepOut};
 use crate::parallel::encoder::{pad_batch, Embeddings, Encoder};
 use crate::parallel::tp::EncoderExtras;
 use crate::parallel::{check_decode, Decoded, Engine, Logits, StepOutput};
+use crate::trace::SpanId;
 
 /// How a pipeline schedules decode steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
@@ -126,76 +127,115 @@ impl PipelineEngine {
         }
         self.reset_stats();
         let groups = self.groups.clone();
-        let vocab = self.config.vocab;
-        let mut kept: Vec<Vec<Vec<f32>>> = vec![Vec::new(); groups.len()];
-        let mut left = vec![steps; groups.len()];
+        let mut lanes = Lanes::new(groups.len(), steps, keep_logits);
         // The first tokens were sampled from the previous call's outputs, all of them.
         let barrier = std::mem::take(&mut self.last_outputs);
         for (g, range) in groups.iter().enumerate() {
-            let step = Step {
-                batch: range.len(),
-                seq: 1,
-                past: self.group_past[g],
-            };
-            let mut w = self.work(
+            self.decode_pass(
                 g,
                 next[range.clone()].to_vec(),
-                step,
-                (false, false),
                 barrier.clone(),
-            );
-            w.readout = self.readout(step.batch, keep_logits);
-            self.send(w)?;
+                keep_logits,
+            )?;
         }
-        let mut running = groups.len();
-        while running > 0 {
+        while lanes.running > 0 {
             let o = self.receive()?;
-            let g = o.group;
-            self.group_deps.insert(g, o.dep);
-            self.group_past[g] += 1;
-            left[g] -= 1;
-            let Payload::Picked(picked) = o.payload else {
-                return Err(unexpected_output());
-            };
-            // Step k of this group: the prefill was step 0.
-            let chosen = self.tokens_of(steps - left[g], &picked)?;
-            for (seq, &t) in groups[g].clone().zip(&chosen) {
-                out.tokens[seq].push(t);
-            }
-            if keep_logits {
-                let mut data = picked.logits.unwrap_or_default();
-                data.truncate(o.batch * vocab);
-                kept[g].push(data);
-            }
-            if left[g] > 0 {
-                let step = Step {
-                    batch: o.batch,
-                    seq: 1,
-                    past: self.group_past[g],
-                };
-                let mut w = self.work(g, chosen, step, (false, false), vec![o.dep]);
-                w.readout = self.readout(step.batch, keep_logits);
-                self.send(w)?;
-            } else {
-                running -= 1;
-            }
+            self.decoded(o, &mut lanes, &mut out)?;
         }
         self.last_outputs = (0..groups.len())
             .filter_map(|g| self.group_deps.get(&g).copied())
             .collect();
         self.finish_run(start, self.batch * steps, groups.len(), steps);
         if keep_logits {
-            out.logits = (0..steps)
-                .map(|s| Logits {
-                    batch: self.batch,
-                    vocab,
-                    data: kept.iter().flat_map(|k| k[s].iter().copied()).collect(),
-                })
-                .collect();
+            out.logits = lanes.logits(self.batch, self.config.vocab);
         }
         out.wall_s = start.elapsed().as_secs_f64();
         out.stats = self.last.clone().unwrap_or_default();
         Ok(out)
+    }
+
+    /// Sends group `g`'s next decode pass of `ids`, after `deps`.
+    fn decode_pass(
+        &mut self,
+        g: usize,
+        ids: Vec<u32>,
+        deps: Vec<SpanId>,
+        keep_logits: bool,
+    ) -> Result<()> {
+        let step = Step {
+            batch: self.groups[g].len(),
+            seq: 1,
+            past: self.group_past[g],
+        };
+        let mut w = self.work(g, ids, step, (false, false), deps);
+        w.readout = self.readout(step.batch, keep_logits);
+        self.send(w)
+    }
+
+    /// Takes a group's decoded pass `o`: its tokens (and logits) into `out`, and the group's
+    /// next pass on its way unless the group is done.
+    fn decoded(&mut self, o: Output, lanes: &mut Lanes, out: &mut Decoded) -> Result<()> {
+        let g = o.group;
+        self.group_deps.insert(g, o.dep);
+        self.group_past[g] += 1;
+        lanes.left[g] -= 1;
+        let Payload::Picked(picked) = o.payload else {
+            return Err(unexpected_output());
+        };
+        // Step k of this group: the prefill was step 0.
+        let chosen = self.tokens_of(lanes.steps - lanes.left[g], &picked)?;
+        for (seq, &t) in self.groups[g].clone().zip(&chosen) {
+            out.tokens[seq].push(t);
+        }
+        if lanes.keep_logits {
+            let mut data = picked.logits.unwrap_or_default();
+            data.truncate(o.batch * self.config.vocab);
+            lanes.kept[g].push(data);
+        }
+        if lanes.left[g] == 0 {
+            lanes.running -= 1;
+            return Ok(());
+        }
+        self.decode_pass(g, chosen, vec![o.dep], lanes.keep_logits)
+    }
+}
+
+/// The groups (lanes) of an in-flight decode: passes left, logits kept.
+struct Lanes {
+    steps: usize,
+    keep_logits: bool,
+    /// Passes left per group.
+    left: Vec<usize>,
+    /// Groups with passes left.
+    running: usize,
+    /// Per group, each step's logits (when kept).
+    kept: Vec<Vec<Vec<f32>>>,
+}
+
+impl Lanes {
+    fn new(groups: usize, steps: usize, keep_logits: bool) -> Self {
+        Self {
+            steps,
+            keep_logits,
+            left: vec![steps; groups],
+            running: groups,
+            kept: vec![Vec::new(); groups],
+        }
+    }
+
+    /// The kept logits, one batch per step.
+    fn logits(&self, batch: usize, vocab: usize) -> Vec<Logits> {
+        (0..self.steps)
+            .map(|s| Logits {
+                batch,
+                vocab,
+                data: self
+                    .kept
+                    .iter()
+                    .flat_map(|k| k[s].iter().copied())
+                    .collect(),
+            })
+            .collect()
     }
 }
 

@@ -348,3 +348,42 @@ fn stage_name(index: usize, devices: &[Arc<Gpu>], layers: &Range<usize>) -> Stri
         layers.end
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn segment(stages: Vec<Range<usize>>, tp: usize) -> Segment {
+        Segment::whole(stages, tp)
+    }
+
+    #[test]
+    fn a_segment_refuses_devices_that_do_not_form_its_stages() {
+        let seg = segment(vec![0..2, 2..4], 2);
+        assert!(seg.check(4, 1).is_ok());
+        assert!(seg.check(3, 1).is_err());
+        assert!(seg.check(4, 0).is_err());
+        assert!(segment(vec![0..2, 2..4], 0).check(0, 1).is_err());
+        assert!(segment(Vec::new(), 1).check(0, 1).is_err());
+    }
+
+    #[test]
+    fn only_the_ends_of_a_segment_embed_and_hold_the_head() {
+        let mut seg = segment(vec![0..1, 1..3, 3..4], 1);
+        let ends: Vec<(Range<usize>, bool, bool)> = (0..3)
+            .map(|i| seg.part(i))
+            .map(|p| (p.layers, p.embeds, p.head))
+            .collect();
+        assert_eq!(
+            ends,
+            vec![
+                (0..1, true, false),
+                (1..3, false, false),
+                (3..4, false, true)
+            ]
+        );
+        // A middle rank's segment under MPI holds neither end.
+        (seg.embeds, seg.head) = (false, false);
+        assert!((0..3).all(|i| !seg.part(i).embeds && !seg.part(i).head));
+    }
+}

@@ -295,3 +295,20 @@ impl TpGroup {
         &self.labels
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_rank_0_of_a_group_holds_the_head() {
+        let config = ModelConfig::default_model();
+        let part = GroupPart::whole(&config);
+        let shards = ShardSpec::tensor_parallel(&config, &[1, 1]).unwrap();
+        let placements: Vec<Placement> = shards.into_iter().map(|s| part.placement(s)).collect();
+        assert!(placements
+            .iter()
+            .all(|p| p.embedding && p.layers == (0..config.layers)));
+        assert!(placements[0].head && !placements[1].head);
+    }
+}

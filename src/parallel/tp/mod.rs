@@ -34,6 +34,7 @@ mod serve;
 pub(crate) use group::{
     EncoderExtras, GroupInput, GroupJob, GroupOutput, GroupPart, Readout, TpGroup,
 };
+use pass::RankOutput;
 
 /// How a step uses the KV cache and the timeline, beyond its shape.
 #[derive(Default)]
@@ -204,9 +205,30 @@ impl TensorParallelEngine {
             });
         }
         let start = Instant::now();
-        let new_cache = plan.new_cache.is_some();
         let encoder = plan.encoder.is_some();
-        let job = GroupJob {
+        let job = self.job(ids, step, plan);
+        let outputs = match self.group.run(job) {
+            Ok(o) => o,
+            Err(e) => {
+                self.failed = Some(e.to_string());
+                return Err(e);
+            }
+        };
+        let wall_s = start.elapsed().as_secs_f64();
+        self.last = Some(step_stats(step.tokens(), wall_s, &outputs));
+        self.past = step.past + step.seq;
+        self.last_span = outputs[0].last_span;
+        let output = outputs.into_iter().find_map(|o| o.output);
+        match &self.group.remote {
+            Some(remote) => share_output(remote.as_ref(), output, encoder),
+            None => output.ok_or_else(no_output),
+        }
+    }
+
+    /// The job every rank runs for `step` of `ids` as `plan` says.
+    fn job(&self, ids: Vec<u32>, step: Step, plan: StepPlan) -> GroupJob {
+        let new_cache = plan.new_cache.is_some();
+        GroupJob {
             group: 0,
             input: GroupInput::Ids(Arc::new(ids)),
             step,
@@ -227,55 +249,51 @@ impl TensorParallelEngine {
             encoder: plan.encoder,
             pacer: self.pacer.clone(),
             readout: plan.readout,
-        };
-        let outputs = match self.group.run(job) {
-            Ok(o) => o,
-            Err(e) => {
-                self.failed = Some(e.to_string());
-                return Err(e);
-            }
-        };
-        let wall_s = start.elapsed().as_secs_f64();
-        let n = outputs.len() as f64;
-        self.last = Some(StepStats {
-            tokens: step.tokens(),
-            wall_s,
-            compute_s: outputs.iter().map(|o| o.compute_s).sum::<f64>() / n,
-            comm_s: outputs.iter().map(|o| o.comm_s).sum::<f64>() / n,
-            collectives: outputs[0].collectives,
-            bytes_sent: outputs[0].bytes,
-            bytes_received: outputs[0].bytes,
-            encode_s: Some(outputs.iter().map(|o| o.encode_s).sum::<f64>() / n),
-            encode_cpu_s: (outputs.iter().map(|o| o.encode_cpu_s))
-                .sum::<Option<f64>>()
-                .map(|s| s / n),
-        });
-        self.past = step.past + step.seq;
-        self.last_span = outputs[0].last_span;
-        let output = outputs.into_iter().find_map(|o| o.output);
-        match &self.group.remote {
-            // Across processes only floats travel: the logits (the readout asked for them)
-            // or the pooled embeddings; every process then picks from the logits.
-            Some(remote) => {
-                let shared = output.map(|o| match o {
-                    GroupOutput::Picked(p) => p.logits.unwrap_or_default(),
-                    GroupOutput::Pooled(p) => p,
-                    GroupOutput::Hidden(_) => Vec::new(),
-                });
-                let data = remote.share_output(shared)?;
-                Ok(if encoder {
-                    GroupOutput::Pooled(data)
-                } else {
-                    GroupOutput::Picked(StepOut {
-                        tokens: Vec::new(),
-                        non_finite: Vec::new(),
-                        logits: Some(data),
-                    })
-                })
-            }
-            None => output.ok_or_else(no_output),
         }
     }
+}
+
+/// A step's statistics from every rank's output: means over the ranks, rank 0's collectives.
+fn step_stats(tokens: usize, wall_s: f64, outputs: &[RankOutput]) -> StepStats {
+    let n = outputs.len() as f64;
+    StepStats {
+        tokens,
+        wall_s,
+        compute_s: outputs.iter().map(|o| o.compute_s).sum::<f64>() / n,
+        comm_s: outputs.iter().map(|o| o.comm_s).sum::<f64>() / n,
+        collectives: outputs[0].collectives,
+        bytes_sent: outputs[0].bytes,
+        bytes_received: outputs[0].bytes,
+        encode_s: Some(outputs.iter().map(|o| o.encode_s).sum::<f64>() / n),
+        encode_cpu_s: (outputs.iter().map(|o| o.encode_cpu_s))
+            .sum::<Option<f64>>()
+            .map(|s| s / n),
+    }
+}
+
+/// The step's output in every process of a group that spans processes. Only floats travel:
+/// the logits (the readout asked for them) or the pooled embeddings; every process then
+/// picks from the logits.
+fn share_output(
+    remote: &dyn CrossProcessGroup,
+    output: Option<GroupOutput>,
+    encoder: bool,
+) -> Result<GroupOutput> {
+    let shared = output.map(|o| match o {
+        GroupOutput::Picked(p) => p.logits.unwrap_or_default(),
+        GroupOutput::Pooled(p) => p,
+        GroupOutput::Hidden(_) => Vec::new(),
+    });
+    let data = remote.share_output(shared)?;
+    Ok(if encoder {
+        GroupOutput::Pooled(data)
+    } else {
+        GroupOutput::Picked(StepOut {
+            tokens: Vec::new(),
+            non_finite: Vec::new(),
+            logits: Some(data),
+        })
+    })
 }
 
 fn no_output() -> WgparError {
