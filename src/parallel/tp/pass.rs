@@ -122,18 +122,16 @@ impl<'j> Pass<'j> {
         self.prev = vec![h2d];
     }
 
-    /// A compute span `start..end` after the previous phase; `attrs` describes it.
+    /// A compute span `start..end` after the previous phase; `attrs` describes it. The first
+    /// one takes the job's release.
     pub(super) fn computed(
         &mut self,
         start: Instant,
         end: Instant,
         attrs: impl FnOnce() -> SpanAttrs,
     ) -> SpanId {
-        self.out.compute_s += (end - start).as_secs_f64();
-        let (release, mb, prev) = (self.release.take(), self.job.microbatch, &self.prev);
-        self.job.recorder.record_with(start, end, || {
-            tagged(released(attrs().after_all(prev), release), mb)
-        })
+        let release = self.release.take();
+        self.compute_span((start, end), release, attrs)
     }
 
     /// The step's last compute span (the head or the last residual), after the previous phase.
@@ -143,12 +141,23 @@ impl<'j> Pass<'j> {
         end: Instant,
         attrs: impl FnOnce() -> SpanAttrs,
     ) -> SpanId {
-        self.out.compute_s += (end - start).as_secs_f64();
-        let (mb, prev) = (self.job.microbatch, &self.prev);
-        let tail =
-            (self.job.recorder).record_with(start, end, || tagged(attrs().after_all(prev), mb));
+        let tail = self.compute_span((start, end), None, attrs);
         self.out.last_span = tail;
         tail
+    }
+
+    /// A compute span after the previous phase, starting no earlier than `release`.
+    fn compute_span(
+        &mut self,
+        (start, end): (Instant, Instant),
+        release: Option<f64>,
+        attrs: impl FnOnce() -> SpanAttrs,
+    ) -> SpanId {
+        self.out.compute_s += (end - start).as_secs_f64();
+        let (mb, prev) = (self.job.microbatch, &self.prev);
+        self.job.recorder.record_with(start, end, || {
+            tagged(released(attrs().after_all(prev), release), mb)
+        })
     }
 
     /// An all-reduce of layer `layer` after the compute span `compute`: entered at `entered`,
