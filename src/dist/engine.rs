@@ -9,10 +9,11 @@
 //!   serve their stages until rank 0 stops; the last rank sends its picks back to rank 0,
 //!   with the logits where rank 0 needs them (it samples, or was asked for logits).
 
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crossbeam::channel::{bounded, unbounded, Receiver};
+use crossbeam::channel::{bounded, unbounded, Receiver, Sender};
 
 use super::error::DistError;
 use super::link::{self, Links};
@@ -71,83 +72,181 @@ pub fn build(
         .iter()
         .map(|c| c.parse().unwrap_or(0))
         .collect();
-    match strategy {
-        Strategy::Single => Err(DistError::Unsupported {
-            option: "--strategy none".into(),
-            why: "one device has nothing to spread over ranks: use tp, pp or hybrid under \
-                  mpirun, or run without it"
-                .into(),
-        }
-        .into()),
-        Strategy::Tensor { split } => {
-            if let Some((r, n)) = counts.iter().enumerate().find(|(_, n)| **n != 1) {
-                return Err(DistError::Layout(format!(
-                    "tensor parallelism across ranks uses one device per rank, but rank {r} \
-                     ({}) opened {n}: pass --virtual 1 or one --devices index; for tensor \
-                     parallelism inside a rank and pipeline stages across ranks, use \
-                     --strategy hybrid --tp N",
-                    world.hosts()[r]
-                ))
-                .into());
+    let local = Local {
+        gpus,
+        weights,
+        dtype,
+        config,
+    };
+    let (tp, partition, micro_batches, schedule) = match strategy {
+        Strategy::Single => {
+            return Err(DistError::Unsupported {
+                option: "--strategy none".into(),
+                why: "one device has nothing to spread over ranks: use tp, pp or hybrid under \
+                      mpirun, or run without it"
+                    .into(),
             }
-            let coll = Arc::new(Collectives::new(config.clone())?);
-            let group = Arc::new(MpiGroup::new(world, coll, config));
-            let engine = TensorParallelEngine::spanning(
-                &gpus[0],
-                weights,
-                dtype,
-                split.as_deref(),
-                config.clone(),
-                group,
-            )?;
-            Ok(DistEngine::Driver(Box::new(engine)))
+            .into())
         }
+        Strategy::Tensor { split } => return tensor(world, &counts, split.as_deref(), local),
         Strategy::Pipeline {
             partition,
             micro_batches,
             schedule,
-        } => pipeline(
-            world,
-            &counts,
-            1,
-            partition,
-            (*micro_batches, *schedule),
-            gpus,
-            weights,
-            dtype,
-            config,
-        ),
+        } => (1, partition, micro_batches, schedule),
         Strategy::Hybrid {
             tp,
             partition,
             micro_batches,
             schedule,
-        } => pipeline(
-            world,
-            &counts,
-            *tp,
-            partition,
-            (*micro_batches, *schedule),
-            gpus,
-            weights,
-            dtype,
-            config,
-        ),
-    }
+        } => (*tp, partition, micro_batches, schedule),
+    };
+    let layout = Layout {
+        tp,
+        partition,
+        micro_batches: *micro_batches,
+        schedule: *schedule,
+    };
+    pipeline(world, &counts, layout, local)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn pipeline(
+/// What this rank brings to an engine: its devices, the weights and how they are stored, and
+/// the communication settings.
+#[derive(Clone, Copy)]
+struct Local<'a> {
+    gpus: &'a [Arc<Gpu>],
+    weights: &'a ModelWeights,
+    dtype: DType,
+    config: &'a CommConfig,
+}
+
+/// A pipeline's settings: tensor-parallel devices per stage, the layer split, micro-batches
+/// and the decode schedule.
+struct Layout<'a> {
+    tp: usize,
+    partition: &'a PartitionSpec,
+    micro_batches: usize,
+    schedule: Schedule,
+}
+
+/// Tensor parallelism over ranks: one device per rank, the all-reduce over MPI.
+fn tensor(
     world: &World,
     counts: &[usize],
-    tp: usize,
-    how: &PartitionSpec,
-    (micro_batches, schedule): (usize, Schedule),
-    gpus: &[Arc<Gpu>],
-    weights: &ModelWeights,
-    dtype: DType,
-    config: &CommConfig,
+    split: Option<&[usize]>,
+    local: Local,
 ) -> Result<DistEngine> {
+    if let Some((r, n)) = counts.iter().enumerate().find(|(_, n)| **n != 1) {
+        return Err(DistError::Layout(format!(
+            "tensor parallelism across ranks uses one device per rank, but rank {r} \
+             ({}) opened {n}: pass --virtual 1 or one --devices index; for tensor \
+             parallelism inside a rank and pipeline stages across ranks, use \
+             --strategy hybrid --tp N",
+            world.hosts()[r]
+        ))
+        .into());
+    }
+    let coll = Arc::new(Collectives::new(local.config.clone())?);
+    let group = Arc::new(MpiGroup::new(world, coll, local.config));
+    let engine = TensorParallelEngine::spanning(
+        &local.gpus[0],
+        local.weights,
+        local.dtype,
+        split,
+        local.config.clone(),
+        group,
+    )?;
+    Ok(DistEngine::Driver(Box::new(engine)))
+}
+
+/// A pipeline over ranks: this rank's segment of the stages, joined to its neighbours by
+/// remote stage links; rank 0 drives, the others serve.
+fn pipeline(world: &World, counts: &[usize], layout: Layout, local: Local) -> Result<DistEngine> {
+    let tp = layout.tp;
+    let (ranges, stages) = stage_ranges(world, counts, &layout, local.weights.config.layers)?;
+    let (rank, size) = (world.rank(), world.size());
+    let first: usize = stages[..rank].iter().sum();
+    let mine = ranges[first..first + stages[rank]].to_vec();
+    let name = pipeline_name(&layout, &ranges, world.size(), (first, &mine));
+    let (to_first, upstream) = link_channel(rank > 0);
+    let (downstream, from_last) = link_channel(rank + 1 < size);
+    let (out_tx, out_rx) = unbounded();
+    let mut segment = PipelineEngine::segment(
+        local.gpus,
+        local.weights,
+        local.dtype,
+        layout.micro_batches,
+        local.config.clone(),
+        Segment {
+            stages: mine,
+            tp,
+            embeds: rank == 0,
+            head: rank + 1 == size,
+            upstream,
+            downstream,
+            output: (out_tx.clone(), out_rx.clone()),
+        },
+    )?;
+    // The driver (rank 0) schedules decode; the other ranks' stages follow its passes.
+    segment.set_schedule(layout.schedule);
+    // Spans of remote ranks start at the job's clock origin.
+    let recorder = Recorder::with_epoch(world.epoch());
+    let stats = segment.stage_stats_handle();
+    let failed = out_tx.clone();
+    let links = Links::start(
+        world,
+        to_first,
+        from_last,
+        out_tx,
+        recorder.clone(),
+        stats.clone(),
+    )?;
+    if rank == 0 && world.serving() {
+        fail_steps_on_peer_failure(world, failed);
+    }
+    if rank == 0 {
+        return Ok(DistEngine::Driver(Box::new(PipelineDriver {
+            inner: Some(segment),
+            links: Some(links),
+            name,
+            failed: false,
+        })));
+    }
+    Ok(DistEngine::Server(Box::new(StageServer {
+        inner: Some(segment),
+        links: Some(links),
+        output: out_rx,
+        last: rank + 1 == size,
+        stats,
+        recorder,
+        name,
+        failed: false,
+    })))
+}
+
+/// A serving rank 0: a peer's failure fails the steps in flight (the server answers them
+/// with the error) before the watchdog ends this process.
+fn fail_steps_on_peer_failure(world: &World, failed: Sender<Result<Output>>) {
+    world.on_peer_failure(
+        Box::new(move |cause| {
+            let _ = failed.send(Err(crate::WgparError::EngineStopped {
+                engine: "pipeline over ranks".into(),
+                cause,
+            }));
+        }),
+        PEER_FAILURE_GRACE,
+    );
+}
+
+/// Every stage's layers over all ranks, and how many stages each rank holds (its devices
+/// over `tp`); refuses ranks whose devices do not form stages.
+fn stage_ranges(
+    world: &World,
+    counts: &[usize],
+    layout: &Layout,
+    layers: usize,
+) -> Result<(Vec<Range<usize>>, Vec<usize>)> {
+    let tp = layout.tp;
     if tp == 0 {
         return Err(DistError::Layout("--tp must be at least 1".into()).into());
     }
@@ -165,7 +264,7 @@ fn pipeline(
     }
     let stages: Vec<usize> = counts.iter().map(|n| n / tp).collect();
     let total: usize = stages.iter().sum();
-    let how = match how {
+    let how = match layout.partition {
         PartitionSpec::Even => Partition::Even,
         PartitionSpec::Explicit(l) => Partition::Explicit(l.clone()),
         PartitionSpec::Balanced => {
@@ -176,57 +275,30 @@ fn pipeline(
             .into())
         }
     };
-    let ranges = partition(weights.config.layers, total, &how)?;
-    let rank = world.rank();
-    let size = world.size();
-    let first: usize = stages[..rank].iter().sum();
-    let mine = ranges[first..first + stages[rank]].to_vec();
-    let (to_first, upstream) = if rank > 0 {
-        let (tx, rx) = bounded(2);
-        (Some(tx), Some(rx))
-    } else {
-        (None, None)
-    };
-    let (downstream, from_last) = if rank + 1 < size {
-        let (tx, rx) = bounded(2);
-        (Some(tx), Some(rx))
-    } else {
-        (None, None)
-    };
-    let (out_tx, out_rx) = unbounded();
-    let mut segment = PipelineEngine::segment(
-        gpus,
-        weights,
-        dtype,
-        tp,
-        mine.clone(),
-        micro_batches,
-        config.clone(),
-        Segment {
-            embeds: rank == 0,
-            head: rank + 1 == size,
-            upstream,
-            downstream,
-            output: (out_tx.clone(), out_rx.clone()),
-        },
-    )?;
-    // The driver (rank 0) schedules decode; the other ranks' stages follow its passes.
-    segment.set_schedule(schedule);
-    // Spans of remote ranks start at the job's clock origin.
-    let recorder = Recorder::with_epoch(world.epoch());
-    let stats = segment.stage_stats_handle();
-    let failed = out_tx.clone();
-    let links = Links::start(
-        world,
-        to_first,
-        from_last,
-        out_tx,
-        recorder.clone(),
-        stats.clone(),
-    )?;
-    let name = format!(
+    Ok((partition(layers, total, &how)?, stages))
+}
+
+/// The two ends of a remote stage link's channel, where this rank has that neighbour.
+fn link_channel<T>(present: bool) -> (Option<Sender<T>>, Option<Receiver<T>>) {
+    if !present {
+        return (None, None);
+    }
+    let (tx, rx) = bounded(2);
+    (Some(tx), Some(rx))
+}
+
+/// The engine's name on this rank: the whole pipeline, then this rank's stages (from `first`,
+/// holding `mine`).
+fn pipeline_name(
+    layout: &Layout,
+    ranges: &[Range<usize>],
+    size: usize,
+    (first, mine): (usize, &[Range<usize>]),
+) -> String {
+    let (tp, total) = (layout.tp, ranges.len());
+    format!(
         "{} over {size} ranks ({total} stages, layers {:?}; this rank: stages {}..{}, layers \
-         {}..{}, {micro_batches} micro-batches)",
+         {}..{}, {} micro-batches)",
         if tp > 1 {
             format!("hybrid tp={tp} x pp={total}")
         } else {
@@ -234,42 +306,11 @@ fn pipeline(
         },
         ranges.iter().map(|r| r.len()).collect::<Vec<_>>(),
         first,
-        first + stages[rank],
+        first + mine.len(),
         mine[0].start,
-        mine[mine.len() - 1].end
-    );
-    if rank == 0 && world.serving() {
-        // A peer's failure fails the steps in flight (the server answers them with the
-        // error) before the watchdog ends this process.
-        world.on_peer_failure(
-            Box::new(move |cause| {
-                let _ = failed.send(Err(crate::WgparError::EngineStopped {
-                    engine: "pipeline over ranks".into(),
-                    cause,
-                }));
-            }),
-            PEER_FAILURE_GRACE,
-        );
-    }
-    if rank == 0 {
-        Ok(DistEngine::Driver(Box::new(PipelineDriver {
-            inner: Some(segment),
-            links: Some(links),
-            name,
-            failed: false,
-        })))
-    } else {
-        Ok(DistEngine::Server(Box::new(StageServer {
-            inner: Some(segment),
-            links: Some(links),
-            output: out_rx,
-            last: rank + 1 == size,
-            stats,
-            recorder,
-            name,
-            failed: false,
-        })))
-    }
+        mine[mine.len() - 1].end,
+        layout.micro_batches
+    )
 }
 
 /// How long a serving rank 0 keeps answering after a peer failed (its requests in flight get

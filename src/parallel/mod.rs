@@ -3,14 +3,17 @@
 
 mod balance;
 mod batch;
+mod buffers;
 pub mod cost;
 mod encoder;
+mod fault;
 pub mod partition;
 mod pick;
 pub(crate) mod pp;
 mod single;
 mod strategy;
 mod tp;
+mod upload;
 mod worker;
 
 use std::time::Instant;
@@ -18,8 +21,9 @@ use std::time::Instant;
 pub use balance::measure_stage_costs;
 pub use batch::{BatchStep, SeqRow, StepDone, StepEngine};
 pub use encoder::{cosine_similarity, pad_batch, Embeddings, Encoder, SingleEncoder};
+pub use fault::{Fault, FaultKind};
 pub use partition::{partition, Partition, StageCost};
-pub use pp::{split_groups, Fault, FaultKind, PipelineEngine, PipelineStats, Schedule, StageStats};
+pub use pp::{split_groups, PipelineEngine, PipelineStats, Schedule, StageStats};
 pub use single::SingleEngine;
 pub use strategy::{build_engine, build_pipeline, build_step_engine, PartitionSpec, Strategy};
 pub use tp::TensorParallelEngine;
