@@ -233,7 +233,7 @@ pub trait Engine {
     /// says: tests and demos of the failure path (`run --inject-fault`).
     fn inject_fault(&mut self, worker: usize, fault: Fault) -> Result<()> {
         let _ = fault;
-        Err(WgparError::Config(format!(
+        Err(WgparError::unsupported(format!(
             "{} has no worker {worker} to fail: --inject-fault needs --strategy tp, pp or hybrid",
             self.name()
         )))
@@ -301,12 +301,12 @@ pub(crate) fn check_decode(batch: usize, tokens: &[u32]) -> Result<()> {
 pub fn prompt_shape(prompts: &[Vec<u32>]) -> Result<(usize, usize)> {
     let seq = prompts.first().map_or(0, |p| p.len());
     if prompts.is_empty() || seq == 0 {
-        return Err(WgparError::Config(
+        return Err(WgparError::InvalidCall(
             "need at least one non-empty prompt".into(),
         ));
     }
     if let Some(p) = prompts.iter().find(|p| p.len() != seq) {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::InvalidCall(format!(
             "prompts must have equal lengths: {} vs {}",
             seq,
             p.len()

@@ -35,12 +35,13 @@ pub struct StageCost {
 /// Layer ranges for `stages` stages over `layers` layers.
 pub fn partition(layers: usize, stages: usize, how: &Partition) -> Result<Vec<Range<usize>>> {
     if stages == 0 {
-        return Err(WgparError::Config(
+        return Err(WgparError::option(
+            "--stages",
             "a pipeline needs at least one stage".into(),
         ));
     }
     if stages > layers {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::unsupported(format!(
             "{stages} pipeline stages for {layers} layers: each stage needs at least one layer"
         )));
     }
@@ -62,9 +63,12 @@ pub fn partition(layers: usize, stages: usize, how: &Partition) -> Result<Vec<Ra
                 || counts.iter().sum::<usize>() != layers
                 || counts.contains(&0)
             {
-                return Err(WgparError::Config(format!(
-                    "--layers {counts:?}: needs {stages} positive counts summing to {layers}"
-                )));
+                return Err(WgparError::option(
+                    "--layers",
+                    format!(
+                        "--layers {counts:?}: needs {stages} positive counts summing to {layers}"
+                    ),
+                ));
             }
             counts.clone()
         }
@@ -105,7 +109,9 @@ fn balanced(layers: usize, costs: &[StageCost]) -> Result<Vec<usize>> {
         .iter()
         .any(|c| c.layer_s.is_nan() || c.layer_s <= 0.0 || c.embed_s < 0.0 || c.head_s < 0.0)
     {
-        return Err(WgparError::Config("stage costs must be positive".into()));
+        return Err(WgparError::InvalidCall(
+            "stage costs must be positive".into(),
+        ));
     }
     // best[s][l] = (slowest stage time, layers of stage s-1) for the first s stages holding l.
     let mut best = vec![vec![(f64::INFINITY, 0usize); layers + 1]; p + 1];
@@ -125,7 +131,7 @@ fn balanced(layers: usize, costs: &[StageCost]) -> Result<Vec<usize>> {
         }
     }
     if !best[p][layers].0.is_finite() {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::unsupported(format!(
             "no split of {layers} layers over {p} stages fits the devices' memory budgets"
         )));
     }

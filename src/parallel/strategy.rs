@@ -101,7 +101,7 @@ pub fn build_step_engine(
 ) -> Result<Box<dyn StepEngine>> {
     let first = gpus
         .first()
-        .ok_or_else(|| WgparError::Config("no devices".into()))?;
+        .ok_or_else(|| WgparError::option("--devices", "no devices".into()))?;
     Ok(match strategy {
         Strategy::Single => Box::new(SingleEngine::new(first.clone(), weights, dtype)?),
         Strategy::Tensor { split } => Box::new(TensorParallelEngine::new(
@@ -160,7 +160,7 @@ pub fn build_pipeline(
             )?
         }
         other => {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::InvalidCall(format!(
                 "{other} is not a pipeline strategy"
             )))
         }
@@ -204,7 +204,10 @@ impl Strategy {
     /// has the same shapes, so the largest buffer is the same).
     pub fn placements(&self, config: &ModelConfig, devices: usize) -> Result<Vec<Placement>> {
         if devices == 0 {
-            return Err(WgparError::Config("no devices selected".into()));
+            return Err(WgparError::option(
+                "--devices",
+                "no devices selected".into(),
+            ));
         }
         let stages = |p: usize, partition: &PartitionSpec| -> Result<Vec<Range<usize>>> {
             let how = match partition {
@@ -215,7 +218,8 @@ impl Strategy {
         };
         let micro = |m: usize| -> Result<()> {
             if m == 0 {
-                return Err(WgparError::Config(
+                return Err(WgparError::option(
+                    "--micro-batches",
                     "--micro-batches must be at least 1".into(),
                 ));
             }
@@ -227,10 +231,10 @@ impl Strategy {
                 let even = vec![1; devices];
                 let split = split.as_deref().unwrap_or(&even);
                 if split.len() != devices {
-                    return Err(WgparError::Config(format!(
-                        "--split has {} shares for {devices} devices",
-                        split.len()
-                    )));
+                    return Err(WgparError::option(
+                        "--split",
+                        format!("--split has {} shares for {devices} devices", split.len()),
+                    ));
                 }
                 ShardSpec::tensor_parallel(config, split)?
                     .into_iter()
@@ -268,7 +272,7 @@ impl Strategy {
             } => {
                 micro(*micro_batches)?;
                 if *tp == 0 || !devices.is_multiple_of(*tp) {
-                    return Err(WgparError::Config(format!(
+                    return Err(WgparError::unsupported(format!(
                         "{devices} devices do not form pipeline stages of {tp} tensor-parallel \
                          devices (--tp {tp})"
                     )));
@@ -311,12 +315,16 @@ impl Strategy {
             let rows = crate::kernels::ops::MAX_ROWS_PER_DISPATCH
                 .min(adapter.max_workgroups_per_dimension as usize);
             if tokens > rows {
-                return Err(WgparError::Config(format!(
-                    "one step of {tokens} tokens (batch x prompt length) exceeds the {rows} \
+                return Err(WgparError::limit(
+                    "rows per dispatch",
+                    (tokens as u64, rows as u64),
+                    format!(
+                        "one step of {tokens} tokens (batch x prompt length) exceeds the {rows} \
                      rows a kernel dispatch takes on '{}': lower --batch or --prompt-len, or \
                      split the batch with --strategy pp --micro-batches",
-                    adapter.label()
-                )));
+                        adapter.label()
+                    ),
+                ));
             }
         }
         Ok(())

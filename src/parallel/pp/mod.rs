@@ -134,7 +134,7 @@ impl PipelineEngine {
     ) -> Result<Self> {
         let config = weights.config.clone();
         if tp == 0 || gpus.is_empty() || !gpus.len().is_multiple_of(tp) {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::unsupported(format!(
                 "{} devices do not form pipeline stages of {tp} tensor-parallel devices",
                 gpus.len()
             )));
@@ -153,7 +153,8 @@ impl PipelineEngine {
     /// Changes the micro-batch count for later batches.
     pub fn set_micro_batches(&mut self, m: usize) -> Result<()> {
         if m == 0 {
-            return Err(WgparError::Config(
+            return Err(WgparError::option(
+                "--micro-batches",
                 "--micro-batches must be at least 1".into(),
             ));
         }

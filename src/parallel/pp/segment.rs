@@ -64,12 +64,13 @@ impl Segment {
     fn check(&self, devices: usize, micro_batches: usize) -> Result<()> {
         let (p, tp) = (self.stages.len(), self.tp);
         if tp == 0 || p == 0 || devices != p * tp {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::unsupported(format!(
                 "{devices} devices do not form {p} pipeline stages of {tp} tensor-parallel devices"
             )));
         }
         if micro_batches == 0 {
-            return Err(WgparError::Config(
+            return Err(WgparError::option(
+                "--micro-batches",
                 "--micro-batches must be at least 1".into(),
             ));
         }

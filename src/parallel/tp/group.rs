@@ -168,11 +168,14 @@ impl TpGroup {
         let even = vec![1; gpus.len()];
         let split = split.unwrap_or(&even);
         if split.len() != gpus.len() {
-            return Err(WgparError::Config(format!(
-                "--split has {} shares for {} devices",
-                split.len(),
-                gpus.len()
-            )));
+            return Err(WgparError::option(
+                "--split",
+                format!(
+                    "--split has {} shares for {} devices",
+                    split.len(),
+                    gpus.len()
+                ),
+            ));
         }
         let layout = Layout {
             shards: ShardSpec::tensor_parallel(config, split)?,
@@ -196,16 +199,19 @@ impl TpGroup {
         let even = vec![1; n];
         let split = split.unwrap_or(&even);
         if split.len() != n {
-            return Err(WgparError::Config(format!(
-                "--split has {} shares for {n} ranks (one device each)",
-                split.len()
-            )));
+            return Err(WgparError::option(
+                "--split",
+                format!(
+                    "--split has {} shares for {n} ranks (one device each)",
+                    split.len()
+                ),
+            ));
         }
         let shard = ShardSpec::tensor_parallel(&weights.config, split)?
             .into_iter()
             .nth(remote.rank())
             .ok_or_else(|| {
-                WgparError::Config(format!("rank {} outside a group of {n}", remote.rank()))
+                WgparError::InvalidCall(format!("rank {} outside a group of {n}", remote.rank()))
             })?;
         let layout = Layout {
             shards: vec![shard],
