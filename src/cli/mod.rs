@@ -28,6 +28,7 @@ mod calibrate;
 mod compare;
 mod devices;
 mod embed;
+mod memory;
 mod mpi;
 mod plan;
 mod project;
@@ -38,6 +39,7 @@ mod text;
 use clap::{Args, Parser, Subcommand};
 use wgpar::device::{open_devices, AdapterDesc, Adapters, DType, DeviceSelection, Gpu, GpuOptions};
 use wgpar::model::hf::Checkpoint;
+use wgpar::model::memory::{FileBlocks, Vectors, WeightFormat};
 use wgpar::model::quant::QuantType;
 use wgpar::model::{budget, ModelConfig, ModelWeights};
 use wgpar::parallel::Strategy;
@@ -452,6 +454,22 @@ impl ModelArgs {
             }
         }
         Ok(())
+    }
+
+    /// How the weights will be stored, known before they are built: `dtype` for dense ones,
+    /// `--weights`, and a GGUF file's own blocks and biases read from its tensor index.
+    fn weight_format(&self, config: &ModelConfig, dtype: DType) -> Result<WeightFormat> {
+        let mut format = WeightFormat::of_config(config, dtype, self.packed(config)?);
+        let Some(dir) = self.checkpoint_dir() else {
+            return Ok(format);
+        };
+        if let Some(gguf) = Checkpoint::open(dir)?.gguf() {
+            format.vectors = Vectors::of_gguf(gguf.file());
+            if self.weights.as_deref() != Some("dense") {
+                format.blocks = FileBlocks::of_gguf(gguf.file(), config);
+            }
+        }
+        Ok(format)
     }
 
     /// The block type `--weights` asks for, checked against the model's shapes (`None` for

@@ -15,8 +15,10 @@ use wgpar::sim::{HostProfile, LinkPacer, PaceSpec};
 use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
 
+use super::memory::{print_allocated, MemoryArgs};
 use super::text::TextArgs;
 use super::{DeviceArgs, ModelArgs};
+use wgpar::model::memory::{per_device, MemorySpec, WeightFormat, Workload};
 
 /// Strategy options of `run`.
 #[derive(Args, Clone, Debug)]
@@ -180,6 +182,8 @@ pub struct RunArgs {
     /// comparing strategies and layouts bit for bit.
     #[arg(long, value_name = "FILE")]
     pub(super) logits_out: Option<String>,
+    #[command(flatten)]
+    pub(super) memory: MemoryArgs,
     #[command(flatten)]
     pub(super) text: TextArgs,
 }
@@ -361,6 +365,16 @@ pub(super) fn plan(
             batch: step_batch,
         }],
     )?;
+    let format = args.model.weight_format(config, dtype)?;
+    let limits = binding_limits(selected.iter());
+    let spec = MemorySpec {
+        config,
+        format: &format,
+        kv_dtype: DType::F32,
+        work: Workload { batch, prompt: seq },
+        binding_limits: &limits,
+    };
+    args.memory.check(&strategy, selected.len(), &spec)?;
     if let Some(path) = &args.trace {
         // Fail now, not after the run: create (or truncate) the file it will be written to.
         std::fs::File::create(path).map_err(|source| WgparError::Io {
@@ -518,6 +532,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         &CommConfig::default(),
         (args.batch, args.prompt_len),
     )?;
+    let format = WeightFormat::of_weights(&weights, dtype);
     drop(weights);
     outln!("engine: {}", engine.name())?;
     if let Some((pacer, what)) = plan.pacer {
@@ -569,7 +584,25 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if let Some(path) = &args.trace {
         write_trace(&recorder, path)?;
     }
-    Ok(())
+    let limits = binding_limits(gpus.iter().map(|g| g.info()));
+    let spec = MemorySpec {
+        config: &config,
+        format: &format,
+        kv_dtype: DType::F32,
+        work: Workload {
+            batch: args.batch,
+            prompt: args.prompt_len,
+        },
+        binding_limits: &limits,
+    };
+    print_allocated(&gpus, &per_device(&strategy, gpus.len(), &spec)?)
+}
+
+/// The bytes one binding may hold on each adapter (what splits the vocabulary tables).
+pub(super) fn binding_limits<'a>(adapters: impl Iterator<Item = &'a AdapterDesc>) -> Vec<u64> {
+    adapters
+        .map(|a| a.max_storage_binding.min(a.max_buffer_size))
+        .collect()
 }
 
 /// Prints a run's prefill and decode rates, with the prefill's accounting (`prefill_stats`)
