@@ -170,3 +170,22 @@ fn gpu_memory_refuses_what_does_not_fit_before_opening_a_device() {
     assert!(ok && out.contains("decode:"), "{out}");
     assert_eq!(memory_lines(&out).len(), 2, "{out}");
 }
+
+#[test]
+fn serve_compare_and_bench_check_the_cap_before_opening_a_device() {
+    for command in [
+        &["serve"][..],
+        &["compare"],
+        &["bench", "decode"],
+        &["bench", "serve"],
+        &["bench", "pipeline", "--stages", "2"],
+    ] {
+        let args = [command, &["--model", "tiny-llama", "--gpu-memory", "1K"]].concat();
+        let (ok, out, err) = common::wgpar(&args);
+        assert!(!ok, "{command:?}: {out}{err}");
+        assert!(
+            err.contains("does not fit --gpu-memory") && err.contains("of its 1.0 KiB cap (over)"),
+            "{command:?}: {out}{err}"
+        );
+    }
+}

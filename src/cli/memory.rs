@@ -4,11 +4,13 @@
 
 use clap::Args;
 use std::sync::Arc;
-use wgpar::device::{Gpu, MAX_DEVICES};
+use wgpar::device::{AdapterDesc, DType, Gpu, MAX_DEVICES};
 use wgpar::error::human_bytes;
 use wgpar::model::memory::{per_device, DeviceBytes, MemorySpec};
-use wgpar::parallel::Strategy;
+use wgpar::model::ModelConfig;
 use wgpar::{Result, WgparError};
+
+use super::{ModelArgs, PlannedRun};
 
 /// Longest `--gpu-memory` text read (a size per device, at most [`MAX_DEVICES`]).
 const MAX_TEXT: usize = 32 * MAX_DEVICES;
@@ -62,16 +64,42 @@ pub fn parse_caps(text: &str, devices: usize) -> Result<Vec<u64>> {
 }
 
 impl MemoryArgs {
-    /// Refuses, before anything is opened, a run whose accounted bytes exceed a device's cap;
-    /// `devices` selected devices. Without `--gpu-memory` nothing is checked.
-    pub fn check(&self, strategy: &Strategy, devices: usize, spec: &MemorySpec<'_>) -> Result<()> {
+    /// Refuses, before anything is opened, a planned run whose accounted bytes exceed a
+    /// device's cap; `selected` devices, of which each run uses the first ones. Without
+    /// `--gpu-memory` nothing is checked (and nothing opened).
+    pub(super) fn check_runs(
+        &self,
+        model: &ModelArgs,
+        (config, dtype): (&ModelConfig, DType),
+        selected: usize,
+        runs: &[PlannedRun<'_>],
+    ) -> Result<()> {
         let Some(text) = &self.gpu_memory else {
             return Ok(());
         };
-        let caps = parse_caps(text, devices)?;
-        let accounted = per_device(strategy, devices, spec)?;
-        check_caps(&accounted, &caps, &spec.config.name)
+        let caps = parse_caps(text, selected)?;
+        let format = model.weight_format(config, dtype)?;
+        for run in runs {
+            let limits = binding_limits(run.adapters.iter());
+            let spec = MemorySpec {
+                config,
+                format: &format,
+                kv_dtype: DType::F32,
+                work: run.work,
+                binding_limits: &limits,
+            };
+            let accounted = per_device(run.strategy, run.adapters.len(), &spec)?;
+            check_caps(&accounted, &caps, &config.name)?;
+        }
+        Ok(())
     }
+}
+
+/// The bytes one binding may hold on each adapter (what splits the vocabulary tables).
+pub fn binding_limits<'a>(adapters: impl Iterator<Item = &'a AdapterDesc>) -> Vec<u64> {
+    adapters
+        .map(|a| a.max_storage_binding.min(a.max_buffer_size))
+        .collect()
 }
 
 /// Refuses when a device's accounted total exceeds its cap, naming every device's needs by

@@ -39,7 +39,7 @@ mod text;
 use clap::{Args, Parser, Subcommand};
 use wgpar::device::{open_devices, AdapterDesc, Adapters, DType, DeviceSelection, Gpu, GpuOptions};
 use wgpar::model::hf::Checkpoint;
-use wgpar::model::memory::{FileBlocks, Vectors, WeightFormat};
+use wgpar::model::memory::{FileBlocks, Vectors, WeightFormat, Workload};
 use wgpar::model::quant::QuantType;
 use wgpar::model::{budget, ModelConfig, ModelWeights};
 use wgpar::parallel::Strategy;
@@ -294,6 +294,8 @@ struct PlannedRun<'a> {
     step_tokens: usize,
     /// Sequences whose KV cache a device holds.
     batch: usize,
+    /// The whole batch and prompt, for the memory accounting (`--gpu-memory`).
+    work: Workload,
 }
 
 /// What a command that builds a model checks before it opens a device or builds a weight:

@@ -643,6 +643,15 @@ mod ranks {
             }
             .into());
         }
+        if args.memory.gpu_memory.is_some() {
+            return Err(DistError::Unsupported {
+                option: "--gpu-memory".into(),
+                why: "ranks do not check a cap yet; run in one process (--virtual) to see each \
+                      device's accounting"
+                    .into(),
+            }
+            .into());
+        }
         if args.pace.is_some() {
             return Err(DistError::Unsupported {
                 option: "--pace".into(),

@@ -15,7 +15,7 @@ use wgpar::sim::{HostProfile, LinkPacer, PaceSpec};
 use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
 
-use super::memory::{print_allocated, MemoryArgs};
+use super::memory::{binding_limits, print_allocated, MemoryArgs};
 use super::text::TextArgs;
 use super::{DeviceArgs, ModelArgs};
 use wgpar::model::memory::{per_device, MemorySpec, WeightFormat, Workload};
@@ -355,26 +355,15 @@ pub(super) fn plan(
         Strategy::Pipeline { .. } | Strategy::Hybrid { .. } => batch.div_ceil(micro),
         _ => batch,
     };
-    super::check_runs_fit(
-        config,
-        dtype,
-        &[super::PlannedRun {
-            strategy: &strategy,
-            adapters: &selected,
-            step_tokens: step_batch.saturating_mul(seq),
-            batch: step_batch,
-        }],
-    )?;
-    let format = args.model.weight_format(config, dtype)?;
-    let limits = binding_limits(selected.iter());
-    let spec = MemorySpec {
-        config,
-        format: &format,
-        kv_dtype: DType::F32,
+    let runs = [super::PlannedRun {
+        strategy: &strategy,
+        adapters: &selected,
+        step_tokens: step_batch.saturating_mul(seq),
+        batch: step_batch,
         work: Workload { batch, prompt: seq },
-        binding_limits: &limits,
-    };
-    args.memory.check(&strategy, selected.len(), &spec)?;
+    }];
+    super::check_runs_fit(config, dtype, &runs)?;
+    (args.memory).check_runs(&args.model, (config, dtype), selected.len(), &runs)?;
     if let Some(path) = &args.trace {
         // Fail now, not after the run: create (or truncate) the file it will be written to.
         std::fs::File::create(path).map_err(|source| WgparError::Io {
@@ -596,13 +585,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
         binding_limits: &limits,
     };
     print_allocated(&gpus, &per_device(&strategy, gpus.len(), &spec)?)
-}
-
-/// The bytes one binding may hold on each adapter (what splits the vocabulary tables).
-pub(super) fn binding_limits<'a>(adapters: impl Iterator<Item = &'a AdapterDesc>) -> Vec<u64> {
-    adapters
-        .map(|a| a.max_storage_binding.min(a.max_buffer_size))
-        .collect()
 }
 
 /// Prints a run's prefill and decode rates, with the prefill's accounting (`prefill_stats`)
