@@ -10,10 +10,11 @@ use std::process::Command;
 use std::time::Instant;
 
 use gguf_support::{gguf_tensors, model_meta, whole_block_llama, write_gguf_with, GgufSpec};
+use wgpar::device::DType;
 use wgpar::model::gguf::Gguf;
-use wgpar::model::memory::FileBlocks;
+use wgpar::model::memory::{weight_bytes, FileBlocks, Vectors, WeightFormat};
 use wgpar::model::quant::QuantType;
-use wgpar::model::ModelWeights;
+use wgpar::model::{ModelWeights, Placement};
 
 /// Runs `wgpar run` with the autotuner off: its timing scratch is allocated through the
 /// device once per new kernel shape and counted, but is no part of a run's steady state,
@@ -123,6 +124,62 @@ fn a_gguf_of_mixed_block_types_is_accounted_by_its_own_tensors() {
     assert_eq!(check_model(&["--model", path]), 5);
     // Re-packed into one type, the accounting follows --weights.
     assert_eq!(check_model(&["--model", path, "--weights", "q8_0"]), 5);
+    plan_counts_the_files_own_blocks(&gguf, path);
+}
+
+/// `plan` projects the wgpar engine's memory with the file's block types, as `run` holds them,
+/// not with `--weights f16` throughout.
+fn plan_counts_the_files_own_blocks(gguf: &Gguf, path: &str) {
+    let (ok, out, err) = common::wgpar(&[
+        "plan",
+        "--model",
+        path,
+        "--strategies",
+        "single",
+        "--host",
+        "pcie4-2gpu",
+        "--engines",
+        "wgpar",
+        "--batches",
+        "1",
+        "--seqs",
+        "8",
+        "--json",
+    ]);
+    assert!(ok, "{out}{err}");
+    let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let planned = rows[0]["memory"]["weights"].as_u64().unwrap();
+    let config = gguf.config();
+    let whole = Placement::whole(config);
+    let file = WeightFormat {
+        dense: DType::F16,
+        packed: None,
+        blocks: FileBlocks::of_gguf(gguf.file(), config),
+        vectors: Vectors::of_gguf(gguf.file()),
+    };
+    let uniform = WeightFormat::of_config(config, DType::F16, None);
+    assert_eq!(planned, weight_bytes(config, &whole, &file, u64::MAX));
+    assert!(planned < weight_bytes(config, &whole, &uniform, u64::MAX));
+    // The markdown says what it counted.
+    let (ok, out, err) = common::wgpar(&[
+        "plan",
+        "--model",
+        path,
+        "--strategies",
+        "single",
+        "--host",
+        "pcie4-2gpu",
+        "--engines",
+        "wgpar",
+        "--batches",
+        "1",
+        "--seqs",
+        "8",
+    ]);
+    assert!(
+        ok && out.contains("the file's own layer blocks (q4_0, q8_0)"),
+        "{out}{err}"
+    );
 }
 
 #[test]
