@@ -246,3 +246,70 @@ fn serve_compare_and_bench_check_the_cap_before_opening_a_device() {
         );
     }
 }
+
+/// Each device's (allocated) bytes of a run, and whether each is within `caps`.
+fn within(out: &str, caps: &[u64]) -> bool {
+    let lines = memory_lines(out);
+    lines.len() == caps.len() && lines.iter().zip(caps).all(|(&(a, _), &c)| a <= c)
+}
+
+#[test]
+fn auto_placement_fits_the_caps_or_refuses_with_the_numbers() {
+    let model = [
+        "--model",
+        "default",
+        "--max-seq",
+        "37",
+        "--batch",
+        "3",
+        "--prompt-len",
+        "5",
+    ];
+    let pp = [
+        "--strategy",
+        "pp",
+        "--virtual",
+        "2",
+        "--layers",
+        "auto",
+        "--gen",
+        "2",
+    ];
+    // The second stage, which also holds the 12 MiB LM head, has room for one layer.
+    let (ok, out) = run(&[&model[..], &pp, &["--gpu-memory", "48M,24M"]].concat());
+    assert!(ok && out.contains("--layers auto placed [5, 1]"), "{out}");
+    assert!(
+        out.contains("layers [5, 1]") && within(&out, &[48 << 20, 24 << 20]),
+        "{out}"
+    );
+    let (ok, out) = run(&[&model[..], &pp, &["--gpu-memory", "20M"]].concat());
+    assert!(
+        !ok && out.contains("fit no split") && out.contains("stage 1 (gpu1)"),
+        "{out}"
+    );
+    // Tensor parallelism: more heads where the cap is larger.
+    let tp = [
+        "--strategy",
+        "tp",
+        "--virtual",
+        "2",
+        "--split",
+        "auto",
+        "--gen",
+        "2",
+    ];
+    let (ok, out) = run(&[&model[..], &tp, &["--gpu-memory", "48M,30M"]].concat());
+    assert!(
+        ok && out.contains("--split auto split the heads [7, 5]"),
+        "{out}"
+    );
+    assert!(within(&out, &[48 << 20, 30 << 20]), "{out}");
+    let (ok, out) = run(&[&model[..], &tp, &["--gpu-memory", "20M"]].concat());
+    assert!(!ok && out.contains("fits no split of its heads"), "{out}");
+    // Without caps: the measured balance for stages, an even split for heads.
+    let (ok, out) = run(&[&model[..], &tp].concat());
+    assert!(ok && out.contains("query heads [6, 6]"), "{out}");
+    // Commands that do not place by memory yet refuse auto rather than run evenly.
+    let (ok, out, err) = common::wgpar(&["serve", "--strategy", "pp", "--layers", "auto"]);
+    assert!(!ok && err.contains("in `wgpar run` only"), "{out}{err}");
+}

@@ -26,6 +26,35 @@ pub struct MemoryArgs {
     pub gpu_memory: Option<String>,
 }
 
+/// Counts per device or stage (`--split`, `--layers`), or `auto`: placed by memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Counts {
+    /// Chosen by the memory accounting within the `--gpu-memory` caps.
+    Auto,
+    /// Given, one per device or stage.
+    Given(Vec<usize>),
+}
+
+/// Parses `auto` or comma-separated whole numbers (at most one per device wgpar can select).
+pub fn parse_counts(text: &str) -> std::result::Result<Counts, String> {
+    if text.trim() == "auto" {
+        return Ok(Counts::Auto);
+    }
+    if text.len() > MAX_TEXT {
+        return Err(format!(
+            "{} characters: give at most one count per device",
+            text.len()
+        ));
+    }
+    (text.split(','))
+        .map(|part| {
+            (part.trim().parse::<usize>())
+                .map_err(|_| format!("'{}' is not a whole number (or give auto)", part.trim()))
+        })
+        .collect::<std::result::Result<Vec<usize>, String>>()
+        .map(Counts::Given)
+}
+
 /// Parses `--gpu-memory` for `devices` selected devices: one cap each (a single size is
 /// every device's).
 pub fn parse_caps(text: &str, devices: usize) -> Result<Vec<u64>> {

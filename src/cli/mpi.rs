@@ -552,7 +552,7 @@ mod ranks {
 
     fn run(world: &World, args: &RunArgs, fault: Option<Fault>) -> Result<()> {
         let config = checked_run(args)?;
-        let strategy = args.strategy.strategy()?;
+        let strategy = args.strategy.strategy_with(1)?;
         // Every rank must run the same model, options and wgpar.
         world.check_same("wgpar version", env!("CARGO_PKG_VERSION"))?;
         world.check_same(

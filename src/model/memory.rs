@@ -12,12 +12,12 @@
 use std::collections::BTreeSet;
 
 use crate::device::DType;
-use crate::error::{human_bytes, Result};
+use crate::error::{human_bytes, Result, WgparError};
 use crate::model::budget::vocab_block_rows;
 use crate::model::gguf::{ElementType, GgufFile};
 use crate::model::quant::QuantType;
 use crate::model::{Arch, ModelConfig, ModelWeights, Placement};
-use crate::parallel::{split_groups, Strategy};
+use crate::parallel::{split_groups, PartitionSpec, Strategy};
 
 /// Bytes one device holds, by kind.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -486,6 +486,200 @@ pub fn per_device(
         .collect())
 }
 
+/// `strategy` (a pipeline or hybrid) with its stages holding `counts` layers.
+fn with_layers(strategy: &Strategy, counts: Vec<usize>) -> Strategy {
+    let mut s = strategy.clone();
+    if let Strategy::Pipeline { partition, .. } | Strategy::Hybrid { partition, .. } = &mut s {
+        *partition = PartitionSpec::Explicit(counts);
+    }
+    s
+}
+
+/// Whether every device of stage `stage` (of `tp` devices each) fits its cap.
+fn stage_fits(bytes: &[DeviceBytes], caps: &[u64], stage: usize, tp: usize) -> bool {
+    (stage * tp..(stage + 1) * tp)
+        .all(|d| bytes.get(d).map(DeviceBytes::total) <= caps.get(d).copied())
+}
+
+/// Layer counts per pipeline stage chosen by memory (`--layers auto` with `--gpu-memory`):
+/// the most layers each stage's devices hold within their `caps` (the first stage with the
+/// embedding, the last with the head), then the most even split within those bounds, spare
+/// layers taken off the end stages first. A model that fits no split is refused with each
+/// stage's numbers.
+pub fn layers_by_memory(
+    strategy: &Strategy,
+    devices: usize,
+    spec: &MemorySpec<'_>,
+    caps: &[u64],
+) -> Result<Vec<usize>> {
+    let tp = match strategy {
+        Strategy::Pipeline { .. } => 1,
+        Strategy::Hybrid { tp, .. } => (*tp).max(1),
+        _ => {
+            return Err(WgparError::Config(
+                "--layers auto applies to pp and hybrid".into(),
+            ))
+        }
+    };
+    let (layers, stages) = (spec.config.layers, devices / tp);
+    if stages == 0 || stages > layers {
+        return Err(WgparError::Config(format!(
+            "{stages} pipeline stages for {layers} layers: each stage needs at least one layer"
+        )));
+    }
+    // Stage s holding n layers, the others sharing the rest (their counts do not change s's).
+    let counts_with = |s: usize, n: usize| {
+        let mut c = vec![1; stages];
+        c[s] = n;
+        c[(s + 1) % stages] += layers - n - (stages - 1);
+        c
+    };
+    let most = (0..stages)
+        .map(|s| {
+            let mut fit = 0;
+            for n in 1..=layers - (stages - 1) {
+                let bytes = per_device(&with_layers(strategy, counts_with(s, n)), devices, spec)?;
+                if !stage_fits(&bytes, caps, s, tp) {
+                    break;
+                }
+                fit = n;
+            }
+            Ok(fit)
+        })
+        .collect::<Result<Vec<usize>>>()?;
+    if most.contains(&0) || most.iter().sum::<usize>() < layers {
+        return Err(no_split(strategy, devices, spec, caps, &most));
+    }
+    Ok(even_within(layers, &most))
+}
+
+/// The most even counts summing to `layers` with each at most `most[s]` (which sum to at least
+/// `layers`): the smallest ceiling that holds them, the excess taken off the end stages first.
+fn even_within(layers: usize, most: &[usize]) -> Vec<usize> {
+    let ceiling = (1..=layers)
+        .find(|&t| most.iter().map(|&m| m.min(t)).sum::<usize>() >= layers)
+        .unwrap_or(layers);
+    let mut counts: Vec<usize> = most.iter().map(|&m| m.min(ceiling)).collect();
+    let mut excess = counts.iter().sum::<usize>() - layers;
+    let p = counts.len();
+    let mut order = vec![0, p - 1];
+    order.extend(1..p.saturating_sub(1));
+    while excess > 0 {
+        let before = excess;
+        for &s in &order {
+            if excess > 0 && counts[s] > 1 && counts[s] == *counts.iter().max().unwrap_or(&0) {
+                counts[s] -= 1;
+                excess -= 1;
+            }
+        }
+        if before == excess {
+            // Every stage at its floor of one or below the largest: take from any above one.
+            if let Some(s) = order.iter().copied().find(|&s| counts[s] > 1) {
+                counts[s] -= 1;
+                excess -= 1;
+            }
+        }
+    }
+    counts
+}
+
+/// The refusal of [`layers_by_memory`]: each stage's most layers within its cap and what one
+/// layer takes there.
+fn no_split(
+    strategy: &Strategy,
+    devices: usize,
+    spec: &MemorySpec<'_>,
+    caps: &[u64],
+    most: &[usize],
+) -> WgparError {
+    let (stages, layers) = (most.len(), spec.config.layers);
+    let tp = devices / stages.max(1);
+    let lines: Vec<String> = (0..stages)
+        .map(|s| {
+            let d = s * tp;
+            // Stage s with one layer, the next holding the rest.
+            let mut counts = vec![1; stages];
+            counts[(s + 1) % stages] += layers - stages;
+            let bytes = per_device(&with_layers(strategy, counts), devices, spec);
+            let one = bytes
+                .ok()
+                .and_then(|b| b.get(d).copied())
+                .unwrap_or_default();
+            let cap = caps.get(d).copied().unwrap_or(0);
+            format!(
+                "stage {s} (gpu{d}) holds at most {} layers in its {} cap (one layer: {}, {})",
+                most[s],
+                human_bytes(cap),
+                human_bytes(one.total()),
+                one.describe()
+            )
+        })
+        .collect();
+    WgparError::Config(format!(
+        "--layers auto: the {} layers of model '{}' fit no split over these caps: {}. Raise \
+         --gpu-memory, lower --batch or --max-seq, use more devices, or --weights q8_0 / q4_k",
+        spec.config.layers,
+        spec.config.name,
+        lines.join("; ")
+    ))
+}
+
+/// Tensor-parallel shares chosen by memory (`--split auto` with `--gpu-memory`): among heads
+/// in proportion to each device's cap (MiB) and, over two devices, every split of the query
+/// heads, the one that leaves the fullest device the most room under its cap. Refused with
+/// each device's numbers (for the proportional split) when none fits.
+pub fn split_by_memory(devices: usize, spec: &MemorySpec<'_>, caps: &[u64]) -> Result<Vec<usize>> {
+    let proportional: Vec<usize> = (caps.iter().take(devices))
+        .map(|&c| (c >> 20).clamp(1, 1 << 20) as usize)
+        .collect();
+    let mut candidates = vec![proportional.clone()];
+    if devices == 2 {
+        let heads = spec.config.heads;
+        candidates.extend((1..heads).map(|k| vec![k, heads - k]));
+    }
+    // The fullest device's share of its cap, for a split that fits every cap.
+    let fullest = |split: &Vec<usize>| -> Option<f64> {
+        let strategy = Strategy::Tensor {
+            split: Some(split.clone()),
+        };
+        let bytes = per_device(&strategy, devices, spec).ok()?;
+        let ratios = bytes
+            .iter()
+            .zip(caps)
+            .map(|(b, &c)| b.total() as f64 / c.max(1) as f64);
+        let worst = ratios.fold(0.0, f64::max);
+        (worst <= 1.0).then_some(worst)
+    };
+    let best = (candidates.iter())
+        .filter_map(|c| fullest(c).map(|r| (r, c)))
+        .min_by(|a, b| a.0.total_cmp(&b.0));
+    if let Some((_, split)) = best {
+        return Ok(split.clone());
+    }
+    let strategy = Strategy::Tensor {
+        split: Some(proportional.clone()),
+    };
+    let bytes = per_device(&strategy, devices, spec)?;
+    let lines: Vec<String> = (bytes.iter().zip(caps).enumerate())
+        .map(|(i, (b, &cap))| {
+            let verdict = if b.total() > cap { "over" } else { "fits" };
+            format!(
+                "gpu{i} needs {} of its {} cap ({verdict}): {}",
+                human_bytes(b.total()),
+                human_bytes(cap),
+                b.describe()
+            )
+        })
+        .collect();
+    Err(WgparError::Config(format!(
+        "--split auto: model '{}' fits no split of its heads over these caps (in proportion to \
+         them, {proportional:?}: {}). Raise --gpu-memory, lower --batch or --max-seq, or \
+         --weights q8_0 / q4_k",
+        spec.config.name,
+        lines.join("; ")
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -580,5 +774,74 @@ mod tests {
         // Only the last stage holds logits; the first hands off through staging.
         assert!(stages[0].logits == 0 && stages[1].logits > 0);
         assert!(stages[0].staging > 0);
+    }
+
+    #[test]
+    fn layers_auto_fills_each_stage_within_its_cap() {
+        let c = ModelConfig {
+            layers: 8,
+            ..ModelConfig::preset("tiny-llama").unwrap()
+        };
+        let f = WeightFormat::of_config(&c, DType::F32, None);
+        let s = spec(&c, &f);
+        let pp = Strategy::Pipeline {
+            partition: PartitionSpec::Even,
+            micro_batches: 1,
+            schedule: Schedule::default(),
+        };
+        // Even split under generous caps.
+        assert_eq!(
+            layers_by_memory(&pp, 2, &s, &[1 << 30; 2]).unwrap(),
+            vec![4, 4]
+        );
+        // The second device's cap holds only what 2 layers and the head take.
+        let two = per_device(&with_layers(&pp, vec![6, 2]), 2, &s).unwrap()[1].total();
+        let counts = layers_by_memory(&pp, 2, &s, &[1 << 30, two]).unwrap();
+        assert_eq!(counts, vec![6, 2]);
+        let bytes = per_device(&with_layers(&pp, counts), 2, &s).unwrap();
+        assert!(bytes[1].total() <= two);
+        // Caps that hold less than the model: refused with each stage's numbers.
+        let e = layers_by_memory(&pp, 2, &s, &[two, two])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("stage 0 (gpu0) holds at most") && e.contains("stage 1 (gpu1)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn even_within_takes_spares_off_the_ends() {
+        assert_eq!(even_within(8, &[8, 8]), vec![4, 4]);
+        assert_eq!(even_within(9, &[8, 8, 8]), vec![3, 3, 3]);
+        assert_eq!(even_within(10, &[8, 8, 8]), vec![3, 4, 3]);
+        assert_eq!(even_within(8, &[2, 8]), vec![2, 6]);
+        assert_eq!(even_within(3, &[1, 1, 1]), vec![1, 1, 1]);
+    }
+
+    #[test]
+    fn split_auto_follows_the_caps() {
+        let c = ModelConfig::preset("default").unwrap();
+        let f = WeightFormat::of_config(&c, DType::F32, None);
+        let s = spec(&c, &f);
+        // Generous caps: a split that fits both.
+        let split = split_by_memory(2, &s, &[3 << 30, 1 << 30]).unwrap();
+        let tp = |split: &[usize]| Strategy::Tensor {
+            split: Some(split.to_vec()),
+        };
+        let bytes = per_device(&tp(&split), 2, &s).unwrap();
+        assert!(
+            bytes[0].total() <= 3 << 30 && bytes[1].total() <= 1 << 30,
+            "{split:?}"
+        );
+        // Caps that only an uneven split meets: rank 0 also holds the LM head.
+        let even = per_device(&Strategy::Tensor { split: None }, 2, &s).unwrap();
+        let caps = [even[0].total() + (10 << 20), even[1].total() - (1 << 20)];
+        let split = split_by_memory(2, &s, &caps).unwrap();
+        assert!(split[0] > split[1], "{split:?}");
+        let e = split_by_memory(2, &s, &[1 << 20, 1 << 20])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("gpu0 needs") && e.contains("(over)"), "{e}");
     }
 }
