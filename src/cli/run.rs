@@ -421,34 +421,11 @@ fn place_auto(
     (batch, prompt): (usize, usize),
 ) -> Result<Strategy> {
     let Some(text) = &args.memory.gpu_memory else {
-        let placed = match strategy {
-            Strategy::Pipeline {
-                micro_batches,
-                schedule,
-                ..
-            } => Strategy::Pipeline {
-                partition: PartitionSpec::Balanced,
-                micro_batches,
-                schedule,
-            },
-            Strategy::Hybrid {
-                tp,
-                micro_batches,
-                schedule,
-                ..
-            } => Strategy::Hybrid {
-                tp,
-                partition: PartitionSpec::Balanced,
-                micro_batches,
-                schedule,
-            },
-            other => other,
-        };
         eprintln!(
             "note: auto placement without --gpu-memory: pipeline stages balanced by measured \
              speed, tensor-parallel heads even (no device reports its memory size)"
         );
-        return Ok(placed);
+        return Ok(with_partition(strategy, PartitionSpec::Balanced));
     };
     let caps = super::memory::parse_caps(text, selected.len())?;
     let format = args.model.weight_format(config, dtype)?;
@@ -461,41 +438,24 @@ fn place_auto(
         binding_limits: &limits,
     };
     let n = strategy.devices_used(selected.len());
-    let placed = match strategy {
-        Strategy::Tensor { .. } => {
-            let split = wgpar::model::memory::split_by_memory(n, &spec, &caps)?;
-            eprintln!("note: --split auto split the heads {split:?} by the --gpu-memory caps");
-            Strategy::Tensor { split: Some(split) }
-        }
-        other => {
-            let counts = wgpar::model::memory::layers_by_memory(&other, n, &spec, &caps)?;
-            eprintln!("note: --layers auto placed {counts:?} layers by the --gpu-memory caps");
-            match other {
-                Strategy::Pipeline {
-                    micro_batches,
-                    schedule,
-                    ..
-                } => Strategy::Pipeline {
-                    partition: PartitionSpec::Explicit(counts),
-                    micro_batches,
-                    schedule,
-                },
-                Strategy::Hybrid {
-                    tp,
-                    micro_batches,
-                    schedule,
-                    ..
-                } => Strategy::Hybrid {
-                    tp,
-                    partition: PartitionSpec::Explicit(counts),
-                    micro_batches,
-                    schedule,
-                },
-                single => single,
-            }
-        }
-    };
-    Ok(placed)
+    if let Strategy::Tensor { .. } = strategy {
+        let split = wgpar::model::memory::split_by_memory(n, &spec, &caps)?;
+        eprintln!("note: --split auto split the heads {split:?} by the --gpu-memory caps");
+        return Ok(Strategy::Tensor { split: Some(split) });
+    }
+    let counts = wgpar::model::memory::layers_by_memory(&strategy, n, &spec, &caps)?;
+    eprintln!("note: --layers auto placed {counts:?} layers by the --gpu-memory caps");
+    Ok(with_partition(strategy, PartitionSpec::Explicit(counts)))
+}
+
+/// A pipeline or hybrid `strategy` with its stages split by `partition` (others unchanged).
+fn with_partition(mut strategy: Strategy, partition: PartitionSpec) -> Strategy {
+    if let Strategy::Pipeline { partition: p, .. } | Strategy::Hybrid { partition: p, .. } =
+        &mut strategy
+    {
+        *p = partition;
+    }
+    strategy
 }
 
 /// Jobs a faulted worker runs per step: one per micro-batch for a pipeline stage, one for a
