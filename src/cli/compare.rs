@@ -9,7 +9,7 @@ use wgpar::compare::{
     breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions, ServingOptions,
 };
 use wgpar::device::{open_devices, Adapters, DeviceSelection};
-use wgpar::model::memory::Workload;
+use wgpar::model::memory::{WeightFormat, Workload};
 use wgpar::parallel::{Schedule, Strategy};
 use wgpar::serve::{Length, Rate};
 use wgpar::sim::{Engine, HostProfile};
@@ -248,8 +248,9 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         });
     }
     super::check_runs_fit(&opts.config, dtype, &runs)?;
-    let config = (&opts.config, dtype);
-    (args.memory).check_runs(&args.model, config, selected.len(), &runs)?;
+    // compare runs the config's synthetic weights, dense in `dtype`.
+    let format = WeightFormat::of_config(&opts.config, dtype, None);
+    (args.memory).check_runs_with(&format, &opts.config, selected.len(), &runs)?;
     // The report goes there: a folder that cannot be written fails now, not after the runs.
     super::check_writable_dir(&args.out, &args.out)?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;

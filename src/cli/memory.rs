@@ -6,7 +6,7 @@ use clap::Args;
 use std::sync::Arc;
 use wgpar::device::{AdapterDesc, DType, Gpu, MAX_DEVICES};
 use wgpar::error::human_bytes;
-use wgpar::model::memory::{per_device, DeviceBytes, MemorySpec};
+use wgpar::model::memory::{per_device, DeviceBytes, MemorySpec, WeightFormat};
 use wgpar::model::ModelConfig;
 use wgpar::{Result, WgparError};
 
@@ -94,8 +94,8 @@ pub fn parse_caps(text: &str, devices: usize) -> Result<Vec<u64>> {
 
 impl MemoryArgs {
     /// Refuses, before anything is opened, a planned run whose accounted bytes exceed a
-    /// device's cap; `selected` devices, of which each run uses the first ones. Without
-    /// `--gpu-memory` nothing is checked (and nothing opened).
+    /// device's cap; `selected` devices, of which each run uses the first ones; the weights
+    /// stored as `model` says. Without `--gpu-memory` nothing is checked (and nothing opened).
     pub(super) fn check_runs(
         &self,
         model: &ModelArgs,
@@ -103,16 +103,30 @@ impl MemoryArgs {
         selected: usize,
         runs: &[PlannedRun<'_>],
     ) -> Result<()> {
+        if self.gpu_memory.is_none() {
+            return Ok(());
+        }
+        let format = model.weight_format(config, dtype)?;
+        self.check_runs_with(&format, config, selected, runs)
+    }
+
+    /// [`Self::check_runs`] with the weights stored as `format`.
+    pub(super) fn check_runs_with(
+        &self,
+        format: &WeightFormat,
+        config: &ModelConfig,
+        selected: usize,
+        runs: &[PlannedRun<'_>],
+    ) -> Result<()> {
         let Some(text) = &self.gpu_memory else {
             return Ok(());
         };
         let caps = parse_caps(text, selected)?;
-        let format = model.weight_format(config, dtype)?;
         for run in runs {
             let limits = binding_limits(run.adapters.iter());
             let spec = MemorySpec {
                 config,
-                format: &format,
+                format,
                 kv_dtype: DType::F32,
                 work: run.work,
                 binding_limits: &limits,
