@@ -175,6 +175,7 @@ fn configurations_that_do_not_fit_are_marked_not_timed() {
     let opts = PlanOptions {
         config,
         weights: NumFormat::F16,
+        file_format: None,
         strategies: vec![PlanStrategy::parse("single").unwrap()],
         batches: vec![1],
         seqs: vec![128],

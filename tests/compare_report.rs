@@ -223,6 +223,7 @@ fn check_scale(report: &wgpar::compare::CompareReport, text: &str) {
     let opts = PlanOptions {
         config: plan_model("llama3-70b").unwrap(),
         weights: wgpar::sim::NumFormat::F16,
+        file_format: None,
         strategies: vec![PlanStrategy::parse("tp4xpp2-m4").unwrap()],
         batches: vec![32],
         seqs: vec![scale.prompt],

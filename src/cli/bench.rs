@@ -3,6 +3,7 @@
 use clap::{Args, Subcommand};
 use wgpar::device::Adapters;
 use wgpar::kernels::bench::{bench_kernels, KernelBenchOptions};
+use wgpar::model::memory::Workload;
 use wgpar::{Result, WgparError};
 
 use super::DeviceArgs;
@@ -111,6 +112,8 @@ pub struct PipelineBenchArgs {
     binding: super::ModelDeviceArgs,
     #[command(flatten)]
     model: super::ModelArgs,
+    #[command(flatten)]
+    memory: super::memory::MemoryArgs,
     /// Stage counts (virtual devices on the preferred adapter).
     #[arg(long, value_delimiter = ',', default_value = "2,4")]
     stages: Vec<usize>,
@@ -210,9 +213,14 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
             adapters: &selected[..*p],
             step_tokens: batch.div_ceil(*m) * args.prompt_len,
             batch: *batch,
+            work: Workload {
+                batch: *batch,
+                prompt: args.prompt_len,
+            },
         })
         .collect();
     super::check_runs_fit(&config, dtype, &runs)?;
+    (args.memory).check_runs(&args.model, (&config, dtype), &args.binding.kv_dtypes(&selected, false), &runs)?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
     let weights = args.model.weights(&config)?;
     outln!(

@@ -10,6 +10,7 @@ use clap::Args;
 use serde::Serialize;
 use wgpar::comm::CommConfig;
 use wgpar::device::{open_devices, Adapters, Created, DeviceSelection, Gpu};
+use wgpar::model::memory::Workload;
 use wgpar::parallel::{build_engine, PartitionSpec, Schedule, Strategy};
 use wgpar::stats::median;
 use wgpar::{Result, WgparError};
@@ -21,6 +22,8 @@ pub struct DecodeBenchArgs {
     model: super::ModelArgs,
     #[command(flatten)]
     binding: super::ModelDeviceArgs,
+    #[command(flatten)]
+    memory: super::memory::MemoryArgs,
     /// Strategies: single, tp (over --tp virtual devices on the preferred adapter), pp (over
     /// --stages virtual devices, one micro-batch).
     #[arg(long, value_delimiter = ',', default_value = "single,tp,pp")]
@@ -164,9 +167,14 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
             adapters: &selected[..devices_of(s)],
             step_tokens: args.batch * args.prompt_len,
             batch: args.batch,
+            work: Workload {
+                batch: args.batch,
+                prompt: args.prompt_len,
+            },
         })
         .collect();
     super::check_runs_fit(&config, dtype, &runs)?;
+    (args.memory).check_runs(&args.model, (&config, dtype), &args.binding.kv_dtypes(&selected, false), &runs)?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
     let weights = args.model.weights(&config)?;
     let prompts: Vec<Vec<u32>> = (0..args.batch)

@@ -11,11 +11,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
+use wgpar::model::memory::Workload;
 use wgpar::parallel::{build_step_engine, Schedule, StepEngine, Strategy};
 use wgpar::serve::{serve, Length, Rate, ServeOptions, ServeRun, WorkloadSpec};
 use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
 
+use super::memory::MemoryArgs;
 use super::run::StrategyArgs;
 use super::{DeviceArgs, ModelArgs};
 
@@ -28,6 +30,8 @@ pub struct ServeArgs {
     model: ModelArgs,
     #[command(flatten)]
     strategy: StrategyArgs,
+    #[command(flatten)]
+    memory: MemoryArgs,
     /// Requests to send.
     #[arg(long, default_value_t = 32)]
     requests: usize,
@@ -203,16 +207,18 @@ fn build(
     let selected = args.devices.selected(&adapters)?;
     let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
     let strategy = serving_strategy(&args.strategy, selected.len(), opts.max_batch)?;
-    super::check_runs_fit(
-        config,
-        dtype,
-        &[super::PlannedRun {
-            strategy: &strategy,
-            adapters: &selected,
-            step_tokens: opts.max_batch * args.prompt_len.max(),
+    let runs = [super::PlannedRun {
+        strategy: &strategy,
+        adapters: &selected,
+        step_tokens: opts.max_batch * args.prompt_len.max(),
+        batch: opts.max_batch,
+        work: Workload {
             batch: opts.max_batch,
-        }],
-    )?;
+            prompt: args.prompt_len.max(),
+        },
+    }];
+    super::check_runs_fit(config, dtype, &runs)?;
+    (args.memory).check_runs(&args.model, (config, dtype), &args.devices.kv_dtypes(&selected), &runs)?;
     let gpus = args.devices.open(&adapters)?;
     let weights = args.model.weights(config)?;
     let mut engine = build_step_engine(

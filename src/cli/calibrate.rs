@@ -89,6 +89,10 @@ impl CalibrateArgs {
                 adapters: std::slice::from_ref(adapter),
                 step_tokens: self.batch * self.prompt_len,
                 batch: self.batch,
+                work: wgpar::model::memory::Workload {
+                    batch: self.batch,
+                    prompt: self.prompt_len,
+                },
             })
             .collect();
         super::check_runs_fit(config, DType::F32, &runs)

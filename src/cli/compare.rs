@@ -9,6 +9,7 @@ use wgpar::compare::{
     breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions, ServingOptions,
 };
 use wgpar::device::{open_devices, Adapters, DeviceSelection};
+use wgpar::model::memory::{WeightFormat, Workload};
 use wgpar::parallel::{Schedule, Strategy};
 use wgpar::serve::{Length, Rate};
 use wgpar::sim::{Engine, HostProfile};
@@ -29,6 +30,8 @@ pub struct CompareArgs {
     virtual_count: Option<usize>,
     #[command(flatten)]
     binding: super::ModelDeviceArgs,
+    #[command(flatten)]
+    memory: super::memory::MemoryArgs,
     /// Batch sizes to sweep.
     #[arg(long, value_delimiter = ',', default_value = "1,4")]
     batches: Vec<usize>,
@@ -95,6 +98,7 @@ impl CompareArgs {
             devices: None,
             virtual_count: None,
             binding: super::ModelDeviceArgs::default(),
+            memory: super::memory::MemoryArgs::default(),
             batches: vec![1, 4],
             micro_batches: vec![1, 4],
             schedule: "in-flight".into(),
@@ -232,6 +236,10 @@ pub fn run(args: &CompareArgs) -> Result<()> {
                 .div_ceil(p.micro_batches)
                 .saturating_mul(opts.prompt_len),
             batch: p.batch,
+            work: Workload {
+                batch: p.batch,
+                prompt: opts.prompt_len,
+            },
         })
         .collect();
     if let Some(serving) = &opts.serving {
@@ -240,9 +248,16 @@ pub fn run(args: &CompareArgs) -> Result<()> {
             adapters: &selected[..1],
             step_tokens: serving.max_batch.saturating_mul(serving.prompt_len.max()),
             batch: serving.max_batch,
+            work: Workload {
+                batch: serving.max_batch,
+                prompt: serving.prompt_len.max(),
+            },
         });
     }
     super::check_runs_fit(&opts.config, dtype, &runs)?;
+    // compare runs the config's synthetic weights, dense in `dtype`.
+    let format = WeightFormat::of_config(&opts.config, dtype, None);
+    (args.memory).check_runs_with(&format, &opts.config, &args.binding.kv_dtypes(&selected, false), &runs)?;
     // The report goes there: a folder that cannot be written fails now, not after the runs.
     super::check_writable_dir(&args.out, &args.out)?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;

@@ -28,6 +28,7 @@ mod calibrate;
 mod compare;
 mod devices;
 mod embed;
+mod memory;
 mod mpi;
 mod plan;
 mod project;
@@ -40,6 +41,7 @@ use wgpar::device::{
     open_devices, AdapterDesc, Adapters, DType, DeviceSelection, Gpu, GpuOptions, KvCacheType,
 };
 use wgpar::model::hf::Checkpoint;
+use wgpar::model::memory::{FileBlocks, Vectors, WeightFormat, Workload};
 use wgpar::model::quant::QuantType;
 use wgpar::model::{budget, ModelConfig, ModelWeights};
 use wgpar::parallel::Strategy;
@@ -213,6 +215,16 @@ impl ModelDeviceArgs {
         }
     }
 
+    /// The KV-cache type each of `selected` will store (`force_f32`: --force-f32), as opening
+    /// them will resolve it; f32 where f16 would be refused (opening refuses it).
+    fn kv_dtypes(&self, selected: &[AdapterDesc], force_f32: bool) -> Vec<DType> {
+        let force = force_f32 || wgpar::switches::flag(wgpar::switches::FORCE_F32);
+        let kind = self.gpu_options().kv_cache;
+        (selected.iter())
+            .map(|a| kind.resolve(a.shader_f16 && !force).unwrap_or(DType::F32))
+            .collect()
+    }
+
     /// Refuses `--kv-dtype f16` before any device opens when a selected adapter lacks
     /// SHADER_F16 (opening would refuse it too, later).
     fn check_kv(&self, selected: &[AdapterDesc]) -> Result<()> {
@@ -287,6 +299,11 @@ impl DeviceArgs {
         }
     }
 
+    /// The KV-cache type each of `selected` will store once opened.
+    fn kv_dtypes(&self, selected: &[AdapterDesc]) -> Vec<DType> {
+        self.binding.kv_dtypes(selected, self.force_f32)
+    }
+
     /// The adapter of each selected device, in order, without opening any: what the checks
     /// that must come before opening devices need.
     fn selected(&self, adapters: &Adapters) -> Result<Vec<AdapterDesc>> {
@@ -334,6 +351,8 @@ struct PlannedRun<'a> {
     step_tokens: usize,
     /// Sequences whose KV cache a device holds.
     batch: usize,
+    /// The whole batch and prompt, for the memory accounting (`--gpu-memory`).
+    work: Workload,
 }
 
 /// What a command that builds a model checks before it opens a device or builds a weight:
@@ -494,6 +513,22 @@ impl ModelArgs {
             }
         }
         Ok(())
+    }
+
+    /// How the weights will be stored, known before they are built: `dtype` for dense ones,
+    /// `--weights`, and a GGUF file's own blocks and biases read from its tensor index.
+    fn weight_format(&self, config: &ModelConfig, dtype: DType) -> Result<WeightFormat> {
+        let mut format = WeightFormat::of_config(config, dtype, self.packed(config)?);
+        let Some(dir) = self.checkpoint_dir() else {
+            return Ok(format);
+        };
+        if let Some(gguf) = Checkpoint::open(dir)?.gguf() {
+            format.vectors = Vectors::of_gguf(gguf.file());
+            if self.weights.as_deref() != Some("dense") {
+                format.blocks = FileBlocks::of_gguf(gguf.file(), config);
+            }
+        }
+        Ok(format)
     }
 
     /// The block type `--weights` asks for, checked against the model's shapes (`None` for

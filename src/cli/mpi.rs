@@ -571,7 +571,7 @@ mod ranks {
 
     fn run(world: &World, args: &RunArgs, fault: Option<Fault>) -> Result<()> {
         let config = checked_run(args)?;
-        let strategy = args.strategy.strategy()?;
+        let strategy = args.strategy.strategy_with(1)?;
         // Every rank must run the same model, options and wgpar.
         world.check_same("wgpar version", env!("CARGO_PKG_VERSION"))?;
         world.check_same(
@@ -659,6 +659,15 @@ mod ranks {
             return Err(DistError::Unsupported {
                 option: "--prompt".into(),
                 why: "text generation runs in one process".into(),
+            }
+            .into());
+        }
+        if args.memory.gpu_memory.is_some() {
+            return Err(DistError::Unsupported {
+                option: "--gpu-memory".into(),
+                why: "ranks do not check a cap yet; run in one process (--virtual) to see each \
+                      device's accounting"
+                    .into(),
             }
             .into());
         }

@@ -2,9 +2,14 @@
 //! weights needed).
 
 use clap::Args;
+use std::path::Path;
 use wgpar::compare::{
     default_strategies, plan, plan_markdown, plan_model, PlanOptions, PlanStrategy,
 };
+use wgpar::device::DType;
+use wgpar::model::memory::{FileBlocks, Vectors, WeightFormat};
+use wgpar::model::quant::QuantType;
+use wgpar::model::ModelConfig;
 use wgpar::parallel::Strategy;
 use wgpar::sim::{Engine, HostProfile, NumFormat};
 use wgpar::{Result, WgparError};
@@ -148,9 +153,11 @@ fn options(args: &PlanArgs) -> Result<PlanOptions> {
             args.weights
         )));
     }
+    let file_format = gguf_format(&args.model, &config, weights)?;
     Ok(PlanOptions {
         config,
         weights,
+        file_format,
         strategies,
         batches: args.batches.clone(),
         seqs: args.seqs.clone(),
@@ -158,6 +165,34 @@ fn options(args: &PlanArgs) -> Result<PlanOptions> {
         engines,
         decode_steps: args.decode_steps,
     })
+}
+
+/// A GGUF model's storage in the wgpar runtime: its layers in the file's own block types (or
+/// re-packed when `--weights` names a block type, as `run --weights` does), its tables dense
+/// (f32 under `--weights f32`, else f16). `None` for other models.
+fn gguf_format(
+    model: &str,
+    config: &ModelConfig,
+    weights: NumFormat,
+) -> Result<Option<WeightFormat>> {
+    let path = Path::new(model);
+    if !wgpar::model::gguf::is_gguf(path) {
+        return Ok(None);
+    }
+    let gguf = wgpar::model::gguf::Gguf::open(path)?;
+    let (dense, packed) = match weights {
+        NumFormat::F32 => (DType::F32, None),
+        NumFormat::Q8_0 => (DType::F16, Some(QuantType::Q8_0)),
+        NumFormat::Q4_0 => (DType::F16, Some(QuantType::Q4_0)),
+        NumFormat::Q4K => (DType::F16, Some(QuantType::Q4K)),
+        _ => (DType::F16, None),
+    };
+    Ok(Some(WeightFormat {
+        dense,
+        packed,
+        blocks: FileBlocks::of_gguf(gguf.file(), config),
+        vectors: Vectors::of_gguf(gguf.file()),
+    }))
 }
 
 /// Models and prints.

@@ -15,8 +15,10 @@ use wgpar::sim::{HostProfile, LinkPacer, PaceSpec};
 use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
 
+use super::memory::{binding_limits, parse_counts, print_allocated, Counts, MemoryArgs};
 use super::text::TextArgs;
 use super::{DeviceArgs, ModelArgs};
+use wgpar::model::memory::{per_device, MemorySpec, WeightFormat, Workload};
 
 /// Strategy options of `run`.
 #[derive(Args, Clone, Debug)]
@@ -29,12 +31,15 @@ pub struct StrategyArgs {
     /// Hybrid: devices per pipeline stage (tensor-parallel degree inside a stage; default 2).
     #[arg(long)]
     pub tp: Option<usize>,
-    /// Tensor parallel: relative shares per device, e.g. 3,1 (default even).
-    #[arg(long, value_delimiter = ',')]
-    pub split: Option<Vec<usize>>,
-    /// Pipeline and hybrid: layers per stage, e.g. 5,7 (default: --partition).
-    #[arg(long, value_delimiter = ',')]
-    pub layers: Option<Vec<usize>>,
+    /// Tensor parallel: relative shares per device, e.g. 3,1 (default even); `run` also takes
+    /// auto: heads in proportion to each device's --gpu-memory cap (even without caps).
+    #[arg(long, value_parser = parse_counts, value_name = "SHARES|auto")]
+    pub split: Option<Counts>,
+    /// Pipeline and hybrid: layers per stage, e.g. 5,7 (default: --partition); `run` also
+    /// takes auto: the most even split within each device's --gpu-memory cap (without caps,
+    /// balanced by measured speed, as --partition balanced).
+    #[arg(long, value_parser = parse_counts, value_name = "COUNTS|auto")]
+    pub layers: Option<Counts>,
     /// Pipeline and hybrid: even, or balanced by measured per-device layer/embedding/head time.
     #[arg(long, value_parser = ["even", "balanced"])]
     pub partition: Option<String>,
@@ -52,8 +57,9 @@ pub struct StrategyArgs {
 impl StrategyArgs {
     fn partition_spec(&self) -> PartitionSpec {
         match (&self.layers, self.partition.as_deref()) {
-            (Some(l), _) => PartitionSpec::Explicit(l.clone()),
+            (Some(Counts::Given(l)), _) => PartitionSpec::Explicit(l.clone()),
             (None, Some("balanced")) => PartitionSpec::Balanced,
+            // `auto` is placed by `place_auto` once the memory accounting is at hand.
             _ => PartitionSpec::Even,
         }
     }
@@ -110,18 +116,34 @@ impl StrategyArgs {
         Ok(())
     }
 
-    /// The strategy these options name.
-    pub fn strategy(&self) -> Result<Strategy> {
-        self.strategy_with(1)
+    /// Whether `--layers auto` or `--split auto` asks for a placement by memory.
+    fn auto(&self) -> bool {
+        self.layers == Some(Counts::Auto) || self.split == Some(Counts::Auto)
     }
 
-    /// The strategy these options name, with `micro_batches` where none is given.
+    /// The strategy these options name, with `micro_batches` where none is given. `auto`
+    /// placements are `run`'s alone so far: refused here rather than run evenly.
     pub fn strategy_with(&self, micro_batches: usize) -> Result<Strategy> {
+        if self.auto() {
+            return Err(WgparError::Config(
+                "--layers auto and --split auto place by memory in `wgpar run` only so far: \
+                 give the counts"
+                    .into(),
+            ));
+        }
+        self.named(micro_batches)
+    }
+
+    /// The strategy these options name, `auto` placed evenly (see [`place_auto`]).
+    fn named(&self, micro_batches: usize) -> Result<Strategy> {
         self.check_options()?;
         let micro_batches = self.micro_batches.unwrap_or(micro_batches);
         Ok(match self.strategy.as_str() {
             "tp" => Strategy::Tensor {
-                split: self.split.clone(),
+                split: match &self.split {
+                    Some(Counts::Given(v)) => Some(v.clone()),
+                    _ => None,
+                },
             },
             "pp" => Strategy::Pipeline {
                 partition: self.partition_spec(),
@@ -180,6 +202,8 @@ pub struct RunArgs {
     /// comparing strategies and layouts bit for bit.
     #[arg(long, value_name = "FILE")]
     pub(super) logits_out: Option<String>,
+    #[command(flatten)]
+    pub(super) memory: MemoryArgs,
     #[command(flatten)]
     pub(super) text: TextArgs,
 }
@@ -319,7 +343,7 @@ pub(super) fn plan(
     (batch, seq): (usize, usize),
     steps: usize,
 ) -> Result<Plan> {
-    let strategy = args.strategy.strategy()?;
+    let strategy = args.strategy.named(1)?;
     let selected = args.devices.selected(adapters)?;
     if matches!(strategy, Strategy::Single) && selected.len() > 1 {
         return Err(WgparError::Config(format!(
@@ -346,21 +370,24 @@ pub(super) fn plan(
         None => None,
     };
     let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
+    let strategy = match args.strategy.auto() {
+        true => place_auto(args, strategy, (config, dtype), &selected, (batch, seq))?,
+        false => strategy,
+    };
     // The largest step: a whole batch's prefill, or one micro-batch's in a pipeline.
     let step_batch = match strategy {
         Strategy::Pipeline { .. } | Strategy::Hybrid { .. } => batch.div_ceil(micro),
         _ => batch,
     };
-    super::check_runs_fit(
-        config,
-        dtype,
-        &[super::PlannedRun {
-            strategy: &strategy,
-            adapters: &selected,
-            step_tokens: step_batch.saturating_mul(seq),
-            batch: step_batch,
-        }],
-    )?;
+    let runs = [super::PlannedRun {
+        strategy: &strategy,
+        adapters: &selected,
+        step_tokens: step_batch.saturating_mul(seq),
+        batch: step_batch,
+        work: Workload { batch, prompt: seq },
+    }];
+    super::check_runs_fit(config, dtype, &runs)?;
+    (args.memory).check_runs(&args.model, (config, dtype), &args.devices.kv_dtypes(&selected), &runs)?;
     if let Some(path) = &args.trace {
         // Fail now, not after the run: create (or truncate) the file it will be written to.
         std::fs::File::create(path).map_err(|source| WgparError::Io {
@@ -379,6 +406,57 @@ pub(super) fn plan(
         pacer,
         fault,
     })
+}
+
+/// Resolves `--layers auto` / `--split auto` into counts the engines take: by memory within
+/// the `--gpu-memory` caps ([`wgpar::model::memory::layers_by_memory`],
+/// [`wgpar::model::memory::split_by_memory`]); without caps, by measured speed where a
+/// partition by speed exists (pipeline stages, `--partition balanced`), else evenly (tensor
+/// parallelism). Says on stderr what it chose.
+fn place_auto(
+    args: &RunArgs,
+    strategy: Strategy,
+    (config, dtype): (&ModelConfig, DType),
+    selected: &[AdapterDesc],
+    (batch, prompt): (usize, usize),
+) -> Result<Strategy> {
+    let Some(text) = &args.memory.gpu_memory else {
+        eprintln!(
+            "note: auto placement without --gpu-memory: pipeline stages balanced by measured \
+             speed, tensor-parallel heads even (no device reports its memory size)"
+        );
+        return Ok(with_partition(strategy, PartitionSpec::Balanced));
+    };
+    let caps = super::memory::parse_caps(text, selected.len())?;
+    let format = args.model.weight_format(config, dtype)?;
+    let limits = binding_limits(selected.iter());
+    let kv = args.devices.kv_dtypes(selected);
+    let spec = MemorySpec {
+        config,
+        format: &format,
+        kv_dtypes: &kv,
+        work: Workload { batch, prompt },
+        binding_limits: &limits,
+    };
+    let n = strategy.devices_used(selected.len());
+    if let Strategy::Tensor { .. } = strategy {
+        let split = wgpar::model::memory::split_by_memory(n, &spec, &caps)?;
+        eprintln!("note: --split auto split the heads {split:?} by the --gpu-memory caps");
+        return Ok(Strategy::Tensor { split: Some(split) });
+    }
+    let counts = wgpar::model::memory::layers_by_memory(&strategy, n, &spec, &caps)?;
+    eprintln!("note: --layers auto placed {counts:?} layers by the --gpu-memory caps");
+    Ok(with_partition(strategy, PartitionSpec::Explicit(counts)))
+}
+
+/// A pipeline or hybrid `strategy` with its stages split by `partition` (others unchanged).
+fn with_partition(mut strategy: Strategy, partition: PartitionSpec) -> Strategy {
+    if let Strategy::Pipeline { partition: p, .. } | Strategy::Hybrid { partition: p, .. } =
+        &mut strategy
+    {
+        *p = partition;
+    }
+    strategy
 }
 
 /// Jobs a faulted worker runs per step: one per micro-batch for a pipeline stage, one for a
@@ -519,6 +597,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         &CommConfig::default(),
         (args.batch, args.prompt_len),
     )?;
+    let format = WeightFormat::of_weights(&weights, dtype);
     drop(weights);
     outln!("engine: {}", engine.name())?;
     if let Some((pacer, what)) = plan.pacer {
@@ -570,7 +649,19 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if let Some(path) = &args.trace {
         write_trace(&recorder, path)?;
     }
-    Ok(())
+    let limits = binding_limits(gpus.iter().map(|g| g.info()));
+    let kv: Vec<DType> = gpus.iter().map(|g| g.kv_dtype()).collect();
+    let spec = MemorySpec {
+        config: &config,
+        format: &format,
+        kv_dtypes: &kv,
+        work: Workload {
+            batch: args.batch,
+            prompt: args.prompt_len,
+        },
+        binding_limits: &limits,
+    };
+    print_allocated(&gpus, &per_device(&strategy, gpus.len(), &spec)?)
 }
 
 /// Prints a run's prefill and decode rates, with the prefill's accounting (`prefill_stats`)

@@ -10,6 +10,7 @@ use clap::Args;
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
 use wgpar::model::hf::{Checkpoint, TextTokenizer};
+use wgpar::model::memory::Workload;
 use wgpar::model::ModelConfig;
 use wgpar::parallel::{build_step_engine, Schedule};
 use wgpar::serve::{serve, Length, Rate, ServeOptions, WorkloadSpec};
@@ -29,6 +30,8 @@ pub struct ServerArgs {
     pub(super) model: ModelArgs,
     #[command(flatten)]
     pub(super) strategy: StrategyArgs,
+    #[command(flatten)]
+    pub(super) memory: super::memory::MemoryArgs,
     /// Address to listen on (loopback unless told otherwise).
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
@@ -142,20 +145,23 @@ pub fn run(args: &ServerArgs) -> Result<()> {
         }
         None => None,
     };
-    super::check_runs_fit(
-        &config,
-        dtype,
-        &[super::PlannedRun {
-            strategy: &strategy,
-            adapters: &selected,
-            // Prefills batch up to --max-prefill-tokens; one longer prompt runs alone.
-            step_tokens: args
-                .max_prefill_tokens
-                .min(args.max_batch * config.max_seq)
-                .max(config.max_seq),
+    // Prefills batch up to --max-prefill-tokens; one longer prompt runs alone.
+    let step_tokens = (args.max_prefill_tokens)
+        .min(args.max_batch * config.max_seq)
+        .max(config.max_seq);
+    let runs = [super::PlannedRun {
+        strategy: &strategy,
+        adapters: &selected,
+        step_tokens,
+        batch: args.max_batch,
+        // The cache holds --max-batch sequences; the largest step's tokens sized as prompts.
+        work: Workload {
             batch: args.max_batch,
-        }],
-    )?;
+            prompt: step_tokens.div_ceil(args.max_batch.max(1)),
+        },
+    }];
+    super::check_runs_fit(&config, dtype, &runs)?;
+    (args.memory).check_runs(&args.model, (&config, dtype), &args.devices.kv_dtypes(&selected), &runs)?;
     let pacer = args
         .pace
         .as_deref()

@@ -4,7 +4,10 @@
 use serde::Serialize;
 
 use super::modeled::shape_of;
+use crate::device::DType;
 use crate::error::Result;
+use crate::model::memory::{per_device, MemorySpec, WeightFormat};
+use crate::model::quant::QuantType;
 use crate::model::{ModelConfig, ShardSpec};
 use crate::parallel::{partition, Partition, PartitionSpec, Strategy};
 use crate::sim::{Engine, HostProfile, NumFormat};
@@ -46,17 +49,110 @@ pub struct Workload {
     pub context: usize,
 }
 
+/// The weights whose memory is counted: a format every engine stores them in, and for the
+/// wgpar engine the runtime's own storage where it is known (a GGUF file's per-tensor types).
+#[derive(Debug, Clone, Copy)]
+pub struct WeightsSpec<'a> {
+    /// Bytes per parameter.
+    pub format: NumFormat,
+    /// How the wgpar runtime stores them, per tensor; `None`: from `format`.
+    pub runtime: Option<&'a WeightFormat>,
+}
+
+impl WeightsSpec<'_> {
+    /// Every parameter in `format`.
+    pub fn uniform(format: NumFormat) -> Self {
+        Self {
+            format,
+            runtime: None,
+        }
+    }
+}
+
+/// How the wgpar runtime stores weights of `format`: dense f32 or f16, or layer matrices in
+/// blocks with the tables in f16 (as on an adapter with `SHADER_F16`). `None` for a format
+/// the runtime does not load.
+pub fn runtime_format(config: &ModelConfig, format: NumFormat) -> Option<WeightFormat> {
+    let (dense, packed) = match format {
+        NumFormat::F32 => (DType::F32, None),
+        NumFormat::F16 => (DType::F16, None),
+        NumFormat::Q8_0 => (DType::F16, Some(QuantType::Q8_0)),
+        NumFormat::Q4_0 => (DType::F16, Some(QuantType::Q4_0)),
+        NumFormat::Q4K => (DType::F16, Some(QuantType::Q4K)),
+        _ => return None,
+    };
+    Some(WeightFormat::of_config(config, dense, packed))
+}
+
+/// The wgpar engine's memory, from the runtime's own accounting
+/// ([`crate::model::memory::per_device`]): the weights as the runtime stores them, its KV
+/// cache, activation sets, logits and staging (counted with the activations).
+fn wgpar_memory(
+    config: &ModelConfig,
+    (strategy, devices): (&Strategy, usize),
+    format: &WeightFormat,
+    (engine, profile): (&Engine, &HostProfile),
+    work: Workload,
+) -> Result<Vec<DeviceMemory>> {
+    let c = &engine.compute;
+    let kv_dtype = match c.kv_dtype {
+        NumFormat::F16 | NumFormat::Bf16 => DType::F16,
+        _ => DType::F32,
+    };
+    let spec = MemorySpec {
+        config,
+        format,
+        kv_dtypes: &[kv_dtype],
+        work: crate::model::memory::Workload {
+            batch: work.batch,
+            prompt: work.prompt,
+        },
+        binding_limits: &[],
+    };
+    let accounted = per_device(strategy, devices, &spec)?;
+    Ok((accounted.iter().enumerate())
+        .map(|(device, b)| {
+            let capacity = profile
+                .device(device)
+                .map_or(0.0, |s| s.memory_bytes as f64 * c.memory_fraction);
+            let activations = b.activations + b.logits + b.readback + b.staging;
+            let reserve = c.memory_reserve_bytes;
+            DeviceMemory {
+                device,
+                weights: b.weights,
+                kv_cache: b.kv_cache,
+                activations,
+                reserve,
+                total: b.total().saturating_add(reserve),
+                capacity: capacity as u64,
+            }
+        })
+        .collect())
+}
+
 /// Memory of every device `strategy` uses on `profile` (devices `0..n` in stage-major order,
-/// as [`super::modeled_timeline`] places them).
+/// as [`super::modeled_timeline`] places them). The wgpar engine is counted by the runtime's
+/// own accounting, where it loads the format; other engines by their parameters' bytes.
 pub fn memory_per_device(
     config: &ModelConfig,
     strategy: &Strategy,
     devices: usize,
-    weights: NumFormat,
+    weights: WeightsSpec<'_>,
     engine: &Engine,
     profile: &HostProfile,
     work: Workload,
 ) -> Result<Vec<DeviceMemory>> {
+    if engine.name == "wgpar" {
+        let format = match weights.runtime {
+            Some(f) => Some(f.clone()),
+            None => runtime_format(config, weights.format),
+        };
+        if let Some(format) = format {
+            let at = (strategy, devices);
+            return wgpar_memory(config, at, &format, (engine, profile), work);
+        }
+    }
+    let weights = weights.format;
     let (tp, pp, m, spec) = shape_of(strategy, devices)?;
     let split = match strategy {
         Strategy::Tensor { split: Some(s) } => s.clone(),
@@ -164,7 +260,7 @@ mod tests {
             &config,
             &Strategy::Single,
             1,
-            NumFormat::F16,
+            WeightsSpec::uniform(NumFormat::F16),
             &engine,
             &laptop,
             work,
@@ -179,7 +275,7 @@ mod tests {
             &config,
             &Strategy::Single,
             1,
-            NumFormat::Q4_0,
+            WeightsSpec::uniform(NumFormat::Q4_0),
             &engine,
             &laptop,
             work,

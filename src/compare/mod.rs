@@ -29,7 +29,7 @@ use crate::sim::{project_engine, HostProfile, ProjectOptions};
 use crate::trace::{Recorder, Timeline};
 
 pub use charts::{breakdown_svg, scale_svg, throughput_svg};
-pub use memory::{memory_per_device, DeviceMemory, Workload};
+pub use memory::{memory_per_device, runtime_format, DeviceMemory, WeightsSpec, Workload};
 pub use modeled::{modeled_timeline, Formats};
 pub use plan::{
     default_strategies, plan, plan_markdown, plan_model, PlanOptions, PlanRow, PlanStrategy,
@@ -465,7 +465,7 @@ fn measure(
                 &opts.config,
                 &plan.strategy,
                 plan.devices,
-                weights,
+                memory::WeightsSpec::uniform(weights),
                 e,
                 p,
                 Workload {

@@ -9,9 +9,10 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::memory::{gib, memory_per_device, DeviceMemory, Workload};
+use super::memory::{gib, memory_per_device, DeviceMemory, WeightsSpec, Workload};
 use super::modeled::{modeled_timeline, shape_of, Formats};
 use crate::error::{Result, WgparError};
+use crate::model::memory::WeightFormat;
 use crate::model::{valid_tp_degrees, ModelConfig, Step};
 use crate::parallel::{PartitionSpec, Schedule, Strategy};
 use crate::sim::{project_engine, Engine, HostProfile, NumFormat, ProjectOptions};
@@ -153,6 +154,9 @@ pub struct PlanOptions {
     pub config: ModelConfig,
     /// How the weights are stored (bytes per parameter of the memory-bound decode).
     pub weights: NumFormat,
+    /// How the wgpar runtime stores them, per tensor, when a file says it (a GGUF's own
+    /// block types); `None`: every layer in `weights`.
+    pub file_format: Option<WeightFormat>,
     /// Strategies.
     pub strategies: Vec<PlanStrategy>,
     /// Batch sizes.
@@ -288,7 +292,10 @@ pub fn plan(opts: &PlanOptions) -> Result<Vec<PlanRow>> {
                             &opts.config,
                             &s.strategy,
                             s.devices,
-                            opts.weights,
+                            WeightsSpec {
+                                format: opts.weights,
+                                runtime: opts.file_format.as_ref(),
+                            },
                             engine,
                             profile,
                             work,
@@ -463,6 +470,20 @@ pub fn plan_markdown(opts: &PlanOptions, rows: &[PlanRow]) -> String {
         opts.decode_steps,
         opts.decode_steps
     );
+    if let Some(f) = opts.file_format.as_ref().filter(|f| f.packed.is_none()) {
+        let types: Vec<&str> = f.blocks.types().iter().map(|t| t.name()).collect();
+        let _ = writeln!(
+            s,
+            "wgpar's memory counts the file's own layer blocks ({}), the tables in {:?}, as \
+             `wgpar run` holds them.\n",
+            if types.is_empty() {
+                "none: dense".to_string()
+            } else {
+                types.join(", ")
+            },
+            f.dense
+        );
+    }
     for profile in &opts.profiles {
         let _ = writeln!(s, "### {}\n", profile.name);
         let _ = writeln!(

@@ -84,6 +84,7 @@ fn model_case(case: &Case, engines: &[Engine]) -> Result<ScaleCase> {
     let opts = PlanOptions {
         config: config.clone(),
         weights: NumFormat::F16,
+        file_format: None,
         strategies: case
             .strategies
             .iter()

@@ -32,6 +32,16 @@ impl KvCacheType {
             _ => None,
         }
     }
+
+    /// The element type this choice stores on a device with (`f16`) or without `SHADER_F16`
+    /// enabled; `None` for f16 without it (refused).
+    pub fn resolve(self, f16: bool) -> Option<DType> {
+        match (self, f16) {
+            (Self::F32, _) | (Self::Auto, false) => Some(DType::F32),
+            (Self::Auto | Self::F16, true) => Some(DType::F16),
+            (Self::F16, false) => None,
+        }
+    }
 }
 
 /// Options that apply when a device is opened.
@@ -114,20 +124,22 @@ impl std::fmt::Debug for Gpu {
 /// The KV-cache type `asked` resolves to on a device opened with (`f16`) or without
 /// `SHADER_F16`; refused for f16 without it, naming the adapter and why it lacks the feature.
 fn kv_dtype(asked: KvCacheType, f16: bool, force_f32: bool, info: &AdapterDesc) -> Result<DType> {
-    match (asked, f16) {
-        (KvCacheType::F32, _) | (KvCacheType::Auto, false) => Ok(DType::F32),
-        (KvCacheType::Auto | KvCacheType::F16, true) => Ok(DType::F16),
-        (KvCacheType::F16, false) if force_f32 => Err(WgparError::unsupported(format!(
+    if let Some(t) = asked.resolve(f16) {
+        return Ok(t);
+    }
+    if force_f32 {
+        Err(WgparError::unsupported(format!(
             "--kv-dtype f16 asks for an f16 KV cache, but --force-f32 (or WGPAR_FORCE_F32=1) \
              keeps {} in f32: drop one of the two",
             info.label()
-        ))),
-        (KvCacheType::F16, false) => Err(WgparError::unsupported(format!(
+        )))
+    } else {
+        Err(WgparError::unsupported(format!(
             "--kv-dtype f16 needs SHADER_F16, which adapter {} ({}) lacks: use --kv-dtype auto \
              (f16 where available) or f32",
             info.index,
             info.label()
-        ))),
+        )))
     }
 }
 

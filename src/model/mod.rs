@@ -8,6 +8,7 @@ pub mod gguf;
 pub mod gpu;
 pub mod hf;
 pub mod input;
+pub mod memory;
 pub mod quant;
 pub mod reference;
 pub mod reference_encoder;

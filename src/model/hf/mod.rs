@@ -281,6 +281,14 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// The GGUF file, when the checkpoint is one.
+    pub fn gguf(&self) -> Option<&crate::model::gguf::Gguf> {
+        match &self.source {
+            Source::Gguf(gguf) => Some(gguf),
+            Source::Folder(_) => None,
+        }
+    }
+
     /// A GGUF file's tensors in a block type wgpar only dequantizes, with the type's name
     /// (none for a folder).
     pub fn converted_tensors(&self) -> Vec<(String, &'static str)> {

@@ -1,0 +1,315 @@
+//! Device memory: the bytes `wgpar run` allocates on each device against the accounting's
+//! prediction (within 5 %) on single, tp and pp, for f32, f16 and packed weights and a GGUF of
+//! mixed block types; and `--gpu-memory` refusing a run that does not fit before any device
+//! is opened, and accepting one that does.
+
+mod common;
+mod gguf_support;
+
+use std::process::Command;
+use std::time::Instant;
+
+use gguf_support::{gguf_tensors, model_meta, whole_block_llama, write_gguf_with, GgufSpec};
+use wgpar::device::DType;
+use wgpar::model::gguf::Gguf;
+use wgpar::model::memory::{weight_bytes, FileBlocks, Vectors, WeightFormat};
+use wgpar::model::quant::QuantType;
+use wgpar::model::{ModelWeights, Placement};
+
+/// Runs `wgpar run` with the autotuner off: its timing scratch is allocated through the
+/// device once per new kernel shape and counted, but is no part of a run's steady state,
+/// which is what the accounting predicts. Returns (success, stdout + stderr).
+fn run(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_wgpar"))
+        .arg("run")
+        .args(args)
+        .env("WGPAR_TUNE", "off")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// The (allocated, accounted) bytes of each `memory gpuN:` line.
+fn memory_lines(out: &str) -> Vec<(u64, u64)> {
+    out.lines()
+        .filter(|l| l.starts_with("memory gpu"))
+        .map(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            (words[2].parse().unwrap(), words[5].parse().unwrap())
+        })
+        .collect()
+}
+
+/// Shapes that are neither tiles nor powers of two: an odd context, a batch of 3 split into
+/// unequal micro-batches, an odd prompt.
+const SHAPES: [&str; 8] = [
+    "--max-seq",
+    "37",
+    "--batch",
+    "3",
+    "--prompt-len",
+    "5",
+    "--gen",
+    "2",
+];
+
+const STRATEGIES: [(&str, &[&str], usize); 3] = [
+    ("single", &["--strategy", "none"], 1),
+    ("tp", &["--strategy", "tp", "--virtual", "2"], 2),
+    (
+        "pp",
+        &["--strategy", "pp", "--virtual", "2", "--micro-batches", "2"],
+        2,
+    ),
+];
+
+/// Runs `model` on every strategy and checks each device's allocation against the
+/// accounting; returns how many devices were compared.
+fn check_model(model: &[&str]) -> usize {
+    let mut compared = 0;
+    for (name, strategy, devices) in STRATEGIES {
+        let args: Vec<&str> = [model, &SHAPES, strategy].concat();
+        let (ok, out) = run(&args);
+        assert!(ok, "{name} {model:?}: {out}");
+        let lines = memory_lines(&out);
+        assert_eq!(lines.len(), devices, "{name} {model:?}: {out}");
+        for (allocated, accounted) in lines {
+            let off = (allocated as f64 - accounted as f64).abs() / accounted as f64;
+            assert!(
+                allocated > 0 && off <= 0.05,
+                "{name} {model:?}: {allocated} B allocated, {accounted} B accounted: {out}"
+            );
+            compared += 1;
+        }
+    }
+    compared
+}
+
+#[test]
+fn run_allocates_what_the_accounting_predicts() {
+    let mut compared = 0;
+    for model in [
+        &["--model", "tiny-llama"][..],
+        &["--model", "tiny-llama", "--dtype", "f16"],
+        &["--model", "tiny-gpt2"],
+        // Q8_0 blocks of 32 values stay whole when tp halves the layers of `default`.
+        &["--model", "default", "--weights", "q8_0"],
+    ] {
+        compared += check_model(model);
+    }
+    // 1 + 2 + 2 devices for each of the four models.
+    assert_eq!(compared, 20);
+}
+
+#[test]
+fn a_gguf_of_mixed_block_types_is_accounted_by_its_own_tensors() {
+    let config = whole_block_llama();
+    let w = ModelWeights::synthetic(&config, 53);
+    let spec = GgufSpec {
+        arch: "llama",
+        matrices: QuantType::Q8_0,
+        meta: model_meta(&w, "llama"),
+    };
+    let dir = common::scratch("memory-gguf-mixed");
+    // The MLP down projections in Q4_0, every other matrix Q8_0, as a llama.cpp mix does.
+    let file = write_gguf_with(&dir, "mixed", &gguf_tensors(&w, true), &spec, &|t| {
+        t.name.contains("ffn_down").then_some(("Q4_0", None))
+    });
+    let gguf = Gguf::open(&file).unwrap();
+    let blocks = FileBlocks::of_gguf(gguf.file(), gguf.config());
+    assert_eq!(blocks.types(), vec![QuantType::Q4_0, QuantType::Q8_0]);
+    let path = file.to_str().unwrap();
+    assert_eq!(check_model(&["--model", path]), 5);
+    // Re-packed into one type, the accounting follows --weights.
+    assert_eq!(check_model(&["--model", path, "--weights", "q8_0"]), 5);
+    plan_counts_the_files_own_blocks(&gguf, path);
+}
+
+/// `plan` projects the wgpar engine's memory with the file's block types, as `run` holds them,
+/// not with `--weights f16` throughout.
+fn plan_counts_the_files_own_blocks(gguf: &Gguf, path: &str) {
+    let (ok, out, err) = common::wgpar(&[
+        "plan",
+        "--model",
+        path,
+        "--strategies",
+        "single",
+        "--host",
+        "pcie4-2gpu",
+        "--engines",
+        "wgpar",
+        "--batches",
+        "1",
+        "--seqs",
+        "8",
+        "--json",
+    ]);
+    assert!(ok, "{out}{err}");
+    let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let planned = rows[0]["memory"]["weights"].as_u64().unwrap();
+    let config = gguf.config();
+    let whole = Placement::whole(config);
+    let file = WeightFormat {
+        dense: DType::F16,
+        packed: None,
+        blocks: FileBlocks::of_gguf(gguf.file(), config),
+        vectors: Vectors::of_gguf(gguf.file()),
+    };
+    let uniform = WeightFormat::of_config(config, DType::F16, None);
+    assert_eq!(planned, weight_bytes(config, &whole, &file, u64::MAX));
+    assert!(planned < weight_bytes(config, &whole, &uniform, u64::MAX));
+    // The markdown says what it counted.
+    let (ok, out, err) = common::wgpar(&[
+        "plan",
+        "--model",
+        path,
+        "--strategies",
+        "single",
+        "--host",
+        "pcie4-2gpu",
+        "--engines",
+        "wgpar",
+        "--batches",
+        "1",
+        "--seqs",
+        "8",
+    ]);
+    assert!(
+        ok && out.contains("the file's own layer blocks (q4_0, q8_0)"),
+        "{out}{err}"
+    );
+}
+
+#[test]
+fn gpu_memory_refuses_what_does_not_fit_before_opening_a_device() {
+    let pp = ["--strategy", "pp", "--virtual", "2", "--micro-batches", "2"];
+    let started = Instant::now();
+    let (ok, out) = run(&[
+        &["--model", "tiny-llama", "--gpu-memory", "1M,64K"][..],
+        &SHAPES,
+        &pp,
+    ]
+    .concat());
+    let took = started.elapsed();
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("does not fit --gpu-memory")
+            && out.contains("gpu0 needs")
+            && out.contains("of its 1.0 MiB cap (fits)")
+            && out.contains("of its 64.0 KiB cap (over)")
+            && out.contains("weights ")
+            && out.contains("KV cache "),
+        "{out}"
+    );
+    // Refused before a device opened or a weight was built: no engine, no model line.
+    assert!(!out.contains("engine:") && !out.contains("params"), "{out}");
+    assert!(took.as_secs_f64() < 10.0, "{took:?}");
+    // One size caps every device; a list must have one per device.
+    let (ok, out) = run(&[
+        &["--model", "tiny-llama", "--gpu-memory", "64K"][..],
+        &SHAPES,
+    ]
+    .concat());
+    assert!(!ok && out.contains("gpu0 needs"), "{out}");
+    let (ok, out) = run(&[&["--gpu-memory", "1G,1G,1G"][..], &SHAPES, &pp].concat());
+    assert!(!ok && out.contains("3 sizes for 2"), "{out}");
+    let (ok, out) = run(&[&["--gpu-memory", "0"][..], &SHAPES].concat());
+    assert!(!ok && out.contains("zero"), "{out}");
+    // Enough for both stages: the run goes ahead.
+    let (ok, out) = run(&[
+        &["--model", "tiny-llama", "--gpu-memory", "2M,1Mi"][..],
+        &SHAPES,
+        &pp,
+    ]
+    .concat());
+    assert!(ok && out.contains("decode:"), "{out}");
+    assert_eq!(memory_lines(&out).len(), 2, "{out}");
+}
+
+#[test]
+fn serve_compare_and_bench_check_the_cap_before_opening_a_device() {
+    for command in [
+        &["serve"][..],
+        &["compare"],
+        &["bench", "decode"],
+        &["bench", "serve"],
+        &["bench", "pipeline", "--stages", "2"],
+    ] {
+        let args = [command, &["--model", "tiny-llama", "--gpu-memory", "1K"]].concat();
+        let (ok, out, err) = common::wgpar(&args);
+        assert!(!ok, "{command:?}: {out}{err}");
+        assert!(
+            err.contains("does not fit --gpu-memory") && err.contains("of its 1.0 KiB cap (over)"),
+            "{command:?}: {out}{err}"
+        );
+    }
+}
+
+/// Each device's (allocated) bytes of a run, and whether each is within `caps`.
+fn within(out: &str, caps: &[u64]) -> bool {
+    let lines = memory_lines(out);
+    lines.len() == caps.len() && lines.iter().zip(caps).all(|(&(a, _), &c)| a <= c)
+}
+
+#[test]
+fn auto_placement_fits_the_caps_or_refuses_with_the_numbers() {
+    let model = [
+        "--model",
+        "default",
+        "--max-seq",
+        "37",
+        "--batch",
+        "3",
+        "--prompt-len",
+        "5",
+    ];
+    let pp = [
+        "--strategy",
+        "pp",
+        "--virtual",
+        "2",
+        "--layers",
+        "auto",
+        "--gen",
+        "2",
+    ];
+    // The second stage, which also holds the 12 MiB LM head, has room for one layer.
+    let (ok, out) = run(&[&model[..], &pp, &["--gpu-memory", "48M,24M"]].concat());
+    assert!(ok && out.contains("--layers auto placed [5, 1]"), "{out}");
+    assert!(
+        out.contains("layers [5, 1]") && within(&out, &[48 << 20, 24 << 20]),
+        "{out}"
+    );
+    let (ok, out) = run(&[&model[..], &pp, &["--gpu-memory", "20M"]].concat());
+    assert!(
+        !ok && out.contains("fit no split") && out.contains("stage 1 (gpu1)"),
+        "{out}"
+    );
+    // Tensor parallelism: more heads where the cap is larger.
+    let tp = [
+        "--strategy",
+        "tp",
+        "--virtual",
+        "2",
+        "--split",
+        "auto",
+        "--gen",
+        "2",
+    ];
+    let (ok, out) = run(&[&model[..], &tp, &["--gpu-memory", "48M,30M"]].concat());
+    assert!(
+        ok && out.contains("--split auto split the heads [7, 5]"),
+        "{out}"
+    );
+    assert!(within(&out, &[48 << 20, 30 << 20]), "{out}");
+    let (ok, out) = run(&[&model[..], &tp, &["--gpu-memory", "20M"]].concat());
+    assert!(!ok && out.contains("fits no split of its heads"), "{out}");
+    // Without caps: the measured balance for stages, an even split for heads.
+    let (ok, out) = run(&[&model[..], &tp].concat());
+    assert!(ok && out.contains("query heads [6, 6]"), "{out}");
+    // Commands that do not place by memory yet refuse auto rather than run evenly.
+    let (ok, out, err) = common::wgpar(&["serve", "--strategy", "pp", "--layers", "auto"]);
+    assert!(!ok && err.contains("in `wgpar run` only"), "{out}{err}");
+}
