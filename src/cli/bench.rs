@@ -220,7 +220,12 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
         })
         .collect();
     super::check_runs_fit(&config, dtype, &runs)?;
-    (args.memory).check_runs(&args.model, (&config, dtype), &args.binding.kv_dtypes(&selected, false), &runs)?;
+    (args.memory).check_runs(
+        &args.model,
+        (&config, dtype),
+        &args.binding.kv_dtypes(&selected, false),
+        &runs,
+    )?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
     let weights = args.model.weights(&config)?;
     outln!(

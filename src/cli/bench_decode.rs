@@ -174,7 +174,12 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
         })
         .collect();
     super::check_runs_fit(&config, dtype, &runs)?;
-    (args.memory).check_runs(&args.model, (&config, dtype), &args.binding.kv_dtypes(&selected, false), &runs)?;
+    (args.memory).check_runs(
+        &args.model,
+        (&config, dtype),
+        &args.binding.kv_dtypes(&selected, false),
+        &runs,
+    )?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
     let weights = args.model.weights(&config)?;
     let prompts: Vec<Vec<u32>> = (0..args.batch)

@@ -218,7 +218,12 @@ fn build(
         },
     }];
     super::check_runs_fit(config, dtype, &runs)?;
-    (args.memory).check_runs(&args.model, (config, dtype), &args.devices.kv_dtypes(&selected), &runs)?;
+    (args.memory).check_runs(
+        &args.model,
+        (config, dtype),
+        &args.devices.kv_dtypes(&selected),
+        &runs,
+    )?;
     let gpus = args.devices.open(&adapters)?;
     let weights = args.model.weights(config)?;
     let mut engine = build_step_engine(

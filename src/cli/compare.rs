@@ -257,7 +257,12 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     super::check_runs_fit(&opts.config, dtype, &runs)?;
     // compare runs the config's synthetic weights, dense in `dtype`.
     let format = WeightFormat::of_config(&opts.config, dtype, None);
-    (args.memory).check_runs_with(&format, &opts.config, &args.binding.kv_dtypes(&selected, false), &runs)?;
+    (args.memory).check_runs_with(
+        &format,
+        &opts.config,
+        &args.binding.kv_dtypes(&selected, false),
+        &runs,
+    )?;
     // The report goes there: a folder that cannot be written fails now, not after the runs.
     super::check_writable_dir(&args.out, &args.out)?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;

@@ -58,12 +58,16 @@ pub fn parse_counts(text: &str) -> std::result::Result<Counts, String> {
 /// Parses `--gpu-memory` for `devices` selected devices: one cap each (a single size is
 /// every device's).
 pub fn parse_caps(text: &str, devices: usize) -> Result<Vec<u64>> {
-    let bad = |why: String| WgparError::Config(format!("--gpu-memory '{text}': {why}"));
+    let bad =
+        |why: String| WgparError::option("--gpu-memory", format!("--gpu-memory '{text}': {why}"));
     if text.len() > MAX_TEXT {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::option(
+            "--gpu-memory",
+            format!(
             "--gpu-memory is {} characters long: give at most one size per device ({MAX_DEVICES})",
             text.len()
-        )));
+        ),
+        ));
     }
     let caps = (text.split(','))
         .map(|part| {

@@ -232,7 +232,7 @@ impl ModelDeviceArgs {
             return Ok(());
         }
         match selected.iter().find(|a| !a.shader_f16) {
-            Some(a) => Err(WgparError::Config(format!(
+            Some(a) => Err(WgparError::unsupported(format!(
                 "--kv-dtype f16 needs SHADER_F16, which adapter {} ({}) lacks: use --kv-dtype \
                  auto (f16 where available) or f32",
                 a.index,
@@ -362,11 +362,15 @@ struct PlannedRun<'a> {
 /// Refuses a prompt and generation longer than the model's context.
 fn check_context(prompt_len: usize, gen: usize, config: &ModelConfig) -> Result<()> {
     if prompt_len.saturating_add(gen) > config.max_seq {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::limit(
+            "context (tokens)",
+            (prompt_len.saturating_add(gen) as u64, config.max_seq as u64),
+            format!(
             "--prompt-len {prompt_len} + --gen {gen} exceed max_seq {} of model '{}' (raise it \
              with --max-seq)",
             config.max_seq, config.name
-        )));
+        ),
+        ));
     }
     Ok(())
 }
@@ -432,20 +436,24 @@ impl ModelArgs {
     /// `--max-seq`).
     fn config(&self) -> Result<ModelConfig> {
         if self.max_seq == Some(0) || self.max_seq > Some(MAX_CONTEXT) {
-            return Err(WgparError::Config(format!(
-                "--max-seq must be within 1..={MAX_CONTEXT}"
-            )));
+            return Err(WgparError::option(
+                "--max-seq",
+                format!("--max-seq must be within 1..={MAX_CONTEXT}"),
+            ));
         }
         let config = match self.checkpoint_dir() {
             Some(dir) => {
                 let ckpt = Checkpoint::open(dir)?;
                 let limit = match self.max_seq {
                     Some(n) if n > ckpt.max_context() => {
-                        return Err(WgparError::Config(format!(
-                            "--max-seq {n} exceeds the context of {} tokens of model '{}'",
-                            ckpt.max_context(),
-                            ckpt.config().name
-                        )))
+                        return Err(WgparError::option(
+                            "--max-seq",
+                            format!(
+                                "--max-seq {n} exceeds the context of {} tokens of model '{}'",
+                                ckpt.max_context(),
+                                ckpt.config().name
+                            ),
+                        ))
                     }
                     Some(n) => n,
                     None => ckpt.max_context().min(DEFAULT_CONTEXT),
@@ -463,7 +471,7 @@ impl ModelArgs {
             }
         };
         if config.is_encoder() {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::unsupported(format!(
                 "model '{}' is an encoder (BERT): use `wgpar embed`",
                 config.name
             )));
@@ -537,8 +545,9 @@ impl ModelArgs {
         let Some(name) = self.weights.as_ref().filter(|n| *n != "dense") else {
             return Ok(None);
         };
-        let t = QuantType::parse(name)
-            .ok_or_else(|| WgparError::Config(format!("--weights {name} is not a block type")))?;
+        let t = QuantType::parse(name).ok_or_else(|| {
+            WgparError::option("--weights", format!("--weights {name} is not a block type"))
+        })?;
         wgpar::model::quant::check_packable(config, t)?;
         Ok(Some(t))
     }
@@ -551,14 +560,14 @@ impl ModelArgs {
         }
         let force_f32 = force_f32 || wgpar::switches::flag(wgpar::switches::FORCE_F32);
         if force_f32 {
-            return Err(WgparError::Config(
+            return Err(WgparError::unsupported(
                 "--dtype f16 asks for f16 weights, but --force-f32 (or WGPAR_FORCE_F32=1) keeps \
                  every device in f32: drop one of the two"
                     .into(),
             ));
         }
         match adapters.iter().find(|a| !a.shader_f16) {
-            Some(a) => Err(WgparError::Config(format!(
+            Some(a) => Err(WgparError::unsupported(format!(
                 "--dtype f16 needs SHADER_F16, which adapter {} ({}) lacks: use --dtype f32, or \
                  pick adapters that have it (`wgpar devices` lists the features)",
                 a.index,
@@ -571,12 +580,12 @@ impl ModelArgs {
     fn dtype(&self, gpus: &[Arc<Gpu>]) -> Result<DType> {
         match self.dtype.as_str() {
             "f16" => match gpus.iter().find(|g| !g.supports_f16_weights()) {
-                Some(g) if g.info().shader_f16 => Err(WgparError::Config(format!(
+                Some(g) if g.info().shader_f16 => Err(WgparError::unsupported(format!(
                     "--dtype f16 asks for f16 weights, but --force-f32 (or WGPAR_FORCE_F32=1) \
                      keeps {} in f32: drop one of the two",
                     g.describe()
                 ))),
-                Some(g) => Err(WgparError::Config(format!(
+                Some(g) => Err(WgparError::unsupported(format!(
                     "--dtype f16 needs SHADER_F16, which {} lacks: use --dtype f32, or pick \
                      adapters that have it (`wgpar devices` lists the features)",
                     g.describe()

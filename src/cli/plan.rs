@@ -80,7 +80,7 @@ fn check_micro_batches(strategies: &[PlanStrategy], batches: &[usize]) -> Result
             _ => continue,
         };
         if m > largest {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::unsupported(format!(
                 "--strategies {}: {m} micro-batches, but the largest of --batches is {largest}: \
                  each micro-batch needs a sequence, so at most {largest} would run; give -m{largest} \
                  or less, or larger --batches",
@@ -96,25 +96,28 @@ fn options(args: &PlanArgs) -> Result<PlanOptions> {
     let mut config = plan_model(&args.model)?;
     if let Some(m) = args.max_seq {
         if m == 0 || m > MAX_PLAN_CONTEXT {
-            return Err(WgparError::Config(format!(
-                "--max-seq {m}: model a context of 1 to {MAX_PLAN_CONTEXT} tokens"
-            )));
+            return Err(WgparError::option(
+                "--max-seq",
+                format!("--max-seq {m}: model a context of 1 to {MAX_PLAN_CONTEXT} tokens"),
+            ));
         }
         config.max_seq = m;
         // The tables sized by the context stay within the model's size bounds.
         config.validate()?;
     }
     if let Some(&b) = args.batches.iter().find(|&&b| b > MAX_PLAN_BATCH) {
-        return Err(WgparError::Config(format!(
-            "--batches {b}: model batches of at most {MAX_PLAN_BATCH} sequences"
-        )));
+        return Err(WgparError::option(
+            "--batches",
+            format!("--batches {b}: model batches of at most {MAX_PLAN_BATCH} sequences"),
+        ));
     }
     let weights: NumFormat = args
         .weights
         .parse()
-        .map_err(|e| WgparError::Config(format!("--weights: {e}")))?;
+        .map_err(|e| WgparError::option("--weights", format!("--weights: {e}")))?;
     if args.devices == 0 {
-        return Err(WgparError::Config(
+        return Err(WgparError::option(
+            "--devices",
             "--devices 0: a configuration needs at least one device".into(),
         ));
     }
@@ -146,7 +149,7 @@ fn options(args: &PlanArgs) -> Result<PlanOptions> {
         NumFormat::F32 | NumFormat::F16 | NumFormat::Q8_0 | NumFormat::Q4_0 | NumFormat::Q4K
     );
     if !loadable && engines.iter().any(|e| e.name == "wgpar") {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::unsupported(format!(
             "--weights {}: the wgpar runtime holds f32, f16, q8_0, q4_0, q4_k and q6_k weights, \
              so the wgpar engine is not projected with this format; pick one of those, or \
              --engines without wgpar (e.g. cuda-nccl)",

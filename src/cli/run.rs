@@ -77,7 +77,7 @@ impl StrategyArgs {
         let s = self.strategy.as_str();
         let pipeline = matches!(s, "pp" | "hybrid");
         let refuse = |option: &str, applies: &str| {
-            Err(WgparError::Config(format!(
+            Err(WgparError::unsupported(format!(
                 "{option} does not apply to --strategy {s}: it {applies}"
             )))
         };
@@ -94,7 +94,7 @@ impl StrategyArgs {
             return refuse("--partition", "splits layers into stages (pp, hybrid)");
         }
         if self.layers.is_some() && self.partition.as_deref() == Some("balanced") {
-            return Err(WgparError::Config(
+            return Err(WgparError::unsupported(
                 "--layers and --partition balanced both set the stages: give one".into(),
             ));
         }
@@ -125,7 +125,7 @@ impl StrategyArgs {
     /// placements are `run`'s alone so far: refused here rather than run evenly.
     pub fn strategy_with(&self, micro_batches: usize) -> Result<Strategy> {
         if self.auto() {
-            return Err(WgparError::Config(
+            return Err(WgparError::unsupported(
                 "--layers auto and --split auto place by memory in `wgpar run` only so far: \
                  give the counts"
                     .into(),
@@ -222,10 +222,13 @@ impl FaultSpec {
     /// Parses `stage=1,kind=error,at=step:3` (or `rank=`; `at` defaults to step 0).
     pub fn parse(text: &str) -> Result<Self> {
         let bad = |why: String| {
-            WgparError::Config(format!(
+            WgparError::option(
+                "--inject-fault",
+                format!(
                 "--inject-fault '{text}': {why}; expected e.g. stage=1,kind=error,at=step:3 or \
                  rank=0,kind=panic (kind: error, panic, device-lost)"
-            ))
+            ),
+            )
         };
         let (mut worker, mut kind, mut after) = (None, None, 0);
         for part in text.split(',').map(str::trim) {
@@ -271,23 +274,29 @@ impl FaultSpec {
             Strategy::Pipeline { .. } => (self.stage, devices, "stages"),
             Strategy::Hybrid { tp, .. } => (self.stage, devices / (*tp).max(1), "stages"),
             Strategy::Single => {
-                return Err(WgparError::Config(
+                return Err(WgparError::unsupported(
                     "--inject-fault needs --strategy tp (rank=), pp or hybrid (stage=)".into(),
                 ))
             }
         };
         if !ok {
-            return Err(WgparError::Config(format!(
-                "--inject-fault: --strategy {strategy} has {what}: use {}=",
-                if what == "ranks" { "rank" } else { "stage" }
-            )));
+            return Err(WgparError::option(
+                "--inject-fault",
+                format!(
+                    "--inject-fault: --strategy {strategy} has {what}: use {}=",
+                    if what == "ranks" { "rank" } else { "stage" }
+                ),
+            ));
         }
         if self.worker >= count {
-            return Err(WgparError::Config(format!(
-                "--inject-fault: no {} {} among {count} {what}",
-                &what[..what.len() - 1],
-                self.worker
-            )));
+            return Err(WgparError::option(
+                "--inject-fault",
+                format!(
+                    "--inject-fault: no {} {} among {count} {what}",
+                    &what[..what.len() - 1],
+                    self.worker
+                ),
+            ));
         }
         Ok(())
     }
@@ -299,14 +308,17 @@ impl FaultSpec {
             return Ok(());
         }
         let worker = if self.stage { "stage" } else { "rank" };
-        Err(WgparError::Config(format!(
-            "--inject-fault at=step:{}: {worker} {} runs {jobs} jobs in this run ({per_step} \
+        Err(WgparError::option(
+            "--inject-fault",
+            format!(
+                "--inject-fault at=step:{}: {worker} {} runs {jobs} jobs in this run ({per_step} \
              per step), so the fault would never fire: use at=step:0 to at=step:{}, or a longer \
              --gen",
-            self.fault.after,
-            self.worker,
-            jobs.saturating_sub(1)
-        )))
+                self.fault.after,
+                self.worker,
+                jobs.saturating_sub(1)
+            ),
+        ))
     }
 }
 
@@ -346,7 +358,7 @@ pub(super) fn plan(
     let strategy = args.strategy.named(1)?;
     let selected = args.devices.selected(adapters)?;
     if matches!(strategy, Strategy::Single) && selected.len() > 1 {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::unsupported(format!(
             "{} devices selected, but --strategy none runs on one: pass --strategy tp, pp or \
              hybrid to use them, or select one device",
             selected.len()
@@ -354,10 +366,13 @@ pub(super) fn plan(
     }
     let micro = args.strategy.micro_batches.unwrap_or(1);
     if micro > batch {
-        return Err(WgparError::Config(format!(
-            "--micro-batches {micro} exceeds the batch of {batch}: each micro-batch needs at \
+        return Err(WgparError::option(
+            "--micro-batches",
+            format!(
+                "--micro-batches {micro} exceeds the batch of {batch}: each micro-batch needs at \
              least one sequence; use at most {batch}"
-        )));
+            ),
+        ));
     }
     let fault = match &args.inject_fault {
         Some(text) => {
@@ -387,7 +402,12 @@ pub(super) fn plan(
         work: Workload { batch, prompt: seq },
     }];
     super::check_runs_fit(config, dtype, &runs)?;
-    (args.memory).check_runs(&args.model, (config, dtype), &args.devices.kv_dtypes(&selected), &runs)?;
+    (args.memory).check_runs(
+        &args.model,
+        (config, dtype),
+        &args.devices.kv_dtypes(&selected),
+        &runs,
+    )?;
     if let Some(path) = &args.trace {
         // Fail now, not after the run: create (or truncate) the file it will be written to.
         std::fs::File::create(path).map_err(|source| WgparError::Io {
@@ -549,7 +569,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         return super::text::generate(args, prompt);
     }
     if args.text.samples() {
-        return Err(WgparError::Config(
+        return Err(WgparError::unsupported(
             "--temperature, --top-k and --top-p pick the tokens of text generation: they need \
              --prompt (a run on synthetic prompts decodes greedily)"
                 .into(),
@@ -557,7 +577,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     let config = args.model.config()?;
     if args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
-        return Err(WgparError::Config(
+        return Err(WgparError::option(
+            "--batch",
             "--batch, --prompt-len and --gen must be positive".into(),
         ));
     }

@@ -161,7 +161,12 @@ pub fn run(args: &ServerArgs) -> Result<()> {
         },
     }];
     super::check_runs_fit(&config, dtype, &runs)?;
-    (args.memory).check_runs(&args.model, (&config, dtype), &args.devices.kv_dtypes(&selected), &runs)?;
+    (args.memory).check_runs(
+        &args.model,
+        (&config, dtype),
+        &args.devices.kv_dtypes(&selected),
+        &runs,
+    )?;
     let pacer = args
         .pace
         .as_deref()

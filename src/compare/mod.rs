@@ -422,7 +422,7 @@ fn measure(
             .collect();
         engine.set_recorder(Recorder::disabled());
         if tokens != reference.tokens {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::Internal(format!(
                 "{} (batch {}) generated different tokens than the single device: {:?} vs {:?}",
                 plan.label, plan.batch, tokens[0], reference.tokens[0]
             )));
@@ -436,7 +436,7 @@ fn measure(
         timelines = (pre_rec.timeline(), dec_rec.timeline());
     }
     if max_rel_err > 1e-3 {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::Internal(format!(
             "{} (batch {}): prefill logits differ from the single device by {max_rel_err:.2e} (relative)",
             plan.label, plan.batch
         )));
@@ -509,15 +509,23 @@ pub fn run_compare(
     progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<CompareReport> {
     if opts.batches.is_empty() || opts.batches.contains(&0) || opts.prompt_len == 0 {
-        return Err(WgparError::Config(
+        return Err(WgparError::option(
+            "--batches",
             "batches and prompt length must be positive".into(),
         ));
     }
     if opts.prompt_len + opts.gen.max(2) > opts.config.max_seq {
-        return Err(WgparError::Config(format!(
-            "prompt {} + {} generated tokens exceed max_seq {}",
-            opts.prompt_len, opts.gen, opts.config.max_seq
-        )));
+        return Err(WgparError::limit(
+            "context (tokens)",
+            (
+                (opts.prompt_len + opts.gen.max(2)) as u64,
+                opts.config.max_seq as u64,
+            ),
+            format!(
+                "prompt {} + {} generated tokens exceed max_seq {}",
+                opts.prompt_len, opts.gen, opts.config.max_seq
+            ),
+        ));
     }
     if let Some(s) = &opts.serving {
         serving::validate(opts, s)?;
@@ -580,7 +588,7 @@ pub fn run_compare(
             // Greedy, so every strategy must serve every request the same tokens.
             if let Some(first) = served.first() {
                 if let Some(i) = (0..m.tokens.len()).find(|&i| m.tokens[i] != first.tokens[i]) {
-                    return Err(WgparError::Config(format!(
+                    return Err(WgparError::Internal(format!(
                         "{} served request {i} different tokens than {}: {:?} vs {:?}",
                         m.label, first.label, m.tokens[i], first.tokens[i]
                     )));

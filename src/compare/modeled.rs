@@ -205,7 +205,7 @@ fn pipeline_partition(
     match spec {
         PartitionSpec::Even => partition(layers, stages, &Partition::Even),
         PartitionSpec::Explicit(v) => partition(layers, stages, &Partition::Explicit(v.clone())),
-        PartitionSpec::Balanced => Err(WgparError::Config(
+        PartitionSpec::Balanced => Err(WgparError::unsupported(
             "a balanced partition needs measured stage costs: model it as even or explicit".into(),
         )),
     }
@@ -340,7 +340,7 @@ pub fn shape_of(
         ),
     };
     if tp * pp != devices || tp == 0 {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::unsupported(format!(
             "{devices} devices do not fit {strategy}"
         )));
     }

@@ -34,10 +34,13 @@ impl PlanStrategy {
     pub fn parse(text: &str) -> Result<PlanStrategy> {
         let t = text.trim().to_ascii_lowercase();
         let bad = || {
-            WgparError::Config(format!(
-                "strategy '{text}': expected single, tpN, ppN, ppN-mM, tpNxppP or tpNxppP-mM \
+            WgparError::option(
+                "--strategies",
+                format!(
+                    "strategy '{text}': expected single, tpN, ppN, ppN-mM, tpNxppP or tpNxppP-mM \
                  (e.g. tp8, pp4-m16, tp8xpp3-m3)"
-            ))
+                ),
+            )
         };
         let number = |s: &str| s.parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(bad);
         if t == "single" {
@@ -97,7 +100,7 @@ impl PlanStrategy {
     pub fn check(&self, config: &ModelConfig) -> Result<()> {
         let (tp, pp, _, _) = shape_of(&self.strategy, self.devices)?;
         if tp > 1 && !valid_tp_degrees(config).contains(&tp) {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::unsupported(format!(
                 "{}: {} query / {} KV heads do not split over {tp} devices (valid degrees: {:?})",
                 self.label,
                 config.heads,
@@ -106,7 +109,7 @@ impl PlanStrategy {
             )));
         }
         if pp > config.layers {
-            return Err(WgparError::Config(format!(
+            return Err(WgparError::unsupported(format!(
                 "{}: {pp} pipeline stages for {} layers",
                 self.label, config.layers
             )));
@@ -211,7 +214,7 @@ pub struct PlanRow {
 
 /// Checks everything the options say before modeling anything.
 pub fn validate(opts: &PlanOptions) -> Result<()> {
-    let fail = |m: String| Err(WgparError::Config(m));
+    let fail = |m: String| Err(WgparError::option("plan options", m));
     if opts.batches.is_empty() || opts.batches.contains(&0) {
         return fail(format!(
             "--batches {:?}: every batch size must be at least 1",
@@ -436,10 +439,13 @@ pub fn plan_model(name: &str) -> Result<ModelConfig> {
         return Ok(c);
     }
     ModelConfig::preset(name).map_err(|e| {
-        WgparError::Config(format!(
-            "{e}; plan also knows {} and takes a model folder or a config.json path",
-            super::presets::PLAN_PRESETS.join(", ")
-        ))
+        WgparError::option(
+            "--model",
+            format!(
+                "{e}; plan also knows {} and takes a model folder or a config.json path",
+                super::presets::PLAN_PRESETS.join(", ")
+            ),
+        )
     })
 }
 

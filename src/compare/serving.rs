@@ -147,20 +147,25 @@ pub fn serving_plans(opts: &CompareOptions, n: usize) -> Vec<Plan> {
 /// Checks the stream against the model before any device work.
 pub(super) fn validate(opts: &CompareOptions, serving: &ServingOptions) -> Result<()> {
     if serving.requests == 0 || serving.max_batch == 0 {
-        return Err(WgparError::Config(
+        return Err(WgparError::option(
+            "--requests",
             "the serving section needs at least one request and one KV slot".into(),
         ));
     }
     let need = serving.prompt_len.max() + serving.output_len.max() - 1;
     if need > opts.config.max_seq {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::limit(
+            "context (tokens)",
+            (need as u64, opts.config.max_seq as u64),
+            format!(
             "serving requests of up to {} prompt + {} generated tokens need {need} tokens of KV \
              cache; model '{}' holds {} per sequence",
             serving.prompt_len.max(),
             serving.output_len.max(),
             opts.config.name,
             opts.config.max_seq
-        )));
+        ),
+        ));
     }
     Ok(())
 }

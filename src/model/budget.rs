@@ -155,14 +155,18 @@ pub fn host_available_bytes() -> Option<u64> {
 pub fn check_host_weights(config: &ModelConfig, available: Option<u64>) -> Result<()> {
     let needed = (config.params() as u64).saturating_mul(4);
     match available {
-        Some(avail) if needed > avail => Err(WgparError::Config(format!(
+        Some(avail) if needed > avail => Err(WgparError::limit(
+            "host memory (bytes)",
+            (needed, avail),
+            format!(
             "model '{}' has {:.2}B parameters: its f32 weights need {} of host memory, but only \
              {} is available; pick a smaller model, or free memory",
             config.name,
             config.params() as f64 / 1e9,
             crate::error::human_bytes(needed),
             crate::error::human_bytes(avail)
-        ))),
+        ),
+        )),
         _ => Ok(()),
     }
 }

@@ -521,14 +521,14 @@ pub fn layers_by_memory(
         Strategy::Pipeline { .. } => 1,
         Strategy::Hybrid { tp, .. } => (*tp).max(1),
         _ => {
-            return Err(WgparError::Config(
+            return Err(WgparError::unsupported(
                 "--layers auto applies to pp and hybrid".into(),
             ))
         }
     };
     let (layers, stages) = (spec.config.layers, devices / tp);
     if stages == 0 || stages > layers {
-        return Err(WgparError::Config(format!(
+        return Err(WgparError::unsupported(format!(
             "{stages} pipeline stages for {layers} layers: each stage needs at least one layer"
         )));
     }
