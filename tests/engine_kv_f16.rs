@@ -8,7 +8,9 @@ mod common;
 use std::sync::Arc;
 
 use wgpar::comm::CommConfig;
-use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, Gpu, GpuOptions, KvCacheType};
+use wgpar::device::{
+    open_devices, AdapterDesc, Adapters, DType, DeviceSelection, Gpu, GpuOptions, KvCacheType,
+};
 use wgpar::model::{CpuReference, GpuModel, ModelConfig, ModelWeights, Placement};
 use wgpar::parallel::{
     Engine, Logits, Partition, PipelineEngine, SingleEngine, TensorParallelEngine,
@@ -162,25 +164,28 @@ fn an_f16_cache_takes_half_the_bytes() {
     assert_eq!(2 * half, full);
 }
 
-/// `auto` over lavapipe Vulkan (SHADER_F16) and llvmpipe GL (none): each device decides, the
-/// pipeline runs across them, and `f16` refuses to open the GL device, naming it.
-#[test]
-fn auto_stores_f16_only_where_the_adapter_can() {
-    let adapters = Adapters::discover().unwrap();
-    let vk = adapters
-        .list()
-        .iter()
-        .find(|a| a.backend == "Vulkan" && a.shader_f16);
-    let gl = adapters
-        .list()
-        .iter()
-        .find(|a| a.backend == "Gl" && !a.shader_f16);
-    let (Some(vk), Some(gl)) = (vk, gl) else {
+/// A Vulkan adapter with SHADER_F16 and a GL one without (lavapipe and llvmpipe); CI must have
+/// both, elsewhere the test says it is skipped.
+fn vulkan_and_gl(adapters: &Adapters) -> Option<(&AdapterDesc, &AdapterDesc)> {
+    let list = adapters.list();
+    let vk = list.iter().find(|a| a.backend == "Vulkan" && a.shader_f16);
+    let gl = list.iter().find(|a| a.backend == "Gl" && !a.shader_f16);
+    if vk.is_none() || gl.is_none() {
         assert!(
             std::env::var("CI").is_err(),
             "CI must have a Vulkan adapter with SHADER_F16 and a GL adapter without"
         );
         eprintln!("skipped: needs a Vulkan and a GL adapter");
+    }
+    Some((vk?, gl?))
+}
+
+/// `auto` over lavapipe Vulkan (SHADER_F16) and llvmpipe GL (none): each device decides, the
+/// pipeline runs across them, and `f16` refuses to open the GL device, naming it.
+#[test]
+fn auto_stores_f16_only_where_the_adapter_can() {
+    let adapters = Adapters::discover().unwrap();
+    let Some((vk, gl)) = vulkan_and_gl(&adapters) else {
         return;
     };
     let pair = DeviceSelection::Indices(vec![vk.index, gl.index]);
@@ -224,16 +229,7 @@ fn auto_stores_f16_only_where_the_adapter_can() {
 #[test]
 fn the_command_line_says_and_checks_the_kv_type() {
     let adapters = Adapters::discover().unwrap();
-    let vk = adapters
-        .list()
-        .iter()
-        .find(|a| a.backend == "Vulkan" && a.shader_f16);
-    let gl = adapters
-        .list()
-        .iter()
-        .find(|a| a.backend == "Gl" && !a.shader_f16);
-    let (Some(vk), Some(gl)) = (vk, gl) else {
-        assert!(std::env::var("CI").is_err(), "CI must have both adapters");
+    let Some((vk, gl)) = vulkan_and_gl(&adapters) else {
         return;
     };
     let run = |extra: &[&str]| {

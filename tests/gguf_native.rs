@@ -298,7 +298,28 @@ fn engines_on_the_files_blocks_match_the_f64_reference_of_those_blocks() {
 #[test]
 fn a_split_that_cuts_the_files_blocks_is_refused_and_q8_0_repacks_it() {
     let dir = scratch("gguf-native-split");
-    let w = load(&write_mixed(&dir));
+    let file = write_mixed(&dir);
+    // The command line refuses it before any device opens (nothing on stdout, in moments).
+    let start = std::time::Instant::now();
+    let path = file.to_str().unwrap();
+    let tp = [
+        "run",
+        "--model",
+        path,
+        "--strategy",
+        "tp",
+        "--virtual",
+        "4",
+        "--prompt-len",
+        "4",
+        "--gen",
+        "2",
+    ];
+    let (ok, out, err) = common::wgpar(&tp);
+    assert!(!ok && out.is_empty(), "{out}{err}");
+    assert!(err.contains("0..128") && err.contains("q4_k"), "{err}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(5));
+    let w = load(&file);
     let gpus = common::gpus(4);
     // Four shards of the attention output hold 128 columns each: half a Q4_K block.
     let e = TensorParallelEngine::new(&gpus, &w, DType::F32, None, CommConfig::default())

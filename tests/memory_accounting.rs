@@ -130,7 +130,7 @@ fn a_gguf_of_mixed_block_types_is_accounted_by_its_own_tensors() {
 /// `plan` projects the wgpar engine's memory with the file's block types, as `run` holds them,
 /// not with `--weights f16` throughout.
 fn plan_counts_the_files_own_blocks(gguf: &Gguf, path: &str) {
-    let (ok, out, err) = common::wgpar(&[
+    let plan = [
         "plan",
         "--model",
         path,
@@ -144,8 +144,8 @@ fn plan_counts_the_files_own_blocks(gguf: &Gguf, path: &str) {
         "1",
         "--seqs",
         "8",
-        "--json",
-    ]);
+    ];
+    let (ok, out, err) = common::wgpar(&[&plan[..], &["--json"]].concat());
     assert!(ok, "{out}{err}");
     let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
     let planned = rows[0]["memory"]["weights"].as_u64().unwrap();
@@ -161,21 +161,7 @@ fn plan_counts_the_files_own_blocks(gguf: &Gguf, path: &str) {
     assert_eq!(planned, weight_bytes(config, &whole, &file, u64::MAX));
     assert!(planned < weight_bytes(config, &whole, &uniform, u64::MAX));
     // The markdown says what it counted.
-    let (ok, out, err) = common::wgpar(&[
-        "plan",
-        "--model",
-        path,
-        "--strategies",
-        "single",
-        "--host",
-        "pcie4-2gpu",
-        "--engines",
-        "wgpar",
-        "--batches",
-        "1",
-        "--seqs",
-        "8",
-    ]);
+    let (ok, out, err) = common::wgpar(&plan);
     assert!(
         ok && out.contains("the file's own layer blocks (q4_0, q8_0)"),
         "{out}{err}"
@@ -277,7 +263,10 @@ fn auto_placement_fits_the_caps_or_refuses_with_the_numbers() {
     ];
     // The second stage, which also holds the 12 MiB LM head, has room for one layer.
     let (ok, out) = run(&[&model[..], &pp, &["--gpu-memory", "48M,24M"]].concat());
-    assert!(ok && out.contains("--layers auto placed [5, 1]"), "{out}");
+    assert!(
+        ok && out.contains("caps hold at most [5, 1] layers per stage"),
+        "{out}"
+    );
     assert!(
         out.contains("layers [5, 1]") && within(&out, &[48 << 20, 24 << 20]),
         "{out}"

@@ -6,7 +6,7 @@ use clap::Args;
 use std::sync::Arc;
 use wgpar::device::{AdapterDesc, DType, Gpu, MAX_DEVICES};
 use wgpar::error::human_bytes;
-use wgpar::model::memory::{per_device, DeviceBytes, MemorySpec, WeightFormat};
+use wgpar::model::memory::{check_block_splits, per_device, DeviceBytes, MemorySpec, WeightFormat};
 use wgpar::model::ModelConfig;
 use wgpar::{Result, WgparError};
 
@@ -97,10 +97,11 @@ pub fn parse_caps(text: &str, devices: usize) -> Result<Vec<u64>> {
 }
 
 impl MemoryArgs {
-    /// Refuses, before anything is opened, a planned run whose accounted bytes exceed a
+    /// Refuses, before anything is opened, a planned run whose tensor-parallel shards would
+    /// cut a packed matrix's blocks, or whose accounted bytes exceed a
     /// device's cap; `kv` holds the KV-cache type of each selected device, of which each run
-    /// uses the first ones; the weights stored as `model` says. Without `--gpu-memory` nothing
-    /// is checked (and nothing opened).
+    /// uses the first ones; the weights stored as `model` says. Without `--gpu-memory` only the
+    /// block check runs (and nothing is opened).
     pub(super) fn check_runs(
         &self,
         model: &ModelArgs,
@@ -108,9 +109,6 @@ impl MemoryArgs {
         kv: &[DType],
         runs: &[PlannedRun<'_>],
     ) -> Result<()> {
-        if self.gpu_memory.is_none() {
-            return Ok(());
-        }
         let format = model.weight_format(config, dtype)?;
         self.check_runs_with(&format, config, kv, runs)
     }
@@ -123,6 +121,9 @@ impl MemoryArgs {
         kv: &[DType],
         runs: &[PlannedRun<'_>],
     ) -> Result<()> {
+        for run in runs {
+            check_block_splits(run.strategy, run.adapters.len(), config, format)?;
+        }
         let Some(text) = &self.gpu_memory else {
             return Ok(());
         };
@@ -176,11 +177,12 @@ pub fn check_caps(accounted: &[DeviceBytes], caps: &[u64], model: &str) -> Resul
     )))
 }
 
-/// Prints, per device, the bytes of tensors it allocated against the accounting's
-/// prediction of them, with the accounting's kinds.
-pub fn print_allocated(gpus: &[Arc<Gpu>], accounted: &[DeviceBytes]) -> Result<()> {
-    for (gpu, a) in gpus.iter().zip(accounted) {
-        let allocated = gpu.bytes_allocated();
+/// Prints, per device, the bytes of tensors it allocated since `before` (its count when the
+/// engine began to be built) against the accounting's prediction of them, with the
+/// accounting's kinds.
+pub fn print_allocated(gpus: &[Arc<Gpu>], accounted: &[DeviceBytes], before: &[u64]) -> Result<()> {
+    for ((gpu, a), before) in gpus.iter().zip(accounted).zip(before) {
+        let allocated = gpu.bytes_allocated() - before;
         let predicted = a.tensors();
         let off = (allocated as f64 - predicted as f64) / predicted.max(1) as f64 * 100.0;
         outln!(

@@ -7,8 +7,8 @@ use wgpar::comm::CommConfig;
 use wgpar::device::{AdapterDesc, Adapters, DType, Gpu};
 use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::{
-    build_engine, generate, generate_keeping, Engine, Fault, FaultKind, KeepLogits, PartitionSpec,
-    Schedule, Strategy,
+    build_engine, generate, generate_keeping, with_measured_partition, Engine, Fault, FaultKind,
+    KeepLogits, PartitionSpec, Schedule, Strategy,
 };
 
 use wgpar::sim::{HostProfile, LinkPacer, PaceSpec};
@@ -464,9 +464,15 @@ fn place_auto(
         eprintln!("note: --split auto split the heads {split:?} by the --gpu-memory caps");
         return Ok(Strategy::Tensor { split: Some(split) });
     }
-    let counts = wgpar::model::memory::layers_by_memory(&strategy, n, &spec, &caps)?;
-    eprintln!("note: --layers auto placed {counts:?} layers by the --gpu-memory caps");
-    Ok(with_partition(strategy, PartitionSpec::Explicit(counts)))
+    let most = wgpar::model::memory::stage_layer_limits(&strategy, n, &spec, &caps)?;
+    eprintln!(
+        "note: --layers auto: the --gpu-memory caps hold at most {most:?} layers per stage; \
+         the split within them is balanced by measured speed"
+    );
+    Ok(with_partition(
+        strategy,
+        PartitionSpec::BalancedWithin(most),
+    ))
 }
 
 /// A pipeline or hybrid `strategy` with its stages split by `partition` (others unchanged).
@@ -602,6 +608,11 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let weights = args.model.weights(&config)?;
     let storage = storage_of(&weights, dtype);
     let kv = kv_of(&gpus);
+    // A measured split is resolved here, so the accounting below sees the engine's layers.
+    let probe = (args.batch, args.prompt_len);
+    let strategy = with_measured_partition(&strategy, &gpus, &weights, dtype, probe)?;
+    // What the engine allocates from here on (the measurement's probe models are gone).
+    let before: Vec<u64> = gpus.iter().map(|g| g.bytes_allocated()).collect();
     outln!(
         "model {} ({} arch, {} layers, hidden {}, {:.1}M params, {storage}, {kv})",
         config.name,
@@ -682,7 +693,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         },
         binding_limits: &limits,
     };
-    print_allocated(&gpus, &per_device(&strategy, gpus.len(), &spec)?)
+    print_allocated(&gpus, &per_device(&strategy, gpus.len(), &spec)?, &before)
 }
 
 /// Prints a run's prefill and decode rates, with the prefill's accounting (`prefill_stats`)

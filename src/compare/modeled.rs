@@ -205,7 +205,7 @@ fn pipeline_partition(
     match spec {
         PartitionSpec::Even => partition(layers, stages, &Partition::Even),
         PartitionSpec::Explicit(v) => partition(layers, stages, &Partition::Explicit(v.clone())),
-        PartitionSpec::Balanced => Err(WgparError::unsupported(
+        PartitionSpec::Balanced | PartitionSpec::BalancedWithin(_) => Err(WgparError::unsupported(
             "a balanced partition needs measured stage costs: model it as even or explicit".into(),
         )),
     }

@@ -267,7 +267,7 @@ fn stage_ranges(
     let how = match layout.partition {
         PartitionSpec::Even => Partition::Even,
         PartitionSpec::Explicit(l) => Partition::Explicit(l.clone()),
-        PartitionSpec::Balanced => {
+        PartitionSpec::Balanced | PartitionSpec::BalancedWithin(_) => {
             return Err(DistError::Unsupported {
                 option: "--partition balanced".into(),
                 why: "it measures every device in one process; give --layers or use even".into(),

@@ -506,12 +506,54 @@ fn stage_fits(bytes: &[DeviceBytes], caps: &[u64], stage: usize, tp: usize) -> b
         .all(|d| bytes.get(d).map(DeviceBytes::total) <= caps.get(d).copied())
 }
 
+/// Refuses, before anything is opened, a tensor-parallel split whose shards would cut the
+/// blocks of a packed matrix they split by input columns (the attention output's heads, the
+/// down projection's MLP columns), with the numbers: what uploading the shard would refuse
+/// later, after the devices opened.
+pub fn check_block_splits(
+    strategy: &Strategy,
+    devices: usize,
+    config: &ModelConfig,
+    format: &WeightFormat,
+) -> Result<()> {
+    let placements = strategy.placements(config, strategy.devices_used(devices))?;
+    for p in placements.iter().filter(|p| p.shard.world > 1) {
+        let d = config.head_dim;
+        let heads = p.shard.q_heads.start * d..p.shard.q_heads.end * d;
+        for layer in p.layers.clone() {
+            for (matrix, name, cols) in [(3, "wo", &heads), (6, "w_down", &p.shard.ffn)] {
+                let file = format.blocks.get(layer, matrix);
+                // The upload keeps the file's blocks unless --weights re-packs another type.
+                let Some(t) = format.packed.or(file) else {
+                    continue;
+                };
+                let from_file = file == Some(t);
+                let what = format!("layer{layer}.{name}");
+                crate::model::quant::check_block_split(t, &what, cols, from_file)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Layer counts per pipeline stage chosen by memory (`--layers auto` with `--gpu-memory`):
-/// the most layers each stage's devices hold within their `caps` (the first stage with the
-/// embedding, the last with the head), then the most even split within those bounds, spare
-/// layers taken off the end stages first. A model that fits no split is refused with each
-/// stage's numbers.
+/// the most layers each stage holds ([`stage_layer_limits`]), then the most even split within
+/// those bounds, spare layers taken off the end stages first. A model that fits no split is
+/// refused with each stage's numbers.
 pub fn layers_by_memory(
+    strategy: &Strategy,
+    devices: usize,
+    spec: &MemorySpec<'_>,
+    caps: &[u64],
+) -> Result<Vec<usize>> {
+    let most = stage_layer_limits(strategy, devices, spec, caps)?;
+    Ok(even_within(spec.config.layers, &most))
+}
+
+/// The most layers each pipeline stage's devices hold within their `caps` (the first stage
+/// with the embedding, the last with the head); refused, with each stage's numbers, when
+/// they cannot hold the model together.
+pub fn stage_layer_limits(
     strategy: &Strategy,
     devices: usize,
     spec: &MemorySpec<'_>,
@@ -555,12 +597,12 @@ pub fn layers_by_memory(
     if most.contains(&0) || most.iter().sum::<usize>() < layers {
         return Err(no_split(strategy, devices, spec, caps, &most));
     }
-    Ok(even_within(layers, &most))
+    Ok(most)
 }
 
 /// The most even counts summing to `layers` with each at most `most[s]` (which sum to at least
 /// `layers`): the smallest ceiling that holds them, the excess taken off the end stages first.
-fn even_within(layers: usize, most: &[usize]) -> Vec<usize> {
+pub(crate) fn even_within(layers: usize, most: &[usize]) -> Vec<usize> {
     let ceiling = (1..=layers)
         .find(|&t| most.iter().map(|&m| m.min(t)).sum::<usize>() >= layers)
         .unwrap_or(layers);

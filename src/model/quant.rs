@@ -12,6 +12,8 @@
 //! | Q4_K | 256 | 144 | f16 `d`, f16 `dmin`, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles |
 //! | Q6_K | 256 | 210 | 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 × i8 scales, f16 `d` |
 
+use std::ops::Range;
+
 use half::{bf16, f16};
 
 use crate::error::{Result, WgparError};
@@ -517,6 +519,38 @@ pub fn quantize(t: QuantType, x: &[f32]) -> Vec<u8> {
         }
     }
     out
+}
+
+/// Refuses a tensor-parallel shard whose column range (`wo`'s heads, `w_down`'s MLP columns)
+/// would cut `t`'s blocks, with the numbers. `from_file`: the file stores the matrix as `t`.
+pub fn check_block_split(
+    t: QuantType,
+    what: &str,
+    cols: &Range<usize>,
+    from_file: bool,
+) -> Result<()> {
+    let bl = cols.start % t.block_len() + cols.len() % t.block_len();
+    if bl == 0 {
+        return Ok(());
+    }
+    let fix = if from_file {
+        format!(
+            "the file stores it as {}: use fewer devices, or --weights q8_0 to re-pack it in \
+             32-value blocks",
+            t.name()
+        )
+    } else {
+        "use fewer devices or another --weights type".to_string()
+    };
+    Err(WgparError::unsupported(format!(
+        "{what}: this tensor-parallel shard holds input columns {}..{} ({} values), which cut \
+         {} blocks of {} values; {fix}",
+        cols.start,
+        cols.end,
+        cols.len(),
+        t.name(),
+        t.block_len()
+    )))
 }
 
 #[cfg(test)]

@@ -25,7 +25,10 @@ pub use fault::{Fault, FaultKind};
 pub use partition::{partition, Partition, StageCost};
 pub use pp::{split_groups, PipelineEngine, PipelineStats, Schedule, StageStats};
 pub use single::SingleEngine;
-pub use strategy::{build_engine, build_pipeline, build_step_engine, PartitionSpec, Strategy};
+pub use strategy::{
+    build_engine, build_pipeline, build_step_engine, with_measured_partition, PartitionSpec,
+    Strategy,
+};
 pub use tp::TensorParallelEngine;
 
 use crate::error::{Result, WgparError};

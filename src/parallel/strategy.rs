@@ -22,6 +22,10 @@ pub enum PartitionSpec {
     Explicit(Vec<usize>),
     /// Measured per-device layer, embedding and head times (for unequal devices).
     Balanced,
+    /// As `Balanced`, with stage `s` holding at most `limits[s]` layers: the most its memory
+    /// caps allow (`--layers auto` with `--gpu-memory`), so memory bounds the split first and
+    /// measured speed chooses within it.
+    BalancedWithin(Vec<usize>),
 }
 
 /// A way to spread the model over the devices.
@@ -171,6 +175,40 @@ pub fn build_pipeline(
     Ok(engine)
 }
 
+/// `strategy` with a measured partition (`Balanced`, `BalancedWithin`) resolved on `gpus` into
+/// the layer counts it gives, so that what the engine runs is also what accounting and reports
+/// see; other strategies unchanged. Measures as building the engine would (one device per
+/// stage: a hybrid stage's first device stands for its group).
+pub fn with_measured_partition(
+    strategy: &Strategy,
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+    dtype: DType,
+    probe: (usize, usize),
+) -> Result<Strategy> {
+    let (partition, tp) = match strategy {
+        Strategy::Pipeline { partition, .. } => (partition, 1),
+        Strategy::Hybrid { partition, tp, .. } => (partition, (*tp).max(1)),
+        _ => return Ok(strategy.clone()),
+    };
+    if !matches!(
+        partition,
+        PartitionSpec::Balanced | PartitionSpec::BalancedWithin(_)
+    ) {
+        return Ok(strategy.clone());
+    }
+    let leaders: Vec<Arc<Gpu>> = gpus.iter().step_by(tp).cloned().collect();
+    let how = resolve(partition, &leaders, weights, dtype, probe)?;
+    let ranges = super::partition::partition(weights.config.layers, leaders.len(), &how)?;
+    let counts = PartitionSpec::Explicit(ranges.iter().map(|r| r.len()).collect());
+    let mut resolved = strategy.clone();
+    if let Strategy::Pipeline { partition, .. } | Strategy::Hybrid { partition, .. } = &mut resolved
+    {
+        *partition = counts;
+    }
+    Ok(resolved)
+}
+
 fn resolve(
     spec: &PartitionSpec,
     gpus: &[Arc<Gpu>],
@@ -184,6 +222,21 @@ fn resolve(
         PartitionSpec::Balanced => Partition::Balanced(measure_stage_costs(
             gpus, weights, dtype, probe.0, probe.1, 3,
         )?),
+        PartitionSpec::BalancedWithin(limits) => {
+            if limits.len() != gpus.len() {
+                return Err(WgparError::InvalidCall(format!(
+                    "{} stage layer limits for {} stages",
+                    limits.len(),
+                    gpus.len()
+                )));
+            }
+            let mut costs = measure_stage_costs(gpus, weights, dtype, probe.0, probe.1, 3)?;
+            for (cost, &most) in costs.iter_mut().zip(limits) {
+                // Counted in layers: one "byte" per layer against a budget of `most`.
+                cost.memory = Some((1, most as u64));
+            }
+            Partition::Balanced(costs)
+        }
     })
 }
 
@@ -212,6 +265,11 @@ impl Strategy {
         let stages = |p: usize, partition: &PartitionSpec| -> Result<Vec<Range<usize>>> {
             let how = match partition {
                 PartitionSpec::Explicit(v) => Partition::Explicit(v.clone()),
+                // Any split within the bounds fits (a stage's bytes follow its own layers):
+                // checked on the even one, until measurement picks the split.
+                PartitionSpec::BalancedWithin(most) if most.len() == p => {
+                    Partition::Explicit(crate::model::memory::even_within(config.layers, most))
+                }
                 _ => Partition::Even,
             };
             super::partition::partition(config.layers, p, &how)

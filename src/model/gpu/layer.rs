@@ -17,7 +17,7 @@ use crate::kernels::ops::{
 };
 use crate::kernels::quant::{PackedMatrix, QuantIo, QuantMatmul};
 use crate::model::config::{Activation, ModelConfig};
-use crate::model::quant::{quantize, QuantType};
+use crate::model::quant::{check_block_split, quantize, QuantType};
 use crate::model::shard::{slice_cols, slice_rows, ShardSpec};
 use crate::model::weights::{BlockMatrix, LayerWeights};
 
@@ -71,33 +71,6 @@ impl Projection {
             Projection::Packed(op) => op.configure(gpu, params, m),
         }
     }
-}
-
-/// Refuses a tensor-parallel shard whose column range (`wo`'s heads, `w_down`'s MLP columns)
-/// would cut `t`'s blocks, with the numbers. `from_file`: the file stores the matrix as `t`.
-fn check_block_split(t: QuantType, what: &str, cols: &Range<usize>, from_file: bool) -> Result<()> {
-    let bl = cols.start % t.block_len() + cols.len() % t.block_len();
-    if bl == 0 {
-        return Ok(());
-    }
-    let fix = if from_file {
-        format!(
-            "the file stores it as {}: use fewer devices, or --weights q8_0 to re-pack it in \
-             32-value blocks",
-            t.name()
-        )
-    } else {
-        "use fewer devices or another --weights type".to_string()
-    };
-    Err(crate::error::WgparError::unsupported(format!(
-        "{what}: this tensor-parallel shard holds input columns {}..{} ({} values), which cut \
-         {} blocks of {} values; {fix}",
-        cols.start,
-        cols.end,
-        cols.len(),
-        t.name(),
-        t.block_len()
-    )))
 }
 
 /// The part of a `[rows][cols]` matrix a shard holds.
