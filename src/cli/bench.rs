@@ -144,31 +144,11 @@ pub struct PipelineBenchArgs {
 }
 
 fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
-    use wgpar::comm::CommConfig;
     use wgpar::device::{open_devices, DeviceSelection};
-    use wgpar::parallel::{
-        Engine, Partition, PartitionSpec, PipelineEngine, PipelineStats, Schedule, Strategy,
-    };
+    use wgpar::parallel::{bench_pipeline, PartitionSpec, PipelineBench, Schedule, Strategy};
     let config = args.model.config()?;
-    if args.stages.is_empty() || args.stages.contains(&0) {
-        return Err(WgparError::option(
-            "--stages",
-            "--stages must be positive".into(),
-        ));
-    }
-    if args.prompt_len == 0 || args.per_microbatch == 0 || args.batch == Some(0) {
-        return Err(WgparError::option(
-            "--prompt-len",
-            "--prompt-len, --per-microbatch and --batch must be positive".into(),
-        ));
-    }
+    check_pipeline_args(args)?;
     let decode = args.phases.iter().any(|p| p == "decode");
-    if decode && args.gen < 2 {
-        return Err(WgparError::option(
-            "--gen",
-            "--gen must be at least 2 to measure decode".into(),
-        ));
-    }
     super::check_context(args.prompt_len, args.gen, &config)?;
     let schedules: Vec<Schedule> = args
         .schedules
@@ -228,6 +208,59 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
     )?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
     let weights = args.model.weights(&config)?;
+    print_pipeline_header(args, &config, &gpus[0])?;
+    for (&p, ms) in args.stages.iter().zip(&counts) {
+        for &m in ms {
+            let bench = PipelineBench {
+                micro_batches: m,
+                batch: args.batch.unwrap_or(m * args.per_microbatch),
+                prompt_len: args.prompt_len,
+                gen: args.gen,
+                reps: args.reps,
+                prefill: args.phases.iter().any(|p| p == "prefill"),
+                schedules: if decode {
+                    schedules.clone()
+                } else {
+                    Vec::new()
+                },
+            };
+            for r in bench_pipeline(&gpus[..p], &weights, dtype, &bench)? {
+                print_pipeline_row(&r, p, bench.batch)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `bench pipeline`'s counts, checked before anything is loaded.
+fn check_pipeline_args(args: &PipelineBenchArgs) -> Result<()> {
+    if args.stages.is_empty() || args.stages.contains(&0) {
+        return Err(WgparError::option(
+            "--stages",
+            "--stages must be positive".into(),
+        ));
+    }
+    if args.prompt_len == 0 || args.per_microbatch == 0 || args.batch == Some(0) {
+        return Err(WgparError::option(
+            "--prompt-len",
+            "--prompt-len, --per-microbatch and --batch must be positive".into(),
+        ));
+    }
+    if args.phases.iter().any(|p| p == "decode") && args.gen < 2 {
+        return Err(WgparError::option(
+            "--gen",
+            "--gen must be at least 2 to measure decode".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// `bench pipeline`'s title line (model, work, device) and column heads.
+fn print_pipeline_header(
+    args: &PipelineBenchArgs,
+    config: &wgpar::model::ModelConfig,
+    gpu: &wgpar::device::Gpu,
+) -> Result<()> {
     outln!(
         "# model {} ({} layers), prompt {}, {}, gen {}, {} ({} {})",
         config.name,
@@ -238,9 +271,9 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
             None => format!("{} sequence(s) per micro-batch", args.per_microbatch),
         },
         args.gen,
-        gpus[0].describe(),
-        gpus[0].info().driver,
-        gpus[0].info().driver_info
+        gpu.describe(),
+        gpu.info().driver,
+        gpu.info().driver_info
     )?;
     outln!(
         "{:<8} {:<9} {:>3} {:>4} {:>5} {:>8} {:>10} {:>11} {:>8} {:>8} {:>8} {:>18}",
@@ -257,135 +290,29 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
         "theory",
         "hand-off/pass"
     )?;
-    let row = |phase: &str, schedule: &str, p: usize, batch: usize, s: &PipelineStats| {
-        let (handoff_s, handoff_b) = s.handoff_per_microbatch();
-        outln!(
-            "{:<8} {:<9} {:>3} {:>4} {:>5} {:>8} {:>10.1} {:>11.1} {:>7.0}% {:>7.1}% {:>7.1}% {:>7.2} ms {:>6} B",
-            phase,
-            schedule,
-            p,
-            s.microbatches,
-            batch,
-            s.tokens,
-            s.tokens_per_s(),
-            s.ideal_tokens_per_s(),
-            s.tokens_per_s() / s.ideal_tokens_per_s() * 100.0,
-            s.measured_bubble * 100.0,
-            s.theoretical_bubble * 100.0,
-            handoff_s * 1e3,
-            handoff_b
-        )
-    };
-    let best = |runs: Vec<PipelineStats>| {
-        runs.into_iter()
-            .min_by(|a, b| a.makespan_s.total_cmp(&b.makespan_s))
-            .ok_or_else(|| WgparError::Internal("the pipeline reported no run".into()))
-    };
-    for (&p, ms) in args.stages.iter().zip(&counts) {
-        for &m in ms {
-            let batch = args.batch.unwrap_or(m * args.per_microbatch);
-            let mut pp = PipelineEngine::new(
-                &gpus[..p],
-                &weights,
-                dtype,
-                &Partition::Even,
-                m,
-                CommConfig::default(),
-            )?;
-            let prompts: Vec<Vec<u32>> = (0..batch)
-                .map(|b| {
-                    (0..args.prompt_len)
-                        .map(|i| ((b * 7919 + i * 131) % config.vocab) as u32)
-                        .collect()
-                })
-                .collect();
-            // Warm-up: pipelines compiled, buffers allocated for every shape.
-            let first = pp.prefill(&prompts)?;
-            pp.decode_greedy(&first.argmax(), 1, false)?;
-            if args.phases.iter().any(|p| p == "prefill") {
-                let mut runs = Vec::new();
-                for _ in 0..args.reps.max(1) {
-                    pp.prefill(&prompts)?;
-                    runs.extend(pp.last_run().cloned());
-                }
-                row("prefill", "gpipe", p, batch, &best(runs)?)?;
-            }
-            if decode {
-                for &schedule in &schedules {
-                    pp.set_schedule(schedule);
-                    let mut runs = Vec::new();
-                    for _ in 0..args.reps.max(1) {
-                        let first = pp.prefill(&prompts)?;
-                        match schedule {
-                            Schedule::InFlight => {
-                                pp.decode_greedy(&first.argmax(), args.gen - 1, false)?;
-                                runs.extend(pp.last_run().cloned());
-                            }
-                            // A GPipe decode is one pipeline run per token: sum them.
-                            Schedule::GPipe => {
-                                let wall = std::time::Instant::now();
-                                let mut next = first.argmax();
-                                let mut total: Option<PipelineStats> = None;
-                                for _ in 1..args.gen {
-                                    next = pp.decode(&next)?.argmax();
-                                    let s = pp.last_run().cloned().unwrap_or_default();
-                                    total = Some(match total {
-                                        None => s,
-                                        Some(t) => gpipe_sum(t, &s),
-                                    });
-                                }
-                                // The driver's sampling between steps counts, as it
-                                // does in flight.
-                                if let Some(t) = total.as_mut() {
-                                    let busy: f64 = t.stages.iter().map(|s| s.busy_s).sum();
-                                    t.makespan_s = wall.elapsed().as_secs_f64();
-                                    t.measured_bubble = 1.0 - busy / (p as f64 * t.makespan_s);
-                                }
-                                runs.extend(total);
-                            }
-                        }
-                    }
-                    row("decode", schedule.label(), p, batch, &best(runs)?)?;
-                }
-            }
-            drop(pp);
-        }
-    }
     Ok(())
 }
 
-/// Two GPipe steps run back to back, as one run: times, tokens and passes add up.
-fn gpipe_sum(
-    mut a: wgpar::parallel::PipelineStats,
-    b: &wgpar::parallel::PipelineStats,
-) -> wgpar::parallel::PipelineStats {
-    let busy =
-        |s: &wgpar::parallel::PipelineStats| -> f64 { s.stages.iter().map(|st| st.busy_s).sum() };
-    let p = a.stages.len().max(1) as f64;
-    let total_busy = busy(&a) + busy(b);
-    // Bubbles weighted by each step's device-time.
-    a.theoretical_bubble = (a.theoretical_bubble * a.makespan_s
-        + b.theoretical_bubble * b.makespan_s)
-        / (a.makespan_s + b.makespan_s);
-    a.makespan_s += b.makespan_s;
-    a.ideal_makespan_s += b.ideal_makespan_s;
-    a.tokens += b.tokens;
-    a.passes += b.passes;
-    for (x, y) in a.stages.iter_mut().zip(&b.stages) {
-        x.busy_s += y.busy_s;
-        x.upload_s += y.upload_s;
-        x.download_s += y.download_s;
-        x.collective_s += y.collective_s;
-        x.occupied_s += y.occupied_s;
-        x.bytes_in += y.bytes_in;
-        x.bytes_out += y.bytes_out;
-        x.collective_bytes += y.collective_bytes;
-        x.transfers += y.transfers;
-        x.collectives += y.collectives;
-        x.microbatches += y.microbatches;
-    }
-    a.measured_bubble = 1.0 - total_busy / (p * a.makespan_s);
-    a
+/// One row of `bench pipeline`'s table.
+fn print_pipeline_row(r: &wgpar::parallel::PipelineBenchRow, p: usize, batch: usize) -> Result<()> {
+    let s = &r.stats;
+    let (handoff_s, handoff_b) = s.handoff_per_microbatch();
+    outln!(
+        "{:<8} {:<9} {:>3} {:>4} {:>5} {:>8} {:>10.1} {:>11.1} {:>7.0}% {:>7.1}% {:>7.1}% {:>7.2} ms {:>6} B",
+        r.phase,
+        r.schedule,
+        p,
+        s.microbatches,
+        batch,
+        s.tokens,
+        s.tokens_per_s(),
+        s.ideal_tokens_per_s(),
+        s.tokens_per_s() / s.ideal_tokens_per_s() * 100.0,
+        s.measured_bubble * 100.0,
+        s.theoretical_bubble * 100.0,
+        handoff_s * 1e3,
+        handoff_b
+    )
 }
 
 /// Runs a benchmark command.

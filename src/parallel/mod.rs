@@ -23,7 +23,10 @@ pub use batch::{BatchStep, SeqRow, StepDone, StepEngine};
 pub use encoder::{cosine_similarity, pad_batch, Embeddings, Encoder, SingleEncoder};
 pub use fault::{Fault, FaultKind};
 pub use partition::{partition, Partition, StageCost};
-pub use pp::{split_groups, PipelineEngine, PipelineStats, Schedule, StageStats};
+pub use pp::{
+    bench_pipeline, split_groups, PipelineBench, PipelineBenchRow, PipelineEngine, PipelineStats,
+    Schedule, StageStats,
+};
 pub use single::SingleEngine;
 pub use strategy::{
     build_engine, build_pipeline, build_step_engine, with_measured_partition, PartitionSpec,

@@ -46,6 +46,7 @@ use crate::sim::LinkPacer;
 use crate::threads::lock;
 use crate::trace::{Recorder, SpanId};
 
+mod bench;
 mod device;
 mod driver;
 mod handoff;
@@ -57,6 +58,7 @@ mod stage;
 mod stats;
 
 pub(crate) use super::tp::Readout;
+pub use bench::{bench_pipeline, PipelineBench, PipelineBenchRow};
 #[cfg(feature = "mpi")]
 pub(crate) use handoff::Payload;
 pub(crate) use handoff::{Output, Work};
