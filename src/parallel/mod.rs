@@ -5,6 +5,7 @@ mod balance;
 mod batch;
 mod buffers;
 pub mod cost;
+mod decode_bench;
 mod encoder;
 mod fault;
 pub mod partition;
@@ -20,6 +21,7 @@ use std::time::Instant;
 
 pub use balance::measure_stage_costs;
 pub use batch::{BatchStep, SeqRow, StepDone, StepEngine};
+pub use decode_bench::{measure_decode, DecodeMeasure};
 pub use encoder::{cosine_similarity, pad_batch, Embeddings, Encoder, SingleEncoder};
 pub use fault::{Fault, FaultKind};
 pub use partition::{partition, Partition, StageCost};
