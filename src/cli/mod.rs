@@ -228,18 +228,11 @@ impl ModelDeviceArgs {
     /// Refuses `--kv-dtype f16` before any device opens when a selected adapter lacks
     /// SHADER_F16 (opening would refuse it too, later).
     fn check_kv(&self, selected: &[AdapterDesc]) -> Result<()> {
-        if self.kv_dtype != KvArg::F16 {
-            return Ok(());
+        let kind = self.gpu_options().kv_cache;
+        for a in selected {
+            kind.resolve_on(a, a.shader_f16, false)?;
         }
-        match selected.iter().find(|a| !a.shader_f16) {
-            Some(a) => Err(WgparError::unsupported(format!(
-                "--kv-dtype f16 needs SHADER_F16, which adapter {} ({}) lacks: use --kv-dtype \
-                 auto (f16 where available) or f32",
-                a.index,
-                a.label()
-            ))),
-            None => Ok(()),
-        }
+        Ok(())
     }
 
     /// `selected` as the checks before opening must see them: with the cap the devices will

@@ -121,8 +121,16 @@ impl std::fmt::Debug for Gpu {
     }
 }
 
-/// The KV-cache type `asked` resolves to on a device opened with (`f16`) or without
-/// `SHADER_F16`; refused for f16 without it, naming the adapter and why it lacks the feature.
+impl KvCacheType {
+    /// The type this choice stores on `info`'s device opened with (`f16`) or without
+    /// `SHADER_F16`; refused for f16 without it, naming the adapter and why it lacks the
+    /// feature (`force_f32`: --force-f32 turned it off). What opening a device checks, and
+    /// what a caller checks before opening one.
+    pub fn resolve_on(self, info: &AdapterDesc, f16: bool, force_f32: bool) -> Result<DType> {
+        kv_dtype(self, f16, force_f32, info)
+    }
+}
+
 fn kv_dtype(asked: KvCacheType, f16: bool, force_f32: bool, info: &AdapterDesc) -> Result<DType> {
     if let Some(t) = asked.resolve(f16) {
         return Ok(t);

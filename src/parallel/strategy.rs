@@ -152,7 +152,7 @@ pub fn build_pipeline(
         } => {
             // Balance on one device per stage: the stage's devices run shards of the same
             // layers, so the first stands for its group.
-            let leaders: Vec<Arc<Gpu>> = gpus.iter().step_by((*tp).max(1)).cloned().collect();
+            let leaders = stage_leaders(gpus, *tp);
             PipelineEngine::hybrid(
                 gpus,
                 weights,
@@ -197,7 +197,7 @@ pub fn with_measured_partition(
     ) {
         return Ok(strategy.clone());
     }
-    let leaders: Vec<Arc<Gpu>> = gpus.iter().step_by(tp).cloned().collect();
+    let leaders = stage_leaders(gpus, tp);
     let how = resolve(partition, &leaders, weights, dtype, probe)?;
     let ranges = super::partition::partition(weights.config.layers, leaders.len(), &how)?;
     let counts = PartitionSpec::Explicit(ranges.iter().map(|r| r.len()).collect());
@@ -207,6 +207,12 @@ pub fn with_measured_partition(
         *partition = counts;
     }
     Ok(resolved)
+}
+
+/// The first device of each stage of `tp` devices: the one a measured partition times for
+/// its group (the group's devices run shards of the same layers).
+fn stage_leaders(gpus: &[Arc<Gpu>], tp: usize) -> Vec<Arc<Gpu>> {
+    gpus.iter().step_by(tp.max(1)).cloned().collect()
 }
 
 fn resolve(
