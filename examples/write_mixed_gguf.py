@@ -2,15 +2,15 @@
 most matrices Q4_K; attn_v, ffn_down and output Q6_K; norms F32), for the figures of
 examples/gguf_native.rs. Random blocks: valid bytes with small f16 scales, no quantizer.
 
-Usage: python write_mixed_gguf.py OUT.gguf
+Usage: python write_mixed_gguf.py OUT.gguf [--hidden N --layers N --ffn N --vocab N ...]
+(defaults: the small model of the figures; larger shapes measure host and device memory)
 """
-import sys
+import argparse
 
 import numpy as np
 import gguf
 
 T = gguf.GGMLQuantizationType
-HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, CONTEXT = 512, 4, 8, 2, 64, 1536, 2048, 512
 rng = np.random.default_rng(5)
 
 
@@ -29,8 +29,20 @@ def blocks(qtype, rows, cols):
     return b.reshape(rows, -1)
 
 
+def shape():
+    p = argparse.ArgumentParser(description="random Q4_K_M-mix Llama GGUF")
+    p.add_argument("out")
+    for name, default in [("hidden", 512), ("layers", 4), ("heads", 8), ("kv-heads", 2),
+                          ("head-dim", 64), ("ffn", 1536), ("vocab", 2048), ("context", 512)]:
+        p.add_argument(f"--{name}", type=int, default=default)
+    return p.parse_args()
+
+
 def main():
-    w = gguf.GGUFWriter(sys.argv[1], "llama")
+    a = shape()
+    HIDDEN, LAYERS, HEADS, KV_HEADS = a.hidden, a.layers, a.heads, a.kv_heads
+    HEAD_DIM, FFN, VOCAB, CONTEXT = a.head_dim, a.ffn, a.vocab, a.context
+    w = gguf.GGUFWriter(a.out, "llama")
     w.add_name("mixed-q4_k_m")
     w.add_context_length(CONTEXT)
     w.add_embedding_length(HIDDEN)

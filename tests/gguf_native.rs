@@ -24,6 +24,7 @@ use wgpar::device::DType;
 use wgpar::model::gguf::GgufFile;
 use wgpar::model::hf::Checkpoint;
 use wgpar::model::quant::{dequantize, QuantType};
+use wgpar::model::weights::matrix_values;
 use wgpar::model::{CpuReference, GpuModel, ModelConfig, ModelWeights, Placement};
 use wgpar::parallel::{
     generate, Engine, Logits, Partition, PipelineEngine, SingleEngine, TensorParallelEngine,
@@ -155,15 +156,17 @@ fn the_device_holds_the_files_blocks_as_stored() {
         if !name.contains("attn_q") && !name.contains("attn_k") {
             assert_eq!(m.bytes, file.data(info), "{name}");
         }
-        // The dense values are llama.cpp's dequantization of the same blocks.
+        // The host holds the blocks alone, whose values are llama.cpp's dequantization.
         if name.contains("attn_v") || name.contains("ffn_down") {
             let dense = if name.contains("attn_v") {
                 &w.layers[layer].wv
             } else {
                 &w.layers[layer].w_down
             };
-            assert_eq!(dense, &reference_dequant(&dir, name), "{name}");
-            assert_eq!(dense, &dequantize(t, &m.bytes), "{name}");
+            assert!(dense.is_empty(), "{name}: an f32 copy beside the blocks");
+            let values = matrix_values(dense, Some(m));
+            assert_eq!(*values, reference_dequant(&dir, name), "{name}");
+            assert_eq!(*values, dequantize(t, &m.bytes), "{name}");
         }
         kept += 1;
     }
@@ -185,7 +188,17 @@ fn the_device_holds_the_files_blocks_as_stored() {
     let model = GpuModel::upload(gpu.clone(), &dense, placement(), DType::F32).unwrap();
     let dense_bytes = gpu.bytes_allocated() - before;
     drop(model);
-    eprintln!("file tensors {file_bytes} B, device {device_bytes} B, dense f32 {dense_bytes} B");
+    // The host holds what the file holds (blocks, f32 norms and tables), not an f32 copy.
+    let (host, dense_host) = (w.host_bytes(), dense.host_bytes());
+    eprintln!(
+        "file tensors {file_bytes} B, host {host} B (dense {dense_host} B), device \
+         {device_bytes} B, dense f32 {dense_bytes} B"
+    );
+    assert!(
+        host.abs_diff(file_bytes) * 100 <= file_bytes,
+        "host weights {host} bytes, the file's tensors {file_bytes}"
+    );
+    assert!(dense_host > 3 * host, "dense host {dense_host}");
     assert!(
         device_bytes.abs_diff(file_bytes) * 100 <= file_bytes * 5,
         "device weights {device_bytes} bytes, the file's tensors {file_bytes}"

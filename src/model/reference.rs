@@ -1,6 +1,9 @@
 //! The CPU reference forward pass: plain loops, f64 accumulation, the oracle every GPU test
 //! compares against. Deliberately simple rather than fast.
 
+use std::borrow::Cow;
+use std::sync::Arc;
+
 use super::config::{Activation, Arch, ModelConfig, RopeScaling};
 use super::weights::{LayerWeights, ModelWeights};
 use crate::error::{Result, WgparError};
@@ -9,7 +12,9 @@ use crate::error::{Result, WgparError};
 /// a per-sequence path ([`CpuReference::step`]) in which every sequence has its own KV slot
 /// and past length, as the GPU's sequence table allows.
 pub struct CpuReference<'a> {
-    pub(super) weights: &'a ModelWeights,
+    /// The weights, with dense values for every matrix (a copy, filled in, when some are held
+    /// in a file's blocks alone), shared so a step can read them while it fills the cache.
+    pub(super) weights: Arc<Cow<'a, ModelWeights>>,
     /// Per layer: keys and values, `[slot][kv_heads][position][head_dim]` flattened.
     k_cache: Vec<Vec<f64>>,
     v_cache: Vec<Vec<f64>>,
@@ -204,8 +209,14 @@ fn apply_rope(
 }
 
 impl<'a> CpuReference<'a> {
-    /// A reference model over `weights` with an empty cache.
+    /// A reference model over `weights` with an empty cache. Matrices held in a file's blocks
+    /// alone are dequantized into a copy once, here.
     pub fn new(weights: &'a ModelWeights) -> Self {
+        let weights = match weights.has_blocks_only() {
+            true => Cow::Owned(weights.clone().with_dense()),
+            false => Cow::Borrowed(weights),
+        };
+        let weights = Arc::new(weights);
         Self {
             weights,
             k_cache: Vec::new(),
@@ -290,7 +301,7 @@ impl<'a> CpuReference<'a> {
     /// slot `s` continues from [`past(s)`](Self::past)); returns each row's last-position
     /// logits.
     pub fn step(&mut self, rows: &[(usize, &[u32])]) -> Result<Vec<Vec<f32>>> {
-        let w = self.weights;
+        let w = Arc::clone(&self.weights);
         let cfg = &w.config;
         for (i, &(slot, tokens)) in rows.iter().enumerate() {
             let bad = |detail: String| {

@@ -30,7 +30,7 @@ impl CpuReference<'_> {
 
     /// Final hidden state of every token of one (checked) sequence.
     pub fn token_states(&self, input: &EncoderInput) -> Vec<Vec<f64>> {
-        let w = self.weights;
+        let w = &self.weights;
         let cfg = &w.config;
         let (h, d, eps) = (cfg.hidden, cfg.head_dim, cfg.norm_eps);
         let types = input.types();

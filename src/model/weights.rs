@@ -1,6 +1,7 @@
 //! Host-side weights in a fixed layout (matrices `[out][in]`, like a PyTorch `Linear`), and the
 //! seeded synthetic weights every test and benchmark uses.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use rand::{Rng, SeedableRng};
@@ -12,6 +13,11 @@ use super::quant::{dequantize, quantize, QuantType};
 /// One layer's weights. Biases and the gate projection exist only where the family has them.
 /// In a post-norm (BERT) layer the two norms follow the residual adds instead of starting the
 /// blocks: `attn_norm` is then the norm after attention, `mlp_norm` the one after the MLP.
+///
+/// A projection matrix a GGUF file stores in blocks is held in [`LayerWeights::blocks`] only,
+/// its dense field left empty, so a 4-bit file takes about its own size in host memory rather
+/// than four bytes a value. [`matrix_values`] reads either form;
+/// [`ModelWeights::fill_dense`] dequantizes them all where dense values are wanted.
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
     /// Attention norm scale `[hidden]` (before the block, or after its residual when post-norm).
@@ -48,8 +54,8 @@ pub struct LayerWeights {
     pub w_down: Vec<f32>,
     /// Down bias.
     pub b_down: Option<Vec<f32>>,
-    /// The projection matrices a GGUF file stores in blocks the kernels read, kept as stored
-    /// (the dense fields above hold the same values dequantized, for the CPU reference).
+    /// The projection matrices a GGUF file stores in blocks the kernels read, kept as stored;
+    /// the dense field of each is empty until [`ModelWeights::fill_dense`].
     pub blocks: LayerBlocks,
 }
 
@@ -67,7 +73,21 @@ pub struct BlockMatrix {
     pub bytes: Vec<u8>,
 }
 
+/// A projection matrix's values: `dense` when held, else `blocks` dequantized (a matrix held
+/// in a file's blocks alone; see [`LayerWeights`]).
+pub fn matrix_values<'a>(dense: &'a [f32], blocks: Option<&BlockMatrix>) -> Cow<'a, [f32]> {
+    match blocks {
+        Some(b) if dense.is_empty() => Cow::Owned(b.dequantize()),
+        _ => Cow::Borrowed(dense),
+    }
+}
+
 impl BlockMatrix {
+    /// The values the blocks hold, `rows * cols` of them.
+    pub fn dequantize(&self) -> Vec<f32> {
+        dequantize(self.dtype, &self.bytes)
+    }
+
     /// Bytes of one row.
     fn row_bytes(&self) -> usize {
         self.bytes.len() / self.rows.max(1)
@@ -134,6 +154,64 @@ impl LayerBlocks {
         ]
         .into_iter()
         .filter_map(|(n, m)| m.as_ref().map(|m| (n, m)))
+    }
+}
+
+impl LayerWeights {
+    /// The projection matrices' dense fields with their blocks, gate included where held.
+    fn matrices_mut(&mut self) -> impl Iterator<Item = (&mut Vec<f32>, Option<&BlockMatrix>)> {
+        let b = &self.blocks;
+        [
+            (&mut self.wq, b.wq.as_ref()),
+            (&mut self.wk, b.wk.as_ref()),
+            (&mut self.wv, b.wv.as_ref()),
+            (&mut self.wo, b.wo.as_ref()),
+            (&mut self.w_up, b.w_up.as_ref()),
+            (&mut self.w_down, b.w_down.as_ref()),
+        ]
+        .into_iter()
+        .chain(self.w_gate.as_mut().map(|g| (g, b.w_gate.as_ref())))
+    }
+
+    /// The projection matrices' dense fields with their blocks, gate included where held.
+    fn matrices(&self) -> impl Iterator<Item = (&Vec<f32>, Option<&BlockMatrix>)> {
+        let b = &self.blocks;
+        [
+            (&self.wq, b.wq.as_ref()),
+            (&self.wk, b.wk.as_ref()),
+            (&self.wv, b.wv.as_ref()),
+            (&self.wo, b.wo.as_ref()),
+            (&self.w_up, b.w_up.as_ref()),
+            (&self.w_down, b.w_down.as_ref()),
+        ]
+        .into_iter()
+        .chain(self.w_gate.as_ref().map(|g| (g, b.w_gate.as_ref())))
+    }
+
+    /// Bytes this layer holds on the host: its vectors' values and its blocks.
+    fn host_bytes(&self) -> u64 {
+        let vectors = [
+            Some(&self.attn_norm),
+            self.attn_norm_bias.as_ref(),
+            Some(&self.wq),
+            Some(&self.wk),
+            Some(&self.wv),
+            self.bq.as_ref(),
+            self.bk.as_ref(),
+            self.bv.as_ref(),
+            Some(&self.wo),
+            self.bo.as_ref(),
+            Some(&self.mlp_norm),
+            self.mlp_norm_bias.as_ref(),
+            self.w_gate.as_ref(),
+            Some(&self.w_up),
+            self.b_up.as_ref(),
+            Some(&self.w_down),
+            self.b_down.as_ref(),
+        ];
+        let values: usize = vectors.iter().flatten().map(|v| v.len() * 4).sum();
+        let blocks: usize = self.blocks.iter().map(|(_, m)| m.bytes.len()).sum();
+        (values + blocks) as u64
     }
 }
 
@@ -280,38 +358,66 @@ impl ModelWeights {
         self.lm_head.as_deref().unwrap_or(&self.wte)
     }
 
-    /// The layers' projection matrices, mutably (what `--weights` packs).
-    fn matrices_mut(&mut self) -> impl Iterator<Item = &mut Vec<f32>> {
-        self.layers.iter_mut().flat_map(|l| {
-            [
-                &mut l.wq,
-                &mut l.wk,
-                &mut l.wv,
-                &mut l.wo,
-                &mut l.w_up,
-                &mut l.w_down,
-            ]
-            .into_iter()
-            .chain(l.w_gate.as_mut())
-        })
+    /// Dequantizes every matrix held in a file's blocks alone into its dense field (the
+    /// blocks stay): for code that reads the dense values, at four bytes a value.
+    pub fn fill_dense(&mut self) {
+        for l in &mut self.layers {
+            for (dense, blocks) in l.matrices_mut() {
+                if let (Some(b), true) = (blocks, dense.is_empty()) {
+                    *dense = b.dequantize();
+                }
+            }
+        }
+    }
+
+    /// The same weights with every matrix's dense values filled in ([`Self::fill_dense`]).
+    pub fn with_dense(mut self) -> Self {
+        self.fill_dense();
+        self
+    }
+
+    /// Whether some matrix is held in a file's blocks alone (its dense field empty).
+    pub fn has_blocks_only(&self) -> bool {
+        (self.layers.iter())
+            .flat_map(LayerWeights::matrices)
+            .any(|(dense, blocks)| dense.is_empty() && blocks.is_some())
+    }
+
+    /// Bytes the weights take on the host: dense values at four bytes each, blocks as stored.
+    pub fn host_bytes(&self) -> u64 {
+        let vectors = [
+            Some(&self.wte),
+            self.wpe.as_ref(),
+            self.token_types.as_ref(),
+            self.embed_norm.as_ref(),
+            self.embed_norm_bias.as_ref(),
+            Some(&self.final_norm),
+            self.final_norm_bias.as_ref(),
+            self.lm_head.as_ref(),
+        ];
+        let top: usize = vectors.iter().flatten().map(|v| v.len() * 4).sum();
+        top as u64 + self.layers.iter().map(LayerWeights::host_bytes).sum::<u64>()
     }
 
     /// The same weights with every projection matrix packed as `t` and unpacked again: what
     /// the device computes with when the matrices are stored as `t` (a CPU reference for
     /// packed runs, and the accuracy figures). Rows must be whole blocks.
     pub fn dequantized(&self, t: QuantType) -> Self {
-        let mut out = self.clone();
-        for m in out.matrices_mut() {
-            *m = dequantize(t, &quantize(t, m));
+        let mut out = self.clone().with_dense();
+        for l in &mut out.layers {
+            for (m, _) in l.matrices_mut() {
+                *m = dequantize(t, &quantize(t, m));
+            }
         }
         out.packed = None;
         out.drop_blocks();
         out
     }
 
-    /// Forgets the blocks a file stored (the dense values stay): every matrix then goes to the
-    /// device dense, or packed by `--weights`.
+    /// Forgets the blocks a file stored, dequantized into the dense fields first: every matrix
+    /// then goes to the device dense, or packed by `--weights`.
     pub fn drop_blocks(&mut self) {
+        self.fill_dense();
         for l in &mut self.layers {
             l.blocks = LayerBlocks::default();
         }
@@ -334,6 +440,7 @@ impl ModelWeights {
     }
 
     /// The same weights rounded through f16, so a reference can match an f16-weight run.
+    /// Matrices held in blocks alone stay as they are: the device reads those blocks.
     pub fn rounded_to_f16(&self) -> Self {
         let r = |v: &Vec<f32>| -> Vec<f32> {
             v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()

@@ -1,9 +1,10 @@
 //! GGUF tensors to [`ModelWeights`]. llama.cpp names (`blk.N.attn_q.weight`, ...) map to
 //! wgpar's fields; matrices are stored `[out][in]` with the input dimension innermost, which is
 //! wgpar's layout once GGUF's innermost-first dimensions are reversed. Each tensor is
-//! dequantized on its own from the mapped bytes; a layer projection matrix stored in blocks the
-//! kernels read (Q8_0, Q4_0, Q4_K, Q6_K) also keeps its bytes as stored
-//! ([`LayerWeights::blocks`]), so the device holds the file's own blocks, type by type.
+//! dequantized on its own from the mapped bytes and checked; a layer projection matrix stored
+//! in blocks the kernels read (Q8_0, Q4_0, Q4_K, Q6_K) is then kept as its bytes alone
+//! ([`LayerWeights::blocks`], dense field empty), so the device holds the file's own blocks,
+//! type by type, and the host about the file's size rather than four bytes a value.
 //!
 //! The usual converter permutes the Q and K rows of `llama`-architecture files for llama.cpp's
 //! interleaved RoPE (pairs `(2i, 2i+1)`); wgpar rotates halves (`i` with `i + head_dim/2`), as
@@ -58,7 +59,8 @@ impl Tensors<'_> {
         Ok(values)
     }
 
-    /// Matrix `name` (`shape` = `[rows, cols]`) dense, and as stored when it is in blocks.
+    /// Matrix `name` (`shape` = `[rows, cols]`): dense, or, when it is in blocks the kernels
+    /// read, its blocks as stored and an empty dense field (the values are checked either way).
     fn matrix(
         &self,
         name: &str,
@@ -66,8 +68,8 @@ impl Tensors<'_> {
         what: &str,
     ) -> Result<(Vec<f32>, Option<BlockMatrix>)> {
         let dense = self.get(name, shape, what)?;
-        // `get` checked the shape. Blocks the kernels read are kept; converted types and floats
-        // go dense only.
+        // `get` checked the shape and the values. Blocks the kernels read are kept and their
+        // dense copy dropped; converted types and floats go dense only.
         let kept = |info: &TensorInfo| match info.dtype {
             ElementType::Native(t) if t.is_quantized() => Some((t, self.file.data(info))),
             _ => None,
@@ -80,7 +82,10 @@ impl Tensors<'_> {
                 rows: shape[0],
                 cols: shape[1],
             });
-        Ok((dense, blocks))
+        match blocks {
+            Some(b) => Ok((Vec::new(), Some(b))),
+            None => Ok((dense, None)),
+        }
     }
 
     fn optional(&self, name: &str, shape: &[usize], what: &str) -> Result<Option<Vec<f32>>> {
@@ -235,7 +240,8 @@ fn gpt2_layer(t: &Tensors, c: &ModelConfig, i: usize) -> Result<LayerWeights> {
     // The fused projection's rows are Q, then K, then V.
     let (qkv, qkv_blocks) = matrix("attn_qkv.weight", &[3 * h, h], "fused QKV projection")?;
     let qkv_bias = get("attn_qkv.bias", &[3 * h], "fused QKV bias")?;
-    let rows = |k: usize| qkv[k * h * h..(k + 1) * h * h].to_vec();
+    // Empty when the projection is held in blocks alone.
+    let rows = |k: usize| qkv.get(k * h * h..(k + 1) * h * h).unwrap_or(&[]).to_vec();
     let row_blocks = |k: usize| {
         qkv_blocks
             .as_ref()

@@ -19,7 +19,7 @@ use crate::kernels::quant::{PackedMatrix, QuantIo, QuantMatmul};
 use crate::model::config::{Activation, ModelConfig};
 use crate::model::quant::{check_block_split, quantize, QuantType};
 use crate::model::shard::{slice_cols, slice_rows, ShardSpec};
-use crate::model::weights::{BlockMatrix, LayerWeights};
+use crate::model::weights::{matrix_values, BlockMatrix, LayerWeights};
 
 /// One decoder layer's (shard of) weights on a device.
 pub(super) struct GpuLayer {
@@ -128,9 +128,11 @@ impl Storage {
             return PackedMatrix::upload(gpu, &src.name, part.dtype, &part.bytes, shape)
                 .map(LayerMatrix::Packed);
         }
+        // A file's blocks re-packed by `--weights`: dequantized here, one matrix at a time.
+        let dense = matrix_values(src.dense, src.blocks);
         let (data, cols) = match &src.part {
-            Part::Rows(r) => (slice_rows(src.dense, src.cols, r.clone()), src.cols),
-            Part::Cols(c) => (slice_cols(src.dense, src.cols, c.clone()), c.len()),
+            Part::Rows(r) => (slice_rows(&dense, src.cols, r.clone()), src.cols),
+            Part::Cols(c) => (slice_cols(&dense, src.cols, c.clone()), c.len()),
         };
         let Some(t) = self.packed else {
             let w = gpu.upload_weights(&src.name, &data, self.dtype)?;
