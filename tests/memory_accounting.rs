@@ -239,6 +239,32 @@ fn within(out: &str, caps: &[u64]) -> bool {
     lines.len() == caps.len() && lines.iter().zip(caps).all(|(&(a, _), &c)| a <= c)
 }
 
+/// The layer times (ms) and query heads of `--split auto`'s note.
+fn measured_split(out: &str) -> (Vec<f64>, Vec<usize>) {
+    let line = (out.lines())
+        .find(|l| l.contains("--split auto: a layer takes"))
+        .unwrap_or_else(|| panic!("no --split auto note: {out}"));
+    let times = line
+        .split("takes ")
+        .nth(1)
+        .unwrap()
+        .split(" on the")
+        .next()
+        .unwrap();
+    let times = (times.split(", "))
+        .map(|t| t.trim_end_matches(" ms").parse().unwrap())
+        .collect();
+    let heads = line
+        .split("query heads [")
+        .nth(1)
+        .unwrap()
+        .split(']')
+        .next()
+        .unwrap();
+    let heads = heads.split(", ").map(|h| h.parse().unwrap()).collect();
+    (times, heads)
+}
+
 #[test]
 fn auto_placement_fits_the_caps_or_refuses_with_the_numbers() {
     let model = [
@@ -276,7 +302,9 @@ fn auto_placement_fits_the_caps_or_refuses_with_the_numbers() {
         !ok && out.contains("fit no split") && out.contains("stage 1 (gpu1)"),
         "{out}"
     );
-    // Tensor parallelism: more heads where the cap is larger.
+    // Tensor parallelism: by speed, within the most heads each cap holds. Both devices are
+    // one adapter (equal speed), so the caps decide: 30 MiB holds 5 heads on gpu1, and 30 MiB
+    // holds one on gpu0, which also holds the embedding and the 12 MiB LM head.
     let tp = [
         "--strategy",
         "tp",
@@ -289,15 +317,22 @@ fn auto_placement_fits_the_caps_or_refuses_with_the_numbers() {
     ];
     let (ok, out) = run(&[&model[..], &tp, &["--gpu-memory", "48M,30M"]].concat());
     assert!(
-        ok && out.contains("--split auto split the heads [7, 5]"),
+        ok && out.contains("query heads [7, 5] by speed within the --gpu-memory caps"),
         "{out}"
     );
     assert!(within(&out, &[48 << 20, 30 << 20]), "{out}");
+    let (ok, out) = run(&[&model[..], &tp, &["--gpu-memory", "30M,48M"]].concat());
+    assert!(ok && out.contains("query heads [1, 11] by speed"), "{out}");
+    assert!(within(&out, &[30 << 20, 48 << 20]), "{out}");
     let (ok, out) = run(&[&model[..], &tp, &["--gpu-memory", "20M"]].concat());
     assert!(!ok && out.contains("fits no split of its heads"), "{out}");
-    // Without caps: the measured balance for stages, an even split for heads.
+    // Without caps, by the measured layer times alone: even where they are within 5 %.
     let (ok, out) = run(&[&model[..], &tp].concat());
-    assert!(ok && out.contains("query heads [6, 6]"), "{out}");
+    let (times, heads) = measured_split(&out);
+    assert!(ok && heads.iter().sum::<usize>() == 12, "{out}");
+    assert!(out.contains(&format!("(query heads {heads:?})")), "{out}");
+    let close = (times[0] - times[1]).abs() < 0.03 * times[0].min(times[1]);
+    assert!(!close || heads == [6, 6], "{out}");
     // Commands that do not place by memory yet refuse auto rather than run evenly.
     let (ok, out, err) = common::wgpar(&["serve", "--strategy", "pp", "--layers", "auto"]);
     assert!(!ok && err.contains("in `wgpar run` only"), "{out}{err}");

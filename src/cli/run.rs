@@ -7,8 +7,8 @@ use wgpar::comm::CommConfig;
 use wgpar::device::{AdapterDesc, Adapters, DType, Gpu};
 use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::{
-    build_engine, generate, generate_keeping, with_measured_partition, Engine, Fault, FaultKind,
-    KeepLogits, PartitionSpec, Schedule, Strategy,
+    build_engine, generate, generate_keeping, measure_stage_costs, with_measured_partition, Engine,
+    Fault, FaultKind, KeepLogits, PartitionSpec, Schedule, Strategy,
 };
 
 use wgpar::sim::{HostProfile, LinkPacer, PaceSpec};
@@ -18,7 +18,9 @@ use wgpar::{Result, WgparError};
 use super::memory::{binding_limits, parse_counts, print_allocated, Counts, MemoryArgs};
 use super::text::TextArgs;
 use super::{DeviceArgs, ModelArgs};
-use wgpar::model::memory::{per_device, MemorySpec, WeightFormat, Workload};
+use wgpar::model::memory::{
+    per_device, split_by_speed, MemorySpec, SplitBasis, WeightFormat, Workload,
+};
 
 /// Strategy options of `run`.
 #[derive(Args, Clone, Debug)]
@@ -32,7 +34,7 @@ pub struct StrategyArgs {
     #[arg(long)]
     pub tp: Option<usize>,
     /// Tensor parallel: relative shares per device, e.g. 3,1 (default even); `run` also takes
-    /// auto: heads in proportion to each device's --gpu-memory cap (even without caps).
+    /// auto: heads by each device's measured layer time, within its --gpu-memory cap.
     #[arg(long, value_parser = parse_counts, value_name = "SHARES|auto")]
     pub split: Option<Counts>,
     /// Pipeline and hybrid: layers per stage, e.g. 5,7 (default: --partition); `run` also
@@ -428,11 +430,11 @@ pub(super) fn plan(
     })
 }
 
-/// Resolves `--layers auto` / `--split auto` into counts the engines take: by memory within
-/// the `--gpu-memory` caps ([`wgpar::model::memory::layers_by_memory`],
-/// [`wgpar::model::memory::split_by_memory`]); without caps, by measured speed where a
-/// partition by speed exists (pipeline stages, `--partition balanced`), else evenly (tensor
-/// parallelism). Says on stderr what it chose.
+/// Resolves `--layers auto` / `--split auto` as far as it can before the devices open: the
+/// most layers each stage's `--gpu-memory` cap holds, within which the split is balanced by
+/// measured speed ([`PartitionSpec::BalancedWithin`]); for tensor parallelism, a split that
+/// fits the caps ([`wgpar::model::memory::split_by_memory`]), for the checks, replaced by one
+/// by speed once the devices are open ([`measured_split`]). Without caps, by speed alone.
 fn place_auto(
     args: &RunArgs,
     strategy: Strategy,
@@ -442,8 +444,8 @@ fn place_auto(
 ) -> Result<Strategy> {
     let Some(text) = &args.memory.gpu_memory else {
         eprintln!(
-            "note: auto placement without --gpu-memory: pipeline stages balanced by measured \
-             speed, tensor-parallel heads even (no device reports its memory size)"
+            "note: auto placement without --gpu-memory (no device reports its memory size): \
+             by measured speed alone"
         );
         return Ok(with_partition(strategy, PartitionSpec::Balanced));
     };
@@ -460,8 +462,9 @@ fn place_auto(
     };
     let n = strategy.devices_used(selected.len());
     if let Strategy::Tensor { .. } = strategy {
+        // A split that fits, for the checks before the devices open; the run's own split is
+        // chosen by speed once they are (`measured_split`).
         let split = wgpar::model::memory::split_by_memory(n, &spec, &caps)?;
-        eprintln!("note: --split auto split the heads {split:?} by the --gpu-memory caps");
         return Ok(Strategy::Tensor { split: Some(split) });
     }
     let most = wgpar::model::memory::stage_layer_limits(&strategy, n, &spec, &caps)?;
@@ -574,6 +577,25 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if let Some(prompt) = &args.text.prompt {
         return super::text::generate(args, prompt);
     }
+    let config = checked_config(args)?;
+    let adapters = Adapters::discover()?;
+    // The timed part: one prefill, then a generation (a prefill and gen - 1 decode steps).
+    let timed_steps = args.gen + 1;
+    let work = (args.batch, args.prompt_len);
+    let plan = plan(args, &config, &adapters, work, timed_steps)?;
+    let (placed, weights) = open_placed(args, &config, &adapters, &plan)?;
+    // What the engine allocates from here on (the measurement's probe models are gone).
+    let before: Vec<u64> = placed.gpus.iter().map(|g| g.bytes_allocated()).collect();
+    let (mut engine, format) = ready_engine(args, &config, &placed, weights, plan)?;
+    timed_generation(args, &config, engine.as_mut(), &placed)?;
+    let memory = RunMemory::of(&placed.gpus, format, work);
+    let accounted = per_device(&placed.strategy, placed.gpus.len(), &memory.spec(&config))?;
+    print_allocated(&placed.gpus, &accounted, &before)
+}
+
+/// The model's config, checked against `run`'s own options (sampling needs `--prompt`; the
+/// batch, prompt and generation are positive and fit the context).
+fn checked_config(args: &RunArgs) -> Result<ModelConfig> {
     if args.text.samples() {
         return Err(WgparError::unsupported(
             "--temperature, --top-k and --top-p pick the tokens of text generation: they need \
@@ -589,60 +611,161 @@ pub fn run(args: &RunArgs) -> Result<()> {
         ));
     }
     super::check_context(args.prompt_len, args.gen, &config)?;
-    let adapters = Adapters::discover()?;
-    // The timed part: one prefill, then a generation (a prefill and gen - 1 decode steps).
-    let timed_steps = args.gen + 1;
-    let plan = plan(
-        args,
-        &config,
-        &adapters,
-        (args.batch, args.prompt_len),
-        timed_steps,
-    )?;
-    let strategy = plan.strategy;
-    let gpus = args
-        .devices
-        .open_first(&adapters, strategy.devices_used(plan.adapters.len()))?;
+    Ok(config)
+}
+
+/// The opened devices and the strategy with its measured placement resolved.
+struct Placed {
+    gpus: Vec<Arc<Gpu>>,
+    dtype: DType,
+    strategy: Strategy,
+}
+
+/// Opens the plan's devices, loads the weights and resolves a measured placement (`--layers
+/// auto`, `--partition balanced`, `--split auto`), so that the accounting sees the engine's
+/// split.
+fn open_placed(
+    args: &RunArgs,
+    config: &ModelConfig,
+    adapters: &Adapters,
+    plan: &Plan,
+) -> Result<(Placed, ModelWeights)> {
+    let count = plan.strategy.devices_used(plan.adapters.len());
+    let gpus = args.devices.open_first(adapters, count)?;
     let dtype = args.model.dtype(&gpus)?;
     debug_assert_eq!(dtype, plan.dtype);
-    let weights = args.model.weights(&config)?;
-    let storage = storage_of(&weights, dtype);
-    let kv = kv_of(&gpus);
-    // A measured split is resolved here, so the accounting below sees the engine's layers.
+    let weights = args.model.weights(config)?;
     let probe = (args.batch, args.prompt_len);
-    let strategy = with_measured_partition(&strategy, &gpus, &weights, dtype, probe)?;
-    // What the engine allocates from here on (the measurement's probe models are gone).
-    let before: Vec<u64> = gpus.iter().map(|g| g.bytes_allocated()).collect();
+    let strategy = with_measured_partition(&plan.strategy, &gpus, &weights, dtype, probe)?;
+    let strategy = match args.strategy.split == Some(Counts::Auto) {
+        true => measured_split(args, &gpus, (&weights, dtype))?,
+        false => strategy,
+    };
+    let placed = Placed {
+        gpus,
+        dtype,
+        strategy,
+    };
+    Ok((placed, weights))
+}
+
+/// `--split auto` once the devices are open: each device's layer time measured, the heads
+/// split by speed within the `--gpu-memory` caps ([`wgpar::model::memory::split_by_speed`]).
+/// Says on stderr what it measured and chose.
+fn measured_split(
+    args: &RunArgs,
+    gpus: &[Arc<Gpu>],
+    (weights, dtype): (&ModelWeights, DType),
+) -> Result<Strategy> {
+    let costs = measure_stage_costs(gpus, weights, dtype, args.batch, args.prompt_len, 3)?;
+    let layer_s: Vec<f64> = costs.iter().map(|c| c.layer_s).collect();
+    let caps = (args.memory.gpu_memory.as_deref())
+        .map(|text| super::memory::parse_caps(text, gpus.len()))
+        .transpose()?;
+    let memory = RunMemory::of(
+        gpus,
+        WeightFormat::of_weights(weights, dtype),
+        (args.batch, args.prompt_len),
+    );
+    let split = split_by_speed(&layer_s, &memory.spec(&weights.config), caps.as_deref())?;
+    let times: Vec<String> = layer_s
+        .iter()
+        .map(|t| format!("{:.2} ms", t * 1e3))
+        .collect();
+    let why = match split.basis {
+        SplitBasis::Speed if caps.is_some() => "by speed within the --gpu-memory caps",
+        SplitBasis::Speed => "by speed",
+        SplitBasis::EvenForBlocks => "evenly: the split by speed would cut packed blocks",
+        SplitBasis::Memory => "by the --gpu-memory caps: no split by speed fits them",
+    };
+    eprintln!(
+        "note: --split auto: a layer takes {} on the devices; query heads {:?} {why}",
+        times.join(", "),
+        split.heads
+    );
+    Ok(Strategy::Tensor {
+        split: Some(split.heads),
+    })
+}
+
+/// What the memory accounting of a run on open devices reads beside the config.
+struct RunMemory {
+    format: WeightFormat,
+    kv: Vec<DType>,
+    limits: Vec<u64>,
+    work: Workload,
+}
+
+impl RunMemory {
+    fn of(gpus: &[Arc<Gpu>], format: WeightFormat, (batch, prompt): (usize, usize)) -> Self {
+        Self {
+            format,
+            kv: gpus.iter().map(|g| g.kv_dtype()).collect(),
+            limits: binding_limits(gpus.iter().map(|g| g.info())),
+            work: Workload { batch, prompt },
+        }
+    }
+
+    fn spec<'a>(&'a self, config: &'a ModelConfig) -> MemorySpec<'a> {
+        MemorySpec {
+            config,
+            format: &self.format,
+            kv_dtypes: &self.kv,
+            work: self.work,
+            binding_limits: &self.limits,
+        }
+    }
+}
+
+/// Prints the model line, builds the engine (the host weights dropped once it holds them),
+/// sets the pacer and the fault, and runs the untimed warm-up. Returns the engine and how
+/// its weights are stored (for the accounting).
+fn ready_engine(
+    args: &RunArgs,
+    config: &ModelConfig,
+    placed: &Placed,
+    weights: ModelWeights,
+    plan: Plan,
+) -> Result<(Box<dyn Engine>, WeightFormat)> {
+    let (gpus, dtype, strategy) = (&placed.gpus, placed.dtype, &placed.strategy);
     outln!(
-        "model {} ({} arch, {} layers, hidden {}, {:.1}M params, {storage}, {kv})",
+        "model {} ({} arch, {} layers, hidden {}, {:.1}M params, {}, {})",
         config.name,
         format!("{:?}", config.arch).to_lowercase(),
         config.layers,
         config.hidden,
         config.params() as f64 / 1e6,
+        storage_of(&weights, dtype),
+        kv_of(gpus),
     )?;
-    let mut engine = build_engine(
-        &strategy,
-        &gpus,
-        &weights,
-        dtype,
-        &CommConfig::default(),
-        (args.batch, args.prompt_len),
-    )?;
+    let probe = (args.batch, args.prompt_len);
+    let comm = CommConfig::default();
+    let mut engine = build_engine(strategy, gpus, &weights, dtype, &comm, probe)?;
     let format = WeightFormat::of_weights(&weights, dtype);
+    let prompts = synthetic_prompts(args, config.vocab);
     drop(weights);
     outln!("engine: {}", engine.name())?;
     if let Some((pacer, what)) = plan.pacer {
         outln!("pacing transfers to {what}")?;
         engine.set_pacer(Some(Arc::new(pacer)));
     }
-    let prompts = synthetic_prompts(args, config.vocab);
     if let Some(f) = plan.fault {
         let micro = args.strategy.micro_batches.unwrap_or(1);
-        inject_before_warmup(engine.as_mut(), f, jobs_per_step(&strategy, micro))?;
+        inject_before_warmup(engine.as_mut(), f, jobs_per_step(strategy, micro))?;
     }
     // One untimed pass compiles the pipelines and allocates buffers.
     generate(engine.as_mut(), &prompts, WARMUP_STEPS)?;
+    Ok((engine, format))
+}
+
+/// The timed part, recorded: one prefill (for its accounting), then the generation; prints
+/// the rates, the bubble and the tokens, and writes the logits and the trace if asked.
+fn timed_generation(
+    args: &RunArgs,
+    config: &ModelConfig,
+    engine: &mut dyn Engine,
+    placed: &Placed,
+) -> Result<()> {
     let recorder = recorder_for(args);
     // What `wgpar project` needs to turn a makespan into throughput, and what a reader of the
     // trace needs to know what ran. The recorded part is one prefill, then a generation (a
@@ -651,29 +774,28 @@ pub fn run(args: &RunArgs) -> Result<()> {
     for (key, value) in [
         ("model", config.name.clone()),
         ("strategy", engine.name()),
-        ("dtype", format!("{dtype:?}").to_lowercase()),
+        ("dtype", format!("{:?}", placed.dtype).to_lowercase()),
         ("batch", args.batch.to_string()),
         ("prompt_len", args.prompt_len.to_string()),
         ("gen", args.gen.to_string()),
         ("tokens", processed.to_string()),
-        ("adapters", super::adapter_labels(&gpus)),
+        ("adapters", super::adapter_labels(&placed.gpus)),
     ] {
         recorder.set_meta(key, value);
     }
     engine.set_recorder(recorder.clone());
-    // Prefill alone first, to report its accounting; then the full generation.
+    let prompts = synthetic_prompts(args, config.vocab);
     engine.prefill(&prompts)?;
     let prefill_stats = engine.last_step();
     let prefill_pipeline = engine.pipeline_stats();
-    let g = generate_keeping(engine.as_mut(), &prompts, args.gen, keep_for(args))?;
-    print_rates(
-        &g,
+    let g = generate_keeping(engine, &prompts, args.gen, keep_for(args))?;
+    let (batch, prefill) = (
         args.batch,
-        prefill_stats.as_ref(),
-        prefill_pipeline.as_ref(),
-    )?;
+        (prefill_stats.as_ref(), prefill_pipeline.as_ref()),
+    );
+    print_rates(&g, batch, prefill.0, prefill.1)?;
     // In flight, the last run is the whole decode; under GPipe, its last step.
-    print_bubble(engine.as_ref(), "  decode ")?;
+    print_bubble(engine, "  decode ")?;
     outln!("first sequence's tokens: {:?}", g.tokens[0])?;
     if let Some(path) = &args.logits_out {
         write_logits(path, args.batch, config.vocab, &g)?;
@@ -681,19 +803,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if let Some(path) = &args.trace {
         write_trace(&recorder, path)?;
     }
-    let limits = binding_limits(gpus.iter().map(|g| g.info()));
-    let kv: Vec<DType> = gpus.iter().map(|g| g.kv_dtype()).collect();
-    let spec = MemorySpec {
-        config: &config,
-        format: &format,
-        kv_dtypes: &kv,
-        work: Workload {
-            batch: args.batch,
-            prompt: args.prompt_len,
-        },
-        binding_limits: &limits,
-    };
-    print_allocated(&gpus, &per_device(&strategy, gpus.len(), &spec)?, &before)
+    Ok(())
 }
 
 /// Prints a run's prefill and decode rates, with the prefill's accounting (`prefill_stats`)

@@ -727,6 +727,98 @@ pub fn split_by_memory(devices: usize, spec: &MemorySpec<'_>, caps: &[u64]) -> R
     )))
 }
 
+/// What a tensor-parallel split by [`split_by_speed`] rests on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SplitBasis {
+    /// Measured speed, within each device's memory cap (even when the devices measured within
+    /// [`crate::parallel::partition::EVEN_SPLIT_SLACK`] of each other).
+    Speed,
+    /// The split by speed would cut a packed matrix's blocks: an even split instead.
+    EvenForBlocks,
+    /// No split by speed fits the caps and the blocks: the split by memory
+    /// ([`split_by_memory`]).
+    Memory,
+}
+
+/// Query heads per device for `--split auto`, and what they rest on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeadSplit {
+    /// Query heads per device.
+    pub heads: Vec<usize>,
+    /// Why.
+    pub basis: SplitBasis,
+}
+
+/// The most query heads each of `devices` devices can hold under its cap: device `i` holding
+/// `h` heads while the others share the rest evenly, the largest `h` whose bytes fit cap `i`
+/// (0 when none does). Without caps, every head less one for each other device.
+pub fn head_limits(devices: usize, spec: &MemorySpec<'_>, caps: Option<&[u64]>) -> Vec<usize> {
+    let heads = spec.config.heads;
+    let top = heads.saturating_sub(devices.saturating_sub(1));
+    let Some(caps) = caps else {
+        return vec![top; devices];
+    };
+    let fits = |i: usize, h: usize| {
+        let mut split = vec![(heads - h) / (devices - 1).max(1); devices];
+        split[i] = h;
+        // The remainder goes to the first others, as a proportional split would place it.
+        let left = heads - split.iter().sum::<usize>();
+        for j in (0..devices).filter(|&j| j != i).take(left) {
+            split[j] += 1;
+        }
+        let strategy = Strategy::Tensor { split: Some(split) };
+        per_device(&strategy, devices, spec)
+            .is_ok_and(|b| b.get(i).map(DeviceBytes::total) <= caps.get(i).copied())
+    };
+    (0..devices)
+        .map(|i| (1..=top).rev().find(|&h| fits(i, h)).unwrap_or(0))
+        .collect()
+}
+
+/// Tensor-parallel heads for `--split auto` once each device's layer time `layer_s` is
+/// measured: by speed within the most heads each cap holds ([`head_limits`],
+/// [`crate::parallel::partition::heads_by_speed`]), provided the split fits every cap and cuts
+/// no packed matrix's blocks; else the even split where it does, else the split by memory.
+pub fn split_by_speed(
+    layer_s: &[f64],
+    spec: &MemorySpec<'_>,
+    caps: Option<&[u64]>,
+) -> Result<HeadSplit> {
+    let n = layer_s.len();
+    let usable = |split: &[usize]| {
+        let strategy = Strategy::Tensor {
+            split: Some(split.to_vec()),
+        };
+        let fits = match caps {
+            Some(caps) => per_device(&strategy, n, spec)
+                .is_ok_and(|b| b.iter().zip(caps).all(|(b, &c)| b.total() <= c)),
+            None => strategy.placements(spec.config, n).is_ok(),
+        };
+        fits && check_block_splits(&strategy, n, spec.config, spec.format).is_ok()
+    };
+    let most = head_limits(n, spec, caps);
+    let by_speed = crate::parallel::partition::heads_by_speed(spec.config.heads, layer_s, &most);
+    if let Some(heads) = by_speed.as_ref().filter(|s| usable(s)) {
+        let (heads, basis) = (heads.clone(), SplitBasis::Speed);
+        return Ok(HeadSplit { heads, basis });
+    }
+    let even = spec.config.heads / n.max(1);
+    if spec.config.heads.is_multiple_of(n.max(1)) && usable(&vec![even; n]) {
+        let (heads, basis) = (vec![even; n], SplitBasis::EvenForBlocks);
+        return Ok(HeadSplit { heads, basis });
+    }
+    let Some(caps) = caps else {
+        return Err(WgparError::unsupported(format!(
+            "--split auto: neither the split by speed {by_speed:?} nor an even one over {n} \
+             devices splits model '{}' (its packed matrices' blocks): give --split",
+            spec.config.name
+        )));
+    };
+    let heads = split_by_memory(n, spec, caps)?;
+    let basis = SplitBasis::Memory;
+    Ok(HeadSplit { heads, basis })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -890,5 +982,37 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("gpu0 needs") && e.contains("(over)"), "{e}");
+    }
+
+    #[test]
+    fn split_by_speed_follows_the_times_within_caps_and_blocks() {
+        let c = ModelConfig::preset("default").unwrap();
+        let f = WeightFormat::of_config(&c, DType::F32, None);
+        let s = spec(&c, &f);
+        let heads = c.heads;
+        // Without caps: a device three times faster takes three quarters of the heads.
+        let fast = split_by_speed(&[1.0, 3.0], &s, None).unwrap();
+        assert_eq!(fast.basis, SplitBasis::Speed);
+        assert_eq!(fast.heads, vec![heads * 3 / 4, heads / 4]);
+        assert_eq!(head_limits(2, &s, None), vec![heads - 1; 2]);
+        // A cap on the fast device bounds its heads; the split still fits both caps.
+        let even = per_device(&Strategy::Tensor { split: None }, 2, &s).unwrap();
+        let caps = [even[0].total() + (2 << 20), 1 << 40];
+        let most = head_limits(2, &s, Some(&caps));
+        assert!(most[0] < heads * 3 / 4 && most[0] >= heads / 2, "{most:?}");
+        let bounded = split_by_speed(&[1.0, 3.0], &s, Some(&caps)).unwrap();
+        assert_eq!(bounded.heads[0], most[0], "{bounded:?}");
+        let tp = Strategy::Tensor {
+            split: Some(bounded.heads.clone()),
+        };
+        assert!(per_device(&tp, 2, &s).unwrap()[0].total() <= caps[0]);
+        // Q4_0 blocks of 32 values: the split by speed, 7 and 5 heads, gives the down
+        // projection 597 and 427 of its 1024 input columns, which cut blocks; the even one
+        // does not.
+        let q4 = WeightFormat::of_config(&c, DType::F32, Some(QuantType::Q4_0));
+        let s4 = spec(&c, &q4);
+        let cut = split_by_speed(&[1.0, 1.3], &s4, None).unwrap();
+        assert_eq!(cut.basis, SplitBasis::EvenForBlocks, "{cut:?}");
+        assert_eq!(cut.heads, vec![heads / 2; 2]);
     }
 }

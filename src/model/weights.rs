@@ -396,7 +396,12 @@ impl ModelWeights {
             self.lm_head.as_ref(),
         ];
         let top: usize = vectors.iter().flatten().map(|v| v.len() * 4).sum();
-        top as u64 + self.layers.iter().map(LayerWeights::host_bytes).sum::<u64>()
+        top as u64
+            + self
+                .layers
+                .iter()
+                .map(LayerWeights::host_bytes)
+                .sum::<u64>()
     }
 
     /// The same weights with every projection matrix packed as `t` and unpacked again: what

@@ -145,6 +145,41 @@ fn balanced(layers: usize, costs: &[StageCost]) -> Result<Vec<usize>> {
     Ok(counts)
 }
 
+/// How close to the best predicted layer time an even head split may be and still be chosen:
+/// equal devices measure a few percent apart, and an even split replicates no KV head.
+pub const EVEN_SPLIT_SLACK: f64 = 0.05;
+
+/// Query heads per device for tensor parallelism by measured speed: `layer_s[i]` is device
+/// `i`'s time for a whole layer, so `h` heads take about `h / heads` of it, and the split
+/// minimises the slowest device's share (each device holds one head first, then each further
+/// head goes where it finishes soonest), device `i` holding at most `most[i]` heads. The even
+/// split is kept when it is within [`EVEN_SPLIT_SLACK`] of that. `None` when the bounds leave
+/// some head without a device, or a device without a head.
+pub fn heads_by_speed(heads: usize, layer_s: &[f64], most: &[usize]) -> Option<Vec<usize>> {
+    let n = layer_s.len();
+    if n == 0 || n > heads || most.len() != n || most.contains(&0) {
+        return None;
+    }
+    let mut split = vec![1; n];
+    for _ in n..heads {
+        let next = (0..n).filter(|&i| split[i] < most[i]).min_by(|&a, &b| {
+            let t = |i: usize| (split[i] + 1) as f64 * layer_s[i];
+            t(a).total_cmp(&t(b))
+        })?;
+        split[next] += 1;
+    }
+    let slowest =
+        |s: &[usize]| (s.iter().zip(layer_s)).fold(0.0, |m, (&h, &t)| f64::max(m, h as f64 * t));
+    let even = heads / n;
+    if heads.is_multiple_of(n) && most.iter().all(|&m| m >= even) {
+        let evenly = vec![even; n];
+        if slowest(&evenly) <= slowest(&split) * (1.0 + EVEN_SPLIT_SLACK) {
+            return Some(evenly);
+        }
+    }
+    Some(split)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,5 +237,26 @@ mod tests {
         small.memory = Some((100, 250)); // at most 2 layers
         let split = partition(6, 2, &Partition::Balanced(vec![small, cost(1.0)])).unwrap();
         assert_eq!(split, vec![0..2, 2..6]);
+    }
+
+    #[test]
+    fn heads_follow_measured_speed_within_bounds() {
+        // A device three times faster takes three quarters of the heads.
+        assert_eq!(heads_by_speed(8, &[1.0, 3.0], &[8, 8]), Some(vec![6, 2]));
+        // Equal devices, and devices within the slack, split evenly; beyond it, not.
+        assert_eq!(heads_by_speed(8, &[1.0, 1.0], &[8, 8]), Some(vec![4, 4]));
+        assert_eq!(heads_by_speed(8, &[1.0, 1.04], &[8, 8]), Some(vec![4, 4]));
+        assert_eq!(
+            heads_by_speed(12, &[1.0, 1.5, 1.0], &[12; 3]),
+            Some(vec![5, 3, 4])
+        );
+        // Bounds bind: the fast device may hold 5 heads only.
+        assert_eq!(heads_by_speed(8, &[1.0, 3.0], &[5, 8]), Some(vec![5, 3]));
+        // Seven heads over two equal devices: one more on the first.
+        assert_eq!(heads_by_speed(7, &[1.0, 1.0], &[7, 7]), Some(vec![4, 3]));
+        // No room for every head, a device without heads, more devices than heads.
+        assert_eq!(heads_by_speed(8, &[1.0, 1.0], &[3, 3]), None);
+        assert_eq!(heads_by_speed(8, &[1.0, 1.0], &[8, 0]), None);
+        assert_eq!(heads_by_speed(2, &[1.0; 3], &[2; 3]), None);
     }
 }
