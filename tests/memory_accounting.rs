@@ -5,11 +5,13 @@
 
 mod common;
 mod gguf_support;
+mod serve_support;
 
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use gguf_support::{gguf_tensors, model_meta, whole_block_llama, write_gguf_with, GgufSpec};
+use serve_support::Server;
 use wgpar::device::DType;
 use wgpar::model::gguf::Gguf;
 use wgpar::model::memory::{weight_bytes, FileBlocks, Vectors, WeightFormat};
@@ -333,7 +335,60 @@ fn auto_placement_fits_the_caps_or_refuses_with_the_numbers() {
     assert!(out.contains(&format!("(query heads {heads:?})")), "{out}");
     let close = (times[0] - times[1]).abs() < 0.03 * times[0].min(times[1]);
     assert!(!close || heads == [6, 6], "{out}");
-    // Commands that do not place by memory yet refuse auto rather than run evenly.
-    let (ok, out, err) = common::wgpar(&["serve", "--strategy", "pp", "--layers", "auto"]);
-    assert!(!ok && err.contains("in `wgpar run` only"), "{out}{err}");
+}
+
+#[test]
+fn serve_and_bench_serve_place_auto_on_the_devices_they_open() {
+    let model = ["--model", "default", "--max-seq", "37", "--virtual", "2"];
+    let tp = [
+        "--strategy",
+        "tp",
+        "--split",
+        "auto",
+        "--gpu-memory",
+        "48M,30M",
+    ];
+    let load = ["--requests", "4", "--prompt-len", "5", "--output-len", "3"];
+    let out = Command::new(env!("CARGO_BIN_EXE_wgpar"))
+        .args(["bench", "serve", "--max-batch", "3"])
+        .args([&model[..], &tp, &load].concat())
+        .env("WGPAR_TUNE", "off")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("query heads [7, 5] by speed within the --gpu-memory caps")
+            && stdout.contains("(query heads [7, 5])"),
+        "{stdout}{stderr}"
+    );
+    // The server places its pipeline within the caps, then answers.
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_wgpar"));
+    cmd.args(["serve", "--port", "0", "--max-batch", "2"])
+        .args(model)
+        .args([
+            "--strategy",
+            "pp",
+            "--layers",
+            "auto",
+            "--gpu-memory",
+            "48M,24M",
+        ])
+        .env("WGPAR_TUNE", "off");
+    let mut server = Server::spawn(cmd, Duration::from_secs(120));
+    let text = server.complete(r#"{"model": "default", "prompt": "t1 t2 t3", "max_tokens": 3}"#);
+    assert!(!text.is_empty(), "no text");
+    let said = server.stderr.lock().unwrap().join("\n");
+    assert!(
+        said.contains("caps hold at most [5, 1] layers per stage"),
+        "{said}"
+    );
+    assert!(
+        server.terminate(Duration::from_secs(30)).success(),
+        "{said}"
+    );
+    // Under mpirun each rank would measure alone: auto is refused there (tests/mpi_ranks.rs).
 }

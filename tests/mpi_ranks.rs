@@ -744,4 +744,17 @@ fn options_that_do_not_apply_across_ranks_are_refused() {
     );
     let o = mpirun(2, &["compare"]);
     assert!(!o.status.success());
+    // Each rank would measure its own device alone.
+    let args = [
+        "run",
+        "--strategy",
+        "pp",
+        "--layers",
+        "auto",
+        "--model",
+        "tiny-llama",
+    ];
+    let o = mpirun(2, &args);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("not taken under mpirun"), "{}", text(&o));
 }

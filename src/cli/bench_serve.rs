@@ -18,6 +18,7 @@ use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
 
 use super::memory::MemoryArgs;
+use super::placement::{AutoPlacement, Setting};
 use super::run::StrategyArgs;
 use super::{DeviceArgs, ModelArgs};
 
@@ -207,15 +208,24 @@ fn build(
     let selected = args.devices.selected(&adapters)?;
     let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
     let strategy = serving_strategy(&args.strategy, selected.len(), opts.max_batch)?;
+    let work = Workload {
+        batch: opts.max_batch,
+        prompt: args.prompt_len.max(),
+    };
+    let auto = AutoPlacement::of(&args.strategy, &args.memory);
+    let setting = Setting {
+        config,
+        dtype,
+        selected: &selected,
+        work,
+    };
+    let strategy = auto.before_open(strategy, &args.model, &args.devices, &setting)?;
     let runs = [super::PlannedRun {
         strategy: &strategy,
         adapters: &selected,
         step_tokens: opts.max_batch * args.prompt_len.max(),
         batch: opts.max_batch,
-        work: Workload {
-            batch: opts.max_batch,
-            prompt: args.prompt_len.max(),
-        },
+        work,
     }];
     super::check_runs_fit(config, dtype, &runs)?;
     (args.memory).check_runs(
@@ -226,6 +236,7 @@ fn build(
     )?;
     let gpus = args.devices.open(&adapters)?;
     let weights = args.model.weights(config)?;
+    let strategy = auto.once_open(&strategy, &gpus, (&weights, dtype), work)?;
     let mut engine = build_step_engine(
         &strategy,
         &gpus,
@@ -385,7 +396,8 @@ pub(super) fn serving_strategy(
         "hybrid" => devices / args.tp.unwrap_or(2).max(1),
         _ => 1,
     };
-    let strategy = args.strategy_with(stages.clamp(1, max_batch))?;
+    // `auto` is placed by `placement::AutoPlacement`, around the devices' opening.
+    let strategy = args.named(stages.clamp(1, max_batch))?;
     check_lanes_have_slots(&strategy, max_batch)?;
     Ok(strategy)
 }

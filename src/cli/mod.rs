@@ -30,6 +30,7 @@ mod devices;
 mod embed;
 mod memory;
 mod mpi;
+mod placement;
 mod plan;
 mod project;
 mod run;

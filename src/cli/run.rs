@@ -7,20 +7,19 @@ use wgpar::comm::CommConfig;
 use wgpar::device::{AdapterDesc, Adapters, DType, Gpu};
 use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::{
-    build_engine, generate, generate_keeping, measure_stage_costs, with_measured_partition, Engine,
-    Fault, FaultKind, KeepLogits, PartitionSpec, Schedule, Strategy,
+    build_engine, generate, generate_keeping, Engine, Fault, FaultKind, KeepLogits, PartitionSpec,
+    Schedule, Strategy,
 };
 
 use wgpar::sim::{HostProfile, LinkPacer, PaceSpec};
 use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
 
-use super::memory::{binding_limits, parse_counts, print_allocated, Counts, MemoryArgs};
+use super::memory::{parse_counts, print_allocated, Counts, MemoryArgs};
+use super::placement::{AccountingParts, AutoPlacement, Setting};
 use super::text::TextArgs;
 use super::{DeviceArgs, ModelArgs};
-use wgpar::model::memory::{
-    per_device, split_by_speed, MemorySpec, SplitBasis, WeightFormat, Workload,
-};
+use wgpar::model::memory::{per_device, WeightFormat, Workload};
 
 /// Strategy options of `run`.
 #[derive(Args, Clone, Debug)]
@@ -61,7 +60,7 @@ impl StrategyArgs {
         match (&self.layers, self.partition.as_deref()) {
             (Some(Counts::Given(l)), _) => PartitionSpec::Explicit(l.clone()),
             (None, Some("balanced")) => PartitionSpec::Balanced,
-            // `auto` is placed by `place_auto` once the memory accounting is at hand.
+            // `auto` is placed by `placement::AutoPlacement` once the accounting is at hand.
             _ => PartitionSpec::Even,
         }
     }
@@ -119,25 +118,29 @@ impl StrategyArgs {
     }
 
     /// Whether `--layers auto` or `--split auto` asks for a placement by memory.
+    #[cfg(feature = "mpi")]
     fn auto(&self) -> bool {
         self.layers == Some(Counts::Auto) || self.split == Some(Counts::Auto)
     }
 
     /// The strategy these options name, with `micro_batches` where none is given. `auto`
-    /// placements are `run`'s alone so far: refused here rather than run evenly.
+    /// placements are refused here rather than run evenly (under mpirun, where each rank
+    /// would measure alone).
+    #[cfg(feature = "mpi")]
     pub fn strategy_with(&self, micro_batches: usize) -> Result<Strategy> {
         if self.auto() {
             return Err(WgparError::unsupported(
-                "--layers auto and --split auto place by memory in `wgpar run` only so far: \
-                 give the counts"
+                "--layers auto and --split auto are not taken under mpirun (each rank would \
+                 measure its own devices alone): give the counts"
                     .into(),
             ));
         }
         self.named(micro_batches)
     }
 
-    /// The strategy these options name, `auto` placed evenly (see [`place_auto`]).
-    fn named(&self, micro_batches: usize) -> Result<Strategy> {
+    /// The strategy these options name, `auto` placed evenly (see
+    /// [`super::placement::AutoPlacement`]).
+    pub(super) fn named(&self, micro_batches: usize) -> Result<Strategy> {
         self.check_options()?;
         let micro_batches = self.micro_batches.unwrap_or(micro_batches);
         Ok(match self.strategy.as_str() {
@@ -387,10 +390,14 @@ pub(super) fn plan(
         None => None,
     };
     let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
-    let strategy = match args.strategy.auto() {
-        true => place_auto(args, strategy, (config, dtype), &selected, (batch, seq))?,
-        false => strategy,
+    let setting = Setting {
+        config,
+        dtype,
+        selected: &selected,
+        work: Workload { batch, prompt: seq },
     };
+    let auto = AutoPlacement::of(&args.strategy, &args.memory);
+    let strategy = auto.before_open(strategy, &args.model, &args.devices, &setting)?;
     // The largest step: a whole batch's prefill, or one micro-batch's in a pipeline.
     let step_batch = match strategy {
         Strategy::Pipeline { .. } | Strategy::Hybrid { .. } => batch.div_ceil(micro),
@@ -428,64 +435,6 @@ pub(super) fn plan(
         pacer,
         fault,
     })
-}
-
-/// Resolves `--layers auto` / `--split auto` as far as it can before the devices open: the
-/// most layers each stage's `--gpu-memory` cap holds, within which the split is balanced by
-/// measured speed ([`PartitionSpec::BalancedWithin`]); for tensor parallelism, a split that
-/// fits the caps ([`wgpar::model::memory::split_by_memory`]), for the checks, replaced by one
-/// by speed once the devices are open ([`measured_split`]). Without caps, by speed alone.
-fn place_auto(
-    args: &RunArgs,
-    strategy: Strategy,
-    (config, dtype): (&ModelConfig, DType),
-    selected: &[AdapterDesc],
-    (batch, prompt): (usize, usize),
-) -> Result<Strategy> {
-    let Some(text) = &args.memory.gpu_memory else {
-        eprintln!(
-            "note: auto placement without --gpu-memory (no device reports its memory size): \
-             by measured speed alone"
-        );
-        return Ok(with_partition(strategy, PartitionSpec::Balanced));
-    };
-    let caps = super::memory::parse_caps(text, selected.len())?;
-    let format = args.model.weight_format(config, dtype)?;
-    let limits = binding_limits(selected.iter());
-    let kv = args.devices.kv_dtypes(selected);
-    let spec = MemorySpec {
-        config,
-        format: &format,
-        kv_dtypes: &kv,
-        work: Workload { batch, prompt },
-        binding_limits: &limits,
-    };
-    let n = strategy.devices_used(selected.len());
-    if let Strategy::Tensor { .. } = strategy {
-        // A split that fits, for the checks before the devices open; the run's own split is
-        // chosen by speed once they are (`measured_split`).
-        let split = wgpar::model::memory::split_by_memory(n, &spec, &caps)?;
-        return Ok(Strategy::Tensor { split: Some(split) });
-    }
-    let most = wgpar::model::memory::stage_layer_limits(&strategy, n, &spec, &caps)?;
-    eprintln!(
-        "note: --layers auto: the --gpu-memory caps hold at most {most:?} layers per stage; \
-         the split within them is balanced by measured speed"
-    );
-    Ok(with_partition(
-        strategy,
-        PartitionSpec::BalancedWithin(most),
-    ))
-}
-
-/// A pipeline or hybrid `strategy` with its stages split by `partition` (others unchanged).
-fn with_partition(mut strategy: Strategy, partition: PartitionSpec) -> Strategy {
-    if let Strategy::Pipeline { partition: p, .. } | Strategy::Hybrid { partition: p, .. } =
-        &mut strategy
-    {
-        *p = partition;
-    }
-    strategy
 }
 
 /// Jobs a faulted worker runs per step: one per micro-batch for a pipeline stage, one for a
@@ -588,7 +537,11 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let before: Vec<u64> = placed.gpus.iter().map(|g| g.bytes_allocated()).collect();
     let (mut engine, format) = ready_engine(args, &config, &placed, weights, plan)?;
     timed_generation(args, &config, engine.as_mut(), &placed)?;
-    let memory = RunMemory::of(&placed.gpus, format, work);
+    let work = Workload {
+        batch: work.0,
+        prompt: work.1,
+    };
+    let memory = AccountingParts::of(&placed.gpus, format, work);
     let accounted = per_device(&placed.strategy, placed.gpus.len(), &memory.spec(&config))?;
     print_allocated(&placed.gpus, &accounted, &before)
 }
@@ -635,86 +588,18 @@ fn open_placed(
     let dtype = args.model.dtype(&gpus)?;
     debug_assert_eq!(dtype, plan.dtype);
     let weights = args.model.weights(config)?;
-    let probe = (args.batch, args.prompt_len);
-    let strategy = with_measured_partition(&plan.strategy, &gpus, &weights, dtype, probe)?;
-    let strategy = match args.strategy.split == Some(Counts::Auto) {
-        true => measured_split(args, &gpus, (&weights, dtype))?,
-        false => strategy,
+    let work = Workload {
+        batch: args.batch,
+        prompt: args.prompt_len,
     };
+    let auto = AutoPlacement::of(&args.strategy, &args.memory);
+    let strategy = auto.once_open(&plan.strategy, &gpus, (&weights, dtype), work)?;
     let placed = Placed {
         gpus,
         dtype,
         strategy,
     };
     Ok((placed, weights))
-}
-
-/// `--split auto` once the devices are open: each device's layer time measured, the heads
-/// split by speed within the `--gpu-memory` caps ([`wgpar::model::memory::split_by_speed`]).
-/// Says on stderr what it measured and chose.
-fn measured_split(
-    args: &RunArgs,
-    gpus: &[Arc<Gpu>],
-    (weights, dtype): (&ModelWeights, DType),
-) -> Result<Strategy> {
-    let costs = measure_stage_costs(gpus, weights, dtype, args.batch, args.prompt_len, 3)?;
-    let layer_s: Vec<f64> = costs.iter().map(|c| c.layer_s).collect();
-    let caps = (args.memory.gpu_memory.as_deref())
-        .map(|text| super::memory::parse_caps(text, gpus.len()))
-        .transpose()?;
-    let memory = RunMemory::of(
-        gpus,
-        WeightFormat::of_weights(weights, dtype),
-        (args.batch, args.prompt_len),
-    );
-    let split = split_by_speed(&layer_s, &memory.spec(&weights.config), caps.as_deref())?;
-    let times: Vec<String> = layer_s
-        .iter()
-        .map(|t| format!("{:.2} ms", t * 1e3))
-        .collect();
-    let why = match split.basis {
-        SplitBasis::Speed if caps.is_some() => "by speed within the --gpu-memory caps",
-        SplitBasis::Speed => "by speed",
-        SplitBasis::EvenForBlocks => "evenly: the split by speed would cut packed blocks",
-        SplitBasis::Memory => "by the --gpu-memory caps: no split by speed fits them",
-    };
-    eprintln!(
-        "note: --split auto: a layer takes {} on the devices; query heads {:?} {why}",
-        times.join(", "),
-        split.heads
-    );
-    Ok(Strategy::Tensor {
-        split: Some(split.heads),
-    })
-}
-
-/// What the memory accounting of a run on open devices reads beside the config.
-struct RunMemory {
-    format: WeightFormat,
-    kv: Vec<DType>,
-    limits: Vec<u64>,
-    work: Workload,
-}
-
-impl RunMemory {
-    fn of(gpus: &[Arc<Gpu>], format: WeightFormat, (batch, prompt): (usize, usize)) -> Self {
-        Self {
-            format,
-            kv: gpus.iter().map(|g| g.kv_dtype()).collect(),
-            limits: binding_limits(gpus.iter().map(|g| g.info())),
-            work: Workload { batch, prompt },
-        }
-    }
-
-    fn spec<'a>(&'a self, config: &'a ModelConfig) -> MemorySpec<'a> {
-        MemorySpec {
-            config,
-            format: &self.format,
-            kv_dtypes: &self.kv,
-            work: self.work,
-            binding_limits: &self.limits,
-        }
-    }
 }
 
 /// Prints the model line, builds the engine (the host weights dropped once it holds them),

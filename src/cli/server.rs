@@ -18,6 +18,7 @@ use wgpar::server::{BatchOptions, ChatTemplate, EngineBuilder, ServerOptions, Te
 use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
 
+use super::placement::{AutoPlacement, Setting};
 use super::run::{FaultSpec, StrategyArgs};
 use super::{DeviceArgs, ModelArgs};
 
@@ -149,16 +150,25 @@ pub fn run(args: &ServerArgs) -> Result<()> {
     let step_tokens = (args.max_prefill_tokens)
         .min(args.max_batch * config.max_seq)
         .max(config.max_seq);
+    // The cache holds --max-batch sequences; the largest step's tokens sized as prompts.
+    let work = Workload {
+        batch: args.max_batch,
+        prompt: step_tokens.div_ceil(args.max_batch.max(1)),
+    };
+    let auto = AutoPlacement::of(&args.strategy, &args.memory);
+    let setting = Setting {
+        config: &config,
+        dtype,
+        selected: &selected,
+        work,
+    };
+    let strategy = auto.before_open(strategy, &args.model, &args.devices, &setting)?;
     let runs = [super::PlannedRun {
         strategy: &strategy,
         adapters: &selected,
         step_tokens,
         batch: args.max_batch,
-        // The cache holds --max-batch sequences; the largest step's tokens sized as prompts.
-        work: Workload {
-            batch: args.max_batch,
-            prompt: step_tokens.div_ceil(args.max_batch.max(1)),
-        },
+        work,
     }];
     super::check_runs_fit(&config, dtype, &runs)?;
     (args.memory).check_runs(
@@ -177,6 +187,12 @@ pub fn run(args: &ServerArgs) -> Result<()> {
     let build: EngineBuilder = Box::new(move || {
         let gpus = devices.open(&adapters)?;
         let weights = model.weights(&config)?;
+        // A measured placement, on the devices the server runs on (warm-up sized probe).
+        let probe = Workload {
+            batch: batch.slots,
+            prompt: 16.min(config.max_seq),
+        };
+        let strategy = auto.once_open(&strategy, &gpus, (&weights, dtype), probe)?;
         let mut engine = build_step_engine(
             &strategy,
             &gpus,
