@@ -758,3 +758,58 @@ fn options_that_do_not_apply_across_ranks_are_refused() {
     assert!(!o.status.success());
     assert!(text(&o).contains("not taken under mpirun"), "{}", text(&o));
 }
+
+#[test]
+fn gpu_memory_is_checked_per_rank_before_any_rank_opens_its_device() {
+    let run = [
+        "run",
+        "--model",
+        "default",
+        "--max-seq",
+        "37",
+        "--batch",
+        "3",
+        "--prompt-len",
+        "5",
+        "--gen",
+        "2",
+        "--strategy",
+        "pp",
+        "--layers",
+        "5,1",
+    ];
+    // The last stage holds one layer and the 12 MiB LM head: 24 MiB holds it.
+    let out = ok(mpirun(
+        2,
+        &[&run[..], &["--gpu-memory", "48M,24M"]].concat(),
+    ));
+    assert!(out.contains("first sequence's tokens"), "{out}");
+    // 20 MiB holds neither rank's share: every rank refuses, naming each, before opening.
+    let started = std::time::Instant::now();
+    let o = mpirun(2, &[&run[..], &["--gpu-memory", "20M"]].concat());
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(
+        t.contains("does not fit --gpu-memory over the ranks")
+            && t.contains("rank 0 (")
+            && t.contains("rank 1 (")
+            && t.contains("of its 20.0 MiB cap"),
+        "{t}"
+    );
+    assert!(!t.contains("first sequence's tokens"), "{t}");
+    // Only the second rank is over its cap: the refusal names it alone.
+    let o = mpirun(2, &[&run[..], &["--gpu-memory", "48M,12M"]].concat());
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    let named: Vec<&str> = (t.split("over the ranks: ").skip(1))
+        .map(|rest| rest.split(". Lower").next().unwrap())
+        .collect();
+    assert!(!named.is_empty(), "{t}");
+    for ranks in named {
+        assert!(
+            ranks.starts_with("rank 1 (") && !ranks.contains("rank 0 ("),
+            "{t}"
+        );
+    }
+    eprintln!("refusals took {:?}", started.elapsed());
+}

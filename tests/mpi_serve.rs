@@ -133,3 +133,24 @@ fn tensor_parallelism_over_ranks_is_refused() {
     assert!(err.contains("pp or hybrid"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn a_server_over_ranks_checks_each_ranks_memory_cap_before_it_listens() {
+    let out = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+        .arg(env!("CARGO_BIN_EXE_wgpar"))
+        .args(["serve", "--port", "0", "--model", "tiny-gpt2"])
+        .args(["--strategy", "pp", "--gpu-memory", "64K"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("over the ranks: rank 0 (") && err.contains("of its 64.0 KiB cap"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("listening on") && !err.contains("panicked"),
+        "{err}"
+    );
+}

@@ -144,6 +144,54 @@ impl MemoryArgs {
     }
 }
 
+/// One rank's device under mpirun: device `rank` of the strategy's `ranks`, on `adapter`,
+/// its KV cache in `kv`.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(super) struct RankDevice<'a> {
+    pub rank: usize,
+    pub ranks: usize,
+    pub adapter: &'a AdapterDesc,
+    pub kv: DType,
+}
+
+impl MemoryArgs {
+    /// `--gpu-memory` under mpirun, where a rank knows its own adapter alone: this rank's
+    /// accounted bytes against its cap (one cap per rank, or one for all). `None` when they
+    /// fit or no cap is given; else what this rank needs, for the refusal every rank prints.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(super) fn rank_over(
+        &self,
+        (config, format): (&ModelConfig, &WeightFormat),
+        strategy: &wgpar::parallel::Strategy,
+        work: wgpar::model::memory::Workload,
+        me: &RankDevice<'_>,
+    ) -> Result<Option<String>> {
+        let Some(text) = &self.gpu_memory else {
+            return Ok(None);
+        };
+        let caps = parse_caps(text, me.ranks)?;
+        // Devices past the ends of the lists take this adapter's: only this rank's is read.
+        let (limits, kv) = (binding_limits(std::iter::once(me.adapter)), [me.kv]);
+        let spec = MemorySpec {
+            config,
+            format,
+            kv_dtypes: &kv,
+            work,
+            binding_limits: &limits,
+        };
+        let bytes = per_device(strategy, me.ranks, &spec)?;
+        let (mine, cap) = (&bytes[me.rank], caps[me.rank]);
+        Ok((mine.total() > cap).then(|| {
+            format!(
+                "needs {} of its {} cap: {}",
+                human_bytes(mine.total()),
+                human_bytes(cap),
+                mine.describe()
+            )
+        }))
+    }
+}
+
 /// The bytes one binding may hold on each adapter (what splits the vocabulary tables).
 pub fn binding_limits<'a>(adapters: impl Iterator<Item = &'a AdapterDesc>) -> Vec<u64> {
     adapters

@@ -165,9 +165,11 @@ mod ranks {
     use super::{Fault, FaultKind};
     use crate::cli::allreduce::AllreduceArgs;
     use crate::cli::calibrate::CalibrateArgs;
+    use crate::cli::memory::{MemoryArgs, RankDevice};
     use crate::cli::run::RunArgs;
     use crate::cli::server::{self, Prepared, ServerArgs};
     use crate::cli::{Cli, Command};
+    use wgpar::model::memory::Workload;
     use wgpar::parallel::StepEngine;
     use wgpar::server::EngineBuilder;
 
@@ -252,16 +254,32 @@ mod ranks {
         world.check_same(
             "model and options",
             &format!(
-                "{} layers {} hidden {} vocab {} dtype {} seed {} strategy {strategy:?} slots {}",
+                "{} layers {} hidden {} vocab {} dtype {} seed {} strategy {strategy:?} slots {} \
+                 gpu-memory {:?}",
                 config.name,
                 config.layers,
                 config.hidden,
                 config.vocab,
                 args.model.dtype,
                 args.model.seed,
-                opts.batch.slots
+                opts.batch.slots,
+                args.memory.gpu_memory
             ),
         )?;
+        // The cache holds the slots' sequences; the largest step's tokens sized as prompts.
+        let step_tokens = (opts.batch.max_prefill_tokens)
+            .min(opts.batch.slots * config.max_seq)
+            .max(config.max_seq);
+        let work = Workload {
+            batch: opts.batch.slots,
+            prompt: step_tokens.div_ceil(opts.batch.slots.max(1)),
+        };
+        let placed = RankPlacement {
+            config: &config,
+            strategy: &strategy,
+            work,
+        };
+        check_rank_caps(world, &args.memory, (&args.devices, &args.model), &placed)?;
         let (engine, ..) = rank_engine(world, (&args.devices, &args.model), &config, &strategy)?;
         let mine = fault.filter(|f| f.rank == world.rank());
         let stage_fault = mine.and_then(|f| match f.kind {
@@ -343,6 +361,60 @@ mod ranks {
             &CommConfig::default(),
         )?;
         Ok((engine, gpus, storage))
+    }
+
+    /// What a rank's share of a run is accounted from.
+    struct RankPlacement<'a> {
+        config: &'a wgpar::model::ModelConfig,
+        strategy: &'a Strategy,
+        work: Workload,
+    }
+
+    /// `--gpu-memory` over ranks, before any rank opens its device: each rank accounts its own
+    /// device (rank r is device r of the strategy) on its own adapter, and every rank gathers
+    /// the verdicts, so that all refuse together, naming each rank over its cap.
+    fn check_rank_caps(
+        world: &World,
+        memory: &MemoryArgs,
+        (devices, model): (&crate::cli::DeviceArgs, &crate::cli::ModelArgs),
+        placed: &RankPlacement<'_>,
+    ) -> Result<()> {
+        if memory.gpu_memory.is_none() {
+            return Ok(());
+        }
+        let own = || -> Result<Option<String>> {
+            let adapters = Adapters::discover()?;
+            let selected = devices.selected(&adapters)?;
+            let dtype = model.dtype_for(&selected, devices.force_f32)?;
+            let format = model.weight_format(placed.config, dtype)?;
+            let me = RankDevice {
+                rank: world.rank(),
+                ranks: world.size(),
+                adapter: &selected[0],
+                kv: devices.kv_dtypes(&selected)[0],
+            };
+            let parts = (placed.config, &format);
+            memory.rank_over(parts, placed.strategy, placed.work, &me)
+        };
+        // Every rank takes part in the gather, a rank whose own check failed too.
+        let line = match own() {
+            Ok(verdict) => verdict.unwrap_or_default(),
+            Err(e) => format!("cannot be accounted: {e}"),
+        };
+        let over: Vec<String> = (world.all_gather(&line).into_iter().enumerate())
+            .filter(|(_, l)| !l.is_empty())
+            .map(|(r, l)| format!("rank {r} ({}) {l}", world.hosts()[r]))
+            .collect();
+        if over.is_empty() {
+            return Ok(());
+        }
+        Err(WgparError::Config(format!(
+            "model '{}' does not fit --gpu-memory over the ranks: {}. Lower --batch or \
+             --max-seq, store the layers in fewer bits (--weights q8_0, q4_k), use more ranks, \
+             or raise the cap",
+            placed.config.name,
+            over.join("; ")
+        )))
     }
 
     /// What `serve` takes in one process but not over ranks.
@@ -577,11 +649,21 @@ mod ranks {
         world.check_same(
             "model and options",
             &format!(
-                "{} layers {} hidden {} vocab {} dtype {} seed {} strategy {strategy:?} batch {} prompt {} gen {}",
+                "{} layers {} hidden {} vocab {} dtype {} seed {} strategy {strategy:?} batch {} prompt {} gen {} gpu-memory {:?}",
                 config.name, config.layers, config.hidden, config.vocab, args.model.dtype, args.model.seed,
-                args.batch, args.prompt_len, args.gen
+                args.batch, args.prompt_len, args.gen, args.memory.gpu_memory
             ),
         )?;
+        let work = Workload {
+            batch: args.batch,
+            prompt: args.prompt_len,
+        };
+        let placed = RankPlacement {
+            config: &config,
+            strategy: &strategy,
+            work,
+        };
+        check_rank_caps(world, &args.memory, (&args.devices, &args.model), &placed)?;
         let (engine, gpus, storage) =
             rank_engine(world, (&args.devices, &args.model), &config, &strategy)?;
         say!(
@@ -659,15 +741,6 @@ mod ranks {
             return Err(DistError::Unsupported {
                 option: "--prompt".into(),
                 why: "text generation runs in one process".into(),
-            }
-            .into());
-        }
-        if args.memory.gpu_memory.is_some() {
-            return Err(DistError::Unsupported {
-                option: "--gpu-memory".into(),
-                why: "ranks do not check a cap yet; run in one process (--virtual) to see each \
-                      device's accounting"
-                    .into(),
             }
             .into());
         }

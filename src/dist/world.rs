@@ -417,6 +417,10 @@ fn gather_strings_all(comm: &SimpleCommunicator, text: &str) -> Vec<String> {
     let mut lens = vec![0u64; n];
     comm.all_gather_into(&len, &mut lens[..]);
     let max = lens.iter().copied().max().unwrap_or(0) as usize;
+    if max == 0 {
+        // Every rank's text is empty, and MPI refuses a gather of nothing.
+        return vec![String::new(); n];
+    }
     let mut padded = text.as_bytes().to_vec();
     padded.resize(max, 0);
     let mut all = vec![0u8; max * n];
