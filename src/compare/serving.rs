@@ -14,7 +14,7 @@ use crate::error::{Result, WgparError};
 use crate::model::{valid_tp_degrees, ModelWeights};
 use crate::parallel::{build_step_engine, PartitionSpec, PipelineStats, Schedule, Strategy};
 use crate::serve::{
-    project_metrics, serve, Length, Rate, ServeMetrics, ServeOptions, WorkloadSpec,
+    project_metrics, serve, Length, Rate, ServeMetrics, ServeOptions, ServeRun, WorkloadSpec,
 };
 use crate::sim::{CollectivePolicy, ProjectOptions};
 use crate::trace::{Recorder, Timeline};
@@ -220,27 +220,7 @@ pub(super) fn measure_serving(
         Recorder::new(),
         &mut |_, _| {},
     )?;
-    let popts = ProjectOptions {
-        collectives: CollectivePolicy::Best,
-        ..ProjectOptions::default()
-    };
-    let projected = opts
-        .profiles
-        .iter()
-        .filter(|p| p.device_count() >= plan.devices)
-        .map(|p| {
-            project_metrics(&run, p, &popts)
-                .map(|metrics| ServingProjected {
-                    profile: p.name.clone(),
-                    metrics,
-                })
-                .map_err(|source| WgparError::Projection {
-                    what: format!("the {} serving run", plan.label),
-                    profile: p.name.clone(),
-                    source,
-                })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let projected = project_serving(&run, plan, opts)?;
     Ok(ServingMeasurement {
         label: plan.label.clone(),
         family: plan.family.into(),
@@ -252,4 +232,32 @@ pub(super) fn measure_serving(
         tokens: run.outcomes.iter().map(|o| o.tokens.clone()).collect(),
         timeline: run.timeline,
     })
+}
+
+/// The serving run replayed on every profile with enough devices for `plan`.
+fn project_serving(
+    run: &ServeRun,
+    plan: &Plan,
+    opts: &CompareOptions,
+) -> Result<Vec<ServingProjected>> {
+    let popts = ProjectOptions {
+        collectives: CollectivePolicy::Best,
+        ..ProjectOptions::default()
+    };
+    opts.profiles
+        .iter()
+        .filter(|p| p.device_count() >= plan.devices)
+        .map(|p| {
+            project_metrics(run, p, &popts)
+                .map(|metrics| ServingProjected {
+                    profile: p.name.clone(),
+                    metrics,
+                })
+                .map_err(|source| WgparError::Projection {
+                    what: format!("the {} serving run", plan.label),
+                    profile: p.name.clone(),
+                    source,
+                })
+        })
+        .collect()
 }
