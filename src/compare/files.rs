@@ -78,7 +78,7 @@ fn pipeline_timeline(report: &CompareReport, out: &Path) -> Result<Option<(Strin
     };
     m.timelines
         .0
-        .write_chrome_trace(&out.join("pipeline-prefill-trace.json"))?;
+        .write_chrome_trace(out.join("pipeline-prefill-trace.json"))?;
     let svg = crate::trace::timeline_svg(&m.timelines.0, 1200, 80 + 40 * 3 * m.devices as u32);
     write(&out.join("timeline.svg"), svg)?;
     Ok(Some((
