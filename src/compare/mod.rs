@@ -611,21 +611,10 @@ pub fn run_compare(
         progress(i, total, &format!("{} batch {}", plan.label, plan.batch));
         measurements.push(bench.measure(plan, &mut references)?);
     }
-    let mut served: Vec<ServingMeasurement> = Vec::new();
-    if let Some(options) = &opts.serving {
-        for (i, plan) in serve_plans.iter().enumerate() {
-            progress(
-                plans.len() + i,
-                total,
-                &format!("{} serving {} requests", plan.label, options.requests),
-            );
-            let m = serving::measure_serving(plan, gpus, &bench.weights, opts, options)?;
-            if let Some(first) = served.first() {
-                same_tokens(&m, first)?;
-            }
-            served.push(m);
-        }
-    }
+    let served = match &opts.serving {
+        Some(options) => bench.serve(&serve_plans, options, progress, (plans.len(), total))?,
+        None => Vec::new(),
+    };
     progress(total, total, "done");
     let serving = opts.serving.clone().map(|options| ServingSection {
         options,
@@ -713,6 +702,31 @@ impl Bench<'_> {
             (plan.batch, opts.prompt_len),
         )?;
         measure(plan, engine.as_mut(), opts, &references[&plan.batch])
+    }
+
+    /// Serves the stream with every serving plan, checking each serves the first one's
+    /// tokens; `progress` counts on from `done` of `total`.
+    fn serve(
+        &self,
+        plans: &[Plan],
+        options: &ServingOptions,
+        progress: &mut dyn FnMut(usize, usize, &str),
+        (done, total): (usize, usize),
+    ) -> Result<Vec<ServingMeasurement>> {
+        let mut served: Vec<ServingMeasurement> = Vec::new();
+        for (i, plan) in plans.iter().enumerate() {
+            progress(
+                done + i,
+                total,
+                &format!("{} serving {} requests", plan.label, options.requests),
+            );
+            let m = serving::measure_serving(plan, self.gpus, &self.weights, self.opts, options)?;
+            if let Some(first) = served.first() {
+                same_tokens(&m, first)?;
+            }
+            served.push(m);
+        }
+        Ok(served)
     }
 
     /// The single device's prefill logits and greedy tokens for `batch` prompts.

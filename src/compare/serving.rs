@@ -12,7 +12,9 @@ use crate::comm::CommConfig;
 use crate::device::Gpu;
 use crate::error::{Result, WgparError};
 use crate::model::{valid_tp_degrees, ModelWeights};
-use crate::parallel::{build_step_engine, PartitionSpec, PipelineStats, Schedule, Strategy};
+use crate::parallel::{
+    build_step_engine, PartitionSpec, PipelineStats, Schedule, StepEngine, Strategy,
+};
 use crate::serve::{
     project_metrics, serve, Length, Rate, ServeMetrics, ServeOptions, ServeRun, WorkloadSpec,
 };
@@ -199,20 +201,7 @@ pub(super) fn measure_serving(
         (serving.max_batch, serving.prompt_len.max()),
     )?;
     let requests = spec.generate(opts.config.vocab);
-    let warm = WorkloadSpec {
-        requests: (2 * engine.lanes()).clamp(2, serving.requests),
-        rate: Rate::Burst,
-        output_len: Length::Fixed(2.min(serving.output_len.max())),
-        ..spec
-    }
-    .generate(opts.config.vocab);
-    serve(
-        engine.as_mut(),
-        &warm,
-        &serve_opts,
-        Recorder::disabled(),
-        &mut |_, _| {},
-    )?;
+    warm_up(engine.as_mut(), &spec, &serve_opts, opts.config.vocab)?;
     let run = serve(
         engine.as_mut(),
         &requests,
@@ -232,6 +221,31 @@ pub(super) fn measure_serving(
         tokens: run.outcomes.iter().map(|o| o.tokens.clone()).collect(),
         timeline: run.timeline,
     })
+}
+
+/// An untimed burst of short requests like the stream's: two per lane, at most the stream's
+/// count, of at most two output tokens.
+fn warm_up(
+    engine: &mut dyn StepEngine,
+    spec: &WorkloadSpec,
+    serve_opts: &ServeOptions,
+    vocab: usize,
+) -> Result<()> {
+    let warm = WorkloadSpec {
+        requests: (2 * engine.lanes()).clamp(2, spec.requests),
+        rate: Rate::Burst,
+        output_len: Length::Fixed(2.min(spec.output_len.max())),
+        ..*spec
+    }
+    .generate(vocab);
+    serve(
+        engine,
+        &warm,
+        serve_opts,
+        Recorder::disabled(),
+        &mut |_, _| {},
+    )?;
+    Ok(())
 }
 
 /// The serving run replayed on every profile with enough devices for `plan`.
