@@ -5,11 +5,10 @@ use std::path::PathBuf;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use wgpar::compare::{
-    breakdown_svg, markdown, run_compare, table, throughput_svg, CompareOptions, ServingOptions,
-};
-use wgpar::device::{open_devices, Adapters, DeviceSelection};
+use wgpar::compare::{run_compare, table, write_report, CompareOptions, ServingOptions};
+use wgpar::device::{open_devices, AdapterDesc, Adapters, DType, DeviceSelection};
 use wgpar::model::memory::{WeightFormat, Workload};
+use wgpar::model::ModelConfig;
 use wgpar::parallel::{Schedule, Strategy};
 use wgpar::serve::{Length, Rate};
 use wgpar::sim::{Engine, HostProfile};
@@ -147,16 +146,52 @@ fn selection(args: &CompareArgs, adapters: &Adapters) -> Result<DeviceSelection>
     }
 }
 
-fn io_err(path: &std::path::Path, source: std::io::Error) -> WgparError {
-    WgparError::Io {
-        path: path.display().to_string(),
-        source,
-    }
-}
-
 /// Runs the comparison and writes the report.
 pub fn run(args: &CompareArgs) -> Result<()> {
-    // Zero counts would be replaced or give empty rows: refuse them.
+    check_counts(args)?;
+    let resolved = resolve(args)?;
+    let adapters = Adapters::discover()?;
+    let selection = selection(args, &adapters)?;
+    let selected = args.binding.described(&selection, &adapters)?;
+    let dtype = args.model.dtype_for(&selected, false)?;
+    let opts = compare_options(args, resolved, dtype);
+    check_plans_fit(args, &opts, &selected)?;
+    // The report goes there: a folder that cannot be written fails now, not after the runs.
+    super::check_writable_dir(&args.out, &args.out)?;
+    let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
+    if !args.json {
+        outln!(
+            "comparing strategies for model '{}' on {} device(s): {}",
+            opts.config.name,
+            gpus.len(),
+            gpus.iter()
+                .map(|g| g.describe())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )?;
+    }
+    let bar = progress_bar(args.json);
+    let report = run_compare(&gpus, &opts, &mut |done, total, label| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+        bar.set_message(label.to_string());
+    })?;
+    bar.finish_and_clear();
+    let files = write_report(&report, &args.out)?;
+    if args.json {
+        outln!("{}", files.json)?;
+    } else {
+        out!("{}", table(&report))?;
+        outln!(
+            "\nreport: {} (charts and JSON beside it)",
+            files.markdown.display()
+        )?;
+    }
+    Ok(())
+}
+
+/// Zero counts would be replaced or give empty rows: refuse them.
+fn check_counts(args: &CompareArgs) -> Result<()> {
     for (option, values) in [
         ("--batches", &args.batches),
         ("--micro-batches", &args.micro_batches),
@@ -180,6 +215,18 @@ pub fn run(args: &CompareArgs) -> Result<()> {
             ));
         }
     }
+    Ok(())
+}
+
+/// What the names on the command line stand for, resolved before any adapter is looked at.
+struct Resolved {
+    config: ModelConfig,
+    profiles: Vec<HostProfile>,
+    engines: Vec<Engine>,
+}
+
+/// Resolves the model, the host profiles and the engines.
+fn resolve(args: &CompareArgs) -> Result<Resolved> {
     let config = args.model.config()?;
     let profiles = args
         .profiles
@@ -194,12 +241,17 @@ pub fn run(args: &CompareArgs) -> Result<()> {
                 .map_err(|e| WgparError::option("--engines", format!("--engines: {e}")))
         })
         .collect::<Result<Vec<_>>>()?;
-    let adapters = Adapters::discover()?;
-    let selection = selection(args, &adapters)?;
-    let selected = args.binding.described(&selection, &adapters)?;
-    let dtype = args.model.dtype_for(&selected, false)?;
-    let opts = CompareOptions {
+    Ok(Resolved {
         config,
+        profiles,
+        engines,
+    })
+}
+
+/// The library's options from the command line.
+fn compare_options(args: &CompareArgs, resolved: Resolved, dtype: DType) -> CompareOptions {
+    CompareOptions {
+        config: resolved.config,
         dtype,
         batches: args.batches.clone(),
         micro_batches: args.micro_batches.clone(),
@@ -207,8 +259,8 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         prompt_len: args.prompt_len,
         gen: args.gen,
         reps: args.reps,
-        profiles,
-        engines,
+        profiles: resolved.profiles,
+        engines: resolved.engines,
         seed: args.model.seed,
         serving: (args.serve_requests > 0).then(|| ServingOptions {
             requests: args.serve_requests,
@@ -223,9 +275,17 @@ pub fn run(args: &CompareArgs) -> Result<()> {
             seed: args.model.seed,
         }),
         at_scale: args.at_scale,
-    };
-    // Every configuration compare will run, checked before a device opens.
-    let plans = wgpar::compare::plans(&opts.config, selected.len(), &opts);
+    }
+}
+
+/// Every configuration compare will run, checked against the selected adapters' limits and
+/// memory before a device opens.
+fn check_plans_fit(
+    args: &CompareArgs,
+    opts: &CompareOptions,
+    selected: &[AdapterDesc],
+) -> Result<()> {
+    let plans = wgpar::compare::plans(&opts.config, selected.len(), opts);
     let mut runs: Vec<super::PlannedRun> = plans
         .iter()
         .map(|p| super::PlannedRun {
@@ -254,30 +314,20 @@ pub fn run(args: &CompareArgs) -> Result<()> {
             },
         });
     }
-    super::check_runs_fit(&opts.config, dtype, &runs)?;
+    super::check_runs_fit(&opts.config, opts.dtype, &runs)?;
     // compare runs the config's synthetic weights, dense in `dtype`.
-    let format = WeightFormat::of_config(&opts.config, dtype, None);
+    let format = WeightFormat::of_config(&opts.config, opts.dtype, None);
     (args.memory).check_runs_with(
         &format,
         &opts.config,
-        &args.binding.kv_dtypes(&selected, false),
+        &args.binding.kv_dtypes(selected, false),
         &runs,
-    )?;
-    // The report goes there: a folder that cannot be written fails now, not after the runs.
-    super::check_writable_dir(&args.out, &args.out)?;
-    let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
-    if !args.json {
-        outln!(
-            "comparing strategies for model '{}' on {} device(s): {}",
-            opts.config.name,
-            gpus.len(),
-            gpus.iter()
-                .map(|g| g.describe())
-                .collect::<Vec<_>>()
-                .join(", ")
-        )?;
-    }
-    let bar = if args.json {
+    )
+}
+
+/// A progress bar on the terminal, hidden when the output is JSON.
+fn progress_bar(json: bool) -> ProgressBar {
+    let bar = if json {
         ProgressBar::hidden()
     } else {
         ProgressBar::new(1)
@@ -286,86 +336,5 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed}]")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let report = run_compare(&gpus, &opts, &mut |done, total, label| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-        bar.set_message(label.to_string());
-    })?;
-    bar.finish_and_clear();
-
-    std::fs::create_dir_all(&args.out).map_err(|e| io_err(&args.out, e))?;
-    let mut charts = Vec::new();
-
-    for (title, file, svg) in [
-        (
-            "Generation throughput vs batch",
-            "throughput.svg",
-            throughput_svg(&report).map_err(|message| WgparError::Chart {
-                path: "throughput.svg".into(),
-                message,
-            })?,
-        ),
-        (
-            "Where device-time goes",
-            "breakdown.svg",
-            breakdown_svg(&report).map_err(|message| WgparError::Chart {
-                path: "breakdown.svg".into(),
-                message,
-            })?,
-        ),
-    ] {
-        let path = args.out.join(file);
-        std::fs::write(&path, svg).map_err(|e| io_err(&path, e))?;
-        charts.push((title.to_string(), file.to_string()));
-    }
-    if let Some(scale) = &report.scale {
-        let svg = wgpar::compare::scale_svg(scale).map_err(|message| WgparError::Chart {
-            path: "scale.svg".into(),
-            message,
-        })?;
-        let path = args.out.join("scale.svg");
-        std::fs::write(&path, svg).map_err(|e| io_err(&path, e))?;
-        charts.push((
-            "Modeled at scale: decode tokens/s".to_string(),
-            "scale.svg".to_string(),
-        ));
-    }
-    // The richest pipeline timeline, for Perfetto and for `wgpar project`.
-    if let Some(m) = report
-        .measurements
-        .iter()
-        .filter(|m| m.family == "pp" || m.family == "hybrid")
-        .max_by_key(|m| (m.micro_batches, m.batch))
-    {
-        let path = args.out.join("pipeline-prefill-trace.json");
-        m.timelines.0.write_chrome_trace(&path)?;
-        let svg_path = args.out.join("timeline.svg");
-        let svg = wgpar::trace::timeline_svg(&m.timelines.0, 1200, 80 + 40 * 3 * m.devices as u32);
-        std::fs::write(&svg_path, svg).map_err(|e| io_err(&svg_path, e))?;
-        charts.push((
-            format!(
-                "Timeline: {} prefill, batch {} (measured)",
-                m.label, m.batch
-            ),
-            "timeline.svg".to_string(),
-        ));
-    }
-    let md_path = args.out.join("report.md");
-    std::fs::write(&md_path, markdown(&report, &charts)).map_err(|e| io_err(&md_path, e))?;
-    let json_path = args.out.join("report.json");
-    let json = serde_json::to_string_pretty(&report).map_err(|source| WgparError::Json {
-        what: "the comparison report".into(),
-        source,
-    })?;
-    std::fs::write(&json_path, &json).map_err(|e| io_err(&json_path, e))?;
-    if args.json {
-        outln!("{json}")?;
-    } else {
-        out!("{}", table(&report))?;
-        outln!(
-            "\nreport: {} (charts and JSON beside it)",
-            md_path.display()
-        )?;
-    }
-    Ok(())
+    bar
 }

@@ -4,7 +4,7 @@
 use clap::Args;
 use serde::Serialize;
 use wgpar::sim::{
-    project_engine, CollectivePolicy, Engine, HostGaps, HostProfile, ProjectOptions,
+    project_engine, CollectivePolicy, Engine, HostGaps, HostProfile, ProjectOptions, Projection,
     ProjectionReport, StepBarriers,
 };
 use wgpar::trace::{timeline_svg_with, RankPlacement, SvgOptions, Timeline};
@@ -185,7 +185,49 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
     let engine = Engine::resolve(&args.engine)?;
     let timeline = load(args, &profile)?;
     let trace_name = args.trace.join(" + ");
-    let options = ProjectOptions {
+    let projection =
+        project_engine(&timeline, &profile, &engine, &project_options(args)).map_err(|source| {
+            WgparError::Projection {
+                what: format!("{trace_name} as {}", engine.label()),
+                profile: profile.name.clone(),
+                source,
+            }
+        })?;
+    let report = &projection.report;
+    let tokens = tokens(args, &timeline)?;
+    let (m, p) = (report.measured.makespan_us, report.projected.makespan_us);
+    let throughput = tokens.filter(|_| m > 0.0 && p > 0.0).map(|t| Throughput {
+        tokens: t,
+        measured_tokens_per_s: t as f64 / (m / 1e6),
+        projected_tokens_per_s: t as f64 / (p / 1e6),
+    });
+    let run = Run {
+        trace_name: &trace_name,
+        profile: &profile,
+        timeline: &timeline,
+        projection: &projection,
+    };
+    write_files(args, &run)?;
+    if args.json {
+        let out = Output {
+            trace: &trace_name,
+            report,
+            projected_over_measured: if m > 0.0 { p / m } else { 0.0 },
+            throughput,
+        };
+        let text = serde_json::to_string_pretty(&out).map_err(|source| WgparError::Json {
+            what: "the projection".into(),
+            source,
+        })?;
+        outln!("{text}")?;
+        return Ok(());
+    }
+    print_text(args, &run, throughput.as_ref())
+}
+
+/// How the run is re-scheduled, from the switches.
+fn project_options(args: &ProjectArgs) -> ProjectOptions {
+    ProjectOptions {
         collectives: if args.best_collectives {
             CollectivePolicy::Best
         } else {
@@ -201,64 +243,61 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
         } else {
             StepBarriers::Idle
         },
-    };
-    let projection = project_engine(&timeline, &profile, &engine, &options).map_err(|source| {
-        WgparError::Projection {
-            what: format!("{trace_name} as {}", engine.label()),
-            profile: profile.name.clone(),
-            source,
-        }
-    })?;
-    let report = &projection.report;
-    let tokens = match args.tokens {
-        Some(t) => Some(t),
-        None => match timeline.meta.get("tokens") {
-            Some(text) => Some(text.parse::<u64>().map_err(|_| {
-                WgparError::Config(format!(
-                    "the trace's `tokens` metadata '{text}' is not a number"
-                ))
-            })?),
-            None => None,
-        },
-    };
-    let (m, p) = (report.measured.makespan_us, report.projected.makespan_us);
-    let throughput = tokens.filter(|_| m > 0.0 && p > 0.0).map(|t| Throughput {
-        tokens: t,
-        measured_tokens_per_s: t as f64 / (m / 1e6),
-        projected_tokens_per_s: t as f64 / (p / 1e6),
-    });
+    }
+}
 
+/// Tokens the run processed: `--tokens`, else the trace's `tokens` metadata, else unknown.
+fn tokens(args: &ProjectArgs, timeline: &Timeline) -> Result<Option<u64>> {
+    if let Some(t) = args.tokens {
+        return Ok(Some(t));
+    }
+    match timeline.meta.get("tokens") {
+        Some(text) => Ok(Some(text.parse::<u64>().map_err(|_| {
+            WgparError::Config(format!(
+                "the trace's `tokens` metadata '{text}' is not a number"
+            ))
+        })?)),
+        None => Ok(None),
+    }
+}
+
+/// A projected run: the traces it came from, the profile, and both timelines.
+struct Run<'a> {
+    trace_name: &'a str,
+    profile: &'a HostProfile,
+    timeline: &'a Timeline,
+    projection: &'a Projection,
+}
+
+/// Writes the projected trace and the SVG pictures asked for.
+fn write_files(args: &ProjectArgs, run: &Run<'_>) -> Result<()> {
     if let Some(path) = &args.out {
-        projection.timeline.write_chrome_trace(path)?;
+        run.projection.timeline.write_chrome_trace(path)?;
     }
     if let Some(path) = &args.svg {
         let title = match &args.title {
             Some(t) => format!("measured: {t}"),
-            None => format!("measured: {trace_name}"),
+            None => format!("measured: {}", run.trace_name),
         };
-        write_svg(&timeline, path, title, args)?;
+        write_svg(run.timeline, path, title, args)?;
     }
     if let Some(path) = &args.svg_projected {
-        let what = args.title.as_deref().unwrap_or(&trace_name);
-        let title = format!("projected onto {}: {what}", profile.name);
-        write_svg(&projection.timeline, path, title, args)?;
+        let what = args.title.as_deref().unwrap_or(run.trace_name);
+        let title = format!("projected onto {}: {what}", run.profile.name);
+        write_svg(&run.projection.timeline, path, title, args)?;
     }
+    Ok(())
+}
 
-    if args.json {
-        let out = Output {
-            trace: &trace_name,
-            report,
-            projected_over_measured: if m > 0.0 { p / m } else { 0.0 },
-            throughput,
-        };
-        let text = serde_json::to_string_pretty(&out).map_err(|source| WgparError::Json {
-            what: "the projection".into(),
-            source,
-        })?;
-        outln!("{text}")?;
-        return Ok(());
-    }
-    outln!("trace {trace_name} ({} steps)", timeline.steps().len())?;
+/// The projection as text: the report, latency and throughput, and the files written.
+fn print_text(args: &ProjectArgs, run: &Run<'_>, throughput: Option<&Throughput>) -> Result<()> {
+    let report = &run.projection.report;
+    let (m, p) = (report.measured.makespan_us, report.projected.makespan_us);
+    outln!(
+        "trace {} ({} steps)",
+        run.trace_name,
+        run.timeline.steps().len()
+    )?;
     out!("{report}")?;
     outln!()?;
     outln!(
@@ -266,7 +305,7 @@ pub fn run(args: &ProjectArgs) -> Result<()> {
         m / 1e3,
         p / 1e3
     )?;
-    match &throughput {
+    match throughput {
         Some(t) => outln!(
             "  throughput ({} tokens): measured {:.1} tokens/s, projected {:.1} tokens/s",
             t.tokens,

@@ -2,6 +2,8 @@
 //! strategy, measured and projected; and a stacked breakdown of device-time into compute,
 //! communication and bubble.
 
+use plotters::coord::types::RangedCoordf64;
+use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use super::{CompareReport, ScaleSection};
@@ -138,14 +140,44 @@ fn panels_svg(panels: &[(String, Series)], x_desc: &str, y_desc: &str) -> Result
     Ok(svg)
 }
 
+/// A strategy's bar: its label, communication share and bubble share of device-time.
+type Bar = (String, f64, f64);
+
+/// The bar chart's plotting area: strategies along x, percent of device-time up.
+type BarChart<'a, 'b> =
+    ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// Colours of compute, communication and bubble / idle.
+const SHARE_COLORS: [RGBColor; 3] = [
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(200, 200, 200),
+];
+
 /// Stacked bars of device-time shares (compute / communication / bubble and idle) per
 /// strategy at the largest batch: measured, then each profile.
 pub fn breakdown_svg(r: &CompareReport) -> Result<String, String> {
+    let panels = breakdown_panels(r);
+    let mut svg = String::new();
+    {
+        let width = 480 * panels.len() as u32;
+        let root = SVGBackend::with_string(&mut svg, (width, 420)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let areas = root.split_evenly((1, panels.len()));
+        for (area, (title, bars)) in areas.iter().zip(&panels) {
+            bar_panel(area, title, bars)?;
+        }
+        root.present().map_err(|e| e.to_string())?;
+    }
+    Ok(svg)
+}
+
+/// The panels of the breakdown at the largest batch: measured, then each projection.
+fn breakdown_panels(r: &CompareReport) -> Vec<(String, Vec<Bar>)> {
     let batch = r.measurements.iter().map(|m| m.batch).max().unwrap_or(1);
     let rows: Vec<&super::Measurement> =
         r.measurements.iter().filter(|m| m.batch == batch).collect();
-    type Bars = Vec<(String, f64, f64)>;
-    let mut panels: Vec<(String, Bars)> = vec![(
+    let mut panels: Vec<(String, Vec<Bar>)> = vec![(
         format!("this machine, batch {batch} (measured)"),
         rows.iter()
             .map(|m| (m.label.clone(), m.comm_share, m.bubble_share))
@@ -164,99 +196,106 @@ pub fn breakdown_svg(r: &CompareReport) -> Result<String, String> {
                 .collect(),
         ));
     }
-    let mut svg = String::new();
-    {
-        let width = 480 * panels.len() as u32;
-        let root = SVGBackend::with_string(&mut svg, (width, 420)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| e.to_string())?;
-        let areas = root.split_evenly((1, panels.len()));
-        let colors = [
-            RGBColor(44, 160, 44),
-            RGBColor(214, 39, 40),
-            RGBColor(200, 200, 200),
-        ];
-        for (area, (title, bars)) in areas.iter().zip(&panels) {
-            let n = bars.len().max(1);
-            let mut chart = ChartBuilder::on(area)
-                .caption(title, ("sans-serif", 16))
-                .margin(10)
-                .x_label_area_size(60)
-                .y_label_area_size(50)
-                .build_cartesian_2d(0.0f64..n as f64, 0.0f64..140.0)
-                .map_err(|e| e.to_string())?;
-            chart
-                .configure_mesh()
-                .disable_x_mesh()
-                .x_labels(0)
-                // The space above 100 % holds the strategy names and the legend.
-                .y_label_formatter(&|y| {
-                    if *y <= 100.0 {
-                        format!("{y:.0}")
-                    } else {
-                        String::new()
-                    }
-                })
-                .y_desc("% of device-time")
-                .draw()
-                .map_err(|e| e.to_string())?;
-            // Strategy names above their bars (axis labels would be thinned out by plotters).
-            for (i, (name, _, _)) in bars.iter().enumerate() {
-                chart
-                    .draw_series(std::iter::once(Text::new(
-                        name.clone(),
-                        (i as f64 + 0.1, 104.0 + 6.0 * (i % 2) as f64),
-                        ("sans-serif", 11).into_font(),
-                    )))
-                    .map_err(|e| e.to_string())?;
+    panels
+}
+
+/// One panel of stacked bars, with the strategy names above them and a legend.
+fn bar_panel(
+    area: &DrawingArea<SVGBackend<'_>, Shift>,
+    title: &str,
+    bars: &[Bar],
+) -> Result<(), String> {
+    let n = bars.len().max(1);
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 16))
+        .margin(10)
+        .x_label_area_size(60)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0f64..n as f64, 0.0f64..140.0)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(0)
+        // The space above 100 % holds the strategy names and the legend.
+        .y_label_formatter(&|y| {
+            if *y <= 100.0 {
+                format!("{y:.0}")
+            } else {
+                String::new()
             }
-            for (i, (_, comm, bubble)) in bars.iter().enumerate() {
-                let comm = comm * 100.0;
-                // Communication counts inside the non-compute time; the rest is bubble/idle.
-                let idle = (bubble * 100.0 - comm).max(0.0);
-                let compute = (100.0 - comm - idle).max(0.0);
-                let x0 = i as f64 + 0.15;
-                let x1 = i as f64 + 0.85;
-                let segments = [
-                    (0.0, compute),
-                    (compute, compute + comm),
-                    (compute + comm, 100.0),
-                ];
-                for (k, (lo, hi)) in segments.iter().enumerate() {
-                    chart
-                        .draw_series(std::iter::once(Rectangle::new(
-                            [(x0, *lo), (x1, *hi)],
-                            colors[k].filled(),
-                        )))
-                        .map_err(|e| e.to_string())?;
-                }
-            }
-            for (k, name) in ["compute", "communication", "bubble / idle"]
-                .iter()
-                .enumerate()
-            {
-                let color = colors[k];
-                chart
-                    .draw_series(std::iter::once(Rectangle::new(
-                        [(0.0, 0.0), (0.0, 0.0)],
-                        color.filled(),
-                    )))
-                    .map_err(|e| e.to_string())?
-                    .label(*name)
-                    .legend(move |(x, y)| {
-                        Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled())
-                    });
-            }
-            chart
-                .configure_series_labels()
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK)
-                .position(SeriesLabelPosition::UpperRight)
-                .draw()
-                .map_err(|e| e.to_string())?;
-        }
-        root.present().map_err(|e| e.to_string())?;
+        })
+        .y_desc("% of device-time")
+        .draw()
+        .map_err(|e| e.to_string())?;
+    // Strategy names above their bars (axis labels would be thinned out by plotters).
+    for (i, (name, _, _)) in bars.iter().enumerate() {
+        chart
+            .draw_series(std::iter::once(Text::new(
+                name.clone(),
+                (i as f64 + 0.1, 104.0 + 6.0 * (i % 2) as f64),
+                ("sans-serif", 11).into_font(),
+            )))
+            .map_err(|e| e.to_string())?;
     }
-    Ok(svg)
+    for (i, &(_, comm, bubble)) in bars.iter().enumerate() {
+        stacked_bar(&mut chart, i, comm, bubble)?;
+    }
+    share_legend(&mut chart)
+}
+
+/// The bar of strategy `i`: compute, communication, then bubble / idle up to 100 %.
+fn stacked_bar(
+    chart: &mut BarChart<'_, '_>,
+    i: usize,
+    comm: f64,
+    bubble: f64,
+) -> Result<(), String> {
+    let comm = comm * 100.0;
+    // Communication counts inside the non-compute time; the rest is bubble/idle.
+    let idle = (bubble * 100.0 - comm).max(0.0);
+    let compute = (100.0 - comm - idle).max(0.0);
+    let x0 = i as f64 + 0.15;
+    let x1 = i as f64 + 0.85;
+    let segments = [
+        (0.0, compute),
+        (compute, compute + comm),
+        (compute + comm, 100.0),
+    ];
+    for (k, (lo, hi)) in segments.iter().enumerate() {
+        chart
+            .draw_series(std::iter::once(Rectangle::new(
+                [(x0, *lo), (x1, *hi)],
+                SHARE_COLORS[k].filled(),
+            )))
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// The legend of the three shares (empty series carry its entries).
+fn share_legend<'a, 'b: 'a>(chart: &mut BarChart<'a, 'b>) -> Result<(), String> {
+    for (k, name) in ["compute", "communication", "bubble / idle"]
+        .iter()
+        .enumerate()
+    {
+        let color = SHARE_COLORS[k];
+        chart
+            .draw_series(std::iter::once(Rectangle::new(
+                [(0.0, 0.0), (0.0, 0.0)],
+                color.filled(),
+            )))
+            .map_err(|e| e.to_string())?
+            .label(*name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(|e| e.to_string())
 }
 
 /// The modeled-at-scale section in one chart: decode tokens/s against batch, a panel per

@@ -152,7 +152,24 @@ pub fn memory_per_device(
             return wgpar_memory(config, at, &format, (engine, profile), work);
         }
     }
-    let weights = weights.format;
+    counted_memory(
+        config,
+        (strategy, devices),
+        weights.format,
+        (engine, profile),
+        work,
+    )
+}
+
+/// Memory of an engine counted by its parameters' bytes: each shard's weights, KV cache and
+/// activations of one micro-batch, per pipeline stage.
+fn counted_memory(
+    config: &ModelConfig,
+    (strategy, devices): (&Strategy, usize),
+    weights: NumFormat,
+    (engine, profile): (&Engine, &HostProfile),
+    work: Workload,
+) -> Result<Vec<DeviceMemory>> {
     let (tp, pp, m, spec) = shape_of(strategy, devices)?;
     let split = match strategy {
         Strategy::Tensor { split: Some(s) } => s.clone(),
@@ -166,75 +183,133 @@ pub fn memory_per_device(
         _ => partition(config.layers, pp, &Partition::Even)?,
     };
     let c = &engine.compute;
-    let wb = weights.bytes();
-    let kvb = c.kv_dtype.bytes();
-    let ab = engine.wire.dtype.bytes().max(c.dtype.bytes());
-    let (h, d) = (config.hidden as f64, config.head_dim as f64);
-    let embed = (config.vocab * config.hidden) as f64;
-    let positions = if config.learned_positions() {
-        (config.max_seq * config.hidden) as f64
-    } else {
-        0.0
+    let sizes = Sizes {
+        config,
+        engine,
+        profile,
+        work,
+        tp,
+        stages: ranges.len(),
+        weight_bytes: weights.bytes(),
+        context: if c.kv_preallocated {
+            config.max_seq.max(work.context)
+        } else {
+            work.context
+        },
+        vocab_share: if c.vocab_parallel { tp as f64 } else { 1.0 },
+        // A micro-batch is what one stage holds activations for at a time.
+        mb_batch: work.batch.div_ceil(m.min(work.batch.max(1))),
     };
-    let context = if c.kv_preallocated {
-        config.max_seq.max(work.context)
-    } else {
-        work.context
-    };
-    let vocab_share = if c.vocab_parallel { tp as f64 } else { 1.0 };
-    // A micro-batch is what one stage holds activations for at a time.
-    let mb_batch = work.batch.div_ceil(m.min(work.batch.max(1)));
     let mut out = Vec::new();
     for (stage, layers) in ranges.iter().enumerate() {
-        let n_layers = layers.len() as f64;
         for (r, shard) in shards.iter().enumerate() {
-            let q = shard.local_heads() as f64 * d;
-            let kv = shard.local_kv_heads() as f64 * d;
-            let ffn = shard.local_ffn() as f64;
-            let mats = if config.arch == crate::model::Arch::Llama {
-                3.0
-            } else {
-                2.0
-            };
-            let layer_weights = h * (q + 2.0 * kv) + q * h + mats * h * ffn + 4.0 * h;
-            let mut params = n_layers * layer_weights;
-            if stage == 0 {
-                params += embed / vocab_share + positions;
-            }
-            let last = stage + 1 == ranges.len();
-            // A tied head on a single stage reads the embedding it already holds.
-            if last && !(config.tied_head && stage == 0) {
-                params += embed / vocab_share;
-            }
-            let kv_cache = work.batch as f64 * context as f64 * n_layers * 2.0 * kv * kvb;
-            let tokens = (mb_batch * work.prompt) as f64;
-            let mut activations = tokens * (4.0 * h + q + 2.0 * kv + 2.0 * ffn) * ab;
-            if last {
-                activations += (mb_batch * config.vocab) as f64 * 4.0;
-            }
-            let device = stage * tp + r;
-            let capacity = profile
-                .device(device)
-                .map_or(0.0, |s| s.memory_bytes as f64 * c.memory_fraction);
-            let weights = (params * wb).round() as u64;
-            let kv_cache = kv_cache.round() as u64;
-            let activations = activations.round() as u64;
-            let reserve = c.memory_reserve_bytes;
-            out.push(DeviceMemory {
-                device,
-                weights,
-                kv_cache,
-                activations,
-                reserve,
-                total: weights
-                    .saturating_add(kv_cache)
-                    .saturating_add(activations)
-                    .saturating_add(reserve),
-                capacity: capacity as u64,
-            });
+            out.push(sizes.device((stage, r), layers.len(), shard));
         }
     }
     Ok(out)
+}
+
+/// What every device of a counted engine's strategy has in common: the model, the engine's
+/// formats and the workload, in the strategy's shape.
+struct Sizes<'a> {
+    config: &'a ModelConfig,
+    engine: &'a Engine,
+    profile: &'a HostProfile,
+    work: Workload,
+    tp: usize,
+    stages: usize,
+    /// Bytes per weight.
+    weight_bytes: f64,
+    /// Tokens the KV cache holds per sequence.
+    context: usize,
+    /// Devices the embedding and head are split over.
+    vocab_share: f64,
+    /// Sequences per micro-batch.
+    mb_batch: usize,
+}
+
+impl Sizes<'_> {
+    /// Memory of rank `r` of pipeline stage `stage`, which holds `n_layers` layers of `shard`.
+    fn device(
+        &self,
+        (stage, r): (usize, usize),
+        n_layers: usize,
+        shard: &ShardSpec,
+    ) -> DeviceMemory {
+        let (config, work) = (self.config, self.work);
+        let c = &self.engine.compute;
+        let kvb = c.kv_dtype.bytes();
+        let ab = self.engine.wire.dtype.bytes().max(c.dtype.bytes());
+        let (h, d) = (config.hidden as f64, config.head_dim as f64);
+        let n_layers = n_layers as f64;
+        let q = shard.local_heads() as f64 * d;
+        let kv = shard.local_kv_heads() as f64 * d;
+        let ffn = shard.local_ffn() as f64;
+        let last = stage + 1 == self.stages;
+        let params = self.with_embeddings(n_layers * self.layer_weights(shard), stage, last);
+        let kv_cache = work.batch as f64 * self.context as f64 * n_layers * 2.0 * kv * kvb;
+        let tokens = (self.mb_batch * work.prompt) as f64;
+        let mut activations = tokens * (4.0 * h + q + 2.0 * kv + 2.0 * ffn) * ab;
+        if last {
+            activations += (self.mb_batch * config.vocab) as f64 * 4.0;
+        }
+        let device = stage * self.tp + r;
+        let capacity = self
+            .profile
+            .device(device)
+            .map_or(0.0, |s| s.memory_bytes as f64 * c.memory_fraction);
+        let weights = (params * self.weight_bytes).round() as u64;
+        let kv_cache = kv_cache.round() as u64;
+        let activations = activations.round() as u64;
+        let reserve = c.memory_reserve_bytes;
+        DeviceMemory {
+            device,
+            weights,
+            kv_cache,
+            activations,
+            reserve,
+            total: weights
+                .saturating_add(kv_cache)
+                .saturating_add(activations)
+                .saturating_add(reserve),
+            capacity: capacity as u64,
+        }
+    }
+
+    /// Parameters of one layer on `shard`: attention, MLP and norms.
+    fn layer_weights(&self, shard: &ShardSpec) -> f64 {
+        let config = self.config;
+        let (h, d) = (config.hidden as f64, config.head_dim as f64);
+        let q = shard.local_heads() as f64 * d;
+        let kv = shard.local_kv_heads() as f64 * d;
+        let ffn = shard.local_ffn() as f64;
+        let mats = if config.arch == crate::model::Arch::Llama {
+            3.0
+        } else {
+            2.0
+        };
+        h * (q + 2.0 * kv) + q * h + mats * h * ffn + 4.0 * h
+    }
+
+    /// `params` of a stage's layers plus the embedding (first stage) and head (last stage) it
+    /// holds, added in that order.
+    fn with_embeddings(&self, mut params: f64, stage: usize, last: bool) -> f64 {
+        let config = self.config;
+        let embed = (config.vocab * config.hidden) as f64;
+        let positions = if config.learned_positions() {
+            (config.max_seq * config.hidden) as f64
+        } else {
+            0.0
+        };
+        if stage == 0 {
+            params += embed / self.vocab_share + positions;
+        }
+        // A tied head on a single stage reads the embedding it already holds.
+        if last && !(config.tied_head && stage == 0) {
+            params += embed / self.vocab_share;
+        }
+        params
+    }
 }
 
 /// Bytes in GiB with two decimals, for reports.

@@ -4,6 +4,7 @@
 //! say which strategy wins where, and why.
 
 mod charts;
+mod files;
 mod memory;
 mod modeled;
 mod plan;
@@ -13,6 +14,8 @@ mod scale;
 mod serving;
 mod verdict;
 
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -29,6 +32,7 @@ use crate::sim::{project_engine, HostProfile, ProjectOptions};
 use crate::trace::{Recorder, Timeline};
 
 pub use charts::{breakdown_svg, scale_svg, throughput_svg};
+pub use files::{write_report, ReportFiles};
 pub use memory::{memory_per_device, runtime_format, DeviceMemory, WeightsSpec, Workload};
 pub use modeled::{modeled_timeline, Formats};
 pub use plan::{
@@ -379,6 +383,103 @@ fn project_pair(
     })
 }
 
+/// The figures of one timed repetition.
+struct Rep {
+    prefill_s: f64,
+    decode_s: f64,
+    bytes_sent: f64,
+    rel_err: f64,
+    timelines: (Timeline, Timeline),
+}
+
+/// Runs one timed repetition of `prompts`: a prefill whose logits are checked against the
+/// reference, then `steps - 1` greedy decode steps whose tokens must match it.
+fn rep(
+    plan: &Plan,
+    engine: &mut dyn Engine,
+    (prompts, steps): (&[Vec<u32>], usize),
+    reference: &Reference,
+) -> Result<Rep> {
+    let pre_rec = Recorder::new();
+    engine.set_recorder(pre_rec.clone());
+    let start = Instant::now();
+    // The prefill's logits are checked against the single device; decode steps read
+    // back token ids only, as generation does.
+    let first = engine.prefill_step(prompts, true)?;
+    let prefill_s = start.elapsed().as_secs_f64();
+    let first_logits = first.logits.ok_or_else(|| WgparError::Worker {
+        worker: plan.label.clone(),
+        message: "the prefill returned no logits".into(),
+    })?;
+    let rel_err = first_logits.relative_error(&reference.logits);
+    let dec_rec = Recorder::new();
+    engine.set_recorder(dec_rec.clone());
+    let next = first.tokens;
+    // Pipelines keep their micro-batches in flight here (unless GPipe is asked for).
+    let start = Instant::now();
+    let decoded = engine.decode_greedy(&next, steps - 1, false)?;
+    let decode_s = start.elapsed().as_secs_f64();
+    let tokens: Vec<Vec<u32>> = next
+        .iter()
+        .zip(&decoded.tokens)
+        .map(|(&t, rest)| std::iter::once(t).chain(rest.iter().copied()).collect())
+        .collect();
+    engine.set_recorder(Recorder::disabled());
+    if tokens != reference.tokens {
+        return Err(WgparError::Internal(format!(
+            "{} (batch {}) generated different tokens than the single device: {:?} vs {:?}",
+            plan.label, plan.batch, tokens[0], reference.tokens[0]
+        )));
+    }
+    Ok(Rep {
+        prefill_s,
+        decode_s,
+        bytes_sent: decoded.stats.bytes_sent as f64,
+        rel_err,
+        timelines: (pre_rec.timeline(), dec_rec.timeline()),
+    })
+}
+
+/// The repetitions of one plan so far.
+struct Reps {
+    pp: Vec<f64>,
+    tg: Vec<f64>,
+    ttft: Vec<f64>,
+    lat: Vec<f64>,
+    max_rel_err: f64,
+    /// Of the last repetition.
+    bytes_per_token: f64,
+    /// Of the last repetition.
+    timelines: (Timeline, Timeline),
+}
+
+impl Reps {
+    fn new() -> Self {
+        Self {
+            pp: Vec::new(),
+            tg: Vec::new(),
+            ttft: Vec::new(),
+            lat: Vec::new(),
+            max_rel_err: 0.0,
+            bytes_per_token: 0.0,
+            timelines: (Timeline::new(), Timeline::new()),
+        }
+    }
+
+    /// Adds a repetition of `batch` sequences of `prompt_len` tokens and `decode_steps`
+    /// decode steps.
+    fn add(&mut self, rep: Rep, (batch, prompt_len): (usize, usize), decode_steps: usize) {
+        let decode_steps = decode_steps as f64;
+        self.max_rel_err = self.max_rel_err.max(rep.rel_err);
+        self.pp.push((batch * prompt_len) as f64 / rep.prefill_s);
+        self.tg.push(batch as f64 * decode_steps / rep.decode_s);
+        self.ttft.push(rep.prefill_s * 1e3);
+        self.lat.push(rep.decode_s * 1e3 / decode_steps);
+        self.bytes_per_token = rep.bytes_sent / (batch as f64 * decode_steps);
+        self.timelines = rep.timelines;
+    }
+}
+
 /// Measures one plan (warm-up, then `reps` timed repetitions), checks it against the
 /// reference and projects its timelines.
 fn measure(
@@ -390,59 +491,58 @@ fn measure(
     let prompts = prompts(plan.batch, opts.prompt_len, opts.config.vocab);
     let steps = opts.gen.max(2);
     generate(engine, &prompts, 2)?;
-    let (mut pp, mut tg, mut ttft, mut lat) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut timelines = (Timeline::new(), Timeline::new());
-    let mut max_rel_err: f64 = 0.0;
-    let mut bytes_per_token = 0.0;
+    let mut reps = Reps::new();
     for _ in 0..opts.reps.max(1) {
-        let pre_rec = Recorder::new();
-        engine.set_recorder(pre_rec.clone());
-        let start = Instant::now();
-        // The prefill's logits are checked against the single device; decode steps read
-        // back token ids only, as generation does.
-        let first = engine.prefill_step(&prompts, true)?;
-        let prefill_s = start.elapsed().as_secs_f64();
-        let first_logits = first.logits.ok_or_else(|| WgparError::Worker {
-            worker: plan.label.clone(),
-            message: "the prefill returned no logits".into(),
-        })?;
-        max_rel_err = max_rel_err.max(first_logits.relative_error(&reference.logits));
-        let dec_rec = Recorder::new();
-        engine.set_recorder(dec_rec.clone());
-        let next = first.tokens;
-        // Pipelines keep their micro-batches in flight here (unless GPipe is asked for).
-        let start = Instant::now();
-        let decoded = engine.decode_greedy(&next, steps - 1, false)?;
-        let decode_s = start.elapsed().as_secs_f64();
-        let sent = decoded.stats.bytes_sent;
-        let tokens: Vec<Vec<u32>> = next
-            .iter()
-            .zip(&decoded.tokens)
-            .map(|(&t, rest)| std::iter::once(t).chain(rest.iter().copied()).collect())
-            .collect();
-        engine.set_recorder(Recorder::disabled());
-        if tokens != reference.tokens {
-            return Err(WgparError::Internal(format!(
-                "{} (batch {}) generated different tokens than the single device: {:?} vs {:?}",
-                plan.label, plan.batch, tokens[0], reference.tokens[0]
-            )));
-        }
-        let decode_steps = (steps - 1) as f64;
-        pp.push((plan.batch * opts.prompt_len) as f64 / prefill_s);
-        tg.push(plan.batch as f64 * decode_steps / decode_s);
-        ttft.push(prefill_s * 1e3);
-        lat.push(decode_s * 1e3 / decode_steps);
-        bytes_per_token = sent as f64 / (plan.batch as f64 * decode_steps);
-        timelines = (pre_rec.timeline(), dec_rec.timeline());
+        let r = rep(plan, engine, (&prompts, steps), reference)?;
+        reps.add(r, (plan.batch, opts.prompt_len), steps - 1);
     }
+    let max_rel_err = reps.max_rel_err;
     if max_rel_err > 1e-3 {
         return Err(WgparError::Internal(format!(
             "{} (batch {}): prefill logits differ from the single device by {max_rel_err:.2e} (relative)",
             plan.label, plan.batch
         )));
     }
-    let pre_summary = timelines.0.summary();
-    let dec_summary = timelines.1.summary();
+    let projected = project_plan(plan, opts, &reps.timelines, steps)?;
+    let pre_summary = reps.timelines.0.summary();
+    let dec_summary = reps.timelines.1.summary();
+    Ok(Measurement {
+        label: plan.label.clone(),
+        family: plan.family.into(),
+        devices: plan.devices,
+        batch: plan.batch,
+        micro_batches: plan.micro_batches,
+        pp_tps: Stat::of(&reps.pp),
+        tg_tps: Stat::of(&reps.tg),
+        ttft_ms: Stat::of(&reps.ttft),
+        per_token_ms: Stat::of(&reps.lat),
+        prefill_comm_share: pre_summary.comm_share,
+        comm_share: dec_summary.comm_share,
+        bubble_share: dec_summary.bubble_share,
+        bytes_per_token: reps.bytes_per_token,
+        max_rel_err,
+        projected,
+        timelines: reps.timelines,
+    })
+}
+
+/// A measured plan's timelines projected onto every profile with enough devices, once per
+/// engine, with whether its memory fits there.
+fn project_plan(
+    plan: &Plan,
+    opts: &CompareOptions,
+    timelines: &(Timeline, Timeline),
+    steps: usize,
+) -> Result<Vec<Projected>> {
+    let weights = match opts.dtype {
+        DType::F16 => crate::sim::NumFormat::F16,
+        _ => crate::sim::NumFormat::F32,
+    };
+    let work = Workload {
+        batch: plan.batch,
+        prompt: opts.prompt_len,
+        context: opts.prompt_len + steps,
+    };
     let mut projected = Vec::new();
     for p in opts
         .profiles
@@ -451,16 +551,12 @@ fn measure(
     {
         for e in &opts.engines {
             let mut proj = project_pair(
-                &timelines,
+                timelines,
                 p,
                 e,
                 steps - 1,
                 (plan.batch * opts.prompt_len, plan.batch * (steps - 1)),
             )?;
-            let weights = match opts.dtype {
-                DType::F16 => crate::sim::NumFormat::F16,
-                _ => crate::sim::NumFormat::F32,
-            };
             let memory = memory_per_device(
                 &opts.config,
                 &plan.strategy,
@@ -468,11 +564,7 @@ fn measure(
                 memory::WeightsSpec::uniform(weights),
                 e,
                 p,
-                Workload {
-                    batch: plan.batch,
-                    prompt: opts.prompt_len,
-                    context: opts.prompt_len + steps,
-                },
+                work,
             )?;
             proj.fits = memory.iter().all(DeviceMemory::fits);
             proj.memory = memory
@@ -482,24 +574,15 @@ fn measure(
             projected.push(proj);
         }
     }
-    Ok(Measurement {
-        label: plan.label.clone(),
-        family: plan.family.into(),
-        devices: plan.devices,
-        batch: plan.batch,
-        micro_batches: plan.micro_batches,
-        pp_tps: Stat::of(&pp),
-        tg_tps: Stat::of(&tg),
-        ttft_ms: Stat::of(&ttft),
-        per_token_ms: Stat::of(&lat),
-        prefill_comm_share: pre_summary.comm_share,
-        comm_share: dec_summary.comm_share,
-        bubble_share: dec_summary.bubble_share,
-        bytes_per_token,
-        max_rel_err,
-        projected,
-        timelines,
-    })
+    Ok(projected)
+}
+
+/// What every run of a comparison shares: the devices, the weights and the options.
+struct Bench<'a> {
+    gpus: &'a [Arc<Gpu>],
+    weights: ModelWeights,
+    opts: &'a CompareOptions,
+    comm: CommConfig,
 }
 
 /// Runs every plan on `gpus`; `progress(done, total, label)` is called before each.
@@ -508,29 +591,13 @@ pub fn run_compare(
     opts: &CompareOptions,
     progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<CompareReport> {
-    if opts.batches.is_empty() || opts.batches.contains(&0) || opts.prompt_len == 0 {
-        return Err(WgparError::option(
-            "--batches",
-            "batches and prompt length must be positive".into(),
-        ));
-    }
-    if opts.prompt_len + opts.gen.max(2) > opts.config.max_seq {
-        return Err(WgparError::limit(
-            "context (tokens)",
-            (
-                (opts.prompt_len + opts.gen.max(2)) as u64,
-                opts.config.max_seq as u64,
-            ),
-            format!(
-                "prompt {} + {} generated tokens exceed max_seq {}",
-                opts.prompt_len, opts.gen, opts.config.max_seq
-            ),
-        ));
-    }
-    if let Some(s) = &opts.serving {
-        serving::validate(opts, s)?;
-    }
-    let weights = ModelWeights::synthetic(&opts.config, opts.seed);
+    check_options(opts)?;
+    let bench = Bench {
+        gpus,
+        weights: ModelWeights::synthetic(&opts.config, opts.seed),
+        opts,
+        comm: CommConfig::default(),
+    };
     let plans = plans(&opts.config, gpus.len(), opts);
     let serve_plans = if opts.serving.is_some() {
         serving_plans(opts, gpus.len())
@@ -538,65 +605,16 @@ pub fn run_compare(
         Vec::new()
     };
     let total = plans.len() + serve_plans.len();
+    let mut references = HashMap::new();
     let mut measurements = Vec::new();
-    let comm = CommConfig::default();
-    let mut references = std::collections::HashMap::new();
     for (i, plan) in plans.iter().enumerate() {
         progress(i, total, &format!("{} batch {}", plan.label, plan.batch));
-        if let std::collections::hash_map::Entry::Vacant(slot) = references.entry(plan.batch) {
-            let mut single =
-                build_engine(&Strategy::Single, gpus, &weights, opts.dtype, &comm, (1, 1))?;
-            let p = prompts(plan.batch, opts.prompt_len, opts.config.vocab);
-            let g = generate_keeping(single.as_mut(), &p, opts.gen.max(2), KeepLogits::Prefill)?;
-            let first = g
-                .logits
-                .into_iter()
-                .next()
-                .ok_or_else(|| WgparError::Worker {
-                    worker: "compare".into(),
-                    message: "the reference run kept no prefill logits".into(),
-                })?;
-            slot.insert(Reference {
-                logits: first.data,
-                tokens: g.tokens,
-            });
-        }
-        let mut engine = build_engine(
-            &plan.strategy,
-            &gpus[..plan.devices],
-            &weights,
-            opts.dtype,
-            &comm,
-            (plan.batch, opts.prompt_len),
-        )?;
-        measurements.push(measure(
-            plan,
-            engine.as_mut(),
-            opts,
-            &references[&plan.batch],
-        )?);
+        measurements.push(bench.measure(plan, &mut references)?);
     }
-    let mut served: Vec<ServingMeasurement> = Vec::new();
-    if let Some(options) = &opts.serving {
-        for (i, plan) in serve_plans.iter().enumerate() {
-            progress(
-                plans.len() + i,
-                total,
-                &format!("{} serving {} requests", plan.label, options.requests),
-            );
-            let m = serving::measure_serving(plan, gpus, &weights, opts, options)?;
-            // Greedy, so every strategy must serve every request the same tokens.
-            if let Some(first) = served.first() {
-                if let Some(i) = (0..m.tokens.len()).find(|&i| m.tokens[i] != first.tokens[i]) {
-                    return Err(WgparError::Internal(format!(
-                        "{} served request {i} different tokens than {}: {:?} vs {:?}",
-                        m.label, first.label, m.tokens[i], first.tokens[i]
-                    )));
-                }
-            }
-            served.push(m);
-        }
-    }
+    let served = match &opts.serving {
+        Some(options) => bench.serve(&serve_plans, options, progress, (plans.len(), total))?,
+        None => Vec::new(),
+    };
     progress(total, total, "done");
     let serving = opts.serving.clone().map(|options| ServingSection {
         options,
@@ -623,4 +641,118 @@ pub fn run_compare(
             .map(|d| d.as_secs())
             .unwrap_or(0),
     })
+}
+
+/// Refuses options no run can satisfy, before any device work.
+fn check_options(opts: &CompareOptions) -> Result<()> {
+    if opts.batches.is_empty() || opts.batches.contains(&0) || opts.prompt_len == 0 {
+        return Err(WgparError::option(
+            "--batches",
+            "batches and prompt length must be positive".into(),
+        ));
+    }
+    if opts.prompt_len + opts.gen.max(2) > opts.config.max_seq {
+        return Err(WgparError::limit(
+            "context (tokens)",
+            (
+                (opts.prompt_len + opts.gen.max(2)) as u64,
+                opts.config.max_seq as u64,
+            ),
+            format!(
+                "prompt {} + {} generated tokens exceed max_seq {}",
+                opts.prompt_len, opts.gen, opts.config.max_seq
+            ),
+        ));
+    }
+    if let Some(s) = &opts.serving {
+        serving::validate(opts, s)?;
+    }
+    Ok(())
+}
+
+/// Greedy, so every strategy must serve every request the same tokens as the first one.
+fn same_tokens(m: &ServingMeasurement, first: &ServingMeasurement) -> Result<()> {
+    match (0..m.tokens.len()).find(|&i| m.tokens[i] != first.tokens[i]) {
+        Some(i) => Err(WgparError::Internal(format!(
+            "{} served request {i} different tokens than {}: {:?} vs {:?}",
+            m.label, first.label, m.tokens[i], first.tokens[i]
+        ))),
+        None => Ok(()),
+    }
+}
+
+impl Bench<'_> {
+    /// Measures `plan` against the single device's output for its batch (run once per batch
+    /// size, kept in `references`).
+    fn measure(
+        &self,
+        plan: &Plan,
+        references: &mut HashMap<usize, Reference>,
+    ) -> Result<Measurement> {
+        let opts = self.opts;
+        if let Entry::Vacant(slot) = references.entry(plan.batch) {
+            slot.insert(self.reference(plan.batch)?);
+        }
+        let mut engine = build_engine(
+            &plan.strategy,
+            &self.gpus[..plan.devices],
+            &self.weights,
+            opts.dtype,
+            &self.comm,
+            (plan.batch, opts.prompt_len),
+        )?;
+        measure(plan, engine.as_mut(), opts, &references[&plan.batch])
+    }
+
+    /// Serves the stream with every serving plan, checking each serves the first one's
+    /// tokens; `progress` counts on from `done` of `total`.
+    fn serve(
+        &self,
+        plans: &[Plan],
+        options: &ServingOptions,
+        progress: &mut dyn FnMut(usize, usize, &str),
+        (done, total): (usize, usize),
+    ) -> Result<Vec<ServingMeasurement>> {
+        let mut served: Vec<ServingMeasurement> = Vec::new();
+        for (i, plan) in plans.iter().enumerate() {
+            progress(
+                done + i,
+                total,
+                &format!("{} serving {} requests", plan.label, options.requests),
+            );
+            let m = serving::measure_serving(plan, self.gpus, &self.weights, self.opts, options)?;
+            if let Some(first) = served.first() {
+                same_tokens(&m, first)?;
+            }
+            served.push(m);
+        }
+        Ok(served)
+    }
+
+    /// The single device's prefill logits and greedy tokens for `batch` prompts.
+    fn reference(&self, batch: usize) -> Result<Reference> {
+        let opts = self.opts;
+        let mut single = build_engine(
+            &Strategy::Single,
+            self.gpus,
+            &self.weights,
+            opts.dtype,
+            &self.comm,
+            (1, 1),
+        )?;
+        let p = prompts(batch, opts.prompt_len, opts.config.vocab);
+        let g = generate_keeping(single.as_mut(), &p, opts.gen.max(2), KeepLogits::Prefill)?;
+        let first = g
+            .logits
+            .into_iter()
+            .next()
+            .ok_or_else(|| WgparError::Worker {
+                worker: "compare".into(),
+                message: "the reference run kept no prefill logits".into(),
+            })?;
+        Ok(Reference {
+            logits: first.data,
+            tokens: g.tokens,
+        })
+    }
 }

@@ -221,76 +221,14 @@ fn tp_block(
     deps: &[Vec<SpanId>],
     last: bool,
 ) -> Vec<SpanId> {
-    let Group {
-        config,
-        shards,
-        devices,
-        step,
-        formats: f,
-        mb,
-    } = *g;
-    let world = shards.len() as u32;
-    // Recorded as f32 payloads; each engine scales them to its wire format.
-    let bytes = (step.tokens() * config.hidden * 4) as u64;
     let mut prev: Vec<Vec<SpanId>> = deps.to_vec();
     for layer in layers {
-        for half in 0..2 {
-            let mut ends = Vec::new();
-            for (r, shard) in shards.iter().enumerate() {
-                let kernel = |name, cost, family| Kernel {
-                    name,
-                    cost,
-                    family,
-                    shards: shard.world,
-                };
-                let at = (Some(layer), mb);
-                let end = if half == 0 {
-                    let projections = attention_projections(config, shard, step, f);
-                    let p = b.compute(
-                        devices[r],
-                        kernel("attention.projections", projections, KernelFamily::Matmul),
-                        &prev[r],
-                        at,
-                    );
-                    let core = attention_core(config, shard, step, f);
-                    b.compute(
-                        devices[r],
-                        kernel("attention", core, KernelFamily::Attention),
-                        &[p],
-                        at,
-                    )
-                } else {
-                    let cost = mlp(config, shard, step, f);
-                    b.compute(
-                        devices[r],
-                        kernel("mlp", cost, KernelFamily::Matmul),
-                        &prev[r],
-                        at,
-                    )
-                };
-                ends.push(end);
-            }
-            if shards.len() > 1 {
-                let group = b.group;
-                b.group += 1;
-                for (r, &c) in ends.iter().enumerate() {
-                    // "auto": each engine runs its preferred collective on the machine.
-                    let mut a = SpanAttrs::collective(
-                        "allreduce",
-                        devices[r],
-                        CollectiveOp::AllReduce,
-                        "auto",
-                        world,
-                        bytes,
-                    )
-                    .layer(layer as u32)
-                    .group(group)
-                    .after(c);
-                    if let Some(k) = mb {
-                        a = a.microbatch(k);
-                    }
-                    prev[r] = vec![b.push(a)];
-                }
+        for half in [Half::Attention, Half::Mlp] {
+            let ends: Vec<SpanId> = (0..g.shards.len())
+                .map(|r| g.rank_half(b, r, (layer, half), &prev[r]))
+                .collect();
+            if g.shards.len() > 1 {
+                prev = g.all_reduce(b, layer, &ends);
             } else {
                 prev[0] = vec![ends[0]];
             }
@@ -303,14 +241,95 @@ fn tp_block(
     if last {
         let k = Kernel {
             name: HEAD,
-            cost: head(config, step.batch, f),
+            cost: head(g.config, g.step.batch, g.formats),
             family: KernelFamily::Matmul,
             // The head is one device's whole matrix.
             shards: 1,
         };
-        out[0] = b.compute(devices[0], k, &prev[0], (None, mb));
+        out[0] = b.compute(g.devices[0], k, &prev[0], (None, g.mb));
     }
     out
+}
+
+/// The two halves of a layer, each ending in the group's all-reduce.
+#[derive(Clone, Copy, PartialEq)]
+enum Half {
+    Attention,
+    Mlp,
+}
+
+impl Group<'_> {
+    /// Rank `r`'s compute spans of one half of a layer, after `prev`; returns its last span.
+    fn rank_half(
+        &self,
+        b: &mut Builder,
+        r: usize,
+        (layer, half): (usize, Half),
+        prev: &[SpanId],
+    ) -> SpanId {
+        let (config, step, f) = (self.config, self.step, self.formats);
+        let shard = &self.shards[r];
+        let dev = self.devices[r];
+        let kernel = |name, cost, family| Kernel {
+            name,
+            cost,
+            family,
+            shards: shard.world,
+        };
+        let at = (Some(layer), self.mb);
+        match half {
+            Half::Attention => {
+                let projections = attention_projections(config, shard, step, f);
+                let p = b.compute(
+                    dev,
+                    kernel("attention.projections", projections, KernelFamily::Matmul),
+                    prev,
+                    at,
+                );
+                let core = attention_core(config, shard, step, f);
+                b.compute(
+                    dev,
+                    kernel("attention", core, KernelFamily::Attention),
+                    &[p],
+                    at,
+                )
+            }
+            Half::Mlp => {
+                let cost = mlp(config, shard, step, f);
+                b.compute(dev, kernel("mlp", cost, KernelFamily::Matmul), prev, at)
+            }
+        }
+    }
+
+    /// The group's all-reduce after each rank's `ends`: the span each rank waits on next.
+    fn all_reduce(&self, b: &mut Builder, layer: usize, ends: &[SpanId]) -> Vec<Vec<SpanId>> {
+        let world = self.shards.len() as u32;
+        // Recorded as f32 payloads; each engine scales them to its wire format.
+        let bytes = (self.step.tokens() * self.config.hidden * 4) as u64;
+        let group = b.group;
+        b.group += 1;
+        ends.iter()
+            .enumerate()
+            .map(|(r, &c)| {
+                // "auto": each engine runs its preferred collective on the machine.
+                let mut a = SpanAttrs::collective(
+                    "allreduce",
+                    self.devices[r],
+                    CollectiveOp::AllReduce,
+                    "auto",
+                    world,
+                    bytes,
+                )
+                .layer(layer as u32)
+                .group(group)
+                .after(c);
+                if let Some(k) = self.mb {
+                    a = a.microbatch(k);
+                }
+                vec![b.push(a)]
+            })
+            .collect()
+    }
 }
 
 /// Tensor-parallel degree, pipeline stages, micro-batches and partition of a strategy on
@@ -379,61 +398,100 @@ pub fn modeled_timeline(
     for s in 0..steps.max(1) {
         let seq = if s == 0 { step.seq } else { 1 };
         for (g, range) in groups.iter().enumerate() {
-            let mb_step = Step {
-                batch: range.len(),
-                seq,
-                past,
+            let pass = Pass {
+                config,
+                shards: &shards,
+                formats,
+                step: Step {
+                    batch: range.len(),
+                    seq,
+                    past,
+                },
+                mb: (groups.len() > 1 || pp > 1).then_some(g as u32),
             };
-            let mb = (groups.len() > 1 || pp > 1).then_some(g as u32);
-            let mut deps: Vec<Vec<SpanId>> = vec![vec![returned[g]]; tp];
-            let hidden = (mb_step.tokens() * config.hidden * 4) as u64;
-            for (stage, layers) in ranges.iter().enumerate() {
-                let devs: Vec<u32> = (0..tp).map(|r| (stage * tp + r) as u32).collect();
-                if stage > 0 {
-                    for r in 0..tp {
-                        let mut a =
-                            SpanAttrs::h2d("activations", devs[r], hidden).after_all(&deps[r]);
-                        if let Some(k) = mb {
-                            a = a.microbatch(k);
-                        }
-                        deps[r] = vec![b.push(a)];
-                    }
-                }
-                let last_stage = stage + 1 == ranges.len();
-                let group = Group {
-                    config,
-                    shards: &shards,
-                    devices: &devs,
-                    step: &mb_step,
-                    formats,
-                    mb,
-                };
-                let ends = tp_block(&mut b, &group, layers.clone(), &deps, last_stage);
-                let out_bytes = match (last_stage, formats.logits_to_host) {
-                    (true, true) => (mb_step.batch * config.vocab * 4) as u64,
-                    // Sampled on the device: one token id per sequence comes back.
-                    (true, false) => (mb_step.batch * 4) as u64,
-                    (false, _) => hidden,
-                };
-                let mut a = SpanAttrs::d2h(
-                    if last_stage { "output" } else { "activations" },
-                    devs[0],
-                    out_bytes,
-                )
-                .after(ends[0]);
-                if let Some(k) = mb {
-                    a = a.microbatch(k);
-                }
-                let d2h = b.push(a);
-                deps = vec![vec![d2h]; tp];
-                if last_stage {
-                    returned[g] = d2h;
-                }
-            }
+            returned[g] = pass.through(&mut b, &ranges, returned[g]);
         }
         past += seq;
     }
     Ok(b.timeline)
+}
+
+/// One micro-batch of one step passing through every pipeline stage.
+struct Pass<'a> {
+    config: &'a ModelConfig,
+    shards: &'a [ShardSpec],
+    formats: &'a Formats,
+    step: Step,
+    mb: Option<u32>,
+}
+
+impl Pass<'_> {
+    /// Pushes the pass's spans, stage after stage, after `after`; returns the span that
+    /// brought its output back from the last stage (`after` when there is no stage).
+    fn through(&self, b: &mut Builder, ranges: &[std::ops::Range<usize>], after: SpanId) -> SpanId {
+        let tp = self.shards.len();
+        let mut returned = after;
+        let mut deps: Vec<Vec<SpanId>> = vec![vec![after]; tp];
+        for (stage, layers) in ranges.iter().enumerate() {
+            let devs: Vec<u32> = (0..tp).map(|r| (stage * tp + r) as u32).collect();
+            if stage > 0 {
+                deps = self.inputs(b, &devs, &deps);
+            }
+            let last_stage = stage + 1 == ranges.len();
+            let group = Group {
+                config: self.config,
+                shards: self.shards,
+                devices: &devs,
+                step: &self.step,
+                formats: self.formats,
+                mb: self.mb,
+            };
+            let ends = tp_block(b, &group, layers.clone(), &deps, last_stage);
+            let d2h = self.output(b, devs[0], ends[0], last_stage);
+            deps = vec![vec![d2h]; tp];
+            if last_stage {
+                returned = d2h;
+            }
+        }
+        returned
+    }
+
+    /// Bytes of the hidden state between stages (f32).
+    fn hidden_bytes(&self) -> u64 {
+        (self.step.tokens() * self.config.hidden * 4) as u64
+    }
+
+    /// Each rank of a later stage receives the activations, after its `deps`.
+    fn inputs(&self, b: &mut Builder, devs: &[u32], deps: &[Vec<SpanId>]) -> Vec<Vec<SpanId>> {
+        devs.iter()
+            .zip(deps)
+            .map(|(&dev, after)| {
+                let mut a =
+                    SpanAttrs::h2d("activations", dev, self.hidden_bytes()).after_all(after);
+                if let Some(k) = self.mb {
+                    a = a.microbatch(k);
+                }
+                vec![b.push(a)]
+            })
+            .collect()
+    }
+
+    /// A stage's output goes back to the host from rank 0: activations, or the logits (a
+    /// token id per sequence when sampled on the device) after the last stage.
+    fn output(&self, b: &mut Builder, dev: u32, end: SpanId, last_stage: bool) -> SpanId {
+        let out_bytes = match (last_stage, self.formats.logits_to_host) {
+            (true, true) => (self.step.batch * self.config.vocab * 4) as u64,
+            // Sampled on the device: one token id per sequence comes back.
+            (true, false) => (self.step.batch * 4) as u64,
+            (false, _) => self.hidden_bytes(),
+        };
+        let name = if last_stage { "output" } else { "activations" };
+        let mut a = SpanAttrs::d2h(name, dev, out_bytes).after(end);
+        if let Some(k) = self.mb {
+            a = a.microbatch(k);
+        }
+        b.push(a)
+    }
 }
 
 #[cfg(test)]

@@ -277,129 +277,175 @@ pub fn validate(opts: &PlanOptions) -> Result<()> {
 pub fn plan(opts: &PlanOptions) -> Result<Vec<PlanRow>> {
     validate(opts)?;
     let mut rows = Vec::new();
-    // Each engine runs its own preferred collective on each machine (wgpar: host-staged;
-    // CUDA + NCCL: NVLS, NVLink ring, P2P or shared memory as the hardware allows).
-    let popts = ProjectOptions::default();
     for profile in &opts.profiles {
         for engine in &opts.engines {
             let formats = Formats::of(engine, opts.weights);
-            for s in &opts.strategies {
+            for strategy in &opts.strategies {
+                let cell = Cell {
+                    opts,
+                    profile,
+                    engine,
+                    formats: &formats,
+                    strategy,
+                };
                 for &batch in &opts.batches {
                     for &seq in &opts.seqs {
-                        let work = Workload {
-                            batch,
-                            prompt: seq,
-                            context: seq + opts.decode_steps,
-                        };
-                        let memory = memory_per_device(
-                            &opts.config,
-                            &s.strategy,
-                            s.devices,
-                            WeightsSpec {
-                                format: opts.weights,
-                                runtime: opts.file_format.as_ref(),
-                            },
-                            engine,
-                            profile,
-                            work,
-                        )?;
-                        let fits = memory.iter().all(DeviceMemory::fits);
-                        let worst = memory
-                            .iter()
-                            .max_by(|a, b| {
-                                let r =
-                                    |m: &DeviceMemory| m.total as f64 / m.capacity.max(1) as f64;
-                                r(a).total_cmp(&r(b))
-                            })
-                            .cloned()
-                            .unwrap_or(DeviceMemory {
-                                device: 0,
-                                weights: 0,
-                                kv_cache: 0,
-                                activations: 0,
-                                reserve: 0,
-                                total: 0,
-                                capacity: 0,
-                            });
-                        let mut row = PlanRow {
-                            profile: profile.name.clone(),
-                            engine: engine.label().to_owned(),
-                            strategy: s.label.clone(),
-                            devices: s.devices,
-                            batch,
-                            seq,
-                            fits,
-                            memory: worst,
-                            prefill_ms: None,
-                            prefill_comm: None,
-                            decode_ms: None,
-                            decode_tps: None,
-                            request_ms: None,
-                            decode_comm: None,
-                            decode_bubble: None,
-                            collectives_via: Vec::new(),
-                        };
-                        if !fits {
-                            rows.push(row);
-                            continue;
-                        }
-                        let err = |source: crate::sim::ProjectError| WgparError::Projection {
-                            what: format!("{} as {}", s.label, engine.label()),
-                            profile: profile.name.clone(),
-                            source,
-                        };
-                        let step = Step {
-                            batch,
-                            seq,
-                            past: 0,
-                        };
-                        let pre = modeled_timeline(
-                            &s.strategy,
-                            s.devices,
-                            &opts.config,
-                            &formats,
-                            step,
-                            1,
-                        )?;
-                        let dec_step = Step {
-                            batch,
-                            seq: 1,
-                            past: seq,
-                        };
-                        let dec = modeled_timeline(
-                            &s.strategy,
-                            s.devices,
-                            &opts.config,
-                            &formats,
-                            dec_step,
-                            opts.decode_steps,
-                        )?;
-                        let p = project_engine(&pre, profile, engine, &popts).map_err(err)?;
-                        let d = project_engine(&dec, profile, engine, &popts).map_err(err)?;
-                        let prefill_ms = p.report.projected.makespan_us / 1e3;
-                        let decode_ms =
-                            d.report.projected.makespan_us / 1e3 / opts.decode_steps as f64;
-                        let mut via = p.report.collectives_via.clone();
-                        for v in &d.report.collectives_via {
-                            if !via.contains(v) {
-                                via.push(v.clone());
-                            }
-                        }
-                        row.prefill_ms = Some(prefill_ms);
-                        row.prefill_comm = Some(p.report.projected.comm_share);
-                        row.decode_ms = Some(decode_ms);
-                        row.decode_tps = Some(batch as f64 / (decode_ms / 1e3));
-                        row.request_ms = Some(prefill_ms + opts.decode_steps as f64 * decode_ms);
-                        row.decode_comm = Some(d.report.projected.comm_share);
-                        row.decode_bubble = Some(d.report.projected.bubble_share);
-                        row.collectives_via = via;
-                        rows.push(row);
+                        rows.push(cell.row(batch, seq)?);
                     }
                 }
             }
         }
     }
     Ok(rows)
+}
+
+/// One (profile, engine, strategy) of a plan, whose rows are its batches and prompt lengths.
+struct Cell<'a> {
+    opts: &'a PlanOptions,
+    profile: &'a HostProfile,
+    engine: &'a Engine,
+    formats: &'a Formats,
+    strategy: &'a PlanStrategy,
+}
+
+/// What projecting one configuration's modeled timelines gives a row.
+struct RowTimes {
+    prefill_ms: f64,
+    prefill_comm: f64,
+    decode_ms: f64,
+    decode_comm: f64,
+    decode_bubble: f64,
+    collectives_via: Vec<String>,
+}
+
+impl Cell<'_> {
+    /// The row of one batch and prompt length: its memory, and its times when it fits.
+    fn row(&self, batch: usize, seq: usize) -> Result<PlanRow> {
+        let (opts, s) = (self.opts, self.strategy);
+        let work = Workload {
+            batch,
+            prompt: seq,
+            context: seq + opts.decode_steps,
+        };
+        let memory = memory_per_device(
+            &opts.config,
+            &s.strategy,
+            s.devices,
+            WeightsSpec {
+                format: opts.weights,
+                runtime: opts.file_format.as_ref(),
+            },
+            self.engine,
+            self.profile,
+            work,
+        )?;
+        let fits = memory.iter().all(DeviceMemory::fits);
+        let mut row = PlanRow {
+            profile: self.profile.name.clone(),
+            engine: self.engine.label().to_owned(),
+            strategy: s.label.clone(),
+            devices: s.devices,
+            batch,
+            seq,
+            fits,
+            memory: fullest(&memory),
+            prefill_ms: None,
+            prefill_comm: None,
+            decode_ms: None,
+            decode_tps: None,
+            request_ms: None,
+            decode_comm: None,
+            decode_bubble: None,
+            collectives_via: Vec::new(),
+        };
+        if !fits {
+            return Ok(row);
+        }
+        let t = self.times(batch, seq)?;
+        row.prefill_ms = Some(t.prefill_ms);
+        row.prefill_comm = Some(t.prefill_comm);
+        row.decode_ms = Some(t.decode_ms);
+        row.decode_tps = Some(batch as f64 / (t.decode_ms / 1e3));
+        row.request_ms = Some(t.prefill_ms + opts.decode_steps as f64 * t.decode_ms);
+        row.decode_comm = Some(t.decode_comm);
+        row.decode_bubble = Some(t.decode_bubble);
+        row.collectives_via = t.collectives_via;
+        Ok(row)
+    }
+
+    /// Models the prefill and the decode steps and projects them onto the profile.
+    fn times(&self, batch: usize, seq: usize) -> Result<RowTimes> {
+        let (opts, s) = (self.opts, self.strategy);
+        let (profile, engine) = (self.profile, self.engine);
+        let err = |source: crate::sim::ProjectError| WgparError::Projection {
+            what: format!("{} as {}", s.label, engine.label()),
+            profile: profile.name.clone(),
+            source,
+        };
+        let modeled = |step: Step, steps: usize| {
+            modeled_timeline(
+                &s.strategy,
+                s.devices,
+                &opts.config,
+                self.formats,
+                step,
+                steps,
+            )
+        };
+        let pre = modeled(
+            Step {
+                batch,
+                seq,
+                past: 0,
+            },
+            1,
+        )?;
+        let dec = modeled(
+            Step {
+                batch,
+                seq: 1,
+                past: seq,
+            },
+            opts.decode_steps,
+        )?;
+        // Each engine runs its own preferred collective on each machine (wgpar: host-staged;
+        // CUDA + NCCL: NVLS, NVLink ring, P2P or shared memory as the hardware allows).
+        let popts = ProjectOptions::default();
+        let p = project_engine(&pre, profile, engine, &popts).map_err(err)?;
+        let d = project_engine(&dec, profile, engine, &popts).map_err(err)?;
+        let mut via = p.report.collectives_via.clone();
+        for v in &d.report.collectives_via {
+            if !via.contains(v) {
+                via.push(v.clone());
+            }
+        }
+        Ok(RowTimes {
+            prefill_ms: p.report.projected.makespan_us / 1e3,
+            prefill_comm: p.report.projected.comm_share,
+            decode_ms: d.report.projected.makespan_us / 1e3 / opts.decode_steps as f64,
+            decode_comm: d.report.projected.comm_share,
+            decode_bubble: d.report.projected.bubble_share,
+            collectives_via: via,
+        })
+    }
+}
+
+/// The device furthest over (or nearest to) its capacity; all zeros when there is none.
+fn fullest(memory: &[DeviceMemory]) -> DeviceMemory {
+    let ratio = |m: &DeviceMemory| m.total as f64 / m.capacity.max(1) as f64;
+    memory
+        .iter()
+        .max_by(|a, b| ratio(a).total_cmp(&ratio(b)))
+        .cloned()
+        .unwrap_or(DeviceMemory {
+            device: 0,
+            weights: 0,
+            kv_cache: 0,
+            activations: 0,
+            reserve: 0,
+            total: 0,
+            capacity: 0,
+        })
 }
 
 /// The model as `wgpar plan --model` names it: a shipped preset, a plan-only preset of a

@@ -15,109 +15,137 @@ pub const PLAN_PRESETS: [&str; 7] = [
     "qwen2-72b",
 ];
 
-/// A plan-only preset by name.
-pub fn plan_preset(name: &str) -> Option<ModelConfig> {
-    let base = ModelConfig::preset("llama-8b").ok()?;
-    let c = match name {
-        // meta-llama/Llama-2-7b-hf config.json.
-        "llama2-7b" => ModelConfig {
-            name: name.into(),
+/// The shape of a published model, from its `config.json`; the rest (a Llama decoder) comes
+/// from the `llama-8b` preset.
+struct Shape {
+    vocab: usize,
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    ffn: usize,
+    max_seq: usize,
+    rope_theta: f32,
+}
+
+/// The published shapes of the plan-only presets (every one has 128-wide heads).
+const SHAPES: [(&str, Shape); 7] = [
+    // meta-llama/Llama-2-7b-hf config.json.
+    (
+        "llama2-7b",
+        Shape {
             vocab: 32_000,
             hidden: 4096,
             layers: 32,
             heads: 32,
             kv_heads: 32,
-            head_dim: 128,
             ffn: 11_008,
             max_seq: 4096,
             rope_theta: 10_000.0,
-            ..base
         },
-        // meta-llama/Llama-2-13b-hf config.json.
-        "llama2-13b" => ModelConfig {
-            name: name.into(),
+    ),
+    // meta-llama/Llama-2-13b-hf config.json.
+    (
+        "llama2-13b",
+        Shape {
             vocab: 32_000,
             hidden: 5120,
             layers: 40,
             heads: 40,
             kv_heads: 40,
-            head_dim: 128,
             ffn: 13_824,
             max_seq: 4096,
             rope_theta: 10_000.0,
-            ..base
         },
-        // meta-llama/Llama-2-70b-hf config.json.
-        "llama2-70b" => ModelConfig {
-            name: name.into(),
+    ),
+    // meta-llama/Llama-2-70b-hf config.json.
+    (
+        "llama2-70b",
+        Shape {
             vocab: 32_000,
             hidden: 8192,
             layers: 80,
             heads: 64,
             kv_heads: 8,
-            head_dim: 128,
             ffn: 28_672,
             max_seq: 4096,
             rope_theta: 10_000.0,
-            ..base
         },
-        // meta-llama/Meta-Llama-3-70B config.json.
-        "llama3-70b" => ModelConfig {
-            name: name.into(),
+    ),
+    // meta-llama/Meta-Llama-3-70B config.json.
+    (
+        "llama3-70b",
+        Shape {
             vocab: 128_256,
             hidden: 8192,
             layers: 80,
             heads: 64,
             kv_heads: 8,
-            head_dim: 128,
             ffn: 28_672,
             max_seq: 8192,
             rope_theta: 500_000.0,
-            ..base
         },
-        // mistralai/Mistral-7B-v0.1 config.json (sliding window 4096 bounds the context).
-        "mistral-7b" => ModelConfig {
-            name: name.into(),
+    ),
+    // mistralai/Mistral-7B-v0.1 config.json (sliding window 4096 bounds the context).
+    (
+        "mistral-7b",
+        Shape {
             vocab: 32_000,
             hidden: 4096,
             layers: 32,
             heads: 32,
             kv_heads: 8,
-            head_dim: 128,
             ffn: 14_336,
             max_seq: 4096,
             rope_theta: 10_000.0,
-            ..base
         },
-        // Qwen/Qwen2-7B config.json.
-        "qwen2-7b" => ModelConfig {
-            name: name.into(),
+    ),
+    // Qwen/Qwen2-7B config.json.
+    (
+        "qwen2-7b",
+        Shape {
             vocab: 152_064,
             hidden: 3584,
             layers: 28,
             heads: 28,
             kv_heads: 4,
-            head_dim: 128,
             ffn: 18_944,
             max_seq: 32_768,
             rope_theta: 1_000_000.0,
-            ..base
         },
-        // Qwen/Qwen2-72B config.json.
-        "qwen2-72b" => ModelConfig {
-            name: name.into(),
+    ),
+    // Qwen/Qwen2-72B config.json.
+    (
+        "qwen2-72b",
+        Shape {
             vocab: 152_064,
             hidden: 8192,
             layers: 80,
             heads: 64,
             kv_heads: 8,
-            head_dim: 128,
             ffn: 29_568,
             max_seq: 32_768,
             rope_theta: 1_000_000.0,
-            ..base
         },
-        _ => return None,
+    ),
+];
+
+/// A plan-only preset by name.
+pub fn plan_preset(name: &str) -> Option<ModelConfig> {
+    let base = ModelConfig::preset("llama-8b").ok()?;
+    let (_, s) = SHAPES.iter().find(|(n, _)| *n == name)?;
+    let c = ModelConfig {
+        name: name.into(),
+        vocab: s.vocab,
+        hidden: s.hidden,
+        layers: s.layers,
+        heads: s.heads,
+        kv_heads: s.kv_heads,
+        head_dim: 128,
+        ffn: s.ffn,
+        max_seq: s.max_seq,
+        rope_theta: s.rope_theta,
+        ..base
     };
     c.validate().ok()?;
     Some(c)

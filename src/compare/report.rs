@@ -26,7 +26,6 @@ fn of_ideal(p: &Option<crate::parallel::PipelineStats>) -> String {
     }
 }
 
-/// The serving section as terminal text.
 /// The profiles the serving runs were projected onto, in first-seen order.
 fn projected_profiles(s: &ServingSection) -> Vec<&str> {
     let mut profiles: Vec<&str> = Vec::new();
@@ -38,6 +37,7 @@ fn projected_profiles(s: &ServingSection) -> Vec<&str> {
     profiles
 }
 
+/// The serving section as terminal text.
 fn serving_table(s: &ServingSection, out: &mut String) {
     let _ = writeln!(
         out,
@@ -363,6 +363,28 @@ pub fn markdown(r: &CompareReport, charts: &[(String, String)]) -> String {
         let _ = writeln!(s, "- {d}");
     }
     let _ = writeln!(s, "\nEvery strategy's prefill logits and generated tokens were checked against the single-device run first.\n");
+    measured_markdown(r, &mut s);
+    for profile in &r.profile_names() {
+        projected_markdown(r, profile, &mut s);
+    }
+    if let Some(serving) = &r.serving {
+        serving_markdown(serving, &mut s);
+    }
+    if let Some(scale) = &r.scale {
+        scale_markdown(scale, &mut s);
+    }
+    verdicts_markdown(r, &mut s);
+    if !charts.is_empty() {
+        let _ = writeln!(s, "## Charts\n");
+        for (title, path) in charts {
+            let _ = writeln!(s, "### {title}\n\n![{title}]({path})\n");
+        }
+    }
+    s
+}
+
+/// The measured table of the Markdown report.
+fn measured_markdown(r: &CompareReport, s: &mut String) {
     let _ = writeln!(s, "## Measured on this machine\n");
     let _ = writeln!(s, "| strategy | batch | pp tok/s | tg tok/s | TTFT ms | ms/token | comm % | bubble % | B/token | rel. err |");
     let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
@@ -382,43 +404,44 @@ pub fn markdown(r: &CompareReport, charts: &[(String, String)]) -> String {
             m.max_rel_err
         );
     }
-    for profile in &r.profile_names() {
-        let _ = writeln!(s, "\n## Projected onto `{profile}`\n");
-        let _ = writeln!(s, "| strategy | batch | TTFT ms | ms/token | pp tok/s | tg tok/s | comm % (prefill) | comm % (decode) | bubble % |");
-        let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
-        for m in &r.measurements {
-            if let Some(p) = m.projected.iter().find(|p| &p.key() == profile) {
+}
+
+/// The Markdown table of one projection (see [`super::Projected::key`]), with a line under
+/// each configuration that does not fit.
+fn projected_markdown(r: &CompareReport, profile: &str, s: &mut String) {
+    let _ = writeln!(s, "\n## Projected onto `{profile}`\n");
+    let _ = writeln!(s, "| strategy | batch | TTFT ms | ms/token | pp tok/s | tg tok/s | comm % (prefill) | comm % (decode) | bubble % |");
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for m in &r.measurements {
+        if let Some(p) = m.projected.iter().find(|p| p.key() == profile) {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {:.3} | {:.4} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} |",
+                m.label,
+                m.batch,
+                p.ttft_ms,
+                p.per_token_ms,
+                p.pp_tps,
+                p.tg_tps,
+                p.prefill_comm_share * 100.0,
+                p.comm_share * 100.0,
+                p.bubble_share * 100.0
+            );
+            if !p.fits {
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {:.3} | {:.4} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} |",
+                    "| ↳ {} does not fit: {:.2} of {:.2} GiB on the fullest device | | | | | | | | |",
                     m.label,
-                    m.batch,
-                    p.ttft_ms,
-                    p.per_token_ms,
-                    p.pp_tps,
-                    p.tg_tps,
-                    p.prefill_comm_share * 100.0,
-                    p.comm_share * 100.0,
-                    p.bubble_share * 100.0
+                    p.memory.0 as f64 / (1u64 << 30) as f64,
+                    p.memory.1 as f64 / (1u64 << 30) as f64
                 );
-                if !p.fits {
-                    let _ = writeln!(
-                        s,
-                        "| ↳ {} does not fit: {:.2} of {:.2} GiB on the fullest device | | | | | | | | |",
-                        m.label,
-                        p.memory.0 as f64 / (1u64 << 30) as f64,
-                        p.memory.1 as f64 / (1u64 << 30) as f64
-                    );
-                }
             }
         }
     }
-    if let Some(serving) = &r.serving {
-        serving_markdown(serving, &mut s);
-    }
-    if let Some(scale) = &r.scale {
-        scale_markdown(scale, &mut s);
-    }
+}
+
+/// The verdicts of the Markdown report, then the numbers behind them per profile.
+fn verdicts_markdown(r: &CompareReport, s: &mut String) {
     let _ = writeln!(s, "\n## Verdicts\n");
     for line in question_lines(&r.verdicts) {
         let _ = writeln!(s, "- {}{}", line[..1].to_uppercase(), &line[1..]);
@@ -438,11 +461,4 @@ pub fn markdown(r: &CompareReport, charts: &[(String, String)]) -> String {
         }
         let _ = writeln!(s);
     }
-    if !charts.is_empty() {
-        let _ = writeln!(s, "## Charts\n");
-        for (title, path) in charts {
-            let _ = writeln!(s, "### {title}\n\n![{title}]({path})\n");
-        }
-    }
-    s
 }

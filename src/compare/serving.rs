@@ -12,9 +12,11 @@ use crate::comm::CommConfig;
 use crate::device::Gpu;
 use crate::error::{Result, WgparError};
 use crate::model::{valid_tp_degrees, ModelWeights};
-use crate::parallel::{build_step_engine, PartitionSpec, PipelineStats, Schedule, Strategy};
+use crate::parallel::{
+    build_step_engine, PartitionSpec, PipelineStats, Schedule, StepEngine, Strategy,
+};
 use crate::serve::{
-    project_metrics, serve, Length, Rate, ServeMetrics, ServeOptions, WorkloadSpec,
+    project_metrics, serve, Length, Rate, ServeMetrics, ServeOptions, ServeRun, WorkloadSpec,
 };
 use crate::sim::{CollectivePolicy, ProjectOptions};
 use crate::trace::{Recorder, Timeline};
@@ -199,20 +201,7 @@ pub(super) fn measure_serving(
         (serving.max_batch, serving.prompt_len.max()),
     )?;
     let requests = spec.generate(opts.config.vocab);
-    let warm = WorkloadSpec {
-        requests: (2 * engine.lanes()).clamp(2, serving.requests),
-        rate: Rate::Burst,
-        output_len: Length::Fixed(2.min(serving.output_len.max())),
-        ..spec
-    }
-    .generate(opts.config.vocab);
-    serve(
-        engine.as_mut(),
-        &warm,
-        &serve_opts,
-        Recorder::disabled(),
-        &mut |_, _| {},
-    )?;
+    warm_up(engine.as_mut(), &spec, &serve_opts, opts.config.vocab)?;
     let run = serve(
         engine.as_mut(),
         &requests,
@@ -220,27 +209,7 @@ pub(super) fn measure_serving(
         Recorder::new(),
         &mut |_, _| {},
     )?;
-    let popts = ProjectOptions {
-        collectives: CollectivePolicy::Best,
-        ..ProjectOptions::default()
-    };
-    let projected = opts
-        .profiles
-        .iter()
-        .filter(|p| p.device_count() >= plan.devices)
-        .map(|p| {
-            project_metrics(&run, p, &popts)
-                .map(|metrics| ServingProjected {
-                    profile: p.name.clone(),
-                    metrics,
-                })
-                .map_err(|source| WgparError::Projection {
-                    what: format!("the {} serving run", plan.label),
-                    profile: p.name.clone(),
-                    source,
-                })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let projected = project_serving(&run, plan, opts)?;
     Ok(ServingMeasurement {
         label: plan.label.clone(),
         family: plan.family.into(),
@@ -252,4 +221,57 @@ pub(super) fn measure_serving(
         tokens: run.outcomes.iter().map(|o| o.tokens.clone()).collect(),
         timeline: run.timeline,
     })
+}
+
+/// An untimed burst of short requests like the stream's: two per lane, at most the stream's
+/// count, of at most two output tokens.
+fn warm_up(
+    engine: &mut dyn StepEngine,
+    spec: &WorkloadSpec,
+    serve_opts: &ServeOptions,
+    vocab: usize,
+) -> Result<()> {
+    let warm = WorkloadSpec {
+        requests: (2 * engine.lanes()).clamp(2, spec.requests),
+        rate: Rate::Burst,
+        output_len: Length::Fixed(2.min(spec.output_len.max())),
+        ..*spec
+    }
+    .generate(vocab);
+    serve(
+        engine,
+        &warm,
+        serve_opts,
+        Recorder::disabled(),
+        &mut |_, _| {},
+    )?;
+    Ok(())
+}
+
+/// The serving run replayed on every profile with enough devices for `plan`.
+fn project_serving(
+    run: &ServeRun,
+    plan: &Plan,
+    opts: &CompareOptions,
+) -> Result<Vec<ServingProjected>> {
+    let popts = ProjectOptions {
+        collectives: CollectivePolicy::Best,
+        ..ProjectOptions::default()
+    };
+    opts.profiles
+        .iter()
+        .filter(|p| p.device_count() >= plan.devices)
+        .map(|p| {
+            project_metrics(run, p, &popts)
+                .map(|metrics| ServingProjected {
+                    profile: p.name.clone(),
+                    metrics,
+                })
+                .map_err(|source| WgparError::Projection {
+                    what: format!("the {} serving run", plan.label),
+                    profile: p.name.clone(),
+                    source,
+                })
+        })
+        .collect()
 }

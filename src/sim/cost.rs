@@ -644,45 +644,38 @@ struct ComputeWork {
 /// dispatch, else its curve at the intensity, else the roofline of the measured rates (peaks
 /// where none was measured).
 fn measured_compute_us(d: &DeviceSpec, work: &ComputeWork) -> f64 {
-    // The LM head is one large matrix streamed once: where the profile measured its rate (in
-    // f32, as the surfaces), the head part is priced at it and the rest of the span as usual.
-    let f32_head = work
-        .head
-        .filter(|h| h.bytes > 0 && work.precision == Precision::F32);
-    if let Some(h) = f32_head {
-        if let Some(gflops) = rate_at(&d.rates.head_curve, h.flops as f64 / h.bytes as f64) {
-            let rest = ComputeWork {
-                flops: work.flops.saturating_sub(h.flops),
-                bytes: work.bytes.saturating_sub(h.bytes),
-                head: None,
-                ..*work
-            };
-            return measured_compute_us(d, &rest) + h.flops as f64 / (gflops * 1e3);
-        }
+    if let Some(us) = with_measured_head_us(d, work) {
+        return us;
     }
-    let &ComputeWork {
-        flops,
-        bytes,
-        kernels,
-        family,
-        precision,
-        block_width,
-        head: _,
-    } = work;
-    let peak_gflops = match precision {
-        Precision::F32 => d.f32_tflops * 1e3,
-        Precision::F16 => d.f16_tflops * 1e3,
+    // 1 GFLOP/s = 1e3 FLOP per us, 1 GB/s = 1e3 bytes per us.
+    if let Some(gflops) = measured_rate(d, work) {
+        // The curve is an achieved rate at this intensity, memory stalls included: it is the
+        // measured roofline itself, so no separate memory bound applies.
+        return work.flops as f64 / (gflops * 1e3);
+    }
+    roofline_us(d, work)
+}
+
+/// The LM head is one large matrix streamed once: where the profile measured its rate (in
+/// f32, as the surfaces), the head part is priced at it and the rest of the span as usual.
+/// `None` where the span has no such head or the profile no head curve.
+fn with_measured_head_us(d: &DeviceSpec, work: &ComputeWork) -> Option<f64> {
+    let h = work
+        .head
+        .filter(|h| h.bytes > 0 && work.precision == Precision::F32)?;
+    let gflops = rate_at(&d.rates.head_curve, h.flops as f64 / h.bytes as f64)?;
+    let rest = ComputeWork {
+        flops: work.flops.saturating_sub(h.flops),
+        bytes: work.bytes.saturating_sub(h.bytes),
+        head: None,
+        ..*work
     };
-    // A measured curve knows how the rate depends on the shape (through the intensity); a
-    // single rate does not, so the curve wins when both are given.
-    let intensity = if bytes > 0 {
-        flops as f64 / bytes as f64
-    } else {
-        f64::INFINITY
-    };
-    // A span with no recorded dispatches counts as one: its work is all in one dispatch.
-    let mflop_per_dispatch = flops as f64 / 1e6 / f64::from(kernels.max(1));
-    let (surface, widths, curve): FamilyRates<'_> = match (family, precision) {
+    Some(measured_compute_us(d, &rest) + h.flops as f64 / (gflops * 1e3))
+}
+
+/// The measured rates of the span's kernel family at its precision (empty where none apply).
+fn family_rates<'a>(d: &'a DeviceSpec, work: &ComputeWork) -> FamilyRates<'a> {
+    match (work.family, work.precision) {
         (Some(KernelFamily::Matmul), Precision::F32) => (
             &d.rates.matmul_surface,
             &d.rates.matmul_surface_widths,
@@ -694,24 +687,41 @@ fn measured_compute_us(d: &DeviceSpec, work: &ComputeWork) -> f64 {
             &d.rates.attention_curve,
         ),
         _ => (&[], &[], &[]),
+    }
+}
+
+/// The achieved GFLOP/s the family's surface or curve gives the span, if any was measured.
+fn measured_rate(d: &DeviceSpec, work: &ComputeWork) -> Option<f64> {
+    let (flops, bytes) = (work.flops, work.bytes);
+    // A measured curve knows how the rate depends on the shape (through the intensity); a
+    // single rate does not, so the curve wins when both are given.
+    let intensity = if bytes > 0 {
+        flops as f64 / bytes as f64
+    } else {
+        f64::INFINITY
     };
+    // A span with no recorded dispatches counts as one: its work is all in one dispatch.
+    let mflop_per_dispatch = flops as f64 / 1e6 / f64::from(work.kernels.max(1));
+    let (surface, widths, curve) = family_rates(d, work);
     // The surface also knows how the rate depends on the width of the work, so it wins over
     // the curve of one width; by the width itself where span and surface both record it,
     // else through the work per dispatch.
-    let on_surface = match block_width {
+    let on_surface = match work.block_width {
         Some(w) if !widths.is_empty() => rate_on_surface_at_width(surface, widths, intensity, w),
         _ => None,
     };
-    let curve = on_surface
+    on_surface
         .or_else(|| rate_on_surface(surface, intensity, mflop_per_dispatch))
-        .or_else(|| rate_at(curve, intensity));
-    // 1 GFLOP/s = 1e3 FLOP per us, 1 GB/s = 1e3 bytes per us.
-    if let Some(gflops) = curve {
-        // The curve is an achieved rate at this intensity, memory stalls included: it is the
-        // measured roofline itself, so no separate memory bound applies.
-        return flops as f64 / (gflops * 1e3);
-    }
-    let gflops = match (family, precision) {
+        .or_else(|| rate_at(curve, intensity))
+}
+
+/// The roofline of the device's single measured rates, its peaks where none was measured.
+fn roofline_us(d: &DeviceSpec, work: &ComputeWork) -> f64 {
+    let peak_gflops = match work.precision {
+        Precision::F32 => d.f32_tflops * 1e3,
+        Precision::F16 => d.f16_tflops * 1e3,
+    };
+    let gflops = match (work.family, work.precision) {
         (Some(KernelFamily::Matmul), Precision::F32) => d.rates.matmul_gflops,
         (Some(KernelFamily::Matmul), Precision::F16) => d.rates.matmul_f16_gflops,
         (Some(KernelFamily::Attention), _) => d.rates.attention_gflops,
@@ -719,8 +729,8 @@ fn measured_compute_us(d: &DeviceSpec, work: &ComputeWork) -> f64 {
     }
     .unwrap_or(peak_gflops);
     let gbps = d.rates.elementwise_gbps.unwrap_or(d.memory_gbps);
-    let math = flops as f64 / (gflops * 1e3);
-    let memory = bytes as f64 / (gbps * 1e3);
+    let math = work.flops as f64 / (gflops * 1e3);
+    let memory = work.bytes as f64 / (gbps * 1e3);
     math.max(memory)
 }
 

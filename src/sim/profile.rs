@@ -689,76 +689,86 @@ fn check_device(p: &FieldPath, d: &DeviceSpec) -> Result<(), Violation> {
     rules::at_least_one(&l.key("shared_by"), d.host_link.shared_by as u64)?;
     check_link(&l.key("h2d"), &d.host_link.h2d)?;
     check_link(&l.key("d2h"), &d.host_link.d2h)?;
-    let r = p.key("rates");
+    check_rates(&p.key("rates"), &d.rates)?;
+    if let Some(c) = &d.compute_sharing {
+        check_sharing(&p.key("compute_sharing"), c, d.count)?;
+    }
+    Ok(())
+}
+
+/// A device group's measured rates, curves and surfaces.
+fn check_rates(r: &FieldPath, rates: &Rates) -> Result<(), Violation> {
     for (name, v) in [
-        ("matmul_gflops", d.rates.matmul_gflops),
-        ("matmul_f16_gflops", d.rates.matmul_f16_gflops),
-        ("attention_gflops", d.rates.attention_gflops),
+        ("matmul_gflops", rates.matmul_gflops),
+        ("matmul_f16_gflops", rates.matmul_f16_gflops),
+        ("attention_gflops", rates.attention_gflops),
     ] {
         if let Some(v) = v {
             rules::gflops(&r.key(name), v)?;
         }
     }
-    if let Some(v) = d.rates.elementwise_gbps {
+    if let Some(v) = rates.elementwise_gbps {
         rules::bandwidth_gbps(&r.key("elementwise_gbps"), v)?;
     }
-    check_curve(&r.key("matmul_curve"), &d.rates.matmul_curve)?;
-    check_curve(&r.key("attention_curve"), &d.rates.attention_curve)?;
-    check_curve(&r.key("head_curve"), &d.rates.head_curve)?;
-    check_surface(&r.key("matmul_surface"), &d.rates.matmul_surface)?;
-    check_surface(&r.key("attention_surface"), &d.rates.attention_surface)?;
+    check_curve(&r.key("matmul_curve"), &rates.matmul_curve)?;
+    check_curve(&r.key("attention_curve"), &rates.attention_curve)?;
+    check_curve(&r.key("head_curve"), &rates.head_curve)?;
+    check_surface(&r.key("matmul_surface"), &rates.matmul_surface)?;
+    check_surface(&r.key("attention_surface"), &rates.attention_surface)?;
     check_surface_widths(
         &r.key("matmul_surface_widths"),
-        &d.rates.matmul_surface_widths,
-        d.rates.matmul_surface.len(),
+        &rates.matmul_surface_widths,
+        rates.matmul_surface.len(),
     )?;
     check_surface_widths(
         &r.key("attention_surface_widths"),
-        &d.rates.attention_surface_widths,
-        d.rates.attention_surface.len(),
-    )?;
-    if let Some(c) = &d.compute_sharing {
-        let cp = p.key("compute_sharing");
-        rules::at_least_one(&cp.key("shared_by"), c.shared_by as u64)?;
-        if c.shared_by > d.count {
+        &rates.attention_surface_widths,
+        rates.attention_surface.len(),
+    )
+}
+
+/// A group's compute sharing: at most `count` devices share a processor, with one slowdown
+/// per sharer, and curve rows of increasing intensity.
+fn check_sharing(cp: &FieldPath, c: &ComputeSharing, count: u32) -> Result<(), Violation> {
+    rules::at_least_one(&cp.key("shared_by"), c.shared_by as u64)?;
+    if c.shared_by > count {
+        return Err(Violation::new(
+            cp.key("shared_by"),
+            c.shared_by,
+            "cannot exceed the group's device count: only devices of this group can share \
+             its processor",
+        ));
+    }
+    if !c.slowdown.is_empty() && c.slowdown.len() != c.shared_by as usize {
+        return Err(Violation::new(
+            cp.key("slowdown"),
+            format!("{} entries", c.slowdown.len()),
+            "needs one entry per device sharing the processor",
+        ));
+    }
+    for (k, &s) in c.slowdown.iter().enumerate() {
+        rules::slowdown(&cp.key("slowdown").index(k), s)?;
+    }
+    let curve = cp.key("slowdown_curve");
+    for (i, row) in c.slowdown_curve.iter().enumerate() {
+        let rp = curve.index(i);
+        if row.len() != c.shared_by as usize + 1 {
             return Err(Violation::new(
-                cp.key("shared_by"),
-                c.shared_by,
-                "cannot exceed the group's device count: only devices of this group can share \
-                 its processor",
+                rp,
+                format!("{} entries", row.len()),
+                "needs the intensity, then one slowdown per device sharing the processor",
             ));
         }
-        if !c.slowdown.is_empty() && c.slowdown.len() != c.shared_by as usize {
+        rules::intensity(&rp.index(0), row[0])?;
+        if i > 0 && row[0] <= c.slowdown_curve[i - 1][0] {
             return Err(Violation::new(
-                cp.key("slowdown"),
-                format!("{} entries", c.slowdown.len()),
-                "needs one entry per device sharing the processor",
+                rp.index(0),
+                row[0],
+                "curve rows must have strictly increasing intensity",
             ));
         }
-        for (k, &s) in c.slowdown.iter().enumerate() {
-            rules::slowdown(&cp.key("slowdown").index(k), s)?;
-        }
-        let curve = cp.key("slowdown_curve");
-        for (i, row) in c.slowdown_curve.iter().enumerate() {
-            let rp = curve.index(i);
-            if row.len() != c.shared_by as usize + 1 {
-                return Err(Violation::new(
-                    rp,
-                    format!("{} entries", row.len()),
-                    "needs the intensity, then one slowdown per device sharing the processor",
-                ));
-            }
-            rules::intensity(&rp.index(0), row[0])?;
-            if i > 0 && row[0] <= c.slowdown_curve[i - 1][0] {
-                return Err(Violation::new(
-                    rp.index(0),
-                    row[0],
-                    "curve rows must have strictly increasing intensity",
-                ));
-            }
-            for (k, &s) in row.iter().enumerate().skip(1) {
-                rules::slowdown(&rp.index(k), s)?;
-            }
+        for (k, &s) in row.iter().enumerate().skip(1) {
+            rules::slowdown(&rp.index(k), s)?;
         }
     }
     Ok(())

@@ -96,6 +96,43 @@ fn pct(x: f64) -> String {
 
 impl fmt::Display for ProjectionReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.fmt_header(f)?;
+        writeln!(f)?;
+        self.fmt_summary(f)?;
+        if !self.by_kind.is_empty() {
+            writeln!(f)?;
+            writeln!(
+                f,
+                "  {:<22}{:>14}{:>14}",
+                "time by kind (sum)", "measured", "projected"
+            )?;
+            for k in &self.by_kind {
+                row(f, k.kind.label(), time(k.measured_us), time(k.projected_us))?;
+            }
+        }
+        self.fmt_devices(f)?;
+        let (m, p) = (&self.measured, &self.projected);
+        if p.makespan_us > 0.0 && m.makespan_us > 0.0 {
+            writeln!(f)?;
+            writeln!(
+                f,
+                "  projected / measured makespan: {:.3} (speedup {:.2}x)",
+                p.makespan_us / m.makespan_us,
+                self.speedup()
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// One row of a measured / projected table.
+fn row(f: &mut fmt::Formatter<'_>, name: &str, a: String, b: String) -> fmt::Result {
+    writeln!(f, "  {name:<22}{a:>14}{b:>14}")
+}
+
+impl ProjectionReport {
+    /// What was projected where, with which options, and the caveats.
+    fn fmt_header(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let policy = match self.options.collectives {
             CollectivePolicy::AsRecorded => "collectives as recorded",
             CollectivePolicy::Best => "best collective algorithm",
@@ -126,12 +163,13 @@ impl fmt::Display for ProjectionReport {
         for note in &self.notes {
             writeln!(f, "note: {note}")?;
         }
-        writeln!(f)?;
+        Ok(())
+    }
+
+    /// The timelines' summaries side by side.
+    fn fmt_summary(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (m, p) = (&self.measured, &self.projected);
         writeln!(f, "  {:<22}{:>14}{:>14}", "", "measured", "projected")?;
-        let row = |f: &mut fmt::Formatter<'_>, name: &str, a: String, b: String| {
-            writeln!(f, "  {name:<22}{a:>14}{b:>14}")
-        };
         row(f, "makespan", time(m.makespan_us), time(p.makespan_us))?;
         row(f, "bubble share", pct(m.bubble_share), pct(p.bubble_share))?;
         row(f, "comm share", pct(m.comm_share), pct(p.comm_share))?;
@@ -158,44 +196,30 @@ impl fmt::Display for ProjectionReport {
             "collective bytes",
             bytes(m.collective_bytes),
             bytes(p.collective_bytes),
-        )?;
-        if !self.by_kind.is_empty() {
-            writeln!(f)?;
-            writeln!(
-                f,
-                "  {:<22}{:>14}{:>14}",
-                "time by kind (sum)", "measured", "projected"
-            )?;
-            for k in &self.by_kind {
-                row(f, k.kind.label(), time(k.measured_us), time(k.projected_us))?;
-            }
+        )
+    }
+
+    /// Busy and communication time per device, measured and projected.
+    fn fmt_devices(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (m, p) = (&self.measured, &self.projected);
+        if m.devices.is_empty() {
+            return Ok(());
         }
-        if !m.devices.is_empty() {
-            writeln!(f)?;
+        writeln!(f)?;
+        writeln!(
+            f,
+            "  {:<8}{:>14}{:>14}{:>14}{:>14}",
+            "device", "busy meas", "busy proj", "comm meas", "comm proj"
+        )?;
+        for (dm, dp) in m.devices.iter().zip(&p.devices) {
             writeln!(
                 f,
                 "  {:<8}{:>14}{:>14}{:>14}{:>14}",
-                "device", "busy meas", "busy proj", "comm meas", "comm proj"
-            )?;
-            for (dm, dp) in m.devices.iter().zip(&p.devices) {
-                writeln!(
-                    f,
-                    "  {:<8}{:>14}{:>14}{:>14}{:>14}",
-                    format!("gpu{}", dm.device),
-                    time(dm.busy_us),
-                    time(dp.busy_us),
-                    time(dm.comm_us),
-                    time(dp.comm_us)
-                )?;
-            }
-        }
-        if self.projected.makespan_us > 0.0 && self.measured.makespan_us > 0.0 {
-            writeln!(f)?;
-            writeln!(
-                f,
-                "  projected / measured makespan: {:.3} (speedup {:.2}x)",
-                p.makespan_us / m.makespan_us,
-                self.speedup()
+                format!("gpu{}", dm.device),
+                time(dm.busy_us),
+                time(dp.busy_us),
+                time(dm.comm_us),
+                time(dp.comm_us)
             )?;
         }
         Ok(())
