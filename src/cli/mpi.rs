@@ -233,51 +233,11 @@ mod ranks {
     fn serve(world: &World, args: &ServerArgs, fault: Option<Fault>) -> Result<()> {
         let Prepared { config, text, opts } = server::prepare(args)?;
         refuse_for_ranks(args)?;
-        // One lane per rank keeps every rank's stages busy (more with --micro-batches).
-        let lanes = world.size().clamp(1, opts.batch.slots);
-        let strategy = args.strategy.strategy_with(lanes)?;
-        if !matches!(
-            strategy,
-            Strategy::Pipeline { .. } | Strategy::Hybrid { .. }
-        ) {
-            return Err(DistError::Unsupported {
-                option: format!("--strategy {}", args.strategy.strategy),
-                why: "under mpirun the server runs pipeline stages over ranks (pp or hybrid): \
-                      only rank 0 hears the requests, and tensor parallelism would need every \
-                      rank to run the steps its scheduler picks"
-                    .into(),
-            }
-            .into());
-        }
-        crate::cli::bench_serve::check_lanes_have_slots(&strategy, opts.batch.slots)?;
-        world.check_same("wgpar version", env!("CARGO_PKG_VERSION"))?;
-        world.check_same(
-            "model and options",
-            &format!(
-                "{} layers {} hidden {} vocab {} dtype {} seed {} strategy {strategy:?} slots {} \
-                 gpu-memory {:?}",
-                config.name,
-                config.layers,
-                config.hidden,
-                config.vocab,
-                args.model.dtype,
-                args.model.seed,
-                opts.batch.slots,
-                args.memory.gpu_memory
-            ),
-        )?;
-        // The cache holds the slots' sequences; the largest step's tokens sized as prompts.
-        let step_tokens = (opts.batch.max_prefill_tokens)
-            .min(opts.batch.slots * config.max_seq)
-            .max(config.max_seq);
-        let work = Workload {
-            batch: opts.batch.slots,
-            prompt: step_tokens.div_ceil(opts.batch.slots.max(1)),
-        };
+        let strategy = serving_pipeline(world, args, &config, opts.batch.slots)?;
         let placed = RankPlacement {
             config: &config,
             strategy: &strategy,
-            work,
+            work: server::serving_work(args, &config).1,
         };
         check_rank_caps(world, &args.memory, (&args.devices, &args.model), &placed)?;
         let (engine, ..) = rank_engine(world, (&args.devices, &args.model), &config, &strategy)?;
@@ -415,6 +375,50 @@ mod ranks {
             placed.config.name,
             over.join("; ")
         )))
+    }
+
+    /// The pipeline a server runs over the ranks (tensor parallelism refused: only rank 0
+    /// hears the requests), one lane per rank, checked the same on every rank.
+    fn serving_pipeline(
+        world: &World,
+        args: &ServerArgs,
+        config: &wgpar::model::ModelConfig,
+        slots: usize,
+    ) -> Result<Strategy> {
+        // One lane per rank keeps every rank's stages busy (more with --micro-batches).
+        let lanes = world.size().clamp(1, slots);
+        let strategy = args.strategy.strategy_with(lanes)?;
+        if !matches!(
+            strategy,
+            Strategy::Pipeline { .. } | Strategy::Hybrid { .. }
+        ) {
+            return Err(DistError::Unsupported {
+                option: format!("--strategy {}", args.strategy.strategy),
+                why: "under mpirun the server runs pipeline stages over ranks (pp or hybrid): \
+                      only rank 0 hears the requests, and tensor parallelism would need every \
+                      rank to run the steps its scheduler picks"
+                    .into(),
+            }
+            .into());
+        }
+        crate::cli::bench_serve::check_lanes_have_slots(&strategy, slots)?;
+        world.check_same("wgpar version", env!("CARGO_PKG_VERSION"))?;
+        world.check_same(
+            "model and options",
+            &format!(
+                "{} layers {} hidden {} vocab {} dtype {} seed {} strategy {strategy:?} slots {} \
+                 gpu-memory {:?}",
+                config.name,
+                config.layers,
+                config.hidden,
+                config.vocab,
+                args.model.dtype,
+                args.model.seed,
+                slots,
+                args.memory.gpu_memory
+            ),
+        )?;
+        Ok(strategy)
     }
 
     /// What `serve` takes in one process but not over ranks.
@@ -642,28 +646,7 @@ mod ranks {
     }
 
     fn run(world: &World, args: &RunArgs, fault: Option<Fault>) -> Result<()> {
-        let config = checked_run(args)?;
-        let strategy = args.strategy.strategy_with(1)?;
-        // Every rank must run the same model, options and wgpar.
-        world.check_same("wgpar version", env!("CARGO_PKG_VERSION"))?;
-        world.check_same(
-            "model and options",
-            &format!(
-                "{} layers {} hidden {} vocab {} dtype {} seed {} strategy {strategy:?} batch {} prompt {} gen {} gpu-memory {:?}",
-                config.name, config.layers, config.hidden, config.vocab, args.model.dtype, args.model.seed,
-                args.batch, args.prompt_len, args.gen, args.memory.gpu_memory
-            ),
-        )?;
-        let work = Workload {
-            batch: args.batch,
-            prompt: args.prompt_len,
-        };
-        let placed = RankPlacement {
-            config: &config,
-            strategy: &strategy,
-            work,
-        };
-        check_rank_caps(world, &args.memory, (&args.devices, &args.model), &placed)?;
+        let (config, strategy) = planned_run(world, args)?;
         let (engine, gpus, storage) =
             rank_engine(world, (&args.devices, &args.model), &config, &strategy)?;
         say!(
@@ -733,6 +716,34 @@ mod ranks {
             }
         }
         Ok(())
+    }
+
+    /// The model and strategy of a run over the ranks, checked the same on every rank and,
+    /// with `--gpu-memory`, against each rank's cap, before any rank opens its device.
+    fn planned_run(world: &World, args: &RunArgs) -> Result<(wgpar::model::ModelConfig, Strategy)> {
+        let config = checked_run(args)?;
+        let strategy = args.strategy.strategy_with(1)?;
+        // Every rank must run the same model, options and wgpar.
+        world.check_same("wgpar version", env!("CARGO_PKG_VERSION"))?;
+        world.check_same(
+            "model and options",
+            &format!(
+                "{} layers {} hidden {} vocab {} dtype {} seed {} strategy {strategy:?} batch {} prompt {} gen {} gpu-memory {:?}",
+                config.name, config.layers, config.hidden, config.vocab, args.model.dtype, args.model.seed,
+                args.batch, args.prompt_len, args.gen, args.memory.gpu_memory
+            ),
+        )?;
+        let work = Workload {
+            batch: args.batch,
+            prompt: args.prompt_len,
+        };
+        let placed = RankPlacement {
+            config: &config,
+            strategy: &strategy,
+            work,
+        };
+        check_rank_caps(world, &args.memory, (&args.devices, &args.model), &placed)?;
+        Ok((config, strategy))
     }
 
     /// `run`'s options checked against what ranks do and the model's context; the model.

@@ -379,16 +379,7 @@ pub(super) fn plan(
             ),
         ));
     }
-    let fault = match &args.inject_fault {
-        Some(text) => {
-            let spec = FaultSpec::parse(text)?;
-            spec.check(&strategy, selected.len())?;
-            let per_step = jobs_per_step(&strategy, micro);
-            spec.check_reached(steps * per_step, per_step)?;
-            Some(spec)
-        }
-        None => None,
-    };
+    let fault = planned_fault(args, &strategy, selected.len(), steps)?;
     let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
     let setting = Setting {
         config,
@@ -417,16 +408,7 @@ pub(super) fn plan(
         &args.devices.kv_dtypes(&selected),
         &runs,
     )?;
-    if let Some(path) = &args.trace {
-        // Fail now, not after the run: create (or truncate) the file it will be written to.
-        std::fs::File::create(path).map_err(|source| WgparError::Io {
-            path: path.clone(),
-            source,
-        })?;
-    }
-    if let Some(path) = &args.logits_out {
-        super::check_writable_file(std::path::Path::new(path))?;
-    }
+    check_outputs(args)?;
     let pacer = args.pace.as_deref().map(pacer_for).transpose()?;
     Ok(Plan {
         strategy,
@@ -435,6 +417,39 @@ pub(super) fn plan(
         pacer,
         fault,
     })
+}
+
+/// `--inject-fault`, checked against the strategy, its `devices` and the run's `steps`.
+fn planned_fault(
+    args: &RunArgs,
+    strategy: &Strategy,
+    devices: usize,
+    steps: usize,
+) -> Result<Option<FaultSpec>> {
+    let Some(text) = &args.inject_fault else {
+        return Ok(None);
+    };
+    let spec = FaultSpec::parse(text)?;
+    spec.check(strategy, devices)?;
+    let micro = args.strategy.micro_batches.unwrap_or(1);
+    let per_step = jobs_per_step(strategy, micro);
+    spec.check_reached(steps * per_step, per_step)?;
+    Ok(Some(spec))
+}
+
+/// The files the run will write (`--trace`, `--logits-out`), checked now rather than after it.
+fn check_outputs(args: &RunArgs) -> Result<()> {
+    if let Some(path) = &args.trace {
+        // Create (or truncate) the file it will be written to.
+        std::fs::File::create(path).map_err(|source| WgparError::Io {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    if let Some(path) = &args.logits_out {
+        super::check_writable_file(std::path::Path::new(path))?;
+    }
+    Ok(())
 }
 
 /// Jobs a faulted worker runs per step: one per micro-batch for a pipeline stage, one for a

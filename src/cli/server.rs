@@ -8,13 +8,14 @@ use std::time::Duration;
 
 use clap::Args;
 use wgpar::comm::CommConfig;
-use wgpar::device::Adapters;
+use wgpar::device::{Adapters, DType};
 use wgpar::model::hf::{Checkpoint, TextTokenizer};
 use wgpar::model::memory::Workload;
 use wgpar::model::ModelConfig;
-use wgpar::parallel::{build_step_engine, Schedule};
+use wgpar::parallel::{build_step_engine, Schedule, StepEngine, Strategy};
 use wgpar::serve::{serve, Length, Rate, ServeOptions, WorkloadSpec};
 use wgpar::server::{BatchOptions, ChatTemplate, EngineBuilder, ServerOptions, TextModel};
+use wgpar::sim::LinkPacer;
 use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
 
@@ -146,72 +147,109 @@ pub fn run(args: &ServerArgs) -> Result<()> {
         }
         None => None,
     };
-    // Prefills batch up to --max-prefill-tokens; one longer prompt runs alone.
-    let step_tokens = (args.max_prefill_tokens)
-        .min(args.max_batch * config.max_seq)
-        .max(config.max_seq);
-    // The cache holds --max-batch sequences; the largest step's tokens sized as prompts.
-    let work = Workload {
-        batch: args.max_batch,
-        prompt: step_tokens.div_ceil(args.max_batch.max(1)),
-    };
     let auto = AutoPlacement::of(&args.strategy, &args.memory);
     let setting = Setting {
         config: &config,
         dtype,
         selected: &selected,
-        work,
+        work: serving_work(args, &config).1,
     };
     let strategy = auto.before_open(strategy, &args.model, &args.devices, &setting)?;
-    let runs = [super::PlannedRun {
-        strategy: &strategy,
-        adapters: &selected,
-        step_tokens,
-        batch: args.max_batch,
-        work,
-    }];
-    super::check_runs_fit(&config, dtype, &runs)?;
-    (args.memory).check_runs(
-        &args.model,
-        (&config, dtype),
-        &args.devices.kv_dtypes(&selected),
-        &runs,
-    )?;
+    check_fits(args, &setting, &strategy)?;
     let pacer = args
         .pace
         .as_deref()
         .map(super::run::pacer_for)
         .transpose()?;
-    let batch = opts.batch;
-    let (devices, model) = (args.devices.clone(), args.model.clone());
-    let build: EngineBuilder = Box::new(move || {
-        let gpus = devices.open(&adapters)?;
-        let weights = model.weights(&config)?;
+    let server = ServerEngine {
+        devices: args.devices.clone(),
+        model: args.model.clone(),
+        adapters,
+        config,
+        dtype,
+        strategy,
+        auto,
+        batch: opts.batch,
+        pacer: pacer.map(|(p, _)| p),
+        fault,
+    };
+    let build: EngineBuilder = Box::new(move || server.build());
+    wgpar::server::run(opts, text, build)
+}
+
+/// The largest prefill step's tokens, and the work the accounting sizes: the cache holds
+/// --max-batch sequences, the largest step's tokens sized as prompts.
+pub(super) fn serving_work(args: &ServerArgs, config: &ModelConfig) -> (usize, Workload) {
+    // Prefills batch up to --max-prefill-tokens; one longer prompt runs alone.
+    let step_tokens = (args.max_prefill_tokens)
+        .min(args.max_batch * config.max_seq)
+        .max(config.max_seq);
+    let work = Workload {
+        batch: args.max_batch,
+        prompt: step_tokens.div_ceil(args.max_batch.max(1)),
+    };
+    (step_tokens, work)
+}
+
+/// Refuses, before any device opens, a server whose largest step or memory does not fit.
+fn check_fits(args: &ServerArgs, setting: &Setting<'_>, strategy: &Strategy) -> Result<()> {
+    let (config, dtype) = (setting.config, setting.dtype);
+    let runs = [super::PlannedRun {
+        strategy,
+        adapters: setting.selected,
+        step_tokens: serving_work(args, config).0,
+        batch: args.max_batch,
+        work: setting.work,
+    }];
+    super::check_runs_fit(config, dtype, &runs)?;
+    (args.memory).check_runs(
+        &args.model,
+        (config, dtype),
+        &args.devices.kv_dtypes(setting.selected),
+        &runs,
+    )
+}
+
+/// What the server's engine is built from, on the server's own thread.
+struct ServerEngine {
+    devices: DeviceArgs,
+    model: ModelArgs,
+    adapters: Adapters,
+    config: ModelConfig,
+    dtype: DType,
+    strategy: Strategy,
+    auto: AutoPlacement,
+    batch: BatchOptions,
+    pacer: Option<LinkPacer>,
+    fault: Option<FaultSpec>,
+}
+
+impl ServerEngine {
+    /// Opens the devices, places the model (measured where `auto` asks), builds the engine,
+    /// drops the host weights, and warms it up.
+    fn build(self) -> Result<Box<dyn StepEngine>> {
+        let (config, dtype, batch) = (&self.config, self.dtype, self.batch);
+        let gpus = self.devices.open(&self.adapters)?;
+        let weights = self.model.weights(config)?;
         // A measured placement, on the devices the server runs on (warm-up sized probe).
         let probe = Workload {
             batch: batch.slots,
             prompt: 16.min(config.max_seq),
         };
-        let strategy = auto.once_open(&strategy, &gpus, (&weights, dtype), probe)?;
-        let mut engine = build_step_engine(
-            &strategy,
-            &gpus,
-            &weights,
-            dtype,
-            &CommConfig::default(),
-            (batch.slots, 16.min(config.max_seq)),
-        )?;
+        let strategy = (self.auto).once_open(&self.strategy, &gpus, (&weights, dtype), probe)?;
+        let comm = CommConfig::default();
+        let shape = (probe.batch, probe.prompt);
+        let mut engine = build_step_engine(&strategy, &gpus, &weights, dtype, &comm, shape)?;
         drop(weights);
-        if let Some((pacer, _)) = pacer {
+        if let Some(pacer) = self.pacer {
             engine.set_pacer(Some(Arc::new(pacer)));
         }
         warm_up(engine.as_mut(), batch)?;
-        if let Some(f) = fault {
+        if let Some(f) = self.fault {
             engine.inject_fault(f.worker, f.fault)?;
         }
         Ok(engine)
-    });
-    wgpar::server::run(opts, text, build)
+    }
 }
 
 /// The checkpoint's tokenizer, chat template and end tokens; for a preset (synthetic

@@ -215,6 +215,79 @@ impl LayerWeights {
     }
 }
 
+/// A seeded stream of uniform draws for synthetic weights.
+struct Draws(ChaCha8Rng);
+
+impl Draws {
+    fn new(seed: u64) -> Self {
+        Self(ChaCha8Rng::seed_from_u64(seed))
+    }
+
+    /// A `[rows][cols]` matrix, uniform with a 1/sqrt(fan_in) scale.
+    fn matrix(&mut self, rows: usize, cols: usize) -> Vec<f32> {
+        let scale = (3.0 / cols as f32).sqrt();
+        (0..rows * cols)
+            .map(|_| self.0.random_range(-scale..scale))
+            .collect()
+    }
+
+    /// `n` values uniform within `spread` of `center`.
+    fn around(&mut self, n: usize, center: f32, spread: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| center + self.0.random_range(-spread..spread))
+            .collect()
+    }
+}
+
+/// One synthetic layer's vectors: norm scales near 1, the shifts and biases near 0.
+struct LayerVectors {
+    attn_norm: Vec<f32>,
+    mlp_norm: Vec<f32>,
+    /// Attention-norm and MLP-norm shifts, then the Q, K, V, output, up and down biases.
+    shifts: [Vec<f32>; 8],
+}
+
+impl LayerVectors {
+    fn draw(d: &mut Draws, c: &ModelConfig) -> Self {
+        let h = c.hidden;
+        let attn_norm = d.around(h, 1.0, 0.1);
+        let mlp_norm = d.around(h, 1.0, 0.1);
+        let widths = [h, h, c.q_dim(), c.kv_dim(), c.kv_dim(), h, c.ffn, h];
+        Self {
+            attn_norm,
+            mlp_norm,
+            shifts: widths.map(|n| d.around(n, 0.0, 0.1)),
+        }
+    }
+
+    /// The layer with its matrices drawn from `d` (shifts and biases only where `biased`).
+    fn with_matrices(self, d: &mut Draws, c: &ModelConfig, biased: bool) -> LayerWeights {
+        let h = c.hidden;
+        let [anb, mnb, bq, bk, bv, bo, bu, bd] = self.shifts;
+        let opt = |v: Vec<f32>| biased.then_some(v);
+        LayerWeights {
+            attn_norm: self.attn_norm,
+            attn_norm_bias: opt(anb),
+            wq: d.matrix(c.q_dim(), h),
+            wk: d.matrix(c.kv_dim(), h),
+            wv: d.matrix(c.kv_dim(), h),
+            bq: opt(bq),
+            bk: opt(bk),
+            bv: opt(bv),
+            wo: d.matrix(h, c.q_dim()),
+            bo: opt(bo),
+            mlp_norm: self.mlp_norm,
+            mlp_norm_bias: opt(mnb),
+            w_gate: (!biased).then(|| d.matrix(c.ffn, h)),
+            w_up: d.matrix(c.ffn, h),
+            b_up: opt(bu),
+            w_down: d.matrix(h, c.ffn),
+            b_down: opt(bd),
+            blocks: LayerBlocks::default(),
+        }
+    }
+}
+
 /// A whole model's weights.
 #[derive(Debug, Clone)]
 pub struct ModelWeights {
@@ -251,93 +324,35 @@ impl ModelWeights {
     /// Matrices are uniform with a 1/sqrt(fan_in) scale so activations stay O(1) through
     /// the layers; norm scales sit near 1 and biases near 0, all non-zero.
     pub fn synthetic(config: &ModelConfig, seed: u64) -> Self {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let h = config.hidden;
         // GPT-2 and BERT have biases, LayerNorm shifts and learned positions; Llama has none.
         let biased = config.arch != Arch::Llama;
         let encoder = config.is_encoder();
-        let mut matrix = |rows: usize, cols: usize| -> Vec<f32> {
-            let scale = (3.0 / cols as f32).sqrt();
-            (0..rows * cols)
-                .map(|_| rng.random_range(-scale..scale))
-                .collect()
-        };
-        let wte = matrix(config.vocab, h);
-        let wpe = biased.then(|| matrix(config.max_seq, h));
-        let lm_head = (!config.tied_head && !encoder).then(|| matrix(config.vocab, h));
-        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
-        let mut vector = |n: usize, center: f32| -> Vec<f32> {
-            (0..n)
-                .map(|_| center + rng.random_range(-0.1..0.1))
-                .collect()
-        };
-        let mut layer_vectors = Vec::new();
-        for _ in 0..config.layers {
-            layer_vectors.push((
-                vector(h, 1.0),
-                vector(h, 1.0),
-                [
-                    vector(h, 0.0),
-                    vector(h, 0.0),
-                    vector(config.q_dim(), 0.0),
-                    vector(config.kv_dim(), 0.0),
-                    vector(config.kv_dim(), 0.0),
-                    vector(h, 0.0),
-                    vector(config.ffn, 0.0),
-                    vector(h, 0.0),
-                ],
-            ));
-        }
+        // Each kind of tensor draws from its own stream, in a fixed order, so that the same
+        // config and seed give the same bits (and adding a kind moves no other's draws).
+        let mut tables = Draws::new(seed);
+        let wte = tables.matrix(config.vocab, h);
+        let wpe = biased.then(|| tables.matrix(config.max_seq, h));
+        let lm_head = (!config.tied_head && !encoder).then(|| tables.matrix(config.vocab, h));
+        let mut vectors = Draws::new(seed ^ 0x9e37_79b9_7f4a_7c15);
+        let layer_vectors: Vec<LayerVectors> = (0..config.layers)
+            .map(|_| LayerVectors::draw(&mut vectors, config))
+            .collect();
         let (final_norm, final_norm_bias) = if encoder {
             (Vec::new(), None)
         } else {
-            (vector(h, 1.0), biased.then(|| vector(h, 0.0)))
+            let norm = vectors.around(h, 1.0, 0.1);
+            (norm, biased.then(|| vectors.around(h, 0.0, 0.1)))
         };
-        let mut rng = ChaCha8Rng::seed_from_u64(seed.wrapping_add(1));
-        let mut matrix = |rows: usize, cols: usize| -> Vec<f32> {
-            let scale = (3.0 / cols as f32).sqrt();
-            (0..rows * cols)
-                .map(|_| rng.random_range(-scale..scale))
-                .collect()
-        };
-        let layers = layer_vectors
-            .into_iter()
-            .map(
-                |(attn_norm, mlp_norm, [anb, mnb, bq, bk, bv, bo, bu, bd])| {
-                    let opt = |v: Vec<f32>| biased.then_some(v);
-                    LayerWeights {
-                        attn_norm,
-                        attn_norm_bias: opt(anb),
-                        wq: matrix(config.q_dim(), h),
-                        wk: matrix(config.kv_dim(), h),
-                        wv: matrix(config.kv_dim(), h),
-                        bq: opt(bq),
-                        bk: opt(bk),
-                        bv: opt(bv),
-                        wo: matrix(h, config.q_dim()),
-                        bo: opt(bo),
-                        mlp_norm,
-                        mlp_norm_bias: opt(mnb),
-                        w_gate: (!biased).then(|| matrix(config.ffn, h)),
-                        w_up: matrix(config.ffn, h),
-                        b_up: opt(bu),
-                        w_down: matrix(h, config.ffn),
-                        b_down: opt(bd),
-                        blocks: LayerBlocks::default(),
-                    }
-                },
-            )
+        let mut matrices = Draws::new(seed.wrapping_add(1));
+        let layers = (layer_vectors.into_iter())
+            .map(|v| v.with_matrices(&mut matrices, config, biased))
             .collect();
         // Encoder-only tables come from their own stream so the decoders' draws stay as they were.
-        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5bd1_e995);
-        let mut encoder_table = |rows: usize, center: f32, spread: f32| -> Vec<f32> {
-            (0..rows * h)
-                .map(|_| center + rng.random_range(-spread..spread))
-                .collect()
-        };
-        let token_types = encoder.then(|| encoder_table(config.type_vocab, 0.0, 0.5));
-        let embed_norm = encoder.then(|| encoder_table(1, 1.0, 0.1));
-        let embed_norm_bias = encoder.then(|| encoder_table(1, 0.0, 0.1));
+        let mut enc = Draws::new(seed ^ 0x5bd1_e995);
+        let token_types = encoder.then(|| enc.around(config.type_vocab * h, 0.0, 0.5));
+        let embed_norm = encoder.then(|| enc.around(h, 1.0, 0.1));
+        let embed_norm_bias = encoder.then(|| enc.around(h, 0.0, 0.1));
         Self {
             config: config.clone(),
             wte,

@@ -215,6 +215,87 @@ fn stage_leaders(gpus: &[Arc<Gpu>], tp: usize) -> Vec<Arc<Gpu>> {
     gpus.iter().step_by(tp.max(1)).cloned().collect()
 }
 
+/// The layer ranges of `p` pipeline stages as `partition` splits them, checked without a
+/// device: a balanced partition is sized as an even one (its split is measured later; every
+/// layer has the same shapes, so the largest buffer is the same), and one within bounds as
+/// the even split within them (any split within the bounds fits: a stage's bytes follow its
+/// own layers).
+fn stage_ranges(
+    config: &ModelConfig,
+    p: usize,
+    partition: &PartitionSpec,
+) -> Result<Vec<Range<usize>>> {
+    let how = match partition {
+        PartitionSpec::Explicit(v) => Partition::Explicit(v.clone()),
+        PartitionSpec::BalancedWithin(most) if most.len() == p => {
+            Partition::Explicit(crate::model::memory::even_within(config.layers, most))
+        }
+        _ => Partition::Even,
+    };
+    super::partition::partition(config.layers, p, &how)
+}
+
+fn check_micro_batches(m: usize) -> Result<()> {
+    if m == 0 {
+        return Err(WgparError::option(
+            "--micro-batches",
+            "--micro-batches must be at least 1".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Tensor-parallel placements over `devices` with relative shares `split` (even by default).
+fn tensor_placements(
+    config: &ModelConfig,
+    devices: usize,
+    split: Option<&[usize]>,
+) -> Result<Vec<Placement>> {
+    let even = vec![1; devices];
+    let split = split.unwrap_or(&even);
+    if split.len() != devices {
+        return Err(WgparError::option(
+            "--split",
+            format!("--split has {} shares for {devices} devices", split.len()),
+        ));
+    }
+    Ok((ShardSpec::tensor_parallel(config, split)?.into_iter())
+        .map(|shard| Placement {
+            head: shard.rank == 0,
+            shard,
+            ..Placement::whole(config)
+        })
+        .collect())
+}
+
+/// Placements of pipeline stages that are each a tensor-parallel group of `tp` devices.
+fn hybrid_placements(
+    config: &ModelConfig,
+    devices: usize,
+    tp: usize,
+    partition: &PartitionSpec,
+) -> Result<Vec<Placement>> {
+    if tp == 0 || !devices.is_multiple_of(tp) {
+        return Err(WgparError::unsupported(format!(
+            "{devices} devices do not form pipeline stages of {tp} tensor-parallel devices \
+             (--tp {tp})"
+        )));
+    }
+    let shards = ShardSpec::tensor_parallel(config, &vec![1; tp])?;
+    let ranges = stage_ranges(config, devices / tp, partition)?;
+    let p = ranges.len();
+    Ok((ranges.into_iter().enumerate())
+        .flat_map(|(i, layers)| {
+            shards.iter().map(move |shard| Placement {
+                layers: layers.clone(),
+                shard: shard.clone(),
+                embedding: i == 0,
+                head: i + 1 == p && shard.rank == 0,
+            })
+        })
+        .collect())
+}
+
 fn resolve(
     spec: &PartitionSpec,
     gpus: &[Arc<Gpu>],
@@ -268,65 +349,25 @@ impl Strategy {
                 "no devices selected".into(),
             ));
         }
-        let stages = |p: usize, partition: &PartitionSpec| -> Result<Vec<Range<usize>>> {
-            let how = match partition {
-                PartitionSpec::Explicit(v) => Partition::Explicit(v.clone()),
-                // Any split within the bounds fits (a stage's bytes follow its own layers):
-                // checked on the even one, until measurement picks the split.
-                PartitionSpec::BalancedWithin(most) if most.len() == p => {
-                    Partition::Explicit(crate::model::memory::even_within(config.layers, most))
-                }
-                _ => Partition::Even,
-            };
-            super::partition::partition(config.layers, p, &how)
-        };
-        let micro = |m: usize| -> Result<()> {
-            if m == 0 {
-                return Err(WgparError::option(
-                    "--micro-batches",
-                    "--micro-batches must be at least 1".into(),
-                ));
-            }
-            Ok(())
-        };
-        Ok(match self {
-            Strategy::Single => vec![Placement::whole(config)],
-            Strategy::Tensor { split } => {
-                let even = vec![1; devices];
-                let split = split.as_deref().unwrap_or(&even);
-                if split.len() != devices {
-                    return Err(WgparError::option(
-                        "--split",
-                        format!("--split has {} shares for {devices} devices", split.len()),
-                    ));
-                }
-                ShardSpec::tensor_parallel(config, split)?
-                    .into_iter()
-                    .map(|shard| Placement {
-                        head: shard.rank == 0,
-                        shard,
-                        ..Placement::whole(config)
-                    })
-                    .collect()
-            }
+        match self {
+            Strategy::Single => Ok(vec![Placement::whole(config)]),
+            Strategy::Tensor { split } => tensor_placements(config, devices, split.as_deref()),
             Strategy::Pipeline {
                 partition,
                 micro_batches,
                 ..
             } => {
-                micro(*micro_batches)?;
-                let ranges = stages(devices, partition)?;
+                check_micro_batches(*micro_batches)?;
+                let ranges = stage_ranges(config, devices, partition)?;
                 let p = ranges.len();
-                ranges
-                    .into_iter()
-                    .enumerate()
+                Ok((ranges.into_iter().enumerate())
                     .map(|(i, layers)| Placement {
                         layers,
                         shard: ShardSpec::full(config),
                         embedding: i == 0,
                         head: i + 1 == p,
                     })
-                    .collect()
+                    .collect())
             }
             Strategy::Hybrid {
                 tp,
@@ -334,30 +375,10 @@ impl Strategy {
                 micro_batches,
                 ..
             } => {
-                micro(*micro_batches)?;
-                if *tp == 0 || !devices.is_multiple_of(*tp) {
-                    return Err(WgparError::unsupported(format!(
-                        "{devices} devices do not form pipeline stages of {tp} tensor-parallel \
-                         devices (--tp {tp})"
-                    )));
-                }
-                let shards = ShardSpec::tensor_parallel(config, &vec![1; *tp])?;
-                let ranges = stages(devices / tp, partition)?;
-                let p = ranges.len();
-                ranges
-                    .into_iter()
-                    .enumerate()
-                    .flat_map(|(i, layers)| {
-                        shards.iter().map(move |shard| Placement {
-                            layers: layers.clone(),
-                            shard: shard.clone(),
-                            embedding: i == 0,
-                            head: i + 1 == p && shard.rank == 0,
-                        })
-                    })
-                    .collect()
+                check_micro_batches(*micro_batches)?;
+                hybrid_placements(config, devices, *tp, partition)
             }
-        })
+        }
     }
 
     /// Checks, before any device is opened or weight built, that the strategy fits `config`

@@ -189,6 +189,96 @@ pub(super) struct LayerOps {
     mlp_post_norm: Option<NormOp>,
 }
 
+/// What binding one layer's ops reads: the device, the activation buffers and the context.
+struct Binder<'a> {
+    gpu: &'a Gpu,
+    a: &'a Buffers,
+    cx: &'a BindContext<'a>,
+}
+
+impl Binder<'_> {
+    /// `y = x w^T (+ bias)` over the activation set's tokens, dense or on packed blocks.
+    fn matmul(
+        &self,
+        params: &mut Params,
+        (x, w, bias, y): (&Tensor, &LayerMatrix, Option<&Tensor>, &Tensor),
+        (n, k): (usize, usize),
+    ) -> Result<Projection> {
+        let t = self.cx.tokens;
+        Ok(match w {
+            LayerMatrix::Dense(w) => {
+                let io = MatmulIo { x, w, bias, y };
+                Projection::Dense(Matmul::bind(self.gpu, params, io, (t, n, k))?)
+            }
+            LayerMatrix::Packed(w) => {
+                let io = QuantIo { x, w, bias, y };
+                Projection::Packed(QuantMatmul::bind(self.gpu, params, io, t)?)
+            }
+        })
+    }
+
+    /// A norm of the stream `x` into `h`.
+    fn norm(&self, params: &mut Params, gamma: &Tensor, beta: &Option<Tensor>) -> Result<NormOp> {
+        let (t, h, eps) = (
+            self.cx.tokens,
+            self.cx.config.hidden,
+            self.cx.config.norm_eps,
+        );
+        NormOp::bind(
+            self.gpu,
+            params,
+            norm(gamma, beta),
+            (&self.a.x, &self.a.h),
+            (t, h),
+            eps,
+        )
+    }
+
+    /// RoPE on the shard's queries and keys, where the family rotates them.
+    fn rope(&self, params: &mut Params, s: &ShardSpec) -> Result<Option<(Rope, Rope)>> {
+        let Some(tables) = self.cx.rope else {
+            return Ok(None);
+        };
+        let (a, hd) = (self.a, self.cx.config.head_dim);
+        let mut rope = |x: &Tensor, heads: usize| {
+            let shape = (self.cx.batch, self.cx.tokens);
+            Rope::bind(self.gpu, params, (x, tables, &a.seqs), shape, (heads, hd))
+        };
+        Ok(Some((
+            rope(&a.q, s.local_heads())?,
+            rope(&a.k, s.local_kv_heads())?,
+        )))
+    }
+}
+
+/// A layer's projections, bound.
+struct Projections {
+    q: Projection,
+    k: Projection,
+    v: Projection,
+    o: Projection,
+    up: Projection,
+    gate: Option<Projection>,
+    down: Projection,
+}
+
+/// A layer's norms, bound: before the blocks (pre-norm) or after them (post-norm).
+struct Norms {
+    attn: Option<NormOp>,
+    attn_post: Option<NormOp>,
+    mlp: Option<NormOp>,
+    mlp_post: Option<NormOp>,
+}
+
+/// A layer's biases, residual adds and activation, bound.
+struct Elementwises {
+    attn_bias: Option<ElementwiseOp>,
+    mlp_bias: Option<ElementwiseOp>,
+    attn_add: ElementwiseOp,
+    mlp_add: ElementwiseOp,
+    activation: ElementwiseOp,
+}
+
 impl GpuLayer {
     pub(super) fn upload<'a>(
         gpu: &Gpu,
@@ -280,128 +370,122 @@ impl GpuLayer {
         a: &Buffers,
         cx: &BindContext<'_>,
     ) -> Result<LayerOps> {
-        let c = cx.config;
-        let (t, h, eps) = (cx.tokens, c.hidden, c.norm_eps);
-        let s = &self.shard;
-        let (hd, q_dim, kv_dim, f) = (
-            c.head_dim,
+        let b = Binder { gpu, a, cx };
+        let p = self.bind_projections(&b, params)?;
+        let norms = self.bind_norms(&b, params)?;
+        let rope = b.rope(params, &self.shard)?;
+        let tail = self.bind_elementwise(&b, params, p.gate.is_some())?;
+        Ok(LayerOps {
+            attn_norm: norms.attn,
+            q: p.q,
+            k: p.k,
+            v: p.v,
+            rope,
+            o: p.o,
+            attn_bias: tail.attn_bias,
+            attn_add: tail.attn_add,
+            attn_post_norm: norms.attn_post,
+            mlp_norm: norms.mlp,
+            up: p.up,
+            gate: p.gate,
+            activation: tail.activation,
+            down: p.down,
+            mlp_bias: tail.mlp_bias,
+            mlp_add: tail.mlp_add,
+            mlp_post_norm: norms.mlp_post,
+        })
+    }
+
+    /// The seven projections (the gate where the family has one), in upload order.
+    fn bind_projections(&self, b: &Binder<'_>, params: &mut Params) -> Result<Projections> {
+        let (c, s, a) = (b.cx.config, &self.shard, b.a);
+        let h = c.hidden;
+        let (q_dim, kv_dim, f) = (
             s.local_heads() * c.head_dim,
             s.local_kv_heads() * c.head_dim,
             s.local_ffn(),
         );
-        let post_norm = c.post_norm();
         // Pre-norm layers project the normed stream `h`; post-norm ones the stream itself.
-        let input = if post_norm { &a.x } else { &a.h };
-        let mut matmul = |x: &Tensor, w: &LayerMatrix, bias: Option<&Tensor>, y: &Tensor, nk| {
-            let (n, k) = nk;
-            Ok::<_, crate::error::WgparError>(match w {
-                LayerMatrix::Dense(w) => Projection::Dense(Matmul::bind(
-                    gpu,
-                    params,
-                    MatmulIo { x, w, bias, y },
-                    (t, n, k),
-                )?),
-                LayerMatrix::Packed(w) => Projection::Packed(QuantMatmul::bind(
-                    gpu,
-                    params,
-                    QuantIo { x, w, bias, y },
-                    t,
-                )?),
-            })
-        };
-        let q = matmul(input, &self.wq, self.bq.as_ref(), &a.q, (q_dim, h))?;
-        let k = matmul(input, &self.wk, self.bk.as_ref(), &a.k, (kv_dim, h))?;
-        let v = matmul(input, &self.wv, self.bv.as_ref(), &a.v, (kv_dim, h))?;
-        let o = matmul(&a.attn, &self.wo, None, &a.attn_out, (h, q_dim))?;
-        let up = matmul(input, &self.w_up, self.b_up.as_ref(), &a.up, (f, h))?;
+        let input = if c.post_norm() { &a.x } else { &a.h };
+        let mut mm = |x, w, bias, y, nk| b.matmul(params, (x, w, bias, y), nk);
+        let q = mm(input, &self.wq, self.bq.as_ref(), &a.q, (q_dim, h))?;
+        let k = mm(input, &self.wk, self.bk.as_ref(), &a.k, (kv_dim, h))?;
+        let v = mm(input, &self.wv, self.bv.as_ref(), &a.v, (kv_dim, h))?;
+        let o = mm(&a.attn, &self.wo, None, &a.attn_out, (h, q_dim))?;
+        let up = mm(input, &self.w_up, self.b_up.as_ref(), &a.up, (f, h))?;
         let gate = match &self.w_gate {
-            Some(w) => Some(matmul(input, w, None, &a.gate, (f, h))?),
+            Some(w) => Some(mm(input, w, None, &a.gate, (f, h))?),
             None => None,
         };
         // SwiGLU leaves its result in `gate`; GELU works on `up` in place.
         let hidden_act = if gate.is_some() { &a.gate } else { &a.up };
-        let down = matmul(hidden_act, &self.w_down, None, &a.mlp_out, (h, f))?;
-        let norm_op = |params: &mut Params, gamma: &Tensor, beta: &Option<Tensor>| {
-            NormOp::bind(gpu, params, norm(gamma, beta), (&a.x, &a.h), (t, h), eps)
-        };
-        let (attn_norm, attn_post_norm) = if post_norm {
-            (
-                None,
-                Some(norm_op(params, &self.attn_norm, &self.attn_norm_bias)?),
-            )
-        } else {
-            (
-                Some(norm_op(params, &self.attn_norm, &self.attn_norm_bias)?),
-                None,
-            )
-        };
-        let (mlp_norm, mlp_post_norm) = if post_norm {
-            (
-                None,
-                Some(norm_op(params, &self.mlp_norm, &self.mlp_norm_bias)?),
-            )
-        } else {
-            (
-                Some(norm_op(params, &self.mlp_norm, &self.mlp_norm_bias)?),
-                None,
-            )
-        };
-        let rope = match cx.rope {
-            Some(tables) => {
-                let mut rope = |x: &Tensor, heads: usize| {
-                    Rope::bind(
-                        gpu,
-                        params,
-                        (x, tables, &a.seqs),
-                        (cx.batch, t),
-                        (heads, hd),
-                    )
-                };
-                Some((
-                    rope(&a.q, s.local_heads())?,
-                    rope(&a.k, s.local_kv_heads())?,
-                ))
-            }
-            None => None,
-        };
-        let mut elementwise = |kind, x: &Tensor, b: Operand<'_>, cols| {
-            ElementwiseOp::bind(gpu, params, kind, (x, b), (t, cols))
-        };
-        let attn_bias = (self.bo.as_ref())
-            .map(|b| elementwise(Elementwise::BiasAdd, &a.attn_out, Operand::Tensor(b), h))
-            .transpose()?;
-        let mlp_bias = (self.b_down.as_ref())
-            .map(|b| elementwise(Elementwise::BiasAdd, &a.mlp_out, Operand::Tensor(b), h))
-            .transpose()?;
-        let attn_add = elementwise(Elementwise::Add, &a.x, Operand::Tensor(&a.attn_out), h)?;
-        let mlp_add = elementwise(Elementwise::Add, &a.x, Operand::Tensor(&a.mlp_out), h)?;
-        let activation = if gate.is_some() {
-            elementwise(Elementwise::SwiGlu, &a.gate, Operand::Tensor(&a.up), f)?
-        } else {
-            let kind = match c.activation {
-                Activation::GeluErf => Elementwise::GeluErf,
-                _ => Elementwise::Gelu,
-            };
-            elementwise(kind, &a.up, Operand::Unused(&a.unused), f)?
-        };
-        Ok(LayerOps {
-            attn_norm,
+        let down = mm(hidden_act, &self.w_down, None, &a.mlp_out, (h, f))?;
+        Ok(Projections {
             q,
             k,
             v,
-            rope,
             o,
-            attn_bias,
-            attn_add,
-            attn_post_norm,
-            mlp_norm,
             up,
             gate,
-            activation,
             down,
+        })
+    }
+
+    /// The two norms: before each block (pre-norm), or after its residual add (post-norm).
+    fn bind_norms(&self, b: &Binder<'_>, params: &mut Params) -> Result<Norms> {
+        let post = b.cx.config.post_norm();
+        let attn = b.norm(params, &self.attn_norm, &self.attn_norm_bias)?;
+        let mlp = b.norm(params, &self.mlp_norm, &self.mlp_norm_bias)?;
+        Ok(match post {
+            true => Norms {
+                attn: None,
+                attn_post: Some(attn),
+                mlp: None,
+                mlp_post: Some(mlp),
+            },
+            false => Norms {
+                attn: Some(attn),
+                attn_post: None,
+                mlp: Some(mlp),
+                mlp_post: None,
+            },
+        })
+    }
+
+    /// The output biases, residual adds and the MLP's activation (SwiGLU with a gate).
+    fn bind_elementwise(
+        &self,
+        b: &Binder<'_>,
+        params: &mut Params,
+        gated: bool,
+    ) -> Result<Elementwises> {
+        let (a, h, f) = (b.a, b.cx.config.hidden, self.shard.local_ffn());
+        let mut ew = |kind, x: &Tensor, operand: Operand<'_>, cols| {
+            ElementwiseOp::bind(b.gpu, params, kind, (x, operand), (b.cx.tokens, cols))
+        };
+        let attn_bias = (self.bo.as_ref())
+            .map(|bo| ew(Elementwise::BiasAdd, &a.attn_out, Operand::Tensor(bo), h))
+            .transpose()?;
+        let mlp_bias = (self.b_down.as_ref())
+            .map(|bd| ew(Elementwise::BiasAdd, &a.mlp_out, Operand::Tensor(bd), h))
+            .transpose()?;
+        let attn_add = ew(Elementwise::Add, &a.x, Operand::Tensor(&a.attn_out), h)?;
+        let mlp_add = ew(Elementwise::Add, &a.x, Operand::Tensor(&a.mlp_out), h)?;
+        let activation = if gated {
+            ew(Elementwise::SwiGlu, &a.gate, Operand::Tensor(&a.up), f)?
+        } else {
+            let kind = match b.cx.config.activation {
+                Activation::GeluErf => Elementwise::GeluErf,
+                _ => Elementwise::Gelu,
+            };
+            ew(kind, &a.up, Operand::Unused(&a.unused), f)?
+        };
+        Ok(Elementwises {
+            attn_bias,
             mlp_bias,
+            attn_add,
             mlp_add,
-            mlp_post_norm,
+            activation,
         })
     }
 }
