@@ -38,6 +38,22 @@ pub(super) fn kernel_rates(
     iters: usize,
     log: &mut dyn Write,
 ) -> Result<f64> {
+    let t_max = tokens.iter().copied().max().unwrap_or(1);
+    matmul_rates(gpu, c, tokens, iters, log)?;
+    let gbps = elementwise_rates(gpu, c, iters, log)?;
+    attention_rates(gpu, c, (context, t_max), iters, log)?;
+    median(gbps.iter().map(|g| g.1).collect())
+        .ok_or_else(|| WgparError::Measurement("no element-wise kernel was timed".into()))
+}
+
+/// Prints the tiled matmul's GFLOP/s at the model's projection shapes, one row per token count.
+fn matmul_rates(
+    gpu: &Gpu,
+    c: &ModelConfig,
+    tokens: &[usize],
+    iters: usize,
+    log: &mut dyn Write,
+) -> Result<()> {
     let (h, f, d) = (c.hidden, c.ffn, c.head_dim);
     let qkv = (c.heads + 2 * c.kv_heads) * d;
     say!(
@@ -74,8 +90,19 @@ pub(super) fn kernel_rates(
         }
         say!(log);
     }
-    // Element-wise streaming rate: norm, residual add and SwiGLU rows of the model's widths
-    // over 16 MiB per operand, so that the dispatch cost (measured apart) does not count.
+    Ok(())
+}
+
+/// Element-wise streaming rate: norm, residual add and SwiGLU rows of the model's widths over
+/// 16 MiB per operand, so that the dispatch cost (measured apart) does not count. Prints and
+/// returns GB/s per kernel.
+fn elementwise_rates(
+    gpu: &Gpu,
+    c: &ModelConfig,
+    iters: usize,
+    log: &mut dyn Write,
+) -> Result<Vec<(&'static str, f64)>> {
+    let (h, f) = (c.hidden, c.ffn);
     let len = 4usize << 20;
     let a = gpu.upload_f32("calibrate.ea", &random(len, 5))?;
     let b = gpu.upload_f32("calibrate.eb", &random(len, 6))?;
@@ -110,43 +137,29 @@ pub(super) fn kernel_rates(
         say_part!(log, " {name} {v:.2}");
     }
     say!(log);
-    // Attention over the model's heads: a decode step against the prompt, and the prefill.
-    let kv_heads = c.kv_heads;
+    Ok(gbps)
+}
+
+/// Attention over the model's heads: a decode step against the prompt, and the prefill
+/// (`context` positions, `t_max` tokens in all). Prints time and GB/s of each.
+fn attention_rates(
+    gpu: &Gpu,
+    c: &ModelConfig,
+    (context, t_max): (usize, usize),
+    iters: usize,
+    log: &mut dyn Write,
+) -> Result<()> {
     for (seq, past, batch) in [
         (1usize, context, t_max),
         (context, 0, (t_max / context).max(1)),
     ] {
-        let shape = AttnShape {
-            batch,
-            seq,
-            slots: batch,
-            n_heads: c.heads,
-            n_kv_heads: kv_heads,
-            head_dim: d,
-            max_seq: c.max_seq,
-            group: c.heads / kv_heads.max(1),
-            q_head_offset: 0,
-            kv_head_offset: 0,
-        };
         if past + seq > c.max_seq {
             continue;
         }
-        let cache = gpu.upload_f32("calibrate.kv", &random(shape.cache_len(), 8))?;
-        let q = gpu.upload_f32("calibrate.q", &random(batch * seq * c.heads * d, 9))?;
-        let o = gpu.empty("calibrate.o", DType::F32, batch * seq * c.heads * d)?;
-        let table: Vec<u32> = (0..batch as u32).flat_map(|b| [b, past as u32]).collect();
-        let seqs = gpu.upload_u32("calibrate.seqs", &table)?;
-        let cache = ops::KvCache {
-            k: &cache,
-            v: &cache,
-            seqs: &seqs,
-        };
-        let s = per_dispatch(gpu, iters, 4, |e| {
-            ops::attention(gpu, e, &q, cache, &o, &shape)
-        })?;
+        let s = time_attention(gpu, c, (batch, seq, past), iters)?;
         // Keys and values read once per query head and position: the traffic it issues.
         let ctx: f64 = (0..seq).map(|i| (past + i + 1) as f64).sum::<f64>() * batch as f64;
-        let traffic = ctx * c.heads as f64 * d as f64 * 2.0 * 4.0;
+        let traffic = ctx * c.heads as f64 * c.head_dim as f64 * 2.0 * 4.0;
         say!(
             log,
             "  attention {batch}x{seq} tokens over {} positions: {:.3} ms, {:.2} GB/s",
@@ -155,6 +168,40 @@ pub(super) fn kernel_rates(
             traffic / s / 1e9
         );
     }
-    median(gbps.iter().map(|g| g.1).collect())
-        .ok_or_else(|| WgparError::Measurement("no element-wise kernel was timed".into()))
+    Ok(())
+}
+
+/// Seconds per attention dispatch for `batch` sequences of `seq` new tokens after `past`.
+fn time_attention(
+    gpu: &Gpu,
+    c: &ModelConfig,
+    (batch, seq, past): (usize, usize, usize),
+    iters: usize,
+) -> Result<f64> {
+    let d = c.head_dim;
+    let shape = AttnShape {
+        batch,
+        seq,
+        slots: batch,
+        n_heads: c.heads,
+        n_kv_heads: c.kv_heads,
+        head_dim: d,
+        max_seq: c.max_seq,
+        group: c.heads / c.kv_heads.max(1),
+        q_head_offset: 0,
+        kv_head_offset: 0,
+    };
+    let cache = gpu.upload_f32("calibrate.kv", &random(shape.cache_len(), 8))?;
+    let q = gpu.upload_f32("calibrate.q", &random(batch * seq * c.heads * d, 9))?;
+    let o = gpu.empty("calibrate.o", DType::F32, batch * seq * c.heads * d)?;
+    let table: Vec<u32> = (0..batch as u32).flat_map(|b| [b, past as u32]).collect();
+    let seqs = gpu.upload_u32("calibrate.seqs", &table)?;
+    let cache = ops::KvCache {
+        k: &cache,
+        v: &cache,
+        seqs: &seqs,
+    };
+    per_dispatch(gpu, iters, 4, |e| {
+        ops::attention(gpu, e, &q, cache, &o, &shape)
+    })
 }

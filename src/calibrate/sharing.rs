@@ -90,29 +90,6 @@ pub(super) fn sharing_slowdown(
     alone_s: &[(Step, f64)],
     log: &mut dyn Write,
 ) -> Result<ComputeSharing> {
-    // Mean repetition time of each of the first k devices, per step.
-    let measure = |k: usize, step: &Step, window: f64| -> Result<Vec<f64>> {
-        let barrier = Arc::new(Barrier::new(k));
-        let per_device: Vec<Result<f64>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = models[..k]
-                .iter()
-                .map(|m| {
-                    let barrier = barrier.clone();
-                    scope.spawn(move || {
-                        // Warm the step's buffers up, then start together.
-                        time_blocks(m, step, true, 1)?;
-                        barrier.wait();
-                        let until = Instant::now() + std::time::Duration::from_secs_f64(window);
-                        sustained_block_time(m, step, until)
-                    })
-                })
-                .collect();
-            join_all(handles)
-        });
-        per_device.into_iter().collect()
-    };
-    let c = models[0].config().clone();
-    let shard = ShardSpec::full(&c);
     let n = models.len();
     let mut weight = 0.0;
     let mut sums = vec![0.0; n + 1];
@@ -129,18 +106,9 @@ pub(super) fn sharing_slowdown(
             Some(&(_, t)) => t,
             None => time_blocks(&models[0], step, true, 3)?,
         };
-        let a = cost::attention(&c, &shard, step, DType::F32);
-        let m = cost::mlp(&c, &shard, step, DType::F32);
-        let intensity = (a.flops + m.flops) as f64 / (a.bytes + m.bytes) as f64;
-        let mut row = vec![intensity, 1.0];
+        let row = slowdown_row(models, step, t1, window)?;
         for (k, sum) in sums.iter_mut().enumerate().skip(2) {
-            // Long enough for several repetitions of a slowed-down step.
-            let w = window.max(3.0 * k as f64 * t1);
-            let times = measure(k, step, w)?;
-            let throughput: f64 = times.iter().map(|t| t1 / t).sum();
-            let s = (k as f64 / throughput).max(1.0);
-            *sum += t1 * s;
-            row.push(s);
+            *sum += t1 * row[k];
         }
         weight += t1;
         let kind = if step.seq == 1 { "decode" } else { "prefill" };
@@ -149,7 +117,7 @@ pub(super) fn sharing_slowdown(
             "    {:<22} {:>9.2} {:>8.2}  {}",
             format!("{kind} {}x{} (+{})", step.batch, step.seq, step.past),
             t1 * 1e3,
-            intensity,
+            row[0],
             row[2..]
                 .iter()
                 .map(|s| format!("{s:.2}"))
@@ -164,7 +132,57 @@ pub(super) fn sharing_slowdown(
         say!(log, "    {k} devices busy at once, weighted by time alone: each {s:.2}x slower (equal shares would be {k}x)");
         slowdown.push(s);
     }
-    // Rows in increasing intensity; steps of (nearly) the same intensity are averaged.
+    Ok(ComputeSharing {
+        shared_by: n as u32,
+        slowdown,
+        slowdown_curve: intensity_curve(rows),
+    })
+}
+
+/// One curve row for `step` (`t1` seconds alone): its whole-layer intensity (flop/B), then
+/// the slowdown with k = 1..=N devices busy at once.
+fn slowdown_row(models: &[Arc<GpuModel>], step: &Step, t1: f64, window: f64) -> Result<Vec<f64>> {
+    let c = models[0].config();
+    let shard = ShardSpec::full(c);
+    let a = cost::attention(c, &shard, step, DType::F32);
+    let m = cost::mlp(c, &shard, step, DType::F32);
+    let intensity = (a.flops + m.flops) as f64 / (a.bytes + m.bytes) as f64;
+    let mut row = vec![intensity, 1.0];
+    for k in 2..=models.len() {
+        // Long enough for several repetitions of a slowed-down step.
+        let w = window.max(3.0 * k as f64 * t1);
+        let times = measure_together(&models[..k], step, w)?;
+        let throughput: f64 = times.iter().map(|t| t1 / t).sum();
+        row.push((k as f64 / throughput).max(1.0));
+    }
+    Ok(row)
+}
+
+/// Mean repetition time of `step` on each of `models`, all running it at once for `window`
+/// seconds.
+fn measure_together(models: &[Arc<GpuModel>], step: &Step, window: f64) -> Result<Vec<f64>> {
+    let barrier = Arc::new(Barrier::new(models.len()));
+    let per_device: Vec<Result<f64>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = models
+            .iter()
+            .map(|m| {
+                let barrier = barrier.clone();
+                scope.spawn(move || {
+                    // Warm the step's buffers up, then start together.
+                    time_blocks(m, step, true, 1)?;
+                    barrier.wait();
+                    let until = Instant::now() + std::time::Duration::from_secs_f64(window);
+                    sustained_block_time(m, step, until)
+                })
+            })
+            .collect();
+        join_all(handles)
+    });
+    per_device.into_iter().collect()
+}
+
+/// Rows in increasing intensity; steps of (nearly) the same intensity are averaged.
+fn intensity_curve(mut rows: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
     rows.sort_by(|a, b| a[0].total_cmp(&b[0]));
     let mut curve: Vec<(Vec<f64>, f64)> = Vec::new();
     for row in rows {
@@ -178,12 +196,8 @@ pub(super) fn sharing_slowdown(
             _ => curve.push((row, 1.0)),
         }
     }
-    Ok(ComputeSharing {
-        shared_by: n as u32,
-        slowdown,
-        slowdown_curve: curve
-            .into_iter()
-            .map(|(sum, count)| sum.into_iter().map(|x| x / count).collect())
-            .collect(),
-    })
+    curve
+        .into_iter()
+        .map(|(sum, count)| sum.into_iter().map(|x| x / count).collect())
+        .collect()
 }

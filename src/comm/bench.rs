@@ -575,6 +575,36 @@ fn percentile(times: &[Duration], q: f64) -> f64 {
 
 impl fmt::Display for BenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.write_setup(f)?;
+        write_columns(f)?;
+        for r in &self.rows {
+            writeln!(
+                f,
+                "  {:>10} {:>10} {:>6} {:>5} {:>4} | {:>9.1} {:>7.3} {:>7.3} {:>6} | {:>9.1} {:>9.1} {:>9.1} {:>7.2} {:>7.2}",
+                r.size,
+                r.count,
+                r.dtype,
+                r.redop,
+                r.algorithm.short(),
+                r.time_us,
+                r.algbw,
+                r.busbw,
+                r.wrong,
+                r.p50_us,
+                r.p99_us,
+                r.floor_p50_us,
+                r.floor_ratio_p50,
+                r.floor_ratio
+            )?;
+        }
+        self.write_summary(f)
+    }
+}
+
+impl BenchReport {
+    /// The comment lines that say what ran where: options, staging setup, devices and the
+    /// single-device round trip.
+    fn write_setup(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let o = &self.options;
         let c = &o.config;
         writeln!(
@@ -618,7 +648,29 @@ impl fmt::Display for BenchReport {
             self.round_trip_4k_us
         )?;
         writeln!(f, "#")?;
+        Ok(())
+    }
+
+    /// The wrong-value count and average bus bandwidth that close the table.
+    fn write_summary(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
+            f,
+            "# Out of bounds values : {} {}",
+            self.wrong_total,
+            if self.wrong_total == 0 {
+                "OK"
+            } else {
+                "FAILED"
+            }
+        )?;
+        writeln!(f, "# Avg bus bandwidth    : {:.4}", self.avg_busbw)?;
+        writeln!(f, "#")
+    }
+}
+
+/// The two header lines of the table: column names, then units.
+fn write_columns(f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    writeln!(
             f,
             "# {:>10} {:>10} {:>6} {:>5} {:>4} | {:>9} {:>7} {:>7} {:>6} | {:>9} {:>9} {:>9} {:>7} {:>7}",
             "size",
@@ -636,7 +688,7 @@ impl fmt::Display for BenchReport {
             "x floor",
             "x mean"
         )?;
-        writeln!(
+    writeln!(
             f,
             "# {:>10} {:>10} {:>6} {:>5} {:>4} | {:>9} {:>7} {:>7} {:>6} | {:>9} {:>9} {:>9} {:>7} {:>7}",
             "(B)",
@@ -654,39 +706,7 @@ impl fmt::Display for BenchReport {
             "(p50)",
             "(mean)"
         )?;
-        for r in &self.rows {
-            writeln!(
-                f,
-                "  {:>10} {:>10} {:>6} {:>5} {:>4} | {:>9.1} {:>7.3} {:>7.3} {:>6} | {:>9.1} {:>9.1} {:>9.1} {:>7.2} {:>7.2}",
-                r.size,
-                r.count,
-                r.dtype,
-                r.redop,
-                r.algorithm.short(),
-                r.time_us,
-                r.algbw,
-                r.busbw,
-                r.wrong,
-                r.p50_us,
-                r.p99_us,
-                r.floor_p50_us,
-                r.floor_ratio_p50,
-                r.floor_ratio
-            )?;
-        }
-        writeln!(
-            f,
-            "# Out of bounds values : {} {}",
-            self.wrong_total,
-            if self.wrong_total == 0 {
-                "OK"
-            } else {
-                "FAILED"
-            }
-        )?;
-        writeln!(f, "# Avg bus bandwidth    : {:.4}", self.avg_busbw)?;
-        writeln!(f, "#")
-    }
+    Ok(())
 }
 
 #[cfg(test)]

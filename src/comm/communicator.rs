@@ -14,7 +14,7 @@
 //! - Mismatched calls (different ops, lengths or dtypes across ranks) fail on every rank with
 //!   the same error and leave the communicator usable.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::collectives::{check_devices, lock, Collectives};
@@ -230,31 +230,49 @@ impl Communicator {
         let seq = st.seq;
         st.arrivals[rank] = Some(req);
         st.arrived += 1;
-
+        let at = Arrival { rank, op, seq };
         if st.arrived == n {
-            // Last to arrive: run it for everyone.
-            let all_arrived = Instant::now();
-            let reqs: Vec<Option<Request>> = st.arrivals.iter_mut().map(Option::take).collect();
-            st.arrived = 0;
-            st.running = true;
-            drop(st);
-            let mut guard = LeaderGuard {
-                comm: self,
-                rank,
-                op,
-                seq,
-                done: false,
-            };
-            let result = self.execute(seq, reqs);
-            guard.done = true;
-            let mut st = lock(&self.state);
-            st.result = Some((seq, result.clone(), all_arrived));
-            st.seq += 1;
-            st.running = false;
-            self.cv.notify_all();
-            return result.map(|()| all_arrived);
+            self.lead(st, at)
+        } else {
+            self.follow(st, at)
         }
+    }
 
+    /// Last to arrive: runs the collective for everyone and posts its result.
+    fn lead(
+        &self,
+        mut st: MutexGuard<'_, Rendezvous>,
+        Arrival { rank, op, seq }: Arrival,
+    ) -> std::result::Result<Instant, CommError> {
+        let all_arrived = Instant::now();
+        let reqs: Vec<Option<Request>> = st.arrivals.iter_mut().map(Option::take).collect();
+        st.arrived = 0;
+        st.running = true;
+        drop(st);
+        let mut guard = LeaderGuard {
+            comm: self,
+            rank,
+            op,
+            seq,
+            done: false,
+        };
+        let result = self.execute(seq, reqs);
+        guard.done = true;
+        let mut st = lock(&self.state);
+        st.result = Some((seq, result.clone(), all_arrived));
+        st.seq += 1;
+        st.running = false;
+        self.cv.notify_all();
+        result.map(|()| all_arrived)
+    }
+
+    /// Waits for the leader's result; aborts everyone when the others do not arrive in time.
+    fn follow(
+        &self,
+        mut st: MutexGuard<'_, Rendezvous>,
+        Arrival { rank, op, seq }: Arrival,
+    ) -> std::result::Result<Instant, CommError> {
+        let n = self.gpus.len();
         let deadline = Instant::now() + self.timeout;
         loop {
             if st.seq > seq {
@@ -350,6 +368,14 @@ impl Communicator {
             }
         }
     }
+}
+
+/// Who entered a collective, which one, and its sequence number.
+#[derive(Clone, Copy)]
+struct Arrival {
+    rank: usize,
+    op: CollectiveOp,
+    seq: u64,
 }
 
 /// Aborts the communicator if the rank running a collective unwinds out of it.

@@ -342,42 +342,9 @@ impl Collectives {
         offset: usize,
         host: &[u8],
     ) -> std::result::Result<usize, CommError> {
-        const OP: &str = "upload";
-        let eb = tensor.dtype().size();
-        if !host.len().is_multiple_of(eb) {
-            return Err(CommError::mismatch(
-                OP,
-                format!(
-                    "{} bytes is not a whole number of {} elements ({eb} B each)",
-                    host.len(),
-                    tensor.dtype().name()
-                ),
-            ));
-        }
-        let count = host.len() / eb;
-        if offset + count > tensor.len() {
-            return Err(CommError::mismatch(
-                OP,
-                format!(
-                    "{count} elements at offset {offset} do not fit a tensor of {} elements",
-                    tensor.len()
-                ),
-            ));
-        }
-        let begin = (offset * eb) as u64;
-        let end = begin + host.len() as u64;
-        if !begin.is_multiple_of(4) || (!end.is_multiple_of(4) && end != tensor.bytes()) {
-            return Err(CommError::mismatch(
-                OP,
-                format!(
-                    "bytes {begin}..{end} of a {} tensor: both ends must be multiples of 4 \
-                     (the end may also be the tensor's end)",
-                    tensor.dtype().name()
-                ),
-            ));
-        }
+        let begin = upload_range(tensor, offset, host)?;
         if host.is_empty() {
-            verify_devices(OP, &[gpu], &[tensor.buffer()])?;
+            verify_devices(UPLOAD, &[gpu], &[tensor.buffer()])?;
             return Ok(0);
         }
         let cfg = self.config();
@@ -397,37 +364,10 @@ impl Collectives {
         for (i, piece) in host.chunks(chunk).enumerate() {
             let n_slots = slots.len();
             let slot = &mut slots[i % n_slots];
-            slot.wait_mapped(gpu.device(), OP, gpu.label(), self.wait())?;
-            let len = ceil4(piece.len() as u64);
-            {
-                let mut view = slot
-                    .buffer()
-                    .slice(0..len)
-                    .get_mapped_range_mut()
-                    .map_err(|e| CommError::gpu(OP, gpu.label(), e.to_string()))?;
-                let (mut body, mut tail) = view.slice(..).split_at(piece.len());
-                body.copy_from_slice(piece);
-                // Padding to the 4-byte word lands in the tensor's own padding: make it zeros.
-                tail.fill(0);
-            }
-            slot.unmap();
-            let scope =
-                (i == 0).then(|| gpu.device().push_error_scope(wgpu::ErrorFilter::Validation));
-            let mut enc = gpu.encoder();
-            enc.copy_buffer_to_buffer(
-                slot.buffer(),
-                0,
-                tensor.buffer(),
-                begin + (i * chunk) as u64,
-                len,
-            );
-            let idx = gpu.submit(enc);
-            if let Some(scope) = scope {
-                if let Some(err) = pollster::block_on(scope.pop()) {
-                    return Err(classify(OP, 0, &gpu.describe(), &err));
-                }
-            }
-            slot.request_map(Some(idx));
+            slot.wait_mapped(gpu.device(), UPLOAD, gpu.label(), self.wait())?;
+            let to = (tensor, begin + (i * chunk) as u64);
+            // Only the first copy can meet a tensor of another device: check it alone.
+            upload_piece(gpu, slot, piece, to, i == 0)?;
         }
         let mut p = lock(&pool);
         for slot in slots {
@@ -435,6 +375,87 @@ impl Collectives {
         }
         Ok(chunks)
     }
+}
+
+const UPLOAD: &str = "upload";
+
+/// Checks that `host` is whole elements of `tensor` that fit at element `offset`, with both
+/// byte ends on 4-byte words (or the end at the tensor's end); returns the first byte.
+fn upload_range(
+    tensor: &Tensor,
+    offset: usize,
+    host: &[u8],
+) -> std::result::Result<u64, CommError> {
+    let eb = tensor.dtype().size();
+    if !host.len().is_multiple_of(eb) {
+        return Err(CommError::mismatch(
+            UPLOAD,
+            format!(
+                "{} bytes is not a whole number of {} elements ({eb} B each)",
+                host.len(),
+                tensor.dtype().name()
+            ),
+        ));
+    }
+    let count = host.len() / eb;
+    if offset + count > tensor.len() {
+        return Err(CommError::mismatch(
+            UPLOAD,
+            format!(
+                "{count} elements at offset {offset} do not fit a tensor of {} elements",
+                tensor.len()
+            ),
+        ));
+    }
+    let begin = (offset * eb) as u64;
+    let end = begin + host.len() as u64;
+    if !begin.is_multiple_of(4) || (!end.is_multiple_of(4) && end != tensor.bytes()) {
+        return Err(CommError::mismatch(
+            UPLOAD,
+            format!(
+                "bytes {begin}..{end} of a {} tensor: both ends must be multiples of 4 \
+                 (the end may also be the tensor's end)",
+                tensor.dtype().name()
+            ),
+        ));
+    }
+    Ok(begin)
+}
+
+/// Writes `piece` into the mapped upload `slot` (zero-padded to a word), copies it to byte
+/// `at` of `tensor` and maps the slot again behind the copy. With `checked`, a validation
+/// error (the tensor on another device) is caught and returned.
+fn upload_piece(
+    gpu: &Gpu,
+    slot: &mut Slot,
+    piece: &[u8],
+    (tensor, at): (&Tensor, u64),
+    checked: bool,
+) -> std::result::Result<(), CommError> {
+    let len = ceil4(piece.len() as u64);
+    {
+        let mut view = slot
+            .buffer()
+            .slice(0..len)
+            .get_mapped_range_mut()
+            .map_err(|e| CommError::gpu(UPLOAD, gpu.label(), e.to_string()))?;
+        let (mut body, mut tail) = view.slice(..).split_at(piece.len());
+        body.copy_from_slice(piece);
+        // Padding to the 4-byte word lands in the tensor's own padding: make it zeros.
+        tail.fill(0);
+    }
+    slot.unmap();
+    let scope = checked.then(|| gpu.device().push_error_scope(wgpu::ErrorFilter::Validation));
+    let mut enc = gpu.encoder();
+    enc.copy_buffer_to_buffer(slot.buffer(), 0, tensor.buffer(), at, len);
+    let idx = gpu.submit(enc);
+    if let Some(scope) = scope {
+        if let Some(err) = pollster::block_on(scope.pop()) {
+            return Err(classify(UPLOAD, 0, &gpu.describe(), &err));
+        }
+    }
+    slot.request_map(Some(idx));
+    Ok(())
 }
 
 /// A device -> host copy in flight. Dropping it without [`finish`](Self::finish) is allowed (the

@@ -140,135 +140,206 @@ pub(crate) fn execute(
         return Ok(ph);
     }
     let depth = ex.depth.clamp(1, steps);
-    let n = members.len();
-    let mut spans = Vec::new();
-
-    // Staging sizes: the largest step of each member.
-    let mut down_max = vec![0u64; n];
-    let mut up_max = vec![0u64; n];
+    let mut run = Run::lease(members, plan.as_ref(), depth);
+    run.prologue(ex, members, plan.as_ref(), &mut ph)?;
     for k in 0..steps {
-        for m in 0..n {
-            spans.clear();
-            plan.downloads(k, m, &mut spans);
-            down_max[m] = down_max[m].max(span_bytes(&spans));
-            spans.clear();
-            plan.uploads(k, m, &mut spans);
-            up_max[m] = up_max[m].max(span_bytes(&spans));
+        run.step(ex, members, &plan, k, &mut ph)?;
+    }
+    run.give_back(ex, members)?;
+    Ok(ph)
+}
+
+/// Buffers (by index) among `spans`, as a bit set; index 63 stands for every later one.
+fn mark(spans: &[Span]) -> u64 {
+    spans.iter().fold(0u64, |m, s| m | (1u64 << s.buf.min(63)))
+}
+
+/// The state of one running plan: per member, its staging slots (one per step in flight), the
+/// bytes in flight in each, and the buffers already validated.
+struct Run {
+    depth: usize,
+    steps: usize,
+    downs: Vec<Vec<Slot>>,
+    ups: Vec<Vec<Slot>>,
+    /// Bytes sitting in each download slot (0: nothing issued for the step it holds).
+    down_len: Vec<Vec<u64>>,
+    /// Bytes each member uploads in the current step, and from where to where.
+    up_len: Vec<u64>,
+    up_spans: Vec<Vec<Span>>,
+    /// Buffers (by index, per member) already checked to belong to the member's device: only
+    /// a first use needs a validation scope.
+    checked: Vec<u64>,
+}
+
+impl Run {
+    /// Leases `depth` download and upload slots per member, each as large as the member's
+    /// largest step (none where it never moves anything that way).
+    fn lease(members: &mut [Member<'_>], plan: &dyn Plan, depth: usize) -> Self {
+        let steps = plan.steps();
+        let n = members.len();
+        let mut spans = Vec::new();
+        let mut down_max = vec![0u64; n];
+        let mut up_max = vec![0u64; n];
+        for k in 0..steps {
+            for m in 0..n {
+                spans.clear();
+                plan.downloads(k, m, &mut spans);
+                down_max[m] = down_max[m].max(span_bytes(&spans));
+                spans.clear();
+                plan.uploads(k, m, &mut spans);
+                up_max[m] = up_max[m].max(span_bytes(&spans));
+            }
+        }
+        let mut downs: Vec<Vec<Slot>> = Vec::with_capacity(n);
+        let mut ups: Vec<Vec<Slot>> = Vec::with_capacity(n);
+        for (m, mem) in members.iter_mut().enumerate() {
+            let lease = |pool: &mut StagingPool, dir, bytes| -> Vec<Slot> {
+                if bytes == 0 {
+                    Vec::new()
+                } else {
+                    (0..depth).map(|_| pool.lease(dir, bytes)).collect()
+                }
+            };
+            downs.push(lease(mem.pool, Direction::Download, down_max[m]));
+            ups.push(lease(mem.pool, Direction::Upload, up_max[m]));
+        }
+        Self {
+            depth,
+            steps,
+            downs,
+            ups,
+            down_len: vec![vec![0u64; depth]; n],
+            up_len: vec![0u64; n],
+            up_spans: vec![Vec::new(); n],
+            checked: vec![0u64; n],
         }
     }
-    let mut downs: Vec<Vec<Slot>> = Vec::with_capacity(n);
-    let mut ups: Vec<Vec<Slot>> = Vec::with_capacity(n);
-    for (m, mem) in members.iter_mut().enumerate() {
-        let lease = |pool: &mut StagingPool, dir, bytes| -> Vec<Slot> {
-            if bytes == 0 {
-                Vec::new()
-            } else {
-                (0..depth).map(|_| pool.lease(dir, bytes)).collect()
-            }
-        };
-        downs.push(lease(mem.pool, Direction::Download, down_max[m]));
-        ups.push(lease(mem.pool, Direction::Upload, up_max[m]));
-    }
-    // Bytes sitting in each download slot (0: nothing issued for the step it holds).
-    let mut down_len = vec![vec![0u64; depth]; n];
 
-    // Buffers (by index, per member) already checked to belong to the member's device: only
-    // a first use needs a validation scope.
-    let mut checked = vec![0u64; n];
-    let mark = |spans: &[Span]| spans.iter().fold(0u64, |m, s| m | (1u64 << s.buf.min(63)));
-
-    // Prologue: downloads of the first `depth` steps.
-    for s in 0..depth {
-        for m in 0..n {
-            if downs[m].is_empty() {
-                continue;
+    /// Issues the downloads of the first `depth` steps.
+    fn prologue(
+        &mut self,
+        ex: &Exec<'_>,
+        members: &[Member<'_>],
+        plan: &dyn Plan,
+        ph: &mut Phases,
+    ) -> Result<(), CommError> {
+        let mut spans = Vec::new();
+        for s in 0..self.depth {
+            for (m, mem) in members.iter().enumerate() {
+                if self.downs[m].is_empty() {
+                    continue;
+                }
+                spans.clear();
+                plan.downloads(s, m, &mut spans);
+                if spans.is_empty() {
+                    continue;
+                }
+                let t = Instant::now();
+                let fresh = mark(&spans) & !self.checked[m] != 0;
+                let down = Some((spans.as_slice(), &self.downs[m][s]));
+                let idx = submit(ex, mem, None, down, fresh)?;
+                self.checked[m] |= mark(&spans);
+                self.downs[m][s].request_map(idx);
+                self.down_len[m][s] = span_bytes(&spans);
+                ph.d2h_bytes += self.down_len[m][s];
+                ph.d2h += t.elapsed();
             }
-            spans.clear();
-            plan.downloads(s, m, &mut spans);
-            if spans.is_empty() {
-                continue;
-            }
-            let t = Instant::now();
-            let fresh = mark(&spans) & !checked[m] != 0;
-            let idx = submit(ex, &members[m], None, Some((&spans, &downs[m][s])), fresh)?;
-            checked[m] |= mark(&spans);
-            downs[m][s].request_map(idx);
-            down_len[m][s] = span_bytes(&spans);
-            ph.d2h_bytes += down_len[m][s];
-            ph.d2h += t.elapsed();
         }
+        Ok(())
     }
 
-    let mut up_len = vec![0u64; n];
-    let mut up_spans: Vec<Vec<Span>> = vec![Vec::new(); n];
-    for k in 0..steps {
-        let s = k % depth;
+    /// Step `k`: waits for its downloads and for free upload slots, runs the host work, then
+    /// submits its uploads and the downloads of step `k + depth`.
+    fn step(
+        &mut self,
+        ex: &Exec<'_>,
+        members: &[Member<'_>],
+        plan: &Arc<dyn Plan>,
+        k: usize,
+        ph: &mut Phases,
+    ) -> Result<(), CommError> {
+        let s = k % self.depth;
         let t0 = Instant::now();
-        for m in 0..n {
-            if down_len[m][s] > 0 {
-                let mem = &members[m];
-                downs[m][s].wait_mapped(mem.gpu.device(), ex.op, mem.gpu.label(), ex.wait)?;
+        for (m, mem) in members.iter().enumerate() {
+            if self.down_len[m][s] > 0 {
+                self.downs[m][s].wait_mapped(mem.gpu.device(), ex.op, mem.gpu.label(), ex.wait)?;
             }
         }
         let t1 = Instant::now();
         ph.d2h += t1 - t0;
-        for m in 0..n {
-            up_spans[m].clear();
-            plan.uploads(k, m, &mut up_spans[m]);
-            up_len[m] = span_bytes(&up_spans[m]);
-            if up_len[m] > 0 {
-                let mem = &members[m];
-                ups[m][s].wait_mapped(mem.gpu.device(), ex.op, mem.gpu.label(), ex.wait)?;
+        for (m, mem) in members.iter().enumerate() {
+            self.up_spans[m].clear();
+            plan.uploads(k, m, &mut self.up_spans[m]);
+            self.up_len[m] = span_bytes(&self.up_spans[m]);
+            if self.up_len[m] > 0 {
+                self.ups[m][s].wait_mapped(mem.gpu.device(), ex.op, mem.gpu.label(), ex.wait)?;
             }
         }
         let t2 = Instant::now();
         ph.h2d += t2 - t1;
-
         host_step(
             ex,
-            &plan,
+            plan,
             (k, s),
-            (&mut downs, &down_len),
-            (&mut ups, &up_len),
+            (&mut self.downs, &self.down_len),
+            (&mut self.ups, &self.up_len),
         )?;
         let t3 = Instant::now();
         ph.host += t3 - t2;
-
-        // Upload of step k, then download of step k + depth into the slot just read.
-        let next = k + depth;
-        for m in 0..n {
-            let mut next_spans = Vec::new();
-            if next < steps && !downs[m].is_empty() {
-                plan.downloads(next, m, &mut next_spans);
-            }
-            let up = (up_len[m] > 0).then(|| (up_spans[m].as_slice(), &ups[m][s]));
-            let down = (!next_spans.is_empty()).then(|| (next_spans.as_slice(), &downs[m][s]));
-            let used = mark(&up_spans[m]) | mark(&next_spans);
-            let fresh = used & !checked[m] != 0;
-            let idx = submit(ex, &members[m], up, down, fresh)?;
-            checked[m] |= used;
-            if up_len[m] > 0 {
-                ups[m][s].request_map(idx.clone());
-                ph.h2d_bytes += up_len[m];
-            }
-            down_len[m][s] = span_bytes(&next_spans);
-            if down_len[m][s] > 0 {
-                downs[m][s].request_map(idx);
-                ph.d2h_bytes += down_len[m][s];
-            }
+        for (m, mem) in members.iter().enumerate() {
+            self.submit_next(ex, mem, plan.as_ref(), (k, m), ph)?;
         }
         ph.h2d += t3.elapsed();
+        Ok(())
     }
 
-    for (m, mem) in members.iter_mut().enumerate() {
-        for slot in downs[m].drain(..).chain(ups[m].drain(..)) {
-            mem.pool.give_back(slot);
+    /// Member `m`'s upload of step `k`, then its download of step `k + depth` into the slot
+    /// just read.
+    fn submit_next(
+        &mut self,
+        ex: &Exec<'_>,
+        mem: &Member<'_>,
+        plan: &dyn Plan,
+        (k, m): (usize, usize),
+        ph: &mut Phases,
+    ) -> Result<(), CommError> {
+        let s = k % self.depth;
+        let next = k + self.depth;
+        let mut next_spans = Vec::new();
+        if next < self.steps && !self.downs[m].is_empty() {
+            plan.downloads(next, m, &mut next_spans);
         }
-        mem.gpu
-            .check()
-            .map_err(|e| CommError::gpu(ex.op, mem.gpu.label(), e.to_string()))?;
+        let up_len = self.up_len[m];
+        let up = (up_len > 0).then(|| (self.up_spans[m].as_slice(), &self.ups[m][s]));
+        let down = (!next_spans.is_empty()).then(|| (next_spans.as_slice(), &self.downs[m][s]));
+        let used = mark(&self.up_spans[m]) | mark(&next_spans);
+        let fresh = used & !self.checked[m] != 0;
+        let idx = submit(ex, mem, up, down, fresh)?;
+        self.checked[m] |= used;
+        if up_len > 0 {
+            self.ups[m][s].request_map(idx.clone());
+            ph.h2d_bytes += up_len;
+        }
+        self.down_len[m][s] = span_bytes(&next_spans);
+        if self.down_len[m][s] > 0 {
+            self.downs[m][s].request_map(idx);
+            ph.d2h_bytes += self.down_len[m][s];
+        }
+        Ok(())
     }
-    Ok(ph)
+
+    /// Returns every slot to its pool and reports errors the devices captured.
+    fn give_back(mut self, ex: &Exec<'_>, members: &mut [Member<'_>]) -> Result<(), CommError> {
+        for (m, mem) in members.iter_mut().enumerate() {
+            for slot in self.downs[m].drain(..).chain(self.ups[m].drain(..)) {
+                mem.pool.give_back(slot);
+            }
+            mem.gpu
+                .check()
+                .map_err(|e| CommError::gpu(ex.op, mem.gpu.label(), e.to_string()))?;
+        }
+        Ok(())
+    }
 }
 
 /// Records and submits one member's copies: `up` (upload slot -> destination spans) first, then
@@ -365,22 +436,7 @@ fn host_step(
     (downs, down_len): (&mut [Vec<Slot>], &[Vec<u64>]),
     (ups, up_len): (&mut [Vec<Slot>], &[u64]),
 ) -> Result<(), CommError> {
-    let view_err = |e: wgpu::MapRangeError| CommError::gpu(ex.op, "staging", e.to_string());
-    let mut inputs: Vec<Option<Arc<wgpu::BufferView>>> = Vec::with_capacity(downs.len());
-    for (m, slots) in downs.iter().enumerate() {
-        let len = down_len[m].get(s).copied().unwrap_or(0);
-        inputs.push(if len > 0 {
-            Some(Arc::new(
-                slots[s]
-                    .buffer()
-                    .slice(0..len)
-                    .get_mapped_range()
-                    .map_err(view_err)?,
-            ))
-        } else {
-            None
-        });
-    }
+    let inputs = map_inputs(ex, downs, down_len, s)?;
     let eb = plan.elem_bytes();
     let out_elems = plan.out_elems(k);
     let out_bytes = (out_elems * eb) as u64;
@@ -399,17 +455,11 @@ fn host_step(
     }
     // Enough work per thread to pay for waking it; inputs are read once per output element.
     let work = out_bytes * (inputs.iter().flatten().count().max(1) as u64);
-    let min = ex.parallel_min_bytes.max(1);
-    let threads = if ex.workers.threads() > 1 && work >= 2 * min {
-        ((work / min) as usize).clamp(1, ex.workers.threads())
-    } else {
-        1
-    };
+    let threads = host_threads(ex, work);
     // Part boundaries must give 8-byte aligned views (wgpu's MAP_ALIGNMENT).
     let granule = 8 / gcd(8, eb);
-    let parts = split(out_elems, threads, granule);
-    let mut jobs: Vec<Job> = Vec::with_capacity(parts.len());
-    for part in parts {
+    let mut jobs: Vec<Job> = Vec::new();
+    for part in split(out_elems, threads, granule) {
         let mut views = Vec::with_capacity(uploaders.len());
         if !part.is_empty() {
             for &m in &uploaders {
@@ -419,38 +469,13 @@ fn host_step(
                 } else {
                     (part.end * eb) as u64
                 };
-                views.push(
-                    ups[m][s]
-                        .buffer()
-                        .slice(a..b)
-                        .get_mapped_range_mut()
-                        .map_err(view_err)?,
-                );
+                let view = ups[m][s].buffer().slice(a..b).get_mapped_range_mut();
+                views.push(view.map_err(|e| view_err(ex, e))?);
             }
         }
-        let plan = plan.clone();
-        let inputs = inputs.clone();
-        jobs.push(Box::new(move || {
-            let ins: Vec<&[u8]> = inputs
-                .iter()
-                .map(|v| v.as_deref().map(|v| &v[..]).unwrap_or(&[]))
-                .collect();
-            let mut outs: Vec<WriteOnly<'_, [u8]>> =
-                views.iter_mut().map(|v| v.slice(..)).collect();
-            plan.host(k, part, &ins, &mut outs);
-        }));
+        jobs.push(host_job(plan.clone(), k, part, inputs.clone(), views));
     }
-    let result = if jobs.len() == 1 {
-        // One piece: no hand-off.
-        jobs.pop()
-            .map(|job| {
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
-                    .map_err(|p| super::workers::panic_message(&*p))
-            })
-            .unwrap_or(Ok(()))
-    } else {
-        ex.workers.run(jobs)
-    };
+    let result = run_jobs(ex, jobs);
     // Every view is gone once the jobs have run; unmapping with a live view would panic.
     drop(inputs);
     result.map_err(|m| CommError::gpu(ex.op, "host", m))?;
@@ -463,6 +488,72 @@ fn host_step(
         ups[m][s].unmap();
     }
     Ok(())
+}
+
+fn view_err(ex: &Exec<'_>, e: wgpu::MapRangeError) -> CommError {
+    CommError::gpu(ex.op, "staging", e.to_string())
+}
+
+/// A mapped view of each member's download slot `s` (`None` where it holds nothing).
+fn map_inputs(
+    ex: &Exec<'_>,
+    downs: &[Vec<Slot>],
+    down_len: &[Vec<u64>],
+    s: usize,
+) -> Result<Vec<Option<Arc<wgpu::BufferView>>>, CommError> {
+    let mut inputs = Vec::with_capacity(downs.len());
+    for (m, slots) in downs.iter().enumerate() {
+        let len = down_len[m].get(s).copied().unwrap_or(0);
+        inputs.push(if len > 0 {
+            let view = slots[s].buffer().slice(0..len).get_mapped_range();
+            Some(Arc::new(view.map_err(|e| view_err(ex, e))?))
+        } else {
+            None
+        });
+    }
+    Ok(inputs)
+}
+
+/// Threads worth using for `work` bytes of host work.
+fn host_threads(ex: &Exec<'_>, work: u64) -> usize {
+    let min = ex.parallel_min_bytes.max(1);
+    if ex.workers.threads() > 1 && work >= 2 * min {
+        ((work / min) as usize).clamp(1, ex.workers.threads())
+    } else {
+        1
+    }
+}
+
+/// The plan's host work on output elements `part` of step `k`, writing into `views`.
+fn host_job(
+    plan: Arc<dyn Plan>,
+    k: usize,
+    part: Range<usize>,
+    inputs: Vec<Option<Arc<wgpu::BufferView>>>,
+    mut views: Vec<wgpu::BufferViewMut>,
+) -> Job {
+    Box::new(move || {
+        let ins: Vec<&[u8]> = inputs
+            .iter()
+            .map(|v| v.as_deref().map(|v| &v[..]).unwrap_or(&[]))
+            .collect();
+        let mut outs: Vec<WriteOnly<'_, [u8]>> = views.iter_mut().map(|v| v.slice(..)).collect();
+        plan.host(k, part, &ins, &mut outs);
+    })
+}
+
+/// Runs `jobs`: a single one on the calling thread (no hand-off), more on the workers.
+fn run_jobs(ex: &Exec<'_>, mut jobs: Vec<Job>) -> Result<(), String> {
+    if jobs.len() == 1 {
+        jobs.pop()
+            .map(|job| {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
+                    .map_err(|p| super::workers::panic_message(&*p))
+            })
+            .unwrap_or(Ok(()))
+    } else {
+        ex.workers.run(jobs)
+    }
 }
 
 fn gcd(a: usize, b: usize) -> usize {

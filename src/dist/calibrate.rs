@@ -732,6 +732,47 @@ fn assemble(
     log: &mut dyn Write,
 ) -> Result<HostProfile> {
     let hosts = distinct(&infos.iter().map(|i| i.host.clone()).collect::<Vec<_>>());
+    check_identical_nodes(infos, &hosts)?;
+    let get = |r: usize| -> Result<&AloneResult> {
+        alone[source[r]].as_ref().ok_or_else(|| {
+            WgparError::Measurement(format!("rank {} sent no calibration", source[r]))
+        })
+    };
+    // Node 0's devices: every rank of the first host, its groups expanded to single devices
+    // then merged back where consecutive devices are the same.
+    let mut groups: Vec<DeviceSpec> = Vec::new();
+    for r in (0..infos.len()).filter(|&r| infos[r].host == hosts[0]) {
+        let p = &get(r)?.profile;
+        for g in &p.devices {
+            match groups.last_mut() {
+                Some(last) if same_device(last, g) => last.count += g.count,
+                _ => groups.push(g.clone()),
+            }
+        }
+    }
+    apply_sharing(&mut groups, sharing, log);
+    let base = &get(0)?.profile;
+    let network = network_link(hosts.len(), network)?;
+    let profile = HostProfile {
+        name: base.name.clone(),
+        description: format!(
+            "{} ranks under mpirun on {} host(s): {}",
+            infos.len(),
+            hosts.len(),
+            base.description
+        ),
+        nodes: hosts.len() as u32,
+        host: base.host.clone(),
+        devices: groups,
+        device_link: None,
+        network,
+    };
+    profile.validate()?;
+    Ok(profile)
+}
+
+/// Refuses hosts whose devices differ: a profile describes identical nodes.
+fn check_identical_nodes(infos: &[RankInfo], hosts: &[String]) -> Result<()> {
     let node_labels = |h: &str| -> Vec<String> {
         infos
             .iter()
@@ -752,86 +793,52 @@ fn assemble(
             .into());
         }
     }
-    let get = |r: usize| -> Result<&AloneResult> {
-        alone[source[r]].as_ref().ok_or_else(|| {
-            WgparError::Measurement(format!("rank {} sent no calibration", source[r]))
-        })
-    };
-    // Node 0's devices: every rank of the first host, its groups expanded to single devices
-    // then merged back where consecutive devices are the same.
-    let mut groups: Vec<DeviceSpec> = Vec::new();
-    for r in (0..infos.len()).filter(|&r| infos[r].host == hosts[0]) {
-        let p = &get(r)?.profile;
-        for g in &p.devices {
-            match groups.last_mut() {
-                Some(last) if same_device(last, g) => last.count += g.count,
-                _ => groups.push(g.clone()),
-            }
-        }
-    }
+    Ok(())
+}
+
+/// Puts the sharing measured between processes on the node's one device group, when the
+/// node is one group; otherwise drops every group's sharing that claims more devices than
+/// the group has.
+fn apply_sharing(groups: &mut [DeviceSpec], sharing: Option<ComputeSharing>, log: &mut dyn Write) {
     let node_devices: u32 = groups.iter().map(|g| g.count).sum();
     if let Some(s) = sharing {
         if groups.len() == 1 && s.shared_by == node_devices {
             groups[0].compute_sharing = Some(s);
-        } else {
-            // The format pools sharing inside one group; devices of different adapters on
-            // one host cannot say how they slow each other.
-            let _ = writeln!(
-                log,
-                "note: the host's devices are not all the same adapter; the sharing between processes measured above is not in the profile (each group keeps its own)"
-            );
-            for g in &mut groups {
-                if g.compute_sharing
-                    .as_ref()
-                    .is_some_and(|c| c.shared_by > g.count)
-                {
-                    g.compute_sharing = None;
-                }
-            }
+            return;
         }
-    } else {
-        // Ranks with one device each on separate hosts share nothing.
-        for g in &mut groups {
-            if g.compute_sharing
-                .as_ref()
-                .is_some_and(|c| c.shared_by > g.count)
-            {
-                g.compute_sharing = None;
-            }
+        // The format pools sharing inside one group; devices of different adapters on
+        // one host cannot say how they slow each other.
+        let _ = writeln!(
+            log,
+            "note: the host's devices are not all the same adapter; the sharing between processes measured above is not in the profile (each group keeps its own)"
+        );
+    }
+    // Without a measurement, ranks with one device each on separate hosts share nothing.
+    for g in groups.iter_mut() {
+        if g.compute_sharing
+            .as_ref()
+            .is_some_and(|c| c.shared_by > g.count)
+        {
+            g.compute_sharing = None;
         }
     }
-    let base = &get(0)?.profile;
-    let network = match (hosts.len(), network) {
-        (1, _) => None,
-        (_, Some(f)) => Some(NamedLink {
+}
+
+/// The link between hosts: none on one host, else the ping-pong's alpha-beta fit.
+fn network_link(hosts: usize, network: Option<&AlphaBetaFit>) -> Result<Option<NamedLink>> {
+    match (hosts, network) {
+        (1, _) => Ok(None),
+        (_, Some(f)) => Ok(Some(NamedLink {
             name: "MPI between hosts (measured ping-pong)".into(),
             alpha_us: f.alpha_us.max(0.1),
             beta_gbps: f.beta_gbps,
             nvls: false,
             nics_per_node: None,
-        }),
-        (_, None) => {
-            return Err(WgparError::Measurement(
-                "the ping-pong between hosts gave no alpha-beta fit".into(),
-            ))
-        }
-    };
-    let profile = HostProfile {
-        name: base.name.clone(),
-        description: format!(
-            "{} ranks under mpirun on {} host(s): {}",
-            infos.len(),
-            hosts.len(),
-            base.description
-        ),
-        nodes: hosts.len() as u32,
-        host: base.host.clone(),
-        devices: groups,
-        device_link: None,
-        network,
-    };
-    profile.validate()?;
-    Ok(profile)
+        })),
+        (_, None) => Err(WgparError::Measurement(
+            "the ping-pong between hosts gave no alpha-beta fit".into(),
+        )),
+    }
 }
 
 /// Whether two device groups describe the same device (all but count and sharing equal).

@@ -458,13 +458,7 @@ fn upstream(
         if run != Some(h.run) {
             // Rank 0 started another run (a GPipe step, a stream): this rank's stage
             // accounting starts afresh too, so that both cover the same work.
-            for s in crate::threads::lock(stats).iter_mut() {
-                *s = StageStats {
-                    layers: s.layers.clone(),
-                    device: s.device.clone(),
-                    ..Default::default()
-                };
-            }
+            reset_stats(stats);
         }
         run = Some(h.run);
         let rec = if h.record {
@@ -485,36 +479,57 @@ fn upstream(
         if !dep.is_none() && h.dep != 0 {
             rec.remote_dep(dep, src as u32, SpanId(h.dep));
         }
-        let work = Work {
-            encoder: None,
-            pacer: None,
-            group: h.group as usize,
-            cache: h.cache as usize,
-            rows,
-            slots: h.slots.checked_sub(1).map(|n| n as usize),
-            // A release time is on the driver's clock: it holds only the first stage.
-            release_us: None,
-            ids: Arc::new(Vec::new()),
-            step: Step {
-                batch: h.batch as usize,
-                seq: h.seq as usize,
-                past: h.past as usize,
-            },
-            new_cache: h.new_cache,
-            release: h.release,
-            hidden,
-            deps: vec![dep],
-            recorder: rec,
-            run: h.run,
-            // The pick's settings stay on rank 0: the head picks greedily and sends the
-            // logits too only where rank 0 needs them (see `Readout::remote`).
-            readout: Readout::remote(h.logits),
-        };
-        if tx.send(work).is_err() {
+        if tx.send(handoff_work(&h, (rows, hidden), dep, rec)).is_err() {
             // The stages stopped (their error is on its way to the driver).
             return Ok(());
         }
         count += 1;
+    }
+}
+
+/// Clears every stage's accounting but what it holds (its layers and device).
+fn reset_stats(stats: &Mutex<Vec<StageStats>>) {
+    for s in crate::threads::lock(stats).iter_mut() {
+        *s = StageStats {
+            layers: s.layers.clone(),
+            device: s.device.clone(),
+            ..Default::default()
+        };
+    }
+}
+
+/// The work a hand-off from the previous stage asks of this rank's stages; `dep` is the
+/// receive's span, recorded on `recorder`.
+fn handoff_work(
+    h: &Header,
+    (rows, hidden): TableAndHidden,
+    dep: SpanId,
+    recorder: Recorder,
+) -> Work {
+    Work {
+        encoder: None,
+        pacer: None,
+        group: h.group as usize,
+        cache: h.cache as usize,
+        rows,
+        slots: h.slots.checked_sub(1).map(|n| n as usize),
+        // A release time is on the driver's clock: it holds only the first stage.
+        release_us: None,
+        ids: Arc::new(Vec::new()),
+        step: Step {
+            batch: h.batch as usize,
+            seq: h.seq as usize,
+            past: h.past as usize,
+        },
+        new_cache: h.new_cache,
+        release: h.release,
+        hidden,
+        deps: vec![dep],
+        recorder,
+        run: h.run,
+        // The pick's settings stay on rank 0: the head picks greedily and sends the
+        // logits too only where rank 0 needs them (see `Readout::remote`).
+        readout: Readout::remote(h.logits),
     }
 }
 

@@ -312,67 +312,100 @@ fn bench_attention_prefill(
 
 /// The memory-bound kernels at a transformer-like shape (512 tokens, hidden 1024).
 fn bandwidth_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelBenchRow>> {
-    let (rows, cols) = (512usize, 1024usize);
-    let len = rows * cols;
-    let bytes = (len * 4) as f64;
-    let a = gpu.upload_f32("a", &random(len, 3))?;
-    let b = gpu.upload_f32("b", &random(len, 4))?;
-    let out = gpu.empty("out", DType::F32, len)?;
-    let gamma = gpu.upload_f32("gamma", &random(cols, 5))?;
-    let shape = format!("{rows}x{cols}");
-    let mut out_rows = Vec::new();
-    let mut push = |name: &str, traffic: f64, s: f64, shape: String| {
-        let mut r = row(name, shape, "f32", s);
-        r.gbps = Some(traffic / s / 1e9);
-        out_rows.push(r);
-    };
-    let s = time(gpu, opts, &|e| {
-        ops::norm(
-            gpu,
-            e,
-            Norm::Layer {
-                gamma: &gamma,
-                beta: &gamma,
-            },
-            (&a, &out),
-            (rows, cols),
-            1e-5,
-        )
-    })?;
-    push("layernorm", 2.0 * bytes, s, shape.clone());
-    let s = time(gpu, opts, &|e| {
-        ops::norm(
-            gpu,
-            e,
-            Norm::Rms { gamma: &gamma },
-            (&a, &out),
-            (rows, cols),
-            1e-5,
-        )
-    })?;
-    push("rmsnorm", 2.0 * bytes, s, shape.clone());
-    let s = time(gpu, opts, &|e| ops::softmax(gpu, e, &out, rows, cols))?;
-    push("softmax", 2.0 * bytes, s, shape.clone());
-    for (name, op, traffic) in [
-        ("add", Elementwise::Add, 3.0),
-        ("gelu", Elementwise::Gelu, 2.0),
-        ("swiglu", Elementwise::SwiGlu, 3.0),
-    ] {
-        let s = time(gpu, opts, &|e| {
-            ops::elementwise(gpu, e, op, &out, Some(&b), (rows, cols))
-        })?;
-        push(name, traffic * bytes, s, shape.clone());
+    let io = Streams::upload(gpu, 512, 1024)?;
+    let mut out_rows = io.row_kernels(gpu, opts)?;
+    out_rows.push(io.embed(gpu, opts)?);
+    out_rows.extend(attention_rows(gpu, opts)?);
+    Ok(out_rows)
+}
+
+/// A row of a bandwidth kernel: `traffic` bytes moved in `s` seconds.
+fn bw_row(name: &str, traffic: f64, s: f64, shape: String) -> KernelBenchRow {
+    let mut r = row(name, shape, "f32", s);
+    r.gbps = Some(traffic / s / 1e9);
+    r
+}
+
+/// The operands of the row-wise kernels: two `rows x cols` inputs, an output and a norm's
+/// scale.
+struct Streams {
+    rows: usize,
+    cols: usize,
+    a: Tensor,
+    b: Tensor,
+    out: Tensor,
+    gamma: Tensor,
+}
+
+impl Streams {
+    fn upload(gpu: &Gpu, rows: usize, cols: usize) -> Result<Self> {
+        let len = rows * cols;
+        Ok(Self {
+            rows,
+            cols,
+            a: gpu.upload_f32("a", &random(len, 3))?,
+            b: gpu.upload_f32("b", &random(len, 4))?,
+            out: gpu.empty("out", DType::F32, len)?,
+            gamma: gpu.upload_f32("gamma", &random(cols, 5))?,
+        })
     }
-    let vocab = 8192;
-    let wte = gpu.upload_f32("wte", &random(vocab * cols, 6))?;
-    let ids: Vec<u32> = (0..rows as u32).map(|i| i * 31 % vocab as u32).collect();
-    let ids = gpu.upload_u32("ids", &ids)?;
-    let s = time(gpu, opts, &|e| {
-        ops::embed(gpu, e, (&ids, &wte, None), &out, (1, rows, cols))
-    })?;
-    push("embed", 2.0 * bytes, s, shape.clone());
-    // Attention: decode against a 512-token cache, and a 128-token prefill, 16 heads of 64.
+
+    /// Bytes of one operand.
+    fn bytes(&self) -> f64 {
+        (self.rows * self.cols * 4) as f64
+    }
+
+    fn shape(&self) -> String {
+        format!("{}x{}", self.rows, self.cols)
+    }
+
+    /// Norms, softmax and the element-wise ops.
+    fn row_kernels(&self, gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelBenchRow>> {
+        let (rows, cols, bytes) = (self.rows, self.cols, self.bytes());
+        let (a, out, gamma) = (&self.a, &self.out, &self.gamma);
+        let mut out_rows = Vec::new();
+        let s = time(gpu, opts, &|e| {
+            let norm = Norm::Layer { gamma, beta: gamma };
+            ops::norm(gpu, e, norm, (a, out), (rows, cols), 1e-5)
+        })?;
+        out_rows.push(bw_row("layernorm", 2.0 * bytes, s, self.shape()));
+        let s = time(gpu, opts, &|e| {
+            ops::norm(gpu, e, Norm::Rms { gamma }, (a, out), (rows, cols), 1e-5)
+        })?;
+        out_rows.push(bw_row("rmsnorm", 2.0 * bytes, s, self.shape()));
+        let s = time(gpu, opts, &|e| ops::softmax(gpu, e, out, rows, cols))?;
+        out_rows.push(bw_row("softmax", 2.0 * bytes, s, self.shape()));
+        for (name, op, traffic) in [
+            ("add", Elementwise::Add, 3.0),
+            ("gelu", Elementwise::Gelu, 2.0),
+            ("swiglu", Elementwise::SwiGlu, 3.0),
+        ] {
+            let s = time(gpu, opts, &|e| {
+                ops::elementwise(gpu, e, op, out, Some(&self.b), (rows, cols))
+            })?;
+            out_rows.push(bw_row(name, traffic * bytes, s, self.shape()));
+        }
+        Ok(out_rows)
+    }
+
+    /// The embedding lookup of one token per row from an 8192-token table.
+    fn embed(&self, gpu: &Gpu, opts: &KernelBenchOptions) -> Result<KernelBenchRow> {
+        let (rows, cols) = (self.rows, self.cols);
+        let vocab = 8192;
+        let wte = gpu.upload_f32("wte", &random(vocab * cols, 6))?;
+        let ids: Vec<u32> = (0..rows as u32).map(|i| i * 31 % vocab as u32).collect();
+        let ids = gpu.upload_u32("ids", &ids)?;
+        let s = time(gpu, opts, &|e| {
+            ops::embed(gpu, e, (&ids, &wte, None), &self.out, (1, rows, cols))
+        })?;
+        Ok(bw_row("embed", 2.0 * self.bytes(), s, self.shape()))
+    }
+}
+
+/// Attention: decode against a 512-token cache, and a 128-token prefill, 16 heads of 64.
+fn attention_rows(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelBenchRow>> {
     let (heads, dim, max_seq) = (16usize, 64usize, 640usize);
+    let mut out_rows = Vec::new();
     for (seq, past) in [(1usize, 511usize), (128, 0)] {
         let shape_a = AttnShape {
             batch: 1,
@@ -409,12 +442,8 @@ fn bandwidth_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
         } else {
             "attention_prefill"
         };
-        push(
-            name,
-            traffic,
-            s,
-            format!("s{seq} ctx{} h{heads}x{dim}", past + seq),
-        );
+        let shape = format!("s{seq} ctx{} h{heads}x{dim}", past + seq);
+        out_rows.push(bw_row(name, traffic, s, shape));
     }
     Ok(out_rows)
 }

@@ -146,98 +146,12 @@ impl ModelConfig {
         let base = Self::default_model();
         let cfg = match name {
             "default" => base,
-            "tiny-llama" => Self {
-                name: name.into(),
-                vocab: 389,
-                hidden: 96,
-                layers: 2,
-                heads: 6,
-                kv_heads: 2,
-                head_dim: 16,
-                ffn: 172,
-                max_seq: 96,
-                ..base
-            },
-            "tiny-gpt2" => Self {
-                name: name.into(),
-                arch: Arch::Gpt2,
-                vocab: 411,
-                hidden: 96,
-                layers: 2,
-                heads: 6,
-                kv_heads: 6,
-                head_dim: 16,
-                ffn: 384,
-                max_seq: 96,
-                tied_head: true,
-                activation: Activation::GeluTanh,
-                ..base
-            },
-            // MiniLM-shaped encoder, smaller: post-norm, bidirectional, two token types.
-            "tiny-bert" => Self {
-                name: name.into(),
-                arch: Arch::Bert,
-                vocab: 397,
-                hidden: 96,
-                layers: 2,
-                heads: 6,
-                kv_heads: 6,
-                head_dim: 16,
-                ffn: 384,
-                max_seq: 64,
-                norm_eps: 1e-12,
-                activation: Activation::GeluErf,
-                type_vocab: 2,
-                pooling: Pooling {
-                    mode: PoolMode::Mean,
-                    normalize: true,
-                },
-                ..base
-            },
-            "gpt2-small" => Self {
-                name: name.into(),
-                arch: Arch::Gpt2,
-                vocab: 50_257,
-                hidden: 768,
-                layers: 12,
-                heads: 12,
-                kv_heads: 12,
-                head_dim: 64,
-                ffn: 3072,
-                max_seq: 1024,
-                tied_head: true,
-                activation: Activation::GeluTanh,
-                ..base
-            },
-            // Llama 3.2 1B shapes.
-            "llama-1b" => Self {
-                name: name.into(),
-                vocab: 128_256,
-                hidden: 2048,
-                layers: 16,
-                heads: 32,
-                kv_heads: 8,
-                head_dim: 64,
-                ffn: 8192,
-                max_seq: 2048,
-                rope_theta: 500_000.0,
-                tied_head: true,
-                ..base
-            },
-            // Llama 3.1 8B shapes (for projections; too large to run on a CPU driver).
-            "llama-8b" => Self {
-                name: name.into(),
-                vocab: 128_256,
-                hidden: 4096,
-                layers: 32,
-                heads: 32,
-                kv_heads: 8,
-                head_dim: 128,
-                ffn: 14_336,
-                max_seq: 2048,
-                rope_theta: 500_000.0,
-                ..base
-            },
+            "tiny-llama" => Self::tiny_llama(base),
+            "tiny-gpt2" => Self::tiny_gpt2(base),
+            "tiny-bert" => Self::tiny_bert(base),
+            "gpt2-small" => Self::gpt2_small(base),
+            "llama-1b" => Self::llama_1b(base),
+            "llama-8b" => Self::llama_8b(base),
             other => {
                 return Err(WgparError::UnknownModel {
                     name: other.to_string(),
@@ -249,47 +163,176 @@ impl ModelConfig {
         Ok(cfg)
     }
 
+    /// The `tiny-llama` preset.
+    fn tiny_llama(base: Self) -> Self {
+        Self {
+            name: "tiny-llama".into(),
+            vocab: 389,
+            hidden: 96,
+            layers: 2,
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 16,
+            ffn: 172,
+            max_seq: 96,
+            ..base
+        }
+    }
+
+    /// The `tiny-gpt2` preset.
+    fn tiny_gpt2(base: Self) -> Self {
+        Self {
+            name: "tiny-gpt2".into(),
+            arch: Arch::Gpt2,
+            vocab: 411,
+            hidden: 96,
+            layers: 2,
+            heads: 6,
+            kv_heads: 6,
+            head_dim: 16,
+            ffn: 384,
+            max_seq: 96,
+            tied_head: true,
+            activation: Activation::GeluTanh,
+            ..base
+        }
+    }
+
+    /// MiniLM-shaped encoder, smaller: post-norm, bidirectional, two token types.
+    fn tiny_bert(base: Self) -> Self {
+        Self {
+            name: "tiny-bert".into(),
+            arch: Arch::Bert,
+            vocab: 397,
+            hidden: 96,
+            layers: 2,
+            heads: 6,
+            kv_heads: 6,
+            head_dim: 16,
+            ffn: 384,
+            max_seq: 64,
+            norm_eps: 1e-12,
+            activation: Activation::GeluErf,
+            type_vocab: 2,
+            pooling: Pooling {
+                mode: PoolMode::Mean,
+                normalize: true,
+            },
+            ..base
+        }
+    }
+
+    /// The `gpt2-small` preset.
+    fn gpt2_small(base: Self) -> Self {
+        Self {
+            name: "gpt2-small".into(),
+            arch: Arch::Gpt2,
+            vocab: 50_257,
+            hidden: 768,
+            layers: 12,
+            heads: 12,
+            kv_heads: 12,
+            head_dim: 64,
+            ffn: 3072,
+            max_seq: 1024,
+            tied_head: true,
+            activation: Activation::GeluTanh,
+            ..base
+        }
+    }
+
+    /// Llama 3.2 1B shapes.
+    fn llama_1b(base: Self) -> Self {
+        Self {
+            name: "llama-1b".into(),
+            vocab: 128_256,
+            hidden: 2048,
+            layers: 16,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 64,
+            ffn: 8192,
+            max_seq: 2048,
+            rope_theta: 500_000.0,
+            tied_head: true,
+            ..base
+        }
+    }
+
+    /// Llama 3.1 8B shapes (for projections; too large to run on a CPU driver).
+    fn llama_8b(base: Self) -> Self {
+        Self {
+            name: "llama-8b".into(),
+            vocab: 128_256,
+            hidden: 4096,
+            layers: 32,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            ffn: 14_336,
+            max_seq: 2048,
+            rope_theta: 500_000.0,
+            ..base
+        }
+    }
+
     /// Checks that the shapes fit together.
     pub fn validate(&self) -> Result<()> {
-        let fail = |m: String| {
-            Err(WgparError::model(
+        let problem = self
+            .dims_problem()
+            .or_else(|| self.numerics_problem())
+            .or_else(|| self.size_problem())
+            .or_else(|| self.structure_problem());
+        match problem {
+            Some(m) => Err(WgparError::model(
                 self.name.clone(),
                 "shapes",
                 format!("model '{}': {m}", self.name),
-            ))
-        };
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// What is wrong with the dimensions themselves (zero, heads that do not group, head
+    /// sizes the kernels cannot take), if anything.
+    fn dims_problem(&self) -> Option<String> {
         if self.vocab == 0 || self.hidden == 0 || self.layers == 0 || self.ffn == 0 {
-            return fail("vocab, hidden, layers and ffn must be positive".into());
+            return Some("vocab, hidden, layers and ffn must be positive".into());
         }
         if self.heads == 0 || self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
-            return fail(format!(
+            return Some(format!(
                 "{} query heads must be a positive multiple of {} kv heads",
                 self.heads, self.kv_heads
             ));
         }
         if self.head_dim == 0 || self.head_dim > 256 {
-            return fail(format!("head_dim {} outside 1..=256", self.head_dim));
+            return Some(format!("head_dim {} outside 1..=256", self.head_dim));
         }
         if self.arch == Arch::Llama && !self.head_dim.is_multiple_of(2) {
-            return fail(format!(
+            return Some(format!(
                 "RoPE needs an even head_dim, got {}",
                 self.head_dim
             ));
         }
         if self.max_seq == 0 {
-            return fail("max_seq must be positive".into());
+            return Some("max_seq must be positive".into());
         }
+        None
+    }
+
+    /// What is wrong with the norm epsilon and the RoPE parameters, if anything.
+    fn numerics_problem(&self) -> Option<String> {
         // A negative, zero or non-finite epsilon divides by zero or flips signs in every norm;
         // a non-positive RoPE base makes every rotation NaN: the output would be garbage.
         if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
-            return fail(format!(
+            return Some(format!(
                 "normalisation epsilon {} must be a positive finite number (typically 1e-5 to \
                  1e-12)",
                 self.norm_eps
             ));
         }
         if self.arch == Arch::Llama && !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
-            return fail(format!(
+            return Some(format!(
                 "rope_theta {} must be a positive finite number (typically 10000 or 500000)",
                 self.rope_theta
             ));
@@ -301,13 +344,17 @@ impl ModelConfig {
                 && positive(s.high_freq_factor)
                 && s.original_context > 0)
             {
-                return fail(format!(
+                return Some(format!(
                     "rope_scaling needs positive finite factors and context, got {s:?}"
                 ));
             }
         }
-        // Sizes computed from the shapes (elements of one matrix, parameters, FLOPs) must not
-        // overflow: bound every product by 2^48 elements, far beyond any device.
+        None
+    }
+
+    /// Sizes computed from the shapes (elements of one matrix, parameters, FLOPs) must not
+    /// overflow: every product is bounded by 2^48 elements, far beyond any device.
+    fn size_problem(&self) -> Option<String> {
         const LIMIT: u64 = 1 << 48;
         let product = |dims: &[usize]| {
             dims.iter()
@@ -323,24 +370,28 @@ impl ModelConfig {
             // The parameter count sums every layer's matrices.
             && product(&[self.layers, self.ffn, self.hidden])
             && product(&[self.layers, self.heads, self.head_dim, self.hidden]);
-        if !fits {
-            return fail(format!(
+        (!fits).then(|| {
+            format!(
                 "shapes beyond any device: layers {}, vocab {}, hidden {}, ffn {}, heads {}, \
                  max_seq {}",
                 self.layers, self.vocab, self.hidden, self.ffn, self.heads, self.max_seq
-            ));
-        }
+            )
+        })
+    }
+
+    /// Whether the activation fits the architecture's blocks and an encoder has token types.
+    fn structure_problem(&self) -> Option<String> {
         let gated = self.activation == Activation::Silu;
         if gated != (self.arch == Arch::Llama) {
-            return fail(format!(
+            return Some(format!(
                 "{:?} activation does not fit the {:?} block structure (only Llama gates with SiLU)",
                 self.activation, self.arch
             ));
         }
         if self.arch == Arch::Bert && self.type_vocab == 0 {
-            return fail("a BERT encoder needs at least one token type".into());
+            return Some("a BERT encoder needs at least one token type".into());
         }
-        Ok(())
+        None
     }
 
     /// Whether this is an encoder (pooled output, no LM head, no generation).

@@ -104,65 +104,27 @@ impl SingleEngine {
         let gpu = m.gpu();
         let start = Instant::now();
         let cpu_start = super::thread_cpu_s();
-        let (device_pick, read_logits, host_picks, draws) = match pick {
-            StepPick::Engine { logits } => (
-                self.picker.device_or_greedy(),
-                logits || self.picker.needs_logits(),
-                self.picker.needs_logits(),
-                self.picker.draws(step.batch),
-            ),
-            StepPick::Greedy { logits } => (TokenPick::Greedy, logits, false, Vec::new()),
-        };
-        let want_logits = match pick {
-            StepPick::Engine { logits } | StepPick::Greedy { logits } => logits,
-        };
-        act.set_readout(device_pick, read_logits);
+        let readout = Readout::of(&mut self.picker, pick, step.batch);
+        act.set_readout(readout.device_pick, readout.read_logits);
         m.write_ids(act, ids)?;
         m.begin_step(act, kv, &step, rows)?;
-        if !draws.is_empty() {
-            m.write_draws(act, &draws)?;
+        if !readout.draws.is_empty() {
+            m.write_draws(act, &readout.draws)?;
         }
-        let mut enc = gpu.encoder();
-        self.timer.begin(&mut enc);
-        m.embed(&mut enc, act)?;
-        m.layers(&mut enc, act, kv)?;
-        m.head(&mut enc, act)?;
-        self.timer.end(&mut enc);
-        m.copy_out(&mut enc, act)?;
-        gpu.submit(enc);
+        submit_forward(m, &self.timer, act, kv)?;
         let encode_s = start.elapsed().as_secs_f64();
         let encode_cpu_s = super::thread_cpu_s().zip(cpu_start).map(|(b, a)| b - a);
         let out = m.read_out(act)?;
         let end = Instant::now();
         let device_us = self.timer.read_us(gpu)?;
-        let c = m.config();
-        let work = cost::total(
-            c,
-            &m.placement().shard,
-            m.num_layers(),
-            &step,
-            m.weight_dtype(),
-            true,
-            true,
-        );
-        let dev = gpu.ordinal() as u32;
-        // One span: the whole step is one submit, with no point where the host could time a
-        // layer without adding a synchronisation the single-device path does not need.
-        let span = self.recorder.record_with(start, end, || {
-            let a = SpanAttrs::compute("forward", dev)
-                .flops(work.flops)
-                .bytes(work.bytes)
-                .family(KernelFamily::Matmul)
-                .kernels(work.kernels)
-                .blocks_of(c.hidden, m.placement().shard.world)
-                .head_part(cost::head_work(c, step.batch, m.weight_dtype()))
-                .device_us(device_us)
-                .after_all(deps);
-            match release_us {
-                Some(us) => a.not_before_us(us),
-                None => a,
-            }
-        });
+        let timing = SpanTiming {
+            start,
+            end,
+            device_us,
+            deps,
+            release_us,
+        };
+        let span = record_forward(&self.recorder, m, &step, timing);
         self.last = Some(StepStats {
             tokens: step.tokens(),
             wall_s: (end - start).as_secs_f64(),
@@ -173,7 +135,7 @@ impl SingleEngine {
         });
         let logits = out.logits.map(|data| Logits {
             batch: step.batch,
-            vocab: c.vocab,
+            vocab: m.config().vocab,
             data,
         });
         if out.non_finite.iter().any(|&n| n > 0) {
@@ -183,7 +145,7 @@ impl SingleEngine {
                 .map(|l| format!("{l} on {}", gpu.describe()));
             check_finite(self.steps, &out.non_finite, location)?;
         }
-        let tokens = match (&logits, host_picks) {
+        let tokens = match (&logits, readout.host_picks) {
             (Some(l), true) => {
                 check_finite(self.steps, &count_non_finite(l), None)?;
                 self.picker.host(l)
@@ -195,11 +157,101 @@ impl SingleEngine {
         Ok((
             StepOutput {
                 tokens,
-                logits: logits.filter(|_| want_logits),
+                logits: logits.filter(|_| readout.want_logits),
             },
             span,
         ))
     }
+}
+
+/// How a step's tokens come back: picked on the device (which pick) or on the host from the
+/// logits, and whether the logits are read back and handed to the caller.
+struct Readout {
+    device_pick: TokenPick,
+    read_logits: bool,
+    host_picks: bool,
+    /// The sampler's random draws for a device-side pick (empty for greedy).
+    draws: Vec<f32>,
+    want_logits: bool,
+}
+
+impl Readout {
+    fn of(picker: &mut Picker, pick: StepPick, batch: usize) -> Self {
+        let (device_pick, read_logits, host_picks, draws) = match pick {
+            StepPick::Engine { logits } => (
+                picker.device_or_greedy(),
+                logits || picker.needs_logits(),
+                picker.needs_logits(),
+                picker.draws(batch),
+            ),
+            StepPick::Greedy { logits } => (TokenPick::Greedy, logits, false, Vec::new()),
+        };
+        let want_logits = match pick {
+            StepPick::Engine { logits } | StepPick::Greedy { logits } => logits,
+        };
+        Self {
+            device_pick,
+            read_logits,
+            host_picks,
+            draws,
+            want_logits,
+        }
+    }
+}
+
+/// Records the whole forward pass (timed on the device while a trace is recorded) and the
+/// copy of its output in one submit.
+fn submit_forward(m: &GpuModel, timer: &SpanTimer, act: &Activations, kv: &KvCache) -> Result<()> {
+    let gpu = m.gpu();
+    let mut enc = gpu.encoder();
+    timer.begin(&mut enc);
+    m.embed(&mut enc, act)?;
+    m.layers(&mut enc, act, kv)?;
+    m.head(&mut enc, act)?;
+    timer.end(&mut enc);
+    m.copy_out(&mut enc, act)?;
+    gpu.submit(enc);
+    Ok(())
+}
+
+/// When a step ran (host and device time) and what its span waits for.
+struct SpanTiming<'a> {
+    start: Instant,
+    end: Instant,
+    device_us: Option<f64>,
+    deps: &'a [SpanId],
+    release_us: Option<f64>,
+}
+
+/// Records the step as one span: the whole step is one submit, with no point where the host
+/// could time a layer without adding a synchronisation the single-device path does not need.
+fn record_forward(recorder: &Recorder, m: &GpuModel, step: &Step, t: SpanTiming<'_>) -> SpanId {
+    let c = m.config();
+    let work = cost::total(
+        c,
+        &m.placement().shard,
+        m.num_layers(),
+        step,
+        m.weight_dtype(),
+        true,
+        true,
+    );
+    let dev = m.gpu().ordinal() as u32;
+    recorder.record_with(t.start, t.end, || {
+        let a = SpanAttrs::compute("forward", dev)
+            .flops(work.flops)
+            .bytes(work.bytes)
+            .family(KernelFamily::Matmul)
+            .kernels(work.kernels)
+            .blocks_of(c.hidden, m.placement().shard.world)
+            .head_part(cost::head_work(c, step.batch, m.weight_dtype()))
+            .device_us(t.device_us)
+            .after_all(t.deps);
+        match t.release_us {
+            Some(us) => a.not_before_us(us),
+            None => a,
+        }
+    })
 }
 
 impl Engine for SingleEngine {

@@ -128,7 +128,7 @@ pub struct GpuModel {
     wpe: Option<Tensor>,
     token_types: Option<Tensor>,
     embed_norm: Option<(Tensor, Tensor)>,
-    final_norm: Option<(Tensor, Option<Tensor>)>,
+    final_norm: Option<FinalNorm>,
     head: Option<Arc<VocabTable>>,
     rope: Option<(Tensor, Tensor)>,
 }
@@ -155,16 +155,7 @@ impl GpuModel {
         dtype: DType,
     ) -> Result<Self> {
         let config = weights.config.clone();
-        config.validate()?;
-        if let Some(t) = weights.packed {
-            crate::model::quant::check_packable(&config, t)?;
-        }
-        if placement.layers.end > config.layers || placement.layers.start > placement.layers.end {
-            return Err(WgparError::InvalidCall(format!(
-                "layers {:?} outside the model's {} layers",
-                placement.layers, config.layers
-            )));
-        }
+        check_upload(&config, weights, &placement)?;
         let layers = placement
             .layers
             .clone()
@@ -180,57 +171,9 @@ impl GpuModel {
             })
             .collect::<Result<Vec<_>>>()?;
         let decoder_head = placement.head && !config.is_encoder();
-        let table = (config.vocab, config.hidden);
-        let wte = if placement.embedding || (decoder_head && config.tied_head) {
-            Some(Arc::new(VocabTable::upload(
-                &gpu,
-                "wte",
-                &weights.wte,
-                table,
-                dtype,
-            )?))
-        } else {
-            None
-        };
-        let wpe = match (&weights.wpe, placement.embedding) {
-            (Some(p), true) => Some(gpu.upload_f32("wpe", p)?),
-            _ => None,
-        };
-        let embedding_part = |v: &Option<Vec<f32>>, what: &str| match (v, placement.embedding) {
-            (Some(v), true) => gpu.upload_f32(what, v).map(Some),
-            _ => Ok(None),
-        };
-        let token_types = embedding_part(&weights.token_types, "token_types")?;
-        let embed_norm = match (
-            embedding_part(&weights.embed_norm, "embed_norm")?,
-            embedding_part(&weights.embed_norm_bias, "embed_norm_bias")?,
-        ) {
-            (Some(g), Some(b)) => Some((g, b)),
-            (None, None) => None,
-            _ => {
-                return Err(WgparError::model(
-                    config.name.clone(),
-                    "embed_norm",
-                    "embedding norm needs both a scale and a shift".into(),
-                ))
-            }
-        };
+        let embed = EmbedParts::upload(&gpu, weights, &placement, dtype)?;
         let (final_norm, head) = if decoder_head {
-            let norm = (
-                gpu.upload_f32("final_norm", &weights.final_norm)?,
-                upload_opt(&gpu, "final_norm_bias", weights.final_norm_bias.as_ref())?,
-            );
-            let head = match (&weights.lm_head, &wte) {
-                (Some(h), _) => Arc::new(VocabTable::upload(&gpu, "lm_head", h, table, dtype)?),
-                (None, Some(wte)) => wte.clone(),
-                (None, None) => {
-                    return Err(WgparError::model(
-                        config.name.clone(),
-                        "lm_head",
-                        "tied head without an embedding".into(),
-                    ))
-                }
-            };
+            let (norm, head) = upload_head(&gpu, weights, embed.wte.as_ref(), dtype)?;
             (Some(norm), Some(head))
         } else {
             (None, None)
@@ -252,10 +195,10 @@ impl GpuModel {
             placement,
             weight_dtype: dtype,
             layers,
-            wte,
-            wpe,
-            token_types,
-            embed_norm,
+            wte: embed.wte,
+            wpe: embed.wpe,
+            token_types: embed.token_types,
+            embed_norm: embed.embed_norm,
             final_norm,
             head,
             rope,
@@ -293,7 +236,6 @@ impl GpuModel {
     pub fn activations(&self, tokens: usize, batch: usize) -> Result<Activations> {
         let g = &*self.gpu;
         let c = &self.config;
-        let s = &self.placement.shard;
         if batch == 0 {
             return Err(WgparError::Shape {
                 op: "activations".into(),
@@ -302,16 +244,67 @@ impl GpuModel {
         }
         // Whole rows per sequence, so that `tokens / batch` is a per-sequence capacity.
         let tokens = tokens.max(batch).div_ceil(batch) * batch;
+        let buf = self.alloc_buffers(tokens, batch)?;
+        let mut params = Params::new(g, "act.params", self.param_slots())?;
+        let rope = self.rope.as_ref().map(|(cos, sin)| RopeTables {
+            cos,
+            sin,
+            positions: c.max_seq,
+        });
+        let cx = BindContext {
+            config: c,
+            tokens,
+            batch,
+            rope,
+        };
+        let embed = self.bind_embedding(&mut params, &buf, (batch, tokens))?;
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| l.bind(g, &mut params, &buf, &cx))
+            .collect::<Result<Vec<_>>>()?;
+        let head = self.bind_head(&mut params, &buf, batch)?;
+        let pool = self.bind_pool(&mut params, &buf, (batch, tokens))?;
+        let tokens_out = self
+            .head
+            .is_some()
+            .then(|| Readback::new(g, "act.tokens_out", (2 * batch * 4) as u64))
+            .transpose()?;
+        Ok(Activations {
+            token: Arc::new(()),
+            tokens,
+            batch,
+            buf,
+            params,
+            embed,
+            layers,
+            head,
+            pool,
+            configured: None,
+            pick_configured: None,
+            pick: TokenPick::Greedy,
+            want_logits: false,
+            tokens_out,
+            logits_out: None,
+        })
+    }
+
+    /// The activation buffers for `tokens` rows of `batch` sequences; the length table starts
+    /// empty and the sequence table as row b in slot b, nothing cached, until a step writes
+    /// its own.
+    fn alloc_buffers(&self, tokens: usize, batch: usize) -> Result<Buffers> {
+        let g = &*self.gpu;
+        let c = &self.config;
+        let s = &self.placement.shard;
         let f32s = |what: &str, len: usize| g.empty(what, DType::F32, len);
         let d = c.head_dim;
         let lens = g.empty("act.lens", DType::U32, batch)?;
         g.write_u32(&lens, &vec![u32::MAX; batch])?;
-        // Until a step writes its own: row b in slot b, nothing cached.
         let seqs = g.empty("act.seqs", DType::U32, 2 * batch)?;
         let identity: Vec<u32> = (0..batch as u32).flat_map(|b| [b, 0]).collect();
         g.write_u32(&seqs, &identity)?;
         let decoder_head = self.head.is_some();
-        let buf = Buffers {
+        Ok(Buffers {
             x: f32s("act.x", tokens * c.hidden)?,
             h: f32s("act.h", tokens * c.hidden)?,
             q: f32s("act.q", tokens * s.local_heads() * d)?,
@@ -340,68 +333,38 @@ impl GpuModel {
                 .transpose()?,
             unused: f32s("act.unused", 1)?,
             hidden: c.hidden,
-        };
-        // Upper bound of the ops' params slots: a lookup per table block and the embedding
-        // norm, every layer, the head's two norms, matmul per table block and pick, pooling.
-        let blocks = |t: &Option<Arc<VocabTable>>| t.as_ref().map_or(0, |t| t.blocks().len());
-        let slots = blocks(&self.wte)
-            + 1
-            + self.layers.len() * layer::PARAM_SLOTS
-            + blocks(&self.head)
-            + 3
-            + 1;
-        let mut params = Params::new(g, "act.params", slots)?;
-        let rope = self.rope.as_ref().map(|(cos, sin)| RopeTables {
-            cos,
-            sin,
-            positions: c.max_seq,
-        });
-        let cx = BindContext {
-            config: c,
-            tokens,
-            batch,
-            rope,
-        };
-        let embed = self.bind_embedding(&mut params, &buf, (batch, tokens))?;
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| l.bind(g, &mut params, &buf, &cx))
-            .collect::<Result<Vec<_>>>()?;
-        let head = self.bind_head(&mut params, &buf, batch)?;
-        let pool = match &buf.pooled {
-            Some(pooled) => Some(Pool::bind(
-                g,
-                &mut params,
-                (&buf.x, &buf.lens, pooled),
-                (batch, tokens, c.hidden),
-                Pooling {
-                    first_token: c.pooling.mode == PoolMode::Cls,
-                    normalize: c.pooling.normalize,
-                },
-            )?),
-            None => None,
-        };
-        let tokens_out = decoder_head
-            .then(|| Readback::new(g, "act.tokens_out", (2 * batch * 4) as u64))
-            .transpose()?;
-        Ok(Activations {
-            token: Arc::new(()),
-            tokens,
-            batch,
-            buf,
-            params,
-            embed,
-            layers,
-            head,
-            pool,
-            configured: None,
-            pick_configured: None,
-            pick: TokenPick::Greedy,
-            want_logits: false,
-            tokens_out,
-            logits_out: None,
         })
+    }
+
+    /// Upper bound of the ops' params slots: a lookup per table block and the embedding norm,
+    /// every layer, the head's two norms, matmul per table block and pick, pooling.
+    fn param_slots(&self) -> usize {
+        let blocks = |t: &Option<Arc<VocabTable>>| t.as_ref().map_or(0, |t| t.blocks().len());
+        blocks(&self.wte) + 1 + self.layers.len() * layer::PARAM_SLOTS + blocks(&self.head) + 3 + 1
+    }
+
+    /// The encoder's pooling over `(batch, tokens)` rows, when this part holds it.
+    fn bind_pool(
+        &self,
+        params: &mut Params,
+        buf: &Buffers,
+        (batch, tokens): (usize, usize),
+    ) -> Result<Option<Pool>> {
+        let c = &self.config;
+        let Some(pooled) = &buf.pooled else {
+            return Ok(None);
+        };
+        Pool::bind(
+            &self.gpu,
+            params,
+            (&buf.x, &buf.lens, pooled),
+            (batch, tokens, c.hidden),
+            Pooling {
+                first_token: c.pooling.mode == PoolMode::Cls,
+                normalize: c.pooling.normalize,
+            },
+        )
+        .map(Some)
     }
 
     fn bind_embedding(
@@ -1038,6 +1001,114 @@ impl GpuModel {
 }
 
 /// A LayerNorm of scale `gamma` and shift `beta`.
+/// Refuses a model that fails validation, weights that cannot be packed as asked, and a layer
+/// range outside the model.
+fn check_upload(config: &ModelConfig, weights: &ModelWeights, placement: &Placement) -> Result<()> {
+    config.validate()?;
+    if let Some(t) = weights.packed {
+        crate::model::quant::check_packable(config, t)?;
+    }
+    if placement.layers.end > config.layers || placement.layers.start > placement.layers.end {
+        return Err(WgparError::InvalidCall(format!(
+            "layers {:?} outside the model's {} layers",
+            placement.layers, config.layers
+        )));
+    }
+    Ok(())
+}
+
+/// The embedding's tables on one device: the token table also where only a tied head needs
+/// it, the rest only where the placement holds the embedding.
+struct EmbedParts {
+    wte: Option<Arc<VocabTable>>,
+    wpe: Option<Tensor>,
+    token_types: Option<Tensor>,
+    embed_norm: Option<(Tensor, Tensor)>,
+}
+
+impl EmbedParts {
+    fn upload(
+        gpu: &Gpu,
+        weights: &ModelWeights,
+        placement: &Placement,
+        dtype: DType,
+    ) -> Result<Self> {
+        let config = &weights.config;
+        let decoder_head = placement.head && !config.is_encoder();
+        let table = (config.vocab, config.hidden);
+        let wte = if placement.embedding || (decoder_head && config.tied_head) {
+            Some(Arc::new(VocabTable::upload(
+                gpu,
+                "wte",
+                &weights.wte,
+                table,
+                dtype,
+            )?))
+        } else {
+            None
+        };
+        let wpe = match (&weights.wpe, placement.embedding) {
+            (Some(p), true) => Some(gpu.upload_f32("wpe", p)?),
+            _ => None,
+        };
+        let embedding_part = |v: &Option<Vec<f32>>, what: &str| match (v, placement.embedding) {
+            (Some(v), true) => gpu.upload_f32(what, v).map(Some),
+            _ => Ok(None),
+        };
+        let token_types = embedding_part(&weights.token_types, "token_types")?;
+        let embed_norm = match (
+            embedding_part(&weights.embed_norm, "embed_norm")?,
+            embedding_part(&weights.embed_norm_bias, "embed_norm_bias")?,
+        ) {
+            (Some(g), Some(b)) => Some((g, b)),
+            (None, None) => None,
+            _ => {
+                return Err(WgparError::model(
+                    config.name.clone(),
+                    "embed_norm",
+                    "embedding norm needs both a scale and a shift".into(),
+                ))
+            }
+        };
+        Ok(Self {
+            wte,
+            wpe,
+            token_types,
+            embed_norm,
+        })
+    }
+}
+
+/// A final norm's scale and, for a layer norm, its shift.
+type FinalNorm = (Tensor, Option<Tensor>);
+
+/// A decoder head's final norm and output table (`wte` when the head is tied to it).
+fn upload_head(
+    gpu: &Gpu,
+    weights: &ModelWeights,
+    wte: Option<&Arc<VocabTable>>,
+    dtype: DType,
+) -> Result<(FinalNorm, Arc<VocabTable>)> {
+    let config = &weights.config;
+    let table = (config.vocab, config.hidden);
+    let norm = (
+        gpu.upload_f32("final_norm", &weights.final_norm)?,
+        upload_opt(gpu, "final_norm_bias", weights.final_norm_bias.as_ref())?,
+    );
+    let head = match (&weights.lm_head, wte) {
+        (Some(h), _) => Arc::new(VocabTable::upload(gpu, "lm_head", h, table, dtype)?),
+        (None, Some(wte)) => wte.clone(),
+        (None, None) => {
+            return Err(WgparError::model(
+                config.name.clone(),
+                "lm_head",
+                "tied head without an embedding".into(),
+            ))
+        }
+    };
+    Ok((norm, head))
+}
+
 fn ops_norm_layer<'a>(gamma: &'a Tensor, beta: &'a Tensor) -> crate::kernels::ops::Norm<'a> {
     crate::kernels::ops::Norm::Layer { gamma, beta }
 }

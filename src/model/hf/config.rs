@@ -193,6 +193,100 @@ fn rope_scaling(keys: &Keys, value: &Value) -> Result<RopeScaling> {
     })
 }
 
+/// GPT-2's keys (`n_embd`, `n_head`, ...) over `base`.
+fn gpt2(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
+    if keys.bool_or("scale_attn_by_inverse_layer_idx", false)? {
+        return Err(keys.fail("scale_attn_by_inverse_layer_idx is not supported".into()));
+    }
+    let hidden = keys.usize("n_embd")?;
+    let heads = keys.usize("n_head")?;
+    Ok(ModelConfig {
+        vocab: keys.usize("vocab_size")?,
+        hidden,
+        layers: keys.usize("n_layer")?,
+        heads,
+        kv_heads: heads,
+        head_dim: hidden / heads.max(1),
+        ffn: keys.opt_usize("n_inner")?.unwrap_or(4 * hidden),
+        max_seq: keys.usize_of(&["n_positions", "n_ctx"])?,
+        norm_eps: keys.f32_or("layer_norm_epsilon", 1e-5)?,
+        tied_head: keys.bool_or("tie_word_embeddings", true)?,
+        activation: gelu_kind(keys, "activation_function", "gelu_new")?,
+        ..base
+    })
+}
+
+/// Llama-family keys (Llama, Mistral, Qwen2) over `base`.
+fn llama(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
+    let act = keys.str_or("hidden_act", "silu")?;
+    if act != "silu" {
+        return Err(keys.fail(format!("\"hidden_act\" is '{act}', only silu is supported")));
+    }
+    let rope_scaling = match keys.get("rope_scaling") {
+        None => None,
+        Some(v) => Some(rope_scaling(keys, v)?),
+    };
+    let hidden = keys.usize("hidden_size")?;
+    let heads = keys.usize("num_attention_heads")?;
+    let mut max_seq = keys.opt_usize("max_position_embeddings")?.unwrap_or(2048);
+    // A sliding window equals full attention up to the window's length, so the context
+    // is capped there. Mistral applies its window whenever it is set; Qwen2 only under
+    // "use_sliding_window" (false by default), as Hugging Face reads them.
+    let windowed_by_default = keys.str_or("model_type", "")? != "qwen2";
+    if keys.bool_or("use_sliding_window", windowed_by_default)? {
+        if let Some(window) = keys.opt_usize("sliding_window")? {
+            max_seq = max_seq.min(window);
+        }
+    }
+    Ok(ModelConfig {
+        vocab: keys.usize("vocab_size")?,
+        hidden,
+        layers: keys.usize("num_hidden_layers")?,
+        heads,
+        kv_heads: keys.opt_usize("num_key_value_heads")?.unwrap_or(heads),
+        head_dim: keys.opt_usize("head_dim")?.unwrap_or(hidden / heads.max(1)),
+        ffn: keys.usize("intermediate_size")?,
+        max_seq,
+        norm_eps: keys.f32_or("rms_norm_eps", 1e-6)?,
+        rope_theta: keys.f32_or("rope_theta", 10_000.0)?,
+        rope_scaling,
+        tied_head: keys.bool_or("tie_word_embeddings", false)?,
+        activation: Activation::Silu,
+        ..base
+    })
+}
+
+/// BERT's keys over `base`.
+fn bert(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
+    let kind = keys.str_or("position_embedding_type", "absolute")?;
+    if kind != "absolute" {
+        return Err(keys.fail(format!(
+            "\"position_embedding_type\" is '{kind}', only absolute is supported"
+        )));
+    }
+    let hidden = keys.usize("hidden_size")?;
+    let heads = keys.usize("num_attention_heads")?;
+    Ok(ModelConfig {
+        vocab: keys.usize("vocab_size")?,
+        hidden,
+        layers: keys.usize("num_hidden_layers")?,
+        heads,
+        kv_heads: heads,
+        head_dim: hidden / heads.max(1),
+        ffn: keys.usize("intermediate_size")?,
+        max_seq: keys.usize("max_position_embeddings")?,
+        norm_eps: keys.f32_or("layer_norm_eps", 1e-12)?,
+        tied_head: false,
+        activation: gelu_kind(keys, "hidden_act", "gelu")?,
+        type_vocab: keys.opt_usize("type_vocab_size")?.unwrap_or(2),
+        pooling: Pooling {
+            mode: PoolMode::Mean,
+            normalize: false,
+        },
+        ..base
+    })
+}
+
 /// Parses config.json (`file` is its path, for errors); `name` names the model.
 pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
     let json: Value = serde_json::from_str(text).map_err(|e| WgparError::Checkpoint {
@@ -211,94 +305,9 @@ pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
         ..ModelConfig::default_model()
     };
     let config = match arch {
-        Arch::Gpt2 => {
-            if keys.bool_or("scale_attn_by_inverse_layer_idx", false)? {
-                return Err(keys.fail("scale_attn_by_inverse_layer_idx is not supported".into()));
-            }
-            let hidden = keys.usize("n_embd")?;
-            let heads = keys.usize("n_head")?;
-            ModelConfig {
-                vocab: keys.usize("vocab_size")?,
-                hidden,
-                layers: keys.usize("n_layer")?,
-                heads,
-                kv_heads: heads,
-                head_dim: hidden / heads.max(1),
-                ffn: keys.opt_usize("n_inner")?.unwrap_or(4 * hidden),
-                max_seq: keys.usize_of(&["n_positions", "n_ctx"])?,
-                norm_eps: keys.f32_or("layer_norm_epsilon", 1e-5)?,
-                tied_head: keys.bool_or("tie_word_embeddings", true)?,
-                activation: gelu_kind(&keys, "activation_function", "gelu_new")?,
-                ..base
-            }
-        }
-        Arch::Llama => {
-            let act = keys.str_or("hidden_act", "silu")?;
-            if act != "silu" {
-                return Err(keys.fail(format!("\"hidden_act\" is '{act}', only silu is supported")));
-            }
-            let rope_scaling = match keys.get("rope_scaling") {
-                None => None,
-                Some(v) => Some(rope_scaling(&keys, v)?),
-            };
-            let hidden = keys.usize("hidden_size")?;
-            let heads = keys.usize("num_attention_heads")?;
-            let mut max_seq = keys.opt_usize("max_position_embeddings")?.unwrap_or(2048);
-            // A sliding window equals full attention up to the window's length, so the context
-            // is capped there. Mistral applies its window whenever it is set; Qwen2 only under
-            // "use_sliding_window" (false by default), as Hugging Face reads them.
-            let windowed_by_default = keys.str_or("model_type", "")? != "qwen2";
-            if keys.bool_or("use_sliding_window", windowed_by_default)? {
-                if let Some(window) = keys.opt_usize("sliding_window")? {
-                    max_seq = max_seq.min(window);
-                }
-            }
-            ModelConfig {
-                vocab: keys.usize("vocab_size")?,
-                hidden,
-                layers: keys.usize("num_hidden_layers")?,
-                heads,
-                kv_heads: keys.opt_usize("num_key_value_heads")?.unwrap_or(heads),
-                head_dim: keys.opt_usize("head_dim")?.unwrap_or(hidden / heads.max(1)),
-                ffn: keys.usize("intermediate_size")?,
-                max_seq,
-                norm_eps: keys.f32_or("rms_norm_eps", 1e-6)?,
-                rope_theta: keys.f32_or("rope_theta", 10_000.0)?,
-                rope_scaling,
-                tied_head: keys.bool_or("tie_word_embeddings", false)?,
-                activation: Activation::Silu,
-                ..base
-            }
-        }
-        Arch::Bert => {
-            let kind = keys.str_or("position_embedding_type", "absolute")?;
-            if kind != "absolute" {
-                return Err(keys.fail(format!(
-                    "\"position_embedding_type\" is '{kind}', only absolute is supported"
-                )));
-            }
-            let hidden = keys.usize("hidden_size")?;
-            let heads = keys.usize("num_attention_heads")?;
-            ModelConfig {
-                vocab: keys.usize("vocab_size")?,
-                hidden,
-                layers: keys.usize("num_hidden_layers")?,
-                heads,
-                kv_heads: heads,
-                head_dim: hidden / heads.max(1),
-                ffn: keys.usize("intermediate_size")?,
-                max_seq: keys.usize("max_position_embeddings")?,
-                norm_eps: keys.f32_or("layer_norm_eps", 1e-12)?,
-                tied_head: false,
-                activation: gelu_kind(&keys, "hidden_act", "gelu")?,
-                type_vocab: keys.opt_usize("type_vocab_size")?.unwrap_or(2),
-                pooling: Pooling {
-                    mode: PoolMode::Mean,
-                    normalize: false,
-                },
-                ..base
-            }
-        }
+        Arch::Gpt2 => gpt2(&keys, base)?,
+        Arch::Llama => llama(&keys, base)?,
+        Arch::Bert => bert(&keys, base)?,
     };
     if arch != Arch::Llama && config.heads > 0 && config.head_dim * config.heads != config.hidden {
         return Err(keys.fail(format!(
