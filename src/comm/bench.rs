@@ -653,19 +653,21 @@ impl BenchReport {
 
     /// The wrong-value count and average bus bandwidth that close the table.
     fn write_summary(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "# Out of bounds values : {} {}",
-            self.wrong_total,
-            if self.wrong_total == 0 {
-                "OK"
-            } else {
-                "FAILED"
-            }
-        )?;
-        writeln!(f, "# Avg bus bandwidth    : {:.4}", self.avg_busbw)?;
-        writeln!(f, "#")
+        write_nccl_summary(f, self.wrong_total, (self.avg_busbw, 4))
     }
+}
+
+/// The lines that close an nccl-tests style table: the wrong-value count (OK or FAILED) and
+/// the average bus bandwidth, with `decimals` digits.
+pub fn write_nccl_summary(
+    f: &mut fmt::Formatter<'_>,
+    wrong_total: u64,
+    (avg_busbw, decimals): (f64, usize),
+) -> fmt::Result {
+    let verdict = if wrong_total == 0 { "OK" } else { "FAILED" };
+    writeln!(f, "# Out of bounds values : {wrong_total} {verdict}")?;
+    writeln!(f, "# Avg bus bandwidth    : {avg_busbw:.decimals$}")?;
+    writeln!(f, "#")
 }
 
 /// The two header lines of the table: column names, then units.

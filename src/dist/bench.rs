@@ -354,17 +354,6 @@ impl fmt::Display for MpiBenchReport {
                 r.size, r.count, "float", "sum", r.chunks, r.time_us, r.algbw, r.busbw, r.wrong, r.p50_us, r.p99_us, r.floor_p50_us, r.mpi_p50_us, r.floor_ratio
             )?;
         }
-        writeln!(
-            f,
-            "# Out of bounds values : {} {}",
-            self.wrong_total,
-            if self.wrong_total == 0 {
-                "OK"
-            } else {
-                "FAILED"
-            }
-        )?;
-        writeln!(f, "# Avg bus bandwidth    : {:.3}", self.avg_busbw)?;
-        writeln!(f, "#")
+        crate::comm::bench::write_nccl_summary(f, self.wrong_total, (self.avg_busbw, 3))
     }
 }
