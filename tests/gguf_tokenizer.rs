@@ -108,9 +108,36 @@ fn assert_same_ids(reference: &TextTokenizer, mine: &TextTokenizer) {
             mine.decode(&want).unwrap(),
             reference.decode(&want).unwrap()
         );
+        assert_streams_as_decoded(mine, &want);
         compared += want.len();
     }
     assert!(compared > 50, "compared {compared} ids");
+}
+
+/// Streaming `ids` after each possible prompt gives, token by token, the text decoding the
+/// whole sequence gives after the prompt's text (its whole characters).
+fn assert_streams_as_decoded(tokenizer: &TextTokenizer, ids: &[u32]) {
+    for cut in 0..ids.len() {
+        let (prompt, rest) = ids.split_at(cut);
+        let mut stream = tokenizer.stream_after(prompt);
+        let mut text = String::new();
+        for &id in rest {
+            text += &tokenizer.step(&mut stream, id).unwrap();
+        }
+        text += &tokenizer.finish(&stream).unwrap();
+        // A prompt that ends inside a character: the character comes with the stream.
+        let whole = tokenizer.decode(ids).unwrap();
+        let before = (0..=prompt.len())
+            .rev()
+            .map(|k| tokenizer.decode(&prompt[..k]).unwrap())
+            .find(|t| !t.ends_with('\u{FFFD}'))
+            .unwrap();
+        assert_eq!(
+            Some(text.as_str()),
+            whole.strip_prefix(before.as_str()),
+            "{ids:?} after {cut}"
+        );
+    }
 }
 
 #[test]

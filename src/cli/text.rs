@@ -210,19 +210,17 @@ fn check_context(
 }
 
 /// Runs the prefill and up to `max_new` tokens (an end-of-sequence id stops earlier),
-/// printing the continuation as it grows, then the timings on stderr. Decoding prompt and
-/// continuation together keeps word boundaries right for tokenizers that mark spaces on the
-/// following token.
+/// printing the continuation as it grows, then the timings on stderr. Each token is decoded
+/// in the context of the ones before it, the prompt's included, which keeps word boundaries
+/// right for tokenizers that mark spaces on the following token.
 fn stream(engine: &mut dyn Engine, input: &Input, prompt: &str, max_new: usize) -> Result<()> {
     let (tokenizer, ids) = (&input.tokenizer, &input.ids);
     let eos = input.ckpt.eos_tokens();
     let start = Instant::now();
     let mut step = engine.prefill_step(std::slice::from_ref(ids), false)?;
     let prefill_s = start.elapsed().as_secs_f64();
-    let prompt_text = tokenizer.decode(ids)?;
     out!("{prompt}")?;
-    let mut all = ids.clone();
-    let mut printed = String::new();
+    let mut text = tokenizer.stream_after(ids);
     let decode_start = Instant::now();
     let mut generated = 0;
     loop {
@@ -230,20 +228,14 @@ fn stream(engine: &mut dyn Engine, input: &Input, prompt: &str, max_new: usize) 
         if eos.contains(&next) {
             break;
         }
-        all.push(next);
         generated += 1;
-        let full = tokenizer.decode(&all)?;
-        let continuation = full.strip_prefix(prompt_text.as_str()).unwrap_or(&full);
-        if let Some(new) = continuation.strip_prefix(printed.as_str()) {
-            out!("{new}")?;
-            printed = continuation.to_string();
-        }
+        out!("{}", tokenizer.step(&mut text, next)?)?;
         if generated == max_new {
             break;
         }
         step = engine.decode_step(&[next], false)?;
     }
-    outln!()?;
+    outln!("{}", tokenizer.finish(&text)?)?;
     let decode_s = decode_start.elapsed().as_secs_f64();
     eprintln!(
         "prefill {:.1} ms; {generated} tokens in {:.1} ms ({:.1} tokens/s)",

@@ -21,6 +21,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use super::api::{self, Params, Prompt};
 use super::batcher::{Event, Job};
 use super::{ServerOptions, Shared, TextModel};
+use crate::model::hf::TextStream;
 use crate::model::sampling::Sampler;
 
 /// What every handler sees.
@@ -283,9 +284,10 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
 
 /// Text of the generated tokens, grown token by token.
 struct Detok {
-    ids: Vec<u32>,
     prompt_len: usize,
-    prompt_text: String,
+    generated: usize,
+    /// Decodes each token in the context of the ones before it, the prompt's included.
+    stream: TextStream,
     /// The text sent so far.
     sent: String,
     /// The whole text so far (cut at a stop string): `sent` and what is held back.
@@ -294,45 +296,44 @@ struct Detok {
 
 impl Detok {
     fn new(text: &TextModel, prompt: Vec<u32>) -> Self {
-        let prompt_text = text.tokenizer.decode(&prompt).unwrap_or_default();
         Self {
             prompt_len: prompt.len(),
-            ids: prompt,
-            prompt_text,
+            generated: 0,
+            stream: text.tokenizer.stream_after(&prompt),
             sent: String::new(),
             text: String::new(),
         }
     }
 
     fn generated(&self) -> usize {
-        self.ids.len() - self.prompt_len
+        self.generated
     }
 
     /// Adds `token`; returns the text that may go out now and whether a stop string ended
     /// the request. Held back: a partial character, and a tail that could begin a stop string
     /// (so a client never sees part of one).
     fn push(&mut self, text: &TextModel, token: u32, stop: &[String]) -> (String, bool) {
-        self.ids.push(token);
-        // Decoding prompt and continuation together keeps word boundaries, as `run --prompt`.
-        let full = text.tokenizer.decode(&self.ids).unwrap_or_default();
-        self.text = full
-            .strip_prefix(self.prompt_text.as_str())
-            .unwrap_or(&full)
-            .to_string();
+        self.generated += 1;
+        // The prompt's tokens are the stream's context, which keeps word boundaries, as
+        // `run --prompt`; a partial character comes back empty until it is whole.
+        let new = (text.tokenizer.step(&mut self.stream, token)).unwrap_or_default();
+        self.text.push_str(&new);
         let stopped = api::stop_at(&self.text, stop);
         let ready = match stopped {
             Some(at) => {
                 self.text.truncate(at);
                 at
             }
-            None if self.text.ends_with('\u{FFFD}') => return (String::new(), false),
             None => self.text.len() - api::partial_stop(&self.text, stop),
         };
         (self.release(ready), stopped.is_some())
     }
 
-    /// The held-back rest, once the request has ended without a stop string.
-    fn flush(&mut self) -> String {
+    /// The held-back rest, once the request has ended without a stop string: a character the
+    /// last tokens left incomplete included (as U+FFFD).
+    fn flush(&mut self, text: &TextModel) -> String {
+        let rest = (text.tokenizer.finish(&self.stream)).unwrap_or_default();
+        self.text.push_str(&rest);
         self.release(self.text.len())
     }
 
@@ -409,7 +410,7 @@ async fn whole_response(mut out: Output, mut rx: UnboundedReceiver<Event>) -> Re
                 if eos {
                     finish = "stop";
                 }
-                out.detok.flush();
+                out.detok.flush(&out.text);
                 break;
             }
             Event::Error(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
@@ -469,9 +470,10 @@ fn stream_response(
                                 (d, false) => (d, None),
                             }
                         }
-                        Some(Event::Done { eos }) => {
-                            (out.detok.flush(), Some(if eos { "stop" } else { "length" }))
-                        }
+                        Some(Event::Done { eos }) => (
+                            out.detok.flush(&out.text),
+                            Some(if eos { "stop" } else { "length" }),
+                        ),
                         Some(Event::Error(e)) => {
                             let body = json!({"error": {"message": e, "type": "server_error", "code": 500}});
                             return Some((Ok(data(body)), (out, None, Phase::Over)));

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 pub use config::{HfConfig, SUPPORTED_TYPES};
 pub use tensors::TensorStore;
-pub use tokenizer::TextTokenizer;
+pub use tokenizer::{TextStream, TextTokenizer};
 
 use crate::error::{Result, WgparError};
 use crate::model::config::{Arch, ModelConfig, PoolMode, Pooling};

@@ -22,6 +22,15 @@ impl std::fmt::Debug for TextTokenizer {
     }
 }
 
+/// The state of a text stream ([`TextTokenizer::stream_after`]): the tokens still needed
+/// to decode the next one's text, and the text they already gave.
+#[derive(Debug, Clone)]
+pub struct TextStream {
+    ids: Vec<u32>,
+    prefix: String,
+    prefix_index: usize,
+}
+
 /// Says why `file` is not a tokenizer in the user's terms: not JSON (with the line and column),
 /// JSON that is not a `tokenizers` file (which sections are missing), or the crate's own
 /// message when the file has the right sections but a bad value.
@@ -175,5 +184,53 @@ impl TextTokenizer {
         self.inner
             .decode(ids, true)
             .map_err(|e| self.fail("decoding", e))
+    }
+
+    /// A text stream that continues after `context` (the prompt): [`Self::step`] then gives
+    /// the text each further token adds, as decoding context and continuation together
+    /// would (word boundaries included), while decoding only a few tokens per step. Where
+    /// the context ends inside a character, that character comes with the first tokens.
+    pub fn stream_after(&self, context: &[u32]) -> TextStream {
+        // The context's text, decoded once, is what the first tokens' text is cut from. A
+        // context that ends inside a character (a byte-level token, a byte fallback) is cut
+        // before that character's tokens, which then come out with the token completing it.
+        let mut whole = context.len();
+        let mut prefix = self.decode(context).unwrap_or_default();
+        while prefix.ends_with('\u{FFFD}') && whole > 0 && context.len() - whole < 8 {
+            whole -= 1;
+            prefix = self.decode(&context[..whole]).unwrap_or_default();
+        }
+        if prefix.ends_with('\u{FFFD}') {
+            (whole, prefix) = (0, String::new());
+        }
+        TextStream {
+            ids: context.to_vec(),
+            prefix_index: whole,
+            prefix,
+        }
+    }
+
+    /// The text `id` adds to `stream`: empty while the text ends inside a character (it
+    /// comes with a later token). Each step decodes a window of the last few tokens (the `tokenizers` crate's stream decoding), so a
+    /// generation costs time linear in its length, not quadratic.
+    pub fn step(&self, stream: &mut TextStream, id: u32) -> Result<String> {
+        let TextStream {
+            ids,
+            prefix,
+            prefix_index,
+        } = stream;
+        tokenizers::step_decode_stream(&self.inner, vec![id], true, ids, prefix, prefix_index)
+            .map(Option::unwrap_or_default)
+            .map_err(|e| self.fail("decoding", e))
+    }
+
+    /// What `stream` still holds back when it ends (a character its last tokens left
+    /// incomplete, decoded as U+FFFD), as decoding the whole sequence would show it.
+    pub fn finish(&self, stream: &TextStream) -> Result<String> {
+        let text = self.decode(&stream.ids)?;
+        Ok(text
+            .strip_prefix(stream.prefix.as_str())
+            .unwrap_or_default()
+            .to_string())
     }
 }
