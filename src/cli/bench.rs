@@ -1,9 +1,12 @@
 //! `wgpar bench ...`.
 
+use std::sync::Arc;
+
 use clap::{Args, Subcommand};
-use wgpar::device::Adapters;
+use wgpar::device::{open_devices, AdapterDesc, Adapters, DType, DeviceSelection, Gpu};
 use wgpar::kernels::bench::{bench_kernels, KernelBenchOptions};
 use wgpar::model::memory::Workload;
+use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::{Result, WgparError};
 
 use super::DeviceArgs;
@@ -28,49 +31,53 @@ pub enum BenchCommand {
     Serve(Box<super::bench_serve::ServeArgs>),
     /// Every matmul variant timed per shape (the winner is what autotuning picks, today's
     /// kernel beside it), attention prefill, and the other kernels' GB/s, per device.
-    Kernels {
-        #[command(flatten)]
-        devices: DeviceArgs,
-        /// Square matmul sizes (M = N = K); `--sizes=` for none.
-        #[arg(long, value_delimiter = ',', default_value = "256,512,1024")]
-        sizes: Vec<String>,
-        /// Further matmul shapes MxNxK (e.g. 1x14336x4096: decode GEMV, 1 row).
-        #[arg(long, value_delimiter = ',')]
-        shapes: Vec<String>,
-        /// Weight types: f32, f16 or both.
-        #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
-        dtypes: Vec<String>,
-        /// Only these matmul variants (today's kernel is always timed beside them).
-        #[arg(long, value_delimiter = ',')]
-        kernels: Vec<String>,
-        /// Also time the naive one-invocation-per-output matmul.
-        #[arg(long)]
-        naive: bool,
-        /// Attention prefill lengths to time (one sequence, 32 heads of 128).
-        #[arg(long, value_delimiter = ',')]
-        attention_prefill: Vec<usize>,
-        /// Skip the memory-bound kernels (norms, element-wise, embedding, short attention).
-        #[arg(long)]
-        no_others: bool,
-        /// Do not store each shape's winner in the tuning cache.
-        #[arg(long)]
-        no_save: bool,
-        /// The adapter's peak arithmetic rate, GFLOP/s: each rate is followed by its fraction.
-        #[arg(long)]
-        peak_gflops: Option<f64>,
-        /// The adapter's peak memory bandwidth, GB/s: each rate is followed by its fraction.
-        #[arg(long)]
-        peak_gbps: Option<f64>,
-        /// Timed samples per kernel (median reported).
-        #[arg(long, default_value_t = 3)]
-        iters: usize,
-        /// Untimed warm-up samples.
-        #[arg(long, default_value_t = 1)]
-        warmup: usize,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
-    },
+    Kernels(KernelsBenchArgs),
+}
+
+/// Options of `wgpar bench kernels`.
+#[derive(Args, Debug)]
+pub struct KernelsBenchArgs {
+    #[command(flatten)]
+    devices: DeviceArgs,
+    /// Square matmul sizes (M = N = K); `--sizes=` for none.
+    #[arg(long, value_delimiter = ',', default_value = "256,512,1024")]
+    sizes: Vec<String>,
+    /// Further matmul shapes MxNxK (e.g. 1x14336x4096: decode GEMV, 1 row).
+    #[arg(long, value_delimiter = ',')]
+    shapes: Vec<String>,
+    /// Weight types: f32, f16 or both.
+    #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
+    dtypes: Vec<String>,
+    /// Only these matmul variants (today's kernel is always timed beside them).
+    #[arg(long, value_delimiter = ',')]
+    kernels: Vec<String>,
+    /// Also time the naive one-invocation-per-output matmul.
+    #[arg(long)]
+    naive: bool,
+    /// Attention prefill lengths to time (one sequence, 32 heads of 128).
+    #[arg(long, value_delimiter = ',')]
+    attention_prefill: Vec<usize>,
+    /// Skip the memory-bound kernels (norms, element-wise, embedding, short attention).
+    #[arg(long)]
+    no_others: bool,
+    /// Do not store each shape's winner in the tuning cache.
+    #[arg(long)]
+    no_save: bool,
+    /// The adapter's peak arithmetic rate, GFLOP/s: each rate is followed by its fraction.
+    #[arg(long)]
+    peak_gflops: Option<f64>,
+    /// The adapter's peak memory bandwidth, GB/s: each rate is followed by its fraction.
+    #[arg(long)]
+    peak_gbps: Option<f64>,
+    /// Timed samples per kernel (median reported).
+    #[arg(long, default_value_t = 3)]
+    iters: usize,
+    /// Untimed warm-up samples.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 fn parse_shape(text: &str) -> Result<(usize, usize, usize)> {
@@ -143,28 +150,13 @@ pub struct PipelineBenchArgs {
     reps: usize,
 }
 
+/// `bench pipeline`: every (stages, micro-batches) pair checked to fit, then measured on
+/// virtual devices of the preferred adapter, one table row per phase and schedule.
 fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
-    use wgpar::device::{open_devices, DeviceSelection};
-    use wgpar::parallel::{bench_pipeline, PartitionSpec, PipelineBench, Schedule, Strategy};
     let config = args.model.config()?;
     check_pipeline_args(args)?;
-    let decode = args.phases.iter().any(|p| p == "decode");
     super::check_context(args.prompt_len, args.gen, &config)?;
-    let schedules: Vec<Schedule> = args
-        .schedules
-        .iter()
-        .filter_map(|s| Schedule::parse(s))
-        .collect();
-    let counts = args
-        .stages
-        .iter()
-        .map(|&p| {
-            args.micro_batches
-                .iter()
-                .map(|t| micro_batch_count(t, p))
-                .collect::<Result<Vec<_>>>()
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let counts = micro_batch_counts(args)?;
     let adapters = Adapters::discover()?;
     let max = args.stages.iter().copied().max().unwrap_or(1);
     let selection = DeviceSelection::Virtual {
@@ -173,17 +165,47 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
     };
     let selected = args.binding.described(&selection, &adapters)?;
     let dtype = args.model.dtype_for(&selected, false)?;
-    // Every (stages, micro-batches) pair, checked before a device opens.
-    let pipelines: Vec<(Strategy, usize, usize, usize)> = (args.stages.iter().zip(&counts))
+    check_pipelines_fit(args, &counts, (&config, dtype), &selected)?;
+    let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
+    let weights = args.model.weights(&config)?;
+    print_pipeline_header(args, &config, &gpus[0])?;
+    measure_pipelines(args, &counts, &gpus, (&weights, dtype))
+}
+
+/// The micro-batch counts of each stage count, `[stages][micro-batch option]`.
+fn micro_batch_counts(args: &PipelineBenchArgs) -> Result<Vec<Vec<usize>>> {
+    (args.stages.iter())
+        .map(|&p| {
+            (args.micro_batches.iter())
+                .map(|t| micro_batch_count(t, p))
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect()
+}
+
+/// The batch a run with `m` micro-batches measures: `--batch`, or `--per-microbatch` each.
+fn pipeline_batch(args: &PipelineBenchArgs, m: usize) -> usize {
+    args.batch.unwrap_or(args.per_microbatch * m)
+}
+
+/// Refuses, before a device opens, any (stages, micro-batches) pair whose run would not fit
+/// the `selected` devices.
+fn check_pipelines_fit(
+    args: &PipelineBenchArgs,
+    counts: &[Vec<usize>],
+    (config, dtype): (&ModelConfig, DType),
+    selected: &[AdapterDesc],
+) -> Result<()> {
+    use wgpar::parallel::{PartitionSpec, Schedule, Strategy};
+    let pipelines: Vec<(Strategy, usize, usize, usize)> = (args.stages.iter().zip(counts))
         .flat_map(|(&p, ms)| {
             ms.iter().map(move |&m| {
-                let batch = args.batch.unwrap_or(args.per_microbatch * m);
                 let strategy = Strategy::Pipeline {
                     partition: PartitionSpec::Even,
                     micro_batches: m,
                     schedule: Schedule::InFlight,
                 };
-                (strategy, p, batch, m)
+                (strategy, p, pipeline_batch(args, m), m)
             })
         })
         .collect();
@@ -199,32 +221,43 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
             },
         })
         .collect();
-    super::check_runs_fit(&config, dtype, &runs)?;
+    super::check_runs_fit(config, dtype, &runs)?;
     (args.memory).check_runs(
         &args.model,
-        (&config, dtype),
-        &args.binding.kv_dtypes(&selected, false),
+        (config, dtype),
+        &args.binding.kv_dtypes(selected, false),
         &runs,
-    )?;
-    let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
-    let weights = args.model.weights(&config)?;
-    print_pipeline_header(args, &config, &gpus[0])?;
-    for (&p, ms) in args.stages.iter().zip(&counts) {
+    )
+}
+
+/// Measures every (stages, micro-batches) pair on the first `p` of `gpus` and prints its rows.
+fn measure_pipelines(
+    args: &PipelineBenchArgs,
+    counts: &[Vec<usize>],
+    gpus: &[Arc<Gpu>],
+    (weights, dtype): (&ModelWeights, DType),
+) -> Result<()> {
+    use wgpar::parallel::{bench_pipeline, PipelineBench, Schedule};
+    let decode = args.phases.iter().any(|p| p == "decode");
+    let schedules: Vec<Schedule> = if decode {
+        (args.schedules.iter())
+            .filter_map(|s| Schedule::parse(s))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    for (&p, ms) in args.stages.iter().zip(counts) {
         for &m in ms {
             let bench = PipelineBench {
                 micro_batches: m,
-                batch: args.batch.unwrap_or(m * args.per_microbatch),
+                batch: pipeline_batch(args, m),
                 prompt_len: args.prompt_len,
                 gen: args.gen,
                 reps: args.reps,
                 prefill: args.phases.iter().any(|p| p == "prefill"),
-                schedules: if decode {
-                    schedules.clone()
-                } else {
-                    Vec::new()
-                },
+                schedules: schedules.clone(),
             };
-            for r in bench_pipeline(&gpus[..p], &weights, dtype, &bench)? {
+            for r in bench_pipeline(&gpus[..p], weights, dtype, &bench)? {
                 print_pipeline_row(&r, p, bench.batch)?;
             }
         }
@@ -322,95 +355,89 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Projection(args) => super::bench_projection::run(args),
         BenchCommand::Decode(args) => super::bench_decode::run(args),
         BenchCommand::Serve(args) => super::bench_serve::run(args),
-        BenchCommand::Kernels {
-            devices,
-            sizes,
-            shapes,
-            dtypes,
-            kernels,
-            naive,
-            attention_prefill,
-            no_others,
-            no_save,
-            peak_gflops,
-            peak_gbps,
-            iters,
-            warmup,
-            json,
-        } => {
-            if *iters == 0 {
-                return Err(WgparError::option(
-                    "--iters",
-                    "--iters must be at least 1".into(),
-                ));
-            }
-            let shapes = shapes
-                .iter()
-                .map(|s| parse_shape(s))
-                .collect::<Result<Vec<_>>>()?;
-            let sizes = sizes
-                .iter()
-                .filter(|s| !s.trim().is_empty())
-                .map(|s| match s.trim().parse::<usize>() {
-                    Ok(n) if n > 0 => Ok(n),
-                    _ => Err(WgparError::option(
-                        "--sizes",
-                        format!("--sizes {s}: expected a size of at least 1"),
-                    )),
-                })
-                .collect::<Result<Vec<_>>>()?;
-            for d in dtypes {
-                if d != "f32" && d != "f16" {
-                    return Err(WgparError::option(
-                        "--dtypes",
-                        format!("--dtypes {d}: expected f32 or f16"),
-                    ));
-                }
-            }
-            for p in [peak_gflops, peak_gbps].into_iter().flatten() {
-                if !(p.is_finite() && *p > 0.0) {
-                    return Err(WgparError::option(
-                        "--peak-gflops",
-                        format!("peak {p}: must be positive"),
-                    ));
-                }
-            }
-            let only = wgpar::kernels::tune::parse_forced("--kernels", &kernels.join(","))?;
-            let opts = KernelBenchOptions {
-                sizes,
-                shapes,
-                iters: *iters,
-                warmup: *warmup,
-                f32: dtypes.iter().any(|d| d == "f32"),
-                f16: dtypes.iter().any(|d| d == "f16"),
-                naive: *naive,
-                only,
-                others: !no_others,
-                attention_prefill: attention_prefill.clone(),
-                save: !no_save,
-                ..Default::default()
-            };
-            let adapters = Adapters::discover()?;
-            let gpus = devices.open(&adapters)?;
-            let mut all = Vec::new();
-            for gpu in &gpus {
-                let rows = bench_kernels(gpu, &opts)?;
-                if !json {
-                    print_kernel_rows(gpu, &rows, *peak_gflops, *peak_gbps)?;
-                }
-                all.push(serde_json::json!({ "device": gpu.describe(), "adapter": gpu.info(), "rows": rows }));
-            }
-            if *json {
-                let text =
-                    serde_json::to_string_pretty(&all).map_err(|source| WgparError::Json {
-                        what: "the kernel benchmark".into(),
-                        source,
-                    })?;
-                outln!("{text}")?;
-            }
-            Ok(())
-        }
+        BenchCommand::Kernels(args) => bench_kernels_on_devices(args),
     }
+}
+
+/// `bench kernels`: the options checked, then every selected device benchmarked in turn,
+/// printed as a table per device or as one JSON array.
+fn bench_kernels_on_devices(args: &KernelsBenchArgs) -> Result<()> {
+    let opts = kernel_options(args)?;
+    let adapters = Adapters::discover()?;
+    let gpus = args.devices.open(&adapters)?;
+    let mut all = Vec::new();
+    for gpu in &gpus {
+        let rows = bench_kernels(gpu, &opts)?;
+        if !args.json {
+            print_kernel_rows(gpu, &rows, args.peak_gflops, args.peak_gbps)?;
+        }
+        all.push(
+            serde_json::json!({ "device": gpu.describe(), "adapter": gpu.info(), "rows": rows }),
+        );
+    }
+    if args.json {
+        let text = serde_json::to_string_pretty(&all).map_err(|source| WgparError::Json {
+            what: "the kernel benchmark".into(),
+            source,
+        })?;
+        outln!("{text}")?;
+    }
+    Ok(())
+}
+
+/// `bench kernels`' options, checked before any device opens.
+fn kernel_options(args: &KernelsBenchArgs) -> Result<KernelBenchOptions> {
+    if args.iters == 0 {
+        return Err(WgparError::option(
+            "--iters",
+            "--iters must be at least 1".into(),
+        ));
+    }
+    let shapes = (args.shapes.iter())
+        .map(|s| parse_shape(s))
+        .collect::<Result<Vec<_>>>()?;
+    let sizes = (args.sizes.iter())
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| match s.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(WgparError::option(
+                "--sizes",
+                format!("--sizes {s}: expected a size of at least 1"),
+            )),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if let Some(d) = args.dtypes.iter().find(|d| *d != "f32" && *d != "f16") {
+        return Err(WgparError::option(
+            "--dtypes",
+            format!("--dtypes {d}: expected f32 or f16"),
+        ));
+    }
+    let peaks = [args.peak_gflops, args.peak_gbps];
+    if let Some(p) = peaks
+        .into_iter()
+        .flatten()
+        .find(|p| !(p.is_finite() && *p > 0.0))
+    {
+        return Err(WgparError::option(
+            "--peak-gflops",
+            format!("peak {p}: must be positive"),
+        ));
+    }
+    let only = wgpar::kernels::tune::parse_forced("--kernels", &args.kernels.join(","))?;
+    Ok(KernelBenchOptions {
+        sizes,
+        shapes,
+        iters: args.iters,
+        warmup: args.warmup,
+        f32: args.dtypes.iter().any(|d| d == "f32"),
+        f16: args.dtypes.iter().any(|d| d == "f16"),
+        naive: args.naive,
+        only,
+        others: !args.no_others,
+        attention_prefill: args.attention_prefill.clone(),
+        save: !args.no_save,
+        ..Default::default()
+    })
 }
 
 fn print_kernel_rows(

@@ -83,6 +83,42 @@ struct Output<'a> {
 /// Runs the benchmark.
 pub fn run(args: &ServeArgs) -> Result<()> {
     let config = args.model.config()?;
+    let spec = workload(args)?;
+    check_schedule(args)?;
+    check_lengths_fit(args, &config)?;
+    if let Some(url) = &args.url {
+        return run_http(args, url, &config, &spec);
+    }
+    let opts = serve_options(args)?;
+    create_trace_file(args)?;
+    let mut built = build(args, &config, &opts)?;
+    if !args.json {
+        print_header(&config, &spec, &opts, &built)?;
+    }
+    let recorder = Recorder::new().with_device_timing(DeviceTiming::Off);
+    let run = warm_then_measure(
+        args,
+        built.engine.as_mut(),
+        (&config, &spec, &opts),
+        &recorder,
+    )?;
+    let what = TraceMeta {
+        config: &config,
+        spec: &spec,
+        opts: &opts,
+        built: &built,
+    };
+    if let Some(path) = &args.trace {
+        write_trace(args.json, path, &recorder, &run, &what)?;
+    }
+    if args.json {
+        return print_json(&what, &run);
+    }
+    print_run(&run)
+}
+
+/// The workload the options describe, checked.
+fn workload(args: &ServeArgs) -> Result<WorkloadSpec> {
     let spec = WorkloadSpec {
         requests: args.requests,
         rate: args.rate,
@@ -92,6 +128,11 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     };
     spec.check()
         .map_err(|detail| WgparError::option("workload", detail))?;
+    Ok(spec)
+}
+
+/// Refuses `--schedule gpipe`, which has no place in continuous batching.
+fn check_schedule(args: &ServeArgs) -> Result<()> {
     if args.strategy.schedule() == Schedule::GPipe {
         return Err(WgparError::unsupported(
             "--schedule gpipe does not apply to serve: requests join and leave the running \
@@ -99,10 +140,23 @@ pub fn run(args: &ServeArgs) -> Result<()> {
                 .into(),
         ));
     }
-    check_lengths_fit(args, &config)?;
-    if let Some(url) = &args.url {
-        return run_http(args, url, &config, &spec);
+    Ok(())
+}
+
+/// Creates (or truncates) `--trace`'s file, so that a path that cannot be written fails now,
+/// not after the run.
+fn create_trace_file(args: &ServeArgs) -> Result<()> {
+    if let Some(path) = &args.trace {
+        std::fs::File::create(path).map_err(|source| WgparError::Io {
+            path: path.clone(),
+            source,
+        })?;
     }
+    Ok(())
+}
+
+/// The scheduler's limits, each at least 1.
+fn serve_options(args: &ServeArgs) -> Result<ServeOptions> {
     let opts = ServeOptions {
         max_batch: args.max_batch,
         max_prefill_tokens: args.max_prefill_tokens,
@@ -113,35 +167,43 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             "--max-batch and --max-prefill-tokens must be at least 1".into(),
         ));
     }
-    if let Some(path) = &args.trace {
-        // Fail now, not after the run: create (or truncate) the file it will be written to.
-        std::fs::File::create(path).map_err(|source| WgparError::Io {
-            path: path.clone(),
-            source,
-        })?;
-    }
-    let mut built = build(args, &config, &opts)?;
-    let engine = built.engine.as_mut();
-    if !args.json {
-        outln!(
-            "model {} ({} layers, hidden {}, {:?} weights); engine: {}",
-            config.name,
-            config.layers,
-            config.hidden,
-            built.dtype,
-            engine.name()
-        )?;
-        outln!(
-            "{} requests at {}, prompt {} tokens, output {} tokens, {} KV slots over {} lane(s)",
-            spec.requests,
-            spec.rate,
-            spec.prompt_len,
-            spec.output_len,
-            opts.max_batch,
-            engine.lanes()
-        )?;
-    }
-    // Untimed warm-up: every kernel compiled, the step shapes of a small batch allocated.
+    Ok(opts)
+}
+
+/// The two lines naming the model, the engine and the workload.
+fn print_header(
+    config: &wgpar::model::ModelConfig,
+    spec: &WorkloadSpec,
+    opts: &ServeOptions,
+    built: &Built,
+) -> Result<()> {
+    outln!(
+        "model {} ({} layers, hidden {}, {:?} weights); engine: {}",
+        config.name,
+        config.layers,
+        config.hidden,
+        built.dtype,
+        built.engine.name()
+    )?;
+    outln!(
+        "{} requests at {}, prompt {} tokens, output {} tokens, {} KV slots over {} lane(s)",
+        spec.requests,
+        spec.rate,
+        spec.prompt_len,
+        spec.output_len,
+        opts.max_batch,
+        built.engine.lanes()
+    )
+}
+
+/// An untimed warm-up (every kernel compiled, the step shapes of a small batch allocated),
+/// then the recorded run of the workload.
+fn warm_then_measure(
+    args: &ServeArgs,
+    engine: &mut dyn StepEngine,
+    (config, spec, opts): (&wgpar::model::ModelConfig, &WorkloadSpec, &ServeOptions),
+    recorder: &Recorder,
+) -> Result<ServeRun> {
     let warm: Vec<_> = WorkloadSpec {
         requests: (2 * engine.lanes()).clamp(2, args.requests),
         rate: Rate::Burst,
@@ -149,39 +211,24 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         ..spec.clone()
     }
     .generate(config.vocab);
-    serve(engine, &warm, &opts, Recorder::disabled(), &mut |_, _| {})?;
-    let recorder = Recorder::new().with_device_timing(DeviceTiming::Off);
-    let run = measured(
-        args,
-        engine,
-        (&spec.generate(config.vocab), &opts),
-        &recorder,
-    )?;
-    if let Some(path) = &args.trace {
-        let what = TraceMeta {
-            config: &config,
-            spec: &spec,
-            opts: &opts,
-            built: &built,
-        };
-        write_trace(args.json, path, &recorder, &run, &what)?;
-    }
-    if args.json {
-        let out = Output {
-            model: &config.name,
-            strategy: built.strategy.to_string(),
-            workload: &spec,
-            options: &opts,
-            run: &run,
-        };
-        let text = serde_json::to_string_pretty(&out).map_err(|source| WgparError::Json {
-            what: "the serving run".into(),
-            source,
-        })?;
-        outln!("{text}")?;
-        return Ok(());
-    }
-    print_run(&run)
+    serve(engine, &warm, opts, Recorder::disabled(), &mut |_, _| {})?;
+    measured(args, engine, (&spec.generate(config.vocab), opts), recorder)
+}
+
+/// The run as JSON: every request's outcome and the figures.
+fn print_json(what: &TraceMeta<'_>, run: &ServeRun) -> Result<()> {
+    let out = Output {
+        model: &what.config.name,
+        strategy: what.built.strategy.to_string(),
+        workload: what.spec,
+        options: what.opts,
+        run,
+    };
+    let text = serde_json::to_string_pretty(&out).map_err(|source| WgparError::Json {
+        what: "the serving run".into(),
+        source,
+    })?;
+    outln!("{text}")
 }
 
 /// The engine `bench serve` measures, with what it runs on.
@@ -282,7 +329,7 @@ fn measured(
     result
 }
 
-/// What a trace's metadata names.
+/// What the run measured: the names its trace's metadata and its JSON give.
 struct TraceMeta<'a> {
     config: &'a wgpar::model::ModelConfig,
     spec: &'a WorkloadSpec,

@@ -1,10 +1,13 @@
 //! `wgpar embed`: sentence embeddings from an encoder checkpoint, and the cosine similarity of
 //! every pair of texts.
 
+use std::path::Path;
+
 use clap::Args;
 use wgpar::device::Adapters;
 use wgpar::model::hf::Checkpoint;
-use wgpar::parallel::{Encoder, SingleEncoder};
+use wgpar::model::{EncoderInput, Pooling};
+use wgpar::parallel::{Embeddings, Encoder, SingleEncoder};
 use wgpar::{Result, WgparError};
 
 use super::{DeviceArgs, ModelArgs};
@@ -26,16 +29,30 @@ pub struct EmbedArgs {
 
 /// Embeds the texts and prints the vectors and their pairwise similarities.
 pub fn run(args: &EmbedArgs) -> Result<()> {
-    let dir = args.model.checkpoint_dir().ok_or_else(|| {
+    let dir = checkpoint_dir(args)?;
+    check_options(args)?;
+    let mut ckpt = Checkpoint::open(dir)?;
+    let inputs = tokenize(args, &mut ckpt)?;
+    let encoded = encode(args, &ckpt, &inputs)?;
+    print_embeddings(args, &inputs, &encoded)
+}
+
+/// `--model`, which must name an encoder's checkpoint folder.
+fn checkpoint_dir(args: &EmbedArgs) -> Result<&Path> {
+    args.model.checkpoint_dir().ok_or_else(|| {
         WgparError::option(
             "--model",
             format!(
-            "embed needs --model DIR, an encoder's Hugging Face folder (e.g. all-MiniLM-L6-v2); \
-             '{}' is not a folder",
-            args.model.model
-        ),
+                "embed needs --model DIR, an encoder's Hugging Face folder (e.g. \
+                 all-MiniLM-L6-v2); '{}' is not a folder",
+                args.model.model
+            ),
         )
-    })?;
+    })
+}
+
+/// Refuses more than one device and a `--max-seq` outside the supported contexts.
+fn check_options(args: &EmbedArgs) -> Result<()> {
     let selected = match (&args.devices.virtual_count, &args.devices.devices) {
         (Some(n), _) => *n,
         (None, Some(list)) => list.split(',').count(),
@@ -53,7 +70,12 @@ pub fn run(args: &EmbedArgs) -> Result<()> {
             format!("--max-seq must be within 1..={}", super::MAX_CONTEXT),
         ));
     }
-    let mut ckpt = Checkpoint::open(dir)?;
+    Ok(())
+}
+
+/// The texts as encoder inputs, once the checkpoint is known to be an encoder and every
+/// text fits `--max-seq`; the checkpoint's context is then cut to the longest text.
+fn tokenize(args: &EmbedArgs, ckpt: &mut Checkpoint) -> Result<Vec<EncoderInput>> {
     if !ckpt.config().is_encoder() {
         return Err(WgparError::unsupported(format!(
             "model '{}' is a decoder ({:?}): use `wgpar run --prompt`",
@@ -79,20 +101,47 @@ pub fn run(args: &EmbedArgs) -> Result<()> {
         ));
     }
     ckpt.limit_context(longest.clamp(1, ckpt.max_context()))?;
+    Ok(inputs)
+}
+
+/// What `embed` prints: the embeddings and how they were made.
+struct Encoded {
+    /// The checkpoint's model name.
+    model: String,
+    /// The encoder's description.
+    engine: String,
+    pooling: Pooling,
+    embeddings: Embeddings,
+}
+
+/// Loads the weights onto the device and encodes `inputs` in one batch.
+fn encode(args: &EmbedArgs, ckpt: &Checkpoint, inputs: &[EncoderInput]) -> Result<Encoded> {
     let weights = ckpt.weights(true)?;
     let adapters = Adapters::discover()?;
     let gpus = args.devices.open(&adapters)?;
     let dtype = args.model.dtype(&gpus)?;
     let mut encoder = SingleEncoder::new(gpus[0].clone(), &weights, dtype)?;
     let pooling = weights.config.pooling;
+    // The encoder holds its own copy on the device; the host copy is no longer needed.
     drop(weights);
-    let e = encoder.encode(&inputs)?;
+    let embeddings = encoder.encode(inputs)?;
+    Ok(Encoded {
+        model: ckpt.config().name.clone(),
+        engine: encoder.name(),
+        pooling,
+        embeddings,
+    })
+}
+
+/// The summary line (on stderr), each text's vector, and every pair's cosine similarity.
+fn print_embeddings(args: &EmbedArgs, inputs: &[EncoderInput], encoded: &Encoded) -> Result<()> {
+    let e = &encoded.embeddings;
     eprintln!(
         "model {} on {}: {:?} pooling{}, {} values per text",
-        ckpt.config().name,
-        encoder.name(),
-        pooling.mode,
-        if pooling.normalize {
+        encoded.model,
+        encoded.engine,
+        encoded.pooling.mode,
+        if encoded.pooling.normalize {
             ", L2-normalised"
         } else {
             ""

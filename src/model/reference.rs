@@ -208,6 +208,20 @@ fn apply_rope(
     }
 }
 
+/// The logits of a sequence's last position: final norm, then the head.
+fn last_logits(w: &ModelWeights, x_seq: &[Vec<f64>]) -> Vec<f32> {
+    let cfg = &w.config;
+    let last = &x_seq[x_seq.len() - 1];
+    let n = layer_norm(
+        last,
+        &w.final_norm,
+        w.final_norm_bias.as_deref(),
+        cfg.norm_eps,
+    );
+    let out = linear(&n, w.head(), None, cfg.vocab, cfg.hidden);
+    out.into_iter().map(|v| v as f32).collect()
+}
+
 impl<'a> CpuReference<'a> {
     /// A reference model over `weights` with an empty cache. Matrices held in a file's blocks
     /// alone are dequantized into a copy once, here.
@@ -301,8 +315,32 @@ impl<'a> CpuReference<'a> {
     /// slot `s` continues from [`past(s)`](Self::past)); returns each row's last-position
     /// logits.
     pub fn step(&mut self, rows: &[(usize, &[u32])]) -> Result<Vec<Vec<f32>>> {
+        self.check_rows(rows)?;
         let w = Arc::clone(&self.weights);
         let cfg = &w.config;
+        let rope = (cfg.arch == Arch::Llama).then(|| rope_tables(cfg, cfg.max_seq));
+        // Layers run position by position within a sequence; causality comes from the cache
+        // holding only positions up to the current one.
+        let mut xs = self.embed_rows(&w, rows);
+        for (l, layer) in w.layers.iter().enumerate() {
+            for (&(slot, _), x_seq) in rows.iter().zip(xs.iter_mut()) {
+                for (i, x) in x_seq.iter_mut().enumerate() {
+                    let pos = self.past[slot] + i;
+                    self.layer_step(l, layer, slot, pos, x, rope.as_ref());
+                }
+            }
+        }
+        let logits = xs.iter().map(|x_seq| last_logits(&w, x_seq)).collect();
+        for &(slot, tokens) in rows {
+            self.past[slot] += tokens.len();
+        }
+        Ok(logits)
+    }
+
+    /// Refuses, row by row, a slot that is not distinct, an empty row, a token outside the
+    /// vocabulary and a row that would overflow its slot's context.
+    fn check_rows(&self, rows: &[(usize, &[u32])]) -> Result<()> {
+        let cfg = &self.weights.config;
         for (i, &(slot, tokens)) in rows.iter().enumerate() {
             let bad = |detail: String| {
                 Err(WgparError::Shape {
@@ -334,13 +372,14 @@ impl<'a> CpuReference<'a> {
                 ));
             }
         }
-        let h = cfg.hidden;
-        let rope = (cfg.arch == Arch::Llama).then(|| rope_tables(cfg, cfg.max_seq));
-        let mut logits = Vec::with_capacity(rows.len());
-        // Layers run position by position within a sequence; causality comes from the cache
-        // holding only positions up to the current one.
-        let mut xs: Vec<Vec<Vec<f64>>> = rows
-            .iter()
+        Ok(())
+    }
+
+    /// Each row's token embeddings (plus learned positions, continuing from its slot's past),
+    /// `[row][position][hidden]`.
+    fn embed_rows(&self, w: &ModelWeights, rows: &[(usize, &[u32])]) -> Vec<Vec<Vec<f64>>> {
+        let h = w.config.hidden;
+        rows.iter()
             .map(|&(slot, seq_tokens)| {
                 seq_tokens
                     .iter()
@@ -359,30 +398,7 @@ impl<'a> CpuReference<'a> {
                     })
                     .collect()
             })
-            .collect();
-        for (l, layer) in w.layers.iter().enumerate() {
-            for (&(slot, _), x_seq) in rows.iter().zip(xs.iter_mut()) {
-                for (i, x) in x_seq.iter_mut().enumerate() {
-                    let pos = self.past[slot] + i;
-                    self.layer_step(l, layer, slot, pos, x, rope.as_ref());
-                }
-            }
-        }
-        for x_seq in &xs {
-            let last = &x_seq[x_seq.len() - 1];
-            let n = layer_norm(
-                last,
-                &w.final_norm,
-                w.final_norm_bias.as_deref(),
-                cfg.norm_eps,
-            );
-            let out = linear(&n, w.head(), None, cfg.vocab, h);
-            logits.push(out.into_iter().map(|v| v as f32).collect());
-        }
-        for &(slot, tokens) in rows {
-            self.past[slot] += tokens.len();
-        }
-        Ok(logits)
+            .collect()
     }
 
     fn layer_step(

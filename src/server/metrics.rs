@@ -8,7 +8,7 @@ use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 use super::batcher::Job;
 
@@ -51,10 +51,9 @@ impl Default for Metrics {
 impl Metrics {
     /// Fresh metrics, registered under the `wgpar` prefix.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("wgpar");
         let latency = || Histogram::new(exponential_buckets(0.001, 2.0, 18));
-        let m = Self {
-            registry: Registry::default(),
+        let mut m = Self {
+            registry: Registry::with_prefix("wgpar"),
             running: Gauge::default(),
             waiting: Gauge::default(),
             kv_slots_used: Gauge::default(),
@@ -70,74 +69,103 @@ impl Metrics {
             tpot: latency(),
             e2e: latency(),
         };
-        let r = &mut registry;
-        r.register(
-            "num_requests_running",
-            "Requests in the running batches",
-            m.running.clone(),
-        );
-        r.register(
-            "num_requests_waiting",
-            "Requests waiting for a KV slot",
-            m.waiting.clone(),
-        );
-        r.register(
-            "kv_slots_used",
-            "KV slots holding a sequence",
-            m.kv_slots_used.clone(),
-        );
-        r.register("kv_slots", "KV slots reserved", m.kv_slots.clone());
-        r.register(
-            "prompt_tokens",
-            "Prompt tokens of accepted requests",
-            m.prompt_tokens.clone(),
-        );
-        r.register(
-            "generation_tokens",
-            "Tokens generated",
-            m.generation_tokens.clone(),
-        );
-        r.register(
-            "requests_finished",
-            "Requests that got their tokens",
-            m.finished.clone(),
-        );
-        r.register(
-            "requests_cancelled",
-            "Requests whose client left",
-            m.cancelled.clone(),
-        );
-        r.register(
-            "requests_rejected",
-            "Requests refused (4xx, 503)",
-            m.rejected.clone(),
-        );
-        r.register(
-            "bubble_ratio",
-            "Pipeline bubble share of device time",
-            m.bubble.clone(),
-        );
-        r.register(
-            "communication_ratio",
-            "Communication share of device time",
-            m.communication.clone(),
-        );
-        r.register(
-            "time_to_first_token_seconds",
-            "Time to first token",
-            m.ttft.clone(),
-        );
-        r.register(
-            "time_per_output_token_seconds",
-            "Time per output token after the first",
-            m.tpot.clone(),
-        );
-        r.register(
-            "e2e_request_latency_seconds",
-            "End-to-end request latency",
-            m.e2e.clone(),
-        );
-        Self { registry, ..m }
+        m.register_all();
+        m
+    }
+
+    /// Registers every metric under its vLLM-style name, in the order the exposition lists
+    /// them: the gauges, the counters, the ratios, then the latency histograms.
+    fn register_all(&mut self) {
+        self.register_counts();
+        self.register_shares_and_latencies();
+    }
+
+    /// The request and KV slot gauges, then the token and request counters.
+    fn register_counts(&mut self) {
+        let r = &mut self.registry;
+        let gauges = [
+            (
+                "num_requests_running",
+                "Requests in the running batches",
+                &self.running,
+            ),
+            (
+                "num_requests_waiting",
+                "Requests waiting for a KV slot",
+                &self.waiting,
+            ),
+            (
+                "kv_slots_used",
+                "KV slots holding a sequence",
+                &self.kv_slots_used,
+            ),
+            ("kv_slots", "KV slots reserved", &self.kv_slots),
+        ];
+        register_each(r, gauges);
+        let counters = [
+            (
+                "prompt_tokens",
+                "Prompt tokens of accepted requests",
+                &self.prompt_tokens,
+            ),
+            (
+                "generation_tokens",
+                "Tokens generated",
+                &self.generation_tokens,
+            ),
+            (
+                "requests_finished",
+                "Requests that got their tokens",
+                &self.finished,
+            ),
+            (
+                "requests_cancelled",
+                "Requests whose client left",
+                &self.cancelled,
+            ),
+            (
+                "requests_rejected",
+                "Requests refused (4xx, 503)",
+                &self.rejected,
+            ),
+        ];
+        register_each(r, counters);
+    }
+
+    /// The bubble and communication shares, then the latency histograms.
+    fn register_shares_and_latencies(&mut self) {
+        let r = &mut self.registry;
+        let ratios = [
+            (
+                "bubble_ratio",
+                "Pipeline bubble share of device time",
+                &self.bubble,
+            ),
+            (
+                "communication_ratio",
+                "Communication share of device time",
+                &self.communication,
+            ),
+        ];
+        register_each(r, ratios);
+        let latencies = [
+            (
+                "time_to_first_token_seconds",
+                "Time to first token",
+                &self.ttft,
+            ),
+            (
+                "time_per_output_token_seconds",
+                "Time per output token after the first",
+                &self.tpot,
+            ),
+            (
+                "e2e_request_latency_seconds",
+                "End-to-end request latency",
+                &self.e2e,
+            ),
+        ];
+        register_each(r, latencies);
     }
 
     /// A request's first token.
@@ -161,5 +189,15 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = encode(&mut text, &self.registry);
         text
+    }
+}
+
+/// Registers a handle to each metric (a clone shares the value) under its name and help text.
+fn register_each<M: Metric + Clone, const N: usize>(
+    registry: &mut Registry,
+    metrics: [(&str, &str, &M); N],
+) {
+    for (name, help, metric) in metrics {
+        registry.register(name, help, metric.clone());
     }
 }

@@ -36,56 +36,10 @@ fn layer_norm(r: &Reader, prefix: &str, h: usize, what: &str) -> Result<(Vec<f32
 
 /// Reads a BERT checkpoint's weights; positions beyond `config.max_seq` are dropped.
 pub fn load(r: &Reader, config: &ModelConfig, positions: usize) -> Result<ModelWeights> {
-    let (h, f) = (config.hidden, config.ffn);
-    let mut layers = Vec::with_capacity(config.layers);
-    for i in 0..config.layers {
-        let p = |part: &str| format!("encoder.layer.{i}.{part}");
-        let what = |part: &str| format!("layer {i} {part}");
-        let linear = |name: &str, rows: usize, cols: usize, part: &str| -> Result<_> {
-            Ok((
-                r.tensor(&p(&format!("{name}.weight")), &[rows, cols], &what(part))?,
-                Some(r.tensor(
-                    &p(&format!("{name}.bias")),
-                    &[rows],
-                    &what(&format!("{part} bias")),
-                )?),
-            ))
-        };
-        let (wq, bq) = linear("attention.self.query", h, h, "query projection")?;
-        let (wk, bk) = linear("attention.self.key", h, h, "key projection")?;
-        let (wv, bv) = linear("attention.self.value", h, h, "value projection")?;
-        let (wo, bo) = linear("attention.output.dense", h, h, "attention output")?;
-        let (w_up, b_up) = linear("intermediate.dense", f, h, "MLP up projection")?;
-        let (w_down, b_down) = linear("output.dense", h, f, "MLP down projection")?;
-        let (attn_norm, attn_shift) = layer_norm(
-            r,
-            &p("attention.output.LayerNorm"),
-            h,
-            &what("attention LayerNorm"),
-        )?;
-        let (mlp_norm, mlp_shift) =
-            layer_norm(r, &p("output.LayerNorm"), h, &what("MLP LayerNorm"))?;
-        layers.push(LayerWeights {
-            attn_norm,
-            attn_norm_bias: Some(attn_shift),
-            wq,
-            wk,
-            wv,
-            bq,
-            bk,
-            bv,
-            wo,
-            bo,
-            mlp_norm,
-            mlp_norm_bias: Some(mlp_shift),
-            w_gate: None,
-            w_up,
-            b_up,
-            w_down,
-            b_down,
-            blocks: Default::default(),
-        });
-    }
+    let layers = (0..config.layers)
+        .map(|i| load_layer(r, config, i))
+        .collect::<Result<Vec<_>>>()?;
+    let h = config.hidden;
     let mut wpe = r.tensor(
         "embeddings.position_embeddings.weight",
         &[positions, h],
@@ -114,5 +68,55 @@ pub fn load(r: &Reader, config: &ModelConfig, positions: usize) -> Result<ModelW
         final_norm_bias: None,
         lm_head: None,
         packed: None,
+    })
+}
+
+/// Encoder layer `i`: its six biased linears, then its two LayerNorms.
+fn load_layer(r: &Reader, config: &ModelConfig, i: usize) -> Result<LayerWeights> {
+    let (h, f) = (config.hidden, config.ffn);
+    let p = |part: &str| format!("encoder.layer.{i}.{part}");
+    let what = |part: &str| format!("layer {i} {part}");
+    let linear = |name: &str, rows: usize, cols: usize, part: &str| -> Result<_> {
+        Ok((
+            r.tensor(&p(&format!("{name}.weight")), &[rows, cols], &what(part))?,
+            Some(r.tensor(
+                &p(&format!("{name}.bias")),
+                &[rows],
+                &what(&format!("{part} bias")),
+            )?),
+        ))
+    };
+    let (wq, bq) = linear("attention.self.query", h, h, "query projection")?;
+    let (wk, bk) = linear("attention.self.key", h, h, "key projection")?;
+    let (wv, bv) = linear("attention.self.value", h, h, "value projection")?;
+    let (wo, bo) = linear("attention.output.dense", h, h, "attention output")?;
+    let (w_up, b_up) = linear("intermediate.dense", f, h, "MLP up projection")?;
+    let (w_down, b_down) = linear("output.dense", h, f, "MLP down projection")?;
+    let (attn_norm, attn_shift) = layer_norm(
+        r,
+        &p("attention.output.LayerNorm"),
+        h,
+        &what("attention LayerNorm"),
+    )?;
+    let (mlp_norm, mlp_shift) = layer_norm(r, &p("output.LayerNorm"), h, &what("MLP LayerNorm"))?;
+    Ok(LayerWeights {
+        attn_norm,
+        attn_norm_bias: Some(attn_shift),
+        wq,
+        wk,
+        wv,
+        bq,
+        bk,
+        bv,
+        wo,
+        bo,
+        mlp_norm,
+        mlp_norm_bias: Some(mlp_shift),
+        w_gate: None,
+        w_up,
+        b_up,
+        w_down,
+        b_down,
+        blocks: Default::default(),
     })
 }
