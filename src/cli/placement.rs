@@ -109,7 +109,7 @@ impl AutoPlacement {
         if !self.split || !matches!(strategy, Strategy::Tensor { .. }) {
             return Ok(strategy);
         }
-        let costs = measure_stage_costs(gpus, weights, dtype, work.batch, work.prompt, 3)?;
+        let costs = measure_stage_costs(gpus, weights, dtype, work.batch, work.prompt, 7)?;
         let layer_s: Vec<f64> = costs.iter().map(|c| c.layer_s).collect();
         let caps = (self.caps.as_deref())
             .map(|text| parse_caps(text, gpus.len()))
