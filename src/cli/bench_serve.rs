@@ -90,7 +90,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         return run_http(args, url, &config, &spec);
     }
     let opts = serve_options(args)?;
-    create_trace_file(args)?;
+    super::create_trace_file(args.trace.as_ref())?;
     let mut built = build(args, &config, &opts)?;
     if !args.json {
         print_header(&config, &spec, &opts, &built)?;
@@ -139,18 +139,6 @@ fn check_schedule(args: &ServeArgs) -> Result<()> {
              batch at every token"
                 .into(),
         ));
-    }
-    Ok(())
-}
-
-/// Creates (or truncates) `--trace`'s file, so that a path that cannot be written fails now,
-/// not after the run.
-fn create_trace_file(args: &ServeArgs) -> Result<()> {
-    if let Some(path) = &args.trace {
-        std::fs::File::create(path).map_err(|source| WgparError::Io {
-            path: path.clone(),
-            source,
-        })?;
     }
     Ok(())
 }

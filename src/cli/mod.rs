@@ -139,6 +139,18 @@ fn check_writable_dir(dir: &Path, shown: &Path) -> Result<()> {
     std::fs::remove_file(&probe).map_err(io)
 }
 
+/// Creates (or truncates) the trace file `path` names, if any, so that a path that cannot be
+/// written fails before the work rather than after it.
+fn create_trace_file(path: Option<&String>) -> Result<()> {
+    if let Some(path) = path {
+        std::fs::File::create(path).map_err(|source| WgparError::Io {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
 /// Checks, before the work, that file `path` can be written: its folder takes a file, and an
 /// existing `path` opens for writing. Nothing is truncated or left behind.
 fn check_writable_file(path: &Path) -> Result<()> {

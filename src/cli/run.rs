@@ -439,13 +439,7 @@ fn planned_fault(
 
 /// The files the run will write (`--trace`, `--logits-out`), checked now rather than after it.
 fn check_outputs(args: &RunArgs) -> Result<()> {
-    if let Some(path) = &args.trace {
-        // Create (or truncate) the file it will be written to.
-        std::fs::File::create(path).map_err(|source| WgparError::Io {
-            path: path.clone(),
-            source,
-        })?;
-    }
+    super::create_trace_file(args.trace.as_ref())?;
     if let Some(path) = &args.logits_out {
         super::check_writable_file(std::path::Path::new(path))?;
     }
