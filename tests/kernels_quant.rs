@@ -101,3 +101,47 @@ fn default_choice_runs_without_bias_and_refuses_broken_rows() {
     let e = PackedMatrix::upload(&gpu, "w", QuantType::Q8_0, &packed[1..], (n, k)).unwrap_err();
     assert!(e.to_string().contains("bytes for 33 rows"), "{e}");
 }
+
+#[test]
+fn decode_rows_take_the_tuned_or_the_forced_variant() {
+    use wgpar::kernels::quant::choose_quant;
+    use wgpar::kernels::tune::{self, TuneMode, TuneSettings};
+    let settings = |mode, forced: &[&str]| TuneSettings {
+        mode,
+        forced: forced.iter().map(|s| s.to_string()).collect(),
+        cache_dir: None,
+    };
+    let (q4k, decode) = (QuantType::Q4K, (3, 40, 256));
+    // Timed on this adapter (in memory only): one of Q4_K's variants, kept for the device.
+    tune::configure(settings(TuneMode::Retune, &[]));
+    let gpu = common::gpus(1).remove(0);
+    let tuned = choose_quant(&gpu, q4k, decode).unwrap();
+    assert!(QUANT_VARIANTS.iter().any(|v| std::ptr::eq(v, tuned)) && tuned.qtype == q4k);
+    assert!(std::ptr::eq(
+        choose_quant(&gpu, q4k, decode).unwrap(),
+        tuned
+    ));
+    // Forced by name, as WGPAR_KERNELS does: decode rows take it, prefill rows the GEMM, and
+    // another type's variants are not taken.
+    assert!(tune::parse_forced("WGPAR_KERNELS", "qgemv128_q4_k,qgemm_q8_0").is_ok());
+    tune::configure(settings(TuneMode::Auto, &["qgemv128_q4_k"]));
+    let forced = common::gpus(1).remove(0);
+    assert_eq!(
+        choose_quant(&forced, q4k, decode).unwrap().name,
+        "qgemv128_q4_k"
+    );
+    assert_eq!(
+        choose_quant(&forced, q4k, (9, 40, 256)).unwrap().name,
+        "qgemm_q4_k"
+    );
+    let q8 = choose_quant(&forced, QuantType::Q8_0, (3, 40, 64)).unwrap();
+    assert_eq!(q8.qtype, QuantType::Q8_0);
+    // Tuning off: the fixed default, the GEMV with 64 invocations.
+    tune::configure(settings(TuneMode::Off, &[]));
+    let fixed = common::gpus(1).remove(0);
+    assert_eq!(
+        choose_quant(&fixed, QuantType::Q6K, decode).unwrap().name,
+        "qgemv64_q6_k"
+    );
+    tune::configure(TuneSettings::from_env().unwrap());
+}

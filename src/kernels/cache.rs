@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use super::quant::{QuantClass, QuantVariant};
 use super::variants::{Class, Variant};
 use super::{BindingKind, Family, WeightType};
 
@@ -34,6 +35,7 @@ pub struct KernelCache {
     layouts: Mutex<HashMap<&'static [BindingKind], wgpu::BindGroupLayout>>,
     modules: Mutex<HashMap<(Family, WeightType), wgpu::ShaderModule>>,
     choices: Mutex<HashMap<Class, &'static Variant>>,
+    quant_choices: Mutex<HashMap<QuantClass, &'static QuantVariant>>,
 }
 
 impl KernelCache {
@@ -102,6 +104,18 @@ impl KernelCache {
     }
 
     /// Records the variant chosen on this device for `class`.
+    /// The quantized matmul variant this device chose for `class`, if it has.
+    pub(crate) fn quant_choice(&self, class: &QuantClass) -> Option<&'static QuantVariant> {
+        (self.quant_choices.lock().ok()).and_then(|m| m.get(class).copied())
+    }
+
+    /// Keeps this device's quantized matmul choice for `class`.
+    pub(crate) fn set_quant_choice(&self, class: QuantClass, variant: &'static QuantVariant) {
+        if let Ok(mut m) = self.quant_choices.lock() {
+            m.insert(class, variant);
+        }
+    }
+
     pub(crate) fn set_choice(&self, class: Class, variant: &'static Variant) {
         if let Ok(mut m) = self.choices.lock() {
             m.insert(class, variant);

@@ -3,14 +3,17 @@
 //! [`PackedMatrix`] is `[n][k]` like a PyTorch `Linear`, each row `k / block_len` blocks.
 //!
 //! Variants: a decode GEMV (m <= 8) with 64- or 128-invocation workgroups and a prefill GEMM,
-//! one pipeline per type (the type is an override constant). [`QuantMatmul`] runs the GEMV
-//! with 64 invocations for decode rows and the GEMM above; `with_variant` names another.
+//! one pipeline per type (the type is an override constant). For decode rows the autotuner
+//! chooses among the two GEMVs and the GEMM per adapter and shape class ([`choose_quant`],
+//! the same settings, cache file and `WGPAR_KERNELS` names as the dense kernels); above 8
+//! rows the GEMM runs. `with_variant` names one.
 
 use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
 
-use super::ops::{grid_1d, need, once, over, to_u32, Bound, Dispatch, Params};
+use super::ops::{grid_1d, need, once, over, to_u32, Bound, Dispatch, Params, Pass};
+use super::tune::{self, Candidate, Effort};
 use super::{Family, Kernel, WeightType};
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
@@ -58,6 +61,12 @@ impl QuantVariant {
             .iter()
             .find(|(k, _)| *k == "GV_WG")
             .map_or(256, |(_, v)| *v as usize)
+    }
+}
+
+impl Candidate for QuantVariant {
+    fn name(&self) -> &'static str {
+        self.name
     }
 }
 
@@ -197,6 +206,112 @@ pub fn variant_by_name(name: &str) -> Option<&'static QuantVariant> {
     QUANT_VARIANTS.iter().find(|v| v.name == name)
 }
 
+/// The variant a quantized matmul of `qtype` runs for `(m, n, k)` on `gpu`: the GEMM above
+/// [`GEMV_MAX_ROWS`] rows; for decode rows the tuned choice among the GEMVs and the GEMM for
+/// the class (type, rows, power-of-two widths), timed on first use as the dense kernels are
+/// ([`tune::decide_named`]), the GEMV with 64 invocations when tuning is off.
+pub fn choose_quant(
+    gpu: &Gpu,
+    qtype: QuantType,
+    (m, n, k): (usize, usize, usize),
+) -> Result<&'static QuantVariant> {
+    let fallback = default_variant(qtype, m);
+    if m > GEMV_MAX_ROWS {
+        return Ok(fallback);
+    }
+    let class = QuantClass::of(qtype, (m, n, k));
+    if let Some(v) = gpu.kernels().quant_choice(&class) {
+        return Ok(v);
+    }
+    let candidates: Vec<&'static QuantVariant> =
+        QUANT_VARIANTS.iter().filter(|v| v.qtype == qtype).collect();
+    let find = |name: &str| candidates.iter().copied().find(|v| v.name == name);
+    let settings = tune::settings()?;
+    let mut measure = || measure_quant(gpu, qtype, (m, n, k), &candidates);
+    let chosen = tune::decide_named(gpu, &settings, &class.key(), &find, fallback, &mut measure)?;
+    gpu.kernels().set_quant_choice(class, chosen);
+    Ok(chosen)
+}
+
+/// A tuning class of the quantized matmul: the type, the decode rows, and the widths'
+/// power-of-two buckets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct QuantClass {
+    qtype: QuantType,
+    m: usize,
+    n_log2: u32,
+    k_log2: u32,
+}
+
+impl QuantClass {
+    /// The class of an `m x n x k` matmul on `qtype` blocks.
+    pub fn of(qtype: QuantType, (m, n, k): (usize, usize, usize)) -> Self {
+        let log2 = |v: usize| usize::BITS - v.max(1).saturating_sub(1).leading_zeros();
+        Self {
+            qtype,
+            m,
+            n_log2: log2(n),
+            k_log2: log2(k),
+        }
+    }
+
+    /// A stable text key (the cache file's).
+    pub fn key(&self) -> String {
+        format!(
+            "qmatmul {} m{} n2^{} k2^{}",
+            self.qtype.name(),
+            self.m,
+            self.n_log2,
+            self.k_log2
+        )
+    }
+}
+
+/// Times each of `candidates` on scratch operands of the shape (zero blocks: the time does
+/// not depend on the values), each bound once and dispatched as the engines dispatch it.
+fn measure_quant(
+    gpu: &Gpu,
+    qtype: QuantType,
+    (m, n, k): (usize, usize, usize),
+    candidates: &[&'static QuantVariant],
+) -> Result<Vec<(&'static QuantVariant, Option<f64>)>> {
+    let x = gpu.upload_f32("tune.qx", &tune::pattern(m * k, 1))?;
+    let blocks = vec![0u8; n * (k / qtype.block_len()) * qtype.block_bytes()];
+    let w = PackedMatrix::upload(gpu, "tune.qw", qtype, &blocks, (n, k))?;
+    let y = gpu.empty("tune.qy", DType::F32, m * n)?;
+    let mut out = Vec::new();
+    let mut best = f64::INFINITY;
+    for &v in candidates {
+        let mut params = Params::new(gpu, "tune.quant", 1)?;
+        let io = QuantIo {
+            x: &x,
+            w: &w,
+            bias: None,
+            y: &y,
+        };
+        let mut op = QuantMatmul::bind(gpu, &mut params, io, m)?.with_variant(v.name)?;
+        op.configure(gpu, &mut params, m)?;
+        params.flush(gpu);
+        let run = |reps: usize| -> Result<f64> {
+            let mut enc = gpu.encoder();
+            {
+                let mut pass = Pass::new(&mut enc);
+                for _ in 0..reps {
+                    pass.run(&op)?;
+                }
+            }
+            let start = std::time::Instant::now();
+            gpu.submit(enc);
+            gpu.wait()?;
+            Ok(start.elapsed().as_secs_f64() / reps as f64)
+        };
+        let s = tune::time_samples(&run, Effort::Tune, best)?;
+        best = best.min(s);
+        out.push((v, Some(s)));
+    }
+    Ok(out)
+}
+
 fn default_variant(qtype: QuantType, m: usize) -> &'static QuantVariant {
     let gemv = m <= GEMV_MAX_ROWS;
     QUANT_VARIANTS
@@ -247,9 +362,10 @@ impl QuantMatmul {
     pub fn configure(&mut self, gpu: &Gpu, params: &mut Params, m: usize) -> Result<()> {
         const OP: &str = "quantized matmul";
         over(OP, "rows", m, self.rows)?;
-        let v = self
-            .variant
-            .unwrap_or_else(|| default_variant(self.qtype, m));
+        let v = match self.variant {
+            Some(v) => v,
+            None => choose_quant(gpu, self.qtype, (m, self.n, self.k))?,
+        };
         if v.is_gemv() && m > GEMV_MAX_ROWS {
             return Err(WgparError::Shape {
                 op: OP.into(),

@@ -8,7 +8,8 @@
 //!   `off` (no timing: the fixed default of [`variants::default_matmul`], for reproducible
 //!   runs) or `retune` (time again and overwrite the cached choices).
 //! - `WGPAR_KERNELS=name,...`: force variants; each op takes the first listed variant that
-//!   applies to its shape (others tune as usual). Names: `wgpar bench kernels` lists them.
+//!   applies to its shape (others tune as usual). Names: `wgpar bench kernels` lists them;
+//!   the quantized matmul's are `qgemv64_TYPE`, `qgemv128_TYPE` and `qgemm_TYPE`.
 //! - `WGPAR_CACHE_DIR=dir`: the cache folder (default `$XDG_CACHE_HOME/wgpar`, else
 //!   `$HOME/.cache/wgpar`); `WGPAR_CACHE_DIR=` (empty) keeps choices in memory only.
 //! - `WGPAR_NO_SUBGROUPS=1`: never choose subgroup variants.
@@ -101,11 +102,14 @@ impl TuneSettings {
 pub fn parse_forced(what: &str, list: &str) -> Result<Vec<String>> {
     let mut out = Vec::new();
     for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        if variants::by_name(name).is_none() {
+        let quant = super::quant::variant_by_name(name).is_some();
+        if variants::by_name(name).is_none() && !quant {
+            let mut names = variants::names();
+            names.extend(super::quant::QUANT_VARIANTS.iter().map(|v| v.name));
             return Err(bad(
                 what,
                 name,
-                format!("a kernel variant: {}", variants::names().join(", ")),
+                format!("a kernel variant: {}", names.join(", ")),
             ));
         }
         out.push(name.to_string());
@@ -411,39 +415,69 @@ fn decide(
     fallback: &'static Variant,
     measure: &mut dyn FnMut() -> Result<Vec<Timing>>,
 ) -> Result<&'static Variant> {
-    for name in &settings.forced {
-        if let Some(v) = variants::by_name(name) {
-            if applies(v) {
-                return Ok(v);
-            }
-        }
+    let find = |name: &str| variants::by_name(name).filter(|v| applies(v));
+    let mut timed = || -> Result<Vec<(&'static Variant, Option<f64>)>> {
+        Ok((measure()?.into_iter())
+            .filter(|t| t.variant.candidate)
+            .map(|t| (t.variant, t.seconds))
+            .collect())
+    };
+    decide_named(gpu, settings, &class.key(), &find, fallback, &mut timed)
+}
+
+/// A tuning candidate: anything named the way `WGPAR_KERNELS` and the cache file name it.
+pub trait Candidate: Sync + 'static {
+    /// Its unique name.
+    fn name(&self) -> &'static str;
+}
+
+impl Candidate for Variant {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+/// The choice for the class keyed `class_key` on `gpu`: the first forced name `find` accepts,
+/// the fallback when tuning is off, the cached choice, or the fastest of what `measure` times
+/// (then remembered in memory and in the cache file).
+pub fn decide_named<T: Candidate>(
+    gpu: &Gpu,
+    settings: &TuneSettings,
+    class_key: &str,
+    find: &dyn Fn(&str) -> Option<&'static T>,
+    fallback: &'static T,
+    measure: &mut dyn FnMut() -> Result<Vec<(&'static T, Option<f64>)>>,
+) -> Result<&'static T> {
+    if let Some(v) = settings.forced.iter().find_map(|name| find(name)) {
+        return Ok(v);
     }
     if settings.mode == TuneMode::Off {
         return Ok(fallback);
     }
-    let key = format!("{} | {}", adapter_key(gpu), class.key());
+    let key = format!("{} | {class_key}", adapter_key(gpu));
     let _serial = match TUNING.lock() {
         Ok(g) => g,
         Err(p) => p.into_inner(),
     };
     if settings.mode == TuneMode::Auto || tuned_in_process(&key) {
-        if let Some(v) = cached(settings, &key).and_then(|n| variants::by_name(&n)) {
-            if applies(v) {
-                return Ok(v);
-            }
+        if let Some(v) = cached(settings, &key).and_then(|n| find(&n)) {
+            return Ok(v);
         }
     }
     let timings = match measure() {
         Ok(t) => t,
         // Out of memory for scratch, or a device error: run the default, untuned.
         Err(e) => {
-            eprintln!("wgpar: warning: tuning {} skipped: {e}", class.key());
+            eprintln!("wgpar: warning: tuning {class_key} skipped: {e}");
             return Ok(fallback);
         }
     };
-    let best = fastest(&timings).unwrap_or(fallback);
+    let best = (timings.iter())
+        .filter_map(|&(v, s)| s.map(|s| (v, s)))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .map_or(fallback, |(v, _)| v);
     mark_tuned(&key);
-    remember(settings, key, entry_of(best, &timings));
+    remember(settings, key, entry_of(best.name(), &timings));
     Ok(best)
 }
 
@@ -457,13 +491,11 @@ pub fn fastest(timings: &[Timing]) -> Option<&'static Variant> {
         .map(|(v, _)| v)
 }
 
-fn entry_of(winner: &Variant, timings: &[Timing]) -> CacheEntry {
+fn entry_of<T: Candidate>(winner: &str, timings: &[(&'static T, Option<f64>)]) -> CacheEntry {
     CacheEntry {
-        variant: winner.name.to_string(),
-        times_ms: timings
-            .iter()
-            .filter(|t| t.variant.candidate)
-            .filter_map(|t| t.seconds.map(|s| (t.variant.name.to_string(), s * 1e3)))
+        variant: winner.to_string(),
+        times_ms: (timings.iter())
+            .filter_map(|(v, s)| s.map(|s| (v.name().to_string(), s * 1e3)))
             .collect(),
         saved_s: now_s(),
     }
@@ -482,8 +514,12 @@ pub fn record_choice(
         return Ok(());
     }
     let key = format!("{} | {}", adapter_key(gpu), class.key());
+    let timed: Vec<(&'static Variant, Option<f64>)> = (timings.iter())
+        .filter(|t| t.variant.candidate)
+        .map(|t| (t.variant, t.seconds))
+        .collect();
     mark_tuned(&key);
-    remember(&settings, key, entry_of(winner, timings));
+    remember(&settings, key, entry_of(winner.name, &timed));
     gpu.kernels().set_choice(class, winner);
     Ok(())
 }
