@@ -663,15 +663,7 @@ mod ranks {
             strategy,
             Strategy::Pipeline { .. } | Strategy::Hybrid { .. }
         );
-        let mine = fault.filter(|f| f.rank == world.rank());
-        if let Some(f) = mine {
-            if matches!(f.kind, FaultKind::Kill | FaultKind::Hang) {
-                self_signal(f.kind, f.after);
-            }
-        }
-        let stage_fault = mine
-            .filter(|f| matches!(f.kind, FaultKind::Error | FaultKind::Panic))
-            .map(stage_fault_of);
+        let (mine, stage_fault) = rank_fault(world, fault);
         let recorder = Recorder::new()
             .with_device_timing(DeviceTiming::parse(&args.device_timestamps).unwrap_or_default());
         let run_stats = match engine {
@@ -716,6 +708,21 @@ mod ranks {
             }
         }
         Ok(())
+    }
+
+    /// This rank's `--mpi-fault`, if it names this rank: a kill or hang is armed now (a signal
+    /// to itself); an error or panic is returned as the stage fault it injects.
+    fn rank_fault(world: &World, fault: Option<Fault>) -> (Option<Fault>, Option<StageFault>) {
+        let mine = fault.filter(|f| f.rank == world.rank());
+        if let Some(f) = mine {
+            if matches!(f.kind, FaultKind::Kill | FaultKind::Hang) {
+                self_signal(f.kind, f.after);
+            }
+        }
+        let stage_fault = mine
+            .filter(|f| matches!(f.kind, FaultKind::Error | FaultKind::Panic))
+            .map(stage_fault_of);
+        (mine, stage_fault)
     }
 
     /// The model and strategy of a run over the ranks, checked the same on every rank and,
