@@ -55,7 +55,7 @@ pub struct ScaleCase {
     pub answers: Vec<String>,
 }
 
-/// The section: f16 weights, [`PROMPT`] tokens in, [`DECODE_STEPS`] out, at [`BATCHES`].
+/// The section: f16 weights, `PROMPT` tokens in, `DECODE_STEPS` out, at `BATCHES`.
 #[derive(Debug, Clone, Serialize)]
 pub struct ScaleSection {
     /// Prompt tokens.

@@ -152,8 +152,8 @@ pub struct ServeRequest {
 }
 
 impl WorkloadSpec {
-    /// Checks the workload's size before anything is allocated: at most [`MAX_REQUESTS`]
-    /// requests and [`MAX_WORKLOAD_TOKENS`] prompt tokens (at the longest prompt).
+    /// Checks the workload's size before anything is allocated: at most `MAX_REQUESTS`
+    /// requests and `MAX_WORKLOAD_TOKENS` prompt tokens (at the longest prompt).
     pub fn check(&self) -> std::result::Result<(), String> {
         if self.requests == 0 {
             return Err("--requests must be at least 1".into());

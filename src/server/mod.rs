@@ -1,7 +1,7 @@
 //! `wgpar serve`: an OpenAI-compatible HTTP server (axum on tokio) over any engine that runs a
 //! continuously batched workload ([`StepEngine`]).
 //!
-//! The engine lives on its own thread ([`batcher`]); HTTP handlers ([`routes`]) check a
+//! The engine lives on its own thread ([`batcher`]); HTTP handlers (`routes`) check a
 //! request, tokenize it (chat prompts through the checkpoint's template, [`chat`]) and hand
 //! it over with a channel that its tokens come back on, as they are picked. `/health` says 503
 //! until the engine is built and warmed, and again after it fails. SIGINT or SIGTERM stop
