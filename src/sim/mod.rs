@@ -24,6 +24,7 @@ mod profile;
 mod profile_error;
 mod project;
 mod project_error;
+pub mod projection_bench;
 mod report;
 mod rules;
 mod shipped;
