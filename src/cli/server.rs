@@ -148,14 +148,15 @@ pub fn run(args: &ServerArgs) -> Result<()> {
         None => None,
     };
     let auto = AutoPlacement::of(&args.strategy, &args.memory);
+    let (step_tokens, work) = serving_work(args, &config);
     let setting = Setting {
         config: &config,
         dtype,
         selected: &selected,
-        work: serving_work(args, &config).1,
+        work,
     };
     let strategy = auto.before_open(strategy, &args.model, &args.devices, &setting)?;
-    check_fits(args, &setting, &strategy)?;
+    check_fits(args, &setting, &strategy, step_tokens)?;
     let pacer = args
         .pace
         .as_deref()
@@ -191,13 +192,19 @@ pub(super) fn serving_work(args: &ServerArgs, config: &ModelConfig) -> (usize, W
     (step_tokens, work)
 }
 
-/// Refuses, before any device opens, a server whose largest step or memory does not fit.
-fn check_fits(args: &ServerArgs, setting: &Setting<'_>, strategy: &Strategy) -> Result<()> {
+/// Refuses, before any device opens, a server whose largest step (`step_tokens`) or memory
+/// does not fit.
+fn check_fits(
+    args: &ServerArgs,
+    setting: &Setting<'_>,
+    strategy: &Strategy,
+    step_tokens: usize,
+) -> Result<()> {
     let (config, dtype) = (setting.config, setting.dtype);
     let runs = [super::PlannedRun {
         strategy,
         adapters: setting.selected,
-        step_tokens: serving_work(args, config).0,
+        step_tokens,
         batch: args.max_batch,
         work: setting.work,
     }];
