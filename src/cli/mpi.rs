@@ -195,7 +195,11 @@ mod ranks {
                 wgpar::threads::panic_message(&*payload).unwrap_or("?")
             ),
         };
-        eprintln!("error: rank {} ({}): {message}", world.rank(), world.host());
+        wgpar::dist::launch::stderr_line(&format!(
+            "error: rank {} ({}): {message}",
+            world.rank(),
+            world.host()
+        ));
         world.fail(&message)
     }
 
@@ -624,7 +628,11 @@ mod ranks {
             super::cpu_binding_warning(b, cpu_adapter.map(|g| g.info().name.as_str()))
         });
         if let Some(w) = warning {
-            eprintln!("warning: rank {} ({}): {w}", world.rank(), world.host());
+            wgpar::dist::launch::stderr_line(&format!(
+                "warning: rank {} ({}): {w}",
+                world.rank(),
+                world.host()
+            ));
         }
     }
 

@@ -178,3 +178,12 @@ mod tests {
         }
     }
 }
+
+/// Writes one whole line to stderr in a single write. Ranks share their launcher's stderr:
+/// `eprintln!` writes a line in pieces, so two ranks' lines could interleave mid-line.
+pub fn stderr_line(line: &str) {
+    use std::io::Write;
+    let whole = format!("{line}\n");
+    // Nothing useful is left to do if stderr itself is gone.
+    let _ = std::io::stderr().lock().write_all(whole.as_bytes());
+}

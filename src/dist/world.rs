@@ -399,7 +399,7 @@ fn watch(
                 host: hosts.get(peer).cloned().unwrap_or_else(|| "?".into()),
                 message: String::from_utf8_lossy(&text).into_owned(),
             };
-            eprintln!("error: rank {rank}: stopping: {err}");
+            super::launch::stderr_line(&format!("error: rank {rank}: stopping: {err}"));
             if let Some(FailureHook { hook, grace }) = crate::threads::lock(on_failure).take() {
                 hook(err.to_string());
                 std::thread::sleep(grace);
