@@ -124,6 +124,15 @@ pub fn count_cpu_list(text: &str) -> Option<usize> {
     (n > 0).then_some(n)
 }
 
+/// Writes one whole line to stderr in a single write. Ranks share their launcher's stderr:
+/// `eprintln!` writes a line in pieces, so two ranks' lines could interleave mid-line.
+pub fn stderr_line(line: &str) {
+    use std::io::Write;
+    let whole = format!("{line}\n");
+    // Nothing useful is left to do if stderr itself is gone.
+    let _ = std::io::stderr().lock().write_all(whole.as_bytes());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,13 +186,4 @@ mod tests {
             assert!(here.allowed >= 1 && here.launcher >= 1);
         }
     }
-}
-
-/// Writes one whole line to stderr in a single write. Ranks share their launcher's stderr:
-/// `eprintln!` writes a line in pieces, so two ranks' lines could interleave mid-line.
-pub fn stderr_line(line: &str) {
-    use std::io::Write;
-    let whole = format!("{line}\n");
-    // Nothing useful is left to do if stderr itself is gone.
-    let _ = std::io::stderr().lock().write_all(whole.as_bytes());
 }
