@@ -1,6 +1,7 @@
-//! A GGUF file's packed layer matrices stay in the file's own blocks on the device, type by
-//! type (a Q4_K_M-like mix of Q4_K, Q6_K and Q8_0 written as random blocks, so that no
-//! quantizer of wgpar's could reproduce them): the device holds about the file's tensor bytes;
+//! A GGUF file's packed layer matrices, token embedding and LM head stay in the file's own
+//! blocks on the device, type by type (a Q4_K_M-like mix of Q4_K, Q6_K and Q8_0 written as
+//! random blocks, so that no quantizer of wgpar's could reproduce them): the device holds
+//! about the file's tensor bytes, the whole model;
 //! single, tensor-parallel and pipelined engines pick the tokens of a CPU f64 reference on the
 //! file's blocks dequantized, and their logits match it, not a reference re-rounded through
 //! wgpar's quantizer; a tensor-parallel split that would cut a file's blocks is refused with
@@ -47,9 +48,14 @@ fn config() -> ModelConfig {
     }
 }
 
-/// The type a Q4_K_M-like file stores tensor `name` in (V and down in Q6_K, one layer's Q and
-/// up in Q8_0); `None` for embeddings, head and norms (written F32).
+/// The type a Q4_K_M-like file stores tensor `name` in (the token embedding in Q4_K, the head,
+/// V and down in Q6_K, one layer's Q and up in Q8_0); `None` for the norms (written F32).
 fn file_type(name: &str) -> Option<QuantType> {
+    match name {
+        "token_embd.weight" => return Some(QuantType::Q4K),
+        "output.weight" => return Some(QuantType::Q6K),
+        _ => {}
+    }
     let part = name.split('.').nth(2)?;
     let layer1 = name.starts_with("blk.1.");
     Some(match part {
@@ -133,12 +139,27 @@ fn the_device_holds_the_files_blocks_as_stored() {
     let path = write_mixed(&dir);
     let w = load(&path);
     let file = GgufFile::open(&path).unwrap();
-    // Every layer matrix is kept in the file's type; V and down byte for byte (unpermuted).
+    // Every layer matrix and both tables are kept in the file's type; all but Q and K byte
+    // for byte (unpermuted).
     let mut kept = 0;
     for (name, info) in &file.tensors {
         let Some(t) = file_type(name) else {
             continue;
         };
+        let table = match name.as_str() {
+            "token_embd.weight" => Some((&w.tables.wte, &w.wte)),
+            "output.weight" => Some((&w.tables.lm_head, w.lm_head.as_ref().unwrap())),
+            _ => None,
+        };
+        if let Some((m, dense)) = table {
+            let m = m.as_ref().unwrap_or_else(|| panic!("{name} not kept"));
+            assert_eq!((m.dtype, m.rows, m.cols), (t, 300, 256), "{name}");
+            assert_eq!(m.bytes, file.data(info), "{name}");
+            assert!(dense.is_empty(), "{name}: an f32 copy beside the blocks");
+            assert_eq!(m.dequantize(), reference_dequant(&dir, name), "{name}");
+            kept += 1;
+            continue;
+        }
         let layer: usize = name.split('.').nth(1).unwrap().parse().unwrap();
         let b = &w.layers[layer].blocks;
         let m = match name.split('.').nth(2).unwrap() {
@@ -170,7 +191,7 @@ fn the_device_holds_the_files_blocks_as_stored() {
         }
         kept += 1;
     }
-    assert_eq!(kept, 14, "two layers of seven matrices");
+    assert_eq!(kept, 16, "two layers of seven matrices, the embedding and the head");
     let file_bytes: u64 = file
         .tensors
         .iter()

@@ -145,3 +145,90 @@ fn decode_rows_take_the_tuned_or_the_forced_variant() {
     );
     tune::configure(TuneSettings::from_env().unwrap());
 }
+
+/// The embedding lookup from a packed token table (`qembed_*`), against the CPU
+/// dequantization: a block of rows `first .. first + rows` of a table writes the tokens whose
+/// id falls in it (plus learned positions, or token types) and leaves every other token's row
+/// as it was.
+#[test]
+fn the_packed_embedding_lookup_matches_the_cpu_dequantization() {
+    use wgpar::kernels::ops::{embed_with_types, Embedding, Positions, TokenTable, TokenTypes};
+    let gpu = common::gpus(1).remove(0);
+    let (batch, seq, first, rows) = (3, 5, 40, 75);
+    let tokens = batch * seq;
+    // Ids on both sides of the block and on its edges.
+    let ids: Vec<u32> = (0..tokens as u32)
+        .map(|i| [0, 39, 40, 41, 77, 114, 115, 200][i as usize % 8] + i / 8)
+        .collect();
+    let past = [0u32, 7, 2];
+    let seqs: Vec<u32> = (0..batch as u32).flat_map(|b| [b, past[b as usize]]).collect();
+    let mut compared = 0usize;
+    for (t, hidden) in [
+        (QuantType::Q8_0, 96),
+        (QuantType::Q4_0, 160),
+        (QuantType::Q4K, 256),
+        (QuantType::Q6K, 512),
+    ] {
+        let table = common::random(rows * hidden, 21 + hidden as u64);
+        let packed = quantize(t, &table);
+        let values = dequantize(t, &packed);
+        let positions = 16;
+        let wpe = common::random(positions * hidden, 5);
+        let types: Vec<u32> = (0..tokens as u32).map(|i| i % 2).collect();
+        let wtt = common::random(2 * hidden, 6);
+        let w = PackedMatrix::upload(&gpu, "wte", t, &packed, (rows, hidden)).unwrap();
+        let ids_t = gpu.upload_u32("ids", &ids).unwrap();
+        let seqs_t = gpu.upload_u32("seqs", &seqs).unwrap();
+        let wpe_t = gpu.upload_f32("wpe", &wpe).unwrap();
+        let types_t = gpu.upload_u32("types", &types).unwrap();
+        let wtt_t = gpu.upload_f32("wtt", &wtt).unwrap();
+        let out = gpu.upload_f32("out", &vec![0.0; tokens * hidden]).unwrap();
+        for extra in ["none", "positions", "types"] {
+            gpu.poison(&out);
+            let poisoned = gpu.read_f32(&out).unwrap();
+            let input = Embedding {
+                ids: &ids_t,
+                wte: TokenTable::Packed(&w),
+                first_row: first,
+                positions: (extra == "positions").then_some(Positions {
+                    wpe: &wpe_t,
+                    positions,
+                    seqs: &seqs_t,
+                }),
+                types: (extra == "types").then_some(TokenTypes {
+                    ids: &types_t,
+                    table: &wtt_t,
+                    count: 2,
+                }),
+            };
+            let mut enc = gpu.encoder();
+            embed_with_types(&gpu, &mut enc, input, &out, (batch, seq, hidden)).unwrap();
+            gpu.submit(enc);
+            let got = gpu.read_f32(&out).unwrap();
+            for (i, &id) in ids.iter().enumerate() {
+                let row = &got[i * hidden..(i + 1) * hidden];
+                let Some(r) = (id as usize).checked_sub(first).filter(|&r| r < rows) else {
+                    let was = &poisoned[i * hidden..(i + 1) * hidden];
+                    let same = row.iter().zip(was).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{t:?} {extra}: token {i} (id {id}) outside the block");
+                    continue;
+                };
+                let pos = (past[i / seq] as usize + i % seq).min(positions - 1);
+                let want: Vec<f64> = (0..hidden)
+                    .map(|c| {
+                        let add = match extra {
+                            "positions" => wpe[pos * hidden + c],
+                            "types" => wtt[types[i] as usize * hidden + c],
+                            _ => 0.0,
+                        };
+                        values[r * hidden + c] as f64 + add as f64
+                    })
+                    .collect();
+                let err = common::rel_err(row, &want);
+                assert!(err < 1e-6, "{t:?} {extra}: token {i} (id {id}): {err}");
+                compared += hidden;
+            }
+        }
+    }
+    assert!(compared > 10_000, "compared {compared} values");
+}

@@ -9,6 +9,8 @@ use std::sync::Arc;
 
 use wgpar::comm::CommConfig;
 use wgpar::device::{DType, Gpu, GpuOptions};
+use wgpar::model::quant::{quantize, QuantType};
+use wgpar::model::weights::{BlockMatrix, TableBlocks};
 use wgpar::model::{CpuReference, ModelConfig, ModelWeights};
 use wgpar::parallel::{
     Engine, Logits, Partition, PipelineEngine, SingleEngine, TensorParallelEngine,
@@ -40,7 +42,8 @@ fn config(preset: &str, tied_head: bool) -> ModelConfig {
 /// side of a block boundary.
 fn prompts(batch: usize, seq: usize, seed: u64) -> Vec<Vec<u32>> {
     let mut p = common::prompts(batch, seq, VOCAB, seed);
-    let edges = [0u32, 383, 384, 831, 832, 1663, 1664, 1920, VOCAB as u32 - 1];
+    // 1599/1600: the edge of a Q8_0 table's blocks (rows of 102 bytes: 1600 rows a block).
+    let edges = [0u32, 383, 384, 831, 832, 1599, 1600, 1663, 1664, 1920, VOCAB as u32 - 1];
     for (i, &id) in edges.iter().enumerate() {
         p[i % batch][i % seq] = id;
     }
@@ -182,4 +185,50 @@ fn run_max_binding_splits_the_table_and_refuses_what_cannot_split() {
     );
     let (ok, _, err) = common::wgpar(&[&base[..], &["--max-binding", "12Q"]].concat());
     assert!(!ok && err.contains("not a size"), "{err}");
+}
+
+/// `weights` with its token table (and untied head) held in Q8_0 blocks alone, as a GGUF
+/// file's are: 2053 rows of 102 bytes, split under the cap into 1600 rows and 453.
+fn in_blocks(mut weights: ModelWeights) -> ModelWeights {
+    let blocks = |values: &[f32]| BlockMatrix {
+        dtype: QuantType::Q8_0,
+        rows: VOCAB,
+        cols: weights.config.hidden,
+        bytes: quantize(QuantType::Q8_0, values),
+    };
+    weights.tables = TableBlocks {
+        wte: Some(blocks(&weights.wte)),
+        lm_head: weights.lm_head.as_deref().map(blocks),
+    };
+    weights.wte.clear();
+    if let Some(h) = weights.lm_head.as_mut() {
+        h.clear();
+    }
+    assert!(weights.has_blocks_only());
+    weights
+}
+
+#[test]
+fn tables_in_blocks_split_into_whole_rows_on_every_engine() {
+    let gpus = capped_gpus(2);
+    for (preset, tied) in [("tiny-gpt2", true), ("tiny-llama", false)] {
+        let weights = in_blocks(ModelWeights::synthetic(&config(preset, tied), 13));
+        let what = |engine: &str| format!("{preset} tied={tied} Q8_0 tables {engine}");
+        let mut single = SingleEngine::new(gpus[0].clone(), &weights, DType::F32).unwrap();
+        check(&mut single, &weights, 1e-4, &what("single"));
+        let mut pp = PipelineEngine::new(
+            &gpus,
+            &weights,
+            DType::F32,
+            &Partition::Even,
+            3,
+            CommConfig::default(),
+        )
+        .unwrap();
+        check(&mut pp, &weights, 1e-4, &what("pp=2"));
+        let mut tp =
+            TensorParallelEngine::new(&gpus, &weights, DType::F32, None, CommConfig::default())
+                .unwrap();
+        check(&mut tp, &weights, 1e-4, &what("tp=2"));
+    }
 }

@@ -763,6 +763,13 @@ fn print_rates(
 /// blocks, or `dtype` throughout.
 pub(super) fn storage_of(weights: &ModelWeights, dtype: DType) -> String {
     match (weights.packed, weights.block_types().as_slice()) {
+        (Some(t), _) if weights.tables.iter().next().is_some() => {
+            let tables: Vec<String> = (weights.tables.iter())
+                .map(|(name, m)| format!("{name} in the file's {}", m.dtype.name()))
+                .collect();
+            let tables = tables.join(", ");
+            format!("{} layer matrices, {tables}, {dtype:?} elsewhere", t.name())
+        }
         (Some(t), _) => format!("{} layer matrices, {dtype:?} elsewhere", t.name()),
         (None, []) => format!("{dtype:?} weights"),
         (None, types) => {

@@ -13,6 +13,7 @@ use super::memory::{gib, memory_per_device, DeviceMemory, WeightsSpec, Workload}
 use super::modeled::{modeled_timeline, shape_of, Formats};
 use crate::error::{Result, WgparError};
 use crate::model::memory::WeightFormat;
+use crate::model::quant::QuantType;
 use crate::model::{valid_tp_degrees, ModelConfig, Step};
 use crate::parallel::{PartitionSpec, Schedule, Strategy};
 use crate::sim::{project_engine, Engine, HostProfile, NumFormat, ProjectOptions};
@@ -524,16 +525,26 @@ pub fn plan_markdown(opts: &PlanOptions, rows: &[PlanRow]) -> String {
     );
     if let Some(f) = opts.file_format.as_ref().filter(|f| f.packed.is_none()) {
         let types: Vec<&str> = f.blocks.types().iter().map(|t| t.name()).collect();
-        let _ = writeln!(
+        let table = |t: Option<QuantType>| match t {
+            Some(t) => format!("{} blocks", t.name()),
+            None => format!("{:?}", f.dense),
+        };
+        let head = match f.vectors.tied_head {
+            true => "tied".to_string(),
+            false => table(f.blocks.lm_head),
+        };
+        let _ =
+            writeln!(
             s,
-            "wgpar's memory counts the file's own layer blocks ({}), the tables in {:?}, as \
-             `wgpar run` holds them.\n",
+            "wgpar's memory counts the file's own layer blocks ({}), the token embedding in {}, \
+             the LM head {}, as `wgpar run` holds them.\n",
             if types.is_empty() {
                 "none: dense".to_string()
             } else {
                 types.join(", ")
             },
-            f.dense
+            table(f.blocks.wte),
+            if f.vectors.tied_head { head } else { format!("in {head}") },
         );
     }
     for profile in &opts.profiles {

@@ -61,6 +61,8 @@ pub enum Family {
     Elementwise,
     /// `embedding.wgsl`: token (+ position, + token type) embedding lookup.
     Embedding,
+    /// `embedding_quant.wgsl`: the same lookup from a token table held in ggml blocks.
+    EmbeddingQuant,
     /// `pool.wgsl`: encoder pooling (mean or first token, optional L2 normalisation).
     Pool,
     /// `argmax.wgsl`: the next token per row of logits (greedy, or top-k/top-p sampling),
@@ -70,7 +72,7 @@ pub enum Family {
 
 impl Family {
     /// Every family, for validation tests.
-    pub const ALL: [Family; 14] = [
+    pub const ALL: [Family; 15] = [
         Family::Matmul,
         Family::MatmulVec4,
         Family::MatmulSubgroup,
@@ -83,18 +85,23 @@ impl Family {
         Family::Rope,
         Family::Elementwise,
         Family::Embedding,
+        Family::EmbeddingQuant,
         Family::Pool,
         Family::Argmax,
     ];
 
-    /// The WGSL source as shipped.
+    /// The WGSL source as shipped. The two families on packed blocks have the block readers
+    /// (`quant_blocks.wgsl`) appended.
     pub fn source(self) -> &'static str {
         match self {
             Family::Matmul => include_str!("../../shaders/matmul.wgsl"),
             Family::MatmulVec4 => include_str!("../../shaders/matmul_vec4.wgsl"),
             Family::MatmulSubgroup => include_str!("../../shaders/matmul_subgroup.wgsl"),
             Family::MatmulBlock => include_str!("../../shaders/matmul_block.wgsl"),
-            Family::MatmulQuant => include_str!("../../shaders/matmul_quant.wgsl"),
+            Family::MatmulQuant => concat!(
+                include_str!("../../shaders/matmul_quant.wgsl"),
+                include_str!("../../shaders/quant_blocks.wgsl")
+            ),
             Family::Norm => include_str!("../../shaders/norm.wgsl"),
             Family::Softmax => include_str!("../../shaders/softmax.wgsl"),
             Family::Attention => include_str!("../../shaders/attention.wgsl"),
@@ -102,6 +109,10 @@ impl Family {
             Family::Rope => include_str!("../../shaders/rope.wgsl"),
             Family::Elementwise => include_str!("../../shaders/elementwise.wgsl"),
             Family::Embedding => include_str!("../../shaders/embedding.wgsl"),
+            Family::EmbeddingQuant => concat!(
+                include_str!("../../shaders/embedding_quant.wgsl"),
+                include_str!("../../shaders/quant_blocks.wgsl")
+            ),
             Family::Pool => include_str!("../../shaders/pool.wgsl"),
             Family::Argmax => include_str!("../../shaders/argmax.wgsl"),
         }
@@ -160,7 +171,9 @@ impl Family {
             Family::KvCache => &[Read, Read, ReadWrite, ReadWrite, Read, Uniform],
             Family::Rope => &[ReadWrite, Read, Read, Read, Uniform],
             Family::Elementwise => &[ReadWrite, Read, Uniform],
-            Family::Embedding => &[Read, Read, Read, ReadWrite, Read, Read, Read, Uniform],
+            Family::Embedding | Family::EmbeddingQuant => {
+                &[Read, Read, Read, ReadWrite, Read, Read, Read, Uniform]
+            }
             Family::Pool => &[Read, Read, ReadWrite, Uniform],
             Family::Argmax => &[Read, Read, ReadWrite, Uniform],
         }
@@ -181,6 +194,7 @@ impl Family {
             Family::Rope => &["rope"],
             Family::Elementwise => &["add", "bias_add", "gelu", "gelu_erf", "swiglu"],
             Family::Embedding => &["embed"],
+            Family::EmbeddingQuant => &["qembed"],
             Family::Pool => &["pool"],
             Family::Argmax => &["argmax", "sample"],
         }

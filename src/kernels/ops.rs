@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
 
+use super::quant::{embed_variant, PackedMatrix, QuantVariant};
 use super::variants::Variant;
 use super::{tune, variants, Family, Kernel, WeightType};
 use crate::device::{DType, Gpu, Tensor};
@@ -1492,15 +1493,24 @@ pub struct Positions<'a> {
     pub seqs: &'a Tensor,
 }
 
+/// A token table as an embedding lookup reads it: rows `first_row ..` of the `[vocab][hidden]`
+/// table, the whole table or one block of it when the table is split to fit a binding.
+#[derive(Debug, Clone, Copy)]
+pub enum TokenTable<'a> {
+    /// Values in f32 or f16.
+    Dense(&'a Tensor),
+    /// A GGUF file's blocks as stored, dequantized as they are read.
+    Packed(&'a PackedMatrix),
+}
+
 /// The inputs of an embedding lookup.
 #[derive(Debug, Clone, Copy)]
 pub struct Embedding<'a> {
     /// `[tokens]` u32 token ids.
     pub ids: &'a Tensor,
-    /// Rows `first_row ..` of the `[vocab][hidden]` token table (f32 or f16): the whole table,
-    /// or one block of it when the table is split to fit a binding. Only tokens whose id falls
-    /// in the block are written, so one lookup per block fills every token once.
-    pub wte: &'a Tensor,
+    /// The token table, or one block of its rows. Only tokens whose id falls in the block are
+    /// written, so one lookup per block fills every token once.
+    pub wte: TokenTable<'a>,
     /// Token id of `wte`'s first row (0 for a whole table).
     pub first_row: usize,
     /// Learned positions, when the model has them.
@@ -1509,13 +1519,21 @@ pub struct Embedding<'a> {
     pub types: Option<TokenTypes<'a>>,
 }
 
+/// The pipeline an embedding lookup runs: the dense one for the table's element type, or the
+/// packed table's variant.
+#[derive(Debug, Clone, Copy)]
+enum EmbedKernel {
+    Dense(WeightType),
+    Packed(&'static QuantVariant),
+}
+
 /// A bound embedding lookup into `out` (`[tokens][hidden]`).
 pub struct Embed {
     op: Bound,
     batch: usize,
     tokens: usize,
     hidden: usize,
-    weights: WeightType,
+    kernel: EmbedKernel,
     positions: Option<usize>,
     types: bool,
     /// Token ids the bound table block covers.
@@ -1541,15 +1559,7 @@ impl Embed {
             types,
         } = input;
         need(OP, "ids", ids, tokens, Some(DType::U32))?;
-        if hidden == 0 || wte.is_empty() || wte.len() % hidden != 0 {
-            return Err(WgparError::Shape {
-                op: OP.into(),
-                detail: format!(
-                    "a token table of {} values is not whole rows of {hidden}",
-                    wte.len()
-                ),
-            });
-        }
+        let (table, rows, kernel) = table_rows(OP, wte, hidden)?;
         need(OP, "out", out, tokens * hidden, Some(DType::F32))?;
         if let Some(p) = &positions {
             if p.positions == 0 {
@@ -1577,23 +1587,27 @@ impl Embed {
         let (type_ids, type_table) = types.map_or((ids, ids), |t| (t.ids, t.table));
         let buffers = [
             ids.buffer(),
-            wte.buffer(),
+            table.buffer(),
             wpe.buffer(),
             out.buffer(),
             type_ids.buffer(),
             type_table.buffer(),
             seqs.buffer(),
         ];
+        let family = match kernel {
+            EmbedKernel::Dense(_) => Family::Embedding,
+            EmbedKernel::Packed(_) => Family::EmbeddingQuant,
+        };
         Ok(Self {
-            op: Bound::new(gpu, params, Family::Embedding, OP, &buffers)?,
+            op: Bound::new(gpu, params, family, OP, &buffers)?,
             batch,
             tokens,
             hidden,
-            weights: weight_type(wte),
+            kernel,
             positions: positions.map(|p| p.positions),
             types: types.is_some(),
             first_row,
-            rows: wte.len() / hidden,
+            rows,
         })
     }
 
@@ -1618,14 +1632,57 @@ impl Embed {
             first_row: to_u32(OP, "first row", self.first_row)?,
             rows: to_u32(OP, "rows", self.rows)?,
         };
-        let dispatch = Dispatch::new(
-            gpu,
-            (Family::Embedding, "embed"),
-            self.weights,
-            grid_1d(OP, tokens * self.hidden, 256)?,
-        );
+        let dispatch = match self.kernel {
+            EmbedKernel::Dense(weights) => Dispatch::new(
+                gpu,
+                (Family::Embedding, "embed"),
+                weights,
+                grid_1d(OP, tokens * self.hidden, 256)?,
+            ),
+            // One invocation per 16 values (`QE_WG` = 64 per workgroup).
+            EmbedKernel::Packed(v) => Dispatch::of_kernel(
+                v.kernel(gpu),
+                grid_1d(OP, tokens * self.hidden / 16, 64)?,
+                v.name,
+            ),
+        };
         self.op.set(params, &values, dispatch);
         Ok(())
+    }
+}
+
+/// The table's buffer, its rows, and the pipeline that reads it; refuses a table that is not
+/// whole rows of `hidden` values.
+fn table_rows<'a>(
+    op: &str,
+    wte: TokenTable<'a>,
+    hidden: usize,
+) -> Result<(&'a Tensor, usize, EmbedKernel)> {
+    let bad = |detail: String| WgparError::Shape {
+        op: op.into(),
+        detail,
+    };
+    match wte {
+        TokenTable::Dense(t) => {
+            if hidden == 0 || t.is_empty() || t.len() % hidden != 0 {
+                return Err(bad(format!(
+                    "a token table of {} values is not whole rows of {hidden}",
+                    t.len()
+                )));
+            }
+            Ok((t, t.len() / hidden, EmbedKernel::Dense(weight_type(t))))
+        }
+        TokenTable::Packed(m) => {
+            let variant = embed_variant(m.qtype)
+                .ok_or_else(|| bad(format!("no lookup reads {:?} blocks", m.qtype)))?;
+            if m.cols != hidden || m.rows == 0 {
+                return Err(bad(format!(
+                    "a packed token table of {} rows of {} values, for rows of {hidden}",
+                    m.rows, m.cols
+                )));
+            }
+            Ok((&m.tensor, m.rows, EmbedKernel::Packed(variant)))
+        }
     }
 }
 
@@ -1640,7 +1697,7 @@ pub fn embed(
 ) -> Result<()> {
     let input = Embedding {
         ids,
-        wte,
+        wte: TokenTable::Dense(wte),
         first_row: 0,
         positions,
         types: None,

@@ -31,7 +31,7 @@ const GEMM_TILE: usize = 64;
 pub struct QuantVariant {
     /// Unique name, e.g. `qgemv64_q8_0`.
     pub name: &'static str,
-    /// Entry point (`qgemv` or `qgemm`).
+    /// Entry point (`qgemv`, `qgemm`, or the embedding lookup's `qembed`).
     pub entry: &'static str,
     /// The packed type it reads.
     pub qtype: QuantType,
@@ -45,10 +45,16 @@ impl QuantVariant {
         self.entry == "qgemv"
     }
 
-    fn kernel(&'static self, gpu: &Gpu) -> Arc<Kernel> {
+    /// The compiled pipeline on `gpu` (compiled on first use, then cached per device).
+    pub(crate) fn kernel(&'static self, gpu: &Gpu) -> Arc<Kernel> {
+        let family = if self.entry == "qembed" {
+            Family::EmbeddingQuant
+        } else {
+            Family::MatmulQuant
+        };
         gpu.kernels().get_variant(
             gpu.device(),
-            Family::MatmulQuant,
+            family,
             self.entry,
             WeightType::F32,
             self.constants,
@@ -97,6 +103,27 @@ macro_rules! qvariants {
 }
 
 qvariants!(Q8_0 8 "q8_0", Q4_0 2 "q4_0", Q4K 12 "q4_k", Q6K 14 "q6_k");
+
+macro_rules! qembed_variants {
+    ($($t:ident $id:literal $suffix:literal),*) => {
+        /// The embedding lookup from a packed token table (`embedding_quant.wgsl`), per type.
+        pub static QUANT_EMBED_VARIANTS: &[QuantVariant] = &[$(
+            QuantVariant {
+                name: concat!("qembed_", $suffix),
+                entry: "qembed",
+                qtype: QuantType::$t,
+                constants: &[("QTYPE", $id as f64)],
+            },
+        )*];
+    };
+}
+
+qembed_variants!(Q8_0 8 "q8_0", Q4_0 2 "q4_0", Q4K 12 "q4_k", Q6K 14 "q6_k");
+
+/// The embedding lookup's pipeline variant for a token table packed as `qtype`.
+pub fn embed_variant(qtype: QuantType) -> Option<&'static QuantVariant> {
+    QUANT_EMBED_VARIANTS.iter().find(|v| v.qtype == qtype)
+}
 
 /// A quantized `[rows][cols]` matrix on a device: the packed blocks, row after row, in a u32
 /// buffer (the last word zero-padded).
@@ -422,11 +449,13 @@ mod tests {
     /// Each variant, with its constants applied, validates with naga (no GPU needed).
     #[test]
     fn every_quant_variant_validates_with_its_constants() {
-        let src = Family::MatmulQuant.source();
-        let module = naga::front::wgsl::parse_str(src).unwrap();
+        let parse = |f: Family| naga::front::wgsl::parse_str(f.source()).unwrap();
+        let (matmul, embed) = (parse(Family::MatmulQuant), parse(Family::EmbeddingQuant));
         assert_eq!(QUANT_VARIANTS.len(), 12);
-        for v in QUANT_VARIANTS {
-            crate::kernels::with_overrides(&module, v.name, v.entry, v.constants);
+        assert_eq!(QUANT_EMBED_VARIANTS.len(), 4);
+        for v in QUANT_VARIANTS.iter().chain(QUANT_EMBED_VARIANTS) {
+            let module = if v.entry == "qembed" { &embed } else { &matmul };
+            crate::kernels::with_overrides(module, v.name, v.entry, v.constants);
             assert_eq!(
                 QuantType::parse(
                     v.name

@@ -72,11 +72,16 @@ impl DeviceBytes {
 /// The projection matrices of a layer, in [`crate::model::weights::LayerBlocks`]'s order.
 const MATRICES: [&str; 7] = ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"];
 
-/// The block type each layer matrix has in its source (a GGUF file's Q8_0, Q4_0, Q4_K, Q6_K
-/// tensors), where the device keeps those blocks; `None` for a dense one.
+/// The block type each layer matrix and vocabulary table has in its source (a GGUF file's
+/// Q8_0, Q4_0, Q4_K, Q6_K tensors), where the device keeps those blocks; `None` for a dense
+/// one.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FileBlocks {
     layers: Vec<[Option<QuantType>; 7]>,
+    /// The token embedding's blocks.
+    pub wte: Option<QuantType>,
+    /// An untied LM head's blocks.
+    pub lm_head: Option<QuantType>,
 }
 
 impl FileBlocks {
@@ -98,11 +103,15 @@ impl FileBlocks {
                 types
             })
             .collect();
-        Self { layers }
+        Self {
+            layers,
+            wte: w.tables.wte.as_ref().map(|m| m.dtype),
+            lm_head: w.tables.lm_head.as_ref().map(|m| m.dtype),
+        }
     }
 
-    /// The blocks a GGUF file's layers hold, read from its tensor index alone (no tensor is
-    /// read): what [`crate::model::gguf::weights`] keeps when it loads them.
+    /// The blocks a GGUF file's layers and tables hold, read from its tensor index alone (no
+    /// tensor is read): what [`crate::model::gguf::weights`] keeps when it loads them.
     pub fn of_gguf(file: &GgufFile, config: &ModelConfig) -> Self {
         let kept = |name: String| match file.tensor(&name).map(|t| t.dtype) {
             Some(ElementType::Native(t)) if t.is_quantized() => Some(t),
@@ -122,14 +131,18 @@ impl FileBlocks {
                 [q, k, v, n("attn_output"), gate, n("ffn_up"), n("ffn_down")]
             })
             .collect();
-        Self { layers }
+        Self {
+            layers,
+            wte: kept("token_embd.weight".into()),
+            lm_head: kept("output.weight".into()),
+        }
     }
 
     fn get(&self, layer: usize, matrix: usize) -> Option<QuantType> {
         self.layers.get(layer).and_then(|l| l[matrix])
     }
 
-    /// The distinct block types held, in a fixed order.
+    /// The distinct block types the layers hold, in a fixed order.
     pub fn types(&self) -> Vec<QuantType> {
         let mut seen: Vec<QuantType> = self.layers.iter().flatten().flatten().copied().collect();
         seen.sort_by_key(|t| t.ggml_id());
@@ -215,6 +228,15 @@ impl WeightFormat {
         }
     }
 
+    /// Bytes of one row of the LM head's table (the embedding's when tied) on a device.
+    fn head_row_bytes(&self, hidden: usize) -> u64 {
+        let t = match self.vectors.tied_head {
+            true => self.blocks.wte,
+            false => self.blocks.lm_head,
+        };
+        table_row_bytes(hidden, t, self.dense)
+    }
+
     /// The block type matrix `m` of layer `layer` is stored in, `None` for dense: the file's
     /// own blocks when kept, else `--weights`'s type.
     fn matrix_type(&self, layer: usize, m: usize) -> Option<QuantType> {
@@ -266,18 +288,21 @@ fn matrix_bytes(rows: usize, cols: usize, t: Option<QuantType>, dense: DType) ->
     }
 }
 
-/// Bytes of a `[vocab][hidden]` table in `dtype`, split into blocks of rows that fit `limit`
-/// (as the upload splits it).
-fn table_bytes(config: &ModelConfig, dtype: DType, limit: u64) -> u64 {
-    let (vocab, hidden, w) = (config.vocab, config.hidden, dtype.size());
-    let per = vocab_block_rows(vocab, (hidden * w) as u64, limit).max(1);
+/// Bytes of one row of a `[vocab][hidden]` table: in its blocks `t`, or dense in `dense`.
+fn table_row_bytes(hidden: usize, t: Option<QuantType>, dense: DType) -> u64 {
+    match t.and_then(|t| t.row_bytes(hidden)) {
+        Some(row) => row as u64,
+        None => (hidden * dense.size()) as u64,
+    }
+}
+
+/// Bytes of a `[vocab][hidden]` table of rows of `row` bytes, split into blocks of rows that
+/// fit `limit` (as the upload splits it, each block padded to 4 bytes).
+fn table_bytes(vocab: usize, row: u64, limit: u64) -> u64 {
+    let per = vocab_block_rows(vocab, row, limit).max(1);
     let (full, rest) = (vocab / per, vocab % per);
-    full as u64 * padded(per * hidden, w)
-        + if rest > 0 {
-            padded(rest * hidden, w)
-        } else {
-            0
-        }
+    let block = |rows: usize| (rows as u64 * row).max(1).div_ceil(4) * 4;
+    full as u64 * block(per) + if rest > 0 { block(rest) } else { 0 }
 }
 
 /// Bytes of layer `i`'s weights on a device holding `placement`.
@@ -328,10 +353,12 @@ pub fn weight_bytes(
         .sum();
     let decoder_head = placement.head && !config.is_encoder();
     let tied = format.vectors.tied_head;
-    let table = table_bytes(config, format.dense, limit);
+    let table = |t: Option<QuantType>| {
+        table_bytes(config.vocab, table_row_bytes(h, t, format.dense), limit)
+    };
     let mut bytes = layers;
     if placement.embedding || (decoder_head && tied) {
-        bytes += table;
+        bytes += table(format.blocks.wte);
     }
     if placement.embedding && config.learned_positions() {
         bytes += padded(config.max_seq * h, 4);
@@ -345,7 +372,13 @@ pub fn weight_bytes(
         } else {
             0
         };
-        bytes += padded(h, 4) + shift + if tied { 0 } else { table };
+        bytes += padded(h, 4)
+            + shift
+            + if tied {
+                0
+            } else {
+                table(format.blocks.lm_head)
+            };
     }
     if config.arch == Arch::Llama && !placement.layers.is_empty() {
         bytes += 2 * padded(config.max_seq * config.head_dim / 2, 4);
@@ -373,7 +406,7 @@ fn activation_set(
     config: &ModelConfig,
     placement: &Placement,
     (tokens, batch): (usize, usize),
-    (head_dtype, limit): (DType, u64),
+    (head_row, limit): (u64, u64),
 ) -> (u64, u64, u64) {
     let batch = batch.max(1);
     let t = tokens.max(batch).div_ceil(batch) * batch;
@@ -393,7 +426,7 @@ fn activation_set(
     }
     // draws and picks.
     act += f32s(batch) + f32s(2 * batch);
-    let rows = vocab_block_rows(config.vocab, (h * head_dtype.size()) as u64, limit).max(1);
+    let rows = vocab_block_rows(config.vocab, head_row, limit).max(1);
     let mut logits = f32s(batch * config.vocab);
     if rows < config.vocab {
         let (full, rest) = (config.vocab / rows, config.vocab % rows);
@@ -478,8 +511,8 @@ pub fn per_device(
                 .map(|&slots| kv_cache_bytes(config, placement, slots, kv(i)))
                 .sum();
             for &set in &sets {
-                let (a, l, r) =
-                    activation_set(config, placement, set, (spec.format.dense, limit(i)));
+                let head_row = spec.format.head_row_bytes(config.hidden);
+                let (a, l, r) = activation_set(config, placement, set, (head_row, limit(i)));
                 bytes.activations += a;
                 bytes.logits += l;
                 bytes.readback += r;

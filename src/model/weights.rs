@@ -157,6 +157,26 @@ impl LayerBlocks {
     }
 }
 
+/// The vocabulary tables a GGUF file stores in blocks the kernels read, kept as stored: the
+/// token embedding (whose dense field `wte` is then empty) and an untied LM head (`lm_head`
+/// then `Some` and empty), until [`ModelWeights::fill_dense`].
+#[derive(Debug, Clone, Default)]
+pub struct TableBlocks {
+    /// Token embedding `[vocab][hidden]`.
+    pub wte: Option<BlockMatrix>,
+    /// LM head `[vocab][hidden]`.
+    pub lm_head: Option<BlockMatrix>,
+}
+
+impl TableBlocks {
+    /// The tables held, with their field names.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, &BlockMatrix)> {
+        [("wte", &self.wte), ("lm_head", &self.lm_head)]
+            .into_iter()
+            .filter_map(|(n, m)| m.as_ref().map(|m| (n, m)))
+    }
+}
+
 impl LayerWeights {
     /// The projection matrices' dense fields with their blocks, gate included where held.
     fn matrices_mut(&mut self) -> impl Iterator<Item = (&mut Vec<f32>, Option<&BlockMatrix>)> {
@@ -311,11 +331,14 @@ pub struct ModelWeights {
     pub final_norm_bias: Option<Vec<f32>>,
     /// LM head `[vocab][hidden]`; `None` when tied to `wte` (and for an encoder).
     pub lm_head: Option<Vec<f32>>,
+    /// The token embedding and LM head a file stores in blocks, kept as stored (their dense
+    /// fields empty): the device reads these blocks whatever `packed` says.
+    pub tables: TableBlocks,
     /// Block type the layers' projection matrices are stored in on the device (`--weights`):
     /// each is packed from its dense values, except one a file already holds in this type's
     /// blocks ([`LayerWeights::blocks`]), which is kept. `None` keeps a file's blocks as stored
-    /// and the other matrices dense (f32, or f16 under `--dtype f16`). Embeddings and the LM
-    /// head stay dense.
+    /// and the other matrices dense (f32, or f16 under `--dtype f16`). The embedding and the
+    /// LM head are not packed: they stay dense, or in the file's blocks ([`Self::tables`]).
     pub packed: Option<QuantType>,
 }
 
@@ -364,6 +387,7 @@ impl ModelWeights {
             final_norm,
             final_norm_bias,
             lm_head,
+            tables: TableBlocks::default(),
             packed: None,
         }
     }
@@ -376,6 +400,14 @@ impl ModelWeights {
     /// Dequantizes every matrix held in a file's blocks alone into its dense field (the
     /// blocks stay): for code that reads the dense values, at four bytes a value.
     pub fn fill_dense(&mut self) {
+        if let (Some(b), true) = (&self.tables.wte, self.wte.is_empty()) {
+            self.wte = b.dequantize();
+        }
+        if let (Some(b), Some(head)) = (&self.tables.lm_head, self.lm_head.as_mut()) {
+            if head.is_empty() {
+                *head = b.dequantize();
+            }
+        }
         for l in &mut self.layers {
             for (dense, blocks) in l.matrices_mut() {
                 if let (Some(b), true) = (blocks, dense.is_empty()) {
@@ -393,9 +425,13 @@ impl ModelWeights {
 
     /// Whether some matrix is held in a file's blocks alone (its dense field empty).
     pub fn has_blocks_only(&self) -> bool {
-        (self.layers.iter())
-            .flat_map(LayerWeights::matrices)
-            .any(|(dense, blocks)| dense.is_empty() && blocks.is_some())
+        let head_only = self.lm_head.as_ref().is_some_and(Vec::is_empty);
+        let tables = (self.tables.wte.is_some() && self.wte.is_empty())
+            || (self.tables.lm_head.is_some() && head_only);
+        tables
+            || (self.layers.iter())
+                .flat_map(LayerWeights::matrices)
+                .any(|(dense, blocks)| dense.is_empty() && blocks.is_some())
     }
 
     /// Bytes the weights take on the host: dense values at four bytes each, blocks as stored.
@@ -411,7 +447,8 @@ impl ModelWeights {
             self.lm_head.as_ref(),
         ];
         let top: usize = vectors.iter().flatten().map(|v| v.len() * 4).sum();
-        top as u64
+        let tables: usize = self.tables.iter().map(|(_, m)| m.bytes.len()).sum();
+        (top + tables) as u64
             + self
                 .layers
                 .iter()
@@ -438,6 +475,7 @@ impl ModelWeights {
     /// then goes to the device dense, or packed by `--weights`.
     pub fn drop_blocks(&mut self) {
         self.fill_dense();
+        self.tables = TableBlocks::default();
         for l in &mut self.layers {
             l.blocks = LayerBlocks::default();
         }
@@ -451,9 +489,14 @@ impl ModelWeights {
             .flat_map(|(i, l)| l.blocks.iter().map(move |(n, m)| (i, n, m)))
     }
 
-    /// The block types of the file's blocks kept, by name, each once.
+    /// The block types of the file's blocks kept (layers and tables), by name, each once.
     pub fn block_types(&self) -> Vec<QuantType> {
-        let mut types: Vec<QuantType> = self.blocks().map(|(_, _, m)| m.dtype).collect();
+        let tables = self.tables.iter().map(|(_, m)| m.dtype);
+        let mut types: Vec<QuantType> = self
+            .blocks()
+            .map(|(_, _, m)| m.dtype)
+            .chain(tables)
+            .collect();
         types.sort_unstable_by_key(|t| t.name());
         types.dedup();
         types

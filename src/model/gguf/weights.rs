@@ -1,10 +1,11 @@
 //! GGUF tensors to [`ModelWeights`]. llama.cpp names (`blk.N.attn_q.weight`, ...) map to
 //! wgpar's fields; matrices are stored `[out][in]` with the input dimension innermost, which is
 //! wgpar's layout once GGUF's innermost-first dimensions are reversed. Each tensor is
-//! dequantized on its own from the mapped bytes and checked; a layer projection matrix stored
-//! in blocks the kernels read (Q8_0, Q4_0, Q4_K, Q6_K) is then kept as its bytes alone
-//! ([`LayerWeights::blocks`], dense field empty), so the device holds the file's own blocks,
-//! type by type, and the host about the file's size rather than four bytes a value.
+//! dequantized on its own from the mapped bytes and checked; a layer projection matrix, the
+//! token embedding or the LM head stored in blocks the kernels read (Q8_0, Q4_0, Q4_K, Q6_K)
+//! is then kept as its bytes alone ([`LayerWeights::blocks`], [`ModelWeights::tables`], dense
+//! field empty), so the device holds the file's own blocks, type by type, and the host about
+//! the file's size rather than four bytes a value.
 //!
 //! The usual converter permutes the Q and K rows of `llama`-architecture files for llama.cpp's
 //! interleaved RoPE (pairs `(2i, 2i+1)`); wgpar rotates halves (`i` with `i + head_dim/2`), as
@@ -13,7 +14,7 @@
 use super::file::{ElementType, GgufFile, TensorInfo};
 use crate::error::{Result, WgparError};
 use crate::model::config::{Arch, ModelConfig};
-use crate::model::weights::{BlockMatrix, LayerBlocks, LayerWeights, ModelWeights};
+use crate::model::weights::{BlockMatrix, LayerBlocks, LayerWeights, ModelWeights, TableBlocks};
 
 /// Reads tensors by name, checking shapes and values.
 struct Tensors<'a> {
@@ -144,13 +145,21 @@ pub fn load(file: &GgufFile, config: &ModelConfig, permuted: bool) -> Result<Mod
         }
         _ => None,
     };
-    let lm_head = t.optional("output.weight", &[config.vocab, h], "LM head")?;
+    let table = [config.vocab, h];
+    let (wte, wte_blocks) = t.matrix("token_embd.weight", &table, "token embedding")?;
+    let (lm_head, head_blocks) = match file.tensor("output.weight") {
+        Some(_) => {
+            let (dense, blocks) = t.matrix("output.weight", &table, "LM head")?;
+            (Some(dense), blocks)
+        }
+        None => (None, None),
+    };
     Ok(ModelWeights {
         config: ModelConfig {
             tied_head: lm_head.is_none(),
             ..config.clone()
         },
-        wte: t.get("token_embd.weight", &[config.vocab, h], "token embedding")?,
+        wte,
         wpe,
         token_types: None,
         embed_norm: None,
@@ -159,6 +168,10 @@ pub fn load(file: &GgufFile, config: &ModelConfig, permuted: bool) -> Result<Mod
         final_norm: t.get("output_norm.weight", &[h], "final norm")?,
         final_norm_bias: t.optional("output_norm.bias", &[h], "final norm shift")?,
         lm_head,
+        tables: TableBlocks {
+            wte: wte_blocks,
+            lm_head: head_blocks,
+        },
         packed: None,
     })
 }

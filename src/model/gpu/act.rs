@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::layer::LayerOps;
 use crate::device::{Readback, Tensor};
 use crate::error::WgparError;
-use crate::kernels::ops::{Embed, Matmul, NormOp, Params, Pass, Pick, Pool, TokenPick};
+use crate::kernels::ops::{Embed, NormOp, Params, Pass, Pick, Pool, TokenPick};
 
 /// The buffers of an activation set.
 pub(super) struct Buffers {
@@ -76,7 +76,7 @@ pub(super) struct HeadOps {
 
 /// The LM head over one block of the vocabulary.
 pub(super) struct HeadBlock {
-    pub(super) matmul: Matmul,
+    pub(super) matmul: super::matrix::Projection,
     /// Logit column (token id) of the block's first row.
     pub(super) first: usize,
     pub(super) rows: usize,

@@ -9,13 +9,13 @@ use std::ops::Range;
 
 use super::act::Buffers;
 use super::kv::KvLayer;
+use super::matrix::{DeviceMatrix, Projection};
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::Result;
 use crate::kernels::ops::{
-    Bound, Elementwise, ElementwiseOp, Matmul, MatmulIo, Norm, NormOp, Operand, Params, Pass, Rope,
-    RopeTables,
+    Elementwise, ElementwiseOp, Norm, NormOp, Operand, Params, Pass, Rope, RopeTables,
 };
-use crate::kernels::quant::{PackedMatrix, QuantIo, QuantMatmul};
+use crate::kernels::quant::PackedMatrix;
 use crate::model::config::{Activation, ModelConfig};
 use crate::model::quant::{check_block_split, quantize, QuantType};
 use crate::model::shard::{slice_cols, slice_rows, ShardSpec};
@@ -26,51 +26,21 @@ pub(super) struct GpuLayer {
     pub(super) shard: ShardSpec,
     attn_norm: Tensor,
     attn_norm_bias: Option<Tensor>,
-    wq: LayerMatrix,
-    wk: LayerMatrix,
-    wv: LayerMatrix,
+    wq: DeviceMatrix,
+    wk: DeviceMatrix,
+    wv: DeviceMatrix,
     bq: Option<Tensor>,
     bk: Option<Tensor>,
     bv: Option<Tensor>,
-    wo: LayerMatrix,
+    wo: DeviceMatrix,
     bo: Option<Tensor>,
     mlp_norm: Tensor,
     mlp_norm_bias: Option<Tensor>,
-    w_gate: Option<LayerMatrix>,
-    w_up: LayerMatrix,
+    w_gate: Option<DeviceMatrix>,
+    w_up: DeviceMatrix,
     b_up: Option<Tensor>,
-    w_down: LayerMatrix,
+    w_down: DeviceMatrix,
     b_down: Option<Tensor>,
-}
-
-/// A projection matrix on a device: dense (f32 or f16), or packed blocks (`--weights`).
-enum LayerMatrix {
-    Dense(Tensor),
-    Packed(PackedMatrix),
-}
-
-/// A projection bound to its operands: the dense matmul, or the one on packed blocks.
-enum Projection {
-    Dense(Matmul),
-    Packed(QuantMatmul),
-}
-
-impl AsRef<Bound> for Projection {
-    fn as_ref(&self) -> &Bound {
-        match self {
-            Projection::Dense(m) => m.as_ref(),
-            Projection::Packed(m) => m.as_ref(),
-        }
-    }
-}
-
-impl Projection {
-    fn configure(&mut self, gpu: &Gpu, params: &mut Params, m: usize) -> Result<()> {
-        match self {
-            Projection::Dense(op) => op.configure(gpu, params, m),
-            Projection::Packed(op) => op.configure(gpu, params, m),
-        }
-    }
 }
 
 /// The part of a `[rows][cols]` matrix a shard holds.
@@ -118,7 +88,7 @@ impl Storage {
         }
     }
 
-    fn upload(&self, gpu: &Gpu, src: &MatrixSource<'_>) -> Result<LayerMatrix> {
+    fn upload(&self, gpu: &Gpu, src: &MatrixSource<'_>) -> Result<DeviceMatrix> {
         if let Some(b) = self.kept(src.blocks) {
             let part = match &src.part {
                 Part::Rows(r) => b.slice_rows(r.clone()),
@@ -126,7 +96,7 @@ impl Storage {
             };
             let shape = (part.rows, part.cols);
             return PackedMatrix::upload(gpu, &src.name, part.dtype, &part.bytes, shape)
-                .map(LayerMatrix::Packed);
+                .map(DeviceMatrix::Packed);
         }
         // A file's blocks re-packed by `--weights`: dequantized here, one matrix at a time.
         let dense = matrix_values(src.dense, src.blocks);
@@ -136,11 +106,11 @@ impl Storage {
         };
         let Some(t) = self.packed else {
             let w = gpu.upload_weights(&src.name, &data, self.dtype)?;
-            return Ok(LayerMatrix::Dense(w));
+            return Ok(DeviceMatrix::Dense(w));
         };
         let rows = data.len() / cols.max(1);
         PackedMatrix::upload(gpu, &src.name, t, &quantize(t, &data), (rows, cols))
-            .map(LayerMatrix::Packed)
+            .map(DeviceMatrix::Packed)
     }
 }
 
@@ -201,20 +171,10 @@ impl Binder<'_> {
     fn matmul(
         &self,
         params: &mut Params,
-        (x, w, bias, y): (&Tensor, &LayerMatrix, Option<&Tensor>, &Tensor),
+        (x, w, bias, y): (&Tensor, &DeviceMatrix, Option<&Tensor>, &Tensor),
         (n, k): (usize, usize),
     ) -> Result<Projection> {
-        let t = self.cx.tokens;
-        Ok(match w {
-            LayerMatrix::Dense(w) => {
-                let io = MatmulIo { x, w, bias, y };
-                Projection::Dense(Matmul::bind(self.gpu, params, io, (t, n, k))?)
-            }
-            LayerMatrix::Packed(w) => {
-                let io = QuantIo { x, w, bias, y };
-                Projection::Packed(QuantMatmul::bind(self.gpu, params, io, t)?)
-            }
-        })
+        Projection::bind(self.gpu, params, (x, w, bias, y), (self.cx.tokens, n, k))
     }
 
     /// A norm of the stream `x` into `h`.

@@ -26,6 +26,7 @@
 mod act;
 mod kv;
 mod layer;
+mod matrix;
 mod vocab;
 
 use std::ops::Range;
@@ -41,13 +42,14 @@ use super::weights::ModelWeights;
 use crate::device::{DType, Gpu, Readback, Tensor};
 use crate::error::{Result, WgparError};
 use crate::kernels::ops::{
-    AttnShape, Embed, Embedding, Matmul, MatmulIo, NormOp, Params, Pass, Pick, Pool, Pooling,
-    Positions, RopeTables, TokenPick, TokenTypes,
+    AttnShape, Embed, Embedding, NormOp, Params, Pass, Pick, Pool, Pooling, Positions, RopeTables,
+    TokenPick, TokenTable, TokenTypes,
 };
 use act::{Buffers, EmbedOps, HeadBlock, HeadOps};
 use kv::KvSpec;
 use layer::{norm, upload_opt, BindContext, GpuLayer};
-use vocab::VocabTable;
+use matrix::{DeviceMatrix, Projection};
+use vocab::{TableSource, VocabTable};
 
 /// Which part of the model one device holds.
 #[derive(Debug, Clone)]
@@ -382,9 +384,13 @@ impl GpuModel {
             .blocks()
             .iter()
             .map(|block| {
+                let wte = match &block.table {
+                    DeviceMatrix::Dense(t) => TokenTable::Dense(t),
+                    DeviceMatrix::Packed(m) => TokenTable::Packed(m),
+                };
                 let input = Embedding {
                     ids: &a.ids,
-                    wte: &block.table,
+                    wte,
                     first_row: block.first,
                     positions: self.wpe.as_ref().map(|wpe| Positions {
                         wpe,
@@ -466,15 +472,11 @@ impl GpuModel {
                         )
                     })
                     .transpose()?;
-                let matmul = Matmul::bind(
+                let y = part.as_ref().unwrap_or(logits);
+                let matmul = Projection::bind(
                     g,
                     params,
-                    MatmulIo {
-                        x,
-                        w: &block.table,
-                        bias: None,
-                        y: part.as_ref().unwrap_or(logits),
-                    },
+                    (x, &block.table, None, y),
                     (rows, block.rows, self.config.hidden),
                 )?;
                 Ok(HeadBlock {
@@ -1037,12 +1039,12 @@ impl EmbedParts {
         let decoder_head = placement.head && !config.is_encoder();
         let table = (config.vocab, config.hidden);
         let wte = if placement.embedding || (decoder_head && config.tied_head) {
+            let source = TableSource {
+                dense: &weights.wte,
+                blocks: weights.tables.wte.as_ref(),
+            };
             Some(Arc::new(VocabTable::upload(
-                gpu,
-                "wte",
-                &weights.wte,
-                table,
-                dtype,
+                gpu, "wte", source, table, dtype,
             )?))
         } else {
             None
@@ -1096,7 +1098,13 @@ fn upload_head(
         upload_opt(gpu, "final_norm_bias", weights.final_norm_bias.as_ref())?,
     );
     let head = match (&weights.lm_head, wte) {
-        (Some(h), _) => Arc::new(VocabTable::upload(gpu, "lm_head", h, table, dtype)?),
+        (Some(h), _) => {
+            let source = TableSource {
+                dense: h,
+                blocks: weights.tables.lm_head.as_ref(),
+            };
+            Arc::new(VocabTable::upload(gpu, "lm_head", source, table, dtype)?)
+        }
         (None, Some(wte)) => wte.clone(),
         (None, None) => {
             return Err(WgparError::model(

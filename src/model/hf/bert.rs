@@ -67,6 +67,7 @@ pub fn load(r: &Reader, config: &ModelConfig, positions: usize) -> Result<ModelW
         final_norm: Vec::new(),
         final_norm_bias: None,
         lm_head: None,
+        tables: Default::default(),
         packed: None,
     })
 }

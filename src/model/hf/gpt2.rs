@@ -83,6 +83,7 @@ pub fn load(r: &Reader, config: &ModelConfig, positions: usize) -> Result<ModelW
         final_norm: r.tensor("ln_f.weight", &[h], "final LayerNorm scale")?,
         final_norm_bias: Some(r.tensor("ln_f.bias", &[h], "final LayerNorm shift")?),
         lm_head,
+        tables: Default::default(),
         packed: None,
     })
 }

@@ -91,6 +91,7 @@ pub fn load(r: &Reader, config: &ModelConfig) -> Result<ModelWeights> {
         final_norm: r.tensor("norm.weight", &[h], "final RMSNorm")?,
         final_norm_bias: None,
         lm_head,
+        tables: Default::default(),
         packed: None,
     })
 }
