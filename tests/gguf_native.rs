@@ -133,6 +133,26 @@ fn load(path: &Path) -> ModelWeights {
     Checkpoint::open(path).unwrap().weights(false).unwrap()
 }
 
+/// A block whose scale is infinite, in the token table's second slice of rows (the reader
+/// checks blocks 256 rows at a time): refused, naming the tensor and the value's index.
+#[test]
+fn a_non_finite_block_is_refused_naming_the_tensor_and_the_value() {
+    let dir = scratch("gguf-native-inf");
+    let path = write_mixed(&dir);
+    let info = GgufFile::open(&path).unwrap().tensor("token_embd.weight").unwrap().clone();
+    let mut bytes = std::fs::read(&path).unwrap();
+    // Row 290 is one Q4_K block (256 values, 144 bytes); its f16 scale d becomes infinite.
+    let at = info.start + 290 * 144;
+    bytes[at..at + 2].copy_from_slice(&half::f16::INFINITY.to_le_bytes());
+    let bad = dir.join("inf.gguf");
+    std::fs::write(&bad, bytes).unwrap();
+    let e = Checkpoint::open(&bad).unwrap().weights(false).unwrap_err().to_string();
+    assert!(
+        e.contains("token_embd.weight") && e.contains(&format!("value {} is", 290 * 256)),
+        "{e}"
+    );
+}
+
 #[test]
 fn the_device_holds_the_files_blocks_as_stored() {
     let dir = scratch("gguf-native-bytes");
@@ -191,7 +211,10 @@ fn the_device_holds_the_files_blocks_as_stored() {
         }
         kept += 1;
     }
-    assert_eq!(kept, 16, "two layers of seven matrices, the embedding and the head");
+    assert_eq!(
+        kept, 16,
+        "two layers of seven matrices, the embedding and the head"
+    );
     let file_bytes: u64 = file
         .tensors
         .iter()

@@ -161,7 +161,9 @@ fn the_packed_embedding_lookup_matches_the_cpu_dequantization() {
         .map(|i| [0, 39, 40, 41, 77, 114, 115, 200][i as usize % 8] + i / 8)
         .collect();
     let past = [0u32, 7, 2];
-    let seqs: Vec<u32> = (0..batch as u32).flat_map(|b| [b, past[b as usize]]).collect();
+    let seqs: Vec<u32> = (0..batch as u32)
+        .flat_map(|b| [b, past[b as usize]])
+        .collect();
     let mut compared = 0usize;
     for (t, hidden) in [
         (QuantType::Q8_0, 96),

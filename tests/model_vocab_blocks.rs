@@ -43,7 +43,19 @@ fn config(preset: &str, tied_head: bool) -> ModelConfig {
 fn prompts(batch: usize, seq: usize, seed: u64) -> Vec<Vec<u32>> {
     let mut p = common::prompts(batch, seq, VOCAB, seed);
     // 1599/1600: the edge of a Q8_0 table's blocks (rows of 102 bytes: 1600 rows a block).
-    let edges = [0u32, 383, 384, 831, 832, 1599, 1600, 1663, 1664, 1920, VOCAB as u32 - 1];
+    let edges = [
+        0u32,
+        383,
+        384,
+        831,
+        832,
+        1599,
+        1600,
+        1663,
+        1664,
+        1920,
+        VOCAB as u32 - 1,
+    ];
     for (i, &id) in edges.iter().enumerate() {
         p[i % batch][i % seq] = id;
     }

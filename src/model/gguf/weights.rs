@@ -30,8 +30,8 @@ impl Tensors<'_> {
         }
     }
 
-    /// Tensor `name` as f32, which must have `shape` (outermost first).
-    fn get(&self, name: &str, shape: &[usize], what: &str) -> Result<Vec<f32>> {
+    /// Tensor `name`'s index entry, which must have `shape` (outermost first).
+    fn info(&self, name: &str, shape: &[usize], what: &str) -> Result<&TensorInfo> {
         let info = self
             .file
             .tensor(name)
@@ -47,46 +47,62 @@ impl Tensors<'_> {
                 ),
             ));
         }
-        let values = info.dtype.dequantize(self.file.data(info));
-        if let Some(first) = values.iter().position(|v| !v.is_finite()) {
-            return Err(self.fail(
+        Ok(info)
+    }
+
+    /// Refuses a value that is not finite, naming its index (`offset` + its place in `values`).
+    fn check_finite(&self, name: &str, values: &[f32], offset: usize) -> Result<()> {
+        match values.iter().position(|v| !v.is_finite()) {
+            None => Ok(()),
+            Some(i) => Err(self.fail(
                 name,
                 format!(
-                    "value {first} is {}: the file is corrupt or was saved from a diverged run",
-                    values[first]
+                    "value {} is {}: the file is corrupt or was saved from a diverged run",
+                    offset + i,
+                    values[i]
                 ),
-            ));
+            )),
         }
+    }
+
+    /// Tensor `name` as f32, which must have `shape` (outermost first).
+    fn get(&self, name: &str, shape: &[usize], what: &str) -> Result<Vec<f32>> {
+        let info = self.info(name, shape, what)?;
+        let values = info.dtype.dequantize(self.file.data(info));
+        self.check_finite(name, &values, 0)?;
         Ok(values)
     }
 
     /// Matrix `name` (`shape` = `[rows, cols]`): dense, or, when it is in blocks the kernels
-    /// read, its blocks as stored and an empty dense field (the values are checked either way).
+    /// read, its blocks as stored and an empty dense field. The values are checked either
+    /// way; blocks a slice of rows at a time, so that no f32 copy of a large table (a
+    /// vocabulary's embedding) is ever held whole.
     fn matrix(
         &self,
         name: &str,
         shape: &[usize],
         what: &str,
     ) -> Result<(Vec<f32>, Option<BlockMatrix>)> {
-        let dense = self.get(name, shape, what)?;
-        // `get` checked the shape and the values. Blocks the kernels read are kept and their
-        // dense copy dropped; converted types and floats go dense only.
-        let kept = |info: &TensorInfo| match info.dtype {
-            ElementType::Native(t) if t.is_quantized() => Some((t, self.file.data(info))),
-            _ => None,
+        let info = self.info(name, shape, what)?;
+        let ElementType::Native(dtype) = info.dtype else {
+            return Ok((self.get(name, shape, what)?, None));
         };
-        let blocks = (self.file.tensor(name))
-            .and_then(kept)
-            .map(|(dtype, bytes)| BlockMatrix {
-                dtype,
-                bytes: bytes.to_vec(),
-                rows: shape[0],
-                cols: shape[1],
-            });
-        match blocks {
-            Some(b) => Ok((Vec::new(), Some(b))),
-            None => Ok((dense, None)),
+        if !dtype.is_quantized() {
+            return Ok((self.get(name, shape, what)?, None));
         }
+        let bytes = self.file.data(info);
+        let row = bytes.len() / shape[0].max(1);
+        for (i, rows) in bytes.chunks(row.max(1) * 256).enumerate() {
+            let values = crate::model::quant::dequantize(dtype, rows);
+            self.check_finite(name, &values, i * 256 * shape[1])?;
+        }
+        let blocks = BlockMatrix {
+            dtype,
+            bytes: bytes.to_vec(),
+            rows: shape[0],
+            cols: shape[1],
+        };
+        Ok((Vec::new(), Some(blocks)))
     }
 
     fn optional(&self, name: &str, shape: &[usize], what: &str) -> Result<Option<Vec<f32>>> {
