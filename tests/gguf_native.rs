@@ -139,14 +139,22 @@ fn load(path: &Path) -> ModelWeights {
 fn a_non_finite_block_is_refused_naming_the_tensor_and_the_value() {
     let dir = scratch("gguf-native-inf");
     let path = write_mixed(&dir);
-    let info = GgufFile::open(&path).unwrap().tensor("token_embd.weight").unwrap().clone();
+    let info = GgufFile::open(&path)
+        .unwrap()
+        .tensor("token_embd.weight")
+        .unwrap()
+        .clone();
     let mut bytes = std::fs::read(&path).unwrap();
     // Row 290 is one Q4_K block (256 values, 144 bytes); its f16 scale d becomes infinite.
     let at = info.start + 290 * 144;
     bytes[at..at + 2].copy_from_slice(&half::f16::INFINITY.to_le_bytes());
     let bad = dir.join("inf.gguf");
     std::fs::write(&bad, bytes).unwrap();
-    let e = Checkpoint::open(&bad).unwrap().weights(false).unwrap_err().to_string();
+    let e = Checkpoint::open(&bad)
+        .unwrap()
+        .weights(false)
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("token_embd.weight") && e.contains(&format!("value {} is", 290 * 256)),
         "{e}"

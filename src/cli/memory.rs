@@ -225,12 +225,12 @@ pub fn check_caps(accounted: &[DeviceBytes], caps: &[u64], model: &str) -> Resul
     )))
 }
 
-/// Prints, per device, the bytes of tensors it allocated since `before` (its count when the
-/// engine began to be built) against the accounting's prediction of them, with the
-/// accounting's kinds.
+/// Prints, per device, the bytes of the tensors it holds beyond `before` (its live bytes when
+/// the engine began to be built) against the accounting's prediction of them, with the
+/// accounting's kinds. Scratch freed on the way (the autotuner's measurements) is not held.
 pub fn print_allocated(gpus: &[Arc<Gpu>], accounted: &[DeviceBytes], before: &[u64]) -> Result<()> {
     for ((gpu, a), before) in gpus.iter().zip(accounted).zip(before) {
-        let allocated = gpu.bytes_allocated() - before;
+        let allocated = gpu.bytes_live().saturating_sub(*before);
         let predicted = a.tensors();
         let off = (allocated as f64 - predicted as f64) / predicted.max(1) as f64 * 100.0;
         outln!(

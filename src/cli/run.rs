@@ -542,8 +542,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let work = (args.batch, args.prompt_len);
     let plan = plan(args, &config, &adapters, work, timed_steps)?;
     let (placed, weights) = open_placed(args, &config, &adapters, &plan)?;
-    // What the engine allocates from here on (the measurement's probe models are gone).
-    let before: Vec<u64> = placed.gpus.iter().map(|g| g.bytes_allocated()).collect();
+    // What the engine holds from here on (the measurement's probe models are gone).
+    let before: Vec<u64> = placed.gpus.iter().map(|g| g.bytes_live()).collect();
     let (mut engine, format) = ready_engine(args, &config, &placed, weights, plan)?;
     timed_generation(args, &config, engine.as_mut(), &placed)?;
     let work = Workload {

@@ -73,6 +73,8 @@ pub struct Gpu {
     lost: Arc<Mutex<Option<String>>>,
     kernels: KernelCache,
     bytes_allocated: AtomicUsize,
+    /// Bytes of the tensors alive now (each gives its bytes back when dropped).
+    bytes_live: Arc<AtomicUsize>,
     counts: Arc<CreationCounts>,
 }
 
@@ -225,6 +227,7 @@ impl Gpu {
             lost,
             kernels: KernelCache::default(),
             bytes_allocated: AtomicUsize::new(0),
+            bytes_live: Arc::default(),
             counts: Arc::default(),
         })
     }
@@ -273,6 +276,19 @@ impl Gpu {
     /// Bytes of tensors allocated through this `Gpu` so far.
     pub fn bytes_allocated(&self) -> u64 {
         self.bytes_allocated.load(Ordering::Relaxed) as u64
+    }
+
+    /// Bytes of the tensors made through this `Gpu` that are alive now: what it holds, without
+    /// the scratch of an autotuner's measurement or a dropped model.
+    pub fn bytes_live(&self) -> u64 {
+        self.bytes_live.load(Ordering::Relaxed) as u64
+    }
+
+    /// A new tensor of `bytes` (padded) on `buffer`, counted as allocated and alive.
+    fn tensor(&self, buffer: wgpu::Buffer, (dtype, len): (DType, usize), bytes: usize) -> Tensor {
+        self.bytes_allocated.fetch_add(bytes, Ordering::Relaxed);
+        self.bytes_live.fetch_add(bytes, Ordering::Relaxed);
+        Tensor::from_buffer(buffer, dtype, len, Some((self.bytes_live.clone(), bytes)))
     }
 
     /// Buffers and bind groups created through this `Gpu` so far.
@@ -385,9 +401,7 @@ impl Gpu {
             usage: Self::storage_usage(),
             mapped_at_creation: false,
         });
-        self.bytes_allocated
-            .fetch_add(bytes as usize, Ordering::Relaxed);
-        Ok(Tensor::from_buffer(buffer, dtype, len))
+        Ok(self.tensor(buffer, (dtype, len), bytes as usize))
     }
 
     fn upload_bytes(&self, what: &str, dtype: DType, len: usize, bytes: &[u8]) -> Result<Tensor> {
@@ -410,8 +424,7 @@ impl Gpu {
             mapped_at_creation: false,
         });
         self.queue.write_buffer(&buffer, 0, &contents);
-        self.bytes_allocated.fetch_add(padded, Ordering::Relaxed);
-        Ok(Tensor::from_buffer(buffer, dtype, len))
+        Ok(self.tensor(buffer, (dtype, len), padded))
     }
 
     /// Uploads f32 data.

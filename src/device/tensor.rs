@@ -1,5 +1,8 @@
 //! A typed buffer that lives on exactly one [`Gpu`](super::Gpu).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 /// Element type of a tensor in GPU memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum DType {
@@ -37,11 +40,25 @@ pub struct Tensor {
     buffer: wgpu::Buffer,
     dtype: DType,
     len: usize,
+    /// Its device's count of bytes held by live tensors, and this tensor's share of it.
+    live: Option<(Arc<AtomicUsize>, usize)>,
 }
 
 impl Tensor {
-    pub(crate) fn from_buffer(buffer: wgpu::Buffer, dtype: DType, len: usize) -> Self {
-        Self { buffer, dtype, len }
+    /// A tensor of `buffer`; `live`: the device's live-bytes count, already holding this
+    /// tensor's `bytes`, which its drop gives back.
+    pub(crate) fn from_buffer(
+        buffer: wgpu::Buffer,
+        dtype: DType,
+        len: usize,
+        live: Option<(Arc<AtomicUsize>, usize)>,
+    ) -> Self {
+        Self {
+            buffer,
+            dtype,
+            len,
+            live,
+        }
     }
 
     /// The underlying wgpu buffer.
@@ -72,6 +89,14 @@ impl Tensor {
     /// A binding of the whole buffer.
     pub fn binding(&self) -> wgpu::BindingResource<'_> {
         self.buffer.as_entire_binding()
+    }
+}
+
+impl Drop for Tensor {
+    fn drop(&mut self) {
+        if let Some((live, bytes)) = &self.live {
+            live.fetch_sub(*bytes, Ordering::Relaxed);
+        }
     }
 }
 

@@ -5,7 +5,7 @@
 //! and `--gpu-memory` all read this one accounting.
 //!
 //! Weights, KV cache, activations and logits are storage tensors, which
-//! [`crate::device::Gpu::bytes_allocated`] counts: [`DeviceBytes::tensors`] predicts that
+//! [`crate::device::Gpu::bytes_live`] counts: [`DeviceBytes::tensors`] predicts that
 //! count. Readback and staging buffers are mapped buffers wgpu makes outside it; they are
 //! estimated from the engines' pools and listed beside it.
 
@@ -37,7 +37,7 @@ pub struct DeviceBytes {
 }
 
 impl DeviceBytes {
-    /// The storage tensors: what [`crate::device::Gpu::bytes_allocated`] counts.
+    /// The storage tensors: what [`crate::device::Gpu::bytes_live`] counts.
     pub fn tensors(&self) -> u64 {
         self.weights + self.kv_cache + self.activations + self.logits
     }
