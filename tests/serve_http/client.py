@@ -84,9 +84,12 @@ def sampled(port, prompts, max_tokens, temperature, top_p):
 
 
 def cancel(port, count, prompt):
-    """Starts `count` long streams, reads one chunk of each, and drops them."""
+    """Starts `count` long streams, reads one chunk of each, and drops them. Each asks for
+    nearly the whole context and ignores the end token, so that none can finish on its own
+    before it is dropped (a short one could, on a fast adapter, and then count as done)."""
     c = client(port)
-    streams = [c.completions.create(model="m", prompt=prompt, max_tokens=60, stream=True)
+    streams = [c.completions.create(model="m", prompt=prompt, max_tokens=90, stream=True,
+                                    extra_body={"ignore_eos": True})
                for _ in range(count)]
     firsts = [next(iter(s)).choices[0].text for s in streams]
     for s in streams:
