@@ -91,7 +91,8 @@ impl Family {
     ];
 
     /// The WGSL source as shipped. The two families on packed blocks have the block readers
-    /// (`quant_blocks.wgsl`) appended.
+    /// (`quant_blocks.wgsl`) appended, the two embedding lookups their shared part
+    /// (`embedding_common.wgsl`).
     pub fn source(self) -> &'static str {
         match self {
             Family::Matmul => include_str!("../../shaders/matmul.wgsl"),
@@ -108,9 +109,13 @@ impl Family {
             Family::KvCache => include_str!("../../shaders/kvcache.wgsl"),
             Family::Rope => include_str!("../../shaders/rope.wgsl"),
             Family::Elementwise => include_str!("../../shaders/elementwise.wgsl"),
-            Family::Embedding => include_str!("../../shaders/embedding.wgsl"),
+            Family::Embedding => concat!(
+                include_str!("../../shaders/embedding.wgsl"),
+                include_str!("../../shaders/embedding_common.wgsl")
+            ),
             Family::EmbeddingQuant => concat!(
                 include_str!("../../shaders/embedding_quant.wgsl"),
+                include_str!("../../shaders/embedding_common.wgsl"),
                 include_str!("../../shaders/quant_blocks.wgsl")
             ),
             Family::Pool => include_str!("../../shaders/pool.wgsl"),
