@@ -243,8 +243,10 @@ mod ranks {
             strategy: &strategy,
             work: server::serving_work(args, &config).1,
         };
-        check_rank_caps(world, &args.memory, (&args.devices, &args.model), &placed)?;
-        let (engine, ..) = rank_engine(world, (&args.devices, &args.model), &config, &strategy)?;
+        let adapters = Adapters::discover()?;
+        let devices = (&args.devices, &args.model);
+        check_rank_caps(world, &args.memory, (&adapters, devices), &placed)?;
+        let (engine, ..) = rank_engine(world, (&adapters, devices), &config, &strategy)?;
         let mine = fault.filter(|f| f.rank == world.rank());
         let stage_fault = mine.and_then(|f| match f.kind {
             FaultKind::Error | FaultKind::Panic => Some(stage_fault_of(f)),
@@ -302,12 +304,11 @@ mod ranks {
     /// weights are let go after.
     fn rank_engine(
         world: &World,
-        (devices, model): (&crate::cli::DeviceArgs, &crate::cli::ModelArgs),
+        (adapters, (devices, model)): (&Adapters, RankOptions<'_>),
         config: &wgpar::model::ModelConfig,
         strategy: &Strategy,
     ) -> Result<(DistEngine, Vec<Arc<Gpu>>, String)> {
-        let adapters = Adapters::discover()?;
-        let gpus: Vec<Arc<Gpu>> = devices.open(&adapters)?;
+        let gpus: Vec<Arc<Gpu>> = devices.open(adapters)?;
         warn_if_bound(world, &gpus);
         let dtype = model.dtype(&gpus)?;
         let weights = model.weights(config)?;
@@ -327,6 +328,9 @@ mod ranks {
         Ok((engine, gpus, storage))
     }
 
+    /// A rank's device and model options.
+    type RankOptions<'a> = (&'a crate::cli::DeviceArgs, &'a crate::cli::ModelArgs);
+
     /// What a rank's share of a run is accounted from.
     struct RankPlacement<'a> {
         config: &'a wgpar::model::ModelConfig,
@@ -340,15 +344,14 @@ mod ranks {
     fn check_rank_caps(
         world: &World,
         memory: &MemoryArgs,
-        (devices, model): (&crate::cli::DeviceArgs, &crate::cli::ModelArgs),
+        (adapters, (devices, model)): (&Adapters, RankOptions<'_>),
         placed: &RankPlacement<'_>,
     ) -> Result<()> {
         if memory.gpu_memory.is_none() {
             return Ok(());
         }
         let own = || -> Result<Option<String>> {
-            let adapters = Adapters::discover()?;
-            let selected = devices.selected(&adapters)?;
+            let selected = devices.selected(adapters)?;
             let dtype = model.dtype_for(&selected, devices.force_f32)?;
             let format = model.weight_format(placed.config, dtype)?;
             let me = RankDevice {
@@ -654,9 +657,9 @@ mod ranks {
     }
 
     fn run(world: &World, args: &RunArgs, fault: Option<Fault>) -> Result<()> {
-        let (config, strategy) = planned_run(world, args)?;
-        let (engine, gpus, storage) =
-            rank_engine(world, (&args.devices, &args.model), &config, &strategy)?;
+        let (config, strategy, adapters) = planned_run(world, args)?;
+        let devices = (&args.devices, &args.model);
+        let (engine, gpus, storage) = rank_engine(world, (&adapters, devices), &config, &strategy)?;
         say!(
             world,
             "model {} ({} layers, hidden {}, {:.1}M params, {storage}) on {} ranks ({})",
@@ -734,8 +737,12 @@ mod ranks {
     }
 
     /// The model and strategy of a run over the ranks, checked the same on every rank and,
-    /// with `--gpu-memory`, against each rank's cap, before any rank opens its device.
-    fn planned_run(world: &World, args: &RunArgs) -> Result<(wgpar::model::ModelConfig, Strategy)> {
+    /// with `--gpu-memory`, against each rank's cap, before any rank opens its device; and
+    /// the adapters found, once, for the rank to open its devices on.
+    fn planned_run(
+        world: &World,
+        args: &RunArgs,
+    ) -> Result<(wgpar::model::ModelConfig, Strategy, Adapters)> {
         let config = checked_run(args)?;
         let strategy = args.strategy.strategy_with(1)?;
         // Every rank must run the same model, options and wgpar.
@@ -757,8 +764,10 @@ mod ranks {
             strategy: &strategy,
             work,
         };
-        check_rank_caps(world, &args.memory, (&args.devices, &args.model), &placed)?;
-        Ok((config, strategy))
+        let adapters = Adapters::discover()?;
+        let devices = (&args.devices, &args.model);
+        check_rank_caps(world, &args.memory, (&adapters, devices), &placed)?;
+        Ok((config, strategy, adapters))
     }
 
     /// `run`'s options checked against what ranks do and the model's context; the model.
