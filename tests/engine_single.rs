@@ -180,3 +180,19 @@ fn attention_is_chosen_again_as_the_context_grows() {
         );
     }
 }
+
+/// Weights that hold some layers alone (an MPI rank's) are refused by an engine that needs
+/// the others, naming the first missing layer; the layers held are the loaded ones.
+#[test]
+fn weights_without_a_layer_the_engine_needs_are_refused() {
+    let gpu = common::gpus(1).remove(0);
+    let config = ModelConfig::preset("tiny-llama").unwrap();
+    let whole = ModelWeights::synthetic(&config, 3);
+    let mut part = whole.clone();
+    part.keep_layers(&(0..1));
+    assert!(!part.layers[0].is_absent() && part.layers[1].is_absent());
+    assert_eq!(part.layers[0].wq, whole.layers[0].wq);
+    assert!(part.host_bytes() < whole.host_bytes());
+    let e = SingleEngine::new(gpu, &part, DType::F32).err().unwrap().to_string();
+    assert!(e.contains("layer 1 is not loaded"), "{e}");
+}

@@ -239,12 +239,26 @@ fn a_gguf_on_its_own_blocks_runs_over_ranks_as_on_one_device() {
     let file = write_gguf(&dir, "q8", &gguf_tensors(&w, true), &spec);
     let file = file.to_str().unwrap();
     let single = reference(&dir, file);
-    for (name, args) in [
-        ("gguf-pp2", ["--strategy", "pp", "--virtual", "1"]),
-        ("gguf-tp2", ["--strategy", "tp", "--virtual", "1"]),
+    // What each rank holds on its host: a pipeline rank its own stage's layers alone (the
+    // tables and norms too), a tensor-parallel rank every layer.
+    let ckpt = wgpar::model::hf::Checkpoint::open(Path::new(file)).unwrap();
+    let layers = config.layers;
+    let held = |keep: std::ops::Range<usize>| {
+        let w = ckpt.weights_of_layers(false, keep.clone()).unwrap();
+        let bytes = wgpar::error::human_bytes(w.host_bytes());
+        format!("{bytes} (layers {}..{})", keep.start, keep.end)
+    };
+    let half = layers / 2;
+    let pp = format!("host weights by rank: {}, {}", held(0..half), held(half..layers));
+    let tp = format!("host weights by rank: {}, {}", held(0..layers), held(0..layers));
+    assert_ne!(held(0..half), held(0..layers));
+    for (name, args, host) in [
+        ("gguf-pp2", ["--strategy", "pp", "--virtual", "1"], pp),
+        ("gguf-tp2", ["--strategy", "tp", "--virtual", "1"], tp),
     ] {
         let (got, said) = ranked_saying(&dir, name, 2, file, &args);
         assert!(said.contains("the file's q8_0 blocks"), "{name}: {said}");
+        assert!(said.contains(&host), "{name}: {host} in {said}");
         let err = rel_err(&got, &single);
         assert!(err <= 1e-4, "{name}: relative error {err:e}");
         assert_eq!(got.tokens, single.tokens, "{name}: generated tokens differ");

@@ -48,6 +48,7 @@ use wgpar::model::{budget, ModelConfig, ModelWeights};
 use wgpar::parallel::Strategy;
 use wgpar::{Result, WgparError};
 
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -489,13 +490,23 @@ impl ModelArgs {
     /// Weights for `config` (from [`Self::config`]): synthetic for a preset, loaded (with a
     /// progress bar) for a checkpoint.
     fn weights(&self, config: &ModelConfig) -> Result<ModelWeights> {
+        self.weights_of_layers(config, 0..config.layers)
+    }
+
+    /// [`Self::weights`] of layers `keep` alone (an MPI rank's stages), the others absent:
+    /// a checkpoint's other layers are not read, synthetic ones are drawn and dropped.
+    fn weights_of_layers(&self, config: &ModelConfig, keep: Range<usize>) -> Result<ModelWeights> {
         let mut w = match self.checkpoint_dir() {
             Some(dir) => {
                 let ckpt = self.checkpoint(dir, config.max_seq)?;
                 note_converted(&ckpt);
-                ckpt.weights(true)?
+                ckpt.weights_of_layers(true, keep)?
             }
-            None => ModelWeights::synthetic(config, self.seed),
+            None => {
+                let mut w = ModelWeights::synthetic(config, self.seed);
+                w.keep_layers(&keep);
+                w
+            }
         };
         self.apply_weights(&mut w)?;
         Ok(w)

@@ -300,8 +300,9 @@ mod ranks {
     }
 
     /// This rank's devices opened (warning where a bound rank drives a CPU driver), its
-    /// weights loaded and its part of `strategy` built, and how the weights are held; the
-    /// weights are let go after.
+    /// weights loaded (a pipeline rank's own layers alone) and its part of `strategy` built,
+    /// and how the weights are held (with every rank's host bytes); the weights are let go
+    /// after.
     fn rank_engine(
         world: &World,
         (adapters, (devices, model)): (&Adapters, RankOptions<'_>),
@@ -311,11 +312,20 @@ mod ranks {
         let gpus: Vec<Arc<Gpu>> = devices.open(adapters)?;
         warn_if_bound(world, &gpus);
         let dtype = model.dtype(&gpus)?;
-        let weights = model.weights(config)?;
+        // A pipeline rank reads its own stages' layers alone.
+        let layers = wgpar::dist::rank_layers(world, strategy, gpus.len(), config.layers)?;
+        let weights = model.weights_of_layers(config, layers.clone())?;
+        let held = format!(
+            "{} (layers {}..{})",
+            human_bytes(weights.host_bytes()),
+            layers.start,
+            layers.end
+        );
         let storage = format!(
-            "{}, {}",
+            "{}, {}; host weights by rank: {}",
             crate::cli::run::storage_of(&weights, dtype),
-            crate::cli::run::kv_of(&gpus)
+            crate::cli::run::kv_of(&gpus),
+            world.all_gather(&held).join(", ")
         );
         let engine = build(
             world,

@@ -67,17 +67,29 @@ pub fn build(
     dtype: DType,
     config: &CommConfig,
 ) -> Result<DistEngine> {
-    let counts: Vec<usize> = world
-        .all_gather(&gpus.len().to_string())
-        .iter()
-        .map(|c| c.parse().unwrap_or(0))
-        .collect();
+    let counts = device_counts(world, gpus.len());
     let local = Local {
         gpus,
         weights,
         dtype,
         config,
     };
+    match strategy {
+        Strategy::Tensor { split } => tensor(world, &counts, split.as_deref(), local),
+        _ => pipeline(world, &counts, layout_of(strategy)?, local),
+    }
+}
+
+/// Every rank's count of devices (each rank gives its own).
+fn device_counts(world: &World, mine: usize) -> Vec<usize> {
+    (world.all_gather(&mine.to_string()).iter())
+        .map(|c| c.parse().unwrap_or(0))
+        .collect()
+}
+
+/// The pipeline layout of `strategy` (pp or hybrid); tp is laid out by [`tensor`], and one
+/// device is refused.
+fn layout_of(strategy: &Strategy) -> Result<Layout<'_>> {
     let (tp, partition, micro_batches, schedule) = match strategy {
         Strategy::Single => {
             return Err(DistError::Unsupported {
@@ -88,7 +100,11 @@ pub fn build(
             }
             .into())
         }
-        Strategy::Tensor { split } => return tensor(world, &counts, split.as_deref(), local),
+        Strategy::Tensor { .. } => {
+            return Err(
+                DistError::Layout("tensor parallelism over ranks has no stages".into()).into(),
+            )
+        }
         Strategy::Pipeline {
             partition,
             micro_batches,
@@ -101,13 +117,32 @@ pub fn build(
             schedule,
         } => (*tp, partition, micro_batches, schedule),
     };
-    let layout = Layout {
+    Ok(Layout {
         tp,
         partition,
         micro_batches: *micro_batches,
         schedule: *schedule,
-    };
-    pipeline(world, &counts, layout, local)
+    })
+}
+
+/// The layers this rank's part of `strategy` holds, with `devices` of its own, out of the
+/// model's `layers`: every layer under tensor parallelism (each rank holds a shard of each),
+/// its own stages' under a pipeline. Every rank takes part (it gathers the device counts), so
+/// a rank can load its own layers alone before [`build`].
+pub fn rank_layers(
+    world: &World,
+    strategy: &Strategy,
+    devices: usize,
+    layers: usize,
+) -> Result<Range<usize>> {
+    let counts = device_counts(world, devices);
+    if matches!(strategy, Strategy::Tensor { .. }) {
+        return Ok(0..layers);
+    }
+    let (ranges, stages) = stage_ranges(world, &counts, &layout_of(strategy)?, layers)?;
+    let first: usize = stages[..world.rank()].iter().sum();
+    let mine = &ranges[first..first + stages[world.rank()]];
+    Ok(mine.first().map_or(0, |r| r.start)..mine.last().map_or(0, |r| r.end))
 }
 
 /// What this rank brings to an engine: its devices, the weights and how they are stored, and

@@ -28,7 +28,9 @@ mod world;
 #[cfg(feature = "mpi")]
 pub use calibrate::calibrate_ranks;
 #[cfg(feature = "mpi")]
-pub use engine::{build, gather_stage_stats, DistDriver, DistEngine, PipelineDriver, StageServer};
+pub use engine::{
+    build, gather_stage_stats, rank_layers, DistDriver, DistEngine, PipelineDriver, StageServer,
+};
 #[cfg(feature = "mpi")]
 pub use reduce::MpiGroup;
 #[cfg(feature = "mpi")]

@@ -178,6 +178,36 @@ impl TableBlocks {
 }
 
 impl LayerWeights {
+    /// A layer this process does not hold (another MPI rank's): every field empty. No engine
+    /// uploads it ([`crate::model::GpuModel::upload`] refuses to).
+    pub fn absent() -> Self {
+        Self {
+            attn_norm: Vec::new(),
+            attn_norm_bias: None,
+            wq: Vec::new(),
+            wk: Vec::new(),
+            wv: Vec::new(),
+            bq: None,
+            bk: None,
+            bv: None,
+            wo: Vec::new(),
+            bo: None,
+            mlp_norm: Vec::new(),
+            mlp_norm_bias: None,
+            w_gate: None,
+            w_up: Vec::new(),
+            b_up: None,
+            w_down: Vec::new(),
+            b_down: None,
+            blocks: LayerBlocks::default(),
+        }
+    }
+
+    /// Whether this is a layer this process does not hold ([`Self::absent`]).
+    pub fn is_absent(&self) -> bool {
+        self.attn_norm.is_empty()
+    }
+
     /// The projection matrices' dense fields with their blocks, gate included where held.
     fn matrices_mut(&mut self) -> impl Iterator<Item = (&mut Vec<f32>, Option<&BlockMatrix>)> {
         let b = &self.blocks;
@@ -389,6 +419,16 @@ impl ModelWeights {
             lm_head,
             tables: TableBlocks::default(),
             packed: None,
+        }
+    }
+
+    /// Keeps layers `keep` alone, the others [`LayerWeights::absent`]: what one MPI rank of a
+    /// pipeline holds on its host.
+    pub fn keep_layers(&mut self, keep: &Range<usize>) {
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            if !keep.contains(&i) {
+                *l = LayerWeights::absent();
+            }
         }
     }
 

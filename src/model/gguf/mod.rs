@@ -10,6 +10,7 @@ pub mod tokenizer;
 pub mod weights;
 
 use std::io::Read;
+use std::ops::Range;
 use std::path::Path;
 
 pub use file::{ElementType, GgufFile, TensorInfo, Value};
@@ -73,10 +74,11 @@ impl Gguf {
         &self.file
     }
 
-    /// Every tensor dequantized into [`ModelWeights`] for `config` (the file's, with its
-    /// context possibly limited).
-    pub fn weights(&self, config: &ModelConfig) -> Result<ModelWeights> {
-        weights::load(&self.file, config, self.permuted)
+    /// The tensors of layers `keep` (the others [`crate::model::LayerWeights::absent`]), the
+    /// tables and norms, read into [`ModelWeights`] for `config` (the file's, with its context
+    /// possibly limited).
+    pub fn weights(&self, config: &ModelConfig, keep: Range<usize>) -> Result<ModelWeights> {
+        weights::load(&self.file, config, self.permuted, keep)
     }
 
     /// Tensors in a block type wgpar only dequantizes (no kernels read it), with the type's

@@ -11,6 +11,8 @@
 //! interleaved RoPE (pairs `(2i, 2i+1)`); wgpar rotates halves (`i` with `i + head_dim/2`), as
 //! Hugging Face does, so those rows are put back here. Qwen2 files are not permuted.
 
+use std::ops::Range;
+
 use super::file::{ElementType, GgufFile, TensorInfo};
 use crate::error::{Result, WgparError};
 use crate::model::config::{Arch, ModelConfig};
@@ -133,12 +135,23 @@ pub fn unpermute_rows<T: Copy + Default>(m: &[T], heads: usize, cols: usize) -> 
     out
 }
 
-/// Reads every tensor of a GGUF file for `config`; `permuted`: the Q/K rows need unpermuting.
-pub fn load(file: &GgufFile, config: &ModelConfig, permuted: bool) -> Result<ModelWeights> {
+/// Reads the tensors of a GGUF file for `config`, of layers `keep` alone (the others
+/// [`LayerWeights::absent`]; the tables and final norm always); `permuted`: the Q/K rows need
+/// unpermuting.
+pub fn load(
+    file: &GgufFile,
+    config: &ModelConfig,
+    permuted: bool,
+    keep: Range<usize>,
+) -> Result<ModelWeights> {
     let t = Tensors { file };
     let h = config.hidden;
     let mut layers = Vec::with_capacity(config.layers);
     for i in 0..config.layers {
+        if !keep.contains(&i) {
+            layers.push(LayerWeights::absent());
+            continue;
+        }
         layers.push(match config.arch {
             Arch::Gpt2 => gpt2_layer(&t, config, i)?,
             _ => llama_layer(&t, config, i, permuted)?,

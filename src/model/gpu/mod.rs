@@ -1016,6 +1016,15 @@ fn check_upload(config: &ModelConfig, weights: &ModelWeights, placement: &Placem
             placement.layers, config.layers
         )));
     }
+    let absent = placement
+        .layers
+        .clone()
+        .find(|&i| weights.layers[i].is_absent());
+    if let Some(i) = absent {
+        return Err(WgparError::InvalidCall(format!(
+            "layer {i} is not loaded in this process (weights loaded for other layers)"
+        )));
+    }
     Ok(())
 }
 

@@ -13,13 +13,20 @@
 //! | final_norm | `ln_f.{weight,bias}` |
 //! | lm_head | `lm_head.weight` when untied |
 
+use std::ops::Range;
+
 use super::reader::{transpose, Reader};
 use crate::error::Result;
 use crate::model::config::ModelConfig;
 use crate::model::weights::{LayerWeights, ModelWeights};
 
 /// Reads a GPT-2 checkpoint's weights; positions beyond `config.max_seq` are dropped.
-pub fn load(r: &Reader, config: &ModelConfig, positions: usize) -> Result<ModelWeights> {
+pub fn load(
+    r: &Reader,
+    config: &ModelConfig,
+    positions: usize,
+    keep: &Range<usize>,
+) -> Result<ModelWeights> {
     let h = config.hidden;
     let f = config.ffn;
     let conv = |name: &str, inputs: usize, outputs: usize, what: &str| -> Result<Vec<f32>> {
@@ -28,6 +35,10 @@ pub fn load(r: &Reader, config: &ModelConfig, positions: usize) -> Result<ModelW
     };
     let mut layers = Vec::with_capacity(config.layers);
     for i in 0..config.layers {
+        if !keep.contains(&i) {
+            layers.push(LayerWeights::absent());
+            continue;
+        }
         let p = |part: &str| format!("h.{i}.{part}");
         let what = |part: &str| format!("layer {i} {part}");
         let qkv = conv(

@@ -12,16 +12,22 @@
 //! | final_norm | `norm.weight` |
 //! | lm_head | `lm_head.weight` (top level) unless `tie_word_embeddings` |
 
+use std::ops::Range;
+
 use super::reader::Reader;
 use crate::error::Result;
 use crate::model::config::ModelConfig;
 use crate::model::weights::{LayerWeights, ModelWeights};
 
 /// Reads a Llama-style checkpoint's weights.
-pub fn load(r: &Reader, config: &ModelConfig) -> Result<ModelWeights> {
+pub fn load(r: &Reader, config: &ModelConfig, keep: &Range<usize>) -> Result<ModelWeights> {
     let (h, f, q, kv) = (config.hidden, config.ffn, config.q_dim(), config.kv_dim());
     let mut layers = Vec::with_capacity(config.layers);
     for i in 0..config.layers {
+        if !keep.contains(&i) {
+            layers.push(LayerWeights::absent());
+            continue;
+        }
         let p = |part: &str| format!("layers.{i}.{part}");
         let what = |part: &str| format!("layer {i} {part}");
         let attn = |proj: &str, rows: usize, cols: usize, part: &str| {

@@ -15,6 +15,7 @@ pub mod reader;
 pub mod tensors;
 pub mod tokenizer;
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 pub use config::{HfConfig, SUPPORTED_TYPES};
@@ -301,10 +302,17 @@ impl Checkpoint {
     /// Converts every tensor into [`ModelWeights`] (f32), checking names, shapes and dtypes;
     /// `progress` draws a bar on a terminal.
     pub fn weights(&self, progress: bool) -> Result<ModelWeights> {
+        self.weights_of_layers(progress, 0..self.config.layers)
+    }
+
+    /// [`Self::weights`] of layers `keep` alone, the others [`crate::model::LayerWeights::absent`]
+    /// (what one MPI rank of a pipeline holds; tables and norms always). A GGUF's and a
+    /// decoder folder's other layers are never read; an encoder's are read and dropped.
+    pub fn weights_of_layers(&self, progress: bool, keep: Range<usize>) -> Result<ModelWeights> {
         let c = &self.config;
         let store = match &self.source {
             Source::Folder(store) => store,
-            Source::Gguf(gguf) => return gguf.weights(c),
+            Source::Gguf(gguf) => return gguf.weights(c, keep),
         };
         // Name prefixes each family is saved with (the first is the canonical one), and a
         // tensor every checkpoint of the family has, to tell which prefix this one uses.
@@ -315,12 +323,17 @@ impl Checkpoint {
         };
         let r = Reader::new(store, prefixes, probe, progress);
         let weights = match c.arch {
-            Arch::Gpt2 => gpt2::load(&r, c, self.positions),
-            Arch::Llama => llama::load(&r, c),
-            Arch::Bert => bert::load(&r, c, self.positions),
+            Arch::Gpt2 => gpt2::load(&r, c, self.positions, &keep),
+            Arch::Llama => llama::load(&r, c, &keep),
+            Arch::Bert => bert::load(&r, c, self.positions).map(|mut w| {
+                w.keep_layers(&keep);
+                w
+            }),
         };
         r.finish();
-        if weights.is_ok() {
+        // The tensors of layers not read are not unused: the warning needs every layer read.
+        let whole = keep == (0..c.layers) || c.arch == Arch::Bert;
+        if weights.is_ok() && whole {
             if let Some(line) = unused_warning(&r.unused()) {
                 eprintln!("{line}");
             }
