@@ -193,6 +193,9 @@ fn weights_without_a_layer_the_engine_needs_are_refused() {
     assert!(!part.layers[0].is_absent() && part.layers[1].is_absent());
     assert_eq!(part.layers[0].wq, whole.layers[0].wq);
     assert!(part.host_bytes() < whole.host_bytes());
-    let e = SingleEngine::new(gpu, &part, DType::F32).err().unwrap().to_string();
+    let e = SingleEngine::new(gpu, &part, DType::F32)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("layer 1 is not loaded"), "{e}");
 }

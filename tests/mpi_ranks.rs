@@ -249,8 +249,16 @@ fn a_gguf_on_its_own_blocks_runs_over_ranks_as_on_one_device() {
         format!("{bytes} (layers {}..{})", keep.start, keep.end)
     };
     let half = layers / 2;
-    let pp = format!("host weights by rank: {}, {}", held(0..half), held(half..layers));
-    let tp = format!("host weights by rank: {}, {}", held(0..layers), held(0..layers));
+    let pp = format!(
+        "host weights by rank: {}, {}",
+        held(0..half),
+        held(half..layers)
+    );
+    let tp = format!(
+        "host weights by rank: {}, {}",
+        held(0..layers),
+        held(0..layers)
+    );
     assert_ne!(held(0..half), held(0..layers));
     for (name, args, host) in [
         ("gguf-pp2", ["--strategy", "pp", "--virtual", "1"], pp),

@@ -504,6 +504,29 @@ fn pct(v: Option<f64>) -> String {
     v.map_or_else(|| "-".into(), |x| format!("{:.1}", x * 100.0))
 }
 
+/// How `plan` counts a GGUF file's weights: its own layer blocks, and its tables in their blocks
+/// or dense.
+fn file_storage(f: &WeightFormat) -> String {
+    let types: Vec<&str> = f.blocks.types().iter().map(|t| t.name()).collect();
+    let layers = match types.is_empty() {
+        true => "none: dense".to_string(),
+        false => types.join(", "),
+    };
+    let table = |t: Option<QuantType>| match t {
+        Some(t) => format!("in {} blocks", t.name()),
+        None => format!("in {:?}", f.dense),
+    };
+    let head = match f.vectors.tied_head {
+        true => "tied".to_string(),
+        false => table(f.blocks.lm_head),
+    };
+    format!(
+        "wgpar's memory counts the file's own layer blocks ({layers}), the token embedding {}, \
+         the LM head {head}, as `wgpar run` holds them.",
+        table(f.blocks.wte)
+    )
+}
+
 /// The rows as Markdown tables, one per profile, engines side by side.
 pub fn plan_markdown(opts: &PlanOptions, rows: &[PlanRow]) -> String {
     let mut s = String::new();
@@ -524,28 +547,7 @@ pub fn plan_markdown(opts: &PlanOptions, rows: &[PlanRow]) -> String {
         opts.decode_steps
     );
     if let Some(f) = opts.file_format.as_ref().filter(|f| f.packed.is_none()) {
-        let types: Vec<&str> = f.blocks.types().iter().map(|t| t.name()).collect();
-        let table = |t: Option<QuantType>| match t {
-            Some(t) => format!("{} blocks", t.name()),
-            None => format!("{:?}", f.dense),
-        };
-        let head = match f.vectors.tied_head {
-            true => "tied".to_string(),
-            false => table(f.blocks.lm_head),
-        };
-        let _ =
-            writeln!(
-            s,
-            "wgpar's memory counts the file's own layer blocks ({}), the token embedding in {}, \
-             the LM head {}, as `wgpar run` holds them.\n",
-            if types.is_empty() {
-                "none: dense".to_string()
-            } else {
-                types.join(", ")
-            },
-            table(f.blocks.wte),
-            if f.vectors.tied_head { head } else { format!("in {head}") },
-        );
+        let _ = writeln!(s, "{}\n", file_storage(f));
     }
     for profile in &opts.profiles {
         let _ = writeln!(s, "### {}\n", profile.name);

@@ -19,68 +19,15 @@ use crate::error::Result;
 use crate::model::config::ModelConfig;
 use crate::model::weights::{LayerWeights, ModelWeights};
 
-/// Reads a Llama-style checkpoint's weights.
+/// Reads a Llama-style checkpoint's weights: of layers `keep` alone, the others absent.
 pub fn load(r: &Reader, config: &ModelConfig, keep: &Range<usize>) -> Result<ModelWeights> {
-    let (h, f, q, kv) = (config.hidden, config.ffn, config.q_dim(), config.kv_dim());
-    let mut layers = Vec::with_capacity(config.layers);
-    for i in 0..config.layers {
-        if !keep.contains(&i) {
-            layers.push(LayerWeights::absent());
-            continue;
-        }
-        let p = |part: &str| format!("layers.{i}.{part}");
-        let what = |part: &str| format!("layer {i} {part}");
-        let attn = |proj: &str, rows: usize, cols: usize, part: &str| {
-            r.tensor(
-                &p(&format!("self_attn.{proj}.weight")),
-                &[rows, cols],
-                &what(part),
-            )
-        };
-        // Qwen2 and Llama with attention_bias carry projection biases; plain Llama has none.
-        let bias = |proj: &str, rows: usize| {
-            r.optional(
-                &p(&format!("self_attn.{proj}.bias")),
-                &[rows],
-                &what(&format!("{proj} bias")),
-            )
-        };
-        let mlp = |proj: &str, rows: usize, cols: usize| {
-            r.tensor(
-                &p(&format!("mlp.{proj}.weight")),
-                &[rows, cols],
-                &what(&format!("MLP {proj}")),
-            )
-        };
-        layers.push(LayerWeights {
-            attn_norm: r.tensor(
-                &p("input_layernorm.weight"),
-                &[h],
-                &what("attention RMSNorm"),
-            )?,
-            attn_norm_bias: None,
-            wq: attn("q_proj", q, h, "query projection")?,
-            wk: attn("k_proj", kv, h, "key projection")?,
-            wv: attn("v_proj", kv, h, "value projection")?,
-            bq: bias("q_proj", q)?,
-            bk: bias("k_proj", kv)?,
-            bv: bias("v_proj", kv)?,
-            wo: attn("o_proj", h, q, "attention output")?,
-            bo: bias("o_proj", h)?,
-            mlp_norm: r.tensor(
-                &p("post_attention_layernorm.weight"),
-                &[h],
-                &what("MLP RMSNorm"),
-            )?,
-            mlp_norm_bias: None,
-            w_gate: Some(mlp("gate_proj", f, h)?),
-            w_up: mlp("up_proj", f, h)?,
-            b_up: None,
-            w_down: mlp("down_proj", h, f)?,
-            b_down: None,
-            blocks: Default::default(),
-        });
-    }
+    let h = config.hidden;
+    let layers = (0..config.layers)
+        .map(|i| match keep.contains(&i) {
+            true => layer(r, config, i),
+            false => Ok(LayerWeights::absent()),
+        })
+        .collect::<Result<Vec<_>>>()?;
     let lm_head = if config.tied_head {
         None
     } else {
@@ -99,5 +46,62 @@ pub fn load(r: &Reader, config: &ModelConfig, keep: &Range<usize>) -> Result<Mod
         lm_head,
         tables: Default::default(),
         packed: None,
+    })
+}
+
+/// Layer `i`'s weights.
+fn layer(r: &Reader, config: &ModelConfig, i: usize) -> Result<LayerWeights> {
+    let (h, f, q, kv) = (config.hidden, config.ffn, config.q_dim(), config.kv_dim());
+    let p = |part: &str| format!("layers.{i}.{part}");
+    let what = |part: &str| format!("layer {i} {part}");
+    let attn = |proj: &str, rows: usize, cols: usize, part: &str| {
+        r.tensor(
+            &p(&format!("self_attn.{proj}.weight")),
+            &[rows, cols],
+            &what(part),
+        )
+    };
+    // Qwen2 and Llama with attention_bias carry projection biases; plain Llama has none.
+    let bias = |proj: &str, rows: usize| {
+        r.optional(
+            &p(&format!("self_attn.{proj}.bias")),
+            &[rows],
+            &what(&format!("{proj} bias")),
+        )
+    };
+    let mlp = |proj: &str, rows: usize, cols: usize| {
+        r.tensor(
+            &p(&format!("mlp.{proj}.weight")),
+            &[rows, cols],
+            &what(&format!("MLP {proj}")),
+        )
+    };
+    Ok(LayerWeights {
+        attn_norm: r.tensor(
+            &p("input_layernorm.weight"),
+            &[h],
+            &what("attention RMSNorm"),
+        )?,
+        attn_norm_bias: None,
+        wq: attn("q_proj", q, h, "query projection")?,
+        wk: attn("k_proj", kv, h, "key projection")?,
+        wv: attn("v_proj", kv, h, "value projection")?,
+        bq: bias("q_proj", q)?,
+        bk: bias("k_proj", kv)?,
+        bv: bias("v_proj", kv)?,
+        wo: attn("o_proj", h, q, "attention output")?,
+        bo: bias("o_proj", h)?,
+        mlp_norm: r.tensor(
+            &p("post_attention_layernorm.weight"),
+            &[h],
+            &what("MLP RMSNorm"),
+        )?,
+        mlp_norm_bias: None,
+        w_gate: Some(mlp("gate_proj", f, h)?),
+        w_up: mlp("up_proj", f, h)?,
+        b_up: None,
+        w_down: mlp("down_proj", h, f)?,
+        b_down: None,
+        blocks: Default::default(),
     })
 }
