@@ -18,7 +18,7 @@ use super::quant::{dequantize, quantize, QuantType};
 /// its dense field left empty, so a 4-bit file takes about its own size in host memory rather
 /// than four bytes a value. [`matrix_values`] reads either form;
 /// [`ModelWeights::fill_dense`] dequantizes them all where dense values are wanted.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct LayerWeights {
     /// Attention norm scale `[hidden]` (before the block, or after its residual when post-norm).
     pub attn_norm: Vec<f32>,
@@ -181,26 +181,7 @@ impl LayerWeights {
     /// A layer this process does not hold (another MPI rank's): every field empty. No engine
     /// uploads it ([`crate::model::GpuModel::upload`] refuses to).
     pub fn absent() -> Self {
-        Self {
-            attn_norm: Vec::new(),
-            attn_norm_bias: None,
-            wq: Vec::new(),
-            wk: Vec::new(),
-            wv: Vec::new(),
-            bq: None,
-            bk: None,
-            bv: None,
-            wo: Vec::new(),
-            bo: None,
-            mlp_norm: Vec::new(),
-            mlp_norm_bias: None,
-            w_gate: None,
-            w_up: Vec::new(),
-            b_up: None,
-            w_down: Vec::new(),
-            b_down: None,
-            blocks: LayerBlocks::default(),
-        }
+        Self::default()
     }
 
     /// Whether this is a layer this process does not hold ([`Self::absent`]).
@@ -440,21 +421,36 @@ impl ModelWeights {
     /// Dequantizes every matrix held in a file's blocks alone into its dense field (the
     /// blocks stay): for code that reads the dense values, at four bytes a value.
     pub fn fill_dense(&mut self) {
-        if let (Some(b), true) = (&self.tables.wte, self.wte.is_empty()) {
-            self.wte = b.dequantize();
-        }
-        if let (Some(b), Some(head)) = (&self.tables.lm_head, self.lm_head.as_mut()) {
-            if head.is_empty() {
-                *head = b.dequantize();
+        for (dense, blocks) in self.matrices_mut() {
+            if let (Some(b), true) = (blocks, dense.is_empty()) {
+                *dense = b.dequantize();
             }
         }
-        for l in &mut self.layers {
-            for (dense, blocks) in l.matrices_mut() {
-                if let (Some(b), true) = (blocks, dense.is_empty()) {
-                    *dense = b.dequantize();
-                }
-            }
-        }
+    }
+
+    /// Every matrix's dense field with the file's blocks of it, where kept: the token table,
+    /// an untied head, then each layer's projections.
+    fn matrices_mut(&mut self) -> impl Iterator<Item = (&mut Vec<f32>, Option<&BlockMatrix>)> {
+        let t = &self.tables;
+        let tables = [
+            (Some(&mut self.wte), t.wte.as_ref()),
+            (self.lm_head.as_mut(), t.lm_head.as_ref()),
+        ];
+        (tables.into_iter())
+            .filter_map(|(dense, blocks)| dense.map(|d| (d, blocks)))
+            .chain(self.layers.iter_mut().flat_map(LayerWeights::matrices_mut))
+    }
+
+    /// [`Self::matrices_mut`], to read.
+    fn matrices(&self) -> impl Iterator<Item = (&Vec<f32>, Option<&BlockMatrix>)> {
+        let t = &self.tables;
+        let tables = [
+            (Some(&self.wte), t.wte.as_ref()),
+            (self.lm_head.as_ref(), t.lm_head.as_ref()),
+        ];
+        (tables.into_iter())
+            .filter_map(|(dense, blocks)| dense.map(|d| (d, blocks)))
+            .chain(self.layers.iter().flat_map(LayerWeights::matrices))
     }
 
     /// The same weights with every matrix's dense values filled in ([`Self::fill_dense`]).
@@ -465,13 +461,8 @@ impl ModelWeights {
 
     /// Whether some matrix is held in a file's blocks alone (its dense field empty).
     pub fn has_blocks_only(&self) -> bool {
-        let head_only = self.lm_head.as_ref().is_some_and(Vec::is_empty);
-        let tables = (self.tables.wte.is_some() && self.wte.is_empty())
-            || (self.tables.lm_head.is_some() && head_only);
-        tables
-            || (self.layers.iter())
-                .flat_map(LayerWeights::matrices)
-                .any(|(dense, blocks)| dense.is_empty() && blocks.is_some())
+        self.matrices()
+            .any(|(dense, blocks)| dense.is_empty() && blocks.is_some())
     }
 
     /// Bytes the weights take on the host: dense values at four bytes each, blocks as stored.
