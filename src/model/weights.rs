@@ -89,16 +89,21 @@ impl BlockMatrix {
     }
 
     /// Bytes of one row.
-    fn row_bytes(&self) -> usize {
+    pub fn row_bytes(&self) -> usize {
         self.bytes.len() / self.rows.max(1)
     }
 
-    /// Rows `range`: a byte run, since rows are stored one after another.
-    pub fn slice_rows(&self, range: Range<usize>) -> Self {
+    /// The bytes of rows `range`: one run, since rows are stored one after another.
+    pub fn row_run(&self, range: Range<usize>) -> &[u8] {
         let rb = self.row_bytes();
+        &self.bytes[range.start * rb..range.end * rb]
+    }
+
+    /// Rows `range`, as a matrix of their own.
+    pub fn slice_rows(&self, range: Range<usize>) -> Self {
         Self {
             rows: range.len(),
-            bytes: self.bytes[range.start * rb..range.end * rb].to_vec(),
+            bytes: self.row_run(range).to_vec(),
             ..*self
         }
     }

@@ -218,7 +218,7 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
             return (m, b);
         }
         let b = b.map(|b| BlockMatrix {
-            bytes: unpermute_rows(&b.bytes, heads, b.bytes.len() / b.rows.max(1)),
+            bytes: unpermute_rows(&b.bytes, heads, b.row_bytes()),
             ..b
         });
         (unpermute_rows(&m, heads, h), b)

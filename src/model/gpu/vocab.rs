@@ -40,7 +40,7 @@ impl TableSource<'_> {
     /// Bytes of one row as stored on the device in `dtype` (dense) or the blocks' type.
     fn row_bytes(&self, hidden: usize, dtype: DType) -> u64 {
         match self.blocks {
-            Some(b) => (b.bytes.len() / b.rows.max(1)) as u64,
+            Some(b) => b.row_bytes() as u64,
             None => (hidden * dtype.size()) as u64,
         }
     }
@@ -64,8 +64,7 @@ impl TableSource<'_> {
     ) -> Result<DeviceMatrix> {
         match self.blocks {
             Some(b) => {
-                let rb = b.bytes.len() / b.rows.max(1);
-                let bytes = &b.bytes[first * rb..(first + rows) * rb];
+                let bytes = b.row_run(first..first + rows);
                 PackedMatrix::upload(gpu, name, b.dtype, bytes, (rows, hidden))
                     .map(DeviceMatrix::Packed)
             }
