@@ -301,7 +301,7 @@ fn table_row_bytes(hidden: usize, t: Option<QuantType>, dense: DType) -> u64 {
 fn table_bytes(vocab: usize, row: u64, limit: u64) -> u64 {
     let per = vocab_block_rows(vocab, row, limit).max(1);
     let (full, rest) = (vocab / per, vocab % per);
-    let block = |rows: usize| (rows as u64 * row).max(1).div_ceil(4) * 4;
+    let block = |rows: usize| padded(rows * row as usize, 1);
     full as u64 * block(per) + if rest > 0 { block(rest) } else { 0 }
 }
 
@@ -501,6 +501,7 @@ pub fn per_device(
         k.get(i).or(k.last()).copied().unwrap_or(DType::F32)
     };
     let last_stage_start = placements.iter().rposition(|p| p.shard.rank == 0);
+    let head_row = spec.format.head_row_bytes(config.hidden);
     Ok((placements.iter().enumerate())
         .map(|(i, placement)| {
             let mut bytes = DeviceBytes {
@@ -511,7 +512,6 @@ pub fn per_device(
                 .map(|&slots| kv_cache_bytes(config, placement, slots, kv(i)))
                 .sum();
             for &set in &sets {
-                let head_row = spec.format.head_row_bytes(config.hidden);
                 let (a, l, r) = activation_set(config, placement, set, (head_row, limit(i)));
                 bytes.activations += a;
                 bytes.logits += l;
