@@ -288,7 +288,7 @@ impl Gpu {
     fn tensor(&self, buffer: wgpu::Buffer, (dtype, len): (DType, usize), bytes: usize) -> Tensor {
         self.bytes_allocated.fetch_add(bytes, Ordering::Relaxed);
         self.bytes_live.fetch_add(bytes, Ordering::Relaxed);
-        Tensor::from_buffer(buffer, dtype, len, Some((self.bytes_live.clone(), bytes)))
+        Tensor::from_buffer(buffer, dtype, len, (self.bytes_live.clone(), bytes))
     }
 
     /// Buffers and bind groups created through this `Gpu` so far.

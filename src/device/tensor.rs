@@ -41,7 +41,7 @@ pub struct Tensor {
     dtype: DType,
     len: usize,
     /// Its device's count of bytes held by live tensors, and this tensor's share of it.
-    live: Option<(Arc<AtomicUsize>, usize)>,
+    live: (Arc<AtomicUsize>, usize),
 }
 
 impl Tensor {
@@ -51,7 +51,7 @@ impl Tensor {
         buffer: wgpu::Buffer,
         dtype: DType,
         len: usize,
-        live: Option<(Arc<AtomicUsize>, usize)>,
+        live: (Arc<AtomicUsize>, usize),
     ) -> Self {
         Self {
             buffer,
@@ -94,9 +94,8 @@ impl Tensor {
 
 impl Drop for Tensor {
     fn drop(&mut self) {
-        if let Some((live, bytes)) = &self.live {
-            live.fetch_sub(*bytes, Ordering::Relaxed);
-        }
+        let (live, bytes) = &self.live;
+        live.fetch_sub(*bytes, Ordering::Relaxed);
     }
 }
 

@@ -45,16 +45,19 @@ impl QuantVariant {
         self.entry == "qgemv"
     }
 
+    /// The family whose source holds its entry point: the embedding lookup's, or the matmul's.
+    pub fn family(&self) -> Family {
+        match self.entry {
+            "qembed" => Family::EmbeddingQuant,
+            _ => Family::MatmulQuant,
+        }
+    }
+
     /// The compiled pipeline on `gpu` (compiled on first use, then cached per device).
     pub(crate) fn kernel(&'static self, gpu: &Gpu) -> Arc<Kernel> {
-        let family = if self.entry == "qembed" {
-            Family::EmbeddingQuant
-        } else {
-            Family::MatmulQuant
-        };
         gpu.kernels().get_variant(
             gpu.device(),
-            family,
+            self.family(),
             self.entry,
             WeightType::F32,
             self.constants,
@@ -449,13 +452,11 @@ mod tests {
     /// Each variant, with its constants applied, validates with naga (no GPU needed).
     #[test]
     fn every_quant_variant_validates_with_its_constants() {
-        let parse = |f: Family| naga::front::wgsl::parse_str(f.source()).unwrap();
-        let (matmul, embed) = (parse(Family::MatmulQuant), parse(Family::EmbeddingQuant));
         assert_eq!(QUANT_VARIANTS.len(), 12);
         assert_eq!(QUANT_EMBED_VARIANTS.len(), 4);
         for v in QUANT_VARIANTS.iter().chain(QUANT_EMBED_VARIANTS) {
-            let module = if v.entry == "qembed" { &embed } else { &matmul };
-            crate::kernels::with_overrides(module, v.name, v.entry, v.constants);
+            let module = naga::front::wgsl::parse_str(v.family().source()).unwrap();
+            crate::kernels::with_overrides(&module, v.name, v.entry, v.constants);
             assert_eq!(
                 QuantType::parse(
                     v.name
