@@ -140,9 +140,19 @@ pub fn rank_layers(
         return Ok(0..layers);
     }
     let (ranges, stages) = stage_ranges(world, &counts, &layout_of(strategy)?, layers)?;
-    let first: usize = stages[..world.rank()].iter().sum();
-    let mine = &ranges[first..first + stages[world.rank()]];
+    let (_, mine) = own_stages(&ranges, &stages, world.rank());
     Ok(mine.first().map_or(0, |r| r.start)..mine.last().map_or(0, |r| r.end))
+}
+
+/// Rank `rank`'s stages out of every rank's (`stages[r]` of them on rank `r`, in order): the
+/// index of its first stage, and their layer ranges.
+fn own_stages<'a>(
+    ranges: &'a [Range<usize>],
+    stages: &[usize],
+    rank: usize,
+) -> (usize, &'a [Range<usize>]) {
+    let first: usize = stages[..rank].iter().sum();
+    (first, &ranges[first..first + stages[rank]])
 }
 
 /// What this rank brings to an engine: its devices, the weights and how they are stored, and
@@ -200,8 +210,8 @@ fn pipeline(world: &World, counts: &[usize], layout: Layout, local: Local) -> Re
     let tp = layout.tp;
     let (ranges, stages) = stage_ranges(world, counts, &layout, local.weights.config.layers)?;
     let (rank, size) = (world.rank(), world.size());
-    let first: usize = stages[..rank].iter().sum();
-    let mine = ranges[first..first + stages[rank]].to_vec();
+    let (first, mine) = own_stages(&ranges, &stages, rank);
+    let mine = mine.to_vec();
     let name = pipeline_name(&layout, &ranges, world.size(), (first, &mine));
     let (to_first, upstream) = link_channel(rank > 0);
     let (downstream, from_last) = link_channel(rank + 1 < size);
