@@ -155,6 +155,9 @@ pub enum WgparError {
         /// The presets, comma-separated.
         presets: String,
     },
+    /// `--model` names nothing on this machine (model::hub).
+    #[error(transparent)]
+    Hub(#[from] crate::model::hub::HubError),
     /// A host profile that cannot be read, parsed or used. (Boxed: errors stay small.)
     #[error(transparent)]
     Profile(Box<crate::sim::ProfileError>),
@@ -440,7 +443,8 @@ impl WgparError {
             Self::InvalidOption { .. }
             | Self::Unsupported { .. }
             | Self::TuneSetting { .. }
-            | Self::UnknownModel { .. } => 2,
+            | Self::UnknownModel { .. }
+            | Self::Hub(_) => 2,
             _ => 1,
         }
     }

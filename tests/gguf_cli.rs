@@ -182,3 +182,135 @@ fn a_gguf_keeps_its_blocks_unless_weights_says_otherwise() {
         "{err}"
     );
 }
+
+/// Runs `wgpar` with extra environment variables: (exit code, stdout, stderr).
+fn wgpar_env(args: &[&str], env: &[(&str, &std::path::Path)]) -> (Option<i32>, String, String) {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_wgpar"));
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.code(), text(&out.stdout), text(&out.stderr))
+}
+
+/// Lays `files` out as the Hugging Face cache does: blobs, a snapshot of links to them, and
+/// `refs/main` naming the snapshot.
+fn hub_cache_repo(cache: &std::path::Path, repo: &str, files: &[(&str, &std::path::Path)]) {
+    let folder = cache.join(format!("models--{}", repo.replace('/', "--")));
+    let snapshot = folder.join("snapshots/0123abcd");
+    std::fs::create_dir_all(folder.join("blobs")).unwrap();
+    std::fs::create_dir_all(folder.join("refs")).unwrap();
+    std::fs::create_dir_all(&snapshot).unwrap();
+    for (i, (name, source)) in files.iter().enumerate() {
+        let blob = folder.join(format!("blobs/{i:040x}"));
+        std::fs::copy(source, &blob).unwrap();
+        std::os::unix::fs::symlink(&blob, snapshot.join(name)).unwrap();
+    }
+    std::fs::write(folder.join("refs/main"), "0123abcd").unwrap();
+}
+
+/// Issue 38 item 6: `--model org/name` from the Hugging Face cache (a folder, or a GGUF repo's
+/// file picked by `:TAG`) and `--model ollama:name` from Ollama's store run the same text as
+/// the files' own paths; a name found nowhere is a usage error that lists where it looked.
+#[test]
+fn models_resolve_from_the_hub_cache_and_ollama_store() {
+    let config = ModelConfig {
+        vocab: 257,
+        ..ModelConfig::preset("tiny-llama").unwrap()
+    };
+    let w = ModelWeights::synthetic(&config, 51);
+    let tokens = byte_tokens();
+    let folder = write_checkpoint("gguf-hub", &w, Store::F32);
+    std::fs::write(
+        folder.join("tokenizer.json"),
+        tokenizer_json(&tokens).to_string(),
+    )
+    .unwrap();
+    let mut meta = model_meta(&w, "llama");
+    meta.extend([
+        json!(["tokenizer.ggml.model", "str", "gpt2"]),
+        json!(["tokenizer.ggml.tokens", "str_array", tokens]),
+        json!(["tokenizer.ggml.merges", "str_array", Vec::<String>::new()]),
+        json!(["tokenizer.ggml.add_bos_token", "bool", false]),
+    ]);
+    let spec = GgufSpec {
+        arch: "llama",
+        matrices: QuantType::F32,
+        meta,
+    };
+    let stores = hf_support::scratch("gguf-hub-stores");
+    let file = write_gguf(&stores, "m", &gguf_tensors(&w, true), &spec);
+    let cache = stores.join("hf");
+    let names = ["config.json", "model.safetensors", "tokenizer.json"];
+    let folder_files: Vec<_> = names.iter().map(|n| (*n, folder.join(n))).collect();
+    let links: Vec<(&str, &std::path::Path)> = folder_files
+        .iter()
+        .map(|(n, p)| (*n, p.as_path()))
+        .collect();
+    hub_cache_repo(&cache, "acme/tiny", &links);
+    hub_cache_repo(
+        &cache,
+        "acme/tiny-GGUF",
+        &[("tiny-F32.gguf", &file), ("tiny-Q8_0.gguf", &file)],
+    );
+    let ollama = stores.join("ollama");
+    let manifest = ollama.join("manifests/models.example/library/tiny/latest");
+    std::fs::create_dir_all(manifest.parent().unwrap()).unwrap();
+    std::fs::create_dir_all(ollama.join("blobs")).unwrap();
+    std::fs::copy(&file, ollama.join("blobs/sha256-00ff")).unwrap();
+    let layers = json!({"layers": [
+        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:0011"},
+        {"mediaType": "application/vnd.ollama.image.model", "digest": "sha256:00ff"}]});
+    std::fs::write(&manifest, layers.to_string()).unwrap();
+
+    let env = [
+        ("HF_HUB_CACHE", cache.as_path()),
+        ("OLLAMA_MODELS", ollama.as_path()),
+    ];
+    let run = |model: &str| {
+        let args = [
+            "run",
+            "--model",
+            model,
+            "--prompt",
+            "Hello, hub",
+            "--gen",
+            "6",
+        ];
+        wgpar_env(&args, &env)
+    };
+    let (code, want, err) = run(folder.to_str().unwrap());
+    assert!(
+        code == Some(0) && want.starts_with("Hello, hub"),
+        "{want}{err}"
+    );
+    for name in [
+        "acme/tiny",
+        "acme/tiny@0123abcd",
+        "acme/tiny-GGUF:f32",
+        "ollama:tiny:latest",
+    ] {
+        let (code, out, err) = run(name);
+        assert_eq!(code, Some(0), "{name}: {err}");
+        assert_eq!(out.lines().next(), want.lines().next(), "{name}");
+    }
+    let (code, _, err) = run("acme/tiny-GGUF");
+    assert!(
+        code == Some(2) && err.contains("tiny-F32.gguf, tiny-Q8_0.gguf"),
+        "{err}"
+    );
+    for (name, looked) in [
+        (
+            "acme/absent",
+            "models--acme--absent: not in the Hugging Face cache",
+        ),
+        ("acme/tiny@v9", "no ref or snapshot 'v9'"),
+        ("ollama:absent", "no manifest library/absent/latest"),
+    ] {
+        let (code, _, err) = run(name);
+        assert_eq!(code, Some(2), "{name}: {err}");
+        assert!(err.contains(looked), "{name}: {err}");
+    }
+}

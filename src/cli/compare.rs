@@ -88,7 +88,7 @@ impl CompareArgs {
     pub fn default_job() -> Self {
         Self {
             model: ModelArgs {
-                model: "default".into(),
+                model: wgpar::model::hub::ModelRef::Preset("default".into()),
                 dtype: "f32".into(),
                 weights: None,
                 seed: 42,

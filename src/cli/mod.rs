@@ -42,6 +42,7 @@ use wgpar::device::{
     open_devices, AdapterDesc, Adapters, DType, DeviceSelection, Gpu, GpuOptions, KvCacheType,
 };
 use wgpar::model::hf::Checkpoint;
+use wgpar::model::hub::ModelRef;
 use wgpar::model::memory::{FileBlocks, Vectors, WeightFormat, Workload};
 use wgpar::model::quant::QuantType;
 use wgpar::model::{budget, ModelConfig, ModelWeights};
@@ -395,9 +396,11 @@ fn check_runs_fit(config: &ModelConfig, dtype: DType, runs: &[PlannedRun]) -> Re
 pub struct ModelArgs {
     /// Model: a preset (default, tiny-llama, tiny-gpt2, tiny-bert, gpt2-small, llama-1b,
     /// llama-8b; synthetic weights), a Hugging Face model folder (config.json,
-    /// *.safetensors, tokenizer.json) or a GGUF file.
-    #[arg(long, default_value = "default", value_name = "PRESET|DIR|FILE.gguf")]
-    model: String,
+    /// *.safetensors, tokenizer.json), a GGUF file, `org/name[:TAG][@REVISION]` from the
+    /// Hugging Face cache, or `ollama:name[:tag]` from Ollama's store (nothing is downloaded).
+    #[arg(long, default_value = "default", value_name = "PRESET|DIR|FILE.gguf|ORG/NAME",
+          value_parser = ModelRef::resolve)]
+    model: ModelRef,
     /// Weight storage: f32, or f16 (needs SHADER_F16 on every device).
     #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
     dtype: String,
@@ -427,8 +430,7 @@ const MAX_CONTEXT: usize = 1 << 20;
 impl ModelArgs {
     /// The model folder or GGUF file, when `--model` names one rather than a preset.
     fn checkpoint_dir(&self) -> Option<&Path> {
-        let p = Path::new(&self.model);
-        (p.is_dir() || wgpar::model::gguf::is_gguf(p)).then_some(p)
+        self.model.path()
     }
 
     /// The checkpoint, its context limited to `context` (or its own, if shorter).
@@ -470,7 +472,7 @@ impl ModelArgs {
                 ckpt.config().clone()
             }
             None => {
-                let mut config = ModelConfig::preset(&self.model)?;
+                let mut config = ModelConfig::preset(self.model.name())?;
                 if let Some(n) = self.max_seq {
                     config.max_seq = n;
                 }

@@ -7,6 +7,7 @@ pub mod config;
 pub mod gguf;
 pub mod gpu;
 pub mod hf;
+pub mod hub;
 pub mod input;
 pub mod memory;
 pub mod quant;
