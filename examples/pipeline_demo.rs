@@ -2,7 +2,8 @@
 //! (or two virtual devices when it has one), eight micro-batches flowing through the stages,
 //! then the timeline drawn in the terminal: fill, steady state, drain. Then the same
 //! micro-batches decoding in flight: each moves to its next token as soon as its own logits
-//! are back, so the stages stay busy with no fill and drain per token.
+//! are back, so the stages stay busy with no fill and drain per token. Both pictures come after
+//! one untimed prefill and decode token (the warm-up), so they show the steady state.
 //!
 //! `cargo run --release --example pipeline_demo`
 
@@ -85,7 +86,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .collect()
         })
         .collect();
-    pp.prefill(&prompts)?; // warm-up: pipelines compiled, buffers allocated
+    warm_up(&mut pp, &prompts)?;
     let recorder = Recorder::new();
     pp.set_recorder(recorder.clone());
     pp.prefill(&prompts)?;
@@ -106,6 +107,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("\ndecode (in flight): 6 tokens per sequence, every micro-batch on its own\n");
     draw(&recorder.timeline(), gpus.len());
     report(&stats);
+    Ok(())
+}
+
+/// One untimed prefill and one untimed decode token through every stage, so that the pictures
+/// show the steady state: each device compiles (and autotunes) its kernels for both step shapes
+/// on first use, the GL stage slowest, and a cold first token would draw that as a stall.
+fn warm_up(pp: &mut PipelineEngine, prompts: &[Vec<u32>]) -> Result<(), wgpar::WgparError> {
+    let first = pp.prefill(prompts)?;
+    pp.decode_greedy(&first.argmax(), 1, false)?;
+    println!(
+        "warmed up: one untimed prefill of {} prompts and one decode token through every stage \
+         (kernels compiled and tuned, buffers allocated)",
+        prompts.len()
+    );
     Ok(())
 }
 
