@@ -569,3 +569,32 @@ fn usage_errors_exit_2_and_model_errors_1() {
     let o = refused_early(&["run", "--model", model], &["config.json"]);
     assert_eq!(o.code, Some(1), "{}", o.stderr);
 }
+
+/// Issue 39 item 7: a kernel benchmark whose work list would come out empty says why (exit 2),
+/// before or, where only the device knows the limit, after it opens; no empty table.
+#[test]
+fn empty_kernel_benchmarks_say_why() {
+    let o = refused_early(
+        &["bench", "kernels", "--sizes", "", "--no-others"],
+        &["nothing to measure", "--no-others"],
+    );
+    assert_eq!(o.code, Some(2));
+    for shape in ["100000x100000x100000", "18446744073709551615x2x2"] {
+        let args = [
+            "bench",
+            "kernels",
+            "--sizes",
+            "",
+            "--shapes",
+            shape,
+            "--no-save",
+        ];
+        let o = refused_within(
+            &args,
+            &["shape", shape, "allows at most"],
+            Duration::from_secs(30),
+        );
+        assert_eq!(o.code, Some(2), "{}", o.stderr);
+        assert!(!o.stdout.contains("GFLOP"), "{}", o.stdout);
+    }
+}

@@ -424,6 +424,15 @@ fn kernel_options(args: &KernelsBenchArgs) -> Result<KernelBenchOptions> {
         ));
     }
     let only = wgpar::kernels::tune::parse_forced("--kernels", &args.kernels.join(","))?;
+    if sizes.is_empty() && shapes.is_empty() && args.attention_prefill.is_empty() && args.no_others
+    {
+        return Err(WgparError::option(
+            "--sizes",
+            "nothing to measure: --sizes and --shapes name no matmul, --attention-prefill no \
+             length, and --no-others drops the other kernels"
+                .into(),
+        ));
+    }
     Ok(KernelBenchOptions {
         sizes,
         shapes,

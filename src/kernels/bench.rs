@@ -146,13 +146,7 @@ pub fn bench_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
     }
     for (m, n, k) in shapes {
         for &dtype in &dtypes {
-            let wbytes = if dtype == DType::F16 { 2 } else { 4 };
-            let fits = [m * k * 4, n * k * wbytes, m * n * 4]
-                .iter()
-                .all(|&b| gpu.check_size("bench", b as u64).is_ok());
-            if !fits {
-                continue;
-            }
+            check_shape_fits(gpu, (m, n, k), dtype)?;
             rows.extend(bench_matmul(gpu, opts, (m, n, k), dtype)?);
         }
     }
@@ -163,6 +157,26 @@ pub fn bench_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
         rows.extend(bandwidth_kernels(gpu, opts)?);
     }
     Ok(rows)
+}
+
+/// A shape's operands must each fit one binding on `gpu`: one that does not is refused, naming
+/// the shape and the limit, rather than left out of the table.
+fn check_shape_fits(gpu: &Gpu, (m, n, k): (usize, usize, usize), dtype: DType) -> Result<()> {
+    let wbytes = if dtype == DType::F16 { 2 } else { 4 };
+    // In u128: shapes come from the command line and their products can overflow u64.
+    let bytes = |a: usize, b: usize, size: u128| {
+        u64::try_from(a as u128 * b as u128 * size).unwrap_or(u64::MAX)
+    };
+    let operands = [
+        ("x", bytes(m, k, 4)),
+        ("w", bytes(n, k, wbytes)),
+        ("y", bytes(m, n, 4)),
+    ];
+    for (name, bytes) in operands {
+        gpu.check_size(&format!("shape {m}x{n}x{k} ({dtype:?}): {name}"), bytes)
+            .map_err(|e| WgparError::option("--shapes", e.to_string()))?;
+    }
+    Ok(())
 }
 
 fn bench_matmul(
