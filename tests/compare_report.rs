@@ -203,11 +203,15 @@ fn check_scale(report: &wgpar::compare::CompareReport, text: &str) {
         .iter()
         .map(|c| (c.rows.len(), c.model.as_str()))
         .collect();
-    // 2 profiles x 2 engines x 5 strategies x 2 batches; then 1 profile.
-    assert_eq!(sizes, [(40, "llama-8b"), (20, "llama3-70b")]);
-    for case in &scale.cases {
+    // 2 profiles x 2 engines x 5 strategies x 2 batches; then 1 profile x 2 engines x 3 and 4
+    // strategies x 2 batches.
+    assert_eq!(
+        sizes,
+        [(40, "llama-8b"), (12, "llama3-70b"), (16, "llama3-70b")]
+    );
+    for (case, lines) in scale.cases.iter().zip([2, 4, 4]) {
         assert!(case.params_b > 7.0, "{}", case.model);
-        assert_eq!(case.answers.len(), 2);
+        assert_eq!(case.answers.len(), lines, "{:?}", case.answers);
         assert!(!case.answers.iter().any(|a| a.contains("nothing fits")));
         assert!(text.contains(&case.question) && text.contains(&case.answers[0]));
         let fit = case.rows.iter().filter(|r| r.fits).count();
@@ -224,7 +228,7 @@ fn check_scale(report: &wgpar::compare::CompareReport, text: &str) {
         config: plan_model("llama3-70b").unwrap(),
         weights: wgpar::sim::NumFormat::F16,
         file_format: None,
-        strategies: vec![PlanStrategy::parse("tp4xpp2-m4").unwrap()],
+        strategies: vec![PlanStrategy::parse("tp4xpp2-mbest").unwrap()],
         batches: vec![32],
         seqs: vec![scale.prompt],
         profiles: vec![HostProfile::resolve("2node-ib200").unwrap()],
@@ -238,8 +242,21 @@ fn check_scale(report: &wgpar::compare::CompareReport, text: &str) {
         .find(|r| r.engine == planned.engine && r.strategy == planned.strategy && r.batch == 32)
         .unwrap();
     assert_eq!(row.decode_tps, planned.decode_tps);
+    assert!(row.strategy.ends_with("(best)"), "{}", row.strategy);
+    // Issue 39 item 8: the article's rule holds for CUDA+NCCL on NVLink nodes, not on PCIe ones.
+    let verdicts = |i: usize| scale.cases[i].answers.join("\n");
+    let (pcie, dgx) = (verdicts(1), verdicts(2));
+    assert!(
+        pcie.contains("2node-ib200, CUDA+NCCL: does not hold"),
+        "{pcie}"
+    );
+    assert!(
+        dgx.contains("2node-dgx-h100, CUDA+NCCL: holds (tp8xpp2 m="),
+        "{dgx}"
+    );
     let md = markdown(report, &[]);
     assert!(md.contains("## Modeled at scale") && md.contains("| 2node-ib200 | wgpar | tp8 |"));
     let svg = scale_svg(scale).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("llama3-70b on 2node-ib200"));
+    assert!(svg.contains("llama3-70b on 2node-dgx-h100"));
 }

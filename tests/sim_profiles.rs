@@ -44,6 +44,7 @@ fn every_file_in_hosts_parses_and_is_shipped() {
         "laptop-igpu-dgpu",
         "apple-m-unified",
         "2node-ib200",
+        "2node-dgx-h100",
     ] {
         assert!(shipped.iter().any(|s| s == required), "{required} missing");
     }
@@ -65,6 +66,11 @@ fn shipped_profiles_have_the_expected_shape() {
     assert_eq!((ib.nodes, ib.device_count()), (2, 8));
     assert_eq!(ib.network.as_ref().map(|n| n.beta_gbps), Some(25.0));
     assert_eq!(ib.network.as_ref().and_then(|n| n.nics_per_node), Some(1));
+    let dgx2 = HostProfile::shipped("2node-dgx-h100").unwrap();
+    assert_eq!((dgx2.nodes, dgx2.device_count()), (2, 16));
+    assert_eq!(dgx2.device_link.as_ref().map(|l| l.nvls), Some(true));
+    assert_eq!(dgx2.network.as_ref().map(|n| n.beta_gbps), Some(50.0));
+    assert_eq!(dgx2.network.as_ref().and_then(|n| n.nics_per_node), Some(8));
     let pcie3 = HostProfile::shipped("pcie3-2gpu").unwrap();
     assert_eq!(pcie3.devices[0].host_link.d2h.beta_gbps, 12.0);
     assert!(pcie3.device_link.is_none());

@@ -27,19 +27,22 @@ pub struct PlanStrategy {
     pub strategy: Strategy,
     /// Devices it uses.
     pub devices: usize,
+    /// Model every micro-batch count (powers of two up to the batch) and keep the one with the
+    /// shortest decode step, per batch: the `-mbest` suffix.
+    pub best_micro_batches: bool,
 }
 
 impl PlanStrategy {
     /// Parses `single`, `tpN`, `ppN`, `ppN-mM`, `tpNxppP` or `tpNxppP-mM` (M micro-batches,
-    /// default 1).
+    /// default 1), and `ppN-mbest` / `tpNxppP-mbest` (the best micro-batch count per batch).
     pub fn parse(text: &str) -> Result<PlanStrategy> {
         let t = text.trim().to_ascii_lowercase();
         let bad = || {
             WgparError::option(
                 "--strategies",
                 format!(
-                    "strategy '{text}': expected single, tpN, ppN, ppN-mM, tpNxppP or tpNxppP-mM \
-                 (e.g. tp8, pp4-m16, tp8xpp3-m3)"
+                    "strategy '{text}': expected single, tpN, ppN, ppN-mM, tpNxppP or tpNxppP-mM, \
+                     M a count or 'best' (e.g. tp8, pp4-m16, tp8xpp3-m3, tp8xpp2-mbest)"
                 ),
             )
         };
@@ -49,7 +52,11 @@ impl PlanStrategy {
                 label: "single".into(),
                 strategy: Strategy::Single,
                 devices: 1,
+                best_micro_batches: false,
             });
+        }
+        if let Some(body) = t.strip_suffix("-mbest") {
+            return Self::parse(body)?.best_of_micro_batches().ok_or_else(bad);
         }
         let (body, m) = match t.split_once("-m") {
             Some((b, m)) => (b, number(m)?),
@@ -68,6 +75,7 @@ impl PlanStrategy {
                     schedule: Schedule::InFlight,
                 },
                 devices: tp * pp,
+                best_micro_batches: false,
             });
         }
         if let Some(n) = body.strip_prefix("tp") {
@@ -79,6 +87,7 @@ impl PlanStrategy {
                 label: format!("tp{n}"),
                 strategy: Strategy::Tensor { split: None },
                 devices: n,
+                best_micro_batches: false,
             });
         }
         if let Some(n) = body.strip_prefix("pp") {
@@ -92,9 +101,46 @@ impl PlanStrategy {
                     schedule: Schedule::InFlight,
                 },
                 devices: n,
+                best_micro_batches: false,
             });
         }
         Err(bad())
+    }
+
+    /// This pipeline or hybrid strategy with its micro-batch count left to the plan; `None`
+    /// for one that has no micro-batches.
+    fn best_of_micro_batches(self) -> Option<Self> {
+        let base = self
+            .label
+            .split(" m=")
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        match self.strategy {
+            Strategy::Pipeline { .. } | Strategy::Hybrid { .. } => Some(Self {
+                label: format!("{base} m=best"),
+                best_micro_batches: true,
+                ..self
+            }),
+            _ => None,
+        }
+    }
+
+    /// This strategy with `m` micro-batches, labelled with the count.
+    fn with_micro_batches(&self, m: usize) -> Self {
+        let mut strategy = self.strategy.clone();
+        if let Strategy::Pipeline { micro_batches, .. } | Strategy::Hybrid { micro_batches, .. } =
+            &mut strategy
+        {
+            *micro_batches = m;
+        }
+        let base = self.label.split(" m=").next().unwrap_or_default();
+        Self {
+            label: format!("{base} m={m} (best)"),
+            strategy,
+            devices: self.devices,
+            best_micro_batches: false,
+        }
     }
 
     /// Why this strategy cannot split `config`, if it cannot.
@@ -126,12 +172,14 @@ pub fn default_strategies(config: &ModelConfig, n: usize) -> Vec<PlanStrategy> {
         label: "single".into(),
         strategy: Strategy::Single,
         devices: 1,
+        best_micro_batches: false,
     }];
     if n >= 2 && valid_tp_degrees(config).contains(&n) {
         v.push(PlanStrategy {
             label: format!("tp{n}"),
             strategy: Strategy::Tensor { split: None },
             devices: n,
+            best_micro_batches: false,
         });
     }
     if n >= 2 && n <= config.layers {
@@ -145,6 +193,7 @@ pub fn default_strategies(config: &ModelConfig, n: usize) -> Vec<PlanStrategy> {
                     schedule: Schedule::InFlight,
                 },
                 devices: n,
+                best_micro_batches: false,
             });
         }
     }
@@ -291,7 +340,7 @@ pub fn plan(opts: &PlanOptions) -> Result<Vec<PlanRow>> {
                 };
                 for &batch in &opts.batches {
                     for &seq in &opts.seqs {
-                        rows.push(cell.row(batch, seq)?);
+                        rows.push(cell.best_row(batch, seq)?);
                     }
                 }
             }
@@ -320,6 +369,30 @@ struct RowTimes {
 }
 
 impl Cell<'_> {
+    /// [`Self::row`], or for a `-mbest` strategy the row of the micro-batch count (a power of
+    /// two up to the batch) whose decode step is shortest among those that fit.
+    fn best_row(&self, batch: usize, seq: usize) -> Result<PlanRow> {
+        if !self.strategy.best_micro_batches {
+            return self.row(batch, seq);
+        }
+        let counts =
+            std::iter::successors(Some(1usize), |m| Some(m * 2)).take_while(|&m| m <= batch);
+        let mut best: Option<PlanRow> = None;
+        for m in counts {
+            let strategy = self.strategy.with_micro_batches(m);
+            let row = Cell {
+                strategy: &strategy,
+                ..*self
+            }
+            .row(batch, seq)?;
+            let step = |r: &PlanRow| (r.fits, r.decode_ms.map(|ms| -ms));
+            if best.as_ref().is_none_or(|b| step(&row) > step(b)) {
+                best = Some(row);
+            }
+        }
+        best.ok_or_else(|| WgparError::option("--batches", "a batch of 0 sequences".into()))
+    }
+
     /// The row of one batch and prompt length: its memory, and its times when it fits.
     fn row(&self, batch: usize, seq: usize) -> Result<PlanRow> {
         let (opts, s) = (self.opts, self.strategy);

@@ -1,6 +1,7 @@
 //! The report's modeled section at the scale people split models at: Llama-3-8B on four PCIe
 //! GPUs against a DGX H100, and Llama-3-70B on two nodes (TP inside a node, PP across them)
-//! against TP or PP alone. Built by [`plan`](super::plan::plan), the code behind `wgpar plan`,
+//! against TP or PP alone, on nodes of PCIe GPUs and on DGX H100 nodes with NVLink inside. The
+//! pipeline rows use the micro-batch count the model finds best for each batch. Built by [`plan`](super::plan::plan), the code behind `wgpar plan`,
 //! so the report and the planner cannot disagree.
 
 use serde::Serialize;
@@ -22,21 +23,34 @@ struct Case {
     model: &'static str,
     profiles: &'static [&'static str],
     strategies: &'static [&'static str],
+    /// For a two-node case, the tensor-parallel strategy that spans both nodes: the rule "TP
+    /// inside a node, PP across" is judged against it.
+    across_nodes: Option<&'static str>,
 }
 
-const CASES: [Case; 2] = [
+const CASES: [Case; 3] = [
     Case {
         question: "Llama-3-8B on four PCIe GPUs or on a DGX H100: does splitting pay?",
         model: "llama-8b",
         profiles: &["pcie4-4gpu", "dgx-h100"],
         strategies: &["single", "tp2", "tp4", "pp4", "pp4-m4"],
+        across_nodes: None,
     },
     Case {
-        question:
-            "Llama-3-70B on two nodes over InfiniBand: TP inside a node, PP across, or one alone?",
+        question: "Llama-3-70B on two nodes of PCIe GPUs over InfiniBand: TP inside a node, PP \
+                   across, or one alone?",
         model: "llama3-70b",
         profiles: &["2node-ib200"],
-        strategies: &["tp8", "pp8", "pp8-m8", "tp4xpp2", "tp4xpp2-m4"],
+        strategies: &["tp8", "pp8-mbest", "tp4xpp2-mbest"],
+        across_nodes: Some("tp8"),
+    },
+    Case {
+        question: "Llama-3-70B on two DGX H100 nodes (NVLink inside, InfiniBand between): TP \
+                   inside a node, PP across, or one alone?",
+        model: "llama3-70b",
+        profiles: &["2node-dgx-h100"],
+        strategies: &["tp8", "tp16", "pp16-mbest", "tp8xpp2-mbest"],
+        across_nodes: Some("tp16"),
     },
 ];
 
@@ -101,7 +115,10 @@ fn model_case(case: &Case, engines: &[Engine]) -> Result<ScaleCase> {
         decode_steps: DECODE_STEPS,
     };
     let rows = plan(&opts)?;
-    let answers = answers(&rows);
+    let mut answers = answers(&rows);
+    if let Some(tp) = case.across_nodes {
+        answers.extend(rule_verdicts(&rows, tp));
+    }
     Ok(ScaleCase {
         question: case.question.into(),
         model: config.name.clone(),
@@ -131,6 +148,54 @@ fn answers(rows: &[PlanRow]) -> Vec<String> {
         format!("lowest latency, one request: {latency}"),
         format!("highest throughput, batch {full}: {throughput}"),
     ]
+}
+
+/// For each (profile, engine): does "TP inside a node, PP across nodes" beat tensor parallelism
+/// over both nodes (`across`) in a full batch? The hybrid row is the best of its micro-batch
+/// counts (the `-mbest` strategies), so the verdict does not hang on a fixed count.
+fn rule_verdicts(rows: &[PlanRow], across: &str) -> Vec<String> {
+    let full = BATCHES[BATCHES.len() - 1];
+    let mut out = Vec::new();
+    for r in rows
+        .iter()
+        .filter(|r| r.batch == full && r.strategy == across)
+    {
+        let same = |x: &&PlanRow| x.profile == r.profile && x.engine == r.engine && x.batch == full;
+        let hybrid = rows
+            .iter()
+            .filter(same)
+            .filter(|x| x.strategy.starts_with("tp") && x.strategy.contains("xpp"));
+        let Some(h) = hybrid.min_by(|a, b| step(a).total_cmp(&step(b))) else {
+            continue;
+        };
+        let holds = if step(h) < step(r) {
+            "holds"
+        } else {
+            "does not hold"
+        };
+        let ms = |x: &PlanRow| match x.decode_ms {
+            Some(ms) if x.fits => format!("{ms:.1} ms/step"),
+            _ => "does not fit".into(),
+        };
+        out.push(format!(
+            "TP inside a node, PP across, batch {full}: {}, {}: {holds} ({} {} against {} {})",
+            r.profile,
+            r.engine,
+            h.strategy,
+            ms(h),
+            r.strategy,
+            ms(r)
+        ));
+    }
+    out
+}
+
+/// A row's decode step for comparing, rows that do not fit last.
+fn step(r: &PlanRow) -> f64 {
+    match r.decode_ms {
+        Some(ms) if r.fits => ms,
+        _ => f64::INFINITY,
+    }
 }
 
 /// `profile, engine: strategy (figure)` for each (profile, engine) in first-seen order: the

@@ -25,6 +25,10 @@ pub const SHIPPED_PROFILES: &[(&str, &str)] = &[
         include_str!("../../hosts/apple-m-unified.toml"),
     ),
     ("2node-ib200", include_str!("../../hosts/2node-ib200.toml")),
+    (
+        "2node-dgx-h100",
+        include_str!("../../hosts/2node-dgx-h100.toml"),
+    ),
 ];
 
 impl HostProfile {
