@@ -185,14 +185,14 @@ fn context_limit_truncates_positions() {
 
 #[test]
 fn llama3_rope_scaling_runs_on_the_gpu_like_the_reference() {
-    use wgpar::model::{CpuReference, RopeScaling};
+    use wgpar::model::{CpuReference, Llama3Scaling, RopeScaling};
     // A small original context puts tiny-llama's eight frequencies in all three bands.
-    let scaling = RopeScaling {
+    let scaling = RopeScaling::Llama3(Llama3Scaling {
         factor: 4.0,
         low_freq_factor: 1.0,
         high_freq_factor: 4.0,
         original_context: 64,
-    };
+    });
     let config = ModelConfig {
         rope_scaling: Some(scaling),
         ..ModelConfig::preset("tiny-llama").unwrap()

@@ -401,8 +401,10 @@ pub struct ModelArgs {
     #[arg(long, default_value = "default", value_name = "PRESET|DIR|FILE.gguf|ORG/NAME",
           value_parser = ModelRef::resolve)]
     model: ModelRef,
-    /// Weight storage: f32, or f16 (needs SHADER_F16 on every device).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
+    /// Weight storage: auto keeps a checkpoint stored in f16 or bf16 in f16 where every
+    /// selected device has SHADER_F16 (else f32, with a note), and everything else in f32;
+    /// f32 or f16 (needs SHADER_F16 on every device) force one.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "f32", "f16"])]
     dtype: String,
     /// Store the layers' projection matrices packed on the device as q8_0, q4_0, q4_k or q6_k
     /// blocks, dequantized in the kernels (embeddings and the LM head stay in --dtype). A GGUF
@@ -574,10 +576,25 @@ impl ModelArgs {
     /// The weight dtype `--dtype` asks for, checked against the selected adapters before any
     /// device is opened (`force_f32`: --force-f32 or WGPAR_FORCE_F32=1).
     fn dtype_for(&self, adapters: &[AdapterDesc], force_f32: bool) -> Result<DType> {
+        let force_f32 = force_f32 || wgpar::switches::flag(wgpar::switches::FORCE_F32);
+        if self.dtype == "auto" {
+            let lacking = adapters.iter().find(|a| !a.shader_f16);
+            let why = match lacking {
+                _ if force_f32 => {
+                    Some("--force-f32 (or WGPAR_FORCE_F32=1) keeps every device in f32".into())
+                }
+                Some(a) => Some(format!(
+                    "adapter {} ({}) lacks SHADER_F16",
+                    a.index,
+                    a.label()
+                )),
+                None => None,
+            };
+            return self.auto_dtype(why);
+        }
         if self.dtype != "f16" {
             return Ok(DType::F32);
         }
-        let force_f32 = force_f32 || wgpar::switches::flag(wgpar::switches::FORCE_F32);
         if force_f32 {
             return Err(WgparError::unsupported(
                 "--dtype f16 asks for f16 weights, but --force-f32 (or WGPAR_FORCE_F32=1) keeps \
@@ -596,7 +613,45 @@ impl ModelArgs {
         }
     }
 
+    /// `--dtype auto`: f16 for a checkpoint stored in 16 bits unless `why_f32` says why not
+    /// (then f32, with a note), f32 for everything else (presets, f32 checkpoints).
+    fn auto_dtype(&self, why_f32: Option<String>) -> Result<DType> {
+        let half = match self.checkpoint_dir() {
+            Some(dir) => Checkpoint::open(dir)?.stores_half(),
+            None => false,
+        };
+        if !half {
+            return Ok(DType::F32);
+        }
+        match why_f32 {
+            Some(why) => {
+                eprintln!(
+                    "wgpar: note: the checkpoint stores f16/bf16 weights; they are held in f32 \
+                     because {why}"
+                );
+                Ok(DType::F32)
+            }
+            None => {
+                eprintln!(
+                    "wgpar: note: weights held in f16, as the checkpoint stores them (--dtype \
+                     f32 widens them)"
+                );
+                Ok(DType::F16)
+            }
+        }
+    }
+
     fn dtype(&self, gpus: &[Arc<Gpu>]) -> Result<DType> {
+        if self.dtype == "auto" {
+            let lacking = gpus.iter().find(|g| !g.supports_f16_weights());
+            let why = lacking.map(|g| {
+                format!(
+                    "{} keeps weights in f32 (no SHADER_F16, or --force-f32)",
+                    g.describe()
+                )
+            });
+            return self.auto_dtype(why);
+        }
         match self.dtype.as_str() {
             "f16" => match gpus.iter().find(|g| !g.supports_f16_weights()) {
                 Some(g) if g.info().shader_f16 => Err(WgparError::unsupported(format!(

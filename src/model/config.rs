@@ -40,19 +40,7 @@ pub enum PoolMode {
     Cls,
 }
 
-/// Llama 3's RoPE frequency scaling (`rope_scaling` with `rope_type: "llama3"`): long
-/// wavelengths are slowed by `factor`, short ones kept, the band between blended.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct RopeScaling {
-    /// Slow-down of the low frequencies.
-    pub factor: f32,
-    /// Wavelengths above `original_context / low_freq_factor` are fully scaled.
-    pub low_freq_factor: f32,
-    /// Wavelengths below `original_context / high_freq_factor` are kept.
-    pub high_freq_factor: f32,
-    /// Context the model was first trained for.
-    pub original_context: usize,
-}
+pub use super::rope::{Llama3Scaling, RopeScaling, YarnScaling};
 
 /// An encoder's pooling step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -90,8 +78,12 @@ pub struct ModelConfig {
     pub norm_eps: f32,
     /// RoPE base frequency (Llama).
     pub rope_theta: f32,
-    /// RoPE frequency scaling (Llama 3.1 and later), if any.
+    /// RoPE frequency scaling for contexts past the trained one (linear, Llama 3, YaRN), if any.
     pub rope_scaling: Option<RopeScaling>,
+    /// Per-pair RoPE frequency divisors (`head_dim / 2` values, GGUF `rope_freqs.weight` of
+    /// Llama 3.1 / 3.2 files), if the checkpoint carries them.
+    #[serde(default)]
+    pub rope_freq_factors: Option<Vec<f32>>,
     /// LM head shares the token embedding matrix.
     pub tied_head: bool,
     /// MLP non-linearity (must be `Silu` exactly for Llama).
@@ -131,6 +123,7 @@ impl ModelConfig {
             norm_eps: 1e-5,
             rope_theta: 10_000.0,
             rope_scaling: None,
+            rope_freq_factors: None,
             tied_head: false,
             activation: Activation::Silu,
             type_vocab: 0,
@@ -337,17 +330,8 @@ impl ModelConfig {
                 self.rope_theta
             ));
         }
-        if let Some(s) = &self.rope_scaling {
-            let positive = |x: f32| x.is_finite() && x > 0.0;
-            if !(positive(s.factor)
-                && positive(s.low_freq_factor)
-                && positive(s.high_freq_factor)
-                && s.original_context > 0)
-            {
-                return Some(format!(
-                    "rope_scaling needs positive finite factors and context, got {s:?}"
-                ));
-            }
+        if self.arch == Arch::Llama {
+            return super::rope::problem(self);
         }
         None
     }

@@ -13,11 +13,15 @@ pub mod memory;
 pub mod quant;
 pub mod reference;
 pub mod reference_encoder;
+pub mod rope;
 pub mod sampling;
 pub mod shard;
 pub mod weights;
 
-pub use config::{Activation, Arch, ModelConfig, PoolMode, Pooling, RopeScaling, PRESETS};
+pub use config::{
+    Activation, Arch, Llama3Scaling, ModelConfig, PoolMode, Pooling, RopeScaling, YarnScaling,
+    PRESETS,
+};
 pub use gpu::{Activations, GpuModel, KvCache, Placement, SeqRow, Step, StepOut};
 pub use input::EncoderInput;
 pub use reference::CpuReference;

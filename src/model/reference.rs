@@ -4,7 +4,8 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use super::config::{Activation, Arch, ModelConfig, RopeScaling};
+use super::config::{Activation, Arch, ModelConfig};
+use super::rope::frequencies;
 use super::weights::{LayerWeights, ModelWeights};
 use crate::error::{Result, WgparError};
 
@@ -151,42 +152,21 @@ pub fn silu(x: f64) -> f64 {
     x / (1.0 + (-x).exp())
 }
 
-/// RoPE angle tables `[positions][head_dim / 2]` (cos, sin) in f64.
+/// RoPE tables `[positions][head_dim / 2]` (cos, sin) in f64, each times the magnitude: from
+/// [`frequencies`], as the device tables are.
 pub fn rope_tables(config: &ModelConfig, positions: usize) -> (Vec<f64>, Vec<f64>) {
+    let rope = frequencies(config);
     let half = config.head_dim / 2;
     let mut cos = Vec::with_capacity(positions * half);
     let mut sin = Vec::with_capacity(positions * half);
-    let inv_freq: Vec<f64> = (0..half)
-        .map(|i| {
-            let f = (config.rope_theta as f64).powf(-(2.0 * i as f64) / config.head_dim as f64);
-            config.rope_scaling.map_or(f, |s| scaled_frequency(f, &s))
-        })
-        .collect();
     for pos in 0..positions {
-        for &f in &inv_freq {
+        for &f in &rope.inv_freq {
             let angle = pos as f64 * f;
-            cos.push(angle.cos());
-            sin.push(angle.sin());
+            cos.push(angle.cos() * rope.magnitude);
+            sin.push(angle.sin() * rope.magnitude);
         }
     }
     (cos, sin)
-}
-
-/// One RoPE frequency under Llama 3 scaling: wavelengths shorter than the high-frequency
-/// bound are kept, longer than the low-frequency bound divided by `factor`, and those in
-/// between blended linearly in `original_context / wavelength`.
-pub fn scaled_frequency(inv_freq: f64, s: &RopeScaling) -> f64 {
-    let original = s.original_context as f64;
-    let (low, high) = (s.low_freq_factor as f64, s.high_freq_factor as f64);
-    let wavelength = 2.0 * std::f64::consts::PI / inv_freq;
-    if wavelength < original / high {
-        inv_freq
-    } else if wavelength > original / low {
-        inv_freq / s.factor as f64
-    } else {
-        let smooth = (original / wavelength - low) / (high - low);
-        (1.0 - smooth) * inv_freq / s.factor as f64 + smooth * inv_freq
-    }
 }
 
 fn apply_rope(
@@ -481,33 +461,5 @@ mod tests {
         }
         assert_eq!(erf(7.0), 1.0);
         assert!((gelu_erf(1.0) - 0.841_344_746_068_542_9).abs() < 1e-14);
-    }
-
-    #[test]
-    fn llama3_scaling_keeps_short_and_slows_long_wavelengths() {
-        // Llama 3.1's values: factor 8, bounds 8192 / 4 = 2048 and 8192 / 1 = 8192 tokens.
-        let s = RopeScaling {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_context: 8192,
-        };
-        let tau = 2.0 * std::f64::consts::PI;
-        let f = |wavelength: f64| tau / wavelength;
-        // Wavelength 100 < 2048: kept.
-        assert_eq!(scaled_frequency(f(100.0), &s), f(100.0));
-        // Wavelength 10000 > 8192: divided by 8.
-        assert!((scaled_frequency(f(10_000.0), &s) - f(10_000.0) / 8.0).abs() < 1e-18);
-        // Wavelength 4096: 8192 / 4096 = 2, smooth = (2 - 1) / (4 - 1) = 1/3, so the
-        // frequency is (2/3) f / 8 + (1/3) f = (1/12 + 1/3) f = (5/12) f.
-        let got = scaled_frequency(f(4096.0), &s);
-        assert!((got - f(4096.0) * 5.0 / 12.0).abs() < 1e-15, "{got}");
-        // The tables use it.
-        let mut cfg = ModelConfig::preset("tiny-llama").unwrap();
-        let plain = rope_tables(&cfg, 3);
-        cfg.rope_scaling = Some(s);
-        let scaled = rope_tables(&cfg, 3);
-        assert_eq!(plain.0[..8], scaled.0[..8]);
-        assert_ne!(plain.0, scaled.0);
     }
 }

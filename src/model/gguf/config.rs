@@ -3,7 +3,8 @@
 
 use super::file::{GgufFile, Value};
 use crate::error::{Result, WgparError};
-use crate::model::config::{Activation, Arch, ModelConfig};
+use crate::model::config::{Activation, Arch, ModelConfig, RopeScaling, YarnScaling};
+use crate::model::rope::yarn_mscale;
 
 /// The `general.architecture` values wgpar reads, and the family each maps to.
 pub const GGUF_ARCHS: [(&str, Arch); 4] = [
@@ -127,19 +128,6 @@ pub fn model_config(meta: &Meta, file: &GgufFile, name: &str) -> Result<ModelCon
         .find(|(n, _)| *n == meta.arch_name)
         .map(|(_, a)| *a)
         .unwrap_or(Arch::Llama);
-    let scaling = format!("{}.rope.scaling.type", meta.arch_name);
-    if let Some(kind) = meta.get(&scaling) {
-        if *kind != Value::Str("none".into()) {
-            return Err(meta.fail(format!(
-                "key '{scaling}' is {kind:?}: RoPE scaling in GGUF files is not supported"
-            )));
-        }
-    }
-    if file.tensor("rope_freqs.weight").is_some() {
-        return Err(meta.fail(
-            "tensor 'rope_freqs.weight' (Llama 3.1 RoPE frequency factors) is not supported".into(),
-        ));
-    }
     let hidden = meta.arch_usize("embedding_length")?;
     let heads = meta.arch_usize("attention.head_count")?;
     let kv_key = format!("{}.attention.head_count_kv", meta.arch_name);
@@ -177,10 +165,15 @@ pub fn model_config(meta: &Meta, file: &GgufFile, name: &str) -> Result<ModelCon
         _ => ModelConfig {
             norm_eps: meta.arch_f32_or("attention.layer_norm_rms_epsilon", 1e-6)?,
             rope_theta: meta.arch_f32_or("rope.freq_base", 10_000.0)?,
+            rope_scaling: rope_scaling(meta, base.max_seq)?,
+            rope_freq_factors: rope_freq_factors(meta, file, base.head_dim)?,
             activation: Activation::Silu,
             ..base
         },
     };
+    if arch != Arch::Gpt2 {
+        whole_head_rope(meta, config.head_dim)?;
+    }
     // The declared blocks must be in the file before anything is sized by their count.
     let present = (0..config.layers)
         .take_while(|i| file.tensor(&format!("blk.{i}.attn_norm.weight")).is_some())
@@ -214,4 +207,106 @@ pub fn eos_tokens(meta: &Meta) -> Result<Vec<u32>> {
         }
     }
     Ok(eos)
+}
+
+/// Refuses `<arch>.rope.dimension_count` other than the head size (partial rotation).
+fn whole_head_rope(meta: &Meta, head_dim: usize) -> Result<()> {
+    let key = format!("{}.rope.dimension_count", meta.arch_name);
+    match meta.opt_usize(&key)? {
+        Some(n) if n != head_dim => Err(meta.fail(format!(
+            "key '{key}' is {n}: RoPE over part of a head is not supported (head_dim {head_dim})"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// `<arch>.rope.<key>` as a number, if present.
+fn rope_number(meta: &Meta, key: &str) -> Result<Option<f64>> {
+    let full = format!("{}.rope.{key}", meta.arch_name);
+    match meta.get(&full) {
+        None => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| meta.wrong(&full, v, "a number")),
+    }
+}
+
+/// `<arch>.rope.scaling.*` as llama.cpp reads them: `type` none, linear (also when only a
+/// factor is given, llama.cpp's default) or yarn; `context` is the file's context length, the
+/// original one unless the file names it. Keys that would change the rotation in ways wgpar
+/// does not compute are refused by name.
+fn rope_scaling(meta: &Meta, context: usize) -> Result<Option<RopeScaling>> {
+    let type_key = format!("{}.rope.scaling.type", meta.arch_name);
+    let kind = match meta.get(&type_key) {
+        None => None,
+        Some(_) => Some(meta.string(&type_key)?),
+    };
+    for (key, neutral) in [
+        ("scaling.attn_factor", 1.0),
+        ("scaling.yarn_log_multiplier", 0.0),
+        (
+            "scaling.yarn_ext_factor",
+            if kind == Some("yarn") { 1.0 } else { 0.0 },
+        ),
+    ] {
+        if let Some(v) = rope_number(meta, key)?.filter(|&v| v != neutral) {
+            return Err(meta.fail(format!(
+                "key '{}.rope.{key}' is {v}: only {neutral} is supported",
+                meta.arch_name
+            )));
+        }
+    }
+    // A factor of 0 means none, as in llama.cpp.
+    let factor = match rope_number(meta, "scaling.factor")? {
+        Some(f) => Some(f),
+        None => rope_number(meta, "scale_linear")?,
+    }
+    .filter(|&f| f != 0.0);
+    match kind {
+        Some("none") => Ok(None),
+        None | Some("linear") => Ok(factor.map(|f| RopeScaling::Linear { factor: f as f32 })),
+        Some("yarn") => {
+            let factor = factor.ok_or_else(|| {
+                meta.fail(format!(
+                    "key '{type_key}' is yarn, but '{}.rope.scaling.factor' is missing",
+                    meta.arch_name
+                ))
+            })?;
+            let original = format!("{}.rope.scaling.original_context_length", meta.arch_name);
+            let number =
+                |k: &str, default: f64| rope_number(meta, k).map(|v| v.unwrap_or(default) as f32);
+            Ok(Some(RopeScaling::Yarn(YarnScaling {
+                factor: factor as f32,
+                original_context: meta.opt_usize(&original)?.unwrap_or(context),
+                beta_fast: number("scaling.yarn_beta_fast", 32.0)?,
+                beta_slow: number("scaling.yarn_beta_slow", 1.0)?,
+                attention_factor: number("scaling.yarn_attn_factor", yarn_mscale(factor, 1.0))?,
+                truncate: true,
+            })))
+        }
+        Some(other) => Err(meta.fail(format!(
+            "key '{type_key}' is '{other}': supported RoPE scalings are none, linear and yarn"
+        ))),
+    }
+}
+
+/// `rope_freqs.weight` (Llama 3.1 / 3.2): one divisor per rotated pair of a head, which
+/// llama.cpp applies to every layer's frequencies.
+fn rope_freq_factors(meta: &Meta, file: &GgufFile, head_dim: usize) -> Result<Option<Vec<f32>>> {
+    const NAME: &str = "rope_freqs.weight";
+    let Some(info) = file.tensor(NAME) else {
+        return Ok(None);
+    };
+    let n = head_dim / 2;
+    let bytes = file.data(info);
+    if info.shape() != [n] || info.dtype.row_bytes(n) != Some(bytes.len()) {
+        return Err(meta.fail(format!(
+            "tensor '{NAME}' has shape {:?} ({} bytes of {:?}): expected [{n}] (head_dim / 2)",
+            info.shape(),
+            bytes.len(),
+            info.dtype
+        )));
+    }
+    Ok(Some(info.dtype.dequantize(bytes)))
 }

@@ -6,7 +6,10 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::error::{Result, WgparError};
-use crate::model::config::{Activation, Arch, ModelConfig, PoolMode, Pooling, RopeScaling};
+use crate::model::config::{
+    Activation, Arch, Llama3Scaling, ModelConfig, PoolMode, Pooling, RopeScaling, YarnScaling,
+};
+use crate::model::rope::yarn_mscale;
 
 /// The `model_type` values wgpar reads, and the family each maps to.
 pub const SUPPORTED_TYPES: [(&str, Arch); 5] = [
@@ -164,32 +167,117 @@ fn gelu_kind(keys: &Keys, key: &str, default: &str) -> Result<Activation> {
     }
 }
 
-/// `rope_scaling`: only Llama 3's kind is supported.
-fn rope_scaling(keys: &Keys, value: &Value) -> Result<RopeScaling> {
+/// The keys each `rope_scaling` type reads, beside `type` / `rope_type` (and `rope_theta`,
+/// which Transformers 5's `rope_parameters` carries).
+const ROPE_KEYS: [(&str, &[&str]); 3] = [
+    ("linear", &["factor"]),
+    (
+        "llama3",
+        &[
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ],
+    ),
+    (
+        "yarn",
+        &[
+            "factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "attention_factor",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        ],
+    ),
+];
+
+/// `rope_scaling` (or `rope_parameters`): linear, llama3 and yarn, as Transformers'
+/// `modeling_rope_utils` reads them; `default` is none. Any other type, or a key the type
+/// does not read, is refused by name. `max_pos` is `max_position_embeddings`.
+fn rope_scaling(keys: &Keys, value: &Value, max_pos: usize) -> Result<Option<RopeScaling>> {
     let sub = Keys {
         json: value,
         file: keys.file,
     };
     let kind = match sub.get("rope_type") {
         Some(_) => sub.str_or("rope_type", "")?,
-        None => sub.str_or("type", "")?,
+        None => sub.str_or("type", "default")?,
     };
-    if kind != "llama3" {
+    let known = ROPE_KEYS.iter().find(|(k, _)| *k == kind).map(|(_, v)| *v);
+    let Some(known) = known.or((kind == "default").then_some(&[][..])) else {
         return Err(keys.fail(format!(
-            "\"rope_scaling\" of type '{kind}' is not supported (only llama3)"
+            "\"rope_scaling\" of type '{kind}' is not supported (supported: default, linear, \
+             llama3, yarn)"
+        )));
+    };
+    let all = ["type", "rope_type", "rope_theta"];
+    if let Some(extra) = value.as_object().and_then(|o| {
+        o.keys()
+            .find(|k| !known.contains(&k.as_str()) && !all.contains(&k.as_str()))
+    }) {
+        return Err(keys.fail(format!(
+            "\"rope_scaling\" key \"{extra}\" is not supported for type '{kind}'"
         )));
     }
     let number = |k: &str| {
         sub.get(k)
             .and_then(Value::as_f64)
-            .map(|x| x as f32)
             .ok_or_else(|| keys.fail(format!("\"rope_scaling\" needs a number \"{k}\"")))
     };
-    Ok(RopeScaling {
-        factor: number("factor")?,
-        low_freq_factor: number("low_freq_factor")?,
-        high_freq_factor: number("high_freq_factor")?,
-        original_context: sub.usize("original_max_position_embeddings")?,
+    Ok(match kind {
+        "linear" => Some(RopeScaling::Linear {
+            factor: number("factor")? as f32,
+        }),
+        "llama3" => Some(RopeScaling::Llama3(Llama3Scaling {
+            factor: number("factor")? as f32,
+            low_freq_factor: number("low_freq_factor")? as f32,
+            high_freq_factor: number("high_freq_factor")? as f32,
+            original_context: sub.usize("original_max_position_embeddings")?,
+        })),
+        "yarn" => Some(RopeScaling::Yarn(yarn(&sub, max_pos)?)),
+        _ => None,
+    })
+}
+
+/// YaRN's parameters as Transformers' `_compute_yarn_parameters` resolves them: `factor`
+/// defaults to the context ratio, the attention factor to `0.1 ln(factor) + 1` (or the ratio
+/// of two such under `mscale` and `mscale_all_dim`), the betas to 32 and 1.
+fn yarn(sub: &Keys, max_pos: usize) -> Result<YarnScaling> {
+    let original = sub
+        .opt_usize("original_max_position_embeddings")?
+        .unwrap_or(max_pos);
+    let ratio = max_pos as f64 / original.max(1) as f64;
+    let factor = sub.f32_or("factor", ratio as f32)? as f64;
+    let attention_factor = match sub.get("attention_factor") {
+        Some(_) => sub.f32_or("attention_factor", 1.0)? as f64,
+        None => {
+            let (m, all) = (
+                sub.f32_or("mscale", 0.0)?,
+                sub.f32_or("mscale_all_dim", 0.0)?,
+            );
+            if m != 0.0 && all != 0.0 {
+                yarn_mscale(factor, m as f64) / yarn_mscale(factor, all as f64)
+            } else {
+                yarn_mscale(factor, 1.0)
+            }
+        }
+    };
+    // Transformers reads the betas with `or`, so 0 also means the default.
+    let beta = |k: &str, default: f32| {
+        sub.f32_or(k, default)
+            .map(|b| if b == 0.0 { default } else { b })
+    };
+    Ok(YarnScaling {
+        factor: factor as f32,
+        original_context: original,
+        beta_fast: beta("beta_fast", 32.0)?,
+        beta_slow: beta("beta_slow", 1.0)?,
+        attention_factor: attention_factor as f32,
+        truncate: sub.bool_or("truncate", true)?,
     })
 }
 
@@ -222,13 +310,22 @@ fn llama(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
     if act != "silu" {
         return Err(keys.fail(format!("\"hidden_act\" is '{act}', only silu is supported")));
     }
-    let rope_scaling = match keys.get("rope_scaling") {
-        None => None,
-        Some(v) => Some(rope_scaling(keys, v)?),
-    };
     let hidden = keys.usize("hidden_size")?;
     let heads = keys.usize("num_attention_heads")?;
     let mut max_seq = keys.opt_usize("max_position_embeddings")?.unwrap_or(2048);
+    // Transformers 5 writes the scaling (and the base) as "rope_parameters".
+    let rope = keys
+        .get("rope_scaling")
+        .or_else(|| keys.get("rope_parameters"));
+    let rope_scaling = match rope {
+        None => None,
+        Some(v) => rope_scaling(keys, v, max_seq)?,
+    };
+    let in_rope = |v: &Value| v.get("rope_theta").and_then(Value::as_f64);
+    let rope_theta = match rope.and_then(in_rope) {
+        Some(theta) => theta as f32,
+        None => keys.f32_or("rope_theta", 10_000.0)?,
+    };
     // A sliding window equals full attention up to the window's length, so the context
     // is capped there. Mistral applies its window whenever it is set; Qwen2 only under
     // "use_sliding_window" (false by default), as Hugging Face reads them.
@@ -248,7 +345,7 @@ fn llama(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
         ffn: keys.usize("intermediate_size")?,
         max_seq,
         norm_eps: keys.f32_or("rms_norm_eps", 1e-6)?,
-        rope_theta: keys.f32_or("rope_theta", 10_000.0)?,
+        rope_theta,
         rope_scaling,
         tied_head: keys.bool_or("tie_word_embeddings", false)?,
         activation: Activation::Silu,
@@ -383,30 +480,84 @@ mod tests {
     }
 
     #[test]
-    fn llama3_rope_scaling_is_read_and_others_refused() {
+    fn rope_scalings_are_read_and_others_refused_by_name() {
         let base = r#""model_type":"llama","vocab_size":10,"hidden_size":64,
-            "num_hidden_layers":1,"num_attention_heads":4,"intermediate_size":128"#;
-        let c = parse_str(&format!(
-            r#"{{{base},"rope_scaling":{{"rope_type":"llama3","factor":32.0,
-                "low_freq_factor":1.0,"high_freq_factor":4.0,
-                "original_max_position_embeddings":8192}}}}"#
-        ))
+            "num_hidden_layers":1,"num_attention_heads":4,"intermediate_size":128,
+            "max_position_embeddings":4096"#;
+        let read = |rope: &str| {
+            parse_str(&format!(r#"{{{base},"rope_scaling":{rope}}}"#))
+                .map(|c| c.config.rope_scaling)
+                .map_err(|e| e.to_string())
+        };
+        let llama3 = read(
+            r#"{"rope_type":"llama3","factor":32.0,"low_freq_factor":1.0,
+                "high_freq_factor":4.0,"original_max_position_embeddings":8192}"#,
+        );
+        let want = Llama3Scaling {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_context: 8192,
+        };
+        assert_eq!(llama3, Ok(Some(RopeScaling::Llama3(want))));
+        let linear = read(r#"{"type":"linear","factor":2}"#);
+        assert_eq!(linear, Ok(Some(RopeScaling::Linear { factor: 2.0 })));
+        assert_eq!(read(r#"{"rope_type":"default"}"#), Ok(None));
+        // Qwen2.5's form: the attention factor is 0.1 ln 4 + 1, the betas 32 and 1.
+        let yarn = read(r#"{"type":"yarn","factor":4.0,"original_max_position_embeddings":1024}"#);
+        let Ok(Some(RopeScaling::Yarn(y))) = yarn else {
+            panic!("{yarn:?}")
+        };
+        assert_eq!((y.factor, y.original_context), (4.0, 1024));
+        assert_eq!((y.beta_fast, y.beta_slow, y.truncate), (32.0, 1.0, true));
+        assert!((y.attention_factor as f64 - (1.0 + 0.1 * 4f64.ln())).abs() < 1e-6);
+        // DeepSeek's form: factor from the context ratio, the factor a ratio of two mscales.
+        let yarn = read(
+            r#"{"type":"yarn","original_max_position_embeddings":1024,"mscale":1.0,
+                "mscale_all_dim":0.5,"beta_fast":16,"truncate":false}"#,
+        );
+        let Ok(Some(RopeScaling::Yarn(y))) = yarn else {
+            panic!("{yarn:?}")
+        };
+        let want = (1.0 + 0.1 * 4f64.ln()) / (1.0 + 0.05 * 4f64.ln());
+        assert_eq!((y.factor, y.beta_fast, y.truncate), (4.0, 16.0, false));
+        assert!((y.attention_factor as f64 - want).abs() < 1e-6, "{y:?}");
+        let explicit = read(r#"{"type":"yarn","factor":2,"attention_factor":1.5}"#);
+        assert!(matches!(explicit, Ok(Some(RopeScaling::Yarn(y))) if y.attention_factor == 1.5));
+        for (rope, want) in [
+            (
+                r#"{"type":"dynamic","factor":2}"#,
+                "type 'dynamic' is not supported",
+            ),
+            (
+                r#"{"rope_type":"longrope"}"#,
+                "type 'longrope' is not supported",
+            ),
+            (
+                r#"{"type":"linear","factor":2,"low_freq_factor":1}"#,
+                "key \"low_freq_factor\" is not supported for type 'linear'",
+            ),
+            (r#"{"type":"linear"}"#, "needs a number \"factor\""),
+            (r#"{"type":"linear","factor":-1}"#, "positive finite"),
+        ] {
+            let e = read(rope).unwrap_err();
+            assert!(e.contains(want), "{rope}: {e}");
+        }
+    }
+
+    #[test]
+    fn rope_parameters_carry_the_base_and_scaling() {
+        let c = parse_str(
+            r#"{"model_type":"llama","vocab_size":10,"hidden_size":64,
+                "num_hidden_layers":1,"num_attention_heads":4,"intermediate_size":128,
+                "rope_parameters":{"rope_type":"linear","factor":4.0,"rope_theta":50000.0}}"#,
+        )
         .unwrap();
+        assert_eq!(c.config.rope_theta, 50_000.0);
         assert_eq!(
             c.config.rope_scaling,
-            Some(RopeScaling {
-                factor: 32.0,
-                low_freq_factor: 1.0,
-                high_freq_factor: 4.0,
-                original_context: 8192
-            })
+            Some(RopeScaling::Linear { factor: 4.0 })
         );
-        let e = parse_str(&format!(
-            r#"{{{base},"rope_scaling":{{"type":"linear","factor":2}}}}"#
-        ))
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("'linear' is not supported"), "{e}");
     }
 
     #[test]

@@ -282,6 +282,32 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// Whether the checkpoint stores its weights in 16 bits: no matrix in f32 and at least one
+    /// in f16 or bf16 (a GGUF's block-quantized matrices count as neither: they stay packed).
+    /// `--dtype auto` keeps such checkpoints in f16.
+    pub fn stores_half(&self) -> bool {
+        use crate::model::gguf::ElementType;
+        use crate::model::quant::QuantType;
+        let kinds: Vec<Option<bool>> = match &self.source {
+            Source::Folder(store) => (store.matrix_dtypes())
+                .map(|d| match d {
+                    safetensors::Dtype::F16 | safetensors::Dtype::BF16 => Some(true),
+                    safetensors::Dtype::F32 => Some(false),
+                    _ => None,
+                })
+                .collect(),
+            Source::Gguf(gguf) => (gguf.file().tensors.iter())
+                .filter(|(_, t)| t.dims.len() >= 2)
+                .map(|(_, t)| match t.dtype {
+                    ElementType::Native(QuantType::F16 | QuantType::Bf16) => Some(true),
+                    ElementType::Native(QuantType::F32) => Some(false),
+                    _ => None,
+                })
+                .collect(),
+        };
+        !kinds.contains(&Some(false)) && kinds.contains(&Some(true))
+    }
+
     /// The GGUF file, when the checkpoint is one.
     pub fn gguf(&self) -> Option<&crate::model::gguf::Gguf> {
         match &self.source {

@@ -187,6 +187,13 @@ impl TensorStore {
         }
     }
 
+    /// The storage types of the tensors of two or more dimensions (the matrices).
+    pub fn matrix_dtypes(&self) -> impl Iterator<Item = Dtype> + '_ {
+        (self.entries.values())
+            .filter(|e| e.shape.len() >= 2)
+            .map(|e| e.dtype)
+    }
+
     /// Bytes tensor `name` occupies in its file (0 when absent).
     pub fn stored_bytes(&self, name: &str) -> u64 {
         self.entries

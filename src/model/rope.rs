@@ -1,0 +1,284 @@
+//! RoPE as checkpoints define it: the base frequencies `theta^(-2i/d)`, a file's per-dimension
+//! divisors (GGUF `rope_freqs.weight`, Llama 3.1 / 3.2), and a scaling for contexts past the
+//! one the model was trained on (linear, Llama 3, YaRN). [`frequencies`] resolves all of them
+//! to one representation, per-pair inverse frequencies and a magnitude on cos and sin, from
+//! which the device tables and the f64 reference are both built.
+
+use serde::{Deserialize, Serialize};
+
+use super::config::ModelConfig;
+
+/// Llama 3's scaling (`rope_type: "llama3"`): long wavelengths are slowed by `factor`, short
+/// ones kept, the band between blended.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Llama3Scaling {
+    /// Slow-down of the low frequencies.
+    pub factor: f32,
+    /// Wavelengths above `original_context / low_freq_factor` are fully scaled.
+    pub low_freq_factor: f32,
+    /// Wavelengths below `original_context / high_freq_factor` are kept.
+    pub high_freq_factor: f32,
+    /// Context the model was first trained for.
+    pub original_context: usize,
+}
+
+/// YaRN (`rope_type: "yarn"`, GGUF `rope.scaling.type = yarn`): pairs that turn fewer than
+/// `beta_slow` times over the original context are interpolated (slowed by `factor`), those
+/// that turn more than `beta_fast` times kept, a linear ramp over the pair index between; cos
+/// and sin are multiplied by `attention_factor`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct YarnScaling {
+    /// Slow-down of the interpolated frequencies.
+    pub factor: f32,
+    /// Context the model was first trained for.
+    pub original_context: usize,
+    /// Rotations over the original context above which a pair is kept (32 by default).
+    pub beta_fast: f32,
+    /// Rotations below which a pair is fully interpolated (1 by default).
+    pub beta_slow: f32,
+    /// Magnitude on cos and sin, resolved from the checkpoint (`0.1 ln(factor) + 1` unless it
+    /// names one).
+    pub attention_factor: f32,
+    /// Whether the ramp's ends are rounded to whole pairs (Hugging Face's `truncate`, true by
+    /// default and always in llama.cpp).
+    pub truncate: bool,
+}
+
+/// How the frequencies are scaled for contexts past the original one.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// Every frequency divided by `factor` (positions interpolated).
+    Linear {
+        /// The divisor.
+        factor: f32,
+    },
+    /// Llama 3.1's wavelength bands.
+    Llama3(Llama3Scaling),
+    /// YaRN's ramp and magnitude.
+    Yarn(YarnScaling),
+}
+
+/// The resolved rotation: what the tables are computed from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeFrequencies {
+    /// Radians per position of each rotated pair `i < head_dim / 2`.
+    pub inv_freq: Vec<f64>,
+    /// Factor on cos and sin (YaRN's attention factor, else 1).
+    pub magnitude: f64,
+}
+
+/// `0.1 ln(factor) + 1` for factors above 1, else 1: YaRN's default attention factor (the
+/// paper's `sqrt(1/t)`), as Hugging Face and llama.cpp compute it; `mscale` weights the log.
+pub fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * factor.ln() + 1.0
+    }
+}
+
+/// The inverse frequencies and magnitude `config` rotates by: the base frequencies, divided by
+/// the file's per-pair factors (as llama.cpp applies `rope_freqs`), then scaled.
+pub fn frequencies(config: &ModelConfig) -> RopeFrequencies {
+    let d = config.head_dim as f64;
+    let base = config.rope_theta as f64;
+    let inv_freq: Vec<f64> = (0..config.head_dim / 2)
+        .map(|i| {
+            let f = base.powf(-(2.0 * i as f64) / d);
+            config
+                .rope_freq_factors
+                .as_ref()
+                .map_or(f, |ff| f / ff[i] as f64)
+        })
+        .collect();
+    match config.rope_scaling {
+        None => RopeFrequencies {
+            inv_freq,
+            magnitude: 1.0,
+        },
+        Some(RopeScaling::Linear { factor }) => RopeFrequencies {
+            inv_freq: inv_freq.iter().map(|f| f / factor as f64).collect(),
+            magnitude: 1.0,
+        },
+        Some(RopeScaling::Llama3(s)) => RopeFrequencies {
+            inv_freq: inv_freq.iter().map(|&f| llama3_frequency(f, &s)).collect(),
+            magnitude: 1.0,
+        },
+        Some(RopeScaling::Yarn(s)) => yarn(inv_freq, config, &s),
+    }
+}
+
+/// One frequency under Llama 3 scaling: wavelengths shorter than the high-frequency bound are
+/// kept, longer than the low-frequency bound divided by `factor`, and those in between blended
+/// linearly in `original_context / wavelength`.
+pub fn llama3_frequency(inv_freq: f64, s: &Llama3Scaling) -> f64 {
+    let original = s.original_context as f64;
+    let (low, high) = (s.low_freq_factor as f64, s.high_freq_factor as f64);
+    let wavelength = 2.0 * std::f64::consts::PI / inv_freq;
+    if wavelength < original / high {
+        inv_freq
+    } else if wavelength > original / low {
+        inv_freq / s.factor as f64
+    } else {
+        let smooth = (original / wavelength - low) / (high - low);
+        (1.0 - smooth) * inv_freq / s.factor as f64 + smooth * inv_freq
+    }
+}
+
+/// YaRN over `inv_freq` (already divided by any per-pair factors, which llama.cpp applies to
+/// the extrapolated frequency before the blend).
+fn yarn(inv_freq: Vec<f64>, config: &ModelConfig, s: &YarnScaling) -> RopeFrequencies {
+    let d = config.head_dim as f64;
+    let log_base = (config.rope_theta as f64).ln();
+    let original = s.original_context as f64;
+    // The pair index at which a frequency turns `rotations` times over the original context.
+    let pair_at = |rotations: f64| {
+        d * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * log_base)
+    };
+    let (mut low, mut high) = (pair_at(s.beta_fast as f64), pair_at(s.beta_slow as f64));
+    if s.truncate {
+        (low, high) = (low.floor(), high.ceil());
+    }
+    let (low, high) = (low.max(0.0), high.min(d - 1.0));
+    let factor = s.factor as f64;
+    let inv_freq = inv_freq
+        .iter()
+        .enumerate()
+        .map(|(i, &f)| {
+            let ramp = ((i as f64 - low) / (high - low).max(0.001)).clamp(0.0, 1.0);
+            // `ramp` 0: the pair turns fast enough to keep; 1: slow, interpolated.
+            f / factor * ramp + f * (1.0 - ramp)
+        })
+        .collect();
+    RopeFrequencies {
+        inv_freq,
+        magnitude: s.attention_factor as f64,
+    }
+}
+
+/// What is wrong with `config`'s RoPE parameters beyond the base, if anything.
+pub fn problem(config: &ModelConfig) -> Option<String> {
+    let positive = |x: f32| x.is_finite() && x > 0.0;
+    if let Some(ff) = &config.rope_freq_factors {
+        if ff.len() != config.head_dim / 2 {
+            return Some(format!(
+                "RoPE frequency factors: {} values for head_dim {} (needs {})",
+                ff.len(),
+                config.head_dim,
+                config.head_dim / 2
+            ));
+        }
+        if let Some((i, v)) = ff.iter().enumerate().find(|(_, &v)| !positive(v)) {
+            return Some(format!(
+                "RoPE frequency factor {i} is {v}: must be positive and finite"
+            ));
+        }
+        if matches!(config.rope_scaling, Some(RopeScaling::Llama3(_))) {
+            return Some("RoPE frequency factors and llama3 scaling both given".into());
+        }
+    }
+    let ok = match config.rope_scaling {
+        None => true,
+        Some(RopeScaling::Linear { factor }) => positive(factor),
+        Some(RopeScaling::Llama3(s)) => {
+            positive(s.factor)
+                && positive(s.low_freq_factor)
+                && positive(s.high_freq_factor)
+                && s.high_freq_factor != s.low_freq_factor
+                && s.original_context > 0
+        }
+        Some(RopeScaling::Yarn(s)) => {
+            positive(s.factor)
+                && positive(s.beta_fast)
+                && positive(s.beta_slow)
+                && positive(s.attention_factor)
+                && s.original_context > 0
+        }
+    };
+    (!ok).then(|| {
+        format!(
+            "rope_scaling needs positive finite factors and context, got {:?}",
+            config.rope_scaling
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_scaling_keeps_short_and_slows_long_wavelengths() {
+        // Llama 3.1's values: factor 8, bounds 8192 / 4 = 2048 and 8192 / 1 = 8192 tokens.
+        let s = Llama3Scaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_context: 8192,
+        };
+        let tau = 2.0 * std::f64::consts::PI;
+        let f = |wavelength: f64| tau / wavelength;
+        // Wavelength 100 < 2048: kept.
+        assert_eq!(llama3_frequency(f(100.0), &s), f(100.0));
+        // Wavelength 10000 > 8192: divided by 8.
+        assert!((llama3_frequency(f(10_000.0), &s) - f(10_000.0) / 8.0).abs() < 1e-18);
+        // Wavelength 4096: 8192 / 4096 = 2, smooth = (2 - 1) / (4 - 1) = 1/3, so the
+        // frequency is (2/3) f / 8 + (1/3) f = (1/12 + 1/3) f = (5/12) f.
+        let got = llama3_frequency(f(4096.0), &s);
+        assert!((got - f(4096.0) * 5.0 / 12.0).abs() < 1e-15, "{got}");
+        // The tables use it.
+        let mut cfg = ModelConfig::preset("tiny-llama").unwrap();
+        let plain = frequencies(&cfg).inv_freq;
+        cfg.rope_scaling = Some(RopeScaling::Llama3(s));
+        let scaled = frequencies(&cfg).inv_freq;
+        assert_eq!(plain[0], scaled[0]);
+        assert_ne!(plain, scaled);
+    }
+
+    #[test]
+    fn yarn_ramps_between_the_correction_pairs_and_sets_the_magnitude() {
+        // head_dim 16, theta 10000, original context 64: pair i turns 64 / (2 pi 10000^(i/8))
+        // times, so beta_fast 4 sits at pair 8 ln(64 / 8 pi) / ln 10000 = 0.81 (floor 0) and
+        // beta_slow 1 at 8 ln(64 / 2 pi) / ln 10000 = 2.02 (ceil 3).
+        let cfg = ModelConfig {
+            rope_scaling: Some(RopeScaling::Yarn(YarnScaling {
+                factor: 4.0,
+                original_context: 64,
+                beta_fast: 4.0,
+                beta_slow: 1.0,
+                attention_factor: 1.25,
+                truncate: true,
+            })),
+            ..ModelConfig::preset("tiny-llama").unwrap()
+        };
+        let r = frequencies(&cfg);
+        let base = |i: usize| 10_000f64.powf(-(i as f64) / 8.0);
+        for (i, ramp) in [(0, 0.0), (1, 1.0 / 3.0), (2, 2.0 / 3.0), (3, 1.0), (7, 1.0)] {
+            let want = base(i) * (1.0 - ramp) + base(i) / 4.0 * ramp;
+            assert!((r.inv_freq[i] - want).abs() < 1e-15, "pair {i}");
+        }
+        assert_eq!(r.magnitude, 1.25);
+        assert!((yarn_mscale(4.0, 1.0) - (1.0 + 0.1 * 4f64.ln())).abs() < 1e-15);
+        assert_eq!(yarn_mscale(0.5, 1.0), 1.0);
+    }
+
+    #[test]
+    fn file_factors_divide_before_the_scaling_and_are_validated() {
+        let mut cfg = ModelConfig::preset("tiny-llama").unwrap();
+        let plain = frequencies(&cfg).inv_freq;
+        cfg.rope_freq_factors = Some((1..=8).map(|i| i as f32).collect());
+        cfg.rope_scaling = Some(RopeScaling::Linear { factor: 2.0 });
+        let got = frequencies(&cfg).inv_freq;
+        for i in 0..8 {
+            assert!(
+                (got[i] - plain[i] / (i + 1) as f64 / 2.0).abs() < 1e-18,
+                "pair {i}"
+            );
+        }
+        cfg.rope_freq_factors = Some(vec![1.0; 7]);
+        assert!(problem(&cfg).unwrap().contains("7 values for head_dim 16"));
+        cfg.rope_freq_factors = Some(vec![1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]);
+        assert!(problem(&cfg).unwrap().contains("factor 1 is 0"));
+    }
+}
