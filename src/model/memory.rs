@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 use crate::device::DType;
 use crate::error::{human_bytes, Result, WgparError};
 use crate::model::budget::vocab_block_rows;
-use crate::model::gguf::{ElementType, GgufFile};
+use crate::model::gguf::GgufFile;
 use crate::model::quant::QuantType;
 use crate::model::{Arch, ModelConfig, ModelWeights, Placement};
 use crate::parallel::{split_groups, PartitionSpec, Strategy};
@@ -114,7 +114,7 @@ impl FileBlocks {
     /// tensor is read): what [`crate::model::gguf::weights`] keeps when it loads them.
     pub fn of_gguf(file: &GgufFile, config: &ModelConfig) -> Self {
         let kept = |name: String| match file.tensor(&name).map(|t| t.dtype) {
-            Some(ElementType::Native(t)) if t.is_quantized() => Some(t),
+            Some(t) if t.is_quantized() => Some(t),
             _ => None,
         };
         let layers = (0..config.layers)

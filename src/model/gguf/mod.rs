@@ -81,17 +81,6 @@ impl Gguf {
         weights::load(&self.file, config, self.permuted, keep)
     }
 
-    /// Tensors in a block type wgpar only dequantizes (no kernels read it), with the type's
-    /// name: they go to the device dense, in `--dtype`.
-    pub fn converted_tensors(&self) -> Vec<(String, &'static str)> {
-        (self.file.tensors.iter())
-            .filter_map(|(name, info)| match info.dtype {
-                file::ElementType::Converted(t) => Some((name.clone(), t.name())),
-                file::ElementType::Native(_) => None,
-            })
-            .collect()
-    }
-
     /// The tokenizer from the metadata.
     pub fn tokenizer(&self) -> Result<TextTokenizer> {
         let meta = Meta::new(&self.file)?;

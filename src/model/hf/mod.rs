@@ -290,15 +290,6 @@ impl Checkpoint {
         }
     }
 
-    /// A GGUF file's tensors in a block type wgpar only dequantizes, with the type's name
-    /// (none for a folder).
-    pub fn converted_tensors(&self) -> Vec<(String, &'static str)> {
-        match &self.source {
-            Source::Gguf(gguf) => gguf.converted_tensors(),
-            Source::Folder(_) => Vec::new(),
-        }
-    }
-
     /// Converts every tensor into [`ModelWeights`] (f32), checking names, shapes and dtypes;
     /// `progress` draws a bar on a terminal.
     pub fn weights(&self, progress: bool) -> Result<ModelWeights> {
