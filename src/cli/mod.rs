@@ -545,7 +545,18 @@ impl ModelArgs {
             return Ok(None);
         };
         let t = QuantType::parse(name).ok_or_else(|| {
-            WgparError::option("--weights", format!("--weights {name} is not a block type"))
+            let packs: Vec<&str> = (wgpar::model::quant::WEIGHTS_TYPES.iter())
+                .filter(|t| t.is_quantized())
+                .map(|t| t.name())
+                .collect();
+            WgparError::option(
+                "--weights",
+                format!(
+                    "--weights {name}: wgpar packs into {} or dense (a GGUF's other block types \
+                     are kept as stored without --weights)",
+                    packs.join(", ")
+                ),
+            )
         })?;
         wgpar::model::quant::check_packable(config, t)?;
         Ok(Some(t))
