@@ -1,11 +1,12 @@
 //! A GGUF file's packed layer matrices, token embedding and LM head stay in the file's own
-//! blocks on the device, type by type (a Q4_K_M-like mix of Q4_K, Q6_K and Q8_0 written as
-//! random blocks, so that no quantizer of wgpar's could reproduce them): the device holds
-//! about the file's tensor bytes, the whole model;
-//! single, tensor-parallel and pipelined engines pick the tokens of a CPU f64 reference on the
-//! file's blocks dequantized, and their logits match it, not a reference re-rounded through
-//! wgpar's quantizer; a tensor-parallel split that would cut a file's blocks is refused with
-//! the numbers.
+//! blocks on the device, type by type. Two files of random blocks (so that no quantizer of
+//! wgpar's could reproduce them): a Q4_K_M-like mix of Q4_K, Q6_K and Q8_0, and a file holding
+//! each of Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS. For each, the device holds
+//! about the file's tensor bytes, the whole model; single, tensor-parallel and pipelined
+//! engines pick the tokens of a CPU f64 reference on the file's blocks dequantized, and their
+//! logits match it, not a reference re-rounded through wgpar's quantizer. A tensor-parallel
+//! split that would cut a file's blocks is refused with the numbers; a type no kernel reads is
+//! refused by name.
 
 mod common;
 mod gguf_support;
