@@ -73,7 +73,7 @@ impl DeviceBytes {
 const MATRICES: [&str; 7] = ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"];
 
 /// The block type each layer matrix and vocabulary table has in its source (a GGUF file's
-/// Q8_0, Q4_0, Q4_K, Q6_K tensors), where the device keeps those blocks; `None` for a dense
+/// block-type tensors), where the device keeps those blocks; `None` for a dense
 /// one.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FileBlocks {
