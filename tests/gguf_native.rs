@@ -477,3 +477,49 @@ fn types_without_kernels_are_refused_naming_the_tensor() {
     }
     assert_eq!(refused, 3);
 }
+
+/// The devices' weight bytes and the file's tensor bytes of `run`'s last line.
+fn weight_bytes(out: &str) -> (u64, u64) {
+    let line = out.lines().find(|l| l.starts_with("weights: ")).unwrap();
+    let nums: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    (nums[0], nums[1])
+}
+
+/// An F16 file runs in f16 by default (`--dtype auto`; the adapter has SHADER_F16), within
+/// 10 % of its tensor bytes, and `run` prints both figures; `--dtype f32` widens it, as asked.
+#[test]
+fn an_f16_file_stays_f16_on_the_device_unless_asked() {
+    let dir = scratch("gguf-native-f16");
+    let w = ModelWeights::synthetic(&config(), 13);
+    let spec = GgufSpec {
+        matrices: QuantType::F16,
+        ..spec(&w)
+    };
+    let path = gguf_support::write_gguf(&dir, "f16", &gguf_tensors(&w, true), &spec);
+    let path = path.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "--model", path, "--prompt-len", "4", "--gen", "2"];
+        args.extend(extra);
+        let (ok, out, err) = common::wgpar(&args);
+        assert!(ok, "{out}{err}");
+        out
+    };
+    let out = run(&[]);
+    assert!(out.contains("F16 weights"), "{out}");
+    let (device, file) = weight_bytes(&out);
+    assert!(
+        device.abs_diff(file) * 10 <= file,
+        "device weights {device} B, the file's tensors {file} B"
+    );
+    let out = run(&["--dtype", "f32"]);
+    assert!(out.contains("F32 weights"), "{out}");
+    let (device32, file32) = weight_bytes(&out);
+    assert_eq!(file32, file);
+    assert!(
+        device32 > device * 18 / 10,
+        "f32 {device32} B, f16 {device} B"
+    );
+}

@@ -381,8 +381,9 @@ pub struct ModelArgs {
     /// *.safetensors, tokenizer.json) or a GGUF file.
     #[arg(long, default_value = "default", value_name = "PRESET|DIR|FILE.gguf")]
     model: String,
-    /// Weight storage: f32, or f16 (needs SHADER_F16 on every device).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
+    /// Weight storage: auto (f16 for a GGUF file that stores matrices in F16 or BF16, where
+    /// every device has SHADER_F16, else f32), f32, or f16 (needs SHADER_F16 on every device).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "f32", "f16"])]
     dtype: String,
     /// Store the layers' projection matrices packed on the device as q8_0, q4_0, q4_k or q6_k
     /// blocks, dequantized in the kernels (embeddings and the LM head stay in --dtype). A GGUF
@@ -565,10 +566,14 @@ impl ModelArgs {
     /// The weight dtype `--dtype` asks for, checked against the selected adapters before any
     /// device is opened (`force_f32`: --force-f32 or WGPAR_FORCE_F32=1).
     fn dtype_for(&self, adapters: &[AdapterDesc], force_f32: bool) -> Result<DType> {
+        let force_f32 = force_f32 || wgpar::switches::flag(wgpar::switches::FORCE_F32);
+        if self.dtype == "auto" {
+            let f16 = !force_f32 && adapters.iter().all(|a| a.shader_f16);
+            return Ok(self.auto_dtype(f16));
+        }
         if self.dtype != "f16" {
             return Ok(DType::F32);
         }
-        let force_f32 = force_f32 || wgpar::switches::flag(wgpar::switches::FORCE_F32);
         if force_f32 {
             return Err(WgparError::unsupported(
                 "--dtype f16 asks for f16 weights, but --force-f32 (or WGPAR_FORCE_F32=1) keeps \
@@ -587,7 +592,34 @@ impl ModelArgs {
         }
     }
 
+    /// `--dtype auto`: f16 for a GGUF file whose matrices are F16 or BF16 where `f16` (every
+    /// device holds f16 weights), with a note where not; f32 otherwise.
+    fn auto_dtype(&self, f16: bool) -> DType {
+        let half = self.checkpoint_dir().and_then(|p| {
+            let file = wgpar::model::gguf::GgufFile::open(p).ok()?;
+            let mut matrices = file.tensors.iter().filter(|(_, t)| t.dims.len() == 2);
+            matrices
+                .find(|(_, t)| matches!(t.dtype, QuantType::F16 | QuantType::Bf16))
+                .map(|(name, t)| format!("{name} is {}", t.dtype.name()))
+        });
+        match half {
+            Some(_) if f16 => DType::F16,
+            Some(what) => {
+                eprintln!(
+                    "note: {what}, but a selected device lacks SHADER_F16 (or --force-f32): \
+                     the weights are stored in f32"
+                );
+                DType::F32
+            }
+            None => DType::F32,
+        }
+    }
+
     fn dtype(&self, gpus: &[Arc<Gpu>]) -> Result<DType> {
+        if self.dtype == "auto" {
+            let f16 = gpus.iter().all(|g| g.supports_f16_weights());
+            return Ok(self.auto_dtype(f16));
+        }
         match self.dtype.as_str() {
             "f16" => match gpus.iter().find(|g| !g.supports_f16_weights()) {
                 Some(g) if g.info().shader_f16 => Err(WgparError::unsupported(format!(
