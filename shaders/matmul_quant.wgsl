@@ -1,6 +1,6 @@
 // Matrix multiply on block-quantized weights: y[m][n] = x[m][k] . dequant(w)[n][k] (+ bias[n]).
-// Each row of w is k / block_len ggml blocks (Q8_0, Q4_0, Q4_K or Q6_K, as GGUF stores them)
-// packed back to back; the buffer is read as u32 words and the blocks' bytes picked out, so
+// Each row of w is k / block_len ggml blocks (any type quant_blocks.wgsl reads, as GGUF stores
+// them) packed back to back; the buffer is read as u32 words and the blocks' bytes picked out, so
 // rows need no padding. Values are dequantized in registers, 16 at a time (every type keeps
 // one scale and offset per 16 values: value = scale * q - offset), and accumulated in f32.
 // QTYPE (ggml's type id) selects the layout: the host makes one pipeline per type.

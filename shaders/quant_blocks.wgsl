@@ -1,21 +1,39 @@
-// Reading ggml blocks (Q8_0, Q4_0, Q4_K, Q6_K) as GGUF stores them, shared by the kernels on
-// packed weights: the host appends this file to matmul_quant.wgsl and embedding_quant.wgsl,
-// each of which declares the packed buffer `w` (array<u32>; blocks' bytes picked out of its
-// words, so rows need no padding). Every type keeps one scale and offset per 16 values:
-// value = scale * q - offset. QTYPE (ggml's type id) selects the layout.
+// Reading ggml blocks as GGUF stores them, shared by the kernels on packed weights: the host
+// appends this file to matmul_quant.wgsl and embedding_quant.wgsl, each of which declares the
+// packed buffer `w` (array<u32>; blocks' bytes picked out of its words, so rows need no
+// padding). Every type keeps one scale and offset per 16 values: value = scale * q - offset
+// (for IQ4_NL and IQ4_XS, q is the level its nibble indexes). QTYPE (ggml's type id) selects
+// the layout; the host makes one pipeline per type, so each switch folds to one case.
 
-// ggml type ids: 8 Q8_0, 2 Q4_0, 12 Q4_K, 14 Q6_K.
+// ggml type ids: 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 10 Q2_K, 11 Q3_K, 12 Q4_K, 13 Q5_K,
+// 14 Q6_K, 20 IQ4_NL, 23 IQ4_XS.
 override QTYPE: u32 = 8u;
 
+// IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl).
+var<private> IQ4_LEVELS: array<f32, 16> = array<f32, 16>(
+    -127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0,
+    1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0,
+);
+
 fn block_len() -> u32 {
-    return select(32u, 256u, QTYPE == 12u || QTYPE == 14u);
+    switch QTYPE {
+        case 10u, 11u, 12u, 13u, 14u, 23u: { return 256u; }
+        default: { return 32u; }
+    }
 }
 
 fn block_bytes() -> u32 {
     switch QTYPE {
-        case 2u: { return 18u; }
+        case 2u, 20u: { return 18u; }
+        case 3u: { return 20u; }
+        case 6u: { return 22u; }
+        case 7u: { return 24u; }
+        case 10u: { return 84u; }
+        case 11u: { return 110u; }
         case 12u: { return 144u; }
+        case 13u: { return 176u; }
         case 14u: { return 210u; }
+        case 23u: { return 136u; }
         default: { return 34u; }
     }
 }
@@ -32,6 +50,22 @@ fn signed_byte(b: u32) -> i32 {
     return bitcast<i32>(b << 24u) >> 24u;
 }
 
+// Q4_K's and Q5_K's scale and min of 32-value sub-block s: eight 6-bit pairs in the 12 bytes
+// after d and dmin.
+fn k4_scale(a: u32, s: u32) -> vec2<f32> {
+    let sb = a + 4u;
+    var sc: u32;
+    var mn: u32;
+    if (s < 4u) {
+        sc = byte_at(sb + s) & 63u;
+        mn = byte_at(sb + s + 4u) & 63u;
+    } else {
+        sc = (byte_at(sb + s + 4u) & 0xfu) | ((byte_at(sb + s - 4u) >> 6u) << 4u);
+        mn = (byte_at(sb + s + 4u) >> 4u) | ((byte_at(sb + s) >> 6u) << 4u);
+    }
+    return vec2<f32>(half_at(a) * f32(sc), half_at(a + 2u) * f32(mn));
+}
+
 // Scale and offset of chunk c (values 16c .. 16c + 16) of the block at byte a.
 fn chunk_scale(a: u32, c: u32) -> vec2<f32> {
     switch QTYPE {
@@ -39,20 +73,28 @@ fn chunk_scale(a: u32, c: u32) -> vec2<f32> {
             let d = half_at(a);
             return vec2<f32>(d, 8.0 * d);
         }
-        case 12u: {
-            // Eight 6-bit scales and mins packed in 12 bytes, one pair per 32 values.
-            let s = c / 2u;
-            let sb = a + 4u;
-            var sc: u32;
-            var mn: u32;
-            if (s < 4u) {
-                sc = byte_at(sb + s) & 63u;
-                mn = byte_at(sb + s + 4u) & 63u;
-            } else {
-                sc = (byte_at(sb + s + 4u) & 0xfu) | ((byte_at(sb + s - 4u) >> 6u) << 4u);
-                mn = (byte_at(sb + s + 4u) >> 4u) | ((byte_at(sb + s) >> 6u) << 4u);
-            }
-            return vec2<f32>(half_at(a) * f32(sc), half_at(a + 2u) * f32(mn));
+        case 3u, 7u: {
+            // d, then the min m added to every value.
+            return vec2<f32>(half_at(a), -half_at(a + 2u));
+        }
+        case 6u: {
+            let d = half_at(a);
+            return vec2<f32>(d, 16.0 * d);
+        }
+        case 10u: {
+            // A byte per chunk: 4-bit scale of d, 4-bit min of dmin.
+            let sc = byte_at(a + c);
+            return vec2<f32>(half_at(a + 80u) * f32(sc & 0xfu), half_at(a + 82u) * f32(sc >> 4u));
+        }
+        case 11u: {
+            // Sixteen 6-bit scales biased by 32: low 4 bits in bytes 0..8, high 2 in 8..12.
+            let low = (byte_at(a + 96u + c % 8u) >> (4u * (c / 8u))) & 0xfu;
+            let high = (byte_at(a + 104u + c % 4u) >> (2u * (c / 4u))) & 3u;
+            let s = half_at(a + 108u) * f32(i32(low | (high << 4u)) - 32);
+            return vec2<f32>(s, 4.0 * s);
+        }
+        case 12u, 13u: {
+            return k4_scale(a, c / 2u);
         }
         case 14u: {
             let v0 = c * 16u;
@@ -61,25 +103,73 @@ fn chunk_scale(a: u32, c: u32) -> vec2<f32> {
             let s = half_at(a + 208u) * f32(sc);
             return vec2<f32>(s, 32.0 * s);
         }
+        case 23u: {
+            // Sub-block s = c / 2: 4 low scale bits in byte 4 + s / 2, 2 high in the u16 at 2.
+            let s = c / 2u;
+            let low = (byte_at(a + 4u + s / 2u) >> (4u * (s % 2u))) & 0xfu;
+            let high = ((byte_at(a + 2u) | (byte_at(a + 3u) << 8u)) >> (2u * s)) & 3u;
+            return vec2<f32>(half_at(a) * f32(i32(low | (high << 4u)) - 32), 0.0);
+        }
         default: {
+            // Q8_0 and IQ4_NL: d alone.
             return vec2<f32>(half_at(a), 0.0);
         }
     }
+}
+
+// Nibble j of a 32-value block's 16 nibble bytes at byte q: low nibbles are values 0..16
+// (chunk 0), high nibbles 16..32 (chunk 1).
+fn nibble(q: u32, c: u32, j: u32) -> u32 {
+    let b = byte_at(q + j);
+    return select(b & 0xfu, b >> 4u, c == 1u);
+}
+
+// Bit 16c + j of the 4 bytes of fifth bits at byte h, as 16 or 0.
+fn fifth_bit(h: u32, c: u32, j: u32) -> u32 {
+    let i = 16u * c + j;
+    return ((byte_at(h + i / 8u) >> (i % 8u)) & 1u) << 4u;
 }
 
 // Quant j (0..16) of chunk c of the block at byte a, before scale and offset.
 fn chunk_q(a: u32, c: u32, j: u32) -> f32 {
     switch QTYPE {
         case 2u: {
-            // Values 0..16 are the low nibbles of the 16 bytes, 16..32 the high ones.
-            let b = byte_at(a + 2u + j);
-            return f32(select(b & 0xfu, b >> 4u, c == 1u));
+            return f32(nibble(a + 2u, c, j));
+        }
+        case 3u: {
+            return f32(nibble(a + 4u, c, j));
+        }
+        case 6u: {
+            return f32(nibble(a + 6u, c, j) | fifth_bit(a + 2u, c, j));
+        }
+        case 7u: {
+            return f32(nibble(a + 8u, c, j) | fifth_bit(a + 4u, c, j));
+        }
+        case 10u: {
+            // 2-bit values: 32 bytes per 128 values, four values (bit pairs) per byte.
+            let b = byte_at(a + 16u + 32u * (c / 8u) + 16u * (c % 2u) + j);
+            return f32((b >> (2u * ((c % 8u) / 2u))) & 3u);
+        }
+        case 11u: {
+            // Q2_K's layout, plus a third bit from the 32 mask bytes (clear: minus 4).
+            let b = byte_at(a + 32u + 32u * (c / 8u) + 16u * (c % 2u) + j);
+            let h = (byte_at(a + 16u * (c % 2u) + j) >> (4u * (c / 8u) + (c % 8u) / 2u)) & 1u;
+            return f32(((b >> (2u * ((c % 8u) / 2u))) & 3u) | (h << 2u));
         }
         case 12u: {
             // 64 values per 32 bytes: low nibbles first, then high.
             let s = c / 2u;
             let b = byte_at(a + 16u + 32u * (s / 2u) + 16u * (c % 2u) + j);
             return f32((b >> (4u * (s % 2u))) & 0xfu);
+        }
+        case 13u: {
+            // Q4_K's nibbles after 32 bytes of fifth bits: value l of sub-block s in bit s of
+            // byte l.
+            let s = c / 2u;
+            let l = 16u * (c % 2u) + j;
+            let b = byte_at(a + 48u + 32u * (s / 2u) + l);
+            let h = (byte_at(a + 16u + l) >> s) & 1u;
+            return f32(((b >> (4u * (s % 2u))) & 0xfu) | (h << 4u));
         }
         case 14u: {
             // 128 values per 64 low-nibble bytes and 32 high-pair bytes.
@@ -92,6 +182,13 @@ fn chunk_q(a: u32, c: u32, j: u32) -> f32 {
             let low = select(lb & 0xfu, lb >> 4u, qq >= 2u);
             let hb = (byte_at(a + 128u + 32u * h + l) >> (2u * qq)) & 3u;
             return f32(low | (hb << 4u));
+        }
+        case 20u: {
+            return IQ4_LEVELS[nibble(a + 2u, c, j)];
+        }
+        case 23u: {
+            // Sub-block s = c / 2 of 32 values in 16 bytes, as IQ4_NL's.
+            return IQ4_LEVELS[nibble(a + 8u + 16u * (c / 2u), c % 2u, j)];
         }
         default: {
             return f32(signed_byte(byte_at(a + 2u + 16u * c + j)));

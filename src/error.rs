@@ -320,6 +320,22 @@ pub enum WgparError {
         /// What is wrong, with the numbers found and expected.
         detail: String,
     },
+    /// A GGUF tensor in a ggml type no kernel of wgpar reads (IQ1-IQ3, TQ, ...): refused when
+    /// the file is opened, before any device allocation.
+    #[error(
+        "{file}: tensor '{tensor}' is {ggml_type}, which wgpar has no kernel for (it reads F32, \
+         F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and \
+         IQ4_XS): re-quantize the file with llama.cpp, e.g. `llama-quantize --allow-requantize \
+         IN.gguf OUT.gguf Q4_K_M`"
+    )]
+    TensorType {
+        /// The GGUF file.
+        file: String,
+        /// The tensor's name.
+        tensor: String,
+        /// ggml's name of its type.
+        ggml_type: String,
+    },
     /// A step produced NaN or infinite logits: no token is emitted from them.
     #[error(
         "non-finite logits (NaN or infinity) at step {step} for sequence(s) {rows:?}{}: no \

@@ -273,7 +273,7 @@ fn open_err(bytes: &[u8], dir: &std::path::Path) -> String {
         t.elapsed()
     );
     match r {
-        Err(e @ WgparError::Checkpoint { .. }) => e.to_string(),
+        Err(e @ (WgparError::Checkpoint { .. } | WgparError::TensorType { .. })) => e.to_string(),
         Err(e) => panic!("expected a checkpoint error, got {e}"),
         Ok(()) => panic!("a malformed file was accepted"),
     }
@@ -299,8 +299,8 @@ fn malformed_files_are_refused_fast_naming_the_key_or_tensor() {
     let mut v = good.clone();
     v[24..32].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
     assert!(open_err(&v, &dir).contains("metadata key 0"));
-    // A tensor's type changed to IQ2_XXS (16), which wgpar neither reads nor converts: the
-    // tensor is named.
+    // A tensor's type changed to IQ2_XXS (16), which no kernel of wgpar's reads: the tensor
+    // is named (`WgparError::TensorType`).
     let name = b"token_embd.weight";
     let at = good.windows(name.len()).position(|w| w == name).unwrap() + name.len();
     let type_at = at + 4 + 2 * 8;

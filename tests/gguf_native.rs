@@ -1,11 +1,12 @@
 //! A GGUF file's packed layer matrices, token embedding and LM head stay in the file's own
-//! blocks on the device, type by type (a Q4_K_M-like mix of Q4_K, Q6_K and Q8_0 written as
-//! random blocks, so that no quantizer of wgpar's could reproduce them): the device holds
-//! about the file's tensor bytes, the whole model;
-//! single, tensor-parallel and pipelined engines pick the tokens of a CPU f64 reference on the
-//! file's blocks dequantized, and their logits match it, not a reference re-rounded through
-//! wgpar's quantizer; a tensor-parallel split that would cut a file's blocks is refused with
-//! the numbers.
+//! blocks on the device, type by type. Two files of random blocks (so that no quantizer of
+//! wgpar's could reproduce them): a Q4_K_M-like mix of Q4_K, Q6_K and Q8_0, and a file holding
+//! each of Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS. For each, the device holds
+//! about the file's tensor bytes, the whole model; single, tensor-parallel and pipelined
+//! engines pick the tokens of a CPU f64 reference on the file's blocks dequantized, and their
+//! logits match it, not a reference re-rounded through wgpar's quantizer. A tensor-parallel
+//! split that would cut a file's blocks is refused with the numbers; a type no kernel reads is
+//! refused by name.
 
 mod common;
 mod gguf_support;
@@ -14,7 +15,7 @@ mod hf_support;
 use std::path::{Path, PathBuf};
 
 use gguf_support::{
-    ggml_type_name, gguf_tensors, model_meta, permute_rows, reference_dequant, write_gguf_with,
+    ggml_type_name, gguf_tensors, model_meta, random_blocks, reference_dequant, write_gguf_with,
     GgufSpec,
 };
 use hf_support::scratch;
@@ -22,6 +23,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use wgpar::comm::CommConfig;
 use wgpar::device::DType;
+use wgpar::error::WgparError;
 use wgpar::model::gguf::GgufFile;
 use wgpar::model::hf::Checkpoint;
 use wgpar::model::quant::{dequantize, QuantType};
@@ -66,32 +68,33 @@ fn file_type(name: &str) -> Option<QuantType> {
     })
 }
 
-fn half(rng: &mut ChaCha8Rng, lo: f32, hi: f32) -> [u8; 2] {
-    half::f16::from_f32(rng.random_range(lo..hi)).to_le_bytes()
+/// The type a file of every block type the Q4_K_M-like mix leaves out stores tensor `name` in:
+/// each of Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS holds one or more of the
+/// tables and the two layers' matrices; `None` for the norms.
+fn other_type(name: &str) -> Option<QuantType> {
+    use QuantType::*;
+    match name {
+        "token_embd.weight" => return Some(Q4_1),
+        "output.weight" => return Some(Q5K),
+        _ => {}
+    }
+    let part = name.split('.').nth(2)?;
+    let layer0 = name.starts_with("blk.0.");
+    Some(match (part, layer0) {
+        ("attn_q", true) | ("attn_v", false) => Q5_0,
+        ("attn_k", true) | ("attn_output", false) => Q5_1,
+        ("attn_v", true) | ("ffn_gate", false) => Q2K,
+        ("attn_output", true) | ("attn_q", false) => Q3K,
+        ("ffn_gate", true) | ("ffn_down", false) => Iq4Nl,
+        ("ffn_up", true) | ("attn_k", false) => Iq4Xs,
+        ("ffn_down", true) => Q4_1,
+        ("ffn_up", false) => Q5K,
+        _ => return None,
+    })
 }
 
-/// `blocks` random, valid blocks of `t`, scaled so that values stay O(0.05).
-fn random_blocks(t: QuantType, blocks: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
-    let mut out = Vec::with_capacity(blocks * t.block_bytes());
-    for _ in 0..blocks {
-        let start = out.len();
-        match t {
-            QuantType::Q8_0 => out.extend(half(rng, 2e-4, 6e-4)),
-            // d and dmin, then the scales, mins and nibbles below.
-            QuantType::Q4K => {
-                out.extend(half(rng, 1e-4, 3e-4));
-                out.extend(half(rng, 1e-4, 3e-4));
-            }
-            _ => {}
-        }
-        let body = t.block_bytes() - (out.len() - start) - usize::from(t == QuantType::Q6K) * 2;
-        out.extend((0..body).map(|_| rng.random::<u8>()));
-        if t == QuantType::Q6K {
-            out.extend(half(rng, 2e-5, 6e-5));
-        }
-    }
-    out
-}
+/// Which type each tensor of a test file is stored in.
+type Mix = fn(&str) -> Option<QuantType>;
 
 /// The metadata of `w` for a `llama` file.
 fn spec(w: &ModelWeights) -> GgufSpec<'static> {
@@ -110,15 +113,15 @@ fn spec(w: &ModelWeights) -> GgufSpec<'static> {
     }
 }
 
-/// Writes the mixed file (under `dir`) and returns its path.
-fn write_mixed(dir: &Path) -> PathBuf {
+/// Writes a file of random blocks in `mix`'s types (under `dir`) and returns its path.
+fn write_mixed(dir: &Path, mix: Mix) -> PathBuf {
     let w = ModelWeights::synthetic(&config(), 5);
     let tensors = gguf_tensors(&w, true);
     let spec = spec(&w);
     let mut rng = ChaCha8Rng::seed_from_u64(17);
     let seed: u64 = rng.random();
     write_gguf_with(dir, "mixed", &tensors, &spec, &|t| {
-        let qtype = file_type(&t.name)?;
+        let qtype = mix(&t.name)?;
         let name_seed = (t.name.bytes()).fold(seed, |h, b| h.wrapping_mul(31) ^ u64::from(b));
         let mut rng = ChaCha8Rng::seed_from_u64(name_seed);
         let blocks = t.values.len() / qtype.block_len();
@@ -138,7 +141,7 @@ fn load(path: &Path) -> ModelWeights {
 #[test]
 fn a_non_finite_block_is_refused_naming_the_tensor_and_the_value() {
     let dir = scratch("gguf-native-inf");
-    let path = write_mixed(&dir);
+    let path = write_mixed(&dir, file_type);
     let info = GgufFile::open(&path)
         .unwrap()
         .tensor("token_embd.weight")
@@ -163,15 +166,27 @@ fn a_non_finite_block_is_refused_naming_the_tensor_and_the_value() {
 
 #[test]
 fn the_device_holds_the_files_blocks_as_stored() {
-    let dir = scratch("gguf-native-bytes");
-    let path = write_mixed(&dir);
+    device_holds_the_blocks_of("gguf-native-bytes", file_type);
+}
+
+#[test]
+fn the_device_holds_every_other_block_type_as_stored() {
+    device_holds_the_blocks_of("gguf-native-bytes-other", other_type);
+}
+
+/// A file of `mix`'s types, loaded: every layer matrix and both tables are kept as the file's
+/// blocks (whose values are llama.cpp's dequantization), and the device holds about the file's
+/// tensor bytes.
+fn device_holds_the_blocks_of(scratch_name: &str, mix: Mix) {
+    let dir = scratch(scratch_name);
+    let path = write_mixed(&dir, mix);
     let w = load(&path);
     let file = GgufFile::open(&path).unwrap();
     // Every layer matrix and both tables are kept in the file's type; all but Q and K byte
     // for byte (unpermuted).
     let mut kept = 0;
     for (name, info) in &file.tensors {
-        let Some(t) = file_type(name) else {
+        let Some(t) = mix(name) else {
             continue;
         };
         let table = match name.as_str() {
@@ -292,8 +307,20 @@ fn tokens_of(steps: &[Vec<f32>], batch: usize, vocab: usize) -> Vec<Vec<u32>> {
 
 #[test]
 fn engines_on_the_files_blocks_match_the_f64_reference_of_those_blocks() {
-    let dir = scratch("gguf-native-engines");
-    let w = load(&write_mixed(&dir));
+    engines_match_the_reference_on("gguf-native-engines", file_type);
+}
+
+#[test]
+fn engines_on_every_other_block_type_match_the_f64_reference() {
+    engines_match_the_reference_on("gguf-native-engines-other", other_type);
+}
+
+/// Single, tensor-parallel and pipelined engines on a file of `mix`'s types pick the tokens of
+/// the f64 reference on its blocks dequantized, step by step, the single engine's logits close
+/// to it.
+fn engines_match_the_reference_on(scratch_name: &str, mix: Mix) {
+    let dir = scratch(scratch_name);
+    let w = load(&write_mixed(&dir, mix));
     let (batch, steps, vocab) = (2, 6, config().vocab);
     let prompts = common::prompts(batch, 5, vocab, 8);
     let want = reference_run(&w, &prompts, steps);
@@ -363,7 +390,7 @@ fn engines_on_the_files_blocks_match_the_f64_reference_of_those_blocks() {
 #[test]
 fn a_split_that_cuts_the_files_blocks_is_refused_and_q8_0_repacks_it() {
     let dir = scratch("gguf-native-split");
-    let file = write_mixed(&dir);
+    let file = write_mixed(&dir, file_type);
     // The command line refuses it before any device opens (nothing on stdout, in moments).
     let start = std::time::Instant::now();
     let path = file.to_str().unwrap();
@@ -407,96 +434,92 @@ fn a_split_that_cuts_the_files_blocks_is_refused_and_q8_0_repacks_it() {
     assert_eq!(generate(&mut tp, &prompts, 2).unwrap().tokens[0].len(), 2);
 }
 
+/// A tensor in a type no kernel reads (IQ2_XXS, IQ1_S, TQ2_0) is refused when the file is
+/// opened, as a typed error naming the tensor and its type; `run` refuses it before any device
+/// opens.
 #[test]
-fn types_without_kernels_are_dequantized_like_llama_cpp_and_noted() {
-    let dir = scratch("gguf-native-converted");
+fn types_without_kernels_are_refused_naming_the_tensor() {
+    let dir = scratch("gguf-native-refused");
     let w = ModelWeights::synthetic(&config(), 9);
     let tensors = gguf_tensors(&w, true);
-    let mut rng = ChaCha8Rng::seed_from_u64(3);
-    // Q5_K from random blocks (the package has no quantizer for it), the rest by the package.
-    let q5k = random_blocks_q5k(w.config.hidden * w.config.ffn / 256, &mut rng);
-    let stored = |t: &gguf_support::GgufTensor| -> gguf_support::Stored {
-        match t.name.as_str() {
-            "blk.0.attn_q.weight" => Some(("Q5_0", None)),
-            "blk.0.attn_v.weight" => Some(("Q4_1", None)),
-            "blk.0.ffn_up.weight" => Some(("Q5_1", None)),
-            "blk.0.ffn_down.weight" => Some(("Q5_K", Some(q5k.clone()))),
-            _ => None,
-        }
-    };
-    let path = write_gguf_with(&dir, "converted", &tensors, &spec(&w), &stored);
-    let ckpt = Checkpoint::open(&path).unwrap();
-    let mut converted = ckpt.converted_tensors();
-    converted.sort();
-    assert_eq!(
-        converted,
-        vec![
-            ("blk.0.attn_q.weight".to_string(), "Q5_0"),
-            ("blk.0.attn_v.weight".into(), "Q4_1"),
-            ("blk.0.ffn_down.weight".into(), "Q5_K"),
-            ("blk.0.ffn_up.weight".into(), "Q5_1"),
-        ]
-    );
-    let loaded = ckpt.weights(false).unwrap();
-    let l0 = &loaded.layers[0];
-    let heads = w.config.heads;
-    let mut compared = 0;
-    for (name, mine) in [
-        (
-            "blk.0.attn_q.weight",
-            permute_rows(&l0.wq, heads, w.config.hidden),
-        ),
-        ("blk.0.attn_v.weight", l0.wv.clone()),
-        ("blk.0.ffn_up.weight", l0.w_up.clone()),
-        ("blk.0.ffn_down.weight", l0.w_down.clone()),
-    ] {
-        let reference: Vec<f64> = reference_dequant(&dir, name)
-            .into_iter()
-            .map(f64::from)
+    let mut refused = 0;
+    for (ggml_type, block_bytes) in [("IQ2_XXS", 66), ("IQ1_S", 50), ("TQ2_0", 66)] {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let bytes: Vec<u8> = (0..config().hidden * config().ffn / 256 * block_bytes)
+            .map(|_| rng.random::<u8>())
             .collect();
-        assert_eq!(mine.len(), reference.len(), "{name}");
-        let err = common::rel_err(&mine, &reference);
-        assert!(err < 1e-6, "{name}: {err} from llama.cpp's dequantization");
-        compared += 1;
+        let stored = |t: &gguf_support::GgufTensor| -> gguf_support::Stored {
+            (t.name == "blk.1.ffn_down.weight").then(|| (ggml_type, Some(bytes.clone())))
+        };
+        let path = write_gguf_with(&dir, ggml_type, &tensors, &spec(&w), &stored);
+        match Checkpoint::open(&path).err() {
+            Some(WgparError::TensorType {
+                tensor,
+                ggml_type: t,
+                ..
+            }) => {
+                assert_eq!(
+                    (tensor.as_str(), t.as_str()),
+                    ("blk.1.ffn_down.weight", ggml_type)
+                );
+            }
+            other => panic!("{ggml_type}: {other:?}"),
+        }
+        let start = std::time::Instant::now();
+        let (ok, out, err) = common::wgpar(&["run", "--model", path.to_str().unwrap()]);
+        assert!(!ok && out.is_empty(), "{out}{err}");
+        assert!(
+            err.contains("blk.1.ffn_down.weight") && err.contains(ggml_type),
+            "{err}"
+        );
+        assert!(start.elapsed() < std::time::Duration::from_secs(5));
+        refused += 1;
     }
-    assert_eq!(compared, 4);
-    // Not kept as blocks: no kernel reads them. The other matrices are F32, dense too.
-    assert_eq!(loaded.blocks().count(), 0);
-    let gpu = common::gpus(1).remove(0);
-    let prompts = common::prompts(2, 5, w.config.vocab, 2);
-    let got = SingleEngine::new(gpu, &loaded, DType::F32)
-        .unwrap()
-        .prefill(&prompts)
-        .unwrap();
-    let want = CpuReference::new(&loaded)
-        .prefill(&prompts)
-        .unwrap()
-        .concat();
-    let err = got.relative_error(&want);
-    assert!(err < 1e-4, "logits {err:.2e} from the reference");
-    let (ok, out, err) = common::wgpar(&[
-        "run",
-        "--model",
-        path.to_str().unwrap(),
-        "--prompt-len",
-        "4",
-        "--gen",
-        "2",
-    ]);
-    assert!(ok && out.contains("decode:"), "{out}{err}");
-    assert!(
-        err.contains("note: 4 tensors") && err.contains("Q4_1, Q5_0, Q5_1, Q5_K"),
-        "{err}"
-    );
+    assert_eq!(refused, 3);
 }
 
-/// `blocks` random Q5_K blocks with small f16 scales.
-fn random_blocks_q5k(blocks: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
-    let mut out = Vec::with_capacity(blocks * 176);
-    for _ in 0..blocks {
-        out.extend(half(rng, 1e-4, 3e-4));
-        out.extend(half(rng, 1e-4, 3e-4));
-        out.extend((0..172).map(|_| rng.random::<u8>()));
-    }
-    out
+/// The devices' weight bytes and the file's tensor bytes of `run`'s last line.
+fn weight_bytes(out: &str) -> (u64, u64) {
+    let line = out.lines().find(|l| l.starts_with("weights: ")).unwrap();
+    let nums: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    (nums[0], nums[1])
+}
+
+/// An F16 file runs in f16 by default (`--dtype auto`; the adapter has SHADER_F16), within
+/// 10 % of its tensor bytes, and `run` prints both figures; `--dtype f32` widens it, as asked.
+#[test]
+fn an_f16_file_stays_f16_on_the_device_unless_asked() {
+    let dir = scratch("gguf-native-f16");
+    let w = ModelWeights::synthetic(&config(), 13);
+    let spec = GgufSpec {
+        matrices: QuantType::F16,
+        ..spec(&w)
+    };
+    let path = gguf_support::write_gguf(&dir, "f16", &gguf_tensors(&w, true), &spec);
+    let path = path.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "--model", path, "--prompt-len", "4", "--gen", "2"];
+        args.extend(extra);
+        let (ok, out, err) = common::wgpar(&args);
+        assert!(ok, "{out}{err}");
+        out
+    };
+    let out = run(&[]);
+    assert!(out.contains("F16 weights"), "{out}");
+    let (device, file) = weight_bytes(&out);
+    assert!(
+        device.abs_diff(file) * 10 <= file,
+        "device weights {device} B, the file's tensors {file} B"
+    );
+    let out = run(&["--dtype", "f32"]);
+    assert!(out.contains("F32 weights"), "{out}");
+    let (device32, file32) = weight_bytes(&out);
+    assert_eq!(file32, file);
+    assert!(
+        device32 > device * 18 / 10,
+        "f32 {device32} B, f16 {device} B"
+    );
 }

@@ -1,9 +1,15 @@
 //! The quantized matmul kernels against the CPU: every variant of every packed type computes
-//! `x . dequant(w)^T + bias` like an f64 product of the CPU dequantization, on shapes whose
-//! rows and columns are not multiples of the GEMV's or GEMM's tiles, into poisoned outputs.
+//! `x . dequant(w)^T + bias` like an f64 product of llama.cpp's dequantization (the `gguf`
+//! package's numpy code) of random blocks, on shapes whose rows and columns are not multiples
+//! of the GEMV's or GEMM's tiles, into poisoned outputs; the embedding lookup reads the same
+//! values, and wgpar's host reader matches llama.cpp's.
 
 mod common;
+mod gguf_support;
 
+use gguf_support::{llama_dequantize, random_blocks};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 use wgpar::kernels::quant::{quant_matmul, PackedMatrix, QuantIo, GEMV_MAX_ROWS, QUANT_VARIANTS};
 use wgpar::model::quant::{dequantize, quantize, QuantType};
 
@@ -20,24 +26,57 @@ fn reference(x: &[f32], w: &[f32], bias: &[f32], (m, n, k): (usize, usize, usize
     y
 }
 
+/// Every block type with a column count of whole blocks that is no multiple of the kernels'
+/// tiles (ragged: 96 or 160 for 32-value blocks, 256 or 512 for 256-value ones).
+const TYPES: [(QuantType, usize); 12] = [
+    (QuantType::Q8_0, 96),
+    (QuantType::Q4_0, 160),
+    (QuantType::Q4_1, 96),
+    (QuantType::Q5_0, 160),
+    (QuantType::Q5_1, 96),
+    (QuantType::Iq4Nl, 160),
+    (QuantType::Q2K, 256),
+    (QuantType::Q3K, 512),
+    (QuantType::Q4K, 512),
+    (QuantType::Q5K, 256),
+    (QuantType::Q6K, 256),
+    (QuantType::Iq4Xs, 512),
+];
+
+/// `rows x cols` random blocks of `t` and llama.cpp's dequantization of them, which wgpar's
+/// host reader must reproduce.
+fn blocks_and_values(t: QuantType, (rows, cols): (usize, usize), seed: u64) -> (Vec<u8>, Vec<f32>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let packed = random_blocks(t, rows * cols / t.block_len(), &mut rng);
+    let values = llama_dequantize(t, &packed);
+    let host = dequantize(t, &packed);
+    assert_eq!(host.len(), values.len(), "{t:?}");
+    let scale = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let worst = host
+        .iter()
+        .zip(&values)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(
+        worst <= scale * 1e-6 && scale > 0.0,
+        "{t:?}: host dequantization {worst} from llama.cpp's (values up to {scale})"
+    );
+    (packed, values)
+}
+
 #[test]
-fn every_variant_matches_the_cpu_dequantization() {
+fn every_variant_matches_llama_cpps_dequantization() {
     let gpu = common::gpus(1).remove(0);
     let mut compared = 0usize;
-    for (t, k) in [
-        (QuantType::Q8_0, 96),
-        (QuantType::Q4_0, 160),
-        (QuantType::Q4K, 512),
-        (QuantType::Q6K, 256),
-    ] {
+    for (t, k) in TYPES {
+        let (all, all_deq) = blocks_and_values(t, (131, k), 7 + k as u64);
         for (m, n) in [(1, 37), (3, 70), (8, 5), (45, 70), (9, 131)] {
-            let w = common::random(n * k, 7 + n as u64);
-            let packed = quantize(t, &w);
-            let w_deq = dequantize(t, &packed);
+            let row = t.row_bytes(k).unwrap();
+            let (packed, w_deq) = (&all[..n * row], &all_deq[..n * k]);
             let x = common::random(m * k, 11 + m as u64);
             let bias = common::random(n, 13);
-            let want = reference(&x, &w_deq, &bias, (m, n, k));
-            let wt = PackedMatrix::upload(&gpu, "w", t, &packed, (n, k)).unwrap();
+            let want = reference(&x, w_deq, &bias, (m, n, k));
+            let wt = PackedMatrix::upload(&gpu, "w", t, packed, (n, k)).unwrap();
             let xt = gpu.upload_f32("x", &x).unwrap();
             let bt = gpu.upload_f32("bias", &bias).unwrap();
             let yt = gpu.upload_f32("y", &vec![0.0; m * n]).unwrap();
@@ -66,7 +105,7 @@ fn every_variant_matches_the_cpu_dequantization() {
             }
         }
     }
-    assert!(compared > 5_000, "compared {compared} outputs");
+    assert!(compared > 20_000, "compared {compared} outputs");
 }
 
 #[test]
@@ -165,15 +204,8 @@ fn the_packed_embedding_lookup_matches_the_cpu_dequantization() {
         .flat_map(|b| [b, past[b as usize]])
         .collect();
     let mut compared = 0usize;
-    for (t, hidden) in [
-        (QuantType::Q8_0, 96),
-        (QuantType::Q4_0, 160),
-        (QuantType::Q4K, 256),
-        (QuantType::Q6K, 512),
-    ] {
-        let table = common::random(rows * hidden, 21 + hidden as u64);
-        let packed = quantize(t, &table);
-        let values = dequantize(t, &packed);
+    for (t, hidden) in TYPES {
+        let (packed, values) = blocks_and_values(t, (rows, hidden), 21 + hidden as u64);
         let positions = 16;
         let wpe = common::random(positions * hidden, 5);
         let types: Vec<u32> = (0..tokens as u32).map(|i| i % 2).collect();

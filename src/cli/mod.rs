@@ -102,23 +102,6 @@ enum Command {
 
 /// Writes `text` to stdout and flushes it, so that a failed write is seen here, by the command
 /// that printed, and not lost in the flush at exit.
-/// Says on stderr which of a GGUF's tensors are in a block type wgpar only dequantizes.
-pub(crate) fn note_converted(ckpt: &Checkpoint) {
-    let tensors = ckpt.converted_tensors();
-    let Some((first, _)) = tensors.first() else {
-        return;
-    };
-    let mut types: Vec<&str> = tensors.iter().map(|(_, t)| *t).collect();
-    types.sort_unstable();
-    types.dedup();
-    eprintln!(
-        "note: {} tensors ({first}, ...) are {}, which wgpar's kernels do not read: they are \
-         dequantized and stored in --dtype, taking more device memory than in the file",
-        tensors.len(),
-        types.join(", ")
-    );
-}
-
 pub(crate) fn write_stdout(text: std::fmt::Arguments) -> Result<()> {
     use std::io::Write;
     let mut stdout = std::io::stdout().lock();
@@ -503,7 +486,6 @@ impl ModelArgs {
         let mut w = match self.checkpoint_dir() {
             Some(dir) => {
                 let ckpt = self.checkpoint(dir, config.max_seq)?;
-                note_converted(&ckpt);
                 ckpt.weights_of_layers(true, keep)?
             }
             None => {
@@ -567,7 +549,18 @@ impl ModelArgs {
             return Ok(None);
         };
         let t = QuantType::parse(name).ok_or_else(|| {
-            WgparError::option("--weights", format!("--weights {name} is not a block type"))
+            let packs: Vec<&str> = (wgpar::model::quant::WEIGHTS_TYPES.iter())
+                .filter(|t| t.is_quantized())
+                .map(|t| t.name())
+                .collect();
+            WgparError::option(
+                "--weights",
+                format!(
+                    "--weights {name}: wgpar packs into {} or dense (a GGUF's other block types \
+                     are kept as stored without --weights)",
+                    packs.join(", ")
+                ),
+            )
         })?;
         wgpar::model::quant::check_packable(config, t)?;
         Ok(Some(t))

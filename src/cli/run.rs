@@ -19,7 +19,7 @@ use super::memory::{parse_counts, print_allocated, Counts, MemoryArgs};
 use super::placement::{AccountingParts, AutoPlacement, Setting};
 use super::text::TextArgs;
 use super::{DeviceArgs, ModelArgs};
-use wgpar::model::memory::{per_device, WeightFormat, Workload};
+use wgpar::model::memory::{per_device, DeviceBytes, WeightFormat, Workload};
 
 /// Strategy options of `run`.
 #[derive(Args, Clone, Debug)]
@@ -552,7 +552,27 @@ pub fn run(args: &RunArgs) -> Result<()> {
     };
     let memory = AccountingParts::of(&placed.gpus, format, work);
     let accounted = per_device(&placed.strategy, placed.gpus.len(), &memory.spec(&config))?;
-    print_allocated(&placed.gpus, &accounted, &before)
+    print_allocated(&placed.gpus, &accounted, &before)?;
+    print_weight_bytes(args, &accounted)
+}
+
+/// The devices' weight bytes (as accounted, which the memory lines check against what was
+/// allocated; summed over devices) beside a GGUF file's tensor bytes, so that a file widened
+/// on the device shows.
+fn print_weight_bytes(args: &RunArgs, accounted: &[DeviceBytes]) -> Result<()> {
+    let device: u64 = accounted.iter().map(|a| a.weights).sum();
+    let file = match args.model.checkpoint_dir() {
+        Some(path) if wgpar::model::gguf::is_gguf(path) => {
+            let f = wgpar::model::gguf::GgufFile::open(path)?;
+            let bytes: u64 = (f.tensors.iter())
+                .map(|(_, i)| (i.end - i.start) as u64)
+                .sum();
+            let ratio = device as f64 / bytes.max(1) as f64;
+            format!(", the file's tensors {bytes} B ({ratio:.2}x)")
+        }
+        _ => String::new(),
+    };
+    outln!("weights: {device} B on the device(s){file}")
 }
 
 /// The model's config, checked against `run`'s own options (sampling needs `--prompt`; the

@@ -63,7 +63,6 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     // Prefill and --gen - 1 decode steps, the fault injected before the first.
     let (seq, max_new) = (input.ids.len(), args.gen);
     let plan = super::run::plan(args, input.ckpt.config(), &adapters, (1, seq), max_new)?;
-    super::note_converted(&input.ckpt);
     let mut weights = input.ckpt.weights(true)?;
     args.model.apply_weights(&mut weights)?;
     let gpus = args

@@ -105,7 +105,11 @@ macro_rules! qvariants {
     };
 }
 
-qvariants!(Q8_0 8 "q8_0", Q4_0 2 "q4_0", Q4K 12 "q4_k", Q6K 14 "q6_k");
+qvariants!(
+    Q8_0 8 "q8_0", Q4_0 2 "q4_0", Q4_1 3 "q4_1", Q5_0 6 "q5_0", Q5_1 7 "q5_1",
+    Q2K 10 "q2_k", Q3K 11 "q3_k", Q4K 12 "q4_k", Q5K 13 "q5_k", Q6K 14 "q6_k",
+    Iq4Nl 20 "iq4_nl", Iq4Xs 23 "iq4_xs"
+);
 
 macro_rules! qembed_variants {
     ($($t:ident $id:literal $suffix:literal),*) => {
@@ -121,7 +125,11 @@ macro_rules! qembed_variants {
     };
 }
 
-qembed_variants!(Q8_0 8 "q8_0", Q4_0 2 "q4_0", Q4K 12 "q4_k", Q6K 14 "q6_k");
+qembed_variants!(
+    Q8_0 8 "q8_0", Q4_0 2 "q4_0", Q4_1 3 "q4_1", Q5_0 6 "q5_0", Q5_1 7 "q5_1",
+    Q2K 10 "q2_k", Q3K 11 "q3_k", Q4K 12 "q4_k", Q5K 13 "q5_k", Q6K 14 "q6_k",
+    Iq4Nl 20 "iq4_nl", Iq4Xs 23 "iq4_xs"
+);
 
 /// The embedding lookup's pipeline variant for a token table packed as `qtype`.
 pub fn embed_variant(qtype: QuantType) -> Option<&'static QuantVariant> {
@@ -448,24 +456,20 @@ pub fn quant_matmul(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::quant::ALL_TYPES;
 
     /// Each variant, with its constants applied, validates with naga (no GPU needed).
     #[test]
     fn every_quant_variant_validates_with_its_constants() {
-        assert_eq!(QUANT_VARIANTS.len(), 12);
-        assert_eq!(QUANT_EMBED_VARIANTS.len(), 4);
+        let packed = ALL_TYPES.iter().filter(|t| t.is_quantized()).count();
+        assert_eq!(QUANT_VARIANTS.len(), 3 * packed);
+        assert_eq!(QUANT_EMBED_VARIANTS.len(), packed);
         for v in QUANT_VARIANTS.iter().chain(QUANT_EMBED_VARIANTS) {
             let module = naga::front::wgsl::parse_str(v.family().source()).unwrap();
             crate::kernels::with_overrides(&module, v.name, v.entry, v.constants);
+            let suffix = v.name.split_once('_').unwrap().1;
             assert_eq!(
-                QuantType::parse(
-                    v.name
-                        .split('_')
-                        .skip(1)
-                        .collect::<Vec<_>>()
-                        .join("_")
-                        .as_str()
-                ),
+                ALL_TYPES.into_iter().find(|t| t.name() == suffix),
                 Some(v.qtype),
                 "{}",
                 v.name

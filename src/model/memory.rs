@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 use crate::device::DType;
 use crate::error::{human_bytes, Result, WgparError};
 use crate::model::budget::vocab_block_rows;
-use crate::model::gguf::{ElementType, GgufFile};
+use crate::model::gguf::GgufFile;
 use crate::model::quant::QuantType;
 use crate::model::{Arch, ModelConfig, ModelWeights, Placement};
 use crate::parallel::{split_groups, PartitionSpec, Strategy};
@@ -73,7 +73,7 @@ impl DeviceBytes {
 const MATRICES: [&str; 7] = ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"];
 
 /// The block type each layer matrix and vocabulary table has in its source (a GGUF file's
-/// Q8_0, Q4_0, Q4_K, Q6_K tensors), where the device keeps those blocks; `None` for a dense
+/// block-type tensors), where the device keeps those blocks; `None` for a dense
 /// one.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FileBlocks {
@@ -114,7 +114,7 @@ impl FileBlocks {
     /// tensor is read): what [`crate::model::gguf::weights`] keeps when it loads them.
     pub fn of_gguf(file: &GgufFile, config: &ModelConfig) -> Self {
         let kept = |name: String| match file.tensor(&name).map(|t| t.dtype) {
-            Some(ElementType::Native(t)) if t.is_quantized() => Some(t),
+            Some(t) if t.is_quantized() => Some(t),
             _ => None,
         };
         let layers = (0..config.layers)

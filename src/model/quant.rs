@@ -1,16 +1,24 @@
-//! Block-quantized weight formats of GGUF (ggml's layouts): Q8_0, Q4_0, Q4_K and Q6_K, with
-//! F32, F16 and BF16 beside them. A row of `n` values is `n / block_len` blocks stored one after
-//! another; rows follow each other. This module converts between packed bytes and f32 on the
-//! host: [`dequantize`] for loading a GGUF file, [`quantize`] for `--weights`. [`ConvertType`]
-//! holds the block types a GGUF may use that no kernel reads (Q4_1, Q5_0, Q5_1, Q5_K): they are
-//! only dequantized. Layouts (per block):
+//! Block-quantized weight formats of GGUF (ggml's layouts), with F32, F16 and BF16 beside
+//! them. A row of `n` values is `n / block_len` blocks stored one after another; rows follow
+//! each other. This module converts between packed bytes and f32 on the host: [`dequantize`]
+//! (the host reference of every block type the kernels read), [`quantize`] for `--weights`
+//! (the types [`WEIGHTS_TYPES`] lists; the others come from files alone). Layouts (per block;
+//! `d`, `m`, `dmin` are f16):
 //!
 //! | type | values | bytes | layout |
 //! |---|---|---|---|
-//! | Q8_0 | 32 | 34 | f16 scale `d`, 32 × i8 `q`: `x = d q` |
-//! | Q4_0 | 32 | 18 | f16 `d`, 16 bytes: low nibbles are values 0..16, high 16..32, `x = d (q - 8)` |
-//! | Q4_K | 256 | 144 | f16 `d`, f16 `dmin`, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles |
-//! | Q6_K | 256 | 210 | 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 × i8 scales, f16 `d` |
+//! | Q8_0 | 32 | 34 | `d`, 32 × i8 `q`: `x = d q` |
+//! | Q4_0 | 32 | 18 | `d`, 16 bytes: low nibbles are values 0..16, high 16..32, `x = d (q - 8)` |
+//! | Q4_1 | 32 | 20 | `d`, `m`, 16 bytes of nibbles as Q4_0, `x = d q + m` |
+//! | Q5_0 | 32 | 22 | `d`, 4 bytes of fifth bits (value `j` in bit `j`), nibbles as Q4_0, `x = d (q - 16)` |
+//! | Q5_1 | 32 | 24 | `d`, `m`, fifth bits, nibbles, `x = d q + m` |
+//! | IQ4_NL | 32 | 18 | `d`, nibbles as Q4_0 indexing a fixed 16-value table: `x = d T[q]` |
+//! | Q2_K | 256 | 84 | 16 bytes of 4-bit scale / 4-bit min per 16 values, 64 bytes of 2-bit `q`, `d`, `dmin` |
+//! | Q3_K | 256 | 110 | 32 bytes of third bits, 64 bytes of 2-bit `q`, 12 bytes of sixteen 6-bit scales, `d` |
+//! | Q4_K | 256 | 144 | `d`, `dmin`, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles |
+//! | Q5_K | 256 | 176 | as Q4_K, with 32 bytes of fifth bits before the nibbles |
+//! | Q6_K | 256 | 210 | 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 × i8 scales, `d` |
+//! | IQ4_XS | 256 | 136 | `d`, eight 6-bit scales (2 high bits in a u16, 4 low in 4 bytes), 128 bytes of table nibbles |
 
 use std::ops::Range;
 
@@ -32,15 +40,51 @@ pub enum QuantType {
     Q8_0,
     /// 4-bit, one f16 scale per 32, offset 8.
     Q4_0,
+    /// 4-bit with a scale and a min per 32.
+    Q4_1,
+    /// 5-bit, one scale per 32, offset 16.
+    Q5_0,
+    /// 5-bit with a scale and a min per 32.
+    Q5_1,
+    /// 2-bit K-quant: 4-bit scales and mins per 16 values.
+    Q2K,
+    /// 3-bit K-quant: 6-bit signed scales per 16 values.
+    Q3K,
     /// 4-bit K-quant: 256-value super-blocks of eight 32-value sub-blocks with 6-bit scales and
     /// mins.
     Q4K,
+    /// 5-bit K-quant: Q4_K with a fifth bit per value.
+    Q5K,
     /// 6-bit K-quant: 256-value super-blocks of sixteen 16-value sub-blocks with i8 scales.
     Q6K,
+    /// 4-bit non-linear (a fixed table of 16 levels), one scale per 32.
+    Iq4Nl,
+    /// IQ4_NL's levels in 256-value super-blocks with 6-bit scales per 32.
+    Iq4Xs,
 }
 
 /// Every type, for tests and help texts.
-pub const ALL_TYPES: [QuantType; 7] = [
+pub const ALL_TYPES: [QuantType; 15] = [
+    QuantType::F32,
+    QuantType::F16,
+    QuantType::Bf16,
+    QuantType::Q8_0,
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q5_0,
+    QuantType::Q5_1,
+    QuantType::Q2K,
+    QuantType::Q3K,
+    QuantType::Q4K,
+    QuantType::Q5K,
+    QuantType::Q6K,
+    QuantType::Iq4Nl,
+    QuantType::Iq4Xs,
+];
+
+/// The types `--weights` packs into (those [`quantize`] writes); the others are read from
+/// files only.
+pub const WEIGHTS_TYPES: [QuantType; 7] = [
     QuantType::F32,
     QuantType::F16,
     QuantType::Bf16,
@@ -50,19 +94,15 @@ pub const ALL_TYPES: [QuantType; 7] = [
     QuantType::Q6K,
 ];
 
+/// IQ4_NL's and IQ4_XS's 16 levels (ggml's `kvalues_iq4nl`).
+pub const IQ4_LEVELS: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
 impl QuantType {
     /// The type of ggml id `id`, `None` for one wgpar does not read.
     pub fn from_ggml(id: u32) -> Option<Self> {
-        Some(match id {
-            0 => Self::F32,
-            1 => Self::F16,
-            2 => Self::Q4_0,
-            8 => Self::Q8_0,
-            12 => Self::Q4K,
-            14 => Self::Q6K,
-            30 => Self::Bf16,
-            _ => return None,
-        })
+        ALL_TYPES.into_iter().find(|t| t.ggml_id() == id)
     }
 
     /// ggml's id of the type.
@@ -71,20 +111,66 @@ impl QuantType {
             Self::F32 => 0,
             Self::F16 => 1,
             Self::Q4_0 => 2,
+            Self::Q4_1 => 3,
+            Self::Q5_0 => 6,
+            Self::Q5_1 => 7,
             Self::Q8_0 => 8,
+            Self::Q2K => 10,
+            Self::Q3K => 11,
             Self::Q4K => 12,
+            Self::Q5K => 13,
             Self::Q6K => 14,
+            Self::Iq4Nl => 20,
+            Self::Iq4Xs => 23,
             Self::Bf16 => 30,
         }
     }
 
     /// ggml's name of a type id, for errors about types wgpar does not read.
     pub fn ggml_name(id: u32) -> String {
-        const NAMES: [&str; 31] = [
-            "F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K",
-            "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S",
-            "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M",
+        const NAMES: [&str; 42] = [
+            "F32",
+            "F16",
+            "Q4_0",
+            "Q4_1",
+            "Q4_2",
+            "Q4_3",
+            "Q5_0",
+            "Q5_1",
+            "Q8_0",
+            "Q8_1",
+            "Q2_K",
+            "Q3_K",
+            "Q4_K",
+            "Q5_K",
+            "Q6_K",
+            "Q8_K",
+            "IQ2_XXS",
+            "IQ2_XS",
+            "IQ3_XXS",
+            "IQ1_S",
+            "IQ4_NL",
+            "IQ3_S",
+            "IQ2_S",
+            "IQ4_XS",
+            "I8",
+            "I16",
+            "I32",
+            "I64",
+            "F64",
+            "IQ1_M",
             "BF16",
+            "Q4_0_4_4",
+            "Q4_0_4_8",
+            "Q4_0_8_8",
+            "TQ1_0",
+            "TQ2_0",
+            "IQ4_NL_4_4",
+            "IQ4_NL_4_8",
+            "IQ4_NL_8_8",
+            "MXFP4",
+            "NVFP4",
+            "Q1_0",
         ];
         NAMES
             .get(id as usize)
@@ -99,22 +185,30 @@ impl QuantType {
             Self::Bf16 => "bf16",
             Self::Q8_0 => "q8_0",
             Self::Q4_0 => "q4_0",
+            Self::Q4_1 => "q4_1",
+            Self::Q5_0 => "q5_0",
+            Self::Q5_1 => "q5_1",
+            Self::Q2K => "q2_k",
+            Self::Q3K => "q3_k",
             Self::Q4K => "q4_k",
+            Self::Q5K => "q5_k",
             Self::Q6K => "q6_k",
+            Self::Iq4Nl => "iq4_nl",
+            Self::Iq4Xs => "iq4_xs",
         }
     }
 
-    /// The type `--weights` names.
+    /// The type `--weights` names (one of [`WEIGHTS_TYPES`]).
     pub fn parse(name: &str) -> Option<Self> {
-        ALL_TYPES.into_iter().find(|t| t.name() == name)
+        WEIGHTS_TYPES.into_iter().find(|t| t.name() == name)
     }
 
     /// Values per block (1 for the float types).
     pub fn block_len(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::Bf16 => 1,
-            Self::Q8_0 | Self::Q4_0 => 32,
-            Self::Q4K | Self::Q6K => 256,
+            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Iq4Nl => 32,
+            Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K | Self::Iq4Xs => 256,
         }
     }
 
@@ -124,9 +218,16 @@ impl QuantType {
             Self::F32 => 4,
             Self::F16 | Self::Bf16 => 2,
             Self::Q8_0 => 34,
-            Self::Q4_0 => 18,
+            Self::Q4_0 | Self::Iq4Nl => 18,
+            Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
+            Self::Q2K => 84,
+            Self::Q3K => 110,
             Self::Q4K => 144,
+            Self::Q5K => 176,
             Self::Q6K => 210,
+            Self::Iq4Xs => 136,
         }
     }
 
@@ -192,15 +293,17 @@ fn dequant_block(t: QuantType, b: &[u8], out: &mut [f32]) {
                 *o = d * f32::from(q as i8);
             }
         }
-        QuantType::Q4_0 => {
-            let d = half_at(b, 0);
-            for (j, &q) in b[2..18].iter().enumerate() {
-                out[j] = d * (f32::from(q & 0xF) - 8.0);
-                out[j + 16] = d * (f32::from(q >> 4) - 8.0);
-            }
-        }
+        QuantType::Q4_0 => dequant_legacy(b, out, (false, false)),
+        QuantType::Q4_1 => dequant_legacy(b, out, (true, false)),
+        QuantType::Q5_0 => dequant_legacy(b, out, (false, true)),
+        QuantType::Q5_1 => dequant_legacy(b, out, (true, true)),
+        QuantType::Iq4Nl => dequant_iq4nl(b, out),
+        QuantType::Q2K => dequant_q2k(b, out),
+        QuantType::Q3K => dequant_q3k(b, out),
         QuantType::Q4K => dequant_q4k(b, out),
+        QuantType::Q5K => dequant_q5k(b, out),
         QuantType::Q6K => dequant_q6k(b, out),
+        QuantType::Iq4Xs => dequant_iq4xs(b, out),
     }
 }
 
@@ -242,84 +345,7 @@ fn dequant_q6k(b: &[u8], out: &mut [f32]) {
     }
 }
 
-/// A GGUF block type wgpar has no kernels for: read by dequantizing at load, then stored in
-/// `--dtype` like an F32 tensor. Layouts (per block of 32 values, or 256 for Q5_K):
-///
-/// | type | bytes | layout |
-/// |---|---|---|
-/// | Q4_1 | 20 | f16 `d`, f16 `m`, 16 bytes of nibbles (low: 0..16, high: 16..32), `x = d q + m` |
-/// | Q5_0 | 22 | f16 `d`, 4 bytes of fifth bits, 16 bytes of nibbles, `x = d (q - 16)` |
-/// | Q5_1 | 24 | f16 `d`, f16 `m`, 4 bytes of fifth bits, 16 bytes of nibbles, `x = d q + m` |
-/// | Q5_K | 176 | as Q4_K, with 32 bytes of fifth bits before the nibbles |
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ConvertType {
-    /// 4-bit with a scale and a min per 32.
-    Q4_1,
-    /// 5-bit, one scale per 32, offset 16.
-    Q5_0,
-    /// 5-bit with a scale and a min per 32.
-    Q5_1,
-    /// 5-bit K-quant.
-    Q5K,
-}
-
-impl ConvertType {
-    /// The type of ggml id `id`, `None` for one wgpar does not read.
-    pub fn from_ggml(id: u32) -> Option<Self> {
-        Some(match id {
-            3 => Self::Q4_1,
-            6 => Self::Q5_0,
-            7 => Self::Q5_1,
-            13 => Self::Q5K,
-            _ => return None,
-        })
-    }
-
-    /// ggml's name of the type.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Q4_1 => "Q4_1",
-            Self::Q5_0 => "Q5_0",
-            Self::Q5_1 => "Q5_1",
-            Self::Q5K => "Q5_K",
-        }
-    }
-
-    /// Values per block.
-    pub fn block_len(self) -> usize {
-        match self {
-            Self::Q5K => 256,
-            _ => 32,
-        }
-    }
-
-    /// Bytes per block.
-    pub fn block_bytes(self) -> usize {
-        match self {
-            Self::Q4_1 => 20,
-            Self::Q5_0 => 22,
-            Self::Q5_1 => 24,
-            Self::Q5K => 176,
-        }
-    }
-
-    /// The values of `bytes`, whole blocks of this type.
-    pub fn dequantize(self, bytes: &[u8]) -> Vec<f32> {
-        let (bl, bb) = (self.block_len(), self.block_bytes());
-        let mut out = vec![0.0f32; bytes.len() / bb * bl];
-        for (b, o) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(bl)) {
-            match self {
-                Self::Q4_1 => dequant_legacy(b, o, (true, false)),
-                Self::Q5_0 => dequant_legacy(b, o, (false, true)),
-                Self::Q5_1 => dequant_legacy(b, o, (true, true)),
-                Self::Q5K => dequant_q5k(b, o),
-            }
-        }
-        out
-    }
-}
-
-/// Q4_1, Q5_0 and Q5_1 (`with_min`: an f16 min follows the scale; `fifth`: 4 bytes of fifth
+/// Q4_0, Q4_1, Q5_0 and Q5_1 (`with_min`: an f16 min follows the scale; `fifth`: 4 bytes of fifth
 /// bits follow, value `j` in bit `j`). Without a min, values are offset by half their range.
 fn dequant_legacy(b: &[u8], out: &mut [f32], (with_min, fifth): (bool, bool)) {
     let d = half_at(b, 0);
@@ -365,6 +391,71 @@ fn dequant_q5k(b: &[u8], out: &mut [f32]) {
             let h2 = ((qh[l] >> (2 * g + 1)) & 1) << 4;
             out[64 * g + l] = d1 * f32::from((q & 0xF) | h1) - m1;
             out[64 * g + 32 + l] = d2 * f32::from((q >> 4) | h2) - m2;
+        }
+    }
+}
+
+/// 16 nibbles in IQ4_NL's layout (low: values 0..16, high: 16..32), each a level of
+/// [`IQ4_LEVELS`] times `d`.
+fn iq4_nibbles(qs: &[u8], d: f32, out: &mut [f32]) {
+    for (j, &q) in qs[..16].iter().enumerate() {
+        out[j] = d * f32::from(IQ4_LEVELS[usize::from(q & 0xF)]);
+        out[j + 16] = d * f32::from(IQ4_LEVELS[usize::from(q >> 4)]);
+    }
+}
+
+fn dequant_iq4nl(b: &[u8], out: &mut [f32]) {
+    iq4_nibbles(&b[2..18], half_at(b, 0), out);
+}
+
+fn dequant_iq4xs(b: &[u8], out: &mut [f32]) {
+    let d = half_at(b, 0);
+    let high = u16::from_le_bytes([b[2], b[3]]);
+    // Sub-block s (32 values): 4 low scale bits in byte 4 + s/2, 2 high bits in `high`.
+    for s in 0..8 {
+        let low = (b[4 + s / 2] >> (4 * (s % 2))) & 0xF;
+        let scale = i32::from(low) | ((i32::from(high >> (2 * s)) & 3) << 4);
+        let qs = &b[8 + 16 * s..8 + 16 * s + 16];
+        iq4_nibbles(qs, d * (scale - 32) as f32, &mut out[32 * s..32 * s + 32]);
+    }
+}
+
+fn dequant_q2k(b: &[u8], out: &mut [f32]) {
+    let (scales, qs) = (&b[0..16], &b[16..80]);
+    let (d, dmin) = (half_at(b, 80), half_at(b, 82));
+    // Chunk c (16 values): scale byte c; bytes 32 (c / 8) + 16 (c % 2) .. +16 of qs, at bit
+    // 2 ((c % 8) / 2).
+    for c in 0..16 {
+        let (sc, shift) = (scales[c], 2 * ((c % 8) / 2));
+        let (dl, ml) = (d * f32::from(sc & 0xF), dmin * f32::from(sc >> 4));
+        let q = &qs[32 * (c / 8) + 16 * (c % 2)..];
+        for j in 0..16 {
+            out[16 * c + j] = dl * f32::from((q[j] >> shift) & 3) - ml;
+        }
+    }
+}
+
+/// Q3_K's `c`-th 6-bit scale (biased by 32) of the 12 packed bytes `s`: low 4 bits from
+/// bytes 0..8, high 2 from bytes 8..12.
+fn scale_k3(c: usize, s: &[u8]) -> i32 {
+    let low = (s[c % 8] >> (4 * (c / 8))) & 0xF;
+    let high = (s[8 + c % 4] >> (2 * (c / 4))) & 3;
+    i32::from(low | (high << 4)) - 32
+}
+
+fn dequant_q3k(b: &[u8], out: &mut [f32]) {
+    let (hmask, qs, scales) = (&b[0..32], &b[32..96], &b[96..108]);
+    let d = half_at(b, 108);
+    // Chunk c as Q2_K's, its third bit in hmask[16 (c % 2) + j], bit 4 (c / 8) + (c % 8) / 2;
+    // a clear bit subtracts 4.
+    for c in 0..16 {
+        let (shift, hbit) = (2 * ((c % 8) / 2), 4 * (c / 8) + (c % 8) / 2);
+        let dl = d * scale_k3(c, scales) as f32;
+        let q = &qs[32 * (c / 8) + 16 * (c % 2)..];
+        let h = &hmask[16 * (c % 2)..];
+        for j in 0..16 {
+            let q3 = i32::from((q[j] >> shift) & 3) + 4 * i32::from((h[j] >> hbit) & 1) - 4;
+            out[16 * c + j] = dl * q3 as f32;
         }
     }
 }
@@ -504,6 +595,9 @@ fn quant_q6k(x: &[f32], out: &mut Vec<u8>) {
 
 /// `x` packed as `t`. `x.len()` must be a whole number of blocks (callers check rows with
 /// [`QuantType::row_bytes`]).
+///
+/// # Panics
+/// For a type outside [`WEIGHTS_TYPES`] (read from files only: `--weights` cannot name one).
 pub fn quantize(t: QuantType, x: &[f32]) -> Vec<u8> {
     let bl = t.block_len();
     let mut out = Vec::with_capacity(x.len() / bl * t.block_bytes());
@@ -516,6 +610,7 @@ pub fn quantize(t: QuantType, x: &[f32]) -> Vec<u8> {
             QuantType::Q4_0 => quant_q4_0(block, &mut out),
             QuantType::Q4K => quant_q4k(block, &mut out),
             QuantType::Q6K => quant_q6k(block, &mut out),
+            other => panic!("wgpar has no quantizer for {other:?} (a file-only type)"),
         }
     }
     out
@@ -579,6 +674,7 @@ mod tests {
         ];
         let x = random(1024, 3);
         for (t, bound) in bounds {
+            assert!(WEIGHTS_TYPES.contains(&t));
             let packed = quantize(t, &x);
             assert_eq!(packed.len(), t.row_bytes(x.len()).unwrap(), "{t:?}");
             let y = dequantize(t, &packed);
@@ -617,9 +713,14 @@ mod tests {
     fn ggml_ids_round_trip() {
         for t in ALL_TYPES {
             assert_eq!(QuantType::from_ggml(t.ggml_id()), Some(t));
+            assert_eq!(QuantType::ggml_name(t.ggml_id()).to_lowercase(), t.name());
+        }
+        for t in WEIGHTS_TYPES {
             assert_eq!(QuantType::parse(t.name()), Some(t));
         }
-        assert_eq!(QuantType::from_ggml(3), None);
+        assert_eq!(QuantType::parse("q5_0"), None);
+        assert_eq!(QuantType::from_ggml(16), None);
+        assert_eq!(QuantType::ggml_name(34), "TQ1_0");
         assert_eq!(QuantType::ggml_name(13), "Q5_K");
     }
 }

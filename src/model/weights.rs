@@ -63,7 +63,7 @@ pub struct LayerWeights {
 /// whole number of `dtype`'s blocks, rows in wgpar's order (the llama Q/K permutation undone).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockMatrix {
-    /// Block type (Q8_0, Q4_0, Q4_K or Q6_K).
+    /// Block type (any of [`crate::model::quant::ALL_TYPES`] that packs blocks).
     pub dtype: QuantType,
     /// Rows (outputs).
     pub rows: usize,

@@ -8,6 +8,8 @@
 
 use std::path::{Path, PathBuf};
 
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 use wgpar::model::quant::{quantize, QuantType};
 use wgpar::model::{Arch, ModelConfig, ModelWeights};
@@ -259,9 +261,77 @@ pub fn ggml_type_name(t: QuantType) -> &'static str {
         QuantType::Bf16 => "BF16",
         QuantType::Q8_0 => "Q8_0",
         QuantType::Q4_0 => "Q4_0",
+        QuantType::Q4_1 => "Q4_1",
+        QuantType::Q5_0 => "Q5_0",
+        QuantType::Q5_1 => "Q5_1",
+        QuantType::Q2K => "Q2_K",
+        QuantType::Q3K => "Q3_K",
         QuantType::Q4K => "Q4_K",
+        QuantType::Q5K => "Q5_K",
         QuantType::Q6K => "Q6_K",
+        QuantType::Iq4Nl => "IQ4_NL",
+        QuantType::Iq4Xs => "IQ4_XS",
     }
+}
+
+/// The block types whose values the tests draw as random blocks, each with the byte offsets of
+/// its f16 scale fields and their range: values then stay O(0.05), like a small model's.
+fn scale_fields(t: QuantType) -> &'static [(usize, f32, f32)] {
+    match t {
+        QuantType::Q8_0 => &[(0, 2e-4, 6e-4)],
+        QuantType::Q4_0 => &[(0, 3e-3, 8e-3)],
+        QuantType::Q4_1 => &[(0, 3e-3, 6e-3), (2, -0.05, -0.02)],
+        QuantType::Q5_0 => &[(0, 1.5e-3, 4e-3)],
+        QuantType::Q5_1 => &[(0, 1.5e-3, 3e-3), (2, -0.05, -0.02)],
+        QuantType::Q2K => &[(80, 1e-3, 2e-3), (82, 5e-4, 1e-3)],
+        QuantType::Q3K => &[(108, 2e-4, 4e-4)],
+        QuantType::Q4K => &[(0, 1e-4, 3e-4), (2, 1e-4, 3e-4)],
+        QuantType::Q5K => &[(0, 5e-5, 1.5e-4), (2, 1e-4, 3e-4)],
+        QuantType::Q6K => &[(208, 2e-5, 6e-5)],
+        QuantType::Iq4Nl => &[(0, 2e-4, 6e-4)],
+        QuantType::Iq4Xs => &[(0, 1e-5, 2e-5)],
+        _ => panic!("{t:?} is not a block type"),
+    }
+}
+
+/// `blocks` random, valid blocks of `t` (random bytes, finite f16 scales), which no quantizer
+/// of wgpar's wrote.
+pub fn random_blocks(t: QuantType, blocks: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
+    let bb = t.block_bytes();
+    let mut out: Vec<u8> = (0..blocks * bb).map(|_| rng.random::<u8>()).collect();
+    for block in out.chunks_exact_mut(bb) {
+        for &(at, lo, hi) in scale_fields(t) {
+            let d = half::f16::from_f32(rng.random_range(lo..hi));
+            block[at..at + 2].copy_from_slice(&d.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// llama.cpp's dequantization (the `gguf` package's numpy code) of whole blocks of `t`.
+pub fn llama_dequantize(t: QuantType, bytes: &[u8]) -> Vec<f32> {
+    let dir = std::env::temp_dir().join(format!("wgpar-deq-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (input, output) = (dir.join("blocks.bin"), dir.join("values.bin"));
+    std::fs::write(&input, bytes).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/gguf_support/dequantize.py");
+    let out = std::process::Command::new(crate::common::python())
+        .arg(script)
+        .arg(ggml_type_name(t))
+        .args([&input, &output])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "dequantize.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let values = std::fs::read(&output).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    values
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
 }
 
 /// llama.cpp's dequantization of tensor `name`, written beside it by the script.

@@ -308,5 +308,5 @@ fn rope_freq_factors(meta: &Meta, file: &GgufFile, head_dim: usize) -> Result<Op
             info.dtype
         )));
     }
-    Ok(Some(info.dtype.dequantize(bytes)))
+    Ok(Some(crate::model::quant::dequantize(info.dtype, bytes)))
 }

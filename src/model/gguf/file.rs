@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 use crate::error::{Result, WgparError};
-use crate::model::quant::{ConvertType, QuantType};
+use crate::model::quant::QuantType;
 
 /// Magic at the start of every GGUF file ("GGUF" in ASCII).
 pub const MAGIC: [u8; 4] = *b"GGUF";
@@ -71,50 +71,9 @@ pub struct TensorInfo {
     pub end: usize,
 }
 
-/// A tensor's element type: one wgpar reads as it is (floats, and the block types its kernels
-/// read), or a block type it only dequantizes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ElementType {
-    /// Read as it is.
-    Native(QuantType),
-    /// Dequantized at load, then stored in `--dtype`.
-    Converted(ConvertType),
-}
-
-impl ElementType {
-    /// The type of ggml id `id`, `None` for one wgpar does not read.
-    pub fn from_ggml(id: u32) -> Option<Self> {
-        QuantType::from_ggml(id)
-            .map(Self::Native)
-            .or_else(|| ConvertType::from_ggml(id).map(Self::Converted))
-    }
-
-    /// Values per block.
-    pub fn block_len(self) -> usize {
-        match self {
-            Self::Native(t) => t.block_len(),
-            Self::Converted(t) => t.block_len(),
-        }
-    }
-
-    /// Bytes of a row of `n` values, `None` when `n` is not a whole number of blocks.
-    pub fn row_bytes(self, n: usize) -> Option<usize> {
-        let bytes = match self {
-            Self::Native(t) => t.block_bytes(),
-            Self::Converted(t) => t.block_bytes(),
-        };
-        n.is_multiple_of(self.block_len())
-            .then(|| n / self.block_len() * bytes)
-    }
-
-    /// The values of `bytes` (whole blocks).
-    pub fn dequantize(self, bytes: &[u8]) -> Vec<f32> {
-        match self {
-            Self::Native(t) => crate::model::quant::dequantize(t, bytes),
-            Self::Converted(t) => t.dequantize(bytes),
-        }
-    }
-}
+/// A tensor's element type: every type GGUF files carry that wgpar's kernels read (the float
+/// types and the block types), kept as stored.
+pub type ElementType = QuantType;
 
 impl TensorInfo {
     /// Dimensions outermost first (`[rows, cols]` for a matrix), as wgpar and PyTorch write them.
@@ -382,16 +341,10 @@ fn descriptor(c: &mut Cursor, name: &str) -> Result<Descriptor> {
         dims.push(d as usize);
     }
     let id = c.u32(&format!("the type of tensor '{name}'"))?;
-    let dtype = ElementType::from_ggml(id).ok_or_else(|| {
-        c.fail(
-            Some(name),
-            format!(
-                "element type {} is not supported (wgpar reads F32, F16, BF16, Q8_0, Q4_0, Q4_K \
-                 and Q6_K, and converts Q4_1, Q5_0, Q5_1 and Q5_K): re-quantize the file with llama.cpp, e.g. `llama-quantize \
-                 --allow-requantize IN.gguf OUT.gguf Q4_K_M`",
-                QuantType::ggml_name(id)
-            ),
-        )
+    let dtype = ElementType::from_ggml(id).ok_or_else(|| WgparError::TensorType {
+        file: c.path.display().to_string(),
+        tensor: name.to_string(),
+        ggml_type: QuantType::ggml_name(id),
     })?;
     let offset = c.u64(&format!("the offset of tensor '{name}'"))?;
     Ok((dims, dtype, offset))

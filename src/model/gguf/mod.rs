@@ -1,7 +1,7 @@
 //! GGUF checkpoints (llama.cpp's single-file format, versions 2 and 3) for the llama, mistral,
-//! qwen2 and gpt2 architectures: shapes from the metadata, weights from F32, F16, BF16, Q8_0,
-//! Q4_0, Q4_K and Q6_K tensors (layer matrices in blocks kept as stored), Q4_1, Q5_0, Q5_1 and
-//! Q5_K dequantized, and the tokenizer from the metadata. See
+//! qwen2 and gpt2 architectures: shapes from the metadata, weights from F32, F16, BF16 and
+//! every block type of [`crate::model::quant::QuantType`] (matrices in blocks kept as stored),
+//! and the tokenizer from the metadata. See
 //! `docs/MODELS.md` for the conventions and why the container reader is wgpar's own.
 
 pub mod config;
@@ -79,17 +79,6 @@ impl Gguf {
     /// possibly limited).
     pub fn weights(&self, config: &ModelConfig, keep: Range<usize>) -> Result<ModelWeights> {
         weights::load(&self.file, config, self.permuted, keep)
-    }
-
-    /// Tensors in a block type wgpar only dequantizes (no kernels read it), with the type's
-    /// name: they go to the device dense, in `--dtype`.
-    pub fn converted_tensors(&self) -> Vec<(String, &'static str)> {
-        (self.file.tensors.iter())
-            .filter_map(|(name, info)| match info.dtype {
-                file::ElementType::Converted(t) => Some((name.clone(), t.name())),
-                file::ElementType::Native(_) => None,
-            })
-            .collect()
     }
 
     /// The tokenizer from the metadata.

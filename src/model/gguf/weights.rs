@@ -2,8 +2,8 @@
 //! wgpar's fields; matrices are stored `[out][in]` with the input dimension innermost, which is
 //! wgpar's layout once GGUF's innermost-first dimensions are reversed. Each tensor is
 //! dequantized on its own from the mapped bytes and checked; a layer projection matrix, the
-//! token embedding or the LM head stored in blocks the kernels read (Q8_0, Q4_0, Q4_K, Q6_K)
-//! is then kept as its bytes alone ([`LayerWeights::blocks`], [`ModelWeights::tables`], dense
+//! token embedding or the LM head stored in blocks (every block type the file parser accepts:
+//! the kernels read them all) is then kept as its bytes alone ([`LayerWeights::blocks`], [`ModelWeights::tables`], dense
 //! field empty), so the device holds the file's own blocks, type by type, and the host about
 //! the file's size rather than four bytes a value.
 //!
@@ -13,9 +13,10 @@
 
 use std::ops::Range;
 
-use super::file::{ElementType, GgufFile, TensorInfo};
+use super::file::{GgufFile, TensorInfo};
 use crate::error::{Result, WgparError};
 use crate::model::config::{Arch, ModelConfig};
+use crate::model::quant::dequantize;
 use crate::model::weights::{BlockMatrix, LayerBlocks, LayerWeights, ModelWeights, TableBlocks};
 
 /// Reads tensors by name, checking shapes and values.
@@ -70,7 +71,7 @@ impl Tensors<'_> {
     /// Tensor `name` as f32, which must have `shape` (outermost first).
     fn get(&self, name: &str, shape: &[usize], what: &str) -> Result<Vec<f32>> {
         let info = self.info(name, shape, what)?;
-        let values = info.dtype.dequantize(self.file.data(info));
+        let values = dequantize(info.dtype, self.file.data(info));
         self.check_finite(name, &values, 0)?;
         Ok(values)
     }
@@ -86,16 +87,14 @@ impl Tensors<'_> {
         what: &str,
     ) -> Result<(Vec<f32>, Option<BlockMatrix>)> {
         let info = self.info(name, shape, what)?;
-        let ElementType::Native(dtype) = info.dtype else {
-            return Ok((self.get(name, shape, what)?, None));
-        };
+        let dtype = info.dtype;
         if !dtype.is_quantized() {
             return Ok((self.get(name, shape, what)?, None));
         }
         let bytes = self.file.data(info);
         let row = bytes.len() / shape[0].max(1);
         for (i, rows) in bytes.chunks(row.max(1) * 256).enumerate() {
-            let values = crate::model::quant::dequantize(dtype, rows);
+            let values = dequantize(dtype, rows);
             self.check_finite(name, &values, i * 256 * shape[1])?;
         }
         let blocks = BlockMatrix {

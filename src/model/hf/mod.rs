@@ -286,7 +286,6 @@ impl Checkpoint {
     /// in f16 or bf16 (a GGUF's block-quantized matrices count as neither: they stay packed).
     /// `--dtype auto` keeps such checkpoints in f16.
     pub fn stores_half(&self) -> bool {
-        use crate::model::gguf::ElementType;
         use crate::model::quant::QuantType;
         let kinds: Vec<Option<bool>> = match &self.source {
             Source::Folder(store) => (store.matrix_dtypes())
@@ -299,8 +298,8 @@ impl Checkpoint {
             Source::Gguf(gguf) => (gguf.file().tensors.iter())
                 .filter(|(_, t)| t.dims.len() >= 2)
                 .map(|(_, t)| match t.dtype {
-                    ElementType::Native(QuantType::F16 | QuantType::Bf16) => Some(true),
-                    ElementType::Native(QuantType::F32) => Some(false),
+                    QuantType::F16 | QuantType::Bf16 => Some(true),
+                    QuantType::F32 => Some(false),
                     _ => None,
                 })
                 .collect(),
@@ -313,15 +312,6 @@ impl Checkpoint {
         match &self.source {
             Source::Gguf(gguf) => Some(gguf),
             Source::Folder(_) => None,
-        }
-    }
-
-    /// A GGUF file's tensors in a block type wgpar only dequantizes, with the type's name
-    /// (none for a folder).
-    pub fn converted_tensors(&self) -> Vec<(String, &'static str)> {
-        match &self.source {
-            Source::Gguf(gguf) => gguf.converted_tensors(),
-            Source::Folder(_) => Vec::new(),
         }
     }
 
