@@ -102,3 +102,15 @@ fn a_pre_tokenizer_wgpar_does_not_rebuild_is_refused_by_name() {
         assert!(text.contains("--tokenizer"), "{text}");
     }
 }
+
+/// The released SmolLM2-135M-Instruct GGUF (`smollm`): its own 49152-token vocabulary and merges
+/// give wgpar the ids the `tokenizers` library gives with StarCoder's rules.
+#[test]
+fn smollm2_file_gives_the_tokenizers_library_ids() {
+    let file = common::smollm2_gguf();
+    let dir = common::scratch("gguf-pretok-smollm2");
+    let reference = reference(&dir, &["--gguf", file.to_str().unwrap()]);
+    assert_eq!(reference["cases"][0]["pre"], "smollm");
+    let compared = compare_cases(&reference);
+    assert!(compared > 200, "compared {compared} ids");
+}

@@ -17,7 +17,7 @@ import os
 import sys
 
 import gguf
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 CORPUS = [
     "The year 2026 had 1234567 visitors, 3.14159 of them twice; call 555-0199 or +44 20 7946 0958.",
@@ -273,6 +273,7 @@ def released(path):
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps())
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([t for t, ty in zip(tokens, types) if ty == 3])
+    tok.add_tokens([AddedToken(t, normalized=True) for t, ty in zip(tokens, types) if ty == 4])
     add_bos = bool(scalar("tokenizer.ggml.add_bos_token")) if "tokenizer.ggml.add_bos_token" in r.fields \
         else opts.get("add_bos", False)
     assert not add_bos, "this reference adds no BOS"
