@@ -326,5 +326,13 @@ mod tests {
             }
         }
         assert!(seen.len() > 80, "{} values", seen.len());
+        // docs/MODELS.md lists every value rebuilt and every value refused.
+        let doc = include_str!("../../../../docs/MODELS.md");
+        for n in seen.iter().chain(NOT_REBUILT.iter().map(|(n, _)| n)) {
+            assert!(
+                doc.contains(&format!("`{n}`")),
+                "docs/MODELS.md lacks `{n}`"
+            );
+        }
     }
 }
