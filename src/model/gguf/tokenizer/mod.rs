@@ -177,13 +177,12 @@ fn pre_rules(meta: &Meta, file: &Path) -> Result<&'static PreRules> {
 }
 
 /// `tokenizer.ggml.merges`: each "left right", split at the first space after the first
-/// character (a merge's left part is never empty).
+/// character (a merge's left part is never empty). None stored (an empty array may be written
+/// as no key at all): a vocabulary of single bytes and whole tokens.
 fn merges(meta: &Meta) -> Result<Vec<Json>> {
     let key = "tokenizer.ggml.merges";
     let Some(items) = meta.opt_array(key)? else {
-        return Err(meta.fail(format!(
-            "key '{key}' is missing: a gpt2 vocabulary needs its merges"
-        )));
+        return Ok(Vec::new());
     };
     items
         .iter()
