@@ -4,7 +4,7 @@
 //!
 //! - `gpt2` (byte-level BPE: GPT-2, Qwen2, Llama 3, SmolLM, ...): vocabulary and merges as
 //!   stored, the pre-tokenizer, normalizer and merge rule `tokenizer.ggml.pre` names (the table
-//!   in [`pre`]), byte-level decoder.
+//!   [`PRE_RULES`]), byte-level decoder.
 //! - `llama` (SentencePiece BPE, Llama 1/2, Mistral): merges recovered from the pieces' scores
 //!   as Hugging Face's converter recovers them, byte fallback, `▁` for spaces and a leading `▁`
 //!   (unless `add_space_prefix` is false).
