@@ -309,6 +309,20 @@ pub enum WgparError {
         /// The cause.
         message: String,
     },
+    /// A GGUF file's tokenizer names a pre-tokenizer (`tokenizer.ggml.pre`) wgpar does not
+    /// rebuild from the metadata: the model's own `tokenizer.json` (`--tokenizer`) still works.
+    #[error(
+        "{file}: tokenizer.ggml.pre is '{pre}': {reason}; pass --tokenizer \
+         path/to/tokenizer.json (the model's Hugging Face tokenizer) to use this model"
+    )]
+    UnknownPreTokenizer {
+        /// The GGUF file.
+        file: String,
+        /// The value of `tokenizer.ggml.pre`.
+        pre: String,
+        /// Why it is not rebuilt (unknown, or not a regex pre-tokenizer).
+        reason: String,
+    },
     /// A Hugging Face checkpoint that cannot be used: a missing or malformed file, a missing
     /// tensor, a tensor of the wrong shape or dtype, an unsupported architecture.
     #[error("{file}{}: {detail}", tensor.as_ref().map(|t| format!(": tensor '{t}'")).unwrap_or_default())]

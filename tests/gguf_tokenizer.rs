@@ -140,8 +140,15 @@ fn assert_streams_as_decoded(tokenizer: &TextTokenizer, ids: &[u32]) {
     }
 }
 
-#[test]
-fn byte_level_bpe_gives_the_tokenizer_json_ids() {
+/// A byte-level vocabulary learned from the sample: its tokens (the 256 byte characters, the
+/// merged pieces, then `<|endoftext|>`), its merges, and GPT-2's `tokenizer.json` for it.
+struct ByteLevelVocab {
+    tokens: Vec<String>,
+    merges: Vec<(String, String)>,
+    reference: Value,
+}
+
+fn byte_level_vocab() -> ByteLevelVocab {
     let chars = byte_chars();
     let to_symbols =
         |w: &str| -> Vec<String> { w.bytes().map(|b| chars[b as usize].to_string()).collect() };
@@ -177,33 +184,91 @@ fn byte_level_bpe_gives_the_tokenizer_json_ids() {
                   "byte_fallback": false, "vocab": vocab,
                   "merges": merges.iter().map(|(a, b)| format!("{a} {b}")).collect::<Vec<_>>()}
     });
+    ByteLevelVocab {
+        tokens,
+        merges,
+        reference,
+    }
+}
+
+/// The GGUF metadata of `v` with pre-tokenizer `pre`.
+fn byte_level_meta(v: &ByteLevelVocab, pre: &str) -> Vec<Value> {
+    let eot = v.tokens.len() - 1;
+    let mut types = vec![1; v.tokens.len()];
+    types[eot] = 3;
+    let merges: Vec<String> = v.merges.iter().map(|(a, b)| format!("{a} {b}")).collect();
+    vec![
+        json!(["tokenizer.ggml.model", "str", "gpt2"]),
+        json!(["tokenizer.ggml.pre", "str", pre]),
+        json!(["tokenizer.ggml.tokens", "str_array", v.tokens]),
+        json!(["tokenizer.ggml.token_type", "i32_array", types]),
+        json!(["tokenizer.ggml.merges", "str_array", merges]),
+        json!(["tokenizer.ggml.bos_token_id", "u32", eot]),
+        json!(["tokenizer.ggml.add_bos_token", "bool", false]),
+    ]
+}
+
+#[test]
+fn byte_level_bpe_gives_the_tokenizer_json_ids() {
+    let v = byte_level_vocab();
     let dir = scratch("gguf-tok-bpe");
     let ref_path = dir.join("tokenizer.json");
-    std::fs::write(&ref_path, reference.to_string()).unwrap();
+    std::fs::write(&ref_path, v.reference.to_string()).unwrap();
     let reference = TextTokenizer::from_file(&ref_path, None).unwrap();
-    let mut types = vec![1; tokens.len()];
-    types[eot] = 3;
-    let ckpt = gguf_with(
-        &dir,
-        tokens.len(),
-        vec![
-            json!(["tokenizer.ggml.model", "str", "gpt2"]),
-            json!(["tokenizer.ggml.pre", "str", "gpt-2"]),
-            json!(["tokenizer.ggml.tokens", "str_array", tokens]),
-            json!(["tokenizer.ggml.token_type", "i32_array", types]),
-            json!([
-                "tokenizer.ggml.merges",
-                "str_array",
-                merges
-                    .iter()
-                    .map(|(a, b)| format!("{a} {b}"))
-                    .collect::<Vec<_>>()
-            ]),
-            json!(["tokenizer.ggml.bos_token_id", "u32", eot]),
-            json!(["tokenizer.ggml.add_bos_token", "bool", false]),
-        ],
-    );
+    let ckpt = gguf_with(&dir, v.tokens.len(), byte_level_meta(&v, "gpt-2"));
     assert_same_ids(&reference, &ckpt.tokenizer().unwrap());
+}
+
+/// `--tokenizer FILE` runs a GGUF whose pre-tokenizer wgpar refuses (the refusal names the
+/// value and the option), and is refused where no text is tokenized.
+#[test]
+fn tokenizer_option_runs_a_gguf_whose_pre_tokenizer_is_refused() {
+    let v = byte_level_vocab();
+    let dir = scratch("gguf-tok-option");
+    let json = dir.join("tokenizer.json");
+    std::fs::write(&json, v.reference.to_string()).unwrap();
+    let ckpt = gguf_with(&dir, v.tokens.len(), byte_level_meta(&v, "no-such-pre"));
+    let file = dir.join("tok.gguf");
+    let (file, json) = (file.to_str().unwrap(), json.to_str().unwrap());
+    let err = ckpt.tokenizer().unwrap_err().to_string();
+    assert!(
+        err.contains("'no-such-pre'") && err.contains("--tokenizer"),
+        "{err}"
+    );
+    // The library's override gives the tokenizer.json's ids.
+    let given = ckpt
+        .tokenizer_from(Some(std::path::Path::new(json)))
+        .unwrap();
+    assert_same_ids(
+        &TextTokenizer::from_file(std::path::Path::new(json), None).unwrap(),
+        &given,
+    );
+    let prompt = [
+        "run",
+        "--model",
+        file,
+        "--prompt",
+        "The quick fox",
+        "--gen",
+        "3",
+    ];
+    let (ok, _, err) = common::wgpar(&prompt);
+    assert!(
+        !ok && err.contains("'no-such-pre'") && err.contains("--tokenizer"),
+        "{err}"
+    );
+    let (ok, out, err) = common::wgpar(&[&prompt[..], &["--tokenizer", json]].concat());
+    assert!(ok && out.starts_with("The quick fox"), "{out}{err}");
+    let (ok, _, err) = common::wgpar(&["run", "--tokenizer", json, "--prompt-len", "4"]);
+    assert!(
+        !ok && err.contains("--tokenizer") && err.contains("--prompt"),
+        "{err}"
+    );
+    let (ok, _, err) = common::wgpar(&["serve", "--model", "tiny-llama", "--tokenizer", json]);
+    assert!(
+        !ok && err.contains("--tokenizer applies to a checkpoint"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -25,6 +25,9 @@ pub struct EmbedArgs {
     /// Print every value of each embedding, not just the first eight.
     #[arg(long)]
     full: bool,
+    /// A Hugging Face tokenizer.json to use instead of the checkpoint's own.
+    #[arg(long, value_name = "FILE")]
+    tokenizer: Option<std::path::PathBuf>,
 }
 
 /// Embeds the texts and prints the vectors and their pairwise similarities.
@@ -83,7 +86,7 @@ fn tokenize(args: &EmbedArgs, ckpt: &mut Checkpoint) -> Result<Vec<EncoderInput>
             ckpt.config().arch
         )));
     }
-    let tokenizer = ckpt.tokenizer()?;
+    let tokenizer = ckpt.tokenizer_from(args.tokenizer.as_deref())?;
     let inputs = args
         .texts
         .iter()

@@ -789,6 +789,7 @@ mod ranks {
             }
             .into());
         }
+        args.text.refuse_tokenizer()?;
         if args.pace.is_some() {
             return Err(DistError::Unsupported {
                 option: "--pace".into(),

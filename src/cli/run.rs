@@ -585,6 +585,7 @@ fn checked_config(args: &RunArgs) -> Result<ModelConfig> {
                 .into(),
         ));
     }
+    args.text.refuse_tokenizer()?;
     let config = args.model.config()?;
     if args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
         return Err(WgparError::option(

@@ -55,6 +55,10 @@ pub struct ServerArgs {
     /// Largest request body, bytes.
     #[arg(long, default_value_t = 1 << 20)]
     max_body: usize,
+    /// A Hugging Face tokenizer.json to use instead of the checkpoint's own (a GGUF file's
+    /// metadata or a folder's tokenizer.json).
+    #[arg(long, value_name = "FILE")]
+    tokenizer: Option<std::path::PathBuf>,
     /// Seconds requests in flight get to finish after SIGINT or SIGTERM.
     #[arg(long, default_value_t = 30.0)]
     shutdown_timeout: f64,
@@ -266,7 +270,15 @@ fn text_model(args: &ServerArgs, config: &ModelConfig) -> Result<TextModel> {
         Some(dir) => {
             let ckpt = Checkpoint::open(dir)?;
             let eos = ckpt.eos_tokens().to_vec();
-            (ckpt.tokenizer()?, ChatTemplate::load(dir)?, eos)
+            let tokenizer = ckpt.tokenizer_from(args.tokenizer.as_deref())?;
+            (tokenizer, ChatTemplate::load(dir)?, eos)
+        }
+        None if args.tokenizer.is_some() => {
+            return Err(WgparError::unsupported(format!(
+                "--tokenizer applies to a checkpoint (--model DIR or FILE.gguf); preset '{}' \
+                 has synthetic weights and a word-level vocabulary of its own",
+                config.name
+            )))
         }
         None => (TextTokenizer::word_level(config.vocab)?, None, Vec::new()),
     };

@@ -1,6 +1,7 @@
 //! Text in, text out: `wgpar run --model DIR --prompt "..."` tokenizes the prompt with the
 //! checkpoint's tokenizer, generates greedily or by sampling, and streams the text as it comes.
 
+use std::path::PathBuf;
 use std::time::Instant;
 
 use std::sync::Arc;
@@ -31,6 +32,10 @@ pub struct TextArgs {
     /// Sample among the most likely tokens whose probabilities first reach p (1: all).
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
+    /// A Hugging Face tokenizer.json to use instead of the model's own (a GGUF file's
+    /// metadata or a folder's tokenizer.json); needs --prompt.
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
 }
 
 impl TextArgs {
@@ -41,6 +46,18 @@ impl TextArgs {
             || self.top_k != greedy.top_k
             || self.top_p != greedy.top_p
     }
+
+    /// Refuses `--tokenizer` where no text is tokenized (a run on synthetic prompts).
+    pub fn refuse_tokenizer(&self) -> Result<()> {
+        match &self.tokenizer {
+            Some(_) => Err(WgparError::unsupported(
+                "--tokenizer turns --prompt's text into tokens: it needs --prompt (a run on \
+                 synthetic prompts has no text)"
+                    .into(),
+            )),
+            None => Ok(()),
+        }
+    }
 }
 
 impl Default for TextArgs {
@@ -50,6 +67,7 @@ impl Default for TextArgs {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            tokenizer: None,
         }
     }
 }
@@ -158,7 +176,7 @@ impl Input {
                 ckpt.config().name
             )));
         }
-        let tokenizer = ckpt.tokenizer()?;
+        let tokenizer = ckpt.tokenizer_from(args.text.tokenizer.as_deref())?;
         let ids = tokenizer.encode(prompt)?;
         if ids.is_empty() {
             return Err(WgparError::option(

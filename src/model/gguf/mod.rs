@@ -83,8 +83,6 @@ impl Gguf {
 
     /// The tokenizer from the metadata.
     pub fn tokenizer(&self) -> Result<TextTokenizer> {
-        let meta = Meta::new(&self.file)?;
-        let json = tokenizer::tokenizer_json(&meta)?;
-        TextTokenizer::from_json(&json, self.file.path(), None)
+        tokenizer::load(&self.file)
     }
 }

@@ -357,22 +357,39 @@ impl Checkpoint {
         weights
     }
 
-    /// The checkpoint's `tokenizer.json`. Encoders cut texts to the model's context (or the
-    /// shorter `max_seq_length` of `sentence_bert_config.json`); decoders never cut a prompt.
+    /// The checkpoint's tokenizer: a folder's `tokenizer.json`, a GGUF file's metadata.
+    /// Encoders cut texts to the model's context (or the shorter `max_seq_length` of
+    /// `sentence_bert_config.json`); decoders never cut a prompt.
     pub fn tokenizer(&self) -> Result<TextTokenizer> {
-        if let Source::Gguf(gguf) = &self.source {
-            return gguf.tokenizer();
+        self.tokenizer_from(None)
+    }
+
+    /// [`Self::tokenizer`], or the Hugging Face `tokenizer.json` at `file` where one is given
+    /// (`--tokenizer`: for a GGUF whose pre-tokenizer wgpar does not rebuild, or a folder
+    /// without its own), with the same cut for encoders.
+    pub fn tokenizer_from(&self, file: Option<&Path>) -> Result<TextTokenizer> {
+        let max_len = self.encoder_text_limit()?;
+        match (file, &self.source) {
+            (Some(file), _) => TextTokenizer::from_file(file, max_len),
+            (None, Source::Gguf(gguf)) => gguf.tokenizer(),
+            (None, Source::Folder(_)) => {
+                TextTokenizer::from_file(&self.dir.join("tokenizer.json"), max_len)
+            }
         }
-        let max_len = if self.config.is_encoder() {
-            let st_path = self.dir.join("sentence_bert_config.json");
-            let st_max = read_text(&st_path)?
-                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-                .and_then(|v| v.get("max_seq_length").and_then(|m| m.as_u64()))
-                .map(|m| m as usize);
-            Some(st_max.map_or(self.config.max_seq, |m| m.min(self.config.max_seq)))
-        } else {
-            None
-        };
-        TextTokenizer::from_file(&self.dir.join("tokenizer.json"), max_len)
+    }
+
+    /// The longest text an encoder takes, in tokens; `None` for a decoder.
+    fn encoder_text_limit(&self) -> Result<Option<usize>> {
+        if !self.config.is_encoder() {
+            return Ok(None);
+        }
+        let st_path = self.dir.join("sentence_bert_config.json");
+        let st_max = read_text(&st_path)?
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v.get("max_seq_length").and_then(|m| m.as_u64()))
+            .map(|m| m as usize);
+        Ok(Some(st_max.map_or(self.config.max_seq, |m| {
+            m.min(self.config.max_seq)
+        })))
     }
 }
