@@ -32,9 +32,11 @@ fn checkpoint() -> Scratch {
     dir
 }
 
-/// `wgpar serve` on `dir`'s checkpoint with `extra` options.
+/// `wgpar serve` on `dir`'s checkpoint, served as `m` (the name the clients give), with
+/// `extra` options.
 fn start(dir: &Scratch, extra: &[&str]) -> Server {
-    launch(&[&["--model", dir.to_str().unwrap()][..], extra].concat())
+    let model = ["--model", dir.to_str().unwrap(), "--served-model-name", "m"];
+    launch(&[&model[..], extra].concat())
 }
 
 /// `wgpar serve --port 0 ARGS`, once /health says 200.

@@ -73,7 +73,7 @@ const OA: &str = "OpenAI";
 const VL: &str = "vLLM";
 const LS: &str = "llama-server";
 const NO_GRAMMAR: &str = "refused: constrained decoding is not built";
-const NO_SAMPLER: &str = "refused: wgpar has no such sampler";
+const NO_SAMPLER: &str = "wgpar has no such sampler";
 
 /// The table, in the order the docs list it.
 pub const FIELDS: &[Field] = &[
@@ -255,7 +255,10 @@ pub fn markdown() -> String {
             Rule::Honoured => format!("honoured: {}", f.note),
             Rule::NoEffect => format!("accepted, {}", f.note),
             Rule::OnlyAt(v) => format!("`{v}` accepted; else 400: {}", f.note),
-            Rule::Refused => format!("400: {}", f.note.trim_start_matches("refused: ")),
+            Rule::Refused => match f.note.strip_prefix("refused") {
+                Some(rest) => format!("400{rest}"),
+                None => format!("400: {}", f.note),
+            },
         };
         out.push_str(&format!("| `{}` | {route} | {} | {what} |\n", f.name, f.origin));
     }
