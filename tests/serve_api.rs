@@ -40,7 +40,8 @@ fn checkpoint(name: &str) -> (Scratch, ModelWeights) {
 
 fn serve(model: &str, extra: &[&str]) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_wgpar"));
-    cmd.args(["serve", "--port", "0", "--model", model]).args(extra);
+    cmd.args(["serve", "--port", "0", "--model", model])
+        .args(extra);
     Server::spawn(cmd, Duration::from_secs(300))
 }
 
@@ -184,19 +185,47 @@ fn every_field_of_the_table_is_honoured_or_refused_by_name() {
     }
     assert!(checked > 150, "{checked}");
     for (path, body, param) in [
-        ("/v1/completions", json!({"prompt": "t1", "frobnicate": 1}), "frobnicate"),
-        ("/v1/completions", json!({"prompt": "t1", "messages": []}), "messages"),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "t1"}], "top_logprobs": 2}), "top_logprobs"),
-        ("/v1/completions", json!({"prompt": "t1", "logit_bias": {"99999": 1}}), "logit_bias"),
-        ("/v1/completions", json!({"prompt": "t1", "max_tokens": 0}), "max_tokens"),
+        (
+            "/v1/completions",
+            json!({"prompt": "t1", "frobnicate": 1}),
+            "frobnicate",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "t1", "messages": []}),
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "t1"}], "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "t1", "logit_bias": {"99999": 1}}),
+            "logit_bias",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "t1", "max_tokens": 0}),
+            "max_tokens",
+        ),
     ] {
         let (code, v) = post(&server, path, &body);
-        assert_eq!((code, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
+        assert_eq!(
+            (code, v["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{body}: {v}"
+        );
     }
     // The openai client reports the refusal's field too.
     let got = python(&[&server.port.to_string(), "refused", "mirostat", "2"]);
     assert_eq!(got, json!({"status": 400, "param": "mirostat"}));
-    let (code, v) = post(&server, "/v1/completions", &json!({"model": "x", "prompt": "t1"}));
+    let (code, v) = post(
+        &server,
+        "/v1/completions",
+        &json!({"model": "x", "prompt": "t1"}),
+    );
     assert_eq!((code, &v["error"]["param"]), (404, &json!("model")), "{v}");
 }
 
@@ -214,7 +243,8 @@ fn sampling_rules_follow_the_reference() {
         let v = ok(&server, "/v1/completions", &body);
         ids(v["choices"][0]["text"].as_str().unwrap())
     };
-    let plain = text(json!({"prompt": prompt, "max_tokens": gen, "temperature": 0, "ignore_eos": true}));
+    let plain =
+        text(json!({"prompt": prompt, "max_tokens": gen, "temperature": 0, "ignore_eos": true}));
     assert_eq!(plain.len(), gen);
     let banned = plain[0];
     let favoured = plain.iter().copied().find(|&t| t != banned).unwrap_or(3);
@@ -270,14 +300,20 @@ fn sampling_rules_follow_the_reference() {
     assert_eq!(v["usage"]["completion_tokens"], 3 * gen, "{v}");
     // Stop token ids end the text (the token not shown); the allow-list holds.
     let stop = plain[2];
-    let v = ok(&server, "/v1/completions", &json!({"prompt": prompt, "max_tokens": gen,
-        "temperature": 0, "ignore_eos": true, "stop_token_ids": [stop]}));
+    let v = ok(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": gen,
+        "temperature": 0, "ignore_eos": true, "stop_token_ids": [stop]}),
+    );
     let cut = plain.iter().position(|&t| t == stop).unwrap();
     assert_eq!(ids(v["choices"][0]["text"].as_str().unwrap()), plain[..cut]);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     let allowed = [9u32, 10, 11];
-    let got = text(json!({"prompt": prompt, "max_tokens": gen, "temperature": 1.0, "seed": 3,
-        "ignore_eos": true, "allowed_token_ids": allowed}));
+    let got = text(
+        json!({"prompt": prompt, "max_tokens": gen, "temperature": 1.0, "seed": 3,
+        "ignore_eos": true, "allowed_token_ids": allowed}),
+    );
     assert_eq!(got.len(), gen);
     assert!(got.iter().all(|t| allowed.contains(t)), "{got:?}");
 }
@@ -285,13 +321,21 @@ fn sampling_rules_follow_the_reference() {
 /// Asserts `got` (log-prob, and top entries as token text -> log-prob) against the
 /// reference's log-softmax `lp` for `token`.
 fn check_entry(lp: &[f64], token: u32, got: f64, top: &[(u32, f64)], k: usize, at: &str) {
-    assert!((got - lp[token as usize]).abs() < 2e-3, "{at}: {got} vs {}", lp[token as usize]);
+    assert!(
+        (got - lp[token as usize]).abs() < 2e-3,
+        "{at}: {got} vs {}",
+        lp[token as usize]
+    );
     let mut want: Vec<f64> = lp.to_vec();
     want.sort_by(|a, b| b.total_cmp(a));
     assert_eq!(top.len(), k, "{at}");
     for (i, &(t, l)) in top.iter().enumerate() {
         assert!((l - lp[t as usize]).abs() < 2e-3, "{at}: top {t}");
-        assert!((l - want[i]).abs() < 2e-3, "{at}: top {i} is {l}, want {}", want[i]);
+        assert!(
+            (l - want[i]).abs() < 2e-3,
+            "{at}: top {i} is {l}, want {}",
+            want[i]
+        );
     }
 }
 
@@ -324,18 +368,37 @@ fn logprobs_follow_the_reference_log_softmax() {
         let v = ok(&server, "/v1/completions", &body);
         let c = &v["choices"][0];
         let lp = &c["logprobs"];
-        let tokens: Vec<u32> = lp["tokens"].as_array().unwrap().iter().map(|t| ids(t.as_str().unwrap())[0]).collect();
+        let tokens: Vec<u32> = lp["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| ids(t.as_str().unwrap())[0])
+            .collect();
         assert_eq!(tokens.len(), prompt.len() + gen, "{v}");
         assert_eq!(tokens[..prompt.len()], prompt[..]);
-        assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(), "{v}");
-        assert_eq!(ids(c["text"].as_str().unwrap()), tokens, "echo puts the prompt first");
+        assert!(
+            lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(),
+            "{v}"
+        );
+        assert_eq!(
+            ids(c["text"].as_str().unwrap()),
+            tokens,
+            "echo puts the prompt first"
+        );
         assert_eq!(v["usage"]["completion_tokens"], gen);
         let t = if temperature > 0.0 { temperature } else { 1.0 };
         for i in 1..tokens.len() {
             let reference = log_softmax(&reference(&w, &tokens[..i]), t);
             let got = lp["token_logprobs"][i].as_f64().unwrap();
             let at = format!("T {temperature} token {i}");
-            check_entry(&reference, tokens[i], got, &top_of(&lp["top_logprobs"][i]), 4, &at);
+            check_entry(
+                &reference,
+                tokens[i],
+                got,
+                &top_of(&lp["top_logprobs"][i]),
+                4,
+                &at,
+            );
         }
     }
     // Chat through the openai client: the template's prompt is t2 t4 t7 t8 t5.
@@ -346,10 +409,21 @@ fn logprobs_follow_the_reference_log_softmax() {
     let mut seq = vec![2u32, 4, 7, 8, 5];
     for (i, e) in entries.iter().enumerate() {
         let token = ids(e["token"].as_str().unwrap())[0];
-        let top: Vec<(u32, f64)> = e["top"].as_array().unwrap().iter()
-            .map(|p| (ids(p[0].as_str().unwrap())[0], p[1].as_f64().unwrap())).collect();
+        let top: Vec<(u32, f64)> = e["top"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (ids(p[0].as_str().unwrap())[0], p[1].as_f64().unwrap()))
+            .collect();
         let reference = log_softmax(&reference(&w, &seq), 1.0);
-        check_entry(&reference, token, e["logprob"].as_f64().unwrap(), &top, 3, &format!("chat {i}"));
+        check_entry(
+            &reference,
+            token,
+            e["logprob"].as_f64().unwrap(),
+            &top,
+            3,
+            &format!("chat {i}"),
+        );
         seq.push(token);
     }
     // Streamed log-probs are the whole response's, chunk by chunk.
@@ -366,8 +440,15 @@ fn tokenize_models_and_prompt_lists() {
     let server = serve(dir.to_str().unwrap(), &["--served-model-name", "my-model"]);
     let v = ok(&server, "/tokenize", &json!({"content": "t5 t6 t300"}));
     assert_eq!(v, json!({"tokens": [5, 6, 300]}));
-    let v = ok(&server, "/tokenize", &json!({"content": "t5 t6", "with_pieces": true}));
-    assert_eq!(v, json!({"tokens": [{"id": 5, "piece": "t5"}, {"id": 6, "piece": "t6"}]}));
+    let v = ok(
+        &server,
+        "/tokenize",
+        &json!({"content": "t5 t6", "with_pieces": true}),
+    );
+    assert_eq!(
+        v,
+        json!({"tokens": [{"id": 5, "piece": "t5"}, {"id": 6, "piece": "t6"}]})
+    );
     let v = ok(&server, "/detokenize", &json!({"tokens": [5, 6, 300]}));
     assert_eq!(v, json!({"content": "t5 t6 t300"}));
     let (code, v) = post(&server, "/tokenize", &json!({"content": "t5", "frob": 1}));
@@ -377,17 +458,34 @@ fn tokenize_models_and_prompt_lists() {
     let (_, models) = server.get("/v1/models");
     let models: Value = serde_json::from_str(&models).unwrap();
     assert_eq!(models["data"][0]["id"], "my-model");
-    let (code, _) = post(&server, "/v1/completions", &json!({"model": "m", "prompt": "t1"}));
+    let (code, _) = post(
+        &server,
+        "/v1/completions",
+        &json!({"model": "m", "prompt": "t1"}),
+    );
     assert_eq!(code, 404);
     let one = |prompt: Value| {
-        let v = ok(&server, "/v1/completions", &json!({"model": "my-model", "prompt": prompt,
-            "max_tokens": 4, "temperature": 0, "ignore_eos": true}));
+        let v = ok(
+            &server,
+            "/v1/completions",
+            &json!({"model": "my-model", "prompt": prompt,
+            "max_tokens": 4, "temperature": 0, "ignore_eos": true}),
+        );
         v["choices"][0]["text"].as_str().unwrap().to_string()
     };
     let (a, b) = (one(json!("t5 t6")), one(json!([7, 8, 9])));
-    let v = ok(&server, "/v1/completions", &json!({"prompt": ["t5 t6", [7, 8, 9]], "n": 2,
-        "max_tokens": 4, "temperature": 0, "ignore_eos": true}));
-    let texts: Vec<&str> = v["choices"].as_array().unwrap().iter().map(|c| c["text"].as_str().unwrap()).collect();
+    let v = ok(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": ["t5 t6", [7, 8, 9]], "n": 2,
+        "max_tokens": 4, "temperature": 0, "ignore_eos": true}),
+    );
+    let texts: Vec<&str> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
     assert_eq!(texts, [a.as_str(), &a, &b, &b], "{v}");
     assert_eq!(v["usage"]["prompt_tokens"], 5);
     assert_eq!(v["usage"]["completion_tokens"], 16);
@@ -445,27 +543,61 @@ fn gguf_chat_template_and_override() {
     let file = write_gguf(&dir, "chat", &tensors, &spec(meta));
     let messages = json!([{"role": "user", "content": "hi"}]);
     let pair = |server: &Server, rendered: &str| {
-        let chat = ok(server, "/v1/chat/completions", &json!({"messages": messages,
-            "max_tokens": 5, "temperature": 0, "ignore_eos": true}));
-        let text = ok(server, "/v1/completions", &json!({"prompt": rendered,
-            "max_tokens": 5, "temperature": 0, "ignore_eos": true}));
+        let chat = ok(
+            server,
+            "/v1/chat/completions",
+            &json!({"messages": messages,
+            "max_tokens": 5, "temperature": 0, "ignore_eos": true}),
+        );
+        let text = ok(
+            server,
+            "/v1/completions",
+            &json!({"prompt": rendered,
+            "max_tokens": 5, "temperature": 0, "ignore_eos": true}),
+        );
         assert_eq!(chat["usage"], text["usage"], "{chat} {text}");
-        assert_eq!(chat["choices"][0]["message"]["content"], text["choices"][0]["text"]);
+        assert_eq!(
+            chat["choices"][0]["message"]["content"],
+            text["choices"][0]["text"]
+        );
     };
     let server = serve(file.to_str().unwrap(), &[]);
-    let tokens = ok(&server, "/tokenize", &json!({"content": "<|endoftext|><user>hi<a>"}));
-    assert_eq!(tokens["tokens"][0], 256, "the BOS text is the special token: {tokens}");
+    let tokens = ok(
+        &server,
+        "/tokenize",
+        &json!({"content": "<|endoftext|><user>hi<a>"}),
+    );
+    assert_eq!(
+        tokens["tokens"][0], 256,
+        "the BOS text is the special token: {tokens}"
+    );
     pair(&server, "<|endoftext|><user>hi<a>");
     drop(server);
     let own = dir.join("own.jinja");
     std::fs::write(&own, "[{{ messages[0]['content'] }}]{{ bos_token }}").unwrap();
-    let server = serve(file.to_str().unwrap(), &["--chat-template", own.to_str().unwrap()]);
+    let server = serve(
+        file.to_str().unwrap(),
+        &["--chat-template", own.to_str().unwrap()],
+    );
     pair(&server, "[hi]<|endoftext|>");
     drop(server);
     let server = serve(bare.to_str().unwrap(), &[]);
-    let (code, v) = post(&server, "/v1/chat/completions", &json!({"messages": messages}));
+    let (code, v) = post(
+        &server,
+        "/v1/chat/completions",
+        &json!({"messages": messages}),
+    );
     assert_eq!(code, 400, "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("no chat template"), "{v}");
-    let server = serve(bare.to_str().unwrap(), &["--chat-template", own.to_str().unwrap()]);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no chat template"),
+        "{v}"
+    );
+    let server = serve(
+        bare.to_str().unwrap(),
+        &["--chat-template", own.to_str().unwrap()],
+    );
     pair(&server, "[hi]<|endoftext|>");
 }

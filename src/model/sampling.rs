@@ -162,7 +162,8 @@ pub struct PickRules {
 impl PickRules {
     /// Nothing to do beyond the most likely token: the device's greedy pick serves it.
     pub fn is_greedy(&self) -> bool {
-        self.sampling.is_none() && !self.changes_logits() && self.min_p == 0.0
+        // min-p only trims what a draw may pick: the most likely token always stays.
+        self.sampling.is_none() && !self.changes_logits()
     }
 
     fn changes_logits(&self) -> bool {
@@ -245,7 +246,11 @@ impl RequestPicker {
         if r.repetition != 1.0 {
             for &t in self.seen.iter().filter(|&&t| (t as usize) < n) {
                 let x = &mut out[t as usize];
-                *x = if *x > 0.0 { *x / r.repetition } else { *x * r.repetition };
+                *x = if *x > 0.0 {
+                    *x / r.repetition
+                } else {
+                    *x * r.repetition
+                };
             }
         }
         for (&t, &c) in self.counts.iter().filter(|(t, _)| (**t as usize) < n) {
@@ -314,8 +319,13 @@ pub fn token_logprobs(logits: &[f32], temperature: f32, token: u32, k: usize) ->
     }
     TokenLogprobs {
         id: token,
-        logprob: lp.get(token as usize).map_or(f32::NEG_INFINITY, |&x| x as f32),
-        top: order[..k].iter().map(|&i| (i as u32, lp[i] as f32)).collect(),
+        logprob: lp
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&x| x as f32),
+        top: order[..k]
+            .iter()
+            .map(|&i| (i as u32, lp[i] as f32))
+            .collect(),
     }
 }
 
@@ -382,5 +392,70 @@ mod tests {
         assert!(Sampler::new(params(-1.0, 0, 1.0)).is_err());
         assert!(Sampler::new(params(1.0, 0, 0.0)).is_err());
         assert!(Sampler::new(params(f32::NAN, 0, 1.0)).is_err());
+    }
+
+    fn rules() -> PickRules {
+        PickRules {
+            sampling: None,
+            bias: vec![(0, -100.0), (3, 0.5)],
+            allowed: None,
+            presence: 0.25,
+            frequency: 0.5,
+            repetition: 2.0,
+            min_p: 0.0,
+        }
+    }
+
+    #[test]
+    fn rules_bias_then_penalise_then_pick() {
+        // Token 1 is in the prompt; token 2 was generated twice, token 3 once.
+        let mut p = RequestPicker::new(rules(), Some(2), &[1]).unwrap();
+        p.counts.insert(2, 2);
+        p.counts.insert(3, 1);
+        p.seen.extend([2, 3]);
+        let got = p.processed(&[5.0, 4.0, -1.0, 1.0, 0.5]);
+        // 0: banned; 1: 4/2; 2: -1*2 - (0.5*2 + 0.25); 3: (1+0.5)/2 - 0.75; 4: untouched.
+        let want = [-95.0, 2.0, -3.25, 0.0, 0.5];
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() < 1e-6, "{got:?}");
+        }
+        let picked = p.pick(&[5.0, 4.0, -1.0, 1.0, 0.5]);
+        assert_eq!(picked.id, 1);
+        let lp = picked.logprobs.unwrap();
+        let z: f64 = want.iter().map(|&x| (x as f64).exp()).sum();
+        assert!((lp.logprob as f64 - (2.0 - z.ln())).abs() < 1e-5, "{lp:?}");
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 4]);
+        // The pick is counted for the next step's penalties.
+        assert_eq!(p.counts[&1], 1);
+    }
+
+    #[test]
+    fn allow_list_and_min_p_cut_candidates() {
+        let mut only = rules();
+        only.bias.clear();
+        only.repetition = 1.0;
+        only.allowed = Some(vec![2, 4]);
+        let mut p = RequestPicker::new(only, None, &[]).unwrap();
+        assert_eq!(p.pick(&[9.0, 8.0, 1.0, 7.0, 2.0]).id, 4);
+        // Probabilities 0.5, 0.3, 0.2; min-p 0.5 keeps those >= 0.25: tokens 0 and 1.
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
+        let mut s = Sampler::new(params(1.0, 0, 1.0)).unwrap();
+        let mut c = [0usize; 3];
+        for _ in 0..5_000 {
+            c[s.sample_min_p(&logits, 0.5) as usize] += 1;
+        }
+        assert_eq!(c[2], 0, "{c:?}");
+        assert!((c[0] as f64 / 5_000.0 - 0.625).abs() < 0.03, "{c:?}");
+    }
+
+    #[test]
+    fn logprobs_are_after_temperature() {
+        let logits = [1.0f32, 2.0, 0.5];
+        let t = token_logprobs(&logits, 0.5, 0, 3);
+        let z: f64 = logits.iter().map(|&x| (x as f64 / 0.5).exp()).sum();
+        assert!((t.logprob as f64 - (2.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(t.top.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 0, 2]);
+        let total: f64 = t.top.iter().map(|x| (x.1 as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
     }
 }

@@ -140,7 +140,12 @@ fn boolean(obj: &Map<String, Value>, name: &str) -> Result<Option<bool>, Invalid
 
 /// A list of token ids below `vocab`.
 fn token_ids(obj: &Map<String, Value>, name: &str, vocab: usize) -> Result<Vec<u32>, Invalid> {
-    let bad = |v: &Value| Invalid::new(name, format!("'{name}' must list token ids below {vocab}, not {v}"));
+    let bad = |v: &Value| {
+        Invalid::new(
+            name,
+            format!("'{name}' must list token ids below {vocab}, not {v}"),
+        )
+    };
     match field(obj, name) {
         None => Ok(Vec::new()),
         Some(Value::Array(list)) => list
@@ -170,7 +175,12 @@ pub fn params(obj: &Map<String, Value>, route: Route, vocab: usize) -> Result<Pa
     let model = match field(obj, "model") {
         None => None,
         Some(Value::String(s)) => Some(s.clone()),
-        Some(v) => return Err(Invalid::new("model", format!("'model' must be a string, not {v}"))),
+        Some(v) => {
+            return Err(Invalid::new(
+                "model",
+                format!("'model' must be a string, not {v}"),
+            ))
+        }
     };
     let n = integer(obj, "n", 1, MAX_N)?.unwrap_or(1) as usize;
     let mut max_tokens = None;
@@ -243,7 +253,10 @@ fn logprobs(obj: &Map<String, Value>, route: Route) -> Result<(Option<usize>, bo
         };
     }
     let k = integer(obj, "logprobs", 0, MAX_LOGPROBS)?;
-    Ok((k.map(|k| k as usize), boolean(obj, "echo")?.unwrap_or(false)))
+    Ok((
+        k.map(|k| k as usize),
+        boolean(obj, "echo")?.unwrap_or(false),
+    ))
 }
 
 /// `logit_bias`: token id (a string, as OpenAI's JSON keys) to a bias in -100..=100.
@@ -252,7 +265,10 @@ fn logit_bias(obj: &Map<String, Value>, vocab: usize) -> Result<Vec<(u32, f32)>,
         return Ok(Vec::new());
     };
     let Value::Object(map) = v else {
-        return Err(Invalid::new("logit_bias", format!("'logit_bias' must map token ids to numbers, not {v}")));
+        return Err(Invalid::new(
+            "logit_bias",
+            format!("'logit_bias' must map token ids to numbers, not {v}"),
+        ));
     };
     map.iter()
         .map(|(k, b)| {
@@ -281,7 +297,10 @@ fn rules(obj: &Map<String, Value>, vocab: usize) -> Result<PickRules, Invalid> {
             ))
         }
         (Some(0.0), _) | (_, Some(0.0)) => {
-            return Err(Invalid::new("repetition_penalty", "'repetition_penalty' must be above 0".into()))
+            return Err(Invalid::new(
+                "repetition_penalty",
+                "'repetition_penalty' must be above 0".into(),
+            ))
         }
         (a, b) => a.or(b).unwrap_or(1.0),
     };
@@ -464,7 +483,11 @@ mod tests {
     #[test]
     fn sampling_follows_openai_defaults() {
         // No temperature: OpenAI's default of 1, with a random seed.
-        let p = params_of(r#"{"prompt":"a"}"#).unwrap().rules.sampling.unwrap();
+        let p = params_of(r#"{"prompt":"a"}"#)
+            .unwrap()
+            .rules
+            .sampling
+            .unwrap();
         assert_eq!((p.temperature, p.top_k, p.top_p), (1.0, 0, 1.0));
         let s = params_of(r#"{"temperature":0.7,"top_p":0.9,"seed":11,"top_k":-1}"#)
             .unwrap()
@@ -473,7 +496,10 @@ mod tests {
             .unwrap();
         assert_eq!((s.temperature, s.top_k, s.top_p, s.seed), (0.7, 0, 0.9, 11));
         // Greedy: temperature 0, or top_k 1.
-        assert_eq!(params_of(r#"{"temperature":0}"#).unwrap().rules.sampling, None);
+        assert_eq!(
+            params_of(r#"{"temperature":0}"#).unwrap().rules.sampling,
+            None
+        );
         assert_eq!(params_of(r#"{"top_k":1}"#).unwrap().rules.sampling, None);
         for (bad, field) in [
             (r#"{"temperature":2.5}"#, "temperature"),

@@ -339,7 +339,10 @@ impl Batcher {
             (Some(picker), Some(logits)) => match s.job.score.get(s.scored) {
                 Some(&token) => {
                     // A prompt token: scored, fed next, not generated.
-                    let _ = s.job.events.send(Event::Scored(picker.score(logits, token)));
+                    let _ = s
+                        .job
+                        .events
+                        .send(Event::Scored(picker.score(logits, token)));
                     s.scored += 1;
                     s.next = token;
                     if s.scored == s.job.score.len() && s.job.max_new == 0 {

@@ -144,7 +144,10 @@ fn invalid(bad: Invalid) -> Response {
 fn fields_of(body: &[u8], known: &[&str]) -> Result<serde_json::Map<String, Value>, Invalid> {
     let obj = api::object(body)?;
     match obj.keys().find(|k| !known.contains(&k.as_str())) {
-        Some(k) => Err(Invalid::new(k, format!("'{k}' is not a field of this route"))),
+        Some(k) => Err(Invalid::new(
+            k,
+            format!("'{k}' is not a field of this route"),
+        )),
         None => Ok(obj),
     }
 }
@@ -156,7 +159,10 @@ async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
         let flag = |name: &str| match obj.get(name) {
             None | Some(Value::Null) => Ok(false),
             Some(Value::Bool(b)) => Ok(*b),
-            Some(v) => Err(Invalid::new(name, format!("'{name}' must be true or false, not {v}"))),
+            Some(v) => Err(Invalid::new(
+                name,
+                format!("'{name}' must be true or false, not {v}"),
+            )),
         };
         let Some(Value::String(content)) = obj.get("content") else {
             return Err(Invalid::new("content", "'content' must be a string".into()));
@@ -189,15 +195,29 @@ async fn detokenize(State(state): State<AppState>, body: Bytes) -> Response {
     let run = || -> Result<Value, Invalid> {
         let obj = fields_of(&body, &["tokens"])?;
         let vocab = state.text.vocab;
-        let bad = || Invalid::new("tokens", format!("'tokens' must list token ids below {vocab}"));
+        let bad = || {
+            Invalid::new(
+                "tokens",
+                format!("'tokens' must list token ids below {vocab}"),
+            )
+        };
         let Some(Value::Array(list)) = obj.get("tokens") else {
             return Err(bad());
         };
         let ids = list
             .iter()
-            .map(|t| t.as_u64().filter(|&t| (t as usize) < vocab).map(|t| t as u32).ok_or_else(bad))
+            .map(|t| {
+                t.as_u64()
+                    .filter(|&t| (t as usize) < vocab)
+                    .map(|t| t as u32)
+                    .ok_or_else(bad)
+            })
             .collect::<Result<Vec<_>, _>>()?;
-        let content = state.text.tokenizer.decode(&ids).map_err(|e| Invalid::from(e.to_string()))?;
+        let content = state
+            .text
+            .tokenizer
+            .decode(&ids)
+            .map_err(|e| Invalid::from(e.to_string()))?;
         Ok(json!({"content": content}))
     };
     match run() {
@@ -247,7 +267,10 @@ impl From<Invalid> for Refusal {
 fn prompt_ids(text: &TextModel, prompt: Prompt, params: &Params) -> Result<Vec<u32>, Invalid> {
     let ids = match prompt {
         Prompt::Tokens(ids) => ids,
-        Prompt::Text(t) => text.tokenizer.encode(&t).map_err(|e| Invalid::new("prompt", e.to_string()))?,
+        Prompt::Text(t) => text
+            .tokenizer
+            .encode(&t)
+            .map_err(|e| Invalid::new("prompt", e.to_string()))?,
         Prompt::Chat(messages) => {
             let template = text.template.as_ref().ok_or_else(|| {
                 Invalid::new(
@@ -685,7 +708,9 @@ impl Output {
             .iter()
             .map(|e| match e.logprob {
                 None => Value::Null,
-                Some(_) => Value::Object(e.top.iter().map(|(t, l)| (t.clone(), json!(l))).collect()),
+                Some(_) => {
+                    Value::Object(e.top.iter().map(|(t, l)| (t.clone(), json!(l))).collect())
+                }
             })
             .collect();
         json!({"tokens": entries.iter().map(|e| e.token.as_str()).collect::<Vec<_>>(),
@@ -703,8 +728,10 @@ impl Output {
             (Kind::Text, _) => {
                 json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
-            (Kind::Chat, false) => json!({"index": i, "logprobs": logprobs, "finish_reason": finish,
-                "message": {"role": "assistant", "content": text}}),
+            (Kind::Chat, false) => {
+                json!({"index": i, "logprobs": logprobs, "finish_reason": finish,
+                "message": {"role": "assistant", "content": text}})
+            }
             (Kind::Chat, true) => json!({"index": i, "logprobs": logprobs, "finish_reason": finish,
                 "delta": {"role": "assistant", "content": text}}),
         }
@@ -780,7 +807,8 @@ fn stream_response(out: Output) -> Sse<impl Stream<Item = Result<SseEvent, Infal
                     Step::Nothing => continue,
                     Step::Delta(d) | Step::Finished(d) => d,
                     Step::Failed(e) => {
-                        let body = json!({"error": {"message": e, "type": "server_error", "code": 500}});
+                        let body =
+                            json!({"error": {"message": e, "type": "server_error", "code": 500}});
                         return Some((Ok(data(body)), (out, Phase::Over)));
                     }
                 };

@@ -208,10 +208,7 @@ fn same(a: &Value, b: &Value) -> bool {
 /// off-default fields get a 400 naming them. `null` counts as absent.
 pub fn check(obj: &Map<String, Value>, route: Route) -> Result<(), Invalid> {
     for (name, value) in obj.iter().filter(|(_, v)| !v.is_null()) {
-        let Some(field) = FIELDS
-            .iter()
-            .find(|f| f.name == name && applies(f, route))
-        else {
+        let Some(field) = FIELDS.iter().find(|f| f.name == name && applies(f, route)) else {
             let other = FIELDS.iter().any(|f| f.name == name);
             let why = if other {
                 "belongs to the other route"
@@ -227,7 +224,10 @@ pub fn check(obj: &Map<String, Value>, route: Route) -> Result<(), Invalid> {
                 if !same(value, &want) {
                     return Err(Invalid::new(
                         name,
-                        format!("'{name}' is {value}: wgpar takes only {only} ({})", field.note),
+                        format!(
+                            "'{name}' is {value}: wgpar takes only {only} ({})",
+                            field.note
+                        ),
                     ));
                 }
             }
@@ -260,7 +260,10 @@ pub fn markdown() -> String {
                 None => format!("400: {}", f.note),
             },
         };
-        out.push_str(&format!("| `{}` | {route} | {} | {what} |\n", f.name, f.origin));
+        out.push_str(&format!(
+            "| `{}` | {route} | {} | {what} |\n",
+            f.name, f.origin
+        ));
     }
     out
 }
