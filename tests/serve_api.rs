@@ -489,6 +489,34 @@ fn tokenize_models_and_prompt_lists() {
     assert_eq!(texts, [a.as_str(), &a, &b, &b], "{v}");
     assert_eq!(v["usage"]["prompt_tokens"], 5);
     assert_eq!(v["usage"]["completion_tokens"], 16);
+    // Streamed: each choice's chunks carry its index and add up to its text; echo first.
+    let body = json!({"prompt": ["t5 t6", [7, 8, 9]], "n": 2, "max_tokens": 4, "temperature": 0,
+        "ignore_eos": true, "stream": true, "echo": true,
+        "stream_options": {"include_usage": true}});
+    let (code, sse) = server.post("/v1/completions", &body.to_string());
+    assert_eq!(code, 200, "{sse}");
+    let mut streamed = vec![String::new(); 4];
+    let mut usage = Value::Null;
+    for line in sse.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if line == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(line).unwrap();
+        for c in chunk["choices"].as_array().unwrap() {
+            streamed[c["index"].as_u64().unwrap() as usize] += c["text"].as_str().unwrap();
+        }
+        if !chunk["usage"].is_null() {
+            usage = chunk["usage"].clone();
+        }
+    }
+    let echoed = [
+        format!("t5 t6{a}"),
+        format!("t5 t6{a}"),
+        format!("t7 t8 t9{b}"),
+        format!("t7 t8 t9{b}"),
+    ];
+    assert_eq!(streamed, echoed, "{sse}");
+    assert_eq!(usage["completion_tokens"], 16, "{sse}");
 }
 
 /// GPT-2's byte-level vocabulary without merges: the 256 byte characters, then the end token.

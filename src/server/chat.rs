@@ -111,7 +111,8 @@ impl ChatTemplate {
             return Ok(None);
         };
         let (bos, eos) = gguf_special_tokens(file);
-        Self::new(source, &bos, &eos).map(Some)
+        let origin = file.path().display().to_string();
+        Self::parse(source, &bos, &eos, &origin, "tokenizer.chat_template").map(Some)
     }
 
     /// The template in `path` (`serve --chat-template`), with the special tokens of the
@@ -121,7 +122,13 @@ impl ChatTemplate {
             path: path.display().to_string(),
             source,
         })?;
-        Self::new(&source, bos, eos)
+        Self::parse(
+            &source,
+            bos,
+            eos,
+            &path.display().to_string(),
+            "--chat-template",
+        )
     }
 
     /// The checkpoint's BOS and EOS texts (for a template given on the command line): a
@@ -145,6 +152,11 @@ impl ChatTemplate {
 
     /// A template from its source and special tokens.
     pub fn new(source: &str, bos: &str, eos: &str) -> Result<Self> {
+        Self::parse(source, bos, eos, "tokenizer_config.json", "chat_template")
+    }
+
+    /// A template from `source`, which came from `origin`'s `key` (for the error).
+    fn parse(source: &str, bos: &str, eos: &str, origin: &str, key: &str) -> Result<Self> {
         let mut env = Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
@@ -155,8 +167,8 @@ impl ChatTemplate {
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| {
                 WgparError::model(
-                    "tokenizer_config.json",
-                    "chat_template",
+                    origin,
+                    key,
                     format!("the chat template does not parse: {e}"),
                 )
             })?;
