@@ -11,6 +11,7 @@ mod hf_support;
 mod serve_support;
 
 use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -137,6 +138,44 @@ fn python(args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// Unknown fields, another route's, a bad value of an honoured one: 400s naming them.
+fn others_refused_by_name(server: &Server) {
+    for (path, body, param) in [
+        (
+            "/v1/completions",
+            json!({"prompt": "t1", "frobnicate": 1}),
+            "frobnicate",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "t1", "messages": []}),
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "t1"}], "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "t1", "logit_bias": {"99999": 1}}),
+            "logit_bias",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "t1", "max_tokens": 0}),
+            "max_tokens",
+        ),
+    ] {
+        let (code, v) = post(&server, path, &body);
+        assert_eq!(
+            (code, v["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{body}: {v}"
+        );
+    }
+}
+
 /// Each field of the table: an honoured or no-effect one gets a 200 at its example, a
 /// refused one a 400 naming it, one accepted only at a value a 200 there and a 400 elsewhere;
 /// unknown fields, another route's field and another model are refused by name.
@@ -184,40 +223,7 @@ fn every_field_of_the_table_is_honoured_or_refused_by_name() {
         }
     }
     assert!(checked > 150, "{checked}");
-    for (path, body, param) in [
-        (
-            "/v1/completions",
-            json!({"prompt": "t1", "frobnicate": 1}),
-            "frobnicate",
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "t1", "messages": []}),
-            "messages",
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "t1"}], "top_logprobs": 2}),
-            "top_logprobs",
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "t1", "logit_bias": {"99999": 1}}),
-            "logit_bias",
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "t1", "max_tokens": 0}),
-            "max_tokens",
-        ),
-    ] {
-        let (code, v) = post(&server, path, &body);
-        assert_eq!(
-            (code, v["error"]["param"].as_str()),
-            (400, Some(param)),
-            "{body}: {v}"
-        );
-    }
+    others_refused_by_name(&server);
     // The openai client reports the refusal's field too.
     let got = python(&[&server.port.to_string(), "refused", "mirostat", "2"]);
     assert_eq!(got, json!({"status": 400, "param": "mirostat"}));
@@ -227,6 +233,26 @@ fn every_field_of_the_table_is_honoured_or_refused_by_name() {
         &json!({"model": "x", "prompt": "t1"}),
     );
     assert_eq!((code, &v["error"]["param"]), (404, &json!("model")), "{v}");
+}
+
+/// `n` seeded choices: choice i is the request with seed + i.
+fn n_choices_follow_their_seeds(server: &Server, mut sampled: Value, gen: usize) {
+    let text = |body: Value| -> Vec<u32> {
+        let v = ok(server, "/v1/completions", &body);
+        ids(v["choices"][0]["text"].as_str().unwrap())
+    };
+    sampled["n"] = json!(3);
+    let v = ok(server, "/v1/completions", &sampled);
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let mut one = sampled.clone();
+        one["n"] = json!(1);
+        one["seed"] = json!(sampled["seed"].as_u64().unwrap() + i as u64);
+        assert_eq!(ids(c["text"].as_str().unwrap()), text(one), "choice {i}");
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 3 * gen, "{v}");
 }
 
 /// Greedy with a bias that bans the plain pick, repetition, presence and frequency
@@ -285,19 +311,7 @@ fn sampling_rules_follow_the_reference() {
     sampled["seed"] = json!(77);
     sampled["min_p"] = json!(0.2);
     assert_eq!(text(sampled.clone()), want);
-    // n seeded choices: choice i is the request with seed 77 + i.
-    sampled["n"] = json!(3);
-    let v = ok(&server, "/v1/completions", &sampled);
-    let choices = v["choices"].as_array().unwrap();
-    assert_eq!(choices.len(), 3);
-    for (i, c) in choices.iter().enumerate() {
-        assert_eq!(c["index"], i);
-        let mut one = sampled.clone();
-        one["n"] = json!(1);
-        one["seed"] = json!(77 + i);
-        assert_eq!(ids(c["text"].as_str().unwrap()), text(one), "choice {i}");
-    }
-    assert_eq!(v["usage"]["completion_tokens"], 3 * gen, "{v}");
+    n_choices_follow_their_seeds(&server, sampled, gen);
     // Stop token ids end the text (the token not shown); the allow-list holds.
     let stop = plain[2];
     let v = ok(
@@ -309,6 +323,40 @@ fn sampling_rules_follow_the_reference() {
     let cut = plain.iter().position(|&t| t == stop).unwrap();
     assert_eq!(ids(v["choices"][0]["text"].as_str().unwrap()), plain[..cut]);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // min_tokens: the stop id cannot be picked before 2 tokens, then it stops.
+    let v = ok(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": gen,
+        "temperature": 0, "ignore_eos": true, "stop_token_ids": [plain[0]], "min_tokens": 2}),
+    );
+    let mut want = Vec::new();
+    while want.len() < gen {
+        let seq = [&prompt[..], &want[..]].concat();
+        let mut x = reference(&w, &seq);
+        if want.len() < 2 {
+            x[plain[0] as usize] = f32::NEG_INFINITY;
+        }
+        match argmax(&x) {
+            t if t == plain[0] => break,
+            t => want.push(t),
+        }
+    }
+    assert_eq!(ids(v["choices"][0]["text"].as_str().unwrap()), want, "{v}");
+    assert!(want.len() >= 2 && want[0] != plain[0]);
+    // include_stop_str_in_output keeps the stop string.
+    let stop = format!("t{}", plain[3]);
+    let cut = |include: bool| {
+        let v = ok(
+            &server,
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": gen,
+            "temperature": 0, "ignore_eos": true, "stop": stop,
+            "include_stop_str_in_output": include}),
+        );
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    assert_eq!(cut(true), format!("{}{stop}", cut(false)));
     let allowed = [9u32, 10, 11];
     let got = text(
         json!({"prompt": prompt, "max_tokens": gen, "temperature": 1.0, "seed": 3,
@@ -432,6 +480,27 @@ fn logprobs_follow_the_reference_log_softmax() {
     assert_eq!(s["whole"]["tokens"].as_array().unwrap().len(), 5, "{s}");
 }
 
+/// A streamed request's text per choice index, and its usage chunk.
+fn streamed_texts(server: &Server, body: &Value, choices: usize) -> (Vec<String>, Value) {
+    let (code, sse) = server.post("/v1/completions", &body.to_string());
+    assert_eq!(code, 200, "{sse}");
+    let mut streamed = vec![String::new(); choices];
+    let mut usage = Value::Null;
+    for line in sse.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if line == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(line).unwrap();
+        for c in chunk["choices"].as_array().unwrap() {
+            streamed[c["index"].as_u64().unwrap() as usize] += c["text"].as_str().unwrap();
+        }
+        if !chunk["usage"].is_null() {
+            usage = chunk["usage"].clone();
+        }
+    }
+    (streamed, usage)
+}
+
 /// /tokenize and /detokenize in llama-server's shapes, /v1/models under
 /// --served-model-name, and prompt lists (one choice each, `n` per prompt).
 #[test]
@@ -493,30 +562,15 @@ fn tokenize_models_and_prompt_lists() {
     let body = json!({"prompt": ["t5 t6", [7, 8, 9]], "n": 2, "max_tokens": 4, "temperature": 0,
         "ignore_eos": true, "stream": true, "echo": true,
         "stream_options": {"include_usage": true}});
-    let (code, sse) = server.post("/v1/completions", &body.to_string());
-    assert_eq!(code, 200, "{sse}");
-    let mut streamed = vec![String::new(); 4];
-    let mut usage = Value::Null;
-    for line in sse.lines().filter_map(|l| l.strip_prefix("data: ")) {
-        if line == "[DONE]" {
-            continue;
-        }
-        let chunk: Value = serde_json::from_str(line).unwrap();
-        for c in chunk["choices"].as_array().unwrap() {
-            streamed[c["index"].as_u64().unwrap() as usize] += c["text"].as_str().unwrap();
-        }
-        if !chunk["usage"].is_null() {
-            usage = chunk["usage"].clone();
-        }
-    }
+    let (streamed, usage) = streamed_texts(&server, &body, 4);
     let echoed = [
         format!("t5 t6{a}"),
         format!("t5 t6{a}"),
         format!("t7 t8 t9{b}"),
         format!("t7 t8 t9{b}"),
     ];
-    assert_eq!(streamed, echoed, "{sse}");
-    assert_eq!(usage["completion_tokens"], 16, "{sse}");
+    assert_eq!(streamed, echoed);
+    assert_eq!(usage["completion_tokens"], 16);
 }
 
 /// GPT-2's byte-level vocabulary without merges: the 256 byte characters, then the end token.
@@ -537,10 +591,9 @@ fn byte_tokens() -> Vec<String> {
         .collect()
 }
 
-/// A GGUF file's `tokenizer.chat_template` (with its BOS token's text) renders chat prompts;
-/// `--chat-template FILE` overrides it; a GGUF without one refuses chat.
-#[test]
-fn gguf_chat_template_and_override() {
+/// Two GGUF files of one tiny Llama with a byte-level vocabulary: without a chat template,
+/// and with one that writes the BOS token's text.
+fn chat_gguf(dir: &Path) -> (PathBuf, PathBuf) {
     let config = ModelConfig {
         vocab: 257,
         ..ModelConfig::preset("tiny-llama").unwrap()
@@ -559,7 +612,6 @@ fn gguf_chat_template_and_override() {
         // The end token is a control token: the tokenizer matches its text whole.
         json!(["tokenizer.ggml.token_type", "i32_array", types]),
     ]);
-    let dir = hf_support::scratch("serve-api-gguf");
     let tensors = gguf_tensors(&w, true);
     let spec = |meta: Vec<Value>| GgufSpec {
         arch: "llama",
@@ -569,6 +621,15 @@ fn gguf_chat_template_and_override() {
     let bare = write_gguf(&dir, "bare", &tensors, &spec(meta.clone()));
     meta.push(json!(["tokenizer.chat_template", "str", template]));
     let file = write_gguf(&dir, "chat", &tensors, &spec(meta));
+    (bare, file)
+}
+
+/// A GGUF file's `tokenizer.chat_template` (with its BOS token's text) renders chat prompts;
+/// `--chat-template FILE` overrides it; a GGUF without one refuses chat.
+#[test]
+fn gguf_chat_template_and_override() {
+    let dir = hf_support::scratch("serve-api-gguf");
+    let (bare, file) = chat_gguf(&dir);
     let messages = json!([{"role": "user", "content": "hi"}]);
     let pair = |server: &Server, rendered: &str| {
         let chat = ok(

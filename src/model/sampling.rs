@@ -157,6 +157,11 @@ pub struct PickRules {
     pub repetition: f32,
     /// Drops tokens less likely than this share of the most likely one (0: none).
     pub min_p: f32,
+    /// `end_tokens` cannot be picked before this many tokens are generated (vLLM's
+    /// `min_tokens`).
+    pub min_tokens: usize,
+    /// The tokens that end a request (end-of-sequence and stop ids), for `min_tokens`.
+    pub end_tokens: Vec<u32>,
 }
 
 impl PickRules {
@@ -172,6 +177,7 @@ impl PickRules {
             || self.presence != 0.0
             || self.frequency != 0.0
             || self.repetition != 1.0
+            || self.min_tokens > 0
     }
 
     /// The temperature log-probabilities are taken at (1 for greedy picks).
@@ -255,6 +261,11 @@ impl RequestPicker {
         }
         for (&t, &c) in self.counts.iter().filter(|(t, _)| (**t as usize) < n) {
             out[t as usize] -= r.frequency * c as f32 + r.presence;
+        }
+        if self.counts.values().sum::<u32>() < r.min_tokens as u32 {
+            for &t in r.end_tokens.iter().filter(|&&t| (t as usize) < n) {
+                out[t as usize] = f32::NEG_INFINITY;
+            }
         }
         out
     }
@@ -403,6 +414,8 @@ mod tests {
             frequency: 0.5,
             repetition: 2.0,
             min_p: 0.0,
+            min_tokens: 0,
+            end_tokens: Vec::new(),
         }
     }
 

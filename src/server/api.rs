@@ -39,6 +39,8 @@ pub struct Params {
     pub n: usize,
     /// The chat template's `add_generation_prompt`.
     pub add_generation_prompt: bool,
+    /// vLLM's `include_stop_str_in_output`: the text keeps the stop string that ended it.
+    pub include_stop: bool,
 }
 
 /// The prompt of a request.
@@ -214,6 +216,7 @@ pub fn params(obj: &Map<String, Value>, route: Route, vocab: usize) -> Result<Pa
         echo,
         n,
         add_generation_prompt: boolean(obj, "add_generation_prompt")?.unwrap_or(true),
+        include_stop: boolean(obj, "include_stop_str_in_output")?.unwrap_or(false),
     })
 }
 
@@ -319,6 +322,9 @@ fn rules(obj: &Map<String, Value>, vocab: usize) -> Result<PickRules, Invalid> {
         frequency: number(obj, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
         repetition: repetition as f32,
         min_p: number(obj, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
+        min_tokens: integer(obj, "min_tokens", 0, MAX_TOKENS_LIMIT)?.unwrap_or(0) as usize,
+        // The route adds the model's end tokens and `stop_token_ids`.
+        end_tokens: Vec::new(),
     })
 }
 
@@ -437,9 +443,11 @@ pub fn chat_messages(obj: &Map<String, Value>) -> Result<Prompt, Invalid> {
         .map(Prompt::Chat)
 }
 
-/// Where the first stop string starts in `text`, if any.
-pub fn stop_at(text: &str, stop: &[String]) -> Option<usize> {
-    stop.iter().filter_map(|s| text.find(s.as_str())).min()
+/// Where the first stop string starts in `text`, and where it ends, if any.
+pub fn stop_at(text: &str, stop: &[String]) -> Option<(usize, usize)> {
+    stop.iter()
+        .filter_map(|s| text.find(s.as_str()).map(|at| (at, at + s.len())))
+        .min()
 }
 
 /// Bytes at the end of `text` that begin some stop string (the longest such tail), to hold
@@ -473,7 +481,7 @@ mod tests {
         assert_eq!(partial_stop("abc", &stop), 0);
         // A whole stop string is `stop_at`'s, not a partial one.
         assert_eq!(partial_stop("abc END", &stop), 0);
-        assert_eq!(stop_at("abc END", &stop), Some(4));
+        assert_eq!(stop_at("abc END", &stop), Some((4, 7)));
         // Multi-byte stop strings are cut on character boundaries only.
         let stop = vec!["é!".to_string()];
         assert_eq!(partial_stop("café", &stop), "é".len());

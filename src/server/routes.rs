@@ -340,6 +340,16 @@ fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal
         (None, Kind::Text) => 16.min(room).max(1),
         (None, Kind::Chat) => room.max(1),
     };
+    if params.rules.min_tokens > max_new {
+        return Err(Invalid::new(
+            "min_tokens",
+            format!(
+                "'min_tokens' {} is more than max_tokens {max_new}",
+                params.rules.min_tokens
+            ),
+        )
+        .into());
+    }
     let need = longest + max_new.saturating_sub(1);
     if need > text.max_seq {
         return Err(Invalid::new(
@@ -360,13 +370,22 @@ fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal
 }
 
 /// The engine's jobs for a request, one per choice (prompt-major), and their receivers.
-fn jobs(accepted: &Accepted) -> Result<(Vec<Job>, Vec<UnboundedReceiver<Event>>), Invalid> {
+fn jobs(
+    accepted: &Accepted,
+    eos: &[u32],
+) -> Result<(Vec<Job>, Vec<UnboundedReceiver<Event>>), Invalid> {
     let p = &accepted.params;
     let scoring = p.echo && p.logprobs.is_some();
     let (mut jobs, mut rxs) = (Vec::new(), Vec::new());
     for prompt in &accepted.prompts {
         for i in 0..p.n {
             let mut rules = p.rules.clone();
+            if rules.min_tokens > 0 {
+                rules.end_tokens = [&eos[..], &p.stop_ids[..]].concat();
+                if p.ignore_eos {
+                    rules.end_tokens = p.stop_ids.clone();
+                }
+            }
             // Each choice its own stream: a seeded request's choices differ, repeatably.
             if let Some(s) = rules.sampling.as_mut() {
                 s.seed = s.seed.wrapping_add(i as u64);
@@ -399,8 +418,10 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
     if shared.failed.load(Ordering::SeqCst) {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the engine failed");
     }
-    let checked = accept(&state.text, body, kind)
-        .and_then(|a| jobs(&a).map(|j| (a, j)).map_err(Refusal::Bad));
+    let checked = accept(&state.text, body, kind).and_then(|a| {
+        let j = jobs(&a, &state.text.eos).map_err(Refusal::Bad)?;
+        Ok((a, j))
+    });
     let (accepted, (jobs, rxs)) = match checked {
         Ok(a) => a,
         Err(refusal) => {
@@ -453,9 +474,17 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
     }
 }
 
+/// What ends a choice's text: stop strings, from `min_tokens` generated tokens on.
+struct Stops {
+    strings: Vec<String>,
+    min_tokens: usize,
+}
+
 /// Text of the generated tokens, grown token by token.
 struct Detok {
     generated: usize,
+    /// The text keeps the stop string that ended it (`include_stop_str_in_output`).
+    keep_stop: bool,
     /// Decodes each token in the context of the ones before it, the prompt's included.
     stream: TextStream,
     /// The text sent so far.
@@ -465,9 +494,10 @@ struct Detok {
 }
 
 impl Detok {
-    fn new(text: &TextModel, prompt: &[u32]) -> Self {
+    fn new(text: &TextModel, prompt: &[u32], keep_stop: bool) -> Self {
         Self {
             generated: 0,
+            keep_stop,
             stream: text.tokenizer.stream_after(prompt),
             sent: String::new(),
             text: String::new(),
@@ -477,17 +507,23 @@ impl Detok {
     /// Adds `token`; returns the text that may go out now and whether a stop string ended
     /// the request. Held back: a partial character, and a tail that could begin a stop string
     /// (so a client never sees part of one).
-    fn push(&mut self, text: &TextModel, token: u32, stop: &[String]) -> (String, bool) {
+    fn push(&mut self, text: &TextModel, token: u32, stop: &Stops) -> (String, bool) {
         self.generated += 1;
+        // Before `min_tokens`, stop strings do not stop.
+        let stop = match self.generated < stop.min_tokens {
+            true => &[][..],
+            false => &stop.strings[..],
+        };
         // The prompt's tokens are the stream's context, which keeps word boundaries, as
         // `run --prompt`; a partial character comes back empty until it is whole.
         let new = (text.tokenizer.step(&mut self.stream, token)).unwrap_or_default();
         self.text.push_str(&new);
         let stopped = api::stop_at(&self.text, stop);
         let ready = match stopped {
-            Some(at) => {
-                self.text.truncate(at);
-                at
+            Some((at, end)) => {
+                let cut = if self.keep_stop { end } else { at };
+                self.text.truncate(cut);
+                cut
             }
             None => self.text.len() - api::partial_stop(&self.text, stop),
         };
@@ -562,6 +598,7 @@ struct Output {
     created: u64,
     prompt_tokens: usize,
     choices: Vec<Choice>,
+    stops: Stops,
     params: Params,
 }
 
@@ -592,7 +629,7 @@ impl Output {
                     });
                 }
                 choices.push(Choice {
-                    detok: Detok::new(text, prompt),
+                    detok: Detok::new(text, prompt, p.include_stop),
                     offset: if p.echo { 0 } else { echo_len(text, prompt) },
                     echo: echo.clone(),
                     logprobs,
@@ -611,6 +648,10 @@ impl Output {
             created: now_s(),
             prompt_tokens: accepted.prompts.iter().map(Vec::len).sum(),
             choices,
+            stops: Stops {
+                strings: p.stop.clone(),
+                min_tokens: p.rules.min_tokens,
+            },
             params: accepted.params,
         }
     }
@@ -649,7 +690,7 @@ impl Output {
     /// Applies choice `i`'s `event`.
     fn apply(&mut self, i: usize, event: Event) -> Step {
         let text = &self.text;
-        let stop = &self.params.stop;
+        let stop = &self.stops;
         let c = &mut self.choices[i];
         match event {
             Event::Scored(lp) => {
