@@ -167,7 +167,7 @@ fn others_refused_by_name(server: &Server) {
             "max_tokens",
         ),
     ] {
-        let (code, v) = post(&server, path, &body);
+        let (code, v) = post(server, path, &body);
         assert_eq!(
             (code, v["error"]["param"].as_str()),
             (400, Some(param)),
@@ -618,9 +618,9 @@ fn chat_gguf(dir: &Path) -> (PathBuf, PathBuf) {
         matrices: QuantType::F32,
         meta,
     };
-    let bare = write_gguf(&dir, "bare", &tensors, &spec(meta.clone()));
+    let bare = write_gguf(dir, "bare", &tensors, &spec(meta.clone()));
     meta.push(json!(["tokenizer.chat_template", "str", template]));
-    let file = write_gguf(&dir, "chat", &tensors, &spec(meta));
+    let file = write_gguf(dir, "chat", &tensors, &spec(meta));
     (bare, file)
 }
 

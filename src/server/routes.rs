@@ -381,10 +381,8 @@ fn jobs(
         for i in 0..p.n {
             let mut rules = p.rules.clone();
             if rules.min_tokens > 0 {
-                rules.end_tokens = [&eos[..], &p.stop_ids[..]].concat();
-                if p.ignore_eos {
-                    rules.end_tokens = p.stop_ids.clone();
-                }
+                let eos = if p.ignore_eos { &[][..] } else { eos };
+                rules.end_tokens = [eos, &p.stop_ids[..]].concat();
             }
             // Each choice its own stream: a seeded request's choices differ, repeatably.
             if let Some(s) = rules.sampling.as_mut() {
