@@ -32,9 +32,11 @@ fn checkpoint() -> Scratch {
     dir
 }
 
-/// `wgpar serve` on `dir`'s checkpoint with `extra` options.
+/// `wgpar serve` on `dir`'s checkpoint, served as `m` (the name the clients give), with
+/// `extra` options.
 fn start(dir: &Scratch, extra: &[&str]) -> Server {
-    launch(&[&["--model", dir.to_str().unwrap()][..], extra].concat())
+    let model = ["--model", dir.to_str().unwrap(), "--served-model-name", "m"];
+    launch(&[&model[..], extra].concat())
 }
 
 /// `wgpar serve --port 0 ARGS`, once /health says 200.
@@ -182,7 +184,7 @@ fn chat_prompt_equals_jinja2() {
         })
         .collect();
     let ours = wgpar::server::ChatTemplate::load(&dir).unwrap().unwrap();
-    assert_eq!(ours.render(&parsed).unwrap(), want);
+    assert_eq!(ours.render(&parsed, true).unwrap(), want);
     // Over HTTP: the chat answer is the completion of jinja2's prompt.
     let server = start(&dir, &[]);
     let chat = client(&server, &["chat", messages, "8"]);
@@ -346,7 +348,7 @@ fn bad_requests_get_4xx_and_the_server_stays_up() {
             "context",
         ),
         ("/v1/completions", long_prompt, "context"),
-        ("/v1/completions", r#"{"prompt":"t1","n":2}"#.into(), "'n'"),
+        ("/v1/completions", r#"{"prompt":"t1","n":9}"#.into(), "'n'"),
         (
             "/v1/completions",
             r#"{"prompt":"t1","temperature":-1}"#.into(),

@@ -69,6 +69,13 @@ pub struct ServerArgs {
     /// e.g. `stage=1,kind=error,at=step:0`.
     #[arg(long, value_name = "SPEC")]
     pub(super) inject_fault: Option<String>,
+    /// The model name `/v1/models` lists and requests' `model` must give (default: the
+    /// model's own name).
+    #[arg(long, value_name = "NAME")]
+    served_model_name: Option<String>,
+    /// A Jinja chat template file for `/v1/chat/completions`, over the checkpoint's own.
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<std::path::PathBuf>,
 }
 
 /// Most KV slots and queue places the server takes.
@@ -266,12 +273,16 @@ impl ServerEngine {
 /// The checkpoint's tokenizer, chat template and end tokens; for a preset (synthetic
 /// weights), a word-level tokenizer of `t0` ... and no template or end token.
 fn text_model(args: &ServerArgs, config: &ModelConfig) -> Result<TextModel> {
-    let (tokenizer, template, eos) = match args.model.checkpoint_dir() {
+    let (tokenizer, mut template, eos) = match args.model.checkpoint_dir() {
         Some(dir) => {
             let ckpt = Checkpoint::open(dir)?;
             let eos = ckpt.eos_tokens().to_vec();
+            let template = match ckpt.gguf() {
+                Some(gguf) => ChatTemplate::from_gguf(gguf.file())?,
+                None => ChatTemplate::load(dir)?,
+            };
             let tokenizer = ckpt.tokenizer_from(args.tokenizer.as_deref())?;
-            (tokenizer, ChatTemplate::load(dir)?, eos)
+            (tokenizer, template, eos)
         }
         None if args.tokenizer.is_some() => {
             return Err(WgparError::unsupported(format!(
@@ -282,8 +293,15 @@ fn text_model(args: &ServerArgs, config: &ModelConfig) -> Result<TextModel> {
         }
         None => (TextTokenizer::word_level(config.vocab)?, None, Vec::new()),
     };
+    if let Some(file) = &args.chat_template {
+        let (bos, eos) = match args.model.checkpoint_dir() {
+            Some(dir) => ChatTemplate::special_tokens(dir),
+            None => Default::default(),
+        };
+        template = Some(ChatTemplate::from_file(file, &bos, &eos)?);
+    }
     Ok(TextModel {
-        name: config.name.clone(),
+        name: (args.served_model_name.clone()).unwrap_or_else(|| config.name.clone()),
         tokenizer,
         template,
         eos,

@@ -4,15 +4,23 @@
 use serde_json::{Map, Value};
 
 use super::chat::Message;
-use crate::model::sampling::SamplingParams;
+use crate::model::sampling::{PickRules, SamplingParams};
+
+pub mod fields;
+
+pub use fields::Route;
 
 /// What a request asks for, checked.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Params {
-    /// `max_tokens` or `max_completion_tokens` (`None`: the endpoint's default).
+    /// `model`, if given (it must name the served model).
+    pub model: Option<String>,
+    /// `max_tokens`, `max_completion_tokens` or `n_predict` (`None`: the endpoint's default).
     pub max_tokens: Option<usize>,
     /// Strings that end the text (not included).
     pub stop: Vec<String>,
+    /// Tokens that end the text like end-of-sequence (vLLM's `stop_token_ids`).
+    pub stop_ids: Vec<u32>,
     /// Server-Sent Events instead of one JSON body.
     pub stream: bool,
     /// A last chunk with `usage` (`stream_options.include_usage`).
@@ -20,9 +28,19 @@ pub struct Params {
     /// Generate `max_tokens` even past an end-of-sequence token (vLLM's `ignore_eos`, for
     /// benchmarks).
     pub ignore_eos: bool,
-    /// How to draw tokens when `temperature` > 0 (`None`: greedy). Without a `seed` the
-    /// request gets a random one, as OpenAI's API does.
-    pub sampling: Option<SamplingParams>,
+    /// How to pick tokens: greedy or seeded sampling (without a `seed` the request gets a
+    /// random one, as OpenAI's API does), bias, penalties, min-p.
+    pub rules: PickRules,
+    /// Log-probabilities with this many top tokens (`None`: none).
+    pub logprobs: Option<usize>,
+    /// Completions' `echo`: the prompt comes first (with its log-probs when `logprobs`).
+    pub echo: bool,
+    /// Choices per prompt.
+    pub n: usize,
+    /// The chat template's `add_generation_prompt`.
+    pub add_generation_prompt: bool,
+    /// vLLM's `include_stop_str_in_output`: the text keeps the stop string that ended it.
+    pub include_stop: bool,
 }
 
 /// The prompt of a request.
@@ -36,11 +54,46 @@ pub enum Prompt {
     Chat(Vec<Message>),
 }
 
-/// A 400: the message names the field.
-pub type Invalid = String;
+/// A 400: the message, and the field it is about.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Invalid {
+    /// The field (OpenAI's `param`), when one is to blame.
+    pub param: Option<String>,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl Invalid {
+    /// A 400 about field `param`.
+    pub fn new(param: &str, message: String) -> Self {
+        Self {
+            param: Some(param.to_string()),
+            message,
+        }
+    }
+}
+
+impl From<String> for Invalid {
+    fn from(message: String) -> Self {
+        Self {
+            param: None,
+            message,
+        }
+    }
+}
+
+impl From<&str> for Invalid {
+    fn from(message: &str) -> Self {
+        message.to_string().into()
+    }
+}
 
 /// Most tokens a request may ask for.
 const MAX_TOKENS_LIMIT: u64 = 1 << 20;
+/// Most choices per prompt.
+pub const MAX_N: u64 = 8;
+/// Most top log-probs per token.
+pub const MAX_LOGPROBS: u64 = 20;
 
 fn field<'a>(obj: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
     obj.get(name).filter(|v| !v.is_null())
@@ -51,8 +104,14 @@ fn number(obj: &Map<String, Value>, name: &str, lo: f64, hi: f64) -> Result<Opti
         None => Ok(None),
         Some(v) => match v.as_f64() {
             Some(x) if (lo..=hi).contains(&x) => Ok(Some(x)),
-            Some(x) => Err(format!("'{name}' is {x}; it must be within {lo}..={hi}")),
-            None => Err(format!("'{name}' must be a number, not {v}")),
+            Some(x) => Err(Invalid::new(
+                name,
+                format!("'{name}' is {x}; it must be within {lo}..={hi}"),
+            )),
+            None => Err(Invalid::new(
+                name,
+                format!("'{name}' must be a number, not {v}"),
+            )),
         },
     }
 }
@@ -62,18 +121,43 @@ fn integer(obj: &Map<String, Value>, name: &str, lo: u64, hi: u64) -> Result<Opt
         None => Ok(None),
         Some(v) => match v.as_u64() {
             Some(x) if (lo..=hi).contains(&x) => Ok(Some(x)),
-            _ => Err(format!(
-                "'{name}' must be a whole number within {lo}..={hi}, not {v}"
+            _ => Err(Invalid::new(
+                name,
+                format!("'{name}' must be a whole number within {lo}..={hi}, not {v}"),
             )),
         },
     }
 }
 
-fn boolean(obj: &Map<String, Value>, name: &str) -> Result<bool, Invalid> {
+fn boolean(obj: &Map<String, Value>, name: &str) -> Result<Option<bool>, Invalid> {
     match field(obj, name) {
-        None => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(format!("'{name}' must be true or false, not {v}")),
+        None => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(Invalid::new(
+            name,
+            format!("'{name}' must be true or false, not {v}"),
+        )),
+    }
+}
+
+/// A list of token ids below `vocab`.
+fn token_ids(obj: &Map<String, Value>, name: &str, vocab: usize) -> Result<Vec<u32>, Invalid> {
+    let bad = |v: &Value| {
+        Invalid::new(
+            name,
+            format!("'{name}' must list token ids below {vocab}, not {v}"),
+        )
+    };
+    match field(obj, name) {
+        None => Ok(Vec::new()),
+        Some(Value::Array(list)) => list
+            .iter()
+            .map(|t| match t.as_u64() {
+                Some(t) if (t as usize) < vocab => Ok(t as u32),
+                _ => Err(bad(t)),
+            })
+            .collect(),
+        Some(v) => Err(bad(v)),
     }
 }
 
@@ -81,63 +165,166 @@ fn boolean(obj: &Map<String, Value>, name: &str) -> Result<bool, Invalid> {
 pub fn object(body: &[u8]) -> Result<Map<String, Value>, Invalid> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(o)) => Ok(o),
-        Ok(other) => Err(format!("the body must be a JSON object, not {other}")),
-        Err(e) => Err(format!("the body is not valid JSON: {e}")),
+        Ok(other) => Err(format!("the body must be a JSON object, not {other}").into()),
+        Err(e) => Err(format!("the body is not valid JSON: {e}").into()),
     }
 }
 
-/// The fields every generation request shares.
-pub fn params(obj: &Map<String, Value>) -> Result<Params, Invalid> {
-    if let Some(v) = field(obj, "model") {
-        if !v.is_string() {
-            return Err(format!("'model' must be a string, not {v}"));
+/// The fields every generation request shares, for `route` with a vocabulary of `vocab`;
+/// every field is first checked against [`fields::FIELDS`].
+pub fn params(obj: &Map<String, Value>, route: Route, vocab: usize) -> Result<Params, Invalid> {
+    fields::check(obj, route)?;
+    let model = match field(obj, "model") {
+        None => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(v) => {
+            return Err(Invalid::new(
+                "model",
+                format!("'model' must be a string, not {v}"),
+            ))
         }
-    }
-    if let Some(n) = field(obj, "n") {
-        if n.as_u64() != Some(1) {
-            return Err(format!(
-                "'n' is {n}: this server makes one choice per request (n = 1)"
-            ));
-        }
-    }
-    let sampling = sampling(obj)?;
-    number(obj, "presence_penalty", -2.0, 2.0)?;
-    number(obj, "frequency_penalty", -2.0, 2.0)?;
-    let max_tokens = match integer(obj, "max_completion_tokens", 1, MAX_TOKENS_LIMIT)? {
-        Some(n) => Some(n),
-        None => integer(obj, "max_tokens", 1, MAX_TOKENS_LIMIT)?,
     };
-    let stop = match field(obj, "stop") {
-        None => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
+    let n = integer(obj, "n", 1, MAX_N)?.unwrap_or(1) as usize;
+    let mut max_tokens = None;
+    for name in ["max_tokens", "max_completion_tokens", "n_predict"] {
+        // 0 only scores an echoed prompt (checked with the prompt).
+        if let Some(m) = integer(obj, name, 0, MAX_TOKENS_LIMIT)? {
+            max_tokens = Some(m as usize);
+        }
+    }
+    let (logprobs, echo) = logprobs(obj, route)?;
+    let include_usage = match field(obj, "stream_options") {
+        None => false,
+        Some(Value::Object(o)) => boolean(o, "include_usage")?.unwrap_or(false),
+        Some(v) => {
+            return Err(Invalid::new(
+                "stream_options",
+                format!("'stream_options' must be an object, not {v}"),
+            ))
+        }
+    };
+    Ok(Params {
+        model,
+        max_tokens,
+        stop: stop(obj)?,
+        stop_ids: token_ids(obj, "stop_token_ids", vocab)?,
+        stream: boolean(obj, "stream")?.unwrap_or(false),
+        include_usage,
+        ignore_eos: boolean(obj, "ignore_eos")?.unwrap_or(false),
+        rules: rules(obj, vocab)?,
+        logprobs,
+        echo,
+        n,
+        add_generation_prompt: boolean(obj, "add_generation_prompt")?.unwrap_or(true),
+        include_stop: boolean(obj, "include_stop_str_in_output")?.unwrap_or(false),
+    })
+}
+
+/// `stop`: a string or a list of up to 4 non-empty ones.
+fn stop(obj: &Map<String, Value>) -> Result<Vec<String>, Invalid> {
+    let bad = |v: &Value| {
+        Invalid::new(
+            "stop",
+            format!("'stop' must be a non-empty string or a list of up to 4, not {v}"),
+        )
+    };
+    match field(obj, "stop") {
+        None => Ok(Vec::new()),
+        Some(Value::String(s)) if !s.is_empty() => Ok(vec![s.clone()]),
         Some(Value::Array(list)) if list.len() <= 4 => list
             .iter()
             .map(|s| match s {
                 Value::String(s) if !s.is_empty() => Ok(s.clone()),
-                other => Err(format!(
-                    "'stop' entries must be non-empty strings, not {other}"
-                )),
+                other => Err(bad(other)),
             })
-            .collect::<Result<_, _>>()?,
-        Some(v) => Err(format!(
-            "'stop' must be a string or a list of up to 4, not {v}"
-        ))?,
-    };
-    if stop.iter().any(String::is_empty) {
-        return Err("'stop' must not be empty".into());
+            .collect(),
+        Some(v) => Err(bad(v)),
     }
-    let include_usage = match field(obj, "stream_options") {
-        None => false,
-        Some(Value::Object(o)) => boolean(o, "include_usage")?,
-        Some(v) => return Err(format!("'stream_options' must be an object, not {v}")),
+}
+
+/// Completions' `logprobs: k` and `echo`, or chat's `logprobs: true` and `top_logprobs: k`.
+fn logprobs(obj: &Map<String, Value>, route: Route) -> Result<(Option<usize>, bool), Invalid> {
+    if route == Route::Chat {
+        let top = integer(obj, "top_logprobs", 0, MAX_LOGPROBS)?;
+        return match (boolean(obj, "logprobs")?.unwrap_or(false), top) {
+            (true, top) => Ok((Some(top.unwrap_or(0) as usize), false)),
+            (false, Some(_)) => Err(Invalid::new(
+                "top_logprobs",
+                "'top_logprobs' needs 'logprobs': true".into(),
+            )),
+            (false, None) => Ok((None, false)),
+        };
+    }
+    let k = integer(obj, "logprobs", 0, MAX_LOGPROBS)?;
+    Ok((
+        k.map(|k| k as usize),
+        boolean(obj, "echo")?.unwrap_or(false),
+    ))
+}
+
+/// `logit_bias`: token id (a string, as OpenAI's JSON keys) to a bias in -100..=100.
+fn logit_bias(obj: &Map<String, Value>, vocab: usize) -> Result<Vec<(u32, f32)>, Invalid> {
+    let Some(v) = field(obj, "logit_bias") else {
+        return Ok(Vec::new());
     };
-    Ok(Params {
-        max_tokens: max_tokens.map(|n| n as usize),
-        stop,
-        stream: boolean(obj, "stream")?,
-        include_usage,
-        ignore_eos: boolean(obj, "ignore_eos")?,
-        sampling,
+    let Value::Object(map) = v else {
+        return Err(Invalid::new(
+            "logit_bias",
+            format!("'logit_bias' must map token ids to numbers, not {v}"),
+        ));
+    };
+    map.iter()
+        .map(|(k, b)| {
+            let id = k.parse::<u32>().ok().filter(|&t| (t as usize) < vocab);
+            match (id, b.as_f64()) {
+                (Some(id), Some(b)) if (-100.0..=100.0).contains(&b) => Ok((id, b as f32)),
+                _ => Err(Invalid::new(
+                    "logit_bias",
+                    format!("'logit_bias' entry \"{k}\": {b} must be a token id below {vocab} with a bias in -100..=100"),
+                )),
+            }
+        })
+        .collect()
+}
+
+/// The pick: sampling, bias, allow-list, penalties and min-p.
+fn rules(obj: &Map<String, Value>, vocab: usize) -> Result<PickRules, Invalid> {
+    let repetition = match (
+        number(obj, "repetition_penalty", 0.0, 10.0)?,
+        number(obj, "repeat_penalty", 0.0, 10.0)?,
+    ) {
+        (Some(_), Some(_)) => {
+            return Err(Invalid::new(
+                "repeat_penalty",
+                "give 'repetition_penalty' or 'repeat_penalty', not both".into(),
+            ))
+        }
+        (Some(0.0), _) | (_, Some(0.0)) => {
+            return Err(Invalid::new(
+                "repetition_penalty",
+                "'repetition_penalty' must be above 0".into(),
+            ))
+        }
+        (a, b) => a.or(b).unwrap_or(1.0),
+    };
+    let allowed = match field(obj, "allowed_token_ids") {
+        None => None,
+        Some(_) => Some(token_ids(obj, "allowed_token_ids", vocab)?)
+            .filter(|l| !l.is_empty())
+            .ok_or_else(|| Invalid::new("allowed_token_ids", "'allowed_token_ids' is empty".into()))
+            .map(Some)?,
+    };
+    Ok(PickRules {
+        sampling: sampling(obj)?,
+        bias: logit_bias(obj, vocab)?,
+        allowed,
+        presence: number(obj, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        frequency: number(obj, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        repetition: repetition as f32,
+        min_p: number(obj, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32,
+        min_tokens: integer(obj, "min_tokens", 0, MAX_TOKENS_LIMIT)?.unwrap_or(0) as usize,
+        // The route adds the model's end tokens and `stop_token_ids`.
+        end_tokens: Vec::new(),
     })
 }
 
@@ -153,14 +340,18 @@ fn sampling(obj: &Map<String, Value>) -> Result<Option<SamplingParams>, Invalid>
             Some(-1) => 0,
             Some(k) if (0..=i64::from(u32::MAX)).contains(&k) => k as usize,
             _ => {
-                return Err(format!(
-                    "'top_k' must be -1 or a whole number >= 0, not {v}"
+                return Err(Invalid::new(
+                    "top_k",
+                    format!("'top_k' must be -1 or a whole number >= 0, not {v}"),
                 ))
             }
         },
     };
     if top_p == 0.0 && temperature > 0.0 {
-        return Err("'top_p' is 0: it must be above 0 to keep any token".into());
+        return Err(Invalid::new(
+            "top_p",
+            "'top_p' is 0: it must be above 0 to keep any token".into(),
+        ));
     }
     if temperature == 0.0 || top_k == 1 {
         return Ok(None);
@@ -173,41 +364,58 @@ fn sampling(obj: &Map<String, Value>) -> Result<Option<SamplingParams>, Invalid>
     }))
 }
 
-/// `prompt` of `/v1/completions`: a string, a list of one string, or token ids.
-pub fn completion_prompt(obj: &Map<String, Value>) -> Result<Prompt, Invalid> {
-    let bad = |v: &Value| format!("'prompt' must be a string or a list of token ids, not {v}");
+/// `prompt` of `/v1/completions`: a string, token ids, or a list of either (one choice
+/// each).
+pub fn completion_prompts(obj: &Map<String, Value>) -> Result<Vec<Prompt>, Invalid> {
+    let bad = |v: &Value| {
+        Invalid::new(
+            "prompt",
+            format!("'prompt' must be a string, token ids, or a list of either, not {v}"),
+        )
+    };
+    let ids = |list: &[Value]| -> Result<Vec<u32>, Invalid> {
+        list.iter()
+            .map(|t| {
+                t.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(|| bad(t))
+            })
+            .collect()
+    };
     match field(obj, "prompt") {
-        None => Err("'prompt' is required".into()),
-        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
-        Some(Value::Array(list)) => match list.as_slice() {
-            [Value::String(s)] => Ok(Prompt::Text(s.clone())),
-            [] => Err("'prompt' is empty".into()),
-            items => items
-                .iter()
-                .map(|t| {
-                    t.as_u64()
-                        .and_then(|t| u32::try_from(t).ok())
-                        .ok_or_else(|| bad(t))
-                })
-                .collect::<Result<_, _>>()
-                .map(Prompt::Tokens),
-        },
+        None => Err(Invalid::new("prompt", "'prompt' is required".into())),
+        Some(Value::String(s)) => Ok(vec![Prompt::Text(s.clone())]),
+        Some(Value::Array(list)) if list.is_empty() => {
+            Err(Invalid::new("prompt", "'prompt' is empty".into()))
+        }
+        Some(Value::Array(list)) if list.iter().all(Value::is_number) => {
+            Ok(vec![Prompt::Tokens(ids(list)?)])
+        }
+        Some(Value::Array(list)) => list
+            .iter()
+            .map(|p| match p {
+                Value::String(s) => Ok(Prompt::Text(s.clone())),
+                Value::Array(t) if !t.is_empty() => Ok(Prompt::Tokens(ids(t)?)),
+                other => Err(bad(other)),
+            })
+            .collect(),
         Some(v) => Err(bad(v)),
     }
 }
 
 /// `messages` of `/v1/chat/completions`: roles and text contents.
 pub fn chat_messages(obj: &Map<String, Value>) -> Result<Prompt, Invalid> {
+    let bad = |message: String| Invalid::new("messages", message);
     let list = match field(obj, "messages") {
-        None => return Err("'messages' is required".into()),
+        None => return Err(bad("'messages' is required".into())),
         Some(Value::Array(list)) if !list.is_empty() => list,
-        Some(v) => return Err(format!("'messages' must be a non-empty list, not {v}")),
+        Some(v) => return Err(bad(format!("'messages' must be a non-empty list, not {v}"))),
     };
     let message = |(i, m): (usize, &Value)| -> Result<Message, Invalid> {
         let role = m
             .get("role")
             .and_then(Value::as_str)
-            .ok_or_else(|| format!("'messages[{i}].role' must be a string"))?;
+            .ok_or_else(|| bad(format!("'messages[{i}].role' must be a string")))?;
         let content = match m.get("content") {
             Some(Value::String(s)) => s.clone(),
             Some(Value::Array(parts)) => parts
@@ -215,13 +423,13 @@ pub fn chat_messages(obj: &Map<String, Value>) -> Result<Prompt, Invalid> {
                 .map(
                     |p| match (p.get("type").and_then(Value::as_str), p.get("text")) {
                         (Some("text"), Some(Value::String(t))) => Ok(t.as_str()),
-                        _ => Err(format!("'messages[{i}].content' parts must be text")),
+                        _ => Err(bad(format!("'messages[{i}].content' parts must be text"))),
                     },
                 )
                 .collect::<Result<Vec<_>, _>>()?
                 .concat(),
             Some(Value::Null) | None if role == "assistant" => String::new(),
-            _ => return Err(format!("'messages[{i}].content' must be a string")),
+            _ => return Err(bad(format!("'messages[{i}].content' must be a string"))),
         };
         Ok(Message {
             role: role.to_string(),
@@ -235,9 +443,11 @@ pub fn chat_messages(obj: &Map<String, Value>) -> Result<Prompt, Invalid> {
         .map(Prompt::Chat)
 }
 
-/// Where the first stop string starts in `text`, if any.
-pub fn stop_at(text: &str, stop: &[String]) -> Option<usize> {
-    stop.iter().filter_map(|s| text.find(s.as_str())).min()
+/// Where the first stop string starts in `text`, and where it ends, if any.
+pub fn stop_at(text: &str, stop: &[String]) -> Option<(usize, usize)> {
+    stop.iter()
+        .filter_map(|s| text.find(s.as_str()).map(|at| (at, at + s.len())))
+        .min()
 }
 
 /// Bytes at the end of `text` that begin some stop string (the longest such tail), to hold
@@ -259,7 +469,7 @@ mod tests {
     use super::*;
 
     fn params_of(json: &str) -> Result<Params, Invalid> {
-        params(&object(json.as_bytes())?)
+        params(&object(json.as_bytes())?, Route::Completions, 1000)
     }
 
     #[test]
@@ -271,7 +481,7 @@ mod tests {
         assert_eq!(partial_stop("abc", &stop), 0);
         // A whole stop string is `stop_at`'s, not a partial one.
         assert_eq!(partial_stop("abc END", &stop), 0);
-        assert_eq!(stop_at("abc END", &stop), Some(4));
+        assert_eq!(stop_at("abc END", &stop), Some((4, 7)));
         // Multi-byte stop strings are cut on character boundaries only.
         let stop = vec!["é!".to_string()];
         assert_eq!(partial_stop("café", &stop), "é".len());
@@ -281,16 +491,24 @@ mod tests {
     #[test]
     fn sampling_follows_openai_defaults() {
         // No temperature: OpenAI's default of 1, with a random seed.
-        let p = params_of(r#"{"prompt":"a"}"#).unwrap().sampling.unwrap();
+        let p = params_of(r#"{"prompt":"a"}"#)
+            .unwrap()
+            .rules
+            .sampling
+            .unwrap();
         assert_eq!((p.temperature, p.top_k, p.top_p), (1.0, 0, 1.0));
         let s = params_of(r#"{"temperature":0.7,"top_p":0.9,"seed":11,"top_k":-1}"#)
             .unwrap()
+            .rules
             .sampling
             .unwrap();
         assert_eq!((s.temperature, s.top_k, s.top_p, s.seed), (0.7, 0, 0.9, 11));
         // Greedy: temperature 0, or top_k 1.
-        assert_eq!(params_of(r#"{"temperature":0}"#).unwrap().sampling, None);
-        assert_eq!(params_of(r#"{"top_k":1}"#).unwrap().sampling, None);
+        assert_eq!(
+            params_of(r#"{"temperature":0}"#).unwrap().rules.sampling,
+            None
+        );
+        assert_eq!(params_of(r#"{"top_k":1}"#).unwrap().rules.sampling, None);
         for (bad, field) in [
             (r#"{"temperature":2.5}"#, "temperature"),
             (r#"{"top_p":0}"#, "top_p"),
@@ -299,7 +517,7 @@ mod tests {
             (r#"{"seed":"s"}"#, "seed"),
         ] {
             let e = params_of(bad).unwrap_err();
-            assert!(e.contains(field), "{bad}: {e}");
+            assert_eq!(e.param.as_deref(), Some(field), "{bad}: {e:?}");
         }
     }
 }

@@ -18,14 +18,16 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::metrics::Metrics;
 use super::Shared;
 use crate::error::Result;
-use crate::model::sampling::Sampler;
+use crate::model::sampling::{Picked, RequestPicker, TokenLogprobs};
 use crate::parallel::{BatchStep, SeqRow, StepDone, StepEngine};
 
 /// What the engine sends a request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    /// The next token.
-    Token(u32),
+    /// The next token (with its log-probs when the request asked).
+    Token(Picked),
+    /// The log-probs of the next prompt token a request scores (`echo` with `logprobs`).
+    Scored(TokenLogprobs),
     /// The request has its tokens: `true` when an end-of-sequence token ended it (that token
     /// is not sent), `false` at `max_new`.
     Done { eos: bool },
@@ -46,10 +48,17 @@ pub struct Job {
     pub accepted: Instant,
     /// Whether end-of-sequence tokens are generated like any other.
     pub ignore_eos: bool,
-    /// The request's own sampler (temperature, top-p, seed), drawing from its row's logits;
-    /// `None`: the device's greedy pick. Its stream advances once per token of this request
-    /// only, so a seeded request gets the same tokens whatever it is batched with.
-    pub sampler: Option<Sampler>,
+    /// Tokens that end the request like end-of-sequence, `ignore_eos` or not.
+    pub stop_ids: Vec<u32>,
+    /// The request's own picker (sampling, bias, penalties, log-probs), over its row's
+    /// read-back logits; `None`: the device's greedy pick. Its stream advances once per token
+    /// of this request only, so a seeded request gets the same tokens whatever it is batched
+    /// with.
+    pub picker: Option<RequestPicker>,
+    /// Tokens fed after `prompt` one step at a time, each scored (its log-probs sent as
+    /// [`Event::Scored`]) rather than picked: the rest of an echoed prompt whose own log-probs
+    /// were asked. Generation starts after the last. Needs a `picker`.
+    pub score: Vec<u32>,
 }
 
 struct Seq {
@@ -58,6 +67,8 @@ struct Seq {
     past: usize,
     next: u32,
     generated: usize,
+    /// Tokens of `job.score` fed so far.
+    scored: usize,
     first_at: Option<Instant>,
 }
 
@@ -242,6 +253,7 @@ impl Batcher {
                     past: 0,
                     next: 0,
                     generated: 0,
+                    scored: 0,
                     first_at: None,
                 });
             }
@@ -252,7 +264,7 @@ impl Batcher {
                 ids,
                 deps: Vec::new(),
                 release_us: None,
-                logits: joining.iter().any(|s| s.job.sampler.is_some()),
+                logits: joining.iter().any(|s| s.job.picker.is_some()),
             };
             return Some((step, Flight::Prefill(joining)));
         }
@@ -273,13 +285,13 @@ impl Batcher {
             ids: seqs.iter().map(|s| s.next).collect(),
             deps: Vec::new(),
             release_us: None,
-            logits: seqs.iter().any(|s| s.job.sampler.is_some()),
+            logits: seqs.iter().any(|s| s.job.picker.is_some()),
         };
         Some((step, Flight::Decode))
     }
 
-    /// Hands a finished step's tokens to their requests (a sampling request draws its own
-    /// from its row's logits); finished ones leave.
+    /// Hands a finished step's tokens to their requests (a request with its own picker
+    /// picks from its row's logits, or scores its next prompt token); finished ones leave.
     fn finish(&mut self, done: StepDone) -> Result<()> {
         let lane = done.lane;
         let tokens = &done.tokens;
@@ -302,36 +314,78 @@ impl Batcher {
         }
         let now = Instant::now();
         for (row, (mut s, &greedy)) in seqs.drain(..).zip(tokens).enumerate() {
-            let token = match (&mut s.job.sampler, &done.logits) {
-                (None, _) => greedy,
-                (Some(sampler), Some(logits)) => sampler.sample(logits.row(row)),
-                (Some(_), None) => {
-                    return Err(crate::WgparError::Internal(
-                        "a sampling request's step came back without logits".into(),
-                    ))
-                }
-            };
             s.past += if prefill { s.job.prompt.len() } else { 1 };
-            s.next = token;
-            s.generated += 1;
-            if s.first_at.is_none() {
-                s.first_at = Some(now);
-                self.metrics.observe_first(&s.job);
-            }
-            let eos = !s.job.ignore_eos && self.eos.contains(&token);
-            if !eos {
-                let _ = s.job.events.send(Event::Token(token));
-                self.metrics.generation_tokens.inc();
-            }
-            if eos || s.generated >= s.job.max_new {
-                let _ = s.job.events.send(Event::Done { eos });
-                self.metrics.observe_done(&s.job, s.first_at, s.generated);
-                self.free.push(s.slot);
-            } else {
-                self.lanes[lane].seqs.push(s);
-            }
+            let logits = done.logits.as_ref().map(|l| l.row(row));
+            self.advance(lane, s, greedy, logits, now)?;
         }
         Ok(())
+    }
+
+    /// One request's token of a finished step: the device's greedy pick, or its own picker's
+    /// from its row's `logits` (or the score of its next prompt token).
+    fn advance(
+        &mut self,
+        lane: usize,
+        mut s: Seq,
+        greedy: u32,
+        logits: Option<&[f32]>,
+        now: Instant,
+    ) -> Result<()> {
+        let picked = match (&mut s.job.picker, logits) {
+            (None, _) => Picked {
+                id: greedy,
+                logprobs: None,
+            },
+            (Some(picker), Some(logits)) => match s.job.score.get(s.scored) {
+                Some(&token) => {
+                    // A prompt token: scored, fed next, not generated.
+                    let _ = s
+                        .job
+                        .events
+                        .send(Event::Scored(picker.score(logits, token)));
+                    s.scored += 1;
+                    s.next = token;
+                    if s.scored == s.job.score.len() && s.job.max_new == 0 {
+                        self.end(s, false);
+                    } else {
+                        self.lanes[lane].seqs.push(s);
+                    }
+                    return Ok(());
+                }
+                None => picker.pick(logits),
+            },
+            (Some(_), None) => {
+                return Err(crate::WgparError::Internal(
+                    "a host-picked request's step came back without logits".into(),
+                ))
+            }
+        };
+        let token = picked.id;
+        s.next = token;
+        s.generated += 1;
+        if s.first_at.is_none() {
+            s.first_at = Some(now);
+            self.metrics.observe_first(&s.job);
+        }
+        let eos =
+            (!s.job.ignore_eos && self.eos.contains(&token)) || s.job.stop_ids.contains(&token);
+        if !eos {
+            let _ = s.job.events.send(Event::Token(picked));
+            self.metrics.generation_tokens.inc();
+        }
+        if eos || s.generated >= s.job.max_new {
+            self.end(s, eos);
+        } else {
+            self.lanes[lane].seqs.push(s);
+        }
+        Ok(())
+    }
+
+    /// A request has its tokens: it hears so and its slot frees.
+    fn end(&mut self, s: Seq, eos: bool) {
+        let _ = s.job.events.send(Event::Done { eos });
+        self.metrics.observe_done(&s.job, s.first_at, s.generated);
+        self.free.push(s.slot);
     }
 
     /// Bubble and communication shares, from the engine's accounting.

@@ -1,5 +1,6 @@
 //! Chat prompts from the checkpoint's own template: `chat_template` of tokenizer_config.json
-//! (or chat_template.jinja), rendered by minijinja with the variables Hugging Face templates
+//! (or chat_template.jinja), a GGUF file's `tokenizer.chat_template`, or a file given with
+//! `serve --chat-template`, rendered by minijinja with the variables Hugging Face templates
 //! use (`messages`, `add_generation_prompt`, `bos_token`, `eos_token`) and the Python string
 //! methods they call (minijinja-contrib's pycompat).
 
@@ -10,6 +11,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::error::{Result, WgparError};
+use crate::model::gguf::file::{GgufFile, Value as GgufValue};
 
 /// One chat message, as the template sees it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -59,6 +61,25 @@ fn template_text(v: Option<&Value>) -> Option<String> {
     }
 }
 
+/// A GGUF vocabulary's BOS and EOS texts (empty where the file names none).
+fn gguf_special_tokens(file: &GgufFile) -> (String, String) {
+    let tokens = match file.meta.get("tokenizer.ggml.tokens") {
+        Some(GgufValue::Array(t)) => t.as_slice(),
+        _ => &[],
+    };
+    let text = |key: &str| {
+        let id = file.meta.get(key).and_then(GgufValue::as_u64);
+        match id.and_then(|i| tokens.get(i as usize)) {
+            Some(GgufValue::Str(s)) => s.clone(),
+            _ => String::new(),
+        }
+    };
+    (
+        text("tokenizer.ggml.bos_token_id"),
+        text("tokenizer.ggml.eos_token_id"),
+    )
+}
+
 fn raise_exception(message: String) -> std::result::Result<String, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
 }
@@ -83,8 +104,59 @@ impl ChatTemplate {
         Self::new(&source, &bos, &eos).map(Some)
     }
 
+    /// The template of a GGUF file (`tokenizer.chat_template`, with the BOS and EOS tokens'
+    /// texts from its vocabulary), or `None` when it has none.
+    pub fn from_gguf(file: &GgufFile) -> Result<Option<Self>> {
+        let Some(GgufValue::Str(source)) = file.meta.get("tokenizer.chat_template") else {
+            return Ok(None);
+        };
+        let (bos, eos) = gguf_special_tokens(file);
+        let origin = file.path().display().to_string();
+        Self::parse(source, &bos, &eos, &origin, "tokenizer.chat_template").map(Some)
+    }
+
+    /// The template in `path` (`serve --chat-template`), with the special tokens of the
+    /// checkpoint's own template configuration (`bos`, `eos`).
+    pub fn from_file(path: &Path, bos: &str, eos: &str) -> Result<Self> {
+        let source = std::fs::read_to_string(path).map_err(|source| WgparError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(
+            &source,
+            bos,
+            eos,
+            &path.display().to_string(),
+            "--chat-template",
+        )
+    }
+
+    /// The checkpoint's BOS and EOS texts (for a template given on the command line): a
+    /// GGUF file's vocabulary entries, or tokenizer_config.json's.
+    pub fn special_tokens(path: &Path) -> (String, String) {
+        if crate::model::gguf::is_gguf(path) {
+            return match GgufFile::open(path) {
+                Ok(file) => gguf_special_tokens(&file),
+                Err(_) => Default::default(),
+            };
+        }
+        let config: Value = std::fs::read_to_string(path.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or(Value::Null);
+        (
+            token_text(config.get("bos_token")),
+            token_text(config.get("eos_token")),
+        )
+    }
+
     /// A template from its source and special tokens.
     pub fn new(source: &str, bos: &str, eos: &str) -> Result<Self> {
+        Self::parse(source, bos, eos, "tokenizer_config.json", "chat_template")
+    }
+
+    /// A template from `source`, which came from `origin`'s `key` (for the error).
+    fn parse(source: &str, bos: &str, eos: &str, origin: &str, key: &str) -> Result<Self> {
         let mut env = Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
@@ -95,8 +167,8 @@ impl ChatTemplate {
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| {
                 WgparError::model(
-                    "tokenizer_config.json",
-                    "chat_template",
+                    origin,
+                    key,
                     format!("the chat template does not parse: {e}"),
                 )
             })?;
@@ -107,13 +179,18 @@ impl ChatTemplate {
         })
     }
 
-    /// The prompt for `messages`, ending where the assistant's answer starts.
-    pub fn render(&self, messages: &[Message]) -> std::result::Result<String, String> {
+    /// The prompt for `messages`, ending where the assistant's answer starts when
+    /// `add_generation_prompt`.
+    pub fn render(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> std::result::Result<String, String> {
         let template = self.env.get_template("chat").map_err(|e| e.to_string())?;
         template
             .render(minijinja::context! {
                 messages => messages,
-                add_generation_prompt => true,
+                add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos,
                 eos_token => &self.eos,
             })

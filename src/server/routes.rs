@@ -4,6 +4,7 @@
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
@@ -18,11 +19,11 @@ use futures_util::stream::{self, Stream};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use super::api::{self, Params, Prompt};
+use super::api::{self, Invalid, Params, Prompt};
 use super::batcher::{Event, Job};
 use super::{ServerOptions, Shared, TextModel};
 use crate::model::hf::TextStream;
-use crate::model::sampling::Sampler;
+use crate::model::sampling::{RequestPicker, TokenLogprobs};
 
 /// What every handler sees.
 #[derive(Clone)]
@@ -59,6 +60,8 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/metrics", get(metrics))
         .layer(middleware::from_fn_with_state(state.clone(), require_key));
     Router::new()
@@ -130,6 +133,99 @@ async fn models(State(state): State<AppState>) -> Response {
     .into_response()
 }
 
+/// A 400 naming the field to blame, as OpenAI's `param`.
+fn invalid(bad: Invalid) -> Response {
+    let body = json!({"error": {"message": bad.message, "type": "invalid_request_error",
+        "param": bad.param, "code": 400}});
+    (StatusCode::BAD_REQUEST, Json(body)).into_response()
+}
+
+/// A body's fields, every one among `known`.
+fn fields_of(body: &[u8], known: &[&str]) -> Result<serde_json::Map<String, Value>, Invalid> {
+    let obj = api::object(body)?;
+    match obj.keys().find(|k| !known.contains(&k.as_str())) {
+        Some(k) => Err(Invalid::new(
+            k,
+            format!("'{k}' is not a field of this route"),
+        )),
+        None => Ok(obj),
+    }
+}
+
+/// llama-server's `POST /tokenize`: `content`, `add_special` (default false), `with_pieces`.
+async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
+    let run = || -> Result<Value, Invalid> {
+        let obj = fields_of(&body, &["content", "add_special", "with_pieces"])?;
+        let flag = |name: &str| match obj.get(name) {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(Invalid::new(
+                name,
+                format!("'{name}' must be true or false, not {v}"),
+            )),
+        };
+        let Some(Value::String(content)) = obj.get("content") else {
+            return Err(Invalid::new("content", "'content' must be a string".into()));
+        };
+        let tok = &state.text.tokenizer;
+        let ids = if flag("add_special")? {
+            tok.encode(content)
+        } else {
+            tok.encode_plain(content)
+        }
+        .map_err(|e| Invalid::from(e.to_string()))?;
+        if !flag("with_pieces")? {
+            return Ok(json!({"tokens": ids}));
+        }
+        let pieces = ids
+            .iter()
+            .map(|&id| Ok(json!({"id": id, "piece": tok.decode(&[id])?})))
+            .collect::<crate::Result<Vec<_>>>()
+            .map_err(|e| Invalid::from(e.to_string()))?;
+        Ok(json!({"tokens": pieces}))
+    };
+    match run() {
+        Ok(v) => Json(v).into_response(),
+        Err(bad) => invalid(bad),
+    }
+}
+
+/// llama-server's `POST /detokenize`: `tokens` to `content`.
+async fn detokenize(State(state): State<AppState>, body: Bytes) -> Response {
+    let run = || -> Result<Value, Invalid> {
+        let obj = fields_of(&body, &["tokens"])?;
+        let vocab = state.text.vocab;
+        let bad = || {
+            Invalid::new(
+                "tokens",
+                format!("'tokens' must list token ids below {vocab}"),
+            )
+        };
+        let Some(Value::Array(list)) = obj.get("tokens") else {
+            return Err(bad());
+        };
+        let ids = list
+            .iter()
+            .map(|t| {
+                t.as_u64()
+                    .filter(|&t| (t as usize) < vocab)
+                    .map(|t| t as u32)
+                    .ok_or_else(bad)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let content = state
+            .text
+            .tokenizer
+            .decode(&ids)
+            .map_err(|e| Invalid::from(e.to_string()))?;
+        Ok(json!({"content": content}))
+    };
+    match run() {
+        Ok(v) => Json(v).into_response(),
+        Err(bad) => invalid(bad),
+    }
+}
+
 /// Completions or chat.
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
@@ -145,68 +241,174 @@ async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Respons
     generate(state, &body, Kind::Chat).await
 }
 
-/// A checked request, ready for the engine.
+/// A checked request, ready for the engine: its prompts' token ids (one entry per prompt;
+/// each gets `params.n` choices).
 struct Accepted {
-    prompt: Vec<u32>,
+    prompts: Vec<Vec<u32>>,
     max_new: usize,
     params: Params,
 }
 
-/// Reads and checks a request: fields, prompt, context; the message names what is wrong.
-fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, String> {
-    let obj = api::object(body)?;
-    let params = api::params(&obj)?;
-    let prompt = match kind {
-        Kind::Text => api::completion_prompt(&obj)?,
-        Kind::Chat => api::chat_messages(&obj)?,
-    };
+/// Why a request is not served.
+enum Refusal {
+    /// A 400.
+    Bad(Invalid),
+    /// `model` names another model: a 404, as vLLM answers.
+    NoModel(String),
+}
+
+impl From<Invalid> for Refusal {
+    fn from(bad: Invalid) -> Self {
+        Refusal::Bad(bad)
+    }
+}
+
+/// A prompt's token ids.
+fn prompt_ids(text: &TextModel, prompt: Prompt, params: &Params) -> Result<Vec<u32>, Invalid> {
     let ids = match prompt {
         Prompt::Tokens(ids) => ids,
-        Prompt::Text(t) => text.tokenizer.encode(&t).map_err(|e| e.to_string())?,
+        Prompt::Text(t) => text
+            .tokenizer
+            .encode(&t)
+            .map_err(|e| Invalid::new("prompt", e.to_string()))?,
         Prompt::Chat(messages) => {
             let template = text.template.as_ref().ok_or_else(|| {
-                format!(
-                    "model '{}' has no chat template (tokenizer_config.json's chat_template or \
-                     chat_template.jinja): use /v1/completions",
-                    text.name
+                Invalid::new(
+                    "messages",
+                    format!(
+                        "model '{}' has no chat template (tokenizer_config.json's chat_template, \
+                         chat_template.jinja, or the GGUF's tokenizer.chat_template; or serve \
+                         --chat-template FILE): use /v1/completions",
+                        text.name
+                    ),
                 )
             })?;
-            let rendered = template.render(&messages)?;
+            let rendered = template.render(&messages, params.add_generation_prompt)?;
             text.tokenizer
                 .encode_plain(&rendered)
-                .map_err(|e| e.to_string())?
+                .map_err(|e| Invalid::new("messages", e.to_string()))?
         }
     };
     if ids.is_empty() {
-        return Err("the prompt has no tokens".into());
+        return Err(Invalid::new("prompt", "the prompt has no tokens".into()));
     }
     if let Some(t) = ids.iter().find(|&&t| t as usize >= text.vocab) {
-        return Err(format!(
-            "token id {t} is outside the vocabulary of {}",
-            text.vocab
+        return Err(Invalid::new(
+            "prompt",
+            format!("token id {t} is outside the vocabulary of {}", text.vocab),
         ));
     }
+    Ok(ids)
+}
+
+/// Reads and checks a request: fields, model, prompts, context; the message names what is
+/// wrong.
+fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal> {
+    let obj = api::object(body)?;
+    let route = match kind {
+        Kind::Text => api::Route::Completions,
+        Kind::Chat => api::Route::Chat,
+    };
+    let params = api::params(&obj, route, text.vocab)?;
+    if let Some(m) = params.model.as_deref().filter(|&m| m != text.name) {
+        return Err(Refusal::NoModel(format!(
+            "the model `{m}` does not exist: this server serves `{}`",
+            text.name
+        )));
+    }
+    let prompts = match kind {
+        Kind::Text => api::completion_prompts(&obj)?,
+        Kind::Chat => vec![api::chat_messages(&obj)?],
+    };
+    let prompts = prompts
+        .into_iter()
+        .map(|p| prompt_ids(text, p, &params))
+        .collect::<Result<Vec<_>, _>>()?;
+    let scoring = params.echo && params.logprobs.is_some();
+    if params.max_tokens == Some(0) && !scoring {
+        return Err(Invalid::new(
+            "max_tokens",
+            "'max_tokens' is 0: only a request with 'echo' and 'logprobs' (scoring its prompt) may generate nothing".into(),
+        )
+        .into());
+    }
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     // The last generated token is sampled, never cached.
-    let room = (text.max_seq + 1).saturating_sub(ids.len());
+    let room = (text.max_seq + 1).saturating_sub(longest);
     let max_new = match (params.max_tokens, kind) {
         (Some(n), _) => n,
         (None, Kind::Text) => 16.min(room).max(1),
         (None, Kind::Chat) => room.max(1),
     };
-    if ids.len() + max_new - 1 > text.max_seq {
-        return Err(format!(
-            "{} prompt tokens + max_tokens {max_new} need {} tokens of context, but the \
-             model holds {} (--max-seq)",
-            ids.len(),
-            ids.len() + max_new - 1,
-            text.max_seq
-        ));
+    if params.rules.min_tokens > max_new {
+        return Err(Invalid::new(
+            "min_tokens",
+            format!(
+                "'min_tokens' {} is more than max_tokens {max_new}",
+                params.rules.min_tokens
+            ),
+        )
+        .into());
+    }
+    let need = longest + max_new.saturating_sub(1);
+    if need > text.max_seq {
+        return Err(Invalid::new(
+            "max_tokens",
+            format!(
+                "{longest} prompt tokens + max_tokens {max_new} need {need} tokens of context, \
+                 but the model holds {} (--max-seq)",
+                text.max_seq
+            ),
+        )
+        .into());
     }
     Ok(Accepted {
-        prompt: ids,
+        prompts,
         max_new,
         params,
     })
+}
+
+/// The engine's jobs for a request, one per choice (prompt-major), and their receivers.
+fn jobs(
+    accepted: &Accepted,
+    eos: &[u32],
+) -> Result<(Vec<Job>, Vec<UnboundedReceiver<Event>>), Invalid> {
+    let p = &accepted.params;
+    let scoring = p.echo && p.logprobs.is_some();
+    let (mut jobs, mut rxs) = (Vec::new(), Vec::new());
+    for prompt in &accepted.prompts {
+        for i in 0..p.n {
+            let mut rules = p.rules.clone();
+            if rules.min_tokens > 0 {
+                let eos = if p.ignore_eos { &[][..] } else { eos };
+                rules.end_tokens = [eos, &p.stop_ids[..]].concat();
+            }
+            // Each choice its own stream: a seeded request's choices differ, repeatably.
+            if let Some(s) = rules.sampling.as_mut() {
+                s.seed = s.seed.wrapping_add(i as u64);
+            }
+            let host = scoring || p.logprobs.is_some() || !rules.is_greedy();
+            let picker = host
+                .then(|| RequestPicker::new(rules, p.logprobs, prompt))
+                .transpose()
+                .map_err(|e| Invalid::from(e.to_string()))?;
+            let split = if scoring { 1 } else { prompt.len() };
+            let (tx, rx) = unbounded_channel();
+            jobs.push(Job {
+                prompt: prompt[..split].to_vec(),
+                score: prompt[split..].to_vec(),
+                max_new: accepted.max_new,
+                events: tx,
+                accepted: Instant::now(),
+                ignore_eos: p.ignore_eos,
+                stop_ids: p.stop_ids.clone(),
+                picker,
+            });
+            rxs.push(rx);
+        }
+    }
+    Ok((jobs, rxs))
 }
 
 async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
@@ -214,15 +416,27 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
     if shared.failed.load(Ordering::SeqCst) {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the engine failed");
     }
-    let accepted = match accept(&state.text, body, kind) {
+    let checked = accept(&state.text, body, kind).and_then(|a| {
+        let j = jobs(&a, &state.text.eos).map_err(Refusal::Bad)?;
+        Ok((a, j))
+    });
+    let (accepted, (jobs, rxs)) = match checked {
         Ok(a) => a,
-        Err(message) => {
+        Err(refusal) => {
             shared.metrics.rejected.inc();
-            return error(StatusCode::BAD_REQUEST, message);
+            return match refusal {
+                Refusal::Bad(bad) => invalid(bad),
+                Refusal::NoModel(m) => {
+                    let body = json!({"error": {"message": m, "type": "NotFoundError",
+                        "param": "model", "code": 404}});
+                    (StatusCode::NOT_FOUND, Json(body)).into_response()
+                }
+            };
         }
     };
-    if shared.queued.fetch_add(1, Ordering::SeqCst) >= state.max_queue {
-        shared.queued.fetch_sub(1, Ordering::SeqCst);
+    let count = jobs.len();
+    if shared.queued.fetch_add(count, Ordering::SeqCst) + count > state.max_queue {
+        shared.queued.fetch_sub(count, Ordering::SeqCst);
         shared.metrics.rejected.inc();
         let mut r = error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -235,57 +449,40 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
             .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         return r;
     }
-    let sampler = match accepted.params.sampling.map(Sampler::new).transpose() {
-        Ok(s) => s,
-        Err(e) => {
+    let prompt_tokens: usize = accepted.prompts.iter().map(Vec::len).sum();
+    shared.metrics.prompt_tokens.inc_by(prompt_tokens as u64);
+    for job in jobs {
+        if job.max_new == 0 && job.score.is_empty() {
+            // A one-token prompt scored with nothing to generate: no step to run.
             shared.queued.fetch_sub(1, Ordering::SeqCst);
-            shared.metrics.rejected.inc();
-            return error(StatusCode::BAD_REQUEST, e.to_string());
+            let _ = job.events.send(Event::Done { eos: false });
+        } else if state.jobs.send(job).is_err() {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server is shutting down",
+            );
         }
-    };
-    let (tx, rx) = unbounded_channel();
-    shared
-        .metrics
-        .prompt_tokens
-        .inc_by(accepted.prompt.len() as u64);
-    let job = Job {
-        prompt: accepted.prompt.clone(),
-        max_new: accepted.max_new,
-        events: tx,
-        accepted: Instant::now(),
-        ignore_eos: accepted.params.ignore_eos,
-        sampler,
-    };
-    if state.jobs.send(job).is_err() {
-        shared.queued.fetch_sub(1, Ordering::SeqCst);
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the server is shutting down",
-        );
     }
     let id = state.ids.fetch_add(1, Ordering::Relaxed);
-    let out = Output {
-        text: state.text.clone(),
-        kind,
-        id: match kind {
-            Kind::Text => format!("cmpl-{id}"),
-            Kind::Chat => format!("chatcmpl-{id}"),
-        },
-        created: now_s(),
-        detok: Detok::new(&state.text, accepted.prompt),
-        params: accepted.params,
-    };
+    let out = Output::new(&state.text, kind, id, accepted, rxs);
     if out.params.stream {
-        stream_response(out, rx).into_response()
+        stream_response(out).into_response()
     } else {
-        whole_response(out, rx).await
+        whole_response(out).await
     }
+}
+
+/// What ends a choice's text: stop strings, from `min_tokens` generated tokens on.
+struct Stops {
+    strings: Vec<String>,
+    min_tokens: usize,
 }
 
 /// Text of the generated tokens, grown token by token.
 struct Detok {
-    prompt_len: usize,
     generated: usize,
+    /// The text keeps the stop string that ended it (`include_stop_str_in_output`).
+    keep_stop: bool,
     /// Decodes each token in the context of the ones before it, the prompt's included.
     stream: TextStream,
     /// The text sent so far.
@@ -295,34 +492,36 @@ struct Detok {
 }
 
 impl Detok {
-    fn new(text: &TextModel, prompt: Vec<u32>) -> Self {
+    fn new(text: &TextModel, prompt: &[u32], keep_stop: bool) -> Self {
         Self {
-            prompt_len: prompt.len(),
             generated: 0,
-            stream: text.tokenizer.stream_after(&prompt),
+            keep_stop,
+            stream: text.tokenizer.stream_after(prompt),
             sent: String::new(),
             text: String::new(),
         }
     }
 
-    fn generated(&self) -> usize {
-        self.generated
-    }
-
     /// Adds `token`; returns the text that may go out now and whether a stop string ended
     /// the request. Held back: a partial character, and a tail that could begin a stop string
     /// (so a client never sees part of one).
-    fn push(&mut self, text: &TextModel, token: u32, stop: &[String]) -> (String, bool) {
+    fn push(&mut self, text: &TextModel, token: u32, stop: &Stops) -> (String, bool) {
         self.generated += 1;
+        // Before `min_tokens`, stop strings do not stop.
+        let stop = match self.generated < stop.min_tokens {
+            true => &[][..],
+            false => &stop.strings[..],
+        };
         // The prompt's tokens are the stream's context, which keeps word boundaries, as
         // `run --prompt`; a partial character comes back empty until it is whole.
         let new = (text.tokenizer.step(&mut self.stream, token)).unwrap_or_default();
         self.text.push_str(&new);
         let stopped = api::stop_at(&self.text, stop);
         let ready = match stopped {
-            Some(at) => {
-                self.text.truncate(at);
-                at
+            Some((at, end)) => {
+                let cut = if self.keep_stop { end } else { at };
+                self.text.truncate(cut);
+                cut
             }
             None => self.text.len() - api::partial_stop(&self.text, stop),
         };
@@ -351,40 +550,241 @@ impl Detok {
     }
 }
 
+/// One token's log-probs as a response shows them.
+struct LogprobEntry {
+    token: String,
+    /// `None`: the prompt's first token, which nothing predicts.
+    logprob: Option<f32>,
+    top: Vec<(String, f32)>,
+}
+
+fn entry(text: &TextModel, lp: &TokenLogprobs) -> LogprobEntry {
+    let piece = |id: u32| text.tokenizer.decode(&[id]).unwrap_or_default();
+    LogprobEntry {
+        token: piece(lp.id),
+        logprob: Some(lp.logprob),
+        top: lp.top.iter().map(|&(id, l)| (piece(id), l)).collect(),
+    }
+}
+
+/// One choice of a response.
+struct Choice {
+    detok: Detok,
+    /// `echo`'s prompt text, not yet sent.
+    echo: String,
+    /// Log-prob entries not yet sent (all of them, for a whole response).
+    logprobs: Vec<LogprobEntry>,
+    /// Characters of the text before the first unsent entry (completions' `text_offset`).
+    offset: usize,
+    finish: Option<&'static str>,
+    rx: Option<UnboundedReceiver<Event>>,
+}
+
+/// What an event makes of a choice.
+enum Step {
+    Nothing,
+    Delta(String),
+    Finished(String),
+    Failed(String),
+}
+
 /// What a response is built from.
 struct Output {
     text: Arc<TextModel>,
     kind: Kind,
     id: String,
     created: u64,
-    detok: Detok,
+    prompt_tokens: usize,
+    choices: Vec<Choice>,
+    stops: Stops,
     params: Params,
 }
 
 impl Output {
+    fn new(
+        text: &Arc<TextModel>,
+        kind: Kind,
+        id: u64,
+        accepted: Accepted,
+        rxs: Vec<UnboundedReceiver<Event>>,
+    ) -> Self {
+        let p = &accepted.params;
+        let mut rxs = rxs.into_iter();
+        let mut choices = Vec::new();
+        for prompt in &accepted.prompts {
+            let echo = match p.echo {
+                true => text.tokenizer.decode(prompt).unwrap_or_default(),
+                false => String::new(),
+            };
+            for _ in 0..p.n {
+                let mut logprobs = Vec::new();
+                if p.echo && p.logprobs.is_some() {
+                    // The first prompt token has no log-prob: nothing comes before it.
+                    logprobs.push(LogprobEntry {
+                        token: text.tokenizer.decode(&prompt[..1]).unwrap_or_default(),
+                        logprob: None,
+                        top: Vec::new(),
+                    });
+                }
+                choices.push(Choice {
+                    detok: Detok::new(text, prompt, p.include_stop),
+                    offset: if p.echo { 0 } else { echo_len(text, prompt) },
+                    echo: echo.clone(),
+                    logprobs,
+                    finish: None,
+                    rx: rxs.next(),
+                });
+            }
+        }
+        Self {
+            text: text.clone(),
+            kind,
+            id: match kind {
+                Kind::Text => format!("cmpl-{id}"),
+                Kind::Chat => format!("chatcmpl-{id}"),
+            },
+            created: now_s(),
+            prompt_tokens: accepted.prompts.iter().map(Vec::len).sum(),
+            choices,
+            stops: Stops {
+                strings: p.stop.clone(),
+                min_tokens: p.rules.min_tokens,
+            },
+            params: accepted.params,
+        }
+    }
+
     fn usage(&self) -> Value {
-        let (p, c) = (self.detok.prompt_len, self.detok.generated());
+        let p = self.prompt_tokens;
+        let c: usize = self.choices.iter().map(|c| c.detok.generated).sum();
         json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
     }
 
-    /// One choice: `text` is the delta (streaming) or the whole text.
-    fn body(&self, text: &str, finish: Option<&str>, stream: bool) -> Value {
-        let choice = match (self.kind, stream) {
-            (Kind::Text, _) => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+    /// The next event of any choice still open; `None` once every choice has finished.
+    async fn next_event(&mut self) -> Option<(usize, Event)> {
+        std::future::poll_fn(|cx| {
+            let mut open = false;
+            for (i, c) in self.choices.iter_mut().enumerate() {
+                let Some(rx) = c.rx.as_mut() else { continue };
+                match rx.poll_recv(cx) {
+                    Poll::Ready(Some(e)) => return Poll::Ready(Some((i, e))),
+                    Poll::Ready(None) => {
+                        c.rx = None;
+                        let gone = Event::Error("the engine dropped the request".into());
+                        return Poll::Ready(Some((i, gone)));
+                    }
+                    Poll::Pending => open = true,
+                }
             }
-            (Kind::Chat, false) => json!({"index": 0, "logprobs": null, "finish_reason": finish,
-                "message": {"role": "assistant", "content": text}}),
-            (Kind::Chat, true) => json!({"index": 0, "logprobs": null, "finish_reason": finish,
+            if open {
+                Poll::Pending
+            } else {
+                Poll::Ready(None)
+            }
+        })
+        .await
+    }
+
+    /// Applies choice `i`'s `event`.
+    fn apply(&mut self, i: usize, event: Event) -> Step {
+        let text = &self.text;
+        let stop = &self.stops;
+        let c = &mut self.choices[i];
+        match event {
+            Event::Scored(lp) => {
+                c.logprobs.push(entry(text, &lp));
+                Step::Nothing
+            }
+            Event::Token(picked) => {
+                if let Some(lp) = &picked.logprobs {
+                    c.logprobs.push(entry(text, lp));
+                }
+                match c.detok.push(text, picked.id, stop) {
+                    (d, true) => {
+                        // A finished choice lets go of its channel: a stop string cancels it.
+                        c.finish = Some("stop");
+                        c.rx = None;
+                        Step::Finished(d)
+                    }
+                    (d, false) if d.is_empty() && c.logprobs.is_empty() => Step::Nothing,
+                    (d, false) => Step::Delta(d),
+                }
+            }
+            Event::Done { eos } => {
+                c.finish = Some(if eos { "stop" } else { "length" });
+                c.rx = None;
+                Step::Finished(c.detok.flush(text))
+            }
+            Event::Error(e) => Step::Failed(e),
+        }
+    }
+
+    /// Choice `i`'s log-probs not yet sent, in the route's shape (taken).
+    fn logprobs(&mut self, i: usize) -> Value {
+        if self.params.logprobs.is_none() {
+            return Value::Null;
+        }
+        let c = &mut self.choices[i];
+        let entries = std::mem::take(&mut c.logprobs);
+        if self.kind == Kind::Chat {
+            let one = |token: &str, lp: f32| json!({"token": token, "logprob": lp, "bytes": token.as_bytes()});
+            let content: Vec<Value> = entries
+                .iter()
+                .map(|e| {
+                    let mut v = one(&e.token, e.logprob.unwrap_or(0.0));
+                    v["top_logprobs"] = e.top.iter().map(|(t, l)| one(t, *l)).collect();
+                    v
+                })
+                .collect();
+            return json!({ "content": content });
+        }
+        let mut offsets = Vec::new();
+        for e in &entries {
+            offsets.push(c.offset);
+            c.offset += e.token.chars().count();
+        }
+        let top: Vec<Value> = entries
+            .iter()
+            .map(|e| match e.logprob {
+                None => Value::Null,
+                Some(_) => {
+                    Value::Object(e.top.iter().map(|(t, l)| (t.clone(), json!(l))).collect())
+                }
+            })
+            .collect();
+        json!({"tokens": entries.iter().map(|e| e.token.as_str()).collect::<Vec<_>>(),
+            "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
+            "top_logprobs": top, "text_offset": offsets})
+    }
+
+    /// Choice `i`: `text` is the delta (streaming) or the whole text.
+    fn choice(&mut self, i: usize, text: &str, stream: bool) -> Value {
+        let echo = std::mem::take(&mut self.choices[i].echo);
+        let text = format!("{echo}{text}");
+        let finish = self.choices[i].finish;
+        let logprobs = self.logprobs(i);
+        match (self.kind, stream) {
+            (Kind::Text, _) => {
+                json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
+            }
+            (Kind::Chat, false) => {
+                json!({"index": i, "logprobs": logprobs, "finish_reason": finish,
+                "message": {"role": "assistant", "content": text}})
+            }
+            (Kind::Chat, true) => json!({"index": i, "logprobs": logprobs, "finish_reason": finish,
                 "delta": {"role": "assistant", "content": text}}),
-        };
+        }
+    }
+
+    /// A body around `choices`.
+    fn body(&self, choices: Vec<Value>, stream: bool) -> Value {
         let object = match (self.kind, stream) {
             (Kind::Text, _) => "text_completion",
             (Kind::Chat, false) => "chat.completion",
             (Kind::Chat, true) => "chat.completion.chunk",
         };
         let mut body = json!({"id": self.id, "object": object, "created": self.created,
-            "model": self.text.name, "choices": [choice]});
+            "model": self.text.name, "choices": choices});
         if !stream {
             body["usage"] = self.usage();
         } else if self.params.include_usage {
@@ -394,105 +794,67 @@ impl Output {
     }
 }
 
-/// Waits for every token, then answers with one JSON body.
-async fn whole_response(mut out: Output, mut rx: UnboundedReceiver<Event>) -> Response {
-    let mut finish = "length";
-    while let Some(event) = rx.recv().await {
-        match event {
-            Event::Token(t) => {
-                let stop = out.params.stop.clone();
-                if out.detok.push(&out.text, t, &stop).1 {
-                    finish = "stop";
-                    break;
-                }
-            }
-            Event::Done { eos } => {
-                if eos {
-                    finish = "stop";
-                }
-                out.detok.flush(&out.text);
-                break;
-            }
-            Event::Error(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
+/// Characters of a prompt's text (where completions' `text_offset` starts without `echo`).
+fn echo_len(text: &TextModel, prompt: &[u32]) -> usize {
+    text.tokenizer
+        .decode(prompt)
+        .map_or(0, |t| t.chars().count())
+}
+
+/// Waits for every choice's tokens, then answers with one JSON body.
+async fn whole_response(mut out: Output) -> Response {
+    while let Some((i, event)) = out.next_event().await {
+        if let Step::Failed(e) = out.apply(i, event) {
+            return error(StatusCode::INTERNAL_SERVER_ERROR, e);
         }
     }
-    let text = out.detok.sent.clone();
-    Json(out.body(&text, Some(finish), false)).into_response()
+    let choices = (0..out.choices.len())
+        .map(|i| {
+            let text = out.choices[i].detok.sent.clone();
+            out.choice(i, &text, false)
+        })
+        .collect();
+    Json(out.body(choices, false)).into_response()
 }
 
 /// Where a stream is.
 enum Phase {
     Tokens,
-    Usage,
     Done,
     Over,
 }
 
-/// One `data:` chunk per token, then the finish chunk, usage if asked, and `[DONE]`.
-fn stream_response(
-    out: Output,
-    rx: UnboundedReceiver<Event>,
-) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    let start = (out, Some(rx), Phase::Tokens);
-    let events = stream::unfold(start, |(mut out, mut rx, phase)| async move {
+/// One `data:` chunk per token and choice, each choice's finish chunk, usage if asked, and
+/// `[DONE]`.
+fn stream_response(out: Output) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let events = stream::unfold((out, Phase::Tokens), |(mut out, phase)| async move {
         let data = |v: Value| SseEvent::default().data(v.to_string());
         match phase {
             Phase::Over => None,
-            Phase::Done => Some((
-                Ok(SseEvent::default().data("[DONE]")),
-                (out, rx, Phase::Over),
-            )),
-            Phase::Usage => {
-                let mut body = out.body("", None, true);
-                body["choices"] = json!([]);
-                body["usage"] = out.usage();
-                Some((Ok(data(body)), (out, rx, Phase::Done)))
-            }
-            Phase::Tokens => {
-                let next = |out: &Output| {
-                    if out.params.include_usage {
-                        Phase::Usage
-                    } else {
-                        Phase::Done
+            Phase::Done => Some((Ok(SseEvent::default().data("[DONE]")), (out, Phase::Over))),
+            Phase::Tokens => loop {
+                let Some((i, event)) = out.next_event().await else {
+                    // Every choice has finished: usage if asked, then [DONE].
+                    if !out.params.include_usage {
+                        return Some((Ok(SseEvent::default().data("[DONE]")), (out, Phase::Over)));
+                    }
+                    let mut body = out.body(Vec::new(), true);
+                    body["usage"] = out.usage();
+                    return Some((Ok(data(body)), (out, Phase::Done)));
+                };
+                let delta = match out.apply(i, event) {
+                    Step::Nothing => continue,
+                    Step::Delta(d) | Step::Finished(d) => d,
+                    Step::Failed(e) => {
+                        let body =
+                            json!({"error": {"message": e, "type": "server_error", "code": 500}});
+                        return Some((Ok(data(body)), (out, Phase::Over)));
                     }
                 };
-                loop {
-                    let event = match rx.as_mut() {
-                        Some(r) => r.recv().await,
-                        None => None,
-                    };
-                    let (delta, finish) = match event {
-                        Some(Event::Token(t)) => {
-                            let stop = out.params.stop.clone();
-                            match out.detok.push(&out.text, t, &stop) {
-                                (d, true) => (d, Some("stop")),
-                                (d, false) if d.is_empty() => continue,
-                                (d, false) => (d, None),
-                            }
-                        }
-                        Some(Event::Done { eos }) => (
-                            out.detok.flush(&out.text),
-                            Some(if eos { "stop" } else { "length" }),
-                        ),
-                        Some(Event::Error(e)) => {
-                            let body = json!({"error": {"message": e, "type": "server_error", "code": 500}});
-                            return Some((Ok(data(body)), (out, None, Phase::Over)));
-                        }
-                        None => return None,
-                    };
-                    // A finished request lets go of its channel: a stop string cancels it.
-                    if finish.is_some() {
-                        rx = None;
-                    }
-                    let chunk = out.body(&delta, finish, true);
-                    let phase = if finish.is_some() {
-                        next(&out)
-                    } else {
-                        Phase::Tokens
-                    };
-                    return Some((Ok(data(chunk)), (out, rx, phase)));
-                }
-            }
+                let choice = out.choice(i, &delta, true);
+                let chunk = out.body(vec![choice], true);
+                return Some((Ok(data(chunk)), (out, Phase::Tokens)));
+            },
         }
     });
     Sse::new(events)
