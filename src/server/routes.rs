@@ -4,7 +4,7 @@
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -19,7 +19,8 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::api::{self, Params, Prompt};
-use super::batcher::{Event, Job};
+use super::batcher::{Ending, Event, Job};
+use super::limits::Watched;
 use super::{ServerOptions, Shared, TextModel};
 use crate::model::hf::TextStream;
 use crate::model::sampling::Sampler;
@@ -31,6 +32,8 @@ pub struct AppState {
     text: Arc<TextModel>,
     jobs: crossbeam::channel::Sender<Job>,
     api_key: Option<Arc<str>>,
+    metrics_open: bool,
+    stream_timeout: Duration,
     max_queue: usize,
     ids: Arc<AtomicU64>,
 }
@@ -47,23 +50,29 @@ impl AppState {
             text: Arc::new(text),
             jobs,
             api_key: opts.api_key.as_deref().map(Arc::from),
+            metrics_open: opts.metrics_open,
+            stream_timeout: opts.limits.stream_timeout,
             max_queue: opts.max_queue,
             ids: Arc::new(AtomicU64::new(0)),
         }
     }
 }
 
-/// The router, with the API key check and the body limit.
+/// The router, with the API key check (all but /health, and /metrics when it is open) and
+/// the body limit.
 pub fn router(state: AppState, max_body: usize) -> Router {
-    let api = Router::new()
+    let mut api = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route("/metrics", get(metrics))
-        .layer(middleware::from_fn_with_state(state.clone(), require_key));
-    Router::new()
-        .route("/health", get(health))
-        .merge(api)
+        .route("/v1/models", get(models));
+    let mut open = Router::new().route("/health", get(health));
+    if state.metrics_open {
+        open = open.route("/metrics", get(metrics));
+    } else {
+        api = api.route("/metrics", get(metrics));
+    }
+    let api = api.layer(middleware::from_fn_with_state(state.clone(), require_key));
+    open.merge(api)
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
@@ -81,12 +90,8 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
 
 async fn require_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
-        let given = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(key.as_ref()) {
+        let given = request.headers().get(header::AUTHORIZATION);
+        if !super::auth::authorized(given.map(HeaderValue::as_bytes), key) {
             return error(
                 StatusCode::UNAUTHORIZED,
                 "missing or wrong API key: send Authorization: Bearer KEY",
@@ -100,6 +105,9 @@ async fn health(State(state): State<AppState>) -> Response {
     let s = &state.shared;
     if s.failed.load(Ordering::SeqCst) {
         error(StatusCode::SERVICE_UNAVAILABLE, "the engine failed")
+    } else if s.draining.load(Ordering::SeqCst) {
+        let body = json!({"status": "draining"});
+        (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
     } else if !s.ready.load(Ordering::SeqCst) {
         error(StatusCode::SERVICE_UNAVAILABLE, "loading the model")
     } else {
@@ -214,6 +222,12 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
     if shared.failed.load(Ordering::SeqCst) {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the engine failed");
     }
+    if shared.draining.load(Ordering::SeqCst) {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the server is shutting down",
+        );
+    }
     let accepted = match accept(&state.text, body, kind) {
         Ok(a) => a,
         Err(message) => {
@@ -244,6 +258,7 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
         }
     };
     let (tx, rx) = unbounded_channel();
+    let ending = Arc::new(Ending::default());
     shared
         .metrics
         .prompt_tokens
@@ -255,6 +270,7 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
         accepted: Instant::now(),
         ignore_eos: accepted.params.ignore_eos,
         sampler,
+        ending: ending.clone(),
     };
     if state.jobs.send(job).is_err() {
         shared.queued.fetch_sub(1, Ordering::SeqCst);
@@ -274,9 +290,10 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
         created: now_s(),
         detok: Detok::new(&state.text, accepted.prompt),
         params: accepted.params,
+        ending,
     };
     if out.params.stream {
-        stream_response(out, rx).into_response()
+        stream_response(out, rx, state.stream_timeout).into_response()
     } else {
         whole_response(out, rx).await
     }
@@ -359,6 +376,18 @@ struct Output {
     created: u64,
     detok: Detok,
     params: Params,
+    /// Tells the engine that a stop string ended the request, or that its client stalled.
+    ending: Arc<Ending>,
+}
+
+/// What a request's channel closing early means: the engine went away mid-request (its
+/// thread ended), or the request was cancelled because its client stopped reading.
+fn ended_early(out: &Output) -> String {
+    if out.ending.cancelled() {
+        "cancelled: the client did not read the stream for --stream-timeout".into()
+    } else {
+        "the engine stopped before the request finished".into()
+    }
 }
 
 impl Output {
@@ -396,26 +425,29 @@ impl Output {
 
 /// Waits for every token, then answers with one JSON body.
 async fn whole_response(mut out: Output, mut rx: UnboundedReceiver<Event>) -> Response {
-    let mut finish = "length";
+    let mut finish = None;
     while let Some(event) = rx.recv().await {
         match event {
             Event::Token(t) => {
                 let stop = out.params.stop.clone();
                 if out.detok.push(&out.text, t, &stop).1 {
-                    finish = "stop";
+                    finish = Some("stop");
+                    out.ending.stop();
                     break;
                 }
             }
             Event::Done { eos } => {
-                if eos {
-                    finish = "stop";
-                }
+                finish = Some(if eos { "stop" } else { "length" });
                 out.detok.flush(&out.text);
                 break;
             }
             Event::Error(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
         }
     }
+    // The channel closed without Done: never a truncated 200.
+    let Some(finish) = finish else {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, ended_early(&out));
+    };
     let text = out.detok.sent.clone();
     Json(out.body(&text, Some(finish), false)).into_response()
 }
@@ -429,10 +461,13 @@ enum Phase {
 }
 
 /// One `data:` chunk per token, then the finish chunk, usage if asked, and `[DONE]`.
+/// A client that leaves an event unread for `stall` is cancelled ([`Watched`]).
 fn stream_response(
     out: Output,
     rx: UnboundedReceiver<Event>,
+    stall: Duration,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let ending = out.ending.clone();
     let start = (out, Some(rx), Phase::Tokens);
     let events = stream::unfold(start, |(mut out, mut rx, phase)| async move {
         let data = |v: Value| SseEvent::default().data(v.to_string());
@@ -465,7 +500,10 @@ fn stream_response(
                         Some(Event::Token(t)) => {
                             let stop = out.params.stop.clone();
                             match out.detok.push(&out.text, t, &stop) {
-                                (d, true) => (d, Some("stop")),
+                                (d, true) => {
+                                    out.ending.stop();
+                                    (d, Some("stop"))
+                                }
                                 (d, false) if d.is_empty() => continue,
                                 (d, false) => (d, None),
                             }
@@ -475,6 +513,12 @@ fn stream_response(
                             Some(if eos { "stop" } else { "length" }),
                         ),
                         Some(Event::Error(e)) => {
+                            let body = json!({"error": {"message": e, "type": "server_error", "code": 500}});
+                            return Some((Ok(data(body)), (out, None, Phase::Over)));
+                        }
+                        // The channel closed without Done: an error event, never a silent end.
+                        None if rx.is_some() => {
+                            let e = ended_early(&out);
                             let body = json!({"error": {"message": e, "type": "server_error", "code": 500}});
                             return Some((Ok(data(body)), (out, None, Phase::Over)));
                         }
@@ -495,5 +539,5 @@ fn stream_response(
             }
         }
     });
-    Sse::new(events)
+    Sse::new(Watched::new(events, ending, stall))
 }
