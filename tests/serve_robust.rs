@@ -102,7 +102,10 @@ fn ttft(port: u16) -> f64 {
     }
     let first = t0.elapsed().as_secs_f64();
     let (_, rest) = read_all(s);
-    assert!((seen + &rest).contains("data: [DONE]"), "a stream did not finish");
+    assert!(
+        (seen + &rest).contains("data: [DONE]"),
+        "a stream did not finish"
+    );
     first
 }
 
@@ -141,10 +144,16 @@ fn stalled_connections_close_within_the_header_timeout_and_others_keep_their_ttf
         d * 1e3
     );
     assert_eq!(closed.len(), 64);
-    assert!(first >= header_s * 0.9, "closed before the header timeout: {first}");
+    assert!(
+        first >= header_s * 0.9,
+        "closed before the header timeout: {first}"
+    );
     assert!(last <= header_s + 2.0, "closed {last} s after opening");
     // The other requests were served all along, at their usual pace (loose: a shared CPU).
-    assert!(d <= 5.0 * b + 0.25, "TTFT {d} s with stalled connections, {b} s without");
+    assert!(
+        d <= 5.0 * b + 0.25,
+        "TTFT {d} s with stalled connections, {b} s without"
+    );
     // And still are.
     assert_eq!(server.get("/health").0, 200);
 }
@@ -177,7 +186,10 @@ fn connections_past_the_cap_get_503_and_idle_ones_close() {
     // Three connections are open: a fourth is refused, with Retry-After.
     let (status, text) = exchange(port, &request("GET", "/health", "", &[]));
     assert_eq!(status, 503, "{text}");
-    assert!(text.to_ascii_lowercase().contains("retry-after: 1"), "{text}");
+    assert!(
+        text.to_ascii_lowercase().contains("retry-after: 1"),
+        "{text}"
+    );
     assert!(text.contains("--max-connections"), "{text}");
     drop((holders, first));
     let t0 = Instant::now();
@@ -227,7 +239,10 @@ fn every_request_sees_the_failure(server: &Server) {
         if stream {
             assert_eq!(status, 200, "{text}");
             assert!(text.contains("data: {\"error\""), "no error event: {text}");
-            assert!(!text.contains("[DONE]"), "a failed stream said [DONE]: {text}");
+            assert!(
+                !text.contains("[DONE]"),
+                "a failed stream said [DONE]: {text}"
+            );
         } else {
             assert_eq!(status, 500, "{text}");
             assert!(text.contains("the engine failed"), "{text}");
@@ -315,8 +330,15 @@ fn the_api_key_comes_from_one_source_and_metrics_can_be_open() {
     drop(server);
     // From the environment, with /metrics open.
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_wgpar"));
-    cmd.args(["serve", "--port", "0", "--model", "tiny-gpt2", "--metrics-open"])
-        .env("WGPAR_API_KEY", "k-from-env");
+    cmd.args([
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        "tiny-gpt2",
+        "--metrics-open",
+    ])
+    .env("WGPAR_API_KEY", "k-from-env");
     let server = Server::spawn(cmd, Duration::from_secs(300));
     let models = |auth: &[&str]| exchange(server.port, &request("GET", "/v1/models", "", auth)).0;
     assert_eq!(models(&["Authorization: Bearer k-from-env"]), 200);
@@ -326,7 +348,8 @@ fn the_api_key_comes_from_one_source_and_metrics_can_be_open() {
     // Two sources, or an open /metrics without a key: refused by name before loading.
     let refused = |args: &[&str], env: Option<&str>| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_wgpar"));
-        cmd.args(["serve", "--port", "0", "--model", "tiny-gpt2"]).args(args);
+        cmd.args(["serve", "--port", "0", "--model", "tiny-gpt2"])
+            .args(args);
         match env {
             Some(k) => cmd.env("WGPAR_API_KEY", k),
             None => cmd.env_remove("WGPAR_API_KEY"),
@@ -370,7 +393,9 @@ fn dashboard_metrics(dashboard: &Value, out: &mut Vec<String>) {
 fn the_grafana_dashboard_queries_only_exported_metrics() {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/grafana-wgpar.json");
     let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    assert!(dashboard["panels"].as_array().is_some_and(|p| !p.is_empty()));
+    assert!(dashboard["panels"]
+        .as_array()
+        .is_some_and(|p| !p.is_empty()));
     let mut names = Vec::new();
     dashboard_metrics(&dashboard, &mut names);
     names.sort();
@@ -380,7 +405,10 @@ fn the_grafana_dashboard_queries_only_exported_metrics() {
     let (_, text) = server.get("/metrics");
     let mut compared = 0;
     for name in &names {
-        assert!(metric_in(&text, name).is_some(), "{name} is not in /metrics:\n{text}");
+        assert!(
+            metric_in(&text, name).is_some(),
+            "{name} is not in /metrics:\n{text}"
+        );
         assert!(
             text.contains(&format!("{name}{{model_name=\"tiny-gpt2\"")),
             "{name} has no model_name label"
@@ -388,7 +416,10 @@ fn the_grafana_dashboard_queries_only_exported_metrics() {
         compared += 1;
     }
     assert!(compared >= 10, "the dashboard queries only {names:?}");
-    assert!(!text.contains("prefix_cache"), "a prefix-cache metric without a prefix cache");
+    assert!(
+        !text.contains("prefix_cache"),
+        "a prefix-cache metric without a prefix cache"
+    );
 }
 
 #[test]
@@ -407,7 +438,10 @@ fn health_says_draining_while_requests_in_flight_finish() {
         .collect();
     let t0 = Instant::now();
     while server.metric("wgpar:num_requests_waiting") < 2.0 {
-        assert!(t0.elapsed() < Duration::from_secs(60), "the requests never queued");
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the requests never queued"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
@@ -417,7 +451,10 @@ fn health_says_draining_while_requests_in_flight_finish() {
         if code == 503 {
             break text;
         }
-        assert!(t0.elapsed() < Duration::from_secs(10), "/health never said draining");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "/health never said draining"
+        );
         std::thread::sleep(Duration::from_millis(10));
     };
     assert!(health.contains("draining"), "{health}");
