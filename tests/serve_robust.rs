@@ -469,3 +469,16 @@ fn health_says_draining_while_requests_in_flight_finish() {
     let status = server.wait(Duration::from_secs(60));
     assert!(status.success(), "{status:?}");
 }
+
+#[test]
+fn a_panic_in_a_tensor_parallel_rank_ends_every_request_with_an_error() {
+    let server = launch(&[
+        "--strategy",
+        "tp",
+        "--virtual",
+        "2",
+        "--inject-fault",
+        "rank=1,kind=panic,at=step:40",
+    ]);
+    every_request_sees_the_failure(&server);
+}
