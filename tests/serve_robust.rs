@@ -482,3 +482,78 @@ fn a_panic_in_a_tensor_parallel_rank_ends_every_request_with_an_error() {
     ]);
     every_request_sees_the_failure(&server);
 }
+
+/// A connection to `port` whose receive buffer is the kernel's smallest (set before connecting,
+/// so the window it advertises stays small): a client that will stop reading.
+fn connect_small_window(port: u16) -> TcpStream {
+    use std::os::fd::FromRawFd;
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        assert!(fd >= 0);
+        let size: libc::c_int = 1024;
+        let set = libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            &size as *const _ as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+        assert_eq!(set, 0);
+        let addr = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: port.to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        let done = libc::connect(fd, &addr as *const _ as *const libc::sockaddr, len);
+        assert_eq!(done, 0, "connect: {}", std::io::Error::last_os_error());
+        TcpStream::from_raw_fd(fd)
+    }
+}
+
+#[test]
+fn a_stream_left_unread_is_cancelled_and_frees_its_slot() {
+    let server = launch(&[
+        "--max-seq",
+        "4096",
+        "--stream-timeout",
+        "1",
+        "--max-batch",
+        "2",
+    ]);
+    let mut s = connect_small_window(server.port);
+    // Far more events than the socket buffers hold (about 170 bytes each).
+    let body = r#"{"prompt":"t1 t2","max_tokens":4000,"ignore_eos":true,"stream":true}"#;
+    s.write_all(request("POST", "/v1/completions", body, &[]).as_bytes())
+        .unwrap();
+    let mut head = [0u8; 64];
+    s.read_exact(&mut head).unwrap();
+    assert!(head.starts_with(b"HTTP/1.1 200"));
+    // The client reads nothing more.
+    let t0 = Instant::now();
+    while server.metric("wgpar:requests_cancelled_total") < 1.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the stalled stream was never cancelled"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let t0 = Instant::now();
+    while server.metric("wgpar:kv_slots_used") != 0.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "its slot was not freed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // It was cut short, not finished.
+    assert!(server.metric("wgpar:generation_tokens_total") < 4000.0);
+    assert_eq!(server.metric("wgpar:request_success_total"), 0.0);
+    drop(s);
+    // The server goes on serving.
+    let ok = r#"{"prompt":"t1 t2","max_tokens":3}"#;
+    assert_eq!(server.post("/v1/completions", ok).0, 200);
+}

@@ -165,12 +165,10 @@ pub fn run(opts: ServerOptions, text: TextModel, build: EngineBuilder) -> Result
 }
 
 async fn listen(opts: &ServerOptions, state: routes::AppState, shared: Arc<Shared>) -> Result<()> {
-    let listener = tokio::net::TcpListener::bind(opts.addr)
-        .await
-        .map_err(|source| WgparError::Io {
-            path: format!("listening on {}", opts.addr),
-            source,
-        })?;
+    let listener = limits::bind(opts.addr).map_err(|source| WgparError::Io {
+        path: format!("listening on {}", opts.addr),
+        source,
+    })?;
     let bound = listener.local_addr().map_err(|source| WgparError::Io {
         path: format!("listening on {}", opts.addr),
         source,
