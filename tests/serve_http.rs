@@ -490,7 +490,8 @@ fn sigterm_drains_and_exits_0() {
                 "Content-Type: application/json",
                 "-d",
             ])
-            .arg(r#"{"prompt":"t3 t4","max_tokens":40,"stream":true}"#)
+            // Long and past end tokens, so it is still running when the poll below looks.
+            .arg(r#"{"prompt":"t3 t4","max_tokens":90,"ignore_eos":true,"stream":true}"#)
             .arg(format!("http://127.0.0.1:{port}/v1/completions"))
             .output()
             .unwrap();
