@@ -36,7 +36,7 @@ pub fn resolve(sources: KeySources<'_>) -> Result<Option<String>> {
         return Err(WgparError::option(
             given[1],
             format!(
-                "{} are both given: give the API key one way",
+                "{} are given together: give the API key one way",
                 given.join(" and ")
             ),
         ));
