@@ -285,8 +285,8 @@ fn dropped_streams_free_their_slots() {
     let out = client(&server, &["cancel", "4", "t9 t8 t7"]);
     assert_eq!(out["firsts"].as_array().unwrap().len(), 4);
     let t0 = Instant::now();
-    while server.metric("wgpar_kv_slots_used") != 0.0
-        || server.metric("wgpar_requests_cancelled_total") < 4.0
+    while server.metric("wgpar:kv_slots_used") != 0.0
+        || server.metric("wgpar:requests_cancelled_total") < 4.0
     {
         assert!(t0.elapsed() < Duration::from_secs(30), "slots not freed");
         std::thread::sleep(Duration::from_millis(100));
@@ -492,14 +492,15 @@ fn sigterm_drains_and_exits_0() {
                 "Content-Type: application/json",
                 "-d",
             ])
-            .arg(r#"{"prompt":"t3 t4","max_tokens":40,"stream":true}"#)
+            // Long and past end tokens, so it is still running when the poll below looks.
+            .arg(r#"{"prompt":"t3 t4","max_tokens":90,"ignore_eos":true,"stream":true}"#)
             .arg(format!("http://127.0.0.1:{port}/v1/completions"))
             .output()
             .unwrap();
         String::from_utf8_lossy(&out.stdout).into_owned()
     });
     let t0 = Instant::now();
-    while server.metric("wgpar_num_requests_running") < 1.0 {
+    while server.metric("wgpar:num_requests_running") < 1.0 {
         assert!(
             t0.elapsed() < Duration::from_secs(30),
             "the request never ran"
@@ -568,9 +569,9 @@ fn bench_serve_url_drives_the_server() {
     assert_eq!(v["metrics"]["completed"], 12, "{out}");
     assert_eq!(v["metrics"]["failed"], 0, "{out}");
     // Once all are done, the gauges say so.
-    assert_eq!(server.metric("wgpar_requests_finished_total"), 12.0);
-    assert_eq!(server.metric("wgpar_kv_slots_used"), 0.0);
-    assert_eq!(server.metric("wgpar_num_requests_running"), 0.0);
+    assert_eq!(server.metric("wgpar:request_success_total"), 12.0);
+    assert_eq!(server.metric("wgpar:kv_slots_used"), 0.0);
+    assert_eq!(server.metric("wgpar:num_requests_running"), 0.0);
     // ignore_eos: every request gets its drawn output length; the in-process run agrees.
     let (ok, local, err) = common::wgpar(&[
         "bench",

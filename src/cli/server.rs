@@ -3,6 +3,7 @@
 //! builder of the engine to the server.
 
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,9 +13,13 @@ use wgpar::device::{Adapters, DType};
 use wgpar::model::hf::{Checkpoint, TextTokenizer};
 use wgpar::model::memory::Workload;
 use wgpar::model::ModelConfig;
+use wgpar::parallel::Fault;
 use wgpar::parallel::{build_step_engine, Schedule, StepEngine, Strategy};
 use wgpar::serve::{serve, Length, Rate, ServeOptions, WorkloadSpec};
-use wgpar::server::{BatchOptions, ChatTemplate, EngineBuilder, ServerOptions, TextModel};
+use wgpar::server::auth::{self, KeySources};
+use wgpar::server::{
+    BatchOptions, ChatTemplate, ConnLimits, EngineBuilder, ServerOptions, TextModel,
+};
 use wgpar::sim::LinkPacer;
 use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
@@ -49,9 +54,33 @@ pub struct ServerArgs {
     /// Requests that may wait for a KV slot; beyond, 503 with Retry-After.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
-    /// Require `Authorization: Bearer KEY` on every route but /health.
+    /// Require `Authorization: Bearer KEY` on every route but /health (visible in `ps`:
+    /// prefer --api-key-file or the WGPAR_API_KEY variable).
     #[arg(long, value_name = "KEY")]
     api_key: Option<String>,
+    /// Read the API key from the first line of FILE.
+    #[arg(long, value_name = "FILE")]
+    api_key_file: Option<PathBuf>,
+    /// Serve /metrics without the API key (for a scraper that sends none).
+    #[arg(long)]
+    metrics_open: bool,
+    /// Seconds a connection gets to send a whole request head (from its opening, or from the
+    /// end of its previous response).
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout: f64,
+    /// Seconds a kept-alive connection may stay idle between requests.
+    #[arg(long, default_value_t = 5.0)]
+    keep_alive_timeout: f64,
+    /// Seconds a request body may pause between its pieces.
+    #[arg(long, default_value_t = 30.0)]
+    body_timeout: f64,
+    /// Open connections served at once; a connection beyond gets 503 with Retry-After.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Seconds a streaming client may leave an event unread before its request is cancelled
+    /// and its KV slot freed.
+    #[arg(long, default_value_t = 60.0)]
+    stream_timeout: f64,
     /// Largest request body, bytes.
     #[arg(long, default_value_t = 1 << 20)]
     max_body: usize,
@@ -66,7 +95,8 @@ pub struct ServerArgs {
     #[arg(long, value_name = "PROFILE|ALPHA_US:BETA_GBPS")]
     pub(super) pace: Option<String>,
     /// Make a worker fail after warm-up (tests of the failure path), as `run --inject-fault`:
-    /// e.g. `stage=1,kind=error,at=step:0`.
+    /// e.g. `stage=1,kind=error,at=step:0`; or the engine thread itself, on any strategy:
+    /// `engine,kind=panic,at=step:2`.
     #[arg(long, value_name = "SPEC")]
     pub(super) inject_fault: Option<String>,
     /// The model name `/v1/models` lists and requests' `model` must give (default: the
@@ -104,6 +134,7 @@ fn check_options(args: &ServerArgs) -> Result<()> {
             "--shutdown-timeout must be within 0..=86400 seconds".into(),
         ));
     }
+    check_limits(args)?;
     if args.strategy.schedule() == Schedule::GPipe {
         return Err(WgparError::unsupported(
             "--schedule gpipe does not apply to serve: requests join and leave the running \
@@ -112,6 +143,86 @@ fn check_options(args: &ServerArgs) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Longest timeout the server takes, seconds (a day).
+const MAX_TIMEOUT_S: f64 = 86400.0;
+
+/// Checks the connection limits, and that --metrics-open has a key to be open from.
+fn check_limits(args: &ServerArgs) -> Result<()> {
+    let timeouts = [
+        ("--header-timeout", args.header_timeout),
+        ("--keep-alive-timeout", args.keep_alive_timeout),
+        ("--body-timeout", args.body_timeout),
+        ("--stream-timeout", args.stream_timeout),
+    ];
+    for (name, t) in timeouts {
+        if !(t > 0.0 && t <= MAX_TIMEOUT_S) {
+            return Err(WgparError::option(
+                name,
+                format!("{name} {t} must be within (0, {MAX_TIMEOUT_S}] seconds"),
+            ));
+        }
+    }
+    if args.max_connections == 0 || args.max_connections > MAX_QUEUE {
+        return Err(WgparError::option(
+            "--max-connections",
+            format!("--max-connections must be within 1..={MAX_QUEUE}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The connection limits the options give (checked by `check_limits`).
+fn conn_limits(args: &ServerArgs) -> ConnLimits {
+    ConnLimits {
+        header_timeout: Duration::from_secs_f64(args.header_timeout),
+        keep_alive_timeout: Duration::from_secs_f64(args.keep_alive_timeout),
+        body_timeout: Duration::from_secs_f64(args.body_timeout),
+        max_connections: args.max_connections,
+        stream_timeout: Duration::from_secs_f64(args.stream_timeout),
+    }
+}
+
+/// The API key from --api-key, --api-key-file or WGPAR_API_KEY (one of them), and whether
+/// /metrics is open; --metrics-open without a key does not apply.
+fn api_key(args: &ServerArgs) -> Result<Option<String>> {
+    let key = auth::resolve(KeySources {
+        flag: args.api_key.as_deref(),
+        file: args.api_key_file.as_deref(),
+        env: std::env::var(auth::KEY_VAR).ok(),
+    })?;
+    if args.metrics_open && key.is_none() {
+        return Err(WgparError::option(
+            "--metrics-open",
+            "--metrics-open applies with an API key (--api-key, --api-key-file or \
+             WGPAR_API_KEY): without one, every route is open already"
+                .into(),
+        ));
+    }
+    Ok(key)
+}
+
+/// The engine-thread fault of `--inject-fault engine,kind=...,at=step:N`, if that is the
+/// spec (the stage and rank faults are `run`'s).
+fn engine_fault(args: &ServerArgs) -> Result<Option<Fault>> {
+    match args.inject_fault.as_deref().map(str::trim) {
+        Some(spec) if spec == "engine" || spec.starts_with("engine,") => {
+            let rest = spec.trim_start_matches("engine").trim_start_matches(',');
+            // The same keys as a stage's fault, for a worker that is the engine thread.
+            let fault = FaultSpec::parse(&format!("stage=0,{rest}"))?.fault;
+            if fault.kind == wgpar::parallel::FaultKind::LoseDevice {
+                return Err(WgparError::option(
+                    "--inject-fault",
+                    "--inject-fault engine: kind=device-lost needs a stage or a rank (the \
+                     engine thread owns no device of its own)"
+                        .into(),
+                ));
+            }
+            Ok(Some(fault))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// What a server needs besides its engine: the model's shape, its text side, and the
@@ -131,12 +242,15 @@ pub(super) fn prepare(args: &ServerArgs) -> Result<Prepared> {
     let opts = ServerOptions {
         addr: SocketAddr::new(args.host, args.port),
         max_queue: args.max_queue,
-        api_key: args.api_key.clone(),
+        api_key: api_key(args)?,
+        metrics_open: args.metrics_open,
+        limits: conn_limits(args),
         max_body: args.max_body,
         shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),
         batch: BatchOptions {
             slots: args.max_batch,
             max_prefill_tokens: args.max_prefill_tokens,
+            fault: engine_fault(args)?,
         },
     };
     Ok(Prepared { config, text, opts })
@@ -151,6 +265,7 @@ pub fn run(args: &ServerArgs) -> Result<()> {
     let strategy =
         super::bench_serve::serving_strategy(&args.strategy, selected.len(), args.max_batch)?;
     let fault = match &args.inject_fault {
+        Some(_) if opts.batch.fault.is_some() => None,
         Some(t) => {
             let spec = FaultSpec::parse(t)?;
             spec.check(&strategy, selected.len())?;

@@ -1,6 +1,8 @@
 //! What a serving run achieved, as vLLM's `benchmark_serving` reports it: request and token
-//! throughput, time to first token (TTFT), time per output token after the first (TPOT) and
-//! end-to-end latency percentiles; plus the bubble and communication shares of the devices.
+//! throughput, time to first token (TTFT), time per output token after the first (TPOT),
+//! inter-token latency (ITL: every gap between two successive tokens of a request, pooled over
+//! the requests, and the longest) and end-to-end latency percentiles; plus the bubble and
+//! communication shares of the devices. A latency with no sample is `n/a` (JSON `null`), never 0.
 
 use serde::Serialize;
 
@@ -26,6 +28,9 @@ pub struct RequestOutcome {
     pub first_token_s: Option<f64>,
     /// Last token sampled, seconds after the start of the run.
     pub done_s: Option<f64>,
+    /// When each generated token was sampled, seconds after the start of the run.
+    #[serde(skip)]
+    pub token_s: Vec<f64>,
     /// Arrival on the recorder's clock, microseconds since its epoch.
     #[serde(skip)]
     pub arrival_us: f64,
@@ -66,10 +71,18 @@ pub struct Percentiles {
 }
 
 impl Percentiles {
-    /// Of `values` (all zero when empty).
+    /// No sample: every figure NaN, printed `n/a` and serialized as JSON `null`.
+    pub const NONE: Self = Self {
+        mean: f64::NAN,
+        p50: f64::NAN,
+        p90: f64::NAN,
+        p99: f64::NAN,
+    };
+
+    /// Of `values` ([`Percentiles::NONE`] when empty).
     pub fn of(values: &[f64]) -> Self {
         if values.is_empty() {
-            return Self::default();
+            return Self::NONE;
         }
         let p = |q| percentile(values, q).unwrap_or(0.0);
         Self {
@@ -104,6 +117,10 @@ pub struct ServeMetrics {
     pub ttft_ms: Percentiles,
     /// Time per output token after the first, ms (requests of one token have none).
     pub tpot_ms: Percentiles,
+    /// Gaps between successive tokens of a request, pooled over the requests, ms.
+    pub itl_ms: Percentiles,
+    /// The longest gap between two successive tokens of any request, ms (NaN: none).
+    pub max_itl_ms: f64,
     /// Arrival to last token, ms.
     pub e2e_ms: Percentiles,
     /// Device-time not spent computing, over the run.
@@ -154,10 +171,20 @@ impl ServeMetrics {
                 .filter(|t| t.output_tokens > 1)
                 .map(|t| (t.done_s - t.first_s) / (t.output_tokens - 1) as f64)
                 .collect()),
+            itl_ms: Percentiles::NONE,
+            max_itl_ms: f64::NAN,
             e2e_ms: ms(timings.iter().map(|t| t.done_s - t.arrival_s).collect()),
             bubble_share: summary.bubble_share,
             comm_share: summary.comm_share,
         }
+    }
+
+    /// With the inter-token figures of `gaps`, seconds (every gap of every request).
+    pub fn with_gaps(mut self, gaps: &[f64]) -> Self {
+        let ms: Vec<f64> = gaps.iter().map(|g| g * 1e3).collect();
+        self.itl_ms = Percentiles::of(&ms);
+        self.max_itl_ms = ms.iter().copied().fold(f64::NAN, f64::max);
+        self
     }
 
     /// The figures as a vLLM-style block of lines.
@@ -181,17 +208,13 @@ impl ServeMetrics {
             "Total token throughput (tok/s):",
             format!("{:.2}", self.total_tokens_per_s),
         );
-        for (name, p) in [
-            ("Time to First Token", &self.ttft_ms),
-            ("Time per Output Token (excl. 1st)", &self.tpot_ms),
-            ("End-to-end Latency", &self.e2e_ms),
+        for (name, short, p) in [
+            ("Time to First Token", "TTFT", &self.ttft_ms),
+            ("Time per Output Token (excl. 1st)", "TPOT", &self.tpot_ms),
+            ("Inter-token Latency", "ITL", &self.itl_ms),
+            ("End-to-end Latency", "E2E", &self.e2e_ms),
         ] {
             s.push_str(&format!("{:-^54}\n", format!(" {name} ")));
-            let short = match name {
-                "Time to First Token" => "TTFT",
-                "End-to-end Latency" => "E2E",
-                _ => "TPOT",
-            };
             for (q, v) in [
                 ("Mean", p.mean),
                 ("Median", p.p50),
@@ -199,10 +222,14 @@ impl ServeMetrics {
                 ("P99", p.p99),
             ] {
                 s.push_str(&format!(
-                    "{:<40}{:>14.2}\n",
+                    "{:<40}{:>14}\n",
                     format!("{q} {short} (ms):"),
-                    v
+                    ms2(v)
                 ));
+            }
+            if short == "ITL" {
+                let longest = ms2(self.max_itl_ms);
+                s.push_str(&format!("{:<40}{longest:>14}\n", "Max ITL (ms):"));
             }
         }
         s.push_str(&format!("{:-^54}\n", " Devices "));
@@ -217,6 +244,22 @@ impl ServeMetrics {
         s.push('\n');
         s
     }
+}
+
+/// A latency in ms with two decimals, or `n/a` when there was no sample.
+fn ms2(v: f64) -> String {
+    if v.is_nan() {
+        "n/a".into()
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+/// Every gap between successive token times of each request, seconds.
+pub fn token_gaps(outcomes: &[RequestOutcome]) -> Vec<f64> {
+    (outcomes.iter())
+        .flat_map(|o| o.token_s.windows(2).map(|w| w[1] - w[0]))
+        .collect()
 }
 
 #[cfg(test)]
@@ -274,5 +317,57 @@ mod tests {
         }
         let empty = ServeMetrics::from_timings(&[], 2, &Timeline::new().summary());
         assert_eq!((empty.completed, empty.duration_s), (0, 0.0));
+        // No sample is n/a, never 0: in the text, and null in JSON.
+        let text = empty.lines("x");
+        for want in ["Median TTFT (ms):", "P99 ITL (ms):", "Max ITL (ms):"] {
+            let line = text.lines().find(|l| l.starts_with(want)).unwrap();
+            assert!(line.ends_with("n/a"), "{line}");
+        }
+        let json = serde_json::to_value(&empty).unwrap();
+        assert!(
+            json["itl_ms"]["p50"].is_null() && json["max_itl_ms"].is_null(),
+            "{json}"
+        );
+        assert!(json["ttft_ms"]["p99"].is_null(), "{json}");
+    }
+
+    #[test]
+    fn inter_token_latency_pools_every_gap() {
+        let outcome = |token_s: Vec<f64>| RequestOutcome {
+            id: 0,
+            arrival_s: 0.0,
+            prompt_len: 1,
+            max_new: token_s.len(),
+            tokens: vec![0; token_s.len()],
+            error: None,
+            first_token_s: token_s.first().copied(),
+            done_s: token_s.last().copied(),
+            token_s,
+            arrival_us: 0.0,
+            first_span: SpanId::NONE,
+            last_span: SpanId::NONE,
+        };
+        // Gaps 0.1, 0.1, 2.0 (a stall) and 0.3; a one-token request has none.
+        let outcomes = [
+            outcome(vec![1.0, 1.1, 1.2, 3.2]),
+            outcome(vec![0.5, 0.8]),
+            outcome(vec![4.0]),
+        ];
+        let gaps = token_gaps(&outcomes);
+        assert_eq!(gaps.len(), 4);
+        let m = ServeMetrics::default().with_gaps(&gaps);
+        assert!((m.max_itl_ms - 2000.0).abs() < 1e-6, "{}", m.max_itl_ms);
+        assert!(
+            (m.itl_ms.mean - 2500.0 / 4.0).abs() < 1e-6,
+            "{:?}",
+            m.itl_ms
+        );
+        let want_p50 = percentile(&[100.0, 100.0, 2000.0, 300.0], 50.0).unwrap();
+        assert!((m.itl_ms.p50 - want_p50).abs() < 1e-6, "{:?}", m.itl_ms);
+        let text = m.lines("x");
+        assert!(
+            text.contains("Max ITL (ms):") && text.contains("2000.00"),
+            "{text}"
+        );
     }
 }

@@ -217,6 +217,7 @@ impl<'a> State<'a> {
                     error: None,
                     first_token_s: None,
                     done_s: None,
+                    token_s: Vec::new(),
                     arrival_us: 0.0,
                     first_span: SpanId::NONE,
                     last_span: SpanId::NONE,
@@ -294,7 +295,8 @@ impl<'a> State<'a> {
             })
             .collect();
         let failed = self.outcomes.iter().filter(|o| o.error.is_some()).count();
-        let metrics = ServeMetrics::from_timings(&timings, failed, &timeline.summary());
+        let metrics = ServeMetrics::from_timings(&timings, failed, &timeline.summary())
+            .with_gaps(&metrics::token_gaps(&self.outcomes));
         ServeRun {
             engine: engine.name(),
             lanes: self.lanes.len(),
@@ -443,6 +445,7 @@ impl State<'_> {
             };
             s.next = token;
             self.outcomes[s.request].tokens.push(token);
+            self.outcomes[s.request].token_s.push(now);
         }
         for s in seqs {
             let out = &mut self.outcomes[s.request];

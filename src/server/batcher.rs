@@ -4,22 +4,23 @@
 //!
 //! The thread owns the engine (engines are not `Send`; it builds its own). A request whose
 //! receiver is gone (the client disconnected, or a stop string ended it) leaves its lane at
-//! the lane's next step boundary and frees its KV slot. An engine error ends every request
-//! with that error and marks the server failed.
+//! the lane's next step boundary and frees its KV slot. An engine error, or a panic on this
+//! thread, ends every request with that error and marks the server failed.
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{Receiver, RecvTimeoutError, TryRecvError};
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::metrics::Metrics;
+use super::metrics::{Finish, Metrics};
 use super::Shared;
 use crate::error::Result;
 use crate::model::sampling::{Picked, RequestPicker, TokenLogprobs};
-use crate::parallel::{BatchStep, SeqRow, StepDone, StepEngine};
+use crate::parallel::{BatchStep, Fault, FaultKind, SeqRow, StepDone, StepEngine};
 
 /// What the engine sends a request.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,6 +60,45 @@ pub struct Job {
     /// [`Event::Scored`]) rather than picked: the rest of an echoed prompt whose own log-probs
     /// were asked. Generation starts after the last. Needs a `picker`.
     pub score: Vec<u32>,
+    /// How the HTTP side ended it early, if it did.
+    pub ending: Arc<Ending>,
+}
+
+/// How the HTTP side ends a request before the engine does; the engine reads it at step
+/// boundaries, frees the request's slot, and counts it as finished (a stop string) or
+/// cancelled (a client that stopped reading).
+#[derive(Debug, Default)]
+pub struct Ending {
+    stopped: AtomicBool,
+    cancelled: AtomicBool,
+}
+
+impl Ending {
+    /// A stop string ended the request: it finished.
+    pub fn stop(&self) {
+        self.stopped.store(true, Ordering::SeqCst);
+    }
+
+    /// The request is abandoned (its client stopped reading).
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether [`Ending::cancel`] was called.
+    pub fn cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::SeqCst)
+    }
+
+    fn stopped(&self) -> bool {
+        self.stopped.load(Ordering::SeqCst)
+    }
+}
+
+impl Job {
+    /// Its receiver is gone or the HTTP side ended it: it leaves at the next step boundary.
+    fn ended(&self) -> bool {
+        self.events.is_closed() || self.ending.cancelled() || self.ending.stopped()
+    }
 }
 
 struct Seq {
@@ -70,6 +110,8 @@ struct Seq {
     /// Tokens of `job.score` fed so far.
     scored: usize,
     first_at: Option<Instant>,
+    /// When its last token came (for the inter-token latency).
+    last_at: Option<Instant>,
 }
 
 enum Flight {
@@ -90,6 +132,9 @@ pub struct BatchOptions {
     pub slots: usize,
     /// Most prompt tokens one prefill step takes (a longer prompt still runs, alone).
     pub max_prefill_tokens: usize,
+    /// Make the engine thread itself fail after `after` steps (tests of the failure path:
+    /// `serve --inject-fault engine,kind=panic,at=step:N`).
+    pub fault: Option<Fault>,
 }
 
 /// The scheduler's state between steps.
@@ -99,13 +144,15 @@ struct Batcher {
     waiting: VecDeque<Job>,
     per_lane: usize,
     opts: BatchOptions,
+    /// Token places of the KV cache over every slot.
+    kv_tokens: usize,
     eos: Vec<u32>,
     metrics: Arc<Metrics>,
     shared: Arc<Shared>,
 }
 
 /// Runs the engine loop until `jobs` closes and every request has finished, or the engine
-/// fails (then every request gets the error and the server is marked failed).
+/// fails or panics (then every request gets the error and the server is marked failed).
 pub fn run(
     engine: &mut dyn StepEngine,
     jobs: &Receiver<Job>,
@@ -122,19 +169,28 @@ pub fn run(
         waiting: VecDeque::new(),
         per_lane: opts.slots.div_ceil(engine.lanes().max(1)),
         opts,
+        kv_tokens: opts.slots * engine.model_config().max_seq,
         eos,
         metrics,
         shared,
     };
-    if let Err(e) = b.serve(engine, jobs) {
-        b.fail(&e.to_string());
-        // Whatever arrives later gets the error too, until the listener closes.
-        while let Ok(job) = jobs.recv() {
-            b.shared.queued.fetch_sub(1, Ordering::SeqCst);
-            let _ = job
-                .events
-                .send(Event::Error(format!("the engine failed: {e}")));
-        }
+    // A panic leaves the engine in an unknown state: it is never stepped again.
+    let why = match std::panic::catch_unwind(AssertUnwindSafe(|| b.serve(engine, jobs))) {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e.to_string(),
+        Err(panic) => format!(
+            "the engine thread panicked: {}",
+            crate::threads::panic_message(panic.as_ref()).unwrap_or("(no message)")
+        ),
+    };
+    b.fail(&why);
+    // Whatever arrives later gets the error too, until the listener closes.
+    while let Ok(job) = jobs.recv() {
+        b.shared.queued.fetch_sub(1, Ordering::SeqCst);
+        b.metrics.failed.inc();
+        let _ = job
+            .events
+            .send(Event::Error(format!("the engine failed: {why}")));
     }
 }
 
@@ -185,6 +241,7 @@ impl Batcher {
                 self.finish(done)?;
                 self.publish();
                 steps += 1;
+                self.injected_fault(steps)?;
                 if steps.is_multiple_of(16) {
                     self.account(engine);
                 }
@@ -205,10 +262,24 @@ impl Batcher {
             .sum()
     }
 
-    /// Requests whose client went away leave idle lanes and the queue; their slots free.
+    /// The fault `--inject-fault engine,...` asked for, after `steps` steps.
+    fn injected_fault(&self, steps: usize) -> Result<()> {
+        match self.opts.fault {
+            Some(Fault { after, kind }) if steps > after => match kind {
+                FaultKind::Panic => panic!("injected panic on the engine thread, step {steps}"),
+                _ => Err(crate::WgparError::Internal(format!(
+                    "injected error on the engine thread, step {steps}"
+                ))),
+            },
+            _ => Ok(()),
+        }
+    }
+
+    /// Requests whose client went away, or that the HTTP side ended, leave idle lanes and the
+    /// queue; their slots free. One a stop string ended counts as finished, not cancelled.
     fn drop_cancelled(&mut self) {
         let before = self.waiting.len();
-        self.waiting.retain(|j| !j.events.is_closed());
+        self.waiting.retain(|j| !j.ended());
         let gone = before - self.waiting.len();
         if gone > 0 {
             self.shared.queued.fetch_sub(gone, Ordering::SeqCst);
@@ -217,11 +288,16 @@ impl Batcher {
         for lane in self.lanes.iter_mut().filter(|l| l.busy.is_none()) {
             let (keep, gone): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut lane.seqs)
                 .into_iter()
-                .partition(|s| !s.job.events.is_closed());
+                .partition(|s| !s.job.ended());
             lane.seqs = keep;
             for s in gone {
                 self.free.push(s.slot);
-                self.metrics.cancelled.inc();
+                if s.job.ending.stopped() && !s.job.ending.cancelled() {
+                    let m = &self.metrics;
+                    m.observe_done(s.job.accepted, s.first_at, s.generated, Finish::Stop);
+                } else {
+                    self.metrics.cancelled.inc();
+                }
             }
         }
     }
@@ -244,6 +320,7 @@ impl Batcher {
                 }
                 let job = self.waiting.pop_front()?;
                 self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                self.metrics.observe_scheduled(job.accepted);
                 let slot = self.free.pop()?;
                 rows.push(SeqRow { slot, past: 0 });
                 ids.extend_from_slice(&job.prompt);
@@ -255,6 +332,7 @@ impl Batcher {
                     generated: 0,
                     scored: 0,
                     first_at: None,
+                    last_at: None,
                 });
             }
             let step = BatchStep {
@@ -363,10 +441,12 @@ impl Batcher {
         let token = picked.id;
         s.next = token;
         s.generated += 1;
-        if s.first_at.is_none() {
-            s.first_at = Some(now);
-            self.metrics.observe_first(&s.job);
+        match s.last_at {
+            None => self.metrics.observe_first(s.job.accepted),
+            Some(last) => self.metrics.observe_gap((now - last).as_secs_f64()),
         }
+        s.first_at.get_or_insert(now);
+        s.last_at = Some(now);
         let eos =
             (!s.job.ignore_eos && self.eos.contains(&token)) || s.job.stop_ids.contains(&token);
         if !eos {
@@ -384,7 +464,8 @@ impl Batcher {
     /// A request has its tokens: it hears so and its slot frees.
     fn end(&mut self, s: Seq, eos: bool) {
         let _ = s.job.events.send(Event::Done { eos });
-        self.metrics.observe_done(&s.job, s.first_at, s.generated);
+        let why = if eos { Finish::Stop } else { Finish::Length };
+        (self.metrics).observe_done(s.job.accepted, s.first_at, s.generated, why);
         self.free.push(s.slot);
     }
 
@@ -398,7 +479,8 @@ impl Batcher {
         }
     }
 
-    /// Gauges: requests running and waiting, KV slots in use.
+    /// Gauges: requests running and waiting, KV slots in use, and the share of the cache's
+    /// token places that running sequences hold (a prefill in flight holds its prompt).
     fn publish(&self) {
         let running = self.running() as i64;
         self.metrics.running.set(running);
@@ -406,6 +488,16 @@ impl Batcher {
         self.metrics
             .kv_slots_used
             .set((self.opts.slots - self.free.len()) as i64);
+        let held: usize = (self.lanes.iter())
+            .map(|l| {
+                let prefill = match &l.busy {
+                    Some(Flight::Prefill(s)) => s.iter().map(|s| s.job.prompt.len()).sum(),
+                    _ => 0,
+                };
+                l.seqs.iter().map(|s| s.past + 1).sum::<usize>() + prefill
+            })
+            .sum();
+        (self.metrics.kv_usage).set(held as f64 / self.kv_tokens.max(1) as f64);
     }
 
     /// Ends every request with `why` and marks the server failed.
@@ -415,6 +507,7 @@ impl Batcher {
         eprintln!("error: {message}");
         for job in self.waiting.drain(..) {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            self.metrics.failed.inc();
             let _ = job.events.send(Event::Error(message.clone()));
         }
         for lane in &mut self.lanes {
@@ -423,10 +516,13 @@ impl Batcher {
                 _ => Vec::new(),
             };
             for s in lane.seqs.drain(..).chain(in_flight) {
+                self.metrics.failed.inc();
                 let _ = s.job.events.send(Event::Error(message.clone()));
             }
         }
         self.metrics.running.set(0);
         self.metrics.waiting.set(0);
+        self.metrics.kv_slots_used.set(0);
+        self.metrics.kv_usage.set(0.0);
     }
 }

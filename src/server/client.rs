@@ -1,6 +1,6 @@
 //! `bench serve --url`: the same seeded workload as the in-process benchmark, sent to any
 //! OpenAI-compatible server as streamed `/v1/completions` of token ids; TTFT is taken at the
-//! first streamed token.
+//! first streamed token, inter-token latency between successive streamed chunks of text.
 
 use std::time::{Duration, Instant};
 
@@ -17,6 +17,8 @@ pub struct HttpOutcome {
     pub timing: Option<Timing>,
     /// Why it failed.
     pub error: Option<String>,
+    /// Seconds between successive streamed chunks of text.
+    pub gaps: Vec<f64>,
 }
 
 /// Sends `requests` to `url` (`http://HOST:PORT`) at their arrival times; `progress(done)`.
@@ -52,7 +54,12 @@ pub fn run_http(
     });
     let timings: Vec<Timing> = outcomes.iter().filter_map(|o| o.timing).collect();
     let failed = outcomes.len() - timings.len();
-    let metrics = ServeMetrics::from_timings(&timings, failed, &Timeline::default().summary());
+    let gaps: Vec<f64> = outcomes
+        .iter()
+        .flat_map(|o| o.gaps.iter().copied())
+        .collect();
+    let metrics = ServeMetrics::from_timings(&timings, failed, &Timeline::default().summary())
+        .with_gaps(&gaps);
     Ok((metrics, outcomes))
 }
 
@@ -67,7 +74,12 @@ async fn one(
         "stream": true, "ignore_eos": true, "temperature": 0,
         "stream_options": {"include_usage": true}});
     match stream(client, endpoint, &body, t0).await {
-        Ok((first_s, done_s, output_tokens)) => HttpOutcome {
+        Ok(Streamed {
+            first_s,
+            done_s,
+            output_tokens,
+            gaps,
+        }) => HttpOutcome {
             timing: Some(Timing {
                 arrival_s: r.arrival_s,
                 first_s,
@@ -76,21 +88,31 @@ async fn one(
                 output_tokens,
             }),
             error: None,
+            gaps,
         },
         Err(e) => HttpOutcome {
             timing: None,
             error: Some(e),
+            gaps: Vec::new(),
         },
     }
 }
 
-/// Reads one SSE stream: (first token s, end s, tokens).
+/// What one SSE stream gave.
+struct Streamed {
+    first_s: f64,
+    done_s: f64,
+    output_tokens: usize,
+    gaps: Vec<f64>,
+}
+
+/// Reads one SSE stream.
 async fn stream(
     client: &reqwest::Client,
     endpoint: &str,
     body: &Value,
     t0: Instant,
-) -> std::result::Result<(f64, f64, usize), String> {
+) -> std::result::Result<Streamed, String> {
     let mut resp = client
         .post(endpoint)
         .header("Content-Type", "application/json")
@@ -106,6 +128,7 @@ async fn stream(
         ));
     }
     let (mut first, mut chunks, mut usage) = (None, 0usize, None);
+    let (mut last, mut gaps) = (None::<f64>, Vec::new());
     let mut pending = String::new();
     while let Some(bytes) = resp.chunk().await.map_err(|e| e.to_string())? {
         pending.push_str(&String::from_utf8_lossy(&bytes));
@@ -122,7 +145,10 @@ async fn stream(
                 }
                 let text = v["choices"][0]["text"].as_str().unwrap_or_default();
                 if !text.is_empty() {
-                    first.get_or_insert(t0.elapsed().as_secs_f64());
+                    let now = t0.elapsed().as_secs_f64();
+                    first.get_or_insert(now);
+                    gaps.extend(last.map(|l| now - l));
+                    last = Some(now);
                     chunks += 1;
                 }
                 if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
@@ -133,5 +159,10 @@ async fn stream(
     }
     let done = t0.elapsed().as_secs_f64();
     let first = first.ok_or("no token streamed")?;
-    Ok((first, done, usage.unwrap_or(chunks)))
+    Ok(Streamed {
+        first_s: first,
+        done_s: done,
+        output_tokens: usage.unwrap_or(chunks),
+        gaps,
+    })
 }

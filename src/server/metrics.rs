@@ -1,16 +1,37 @@
 //! `GET /metrics`: the server's figures in Prometheus text format (prometheus-client), named
-//! as vLLM names its own so dashboards carry over.
+//! and meant as vLLM's own under the `wgpar:` prefix, each with a `model_name` label, so
+//! dashboards and alerts written for vLLM carry over (docs/SERVING.md lists them;
+//! docs/grafana-wgpar.json is a dashboard of them).
+//!
+//! Not exported: a prefix-cache hit rate. The server has no prefix cache yet, and a series
+//! that always reads 0 would look like a cache that never hits.
 
 use std::sync::atomic::AtomicU64;
 use std::time::Instant;
 
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Metric, Registry};
 
-use super::batcher::Job;
+/// Why a request ended with its tokens (vLLM's `finished_reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Finish {
+    /// An end-of-sequence token or a stop string.
+    Stop,
+    /// `max_tokens`.
+    Length,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReasonLabel {
+    finished_reason: &'static str,
+}
+
+type F64Gauge = Gauge<f64, AtomicU64>;
 
 /// Every metric the server exports.
 pub struct Metrics {
@@ -19,6 +40,8 @@ pub struct Metrics {
     pub running: Gauge,
     /// Requests accepted and waiting for a KV slot.
     pub waiting: Gauge,
+    /// Share of the KV cache's token places holding a sequence's tokens (0 to 1).
+    pub kv_usage: F64Gauge,
     /// KV slots holding a sequence.
     pub kv_slots_used: Gauge,
     /// KV slots reserved.
@@ -27,63 +50,72 @@ pub struct Metrics {
     pub prompt_tokens: Counter,
     /// Tokens sent to clients.
     pub generation_tokens: Counter,
-    /// Requests that got all their tokens.
-    pub finished: Counter,
-    /// Requests whose client went away before the end.
+    success: Family<ReasonLabel, Counter>,
+    /// Requests whose client went away (or stopped reading) before the end.
     pub cancelled: Counter,
     /// Requests refused with 4xx or 503.
     pub rejected: Counter,
+    /// Requests ended by an engine failure.
+    pub failed: Counter,
     /// Pipeline bubble share of device time (pipelines; 0 otherwise).
-    pub bubble: Gauge<f64, AtomicU64>,
+    pub bubble: F64Gauge,
     /// Communication share of the last step's device time.
-    pub communication: Gauge<f64, AtomicU64>,
+    pub communication: F64Gauge,
     ttft: Histogram,
+    itl: Histogram,
     tpot: Histogram,
     e2e: Histogram,
+    queue: Histogram,
 }
 
-impl Default for Metrics {
-    fn default() -> Self {
-        Self::new()
-    }
+/// Latency buckets, 1 ms to about 9 minutes (lavapipe's slow steps included).
+fn latency() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 20))
 }
 
 impl Metrics {
-    /// Fresh metrics, registered under the `wgpar` prefix.
-    pub fn new() -> Self {
-        let latency = || Histogram::new(exponential_buckets(0.001, 2.0, 18));
+    /// Fresh metrics of the model that `/v1/models` calls `model_name`.
+    pub fn new(model_name: &str) -> Self {
+        let label = [("model_name".into(), model_name.to_string().into())];
         let mut m = Self {
-            registry: Registry::with_prefix("wgpar"),
+            registry: Registry::with_labels(label.into_iter()),
             running: Gauge::default(),
             waiting: Gauge::default(),
+            kv_usage: Gauge::default(),
             kv_slots_used: Gauge::default(),
             kv_slots: Gauge::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
-            finished: Counter::default(),
+            success: Family::default(),
             cancelled: Counter::default(),
             rejected: Counter::default(),
+            failed: Counter::default(),
             bubble: Gauge::default(),
             communication: Gauge::default(),
             ttft: latency(),
+            itl: latency(),
             tpot: latency(),
             e2e: latency(),
+            queue: latency(),
         };
         m.register_all();
+        // Both series exist from the start: no request has finished yet is a true 0.
+        for why in [Finish::Stop, Finish::Length] {
+            m.finished(why);
+        }
         m
     }
 
-    /// Registers every metric under its vLLM-style name, in the order the exposition lists
-    /// them: the gauges, the counters, the ratios, then the latency histograms.
+    /// Registers every metric in the order the exposition lists them.
     fn register_all(&mut self) {
-        self.register_counts();
-        self.register_shares_and_latencies();
+        self.register_gauges();
+        self.register_counters();
+        self.register_latencies();
     }
 
-    /// The request and KV slot gauges, then the token and request counters.
-    fn register_counts(&mut self) {
+    fn register_gauges(&mut self) {
         let r = &mut self.registry;
-        let gauges = [
+        let counts = [
             (
                 "num_requests_running",
                 "Requests in the running batches",
@@ -101,41 +133,13 @@ impl Metrics {
             ),
             ("kv_slots", "KV slots reserved", &self.kv_slots),
         ];
-        register_each(r, gauges);
-        let counters = [
+        register_each(r, counts);
+        let shares = [
             (
-                "prompt_tokens",
-                "Prompt tokens of accepted requests",
-                &self.prompt_tokens,
+                "kv_cache_usage_perc",
+                "Share of the KV cache's token places in use (1 = full)",
+                &self.kv_usage,
             ),
-            (
-                "generation_tokens",
-                "Tokens generated",
-                &self.generation_tokens,
-            ),
-            (
-                "requests_finished",
-                "Requests that got their tokens",
-                &self.finished,
-            ),
-            (
-                "requests_cancelled",
-                "Requests whose client left",
-                &self.cancelled,
-            ),
-            (
-                "requests_rejected",
-                "Requests refused (4xx, 503)",
-                &self.rejected,
-            ),
-        ];
-        register_each(r, counters);
-    }
-
-    /// The bubble and communication shares, then the latency histograms.
-    fn register_shares_and_latencies(&mut self) {
-        let r = &mut self.registry;
-        let ratios = [
             (
                 "bubble_ratio",
                 "Pipeline bubble share of device time",
@@ -147,7 +151,48 @@ impl Metrics {
                 &self.communication,
             ),
         ];
-        register_each(r, ratios);
+        register_each(r, shares);
+    }
+
+    fn register_counters(&mut self) {
+        let r = &mut self.registry;
+        let counters = [
+            (
+                "prompt_tokens",
+                "Prefill tokens processed",
+                &self.prompt_tokens,
+            ),
+            (
+                "generation_tokens",
+                "Generation tokens processed",
+                &self.generation_tokens,
+            ),
+            (
+                "requests_cancelled",
+                "Requests whose client left",
+                &self.cancelled,
+            ),
+            (
+                "requests_rejected",
+                "Requests refused (4xx, 503)",
+                &self.rejected,
+            ),
+            (
+                "requests_failed",
+                "Requests ended by an engine failure",
+                &self.failed,
+            ),
+        ];
+        register_each(r, counters);
+        r.register(
+            "wgpar:request_success",
+            "Requests that finished, by finished_reason (stop, length)",
+            self.success.clone(),
+        );
+    }
+
+    fn register_latencies(&mut self) {
+        let r = &mut self.registry;
         let latencies = [
             (
                 "time_to_first_token_seconds",
@@ -155,8 +200,13 @@ impl Metrics {
                 &self.ttft,
             ),
             (
-                "time_per_output_token_seconds",
-                "Time per output token after the first",
+                "inter_token_latency_seconds",
+                "Time between successive tokens",
+                &self.itl,
+            ),
+            (
+                "request_time_per_output_token_seconds",
+                "A request's mean time per output token after the first",
                 &self.tpot,
             ),
             (
@@ -164,23 +214,66 @@ impl Metrics {
                 "End-to-end request latency",
                 &self.e2e,
             ),
+            (
+                "request_queue_time_seconds",
+                "Time a request waited before its prefill was scheduled",
+                &self.queue,
+            ),
         ];
         register_each(r, latencies);
     }
 
-    /// A request's first token.
-    pub fn observe_first(&self, job: &Job) {
-        self.ttft.observe(job.accepted.elapsed().as_secs_f64());
+    /// A request's first token, `since` its acceptance.
+    pub fn observe_first(&self, accepted: Instant) {
+        self.ttft.observe(accepted.elapsed().as_secs_f64());
     }
 
-    /// A request that finished with `generated` tokens, the first at `first`.
-    pub fn observe_done(&self, job: &Job, first: Option<Instant>, generated: usize) {
-        self.finished.inc();
-        self.e2e.observe(job.accepted.elapsed().as_secs_f64());
+    /// A token after the first: `gap` seconds after the one before it.
+    pub fn observe_gap(&self, gap: f64) {
+        self.itl.observe(gap);
+    }
+
+    /// A request's prefill was scheduled.
+    pub fn observe_scheduled(&self, accepted: Instant) {
+        self.queue.observe(accepted.elapsed().as_secs_f64());
+    }
+
+    /// A request that finished (`why`) with `generated` tokens, the first at `first`.
+    pub fn observe_done(
+        &self,
+        accepted: Instant,
+        first: Option<Instant>,
+        generated: usize,
+        why: Finish,
+    ) {
+        let reason = match why {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        };
+        self.success
+            .get_or_create(&ReasonLabel {
+                finished_reason: reason,
+            })
+            .inc();
+        self.e2e.observe(accepted.elapsed().as_secs_f64());
         if let (Some(first), true) = (first, generated > 1) {
             self.tpot
                 .observe(first.elapsed().as_secs_f64() / (generated - 1) as f64);
         }
+    }
+
+    /// Requests that finished for `why` so far.
+    pub fn finished(&self, why: Finish) -> u64 {
+        let reason = if why == Finish::Stop {
+            "stop"
+        } else {
+            "length"
+        };
+        self.success
+            .get_or_create(&ReasonLabel {
+                finished_reason: reason,
+            })
+            .get()
     }
 
     /// The Prometheus text exposition.
@@ -192,12 +285,43 @@ impl Metrics {
     }
 }
 
-/// Registers a handle to each metric (a clone shares the value) under its name and help text.
+/// Registers a handle to each metric (a clone shares the value) as `wgpar:NAME`.
 fn register_each<M: Metric + Clone, const N: usize>(
     registry: &mut Registry,
     metrics: [(&str, &str, &M); N],
 ) {
     for (name, help, metric) in metrics {
-        registry.register(name, help, metric.clone());
+        registry.register(format!("wgpar:{name}"), help, metric.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_carry_the_prefix_and_the_model_label() {
+        let m = Metrics::new("tiny");
+        m.running.set(3);
+        let t0 = Instant::now();
+        m.observe_done(t0, Some(t0), 4, Finish::Stop);
+        let text = m.render();
+        assert!(
+            text.contains("wgpar:num_requests_running{model_name=\"tiny\"} 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "wgpar:request_success_total{model_name=\"tiny\",finished_reason=\"stop\"} 1"
+            ) || text.contains(
+                "wgpar:request_success_total{finished_reason=\"stop\",model_name=\"tiny\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("wgpar:inter_token_latency_seconds_bucket"),
+            "{text}"
+        );
+        assert!(!text.contains("prefix_cache"), "{text}");
     }
 }

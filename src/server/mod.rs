@@ -4,13 +4,17 @@
 //! The engine lives on its own thread ([`batcher`]); HTTP handlers (`routes`) check a
 //! request, tokenize it (chat prompts through the checkpoint's template, [`chat`]) and hand
 //! it over with a channel that its tokens come back on, as they are picked. `/health` says 503
-//! until the engine is built and warmed, and again after it fails. SIGINT or SIGTERM stop
-//! accepting connections; requests in flight get `shutdown_timeout` to finish.
+//! until the engine is built and warmed, and again after it fails or panics. SIGINT or SIGTERM
+//! start draining: `/health` says 503 `draining`, new generation requests get 503, requests in
+//! flight get `shutdown_timeout` to finish; then the listener closes. Connections are held to
+//! the limits of [`limits::ConnLimits`].
 
 pub mod api;
+pub mod auth;
 pub mod batcher;
 pub mod chat;
 pub mod client;
+pub mod limits;
 pub mod metrics;
 mod routes;
 
@@ -25,15 +29,17 @@ use crate::parallel::StepEngine;
 
 pub use batcher::BatchOptions;
 pub use chat::{ChatTemplate, Message};
+pub use limits::ConnLimits;
 pub use metrics::Metrics;
 
 /// State the HTTP side and the engine thread share.
-#[derive(Default)]
 pub struct Shared {
     /// The engine is built and warmed.
     pub ready: AtomicBool,
     /// The engine failed: no more requests are served.
     pub failed: AtomicBool,
+    /// A signal came: requests in flight finish, new ones are refused.
+    pub draining: AtomicBool,
     /// Requests handed to the engine and not yet in a running batch.
     pub queued: AtomicUsize,
     /// Why the engine could not be built (the server then exits with it).
@@ -42,6 +48,26 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     /// Wakes the listener to shut down (a signal, or a failed load).
     pub stop: tokio::sync::Notify,
+}
+
+impl Shared {
+    /// Fresh state; the metrics carry `model_name`.
+    pub fn new(model_name: &str) -> Self {
+        Self {
+            ready: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+            queued: AtomicUsize::new(0),
+            load_error: Mutex::new(None),
+            metrics: Arc::new(Metrics::new(model_name)),
+            stop: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// No request is waiting or running on the engine.
+    fn idle(&self) -> bool {
+        self.queued.load(Ordering::SeqCst) == 0 && self.metrics.running.get() == 0
+    }
 }
 
 /// The text side of the model: what turns requests into token ids and back.
@@ -67,8 +93,13 @@ pub struct ServerOptions {
     pub addr: SocketAddr,
     /// Requests that may wait for a KV slot; beyond, 503 with Retry-After.
     pub max_queue: usize,
-    /// Required `Authorization: Bearer` key (every route but /health).
+    /// Required `Authorization: Bearer` key (every route but /health, and /metrics when
+    /// `metrics_open`).
     pub api_key: Option<String>,
+    /// `/metrics` answers without the key.
+    pub metrics_open: bool,
+    /// Timeouts and the connection cap.
+    pub limits: ConnLimits,
     /// Largest request body, bytes.
     pub max_body: usize,
     /// How long requests in flight get to finish after SIGINT or SIGTERM.
@@ -83,7 +114,7 @@ pub type EngineBuilder = Box<dyn FnOnce() -> Result<Box<dyn StepEngine>> + Send>
 
 /// Serves until SIGINT or SIGTERM (then drains), or until the engine cannot be built.
 pub fn run(opts: ServerOptions, text: TextModel, build: EngineBuilder) -> Result<()> {
-    let shared = Arc::new(Shared::default());
+    let shared = Arc::new(Shared::new(&text.name));
     shared.metrics.kv_slots.set(opts.batch.slots as i64);
     let (jobs_tx, jobs_rx) = crossbeam::channel::unbounded();
     let engine_thread = {
@@ -91,16 +122,26 @@ pub fn run(opts: ServerOptions, text: TextModel, build: EngineBuilder) -> Result
         let (batch, eos) = (opts.batch, text.eos.clone());
         std::thread::Builder::new()
             .name("wgpar-engine".into())
-            .spawn(move || match build() {
-                Ok(mut engine) => {
-                    shared.ready.store(true, Ordering::SeqCst);
-                    eprintln!("ready: {}", engine.name());
-                    batcher::run(engine.as_mut(), &jobs_rx, batch, eos, shared);
-                }
-                Err(e) => {
-                    shared.failed.store(true, Ordering::SeqCst);
-                    *crate::threads::lock(&shared.load_error) = Some(e.to_string());
-                    shared.stop.notify_one();
+            .spawn(move || {
+                // A panic while building is a failed load; one while serving, batcher::run's.
+                let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(build))
+                    .unwrap_or_else(|p| {
+                        let why = crate::threads::panic_message(p.as_ref()).unwrap_or("?");
+                        Err(WgparError::Internal(format!(
+                            "the engine build panicked: {why}"
+                        )))
+                    });
+                match built {
+                    Ok(mut engine) => {
+                        shared.ready.store(true, Ordering::SeqCst);
+                        eprintln!("ready: {}", engine.name());
+                        batcher::run(engine.as_mut(), &jobs_rx, batch, eos, shared);
+                    }
+                    Err(e) => {
+                        shared.failed.store(true, Ordering::SeqCst);
+                        *crate::threads::lock(&shared.load_error) = Some(e.to_string());
+                        shared.stop.notify_one();
+                    }
                 }
             })
             .map_err(|e| WgparError::Internal(format!("cannot start the engine thread: {e}")))?
@@ -124,31 +165,41 @@ pub fn run(opts: ServerOptions, text: TextModel, build: EngineBuilder) -> Result
 }
 
 async fn listen(opts: &ServerOptions, state: routes::AppState, shared: Arc<Shared>) -> Result<()> {
-    let listener = tokio::net::TcpListener::bind(opts.addr)
-        .await
-        .map_err(|source| WgparError::Io {
-            path: format!("listening on {}", opts.addr),
-            source,
-        })?;
+    let listener = limits::bind(opts.addr).map_err(|source| WgparError::Io {
+        path: format!("listening on {}", opts.addr),
+        source,
+    })?;
     let bound = listener.local_addr().map_err(|source| WgparError::Io {
         path: format!("listening on {}", opts.addr),
         source,
     })?;
     eprintln!("listening on http://{bound} (loading the model; /health says 503 until ready)");
     let app = routes::router(state, opts.max_body);
+    let timeout = opts.shutdown_timeout;
     let stopping = Arc::new(tokio::sync::Notify::new());
-    let signal = {
+    // Draining keeps the listener open (probes see /health 503 "draining", new requests a
+    // 503) until the engine has nothing left or the timeout passes.
+    let drained = {
         let (shared, stopping) = (shared.clone(), stopping.clone());
         async move {
             wait_for_stop(&shared).await;
-            eprintln!("shutting down: no new connections; finishing requests in flight");
+            shared.draining.store(true, Ordering::SeqCst);
+            eprintln!(
+                "shutting down: draining the requests in flight (--shutdown-timeout {timeout:?})"
+            );
             stopping.notify_waiters();
+            let deadline = tokio::time::Instant::now() + timeout;
+            while !shared.idle() && !shared.failed.load(Ordering::SeqCst) {
+                if tokio::time::Instant::now() >= deadline {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
     };
-    let server = axum::serve(listener, app).with_graceful_shutdown(signal);
-    let timeout = opts.shutdown_timeout;
+    let server = limits::serve(listener, app, opts.limits, drained);
     tokio::select! {
-        r = server => r.map_err(|source| WgparError::Io { path: format!("serving on {bound}"), source }),
+        _ = server => Ok(()),
         _ = async { stopping.notified().await; tokio::time::sleep(timeout).await } => {
             eprintln!("shutdown: --shutdown-timeout of {timeout:?} passed with requests in flight");
             Ok(())

@@ -5,7 +5,7 @@ use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -20,7 +20,8 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::api::{self, Invalid, Params, Prompt};
-use super::batcher::{Event, Job};
+use super::batcher::{Ending, Event, Job};
+use super::limits::Watched;
 use super::{ServerOptions, Shared, TextModel};
 use crate::model::hf::TextStream;
 use crate::model::sampling::{RequestPicker, TokenLogprobs};
@@ -32,6 +33,8 @@ pub struct AppState {
     text: Arc<TextModel>,
     jobs: crossbeam::channel::Sender<Job>,
     api_key: Option<Arc<str>>,
+    metrics_open: bool,
+    stream_timeout: Duration,
     max_queue: usize,
     ids: Arc<AtomicU64>,
 }
@@ -48,25 +51,31 @@ impl AppState {
             text: Arc::new(text),
             jobs,
             api_key: opts.api_key.as_deref().map(Arc::from),
+            metrics_open: opts.metrics_open,
+            stream_timeout: opts.limits.stream_timeout,
             max_queue: opts.max_queue,
             ids: Arc::new(AtomicU64::new(0)),
         }
     }
 }
 
-/// The router, with the API key check and the body limit.
+/// The router, with the API key check (all but /health, and /metrics when it is open) and
+/// the body limit.
 pub fn router(state: AppState, max_body: usize) -> Router {
-    let api = Router::new()
+    let mut api = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
-        .route("/detokenize", post(detokenize))
-        .route("/metrics", get(metrics))
-        .layer(middleware::from_fn_with_state(state.clone(), require_key));
-    Router::new()
-        .route("/health", get(health))
-        .merge(api)
+        .route("/detokenize", post(detokenize));
+    let mut open = Router::new().route("/health", get(health));
+    if state.metrics_open {
+        open = open.route("/metrics", get(metrics));
+    } else {
+        api = api.route("/metrics", get(metrics));
+    }
+    let api = api.layer(middleware::from_fn_with_state(state.clone(), require_key));
+    open.merge(api)
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
@@ -84,12 +93,8 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
 
 async fn require_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
-        let given = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(key.as_ref()) {
+        let given = request.headers().get(header::AUTHORIZATION);
+        if !super::auth::authorized(given.map(HeaderValue::as_bytes), key) {
             return error(
                 StatusCode::UNAUTHORIZED,
                 "missing or wrong API key: send Authorization: Bearer KEY",
@@ -103,6 +108,9 @@ async fn health(State(state): State<AppState>) -> Response {
     let s = &state.shared;
     if s.failed.load(Ordering::SeqCst) {
         error(StatusCode::SERVICE_UNAVAILABLE, "the engine failed")
+    } else if s.draining.load(Ordering::SeqCst) {
+        let body = json!({"status": "draining"});
+        (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
     } else if !s.ready.load(Ordering::SeqCst) {
         error(StatusCode::SERVICE_UNAVAILABLE, "loading the model")
     } else {
@@ -370,10 +378,10 @@ fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal
 }
 
 /// The engine's jobs for a request, one per choice (prompt-major), and their receivers.
-fn jobs(
-    accepted: &Accepted,
-    eos: &[u32],
-) -> Result<(Vec<Job>, Vec<UnboundedReceiver<Event>>), Invalid> {
+/// Each choice's receiver and ending, in the order of the jobs.
+type Channels = Vec<(UnboundedReceiver<Event>, Arc<Ending>)>;
+
+fn jobs(accepted: &Accepted, eos: &[u32]) -> Result<(Vec<Job>, Channels), Invalid> {
     let p = &accepted.params;
     let scoring = p.echo && p.logprobs.is_some();
     let (mut jobs, mut rxs) = (Vec::new(), Vec::new());
@@ -395,6 +403,7 @@ fn jobs(
                 .map_err(|e| Invalid::from(e.to_string()))?;
             let split = if scoring { 1 } else { prompt.len() };
             let (tx, rx) = unbounded_channel();
+            let ending = Arc::new(Ending::default());
             jobs.push(Job {
                 prompt: prompt[..split].to_vec(),
                 score: prompt[split..].to_vec(),
@@ -404,8 +413,9 @@ fn jobs(
                 ignore_eos: p.ignore_eos,
                 stop_ids: p.stop_ids.clone(),
                 picker,
+                ending: ending.clone(),
             });
-            rxs.push(rx);
+            rxs.push((rx, ending));
         }
     }
     Ok((jobs, rxs))
@@ -415,6 +425,12 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
     let shared = &state.shared;
     if shared.failed.load(Ordering::SeqCst) {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the engine failed");
+    }
+    if shared.draining.load(Ordering::SeqCst) {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the server is shutting down",
+        );
     }
     let checked = accept(&state.text, body, kind).and_then(|a| {
         let j = jobs(&a, &state.text.eos).map_err(Refusal::Bad)?;
@@ -466,7 +482,7 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
     let id = state.ids.fetch_add(1, Ordering::Relaxed);
     let out = Output::new(&state.text, kind, id, accepted, rxs);
     if out.params.stream {
-        stream_response(out).into_response()
+        stream_response(out, state.stream_timeout).into_response()
     } else {
         whole_response(out).await
     }
@@ -578,6 +594,8 @@ struct Choice {
     offset: usize,
     finish: Option<&'static str>,
     rx: Option<UnboundedReceiver<Event>>,
+    /// Tells the engine that a stop string ended this choice, or that its client stalled.
+    ending: Arc<Ending>,
 }
 
 /// What an event makes of a choice.
@@ -600,14 +618,18 @@ struct Output {
     params: Params,
 }
 
+/// What a choice's channel closing early means: the engine went away mid-request (its
+/// thread ended), or the request was cancelled because its client stopped reading.
+fn ended_early(ending: &Ending) -> String {
+    if ending.cancelled() {
+        "cancelled: the client did not read the stream for --stream-timeout".into()
+    } else {
+        "the engine stopped before the request finished".into()
+    }
+}
+
 impl Output {
-    fn new(
-        text: &Arc<TextModel>,
-        kind: Kind,
-        id: u64,
-        accepted: Accepted,
-        rxs: Vec<UnboundedReceiver<Event>>,
-    ) -> Self {
+    fn new(text: &Arc<TextModel>, kind: Kind, id: u64, accepted: Accepted, rxs: Channels) -> Self {
         let p = &accepted.params;
         let mut rxs = rxs.into_iter();
         let mut choices = Vec::new();
@@ -626,13 +648,15 @@ impl Output {
                         top: Vec::new(),
                     });
                 }
+                let (rx, ending) = rxs.next().unzip();
                 choices.push(Choice {
                     detok: Detok::new(text, prompt, p.include_stop),
                     offset: if p.echo { 0 } else { echo_len(text, prompt) },
                     echo: echo.clone(),
                     logprobs,
                     finish: None,
-                    rx: rxs.next(),
+                    rx,
+                    ending: ending.unwrap_or_default(),
                 });
             }
         }
@@ -669,8 +693,9 @@ impl Output {
                 match rx.poll_recv(cx) {
                     Poll::Ready(Some(e)) => return Poll::Ready(Some((i, e))),
                     Poll::Ready(None) => {
+                        // Closed without Done: an error, never a truncated answer.
                         c.rx = None;
-                        let gone = Event::Error("the engine dropped the request".into());
+                        let gone = Event::Error(ended_early(&c.ending));
                         return Poll::Ready(Some((i, gone)));
                     }
                     Poll::Pending => open = true,
@@ -701,8 +726,10 @@ impl Output {
                 }
                 match c.detok.push(text, picked.id, stop) {
                     (d, true) => {
-                        // A finished choice lets go of its channel: a stop string cancels it.
+                        // A stop string finished the choice: the engine frees its slot and
+                        // counts it as finished.
                         c.finish = Some("stop");
+                        c.ending.stop();
                         c.rx = None;
                         Step::Finished(d)
                     }
@@ -826,7 +853,12 @@ enum Phase {
 
 /// One `data:` chunk per token and choice, each choice's finish chunk, usage if asked, and
 /// `[DONE]`.
-fn stream_response(out: Output) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+/// A client that leaves an event unread for `stall` is cancelled ([`Watched`]).
+fn stream_response(
+    out: Output,
+    stall: Duration,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let endings = out.choices.iter().map(|c| c.ending.clone()).collect();
     let events = stream::unfold((out, Phase::Tokens), |(mut out, phase)| async move {
         let data = |v: Value| SseEvent::default().data(v.to_string());
         match phase {
@@ -857,5 +889,5 @@ fn stream_response(out: Output) -> Sse<impl Stream<Item = Result<SseEvent, Infal
             },
         }
     });
-    Sse::new(events)
+    Sse::new(Watched::new(events, endings, stall))
 }

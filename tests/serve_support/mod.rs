@@ -84,13 +84,10 @@ impl Server {
         v["choices"][0]["text"].as_str().unwrap().to_string()
     }
 
-    /// A gauge or counter of /metrics.
+    /// A gauge or counter of /metrics: the sum over its series (label sets).
     pub fn metric(&self, name: &str) -> f64 {
         let (_, text) = self.get("/metrics");
-        text.lines()
-            .find_map(|l| l.strip_prefix(&format!("{name} ")))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or_else(|| panic!("{name} not in /metrics:\n{text}"))
+        metric_in(&text, name).unwrap_or_else(|| panic!("{name} not in /metrics:\n{text}"))
     }
 
     /// SIGTERM, then the exit status within `limit`.
@@ -110,6 +107,16 @@ impl Server {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+/// The sum of `name`'s series in a Prometheus text exposition; `None` when it has none.
+pub fn metric_in(text: &str, name: &str) -> Option<f64> {
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && l.split(['{', ' ']).next() == Some(name))
+        .filter_map(|l| l.rsplit(' ').next()?.trim().parse().ok())
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
 }
 
 impl Drop for Server {
