@@ -27,7 +27,8 @@ use super::gguf::is_gguf;
 pub enum HubError {
     /// Nothing by that name in any place wgpar looks.
     #[error(
-        "no model '{name}': not a preset ({presets}), and not found in: {looked}",
+        "no model '{name}': --model takes a preset ({presets}), a model folder or GGUF file, \
+         org/name from the Hugging Face cache or ollama:name; looked at: {looked}",
         presets = PRESETS.join(", "),
         looked = looked.join("; ")
     )]
@@ -418,7 +419,7 @@ mod tests {
         let e = ModelRef::resolve_in("nothing", &places)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("not a preset (default,"), "{e}");
+        assert!(e.contains("a preset (default,") && e.contains("model folder"), "{e}");
         assert_eq!(
             ModelRef::resolve_in("tiny-llama", &places).unwrap(),
             ModelRef::Preset("tiny-llama".into())
