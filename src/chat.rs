@@ -64,7 +64,8 @@ impl Conversation {
 
     /// Forgets every turn, keeping the system message.
     pub fn reset(&mut self) {
-        self.messages.truncate(usize::from(has_system(&self.messages)));
+        self.messages
+            .truncate(usize::from(has_system(&self.messages)));
     }
 
     /// Adds the user's message and renders the prompt of the reply, dropping the oldest

@@ -163,7 +163,9 @@ fn run_prompt(model: &str, text: &str, gen: usize) -> String {
         .unwrap();
     assert!(out.status.success(), "{out:?}");
     let stdout = String::from_utf8(out.stdout).unwrap();
-    let rest = stdout.strip_prefix(text).expect("run prints the prompt first");
+    let rest = stdout
+        .strip_prefix(text)
+        .expect("run prints the prompt first");
     rest.trim_end_matches('\n').to_string()
 }
 
@@ -204,7 +206,10 @@ fn turns_keep_history_reset_and_exit() {
         format!("t2 t4 t11 t4 t7 t8 t4 {first} t4 t9 t5"),
         "the second prompt holds the first turn"
     );
-    assert_eq!(prompts[2], "t2 t4 t11 t4 t3 t5", "/reset keeps only the system");
+    assert_eq!(
+        prompts[2], "t2 t4 t11 t4 t3 t5",
+        "/reset keeps only the system"
+    );
     assert!(err.contains("conversation cleared"), "{err}");
     for (prompt, reply) in prompts.iter().zip(&replies) {
         let expected = run_prompt(path(&dir), prompt, 6);
@@ -345,16 +350,38 @@ fn trim_rule_drops_oldest_turns() {
     ];
     let chars = |m: &[Message]| m.iter().map(|m| m.content.len()).sum::<usize>();
     let mut all = messages.clone();
-    assert_eq!(trim_turns(&mut all, |m| Ok(chars(m) <= 9)).unwrap(), Some(0));
+    assert_eq!(
+        trim_turns(&mut all, |m| Ok(chars(m) <= 9)).unwrap(),
+        Some(0)
+    );
     assert_eq!(all, messages);
-    assert_eq!(trim_turns(&mut messages, |m| Ok(chars(m) <= 5)).unwrap(), Some(1));
-    assert_eq!(listed(&messages), ["system:s", "user:b", "assistant:bb", "user:c"]);
-    assert_eq!(trim_turns(&mut messages, |m| Ok(chars(m) <= 2)).unwrap(), Some(1));
+    assert_eq!(
+        trim_turns(&mut messages, |m| Ok(chars(m) <= 5)).unwrap(),
+        Some(1)
+    );
+    assert_eq!(
+        listed(&messages),
+        ["system:s", "user:b", "assistant:bb", "user:c"]
+    );
+    assert_eq!(
+        trim_turns(&mut messages, |m| Ok(chars(m) <= 2)).unwrap(),
+        Some(1)
+    );
     assert_eq!(listed(&messages), ["system:s", "user:c"]);
-    assert_eq!(trim_turns(&mut messages, |m| Ok(chars(m) <= 1)).unwrap(), None);
+    assert_eq!(
+        trim_turns(&mut messages, |m| Ok(chars(m) <= 1)).unwrap(),
+        None
+    );
     assert_eq!(listed(&messages), ["system:s", "user:c"]);
-    let mut bare = vec![message("user", "x"), message("assistant", "y"), message("user", "z")];
-    assert_eq!(trim_turns(&mut bare, |m| Ok(m.len() == 1)).unwrap(), Some(1));
+    let mut bare = vec![
+        message("user", "x"),
+        message("assistant", "y"),
+        message("user", "z"),
+    ];
+    assert_eq!(
+        trim_turns(&mut bare, |m| Ok(m.len() == 1)).unwrap(),
+        Some(1)
+    );
     assert_eq!(listed(&bare), ["user:z"]);
 }
 
@@ -378,7 +405,10 @@ fn conversation_prompt_fits_context() {
     assert_eq!((second.ids.len(), second.dropped_turns), (8, 1));
     // 12 tokens alone: refused, and the history is as it was.
     let too_long = chat.prompt(&tokenizer, &["t9"; 7].join(" ")).unwrap_err();
-    assert!(too_long.to_string().contains("context of 14 tokens"), "{too_long}");
+    assert!(
+        too_long.to_string().contains("context of 14 tokens"),
+        "{too_long}"
+    );
     assert_eq!(listed(chat.messages()), ["system:t11", "user:t9 t9 t9"]);
     chat.reset();
     assert_eq!(listed(chat.messages()), ["system:t11"]);

@@ -220,9 +220,10 @@ impl Session<'_> {
         };
         CANCEL.store(false, Ordering::SeqCst);
         REPLYING.store(true, Ordering::SeqCst);
-        let done = (self.conversation).reply(self.engine, self.tokenizer, &prompt, stop, &mut |t| {
-            out!("{t}")
-        });
+        let done =
+            (self.conversation).reply(self.engine, self.tokenizer, &prompt, stop, &mut |t| {
+                out!("{t}")
+            });
         REPLYING.store(false, Ordering::SeqCst);
         let done = done?;
         outln!()?;
