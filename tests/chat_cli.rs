@@ -3,6 +3,7 @@
 //! checkpoint with a word tokenizer (`tN` is token N) and a chat template, or a preset with
 //! `--chat-template`; each reply is checked against `run --prompt` on the rendered prompt.
 
+mod common;
 mod hf_support;
 
 use std::io::{Read, Write};
@@ -286,6 +287,63 @@ fn ctrl_c_stops_the_reply_not_the_chat() {
     chat.interrupt();
     let status = chat.finish(true);
     assert_eq!(status.code(), Some(130), "{}", chat.err());
+}
+
+/// Tensor and pipeline parallel chats give the single device's greedy replies.
+#[test]
+fn any_strategy_same_replies() {
+    let dir = hf_support::scratch("chat-strategies");
+    let template = dir.join("chat.jinja");
+    std::fs::write(&template, TEMPLATE).unwrap();
+    let chat = |strategy: &[&str]| {
+        let base = ["--model", "tiny-llama", "--chat-template", path(&template)];
+        let mut chat = Chat::start(&[&base[..], &["--gen", "6"], strategy].concat());
+        chat.send("t7 t8");
+        chat.send("t9");
+        let status = chat.finish(false);
+        assert!(status.success(), "{strategy:?}: {}", chat.err());
+        replies(&chat.out())
+    };
+    let single = chat(&[]);
+    assert_eq!(single.len(), 2, "{single:?}");
+    for strategy in [["--strategy", "tp"], ["--strategy", "pp"]] {
+        let replies = chat(&[&strategy[..], &["--virtual", "2"]].concat());
+        assert_eq!(replies, single, "{strategy:?}");
+    }
+}
+
+/// The released SmolLM2-135M-Instruct GGUF chats through the template in its metadata, and
+/// its second answer needs the first turn ("And of Italy?").
+#[test]
+fn released_model_chats_through_its_gguf_template() {
+    let model = common::smollm2_gguf();
+    let mut chat = Chat::start(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--gen",
+        "12",
+        "--max-seq",
+        "256",
+        "--verbose",
+    ]);
+    chat.send("What is the capital of France?");
+    chat.send("And of Italy?");
+    let status = chat.finish(false);
+    assert!(status.success(), "{status:?}: {}", chat.err());
+    let (replies, prompts) = (replies(&chat.out()), prompts(&chat.err()));
+    assert_eq!(
+        (replies.len(), prompts.len()),
+        (2, 2),
+        "{replies:?} {prompts:?}"
+    );
+    assert!(
+        prompts[0].starts_with("<|im_start|>system\n"),
+        "{}",
+        prompts[0]
+    );
+    assert!(prompts[1].contains(&format!("<|im_start|>assistant\n{}<|im_end|>", replies[0])));
+    assert!(replies[0].contains("Paris"), "{replies:?}");
+    assert!(replies[1].contains("Rome"), "{replies:?}");
 }
 
 /// A model without a chat template is refused before anything loads, pointing at
