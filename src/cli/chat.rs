@@ -32,9 +32,10 @@ pub struct ChatArgs {
     memory: MemoryArgs,
     #[command(flatten)]
     text: TextArgs,
-    /// Most tokens of one reply; the history is trimmed so that a whole reply fits --max-seq.
-    #[arg(long, default_value_t = 256)]
-    gen: usize,
+    /// Most tokens of one reply (default 256, or half the context if that is less); the
+    /// history is trimmed so that a whole reply fits --max-seq.
+    #[arg(long, value_name = "TOKENS")]
+    gen: Option<usize>,
     /// Pace transfers and collectives to a host profile's links, or to ALPHA_US:BETA_GBPS.
     #[arg(long, value_name = "PROFILE|ALPHA_US:BETA_GBPS")]
     pace: Option<String>,
@@ -59,7 +60,7 @@ impl ChatArgs {
             strategy: self.strategy.clone(),
             batch: 1,
             prompt_len: 1,
-            gen: self.gen,
+            gen: self.gen.unwrap_or(DEFAULT_REPLY),
             trace: None,
             pace: self.pace.clone(),
             device_timestamps: "off".into(),
@@ -140,8 +141,12 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     session.repl()
 }
 
+/// Most tokens of a reply unless --gen says otherwise (or the context is short).
+const DEFAULT_REPLY: usize = 256;
+
 /// The context and the reply length, checked: a reply must leave a prompt room.
-fn reply_limits(gen: usize, max_seq: usize) -> Result<ChatLimits> {
+fn reply_limits(gen: Option<usize>, max_seq: usize) -> Result<ChatLimits> {
+    let gen = gen.unwrap_or(DEFAULT_REPLY.min(max_seq / 2).max(1));
     if gen >= max_seq {
         return Err(WgparError::option(
             "--gen",
