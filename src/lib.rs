@@ -8,12 +8,14 @@
 //! See `docs/ARCHITECTURE.md`.
 
 pub mod calibrate;
+pub mod chat;
 pub mod comm;
 pub mod compare;
 pub mod device;
 pub mod dist;
 pub mod error;
 pub mod files;
+pub mod generate;
 pub mod kernels;
 pub mod model;
 pub mod parallel;

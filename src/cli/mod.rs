@@ -25,6 +25,7 @@ mod bench_decode;
 mod bench_projection;
 mod bench_serve;
 mod calibrate;
+mod chat;
 mod compare;
 mod devices;
 mod embed;
@@ -78,6 +79,9 @@ enum Command {
     /// OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics) over any
     /// strategy, with continuous batching; the benchmark is `bench serve`.
     Serve(server::ServerArgs),
+    /// Interactive chat in the terminal through the model's chat template, on any strategy:
+    /// replies stream as they are generated, /reset and /exit, Ctrl-C stops a reply.
+    Chat(chat::ChatArgs),
     /// Single vs tensor vs pipeline vs hybrid parallelism: measured here, projected onto host
     /// profiles, with verdicts, a Markdown report and SVG charts.
     Compare(compare::CompareArgs),
@@ -714,6 +718,7 @@ pub fn main() -> Result<()> {
         Some(Command::Embed(args)) => embed::run(&args),
         Some(Command::Bench { what }) => bench::run(&what),
         Some(Command::Serve(args)) => server::run(&args),
+        Some(Command::Chat(args)) => chat::run(&args),
         Some(Command::Compare(args)) => compare::run(&args),
         Some(Command::Plan(args)) => plan::run(&args),
         Some(Command::Allreduce(args)) => allreduce::run(&args),

@@ -3,7 +3,7 @@
 //! builder of the engine to the server.
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -385,10 +385,42 @@ impl ServerEngine {
     }
 }
 
-/// The checkpoint's tokenizer, chat template and end tokens; for a preset (synthetic
-/// weights), a word-level tokenizer of `t0` ... and no template or end token.
+/// The checkpoint's tokenizer, chat template and end tokens, with the served name and the
+/// context.
 fn text_model(args: &ServerArgs, config: &ModelConfig) -> Result<TextModel> {
-    let (tokenizer, mut template, eos) = match args.model.checkpoint_dir() {
+    let side = text_side(
+        &args.model,
+        config,
+        args.tokenizer.as_deref(),
+        args.chat_template.as_deref(),
+    )?;
+    Ok(TextModel {
+        name: (args.served_model_name.clone()).unwrap_or_else(|| config.name.clone()),
+        tokenizer: side.tokenizer,
+        template: side.template,
+        eos: side.eos,
+        max_seq: config.max_seq,
+        vocab: config.vocab,
+    })
+}
+
+/// A model's text side: what turns text into tokens and messages into a prompt.
+pub(super) struct TextSide {
+    pub tokenizer: TextTokenizer,
+    pub template: Option<ChatTemplate>,
+    pub eos: Vec<u32>,
+}
+
+/// The checkpoint's tokenizer (or `tokenizer`), chat template (or the one in
+/// `chat_template`) and end tokens; for a preset (synthetic weights), a word-level tokenizer
+/// of `t0` ... and no template (but `chat_template`) or end token.
+pub(super) fn text_side(
+    model: &ModelArgs,
+    config: &ModelConfig,
+    tokenizer: Option<&Path>,
+    chat_template: Option<&Path>,
+) -> Result<TextSide> {
+    let (tokenizer, mut template, eos) = match model.checkpoint_dir() {
         Some(dir) => {
             let ckpt = Checkpoint::open(dir)?;
             let eos = ckpt.eos_tokens().to_vec();
@@ -396,10 +428,10 @@ fn text_model(args: &ServerArgs, config: &ModelConfig) -> Result<TextModel> {
                 Some(gguf) => ChatTemplate::from_gguf(gguf.file())?,
                 None => ChatTemplate::load(dir)?,
             };
-            let tokenizer = ckpt.tokenizer_from(args.tokenizer.as_deref())?;
+            let tokenizer = ckpt.tokenizer_from(tokenizer)?;
             (tokenizer, template, eos)
         }
-        None if args.tokenizer.is_some() => {
+        None if tokenizer.is_some() => {
             return Err(WgparError::unsupported(format!(
                 "--tokenizer applies to a checkpoint (--model DIR or FILE.gguf); preset '{}' \
                  has synthetic weights and a word-level vocabulary of its own",
@@ -408,20 +440,17 @@ fn text_model(args: &ServerArgs, config: &ModelConfig) -> Result<TextModel> {
         }
         None => (TextTokenizer::word_level(config.vocab)?, None, Vec::new()),
     };
-    if let Some(file) = &args.chat_template {
-        let (bos, eos) = match args.model.checkpoint_dir() {
+    if let Some(file) = chat_template {
+        let (bos, eos) = match model.checkpoint_dir() {
             Some(dir) => ChatTemplate::special_tokens(dir),
             None => Default::default(),
         };
         template = Some(ChatTemplate::from_file(file, &bos, &eos)?);
     }
-    Ok(TextModel {
-        name: (args.served_model_name.clone()).unwrap_or_else(|| config.name.clone()),
+    Ok(TextSide {
         tokenizer,
         template,
         eos,
-        max_seq: config.max_seq,
-        vocab: config.vocab,
     })
 }
 

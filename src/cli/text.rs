@@ -2,16 +2,17 @@
 //! checkpoint's tokenizer, generates greedily or by sampling, and streams the text as it comes.
 
 use std::path::PathBuf;
-use std::time::Instant;
-
 use std::sync::Arc;
 
 use clap::Args;
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
+use wgpar::generate::{self, Request};
 use wgpar::model::hf::{Checkpoint, TextTokenizer};
 use wgpar::model::sampling::{Sampler, SamplingParams};
+use wgpar::model::ModelWeights;
 use wgpar::parallel::{build_engine, Engine};
+use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
 
 use super::run::RunArgs;
@@ -77,12 +78,31 @@ impl Default for TextArgs {
 pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     let sampling = check_options(args)?;
     let input = Input::load(args, prompt)?;
-    let adapters = Adapters::discover()?;
-    // Prefill and --gen - 1 decode steps, the fault injected before the first.
-    let (seq, max_new) = (input.ids.len(), args.gen);
-    let plan = super::run::plan(args, input.ckpt.config(), &adapters, (1, seq), max_new)?;
     let mut weights = input.ckpt.weights(true)?;
     args.model.apply_weights(&mut weights)?;
+    let shape = (input.ids.len(), args.gen);
+    let (mut engine, recorder) = open_engine(args, weights, sampling, shape)?;
+    eprintln!("{} prompt tokens", input.ids.len());
+    stream(engine.as_mut(), &input, prompt, args.gen)?;
+    super::run::print_bubble(engine.as_ref(), "")?;
+    if let Some(path) = &args.trace {
+        super::run::write_trace(&recorder, path)?;
+    }
+    Ok(())
+}
+
+/// The engine of text generation on the strategy and devices `args` name, for prompts of
+/// `seq` tokens and up to `max_new` generated ones: pacing, fault and recorder set, the
+/// model line printed on stderr, `weights` dropped once on the devices.
+pub(super) fn open_engine(
+    args: &RunArgs,
+    weights: ModelWeights,
+    sampling: SamplingParams,
+    (seq, max_new): (usize, usize),
+) -> Result<(Box<dyn Engine>, Recorder)> {
+    let adapters = Adapters::discover()?;
+    // Prefill and --gen - 1 decode steps, the fault injected before the first.
+    let plan = super::run::plan(args, &weights.config, &adapters, (1, seq), max_new)?;
     let gpus = args
         .devices
         .open_first(&adapters, plan.strategy.devices_used(plan.adapters.len()))?;
@@ -102,25 +122,19 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     recorder.set_meta("strategy", engine.name());
     engine.set_recorder(recorder.clone());
     eprintln!(
-        "model {} ({:?}, {} layers, {:.1}M params) on {}; {seq} prompt tokens",
+        "model {} ({:?}, {} layers, {:.1}M params) on {}",
         weights.config.name,
         weights.config.arch,
         weights.config.layers,
         weights.config.params() as f64 / 1e6,
         engine.name(),
     );
-    drop(weights);
-    stream(engine.as_mut(), &input, prompt, max_new)?;
-    super::run::print_bubble(engine.as_ref(), "")?;
-    if let Some(path) = &args.trace {
-        super::run::write_trace(&recorder, path)?;
-    }
-    Ok(())
+    Ok((engine, recorder))
 }
 
 /// The options text generation takes, checked before anything is loaded: the sampling they
 /// ask for (the engine picks the tokens, on the device where it can).
-fn check_options(args: &RunArgs) -> Result<SamplingParams> {
+pub(super) fn check_options(args: &RunArgs) -> Result<SamplingParams> {
     let (model, text) = (&args.model, &args.text);
     let sampling = SamplingParams {
         temperature: text.temperature,
@@ -227,38 +241,25 @@ fn check_context(
 }
 
 /// Runs the prefill and up to `max_new` tokens (an end-of-sequence id stops earlier),
-/// printing the continuation as it grows, then the timings on stderr. Each token is decoded
-/// in the context of the ones before it, the prompt's included, which keeps word boundaries
-/// right for tokenizers that mark spaces on the following token.
+/// printing the prompt and the continuation as it grows, then the timings on stderr.
 fn stream(engine: &mut dyn Engine, input: &Input, prompt: &str, max_new: usize) -> Result<()> {
-    let (tokenizer, ids) = (&input.tokenizer, &input.ids);
-    let eos = input.ckpt.eos_tokens();
-    let start = Instant::now();
-    let mut step = engine.prefill_step(std::slice::from_ref(ids), false)?;
-    let prefill_s = start.elapsed().as_secs_f64();
     out!("{prompt}")?;
-    let mut text = tokenizer.stream_after(ids);
-    let decode_start = Instant::now();
-    let mut generated = 0;
-    loop {
-        let next = step.tokens[0];
-        if eos.contains(&next) {
-            break;
-        }
-        generated += 1;
-        out!("{}", tokenizer.step(&mut text, next)?)?;
-        if generated == max_new {
-            break;
-        }
-        step = engine.decode_step(&[next], false)?;
-    }
-    outln!("{}", tokenizer.finish(&text)?)?;
-    let decode_s = decode_start.elapsed().as_secs_f64();
+    let request = Request {
+        ids: &input.ids,
+        max_new,
+        eos: input.ckpt.eos_tokens(),
+        cancel: None,
+    };
+    let done = generate::generate(engine, &input.tokenizer, &request, &mut |text| {
+        out!("{text}")
+    })?;
+    outln!()?;
     eprintln!(
-        "prefill {:.1} ms; {generated} tokens in {:.1} ms ({:.1} tokens/s)",
-        prefill_s * 1e3,
-        decode_s * 1e3,
-        generated as f64 / decode_s.max(1e-9)
+        "prefill {:.1} ms; {} tokens in {:.1} ms ({:.1} tokens/s)",
+        done.prefill_s * 1e3,
+        done.ids.len(),
+        done.decode_s * 1e3,
+        done.tokens_per_s()
     );
     Ok(())
 }
