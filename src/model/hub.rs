@@ -419,7 +419,10 @@ mod tests {
         let e = ModelRef::resolve_in("nothing", &places)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("a preset (default,") && e.contains("model folder"), "{e}");
+        assert!(
+            e.contains("a preset (default,") && e.contains("model folder"),
+            "{e}"
+        );
         assert_eq!(
             ModelRef::resolve_in("tiny-llama", &places).unwrap(),
             ModelRef::Preset("tiny-llama".into())
