@@ -369,14 +369,18 @@ struct RowTimes {
 }
 
 impl Cell<'_> {
-    /// [`Self::row`], or for a `-mbest` strategy the row of the micro-batch count (a power of
-    /// two up to the batch) whose decode step is shortest among those that fit.
+    /// [`Self::row`], or for a `-mbest` strategy the row of the micro-batch count whose decode
+    /// step is shortest among those that fit. The counts are powers of two up to the batch and
+    /// the stage count: with as many micro-batches in flight as stages the pipeline is full,
+    /// and more only shrink each one's matmuls (and cost the model time per extra count).
     fn best_row(&self, batch: usize, seq: usize) -> Result<PlanRow> {
         if !self.strategy.best_micro_batches {
             return self.row(batch, seq);
         }
+        let (_, stages, _, _) = shape_of(&self.strategy.strategy, self.strategy.devices)?;
+        let most = batch.min(stages).max(1);
         let counts =
-            std::iter::successors(Some(1usize), |m| Some(m * 2)).take_while(|&m| m <= batch);
+            std::iter::successors(Some(1usize), |m| Some(m * 2)).take_while(|&m| m <= most);
         let mut best: Option<PlanRow> = None;
         for m in counts {
             let strategy = self.strategy.with_micro_batches(m);
