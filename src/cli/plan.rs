@@ -32,7 +32,8 @@ pub struct PlanArgs {
     /// Devices per configuration (used when --strategies is not given).
     #[arg(long, default_value_t = 4)]
     devices: usize,
-    /// Strategies to model: single, tpN, ppN, ppN-mM, tpNxppP, tpNxppP-mM (M micro-batches).
+    /// Strategies to model: single, tpN, ppN, ppN-mM, tpNxppP, tpNxppP-mM (M micro-batches, or
+    /// `best`: the count with the shortest decode step per batch).
     /// Default: single, tpN, ppN with 1 and 4N micro-batches for N = --devices.
     #[arg(long, value_delimiter = ',')]
     strategies: Vec<String>,
