@@ -12,29 +12,12 @@ use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use hf_support::{write_checkpoint, write_word_tokenizer, Scratch, Store};
-use serde_json::json;
 use wgpar::chat::{trim_turns, ChatLimits, Conversation};
 use wgpar::model::hf::TextTokenizer;
-use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::server::{ChatTemplate, Message};
-
-const TEMPLATE: &str = "{{ bos_token }}{% for m in messages %} t4 {{ m.content | trim }}\
-{% endfor %}{% if add_generation_prompt %} t5{% endif %}";
 
 /// Longest a test waits for the chat to reach a point.
 const LIMIT: Duration = Duration::from_secs(240);
-
-/// tiny-gpt2 with a word tokenizer and TEMPLATE in tokenizer_config.json (BOS `t2`).
-fn checkpoint(name: &str) -> Scratch {
-    let config = ModelConfig::preset("tiny-gpt2").unwrap();
-    let weights = ModelWeights::synthetic(&config, 21);
-    let dir = write_checkpoint(name, &weights, Store::F32);
-    write_word_tokenizer(&dir, weights.config.vocab);
-    let tok = json!({"chat_template": TEMPLATE, "bos_token": "t2", "eos_token": "t0"});
-    std::fs::write(dir.join("tokenizer_config.json"), tok.to_string()).unwrap();
-    dir
-}
 
 /// A running `wgpar chat`, its output gathered as it comes; killed (by its PID) on drop.
 struct Chat {
@@ -179,7 +162,7 @@ fn path(dir: &Path) -> &str {
 /// forgets it, keeping the system message; `/exit` ends with status 0.
 #[test]
 fn turns_keep_history_reset_and_exit() {
-    let dir = checkpoint("chat-turns");
+    let (dir, _) = hf_support::chat_checkpoint("chat-turns");
     let mut chat = Chat::start(&[
         "--model",
         path(&dir),
@@ -222,7 +205,7 @@ fn turns_keep_history_reset_and_exit() {
 /// so; a message that cannot fit even alone is refused, and the chat goes on.
 #[test]
 fn history_trimmed_to_context() {
-    let dir = checkpoint("chat-trim");
+    let (dir, _) = hf_support::chat_checkpoint("chat-trim");
     // Prompt 1: t2 t4 t11 t4 t7 t5 (6) + 6 reply tokens fit 20; prompt 2 with turn 1 is
     // 6 + 2 + up to 6 + 3 = up to 17, + 6 > 20: turn 1 must go.
     let args = ["--model", path(&dir), "--gen", "6", "--max-seq", "20"];
@@ -251,7 +234,7 @@ fn history_trimmed_to_context() {
 fn ctrl_c_stops_the_reply_not_the_chat() {
     let dir = hf_support::scratch("chat-ctrl-c");
     let template = dir.join("chat.jinja");
-    std::fs::write(&template, TEMPLATE).unwrap();
+    std::fs::write(&template, hf_support::CHAT_TEMPLATE).unwrap();
     // A preset: no end token, so the reply runs its whole length unless stopped.
     let mut chat = Chat::start(&[
         "--model",
@@ -294,7 +277,7 @@ fn ctrl_c_stops_the_reply_not_the_chat() {
 fn any_strategy_same_replies() {
     let dir = hf_support::scratch("chat-strategies");
     let template = dir.join("chat.jinja");
-    std::fs::write(&template, TEMPLATE).unwrap();
+    std::fs::write(&template, hf_support::CHAT_TEMPLATE).unwrap();
     let chat = |strategy: &[&str]| {
         let base = ["--model", "tiny-llama", "--chat-template", path(&template)];
         let mut chat = Chat::start(&[&base[..], &["--gen", "6"], strategy].concat());
@@ -367,14 +350,14 @@ fn refusals() {
         &["--model", "tiny-gpt2"],
         &["no chat template", "--chat-template"],
     );
-    let dir = checkpoint("chat-refuse");
+    let (dir, _) = hf_support::chat_checkpoint("chat-refuse");
     std::fs::remove_file(dir.join("tokenizer_config.json")).unwrap();
     refuse(
         &["--model", path(&dir)],
         &["no chat template", "--chat-template"],
     );
     let template = dir.join("chat.jinja");
-    std::fs::write(&template, TEMPLATE).unwrap();
+    std::fs::write(&template, hf_support::CHAT_TEMPLATE).unwrap();
     let with = ["--model", path(&dir), "--chat-template", path(&template)];
     refuse(&[&with[..], &["--gen", "96"]].concat(), &["--gen 96"]);
     refuse(&[&with[..], &["--prompt", "t1"]].concat(), &["--prompt"]);
@@ -447,7 +430,7 @@ fn trim_rule_drops_oldest_turns() {
 /// tokenizer against the limits, turns dropped by the rule, a message too long taken back.
 #[test]
 fn conversation_prompt_fits_context() {
-    let template = ChatTemplate::new(TEMPLATE, "t2", "t0").unwrap();
+    let template = ChatTemplate::new(hf_support::CHAT_TEMPLATE, "t2", "t0").unwrap();
     let tokenizer = TextTokenizer::word_level(64).unwrap();
     let limits = ChatLimits {
         max_seq: 14,

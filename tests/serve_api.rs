@@ -16,7 +16,6 @@ use std::process::Command;
 use std::time::Duration;
 
 use gguf_support::{gguf_tensors, model_meta, write_gguf, GgufSpec};
-use hf_support::{write_checkpoint, write_word_tokenizer, Scratch, Store};
 use serde_json::{json, Value};
 use serve_support::Server;
 use wgpar::model::quant::QuantType;
@@ -24,20 +23,6 @@ use wgpar::model::reference::CpuReference;
 use wgpar::model::sampling::{Sampler, SamplingParams};
 use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::server::api::fields::{Route, Rule, FIELDS};
-
-const TEMPLATE: &str = "{{ bos_token }}{% for m in messages %} t4 {{ m.content | trim }}\
-{% endfor %}{% if add_generation_prompt %} t5{% endif %}";
-
-/// tiny-gpt2 (context 96) with a word tokenizer (`tN` is token N) and a chat template.
-fn checkpoint(name: &str) -> (Scratch, ModelWeights) {
-    let config = ModelConfig::preset("tiny-gpt2").unwrap();
-    let weights = ModelWeights::synthetic(&config, 21);
-    let dir = write_checkpoint(name, &weights, Store::F32);
-    write_word_tokenizer(&dir, weights.config.vocab);
-    let tok = json!({"chat_template": TEMPLATE, "bos_token": "t2", "eos_token": "t0"});
-    std::fs::write(dir.join("tokenizer_config.json"), tok.to_string()).unwrap();
-    (dir, weights)
-}
 
 fn serve(model: &str, extra: &[&str]) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_wgpar"));
@@ -170,7 +155,7 @@ fn others_refused_by_name(server: &Server) {
 /// unknown fields, another route's field and another model are refused by name.
 #[test]
 fn every_field_of_the_table_is_honoured_or_refused_by_name() {
-    let (dir, _) = checkpoint("serve-api-fields");
+    let (dir, _) = hf_support::chat_checkpoint("serve-api-fields");
     let server = serve(dir.to_str().unwrap(), &["--served-model-name", "m"]);
     let base = |route: Route| match route {
         Route::Chat => (
@@ -250,7 +235,7 @@ fn n_choices_follow_their_seeds(server: &Server, mut sampled: Value, gen: usize)
 /// `n` seeded choices are the single requests of seed + i.
 #[test]
 fn sampling_rules_follow_the_reference() {
-    let (dir, w) = checkpoint("serve-api-rules");
+    let (dir, w) = hf_support::chat_checkpoint("serve-api-rules");
     let server = serve(dir.to_str().unwrap(), &["--served-model-name", "m"]);
     let prompt: Vec<u32> = vec![5, 17, 300, 42, 7, 17];
     let gen = 6;
@@ -393,7 +378,7 @@ fn top_of(v: &Value) -> Vec<(u32, f64)> {
 /// reference's log-softmax.
 #[test]
 fn logprobs_follow_the_reference_log_softmax() {
-    let (dir, w) = checkpoint("serve-api-logprobs");
+    let (dir, w) = hf_support::chat_checkpoint("serve-api-logprobs");
     let server = serve(dir.to_str().unwrap(), &["--served-model-name", "m"]);
     let prompt: Vec<u32> = vec![8, 31, 200, 9, 64];
     for (temperature, gen) in [(0.0, 3usize), (0.7, 3), (0.0, 0)] {
@@ -494,7 +479,7 @@ fn streamed_texts(server: &Server, body: &Value, choices: usize) -> (Vec<String>
 /// --served-model-name, and prompt lists (one choice each, `n` per prompt).
 #[test]
 fn tokenize_models_and_prompt_lists() {
-    let (dir, _) = checkpoint("serve-api-routes");
+    let (dir, _) = hf_support::chat_checkpoint("serve-api-routes");
     let server = serve(dir.to_str().unwrap(), &["--served-model-name", "my-model"]);
     let v = ok(&server, "/tokenize", &json!({"content": "t5 t6 t300"}));
     assert_eq!(v, json!({"tokens": [5, 6, 300]}));

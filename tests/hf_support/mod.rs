@@ -340,3 +340,19 @@ pub fn write_word_tokenizer(dir: &Path, vocab: usize) {
     });
     std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
 }
+
+/// A chat template over word tokens (`tN`): BOS, ` t4 CONTENT` per message, ` t5` to prompt.
+pub const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %} t4 {{ m.content | trim }}\
+{% endfor %}{% if add_generation_prompt %} t5{% endif %}";
+
+/// tiny-gpt2 (context 96, seed 21) with a word tokenizer (`tN` is token N) and
+/// [`CHAT_TEMPLATE`] in tokenizer_config.json (BOS `t2`, EOS `t0`).
+pub fn chat_checkpoint(name: &str) -> (Scratch, ModelWeights) {
+    let config = wgpar::model::ModelConfig::preset("tiny-gpt2").unwrap();
+    let weights = ModelWeights::synthetic(&config, 21);
+    let dir = write_checkpoint(name, &weights, Store::F32);
+    write_word_tokenizer(&dir, weights.config.vocab);
+    let tok = json!({"chat_template": CHAT_TEMPLATE, "bos_token": "t2", "eos_token": "t0"});
+    std::fs::write(dir.join("tokenizer_config.json"), tok.to_string()).unwrap();
+    (dir, weights)
+}
