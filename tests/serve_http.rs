@@ -557,6 +557,13 @@ fn bench_serve_url_drives_the_server() {
     assert_eq!(v["errors"].as_array().unwrap().len(), 0, "{out}");
     assert_eq!(v["metrics"]["completed"], 12, "{out}");
     assert_eq!(v["metrics"]["failed"], 0, "{out}");
+    // A client over HTTP sees no device timeline: the shares are not measured, so null.
+    assert!(v["metrics"]["bubble_share"].is_null(), "{out}");
+    assert!(v["metrics"]["comm_share"].is_null(), "{out}");
+    assert!(
+        v["metrics"]["output_tokens_per_s"].as_f64().unwrap() > 0.0,
+        "{out}"
+    );
     // Once all are done, the gauges say so.
     assert_eq!(server.metric("wgpar:request_success_total"), 12.0);
     assert_eq!(server.metric("wgpar:kv_slots_used"), 0.0);
@@ -587,6 +594,8 @@ fn bench_serve_url_drives_the_server() {
         v["metrics"]["input_tokens"], local["metrics"]["input_tokens"],
         "{out}"
     );
+    // The run here has the engine's timeline: its shares are measured.
+    assert!(local["metrics"]["bubble_share"].is_f64(), "{local}");
     // A preset has no chat template: chat gets a 400 that says so.
     let (code, body) = server.post(
         "/v1/chat/completions",

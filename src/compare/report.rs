@@ -65,7 +65,7 @@ serving under load: {}",
         let x = &m.metrics;
         let _ = writeln!(
             out,
-            "{:<16} {:>5} {:>7.2} {:>10.1} {:>10.1} {:>10.1} {:>10.2} {:>10.2} {:>10.1} {:>6.1} {:>6.1} {:>8}",
+            "{:<16} {:>5} {:>7.2} {:>10.1} {:>10.1} {:>10.1} {:>10.2} {:>10.2} {:>10.1} {:>6} {:>6} {:>8}",
             m.label,
             m.lanes,
             x.request_throughput,
@@ -75,8 +75,8 @@ serving under load: {}",
             x.tpot_ms.p50,
             x.tpot_ms.p99,
             x.e2e_ms.p50,
-            x.bubble_share * 100.0,
-            x.comm_share * 100.0,
+            share_pct(x.bubble_share),
+            share_pct(x.comm_share),
             of_ideal(&m.pipeline)
         );
     }
@@ -96,15 +96,15 @@ serving under load, projected onto {profile} (ms):"
                 let x = &p.metrics;
                 let _ = writeln!(
                     out,
-                    "{:<16} {:>9.1} {:>11.0} {:>10.3} {:>10.4} {:>10.3} {:>6.1} {:>6.1}",
+                    "{:<16} {:>9.1} {:>11.0} {:>10.3} {:>10.4} {:>10.3} {:>6} {:>6}",
                     m.label,
                     x.request_throughput,
                     x.output_tokens_per_s,
                     x.ttft_ms.p50,
                     x.tpot_ms.p50,
                     x.e2e_ms.p50,
-                    x.bubble_share * 100.0,
-                    x.comm_share * 100.0
+                    share_pct(x.bubble_share),
+                    share_pct(x.comm_share)
                 );
             }
         }
@@ -136,7 +136,7 @@ fn serving_markdown(s: &ServingSection, out: &mut String) {
         let x = &m.metrics;
         let _ = writeln!(
             out,
-            "| {} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {} |",
+            "| {} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.1} | {} | {} | {} |",
             m.label,
             m.lanes,
             x.request_throughput,
@@ -146,8 +146,8 @@ fn serving_markdown(s: &ServingSection, out: &mut String) {
             x.tpot_ms.p50,
             x.tpot_ms.p99,
             x.e2e_ms.p50,
-            x.bubble_share * 100.0,
-            x.comm_share * 100.0,
+            share_pct(x.bubble_share),
+            share_pct(x.comm_share),
             of_ideal(&m.pipeline)
         );
     }
@@ -165,15 +165,15 @@ Projected onto `{profile}` (the same run replayed, requests released at their ar
                 let x = &p.metrics;
                 let _ = writeln!(
                     out,
-                    "| {} | {:.1} | {:.0} | {:.3} | {:.4} | {:.3} | {:.1} | {:.1} |",
+                    "| {} | {:.1} | {:.0} | {:.3} | {:.4} | {:.3} | {} | {} |",
                     m.label,
                     x.request_throughput,
                     x.output_tokens_per_s,
                     x.ttft_ms.p50,
                     x.tpot_ms.p50,
                     x.e2e_ms.p50,
-                    x.bubble_share * 100.0,
-                    x.comm_share * 100.0
+                    share_pct(x.bubble_share),
+                    share_pct(x.comm_share)
                 );
             }
         }
@@ -461,4 +461,9 @@ fn verdicts_markdown(r: &CompareReport, s: &mut String) {
         }
         let _ = writeln!(s);
     }
+}
+
+/// A serving run's device-time share as a percentage, `n/a` where it was not measured.
+fn share_pct(v: Option<f64>) -> String {
+    v.map_or_else(|| "n/a".into(), |v| format!("{:.1}", v * 100.0))
 }

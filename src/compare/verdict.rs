@@ -44,14 +44,19 @@ pub struct UnderLoad {
 
 fn explain_load(label: &str, m: &ServeMetrics, what: &str) -> String {
     format!(
-        "{what}: {label} at {:.1} output tokens/s ({:.2} requests/s), TTFT p50 {:.2} ms, TPOT p50 {:.3} ms; bubble {:.0}%, communication {:.0}%",
+        "{what}: {label} at {:.1} output tokens/s ({:.2} requests/s), TTFT p50 {:.2} ms, TPOT p50 {:.3} ms; bubble {}, communication {}",
         m.output_tokens_per_s,
         m.request_throughput,
         m.ttft_ms.p50,
         m.tpot_ms.p50,
-        m.bubble_share * 100.0,
-        m.comm_share * 100.0
+        percent(m.bubble_share),
+        percent(m.comm_share)
     )
+}
+
+/// A share as a whole percentage, `n/a` where it was not measured.
+fn percent(v: Option<f64>) -> String {
+    v.map_or_else(|| "n/a".into(), |v| format!("{:.0}%", v * 100.0))
 }
 
 /// The best under load among (label, figures) pairs, with the lines that explain it.

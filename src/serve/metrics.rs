@@ -123,16 +123,18 @@ pub struct ServeMetrics {
     pub max_itl_ms: f64,
     /// Arrival to last token, ms.
     pub e2e_ms: Percentiles,
-    /// Device-time not spent computing, over the run.
-    pub bubble_share: f64,
-    /// Device-time with a transfer or collective in flight, over the run.
-    pub comm_share: f64,
+    /// Device-time not spent computing, over the run (`None`: no device timeline, as for a
+    /// server measured over HTTP).
+    pub bubble_share: Option<f64>,
+    /// Device-time with a transfer or collective in flight, over the run (`None`: as above).
+    pub comm_share: Option<f64>,
 }
 
 impl ServeMetrics {
     /// The figures of `timings`, with `failed` refused requests, and the shares of the run's
-    /// timeline `summary`.
-    pub fn from_timings(timings: &[Timing], failed: usize, summary: &Summary) -> Self {
+    /// timeline `summary` where the run has one (an engine here, not a server over HTTP).
+    /// Rates over an empty run are NaN (printed `n/a`, `null` in JSON), never 0.
+    pub fn from_timings(timings: &[Timing], failed: usize, summary: Option<&Summary>) -> Self {
         let start = timings
             .iter()
             .map(|t| t.arrival_s)
@@ -150,7 +152,7 @@ impl ServeMetrics {
             if duration_s > 0.0 {
                 n as f64 / duration_s
             } else {
-                0.0
+                f64::NAN
             }
         };
         let input_tokens = timings.iter().map(|t| t.prompt_len).sum();
@@ -174,8 +176,8 @@ impl ServeMetrics {
             itl_ms: Percentiles::NONE,
             max_itl_ms: f64::NAN,
             e2e_ms: ms(timings.iter().map(|t| t.done_s - t.arrival_s).collect()),
-            bubble_share: summary.bubble_share,
-            comm_share: summary.comm_share,
+            bubble_share: summary.map(|s| s.bubble_share),
+            comm_share: summary.map(|s| s.comm_share),
         }
     }
 
@@ -196,17 +198,14 @@ impl ServeMetrics {
         row("Duration (s):", format!("{:.2}", self.duration_s));
         row("Total input tokens:", self.input_tokens.to_string());
         row("Total generated tokens:", self.output_tokens.to_string());
-        row(
-            "Request throughput (req/s):",
-            format!("{:.2}", self.request_throughput),
-        );
+        row("Request throughput (req/s):", ms2(self.request_throughput));
         row(
             "Output token throughput (tok/s):",
-            format!("{:.2}", self.output_tokens_per_s),
+            ms2(self.output_tokens_per_s),
         );
         row(
             "Total token throughput (tok/s):",
-            format!("{:.2}", self.total_tokens_per_s),
+            ms2(self.total_tokens_per_s),
         );
         for (name, short, p) in [
             ("Time to First Token", "TTFT", &self.ttft_ms),
@@ -233,12 +232,13 @@ impl ServeMetrics {
             }
         }
         s.push_str(&format!("{:-^54}\n", " Devices "));
+        let percent = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{:.1}", v * 100.0));
         s.push_str(&format!(
-            "{:<40}{:>14.1}\n{:<40}{:>14.1}\n",
+            "{:<40}{:>14}\n{:<40}{:>14}\n",
             "Bubble (% of device-time):",
-            self.bubble_share * 100.0,
+            percent(self.bubble_share),
             "Communication (% of device-time):",
-            self.comm_share * 100.0
+            percent(self.comm_share)
         ));
         s.push_str(&"=".repeat(54));
         s.push('\n');
@@ -246,7 +246,7 @@ impl ServeMetrics {
     }
 }
 
-/// A latency in ms with two decimals, or `n/a` when there was no sample.
+/// A latency in ms (or a rate) with two decimals, or `n/a` when there was no sample.
 fn ms2(v: f64) -> String {
     if v.is_nan() {
         "n/a".into()
@@ -294,7 +294,7 @@ mod tests {
                 output_tokens: 3,
             },
         ];
-        let m = ServeMetrics::from_timings(&timings, 1, &Timeline::new().summary());
+        let m = ServeMetrics::from_timings(&timings, 1, Some(&Timeline::new().summary()));
         assert_eq!((m.completed, m.failed), (3, 1));
         assert!((m.duration_s - 2.0).abs() < 1e-12);
         assert_eq!((m.input_tokens, m.output_tokens), (20, 9));
@@ -315,11 +315,18 @@ mod tests {
         ] {
             assert!(text.contains(want), "{text}");
         }
-        let empty = ServeMetrics::from_timings(&[], 2, &Timeline::new().summary());
+        let empty = ServeMetrics::from_timings(&[], 2, None);
         assert_eq!((empty.completed, empty.duration_s), (0, 0.0));
         // No sample is n/a, never 0: in the text, and null in JSON.
         let text = empty.lines("x");
-        for want in ["Median TTFT (ms):", "P99 ITL (ms):", "Max ITL (ms):"] {
+        for want in [
+            "Median TTFT (ms):",
+            "P99 ITL (ms):",
+            "Max ITL (ms):",
+            "Request throughput (req/s):",
+            "Bubble (% of device-time):",
+            "Communication (% of device-time):",
+        ] {
             let line = text.lines().find(|l| l.starts_with(want)).unwrap();
             assert!(line.ends_with("n/a"), "{line}");
         }
@@ -329,6 +336,10 @@ mod tests {
             "{json}"
         );
         assert!(json["ttft_ms"]["p99"].is_null(), "{json}");
+        assert!(
+            json["request_throughput"].is_null() && json["bubble_share"].is_null(),
+            "{json}"
+        );
     }
 
     #[test]

@@ -295,7 +295,7 @@ impl<'a> State<'a> {
             })
             .collect();
         let failed = self.outcomes.iter().filter(|o| o.error.is_some()).count();
-        let metrics = ServeMetrics::from_timings(&timings, failed, &timeline.summary())
+        let metrics = ServeMetrics::from_timings(&timings, failed, Some(&timeline.summary()))
             .with_gaps(&metrics::token_gaps(&self.outcomes));
         ServeRun {
             engine: engine.name(),
@@ -500,6 +500,6 @@ pub fn project_metrics(
     Ok(ServeMetrics::from_timings(
         &timings,
         run.metrics.failed,
-        &projected.report.projected,
+        Some(&projected.report.projected),
     ))
 }

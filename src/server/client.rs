@@ -8,7 +8,6 @@ use serde_json::{json, Value};
 
 use crate::error::{Result, WgparError};
 use crate::serve::{ServeMetrics, ServeRequest, Timing};
-use crate::trace::Timeline;
 
 /// What one request over HTTP gave.
 #[derive(Debug, Clone, Default)]
@@ -58,8 +57,7 @@ pub fn run_http(
         .iter()
         .flat_map(|o| o.gaps.iter().copied())
         .collect();
-    let metrics = ServeMetrics::from_timings(&timings, failed, &Timeline::default().summary())
-        .with_gaps(&gaps);
+    let metrics = ServeMetrics::from_timings(&timings, failed, None).with_gaps(&gaps);
     Ok((metrics, outcomes))
 }
 
