@@ -4,10 +4,10 @@
 //!
 //! `cargo run --release --example tp_vs_pp`
 
+use wgpar::batching::{Length, Rate};
 use wgpar::compare::{run_compare, table, CompareOptions, ServingOptions};
 use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, GpuOptions};
 use wgpar::model::ModelConfig;
-use wgpar::serve::{Length, Rate};
 use wgpar::sim::{Engine, HostProfile};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -7,6 +7,7 @@
 //! `calibrate` measures this machine into one.
 //! See `docs/ARCHITECTURE.md`.
 
+pub mod batching;
 pub mod calibrate;
 pub mod chat;
 pub mod comm;
@@ -19,7 +20,6 @@ pub mod generate;
 pub mod kernels;
 pub mod model;
 pub mod parallel;
-pub mod serve;
 pub mod server;
 pub mod sim;
 pub mod stats;

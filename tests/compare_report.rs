@@ -3,13 +3,13 @@
 
 mod common;
 
+use wgpar::batching::{Length, Rate};
 use wgpar::compare::{
     breakdown_svg, markdown, plan, plan_model, question_lines, run_compare, scale_svg, table,
     throughput_svg, CompareOptions, PlanOptions, PlanStrategy, ServingOptions,
 };
 use wgpar::device::DType;
 use wgpar::model::ModelConfig;
-use wgpar::serve::{Length, Rate};
 use wgpar::sim::{Engine, HostProfile};
 
 #[test]

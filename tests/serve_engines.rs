@@ -8,14 +8,14 @@ mod common;
 
 use std::sync::Arc;
 
+use wgpar::batching::{
+    project_metrics, serve, Length, Rate, ServeOptions, ServeRequest, WorkloadSpec,
+};
 use wgpar::comm::CommConfig;
 use wgpar::device::{DType, Gpu};
 use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::{
     build_step_engine, generate, PartitionSpec, Schedule, SingleEngine, Strategy,
-};
-use wgpar::serve::{
-    project_metrics, serve, Length, Rate, ServeOptions, ServeRequest, WorkloadSpec,
 };
 use wgpar::sim::{HostProfile, ProjectOptions};
 use wgpar::trace::Recorder;

@@ -6,10 +6,10 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use wgpar::batching::{serve, Length, Rate, ServeOptions, ServeRequest, WorkloadSpec};
 use wgpar::model::sampling::SamplingParams;
 use wgpar::model::ModelConfig;
 use wgpar::parallel::{BatchStep, Engine, StepDone, StepEngine, StepOutput, StepStats};
-use wgpar::serve::{serve, Length, Rate, ServeOptions, ServeRequest, WorkloadSpec};
 use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
 
@@ -153,7 +153,7 @@ impl StepEngine for Mock {
     }
 }
 
-fn check_against_alone(requests: &[ServeRequest], run: &wgpar::serve::ServeRun, vocab: usize) {
+fn check_against_alone(requests: &[ServeRequest], run: &wgpar::batching::ServeRun, vocab: usize) {
     for (r, o) in requests.iter().zip(&run.outcomes) {
         assert_eq!(o.error, None, "request {}", r.id);
         assert_eq!(

@@ -9,11 +9,11 @@ use std::sync::Arc;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
+use wgpar::batching::{serve, Length, Rate, ServeOptions, ServeRun, WorkloadSpec};
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
 use wgpar::model::memory::Workload;
 use wgpar::parallel::{build_step_engine, Schedule, StepEngine, Strategy};
-use wgpar::serve::{serve, Length, Rate, ServeOptions, ServeRun, WorkloadSpec};
 use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
 
@@ -298,7 +298,7 @@ fn build(
 fn measured(
     args: &ServeArgs,
     engine: &mut dyn StepEngine,
-    (requests, opts): (&[wgpar::serve::ServeRequest], &ServeOptions),
+    (requests, opts): (&[wgpar::batching::ServeRequest], &ServeOptions),
     recorder: &Recorder,
 ) -> Result<ServeRun> {
     let bar = if args.json {

@@ -5,12 +5,12 @@ use std::path::PathBuf;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use wgpar::batching::{Length, Rate};
 use wgpar::compare::{run_compare, table, write_report, CompareOptions, ServingOptions};
 use wgpar::device::{open_devices, AdapterDesc, Adapters, DType, DeviceSelection};
 use wgpar::model::memory::{WeightFormat, Workload};
 use wgpar::model::ModelConfig;
 use wgpar::parallel::{Schedule, Strategy};
-use wgpar::serve::{Length, Rate};
 use wgpar::sim::{Engine, HostProfile};
 use wgpar::{Result, WgparError};
 

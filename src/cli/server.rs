@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
+use wgpar::batching::{serve, Length, Rate, ServeOptions, WorkloadSpec};
 use wgpar::comm::CommConfig;
 use wgpar::device::{Adapters, DType};
 use wgpar::model::hf::{Checkpoint, TextTokenizer};
@@ -15,7 +16,6 @@ use wgpar::model::memory::Workload;
 use wgpar::model::ModelConfig;
 use wgpar::parallel::Fault;
 use wgpar::parallel::{build_step_engine, Schedule, StepEngine, Strategy};
-use wgpar::serve::{serve, Length, Rate, ServeOptions, WorkloadSpec};
 use wgpar::server::auth::{self, KeySources};
 use wgpar::server::{
     BatchOptions, ChatTemplate, ConnLimits, EngineBuilder, ServerOptions, TextModel,

@@ -8,15 +8,15 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use super::{CompareOptions, Plan};
+use crate::batching::{
+    project_metrics, serve, Length, Rate, ServeMetrics, ServeOptions, ServeRun, WorkloadSpec,
+};
 use crate::comm::CommConfig;
 use crate::device::Gpu;
 use crate::error::{Result, WgparError};
 use crate::model::{valid_tp_degrees, ModelWeights};
 use crate::parallel::{
     build_step_engine, PartitionSpec, PipelineStats, Schedule, StepEngine, Strategy,
-};
-use crate::serve::{
-    project_metrics, serve, Length, Rate, ServeMetrics, ServeOptions, ServeRun, WorkloadSpec,
 };
 use crate::sim::{CollectivePolicy, ProjectOptions};
 use crate::trace::{Recorder, Timeline};

@@ -3,7 +3,7 @@
 use serde::Serialize;
 
 use super::{Measurement, Projected, ServingSection};
-use crate::serve::ServeMetrics;
+use crate::batching::ServeMetrics;
 use crate::sim::HostProfile;
 
 /// The answer for one host profile (or for this machine, measured).

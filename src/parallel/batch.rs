@@ -1,6 +1,6 @@
 //! Continuous batching at the engine level: a step runs rows of sequences, each in its own KV
 //! slot with its own count of cached tokens, so sequences can join and leave a running batch
-//! at any token boundary. [`StepEngine`] is what the serving loop (`crate::serve`) drives.
+//! at any token boundary. [`StepEngine`] is what the serving loop (`crate::batching`) drives.
 //!
 //! An engine has one or more *lanes*: a single device or a tensor-parallel group runs one step
 //! at a time (one lane); a pipeline keeps one step per micro-batch lane in flight, each lane a

@@ -1,5 +1,5 @@
 //! The engine thread: requests from every connection join the running batches at token
-//! boundaries (continuous batching, as `serve::serve` schedules a benchmark), and each picked
+//! boundaries (continuous batching, as `batching::serve` schedules a benchmark), and each picked
 //! token goes to its request's channel at once.
 //!
 //! The thread owns the engine (engines are not `Send`; it builds its own). A request whose

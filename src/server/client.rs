@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::batching::{ServeMetrics, ServeRequest, Timing};
 use crate::error::{Result, WgparError};
-use crate::serve::{ServeMetrics, ServeRequest, Timing};
 
 /// What one request over HTTP gave.
 #[derive(Debug, Clone, Default)]
