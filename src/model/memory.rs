@@ -324,6 +324,8 @@ fn layer_bytes(
     } else {
         0
     };
+    // Qwen3's query and key norm scales, whole on every shard.
+    let qk_norms = if config.qk_norm { 2 * padded(d, 4) } else { 0 };
     m(0, q, h)
         + m(1, kv, h)
         + m(2, kv, h)
@@ -332,6 +334,7 @@ fn layer_bytes(
         + m(5, f, h)
         + m(6, h, f)
         + 2 * padded(h, 4)
+        + qk_norms
         + vec(v.other_biases, h) * 2
         + vec(v.qkv_bias, q)
         + 2 * vec(v.qkv_bias, kv)

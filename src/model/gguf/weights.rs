@@ -9,7 +9,8 @@
 //!
 //! The usual converter permutes the Q and K rows of `llama`-architecture files for llama.cpp's
 //! interleaved RoPE (pairs `(2i, 2i+1)`); wgpar rotates halves (`i` with `i + head_dim/2`), as
-//! Hugging Face does, so those rows are put back here. Qwen2 files are not permuted.
+//! Hugging Face does, so those rows are put back here. Qwen2 and Qwen3 files are not permuted
+//! (nor are Qwen3's per-head `attn_q_norm` / `attn_k_norm` scales).
 
 use std::ops::Range;
 
@@ -242,6 +243,10 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
     let (w_gate, bgate) = matrix("ffn_gate.weight", &[f, h], "MLP gate")?;
     let (w_up, bup) = matrix("ffn_up.weight", &[f, h], "MLP up")?;
     let (w_down, bdown) = matrix("ffn_down.weight", &[h, f], "MLP down")?;
+    let head_norm = |part: &str, w: &str| match c.qk_norm {
+        true => get(part, &[c.head_dim], w).map(Some),
+        false => Ok(None),
+    };
     Ok(LayerWeights {
         attn_norm: get("attn_norm.weight", &[h], "attention RMSNorm")?,
         attn_norm_bias: None,
@@ -251,6 +256,8 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
         bq: opt("attn_q.bias", &[q], "query bias")?.map(|b| fix_bias(b, c.heads)),
         bk: opt("attn_k.bias", &[kv], "key bias")?.map(|b| fix_bias(b, c.kv_heads)),
         bv: opt("attn_v.bias", &[kv], "value bias")?,
+        q_norm: head_norm("attn_q_norm.weight", "query head RMSNorm")?,
+        k_norm: head_norm("attn_k_norm.weight", "key head RMSNorm")?,
         wo,
         bo: opt("attn_output.bias", &[h], "attention output bias")?,
         mlp_norm: get("ffn_norm.weight", &[h], "MLP RMSNorm")?,
@@ -301,6 +308,8 @@ fn gpt2_layer(t: &Tensors, c: &ModelConfig, i: usize) -> Result<LayerWeights> {
         bq: bias(0),
         bk: bias(1),
         bv: bias(2),
+        q_norm: None,
+        k_norm: None,
         wo,
         bo: Some(get("attn_output.bias", &[h], "attention output bias")?),
         mlp_norm: get("ffn_norm.weight", &[h], "MLP LayerNorm scale")?,

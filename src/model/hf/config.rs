@@ -12,11 +12,12 @@ use crate::model::config::{
 use crate::model::rope::yarn_mscale;
 
 /// The `model_type` values wgpar reads, and the family each maps to.
-pub const SUPPORTED_TYPES: [(&str, Arch); 5] = [
+pub const SUPPORTED_TYPES: [(&str, Arch); 6] = [
     ("gpt2", Arch::Gpt2),
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Llama),
+    ("qwen3", Arch::Llama),
     ("bert", Arch::Bert),
 ];
 
@@ -115,8 +116,9 @@ pub fn token_ids(value: Option<&Value>) -> Vec<u32> {
     }
 }
 
-/// The family a config names: `model_type`, or else the first of `architectures`.
-fn family(keys: &Keys) -> Result<Arch> {
+/// The model type a config names (`model_type`, or else the first of `architectures`) and
+/// its family.
+fn family(keys: &Keys) -> Result<(&'static str, Arch)> {
     let supported = || {
         SUPPORTED_TYPES
             .iter()
@@ -148,7 +150,7 @@ fn family(keys: &Keys) -> Result<Arch> {
     SUPPORTED_TYPES
         .iter()
         .find(|(t, _)| *t == model_type)
-        .map(|(_, arch)| *arch)
+        .copied()
         .ok_or_else(|| {
             keys.fail(format!(
                 "model_type '{model_type}' is not supported; supported model types: {}",
@@ -304,8 +306,8 @@ fn gpt2(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
     })
 }
 
-/// Llama-family keys (Llama, Mistral, Qwen2) over `base`.
-fn llama(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
+/// Llama-family keys (Llama, Mistral, Qwen2, Qwen3: `model_type`) over `base`.
+fn llama(keys: &Keys<'_>, model_type: &str, base: ModelConfig) -> Result<ModelConfig> {
     let act = keys.str_or("hidden_act", "silu")?;
     if act != "silu" {
         return Err(keys.fail(format!("\"hidden_act\" is '{act}', only silu is supported")));
@@ -327,9 +329,9 @@ fn llama(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
         None => keys.f32_or("rope_theta", 10_000.0)?,
     };
     // A sliding window equals full attention up to the window's length, so the context
-    // is capped there. Mistral applies its window whenever it is set; Qwen2 only under
-    // "use_sliding_window" (false by default), as Hugging Face reads them.
-    let windowed_by_default = keys.str_or("model_type", "")? != "qwen2";
+    // is capped there. Mistral applies its window whenever it is set; Qwen2 and Qwen3 only
+    // under "use_sliding_window" (false by default), as Hugging Face reads them.
+    let windowed_by_default = !matches!(model_type, "qwen2" | "qwen3");
     if keys.bool_or("use_sliding_window", windowed_by_default)? {
         if let Some(window) = keys.opt_usize("sliding_window")? {
             max_seq = max_seq.min(window);
@@ -348,6 +350,8 @@ fn llama(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
         rope_theta,
         rope_scaling,
         tied_head: keys.bool_or("tie_word_embeddings", false)?,
+        // Qwen3 normalises every query and key head (its q_norm / k_norm), always.
+        qk_norm: model_type == "qwen3",
         activation: Activation::Silu,
         ..base
     })
@@ -395,7 +399,7 @@ pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
     if !json.is_object() {
         return Err(keys.fail("expected a JSON object".into()));
     }
-    let arch = family(&keys)?;
+    let (model_type, arch) = family(&keys)?;
     let base = ModelConfig {
         name: name.to_string(),
         arch,
@@ -403,7 +407,7 @@ pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
     };
     let config = match arch {
         Arch::Gpt2 => gpt2(&keys, base)?,
-        Arch::Llama => llama(&keys, base)?,
+        Arch::Llama => llama(&keys, model_type, base)?,
         Arch::Bert => bert(&keys, base)?,
     };
     if arch != Arch::Llama && config.heads > 0 && config.head_dim * config.heads != config.hidden {

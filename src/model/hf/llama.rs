@@ -1,11 +1,12 @@
-//! Llama-style names to [`ModelWeights`] (Llama, Mistral, Qwen2). Projections are PyTorch
-//! `Linear`s, already `[out][in]` as wgpar stores them.
+//! Llama-style names to [`ModelWeights`] (Llama, Mistral, Qwen2, Qwen3). Projections are
+//! PyTorch `Linear`s, already `[out][in]` as wgpar stores them.
 //!
 //! | wgpar | Hugging Face (under `model.`) |
 //! |---|---|
 //! | wte | `embed_tokens.weight` |
 //! | attn_norm | `layers.N.input_layernorm.weight` |
 //! | wq, wk, wv (+ optional biases) | `layers.N.self_attn.{q,k,v}_proj.{weight,bias}` |
+//! | q_norm, k_norm (Qwen3) | `layers.N.self_attn.{q,k}_norm.weight` |
 //! | wo (+ optional bias) | `layers.N.self_attn.o_proj.{weight,bias}` |
 //! | mlp_norm | `layers.N.post_attention_layernorm.weight` |
 //! | w_gate, w_up, w_down | `layers.N.mlp.{gate,up,down}_proj.weight` |
@@ -69,6 +70,17 @@ fn layer(r: &Reader, config: &ModelConfig, i: usize) -> Result<LayerWeights> {
             &what(&format!("{proj} bias")),
         )
     };
+    // Qwen3's per-head query and key norms: one scale of head_dim values each.
+    let head_norm = |name: &str, part: &str| match config.qk_norm {
+        true => r
+            .tensor(
+                &p(&format!("self_attn.{name}.weight")),
+                &[config.head_dim],
+                &what(part),
+            )
+            .map(Some),
+        false => Ok(None),
+    };
     let mlp = |proj: &str, rows: usize, cols: usize| {
         r.tensor(
             &p(&format!("mlp.{proj}.weight")),
@@ -89,6 +101,8 @@ fn layer(r: &Reader, config: &ModelConfig, i: usize) -> Result<LayerWeights> {
         bq: bias("q_proj", q)?,
         bk: bias("k_proj", kv)?,
         bv: bias("v_proj", kv)?,
+        q_norm: head_norm("q_norm", "query head RMSNorm")?,
+        k_norm: head_norm("k_norm", "key head RMSNorm")?,
         wo: attn("o_proj", h, q, "attention output")?,
         bo: bias("o_proj", h)?,
         mlp_norm: r.tensor(
