@@ -18,6 +18,7 @@ use wgpar::comm::CommConfig;
 use wgpar::device::{DType, Gpu};
 use wgpar::model::hf::Checkpoint;
 use wgpar::model::quant::QuantType;
+use wgpar::kernels::ops;
 use wgpar::model::{CpuReference, ModelConfig, ModelWeights};
 use wgpar::parallel::{
     generate_keeping, Engine, KeepLogits, Partition, PipelineEngine, SingleEngine,
@@ -329,4 +330,104 @@ fn gguf_features_it_lacks_are_refused_by_name() {
         .unwrap()
         .to_string();
     assert!(e.contains("blk.0.attn_q_norm.weight"), "{e}");
+}
+
+/// The in-place per-head norm against f64 on random data: heads narrower and wider than its
+/// 64 invocations, and more rows (tokens x heads) than one grid dimension holds, so the fold
+/// into two is exercised; values past the bound heads stay as they were.
+#[test]
+fn head_norm_kernel_matches_f64_past_one_grid_dimension() {
+    let gpu = &common::gpus(1)[0];
+    for (tokens, heads, head_dim) in [(3, 5, 100), (2, 3, 256), (8200, 8, 12)] {
+        let len = tokens * heads * head_dim;
+        let tail = 37;
+        let x: Vec<f32> = (common::random(len + tail, 8).iter())
+            .map(|v| v * 4.0 + 0.3)
+            .collect();
+        let gamma = common::random(head_dim, 9);
+        let (xt, gt) = (
+            gpu.upload_f32("x", &x).unwrap(),
+            gpu.upload_f32("gamma", &gamma).unwrap(),
+        );
+        let mut enc = gpu.encoder();
+        let shape = (tokens, heads, head_dim);
+        ops::head_norm(gpu, &mut enc, (&gt, &xt), shape, 1e-6).unwrap();
+        gpu.submit(enc);
+        gpu.wait().unwrap();
+        let got = gpu.read_f32(&xt).unwrap();
+        let mut want: Vec<f64> = Vec::with_capacity(len);
+        for head in x[..len].chunks(head_dim) {
+            let ms = head.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / head_dim as f64;
+            let inv = 1.0 / (ms + 1e-6).sqrt();
+            want.extend(head.iter().zip(&gamma).map(|(&v, &g)| v as f64 * inv * g as f64));
+        }
+        let err = common::rel_err(&got[..len], &want);
+        assert!(err <= 1e-5, "{shape:?}: relative error {err:.2e}");
+        assert_eq!(got[len..], x[len..], "{shape:?}: past the bound heads");
+    }
+}
+
+/// `wgpar chat` on a qwen3 GGUF renders its turns with the file's `tokenizer.chat_template`
+/// (ChatML, as Qwen3's) and replies what `run --prompt` continues the rendered text with.
+#[test]
+fn chat_uses_the_gguf_template() {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let config = ModelConfig {
+        vocab: 257,
+        ..ModelConfig::preset("tiny-qwen3").unwrap()
+    };
+    let w = ModelWeights::synthetic(&config, 51);
+    let template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\
+                    <|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n\
+                    {% endif %}";
+    let mut meta = model_meta(&w, "qwen3");
+    meta.extend([
+        json!(["tokenizer.ggml.model", "str", "gpt2"]),
+        json!(["tokenizer.ggml.pre", "str", "qwen2"]),
+        json!(["tokenizer.ggml.tokens", "str_array", gguf_support::byte_tokens()]),
+        json!(["tokenizer.ggml.merges", "str_array", Vec::<String>::new()]),
+        json!(["tokenizer.ggml.add_bos_token", "bool", false]),
+        json!(["tokenizer.chat_template", "str", template]),
+    ]);
+    let dir = hf_support::scratch("qwen3-chat");
+    let spec = GgufSpec {
+        arch: "qwen3",
+        matrices: QuantType::F32,
+        meta,
+    };
+    let file = write_gguf(&dir, "chat", &gguf_tensors(&w, false), &spec);
+    let model = file.to_str().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_wgpar"))
+        .args(["chat", "--model", model, "--gen", "4", "--verbose"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    writeln!(child.stdin.take().unwrap(), "hi\n/exit").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let prompt: String = (stderr.lines())
+        .find_map(|l| l.strip_prefix("prompt: "))
+        .map(|q| serde_json::from_str(q).unwrap())
+        .unwrap_or_else(|| panic!("no rendered prompt: {stderr}"));
+    assert_eq!(prompt, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    let reply = (stdout.split("> ").nth(1))
+        .and_then(|turn| turn.split_once('\n'))
+        .map(|(reply, _)| reply.to_string())
+        .unwrap_or_else(|| panic!("no reply: {stdout}"));
+    assert!(!reply.is_empty(), "an empty reply: {stdout}");
+    let run = Command::new(env!("CARGO_BIN_EXE_wgpar"))
+        .args(["run", "--model", model, "--prompt", &prompt, "--gen", "4"])
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{run:?}");
+    let continued = String::from_utf8_lossy(&run.stdout).to_string();
+    let continued = continued.strip_prefix(&prompt).expect("run prints the prompt first");
+    assert_eq!(reply, continued.trim_end_matches('\n'));
 }

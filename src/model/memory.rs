@@ -892,6 +892,29 @@ mod tests {
         assert_eq!(one[0].kv_cache, half[0].kv_cache);
     }
 
+    /// Qwen3's heads are wider than hidden / heads and each layer holds two `[head_dim]`
+    /// norm scales, whole on every tensor-parallel shard.
+    #[test]
+    fn qwen3_weights_count_wide_heads_and_the_head_norms() {
+        let c = ModelConfig::preset("tiny-qwen3").unwrap();
+        assert!(c.q_dim() > c.hidden && c.qk_norm && c.tied_head);
+        let f32s = WeightFormat::of_config(&c, DType::F32, None);
+        let whole = Placement::whole(&c);
+        let (h, d, layers) = (c.hidden, c.head_dim, c.layers);
+        let rope = 2 * (c.max_seq * d / 2 * 4) as u64;
+        // `params` counts four hidden-wide vectors a layer (a Llama layer has two), not the
+        // final norm, and the head norms.
+        let values = c.params() - 2 * layers * h + h;
+        assert_eq!(weight_bytes(&c, &whole, &f32s, u64::MAX), values as u64 * 4 + rope);
+        let without = ModelConfig {
+            qk_norm: false,
+            ..c.clone()
+        };
+        let fewer = weight_bytes(&without, &whole, &f32s, u64::MAX);
+        let norms = (layers * 2 * d * 4) as u64;
+        assert_eq!(weight_bytes(&c, &whole, &f32s, u64::MAX) - fewer, norms);
+    }
+
     #[test]
     fn packed_layers_take_their_block_bytes_and_a_file_type_wins() {
         // Every matrix whole Q8_0 blocks of 32 values.

@@ -483,6 +483,29 @@ mod tests {
         }
     }
 
+    /// Qwen3: query/key norms always, heads as wide as `head_dim` says (not hidden / heads),
+    /// found by `model_type` or by the class alone; its window only under
+    /// "use_sliding_window".
+    #[test]
+    fn qwen3_keys() {
+        let keys = r#""vocab_size":151936,"hidden_size":1024,"num_hidden_layers":28,
+            "num_attention_heads":16,"num_key_value_heads":8,"head_dim":128,
+            "intermediate_size":3072,"max_position_embeddings":40960,"rms_norm_eps":1e-6,
+            "rope_theta":1000000,"tie_word_embeddings":true,"sliding_window":4096,
+            "use_sliding_window":false,"attention_bias":false"#;
+        for head in [r#""model_type":"qwen3""#, r#""architectures":["Qwen3ForCausalLM"]"#] {
+            let c = parse_str(&format!("{{{head},{keys}}}")).unwrap().config;
+            assert!(c.qk_norm && c.tied_head, "{head}");
+            assert_eq!((c.head_dim, c.q_dim(), c.hidden), (128, 2048, 1024));
+            assert_eq!((c.max_seq, c.norm_eps), (40960, 1e-6));
+        }
+        let llama = parse_str(&format!(r#"{{"model_type":"llama",{keys}}}"#)).unwrap();
+        assert!(!llama.config.qk_norm);
+        let windowed = keys.replace(r#""use_sliding_window":false"#, r#""use_sliding_window":true"#);
+        let c = parse_str(&format!(r#"{{"model_type":"qwen3",{windowed}}}"#)).unwrap();
+        assert_eq!(c.config.max_seq, 4096);
+    }
+
     #[test]
     fn rope_scalings_are_read_and_others_refused_by_name() {
         let base = r#""model_type":"llama","vocab_size":10,"hidden_size":64,
