@@ -16,9 +16,9 @@ use hf_support::{write_checkpoint, Store};
 use serde_json::json;
 use wgpar::comm::CommConfig;
 use wgpar::device::{DType, Gpu};
+use wgpar::kernels::ops;
 use wgpar::model::hf::Checkpoint;
 use wgpar::model::quant::QuantType;
-use wgpar::kernels::ops;
 use wgpar::model::{CpuReference, ModelConfig, ModelWeights};
 use wgpar::parallel::{
     generate_keeping, Engine, KeepLogits, Partition, PipelineEngine, SingleEngine,
@@ -108,9 +108,15 @@ fn single_tp_and_pp_give_the_reference_tokens() {
     let mut tp =
         TensorParallelEngine::new(&gpus, &w, DType::F32, None, CommConfig::default()).unwrap();
     check_engine("tp=2", &mut tp, &w);
-    let mut pp =
-        PipelineEngine::new(&gpus, &w, DType::F32, &Partition::Even, 2, CommConfig::default())
-            .unwrap();
+    let mut pp = PipelineEngine::new(
+        &gpus,
+        &w,
+        DType::F32,
+        &Partition::Even,
+        2,
+        CommConfig::default(),
+    )
+    .unwrap();
     check_engine("pp=2", &mut pp, &w);
 }
 
@@ -147,7 +153,10 @@ fn the_reference_without_the_norms_does_not_match() {
     }
     let (_, wrong) = reference(&off, &prompts);
     let err = got.relative_error(&wrong[0]);
-    assert!(err > 100.0 * BAR, "norms off changed the logits by {err:.2e}");
+    assert!(
+        err > 100.0 * BAR,
+        "norms off changed the logits by {err:.2e}"
+    );
     // Scales of 1 instead of the trained ones: the scales matter too.
     let mut unit = w.clone();
     for l in &mut unit.layers {
@@ -164,7 +173,10 @@ fn weights_without_the_norms_are_refused() {
     let mut w = weights(2, 44);
     w.layers[1].k_norm = None;
     let gpu = common::gpus(1).remove(0);
-    let e = SingleEngine::new(gpu, &w, DType::F32).err().unwrap().to_string();
+    let e = SingleEngine::new(gpu, &w, DType::F32)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("qk_norm") && e.contains("layer 1"), "{e}");
 }
 
@@ -182,8 +194,16 @@ fn assert_same_weights(got: &ModelWeights, want: &ModelWeights, store: Store) {
         same(&g.wq, &w.wq, &format!("layer {i} wq"));
         same(&g.wk, &w.wk, &format!("layer {i} wk"));
         same(&g.wo, &w.wo, &format!("layer {i} wo"));
-        same(g.q_norm.as_ref().unwrap(), w.q_norm.as_ref().unwrap(), "q_norm");
-        same(g.k_norm.as_ref().unwrap(), w.k_norm.as_ref().unwrap(), "k_norm");
+        same(
+            g.q_norm.as_ref().unwrap(),
+            w.q_norm.as_ref().unwrap(),
+            "q_norm",
+        );
+        same(
+            g.k_norm.as_ref().unwrap(),
+            w.k_norm.as_ref().unwrap(),
+            "k_norm",
+        );
     }
 }
 
@@ -263,7 +283,12 @@ fn spec<'a>(w: &ModelWeights, matrices: QuantType) -> GgufSpec<'a> {
 fn gguf_f32_matches_the_folder() {
     let w = weights(2, 47);
     let dir = hf_support::scratch("qwen3-gguf");
-    let file = write_gguf(&dir, "m", &gguf_tensors(&w, false), &spec(&w, QuantType::F32));
+    let file = write_gguf(
+        &dir,
+        "m",
+        &gguf_tensors(&w, false),
+        &spec(&w, QuantType::F32),
+    );
     let g = Checkpoint::open(&file).unwrap();
     let mut want = w.config.clone();
     want.name = "gguf-test".into();
@@ -279,13 +304,25 @@ fn gguf_f32_matches_the_folder() {
 fn packed_gguf_runs_single_and_tp_to_the_reference_tokens() {
     let w = weights(2, 48);
     let dir = hf_support::scratch("qwen3-gguf-q8");
-    let file = write_gguf(&dir, "m", &gguf_tensors(&w, false), &spec(&w, QuantType::Q8_0));
+    let file = write_gguf(
+        &dir,
+        "m",
+        &gguf_tensors(&w, false),
+        &spec(&w, QuantType::Q8_0),
+    );
     let loaded = Checkpoint::open(&file).unwrap().weights(false).unwrap();
-    assert!(loaded.blocks().count() == 2 * 7, "every projection kept in Q8_0 blocks");
+    assert!(
+        loaded.blocks().count() == 2 * 7,
+        "every projection kept in Q8_0 blocks"
+    );
     let gpus = common::gpus(2);
-    check_engine("q8_0 single", &mut single(gpus[0].clone(), &loaded), &loaded);
-    let mut tp = TensorParallelEngine::new(&gpus, &loaded, DType::F32, None, CommConfig::default())
-        .unwrap();
+    check_engine(
+        "q8_0 single",
+        &mut single(gpus[0].clone(), &loaded),
+        &loaded,
+    );
+    let mut tp =
+        TensorParallelEngine::new(&gpus, &loaded, DType::F32, None, CommConfig::default()).unwrap();
     check_engine("q8_0 tp=2", &mut tp, &loaded);
     // K-quants take rows of 256: heads of 128 over a stream of 256, as Qwen3-4B's are.
     let config = ModelConfig {
@@ -299,10 +336,19 @@ fn packed_gguf_runs_single_and_tp_to_the_reference_tokens() {
         ..ModelConfig::preset("tiny-qwen3").unwrap()
     };
     let w = ModelWeights::synthetic(&config, 49);
-    let file = write_gguf(&dir, "k", &gguf_tensors(&w, false), &spec(&w, QuantType::Q4K));
+    let file = write_gguf(
+        &dir,
+        "k",
+        &gguf_tensors(&w, false),
+        &spec(&w, QuantType::Q4K),
+    );
     let loaded = Checkpoint::open(&file).unwrap().weights(false).unwrap();
     assert!(loaded.block_types().contains(&QuantType::Q4K));
-    check_engine("q4_k single", &mut single(gpus[0].clone(), &loaded), &loaded);
+    check_engine(
+        "q4_k single",
+        &mut single(gpus[0].clone(), &loaded),
+        &loaded,
+    );
 }
 
 #[test]
@@ -319,7 +365,10 @@ fn gguf_features_it_lacks_are_refused_by_name() {
     };
     let file = write_gguf(&dir, "v", &gguf_tensors(&w, false), &bad);
     let e = Checkpoint::open(&file).err().unwrap().to_string();
-    assert!(e.contains("qwen3.attention.value_length") && e.contains("16"), "{e}");
+    assert!(
+        e.contains("qwen3.attention.value_length") && e.contains("16"),
+        "{e}"
+    );
     let mut tensors = gguf_tensors(&w, false);
     tensors.retain(|t| t.name != "blk.0.attn_q_norm.weight");
     let file = write_gguf(&dir, "n", &tensors, &spec(&w, QuantType::F32));
@@ -359,7 +408,11 @@ fn head_norm_kernel_matches_f64_past_one_grid_dimension() {
         for head in x[..len].chunks(head_dim) {
             let ms = head.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / head_dim as f64;
             let inv = 1.0 / (ms + 1e-6).sqrt();
-            want.extend(head.iter().zip(&gamma).map(|(&v, &g)| v as f64 * inv * g as f64));
+            want.extend(
+                head.iter()
+                    .zip(&gamma)
+                    .map(|(&v, &g)| v as f64 * inv * g as f64),
+            );
         }
         let err = common::rel_err(&got[..len], &want);
         assert!(err <= 1e-5, "{shape:?}: relative error {err:.2e}");
@@ -385,7 +438,11 @@ fn chat_uses_the_gguf_template() {
     meta.extend([
         json!(["tokenizer.ggml.model", "str", "gpt2"]),
         json!(["tokenizer.ggml.pre", "str", "qwen2"]),
-        json!(["tokenizer.ggml.tokens", "str_array", gguf_support::byte_tokens()]),
+        json!([
+            "tokenizer.ggml.tokens",
+            "str_array",
+            gguf_support::byte_tokens()
+        ]),
         json!(["tokenizer.ggml.merges", "str_array", Vec::<String>::new()]),
         json!(["tokenizer.ggml.add_bos_token", "bool", false]),
         json!(["tokenizer.chat_template", "str", template]),
@@ -416,7 +473,10 @@ fn chat_uses_the_gguf_template() {
         .find_map(|l| l.strip_prefix("prompt: "))
         .map(|q| serde_json::from_str(q).unwrap())
         .unwrap_or_else(|| panic!("no rendered prompt: {stderr}"));
-    assert_eq!(prompt, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    assert_eq!(
+        prompt,
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
     let reply = (stdout.split("> ").nth(1))
         .and_then(|turn| turn.split_once('\n'))
         .map(|(reply, _)| reply.to_string())
@@ -428,6 +488,8 @@ fn chat_uses_the_gguf_template() {
         .unwrap();
     assert!(run.status.success(), "{run:?}");
     let continued = String::from_utf8_lossy(&run.stdout).to_string();
-    let continued = continued.strip_prefix(&prompt).expect("run prints the prompt first");
+    let continued = continued
+        .strip_prefix(&prompt)
+        .expect("run prints the prompt first");
     assert_eq!(reply, continued.trim_end_matches('\n'));
 }

@@ -729,7 +729,12 @@ impl HeadNormOp {
         };
         // One workgroup a row, the rows folded into two grid dimensions.
         let groups = grid_1d(OP, rows, 1)?;
-        let dispatch = Dispatch::new(gpu, (Family::Norm, "rmsnorm_heads"), WeightType::F32, groups);
+        let dispatch = Dispatch::new(
+            gpu,
+            (Family::Norm, "rmsnorm_heads"),
+            WeightType::F32,
+            groups,
+        );
         self.op.set(params, &values, dispatch);
         Ok(())
     }

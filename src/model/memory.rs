@@ -905,7 +905,10 @@ mod tests {
         // `params` counts four hidden-wide vectors a layer (a Llama layer has two), not the
         // final norm, and the head norms.
         let values = c.params() - 2 * layers * h + h;
-        assert_eq!(weight_bytes(&c, &whole, &f32s, u64::MAX), values as u64 * 4 + rope);
+        assert_eq!(
+            weight_bytes(&c, &whole, &f32s, u64::MAX),
+            values as u64 * 4 + rope
+        );
         let without = ModelConfig {
             qk_norm: false,
             ..c.clone()

@@ -110,7 +110,10 @@ pub fn gguf_tensors(w: &ModelWeights, permute: bool) -> Vec<GgufTensor> {
             (wq.permute_heads, wk.permute_heads) = (c.heads, c.kv_heads);
         }
         t.extend([wq, wk, tensor(n("attn_v.weight"), vec![kv, h], &l.wv)]);
-        for (name, scale) in [("attn_q_norm.weight", &l.q_norm), ("attn_k_norm.weight", &l.k_norm)] {
+        for (name, scale) in [
+            ("attn_q_norm.weight", &l.q_norm),
+            ("attn_k_norm.weight", &l.k_norm),
+        ] {
             if let Some(s) = scale {
                 t.push(tensor(n(name), vec![c.head_dim], s));
             }

@@ -13,8 +13,7 @@ use super::matrix::{DeviceMatrix, Projection};
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
 use crate::kernels::ops::{
-    Elementwise, ElementwiseOp, HeadNormOp, Norm, NormOp, Operand, Params, Pass, Rope,
-    RopeTables,
+    Elementwise, ElementwiseOp, HeadNormOp, Norm, NormOp, Operand, Params, Pass, Rope, RopeTables,
 };
 use crate::kernels::quant::PackedMatrix;
 use crate::model::config::{Activation, ModelConfig};

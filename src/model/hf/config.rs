@@ -493,7 +493,10 @@ mod tests {
             "intermediate_size":3072,"max_position_embeddings":40960,"rms_norm_eps":1e-6,
             "rope_theta":1000000,"tie_word_embeddings":true,"sliding_window":4096,
             "use_sliding_window":false,"attention_bias":false"#;
-        for head in [r#""model_type":"qwen3""#, r#""architectures":["Qwen3ForCausalLM"]"#] {
+        for head in [
+            r#""model_type":"qwen3""#,
+            r#""architectures":["Qwen3ForCausalLM"]"#,
+        ] {
             let c = parse_str(&format!("{{{head},{keys}}}")).unwrap().config;
             assert!(c.qk_norm && c.tied_head, "{head}");
             assert_eq!((c.head_dim, c.q_dim(), c.hidden), (128, 2048, 1024));
@@ -501,7 +504,10 @@ mod tests {
         }
         let llama = parse_str(&format!(r#"{{"model_type":"llama",{keys}}}"#)).unwrap();
         assert!(!llama.config.qk_norm);
-        let windowed = keys.replace(r#""use_sliding_window":false"#, r#""use_sliding_window":true"#);
+        let windowed = keys.replace(
+            r#""use_sliding_window":false"#,
+            r#""use_sliding_window":true"#,
+        );
         let c = parse_str(&format!(r#"{{"model_type":"qwen3",{windowed}}}"#)).unwrap();
         assert_eq!(c.config.max_seq, 4096);
     }
