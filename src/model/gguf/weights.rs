@@ -243,10 +243,6 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
     let (w_gate, bgate) = matrix("ffn_gate.weight", &[f, h], "MLP gate")?;
     let (w_up, bup) = matrix("ffn_up.weight", &[f, h], "MLP up")?;
     let (w_down, bdown) = matrix("ffn_down.weight", &[h, f], "MLP down")?;
-    let head_norm = |part: &str, w: &str| match c.qk_norm {
-        true => get(part, &[c.head_dim], w).map(Some),
-        false => Ok(None),
-    };
     Ok(LayerWeights {
         attn_norm: get("attn_norm.weight", &[h], "attention RMSNorm")?,
         attn_norm_bias: None,
@@ -256,8 +252,8 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
         bq: opt("attn_q.bias", &[q], "query bias")?.map(|b| fix_bias(b, c.heads)),
         bk: opt("attn_k.bias", &[kv], "key bias")?.map(|b| fix_bias(b, c.kv_heads)),
         bv: opt("attn_v.bias", &[kv], "value bias")?,
-        q_norm: head_norm("attn_q_norm.weight", "query head RMSNorm")?,
-        k_norm: head_norm("attn_k_norm.weight", "key head RMSNorm")?,
+        q_norm: head_norm(t, c, i, "attn_q_norm")?,
+        k_norm: head_norm(t, c, i, "attn_k_norm")?,
         wo,
         bo: opt("attn_output.bias", &[h], "attention output bias")?,
         mlp_norm: get("ffn_norm.weight", &[h], "MLP RMSNorm")?,
@@ -277,6 +273,17 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
             w_down: bdown,
         },
     })
+}
+
+/// Layer `i`'s per-head norm scale `part` (qwen3's `attn_q_norm`, `attn_k_norm`), where the
+/// config has them.
+fn head_norm(t: &Tensors, c: &ModelConfig, i: usize, part: &str) -> Result<Option<Vec<f32>>> {
+    if !c.qk_norm {
+        return Ok(None);
+    }
+    let what = format!("layer {i} {part} (per-head RMSNorm)");
+    let name = format!("blk.{i}.{part}.weight");
+    t.get(&name, &[c.head_dim], &what).map(Some)
 }
 
 fn gpt2_layer(t: &Tensors, c: &ModelConfig, i: usize) -> Result<LayerWeights> {

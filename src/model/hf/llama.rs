@@ -70,17 +70,6 @@ fn layer(r: &Reader, config: &ModelConfig, i: usize) -> Result<LayerWeights> {
             &what(&format!("{proj} bias")),
         )
     };
-    // Qwen3's per-head query and key norms: one scale of head_dim values each.
-    let head_norm = |name: &str, part: &str| match config.qk_norm {
-        true => r
-            .tensor(
-                &p(&format!("self_attn.{name}.weight")),
-                &[config.head_dim],
-                &what(part),
-            )
-            .map(Some),
-        false => Ok(None),
-    };
     let mlp = |proj: &str, rows: usize, cols: usize| {
         r.tensor(
             &p(&format!("mlp.{proj}.weight")),
@@ -101,8 +90,8 @@ fn layer(r: &Reader, config: &ModelConfig, i: usize) -> Result<LayerWeights> {
         bq: bias("q_proj", q)?,
         bk: bias("k_proj", kv)?,
         bv: bias("v_proj", kv)?,
-        q_norm: head_norm("q_norm", "query head RMSNorm")?,
-        k_norm: head_norm("k_norm", "key head RMSNorm")?,
+        q_norm: head_norm(r, config, i, "q_norm")?,
+        k_norm: head_norm(r, config, i, "k_norm")?,
         wo: attn("o_proj", h, q, "attention output")?,
         bo: bias("o_proj", h)?,
         mlp_norm: r.tensor(
@@ -118,4 +107,16 @@ fn layer(r: &Reader, config: &ModelConfig, i: usize) -> Result<LayerWeights> {
         b_down: None,
         blocks: Default::default(),
     })
+}
+
+/// Layer `i`'s Qwen3 per-head norm `name` (`q_norm`, `k_norm`): one scale of head_dim values,
+/// where the config has them.
+fn head_norm(r: &Reader, config: &ModelConfig, i: usize, name: &str) -> Result<Option<Vec<f32>>> {
+    if !config.qk_norm {
+        return Ok(None);
+    }
+    let heads = if name == "q_norm" { "query" } else { "key" };
+    let what = format!("layer {i} {heads} head RMSNorm");
+    let tensor = format!("layers.{i}.self_attn.{name}.weight");
+    r.tensor(&tensor, &[config.head_dim], &what).map(Some)
 }
