@@ -1,4 +1,5 @@
-// Row normalisations, one workgroup per row: LayerNorm (GPT-2, BERT) and RMSNorm (Llama).
+// Row normalisations, one workgroup per row: LayerNorm (GPT-2, BERT), RMSNorm (Llama), and
+// RMSNorm of every head of the queries or keys in place (Qwen3's q_norm / k_norm).
 struct Params {
     rows: u32,
     cols: u32,
@@ -60,5 +61,32 @@ fn rmsnorm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     let inv = inverseSqrt(workgroup_sum(lid, s) / f32(p.cols) + p.eps);
     for (var c = lid; c < p.cols; c += WG) {
         y[base + c] = x[base + c] * inv * gamma[c];
+    }
+}
+
+// RMSNorm of `y` in place, row by row: a row is one head of one token (`cols` = head_dim) and
+// every row shares `gamma`. `x` is not read (bound to any read-only buffer), since a buffer may
+// not be bound read-only and read-write at once. Rows can outnumber one grid dimension
+// (tokens x heads), so the row folds two: wid.y * nwg.x + wid.x. Each invocation rewrites only
+// the values it read, after the reduction's barriers, so in place is safe.
+@compute @workgroup_size(WG)
+fn rmsnorm_heads(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let row = wid.y * nwg.x + wid.x;
+    if (row >= p.rows) {
+        return;
+    }
+    let base = row * p.cols;
+    var s = 0.0;
+    for (var c = lid; c < p.cols; c += WG) {
+        let v = y[base + c];
+        s += v * v;
+    }
+    let inv = inverseSqrt(workgroup_sum(lid, s) / f32(p.cols) + p.eps);
+    for (var c = lid; c < p.cols; c += WG) {
+        y[base + c] = y[base + c] * inv * gamma[c];
     }
 }

@@ -96,13 +96,15 @@ fn run_allocates_what_the_accounting_predicts() {
         &["--model", "tiny-llama"][..],
         &["--model", "tiny-llama", "--dtype", "f16"],
         &["--model", "tiny-gpt2"],
+        // Qwen3's shapes: heads wider than hidden / heads, query/key norms, a tied head.
+        &["--model", "tiny-qwen3"],
         // Q8_0 blocks of 32 values stay whole when tp halves the layers of `default`.
         &["--model", "default", "--weights", "q8_0"],
     ] {
         compared += check_model(model);
     }
-    // 1 + 2 + 2 devices for each of the four models.
-    assert_eq!(compared, 20);
+    // 1 + 2 + 2 devices for each of the five models.
+    assert_eq!(compared, 25);
 }
 
 #[test]

@@ -273,6 +273,35 @@ fn a_gguf_on_its_own_blocks_runs_over_ranks_as_on_one_device() {
     }
 }
 
+/// A Qwen3 GGUF (per-head query/key norms, heads wider than hidden / heads, a tied head, Q8_0
+/// layers) runs over ranks as on one device: pipeline, tensor-parallel and hybrid.
+#[test]
+fn a_qwen3_gguf_runs_over_ranks_as_on_one_device() {
+    let dir = scratch("qwen3");
+    let config = wgpar::model::ModelConfig::preset("tiny-qwen3").unwrap();
+    assert!(config.qk_norm && config.q_dim() != config.hidden);
+    let w = ModelWeights::synthetic(&config, 62);
+    let spec = GgufSpec {
+        arch: "qwen3",
+        matrices: QuantType::Q8_0,
+        meta: model_meta(&w, "qwen3"),
+    };
+    let file = write_gguf(&dir, "qwen3", &gguf_tensors(&w, false), &spec);
+    let file = file.to_str().unwrap();
+    let single = reference(&dir, file);
+    let hybrid = ["--strategy", "hybrid", "--tp", "2", "--virtual", "2"];
+    for (name, args) in [
+        ("qwen3-pp2", &["--strategy", "pp", "--virtual", "1"][..]),
+        ("qwen3-tp2", &["--strategy", "tp", "--virtual", "1"]),
+        ("qwen3-hybrid2", &hybrid),
+    ] {
+        let got = ranked(&dir, name, 2, file, args);
+        let err = rel_err(&got, &single);
+        assert!(err <= 1e-4, "{name}: relative error {err:e}");
+        assert_eq!(got.tokens, single.tokens, "{name}: generated tokens differ");
+    }
+}
+
 /// Open MPI binds each of two ranks to one core: a rank whose adapter is a CPU driver (whose
 /// worker threads then share that core) says so and names the remedy; unbound, it does not.
 #[test]

@@ -381,8 +381,8 @@ fn check_runs_fit(config: &ModelConfig, dtype: DType, runs: &[PlannedRun]) -> Re
 /// Model options shared by commands that run a model.
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
-    /// Model: a preset (default, tiny-llama, tiny-gpt2, tiny-bert, gpt2-small, llama-1b,
-    /// llama-8b; synthetic weights), a Hugging Face model folder (config.json,
+    /// Model: a preset (default, tiny-llama, tiny-qwen3, tiny-gpt2, tiny-bert, gpt2-small,
+    /// llama-1b, llama-8b; synthetic weights), a Hugging Face model folder (config.json,
     /// *.safetensors, tokenizer.json), a GGUF file, `org/name[:TAG][@REVISION]` from the
     /// Hugging Face cache, or `ollama:name[:tag]` from Ollama's store (nothing is downloaded).
     #[arg(long, default_value = "default", value_name = "PRESET|DIR|FILE.gguf|ORG/NAME",

@@ -288,7 +288,8 @@ impl Sizes<'_> {
         } else {
             2.0
         };
-        h * (q + 2.0 * kv) + q * h + mats * h * ffn + 4.0 * h
+        let qk_norms = if config.qk_norm { 2.0 * d } else { 0.0 };
+        h * (q + 2.0 * kv) + q * h + mats * h * ffn + 4.0 * h + qk_norms
     }
 
     /// `params` of a stage's layers plus the embedding (first stage) and head (last stage) it

@@ -60,12 +60,13 @@ pub fn attention_projections(
     let weights = (h * (q + 2.0 * kv) + q * h) * f.weight;
     let acts = t * (3.0 * h + 2.0 * q + 2.0 * kv) * f.activation;
     let rope = if config.arch == Arch::Llama { 2 } else { 0 };
+    let qk_norms = if config.qk_norm { 2 } else { 0 };
     let bias = u32::from(config.arch != Arch::Llama);
     BlockCost {
         flops: b(flops),
         bytes: b(weights + acts),
-        // norm, Q, K, V, (2 RoPE), output projection, (bias), residual.
-        kernels: 6 + rope + bias,
+        // norm, Q, K, V, (2 Q/K head norms), (2 RoPE), output projection, (bias), residual.
+        kernels: 6 + qk_norms + rope + bias,
     }
 }
 

@@ -5,7 +5,7 @@
 use crate::model::ModelConfig;
 
 /// Names of the plan-only presets.
-pub const PLAN_PRESETS: [&str; 7] = [
+pub const PLAN_PRESETS: [&str; 9] = [
     "llama2-7b",
     "llama2-13b",
     "llama2-70b",
@@ -13,6 +13,8 @@ pub const PLAN_PRESETS: [&str; 7] = [
     "mistral-7b",
     "qwen2-7b",
     "qwen2-72b",
+    "qwen3-8b",
+    "qwen3-32b",
 ];
 
 /// The shape of a published model, from its `config.json`; the rest (a Llama decoder) comes
@@ -26,10 +28,13 @@ struct Shape {
     ffn: usize,
     max_seq: usize,
     rope_theta: f32,
+    /// Per-head query and key norms (Qwen3).
+    qk_norm: bool,
 }
 
-/// The published shapes of the plan-only presets (every one has 128-wide heads).
-const SHAPES: [(&str, Shape); 7] = [
+/// The published shapes of the plan-only presets (every one has 128-wide heads; Qwen3's are
+/// wider than hidden / heads).
+const SHAPES: [(&str, Shape); 9] = [
     // meta-llama/Llama-2-7b-hf config.json.
     (
         "llama2-7b",
@@ -42,6 +47,7 @@ const SHAPES: [(&str, Shape); 7] = [
             ffn: 11_008,
             max_seq: 4096,
             rope_theta: 10_000.0,
+            qk_norm: false,
         },
     ),
     // meta-llama/Llama-2-13b-hf config.json.
@@ -56,6 +62,7 @@ const SHAPES: [(&str, Shape); 7] = [
             ffn: 13_824,
             max_seq: 4096,
             rope_theta: 10_000.0,
+            qk_norm: false,
         },
     ),
     // meta-llama/Llama-2-70b-hf config.json.
@@ -70,6 +77,7 @@ const SHAPES: [(&str, Shape); 7] = [
             ffn: 28_672,
             max_seq: 4096,
             rope_theta: 10_000.0,
+            qk_norm: false,
         },
     ),
     // meta-llama/Meta-Llama-3-70B config.json.
@@ -84,6 +92,7 @@ const SHAPES: [(&str, Shape); 7] = [
             ffn: 28_672,
             max_seq: 8192,
             rope_theta: 500_000.0,
+            qk_norm: false,
         },
     ),
     // mistralai/Mistral-7B-v0.1 config.json (sliding window 4096 bounds the context).
@@ -98,6 +107,7 @@ const SHAPES: [(&str, Shape); 7] = [
             ffn: 14_336,
             max_seq: 4096,
             rope_theta: 10_000.0,
+            qk_norm: false,
         },
     ),
     // Qwen/Qwen2-7B config.json.
@@ -112,6 +122,7 @@ const SHAPES: [(&str, Shape); 7] = [
             ffn: 18_944,
             max_seq: 32_768,
             rope_theta: 1_000_000.0,
+            qk_norm: false,
         },
     ),
     // Qwen/Qwen2-72B config.json.
@@ -126,6 +137,37 @@ const SHAPES: [(&str, Shape); 7] = [
             ffn: 29_568,
             max_seq: 32_768,
             rope_theta: 1_000_000.0,
+            qk_norm: false,
+        },
+    ),
+    // Qwen/Qwen3-8B config.json (untied head).
+    (
+        "qwen3-8b",
+        Shape {
+            vocab: 151_936,
+            hidden: 4096,
+            layers: 36,
+            heads: 32,
+            kv_heads: 8,
+            ffn: 12_288,
+            max_seq: 40_960,
+            rope_theta: 1_000_000.0,
+            qk_norm: true,
+        },
+    ),
+    // Qwen/Qwen3-32B config.json: 64 heads of 128 over a stream of 5120.
+    (
+        "qwen3-32b",
+        Shape {
+            vocab: 151_936,
+            hidden: 5120,
+            layers: 64,
+            heads: 64,
+            kv_heads: 8,
+            ffn: 25_600,
+            max_seq: 40_960,
+            rope_theta: 1_000_000.0,
+            qk_norm: true,
         },
     ),
 ];
@@ -145,6 +187,8 @@ pub fn plan_preset(name: &str) -> Option<ModelConfig> {
         ffn: s.ffn,
         max_seq: s.max_seq,
         rope_theta: s.rope_theta,
+        norm_eps: if s.qk_norm { 1e-6 } else { base.norm_eps },
+        qk_norm: s.qk_norm,
         ..base
     };
     c.validate().ok()?;
@@ -173,6 +217,11 @@ mod tests {
             b("llama2-70b")
         );
         assert!((7.0..7.5).contains(&b("mistral-7b")), "{}", b("mistral-7b"));
+        // Qwen3-8B is 8.19B and Qwen3-32B 32.8B with their untied heads.
+        assert!((8.1..8.3).contains(&b("qwen3-8b")), "{}", b("qwen3-8b"));
+        assert!((32.6..33.0).contains(&b("qwen3-32b")), "{}", b("qwen3-32b"));
+        let q = plan_preset("qwen3-32b").unwrap();
+        assert!(q.qk_norm && q.q_dim() == 8192 && q.hidden == 5120);
         assert!(plan_preset("gpt-5").is_none());
     }
 }

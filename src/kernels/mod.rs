@@ -47,7 +47,7 @@ pub enum Family {
     /// `matmul_quant.wgsl`: decode GEMV and prefill GEMM on block-quantized weights (Q8_0,
     /// Q4_0, Q4_K, Q6_K), dequantized in registers.
     MatmulQuant,
-    /// `norm.wgsl`: LayerNorm and RMSNorm.
+    /// `norm.wgsl`: LayerNorm, RMSNorm, and RMSNorm of each head in place.
     Norm,
     /// `softmax.wgsl`: row softmax.
     Softmax,
@@ -192,7 +192,7 @@ impl Family {
             Family::MatmulSubgroup => &["gemv_subgroup"],
             Family::MatmulBlock => &["gemm_block"],
             Family::MatmulQuant => &["qgemv", "qgemm"],
-            Family::Norm => &["layernorm", "rmsnorm"],
+            Family::Norm => &["layernorm", "rmsnorm", "rmsnorm_heads"],
             Family::Softmax => &["softmax"],
             Family::Attention => &["attend", "attend_tiled", "attend_split"],
             Family::KvCache => &["kv_store"],

@@ -682,6 +682,81 @@ pub fn norm(
     })
 }
 
+/// A bound RMSNorm of every head of `y` in place (Qwen3's query and key norms): `tokens`
+/// rows of `heads` heads of `head_dim` values, every head scaled by the one `gamma`.
+pub struct HeadNormOp {
+    op: Bound,
+    heads: usize,
+    head_dim: usize,
+    tokens: usize,
+    eps: f32,
+}
+bound_op!(HeadNormOp);
+
+impl HeadNormOp {
+    /// Binds the norm of up to `tokens` tokens of `heads` x `head_dim` values of `y`.
+    pub fn bind(
+        gpu: &Gpu,
+        params: &mut Params,
+        (gamma, y): (&Tensor, &Tensor),
+        (tokens, heads, head_dim): (usize, usize, usize),
+        eps: f32,
+    ) -> Result<Self> {
+        const OP: &str = "head norm";
+        need(OP, "y", y, tokens * heads * head_dim, Some(DType::F32))?;
+        need(OP, "gamma", gamma, head_dim, Some(DType::F32))?;
+        // `x` is unread by the in-place entry point; gamma fills its read-only slot.
+        let buffers = [gamma.buffer(), y.buffer(), gamma.buffer(), gamma.buffer()];
+        Ok(Self {
+            op: Bound::new(gpu, params, Family::Norm, OP, &buffers)?,
+            heads,
+            head_dim,
+            tokens,
+            eps,
+        })
+    }
+
+    /// Configures the op for `tokens` tokens.
+    pub fn configure(&mut self, gpu: &Gpu, params: &mut Params, tokens: usize) -> Result<()> {
+        const OP: &str = "head norm";
+        over(OP, "tokens", tokens, self.tokens)?;
+        let rows = tokens * self.heads;
+        let values = NormParams {
+            rows: to_u32(OP, "rows", rows)?,
+            cols: to_u32(OP, "cols", self.head_dim)?,
+            eps: self.eps,
+            _pad: 0,
+        };
+        // One workgroup a row, the rows folded into two grid dimensions.
+        let groups = grid_1d(OP, rows, 1)?;
+        let dispatch = Dispatch::new(
+            gpu,
+            (Family::Norm, "rmsnorm_heads"),
+            WeightType::F32,
+            groups,
+        );
+        self.op.set(params, &values, dispatch);
+        Ok(())
+    }
+}
+
+/// RMSNorm of every `head_dim`-wide head of `tokens` x `heads` in `y`, in place, scaled by
+/// `gamma`.
+pub fn head_norm(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    (gamma, y): (&Tensor, &Tensor),
+    (tokens, heads, head_dim): (usize, usize, usize),
+    eps: f32,
+) -> Result<()> {
+    once(gpu, encoder, "head norm", |params| {
+        let shape = (tokens, heads, head_dim);
+        let mut op = HeadNormOp::bind(gpu, params, (gamma, y), shape, eps)?;
+        op.configure(gpu, params, tokens)?;
+        Ok(op)
+    })
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, Pod, Zeroable)]
 struct RowsParams {

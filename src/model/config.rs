@@ -86,6 +86,11 @@ pub struct ModelConfig {
     pub rope_freq_factors: Option<Vec<f32>>,
     /// LM head shares the token embedding matrix.
     pub tied_head: bool,
+    /// Each query and key head is RMS-normalised (a `[head_dim]` scale shared by the heads,
+    /// the model's `norm_eps`) after its projection and before RoPE (Qwen3's `q_norm` and
+    /// `k_norm`).
+    #[serde(default)]
+    pub qk_norm: bool,
     /// MLP non-linearity (must be `Silu` exactly for Llama).
     pub activation: Activation,
     /// Token type (segment) vocabulary: BERT's sentence A/B embeddings; 0 for decoders.
@@ -95,9 +100,10 @@ pub struct ModelConfig {
 }
 
 /// Names of the built-in presets, for `--model` help and errors.
-pub const PRESETS: [&str; 7] = [
+pub const PRESETS: [&str; 8] = [
     "default",
     "tiny-llama",
+    "tiny-qwen3",
     "tiny-gpt2",
     "tiny-bert",
     "gpt2-small",
@@ -125,6 +131,7 @@ impl ModelConfig {
             rope_scaling: None,
             rope_freq_factors: None,
             tied_head: false,
+            qk_norm: false,
             activation: Activation::Silu,
             type_vocab: 0,
             pooling: Pooling {
@@ -140,6 +147,7 @@ impl ModelConfig {
         let cfg = match name {
             "default" => base,
             "tiny-llama" => Self::tiny_llama(base),
+            "tiny-qwen3" => Self::tiny_qwen3(base),
             "tiny-gpt2" => Self::tiny_gpt2(base),
             "tiny-bert" => Self::tiny_bert(base),
             "gpt2-small" => Self::gpt2_small(base),
@@ -168,6 +176,28 @@ impl ModelConfig {
             head_dim: 16,
             ffn: 172,
             max_seq: 96,
+            ..base
+        }
+    }
+
+    /// Qwen3-shaped, smaller: query/key norms, a tied head, and heads wider than
+    /// hidden / heads (4 heads of 32 over a stream of 96), as Qwen3-0.6B has (16 x 128 over
+    /// 1024).
+    fn tiny_qwen3(base: Self) -> Self {
+        Self {
+            name: "tiny-qwen3".into(),
+            vocab: 413,
+            hidden: 96,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+            ffn: 192,
+            max_seq: 96,
+            norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            tied_head: true,
+            qk_norm: true,
             ..base
         }
     }
@@ -375,6 +405,12 @@ impl ModelConfig {
         if self.arch == Arch::Bert && self.type_vocab == 0 {
             return Some("a BERT encoder needs at least one token type".into());
         }
+        if self.qk_norm && self.arch != Arch::Llama {
+            return Some(format!(
+                "query/key norms apply to the Llama block structure (Qwen3), not {:?}",
+                self.arch
+            ));
+        }
         None
     }
 
@@ -417,7 +453,8 @@ impl ModelConfig {
             Arch::Gpt2 | Arch::Bert => 2 * h * self.ffn,
             Arch::Llama => 3 * h * self.ffn,
         };
-        attn + mlp + 4 * h
+        let qk_norms = if self.qk_norm { 2 * self.head_dim } else { 0 };
+        attn + mlp + 4 * h + qk_norms
     }
 
     /// All parameters (embeddings and head included).

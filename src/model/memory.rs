@@ -324,6 +324,8 @@ fn layer_bytes(
     } else {
         0
     };
+    // Qwen3's query and key norm scales, whole on every shard.
+    let qk_norms = if config.qk_norm { 2 * padded(d, 4) } else { 0 };
     m(0, q, h)
         + m(1, kv, h)
         + m(2, kv, h)
@@ -332,6 +334,7 @@ fn layer_bytes(
         + m(5, f, h)
         + m(6, h, f)
         + 2 * padded(h, 4)
+        + qk_norms
         + vec(v.other_biases, h) * 2
         + vec(v.qkv_bias, q)
         + 2 * vec(v.qkv_bias, kv)
@@ -887,6 +890,32 @@ mod tests {
         assert_eq!(one[0].weights, (matrices + norms) * 4 + rope);
         assert_eq!(half[0].weights, matrices * 2 + norms * 4 + rope);
         assert_eq!(one[0].kv_cache, half[0].kv_cache);
+    }
+
+    /// Qwen3's heads are wider than hidden / heads and each layer holds two `[head_dim]`
+    /// norm scales, whole on every tensor-parallel shard.
+    #[test]
+    fn qwen3_weights_count_wide_heads_and_the_head_norms() {
+        let c = ModelConfig::preset("tiny-qwen3").unwrap();
+        assert!(c.q_dim() > c.hidden && c.qk_norm && c.tied_head);
+        let f32s = WeightFormat::of_config(&c, DType::F32, None);
+        let whole = Placement::whole(&c);
+        let (h, d, layers) = (c.hidden, c.head_dim, c.layers);
+        let rope = 2 * (c.max_seq * d / 2 * 4) as u64;
+        // `params` counts four hidden-wide vectors a layer (a Llama layer has two), not the
+        // final norm, and the head norms.
+        let values = c.params() - 2 * layers * h + h;
+        assert_eq!(
+            weight_bytes(&c, &whole, &f32s, u64::MAX),
+            values as u64 * 4 + rope
+        );
+        let without = ModelConfig {
+            qk_norm: false,
+            ..c.clone()
+        };
+        let fewer = weight_bytes(&without, &whole, &f32s, u64::MAX);
+        let norms = (layers * 2 * d * 4) as u64;
+        assert_eq!(weight_bytes(&c, &whole, &f32s, u64::MAX) - fewer, norms);
     }
 
     #[test]

@@ -188,6 +188,40 @@ fn apply_rope(
     }
 }
 
+/// RMSNorm of every `head_dim`-wide head of `v` in place, with the one scale `gamma` (Qwen3's
+/// `q_norm` / `k_norm`).
+fn norm_heads(v: &mut [f64], gamma: &[f32], eps: f32) {
+    for head in v.chunks_mut(gamma.len()) {
+        let normed = layer_norm(head, gamma, None, eps);
+        head.copy_from_slice(&normed);
+    }
+}
+
+/// A token's queries, keys and values from its normed stream `n`: the projections (and
+/// biases), the per-head norms where the model has them, then RoPE at `pos`.
+fn project_qkv(
+    cfg: &ModelConfig,
+    lw: &LayerWeights,
+    n: &[f64],
+    pos: usize,
+    rope: Option<&(Vec<f64>, Vec<f64>)>,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (h, d) = (cfg.hidden, cfg.head_dim);
+    let mut q = linear(n, &lw.wq, lw.bq.as_deref(), cfg.q_dim(), h);
+    let mut k = linear(n, &lw.wk, lw.bk.as_deref(), cfg.kv_dim(), h);
+    let v = linear(n, &lw.wv, lw.bv.as_deref(), cfg.kv_dim(), h);
+    // Qwen3 normalises each head after its projection and before the rotation.
+    if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+        norm_heads(&mut q, qn, cfg.norm_eps);
+        norm_heads(&mut k, kn, cfg.norm_eps);
+    }
+    if let Some(tables) = rope {
+        apply_rope(&mut q, cfg.heads, d, pos, tables);
+        apply_rope(&mut k, cfg.kv_heads, d, pos, tables);
+    }
+    (q, k, v)
+}
+
 /// The logits of a sequence's last position: final norm, then the head.
 fn last_logits(w: &ModelWeights, x_seq: &[Vec<f64>]) -> Vec<f32> {
     let cfg = &w.config;
@@ -393,13 +427,7 @@ impl<'a> CpuReference<'a> {
         let cfg = &self.weights.config;
         let (h, d) = (cfg.hidden, cfg.head_dim);
         let n = layer_norm(x, &lw.attn_norm, lw.attn_norm_bias.as_deref(), cfg.norm_eps);
-        let mut q = linear(&n, &lw.wq, lw.bq.as_deref(), cfg.q_dim(), h);
-        let mut k = linear(&n, &lw.wk, lw.bk.as_deref(), cfg.kv_dim(), h);
-        let v = linear(&n, &lw.wv, lw.bv.as_deref(), cfg.kv_dim(), h);
-        if let Some(tables) = rope {
-            apply_rope(&mut q, cfg.heads, d, pos, tables);
-            apply_rope(&mut k, cfg.kv_heads, d, pos, tables);
-        }
+        let (q, k, v) = project_qkv(cfg, lw, &n, pos, rope);
         let slot = |kvh: usize, p: usize| ((kv_slot * cfg.kv_heads + kvh) * cfg.max_seq + p) * d;
         for kvh in 0..cfg.kv_heads {
             let s = slot(kvh, pos);

@@ -36,6 +36,11 @@ pub struct LayerWeights {
     pub bk: Option<Vec<f32>>,
     /// Value bias.
     pub bv: Option<Vec<f32>>,
+    /// RMSNorm scale `[head_dim]` of every query head, after the projection and before RoPE
+    /// (Qwen3's `q_norm`); present exactly when the config's `qk_norm` is set.
+    pub q_norm: Option<Vec<f32>>,
+    /// RMSNorm scale `[head_dim]` of every key head (Qwen3's `k_norm`).
+    pub k_norm: Option<Vec<f32>>,
     /// Attention output projection `[hidden][heads * head_dim]`.
     pub wo: Vec<f32>,
     /// Output bias.
@@ -235,6 +240,8 @@ impl LayerWeights {
             self.bq.as_ref(),
             self.bk.as_ref(),
             self.bv.as_ref(),
+            self.q_norm.as_ref(),
+            self.k_norm.as_ref(),
             Some(&self.wo),
             self.bo.as_ref(),
             Some(&self.mlp_norm),
@@ -310,6 +317,8 @@ impl LayerVectors {
             bq: opt(bq),
             bk: opt(bk),
             bv: opt(bv),
+            q_norm: None,
+            k_norm: None,
             wo: d.matrix(h, c.q_dim()),
             bo: opt(bo),
             mlp_norm: self.mlp_norm,
@@ -384,9 +393,18 @@ impl ModelWeights {
             (norm, biased.then(|| vectors.around(h, 0.0, 0.1)))
         };
         let mut matrices = Draws::new(seed.wrapping_add(1));
-        let layers = (layer_vectors.into_iter())
+        let mut layers: Vec<LayerWeights> = (layer_vectors.into_iter())
             .map(|v| v.with_matrices(&mut matrices, config, biased))
             .collect();
+        if config.qk_norm {
+            // Scales well away from 1 (as trained Qwen3 ones are), so a norm applied in the
+            // wrong place or not at all changes the logits.
+            let mut norms = Draws::new(seed ^ 0x2545_f491_4f6c_dd1d);
+            for l in &mut layers {
+                l.q_norm = Some(norms.around(config.head_dim, 1.0, 0.5));
+                l.k_norm = Some(norms.around(config.head_dim, 1.0, 0.5));
+            }
+        }
         // Encoder-only tables come from their own stream so the decoders' draws stay as they were.
         let mut enc = Draws::new(seed ^ 0x5bd1_e995);
         let token_types = encoder.then(|| enc.around(config.type_vocab * h, 0.0, 0.5));

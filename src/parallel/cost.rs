@@ -38,17 +38,19 @@ pub fn attention(config: &ModelConfig, shard: &ShardSpec, step: &Step, dtype: DT
     let weights = (h * (q + 2 * kv) + q * h) * wbytes(dtype);
     let cache = 2 * ctx * kv * 4;
     let acts = 4 * t * (3 * h + 2 * q + 2 * kv);
-    // norm, Q, K, V, (2 RoPE), cache append, attention, output projection, (bias), residual.
+    // norm, Q, K, V, (2 Q/K head norms), (2 RoPE), cache append, attention, output
+    // projection, (bias), residual.
     let rope = if config.arch == crate::model::Arch::Llama {
         2
     } else {
         0
     };
+    let qk_norms = if config.qk_norm { 2 } else { 0 };
     let bias = u32::from(config.arch != crate::model::Arch::Llama);
     BlockCost {
         flops: proj + attn,
         bytes: weights + cache + acts,
-        kernels: 8 + rope + bias,
+        kernels: 8 + qk_norms + rope + bias,
     }
 }
 

@@ -110,6 +110,14 @@ pub fn gguf_tensors(w: &ModelWeights, permute: bool) -> Vec<GgufTensor> {
             (wq.permute_heads, wk.permute_heads) = (c.heads, c.kv_heads);
         }
         t.extend([wq, wk, tensor(n("attn_v.weight"), vec![kv, h], &l.wv)]);
+        for (name, scale) in [
+            ("attn_q_norm.weight", &l.q_norm),
+            ("attn_k_norm.weight", &l.k_norm),
+        ] {
+            if let Some(s) = scale {
+                t.push(tensor(n(name), vec![c.head_dim], s));
+            }
+        }
         for (name, b, len) in [
             ("attn_q.bias", &l.bq, q),
             ("attn_k.bias", &l.bk, kv),
@@ -150,6 +158,11 @@ pub fn model_meta(w: &ModelWeights, arch: &str) -> Vec<Value> {
             c.norm_eps
         ]));
         m.push(json!([k("rope.freq_base"), "f32", c.rope_theta]));
+        // The converter writes the head sizes where they are not hidden / heads (Qwen3).
+        if c.head_dim * c.heads != c.hidden {
+            m.push(json!([k("attention.key_length"), "u32", c.head_dim]));
+            m.push(json!([k("attention.value_length"), "u32", c.head_dim]));
+        }
     }
     m
 }

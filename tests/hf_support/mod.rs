@@ -150,7 +150,8 @@ pub fn gpt2_tensors(w: &ModelWeights, prefix: &str) -> Tensors {
     t
 }
 
-/// Llama names (`model.` prefix, `lm_head` at the top level when untied).
+/// Llama names (`model.` prefix, `lm_head` at the top level when untied; Qwen3's per-head
+/// `q_norm` / `k_norm` where the layers have them).
 pub fn llama_tensors(w: &ModelWeights) -> Tensors {
     let c = &w.config;
     let (h, f, q, kv) = (c.hidden, c.ffn, c.q_dim(), c.kv_dim());
@@ -186,6 +187,12 @@ pub fn llama_tensors(w: &ModelWeights) -> Tensors {
             (n("mlp.up_proj.weight"), vec![f, h], l.w_up.clone()),
             (n("mlp.down_proj.weight"), vec![h, f], l.w_down.clone()),
         ]);
+        for (name, scale) in [("q_norm", &l.q_norm), ("k_norm", &l.k_norm)] {
+            if let Some(s) = scale {
+                let name = n(&format!("self_attn.{name}.weight"));
+                t.push((name, vec![c.head_dim], s.clone()));
+            }
+        }
     }
     t
 }
@@ -292,9 +299,11 @@ pub fn config_json(w: &ModelWeights) -> serde_json::Value {
             "activation_function": "gelu_new", "eos_token_id": 0,
         }),
         Arch::Llama => json!({
-            "model_type": "llama", "vocab_size": c.vocab, "hidden_size": c.hidden,
+            "model_type": if c.qk_norm { "qwen3" } else { "llama" },
+            "vocab_size": c.vocab, "hidden_size": c.hidden,
             "num_hidden_layers": c.layers, "num_attention_heads": c.heads,
-            "num_key_value_heads": c.kv_heads, "intermediate_size": c.ffn,
+            "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
+            "intermediate_size": c.ffn,
             "max_position_embeddings": c.max_seq, "rms_norm_eps": c.norm_eps,
             "rope_theta": c.rope_theta, "tie_word_embeddings": c.tied_head,
             "hidden_act": "silu", "eos_token_id": 0,

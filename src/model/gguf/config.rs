@@ -7,10 +7,11 @@ use crate::model::config::{Activation, Arch, ModelConfig, RopeScaling, YarnScali
 use crate::model::rope::yarn_mscale;
 
 /// The `general.architecture` values wgpar reads, and the family each maps to.
-pub const GGUF_ARCHS: [(&str, Arch); 4] = [
+pub const GGUF_ARCHS: [(&str, Arch); 5] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Llama),
+    ("qwen3", Arch::Llama),
     ("gpt2", Arch::Gpt2),
 ];
 
@@ -167,12 +168,16 @@ pub fn model_config(meta: &Meta, file: &GgufFile, name: &str) -> Result<ModelCon
             rope_theta: meta.arch_f32_or("rope.freq_base", 10_000.0)?,
             rope_scaling: rope_scaling(meta, base.max_seq)?,
             rope_freq_factors: rope_freq_factors(meta, file, base.head_dim)?,
+            // llama.cpp's qwen3 graph normalises every query and key head (attn_q_norm,
+            // attn_k_norm), always.
+            qk_norm: meta.arch_name == "qwen3",
             activation: Activation::Silu,
             ..base
         },
     };
     if arch != Arch::Gpt2 {
         whole_head_rope(meta, config.head_dim)?;
+        same_value_length(meta, config.head_dim)?;
     }
     // The declared blocks must be in the file before anything is sized by their count.
     let present = (0..config.layers)
@@ -215,6 +220,19 @@ fn whole_head_rope(meta: &Meta, head_dim: usize) -> Result<()> {
     match meta.opt_usize(&key)? {
         Some(n) if n != head_dim => Err(meta.fail(format!(
             "key '{key}' is {n}: RoPE over part of a head is not supported (head_dim {head_dim})"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Refuses `<arch>.attention.value_length` other than the key length: the KV cache and the
+/// kernels hold values as wide as keys.
+fn same_value_length(meta: &Meta, head_dim: usize) -> Result<()> {
+    let key = format!("{}.attention.value_length", meta.arch_name);
+    match meta.opt_usize(&key)? {
+        Some(n) if n != head_dim => Err(meta.fail(format!(
+            "key '{key}' is {n}: value heads of another width than key heads ({head_dim}) are \
+             not supported"
         ))),
         _ => Ok(()),
     }

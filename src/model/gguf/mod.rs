@@ -1,5 +1,5 @@
 //! GGUF checkpoints (llama.cpp's single-file format, versions 2 and 3) for the llama, mistral,
-//! qwen2 and gpt2 architectures: shapes from the metadata, weights from F32, F16, BF16 and
+//! qwen2, qwen3 and gpt2 architectures: shapes from the metadata, weights from F32, F16, BF16 and
 //! every block type of [`crate::model::quant::QuantType`] (matrices in blocks kept as stored),
 //! and the tokenizer from the metadata. See
 //! `docs/MODELS.md` for the conventions and why the container reader is wgpar's own.
@@ -50,7 +50,9 @@ impl Gguf {
             .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
         let config = config::model_config(&meta, &file, &stem)?;
         let eos = config::eos_tokens(&meta)?;
-        let permuted = meta.arch_name != "qwen2";
+        // Qwen2 and Qwen3 rotate halves as Hugging Face does (llama.cpp's NEOX RoPE), so their
+        // converter leaves the rows as they are.
+        let permuted = !matches!(meta.arch_name.as_str(), "qwen2" | "qwen3");
         Ok(Self {
             file,
             config,

@@ -9,7 +9,8 @@
 //!
 //! The usual converter permutes the Q and K rows of `llama`-architecture files for llama.cpp's
 //! interleaved RoPE (pairs `(2i, 2i+1)`); wgpar rotates halves (`i` with `i + head_dim/2`), as
-//! Hugging Face does, so those rows are put back here. Qwen2 files are not permuted.
+//! Hugging Face does, so those rows are put back here. Qwen2 and Qwen3 files are not permuted
+//! (nor are Qwen3's per-head `attn_q_norm` / `attn_k_norm` scales).
 
 use std::ops::Range;
 
@@ -251,6 +252,8 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
         bq: opt("attn_q.bias", &[q], "query bias")?.map(|b| fix_bias(b, c.heads)),
         bk: opt("attn_k.bias", &[kv], "key bias")?.map(|b| fix_bias(b, c.kv_heads)),
         bv: opt("attn_v.bias", &[kv], "value bias")?,
+        q_norm: head_norm(t, c, i, "attn_q_norm")?,
+        k_norm: head_norm(t, c, i, "attn_k_norm")?,
         wo,
         bo: opt("attn_output.bias", &[h], "attention output bias")?,
         mlp_norm: get("ffn_norm.weight", &[h], "MLP RMSNorm")?,
@@ -270,6 +273,17 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
             w_down: bdown,
         },
     })
+}
+
+/// Layer `i`'s per-head norm scale `part` (qwen3's `attn_q_norm`, `attn_k_norm`), where the
+/// config has them.
+fn head_norm(t: &Tensors, c: &ModelConfig, i: usize, part: &str) -> Result<Option<Vec<f32>>> {
+    if !c.qk_norm {
+        return Ok(None);
+    }
+    let what = format!("layer {i} {part} (per-head RMSNorm)");
+    let name = format!("blk.{i}.{part}.weight");
+    t.get(&name, &[c.head_dim], &what).map(Some)
 }
 
 fn gpt2_layer(t: &Tensors, c: &ModelConfig, i: usize) -> Result<LayerWeights> {
@@ -301,6 +315,8 @@ fn gpt2_layer(t: &Tensors, c: &ModelConfig, i: usize) -> Result<LayerWeights> {
         bq: bias(0),
         bk: bias(1),
         bv: bias(2),
+        q_norm: None,
+        k_norm: None,
         wo,
         bo: Some(get("attn_output.bias", &[h], "attention output bias")?),
         mlp_norm: get("ffn_norm.weight", &[h], "MLP LayerNorm scale")?,

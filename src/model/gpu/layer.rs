@@ -11,9 +11,9 @@ use super::act::Buffers;
 use super::kv::KvLayer;
 use super::matrix::{DeviceMatrix, Projection};
 use crate::device::{DType, Gpu, Tensor};
-use crate::error::Result;
+use crate::error::{Result, WgparError};
 use crate::kernels::ops::{
-    Elementwise, ElementwiseOp, Norm, NormOp, Operand, Params, Pass, Rope, RopeTables,
+    Elementwise, ElementwiseOp, HeadNormOp, Norm, NormOp, Operand, Params, Pass, Rope, RopeTables,
 };
 use crate::kernels::quant::PackedMatrix;
 use crate::model::config::{Activation, ModelConfig};
@@ -32,6 +32,8 @@ pub(super) struct GpuLayer {
     bq: Option<Tensor>,
     bk: Option<Tensor>,
     bv: Option<Tensor>,
+    /// Qwen3's per-head query and key norm scales (whole on every shard: each head has them).
+    qk_norm: Option<(Tensor, Tensor)>,
     wo: DeviceMatrix,
     bo: Option<Tensor>,
     mlp_norm: Tensor,
@@ -144,6 +146,7 @@ pub(super) struct LayerOps {
     q: Projection,
     k: Projection,
     v: Projection,
+    qk_norm: Option<(HeadNormOp, HeadNormOp)>,
     rope: Option<(Rope, Rope)>,
     o: Projection,
     attn_bias: Option<ElementwiseOp>,
@@ -192,6 +195,27 @@ impl Binder<'_> {
             (t, h),
             eps,
         )
+    }
+
+    /// The per-head norms of the shard's queries and keys, in place, where the model has them.
+    fn qk_norm(
+        &self,
+        params: &mut Params,
+        s: &ShardSpec,
+        scales: Option<&(Tensor, Tensor)>,
+    ) -> Result<Option<(HeadNormOp, HeadNormOp)>> {
+        let Some((q_scale, k_scale)) = scales else {
+            return Ok(None);
+        };
+        let (a, c) = (self.a, self.cx.config);
+        let mut bind = |scale: &Tensor, y: &Tensor, heads: usize| {
+            let shape = (self.cx.tokens, heads, c.head_dim);
+            HeadNormOp::bind(self.gpu, params, (scale, y), shape, c.norm_eps)
+        };
+        Ok(Some((
+            bind(q_scale, &a.q, s.local_heads())?,
+            bind(k_scale, &a.k, s.local_kv_heads())?,
+        )))
     }
 
     /// RoPE on the shard's queries and keys, where the family rotates them.
@@ -308,6 +332,7 @@ impl GpuLayer {
             bq: opt_slice("bq", &w.bq, q_rows.clone())?,
             bk: opt_slice("bk", &w.bk, kv_rows.clone())?,
             bv: opt_slice("bv", &w.bv, kv_rows)?,
+            qk_norm: qk_norm_scales(gpu, config, index, w)?,
             wo: storage.upload(gpu, &o)?,
             bo: upload_opt(gpu, &name("bo"), w.bo.as_ref())?,
             mlp_norm: vector("mlp_norm", &w.mlp_norm)?,
@@ -333,6 +358,7 @@ impl GpuLayer {
         let b = Binder { gpu, a, cx };
         let p = self.bind_projections(&b, params)?;
         let norms = self.bind_norms(&b, params)?;
+        let qk_norm = b.qk_norm(params, &self.shard, self.qk_norm.as_ref())?;
         let rope = b.rope(params, &self.shard)?;
         let tail = self.bind_elementwise(&b, params, p.gate.is_some())?;
         Ok(LayerOps {
@@ -340,6 +366,7 @@ impl GpuLayer {
             q: p.q,
             k: p.k,
             v: p.v,
+            qk_norm,
             rope,
             o: p.o,
             attn_bias: tail.attn_bias,
@@ -490,6 +517,10 @@ impl LayerOps {
         {
             e.configure(gpu, params, t)?;
         }
+        if let Some((q, k)) = &mut self.qk_norm {
+            q.configure(gpu, params, t)?;
+            k.configure(gpu, params, t)?;
+        }
         if let Some((q, k)) = &mut self.rope {
             q.configure(gpu, params, (batch, seq))?;
             k.configure(gpu, params, (batch, seq))?;
@@ -497,8 +528,9 @@ impl LayerOps {
         Ok(())
     }
 
-    /// Attention half up to the output projection: norm, Q/K/V, RoPE, KV append, attention,
-    /// output projection into `attn_out` (partial under tensor parallelism, no bias).
+    /// Attention half up to the output projection: norm, Q/K/V, per-head Q/K norms (Qwen3),
+    /// RoPE, KV append, attention, output projection into `attn_out` (partial under tensor
+    /// parallelism, no bias).
     pub(super) fn attention(&self, pass: &mut Pass<'_>, kv: &KvLayer) -> Result<()> {
         if let Some(n) = &self.attn_norm {
             pass.run(n)?;
@@ -506,6 +538,10 @@ impl LayerOps {
         pass.run(&self.q)?;
         pass.run(&self.k)?;
         pass.run(&self.v)?;
+        if let Some((q, k)) = &self.qk_norm {
+            pass.run(q)?;
+            pass.run(k)?;
+        }
         if let Some((q, k)) = &self.rope {
             pass.run(q)?;
             pass.run(k)?;
@@ -555,6 +591,41 @@ impl LayerOps {
             (&self.mlp_bias, &self.mlp_add, &self.mlp_post_norm),
         )
     }
+}
+
+/// Layer `index`'s query and key norm scales on the device, where the config asks for them;
+/// weights that do not match the config (scales missing, extra or of another width) are
+/// refused rather than run without them.
+fn qk_norm_scales(
+    gpu: &Gpu,
+    config: &ModelConfig,
+    index: usize,
+    w: &LayerWeights,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let width = |v: &Option<Vec<f32>>| v.as_ref().map(Vec::len);
+    let want = config.qk_norm.then_some(config.head_dim);
+    if width(&w.q_norm) != want || width(&w.k_norm) != want {
+        return Err(WgparError::model(
+            config.name.clone(),
+            "qk_norm",
+            format!(
+                "layer {index}: query/key norm scales of {:?} / {:?} values, but the config \
+                 asks for {want:?} (head_dim {} with qk_norm {})",
+                width(&w.q_norm),
+                width(&w.k_norm),
+                config.head_dim,
+                config.qk_norm
+            ),
+        ));
+    }
+    let (Some(q), Some(k)) = (&w.q_norm, &w.k_norm) else {
+        return Ok(None);
+    };
+    let name = |part: &str| format!("layer{index}.{part}");
+    Ok(Some((
+        gpu.upload_f32(&name("q_norm"), q)?,
+        gpu.upload_f32(&name("k_norm"), k)?,
+    )))
 }
 
 /// `x += out (+ bias)`, then `x = norm(x)` through the scratch `h` for a post-norm model (a

@@ -109,6 +109,8 @@ fn load_layer(r: &Reader, config: &ModelConfig, i: usize) -> Result<LayerWeights
         bq,
         bk,
         bv,
+        q_norm: None,
+        k_norm: None,
         wo,
         bo,
         mlp_norm,

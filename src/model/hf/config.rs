@@ -12,11 +12,12 @@ use crate::model::config::{
 use crate::model::rope::yarn_mscale;
 
 /// The `model_type` values wgpar reads, and the family each maps to.
-pub const SUPPORTED_TYPES: [(&str, Arch); 5] = [
+pub const SUPPORTED_TYPES: [(&str, Arch); 6] = [
     ("gpt2", Arch::Gpt2),
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Llama),
+    ("qwen3", Arch::Llama),
     ("bert", Arch::Bert),
 ];
 
@@ -115,8 +116,9 @@ pub fn token_ids(value: Option<&Value>) -> Vec<u32> {
     }
 }
 
-/// The family a config names: `model_type`, or else the first of `architectures`.
-fn family(keys: &Keys) -> Result<Arch> {
+/// The model type a config names (`model_type`, or else the first of `architectures`) and
+/// its family.
+fn family(keys: &Keys) -> Result<(&'static str, Arch)> {
     let supported = || {
         SUPPORTED_TYPES
             .iter()
@@ -148,7 +150,7 @@ fn family(keys: &Keys) -> Result<Arch> {
     SUPPORTED_TYPES
         .iter()
         .find(|(t, _)| *t == model_type)
-        .map(|(_, arch)| *arch)
+        .copied()
         .ok_or_else(|| {
             keys.fail(format!(
                 "model_type '{model_type}' is not supported; supported model types: {}",
@@ -304,8 +306,8 @@ fn gpt2(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
     })
 }
 
-/// Llama-family keys (Llama, Mistral, Qwen2) over `base`.
-fn llama(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
+/// Llama-family keys (Llama, Mistral, Qwen2, Qwen3: `model_type`) over `base`.
+fn llama(keys: &Keys<'_>, model_type: &str, base: ModelConfig) -> Result<ModelConfig> {
     let act = keys.str_or("hidden_act", "silu")?;
     if act != "silu" {
         return Err(keys.fail(format!("\"hidden_act\" is '{act}', only silu is supported")));
@@ -327,9 +329,9 @@ fn llama(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
         None => keys.f32_or("rope_theta", 10_000.0)?,
     };
     // A sliding window equals full attention up to the window's length, so the context
-    // is capped there. Mistral applies its window whenever it is set; Qwen2 only under
-    // "use_sliding_window" (false by default), as Hugging Face reads them.
-    let windowed_by_default = keys.str_or("model_type", "")? != "qwen2";
+    // is capped there. Mistral applies its window whenever it is set; Qwen2 and Qwen3 only
+    // under "use_sliding_window" (false by default), as Hugging Face reads them.
+    let windowed_by_default = !matches!(model_type, "qwen2" | "qwen3");
     if keys.bool_or("use_sliding_window", windowed_by_default)? {
         if let Some(window) = keys.opt_usize("sliding_window")? {
             max_seq = max_seq.min(window);
@@ -348,6 +350,8 @@ fn llama(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
         rope_theta,
         rope_scaling,
         tied_head: keys.bool_or("tie_word_embeddings", false)?,
+        // Qwen3 normalises every query and key head (its q_norm / k_norm), always.
+        qk_norm: model_type == "qwen3",
         activation: Activation::Silu,
         ..base
     })
@@ -395,7 +399,7 @@ pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
     if !json.is_object() {
         return Err(keys.fail("expected a JSON object".into()));
     }
-    let arch = family(&keys)?;
+    let (model_type, arch) = family(&keys)?;
     let base = ModelConfig {
         name: name.to_string(),
         arch,
@@ -403,7 +407,7 @@ pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
     };
     let config = match arch {
         Arch::Gpt2 => gpt2(&keys, base)?,
-        Arch::Llama => llama(&keys, base)?,
+        Arch::Llama => llama(&keys, model_type, base)?,
         Arch::Bert => bert(&keys, base)?,
     };
     if arch != Arch::Llama && config.heads > 0 && config.head_dim * config.heads != config.hidden {
@@ -477,6 +481,35 @@ mod tests {
             .unwrap();
             assert_eq!(c.config.max_seq, want, "{model_type} {flag}");
         }
+    }
+
+    /// Qwen3: query/key norms always, heads as wide as `head_dim` says (not hidden / heads),
+    /// found by `model_type` or by the class alone; its window only under
+    /// "use_sliding_window".
+    #[test]
+    fn qwen3_keys() {
+        let keys = r#""vocab_size":151936,"hidden_size":1024,"num_hidden_layers":28,
+            "num_attention_heads":16,"num_key_value_heads":8,"head_dim":128,
+            "intermediate_size":3072,"max_position_embeddings":40960,"rms_norm_eps":1e-6,
+            "rope_theta":1000000,"tie_word_embeddings":true,"sliding_window":4096,
+            "use_sliding_window":false,"attention_bias":false"#;
+        for head in [
+            r#""model_type":"qwen3""#,
+            r#""architectures":["Qwen3ForCausalLM"]"#,
+        ] {
+            let c = parse_str(&format!("{{{head},{keys}}}")).unwrap().config;
+            assert!(c.qk_norm && c.tied_head, "{head}");
+            assert_eq!((c.head_dim, c.q_dim(), c.hidden), (128, 2048, 1024));
+            assert_eq!((c.max_seq, c.norm_eps), (40960, 1e-6));
+        }
+        let llama = parse_str(&format!(r#"{{"model_type":"llama",{keys}}}"#)).unwrap();
+        assert!(!llama.config.qk_norm);
+        let windowed = keys.replace(
+            r#""use_sliding_window":false"#,
+            r#""use_sliding_window":true"#,
+        );
+        let c = parse_str(&format!(r#"{{"model_type":"qwen3",{windowed}}}"#)).unwrap();
+        assert_eq!(c.config.max_seq, 4096);
     }
 
     #[test]

@@ -1,11 +1,12 @@
-//! Llama-style names to [`ModelWeights`] (Llama, Mistral, Qwen2). Projections are PyTorch
-//! `Linear`s, already `[out][in]` as wgpar stores them.
+//! Llama-style names to [`ModelWeights`] (Llama, Mistral, Qwen2, Qwen3). Projections are
+//! PyTorch `Linear`s, already `[out][in]` as wgpar stores them.
 //!
 //! | wgpar | Hugging Face (under `model.`) |
 //! |---|---|
 //! | wte | `embed_tokens.weight` |
 //! | attn_norm | `layers.N.input_layernorm.weight` |
 //! | wq, wk, wv (+ optional biases) | `layers.N.self_attn.{q,k,v}_proj.{weight,bias}` |
+//! | q_norm, k_norm (Qwen3) | `layers.N.self_attn.{q,k}_norm.weight` |
 //! | wo (+ optional bias) | `layers.N.self_attn.o_proj.{weight,bias}` |
 //! | mlp_norm | `layers.N.post_attention_layernorm.weight` |
 //! | w_gate, w_up, w_down | `layers.N.mlp.{gate,up,down}_proj.weight` |
@@ -89,6 +90,8 @@ fn layer(r: &Reader, config: &ModelConfig, i: usize) -> Result<LayerWeights> {
         bq: bias("q_proj", q)?,
         bk: bias("k_proj", kv)?,
         bv: bias("v_proj", kv)?,
+        q_norm: head_norm(r, config, i, "q_norm")?,
+        k_norm: head_norm(r, config, i, "k_norm")?,
         wo: attn("o_proj", h, q, "attention output")?,
         bo: bias("o_proj", h)?,
         mlp_norm: r.tensor(
@@ -104,4 +107,16 @@ fn layer(r: &Reader, config: &ModelConfig, i: usize) -> Result<LayerWeights> {
         b_down: None,
         blocks: Default::default(),
     })
+}
+
+/// Layer `i`'s Qwen3 per-head norm `name` (`q_norm`, `k_norm`): one scale of head_dim values,
+/// where the config has them.
+fn head_norm(r: &Reader, config: &ModelConfig, i: usize, name: &str) -> Result<Option<Vec<f32>>> {
+    if !config.qk_norm {
+        return Ok(None);
+    }
+    let heads = if name == "q_norm" { "query" } else { "key" };
+    let what = format!("layer {i} {heads} head RMSNorm");
+    let tensor = format!("layers.{i}.self_attn.{name}.weight");
+    r.tensor(&tensor, &[config.head_dim], &what).map(Some)
 }
