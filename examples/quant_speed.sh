@@ -22,6 +22,10 @@
 #   --dtype T          the float type of the packed runs' embeddings and LM head, and of the
 #                      dense runs (DTYPE; default f16), so the runs differ only in the layers
 #   --timeout S        most seconds one run may take (RUN_TIMEOUT; default 1800)
+#   --no-warmup        skip the untimed warm-up run (prompt 64, 2 tokens) before each timed
+#                      wgpar run; the warm-up leaves the kernels' first-use tuning out of the
+#                      timed run (wgpar run does not warm up itself). The tuning cache is
+#                      OUT/cache unless WGPAR_CACHE_DIR is set
 #   --table DIR        no runs: the table again from an earlier run's logs in DIR
 # A run that fails, is refused (e.g. TP2 on a model whose heads 2 does not split) or times out
 # prints n/a in its cells; its log in OUT/logs says why. Tokens/s are computed from the token
@@ -41,6 +45,7 @@ PY=${WGPAR_PYTHON:-python3}
 DTYPE=${DTYPE:-f16}
 RUN_TIMEOUT=${RUN_TIMEOUT:-1800}
 TABLE_ONLY=""
+WARMUP=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --smollm2) SMOLLM2=$2; shift 2 ;;
@@ -54,6 +59,7 @@ while [ $# -gt 0 ]; do
     --dtype) DTYPE=$2; shift 2 ;;
     --timeout) RUN_TIMEOUT=$2; shift 2 ;;
     --table) TABLE_ONLY=$2; shift 2 ;;
+    --no-warmup) WARMUP=0; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "quant_speed: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -124,6 +130,7 @@ case "$DTYPE" in f16|f32) ;; *) fail "--dtype: '$DTYPE' (f16 or f32)" ;; esac
 [[ "$RUN_TIMEOUT" =~ ^[1-9][0-9]*$ ]] || fail "--timeout: '$RUN_TIMEOUT' is not a positive count"
 [ -n "$OUT" ] || OUT=$(mktemp -d)
 mkdir -p "$OUT/files" "$OUT/logs" || fail "cannot write $OUT"
+export WGPAR_CACHE_DIR=${WGPAR_CACHE_DIR-$OUT/cache}
 : > "$OUT/order"
 
 # The source file of each model (the synthetic one written once, then reused).
@@ -155,6 +162,12 @@ wgpar_run() {
     tp2) args+=(--strategy tp --virtual 2) ;;
     pp2) args+=(--strategy pp --virtual 2) ;;
   esac
+  if [ "$WARMUP" = 1 ]; then
+    local warm=("${args[@]}")
+    warm[8]=2  # --gen 2: the prefill's and the decode's kernels tuned, untimed
+    echo "\$ wgpar ${warm[*]}" > "${log%.log}-warmup.log"
+    timeout "$RUN_TIMEOUT" "$WGPAR" "${warm[@]}" >> "${log%.log}-warmup.log" 2>&1
+  fi
   echo "  wgpar ${args[*]}"
   echo "\$ wgpar ${args[*]}" > "$log"
   timeout "$RUN_TIMEOUT" "$WGPAR" "${args[@]}" >> "$log" 2>&1

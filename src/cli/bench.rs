@@ -627,7 +627,7 @@ fn print_kernel_rows(
         "x today"
     )?;
     let frac = |v: Option<f64>, peak: Option<f64>| match (v, peak) {
-        (Some(v), Some(p)) => format!("{:.1}%", v / p * 100.0),
+        (Some(v), Some(p)) => format!("{}%", significant(Some(v / p * 100.0))),
         _ => "n/a".to_string(),
     };
     for r in rows {
@@ -643,12 +643,12 @@ fn print_kernel_rows(
             r.shape,
             r.dtype,
             r.median_ms,
-            figure(r.gflops, 1),
+            significant(r.gflops),
             frac(r.gflops, peak_gflops),
-            figure(r.gbps, 2),
+            significant(r.gbps),
             frac(r.gbps, peak_gbps),
-            figure(r.speedup_vs_naive, 2),
-            figure(r.speedup_vs_legacy, 2)
+            significant(r.speedup_vs_naive),
+            significant(r.speedup_vs_legacy)
         )?;
     }
     print_roofline(rows, peak_gbps)

@@ -77,7 +77,7 @@ pub fn measure_copy(
         .min(gpu.info().max_buffer_size);
     let bytes = match requested {
         Some(b) => {
-            gpu.check_size("the copy kernel's buffer", b)
+            gpu.check_size("--copy-size: the copy kernel's buffer", b)
                 .map_err(|e| WgparError::option("--copy-size", e.to_string()))?;
             b
         }
