@@ -1080,6 +1080,7 @@ fn roofline_rows_have_finite_bandwidth_and_ratio() {
         assert!(!dense.is_empty(), "{shape}");
         for r in &dense {
             assert_eq!(r.weight_bytes, Some((n * k * 4) as u64), "{}", r.kernel);
+            assert_eq!(r.weight_buffers, Some(1), "{}", r.kernel);
         }
         for &t in &qtypes {
             let got: Vec<_> = (rows.iter())
@@ -1159,8 +1160,8 @@ fn bench_kernels_prints_the_roofline_with_na_for_unmeasured() {
     assert!(copy_gbps > 0.0, "{out}");
     let roof = line("# roofline");
     assert!(roof.contains("copy_vec4 of 2 MiB moved"), "{roof}");
-    // In the roofline table: weights MB, x+y KB, weight GB/s, of peak (none given), copy GB/s,
-    // of copy.
+    // In the roofline table: weights MB, buffers rotated, x+y KB, weight GB/s, of peak (none
+    // given), copy GB/s, of copy.
     let packed: Vec<&str> = (out.lines())
         .skip_while(|l| !l.starts_with("# roofline"))
         .find(|l| l.starts_with("qgemm_q6_k"))
@@ -1169,10 +1170,12 @@ fn bench_kernels_prints_the_roofline_with_na_for_unmeasured() {
         .collect();
     let weights_mb: f64 = packed[4].parse().unwrap();
     assert!((weights_mb - 48.0 * 210.0 / 1e6).abs() < 0.01, "{packed:?}");
-    let weight_gbps: f64 = packed[6].parse().unwrap();
+    let buffers: usize = packed[5].parse().unwrap();
+    assert!(buffers > 1, "{packed:?}");
+    let weight_gbps: f64 = packed[7].parse().unwrap();
     assert!(weight_gbps.is_finite() && weight_gbps > 0.0, "{packed:?}");
-    assert_eq!(packed[7], "n/a", "{packed:?}");
-    let of_copy: f64 = packed[9].trim_end_matches('%').parse().unwrap();
+    assert_eq!(packed[8], "n/a", "{packed:?}");
+    let of_copy: f64 = packed[10].trim_end_matches('%').parse().unwrap();
     assert!(of_copy > 0.0, "{packed:?}");
     for l in out.lines() {
         assert!(

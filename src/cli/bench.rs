@@ -669,18 +669,20 @@ fn print_roofline(
     let copy_gbps = copy.and_then(|c| c.gbps);
     outln!(
         "# roofline: {} of {} moved {} GB/s (bytes read + written over time, this run); \
-         weight GB/s = the weights' bytes as stored, per second (x and y counted apart)",
+         weight GB/s = the weights' bytes as stored, per second (x and y counted apart); bufs = \
+         weight buffers the dispatches rotate through (1: the same weights, cache-friendly)",
         COPY_KERNEL,
         copy.map_or("n/a", |c| c.shape.as_str()),
         significant(copy_gbps)
     )?;
     outln!(
-        "{:<18} {:<20} {:<6} {:>11} {:>11} {:>9} {:>11} {:>8} {:>9} {:>8}  note",
+        "{:<18} {:<20} {:<6} {:>11} {:>11} {:>5} {:>9} {:>11} {:>8} {:>9} {:>8}  note",
         "kernel",
         "shape",
         "dtype",
         "median ms",
         "weights MB",
+        "bufs",
         "x+y KB",
         "weight GB/s",
         "of peak",
@@ -695,12 +697,14 @@ fn print_roofline(
     };
     for r in matmuls {
         outln!(
-            "{:<18} {:<20} {:<6} {:>11.3} {:>11} {:>9} {:>11} {:>8} {:>9} {:>8}  {}",
+            "{:<18} {:<20} {:<6} {:>11.3} {:>11} {:>5} {:>9} {:>11} {:>8} {:>9} {:>8}  {}",
             r.kernel,
             r.shape,
             r.dtype,
             r.median_ms,
             figure(scaled(r.weight_bytes, 1e6), 2),
+            r.weight_buffers
+                .map_or("n/a".to_string(), |b| b.to_string()),
             figure(scaled(r.xy_bytes, 1e3), 1),
             significant(r.weight_gbps),
             percent(r.weight_gbps.zip(peak_gbps).map(|(w, p)| w / p)),

@@ -98,6 +98,10 @@ pub struct KernelBenchRow {
     pub xy_bytes: Option<u64>,
     /// Matmuls: effective weight bandwidth, `weight_bytes` per second, GB/s.
     pub weight_gbps: Option<f64>,
+    /// Matmuls: distinct weight buffers the timed dispatches rotate through (1: every
+    /// dispatch reads the same weights, which a cache as large as them can serve; packed
+    /// variants rotate through copies, `roofline::WEIGHT_WORKING_SET`).
+    pub weight_buffers: Option<usize>,
     /// Matmuls: `weight_gbps` over the copy kernel's GB/s in the same run (the roofline
     /// fraction); `None` where no copy was measured.
     pub of_copy: Option<f64>,
@@ -152,6 +156,7 @@ pub(crate) fn row(kernel: &str, shape: String, dtype: &str, secs: f64) -> Kernel
         weight_bytes: None,
         xy_bytes: None,
         weight_gbps: None,
+        weight_buffers: None,
         of_copy: None,
         speedup_vs_naive: None,
         speedup_vs_legacy: None,
@@ -281,6 +286,7 @@ fn bench_matmul(
         r.gflops = Some(flops / s / 1e9);
         let w_bytes = (n * k * dtype.size()) as u64;
         roofline::fill_weight_bytes(&mut r, w_bytes, (m * k * 4 + m * n * 4) as u64);
+        r.weight_buffers = Some(1);
         if t.variant.name != "matmul_naive" {
             r.speedup_vs_naive = naive_s.map(|ns| ns / s);
             r.speedup_vs_legacy = legacy_s.map(|ls| ls / s);

@@ -4,6 +4,8 @@
 //! its effective weight bandwidth, the bytes of the weights as stored (a GGUF file's blocks for
 //! the packed types) read per second, and that figure's ratio to the copy's.
 
+use std::cell::Cell;
+
 use super::bench::{KernelBenchOptions, KernelBenchRow};
 use super::ops::{grid_1d, to_u32, Bound, Dispatch, Params, Pass};
 use super::quant::QUANT_VARIANTS;
@@ -26,6 +28,12 @@ pub const MIN_COPY_BYTES: u64 = 1 << 20;
 
 /// Largest copy the benchmark accepts (the host builds the source buffer).
 pub const MAX_COPY_BYTES: u64 = 8 << 30;
+
+/// Bytes of packed weights the timed dispatches rotate through (see [`weight_buffers`]).
+pub const WEIGHT_WORKING_SET: u64 = 256 << 20;
+
+/// Most copies of a packed matrix the benchmark uploads to reach [`WEIGHT_WORKING_SET`].
+pub const MAX_WEIGHT_BUFFERS: usize = 32;
 
 /// The packed types that have matmul variants, in [`QUANT_VARIANTS`]' order.
 pub fn packed_types() -> Vec<QuantType> {
@@ -122,7 +130,8 @@ fn time_copy(
     let dispatch = Dispatch::of_kernel(kernel, grid_1d(OP, vec4s, 256)?, COPY_KERNEL);
     op.0.set(&mut params, &values, dispatch);
     params.flush(gpu);
-    let run = |reps: usize| run_reps(gpu, &op, reps);
+    let next = Cell::new(0);
+    let run = |reps: usize| run_reps(gpu, (std::slice::from_ref(&op), &next), reps);
     tune::time_samples(&run, bench_effort(opts), f64::INFINITY)
 }
 
@@ -132,19 +141,35 @@ fn bench_effort(opts: &KernelBenchOptions) -> Effort {
     }
 }
 
-/// Seconds per dispatch of `reps` dispatches of `op` in one pass, submitted and waited for.
-fn run_reps(gpu: &Gpu, op: &impl AsRef<Bound>, reps: usize) -> Result<f64> {
+/// Seconds per dispatch of `reps` dispatches in one pass, submitted and waited for: the ops
+/// in turn, from `next` on (kept across calls, so each sample carries on the rotation).
+fn run_reps<O: AsRef<Bound>>(
+    gpu: &Gpu,
+    (ops, next): (&[O], &Cell<usize>),
+    reps: usize,
+) -> Result<f64> {
     let mut enc = gpu.encoder();
     {
         let mut pass = Pass::new(&mut enc);
         for _ in 0..reps {
-            pass.run(op)?;
+            pass.run(&ops[next.get() % ops.len()])?;
+            next.set(next.get() + 1);
         }
     }
     let start = std::time::Instant::now();
     gpu.submit(enc);
     gpu.wait()?;
     Ok(start.elapsed().as_secs_f64() / reps as f64)
+}
+
+/// Packed weights the dispatches rotate through: copies of the matrix until their bytes pass
+/// [`WEIGHT_WORKING_SET`] (at most [`MAX_WEIGHT_BUFFERS`]), so each dispatch reads its weights
+/// from memory as a model's layers do, not from a cache the previous dispatch filled (an
+/// H200's L2 holds 50 MB, a Llama-8B Q4_0 4096 x 4096 matrix 9.4 MB).
+fn weight_buffers(w_bytes: u64) -> usize {
+    WEIGHT_WORKING_SET
+        .div_ceil(w_bytes.max(1))
+        .clamp(1, MAX_WEIGHT_BUFFERS as u64) as usize
 }
 
 /// Deterministic packed blocks of any type: pseudo-random bytes with bit 14 of every
@@ -181,31 +206,41 @@ pub fn bench_packed(
     let shape = format!("{m}x{n}x{k}");
     let w_bytes = check_packed_fits(gpu, (m, n, k), qtype)?;
     let x = gpu.upload_f32("bench.qx", &tune::pattern(m * k, 1))?;
-    let w = PackedMatrix::upload(
-        gpu,
-        "bench.qw",
-        qtype,
-        &packed_bytes(qtype, (n, k))?,
-        (n, k),
-    )?;
+    let bytes = packed_bytes(qtype, (n, k))?;
+    let mut ws = Vec::new();
+    for _ in 0..weight_buffers(w_bytes) {
+        ws.push(PackedMatrix::upload(
+            gpu,
+            "bench.qw",
+            qtype,
+            &bytes,
+            (n, k),
+        )?);
+    }
     let y = gpu.empty("bench.qy", DType::F32, m * n)?;
-    let io = QuantIo {
-        x: &x,
-        w: &w,
-        bias: None,
-        y: &y,
-    };
     let mut rows = Vec::new();
     for v in packed_variants(qtype, m, &opts.only) {
-        let mut params = Params::new(gpu, "bench.quant", 1)?;
-        let mut op = QuantMatmul::bind(gpu, &mut params, io, m)?.with_variant(v.name)?;
-        op.configure(gpu, &mut params, m)?;
+        let mut params = Params::new(gpu, "bench.quant", ws.len())?;
+        let mut ops = Vec::new();
+        for w in &ws {
+            let io = QuantIo {
+                x: &x,
+                w,
+                bias: None,
+                y: &y,
+            };
+            let mut op = QuantMatmul::bind(gpu, &mut params, io, m)?.with_variant(v.name)?;
+            op.configure(gpu, &mut params, m)?;
+            ops.push(op);
+        }
         params.flush(gpu);
-        let run = |reps: usize| run_reps(gpu, &op, reps);
+        let next = Cell::new(0);
+        let run = |reps: usize| run_reps(gpu, (&ops, &next), reps);
         let s = tune::time_samples(&run, bench_effort(opts), f64::INFINITY)?;
         let mut r = super::bench::row(v.name, shape.clone(), qtype.name(), s);
         r.gflops = Some(2.0 * m as f64 * n as f64 * k as f64 / s / 1e9);
         fill_weight_bytes(&mut r, w_bytes, (m * k + m * n) as u64 * 4);
+        r.weight_buffers = Some(ws.len());
         rows.push(r);
     }
     let best = rows
