@@ -598,3 +598,93 @@ fn empty_kernel_benchmarks_say_why() {
         assert!(!o.stdout.contains("GFLOP"), "{}", o.stdout);
     }
 }
+
+/// Issue 34 item 2: the roofline's options are checked by name before any device opens: an
+/// unknown or dense type in --qtypes, a shape whose inner dimension is not whole blocks, a
+/// packed type without a matmul shape, --kernels naming another type's variant or none of a
+/// type's, and a copy size out of bounds or without a matmul.
+#[test]
+fn packed_kernel_benchmark_options_are_refused_by_name() {
+    let shape = ["--shapes", "1x64x256"];
+    let cases: [(&[&str], &[&str]); 10] = [
+        (&["--qtypes", "q9_9"], &["--qtypes q9_9", "q8_0", "q4_k"]),
+        (&["--qtypes", "f16"], &["--qtypes f16", "--dtypes"]),
+        (
+            &["--shapes", "1x64x96", "--qtypes", "q8_0,Q4_K"],
+            &["1x64x96", "k = 96", "q4_k blocks of 256"],
+        ),
+        (
+            &[
+                "--sizes",
+                "",
+                "--qtypes",
+                "q8_0",
+                "--attention-prefill",
+                "8",
+            ],
+            &["--qtypes needs a matmul shape"],
+        ),
+        (
+            &["--qtypes", "q4_0", "--kernels", "qgemv64_q8_0"],
+            &["--kernels qgemv64_q8_0", "--qtypes does not name q8_0"],
+        ),
+        (
+            &["--qtypes", "q4_0,q8_0", "--kernels", "qgemv64_q8_0"],
+            &["--kernels names no q4_0 variant"],
+        ),
+        (&["--copy-size", "3"], &["--copy-size 3", "multiple of 16"]),
+        (&["--copy-size", "64G"], &["--copy-size 64G", "8G"]),
+        (
+            &["--copy-size", "lots"],
+            &["--copy-size lots", "not a size"],
+        ),
+        (
+            &[
+                "--sizes",
+                "",
+                "--attention-prefill",
+                "8",
+                "--copy-size",
+                "16M",
+            ],
+            &["--copy-size applies only with a matmul shape"],
+        ),
+    ];
+    for (extra, parts) in cases {
+        let mut args = vec!["bench", "kernels", "--no-others", "--no-save"];
+        if !extra.contains(&"--sizes") {
+            args.extend(["--sizes", ""]);
+        }
+        if !extra.contains(&"--shapes") && !extra.contains(&"--attention-prefill") {
+            args.extend(shape);
+        }
+        args.extend(extra);
+        let o = refused_early(&args, parts);
+        assert_eq!(o.code, Some(2), "{args:?}: {}", o.stderr);
+    }
+}
+
+/// Issue 34 item 2: a copy larger than the adapter binds is refused naming the option and the
+/// limit, once the device is open (only it knows the limit), before anything is timed.
+#[test]
+fn a_copy_over_the_binding_limit_is_refused() {
+    let args = [
+        "bench",
+        "kernels",
+        "--sizes",
+        "",
+        "--shapes",
+        "1x32x32",
+        "--copy-size",
+        "8G",
+        "--no-others",
+        "--no-save",
+    ];
+    let o = refused_within(
+        &args,
+        &["--copy-size", "allows at most"],
+        Duration::from_secs(30),
+    );
+    assert_eq!(o.code, Some(2), "{}", o.stderr);
+    assert!(!o.stdout.contains("GB/s"), "{}", o.stdout);
+}

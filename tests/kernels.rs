@@ -1040,3 +1040,147 @@ fn device_sampling_matches_the_host_sampler() {
         );
     }
 }
+
+/// Issue 34 item 2: a small roofline run. The copy kernel gives a finite rate; every packed
+/// variant that applies (the GEMVs only at decode rows) and every dense variant gets its
+/// weight bytes as stored, a finite weight bandwidth consistent with its time, and its ratio
+/// to the copy's; figures that do not apply stay unset (printed n/a).
+#[test]
+fn roofline_rows_have_finite_bandwidth_and_ratio() {
+    use wgpar::kernels::bench::{bench_kernels, KernelBenchOptions};
+    use wgpar::kernels::roofline::{packed_variants, COPY_KERNEL};
+    use wgpar::model::quant::QuantType;
+    let gpu = &common::gpus(1)[0];
+    let qtypes = vec![QuantType::Q8_0, QuantType::Q4K];
+    let opts = KernelBenchOptions {
+        sizes: Vec::new(),
+        shapes: vec![(1, 40, 256), (9, 24, 512)],
+        iters: 1,
+        warmup: 0,
+        f16: false,
+        others: false,
+        save: false,
+        qtypes: qtypes.clone(),
+        copy_bytes: Some(1 << 20),
+        ..Default::default()
+    };
+    let rows = bench_kernels(gpu, &opts).unwrap();
+    let copy = &rows[0];
+    assert_eq!(copy.kernel, COPY_KERNEL);
+    let copy_gbps = copy.gbps.unwrap();
+    assert!(copy_gbps.is_finite() && copy_gbps > 0.0, "{copy:?}");
+    assert!(copy.weight_gbps.is_none() && copy.of_copy.is_none() && copy.gflops.is_none());
+    let mut packed = 0;
+    for (m, n, k) in opts.shapes.clone() {
+        let shape = format!("{m}x{n}x{k}");
+        let dense: Vec<_> = rows
+            .iter()
+            .filter(|r| r.shape == shape && r.dtype == "f32")
+            .collect();
+        assert!(!dense.is_empty(), "{shape}");
+        for r in &dense {
+            assert_eq!(r.weight_bytes, Some((n * k * 4) as u64), "{}", r.kernel);
+            assert_eq!(r.weight_buffers, Some(1), "{}", r.kernel);
+        }
+        for &t in &qtypes {
+            let got: Vec<_> = (rows.iter())
+                .filter(|r| r.shape == shape && r.dtype == t.name())
+                .collect();
+            let want: Vec<&str> = packed_variants(t, m, &[]).iter().map(|v| v.name).collect();
+            let names: Vec<&str> = got.iter().map(|r| r.kernel.as_str()).collect();
+            assert_eq!(names, want, "{shape} {t:?}");
+            assert_eq!(got.iter().filter(|r| r.winner).count(), 1, "{shape} {t:?}");
+            for r in got {
+                let w = (n * t.row_bytes(k).unwrap()) as u64;
+                assert_eq!(r.weight_bytes, Some(w), "{}", r.kernel);
+                assert_eq!(
+                    r.xy_bytes,
+                    Some(((m * k + m * n) * 4) as u64),
+                    "{}",
+                    r.kernel
+                );
+                let gbps = r.weight_gbps.unwrap();
+                let want = w as f64 / (r.median_ms / 1e3) / 1e9;
+                assert!(gbps.is_finite() && gbps > 0.0, "{r:?}");
+                assert!((gbps - want).abs() <= 1e-9 * want.max(1.0), "{r:?}");
+                let ratio = r.of_copy.unwrap();
+                assert!(
+                    (ratio - gbps / copy_gbps).abs() <= 1e-12 * ratio.max(1.0),
+                    "{r:?}"
+                );
+                assert!(r.speedup_vs_naive.is_none() && r.speedup_vs_legacy.is_none());
+                packed += 1;
+            }
+        }
+    }
+    // Decode rows: every variant of both types; 9 rows: the GEMMs alone.
+    assert!(packed >= 2 * 3 + 2, "{packed} packed rows");
+    for r in rows.iter().filter(|r| r.kernel != COPY_KERNEL) {
+        assert!(r.of_copy.is_some_and(f64::is_finite), "{r:?}");
+    }
+}
+
+/// Issue 34 item 2 through the command line: the roofline table follows the kernel table, with
+/// the copy's rate and each matmul's ratio, and `n/a` (never 0) where a figure was not measured.
+#[test]
+fn bench_kernels_prints_the_roofline_with_na_for_unmeasured() {
+    let args = [
+        "bench",
+        "kernels",
+        "--devices",
+        "0",
+        "--sizes=",
+        "--shapes",
+        "1x48x256",
+        "--dtypes",
+        "f32",
+        "--qtypes",
+        "q6_k",
+        "--kernels",
+        "qgemm_q6_k",
+        "--copy-size",
+        "2M",
+        "--iters",
+        "1",
+        "--no-others",
+        "--no-save",
+    ];
+    let (ok, out, err) = common::wgpar(&args);
+    assert!(ok, "{err}");
+    let line = |start: &str| {
+        out.lines()
+            .find(|l| l.starts_with(start))
+            .unwrap_or_else(|| panic!("no line starting {start}: {out}"))
+    };
+    // The copy has no arithmetic rate and no naive or legacy comparison.
+    let copy: Vec<&str> = line("copy_vec4").split_whitespace().collect();
+    assert_eq!(copy[..4], ["copy_vec4", "2", "MiB", "f32"], "{out}");
+    assert_eq!(copy[5], "n/a", "{out}");
+    let copy_gbps: f64 = copy[7].parse().unwrap();
+    assert!(copy_gbps > 0.0, "{out}");
+    let roof = line("# roofline");
+    assert!(roof.contains("copy_vec4 of 2 MiB moved"), "{roof}");
+    // In the roofline table: weights MB, buffers rotated, x+y KB, weight GB/s, of peak (none
+    // given), copy GB/s, of copy.
+    let packed: Vec<&str> = (out.lines())
+        .skip_while(|l| !l.starts_with("# roofline"))
+        .find(|l| l.starts_with("qgemm_q6_k"))
+        .unwrap_or_else(|| panic!("no packed roofline row: {out}"))
+        .split_whitespace()
+        .collect();
+    let weights_mb: f64 = packed[4].parse().unwrap();
+    assert!((weights_mb - 48.0 * 210.0 / 1e6).abs() < 0.01, "{packed:?}");
+    let buffers: usize = packed[5].parse().unwrap();
+    assert!(buffers > 1, "{packed:?}");
+    let weight_gbps: f64 = packed[7].parse().unwrap();
+    assert!(weight_gbps.is_finite() && weight_gbps > 0.0, "{packed:?}");
+    assert_eq!(packed[8], "n/a", "{packed:?}");
+    let of_copy: f64 = packed[10].trim_end_matches('%').parse().unwrap();
+    assert!(of_copy > 0.0, "{packed:?}");
+    for l in out.lines() {
+        assert!(
+            !l.split_whitespace().any(|w| w == "0.00" || w == "0.0%"),
+            "a zero printed for a figure: {l}"
+        );
+    }
+}

@@ -48,6 +48,15 @@ pub struct KernelsBenchArgs {
     /// Weight types: f32, f16 or both.
     #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
     dtypes: Vec<String>,
+    /// Packed weight types (q8_0, q4_0, q4_k, q6_k, q5_0, ...): every packed matmul variant of
+    /// each runs at every matmul shape, with its weight bandwidth (the blocks' bytes read per
+    /// second) and that figure's ratio to the copy kernel's.
+    #[arg(long, value_delimiter = ',')]
+    qtypes: Vec<String>,
+    /// Bytes the copy kernel moves to measure the attainable bandwidth (e.g. 256M; default
+    /// 512M, capped at the adapter's storage-binding limit). It runs whenever a matmul does.
+    #[arg(long)]
+    copy_size: Option<String>,
     /// Only these matmul variants (today's kernel is always timed beside them).
     #[arg(long, value_delimiter = ',')]
     kernels: Vec<String>,
@@ -424,6 +433,10 @@ fn kernel_options(args: &KernelsBenchArgs) -> Result<KernelBenchOptions> {
         ));
     }
     let only = wgpar::kernels::tune::parse_forced("--kernels", &args.kernels.join(","))?;
+    let matmuls: Vec<(usize, usize, usize)> = (sizes.iter().map(|&n| (n, n, n)))
+        .chain(shapes.iter().copied())
+        .collect();
+    let packed = packed_options(args, &matmuls, &only)?;
     if sizes.is_empty() && shapes.is_empty() && args.attention_prefill.is_empty() && args.no_others
     {
         return Err(WgparError::option(
@@ -445,8 +458,147 @@ fn kernel_options(args: &KernelsBenchArgs) -> Result<KernelBenchOptions> {
         others: !args.no_others,
         attention_prefill: args.attention_prefill.clone(),
         save: !args.no_save,
+        qtypes: packed.qtypes,
+        copy_bytes: packed.copy_bytes,
         ..Default::default()
     })
+}
+
+/// `bench kernels`' roofline options, checked.
+struct PackedOptions {
+    qtypes: Vec<wgpar::model::quant::QuantType>,
+    copy_bytes: Option<u64>,
+}
+
+/// `--qtypes` and `--copy-size`, checked against the matmul shapes and `--kernels`.
+fn packed_options(
+    args: &KernelsBenchArgs,
+    matmuls: &[(usize, usize, usize)],
+    only: &[String],
+) -> Result<PackedOptions> {
+    use wgpar::kernels::roofline;
+    let known = roofline::packed_types();
+    let qtypes = (args.qtypes.iter().map(|q| q.trim().to_ascii_lowercase()))
+        .filter(|q| !q.is_empty())
+        .map(|q| {
+            known
+                .iter()
+                .copied()
+                .find(|t| t.name() == q)
+                .ok_or_else(|| {
+                    let names: Vec<&str> = known.iter().map(|t| t.name()).collect();
+                    let hint = match q.as_str() {
+                        "f16" | "f32" => " (dense weights are --dtypes)",
+                        _ => "",
+                    };
+                    WgparError::option(
+                        "--qtypes",
+                        format!(
+                            "--qtypes {q}: not a packed type{hint}; expected one of {}",
+                            names.join(", ")
+                        ),
+                    )
+                })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if !qtypes.is_empty() && matmuls.is_empty() {
+        return Err(WgparError::option(
+            "--qtypes",
+            "--qtypes needs a matmul shape (--sizes or --shapes)".into(),
+        ));
+    }
+    check_packed_shapes(&qtypes, matmuls, only)?;
+    let copy_bytes = match &args.copy_size {
+        None => None,
+        Some(_) if matmuls.is_empty() => {
+            return Err(WgparError::option(
+                "--copy-size",
+                "--copy-size applies only with a matmul shape (--sizes or --shapes)".into(),
+            ))
+        }
+        Some(text) => Some(copy_size(text)?),
+    };
+    Ok(PackedOptions { qtypes, copy_bytes })
+}
+
+/// Every shape's inner dimension must be whole blocks of every packed type, and `--kernels`,
+/// where it names packed variants, must name one of each type and none of another type.
+fn check_packed_shapes(
+    qtypes: &[wgpar::model::quant::QuantType],
+    matmuls: &[(usize, usize, usize)],
+    only: &[String],
+) -> Result<()> {
+    use wgpar::kernels::quant::variant_by_name;
+    for &t in qtypes {
+        if let Some((m, n, k)) = matmuls.iter().find(|s| s.2 % t.block_len() != 0) {
+            return Err(WgparError::option(
+                "--qtypes",
+                format!(
+                    "shape {m}x{n}x{k}: k = {k} is not a whole number of {} blocks of {}",
+                    t.name(),
+                    t.block_len()
+                ),
+            ));
+        }
+    }
+    let named: Vec<_> = only.iter().filter_map(|o| variant_by_name(o)).collect();
+    if let Some(v) = named.iter().find(|v| !qtypes.contains(&v.qtype)) {
+        return Err(WgparError::option(
+            "--kernels",
+            format!(
+                "--kernels {}: a {} variant, and --qtypes does not name {}",
+                v.name,
+                v.qtype.name(),
+                v.qtype.name()
+            ),
+        ));
+    }
+    if let Some(t) = qtypes
+        .iter()
+        .find(|t| !only.is_empty() && !named.iter().any(|v| v.qtype == **t))
+    {
+        return Err(WgparError::option(
+            "--kernels",
+            format!(
+                "--kernels names no {} variant, and --qtypes names {}",
+                t.name(),
+                t.name()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `--copy-size`: a size from 1 MiB to 8 GiB, a multiple of 16 bytes (one vec4).
+fn copy_size(text: &str) -> Result<u64> {
+    use wgpar::kernels::roofline::{MAX_COPY_BYTES, MIN_COPY_BYTES};
+    let bad = |why: String| WgparError::option("--copy-size", format!("--copy-size {text}: {why}"));
+    let bytes = wgpar::comm::units::parse_size(text).map_err(|e| bad(e.to_string()))?;
+    if !(MIN_COPY_BYTES..=MAX_COPY_BYTES).contains(&bytes) || bytes % 16 != 0 {
+        return Err(bad(format!(
+            "expected a multiple of 16 bytes from {}M to {}G",
+            MIN_COPY_BYTES >> 20,
+            MAX_COPY_BYTES >> 30
+        )));
+    }
+    Ok(bytes)
+}
+
+/// A figure, or `n/a` where it was not measured.
+fn figure(v: Option<f64>, digits: usize) -> String {
+    v.map_or("n/a".to_string(), |v| format!("{v:.digits$}"))
+}
+
+/// A rate with three significant digits (two decimals at least), so a slow kernel on a CPU
+/// driver does not print as 0.00; `n/a` where it was not measured.
+fn significant(v: Option<f64>) -> String {
+    match v {
+        Some(v) if v.is_finite() && v.abs() < 1.0 && v != 0.0 => {
+            let digits = (2 - v.abs().log10().floor() as i32).clamp(2, 9) as usize;
+            format!("{v:.digits$}")
+        }
+        other => figure(other, 2),
+    }
 }
 
 fn print_kernel_rows(
@@ -462,7 +614,7 @@ fn print_kernel_rows(
         gpu.info().driver_info
     )?;
     outln!(
-        "{:<18} {:<20} {:<5} {:>11} {:>9} {:>7} {:>8} {:>7} {:>8} {:>8}  note",
+        "{:<18} {:<20} {:<6} {:>11} {:>9} {:>7} {:>8} {:>7} {:>8} {:>8}  note",
         "kernel",
         "shape",
         "dtype",
@@ -474,10 +626,9 @@ fn print_kernel_rows(
         "x naive",
         "x today"
     )?;
-    let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
     let frac = |v: Option<f64>, peak: Option<f64>| match (v, peak) {
-        (Some(v), Some(p)) => format!("{:.1}%", v / p * 100.0),
-        _ => "-".to_string(),
+        (Some(v), Some(p)) => format!("{}%", significant(Some(v / p * 100.0))),
+        _ => "n/a".to_string(),
     };
     for r in rows {
         let note = match (r.winner, r.legacy) {
@@ -487,17 +638,79 @@ fn print_kernel_rows(
             _ => "",
         };
         outln!(
-            "{:<18} {:<20} {:<5} {:>11.3} {:>9} {:>7} {:>8} {:>7} {:>8} {:>8}  {note}",
+            "{:<18} {:<20} {:<6} {:>11.3} {:>9} {:>7} {:>8} {:>7} {:>8} {:>8}  {note}",
             r.kernel,
             r.shape,
             r.dtype,
             r.median_ms,
-            opt(r.gflops, 1),
+            significant(r.gflops),
             frac(r.gflops, peak_gflops),
-            opt(r.gbps, 2),
+            significant(r.gbps),
             frac(r.gbps, peak_gbps),
-            opt(r.speedup_vs_naive, 2),
-            opt(r.speedup_vs_legacy, 2)
+            significant(r.speedup_vs_naive),
+            significant(r.speedup_vs_legacy)
+        )?;
+    }
+    print_roofline(rows, peak_gbps)
+}
+
+/// The roofline table: every matmul row's weight bandwidth against the copy kernel's in the
+/// same run (and against `--peak-gbps` when given); each shape's and type's fastest marked.
+fn print_roofline(
+    rows: &[wgpar::kernels::bench::KernelBenchRow],
+    peak_gbps: Option<f64>,
+) -> Result<()> {
+    use wgpar::kernels::roofline::COPY_KERNEL;
+    let matmuls: Vec<_> = rows.iter().filter(|r| r.weight_bytes.is_some()).collect();
+    if matmuls.is_empty() {
+        return Ok(());
+    }
+    let copy = rows.iter().find(|r| r.kernel == COPY_KERNEL);
+    let copy_gbps = copy.and_then(|c| c.gbps);
+    outln!(
+        "# roofline: {} of {} moved {} GB/s (bytes read + written over time, this run); \
+         weight GB/s = the weights' bytes as stored, per second (x and y counted apart); bufs = \
+         weight buffers the dispatches rotate through (1: the same weights, cache-friendly)",
+        COPY_KERNEL,
+        copy.map_or("n/a", |c| c.shape.as_str()),
+        significant(copy_gbps)
+    )?;
+    outln!(
+        "{:<18} {:<20} {:<6} {:>11} {:>11} {:>5} {:>9} {:>11} {:>8} {:>9} {:>8}  note",
+        "kernel",
+        "shape",
+        "dtype",
+        "median ms",
+        "weights MB",
+        "bufs",
+        "x+y KB",
+        "weight GB/s",
+        "of peak",
+        "copy GB/s",
+        "of copy"
+    )?;
+    let scaled = |b: Option<u64>, unit: f64| b.map(|b| b as f64 / unit);
+    let percent = |f: Option<f64>| {
+        f.map_or("n/a".to_string(), |f| {
+            format!("{}%", significant(Some(f * 100.0)))
+        })
+    };
+    for r in matmuls {
+        outln!(
+            "{:<18} {:<20} {:<6} {:>11.3} {:>11} {:>5} {:>9} {:>11} {:>8} {:>9} {:>8}  {}",
+            r.kernel,
+            r.shape,
+            r.dtype,
+            r.median_ms,
+            figure(scaled(r.weight_bytes, 1e6), 2),
+            r.weight_buffers
+                .map_or("n/a".to_string(), |b| b.to_string()),
+            figure(scaled(r.xy_bytes, 1e3), 1),
+            significant(r.weight_gbps),
+            percent(r.weight_gbps.zip(peak_gbps).map(|(w, p)| w / p)),
+            significant(copy_gbps),
+            percent(r.of_copy),
+            if r.winner { "winner" } else { "" }
         )?;
     }
     Ok(())

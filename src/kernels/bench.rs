@@ -1,17 +1,22 @@
 //! Kernel benchmark: every matmul variant that applies to each shape timed against the others
 //! (the winner is what autotuning picks; today's kernel and the naive one are shown beside it),
-//! and the other kernels' GB/s, on one device. Warm-up first, then the median of timed samples.
+//! the packed-weight variants of the types asked for, and the other kernels' GB/s, on one
+//! device. Warm-up first, then the median of timed samples. With any matmul shape, a copy
+//! kernel measures the attainable bandwidth first and every matmul row gets its weight
+//! bandwidth's ratio to it (the roofline, `super::roofline`).
 
 use std::time::Instant;
 
 use serde::Serialize;
 
 use super::ops::{self, AttnShape, Elementwise, Norm};
+use super::roofline;
 use super::tune::{self, Effort};
 use super::variants::{self, Class, MatmulClass};
 use super::WeightType;
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
+use crate::model::quant::QuantType;
 
 /// Benchmark settings.
 #[derive(Debug, Clone)]
@@ -42,6 +47,12 @@ pub struct KernelBenchOptions {
     pub attention_prefill: Vec<usize>,
     /// Store each shape's winner as the tuned choice (as first-use tuning would).
     pub save: bool,
+    /// Packed weight types whose matmul variants run at every matmul shape (each shape's
+    /// inner dimension a whole number of the type's blocks).
+    pub qtypes: Vec<QuantType>,
+    /// Bytes the bandwidth probe copies (`None`: [`roofline::DEFAULT_COPY_BYTES`], capped at
+    /// the adapter's binding limit).
+    pub copy_bytes: Option<u64>,
 }
 
 impl Default for KernelBenchOptions {
@@ -59,6 +70,8 @@ impl Default for KernelBenchOptions {
             others: true,
             attention_prefill: Vec::new(),
             save: true,
+            qtypes: Vec::new(),
+            copy_bytes: None,
         }
     }
 }
@@ -78,6 +91,20 @@ pub struct KernelBenchRow {
     pub gflops: Option<f64>,
     /// Memory traffic rate (bytes read + written / time).
     pub gbps: Option<f64>,
+    /// Matmuls: bytes of the weights as stored (a packed type's blocks).
+    pub weight_bytes: Option<u64>,
+    /// Matmuls: bytes of the activations read and the outputs written (beside `weight_bytes`
+    /// in `gbps`, not in `weight_gbps`).
+    pub xy_bytes: Option<u64>,
+    /// Matmuls: effective weight bandwidth, `weight_bytes` per second, GB/s.
+    pub weight_gbps: Option<f64>,
+    /// Matmuls: distinct weight buffers the timed dispatches rotate through (1: every
+    /// dispatch reads the same weights, which a cache as large as them can serve; packed
+    /// variants rotate through copies, `roofline::WEIGHT_WORKING_SET`).
+    pub weight_buffers: Option<usize>,
+    /// Matmuls: `weight_gbps` over the copy kernel's GB/s in the same run (the roofline
+    /// fraction); `None` where no copy was measured.
+    pub of_copy: Option<f64>,
     /// For matmul variants: speed-up over the naive kernel at the same shape (when timed).
     pub speedup_vs_naive: Option<f64>,
     /// For matmul variants: speed-up over today's kernel (the one wgpar ran before variants
@@ -117,7 +144,8 @@ fn random(len: usize, seed: u32) -> Vec<f32> {
     tune::pattern(len, seed)
 }
 
-fn row(kernel: &str, shape: String, dtype: &str, secs: f64) -> KernelBenchRow {
+/// A row of `kernel` at `shape` timed at `secs`, every rate unset.
+pub(crate) fn row(kernel: &str, shape: String, dtype: &str, secs: f64) -> KernelBenchRow {
     KernelBenchRow {
         kernel: kernel.into(),
         shape,
@@ -125,6 +153,11 @@ fn row(kernel: &str, shape: String, dtype: &str, secs: f64) -> KernelBenchRow {
         median_ms: secs * 1e3,
         gflops: None,
         gbps: None,
+        weight_bytes: None,
+        xy_bytes: None,
+        weight_gbps: None,
+        weight_buffers: None,
+        of_copy: None,
         speedup_vs_naive: None,
         speedup_vs_legacy: None,
         winner: false,
@@ -144,12 +177,25 @@ pub fn bench_kernels(gpu: &Gpu, opts: &KernelBenchOptions) -> Result<Vec<KernelB
     if opts.f16 && gpu.supports_f16_weights() {
         dtypes.push(DType::F16);
     }
+    let copy_gbps = if shapes.is_empty() {
+        None
+    } else {
+        let copy = roofline::measure_copy(gpu, opts, opts.copy_bytes)?;
+        let gbps = copy.gbps;
+        rows.push(copy);
+        gbps
+    };
+    let first_matmul = rows.len();
     for (m, n, k) in shapes {
         for &dtype in &dtypes {
             check_shape_fits(gpu, (m, n, k), dtype)?;
             rows.extend(bench_matmul(gpu, opts, (m, n, k), dtype)?);
         }
+        for &qtype in &opts.qtypes {
+            rows.extend(roofline::bench_packed(gpu, opts, (m, n, k), qtype)?);
+        }
     }
+    roofline::apply_copy_ratio(&mut rows[first_matmul..], copy_gbps);
     for &tokens in &opts.attention_prefill {
         rows.extend(bench_attention_prefill(gpu, opts, tokens)?);
     }
@@ -224,7 +270,6 @@ fn bench_matmul(
     }
     let timings = tune::measure_matmul_variants(gpu, shape, wt, operands, effort, &candidates)?;
     let flops = 2.0 * m as f64 * n as f64 * k as f64;
-    let bytes = (m * k * 4 + n * k * dtype.size() + m * n * 4) as f64;
     let secs_of = |name: &str| {
         timings
             .iter()
@@ -239,7 +284,9 @@ fn bench_matmul(
         let Some(s) = t.seconds else { continue };
         let mut r = row(t.variant.name, format!("{m}x{n}x{k}"), dname, s);
         r.gflops = Some(flops / s / 1e9);
-        r.gbps = Some(bytes / s / 1e9);
+        let w_bytes = (n * k * dtype.size()) as u64;
+        roofline::fill_weight_bytes(&mut r, w_bytes, (m * k * 4 + m * n * 4) as u64);
+        r.weight_buffers = Some(1);
         if t.variant.name != "matmul_naive" {
             r.speedup_vs_naive = naive_s.map(|ns| ns / s);
             r.speedup_vs_legacy = legacy_s.map(|ls| ls / s);

@@ -6,6 +6,7 @@ pub mod bench;
 mod cache;
 pub mod ops;
 pub mod quant;
+pub mod roofline;
 pub mod tune;
 pub mod variants;
 
@@ -68,11 +69,13 @@ pub enum Family {
     /// `argmax.wgsl`: the next token per row of logits (greedy, or top-k/top-p sampling),
     /// with a count of non-finite logits.
     Argmax,
+    /// `copy.wgsl`: a vec4 buffer copy, the kernel benchmark's bandwidth probe.
+    Copy,
 }
 
 impl Family {
     /// Every family, for validation tests.
-    pub const ALL: [Family; 15] = [
+    pub const ALL: [Family; 16] = [
         Family::Matmul,
         Family::MatmulVec4,
         Family::MatmulSubgroup,
@@ -88,6 +91,7 @@ impl Family {
         Family::EmbeddingQuant,
         Family::Pool,
         Family::Argmax,
+        Family::Copy,
     ];
 
     /// The WGSL source as shipped. The two families on packed blocks have the block readers
@@ -120,6 +124,7 @@ impl Family {
             ),
             Family::Pool => include_str!("../../shaders/pool.wgsl"),
             Family::Argmax => include_str!("../../shaders/argmax.wgsl"),
+            Family::Copy => include_str!("../../shaders/copy.wgsl"),
         }
     }
 
@@ -181,6 +186,7 @@ impl Family {
             }
             Family::Pool => &[Read, Read, ReadWrite, Uniform],
             Family::Argmax => &[Read, Read, ReadWrite, Uniform],
+            Family::Copy => &[Read, ReadWrite, Uniform],
         }
     }
 
@@ -202,6 +208,7 @@ impl Family {
             Family::EmbeddingQuant => &["qembed"],
             Family::Pool => &["pool"],
             Family::Argmax => &["argmax", "sample"],
+            Family::Copy => &["copy_vec4"],
         }
     }
 }
