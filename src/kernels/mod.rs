@@ -191,7 +191,7 @@ impl Family {
             Family::MatmulVec4 => &["matmul_vec4", "matmul_vec4_rt", "gemv", "gemm_tiled"],
             Family::MatmulSubgroup => &["gemv_subgroup"],
             Family::MatmulBlock => &["gemm_block"],
-            Family::MatmulQuant => &["qgemv", "qgemm"],
+            Family::MatmulQuant => &["qgemv", "qgemm", "qgemm_tile"],
             Family::Norm => &["layernorm", "rmsnorm"],
             Family::Softmax => &["softmax"],
             Family::Attention => &["attend", "attend_tiled", "attend_split"],

@@ -65,11 +65,25 @@ impl QuantVariant {
         )
     }
 
+    fn constant(&self, name: &str) -> Option<usize> {
+        (self.constants.iter())
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| *v as usize)
+    }
+
     fn workgroup(&self) -> usize {
-        self.constants
-            .iter()
-            .find(|(k, _)| *k == "GV_WG")
-            .map_or(256, |(_, v)| *v as usize)
+        self.constant("GV_WG").unwrap_or(256)
+    }
+
+    /// The output block `(rows, columns)` a GEMM workgroup computes.
+    fn gemm_block(&self) -> (usize, usize) {
+        match (self.constant("QG_WGY"), self.constant("QG_TM")) {
+            (Some(wgy), Some(tm)) => (
+                wgy * tm,
+                self.constant("QG_WGX").unwrap_or(1) * self.constant("QG_TN").unwrap_or(1),
+            ),
+            _ => (GEMM_TILE, GEMM_TILE),
+        }
     }
 }
 
@@ -79,9 +93,33 @@ impl Candidate for QuantVariant {
     }
 }
 
+/// A tiled prefill GEMM (`qgemm_tile`) on `$t` blocks: `tm x tn` outputs per invocation,
+/// `wgx x wgy` invocations, a k step of `bk` values (the stage sizes follow).
+macro_rules! qtile {
+    ($name:expr, $t:ident, $id:literal, $tm:literal x $tn:literal, $wgx:literal x $wgy:literal, bk $bk:literal) => {
+        QuantVariant {
+            name: $name,
+            entry: "qgemm_tile",
+            qtype: QuantType::$t,
+            constants: &[
+                ("QTYPE", $id as f64),
+                ("QG_TM", $tm as f64),
+                ("QG_TN", $tn as f64),
+                ("QG_WGX", $wgx as f64),
+                ("QG_WGY", $wgy as f64),
+                ("QG_BK", $bk as f64),
+                ("QG_XS4", ($bk * $wgy * $tm / 4) as f64),
+                ("QG_WS4", ($bk * $wgx * $tn / 4) as f64),
+            ],
+        }
+    };
+}
+
 macro_rules! qvariants {
     ($($t:ident $id:literal $suffix:literal),*) => {
-        /// Every quantized matmul variant: per type, GEMV with 64 and 128 invocations, GEMM.
+        /// Every quantized matmul variant: per type, GEMV with 64 and 128 invocations, GEMM,
+        /// tiled GEMMs (`qgemmBMxBNrTMxTN`: a BM x BN block per workgroup, TM x TN per
+        /// invocation).
         pub static QUANT_VARIANTS: &[QuantVariant] = &[$(
             QuantVariant {
                 name: concat!("qgemv64_", $suffix),
@@ -101,6 +139,10 @@ macro_rules! qvariants {
                 qtype: QuantType::$t,
                 constants: &[("QTYPE", $id as f64)],
             },
+            qtile!(concat!("qgemm64x64r8x8_", $suffix), $t, $id, 8 x 8, 8 x 8, bk 32),
+            qtile!(concat!("qgemm32x64r4x8_", $suffix), $t, $id, 4 x 8, 8 x 8, bk 32),
+            qtile!(concat!("qgemm32x32r4x4_", $suffix), $t, $id, 4 x 4, 8 x 8, bk 64),
+            qtile!(concat!("qgemm64x64r4x4_", $suffix), $t, $id, 4 x 4, 16 x 16, bk 32),
         )*];
     };
 }
@@ -425,7 +467,8 @@ impl QuantMatmul {
                 v.workgroup() as u32,
             )?
         } else {
-            let (gx, gy) = (self.n.div_ceil(GEMM_TILE), m.div_ceil(GEMM_TILE));
+            let (bm, bn) = v.gemm_block();
+            let (gx, gy) = (self.n.div_ceil(bn), m.div_ceil(bm));
             [to_u32(OP, "n blocks", gx)?, to_u32(OP, "m blocks", gy)?, 1]
         };
         let dispatch = Dispatch::of_kernel(v.kernel(gpu), groups, v.name);
@@ -462,7 +505,7 @@ mod tests {
     #[test]
     fn every_quant_variant_validates_with_its_constants() {
         let packed = ALL_TYPES.iter().filter(|t| t.is_quantized()).count();
-        assert_eq!(QUANT_VARIANTS.len(), 3 * packed);
+        assert_eq!(QUANT_VARIANTS.len(), 7 * packed);
         assert_eq!(QUANT_EMBED_VARIANTS.len(), packed);
         for v in QUANT_VARIANTS.iter().chain(QUANT_EMBED_VARIANTS) {
             let module = naga::front::wgsl::parse_str(v.family().source()).unwrap();
