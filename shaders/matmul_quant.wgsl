@@ -168,10 +168,9 @@ fn qgemm(
 // weights. A workgroup of QG_WGX x QG_WGY invocations computes a BM x BN block of y
 // (BM = QG_WGY * QG_TM, BN = QG_WGX * QG_TN), each invocation a QG_TM x QG_TN register tile of
 // it. Per QG_BK-value step along k (whole 32-value blocks):
-// - w: the workgroup dequantizes the BN x QG_BK tile once into workgroup memory. The unit of
-//   work is one 16-value chunk of one row (its scale and offset unpacked once, its quants read
-//   as whole words); neighbouring invocations take neighbouring chunks of a row, so they read
-//   neighbouring words of the packed buffer;
+// - w: the workgroup dequantizes the BN x QG_BK tile once into workgroup memory, scales
+//   unpacked once per chunk and row, quants read as whole words (chunk_quad), neighbouring
+//   invocations on neighbouring words (qg_stage_w);
 // - x: the BM x QG_BK tile is staged as 4 x 4 blocks (4 rows x 4 values), transposed in
 //   registers, so both stages are k-major with vec4 along m (x) or n (w);
 // - then the dense tile product runs from workgroup memory with vec4 reads and vec4 fused
@@ -194,16 +193,6 @@ override QG_WS4: u32 = 512u;
 
 var<workgroup> qg_x: array<vec4<f32>, QG_XS4>;
 var<workgroup> qg_w: array<vec4<f32>, QG_WS4>;
-
-// Quants 4g .. 4g + 3 of chunk c of the block at byte a, before scale and offset.
-fn qg_quad(a: u32, c: u32, g: u32) -> vec4<f32> {
-    return vec4<f32>(
-        chunk_q(a, c, 4u * g),
-        chunk_q(a, c, 4u * g + 1u),
-        chunk_q(a, c, 4u * g + 2u),
-        chunk_q(a, c, 4u * g + 3u),
-    );
-}
 
 // Stages x[m0 .. m0 + BM][k0 .. k0 + QG_BK] as qg_x[kk * bm4 + row group][row in group].
 fn qg_stage_x(m0: u32, k0: u32, lid: u32) {
@@ -229,31 +218,44 @@ fn qg_stage_x(m0: u32, k0: u32, lid: u32) {
 }
 
 // Dequantizes rows n0 .. n0 + BN of w, values k0 .. k0 + QG_BK, into qg_w[kk * bn4 + row / 4]
-// (component row % 4), one 16-value chunk per unit of work.
+// (as vec4 over 4 rows). The unit of work is 4 rows' quads of one chunk (their 4 scales and
+// offsets unpacked once), split over up to 4 invocations so that every invocation has one
+// where the workgroup allows; split fastest, so neighbouring invocations read neighbouring
+// words of each row.
 fn qg_stage_w(n0: u32, k0: u32, lid: u32) {
-    let bn = QG_WGX * QG_TN;
-    let bn4 = bn / 4u;
-    let per_step = QG_BK / 16u;
-    for (var e = lid; e < bn * per_step; e += QG_WGX * QG_WGY) {
-        let r = e / per_step;
-        let c = e % per_step;
+    let bn4 = QG_WGX * QG_TN / 4u;
+    let chunks = QG_BK / 16u;
+    let threads = QG_WGX * QG_WGY;
+    let split = clamp(threads / (bn4 * chunks), 1u, 4u);
+    let quads = 4u / split;
+    for (var e = lid; e < bn4 * chunks * split; e += threads) {
+        let c = (e / split) % chunks;
+        let g4 = e / (split * chunks);
         let ci = k0 / 16u + c;
-        var sc = vec2<f32>(0.0);
-        var at = vec2<u32>(0u);
-        if (ci < p.k / 16u) {
-            at = chunk_at(min(n0 + r, p.n - 1u), ci);
-            sc = chunk_scale(at.x, at.y);
-        }
-        for (var g = 0u; g < 4u; g++) {
-            var v = vec4<f32>(0.0);
-            if (ci < p.k / 16u) {
-                v = sc.x * qg_quad(at.x, at.y, g) - sc.y;
+        let live = ci < p.k / 16u;
+        var at: array<vec2<u32>, 4>;
+        var d = vec4<f32>(0.0);
+        var o = vec4<f32>(0.0);
+        if (live) {
+            for (var q = 0u; q < 4u; q++) {
+                at[q] = chunk_at(min(n0 + g4 * 4u + q, p.n - 1u), ci);
+                let sc = chunk_scale(at[q].x, at[q].y);
+                d[q] = sc.x;
+                o[q] = sc.y;
             }
-            let s = (c * 16u + 4u * g) * bn4 + r / 4u;
-            qg_w[s][r % 4u] = v.x;
-            qg_w[s + bn4][r % 4u] = v.y;
-            qg_w[s + 2u * bn4][r % 4u] = v.z;
-            qg_w[s + 3u * bn4][r % 4u] = v.w;
+        }
+        for (var g = (e % split) * quads; g < (e % split + 1u) * quads; g++) {
+            var v: array<vec4<f32>, 4>;
+            if (live) {
+                for (var q = 0u; q < 4u; q++) {
+                    v[q] = chunk_quad(at[q].x, at[q].y, g);
+                }
+            }
+            let s = (c * 16u + 4u * g) * bn4 + g4;
+            qg_w[s] = vec4<f32>(v[0].x, v[1].x, v[2].x, v[3].x) * d - o;
+            qg_w[s + bn4] = vec4<f32>(v[0].y, v[1].y, v[2].y, v[3].y) * d - o;
+            qg_w[s + 2u * bn4] = vec4<f32>(v[0].z, v[1].z, v[2].z, v[3].z) * d - o;
+            qg_w[s + 3u * bn4] = vec4<f32>(v[0].w, v[1].w, v[2].w, v[3].w) * d - o;
         }
     }
 }
