@@ -47,8 +47,13 @@ fn parse_args() -> std::result::Result<Args, String> {
     let types = (types.split(','))
         .map(|t| QuantType::parse(t).ok_or_else(|| format!("unknown type {t}")))
         .collect::<std::result::Result<_, _>>()?;
-    let shapes = shapes.split(',').map(parse_shape).collect::<std::result::Result<_, _>>()?;
-    let dense = args.get(2).map(|s| s.split(',').map(String::from).collect());
+    let shapes = shapes
+        .split(',')
+        .map(parse_shape)
+        .collect::<std::result::Result<_, _>>()?;
+    let dense = args
+        .get(2)
+        .map(|s| s.split(',').map(String::from).collect());
     Ok((types, shapes, dense.unwrap_or_default()))
 }
 
@@ -97,8 +102,12 @@ struct Operands {
 }
 
 fn operands(gpu: &Gpu, t: QuantType, (m, n, k): Shape) -> Result<Operands> {
-    let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
-    let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729) % 2001) as f32 / 1000.0 - 1.0).collect();
+    let w: Vec<f32> = (0..n * k)
+        .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    let x: Vec<f32> = (0..m * k)
+        .map(|i| ((i * 104729) % 2001) as f32 / 1000.0 - 1.0)
+        .collect();
     Ok(Operands {
         x: gpu.upload_f32("bench.x", &x)?,
         packed: PackedMatrix::upload(gpu, "bench.qw", t, &quantize(t, &w), (n, k))?,
@@ -115,7 +124,10 @@ fn kernels(
     dense_names: &[String],
 ) -> Result<Vec<Timed>> {
     let mut out = Vec::new();
-    for v in QUANT_VARIANTS.iter().filter(|v| v.qtype == t && !v.is_gemv()) {
+    for v in QUANT_VARIANTS
+        .iter()
+        .filter(|v| v.qtype == t && !v.is_gemv())
+    {
         let mut params = Params::new(gpu, "bench.quant", 1)?;
         let io = QuantIo {
             x: &o.x,

@@ -175,8 +175,7 @@ fn qgemm(
 //   registers, so both stages are k-major with vec4 along m (x) or n (w);
 // - then the dense tile product runs from workgroup memory with vec4 reads and vec4 fused
 //   multiply-adds, every value read feeding QG_TM or QG_TN of them.
-// Edge rows are clamped (w) or zero (x) on load and skipped on store; a step past k (QG_BK of
-// 64 on an odd block count) stages zeros.
+// Edge rows are clamped (w) or zero (x) on load and skipped on store.
 
 // Rows and columns per invocation: multiples of 4, at most 16.
 override QG_TM: u32 = 8u;
@@ -184,7 +183,8 @@ override QG_TN: u32 = 8u;
 // Invocations along n and m.
 override QG_WGX: u32 = 8u;
 override QG_WGY: u32 = 8u;
-// k step: 32 or 64 values.
+// k step: 32 values (a block of the 32-value types, two chunks of a 256-value one), which
+// divides every k of whole blocks.
 override QG_BK: u32 = 32u;
 // Stage sizes in vec4, QG_BK * BM / 4 and QG_BK * BN / 4, set by the host (at most 4096 floats
 // in all: the 16 KiB every adapter gives a workgroup).
@@ -204,7 +204,7 @@ fn qg_stage_x(m0: u32, k0: u32, lid: u32) {
         var v: array<vec4<f32>, 4>;
         for (var q = 0u; q < 4u; q++) {
             let r = m0 + g * 4u + q;
-            if (r < p.m && kq < p.k) {
+            if (r < p.m) {
                 let i = r * p.k + kq;
                 v[q] = vec4<f32>(x[i], x[i + 1u], x[i + 2u], x[i + 3u]);
             }
@@ -232,24 +232,19 @@ fn qg_stage_w(n0: u32, k0: u32, lid: u32) {
         let c = (e / split) % chunks;
         let g4 = e / (split * chunks);
         let ci = k0 / 16u + c;
-        let live = ci < p.k / 16u;
         var at: array<vec2<u32>, 4>;
-        var d = vec4<f32>(0.0);
-        var o = vec4<f32>(0.0);
-        if (live) {
-            for (var q = 0u; q < 4u; q++) {
-                at[q] = chunk_at(min(n0 + g4 * 4u + q, p.n - 1u), ci);
-                let sc = chunk_scale(at[q].x, at[q].y);
-                d[q] = sc.x;
-                o[q] = sc.y;
-            }
+        var d: vec4<f32>;
+        var o: vec4<f32>;
+        for (var q = 0u; q < 4u; q++) {
+            at[q] = chunk_at(min(n0 + g4 * 4u + q, p.n - 1u), ci);
+            let sc = chunk_scale(at[q].x, at[q].y);
+            d[q] = sc.x;
+            o[q] = sc.y;
         }
         for (var g = (e % split) * quads; g < (e % split + 1u) * quads; g++) {
             var v: array<vec4<f32>, 4>;
-            if (live) {
-                for (var q = 0u; q < 4u; q++) {
-                    v[q] = chunk_quad(at[q].x, at[q].y, g);
-                }
+            for (var q = 0u; q < 4u; q++) {
+                v[q] = chunk_quad(at[q].x, at[q].y, g);
             }
             let s = (c * 16u + 4u * g) * bn4 + g4;
             qg_w[s] = vec4<f32>(v[0].x, v[1].x, v[2].x, v[3].x) * d - o;

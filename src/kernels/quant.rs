@@ -97,7 +97,8 @@ impl Candidate for QuantVariant {
 }
 
 /// A tiled prefill GEMM (`qgemm_tile`) on `$t` blocks: `tm x tn` outputs per invocation,
-/// `wgx x wgy` invocations, a k step of `bk` values (the stage sizes follow).
+/// `wgx x wgy` invocations, a k step of `bk` values (32; the stage sizes follow, at most
+/// 16 KiB).
 macro_rules! qtile {
     ($name:expr, $t:ident, $id:literal, $tm:literal x $tn:literal, $wgx:literal x $wgy:literal, bk $bk:literal) => {
         QuantVariant {
