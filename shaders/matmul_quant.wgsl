@@ -162,3 +162,156 @@ fn qgemm(
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Prefill GEMM, dequantize-then-multiply: the shape of matmul_block.wgsl's block GEMM on packed
+// weights. A workgroup of QG_WGX x QG_WGY invocations computes a BM x BN block of y
+// (BM = QG_WGY * QG_TM, BN = QG_WGX * QG_TN), each invocation a QG_TM x QG_TN register tile of
+// it. Per QG_BK-value step along k (whole 32-value blocks):
+// - w: the workgroup dequantizes the BN x QG_BK tile once into workgroup memory, scales
+//   unpacked once per chunk and row, quants read as whole words (chunk_quad), neighbouring
+//   invocations on neighbouring words (qg_stage_w);
+// - x: the BM x QG_BK tile is staged as 4 x 4 blocks (4 rows x 4 values), transposed in
+//   registers, so both stages are k-major with vec4 along m (x) or n (w);
+// - then the dense tile product runs from workgroup memory with vec4 reads and vec4 fused
+//   multiply-adds, every value read feeding QG_TM or QG_TN of them.
+// Edge rows are clamped (w) or zero (x) on load and skipped on store.
+
+// Rows and columns per invocation: multiples of 4, at most 16.
+override QG_TM: u32 = 8u;
+override QG_TN: u32 = 8u;
+// Invocations along n and m.
+override QG_WGX: u32 = 8u;
+override QG_WGY: u32 = 8u;
+// k step: 32 values (a block of the 32-value types, two chunks of a 256-value one), which
+// divides every k of whole blocks.
+override QG_BK: u32 = 32u;
+// Stage sizes in vec4, QG_BK * BM / 4 and QG_BK * BN / 4, set by the host (at most 4096 floats
+// in all: the 16 KiB every adapter gives a workgroup).
+override QG_XS4: u32 = 512u;
+override QG_WS4: u32 = 512u;
+
+var<workgroup> qg_x: array<vec4<f32>, QG_XS4>;
+var<workgroup> qg_w: array<vec4<f32>, QG_WS4>;
+
+// Stages x[m0 .. m0 + BM][k0 .. k0 + QG_BK] as qg_x[kk * bm4 + row group][row in group].
+fn qg_stage_x(m0: u32, k0: u32, lid: u32) {
+    let bm4 = QG_WGY * QG_TM / 4u;
+    let bk4 = QG_BK / 4u;
+    for (var e = lid; e < bm4 * bk4; e += QG_WGX * QG_WGY) {
+        let g = e / bk4;
+        let kq = k0 + (e % bk4) * 4u;
+        var v: array<vec4<f32>, 4>;
+        for (var q = 0u; q < 4u; q++) {
+            let r = m0 + g * 4u + q;
+            if (r < p.m) {
+                let i = r * p.k + kq;
+                v[q] = vec4<f32>(x[i], x[i + 1u], x[i + 2u], x[i + 3u]);
+            }
+        }
+        let at = (kq - k0) * bm4 + g;
+        qg_x[at] = vec4<f32>(v[0].x, v[1].x, v[2].x, v[3].x);
+        qg_x[at + bm4] = vec4<f32>(v[0].y, v[1].y, v[2].y, v[3].y);
+        qg_x[at + 2u * bm4] = vec4<f32>(v[0].z, v[1].z, v[2].z, v[3].z);
+        qg_x[at + 3u * bm4] = vec4<f32>(v[0].w, v[1].w, v[2].w, v[3].w);
+    }
+}
+
+// Dequantizes rows n0 .. n0 + BN of w, values k0 .. k0 + QG_BK, into qg_w[kk * bn4 + row / 4]
+// (as vec4 over 4 rows). The unit of work is 4 rows' quads of one chunk (their 4 scales and
+// offsets unpacked once), split over up to 4 invocations so that every invocation has one
+// where the workgroup allows; split fastest, so neighbouring invocations read neighbouring
+// words of each row.
+fn qg_stage_w(n0: u32, k0: u32, lid: u32) {
+    let bn4 = QG_WGX * QG_TN / 4u;
+    let chunks = QG_BK / 16u;
+    let threads = QG_WGX * QG_WGY;
+    let split = clamp(threads / (bn4 * chunks), 1u, 4u);
+    let quads = 4u / split;
+    for (var e = lid; e < bn4 * chunks * split; e += threads) {
+        let c = (e / split) % chunks;
+        let g4 = e / (split * chunks);
+        let ci = k0 / 16u + c;
+        var at: array<vec2<u32>, 4>;
+        var d: vec4<f32>;
+        var o: vec4<f32>;
+        for (var q = 0u; q < 4u; q++) {
+            at[q] = chunk_at(min(n0 + g4 * 4u + q, p.n - 1u), ci);
+            let sc = chunk_scale(at[q].x, at[q].y);
+            d[q] = sc.x;
+            o[q] = sc.y;
+        }
+        for (var g = (e % split) * quads; g < (e % split + 1u) * quads; g++) {
+            var v: array<vec4<f32>, 4>;
+            for (var q = 0u; q < 4u; q++) {
+                v[q] = chunk_quad(at[q].x, at[q].y, g);
+            }
+            let s = (c * 16u + 4u * g) * bn4 + g4;
+            qg_w[s] = vec4<f32>(v[0].x, v[1].x, v[2].x, v[3].x) * d - o;
+            qg_w[s + bn4] = vec4<f32>(v[0].y, v[1].y, v[2].y, v[3].y) * d - o;
+            qg_w[s + 2u * bn4] = vec4<f32>(v[0].z, v[1].z, v[2].z, v[3].z) * d - o;
+            qg_w[s + 3u * bn4] = vec4<f32>(v[0].w, v[1].w, v[2].w, v[3].w) * d - o;
+        }
+    }
+}
+
+@compute @workgroup_size(QG_WGX, QG_WGY)
+fn qgemm_tile(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_id) l: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let bm4 = QG_WGY * QG_TM / 4u;
+    let bn4 = QG_WGX * QG_TN / 4u;
+    let m0 = wid.y * bm4 * 4u;
+    let n0 = wid.x * bn4 * 4u;
+    // acc[i][j4]: row i of the tile, column vec4 group j4.
+    var acc: array<array<vec4<f32>, 4>, 16>;
+    for (var k0 = 0u; k0 < p.k; k0 += QG_BK) {
+        qg_stage_x(m0, k0, lid);
+        qg_stage_w(n0, k0, lid);
+        workgroupBarrier();
+        for (var kk = 0u; kk < QG_BK; kk++) {
+            var a: array<vec4<f32>, 4>;
+            var b: array<vec4<f32>, 4>;
+            for (var i4 = 0u; i4 < QG_TM / 4u; i4++) {
+                a[i4] = qg_x[kk * bm4 + l.y + i4 * QG_WGY];
+            }
+            for (var j4 = 0u; j4 < QG_TN / 4u; j4++) {
+                b[j4] = qg_w[kk * bn4 + l.x + j4 * QG_WGX];
+            }
+            for (var i = 0u; i < QG_TM; i++) {
+                let av = vec4<f32>(a[i / 4u][i % 4u]);
+                for (var j4 = 0u; j4 < QG_TN / 4u; j4++) {
+                    acc[i][j4] = fma(av, b[j4], acc[i][j4]);
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    qg_store(m0, n0, l.xy, &acc);
+}
+
+// Writes an invocation's tile (rows strided by 4 * QG_WGY per group of 4, column groups by
+// 4 * QG_WGX), adding the bias, skipping what lies past m or n.
+fn qg_store(m0: u32, n0: u32, l: vec2<u32>, acc: ptr<function, array<array<vec4<f32>, 4>, 16>>) {
+    for (var i = 0u; i < QG_TM; i++) {
+        let m = m0 + ((i / 4u) * QG_WGY + l.y) * 4u + i % 4u;
+        if (m >= p.m) {
+            continue;
+        }
+        for (var j4 = 0u; j4 < QG_TN / 4u; j4++) {
+            let nb = n0 + (j4 * QG_WGX + l.x) * 4u;
+            for (var q = 0u; q < 4u; q++) {
+                let n = nb + q;
+                if (n < p.n) {
+                    var v = (*acc)[i][j4][q];
+                    if (p.has_bias != 0u) {
+                        v += bias[n];
+                    }
+                    y[m * p.n + n] = v;
+                }
+            }
+        }
+    }
+}

@@ -197,7 +197,7 @@ impl Family {
             Family::MatmulVec4 => &["matmul_vec4", "matmul_vec4_rt", "gemv", "gemm_tiled"],
             Family::MatmulSubgroup => &["gemv_subgroup"],
             Family::MatmulBlock => &["gemm_block"],
-            Family::MatmulQuant => &["qgemv", "qgemm"],
+            Family::MatmulQuant => &["qgemv", "qgemm", "qgemm_tile"],
             Family::Norm => &["layernorm", "rmsnorm", "rmsnorm_heads"],
             Family::Softmax => &["softmax"],
             Family::Attention => &["attend", "attend_tiled", "attend_split"],

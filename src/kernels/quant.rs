@@ -2,11 +2,14 @@
 //! stay on the device as they are stored, and the kernels dequantize them in registers. A
 //! [`PackedMatrix`] is `[n][k]` like a PyTorch `Linear`, each row `k / block_len` blocks.
 //!
-//! Variants: a decode GEMV (m <= 8) with 64- or 128-invocation workgroups and a prefill GEMM,
-//! one pipeline per type (the type is an override constant). For decode rows the autotuner
-//! chooses among the two GEMVs and the GEMM per adapter and shape class ([`choose_quant`],
-//! the same settings, cache file and `WGPAR_KERNELS` names as the dense kernels); above 8
-//! rows the GEMM runs. `with_variant` names one.
+//! Variants: a decode GEMV (m <= 8) with 64- or 128-invocation workgroups, the first prefill
+//! GEMM (`qgemm`, dequantizing per 16-value step), and tiled prefill GEMMs (`qgemm_tile`:
+//! a tile of blocks dequantized into workgroup memory once per step, then a register-tiled
+//! product; block and register tile set by override constants), one pipeline per type (the
+//! type is an override constant). The autotuner chooses per adapter and shape class
+//! ([`choose_quant`], the same settings, cache file and `WGPAR_KERNELS` names as the dense
+//! kernels): among all of them for decode rows, among the GEMMs above 8 rows.
+//! `with_variant` names one.
 
 use std::sync::Arc;
 
@@ -65,11 +68,25 @@ impl QuantVariant {
         )
     }
 
+    fn constant(&self, name: &str) -> Option<usize> {
+        (self.constants.iter())
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| *v as usize)
+    }
+
     fn workgroup(&self) -> usize {
-        self.constants
-            .iter()
-            .find(|(k, _)| *k == "GV_WG")
-            .map_or(256, |(_, v)| *v as usize)
+        self.constant("GV_WG").unwrap_or(256)
+    }
+
+    /// The output block `(rows, columns)` a GEMM workgroup computes.
+    fn gemm_block(&self) -> (usize, usize) {
+        match (self.constant("QG_WGY"), self.constant("QG_TM")) {
+            (Some(wgy), Some(tm)) => (
+                wgy * tm,
+                self.constant("QG_WGX").unwrap_or(1) * self.constant("QG_TN").unwrap_or(1),
+            ),
+            _ => (GEMM_TILE, GEMM_TILE),
+        }
     }
 }
 
@@ -79,9 +96,34 @@ impl Candidate for QuantVariant {
     }
 }
 
+/// A tiled prefill GEMM (`qgemm_tile`) on `$t` blocks: `tm x tn` outputs per invocation,
+/// `wgx x wgy` invocations, a k step of `bk` values (32; the stage sizes follow, at most
+/// 16 KiB).
+macro_rules! qtile {
+    ($name:expr, $t:ident, $id:literal, $tm:literal x $tn:literal, $wgx:literal x $wgy:literal, bk $bk:literal) => {
+        QuantVariant {
+            name: $name,
+            entry: "qgemm_tile",
+            qtype: QuantType::$t,
+            constants: &[
+                ("QTYPE", $id as f64),
+                ("QG_TM", $tm as f64),
+                ("QG_TN", $tn as f64),
+                ("QG_WGX", $wgx as f64),
+                ("QG_WGY", $wgy as f64),
+                ("QG_BK", $bk as f64),
+                ("QG_XS4", ($bk * $wgy * $tm / 4) as f64),
+                ("QG_WS4", ($bk * $wgx * $tn / 4) as f64),
+            ],
+        }
+    };
+}
+
 macro_rules! qvariants {
     ($($t:ident $id:literal $suffix:literal),*) => {
-        /// Every quantized matmul variant: per type, GEMV with 64 and 128 invocations, GEMM.
+        /// Every quantized matmul variant: per type, GEMV with 64 and 128 invocations, GEMM,
+        /// tiled GEMMs (`qgemmBMxBNrTMxTN`: a BM x BN block per workgroup, TM x TN per
+        /// invocation).
         pub static QUANT_VARIANTS: &[QuantVariant] = &[$(
             QuantVariant {
                 name: concat!("qgemv64_", $suffix),
@@ -101,6 +143,10 @@ macro_rules! qvariants {
                 qtype: QuantType::$t,
                 constants: &[("QTYPE", $id as f64)],
             },
+            qtile!(concat!("qgemm64x64r16x8_", $suffix), $t, $id, 16 x 8, 8 x 4, bk 32),
+            qtile!(concat!("qgemm64x64r8x8_", $suffix), $t, $id, 8 x 8, 8 x 8, bk 32),
+            qtile!(concat!("qgemm64x64r4x4_", $suffix), $t, $id, 4 x 4, 16 x 16, bk 32),
+            qtile!(concat!("qgemm32x64r4x8_", $suffix), $t, $id, 4 x 8, 8 x 8, bk 32),
         )*];
     };
 }
@@ -244,39 +290,39 @@ pub fn variant_by_name(name: &str) -> Option<&'static QuantVariant> {
     QUANT_VARIANTS.iter().find(|v| v.name == name)
 }
 
-/// The variant a quantized matmul of `qtype` runs for `(m, n, k)` on `gpu`: the GEMM above
-/// [`GEMV_MAX_ROWS`] rows; for decode rows the tuned choice among the GEMVs and the GEMM for
-/// the class (type, rows, power-of-two widths), timed on first use as the dense kernels are
-/// ([`tune::decide_named`]), the GEMV with 64 invocations when tuning is off.
+/// The variant a quantized matmul of `qtype` runs for `(m, n, k)` on `gpu`: the tuned choice
+/// for the class (type, rows, power-of-two widths), timed on first use as the dense kernels are
+/// ([`tune::decide_named`]): for decode rows among the GEMVs and the GEMMs, above
+/// [`GEMV_MAX_ROWS`] among the GEMMs. When tuning is off, the GEMV with 64 invocations or
+/// the tiled GEMM with 64 x 64 blocks.
 pub fn choose_quant(
     gpu: &Gpu,
     qtype: QuantType,
     (m, n, k): (usize, usize, usize),
 ) -> Result<&'static QuantVariant> {
-    let fallback = default_variant(qtype, m);
-    if m > GEMV_MAX_ROWS {
-        return Ok(fallback);
-    }
     let class = QuantClass::of(qtype, (m, n, k));
     if let Some(v) = gpu.kernels().quant_choice(&class) {
         return Ok(v);
     }
-    let candidates: Vec<&'static QuantVariant> =
-        QUANT_VARIANTS.iter().filter(|v| v.qtype == qtype).collect();
+    let prefill = m > GEMV_MAX_ROWS;
+    let candidates: Vec<&'static QuantVariant> = (QUANT_VARIANTS.iter())
+        .filter(|v| v.qtype == qtype && !(prefill && v.is_gemv()))
+        .collect();
     let find = |name: &str| candidates.iter().copied().find(|v| v.name == name);
     let settings = tune::settings()?;
-    let mut measure = || measure_quant(gpu, qtype, (m, n, k), &candidates);
+    let mut measure = || time_quant(gpu, (m, n, k), &candidates, Effort::Tune);
+    let fallback = default_variant(qtype, m);
     let chosen = tune::decide_named(gpu, &settings, &class.key(), &find, fallback, &mut measure)?;
     gpu.kernels().set_quant_choice(class, chosen);
     Ok(chosen)
 }
 
-/// A tuning class of the quantized matmul: the type, the decode rows, and the widths'
-/// power-of-two buckets.
+/// A tuning class of the quantized matmul: the type, the rows (decode rows exactly, prefill
+/// rows by the power of two at or above them), and the widths' power-of-two buckets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct QuantClass {
     qtype: QuantType,
-    m: usize,
+    rows: usize,
     n_log2: u32,
     k_log2: u32,
 }
@@ -285,34 +331,52 @@ impl QuantClass {
     /// The class of an `m x n x k` matmul on `qtype` blocks.
     pub fn of(qtype: QuantType, (m, n, k): (usize, usize, usize)) -> Self {
         let log2 = |v: usize| usize::BITS - v.max(1).saturating_sub(1).leading_zeros();
+        let rows = if m > GEMV_MAX_ROWS {
+            m.next_power_of_two()
+        } else {
+            m
+        };
         Self {
             qtype,
-            m,
+            rows,
             n_log2: log2(n),
             k_log2: log2(k),
         }
     }
 
-    /// A stable text key (the cache file's).
+    /// A stable text key (the cache file's): `m4` for four decode rows, `m<=64` for 33 to 64
+    /// prefill rows.
     pub fn key(&self) -> String {
+        let bound = if self.rows > GEMV_MAX_ROWS { "<=" } else { "" };
         format!(
-            "qmatmul {} m{} n2^{} k2^{}",
+            "qmatmul {} m{bound}{} n2^{} k2^{}",
             self.qtype.name(),
-            self.m,
+            self.rows,
             self.n_log2,
             self.k_log2
         )
     }
 }
 
-/// Times each of `candidates` on scratch operands of the shape (zero blocks: the time does
-/// not depend on the values), each bound once and dispatched as the engines dispatch it.
-fn measure_quant(
+/// Seconds per dispatch of each of `candidates` (variants of one type) for an `m x n x k`
+/// matmul, on scratch operands (zero blocks: the time does not depend on the values), each
+/// bound once and dispatched as the engines dispatch it: the tuner's measurement, and the
+/// benchmarks'.
+pub fn time_quant(
     gpu: &Gpu,
-    qtype: QuantType,
     (m, n, k): (usize, usize, usize),
     candidates: &[&'static QuantVariant],
+    effort: Effort,
 ) -> Result<Vec<(&'static QuantVariant, Option<f64>)>> {
+    let Some(qtype) = candidates.first().map(|v| v.qtype) else {
+        return Ok(Vec::new());
+    };
+    if let Some(v) = candidates.iter().find(|v| v.qtype != qtype) {
+        return Err(WgparError::Shape {
+            op: "quantized matmul timing".into(),
+            detail: format!("{} reads {:?} blocks, not {qtype:?}", v.name, v.qtype),
+        });
+    }
     let x = gpu.upload_f32("tune.qx", &tune::pattern(m * k, 1))?;
     let blocks = vec![0u8; n * (k / qtype.block_len()) * qtype.block_bytes()];
     let w = PackedMatrix::upload(gpu, "tune.qw", qtype, &blocks, (n, k))?;
@@ -343,7 +407,7 @@ fn measure_quant(
             gpu.wait()?;
             Ok(start.elapsed().as_secs_f64() / reps as f64)
         };
-        let s = tune::time_samples(&run, Effort::Tune, best)?;
+        let s = tune::time_samples(&run, effort, best)?;
         best = best.min(s);
         out.push((v, Some(s)));
     }
@@ -351,10 +415,13 @@ fn measure_quant(
 }
 
 fn default_variant(qtype: QuantType, m: usize) -> &'static QuantVariant {
-    let gemv = m <= GEMV_MAX_ROWS;
-    QUANT_VARIANTS
-        .iter()
-        .find(|v| v.qtype == qtype && v.is_gemv() == gemv)
+    let entry = if m <= GEMV_MAX_ROWS {
+        "qgemv"
+    } else {
+        "qgemm_tile"
+    };
+    (QUANT_VARIANTS.iter())
+        .find(|v| v.qtype == qtype && v.entry == entry)
         .unwrap_or(&QUANT_VARIANTS[0])
 }
 
@@ -425,7 +492,8 @@ impl QuantMatmul {
                 v.workgroup() as u32,
             )?
         } else {
-            let (gx, gy) = (self.n.div_ceil(GEMM_TILE), m.div_ceil(GEMM_TILE));
+            let (bm, bn) = v.gemm_block();
+            let (gx, gy) = (self.n.div_ceil(bn), m.div_ceil(bm));
             [to_u32(OP, "n blocks", gx)?, to_u32(OP, "m blocks", gy)?, 1]
         };
         let dispatch = Dispatch::of_kernel(v.kernel(gpu), groups, v.name);
@@ -462,7 +530,7 @@ mod tests {
     #[test]
     fn every_quant_variant_validates_with_its_constants() {
         let packed = ALL_TYPES.iter().filter(|t| t.is_quantized()).count();
-        assert_eq!(QUANT_VARIANTS.len(), 3 * packed);
+        assert_eq!(QUANT_VARIANTS.len(), 7 * packed);
         assert_eq!(QUANT_EMBED_VARIANTS.len(), packed);
         for v in QUANT_VARIANTS.iter().chain(QUANT_EMBED_VARIANTS) {
             let module = naga::front::wgsl::parse_str(v.family().source()).unwrap();
