@@ -1,12 +1,17 @@
-//! Matmul on block-quantized weights (`shaders/matmul_quant.wgsl`): the packed GGUF blocks
-//! stay on the device as they are stored, and the kernels dequantize them in registers. A
+//! Matmul on block-quantized weights (`shaders/matmul_quant.wgsl`, and the block-wise GEMVs
+//! of `matmul_quant_gemv.wgsl` and `matmul_quant_subgroup.wgsl`): the packed GGUF blocks stay
+//! on the device as they are stored, and the kernels dequantize them in registers. A
 //! [`PackedMatrix`] is `[n][k]` like a PyTorch `Linear`, each row `k / block_len` blocks.
 //!
-//! Variants: a decode GEMV (m <= 8) with 64- or 128-invocation workgroups and a prefill GEMM,
-//! one pipeline per type (the type is an override constant). For decode rows the autotuner
-//! chooses among the two GEMVs and the GEMM per adapter and shape class ([`choose_quant`],
-//! the same settings, cache file and `WGPAR_KERNELS` names as the dense kernels); above 8
-//! rows the GEMM runs. `with_variant` names one.
+//! Variants, one pipeline per type (the type is an override constant): the chunk-wise decode
+//! GEMVs (m <= 8) with 64 or 128 invocations, a prefill GEMM, and the block-wise decode GEMVs
+//! (whole-word loads, each 32-value unit's scales unpacked once, x read as vec4, f32
+//! accumulation; invocations per row group, workgroup size and weight rows per row group as
+//! override constants; reduced in workgroup memory, or with subgroups where
+//! [`subgroups_usable`]). For decode rows the autotuner chooses among all of them per
+//! adapter and shape class ([`choose_quant`], the same settings, cache file and
+//! `WGPAR_KERNELS` names as the dense kernels); above 8 rows the GEMM runs. `with_variant`
+//! names one.
 
 use std::sync::Arc;
 
