@@ -32,6 +32,9 @@ override QV_WG: u32 = 64u;
 override QV_TPR: u32 = 64u;
 // Weight rows per row group, 1 to 4 (the components of an accumulator).
 override QV_NR: u32 = 1u;
+// 1: read every type through chunk_quad (unit_any) instead of its own word-run reader (the
+// variant that checks chunk_quad against the reference for every type).
+override QV_CHUNKS: u32 = 0u;
 // Most rows of x (GEMV_MAX_ROWS).
 const QV_ROWS: u32 = 8u;
 
@@ -93,7 +96,13 @@ fn qv_row(n0: u32, lane: u32, r: u32) -> vec4<f32> {
         let xu = qv_x(first + 8u * u);
         let base = (u / per_block) * bytes;
         for (var c = 0u; c < QV_NR; c++) {
-            let wu = unit_at(min(n0 + c, p.n - 1u) * row_bytes + base, u % per_block);
+            let a = min(n0 + c, p.n - 1u) * row_bytes + base;
+            var wu: QUnit;
+            if (QV_CHUNKS != 0u) {
+                wu = unit_any(a, u % per_block);
+            } else {
+                wu = unit_at(a, u % per_block);
+            }
             let d = qv_dot(xu, wu);
             acc += select(vec4<f32>(0.0), vec4<f32>(d), vec4<u32>(0u, 1u, 2u, 3u) == vec4<u32>(c));
         }

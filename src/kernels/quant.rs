@@ -167,8 +167,9 @@ macro_rules! qvariants {
         /// invocations (`qgemv64`, `qgemv128`), the GEMM (`qgemm`), and the block-wise GEMVs
         /// (`qgvTPRwWGrNR`: TPR invocations per group of NR weight rows, WG per workgroup,
         /// reduced in workgroup memory; `qgvsgWGrNR`: a workgroup of WG per NR rows, reduced
-        /// with subgroups). One invocation per row group (TPR 1) is a CPU driver's layout, a
-        /// warp or wave per row group a GPU's.
+        /// with subgroups; `qgvcq1w8r2`: `qgv1w8r2` reading every type through `chunk_quad`,
+        /// which the tests thereby check). One invocation per row group (TPR 1) is a CPU
+        /// driver's layout, a warp or wave per row group a GPU's.
         pub static QUANT_VARIANTS: &[QuantVariant] = &[$(
             QuantVariant {
                 name: concat!("qgemv64_", $suffix),
@@ -198,6 +199,19 @@ macro_rules! qvariants {
             qv_wg!($t $id $suffix, 16, 64, 2),
             qv_wg!($t $id $suffix, 32, 64, 2),
             qv_wg!($t $id $suffix, 64, 64, 1),
+            QuantVariant {
+                name: concat!("qgvcq1w8r2_", $suffix),
+                entry: "qgemv_wg",
+                qtype: QuantType::$t,
+                subgroups: false,
+                constants: &[
+                    ("QTYPE", $id as f64),
+                    ("QV_WG", 8.0),
+                    ("QV_TPR", 1.0),
+                    ("QV_NR", 2.0),
+                    ("QV_CHUNKS", 1.0),
+                ],
+            },
             qv_sg!($t $id $suffix, 8, 2),
             qv_sg!($t $id $suffix, 32, 2),
             qv_sg!($t $id $suffix, 64, 1),
@@ -207,7 +221,7 @@ macro_rules! qvariants {
 }
 
 /// Variants per packed type in [`QUANT_VARIANTS`].
-pub const VARIANTS_PER_TYPE: usize = 14;
+pub const VARIANTS_PER_TYPE: usize = 15;
 
 qvariants!(
     Q8_0 8 "q8_0", Q4_0 2 "q4_0", Q4_1 3 "q4_1", Q5_0 6 "q5_0", Q5_1 7 "q5_1",
