@@ -48,6 +48,11 @@ pub enum Family {
     /// `matmul_quant.wgsl`: decode GEMV and prefill GEMM on block-quantized weights (Q8_0,
     /// Q4_0, Q4_K, Q6_K), dequantized in registers.
     MatmulQuant,
+    /// `matmul_quant_gemv.wgsl`: block-wise decode GEMV on packed weights (whole-word loads,
+    /// scales unpacked once per block, x read as vec4), reduced in workgroup memory.
+    MatmulQuantGemv,
+    /// `matmul_quant_subgroup.wgsl`: the same GEMV reduced with subgroups (needs `SUBGROUP`).
+    MatmulQuantSubgroup,
     /// `norm.wgsl`: LayerNorm, RMSNorm, and RMSNorm of each head in place.
     Norm,
     /// `softmax.wgsl`: row softmax.
@@ -75,12 +80,14 @@ pub enum Family {
 
 impl Family {
     /// Every family, for validation tests.
-    pub const ALL: [Family; 16] = [
+    pub const ALL: [Family; 18] = [
         Family::Matmul,
         Family::MatmulVec4,
         Family::MatmulSubgroup,
         Family::MatmulBlock,
         Family::MatmulQuant,
+        Family::MatmulQuantGemv,
+        Family::MatmulQuantSubgroup,
         Family::Norm,
         Family::Softmax,
         Family::Attention,
@@ -94,8 +101,9 @@ impl Family {
         Family::Copy,
     ];
 
-    /// The WGSL source as shipped. The two families on packed blocks have the block readers
-    /// (`quant_blocks.wgsl`) appended, the two embedding lookups their shared part
+    /// The WGSL source as shipped. The families on packed blocks have the block readers
+    /// (`quant_blocks.wgsl`) appended (the block-wise GEMVs also their shared part,
+    /// `quant_gemv_common.wgsl`), the two embedding lookups their shared part
     /// (`embedding_common.wgsl`).
     pub fn source(self) -> &'static str {
         match self {
@@ -105,6 +113,16 @@ impl Family {
             Family::MatmulBlock => include_str!("../../shaders/matmul_block.wgsl"),
             Family::MatmulQuant => concat!(
                 include_str!("../../shaders/matmul_quant.wgsl"),
+                include_str!("../../shaders/quant_blocks.wgsl")
+            ),
+            Family::MatmulQuantGemv => concat!(
+                include_str!("../../shaders/matmul_quant_gemv.wgsl"),
+                include_str!("../../shaders/quant_gemv_common.wgsl"),
+                include_str!("../../shaders/quant_blocks.wgsl")
+            ),
+            Family::MatmulQuantSubgroup => concat!(
+                include_str!("../../shaders/matmul_quant_subgroup.wgsl"),
+                include_str!("../../shaders/quant_gemv_common.wgsl"),
                 include_str!("../../shaders/quant_blocks.wgsl")
             ),
             Family::Norm => include_str!("../../shaders/norm.wgsl"),
@@ -172,7 +190,9 @@ impl Family {
             | Family::MatmulVec4
             | Family::MatmulSubgroup
             | Family::MatmulBlock
-            | Family::MatmulQuant => &[Read, Read, Read, ReadWrite, Uniform],
+            | Family::MatmulQuant
+            | Family::MatmulQuantGemv
+            | Family::MatmulQuantSubgroup => &[Read, Read, Read, ReadWrite, Uniform],
             Family::Norm => &[Read, ReadWrite, Read, Read, Uniform],
             Family::Softmax => &[ReadWrite, Uniform],
             // Position-dependent families read the step's sequence table just before the
@@ -198,6 +218,8 @@ impl Family {
             Family::MatmulSubgroup => &["gemv_subgroup"],
             Family::MatmulBlock => &["gemm_block"],
             Family::MatmulQuant => &["qgemv", "qgemm", "qgemm_tile"],
+            Family::MatmulQuantGemv => &["qgemv_wg"],
+            Family::MatmulQuantSubgroup => &["qgemv_sg"],
             Family::Norm => &["layernorm", "rmsnorm", "rmsnorm_heads"],
             Family::Softmax => &["softmax"],
             Family::Attention => &["attend", "attend_tiled", "attend_split"],

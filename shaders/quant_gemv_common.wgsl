@@ -1,0 +1,125 @@
+// The part shared by the block-wise decode GEMVs on packed weights (matmul_quant_gemv.wgsl,
+// workgroup-memory reduction; matmul_quant_subgroup.wgsl, subgroup reduction): bindings, and
+// each invocation's partial dot products. y[m][n] = x[m][k] . dequant(w)[n][k] (+ bias[n]) for
+// m <= 8; w as in matmul_quant.wgsl (blocks back to back, read as u32 words), x read as vec4.
+//
+// Layout: a workgroup of QV_WG invocations is QV_WG / QV_TPR row groups; each row group owns
+// QV_NR neighbouring weight rows, and its QV_TPR invocations stride along k by 32-value units
+// (a whole 32-value block, or one sub-block of a 256-value one), neighbours on neighbouring
+// units, so a row group's loads sweep its rows' bytes front to back. An invocation reads
+// each unit of each of its rows with whole-word loads, each word once (unit_at), unpacks the
+// unit's scales once, and dequantizes in registers; the x values it loads serve all QV_NR
+// weight rows. QV_TPR = 1 (no reduction) is the layout of a CPU driver, where an
+// invocation is a SIMD lane and uniform loads of x are scalar; QV_TPR = 32-64 the layout of a
+// GPU, a warp or wave per row group.
+
+struct Params {
+    m: u32,
+    n: u32,
+    k: u32,
+    has_bias: u32,
+}
+
+@group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> w: array<u32>;
+@group(0) @binding(2) var<storage, read> bias: array<f32>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+@group(0) @binding(4) var<uniform> p: Params;
+
+// Invocations per workgroup.
+override QV_WG: u32 = 64u;
+// Invocations per row group: a power of two dividing QV_WG.
+override QV_TPR: u32 = 64u;
+// Weight rows per row group, 1 to 4 (the components of an accumulator).
+override QV_NR: u32 = 1u;
+// 1: read every type through chunk_quad (unit_any) instead of its own word-run reader (the
+// variant that checks chunk_quad against the reference for every type).
+override QV_CHUNKS: u32 = 0u;
+// Most rows of x (GEMV_MAX_ROWS).
+const QV_ROWS: u32 = 8u;
+
+// The first weight row of the invocation's row group, and the invocation's lane in it.
+fn qv_place(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> vec2<u32> {
+    let group = (wid.y * nwg.x + wid.x) * (QV_WG / QV_TPR) + lid / QV_TPR;
+    // Written so that with QV_TPR = 1 the lane is a constant: a CPU driver then sees every
+    // load of x as uniform.
+    return vec2<u32>(group * QV_NR, select(lid % QV_TPR, 0u, QV_TPR == 1u));
+}
+
+// 32 values of x (8 vec4) and, where the type has offsets, the sums of its two halves.
+struct XUnit {
+    v: array<vec4<f32>, 8>,
+    sums: vec2<f32>,
+}
+
+fn qv_x(i: u32) -> XUnit {
+    var xu: XUnit;
+    for (var j = 0u; j < 8u; j++) {
+        xu.v[j] = x[i + j];
+    }
+    // The branch folds away per type.
+    if (has_offset()) {
+        let one = vec4<f32>(1.0);
+        xu.sums = vec2<f32>(
+            dot(xu.v[0] + xu.v[1] + xu.v[2] + xu.v[3], one),
+            dot(xu.v[4] + xu.v[5] + xu.v[6] + xu.v[7], one),
+        );
+    }
+    return xu;
+}
+
+// A unit of x dotted with a dequantized unit of weights.
+fn qv_dot(xu: XUnit, u: QUnit) -> f32 {
+    let d0 = dot(xu.v[0], u.q[0]) + dot(xu.v[1], u.q[1]) + dot(xu.v[2], u.q[2]) + dot(xu.v[3], u.q[3]);
+    let d1 = dot(xu.v[4], u.q[4]) + dot(xu.v[5], u.q[5]) + dot(xu.v[6], u.q[6]) + dot(xu.v[7], u.q[7]);
+    var v = u.s0.x * d0 + u.s1.x * d1;
+    if (has_offset()) {
+        v -= u.s0.y * xu.sums.x + u.s1.y * xu.sums.y;
+    }
+    return v;
+}
+
+// This invocation's share of x row r . weight rows n0 .. n0 + QV_NR (component c: row
+// n0 + c; rows past n clamped to the last, their sums discarded by the caller). Per unit, the
+// 32 values of x are loaded once and applied to every weight row. Rows of x are the outer
+// loop (one call per row): every index is then a constant or uniform, so nothing lives in an
+// indexed array (a CPU driver would keep such an array in memory); a decode step has one row,
+// and a few rows re-read the weights from cache.
+fn qv_row(n0: u32, lane: u32, r: u32) -> vec4<f32> {
+    let per_block = block_len() / 32u;
+    let bytes = block_bytes();
+    let row_bytes = (p.k / block_len()) * bytes;
+    let units = p.k / 32u;
+    let first = r * (p.k / 4u);
+    var acc = vec4<f32>(0.0);
+    for (var u = lane; u < units; u += QV_TPR) {
+        let xu = qv_x(first + 8u * u);
+        let base = (u / per_block) * bytes;
+        for (var c = 0u; c < QV_NR; c++) {
+            let a = min(n0 + c, p.n - 1u) * row_bytes + base;
+            var wu: QUnit;
+            if (QV_CHUNKS != 0u) {
+                wu = unit_any(a, u % per_block);
+            } else {
+                wu = unit_at(a, u % per_block);
+            }
+            let d = qv_dot(xu, wu);
+            acc += select(vec4<f32>(0.0), vec4<f32>(d), vec4<u32>(0u, 1u, 2u, 3u) == vec4<u32>(c));
+        }
+    }
+    return acc;
+}
+
+// Writes row r's sums v (one per weight row n0 + c) where the weight row exists.
+fn qv_store(n0: u32, r: u32, v: vec4<f32>) {
+    for (var c = 0u; c < QV_NR; c++) {
+        let n = n0 + c;
+        if (n < p.n) {
+            var out = v[c];
+            if (p.has_bias != 0u) {
+                out += bias[n];
+            }
+            y[r * p.n + n] = out;
+        }
+    }
+}
