@@ -6,6 +6,7 @@ pub mod bench;
 mod cache;
 pub mod ops;
 pub mod quant;
+pub mod quant_dp4;
 pub mod tune;
 pub mod variants;
 
@@ -47,6 +48,9 @@ pub enum Family {
     /// `matmul_quant.wgsl`: decode GEMV and prefill GEMM on block-quantized weights (Q8_0,
     /// Q4_0, Q4_K, Q6_K), dequantized in registers.
     MatmulQuant,
+    /// `matmul_quant_dp4.wgsl`: decode GEMV on the same packed weights with int8 inputs and
+    /// packed 4x8 integer dot products (`dot4I8Packed`).
+    MatmulQuantDp4,
     /// `norm.wgsl`: LayerNorm and RMSNorm.
     Norm,
     /// `softmax.wgsl`: row softmax.
@@ -72,12 +76,13 @@ pub enum Family {
 
 impl Family {
     /// Every family, for validation tests.
-    pub const ALL: [Family; 15] = [
+    pub const ALL: [Family; 16] = [
         Family::Matmul,
         Family::MatmulVec4,
         Family::MatmulSubgroup,
         Family::MatmulBlock,
         Family::MatmulQuant,
+        Family::MatmulQuantDp4,
         Family::Norm,
         Family::Softmax,
         Family::Attention,
@@ -101,6 +106,10 @@ impl Family {
             Family::MatmulBlock => include_str!("../../shaders/matmul_block.wgsl"),
             Family::MatmulQuant => concat!(
                 include_str!("../../shaders/matmul_quant.wgsl"),
+                include_str!("../../shaders/quant_blocks.wgsl")
+            ),
+            Family::MatmulQuantDp4 => concat!(
+                include_str!("../../shaders/matmul_quant_dp4.wgsl"),
                 include_str!("../../shaders/quant_blocks.wgsl")
             ),
             Family::Norm => include_str!("../../shaders/norm.wgsl"),
@@ -167,7 +176,8 @@ impl Family {
             | Family::MatmulVec4
             | Family::MatmulSubgroup
             | Family::MatmulBlock
-            | Family::MatmulQuant => &[Read, Read, Read, ReadWrite, Uniform],
+            | Family::MatmulQuant
+            | Family::MatmulQuantDp4 => &[Read, Read, Read, ReadWrite, Uniform],
             Family::Norm => &[Read, ReadWrite, Read, Read, Uniform],
             Family::Softmax => &[ReadWrite, Uniform],
             // Position-dependent families read the step's sequence table just before the
@@ -192,6 +202,7 @@ impl Family {
             Family::MatmulSubgroup => &["gemv_subgroup"],
             Family::MatmulBlock => &["gemm_block"],
             Family::MatmulQuant => &["qgemv", "qgemm"],
+            Family::MatmulQuantDp4 => &["qdp4gemv"],
             Family::Norm => &["layernorm", "rmsnorm"],
             Family::Softmax => &["softmax"],
             Family::Attention => &["attend", "attend_tiled", "attend_split"],

@@ -42,13 +42,14 @@ pub struct QuantVariant {
 impl QuantVariant {
     /// Whether it is a decode GEMV (m <= 8).
     pub fn is_gemv(&self) -> bool {
-        self.entry == "qgemv"
+        matches!(self.entry, "qgemv" | "qdp4gemv")
     }
 
     /// The family whose source holds its entry point: the embedding lookup's, or the matmul's.
     pub fn family(&self) -> Family {
         match self.entry {
             "qembed" => Family::EmbeddingQuant,
+            "qdp4gemv" => Family::MatmulQuantDp4,
             _ => Family::MatmulQuant,
         }
     }
@@ -70,6 +71,13 @@ impl QuantVariant {
             .iter()
             .find(|(k, _)| *k == "GV_WG")
             .map_or(256, |(_, v)| *v as usize)
+    }
+
+    /// Weight rows per GEMV workgroup (`GV_COLS` where a variant sets it).
+    fn cols(&self) -> usize {
+        (self.constants.iter())
+            .find(|(k, _)| *k == "GV_COLS")
+            .map_or(GEMV_COLS, |(_, v)| *v as usize)
     }
 }
 
@@ -241,7 +249,7 @@ impl AsRef<Bound> for QuantMatmul {
 
 /// The variant named `name` for `qtype`.
 pub fn variant_by_name(name: &str) -> Option<&'static QuantVariant> {
-    QUANT_VARIANTS.iter().find(|v| v.name == name)
+    (QUANT_VARIANTS.iter().find(|v| v.name == name)).or_else(|| super::quant_dp4::by_name(name))
 }
 
 /// The variant a quantized matmul of `qtype` runs for `(m, n, k)` on `gpu`: the GEMM above
@@ -261,10 +269,12 @@ pub fn choose_quant(
     if let Some(v) = gpu.kernels().quant_choice(&class) {
         return Ok(v);
     }
-    let candidates: Vec<&'static QuantVariant> =
+    let mut candidates: Vec<&'static QuantVariant> =
         QUANT_VARIANTS.iter().filter(|v| v.qtype == qtype).collect();
+    candidates.extend(super::quant_dp4::candidates(gpu, qtype));
     let find = |name: &str| candidates.iter().copied().find(|v| v.name == name);
     let settings = tune::settings()?;
+    super::quant_dp4::refuse_forced(gpu, &settings.forced)?;
     let mut measure = || measure_quant(gpu, qtype, (m, n, k), &candidates);
     let chosen = tune::decide_named(gpu, &settings, &class.key(), &find, fallback, &mut measure)?;
     gpu.kernels().set_quant_choice(class, chosen);
@@ -421,7 +431,7 @@ impl QuantMatmul {
         } else if v.is_gemv() {
             grid_1d(
                 OP,
-                self.n.div_ceil(GEMV_COLS) * v.workgroup(),
+                self.n.div_ceil(v.cols()) * v.workgroup(),
                 v.workgroup() as u32,
             )?
         } else {
