@@ -177,7 +177,7 @@ fn quantize_tile(lid: u32, k0: u32, tk: u32) {
 // 16-value chunks (neighbours read neighbouring chunks), each applying a chunk to every input
 // row; the partial sums meet in workgroup memory.
 @compute @workgroup_size(GV_WG)
-fn qdp4gemv(
+fn qgemv_dp4(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,

@@ -202,7 +202,7 @@ impl Family {
             Family::MatmulSubgroup => &["gemv_subgroup"],
             Family::MatmulBlock => &["gemm_block"],
             Family::MatmulQuant => &["qgemv", "qgemm"],
-            Family::MatmulQuantDp4 => &["qdp4gemv"],
+            Family::MatmulQuantDp4 => &["qgemv_dp4"],
             Family::Norm => &["layernorm", "rmsnorm"],
             Family::Softmax => &["softmax"],
             Family::Attention => &["attend", "attend_tiled", "attend_split"],

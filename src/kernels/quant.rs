@@ -42,14 +42,14 @@ pub struct QuantVariant {
 impl QuantVariant {
     /// Whether it is a decode GEMV (m <= 8).
     pub fn is_gemv(&self) -> bool {
-        matches!(self.entry, "qgemv" | "qdp4gemv")
+        matches!(self.entry, "qgemv" | "qgemv_dp4")
     }
 
     /// The family whose source holds its entry point: the embedding lookup's, or the matmul's.
     pub fn family(&self) -> Family {
         match self.entry {
             "qembed" => Family::EmbeddingQuant,
-            "qdp4gemv" => Family::MatmulQuantDp4,
+            "qgemv_dp4" => Family::MatmulQuantDp4,
             _ => Family::MatmulQuant,
         }
     }

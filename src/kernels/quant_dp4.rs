@@ -29,13 +29,13 @@ macro_rules! dp4_variants {
         pub static DP4_VARIANTS: &[QuantVariant] = &[$(
             QuantVariant {
                 name: concat!("qdp4gemv64_", $suffix),
-                entry: "qdp4gemv",
+                entry: "qgemv_dp4",
                 qtype: QuantType::$t,
                 constants: &[("QTYPE", $id as f64), ("GV_WG", 64.0), ("GV_COLS", DP4_COLS)],
             },
             QuantVariant {
                 name: concat!("qdp4gemv128_", $suffix),
-                entry: "qdp4gemv",
+                entry: "qgemv_dp4",
                 qtype: QuantType::$t,
                 constants: &[("QTYPE", $id as f64), ("GV_WG", 128.0), ("GV_COLS", DP4_COLS)],
             },

@@ -9,7 +9,9 @@
 //!   runs) or `retune` (time again and overwrite the cached choices).
 //! - `WGPAR_KERNELS=name,...`: force variants; each op takes the first listed variant that
 //!   applies to its shape (others tune as usual). Names: `wgpar bench kernels` lists them;
-//!   the quantized matmul's are `qgemv64_TYPE`, `qgemv128_TYPE` and `qgemm_TYPE`.
+//!   the quantized matmul's are `qgemv64_TYPE`, `qgemv128_TYPE`, `qgemm_TYPE` and the
+//!   integer-dot `qdp4gemv64_TYPE` and `qdp4gemv128_TYPE` (refused, with the reason, on an
+//!   adapter without native integer dot products: [`super::quant_dp4::offered`]).
 //! - `WGPAR_CACHE_DIR=dir`: the cache folder (default `$XDG_CACHE_HOME/wgpar`, else
 //!   `$HOME/.cache/wgpar`); `WGPAR_CACHE_DIR=` (empty) keeps choices in memory only.
 //! - `WGPAR_NO_SUBGROUPS=1`: never choose subgroup variants.
