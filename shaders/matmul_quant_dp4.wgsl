@@ -47,16 +47,6 @@ var<workgroup> dp_xs: array<f32, DP_ROWS * DP_TILE / 16u>;
 // 30's override processing mishandles an override-sized array beside a later override).
 var<workgroup> dp_red: array<f32, 128u * DP_ROWS>;
 
-// 4 bytes at any 2-aligned byte address of w (every block size is even).
-// TODO(qgemv merge): quant_blocks.wgsl gains the same helper; drop this copy then.
-fn word_at(a: u32) -> u32 {
-    let i = a >> 2u;
-    if ((a & 3u) == 0u) {
-        return w[i];
-    }
-    return (w[i] >> 16u) | (w[i + 1u] << 16u);
-}
-
 // Byte address of the block holding chunk ci of weight row n, and the chunk's index in it.
 fn dp_chunk_at(n: u32, ci: u32) -> vec2<u32> {
     let per_block = block_len() / 16u;

@@ -195,3 +195,94 @@ fn chunk_q(a: u32, c: u32, j: u32) -> f32 {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Whole-word readers: the kernels that read a block four values at a time. Every ggml block is
+// an even number of bytes, so every field of every block starts 2-byte aligned in `w`.
+
+// The 4 bytes at byte a (2-byte aligned): one load when a is 4-aligned, else the halves of two
+// neighbouring words.
+fn word_at(a: u32) -> u32 {
+    let i = a >> 2u;
+    if ((a & 2u) == 0u) {
+        return w[i];
+    }
+    return (w[i] >> 16u) | (w[i + 1u] << 16u);
+}
+
+// The 4 bytes of v, each shifted right by `shift` and masked with `mask`.
+fn bytes4(v: u32, shift: u32, mask: u32) -> vec4<u32> {
+    return (vec4<u32>(v) >> (vec4<u32>(0u, 8u, 16u, 24u) + shift)) & vec4<u32>(mask);
+}
+
+// The 4 bytes of v as signed 8-bit values.
+fn signed4(v: u32) -> vec4<f32> {
+    let s = bitcast<vec4<i32>>(vec4<u32>(v) << vec4<u32>(24u, 16u, 8u, 0u));
+    return vec4<f32>(s >> vec4<u32>(24u));
+}
+
+fn levels4(q: vec4<u32>) -> vec4<f32> {
+    return vec4<f32>(IQ4_LEVELS[q.x], IQ4_LEVELS[q.y], IQ4_LEVELS[q.z], IQ4_LEVELS[q.w]);
+}
+
+// Quants 4g .. 4g + 4 (g in 0..4) of chunk c of the block at byte a, before scale and offset
+// (chunk_q's values), from whole-word loads.
+fn chunk_quad(a: u32, c: u32, g: u32) -> vec4<f32> {
+    // Nibble types keep chunk 0 in the low nibbles of 16 bytes and chunk 1 in the high ones.
+    let nib = 4u * (c % 2u);
+    switch QTYPE {
+        case 2u: {
+            return vec4<f32>(bytes4(word_at(a + 2u + 4u * g), nib, 0xfu));
+        }
+        case 3u: {
+            return vec4<f32>(bytes4(word_at(a + 4u + 4u * g), nib, 0xfu));
+        }
+        case 6u, 7u: {
+            // Q5_1 has the min before the fifth bits.
+            let h = select(2u, 4u, QTYPE == 7u);
+            let low = bytes4(word_at(a + h + 4u + 4u * g), nib, 0xfu);
+            let bits = (vec4<u32>(word_at(a + h)) >> (vec4<u32>(0u, 1u, 2u, 3u) + 16u * c + 4u * g)) & vec4<u32>(1u);
+            return vec4<f32>(low | (bits << vec4<u32>(4u)));
+        }
+        case 10u: {
+            let v = word_at(a + 16u + 32u * (c / 8u) + 16u * (c % 2u) + 4u * g);
+            return vec4<f32>(bytes4(v, 2u * ((c % 8u) / 2u), 3u));
+        }
+        case 11u: {
+            let l = 16u * (c % 2u) + 4u * g;
+            let low = bytes4(word_at(a + 32u + 32u * (c / 8u) + l), 2u * ((c % 8u) / 2u), 3u);
+            let high = bytes4(word_at(a + l), 4u * (c / 8u) + (c % 8u) / 2u, 1u);
+            return vec4<f32>(low | (high << vec4<u32>(2u)));
+        }
+        case 12u: {
+            let s = c / 2u;
+            let v = word_at(a + 16u + 32u * (s / 2u) + 16u * (c % 2u) + 4u * g);
+            return vec4<f32>(bytes4(v, 4u * (s % 2u), 0xfu));
+        }
+        case 13u: {
+            let s = c / 2u;
+            let l = 16u * (c % 2u) + 4u * g;
+            let low = bytes4(word_at(a + 48u + 32u * (s / 2u) + l), 4u * (s % 2u), 0xfu);
+            let high = bytes4(word_at(a + 16u + l), s, 1u);
+            return vec4<f32>(low | (high << vec4<u32>(4u)));
+        }
+        case 14u: {
+            // Half h of the block (128 values), quarter qq of it (32 values), byte l.
+            let h = c / 8u;
+            let qq = (c % 8u) / 2u;
+            let l = 16u * (c % 2u) + 4u * g;
+            let low = bytes4(word_at(a + 64u * h + 32u * (qq % 2u) + l), 4u * (qq / 2u), 0xfu);
+            let high = bytes4(word_at(a + 128u + 32u * h + l), 2u * qq, 3u);
+            return vec4<f32>(low | (high << vec4<u32>(4u)));
+        }
+        case 20u: {
+            return levels4(bytes4(word_at(a + 2u + 4u * g), nib, 0xfu));
+        }
+        case 23u: {
+            return levels4(bytes4(word_at(a + 8u + 16u * (c / 2u) + 4u * g), nib, 0xfu));
+        }
+        default: {
+            return signed4(word_at(a + 2u + 16u * c + 4u * g));
+        }
+    }
+}

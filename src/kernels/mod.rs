@@ -51,6 +51,11 @@ pub enum Family {
     /// `matmul_quant_dp4.wgsl`: decode GEMV on the same packed weights with int8 inputs and
     /// packed 4x8 integer dot products (`dot4I8Packed`).
     MatmulQuantDp4,
+    /// `matmul_quant_gemv.wgsl`: block-wise decode GEMV on packed weights (whole-word loads,
+    /// scales unpacked once per block, x read as vec4), reduced in workgroup memory.
+    MatmulQuantGemv,
+    /// `matmul_quant_subgroup.wgsl`: the same GEMV reduced with subgroups (needs `SUBGROUP`).
+    MatmulQuantSubgroup,
     /// `norm.wgsl`: LayerNorm and RMSNorm.
     Norm,
     /// `softmax.wgsl`: row softmax.
@@ -76,13 +81,15 @@ pub enum Family {
 
 impl Family {
     /// Every family, for validation tests.
-    pub const ALL: [Family; 16] = [
+    pub const ALL: [Family; 18] = [
         Family::Matmul,
         Family::MatmulVec4,
         Family::MatmulSubgroup,
         Family::MatmulBlock,
         Family::MatmulQuant,
         Family::MatmulQuantDp4,
+        Family::MatmulQuantGemv,
+        Family::MatmulQuantSubgroup,
         Family::Norm,
         Family::Softmax,
         Family::Attention,
@@ -95,8 +102,9 @@ impl Family {
         Family::Argmax,
     ];
 
-    /// The WGSL source as shipped. The two families on packed blocks have the block readers
-    /// (`quant_blocks.wgsl`) appended, the two embedding lookups their shared part
+    /// The WGSL source as shipped. The families on packed blocks have the block readers
+    /// (`quant_blocks.wgsl`) appended (the block-wise GEMVs also their shared part,
+    /// `quant_gemv_common.wgsl`), the two embedding lookups their shared part
     /// (`embedding_common.wgsl`).
     pub fn source(self) -> &'static str {
         match self {
@@ -110,6 +118,16 @@ impl Family {
             ),
             Family::MatmulQuantDp4 => concat!(
                 include_str!("../../shaders/matmul_quant_dp4.wgsl"),
+                include_str!("../../shaders/quant_blocks.wgsl")
+            ),
+            Family::MatmulQuantGemv => concat!(
+                include_str!("../../shaders/matmul_quant_gemv.wgsl"),
+                include_str!("../../shaders/quant_gemv_common.wgsl"),
+                include_str!("../../shaders/quant_blocks.wgsl")
+            ),
+            Family::MatmulQuantSubgroup => concat!(
+                include_str!("../../shaders/matmul_quant_subgroup.wgsl"),
+                include_str!("../../shaders/quant_gemv_common.wgsl"),
                 include_str!("../../shaders/quant_blocks.wgsl")
             ),
             Family::Norm => include_str!("../../shaders/norm.wgsl"),
@@ -177,7 +195,9 @@ impl Family {
             | Family::MatmulSubgroup
             | Family::MatmulBlock
             | Family::MatmulQuant
-            | Family::MatmulQuantDp4 => &[Read, Read, Read, ReadWrite, Uniform],
+            | Family::MatmulQuantDp4
+            | Family::MatmulQuantGemv
+            | Family::MatmulQuantSubgroup => &[Read, Read, Read, ReadWrite, Uniform],
             Family::Norm => &[Read, ReadWrite, Read, Read, Uniform],
             Family::Softmax => &[ReadWrite, Uniform],
             // Position-dependent families read the step's sequence table just before the
@@ -203,6 +223,8 @@ impl Family {
             Family::MatmulBlock => &["gemm_block"],
             Family::MatmulQuant => &["qgemv", "qgemm"],
             Family::MatmulQuantDp4 => &["qgemv_dp4"],
+            Family::MatmulQuantGemv => &["qgemv_wg"],
+            Family::MatmulQuantSubgroup => &["qgemv_sg"],
             Family::Norm => &["layernorm", "rmsnorm"],
             Family::Softmax => &["softmax"],
             Family::Attention => &["attend", "attend_tiled", "attend_split"],

@@ -14,6 +14,7 @@ use bytemuck::{Pod, Zeroable};
 
 use super::ops::{grid_1d, need, once, over, to_u32, Bound, Dispatch, Params, Pass};
 use super::tune::{self, Candidate, Effort};
+use super::variants::subgroups_usable;
 use super::{Family, Kernel, WeightType};
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
@@ -35,21 +36,31 @@ pub struct QuantVariant {
     pub entry: &'static str,
     /// The packed type it reads.
     pub qtype: QuantType,
-    /// Override constants (the type, the GEMV's workgroup size).
+    /// Override constants (the type, the GEMV's workgroup shape).
     pub constants: &'static [(&'static str, f64)],
+    /// Needs `Features::SUBGROUP` (runs only where [`subgroups_usable`]).
+    pub subgroups: bool,
 }
 
 impl QuantVariant {
     /// Whether it is a decode GEMV (m <= 8).
     pub fn is_gemv(&self) -> bool {
-        matches!(self.entry, "qgemv" | "qgemv_dp4")
+        self.entry.starts_with("qgemv")
     }
 
-    /// The family whose source holds its entry point: the embedding lookup's, or the matmul's.
+    /// Whether it can run on `gpu`: the subgroup variants need usable subgroups.
+    pub fn usable(&self, gpu: &Gpu) -> bool {
+        !self.subgroups || subgroups_usable(gpu)
+    }
+
+    /// The family whose source holds its entry point: the embedding lookup's, the block-wise
+    /// GEMVs', or the matmul's.
     pub fn family(&self) -> Family {
         match self.entry {
             "qembed" => Family::EmbeddingQuant,
             "qgemv_dp4" => Family::MatmulQuantDp4,
+            "qgemv_wg" => Family::MatmulQuantGemv,
+            "qgemv_sg" => Family::MatmulQuantSubgroup,
             _ => Family::MatmulQuant,
         }
     }
@@ -66,18 +77,24 @@ impl QuantVariant {
         )
     }
 
-    fn workgroup(&self) -> usize {
-        self.constants
-            .iter()
-            .find(|(k, _)| *k == "GV_WG")
-            .map_or(256, |(_, v)| *v as usize)
+    fn constant(&self, name: &str) -> Option<usize> {
+        (self.constants.iter())
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| *v as usize)
     }
 
-    /// Weight rows per GEMV workgroup (`GV_COLS` where a variant sets it).
-    fn cols(&self) -> usize {
-        (self.constants.iter())
-            .find(|(k, _)| *k == "GV_COLS")
-            .map_or(GEMV_COLS, |(_, v)| *v as usize)
+    fn workgroup(&self) -> usize {
+        self.constant("GV_WG")
+            .or_else(|| self.constant("QV_WG"))
+            .unwrap_or(256)
+    }
+
+    /// Weight rows one GEMV workgroup computes.
+    fn rows_per_workgroup(&self) -> usize {
+        match (self.constant("QV_TPR"), self.constant("QV_NR")) {
+            (Some(tpr), Some(nr)) => self.workgroup() / tpr * nr,
+            _ => self.constant("GV_COLS").unwrap_or(GEMV_COLS),
+        }
     }
 }
 
@@ -87,31 +104,106 @@ impl Candidate for QuantVariant {
     }
 }
 
+/// A block-wise GEMV (`qgemv_wg`, or `qgemv_sg` with subgroups): `tpr` invocations per row
+/// group, `wg` per workgroup, `nr` weight rows per row group.
+macro_rules! qv {
+    ($name:expr, $entry:literal, $t:ident, $id:literal, sg = $sg:expr,
+     tpr = $tpr:literal, wg = $wg:literal, nr = $nr:literal) => {
+        QuantVariant {
+            name: $name,
+            entry: $entry,
+            qtype: QuantType::$t,
+            subgroups: $sg,
+            constants: &[
+                ("QTYPE", $id as f64),
+                ("QV_WG", $wg as f64),
+                ("QV_TPR", $tpr as f64),
+                ("QV_NR", $nr as f64),
+            ],
+        }
+    };
+}
+
+/// A block-wise GEMV reduced in workgroup memory, named `qgvTPRwWGrNR_TYPE`.
+macro_rules! qv_wg {
+    ($t:ident $id:literal $suffix:literal, $tpr:literal, $wg:literal, $nr:literal) => {
+        qv!(
+            concat!("qgv", $tpr, "w", $wg, "r", $nr, "_", $suffix),
+            "qgemv_wg",
+            $t,
+            $id,
+            sg = false,
+            tpr = $tpr,
+            wg = $wg,
+            nr = $nr
+        )
+    };
+}
+
+/// A block-wise GEMV reduced with subgroups, one row group per workgroup, named
+/// `qgvsgWGrNR_TYPE`.
+macro_rules! qv_sg {
+    ($t:ident $id:literal $suffix:literal, $wg:literal, $nr:literal) => {
+        qv!(
+            concat!("qgvsg", $wg, "r", $nr, "_", $suffix),
+            "qgemv_sg",
+            $t,
+            $id,
+            sg = true,
+            tpr = $wg,
+            wg = $wg,
+            nr = $nr
+        )
+    };
+}
+
 macro_rules! qvariants {
     ($($t:ident $id:literal $suffix:literal),*) => {
-        /// Every quantized matmul variant: per type, GEMV with 64 and 128 invocations, GEMM.
+        /// Every quantized matmul variant, per type: the chunk-wise GEMVs with 64 and 128
+        /// invocations (`qgemv64`, `qgemv128`), the GEMM (`qgemm`), and the block-wise GEMVs
+        /// (`qgvTPRwWGrNR`: TPR invocations per group of NR weight rows, WG per workgroup,
+        /// reduced in workgroup memory; `qgvsgWGrNR`: a workgroup of WG per NR rows, reduced
+        /// with subgroups). One invocation per row group (TPR 1) is a CPU driver's layout, a
+        /// warp or wave per row group a GPU's.
         pub static QUANT_VARIANTS: &[QuantVariant] = &[$(
             QuantVariant {
                 name: concat!("qgemv64_", $suffix),
                 entry: "qgemv",
                 qtype: QuantType::$t,
+                subgroups: false,
                 constants: &[("QTYPE", $id as f64), ("GV_WG", 64.0)],
             },
             QuantVariant {
                 name: concat!("qgemv128_", $suffix),
                 entry: "qgemv",
                 qtype: QuantType::$t,
+                subgroups: false,
                 constants: &[("QTYPE", $id as f64), ("GV_WG", 128.0)],
             },
             QuantVariant {
                 name: concat!("qgemm_", $suffix),
                 entry: "qgemm",
                 qtype: QuantType::$t,
+                subgroups: false,
                 constants: &[("QTYPE", $id as f64)],
             },
+            qv_wg!($t $id $suffix, 1, 8, 1),
+            qv_wg!($t $id $suffix, 1, 8, 2),
+            qv_wg!($t $id $suffix, 1, 8, 4),
+            qv_wg!($t $id $suffix, 1, 32, 2),
+            qv_wg!($t $id $suffix, 16, 64, 2),
+            qv_wg!($t $id $suffix, 32, 64, 2),
+            qv_wg!($t $id $suffix, 64, 64, 1),
+            qv_sg!($t $id $suffix, 8, 2),
+            qv_sg!($t $id $suffix, 32, 2),
+            qv_sg!($t $id $suffix, 64, 1),
+            qv_sg!($t $id $suffix, 128, 4),
         )*];
     };
 }
+
+/// Variants per packed type in [`QUANT_VARIANTS`].
+pub const VARIANTS_PER_TYPE: usize = 14;
 
 qvariants!(
     Q8_0 8 "q8_0", Q4_0 2 "q4_0", Q4_1 3 "q4_1", Q5_0 6 "q5_0", Q5_1 7 "q5_1",
@@ -127,6 +219,7 @@ macro_rules! qembed_variants {
                 name: concat!("qembed_", $suffix),
                 entry: "qembed",
                 qtype: QuantType::$t,
+                subgroups: false,
                 constants: &[("QTYPE", $id as f64)],
             },
         )*];
@@ -269,8 +362,9 @@ pub fn choose_quant(
     if let Some(v) = gpu.kernels().quant_choice(&class) {
         return Ok(v);
     }
-    let mut candidates: Vec<&'static QuantVariant> =
-        QUANT_VARIANTS.iter().filter(|v| v.qtype == qtype).collect();
+    let mut candidates: Vec<&'static QuantVariant> = (QUANT_VARIANTS.iter())
+        .filter(|v| v.qtype == qtype && v.usable(gpu))
+        .collect();
     candidates.extend(super::quant_dp4::candidates(gpu, qtype));
     let find = |name: &str| candidates.iter().copied().find(|v| v.name == name);
     let settings = tune::settings()?;
@@ -414,6 +508,12 @@ impl QuantMatmul {
             Some(v) => v,
             None => choose_quant(gpu, self.qtype, (m, self.n, self.k))?,
         };
+        if !v.usable(gpu) {
+            return Err(WgparError::Shape {
+                op: OP.into(),
+                detail: format!("{} needs subgroups, which this device lacks", v.name),
+            });
+        }
         if v.is_gemv() && m > GEMV_MAX_ROWS {
             return Err(WgparError::Shape {
                 op: OP.into(),
@@ -431,7 +531,7 @@ impl QuantMatmul {
         } else if v.is_gemv() {
             grid_1d(
                 OP,
-                self.n.div_ceil(v.cols()) * v.workgroup(),
+                self.n.div_ceil(v.rows_per_workgroup()) * v.workgroup(),
                 v.workgroup() as u32,
             )?
         } else {
@@ -472,7 +572,7 @@ mod tests {
     #[test]
     fn every_quant_variant_validates_with_its_constants() {
         let packed = ALL_TYPES.iter().filter(|t| t.is_quantized()).count();
-        assert_eq!(QUANT_VARIANTS.len(), 3 * packed);
+        assert_eq!(QUANT_VARIANTS.len(), VARIANTS_PER_TYPE * packed);
         assert_eq!(QUANT_EMBED_VARIANTS.len(), packed);
         for v in QUANT_VARIANTS.iter().chain(QUANT_EMBED_VARIANTS) {
             let module = naga::front::wgsl::parse_str(v.family().source()).unwrap();

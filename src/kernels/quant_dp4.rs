@@ -31,12 +31,14 @@ macro_rules! dp4_variants {
                 name: concat!("qdp4gemv64_", $suffix),
                 entry: "qgemv_dp4",
                 qtype: QuantType::$t,
+                subgroups: false,
                 constants: &[("QTYPE", $id as f64), ("GV_WG", 64.0), ("GV_COLS", DP4_COLS)],
             },
             QuantVariant {
                 name: concat!("qdp4gemv128_", $suffix),
                 entry: "qgemv_dp4",
                 qtype: QuantType::$t,
+                subgroups: false,
                 constants: &[("QTYPE", $id as f64), ("GV_WG", 128.0), ("GV_COLS", DP4_COLS)],
             },
         )*];
