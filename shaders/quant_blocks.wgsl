@@ -286,3 +286,182 @@ fn chunk_quad(a: u32, c: u32, g: u32) -> vec4<f32> {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// A 32-value unit at once (sub-block s of the block at byte a: chunks 2s and 2s + 1), each
+// word the unit needs loaded once: a 2-byte-aligned run of n words costs n + 1 loads (the
+// halves funnelled in registers, without a branch), and the scales are read from whole words.
+
+// The unit's quants (before scale and offset, 8 quads: chunk 2s's then chunk 2s + 1's) and
+// each chunk's scale and offset (value = scale * q - offset).
+struct QUnit {
+    q: array<vec4<f32>, 8>,
+    s0: vec2<f32>,
+    s1: vec2<f32>,
+}
+
+// Whether the type has an offset (else the offsets are 0 and sums of x are not needed).
+fn has_offset() -> bool {
+    switch QTYPE {
+        case 8u, 20u, 23u: { return false; }
+        default: { return true; }
+    }
+}
+
+// The 4 bytes from the upper half of lo on (odd) or lo itself.
+fn funnel(lo: u32, hi: u32, odd: bool) -> u32 {
+    return select(lo, (lo >> 16u) | (hi << 16u), odd);
+}
+
+// The 16 bytes at byte b (2-byte aligned), from 5 loads.
+fn run4(b: u32) -> array<u32, 4> {
+    let i = b >> 2u;
+    let odd = (b & 2u) != 0u;
+    var r: array<u32, 5>;
+    for (var j = 0u; j < 5u; j++) {
+        r[j] = w[i + j];
+    }
+    var o: array<u32, 4>;
+    for (var j = 0u; j < 4u; j++) {
+        o[j] = funnel(r[j], r[j + 1u], odd);
+    }
+    return o;
+}
+
+// The 32 bytes at byte b (2-byte aligned), from 9 loads.
+fn run8(b: u32) -> array<u32, 8> {
+    let i = b >> 2u;
+    let odd = (b & 2u) != 0u;
+    var r: array<u32, 9>;
+    for (var j = 0u; j < 9u; j++) {
+        r[j] = w[i + j];
+    }
+    var o: array<u32, 8>;
+    for (var j = 0u; j < 8u; j++) {
+        o[j] = funnel(r[j], r[j + 1u], odd);
+    }
+    return o;
+}
+
+// The two bytes at byte a (2-byte aligned) as a u32, from one load.
+fn u16_at(a: u32) -> u32 {
+    return (w[a >> 2u] >> ((a & 2u) * 8u)) & 0xffffu;
+}
+
+fn f16_at(a: u32) -> f32 {
+    return unpack2x16float(u16_at(a)).x;
+}
+
+// Byte i (0..12) of Q4_K's and Q5_K's three scale words.
+fn k4_byte(sc: array<u32, 3>, i: u32) -> u32 {
+    let v = select(select(sc[0], sc[1], i >= 4u), sc[2], i >= 8u);
+    return (v >> (8u * (i % 4u))) & 0xffu;
+}
+
+// Q4_K's scale and min of sub-block s from the 12 scale bytes (k4_scale's, from words).
+fn k4_scale_words(a: u32, s: u32) -> vec2<f32> {
+    let i = a >> 2u;
+    let dm = unpack2x16float(w[i]);
+    let sc = array<u32, 3>(w[i + 1u], w[i + 2u], w[i + 3u]);
+    let lo = k4_byte(sc, s % 4u);
+    let hi = k4_byte(sc, s % 4u + 4u);
+    let top = k4_byte(sc, s % 4u + 8u);
+    let v = select(vec2<u32>(lo & 63u, hi & 63u), vec2<u32>((top & 0xfu) | ((lo >> 6u) << 4u), (top >> 4u) | ((hi >> 6u) << 4u)), s >= 4u);
+    return dm * vec2<f32>(v);
+}
+
+fn unit_q8_0(a: u32) -> QUnit {
+    var u: QUnit;
+    let qs = run8(a + 2u);
+    for (var g = 0u; g < 8u; g++) {
+        u.q[g] = signed4(qs[g]);
+    }
+    let d = f16_at(a);
+    u.s0 = vec2<f32>(d, 0.0);
+    u.s1 = u.s0;
+    return u;
+}
+
+// Q4_0 and IQ4_NL: 16 nibble bytes after d; Q5_0 with the fifth bits between.
+fn unit_q4_0(a: u32) -> QUnit {
+    var u: QUnit;
+    let five = QTYPE == 6u;
+    let qs = run4(a + select(2u, 6u, five));
+    let qh = funnel(w[(a + 2u) >> 2u], w[((a + 2u) >> 2u) + 1u], (a & 2u) == 0u);
+    for (var g = 0u; g < 4u; g++) {
+        var lo = bytes4(qs[g], 0u, 0xfu);
+        var hi = bytes4(qs[g], 4u, 0xfu);
+        if (five) {
+            let bit = vec4<u32>(0u, 1u, 2u, 3u) + 4u * g;
+            lo |= ((vec4<u32>(qh) >> bit) & vec4<u32>(1u)) << vec4<u32>(4u);
+            hi |= ((vec4<u32>(qh) >> (bit + 16u)) & vec4<u32>(1u)) << vec4<u32>(4u);
+        }
+        if (QTYPE == 20u) {
+            u.q[g] = levels4(lo);
+            u.q[g + 4u] = levels4(hi);
+        } else {
+            u.q[g] = vec4<f32>(lo);
+            u.q[g + 4u] = vec4<f32>(hi);
+        }
+    }
+    let d = f16_at(a);
+    u.s0 = vec2<f32>(d, select(select(8.0, 16.0, five), 0.0, QTYPE == 20u) * d);
+    u.s1 = u.s0;
+    return u;
+}
+
+// Q4_K: sub-block s's 32 nibbles share 32 bytes with its pair (low nibbles: even s).
+fn unit_q4_k(a: u32, s: u32) -> QUnit {
+    var u: QUnit;
+    let qs = run8(a + 16u + 32u * (s / 2u));
+    for (var g = 0u; g < 8u; g++) {
+        u.q[g] = vec4<f32>(bytes4(qs[g], 4u * (s % 2u), 0xfu));
+    }
+    u.s0 = k4_scale_words(a, s);
+    u.s1 = u.s0;
+    return u;
+}
+
+// Q6_K: sub-block s is quarter s % 4 of half s / 4 (low nibbles and high bit pairs).
+fn unit_q6_k(a: u32, s: u32) -> QUnit {
+    var u: QUnit;
+    let h = s / 4u;
+    let qq = s % 4u;
+    let ql = run8(a + 64u * h + 32u * (qq % 2u));
+    let qh = run8(a + 128u + 32u * h);
+    for (var g = 0u; g < 8u; g++) {
+        let low = bytes4(ql[g], 4u * (qq / 2u), 0xfu);
+        let high = bytes4(qh[g], 2u * qq, 3u);
+        u.q[g] = vec4<f32>(low | (high << vec4<u32>(4u)));
+    }
+    let sc = u16_at(a + 192u + 8u * h + 2u * qq);
+    let d = f16_at(a + 208u);
+    let s0 = d * f32(signed_byte(sc & 0xffu));
+    let s1 = d * f32(signed_byte(sc >> 8u));
+    u.s0 = vec2<f32>(s0, 32.0 * s0);
+    u.s1 = vec2<f32>(s1, 32.0 * s1);
+    return u;
+}
+
+// Any type, through chunk_scale and chunk_quad.
+fn unit_any(a: u32, s: u32) -> QUnit {
+    var u: QUnit;
+    for (var g = 0u; g < 4u; g++) {
+        u.q[g] = chunk_quad(a, 2u * s, g);
+        u.q[g + 4u] = chunk_quad(a, 2u * s + 1u, g);
+    }
+    u.s0 = chunk_scale(a, 2u * s);
+    u.s1 = chunk_scale(a, 2u * s + 1u);
+    return u;
+}
+
+// Sub-block s (32 values) of the block at byte a.
+fn unit_at(a: u32, s: u32) -> QUnit {
+    switch QTYPE {
+        case 8u: { return unit_q8_0(a); }
+        case 2u, 6u, 20u: { return unit_q4_0(a); }
+        case 12u: { return unit_q4_k(a, s); }
+        case 14u: { return unit_q6_k(a, s); }
+        default: { return unit_any(a, s); }
+    }
+}

@@ -7,8 +7,8 @@
 // QV_NR neighbouring weight rows, and its QV_TPR invocations stride along k by 32-value units
 // (a whole 32-value block, or one sub-block of a 256-value one), neighbours on neighbouring
 // units, so a row group's loads sweep its rows' bytes front to back. An invocation reads
-// each unit of each of its rows with whole-word loads (chunk_quad), unpacks the unit's scales
-// once, and applies the 32 dequantized values to every row of x: the x values it loads serve
+// each unit of each of its rows with whole-word loads, each word once (unit_at), unpacks the
+// unit's scales once, and applies the 32 dequantized values to every row of x: the x values it loads serve
 // all QV_NR weight rows. QV_TPR = 1 (no reduction) is the layout of a CPU driver, where an
 // invocation is a SIMD lane and uniform loads of x are scalar; QV_TPR = 32-64 the layout of a
 // GPU, a warp or wave per row group.
@@ -38,30 +38,47 @@ const QV_ROWS: u32 = 8u;
 // The first weight row of the invocation's row group, and the invocation's lane in it.
 fn qv_place(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> vec2<u32> {
     let group = (wid.y * nwg.x + wid.x) * (QV_WG / QV_TPR) + lid / QV_TPR;
-    return vec2<u32>(group * QV_NR, lid % QV_TPR);
+    // Written so that with QV_TPR = 1 the lane is a constant: a CPU driver then sees every
+    // load of x as uniform.
+    return vec2<u32>(group * QV_NR, select(lid % QV_TPR, 0u, QV_TPR == 1u));
 }
 
-// 32 values of x row r from vec4 index i, dotted with a unit's two chunks (q: quants 0..32
-// as 8 quads; s0, s1: the chunks' scale and offset).
-fn qv_dot(i: u32, q: array<vec4<f32>, 8>, s0: vec2<f32>, s1: vec2<f32>) -> f32 {
-    let x0 = x[i];
-    let x1 = x[i + 1u];
-    let x2 = x[i + 2u];
-    let x3 = x[i + 3u];
-    let x4 = x[i + 4u];
-    let x5 = x[i + 5u];
-    let x6 = x[i + 6u];
-    let x7 = x[i + 7u];
-    let d0 = dot(x0, q[0]) + dot(x1, q[1]) + dot(x2, q[2]) + dot(x3, q[3]);
-    let d1 = dot(x4, q[4]) + dot(x5, q[5]) + dot(x6, q[6]) + dot(x7, q[7]);
-    let one = vec4<f32>(1.0);
-    let sum0 = dot(x0 + x1 + x2 + x3, one);
-    let sum1 = dot(x4 + x5 + x6 + x7, one);
-    return s0.x * d0 - s0.y * sum0 + s1.x * d1 - s1.y * sum1;
+// 32 values of x (8 vec4) and, where the type has offsets, the sums of its two halves.
+struct XUnit {
+    v: array<vec4<f32>, 8>,
+    sums: vec2<f32>,
+}
+
+fn qv_x(i: u32) -> XUnit {
+    var xu: XUnit;
+    for (var j = 0u; j < 8u; j++) {
+        xu.v[j] = x[i + j];
+    }
+    // The branch folds away per type.
+    if (has_offset()) {
+        let one = vec4<f32>(1.0);
+        xu.sums = vec2<f32>(
+            dot(xu.v[0] + xu.v[1] + xu.v[2] + xu.v[3], one),
+            dot(xu.v[4] + xu.v[5] + xu.v[6] + xu.v[7], one),
+        );
+    }
+    return xu;
+}
+
+// A unit of x dotted with a dequantized unit of weights.
+fn qv_dot(xu: XUnit, u: QUnit) -> f32 {
+    let d0 = dot(xu.v[0], u.q[0]) + dot(xu.v[1], u.q[1]) + dot(xu.v[2], u.q[2]) + dot(xu.v[3], u.q[3]);
+    let d1 = dot(xu.v[4], u.q[4]) + dot(xu.v[5], u.q[5]) + dot(xu.v[6], u.q[6]) + dot(xu.v[7], u.q[7]);
+    var v = u.s0.x * d0 + u.s1.x * d1;
+    if (has_offset()) {
+        v -= u.s0.y * xu.sums.x + u.s1.y * xu.sums.y;
+    }
+    return v;
 }
 
 // acc[r][c]: this invocation's share of x row r . weight row n0 + c (rows past n clamped to
-// the last, their sums discarded by the caller).
+// the last, their sums discarded by the caller). Per unit, the QV_NR weight rows are
+// dequantized first, then each row of x is loaded once and applied to all of them.
 fn qv_partial(n0: u32, lane: u32) -> array<vec4<f32>, QV_ROWS> {
     let per_block = block_len() / 32u;
     let bytes = block_bytes();
@@ -70,19 +87,16 @@ fn qv_partial(n0: u32, lane: u32) -> array<vec4<f32>, QV_ROWS> {
     let k4 = p.k / 4u;
     var acc: array<vec4<f32>, QV_ROWS>;
     for (var u = lane; u < units; u += QV_TPR) {
-        let c0 = 2u * (u % per_block);
+        let base = (u / per_block) * bytes;
+        var wu: array<QUnit, 4>;
         for (var c = 0u; c < QV_NR; c++) {
-            let a = min(n0 + c, p.n - 1u) * row_bytes + (u / per_block) * bytes;
-            let s0 = chunk_scale(a, c0);
-            let s1 = chunk_scale(a, c0 + 1u);
-            var q: array<vec4<f32>, 8>;
-            for (var g = 0u; g < 4u; g++) {
-                q[g] = chunk_quad(a, c0, g);
-                q[g + 4u] = chunk_quad(a, c0 + 1u, g);
-            }
-            for (var r = 0u; r < QV_ROWS; r++) {
-                if (r < p.m) {
-                    acc[r][c] += qv_dot(r * k4 + 8u * u, q, s0, s1);
+            wu[c] = unit_at(min(n0 + c, p.n - 1u) * row_bytes + base, u % per_block);
+        }
+        for (var r = 0u; r < QV_ROWS; r++) {
+            if (r < p.m) {
+                let xu = qv_x(r * k4 + 8u * u);
+                for (var c = 0u; c < QV_NR; c++) {
+                    acc[r][c] += qv_dot(xu, wu[c]);
                 }
             }
         }

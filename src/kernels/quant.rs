@@ -190,7 +190,7 @@ macro_rules! qvariants {
             qv_wg!($t $id $suffix, 1, 8, 1),
             qv_wg!($t $id $suffix, 1, 8, 2),
             qv_wg!($t $id $suffix, 1, 8, 4),
-            qv_wg!($t $id $suffix, 1, 32, 2),
+            qv_wg!($t $id $suffix, 1, 32, 4),
             qv_wg!($t $id $suffix, 16, 64, 2),
             qv_wg!($t $id $suffix, 32, 64, 2),
             qv_wg!($t $id $suffix, 64, 64, 1),
