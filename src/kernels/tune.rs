@@ -108,6 +108,7 @@ pub fn parse_forced(what: &str, list: &str) -> Result<Vec<String>> {
         if variants::by_name(name).is_none() && !quant {
             let mut names = variants::names();
             names.extend(super::quant::QUANT_VARIANTS.iter().map(|v| v.name));
+            names.extend(super::quant_dp4::DP4_VARIANTS.iter().map(|v| v.name));
             return Err(bad(
                 what,
                 name,
