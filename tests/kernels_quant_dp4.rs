@@ -16,6 +16,7 @@ mod gguf_support;
 use gguf_support::{llama_dequantize, random_blocks};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use wgpar::device::{open_devices, Adapters, DeviceSelection, GpuOptions};
 use wgpar::kernels::quant::{choose_quant, quant_matmul, PackedMatrix, QuantIo};
 use wgpar::kernels::quant_dp4::{self, DP4_VARIANTS};
 use wgpar::kernels::tune::{self, TuneMode, TuneSettings};
@@ -183,6 +184,56 @@ fn forced_dp4_variants_follow_the_adapters_offer() {
         assert_eq!(prefill.name, "qgemm_q8_0");
     }
     tune::configure(TuneSettings::from_env().unwrap());
+}
+
+/// On llvmpipe's GL adapter naga emulates `dot4I8Packed`: the variants are no candidates
+/// there, forcing one is refused with that reason, and one named explicitly still computes
+/// within the bound (the emulation is exact).
+#[test]
+fn on_gl_the_dp4_variants_are_not_offered() {
+    let adapters = Adapters::discover().unwrap();
+    let Some(gl) = adapters.list().iter().find(|a| a.backend == "Gl") else {
+        common::feature_missing("a GL adapter", "the integer-dot gate's refusal");
+        return;
+    };
+    tune::configure(TuneSettings {
+        mode: TuneMode::Auto,
+        forced: vec!["qdp4gemv64_q4_0".into()],
+        cache_dir: None,
+    });
+    let selection = DeviceSelection::Indices(vec![gl.index]);
+    let gpu = open_devices(&adapters, &selection, &GpuOptions::default())
+        .unwrap()
+        .remove(0);
+    let why = quant_dp4::offered(&gpu).unwrap_err();
+    assert!(why.contains("Gl") && why.contains("emulates"), "{why}");
+    assert!(quant_dp4::candidates(&gpu, QuantType::Q4_0).is_empty());
+    let e = choose_quant(&gpu, QuantType::Q4_0, (1, 40, 64)).unwrap_err();
+    assert!(e.to_string().contains("qdp4gemv64_q4_0") && e.to_string().contains(&why));
+    tune::configure(TuneSettings::from_env().unwrap());
+    let (t, (m, n, k)) = (QuantType::Q4_0, (2, 21, 96));
+    let packed = random_blocks(t, n * k / 32, &mut ChaCha8Rng::seed_from_u64(5));
+    let (x, bias) = (inputs(m * k, 6), common::random(n, 7));
+    let r = reference(&x, &llama_dequantize(t, &packed), &bias, (m, n, k));
+    let wt = PackedMatrix::upload(&gpu, "w", t, &packed, (n, k)).unwrap();
+    let (xt, bt) = (
+        gpu.upload_f32("x", &x).unwrap(),
+        gpu.upload_f32("b", &bias).unwrap(),
+    );
+    let yt = gpu.upload_f32("y", &vec![0.0; m * n]).unwrap();
+    gpu.poison(&yt);
+    let mut enc = gpu.encoder();
+    let io = QuantIo {
+        x: &xt,
+        w: &wt,
+        bias: Some(&bt),
+        y: &yt,
+    };
+    quant_matmul(&gpu, &mut enc, io, m, Some("qdp4gemv64_q4_0")).unwrap();
+    gpu.submit(enc);
+    let got = gpu.read_f32(&yt).unwrap();
+    let (outside, ratio) = check(&got, &r.want, &|i| r.int8[i] + r.f32_slack[i]);
+    assert_eq!((outside, got.len()), (0, m * n), "{ratio} x the bound");
 }
 
 /// Every variant's module, with its override constants applied as wgpu applies them,
