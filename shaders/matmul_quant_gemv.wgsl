@@ -13,12 +13,11 @@ fn qgemv_wg(
     @builtin(local_invocation_index) lid: u32,
 ) {
     let at = qv_place(wid, nwg, lid);
-    let acc = qv_partial(at.x, at.y);
     for (var r = 0u; r < QV_ROWS; r++) {
         if (r >= p.m) {
             break;
         }
-        var v = acc[r];
+        var v = qv_row(at.x, at.y, r);
         if (QV_TPR > 1u) {
             qv_red[lid] = v;
             workgroupBarrier();

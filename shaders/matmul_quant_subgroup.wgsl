@@ -18,10 +18,9 @@ fn qgemv_sg(
     @builtin(num_subgroups) nsg: u32,
 ) {
     let at = qv_place(wid, nwg, lid);
-    let acc = qv_partial(at.x, at.y);
     for (var r = 0u; r < QV_ROWS; r++) {
         if (r < p.m) {
-            let s = subgroupAdd(acc[r]);
+            let s = subgroupAdd(qv_row(at.x, at.y, r));
             if (lane == 0u && sg < QV_MAX_SUBGROUPS) {
                 qv_part[r * QV_MAX_SUBGROUPS + sg] = s;
             }

@@ -8,8 +8,8 @@
 // (a whole 32-value block, or one sub-block of a 256-value one), neighbours on neighbouring
 // units, so a row group's loads sweep its rows' bytes front to back. An invocation reads
 // each unit of each of its rows with whole-word loads, each word once (unit_at), unpacks the
-// unit's scales once, and applies the 32 dequantized values to every row of x: the x values it loads serve
-// all QV_NR weight rows. QV_TPR = 1 (no reduction) is the layout of a CPU driver, where an
+// unit's scales once, and dequantizes in registers; the x values it loads serve all QV_NR
+// weight rows. QV_TPR = 1 (no reduction) is the layout of a CPU driver, where an
 // invocation is a SIMD lane and uniform loads of x are scalar; QV_TPR = 32-64 the layout of a
 // GPU, a warp or wave per row group.
 
@@ -76,29 +76,26 @@ fn qv_dot(xu: XUnit, u: QUnit) -> f32 {
     return v;
 }
 
-// acc[r][c]: this invocation's share of x row r . weight row n0 + c (rows past n clamped to
-// the last, their sums discarded by the caller). Per unit, the QV_NR weight rows are
-// dequantized first, then each row of x is loaded once and applied to all of them.
-fn qv_partial(n0: u32, lane: u32) -> array<vec4<f32>, QV_ROWS> {
+// This invocation's share of x row r . weight rows n0 .. n0 + QV_NR (component c: row
+// n0 + c; rows past n clamped to the last, their sums discarded by the caller). Per unit, the
+// 32 values of x are loaded once and applied to every weight row. Rows of x are the outer
+// loop (one call per row): every index is then a constant or uniform, so nothing lives in an
+// indexed array (a CPU driver would keep such an array in memory); a decode step has one row,
+// and a few rows re-read the weights from cache.
+fn qv_row(n0: u32, lane: u32, r: u32) -> vec4<f32> {
     let per_block = block_len() / 32u;
     let bytes = block_bytes();
     let row_bytes = (p.k / block_len()) * bytes;
     let units = p.k / 32u;
-    let k4 = p.k / 4u;
-    var acc: array<vec4<f32>, QV_ROWS>;
+    let first = r * (p.k / 4u);
+    var acc = vec4<f32>(0.0);
     for (var u = lane; u < units; u += QV_TPR) {
+        let xu = qv_x(first + 8u * u);
         let base = (u / per_block) * bytes;
-        var wu: array<QUnit, 4>;
         for (var c = 0u; c < QV_NR; c++) {
-            wu[c] = unit_at(min(n0 + c, p.n - 1u) * row_bytes + base, u % per_block);
-        }
-        for (var r = 0u; r < QV_ROWS; r++) {
-            if (r < p.m) {
-                let xu = qv_x(r * k4 + 8u * u);
-                for (var c = 0u; c < QV_NR; c++) {
-                    acc[r][c] += qv_dot(xu, wu[c]);
-                }
-            }
+            let wu = unit_at(min(n0 + c, p.n - 1u) * row_bytes + base, u % per_block);
+            let d = qv_dot(xu, wu);
+            acc += select(vec4<f32>(0.0), vec4<f32>(d), vec4<u32>(0u, 1u, 2u, 3u) == vec4<u32>(c));
         }
     }
     return acc;
