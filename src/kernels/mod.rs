@@ -6,6 +6,7 @@ pub mod bench;
 mod cache;
 pub mod ops;
 pub mod quant;
+pub mod quant_dp4;
 pub mod roofline;
 pub mod tune;
 pub mod variants;
@@ -48,6 +49,9 @@ pub enum Family {
     /// `matmul_quant.wgsl`: decode GEMV and prefill GEMM on block-quantized weights (Q8_0,
     /// Q4_0, Q4_K, Q6_K), dequantized in registers.
     MatmulQuant,
+    /// `matmul_quant_dp4.wgsl`: decode GEMV on the same packed weights with int8 inputs and
+    /// packed 4x8 integer dot products (`dot4I8Packed`).
+    MatmulQuantDp4,
     /// `matmul_quant_gemv.wgsl`: block-wise decode GEMV on packed weights (whole-word loads,
     /// scales unpacked once per block, x read as vec4), reduced in workgroup memory.
     MatmulQuantGemv,
@@ -80,12 +84,13 @@ pub enum Family {
 
 impl Family {
     /// Every family, for validation tests.
-    pub const ALL: [Family; 18] = [
+    pub const ALL: [Family; 19] = [
         Family::Matmul,
         Family::MatmulVec4,
         Family::MatmulSubgroup,
         Family::MatmulBlock,
         Family::MatmulQuant,
+        Family::MatmulQuantDp4,
         Family::MatmulQuantGemv,
         Family::MatmulQuantSubgroup,
         Family::Norm,
@@ -113,6 +118,10 @@ impl Family {
             Family::MatmulBlock => include_str!("../../shaders/matmul_block.wgsl"),
             Family::MatmulQuant => concat!(
                 include_str!("../../shaders/matmul_quant.wgsl"),
+                include_str!("../../shaders/quant_blocks.wgsl")
+            ),
+            Family::MatmulQuantDp4 => concat!(
+                include_str!("../../shaders/matmul_quant_dp4.wgsl"),
                 include_str!("../../shaders/quant_blocks.wgsl")
             ),
             Family::MatmulQuantGemv => concat!(
@@ -191,6 +200,7 @@ impl Family {
             | Family::MatmulSubgroup
             | Family::MatmulBlock
             | Family::MatmulQuant
+            | Family::MatmulQuantDp4
             | Family::MatmulQuantGemv
             | Family::MatmulQuantSubgroup => &[Read, Read, Read, ReadWrite, Uniform],
             Family::Norm => &[Read, ReadWrite, Read, Read, Uniform],
@@ -218,6 +228,7 @@ impl Family {
             Family::MatmulSubgroup => &["gemv_subgroup"],
             Family::MatmulBlock => &["gemm_block"],
             Family::MatmulQuant => &["qgemv", "qgemm", "qgemm_tile"],
+            Family::MatmulQuantDp4 => &["qgemv_dp4"],
             Family::MatmulQuantGemv => &["qgemv_wg"],
             Family::MatmulQuantSubgroup => &["qgemv_sg"],
             Family::Norm => &["layernorm", "rmsnorm", "rmsnorm_heads"],

@@ -65,6 +65,7 @@ impl QuantVariant {
     pub fn family(&self) -> Family {
         match self.entry {
             "qembed" => Family::EmbeddingQuant,
+            "qgemv_dp4" => Family::MatmulQuantDp4,
             "qgemv_wg" => Family::MatmulQuantGemv,
             "qgemv_sg" => Family::MatmulQuantSubgroup,
             _ => Family::MatmulQuant,
@@ -99,7 +100,7 @@ impl QuantVariant {
     fn rows_per_workgroup(&self) -> usize {
         match (self.constant("QV_TPR"), self.constant("QV_NR")) {
             (Some(tpr), Some(nr)) => self.workgroup() / tpr * nr,
-            _ => GEMV_COLS,
+            _ => self.constant("GV_COLS").unwrap_or(GEMV_COLS),
         }
     }
 
@@ -402,7 +403,7 @@ impl AsRef<Bound> for QuantMatmul {
 
 /// The variant named `name` for `qtype`.
 pub fn variant_by_name(name: &str) -> Option<&'static QuantVariant> {
-    QUANT_VARIANTS.iter().find(|v| v.name == name)
+    (QUANT_VARIANTS.iter().find(|v| v.name == name)).or_else(|| super::quant_dp4::by_name(name))
 }
 
 /// The variant a quantized matmul of `qtype` runs for `(m, n, k)` on `gpu`: the tuned choice
@@ -420,11 +421,16 @@ pub fn choose_quant(
         return Ok(v);
     }
     let prefill = m > GEMV_MAX_ROWS;
-    let candidates: Vec<&'static QuantVariant> = (QUANT_VARIANTS.iter())
+    let mut candidates: Vec<&'static QuantVariant> = (QUANT_VARIANTS.iter())
         .filter(|v| v.qtype == qtype && v.usable(gpu) && !(prefill && v.is_gemv()))
         .collect();
+    // The integer-dot variants are decode GEMVs.
+    if !prefill {
+        candidates.extend(super::quant_dp4::candidates(gpu, qtype));
+    }
     let find = |name: &str| candidates.iter().copied().find(|v| v.name == name);
     let settings = tune::settings()?;
+    super::quant_dp4::refuse_forced(gpu, &settings.forced)?;
     let mut measure = || time_quant(gpu, (m, n, k), &candidates, Effort::Tune);
     let fallback = default_variant(qtype, m);
     let chosen = tune::decide_named(gpu, &settings, &class.key(), &find, fallback, &mut measure)?;

@@ -10,7 +10,9 @@
 //! - `WGPAR_KERNELS=name,...`: force variants; each op takes the first listed variant that
 //!   applies to its shape (others tune as usual). Names: `wgpar bench kernels` lists them;
 //!   the quantized matmul's are `qgemv64_TYPE`, `qgemv128_TYPE`, `qgemm_TYPE` and the
-//!   block-wise GEMVs `qgvTPRwWGrNR_TYPE` and `qgvsgWGrNR_TYPE` ([`super::quant::QUANT_VARIANTS`]).
+//!   block-wise GEMVs `qgvTPRwWGrNR_TYPE` and `qgvsgWGrNR_TYPE` ([`super::quant::QUANT_VARIANTS`]),
+//!   integer-dot `qdp4gemv64_TYPE` and `qdp4gemv128_TYPE` (refused, with the reason, on an
+//!   adapter without native integer dot products: [`super::quant_dp4::offered`]).
 //! - `WGPAR_CACHE_DIR=dir`: the cache folder (default `$XDG_CACHE_HOME/wgpar`, else
 //!   `$HOME/.cache/wgpar`); `WGPAR_CACHE_DIR=` (empty) keeps choices in memory only.
 //! - `WGPAR_NO_SUBGROUPS=1`: never choose subgroup variants.
@@ -107,6 +109,7 @@ pub fn parse_forced(what: &str, list: &str) -> Result<Vec<String>> {
         if variants::by_name(name).is_none() && !quant {
             let mut names = variants::names();
             names.extend(super::quant::QUANT_VARIANTS.iter().map(|v| v.name));
+            names.extend(super::quant_dp4::DP4_VARIANTS.iter().map(|v| v.name));
             return Err(bad(
                 what,
                 name,
