@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 use gguf_support::{llama_dequantize, random_blocks};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use wgpar::kernels::quant::{quant_matmul, PackedMatrix, QuantIo, GEMV_MAX_ROWS, QUANT_VARIANTS};
+use wgpar::kernels::quant::{PackedMatrix, QuantIo, GEMV_MAX_ROWS, QUANT_VARIANTS};
 use wgpar::model::quant::{dequantize, quantize, QuantType};
 
 fn reference(x: &[f32], w: &[f32], bias: &[f32], (m, n, k): (usize, usize, usize)) -> Vec<f64> {
@@ -92,17 +92,13 @@ fn every_variant_matches_llama_cpps_dequantization() {
                     continue;
                 }
                 ran.insert(v.name);
-                gpu.poison(&yt);
-                let mut enc = gpu.encoder();
                 let io = QuantIo {
                     x: &xt,
                     w: &wt,
                     bias: Some(&bt),
                     y: &yt,
                 };
-                quant_matmul(&gpu, &mut enc, io, m, Some(v.name)).unwrap();
-                gpu.submit(enc);
-                let got = gpu.read_f32(&yt).unwrap();
+                let got = common::packed_matmul(&gpu, io, m, Some(v.name));
                 let err = common::rel_err(&got, &want);
                 assert!(
                     err < 1e-5,
@@ -140,17 +136,13 @@ fn default_choice_runs_without_bias_and_refuses_broken_rows() {
     let wt = PackedMatrix::upload(&gpu, "w", QuantType::Q8_0, &packed, (n, k)).unwrap();
     let xt = gpu.upload_f32("x", &common::random(m * k, 4)).unwrap();
     let yt = gpu.upload_f32("y", &vec![0.0; m * n]).unwrap();
-    gpu.poison(&yt);
-    let mut enc = gpu.encoder();
     let io = QuantIo {
         x: &xt,
         w: &wt,
         bias: None,
         y: &yt,
     };
-    quant_matmul(&gpu, &mut enc, io, m, None).unwrap();
-    gpu.submit(enc);
-    assert!(common::rel_err(&gpu.read_f32(&yt).unwrap(), &want) < 1e-5);
+    assert!(common::rel_err(&common::packed_matmul(&gpu, io, m, None), &want) < 1e-5);
     // Rows that are not whole blocks, and a byte count that does not match, are refused.
     let e = PackedMatrix::upload(&gpu, "w", QuantType::Q4K, &packed, (n, 64)).unwrap_err();
     assert!(e.to_string().contains("not whole"), "{e}");

@@ -17,7 +17,7 @@ use gguf_support::{llama_dequantize, random_blocks};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use wgpar::device::{open_devices, Adapters, DeviceSelection, GpuOptions};
-use wgpar::kernels::quant::{choose_quant, quant_matmul, PackedMatrix, QuantIo};
+use wgpar::kernels::quant::{choose_quant, PackedMatrix, QuantIo};
 use wgpar::kernels::quant_dp4::{self, DP4_VARIANTS};
 use wgpar::kernels::tune::{self, TuneMode, TuneSettings};
 use wgpar::kernels::Family;
@@ -121,17 +121,13 @@ fn every_dp4_variant_stays_within_the_int8_bound_of_llama_cpps_product() {
             let bt = gpu.upload_f32("bias", &bias).unwrap();
             let yt = gpu.upload_f32("y", &vec![0.0; m * n]).unwrap();
             for v in DP4_VARIANTS.iter().filter(|v| v.qtype == t) {
-                gpu.poison(&yt);
-                let mut enc = gpu.encoder();
                 let io = QuantIo {
                     x: &xt,
                     w: &wt,
                     bias: Some(&bt),
                     y: &yt,
                 };
-                quant_matmul(&gpu, &mut enc, io, m, Some(v.name)).unwrap();
-                gpu.submit(enc);
-                let got = gpu.read_f32(&yt).unwrap();
+                let got = common::packed_matmul(&gpu, io, m, Some(v.name));
                 let bound = |i: usize| r.int8[i] + r.f32_slack[i];
                 let (outside, ratio) = check(&got, &r.want, &bound);
                 assert_eq!(outside, 0, "{} at {m}x{n}x{k}: {ratio} x the bound", v.name);
@@ -221,17 +217,13 @@ fn on_gl_the_dp4_variants_are_not_offered() {
         gpu.upload_f32("b", &bias).unwrap(),
     );
     let yt = gpu.upload_f32("y", &vec![0.0; m * n]).unwrap();
-    gpu.poison(&yt);
-    let mut enc = gpu.encoder();
     let io = QuantIo {
         x: &xt,
         w: &wt,
         bias: Some(&bt),
         y: &yt,
     };
-    quant_matmul(&gpu, &mut enc, io, m, Some("qdp4gemv64_q4_0")).unwrap();
-    gpu.submit(enc);
-    let got = gpu.read_f32(&yt).unwrap();
+    let got = common::packed_matmul(&gpu, io, m, Some("qdp4gemv64_q4_0"));
     let (outside, ratio) = check(&got, &r.want, &|i| r.int8[i] + r.f32_slack[i]);
     assert_eq!((outside, got.len()), (0, m * n), "{ratio} x the bound");
 }

@@ -136,3 +136,18 @@ pub fn feature_missing(feature: &str, what: &str) {
     );
     eprintln!("adapter lacks {feature}: {what} not tested here");
 }
+
+/// `io.y` after one packed matmul of `m` rows through `variant` (`None`: the tuner's choice),
+/// poisoned first so that an output the kernel skips cannot pass as written.
+pub fn packed_matmul(
+    gpu: &Gpu,
+    io: wgpar::kernels::quant::QuantIo<'_>,
+    m: usize,
+    variant: Option<&str>,
+) -> Vec<f32> {
+    gpu.poison(io.y);
+    let mut enc = gpu.encoder();
+    wgpar::kernels::quant::quant_matmul(gpu, &mut enc, io, m, variant).unwrap();
+    gpu.submit(enc);
+    gpu.read_f32(io.y).unwrap()
+}
