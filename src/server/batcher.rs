@@ -430,7 +430,16 @@ impl Batcher {
                     }
                     return Ok(());
                 }
-                None => picker.pick(logits),
+                None => match picker.pick(logits) {
+                    Ok(picked) => picked,
+                    Err(e) => {
+                        // Only this request's grammar failed: it alone ends, with the error.
+                        let _ = s.job.events.send(Event::Error(e.to_string()));
+                        self.metrics.failed.inc();
+                        self.free.push(s.slot);
+                        return Ok(());
+                    }
+                },
             },
             (Some(_), None) => {
                 return Err(crate::WgparError::Internal(
