@@ -108,6 +108,31 @@ fn unmasked_is_not_json(server: &Server, prompt: &str) {
     );
 }
 
+/// A greedy structured request is masked in the device's pick; with `logprobs` the same
+/// request reads its logits back and is masked on the host: the same text either way.
+fn device_and_host_masks_agree(server: &Server) {
+    let schema = json!({"type": "object", "properties": {
+        "k": {"enum": ["x", "yy", "zzz"]}, "v": {"type": "integer", "minimum": 0, "maximum": 9999},
+        "s": {"type": "string", "maxLength": 6}}, "required": ["k", "v", "s"],
+        "additionalProperties": false});
+    let rf = json!({"type": "json_schema", "json_schema": {"name": "o", "schema": schema}});
+    let mut texts = Vec::new();
+    for logprobs in [None, Some(0)] {
+        let body = json!({"model": "m", "prompt": "q r", "max_tokens": 60, "temperature": 0,
+            "response_format": rf, "logprobs": logprobs});
+        let (code, v) = post(server, "/v1/completions", &body);
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        texts.push(v["choices"][0]["text"].as_str().unwrap().to_string());
+    }
+    assert_eq!(texts[0], texts[1]);
+    let value: Value = serde_json::from_str(&texts[0]).unwrap();
+    assert!(
+        ["x", "yy", "zzz"].contains(&value["k"].as_str().unwrap()),
+        "{value}"
+    );
+}
+
 #[test]
 fn a_random_models_masked_answers_validate_on_every_strategy() {
     let dir = hf_support::scratch("serve-structured-bytes");
@@ -120,6 +145,7 @@ fn a_random_models_masked_answers_validate_on_every_strategy() {
         let server = serve(&model, extra);
         unmasked_is_not_json(&server, "abc");
         answers(&server, "bytes", 80);
+        device_and_host_masks_agree(&server);
         // Sampling (read back to the host sampler) is masked too.
         let body = json!({"model": "m", "prompt": "abc", "max_tokens": 80, "temperature": 1.0,
             "seed": 5, "top_k": 0, "response_format": {"type": "json_object"}});

@@ -166,6 +166,21 @@ pub struct PickRules {
 }
 
 impl PickRules {
+    /// The most likely token, no rule acting on the logits.
+    pub fn greedy() -> Self {
+        Self {
+            sampling: None,
+            bias: Vec::new(),
+            allowed: None,
+            presence: 0.0,
+            frequency: 0.0,
+            repetition: 1.0,
+            min_p: 0.0,
+            min_tokens: 0,
+            end_tokens: Vec::new(),
+        }
+    }
+
     /// Nothing to do beyond the most likely token: the device's greedy pick serves it.
     pub fn is_greedy(&self) -> bool {
         // min-p only trims what a draw may pick: the most likely token always stays.

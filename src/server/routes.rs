@@ -423,8 +423,9 @@ fn jobs(
             if let Some(s) = rules.sampling.as_mut() {
                 s.seed = s.seed.wrapping_add(i as u64);
             }
+            // A greedy structured request is masked in the device's pick; any other masks
+            // its read-back logits in its own picker.
             let host = scoring || p.logprobs.is_some() || !rules.is_greedy();
-            let host = host || constraint.is_some();
             let picker = host
                 .then(|| RequestPicker::new(rules, p.logprobs, prompt))
                 .transpose()
@@ -433,6 +434,7 @@ fn jobs(
                     Some(c) => picker.with_constraint(c.clone()),
                     None => picker,
                 });
+            let device_constraint = constraint.clone().filter(|_| !host);
             let split = if scoring { 1 } else { prompt.len() };
             let (tx, rx) = unbounded_channel();
             let ending = Arc::new(Ending::default());
@@ -445,6 +447,7 @@ fn jobs(
                 ignore_eos: p.ignore_eos,
                 stop_ids: p.stop_ids.clone(),
                 picker,
+                constraint: device_constraint,
                 ending: ending.clone(),
             });
             rxs.push((rx, ending));
