@@ -702,7 +702,7 @@ impl GpuModel {
     pub fn write_allow(&self, act: &mut Activations, allow: &[u32]) -> Result<()> {
         let t = act.buf.allow.as_ref().ok_or_else(|| act.no_head())?;
         let words = allow_words(self.config.vocab);
-        if allow.len() % words != 0 || allow.len() / words > act.batch {
+        if !allow.len().is_multiple_of(words) || allow.len() / words > act.batch {
             return Err(WgparError::InvalidCall(format!(
                 "{} mask words are not whole rows of {words} for at most {} rows",
                 allow.len(),
