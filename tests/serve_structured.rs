@@ -126,6 +126,16 @@ fn device_and_host_masks_agree(server: &Server) {
         texts.push(v["choices"][0]["text"].as_str().unwrap().to_string());
     }
     assert_eq!(texts[0], texts[1]);
+    // Each of `n` choices gets its own copy of the compiled grammar.
+    let body = json!({"model": "m", "prompt": "q r", "max_tokens": 60, "temperature": 0,
+        "response_format": rf, "n": 3});
+    let (code, v) = post(server, "/v1/completions", &body);
+    assert_eq!(code, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{v}");
+    for c in choices {
+        assert_eq!(c["text"].as_str(), Some(texts[0].as_str()), "{v}");
+    }
     let value: Value = serde_json::from_str(&texts[0]).unwrap();
     assert!(
         ["x", "yy", "zzz"].contains(&value["k"].as_str().unwrap()),
