@@ -224,9 +224,7 @@ impl FromStr for LongPrompt {
         let tokens = tokens.trim().parse::<usize>().ok().filter(|&n| n >= 1);
         let at_s = at.trim().parse::<f64>().ok();
         match (tokens, at_s) {
-            (Some(tokens), Some(at_s)) if at_s.is_finite() && at_s >= 0.0 && at_s <= 1e6 => {
-                Ok(Self { tokens, at_s })
-            }
+            (Some(tokens), Some(at_s)) if (0.0..=1e6).contains(&at_s) => Ok(Self { tokens, at_s }),
             _ => Err(bad()),
         }
     }
