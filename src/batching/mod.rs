@@ -4,13 +4,15 @@
 //! Requests arrive on their own clock (`workload.rs`). Each lane of the engine (one for a
 //! device or a tensor-parallel group, one per micro-batch for a pipeline; see
 //! [`StepEngine`]) holds a running batch: sequences in KV slots, each at its own position.
-//! Whenever a lane is free the scheduler gives it its next step: first a prefill of waiting
-//! requests (those of the oldest one's prompt length, as many as free slots, the lane's share
-//! of the slots and `max_prefill_tokens` allow), which then join the lane's batch; otherwise
-//! one decode step of every sequence in the lane. A sequence that has its tokens leaves at
-//! once and frees its slot. Greedy sampling, so each request's tokens are those it would get
-//! alone. A request that cannot fit a slot ([`WgparError::KvCapacity`]) is refused on arrival;
-//! the others run.
+//! Whenever a lane is free the scheduler gives it its next step, alternating under a step
+//! budget (`max_step_tokens`, see `chunk.rs`): a decode step of every sequence in the lane,
+//! then a step of prompt chunks holding what the budget leaves (prompts part-way into the
+//! lane's slots first, then waiting requests while the lane has slots). A prompt longer than
+//! that is prefilled over several chunk steps, each at the position where its cached tokens
+//! end; the chunk that completes it gives its first token and it joins the decode batch. A
+//! sequence that has its tokens leaves at once and frees its slot. Greedy sampling, so each
+//! request's tokens are those it would get alone. A request that cannot fit a slot
+//! ([`WgparError::KvCapacity`]) is refused on arrival; the others run.
 //!
 //! Every step records what it waited for (the lane's previous output, whatever freed its
 //! slots, and for a prefill the arrival of its requests as a release time), so the run's

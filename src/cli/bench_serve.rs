@@ -307,7 +307,7 @@ fn build(
     let runs = [super::PlannedRun {
         strategy: &strategy,
         adapters: &selected,
-        step_tokens: opts.max_batch * args.prompt_len.max(),
+        step_tokens: largest_step(args, opts),
         batch: opts.max_batch,
         work,
     }];
@@ -341,6 +341,16 @@ fn build(
         dtype,
         strategy,
     })
+}
+
+/// The most tokens one step carries: a decode step of every slot, or prompt chunks within
+/// the step budget (prompts longer than that are prefilled over several steps).
+fn largest_step(args: &ServeArgs, opts: &ServeOptions) -> usize {
+    let longest = (args.prompt_len.max()).max(args.long_prompt.map_or(0, |l| l.tokens));
+    (opts.max_batch * longest)
+        .min(opts.max_prefill_tokens)
+        .min(opts.max_step_tokens)
+        .max(opts.max_batch)
 }
 
 /// The recorded run, with a progress bar unless the output is JSON.
