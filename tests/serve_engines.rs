@@ -15,7 +15,8 @@ use wgpar::comm::CommConfig;
 use wgpar::device::{DType, Gpu};
 use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::{
-    build_step_engine, generate, PartitionSpec, Schedule, SingleEngine, Strategy,
+    build_step_engine, generate, BatchStep, Engine, PartitionSpec, Schedule, SingleEngine,
+    StepDone, StepEngine, StepOutput, StepStats, Strategy,
 };
 use wgpar::sim::{HostProfile, ProjectOptions};
 use wgpar::trace::Recorder;
@@ -25,6 +26,69 @@ fn config(name: &str, layers: usize) -> ModelConfig {
         layers,
         max_seq: 16,
         ..ModelConfig::preset(name).unwrap()
+    }
+}
+
+/// A step engine that passes every step on and notes the chunks: steps of several tokens
+/// per row at a cached position, and the most tokens a slot held before a new sequence
+/// took it over (stale cache a wrong position would read).
+struct Chunks {
+    inner: Box<dyn StepEngine>,
+    continued: usize,
+    widest: usize,
+    held: Vec<usize>,
+    stale: usize,
+}
+
+impl Engine for Chunks {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn prefill_step(&mut self, p: &[Vec<u32>], logits: bool) -> wgpar::Result<StepOutput> {
+        self.inner.prefill_step(p, logits)
+    }
+    fn decode_step(&mut self, t: &[u32], logits: bool) -> wgpar::Result<StepOutput> {
+        self.inner.decode_step(t, logits)
+    }
+    fn set_sampling(&mut self, p: wgpar::model::sampling::SamplingParams) -> wgpar::Result<()> {
+        self.inner.set_sampling(p)
+    }
+    fn last_step(&self) -> Option<StepStats> {
+        self.inner.last_step()
+    }
+    fn set_recorder(&mut self, r: Recorder) {
+        self.inner.set_recorder(r)
+    }
+}
+
+impl StepEngine for Chunks {
+    fn model_config(&self) -> &ModelConfig {
+        self.inner.model_config()
+    }
+    fn lanes(&self) -> usize {
+        self.inner.lanes()
+    }
+    fn reserve_slots(&mut self, slots: usize) -> wgpar::Result<()> {
+        self.held = vec![0; slots];
+        self.inner.reserve_slots(slots)
+    }
+    fn slots(&self) -> usize {
+        self.inner.slots()
+    }
+    fn submit(&mut self, step: BatchStep) -> wgpar::Result<()> {
+        self.widest = self.widest.max(step.rows.len() * step.seq);
+        for row in &step.rows {
+            if row.past == 0 {
+                self.stale = self.stale.max(self.held[row.slot]);
+            } else if step.seq > 1 {
+                self.continued += 1;
+            }
+            self.held[row.slot] = row.past + step.seq;
+        }
+        self.inner.submit(step)
+    }
+    fn complete(&mut self, t: Option<std::time::Duration>) -> wgpar::Result<Option<StepDone>> {
+        self.inner.complete(t)
     }
 }
 
@@ -102,6 +166,7 @@ fn served_requests_get_what_they_get_alone_under_every_strategy() {
         let opts = ServeOptions {
             max_batch: 4,
             max_prefill_tokens: 8,
+            max_step_tokens: 512,
         };
         let recorder = Recorder::new();
         let run = serve(engine.as_mut(), &requests, &opts, recorder, &mut |_, _| {})
@@ -194,6 +259,7 @@ fn learned_positions_and_a_burst_through_a_pipeline() {
             &ServeOptions {
                 max_batch: 3,
                 max_prefill_tokens: 64,
+                max_step_tokens: 512,
             },
             Recorder::disabled(),
             &mut |_, _| {},
@@ -206,5 +272,79 @@ fn learned_positions_and_a_burst_through_a_pipeline() {
         let prompts = vec![requests[0].prompt.clone(), requests[1].prompt.clone()];
         let g = generate(engine.as_mut(), &prompts, 2).unwrap();
         assert_eq!(g.tokens[0], want[0][..2], "{strategy}");
+    }
+}
+
+/// Long prompts prefilled in chunks of what a 7-token step budget leaves beside the running
+/// streams (so chunks of 3 to 7 tokens, not dividing the prompts) give exactly the tokens of
+/// one whole prefill, on one device, tensor parallel, a pipeline (the chunks pass its
+/// stages as micro-batches do) and hybrid; slots are reused after holding longer sequences,
+/// so a chunk that read past its cached tokens would read another sequence's keys.
+#[test]
+fn prompts_prefilled_in_chunks_get_the_tokens_of_one_prefill_under_every_strategy() {
+    let gpus = common::gpus(4);
+    let config = ModelConfig {
+        max_seq: 40,
+        ..config("tiny-llama", 3)
+    };
+    let weights = ModelWeights::synthetic(&config, 29);
+    let mut requests = WorkloadSpec {
+        requests: 9,
+        rate: Rate::Burst,
+        prompt_len: Length::Uniform { min: 2, max: 4 },
+        output_len: Length::Uniform { min: 3, max: 9 },
+        seed: 31,
+    }
+    .generate(config.vocab);
+    // Long prompts among the short ones.
+    for (i, len) in [(0, 22), (2, 31), (5, 17), (7, 26)] {
+        requests[i].prompt = (0..len).map(|t| (t * 13 + i) as u32 % 200).collect();
+    }
+    let want = alone(&gpus, &weights, &requests);
+    let labels = ["single", "tp2", "pp2 m=2", "tp2xpp2 m=2"];
+    for (label, strategy, devices) in strategies() {
+        if !labels.contains(&label) {
+            continue;
+        }
+        let inner = build_step_engine(
+            &strategy,
+            &gpus[..devices],
+            &weights,
+            DType::F32,
+            &CommConfig::default(),
+            (1, 4),
+        )
+        .unwrap();
+        let mut engine = Chunks {
+            inner,
+            continued: 0,
+            widest: 0,
+            held: Vec::new(),
+            stale: 0,
+        };
+        let opts = ServeOptions {
+            max_batch: 3,
+            max_prefill_tokens: 64,
+            max_step_tokens: 7,
+        };
+        let run = serve(
+            &mut engine,
+            &requests,
+            &opts,
+            Recorder::disabled(),
+            &mut |_, _| {},
+        )
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+        for (i, o) in run.outcomes.iter().enumerate() {
+            assert_eq!(o.error, None, "{label} request {i}");
+            assert_eq!(o.tokens, want[i], "{label} request {i}");
+        }
+        // 22, 31, 17 and 26 tokens in chunks of at most 7: at least 4 + 4 + 2 + 3 continue.
+        assert!(engine.continued >= 13, "{label}: {}", engine.continued);
+        assert!(engine.widest <= 7, "{label}: a step of {}", engine.widest);
+        assert!(
+            engine.stale > 17,
+            "{label}: no slot reused after a long sequence"
+        );
     }
 }

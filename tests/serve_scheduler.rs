@@ -41,11 +41,76 @@ struct Mock {
     busy: Vec<bool>,
     /// Largest number of rows in one step, and of sequences cached at once.
     widest: usize,
+    /// Per slot, the lane of its last step.
+    lane_of: Vec<usize>,
     /// Slots that held more than one sequence over the run.
     reused: Vec<usize>,
     /// Simulated step time.
     step: Duration,
     turn: usize,
+    /// When set, the budget each step is held to (see [`Watch`]).
+    watch: Option<Watch>,
+}
+
+/// What a chunked run is checked against: every request (to know when a slot's sequence has
+/// its prompt cached and when it ends) and the step budget.
+struct Watch {
+    requests: Vec<ServeRequest>,
+    budget: usize,
+    /// Per slot, the request it holds.
+    held: Vec<Option<usize>>,
+    /// Per slot, steps of its lane since it was last in one.
+    idle: Vec<usize>,
+    /// Steps that continued a prompt already part-way in its slot.
+    continued: usize,
+    /// Longest run of a lane's steps a decoding sequence sat out.
+    longest_wait: usize,
+}
+
+impl Watch {
+    /// Whether slot `s`'s sequence has its whole prompt cached and tokens still to come.
+    fn decoding(&self, s: usize, cached: usize) -> bool {
+        self.held[s].is_some_and(|r| {
+            let r = &self.requests[r];
+            cached >= r.prompt.len() && cached < r.prompt.len() + r.max_new - 1
+        })
+    }
+
+    /// Checks `step` (`history`: each slot's tokens before it) against the budget and the
+    /// sequences of its lane that decode.
+    fn check(&mut self, step: &BatchStep, history: &[Vec<u32>], lanes: &[usize]) {
+        assert!(step.rows.len() * step.seq <= self.budget, "{step:?}");
+        let mine = |s: &usize| lanes[*s] == step.lane;
+        let decoding: Vec<usize> = (0..history.len())
+            .filter(|s| mine(s) && self.decoding(*s, history[*s].len()))
+            .collect();
+        // Slots this step starts over held finished sequences until now.
+        for (i, row) in step.rows.iter().enumerate() {
+            if row.past == 0 {
+                // The test's prompts start with their request's index.
+                let first = step.ids[i * step.seq] as usize;
+                assert_eq!(self.requests[first].prompt[0] as usize, first);
+                self.held[row.slot] = Some(first);
+            } else if step.seq > 1 {
+                self.continued += 1;
+            }
+        }
+        if step.seq > 1 {
+            assert!(
+                step.rows.len() * step.seq + decoding.len() <= self.budget,
+                "a chunk step over the budget beside {} decoding: {step:?}",
+                decoding.len()
+            );
+        }
+        for s in decoding {
+            if step.rows.iter().any(|r| r.slot == s) {
+                self.idle[s] = 0;
+            } else {
+                self.idle[s] += 1;
+                self.longest_wait = self.longest_wait.max(self.idle[s]);
+            }
+        }
+    }
 }
 
 impl Mock {
@@ -61,9 +126,11 @@ impl Mock {
             in_flight: VecDeque::new(),
             busy: vec![false; lanes],
             widest: 0,
+            lane_of: Vec::new(),
             reused: Vec::new(),
             step,
             turn: 0,
+            watch: None,
         }
     }
 }
@@ -96,6 +163,11 @@ impl StepEngine for Mock {
     }
     fn reserve_slots(&mut self, slots: usize) -> Result<()> {
         self.history = vec![Vec::new(); slots];
+        self.lane_of = vec![0; slots];
+        if let Some(w) = &mut self.watch {
+            w.held = vec![None; slots];
+            w.idle = vec![0; slots];
+        }
         Ok(())
     }
     fn slots(&self) -> usize {
@@ -106,6 +178,12 @@ impl StepEngine for Mock {
         assert_eq!(step.ids.len(), step.rows.len() * step.seq);
         assert!(!step.rows.is_empty());
         self.busy[step.lane] = true;
+        for row in &step.rows {
+            self.lane_of[row.slot] = step.lane;
+        }
+        if let Some(w) = &mut self.watch {
+            w.check(&step, &self.history, &self.lane_of);
+        }
         let vocab = self.config.vocab;
         let mut tokens = Vec::new();
         for (i, row) in step.rows.iter().enumerate() {
@@ -182,6 +260,7 @@ fn every_request_gets_what_it_gets_alone_on_one_or_several_lanes() {
         let opts = ServeOptions {
             max_batch: 6,
             max_prefill_tokens: 8,
+            max_step_tokens: 512,
         };
         let mut calls = 0;
         let run = serve(
@@ -218,6 +297,7 @@ fn arrivals_while_the_batch_is_full_join_at_a_token_boundary() {
         let opts = ServeOptions {
             max_batch: 4,
             max_prefill_tokens: 64,
+            max_step_tokens: 512,
         };
         let run = serve(
             &mut engine,
@@ -290,9 +370,103 @@ fn a_request_too_long_for_a_slot_is_refused_and_the_others_finish() {
         &ServeOptions {
             max_batch: 0,
             max_prefill_tokens: 1,
+            max_step_tokens: 512,
         },
         Recorder::disabled(),
         &mut |_, _| {},
     );
     assert!(bad.is_err());
+}
+
+/// Long prompts arrive while short ones decode, under a step budget of 7 tokens (not a
+/// multiple of any prompt): each long prompt is prefilled over several chunk steps at its
+/// cached position, no step carries more than the budget, a decoding sequence sits out at
+/// most one step of its lane, and every request still gets exactly what it gets alone.
+#[test]
+fn long_prompts_are_prefilled_in_chunks_between_decode_steps() {
+    for lanes in [1, 2] {
+        let mut engine = Mock::new(lanes, Duration::from_millis(1));
+        engine.config.max_seq = 64;
+        let vocab = engine.config.vocab;
+        let mut requests = WorkloadSpec {
+            requests: 12,
+            rate: Rate::PerSecond(300.0),
+            prompt_len: Length::Uniform { min: 2, max: 4 },
+            output_len: Length::Uniform { min: 1, max: 14 },
+            seed: 9,
+        }
+        .generate(vocab);
+        for (i, len) in [(3, 37), (4, 29), (8, 23), (9, 41)] {
+            requests[i].prompt = (0..len).map(|t| (t * 7 % vocab) as u32).collect();
+        }
+        for (i, r) in requests.iter_mut().enumerate() {
+            r.prompt[0] = i as u32;
+        }
+        let opts = ServeOptions {
+            max_batch: 4,
+            max_prefill_tokens: 64,
+            max_step_tokens: 7,
+        };
+        engine.watch = Some(Watch {
+            requests: requests.clone(),
+            budget: 7,
+            held: Vec::new(),
+            idle: Vec::new(),
+            continued: 0,
+            longest_wait: 0,
+        });
+        let run = serve(
+            &mut engine,
+            &requests,
+            &opts,
+            Recorder::disabled(),
+            &mut |_, _| {},
+        )
+        .unwrap();
+        check_against_alone(&requests, &run, vocab);
+        let w = engine.watch.as_ref().unwrap();
+        // Under at most 7 a step, 37, 29, 23 and 41 tokens take at least 6, 5, 4 and 6
+        // chunks: 17 continue a prompt.
+        assert!(
+            w.continued >= 17,
+            "{lanes} lanes: {} continued",
+            w.continued
+        );
+        assert!(
+            w.longest_wait <= 1,
+            "{lanes} lanes: waited {}",
+            w.longest_wait
+        );
+        assert!(!engine.reused.is_empty());
+    }
+}
+
+#[test]
+fn a_step_budget_below_the_batch_is_refused() {
+    let mut engine = Mock::new(1, Duration::ZERO);
+    let requests = WorkloadSpec {
+        requests: 2,
+        rate: Rate::Burst,
+        prompt_len: Length::Fixed(3),
+        output_len: Length::Fixed(2),
+        seed: 1,
+    }
+    .generate(engine.config.vocab);
+    for (batch, step) in [(8, 7), (2, 0), (2, (1 << 16) + 1)] {
+        let opts = ServeOptions {
+            max_batch: batch,
+            max_prefill_tokens: 64,
+            max_step_tokens: step,
+        };
+        let e = serve(
+            &mut engine,
+            &requests,
+            &opts,
+            Recorder::disabled(),
+            &mut |_, _| {},
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("--max-step-tokens"), "{e}");
+    }
 }

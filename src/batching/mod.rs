@@ -4,18 +4,21 @@
 //! Requests arrive on their own clock (`workload.rs`). Each lane of the engine (one for a
 //! device or a tensor-parallel group, one per micro-batch for a pipeline; see
 //! [`StepEngine`]) holds a running batch: sequences in KV slots, each at its own position.
-//! Whenever a lane is free the scheduler gives it its next step: first a prefill of waiting
-//! requests (those of the oldest one's prompt length, as many as free slots, the lane's share
-//! of the slots and `max_prefill_tokens` allow), which then join the lane's batch; otherwise
-//! one decode step of every sequence in the lane. A sequence that has its tokens leaves at
-//! once and frees its slot. Greedy sampling, so each request's tokens are those it would get
-//! alone. A request that cannot fit a slot ([`WgparError::KvCapacity`]) is refused on arrival;
-//! the others run.
+//! Whenever a lane is free the scheduler gives it its next step, alternating under a step
+//! budget (`max_step_tokens`, see `chunk.rs`): a decode step of every sequence in the lane,
+//! then a step of prompt chunks holding what the budget leaves (prompts part-way into the
+//! lane's slots first, then waiting requests while the lane has slots). A prompt longer than
+//! that is prefilled over several chunk steps, each at the position where its cached tokens
+//! end; the chunk that completes it gives its first token and it joins the decode batch. A
+//! sequence that has its tokens leaves at once and frees its slot. Greedy sampling, so each
+//! request's tokens are those it would get alone. A request that cannot fit a slot
+//! ([`WgparError::KvCapacity`]) is refused on arrival; the others run.
 //!
 //! Every step records what it waited for (the lane's previous output, whatever freed its
 //! slots, and for a prefill the arrival of its requests as a release time), so the run's
 //! timeline replays on any host profile ([`project_metrics`]).
 
+mod chunk;
 mod metrics;
 mod workload;
 
@@ -25,8 +28,10 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+pub(crate) use chunk::{chunk_budget, plan_chunk};
+pub use chunk::{DEFAULT_STEP_TOKENS, MAX_STEP_TOKENS};
 pub use metrics::{Percentiles, RequestOutcome, ServeMetrics, Timing};
-pub use workload::{Length, Rate, ServeRequest, WorkloadSpec};
+pub use workload::{Length, LongPrompt, Rate, ServeRequest, WorkloadSpec};
 
 use crate::error::{Result, WgparError};
 use crate::parallel::{BatchStep, PipelineStats, SeqRow, StepDone, StepEngine};
@@ -38,8 +43,13 @@ use crate::trace::{Recorder, SpanId, Timeline};
 pub struct ServeOptions {
     /// KV slots: sequences in the running batches at once, over all lanes.
     pub max_batch: usize,
-    /// Most prompt tokens one prefill step takes (a longer prompt still runs, alone).
+    /// Most prompt tokens one step's prompt chunks take (a longer prompt is prefilled over
+    /// several steps).
     pub max_prefill_tokens: usize,
+    /// Most tokens one step of a lane carries, its decode tokens first: a longer prompt is
+    /// prefilled in chunks of what is left (at least `max_batch`, at most
+    /// [`MAX_STEP_TOKENS`]).
+    pub max_step_tokens: usize,
 }
 
 impl Default for ServeOptions {
@@ -47,6 +57,7 @@ impl Default for ServeOptions {
         Self {
             max_batch: 8,
             max_prefill_tokens: 2048,
+            max_step_tokens: DEFAULT_STEP_TOKENS,
         }
     }
 }
@@ -80,17 +91,29 @@ struct Running {
     next: u32,
 }
 
+/// A prompt on its way into its KV slot: `cached` of its tokens are there.
+#[derive(Debug)]
+struct Filling {
+    request: usize,
+    slot: usize,
+    cached: usize,
+}
+
 /// The step a lane is running.
 enum InFlight {
-    /// A prefill of new sequences, which join the lane when it returns.
-    Prefill(Vec<Running>),
+    /// A chunk of `len` tokens of each of these prompts; those it completes join the lane.
+    Chunk(Vec<Filling>, usize),
     /// A decode step of the lane's sequences.
     Decode,
 }
 
 struct Lane {
     seqs: Vec<Running>,
+    /// Prompts part-way into their slots, oldest first.
+    filling: Vec<Filling>,
     busy: Option<InFlight>,
+    /// Whether the lane's last step was a decode step (its next may be a chunk step).
+    decoded_last: bool,
     /// The span that delivered the lane's last output.
     last: SpanId,
 }
@@ -186,17 +209,34 @@ pub fn serve(
 
 /// Refuses options that serve nothing and requests out of arrival order.
 fn check_requests(requests: &[ServeRequest], opts: &ServeOptions) -> Result<()> {
+    check_options(opts)?;
+    if requests.windows(2).any(|w| w[1].arrival_s < w[0].arrival_s)
+        || requests.iter().any(|r| !r.arrival_s.is_finite())
+    {
+        return Err(WgparError::InvalidCall(
+            "requests must be in arrival order, with finite arrival times".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses batching options that serve nothing, or a step budget that cannot hold every
+/// running sequence's decode token.
+pub fn check_options(opts: &ServeOptions) -> Result<()> {
     if opts.max_batch == 0 || opts.max_prefill_tokens == 0 {
         return Err(WgparError::option(
             "--max-batch",
             "--max-batch and --max-prefill-tokens must be at least 1".into(),
         ));
     }
-    if requests.windows(2).any(|w| w[1].arrival_s < w[0].arrival_s)
-        || requests.iter().any(|r| !r.arrival_s.is_finite())
-    {
-        return Err(WgparError::InvalidCall(
-            "requests must be in arrival order, with finite arrival times".into(),
+    if !(opts.max_batch..=MAX_STEP_TOKENS).contains(&opts.max_step_tokens) {
+        return Err(WgparError::option(
+            "--max-step-tokens",
+            format!(
+                "--max-step-tokens {} must be within --max-batch {}..={MAX_STEP_TOKENS}: a \
+                 step carries every running sequence's decode token",
+                opts.max_step_tokens, opts.max_batch
+            ),
         ));
     }
     Ok(())
@@ -226,7 +266,9 @@ impl<'a> State<'a> {
             lanes: (0..lanes)
                 .map(|_| Lane {
                     seqs: Vec::new(),
+                    filling: Vec::new(),
                     busy: None,
+                    decoded_last: false,
                     last: SpanId::NONE,
                 })
                 .collect(),
@@ -235,6 +277,7 @@ impl<'a> State<'a> {
             waiting: VecDeque::new(),
             per_lane: opts.max_batch.div_ceil(lanes),
             max_prefill_tokens: opts.max_prefill_tokens,
+            max_step_tokens: opts.max_step_tokens,
             done: 0,
         }
     }
@@ -323,89 +366,116 @@ struct State<'a> {
     /// A lane's share of the slots.
     per_lane: usize,
     max_prefill_tokens: usize,
+    max_step_tokens: usize,
     done: usize,
 }
 
 impl State<'_> {
-    /// The next step for idle `lane`: a prefill of waiting requests if it can take some,
-    /// else a decode step of its batch; `None` when it has nothing to do.
+    /// The next step for idle `lane`: after a decode step (or with nothing to decode), a
+    /// step of prompt chunks if there are prompts to prefill; otherwise a decode step of its
+    /// batch. `None` when it has nothing to do.
     fn plan(&mut self, lane: usize) -> Option<(BatchStep, InFlight)> {
-        let room = self
-            .per_lane
-            .saturating_sub(self.lanes[lane].seqs.len())
+        let l = &self.lanes[lane];
+        if l.seqs.is_empty() || l.decoded_last {
+            if let Some(step) = self.plan_chunk(lane) {
+                self.lanes[lane].decoded_last = false;
+                return Some(step);
+            }
+        }
+        let step = self.plan_decode(lane)?;
+        self.lanes[lane].decoded_last = true;
+        Some(step)
+    }
+
+    /// A chunk step for `lane`: its prompts part-way in first, then waiting requests while
+    /// it has slots, within what the step budget leaves after the lane's decode tokens.
+    fn plan_chunk(&mut self, lane: usize) -> Option<(BatchStep, InFlight)> {
+        let l = &self.lanes[lane];
+        let budget =
+            chunk::chunk_budget(self.max_step_tokens, self.max_prefill_tokens, l.seqs.len());
+        let room = (self.per_lane)
+            .saturating_sub(l.seqs.len() + l.filling.len())
             .min(self.free.len());
-        if let (Some(&oldest), true) = (self.waiting.front(), room > 0) {
-            let len = self.requests[oldest].prompt.len();
-            let mut rows = Vec::new();
-            let mut ids = Vec::new();
-            let mut deps = vec![self.lanes[lane].last];
-            let mut release: f64 = 0.0;
-            let mut joining = Vec::new();
-            while let Some(&r) = self.waiting.front() {
-                let fits = rows.is_empty() || (rows.len() + 1) * len <= self.max_prefill_tokens;
-                if self.requests[r].prompt.len() != len || rows.len() == room || !fits {
-                    break;
-                }
-                self.waiting.pop_front();
+        let filling = l.filling.len();
+        let remaining: Vec<usize> = (l.filling.iter())
+            .map(|f| self.requests[f.request].prompt.len() - f.cached)
+            .chain((self.waiting.iter().take(room)).map(|&r| self.requests[r].prompt.len()))
+            .collect();
+        let plan = chunk::plan_chunk(&remaining, budget)?;
+        let (mut taken, mut deps) = (Vec::new(), vec![self.lanes[lane].last]);
+        // Remove from the back, so the indices before stay valid.
+        for &i in plan.picked.iter().rev() {
+            taken.push(if i < filling {
+                self.lanes[lane].filling.remove(i)
+            } else {
+                let request = self.waiting.remove(i - filling)?;
                 let slot = self.free.pop()?;
                 deps.push(self.freed_by[slot]);
-                release = release.max(self.outcomes[r].arrival_us);
-                rows.push(SeqRow { slot, past: 0 });
-                ids.extend_from_slice(&self.requests[r].prompt);
-                joining.push(Running {
-                    request: r,
+                Filling {
+                    request,
                     slot,
-                    past: 0,
-                    next: 0,
-                });
-            }
-            deps.retain(|d| !d.is_none());
-            return Some((
-                BatchStep {
-                    lane,
-                    rows,
-                    seq: len,
-                    ids,
-                    deps,
-                    release_us: Some(release),
-                    logits: false,
-                    allow: None,
-                },
-                InFlight::Prefill(joining),
-            ));
+                    cached: 0,
+                }
+            });
         }
+        taken.reverse();
+        deps.retain(|d| !d.is_none());
+        let len = plan.len;
+        let mut release: f64 = 0.0;
+        let (mut rows, mut ids) = (Vec::new(), Vec::new());
+        for f in &taken {
+            release = release.max(self.outcomes[f.request].arrival_us);
+            rows.push(SeqRow {
+                slot: f.slot,
+                past: f.cached,
+            });
+            ids.extend_from_slice(&self.requests[f.request].prompt[f.cached..f.cached + len]);
+        }
+        let step = BatchStep {
+            lane,
+            rows,
+            seq: len,
+            ids,
+            deps,
+            release_us: Some(release),
+            logits: false,
+            allow: None,
+        };
+        Some((step, InFlight::Chunk(taken, len)))
+    }
+
+    /// A decode step of every sequence `lane` runs; `None` when it runs none.
+    fn plan_decode(&self, lane: usize) -> Option<(BatchStep, InFlight)> {
         let l = &self.lanes[lane];
         if l.seqs.is_empty() {
             return None;
         }
-        Some((
-            BatchStep {
-                lane,
-                rows: l
-                    .seqs
-                    .iter()
-                    .map(|s| SeqRow {
-                        slot: s.slot,
-                        past: s.past,
-                    })
-                    .collect(),
-                seq: 1,
-                ids: l.seqs.iter().map(|s| s.next).collect(),
-                deps: if l.last.is_none() {
-                    Vec::new()
-                } else {
-                    vec![l.last]
-                },
-                release_us: None,
-                logits: false,
-                allow: None,
+        let rows = (l.seqs.iter())
+            .map(|s| SeqRow {
+                slot: s.slot,
+                past: s.past,
+            })
+            .collect();
+        let step = BatchStep {
+            lane,
+            rows,
+            seq: 1,
+            ids: l.seqs.iter().map(|s| s.next).collect(),
+            deps: if l.last.is_none() {
+                Vec::new()
+            } else {
+                vec![l.last]
             },
-            InFlight::Decode,
-        ))
+            release_us: None,
+            logits: false,
+            allow: None,
+        };
+        Some((step, InFlight::Decode))
     }
 
-    /// Takes a finished step's tokens: new sequences join their lane, every sequence gets
-    /// its token, finished ones leave and free their slots.
+    /// Takes a finished step's tokens: prompts a chunk completed join their lane with their
+    /// first token (the others wait for their next chunk, their token unused), every decoded
+    /// sequence gets its token, finished ones leave and free their slots.
     fn finish_step(
         &mut self,
         done: StepDone,
@@ -421,48 +491,86 @@ impl State<'_> {
                 WgparError::Internal(format!("lane {lane} returned a step it never ran"))
             })?;
         self.lanes[lane].last = done.span;
-        let prefill = matches!(flight, InFlight::Prefill(_));
-        let mut seqs = match flight {
-            InFlight::Prefill(new) => {
-                for s in &new {
-                    self.outcomes[s.request].first_token_s = Some(now);
-                    self.outcomes[s.request].first_span = done.span;
-                }
-                new
-            }
-            InFlight::Decode => std::mem::take(&mut self.lanes[lane].seqs),
+        let rows = match &flight {
+            InFlight::Chunk(taken, _) => taken.len(),
+            InFlight::Decode => self.lanes[lane].seqs.len(),
         };
-        let chosen = done.tokens;
-        if chosen.len() != seqs.len() {
+        if done.tokens.len() != rows {
             return Err(WgparError::Shape {
                 op: "serving step".into(),
-                detail: format!("{} tokens for {} sequences", chosen.len(), seqs.len()),
+                detail: format!("{} tokens for {rows} sequences", done.tokens.len()),
             });
         }
-        for (s, &token) in seqs.iter_mut().zip(&chosen) {
-            s.past += if prefill {
-                self.requests[s.request].prompt.len()
-            } else {
-                1
-            };
-            s.next = token;
-            self.outcomes[s.request].tokens.push(token);
-            self.outcomes[s.request].token_s.push(now);
-        }
-        for s in seqs {
-            let out = &mut self.outcomes[s.request];
-            if out.tokens.len() >= self.requests[s.request].max_new {
-                out.done_s = Some(now);
-                out.last_span = done.span;
-                self.free.push(s.slot);
-                self.freed_by[s.slot] = done.span;
-                self.done += 1;
-                progress(self.done);
-            } else {
-                self.lanes[lane].seqs.push(s);
+        let seqs = match flight {
+            InFlight::Chunk(taken, len) => self.filled(lane, taken, len, &done.tokens, done.span),
+            InFlight::Decode => {
+                let mut seqs = std::mem::take(&mut self.lanes[lane].seqs);
+                for (s, &token) in seqs.iter_mut().zip(&done.tokens) {
+                    s.past += 1;
+                    s.next = token;
+                }
+                seqs
             }
+        };
+        for s in seqs {
+            self.deliver(lane, s, (now, done.span), progress);
         }
         Ok(())
+    }
+
+    /// Prompts a chunk of `len` tokens advanced: those now wholly cached start decoding (their
+    /// first token is the chunk's), the others go back to the front of the lane's queue.
+    fn filled(
+        &mut self,
+        lane: usize,
+        taken: Vec<Filling>,
+        len: usize,
+        tokens: &[u32],
+        span: SpanId,
+    ) -> Vec<Running> {
+        let mut started = Vec::new();
+        let mut unfinished = Vec::new();
+        for (mut f, &token) in taken.into_iter().zip(tokens) {
+            f.cached += len;
+            if f.cached < self.requests[f.request].prompt.len() {
+                unfinished.push(f);
+                continue;
+            }
+            self.outcomes[f.request].first_span = span;
+            started.push(Running {
+                request: f.request,
+                slot: f.slot,
+                past: f.cached,
+                next: token,
+            });
+        }
+        self.lanes[lane].filling.splice(0..0, unfinished);
+        started
+    }
+
+    /// Sequence `s` has its next token (`s.next`) at `now`: it is recorded, and the sequence
+    /// leaves (freeing its slot) if it has all its tokens, or runs on in `lane`.
+    fn deliver(
+        &mut self,
+        lane: usize,
+        s: Running,
+        (now, span): (f64, SpanId),
+        progress: &mut dyn FnMut(usize),
+    ) {
+        let out = &mut self.outcomes[s.request];
+        out.first_token_s.get_or_insert(now);
+        out.tokens.push(s.next);
+        out.token_s.push(now);
+        if out.tokens.len() >= self.requests[s.request].max_new {
+            out.done_s = Some(now);
+            out.last_span = span;
+            self.free.push(s.slot);
+            self.freed_by[s.slot] = span;
+            self.done += 1;
+            progress(self.done);
+        } else {
+            self.lanes[lane].seqs.push(s);
+        }
     }
 }
 

@@ -203,6 +203,62 @@ impl WorkloadSpec {
     }
 }
 
+/// One more request among a workload's: a long prompt arriving at a set time, to measure
+/// what it does to the streams already running (`bench serve --long-prompt TOKENS@SECONDS`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LongPrompt {
+    /// Its prompt tokens.
+    pub tokens: usize,
+    /// Its arrival, seconds after the start of the run.
+    pub at_s: f64,
+}
+
+impl FromStr for LongPrompt {
+    type Err = String;
+
+    /// `TOKENS@SECONDS`, e.g. `1500@2.5`.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let bad =
+            || format!("'{text}' is not a long prompt: expected TOKENS@SECONDS, e.g. 1500@2.5");
+        let (tokens, at) = text.split_once('@').ok_or_else(bad)?;
+        let tokens = tokens.trim().parse::<usize>().ok().filter(|&n| n >= 1);
+        let at_s = at.trim().parse::<f64>().ok();
+        match (tokens, at_s) {
+            (Some(tokens), Some(at_s)) if (0.0..=1e6).contains(&at_s) => Ok(Self { tokens, at_s }),
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl LongPrompt {
+    /// `requests` with this one among them in arrival order (ids renumbered), generating
+    /// `max_new` tokens, its token ids below `vocab` drawn from `seed`.
+    pub fn insert(
+        &self,
+        mut requests: Vec<ServeRequest>,
+        max_new: usize,
+        vocab: usize,
+        seed: u64,
+    ) -> Vec<ServeRequest> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6c6f_6e67);
+        let prompt = (0..self.tokens)
+            .map(|_| rng.random_range(0..vocab.max(1) as u32))
+            .collect();
+        let at = requests.partition_point(|r| r.arrival_s <= self.at_s);
+        let long = ServeRequest {
+            id: at,
+            arrival_s: self.at_s,
+            prompt,
+            max_new,
+        };
+        requests.insert(at, long);
+        for (id, r) in requests.iter_mut().enumerate() {
+            r.id = id;
+        }
+        requests
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -263,5 +319,32 @@ mod tests {
         }
         .generate(100);
         assert!(burst.iter().all(|r| r.arrival_s == 0.0));
+    }
+
+    #[test]
+    fn a_long_prompt_lands_in_arrival_order() {
+        let lp: LongPrompt = "30@0.2".parse().unwrap();
+        assert_eq!((lp.tokens, lp.at_s), (30, 0.2));
+        for bad in ["30", "0@1", "30@-1", "30@nan", "a@1", "30@1e9"] {
+            assert!(bad.parse::<LongPrompt>().is_err(), "{bad}");
+        }
+        let spec = WorkloadSpec {
+            requests: 20,
+            rate: Rate::PerSecond(50.0),
+            prompt_len: Length::Fixed(4),
+            output_len: Length::Fixed(3),
+            seed: 5,
+        };
+        let base = spec.generate(100);
+        let all = lp.insert(base.clone(), 7, 100, 5);
+        assert_eq!(all.len(), 21);
+        assert!(all.windows(2).all(|w| w[0].arrival_s <= w[1].arrival_s));
+        assert!(all.iter().enumerate().all(|(i, r)| r.id == i));
+        let long: Vec<_> = all.iter().filter(|r| r.prompt.len() == 30).collect();
+        assert_eq!(long.len(), 1);
+        assert_eq!((long[0].arrival_s, long[0].max_new), (0.2, 7));
+        assert!(long[0].prompt.iter().all(|&t| t < 100));
+        // Some of the others came before it, some after.
+        assert!(all[0].prompt.len() == 4 && all[20].prompt.len() == 4);
     }
 }

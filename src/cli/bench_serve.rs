@@ -9,7 +9,9 @@ use std::sync::Arc;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
-use wgpar::batching::{serve, Length, Rate, ServeOptions, ServeRun, WorkloadSpec};
+use wgpar::batching::{
+    serve, Length, LongPrompt, Rate, ServeOptions, ServeRequest, ServeRun, WorkloadSpec,
+};
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
 use wgpar::model::memory::Workload;
@@ -45,15 +47,24 @@ pub struct ServeArgs {
     /// Tokens to generate per request (the first comes from the prefill): N or MIN:MAX.
     #[arg(long, default_value = "16")]
     output_len: Length,
+    /// One more request, with a prompt of TOKENS tokens arriving SECONDS into the run (and
+    /// the longest --output-len): what a long prompt does to the streams already running.
+    #[arg(long, value_name = "TOKENS@SECONDS")]
+    long_prompt: Option<LongPrompt>,
     /// Seed of the arrivals, lengths and prompt tokens.
     #[arg(long, default_value_t = 0)]
     workload_seed: u64,
     /// KV slots: sequences in the running batches at once (over all pipeline lanes).
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
-    /// Most prompt tokens one prefill step takes.
+    /// Most prompt tokens one step's prompt chunks take.
     #[arg(long, default_value_t = 2048)]
     max_prefill_tokens: usize,
+    /// Most tokens one engine step carries: every running stream's decode token first, then
+    /// chunks of waiting prompts (a longer prompt is prefilled over several steps); default
+    /// 512. Not with --url (the server has its own).
+    #[arg(long, value_name = "N")]
+    max_step_tokens: Option<usize>,
     /// Write the run's timeline as a Chrome trace (replay it with `wgpar project`).
     #[arg(long, value_name = "FILE")]
     trace: Option<String>,
@@ -76,6 +87,7 @@ struct Output<'a> {
     strategy: String,
     workload: &'a WorkloadSpec,
     options: &'a ServeOptions,
+    long_prompt: Option<LongPrompt>,
     #[serde(flatten)]
     run: &'a ServeRun,
 }
@@ -107,6 +119,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         spec: &spec,
         opts: &opts,
         built: &built,
+        long_prompt: args.long_prompt,
     };
     if let Some(path) = &args.trace {
         write_trace(args.json, path, &recorder, &run, &what)?;
@@ -114,7 +127,19 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if args.json {
         return print_json(&what, &run);
     }
-    print_run(&run)
+    print_run(&run)?;
+    let long = (run.outcomes.iter())
+        .filter(|o| args.long_prompt.is_some_and(|l| l.tokens == o.prompt_len))
+        .find_map(|o| Some(o.first_token_s? - o.arrival_s));
+    print_long_ttft(long)
+}
+
+/// The `--long-prompt` request's time to first token, seconds, when it has one.
+fn print_long_ttft(ttft_s: Option<f64>) -> Result<()> {
+    match ttft_s {
+        Some(s) => outln!("{:<40}{:>14.2}", "Long prompt TTFT (ms):", s * 1e3),
+        None => Ok(()),
+    }
 }
 
 /// The workload the options describe, checked.
@@ -128,6 +153,19 @@ fn workload(args: &ServeArgs) -> Result<WorkloadSpec> {
     };
     spec.check()
         .map_err(|detail| WgparError::option("workload", detail))?;
+    if let Some(long) = args.long_prompt {
+        // Longer than every drawn prompt, so its outcome is the one of its length.
+        if long.tokens <= spec.prompt_len.max() {
+            return Err(WgparError::option(
+                "--long-prompt",
+                format!(
+                    "--long-prompt {} tokens must be longer than --prompt-len's longest, {}",
+                    long.tokens,
+                    spec.prompt_len.max()
+                ),
+            ));
+        }
+    }
     Ok(spec)
 }
 
@@ -148,13 +186,9 @@ fn serve_options(args: &ServeArgs) -> Result<ServeOptions> {
     let opts = ServeOptions {
         max_batch: args.max_batch,
         max_prefill_tokens: args.max_prefill_tokens,
+        max_step_tokens: (args.max_step_tokens).unwrap_or(wgpar::batching::DEFAULT_STEP_TOKENS),
     };
-    if opts.max_batch == 0 || opts.max_prefill_tokens == 0 {
-        return Err(WgparError::option(
-            "--max-batch",
-            "--max-batch and --max-prefill-tokens must be at least 1".into(),
-        ));
-    }
+    wgpar::batching::check_options(&opts)?;
     Ok(opts)
 }
 
@@ -200,7 +234,21 @@ fn warm_then_measure(
     }
     .generate(config.vocab);
     serve(engine, &warm, opts, Recorder::disabled(), &mut |_, _| {})?;
-    measured(args, engine, (&spec.generate(config.vocab), opts), recorder)
+    measured(
+        args,
+        engine,
+        (&requests(args, spec, config.vocab), opts),
+        recorder,
+    )
+}
+
+/// The workload's requests, with `--long-prompt`'s among them.
+fn requests(args: &ServeArgs, spec: &WorkloadSpec, vocab: usize) -> Vec<ServeRequest> {
+    let requests = spec.generate(vocab);
+    match args.long_prompt {
+        Some(long) => long.insert(requests, args.output_len.max(), vocab, spec.seed),
+        None => requests,
+    }
 }
 
 /// The run as JSON: every request's outcome and the figures.
@@ -210,6 +258,7 @@ fn print_json(what: &TraceMeta<'_>, run: &ServeRun) -> Result<()> {
         strategy: what.built.strategy.to_string(),
         workload: what.spec,
         options: what.opts,
+        long_prompt: what.long_prompt,
         run,
     };
     let text = serde_json::to_string_pretty(&out).map_err(|source| WgparError::Json {
@@ -258,7 +307,7 @@ fn build(
     let runs = [super::PlannedRun {
         strategy: &strategy,
         adapters: &selected,
-        step_tokens: opts.max_batch * args.prompt_len.max(),
+        step_tokens: largest_step(args, opts),
         batch: opts.max_batch,
         work,
     }];
@@ -294,6 +343,16 @@ fn build(
     })
 }
 
+/// The most tokens one step carries: a decode step of every slot, or prompt chunks within
+/// the step budget (prompts longer than that are prefilled over several steps).
+fn largest_step(args: &ServeArgs, opts: &ServeOptions) -> usize {
+    let longest = (args.prompt_len.max()).max(args.long_prompt.map_or(0, |l| l.tokens));
+    (opts.max_batch * longest)
+        .min(opts.max_prefill_tokens)
+        .min(opts.max_step_tokens)
+        .max(opts.max_batch)
+}
+
 /// The recorded run, with a progress bar unless the output is JSON.
 fn measured(
     args: &ServeArgs,
@@ -323,6 +382,7 @@ struct TraceMeta<'a> {
     spec: &'a WorkloadSpec,
     opts: &'a ServeOptions,
     built: &'a Built,
+    long_prompt: Option<LongPrompt>,
 }
 
 /// Writes the run's trace with the metadata a projection needs.
@@ -387,7 +447,8 @@ fn print_run(run: &ServeRun) -> Result<()> {
 /// Refuses prompt and output lengths of which some requests cannot fit a KV slot, saying
 /// which do fit.
 fn check_lengths_fit(args: &ServeArgs, config: &wgpar::model::ModelConfig) -> Result<()> {
-    let (prompt, output) = (args.prompt_len.max(), args.output_len.max());
+    let long = args.long_prompt.map_or(0, |l| l.tokens);
+    let (prompt, output) = (args.prompt_len.max().max(long), args.output_len.max());
     // The last generated token is sampled, never cached.
     let longest = prompt + output - 1;
     if longest <= config.max_seq {
@@ -469,14 +530,14 @@ fn run_http(
             format!("--url '{url}': expected http://HOST:PORT"),
         ));
     }
-    if args.trace.is_some() || args.pace.is_some() {
+    if args.trace.is_some() || args.pace.is_some() || args.max_step_tokens.is_some() {
         return Err(WgparError::unsupported(
-            "--trace and --pace record and pace an engine run here; with --url the engine \
-             runs in the server"
+            "--trace, --pace and --max-step-tokens record, pace and batch an engine run here; \
+             with --url the engine runs in the server"
                 .into(),
         ));
     }
-    let requests = spec.generate(config.vocab);
+    let requests = requests(args, spec, config.vocab);
     let bar = if args.json {
         ProgressBar::hidden()
     } else {
@@ -487,21 +548,27 @@ fn run_http(
             spec.prompt_len,
             spec.output_len
         )?;
-        ProgressBar::new(spec.requests as u64)
+        ProgressBar::new(requests.len() as u64)
     };
     let (metrics, outcomes) =
         wgpar::server::client::run_http(url, &config.name, &requests, &|d| {
             bar.set_position(d as u64)
         })?;
     bar.finish_and_clear();
+    // The long prompt is the one request of its length that the workload does not draw.
+    let long = (args.long_prompt).and_then(|l| {
+        let i = requests.iter().position(|r| r.prompt.len() == l.tokens)?;
+        outcomes[i].timing.map(|t| t.first_s - t.arrival_s)
+    });
     if args.json {
         let errors: Vec<_> = outcomes.iter().filter_map(|o| o.error.clone()).collect();
-        let out =
-            serde_json::json!({"url": url, "workload": spec, "metrics": metrics, "errors": errors});
+        let out = serde_json::json!({"url": url, "workload": spec, "long_prompt": args.long_prompt,
+            "long_prompt_ttft_s": long, "metrics": metrics, "errors": errors});
         outln!("{out:#}")?;
         return Ok(());
     }
     out!("{}", metrics.lines("Serving Benchmark Result (HTTP)"))?;
+    print_long_ttft(long)?;
     for e in outcomes.iter().filter_map(|o| o.error.as_deref()) {
         outln!("failed: {e}")?;
     }

@@ -48,9 +48,13 @@ pub struct ServerArgs {
     /// KV slots: sequences in the running batches at once (over all pipeline lanes).
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
-    /// Most prompt tokens one prefill step takes.
+    /// Most prompt tokens one step's prompt chunks take.
     #[arg(long, default_value_t = 2048)]
     max_prefill_tokens: usize,
+    /// Most tokens one engine step carries: every running stream's decode token first, then
+    /// chunks of waiting prompts (a longer prompt is prefilled over several steps).
+    #[arg(long, default_value_t = wgpar::batching::DEFAULT_STEP_TOKENS)]
+    max_step_tokens: usize,
     /// Requests that may wait for a KV slot; beyond, 503 with Retry-After.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
@@ -112,6 +116,15 @@ pub struct ServerArgs {
 const MAX_SLOTS: usize = 4096;
 const MAX_QUEUE: usize = 1 << 20;
 
+/// The batching options, for their check before anything opens.
+fn serve_options(args: &ServerArgs) -> ServeOptions {
+    ServeOptions {
+        max_batch: args.max_batch,
+        max_prefill_tokens: args.max_prefill_tokens,
+        max_step_tokens: args.max_step_tokens,
+    }
+}
+
 /// Checks the options that need no model.
 fn check_options(args: &ServerArgs) -> Result<()> {
     if args.max_batch == 0 || args.max_batch > MAX_SLOTS || args.max_prefill_tokens == 0 {
@@ -122,6 +135,7 @@ fn check_options(args: &ServerArgs) -> Result<()> {
             ),
         ));
     }
+    wgpar::batching::check_options(&serve_options(args))?;
     if args.max_queue > MAX_QUEUE || args.max_body < 64 {
         return Err(WgparError::option(
             "--max-queue",
@@ -250,6 +264,7 @@ pub(super) fn prepare(args: &ServerArgs) -> Result<Prepared> {
         batch: BatchOptions {
             slots: args.max_batch,
             max_prefill_tokens: args.max_prefill_tokens,
+            max_step_tokens: args.max_step_tokens,
             fault: engine_fault(args)?,
         },
     };
@@ -472,6 +487,7 @@ pub(super) fn warm_up(
     let opts = ServeOptions {
         max_batch: batch.slots,
         max_prefill_tokens: batch.max_prefill_tokens,
+        max_step_tokens: batch.max_step_tokens,
     };
     serve(engine, &warm, &opts, Recorder::disabled(), &mut |_, _| {})?;
     Ok(())

@@ -122,14 +122,19 @@ struct Seq {
 }
 
 enum Flight {
-    Prefill(Vec<Seq>),
+    /// A chunk of `len` prompt tokens of each of these (their `past` counts the cached ones).
+    Chunk(Vec<Seq>, usize),
     Decode,
 }
 
 #[derive(Default)]
 struct Lane {
     seqs: Vec<Seq>,
+    /// Prompts part-way into their slots (`past` of their tokens cached), oldest first.
+    filling: Vec<Seq>,
     busy: Option<Flight>,
+    /// Whether the lane's last step was a decode step (its next may be a chunk step).
+    decoded_last: bool,
 }
 
 /// How the engine loop batches.
@@ -137,8 +142,11 @@ struct Lane {
 pub struct BatchOptions {
     /// KV slots over all lanes.
     pub slots: usize,
-    /// Most prompt tokens one prefill step takes (a longer prompt still runs, alone).
+    /// Most prompt tokens one step's prompt chunks take.
     pub max_prefill_tokens: usize,
+    /// Most tokens one step of a lane carries, its decode tokens first; a longer prompt is
+    /// prefilled in chunks over several steps (`--max-step-tokens`).
+    pub max_step_tokens: usize,
     /// Make the engine thread itself fail after `after` steps (tests of the failure path:
     /// `serve --inject-fault engine,kind=panic,at=step:N`).
     pub fault: Option<Fault>,
@@ -292,8 +300,9 @@ impl Batcher {
             .iter()
             .map(|l| {
                 l.seqs.len()
+                    + l.filling.len()
                     + match &l.busy {
-                        Some(Flight::Prefill(s)) => s.len(),
+                        Some(Flight::Chunk(s, _)) => s.len(),
                         _ => 0,
                     }
             })
@@ -324,10 +333,15 @@ impl Batcher {
             self.metrics.cancelled.inc_by(gone as u64);
         }
         for lane in self.lanes.iter_mut().filter(|l| l.busy.is_none()) {
-            let (keep, gone): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut lane.seqs)
+            let (keep, mut gone): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut lane.seqs)
                 .into_iter()
                 .partition(|s| !s.job.ended());
             lane.seqs = keep;
+            let (keep, filling_gone): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut lane.filling)
+                .into_iter()
+                .partition(|s| !s.job.ended());
+            lane.filling = keep;
+            gone.extend(filling_gone);
             for s in gone {
                 self.free.push(s.slot);
                 if s.job.ending.stopped() && !s.job.ending.cancelled() {
@@ -340,52 +354,91 @@ impl Batcher {
         }
     }
 
-    /// The next step for idle `lane`: a prefill of waiting requests of the oldest one's
-    /// prompt length if the lane has room, else a decode step of its batch.
+    /// The next step for idle `lane`: after a decode step (or with nothing to decode), a
+    /// step of prompt chunks if there are prompts to prefill; otherwise a decode step of its
+    /// batch (see `crate::batching` for the budget).
     fn plan(&mut self, lane: usize) -> Option<(BatchStep, Flight)> {
-        let room = self
-            .per_lane
-            .saturating_sub(self.lanes[lane].seqs.len())
+        let l = &self.lanes[lane];
+        if l.seqs.is_empty() || l.decoded_last {
+            if let Some(step) = self.plan_chunk(lane) {
+                self.lanes[lane].decoded_last = false;
+                return Some(step);
+            }
+        }
+        let step = self.plan_decode(lane)?;
+        self.lanes[lane].decoded_last = true;
+        Some(step)
+    }
+
+    /// A chunk step for `lane`: its prompts part-way in first, then waiting requests while
+    /// it has slots, within what the step budget leaves after the lane's decode tokens.
+    fn plan_chunk(&mut self, lane: usize) -> Option<(BatchStep, Flight)> {
+        let l = &self.lanes[lane];
+        let budget = crate::batching::chunk_budget(
+            self.opts.max_step_tokens,
+            self.opts.max_prefill_tokens,
+            l.seqs.len(),
+        );
+        let room = (self.per_lane)
+            .saturating_sub(l.seqs.len() + l.filling.len())
             .min(self.free.len());
-        if let (Some(oldest), true) = (self.waiting.front(), room > 0) {
-            let len = oldest.prompt.len();
-            let (mut rows, mut ids, mut joining) = (Vec::new(), Vec::new(), Vec::new());
-            while let Some(job) = self.waiting.front() {
-                let fits =
-                    rows.is_empty() || (rows.len() + 1) * len <= self.opts.max_prefill_tokens;
-                if job.prompt.len() != len || rows.len() == room || !fits {
-                    break;
-                }
-                let job = self.waiting.pop_front()?;
+        let filling = l.filling.len();
+        let remaining: Vec<usize> = (l.filling.iter())
+            .map(|s| s.job.prompt.len() - s.past)
+            .chain(self.waiting.iter().take(room).map(|j| j.prompt.len()))
+            .collect();
+        let plan = crate::batching::plan_chunk(&remaining, budget)?;
+        let mut taken = Vec::new();
+        // Remove from the back, so the indices before stay valid.
+        for &i in plan.picked.iter().rev() {
+            taken.push(if i < filling {
+                self.lanes[lane].filling.remove(i)
+            } else {
+                let job = self.waiting.remove(i - filling)?;
                 self.shared.queued.fetch_sub(1, Ordering::SeqCst);
                 self.metrics.observe_scheduled(job.accepted);
-                let slot = self.free.pop()?;
-                rows.push(SeqRow { slot, past: 0 });
-                ids.extend_from_slice(&job.prompt);
-                joining.push(Seq {
+                Seq {
                     job,
-                    slot,
+                    slot: self.free.pop()?,
                     past: 0,
                     next: 0,
                     generated: 0,
                     scored: 0,
                     first_at: None,
                     last_at: None,
-                });
-            }
-            let step = BatchStep {
-                lane,
-                rows,
-                seq: len,
-                ids,
-                deps: Vec::new(),
-                release_us: None,
-                logits: joining.iter().any(|s| s.job.picker.is_some()),
-                allow: masks(&mut joining, self.mask_words),
-            };
-            return Some((step, Flight::Prefill(joining)));
+                }
+            });
         }
-        if self.lanes[lane].seqs.is_empty() {
+        taken.reverse();
+        let len = plan.len;
+        let rows = (taken.iter())
+            .map(|s| SeqRow {
+                slot: s.slot,
+                past: s.past,
+            })
+            .collect();
+        let ids = (taken.iter())
+            .flat_map(|s| s.job.prompt[s.past..s.past + len].iter().copied())
+            .collect();
+        // Only a row whose chunk ends its prompt uses its pick; the others' masks are moot.
+        let allow = masks(&mut taken, self.mask_words);
+        let step = BatchStep {
+            lane,
+            rows,
+            seq: len,
+            ids,
+            deps: Vec::new(),
+            release_us: None,
+            logits: taken.iter().any(|s| s.job.picker.is_some()),
+            allow,
+        };
+        Some((step, Flight::Chunk(taken, len)))
+    }
+
+    /// A decode step of every sequence `lane` runs; `None` when it runs none.
+    fn plan_decode(&mut self, lane: usize) -> Option<(BatchStep, Flight)> {
+        let seqs = &self.lanes[lane].seqs;
+        if seqs.is_empty() {
             return None;
         }
         let allow = masks(&mut self.lanes[lane].seqs, self.mask_words);
@@ -421,9 +474,9 @@ impl Batcher {
             .ok_or_else(|| {
                 crate::WgparError::Internal(format!("lane {lane} returned a step it never ran"))
             })?;
-        let (prefill, mut seqs) = match flight {
-            Flight::Prefill(new) => (true, new),
-            Flight::Decode => (false, std::mem::take(&mut self.lanes[lane].seqs)),
+        let (chunk, mut seqs) = match flight {
+            Flight::Chunk(taken, len) => (Some(len), taken),
+            Flight::Decode => (None, std::mem::take(&mut self.lanes[lane].seqs)),
         };
         if tokens.len() != seqs.len() {
             return Err(crate::WgparError::Shape {
@@ -432,11 +485,18 @@ impl Batcher {
             });
         }
         let now = Instant::now();
+        let mut unfinished = Vec::new();
         for (row, (mut s, &greedy)) in seqs.drain(..).zip(tokens).enumerate() {
-            s.past += if prefill { s.job.prompt.len() } else { 1 };
+            s.past += chunk.unwrap_or(1);
+            if s.past < s.job.prompt.len() {
+                // Part of its prompt is still to come: this chunk's token is not its.
+                unfinished.push(s);
+                continue;
+            }
             let logits = done.logits.as_ref().map(|l| l.row(row));
             self.advance(lane, s, greedy, logits, now)?;
         }
+        self.lanes[lane].filling.splice(0..0, unfinished);
         Ok(())
     }
 
@@ -535,7 +595,7 @@ impl Batcher {
     }
 
     /// Gauges: requests running and waiting, KV slots in use, and the share of the cache's
-    /// token places that running sequences hold (a prefill in flight holds its prompt).
+    /// token places that running sequences hold (a prompt chunk in flight holds its tokens).
     fn publish(&self) {
         let running = self.running() as i64;
         self.metrics.running.set(running);
@@ -545,11 +605,12 @@ impl Batcher {
             .set((self.opts.slots - self.free.len()) as i64);
         let held: usize = (self.lanes.iter())
             .map(|l| {
-                let prefill = match &l.busy {
-                    Some(Flight::Prefill(s)) => s.iter().map(|s| s.job.prompt.len()).sum(),
+                let prefill: usize = match &l.busy {
+                    Some(Flight::Chunk(s, len)) => s.iter().map(|s| s.past + len).sum(),
                     _ => 0,
                 };
-                l.seqs.iter().map(|s| s.past + 1).sum::<usize>() + prefill
+                let filling: usize = l.filling.iter().map(|s| s.past).sum();
+                l.seqs.iter().map(|s| s.past + 1).sum::<usize>() + prefill + filling
             })
             .sum();
         (self.metrics.kv_usage).set(held as f64 / self.kv_tokens.max(1) as f64);
@@ -567,10 +628,11 @@ impl Batcher {
         }
         for lane in &mut self.lanes {
             let in_flight = match lane.busy.take() {
-                Some(Flight::Prefill(s)) => s,
+                Some(Flight::Chunk(s, _)) => s,
                 _ => Vec::new(),
             };
-            for s in lane.seqs.drain(..).chain(in_flight) {
+            let filling = std::mem::take(&mut lane.filling);
+            for s in lane.seqs.drain(..).chain(in_flight).chain(filling) {
                 self.metrics.failed.inc();
                 let _ = s.job.events.send(Event::Error(message.clone()));
             }
