@@ -35,7 +35,8 @@ pub struct GgufTensor {
     pub permute_heads: usize,
 }
 
-fn tensor(name: String, shape: Vec<usize>, values: &[f32]) -> GgufTensor {
+/// One f32 tensor of `shape` (written in the spec's type where it is a matrix).
+pub fn tensor(name: String, shape: Vec<usize>, values: &[f32]) -> GgufTensor {
     assert_eq!(shape.iter().product::<usize>(), values.len(), "{name}");
     GgufTensor {
         name,

@@ -256,6 +256,8 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
         k_norm: head_norm(t, c, i, "attn_k_norm")?,
         wo,
         bo: opt("attn_output.bias", &[h], "attention output bias")?,
+        attn_out_norm: out_norm(t, c, i, "post_attention_norm")?,
+        mlp_out_norm: out_norm(t, c, i, "post_ffw_norm")?,
         mlp_norm: get("ffn_norm.weight", &[h], "MLP RMSNorm")?,
         mlp_norm_bias: None,
         w_gate: Some(w_gate),
@@ -284,6 +286,18 @@ fn head_norm(t: &Tensors, c: &ModelConfig, i: usize, part: &str) -> Result<Optio
     let what = format!("layer {i} {part} (per-head RMSNorm)");
     let name = format!("blk.{i}.{part}.weight");
     t.get(&name, &[c.head_dim], &what).map(Some)
+}
+
+/// Layer `i`'s output norm scale `part` (gemma3's `post_attention_norm`, `post_ffw_norm`),
+/// where the config has them. llama.cpp's converter already added Gemma's 1 to every norm
+/// scale, so the file holds the multiplier itself.
+fn out_norm(t: &Tensors, c: &ModelConfig, i: usize, part: &str) -> Result<Option<Vec<f32>>> {
+    if !c.sandwich_norms {
+        return Ok(None);
+    }
+    let what = format!("layer {i} {part} (block output RMSNorm)");
+    let name = format!("blk.{i}.{part}.weight");
+    t.get(&name, &[c.hidden], &what).map(Some)
 }
 
 fn gpt2_layer(t: &Tensors, c: &ModelConfig, i: usize) -> Result<LayerWeights> {
@@ -317,6 +331,8 @@ fn gpt2_layer(t: &Tensors, c: &ModelConfig, i: usize) -> Result<LayerWeights> {
         bv: bias(2),
         q_norm: None,
         k_norm: None,
+        attn_out_norm: None,
+        mlp_out_norm: None,
         wo,
         bo: Some(get("attn_output.bias", &[h], "attention output bias")?),
         mlp_norm: get("ffn_norm.weight", &[h], "MLP LayerNorm scale")?,
