@@ -595,3 +595,102 @@ fn geglu_scale_and_softcap_kernels_match_f64() {
         assert!(err <= 1e-5, "{kind:?}: relative error {err:.2e}");
     }
 }
+
+/// The sliding-window mask in every attention variant that applies (and the tuned choice)
+/// against f64: rows at different positions (before, at and past the window), decode and
+/// prefill, a query scale that is not 1/sqrt(head_dim), grouped heads.
+#[test]
+fn windowed_attention_matches_f64_in_every_variant() {
+    use wgpar::kernels::ops::{AttnShape, KvCache};
+    use wgpar::kernels::variants;
+    let gpu = &common::gpus(1)[0];
+    let (nh, nkv, d, max_seq, window, scale) = (4, 2, 24, 40, 5, 0.31f32);
+    for (batch, seq) in [(3, 1), (2, 9), (1, 33)] {
+        let slots = batch + 1;
+        let max_seq = max_seq.max(seq + 4);
+        let shape = AttnShape {
+            batch,
+            seq,
+            slots,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: d,
+            max_seq,
+            group: nh / nkv,
+            q_head_offset: 0,
+            kv_head_offset: 0,
+        };
+        // Row b: slot slots-1-b, past 4b (row 0 starts inside the window).
+        let rows: Vec<(usize, usize)> = (0..batch).map(|b| (slots - 1 - b, 4 * b)).collect();
+        let flat: Vec<u32> = (rows.iter())
+            .flat_map(|&(slot, past)| [slot as u32, past as u32])
+            .collect();
+        let seqs = gpu.upload_u32("seqs", &flat).unwrap();
+        let tokens = batch * seq;
+        let kc = common::random(shape.cache_len(), 31);
+        let vc = common::random(shape.cache_len(), 32);
+        let q: Vec<f32> = (common::random(tokens * nh * d, 33).iter())
+            .map(|v| v * 3.0)
+            .collect();
+        let (kt, vt, qt) = (
+            gpu.upload_f32("kc", &kc).unwrap(),
+            gpu.upload_f32("vc", &vc).unwrap(),
+            gpu.upload_f32("q", &q).unwrap(),
+        );
+        let at = |slot: usize, h: usize, p: usize| ((slot * nkv + h) * max_seq + p) * d;
+        let mut want = vec![0.0; tokens * nh * d];
+        for t in 0..tokens {
+            let (slot, past) = rows[t / seq];
+            let pos = past + t % seq;
+            let keys = (pos + 1).saturating_sub(window)..pos + 1;
+            for h in 0..nh {
+                let kvh = h / (nh / nkv);
+                let qv = &q[(t * nh + h) * d..(t * nh + h + 1) * d];
+                let score = |p: usize| {
+                    let k = &kc[at(slot, kvh, p)..at(slot, kvh, p) + d];
+                    qv.iter()
+                        .zip(k)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                };
+                let m = keys.clone().map(score).fold(f64::MIN, f64::max);
+                let z: f64 = keys.clone().map(|p| (score(p) - m).exp()).sum();
+                for p in keys.clone() {
+                    let w = (score(p) - m).exp() / z;
+                    for c in 0..d {
+                        want[(t * nh + h) * d + c] += w * vc[at(slot, kvh, p) + c] as f64;
+                    }
+                }
+            }
+        }
+        let mut kernels: Vec<Option<&'static str>> = vec![None];
+        kernels.extend(
+            (variants::ATTENTION.iter())
+                .filter(|v| variants::attention_applies(v, seq, d))
+                .map(|v| Some(v.name)),
+        );
+        assert!(kernels.len() >= 2, "no variant applies to seq {seq}");
+        for kernel in kernels {
+            let out = gpu.empty("out", DType::F32, tokens * nh * d).unwrap();
+            gpu.poison(&out);
+            let cache = KvCache {
+                k: &kt,
+                v: &vt,
+                seqs: &seqs,
+            };
+            let mut enc = gpu.encoder();
+            let io = (&qt, cache, &out);
+            ops::attention_window(gpu, &mut enc, io, &shape, (Some(scale), window), kernel)
+                .unwrap();
+            gpu.submit(enc);
+            gpu.wait().unwrap();
+            let got = gpu.read_f32(&out).unwrap();
+            let err = common::rel_err(&got, &want);
+            assert!(
+                err <= 1e-5,
+                "seq {seq} {kernel:?}: relative error {err:.2e}"
+            );
+        }
+    }
+}

@@ -1192,6 +1192,27 @@ impl Attention {
     }
 }
 
+/// Causal attention of a sliding-window layer (`window` keys ending at each query's own) with
+/// scores scaled by `scale` (1/sqrt(head_dim) where `None`), the kernel variant named or
+/// tuned, as [`attention_with`].
+pub fn attention_window(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    io: (&Tensor, KvCache<'_>, &Tensor),
+    shape: &AttnShape,
+    (scale, window): (Option<f32>, usize),
+    variant: Option<&'static str>,
+) -> Result<()> {
+    once(gpu, encoder, "attention", |params| {
+        let mut op = Attention::bind(gpu, params, io, shape, AttnMask::Causal)?
+            .with_variant(variant)
+            .with_scale(scale)
+            .with_window(Some(window));
+        op.configure(gpu, params, (shape.batch, shape.seq), shape.max_seq)?;
+        Ok(op)
+    })
+}
+
 /// `capacity` with the step's batch and tokens, checked against it.
 fn step_shape(op: &str, capacity: &AttnShape, batch: usize, seq: usize) -> Result<AttnShape> {
     over(op, "sequences", batch, capacity.batch)?;

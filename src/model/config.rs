@@ -275,6 +275,50 @@ impl ModelConfig {
         }
     }
 
+    /// Gemma 3 1B's text model (google/gemma-3-1b-pt config.json), for `plan`.
+    pub fn gemma3_1b() -> Self {
+        Self::gemma3_shape(
+            "gemma3-1b",
+            [262_144, 1152, 26, 4, 1, 256, 6912, 32_768, 512],
+            256,
+        )
+    }
+
+    /// Gemma 3 27B's text model (google/gemma-3-27b-pt text_config; its vision tower not
+    /// counted), for `plan`: global layers' RoPE scaled linearly by 8.
+    pub fn gemma3_27b() -> Self {
+        let shape = [262_208, 5376, 62, 32, 16, 128, 21_504, 131_072, 1024];
+        Self {
+            rope_scaling: Some(RopeScaling::Linear { factor: 8.0 }),
+            ..Self::gemma3_shape("gemma3-27b", shape, 168)
+        }
+    }
+
+    /// A Gemma 3 text model of `[vocab, hidden, layers, heads, kv_heads, head_dim, ffn,
+    /// max_seq, sliding window]` and `query_pre_attn_scalar`: every sixth layer global.
+    fn gemma3_shape(name: &str, s: [usize; 9], query_scalar: usize) -> Self {
+        let [vocab, hidden, layers, heads, kv_heads, head_dim, ffn, max_seq, window] = s;
+        Self {
+            name: name.into(),
+            vocab,
+            hidden,
+            layers,
+            heads,
+            kv_heads,
+            head_dim,
+            ffn,
+            max_seq,
+            sliding: Some(SlidingWindow {
+                window,
+                layers: (0..layers).map(|i| (i + 1) % 6 != 0).collect(),
+                rope_theta: 10_000.0,
+            }),
+            embed_scale: Some((hidden as f32).sqrt()),
+            attn_scale: Some(1.0 / (query_scalar as f32).sqrt()),
+            ..Self::tiny_gemma3(Self::default_model())
+        }
+    }
+
     /// The `tiny-gpt2` preset.
     fn tiny_gpt2(base: Self) -> Self {
         Self {
@@ -677,6 +721,20 @@ mod tests {
             ..bert
         };
         assert!(no_types.validate().is_err());
+    }
+
+    #[test]
+    fn gemma3_shapes_have_their_published_sizes() {
+        // Gemma 3 1B is 1.0B parameters, the 27B's text model 27.0B (tied heads).
+        let b = |c: ModelConfig| {
+            c.validate().unwrap();
+            c.params() as f64 / 1e9
+        };
+        assert!((0.99..1.01).contains(&b(ModelConfig::gemma3_1b())));
+        assert!((26.9..27.1).contains(&b(ModelConfig::gemma3_27b())));
+        let c = ModelConfig::gemma3_27b();
+        assert_eq!((c.layer_window(4), c.layer_window(5)), (Some(1024), None));
+        assert_eq!(c.final_softcap, None);
     }
 
     #[test]
