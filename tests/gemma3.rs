@@ -574,7 +574,8 @@ fn geglu_scale_and_softcap_kernels_match_f64() {
     let b = common::random(n, 12);
     let gelu =
         |x: f64| 0.5 * x * (1.0 + (0.797_884_560_802_865_4 * (x + 0.044_715 * x * x * x)).tanh());
-    let cases: [(Elementwise, f32, &dyn Fn(f64, f64) -> f64); 3] = [
+    type Want<'a> = &'a dyn Fn(f64, f64) -> f64;
+    let cases: [(Elementwise, f32, Want); 3] = [
         (Elementwise::GeGlu, 1.0, &|x, y| gelu(x) * y),
         (Elementwise::Scale, 2.5, &|x, _| x * 2.5),
         (Elementwise::Softcap, 3.0, &|x, _| 3.0 * (x / 3.0).tanh()),
