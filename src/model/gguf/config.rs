@@ -9,12 +9,13 @@ use crate::model::config::{
 use crate::model::rope::yarn_mscale;
 
 /// The `general.architecture` values wgpar reads, and the family each maps to.
-pub const GGUF_ARCHS: [(&str, Arch); 6] = [
+pub const GGUF_ARCHS: [(&str, Arch); 7] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Llama),
     ("qwen3", Arch::Llama),
     ("gemma3", Arch::Llama),
+    ("phi3", Arch::Llama),
     ("gpt2", Arch::Gpt2),
 ];
 
@@ -180,6 +181,7 @@ pub fn model_config(meta: &Meta, file: &GgufFile, name: &str) -> Result<ModelCon
     };
     let config = match meta.arch_name.as_str() {
         "gemma3" => gemma3(meta, config)?,
+        "phi3" => phi3(meta, file, config)?,
         _ => config,
     };
     if arch != Arch::Gpt2 {
@@ -239,6 +241,26 @@ fn gemma3(meta: &Meta, base: ModelConfig) -> Result<ModelConfig> {
         sliding,
         final_softcap: (cap != 0.0).then_some(cap),
         activation: Activation::GeluTanhGated,
+        ..base
+    })
+}
+
+/// Phi-3 over the Llama-shaped `base`: LongRoPE's per-pair factors (`rope_factors_long` /
+/// `rope_factors_short`, 128k files) are refused by name; a sliding window caps the context
+/// as Hugging Face's Phi-3 masks it (llama.cpp leaves it unused).
+fn phi3(meta: &Meta, file: &GgufFile, base: ModelConfig) -> Result<ModelConfig> {
+    for name in ["rope_factors_long.weight", "rope_factors_short.weight"] {
+        if file.tensor(name).is_some() {
+            return Err(meta.fail(format!(
+                "tensor '{name}': LongRoPE (Phi-3 128k, Phi-3.5) is not supported"
+            )));
+        }
+    }
+    let window = meta
+        .opt_usize("phi3.attention.sliding_window")?
+        .filter(|&w| w > 0);
+    Ok(ModelConfig {
+        max_seq: window.map_or(base.max_seq, |w| base.max_seq.min(w)),
         ..base
     })
 }

@@ -230,18 +230,42 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
             b
         }
     };
-    let (wq, bwq) = fix(
-        matrix("attn_q.weight", &[q, h], "query projection")?,
-        c.heads,
-    );
-    let (wk, bwk) = fix(
-        matrix("attn_k.weight", &[kv, h], "key projection")?,
-        c.kv_heads,
-    );
-    let (wv, bwv) = matrix("attn_v.weight", &[kv, h], "value projection")?;
+    // phi3 files fuse Q, K and V (`attn_qkv`) and gate and up (`ffn_up` of 2 x ffn rows,
+    // gate first, no `ffn_gate`): split here, so tensor parallelism shards each part.
+    let [(wq, bwq), (wk, bwk), (wv, bwv)] = match t.file.tensor(&n("attn_qkv.weight")) {
+        Some(_) => split_matrix(
+            matrix("attn_qkv.weight", &[q + 2 * kv, h], "fused QKV projection")?,
+            h,
+            [q, kv, kv],
+        ),
+        None => [
+            fix(
+                matrix("attn_q.weight", &[q, h], "query projection")?,
+                c.heads,
+            ),
+            fix(
+                matrix("attn_k.weight", &[kv, h], "key projection")?,
+                c.kv_heads,
+            ),
+            matrix("attn_v.weight", &[kv, h], "value projection")?,
+        ],
+    };
     let (wo, bwo) = matrix("attn_output.weight", &[h, q], "attention output")?;
-    let (w_gate, bgate) = matrix("ffn_gate.weight", &[f, h], "MLP gate")?;
-    let (w_up, bup) = matrix("ffn_up.weight", &[f, h], "MLP up")?;
+    let [(w_gate, bgate), (w_up, bup)] = match t.file.tensor(&n("ffn_gate.weight")) {
+        None => split_matrix(
+            matrix(
+                "ffn_up.weight",
+                &[2 * f, h],
+                "fused MLP gate and up (no ffn_gate)",
+            )?,
+            h,
+            [f, f],
+        ),
+        Some(_) => [
+            matrix("ffn_gate.weight", &[f, h], "MLP gate")?,
+            matrix("ffn_up.weight", &[f, h], "MLP up")?,
+        ],
+    };
     let (w_down, bdown) = matrix("ffn_down.weight", &[h, f], "MLP down")?;
     Ok(LayerWeights {
         attn_norm: get("attn_norm.weight", &[h], "attention RMSNorm")?,
@@ -274,6 +298,25 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
             w_up: bup,
             w_down: bdown,
         },
+    })
+}
+
+/// The row blocks of a `[rows][cols]` matrix and its file blocks, `sizes` rows each in order
+/// (a fused projection's parts); dense values are empty where the blocks alone are held.
+fn split_matrix<const N: usize>(
+    (dense, blocks): (Vec<f32>, Option<BlockMatrix>),
+    cols: usize,
+    sizes: [usize; N],
+) -> [(Vec<f32>, Option<BlockMatrix>); N] {
+    let mut start = 0;
+    sizes.map(|rows| {
+        let range = start..start + rows;
+        start += rows;
+        let values = match dense.is_empty() {
+            true => Vec::new(),
+            false => dense[range.start * cols..range.end * cols].to_vec(),
+        };
+        (values, blocks.as_ref().map(|b| b.slice_rows(range)))
     })
 }
 

@@ -13,13 +13,14 @@ use crate::model::config::{
 use crate::model::rope::yarn_mscale;
 
 /// The `model_type` values wgpar reads, and the family each maps to.
-pub const SUPPORTED_TYPES: [(&str, Arch); 7] = [
+pub const SUPPORTED_TYPES: [(&str, Arch); 8] = [
     ("gpt2", Arch::Gpt2),
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Llama),
     ("qwen3", Arch::Llama),
     ("gemma3_text", Arch::Llama),
+    ("phi3", Arch::Llama),
     ("bert", Arch::Bert),
 ];
 
@@ -318,11 +319,18 @@ fn gpt2(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
     })
 }
 
-/// Llama-family keys (Llama, Mistral, Qwen2, Qwen3: `model_type`) over `base`.
+/// Llama-family keys (Llama, Mistral, Qwen2, Qwen3, Phi-3: `model_type`) over `base`.
 fn llama(keys: &Keys<'_>, model_type: &str, base: ModelConfig) -> Result<ModelConfig> {
     let act = keys.str_or("hidden_act", "silu")?;
     if act != "silu" {
         return Err(keys.fail(format!("\"hidden_act\" is '{act}', only silu is supported")));
+    }
+    // Phi-4-mini rotates only part of each head.
+    let rotated = keys.f32_or("partial_rotary_factor", 1.0)?;
+    if rotated != 1.0 {
+        return Err(keys.fail(format!(
+            "\"partial_rotary_factor\" is {rotated}: RoPE over part of a head is not supported"
+        )));
     }
     let hidden = keys.usize("hidden_size")?;
     let heads = keys.usize("num_attention_heads")?;
@@ -341,7 +349,7 @@ fn llama(keys: &Keys<'_>, model_type: &str, base: ModelConfig) -> Result<ModelCo
         None => keys.f32_or("rope_theta", 10_000.0)?,
     };
     // A sliding window equals full attention up to the window's length, so the context
-    // is capped there. Mistral applies its window whenever it is set; Qwen2 and Qwen3 only
+    // is capped there. Mistral and Phi-3 apply their window whenever it is set; Qwen2 and Qwen3 only
     // under "use_sliding_window" (false by default), as Hugging Face reads them.
     let windowed_by_default = !matches!(model_type, "qwen2" | "qwen3");
     if keys.bool_or("use_sliding_window", windowed_by_default)? {
