@@ -14,7 +14,7 @@
 
 use std::ops::Range;
 
-use super::file::{GgufFile, TensorInfo};
+use super::file::{GgufFile, TensorInfo, Value};
 use crate::error::{Result, WgparError};
 use crate::model::config::{Arch, ModelConfig};
 use crate::model::quant::dequantize;
@@ -251,8 +251,10 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
         ],
     };
     let (wo, bwo) = matrix("attn_output.weight", &[h, q], "attention output")?;
+    let phi3 =
+        matches!(t.file.meta.get("general.architecture"), Some(Value::Str(a)) if a == "phi3");
     let [(w_gate, bgate), (w_up, bup)] = match t.file.tensor(&n("ffn_gate.weight")) {
-        None => split_matrix(
+        None if phi3 => split_matrix(
             matrix(
                 "ffn_up.weight",
                 &[2 * f, h],
@@ -261,7 +263,7 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
             h,
             [f, f],
         ),
-        Some(_) => [
+        _ => [
             matrix("ffn_gate.weight", &[f, h], "MLP gate")?,
             matrix("ffn_up.weight", &[f, h], "MLP up")?,
         ],
