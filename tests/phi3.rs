@@ -201,6 +201,19 @@ fn what_phi3_folders_need_that_wgpar_lacks_is_refused_by_name() {
         json!(0.75),
         "\"partial_rotary_factor\" is 0.75",
     );
+    // Transformers 5 writes it (and the base) under "rope_parameters": 1 is whole heads.
+    let params =
+        |f: f64| json!({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": f});
+    refused(
+        "rope_parameters",
+        params(0.5),
+        "\"partial_rotary_factor\" is 0.5",
+    );
+    let mut j = base.clone();
+    j["rope_parameters"] = params(1.0);
+    std::fs::write(dir.join("config.json"), j.to_string()).unwrap();
+    let c = Checkpoint::open(&dir).unwrap().config().clone();
+    assert_eq!((c.head_dim, c.rope_scaling), (w.config.head_dim, None));
 }
 
 /// llama.cpp's phi3 tensors of `w`: fused `attn_qkv` and `ffn_up` (gate rows first), no

@@ -229,7 +229,14 @@ fn rope_scaling(keys: &Keys, value: &Value, max_pos: usize) -> Result<Option<Rop
              llama3, yarn)"
         )));
     };
-    let all = ["type", "rope_type", "rope_theta"];
+    // Transformers 5 writes Phi-3's partial_rotary_factor here too: whole heads only.
+    let rotated = sub.f32_or("partial_rotary_factor", 1.0)?;
+    if rotated != 1.0 {
+        return Err(keys.fail(format!(
+            "\"partial_rotary_factor\" is {rotated}: RoPE over part of a head is not supported"
+        )));
+    }
+    let all = ["type", "rope_type", "rope_theta", "partial_rotary_factor"];
     if let Some(extra) = value.as_object().and_then(|o| {
         o.keys()
             .find(|k| !known.contains(&k.as_str()) && !all.contains(&k.as_str()))
