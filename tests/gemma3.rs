@@ -13,7 +13,7 @@ mod hf_support;
 
 use std::sync::Arc;
 
-use gguf_support::{gguf_tensors, model_meta, write_gguf, GgufSpec, GgufTensor};
+use gguf_support::{write_gguf, GgufSpec, GgufTensor};
 use hf_support::{write_safetensors, Store};
 use serde_json::{json, Value};
 use wgpar::comm::CommConfig;
@@ -450,44 +450,15 @@ fn hugging_face_features_it_lacks_are_refused_by_name() {
     );
 }
 
-/// llama.cpp's gemma3 tensors of `w`: the norm scales as the multipliers (the converter adds
-/// Gemma's 1), the output norms under their own names.
 fn gemma_gguf_tensors(w: &ModelWeights) -> Vec<GgufTensor> {
-    let mut t = gguf_tensors(w, false);
-    let h = w.config.hidden;
-    for (i, l) in w.layers.iter().enumerate() {
-        for (name, v) in [
-            ("post_attention_norm", &l.attn_out_norm),
-            ("post_ffw_norm", &l.mlp_out_norm),
-        ] {
-            t.push(gguf_support::tensor(
-                format!("blk.{i}.{name}.weight"),
-                vec![h],
-                v.as_ref().unwrap(),
-            ));
-        }
-    }
-    t
+    gguf_support::gemma3_tensors(w)
 }
 
 fn gemma_spec<'a>(w: &ModelWeights, matrices: QuantType) -> GgufSpec<'a> {
-    let c = &w.config;
-    let s = c.sliding.as_ref().unwrap();
-    let mut meta = model_meta(w, "gemma3");
-    meta.extend([
-        json!(["gemma3.attention.sliding_window", "u32", s.window]),
-        json!(["gemma3.attention.sliding_window_pattern", "u32", 3]),
-        json!(["gemma3.rope.freq_base_swa", "f32", s.rope_theta]),
-        json!([
-            "gemma3.final_logit_softcapping",
-            "f32",
-            c.final_softcap.unwrap()
-        ]),
-    ]);
     GgufSpec {
         arch: "gemma3",
         matrices,
-        meta,
+        meta: gguf_support::gemma3_meta(w),
     }
 }
 
