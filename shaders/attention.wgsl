@@ -8,6 +8,8 @@
 // out:  [tokens][n_heads * head_dim]
 // Causal (decoders): token i sees positions 0 ..= past + i. Bidirectional (encoders): every
 // token sees positions 0 .. min(past + seq, lens[b]), so right-padding is never attended.
+// Sliding window (window > 0, causal only): token i sees only positions
+// past + i + 1 - window ..= past + i.
 // Grouped-query attention: global query head h reads KV head h / group.
 struct Params {
     batch: u32,
@@ -24,6 +26,19 @@ struct Params {
     q_offset: u32,
     kv_offset: u32,
     causal: u32,
+    // Keys a causal query sees, its own included; 0: every earlier one.
+    window: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+}
+
+// The first key a causal query at position `pos` sees: 0, or the window's start.
+fn first_key(pos: u32) -> u32 {
+    if (p.causal == 0u || p.window == 0u || pos + 1u <= p.window) {
+        return 0u;
+    }
+    return pos + 1u - p.window;
 }
 
 // KT: the cache's stored type (f32, or f16 in the f16 variant); scores and sums stay f32.
@@ -77,7 +92,7 @@ fn attend(
         end = min(past + p.seq, lens[b]);
     }
     end = min(end, p.max_seq);
-    for (var j = 0u; j < end; j++) {
+    for (var j = first_key(past + i); j < end; j++) {
         let k_base = kv_base + j * d;
         var s = 0.0;
         for (var c = 0u; c < d; c++) {
@@ -147,6 +162,7 @@ fn attend_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     }
     var running_max = -3.4e38;
     var denom = 0.0;
+    let start = first_key(past + i);
     for (var j0 = 0u; j0 < tile_end; j0 += FT_BK) {
         for (var e = lid; e < FT_BK * d; e += FT_BQ) {
             let r = e / d;
@@ -163,7 +179,7 @@ fn attend_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         }
         workgroupBarrier();
         for (var r = 0u; r < FT_BK; r++) {
-            if (j0 + r < end) {
+            if (j0 + r < end && j0 + r >= start) {
                 var s = 0.0;
                 for (var c = 0u; c < d; c++) {
                     s += qv[c] * ft_k[r * FT_MAXD + c];
@@ -234,7 +250,7 @@ fn attend_split(
     end = min(end, p.max_seq);
     var running_max = -3.4e38;
     var denom = 0.0;
-    for (var j = lid; j < end; j += SP_WG) {
+    for (var j = first_key(past + i) + lid; j < end; j += SP_WG) {
         let k_base = kv_base + j * d;
         var s = 0.0;
         for (var c = 0u; c < d; c++) {

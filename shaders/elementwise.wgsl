@@ -1,8 +1,9 @@
-// Element-wise ops on a (rows x cols) f32 tensor `a`, in place, with an optional second operand.
+// Element-wise ops on a (rows x cols) f32 tensor `a`, in place, with an optional second operand
+// and a scalar (scale, soft-cap).
 struct Params {
     len: u32,
     cols: u32,
-    _pad0: u32,
+    scalar: f32,
     _pad1: u32,
 }
 
@@ -34,16 +35,49 @@ fn bias_add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     }
 }
 
+// tanh via exp, clamped so exp never overflows (tanh(15) is 1 in f32).
+fn tanh_clamped(x: f32) -> f32 {
+    let e = exp(-2.0 * clamp(x, -15.0, 15.0));
+    return (1.0 - e) / (1.0 + e);
+}
+
+fn gelu_tanh(v: f32) -> f32 {
+    return 0.5 * v * (1.0 + tanh_clamped(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+}
+
 // GELU, tanh approximation (GPT-2's "gelu_new").
 @compute @workgroup_size(WG)
 fn gelu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i = index(wid, nwg, lid);
     if (i < p.len) {
-        let v = a[i];
-        let inner = 0.7978845608028654 * (v + 0.044715 * v * v * v);
-        // tanh via exp, clamped so exp never overflows.
-        let e = exp(-2.0 * clamp(inner, -15.0, 15.0));
-        a[i] = 0.5 * v * (1.0 + (1.0 - e) / (1.0 + e));
+        a[i] = gelu_tanh(a[i]);
+    }
+}
+
+// GeGLU: a = gelu_tanh(a) * b, with a the gate projection and b the up projection (Gemma).
+@compute @workgroup_size(WG)
+fn geglu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let i = index(wid, nwg, lid);
+    if (i < p.len) {
+        a[i] = gelu_tanh(a[i]) * b[i];
+    }
+}
+
+// a *= scalar (Gemma's embedding scale).
+@compute @workgroup_size(WG)
+fn scale(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let i = index(wid, nwg, lid);
+    if (i < p.len) {
+        a[i] = a[i] * p.scalar;
+    }
+}
+
+// Soft-capping: a = scalar * tanh(a / scalar) (Gemma's final logits).
+@compute @workgroup_size(WG)
+fn softcap(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let i = index(wid, nwg, lid);
+    if (i < p.len) {
+        a[i] = p.scalar * tanh_clamped(a[i] / p.scalar);
     }
 }
 

@@ -302,6 +302,50 @@ fn a_qwen3_gguf_runs_over_ranks_as_on_one_device() {
     }
 }
 
+/// A Gemma 3 GGUF (sliding-window layers with their own RoPE base, sandwich norms, GeGLU,
+/// scaled embeddings, Q8_0 layers) runs over ranks as on one device: pipeline (one stage
+/// holding only sliding layers), tensor-parallel and hybrid.
+#[test]
+fn a_gemma3_gguf_runs_over_ranks_as_on_one_device() {
+    let dir = scratch("gemma3");
+    let config = wgpar::model::ModelConfig {
+        hidden: 128,
+        head_dim: 32,
+        ffn: 256,
+        layers: 4,
+        embed_scale: Some(128f32.sqrt()),
+        attn_scale: Some(1.0 / 32f32.sqrt()),
+        ..wgpar::model::ModelConfig::preset("tiny-gemma3").unwrap()
+    };
+    let config = wgpar::model::ModelConfig {
+        sliding: config.sliding.clone().map(|mut s| {
+            s.layers = (0..4).map(|i| (i + 1) % 3 != 0).collect();
+            s
+        }),
+        ..config
+    };
+    let w = ModelWeights::synthetic(&config, 63);
+    let spec = GgufSpec {
+        arch: "gemma3",
+        matrices: QuantType::Q8_0,
+        meta: gguf_support::gemma3_meta(&w),
+    };
+    let file = write_gguf(&dir, "gemma3", &gguf_support::gemma3_tensors(&w), &spec);
+    let file = file.to_str().unwrap();
+    let single = reference(&dir, file);
+    let hybrid = ["--strategy", "hybrid", "--tp", "2", "--virtual", "2"];
+    for (name, args) in [
+        ("gemma3-pp2", &["--strategy", "pp", "--virtual", "1"][..]),
+        ("gemma3-tp2", &["--strategy", "tp", "--virtual", "1"]),
+        ("gemma3-hybrid2", &hybrid),
+    ] {
+        let got = ranked(&dir, name, 2, file, args);
+        let err = rel_err(&got, &single);
+        assert!(err <= 1e-4, "{name}: relative error {err:e}");
+        assert_eq!(got.tokens, single.tokens, "{name}: generated tokens differ");
+    }
+}
+
 /// Open MPI binds each of two ranks to one core: a rank whose adapter is a CPU driver (whose
 /// worker threads then share that core) says so and names the remedy; unbound, it does not.
 #[test]

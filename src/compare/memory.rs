@@ -289,7 +289,8 @@ impl Sizes<'_> {
             2.0
         };
         let qk_norms = if config.qk_norm { 2.0 * d } else { 0.0 };
-        h * (q + 2.0 * kv) + q * h + mats * h * ffn + 4.0 * h + qk_norms
+        let out_norms = if config.sandwich_norms { 2.0 * h } else { 0.0 };
+        h * (q + 2.0 * kv) + q * h + mats * h * ffn + 4.0 * h + qk_norms + out_norms
     }
 
     /// `params` of a stage's layers plus the embedding (first stage) and head (last stage) it

@@ -5,7 +5,7 @@
 use crate::model::ModelConfig;
 
 /// Names of the plan-only presets.
-pub const PLAN_PRESETS: [&str; 9] = [
+pub const PLAN_PRESETS: [&str; 11] = [
     "llama2-7b",
     "llama2-13b",
     "llama2-70b",
@@ -15,6 +15,8 @@ pub const PLAN_PRESETS: [&str; 9] = [
     "qwen2-72b",
     "qwen3-8b",
     "qwen3-32b",
+    "gemma3-1b",
+    "gemma3-27b",
 ];
 
 /// The shape of a published model, from its `config.json`; the rest (a Llama decoder) comes
@@ -174,6 +176,12 @@ const SHAPES: [(&str, Shape); 9] = [
 
 /// A plan-only preset by name.
 pub fn plan_preset(name: &str) -> Option<ModelConfig> {
+    // Gemma 3's sliding layers and other features are the model module's to describe.
+    match name {
+        "gemma3-1b" => return Some(ModelConfig::gemma3_1b()),
+        "gemma3-27b" => return Some(ModelConfig::gemma3_27b()),
+        _ => {}
+    }
     let base = ModelConfig::preset("llama-8b").ok()?;
     let (_, s) = SHAPES.iter().find(|(n, _)| *n == name)?;
     let c = ModelConfig {

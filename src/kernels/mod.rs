@@ -236,7 +236,9 @@ impl Family {
             Family::Attention => &["attend", "attend_tiled", "attend_split"],
             Family::KvCache => &["kv_store"],
             Family::Rope => &["rope"],
-            Family::Elementwise => &["add", "bias_add", "gelu", "gelu_erf", "swiglu"],
+            Family::Elementwise => &[
+                "add", "bias_add", "gelu", "gelu_erf", "swiglu", "geglu", "scale", "softcap",
+            ],
             Family::Embedding => &["embed"],
             Family::EmbeddingQuant => &["qembed"],
             Family::Pool => &["pool"],

@@ -757,6 +757,28 @@ pub fn head_norm(
     })
 }
 
+/// Applies `op` with its scalar (`Scale`, `Softcap`; others ignore it) to `a` (`rows x cols`
+/// elements), `b` bound as its second operand (read where the op takes one).
+pub fn elementwise_scalar(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    op: Elementwise,
+    (a, b): (&Tensor, &Tensor),
+    (rows, cols): (usize, usize),
+    scalar: f32,
+) -> Result<()> {
+    let b = match op.b_len(rows, cols) {
+        Some(_) => Operand::Tensor(b),
+        None => Operand::Unused(b),
+    };
+    once(gpu, encoder, "elementwise", |params| {
+        let bound = ElementwiseOp::bind(gpu, params, op, (a, b), (rows, cols))?;
+        let mut bound = bound.with_scalar(scalar);
+        bound.configure(gpu, params, rows)?;
+        Ok(bound)
+    })
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, Pod, Zeroable)]
 struct RowsParams {
@@ -915,6 +937,10 @@ struct AttnParams {
     /// 1: causal; 0: bidirectional over each sequence's real keys (attention only; the KV
     /// store kernel ignores it).
     causal: u32,
+    /// Keys a causal query sees, its own included (a sliding window); 0: all of them
+    /// (attention only).
+    window: u32,
+    _pad: [u32; 3],
 }
 
 impl AttnParams {
@@ -932,6 +958,8 @@ impl AttnParams {
             q_offset: to_u32(op, "q_head_offset", s.q_head_offset)?,
             kv_offset: to_u32(op, "kv_head_offset", s.kv_head_offset)?,
             causal: causal as u32,
+            window: 0,
+            _pad: [0; 3],
         })
     }
 }
@@ -984,6 +1012,10 @@ pub struct Attention {
     op: Bound,
     shape: AttnShape,
     causal: bool,
+    /// Score scale instead of 1/sqrt(head_dim), if set.
+    scale: Option<f32>,
+    /// Keys a causal query sees (its own included), if it slides.
+    window: Option<usize>,
     /// A named variant (tests, benchmarks) instead of the tuned choice.
     variant: Option<&'static str>,
     /// The cache's stored type, which selects the kernels' `KT` variant.
@@ -1030,10 +1062,26 @@ impl Attention {
             op: Bound::new(gpu, params, Family::Attention, OP, &buffers)?,
             shape: *capacity,
             causal,
+            scale: None,
+            window: None,
             variant: None,
             stored,
             buffers: buffers.map(|b| b.clone()),
         })
+    }
+
+    /// Scores scaled by `scale` instead of 1/sqrt(head_dim) (Gemma's `query_pre_attn_scalar`),
+    /// where `Some`.
+    pub fn with_scale(mut self, scale: Option<f32>) -> Self {
+        self.scale = scale;
+        self
+    }
+
+    /// A causal query sees only the `window` keys ending at its own (a sliding-window
+    /// layer), where `Some`; a bidirectional op refuses one at configure time.
+    pub fn with_window(mut self, window: Option<usize>) -> Self {
+        self.window = window;
+        self
     }
 
     /// Runs the variant called `name` instead of the tuned choice (tests, benchmarks); an
@@ -1056,7 +1104,22 @@ impl Attention {
     ) -> Result<()> {
         const OP: &str = "attention";
         let shape = step_shape(OP, &self.shape, batch, seq)?;
-        let values = AttnParams::new(OP, &shape, self.causal)?;
+        let mut values = AttnParams::new(OP, &shape, self.causal)?;
+        if let Some(scale) = self.scale {
+            values.scale = scale;
+        }
+        if let Some(window) = self.window {
+            if !self.causal || window == 0 {
+                return Err(WgparError::Shape {
+                    op: OP.into(),
+                    detail: format!(
+                        "a sliding window of {window} needs a causal attention of a positive \
+                         window"
+                    ),
+                });
+            }
+            values.window = to_u32(OP, "window", window)?;
+        }
         let context = context.clamp(seq, shape.max_seq);
         let variant = self.choose(gpu, &shape, &values, context)?;
         let heads = shape.n_heads;
@@ -1127,6 +1190,27 @@ impl Attention {
             },
         )
     }
+}
+
+/// Causal attention of a sliding-window layer (`window` keys ending at each query's own) with
+/// scores scaled by `scale` (1/sqrt(head_dim) where `None`), the kernel variant named or
+/// tuned, as [`attention_with`].
+pub fn attention_window(
+    gpu: &Gpu,
+    encoder: &mut wgpu::CommandEncoder,
+    io: (&Tensor, KvCache<'_>, &Tensor),
+    shape: &AttnShape,
+    (scale, window): (Option<f32>, usize),
+    variant: Option<&'static str>,
+) -> Result<()> {
+    once(gpu, encoder, "attention", |params| {
+        let mut op = Attention::bind(gpu, params, io, shape, AttnMask::Causal)?
+            .with_variant(variant)
+            .with_scale(scale)
+            .with_window(Some(window));
+        op.configure(gpu, params, (shape.batch, shape.seq), shape.max_seq)?;
+        Ok(op)
+    })
 }
 
 /// `capacity` with the step's batch and tokens, checked against it.
@@ -1399,6 +1483,12 @@ pub enum Elementwise {
     GeluErf,
     /// `a = silu(a) * b`.
     SwiGlu,
+    /// `a = gelu_tanh(a) * b` (Gemma's GeGLU).
+    GeGlu,
+    /// `a *= s`, `s` set by [`ElementwiseOp::with_scalar`].
+    Scale,
+    /// `a = s * tanh(a / s)`, `s` set by [`ElementwiseOp::with_scalar`].
+    Softcap,
 }
 
 impl Elementwise {
@@ -1409,15 +1499,21 @@ impl Elementwise {
             Elementwise::Gelu => "gelu",
             Elementwise::GeluErf => "gelu_erf",
             Elementwise::SwiGlu => "swiglu",
+            Elementwise::GeGlu => "geglu",
+            Elementwise::Scale => "scale",
+            Elementwise::Softcap => "softcap",
         }
     }
 
     /// Elements of `b` the op reads for `rows x cols` elements of `a` (`None`: no `b`).
     fn b_len(self, rows: usize, cols: usize) -> Option<usize> {
         match self {
-            Elementwise::Add | Elementwise::SwiGlu => Some(rows * cols),
+            Elementwise::Add | Elementwise::SwiGlu | Elementwise::GeGlu => Some(rows * cols),
             Elementwise::BiasAdd => Some(cols),
-            Elementwise::Gelu | Elementwise::GeluErf => None,
+            Elementwise::Gelu
+            | Elementwise::GeluErf
+            | Elementwise::Scale
+            | Elementwise::Softcap => None,
         }
     }
 }
@@ -1438,6 +1534,8 @@ pub struct ElementwiseOp {
     kind: Elementwise,
     rows: usize,
     cols: usize,
+    /// The scalar of `Scale` and `Softcap` (1 until set).
+    scalar: f32,
 }
 bound_op!(ElementwiseOp);
 
@@ -1482,7 +1580,14 @@ impl ElementwiseOp {
             kind,
             rows,
             cols,
+            scalar: 1.0,
         })
+    }
+
+    /// The scalar `Scale` multiplies by and `Softcap` caps at (read at configure time).
+    pub fn with_scalar(mut self, scalar: f32) -> Self {
+        self.scalar = scalar;
+        self
     }
 
     /// Configures the op for `rows` rows.
@@ -1493,7 +1598,7 @@ impl ElementwiseOp {
         let values = RowsParams {
             rows: to_u32(OP, "len", len)?,
             cols: to_u32(OP, "cols", self.cols)?,
-            _pad: [0; 2],
+            _pad: [self.scalar.to_bits(), 0],
         };
         let dispatch = Dispatch::new(
             gpu,

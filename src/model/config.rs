@@ -28,6 +28,22 @@ pub enum Activation {
     GeluErf,
     /// SiLU gating a second projection (SwiGLU, Llama).
     Silu,
+    /// GELU (tanh approximation) gating a second projection (GeGLU, Gemma's
+    /// `gelu_pytorch_tanh`).
+    GeluTanhGated,
+}
+
+/// Sliding-window attention on some layers (Gemma 3): a token there sees only the `window`
+/// positions ending at its own, and those layers rotate with their own RoPE base.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SlidingWindow {
+    /// Positions a token sees on a sliding layer, its own included.
+    pub window: usize,
+    /// Per layer: whether it slides (the others attend to the whole context).
+    pub layers: Vec<bool>,
+    /// RoPE base of the sliding layers (unscaled; `rope_theta` and `rope_scaling` are the
+    /// global layers').
+    pub rope_theta: f32,
 }
 
 /// How an encoder reduces its token states to one vector per sequence.
@@ -91,7 +107,24 @@ pub struct ModelConfig {
     /// `k_norm`).
     #[serde(default)]
     pub qk_norm: bool,
-    /// MLP non-linearity (must be `Silu` exactly for Llama).
+    /// The token embeddings are multiplied by this (Gemma: sqrt(hidden), in the checkpoint's
+    /// dtype) before the first layer; the tied head reads the table unscaled.
+    #[serde(default)]
+    pub embed_scale: Option<f32>,
+    /// Each block's output is RMS-normalised before its residual add (Gemma's
+    /// `post_attention_layernorm` / `post_feedforward_layernorm`), besides the norm before it.
+    #[serde(default)]
+    pub sandwich_norms: bool,
+    /// Attention score scale instead of 1/sqrt(head_dim) (Gemma: `query_pre_attn_scalar`^-1/2).
+    #[serde(default)]
+    pub attn_scale: Option<f32>,
+    /// Sliding-window layers, if the model has them.
+    #[serde(default)]
+    pub sliding: Option<SlidingWindow>,
+    /// Final logits become `cap * tanh(logits / cap)` (Gemma's `final_logit_softcapping`).
+    #[serde(default)]
+    pub final_softcap: Option<f32>,
+    /// MLP non-linearity (a gated one, `Silu` or `GeluTanhGated`, exactly for Llama).
     pub activation: Activation,
     /// Token type (segment) vocabulary: BERT's sentence A/B embeddings; 0 for decoders.
     pub type_vocab: usize,
@@ -100,10 +133,11 @@ pub struct ModelConfig {
 }
 
 /// Names of the built-in presets, for `--model` help and errors.
-pub const PRESETS: [&str; 8] = [
+pub const PRESETS: [&str; 9] = [
     "default",
     "tiny-llama",
     "tiny-qwen3",
+    "tiny-gemma3",
     "tiny-gpt2",
     "tiny-bert",
     "gpt2-small",
@@ -132,6 +166,11 @@ impl ModelConfig {
             rope_freq_factors: None,
             tied_head: false,
             qk_norm: false,
+            embed_scale: None,
+            sandwich_norms: false,
+            attn_scale: None,
+            sliding: None,
+            final_softcap: None,
             activation: Activation::Silu,
             type_vocab: 0,
             pooling: Pooling {
@@ -148,6 +187,7 @@ impl ModelConfig {
             "default" => base,
             "tiny-llama" => Self::tiny_llama(base),
             "tiny-qwen3" => Self::tiny_qwen3(base),
+            "tiny-gemma3" => Self::tiny_gemma3(base),
             "tiny-gpt2" => Self::tiny_gpt2(base),
             "tiny-bert" => Self::tiny_bert(base),
             "gpt2-small" => Self::gpt2_small(base),
@@ -199,6 +239,83 @@ impl ModelConfig {
             tied_head: true,
             qk_norm: true,
             ..base
+        }
+    }
+
+    /// Gemma-3-shaped, smaller: scaled embeddings, sandwich norms, GeGLU, query/key norms,
+    /// a query scale that is not 1/sqrt(head_dim), heads wider than hidden / heads, and
+    /// sliding-window layers (window 5) around every third, global one, which rotates with
+    /// its own base. Gemma 3 has no final soft-capping; tests set one.
+    fn tiny_gemma3(base: Self) -> Self {
+        let layers = 3;
+        Self {
+            name: "tiny-gemma3".into(),
+            vocab: 419,
+            hidden: 80,
+            layers,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 24,
+            ffn: 176,
+            max_seq: 96,
+            norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            tied_head: true,
+            qk_norm: true,
+            embed_scale: Some((80f32).sqrt()),
+            sandwich_norms: true,
+            attn_scale: Some(1.0 / 20f32.sqrt()),
+            sliding: Some(SlidingWindow {
+                window: 5,
+                layers: (0..layers).map(|i| (i + 1) % 3 != 0).collect(),
+                rope_theta: 10_000.0,
+            }),
+            activation: Activation::GeluTanhGated,
+            ..base
+        }
+    }
+
+    /// Gemma 3 1B's text model (google/gemma-3-1b-pt config.json), for `plan`.
+    pub fn gemma3_1b() -> Self {
+        Self::gemma3_shape(
+            "gemma3-1b",
+            [262_144, 1152, 26, 4, 1, 256, 6912, 32_768, 512],
+            256,
+        )
+    }
+
+    /// Gemma 3 27B's text model (google/gemma-3-27b-pt text_config; its vision tower not
+    /// counted), for `plan`: global layers' RoPE scaled linearly by 8.
+    pub fn gemma3_27b() -> Self {
+        let shape = [262_208, 5376, 62, 32, 16, 128, 21_504, 131_072, 1024];
+        Self {
+            rope_scaling: Some(RopeScaling::Linear { factor: 8.0 }),
+            ..Self::gemma3_shape("gemma3-27b", shape, 168)
+        }
+    }
+
+    /// A Gemma 3 text model of `[vocab, hidden, layers, heads, kv_heads, head_dim, ffn,
+    /// max_seq, sliding window]` and `query_pre_attn_scalar`: every sixth layer global.
+    fn gemma3_shape(name: &str, s: [usize; 9], query_scalar: usize) -> Self {
+        let [vocab, hidden, layers, heads, kv_heads, head_dim, ffn, max_seq, window] = s;
+        Self {
+            name: name.into(),
+            vocab,
+            hidden,
+            layers,
+            heads,
+            kv_heads,
+            head_dim,
+            ffn,
+            max_seq,
+            sliding: Some(SlidingWindow {
+                window,
+                layers: (0..layers).map(|i| (i + 1) % 6 != 0).collect(),
+                rope_theta: 10_000.0,
+            }),
+            embed_scale: Some((hidden as f32).sqrt()),
+            attn_scale: Some(1.0 / (query_scalar as f32).sqrt()),
+            ..Self::tiny_gemma3(Self::default_model())
         }
     }
 
@@ -395,12 +512,22 @@ impl ModelConfig {
 
     /// Whether the activation fits the architecture's blocks and an encoder has token types.
     fn structure_problem(&self) -> Option<String> {
-        let gated = self.activation == Activation::Silu;
-        if gated != (self.arch == Arch::Llama) {
+        if self.gated() != (self.arch == Arch::Llama) {
             return Some(format!(
-                "{:?} activation does not fit the {:?} block structure (only Llama gates with SiLU)",
+                "{:?} activation does not fit the {:?} block structure (only Llama gates, \
+                 with SiLU or tanh GELU)",
                 self.activation, self.arch
             ));
+        }
+        if self.arch != Arch::Llama && self.has_gemma_features() {
+            return Some(format!(
+                "embedding scale, sandwich norms, attention scale, sliding windows and \
+                 soft-capping apply to the Llama block structure (Gemma 3), not {:?}",
+                self.arch
+            ));
+        }
+        if let Some(m) = self.gemma_problem() {
+            return Some(m);
         }
         if self.arch == Arch::Bert && self.type_vocab == 0 {
             return Some("a BERT encoder needs at least one token type".into());
@@ -412,6 +539,78 @@ impl ModelConfig {
             ));
         }
         None
+    }
+
+    /// Whether the MLP gates its up projection (SwiGLU, GeGLU).
+    pub fn gated(&self) -> bool {
+        matches!(
+            self.activation,
+            Activation::Silu | Activation::GeluTanhGated
+        )
+    }
+
+    /// Whether any Gemma-style feature is set.
+    fn has_gemma_features(&self) -> bool {
+        self.embed_scale.is_some()
+            || self.sandwich_norms
+            || self.attn_scale.is_some()
+            || self.sliding.is_some()
+            || self.final_softcap.is_some()
+    }
+
+    /// What is wrong with the Gemma-style values (scales, caps, the window's layers).
+    fn gemma_problem(&self) -> Option<String> {
+        let positive = |v: Option<f32>| v.is_none_or(|v| v.is_finite() && v > 0.0);
+        if !positive(self.embed_scale) || !positive(self.attn_scale) {
+            return Some(format!(
+                "embedding scale {:?} and attention scale {:?} must be positive and finite",
+                self.embed_scale, self.attn_scale
+            ));
+        }
+        if !positive(self.final_softcap) {
+            return Some(format!(
+                "final logit soft-cap {:?} must be positive and finite",
+                self.final_softcap
+            ));
+        }
+        let s = self.sliding.as_ref()?;
+        if s.window == 0 || s.layers.len() != self.layers {
+            return Some(format!(
+                "sliding window {} over {} layer flags, for {} layers (window must be positive)",
+                s.window,
+                s.layers.len(),
+                self.layers
+            ));
+        }
+        if !(s.rope_theta.is_finite() && s.rope_theta > 0.0) {
+            return Some(format!(
+                "sliding layers' rope_theta {} must be a positive finite number",
+                s.rope_theta
+            ));
+        }
+        None
+    }
+
+    /// Layer `i`'s attention window (positions a token sees, its own included), if it slides.
+    pub fn layer_window(&self, i: usize) -> Option<usize> {
+        let s = self.sliding.as_ref()?;
+        s.layers
+            .get(i)
+            .copied()
+            .unwrap_or(false)
+            .then_some(s.window)
+    }
+
+    /// The config the sliding layers' RoPE tables come from: their own base, no scaling and
+    /// no per-pair factors. `None` without sliding layers.
+    pub fn local_rope(&self) -> Option<ModelConfig> {
+        let s = self.sliding.as_ref()?;
+        Some(ModelConfig {
+            rope_theta: s.rope_theta,
+            rope_scaling: None,
+            rope_freq_factors: None,
+            ..self.clone()
+        })
     }
 
     /// Whether this is an encoder (pooled output, no LM head, no generation).
@@ -454,7 +653,8 @@ impl ModelConfig {
             Arch::Llama => 3 * h * self.ffn,
         };
         let qk_norms = if self.qk_norm { 2 * self.head_dim } else { 0 };
-        attn + mlp + 4 * h + qk_norms
+        let out_norms = if self.sandwich_norms { 2 * h } else { 0 };
+        attn + mlp + 4 * h + qk_norms + out_norms
     }
 
     /// All parameters (embeddings and head included).
@@ -521,6 +721,20 @@ mod tests {
             ..bert
         };
         assert!(no_types.validate().is_err());
+    }
+
+    #[test]
+    fn gemma3_shapes_have_their_published_sizes() {
+        // Gemma 3 1B is 1.0B parameters, the 27B's text model 27.0B (tied heads).
+        let b = |c: ModelConfig| {
+            c.validate().unwrap();
+            c.params() as f64 / 1e9
+        };
+        assert!((0.99..1.01).contains(&b(ModelConfig::gemma3_1b())));
+        assert!((26.9..27.1).contains(&b(ModelConfig::gemma3_27b())));
+        let c = ModelConfig::gemma3_27b();
+        assert_eq!((c.layer_window(4), c.layer_window(5)), (Some(1024), None));
+        assert_eq!(c.final_softcap, None);
     }
 
     #[test]

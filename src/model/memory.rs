@@ -326,6 +326,12 @@ fn layer_bytes(
     };
     // Qwen3's query and key norm scales, whole on every shard.
     let qk_norms = if config.qk_norm { 2 * padded(d, 4) } else { 0 };
+    // Gemma's block output norms, whole on every shard.
+    let out_norms = if config.sandwich_norms {
+        2 * padded(h, 4)
+    } else {
+        0
+    };
     m(0, q, h)
         + m(1, kv, h)
         + m(2, kv, h)
@@ -335,6 +341,7 @@ fn layer_bytes(
         + m(6, h, f)
         + 2 * padded(h, 4)
         + qk_norms
+        + out_norms
         + vec(v.other_biases, h) * 2
         + vec(v.qkv_bias, q)
         + 2 * vec(v.qkv_bias, kv)
@@ -383,14 +390,24 @@ pub fn weight_bytes(
                 table(format.blocks.lm_head)
             };
     }
+    let rope_tables = 2 * padded(config.max_seq * config.head_dim / 2, 4);
     if config.arch == Arch::Llama && !placement.layers.is_empty() {
-        bytes += 2 * padded(config.max_seq * config.head_dim / 2, 4);
+        bytes += rope_tables;
+    }
+    // The sliding layers' own tables, where the device holds one (Gemma 3).
+    if placement
+        .layers
+        .clone()
+        .any(|i| config.layer_window(i).is_some())
+    {
+        bytes += rope_tables;
     }
     bytes
 }
 
 /// Bytes of one KV cache of `slots` sequences on a device holding `placement`, its elements
-/// `kv_dtype`.
+/// `kv_dtype`. A sliding-window layer's cache is as long as a global one's: the window is a
+/// mask over the whole context, not a ring buffer (yet).
 pub fn kv_cache_bytes(
     config: &ModelConfig,
     placement: &Placement,

@@ -105,7 +105,9 @@ fn activate(activation: Activation, x: f64) -> f64 {
     match activation {
         Activation::GeluErf => gelu_erf(x),
         Activation::GeluTanh => gelu_tanh(x),
+        // The gated forms gate in `mlp`; alone they are their gate function.
         Activation::Silu => silu(x),
+        Activation::GeluTanhGated => gelu_tanh(x),
     }
 }
 
@@ -116,7 +118,8 @@ pub(super) fn mlp(cfg: &ModelConfig, lw: &LayerWeights, n: &[f64]) -> Vec<f64> {
     let act: Vec<f64> = match &lw.w_gate {
         Some(wg) => {
             let gate = linear(n, wg, None, cfg.ffn, h);
-            gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect()
+            let f = |g: f64| activate(cfg.activation, g);
+            gate.iter().zip(&up).map(|(g, u)| f(*g) * u).collect()
         }
         None => up.iter().map(|&u| activate(cfg.activation, u)).collect(),
     };
@@ -132,14 +135,29 @@ pub(super) fn attend_head<'k>(
     value: impl Fn(usize) -> &'k [f64],
 ) -> Vec<f64> {
     let scale = 1.0 / (q.len() as f64).sqrt();
-    let scores: Vec<f64> = (0..n)
-        .map(|p| q.iter().zip(key(p)).map(|(a, b)| a * b).sum::<f64>() * scale)
+    attend_keys(q, (0..n, scale), key, value)
+}
+
+/// One head's attention output over the key positions `keys`, scores scaled by `scale`.
+fn attend_keys<'k>(
+    q: &[f64],
+    (keys, scale): (std::ops::Range<usize>, f64),
+    key: impl Fn(usize) -> &'k [f64],
+    value: impl Fn(usize) -> &'k [f64],
+) -> Vec<f64> {
+    let scores: Vec<(usize, f64)> = keys
+        .map(|p| {
+            (
+                p,
+                q.iter().zip(key(p)).map(|(a, b)| a * b).sum::<f64>() * scale,
+            )
+        })
         .collect();
-    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-    let denom: f64 = exps.iter().sum();
+    let max = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+    let exps: Vec<(usize, f64)> = scores.iter().map(|&(p, s)| (p, (s - max).exp())).collect();
+    let denom: f64 = exps.iter().map(|e| e.1).sum();
     let mut out = vec![0.0; q.len()];
-    for (p, e) in exps.iter().enumerate() {
+    for &(p, e) in &exps {
         for (o, v) in out.iter_mut().zip(value(p)) {
             *o += e / denom * v;
         }
@@ -233,7 +251,42 @@ fn last_logits(w: &ModelWeights, x_seq: &[Vec<f64>]) -> Vec<f32> {
         cfg.norm_eps,
     );
     let out = linear(&n, w.head(), None, cfg.vocab, cfg.hidden);
-    out.into_iter().map(|v| v as f32).collect()
+    // Gemma 2's soft-capping (a config may set it for Gemma 3): cap * tanh(logit / cap).
+    let cap = cfg.final_softcap.map(f64::from);
+    let capped = |v: f64| cap.map_or(v, |c| c * (v / c).tanh());
+    out.into_iter().map(|v| capped(v) as f32).collect()
+}
+
+/// The RoPE tables of every layer: the global ones, and the sliding layers' own where the
+/// model has them (Gemma 3); `None` for families without RoPE.
+struct LayerRope {
+    global: (Vec<f64>, Vec<f64>),
+    local: Option<(Vec<f64>, Vec<f64>)>,
+}
+
+impl LayerRope {
+    fn of(cfg: &ModelConfig) -> Option<Self> {
+        (cfg.arch == Arch::Llama).then(|| Self {
+            global: rope_tables(cfg, cfg.max_seq),
+            local: cfg.local_rope().map(|c| rope_tables(&c, c.max_seq)),
+        })
+    }
+
+    /// Layer `l`'s tables.
+    fn layer(&self, cfg: &ModelConfig, l: usize) -> &(Vec<f64>, Vec<f64>) {
+        match (&self.local, cfg.layer_window(l)) {
+            (Some(local), Some(_)) => local,
+            _ => &self.global,
+        }
+    }
+}
+
+/// `x += out`, RMS-normalising `out` first where the model has output norms (Gemma).
+fn add_residual(cfg: &ModelConfig, x: &mut [f64], out: &[f64], out_norm: Option<&Vec<f32>>) {
+    let normed = out_norm.map(|g| layer_norm(out, g, None, cfg.norm_eps));
+    for (xi, oi) in x.iter_mut().zip(normed.as_deref().unwrap_or(out)) {
+        *xi += oi;
+    }
 }
 
 impl<'a> CpuReference<'a> {
@@ -332,7 +385,7 @@ impl<'a> CpuReference<'a> {
         self.check_rows(rows)?;
         let w = Arc::clone(&self.weights);
         let cfg = &w.config;
-        let rope = (cfg.arch == Arch::Llama).then(|| rope_tables(cfg, cfg.max_seq));
+        let rope = LayerRope::of(cfg);
         // Layers run position by position within a sequence; causality comes from the cache
         // holding only positions up to the current one.
         let mut xs = self.embed_rows(&w, rows);
@@ -340,7 +393,8 @@ impl<'a> CpuReference<'a> {
             for (&(slot, _), x_seq) in rows.iter().zip(xs.iter_mut()) {
                 for (i, x) in x_seq.iter_mut().enumerate() {
                     let pos = self.past[slot] + i;
-                    self.layer_step(l, layer, slot, pos, x, rope.as_ref());
+                    let tables = rope.as_ref().map(|r| r.layer(cfg, l));
+                    self.layer_step(l, layer, slot, pos, x, tables);
                 }
             }
         }
@@ -393,6 +447,8 @@ impl<'a> CpuReference<'a> {
     /// `[row][position][hidden]`.
     fn embed_rows(&self, w: &ModelWeights, rows: &[(usize, &[u32])]) -> Vec<Vec<Vec<f64>>> {
         let h = w.config.hidden;
+        // Gemma scales the looked-up rows (by sqrt(hidden) in the checkpoint's dtype).
+        let scale = w.config.embed_scale.map_or(1.0, f64::from);
         rows.iter()
             .map(|&(slot, seq_tokens)| {
                 seq_tokens
@@ -402,7 +458,7 @@ impl<'a> CpuReference<'a> {
                         let t = t as usize;
                         (0..h)
                             .map(|c| {
-                                let mut v = w.wte[t * h + c] as f64;
+                                let mut v = w.wte[t * h + c] as f64 * scale;
                                 if let Some(wpe) = &w.wpe {
                                     v += wpe[(self.past[slot] + i) * h + c] as f64;
                                 }
@@ -445,24 +501,26 @@ impl<'a> CpuReference<'a> {
         let group = cfg.heads / cfg.kv_heads;
         let mut attn = Vec::with_capacity(cfg.q_dim());
         let (k_cache, v_cache) = (&self.k_cache[l], &self.v_cache[l]);
+        // A sliding layer sees the `window` positions ending at its own (HF: key > query -
+        // window); Gemma scales scores by query_pre_attn_scalar^-1/2.
+        let first = cfg
+            .layer_window(l)
+            .map_or(0, |w| (pos + 1).saturating_sub(w));
+        let scale = cfg.attn_scale.map_or(1.0 / (d as f64).sqrt(), f64::from);
         for head in 0..cfg.heads {
             let kvh = head / group;
-            attn.extend(attend_head(
+            attn.extend(attend_keys(
                 &q[head * d..(head + 1) * d],
-                pos + 1,
+                (first..pos + 1, scale),
                 |p| &k_cache[slot(kvh, p)..slot(kvh, p) + d],
                 |p| &v_cache[slot(kvh, p)..slot(kvh, p) + d],
             ));
         }
         let o = linear(&attn, &lw.wo, lw.bo.as_deref(), h, cfg.q_dim());
-        for (xi, oi) in x.iter_mut().zip(&o) {
-            *xi += oi;
-        }
+        add_residual(cfg, x, &o, lw.attn_out_norm.as_ref());
         let n = layer_norm(x, &lw.mlp_norm, lw.mlp_norm_bias.as_deref(), cfg.norm_eps);
         let down = mlp(cfg, lw, &n);
-        for (xi, di) in x.iter_mut().zip(&down) {
-            *xi += di;
-        }
+        add_residual(cfg, x, &down, lw.mlp_out_norm.as_ref());
     }
 }
 

@@ -45,6 +45,13 @@ pub struct LayerWeights {
     pub wo: Vec<f32>,
     /// Output bias.
     pub bo: Option<Vec<f32>>,
+    /// RMSNorm scale `[hidden]` of the attention output before its residual add (Gemma's
+    /// `post_attention_layernorm`, the (1 + w) already applied); present exactly when the
+    /// config's `sandwich_norms` is set.
+    pub attn_out_norm: Option<Vec<f32>>,
+    /// RMSNorm scale `[hidden]` of the MLP output before its residual add (Gemma's
+    /// `post_feedforward_layernorm`).
+    pub mlp_out_norm: Option<Vec<f32>>,
     /// MLP norm scale (before the block, or after its residual when post-norm).
     pub mlp_norm: Vec<f32>,
     /// MLP norm shift (LayerNorm only).
@@ -244,6 +251,8 @@ impl LayerWeights {
             self.k_norm.as_ref(),
             Some(&self.wo),
             self.bo.as_ref(),
+            self.attn_out_norm.as_ref(),
+            self.mlp_out_norm.as_ref(),
             Some(&self.mlp_norm),
             self.mlp_norm_bias.as_ref(),
             self.w_gate.as_ref(),
@@ -321,6 +330,8 @@ impl LayerVectors {
             k_norm: None,
             wo: d.matrix(h, c.q_dim()),
             bo: opt(bo),
+            attn_out_norm: None,
+            mlp_out_norm: None,
             mlp_norm: self.mlp_norm,
             mlp_norm_bias: opt(mnb),
             w_gate: (!biased).then(|| d.matrix(c.ffn, h)),
@@ -403,6 +414,14 @@ impl ModelWeights {
             for l in &mut layers {
                 l.q_norm = Some(norms.around(config.head_dim, 1.0, 0.5));
                 l.k_norm = Some(norms.around(config.head_dim, 1.0, 0.5));
+            }
+        }
+        if config.sandwich_norms {
+            // Gemma's output norms, also well away from 1, from a stream of their own.
+            let mut norms = Draws::new(seed ^ 0x6a09_e667_f3bc_c909);
+            for l in &mut layers {
+                l.attn_out_norm = Some(norms.around(h, 1.0, 0.5));
+                l.mlp_out_norm = Some(norms.around(h, 1.0, 0.5));
             }
         }
         // Encoder-only tables come from their own stream so the decoders' draws stay as they were.

@@ -35,7 +35,8 @@ pub struct GgufTensor {
     pub permute_heads: usize,
 }
 
-fn tensor(name: String, shape: Vec<usize>, values: &[f32]) -> GgufTensor {
+/// One f32 tensor of `shape` (written in the spec's type where it is a matrix).
+pub fn tensor(name: String, shape: Vec<usize>, values: &[f32]) -> GgufTensor {
     assert_eq!(shape.iter().product::<usize>(), values.len(), "{name}");
     GgufTensor {
         name,
@@ -165,6 +166,43 @@ pub fn model_meta(w: &ModelWeights, arch: &str) -> Vec<Value> {
         }
     }
     m
+}
+
+/// llama.cpp's gemma3 tensors of `w` (a Gemma 3 model): the norm scales as the multipliers
+/// (the converter adds Gemma's 1), the block output norms under their own names.
+pub fn gemma3_tensors(w: &ModelWeights) -> Vec<GgufTensor> {
+    let mut t = gguf_tensors(w, false);
+    let h = w.config.hidden;
+    for (i, l) in w.layers.iter().enumerate() {
+        for (name, v) in [
+            ("post_attention_norm", &l.attn_out_norm),
+            ("post_ffw_norm", &l.mlp_out_norm),
+        ] {
+            t.push(tensor(
+                format!("blk.{i}.{name}.weight"),
+                vec![h],
+                v.as_ref().unwrap(),
+            ));
+        }
+    }
+    t
+}
+
+/// gemma3 metadata of `w` (every third layer global, as the tests' models have it): the
+/// window, the pattern, the sliding layers' base and the final soft-cap where set.
+pub fn gemma3_meta(w: &ModelWeights) -> Vec<Value> {
+    let c = &w.config;
+    let s = c.sliding.as_ref().unwrap();
+    let mut meta = model_meta(w, "gemma3");
+    meta.extend([
+        json!(["gemma3.attention.sliding_window", "u32", s.window]),
+        json!(["gemma3.attention.sliding_window_pattern", "u32", 3]),
+        json!(["gemma3.rope.freq_base_swa", "f32", s.rope_theta]),
+    ]);
+    if let Some(cap) = c.final_softcap {
+        meta.push(json!(["gemma3.final_logit_softcapping", "f32", cap]));
+    }
+    meta
 }
 
 /// What to write: the matrices' type (1-D tensors stay F32, as llama.cpp keeps them).

@@ -3,15 +3,19 @@
 
 use super::file::{GgufFile, Value};
 use crate::error::{Result, WgparError};
-use crate::model::config::{Activation, Arch, ModelConfig, RopeScaling, YarnScaling};
+use crate::model::config::{
+    Activation, Arch, ModelConfig, RopeScaling, SlidingWindow, YarnScaling,
+};
 use crate::model::rope::yarn_mscale;
 
 /// The `general.architecture` values wgpar reads, and the family each maps to.
-pub const GGUF_ARCHS: [(&str, Arch); 5] = [
+pub const GGUF_ARCHS: [(&str, Arch); 7] = [
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Llama),
     ("qwen3", Arch::Llama),
+    ("gemma3", Arch::Llama),
+    ("phi3", Arch::Llama),
     ("gpt2", Arch::Gpt2),
 ];
 
@@ -175,6 +179,11 @@ pub fn model_config(meta: &Meta, file: &GgufFile, name: &str) -> Result<ModelCon
             ..base
         },
     };
+    let config = match meta.arch_name.as_str() {
+        "gemma3" => gemma3(meta, config)?,
+        "phi3" => phi3(meta, file, config)?,
+        _ => config,
+    };
     if arch != Arch::Gpt2 {
         whole_head_rope(meta, config.head_dim)?;
         same_value_length(meta, config.head_dim)?;
@@ -198,6 +207,87 @@ pub fn model_config(meta: &Meta, file: &GgufFile, name: &str) -> Result<ModelCon
     }
     config.validate().map_err(|e| meta.fail(e.to_string()))?;
     Ok(config)
+}
+
+/// Gemma 3's features over the Llama-shaped `base`, as llama.cpp's gemma3 graph reads the
+/// file: embeddings scaled by sqrt(hidden), sandwich norms (the converter already added the
+/// 1 of Gemma's `1 + w` to every norm scale), GeGLU, query/key norms, the query scale
+/// (1/sqrt(hidden / heads) for the 62-layer 27B, whose `query_pre_attn_scalar` is that,
+/// 1/sqrt(head_dim) otherwise: the file does not store it), sliding layers where
+/// `attention.sliding_window` is set (pattern from `attention.sliding_window_pattern`,
+/// default 6; base `rope.freq_base_swa`, default 10000) and the final soft-cap if present.
+fn gemma3(meta: &Meta, base: ModelConfig) -> Result<ModelConfig> {
+    let query = match base.layers {
+        62 => base.hidden / base.heads.max(1),
+        _ => base.head_dim,
+    };
+    let window = meta
+        .opt_usize("gemma3.attention.sliding_window")?
+        .filter(|&w| w > 0);
+    let sliding = match window {
+        Some(window) => Some(SlidingWindow {
+            window,
+            layers: gguf_sliding_layers(meta, base.layers)?,
+            rope_theta: meta.arch_f32_or("rope.freq_base_swa", 10_000.0)?,
+        }),
+        None => None,
+    };
+    let cap = meta.arch_f32_or("final_logit_softcapping", 0.0)?;
+    Ok(ModelConfig {
+        qk_norm: true,
+        embed_scale: Some((base.hidden as f32).sqrt()),
+        sandwich_norms: true,
+        attn_scale: Some(1.0 / (query as f32).sqrt()),
+        sliding,
+        final_softcap: (cap != 0.0).then_some(cap),
+        activation: Activation::GeluTanhGated,
+        ..base
+    })
+}
+
+/// Phi-3 over the Llama-shaped `base`: LongRoPE's per-pair factors (`rope_factors_long` /
+/// `rope_factors_short`, 128k files) are refused by name; a sliding window caps the context
+/// as Hugging Face's Phi-3 masks it (llama.cpp leaves it unused).
+fn phi3(meta: &Meta, file: &GgufFile, base: ModelConfig) -> Result<ModelConfig> {
+    for name in ["rope_factors_long.weight", "rope_factors_short.weight"] {
+        if file.tensor(name).is_some() {
+            return Err(meta.fail(format!(
+                "tensor '{name}': LongRoPE (Phi-3 128k, Phi-3.5) is not supported"
+            )));
+        }
+    }
+    let window = meta
+        .opt_usize("phi3.attention.sliding_window")?
+        .filter(|&w| w > 0);
+    Ok(ModelConfig {
+        max_seq: window.map_or(base.max_seq, |w| base.max_seq.min(w)),
+        ..base
+    })
+}
+
+/// `gemma3.attention.sliding_window_pattern`: one flag per layer, or a period `n` (every
+/// `n`-th layer global); 6 when absent, as llama.cpp has it.
+fn gguf_sliding_layers(meta: &Meta, layers: usize) -> Result<Vec<bool>> {
+    const KEY: &str = "gemma3.attention.sliding_window_pattern";
+    if let Some(Value::Array(flags)) = meta.get(KEY) {
+        let flags: Option<Vec<bool>> = flags
+            .iter()
+            .map(|v| match v {
+                Value::Bool(b) => Some(*b),
+                _ => None,
+            })
+            .collect();
+        return flags.filter(|f| f.len() == layers).ok_or_else(|| {
+            meta.fail(format!(
+                "key '{KEY}' is not {layers} booleans (one per layer)"
+            ))
+        });
+    }
+    let period = meta.opt_usize(KEY)?.unwrap_or(6);
+    // llama.cpp: a period of 0 makes every layer slide.
+    Ok((0..layers)
+        .map(|i| period == 0 || (i + 1) % period != 0)
+        .collect())
 }
 
 /// Token ids that end generation: the end-of-sequence and end-of-turn ids the file names.

@@ -52,7 +52,10 @@ impl Gguf {
         let eos = config::eos_tokens(&meta)?;
         // Qwen2 and Qwen3 rotate halves as Hugging Face does (llama.cpp's NEOX RoPE), so their
         // converter leaves the rows as they are.
-        let permuted = !matches!(meta.arch_name.as_str(), "qwen2" | "qwen3");
+        let permuted = !matches!(
+            meta.arch_name.as_str(),
+            "qwen2" | "qwen3" | "gemma3" | "phi3"
+        );
         Ok(Self {
             file,
             config,

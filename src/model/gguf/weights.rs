@@ -14,7 +14,7 @@
 
 use std::ops::Range;
 
-use super::file::{GgufFile, TensorInfo};
+use super::file::{GgufFile, TensorInfo, Value};
 use crate::error::{Result, WgparError};
 use crate::model::config::{Arch, ModelConfig};
 use crate::model::quant::dequantize;
@@ -230,18 +230,44 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
             b
         }
     };
-    let (wq, bwq) = fix(
-        matrix("attn_q.weight", &[q, h], "query projection")?,
-        c.heads,
-    );
-    let (wk, bwk) = fix(
-        matrix("attn_k.weight", &[kv, h], "key projection")?,
-        c.kv_heads,
-    );
-    let (wv, bwv) = matrix("attn_v.weight", &[kv, h], "value projection")?;
+    // phi3 files fuse Q, K and V (`attn_qkv`) and gate and up (`ffn_up` of 2 x ffn rows,
+    // gate first, no `ffn_gate`): split here, so tensor parallelism shards each part.
+    let [(wq, bwq), (wk, bwk), (wv, bwv)] = match t.file.tensor(&n("attn_qkv.weight")) {
+        Some(_) => split_matrix(
+            matrix("attn_qkv.weight", &[q + 2 * kv, h], "fused QKV projection")?,
+            h,
+            [q, kv, kv],
+        ),
+        None => [
+            fix(
+                matrix("attn_q.weight", &[q, h], "query projection")?,
+                c.heads,
+            ),
+            fix(
+                matrix("attn_k.weight", &[kv, h], "key projection")?,
+                c.kv_heads,
+            ),
+            matrix("attn_v.weight", &[kv, h], "value projection")?,
+        ],
+    };
     let (wo, bwo) = matrix("attn_output.weight", &[h, q], "attention output")?;
-    let (w_gate, bgate) = matrix("ffn_gate.weight", &[f, h], "MLP gate")?;
-    let (w_up, bup) = matrix("ffn_up.weight", &[f, h], "MLP up")?;
+    let phi3 =
+        matches!(t.file.meta.get("general.architecture"), Some(Value::Str(a)) if a == "phi3");
+    let [(w_gate, bgate), (w_up, bup)] = match t.file.tensor(&n("ffn_gate.weight")) {
+        None if phi3 => split_matrix(
+            matrix(
+                "ffn_up.weight",
+                &[2 * f, h],
+                "fused MLP gate and up (no ffn_gate)",
+            )?,
+            h,
+            [f, f],
+        ),
+        _ => [
+            matrix("ffn_gate.weight", &[f, h], "MLP gate")?,
+            matrix("ffn_up.weight", &[f, h], "MLP up")?,
+        ],
+    };
     let (w_down, bdown) = matrix("ffn_down.weight", &[h, f], "MLP down")?;
     Ok(LayerWeights {
         attn_norm: get("attn_norm.weight", &[h], "attention RMSNorm")?,
@@ -256,6 +282,8 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
         k_norm: head_norm(t, c, i, "attn_k_norm")?,
         wo,
         bo: opt("attn_output.bias", &[h], "attention output bias")?,
+        attn_out_norm: out_norm(t, c, i, "post_attention_norm")?,
+        mlp_out_norm: out_norm(t, c, i, "post_ffw_norm")?,
         mlp_norm: get("ffn_norm.weight", &[h], "MLP RMSNorm")?,
         mlp_norm_bias: None,
         w_gate: Some(w_gate),
@@ -275,6 +303,25 @@ fn llama_layer(t: &Tensors, c: &ModelConfig, i: usize, permuted: bool) -> Result
     })
 }
 
+/// The row blocks of a `[rows][cols]` matrix and its file blocks, `sizes` rows each in order
+/// (a fused projection's parts); dense values are empty where the blocks alone are held.
+fn split_matrix<const N: usize>(
+    (dense, blocks): (Vec<f32>, Option<BlockMatrix>),
+    cols: usize,
+    sizes: [usize; N],
+) -> [(Vec<f32>, Option<BlockMatrix>); N] {
+    let mut start = 0;
+    sizes.map(|rows| {
+        let range = start..start + rows;
+        start += rows;
+        let values = match dense.is_empty() {
+            true => Vec::new(),
+            false => dense[range.start * cols..range.end * cols].to_vec(),
+        };
+        (values, blocks.as_ref().map(|b| b.slice_rows(range)))
+    })
+}
+
 /// Layer `i`'s per-head norm scale `part` (qwen3's `attn_q_norm`, `attn_k_norm`), where the
 /// config has them.
 fn head_norm(t: &Tensors, c: &ModelConfig, i: usize, part: &str) -> Result<Option<Vec<f32>>> {
@@ -284,6 +331,18 @@ fn head_norm(t: &Tensors, c: &ModelConfig, i: usize, part: &str) -> Result<Optio
     let what = format!("layer {i} {part} (per-head RMSNorm)");
     let name = format!("blk.{i}.{part}.weight");
     t.get(&name, &[c.head_dim], &what).map(Some)
+}
+
+/// Layer `i`'s output norm scale `part` (gemma3's `post_attention_norm`, `post_ffw_norm`),
+/// where the config has them. llama.cpp's converter already added Gemma's 1 to every norm
+/// scale, so the file holds the multiplier itself.
+fn out_norm(t: &Tensors, c: &ModelConfig, i: usize, part: &str) -> Result<Option<Vec<f32>>> {
+    if !c.sandwich_norms {
+        return Ok(None);
+    }
+    let what = format!("layer {i} {part} (block output RMSNorm)");
+    let name = format!("blk.{i}.{part}.weight");
+    t.get(&name, &[c.hidden], &what).map(Some)
 }
 
 fn gpt2_layer(t: &Tensors, c: &ModelConfig, i: usize) -> Result<LayerWeights> {
@@ -317,6 +376,8 @@ fn gpt2_layer(t: &Tensors, c: &ModelConfig, i: usize) -> Result<LayerWeights> {
         bv: bias(2),
         q_norm: None,
         k_norm: None,
+        attn_out_norm: None,
+        mlp_out_norm: None,
         wo,
         bo: Some(get("attn_output.bias", &[h], "attention output bias")?),
         mlp_norm: get("ffn_norm.weight", &[h], "MLP LayerNorm scale")?,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::layer::LayerOps;
 use crate::device::{Readback, Tensor};
 use crate::error::WgparError;
-use crate::kernels::ops::{Embed, NormOp, Params, Pass, Pick, Pool, TokenPick};
+use crate::kernels::ops::{ElementwiseOp, Embed, NormOp, Params, Pass, Pick, Pool, TokenPick};
 
 /// The buffers of an activation set.
 pub(super) struct Buffers {
@@ -63,6 +63,8 @@ pub(super) struct EmbedOps {
     pub(super) embed: Vec<Embed>,
     /// BERT's embedding LayerNorm (x -> h, then copied back).
     pub(super) norm: Option<NormOp>,
+    /// Gemma's scale of the looked-up rows.
+    pub(super) scale: Option<ElementwiseOp>,
 }
 
 /// The final norm, LM head and token pick.
@@ -74,6 +76,8 @@ pub(super) struct HeadOps {
     pub(super) norm_last: NormOp,
     /// One matmul per block of the head's table.
     pub(super) logits: Vec<HeadBlock>,
+    /// The final logits' soft-cap, where the model has one.
+    pub(super) softcap: Option<ElementwiseOp>,
     pub(super) pick: Pick,
 }
 

@@ -40,6 +40,10 @@ pub(super) struct KvSpec {
     /// The attention shape with every per-model field set (batch and seq are replaced).
     pub heads: AttnShape,
     pub causal: bool,
+    /// Score scale instead of 1/sqrt(head_dim), if the model sets one (Gemma).
+    pub scale: Option<f32>,
+    /// Per local layer: its sliding window, if it slides (Gemma 3).
+    pub windows: Vec<Option<usize>>,
 }
 
 impl KvCache {
@@ -120,7 +124,8 @@ impl KvCache {
         let layers = self
             .layers
             .iter()
-            .map(|(k, v)| {
+            .enumerate()
+            .map(|(i, (k, v))| {
                 let cache = ops::KvCache {
                     k,
                     v,
@@ -134,7 +139,9 @@ impl KvCache {
                         (&a.q, cache, &a.attn),
                         &capacity,
                         mask,
-                    )?,
+                    )?
+                    .with_scale(spec.scale)
+                    .with_window(spec.windows.get(i).copied().flatten()),
                 })
             })
             .collect::<Result<Vec<_>>>()?;

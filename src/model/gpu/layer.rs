@@ -34,6 +34,11 @@ pub(super) struct GpuLayer {
     bv: Option<Tensor>,
     /// Qwen3's per-head query and key norm scales (whole on every shard: each head has them).
     qk_norm: Option<(Tensor, Tensor)>,
+    /// Gemma's norms of the attention and MLP outputs (whole on every shard: they apply
+    /// after the all-reduce).
+    out_norms: Option<(Tensor, Tensor)>,
+    /// Whether the layer slides (rotates with the sliding layers' RoPE tables).
+    sliding: bool,
     wo: DeviceMatrix,
     bo: Option<Tensor>,
     mlp_norm: Tensor,
@@ -134,6 +139,8 @@ pub(super) struct BindContext<'a> {
     pub tokens: usize,
     pub batch: usize,
     pub rope: Option<RopeTables<'a>>,
+    /// The sliding layers' own RoPE tables (Gemma 3), where the part holds such a layer.
+    pub rope_local: Option<RopeTables<'a>>,
 }
 
 /// Most params slots one layer's ops take (see [`GpuLayer::bind`]).
@@ -152,6 +159,9 @@ pub(super) struct LayerOps {
     attn_bias: Option<ElementwiseOp>,
     attn_add: ElementwiseOp,
     attn_post_norm: Option<NormOp>,
+    /// Gemma's norms of the block outputs before their residual adds (`attn_out` and
+    /// `mlp_out` into `h`, which the adds then read).
+    out_norms: Option<(NormOp, NormOp)>,
     mlp_norm: Option<NormOp>,
     up: Projection,
     gate: Option<Projection>,
@@ -197,6 +207,23 @@ impl Binder<'_> {
         )
     }
 
+    /// RMSNorm of a block's (all-reduced) output `out` into `h` (Gemma's output norms).
+    fn out_norm(&self, params: &mut Params, gamma: &Tensor, out: &Tensor) -> Result<NormOp> {
+        let (t, h, eps) = (
+            self.cx.tokens,
+            self.cx.config.hidden,
+            self.cx.config.norm_eps,
+        );
+        NormOp::bind(
+            self.gpu,
+            params,
+            Norm::Rms { gamma },
+            (out, &self.a.h),
+            (t, h),
+            eps,
+        )
+    }
+
     /// The per-head norms of the shard's queries and keys, in place, where the model has them.
     fn qk_norm(
         &self,
@@ -218,9 +245,24 @@ impl Binder<'_> {
         )))
     }
 
-    /// RoPE on the shard's queries and keys, where the family rotates them.
-    fn rope(&self, params: &mut Params, s: &ShardSpec) -> Result<Option<(Rope, Rope)>> {
-        let Some(tables) = self.cx.rope else {
+    /// RoPE on the shard's queries and keys, where the family rotates them: a sliding
+    /// layer's with the sliding layers' tables.
+    fn rope(
+        &self,
+        params: &mut Params,
+        s: &ShardSpec,
+        sliding: bool,
+    ) -> Result<Option<(Rope, Rope)>> {
+        let tables = match sliding {
+            true => self.cx.rope_local,
+            false => self.cx.rope,
+        };
+        let Some(tables) = tables else {
+            if sliding && self.cx.rope.is_some() {
+                return Err(WgparError::InvalidCall(
+                    "a sliding layer without the sliding layers' RoPE tables".into(),
+                ));
+            }
             return Ok(None);
         };
         let (a, hd) = (self.a, self.cx.config.head_dim);
@@ -333,6 +375,8 @@ impl GpuLayer {
             bk: opt_slice("bk", &w.bk, kv_rows.clone())?,
             bv: opt_slice("bv", &w.bv, kv_rows)?,
             qk_norm: qk_norm_scales(gpu, config, index, w)?,
+            out_norms: out_norm_scales(gpu, config, index, w)?,
+            sliding: config.layer_window(index).is_some(),
             wo: storage.upload(gpu, &o)?,
             bo: upload_opt(gpu, &name("bo"), w.bo.as_ref())?,
             mlp_norm: vector("mlp_norm", &w.mlp_norm)?,
@@ -359,7 +403,14 @@ impl GpuLayer {
         let p = self.bind_projections(&b, params)?;
         let norms = self.bind_norms(&b, params)?;
         let qk_norm = b.qk_norm(params, &self.shard, self.qk_norm.as_ref())?;
-        let rope = b.rope(params, &self.shard)?;
+        let rope = b.rope(params, &self.shard, self.sliding)?;
+        let out_norms = match &self.out_norms {
+            Some((attn, mlp)) => Some((
+                b.out_norm(params, attn, &a.attn_out)?,
+                b.out_norm(params, mlp, &a.mlp_out)?,
+            )),
+            None => None,
+        };
         let tail = self.bind_elementwise(&b, params, p.gate.is_some())?;
         Ok(LayerOps {
             attn_norm: norms.attn,
@@ -372,6 +423,7 @@ impl GpuLayer {
             attn_bias: tail.attn_bias,
             attn_add: tail.attn_add,
             attn_post_norm: norms.attn_post,
+            out_norms,
             mlp_norm: norms.mlp,
             up: p.up,
             gate: p.gate,
@@ -456,10 +508,19 @@ impl GpuLayer {
         let mlp_bias = (self.b_down.as_ref())
             .map(|bd| ew(Elementwise::BiasAdd, &a.mlp_out, Operand::Tensor(bd), h))
             .transpose()?;
-        let attn_add = ew(Elementwise::Add, &a.x, Operand::Tensor(&a.attn_out), h)?;
-        let mlp_add = ew(Elementwise::Add, &a.x, Operand::Tensor(&a.mlp_out), h)?;
+        // With output norms the adds read the normed outputs, which the norms leave in `h`.
+        let (attn_sum, mlp_sum) = match self.out_norms {
+            Some(_) => (&a.h, &a.h),
+            None => (&a.attn_out, &a.mlp_out),
+        };
+        let attn_add = ew(Elementwise::Add, &a.x, Operand::Tensor(attn_sum), h)?;
+        let mlp_add = ew(Elementwise::Add, &a.x, Operand::Tensor(mlp_sum), h)?;
         let activation = if gated {
-            ew(Elementwise::SwiGlu, &a.gate, Operand::Tensor(&a.up), f)?
+            let kind = match b.cx.config.activation {
+                Activation::GeluTanhGated => Elementwise::GeGlu,
+                _ => Elementwise::SwiGlu,
+            };
+            ew(kind, &a.gate, Operand::Tensor(&a.up), f)?
         } else {
             let kind = match b.cx.config.activation {
                 Activation::GeluErf => Elementwise::GeluErf,
@@ -510,6 +571,10 @@ impl LayerOps {
         {
             n.configure(gpu, params, t)?;
         }
+        if let Some((attn, mlp)) = &mut self.out_norms {
+            attn.configure(gpu, params, t)?;
+            mlp.configure(gpu, params, t)?;
+        }
         for e in [&mut self.attn_bias, &mut self.mlp_bias]
             .into_iter()
             .flatten()
@@ -559,6 +624,9 @@ impl LayerOps {
         a: &Buffers,
         t: usize,
     ) -> Result<()> {
+        if let Some((n, _)) = &self.out_norms {
+            pass.run(n)?;
+        }
         residual(
             pass,
             a,
@@ -584,6 +652,9 @@ impl LayerOps {
     /// Adds the (all-reduced) MLP output and its bias to the residual stream, then the
     /// post-norm where the model has one.
     pub(super) fn mlp_residual(&self, pass: &mut Pass<'_>, a: &Buffers, t: usize) -> Result<()> {
+        if let Some((_, n)) = &self.out_norms {
+            pass.run(n)?;
+        }
         residual(
             pass,
             a,
@@ -625,6 +696,40 @@ fn qk_norm_scales(
     Ok(Some((
         gpu.upload_f32(&name("q_norm"), q)?,
         gpu.upload_f32(&name("k_norm"), k)?,
+    )))
+}
+
+/// Layer `index`'s output norm scales on the device, where the config asks for them
+/// (`sandwich_norms`); weights that do not match the config are refused.
+fn out_norm_scales(
+    gpu: &Gpu,
+    config: &ModelConfig,
+    index: usize,
+    w: &LayerWeights,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let width = |v: &Option<Vec<f32>>| v.as_ref().map(Vec::len);
+    let want = config.sandwich_norms.then_some(config.hidden);
+    if width(&w.attn_out_norm) != want || width(&w.mlp_out_norm) != want {
+        return Err(WgparError::model(
+            config.name.clone(),
+            "sandwich_norms",
+            format!(
+                "layer {index}: attention/MLP output norm scales of {:?} / {:?} values, but \
+                 the config asks for {want:?} (hidden {} with sandwich_norms {})",
+                width(&w.attn_out_norm),
+                width(&w.mlp_out_norm),
+                config.hidden,
+                config.sandwich_norms
+            ),
+        ));
+    }
+    let (Some(attn), Some(mlp)) = (&w.attn_out_norm, &w.mlp_out_norm) else {
+        return Ok(None);
+    };
+    let name = |part: &str| format!("layer{index}.{part}");
+    Ok(Some((
+        gpu.upload_f32(&name("attn_out_norm"), attn)?,
+        gpu.upload_f32(&name("mlp_out_norm"), mlp)?,
     )))
 }
 

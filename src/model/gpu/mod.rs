@@ -42,8 +42,8 @@ use super::weights::ModelWeights;
 use crate::device::{DType, Gpu, Readback, Tensor};
 use crate::error::{Result, WgparError};
 use crate::kernels::ops::{
-    allow_words, AttnShape, Embed, Embedding, NormOp, Params, Pass, Pick, Pool, Pooling, Positions,
-    RopeTables, TokenPick, TokenTable, TokenTypes,
+    allow_words, AttnShape, Elementwise, ElementwiseOp, Embed, Embedding, NormOp, Operand, Params,
+    Pass, Pick, Pool, Pooling, Positions, RopeTables, TokenPick, TokenTable, TokenTypes,
 };
 use act::{Buffers, EmbedOps, HeadBlock, HeadOps};
 use kv::KvSpec;
@@ -133,6 +133,8 @@ pub struct GpuModel {
     final_norm: Option<FinalNorm>,
     head: Option<Arc<VocabTable>>,
     rope: Option<(Tensor, Tensor)>,
+    /// The sliding layers' own RoPE tables (Gemma 3), where this part holds such a layer.
+    rope_local: Option<(Tensor, Tensor)>,
 }
 
 /// What a step hands back from the device that holds the head ([`GpuModel::read_out`]).
@@ -180,15 +182,19 @@ impl GpuModel {
         } else {
             (None, None)
         };
-        let rope = if config.arch == Arch::Llama && !layers.is_empty() {
-            let (cos, sin) = rope_tables(&config, config.max_seq);
-            let f = |v: Vec<f64>| v.into_iter().map(|x| x as f32).collect::<Vec<f32>>();
-            Some((
-                gpu.upload_f32("rope.cos", &f(cos))?,
-                gpu.upload_f32("rope.sin", &f(sin))?,
-            ))
-        } else {
-            None
+        let rope = match config.arch == Arch::Llama && !layers.is_empty() {
+            true => Some(upload_rope(&gpu, &config, "rope")?),
+            false => None,
+        };
+        let local = config.local_rope();
+        let rope_local = match local.filter(|_| {
+            placement
+                .layers
+                .clone()
+                .any(|i| config.layer_window(i).is_some())
+        }) {
+            Some(c) => Some(upload_rope(&gpu, &c, "rope_local")?),
+            None => None,
         };
         gpu.wait()?;
         Ok(Self {
@@ -204,6 +210,7 @@ impl GpuModel {
             final_norm,
             head,
             rope,
+            rope_local,
         })
     }
 
@@ -248,16 +255,12 @@ impl GpuModel {
         let tokens = tokens.max(batch).div_ceil(batch) * batch;
         let buf = self.alloc_buffers(tokens, batch)?;
         let mut params = Params::new(g, "act.params", self.param_slots())?;
-        let rope = self.rope.as_ref().map(|(cos, sin)| RopeTables {
-            cos,
-            sin,
-            positions: c.max_seq,
-        });
         let cx = BindContext {
             config: c,
             tokens,
             batch,
-            rope,
+            rope: rope_bind(self.rope.as_ref(), c.max_seq),
+            rope_local: rope_bind(self.rope_local.as_ref(), c.max_seq),
         };
         let embed = self.bind_embedding(&mut params, &buf, (batch, tokens))?;
         let layers = self
@@ -346,7 +349,8 @@ impl GpuModel {
     /// every layer, the head's two norms, matmul per table block and pick, pooling.
     fn param_slots(&self) -> usize {
         let blocks = |t: &Option<Arc<VocabTable>>| t.as_ref().map_or(0, |t| t.blocks().len());
-        blocks(&self.wte) + 1 + self.layers.len() * layer::PARAM_SLOTS + blocks(&self.head) + 3 + 1
+        // The embedding's scale and the logits' soft-cap take one each.
+        blocks(&self.wte) + 2 + self.layers.len() * layer::PARAM_SLOTS + blocks(&self.head) + 4 + 1
     }
 
     /// The encoder's pooling over `(batch, tokens)` rows, when this part holds it.
@@ -421,7 +425,20 @@ impl GpuModel {
             )?),
             None => None,
         };
-        Ok(Some(EmbedOps { embed, norm }))
+        let scale = match c.embed_scale {
+            Some(s) => Some(
+                ElementwiseOp::bind(
+                    g,
+                    params,
+                    Elementwise::Scale,
+                    (&a.x, Operand::Unused(&a.unused)),
+                    (tokens, c.hidden),
+                )?
+                .with_scalar(s),
+            ),
+            None => None,
+        };
+        Ok(Some(EmbedOps { embed, norm, scale }))
     }
 
     fn bind_head(&self, params: &mut Params, a: &Buffers, batch: usize) -> Result<Option<HeadOps>> {
@@ -446,10 +463,24 @@ impl GpuModel {
                 c.norm_eps,
             )
         };
+        let softcap = match c.final_softcap {
+            Some(cap) => Some(
+                ElementwiseOp::bind(
+                    g,
+                    params,
+                    Elementwise::Softcap,
+                    (logits, Operand::Unused(&a.unused)),
+                    (rows, c.vocab),
+                )?
+                .with_scalar(cap),
+            ),
+            None => None,
+        };
         Ok(Some(HeadOps {
             norm_x: final_norm(params, &a.x)?,
             norm_last: final_norm(params, &a.last)?,
             logits: self.bind_head_blocks(params, head, (&a.last_norm, logits), rows)?,
+            softcap,
             pick: Pick::bind(g, params, (logits, draws, allow, picked), (rows, c.vocab))?,
         }))
     }
@@ -621,6 +652,9 @@ impl GpuModel {
                 if let Some(n) = &mut e.norm {
                     n.configure(g, params, step.tokens())?;
                 }
+                if let Some(s) = &mut e.scale {
+                    s.configure(g, params, step.tokens())?;
+                }
             }
             for l in &mut act.layers {
                 l.configure(g, params, shape)?;
@@ -630,6 +664,9 @@ impl GpuModel {
                 h.norm_last.configure(g, params, step.batch)?;
                 for block in &mut h.logits {
                     block.matmul.configure(g, params, step.batch)?;
+                }
+                if let Some(s) = &mut h.softcap {
+                    s.configure(g, params, step.batch)?;
                 }
             }
             if let Some(p) = &mut act.pool {
@@ -651,9 +688,14 @@ impl GpuModel {
         act.configured = Some(shape);
         params.flush(g);
         if !self.layers.is_empty() {
+            let c = &self.config;
             let spec = KvSpec {
                 heads: self.attn_heads(),
-                causal: self.config.causal(),
+                causal: c.causal(),
+                scale: c.attn_scale,
+                windows: (self.placement.layers.clone())
+                    .map(|i| c.layer_window(i))
+                    .collect(),
             };
             let context = rows.iter().map(|r| r.past).max().unwrap_or(0) + step.seq;
             kv.prepare(g, act, &spec, shape, context)?;
@@ -769,6 +811,9 @@ impl GpuModel {
         let mut pass = Pass::new(encoder);
         for lookup in &ops.embed {
             pass.run(lookup)?;
+        }
+        if let Some(s) = &ops.scale {
+            pass.run(s)?;
         }
         if let Some(n) = &ops.norm {
             pass.run(n)?;
@@ -936,6 +981,9 @@ impl GpuModel {
                     );
                 }
             }
+        }
+        if let Some(s) = &h.softcap {
+            pass.run(s)?;
         }
         pass.run(&h.pick)
     }
@@ -1150,6 +1198,25 @@ fn upload_head(
         }
     };
     Ok((norm, head))
+}
+
+/// Uploaded RoPE tables as the rotation binds them.
+fn rope_bind(tables: Option<&(Tensor, Tensor)>, positions: usize) -> Option<RopeTables<'_>> {
+    tables.map(|(cos, sin)| RopeTables {
+        cos,
+        sin,
+        positions,
+    })
+}
+
+/// RoPE tables of `config` (its base and scaling) on the device, named `name.cos` / `.sin`.
+fn upload_rope(gpu: &Gpu, config: &ModelConfig, name: &str) -> Result<(Tensor, Tensor)> {
+    let (cos, sin) = rope_tables(config, config.max_seq);
+    let f = |v: Vec<f64>| v.into_iter().map(|x| x as f32).collect::<Vec<f32>>();
+    Ok((
+        gpu.upload_f32(&format!("{name}.cos"), &f(cos))?,
+        gpu.upload_f32(&format!("{name}.sin"), &f(sin))?,
+    ))
 }
 
 fn ops_norm_layer<'a>(gamma: &'a Tensor, beta: &'a Tensor) -> crate::kernels::ops::Norm<'a> {

@@ -111,6 +111,8 @@ fn load_layer(r: &Reader, config: &ModelConfig, i: usize) -> Result<LayerWeights
         bv,
         q_norm: None,
         k_norm: None,
+        attn_out_norm: None,
+        mlp_out_norm: None,
         wo,
         bo,
         mlp_norm,

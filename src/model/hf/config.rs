@@ -7,17 +7,20 @@ use serde_json::Value;
 
 use crate::error::{Result, WgparError};
 use crate::model::config::{
-    Activation, Arch, Llama3Scaling, ModelConfig, PoolMode, Pooling, RopeScaling, YarnScaling,
+    Activation, Arch, Llama3Scaling, ModelConfig, PoolMode, Pooling, RopeScaling, SlidingWindow,
+    YarnScaling,
 };
 use crate::model::rope::yarn_mscale;
 
 /// The `model_type` values wgpar reads, and the family each maps to.
-pub const SUPPORTED_TYPES: [(&str, Arch); 6] = [
+pub const SUPPORTED_TYPES: [(&str, Arch); 8] = [
     ("gpt2", Arch::Gpt2),
     ("llama", Arch::Llama),
     ("mistral", Arch::Llama),
     ("qwen2", Arch::Llama),
     ("qwen3", Arch::Llama),
+    ("gemma3_text", Arch::Llama),
+    ("phi3", Arch::Llama),
     ("bert", Arch::Bert),
 ];
 
@@ -147,6 +150,16 @@ fn family(keys: &Keys) -> Result<(&'static str, Arch)> {
             }
         }
     };
+    if model_type == "gemma3" {
+        // Gemma3ForConditionalGeneration: the text model sits under "text_config" and its
+        // weights under a language-model prefix, beside a vision tower.
+        return Err(keys.fail(
+            "model_type 'gemma3' (Gemma3ForConditionalGeneration, text and vision) is not \
+             supported; a text-only Gemma 3 checkpoint (model_type 'gemma3_text', \
+             Gemma3ForCausalLM) is"
+                .into(),
+        ));
+    }
     SUPPORTED_TYPES
         .iter()
         .find(|(t, _)| *t == model_type)
@@ -216,7 +229,14 @@ fn rope_scaling(keys: &Keys, value: &Value, max_pos: usize) -> Result<Option<Rop
              llama3, yarn)"
         )));
     };
-    let all = ["type", "rope_type", "rope_theta"];
+    // Transformers 5 writes Phi-3's partial_rotary_factor here too: whole heads only.
+    let rotated = sub.f32_or("partial_rotary_factor", 1.0)?;
+    if rotated != 1.0 {
+        return Err(keys.fail(format!(
+            "\"partial_rotary_factor\" is {rotated}: RoPE over part of a head is not supported"
+        )));
+    }
+    let all = ["type", "rope_type", "rope_theta", "partial_rotary_factor"];
     if let Some(extra) = value.as_object().and_then(|o| {
         o.keys()
             .find(|k| !known.contains(&k.as_str()) && !all.contains(&k.as_str()))
@@ -306,11 +326,18 @@ fn gpt2(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
     })
 }
 
-/// Llama-family keys (Llama, Mistral, Qwen2, Qwen3: `model_type`) over `base`.
+/// Llama-family keys (Llama, Mistral, Qwen2, Qwen3, Phi-3: `model_type`) over `base`.
 fn llama(keys: &Keys<'_>, model_type: &str, base: ModelConfig) -> Result<ModelConfig> {
     let act = keys.str_or("hidden_act", "silu")?;
     if act != "silu" {
         return Err(keys.fail(format!("\"hidden_act\" is '{act}', only silu is supported")));
+    }
+    // Phi-4-mini rotates only part of each head.
+    let rotated = keys.f32_or("partial_rotary_factor", 1.0)?;
+    if rotated != 1.0 {
+        return Err(keys.fail(format!(
+            "\"partial_rotary_factor\" is {rotated}: RoPE over part of a head is not supported"
+        )));
     }
     let hidden = keys.usize("hidden_size")?;
     let heads = keys.usize("num_attention_heads")?;
@@ -329,7 +356,7 @@ fn llama(keys: &Keys<'_>, model_type: &str, base: ModelConfig) -> Result<ModelCo
         None => keys.f32_or("rope_theta", 10_000.0)?,
     };
     // A sliding window equals full attention up to the window's length, so the context
-    // is capped there. Mistral applies its window whenever it is set; Qwen2 and Qwen3 only
+    // is capped there. Mistral and Phi-3 apply their window whenever it is set; Qwen2 and Qwen3 only
     // under "use_sliding_window" (false by default), as Hugging Face reads them.
     let windowed_by_default = !matches!(model_type, "qwen2" | "qwen3");
     if keys.bool_or("use_sliding_window", windowed_by_default)? {
@@ -354,6 +381,129 @@ fn llama(keys: &Keys<'_>, model_type: &str, base: ModelConfig) -> Result<ModelCo
         qk_norm: model_type == "qwen3",
         activation: Activation::Silu,
         ..base
+    })
+}
+
+/// Gemma 3 text keys (`gemma3_text`) over the Llama ones: the defaults are
+/// transformers' `Gemma3TextConfig`'s. Features wgpar does not compute are refused by name.
+fn gemma3(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
+    let act = keys.str_or("hidden_activation", "gelu_pytorch_tanh")?;
+    if act != "gelu_pytorch_tanh" {
+        return Err(keys.fail(format!(
+            "\"hidden_activation\" is '{act}', only gelu_pytorch_tanh is supported"
+        )));
+    }
+    for key in ["attn_logit_softcapping", "use_bidirectional_attention"] {
+        if let Some(v) = keys.get(key).filter(|v| v.as_bool() != Some(false)) {
+            return Err(keys.fail(format!("\"{key}\" is {v}: not supported")));
+        }
+    }
+    let hidden = keys.opt_usize("hidden_size")?.unwrap_or(2304);
+    let heads = keys.opt_usize("num_attention_heads")?.unwrap_or(8);
+    let layers = keys.opt_usize("num_hidden_layers")?.unwrap_or(26);
+    let max_seq = keys
+        .opt_usize("max_position_embeddings")?
+        .unwrap_or(131_072);
+    let (global, local) = gemma3_rope(keys, max_seq)?;
+    let query_scalar = keys.f32_or("query_pre_attn_scalar", 256.0)?;
+    Ok(ModelConfig {
+        vocab: keys.opt_usize("vocab_size")?.unwrap_or(262_208),
+        hidden,
+        layers,
+        heads,
+        kv_heads: keys.opt_usize("num_key_value_heads")?.unwrap_or(4),
+        head_dim: keys.opt_usize("head_dim")?.unwrap_or(256),
+        ffn: keys.opt_usize("intermediate_size")?.unwrap_or(9216),
+        max_seq,
+        norm_eps: keys.f32_or("rms_norm_eps", 1e-6)?,
+        rope_theta: global.0,
+        rope_scaling: global.1,
+        tied_head: keys.bool_or("tie_word_embeddings", true)?,
+        qk_norm: true,
+        embed_scale: Some(embed_scale(keys, hidden)?),
+        sandwich_norms: true,
+        attn_scale: Some(1.0 / query_scalar.sqrt()),
+        sliding: Some(SlidingWindow {
+            window: keys.opt_usize("sliding_window")?.unwrap_or(4096),
+            layers: sliding_layers(keys, layers)?,
+            rope_theta: local,
+        }),
+        final_softcap: keys
+            .get("final_logit_softcapping")
+            .map(|_| keys.f32_or("final_logit_softcapping", 0.0))
+            .transpose()?,
+        activation: Activation::GeluTanhGated,
+        ..base
+    })
+}
+
+/// Gemma 3's RoPE: the global layers' base and scaling, and the sliding layers' base
+/// (`rope_local_base_freq`); transformers 5 writes both under "rope_parameters", keyed by
+/// layer type.
+fn gemma3_rope(keys: &Keys<'_>, max_seq: usize) -> Result<((f32, Option<RopeScaling>), f32)> {
+    let theta = |v: &Value| {
+        v.get("rope_theta")
+            .and_then(Value::as_f64)
+            .map(|t| t as f32)
+    };
+    if let Some(params) = keys
+        .get("rope_parameters")
+        .filter(|v| v.get("full_attention").is_some())
+    {
+        let (full, sliding) = (&params["full_attention"], &params["sliding_attention"]);
+        let global = (
+            theta(full).unwrap_or(1_000_000.0),
+            rope_scaling(keys, full, max_seq)?,
+        );
+        return Ok((global, theta(sliding).unwrap_or(10_000.0)));
+    }
+    let scaling = match keys.get("rope_scaling") {
+        Some(v) => rope_scaling(keys, v, max_seq)?,
+        None => None,
+    };
+    let global = (keys.f32_or("rope_theta", 1_000_000.0)?, scaling);
+    Ok((global, keys.f32_or("rope_local_base_freq", 10_000.0)?))
+}
+
+/// Which layers slide: "layer_types" (newer configs), or every layer but each
+/// "sliding_window_pattern"-th (default 6).
+fn sliding_layers(keys: &Keys<'_>, layers: usize) -> Result<Vec<bool>> {
+    if let Some(types) = keys.get("layer_types") {
+        let kinds: Option<Vec<&str>> = types
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_str).collect());
+        let bad = || {
+            keys.fail(format!("\"layer_types\" is {types}: expected {layers} of \"sliding_attention\" / \"full_attention\""))
+        };
+        let kinds = kinds.filter(|k| k.len() == layers).ok_or_else(bad)?;
+        return kinds
+            .iter()
+            .map(|k| match *k {
+                "sliding_attention" => Ok(true),
+                "full_attention" => Ok(false),
+                _ => Err(bad()),
+            })
+            .collect();
+    }
+    let pattern = keys
+        .opt_usize("sliding_window_pattern")?
+        .unwrap_or(6)
+        .max(1);
+    Ok((0..layers).map(|i| (i + 1) % pattern != 0).collect())
+}
+
+/// sqrt(hidden) in the checkpoint's dtype, as Gemma's scaled embedding casts it
+/// (`torch_dtype`, or `dtype` in transformers 5; f32 when neither is given).
+fn embed_scale(keys: &Keys<'_>, hidden: usize) -> Result<f32> {
+    let exact = (hidden as f32).sqrt();
+    let dtype = match keys.get("torch_dtype") {
+        Some(_) => keys.str_or("torch_dtype", "float32")?,
+        None => keys.str_or("dtype", "float32")?,
+    };
+    Ok(match dtype {
+        "bfloat16" => half::bf16::from_f32(exact).to_f32(),
+        "float16" => half::f16::from_f32(exact).to_f32(),
+        _ => exact,
     })
 }
 
@@ -407,6 +557,7 @@ pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
     };
     let config = match arch {
         Arch::Gpt2 => gpt2(&keys, base)?,
+        Arch::Llama if model_type == "gemma3_text" => gemma3(&keys, base)?,
         Arch::Llama => llama(&keys, model_type, base)?,
         Arch::Bert => bert(&keys, base)?,
     };

@@ -66,6 +66,8 @@ pub fn load(
             bv: bias(2),
             q_norm: None,
             k_norm: None,
+            attn_out_norm: None,
+            mlp_out_norm: None,
             wo: conv(&p("attn.c_proj.weight"), h, h, &what("attention output"))?,
             bo: Some(r.tensor(&p("attn.c_proj.bias"), &[h], &what("attention output bias"))?),
             mlp_norm: r.tensor(&p("ln_2.weight"), &[h], &what("MLP LayerNorm scale"))?,

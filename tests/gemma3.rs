@@ -1,0 +1,668 @@
+//! Gemma 3 text (issue 37 item 2): embeddings scaled by sqrt(hidden), RMSNorm scales of
+//! (1 + w) in the checkpoints, norms before and after attention and the MLP, GeGLU, per-head
+//! query/key norms, a query scale of query_pre_attn_scalar^-1/2, sliding-window layers with
+//! their own RoPE base around global ones, final-logit soft-capping. Every engine (single, TP
+//! over 2, PP over 2 stages, hybrid 2 x 2) gives the CPU f64 reference's greedy tokens and
+//! logits within the bar; a reference with any one feature off does not match; Hugging Face
+//! folders (which store w) and GGUF files (which store 1 + w) load to the same model; what is
+//! not supported is refused by name.
+
+mod common;
+mod gguf_support;
+mod hf_support;
+
+use std::sync::Arc;
+
+use gguf_support::{write_gguf, GgufSpec, GgufTensor};
+use hf_support::{write_safetensors, Store};
+use serde_json::{json, Value};
+use wgpar::comm::CommConfig;
+use wgpar::device::{DType, Gpu};
+use wgpar::kernels::ops::{self, Elementwise};
+use wgpar::model::hf::Checkpoint;
+use wgpar::model::quant::QuantType;
+use wgpar::model::{CpuReference, ModelConfig, ModelWeights};
+use wgpar::parallel::{
+    generate_keeping, Engine, KeepLogits, Partition, PipelineEngine, SingleEngine,
+    TensorParallelEngine,
+};
+
+/// Tokens generated per sequence (the prefill's pick, then decode steps).
+const STEPS: usize = 6;
+/// Prompt length: past the sliding window (5) already in the prefill.
+const PROMPT: usize = 9;
+/// Largest relative error of an engine's logits against the f64 reference.
+const BAR: f64 = 1e-4;
+/// The final soft-cap the tests set (Gemma 3 sets none; Gemma 2 30): low enough that the
+/// synthetic logits are squeezed.
+const CAP: f32 = 3.0;
+
+/// tiny-gemma3 (4 heads of 24 over a stream of 80, layers 0, 1 sliding with a window of 5,
+/// layer 2 global) with `layers` layers and a final soft-cap.
+fn weights(layers: usize, seed: u64) -> ModelWeights {
+    let base = ModelConfig::preset("tiny-gemma3").unwrap();
+    let sliding = base.sliding.clone().map(|mut s| {
+        s.layers = (0..layers).map(|i| (i + 1) % 3 != 0).collect();
+        s
+    });
+    let config = ModelConfig {
+        layers,
+        sliding,
+        final_softcap: Some(CAP),
+        ..base
+    };
+    config.validate().unwrap();
+    assert!(config.q_dim() != config.hidden && config.tied_head && config.sandwich_norms);
+    ModelWeights::synthetic(&config, seed)
+}
+
+/// The reference's greedy tokens per sequence and its logits per step (prefill first).
+fn reference(w: &ModelWeights, prompts: &[Vec<u32>]) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
+    let mut r = CpuReference::new(w);
+    let mut logits = vec![r.prefill(prompts).unwrap().concat()];
+    let mut tokens = vec![Vec::new(); prompts.len()];
+    let vocab = w.config.vocab;
+    for step in 0..STEPS {
+        let next: Vec<u32> = (0..prompts.len())
+            .map(|b| argmax(&logits[step][b * vocab..(b + 1) * vocab]))
+            .collect();
+        for (t, &n) in tokens.iter_mut().zip(&next) {
+            t.push(n);
+        }
+        if step + 1 < STEPS {
+            logits.push(r.decode(&next).unwrap().concat());
+        }
+    }
+    (tokens, logits)
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The engine's greedy generation equals the reference's tokens, and every step's logits are
+/// within [`BAR`].
+fn check_engine(what: &str, engine: &mut dyn Engine, w: &ModelWeights) {
+    let prompts = common::prompts(2, PROMPT, w.config.vocab, 7);
+    let (want_tokens, want_logits) = reference(w, &prompts);
+    let got = generate_keeping(engine, &prompts, STEPS, KeepLogits::All).unwrap();
+    assert_eq!(got.tokens, want_tokens, "{what}: greedy tokens");
+    assert_eq!(got.logits.len(), STEPS, "{what}: a logits set per step");
+    for (step, (g, r)) in got.logits.iter().zip(&want_logits).enumerate() {
+        // Soft-capped logits lie within the cap.
+        assert!(g.data.iter().all(|v| v.abs() <= CAP), "{what} step {step}");
+        let err = g.relative_error(r);
+        assert!(err <= BAR, "{what} step {step}: relative error {err:.2e}");
+    }
+}
+
+fn single(gpu: Arc<Gpu>, w: &ModelWeights) -> SingleEngine {
+    SingleEngine::new(gpu, w, DType::F32).unwrap()
+}
+
+#[test]
+fn single_tp_and_pp_give_the_reference_tokens() {
+    let w = weights(3, 41);
+    let gpus = common::gpus(2);
+    check_engine("single", &mut single(gpus[0].clone(), &w), &w);
+    let mut tp =
+        TensorParallelEngine::new(&gpus, &w, DType::F32, None, CommConfig::default()).unwrap();
+    check_engine("tp=2", &mut tp, &w);
+    // Stages of 2 and 1 layers: the second holds only the global layer.
+    let mut pp = PipelineEngine::new(
+        &gpus,
+        &w,
+        DType::F32,
+        &Partition::Even,
+        2,
+        CommConfig::default(),
+    )
+    .unwrap();
+    check_engine("pp=2", &mut pp, &w);
+}
+
+#[test]
+fn hybrid_2x2_gives_the_reference_tokens() {
+    let w = weights(4, 42);
+    let gpus = common::gpus(4);
+    let mut hybrid = PipelineEngine::hybrid(
+        &gpus,
+        &w,
+        DType::F32,
+        2,
+        &Partition::Even,
+        2,
+        CommConfig::default(),
+    )
+    .unwrap();
+    check_engine("hybrid tp=2 x pp=2", &mut hybrid, &w);
+}
+
+/// `w` with every RMSNorm scale (block, head, output and final norms) shifted by `by`.
+fn shift_norms(w: &ModelWeights, by: f32) -> ModelWeights {
+    let mut w = w.clone();
+    let shift = |v: &mut Vec<f32>| v.iter_mut().for_each(|x| *x += by);
+    shift(&mut w.final_norm);
+    for l in &mut w.layers {
+        shift(&mut l.attn_norm);
+        shift(&mut l.mlp_norm);
+        for v in [
+            &mut l.q_norm,
+            &mut l.k_norm,
+            &mut l.attn_out_norm,
+            &mut l.mlp_out_norm,
+        ] {
+            shift(v.as_mut().unwrap());
+        }
+    }
+    w
+}
+
+/// The comparison has teeth: the device's logits match the reference, and are far from a
+/// reference with any one Gemma feature off.
+#[test]
+fn the_reference_with_a_feature_off_does_not_match() {
+    let w = weights(3, 43);
+    let prompts = common::prompts(2, PROMPT, w.config.vocab, 7);
+    let gpu = common::gpus(1).remove(0);
+    let got = single(gpu, &w).prefill(&prompts).unwrap();
+    let (_, right) = reference(&w, &prompts);
+    assert!(got.relative_error(&right[0]) <= BAR);
+    let c = &w.config;
+    let variant = |what: &str, config: ModelConfig, edit: &dyn Fn(&mut ModelWeights)| {
+        let mut off = ModelWeights {
+            config,
+            ..w.clone()
+        };
+        edit(&mut off);
+        let (_, wrong) = reference(&off, &prompts);
+        let err = got.relative_error(&wrong[0]);
+        assert!(
+            err > 100.0 * BAR,
+            "{what}: the logits moved by {err:.2e} only"
+        );
+    };
+    let same = |_: &mut ModelWeights| {};
+    let mut window_off = c.clone();
+    window_off.sliding.as_mut().unwrap().window = c.max_seq;
+    variant("window off", window_off, &same);
+    let mut local_rope_off = c.clone();
+    local_rope_off.sliding.as_mut().unwrap().rope_theta = c.rope_theta;
+    variant("sliding layers' RoPE base off", local_rope_off, &same);
+    let cfg = |edit: &dyn Fn(&mut ModelConfig)| {
+        let mut c = c.clone();
+        edit(&mut c);
+        c
+    };
+    variant("soft-cap off", cfg(&|c| c.final_softcap = None), &same);
+    variant("query scale off", cfg(&|c| c.attn_scale = None), &same);
+    variant("embedding scale off", cfg(&|c| c.embed_scale = None), &same);
+    variant(
+        "output norms off",
+        cfg(&|c| c.sandwich_norms = false),
+        &|w: &mut ModelWeights| {
+            for l in &mut w.layers {
+                (l.attn_out_norm, l.mlp_out_norm) = (None, None);
+            }
+        },
+    );
+    variant("head norms off", cfg(&|c| c.qk_norm = false), &|w| {
+        for l in &mut w.layers {
+            (l.q_norm, l.k_norm) = (None, None);
+        }
+    });
+    // The scales as a checkpoint stores them (w, not 1 + w): what a loader that forgot the 1
+    // would run.
+    let stored = shift_norms(&w, -1.0);
+    variant("(1 + w) off", c.clone(), &|m| *m = stored.clone());
+    let silu = cfg(&|c| c.activation = wgpar::model::config::Activation::Silu);
+    variant("SwiGLU instead of GeGLU", silu, &same);
+}
+
+/// A device model whose weights do not match the config's output norms is refused, naming
+/// them.
+#[test]
+fn weights_without_the_output_norms_are_refused() {
+    let mut w = weights(3, 44);
+    w.layers[2].mlp_out_norm = None;
+    let gpu = common::gpus(1).remove(0);
+    let e = SingleEngine::new(gpu, &w, DType::F32)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("sandwich_norms") && e.contains("layer 2"), "{e}");
+}
+
+/// config.json of a `Gemma3ForCausalLM` of `w`'s shapes, as transformers 4 writes it
+/// (`sliding_window_pattern`, `rope_local_base_freq`).
+fn gemma_config_json(w: &ModelWeights) -> Value {
+    let c = &w.config;
+    let s = c.sliding.as_ref().unwrap();
+    let query = 1.0 / (c.attn_scale.unwrap() * c.attn_scale.unwrap());
+    json!({
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text", "vocab_size": c.vocab, "hidden_size": c.hidden,
+        "num_hidden_layers": c.layers, "num_attention_heads": c.heads,
+        "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
+        "intermediate_size": c.ffn, "max_position_embeddings": c.max_seq,
+        "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta,
+        "rope_local_base_freq": s.rope_theta, "sliding_window": s.window,
+        "sliding_window_pattern": 3, "query_pre_attn_scalar": query.round(),
+        "final_logit_softcapping": c.final_softcap, "attn_logit_softcapping": null,
+        "hidden_activation": "gelu_pytorch_tanh", "rope_scaling": null,
+        "torch_dtype": "float32", "eos_token_id": 1, "bos_token_id": 2,
+    })
+}
+
+/// Gemma's Hugging Face names for `w`, every norm scale stored as `w - 1` (HF computes
+/// `1 + w`).
+fn gemma_hf_tensors(w: &ModelWeights) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let c = &w.config;
+    let (h, f, q, kv, d) = (c.hidden, c.ffn, c.q_dim(), c.kv_dim(), c.head_dim);
+    let s = shift_norms(w, -1.0);
+    let mut t = vec![
+        ("model.embed_tokens.weight".into(), vec![c.vocab, h], s.wte),
+        ("model.norm.weight".into(), vec![h], s.final_norm),
+    ];
+    for (i, l) in s.layers.into_iter().enumerate() {
+        let n = |s: &str| format!("model.layers.{i}.{s}");
+        t.extend([
+            (n("input_layernorm.weight"), vec![h], l.attn_norm),
+            (n("self_attn.q_proj.weight"), vec![q, h], l.wq),
+            (n("self_attn.k_proj.weight"), vec![kv, h], l.wk),
+            (n("self_attn.v_proj.weight"), vec![kv, h], l.wv),
+            (n("self_attn.q_norm.weight"), vec![d], l.q_norm.unwrap()),
+            (n("self_attn.k_norm.weight"), vec![d], l.k_norm.unwrap()),
+            (n("self_attn.o_proj.weight"), vec![h, q], l.wo),
+            (
+                n("post_attention_layernorm.weight"),
+                vec![h],
+                l.attn_out_norm.unwrap(),
+            ),
+            (n("pre_feedforward_layernorm.weight"), vec![h], l.mlp_norm),
+            (
+                n("post_feedforward_layernorm.weight"),
+                vec![h],
+                l.mlp_out_norm.unwrap(),
+            ),
+            (n("mlp.gate_proj.weight"), vec![f, h], l.w_gate.unwrap()),
+            (n("mlp.up_proj.weight"), vec![f, h], l.w_up),
+            (n("mlp.down_proj.weight"), vec![h, f], l.w_down),
+        ]);
+    }
+    t
+}
+
+fn write_gemma_folder(name: &str, w: &ModelWeights, config: &Value) -> hf_support::Scratch {
+    let dir = hf_support::scratch(name);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    write_safetensors(
+        &dir.join("model.safetensors"),
+        &gemma_hf_tensors(w),
+        Store::F32,
+    );
+    dir
+}
+
+/// Every vector and matrix the device reads, bit for bit.
+fn assert_same_weights(got: &ModelWeights, want: &ModelWeights) {
+    let same = |x: &[f32], y: &[f32], what: &str| {
+        assert_eq!(x.len(), y.len(), "{what}");
+        let bad = (x.iter().zip(y)).position(|(a, b)| a.to_bits() != b.to_bits());
+        assert!(bad.is_none(), "{what} differs at {bad:?}");
+    };
+    let got = got.clone().with_dense();
+    same(&got.wte, &want.wte, "wte");
+    same(&got.final_norm, &want.final_norm, "final norm");
+    assert!(got.lm_head.is_none() && got.config.tied_head, "tied head");
+    for (i, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
+        let pairs = [
+            (&g.attn_norm, &w.attn_norm, "attn_norm"),
+            (&g.mlp_norm, &w.mlp_norm, "mlp_norm"),
+            (&g.wq, &w.wq, "wq"),
+            (&g.wo, &w.wo, "wo"),
+            (
+                g.w_gate.as_ref().unwrap(),
+                w.w_gate.as_ref().unwrap(),
+                "gate",
+            ),
+            (
+                g.q_norm.as_ref().unwrap(),
+                w.q_norm.as_ref().unwrap(),
+                "q_norm",
+            ),
+            (
+                g.k_norm.as_ref().unwrap(),
+                w.k_norm.as_ref().unwrap(),
+                "k_norm",
+            ),
+            (
+                g.attn_out_norm.as_ref().unwrap(),
+                w.attn_out_norm.as_ref().unwrap(),
+                "attn_out_norm",
+            ),
+            (
+                g.mlp_out_norm.as_ref().unwrap(),
+                w.mlp_out_norm.as_ref().unwrap(),
+                "mlp_out_norm",
+            ),
+        ];
+        for (x, y, what) in pairs {
+            same(x, y, &format!("layer {i} {what}"));
+        }
+    }
+}
+
+/// The logits of `a` and `b` on one device, bit for bit (same values, same kernels).
+fn same_logits(a: &ModelWeights, b: &ModelWeights) {
+    let gpu = common::gpus(1).remove(0);
+    let prompts = common::prompts(2, PROMPT, a.config.vocab, 3);
+    let la = single(gpu.clone(), a).prefill(&prompts).unwrap();
+    let lb = single(gpu, b).prefill(&prompts).unwrap();
+    assert!(la.data.iter().any(|&v| v != 0.0));
+    assert_eq!(la, lb);
+}
+
+/// A folder that stores `w` for `1 + w` loads to the multipliers, and its config to the same
+/// model; `layer_types` (transformers 5) says the same as the pattern.
+#[test]
+fn hugging_face_folders_load_to_the_same_model() {
+    let w = weights(3, 45);
+    let json = gemma_config_json(&w);
+    let dir = write_gemma_folder("gemma3-hf", &w, &json);
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let mut want = w.config.clone();
+    want.name = ckpt.config().name.clone();
+    assert_eq!(ckpt.config(), &want);
+    let loaded = ckpt.weights(false).unwrap();
+    assert_same_weights(&loaded, &w);
+    same_logits(&loaded, &w);
+    let mut typed = json.clone();
+    let obj = typed.as_object_mut().unwrap();
+    obj.remove("sliding_window_pattern");
+    obj.insert(
+        "layer_types".into(),
+        json!(["sliding_attention", "sliding_attention", "full_attention"]),
+    );
+    std::fs::write(dir.join("config.json"), typed.to_string()).unwrap();
+    assert_eq!(Checkpoint::open(&dir).unwrap().config(), &want);
+    // A bfloat16 checkpoint's embedding scale is sqrt(hidden) rounded to bfloat16, as
+    // transformers casts it: sqrt(80) = 8.944 is 8.9375 there.
+    let mut bf16 = json.clone();
+    bf16["torch_dtype"] = "bfloat16".into();
+    std::fs::write(dir.join("config.json"), bf16.to_string()).unwrap();
+    let c = Checkpoint::open(&dir).unwrap().config().clone();
+    assert_eq!(c.embed_scale, Some(8.9375));
+}
+
+/// What wgpar does not compute is refused by name: attention soft-capping, another
+/// activation, the multimodal model type; a missing output norm names its tensor.
+#[test]
+fn hugging_face_features_it_lacks_are_refused_by_name() {
+    let w = weights(3, 46);
+    let json = gemma_config_json(&w);
+    let dir = write_gemma_folder("gemma3-hf-bad", &w, &json);
+    let refused = |edit: &dyn Fn(&mut Value), want: &str| {
+        let mut j = json.clone();
+        edit(&mut j);
+        std::fs::write(dir.join("config.json"), j.to_string()).unwrap();
+        let e = Checkpoint::open(&dir).err().unwrap().to_string();
+        assert!(e.contains(want), "{want}: {e}");
+    };
+    refused(
+        &|j| j["attn_logit_softcapping"] = json!(50.0),
+        "\"attn_logit_softcapping\" is 50.0: not supported",
+    );
+    refused(
+        &|j| j["hidden_activation"] = "gelu".into(),
+        "\"hidden_activation\" is 'gelu'",
+    );
+    refused(
+        &|j| j["model_type"] = "gemma3".into(),
+        "model_type 'gemma3' (Gemma3ForConditionalGeneration",
+    );
+    refused(
+        &|j| {
+            j.as_object_mut().unwrap().remove("sliding_window_pattern");
+            j["layer_types"] = json!(["sliding_attention"]);
+        },
+        "\"layer_types\"",
+    );
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    let mut tensors = gemma_hf_tensors(&w);
+    tensors.retain(|(n, _, _)| n != "model.layers.1.post_feedforward_layernorm.weight");
+    write_safetensors(&dir.join("model.safetensors"), &tensors, Store::F32);
+    let e = Checkpoint::open(&dir)
+        .unwrap()
+        .weights(false)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("layers.1.post_feedforward_layernorm.weight"),
+        "{e}"
+    );
+}
+
+fn gemma_gguf_tensors(w: &ModelWeights) -> Vec<GgufTensor> {
+    gguf_support::gemma3_tensors(w)
+}
+
+fn gemma_spec<'a>(w: &ModelWeights, matrices: QuantType) -> GgufSpec<'a> {
+    GgufSpec {
+        arch: "gemma3",
+        matrices,
+        meta: gguf_support::gemma3_meta(w),
+    }
+}
+
+/// A gemma3 GGUF loads to the weights of the same model's folder and runs to the same logits.
+/// The file does not store query_pre_attn_scalar: llama.cpp takes head_dim (27B aside), so
+/// the model here has that scale.
+#[test]
+fn gguf_f32_matches_the_folder() {
+    let mut w = weights(3, 47);
+    w.config.attn_scale = Some(1.0 / (w.config.head_dim as f32).sqrt());
+    let dir = hf_support::scratch("gemma3-gguf");
+    let file = write_gguf(
+        &dir,
+        "m",
+        &gemma_gguf_tensors(&w),
+        &gemma_spec(&w, QuantType::F32),
+    );
+    let g = Checkpoint::open(&file).unwrap();
+    let mut want = w.config.clone();
+    want.name = "gguf-test".into();
+    assert_eq!(g.config(), &want);
+    let loaded = g.weights(false).unwrap();
+    assert_same_weights(&loaded, &w);
+    same_logits(&loaded, &w);
+    // The folder of the same model (its scale written as query_pre_attn_scalar = head_dim).
+    let mut json = gemma_config_json(&w);
+    json["query_pre_attn_scalar"] = json!(w.config.head_dim);
+    let folder = write_gemma_folder("gemma3-gguf-folder", &w, &json);
+    let from_folder = Checkpoint::open(&folder).unwrap().weights(false).unwrap();
+    same_logits(&loaded, &from_folder);
+}
+
+/// Packed GGUF matrices (Q8_0) run on one device and split over two to the reference's tokens
+/// on their own values; a missing output norm is refused by name.
+#[test]
+fn packed_gguf_runs_single_and_tp_to_the_reference_tokens() {
+    let config = ModelConfig {
+        hidden: 96,
+        head_dim: 32,
+        ffn: 192,
+        embed_scale: Some(96f32.sqrt()),
+        attn_scale: Some(1.0 / 32f32.sqrt()),
+        ..weights(3, 0).config
+    };
+    let w = ModelWeights::synthetic(&config, 48);
+    let dir = hf_support::scratch("gemma3-gguf-q8");
+    let file = write_gguf(
+        &dir,
+        "m",
+        &gemma_gguf_tensors(&w),
+        &gemma_spec(&w, QuantType::Q8_0),
+    );
+    let loaded = Checkpoint::open(&file).unwrap().weights(false).unwrap();
+    assert_eq!(loaded.blocks().count(), 3 * 7, "every projection in blocks");
+    let gpus = common::gpus(2);
+    check_engine(
+        "q8_0 single",
+        &mut single(gpus[0].clone(), &loaded),
+        &loaded,
+    );
+    let mut tp =
+        TensorParallelEngine::new(&gpus, &loaded, DType::F32, None, CommConfig::default()).unwrap();
+    check_engine("q8_0 tp=2", &mut tp, &loaded);
+    let mut tensors = gemma_gguf_tensors(&w);
+    tensors.retain(|t| t.name != "blk.2.post_attention_norm.weight");
+    let file = write_gguf(&dir, "n", &tensors, &gemma_spec(&w, QuantType::F32));
+    let e = Checkpoint::open(&file)
+        .unwrap()
+        .weights(false)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("blk.2.post_attention_norm.weight"), "{e}");
+}
+
+/// The new element-wise entries against f64 on random data of a non-tile length: GeGLU,
+/// scale, soft-cap.
+#[test]
+fn geglu_scale_and_softcap_kernels_match_f64() {
+    let gpu = &common::gpus(1)[0];
+    let (rows, cols) = (7, 301);
+    let n = rows * cols;
+    let a: Vec<f32> = common::random(n, 11).iter().map(|v| v * 8.0).collect();
+    let b = common::random(n, 12);
+    let gelu =
+        |x: f64| 0.5 * x * (1.0 + (0.797_884_560_802_865_4 * (x + 0.044_715 * x * x * x)).tanh());
+    type Want<'a> = &'a dyn Fn(f64, f64) -> f64;
+    let cases: [(Elementwise, f32, Want); 3] = [
+        (Elementwise::GeGlu, 1.0, &|x, y| gelu(x) * y),
+        (Elementwise::Scale, 2.5, &|x, _| x * 2.5),
+        (Elementwise::Softcap, 3.0, &|x, _| 3.0 * (x / 3.0).tanh()),
+    ];
+    for (kind, scalar, want) in cases {
+        let at = gpu.upload_f32("a", &a).unwrap();
+        let bt = gpu.upload_f32("b", &b).unwrap();
+        let mut enc = gpu.encoder();
+        ops::elementwise_scalar(gpu, &mut enc, kind, (&at, &bt), (rows, cols), scalar).unwrap();
+        gpu.submit(enc);
+        gpu.wait().unwrap();
+        let got = gpu.read_f32(&at).unwrap();
+        let want: Vec<f64> = (a.iter().zip(&b))
+            .map(|(&x, &y)| want(x as f64, y as f64))
+            .collect();
+        assert!(got != a, "{kind:?} changed nothing");
+        let err = common::rel_err(&got, &want);
+        assert!(err <= 1e-5, "{kind:?}: relative error {err:.2e}");
+    }
+}
+
+/// The sliding-window mask in every attention variant that applies (and the tuned choice)
+/// against f64: rows at different positions (before, at and past the window), decode and
+/// prefill, a query scale that is not 1/sqrt(head_dim), grouped heads.
+#[test]
+fn windowed_attention_matches_f64_in_every_variant() {
+    use wgpar::kernels::ops::{AttnShape, KvCache};
+    use wgpar::kernels::variants;
+    let gpu = &common::gpus(1)[0];
+    let (nh, nkv, d, max_seq, window, scale) = (4, 2, 24, 40, 5, 0.31f32);
+    for (batch, seq) in [(3, 1), (2, 9), (1, 33)] {
+        let slots = batch + 1;
+        let max_seq = max_seq.max(seq + 4);
+        let shape = AttnShape {
+            batch,
+            seq,
+            slots,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: d,
+            max_seq,
+            group: nh / nkv,
+            q_head_offset: 0,
+            kv_head_offset: 0,
+        };
+        // Row b: slot slots-1-b, past 4b (row 0 starts inside the window).
+        let rows: Vec<(usize, usize)> = (0..batch).map(|b| (slots - 1 - b, 4 * b)).collect();
+        let flat: Vec<u32> = (rows.iter())
+            .flat_map(|&(slot, past)| [slot as u32, past as u32])
+            .collect();
+        let seqs = gpu.upload_u32("seqs", &flat).unwrap();
+        let tokens = batch * seq;
+        let kc = common::random(shape.cache_len(), 31);
+        let vc = common::random(shape.cache_len(), 32);
+        let q: Vec<f32> = (common::random(tokens * nh * d, 33).iter())
+            .map(|v| v * 3.0)
+            .collect();
+        let (kt, vt, qt) = (
+            gpu.upload_f32("kc", &kc).unwrap(),
+            gpu.upload_f32("vc", &vc).unwrap(),
+            gpu.upload_f32("q", &q).unwrap(),
+        );
+        let at = |slot: usize, h: usize, p: usize| ((slot * nkv + h) * max_seq + p) * d;
+        let mut want = vec![0.0; tokens * nh * d];
+        for t in 0..tokens {
+            let (slot, past) = rows[t / seq];
+            let pos = past + t % seq;
+            let keys = (pos + 1).saturating_sub(window)..pos + 1;
+            for h in 0..nh {
+                let kvh = h / (nh / nkv);
+                let qv = &q[(t * nh + h) * d..(t * nh + h + 1) * d];
+                let score = |p: usize| {
+                    let k = &kc[at(slot, kvh, p)..at(slot, kvh, p) + d];
+                    qv.iter()
+                        .zip(k)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                };
+                let m = keys.clone().map(score).fold(f64::MIN, f64::max);
+                let z: f64 = keys.clone().map(|p| (score(p) - m).exp()).sum();
+                for p in keys.clone() {
+                    let w = (score(p) - m).exp() / z;
+                    for c in 0..d {
+                        want[(t * nh + h) * d + c] += w * vc[at(slot, kvh, p) + c] as f64;
+                    }
+                }
+            }
+        }
+        let mut kernels: Vec<Option<&'static str>> = vec![None];
+        kernels.extend(
+            (variants::ATTENTION.iter())
+                .filter(|v| variants::attention_applies(v, seq, d))
+                .map(|v| Some(v.name)),
+        );
+        assert!(kernels.len() >= 2, "no variant applies to seq {seq}");
+        for kernel in kernels {
+            let out = gpu.empty("out", DType::F32, tokens * nh * d).unwrap();
+            gpu.poison(&out);
+            let cache = KvCache {
+                k: &kt,
+                v: &vt,
+                seqs: &seqs,
+            };
+            let mut enc = gpu.encoder();
+            let io = (&qt, cache, &out);
+            ops::attention_window(gpu, &mut enc, io, &shape, (Some(scale), window), kernel)
+                .unwrap();
+            gpu.submit(enc);
+            gpu.wait().unwrap();
+            let got = gpu.read_f32(&out).unwrap();
+            let err = common::rel_err(&got, &want);
+            assert!(
+                err <= 1e-5,
+                "seq {seq} {kernel:?}: relative error {err:.2e}"
+            );
+        }
+    }
+}

@@ -1,0 +1,291 @@
+//! Phi-3 / Phi-4 (issue 37 item 3, without LongRoPE): a Llama decoder whose checkpoints fuse
+//! the query, key and value projections (`qkv_proj`, GGUF `attn_qkv`) and the MLP's gate and
+//! up projections (`gate_up_proj`, GGUF `ffn_up` of twice the width). The loaders split them,
+//! so tensor parallelism shards each part the Megatron way: every engine (single, TP over 2,
+//! PP over 2 stages) on a folder and a GGUF (f32 and Q8_0) gives the CPU f64 reference's greedy
+//! tokens; a split in the wrong order does not; what is not supported is refused by name.
+
+mod common;
+mod gguf_support;
+mod hf_support;
+
+use gguf_support::{gguf_tensors, model_meta, tensor, write_gguf, GgufSpec, GgufTensor};
+use hf_support::{write_safetensors, Store};
+use serde_json::{json, Value};
+use wgpar::comm::CommConfig;
+use wgpar::device::DType;
+use wgpar::model::hf::Checkpoint;
+use wgpar::model::quant::QuantType;
+use wgpar::model::{CpuReference, ModelConfig, ModelWeights};
+use wgpar::parallel::{
+    generate_keeping, Engine, KeepLogits, Partition, PipelineEngine, SingleEngine,
+    TensorParallelEngine,
+};
+
+const STEPS: usize = 5;
+const BAR: f64 = 1e-4;
+
+/// tiny-llama-like, untied as Phi-3 is: 8 heads of 16 over a stream of 128 (Phi-3's
+/// config.json has no head_dim: hidden / heads), 2 KV heads, so the attention output and the
+/// MLP split into whole Q8_0 blocks over two shards.
+fn weights(seed: u64) -> ModelWeights {
+    let config = ModelConfig {
+        max_seq: 64,
+        hidden: 128,
+        heads: 8,
+        ffn: 192,
+        ..ModelConfig::preset("tiny-llama").unwrap()
+    };
+    ModelWeights::synthetic(&config, seed)
+}
+
+/// The engine's greedy tokens and every step's logits against the reference on `w`.
+fn check_engine(what: &str, engine: &mut dyn Engine, w: &ModelWeights) {
+    let prompts = common::prompts(2, 6, w.config.vocab, 5);
+    let mut r = CpuReference::new(w);
+    let got = generate_keeping(engine, &prompts, STEPS, KeepLogits::All).unwrap();
+    let mut want = r.prefill(&prompts).unwrap();
+    for step in 0..STEPS {
+        let g = &got.logits[step];
+        let err = g.relative_error(&want.concat());
+        assert!(err <= BAR, "{what} step {step}: relative error {err:.2e}");
+        let next: Vec<u32> = got.tokens.iter().map(|t| t[step]).collect();
+        let greedy: Vec<u32> = want.iter().map(|row| argmax(row)).collect();
+        assert_eq!(
+            next, greedy,
+            "{what} step {step}: the reference's greedy tokens"
+        );
+        if step + 1 < STEPS {
+            want = r.decode(&next).unwrap();
+        }
+    }
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Every engine on `w`.
+fn check_all(what: &str, w: &ModelWeights) {
+    let gpus = common::gpus(2);
+    let mut single = SingleEngine::new(gpus[0].clone(), w, DType::F32).unwrap();
+    check_engine(&format!("{what} single"), &mut single, w);
+    let mut tp =
+        TensorParallelEngine::new(&gpus, w, DType::F32, None, CommConfig::default()).unwrap();
+    check_engine(&format!("{what} tp=2"), &mut tp, w);
+    let mut pp = PipelineEngine::new(
+        &gpus,
+        w,
+        DType::F32,
+        &Partition::Even,
+        2,
+        CommConfig::default(),
+    )
+    .unwrap();
+    check_engine(&format!("{what} pp=2"), &mut pp, w);
+}
+
+fn phi3_config_json(w: &ModelWeights) -> Value {
+    let c = &w.config;
+    json!({
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+        "vocab_size": c.vocab, "hidden_size": c.hidden, "num_hidden_layers": c.layers,
+        "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads,
+        "intermediate_size": c.ffn, "max_position_embeddings": c.max_seq,
+        "original_max_position_embeddings": c.max_seq, "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta, "rope_scaling": null, "sliding_window": null,
+        "partial_rotary_factor": 1.0, "tie_word_embeddings": false, "hidden_act": "silu",
+        "eos_token_id": 0,
+    })
+}
+
+/// Rows of `parts` stacked in order.
+fn stack(parts: &[&Vec<f32>]) -> Vec<f32> {
+    parts.iter().flat_map(|p| p.iter().copied()).collect()
+}
+
+/// Phi-3's Hugging Face names: fused `qkv_proj` and `gate_up_proj` (`swap`: up before gate,
+/// a wrong order).
+fn phi3_hf_tensors(w: &ModelWeights, swap: bool) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let c = &w.config;
+    let (h, f, q, kv) = (c.hidden, c.ffn, c.q_dim(), c.kv_dim());
+    let mut t = hf_support::llama_tensors(w);
+    let fused = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"];
+    t.retain(|(n, _, _)| !fused.iter().any(|p| n.contains(&format!(".{p}."))));
+    for (i, l) in w.layers.iter().enumerate() {
+        let n = |s: &str| format!("model.layers.{i}.{s}");
+        let gate = l.w_gate.as_ref().unwrap();
+        let gate_up = match swap {
+            false => stack(&[gate, &l.w_up]),
+            true => stack(&[&l.w_up, gate]),
+        };
+        t.extend([
+            (
+                n("self_attn.qkv_proj.weight"),
+                vec![q + 2 * kv, h],
+                stack(&[&l.wq, &l.wk, &l.wv]),
+            ),
+            (n("mlp.gate_up_proj.weight"), vec![2 * f, h], gate_up),
+        ]);
+    }
+    t
+}
+
+fn write_folder(name: &str, w: &ModelWeights, swap: bool) -> hf_support::Scratch {
+    let dir = hf_support::scratch(name);
+    let json = phi3_config_json(w);
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    let tensors = phi3_hf_tensors(w, swap);
+    write_safetensors(&dir.join("model.safetensors"), &tensors, Store::F32);
+    dir
+}
+
+#[test]
+fn a_fused_folder_loads_split_and_runs_on_every_engine() {
+    let w = weights(61);
+    let dir = write_folder("phi3-hf", &w, false);
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let mut want = w.config.clone();
+    want.name = ckpt.config().name.clone();
+    assert_eq!(ckpt.config(), &want);
+    let loaded = ckpt.weights(false).unwrap();
+    for (g, l) in loaded.layers.iter().zip(&w.layers) {
+        assert!(
+            g.wq == l.wq && g.wk == l.wk && g.wv == l.wv,
+            "Q, K, V split"
+        );
+        assert!(g.w_gate == l.w_gate && g.w_up == l.w_up, "gate, up split");
+    }
+    check_all("folder", &loaded);
+    // A fused gate/up in the other order loads, but to another model: the order matters.
+    let swapped = Checkpoint::open(&write_folder("phi3-hf-swap", &w, true))
+        .unwrap()
+        .weights(false)
+        .unwrap();
+    let prompts = common::prompts(2, 6, w.config.vocab, 5);
+    let gpu = common::gpus(1).remove(0);
+    let got = SingleEngine::new(gpu, &swapped, DType::F32)
+        .unwrap()
+        .prefill(&prompts)
+        .unwrap();
+    let right = CpuReference::new(&w).prefill(&prompts).unwrap().concat();
+    let err = got.relative_error(&right);
+    assert!(
+        err > 100.0 * BAR,
+        "a swapped gate/up moved the logits by {err:.2e}"
+    );
+}
+
+#[test]
+fn what_phi3_folders_need_that_wgpar_lacks_is_refused_by_name() {
+    let w = weights(62);
+    let dir = write_folder("phi3-hf-bad", &w, false);
+    let base = phi3_config_json(&w);
+    let refused = |key: &str, value: Value, want: &str| {
+        let mut j = base.clone();
+        j[key] = value;
+        std::fs::write(dir.join("config.json"), j.to_string()).unwrap();
+        let e = Checkpoint::open(&dir).err().unwrap().to_string();
+        assert!(e.contains(want), "{key}: {e}");
+    };
+    let longrope = json!({"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]});
+    refused("rope_scaling", longrope, "'longrope' is not supported");
+    refused(
+        "partial_rotary_factor",
+        json!(0.75),
+        "\"partial_rotary_factor\" is 0.75",
+    );
+    // Transformers 5 writes it (and the base) under "rope_parameters": 1 is whole heads.
+    let params =
+        |f: f64| json!({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": f});
+    refused(
+        "rope_parameters",
+        params(0.5),
+        "\"partial_rotary_factor\" is 0.5",
+    );
+    let mut j = base.clone();
+    j["rope_parameters"] = params(1.0);
+    std::fs::write(dir.join("config.json"), j.to_string()).unwrap();
+    let c = Checkpoint::open(&dir).unwrap().config().clone();
+    assert_eq!((c.head_dim, c.rope_scaling), (w.config.head_dim, None));
+}
+
+/// llama.cpp's phi3 tensors of `w`: fused `attn_qkv` and `ffn_up` (gate rows first), no
+/// `ffn_gate`.
+fn phi3_gguf_tensors(w: &ModelWeights) -> Vec<GgufTensor> {
+    let c = &w.config;
+    let (h, f, q, kv) = (c.hidden, c.ffn, c.q_dim(), c.kv_dim());
+    let mut t = gguf_tensors(w, false);
+    let fused = ["attn_q.", "attn_k.", "attn_v.", "ffn_gate.", "ffn_up."];
+    t.retain(|x| !fused.iter().any(|p| x.name.contains(p)));
+    for (i, l) in w.layers.iter().enumerate() {
+        let qkv = stack(&[&l.wq, &l.wk, &l.wv]);
+        let gate_up = stack(&[l.w_gate.as_ref().unwrap(), &l.w_up]);
+        t.push(tensor(
+            format!("blk.{i}.attn_qkv.weight"),
+            vec![q + 2 * kv, h],
+            &qkv,
+        ));
+        t.push(tensor(
+            format!("blk.{i}.ffn_up.weight"),
+            vec![2 * f, h],
+            &gate_up,
+        ));
+    }
+    t
+}
+
+#[test]
+fn fused_gguf_files_run_on_every_engine_f32_and_q8_0() {
+    let w = weights(63);
+    let dir = hf_support::scratch("phi3-gguf");
+    for matrices in [QuantType::F32, QuantType::Q8_0] {
+        let spec = GgufSpec {
+            arch: "phi3",
+            matrices,
+            meta: model_meta(&w, "phi3"),
+        };
+        let file = write_gguf(&dir, "m", &phi3_gguf_tensors(&w), &spec);
+        let g = Checkpoint::open(&file).unwrap();
+        let mut want = w.config.clone();
+        want.name = "gguf-test".into();
+        assert_eq!(g.config(), &want);
+        let loaded = g.weights(false).unwrap();
+        if matrices == QuantType::F32 {
+            let l = &loaded.layers[1];
+            assert!(
+                l.wk == w.layers[1].wk && l.w_up == w.layers[1].w_up,
+                "split rows"
+            );
+        } else {
+            // The fused blocks split by rows, kept packed: 7 matrices a layer.
+            assert_eq!(loaded.blocks().count(), 7 * w.config.layers);
+        }
+        check_all(&format!("{matrices:?}"), &loaded);
+    }
+    // LongRoPE's factor tensors are refused by name.
+    let mut t = phi3_gguf_tensors(&w);
+    let half = w.config.head_dim / 2;
+    t.push(tensor(
+        "rope_factors_long.weight".into(),
+        vec![half],
+        &vec![1.0; half],
+    ));
+    let spec = GgufSpec {
+        arch: "phi3",
+        matrices: QuantType::F32,
+        meta: model_meta(&w, "phi3"),
+    };
+    let file = write_gguf(&dir, "long", &t, &spec);
+    let e = Checkpoint::open(&file).err().unwrap().to_string();
+    assert!(
+        e.contains("rope_factors_long.weight") && e.contains("LongRoPE"),
+        "{e}"
+    );
+}
