@@ -18,11 +18,11 @@ use wgpar::{Result, WgparError};
 #[derive(Args, Debug)]
 pub struct DecodeBenchArgs {
     #[command(flatten)]
-    model: super::ModelArgs,
+    model: super::options::ModelArgs,
     #[command(flatten)]
-    binding: super::ModelDeviceArgs,
+    binding: super::options::ModelDeviceArgs,
     #[command(flatten)]
-    memory: super::memory::MemoryArgs,
+    memory: super::options::MemoryArgs,
     /// Strategies: single, tp (over --tp virtual devices on the preferred adapter), pp (over
     /// --stages virtual devices, one micro-batch).
     #[arg(long, value_delimiter = ',', default_value = "single,tp,pp")]
@@ -100,8 +100,8 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
     };
     let selected = args.binding.described(&selection, &adapters)?;
     let dtype = args.model.dtype_for(&selected, false)?;
-    let runs: Vec<super::PlannedRun> = (strategies.iter())
-        .map(|(_, s)| super::PlannedRun {
+    let runs: Vec<super::memory::PlannedRun> = (strategies.iter())
+        .map(|(_, s)| super::memory::PlannedRun {
             strategy: s,
             adapters: &selected[..devices_of(s)],
             step_tokens: args.batch * args.prompt_len,
@@ -112,7 +112,7 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
             },
         })
         .collect();
-    super::check_runs_fit(&config, dtype, &runs)?;
+    super::memory::check_runs_fit(&config, dtype, &runs)?;
     (args.memory).check_runs(
         &args.model,
         (&config, dtype),

@@ -14,10 +14,7 @@ use wgpar::model::hf::TextTokenizer;
 use wgpar::parallel::Engine;
 use wgpar::{Result, WgparError};
 
-use super::memory::MemoryArgs;
-use super::run::{RunArgs, StrategyArgs};
-use super::text::TextArgs;
-use super::{DeviceArgs, ModelArgs};
+use super::options::{DeviceArgs, MemoryArgs, ModelArgs, RunArgs, StrategyArgs, TextArgs};
 
 /// Options of `wgpar chat`.
 #[derive(Args, Clone, Debug)]
@@ -103,7 +100,7 @@ fn catch_interrupts() {
 pub fn run(args: &ChatArgs) -> Result<()> {
     let run_args = args.as_run();
     run_args.strategy.check_options()?;
-    super::run::check_syntax(&run_args)?;
+    super::prepare::check_syntax(&run_args)?;
     if args.text.prompt.is_some() {
         return Err(WgparError::unsupported(
             "--prompt does not apply to chat: type each message at the prompt".into(),
@@ -111,7 +108,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     }
     let sampling = super::text::check_options(&run_args)?;
     let config = args.model.config()?;
-    let side = super::server::text_side(
+    let side = super::options::text_side(
         &args.model,
         &config,
         args.text.tokenizer.as_deref(),

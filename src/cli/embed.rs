@@ -10,7 +10,7 @@ use wgpar::model::{EncoderInput, Pooling};
 use wgpar::parallel::{Embeddings, Encoder, SingleEncoder};
 use wgpar::{Result, WgparError};
 
-use super::{DeviceArgs, ModelArgs};
+use super::options::{DeviceArgs, ModelArgs};
 
 /// Options of `wgpar embed`.
 #[derive(Args, Clone, Debug)]
@@ -67,10 +67,13 @@ fn check_options(args: &EmbedArgs) -> Result<()> {
              (--virtual does not apply)"
         )));
     }
-    if args.model.max_seq == Some(0) || args.model.max_seq > Some(super::MAX_CONTEXT) {
+    if args.model.max_seq == Some(0) || args.model.max_seq > Some(super::options::MAX_CONTEXT) {
         return Err(WgparError::option(
             "--max-seq",
-            format!("--max-seq must be within 1..={}", super::MAX_CONTEXT),
+            format!(
+                "--max-seq must be within 1..={}",
+                super::options::MAX_CONTEXT
+            ),
         ));
     }
     Ok(())

@@ -13,9 +13,8 @@ use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::{measure_stage_costs, with_measured_partition, PartitionSpec, Strategy};
 use wgpar::Result;
 
-use super::memory::{binding_limits, parse_caps, Counts, MemoryArgs};
-use super::run::StrategyArgs;
-use super::{DeviceArgs, ModelArgs};
+use super::memory::binding_limits;
+use super::options::{parse_caps, Counts, DeviceArgs, MemoryArgs, ModelArgs, StrategyArgs};
 
 /// What a command's options ask of an automatic placement: owned, so that a server's engine
 /// builder can resolve it on the devices it opens.

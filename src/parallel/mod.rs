@@ -1,6 +1,7 @@
 //! Engines: run a model's forward pass on one device or across several. Every engine has the
 //! same prefill/decode interface, so the CLI, the benchmarks and the tests treat them alike.
 
+pub mod arming;
 mod balance;
 mod batch;
 mod buffers;
@@ -13,6 +14,7 @@ mod pick;
 pub(crate) mod pp;
 mod single;
 mod strategy;
+pub mod timed;
 mod tp;
 mod upload;
 mod worker;
