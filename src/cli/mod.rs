@@ -46,10 +46,15 @@ use wgpar::{Result, WgparError};
 
 use std::path::Path;
 
+/// The exit statuses, by class (docs/USAGE.md, "Exit status").
+const EXIT_STATUS: &str = "Exit status: 0 success; 1 failure while running (a device, file, \
+model, link, rank or memory); 2 usage error (an option or a combination of them); 70 internal \
+error (a library call out of order or a broken invariant: please report it)";
+
 /// wgpar: run transformer inference across several GPUs of any vendor and backend, and see
 /// where the time goes (tensor vs pipeline parallelism, PCIe vs NVLink).
 #[derive(Parser)]
-#[command(name = "wgpar", version, about, long_about = None)]
+#[command(name = "wgpar", version, about, long_about = None, after_help = EXIT_STATUS)]
 pub struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
