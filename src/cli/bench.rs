@@ -162,7 +162,7 @@ pub struct PipelineBenchArgs {
 /// `bench pipeline`: every (stages, micro-batches) pair checked to fit, then measured on
 /// virtual devices of the preferred adapter, one table row per phase and schedule.
 fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
-    let config = args.model.config()?;
+    let config = args.model.choice().config()?;
     check_pipeline_args(args)?;
     super::memory::check_context(args.prompt_len, args.gen, &config)?;
     let counts = micro_batch_counts(args)?;
@@ -173,10 +173,10 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
         count: max,
     };
     let selected = args.binding.described(&selection, &adapters)?;
-    let dtype = args.model.dtype_for(&selected, false)?;
+    let dtype = args.model.choice().dtype_for(&selected, false)?;
     check_pipelines_fit(args, &counts, (&config, dtype), &selected)?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
-    let weights = args.model.weights(&config)?;
+    let weights = args.model.choice().weights(&config)?;
     print_pipeline_header(args, &config, &gpus[0])?;
     measure_pipelines(args, &counts, &gpus, (&weights, dtype))
 }

@@ -79,7 +79,7 @@ fn strategy(name: &str) -> Result<Strategy> {
 
 /// Runs the benchmark and prints a table (or JSON).
 pub fn run(args: &DecodeBenchArgs) -> Result<()> {
-    let config = args.model.config()?;
+    let config = args.model.choice().config()?;
     let strategies = (args.strategies.iter())
         .map(|s| strategy(s).map(|st| (s.clone(), st)))
         .collect::<Result<Vec<_>>>()?;
@@ -99,7 +99,7 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
         count,
     };
     let selected = args.binding.described(&selection, &adapters)?;
-    let dtype = args.model.dtype_for(&selected, false)?;
+    let dtype = args.model.choice().dtype_for(&selected, false)?;
     let runs: Vec<super::memory::PlannedRun> = (strategies.iter())
         .map(|(_, s)| super::memory::PlannedRun {
             strategy: s,
@@ -120,7 +120,7 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
         &runs,
     )?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
-    let weights = args.model.weights(&config)?;
+    let weights = args.model.choice().weights(&config)?;
     let prompts: Vec<Vec<u32>> = (0..args.batch)
         .map(|b| {
             (0..args.prompt_len)

@@ -80,7 +80,7 @@ struct Output<'a> {
 
 /// Runs the benchmark.
 pub fn run(args: &ServeArgs) -> Result<()> {
-    let config = args.model.config()?;
+    let config = args.model.choice().config()?;
     let spec = workload(args)?;
     check_schedule(args)?;
     check_lengths_fit(args, &config)?;
@@ -239,7 +239,10 @@ fn build(
         .transpose()?;
     let adapters = Adapters::discover()?;
     let selected = args.devices.selected(&adapters)?;
-    let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
+    let dtype = args
+        .model
+        .choice()
+        .dtype_for(&selected, args.devices.force_f32)?;
     let strategy = serving_strategy(&args.strategy, selected.len(), opts.max_batch)?;
     let work = Workload {
         batch: opts.max_batch,
@@ -268,7 +271,7 @@ fn build(
         &runs,
     )?;
     let gpus = args.devices.open(&adapters)?;
-    let weights = args.model.weights(config)?;
+    let weights = args.model.choice().weights(config)?;
     let strategy = auto.once_open(&strategy, &gpus, (&weights, dtype), work)?;
     let mut engine = build_step_engine(
         &strategy,

@@ -47,7 +47,7 @@ pub struct CalibrateArgs {
 
 /// Runs the calibration and writes the profile.
 pub fn run(args: &CalibrateArgs) -> Result<()> {
-    let config = args.model.config()?;
+    let config = args.model.choice().config()?;
     let options = args.options()?;
     let adapters = wgpar::device::Adapters::discover()?;
     args.check_fits(&config, &args.devices.selected(&adapters)?)?;

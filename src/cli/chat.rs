@@ -107,7 +107,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
         ));
     }
     let sampling = super::text::check_options(&run_args)?;
-    let config = args.model.config()?;
+    let config = args.model.choice().config()?;
     let side = super::options::text_side(
         &args.model,
         &config,
@@ -123,7 +123,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
         ))
     })?;
     let limits = reply_limits(args.gen, config.max_seq)?;
-    let weights = args.model.weights(&config)?;
+    let weights = args.model.choice().weights(&config)?;
     let shape = (limits.max_seq - limits.reply_tokens, limits.reply_tokens);
     let (mut engine, _) = super::text::open_engine(&run_args, weights, sampling, shape)?;
     let mut session = Session {

@@ -153,7 +153,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     let adapters = Adapters::discover()?;
     let selection = selection(args, &adapters)?;
     let selected = args.binding.described(&selection, &adapters)?;
-    let dtype = args.model.dtype_for(&selected, false)?;
+    let dtype = args.model.choice().dtype_for(&selected, false)?;
     let opts = compare_options(args, resolved, dtype);
     check_plans_fit(args, &opts, &selected)?;
     // The report goes there: a folder that cannot be written fails now, not after the runs.
@@ -227,7 +227,7 @@ struct Resolved {
 
 /// Resolves the model, the host profiles and the engines.
 fn resolve(args: &CompareArgs) -> Result<Resolved> {
-    let config = args.model.config()?;
+    let config = args.model.choice().config()?;
     let profiles = args
         .profiles
         .iter()

@@ -26,7 +26,7 @@ impl MemoryArgs {
         kv: &[DType],
         runs: &[PlannedRun<'_>],
     ) -> Result<()> {
-        let format = model.weight_format(config, dtype)?;
+        let format = model.choice().weight_format(config, dtype)?;
         self.check_runs_with(&format, config, kv, runs)
     }
 

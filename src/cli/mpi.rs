@@ -182,8 +182,8 @@ mod ranks {
         let own = || -> Result<Option<String>> {
             let caps = parse_caps(caps, world.size())?;
             let selected = devices.selected(adapters)?;
-            let dtype = model.dtype_for(&selected, devices.force_f32)?;
-            let format = model.weight_format(config, dtype)?;
+            let dtype = model.choice().dtype_for(&selected, devices.force_f32)?;
+            let format = model.choice().weight_format(config, dtype)?;
             let me = RankDevice {
                 rank: world.rank(),
                 ranks: world.size(),
@@ -209,8 +209,8 @@ mod ranks {
         strategy: &Strategy,
     ) -> Result<(RankEngine, usize)> {
         let gpus = devices.open(adapters)?;
-        let dtype = model.dtype(&gpus)?;
-        let load = |layers| model.weights_of_layers(config, layers);
+        let dtype = model.choice().dtype(&gpus)?;
+        let load = |layers| model.choice().weights_of_layers(config, layers);
         let built = job::rank_engine(world, (&gpus, dtype), (config, strategy), load)?;
         Ok((built, gpus.len()))
     }
@@ -404,7 +404,7 @@ mod ranks {
             .into());
         }
         args.text.refuse_tokenizer()?;
-        let config = args.model.config()?;
+        let config = args.model.choice().config()?;
         if args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
             return Err(WgparError::option(
                 "--batch",
@@ -567,7 +567,7 @@ mod ranks {
 
     /// Every rank calibrates its devices; rank 0 writes one profile of the job's machine(s).
     fn calibrate(world: &World, args: &CalibrateArgs) -> Result<()> {
-        let config = args.model().config()?;
+        let config = args.model().choice().config()?;
         let options = args.options()?;
         // Every rank must measure the same shapes for one profile.
         world.check_same("wgpar version", env!("CARGO_PKG_VERSION"))?;

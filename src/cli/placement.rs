@@ -69,7 +69,7 @@ impl AutoPlacement {
             return Ok(with_partition(strategy, PartitionSpec::Balanced));
         };
         let caps = parse_caps(text, run.selected.len())?;
-        let format = model.weight_format(run.config, run.dtype)?;
+        let format = model.choice().weight_format(run.config, run.dtype)?;
         let memory = AccountingParts {
             format,
             kv: devices.kv_dtypes(run.selected),

@@ -67,7 +67,10 @@ pub(super) fn plan(
         ));
     }
     let fault = planned_fault(args, &strategy, selected.len(), steps)?;
-    let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
+    let dtype = args
+        .model
+        .choice()
+        .dtype_for(&selected, args.devices.force_f32)?;
     let setting = Setting {
         config,
         dtype,

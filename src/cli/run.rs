@@ -68,7 +68,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
 /// on the device shows.
 fn print_weight_bytes(args: &RunArgs, accounted: &[DeviceBytes]) -> Result<()> {
     let device: u64 = accounted.iter().map(|a| a.weights).sum();
-    let file = match args.model.checkpoint_dir() {
+    let file = match args.model.choice().checkpoint_dir() {
         Some(path) if wgpar::model::gguf::is_gguf(path) => {
             let f = wgpar::model::gguf::GgufFile::open(path)?;
             let bytes: u64 = (f.tensors.iter())
@@ -93,7 +93,7 @@ fn checked_config(args: &RunArgs) -> Result<ModelConfig> {
         ));
     }
     args.text.refuse_tokenizer()?;
-    let config = args.model.config()?;
+    let config = args.model.choice().config()?;
     if args.batch == 0 || args.prompt_len == 0 || args.gen == 0 {
         return Err(WgparError::option(
             "--batch",
@@ -122,9 +122,9 @@ fn open_placed(
 ) -> Result<(Placed, ModelWeights)> {
     let count = plan.strategy.devices_used(plan.adapters.len());
     let gpus = args.devices.open_first(adapters, count)?;
-    let dtype = args.model.dtype(&gpus)?;
+    let dtype = args.model.choice().dtype(&gpus)?;
     debug_assert_eq!(dtype, plan.dtype);
-    let weights = args.model.weights(config)?;
+    let weights = args.model.choice().weights(config)?;
     let work = Workload {
         batch: args.batch,
         prompt: args.prompt_len,

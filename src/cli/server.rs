@@ -234,7 +234,7 @@ pub(super) struct Prepared {
 /// opens.
 pub(super) fn prepare(args: &ServerArgs) -> Result<Prepared> {
     check_options(args)?;
-    let config = args.model.config()?;
+    let config = args.model.choice().config()?;
     let text = text_model(args, &config)?;
     let opts = ServerOptions {
         addr: SocketAddr::new(args.host, args.port),
@@ -258,7 +258,10 @@ pub fn run(args: &ServerArgs) -> Result<()> {
     let Prepared { config, text, opts } = prepare(args)?;
     let adapters = Adapters::discover()?;
     let selected = args.devices.selected(&adapters)?;
-    let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
+    let dtype = args
+        .model
+        .choice()
+        .dtype_for(&selected, args.devices.force_f32)?;
     let strategy =
         super::options::serving_strategy(&args.strategy, selected.len(), args.max_batch)?;
     let fault = match &args.inject_fault {
@@ -360,7 +363,7 @@ impl ServerEngine {
     fn build(self) -> Result<Box<dyn StepEngine>> {
         let (config, dtype, batch) = (&self.config, self.dtype, self.batch);
         let gpus = self.devices.open(&self.adapters)?;
-        let weights = self.model.weights(config)?;
+        let weights = self.model.choice().weights(config)?;
         // A measured placement, on the devices the server runs on (warm-up sized probe).
         let probe = Workload {
             batch: batch.slots,

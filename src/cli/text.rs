@@ -13,8 +13,9 @@ use wgpar::parallel::{build_engine, Engine};
 use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
 
-use super::options::{RunArgs, MAX_CONTEXT};
+use super::options::RunArgs;
 use super::prepare::{plan, print_bubble, recorder_for, write_trace};
+use wgpar::load::MAX_CONTEXT;
 
 /// Generates up to `--gen` tokens after `prompt` and prints the text, on the strategy and
 /// devices `run`'s options name (tracing and pacing too).
@@ -22,7 +23,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     let sampling = check_options(args)?;
     let input = Input::load(args, prompt)?;
     let mut weights = input.ckpt.weights(true)?;
-    args.model.apply_weights(&mut weights)?;
+    args.model.choice().apply_weights(&mut weights)?;
     let shape = (input.ids.len(), args.gen);
     let (mut engine, recorder) = open_engine(args, weights, sampling, shape)?;
     eprintln!("{} prompt tokens", input.ids.len());
@@ -49,7 +50,7 @@ pub(super) fn open_engine(
     let gpus = args
         .devices
         .open_first(&adapters, plan.strategy.devices_used(plan.adapters.len()))?;
-    let dtype = args.model.dtype(&gpus)?;
+    let dtype = args.model.choice().dtype(&gpus)?;
     let comm = CommConfig::default();
     let mut engine = build_engine(&plan.strategy, &gpus, &weights, dtype, &comm, (1, seq))?;
     engine.set_sampling(sampling)?;
@@ -116,7 +117,7 @@ struct Input {
 impl Input {
     fn load(args: &RunArgs, prompt: &str) -> Result<Self> {
         let model = &args.model;
-        let dir = model.checkpoint_dir().ok_or_else(|| {
+        let dir = model.choice().checkpoint_dir().ok_or_else(|| {
             WgparError::option(
                 "--model",
                 format!(
