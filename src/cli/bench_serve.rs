@@ -18,7 +18,7 @@ use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
 
 use super::options::{serving_strategy, DeviceArgs, MemoryArgs, ModelArgs, StrategyArgs};
-use super::placement::{AutoPlacement, Setting};
+use wgpar::parallel::auto::Setting;
 
 /// Options of `wgpar bench serve`.
 #[derive(Args, Clone, Debug)]
@@ -248,14 +248,16 @@ fn build(
         batch: opts.max_batch,
         prompt: args.prompt_len.max(),
     };
-    let auto = AutoPlacement::of(&args.strategy, &args.memory);
+    let auto = args.strategy.auto_placement(&args.memory);
     let setting = Setting {
         config,
         dtype,
+        model: args.model.choice(),
+        kv: args.devices.kv_dtypes(&selected),
         selected: &selected,
         work,
     };
-    let strategy = auto.before_open(strategy, &args.model, &args.devices, &setting)?;
+    let strategy = auto.before_open(strategy, &setting)?;
     let runs = [super::memory::PlannedRun {
         strategy: &strategy,
         adapters: &selected,

@@ -11,7 +11,8 @@ use wgpar::model::{budget, ModelConfig};
 use wgpar::parallel::Strategy;
 use wgpar::{Result, WgparError};
 
-use super::options::{parse_caps, MemoryArgs, ModelArgs};
+use super::options::{MemoryArgs, ModelArgs};
+use wgpar::parallel::auto::{binding_limits, parse_caps};
 
 impl MemoryArgs {
     /// Refuses, before anything is opened, a planned run whose tensor-parallel shards would
@@ -59,13 +60,6 @@ impl MemoryArgs {
         }
         Ok(())
     }
-}
-
-/// The bytes one binding may hold on each adapter (what splits the vocabulary tables).
-pub fn binding_limits<'a>(adapters: impl Iterator<Item = &'a AdapterDesc>) -> Vec<u64> {
-    adapters
-        .map(|a| a.max_storage_binding.min(a.max_buffer_size))
-        .collect()
 }
 
 /// Refuses when a device's accounted total exceeds its cap, naming every device's needs by
@@ -119,31 +113,54 @@ pub fn print_allocated(gpus: &[Arc<Gpu>], accounted: &[DeviceBytes], before: &[u
     Ok(())
 }
 
+/// One configuration a command will run, as [`check_runs_fit`] checks it.
+pub(crate) struct PlannedRun<'a> {
+    pub(crate) strategy: &'a Strategy,
+    /// The adapters of the devices it uses, in order.
+    pub(crate) adapters: &'a [AdapterDesc],
+    /// New tokens of its largest step (a whole prefill, or one micro-batch's).
+    pub(crate) step_tokens: usize,
+    /// Sequences whose KV cache a device holds.
+    pub(crate) batch: usize,
+    /// The whole batch and prompt, for the memory accounting (`--gpu-memory`).
+    pub(crate) work: Workload,
+}
+
+/// Refuses a prompt and generation longer than the model's context.
+pub(crate) fn check_context(prompt_len: usize, gen: usize, config: &ModelConfig) -> Result<()> {
+    if prompt_len.saturating_add(gen) > config.max_seq {
+        return Err(WgparError::limit(
+            "context (tokens)",
+            (prompt_len.saturating_add(gen) as u64, config.max_seq as u64),
+            format!(
+            "--prompt-len {prompt_len} + --gen {gen} exceed max_seq {} of model '{}' (raise it \
+             with --max-seq)",
+            config.max_seq, config.name
+        ),
+        ));
+    }
+    Ok(())
+}
+
+/// What a command that builds a model checks before it opens a device or builds a weight:
+/// every configuration it will run fits the selected adapters' buffer and storage-binding
+/// limits, and the model's weights fit the host's memory. So an oversized model is refused
+/// in milliseconds, not after minutes of building weights.
+pub(crate) fn check_runs_fit(
+    config: &ModelConfig,
+    dtype: DType,
+    runs: &[PlannedRun],
+) -> Result<()> {
+    for run in runs {
+        run.strategy
+            .check_fits(config, dtype, run.adapters, run.step_tokens, run.batch)?;
+    }
+    budget::check_host_weights(config, budget::host_available_bytes())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn caps_are_one_per_device_or_one_for_all() {
-        assert_eq!(parse_caps("6G,10G", 2).unwrap(), vec![6 << 30, 10 << 30]);
-        assert_eq!(parse_caps("512Mi", 3).unwrap(), vec![512 << 20; 3]);
-        assert_eq!(parse_caps("4096", 1).unwrap(), vec![4096]);
-        for (text, needle) in [
-            ("6G,10G,1G", "3 sizes for 2"),
-            ("0", "zero"),
-            ("six", "not a size"),
-            ("99999999999999999999G", "not a size"),
-            ("", "not a size"),
-        ] {
-            let e = parse_caps(text, 2).unwrap_err().to_string();
-            assert!(e.contains(needle), "{text}: {e}");
-        }
-        let long = "1G,".repeat(MAX_DEVICES * 20);
-        assert!(parse_caps(&long, 2)
-            .unwrap_err()
-            .to_string()
-            .contains("characters"));
-    }
 
     #[test]
     fn a_device_over_its_cap_is_refused_with_every_device() {
@@ -163,49 +180,4 @@ mod tests {
             "{e}"
         );
     }
-}
-
-/// One configuration a command will run, as [`check_runs_fit`] checks it.
-pub(crate) struct PlannedRun<'a> {
-    pub(crate) strategy: &'a Strategy,
-    /// The adapters of the devices it uses, in order.
-    pub(crate) adapters: &'a [AdapterDesc],
-    /// New tokens of its largest step (a whole prefill, or one micro-batch's).
-    pub(crate) step_tokens: usize,
-    /// Sequences whose KV cache a device holds.
-    pub(crate) batch: usize,
-    /// The whole batch and prompt, for the memory accounting (`--gpu-memory`).
-    pub(crate) work: Workload,
-}
-
-/// What a command that builds a model checks before it opens a device or builds a weight:
-/// every configuration it will run fits the selected adapters' buffer and storage-binding
-/// limits, and the model's weights fit the host's memory. So an oversized model is refused
-/// in milliseconds, not after minutes of building weights.
-/// Refuses a prompt and generation longer than the model's context.
-pub(crate) fn check_context(prompt_len: usize, gen: usize, config: &ModelConfig) -> Result<()> {
-    if prompt_len.saturating_add(gen) > config.max_seq {
-        return Err(WgparError::limit(
-            "context (tokens)",
-            (prompt_len.saturating_add(gen) as u64, config.max_seq as u64),
-            format!(
-            "--prompt-len {prompt_len} + --gen {gen} exceed max_seq {} of model '{}' (raise it \
-             with --max-seq)",
-            config.max_seq, config.name
-        ),
-        ));
-    }
-    Ok(())
-}
-
-pub(crate) fn check_runs_fit(
-    config: &ModelConfig,
-    dtype: DType,
-    runs: &[PlannedRun],
-) -> Result<()> {
-    for run in runs {
-        run.strategy
-            .check_fits(config, dtype, run.adapters, run.step_tokens, run.batch)?;
-    }
-    budget::check_host_weights(config, budget::host_available_bytes())
 }

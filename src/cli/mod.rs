@@ -32,7 +32,6 @@ mod embed;
 mod memory;
 mod mpi;
 mod options;
-mod placement;
 mod plan;
 mod prepare;
 mod project;

@@ -102,9 +102,10 @@ mod ranks {
     use crate::cli::allreduce::AllreduceArgs;
     use crate::cli::calibrate::CalibrateArgs;
     use crate::cli::memory::check_context;
-    use crate::cli::options::{check_lanes_have_slots, parse_caps, DeviceArgs, ModelArgs, RunArgs};
+    use crate::cli::options::{check_lanes_have_slots, DeviceArgs, ModelArgs, RunArgs};
     use crate::cli::server::{self, Prepared, ServerArgs};
     use crate::cli::{Cli, Command};
+    use wgpar::parallel::auto::parse_caps;
 
     /// Runs the command as one rank of the job. A failure is reported to every other rank
     /// (which stop at once, naming this one) and ends the job; never returns an error.

@@ -8,12 +8,12 @@ use std::sync::Arc;
 use clap::Args;
 use wgpar::device::{
     open_devices, AdapterDesc, Adapters, DType, DeviceSelection, Gpu, GpuOptions, KvCacheType,
-    MAX_DEVICES,
 };
 use wgpar::load::ModelChoice;
 use wgpar::model::hf::{Checkpoint, TextTokenizer};
 use wgpar::model::hub::ModelRef;
 use wgpar::model::ModelConfig;
+use wgpar::parallel::auto::{AutoPlacement, MAX_LIST_TEXT};
 use wgpar::parallel::timed::TimedRun;
 use wgpar::parallel::KeepLogits;
 use wgpar::parallel::{PartitionSpec, Schedule, Strategy};
@@ -325,11 +325,21 @@ pub struct StrategyArgs {
 }
 
 impl StrategyArgs {
+    /// The automatic placement these options and `memory` ask for (`--layers auto`,
+    /// `--split auto` within `--gpu-memory`).
+    pub(crate) fn auto_placement(&self, memory: &MemoryArgs) -> AutoPlacement {
+        AutoPlacement::new(
+            self.layers == Some(Counts::Auto),
+            self.split == Some(Counts::Auto),
+            memory.gpu_memory.clone(),
+        )
+    }
+
     pub(crate) fn partition_spec(&self) -> PartitionSpec {
         match (&self.layers, self.partition.as_deref()) {
             (Some(Counts::Given(l)), _) => PartitionSpec::Explicit(l.clone()),
             (None, Some("balanced")) => PartitionSpec::Balanced,
-            // `auto` is placed by `placement::AutoPlacement` once the accounting is at hand.
+            // `auto` is placed by `parallel::auto::AutoPlacement` once the accounting is at hand.
             _ => PartitionSpec::Even,
         }
     }
@@ -408,7 +418,7 @@ impl StrategyArgs {
     }
 
     /// The strategy these options name, `auto` placed evenly (see
-    /// [`super::placement::AutoPlacement`]).
+    /// [`AutoPlacement`]).
     pub(crate) fn named(&self, micro_batches: usize) -> Result<Strategy> {
         self.check_options()?;
         let micro_batches = self.micro_batches.unwrap_or(micro_batches);
@@ -586,9 +596,6 @@ impl Default for TextArgs {
     }
 }
 
-/// Longest `--gpu-memory` text read (a size per device, at most [`MAX_DEVICES`]).
-pub(crate) const MAX_TEXT: usize = 32 * MAX_DEVICES;
-
 /// `--gpu-memory`, for the commands that run a model on devices.
 #[derive(Args, Clone, Debug, Default)]
 pub struct MemoryArgs {
@@ -614,7 +621,7 @@ pub fn parse_counts(text: &str) -> std::result::Result<Counts, String> {
     if text.trim() == "auto" {
         return Ok(Counts::Auto);
     }
-    if text.len() > MAX_TEXT {
+    if text.len() > MAX_LIST_TEXT {
         return Err(format!(
             "{} characters: give at most one count per device",
             text.len()
@@ -627,47 +634,6 @@ pub fn parse_counts(text: &str) -> std::result::Result<Counts, String> {
         })
         .collect::<std::result::Result<Vec<usize>, String>>()
         .map(Counts::Given)
-}
-
-/// Parses `--gpu-memory` for `devices` selected devices: one cap each (a single size is
-/// every device's).
-pub fn parse_caps(text: &str, devices: usize) -> Result<Vec<u64>> {
-    let bad =
-        |why: String| WgparError::option("--gpu-memory", format!("--gpu-memory '{text}': {why}"));
-    if text.len() > MAX_TEXT {
-        return Err(WgparError::option(
-            "--gpu-memory",
-            format!(
-            "--gpu-memory is {} characters long: give at most one size per device ({MAX_DEVICES})",
-            text.len()
-        ),
-        ));
-    }
-    let caps = (text.split(','))
-        .map(|part| {
-            // `Mi` is read as `MiB`, which the shared size parser takes.
-            let part = part.trim();
-            let full = match part.ends_with(['i', 'I']) {
-                true => format!("{part}B"),
-                false => part.to_string(),
-            };
-            let bytes = wgpar::comm::units::parse_size(&full).map_err(|e| bad(e.to_string()))?;
-            if bytes == 0 {
-                return Err(bad(format!(
-                    "'{}' is zero: a device must hold something",
-                    part.trim()
-                )));
-            }
-            Ok(bytes)
-        })
-        .collect::<Result<Vec<u64>>>()?;
-    match caps.len() {
-        1 => Ok(vec![caps[0]; devices]),
-        n if n == devices => Ok(caps),
-        n => Err(bad(format!(
-            "{n} sizes for {devices} selected devices: give one per device, or one for all"
-        ))),
-    }
 }
 
 /// The strategy a serving run uses on `devices` devices with `max_batch` KV slots: a pipeline
@@ -683,7 +649,7 @@ pub(crate) fn serving_strategy(
         "hybrid" => devices / args.tp.unwrap_or(2).max(1),
         _ => 1,
     };
-    // `auto` is placed by `placement::AutoPlacement`, around the devices' opening.
+    // `auto` is placed by `parallel::auto::AutoPlacement`, around the devices' opening.
     let strategy = args.named(stages.clamp(1, max_batch))?;
     check_lanes_have_slots(&strategy, max_batch)?;
     Ok(strategy)

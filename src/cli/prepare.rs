@@ -11,8 +11,8 @@ use wgpar::{Result, WgparError};
 
 use super::memory::{check_runs_fit, PlannedRun};
 use super::options::{check_writable_file, create_trace_file, pacer_for, RunArgs};
-use super::placement::{AutoPlacement, Setting};
 use wgpar::parallel::arming::{jobs_per_step, FaultSpec};
+use wgpar::parallel::auto::Setting;
 
 /// Checks the syntax of the options `run` parses itself (`--inject-fault`, `--pace`) before
 /// anything is loaded or discovered; [`plan`] checks them against the strategy later.
@@ -74,11 +74,13 @@ pub(super) fn plan(
     let setting = Setting {
         config,
         dtype,
+        model: args.model.choice(),
+        kv: args.devices.kv_dtypes(&selected),
         selected: &selected,
         work: Workload { batch, prompt: seq },
     };
-    let auto = AutoPlacement::of(&args.strategy, &args.memory);
-    let strategy = auto.before_open(strategy, &args.model, &args.devices, &setting)?;
+    let auto = args.strategy.auto_placement(&args.memory);
+    let strategy = auto.before_open(strategy, &setting)?;
     // The largest step: a whole batch's prefill, or one micro-batch's in a pipeline.
     let step_batch = match strategy {
         Strategy::Pipeline { .. } | Strategy::Hybrid { .. } => batch.div_ceil(micro),

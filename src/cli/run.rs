@@ -12,12 +12,12 @@ use wgpar::{Result, WgparError};
 
 use super::memory::print_allocated;
 use super::options::RunArgs;
-use super::placement::{AccountingParts, AutoPlacement};
 use super::prepare::{
     adapter_labels, check_syntax, plan, print_bubble, recorder_for, write_trace, Plan,
 };
 use wgpar::model::memory::{per_device, DeviceBytes, WeightFormat, Workload};
 use wgpar::parallel::arming::{jobs_per_step, FaultSpec};
+use wgpar::parallel::auto::AccountingParts;
 
 /// Injects fault `f` before the warm-up (shifted past the warm-up's jobs, so that it counts
 /// the timed run's), and says so.
@@ -129,7 +129,7 @@ fn open_placed(
         batch: args.batch,
         prompt: args.prompt_len,
     };
-    let auto = AutoPlacement::of(&args.strategy, &args.memory);
+    let auto = args.strategy.auto_placement(&args.memory);
     let strategy = auto.once_open(&plan.strategy, &gpus, (&weights, dtype), work)?;
     let placed = Placed {
         gpus,

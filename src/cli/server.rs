@@ -22,8 +22,8 @@ use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
 
 use super::options::{DeviceArgs, ModelArgs, StrategyArgs};
-use super::placement::{AutoPlacement, Setting};
 use wgpar::parallel::arming::FaultSpec;
+use wgpar::parallel::auto::{AutoPlacement, Setting};
 
 /// Options of `wgpar serve`.
 #[derive(Args, Clone, Debug)]
@@ -273,15 +273,17 @@ pub fn run(args: &ServerArgs) -> Result<()> {
         }
         None => None,
     };
-    let auto = AutoPlacement::of(&args.strategy, &args.memory);
+    let auto = args.strategy.auto_placement(&args.memory);
     let (step_tokens, work) = serving_work(args, &config);
     let setting = Setting {
         config: &config,
         dtype,
+        model: args.model.choice(),
+        kv: args.devices.kv_dtypes(&selected),
         selected: &selected,
         work,
     };
-    let strategy = auto.before_open(strategy, &args.model, &args.devices, &setting)?;
+    let strategy = auto.before_open(strategy, &setting)?;
     check_fits(args, &setting, &strategy, step_tokens)?;
     let pacer = args
         .pace

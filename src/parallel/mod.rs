@@ -2,6 +2,7 @@
 //! same prefill/decode interface, so the CLI, the benchmarks and the tests treat them alike.
 
 pub mod arming;
+pub mod auto;
 mod balance;
 mod batch;
 mod buffers;
