@@ -94,10 +94,9 @@ fn a_call_that_does_not_fit_the_state_is_internal_not_usage() {
     let gpus = common::gpus(1);
     let comm = Communicator::new(gpus.clone(), CommConfig::default()).unwrap();
     let _first = comm.join(0).unwrap();
-    let e = comm
-        .join(0)
-        .err()
-        .expect("a second join of rank 0 is refused");
+    let Err(e) = comm.join(0) else {
+        panic!("a second join of rank 0 was accepted")
+    };
     assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
     assert!(e.to_string().contains("rank 0"), "{e}");
     // An engine decoding before any prefill, and prompts of unequal lengths.
