@@ -257,10 +257,52 @@ pub enum WgparError {
         /// Where and when, e.g. "stage 1, step 3".
         at: String,
     },
-    /// A library function called out of order or with arguments that do not fit its state
-    /// (e.g. decode before prefill).
+    /// A library function called out of order or with arguments that do not fit its state,
+    /// with no more specific variant below.
     #[error("invalid call: {0}")]
     InvalidCall(String),
+    /// A decode step asked of an engine that holds no prefilled batch.
+    #[error("invalid call: decode before prefill: prefill a batch first")]
+    DecodeBeforePrefill,
+    /// A decode step whose tokens do not match the prefilled batch (one token per sequence).
+    #[error(
+        "invalid call: a decode step got {got} tokens for the {batch} sequences of the \
+         prefilled batch: give one token per sequence"
+    )]
+    DecodeTokens {
+        /// Tokens given.
+        got: usize,
+        /// Sequences in the batch.
+        batch: usize,
+    },
+    /// A batch of prompts with no prompt, or an empty one.
+    #[error("invalid call: need at least one non-empty prompt")]
+    NoPrompt,
+    /// A batch of prompts of different lengths (a step runs prompts of one length).
+    #[error(
+        "invalid call: prompts must have equal lengths: {first} vs {other} tokens; pad them or \
+         run them as separate batches (or serve them: continuous batching takes any lengths)"
+    )]
+    UnequalPrompts {
+        /// The first prompt's length.
+        first: usize,
+        /// The length of the first prompt that differs.
+        other: usize,
+    },
+    /// Two strategies (or two configurations) that must agree on a run's result did not: a
+    /// generated token or the prefill's logits differ. A bug in wgpar or in a driver.
+    #[error(
+        "{strategy} disagrees with {reference}: {detail}; please report it with the command \
+         and `wgpar devices`"
+    )]
+    Disagreement {
+        /// The strategy (or configuration) checked.
+        strategy: String,
+        /// What it was checked against.
+        reference: String,
+        /// What differs, with the values.
+        detail: String,
+    },
     /// A measurement produced nothing to summarise (no sample, no timed repetition).
     #[error("measurement failed: {0}; run it again with more repetitions")]
     Measurement(String),
@@ -418,6 +460,15 @@ pub enum WgparError {
 /// Result with [`WgparError`].
 pub type Result<T> = std::result::Result<T, WgparError>;
 
+/// Exit status of a command that failed while running: a device, file, model, link, rank or
+/// the memory it needed.
+pub const EXIT_FAILURE: i32 = 1;
+/// Exit status of a usage error: what the user typed (as clap's own parse errors).
+pub const EXIT_USAGE: i32 = 2;
+/// Exit status of an internal error: a library call that does not fit the state it finds, or
+/// a broken invariant (sysexits' EX_SOFTWARE).
+pub const EXIT_INTERNAL: i32 = 70;
+
 impl WgparError {
     /// [`WgparError::InvalidOption`]: `detail` names `option` and says what it accepts.
     pub fn option(option: impl Into<String>, detail: String) -> Self {
@@ -466,16 +517,27 @@ impl WgparError {
         }
     }
 
-    /// The process exit status for this error: 2 for a usage error (an option, switch or
-    /// combination of them the user changes, as clap's own parse errors), 1 for the rest.
+    /// The process exit status for this error, by class (docs/USAGE.md, "Exit status"):
+    /// [`EXIT_USAGE`] for what the user typed (an option, switch or combination of them, as
+    /// clap's own parse errors), [`EXIT_INTERNAL`] for a library call that does not fit the
+    /// state it finds or a broken invariant (a bug in wgpar or in the program calling it), and
+    /// [`EXIT_FAILURE`] for everything that failed while running (devices, files, models,
+    /// links, ranks, memory).
     pub fn exit_code(&self) -> i32 {
         match self {
             Self::InvalidOption { .. }
             | Self::Unsupported { .. }
             | Self::TuneSetting { .. }
             | Self::UnknownModel { .. }
-            | Self::Hub(_) => 2,
-            _ => 1,
+            | Self::Hub(_) => EXIT_USAGE,
+            Self::InvalidCall(_)
+            | Self::DecodeBeforePrefill
+            | Self::DecodeTokens { .. }
+            | Self::NoPrompt
+            | Self::UnequalPrompts { .. }
+            | Self::Internal(_)
+            | Self::Comm(crate::comm::CommError::RankState { .. }) => EXIT_INTERNAL,
+            _ => EXIT_FAILURE,
         }
     }
 }
@@ -577,6 +639,15 @@ mod exit_codes {
         ];
         for e in &other {
             assert_eq!(e.exit_code(), 1, "{e}");
+        }
+        let internal = [
+            WgparError::DecodeBeforePrefill,
+            WgparError::UnequalPrompts { first: 3, other: 4 },
+            WgparError::Internal("broken".into()),
+            WgparError::InvalidCall("out of order".into()),
+        ];
+        for e in &internal {
+            assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
         }
         // The message is the detail, which names the option; the numbers stay matchable.
         assert_eq!(usage[0].to_string(), "--max-seq must be within 1..=8");

@@ -18,6 +18,7 @@ pub mod error;
 pub mod files;
 pub mod generate;
 pub mod kernels;
+pub mod load;
 pub mod model;
 pub mod parallel;
 pub mod server;

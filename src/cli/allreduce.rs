@@ -9,7 +9,7 @@ use wgpar::device::{AdapterDesc, Adapters};
 use wgpar::error::human_bytes;
 use wgpar::{Result, WgparError};
 
-use super::DeviceArgs;
+use super::options::DeviceArgs;
 
 /// Options of `wgpar allreduce` (nccl-tests flags where they exist).
 #[derive(Args, Clone, Debug)]

@@ -9,7 +9,7 @@ use wgpar::model::memory::Workload;
 use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::{Result, WgparError};
 
-use super::DeviceArgs;
+use super::options::DeviceArgs;
 
 /// What to benchmark.
 #[derive(Subcommand, Debug)]
@@ -125,11 +125,11 @@ fn micro_batch_count(text: &str, p: usize) -> Result<usize> {
 #[derive(Args, Debug)]
 pub struct PipelineBenchArgs {
     #[command(flatten)]
-    binding: super::ModelDeviceArgs,
+    binding: super::options::ModelDeviceArgs,
     #[command(flatten)]
-    model: super::ModelArgs,
+    model: super::options::ModelArgs,
     #[command(flatten)]
-    memory: super::memory::MemoryArgs,
+    memory: super::options::MemoryArgs,
     /// Stage counts (virtual devices on the preferred adapter).
     #[arg(long, value_delimiter = ',', default_value = "2,4")]
     stages: Vec<usize>,
@@ -162,9 +162,9 @@ pub struct PipelineBenchArgs {
 /// `bench pipeline`: every (stages, micro-batches) pair checked to fit, then measured on
 /// virtual devices of the preferred adapter, one table row per phase and schedule.
 fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
-    let config = args.model.config()?;
+    let config = args.model.choice().config()?;
     check_pipeline_args(args)?;
-    super::check_context(args.prompt_len, args.gen, &config)?;
+    super::memory::check_context(args.prompt_len, args.gen, &config)?;
     let counts = micro_batch_counts(args)?;
     let adapters = Adapters::discover()?;
     let max = args.stages.iter().copied().max().unwrap_or(1);
@@ -173,10 +173,10 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
         count: max,
     };
     let selected = args.binding.described(&selection, &adapters)?;
-    let dtype = args.model.dtype_for(&selected, false)?;
+    let dtype = args.model.choice().dtype_for(&selected, false)?;
     check_pipelines_fit(args, &counts, (&config, dtype), &selected)?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
-    let weights = args.model.weights(&config)?;
+    let weights = args.model.choice().weights(&config)?;
     print_pipeline_header(args, &config, &gpus[0])?;
     measure_pipelines(args, &counts, &gpus, (&weights, dtype))
 }
@@ -218,8 +218,8 @@ fn check_pipelines_fit(
             })
         })
         .collect();
-    let runs: Vec<super::PlannedRun> = (pipelines.iter())
-        .map(|(strategy, p, batch, m)| super::PlannedRun {
+    let runs: Vec<super::memory::PlannedRun> = (pipelines.iter())
+        .map(|(strategy, p, batch, m)| super::memory::PlannedRun {
             strategy,
             adapters: &selected[..*p],
             step_tokens: batch.div_ceil(*m) * args.prompt_len,
@@ -230,7 +230,7 @@ fn check_pipelines_fit(
             },
         })
         .collect();
-    super::check_runs_fit(config, dtype, &runs)?;
+    super::memory::check_runs_fit(config, dtype, &runs)?;
     (args.memory).check_runs(
         &args.model,
         (config, dtype),

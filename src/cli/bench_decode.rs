@@ -18,11 +18,11 @@ use wgpar::{Result, WgparError};
 #[derive(Args, Debug)]
 pub struct DecodeBenchArgs {
     #[command(flatten)]
-    model: super::ModelArgs,
+    model: super::options::ModelArgs,
     #[command(flatten)]
-    binding: super::ModelDeviceArgs,
+    binding: super::options::ModelDeviceArgs,
     #[command(flatten)]
-    memory: super::memory::MemoryArgs,
+    memory: super::options::MemoryArgs,
     /// Strategies: single, tp (over --tp virtual devices on the preferred adapter), pp (over
     /// --stages virtual devices, one micro-batch).
     #[arg(long, value_delimiter = ',', default_value = "single,tp,pp")]
@@ -79,7 +79,7 @@ fn strategy(name: &str) -> Result<Strategy> {
 
 /// Runs the benchmark and prints a table (or JSON).
 pub fn run(args: &DecodeBenchArgs) -> Result<()> {
-    let config = args.model.config()?;
+    let config = args.model.choice().config()?;
     let strategies = (args.strategies.iter())
         .map(|s| strategy(s).map(|st| (s.clone(), st)))
         .collect::<Result<Vec<_>>>()?;
@@ -99,9 +99,9 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
         count,
     };
     let selected = args.binding.described(&selection, &adapters)?;
-    let dtype = args.model.dtype_for(&selected, false)?;
-    let runs: Vec<super::PlannedRun> = (strategies.iter())
-        .map(|(_, s)| super::PlannedRun {
+    let dtype = args.model.choice().dtype_for(&selected, false)?;
+    let runs: Vec<super::memory::PlannedRun> = (strategies.iter())
+        .map(|(_, s)| super::memory::PlannedRun {
             strategy: s,
             adapters: &selected[..devices_of(s)],
             step_tokens: args.batch * args.prompt_len,
@@ -112,7 +112,7 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
             },
         })
         .collect();
-    super::check_runs_fit(&config, dtype, &runs)?;
+    super::memory::check_runs_fit(&config, dtype, &runs)?;
     (args.memory).check_runs(
         &args.model,
         (&config, dtype),
@@ -120,7 +120,7 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
         &runs,
     )?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
-    let weights = args.model.weights(&config)?;
+    let weights = args.model.choice().weights(&config)?;
     let prompts: Vec<Vec<u32>> = (0..args.batch)
         .map(|b| {
             (0..args.prompt_len)

@@ -23,7 +23,7 @@ use wgpar::sim::{project, HostGaps, HostProfile, ProjectOptions};
 use wgpar::trace::{rank_trace_path, Timeline};
 use wgpar::{Result, WgparError};
 
-use super::project::merge_rank_traces;
+use super::options::merge_rank_traces;
 
 /// Options of `wgpar bench projection`.
 #[derive(Args, Debug, Clone)]

@@ -19,10 +19,8 @@ use wgpar::parallel::{build_step_engine, Schedule, StepEngine, Strategy};
 use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
 
-use super::memory::MemoryArgs;
-use super::placement::{AutoPlacement, Setting};
-use super::run::StrategyArgs;
-use super::{DeviceArgs, ModelArgs};
+use super::options::{serving_strategy, DeviceArgs, MemoryArgs, ModelArgs, StrategyArgs};
+use wgpar::parallel::auto::Setting;
 
 /// Options of `wgpar bench serve`.
 #[derive(Args, Clone, Debug)]
@@ -94,7 +92,7 @@ struct Output<'a> {
 
 /// Runs the benchmark.
 pub fn run(args: &ServeArgs) -> Result<()> {
-    let config = args.model.config()?;
+    let config = args.model.choice().config()?;
     let spec = workload(args)?;
     check_schedule(args)?;
     check_lengths_fit(args, &config)?;
@@ -102,7 +100,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         return run_http(args, url, &config, &spec);
     }
     let opts = serve_options(args)?;
-    super::create_trace_file(args.trace.as_ref())?;
+    super::options::create_trace_file(args.trace.as_ref())?;
     let mut built = build(args, &config, &opts)?;
     if !args.json {
         print_header(&config, &spec, &opts, &built)?;
@@ -286,32 +284,37 @@ fn build(
     let pacer = args
         .pace
         .as_deref()
-        .map(super::run::pacer_for)
+        .map(super::options::pacer_for)
         .transpose()?;
     let adapters = Adapters::discover()?;
     let selected = args.devices.selected(&adapters)?;
-    let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
+    let dtype = args
+        .model
+        .choice()
+        .dtype_for(&selected, args.devices.force_f32)?;
     let strategy = serving_strategy(&args.strategy, selected.len(), opts.max_batch)?;
     let work = Workload {
         batch: opts.max_batch,
         prompt: args.prompt_len.max(),
     };
-    let auto = AutoPlacement::of(&args.strategy, &args.memory);
+    let auto = args.strategy.auto_placement(&args.memory);
     let setting = Setting {
         config,
         dtype,
+        model: args.model.choice(),
+        kv: args.devices.kv_dtypes(&selected),
         selected: &selected,
         work,
     };
-    let strategy = auto.before_open(strategy, &args.model, &args.devices, &setting)?;
-    let runs = [super::PlannedRun {
+    let strategy = auto.before_open(strategy, &setting)?;
+    let runs = [super::memory::PlannedRun {
         strategy: &strategy,
         adapters: &selected,
         step_tokens: largest_step(args, opts),
         batch: opts.max_batch,
         work,
     }];
-    super::check_runs_fit(config, dtype, &runs)?;
+    super::memory::check_runs_fit(config, dtype, &runs)?;
     (args.memory).check_runs(
         &args.model,
         (config, dtype),
@@ -319,7 +322,7 @@ fn build(
         &runs,
     )?;
     let gpus = args.devices.open(&adapters)?;
-    let weights = args.model.weights(config)?;
+    let weights = args.model.choice().weights(config)?;
     let strategy = auto.once_open(&strategy, &gpus, (&weights, dtype), work)?;
     let mut engine = build_step_engine(
         &strategy,
@@ -406,7 +409,7 @@ fn write_trace(
         ("requests", what.spec.requests.to_string()),
         ("max_batch", what.opts.max_batch.to_string()),
         ("tokens", processed.to_string()),
-        ("adapters", super::adapter_labels(&what.built.gpus)),
+        ("adapters", super::prepare::adapter_labels(&what.built.gpus)),
     ] {
         recorder.set_meta(key, value);
     }
@@ -477,44 +480,6 @@ fn check_lengths_fit(args: &ServeArgs, config: &wgpar::model::ModelConfig) -> Re
             config.name, config.max_seq
         ),
     ))
-}
-
-/// The strategy a serving run uses on `devices` devices with `max_batch` KV slots: a pipeline
-/// keeps one step per lane in flight, one lane per stage by default (never more lanes than
-/// slots), and more lanes than slots are refused.
-pub(super) fn serving_strategy(
-    args: &StrategyArgs,
-    devices: usize,
-    max_batch: usize,
-) -> Result<Strategy> {
-    let stages = match args.strategy.as_str() {
-        "pp" => devices,
-        "hybrid" => devices / args.tp.unwrap_or(2).max(1),
-        _ => 1,
-    };
-    // `auto` is placed by `placement::AutoPlacement`, around the devices' opening.
-    let strategy = args.named(stages.clamp(1, max_batch))?;
-    check_lanes_have_slots(&strategy, max_batch)?;
-    Ok(strategy)
-}
-
-/// Refuses a pipeline with more micro-batch lanes than KV slots: the extra lanes would never
-/// run a sequence.
-pub(super) fn check_lanes_have_slots(strategy: &Strategy, max_batch: usize) -> Result<()> {
-    let lanes = match strategy {
-        Strategy::Pipeline { micro_batches, .. } | Strategy::Hybrid { micro_batches, .. } => {
-            *micro_batches
-        }
-        _ => return Ok(()),
-    };
-    if lanes > max_batch {
-        return Err(WgparError::unsupported(format!(
-            "--micro-batches {lanes} keeps {lanes} lanes in flight, but --max-batch {max_batch} \
-             gives KV slots to only {max_batch} of them: raise --max-batch to at least {lanes} \
-             or lower --micro-batches to {max_batch}"
-        )));
-    }
-    Ok(())
 }
 
 /// `--url`: the workload over HTTP against any OpenAI-compatible server.

@@ -10,7 +10,7 @@ use wgpar::parallel::Strategy;
 use wgpar::sim::write_calibrated_profile;
 use wgpar::{Result, WgparError};
 
-use super::{DeviceArgs, ModelArgs};
+use super::options::{DeviceArgs, ModelArgs};
 
 /// Options of `wgpar calibrate`.
 #[derive(Args, Clone, Debug)]
@@ -47,12 +47,12 @@ pub struct CalibrateArgs {
 
 /// Runs the calibration and writes the profile.
 pub fn run(args: &CalibrateArgs) -> Result<()> {
-    let config = args.model.config()?;
+    let config = args.model.choice().config()?;
     let options = args.options()?;
     let adapters = wgpar::device::Adapters::discover()?;
     args.check_fits(&config, &args.devices.selected(&adapters)?)?;
     // The profile goes there: fail now, not after the measurements.
-    super::check_writable_file(std::path::Path::new(&args.out))?;
+    super::options::check_writable_file(std::path::Path::new(&args.out))?;
     let gpus = args.devices.open(&adapters)?;
     let weights = ModelWeights::synthetic(&config, args.model.seed);
     let calibration = calibrate(&gpus, &weights, &options, &mut std::io::stdout())?;
@@ -82,9 +82,9 @@ impl CalibrateArgs {
     /// calibration runs it in f32 on every device) fits each of `adapters` at the largest
     /// step it measures, and fits the host's memory.
     pub(crate) fn check_fits(&self, config: &ModelConfig, adapters: &[AdapterDesc]) -> Result<()> {
-        let runs: Vec<super::PlannedRun> = adapters
+        let runs: Vec<super::memory::PlannedRun> = adapters
             .iter()
-            .map(|adapter| super::PlannedRun {
+            .map(|adapter| super::memory::PlannedRun {
                 strategy: &Strategy::Single,
                 adapters: std::slice::from_ref(adapter),
                 step_tokens: self.batch * self.prompt_len,
@@ -95,7 +95,7 @@ impl CalibrateArgs {
                 },
             })
             .collect();
-        super::check_runs_fit(config, DType::F32, &runs)
+        super::memory::check_runs_fit(config, DType::F32, &runs)
     }
 
     /// Writes the calibrated profile to `--out` (creating its folder) and says so.

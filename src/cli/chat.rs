@@ -14,10 +14,7 @@ use wgpar::model::hf::TextTokenizer;
 use wgpar::parallel::Engine;
 use wgpar::{Result, WgparError};
 
-use super::memory::MemoryArgs;
-use super::run::{RunArgs, StrategyArgs};
-use super::text::TextArgs;
-use super::{DeviceArgs, ModelArgs};
+use super::options::{DeviceArgs, MemoryArgs, ModelArgs, RunArgs, StrategyArgs, TextArgs};
 
 /// Options of `wgpar chat`.
 #[derive(Args, Clone, Debug)]
@@ -103,15 +100,15 @@ fn catch_interrupts() {
 pub fn run(args: &ChatArgs) -> Result<()> {
     let run_args = args.as_run();
     run_args.strategy.check_options()?;
-    super::run::check_syntax(&run_args)?;
+    super::prepare::check_syntax(&run_args)?;
     if args.text.prompt.is_some() {
         return Err(WgparError::unsupported(
             "--prompt does not apply to chat: type each message at the prompt".into(),
         ));
     }
     let sampling = super::text::check_options(&run_args)?;
-    let config = args.model.config()?;
-    let side = super::server::text_side(
+    let config = args.model.choice().config()?;
+    let side = super::options::text_side(
         &args.model,
         &config,
         args.text.tokenizer.as_deref(),
@@ -126,7 +123,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
         ))
     })?;
     let limits = reply_limits(args.gen, config.max_seq)?;
-    let weights = args.model.weights(&config)?;
+    let weights = args.model.choice().weights(&config)?;
     let shape = (limits.max_seq - limits.reply_tokens, limits.reply_tokens);
     let (mut engine, _) = super::text::open_engine(&run_args, weights, sampling, shape)?;
     let mut session = Session {

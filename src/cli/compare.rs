@@ -14,7 +14,7 @@ use wgpar::parallel::{Schedule, Strategy};
 use wgpar::sim::{Engine, HostProfile};
 use wgpar::{Result, WgparError};
 
-use super::ModelArgs;
+use super::options::ModelArgs;
 
 /// Options of `wgpar compare`.
 #[derive(Args, Clone, Debug)]
@@ -25,12 +25,12 @@ pub struct CompareArgs {
     #[arg(long)]
     devices: Option<String>,
     /// Use N virtual devices on one adapter (the default, 4, when there is one GPU).
-    #[arg(long = "virtual", value_name = "N", value_parser = super::parse_virtual)]
+    #[arg(long = "virtual", value_name = "N", value_parser = super::options::parse_virtual)]
     virtual_count: Option<usize>,
     #[command(flatten)]
-    binding: super::ModelDeviceArgs,
+    binding: super::options::ModelDeviceArgs,
     #[command(flatten)]
-    memory: super::memory::MemoryArgs,
+    memory: super::options::MemoryArgs,
     /// Batch sizes to sweep.
     #[arg(long, value_delimiter = ',', default_value = "1,4")]
     batches: Vec<usize>,
@@ -96,8 +96,8 @@ impl CompareArgs {
             },
             devices: None,
             virtual_count: None,
-            binding: super::ModelDeviceArgs::default(),
-            memory: super::memory::MemoryArgs::default(),
+            binding: super::options::ModelDeviceArgs::default(),
+            memory: super::options::MemoryArgs::default(),
             batches: vec![1, 4],
             micro_batches: vec![1, 4],
             schedule: "in-flight".into(),
@@ -153,11 +153,11 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     let adapters = Adapters::discover()?;
     let selection = selection(args, &adapters)?;
     let selected = args.binding.described(&selection, &adapters)?;
-    let dtype = args.model.dtype_for(&selected, false)?;
+    let dtype = args.model.choice().dtype_for(&selected, false)?;
     let opts = compare_options(args, resolved, dtype);
     check_plans_fit(args, &opts, &selected)?;
     // The report goes there: a folder that cannot be written fails now, not after the runs.
-    super::check_writable_dir(&args.out, &args.out)?;
+    super::options::check_writable_dir(&args.out, &args.out)?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
     if !args.json {
         outln!(
@@ -227,7 +227,7 @@ struct Resolved {
 
 /// Resolves the model, the host profiles and the engines.
 fn resolve(args: &CompareArgs) -> Result<Resolved> {
-    let config = args.model.config()?;
+    let config = args.model.choice().config()?;
     let profiles = args
         .profiles
         .iter()
@@ -286,9 +286,9 @@ fn check_plans_fit(
     selected: &[AdapterDesc],
 ) -> Result<()> {
     let plans = wgpar::compare::plans(&opts.config, selected.len(), opts);
-    let mut runs: Vec<super::PlannedRun> = plans
+    let mut runs: Vec<super::memory::PlannedRun> = plans
         .iter()
-        .map(|p| super::PlannedRun {
+        .map(|p| super::memory::PlannedRun {
             strategy: &p.strategy,
             adapters: &selected[..p.devices],
             step_tokens: p
@@ -303,7 +303,7 @@ fn check_plans_fit(
         })
         .collect();
     if let Some(serving) = &opts.serving {
-        runs.push(super::PlannedRun {
+        runs.push(super::memory::PlannedRun {
             strategy: &Strategy::Single,
             adapters: &selected[..1],
             step_tokens: serving.max_batch.saturating_mul(serving.prompt_len.max()),
@@ -314,7 +314,7 @@ fn check_plans_fit(
             },
         });
     }
-    super::check_runs_fit(&opts.config, opts.dtype, &runs)?;
+    super::memory::check_runs_fit(&opts.config, opts.dtype, &runs)?;
     // compare runs the config's synthetic weights, dense in `dtype`.
     let format = WeightFormat::of_config(&opts.config, opts.dtype, None);
     (args.memory).check_runs_with(

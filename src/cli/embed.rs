@@ -10,7 +10,7 @@ use wgpar::model::{EncoderInput, Pooling};
 use wgpar::parallel::{Embeddings, Encoder, SingleEncoder};
 use wgpar::{Result, WgparError};
 
-use super::{DeviceArgs, ModelArgs};
+use super::options::{DeviceArgs, ModelArgs};
 
 /// Options of `wgpar embed`.
 #[derive(Args, Clone, Debug)]
@@ -42,7 +42,7 @@ pub fn run(args: &EmbedArgs) -> Result<()> {
 
 /// `--model`, which must name an encoder's checkpoint folder.
 fn checkpoint_dir(args: &EmbedArgs) -> Result<&Path> {
-    args.model.checkpoint_dir().ok_or_else(|| {
+    args.model.choice().checkpoint_dir().ok_or_else(|| {
         WgparError::option(
             "--model",
             format!(
@@ -67,10 +67,10 @@ fn check_options(args: &EmbedArgs) -> Result<()> {
              (--virtual does not apply)"
         )));
     }
-    if args.model.max_seq == Some(0) || args.model.max_seq > Some(super::MAX_CONTEXT) {
+    if args.model.max_seq == Some(0) || args.model.max_seq > Some(wgpar::load::MAX_CONTEXT) {
         return Err(WgparError::option(
             "--max-seq",
-            format!("--max-seq must be within 1..={}", super::MAX_CONTEXT),
+            format!("--max-seq must be within 1..={}", wgpar::load::MAX_CONTEXT),
         ));
     }
     Ok(())
@@ -122,7 +122,7 @@ fn encode(args: &EmbedArgs, ckpt: &Checkpoint, inputs: &[EncoderInput]) -> Resul
     let weights = ckpt.weights(true)?;
     let adapters = Adapters::discover()?;
     let gpus = args.devices.open(&adapters)?;
-    let dtype = args.model.dtype(&gpus)?;
+    let dtype = args.model.choice().dtype(&gpus)?;
     let mut encoder = SingleEncoder::new(gpus[0].clone(), &weights, dtype)?;
     let pooling = weights.config.pooling;
     // The encoder holds its own copy on the device; the host copy is no longer needed.

@@ -7,7 +7,7 @@ use wgpar::sim::{
     project_engine, CollectivePolicy, Engine, HostGaps, HostProfile, ProjectOptions, Projection,
     ProjectionReport, StepBarriers,
 };
-use wgpar::trace::{timeline_svg_with, RankPlacement, SvgOptions, Timeline};
+use wgpar::trace::{timeline_svg_with, SvgOptions, Timeline};
 use wgpar::{Result, WgparError};
 
 /// Options of `wgpar project`.
@@ -161,22 +161,11 @@ fn load(args: &ProjectArgs, profile: &HostProfile) -> Result<Timeline> {
         }
         return Ok(traces.remove(0));
     }
-    let merged = merge_rank_traces(&traces, profile)?;
+    let merged = super::options::merge_rank_traces(&traces, profile)?;
     if let Some(path) = &args.merged_out {
         merged.write_chrome_trace(path)?;
     }
     Ok(merged)
-}
-
-/// The rank traces of one MPI run merged for projection onto `profile`: one rank per node
-/// when the profile has several nodes, packed onto its one node otherwise.
-pub(crate) fn merge_rank_traces(traces: &[Timeline], profile: &HostProfile) -> Result<Timeline> {
-    let placement = if profile.nodes > 1 {
-        RankPlacement::PerNode(profile.devices_per_node())
-    } else {
-        RankPlacement::Pack
-    };
-    Ok(Timeline::merge_ranks(traces, placement)?)
 }
 
 /// Runs the projection and prints it.

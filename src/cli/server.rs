@@ -3,7 +3,7 @@
 //! builder of the engine to the server.
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,22 +11,19 @@ use clap::Args;
 use wgpar::batching::{serve, Length, Rate, ServeOptions, WorkloadSpec};
 use wgpar::comm::CommConfig;
 use wgpar::device::{Adapters, DType};
-use wgpar::model::hf::{Checkpoint, TextTokenizer};
 use wgpar::model::memory::Workload;
 use wgpar::model::ModelConfig;
 use wgpar::parallel::Fault;
 use wgpar::parallel::{build_step_engine, Schedule, StepEngine, Strategy};
 use wgpar::server::auth::{self, KeySources};
-use wgpar::server::{
-    BatchOptions, ChatTemplate, ConnLimits, EngineBuilder, ServerOptions, TextModel,
-};
+use wgpar::server::{BatchOptions, ConnLimits, EngineBuilder, ServerOptions, TextModel};
 use wgpar::sim::LinkPacer;
 use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
 
-use super::placement::{AutoPlacement, Setting};
-use super::run::{FaultSpec, StrategyArgs};
-use super::{DeviceArgs, ModelArgs};
+use super::options::{DeviceArgs, ModelArgs, StrategyArgs};
+use wgpar::parallel::arming::FaultSpec;
+use wgpar::parallel::auto::{AutoPlacement, Setting};
 
 /// Options of `wgpar serve`.
 #[derive(Args, Clone, Debug)]
@@ -38,7 +35,7 @@ pub struct ServerArgs {
     #[command(flatten)]
     pub(super) strategy: StrategyArgs,
     #[command(flatten)]
-    pub(super) memory: super::memory::MemoryArgs,
+    pub(super) memory: super::options::MemoryArgs,
     /// Address to listen on (loopback unless told otherwise).
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
@@ -251,7 +248,7 @@ pub(super) struct Prepared {
 /// opens.
 pub(super) fn prepare(args: &ServerArgs) -> Result<Prepared> {
     check_options(args)?;
-    let config = args.model.config()?;
+    let config = args.model.choice().config()?;
     let text = text_model(args, &config)?;
     let opts = ServerOptions {
         addr: SocketAddr::new(args.host, args.port),
@@ -276,9 +273,12 @@ pub fn run(args: &ServerArgs) -> Result<()> {
     let Prepared { config, text, opts } = prepare(args)?;
     let adapters = Adapters::discover()?;
     let selected = args.devices.selected(&adapters)?;
-    let dtype = args.model.dtype_for(&selected, args.devices.force_f32)?;
+    let dtype = args
+        .model
+        .choice()
+        .dtype_for(&selected, args.devices.force_f32)?;
     let strategy =
-        super::bench_serve::serving_strategy(&args.strategy, selected.len(), args.max_batch)?;
+        super::options::serving_strategy(&args.strategy, selected.len(), args.max_batch)?;
     let fault = match &args.inject_fault {
         Some(_) if opts.batch.fault.is_some() => None,
         Some(t) => {
@@ -288,20 +288,22 @@ pub fn run(args: &ServerArgs) -> Result<()> {
         }
         None => None,
     };
-    let auto = AutoPlacement::of(&args.strategy, &args.memory);
+    let auto = args.strategy.auto_placement(&args.memory);
     let (step_tokens, work) = serving_work(args, &config);
     let setting = Setting {
         config: &config,
         dtype,
+        model: args.model.choice(),
+        kv: args.devices.kv_dtypes(&selected),
         selected: &selected,
         work,
     };
-    let strategy = auto.before_open(strategy, &args.model, &args.devices, &setting)?;
+    let strategy = auto.before_open(strategy, &setting)?;
     check_fits(args, &setting, &strategy, step_tokens)?;
     let pacer = args
         .pace
         .as_deref()
-        .map(super::run::pacer_for)
+        .map(super::options::pacer_for)
         .transpose()?;
     let server = ServerEngine {
         devices: args.devices.clone(),
@@ -342,14 +344,14 @@ fn check_fits(
     step_tokens: usize,
 ) -> Result<()> {
     let (config, dtype) = (setting.config, setting.dtype);
-    let runs = [super::PlannedRun {
+    let runs = [super::memory::PlannedRun {
         strategy,
         adapters: setting.selected,
         step_tokens,
         batch: args.max_batch,
         work: setting.work,
     }];
-    super::check_runs_fit(config, dtype, &runs)?;
+    super::memory::check_runs_fit(config, dtype, &runs)?;
     (args.memory).check_runs(
         &args.model,
         (config, dtype),
@@ -378,7 +380,7 @@ impl ServerEngine {
     fn build(self) -> Result<Box<dyn StepEngine>> {
         let (config, dtype, batch) = (&self.config, self.dtype, self.batch);
         let gpus = self.devices.open(&self.adapters)?;
-        let weights = self.model.weights(config)?;
+        let weights = self.model.choice().weights(config)?;
         // A measured placement, on the devices the server runs on (warm-up sized probe).
         let probe = Workload {
             batch: batch.slots,
@@ -403,7 +405,7 @@ impl ServerEngine {
 /// The checkpoint's tokenizer, chat template and end tokens, with the served name and the
 /// context.
 fn text_model(args: &ServerArgs, config: &ModelConfig) -> Result<TextModel> {
-    let side = text_side(
+    let side = super::options::text_side(
         &args.model,
         config,
         args.tokenizer.as_deref(),
@@ -416,56 +418,6 @@ fn text_model(args: &ServerArgs, config: &ModelConfig) -> Result<TextModel> {
         eos: side.eos,
         max_seq: config.max_seq,
         vocab: config.vocab,
-    })
-}
-
-/// A model's text side: what turns text into tokens and messages into a prompt.
-pub(super) struct TextSide {
-    pub tokenizer: TextTokenizer,
-    pub template: Option<ChatTemplate>,
-    pub eos: Vec<u32>,
-}
-
-/// The checkpoint's tokenizer (or `tokenizer`), chat template (or the one in
-/// `chat_template`) and end tokens; for a preset (synthetic weights), a word-level tokenizer
-/// of `t0` ... and no template (but `chat_template`) or end token.
-pub(super) fn text_side(
-    model: &ModelArgs,
-    config: &ModelConfig,
-    tokenizer: Option<&Path>,
-    chat_template: Option<&Path>,
-) -> Result<TextSide> {
-    let (tokenizer, mut template, eos) = match model.checkpoint_dir() {
-        Some(dir) => {
-            let ckpt = Checkpoint::open(dir)?;
-            let eos = ckpt.eos_tokens().to_vec();
-            let template = match ckpt.gguf() {
-                Some(gguf) => ChatTemplate::from_gguf(gguf.file())?,
-                None => ChatTemplate::load(dir)?,
-            };
-            let tokenizer = ckpt.tokenizer_from(tokenizer)?;
-            (tokenizer, template, eos)
-        }
-        None if tokenizer.is_some() => {
-            return Err(WgparError::unsupported(format!(
-                "--tokenizer applies to a checkpoint (--model DIR or FILE.gguf); preset '{}' \
-                 has synthetic weights and a word-level vocabulary of its own",
-                config.name
-            )))
-        }
-        None => (TextTokenizer::word_level(config.vocab)?, None, Vec::new()),
-    };
-    if let Some(file) = chat_template {
-        let (bos, eos) = match model.checkpoint_dir() {
-            Some(dir) => ChatTemplate::special_tokens(dir),
-            None => Default::default(),
-        };
-        template = Some(ChatTemplate::from_file(file, &bos, &eos)?);
-    }
-    Ok(TextSide {
-        tokenizer,
-        template,
-        eos,
     })
 }
 

@@ -1,10 +1,8 @@
 //! Text in, text out: `wgpar run --model DIR --prompt "..."` tokenizes the prompt with the
 //! checkpoint's tokenizer, generates greedily or by sampling, and streams the text as it comes.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use clap::Args;
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
 use wgpar::generate::{self, Request};
@@ -15,63 +13,9 @@ use wgpar::parallel::{build_engine, Engine};
 use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
 
-use super::run::RunArgs;
-
-/// Options of text generation (used with `--prompt`).
-#[derive(Args, Clone, Debug)]
-pub struct TextArgs {
-    /// Text to continue; needs --model DIR (a Hugging Face folder with tokenizer.json).
-    /// --gen sets the most tokens generated; an end-of-sequence token stops earlier.
-    #[arg(long)]
-    pub prompt: Option<String>,
-    /// Sampling temperature; 0 picks the most likely token (greedy). --seed seeds the draws.
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    /// Sample among the k most likely tokens only (0: all).
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    /// Sample among the most likely tokens whose probabilities first reach p (1: all).
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    /// A Hugging Face tokenizer.json to use instead of the model's own (a GGUF file's
-    /// metadata or a folder's tokenizer.json); needs --prompt.
-    #[arg(long, value_name = "FILE")]
-    pub tokenizer: Option<PathBuf>,
-}
-
-impl TextArgs {
-    /// Whether any sampling option differs from greedy decoding's defaults.
-    pub fn samples(&self) -> bool {
-        let greedy = Self::default();
-        self.temperature != greedy.temperature
-            || self.top_k != greedy.top_k
-            || self.top_p != greedy.top_p
-    }
-
-    /// Refuses `--tokenizer` where no text is tokenized (a run on synthetic prompts).
-    pub fn refuse_tokenizer(&self) -> Result<()> {
-        match &self.tokenizer {
-            Some(_) => Err(WgparError::unsupported(
-                "--tokenizer turns --prompt's text into tokens: it needs --prompt (a run on \
-                 synthetic prompts has no text)"
-                    .into(),
-            )),
-            None => Ok(()),
-        }
-    }
-}
-
-impl Default for TextArgs {
-    fn default() -> Self {
-        Self {
-            prompt: None,
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            tokenizer: None,
-        }
-    }
-}
+use super::options::RunArgs;
+use super::prepare::{plan, print_bubble, recorder_for, write_trace};
+use wgpar::load::MAX_CONTEXT;
 
 /// Generates up to `--gen` tokens after `prompt` and prints the text, on the strategy and
 /// devices `run`'s options name (tracing and pacing too).
@@ -79,14 +23,14 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     let sampling = check_options(args)?;
     let input = Input::load(args, prompt)?;
     let mut weights = input.ckpt.weights(true)?;
-    args.model.apply_weights(&mut weights)?;
+    args.model.choice().apply_weights(&mut weights)?;
     let shape = (input.ids.len(), args.gen);
     let (mut engine, recorder) = open_engine(args, weights, sampling, shape)?;
     eprintln!("{} prompt tokens", input.ids.len());
     stream(engine.as_mut(), &input, prompt, args.gen)?;
-    super::run::print_bubble(engine.as_ref(), "")?;
+    print_bubble(engine.as_ref(), "")?;
     if let Some(path) = &args.trace {
-        super::run::write_trace(&recorder, path)?;
+        write_trace(&recorder, path)?;
     }
     Ok(())
 }
@@ -102,11 +46,11 @@ pub(super) fn open_engine(
 ) -> Result<(Box<dyn Engine>, Recorder)> {
     let adapters = Adapters::discover()?;
     // Prefill and --gen - 1 decode steps, the fault injected before the first.
-    let plan = super::run::plan(args, &weights.config, &adapters, (1, seq), max_new)?;
+    let plan = plan(args, &weights.config, &adapters, (1, seq), max_new)?;
     let gpus = args
         .devices
         .open_first(&adapters, plan.strategy.devices_used(plan.adapters.len()))?;
-    let dtype = args.model.dtype(&gpus)?;
+    let dtype = args.model.choice().dtype(&gpus)?;
     let comm = CommConfig::default();
     let mut engine = build_engine(&plan.strategy, &gpus, &weights, dtype, &comm, (1, seq))?;
     engine.set_sampling(sampling)?;
@@ -117,7 +61,7 @@ pub(super) fn open_engine(
     if let Some(f) = plan.fault {
         engine.inject_fault(f.worker, f.fault)?;
     }
-    let recorder = super::run::recorder_for(args);
+    let recorder = recorder_for(args);
     recorder.set_meta("model", weights.config.name.clone());
     recorder.set_meta("strategy", engine.name());
     engine.set_recorder(recorder.clone());
@@ -153,10 +97,10 @@ pub(super) fn check_options(args: &RunArgs) -> Result<SamplingParams> {
                 .into(),
         ));
     }
-    if model.max_seq == Some(0) || model.max_seq > Some(super::MAX_CONTEXT) {
+    if model.max_seq == Some(0) || model.max_seq > Some(MAX_CONTEXT) {
         return Err(WgparError::option(
             "--max-seq",
-            format!("--max-seq must be within 1..={}", super::MAX_CONTEXT),
+            format!("--max-seq must be within 1..={}", MAX_CONTEXT),
         ));
     }
     Ok(sampling)
@@ -173,7 +117,7 @@ struct Input {
 impl Input {
     fn load(args: &RunArgs, prompt: &str) -> Result<Self> {
         let model = &args.model;
-        let dir = model.checkpoint_dir().ok_or_else(|| {
+        let dir = model.choice().checkpoint_dir().ok_or_else(|| {
             WgparError::option(
                 "--model",
                 format!(

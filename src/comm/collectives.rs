@@ -192,7 +192,7 @@ impl Collectives {
         let mut members = Vec::with_capacity(guards.len());
         for (i, (guard, gpu)) in guards.iter_mut().zip(&spec.gpus).enumerate() {
             let Some(pool) = guard.as_deref_mut() else {
-                return Err(CommError::Config("internal: pool not locked".into()));
+                return Err(CommError::Internal("a staging pool was not locked".into()));
             };
             members.push(Member {
                 gpu,

@@ -142,7 +142,11 @@ impl Communicator {
         self.check_rank(rank)?;
         let mut st = lock(&self.state);
         if st.joined[rank] {
-            return Err(CommError::Config(format!("rank {rank} has already joined")).into());
+            return Err(CommError::RankState {
+                rank,
+                detail: "has already joined: one handle per rank".into(),
+            }
+            .into());
         }
         st.joined[rank] = true;
         Ok(RankHandle {
@@ -168,10 +172,10 @@ impl Communicator {
 
     fn check_rank(&self, rank: usize) -> std::result::Result<(), CommError> {
         if rank >= self.gpus.len() {
-            return Err(CommError::Config(format!(
-                "rank {rank} is outside a communicator of {} ranks",
-                self.gpus.len()
-            )));
+            return Err(CommError::RankState {
+                rank,
+                detail: format!("is outside a communicator of {} ranks", self.gpus.len()),
+            });
         }
         Ok(())
     }
@@ -222,10 +226,13 @@ impl Communicator {
             });
         }
         if st.arrivals[rank].is_some() {
-            return Err(CommError::Config(format!(
-                "rank {rank} entered {op} while already waiting in a collective (two threads \
-                 share one rank?)"
-            )));
+            return Err(CommError::RankState {
+                rank,
+                detail: format!(
+                    "entered {op} while already waiting in a collective (two threads share one \
+                     rank?)"
+                ),
+            });
         }
         let seq = st.seq;
         st.arrivals[rank] = Some(req);
@@ -278,8 +285,8 @@ impl Communicator {
             if st.seq > seq {
                 return match &st.result {
                     Some((s, r, at)) if *s == seq => r.clone().map(|()| *at),
-                    _ => Err(CommError::Config(format!(
-                        "internal: result of {op} #{seq} is missing"
+                    _ => Err(CommError::Internal(format!(
+                        "the result of {op} #{seq} is missing"
                     ))),
                 };
             }
@@ -321,8 +328,8 @@ impl Communicator {
     fn execute(&self, seq: u64, reqs: Vec<Option<Request>>) -> std::result::Result<(), CommError> {
         let reqs: Vec<Request> = reqs.into_iter().flatten().collect();
         if reqs.len() != self.gpus.len() {
-            return Err(CommError::Config(format!(
-                "internal: {} of {} ranks recorded for collective #{seq}",
+            return Err(CommError::Internal(format!(
+                "{} of {} ranks recorded for collective #{seq}",
                 reqs.len(),
                 self.gpus.len()
             )));

@@ -28,9 +28,23 @@ pub enum CommError {
         /// The driver's account of the mismatch.
         detail: String,
     },
-    /// An invalid option or argument that is not about tensor shapes.
+    /// An option value the user gave (a size, a dtype, a chunk, a link precision) that the
+    /// comm layer refuses: a usage error.
     #[error("{0}")]
     Config(String),
+    /// A call that does not fit a rank's state in the communicator (a rank outside it, joined
+    /// twice, or entering a collective while already in one): the calling program's threads
+    /// and ranks disagree, not an option.
+    #[error("rank {rank}: {detail}")]
+    RankState {
+        /// The rank the call named.
+        rank: usize,
+        /// What its state is, and what the call needed.
+        detail: String,
+    },
+    /// An invariant of the comm layer itself broke (a bug in wgpar).
+    #[error("{0}")]
+    Internal(String),
     /// wgpu reported an error while the comm layer was using a device.
     #[error("{op} on {device}: {message}")]
     Gpu {
@@ -98,6 +112,7 @@ impl From<CommError> for WgparError {
         match e {
             CommError::Mismatch { op, detail } => WgparError::Shape { op, detail },
             CommError::Config(message) => WgparError::option("collective options", message),
+            CommError::Internal(message) => WgparError::Internal(message),
             CommError::Gpu {
                 op,
                 device,
@@ -108,6 +123,7 @@ impl From<CommError> for WgparError {
             },
             // Run-time failures keep their typed cause.
             e @ (CommError::WrongDevice { .. }
+            | CommError::RankState { .. }
             | CommError::GpuTimeout { .. }
             | CommError::Aborted { .. }
             | CommError::Timeout { .. }) => WgparError::Comm(e),
@@ -126,6 +142,25 @@ mod tests {
         let text = e.to_string();
         assert!(text.contains("all_reduce") && text.contains('7') && text.contains('8'));
         assert!(matches!(e, WgparError::Shape { .. }));
+    }
+
+    #[test]
+    fn runtime_states_are_not_usage_errors() {
+        let option: WgparError = CommError::Config("--chunk 0: must be positive".into()).into();
+        assert_eq!(option.exit_code(), 2, "{option}");
+        let state: WgparError = CommError::RankState {
+            rank: 1,
+            detail: "has already joined".into(),
+        }
+        .into();
+        assert!(matches!(
+            state,
+            WgparError::Comm(CommError::RankState { rank: 1, .. })
+        ));
+        assert_eq!(state.exit_code(), crate::error::EXIT_INTERNAL, "{state}");
+        let bug: WgparError = CommError::Internal("pool not locked".into()).into();
+        assert!(matches!(bug, WgparError::Internal(_)));
+        assert_eq!(bug.exit_code(), crate::error::EXIT_INTERNAL);
     }
 
     #[test]

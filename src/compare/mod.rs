@@ -426,10 +426,14 @@ fn rep(
         .collect();
     engine.set_recorder(Recorder::disabled());
     if tokens != reference.tokens {
-        return Err(WgparError::Internal(format!(
-            "{} (batch {}) generated different tokens than the single device: {:?} vs {:?}",
-            plan.label, plan.batch, tokens[0], reference.tokens[0]
-        )));
+        return Err(WgparError::Disagreement {
+            strategy: format!("{} (batch {})", plan.label, plan.batch),
+            reference: "the single device".into(),
+            detail: format!(
+                "generated tokens {:?} vs {:?}",
+                tokens[0], reference.tokens[0]
+            ),
+        });
     }
     Ok(Rep {
         prefill_s,
@@ -498,10 +502,11 @@ fn measure(
     }
     let max_rel_err = reps.max_rel_err;
     if max_rel_err > 1e-3 {
-        return Err(WgparError::Internal(format!(
-            "{} (batch {}): prefill logits differ from the single device by {max_rel_err:.2e} (relative)",
-            plan.label, plan.batch
-        )));
+        return Err(WgparError::Disagreement {
+            strategy: format!("{} (batch {})", plan.label, plan.batch),
+            reference: "the single device".into(),
+            detail: format!("prefill logits differ by {max_rel_err:.2e} (relative)"),
+        });
     }
     let projected = project_plan(plan, opts, &reps.timelines, steps)?;
     let pre_summary = reps.timelines.0.summary();
@@ -673,10 +678,14 @@ fn check_options(opts: &CompareOptions) -> Result<()> {
 /// Greedy, so every strategy must serve every request the same tokens as the first one.
 fn same_tokens(m: &ServingMeasurement, first: &ServingMeasurement) -> Result<()> {
     match (0..m.tokens.len()).find(|&i| m.tokens[i] != first.tokens[i]) {
-        Some(i) => Err(WgparError::Internal(format!(
-            "{} served request {i} different tokens than {}: {:?} vs {:?}",
-            m.label, first.label, m.tokens[i], first.tokens[i]
-        ))),
+        Some(i) => Err(WgparError::Disagreement {
+            strategy: m.label.clone(),
+            reference: first.label.clone(),
+            detail: format!(
+                "request {i} was served tokens {:?} vs {:?}",
+                m.tokens[i], first.tokens[i]
+            ),
+        }),
         None => Ok(()),
     }
 }

@@ -103,6 +103,23 @@ impl CpuBinding {
     }
 }
 
+/// The warning a rank prints when its launcher bound it to fewer CPUs than it may use while one
+/// of its adapters (`cpu_adapter`) is a CPU driver, whose worker threads then run on the
+/// rank's CPUs alone (measured 1.6x slower per stage on this project's 2-core machine,
+/// docs/MULTINODE.md).
+pub fn cpu_binding_warning(binding: CpuBinding, cpu_adapter: Option<&str>) -> Option<String> {
+    let adapter = cpu_adapter?;
+    binding.is_restricted().then(|| {
+        format!(
+            "this rank may run on {} of the {} CPUs its launcher may use (it bound the rank), and its \
+             adapter '{adapter}' is a CPU driver whose threads share those CPUs; to let them \
+             use every core, start the ranks with `mpirun --bind-to none` (Open MPI), and \
+             calibrate with the same launch",
+            binding.allowed, binding.launcher
+        )
+    })
+}
+
 /// Counts the CPUs of a Linux CPU list such as `0-3,8,10-11` (`None` if it is malformed).
 pub fn count_cpu_list(text: &str) -> Option<usize> {
     let mut n = 0;
@@ -185,5 +202,26 @@ mod tests {
         if let Some(here) = CpuBinding::of_this_process() {
             assert!(here.allowed >= 1 && here.launcher >= 1);
         }
+    }
+
+    #[test]
+    fn a_bound_rank_with_a_cpu_driver_is_warned() {
+        let bound = CpuBinding {
+            allowed: 1,
+            launcher: 2,
+        };
+        let free = CpuBinding {
+            allowed: 2,
+            launcher: 2,
+        };
+        let w = cpu_binding_warning(bound, Some("llvmpipe")).unwrap();
+        assert!(
+            w.contains("1 of the 2 CPUs") && w.contains("--bind-to none"),
+            "{w}"
+        );
+        assert!(w.contains("'llvmpipe'"), "{w}");
+        assert_eq!(cpu_binding_warning(free, Some("llvmpipe")), None);
+        // A GPU rank bound to a core is what launchers intend.
+        assert_eq!(cpu_binding_warning(bound, None), None);
     }
 }

@@ -8,9 +8,11 @@
 //! See `docs/MULTINODE.md`.
 
 mod error;
+mod fault;
 pub mod launch;
 
 pub use error::DistError;
+pub use fault::{RankFault, RankFaultKind};
 
 #[cfg(feature = "mpi")]
 pub mod bench;
@@ -18,6 +20,8 @@ pub mod bench;
 mod calibrate;
 #[cfg(feature = "mpi")]
 mod engine;
+#[cfg(feature = "mpi")]
+pub mod job;
 #[cfg(feature = "mpi")]
 mod link;
 #[cfg(feature = "mpi")]

@@ -1,6 +1,8 @@
 //! Engines: run a model's forward pass on one device or across several. Every engine has the
 //! same prefill/decode interface, so the CLI, the benchmarks and the tests treat them alike.
 
+pub mod arming;
+pub mod auto;
 mod balance;
 mod batch;
 mod buffers;
@@ -13,6 +15,7 @@ mod pick;
 pub(crate) mod pp;
 mod single;
 mod strategy;
+pub mod timed;
 mod tp;
 mod upload;
 mod worker;
@@ -293,14 +296,13 @@ pub fn decode_step_by_step<E: Engine + ?Sized>(
 /// Checks a decode step's tokens against the prefilled batch (one token per sequence).
 pub(crate) fn check_decode(batch: usize, tokens: &[u32]) -> Result<()> {
     if batch == 0 {
-        return Err(WgparError::InvalidCall("decode before prefill".into()));
+        return Err(WgparError::DecodeBeforePrefill);
     }
     if tokens.len() != batch {
-        return Err(WgparError::InvalidCall(format!(
-            "decode got {} tokens for {} sequences",
-            tokens.len(),
-            batch
-        )));
+        return Err(WgparError::DecodeTokens {
+            got: tokens.len(),
+            batch,
+        });
     }
     Ok(())
 }
@@ -309,16 +311,13 @@ pub(crate) fn check_decode(batch: usize, tokens: &[u32]) -> Result<()> {
 pub fn prompt_shape(prompts: &[Vec<u32>]) -> Result<(usize, usize)> {
     let seq = prompts.first().map_or(0, |p| p.len());
     if prompts.is_empty() || seq == 0 {
-        return Err(WgparError::InvalidCall(
-            "need at least one non-empty prompt".into(),
-        ));
+        return Err(WgparError::NoPrompt);
     }
     if let Some(p) = prompts.iter().find(|p| p.len() != seq) {
-        return Err(WgparError::InvalidCall(format!(
-            "prompts must have equal lengths: {} vs {}",
-            seq,
-            p.len()
-        )));
+        return Err(WgparError::UnequalPrompts {
+            first: seq,
+            other: p.len(),
+        });
     }
     Ok((prompts.len(), seq))
 }

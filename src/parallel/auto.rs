@@ -4,23 +4,71 @@
 
 use std::sync::Arc;
 
-use wgpar::device::{AdapterDesc, DType, Gpu};
-use wgpar::model::memory::{
+use super::{measure_stage_costs, with_measured_partition, PartitionSpec, Strategy};
+use crate::device::{AdapterDesc, DType, Gpu, MAX_DEVICES};
+use crate::error::{Result, WgparError};
+use crate::load::ModelChoice;
+use crate::model::memory::{
     split_by_memory, split_by_speed, stage_layer_limits, MemorySpec, SplitBasis, WeightFormat,
     Workload,
 };
-use wgpar::model::{ModelConfig, ModelWeights};
-use wgpar::parallel::{measure_stage_costs, with_measured_partition, PartitionSpec, Strategy};
-use wgpar::Result;
+use crate::model::{ModelConfig, ModelWeights};
 
-use super::memory::{binding_limits, parse_caps, Counts, MemoryArgs};
-use super::run::StrategyArgs;
-use super::{DeviceArgs, ModelArgs};
+/// Longest list of sizes or counts read (one per device, at most [`MAX_DEVICES`]).
+pub const MAX_LIST_TEXT: usize = 32 * MAX_DEVICES;
+
+/// Parses `--gpu-memory` for `devices` selected devices: one cap each (a single size is
+/// every device's).
+pub fn parse_caps(text: &str, devices: usize) -> Result<Vec<u64>> {
+    let bad =
+        |why: String| WgparError::option("--gpu-memory", format!("--gpu-memory '{text}': {why}"));
+    if text.len() > MAX_LIST_TEXT {
+        return Err(WgparError::option(
+            "--gpu-memory",
+            format!(
+            "--gpu-memory is {} characters long: give at most one size per device ({MAX_DEVICES})",
+            text.len()
+        ),
+        ));
+    }
+    let caps = (text.split(','))
+        .map(|part| {
+            // `Mi` is read as `MiB`, which the shared size parser takes.
+            let part = part.trim();
+            let full = match part.ends_with(['i', 'I']) {
+                true => format!("{part}B"),
+                false => part.to_string(),
+            };
+            let bytes = crate::comm::units::parse_size(&full).map_err(|e| bad(e.to_string()))?;
+            if bytes == 0 {
+                return Err(bad(format!(
+                    "'{}' is zero: a device must hold something",
+                    part.trim()
+                )));
+            }
+            Ok(bytes)
+        })
+        .collect::<Result<Vec<u64>>>()?;
+    match caps.len() {
+        1 => Ok(vec![caps[0]; devices]),
+        n if n == devices => Ok(caps),
+        n => Err(bad(format!(
+            "{n} sizes for {devices} selected devices: give one per device, or one for all"
+        ))),
+    }
+}
+
+/// The bytes one binding may hold on each adapter (what splits the vocabulary tables).
+pub fn binding_limits<'a>(adapters: impl Iterator<Item = &'a AdapterDesc>) -> Vec<u64> {
+    adapters
+        .map(|a| a.max_storage_binding.min(a.max_buffer_size))
+        .collect()
+}
 
 /// What a command's options ask of an automatic placement: owned, so that a server's engine
 /// builder can resolve it on the devices it opens.
 #[derive(Clone, Debug)]
-pub(super) struct AutoPlacement {
+pub struct AutoPlacement {
     /// `--layers auto` or `--split auto` was given.
     asked: bool,
     /// `--split auto`: heads chosen by speed once the devices are open.
@@ -30,20 +78,29 @@ pub(super) struct AutoPlacement {
 }
 
 /// The run a placement is made for, before the devices open.
-pub(super) struct Setting<'a> {
+pub struct Setting<'a> {
+    /// The model.
     pub config: &'a ModelConfig,
+    /// Its weights' dtype.
     pub dtype: DType,
+    /// How the model is chosen (for its weights' storage).
+    pub model: ModelChoice<'a>,
+    /// The selected adapters, in order.
     pub selected: &'a [AdapterDesc],
+    /// The KV-cache type each will store.
+    pub kv: Vec<DType>,
+    /// The batch and prompt.
     pub work: Workload,
 }
 
 impl AutoPlacement {
-    /// The placement `strategy` and `memory` ask for.
-    pub fn of(strategy: &StrategyArgs, memory: &MemoryArgs) -> Self {
+    /// The placement asked for: `layers_auto` (`--layers auto`), `split_auto` (`--split
+    /// auto`), within `caps` (`--gpu-memory`, as given).
+    pub fn new(layers_auto: bool, split_auto: bool, caps: Option<String>) -> Self {
         Self {
-            asked: strategy.layers == Some(Counts::Auto) || strategy.split == Some(Counts::Auto),
-            split: strategy.split == Some(Counts::Auto),
-            caps: memory.gpu_memory.clone(),
+            asked: layers_auto || split_auto,
+            split: split_auto,
+            caps,
         }
     }
 
@@ -52,13 +109,7 @@ impl AutoPlacement {
     /// ([`PartitionSpec::BalancedWithin`]); for tensor parallelism, a split that fits the caps
     /// ([`split_by_memory`]), for the checks, replaced by one by speed once the devices are
     /// open ([`Self::once_open`]). Without caps, by speed alone. Other strategies unchanged.
-    pub fn before_open(
-        &self,
-        strategy: Strategy,
-        model: &ModelArgs,
-        devices: &DeviceArgs,
-        run: &Setting<'_>,
-    ) -> Result<Strategy> {
+    pub fn before_open(&self, strategy: Strategy, run: &Setting<'_>) -> Result<Strategy> {
         if !self.asked {
             return Ok(strategy);
         }
@@ -70,10 +121,10 @@ impl AutoPlacement {
             return Ok(with_partition(strategy, PartitionSpec::Balanced));
         };
         let caps = parse_caps(text, run.selected.len())?;
-        let format = model.weight_format(run.config, run.dtype)?;
+        let format = run.model.weight_format(run.config, run.dtype)?;
         let memory = AccountingParts {
             format,
-            kv: devices.kv_dtypes(run.selected),
+            kv: run.kv.clone(),
             limits: binding_limits(run.selected.iter()),
             work: run.work,
         };
@@ -149,11 +200,15 @@ fn with_partition(mut strategy: Strategy, partition: PartitionSpec) -> Strategy 
 
 /// What the memory accounting reads beside the config: the weights' storage, each device's
 /// KV type and binding limit, the work.
-pub(super) struct AccountingParts {
-    format: WeightFormat,
-    kv: Vec<DType>,
-    limits: Vec<u64>,
-    work: Workload,
+pub struct AccountingParts {
+    /// How the weights are stored.
+    pub format: WeightFormat,
+    /// Each device's KV-cache type.
+    pub kv: Vec<DType>,
+    /// Each device's binding limit.
+    pub limits: Vec<u64>,
+    /// The batch and prompt.
+    pub work: Workload,
 }
 
 impl AccountingParts {
@@ -176,5 +231,32 @@ impl AccountingParts {
             work: self.work,
             binding_limits: &self.limits,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn caps_are_one_per_device_or_one_for_all() {
+        assert_eq!(parse_caps("6G,10G", 2).unwrap(), vec![6 << 30, 10 << 30]);
+        assert_eq!(parse_caps("512Mi", 3).unwrap(), vec![512 << 20; 3]);
+        assert_eq!(parse_caps("4096", 1).unwrap(), vec![4096]);
+        for (text, needle) in [
+            ("6G,10G,1G", "3 sizes for 2"),
+            ("0", "zero"),
+            ("six", "not a size"),
+            ("99999999999999999999G", "not a size"),
+            ("", "not a size"),
+        ] {
+            let e = parse_caps(text, 2).unwrap_err().to_string();
+            assert!(e.contains(needle), "{text}: {e}");
+        }
+        let long = "1G,".repeat(MAX_DEVICES * 20);
+        assert!(parse_caps(&long, 2)
+            .unwrap_err()
+            .to_string()
+            .contains("characters"));
     }
 }

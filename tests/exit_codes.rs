@@ -1,0 +1,128 @@
+//! One test per exit-status class of the command line (docs/USAGE.md, "Exit status"): success
+//! 0, a failure while running 1, a usage error 2, and an internal error 70 (a library call
+//! that does not fit the state it finds). The first three run the binary; the internal class
+//! cannot be reached from the command line without a bug, so its test makes the library
+//! calls that reach it and checks the status the binary would exit with.
+
+mod common;
+
+use std::process::Command;
+
+use wgpar::comm::{CommConfig, Communicator};
+use wgpar::device::DType;
+use wgpar::error::{EXIT_FAILURE, EXIT_INTERNAL, EXIT_USAGE};
+use wgpar::model::{ModelConfig, ModelWeights};
+use wgpar::parallel::{Engine, SingleEngine};
+use wgpar::WgparError;
+
+/// Runs `wgpar args`: (exit status, stdout, stderr).
+fn wgpar(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_wgpar"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_run_that_completes_exits_0() {
+    let (code, out, err) = wgpar(&[
+        "run",
+        "--model",
+        "tiny-llama",
+        "--batch",
+        "1",
+        "--prompt-len",
+        "4",
+        "--gen",
+        "2",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("decode:"), "{out}");
+}
+
+#[test]
+fn what_the_user_typed_exits_2() {
+    // clap's own parse error, an option value wgpar refuses, and options that do not apply
+    // together.
+    let cases: [(&[&str], &str); 3] = [
+        (&["run", "--no-such-flag"], "--no-such-flag"),
+        (&["run", "--model", "tiny-llama", "--batch", "0"], "--batch"),
+        (
+            &["run", "--model", "tiny-llama", "--layers", "1,1"],
+            "--layers",
+        ),
+    ];
+    for (args, named) in cases {
+        let (code, out, err) = wgpar(args);
+        assert_eq!(code, Some(EXIT_USAGE), "{args:?}: {err}");
+        assert!(err.contains(named), "{args:?}: {err}");
+        assert!(!out.contains("decode:"), "{args:?} ran: {out}");
+    }
+}
+
+#[test]
+fn a_failure_while_running_exits_1() {
+    // A model folder whose config.json is not a model wgpar can read: the file, not an
+    // option, has to change.
+    let dir = common::scratch("exit-status-model");
+    std::fs::write(dir.join("config.json"), "{\"model_type\": \"llama\"}").unwrap();
+    let (code, _, err) = wgpar(&["run", "--model", dir.to_str().unwrap()]);
+    assert_eq!(code, Some(EXIT_FAILURE), "{err}");
+    assert!(err.contains("config.json"), "{err}");
+    // A trace that is not there.
+    let missing = dir.join("no-such-trace.json");
+    let (code, _, err) = wgpar(&[
+        "project",
+        "--trace",
+        missing.to_str().unwrap(),
+        "--host",
+        "pcie3-2gpu",
+    ]);
+    assert_eq!(code, Some(EXIT_FAILURE), "{err}");
+    assert!(err.contains("no-such-trace.json"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_call_that_does_not_fit_the_state_is_internal_not_usage() {
+    // A rank joined twice: a runtime state of the communicator, not an option.
+    let gpus = common::gpus(1);
+    let comm = Communicator::new(gpus.clone(), CommConfig::default()).unwrap();
+    let _first = comm.join(0).unwrap();
+    let Err(e) = comm.join(0) else {
+        panic!("a second join of rank 0 was accepted")
+    };
+    assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
+    assert!(e.to_string().contains("rank 0"), "{e}");
+    // An engine decoding before any prefill, and prompts of unequal lengths.
+    let config = ModelConfig::preset("tiny-llama").unwrap();
+    let weights = ModelWeights::synthetic(&config, 1);
+    let mut engine = SingleEngine::new(gpus[0].clone(), &weights, DType::F32).unwrap();
+    let e = engine.decode(&[1]).unwrap_err();
+    assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
+    let e = engine.prefill(&[vec![1, 2], vec![3]]).unwrap_err();
+    assert!(
+        matches!(e, WgparError::UnequalPrompts { first: 2, other: 1 }),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), EXIT_INTERNAL);
+}
+
+#[test]
+fn the_help_lists_every_status() {
+    let (code, out, _) = wgpar(&["--help"]);
+    assert_eq!(code, Some(0));
+    for status in [
+        "0 success",
+        "1 failure while running",
+        "2 usage error",
+        "70 internal",
+    ] {
+        assert!(out.contains(status), "{status}: {out}");
+    }
+}
