@@ -8,8 +8,10 @@ use wgpar::device::Adapters;
 use wgpar::model::hf::Checkpoint;
 use wgpar::model::{EncoderInput, Pooling};
 use wgpar::parallel::{Embeddings, Encoder, SingleEncoder};
+use wgpar::server::EncoderBuilder;
 use wgpar::{Result, WgparError};
 
+use super::server::{Prepared, ServerArgs};
 use super::{DeviceArgs, ModelArgs};
 
 /// Options of `wgpar embed`.
@@ -54,13 +56,18 @@ fn checkpoint_dir(args: &EmbedArgs) -> Result<&Path> {
     })
 }
 
-/// Refuses more than one device and a `--max-seq` outside the supported contexts.
-fn check_options(args: &EmbedArgs) -> Result<()> {
-    let selected = match (&args.devices.virtual_count, &args.devices.devices) {
+/// Devices the options select (before any opens).
+fn selected_count(devices: &DeviceArgs) -> usize {
+    match (&devices.virtual_count, &devices.devices) {
         (Some(n), _) => *n,
         (None, Some(list)) => list.split(',').count(),
         (None, None) => 1,
-    };
+    }
+}
+
+/// Refuses more than one device and a `--max-seq` outside the supported contexts.
+fn check_options(args: &EmbedArgs) -> Result<()> {
+    let selected = selected_count(&args.devices);
     if selected > 1 {
         return Err(WgparError::unsupported(format!(
             "{selected} devices selected, but embed encodes on one: select one with --devices \
@@ -175,4 +182,36 @@ fn print_embeddings(args: &EmbedArgs, inputs: &[EncoderInput], encoded: &Encoded
         }
     }
     Ok(())
+}
+
+/// `serve --model` an encoder's folder: `/v1/embeddings` on one device (the options of
+/// generation that do not apply are refused by name).
+pub(super) fn serve(args: &ServerArgs, prepared: Prepared) -> Result<()> {
+    let Prepared { config, text, opts } = prepared;
+    let refuse = |option: &str, given: bool| match given {
+        true => Err(WgparError::unsupported(format!(
+            "{option} does not apply to an encoder's server (model '{}' serves /v1/embeddings)",
+            config.name
+        ))),
+        false => Ok(()),
+    };
+    refuse("more than one device", selected_count(&args.devices) > 1)?;
+    refuse(
+        "--strategy",
+        !matches!(args.strategy.strategy.as_str(), "none" | "single"),
+    )?;
+    refuse("--chat-template", args.chat_template.is_some())?;
+    refuse("--pace", args.pace.is_some())?;
+    refuse("--inject-fault", args.inject_fault.is_some())?;
+    let adapters = Adapters::discover()?;
+    let (devices, model) = (args.devices.clone(), args.model.clone());
+    let dim = config.hidden;
+    let build: EncoderBuilder = Box::new(move || {
+        let weights = model.weights(&config)?;
+        let gpus = devices.open(&adapters)?;
+        let dtype = model.dtype(&gpus)?;
+        let encoder = SingleEncoder::new(gpus[0].clone(), &weights, dtype)?;
+        Ok(Box::new(encoder) as Box<dyn Encoder>)
+    });
+    wgpar::server::run_encoder(opts, text, dim, build)
 }

@@ -105,7 +105,7 @@ pub struct ServerArgs {
     served_model_name: Option<String>,
     /// A Jinja chat template file for `/v1/chat/completions`, over the checkpoint's own.
     #[arg(long, value_name = "FILE")]
-    chat_template: Option<std::path::PathBuf>,
+    pub(super) chat_template: Option<std::path::PathBuf>,
 }
 
 /// Most KV slots and queue places the server takes.
@@ -238,6 +238,11 @@ pub(super) struct Prepared {
 pub(super) fn prepare(args: &ServerArgs) -> Result<Prepared> {
     check_options(args)?;
     let config = args.model.config()?;
+    prepared(args, config)
+}
+
+/// The rest of [`prepare`], once the model's `config` is known.
+fn prepared(args: &ServerArgs, config: ModelConfig) -> Result<Prepared> {
     let text = text_model(args, &config)?;
     let opts = ServerOptions {
         addr: SocketAddr::new(args.host, args.port),
@@ -258,6 +263,11 @@ pub(super) fn prepare(args: &ServerArgs) -> Result<Prepared> {
 
 /// Runs the server until SIGINT or SIGTERM.
 pub fn run(args: &ServerArgs) -> Result<()> {
+    let any = args.model.any_config()?;
+    if any.is_encoder() {
+        check_options(args)?;
+        return super::embed::serve(args, prepared(args, any)?);
+    }
     let Prepared { config, text, opts } = prepare(args)?;
     let adapters = Adapters::discover()?;
     let selected = args.devices.selected(&adapters)?;

@@ -1,4 +1,5 @@
-//! The HTTP routes: OpenAI's completions and chat completions (JSON or Server-Sent Events),
+//! The HTTP routes: OpenAI's completions and chat completions (JSON or Server-Sent Events,
+//! tool calls parsed out of chat answers), embeddings (an encoder's server, [`super::embeddings`]),
 //! models, health and metrics.
 
 use std::convert::Infallible;
@@ -21,7 +22,9 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::api::{self, Invalid, Params, Prompt};
 use super::batcher::{Ending, Event, Job};
+use super::embeddings::EncoderHandle;
 use super::limits::Watched;
+use super::tools::{CallStream, ToolCall, ToolRequest};
 use super::{ServerOptions, Shared, TextModel};
 use crate::model::hf::TextStream;
 use crate::model::sampling::{RequestPicker, TokenLogprobs};
@@ -37,6 +40,8 @@ pub struct AppState {
     stream_timeout: Duration,
     max_queue: usize,
     ids: Arc<AtomicU64>,
+    /// The encoder of an embeddings server (which has no generation engine).
+    encoder: Option<Arc<EncoderHandle>>,
 }
 
 impl AppState {
@@ -55,7 +60,14 @@ impl AppState {
             stream_timeout: opts.limits.stream_timeout,
             max_queue: opts.max_queue,
             ids: Arc::new(AtomicU64::new(0)),
+            encoder: None,
         }
+    }
+
+    /// The state of an embeddings server, whose requests go to `encoder`.
+    pub fn with_encoder(mut self, encoder: EncoderHandle) -> Self {
+        self.encoder = Some(Arc::new(encoder));
+        self
     }
 }
 
@@ -65,6 +77,7 @@ pub fn router(state: AppState, max_body: usize) -> Router {
     let mut api = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize));
@@ -81,7 +94,7 @@ pub fn router(state: AppState, max_body: usize) -> Router {
 }
 
 /// An OpenAI-style error body with `status`.
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
+pub(super) fn error(status: StatusCode, message: impl Into<String>) -> Response {
     let kind = if status.is_server_error() {
         "server_error"
     } else {
@@ -142,7 +155,7 @@ async fn models(State(state): State<AppState>) -> Response {
 }
 
 /// A 400 naming the field to blame, as OpenAI's `param`.
-fn invalid(bad: Invalid) -> Response {
+pub(super) fn invalid(bad: Invalid) -> Response {
     let body = json!({"error": {"message": bad.message, "type": "invalid_request_error",
         "param": bad.param, "code": 400}});
     (StatusCode::BAD_REQUEST, Json(body)).into_response()
@@ -241,6 +254,11 @@ enum Kind {
     Chat,
 }
 
+async fn embeddings(State(state): State<AppState>, body: Bytes) -> Response {
+    let encoder = state.encoder.as_deref();
+    super::embeddings::respond(encoder, &state.text, &state.shared, &body).await
+}
+
 async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
     generate(state, &body, Kind::Text).await
 }
@@ -255,6 +273,8 @@ struct Accepted {
     prompts: Vec<Vec<u32>>,
     max_new: usize,
     params: Params,
+    /// A chat request's tools (`None`: its answer is not parsed for calls).
+    tools: Option<ToolRequest>,
 }
 
 /// Why a request is not served.
@@ -272,7 +292,12 @@ impl From<Invalid> for Refusal {
 }
 
 /// A prompt's token ids.
-fn prompt_ids(text: &TextModel, prompt: Prompt, params: &Params) -> Result<Vec<u32>, Invalid> {
+fn prompt_ids(
+    text: &TextModel,
+    prompt: Prompt,
+    params: &Params,
+    tools: Option<&ToolRequest>,
+) -> Result<Vec<u32>, Invalid> {
     let ids = match prompt {
         Prompt::Tokens(ids) => ids,
         Prompt::Text(t) => text
@@ -291,7 +316,9 @@ fn prompt_ids(text: &TextModel, prompt: Prompt, params: &Params) -> Result<Vec<u
                     ),
                 )
             })?;
-            let rendered = template.render(&messages, params.add_generation_prompt)?;
+            let defs = tools.map(|t| &t.tools[..]);
+            let rendered =
+                template.render_with_tools(&messages, defs, params.add_generation_prompt)?;
             text.tokenizer
                 .encode_plain(&rendered)
                 .map_err(|e| Invalid::new("messages", e.to_string()))?
@@ -324,13 +351,16 @@ fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal
             text.name
         )));
     }
-    let prompts = match kind {
-        Kind::Text => api::completion_prompts(&obj)?,
-        Kind::Chat => vec![api::chat_messages(&obj)?],
+    let (prompts, tools) = match kind {
+        Kind::Text => (api::completion_prompts(&obj)?, None),
+        Kind::Chat => (
+            vec![api::chat_messages(&obj)?],
+            ToolRequest::from_request(&obj, text.template.as_ref())?,
+        ),
     };
     let prompts = prompts
         .into_iter()
-        .map(|p| prompt_ids(text, p, &params))
+        .map(|p| prompt_ids(text, p, &params, tools.as_ref()))
         .collect::<Result<Vec<_>, _>>()?;
     let scoring = params.echo && params.logprobs.is_some();
     if params.max_tokens == Some(0) && !scoring {
@@ -374,6 +404,7 @@ fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal
         prompts,
         max_new,
         params,
+        tools,
     })
 }
 
@@ -423,6 +454,16 @@ fn jobs(accepted: &Accepted, eos: &[u32]) -> Result<(Vec<Job>, Channels), Invali
 
 async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
     let shared = &state.shared;
+    if state.encoder.is_some() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "model '{}' is an encoder (BERT-style): it serves /v1/embeddings only; \
+                 completions and chat need a decoder",
+                state.text.name
+            ),
+        );
+    }
     if shared.failed.load(Ordering::SeqCst) {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the engine failed");
     }
@@ -596,6 +637,37 @@ struct Choice {
     rx: Option<UnboundedReceiver<Event>>,
     /// Tells the engine that a stop string ended this choice, or that its client stalled.
     ending: Arc<Ending>,
+    /// Watches the text for tool calls (a chat request with tools).
+    calls: Option<CallStream>,
+    /// The calls found once the choice ended.
+    tool_calls: Vec<ToolCall>,
+}
+
+impl Choice {
+    /// The content so far: the text, less any tool calls.
+    fn content(&self) -> &str {
+        match &self.calls {
+            Some(calls) => calls.content(),
+            None => &self.detok.sent,
+        }
+    }
+
+    /// Passes a delta of text through the tool-call watch; `end`: the choice ended with it.
+    fn content_delta(&mut self, delta: String, end: bool) -> String {
+        let Some(calls) = self.calls.as_mut() else {
+            return delta;
+        };
+        let mut out = calls.push(&delta);
+        if end {
+            let (rest, found) = calls.finish();
+            out.push_str(&rest);
+            if !found.is_empty() {
+                self.finish = Some("tool_calls");
+            }
+            self.tool_calls = found;
+        }
+        out
+    }
 }
 
 /// What an event makes of a choice.
@@ -657,6 +729,8 @@ impl Output {
                     finish: None,
                     rx,
                     ending: ending.unwrap_or_default(),
+                    calls: accepted.tools.as_ref().map(ToolRequest::stream),
+                    tool_calls: Vec::new(),
                 });
             }
         }
@@ -731,16 +805,19 @@ impl Output {
                         c.finish = Some("stop");
                         c.ending.stop();
                         c.rx = None;
-                        Step::Finished(d)
+                        Step::Finished(c.content_delta(d, true))
                     }
-                    (d, false) if d.is_empty() && c.logprobs.is_empty() => Step::Nothing,
-                    (d, false) => Step::Delta(d),
+                    (d, false) => match c.content_delta(d, false) {
+                        d if d.is_empty() && c.logprobs.is_empty() => Step::Nothing,
+                        d => Step::Delta(d),
+                    },
                 }
             }
             Event::Done { eos } => {
                 c.finish = Some(if eos { "stop" } else { "length" });
                 c.rx = None;
-                Step::Finished(c.detok.flush(text))
+                let rest = c.detok.flush(text);
+                Step::Finished(c.content_delta(rest, true))
             }
             Event::Error(e) => Step::Failed(e),
         }
@@ -790,16 +867,27 @@ impl Output {
         let text = format!("{echo}{text}");
         let finish = self.choices[i].finish;
         let logprobs = self.logprobs(i);
+        let calls = &self.choices[i].tool_calls;
+        let message = || {
+            let mut m = json!({"role": "assistant", "content": text});
+            if !calls.is_empty() {
+                // OpenAI's `content` is null beside calls, unless the model wrote text too.
+                if text.trim().is_empty() && !stream {
+                    m["content"] = Value::Null;
+                }
+                let listed = calls.iter().enumerate().map(|(k, c)| c.to_json(k));
+                m["tool_calls"] = listed.collect();
+            }
+            m
+        };
         match (self.kind, stream) {
             (Kind::Text, _) => {
                 json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
-            (Kind::Chat, false) => {
-                json!({"index": i, "logprobs": logprobs, "finish_reason": finish,
-                "message": {"role": "assistant", "content": text}})
-            }
-            (Kind::Chat, true) => json!({"index": i, "logprobs": logprobs, "finish_reason": finish,
-                "delta": {"role": "assistant", "content": text}}),
+            (Kind::Chat, false) => json!({"index": i, "logprobs": logprobs,
+                "finish_reason": finish, "message": message()}),
+            (Kind::Chat, true) => json!({"index": i, "logprobs": logprobs,
+                "finish_reason": finish, "delta": message()}),
         }
     }
 
@@ -837,7 +925,7 @@ async fn whole_response(mut out: Output) -> Response {
     }
     let choices = (0..out.choices.len())
         .map(|i| {
-            let text = out.choices[i].detok.sent.clone();
+            let text = out.choices[i].content().to_string();
             out.choice(i, &text, false)
         })
         .collect();
