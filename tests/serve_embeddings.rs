@@ -20,7 +20,9 @@ use wgpar::server::api::fields::{Route, Rule, FIELDS};
 
 fn serve(dir: &Path) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_wgpar"));
-    cmd.args([
+    // f32 weights and attention keys and values (an f16 KV cache, the default where the
+    // adapter has SHADER_F16, costs about 1e-4 of relative error).
+    let args = [
         "serve",
         "--port",
         "0",
@@ -28,9 +30,10 @@ fn serve(dir: &Path) -> Server {
         "m",
         "--dtype",
         "f32",
-    ])
-    .arg("--model")
-    .arg(dir);
+    ];
+    cmd.args(args)
+        .args(["--kv-dtype", "f32", "--model"])
+        .arg(dir);
     Server::spawn(cmd, Duration::from_secs(300))
 }
 
