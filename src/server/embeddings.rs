@@ -274,6 +274,43 @@ fn vector(row: &[f32], base64_format: bool) -> Value {
     json!(row)
 }
 
+/// The response to a refused request.
+fn refusal(refused: Refused) -> Response {
+    match refused {
+        Refused::Bad(bad) => invalid(bad),
+        Refused::NoModel(m) => {
+            let body = json!({"error": {"message": m, "type": "NotFoundError",
+                "param": "model", "code": 404}});
+            (StatusCode::NOT_FOUND, Json(body)).into_response()
+        }
+    }
+}
+
+/// Hands `inputs` to the encoder thread and waits for their vectors.
+async fn run_job(
+    encoder: &EncoderHandle,
+    shared: &Shared,
+    inputs: Vec<EncoderInput>,
+) -> std::result::Result<Vec<f32>, Response> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    shared.queued.fetch_add(1, Ordering::SeqCst);
+    if encoder.jobs.send(EmbedJob { inputs, reply: tx }).is_err() {
+        shared.queued.fetch_sub(1, Ordering::SeqCst);
+        return Err(error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the encoder has stopped",
+        ));
+    }
+    match rx.await {
+        Ok(Ok(data)) => Ok(data),
+        Ok(Err(e)) => Err(error(StatusCode::INTERNAL_SERVER_ERROR, e)),
+        Err(_) => Err(error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the encoder has stopped",
+        )),
+    }
+}
+
 /// Answers `POST /v1/embeddings`: 400 on a decoder's server (`encoder` is `None`).
 pub(super) async fn respond(
     encoder: Option<&EncoderHandle>,
@@ -302,36 +339,15 @@ pub(super) async fn respond(
         Ok(r) => r,
         Err(refused) => {
             shared.metrics.rejected.inc();
-            return match refused {
-                Refused::Bad(bad) => invalid(bad),
-                Refused::NoModel(m) => {
-                    let body = json!({"error": {"message": m, "type": "NotFoundError",
-                        "param": "model", "code": 404}});
-                    (StatusCode::NOT_FOUND, Json(body)).into_response()
-                }
-            };
+            return refusal(refused);
         }
     };
     let tokens: usize = request.inputs.iter().map(|i| i.ids.len()).sum();
     shared.metrics.prompt_tokens.inc_by(tokens as u64);
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    shared.queued.fetch_add(1, Ordering::SeqCst);
     let count = request.inputs.len();
-    if encoder
-        .jobs
-        .send(EmbedJob {
-            inputs: request.inputs,
-            reply: tx,
-        })
-        .is_err()
-    {
-        shared.queued.fetch_sub(1, Ordering::SeqCst);
-        return error(StatusCode::SERVICE_UNAVAILABLE, "the encoder has stopped");
-    }
-    let data = match rx.await {
-        Ok(Ok(data)) => data,
-        Ok(Err(e)) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
-        Err(_) => return error(StatusCode::SERVICE_UNAVAILABLE, "the encoder has stopped"),
+    let data = match run_job(encoder, shared, request.inputs).await {
+        Ok(data) => data,
+        Err(response) => return response,
     };
     let dim = encoder.dim;
     let list: Vec<Value> = (0..count)

@@ -74,9 +74,13 @@ impl AppState {
 /// The router, with the API key check (all but /health, and /metrics when it is open) and
 /// the body limit.
 pub fn router(state: AppState, max_body: usize) -> Router {
+    let (text, chat) = match state.encoder {
+        Some(_) => (post(encoder_only), post(encoder_only)),
+        None => (post(completions), post(chat_completions)),
+    };
     let mut api = Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", text)
+        .route("/v1/chat/completions", chat)
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
@@ -259,6 +263,16 @@ async fn embeddings(State(state): State<AppState>, body: Bytes) -> Response {
     super::embeddings::respond(encoder, &state.text, &state.shared, &body).await
 }
 
+/// Completions and chat on an encoder's server.
+async fn encoder_only(State(state): State<AppState>) -> Response {
+    let m = format!(
+        "model '{}' is an encoder (BERT-style): it serves /v1/embeddings only; completions \
+         and chat need a decoder",
+        state.text.name
+    );
+    error(StatusCode::BAD_REQUEST, m)
+}
+
 async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
     generate(state, &body, Kind::Text).await
 }
@@ -336,6 +350,27 @@ fn prompt_ids(
     Ok(ids)
 }
 
+/// A request's prompts as token ids, and a chat request's tools.
+fn prompts_of(
+    text: &TextModel,
+    obj: &serde_json::Map<String, Value>,
+    kind: Kind,
+    params: &Params,
+) -> Result<(Vec<Vec<u32>>, Option<ToolRequest>), Invalid> {
+    let (prompts, tools) = match kind {
+        Kind::Text => (api::completion_prompts(obj)?, None),
+        Kind::Chat => (
+            vec![api::chat_messages(obj)?],
+            ToolRequest::from_request(obj, text.template.as_ref())?,
+        ),
+    };
+    let ids = prompts
+        .into_iter()
+        .map(|p| prompt_ids(text, p, params, tools.as_ref()))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((ids, tools))
+}
+
 /// Reads and checks a request: fields, model, prompts, context; the message names what is
 /// wrong.
 fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal> {
@@ -351,17 +386,7 @@ fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal
             text.name
         )));
     }
-    let (prompts, tools) = match kind {
-        Kind::Text => (api::completion_prompts(&obj)?, None),
-        Kind::Chat => (
-            vec![api::chat_messages(&obj)?],
-            ToolRequest::from_request(&obj, text.template.as_ref())?,
-        ),
-    };
-    let prompts = prompts
-        .into_iter()
-        .map(|p| prompt_ids(text, p, &params, tools.as_ref()))
-        .collect::<Result<Vec<_>, _>>()?;
+    let (prompts, tools) = prompts_of(text, &obj, kind, &params)?;
     let scoring = params.echo && params.logprobs.is_some();
     if params.max_tokens == Some(0) && !scoring {
         return Err(Invalid::new(
@@ -454,16 +479,6 @@ fn jobs(accepted: &Accepted, eos: &[u32]) -> Result<(Vec<Job>, Channels), Invali
 
 async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
     let shared = &state.shared;
-    if state.encoder.is_some() {
-        return error(
-            StatusCode::BAD_REQUEST,
-            format!(
-                "model '{}' is an encoder (BERT-style): it serves /v1/embeddings only; \
-                 completions and chat need a decoder",
-                state.text.name
-            ),
-        );
-    }
     if shared.failed.load(Ordering::SeqCst) {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the engine failed");
     }

@@ -467,6 +467,18 @@ fn choice_of(v: Option<&Value>, names: &[String]) -> Result<ToolChoice, Invalid>
     Ok(choice)
 }
 
+/// `parallel_tool_calls` (default true).
+fn parallel_of(v: Option<&Value>) -> Result<bool, Invalid> {
+    match v {
+        None => Ok(true),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(v) => Err(bad(
+            "parallel_tool_calls",
+            format!("'parallel_tool_calls' must be true or false, not {v}"),
+        )),
+    }
+}
+
 impl ToolRequest {
     /// The tools of a chat request `obj` for a model with `template` (its chat template):
     /// `None` when it gives none or `tool_choice` is `none`. Refused: a malformed definition
@@ -491,16 +503,7 @@ impl ToolRequest {
             names.push(name);
         }
         let choice = choice_of(field("tool_choice"), &names)?;
-        let parallel = match field("parallel_tool_calls") {
-            None => true,
-            Some(Value::Bool(b)) => *b,
-            Some(v) => {
-                return Err(bad(
-                    "parallel_tool_calls",
-                    format!("'parallel_tool_calls' must be true or false, not {v}"),
-                ))
-            }
-        };
+        let parallel = parallel_of(field("parallel_tool_calls"))?;
         if choice == ToolChoice::None {
             return Ok(None);
         }
