@@ -906,6 +906,39 @@ impl Output {
         }
     }
 
+    /// Choice `i`'s streamed chunks for `delta`: one; or, where the choice ended in tool
+    /// calls, as OpenAI streams them: the text (if any), then for each call a chunk with its
+    /// id, type and name and one with its arguments, then one with the finish reason.
+    fn stream_chunks(&mut self, i: usize, delta: &str) -> Vec<Value> {
+        let calls = std::mem::take(&mut self.choices[i].tool_calls);
+        let finish = match calls.is_empty() {
+            true => self.choices[i].finish,
+            false => self.choices[i].finish.take(),
+        };
+        let text = self.choice(i, delta, true);
+        let mut chunks = Vec::new();
+        if calls.is_empty() || !delta.is_empty() || !text["logprobs"].is_null() {
+            chunks.push(text);
+        }
+        let piece = |delta: Value, finish: Option<&str>| json!({"index": i, "delta": delta, "logprobs": null, "finish_reason": finish});
+        for (k, call) in calls.iter().enumerate() {
+            let mut head = call.to_json(k);
+            head["function"]["arguments"] = json!("");
+            chunks.push(piece(json!({"tool_calls": [head]}), None));
+            let args = json!({"index": k, "function": {"arguments": call.arguments}});
+            chunks.push(piece(json!({"tool_calls": [args]}), None));
+        }
+        if !calls.is_empty() {
+            chunks.push(piece(json!({}), finish));
+        }
+        self.choices[i].finish = finish;
+        self.choices[i].tool_calls = calls;
+        chunks
+            .into_iter()
+            .map(|c| self.body(vec![c], true))
+            .collect()
+    }
+
     /// A body around `choices`.
     fn body(&self, choices: Vec<Value>, stream: bool) -> Value {
         let object = match (self.kind, stream) {
@@ -950,6 +983,8 @@ async fn whole_response(mut out: Output) -> Response {
 /// Where a stream is.
 enum Phase {
     Tokens,
+    /// Chunks still to send before the next event (a choice's tool calls).
+    Queued(Vec<Value>),
     Done,
     Over,
 }
@@ -966,6 +1001,14 @@ fn stream_response(
         let data = |v: Value| SseEvent::default().data(v.to_string());
         match phase {
             Phase::Over => None,
+            Phase::Queued(mut chunks) => {
+                let chunk = chunks.remove(0);
+                let next = match chunks.is_empty() {
+                    true => Phase::Tokens,
+                    false => Phase::Queued(chunks),
+                };
+                Some((Ok(data(chunk)), (out, next)))
+            }
             Phase::Done => Some((Ok(SseEvent::default().data("[DONE]")), (out, Phase::Over))),
             Phase::Tokens => loop {
                 let Some((i, event)) = out.next_event().await else {
@@ -986,9 +1029,13 @@ fn stream_response(
                         return Some((Ok(data(body)), (out, Phase::Over)));
                     }
                 };
-                let choice = out.choice(i, &delta, true);
-                let chunk = out.body(vec![choice], true);
-                return Some((Ok(data(chunk)), (out, Phase::Tokens)));
+                let mut chunks = out.stream_chunks(i, &delta);
+                let chunk = chunks.remove(0);
+                let next = match chunks.is_empty() {
+                    true => Phase::Tokens,
+                    false => Phase::Queued(chunks),
+                };
+                return Some((Ok(data(chunk)), (out, next)));
             },
         }
     });

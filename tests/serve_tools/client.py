@@ -68,6 +68,8 @@ def stream(port, body_json):
             finish = ch.finish_reason or finish
             for d in ch.delta.tool_calls or []:
                 chunks += 1
+                # Each delta carries either the name or arguments, not both.
+                assert (d.function.name is None) != (not d.function.arguments), d
                 c = calls.setdefault(d.index, {"id": None, "type": None, "name": "",
                                                "arguments": ""})
                 c["id"] = d.id or c["id"]
