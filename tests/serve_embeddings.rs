@@ -187,6 +187,36 @@ fn refusals(server: &Server) {
     }
 }
 
+/// Generation's options that do not apply to an encoder are refused by name, before any
+/// device opens.
+fn refused_options(dir: &Path) {
+    let template = dir.join("t.jinja");
+    std::fs::write(&template, "{{ messages }}").unwrap();
+    let template = template.to_str().unwrap();
+    for (extra, name) in [
+        (vec!["--virtual", "2"], "more than one device"),
+        (vec!["--strategy", "tp"], "--strategy"),
+        (vec!["--chat-template", template], "--chat-template"),
+        (
+            vec!["--inject-fault", "engine,kind=panic,at=step:0"],
+            "--inject-fault",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_wgpar"))
+            .args(["serve", "--port", "0", "--model"])
+            .arg(dir)
+            .args(&extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?}: {err}");
+        assert!(
+            err.contains(name) && err.contains("does not apply to an encoder"),
+            "{err}"
+        );
+    }
+}
+
 /// A synthetic BERT folder with CLS pooling and no Normalize module: its vectors are the
 /// reference's CLS vectors, unnormalised.
 #[test]
@@ -234,6 +264,7 @@ fn cls_pooling_without_normalize_follows_the_folder() {
         want.iter().all(|w| (norm(w) - 1.0).abs() > 1e-2),
         "the reference is unnormalised"
     );
+    refused_options(&dir);
     let server = serve(&dir);
     let (code, v) = post(&server, &json!({"input": ids}));
     assert_eq!(code, 200, "{v}");

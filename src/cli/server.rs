@@ -263,9 +263,9 @@ fn prepared(args: &ServerArgs, config: ModelConfig) -> Result<Prepared> {
 
 /// Runs the server until SIGINT or SIGTERM.
 pub fn run(args: &ServerArgs) -> Result<()> {
+    check_options(args)?;
     let any = args.model.any_config()?;
     if any.is_encoder() {
-        check_options(args)?;
         return super::embed::serve(args, prepared(args, any)?);
     }
     let Prepared { config, text, opts } = prepare(args)?;
