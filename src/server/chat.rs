@@ -112,11 +112,15 @@ fn raise_exception(message: String) -> std::result::Result<String, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
 }
 
-/// Python's `json.dumps` spacing (`", "` between items, `": "` after keys), which Hugging
-/// Face's `tojson` writes and templates' tool definitions are rendered with.
-struct PySpacing;
+/// Python's `json.dumps` separators (by default `", "` between items and `": "` after
+/// keys), which Hugging Face's `tojson` writes and templates' tool definitions are rendered
+/// with.
+struct Spacing {
+    item: String,
+    key: String,
+}
 
-impl serde_json::ser::Formatter for PySpacing {
+impl serde_json::ser::Formatter for Spacing {
     fn begin_array_value<W: ?Sized + std::io::Write>(
         &mut self,
         w: &mut W,
@@ -125,7 +129,7 @@ impl serde_json::ser::Formatter for PySpacing {
         if first {
             Ok(())
         } else {
-            w.write_all(b", ")
+            w.write_all(self.item.as_bytes())
         }
     }
 
@@ -138,36 +142,44 @@ impl serde_json::ser::Formatter for PySpacing {
     }
 
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        w.write_all(b": ")
+        w.write_all(self.key.as_bytes())
     }
 }
 
 /// `tojson` as Hugging Face defines it for chat templates (`json.dumps` with
-/// `ensure_ascii=False`): Python's spacing, `indent` as there, nothing HTML-escaped (minijinja's
-/// own filter writes compact JSON with `<`, `>`, `&` and `'` escaped, which a model never saw
-/// in training). Keys come sorted (`sort_keys` changes nothing).
+/// `ensure_ascii=False`, and its `indent` and `separators`), nothing HTML-escaped
+/// (minijinja's own filter writes compact JSON with `<`, `>`, `&` and `'` escaped, which a
+/// model never saw in training). Keys come sorted (`sort_keys` changes nothing).
 fn tojson(
     value: &minijinja::Value,
     indent: Option<usize>,
     kwargs: minijinja::value::Kwargs,
 ) -> std::result::Result<minijinja::Value, Error> {
+    let fail = |e: String| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}"));
     let indent = indent.or(kwargs.get::<Option<usize>>("indent")?);
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
     let _: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
     let mut out = Vec::new();
-    let written = match indent {
-        Some(n) => {
+    let written = match (indent, separators) {
+        (Some(_), Some(_)) => return Err(fail("indent with separators is not supported".into())),
+        (Some(n), None) => {
             let pad = " ".repeat(n);
             let f = serde_json::ser::PrettyFormatter::with_indent(pad.as_bytes());
             value.serialize(&mut serde_json::Serializer::with_formatter(&mut out, f))
         }
-        None => value.serialize(&mut serde_json::Serializer::with_formatter(
-            &mut out, PySpacing,
-        )),
+        (None, given) => {
+            let (item, key) = match given.as_deref() {
+                None => (", ".to_string(), ": ".to_string()),
+                Some([item, key]) => (item.clone(), key.clone()),
+                Some(_) => return Err(fail("separators must be two strings".into())),
+            };
+            let f = Spacing { item, key };
+            value.serialize(&mut serde_json::Serializer::with_formatter(&mut out, f))
+        }
     };
-    written.map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
-    let text = String::from_utf8(out)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    written.map_err(|e| fail(e.to_string()))?;
+    let text = String::from_utf8(out).map_err(|e| fail(e.to_string()))?;
     Ok(minijinja::Value::from_safe_string(text))
 }
 
@@ -310,5 +322,30 @@ impl ChatTemplate {
                 eos_token => &self.eos,
             })
             .map_err(|e| format!("the chat template failed: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `tojson` writes what Python's `json.dumps(x, ensure_ascii=False, ...)` prints for the
+    /// same value (the expected strings are Python's).
+    #[test]
+    fn tojson_writes_as_python_json_dumps() {
+        let source =
+            "{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ x | tojson(separators=(',', ':')) }}";
+        let t = ChatTemplate::new(source, "", "").unwrap();
+        let env = &t.env;
+        let x = serde_json::json!({"a": [1, "x<y'é"], "b": null, "c": {}});
+        let got = env
+            .render_str(source, minijinja::context! { x => x })
+            .unwrap();
+        let want = [
+            r#"{"a": [1, "x<y'é"], "b": null, "c": {}}"#,
+            "{\n  \"a\": [\n    1,\n    \"x<y'é\"\n  ],\n  \"b\": null,\n  \"c\": {}\n}",
+            r#"{"a":[1,"x<y'é"],"b":null,"c":{}}"#,
+        ];
+        assert_eq!(got, want.join("|"));
     }
 }
