@@ -187,8 +187,8 @@ fn refusals(server: &Server) {
     }
 }
 
-/// Generation's options that do not apply to an encoder are refused by name, before any
-/// device opens.
+/// Generation's options that do not apply to an encoder are refused by name (exit 2),
+/// before any device opens: every option of `serve` an encoder's server has no use for.
 fn refused_options(dir: &Path) {
     let template = dir.join("t.jinja");
     std::fs::write(&template, "{{ messages }}").unwrap();
@@ -201,6 +201,15 @@ fn refused_options(dir: &Path) {
             vec!["--inject-fault", "engine,kind=panic,at=step:0"],
             "--inject-fault",
         ),
+        (vec!["--gpu-memory", "1G"], "--gpu-memory"),
+        (vec!["--max-prefill-tokens", "512"], "--max-prefill-tokens"),
+        (vec!["--seed", "7"], "--seed"),
+        (vec!["--pace", "10:1"], "--pace"),
+        (vec!["--tp", "2"], "--tp"),
+        (vec!["--split", "3,1"], "--split"),
+        (vec!["--layers", "1,1"], "--layers"),
+        (vec!["--partition", "even"], "--partition"),
+        (vec!["--micro-batches", "2"], "--micro-batches"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_wgpar"))
             .args(["serve", "--port", "0", "--model"])
@@ -209,10 +218,14 @@ fn refused_options(dir: &Path) {
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{extra:?}: {err}");
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
         assert!(
-            err.contains(name) && err.contains("does not apply to an encoder"),
+            err.contains(name) && err.contains("does not apply"),
             "{err}"
+        );
+        assert!(
+            !err.contains("ready:"),
+            "refused before the encoder opens: {err}"
         );
     }
 }

@@ -48,9 +48,9 @@ pub struct ServerArgs {
     /// KV slots: sequences in the running batches at once (over all pipeline lanes).
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
-    /// Most prompt tokens one prefill step takes.
-    #[arg(long, default_value_t = 2048)]
-    max_prefill_tokens: usize,
+    /// Most prompt tokens one prefill step takes (default 2048; a decoder's option).
+    #[arg(long, value_name = "TOKENS")]
+    pub(super) max_prefill_tokens: Option<usize>,
     /// Requests that may wait for a KV slot; beyond, 503 with Retry-After.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
@@ -108,13 +108,23 @@ pub struct ServerArgs {
     pub(super) chat_template: Option<std::path::PathBuf>,
 }
 
+/// Prompt tokens one prefill step takes without `--max-prefill-tokens`.
+const DEFAULT_PREFILL_TOKENS: usize = 2048;
+
+impl ServerArgs {
+    /// `--max-prefill-tokens`, or its default.
+    fn prefill_tokens(&self) -> usize {
+        self.max_prefill_tokens.unwrap_or(DEFAULT_PREFILL_TOKENS)
+    }
+}
+
 /// Most KV slots and queue places the server takes.
 const MAX_SLOTS: usize = 4096;
 const MAX_QUEUE: usize = 1 << 20;
 
 /// Checks the options that need no model.
 fn check_options(args: &ServerArgs) -> Result<()> {
-    if args.max_batch == 0 || args.max_batch > MAX_SLOTS || args.max_prefill_tokens == 0 {
+    if args.max_batch == 0 || args.max_batch > MAX_SLOTS || args.prefill_tokens() == 0 {
         return Err(WgparError::option(
             "--max-batch",
             format!(
@@ -254,7 +264,7 @@ fn prepared(args: &ServerArgs, config: ModelConfig) -> Result<Prepared> {
         shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),
         batch: BatchOptions {
             slots: args.max_batch,
-            max_prefill_tokens: args.max_prefill_tokens,
+            max_prefill_tokens: args.prefill_tokens(),
             fault: engine_fault(args)?,
         },
     };
@@ -318,7 +328,7 @@ pub fn run(args: &ServerArgs) -> Result<()> {
 /// --max-batch sequences, the largest step's tokens sized as prompts.
 pub(super) fn serving_work(args: &ServerArgs, config: &ModelConfig) -> (usize, Workload) {
     // Prefills batch up to --max-prefill-tokens; one longer prompt runs alone.
-    let step_tokens = (args.max_prefill_tokens)
+    let step_tokens = (args.prefill_tokens())
         .min(args.max_batch * config.max_seq)
         .max(config.max_seq);
     let work = Workload {
