@@ -3,6 +3,10 @@
 // logits: [batch][vocab]
 // draws:  [batch] uniform random numbers in [0, 1), drawn on the host from the seeded stream
 //         (read by `sample` only)
+// allow:  [batch][allow_words] u32 bit sets (read only when allow_words > 0): token t of row b
+//         may be picked only where bit t % 32 of allow[b * allow_words + t / 32] is set (a
+//         structured-output grammar's mask, uploaded per step); the count of non-finite
+//         logits still covers every token
 // out:    [2][batch] u32: out[b] = the token of row b; out[batch + b] = how many of the row's
 //         logits are not finite (NaN or +-inf), so the host can refuse them instead of emitting
 //         tokens
@@ -17,7 +21,8 @@ struct Params {
     temperature: f32,
     // `sample`: keep the most likely candidates whose probabilities first reach this (0, 1].
     top_p: f32,
-    _pad0: u32,
+    // Words of `allow` per row; 0: every token may be picked.
+    allow_words: u32,
     _pad1: u32,
     _pad2: u32,
 }
@@ -25,7 +30,8 @@ struct Params {
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
 @group(0) @binding(1) var<storage, read> draws: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<u32>;
-@group(0) @binding(3) var<uniform> p: Params;
+@group(0) @binding(3) var<storage, read> allow: array<u32>;
+@group(0) @binding(4) var<uniform> p: Params;
 
 const WG: u32 = 256u;
 const MAX_K: u32 = 64u;
@@ -70,6 +76,14 @@ fn reduce(lid: u32) {
     }
 }
 
+// Whether the row's mask (if any) lets token c be picked.
+fn open(row: u32, c: u32) -> bool {
+    if (p.allow_words == 0u) {
+        return true;
+    }
+    return ((allow[row * p.allow_words + c / 32u] >> (c % 32u)) & 1u) == 1u;
+}
+
 // The best candidate of this invocation's strided share of `row` that comes strictly after
 // (after_v, after_i) (NONE: no bound), reduced over the workgroup into slot 0.
 fn best_after(row: u32, lid: u32, after_v: f32, after_i: u32, count_bad: bool) {
@@ -84,7 +98,7 @@ fn best_after(row: u32, lid: u32, after_v: f32, after_i: u32, count_bad: bool) {
         }
         // NaN fails `x == x`: never a candidate.
         let allowed = after_i == NONE || before(after_v, after_i, x, c);
-        if (x == x && allowed && before(x, c, v, i)) {
+        if (x == x && allowed && open(row, c) && before(x, c, v, i)) {
             v = x;
             i = c;
         }

@@ -922,13 +922,30 @@ fn device_pick(
     draws: &[f32],
     how: TokenPick,
 ) -> (Vec<u32>, Vec<u32>) {
+    masked_pick(gpu, logits, batch, draws, (how, None))
+}
+
+/// As [`device_pick`], keeping each row to its bits of `allow` when given.
+fn masked_pick(
+    gpu: &Gpu,
+    logits: &[f32],
+    batch: usize,
+    draws: &[f32],
+    (how, allow): (TokenPick, Option<&[u32]>),
+) -> (Vec<u32>, Vec<u32>) {
     let vocab = logits.len() / batch;
     let lt = gpu.upload_f32("logits", logits).unwrap();
     let dt = gpu.upload_f32("draws", draws).unwrap();
+    let words = batch * ops::allow_words(vocab);
+    let at = gpu.empty("allow", DType::U32, words).unwrap();
+    // Poisoned: an unmasked pick must not read it, a masked one overwrites it.
+    gpu.write_u32(&at, allow.unwrap_or(&vec![0; words]))
+        .unwrap();
     let out = gpu.empty("picked", DType::U32, 2 * batch).unwrap();
     gpu.write_u32(&out, &vec![0xdead_beef; 2 * batch]).unwrap();
+    let masked = allow.is_some();
     run(gpu, |e| {
-        ops::pick(gpu, e, (&lt, &dt, &out), (batch, vocab), how).unwrap()
+        ops::pick(gpu, e, (&lt, &dt, &at, &out), (batch, vocab), (how, masked)).unwrap()
     });
     let words: Vec<u32> =
         bytemuck::pod_collect_to_vec(&gpu.read_bytes(out.buffer(), 0, out.bytes()).unwrap());
@@ -1011,6 +1028,7 @@ fn device_sampling_matches_the_host_sampler() {
     // Parameters the kernel cannot honour are refused, not clamped.
     let mut enc = gpu.encoder();
     let t = gpu.empty("t", DType::F32, 16).unwrap();
+    let a = gpu.empty("a", DType::U32, 1).unwrap();
     let o = gpu.empty("o", DType::U32, 2).unwrap();
     for how in [
         TokenPick::Sample {
@@ -1035,10 +1053,115 @@ fn device_sampling_matches_the_host_sampler() {
         },
     ] {
         assert!(
-            ops::pick(gpu, &mut enc, (&t, &t, &o), (1, 16), how).is_err(),
+            ops::pick(gpu, &mut enc, (&t, &t, &a, &o), (1, 16), (how, false)).is_err(),
             "{how:?}"
         );
     }
+}
+
+/// Masked picks (a structured-output grammar's bit set per row) against the host: greedy is
+/// the argmax of the logits with every banned token at -inf, a seeded sample is the host
+/// sampler's draw from them; the non-finite count still covers the whole row.
+#[test]
+fn masked_picks_keep_to_each_rows_allowed_tokens() {
+    use rand::{Rng, SeedableRng};
+    use wgpar::model::constraint::apply_mask;
+    let gpu = &common::gpus(1)[0];
+    let (batch, vocab) = (5, 1037);
+    let words = ops::allow_words(vocab);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
+    let logits: Vec<f32> = common::random(batch * vocab, 71)
+        .iter()
+        .map(|v| v * 4.0)
+        .collect();
+    // Row r allows about one token in 2 + 3r, row 0 everything (an unconstrained request).
+    let allow: Vec<u32> = (0..batch)
+        .flat_map(|r| {
+            let mut row = vec![0u32; words];
+            for t in 0..vocab {
+                if r == 0 || rng.random_range(0..2 + 3 * r) == 0 {
+                    row[t / 32] |= 1 << (t % 32);
+                }
+            }
+            row
+        })
+        .collect();
+    let masked: Vec<f32> = (logits.chunks(vocab).zip(allow.chunks(words)))
+        .flat_map(|(l, a)| {
+            let mut l = l.to_vec();
+            apply_mask(a, &mut l);
+            l
+        })
+        .collect();
+    let argmax = |x: &[f32]| {
+        (wgpar::parallel::Logits {
+            batch,
+            vocab,
+            data: x.to_vec(),
+        })
+        .argmax()
+    };
+    let draws = vec![0.5; batch];
+    let (tokens, bad) = masked_pick(
+        gpu,
+        &logits,
+        batch,
+        &draws,
+        (TokenPick::Greedy, Some(&allow)),
+    );
+    assert_eq!(tokens, argmax(&masked));
+    assert_eq!(bad, vec![0; batch]);
+    // The mask changed the pick of every constrained row: it was compared, not bypassed.
+    let free = argmax(&logits);
+    assert_eq!(tokens[0], free[0]);
+    assert!(
+        (1..batch).filter(|&r| tokens[r] != free[r]).count() >= batch - 2,
+        "{tokens:?} {free:?}"
+    );
+    let draws: Vec<f32> = (0..batch).map(|_| rng.random::<f64>() as f32).collect();
+    let how = TokenPick::Sample {
+        top_k: 20,
+        temperature: 0.9,
+        top_p: 0.95,
+    };
+    let (tokens, _) = masked_pick(gpu, &logits, batch, &draws, (how, Some(&allow)));
+    for (r, (row, &u)) in masked.chunks(vocab).zip(&draws).enumerate() {
+        let allowed = allow[r * words + tokens[r] as usize / 32] >> (tokens[r] % 32) & 1;
+        assert_eq!(allowed, 1, "row {r} sampled a banned token {}", tokens[r]);
+        let want = host_draw(row, u);
+        assert_eq!(tokens[r], want, "row {r}");
+    }
+}
+
+/// Top-k 20 at temperature 0.9, then top-p 0.95, then the draw `u` over what is left, in
+/// f64 over the finite logits of `row` (written apart from the kernel and the sampler).
+fn host_draw(row: &[f32], u: f32) -> u32 {
+    let mut order: Vec<usize> = (0..row.len()).filter(|&i| row[i].is_finite()).collect();
+    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    order.truncate(20);
+    let top = row[order[0]] as f64;
+    let probs: Vec<f64> = order
+        .iter()
+        .map(|&i| ((row[i] as f64 - top) / 0.9).exp())
+        .collect();
+    let total: f64 = probs.iter().sum();
+    let mut cumulative = 0.0;
+    let keep = probs
+        .iter()
+        .position(|q| {
+            cumulative += q / total;
+            cumulative >= 0.95
+        })
+        .map_or(probs.len(), |i| i + 1);
+    let kept: f64 = probs[..keep].iter().sum();
+    let mut x = u as f64 * kept;
+    for (i, q) in probs[..keep].iter().enumerate() {
+        if x < *q {
+            return order[i] as u32;
+        }
+        x -= q;
+    }
+    order[keep - 1] as u32
 }
 
 /// Issue 34 item 2: a small roofline run. The copy kernel gives a finite rate; every packed

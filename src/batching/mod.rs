@@ -369,6 +369,7 @@ impl State<'_> {
                     deps,
                     release_us: Some(release),
                     logits: false,
+                    allow: None,
                 },
                 InFlight::Prefill(joining),
             ));
@@ -397,6 +398,7 @@ impl State<'_> {
                 },
                 release_us: None,
                 logits: false,
+                allow: None,
             },
             InFlight::Decode,
         ))

@@ -1902,7 +1902,8 @@ struct PickParams {
     top_k: u32,
     temperature: f32,
     top_p: f32,
-    _pad: [u32; 3],
+    allow_words: u32,
+    _pad: [u32; 2],
 }
 
 /// How the device picks each row's token from its logits.
@@ -1924,7 +1925,8 @@ pub enum TokenPick {
     },
 }
 
-/// A bound token pick: `logits` (`[batch][vocab]`) and `draws` (`[batch]` f32 in [0, 1)) in,
+/// A bound token pick: `logits` (`[batch][vocab]`), `draws` (`[batch]` f32 in [0, 1)) and
+/// `allow` (`[batch][allow_words(vocab)]` u32 bit sets, read when the pick is masked) in,
 /// `out` (`[2][batch]` u32: the tokens, then each row's count of non-finite logits) out.
 pub struct Pick {
     op: Bound,
@@ -1938,14 +1940,26 @@ impl Pick {
     pub fn bind(
         gpu: &Gpu,
         params: &mut Params,
-        (logits, draws, out): (&Tensor, &Tensor, &Tensor),
+        (logits, draws, allow, out): (&Tensor, &Tensor, &Tensor, &Tensor),
         (batch, vocab): (usize, usize),
     ) -> Result<Self> {
         const OP: &str = "pick";
         need(OP, "logits", logits, batch * vocab, Some(DType::F32))?;
         need(OP, "draws", draws, batch, Some(DType::F32))?;
+        need(
+            OP,
+            "allow",
+            allow,
+            batch * allow_words(vocab),
+            Some(DType::U32),
+        )?;
         need(OP, "out", out, 2 * batch, Some(DType::U32))?;
-        let buffers = [logits.buffer(), draws.buffer(), out.buffer()];
+        let buffers = [
+            logits.buffer(),
+            draws.buffer(),
+            out.buffer(),
+            allow.buffer(),
+        ];
         Ok(Self {
             op: Bound::new(gpu, params, Family::Argmax, OP, &buffers)?,
             batch,
@@ -1953,13 +1967,14 @@ impl Pick {
         })
     }
 
-    /// Configures the op for `batch` rows picked as `how` says.
+    /// Configures the op for `batch` rows picked as `how` says; `masked`: only tokens whose
+    /// bit is set in the row's `allow` words may be picked.
     pub fn configure(
         &mut self,
         gpu: &Gpu,
         params: &mut Params,
         batch: usize,
-        how: TokenPick,
+        (how, masked): (TokenPick, bool),
     ) -> Result<()> {
         const OP: &str = "pick";
         over(OP, "rows", batch, self.batch)?;
@@ -1991,7 +2006,12 @@ impl Pick {
             top_k: top_k as u32,
             temperature,
             top_p,
-            _pad: [0; 3],
+            allow_words: if masked {
+                to_u32(OP, "allow words", allow_words(self.vocab))?
+            } else {
+                0
+            },
+            _pad: [0; 2],
         };
         let dispatch = Dispatch::new(
             gpu,
@@ -2004,14 +2024,20 @@ impl Pick {
     }
 }
 
+/// Words of a row's `allow` bit set over `vocab` tokens.
+pub fn allow_words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
+}
+
 /// Picks each row's token of `logits` on the device into `out` (`[2][batch]` u32: tokens,
-/// then per-row counts of non-finite logits).
+/// then per-row counts of non-finite logits); io is (logits, draws, allow, out), `masked`
+/// says whether `allow` applies.
 pub fn pick(
     gpu: &Gpu,
     encoder: &mut wgpu::CommandEncoder,
-    io: (&Tensor, &Tensor, &Tensor),
+    io: (&Tensor, &Tensor, &Tensor, &Tensor),
     (batch, vocab): (usize, usize),
-    how: TokenPick,
+    how: (TokenPick, bool),
 ) -> Result<()> {
     once(gpu, encoder, "pick", |params| {
         let mut op = Pick::bind(gpu, params, io, (batch, vocab))?;

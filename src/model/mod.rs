@@ -4,6 +4,7 @@
 
 pub mod budget;
 pub mod config;
+pub mod constraint;
 pub mod gguf;
 pub mod gpu;
 pub mod hf;

@@ -5,6 +5,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Result, WgparError};
+use crate::model::constraint::Constraint;
 
 /// How to pick tokens. `temperature == 0` is greedy and ignores the rest.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -165,6 +166,21 @@ pub struct PickRules {
 }
 
 impl PickRules {
+    /// The most likely token, no rule acting on the logits.
+    pub fn greedy() -> Self {
+        Self {
+            sampling: None,
+            bias: Vec::new(),
+            allowed: None,
+            presence: 0.0,
+            frequency: 0.0,
+            repetition: 1.0,
+            min_p: 0.0,
+            min_tokens: 0,
+            end_tokens: Vec::new(),
+        }
+    }
+
     /// Nothing to do beyond the most likely token: the device's greedy pick serves it.
     pub fn is_greedy(&self) -> bool {
         // min-p only trims what a draw may pick: the most likely token always stays.
@@ -219,6 +235,8 @@ pub struct RequestPicker {
     seen: std::collections::HashSet<u32>,
     /// Log-probabilities of how many top tokens to return (`None`: none at all).
     logprobs: Option<usize>,
+    /// The grammar the output must follow (structured output), if any.
+    constraint: Option<Constraint>,
 }
 
 impl RequestPicker {
@@ -231,7 +249,15 @@ impl RequestPicker {
             seen: prompt.iter().copied().collect(),
             logprobs,
             rules,
+            constraint: None,
         })
+    }
+
+    /// The same picker, its tokens held to `constraint`'s grammar: the grammar's mask
+    /// applies after every other rule, so no bias or penalty brings back a token it bans.
+    pub fn with_constraint(mut self, constraint: Constraint) -> Self {
+        self.constraint = Some(constraint);
+        self
     }
 
     /// `logits` with the bias, allow-list and penalties applied.
@@ -270,9 +296,13 @@ impl RequestPicker {
         out
     }
 
-    /// Picks the next token from its row's `logits` and counts it.
-    pub fn pick(&mut self, logits: &[f32]) -> Picked {
-        let processed = self.processed(logits);
+    /// Picks the next token from its row's `logits` and counts it; fails only when the
+    /// grammar of a constrained request has no continuation.
+    pub fn pick(&mut self, logits: &[f32]) -> Result<Picked> {
+        let mut processed = self.processed(logits);
+        if let Some(c) = &mut self.constraint {
+            c.mask(&mut processed)?;
+        }
         let id = match &mut self.sampler {
             Some(s) => s.sample_min_p(&processed, self.rules.min_p),
             None => argmax(&processed),
@@ -280,9 +310,12 @@ impl RequestPicker {
         let logprobs = self
             .logprobs
             .map(|k| token_logprobs(&processed, self.rules.temperature(), id, k));
+        if let Some(c) = &mut self.constraint {
+            c.consume(id)?;
+        }
         *self.counts.entry(id).or_default() += 1;
         self.seen.insert(id);
-        Picked { id, logprobs }
+        Ok(Picked { id, logprobs })
     }
 
     /// The log-probabilities of a given `token` (a prompt's own, for `echo`): of the raw
@@ -432,7 +465,7 @@ mod tests {
         for (g, w) in got.iter().zip(want) {
             assert!((g - w).abs() < 1e-6, "{got:?}");
         }
-        let picked = p.pick(&[5.0, 4.0, -1.0, 1.0, 0.5]);
+        let picked = p.pick(&[5.0, 4.0, -1.0, 1.0, 0.5]).unwrap();
         assert_eq!(picked.id, 1);
         let lp = picked.logprobs.unwrap();
         let z: f64 = want.iter().map(|&x| (x as f64).exp()).sum();
@@ -449,7 +482,7 @@ mod tests {
         only.repetition = 1.0;
         only.allowed = Some(vec![2, 4]);
         let mut p = RequestPicker::new(only, None, &[]).unwrap();
-        assert_eq!(p.pick(&[9.0, 8.0, 1.0, 7.0, 2.0]).id, 4);
+        assert_eq!(p.pick(&[9.0, 8.0, 1.0, 7.0, 2.0]).unwrap().id, 4);
         // Probabilities 0.5, 0.3, 0.2; min-p 0.5 keeps those >= 0.25: tokens 0 and 1.
         let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
         let mut s = Sampler::new(params(1.0, 0, 1.0)).unwrap();

@@ -34,6 +34,11 @@ pub struct BatchStep {
     /// Read each row's logits back as well, for a caller that samples some rows itself (a
     /// server whose requests carry their own temperature and seed).
     pub logits: bool,
+    /// Each row's bit set of the tokens the device may pick for it (`rows x
+    /// ops::allow_words(vocab)` u32, bit t % 32 of word t / 32 is token t): structured
+    /// output's grammar masks, applied in the pick kernel. `None`: no mask. Only for an
+    /// engine whose [`StepEngine::masks_on_device`] says so.
+    pub allow: Option<Vec<u32>>,
 }
 
 /// A finished step.
@@ -97,6 +102,12 @@ pub trait StepEngine: Engine {
     /// The next finished step, waiting at most `timeout` (`None`: until one finishes).
     /// `Ok(None)` when the timeout passed first.
     fn complete(&mut self, timeout: Option<Duration>) -> Result<Option<StepDone>>;
+
+    /// Whether [`BatchStep::allow`] reaches the pick kernel: false where the head is in
+    /// another process (a caller then masks read-back logits itself).
+    fn masks_on_device(&self) -> bool {
+        false
+    }
 
     /// Pipeline accounting of the work since the last [`reserve_slots`](Self::reserve_slots)
     /// (pipelines only).

@@ -37,14 +37,17 @@ pub struct SingleEngine {
 }
 
 /// Who picks a step's next tokens.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum StepPick {
     /// The engine's sampler (greedy unless [`Engine::set_sampling`] said otherwise), with the
     /// logits read back when asked for.
     Engine { logits: bool },
     /// Greedy on the device, and the logits read back only when asked for: the serving
-    /// loop's steps.
-    Greedy { logits: bool },
+    /// loop's steps, each row kept to its bits of `allow` when given.
+    Greedy {
+        logits: bool,
+        allow: Option<Vec<u32>>,
+    },
 }
 
 impl SingleEngine {
@@ -106,6 +109,10 @@ impl SingleEngine {
         let cpu_start = super::thread_cpu_s();
         let readout = Readout::of(&mut self.picker, pick, step.batch);
         act.set_readout(readout.device_pick, readout.read_logits);
+        if let Some(allow) = &readout.allow {
+            // Before `begin_step`, which configures the pick as masked.
+            m.write_allow(act, allow)?;
+        }
         m.write_ids(act, ids)?;
         m.begin_step(act, kv, &step, rows)?;
         if !readout.draws.is_empty() {
@@ -173,28 +180,29 @@ struct Readout {
     /// The sampler's random draws for a device-side pick (empty for greedy).
     draws: Vec<f32>,
     want_logits: bool,
+    /// Each row's bit set of the tokens the device may pick.
+    allow: Option<Vec<u32>>,
 }
 
 impl Readout {
     fn of(picker: &mut Picker, pick: StepPick, batch: usize) -> Self {
-        let (device_pick, read_logits, host_picks, draws) = match pick {
-            StepPick::Engine { logits } => (
-                picker.device_or_greedy(),
-                logits || picker.needs_logits(),
-                picker.needs_logits(),
-                picker.draws(batch),
-            ),
-            StepPick::Greedy { logits } => (TokenPick::Greedy, logits, false, Vec::new()),
-        };
-        let want_logits = match pick {
-            StepPick::Engine { logits } | StepPick::Greedy { logits } => logits,
-        };
-        Self {
-            device_pick,
-            read_logits,
-            host_picks,
-            draws,
-            want_logits,
+        match pick {
+            StepPick::Engine { logits } => Self {
+                device_pick: picker.device_or_greedy(),
+                read_logits: logits || picker.needs_logits(),
+                host_picks: picker.needs_logits(),
+                draws: picker.draws(batch),
+                want_logits: logits,
+                allow: None,
+            },
+            StepPick::Greedy { logits, allow } => Self {
+                device_pick: TokenPick::Greedy,
+                read_logits: logits,
+                host_picks: false,
+                draws: Vec::new(),
+                want_logits: logits,
+                allow,
+            },
         }
     }
 }
@@ -343,6 +351,10 @@ impl StepEngine for SingleEngine {
         self.kv.as_ref().map_or(0, KvCache::slots)
     }
 
+    fn masks_on_device(&self) -> bool {
+        true
+    }
+
     /// Runs the step at once; [`complete`](StepEngine::complete) hands it back.
     fn submit(&mut self, step: BatchStep) -> Result<()> {
         let shape = Step {
@@ -359,6 +371,7 @@ impl StepEngine for SingleEngine {
             (&step.deps, step.release_us),
             StepPick::Greedy {
                 logits: step.logits,
+                allow: step.allow,
             },
         )?;
         // Logits with a non-finite value were refused by the device's counts in `forward`.

@@ -4,6 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::chat::Message;
+use crate::model::constraint::Format;
 use crate::model::sampling::{PickRules, SamplingParams};
 
 pub mod fields;
@@ -41,6 +42,8 @@ pub struct Params {
     pub add_generation_prompt: bool,
     /// vLLM's `include_stop_str_in_output`: the text keeps the stop string that ended it.
     pub include_stop: bool,
+    /// `response_format`: what the output must be (`None`: free text).
+    pub format: Option<Format>,
 }
 
 /// The prompt of a request.
@@ -203,6 +206,22 @@ pub fn params(obj: &Map<String, Value>, route: Route, vocab: usize) -> Result<Pa
             ))
         }
     };
+    let rules = rules(obj, vocab)?;
+    let format = response_format(obj)?;
+    if format.is_some() {
+        // Either could leave a step where the grammar's tokens are all banned.
+        for (name, set) in [
+            ("min_tokens", rules.min_tokens > 0),
+            ("allowed_token_ids", rules.allowed.is_some()),
+        ] {
+            if set {
+                return Err(Invalid::new(
+                    name,
+                    format!("'{name}' cannot be combined with a JSON 'response_format'"),
+                ));
+            }
+        }
+    }
     Ok(Params {
         model,
         max_tokens,
@@ -211,13 +230,73 @@ pub fn params(obj: &Map<String, Value>, route: Route, vocab: usize) -> Result<Pa
         stream: boolean(obj, "stream")?.unwrap_or(false),
         include_usage,
         ignore_eos: boolean(obj, "ignore_eos")?.unwrap_or(false),
-        rules: rules(obj, vocab)?,
+        rules,
         logprobs,
         echo,
         n,
         add_generation_prompt: boolean(obj, "add_generation_prompt")?.unwrap_or(true),
         include_stop: boolean(obj, "include_stop_str_in_output")?.unwrap_or(false),
+        format,
     })
+}
+
+/// `response_format`: `{"type": "text"}`, `{"type": "json_object"}`, or `{"type":
+/// "json_schema", "json_schema": {"name", "schema", "strict", "description"}}` (the schema is
+/// enforced whether `strict` is true or not). Anything else is refused by name.
+fn response_format(obj: &Map<String, Value>) -> Result<Option<Format>, Invalid> {
+    let bad = |m: String| Invalid::new("response_format", m);
+    let Some(v) = field(obj, "response_format") else {
+        return Ok(None);
+    };
+    let Value::Object(rf) = v else {
+        return Err(bad(format!("'response_format' must be an object, not {v}")));
+    };
+    let only = |keys: &[&str]| match rf.keys().find(|k| !keys.contains(&k.as_str())) {
+        Some(k) => Err(bad(format!("'response_format' has an unknown key '{k}'"))),
+        None => Ok(()),
+    };
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => only(&["type"]).map(|_| None),
+        Some("json_object") => only(&["type"]).map(|_| Some(Format::JsonObject)),
+        Some("json_schema") => {
+            only(&["type", "json_schema"])?;
+            json_schema(rf.get("json_schema")).map(Some)
+        }
+        Some(other) => Err(bad(format!(
+            "'response_format' type \"{other}\" is not supported: wgpar takes text, \
+             json_object or json_schema"
+        ))),
+        None => Err(bad("'response_format' needs a string 'type'".into())),
+    }
+}
+
+/// `response_format.json_schema`: a `schema` (an object, or `true` for any JSON value), an
+/// optional string `name` and `description`, an optional boolean `strict`.
+fn json_schema(v: Option<&Value>) -> Result<Format, Invalid> {
+    let bad = |m: &str| {
+        Invalid::new(
+            "response_format",
+            format!("'response_format.json_schema' {m}"),
+        )
+    };
+    let Some(Value::Object(js)) = v else {
+        return Err(bad("must be an object with a 'schema'"));
+    };
+    for (k, v) in js {
+        let fits = match k.as_str() {
+            "name" | "description" => v.is_string(),
+            "strict" => v.is_boolean() || v.is_null(),
+            "schema" => v.is_object() || v == &Value::Bool(true),
+            _ => return Err(bad(&format!("has an unknown key '{k}'"))),
+        };
+        if !fits {
+            return Err(bad(&format!("'{k}' has the wrong type: {v}")));
+        }
+    }
+    match js.get("schema") {
+        Some(schema) => Ok(Format::JsonSchema(schema.clone())),
+        None => Err(bad("needs a 'schema'")),
+    }
 }
 
 /// `stop`: a string or a list of up to 4 non-empty ones.
@@ -490,6 +569,36 @@ mod tests {
         let stop = vec!["é!".to_string()];
         assert_eq!(partial_stop("café", &stop), "é".len());
         assert_eq!(partial_stop("caf", &stop), 0);
+    }
+
+    #[test]
+    fn response_formats_are_read_or_refused_by_name() {
+        let format = |rf: &str| params_of(&format!(r#"{{"response_format":{rf}}}"#));
+        assert_eq!(format(r#"{"type":"text"}"#).unwrap().format, None);
+        assert_eq!(
+            format(r#"{"type":"json_object"}"#).unwrap().format,
+            Some(Format::JsonObject)
+        );
+        let schema = r#"{"type":"json_schema","json_schema":{"name":"n","strict":true,
+            "schema":{"type":"object"}}}"#;
+        assert_eq!(
+            format(schema).unwrap().format,
+            Some(Format::JsonSchema(serde_json::json!({"type": "object"})))
+        );
+        for bad in [
+            r#"{"type":"regex"}"#,
+            r#"{"type":"json_object","schema":{}}"#,
+            r#"{"type":"json_schema"}"#,
+            r#"{"type":"json_schema","json_schema":{"name":"n"}}"#,
+            r#"{"type":"json_schema","json_schema":{"schema":3}}"#,
+            r#""json""#,
+        ] {
+            let e = format(bad).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("response_format"), "{bad}: {e:?}");
+            assert!(e.message.contains("response_format"), "{bad}: {e:?}");
+        }
+        let e = params_of(r#"{"response_format":{"type":"json_object"},"min_tokens":2}"#);
+        assert_eq!(e.unwrap_err().param.as_deref(), Some("min_tokens"));
     }
 
     #[test]

@@ -19,7 +19,9 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::metrics::{Finish, Metrics};
 use super::Shared;
 use crate::error::Result;
-use crate::model::sampling::{Picked, RequestPicker, TokenLogprobs};
+use crate::kernels::ops::allow_words;
+use crate::model::constraint::Constraint;
+use crate::model::sampling::{PickRules, Picked, RequestPicker, TokenLogprobs};
 use crate::parallel::{BatchStep, Fault, FaultKind, SeqRow, StepDone, StepEngine};
 
 /// What the engine sends a request.
@@ -56,6 +58,11 @@ pub struct Job {
     /// of this request only, so a seeded request gets the same tokens whatever it is batched
     /// with.
     pub picker: Option<RequestPicker>,
+    /// Structured output picked on the device (a greedy request with no `picker`): each
+    /// step uploads the grammar's mask of this request's row for the pick kernel, and the
+    /// picked token advances the grammar. Where the engine cannot mask on the device it
+    /// becomes a host `picker`'s constraint instead.
+    pub constraint: Option<Constraint>,
     /// Tokens fed after `prompt` one step at a time, each scored (its log-probs sent as
     /// [`Event::Scored`]) rather than picked: the rest of an echoed prompt whose own log-probs
     /// were asked. Generation starts after the last. Needs a `picker`.
@@ -149,6 +156,10 @@ struct Batcher {
     eos: Vec<u32>,
     metrics: Arc<Metrics>,
     shared: Arc<Shared>,
+    /// The engine applies [`BatchStep::allow`] in its pick kernel.
+    device_masks: bool,
+    /// Words of a row's mask.
+    mask_words: usize,
 }
 
 /// Runs the engine loop until `jobs` closes and every request has finished, or the engine
@@ -173,6 +184,8 @@ pub fn run(
         eos,
         metrics,
         shared,
+        device_masks: engine.masks_on_device(),
+        mask_words: allow_words(engine.model_config().vocab),
     };
     // A panic leaves the engine in an unknown state: it is never stepped again.
     let why = match std::panic::catch_unwind(AssertUnwindSafe(|| b.serve(engine, jobs))) {
@@ -206,14 +219,14 @@ impl Batcher {
                 }
                 // Nothing to do: block for the next request (bounded, to notice shutdown).
                 match jobs.recv_timeout(Duration::from_millis(200)) {
-                    Ok(job) => self.waiting.push_back(job),
+                    Ok(job) => self.admit(job),
                     Err(RecvTimeoutError::Timeout) => continue,
                     Err(RecvTimeoutError::Disconnected) => open = false,
                 }
             }
             loop {
                 match jobs.try_recv() {
-                    Ok(job) => self.waiting.push_back(job),
+                    Ok(job) => self.admit(job),
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => {
                         open = false;
@@ -247,6 +260,31 @@ impl Batcher {
                 }
             }
         }
+    }
+
+    /// Queues `job`; a device-masked request becomes a host-picked one where the engine
+    /// cannot mask on the device.
+    fn admit(&mut self, mut job: Job) {
+        if let Some(c) = job.constraint.take_if(|_| !self.device_masks) {
+            // Greedy rules take no sampler: making the picker cannot fail.
+            match RequestPicker::new(PickRules::greedy(), None, &job.prompt) {
+                Ok(p) => job.picker = Some(p.with_constraint(c)),
+                Err(e) => {
+                    self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                    self.metrics.failed.inc();
+                    let _ = job.events.send(Event::Error(e.to_string()));
+                    return;
+                }
+            }
+        }
+        self.waiting.push_back(job);
+    }
+
+    /// A request whose grammar failed ends alone, with the error; its slot frees.
+    fn drop_failed(&mut self, s: Seq, why: String) {
+        let _ = s.job.events.send(Event::Error(why));
+        self.metrics.failed.inc();
+        self.free.push(s.slot);
     }
 
     fn running(&self) -> usize {
@@ -343,13 +381,15 @@ impl Batcher {
                 deps: Vec::new(),
                 release_us: None,
                 logits: joining.iter().any(|s| s.job.picker.is_some()),
+                allow: masks(&mut joining, self.mask_words),
             };
             return Some((step, Flight::Prefill(joining)));
         }
-        let seqs = &self.lanes[lane].seqs;
-        if seqs.is_empty() {
+        if self.lanes[lane].seqs.is_empty() {
             return None;
         }
+        let allow = masks(&mut self.lanes[lane].seqs, self.mask_words);
+        let seqs = &self.lanes[lane].seqs;
         let step = BatchStep {
             lane,
             rows: seqs
@@ -364,6 +404,7 @@ impl Batcher {
             deps: Vec::new(),
             release_us: None,
             logits: seqs.iter().any(|s| s.job.picker.is_some()),
+            allow,
         };
         Some((step, Flight::Decode))
     }
@@ -410,10 +451,17 @@ impl Batcher {
         now: Instant,
     ) -> Result<()> {
         let picked = match (&mut s.job.picker, logits) {
-            (None, _) => Picked {
-                id: greedy,
-                logprobs: None,
-            },
+            (None, _) => {
+                let fed = s.job.constraint.as_mut().map(|c| c.consume(greedy));
+                if let Some(Err(e)) = fed {
+                    self.drop_failed(s, e.to_string());
+                    return Ok(());
+                }
+                Picked {
+                    id: greedy,
+                    logprobs: None,
+                }
+            }
             (Some(picker), Some(logits)) => match s.job.score.get(s.scored) {
                 Some(&token) => {
                     // A prompt token: scored, fed next, not generated.
@@ -430,7 +478,14 @@ impl Batcher {
                     }
                     return Ok(());
                 }
-                None => picker.pick(logits),
+                None => match picker.pick(logits) {
+                    Ok(picked) => picked,
+                    Err(e) => {
+                        // Only this request's grammar failed: it alone ends, with the error.
+                        self.drop_failed(s, e.to_string());
+                        return Ok(());
+                    }
+                },
             },
             (Some(_), None) => {
                 return Err(crate::WgparError::Internal(
@@ -525,4 +580,22 @@ impl Batcher {
         self.metrics.kv_slots_used.set(0);
         self.metrics.kv_usage.set(0.0);
     }
+}
+
+/// A step's per-row masks for the device pick: the grammar's allowed tokens for rows with a
+/// device-side constraint, every token for the others; `None` when no row has one.
+fn masks(seqs: &mut [Seq], words: usize) -> Option<Vec<u32>> {
+    if seqs.iter().all(|s| s.job.constraint.is_none()) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(seqs.len() * words);
+    for s in seqs {
+        match &mut s.job.constraint {
+            // A grammar that cannot go on bans every token: the pick's token then fails to
+            // advance it, which ends that request with the error.
+            Some(c) => out.extend(c.allowed().unwrap_or_else(|_| vec![0; words])),
+            None => out.extend(std::iter::repeat_n(u32::MAX, words)),
+        }
+    }
+    Some(out)
 }

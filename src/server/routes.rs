@@ -4,7 +4,7 @@
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::Poll;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -26,6 +26,7 @@ use super::embeddings::EncoderHandle;
 use super::limits::Watched;
 use super::tools::{CallStream, ToolCall, ToolRequest};
 use super::{ServerOptions, Shared, TextModel};
+use crate::model::constraint::{Constraint, Grammars};
 use crate::model::hf::TextStream;
 use crate::model::sampling::{RequestPicker, TokenLogprobs};
 
@@ -42,6 +43,9 @@ pub struct AppState {
     ids: Arc<AtomicU64>,
     /// The encoder of an embeddings server (which has no generation engine).
     encoder: Option<Arc<EncoderHandle>>,
+    /// The model's token table for structured output, built by the first request that asks
+    /// (or why the tokenizer cannot serve one).
+    grammars: Arc<OnceLock<Result<Grammars, String>>>,
 }
 
 impl AppState {
@@ -61,6 +65,7 @@ impl AppState {
             max_queue: opts.max_queue,
             ids: Arc::new(AtomicU64::new(0)),
             encoder: None,
+            grammars: Arc::new(OnceLock::new()),
         }
     }
 
@@ -437,7 +442,29 @@ fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal
 /// Each choice's receiver and ending, in the order of the jobs.
 type Channels = Vec<(UnboundedReceiver<Event>, Arc<Ending>)>;
 
-fn jobs(accepted: &Accepted, eos: &[u32]) -> Result<(Vec<Job>, Channels), Invalid> {
+/// The grammar a request's `response_format` asks for, compiled against the model's tokens.
+fn constraint(state: &AppState, params: &Params) -> Result<Option<Constraint>, Invalid> {
+    let Some(format) = &params.format else {
+        return Ok(None);
+    };
+    let bad = |m: String| Invalid::new("response_format", format!("'response_format': {m}"));
+    let grammars = state.grammars.get_or_init(|| {
+        let text = &state.text;
+        let json = text.tokenizer.to_json().map_err(|e| e.to_string())?;
+        Grammars::new(&json, text.vocab, &text.eos).map_err(|e| e.to_string())
+    });
+    let grammars = grammars.as_ref().map_err(|e| bad(e.clone()))?;
+    let compiled = grammars.compile(format);
+    compiled
+        .map(Some)
+        .map_err(|e| bad(format!("the schema does not compile: {e}")))
+}
+
+fn jobs(
+    accepted: &Accepted,
+    eos: &[u32],
+    constraint: Option<Constraint>,
+) -> Result<(Vec<Job>, Channels), Invalid> {
     let p = &accepted.params;
     let scoring = p.echo && p.logprobs.is_some();
     let (mut jobs, mut rxs) = (Vec::new(), Vec::new());
@@ -452,11 +479,18 @@ fn jobs(accepted: &Accepted, eos: &[u32]) -> Result<(Vec<Job>, Channels), Invali
             if let Some(s) = rules.sampling.as_mut() {
                 s.seed = s.seed.wrapping_add(i as u64);
             }
+            // A greedy structured request is masked in the device's pick; any other masks
+            // its read-back logits in its own picker.
             let host = scoring || p.logprobs.is_some() || !rules.is_greedy();
             let picker = host
                 .then(|| RequestPicker::new(rules, p.logprobs, prompt))
                 .transpose()
-                .map_err(|e| Invalid::from(e.to_string()))?;
+                .map_err(|e| Invalid::from(e.to_string()))?
+                .map(|picker| match &constraint {
+                    Some(c) => picker.with_constraint(c.clone()),
+                    None => picker,
+                });
+            let device_constraint = constraint.clone().filter(|_| !host);
             let split = if scoring { 1 } else { prompt.len() };
             let (tx, rx) = unbounded_channel();
             let ending = Arc::new(Ending::default());
@@ -469,6 +503,7 @@ fn jobs(accepted: &Accepted, eos: &[u32]) -> Result<(Vec<Job>, Channels), Invali
                 ignore_eos: p.ignore_eos,
                 stop_ids: p.stop_ids.clone(),
                 picker,
+                constraint: device_constraint,
                 ending: ending.clone(),
             });
             rxs.push((rx, ending));
@@ -489,7 +524,8 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
         );
     }
     let checked = accept(&state.text, body, kind).and_then(|a| {
-        let j = jobs(&a, &state.text.eos).map_err(Refusal::Bad)?;
+        let c = constraint(&state, &a.params)?;
+        let j = jobs(&a, &state.text.eos, c).map_err(Refusal::Bad)?;
         Ok((a, j))
     });
     let (accepted, (jobs, rxs)) = match checked {

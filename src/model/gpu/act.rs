@@ -37,6 +37,9 @@ pub(super) struct Buffers {
     pub(super) pooled: Option<Tensor>,
     /// `[batch]` f32 uniform draws for device sampling (decoder head devices).
     pub(super) draws: Option<Tensor>,
+    /// `[batch][allow words]` u32 bit sets of the tokens each row may pick, for a masked
+    /// pick (decoder head devices).
+    pub(super) allow: Option<Tensor>,
     /// `[2][batch]` u32: picked tokens, then each row's count of non-finite logits.
     pub(super) picked: Option<Tensor>,
     /// A one-element buffer bound where an op takes no second operand.
@@ -101,8 +104,10 @@ pub struct Activations {
     /// (batch, seq) the ops are configured for.
     pub(super) configured: Option<(usize, usize)>,
     /// The token pick the head's op is configured for, and the one asked for.
-    pub(super) pick_configured: Option<TokenPick>,
+    pub(super) pick_configured: Option<(TokenPick, bool)>,
     pub(super) pick: TokenPick,
+    /// The pick reads the rows' `allow` bit sets ([`GpuModel::write_allow`](super::GpuModel::write_allow)).
+    pub(super) masked: bool,
     /// Copy the logits out too (besides the tokens).
     pub(super) want_logits: bool,
     pub(super) tokens_out: Option<Readback>,
@@ -166,6 +171,13 @@ impl Activations {
     pub fn set_readout(&mut self, pick: TokenPick, logits: bool) {
         self.pick = pick;
         self.want_logits = logits;
+        self.masked = false;
+    }
+
+    /// After [`Self::set_readout`]: the pick keeps to the bit sets the step wrote with
+    /// [`GpuModel::write_allow`](super::GpuModel::write_allow).
+    pub fn set_masked(&mut self) {
+        self.masked = true;
     }
 
     pub(super) fn no_head(&self) -> WgparError {

@@ -42,8 +42,8 @@ use super::weights::ModelWeights;
 use crate::device::{DType, Gpu, Readback, Tensor};
 use crate::error::{Result, WgparError};
 use crate::kernels::ops::{
-    AttnShape, Embed, Embedding, NormOp, Params, Pass, Pick, Pool, Pooling, Positions, RopeTables,
-    TokenPick, TokenTable, TokenTypes,
+    allow_words, AttnShape, Embed, Embedding, NormOp, Params, Pass, Pick, Pool, Pooling, Positions,
+    RopeTables, TokenPick, TokenTable, TokenTypes,
 };
 use act::{Buffers, EmbedOps, HeadBlock, HeadOps};
 use kv::KvSpec;
@@ -285,6 +285,7 @@ impl GpuModel {
             configured: None,
             pick_configured: None,
             pick: TokenPick::Greedy,
+            masked: false,
             want_logits: false,
             tokens_out,
             logits_out: None,
@@ -330,6 +331,9 @@ impl GpuModel {
                 .then(|| f32s("act.pooled", batch * c.hidden))
                 .transpose()?,
             draws: decoder_head.then(|| f32s("act.draws", batch)).transpose()?,
+            allow: decoder_head
+                .then(|| g.empty("act.allow", DType::U32, batch * allow_words(c.vocab)))
+                .transpose()?,
             picked: decoder_head
                 .then(|| g.empty("act.picked", DType::U32, 2 * batch))
                 .transpose()?,
@@ -426,6 +430,9 @@ impl GpuModel {
         else {
             return Ok(None);
         };
+        let Some(allow) = &a.allow else {
+            return Ok(None);
+        };
         let g = &*self.gpu;
         let c = &self.config;
         let (rows, h) = (batch, c.hidden);
@@ -443,7 +450,7 @@ impl GpuModel {
             norm_x: final_norm(params, &a.x)?,
             norm_last: final_norm(params, &a.last)?,
             logits: self.bind_head_blocks(params, head, (&a.last_norm, logits), rows)?,
-            pick: Pick::bind(g, params, (logits, draws, picked), (rows, c.vocab))?,
+            pick: Pick::bind(g, params, (logits, draws, allow, picked), (rows, c.vocab))?,
         }))
     }
 
@@ -630,10 +637,11 @@ impl GpuModel {
             }
         }
         if let Some(h) = &mut act.head {
-            if reshaped || act.pick_configured != Some(act.pick) {
+            let how = (act.pick, act.masked);
+            if reshaped || act.pick_configured != Some(how) {
                 act.pick_configured = None;
-                h.pick.configure(g, params, step.batch, act.pick)?;
-                act.pick_configured = Some(act.pick);
+                h.pick.configure(g, params, step.batch, how)?;
+                act.pick_configured = Some(how);
             }
             if act.want_logits && act.logits_out.is_none() {
                 let bytes = (act.batch * self.config.vocab * 4) as u64;
@@ -686,6 +694,24 @@ impl GpuModel {
             )));
         }
         self.gpu.write_u32(&act.buf.ids, ids)
+    }
+
+    /// Stages each row's bit set of the tokens it may pick (`[rows][allow_words(vocab)]`
+    /// u32, bit t % 32 of word t / 32 is token t) and marks the step's pick masked (lands at
+    /// the next submit).
+    pub fn write_allow(&self, act: &mut Activations, allow: &[u32]) -> Result<()> {
+        let t = act.buf.allow.as_ref().ok_or_else(|| act.no_head())?;
+        let words = allow_words(self.config.vocab);
+        if !allow.len().is_multiple_of(words) || allow.len() / words > act.batch {
+            return Err(WgparError::InvalidCall(format!(
+                "{} mask words are not whole rows of {words} for at most {} rows",
+                allow.len(),
+                act.batch
+            )));
+        }
+        self.gpu.write_u32(t, allow)?;
+        act.set_masked();
+        Ok(())
     }
 
     /// Stages one uniform random number in [0, 1) per sequence for a sampling token pick

@@ -179,6 +179,12 @@ impl TextTokenizer {
         })
     }
 
+    /// The tokenizer as `tokenizer.json` text (structured output reads every token's bytes
+    /// from it).
+    pub fn to_json(&self) -> Result<String> {
+        (self.inner.to_string(false)).map_err(|e| self.fail("writing tokenizer.json", e))
+    }
+
     /// Text of `ids`, special tokens left out.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner

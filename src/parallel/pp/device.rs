@@ -236,6 +236,9 @@ fn stage_inputs(
         if !work.readout.draws.is_empty() {
             m.write_draws(act, &work.readout.draws)?;
         }
+        if !work.readout.allow.is_empty() {
+            m.write_allow(act, &work.readout.allow)?;
+        }
     }
     match &work.rows {
         Some(rows) => m.begin_step(act, kv, &step, rows),

@@ -112,6 +112,7 @@ impl PipelineEngine {
             pick: self.picker.device_or_greedy(),
             draws: Arc::new(self.picker.draws(batch)),
             logits: logits || self.picker.needs_logits(),
+            allow: Arc::default(),
         }
     }
 

@@ -69,6 +69,10 @@ impl StepEngine for PipelineEngine {
         self.serving.slots
     }
 
+    fn masks_on_device(&self) -> bool {
+        !self.remote_head
+    }
+
     fn submit(&mut self, step: BatchStep) -> Result<()> {
         self.check_alive()?;
         let lanes = self.serving.busy.len();
@@ -97,6 +101,7 @@ impl StepEngine for PipelineEngine {
         // The device picks greedily; logits come back only for a caller that samples.
         w.readout = Readout {
             logits: step.logits,
+            allow: Arc::new(step.allow.unwrap_or_default()),
             ..Readout::default()
         };
         self.serving.started.get_or_insert_with(Instant::now);

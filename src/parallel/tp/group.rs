@@ -43,6 +43,9 @@ pub(crate) struct Readout {
     pub draws: Arc<Vec<f32>>,
     /// Read the logits back too.
     pub logits: bool,
+    /// Each row's bit set of the tokens it may pick (`ops::allow_words(vocab)` words a row;
+    /// empty: no mask). Stays in this process: a remote head never gets one.
+    pub allow: Arc<Vec<u32>>,
 }
 
 impl Default for Readout {
@@ -51,6 +54,7 @@ impl Default for Readout {
             pick: TokenPick::Greedy,
             draws: Arc::default(),
             logits: false,
+            allow: Arc::default(),
         }
     }
 }

@@ -147,6 +147,7 @@ impl TensorParallelEngine {
             pick: self.picker.device_or_greedy(),
             draws: Arc::new(self.picker.draws(batch)),
             logits: want_logits || self.host_picks(),
+            allow: Arc::default(),
         }
     }
 

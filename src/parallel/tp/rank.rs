@@ -136,6 +136,9 @@ fn stage_inputs(
         if !job.readout.draws.is_empty() {
             m.write_draws(act, &job.readout.draws)?;
         }
+        if !job.readout.allow.is_empty() {
+            m.write_allow(act, &job.readout.allow)?;
+        }
     }
     match &job.rows {
         Some(rows) => m.begin_step(act, kv, &step, rows)?,

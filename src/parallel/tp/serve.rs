@@ -39,6 +39,10 @@ impl StepEngine for TensorParallelEngine {
         self.serve_slots
     }
 
+    fn masks_on_device(&self) -> bool {
+        self.group.remote.is_none()
+    }
+
     /// Runs the step at once on every rank; [`complete`](StepEngine::complete) hands it back.
     fn submit(&mut self, step: BatchStep) -> Result<()> {
         if self.serve_slots == 0 {
@@ -60,6 +64,7 @@ impl StepEngine for TensorParallelEngine {
             // The device picks greedily; logits come back only for a caller that samples.
             readout: Readout {
                 logits: step.logits,
+                allow: Arc::new(step.allow.unwrap_or_default()),
                 ..Readout::default()
             },
         };

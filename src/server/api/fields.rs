@@ -74,7 +74,7 @@ use Rule::{Honoured as H, NoEffect as N, OnlyAt as At, Refused as R};
 const OA: &str = "OpenAI";
 const VL: &str = "vLLM";
 const LS: &str = "llama-server";
-const NO_GRAMMAR: &str = "refused: constrained decoding is not built";
+const NO_GRAMMAR: &str = "refused: use `response_format` (JSON object or schema)";
 const NO_SAMPLER: &str = "wgpar has no such sampler";
 
 /// The table, in the order the docs list it.
@@ -121,7 +121,7 @@ pub const FIELDS: &[Field] = &[
     f("cache_salt", Both, VL, N, r#""s""#, "no effect (no prefix cache)"),
     f("cache_prompt", Both, LS, N, "true", "no effect (no prefix cache)"),
     f("id_slot", Both, LS, N, "0", "no effect (the scheduler picks the slot)"),
-    f("response_format", Both, OA, At(r#"{"type":"text"}"#), r#"{"type":"json_object"}"#, "only `text`: structured output is not built"),
+    f("response_format", Both, OA, H, r#"{"type":"text"}"#, "`text`, `json_object`, or `json_schema` (its `schema` enforced while decoding, `strict` or not: a token mask per step); other types 400. Needs a byte-level or byte-fallback tokenizer"),
     f("tools", Chat, OA, H, r#"[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}]"#, "function definitions, rendered by the chat template as `tools` (400 if it does not read them); calls in the answer come back as `tool_calls`"),
     f("tool_choice", Chat, OA, H, r#""none""#, "`auto` (the default with tools) or `none` (tools not rendered, the answer not parsed); `required` and a named function: 400, until the structured-output mask enforces them"),
     f("functions", Chat, OA, R, "[]", "refused: deprecated, use `tools`"),

@@ -1,0 +1,208 @@
+//! Structured output (issue 35): `response_format` `json_object` and `json_schema` hold the
+//! answer to its schema while decoding (llguidance's token mask per step). The `openai` client
+//! sends the requests several at a time and Python's `jsonschema` validates every answer:
+//! SmolLM2 answering questions, and a random model with a byte vocabulary, whose unmasked
+//! output is not JSON at all, on every strategy. Bad schemas and other types are 400s naming
+//! `response_format`.
+
+mod common;
+mod gguf_support;
+mod hf_support;
+mod serve_support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use gguf_support::{gguf_tensors, model_meta, write_gguf, GgufSpec};
+use serde_json::{json, Value};
+use serve_support::Server;
+use wgpar::model::quant::QuantType;
+use wgpar::model::{ModelConfig, ModelWeights};
+
+fn serve(model: &Path, extra: &[&str]) -> Server {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_wgpar"));
+    cmd.args([
+        "serve",
+        "--port",
+        "0",
+        "--served-model-name",
+        "m",
+        "--model",
+    ])
+    .arg(model)
+    .args(extra);
+    Server::spawn(cmd, Duration::from_secs(300))
+}
+
+fn post(server: &Server, path: &str, body: &Value) -> (u16, Value) {
+    let (code, text) = server.post(path, &body.to_string());
+    let v = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{body}: {code} {text}"));
+    (code, v)
+}
+
+/// The client's answers to the `cases` set, all at once; asserts each finished on its own
+/// (not at `max_tokens`) with text that validates against its schema, and returns them.
+fn answers(server: &Server, cases: &str, max_tokens: usize) -> Vec<Value> {
+    let port = server.port.to_string();
+    let got = common::python_json(
+        "tests/serve_structured/client.py",
+        &[&port, cases, &max_tokens.to_string()],
+    );
+    let list = got.as_array().unwrap().clone();
+    assert!(list.len() >= 4, "{got}");
+    for a in &list {
+        assert_eq!(a["finish"], "stop", "ran out of tokens: {a}");
+        assert_eq!(a["valid"], true, "not valid against its schema: {a}");
+    }
+    list
+}
+
+/// A tiny Llama of random weights with a byte-level vocabulary (256 bytes and an end token,
+/// which is also BOS), a chat template, as a GGUF file.
+fn byte_model(dir: &Path) -> PathBuf {
+    let config = ModelConfig {
+        vocab: 257,
+        ..ModelConfig::preset("tiny-llama").unwrap()
+    };
+    let w = ModelWeights::synthetic(&config, 77);
+    let template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}\
+                    {% if add_generation_prompt %}<a>{% endif %}";
+    let types = [vec![1; 256], vec![3]].concat();
+    let mut meta = model_meta(&w, "llama");
+    meta.extend([
+        json!(["tokenizer.ggml.model", "str", "gpt2"]),
+        json!([
+            "tokenizer.ggml.tokens",
+            "str_array",
+            gguf_support::byte_tokens()
+        ]),
+        json!(["tokenizer.ggml.merges", "str_array", Vec::<String>::new()]),
+        json!(["tokenizer.ggml.add_bos_token", "bool", false]),
+        json!(["tokenizer.ggml.bos_token_id", "u32", 256]),
+        json!(["tokenizer.ggml.eos_token_id", "u32", 256]),
+        json!(["tokenizer.ggml.token_type", "i32_array", types]),
+        json!(["tokenizer.chat_template", "str", template]),
+    ]);
+    let spec = GgufSpec {
+        arch: "llama",
+        matrices: QuantType::F32,
+        meta,
+    };
+    write_gguf(dir, "bytes", &gguf_tensors(&w, true), &spec)
+}
+
+/// The random model's own greedy text for `prompt` (no format): not a JSON object, so what
+/// the masked requests return is the mask's doing.
+fn unmasked_is_not_json(server: &Server, prompt: &str) {
+    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 24, "temperature": 0,
+        "ignore_eos": true});
+    let (code, v) = post(server, "/v1/completions", &body);
+    assert_eq!(code, 200, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    assert!(!text.is_empty(), "{v}");
+    let parsed = serde_json::from_str::<Value>(text.trim());
+    assert!(
+        !parsed.as_ref().is_ok_and(Value::is_object),
+        "the random model wrote a JSON object unaided: {text:?}"
+    );
+}
+
+/// A greedy structured request is masked in the device's pick; with `logprobs` the same
+/// request reads its logits back and is masked on the host: the same text either way.
+fn device_and_host_masks_agree(server: &Server) {
+    let schema = json!({"type": "object", "properties": {
+        "k": {"enum": ["x", "yy", "zzz"]}, "v": {"type": "integer", "minimum": 0, "maximum": 9999},
+        "s": {"type": "string", "maxLength": 6}}, "required": ["k", "v", "s"],
+        "additionalProperties": false});
+    let rf = json!({"type": "json_schema", "json_schema": {"name": "o", "schema": schema}});
+    let mut texts = Vec::new();
+    for logprobs in [None, Some(0)] {
+        let body = json!({"model": "m", "prompt": "q r", "max_tokens": 60, "temperature": 0,
+            "response_format": rf, "logprobs": logprobs});
+        let (code, v) = post(server, "/v1/completions", &body);
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        texts.push(v["choices"][0]["text"].as_str().unwrap().to_string());
+    }
+    assert_eq!(texts[0], texts[1]);
+    let value: Value = serde_json::from_str(&texts[0]).unwrap();
+    assert!(
+        ["x", "yy", "zzz"].contains(&value["k"].as_str().unwrap()),
+        "{value}"
+    );
+}
+
+#[test]
+fn a_random_models_masked_answers_validate_on_every_strategy() {
+    let dir = hf_support::scratch("serve-structured-bytes");
+    let model = byte_model(&dir);
+    for extra in [
+        &[][..],
+        &["--strategy", "tp", "--virtual", "2"],
+        &["--strategy", "pp", "--virtual", "2"],
+    ] {
+        let server = serve(&model, extra);
+        unmasked_is_not_json(&server, "abc");
+        answers(&server, "bytes", 80);
+        device_and_host_masks_agree(&server);
+        // Sampling (read back to the host sampler) is masked too.
+        let body = json!({"model": "m", "prompt": "abc", "max_tokens": 80, "temperature": 1.0,
+            "seed": 5, "top_k": 0, "response_format": {"type": "json_object"}});
+        let (code, v) = post(&server, "/v1/completions", &body);
+        assert_eq!(code, 200, "{v}");
+        let choice = &v["choices"][0];
+        if choice["finish_reason"] == "stop" {
+            let text = choice["text"].as_str().unwrap();
+            let value: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert!(value.is_object(), "{text}");
+        } else {
+            // An unbounded object may run to max_tokens; what came is still a JSON prefix.
+            assert_eq!(
+                choice["text"].as_str().unwrap().chars().next(),
+                Some('{'),
+                "{v}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_formats_are_refused_by_name() {
+    let dir = hf_support::scratch("serve-structured-refusals");
+    let server = serve(&byte_model(&dir), &[]);
+    for rf in [
+        json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}),
+        json!({"type": "json_schema", "json_schema": {"name": "x"}}),
+        json!({"type": "regex", "regex": "a+"}),
+        json!({"type": "json_object", "strict": true}),
+    ] {
+        let body = json!({"model": "m", "prompt": "a", "response_format": rf});
+        let (code, v) = post(&server, "/v1/completions", &body);
+        assert_eq!(code, 400, "{rf}: {v}");
+        assert_eq!(v["error"]["param"], "response_format", "{rf}: {v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains("response_format"), "{message}");
+    }
+    // A word-level tokenizer has no bytes to write JSON with: refused, not garbled.
+    let (ckpt, _) = hf_support::chat_checkpoint("serve-structured-words");
+    let words = serve(&ckpt, &[]);
+    let body = json!({"model": "m", "prompt": "t1", "response_format": {"type": "json_object"}});
+    let (code, v) = post(&words, "/v1/completions", &body);
+    assert_eq!(
+        (code, &v["error"]["param"]),
+        (400, &json!("response_format")),
+        "{v}"
+    );
+}
+
+#[test]
+fn smollm2_answers_validate_against_their_schemas() {
+    let file = common::smollm2_gguf();
+    let server = serve(&file, &["--max-seq", "256"]);
+    let got = answers(&server, "smol", 120);
+    let cases: Vec<&str> = got.iter().map(|a| a["case"].as_str().unwrap()).collect();
+    for want in ["city", "color", "fruits", "weather", "object"] {
+        assert!(cases.contains(&want), "{cases:?}");
+    }
+}
