@@ -4,9 +4,12 @@
 //! with a repetition penalty makes the greedy answer spell them out in order, so the answer
 //! is known: it must come back as `message.tool_calls` (and as streamed tool-call deltas)
 //! with `finish_reason: "tool_calls"`. The prompt with tools, assistant `tool_calls` and
-//! `tool` messages must be the one jinja2 renders, as Hugging Face sets it up.
+//! `tool` messages must be the one jinja2 renders, as Hugging Face sets it up. With
+//! `tool_choice` `required` or a named function, a random byte-vocabulary model that writes
+//! no call unaided answers with calls whose arguments `jsonschema` validates.
 
 mod common;
+mod gguf_support;
 mod hf_support;
 mod serve_support;
 
@@ -139,8 +142,12 @@ fn calls_of(answer: &Value) -> Vec<Value> {
 }
 
 fn serve(dir: &Path) -> Server {
+    serve_with(dir, &dir.join("tools.jinja"))
+}
+
+/// `model` served with the chat template in file `template`.
+fn serve_with(model: &Path, template: &Path) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_wgpar"));
-    let template = dir.join("tools.jinja");
     cmd.args([
         "serve",
         "--port",
@@ -149,7 +156,7 @@ fn serve(dir: &Path) -> Server {
         "m",
         "--model",
     ])
-    .arg(dir)
+    .arg(model)
     .arg("--chat-template")
     .arg(template);
     Server::spawn(cmd, Duration::from_secs(300))
@@ -157,8 +164,9 @@ fn serve(dir: &Path) -> Server {
 
 /// Calls come back as `message.tool_calls` and as streamed deltas, with the text before them
 /// as content; `tool_choice: none` leaves the same text as content; `parallel_tool_calls:
-/// false` keeps the first call; `required` and a named function are refused by name (until
-/// the structured-output mask holds decoding to them); a decoder refuses `/v1/embeddings`.
+/// false` keeps the first call; `required` and a named function refuse `allowed_token_ids`
+/// beside them, and a word vocabulary (no bytes to write JSON with) by `tools`; a decoder
+/// refuses `/v1/embeddings`.
 #[test]
 fn tool_calls_come_back_through_the_openai_client() {
     let dir = hf_support::scratch("serve-tools");
@@ -205,11 +213,12 @@ fn tool_calls_come_back_through_the_openai_client() {
         json!({"type": "function", "function": {"name": "get_time"}}),
     ] {
         let got = ask("refused", scripted(5, json!({"tool_choice": choice})));
-        assert_eq!(
-            got,
-            json!({"status": 400, "param": "tool_choice"}),
-            "{choice}"
-        );
+        let want = json!({"status": 400, "param": "allowed_token_ids"});
+        assert_eq!(got, want, "{choice}");
+        let mut body = scripted(5, json!({"tool_choice": choice}));
+        body.as_object_mut().unwrap().remove("allowed_token_ids");
+        let got = ask("refused", body);
+        assert_eq!(got, json!({"status": 400, "param": "tools"}), "{choice}");
     }
     let (code, body) = server.post("/v1/embeddings", &json!({"input": "t3"}).to_string());
     assert_eq!(code, 400, "{body}");
@@ -280,4 +289,105 @@ fn tool_messages_round_trip_through_the_template() {
             .trim(),
         text["choices"][0]["text"].as_str().unwrap().trim()
     );
+}
+
+/// Functions whose arguments a random model can finish: bounded strings, integers and enums,
+/// nothing else allowed.
+fn bounded_tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+            "properties": {"zone": {"enum": ["CET", "UTC", "PST"]}}, "required": ["zone"],
+            "additionalProperties": false}}},
+    ])
+}
+
+/// A chat request of the random model with [`bounded_tools`], `tool_choice` and `extra`.
+fn forced_body(choice: Value, extra: Value) -> Value {
+    let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": bounded_tools(), "tool_choice": choice, "max_tokens": 160, "temperature": 0});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+/// `tool_choice: "required"` and a named function hold a random byte-vocabulary model, whose
+/// own answer is no call, to calls: whole and streamed, greedy and sampled, every call's
+/// arguments valid against its function's parameters (Python's `jsonschema`), `finish_reason`
+/// `tool_calls`, no content. `response_format` and `min_tokens` beside them are refused by name.
+#[test]
+fn forced_tool_choices_hold_a_random_model_to_valid_calls() {
+    let dir = hf_support::scratch("serve-tools-forced");
+    let template = dir.join("tools.jinja");
+    std::fs::write(&template, TEMPLATE).unwrap();
+    // A context for the tools' system turn (about 650 bytes) and the answer.
+    let model = gguf_support::byte_llama(&dir, "{{ messages[0]['content'] }}", 1024);
+    let server = serve_with(&model, &template);
+    let port = server.port.to_string();
+    // Unconstrained, the model writes bytes, no call: the calls below are the mask's doing.
+    let free = forced_body(json!("auto"), json!({"ignore_eos": true, "max_tokens": 40}));
+    let free = python(&["call", &port, &free.to_string()]);
+    assert_eq!(
+        (&free["calls"], &free["finish"]),
+        (&json!([]), &json!("length")),
+        "{free}"
+    );
+    assert!(!free["content"].as_str().unwrap().is_empty(), "{free}");
+    let named = json!({"type": "function", "function": {"name": "get_time"}});
+    let sampled = |seed: u64| json!({"temperature": 1.0, "top_k": 0, "seed": seed});
+    let cases = [
+        (json!("required"), json!({})),
+        (json!("required"), json!({"parallel_tool_calls": false})),
+        (
+            json!("required"),
+            json!({"temperature": 1.0, "top_k": 0, "seed": 3,
+            "parallel_tool_calls": false}),
+        ),
+        (named.clone(), json!({})),
+        (named.clone(), sampled(4)),
+        (named.clone(), sampled(5)),
+    ];
+    let mut checked = 0;
+    for (choice, extra) in cases {
+        for mode in ["call", "stream"] {
+            let body = forced_body(choice.clone(), extra.clone());
+            let got = python(&["forced", &port, &body.to_string(), mode]);
+            assert_eq!(got["finish"], "tool_calls", "{mode} {body}: {got}");
+            assert!(
+                got["content"].is_null() || got["content"] == "",
+                "{mode}: {got}"
+            );
+            let calls = got["calls"].as_array().unwrap();
+            assert!(!calls.is_empty(), "{got}");
+            for c in calls {
+                assert_eq!(c["valid"], true, "{mode} {body}: {got}");
+                assert!(c["id"].as_str().unwrap().starts_with("call_"), "{got}");
+                checked += 1;
+            }
+            if choice == named || extra["parallel_tool_calls"] == false {
+                assert_eq!(calls.len(), 1, "{got}");
+            }
+            if choice == named {
+                assert_eq!(calls[0]["name"], "get_time", "{got}");
+            }
+        }
+    }
+    assert!(checked >= 12, "{checked} calls checked");
+    for (extra, param) in [
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (json!({"min_tokens": 2}), "min_tokens"),
+    ] {
+        for choice in [json!("required"), named.clone()] {
+            let body = forced_body(choice, extra.clone());
+            let got = python(&["refused", &port, &body.to_string()]);
+            assert_eq!(got, json!({"status": 400, "param": param}), "{body}");
+        }
+    }
 }

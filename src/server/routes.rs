@@ -24,9 +24,9 @@ use super::api::{self, Invalid, Params, Prompt};
 use super::batcher::{Ending, Event, Job};
 use super::embeddings::EncoderHandle;
 use super::limits::Watched;
-use super::tools::{CallStream, ToolCall, ToolRequest};
+use super::tools::{CallStream, ToolCall, ToolConstraint, ToolRequest};
 use super::{ServerOptions, Shared, TextModel};
-use crate::model::constraint::{Constraint, Grammars};
+use crate::model::constraint::{Constraint, Format, Grammars};
 use crate::model::hf::TextStream;
 use crate::model::sampling::{RequestPicker, TokenLogprobs};
 
@@ -355,12 +355,13 @@ fn prompt_ids(
     Ok(ids)
 }
 
-/// A request's prompts as token ids, and a chat request's tools.
+/// A request's prompts as token ids, and a chat request's tools (a forced `tool_choice`
+/// sets `params.format` to the calls' schema).
 fn prompts_of(
     text: &TextModel,
     obj: &serde_json::Map<String, Value>,
     kind: Kind,
-    params: &Params,
+    params: &mut Params,
 ) -> Result<(Vec<Vec<u32>>, Option<ToolRequest>), Invalid> {
     let (prompts, tools) = match kind {
         Kind::Text => (api::completion_prompts(obj)?, None),
@@ -369,6 +370,9 @@ fn prompts_of(
             ToolRequest::from_request(obj, text.template.as_ref())?,
         ),
     };
+    if let Some(forced) = tools.as_ref().and_then(ToolRequest::constraint) {
+        params.format = Some(forced_format(params, forced)?);
+    }
     let ids = prompts
         .into_iter()
         .map(|p| prompt_ids(text, p, params, tools.as_ref()))
@@ -384,14 +388,14 @@ fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal
         Kind::Text => api::Route::Completions,
         Kind::Chat => api::Route::Chat,
     };
-    let params = api::params(&obj, route, text.vocab)?;
+    let mut params = api::params(&obj, route, text.vocab)?;
     if let Some(m) = params.model.as_deref().filter(|&m| m != text.name) {
         return Err(Refusal::NoModel(format!(
             "the model `{m}` does not exist: this server serves `{}`",
             text.name
         )));
     }
-    let (prompts, tools) = prompts_of(text, &obj, kind, &params)?;
+    let (prompts, tools) = prompts_of(text, &obj, kind, &mut params)?;
     let scoring = params.echo && params.logprobs.is_some();
     if params.max_tokens == Some(0) && !scoring {
         return Err(Invalid::new(
@@ -442,12 +446,37 @@ fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal
 /// Each choice's receiver and ending, in the order of the jobs.
 type Channels = Vec<(UnboundedReceiver<Event>, Arc<Ending>)>;
 
-/// The grammar a request's `response_format` asks for, compiled against the model's tokens.
-fn constraint(state: &AppState, params: &Params) -> Result<Option<Constraint>, Invalid> {
-    let Some(format) = &params.format else {
+/// The format a forced `tool_choice` (`required` or a named function) holds the answer to:
+/// the calls' schema, as `response_format: json_schema` would. Refused beside it, by name:
+/// `response_format` (two schemas for one answer; vLLM refuses it too), and `min_tokens` and
+/// `allowed_token_ids`, which could leave a step where the schema's tokens are all banned.
+fn forced_format(params: &Params, forced: ToolConstraint) -> Result<Format, Invalid> {
+    let clash = [
+        ("response_format", params.format.is_some()),
+        ("min_tokens", params.rules.min_tokens > 0),
+        ("allowed_token_ids", params.rules.allowed.is_some()),
+    ];
+    if let Some((name, _)) = clash.into_iter().find(|(_, set)| *set) {
+        return Err(Invalid::new(
+            name,
+            format!(
+                "'{name}' cannot be combined with 'tool_choice' \"required\" or a named \
+                 function: the answer is held to the calls' schema"
+            ),
+        ));
+    }
+    Ok(Format::JsonSchema(forced.schema))
+}
+
+/// The grammar a request's `response_format` (or forced `tool_choice`) asks for, compiled
+/// against the model's tokens.
+fn constraint(state: &AppState, accepted: &Accepted) -> Result<Option<Constraint>, Invalid> {
+    let Some(format) = &accepted.params.format else {
         return Ok(None);
     };
-    let bad = |m: String| Invalid::new("response_format", format!("'response_format': {m}"));
+    let forced = (accepted.tools.as_ref()).is_some_and(|t| t.constraint().is_some());
+    let field = if forced { "tools" } else { "response_format" };
+    let bad = |m: String| Invalid::new(field, format!("'{field}': {m}"));
     let grammars = state.grammars.get_or_init(|| {
         let text = &state.text;
         let json = text.tokenizer.to_json().map_err(|e| e.to_string())?;
@@ -524,7 +553,7 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
         );
     }
     let checked = accept(&state.text, body, kind).and_then(|a| {
-        let c = constraint(&state, &a.params)?;
+        let c = constraint(&state, &a)?;
         let j = jobs(&a, &state.text.eos, c).map_err(Refusal::Bad)?;
         Ok((a, j))
     });

@@ -4,10 +4,11 @@
 //! out of its text in the format its template teaches ([`ToolFormat`]): whole ([`parse`]) or
 //! as it streams ([`CallStream`], which holds text back once a call may have started).
 //!
-//! `tool_choice: "required"` and a named function need decoding held to the calls' JSON
-//! schema. [`ToolRequest::constraint`] gives that schema ([`ToolConstraint`]) for the
-//! structured-output token mask to enforce, and turns the constrained text into calls; until
-//! that mask is wired into the server, [`ToolRequest::from_request`] refuses both by name.
+//! `tool_choice: "required"` and a named function hold decoding to the calls' JSON schema:
+//! [`ToolRequest::constraint`] gives that schema ([`ToolConstraint`]), which the server hands
+//! to the structured-output token mask as `response_format: json_schema` would, and the
+//! stream of such a request ([`ToolRequest::stream`]) holds the whole answer back and turns it
+//! into calls with [`ToolConstraint::calls`] when it ends.
 
 use serde_json::{json, Map, Value};
 
@@ -220,6 +221,9 @@ pub struct CallStream {
     content: String,
     /// A call may have started: nothing more goes out before the end.
     holding: bool,
+    /// The schema decoding is held to (`tool_choice` `required` or a named function): the
+    /// whole answer is held and read as calls at the end.
+    forced: Option<ToolConstraint>,
 }
 
 impl CallStream {
@@ -232,6 +236,17 @@ impl CallStream {
             sent: 0,
             content: String::new(),
             holding: false,
+            forced: None,
+        }
+    }
+
+    /// A stream of an answer held to `constraint`: nothing goes out as content; at the end
+    /// the answer is read as calls (as content if it is none, e.g. cut by `max_tokens`).
+    pub fn forced(format: ToolFormat, constraint: ToolConstraint) -> Self {
+        Self {
+            holding: true,
+            forced: Some(constraint),
+            ..Self::new(format, false)
         }
     }
 
@@ -292,6 +307,12 @@ impl CallStream {
     /// The answer has ended: the content not yet released, and the calls (none when the held
     /// text holds no readable call: it is then content).
     pub fn finish(&mut self) -> (String, Vec<ToolCall>) {
+        if let Some(forced) = &self.forced {
+            return match forced.calls(&self.text, self.format) {
+                Ok(calls) => (String::new(), calls),
+                Err(_) => (self.release(self.text.len()), Vec::new()),
+            };
+        }
         let mut parsed = parse(self.format, &self.text);
         if self.single {
             parsed.calls.truncate(1);
@@ -482,8 +503,7 @@ fn parallel_of(v: Option<&Value>) -> Result<bool, Invalid> {
 impl ToolRequest {
     /// The tools of a chat request `obj` for a model with `template` (its chat template):
     /// `None` when it gives none or `tool_choice` is `none`. Refused: a malformed definition
-    /// or choice, a template that does not read `tools`, and (until the structured-output
-    /// mask consumes [`Self::constraint`]) `required` and a named function.
+    /// or choice, and a template that does not read `tools`.
     pub fn from_request(
         obj: &Map<String, Value>,
         template: Option<&ChatTemplate>,
@@ -516,26 +536,12 @@ impl ToolRequest {
             ));
         }
         let format = template.map_or(ToolFormat::Hermes, ChatTemplate::tool_format);
-        let request = Self {
+        Ok(Some(Self {
             tools,
             choice,
             parallel,
             format,
-        };
-        if let Some(c) = request.constraint() {
-            let which = match c.form {
-                ConstrainedForm::CallList => "\"required\"".to_string(),
-                ConstrainedForm::Arguments(name) => format!("function '{name}'"),
-            };
-            return Err(bad(
-                "tool_choice",
-                format!(
-                    "'tool_choice' {which} is not supported yet: it needs decoding held to the \
-                     calls' JSON schema (structured output); use \"auto\""
-                ),
-            ));
-        }
-        Ok(Some(request))
+        }))
     }
 
     /// The schema `tool_choice: "required"` or a named function holds decoding to; `None`
@@ -575,9 +581,13 @@ impl ToolRequest {
         }
     }
 
-    /// A stream watching one choice's text for calls.
+    /// A stream watching one choice's text for calls (held whole where [`Self::constraint`]
+    /// holds decoding to calls).
     pub fn stream(&self) -> CallStream {
-        CallStream::new(self.format, !self.parallel)
+        match self.constraint() {
+            Some(c) => CallStream::forced(self.format, c),
+            None => CallStream::new(self.format, !self.parallel),
+        }
     }
 }
 

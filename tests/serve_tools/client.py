@@ -9,6 +9,7 @@ import json
 import sys
 
 import jinja2
+import jsonschema
 import openai
 
 
@@ -18,7 +19,7 @@ def client(port):
 
 
 # Fields of vLLM's the client has no argument for: sent in `extra_body`.
-EXTRA = {"allowed_token_ids", "repetition_penalty", "ignore_eos"}
+EXTRA = {"allowed_token_ids", "repetition_penalty", "ignore_eos", "top_k", "min_tokens"}
 
 
 def request(body_json):
@@ -92,6 +93,23 @@ def refused(port, body_json):
     return {"status": 200, "param": None}
 
 
+def forced(port, body_json, mode):
+    """A forced `tool_choice` (`required` or a named function), whole (`call`) or streamed
+    (`stream`): the answer, each call's arguments validated by jsonschema against its
+    function's parameters (`valid`, else `error`)."""
+    tools = json.loads(body_json)["tools"]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    out = {"call": call, "stream": stream}[mode](port, body_json)
+    for c in out["calls"]:
+        try:
+            jsonschema.validate(c["arguments"], params[c["name"]])
+            c["valid"] = True
+        except (KeyError, jsonschema.ValidationError) as e:
+            c["valid"] = False
+            c["error"] = str(e)[:300]
+    return out
+
+
 def embed(port, input_json, encoding):
     """embeddings.create: `float`, or the client's default (it asks for base64 and decodes)."""
     args = dict(model="m", input=json.loads(input_json))
@@ -106,7 +124,7 @@ def embed(port, input_json, encoding):
 def main():
     command, args = sys.argv[1], sys.argv[2:]
     out = {"render": render, "call": call, "stream": stream, "refused": refused,
-           "embed": embed}[command](*args)
+           "forced": forced, "embed": embed}[command](*args)
     print(json.dumps(out))
 
 

@@ -123,7 +123,7 @@ pub const FIELDS: &[Field] = &[
     f("id_slot", Both, LS, N, "0", "no effect (the scheduler picks the slot)"),
     f("response_format", Both, OA, H, r#"{"type":"text"}"#, "`text`, `json_object`, or `json_schema` (its `schema` enforced while decoding, `strict` or not: a token mask per step); other types 400. Needs a byte-level or byte-fallback tokenizer"),
     f("tools", Chat, OA, H, r#"[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}]"#, "function definitions, rendered by the chat template as `tools` (400 if it does not read them); calls in the answer come back as `tool_calls`"),
-    f("tool_choice", Chat, OA, H, r#""none""#, "`auto` (the default with tools) or `none` (tools not rendered, the answer not parsed); `required` and a named function: 400, until the structured-output mask enforces them"),
+    f("tool_choice", Chat, OA, H, r#""none""#, "`auto` (the default with tools), `none` (tools not rendered, the answer not parsed), `required` or a named function (the answer held to the calls' JSON schema by the structured-output mask, returned as `tool_calls`; 400 beside `response_format`, `min_tokens` or `allowed_token_ids`)"),
     f("functions", Chat, OA, R, "[]", "refused: deprecated, use `tools`"),
     f("function_call", Chat, OA, R, r#""auto""#, "refused: deprecated, use `tool_choice`"),
     f("modalities", Chat, OA, At(r#"["text"]"#), r#"["audio"]"#, "only text"),

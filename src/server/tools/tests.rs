@@ -207,15 +207,6 @@ fn requests_are_checked_by_field() {
             json!({"tools": [tool("a")], "parallel_tool_calls": "no"}),
             "parallel_tool_calls",
         ),
-        // Not yet: they need the structured-output mask.
-        (
-            json!({"tools": [tool("a")], "tool_choice": "required"}),
-            "tool_choice",
-        ),
-        (
-            json!({"tools": [tool("a")], "tool_choice": {"type": "function", "function": {"name": "a"}}}),
-            "tool_choice",
-        ),
     ] {
         let e = request(body.clone()).unwrap_err();
         assert_eq!(e.param.as_deref(), Some(param), "{body}: {e:?}");
@@ -273,6 +264,38 @@ fn required_and_named_choices_give_their_schemas() {
     );
     assert!(required.calls("[]", ToolFormat::Hermes).is_err());
     assert!(named.calls("[1]", ToolFormat::Hermes).is_err());
+}
+
+/// `required` and a named function are accepted; their streams hold the whole answer and
+/// read it as calls at the end (as content where it is none).
+#[test]
+fn forced_choices_are_read_whole_as_calls() {
+    for choice in [
+        json!("required"),
+        json!({"type": "function", "function": {"name": "b"}}),
+    ] {
+        let body = json!({"tools": [tool("a"), tool("b")], "tool_choice": choice});
+        let req = request(body).unwrap().unwrap();
+        assert!(req.constraint().is_some(), "{choice}");
+    }
+    let named = json!({"tools": [tool("a"), tool("b")],
+        "tool_choice": {"type": "function", "function": {"name": "b"}}});
+    let req = request(named).unwrap().unwrap();
+    let mut stream = req.stream();
+    assert_eq!(stream.push(r#"{"city": "#), "");
+    assert_eq!(stream.push(r#""Rome"}"#), "");
+    let (rest, calls) = stream.finish();
+    assert_eq!(rest, "");
+    assert_eq!(
+        named_pairs(&calls),
+        vec![("b".into(), json!({"city": "Rome"}))]
+    );
+    // Cut short: no call, the text is content.
+    let mut cut = req.stream();
+    cut.push(r#"{"city": "Ro"#);
+    let (rest, calls) = cut.finish();
+    assert_eq!((rest.as_str(), calls.len()), (r#"{"city": "Ro"#, 0));
+    assert_eq!(cut.content(), r#"{"city": "Ro"#);
 }
 
 fn named_pairs(calls: &[ToolCall]) -> Vec<(String, Value)> {
