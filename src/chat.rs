@@ -40,10 +40,7 @@ pub struct Conversation {
 }
 
 fn message(role: &str, content: &str) -> Message {
-    Message {
-        role: role.to_string(),
-        content: content.to_string(),
-    }
+    Message::text(role, content)
 }
 
 impl Conversation {

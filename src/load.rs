@@ -56,6 +56,19 @@ impl<'a> ModelChoice<'a> {
     /// The decoder to run: a preset, or a checkpoint's config (context up to 2048 tokens, or
     /// `--max-seq`).
     pub fn config(&self) -> Result<ModelConfig> {
+        let config = self.any_config()?;
+        if config.is_encoder() {
+            return Err(WgparError::unsupported(format!(
+                "model '{}' is an encoder (BERT): use `wgpar embed`",
+                config.name
+            )));
+        }
+        self.packed(&config)?;
+        Ok(config)
+    }
+
+    /// [`Self::config`], an encoder's included (`serve` answers embeddings with one).
+    pub fn any_config(&self) -> Result<ModelConfig> {
         if self.max_seq == Some(0) || self.max_seq > Some(MAX_CONTEXT) {
             return Err(WgparError::option(
                 "--max-seq",
@@ -91,13 +104,6 @@ impl<'a> ModelChoice<'a> {
                 config
             }
         };
-        if config.is_encoder() {
-            return Err(WgparError::unsupported(format!(
-                "model '{}' is an encoder (BERT): use `wgpar embed`",
-                config.name
-            )));
-        }
-        self.packed(&config)?;
         Ok(config)
     }
 

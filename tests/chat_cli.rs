@@ -364,10 +364,7 @@ fn refusals() {
 }
 
 fn message(role: &str, content: &str) -> Message {
-    Message {
-        role: role.into(),
-        content: content.into(),
-    }
+    Message::text(role, content)
 }
 
 fn listed(messages: &[Message]) -> Vec<String> {

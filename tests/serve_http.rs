@@ -167,9 +167,11 @@ fn chat_prompt_equals_jinja2() {
     let parsed: Vec<wgpar::server::Message> = serde_json::from_str::<Vec<Value>>(messages)
         .unwrap()
         .iter()
-        .map(|m| wgpar::server::Message {
-            role: m["role"].as_str().unwrap().into(),
-            content: m["content"].as_str().unwrap().into(),
+        .map(|m| {
+            wgpar::server::Message::text(
+                m["role"].as_str().unwrap(),
+                m["content"].as_str().unwrap(),
+            )
         })
         .collect();
     let ours = wgpar::server::ChatTemplate::load(&dir).unwrap().unwrap();

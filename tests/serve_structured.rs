@@ -14,11 +14,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use gguf_support::{gguf_tensors, model_meta, write_gguf, GgufSpec};
 use serde_json::{json, Value};
 use serve_support::Server;
-use wgpar::model::quant::QuantType;
-use wgpar::model::{ModelConfig, ModelWeights};
+use wgpar::model::ModelConfig;
 
 fn serve(model: &Path, extra: &[&str]) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_wgpar"));
@@ -58,38 +56,13 @@ fn answers(server: &Server, cases: &str, max_tokens: usize) -> Vec<Value> {
     list
 }
 
-/// A tiny Llama of random weights with a byte-level vocabulary (256 bytes and an end token,
-/// which is also BOS), a chat template, as a GGUF file.
+/// A tiny Llama of random weights with a byte-level vocabulary and a chat template, as a
+/// GGUF file.
 fn byte_model(dir: &Path) -> PathBuf {
-    let config = ModelConfig {
-        vocab: 257,
-        ..ModelConfig::preset("tiny-llama").unwrap()
-    };
-    let w = ModelWeights::synthetic(&config, 77);
     let template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}\
                     {% if add_generation_prompt %}<a>{% endif %}";
-    let types = [vec![1; 256], vec![3]].concat();
-    let mut meta = model_meta(&w, "llama");
-    meta.extend([
-        json!(["tokenizer.ggml.model", "str", "gpt2"]),
-        json!([
-            "tokenizer.ggml.tokens",
-            "str_array",
-            gguf_support::byte_tokens()
-        ]),
-        json!(["tokenizer.ggml.merges", "str_array", Vec::<String>::new()]),
-        json!(["tokenizer.ggml.add_bos_token", "bool", false]),
-        json!(["tokenizer.ggml.bos_token_id", "u32", 256]),
-        json!(["tokenizer.ggml.eos_token_id", "u32", 256]),
-        json!(["tokenizer.ggml.token_type", "i32_array", types]),
-        json!(["tokenizer.chat_template", "str", template]),
-    ]);
-    let spec = GgufSpec {
-        arch: "llama",
-        matrices: QuantType::F32,
-        meta,
-    };
-    write_gguf(dir, "bytes", &gguf_tensors(&w, true), &spec)
+    let context = ModelConfig::preset("tiny-llama").unwrap().max_seq;
+    gguf_support::byte_llama(dir, template, context)
 }
 
 /// The random model's own greedy text for `prompt` (no format): not a JSON object, so what

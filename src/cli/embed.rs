@@ -56,11 +56,7 @@ fn checkpoint_dir(args: &EmbedArgs) -> Result<&Path> {
 
 /// Refuses more than one device and a `--max-seq` outside the supported contexts.
 fn check_options(args: &EmbedArgs) -> Result<()> {
-    let selected = match (&args.devices.virtual_count, &args.devices.devices) {
-        (Some(n), _) => *n,
-        (None, Some(list)) => list.split(',').count(),
-        (None, None) => 1,
-    };
+    let selected = args.devices.count();
     if selected > 1 {
         return Err(WgparError::unsupported(format!(
             "{selected} devices selected, but embed encodes on one: select one with --devices \

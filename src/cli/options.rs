@@ -188,6 +188,15 @@ pub(crate) fn parse_binding(text: &str) -> std::result::Result<u64, String> {
 }
 
 impl DeviceArgs {
+    /// Devices the options select (before any opens).
+    pub(crate) fn count(&self) -> usize {
+        match (&self.virtual_count, &self.devices) {
+            (Some(n), _) => *n,
+            (None, Some(list)) => list.split(',').count(),
+            (None, None) => 1,
+        }
+    }
+
     pub(crate) fn open(&self, adapters: &Adapters) -> Result<Vec<Arc<Gpu>>> {
         let selection =
             DeviceSelection::from_options(self.devices.as_deref(), self.virtual_count, adapters)?;

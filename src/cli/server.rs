@@ -22,6 +22,8 @@ use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
 
 use super::options::{DeviceArgs, ModelArgs, StrategyArgs};
+
+mod encoder;
 use wgpar::parallel::arming::FaultSpec;
 use wgpar::parallel::auto::{AutoPlacement, Setting};
 
@@ -45,13 +47,14 @@ pub struct ServerArgs {
     /// KV slots: sequences in the running batches at once (over all pipeline lanes).
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
-    /// Most prompt tokens one step's prompt chunks take.
-    #[arg(long, default_value_t = 2048)]
-    max_prefill_tokens: usize,
+    /// Most prompt tokens one step's prompt chunks take (default 2048; a decoder's option).
+    #[arg(long, value_name = "TOKENS")]
+    pub(super) max_prefill_tokens: Option<usize>,
     /// Most tokens one engine step carries: every running stream's decode token first, then
-    /// chunks of waiting prompts (a longer prompt is prefilled over several steps).
-    #[arg(long, default_value_t = wgpar::batching::DEFAULT_STEP_TOKENS)]
-    max_step_tokens: usize,
+    /// chunks of waiting prompts, so a longer prompt is prefilled over several steps (default
+    /// 512; a decoder's option).
+    #[arg(long, value_name = "TOKENS")]
+    pub(super) max_step_tokens: Option<usize>,
     /// Requests that may wait for a KV slot; beyond, 503 with Retry-After.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
@@ -106,7 +109,22 @@ pub struct ServerArgs {
     served_model_name: Option<String>,
     /// A Jinja chat template file for `/v1/chat/completions`, over the checkpoint's own.
     #[arg(long, value_name = "FILE")]
-    chat_template: Option<std::path::PathBuf>,
+    pub(super) chat_template: Option<std::path::PathBuf>,
+}
+
+/// Prompt tokens one prefill step takes without `--max-prefill-tokens`.
+const DEFAULT_PREFILL_TOKENS: usize = 2048;
+
+impl ServerArgs {
+    /// `--max-prefill-tokens`, or its default.
+    fn prefill_tokens(&self) -> usize {
+        self.max_prefill_tokens.unwrap_or(DEFAULT_PREFILL_TOKENS)
+    }
+
+    /// `--max-step-tokens`, or its default.
+    fn step_tokens(&self) -> usize {
+        (self.max_step_tokens).unwrap_or(wgpar::batching::DEFAULT_STEP_TOKENS)
+    }
 }
 
 /// Most KV slots and queue places the server takes.
@@ -117,14 +135,14 @@ const MAX_QUEUE: usize = 1 << 20;
 fn serve_options(args: &ServerArgs) -> ServeOptions {
     ServeOptions {
         max_batch: args.max_batch,
-        max_prefill_tokens: args.max_prefill_tokens,
-        max_step_tokens: args.max_step_tokens,
+        max_prefill_tokens: args.prefill_tokens(),
+        max_step_tokens: args.step_tokens(),
     }
 }
 
 /// Checks the options that need no model.
 fn check_options(args: &ServerArgs) -> Result<()> {
-    if args.max_batch == 0 || args.max_batch > MAX_SLOTS || args.max_prefill_tokens == 0 {
+    if args.max_batch == 0 || args.max_batch > MAX_SLOTS || args.prefill_tokens() == 0 {
         return Err(WgparError::option(
             "--max-batch",
             format!(
@@ -249,6 +267,11 @@ pub(super) struct Prepared {
 pub(super) fn prepare(args: &ServerArgs) -> Result<Prepared> {
     check_options(args)?;
     let config = args.model.choice().config()?;
+    prepared(args, config)
+}
+
+/// The rest of [`prepare`], once the model's `config` is known.
+fn prepared(args: &ServerArgs, config: ModelConfig) -> Result<Prepared> {
     let text = text_model(args, &config)?;
     let opts = ServerOptions {
         addr: SocketAddr::new(args.host, args.port),
@@ -260,8 +283,8 @@ pub(super) fn prepare(args: &ServerArgs) -> Result<Prepared> {
         shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),
         batch: BatchOptions {
             slots: args.max_batch,
-            max_prefill_tokens: args.max_prefill_tokens,
-            max_step_tokens: args.max_step_tokens,
+            max_prefill_tokens: args.prefill_tokens(),
+            max_step_tokens: args.step_tokens(),
             fault: engine_fault(args)?,
         },
     };
@@ -270,6 +293,11 @@ pub(super) fn prepare(args: &ServerArgs) -> Result<Prepared> {
 
 /// Runs the server until SIGINT or SIGTERM.
 pub fn run(args: &ServerArgs) -> Result<()> {
+    check_options(args)?;
+    let any = args.model.choice().any_config()?;
+    if any.is_encoder() {
+        return encoder::serve(args, prepared(args, any)?);
+    }
     let Prepared { config, text, opts } = prepare(args)?;
     let adapters = Adapters::discover()?;
     let selected = args.devices.selected(&adapters)?;
@@ -325,7 +353,7 @@ pub fn run(args: &ServerArgs) -> Result<()> {
 /// --max-batch sequences, the largest step's tokens sized as prompts.
 pub(super) fn serving_work(args: &ServerArgs, config: &ModelConfig) -> (usize, Workload) {
     // Prefills batch up to --max-prefill-tokens; one longer prompt runs alone.
-    let step_tokens = (args.max_prefill_tokens)
+    let step_tokens = (args.prefill_tokens())
         .min(args.max_batch * config.max_seq)
         .max(config.max_seq);
     let work = Workload {

@@ -482,7 +482,7 @@ pub fn completion_prompts(obj: &Map<String, Value>) -> Result<Vec<Prompt>, Inval
     }
 }
 
-/// `messages` of `/v1/chat/completions`: roles and text contents.
+/// `messages` of `/v1/chat/completions`: roles, text contents, and tool calls and answers.
 pub fn chat_messages(obj: &Map<String, Value>) -> Result<Prompt, Invalid> {
     let bad = |message: String| Invalid::new("messages", message);
     let list = match field(obj, "messages") {
@@ -510,9 +510,13 @@ pub fn chat_messages(obj: &Map<String, Value>) -> Result<Prompt, Invalid> {
             Some(Value::Null) | None if role == "assistant" => String::new(),
             _ => return Err(bad(format!("'messages[{i}].content' must be a string"))),
         };
+        let tools = super::tools::message_fields(i, m)?;
         Ok(Message {
             role: role.to_string(),
             content,
+            tool_calls: tools.tool_calls,
+            tool_call_id: tools.tool_call_id,
+            name: tools.name,
         })
     };
     list.iter()

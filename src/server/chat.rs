@@ -2,7 +2,8 @@
 //! (or chat_template.jinja), a GGUF file's `tokenizer.chat_template`, or a file given with
 //! `serve --chat-template`, rendered by minijinja with the variables Hugging Face templates
 //! use (`messages`, `add_generation_prompt`, `bos_token`, `eos_token`) and the Python string
-//! methods they call (minijinja-contrib's pycompat).
+//! methods they call (minijinja-contrib's pycompat). Tool definitions reach the template as
+//! `tools` (Hugging Face's variable), and messages carry `tool_calls` and `tool_call_id`.
 
 use std::path::Path;
 
@@ -13,13 +14,36 @@ use serde_json::Value;
 use crate::error::{Result, WgparError};
 use crate::model::gguf::file::{GgufFile, Value as GgufValue};
 
+use super::tools::ToolFormat;
+
 /// One chat message, as the template sees it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Default)]
 pub struct Message {
-    /// `system`, `user`, `assistant`, ...
+    /// `system`, `user`, `assistant`, `tool`, ...
     pub role: String,
     /// Its text.
     pub content: String,
+    /// An assistant's calls, as Hugging Face templates read them: `{"id", "type":
+    /// "function", "function": {"name", "arguments": {...}}}` with the arguments an object.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` message's answer is to this call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The author's name (a `tool` message's function).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl Message {
+    /// A message of `role` with text `content` and nothing else.
+    pub fn text(role: &str, content: &str) -> Self {
+        Self {
+            role: role.to_string(),
+            content: content.to_string(),
+            ..Self::default()
+        }
+    }
 }
 
 /// A checkpoint's chat template with its special tokens.
@@ -27,6 +51,10 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos: String,
     eos: String,
+    /// The template reads `tools`.
+    reads_tools: bool,
+    /// How its model writes tool calls (from the markers the template mentions).
+    tool_format: ToolFormat,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -82,6 +110,77 @@ fn gguf_special_tokens(file: &GgufFile) -> (String, String) {
 
 fn raise_exception(message: String) -> std::result::Result<String, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// Python's `json.dumps` separators (by default `", "` between items and `": "` after
+/// keys), which Hugging Face's `tojson` writes and templates' tool definitions are rendered
+/// with.
+struct Spacing {
+    item: String,
+    key: String,
+}
+
+impl serde_json::ser::Formatter for Spacing {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(self.item.as_bytes())
+        }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        self.begin_array_value(w, first)
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(self.key.as_bytes())
+    }
+}
+
+/// `tojson` as Hugging Face defines it for chat templates (`json.dumps` with
+/// `ensure_ascii=False`, and its `indent` and `separators`), nothing HTML-escaped
+/// (minijinja's own filter writes compact JSON with `<`, `>`, `&` and `'` escaped, which a
+/// model never saw in training). Keys come sorted (`sort_keys` changes nothing).
+fn tojson(
+    value: &minijinja::Value,
+    indent: Option<usize>,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<minijinja::Value, Error> {
+    let fail = |e: String| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}"));
+    let indent = indent.or(kwargs.get::<Option<usize>>("indent")?);
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let _: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let mut out = Vec::new();
+    let written = match (indent, separators) {
+        (Some(_), Some(_)) => return Err(fail("indent with separators is not supported".into())),
+        (Some(n), None) => {
+            let pad = " ".repeat(n);
+            let f = serde_json::ser::PrettyFormatter::with_indent(pad.as_bytes());
+            value.serialize(&mut serde_json::Serializer::with_formatter(&mut out, f))
+        }
+        (None, given) => {
+            let (item, key) = match given.as_deref() {
+                None => (", ".to_string(), ": ".to_string()),
+                Some([item, key]) => (item.clone(), key.clone()),
+                Some(_) => return Err(fail("separators must be two strings".into())),
+            };
+            let f = Spacing { item, key };
+            value.serialize(&mut serde_json::Serializer::with_formatter(&mut out, f))
+        }
+    };
+    written.map_err(|e| fail(e.to_string()))?;
+    let text = String::from_utf8(out).map_err(|e| fail(e.to_string()))?;
+    Ok(minijinja::Value::from_safe_string(text))
 }
 
 impl ChatTemplate {
@@ -161,6 +260,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
         env.add_function("raise_exception", raise_exception);
+        env.add_filter("tojson", tojson);
         // Hugging Face renders with trim_blocks and lstrip_blocks.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -172,11 +272,26 @@ impl ChatTemplate {
                     format!("the chat template does not parse: {e}"),
                 )
             })?;
+        let reads_tools = env
+            .get_template("chat")
+            .is_ok_and(|t| t.undeclared_variables(false).contains("tools"));
         Ok(Self {
             env,
             bos: bos.to_string(),
             eos: eos.to_string(),
+            reads_tools,
+            tool_format: ToolFormat::detect(source),
         })
+    }
+
+    /// Whether the template reads `tools` (else tool definitions could not reach the model).
+    pub fn reads_tools(&self) -> bool {
+        self.reads_tools
+    }
+
+    /// How the template's model writes tool calls.
+    pub fn tool_format(&self) -> ToolFormat {
+        self.tool_format
     }
 
     /// The prompt for `messages`, ending where the assistant's answer starts when
@@ -186,14 +301,51 @@ impl ChatTemplate {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> std::result::Result<String, String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`Self::render`] with tool definitions (`tools`, as the request gives them; `None`
+    /// renders as Hugging Face does without tools: `tools` is none).
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+    ) -> std::result::Result<String, String> {
         let template = self.env.get_template("chat").map_err(|e| e.to_string())?;
         template
             .render(minijinja::context! {
                 messages => messages,
+                tools => tools,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos,
                 eos_token => &self.eos,
             })
             .map_err(|e| format!("the chat template failed: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `tojson` writes what Python's `json.dumps(x, ensure_ascii=False, ...)` prints for the
+    /// same value (the expected strings are Python's).
+    #[test]
+    fn tojson_writes_as_python_json_dumps() {
+        let source =
+            "{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ x | tojson(separators=(',', ':')) }}";
+        let t = ChatTemplate::new(source, "", "").unwrap();
+        let env = &t.env;
+        let x = serde_json::json!({"a": [1, "x<y'é"], "b": null, "c": {}});
+        let got = env
+            .render_str(source, minijinja::context! { x => x })
+            .unwrap();
+        let want = [
+            r#"{"a": [1, "x<y'é"], "b": null, "c": {}}"#,
+            "{\n  \"a\": [\n    1,\n    \"x<y'é\"\n  ],\n  \"b\": null,\n  \"c\": {}\n}",
+            r#"{"a":[1,"x<y'é"],"b":null,"c":{}}"#,
+        ];
+        assert_eq!(got, want.join("|"));
     }
 }

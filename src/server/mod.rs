@@ -7,16 +7,19 @@
 //! until the engine is built and warmed, and again after it fails or panics. SIGINT or SIGTERM
 //! start draining: `/health` says 503 `draining`, new generation requests get 503, requests in
 //! flight get `shutdown_timeout` to finish; then the listener closes. Connections are held to
-//! the limits of [`limits::ConnLimits`].
+//! the limits of [`limits::ConnLimits`]. An encoder checkpoint is served by
+//! [`embeddings::run_encoder`] instead: `/v1/embeddings` on an encoder thread.
 
 pub mod api;
 pub mod auth;
 pub mod batcher;
 pub mod chat;
 pub mod client;
+pub mod embeddings;
 pub mod limits;
 pub mod metrics;
 mod routes;
+pub mod tools;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -29,6 +32,7 @@ use crate::parallel::StepEngine;
 
 pub use batcher::BatchOptions;
 pub use chat::{ChatTemplate, Message};
+pub use embeddings::{run_encoder, EncoderBuilder};
 pub use limits::ConnLimits;
 pub use metrics::Metrics;
 

@@ -1,4 +1,5 @@
-//! The HTTP routes: OpenAI's completions and chat completions (JSON or Server-Sent Events),
+//! The HTTP routes: OpenAI's completions and chat completions (JSON or Server-Sent Events,
+//! tool calls parsed out of chat answers), embeddings (an encoder's server, [`super::embeddings`]),
 //! models, health and metrics.
 
 use std::convert::Infallible;
@@ -21,9 +22,11 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::api::{self, Invalid, Params, Prompt};
 use super::batcher::{Ending, Event, Job};
+use super::embeddings::EncoderHandle;
 use super::limits::Watched;
+use super::tools::{CallStream, ToolCall, ToolConstraint, ToolRequest};
 use super::{ServerOptions, Shared, TextModel};
-use crate::model::constraint::{Constraint, Grammars};
+use crate::model::constraint::{Constraint, Format, Grammars};
 use crate::model::hf::TextStream;
 use crate::model::sampling::{RequestPicker, TokenLogprobs};
 
@@ -38,6 +41,8 @@ pub struct AppState {
     stream_timeout: Duration,
     max_queue: usize,
     ids: Arc<AtomicU64>,
+    /// The encoder of an embeddings server (which has no generation engine).
+    encoder: Option<Arc<EncoderHandle>>,
     /// The model's token table for structured output, built by the first request that asks
     /// (or why the tokenizer cannot serve one).
     grammars: Arc<OnceLock<Result<Grammars, String>>>,
@@ -59,17 +64,29 @@ impl AppState {
             stream_timeout: opts.limits.stream_timeout,
             max_queue: opts.max_queue,
             ids: Arc::new(AtomicU64::new(0)),
+            encoder: None,
             grammars: Arc::new(OnceLock::new()),
         }
+    }
+
+    /// The state of an embeddings server, whose requests go to `encoder`.
+    pub fn with_encoder(mut self, encoder: EncoderHandle) -> Self {
+        self.encoder = Some(Arc::new(encoder));
+        self
     }
 }
 
 /// The router, with the API key check (all but /health, and /metrics when it is open) and
 /// the body limit.
 pub fn router(state: AppState, max_body: usize) -> Router {
+    let (text, chat) = match state.encoder {
+        Some(_) => (post(encoder_only), post(encoder_only)),
+        None => (post(completions), post(chat_completions)),
+    };
     let mut api = Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", text)
+        .route("/v1/chat/completions", chat)
+        .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize));
@@ -86,7 +103,7 @@ pub fn router(state: AppState, max_body: usize) -> Router {
 }
 
 /// An OpenAI-style error body with `status`.
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
+pub(super) fn error(status: StatusCode, message: impl Into<String>) -> Response {
     let kind = if status.is_server_error() {
         "server_error"
     } else {
@@ -147,7 +164,7 @@ async fn models(State(state): State<AppState>) -> Response {
 }
 
 /// A 400 naming the field to blame, as OpenAI's `param`.
-fn invalid(bad: Invalid) -> Response {
+pub(super) fn invalid(bad: Invalid) -> Response {
     let body = json!({"error": {"message": bad.message, "type": "invalid_request_error",
         "param": bad.param, "code": 400}});
     (StatusCode::BAD_REQUEST, Json(body)).into_response()
@@ -246,6 +263,21 @@ enum Kind {
     Chat,
 }
 
+async fn embeddings(State(state): State<AppState>, body: Bytes) -> Response {
+    let encoder = state.encoder.as_deref();
+    super::embeddings::respond(encoder, &state.text, &state.shared, &body).await
+}
+
+/// Completions and chat on an encoder's server.
+async fn encoder_only(State(state): State<AppState>) -> Response {
+    let m = format!(
+        "model '{}' is an encoder (BERT-style): it serves /v1/embeddings only; completions \
+         and chat need a decoder",
+        state.text.name
+    );
+    error(StatusCode::BAD_REQUEST, m)
+}
+
 async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
     generate(state, &body, Kind::Text).await
 }
@@ -260,6 +292,8 @@ struct Accepted {
     prompts: Vec<Vec<u32>>,
     max_new: usize,
     params: Params,
+    /// A chat request's tools (`None`: its answer is not parsed for calls).
+    tools: Option<ToolRequest>,
 }
 
 /// Why a request is not served.
@@ -277,7 +311,12 @@ impl From<Invalid> for Refusal {
 }
 
 /// A prompt's token ids.
-fn prompt_ids(text: &TextModel, prompt: Prompt, params: &Params) -> Result<Vec<u32>, Invalid> {
+fn prompt_ids(
+    text: &TextModel,
+    prompt: Prompt,
+    params: &Params,
+    tools: Option<&ToolRequest>,
+) -> Result<Vec<u32>, Invalid> {
     let ids = match prompt {
         Prompt::Tokens(ids) => ids,
         Prompt::Text(t) => text
@@ -296,7 +335,9 @@ fn prompt_ids(text: &TextModel, prompt: Prompt, params: &Params) -> Result<Vec<u
                     ),
                 )
             })?;
-            let rendered = template.render(&messages, params.add_generation_prompt)?;
+            let defs = tools.map(|t| &t.tools[..]);
+            let rendered =
+                template.render_with_tools(&messages, defs, params.add_generation_prompt)?;
             text.tokenizer
                 .encode_plain(&rendered)
                 .map_err(|e| Invalid::new("messages", e.to_string()))?
@@ -314,6 +355,31 @@ fn prompt_ids(text: &TextModel, prompt: Prompt, params: &Params) -> Result<Vec<u
     Ok(ids)
 }
 
+/// A request's prompts as token ids, and a chat request's tools (a forced `tool_choice`
+/// sets `params.format` to the calls' schema).
+fn prompts_of(
+    text: &TextModel,
+    obj: &serde_json::Map<String, Value>,
+    kind: Kind,
+    params: &mut Params,
+) -> Result<(Vec<Vec<u32>>, Option<ToolRequest>), Invalid> {
+    let (prompts, tools) = match kind {
+        Kind::Text => (api::completion_prompts(obj)?, None),
+        Kind::Chat => (
+            vec![api::chat_messages(obj)?],
+            ToolRequest::from_request(obj, text.template.as_ref())?,
+        ),
+    };
+    if let Some(forced) = tools.as_ref().and_then(ToolRequest::constraint) {
+        params.format = Some(forced_format(params, forced)?);
+    }
+    let ids = prompts
+        .into_iter()
+        .map(|p| prompt_ids(text, p, params, tools.as_ref()))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((ids, tools))
+}
+
 /// Reads and checks a request: fields, model, prompts, context; the message names what is
 /// wrong.
 fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal> {
@@ -322,21 +388,14 @@ fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal
         Kind::Text => api::Route::Completions,
         Kind::Chat => api::Route::Chat,
     };
-    let params = api::params(&obj, route, text.vocab)?;
+    let mut params = api::params(&obj, route, text.vocab)?;
     if let Some(m) = params.model.as_deref().filter(|&m| m != text.name) {
         return Err(Refusal::NoModel(format!(
             "the model `{m}` does not exist: this server serves `{}`",
             text.name
         )));
     }
-    let prompts = match kind {
-        Kind::Text => api::completion_prompts(&obj)?,
-        Kind::Chat => vec![api::chat_messages(&obj)?],
-    };
-    let prompts = prompts
-        .into_iter()
-        .map(|p| prompt_ids(text, p, &params))
-        .collect::<Result<Vec<_>, _>>()?;
+    let (prompts, tools) = prompts_of(text, &obj, kind, &mut params)?;
     let scoring = params.echo && params.logprobs.is_some();
     if params.max_tokens == Some(0) && !scoring {
         return Err(Invalid::new(
@@ -379,6 +438,7 @@ fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal
         prompts,
         max_new,
         params,
+        tools,
     })
 }
 
@@ -386,12 +446,37 @@ fn accept(text: &TextModel, body: &[u8], kind: Kind) -> Result<Accepted, Refusal
 /// Each choice's receiver and ending, in the order of the jobs.
 type Channels = Vec<(UnboundedReceiver<Event>, Arc<Ending>)>;
 
-/// The grammar a request's `response_format` asks for, compiled against the model's tokens.
-fn constraint(state: &AppState, params: &Params) -> Result<Option<Constraint>, Invalid> {
-    let Some(format) = &params.format else {
+/// The format a forced `tool_choice` (`required` or a named function) holds the answer to:
+/// the calls' schema, as `response_format: json_schema` would. Refused beside it, by name:
+/// `response_format` (two schemas for one answer; vLLM refuses it too), and `min_tokens` and
+/// `allowed_token_ids`, which could leave a step where the schema's tokens are all banned.
+fn forced_format(params: &Params, forced: ToolConstraint) -> Result<Format, Invalid> {
+    let clash = [
+        ("response_format", params.format.is_some()),
+        ("min_tokens", params.rules.min_tokens > 0),
+        ("allowed_token_ids", params.rules.allowed.is_some()),
+    ];
+    if let Some((name, _)) = clash.into_iter().find(|(_, set)| *set) {
+        return Err(Invalid::new(
+            name,
+            format!(
+                "'{name}' cannot be combined with 'tool_choice' \"required\" or a named \
+                 function: the answer is held to the calls' schema"
+            ),
+        ));
+    }
+    Ok(Format::JsonSchema(forced.schema))
+}
+
+/// The grammar a request's `response_format` (or forced `tool_choice`) asks for, compiled
+/// against the model's tokens.
+fn constraint(state: &AppState, accepted: &Accepted) -> Result<Option<Constraint>, Invalid> {
+    let Some(format) = &accepted.params.format else {
         return Ok(None);
     };
-    let bad = |m: String| Invalid::new("response_format", format!("'response_format': {m}"));
+    let forced = (accepted.tools.as_ref()).is_some_and(|t| t.constraint().is_some());
+    let field = if forced { "tools" } else { "response_format" };
+    let bad = |m: String| Invalid::new(field, format!("'{field}': {m}"));
     let grammars = state.grammars.get_or_init(|| {
         let text = &state.text;
         let json = text.tokenizer.to_json().map_err(|e| e.to_string())?;
@@ -468,7 +553,7 @@ async fn generate(state: AppState, body: &[u8], kind: Kind) -> Response {
         );
     }
     let checked = accept(&state.text, body, kind).and_then(|a| {
-        let c = constraint(&state, &a.params)?;
+        let c = constraint(&state, &a)?;
         let j = jobs(&a, &state.text.eos, c).map_err(Refusal::Bad)?;
         Ok((a, j))
     });
@@ -632,6 +717,37 @@ struct Choice {
     rx: Option<UnboundedReceiver<Event>>,
     /// Tells the engine that a stop string ended this choice, or that its client stalled.
     ending: Arc<Ending>,
+    /// Watches the text for tool calls (a chat request with tools).
+    calls: Option<CallStream>,
+    /// The calls found once the choice ended.
+    tool_calls: Vec<ToolCall>,
+}
+
+impl Choice {
+    /// The content so far: the text, less any tool calls.
+    fn content(&self) -> &str {
+        match &self.calls {
+            Some(calls) => calls.content(),
+            None => &self.detok.sent,
+        }
+    }
+
+    /// Passes a delta of text through the tool-call watch; `end`: the choice ended with it.
+    fn content_delta(&mut self, delta: String, end: bool) -> String {
+        let Some(calls) = self.calls.as_mut() else {
+            return delta;
+        };
+        let mut out = calls.push(&delta);
+        if end {
+            let (rest, found) = calls.finish();
+            out.push_str(&rest);
+            if !found.is_empty() {
+                self.finish = Some("tool_calls");
+            }
+            self.tool_calls = found;
+        }
+        out
+    }
 }
 
 /// What an event makes of a choice.
@@ -693,6 +809,8 @@ impl Output {
                     finish: None,
                     rx,
                     ending: ending.unwrap_or_default(),
+                    calls: accepted.tools.as_ref().map(ToolRequest::stream),
+                    tool_calls: Vec::new(),
                 });
             }
         }
@@ -767,16 +885,19 @@ impl Output {
                         c.finish = Some("stop");
                         c.ending.stop();
                         c.rx = None;
-                        Step::Finished(d)
+                        Step::Finished(c.content_delta(d, true))
                     }
-                    (d, false) if d.is_empty() && c.logprobs.is_empty() => Step::Nothing,
-                    (d, false) => Step::Delta(d),
+                    (d, false) => match c.content_delta(d, false) {
+                        d if d.is_empty() && c.logprobs.is_empty() => Step::Nothing,
+                        d => Step::Delta(d),
+                    },
                 }
             }
             Event::Done { eos } => {
                 c.finish = Some(if eos { "stop" } else { "length" });
                 c.rx = None;
-                Step::Finished(c.detok.flush(text))
+                let rest = c.detok.flush(text);
+                Step::Finished(c.content_delta(rest, true))
             }
             Event::Error(e) => Step::Failed(e),
         }
@@ -826,17 +947,61 @@ impl Output {
         let text = format!("{echo}{text}");
         let finish = self.choices[i].finish;
         let logprobs = self.logprobs(i);
+        let calls = &self.choices[i].tool_calls;
+        let message = || {
+            let mut m = json!({"role": "assistant", "content": text});
+            if !calls.is_empty() {
+                // OpenAI's `content` is null beside calls, unless the model wrote text too.
+                if text.trim().is_empty() && !stream {
+                    m["content"] = Value::Null;
+                }
+                let listed = calls.iter().enumerate().map(|(k, c)| c.to_json(k));
+                m["tool_calls"] = listed.collect();
+            }
+            m
+        };
         match (self.kind, stream) {
             (Kind::Text, _) => {
                 json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
-            (Kind::Chat, false) => {
-                json!({"index": i, "logprobs": logprobs, "finish_reason": finish,
-                "message": {"role": "assistant", "content": text}})
-            }
-            (Kind::Chat, true) => json!({"index": i, "logprobs": logprobs, "finish_reason": finish,
-                "delta": {"role": "assistant", "content": text}}),
+            (Kind::Chat, false) => json!({"index": i, "logprobs": logprobs,
+                "finish_reason": finish, "message": message()}),
+            (Kind::Chat, true) => json!({"index": i, "logprobs": logprobs,
+                "finish_reason": finish, "delta": message()}),
         }
+    }
+
+    /// Choice `i`'s streamed chunks for `delta`: one; or, where the choice ended in tool
+    /// calls, as OpenAI streams them: the text (if any), then for each call a chunk with its
+    /// id, type and name and one with its arguments, then one with the finish reason.
+    fn stream_chunks(&mut self, i: usize, delta: &str) -> Vec<Value> {
+        let calls = std::mem::take(&mut self.choices[i].tool_calls);
+        let finish = match calls.is_empty() {
+            true => self.choices[i].finish,
+            false => self.choices[i].finish.take(),
+        };
+        let text = self.choice(i, delta, true);
+        let mut chunks = Vec::new();
+        if calls.is_empty() || !delta.is_empty() || !text["logprobs"].is_null() {
+            chunks.push(text);
+        }
+        let piece = |delta: Value, finish: Option<&str>| json!({"index": i, "delta": delta, "logprobs": null, "finish_reason": finish});
+        for (k, call) in calls.iter().enumerate() {
+            let mut head = call.to_json(k);
+            head["function"]["arguments"] = json!("");
+            chunks.push(piece(json!({"tool_calls": [head]}), None));
+            let args = json!({"index": k, "function": {"arguments": call.arguments}});
+            chunks.push(piece(json!({"tool_calls": [args]}), None));
+        }
+        if !calls.is_empty() {
+            chunks.push(piece(json!({}), finish));
+        }
+        self.choices[i].finish = finish;
+        self.choices[i].tool_calls = calls;
+        chunks
+            .into_iter()
+            .map(|c| self.body(vec![c], true))
+            .collect()
     }
 
     /// A body around `choices`.
@@ -873,7 +1038,7 @@ async fn whole_response(mut out: Output) -> Response {
     }
     let choices = (0..out.choices.len())
         .map(|i| {
-            let text = out.choices[i].detok.sent.clone();
+            let text = out.choices[i].content().to_string();
             out.choice(i, &text, false)
         })
         .collect();
@@ -883,6 +1048,8 @@ async fn whole_response(mut out: Output) -> Response {
 /// Where a stream is.
 enum Phase {
     Tokens,
+    /// Chunks still to send before the next event (a choice's tool calls).
+    Queued(Vec<Value>),
     Done,
     Over,
 }
@@ -899,6 +1066,14 @@ fn stream_response(
         let data = |v: Value| SseEvent::default().data(v.to_string());
         match phase {
             Phase::Over => None,
+            Phase::Queued(mut chunks) => {
+                let chunk = chunks.remove(0);
+                let next = match chunks.is_empty() {
+                    true => Phase::Tokens,
+                    false => Phase::Queued(chunks),
+                };
+                Some((Ok(data(chunk)), (out, next)))
+            }
             Phase::Done => Some((Ok(SseEvent::default().data("[DONE]")), (out, Phase::Over))),
             Phase::Tokens => loop {
                 let Some((i, event)) = out.next_event().await else {
@@ -919,9 +1094,13 @@ fn stream_response(
                         return Some((Ok(data(body)), (out, Phase::Over)));
                     }
                 };
-                let choice = out.choice(i, &delta, true);
-                let chunk = out.body(vec![choice], true);
-                return Some((Ok(data(chunk)), (out, Phase::Tokens)));
+                let mut chunks = out.stream_chunks(i, &delta);
+                let chunk = chunks.remove(0);
+                let next = match chunks.is_empty() {
+                    true => Phase::Tokens,
+                    false => Phase::Queued(chunks),
+                };
+                return Some((Ok(data(chunk)), (out, next)));
             },
         }
     });

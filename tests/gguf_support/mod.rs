@@ -411,3 +411,34 @@ pub fn byte_tokens() -> Vec<String> {
         .chain(["<|endoftext|>".to_string()])
         .collect()
 }
+
+/// A tiny Llama of random weights (seed 77) with a byte-level vocabulary (256 bytes and an
+/// end token, which is also BOS) and chat `template`, as a GGUF file in `dir`: a model that
+/// can write any text, and whose unmasked greedy text is noise (tests of structured output);
+/// its context `max_seq` tokens (bytes).
+pub fn byte_llama(dir: &Path, template: &str, max_seq: usize) -> PathBuf {
+    let config = ModelConfig {
+        vocab: 257,
+        max_seq,
+        ..ModelConfig::preset("tiny-llama").unwrap()
+    };
+    let w = ModelWeights::synthetic(&config, 77);
+    let types = [vec![1; 256], vec![3]].concat();
+    let mut meta = model_meta(&w, "llama");
+    meta.extend([
+        json!(["tokenizer.ggml.model", "str", "gpt2"]),
+        json!(["tokenizer.ggml.tokens", "str_array", byte_tokens()]),
+        json!(["tokenizer.ggml.merges", "str_array", Vec::<String>::new()]),
+        json!(["tokenizer.ggml.add_bos_token", "bool", false]),
+        json!(["tokenizer.ggml.bos_token_id", "u32", 256]),
+        json!(["tokenizer.ggml.eos_token_id", "u32", 256]),
+        json!(["tokenizer.ggml.token_type", "i32_array", types]),
+        json!(["tokenizer.chat_template", "str", template]),
+    ]);
+    let spec = GgufSpec {
+        arch: "llama",
+        matrices: QuantType::F32,
+        meta,
+    };
+    write_gguf(dir, "bytes", &gguf_tensors(&w, true), &spec)
+}

@@ -350,8 +350,10 @@ pub fn write_word_tokenizer(dir: &Path, vocab: usize) {
     std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
 }
 
-/// A chat template over word tokens (`tN`): BOS, ` t4 CONTENT` per message, ` t5` to prompt.
-pub const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %} t4 {{ m.content | trim }}\
+/// A chat template over word tokens (`tN`): BOS, ` t6` when given tools, ` t4 CONTENT` per
+/// message, ` t5` to prompt.
+pub const CHAT_TEMPLATE: &str =
+    "{{ bos_token }}{% if tools %} t6{% endif %}{% for m in messages %} t4 {{ m.content | trim }}\
 {% endfor %}{% if add_generation_prompt %} t5{% endif %}";
 
 /// tiny-gpt2 (context 96, seed 21) with a word tokenizer (`tN` is token N) and

@@ -1,5 +1,5 @@
-//! Every request field OpenAI, vLLM and llama-server define for `/v1/completions` and
-//! `/v1/chat/completions`, with what wgpar does with it. This one table drives the checks
+//! Every request field OpenAI, vLLM and llama-server define for `/v1/completions`,
+//! `/v1/chat/completions` and `/v1/embeddings`, with what wgpar does with it. This one table drives the checks
 //! (a field not in it, or refused by it, gets a 400 naming it) and the table in
 //! docs/SERVING.md ([`markdown`]; a test keeps the two equal).
 
@@ -14,8 +14,10 @@ pub enum Route {
     Completions,
     /// `/v1/chat/completions`.
     Chat,
-    /// Both.
+    /// Both completions and chat.
     Both,
+    /// `/v1/embeddings` (not covered by `Both`).
+    Embeddings,
 }
 
 /// What wgpar does with a field.
@@ -66,7 +68,7 @@ const fn f(
     }
 }
 
-use Route::{Both, Chat, Completions as Text};
+use Route::{Both, Chat, Completions as Text, Embeddings as Emb};
 use Rule::{Honoured as H, NoEffect as N, OnlyAt as At, Refused as R};
 
 const OA: &str = "OpenAI";
@@ -114,16 +116,16 @@ pub const FIELDS: &[Field] = &[
     f("service_tier", Chat, OA, N, r#""auto""#, "no effect"),
     f("prompt_cache_key", Chat, OA, N, r#""k""#, "no effect"),
     f("safety_identifier", Chat, OA, N, r#""s""#, "no effect"),
-    f("parallel_tool_calls", Chat, OA, N, "true", "no effect without `tools`"),
+    f("parallel_tool_calls", Chat, OA, H, "true", "false: only the first tool call is returned"),
     f("request_id", Both, VL, N, r#""r1""#, "no effect"),
     f("cache_salt", Both, VL, N, r#""s""#, "no effect (no prefix cache)"),
     f("cache_prompt", Both, LS, N, "true", "no effect (no prefix cache)"),
     f("id_slot", Both, LS, N, "0", "no effect (the scheduler picks the slot)"),
     f("response_format", Both, OA, H, r#"{"type":"text"}"#, "`text`, `json_object`, or `json_schema` (its `schema` enforced while decoding, `strict` or not: a token mask per step); other types 400. Needs a byte-level or byte-fallback tokenizer"),
-    f("tools", Chat, OA, At("[]"), r#"[{"type":"function","function":{"name":"f"}}]"#, "only empty: tool calls are not built"),
-    f("tool_choice", Chat, OA, At(r#""none""#), r#""auto""#, "only `none`"),
-    f("functions", Chat, OA, R, "[]", "refused: tool calls are not built"),
-    f("function_call", Chat, OA, R, r#""auto""#, "refused: tool calls are not built"),
+    f("tools", Chat, OA, H, r#"[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}]"#, "function definitions, rendered by the chat template as `tools` (400 if it does not read them); calls in the answer come back as `tool_calls`"),
+    f("tool_choice", Chat, OA, H, r#""none""#, "`auto` (the default with tools), `none` (tools not rendered, the answer not parsed), `required` or a named function (the answer held to the calls' JSON schema by the structured-output mask, returned as `tool_calls`; 400 beside `response_format`, `min_tokens` or `allowed_token_ids`)"),
+    f("functions", Chat, OA, R, "[]", "refused: deprecated, use `tools`"),
+    f("function_call", Chat, OA, R, r#""auto""#, "refused: deprecated, use `tool_choice`"),
     f("modalities", Chat, OA, At(r#"["text"]"#), r#"["audio"]"#, "only text"),
     f("audio", Chat, OA, R, r#"{"voice":"x"}"#, "refused: text only"),
     f("prediction", Chat, OA, R, r#"{"type":"content","content":"x"}"#, "refused: no predicted outputs"),
@@ -190,10 +192,26 @@ pub const FIELDS: &[Field] = &[
     f("return_tokens", Both, LS, At("false"), "true", "only false"),
     f("timings_per_token", Both, LS, At("false"), "true", "only false"),
     f("response_fields", Both, LS, R, r#"["content"]"#, "refused"),
+    f("input", Emb, OA, H, r#"["a b", [101, 102]]"#, "a string, a list of strings, token ids, or a list of token-id lists: one embedding each (token ids are used as given)"),
+    f("model", Emb, OA, H, r#""m""#, "must name the served model; 404 otherwise"),
+    f("encoding_format", Emb, OA, H, r#""base64""#, "`float` (default) or `base64` (little-endian f32)"),
+    f("dimensions", Emb, OA, H, "384", "only the model's own width (no truncated embeddings); 400 otherwise"),
+    f("user", Emb, OA, N, r#""u""#, "no effect"),
+    f("request_id", Emb, VL, N, r#""r1""#, "no effect"),
+    f("priority", Emb, VL, At("0"), "1", "only 0: no priority scheduling"),
+    f("add_special_tokens", Emb, VL, At("true"), "false", "only true (text inputs get the tokenizer's [CLS] and [SEP])"),
+    f("truncate_prompt_tokens", Emb, VL, R, "4", "refused: texts are cut only where the checkpoint's tokenizer cuts them"),
+    f("normalize", Emb, VL, R, "true", "refused: the checkpoint's Normalize module decides"),
+    f("embed_dtype", Emb, VL, At(r#""float32""#), r#""float16""#, "only float32"),
+    f("use_activation", Emb, VL, R, "true", "refused"),
+    f("messages", Emb, VL, R, "[]", "refused: embed `input`"),
+    f("content", Emb, LS, R, r#""x""#, "refused: use `input`"),
+    f("embd_normalize", Emb, LS, R, "2", "refused: the checkpoint's Normalize module decides"),
 ];
 
 fn applies(field: &Field, route: Route) -> bool {
-    field.route == Route::Both || field.route == route
+    let both = field.route == Route::Both && route != Route::Embeddings;
+    both || field.route == route
 }
 
 /// Numbers compare by value (1 and 1.0 are the same), the rest exactly.
@@ -250,6 +268,7 @@ pub fn markdown() -> String {
             Route::Completions => "completions",
             Route::Chat => "chat",
             Route::Both => "both",
+            Route::Embeddings => "embeddings",
         };
         let what = match f.rule {
             Rule::Honoured => format!("honoured: {}", f.note),
