@@ -349,13 +349,15 @@ pub fn run(args: &ServerArgs) -> Result<()> {
     wgpar::server::run(opts, text, build)
 }
 
-/// The largest prefill step's tokens, and the work the accounting sizes: the cache holds
+/// The largest step's tokens, and the work the accounting sizes: the cache holds
 /// --max-batch sequences, the largest step's tokens sized as prompts.
 pub(super) fn serving_work(args: &ServerArgs, config: &ModelConfig) -> (usize, Workload) {
-    // Prefills batch up to --max-prefill-tokens; one longer prompt runs alone.
-    let step_tokens = (args.prefill_tokens())
-        .min(args.max_batch * config.max_seq)
-        .max(config.max_seq);
+    // A step is a decode step of every slot, or prompt chunks within both budgets: a longer
+    // prompt is prefilled over several steps, never whole.
+    let step_tokens = (args.max_batch * config.max_seq)
+        .min(args.prefill_tokens())
+        .min(args.step_tokens())
+        .max(args.max_batch);
     let work = Workload {
         batch: args.max_batch,
         prompt: step_tokens.div_ceil(args.max_batch.max(1)),
