@@ -51,6 +51,43 @@ fn body(i: usize, max_tokens: usize) -> String {
     format!(r#"{{"prompt":"{prompt}","max_tokens":{max_tokens},{pick}}}"#)
 }
 
+/// Request `i` with a prompt of 30 words, longer than a step budget of 8 tokens.
+fn long_body(i: usize, max_tokens: usize) -> String {
+    let words: Vec<String> = (0..30)
+        .map(|k| format!("t{}", (7 * i + 13 * k) % 200))
+        .collect();
+    let prompt = words.join(" ");
+    let pick = if i.is_multiple_of(2) {
+        r#""temperature":0"#.to_string()
+    } else {
+        format!(r#""temperature":1.1,"top_p":0.9,"seed":{i}"#)
+    };
+    format!(r#"{{"prompt":"{prompt}","max_tokens":{max_tokens},{pick}}}"#)
+}
+
+#[test]
+fn prompts_chunked_over_ranks_answer_as_one_process() {
+    let bodies: Vec<String> = (0..6).map(|i| long_body(i, 6)).collect();
+    // One process prefills each prompt whole (its budget, 512, holds them).
+    let want: Vec<String> = {
+        let single = one_process();
+        bodies.iter().map(|b| single.complete(b)).collect()
+    };
+    let mut server = over_ranks(&["--mpi-timeout", "3", "--max-step-tokens", "8"]);
+    for (b, w) in bodies.iter().zip(&want) {
+        assert_eq!(&server.complete(b), w, "{b}");
+    }
+    let together: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (bodies.iter())
+            .map(|b| s.spawn(|| server.complete(b)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(together, want, "concurrent chunked requests over ranks");
+    assert!(want.iter().all(|w| !w.is_empty()), "every answer has text");
+    stop_through_rank0(&mut server);
+}
+
 #[test]
 fn serving_over_ranks_answers_as_one_process() {
     let bodies: Vec<String> = (0..8).map(|i| body(i, 10)).collect();
@@ -76,7 +113,12 @@ fn serving_over_ranks_answers_as_one_process() {
         distinct.len() > 1,
         "every request gave the same text: {want:?}"
     );
-    // mpirun kills the job at SIGTERM; rank 0 drains and stops the pipeline at its own.
+    stop_through_rank0(&mut server);
+}
+
+/// Stops the job as an operator does: mpirun kills the job at SIGTERM, so the signal goes to
+/// rank 0, which drains and stops the pipeline; mpirun must then exit cleanly.
+fn stop_through_rank0(server: &mut Server) {
     let said = server.stderr.lock().unwrap().join("\n");
     let pid: i32 = said
         .split("SIGTERM rank 0: pid ")
