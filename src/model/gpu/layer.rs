@@ -673,30 +673,18 @@ fn qk_norm_scales(
     index: usize,
     w: &LayerWeights,
 ) -> Result<Option<(Tensor, Tensor)>> {
-    let width = |v: &Option<Vec<f32>>| v.as_ref().map(Vec::len);
-    let want = config.qk_norm.then_some(config.head_dim);
-    if width(&w.q_norm) != want || width(&w.k_norm) != want {
-        return Err(WgparError::model(
-            config.name.clone(),
-            "qk_norm",
-            format!(
-                "layer {index}: query/key norm scales of {:?} / {:?} values, but the config \
-                 asks for {want:?} (head_dim {} with qk_norm {})",
-                width(&w.q_norm),
-                width(&w.k_norm),
-                config.head_dim,
-                config.qk_norm
-            ),
-        ));
-    }
-    let (Some(q), Some(k)) = (&w.q_norm, &w.k_norm) else {
-        return Ok(None);
+    let pair = NormPair {
+        feature: "qk_norm",
+        what: "query/key",
+        names: ["q_norm", "k_norm"],
+        scales: [&w.q_norm, &w.k_norm],
+        want: config.qk_norm.then_some(config.head_dim),
+        basis: format!(
+            "head_dim {} with qk_norm {}",
+            config.head_dim, config.qk_norm
+        ),
     };
-    let name = |part: &str| format!("layer{index}.{part}");
-    Ok(Some((
-        gpu.upload_f32(&name("q_norm"), q)?,
-        gpu.upload_f32(&name("k_norm"), k)?,
-    )))
+    pair.upload(gpu, config, index)
 }
 
 /// Layer `index`'s output norm scales on the device, where the config asks for them
@@ -707,30 +695,70 @@ fn out_norm_scales(
     index: usize,
     w: &LayerWeights,
 ) -> Result<Option<(Tensor, Tensor)>> {
-    let width = |v: &Option<Vec<f32>>| v.as_ref().map(Vec::len);
-    let want = config.sandwich_norms.then_some(config.hidden);
-    if width(&w.attn_out_norm) != want || width(&w.mlp_out_norm) != want {
-        return Err(WgparError::model(
-            config.name.clone(),
-            "sandwich_norms",
-            format!(
-                "layer {index}: attention/MLP output norm scales of {:?} / {:?} values, but \
-                 the config asks for {want:?} (hidden {} with sandwich_norms {})",
-                width(&w.attn_out_norm),
-                width(&w.mlp_out_norm),
-                config.hidden,
-                config.sandwich_norms
-            ),
-        ));
-    }
-    let (Some(attn), Some(mlp)) = (&w.attn_out_norm, &w.mlp_out_norm) else {
-        return Ok(None);
+    let pair = NormPair {
+        feature: "sandwich_norms",
+        what: "attention/MLP output",
+        names: ["attn_out_norm", "mlp_out_norm"],
+        scales: [&w.attn_out_norm, &w.mlp_out_norm],
+        want: config.sandwich_norms.then_some(config.hidden),
+        basis: format!(
+            "hidden {} with sandwich_norms {}",
+            config.hidden, config.sandwich_norms
+        ),
     };
-    let name = |part: &str| format!("layer{index}.{part}");
-    Ok(Some((
-        gpu.upload_f32(&name("attn_out_norm"), attn)?,
-        gpu.upload_f32(&name("mlp_out_norm"), mlp)?,
-    )))
+    pair.upload(gpu, config, index)
+}
+
+/// Two optional norm scale vectors a config feature asks for together.
+struct NormPair<'a> {
+    /// The config feature, for the error.
+    feature: &'static str,
+    /// What the two scales belong to, for the error.
+    what: &'static str,
+    /// Their tensor names within the layer.
+    names: [&'static str; 2],
+    scales: [&'a Option<Vec<f32>>; 2],
+    /// The width each must have, `None` where the config asks for neither.
+    want: Option<usize>,
+    /// The config values the width comes from, for the error.
+    basis: String,
+}
+
+impl NormPair<'_> {
+    /// Both scales on the device, or `None` where the config asks for neither; a pair that
+    /// does not match the config is refused.
+    fn upload(
+        &self,
+        gpu: &Gpu,
+        config: &ModelConfig,
+        index: usize,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let width = |v: &Option<Vec<f32>>| v.as_ref().map(Vec::len);
+        let [a, b] = self.scales;
+        let want = self.want;
+        if width(a) != want || width(b) != want {
+            return Err(WgparError::model(
+                config.name.clone(),
+                self.feature,
+                format!(
+                    "layer {index}: {} norm scales of {:?} / {:?} values, but the config asks \
+                     for {want:?} ({})",
+                    self.what,
+                    width(a),
+                    width(b),
+                    self.basis
+                ),
+            ));
+        }
+        let (Some(a), Some(b)) = (a, b) else {
+            return Ok(None);
+        };
+        let name = |part: &str| format!("layer{index}.{part}");
+        Ok(Some((
+            gpu.upload_f32(&name(self.names[0]), a)?,
+            gpu.upload_f32(&name(self.names[1]), b)?,
+        )))
+    }
 }
 
 /// `x += out (+ bias)`, then `x = norm(x)` through the scratch `h` for a post-norm model (a
