@@ -19,7 +19,6 @@ use wgpar::parallel::KeepLogits;
 use wgpar::parallel::{PartitionSpec, Schedule, Strategy};
 use wgpar::server::ChatTemplate;
 use wgpar::sim::{HostProfile, LinkPacer, PaceSpec};
-use wgpar::trace::{RankPlacement, Timeline};
 use wgpar::{Result, WgparError};
 
 /// Checks, before the work whose results go there, that files can be written in folder `dir`
@@ -731,17 +730,6 @@ pub(crate) fn text_side(
         template,
         eos,
     })
-}
-
-/// The rank traces of one MPI run merged for projection onto `profile`: one rank per node
-/// when the profile has several nodes, packed onto its one node otherwise.
-pub(crate) fn merge_rank_traces(traces: &[Timeline], profile: &HostProfile) -> Result<Timeline> {
-    let placement = if profile.nodes > 1 {
-        RankPlacement::PerNode(profile.devices_per_node())
-    } else {
-        RankPlacement::Pack
-    };
-    Ok(Timeline::merge_ranks(traces, placement)?)
 }
 
 #[cfg(test)]

@@ -24,7 +24,9 @@ mod profile;
 mod profile_error;
 mod project;
 mod project_error;
+pub mod project_run;
 pub mod projection_bench;
+pub mod projection_run;
 mod report;
 mod rules;
 mod shipped;
@@ -48,5 +50,6 @@ pub use project::{
     project, project_engine, CollectivePolicy, HostGaps, ProjectOptions, Projection, StepBarriers,
 };
 pub use project_error::{ForwardDependency, ProjectError};
+pub use project_run::merge_rank_traces;
 pub use report::{KindTotal, ProjectionReport};
 pub use shipped::SHIPPED_PROFILES;
