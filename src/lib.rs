@@ -19,6 +19,7 @@ pub mod files;
 pub mod generate;
 pub mod kernels;
 pub mod load;
+pub mod memory_check;
 pub mod model;
 pub mod parallel;
 pub mod server;

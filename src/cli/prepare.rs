@@ -4,7 +4,7 @@
 use wgpar::device::{AdapterDesc, Adapters, DType};
 use wgpar::model::memory::Workload;
 use wgpar::model::ModelConfig;
-use wgpar::parallel::{Engine, Strategy};
+use wgpar::parallel::Strategy;
 use wgpar::sim::LinkPacer;
 use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
@@ -148,21 +148,6 @@ pub(super) fn recorder_for(args: &RunArgs) -> Recorder {
     }
 }
 
-/// Prints a pipeline's bubble share (measured and the GPipe bound), as compare and bench do.
-pub(super) fn print_bubble(engine: &dyn Engine, indent: &str) -> Result<()> {
-    if let Some(p) = engine.pipeline_stats() {
-        outln!(
-            "{indent}pipeline: {} stages x {} micro-batches ({}), bubble {:.0}% measured ({:.0}% for equal stages)",
-            p.stages.len(),
-            p.microbatches,
-            p.schedule,
-            p.measured_bubble * 100.0,
-            p.theoretical_bubble * 100.0
-        )?;
-    }
-    Ok(())
-}
-
 /// Writes the recorded timeline to `--trace` and summarises it.
 pub(super) fn write_trace(recorder: &Recorder, path: &str) -> Result<()> {
     let timeline = recorder.timeline();
@@ -171,21 +156,8 @@ pub(super) fn write_trace(recorder: &Recorder, path: &str) -> Result<()> {
         "trace: {} spans written to {path} (open in https://ui.perfetto.dev)",
         timeline.spans.len()
     )?;
-    let timed: Vec<_> = timeline
-        .spans
-        .iter()
-        .filter_map(|s| s.device_ns.map(|ns| (ns, s.dur_ns)))
-        .collect();
-    if !timed.is_empty() {
-        let device: u64 = timed.iter().map(|t| t.0).sum();
-        let host: u64 = timed.iter().map(|t| t.1).sum();
-        outln!(
-            "  device time (timestamp queries) of {} compute spans: {:.1} ms of their {:.1} ms on the host clock ({:.0} %)",
-            timed.len(),
-            device as f64 / 1e6,
-            host as f64 / 1e6,
-            device as f64 / host.max(1) as f64 * 100.0
-        )?;
+    if let Some(line) = timeline.device_time_line() {
+        outln!("  {line}")?;
     }
     Ok(())
 }

@@ -5,16 +5,16 @@ use std::sync::Arc;
 use wgpar::comm::CommConfig;
 use wgpar::device::{Adapters, DType, Gpu};
 use wgpar::model::{ModelConfig, ModelWeights};
-use wgpar::parallel::timed::{kv_of, storage_of, write_logits, PrefillStats, WARMUP_STEPS};
-use wgpar::parallel::{build_engine, Engine, Generation, Strategy};
+use wgpar::parallel::timed::{
+    kv_of, render_bubble, render_rates, storage_of, write_logits, WARMUP_STEPS,
+};
+use wgpar::parallel::{build_engine, Engine, Strategy};
 
 use wgpar::{Result, WgparError};
 
-use super::memory::print_allocated;
 use super::options::RunArgs;
-use super::prepare::{
-    adapter_labels, check_syntax, plan, print_bubble, recorder_for, write_trace, Plan,
-};
+use super::prepare::{adapter_labels, check_syntax, plan, recorder_for, write_trace, Plan};
+use wgpar::memory_check::render_allocated;
 use wgpar::model::memory::{per_device, DeviceBytes, WeightFormat, Workload};
 use wgpar::parallel::arming::{jobs_per_step, FaultSpec};
 use wgpar::parallel::auto::AccountingParts;
@@ -59,7 +59,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     };
     let memory = AccountingParts::of(&placed.gpus, format, work);
     let accounted = per_device(&placed.strategy, placed.gpus.len(), &memory.spec(&config))?;
-    print_allocated(&placed.gpus, &accounted, &before)?;
+    out!("{}", render_allocated(&placed.gpus, &accounted, &before))?;
     print_weight_bytes(args, &accounted)
 }
 
@@ -194,67 +194,18 @@ fn timed_generation(
     engine.set_recorder(recorder.clone());
     let done = timed.run(engine, config.vocab)?;
     let g = &done.generation;
-    print_rates(g, args.batch, &done.prefill)?;
+    out!("{}", render_rates(g, args.batch, &done.prefill))?;
     // In flight, the last run is the whole decode; under GPipe, its last step.
-    print_bubble(engine, "  decode ")?;
+    out!(
+        "{}",
+        render_bubble(engine.pipeline_stats().as_ref(), "  decode ")
+    )?;
     outln!("first sequence's tokens: {:?}", g.tokens[0])?;
     if let Some(path) = &args.logits_out {
         write_logits(path, args.batch, config.vocab, g)?;
     }
     if let Some(path) = &args.trace {
         write_trace(&recorder, path)?;
-    }
-    Ok(())
-}
-
-/// Prints a run's prefill and decode rates, with the prefill's accounting (`prefill_stats`)
-/// and its pipeline's bubble.
-fn print_rates(g: &Generation, batch: usize, prefill: &PrefillStats) -> Result<()> {
-    outln!(
-        "prefill: {} tokens in {:.1} ms = {:.1} tokens/s (time to first token {:.1} ms)",
-        g.prompt_tokens,
-        g.prefill_s * 1e3,
-        g.prefill_tokens_per_s(),
-        g.prefill_s * 1e3
-    )?;
-    if let Some(s) = &prefill.step {
-        outln!(
-            "  compute {:.1} ms, communication {:.1} ms ({:.0}% of device time), {} collectives/hand-offs, {} B sent per device",
-            s.compute_s * 1e3,
-            s.comm_s * 1e3,
-            s.comm_share() * 100.0,
-            s.collectives,
-            s.bytes_sent
-        )?;
-        outln!("  {}", s.per_token_line())?;
-    }
-    if let Some(p) = &prefill.pipeline {
-        outln!(
-            "  pipeline: {} stages x {} micro-batches, bubble {:.0}% measured ({:.0}% = (p-1)/(m+p-1) for equal stages)",
-            p.stages.len(),
-            p.microbatches,
-            p.measured_bubble * 100.0,
-            p.theoretical_bubble * 100.0
-        )?;
-    }
-    outln!(
-        "decode: {} tokens x {} sequences in {:.1} ms, {:.2} ms per token = {:.1} tokens/s",
-        g.decode_steps,
-        batch,
-        g.decode_s * 1e3,
-        g.per_token_s() * 1e3,
-        g.decode_tokens_per_s()
-    )?;
-    if g.decode_steps > 0 {
-        let s = &g.decode_stats;
-        outln!(
-            "  compute {:.2} ms, communication {:.2} ms ({:.0}%), {} collectives/hand-offs per device",
-            s.compute_s * 1e3,
-            s.comm_s * 1e3,
-            s.comm_share() * 100.0,
-            s.collectives
-        )?;
-        outln!("  {}", s.per_token_line())?;
     }
     Ok(())
 }

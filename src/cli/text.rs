@@ -14,8 +14,9 @@ use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
 
 use super::options::RunArgs;
-use super::prepare::{plan, print_bubble, recorder_for, write_trace};
+use super::prepare::{plan, recorder_for, write_trace};
 use wgpar::load::MAX_CONTEXT;
+use wgpar::parallel::timed::render_bubble;
 
 /// Generates up to `--gen` tokens after `prompt` and prints the text, on the strategy and
 /// devices `run`'s options name (tracing and pacing too).
@@ -28,7 +29,7 @@ pub fn generate(args: &RunArgs, prompt: &str) -> Result<()> {
     let (mut engine, recorder) = open_engine(args, weights, sampling, shape)?;
     eprintln!("{} prompt tokens", input.ids.len());
     stream(engine.as_mut(), &input, prompt, args.gen)?;
-    print_bubble(engine.as_ref(), "")?;
+    out!("{}", render_bubble(engine.pipeline_stats().as_ref(), ""))?;
     if let Some(path) = &args.trace {
         write_trace(&recorder, path)?;
     }

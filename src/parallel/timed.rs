@@ -194,3 +194,70 @@ mod tests {
         assert_eq!(run.tokens(), 3 * (2 * 5 + 3));
     }
 }
+
+/// A run's prefill and decode rates as `wgpar run` prints them, with the prefill's accounting
+/// and its pipeline's bubble, then the decode's accounting when it decoded.
+pub fn render_rates(g: &Generation, batch: usize, prefill: &PrefillStats) -> String {
+    let mut s = format!(
+        "prefill: {} tokens in {:.1} ms = {:.1} tokens/s (time to first token {:.1} ms)\n",
+        g.prompt_tokens,
+        g.prefill_s * 1e3,
+        g.prefill_tokens_per_s(),
+        g.prefill_s * 1e3
+    );
+    if let Some(st) = &prefill.step {
+        s += &format!(
+            "  compute {:.1} ms, communication {:.1} ms ({:.0}% of device time), {} collectives/hand-offs, {} B sent per device\n  {}\n",
+            st.compute_s * 1e3,
+            st.comm_s * 1e3,
+            st.comm_share() * 100.0,
+            st.collectives,
+            st.bytes_sent,
+            st.per_token_line()
+        );
+    }
+    if let Some(p) = &prefill.pipeline {
+        s += &format!(
+            "  pipeline: {} stages x {} micro-batches, bubble {:.0}% measured ({:.0}% = (p-1)/(m+p-1) for equal stages)\n",
+            p.stages.len(),
+            p.microbatches,
+            p.measured_bubble * 100.0,
+            p.theoretical_bubble * 100.0
+        );
+    }
+    s += &format!(
+        "decode: {} tokens x {} sequences in {:.1} ms, {:.2} ms per token = {:.1} tokens/s\n",
+        g.decode_steps,
+        batch,
+        g.decode_s * 1e3,
+        g.per_token_s() * 1e3,
+        g.decode_tokens_per_s()
+    );
+    if g.decode_steps > 0 {
+        let st = &g.decode_stats;
+        s += &format!(
+            "  compute {:.2} ms, communication {:.2} ms ({:.0}%), {} collectives/hand-offs per device\n  {}\n",
+            st.compute_s * 1e3,
+            st.comm_s * 1e3,
+            st.comm_share() * 100.0,
+            st.collectives,
+            st.per_token_line()
+        );
+    }
+    s
+}
+
+/// A pipeline's bubble share (measured and the GPipe bound) after `indent`, as compare and
+/// bench print it; empty for an engine that is not a pipeline.
+pub fn render_bubble(stats: Option<&PipelineStats>, indent: &str) -> String {
+    stats.map_or_else(String::new, |p| {
+        format!(
+            "{indent}pipeline: {} stages x {} micro-batches ({}), bubble {:.0}% measured ({:.0}% for equal stages)\n",
+            p.stages.len(),
+            p.microbatches,
+            p.schedule,
+            p.measured_bubble * 100.0,
+            p.theoretical_bubble * 100.0
+        )
+    })
+}
