@@ -3,6 +3,8 @@
 //! dispatches.
 
 pub mod bench;
+pub mod bench_options;
+pub mod bench_table;
 mod cache;
 pub mod ops;
 pub mod quant;

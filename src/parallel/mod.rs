@@ -12,6 +12,7 @@ mod encoder;
 mod fault;
 pub mod partition;
 mod pick;
+pub mod pipeline_sweep;
 pub(crate) mod pp;
 mod single;
 mod strategy;
@@ -24,7 +25,9 @@ use std::time::Instant;
 
 pub use balance::measure_stage_costs;
 pub use batch::{BatchStep, SeqRow, StepDone, StepEngine};
-pub use decode_bench::{measure_decode, DecodeMeasure};
+pub use decode_bench::{
+    decode_strategy, measure_decode, DecodeBench, DecodeBenchRow, DecodeMeasure,
+};
 pub use encoder::{cosine_similarity, pad_batch, Embeddings, Encoder, SingleEncoder};
 pub use fault::{Fault, FaultKind};
 pub use partition::{partition, Partition, StageCost};
