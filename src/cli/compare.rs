@@ -6,11 +6,11 @@ use std::path::PathBuf;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgpar::batching::{Length, Rate};
+use wgpar::compare::preflight::{check_plans_fit, default_selection, SweepCounts};
 use wgpar::compare::{run_compare, table, write_report, CompareOptions, ServingOptions};
-use wgpar::device::{open_devices, AdapterDesc, Adapters, DType, DeviceSelection};
-use wgpar::model::memory::{WeightFormat, Workload};
+use wgpar::device::{open_devices, Adapters, DType, DeviceSelection};
 use wgpar::model::ModelConfig;
-use wgpar::parallel::{Schedule, Strategy};
+use wgpar::parallel::Schedule;
 use wgpar::sim::{Engine, HostProfile};
 use wgpar::{Result, WgparError};
 
@@ -118,8 +118,7 @@ impl CompareArgs {
     }
 }
 
-/// Every distinct GPU once (preferring Vulkan/Metal/DX12 over GL); with fewer than two real
-/// GPUs, N virtual devices on the preferred adapter.
+/// The devices `--devices` or `--virtual` name, else [`default_selection`].
 fn selection(args: &CompareArgs, adapters: &Adapters) -> Result<DeviceSelection> {
     if args.devices.is_some() || args.virtual_count.is_some() {
         return DeviceSelection::from_options(
@@ -128,34 +127,27 @@ fn selection(args: &CompareArgs, adapters: &Adapters) -> Result<DeviceSelection>
             adapters,
         );
     }
-    let mut names: Vec<&str> = Vec::new();
-    let mut picks = Vec::new();
-    for d in adapters.list() {
-        if !d.is_cpu() && !names.contains(&d.name.as_str()) {
-            names.push(&d.name);
-            picks.push(d.index);
-        }
-    }
-    if picks.len() >= 2 {
-        Ok(DeviceSelection::Indices(picks))
-    } else {
-        Ok(DeviceSelection::Virtual {
-            adapter: adapters.preferred(),
-            count: 4,
-        })
-    }
+    Ok(default_selection(adapters))
 }
 
 /// Runs the comparison and writes the report.
 pub fn run(args: &CompareArgs) -> Result<()> {
-    check_counts(args)?;
+    SweepCounts {
+        batches: &args.batches,
+        micro_batches: &args.micro_batches,
+        reps: args.reps,
+        prompt_len: args.prompt_len,
+        gen: args.gen,
+    }
+    .check()?;
     let resolved = resolve(args)?;
     let adapters = Adapters::discover()?;
     let selection = selection(args, &adapters)?;
     let selected = args.binding.described(&selection, &adapters)?;
     let dtype = args.model.choice().dtype_for(&selected, false)?;
     let opts = compare_options(args, resolved, dtype);
-    check_plans_fit(args, &opts, &selected)?;
+    let kv = args.binding.kv_dtypes(&selected, false);
+    check_plans_fit(&opts, &selected, args.memory.gpu_memory.as_deref(), &kv)?;
     // The report goes there: a folder that cannot be written fails now, not after the runs.
     super::options::check_writable_dir(&args.out, &args.out)?;
     let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
@@ -186,34 +178,6 @@ pub fn run(args: &CompareArgs) -> Result<()> {
             "\nreport: {} (charts and JSON beside it)",
             files.markdown.display()
         )?;
-    }
-    Ok(())
-}
-
-/// Zero counts would be replaced or give empty rows: refuse them.
-fn check_counts(args: &CompareArgs) -> Result<()> {
-    for (option, values) in [
-        ("--batches", &args.batches),
-        ("--micro-batches", &args.micro_batches),
-    ] {
-        if values.is_empty() || values.contains(&0) {
-            return Err(WgparError::option(
-                option,
-                format!("{option} needs positive counts, got {values:?}"),
-            ));
-        }
-    }
-    for (option, value) in [
-        ("--reps", args.reps),
-        ("--prompt-len", args.prompt_len),
-        ("--gen", args.gen),
-    ] {
-        if value == 0 {
-            return Err(WgparError::option(
-                option,
-                format!("{option} must be at least 1"),
-            ));
-        }
     }
     Ok(())
 }
@@ -276,53 +240,6 @@ fn compare_options(args: &CompareArgs, resolved: Resolved, dtype: DType) -> Comp
         }),
         at_scale: args.at_scale,
     }
-}
-
-/// Every configuration compare will run, checked against the selected adapters' limits and
-/// memory before a device opens.
-fn check_plans_fit(
-    args: &CompareArgs,
-    opts: &CompareOptions,
-    selected: &[AdapterDesc],
-) -> Result<()> {
-    let plans = wgpar::compare::plans(&opts.config, selected.len(), opts);
-    let mut runs: Vec<super::memory::PlannedRun> = plans
-        .iter()
-        .map(|p| super::memory::PlannedRun {
-            strategy: &p.strategy,
-            adapters: &selected[..p.devices],
-            step_tokens: p
-                .batch
-                .div_ceil(p.micro_batches)
-                .saturating_mul(opts.prompt_len),
-            batch: p.batch,
-            work: Workload {
-                batch: p.batch,
-                prompt: opts.prompt_len,
-            },
-        })
-        .collect();
-    if let Some(serving) = &opts.serving {
-        runs.push(super::memory::PlannedRun {
-            strategy: &Strategy::Single,
-            adapters: &selected[..1],
-            step_tokens: serving.max_batch.saturating_mul(serving.prompt_len.max()),
-            batch: serving.max_batch,
-            work: Workload {
-                batch: serving.max_batch,
-                prompt: serving.prompt_len.max(),
-            },
-        });
-    }
-    super::memory::check_runs_fit(&opts.config, opts.dtype, &runs)?;
-    // compare runs the config's synthetic weights, dense in `dtype`.
-    let format = WeightFormat::of_config(&opts.config, opts.dtype, None);
-    (args.memory).check_runs_with(
-        &format,
-        &opts.config,
-        &args.binding.kv_dtypes(selected, false),
-        &runs,
-    )
 }
 
 /// A progress bar on the terminal, hidden when the output is JSON.

@@ -2,16 +2,8 @@
 //! weights needed).
 
 use clap::Args;
-use std::path::Path;
-use wgpar::compare::{
-    default_strategies, plan, plan_markdown, plan_model, PlanOptions, PlanStrategy,
-};
-use wgpar::device::DType;
-use wgpar::model::memory::{FileBlocks, Vectors, WeightFormat};
-use wgpar::model::quant::QuantType;
-use wgpar::model::ModelConfig;
-use wgpar::parallel::Strategy;
-use wgpar::sim::{Engine, HostProfile, NumFormat};
+use wgpar::compare::plan_request::PlanRequest;
+use wgpar::compare::{plan, plan_markdown};
 use wgpar::{Result, WgparError};
 
 /// Options of `wgpar plan`.
@@ -64,144 +56,27 @@ pub struct PlanArgs {
     json: bool,
 }
 
-/// Longest context `plan --max-seq` models (16M tokens: beyond any published model's).
-const MAX_PLAN_CONTEXT: usize = 1 << 24;
-/// Largest batch `plan --batches` models.
-const MAX_PLAN_BATCH: usize = 1 << 20;
-
-/// Refuses a pipeline strategy given with more micro-batches than the largest batch: no row
-/// would run that many (each micro-batch needs a sequence).
-fn check_micro_batches(strategies: &[PlanStrategy], batches: &[usize]) -> Result<()> {
-    let largest = batches.iter().copied().max().unwrap_or(0);
-    for s in strategies {
-        let m = match s.strategy {
-            Strategy::Pipeline { micro_batches, .. } | Strategy::Hybrid { micro_batches, .. } => {
-                micro_batches
-            }
-            _ => continue,
-        };
-        if m > largest {
-            return Err(WgparError::unsupported(format!(
-                "--strategies {}: {m} micro-batches, but the largest of --batches is {largest}: \
-                 each micro-batch needs a sequence, so at most {largest} would run; give -m{largest} \
-                 or less, or larger --batches",
-                s.label
-            )));
+impl PlanArgs {
+    /// The request the options make.
+    fn request(&self) -> PlanRequest<'_> {
+        PlanRequest {
+            model: &self.model,
+            weights: &self.weights,
+            devices: self.devices,
+            strategies: &self.strategies,
+            batches: &self.batches,
+            seqs: &self.seqs,
+            max_seq: self.max_seq,
+            hosts: &self.hosts,
+            engines: &self.engines,
+            decode_steps: self.decode_steps,
         }
     }
-    Ok(())
-}
-
-/// Everything `plan` needs, checked before anything is modeled.
-fn options(args: &PlanArgs) -> Result<PlanOptions> {
-    let mut config = plan_model(&args.model)?;
-    if let Some(m) = args.max_seq {
-        if m == 0 || m > MAX_PLAN_CONTEXT {
-            return Err(WgparError::option(
-                "--max-seq",
-                format!("--max-seq {m}: model a context of 1 to {MAX_PLAN_CONTEXT} tokens"),
-            ));
-        }
-        config.max_seq = m;
-        // The tables sized by the context stay within the model's size bounds.
-        config.validate()?;
-    }
-    if let Some(&b) = args.batches.iter().find(|&&b| b > MAX_PLAN_BATCH) {
-        return Err(WgparError::option(
-            "--batches",
-            format!("--batches {b}: model batches of at most {MAX_PLAN_BATCH} sequences"),
-        ));
-    }
-    let weights: NumFormat = args
-        .weights
-        .parse()
-        .map_err(|e| WgparError::option("--weights", format!("--weights: {e}")))?;
-    if args.devices == 0 {
-        return Err(WgparError::option(
-            "--devices",
-            "--devices 0: a configuration needs at least one device".into(),
-        ));
-    }
-    let strategies = if args.strategies.is_empty() {
-        default_strategies(&config, args.devices)
-    } else {
-        let given = args
-            .strategies
-            .iter()
-            .map(|s| PlanStrategy::parse(s))
-            .collect::<Result<Vec<_>>>()?;
-        check_micro_batches(&given, &args.batches)?;
-        given
-    };
-    let profiles = args
-        .hosts
-        .iter()
-        .map(|h| HostProfile::resolve(h).map_err(WgparError::from))
-        .collect::<Result<Vec<_>>>()?;
-    let engines = args
-        .engines
-        .iter()
-        .map(|e| Engine::resolve(e).map_err(WgparError::from))
-        .collect::<Result<Vec<_>>>()?;
-    // The wgpar engine is projected only with weights its runtime can hold (`--dtype`,
-    // `--weights`); other engines take any format.
-    let loadable = matches!(
-        weights,
-        NumFormat::F32 | NumFormat::F16 | NumFormat::Q8_0 | NumFormat::Q4_0 | NumFormat::Q4K
-    );
-    if !loadable && engines.iter().any(|e| e.name == "wgpar") {
-        return Err(WgparError::unsupported(format!(
-            "--weights {}: the wgpar runtime holds f32, f16, q8_0, q4_0, q4_k and q6_k weights, \
-             so the wgpar engine is not projected with this format; pick one of those, or \
-             --engines without wgpar (e.g. cuda-nccl)",
-            args.weights
-        )));
-    }
-    let file_format = gguf_format(&args.model, &config, weights)?;
-    Ok(PlanOptions {
-        config,
-        weights,
-        file_format,
-        strategies,
-        batches: args.batches.clone(),
-        seqs: args.seqs.clone(),
-        profiles,
-        engines,
-        decode_steps: args.decode_steps,
-    })
-}
-
-/// A GGUF model's storage in the wgpar runtime: its layers in the file's own block types (or
-/// re-packed when `--weights` names a block type, as `run --weights` does), its tables dense
-/// (f32 under `--weights f32`, else f16). `None` for other models.
-fn gguf_format(
-    model: &str,
-    config: &ModelConfig,
-    weights: NumFormat,
-) -> Result<Option<WeightFormat>> {
-    let path = Path::new(model);
-    if !wgpar::model::gguf::is_gguf(path) {
-        return Ok(None);
-    }
-    let gguf = wgpar::model::gguf::Gguf::open(path)?;
-    let (dense, packed) = match weights {
-        NumFormat::F32 => (DType::F32, None),
-        NumFormat::Q8_0 => (DType::F16, Some(QuantType::Q8_0)),
-        NumFormat::Q4_0 => (DType::F16, Some(QuantType::Q4_0)),
-        NumFormat::Q4K => (DType::F16, Some(QuantType::Q4K)),
-        _ => (DType::F16, None),
-    };
-    Ok(Some(WeightFormat {
-        dense,
-        packed,
-        blocks: FileBlocks::of_gguf(gguf.file(), config),
-        vectors: Vectors::of_gguf(gguf.file()),
-    }))
 }
 
 /// Models and prints.
 pub fn run(args: &PlanArgs) -> Result<()> {
-    let opts = options(args)?;
+    let opts = args.request().options()?;
     let rows = plan(&opts)?;
     if args.json {
         let text = serde_json::to_string_pretty(&rows).map_err(|source| WgparError::Json {

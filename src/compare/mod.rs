@@ -8,6 +8,8 @@ mod files;
 mod memory;
 mod modeled;
 mod plan;
+pub mod plan_request;
+pub mod preflight;
 mod presets;
 mod report;
 mod scale;
