@@ -20,6 +20,30 @@ pub struct ChatLimits {
     pub reply_tokens: usize,
 }
 
+/// Most tokens of a reply unless the caller says otherwise (or the context is short).
+pub const DEFAULT_REPLY_TOKENS: usize = 256;
+
+impl ChatLimits {
+    /// The limits of replies of `gen` tokens (default: [`DEFAULT_REPLY_TOKENS`], at most half
+    /// the context) in a context of `max_seq`, checked: a reply must leave a prompt room.
+    pub fn for_reply(gen: Option<usize>, max_seq: usize) -> Result<Self> {
+        let gen = gen.unwrap_or(DEFAULT_REPLY_TOKENS.min(max_seq / 2).max(1));
+        if gen >= max_seq {
+            return Err(WgparError::option(
+                "--gen",
+                format!(
+                    "--gen {gen} leaves no room for a prompt in a context of {max_seq} tokens: \
+                     lower --gen or raise --max-seq"
+                ),
+            ));
+        }
+        Ok(ChatLimits {
+            max_seq,
+            reply_tokens: gen,
+        })
+    }
+}
+
 /// The next reply's prompt.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Prompt {

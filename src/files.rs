@@ -76,6 +76,51 @@ pub fn read_text(path: &Path, limit: u64) -> std::io::Result<String> {
     Ok(text)
 }
 
+/// Checks, before the work whose results go there, that files can be written in folder `dir`
+/// (created if missing): a probe file is made and removed.
+pub fn check_writable_dir(dir: &Path, shown: &Path) -> crate::error::Result<()> {
+    let io = |source| crate::error::WgparError::Io {
+        path: shown.display().to_string(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let probe = dir.join(format!(".wgpar-write-check-{}", std::process::id()));
+    std::fs::File::create(&probe).map_err(io)?;
+    std::fs::remove_file(&probe).map_err(io)
+}
+
+/// Creates (or truncates) the trace file `path` names, if any, so that a path that cannot be
+/// written fails before the work rather than after it.
+pub fn create_trace_file(path: Option<&String>) -> crate::error::Result<()> {
+    if let Some(path) = path {
+        std::fs::File::create(path).map_err(|source| crate::error::WgparError::Io {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+/// Checks, before the work, that file `path` can be written: its folder takes a file, and an
+/// existing `path` opens for writing. Nothing is truncated or left behind.
+pub fn check_writable_file(path: &Path) -> crate::error::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    check_writable_dir(dir, path)?;
+    if path.exists() {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(|source| crate::error::WgparError::Io {
+                path: path.display().to_string(),
+                source,
+            })?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

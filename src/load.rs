@@ -10,11 +10,12 @@ use std::sync::Arc;
 
 use crate::device::{AdapterDesc, DType, Gpu};
 use crate::error::{Result, WgparError};
-use crate::model::hf::Checkpoint;
+use crate::model::hf::{Checkpoint, TextTokenizer};
 use crate::model::hub::ModelRef;
 use crate::model::memory::{FileBlocks, Vectors, WeightFormat};
 use crate::model::quant::QuantType;
 use crate::model::{ModelConfig, ModelWeights};
+use crate::server::ChatTemplate;
 
 /// The model choices of a command.
 #[derive(Debug, Clone, Copy)]
@@ -299,5 +300,60 @@ impl<'a> ModelChoice<'a> {
             },
             _ => Ok(DType::F32),
         }
+    }
+}
+
+/// A model's text side: what turns text into tokens and messages into a prompt.
+pub struct TextSide {
+    /// The tokenizer.
+    pub tokenizer: TextTokenizer,
+    /// The chat template, where there is one.
+    pub template: Option<ChatTemplate>,
+    /// The tokens that end a reply.
+    pub eos: Vec<u32>,
+}
+
+impl ModelChoice<'_> {
+    /// The checkpoint's tokenizer (or `tokenizer`), chat template (or the one in
+    /// `chat_template`) and end tokens; for a preset (synthetic weights), a word-level
+    /// tokenizer of `t0` ... and no template (but `chat_template`) or end token.
+    pub fn text_side(
+        &self,
+        config: &ModelConfig,
+        tokenizer: Option<&Path>,
+        chat_template: Option<&Path>,
+    ) -> Result<TextSide> {
+        let (tokenizer, mut template, eos) = match self.checkpoint_dir() {
+            Some(dir) => {
+                let ckpt = Checkpoint::open(dir)?;
+                let eos = ckpt.eos_tokens().to_vec();
+                let template = match ckpt.gguf() {
+                    Some(gguf) => ChatTemplate::from_gguf(gguf.file())?,
+                    None => ChatTemplate::load(dir)?,
+                };
+                let tokenizer = ckpt.tokenizer_from(tokenizer)?;
+                (tokenizer, template, eos)
+            }
+            None if tokenizer.is_some() => {
+                return Err(WgparError::unsupported(format!(
+                    "--tokenizer applies to a checkpoint (--model DIR or FILE.gguf); preset \
+                     '{}' has synthetic weights and a word-level vocabulary of its own",
+                    config.name
+                )))
+            }
+            None => (TextTokenizer::word_level(config.vocab)?, None, Vec::new()),
+        };
+        if let Some(file) = chat_template {
+            let (bos, eos) = match self.checkpoint_dir() {
+                Some(dir) => ChatTemplate::special_tokens(dir),
+                None => Default::default(),
+            };
+            template = Some(ChatTemplate::from_file(file, &bos, &eos)?);
+        }
+        Ok(TextSide {
+            tokenizer,
+            template,
+            eos,
+        })
     }
 }

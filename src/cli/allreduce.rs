@@ -5,8 +5,7 @@ use clap::Args;
 use wgpar::comm::bench::{parse_dtype, run_bench, BenchOp, BenchOptions};
 use wgpar::comm::units::parse_size;
 use wgpar::comm::{Algorithm, CommConfig, LinkPrecision};
-use wgpar::device::{AdapterDesc, Adapters};
-use wgpar::error::human_bytes;
+use wgpar::device::Adapters;
 use wgpar::{Result, WgparError};
 
 use super::options::DeviceArgs;
@@ -78,7 +77,7 @@ pub fn run(args: &AllreduceArgs) -> Result<()> {
     if devices.devices.is_none() && devices.virtual_count.is_none() {
         devices.virtual_count = Some(2);
     }
-    check_sizes(&opts, &devices.selected(&adapters)?)?;
+    opts.check_fits(&devices.selected(&adapters)?)?;
     let gpus = devices.open(&adapters)?;
     let report = run_bench(&gpus, &opts)?;
     if args.json {
@@ -89,43 +88,6 @@ pub fn run(args: &AllreduceArgs) -> Result<()> {
         outln!("{text}")?;
     } else {
         out!("{report}")?;
-    }
-    Ok(())
-}
-
-/// Refuses, before any device is opened, a largest size that one device's buffer cannot hold
-/// or the host cannot stage: each rank allocates a tensor of the full size (the gather
-/// operations' outputs too), and the host stages one copy per rank.
-fn check_sizes(opts: &BenchOptions, adapters: &[AdapterDesc]) -> Result<()> {
-    let bytes = opts.max_bytes;
-    for (rank, a) in adapters.iter().enumerate() {
-        let limit = a.max_buffer_size.min(a.max_storage_binding);
-        if bytes > limit {
-            return Err(WgparError::TooLarge {
-                what: format!("rank {rank}'s {} tensor (-e {})", opts.op.name(), bytes),
-                bytes,
-                limit,
-                kind: "storage binding",
-                adapter: a.label(),
-            });
-        }
-    }
-    let host = bytes.saturating_mul(adapters.len() as u64 + 1);
-    if let Some(available) = wgpar::model::budget::host_available_bytes() {
-        if host > available {
-            return Err(WgparError::limit(
-                "host memory (bytes)",
-                (host, available),
-                format!(
-                "-e {}: staging {} ranks through host memory needs about {}, but {} is available; \
-                 lower -e",
-                human_bytes(bytes),
-                adapters.len(),
-                human_bytes(host),
-                human_bytes(available)
-            ),
-            ));
-        }
     }
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::Args;
-use wgpar::chat::{ChatLimits, Conversation, Stop};
+use wgpar::chat::{ChatLimits, Conversation, Stop, DEFAULT_REPLY_TOKENS};
 use wgpar::generate::Finish;
 use wgpar::model::hf::TextTokenizer;
 use wgpar::parallel::Engine;
@@ -57,7 +57,7 @@ impl ChatArgs {
             strategy: self.strategy.clone(),
             batch: 1,
             prompt_len: 1,
-            gen: self.gen.unwrap_or(DEFAULT_REPLY),
+            gen: self.gen.unwrap_or(DEFAULT_REPLY_TOKENS),
             trace: None,
             pace: self.pace.clone(),
             device_timestamps: "off".into(),
@@ -122,7 +122,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
             config.name
         ))
     })?;
-    let limits = reply_limits(args.gen, config.max_seq)?;
+    let limits = ChatLimits::for_reply(args.gen, config.max_seq)?;
     let weights = args.model.choice().weights(&config)?;
     let shape = (limits.max_seq - limits.reply_tokens, limits.reply_tokens);
     let (mut engine, _) = super::text::open_engine(&run_args, weights, sampling, shape)?;
@@ -136,27 +136,6 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     catch_interrupts();
     eprintln!("chat: /reset clears the conversation, /exit (or Ctrl-D) leaves");
     session.repl()
-}
-
-/// Most tokens of a reply unless --gen says otherwise (or the context is short).
-const DEFAULT_REPLY: usize = 256;
-
-/// The context and the reply length, checked: a reply must leave a prompt room.
-fn reply_limits(gen: Option<usize>, max_seq: usize) -> Result<ChatLimits> {
-    let gen = gen.unwrap_or(DEFAULT_REPLY.min(max_seq / 2).max(1));
-    if gen >= max_seq {
-        return Err(WgparError::option(
-            "--gen",
-            format!(
-                "--gen {gen} leaves no room for a prompt in a context of {max_seq} tokens: \
-                 lower --gen or raise --max-seq"
-            ),
-        ));
-    }
-    Ok(ChatLimits {
-        max_seq,
-        reply_tokens: gen,
-    })
 }
 
 /// One chat in the terminal.

@@ -147,28 +147,6 @@ fn print_embeddings(args: &EmbedArgs, inputs: &[EncoderInput], encoded: &Encoded
         },
         e.dim
     );
-    for (b, text) in args.texts.iter().enumerate() {
-        let row = e.row(b);
-        let shown = if args.full {
-            row.len()
-        } else {
-            row.len().min(8)
-        };
-        let values: Vec<String> = row[..shown].iter().map(|v| format!("{v:.6}")).collect();
-        let more = if shown < row.len() { " ..." } else { "" };
-        outln!(
-            "[{b}] {text:?} ({} tokens): [{}{more}]",
-            inputs[b].ids.len(),
-            values.join(", ")
-        )?;
-    }
-    if e.batch > 1 {
-        outln!("cosine similarity:")?;
-        for i in 0..e.batch {
-            for j in i + 1..e.batch {
-                outln!("  [{i}] vs [{j}]: {:.4}", e.cosine(i, j))?;
-            }
-        }
-    }
-    Ok(())
+    let tokens: Vec<usize> = inputs.iter().map(|i| i.ids.len()).collect();
+    out!("{}", e.render(&args.texts, &tokens, args.full))
 }

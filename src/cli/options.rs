@@ -9,62 +9,17 @@ use clap::Args;
 use wgpar::device::{
     open_devices, AdapterDesc, Adapters, DType, DeviceSelection, Gpu, GpuOptions, KvCacheType,
 };
-use wgpar::load::ModelChoice;
-use wgpar::model::hf::{Checkpoint, TextTokenizer};
+use wgpar::load::{ModelChoice, TextSide};
 use wgpar::model::hub::ModelRef;
 use wgpar::model::ModelConfig;
 use wgpar::parallel::auto::{AutoPlacement, MAX_LIST_TEXT};
 use wgpar::parallel::timed::TimedRun;
 use wgpar::parallel::KeepLogits;
 use wgpar::parallel::{PartitionSpec, Schedule, Strategy};
-use wgpar::server::ChatTemplate;
-use wgpar::sim::{HostProfile, LinkPacer, PaceSpec};
 use wgpar::{Result, WgparError};
 
-/// Checks, before the work whose results go there, that files can be written in folder `dir`
-/// (created if missing): a probe file is made and removed.
-pub(crate) fn check_writable_dir(dir: &Path, shown: &Path) -> Result<()> {
-    let io = |source| WgparError::Io {
-        path: shown.display().to_string(),
-        source,
-    };
-    std::fs::create_dir_all(dir).map_err(io)?;
-    let probe = dir.join(format!(".wgpar-write-check-{}", std::process::id()));
-    std::fs::File::create(&probe).map_err(io)?;
-    std::fs::remove_file(&probe).map_err(io)
-}
-
-/// Creates (or truncates) the trace file `path` names, if any, so that a path that cannot be
-/// written fails before the work rather than after it.
-pub(crate) fn create_trace_file(path: Option<&String>) -> Result<()> {
-    if let Some(path) = path {
-        std::fs::File::create(path).map_err(|source| WgparError::Io {
-            path: path.clone(),
-            source,
-        })?;
-    }
-    Ok(())
-}
-
-/// Checks, before the work, that file `path` can be written: its folder takes a file, and an
-/// existing `path` opens for writing. Nothing is truncated or left behind.
-pub(crate) fn check_writable_file(path: &Path) -> Result<()> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    check_writable_dir(dir, path)?;
-    if path.exists() {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(path)
-            .map_err(|source| WgparError::Io {
-                path: path.display().to_string(),
-                source,
-            })?;
-    }
-    Ok(())
-}
+pub(crate) use wgpar::files::{check_writable_dir, check_writable_file, create_trace_file};
+pub(crate) use wgpar::sim::pacer_for;
 
 /// Device selection options shared by every command that runs on GPUs.
 #[derive(Args, Clone, Debug)]
@@ -515,39 +470,6 @@ impl RunArgs {
     }
 }
 
-/// The pacer `--pace` names: one link as `ALPHA_US:BETA_GBPS`, else a host profile (device 0's
-/// host link, collectives by the profile's cost model). Also says what it paces to.
-pub(crate) fn pacer_for(text: &str) -> Result<(LinkPacer, String)> {
-    let spec = PaceSpec::parse(text).map_err(|source| WgparError::Pacing {
-        target: format!("--pace {text}"),
-        source,
-    })?;
-    let name = match spec {
-        PaceSpec::Link {
-            alpha_us,
-            beta_gbps,
-        } => {
-            let pacer = LinkPacer::from_alpha_beta(alpha_us, beta_gbps).map_err(|source| {
-                WgparError::Pacing {
-                    target: format!("--pace {text}"),
-                    source,
-                }
-            })?;
-            return Ok((
-                pacer,
-                format!("one link of {alpha_us} us + bytes / {beta_gbps} GB/s per message"),
-            ));
-        }
-        PaceSpec::Profile(name) => name,
-    };
-    let profile = HostProfile::resolve(&name)?;
-    let pacer = LinkPacer::from_profile(&profile, 0).map_err(|source| WgparError::Pacing {
-        target: format!("profile {}", profile.name),
-        source,
-    })?;
-    Ok((pacer, format!("the links of {}", profile.name)))
-}
-
 /// Options of text generation (used with `--prompt`).
 #[derive(Args, Clone, Debug)]
 pub struct TextArgs {
@@ -682,81 +604,12 @@ pub(crate) fn check_lanes_have_slots(strategy: &Strategy, max_batch: usize) -> R
     Ok(())
 }
 
-/// A model's text side: what turns text into tokens and messages into a prompt.
-pub(crate) struct TextSide {
-    pub tokenizer: TextTokenizer,
-    pub template: Option<ChatTemplate>,
-    pub eos: Vec<u32>,
-}
-
-/// The checkpoint's tokenizer (or `tokenizer`), chat template (or the one in
-/// `chat_template`) and end tokens; for a preset (synthetic weights), a word-level tokenizer
-/// of `t0` ... and no template (but `chat_template`) or end token.
+/// The model's text side ([`ModelChoice::text_side`]).
 pub(crate) fn text_side(
     model: &ModelArgs,
     config: &ModelConfig,
     tokenizer: Option<&Path>,
     chat_template: Option<&Path>,
 ) -> Result<TextSide> {
-    let (tokenizer, mut template, eos) = match model.choice().checkpoint_dir() {
-        Some(dir) => {
-            let ckpt = Checkpoint::open(dir)?;
-            let eos = ckpt.eos_tokens().to_vec();
-            let template = match ckpt.gguf() {
-                Some(gguf) => ChatTemplate::from_gguf(gguf.file())?,
-                None => ChatTemplate::load(dir)?,
-            };
-            let tokenizer = ckpt.tokenizer_from(tokenizer)?;
-            (tokenizer, template, eos)
-        }
-        None if tokenizer.is_some() => {
-            return Err(WgparError::unsupported(format!(
-                "--tokenizer applies to a checkpoint (--model DIR or FILE.gguf); preset '{}' \
-                 has synthetic weights and a word-level vocabulary of its own",
-                config.name
-            )))
-        }
-        None => (TextTokenizer::word_level(config.vocab)?, None, Vec::new()),
-    };
-    if let Some(file) = chat_template {
-        let (bos, eos) = match model.choice().checkpoint_dir() {
-            Some(dir) => ChatTemplate::special_tokens(dir),
-            None => Default::default(),
-        };
-        template = Some(ChatTemplate::from_file(file, &bos, &eos)?);
-    }
-    Ok(TextSide {
-        tokenizer,
-        template,
-        eos,
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use wgpar::sim::Direction;
-
-    #[test]
-    fn pace_takes_a_link_or_a_profile() {
-        let (gbit, what) = pacer_for("50:0.125").unwrap();
-        assert!(
-            what.contains("50 us") && what.contains("0.125 GB/s"),
-            "{what}"
-        );
-        // 1 MB over 1 Gb/s: 50 us + 8 ms.
-        let t = gbit.model_us(Direction::DeviceToHost, 1_000_000);
-        assert!((t - 8050.0).abs() < 1e-6, "{t}");
-        let (_, what) = pacer_for("pcie3-2gpu").unwrap();
-        assert!(what.contains("pcie3-2gpu"), "{what}");
-        let e = pacer_for("50:-1").unwrap_err().to_string();
-        assert!(e.contains("--pace 50:-1"), "{e}");
-        // A link with a bad number names the number, not a missing profile.
-        let e = pacer_for("5:abc").unwrap_err().to_string();
-        assert!(
-            e.contains("'abc'") && !e.contains("shipped profiles"),
-            "{e}"
-        );
-        assert!(pacer_for("no-such-profile").is_err());
-    }
+    model.choice().text_side(config, tokenizer, chat_template)
 }

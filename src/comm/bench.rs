@@ -22,8 +22,8 @@ use super::config::{Algorithm, CommConfig};
 use super::error::CommError;
 use super::reduce::reference_sum;
 use super::units::format_size;
-use crate::device::{DType, Gpu, Tensor};
-use crate::error::Result;
+use crate::device::{AdapterDesc, DType, Gpu, Tensor};
+use crate::error::{human_bytes, Result, WgparError};
 
 /// The operation to benchmark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -709,6 +709,45 @@ fn write_columns(f: &mut fmt::Formatter<'_>) -> fmt::Result {
             "(mean)"
         )?;
     Ok(())
+}
+
+impl BenchOptions {
+    /// Refuses, before any device is opened, a largest size that one device's buffer cannot
+    /// hold or the host cannot stage: each rank allocates a tensor of the full size (the
+    /// gather operations' outputs too), and the host stages one copy per rank.
+    pub fn check_fits(&self, adapters: &[AdapterDesc]) -> Result<()> {
+        let bytes = self.max_bytes;
+        for (rank, a) in adapters.iter().enumerate() {
+            let limit = a.max_buffer_size.min(a.max_storage_binding);
+            if bytes > limit {
+                return Err(WgparError::TooLarge {
+                    what: format!("rank {rank}'s {} tensor (-e {})", self.op.name(), bytes),
+                    bytes,
+                    limit,
+                    kind: "storage binding",
+                    adapter: a.label(),
+                });
+            }
+        }
+        let host = bytes.saturating_mul(adapters.len() as u64 + 1);
+        if let Some(available) = crate::model::budget::host_available_bytes() {
+            if host > available {
+                return Err(WgparError::limit(
+                    "host memory (bytes)",
+                    (host, available),
+                    format!(
+                "-e {}: staging {} ranks through host memory needs about {}, but {} is available; \
+                 lower -e",
+                human_bytes(bytes),
+                adapters.len(),
+                human_bytes(host),
+                human_bytes(available)
+            ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

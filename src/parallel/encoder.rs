@@ -30,6 +30,32 @@ impl Embeddings {
     pub fn cosine(&self, i: usize, j: usize) -> f64 {
         cosine_similarity(self.row(i), self.row(j))
     }
+
+    /// Each text's vector (its first 8 values unless `full`) after its index, text and token
+    /// count (`tokens[b]`), then every pair's cosine similarity when there are several.
+    pub fn render(&self, texts: &[String], tokens: &[usize], full: bool) -> String {
+        let mut s = String::new();
+        for (b, text) in texts.iter().enumerate() {
+            let row = self.row(b);
+            let shown = if full { row.len() } else { row.len().min(8) };
+            let values: Vec<String> = row[..shown].iter().map(|v| format!("{v:.6}")).collect();
+            let more = if shown < row.len() { " ..." } else { "" };
+            s += &format!(
+                "[{b}] {text:?} ({} tokens): [{}{more}]\n",
+                tokens[b],
+                values.join(", ")
+            );
+        }
+        if self.batch > 1 {
+            s += "cosine similarity:\n";
+            for i in 0..self.batch {
+                for j in i + 1..self.batch {
+                    s += &format!("  [{i}] vs [{j}]: {:.4}\n", self.cosine(i, j));
+                }
+            }
+        }
+        s
+    }
 }
 
 /// `a . b / (|a| |b|)` in f64; 0 when either vector is zero.

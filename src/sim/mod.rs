@@ -40,7 +40,7 @@ pub use engine::{CollectiveEntry, Engine, EngineCompute, LinkKind, Wire, SHIPPED
 pub use fit::{fit_alpha_beta, AlphaBetaFit, FitError};
 pub use locate::{FieldPath, Seg};
 pub use numformat::{NumFormat, NumFormatError};
-pub use pacing::{Direction, LinkPacer, PaceSpec, PacingError};
+pub use pacing::{pacer_for, Direction, LinkPacer, PaceSpec, PacingError};
 pub use profile::{
     rate_at, rate_on_surface, rate_on_surface_at_width, ComputeSharing, DeviceSpec, HostLinkSpec,
     HostProfile, HostSpec, LinkSpec, NamedLink, Rates,

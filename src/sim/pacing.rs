@@ -302,6 +302,41 @@ fn link_only_profile(h2d: LinkSpec, d2h: LinkSpec) -> HostProfile {
     }
 }
 
+/// The pacer `--pace` names: one link as `ALPHA_US:BETA_GBPS`, else a host profile (device 0's
+/// host link, collectives by the profile's cost model). Also says what it paces to.
+pub fn pacer_for(text: &str) -> crate::error::Result<(LinkPacer, String)> {
+    let spec = PaceSpec::parse(text).map_err(|source| crate::error::WgparError::Pacing {
+        target: format!("--pace {text}"),
+        source,
+    })?;
+    let name = match spec {
+        PaceSpec::Link {
+            alpha_us,
+            beta_gbps,
+        } => {
+            let pacer = LinkPacer::from_alpha_beta(alpha_us, beta_gbps).map_err(|source| {
+                crate::error::WgparError::Pacing {
+                    target: format!("--pace {text}"),
+                    source,
+                }
+            })?;
+            return Ok((
+                pacer,
+                format!("one link of {alpha_us} us + bytes / {beta_gbps} GB/s per message"),
+            ));
+        }
+        PaceSpec::Profile(name) => name,
+    };
+    let profile = HostProfile::resolve(&name)?;
+    let pacer = LinkPacer::from_profile(&profile, 0).map_err(|source| {
+        crate::error::WgparError::Pacing {
+            target: format!("profile {}", profile.name),
+            source,
+        }
+    })?;
+    Ok((pacer, format!("the links of {}", profile.name)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -407,5 +442,28 @@ mod tests {
         assert!(LinkPacer::from_alpha_beta(-1.0, 1.0).is_err());
         assert!(LinkPacer::from_alpha_beta(1.0, 0.0).is_err());
         assert!(LinkPacer::from_alpha_beta(1.0, f64::NAN).is_err());
+    }
+
+    #[test]
+    fn pace_takes_a_link_or_a_profile() {
+        let (gbit, what) = pacer_for("50:0.125").unwrap();
+        assert!(
+            what.contains("50 us") && what.contains("0.125 GB/s"),
+            "{what}"
+        );
+        // 1 MB over 1 Gb/s: 50 us + 8 ms.
+        let t = gbit.model_us(Direction::DeviceToHost, 1_000_000);
+        assert!((t - 8050.0).abs() < 1e-6, "{t}");
+        let (_, what) = pacer_for("pcie3-2gpu").unwrap();
+        assert!(what.contains("pcie3-2gpu"), "{what}");
+        let e = pacer_for("50:-1").unwrap_err().to_string();
+        assert!(e.contains("--pace 50:-1"), "{e}");
+        // A link with a bad number names the number, not a missing profile.
+        let e = pacer_for("5:abc").unwrap_err().to_string();
+        assert!(
+            e.contains("'abc'") && !e.contains("shipped profiles"),
+            "{e}"
+        );
+        assert!(pacer_for("no-such-profile").is_err());
     }
 }
