@@ -261,6 +261,62 @@ pub enum WgparError {
     /// with no more specific variant below.
     #[error("invalid call: {0}")]
     InvalidCall(String),
+    /// A library call given a list whose length does not match what it describes (one entry
+    /// per stage, per device): pass one per item.
+    #[error("invalid call: {what}: {got} given for {expected}")]
+    LengthMismatch {
+        /// What the list holds, and per what.
+        what: String,
+        /// Entries given.
+        got: usize,
+        /// Entries expected.
+        expected: usize,
+    },
+    /// A library call given fewer of something than it needs (devices, timed steps).
+    #[error("invalid call: {what}: {got} given, at least {min} needed")]
+    TooFew {
+        /// What was counted.
+        what: String,
+        /// How many were given.
+        got: usize,
+        /// The least that works.
+        min: usize,
+    },
+    /// A strategy passed to a call that builds another kind (a single-device or tensor-parallel
+    /// strategy where a pipeline is built).
+    #[error("invalid call: {strategy} is not a {expected} strategy")]
+    WrongStrategy {
+        /// The strategy given.
+        strategy: String,
+        /// The kind the call builds.
+        expected: String,
+    },
+    /// Device sampling settings out of their ranges.
+    #[error(
+        "invalid call: device sampling needs top-k in 1..={max_top_k}, a finite temperature > 0 \
+         and top-p in (0, 1]; got top-k {top_k}, temperature {temperature}, top-p {top_p}"
+    )]
+    SamplingRange {
+        /// Candidates asked for.
+        top_k: usize,
+        /// The most the kernel keeps.
+        max_top_k: usize,
+        /// Softmax temperature given.
+        temperature: f32,
+        /// Nucleus mass given.
+        top_p: f32,
+    },
+    /// A stage cost for the balanced partition that is not a positive time (a failed or
+    /// invented measurement).
+    #[error("invalid call: stage costs must be positive: stage {stage} has {what} {seconds} s")]
+    StageCost {
+        /// The stage.
+        stage: usize,
+        /// Which cost: `layer`, `embedding` or `head`.
+        what: String,
+        /// The value given, seconds.
+        seconds: f64,
+    },
     /// A decode step asked of an engine that holds no prefilled batch.
     #[error("invalid call: decode before prefill: prefill a batch first")]
     DecodeBeforePrefill,
@@ -531,6 +587,11 @@ impl WgparError {
             | Self::UnknownModel { .. }
             | Self::Hub(_) => EXIT_USAGE,
             Self::InvalidCall(_)
+            | Self::LengthMismatch { .. }
+            | Self::TooFew { .. }
+            | Self::WrongStrategy { .. }
+            | Self::SamplingRange { .. }
+            | Self::StageCost { .. }
             | Self::DecodeBeforePrefill
             | Self::DecodeTokens { .. }
             | Self::NoPrompt
@@ -645,6 +706,31 @@ mod exit_codes {
             WgparError::UnequalPrompts { first: 3, other: 4 },
             WgparError::Internal("broken".into()),
             WgparError::InvalidCall("out of order".into()),
+            WgparError::LengthMismatch {
+                what: "stage layer limits".into(),
+                got: 3,
+                expected: 2,
+            },
+            WgparError::TooFew {
+                what: "timed steps".into(),
+                got: 0,
+                min: 1,
+            },
+            WgparError::WrongStrategy {
+                strategy: "tp".into(),
+                expected: "pipeline".into(),
+            },
+            WgparError::SamplingRange {
+                top_k: 0,
+                max_top_k: 64,
+                temperature: 1.0,
+                top_p: 1.0,
+            },
+            WgparError::StageCost {
+                stage: 1,
+                what: "layer".into(),
+                seconds: -1.0,
+            },
         ];
         for e in &internal {
             assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");

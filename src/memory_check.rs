@@ -92,10 +92,11 @@ pub fn check_runs_capped(
 /// Refuses when a device's accounted total exceeds its cap, naming every device's needs by
 /// kind against its cap.
 pub fn check_caps(accounted: &[DeviceBytes], caps: &[u64], model: &str) -> Result<()> {
-    let over = accounted.iter().zip(caps).any(|(a, &cap)| a.total() > cap);
-    if !over {
+    let Some((i, (a, &cap))) =
+        (accounted.iter().zip(caps).enumerate()).find(|(_, (a, &cap))| a.total() > cap)
+    else {
         return Ok(());
-    }
+    };
     let lines: Vec<String> = (accounted.iter().zip(caps).enumerate())
         .map(|(i, (a, &cap))| {
             let verdict = if a.total() > cap { "over" } else { "fits" };
@@ -107,12 +108,17 @@ pub fn check_caps(accounted: &[DeviceBytes], caps: &[u64], model: &str) -> Resul
             )
         })
         .collect();
-    Err(WgparError::Config(format!(
-        "model '{model}' does not fit --gpu-memory: {}. Lower --batch or --max-seq, store the \
-         layers in fewer bits (--weights q8_0, q4_k), spread the model over more devices, or \
-         raise the cap",
-        lines.join("; ")
-    )))
+    // The first device over its cap carries the numbers; the message names every device.
+    Err(WgparError::limit(
+        format!("memory of gpu{i} under --gpu-memory (bytes)"),
+        (a.total(), cap),
+        format!(
+            "model '{model}' does not fit --gpu-memory: {}. Lower --batch or --max-seq, store \
+             the layers in fewer bits (--weights q8_0, q4_k), spread the model over more \
+             devices, or raise the cap",
+            lines.join("; ")
+        ),
+    ))
 }
 
 /// Per device, the bytes of the tensors it holds beyond `before` (its live bytes when the
@@ -154,9 +160,16 @@ mod tests {
             ..DeviceBytes::default()
         };
         check_caps(&[a, a], &[4 << 30, 5 << 30], "m").unwrap();
-        let e = check_caps(&[a, a], &[5 << 30, 3 << 30], "m")
-            .unwrap_err()
-            .to_string();
+        let e = check_caps(&[a, a], &[5 << 30, 3 << 30], "m").unwrap_err();
+        let WgparError::ResourceLimit {
+            needed, available, ..
+        } = &e
+        else {
+            panic!("not a resource limit: {e}")
+        };
+        assert_eq!((*needed, *available), (4 << 30, 3 << 30));
+        assert_eq!(e.exit_code(), crate::error::EXIT_FAILURE);
+        let e = e.to_string();
         assert!(
             e.contains("gpu0 needs 4.0 GiB of its 5.0 GiB cap (fits)")
                 && e.contains("gpu1 needs 4.0 GiB of its 3.0 GiB cap (over)")

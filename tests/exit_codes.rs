@@ -114,6 +114,46 @@ fn a_call_that_does_not_fit_the_state_is_internal_not_usage() {
 }
 
 #[test]
+fn calls_out_of_range_are_internal_and_typed_with_their_numbers() {
+    use wgpar::parallel::{build_pipeline, measure_decode, partition, Partition, StageCost};
+    // A balanced partition over a stage whose measured layer time is not positive.
+    let cost = |layer_s: f64| StageCost {
+        layer_s,
+        embed_s: 0.0,
+        head_s: 0.0,
+        memory: None,
+    };
+    let e = partition(4, 2, &Partition::Balanced(vec![cost(1e-3), cost(-2.0)])).unwrap_err();
+    assert!(
+        matches!(&e, WgparError::StageCost { stage: 1, what, seconds } if what == "layer" && *seconds == -2.0),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
+    // A single-device strategy handed to the pipeline builder.
+    let gpus = common::gpus(1);
+    let config = ModelConfig::preset("tiny-llama").unwrap();
+    let weights = ModelWeights::synthetic(&config, 1);
+    let single = wgpar::parallel::Strategy::Single;
+    let comm = CommConfig::default();
+    let Err(e) = build_pipeline(&single, &gpus, &weights, DType::F32, &comm, (1, 1)) else {
+        panic!("a pipeline was built from a single-device strategy")
+    };
+    assert!(
+        matches!(&e, WgparError::WrongStrategy { expected, .. } if expected == "pipeline"),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
+    // A decode measurement with no timed step.
+    let mut engine = SingleEngine::new(gpus[0].clone(), &weights, DType::F32).unwrap();
+    let e = measure_decode(&mut engine, &gpus, &[vec![1, 2]], (0, 0)).unwrap_err();
+    assert!(
+        matches!(e, WgparError::TooFew { got: 0, min: 1, .. }),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
+}
+
+#[test]
 fn the_help_lists_every_status() {
     let (code, out, _) = wgpar(&["--help"]);
     assert_eq!(code, Some(0));

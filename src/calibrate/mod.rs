@@ -180,9 +180,11 @@ fn checked_sizes(
 ) -> Result<Vec<u64>> {
     let (batch, prompt_len, iters) = (options.batch, options.prompt_len, options.iters);
     if gpus.is_empty() {
-        return Err(WgparError::InvalidCall(
-            "calibration needs at least one device".into(),
-        ));
+        return Err(WgparError::TooFew {
+            what: "devices to calibrate".into(),
+            got: 0,
+            min: 1,
+        });
     }
     if iters == 0 || batch == 0 || prompt_len == 0 {
         return Err(WgparError::option(

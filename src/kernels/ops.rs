@@ -2096,11 +2096,12 @@ impl Pick {
                     && top_p > 0.0
                     && top_p <= 1.0;
                 if !valid {
-                    return Err(WgparError::InvalidCall(format!(
-                        "device sampling needs top-k in 1..={MAX_TOP_K}, a finite temperature \
-                         > 0 and top-p in (0, 1]; got top-k {top_k}, temperature \
-                         {temperature}, top-p {top_p}"
-                    )));
+                    return Err(WgparError::SamplingRange {
+                        top_k,
+                        max_top_k: MAX_TOP_K,
+                        temperature,
+                        top_p,
+                    });
                 }
                 ("sample", top_k, temperature, top_p)
             }

@@ -41,7 +41,11 @@ pub fn measure_decode(
     (warmup, steps): (usize, usize),
 ) -> Result<DecodeMeasure> {
     if steps == 0 {
-        return Err(WgparError::InvalidCall("no timed steps".into()));
+        return Err(WgparError::TooFew {
+            what: "timed decode steps".into(),
+            got: 0,
+            min: 1,
+        });
     }
     let mut next = engine.prefill_step(prompts, false)?.tokens;
     for _ in 0..warmup {

@@ -105,13 +105,19 @@ fn fits(n: usize, c: &StageCost) -> bool {
 /// Dynamic programme over contiguous splits: minimise the slowest stage.
 fn balanced(layers: usize, costs: &[StageCost]) -> Result<Vec<usize>> {
     let p = costs.len();
-    if costs
-        .iter()
-        .any(|c| c.layer_s.is_nan() || c.layer_s <= 0.0 || c.embed_s < 0.0 || c.head_s < 0.0)
-    {
-        return Err(WgparError::InvalidCall(
-            "stage costs must be positive".into(),
-        ));
+    for (stage, c) in costs.iter().enumerate() {
+        let bad = [
+            ("layer", c.layer_s, c.layer_s.is_nan() || c.layer_s <= 0.0),
+            ("embedding", c.embed_s, c.embed_s < 0.0),
+            ("head", c.head_s, c.head_s < 0.0),
+        ];
+        if let Some((what, seconds, _)) = bad.into_iter().find(|b| b.2) {
+            return Err(WgparError::StageCost {
+                stage,
+                what: what.into(),
+                seconds,
+            });
+        }
     }
     // best[s][l] = (slowest stage time, layers of stage s-1) for the first s stages holding l.
     let mut best = vec![vec![(f64::INFINITY, 0usize); layers + 1]; p + 1];

@@ -164,9 +164,10 @@ pub fn build_pipeline(
             )?
         }
         other => {
-            return Err(WgparError::InvalidCall(format!(
-                "{other} is not a pipeline strategy"
-            )))
+            return Err(WgparError::WrongStrategy {
+                strategy: other.to_string(),
+                expected: "pipeline".into(),
+            })
         }
     };
     if let Strategy::Pipeline { schedule, .. } | Strategy::Hybrid { schedule, .. } = strategy {
@@ -311,11 +312,11 @@ fn resolve(
         )?),
         PartitionSpec::BalancedWithin(limits) => {
             if limits.len() != gpus.len() {
-                return Err(WgparError::InvalidCall(format!(
-                    "{} stage layer limits for {} stages",
-                    limits.len(),
-                    gpus.len()
-                )));
+                return Err(WgparError::LengthMismatch {
+                    what: "stage layer limits, one per stage".into(),
+                    got: limits.len(),
+                    expected: gpus.len(),
+                });
             }
             let mut costs = measure_stage_costs(gpus, weights, dtype, probe.0, probe.1, 3)?;
             for (cost, &most) in costs.iter_mut().zip(limits) {
