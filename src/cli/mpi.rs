@@ -89,12 +89,12 @@ mod ranks {
     use wgpar::device::{Adapters, DType};
     use wgpar::dist::bench::{run_bench, MpiBenchOptions};
     use wgpar::dist::job::{self, RankDevice, RankEngine, RankShare};
+    use wgpar::dist::report::{render_pipeline_over_ranks, render_rank_adapters, render_rank_run};
     use wgpar::dist::{calibrate_ranks, DistEngine, DistError, RankFault, World};
-    use wgpar::error::human_bytes;
     use wgpar::model::memory::Workload;
     use wgpar::model::{ModelConfig, ModelWeights};
-    use wgpar::parallel::timed::{write_logits, Timed};
-    use wgpar::parallel::{PipelineStats, StepEngine, Strategy};
+    use wgpar::parallel::timed::write_logits;
+    use wgpar::parallel::{StepEngine, Strategy};
     use wgpar::server::EngineBuilder;
     use wgpar::trace::{DeviceTiming, Recorder};
     use wgpar::{Result, WgparError};
@@ -323,7 +323,7 @@ mod ranks {
                 timed.describe(&recorder, &config.name, &e.name());
                 let done =
                     job::drive_timed(e.as_mut(), (&timed, config.vocab), &recorder, tp_fault)?;
-                say_run(world, args, &done)?;
+                say!(world, "{}", render_rank_run(&done, args.batch).trim_end());
                 if let (Some(path), 0) = (&args.logits_out, world.rank()) {
                     write_logits(path, args.batch, config.vocab, &done.generation)?;
                 }
@@ -350,7 +350,7 @@ mod ranks {
         write_trace(world, args, &recorder, devices)?;
         if is_pipeline {
             if let Some(p) = job::pipeline_over_ranks(world, &local, last)? {
-                say_pipeline(world, &p)?;
+                say!(world, "{}", render_pipeline_over_ranks(&p).trim_end());
             }
         }
         Ok(())
@@ -416,67 +416,6 @@ mod ranks {
         Ok(config)
     }
 
-    /// The run's prefill and decode rates, the first sequence's tokens and the recorded
-    /// phase's time (rank 0).
-    fn say_run(world: &World, args: &RunArgs, done: &Timed) -> Result<()> {
-        let g = &done.generation;
-        say!(
-            world,
-            "prefill: {} tokens in {:.1} ms = {:.1} tokens/s",
-            g.prompt_tokens,
-            g.prefill_s * 1e3,
-            g.prefill_tokens_per_s()
-        );
-        if let Some(s) = &done.prefill.step {
-            say!(world, "  {}", s.per_token_line());
-        }
-        let per_step_ms = g.decode_s / g.decode_steps.max(1) as f64 * 1e3;
-        say!(
-            world,
-            "decode: {} steps x {} sequences, {:.2} ms per step = {:.1} tokens/s",
-            g.decode_steps,
-            args.batch,
-            per_step_ms,
-            g.decode_tokens_per_s()
-        );
-        if let Some(s) = &done.decode {
-            say!(world, "  {}", s.per_token_line());
-        }
-        say!(world, "first sequence's tokens: {:?}", g.tokens[0]);
-        say!(world, "recorded phase: {:.1} ms", done.wall_s * 1e3);
-        Ok(())
-    }
-
-    /// The pipeline over every rank's stages (rank 0).
-    fn say_pipeline(world: &World, combined: &PipelineStats) -> Result<()> {
-        say!(
-            world,
-            "pipeline over ranks (last run, {} passes per stage, {} lanes, {}): {:.1} tokens/s, makespan {:.1} ms; ideal from the measured stage times {:.1} ms: {:.0} % of ideal throughput; bubble {:.0} % measured vs {:.0} % for a perfect pipeline",
-            combined.passes,
-            combined.microbatches,
-            combined.schedule,
-            combined.tokens_per_s(),
-            combined.makespan_s * 1e3,
-            combined.ideal_makespan_s * 1e3,
-            combined.ideal_makespan_s / combined.makespan_s * 100.0,
-            combined.measured_bubble * 100.0,
-            combined.theoretical_bubble * 100.0
-        );
-        for (i, st) in combined.stages.iter().enumerate() {
-            say!(
-                world,
-                "  stage {i}: layers {}..{} on {}: busy {:.1} ms, hand-off {:.1} ms, {} micro-batches",
-                st.layers.start,
-                st.layers.end,
-                st.device,
-                st.busy_s * 1e3,
-                st.handoff_s() * 1e3,
-                st.microbatches
-            );
-        }
-        Ok(())
-    }
-
     /// Writes this rank's trace ([`job::write_rank_trace`]) and says where they all are.
     fn write_trace(
         world: &World,
@@ -517,53 +456,7 @@ mod ranks {
         if world.rank() != 0 {
             return Ok(());
         }
-        let parsed: Vec<serde_json::Value> = all
-            .iter()
-            .map(|t| serde_json::from_str(t).unwrap_or(serde_json::Value::Null))
-            .collect();
-        if json {
-            let out: Vec<serde_json::Value> = parsed
-                .into_iter()
-                .enumerate()
-                .map(|(r, a)| serde_json::json!({ "rank": r, "host": world.hosts()[r], "adapters": a }))
-                .collect();
-            outln!(
-                "{}",
-                serde_json::to_string_pretty(&out).map_err(|source| WgparError::Json {
-                    what: "the ranks' adapters".into(),
-                    source,
-                })?
-            )?;
-            return Ok(());
-        }
-        for (r, list) in parsed.iter().enumerate() {
-            outln!("rank {r} on {}:", world.hosts()[r])?;
-            outln!(
-                "  {:>3}  {:<40} {:<7} {:<13} {:>10} {:>12}",
-                "idx",
-                "name",
-                "backend",
-                "type",
-                "max buffer",
-                "max storage"
-            )?;
-            for d in list.as_array().into_iter().flatten() {
-                let s = |k: &str| d[k].as_str().unwrap_or("").to_string();
-                let n = |k: &str| d[k].as_u64().unwrap_or(0);
-                let name: String = s("name").chars().take(40).collect();
-                outln!(
-                    "  {:>3}  {:<40} {:<7} {:<13} {:>10} {:>12}",
-                    n("index"),
-                    name,
-                    s("backend"),
-                    s("device_type"),
-                    human_bytes(n("max_buffer_size")),
-                    human_bytes(n("max_storage_binding"))
-                )?;
-                outln!("       driver: {} {}", s("driver"), s("driver_info"))?;
-            }
-        }
-        Ok(())
+        out!("{}", render_rank_adapters(world.hosts(), &all, json)?)
     }
 
     /// Every rank calibrates its devices; rank 0 writes one profile of the job's machine(s).

@@ -10,6 +10,7 @@
 mod error;
 mod fault;
 pub mod launch;
+pub mod report;
 
 pub use error::DistError;
 pub use fault::{RankFault, RankFaultKind};
