@@ -389,3 +389,33 @@ fn logits_out_holds_every_step_and_its_picks() {
         let _ = std::fs::remove_dir_all(dir);
     }
 }
+
+/// Issue 39 item 7: a run of one generated token times no decode step, so its decode rates
+/// were never measured: they print `n/a`, not 0 or NaN.
+#[test]
+fn a_run_without_decode_steps_prints_no_made_up_rates() {
+    let (ok, out, err) = wgpar(&[
+        "run",
+        "--model",
+        "tiny-llama",
+        "--batch",
+        "1",
+        "--prompt-len",
+        "4",
+        "--gen",
+        "1",
+    ]);
+    assert!(ok, "{err}");
+    let decode = out
+        .lines()
+        .find(|l| l.starts_with("decode:"))
+        .unwrap_or_else(|| panic!("no decode line in {out}"));
+    assert!(
+        decode.contains("n/a ms per token, n/a tokens/s"),
+        "{decode}"
+    );
+    assert!(!out.contains("NaN"), "{out}");
+    // The prefill was measured: its rate is a number.
+    let prefill = out.lines().find(|l| l.starts_with("prefill:")).unwrap();
+    assert!(!prefill.contains("n/a"), "{prefill}");
+}

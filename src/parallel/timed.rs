@@ -172,29 +172,6 @@ pub fn kv_of(gpus: &[Arc<Gpu>]) -> String {
     format!("KV cache {}", each.join(", "))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn prompts_cover_the_batch_within_the_vocabulary() {
-        let run = TimedRun {
-            batch: 3,
-            prompt_len: 5,
-            gen: 4,
-            keep: KeepLogits::None,
-        };
-        let prompts = run.prompts(97);
-        assert_eq!(prompts.len(), 3);
-        assert!(prompts.iter().all(|p| p.len() == 5));
-        assert!(prompts.iter().flatten().all(|&t| t < 97));
-        // Different sequences, so a batch's rows are not all one.
-        assert_ne!(prompts[0], prompts[1]);
-        // One prefill of 3 x 5, then a generation: a prefill and 3 decode steps.
-        assert_eq!(run.tokens(), 3 * (2 * 5 + 3));
-    }
-}
-
 /// A run's prefill and decode rates as `wgpar run` prints them, with the prefill's accounting
 /// and its pipeline's bubble, then the decode's accounting when it decoded.
 pub fn render_rates(g: &Generation, batch: usize, prefill: &PrefillStats) -> String {
@@ -225,15 +202,21 @@ pub fn render_rates(g: &Generation, batch: usize, prefill: &PrefillStats) -> Str
             p.theoretical_bubble * 100.0
         );
     }
-    s += &format!(
-        "decode: {} tokens x {} sequences in {:.1} ms, {:.2} ms per token = {:.1} tokens/s\n",
-        g.decode_steps,
-        batch,
-        g.decode_s * 1e3,
-        g.per_token_s() * 1e3,
-        g.decode_tokens_per_s()
-    );
-    if g.decode_steps > 0 {
+    if g.decode_steps == 0 {
+        // The prefill gave the only token (`--gen 1`): no decode step was timed.
+        s += &format!(
+            "decode: 0 tokens x {batch} sequences: n/a ms per token, n/a tokens/s (no decode \
+             step was run)\n"
+        );
+    } else {
+        s += &format!(
+            "decode: {} tokens x {} sequences in {:.1} ms, {:.2} ms per token = {:.1} tokens/s\n",
+            g.decode_steps,
+            batch,
+            g.decode_s * 1e3,
+            g.per_token_s() * 1e3,
+            g.decode_tokens_per_s()
+        );
         let st = &g.decode_stats;
         s += &format!(
             "  compute {:.2} ms, communication {:.2} ms ({:.0}%), {} collectives/hand-offs per device\n  {}\n",
@@ -260,4 +243,27 @@ pub fn render_bubble(stats: Option<&PipelineStats>, indent: &str) -> String {
             p.theoretical_bubble * 100.0
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_cover_the_batch_within_the_vocabulary() {
+        let run = TimedRun {
+            batch: 3,
+            prompt_len: 5,
+            gen: 4,
+            keep: KeepLogits::None,
+        };
+        let prompts = run.prompts(97);
+        assert_eq!(prompts.len(), 3);
+        assert!(prompts.iter().all(|p| p.len() == 5));
+        assert!(prompts.iter().flatten().all(|&t| t < 97));
+        // Different sequences, so a batch's rows are not all one.
+        assert_ne!(prompts[0], prompts[1]);
+        // One prefill of 3 x 5, then a generation: a prefill and 3 decode steps.
+        assert_eq!(run.tokens(), 3 * (2 * 5 + 3));
+    }
 }

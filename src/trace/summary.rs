@@ -168,6 +168,28 @@ fn union_length(mut v: Vec<(f64, f64)>) -> f64 {
     total
 }
 
+impl super::Timeline {
+    /// The device time (timestamp queries) of the compute spans that have it beside their
+    /// time on the host clock, one line; none when no span was timed on the device.
+    pub fn device_time_line(&self) -> Option<String> {
+        let timed: Vec<_> = (self.spans.iter())
+            .filter_map(|s| s.device_ns.map(|ns| (ns, s.dur_ns)))
+            .collect();
+        if timed.is_empty() {
+            return None;
+        }
+        let device: u64 = timed.iter().map(|t| t.0).sum();
+        let host: u64 = timed.iter().map(|t| t.1).sum();
+        Some(format!(
+            "device time (timestamp queries) of {} compute spans: {:.1} ms of their {:.1} ms on the host clock ({:.0} %)",
+            timed.len(),
+            device as f64 / 1e6,
+            host as f64 / 1e6,
+            device as f64 / host.max(1) as f64 * 100.0
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,27 +239,5 @@ mod tests {
             (s.makespan_us, s.bubble_share, s.comm_share),
             (0.0, 0.0, 0.0)
         );
-    }
-}
-
-impl super::Timeline {
-    /// The device time (timestamp queries) of the compute spans that have it beside their
-    /// time on the host clock, one line; none when no span was timed on the device.
-    pub fn device_time_line(&self) -> Option<String> {
-        let timed: Vec<_> = (self.spans.iter())
-            .filter_map(|s| s.device_ns.map(|ns| (ns, s.dur_ns)))
-            .collect();
-        if timed.is_empty() {
-            return None;
-        }
-        let device: u64 = timed.iter().map(|t| t.0).sum();
-        let host: u64 = timed.iter().map(|t| t.1).sum();
-        Some(format!(
-            "device time (timestamp queries) of {} compute spans: {:.1} ms of their {:.1} ms on the host clock ({:.0} %)",
-            timed.len(),
-            device as f64 / 1e6,
-            host as f64 / 1e6,
-            device as f64 / host.max(1) as f64 * 100.0
-        ))
     }
 }
