@@ -70,7 +70,7 @@ impl PlanRequest<'_> {
     /// The options checked and resolved: the model (its context bounded), the weight format,
     /// the strategies (checked against the batches), the profiles and the engines.
     pub fn options(&self) -> Result<PlanOptions> {
-        let mut config = plan_model(&self.model)?;
+        let mut config = plan_model(self.model)?;
         if let Some(m) = self.max_seq {
             if m == 0 || m > MAX_PLAN_CONTEXT {
                 return Err(WgparError::option(
@@ -106,7 +106,7 @@ impl PlanRequest<'_> {
                 .iter()
                 .map(|s| PlanStrategy::parse(s))
                 .collect::<Result<Vec<_>>>()?;
-            check_micro_batches(&given, &self.batches)?;
+            check_micro_batches(&given, self.batches)?;
             given
         };
         let profiles = self
@@ -133,7 +133,7 @@ impl PlanRequest<'_> {
             self.weights
         )));
         }
-        let file_format = gguf_format(&self.model, &config, weights)?;
+        let file_format = gguf_format(self.model, &config, weights)?;
         Ok(PlanOptions {
             config,
             weights,

@@ -158,6 +158,9 @@ impl Launch {
     }
 }
 
+/// Every (workload, configuration) pair to record.
+pub type Cases = Vec<(Workload, Config)>;
+
 /// What the benchmark runs: how it launches, every (workload, configuration) pair the models
 /// can run and the ones skipped, the calibration's workload, and the devices a calibration
 /// opens.
@@ -166,7 +169,7 @@ pub struct Plan {
     /// How runs start.
     pub launch: Launch,
     /// The cases to record.
-    pub cases: Vec<(Workload, Config)>,
+    pub cases: Cases,
     /// The cases no model can run, with why.
     pub skipped: Vec<String>,
     /// The calibration's workload.
@@ -453,10 +456,7 @@ impl ProjectionBenchOptions {
 
 /// Every (workload, configuration) the models can run, and the others with why; refused when
 /// none can run.
-fn cases(
-    workloads: &[Workload],
-    configs: &[Config],
-) -> Result<(Vec<(Workload, Config)>, Vec<String>)> {
+fn cases(workloads: &[Workload], configs: &[Config]) -> Result<(Cases, Vec<String>)> {
     let mut cases = Vec::new();
     let mut skipped = Vec::new();
     for w in workloads {
