@@ -56,7 +56,7 @@ pub enum PoolMode {
     Cls,
 }
 
-pub use super::rope::{Llama3Scaling, RopeScaling, YarnScaling};
+pub use super::rope::{Llama3Scaling, LongRopeScaling, RopeScaling, YarnScaling};
 
 /// An encoder's pooling step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -7,10 +7,10 @@ use serde_json::Value;
 
 use crate::error::{Result, WgparError};
 use crate::model::config::{
-    Activation, Arch, Llama3Scaling, ModelConfig, PoolMode, Pooling, RopeScaling, SlidingWindow,
-    YarnScaling,
+    Activation, Arch, Llama3Scaling, LongRopeScaling, ModelConfig, PoolMode, Pooling,
+    RopeScaling, SlidingWindow, YarnScaling,
 };
-use crate::model::rope::yarn_mscale;
+use crate::model::rope::{longrope_magnitude, yarn_mscale};
 
 /// The `model_type` values wgpar reads, and the family each maps to.
 pub const SUPPORTED_TYPES: [(&str, Arch); 8] = [
@@ -184,7 +184,7 @@ fn gelu_kind(keys: &Keys, key: &str, default: &str) -> Result<Activation> {
 
 /// The keys each `rope_scaling` type reads, beside `type` / `rope_type` (and `rope_theta`,
 /// which Transformers 5's `rope_parameters` carries).
-const ROPE_KEYS: [(&str, &[&str]); 3] = [
+const ROPE_KEYS: [(&str, &[&str]); 4] = [
     ("linear", &["factor"]),
     (
         "llama3",
@@ -208,11 +208,22 @@ const ROPE_KEYS: [(&str, &[&str]); 3] = [
             "truncate",
         ],
     ),
+    (
+        "longrope",
+        &[
+            "short_factor",
+            "long_factor",
+            "factor",
+            "attention_factor",
+            "original_max_position_embeddings",
+        ],
+    ),
 ];
 
-/// `rope_scaling` (or `rope_parameters`): linear, llama3 and yarn, as Transformers'
-/// `modeling_rope_utils` reads them; `default` is none. Any other type, or a key the type
-/// does not read, is refused by name. `max_pos` is `max_position_embeddings`.
+/// `rope_scaling` (or `rope_parameters`): linear, llama3, yarn and longrope, as
+/// Transformers' `modeling_rope_utils` reads them; `default` is none, `su` the old name of
+/// longrope, and Phi-3's config reads `yarn` as longrope too. Any other type, or a key the
+/// type does not read, is refused by name. `max_pos` is `max_position_embeddings`.
 fn rope_scaling(keys: &Keys, value: &Value, max_pos: usize) -> Result<Option<RopeScaling>> {
     let sub = Keys {
         json: value,
@@ -222,11 +233,17 @@ fn rope_scaling(keys: &Keys, value: &Value, max_pos: usize) -> Result<Option<Rop
         Some(_) => sub.str_or("rope_type", "")?,
         None => sub.str_or("type", "default")?,
     };
+    let phi3 = family(keys).is_ok_and(|(t, _)| t == "phi3");
+    let kind = match kind {
+        "su" => "longrope",
+        "yarn" if phi3 => "longrope",
+        other => other,
+    };
     let known = ROPE_KEYS.iter().find(|(k, _)| *k == kind).map(|(_, v)| *v);
     let Some(known) = known.or((kind == "default").then_some(&[][..])) else {
         return Err(keys.fail(format!(
             "\"rope_scaling\" of type '{kind}' is not supported (supported: default, linear, \
-             llama3, yarn)"
+             llama3, yarn, longrope)"
         )));
     };
     // Transformers 5 writes Phi-3's partial_rotary_factor here too: whole heads only.
@@ -261,7 +278,38 @@ fn rope_scaling(keys: &Keys, value: &Value, max_pos: usize) -> Result<Option<Rop
             original_context: sub.usize("original_max_position_embeddings")?,
         })),
         "yarn" => Some(RopeScaling::Yarn(yarn(&sub, max_pos)?)),
+        "longrope" => Some(RopeScaling::LongRope(longrope(keys, &sub, max_pos, phi3)?)),
         _ => None,
+    })
+}
+
+/// LongRoPE's parameters as Transformers' `_compute_longrope_parameters` resolves them: the
+/// original context from the top-level `original_max_position_embeddings` first (Phi-3's
+/// config defaults it to 4096), else the scaling's own, else `max_pos`; `factor` defaults to
+/// the context ratio, the attention factor to `sqrt(1 + ln(factor) / ln(original))`.
+fn longrope(keys: &Keys, sub: &Keys, max_pos: usize, phi3: bool) -> Result<LongRopeScaling> {
+    const KEY: &str = "original_max_position_embeddings";
+    let original = match keys.opt_usize(KEY)? {
+        Some(n) => n,
+        None if phi3 => 4096,
+        None => sub.opt_usize(KEY)?.unwrap_or(max_pos),
+    };
+    let factor = sub.f32_or("factor", (max_pos as f64 / original.max(1) as f64) as f32)? as f64;
+    let attention_factor = match sub.get("attention_factor") {
+        Some(_) => sub.f32_or("attention_factor", 1.0)?,
+        None => longrope_magnitude(factor, original) as f32,
+    };
+    let list = |k: &str| -> Result<Vec<f32>> {
+        let values = sub.get(k).and_then(Value::as_array);
+        values
+            .and_then(|a| a.iter().map(|v| v.as_f64().map(|x| x as f32)).collect())
+            .ok_or_else(|| keys.fail(format!("\"rope_scaling\" needs a list of numbers \"{k}\"")))
+    };
+    Ok(LongRopeScaling {
+        short_factor: list("short_factor")?,
+        long_factor: list("long_factor")?,
+        original_context: original,
+        attention_factor,
     })
 }
 
@@ -714,8 +762,12 @@ mod tests {
                 "type 'dynamic' is not supported",
             ),
             (
-                r#"{"rope_type":"longrope"}"#,
-                "type 'longrope' is not supported",
+                r#"{"rope_type":"longrope","short_factor":[1]}"#,
+                "needs a list of numbers \"long_factor\"",
+            ),
+            (
+                r#"{"rope_type":"longrope","short_factor":[1],"long_factor":[1]}"#,
+                "LongRoPE short_factor: 1 values for head_dim 16 (needs 8)",
             ),
             (
                 r#"{"type":"linear","factor":2,"low_freq_factor":1}"#,
