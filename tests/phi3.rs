@@ -203,7 +203,11 @@ fn what_phi3_folders_need_that_wgpar_lacks_is_refused_by_name() {
         assert!(e.contains(want), "{key}: {e}");
     };
     let longrope = json!({"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]});
-    refused("rope_scaling", longrope, "short_factor: 1 values for head_dim 16");
+    refused(
+        "rope_scaling",
+        longrope,
+        "short_factor: 1 values for head_dim 16",
+    );
     refused(
         "rope_scaling",
         json!({"type": "dynamic", "factor": 2.0}),
@@ -349,12 +353,19 @@ fn assert_longrope_config(got: &ModelConfig, want: &ModelConfig) {
         panic!("not LongRoPE: {:?}", got.rope_scaling)
     };
     let near = (g.attention_factor - w.attention_factor).abs() < 1e-6;
-    assert!(near, "attention factor {} for {}", g.attention_factor, w.attention_factor);
+    assert!(
+        near,
+        "attention factor {} for {}",
+        g.attention_factor, w.attention_factor
+    );
     let mut want = want.clone();
     want.name = got.name.clone();
     want.rope_scaling = got.rope_scaling.clone();
     assert_eq!(got, &want);
-    assert_eq!((&g.short_factor, &g.long_factor), (&w.short_factor, &w.long_factor));
+    assert_eq!(
+        (&g.short_factor, &g.long_factor),
+        (&w.short_factor, &w.long_factor)
+    );
 }
 
 /// The reference's tables against the rotation written from Transformers' formula:
@@ -370,7 +381,10 @@ fn check_tables(c: &ModelConfig, r: &Regime, positions: usize) {
             let f = (c.rope_theta as f64).powf(-2.0 * i as f64 / d) / *by as f64;
             let at = pos * list.len() + i;
             let (wc, ws) = ((pos as f64 * f).cos() * m, (pos as f64 * f).sin() * m);
-            assert!((cos[at] - wc).abs() < 1e-6 && (sin[at] - ws).abs() < 1e-6, "{pos} {i}");
+            assert!(
+                (cos[at] - wc).abs() < 1e-6 && (sin[at] - ws).abs() < 1e-6,
+                "{pos} {i}"
+            );
         }
     }
 }
@@ -429,7 +443,11 @@ fn wrong_variants_fail(w: &ModelWeights, r: &Regime) {
             .prefill(&prompts)
             .unwrap();
         let err = got.relative_error(&right);
-        assert!(err > 100.0 * BAR, "{} regime, {what}: moved the logits by {err:.2e}", r.name);
+        assert!(
+            err > 100.0 * BAR,
+            "{} regime, {what}: moved the logits by {err:.2e}",
+            r.name
+        );
     }
 }
 
@@ -452,9 +470,17 @@ fn longrope_folders_run_on_every_engine_in_both_regimes() {
 /// llama.cpp's LongRoPE metadata for `r`; `attn`: whether the file names the magnitude.
 fn longrope_meta(w: &ModelWeights, r: &Regime, attn: bool) -> Vec<Value> {
     let mut meta = model_meta(w, "phi3");
-    meta.push(json!(["phi3.rope.scaling.original_context_length", "u32", r.original]));
+    meta.push(json!([
+        "phi3.rope.scaling.original_context_length",
+        "u32",
+        r.original
+    ]));
     if attn {
-        meta.push(json!(["phi3.rope.scaling.attn_factor", "f32", magnitude(r)]));
+        meta.push(json!([
+            "phi3.rope.scaling.attn_factor",
+            "f32",
+            magnitude(r)
+        ]));
     }
     meta
 }
@@ -477,7 +503,10 @@ fn gguf_rope_factor_tensors_load_as_longrope() {
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("'rope_factors_long.weight' without 'rope_factors_short.weight'"), "{e}");
+    assert!(
+        e.contains("'rope_factors_long.weight' without 'rope_factors_short.weight'"),
+        "{e}"
+    );
     t.push(tensor("rope_factors_short.weight".into(), vec![8], &short));
     // Without the magnitude key, the default from the context ratio.
     for attn in [false, true] {

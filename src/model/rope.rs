@@ -283,7 +283,10 @@ fn longrope_problem(s: &LongRopeScaling, head_dim: usize) -> Option<String> {
                 head_dim / 2
             ));
         }
-        if let Some((i, v)) = list.iter().enumerate().find(|(_, v)| !(v.is_finite() && **v > 0.0))
+        if let Some((i, v)) = list
+            .iter()
+            .enumerate()
+            .find(|(_, v)| !(v.is_finite() && **v > 0.0))
         {
             return Some(format!(
                 "LongRoPE {name} {i} is {v}: must be positive and finite"

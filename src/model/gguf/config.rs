@@ -420,7 +420,11 @@ fn longrope(
         }
     }
     let type_key = format!("{}.rope.scaling.type", meta.arch_name);
-    if let Some(kind) = meta.get(&type_key).map(|_| meta.string(&type_key)).transpose()? {
+    if let Some(kind) = meta
+        .get(&type_key)
+        .map(|_| meta.string(&type_key))
+        .transpose()?
+    {
         if kind != "none" {
             return Err(meta.fail(format!(
                 "key '{type_key}' is '{kind}' beside LongRoPE's factor tensors: one scaling only"

@@ -7,8 +7,8 @@ use serde_json::Value;
 
 use crate::error::{Result, WgparError};
 use crate::model::config::{
-    Activation, Arch, Llama3Scaling, LongRopeScaling, ModelConfig, PoolMode, Pooling,
-    RopeScaling, SlidingWindow, YarnScaling,
+    Activation, Arch, Llama3Scaling, LongRopeScaling, ModelConfig, PoolMode, Pooling, RopeScaling,
+    SlidingWindow, YarnScaling,
 };
 use crate::model::rope::{longrope_magnitude, yarn_mscale};
 
@@ -31,6 +31,9 @@ pub struct HfConfig {
     pub config: ModelConfig,
     /// Token ids that end generation (from `eos_token_id`).
     pub eos: Vec<u32>,
+    /// The checkpoint is a text-and-vision model (`Gemma3ForConditionalGeneration`) of which
+    /// wgpar reads the text model alone: its vision tower's tensors are not read.
+    pub vision: bool,
 }
 
 /// Typed reads of a JSON object whose errors name the file and key.
@@ -150,16 +153,6 @@ fn family(keys: &Keys) -> Result<(&'static str, Arch)> {
             }
         }
     };
-    if model_type == "gemma3" {
-        // Gemma3ForConditionalGeneration: the text model sits under "text_config" and its
-        // weights under a language-model prefix, beside a vision tower.
-        return Err(keys.fail(
-            "model_type 'gemma3' (Gemma3ForConditionalGeneration, text and vision) is not \
-             supported; a text-only Gemma 3 checkpoint (model_type 'gemma3_text', \
-             Gemma3ForCausalLM) is"
-                .into(),
-        ));
-    }
     SUPPORTED_TYPES
         .iter()
         .find(|(t, _)| *t == model_type)
@@ -597,6 +590,11 @@ pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
     if !json.is_object() {
         return Err(keys.fail("expected a JSON object".into()));
     }
+    // Gemma3ForConditionalGeneration: the text model's keys under "text_config".
+    let text = multimodal_text(&keys)?;
+    let vision = text.is_some();
+    let json = text.unwrap_or(json);
+    let keys = Keys { json: &json, file };
     let (model_type, arch) = family(&keys)?;
     let base = ModelConfig {
         name: name.to_string(),
@@ -619,7 +617,54 @@ pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
     Ok(HfConfig {
         eos: token_ids(keys.get("eos_token_id")),
         config,
+        vision,
     })
+}
+
+/// A `Gemma3ForConditionalGeneration` config (`model_type` `gemma3`) as its text model's:
+/// `text_config` (transformers' defaults where it is absent) as a `gemma3_text` config, with
+/// the top level's `eos_token_id` and `tie_word_embeddings` where the text config lacks them.
+/// `None` for any other config. The vision config is not read: wgpar takes no image input.
+fn multimodal_text(keys: &Keys) -> Result<Option<Value>> {
+    let class = keys
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str);
+    let model_type = keys.get("model_type").and_then(Value::as_str);
+    let multimodal = match model_type {
+        Some(t) => t == "gemma3",
+        None => class == Some("Gemma3ForConditionalGeneration"),
+    };
+    if !multimodal {
+        return Ok(None);
+    }
+    let mut text = match keys.get("text_config") {
+        None => serde_json::Map::new(),
+        Some(Value::Object(o)) => o.clone(),
+        Some(v) => return Err(keys.fail(format!("\"text_config\" is {v}, expected an object"))),
+    };
+    let text_type = text.get("model_type").and_then(Value::as_str);
+    if text_type.is_some_and(|t| t != "gemma3_text") {
+        return Err(keys.fail(format!(
+            "\"text_config\" has model_type '{}': a Gemma 3 text model ('gemma3_text') is \
+             expected",
+            text_type.unwrap_or_default()
+        )));
+    }
+    text.insert("model_type".into(), "gemma3_text".into());
+    let dtyped = text.contains_key("torch_dtype") || text.contains_key("dtype");
+    for key in [
+        "eos_token_id",
+        "tie_word_embeddings",
+        "torch_dtype",
+        "dtype",
+    ] {
+        let dtype = key.ends_with("dtype");
+        if let (false, Some(v)) = (text.contains_key(key) || dtype && dtyped, keys.get(key)) {
+            text.insert(key.into(), v.clone());
+        }
+    }
+    Ok(Some(Value::Object(text)))
 }
 
 #[cfg(test)]
@@ -779,6 +824,60 @@ mod tests {
             let e = read(rope).unwrap_err();
             assert!(e.contains(want), "{rope}: {e}");
         }
+    }
+
+    #[test]
+    fn longrope_resolves_as_transformers_does() {
+        // Phi-3-mini-128k's shape of keys: the original context at the top level.
+        let phi3 = r#""model_type":"phi3","vocab_size":10,"hidden_size":64,
+            "num_hidden_layers":1,"num_attention_heads":4,"intermediate_size":128,
+            "max_position_embeddings":131072"#;
+        let lists = r#""short_factor":[1,1,1,1,1,1,1,2],"long_factor":[1,2,3,4,5,6,7,8]"#;
+        let read = |keys: &str, rope: &str| {
+            let c = parse_str(&format!(r#"{{{keys},"rope_scaling":{{{rope},{lists}}}}}"#));
+            match c.map(|c| c.config.rope_scaling) {
+                Ok(Some(RopeScaling::LongRope(s))) => s,
+                other => panic!("{rope}: {other:?}"),
+            }
+        };
+        let magnitude = |factor: f64, original: f64| (1.0 + factor.ln() / original.ln()).sqrt();
+        // Phi-3's config defaults the original context to 4096; `su` and `yarn` are longrope.
+        for kind in ["longrope", "su", "yarn"] {
+            let s = read(phi3, &format!(r#""type":"{kind}""#));
+            assert_eq!(
+                (s.original_context, s.long_factor[7]),
+                (4096, 8.0),
+                "{kind}"
+            );
+            let want = magnitude(32.0, 4096.0);
+            assert!((s.attention_factor as f64 - want).abs() < 1e-6, "{kind}");
+        }
+        let top = format!(r#"{phi3},"original_max_position_embeddings":8192"#);
+        let s = read(
+            &top,
+            r#""type":"longrope","original_max_position_embeddings":2048"#,
+        );
+        assert_eq!(s.original_context, 8192, "the top-level key wins");
+        let s = read(
+            phi3,
+            r#""type":"longrope","factor":2.0,"attention_factor":1.25"#,
+        );
+        assert_eq!(s.attention_factor, 1.25);
+        // Elsewhere the scaling's own original context, else max_position_embeddings.
+        let llama = phi3.replace("phi3", "llama");
+        let s = read(
+            &llama,
+            r#""type":"longrope","original_max_position_embeddings":1024"#,
+        );
+        let want = magnitude(128.0, 1024.0);
+        assert!(
+            (
+                s.original_context,
+                (s.attention_factor as f64 - want).abs() < 1e-6
+            ) == (1024, true)
+        );
+        let s = read(&llama, r#""type":"longrope""#);
+        assert_eq!((s.original_context, s.attention_factor), (131_072, 1.0));
     }
 
     #[test]
