@@ -411,8 +411,11 @@ fn longrope_folder(w: &ModelWeights, r: &Regime) -> hf_support::Scratch {
     dir
 }
 
+/// A change to a model's LongRoPE parameters.
+type Edit = fn(&mut LongRopeScaling);
+
 /// `w` with its LongRoPE changed by `f`: a deliberately wrong model.
-fn variant(w: &ModelWeights, f: fn(&mut LongRopeScaling)) -> ModelWeights {
+fn variant(w: &ModelWeights, f: Edit) -> ModelWeights {
     let mut v = w.clone();
     let Some(RopeScaling::LongRope(s)) = &mut v.config.rope_scaling else {
         panic!("not LongRoPE")
@@ -426,7 +429,7 @@ fn wrong_variants_fail(w: &ModelWeights, r: &Regime) {
     let prompts = common::prompts(2, 12, w.config.vocab, 9);
     let right = CpuReference::new(w).prefill(&prompts).unwrap().concat();
     let gpu = common::gpus(1).remove(0);
-    let variants: [(&str, fn(&mut LongRopeScaling)); 3] = [
+    let variants: [(&str, Edit); 3] = [
         ("factors ignored", |s| {
             s.short_factor.fill(1.0);
             s.long_factor.fill(1.0);
