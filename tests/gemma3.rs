@@ -11,17 +11,17 @@ mod common;
 mod gguf_support;
 mod hf_support;
 
-use std::sync::Arc;
+use common::decoder::{assert_same_weights, check_engine, reference, same_logits, single, Greedy};
 
 use gguf_support::{write_gguf, GgufSpec, GgufTensor};
 use hf_support::{write_safetensors, Store};
 use serde_json::{json, Value};
 use wgpar::comm::CommConfig;
-use wgpar::device::{DType, Gpu};
+use wgpar::device::DType;
 use wgpar::kernels::ops::{self, Elementwise};
 use wgpar::model::hf::Checkpoint;
 use wgpar::model::quant::QuantType;
-use wgpar::model::{CpuReference, ModelConfig, ModelWeights};
+use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::{
     generate_keeping, Engine, KeepLogits, Partition, PipelineEngine, SingleEngine,
     TensorParallelEngine,
@@ -33,6 +33,12 @@ const STEPS: usize = 6;
 const PROMPT: usize = 9;
 /// Largest relative error of an engine's logits against the f64 reference.
 const BAR: f64 = 1e-4;
+/// Greedy decoding against the reference, as every check here runs it.
+const RUN: Greedy = Greedy {
+    steps: STEPS,
+    prompt: PROMPT,
+    bar: BAR,
+};
 /// The final soft-cap the tests set (Gemma 3 sets none; Gemma 2 30): low enough that the
 /// synthetic logits are squeezed.
 const CAP: f32 = 3.0;
@@ -56,64 +62,14 @@ fn weights(layers: usize, seed: u64) -> ModelWeights {
     ModelWeights::synthetic(&config, seed)
 }
 
-/// The reference's greedy tokens per sequence and its logits per step (prefill first).
-fn reference(w: &ModelWeights, prompts: &[Vec<u32>]) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
-    let mut r = CpuReference::new(w);
-    let mut logits = vec![r.prefill(prompts).unwrap().concat()];
-    let mut tokens = vec![Vec::new(); prompts.len()];
-    let vocab = w.config.vocab;
-    for step in 0..STEPS {
-        let next: Vec<u32> = (0..prompts.len())
-            .map(|b| argmax(&logits[step][b * vocab..(b + 1) * vocab]))
-            .collect();
-        for (t, &n) in tokens.iter_mut().zip(&next) {
-            t.push(n);
-        }
-        if step + 1 < STEPS {
-            logits.push(r.decode(&next).unwrap().concat());
-        }
-    }
-    (tokens, logits)
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// The engine's greedy generation equals the reference's tokens, and every step's logits are
-/// within [`BAR`].
-fn check_engine(what: &str, engine: &mut dyn Engine, w: &ModelWeights) {
-    let prompts = common::prompts(2, PROMPT, w.config.vocab, 7);
-    let (want_tokens, want_logits) = reference(w, &prompts);
-    let got = generate_keeping(engine, &prompts, STEPS, KeepLogits::All).unwrap();
-    assert_eq!(got.tokens, want_tokens, "{what}: greedy tokens");
-    assert_eq!(got.logits.len(), STEPS, "{what}: a logits set per step");
-    for (step, (g, r)) in got.logits.iter().zip(&want_logits).enumerate() {
-        // Soft-capped logits lie within the cap.
-        assert!(g.data.iter().all(|v| v.abs() <= CAP), "{what} step {step}");
-        let err = g.relative_error(r);
-        assert!(err <= BAR, "{what} step {step}: relative error {err:.2e}");
-    }
-}
-
-fn single(gpu: Arc<Gpu>, w: &ModelWeights) -> SingleEngine {
-    SingleEngine::new(gpu, w, DType::F32).unwrap()
-}
-
 #[test]
 fn single_tp_and_pp_give_the_reference_tokens() {
     let w = weights(3, 41);
     let gpus = common::gpus(2);
-    check_engine("single", &mut single(gpus[0].clone(), &w), &w);
+    check_engine("single", &mut single(gpus[0].clone(), &w), &w, &RUN);
     let mut tp =
         TensorParallelEngine::new(&gpus, &w, DType::F32, None, CommConfig::default()).unwrap();
-    check_engine("tp=2", &mut tp, &w);
+    check_engine("tp=2", &mut tp, &w, &RUN);
     // Stages of 2 and 1 layers: the second holds only the global layer.
     let mut pp = PipelineEngine::new(
         &gpus,
@@ -124,7 +80,7 @@ fn single_tp_and_pp_give_the_reference_tokens() {
         CommConfig::default(),
     )
     .unwrap();
-    check_engine("pp=2", &mut pp, &w);
+    check_engine("pp=2", &mut pp, &w, &RUN);
 }
 
 #[test]
@@ -141,7 +97,7 @@ fn hybrid_2x2_gives_the_reference_tokens() {
         CommConfig::default(),
     )
     .unwrap();
-    check_engine("hybrid tp=2 x pp=2", &mut hybrid, &w);
+    check_engine("hybrid tp=2 x pp=2", &mut hybrid, &w, &RUN);
 }
 
 /// `w` with every RMSNorm scale (block, head, output and final norms) shifted by `by`.
@@ -172,7 +128,7 @@ fn the_reference_with_a_feature_off_does_not_match() {
     let prompts = common::prompts(2, PROMPT, w.config.vocab, 7);
     let gpu = common::gpus(1).remove(0);
     let got = single(gpu, &w).prefill(&prompts).unwrap();
-    let (_, right) = reference(&w, &prompts);
+    let (_, right) = reference(&w, &prompts, STEPS);
     assert!(got.relative_error(&right[0]) <= BAR);
     let c = &w.config;
     let variant = |what: &str, config: ModelConfig, edit: &dyn Fn(&mut ModelWeights)| {
@@ -181,7 +137,7 @@ fn the_reference_with_a_feature_off_does_not_match() {
             ..w.clone()
         };
         edit(&mut off);
-        let (_, wrong) = reference(&off, &prompts);
+        let (_, wrong) = reference(&off, &prompts, STEPS);
         let err = got.relative_error(&wrong[0]);
         assert!(
             err > 100.0 * BAR,
@@ -310,65 +266,6 @@ fn write_gemma_folder(name: &str, w: &ModelWeights, config: &Value) -> hf_suppor
     dir
 }
 
-/// Every vector and matrix the device reads, bit for bit.
-fn assert_same_weights(got: &ModelWeights, want: &ModelWeights) {
-    let same = |x: &[f32], y: &[f32], what: &str| {
-        assert_eq!(x.len(), y.len(), "{what}");
-        let bad = (x.iter().zip(y)).position(|(a, b)| a.to_bits() != b.to_bits());
-        assert!(bad.is_none(), "{what} differs at {bad:?}");
-    };
-    let got = got.clone().with_dense();
-    same(&got.wte, &want.wte, "wte");
-    same(&got.final_norm, &want.final_norm, "final norm");
-    assert!(got.lm_head.is_none() && got.config.tied_head, "tied head");
-    for (i, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
-        let pairs = [
-            (&g.attn_norm, &w.attn_norm, "attn_norm"),
-            (&g.mlp_norm, &w.mlp_norm, "mlp_norm"),
-            (&g.wq, &w.wq, "wq"),
-            (&g.wo, &w.wo, "wo"),
-            (
-                g.w_gate.as_ref().unwrap(),
-                w.w_gate.as_ref().unwrap(),
-                "gate",
-            ),
-            (
-                g.q_norm.as_ref().unwrap(),
-                w.q_norm.as_ref().unwrap(),
-                "q_norm",
-            ),
-            (
-                g.k_norm.as_ref().unwrap(),
-                w.k_norm.as_ref().unwrap(),
-                "k_norm",
-            ),
-            (
-                g.attn_out_norm.as_ref().unwrap(),
-                w.attn_out_norm.as_ref().unwrap(),
-                "attn_out_norm",
-            ),
-            (
-                g.mlp_out_norm.as_ref().unwrap(),
-                w.mlp_out_norm.as_ref().unwrap(),
-                "mlp_out_norm",
-            ),
-        ];
-        for (x, y, what) in pairs {
-            same(x, y, &format!("layer {i} {what}"));
-        }
-    }
-}
-
-/// The logits of `a` and `b` on one device, bit for bit (same values, same kernels).
-fn same_logits(a: &ModelWeights, b: &ModelWeights) {
-    let gpu = common::gpus(1).remove(0);
-    let prompts = common::prompts(2, PROMPT, a.config.vocab, 3);
-    let la = single(gpu.clone(), a).prefill(&prompts).unwrap();
-    let lb = single(gpu, b).prefill(&prompts).unwrap();
-    assert!(la.data.iter().any(|&v| v != 0.0));
-    assert_eq!(la, lb);
-}
-
 /// A folder that stores `w` for `1 + w` loads to the multipliers, and its config to the same
 /// model; `layer_types` (transformers 5) says the same as the pattern.
 #[test]
@@ -381,8 +278,8 @@ fn hugging_face_folders_load_to_the_same_model() {
     want.name = ckpt.config().name.clone();
     assert_eq!(ckpt.config(), &want);
     let loaded = ckpt.weights(false).unwrap();
-    assert_same_weights(&loaded, &w);
-    same_logits(&loaded, &w);
+    assert_same_weights(&loaded, &w, &|x| x);
+    same_logits(&loaded, &w, PROMPT);
     let mut typed = json.clone();
     let obj = typed.as_object_mut().unwrap();
     obj.remove("sliding_window_pattern");
@@ -401,8 +298,114 @@ fn hugging_face_folders_load_to_the_same_model() {
     assert_eq!(c.embed_scale, Some(8.9375));
 }
 
+/// A `Gemma3ForConditionalGeneration` folder of `w` (as transformers saves one): the text
+/// config under `text_config` (its end tokens at the top level), a vision config, the text
+/// model's tensors under `text` and a vision tower and projector under `vision`; `head`: an
+/// untied LM head of this name (the text config then says so).
+fn write_multimodal_folder(
+    name: &str,
+    w: &ModelWeights,
+    (text, vision): (&str, &str),
+    head: Option<&str>,
+) -> hf_support::Scratch {
+    let dir = hf_support::scratch(name);
+    let mut text_config = gemma_config_json(w);
+    let obj = text_config.as_object_mut().unwrap();
+    obj.remove("architectures");
+    obj.remove("eos_token_id");
+    let config = json!({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": text_config, "eos_token_id": [1, 106], "image_token_index": 262_144,
+        "mm_tokens_per_image": 256, "boi_token_index": 255_999, "eoi_token_index": 256_000,
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8,
+            "num_hidden_layers": 1, "patch_size": 14, "image_size": 28},
+        "tie_word_embeddings": head.is_none(),
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let mut tensors: Vec<_> = (gemma_hf_tensors(w).into_iter())
+        .map(|(n, s, v)| (n.replacen("model.", text, 1), s, v))
+        .collect();
+    let v = |n: usize| (0..n).map(|i| i as f32 * 0.01).collect::<Vec<f32>>();
+    tensors.extend([
+        (
+            format!("{vision}vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight"),
+            vec![8, 8],
+            v(64),
+        ),
+        (
+            format!("{vision}multi_modal_projector.mm_input_projection_weight"),
+            vec![8, 4],
+            v(32),
+        ),
+    ]);
+    if let Some(head) = head {
+        let c = &w.config;
+        tensors.push((head.into(), vec![c.vocab, c.hidden], w.wte.clone()));
+    }
+    write_safetensors(&dir.join("model.safetensors"), &tensors, Store::F32);
+    dir
+}
+
+/// A text-and-vision folder, in transformers 4's layout and 5's, loads its text model: the
+/// text-only folder's config and weights, its greedy tokens, the vision tower not read.
+#[test]
+fn multimodal_folders_load_their_text_model() {
+    let w = weights(3, 47);
+    let gpu = common::gpus(1).remove(0);
+    let prompts = common::prompts(2, PROMPT, w.config.vocab, 7);
+    let text_dir = write_gemma_folder("gemma3-text", &w, &gemma_config_json(&w));
+    let text = Checkpoint::open(&text_dir).unwrap();
+    let text_w = text.weights(false).unwrap();
+    let want = generate_keeping(
+        &mut single(gpu.clone(), &text_w),
+        &prompts,
+        STEPS,
+        KeepLogits::All,
+    )
+    .unwrap()
+    .tokens;
+    for (layout, prefixes) in [
+        ("transformers 4", ("language_model.model.", "")),
+        ("transformers 5", ("model.language_model.", "model.")),
+    ] {
+        let dir = write_multimodal_folder("gemma3-mm", &w, prefixes, None);
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let mut config = text.config().clone();
+        config.name = ckpt.config().name.clone();
+        assert_eq!(ckpt.config(), &config, "{layout}");
+        assert_eq!(ckpt.eos_tokens(), [1, 106], "{layout}");
+        let loaded = ckpt.weights(false).unwrap();
+        assert_same_weights(&loaded, &w, &|x| x);
+        let got = generate_keeping(
+            &mut single(gpu.clone(), &loaded),
+            &prompts,
+            STEPS,
+            KeepLogits::All,
+        )
+        .unwrap()
+        .tokens;
+        assert_eq!(got, want, "{layout}: the text-only folder's tokens");
+        check_engine(layout, &mut single(gpu.clone(), &loaded), &w, &RUN);
+    }
+    // An untied head sits beside the text model in transformers 4's layout, at the top in 5's.
+    for (prefixes, head) in [
+        (
+            ("language_model.model.", ""),
+            "language_model.lm_head.weight",
+        ),
+        (("model.language_model.", "model."), "lm_head.weight"),
+    ] {
+        let dir = write_multimodal_folder("gemma3-mm-head", &w, prefixes, Some(head));
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        assert!(!ckpt.config().tied_head, "{head}");
+        let loaded = ckpt.weights(false).unwrap();
+        assert_eq!(loaded.lm_head.as_ref(), Some(&w.wte), "{head}");
+    }
+}
+
 /// What wgpar does not compute is refused by name: attention soft-capping, another
-/// activation, the multimodal model type; a missing output norm names its tensor.
+/// activation, a multimodal config whose text model is not Gemma 3's; a missing output norm
+/// names its tensor.
 #[test]
 fn hugging_face_features_it_lacks_are_refused_by_name() {
     let w = weights(3, 46);
@@ -424,8 +427,12 @@ fn hugging_face_features_it_lacks_are_refused_by_name() {
         "\"hidden_activation\" is 'gelu'",
     );
     refused(
-        &|j| j["model_type"] = "gemma3".into(),
-        "model_type 'gemma3' (Gemma3ForConditionalGeneration",
+        &|j| {
+            let text = j.clone();
+            *j = json!({"model_type": "gemma3", "text_config": text});
+            j["text_config"]["model_type"] = "llama".into();
+        },
+        "\"text_config\" has model_type 'llama': a Gemma 3 text model",
     );
     refused(
         &|j| {
@@ -481,14 +488,14 @@ fn gguf_f32_matches_the_folder() {
     want.name = "gguf-test".into();
     assert_eq!(g.config(), &want);
     let loaded = g.weights(false).unwrap();
-    assert_same_weights(&loaded, &w);
-    same_logits(&loaded, &w);
+    assert_same_weights(&loaded, &w, &|x| x);
+    same_logits(&loaded, &w, PROMPT);
     // The folder of the same model (its scale written as query_pre_attn_scalar = head_dim).
     let mut json = gemma_config_json(&w);
     json["query_pre_attn_scalar"] = json!(w.config.head_dim);
     let folder = write_gemma_folder("gemma3-gguf-folder", &w, &json);
     let from_folder = Checkpoint::open(&folder).unwrap().weights(false).unwrap();
-    same_logits(&loaded, &from_folder);
+    same_logits(&loaded, &from_folder, PROMPT);
 }
 
 /// Packed GGUF matrices (Q8_0) run on one device and split over two to the reference's tokens
@@ -518,10 +525,11 @@ fn packed_gguf_runs_single_and_tp_to_the_reference_tokens() {
         "q8_0 single",
         &mut single(gpus[0].clone(), &loaded),
         &loaded,
+        &RUN,
     );
     let mut tp =
         TensorParallelEngine::new(&gpus, &loaded, DType::F32, None, CommConfig::default()).unwrap();
-    check_engine("q8_0 tp=2", &mut tp, &loaded);
+    check_engine("q8_0 tp=2", &mut tp, &loaded, &RUN);
     let mut tensors = gemma_gguf_tensors(&w);
     tensors.retain(|t| t.name != "blk.2.post_attention_norm.weight");
     let file = write_gguf(&dir, "n", &tensors, &gemma_spec(&w, QuantType::F32));

@@ -1,9 +1,16 @@
-//! Phi-3 / Phi-4 (issue 37 item 3, without LongRoPE): a Llama decoder whose checkpoints fuse
-//! the query, key and value projections (`qkv_proj`, GGUF `attn_qkv`) and the MLP's gate and
-//! up projections (`gate_up_proj`, GGUF `ffn_up` of twice the width). The loaders split them,
-//! so tensor parallelism shards each part the Megatron way: every engine (single, TP over 2,
-//! PP over 2 stages) on a folder and a GGUF (f32 and Q8_0) gives the CPU f64 reference's greedy
-//! tokens; a split in the wrong order does not; what is not supported is refused by name.
+//! Phi-3 / Phi-4 (issue 37 item 3): a Llama decoder whose checkpoints fuse the query, key and
+//! value projections (`qkv_proj`, GGUF `attn_qkv`) and the MLP's gate and up projections
+//! (`gate_up_proj`, GGUF `ffn_up` of twice the width). The loaders split them, so tensor
+//! parallelism shards each part the Megatron way: every engine (single, TP over 2, PP over 2
+//! stages) on a folder and a GGUF (f32 and Q8_0) gives the CPU f64 reference's greedy tokens;
+//! a split in the wrong order does not; what is not supported is refused by name.
+//!
+//! LongRoPE (Phi-3 128k, Phi-3.5): per-pair divisors from the short list when the served
+//! context is within the original one, else from the long list, and a magnitude on cos and
+//! sin. Folders in both regimes and a GGUF with `rope_factors_*` load to the parameters this
+//! test derives from Transformers' formulas, the reference's tables match those formulas, every
+//! engine matches the reference, and the model with the factors ignored, the magnitude off or
+//! the other regime's list gives other logits.
 
 mod common;
 mod gguf_support;
@@ -16,7 +23,8 @@ use wgpar::comm::CommConfig;
 use wgpar::device::DType;
 use wgpar::model::hf::Checkpoint;
 use wgpar::model::quant::QuantType;
-use wgpar::model::{CpuReference, ModelConfig, ModelWeights};
+use wgpar::model::reference::rope_tables;
+use wgpar::model::{CpuReference, LongRopeScaling, ModelConfig, ModelWeights, RopeScaling};
 use wgpar::parallel::{
     generate_keeping, Engine, KeepLogits, Partition, PipelineEngine, SingleEngine,
     TensorParallelEngine,
@@ -195,7 +203,16 @@ fn what_phi3_folders_need_that_wgpar_lacks_is_refused_by_name() {
         assert!(e.contains(want), "{key}: {e}");
     };
     let longrope = json!({"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]});
-    refused("rope_scaling", longrope, "'longrope' is not supported");
+    refused(
+        "rope_scaling",
+        longrope,
+        "short_factor: 1 values for head_dim 16",
+    );
+    refused(
+        "rope_scaling",
+        json!({"type": "dynamic", "factor": 2.0}),
+        "type 'dynamic' is not supported",
+    );
     refused(
         "partial_rotary_factor",
         json!(0.75),
@@ -269,23 +286,241 @@ fn fused_gguf_files_run_on_every_engine_f32_and_q8_0() {
         }
         check_all(&format!("{matrices:?}"), &loaded);
     }
-    // LongRoPE's factor tensors are refused by name.
+}
+
+/// A LongRoPE regime: the checkpoint's context, the original one, the context served, and
+/// which list that context picks.
+struct Regime {
+    name: &'static str,
+    max_pos: usize,
+    original: usize,
+    served: usize,
+    long: bool,
+}
+
+/// Served past the original context (long list), and a 128-token model served at its
+/// original 64 (short list, the magnitude still from 128 / 64, as Transformers has it).
+const REGIMES: [Regime; 2] = [
+    Regime {
+        name: "long",
+        max_pos: 64,
+        original: 16,
+        served: 64,
+        long: true,
+    },
+    Regime {
+        name: "short",
+        max_pos: 128,
+        original: 64,
+        served: 64,
+        long: false,
+    },
+];
+
+/// Distinct divisors for the 8 pairs of a 16-wide head, the long ones larger, as released
+/// checkpoints have them.
+fn longrope_lists() -> (Vec<f32>, Vec<f32>) {
+    let short = (0..8).map(|i| 1.0 + 0.25 * i as f32).collect();
+    let long = (0..8).map(|i| 1.0 + 0.5 * (i * i) as f32).collect();
+    (short, long)
+}
+
+/// Transformers' default attention factor: sqrt(1 + ln(max_pos / original) / ln(original)).
+fn magnitude(r: &Regime) -> f64 {
+    let (max_pos, original) = (r.max_pos as f64, r.original as f64);
+    (1.0 + (max_pos / original).ln() / original.ln()).sqrt()
+}
+
+fn longrope_weights(seed: u64, r: &Regime) -> ModelWeights {
+    let (short_factor, long_factor) = longrope_lists();
+    let mut w = weights(seed);
+    assert_eq!(w.config.max_seq, r.served);
+    w.config.rope_scaling = Some(RopeScaling::LongRope(LongRopeScaling {
+        short_factor,
+        long_factor,
+        original_context: r.original,
+        attention_factor: magnitude(r) as f32,
+    }));
+    w
+}
+
+/// The loaded config is `want` but for the attention factor, which must be within f32
+/// rounding of it.
+fn assert_longrope_config(got: &ModelConfig, want: &ModelConfig) {
+    let (Some(RopeScaling::LongRope(g)), Some(RopeScaling::LongRope(w))) =
+        (&got.rope_scaling, &want.rope_scaling)
+    else {
+        panic!("not LongRoPE: {:?}", got.rope_scaling)
+    };
+    let near = (g.attention_factor - w.attention_factor).abs() < 1e-6;
+    assert!(
+        near,
+        "attention factor {} for {}",
+        g.attention_factor, w.attention_factor
+    );
+    let mut want = want.clone();
+    want.name = got.name.clone();
+    want.rope_scaling = got.rope_scaling.clone();
+    assert_eq!(got, &want);
+    assert_eq!(
+        (&g.short_factor, &g.long_factor),
+        (&w.short_factor, &w.long_factor)
+    );
+}
+
+/// The reference's tables against the rotation written from Transformers' formula:
+/// `theta^(-2i/d) / factor_i` radians a position, cos and sin times the magnitude.
+fn check_tables(c: &ModelConfig, r: &Regime, positions: usize) {
+    let (short, long) = longrope_lists();
+    let list = if positions > r.original { long } else { short };
+    let (cos, sin) = rope_tables(c, positions);
+    let m = magnitude(r);
+    let d = c.head_dim as f64;
+    for pos in 0..positions {
+        for (i, by) in list.iter().enumerate() {
+            let f = (c.rope_theta as f64).powf(-2.0 * i as f64 / d) / *by as f64;
+            let at = pos * list.len() + i;
+            let (wc, ws) = ((pos as f64 * f).cos() * m, (pos as f64 * f).sin() * m);
+            assert!(
+                (cos[at] - wc).abs() < 1e-6 && (sin[at] - ws).abs() < 1e-6,
+                "{pos} {i}"
+            );
+        }
+    }
+}
+
+fn longrope_folder(w: &ModelWeights, r: &Regime) -> hf_support::Scratch {
+    let dir = hf_support::scratch(&format!("phi3-longrope-{}", r.name));
+    let (short, long) = longrope_lists();
+    let mut json = phi3_config_json(w);
+    json["max_position_embeddings"] = json!(r.max_pos);
+    json["original_max_position_embeddings"] = json!(r.original);
+    // The old type name `su` in rope_scaling, and Transformers 5's rope_parameters.
+    if r.long {
+        json["rope_scaling"] = json!({"type": "su", "short_factor": short, "long_factor": long});
+    } else {
+        json["rope_parameters"] = json!({"rope_type": "longrope", "rope_theta": 10_000.0,
+            "short_factor": short, "long_factor": long});
+    }
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    write_safetensors(
+        &dir.join("model.safetensors"),
+        &phi3_hf_tensors(w, false),
+        Store::F32,
+    );
+    dir
+}
+
+/// A change to a model's LongRoPE parameters.
+type Edit = fn(&mut LongRopeScaling);
+
+/// `w` with its LongRoPE changed by `f`: a deliberately wrong model.
+fn variant(w: &ModelWeights, f: Edit) -> ModelWeights {
+    let mut v = w.clone();
+    let Some(RopeScaling::LongRope(s)) = &mut v.config.rope_scaling else {
+        panic!("not LongRoPE")
+    };
+    f(s);
+    v
+}
+
+/// The device running each wrong variant of `w` lands far from the reference on `w`.
+fn wrong_variants_fail(w: &ModelWeights, r: &Regime) {
+    let prompts = common::prompts(2, 12, w.config.vocab, 9);
+    let right = CpuReference::new(w).prefill(&prompts).unwrap().concat();
+    let gpu = common::gpus(1).remove(0);
+    let variants: [(&str, Edit); 3] = [
+        ("factors ignored", |s| {
+            s.short_factor.fill(1.0);
+            s.long_factor.fill(1.0);
+        }),
+        ("attention factor off", |s| s.attention_factor = 1.0),
+        ("the other regime's list", |s| {
+            std::mem::swap(&mut s.short_factor, &mut s.long_factor)
+        }),
+    ];
+    for (what, f) in variants {
+        let v = variant(w, f);
+        let got = SingleEngine::new(gpu.clone(), &v, DType::F32)
+            .unwrap()
+            .prefill(&prompts)
+            .unwrap();
+        let err = got.relative_error(&right);
+        assert!(
+            err > 100.0 * BAR,
+            "{} regime, {what}: moved the logits by {err:.2e}",
+            r.name
+        );
+    }
+}
+
+#[test]
+fn longrope_folders_run_on_every_engine_in_both_regimes() {
+    for (k, r) in REGIMES.iter().enumerate() {
+        let w = longrope_weights(70 + k as u64, r);
+        let dir = longrope_folder(&w, r);
+        let mut ckpt = Checkpoint::open(&dir).unwrap();
+        assert_eq!(ckpt.max_context(), r.max_pos);
+        ckpt.limit_context(r.served).unwrap();
+        assert_longrope_config(ckpt.config(), &w.config);
+        let loaded = ckpt.weights(false).unwrap();
+        check_tables(&loaded.config, r, r.served);
+        check_all(&format!("longrope {}", r.name), &loaded);
+        wrong_variants_fail(&loaded, r);
+    }
+}
+
+/// llama.cpp's LongRoPE metadata for `r`; `attn`: whether the file names the magnitude.
+fn longrope_meta(w: &ModelWeights, r: &Regime, attn: bool) -> Vec<Value> {
+    let mut meta = model_meta(w, "phi3");
+    meta.push(json!([
+        "phi3.rope.scaling.original_context_length",
+        "u32",
+        r.original
+    ]));
+    if attn {
+        meta.push(json!([
+            "phi3.rope.scaling.attn_factor",
+            "f32",
+            magnitude(r)
+        ]));
+    }
+    meta
+}
+
+#[test]
+fn gguf_rope_factor_tensors_load_as_longrope() {
+    let r = &REGIMES[0];
+    let w = longrope_weights(72, r);
+    let dir = hf_support::scratch("phi3-longrope-gguf");
+    let (short, long) = longrope_lists();
     let mut t = phi3_gguf_tensors(&w);
-    let half = w.config.head_dim / 2;
-    t.push(tensor(
-        "rope_factors_long.weight".into(),
-        vec![half],
-        &vec![1.0; half],
-    ));
-    let spec = GgufSpec {
+    t.push(tensor("rope_factors_long.weight".into(), vec![8], &long));
+    let spec = |attn: bool| GgufSpec {
         arch: "phi3",
         matrices: QuantType::F32,
-        meta: model_meta(&w, "phi3"),
+        meta: longrope_meta(&w, r, attn),
     };
-    let file = write_gguf(&dir, "long", &t, &spec);
-    let e = Checkpoint::open(&file).err().unwrap().to_string();
+    // One list without the other is refused by name.
+    let e = Checkpoint::open(&write_gguf(&dir, "half", &t, &spec(true)))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(
-        e.contains("rope_factors_long.weight") && e.contains("LongRoPE"),
+        e.contains("'rope_factors_long.weight' without 'rope_factors_short.weight'"),
         "{e}"
     );
+    t.push(tensor("rope_factors_short.weight".into(), vec![8], &short));
+    // Without the magnitude key, the default from the context ratio.
+    for attn in [false, true] {
+        let g = Checkpoint::open(&write_gguf(&dir, "m", &t, &spec(attn))).unwrap();
+        assert_longrope_config(g.config(), &w.config);
+    }
+    let mut g = Checkpoint::open(&write_gguf(&dir, "m", &t, &spec(true))).unwrap();
+    let loaded = g.weights(false).unwrap();
+    check_tables(&loaded.config, r, r.served);
+    check_all("gguf longrope", &loaded);
+    // Served within the original context, the same file rotates by the short list.
+    g.limit_context(r.original).unwrap();
+    check_tables(g.config(), r, r.original);
 }

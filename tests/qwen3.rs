@@ -9,26 +9,29 @@ mod common;
 mod gguf_support;
 mod hf_support;
 
-use std::sync::Arc;
+use common::decoder::{assert_same_weights, check_engine, reference, same_logits, single, Greedy};
 
 use gguf_support::{gguf_tensors, model_meta, write_gguf, GgufSpec};
 use hf_support::{write_checkpoint, Store};
 use serde_json::json;
 use wgpar::comm::CommConfig;
-use wgpar::device::{DType, Gpu};
+use wgpar::device::DType;
 use wgpar::kernels::ops;
 use wgpar::model::hf::Checkpoint;
 use wgpar::model::quant::QuantType;
-use wgpar::model::{CpuReference, ModelConfig, ModelWeights};
-use wgpar::parallel::{
-    generate_keeping, Engine, KeepLogits, Partition, PipelineEngine, SingleEngine,
-    TensorParallelEngine,
-};
+use wgpar::model::{ModelConfig, ModelWeights};
+use wgpar::parallel::{Engine, Partition, PipelineEngine, SingleEngine, TensorParallelEngine};
 
 /// Tokens generated per sequence (the prefill's pick, then decode steps).
 const STEPS: usize = 6;
 /// Largest relative error of an engine's logits against the f64 reference.
 const BAR: f64 = 1e-4;
+/// Greedy decoding against the reference, as every check here runs it.
+const RUN: Greedy = Greedy {
+    steps: STEPS,
+    prompt: 5,
+    bar: BAR,
+};
 
 /// tiny-qwen3 (4 heads of 32 over a stream of 96, tied head) with `layers` layers, its query
 /// and key projections scaled up: trained Qwen3 layers project far from unit RMS, so the
@@ -48,66 +51,14 @@ fn weights(layers: usize, seed: u64) -> ModelWeights {
     w
 }
 
-/// The reference's greedy tokens per sequence and its logits per step (prefill first).
-fn reference(w: &ModelWeights, prompts: &[Vec<u32>]) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
-    let mut r = CpuReference::new(w);
-    let mut logits = vec![r.prefill(prompts).unwrap().concat()];
-    let mut tokens = vec![Vec::new(); prompts.len()];
-    let vocab = w.config.vocab;
-    for step in 0..STEPS {
-        let last = &logits[step];
-        let next: Vec<u32> = (0..prompts.len())
-            .map(|b| argmax(&last[b * vocab..(b + 1) * vocab]))
-            .collect();
-        for (t, &n) in tokens.iter_mut().zip(&next) {
-            t.push(n);
-        }
-        if step + 1 < STEPS {
-            logits.push(r.decode(&next).unwrap().concat());
-        }
-    }
-    (tokens, logits)
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// The engine's greedy generation equals the reference's tokens, and every step's logits are
-/// within [`BAR`]; returns the largest error seen.
-fn check_engine(what: &str, engine: &mut dyn Engine, w: &ModelWeights) -> f64 {
-    let prompts = common::prompts(2, 5, w.config.vocab, 7);
-    let (want_tokens, want_logits) = reference(w, &prompts);
-    let got = generate_keeping(engine, &prompts, STEPS, KeepLogits::All).unwrap();
-    assert_eq!(got.tokens, want_tokens, "{what}: greedy tokens");
-    assert_eq!(got.logits.len(), STEPS, "{what}: a logits set per step");
-    let mut worst: f64 = 0.0;
-    for (step, (g, r)) in got.logits.iter().zip(&want_logits).enumerate() {
-        let err = g.relative_error(r);
-        assert!(err <= BAR, "{what} step {step}: relative error {err:.2e}");
-        worst = worst.max(err);
-    }
-    worst
-}
-
-fn single(gpu: Arc<Gpu>, w: &ModelWeights) -> SingleEngine {
-    SingleEngine::new(gpu, w, DType::F32).unwrap()
-}
-
 #[test]
 fn single_tp_and_pp_give_the_reference_tokens() {
     let w = weights(2, 41);
     let gpus = common::gpus(2);
-    check_engine("single", &mut single(gpus[0].clone(), &w), &w);
+    check_engine("single", &mut single(gpus[0].clone(), &w), &w, &RUN);
     let mut tp =
         TensorParallelEngine::new(&gpus, &w, DType::F32, None, CommConfig::default()).unwrap();
-    check_engine("tp=2", &mut tp, &w);
+    check_engine("tp=2", &mut tp, &w, &RUN);
     let mut pp = PipelineEngine::new(
         &gpus,
         &w,
@@ -117,7 +68,7 @@ fn single_tp_and_pp_give_the_reference_tokens() {
         CommConfig::default(),
     )
     .unwrap();
-    check_engine("pp=2", &mut pp, &w);
+    check_engine("pp=2", &mut pp, &w, &RUN);
 }
 
 #[test]
@@ -134,7 +85,7 @@ fn hybrid_2x2_gives_the_reference_tokens() {
         CommConfig::default(),
     )
     .unwrap();
-    check_engine("hybrid tp=2 x pp=2", &mut hybrid, &w);
+    check_engine("hybrid tp=2 x pp=2", &mut hybrid, &w, &RUN);
 }
 
 /// The comparison has teeth: a reference without the query/key norms, or with them but the
@@ -145,13 +96,13 @@ fn the_reference_without_the_norms_does_not_match() {
     let prompts = common::prompts(2, 5, w.config.vocab, 7);
     let gpu = common::gpus(1).remove(0);
     let got = single(gpu, &w).prefill(&prompts).unwrap();
-    let (_, right) = reference(&w, &prompts);
+    let (_, right) = reference(&w, &prompts, STEPS);
     assert!(got.relative_error(&right[0]) <= BAR);
     let mut off = w.clone();
     for l in &mut off.layers {
         (l.q_norm, l.k_norm) = (None, None);
     }
-    let (_, wrong) = reference(&off, &prompts);
+    let (_, wrong) = reference(&off, &prompts, STEPS);
     let err = got.relative_error(&wrong[0]);
     assert!(
         err > 100.0 * BAR,
@@ -162,7 +113,7 @@ fn the_reference_without_the_norms_does_not_match() {
     for l in &mut unit.layers {
         l.q_norm = Some(vec![1.0; w.config.head_dim]);
     }
-    let (_, wrong) = reference(&unit, &prompts);
+    let (_, wrong) = reference(&unit, &prompts, STEPS);
     let err = got.relative_error(&wrong[0]);
     assert!(err > 100.0 * BAR, "unit query scales changed {err:.2e}");
 }
@@ -180,43 +131,6 @@ fn weights_without_the_norms_are_refused() {
     assert!(e.contains("qk_norm") && e.contains("layer 1"), "{e}");
 }
 
-/// Every layer's vectors, the norms included, bit for bit after `store`'s rounding.
-fn assert_same_weights(got: &ModelWeights, want: &ModelWeights, store: Store) {
-    let same = |x: &[f32], y: &[f32], what: &str| {
-        assert_eq!(x.len(), y.len(), "{what}");
-        let bad = (x.iter().zip(y)).position(|(a, b)| a.to_bits() != store.round(*b).to_bits());
-        assert!(bad.is_none(), "{what} differs at {bad:?}");
-    };
-    let got = got.clone().with_dense();
-    same(&got.wte, &want.wte, "wte");
-    assert!(got.lm_head.is_none() && got.config.tied_head, "tied head");
-    for (i, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
-        same(&g.wq, &w.wq, &format!("layer {i} wq"));
-        same(&g.wk, &w.wk, &format!("layer {i} wk"));
-        same(&g.wo, &w.wo, &format!("layer {i} wo"));
-        same(
-            g.q_norm.as_ref().unwrap(),
-            w.q_norm.as_ref().unwrap(),
-            "q_norm",
-        );
-        same(
-            g.k_norm.as_ref().unwrap(),
-            w.k_norm.as_ref().unwrap(),
-            "k_norm",
-        );
-    }
-}
-
-/// The logits of `a` and `b` on one device, bit for bit (same values, same kernels).
-fn same_logits(a: &ModelWeights, b: &ModelWeights) {
-    let gpu = common::gpus(1).remove(0);
-    let prompts = common::prompts(2, 5, a.config.vocab, 3);
-    let la = single(gpu.clone(), a).prefill(&prompts).unwrap();
-    let lb = single(gpu, b).prefill(&prompts).unwrap();
-    assert!(la.data.iter().any(|&v| v != 0.0));
-    assert_eq!(la, lb);
-}
-
 #[test]
 fn hugging_face_folders_load_to_the_same_model() {
     let w = weights(2, 45);
@@ -227,9 +141,9 @@ fn hugging_face_folders_load_to_the_same_model() {
         want.name = ckpt.config().name.clone();
         assert_eq!(ckpt.config(), &want);
         let loaded = ckpt.weights(false).unwrap();
-        assert_same_weights(&loaded, &w, store);
+        assert_same_weights(&loaded, &w, &|x| store.round(x));
         if store == Store::F32 {
-            same_logits(&loaded, &w);
+            same_logits(&loaded, &w, 5);
         }
     }
     // A config that names only the class, as some exports do.
@@ -294,8 +208,8 @@ fn gguf_f32_matches_the_folder() {
     want.name = "gguf-test".into();
     assert_eq!(g.config(), &want);
     let loaded = g.weights(false).unwrap();
-    assert_same_weights(&loaded, &w, Store::F32);
-    same_logits(&loaded, &w);
+    assert_same_weights(&loaded, &w, &|x| Store::F32.round(x));
+    same_logits(&loaded, &w, 5);
 }
 
 /// Packed GGUF matrices (Q8_0 written by llama.cpp's package, Q4_K by wgpar's quantizer) run
@@ -320,10 +234,11 @@ fn packed_gguf_runs_single_and_tp_to_the_reference_tokens() {
         "q8_0 single",
         &mut single(gpus[0].clone(), &loaded),
         &loaded,
+        &RUN,
     );
     let mut tp =
         TensorParallelEngine::new(&gpus, &loaded, DType::F32, None, CommConfig::default()).unwrap();
-    check_engine("q8_0 tp=2", &mut tp, &loaded);
+    check_engine("q8_0 tp=2", &mut tp, &loaded, &RUN);
     // K-quants take rows of 256: heads of 128 over a stream of 256, as Qwen3-4B's are.
     let config = ModelConfig {
         vocab: 300,
@@ -348,6 +263,7 @@ fn packed_gguf_runs_single_and_tp_to_the_reference_tokens() {
         "q4_k single",
         &mut single(gpus[0].clone(), &loaded),
         &loaded,
+        &RUN,
     );
 }
 

@@ -228,18 +228,19 @@ fn load_expecting(path: &Path, want: &ModelConfig) -> ModelWeights {
         "{}",
         path.display()
     );
-    match (got.rope_scaling, want.rope_scaling) {
+    // RopeScaling is not Copy (LongRoPE carries its factor lists): compare by reference.
+    match (&got.rope_scaling, &want.rope_scaling) {
         (Some(RopeScaling::Yarn(g)), Some(RopeScaling::Yarn(w))) => {
             let near = (g.attention_factor - w.attention_factor).abs() < 1e-6;
             assert!(near, "{g:?}");
             assert_eq!(
                 YarnScaling {
                     attention_factor: 1.0,
-                    ..g
+                    ..*g
                 },
                 YarnScaling {
                     attention_factor: 1.0,
-                    ..w
+                    ..*w
                 }
             );
         }

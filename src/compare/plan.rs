@@ -626,6 +626,10 @@ pub fn plan_markdown(opts: &PlanOptions, rows: &[PlanRow]) -> String {
     if let Some(f) = opts.file_format.as_ref().filter(|f| f.packed.is_none()) {
         let _ = writeln!(s, "{}\n", file_storage(f));
     }
+    // Say where the projection approximates the model (Gemma 3's features).
+    if let Some(gaps) = c.cost_model_gaps() {
+        let _ = writeln!(s, "{gaps}\n");
+    }
     for profile in &opts.profiles {
         let _ = writeln!(s, "### {}\n", profile.name);
         let _ = writeln!(

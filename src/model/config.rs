@@ -56,7 +56,7 @@ pub enum PoolMode {
     Cls,
 }
 
-pub use super::rope::{Llama3Scaling, RopeScaling, YarnScaling};
+pub use super::rope::{Llama3Scaling, LongRopeScaling, RopeScaling, YarnScaling};
 
 /// An encoder's pooling step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -657,6 +657,43 @@ impl ModelConfig {
         attn + mlp + 4 * h + qk_norms + out_norms
     }
 
+    /// What the cost models (`plan`'s projection, the engines' span accounting) leave out of
+    /// this model, which they charge as a plain Llama block: `None` when nothing. Gemma 3's
+    /// sliding layers are charged attention over the whole context, and its extra norms,
+    /// embedding scale and soft-cap (a few elementwise passes each) are not charged.
+    pub fn cost_model_gaps(&self) -> Option<String> {
+        let mut gaps = Vec::new();
+        if let Some(s) = &self.sliding {
+            let n = s.layers.iter().filter(|&&on| on).count();
+            gaps.push(format!(
+                "its {n} sliding-window layers are charged attention over the whole context \
+                 (they attend at most {} keys)",
+                s.window
+            ));
+        }
+        let mut passes = Vec::new();
+        if self.sandwich_norms {
+            passes.push("the norms after attention and the MLP");
+        }
+        if self.embed_scale.is_some() {
+            passes.push("the embedding scale");
+        }
+        if self.final_softcap.is_some() {
+            passes.push("the final soft-cap");
+        }
+        if !passes.is_empty() {
+            gaps.push(format!("{} are not charged", passes.join(", ")));
+        }
+        (!gaps.is_empty()).then(|| {
+            format!(
+                "The cost model charges {} as a Llama block with the same shapes (GeGLU as \
+                 SwiGLU): {}.",
+                self.name,
+                gaps.join("; ")
+            )
+        })
+    }
+
     /// All parameters (embeddings and head included).
     pub fn params(&self) -> usize {
         let emb = self.vocab * self.hidden;
@@ -697,6 +734,30 @@ mod tests {
         for name in PRESETS {
             ModelConfig::preset(name).unwrap();
         }
+    }
+
+    #[test]
+    fn cost_model_gaps_name_gemma_features_only() {
+        assert_eq!(
+            ModelConfig::preset("tiny-llama").unwrap().cost_model_gaps(),
+            None
+        );
+        let g = ModelConfig::gemma3_1b();
+        let gaps = g.cost_model_gaps().unwrap();
+        // Gemma 3 1B: 26 layers, every sixth global, a window of 512.
+        assert!(gaps.contains("its 22 sliding-window layers"), "{gaps}");
+        assert!(gaps.contains("at most 512 keys"), "{gaps}");
+        assert!(gaps.contains("the norms after attention and the MLP, the embedding scale"));
+        let capped = ModelConfig {
+            final_softcap: Some(30.0),
+            sliding: None,
+            ..g
+        };
+        let gaps = capped.cost_model_gaps().unwrap();
+        assert!(
+            gaps.contains("final soft-cap") && !gaps.contains("sliding"),
+            "{gaps}"
+        );
     }
 
     #[test]

@@ -20,8 +20,8 @@ pub mod shard;
 pub mod weights;
 
 pub use config::{
-    Activation, Arch, Llama3Scaling, ModelConfig, PoolMode, Pooling, RopeScaling, SlidingWindow,
-    YarnScaling, PRESETS,
+    Activation, Arch, Llama3Scaling, LongRopeScaling, ModelConfig, PoolMode, Pooling, RopeScaling,
+    SlidingWindow, YarnScaling, PRESETS,
 };
 pub use gpu::{Activations, GpuModel, KvCache, Placement, SeqRow, Step, StepOut};
 pub use input::EncoderInput;

@@ -1,6 +1,6 @@
 //! RoPE as checkpoints define it: the base frequencies `theta^(-2i/d)`, a file's per-dimension
 //! divisors (GGUF `rope_freqs.weight`, Llama 3.1 / 3.2), and a scaling for contexts past the
-//! one the model was trained on (linear, Llama 3, YaRN). [`frequencies`] resolves all of them
+//! one the model was trained on (linear, Llama 3, YaRN, LongRoPE). [`frequencies`] resolves all of them
 //! to one representation, per-pair inverse frequencies and a magnitude on cos and sin, from
 //! which the device tables and the f64 reference are both built.
 
@@ -44,8 +44,53 @@ pub struct YarnScaling {
     pub truncate: bool,
 }
 
+/// LongRoPE (Phi-3 128k, Phi-3.5; Hugging Face `longrope` or the older `su`, GGUF
+/// `rope_factors_short` / `rope_factors_long`): every pair's frequency divided by its own
+/// factor, from the short list when the served context (`max_seq`) is within
+/// `original_context`, else from the long one; cos and sin multiplied by `attention_factor`
+/// in both regimes, as Transformers does.
+///
+/// Transformers picks the list by the current sequence length and, on crossing the original
+/// context, drops its cache and recomputes every position with the long list. wgpar's KV cache
+/// keeps rotated keys, so it picks once, by the context the engine serves: a sequence shorter
+/// than `original_context` on an engine serving more is rotated by the long list (serve it with
+/// `--max-seq` at most `original_context` for Transformers' short-sequence numbers).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LongRopeScaling {
+    /// Divisors for contexts within `original_context`, one per rotated pair.
+    pub short_factor: Vec<f32>,
+    /// Divisors for longer contexts, one per rotated pair.
+    pub long_factor: Vec<f32>,
+    /// Context the model was first trained for.
+    pub original_context: usize,
+    /// Magnitude on cos and sin, resolved from the checkpoint
+    /// (`sqrt(1 + ln(factor) / ln(original_context))` unless it names one).
+    pub attention_factor: f32,
+}
+
+impl LongRopeScaling {
+    /// The divisors a context of `max_seq` tokens rotates by.
+    pub fn factors_for(&self, max_seq: usize) -> &[f32] {
+        if max_seq > self.original_context {
+            &self.long_factor
+        } else {
+            &self.short_factor
+        }
+    }
+}
+
+/// LongRoPE's default magnitude for a context `factor` times the original one:
+/// `sqrt(1 + ln(factor) / ln(original))`, 1 when the context is not extended.
+pub fn longrope_magnitude(factor: f64, original: usize) -> f64 {
+    if factor <= 1.0 || original < 2 {
+        1.0
+    } else {
+        (1.0 + factor.ln() / (original as f64).ln()).sqrt()
+    }
+}
+
 /// How the frequencies are scaled for contexts past the original one.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "lowercase")]
 pub enum RopeScaling {
     /// Every frequency divided by `factor` (positions interpolated).
@@ -57,6 +102,8 @@ pub enum RopeScaling {
     Llama3(Llama3Scaling),
     /// YaRN's ramp and magnitude.
     Yarn(YarnScaling),
+    /// LongRoPE's per-pair factors and magnitude.
+    LongRope(LongRopeScaling),
 }
 
 /// The resolved rotation: what the tables are computed from.
@@ -92,20 +139,28 @@ pub fn frequencies(config: &ModelConfig) -> RopeFrequencies {
                 .map_or(f, |ff| f / ff[i] as f64)
         })
         .collect();
-    match config.rope_scaling {
+    match &config.rope_scaling {
         None => RopeFrequencies {
             inv_freq,
             magnitude: 1.0,
         },
         Some(RopeScaling::Linear { factor }) => RopeFrequencies {
-            inv_freq: inv_freq.iter().map(|f| f / factor as f64).collect(),
+            inv_freq: inv_freq.iter().map(|f| f / *factor as f64).collect(),
             magnitude: 1.0,
         },
         Some(RopeScaling::Llama3(s)) => RopeFrequencies {
-            inv_freq: inv_freq.iter().map(|&f| llama3_frequency(f, &s)).collect(),
+            inv_freq: inv_freq.iter().map(|&f| llama3_frequency(f, s)).collect(),
             magnitude: 1.0,
         },
-        Some(RopeScaling::Yarn(s)) => yarn(inv_freq, config, &s),
+        Some(RopeScaling::Yarn(s)) => yarn(inv_freq, config, s),
+        Some(RopeScaling::LongRope(s)) => RopeFrequencies {
+            inv_freq: inv_freq
+                .iter()
+                .zip(s.factors_for(config.max_seq))
+                .map(|(&f, &by)| f / by as f64)
+                .collect(),
+            magnitude: s.attention_factor as f64,
+        },
     }
 }
 
@@ -174,13 +229,23 @@ pub fn problem(config: &ModelConfig) -> Option<String> {
                 "RoPE frequency factor {i} is {v}: must be positive and finite"
             ));
         }
-        if matches!(config.rope_scaling, Some(RopeScaling::Llama3(_))) {
-            return Some("RoPE frequency factors and llama3 scaling both given".into());
+        if let Some(s @ (RopeScaling::Llama3(_) | RopeScaling::LongRope(_))) = &config.rope_scaling
+        {
+            let kind = match s {
+                RopeScaling::Llama3(_) => "llama3",
+                _ => "longrope",
+            };
+            return Some(format!(
+                "RoPE frequency factors and {kind} scaling both given"
+            ));
         }
     }
-    let ok = match config.rope_scaling {
+    if let Some(RopeScaling::LongRope(s)) = &config.rope_scaling {
+        return longrope_problem(s, config.head_dim);
+    }
+    let ok = match &config.rope_scaling {
         None => true,
-        Some(RopeScaling::Linear { factor }) => positive(factor),
+        Some(RopeScaling::Linear { factor }) => positive(*factor),
         Some(RopeScaling::Llama3(s)) => {
             positive(s.factor)
                 && positive(s.low_freq_factor)
@@ -195,6 +260,7 @@ pub fn problem(config: &ModelConfig) -> Option<String> {
                 && positive(s.attention_factor)
                 && s.original_context > 0
         }
+        Some(RopeScaling::LongRope(_)) => true,
     };
     (!ok).then(|| {
         format!(
@@ -202,6 +268,39 @@ pub fn problem(config: &ModelConfig) -> Option<String> {
             config.rope_scaling
         )
     })
+}
+
+/// What is wrong with LongRoPE's lists for heads of `head_dim`, if anything.
+fn longrope_problem(s: &LongRopeScaling, head_dim: usize) -> Option<String> {
+    for (name, list) in [
+        ("short_factor", &s.short_factor),
+        ("long_factor", &s.long_factor),
+    ] {
+        if list.len() != head_dim / 2 {
+            return Some(format!(
+                "LongRoPE {name}: {} values for head_dim {head_dim} (needs {})",
+                list.len(),
+                head_dim / 2
+            ));
+        }
+        if let Some((i, v)) = list
+            .iter()
+            .enumerate()
+            .find(|(_, v)| !(v.is_finite() && **v > 0.0))
+        {
+            return Some(format!(
+                "LongRoPE {name} {i} is {v}: must be positive and finite"
+            ));
+        }
+    }
+    let a = s.attention_factor;
+    if !(a.is_finite() && a > 0.0) || s.original_context == 0 {
+        return Some(format!(
+            "LongRoPE needs a positive attention factor and original context, got {a} and {}",
+            s.original_context
+        ));
+    }
+    None
 }
 
 #[cfg(test)]
@@ -280,5 +379,48 @@ mod tests {
         assert!(problem(&cfg).unwrap().contains("7 values for head_dim 16"));
         cfg.rope_freq_factors = Some(vec![1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]);
         assert!(problem(&cfg).unwrap().contains("factor 1 is 0"));
+    }
+
+    #[test]
+    fn longrope_picks_its_list_by_the_served_context_and_scales_both() {
+        // head_dim 16: 8 pairs; original context 32, so 64 tokens use the long list.
+        let s = LongRopeScaling {
+            short_factor: (1..=8).map(|i| i as f32).collect(),
+            long_factor: (1..=8).map(|i| 10.0 * i as f32).collect(),
+            original_context: 32,
+            attention_factor: 1.5,
+        };
+        let mut cfg = ModelConfig {
+            rope_scaling: Some(RopeScaling::LongRope(s.clone())),
+            max_seq: 32,
+            ..ModelConfig::preset("tiny-llama").unwrap()
+        };
+        let base = |i: usize| 10_000f64.powf(-(i as f64) / 8.0);
+        for (max_seq, by) in [(32, 1.0), (33, 10.0)] {
+            cfg.max_seq = max_seq;
+            let r = frequencies(&cfg);
+            for i in 0..8 {
+                let want = base(i) / (by * (i + 1) as f64);
+                assert!((r.inv_freq[i] - want).abs() < 1e-18, "{max_seq} pair {i}");
+            }
+            assert_eq!(r.magnitude, 1.5);
+        }
+        assert!(problem(&cfg).is_none());
+        // sqrt(1 + ln 32 / ln 4096) = sqrt(1 + 5/12).
+        let m = longrope_magnitude(32.0, 4096);
+        assert!((m - (17.0f64 / 12.0).sqrt()).abs() < 1e-15, "{m}");
+        assert_eq!(longrope_magnitude(1.0, 4096), 1.0);
+        let mut bad = |f: fn(&mut LongRopeScaling)| {
+            let mut s = s.clone();
+            f(&mut s);
+            cfg.rope_scaling = Some(RopeScaling::LongRope(s));
+            problem(&cfg).unwrap()
+        };
+        let short = bad(|s| {
+            s.long_factor.pop();
+        });
+        assert!(short.contains("long_factor: 7 values"), "{short}");
+        assert!(bad(|s| s.short_factor[2] = -1.0).contains("short_factor 2 is -1"));
+        assert!(bad(|s| s.attention_factor = 0.0).contains("attention factor"));
     }
 }

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+pub mod decoder;
 pub mod fixture;
 
 use rand::{Rng, SeedableRng};

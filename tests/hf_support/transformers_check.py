@@ -57,12 +57,12 @@ def transformers_greedy(model):
     return result
 
 
-def wgpar_greedy(binary, directory, strategy):
+def wgpar_greedy(binary, directory, strategy, extra=()):
     out = directory / "wgpar.json"
     subprocess.run(
         [binary, "run", "--model", str(directory), "--batch", str(BATCH),
          "--prompt-len", str(PROMPT_LEN), "--gen", str(GEN), "--logits-out", str(out)]
-        + STRATEGIES[strategy],
+        + STRATEGIES[strategy] + list(extra),
         check=True, capture_output=True,
     )
     return json.loads(out.read_text())
@@ -81,17 +81,19 @@ def compare(want, got):
     return same, len(got["logits"]), max(errors)
 
 
-def main(tiny_model):
-    """Saves `tiny_model()` in SCRATCH_DIR (argv[2]), checks the wgpar binary (argv[1]) on it
-    and prints the report; 0 when every strategy gives the same ids."""
-    binary, scratch = sys.argv[1], Path(sys.argv[2])
+def main(tiny_model, wgpar_args=(), name=""):
+    """Saves `tiny_model()` in SCRATCH_DIR (argv[2], under `name` if given), checks the wgpar
+    binary (argv[1]) on it with `wgpar_args` added to each run and prints the report; 0 when
+    every strategy gives the same ids."""
+    binary, scratch = sys.argv[1], Path(sys.argv[2]) / name
     scratch.mkdir(parents=True, exist_ok=True)
     model = tiny_model()
     model.save_pretrained(scratch, safe_serialization=True)
     want = transformers_greedy(model)
     report, ok = {"transformers_ids": [w[0] for w in want]}, True
     for strategy in STRATEGIES:
-        same, steps, err = compare(want, wgpar_greedy(binary, scratch, strategy))
+        got = wgpar_greedy(binary, scratch, strategy, wgpar_args)
+        same, steps, err = compare(want, got)
         report[strategy] = {"same_ids": same, "steps": steps, "max_relative_error": err}
         ok = ok and same and steps == GEN
     print(json.dumps(report))

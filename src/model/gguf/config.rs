@@ -4,9 +4,9 @@
 use super::file::{GgufFile, Value};
 use crate::error::{Result, WgparError};
 use crate::model::config::{
-    Activation, Arch, ModelConfig, RopeScaling, SlidingWindow, YarnScaling,
+    Activation, Arch, LongRopeScaling, ModelConfig, RopeScaling, SlidingWindow, YarnScaling,
 };
-use crate::model::rope::yarn_mscale;
+use crate::model::rope::{longrope_magnitude, yarn_mscale};
 
 /// The `general.architecture` values wgpar reads, and the family each maps to.
 pub const GGUF_ARCHS: [(&str, Arch); 7] = [
@@ -170,7 +170,10 @@ pub fn model_config(meta: &Meta, file: &GgufFile, name: &str) -> Result<ModelCon
         _ => ModelConfig {
             norm_eps: meta.arch_f32_or("attention.layer_norm_rms_epsilon", 1e-6)?,
             rope_theta: meta.arch_f32_or("rope.freq_base", 10_000.0)?,
-            rope_scaling: rope_scaling(meta, base.max_seq)?,
+            rope_scaling: match longrope(meta, file, base.max_seq, base.head_dim)? {
+                Some(s) => Some(RopeScaling::LongRope(s)),
+                None => rope_scaling(meta, base.max_seq)?,
+            },
             rope_freq_factors: rope_freq_factors(meta, file, base.head_dim)?,
             // llama.cpp's qwen3 graph normalises every query and key head (attn_q_norm,
             // attn_k_norm), always.
@@ -181,7 +184,7 @@ pub fn model_config(meta: &Meta, file: &GgufFile, name: &str) -> Result<ModelCon
     };
     let config = match meta.arch_name.as_str() {
         "gemma3" => gemma3(meta, config)?,
-        "phi3" => phi3(meta, file, config)?,
+        "phi3" => phi3(meta, config)?,
         _ => config,
     };
     if arch != Arch::Gpt2 {
@@ -245,17 +248,10 @@ fn gemma3(meta: &Meta, base: ModelConfig) -> Result<ModelConfig> {
     })
 }
 
-/// Phi-3 over the Llama-shaped `base`: LongRoPE's per-pair factors (`rope_factors_long` /
-/// `rope_factors_short`, 128k files) are refused by name; a sliding window caps the context
-/// as Hugging Face's Phi-3 masks it (llama.cpp leaves it unused).
-fn phi3(meta: &Meta, file: &GgufFile, base: ModelConfig) -> Result<ModelConfig> {
-    for name in ["rope_factors_long.weight", "rope_factors_short.weight"] {
-        if file.tensor(name).is_some() {
-            return Err(meta.fail(format!(
-                "tensor '{name}': LongRoPE (Phi-3 128k, Phi-3.5) is not supported"
-            )));
-        }
-    }
+/// Phi-3 over the Llama-shaped `base` (LongRoPE is read with the other RoPE keys, by
+/// [`longrope`]): a sliding window caps the context as Hugging Face's Phi-3 masks it
+/// (llama.cpp leaves it unused).
+fn phi3(meta: &Meta, base: ModelConfig) -> Result<ModelConfig> {
     let window = meta
         .opt_usize("phi3.attention.sliding_window")?
         .filter(|&w| w > 0);
@@ -399,22 +395,86 @@ fn rope_scaling(meta: &Meta, context: usize) -> Result<Option<RopeScaling>> {
     }
 }
 
+/// LongRoPE as llama.cpp's phi3 graph reads it (Phi-3 128k, Phi-3.5): the per-pair divisors
+/// `rope_factors_short.weight` and `rope_factors_long.weight` (both needed), the original
+/// context `<arch>.rope.scaling.original_context_length` (else the file's context), and the
+/// magnitude `<arch>.rope.scaling.attn_factor` (else LongRoPE's default for `context` over
+/// the original). `None` when the file has neither tensor.
+fn longrope(
+    meta: &Meta,
+    file: &GgufFile,
+    context: usize,
+    head_dim: usize,
+) -> Result<Option<LongRopeScaling>> {
+    const NAMES: [&str; 2] = ["rope_factors_short.weight", "rope_factors_long.weight"];
+    let found: Vec<bool> = NAMES.iter().map(|n| file.tensor(n).is_some()).collect();
+    match (found[0], found[1]) {
+        (false, false) => return Ok(None),
+        (true, true) => {}
+        (short, _) => {
+            let (has, lacks) = if short { (0, 1) } else { (1, 0) };
+            return Err(meta.fail(format!(
+                "tensor '{}' without '{}': LongRoPE needs both",
+                NAMES[has], NAMES[lacks]
+            )));
+        }
+    }
+    let type_key = format!("{}.rope.scaling.type", meta.arch_name);
+    if let Some(kind) = meta
+        .get(&type_key)
+        .map(|_| meta.string(&type_key))
+        .transpose()?
+    {
+        if kind != "none" {
+            return Err(meta.fail(format!(
+                "key '{type_key}' is '{kind}' beside LongRoPE's factor tensors: one scaling only"
+            )));
+        }
+    }
+    if let Some(f) = rope_number(meta, "scaling.factor")?.filter(|&f| f != 0.0 && f != 1.0) {
+        return Err(meta.fail(format!(
+            "key '{}.rope.scaling.factor' is {f} beside LongRoPE's factor tensors: one \
+             scaling only",
+            meta.arch_name
+        )));
+    }
+    let key = format!("{}.rope.scaling.original_context_length", meta.arch_name);
+    let original = meta.opt_usize(&key)?.unwrap_or(context);
+    let ratio = context as f64 / original.max(1) as f64;
+    let attention_factor = rope_number(meta, "scaling.attn_factor")?
+        .unwrap_or_else(|| longrope_magnitude(ratio, original));
+    Ok(Some(LongRopeScaling {
+        short_factor: pair_divisors(meta, file, NAMES[0], head_dim)?,
+        long_factor: pair_divisors(meta, file, NAMES[1], head_dim)?,
+        original_context: original,
+        attention_factor: attention_factor as f32,
+    }))
+}
+
 /// `rope_freqs.weight` (Llama 3.1 / 3.2): one divisor per rotated pair of a head, which
 /// llama.cpp applies to every layer's frequencies.
 fn rope_freq_factors(meta: &Meta, file: &GgufFile, head_dim: usize) -> Result<Option<Vec<f32>>> {
     const NAME: &str = "rope_freqs.weight";
-    let Some(info) = file.tensor(NAME) else {
+    if file.tensor(NAME).is_none() {
         return Ok(None);
-    };
+    }
+    pair_divisors(meta, file, NAME, head_dim).map(Some)
+}
+
+/// The `head_dim / 2` values of the 1-D tensor `name` (which must exist).
+fn pair_divisors(meta: &Meta, file: &GgufFile, name: &str, head_dim: usize) -> Result<Vec<f32>> {
+    let info = file
+        .tensor(name)
+        .ok_or_else(|| meta.fail(format!("tensor '{name}' is missing")))?;
     let n = head_dim / 2;
     let bytes = file.data(info);
     if info.shape() != [n] || info.dtype.row_bytes(n) != Some(bytes.len()) {
         return Err(meta.fail(format!(
-            "tensor '{NAME}' has shape {:?} ({} bytes of {:?}): expected [{n}] (head_dim / 2)",
+            "tensor '{name}' has shape {:?} ({} bytes of {:?}): expected [{n}] (head_dim / 2)",
             info.shape(),
             bytes.len(),
             info.dtype
         )));
     }
-    Ok(Some(crate::model::quant::dequantize(info.dtype, bytes)))
+    Ok(crate::model::quant::dequantize(info.dtype, bytes))
 }

@@ -7,10 +7,10 @@ use serde_json::Value;
 
 use crate::error::{Result, WgparError};
 use crate::model::config::{
-    Activation, Arch, Llama3Scaling, ModelConfig, PoolMode, Pooling, RopeScaling, SlidingWindow,
-    YarnScaling,
+    Activation, Arch, Llama3Scaling, LongRopeScaling, ModelConfig, PoolMode, Pooling, RopeScaling,
+    SlidingWindow, YarnScaling,
 };
-use crate::model::rope::yarn_mscale;
+use crate::model::rope::{longrope_magnitude, yarn_mscale};
 
 /// The `model_type` values wgpar reads, and the family each maps to.
 pub const SUPPORTED_TYPES: [(&str, Arch); 8] = [
@@ -31,6 +31,9 @@ pub struct HfConfig {
     pub config: ModelConfig,
     /// Token ids that end generation (from `eos_token_id`).
     pub eos: Vec<u32>,
+    /// The checkpoint is a text-and-vision model (`Gemma3ForConditionalGeneration`) of which
+    /// wgpar reads the text model alone: its vision tower's tensors are not read.
+    pub vision: bool,
 }
 
 /// Typed reads of a JSON object whose errors name the file and key.
@@ -150,16 +153,6 @@ fn family(keys: &Keys) -> Result<(&'static str, Arch)> {
             }
         }
     };
-    if model_type == "gemma3" {
-        // Gemma3ForConditionalGeneration: the text model sits under "text_config" and its
-        // weights under a language-model prefix, beside a vision tower.
-        return Err(keys.fail(
-            "model_type 'gemma3' (Gemma3ForConditionalGeneration, text and vision) is not \
-             supported; a text-only Gemma 3 checkpoint (model_type 'gemma3_text', \
-             Gemma3ForCausalLM) is"
-                .into(),
-        ));
-    }
     SUPPORTED_TYPES
         .iter()
         .find(|(t, _)| *t == model_type)
@@ -184,7 +177,7 @@ fn gelu_kind(keys: &Keys, key: &str, default: &str) -> Result<Activation> {
 
 /// The keys each `rope_scaling` type reads, beside `type` / `rope_type` (and `rope_theta`,
 /// which Transformers 5's `rope_parameters` carries).
-const ROPE_KEYS: [(&str, &[&str]); 3] = [
+const ROPE_KEYS: [(&str, &[&str]); 4] = [
     ("linear", &["factor"]),
     (
         "llama3",
@@ -208,11 +201,22 @@ const ROPE_KEYS: [(&str, &[&str]); 3] = [
             "truncate",
         ],
     ),
+    (
+        "longrope",
+        &[
+            "short_factor",
+            "long_factor",
+            "factor",
+            "attention_factor",
+            "original_max_position_embeddings",
+        ],
+    ),
 ];
 
-/// `rope_scaling` (or `rope_parameters`): linear, llama3 and yarn, as Transformers'
-/// `modeling_rope_utils` reads them; `default` is none. Any other type, or a key the type
-/// does not read, is refused by name. `max_pos` is `max_position_embeddings`.
+/// `rope_scaling` (or `rope_parameters`): linear, llama3, yarn and longrope, as
+/// Transformers' `modeling_rope_utils` reads them; `default` is none, `su` the old name of
+/// longrope, and Phi-3's config reads `yarn` as longrope too. Any other type, or a key the
+/// type does not read, is refused by name. `max_pos` is `max_position_embeddings`.
 fn rope_scaling(keys: &Keys, value: &Value, max_pos: usize) -> Result<Option<RopeScaling>> {
     let sub = Keys {
         json: value,
@@ -222,11 +226,17 @@ fn rope_scaling(keys: &Keys, value: &Value, max_pos: usize) -> Result<Option<Rop
         Some(_) => sub.str_or("rope_type", "")?,
         None => sub.str_or("type", "default")?,
     };
+    let phi3 = family(keys).is_ok_and(|(t, _)| t == "phi3");
+    let kind = match kind {
+        "su" => "longrope",
+        "yarn" if phi3 => "longrope",
+        other => other,
+    };
     let known = ROPE_KEYS.iter().find(|(k, _)| *k == kind).map(|(_, v)| *v);
     let Some(known) = known.or((kind == "default").then_some(&[][..])) else {
         return Err(keys.fail(format!(
             "\"rope_scaling\" of type '{kind}' is not supported (supported: default, linear, \
-             llama3, yarn)"
+             llama3, yarn, longrope)"
         )));
     };
     // Transformers 5 writes Phi-3's partial_rotary_factor here too: whole heads only.
@@ -261,7 +271,38 @@ fn rope_scaling(keys: &Keys, value: &Value, max_pos: usize) -> Result<Option<Rop
             original_context: sub.usize("original_max_position_embeddings")?,
         })),
         "yarn" => Some(RopeScaling::Yarn(yarn(&sub, max_pos)?)),
+        "longrope" => Some(RopeScaling::LongRope(longrope(keys, &sub, max_pos, phi3)?)),
         _ => None,
+    })
+}
+
+/// LongRoPE's parameters as Transformers' `_compute_longrope_parameters` resolves them: the
+/// original context from the top-level `original_max_position_embeddings` first (Phi-3's
+/// config defaults it to 4096), else the scaling's own, else `max_pos`; `factor` defaults to
+/// the context ratio, the attention factor to `sqrt(1 + ln(factor) / ln(original))`.
+fn longrope(keys: &Keys, sub: &Keys, max_pos: usize, phi3: bool) -> Result<LongRopeScaling> {
+    const KEY: &str = "original_max_position_embeddings";
+    let original = match keys.opt_usize(KEY)? {
+        Some(n) => n,
+        None if phi3 => 4096,
+        None => sub.opt_usize(KEY)?.unwrap_or(max_pos),
+    };
+    let factor = sub.f32_or("factor", (max_pos as f64 / original.max(1) as f64) as f32)? as f64;
+    let attention_factor = match sub.get("attention_factor") {
+        Some(_) => sub.f32_or("attention_factor", 1.0)?,
+        None => longrope_magnitude(factor, original) as f32,
+    };
+    let list = |k: &str| -> Result<Vec<f32>> {
+        let values = sub.get(k).and_then(Value::as_array);
+        values
+            .and_then(|a| a.iter().map(|v| v.as_f64().map(|x| x as f32)).collect())
+            .ok_or_else(|| keys.fail(format!("\"rope_scaling\" needs a list of numbers \"{k}\"")))
+    };
+    Ok(LongRopeScaling {
+        short_factor: list("short_factor")?,
+        long_factor: list("long_factor")?,
+        original_context: original,
+        attention_factor,
     })
 }
 
@@ -549,6 +590,11 @@ pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
     if !json.is_object() {
         return Err(keys.fail("expected a JSON object".into()));
     }
+    // Gemma3ForConditionalGeneration: the text model's keys under "text_config".
+    let text = multimodal_text(&keys)?;
+    let vision = text.is_some();
+    let json = text.unwrap_or(json);
+    let keys = Keys { json: &json, file };
     let (model_type, arch) = family(&keys)?;
     let base = ModelConfig {
         name: name.to_string(),
@@ -571,7 +617,54 @@ pub fn parse(file: &Path, text: &str, name: &str) -> Result<HfConfig> {
     Ok(HfConfig {
         eos: token_ids(keys.get("eos_token_id")),
         config,
+        vision,
     })
+}
+
+/// A `Gemma3ForConditionalGeneration` config (`model_type` `gemma3`) as its text model's:
+/// `text_config` (transformers' defaults where it is absent) as a `gemma3_text` config, with
+/// the top level's `eos_token_id` and `tie_word_embeddings` where the text config lacks them.
+/// `None` for any other config. The vision config is not read: wgpar takes no image input.
+fn multimodal_text(keys: &Keys) -> Result<Option<Value>> {
+    let class = keys
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str);
+    let model_type = keys.get("model_type").and_then(Value::as_str);
+    let multimodal = match model_type {
+        Some(t) => t == "gemma3",
+        None => class == Some("Gemma3ForConditionalGeneration"),
+    };
+    if !multimodal {
+        return Ok(None);
+    }
+    let mut text = match keys.get("text_config") {
+        None => serde_json::Map::new(),
+        Some(Value::Object(o)) => o.clone(),
+        Some(v) => return Err(keys.fail(format!("\"text_config\" is {v}, expected an object"))),
+    };
+    let text_type = text.get("model_type").and_then(Value::as_str);
+    if text_type.is_some_and(|t| t != "gemma3_text") {
+        return Err(keys.fail(format!(
+            "\"text_config\" has model_type '{}': a Gemma 3 text model ('gemma3_text') is \
+             expected",
+            text_type.unwrap_or_default()
+        )));
+    }
+    text.insert("model_type".into(), "gemma3_text".into());
+    let dtyped = text.contains_key("torch_dtype") || text.contains_key("dtype");
+    for key in [
+        "eos_token_id",
+        "tie_word_embeddings",
+        "torch_dtype",
+        "dtype",
+    ] {
+        let dtype = key.ends_with("dtype");
+        if let (false, Some(v)) = (text.contains_key(key) || dtype && dtyped, keys.get(key)) {
+            text.insert(key.into(), v.clone());
+        }
+    }
+    Ok(Some(Value::Object(text)))
 }
 
 #[cfg(test)]
@@ -714,8 +807,12 @@ mod tests {
                 "type 'dynamic' is not supported",
             ),
             (
-                r#"{"rope_type":"longrope"}"#,
-                "type 'longrope' is not supported",
+                r#"{"rope_type":"longrope","short_factor":[1]}"#,
+                "needs a list of numbers \"long_factor\"",
+            ),
+            (
+                r#"{"rope_type":"longrope","short_factor":[1],"long_factor":[1]}"#,
+                "LongRoPE short_factor: 1 values for head_dim 16 (needs 8)",
             ),
             (
                 r#"{"type":"linear","factor":2,"low_freq_factor":1}"#,
@@ -727,6 +824,60 @@ mod tests {
             let e = read(rope).unwrap_err();
             assert!(e.contains(want), "{rope}: {e}");
         }
+    }
+
+    #[test]
+    fn longrope_resolves_as_transformers_does() {
+        // Phi-3-mini-128k's shape of keys: the original context at the top level.
+        let phi3 = r#""model_type":"phi3","vocab_size":10,"hidden_size":64,
+            "num_hidden_layers":1,"num_attention_heads":4,"intermediate_size":128,
+            "max_position_embeddings":131072"#;
+        let lists = r#""short_factor":[1,1,1,1,1,1,1,2],"long_factor":[1,2,3,4,5,6,7,8]"#;
+        let read = |keys: &str, rope: &str| {
+            let c = parse_str(&format!(r#"{{{keys},"rope_scaling":{{{rope},{lists}}}}}"#));
+            match c.map(|c| c.config.rope_scaling) {
+                Ok(Some(RopeScaling::LongRope(s))) => s,
+                other => panic!("{rope}: {other:?}"),
+            }
+        };
+        let magnitude = |factor: f64, original: f64| (1.0 + factor.ln() / original.ln()).sqrt();
+        // Phi-3's config defaults the original context to 4096; `su` and `yarn` are longrope.
+        for kind in ["longrope", "su", "yarn"] {
+            let s = read(phi3, &format!(r#""type":"{kind}""#));
+            assert_eq!(
+                (s.original_context, s.long_factor[7]),
+                (4096, 8.0),
+                "{kind}"
+            );
+            let want = magnitude(32.0, 4096.0);
+            assert!((s.attention_factor as f64 - want).abs() < 1e-6, "{kind}");
+        }
+        let top = format!(r#"{phi3},"original_max_position_embeddings":8192"#);
+        let s = read(
+            &top,
+            r#""type":"longrope","original_max_position_embeddings":2048"#,
+        );
+        assert_eq!(s.original_context, 8192, "the top-level key wins");
+        let s = read(
+            phi3,
+            r#""type":"longrope","factor":2.0,"attention_factor":1.25"#,
+        );
+        assert_eq!(s.attention_factor, 1.25);
+        // Elsewhere the scaling's own original context, else max_position_embeddings.
+        let llama = phi3.replace("phi3", "llama");
+        let s = read(
+            &llama,
+            r#""type":"longrope","original_max_position_embeddings":1024"#,
+        );
+        let want = magnitude(128.0, 1024.0);
+        assert!(
+            (
+                s.original_context,
+                (s.attention_factor as f64 - want).abs() < 1e-6
+            ) == (1024, true)
+        );
+        let s = read(&llama, r#""type":"longrope""#);
+        assert_eq!((s.original_context, s.attention_factor), (131_072, 1.0));
     }
 
     #[test]

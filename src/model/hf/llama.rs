@@ -43,7 +43,12 @@ pub fn load(r: &Reader, config: &ModelConfig, keep: &Range<usize>) -> Result<Mod
     let lm_head = if config.tied_head {
         None
     } else {
-        Some(r.top_level("lm_head.weight", &[config.vocab, h], "LM head")?)
+        // transformers 4 saved Gemma3ForConditionalGeneration's head beside its text model.
+        let name = match r.prefix() {
+            "language_model.model." => "language_model.lm_head.weight",
+            _ => "lm_head.weight",
+        };
+        Some(r.top_level(name, &[config.vocab, h], "LM head")?)
     };
     Ok(ModelWeights {
         config: config.clone(),

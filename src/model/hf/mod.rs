@@ -34,7 +34,22 @@ pub struct Checkpoint {
     /// Positions the checkpoint's tables hold (before [`Self::limit_context`]).
     positions: usize,
     eos: Vec<u32>,
+    /// A text-and-vision folder whose vision tower is not read (see [`HfConfig::vision`]).
+    vision: bool,
     source: Source,
+}
+
+/// Where a text-and-vision checkpoint keeps its vision tower and projector (before and
+/// after transformers 4.52 moved them under `model.`): tensors wgpar does not read.
+const VISION_PARTS: [&str; 4] = [
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+];
+
+fn is_vision(name: &str) -> bool {
+    VISION_PARTS.iter().any(|p| name.starts_with(p))
 }
 
 /// Where the weights and tokenizer come from.
@@ -125,6 +140,7 @@ fn layers_present(arch: Arch, store: &TensorStore) -> usize {
     };
     store
         .names()
+        .filter(|name| !is_vision(name))
         .filter_map(|name| {
             // The marker at the start or after a dot (`transformer.h.3.`, not `...gh.3.`).
             let at = name
@@ -195,6 +211,7 @@ impl Checkpoint {
                 positions: gguf.config().max_seq,
                 config: gguf.config().clone(),
                 eos: gguf.eos_tokens().to_vec(),
+                vision: false,
                 source: Source::Gguf(Box::new(gguf)),
             });
         }
@@ -220,6 +237,7 @@ impl Checkpoint {
         let HfConfig {
             mut config,
             mut eos,
+            vision,
         } = config::parse(&config_path, &text, &name)?;
         if config.is_encoder() {
             config.pooling = sentence_pooling(dir)?;
@@ -242,6 +260,7 @@ impl Checkpoint {
             positions: config.max_seq,
             config,
             eos,
+            vision,
             source: Source::Folder(store),
         })
     }
@@ -334,7 +353,16 @@ impl Checkpoint {
         // tensor every checkpoint of the family has, to tell which prefix this one uses.
         let (prefixes, probe): (&[&str], &str) = match c.arch {
             Arch::Gpt2 => (&["", "transformer."], "wte.weight"),
-            Arch::Llama => (&["model.", ""], "embed_tokens.weight"),
+            // Gemma3ForConditionalGeneration's text model, in transformers 4's layout and 5's.
+            Arch::Llama => (
+                &[
+                    "model.",
+                    "",
+                    "language_model.model.",
+                    "model.language_model.",
+                ],
+                "embed_tokens.weight",
+            ),
             Arch::Bert => (&["", "bert."], "embeddings.word_embeddings.weight"),
         };
         let r = Reader::new(store, prefixes, probe, progress);
@@ -350,7 +378,11 @@ impl Checkpoint {
         // The tensors of layers not read are not unused: the warning needs every layer read.
         let whole = keep == (0..c.layers) || c.arch == Arch::Bert;
         if weights.is_ok() && whole {
-            if let Some(line) = unused_warning(&r.unused()) {
+            let mut unused = r.unused();
+            if self.vision {
+                unused.retain(|n| !is_vision(n));
+            }
+            if let Some(line) = unused_warning(&unused) {
                 eprintln!("{line}");
             }
         }

@@ -57,6 +57,11 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// The name prefix this checkpoint's tensors were found under.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
     fn full(&self, name: &str) -> String {
         format!("{}{name}", self.prefix)
     }
