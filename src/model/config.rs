@@ -673,7 +673,7 @@ impl ModelConfig {
         }
         let mut passes = Vec::new();
         if self.sandwich_norms {
-            passes.push("the norms after attention and the MLP");
+            passes.push("the post-attention and post-MLP norms");
         }
         if self.embed_scale.is_some() {
             passes.push("the embedding scale");
@@ -681,8 +681,13 @@ impl ModelConfig {
         if self.final_softcap.is_some() {
             passes.push("the final soft-cap");
         }
-        if !passes.is_empty() {
-            gaps.push(format!("{} are not charged", passes.join(", ")));
+        if let Some((last, rest)) = passes.split_last() {
+            let list = if rest.is_empty() {
+                last.to_string()
+            } else {
+                format!("{} and {last}", rest.join(", "))
+            };
+            gaps.push(format!("{list} are not charged"));
         }
         (!gaps.is_empty()).then(|| {
             format!(
@@ -747,7 +752,10 @@ mod tests {
         // Gemma 3 1B: 26 layers, every sixth global, a window of 512.
         assert!(gaps.contains("its 22 sliding-window layers"), "{gaps}");
         assert!(gaps.contains("at most 512 keys"), "{gaps}");
-        assert!(gaps.contains("the norms after attention and the MLP, the embedding scale"));
+        assert!(
+            gaps.contains("the post-attention and post-MLP norms and the embedding scale are not"),
+            "{gaps}"
+        );
         let capped = ModelConfig {
             final_softcap: Some(30.0),
             sliding: None,
