@@ -364,7 +364,7 @@ impl StepEngine for SingleEngine {
 
     /// Runs the step at once; [`complete`](StepEngine::complete) hands it back.
     fn submit(&mut self, step: BatchStep) -> Result<()> {
-        super::batch::check_kv_copies(&step.kv_copies, self.slots(), self.model.config())?;
+        super::check_kv_copies(&step.kv_copies, self.slots(), self.model.config())?;
         let shape = Step {
             batch: step.rows.len(),
             seq: step.seq,

@@ -87,7 +87,7 @@ impl StepEngine for PipelineEngine {
                 step.lane
             )));
         }
-        crate::parallel::batch::check_kv_copies(&step.kv_copies, self.serving.slots, &self.config)?;
+        crate::parallel::check_kv_copies(&step.kv_copies, self.serving.slots, &self.config)?;
         let shape = Step {
             batch: step.rows.len(),
             seq: step.seq,

@@ -51,7 +51,7 @@ impl StepEngine for TensorParallelEngine {
             ));
         }
         let config = &self.config;
-        crate::parallel::batch::check_kv_copies(&step.kv_copies, self.serve_slots, config)?;
+        crate::parallel::check_kv_copies(&step.kv_copies, self.serve_slots, config)?;
         let shape = Step {
             batch: step.rows.len(),
             seq: step.seq,
