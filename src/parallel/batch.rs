@@ -39,6 +39,58 @@ pub struct BatchStep {
     /// output's grammar masks, applied in the pick kernel. `None`: no mask. Only for an
     /// engine whose [`StepEngine::masks_on_device`] says so.
     pub allow: Option<Vec<u32>>,
+    /// Copies of cached KV between slots, made in order before this step runs (a prefix
+    /// another slot already holds, so the step prefills only the rest).
+    pub kv_copies: Vec<KvCopy>,
+}
+
+/// A device-side copy of cached KV between slots, made before a step's layers run: positions
+/// `0..tokens` of slot `from` into slot `to`, every layer and KV head, on every device, stage
+/// and rank that holds KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvCopy {
+    /// Slot that holds the cached prefix.
+    pub from: usize,
+    /// Slot the prefix is copied into.
+    pub to: usize,
+    /// Positions copied, from position 0.
+    pub tokens: usize,
+}
+
+impl KvCopy {
+    /// Checks the copy against a cache of `slots` slots of `max_seq` positions of `head_dim`
+    /// each.
+    pub fn check(&self, slots: usize, max_seq: usize, head_dim: usize) -> Result<()> {
+        let why = if self.from >= slots {
+            "the source slot is out of range"
+        } else if self.to >= slots {
+            "the target slot is out of range"
+        } else if self.from == self.to {
+            "a slot cannot be copied onto itself"
+        } else if self.tokens > max_seq {
+            "more positions than a slot holds"
+        } else if !(max_seq * head_dim).is_multiple_of(2) {
+            // An f16 cache would then put every other slot at a 2-byte offset, which a
+            // buffer copy cannot address (wgpu copies 4-byte words).
+            "an odd head_dim with an odd max_seq leaves slots unaligned for a device copy"
+        } else {
+            return Ok(());
+        };
+        Err(WgparError::KvCopy {
+            from: self.from,
+            to: self.to,
+            tokens: self.tokens,
+            slots,
+            max_seq,
+            why,
+        })
+    }
+}
+
+/// Checks every copy of a step against `config`'s cache of `slots` slots before anything of
+/// the step runs.
+pub(crate) fn check_kv_copies(copies: &[KvCopy], slots: usize, config: &ModelConfig) -> Result<()> {
+    (copies.iter()).try_for_each(|c| c.check(slots, config.max_seq, config.head_dim))
 }
 
 /// A finished step.

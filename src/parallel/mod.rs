@@ -24,7 +24,8 @@ mod worker;
 use std::time::Instant;
 
 pub use balance::measure_stage_costs;
-pub use batch::{BatchStep, SeqRow, StepDone, StepEngine};
+pub(crate) use batch::check_kv_copies;
+pub use batch::{BatchStep, KvCopy, SeqRow, StepDone, StepEngine};
 pub use decode_bench::{
     decode_strategy, measure_decode, DecodeBench, DecodeBenchRow, DecodeMeasure,
 };

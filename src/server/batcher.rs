@@ -431,6 +431,7 @@ impl Batcher {
             release_us: None,
             logits: taken.iter().any(|s| s.job.picker.is_some()),
             allow,
+            kv_copies: Vec::new(),
         };
         Some((step, Flight::Chunk(taken, len)))
     }
@@ -458,6 +459,7 @@ impl Batcher {
             release_us: None,
             logits: seqs.iter().any(|s| s.job.picker.is_some()),
             allow,
+            kv_copies: Vec::new(),
         };
         Some((step, Flight::Decode))
     }

@@ -87,6 +87,7 @@ impl StepEngine for PipelineEngine {
                 step.lane
             )));
         }
+        crate::parallel::check_kv_copies(&step.kv_copies, self.serving.slots, &self.config)?;
         let shape = Step {
             batch: step.rows.len(),
             seq: step.seq,
@@ -98,6 +99,7 @@ impl StepEngine for PipelineEngine {
         w.rows = Some(Arc::new(step.rows));
         w.slots = Some(self.serving.slots);
         w.release_us = step.release_us;
+        w.kv_copies = Arc::new(step.kv_copies);
         // The device picks greedily; logits come back only for a caller that samples.
         w.readout = Readout {
             logits: step.logits,

@@ -50,6 +50,8 @@ impl StepEngine for TensorParallelEngine {
                 "submit before reserve_slots".into(),
             ));
         }
+        let config = &self.config;
+        crate::parallel::check_kv_copies(&step.kv_copies, self.serve_slots, config)?;
         let shape = Step {
             batch: step.rows.len(),
             seq: step.seq,
@@ -67,6 +69,7 @@ impl StepEngine for TensorParallelEngine {
                 allow: Arc::new(step.allow.unwrap_or_default()),
                 ..Readout::default()
             },
+            kv_copies: step.kv_copies,
         };
         let out = match self.run(step.ids, shape, plan)? {
             GroupOutput::Picked(out) => {
