@@ -261,6 +261,26 @@ pub enum WgparError {
     /// with no more specific variant below.
     #[error("invalid call: {0}")]
     InvalidCall(String),
+    /// A step's copy of cached KV between slots that does not fit the reserved cache (a slot
+    /// out of range, a slot copied onto itself, more positions than a slot holds).
+    #[error(
+        "invalid call: KV copy of {tokens} positions from slot {from} to slot {to}: {why} \
+         ({slots} slots of {max_seq} positions reserved)"
+    )]
+    KvCopy {
+        /// Slot copied from.
+        from: usize,
+        /// Slot copied into.
+        to: usize,
+        /// Positions copied.
+        tokens: usize,
+        /// Slots reserved.
+        slots: usize,
+        /// Positions per slot.
+        max_seq: usize,
+        /// Which bound it breaks.
+        why: &'static str,
+    },
     /// A decode step asked of an engine that holds no prefilled batch.
     #[error("invalid call: decode before prefill: prefill a batch first")]
     DecodeBeforePrefill,

@@ -39,6 +39,65 @@ pub struct BatchStep {
     /// output's grammar masks, applied in the pick kernel. `None`: no mask. Only for an
     /// engine whose [`StepEngine::masks_on_device`] says so.
     pub allow: Option<Vec<u32>>,
+    /// Copies of cached KV between slots, made in order before this step runs (a prefix
+    /// another slot already holds, so the step prefills only the rest).
+    pub kv_copies: Vec<KvCopy>,
+}
+
+/// A device-side copy of cached KV between slots, made before a step's layers run: positions
+/// `0..tokens` of slot `from` into slot `to`, every layer and KV head, on every device, stage
+/// and rank that holds KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvCopy {
+    /// Slot that holds the cached prefix.
+    pub from: usize,
+    /// Slot the prefix is copied into.
+    pub to: usize,
+    /// Positions copied, from position 0.
+    pub tokens: usize,
+}
+
+impl KvCopy {
+    /// Checks the copy against a cache of `slots` slots of `max_seq` positions each.
+    pub fn check(&self, slots: usize, max_seq: usize) -> Result<()> {
+        let why = if self.from >= slots {
+            "the source slot is out of range"
+        } else if self.to >= slots {
+            "the target slot is out of range"
+        } else if self.from == self.to {
+            "a slot cannot be copied onto itself"
+        } else if self.tokens > max_seq {
+            "more positions than a slot holds"
+        } else {
+            return Ok(());
+        };
+        Err(WgparError::KvCopy {
+            from: self.from,
+            to: self.to,
+            tokens: self.tokens,
+            slots,
+            max_seq,
+            why,
+        })
+    }
+}
+
+/// Refuses a step with KV copies on an engine that does not make them yet.
+pub(crate) fn refuse_kv_copies(engine: &str, copies: &[KvCopy]) -> Result<()> {
+    if copies.is_empty() {
+        return Ok(());
+    }
+    Err(WgparError::Unsupported {
+        detail: format!(
+            "the {engine} engine does not copy KV between slots yet ({} copies asked)",
+            copies.len()
+        ),
+    })
+}
+
+/// Checks every copy of a step before anything of it runs.
+pub(crate) fn check_kv_copies(copies: &[KvCopy], slots: usize, max_seq: usize) -> Result<()> {
+    copies.iter().try_for_each(|c| c.check(slots, max_seq))
 }
 
 /// A finished step.

@@ -23,7 +23,7 @@ mod worker;
 use std::time::Instant;
 
 pub use balance::measure_stage_costs;
-pub use batch::{BatchStep, SeqRow, StepDone, StepEngine};
+pub use batch::{BatchStep, KvCopy, SeqRow, StepDone, StepEngine};
 pub use decode_bench::{measure_decode, DecodeMeasure};
 pub use encoder::{cosine_similarity, pad_batch, Embeddings, Encoder, SingleEncoder};
 pub use fault::{Fault, FaultKind};

@@ -357,6 +357,7 @@ impl StepEngine for SingleEngine {
 
     /// Runs the step at once; [`complete`](StepEngine::complete) hands it back.
     fn submit(&mut self, step: BatchStep) -> Result<()> {
+        crate::parallel::batch::refuse_kv_copies("single-device", &step.kv_copies)?;
         let shape = Step {
             batch: step.rows.len(),
             seq: step.seq,

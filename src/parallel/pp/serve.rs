@@ -74,6 +74,7 @@ impl StepEngine for PipelineEngine {
     }
 
     fn submit(&mut self, step: BatchStep) -> Result<()> {
+        crate::parallel::batch::refuse_kv_copies("pipeline", &step.kv_copies)?;
         self.check_alive()?;
         let lanes = self.serving.busy.len();
         if self.serving.slots == 0 {

@@ -45,6 +45,7 @@ impl StepEngine for TensorParallelEngine {
 
     /// Runs the step at once on every rank; [`complete`](StepEngine::complete) hands it back.
     fn submit(&mut self, step: BatchStep) -> Result<()> {
+        crate::parallel::batch::refuse_kv_copies("tensor-parallel", &step.kv_copies)?;
         if self.serve_slots == 0 {
             return Err(WgparError::InvalidCall(
                 "submit before reserve_slots".into(),
