@@ -139,7 +139,8 @@ async fn tokenize(
         .send()
         .await
         .map_err(|e| e.to_string())?;
-    let v: Value = resp.json().await.map_err(|e| e.to_string())?;
+    let text = resp.text().await.map_err(|e| e.to_string())?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| format!("/tokenize: {e}: {text}"))?;
     (v["tokens"].as_array().ok_or("no tokens in the /tokenize answer")?)
         .iter()
         .map(|t| t.as_u64().map(|t| t as u32).ok_or("a token id is not a number".into()))
