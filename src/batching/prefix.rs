@@ -46,6 +46,9 @@ pub struct PrefixStats {
     pub queries: u64,
     /// Prompts that reused some cached KV.
     pub hits: u64,
+    /// Of those, prompts whose prefix was copied from another slot (the others reused
+    /// their slot's KV in place).
+    pub copies: u64,
     /// Prompt tokens looked up.
     pub query_tokens: u64,
     /// Prompt tokens reused: not prefilled.
@@ -196,6 +199,7 @@ impl PrefixCache {
         s.owned = true;
         if reused > 0 {
             self.stats.hits += 1;
+            self.stats.copies += u64::from(copy.is_some());
             self.stats.reused_tokens += reused as u64;
         }
         Some(Taken {
@@ -350,6 +354,7 @@ mod tests {
         assert_eq!((t.slot, t.reused), (0, 11));
         let s = c.stats();
         assert_eq!((s.queries, s.hits, s.query_tokens, s.reused_tokens), (3, 2, 34, 22));
+        assert_eq!(s.copies, 0);
     }
 
     #[test]
@@ -370,6 +375,7 @@ mod tests {
             })
         );
         assert_eq!((t.reused, t.written_by), (8, span(7)));
+        assert_eq!(c.stats().copies, 1);
         assert_eq!(c.take(&ids(0..9)), None, "no slot free");
         // Without copies, only in place.
         let mut c = PrefixCache::new(2, true).with_block(4).with_copies(false);
