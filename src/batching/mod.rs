@@ -38,7 +38,7 @@ use serde::Serialize;
 pub(crate) use chunk::{chunk_budget, plan_chunk};
 pub use chunk::{DEFAULT_STEP_TOKENS, MAX_STEP_TOKENS};
 pub use metrics::{Percentiles, RequestOutcome, ServeMetrics, Timing};
-pub use prefix::{PrefixCache, PrefixStats, Taken, DEFAULT_BLOCK};
+pub use prefix::{copies_fit, PrefixCache, PrefixStats, Taken, DEFAULT_BLOCK};
 pub use workload::{Length, LongPrompt, Rate, ServeRequest, Sessions, WorkloadSpec};
 
 use crate::error::{Result, WgparError};
@@ -279,6 +279,8 @@ pub fn check_options(opts: &ServeOptions) -> Result<()> {
 
 impl<'a> State<'a> {
     fn new(requests: &'a [ServeRequest], lanes: usize, opts: &ServeOptions, clock: Clock) -> Self {
+        let cache = PrefixCache::new(opts.max_batch, opts.prefix_cache)
+            .with_copies(prefix::copies_fit(&clock.config));
         let mut next_turn = vec![None; requests.len()];
         for (i, r) in requests.iter().enumerate() {
             if let Some(p) = r.follows {
@@ -321,7 +323,7 @@ impl<'a> State<'a> {
                     last: SpanId::NONE,
                 })
                 .collect(),
-            cache: PrefixCache::new(opts.max_batch, opts.prefix_cache),
+            cache,
             freed_by: vec![SpanId::NONE; opts.max_batch],
             waiting: VecDeque::new(),
             per_lane: opts.max_batch.div_ceil(lanes),
@@ -347,7 +349,13 @@ impl<'a> State<'a> {
         self.outcomes[i].arrival_us = recorder.us_since_epoch(at);
         self.outcomes[i].prompt_len = self.prompts[i].len();
         let r = &self.requests[i];
-        match refusal(r, &self.prompts[i], config.max_seq, config.vocab, &config.name) {
+        match refusal(
+            r,
+            &self.prompts[i],
+            config.max_seq,
+            config.vocab,
+            &config.name,
+        ) {
             Some(e) => self.refuse(i, e.to_string(), progress),
             None => self.waiting.push_back(i),
         }

@@ -39,6 +39,13 @@ use crate::trace::SpanId;
 /// Tokens per cached block when none is given.
 pub const DEFAULT_BLOCK: usize = 16;
 
+/// Whether a model's KV slots can be copied on the device: an f16 cache of an odd
+/// `max_seq x head_dim` puts every other slot at a 2-byte offset, which a buffer copy cannot
+/// address (the engines refuse such a copy). Without, prefixes are reused in place only.
+pub fn copies_fit(config: &crate::model::ModelConfig) -> bool {
+    (config.max_seq * config.head_dim).is_multiple_of(2)
+}
+
 /// What the cache did so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct PrefixStats {
@@ -347,13 +354,19 @@ mod tests {
         let mut p = ids(0..11);
         p.push(500);
         let t = c.take(&p).unwrap();
-        assert_eq!((t.slot, t.reused, t.copy, t.written_by), (0, 11, None, span(2)));
+        assert_eq!(
+            (t.slot, t.reused, t.copy, t.written_by),
+            (0, 11, None, span(2))
+        );
         c.release(0, &p, span(3));
         // Never the whole prompt: the same prompt again prefills its last token.
         let t = c.take(&p).unwrap();
         assert_eq!((t.slot, t.reused), (0, 11));
         let s = c.stats();
-        assert_eq!((s.queries, s.hits, s.query_tokens, s.reused_tokens), (3, 2, 34, 22));
+        assert_eq!(
+            (s.queries, s.hits, s.query_tokens, s.reused_tokens),
+            (3, 2, 34, 22)
+        );
         assert_eq!(s.copies, 0);
     }
 

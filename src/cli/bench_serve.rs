@@ -10,8 +10,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use wgpar::batching::{
-    serve, Length, LongPrompt, Rate, ServeOptions, ServeRequest, ServeRun, Sessions,
-    WorkloadSpec,
+    serve, Length, LongPrompt, Rate, ServeOptions, ServeRequest, ServeRun, Sessions, WorkloadSpec,
 };
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
@@ -501,10 +500,7 @@ fn print_run(run: &ServeRun) -> Result<()> {
         "Prefix cache hit rate (tokens, %):",
         p.token_hit_rate() * 100.0
     )?;
-    outln!(
-        "{:<40}{:>14}",
-        "Prompt tokens saved:", p.reused_tokens
-    )?;
+    outln!("{:<40}{:>14}", "Prompt tokens saved:", p.reused_tokens)?;
     for o in run.outcomes.iter().filter(|o| o.error.is_some()) {
         outln!(
             "refused: {}",

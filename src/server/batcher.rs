@@ -195,7 +195,8 @@ pub fn run(
         lanes: (0..engine.lanes().max(1))
             .map(|_| Lane::default())
             .collect(),
-        cache: PrefixCache::new(opts.slots, opts.prefix_cache),
+        cache: PrefixCache::new(opts.slots, opts.prefix_cache)
+            .with_copies(crate::batching::copies_fit(engine.model_config())),
         waiting: VecDeque::new(),
         per_lane: opts.slots.div_ceil(engine.lanes().max(1)),
         opts,
@@ -449,7 +450,8 @@ impl Batcher {
             };
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             self.metrics.observe_scheduled(job.accepted);
-            self.metrics.observe_prefix(job.prompt.len(), t.reused, self.cache.enabled());
+            self.metrics
+                .observe_prefix(job.prompt.len(), t.reused, self.cache.enabled());
             copies.extend(t.copy);
             self.lanes[lane].filling.push(Seq {
                 job,

@@ -141,10 +141,16 @@ async fn tokenize(
         .map_err(|e| e.to_string())?;
     let text = resp.text().await.map_err(|e| e.to_string())?;
     let v: Value = serde_json::from_str(&text).map_err(|e| format!("/tokenize: {e}: {text}"))?;
-    (v["tokens"].as_array().ok_or("no tokens in the /tokenize answer")?)
-        .iter()
-        .map(|t| t.as_u64().map(|t| t as u32).ok_or("a token id is not a number".into()))
-        .collect()
+    (v["tokens"]
+        .as_array()
+        .ok_or("no tokens in the /tokenize answer")?)
+    .iter()
+    .map(|t| {
+        t.as_u64()
+            .map(|t| t as u32)
+            .ok_or("a token id is not a number".into())
+    })
+    .collect()
 }
 
 /// Sends request `r` with its whole `prompt`, sent `arrival_s` after `t0`: its outcome and
