@@ -18,7 +18,7 @@ use super::world::{poll_until, poll_with, Backoff, Comm, World};
 use crate::error::{Result, WgparError};
 use crate::model::{SeqRow, Step, StepOut};
 use crate::parallel::pp::{Output, Payload, Readout, Work};
-use crate::parallel::StageStats;
+use crate::parallel::{KvCopy, StageStats};
 use crate::trace::{Recorder, SpanAttrs, SpanId, Track};
 
 /// Activations from rank r to rank r+1.
@@ -28,8 +28,8 @@ const TAG_LOGITS: i32 = 11;
 
 /// First header word: protocol name and version (ranks of different wgpar builds disagree
 /// here rather than misreading each other's bytes).
-const MAGIC: u64 = 0x7767_7061_725f_0003;
-const HEADER_WORDS: usize = 13;
+const MAGIC: u64 = 0x7767_7061_725f_0004;
+const HEADER_WORDS: usize = 14;
 /// `rows` word of a pass without a sequence table.
 const NO_ROWS: u64 = u64::MAX;
 
@@ -62,6 +62,8 @@ struct Header {
     slots: u64,
     /// Entries of the sequence table at the front of the payload (`NO_ROWS`: none).
     rows: u64,
+    /// KV copies between slots after the sequence table (three words each).
+    copies: u64,
 }
 
 impl Header {
@@ -81,6 +83,7 @@ impl Header {
             cache: 0,
             slots: 0,
             rows: NO_ROWS,
+            copies: 0,
         }
     }
 
@@ -102,6 +105,7 @@ impl Header {
             self.cache,
             self.slots,
             self.rows,
+            self.copies,
             payload.len() as u64,
         ];
         let mut out = Vec::with_capacity(HEADER_WORDS * 8 + payload.len());
@@ -135,11 +139,11 @@ impl Header {
             k => return Err(bad(format!("unknown message kind {k}"))),
         };
         let payload = &msg[HEADER_WORDS * 8..];
-        if payload.len() as u64 != word(12) {
+        if payload.len() as u64 != word(13) {
             return Err(bad(format!(
                 "payload of {} bytes, header says {}",
                 payload.len(),
-                word(12)
+                word(13)
             )));
         }
         let flags = word(6);
@@ -159,6 +163,7 @@ impl Header {
                 cache: word(9),
                 slots: word(10),
                 rows: word(11),
+                copies: word(12),
             },
             payload,
         ))
@@ -175,39 +180,77 @@ fn rows_bytes(rows: Option<&[SeqRow]>) -> Vec<u8> {
     bytemuck::cast_slice(&words).to_vec()
 }
 
-/// A pass's sequence table (if it has one) and its hidden states.
-type TableAndHidden = (Option<Arc<Vec<SeqRow>>>, Vec<u8>);
+/// A pass's KV copies as payload words (from, to, tokens per copy).
+fn copies_bytes(copies: &[KvCopy]) -> Vec<u8> {
+    let words: Vec<u64> = (copies.iter())
+        .flat_map(|c| [c.from as u64, c.to as u64, c.tokens as u64])
+        .collect();
+    bytemuck::cast_slice(&words).to_vec()
+}
 
-/// Splits a work payload into its sequence table (`h.rows` entries) and hidden states.
-fn split_rows(
-    h: &Header,
-    payload: &[u8],
-    peer: usize,
-) -> std::result::Result<TableAndHidden, DistError> {
-    if h.rows == NO_ROWS {
-        return Ok((None, payload.to_vec()));
-    }
-    let table = usize::try_from(h.rows)
+/// What a work payload carries: the pass's sequence table (if it has one), its KV copies and
+/// its hidden states.
+struct WorkParts {
+    rows: Option<Arc<Vec<SeqRow>>>,
+    copies: Arc<Vec<KvCopy>>,
+    hidden: Vec<u8>,
+}
+
+/// The first `count` records of `words` u64 each at the front of `payload`, and the rest.
+fn take_words<'p>(
+    payload: &'p [u8],
+    (count, words): (u64, usize),
+    (what, peer): (&str, usize),
+) -> std::result::Result<(Vec<u64>, &'p [u8]), DistError> {
+    let bytes = usize::try_from(count)
         .ok()
-        .and_then(|n| n.checked_mul(16))
+        .and_then(|n| n.checked_mul(8 * words))
         .filter(|&b| b <= payload.len())
         .ok_or_else(|| DistError::Protocol {
             peer,
             detail: format!(
-                "a sequence table of {} rows in a payload of {} bytes",
-                h.rows,
+                "{count} {what} entries in a payload of {} bytes",
                 payload.len()
             ),
         })?;
-    let words: Vec<u64> = bytemuck::pod_collect_to_vec(&payload[..table]);
-    let rows = words
-        .chunks_exact(2)
-        .map(|w| SeqRow {
-            slot: w[0] as usize,
-            past: w[1] as usize,
+    Ok((
+        bytemuck::pod_collect_to_vec(&payload[..bytes]),
+        &payload[bytes..],
+    ))
+}
+
+/// Splits a work payload into its sequence table (`h.rows` entries), KV copies (`h.copies`)
+/// and hidden states.
+fn split_work(
+    h: &Header,
+    payload: &[u8],
+    peer: usize,
+) -> std::result::Result<WorkParts, DistError> {
+    let (rows, rest) = if h.rows == NO_ROWS {
+        (None, payload)
+    } else {
+        let (words, rest) = take_words(payload, (h.rows, 2), ("sequence table", peer))?;
+        let rows = (words.chunks_exact(2))
+            .map(|w| SeqRow {
+                slot: w[0] as usize,
+                past: w[1] as usize,
+            })
+            .collect();
+        (Some(Arc::new(rows)), rest)
+    };
+    let (words, rest) = take_words(rest, (h.copies, 3), ("KV copy", peer))?;
+    let copies = (words.chunks_exact(3))
+        .map(|w| KvCopy {
+            from: w[0] as usize,
+            to: w[1] as usize,
+            tokens: w[2] as usize,
         })
         .collect();
-    Ok((Some(Arc::new(rows)), payload[table..].to_vec()))
+    Ok(WorkParts {
+        rows,
+        copies: Arc::new(copies),
+        hidden: rest.to_vec(),
+    })
 }
 
 /// Sends `msg` to `dest`, polling the request against the job's timeout.
@@ -468,8 +511,8 @@ fn upstream(
         };
         // The receive, as seen on this rank; the merge of rank traces links it (and what
         // follows it) to the sending rank's download, so a projection pays the network there.
-        let (rows, hidden) = split_rows(&h, payload, src)?;
-        let bytes = hidden.len() as u64;
+        let parts = split_work(&h, payload, src)?;
+        let bytes = parts.hidden.len() as u64;
         let dep = rec.record_with(got, Instant::now(), || {
             SpanAttrs::wait("mpi recv", device)
                 .on_track(Track::Other(format!("mpi recv {rank}")))
@@ -479,7 +522,7 @@ fn upstream(
         if !dep.is_none() && h.dep != 0 {
             rec.remote_dep(dep, src as u32, SpanId(h.dep));
         }
-        if tx.send(handoff_work(&h, (rows, hidden), dep, rec)).is_err() {
+        if tx.send(handoff_work(&h, parts, dep, rec)).is_err() {
             // The stages stopped (their error is on its way to the driver).
             return Ok(());
         }
@@ -500,18 +543,13 @@ fn reset_stats(stats: &Mutex<Vec<StageStats>>) {
 
 /// The work a hand-off from the previous stage asks of this rank's stages; `dep` is the
 /// receive's span, recorded on `recorder`.
-fn handoff_work(
-    h: &Header,
-    (rows, hidden): TableAndHidden,
-    dep: SpanId,
-    recorder: Recorder,
-) -> Work {
+fn handoff_work(h: &Header, parts: WorkParts, dep: SpanId, recorder: Recorder) -> Work {
     Work {
         encoder: None,
         pacer: None,
         group: h.group as usize,
         cache: h.cache as usize,
-        rows,
+        rows: parts.rows,
         slots: h.slots.checked_sub(1).map(|n| n as usize),
         // A release time is on the driver's clock: it holds only the first stage.
         release_us: None,
@@ -523,13 +561,14 @@ fn handoff_work(
         },
         new_cache: h.new_cache,
         release: h.release,
-        hidden,
+        hidden: parts.hidden,
         deps: vec![dep],
         recorder,
         run: h.run,
         // The pick's settings stay on rank 0: the head picks greedily and sends the
         // logits too only where rank 0 needs them (see `Readout::remote`).
         readout: Readout::remote(h.logits),
+        kv_copies: parts.copies,
     }
 }
 
@@ -558,6 +597,7 @@ fn downstream(
             cache: work.cache as u64,
             slots: work.slots.map_or(0, |n| n as u64 + 1),
             rows: work.rows.as_ref().map_or(NO_ROWS, |r| r.len() as u64),
+            copies: work.kv_copies.len() as u64,
         };
         let what = format!("send micro-batch {} to the next stage", work.group);
         send(
@@ -567,6 +607,7 @@ fn downstream(
             h.encode(
                 &[
                     rows_bytes(work.rows.as_deref().map(|r| &r[..])),
+                    copies_bytes(&work.kv_copies),
                     work.hidden,
                 ]
                 .concat(),
@@ -689,6 +730,7 @@ pub(crate) fn send_logits(world: &World, out: &Output, record: bool) -> Result<(
         cache: 0,
         slots: 0,
         rows: NO_ROWS,
+        copies: 0,
     };
     let what = format!("send logits of micro-batch {} to rank 0", out.group);
     send(
@@ -742,6 +784,7 @@ mod tests {
             cache: 5,
             slots: 9,
             rows: NO_ROWS,
+            copies: 0,
         };
         let msg = h.encode(&[1, 2, 3, 4]);
         let (back, payload) = Header::decode(&msg, 1).unwrap();
@@ -758,8 +801,20 @@ mod tests {
     }
 
     #[test]
-    fn sequence_tables_travel_ahead_of_the_hidden_states() {
+    fn sequence_tables_and_kv_copies_travel_ahead_of_the_hidden_states() {
         let rows = [SeqRow { slot: 3, past: 40 }, SeqRow { slot: 0, past: 7 }];
+        let copies = [
+            KvCopy {
+                from: 5,
+                to: 3,
+                tokens: 39,
+            },
+            KvCopy {
+                from: 1,
+                to: 0,
+                tokens: 7,
+            },
+        ];
         let h = Header {
             kind: Kind::Work,
             group: 1,
@@ -775,17 +830,25 @@ mod tests {
             cache: usize::MAX as u64,
             slots: 0,
             rows: 2,
+            copies: 2,
         };
         let hidden = [9u8; 8];
-        let msg = h.encode(&[rows_bytes(Some(&rows)), hidden.to_vec()].concat());
+        let payload = [
+            rows_bytes(Some(&rows)),
+            copies_bytes(&copies),
+            hidden.to_vec(),
+        ];
+        let msg = h.encode(&payload.concat());
         let (back, payload) = Header::decode(&msg, 0).unwrap();
-        let (table, rest) = split_rows(&back, payload, 0).unwrap();
-        assert_eq!(table.as_deref().map(|t| t.as_slice()), Some(&rows[..]));
-        assert_eq!(rest, hidden);
-        // A table longer than the payload is a protocol error, not a panic.
-        let lying = Header { rows: 1000, ..h };
-        let msg = lying.encode(&hidden);
-        let (back, payload) = Header::decode(&msg, 0).unwrap();
-        assert!(split_rows(&back, payload, 0).is_err());
+        let parts = split_work(&back, payload, 0).unwrap();
+        assert_eq!(parts.rows.as_deref().map(|t| t.as_slice()), Some(&rows[..]));
+        assert_eq!(parts.copies.as_slice(), &copies[..]);
+        assert_eq!(parts.hidden, hidden);
+        // A table or copy list longer than the payload is a protocol error, not a panic.
+        for lying in [Header { rows: 1000, ..h }, Header { copies: 1000, ..h }] {
+            let msg = lying.encode(&hidden);
+            let (back, payload) = Header::decode(&msg, 0).unwrap();
+            assert!(split_work(&back, payload, 0).is_err());
+        }
     }
 }

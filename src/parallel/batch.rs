@@ -58,8 +58,9 @@ pub struct KvCopy {
 }
 
 impl KvCopy {
-    /// Checks the copy against a cache of `slots` slots of `max_seq` positions each.
-    pub fn check(&self, slots: usize, max_seq: usize) -> Result<()> {
+    /// Checks the copy against a cache of `slots` slots of `max_seq` positions of `head_dim`
+    /// each.
+    pub fn check(&self, slots: usize, max_seq: usize, head_dim: usize) -> Result<()> {
         let why = if self.from >= slots {
             "the source slot is out of range"
         } else if self.to >= slots {
@@ -68,6 +69,10 @@ impl KvCopy {
             "a slot cannot be copied onto itself"
         } else if self.tokens > max_seq {
             "more positions than a slot holds"
+        } else if !(max_seq * head_dim).is_multiple_of(2) {
+            // An f16 cache would then put every other slot at a 2-byte offset, which a
+            // buffer copy cannot address (wgpu copies 4-byte words).
+            "an odd head_dim with an odd max_seq leaves slots unaligned for a device copy"
         } else {
             return Ok(());
         };
@@ -82,22 +87,10 @@ impl KvCopy {
     }
 }
 
-/// Refuses a step with KV copies on an engine that does not make them yet.
-pub(crate) fn refuse_kv_copies(engine: &str, copies: &[KvCopy]) -> Result<()> {
-    if copies.is_empty() {
-        return Ok(());
-    }
-    Err(WgparError::Unsupported {
-        detail: format!(
-            "the {engine} engine does not copy KV between slots yet ({} copies asked)",
-            copies.len()
-        ),
-    })
-}
-
-/// Checks every copy of a step before anything of it runs.
-pub(crate) fn check_kv_copies(copies: &[KvCopy], slots: usize, max_seq: usize) -> Result<()> {
-    copies.iter().try_for_each(|c| c.check(slots, max_seq))
+/// Checks every copy of a step against `config`'s cache of `slots` slots before anything of
+/// the step runs.
+pub(crate) fn check_kv_copies(copies: &[KvCopy], slots: usize, config: &ModelConfig) -> Result<()> {
+    (copies.iter()).try_for_each(|c| c.check(slots, config.max_seq, config.head_dim))
 }
 
 /// A finished step.

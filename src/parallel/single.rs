@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use super::pick::{check_finite, count_non_finite, Picker};
 use super::{
-    check_decode, cost, prompt_shape, BatchStep, Engine, Logits, SeqRow, StepDone, StepEngine,
-    StepOutput, StepStats,
+    check_decode, cost, prompt_shape, BatchStep, Engine, KvCopy, Logits, SeqRow, StepDone,
+    StepEngine, StepOutput, StepStats,
 };
 use crate::device::{DType, Gpu, SpanTimer};
 use crate::error::{Result, WgparError};
@@ -90,14 +90,14 @@ impl SingleEngine {
         Ok(())
     }
 
-    /// One forward step of `rows`; its span waits for `deps` and starts no earlier than
-    /// `release_us`. Returns the step's tokens (and logits when `want_logits`) and the span.
+    /// One forward step of `rows`, after `copies` of cached KV between slots; its span waits
+    /// for `deps` and starts no earlier than `release_us`. Returns the step's tokens (and logits when `want_logits`) and the span.
     fn forward(
         &mut self,
         ids: &[u32],
         step: Step,
         rows: &[SeqRow],
-        (deps, release_us): (&[SpanId], Option<f64>),
+        (deps, release_us, copies): (&[SpanId], Option<f64>, &[KvCopy]),
         pick: StepPick,
     ) -> Result<(StepOutput, SpanId)> {
         let (Some(act), Some(kv)) = (&mut self.act, &mut self.kv) else {
@@ -118,7 +118,7 @@ impl SingleEngine {
         if !readout.draws.is_empty() {
             m.write_draws(act, &readout.draws)?;
         }
-        submit_forward(m, &self.timer, act, kv)?;
+        submit_forward(m, &self.timer, act, (kv, copies))?;
         let encode_s = start.elapsed().as_secs_f64();
         let encode_cpu_s = super::thread_cpu_s().zip(cpu_start).map(|(b, a)| b - a);
         let out = m.read_out(act)?;
@@ -209,9 +209,16 @@ impl Readout {
 
 /// Records the whole forward pass (timed on the device while a trace is recorded) and the
 /// copy of its output in one submit.
-fn submit_forward(m: &GpuModel, timer: &SpanTimer, act: &Activations, kv: &KvCache) -> Result<()> {
+fn submit_forward(
+    m: &GpuModel,
+    timer: &SpanTimer,
+    act: &Activations,
+    (kv, copies): (&mut KvCache, &[KvCopy]),
+) -> Result<()> {
     let gpu = m.gpu();
     let mut enc = gpu.encoder();
+    // In the step's own submission: after every earlier step, before this one's layers.
+    kv.copy_prefixes(gpu, &mut enc, copies)?;
     timer.begin(&mut enc);
     m.embed(&mut enc, act)?;
     m.layers(&mut enc, act, kv)?;
@@ -287,7 +294,7 @@ impl Engine for SingleEngine {
                 &ids,
                 step,
                 &step.rows(),
-                (&[], None),
+                (&[], None, &[]),
                 StepPick::Engine { logits },
             )?
             .0)
@@ -305,7 +312,7 @@ impl Engine for SingleEngine {
                 tokens,
                 step,
                 &step.rows(),
-                (&[], None),
+                (&[], None, &[]),
                 StepPick::Engine { logits },
             )?
             .0)
@@ -357,7 +364,7 @@ impl StepEngine for SingleEngine {
 
     /// Runs the step at once; [`complete`](StepEngine::complete) hands it back.
     fn submit(&mut self, step: BatchStep) -> Result<()> {
-        crate::parallel::batch::refuse_kv_copies("single-device", &step.kv_copies)?;
+        super::batch::check_kv_copies(&step.kv_copies, self.slots(), self.model.config())?;
         let shape = Step {
             batch: step.rows.len(),
             seq: step.seq,
@@ -369,7 +376,7 @@ impl StepEngine for SingleEngine {
             &step.ids,
             shape,
             &step.rows,
-            (&step.deps, step.release_us),
+            (&step.deps, step.release_us, &step.kv_copies),
             StepPick::Greedy {
                 logits: step.logits,
                 allow: step.allow,

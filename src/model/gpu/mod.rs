@@ -550,7 +550,12 @@ impl GpuModel {
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(KvCache::new(slots, layers))
+        let layout = kv::KvLayout {
+            kv_heads: self.placement.shard.local_kv_heads(),
+            max_seq: c.max_seq,
+            head_dim: c.head_dim,
+        };
+        Ok(KvCache::new(slots, layout, layers))
     }
 
     fn check_step(&self, act: &Activations, step: &Step) -> Result<()> {

@@ -241,9 +241,11 @@ fn stage_inputs(
         }
     }
     match &work.rows {
-        Some(rows) => m.begin_step(act, kv, &step, rows),
-        None => m.begin_step(act, kv, &step, &step.rows()),
+        Some(rows) => m.begin_step(act, kv, &step, rows)?,
+        None => m.begin_step(act, kv, &step, &step.rows())?,
     }
+    // This stage's layers, queued behind its earlier passes and ahead of this one's compute.
+    kv.submit_copies(m.gpu(), &work.kv_copies)
 }
 
 /// The compute span of a stage's pass: its layers' cost, and the head's part on the last

@@ -74,7 +74,6 @@ impl StepEngine for PipelineEngine {
     }
 
     fn submit(&mut self, step: BatchStep) -> Result<()> {
-        crate::parallel::batch::refuse_kv_copies("pipeline", &step.kv_copies)?;
         self.check_alive()?;
         let lanes = self.serving.busy.len();
         if self.serving.slots == 0 {
@@ -88,6 +87,7 @@ impl StepEngine for PipelineEngine {
                 step.lane
             )));
         }
+        crate::parallel::batch::check_kv_copies(&step.kv_copies, self.serving.slots, &self.config)?;
         let shape = Step {
             batch: step.rows.len(),
             seq: step.seq,
@@ -99,6 +99,7 @@ impl StepEngine for PipelineEngine {
         w.rows = Some(Arc::new(step.rows));
         w.slots = Some(self.serving.slots);
         w.release_us = step.release_us;
+        w.kv_copies = Arc::new(step.kv_copies);
         // The device picks greedily; logits come back only for a caller that samples.
         w.readout = Readout {
             logits: step.logits,

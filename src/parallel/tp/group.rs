@@ -14,7 +14,7 @@ use crate::kernels::ops::TokenPick;
 use crate::model::{ModelConfig, ModelWeights, Placement, SeqRow, ShardSpec, Step, StepOut};
 use crate::parallel::upload::upload_parts;
 use crate::parallel::worker::Workers;
-use crate::parallel::Fault;
+use crate::parallel::{Fault, KvCopy};
 use crate::sim::LinkPacer;
 use crate::trace::{Recorder, SpanId};
 
@@ -97,6 +97,8 @@ pub(crate) struct GroupJob {
     pub pacer: Option<Arc<LinkPacer>>,
     /// The head's token pick and readback (used by the rank that holds the head).
     pub readout: Readout,
+    /// Copies of cached KV between slots, made (of this rank's heads) before the step.
+    pub kv_copies: Arc<Vec<KvCopy>>,
 }
 
 /// Per-batch inputs an encoder needs beside the ids.

@@ -144,6 +144,8 @@ fn stage_inputs(
         Some(rows) => m.begin_step(act, kv, &step, rows)?,
         None => m.begin_step(act, kv, &step, &step.rows())?,
     }
+    // This rank's heads, queued behind its earlier steps and ahead of this one's layers.
+    kv.submit_copies(m.gpu(), &job.kv_copies)?;
     pass.add_host(host);
     if let GroupInput::Ids(ids) = &job.input {
         let host = HostTime::now();

@@ -45,12 +45,13 @@ impl StepEngine for TensorParallelEngine {
 
     /// Runs the step at once on every rank; [`complete`](StepEngine::complete) hands it back.
     fn submit(&mut self, step: BatchStep) -> Result<()> {
-        crate::parallel::batch::refuse_kv_copies("tensor-parallel", &step.kv_copies)?;
         if self.serve_slots == 0 {
             return Err(WgparError::InvalidCall(
                 "submit before reserve_slots".into(),
             ));
         }
+        let config = &self.config;
+        crate::parallel::batch::check_kv_copies(&step.kv_copies, self.serve_slots, config)?;
         let shape = Step {
             batch: step.rows.len(),
             seq: step.seq,
@@ -68,6 +69,7 @@ impl StepEngine for TensorParallelEngine {
                 allow: Arc::new(step.allow.unwrap_or_default()),
                 ..Readout::default()
             },
+            kv_copies: step.kv_copies,
         };
         let out = match self.run(step.ids, shape, plan)? {
             GroupOutput::Picked(out) => {

@@ -1,0 +1,319 @@
+//! Device-side KV copies between slots (`BatchStep::kv_copies`) on every serving engine: a
+//! prefix copied from the slot that computed it, then the rest of the prompt prefilled at
+//! that past, gives exactly the logits and greedy tokens of a slot that computed the whole
+//! prompt itself (in the same chunks), in f32 and f16 caches, over an odd number of
+//! positions; a slot left holding garbage (no copy) does not. Bad copies are typed errors
+//! and the engine keeps serving.
+
+mod common;
+
+use std::sync::Arc;
+
+use wgpar::comm::CommConfig;
+use wgpar::device::{DType, Gpu, GpuOptions, KvCacheType};
+use wgpar::model::{ModelConfig, ModelWeights};
+use wgpar::parallel::{
+    build_step_engine, BatchStep, KvCopy, PartitionSpec, Schedule, SeqRow, StepDone, StepEngine,
+    Strategy,
+};
+use wgpar::WgparError;
+
+const SLOTS: usize = 5;
+const DECODE_STEPS: usize = 4;
+
+/// Non-tile shapes: 6 heads of 10 (2 KV heads) over a hidden of 60, 4 layers, a vocabulary
+/// of 211, slots of 37 positions.
+fn llama() -> ModelConfig {
+    ModelConfig {
+        name: "tiny-llama-odd".into(),
+        heads: 6,
+        kv_heads: 2,
+        head_dim: 10,
+        hidden: 60,
+        ffn: 148,
+        layers: 4,
+        vocab: 211,
+        max_seq: 37,
+        ..ModelConfig::preset("tiny-llama").unwrap()
+    }
+}
+
+/// GPT-2 with heads of 9: an f16 head of an odd prefix ends mid-word.
+fn gpt2_odd_head(max_seq: usize) -> ModelConfig {
+    ModelConfig {
+        name: "tiny-gpt2-odd".into(),
+        heads: 3,
+        kv_heads: 3,
+        head_dim: 9,
+        hidden: 27,
+        ffn: 70,
+        layers: 2,
+        vocab: 97,
+        max_seq,
+        ..ModelConfig::preset("tiny-gpt2").unwrap()
+    }
+}
+
+fn strategies() -> Vec<(&'static str, Strategy, usize)> {
+    vec![
+        ("single", Strategy::Single, 1),
+        ("tp2", Strategy::Tensor { split: None }, 2),
+        (
+            "pp2 m=2",
+            Strategy::Pipeline {
+                partition: PartitionSpec::Even,
+                micro_batches: 2,
+                schedule: Schedule::InFlight,
+            },
+            2,
+        ),
+        (
+            "tp2xpp2 m=2",
+            Strategy::Hybrid {
+                tp: 2,
+                partition: PartitionSpec::Even,
+                micro_batches: 2,
+                schedule: Schedule::InFlight,
+            },
+            4,
+        ),
+    ]
+}
+
+/// Devices with an f32 or f16 KV cache; `None` where the adapter cannot hold f16.
+fn gpus(count: usize, kv: KvCacheType) -> Option<Vec<Arc<Gpu>>> {
+    let gpus = common::gpus_with(
+        count,
+        &GpuOptions {
+            kv_cache: kv,
+            ..GpuOptions::default()
+        },
+    );
+    if kv == KvCacheType::F16 && !gpus[0].supports_f16_weights() {
+        common::feature_missing("SHADER_F16", "KV copies of an f16 cache");
+        return None;
+    }
+    Some(gpus)
+}
+
+fn engine(strategy: &Strategy, gpus: &[Arc<Gpu>], weights: &ModelWeights) -> Box<dyn StepEngine> {
+    let mut e = build_step_engine(
+        strategy,
+        gpus,
+        weights,
+        DType::F32,
+        &CommConfig::default(),
+        (1, 4),
+    )
+    .unwrap();
+    e.reserve_slots(SLOTS).unwrap();
+    e
+}
+
+/// Rows of `seq` tokens each (`ids` row after row) on lane 0, after `copies`.
+fn step(rows: &[(usize, usize)], seq: usize, ids: Vec<u32>, copies: Vec<KvCopy>) -> BatchStep {
+    BatchStep {
+        lane: 0,
+        rows: (rows.iter())
+            .map(|&(slot, past)| SeqRow { slot, past })
+            .collect(),
+        seq,
+        ids,
+        deps: Vec::new(),
+        release_us: None,
+        logits: true,
+        allow: None,
+        kv_copies: copies,
+    }
+}
+
+fn run(e: &mut dyn StepEngine, s: BatchStep) -> wgpar::Result<StepDone> {
+    e.submit(s)?;
+    Ok(e.complete(None)?.expect("a submitted step completes"))
+}
+
+/// Row `r`'s logits.
+fn row(done: &StepDone, r: usize) -> &[f32] {
+    let l = done.logits.as_ref().expect("logits asked for");
+    &l.data[r * l.vocab..(r + 1) * l.vocab]
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Slots: `a` computes the prompt's first `k` tokens; `b` and `d` hold garbage there; `c`
+/// computes the same first `k` tokens as `a`. Then `a`'s prefix is copied into `b`, and `b`,
+/// `c`, `d` prefill the rest at past `k`: `b` must match `c` (logits and greedy decode),
+/// `d` (never copied into) must not. Returns the largest logit gap between `b` and `c`.
+fn copy_matches_recompute(label: &str, e: &mut dyn StepEngine, k: usize, len: usize) -> f32 {
+    let vocab = e.model_config().vocab;
+    let prompt = common::prompts(1, len, vocab, 7).remove(0);
+    let garbage = common::prompts(2, k, vocab, 8);
+    let (a, b, c, d) = (3, 0, 4, 1);
+    let ids = [&prompt[..k], &prompt[..k], &garbage[0], &garbage[1]].concat();
+    let rows = [(a, 0), (c, 0), (b, 0), (d, 0)];
+    run(e, step(&rows, k, ids, Vec::new())).unwrap();
+    let copy = KvCopy {
+        from: a,
+        to: b,
+        tokens: k,
+    };
+    let rest = len - k;
+    let ids = [&prompt[k..], &prompt[k..], &prompt[k..]].concat();
+    let done = run(e, step(&[(b, k), (c, k), (d, k)], rest, ids, vec![copy])).unwrap();
+    let gap = max_diff(row(&done, 0), row(&done, 1));
+    let poisoned = max_diff(row(&done, 2), row(&done, 1));
+    assert!(
+        poisoned > 1e-3,
+        "{label}: garbage in slot {d} left no trace ({poisoned})"
+    );
+    assert_eq!(done.tokens[0], done.tokens[1], "{label}: first token");
+    let mut next = [done.tokens[0], done.tokens[1]];
+    for i in 0..DECODE_STEPS {
+        let past = len + i;
+        let done = run(
+            e,
+            step(&[(b, past), (c, past)], 1, next.to_vec(), Vec::new()),
+        )
+        .unwrap();
+        assert_eq!(done.tokens[0], done.tokens[1], "{label}: decode step {i}");
+        next = [done.tokens[0], done.tokens[1]];
+    }
+    gap
+}
+
+/// Each bad copy is refused by name, with nothing run; a good step then still runs.
+fn bad_copies_are_refused(label: &str, e: &mut dyn StepEngine) {
+    let max_seq = e.model_config().max_seq;
+    let bad = [
+        (
+            KvCopy {
+                from: 2,
+                to: 2,
+                tokens: 3,
+            },
+            "onto itself",
+        ),
+        (
+            KvCopy {
+                from: 2,
+                to: SLOTS,
+                tokens: 3,
+            },
+            "target slot is out of range",
+        ),
+        (
+            KvCopy {
+                from: SLOTS + 4,
+                to: 0,
+                tokens: 3,
+            },
+            "source slot is out of range",
+        ),
+        (
+            KvCopy {
+                from: 2,
+                to: 0,
+                tokens: max_seq + 1,
+            },
+            "more positions",
+        ),
+    ];
+    for (copy, why) in bad {
+        let e_ = run(e, step(&[(0, 0)], 2, vec![1, 2], vec![copy])).unwrap_err();
+        match &e_ {
+            WgparError::KvCopy {
+                from,
+                to,
+                tokens,
+                slots,
+                ..
+            } => {
+                assert_eq!(
+                    (*from, *to, *tokens, *slots),
+                    (copy.from, copy.to, copy.tokens, SLOTS)
+                );
+            }
+            other => panic!("{label}: {copy:?} gave {other}"),
+        }
+        let text = e_.to_string();
+        assert!(
+            text.contains(why) && text.contains(&copy.tokens.to_string()),
+            "{label}: {text}"
+        );
+    }
+    let done = run(e, step(&[(0, 0), (1, 0)], 2, vec![5, 6, 5, 6], Vec::new())).unwrap();
+    assert_eq!(
+        done.tokens[0], done.tokens[1],
+        "{label}: the engine serves on"
+    );
+}
+
+#[test]
+fn a_copied_prefix_gives_the_tokens_of_one_computed_in_place_on_every_engine() {
+    let config = llama();
+    let weights = ModelWeights::synthetic(&config, 31);
+    let mut compared = 0;
+    for (kv, kv_label) in [(KvCacheType::F32, "f32 KV"), (KvCacheType::F16, "f16 KV")] {
+        let Some(all) = gpus(4, kv) else { continue };
+        for (name, strategy, devices) in strategies() {
+            let label = format!("{name}, {kv_label}");
+            let mut e = engine(&strategy, &all[..devices], &weights);
+            // An odd prefix, then one that fills all but a position of the slot.
+            for (k, len) in [(7, 12), (29, 33)] {
+                let gap = copy_matches_recompute(&label, e.as_mut(), k, len);
+                // The same KV and the same rows of one step: the same arithmetic.
+                assert!(gap <= 1e-5, "{label}, k={k}: logits differ by {gap}");
+                compared += 1;
+            }
+            bad_copies_are_refused(&label, e.as_mut());
+        }
+    }
+    assert!(compared >= 8, "compared {compared} cases");
+}
+
+/// f16 heads of 9: a prefix of 7 positions is 63 halves, which ends mid-word; the copy
+/// takes the word whole (one position past the prefix, which the next step overwrites).
+#[test]
+fn an_f16_prefix_that_ends_mid_word_copies_whole() {
+    let config = gpt2_odd_head(24);
+    let weights = ModelWeights::synthetic(&config, 5);
+    let Some(all) = gpus(2, KvCacheType::F16) else {
+        return;
+    };
+    let pipeline = Strategy::Pipeline {
+        partition: PartitionSpec::Even,
+        micro_batches: 2,
+        schedule: Schedule::InFlight,
+    };
+    for (name, strategy, devices) in [("single", Strategy::Single, 1), ("pp2", pipeline, 2)] {
+        let mut e = engine(&strategy, &all[..devices], &weights);
+        let gap = copy_matches_recompute(name, e.as_mut(), 7, 11);
+        assert!(gap <= 1e-5, "{name}: logits differ by {gap}");
+    }
+}
+
+/// Odd heads in slots of an odd length put every other f16 slot at a 2-byte offset, which
+/// no buffer copy reaches: refused, whatever the cache's type, before anything runs.
+#[test]
+fn odd_heads_in_odd_slots_are_refused_by_name() {
+    let config = gpt2_odd_head(23);
+    let weights = ModelWeights::synthetic(&config, 5);
+    let all = gpus(1, KvCacheType::F32).unwrap();
+    let mut e = engine(&Strategy::Single, &all, &weights);
+    let copy = KvCopy {
+        from: 1,
+        to: 0,
+        tokens: 4,
+    };
+    let err = run(e.as_mut(), step(&[(0, 4)], 1, vec![3], vec![copy])).unwrap_err();
+    assert!(
+        matches!(err, WgparError::KvCopy { .. }) && err.to_string().contains("odd head_dim"),
+        "{err}"
+    );
+    run(e.as_mut(), step(&[(0, 0)], 2, vec![3, 4], Vec::new())).unwrap();
+}
