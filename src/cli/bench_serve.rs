@@ -549,10 +549,16 @@ fn check_lengths_fit(args: &ServeArgs, config: &wgpar::model::ModelConfig) -> Re
         "context (tokens)",
         (longest as u64, config.max_seq as u64),
         format!(
-            "--prompt-len up to {prompt} and --output-len up to {output} need up to {longest} \
-         tokens of KV cache per request, but model '{}' holds {} (max_seq), so the longest \
-         requests would be refused; {advice}",
-            config.name, config.max_seq
+            "prompts up to {prompt} tokens{} and --output-len up to {output} need up to \
+             {longest} tokens of KV cache per request, but model '{}' holds {} (max_seq), so \
+             the longest requests would be refused; {advice}",
+            if sessions(args).any() {
+                " (--prompt-len with --shared-prefix and --turns)"
+            } else {
+                " (--prompt-len)"
+            },
+            config.name,
+            config.max_seq
         ),
     ))
 }
