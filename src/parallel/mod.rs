@@ -23,6 +23,7 @@ mod worker;
 use std::time::Instant;
 
 pub use balance::measure_stage_costs;
+pub(crate) use batch::check_kv_copies;
 pub use batch::{BatchStep, KvCopy, SeqRow, StepDone, StepEngine};
 pub use decode_bench::{measure_decode, DecodeMeasure};
 pub use encoder::{cosine_similarity, pad_batch, Embeddings, Encoder, SingleEncoder};

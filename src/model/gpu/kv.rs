@@ -156,7 +156,7 @@ impl KvCache {
         // An f16 head of odd length ends mid-word: one more position (past the prefix, which
         // the slot's next step writes before any attention reads it) makes it whole. The
         // check above refused the one layout where that cannot work (odd max_seq too).
-        let tokens = if (copy.tokens * l.head_dim * elem) % 4 != 0 {
+        let tokens = if !(copy.tokens * l.head_dim * elem).is_multiple_of(4) {
             copy.tokens + 1
         } else {
             copy.tokens
@@ -164,7 +164,7 @@ impl KvCache {
         let head = (l.max_seq * l.head_dim * elem) as u64;
         let bytes = (tokens * l.head_dim * elem) as u64;
         let at = |slot: usize, h: usize| (slot * l.kv_heads + h) as u64 * head;
-        if tokens > l.max_seq || bytes % 4 != 0 || head % 4 != 0 {
+        if tokens > l.max_seq || !bytes.is_multiple_of(4) || !head.is_multiple_of(4) {
             return Err(WgparError::Internal(format!(
                 "KV copy of {tokens} positions of {} x {} bytes is not 4-byte aligned",
                 l.head_dim, elem
