@@ -203,6 +203,7 @@ fn refused_options(dir: &Path) {
         ),
         (vec!["--gpu-memory", "1G"], "--gpu-memory"),
         (vec!["--max-prefill-tokens", "512"], "--max-prefill-tokens"),
+        (vec!["--no-prefix-cache"], "--no-prefix-cache"),
         (vec!["--seed", "7"], "--seed"),
         (vec!["--pace", "10:1"], "--pace"),
         (vec!["--tp", "2"], "--tp"),

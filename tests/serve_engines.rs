@@ -167,6 +167,7 @@ fn served_requests_get_what_they_get_alone_under_every_strategy() {
             max_batch: 4,
             max_prefill_tokens: 8,
             max_step_tokens: 512,
+            prefix_cache: false,
         };
         let recorder = Recorder::new();
         let run = serve(engine.as_mut(), &requests, &opts, recorder, &mut |_, _| {})
@@ -260,6 +261,7 @@ fn learned_positions_and_a_burst_through_a_pipeline() {
                 max_batch: 3,
                 max_prefill_tokens: 64,
                 max_step_tokens: 512,
+                prefix_cache: false,
             },
             Recorder::disabled(),
             &mut |_, _| {},
@@ -326,6 +328,7 @@ fn prompts_prefilled_in_chunks_get_the_tokens_of_one_prefill_under_every_strateg
             max_batch: 3,
             max_prefill_tokens: 64,
             max_step_tokens: 7,
+            prefix_cache: false,
         };
         let run = serve(
             &mut engine,

@@ -261,6 +261,7 @@ fn every_request_gets_what_it_gets_alone_on_one_or_several_lanes() {
             max_batch: 6,
             max_prefill_tokens: 8,
             max_step_tokens: 512,
+            prefix_cache: false,
         };
         let mut calls = 0;
         let run = serve(
@@ -298,6 +299,7 @@ fn arrivals_while_the_batch_is_full_join_at_a_token_boundary() {
             max_batch: 4,
             max_prefill_tokens: 64,
             max_step_tokens: 512,
+            prefix_cache: false,
         };
         let run = serve(
             &mut engine,
@@ -371,6 +373,7 @@ fn a_request_too_long_for_a_slot_is_refused_and_the_others_finish() {
             max_batch: 0,
             max_prefill_tokens: 1,
             max_step_tokens: 512,
+            prefix_cache: false,
         },
         Recorder::disabled(),
         &mut |_, _| {},
@@ -406,6 +409,7 @@ fn long_prompts_are_prefilled_in_chunks_between_decode_steps() {
             max_batch: 4,
             max_prefill_tokens: 64,
             max_step_tokens: 7,
+            prefix_cache: false,
         };
         engine.watch = Some(Watch {
             requests: requests.clone(),
@@ -457,6 +461,7 @@ fn a_step_budget_below_the_batch_is_refused() {
             max_batch: batch,
             max_prefill_tokens: 64,
             max_step_tokens: step,
+            prefix_cache: false,
         };
         let e = serve(
             &mut engine,

@@ -14,12 +14,19 @@
 //! request's tokens are those it would get alone. A request that cannot fit a slot
 //! ([`WgparError::KvCapacity`]) is refused on arrival; the others run.
 //!
+//! With the prefix cache on (`prefix.rs`), a prompt takes the free slot that holds its longest
+//! cached prefix, or has that prefix copied into its slot by the step that carries its first
+//! chunk, and prefills only the rest. A later turn of a multi-turn session
+//! ([`ServeRequest::follows`]) arrives when the turn before it is done: its prompt is that
+//! turn's prompt and answer, then its own new tokens.
+//!
 //! Every step records what it waited for (the lane's previous output, whatever freed its
 //! slots, and for a prefill the arrival of its requests as a release time), so the run's
 //! timeline replays on any host profile ([`project_metrics`]).
 
 mod chunk;
 mod metrics;
+mod prefix;
 mod workload;
 
 use crate::model::ModelConfig;
@@ -31,10 +38,11 @@ use serde::Serialize;
 pub(crate) use chunk::{chunk_budget, plan_chunk};
 pub use chunk::{DEFAULT_STEP_TOKENS, MAX_STEP_TOKENS};
 pub use metrics::{Percentiles, RequestOutcome, ServeMetrics, Timing};
-pub use workload::{Length, LongPrompt, Rate, ServeRequest, WorkloadSpec};
+pub use prefix::{copies_fit, PrefixCache, PrefixStats, Taken, DEFAULT_BLOCK};
+pub use workload::{Length, LongPrompt, Rate, ServeRequest, Sessions, WorkloadSpec};
 
 use crate::error::{Result, WgparError};
-use crate::parallel::{BatchStep, PipelineStats, SeqRow, StepDone, StepEngine};
+use crate::parallel::{BatchStep, KvCopy, PipelineStats, SeqRow, StepDone, StepEngine};
 use crate::sim::{project, HostProfile, ProjectError, ProjectOptions};
 use crate::trace::{Recorder, SpanId, Timeline};
 
@@ -50,6 +58,8 @@ pub struct ServeOptions {
     /// prefilled in chunks of what is left (at least `max_batch`, at most
     /// [`MAX_STEP_TOKENS`]).
     pub max_step_tokens: usize,
+    /// Reuse the KV of cached prompt prefixes (`--no-prefix-cache` turns it off).
+    pub prefix_cache: bool,
 }
 
 impl Default for ServeOptions {
@@ -58,6 +68,7 @@ impl Default for ServeOptions {
             max_batch: 8,
             max_prefill_tokens: 2048,
             max_step_tokens: DEFAULT_STEP_TOKENS,
+            prefix_cache: true,
         }
     }
 }
@@ -77,6 +88,8 @@ pub struct ServeRun {
     pub metrics: ServeMetrics,
     /// Pipeline accounting (pipelines only).
     pub pipeline: Option<PipelineStats>,
+    /// What the prefix cache reused.
+    pub prefix: PrefixStats,
     /// The recorded timeline (empty when the recorder was disabled).
     #[serde(skip)]
     pub timeline: Timeline,
@@ -118,9 +131,11 @@ struct Lane {
     last: SpanId,
 }
 
-/// Why `request` cannot be served by a model with `max_seq` tokens per slot and `vocab` ids.
+/// Why `request`, with its whole `prompt` (a later turn's includes the turns before), cannot
+/// be served by a model with `max_seq` tokens per slot and `vocab` ids.
 fn refusal(
     request: &ServeRequest,
+    prompt: &[u32],
     max_seq: usize,
     vocab: usize,
     model: &str,
@@ -131,21 +146,21 @@ fn refusal(
             reason,
         })
     };
-    if request.prompt.is_empty() {
+    if prompt.is_empty() {
         return bad("empty prompt".into());
     }
     if request.max_new == 0 {
         return bad("asks for no tokens".into());
     }
-    if let Some(t) = request.prompt.iter().find(|&&t| t as usize >= vocab) {
+    if let Some(t) = prompt.iter().find(|&&t| t as usize >= vocab) {
         return bad(format!("token id {t} is outside the vocabulary of {vocab}"));
     }
     // The last generated token is sampled, never cached.
-    let needed = request.prompt.len() + request.max_new - 1;
+    let needed = prompt.len() + request.max_new - 1;
     (needed > max_seq).then(|| WgparError::KvCapacity {
         request: request.id,
         needed,
-        prompt: request.prompt.len(),
+        prompt: prompt.len(),
         generated: request.max_new,
         capacity: max_seq,
         model: model.to_string(),
@@ -166,24 +181,32 @@ pub fn serve(
     engine.reserve_slots(opts.max_batch)?;
     recorder.declare_complete_dependencies();
     engine.set_recorder(recorder.clone());
-    let mut state = State::new(requests, engine.lanes().max(1), opts);
     let t0 = Instant::now();
+    let clock = Clock {
+        t0,
+        recorder: recorder.clone(),
+        config,
+    };
+    let mut state = State::new(requests, engine.lanes().max(1), opts, clock);
     let total = requests.len();
+    // Later turns of a session arrive when the turn before is done, not on the clock.
+    let firsts: Vec<usize> = (0..total)
+        .filter(|&i| requests[i].follows.is_none())
+        .collect();
     let mut arrived = 0;
     progress(0, total);
     while state.done < total {
         let now = t0.elapsed().as_secs_f64();
-        while arrived < total && requests[arrived].arrival_s <= now {
-            state.admit(arrived, (t0, &recorder), &config, &mut |d| {
-                progress(d, total)
-            });
+        while arrived < firsts.len() && requests[firsts[arrived]].arrival_s <= now {
+            let (i, at) = (firsts[arrived], requests[firsts[arrived]].arrival_s);
+            state.admit(i, at, &mut |d| progress(d, total));
             arrived += 1;
         }
         state.start_idle_lanes(engine)?;
         if state.done == total {
             break;
         }
-        let until_arrival = (arrived < total).then(|| (requests[arrived].arrival_s - now).max(0.0));
+        let until_arrival = (firsts.get(arrived)).map(|&i| (requests[i].arrival_s - now).max(0.0));
         if state.lanes.iter().all(|l| l.busy.is_none()) {
             let Some(wait) = until_arrival else {
                 return Err(WgparError::Internal(format!(
@@ -195,7 +218,7 @@ pub fn serve(
             continue;
         }
         // Wake up for the next arrival only when a free lane could take it.
-        let could_start = state.lanes.iter().any(|l| l.busy.is_none()) && !state.free.is_empty();
+        let could_start = state.lanes.iter().any(|l| l.busy.is_none()) && state.cache.free() > 0;
         let timeout = until_arrival
             .filter(|_| could_start)
             .map(|w| Duration::try_from_secs_f64(w).unwrap_or(Duration::MAX));
@@ -216,6 +239,18 @@ fn check_requests(requests: &[ServeRequest], opts: &ServeOptions) -> Result<()> 
         return Err(WgparError::InvalidCall(
             "requests must be in arrival order, with finite arrival times".into(),
         ));
+    }
+    // A later turn follows an earlier request, and no request has two next turns.
+    let mut followed = vec![false; requests.len()];
+    for (i, r) in requests.iter().enumerate() {
+        if let Some(p) = r.follows {
+            if p >= i || std::mem::replace(&mut followed[p], true) {
+                return Err(WgparError::InvalidCall(format!(
+                    "request {i} follows request {p}: a turn must follow one earlier request \
+                     that no other turn follows"
+                )));
+            }
+        }
     }
     Ok(())
 }
@@ -243,9 +278,25 @@ pub fn check_options(opts: &ServeOptions) -> Result<()> {
 }
 
 impl<'a> State<'a> {
-    fn new(requests: &'a [ServeRequest], lanes: usize, opts: &ServeOptions) -> Self {
+    fn new(requests: &'a [ServeRequest], lanes: usize, opts: &ServeOptions, clock: Clock) -> Self {
+        let cache = PrefixCache::new(opts.max_batch, opts.prefix_cache)
+            .with_copies(prefix::copies_fit(&clock.config));
+        let mut next_turn = vec![None; requests.len()];
+        for (i, r) in requests.iter().enumerate() {
+            if let Some(p) = r.follows {
+                next_turn[p] = Some(i);
+            }
+        }
         Self {
             requests,
+            prompts: (requests.iter())
+                .map(|r| match r.follows {
+                    None => r.prompt.clone(),
+                    Some(_) => Vec::new(),
+                })
+                .collect(),
+            next_turn,
+            clock,
             outcomes: requests
                 .iter()
                 .map(|r| RequestOutcome {
@@ -272,7 +323,7 @@ impl<'a> State<'a> {
                     last: SpanId::NONE,
                 })
                 .collect(),
-            free: (0..opts.max_batch).rev().collect(),
+            cache,
             freed_by: vec![SpanId::NONE; opts.max_batch],
             waiting: VecDeque::new(),
             per_lane: opts.max_batch.div_ceil(lanes),
@@ -282,28 +333,56 @@ impl<'a> State<'a> {
         }
     }
 
-    /// Request `i` has arrived: it waits for a slot, or is refused (and done) at once.
-    fn admit(
-        &mut self,
-        i: usize,
-        (t0, recorder): (Instant, &Recorder),
-        config: &ModelConfig,
-        progress: &mut dyn FnMut(usize),
-    ) {
-        let r = &self.requests[i];
-        let at = Duration::try_from_secs_f64(r.arrival_s)
+    /// Request `i` has arrived, `at_s` seconds into the run: it waits for a slot, or is
+    /// refused (and done) at once.
+    fn admit(&mut self, i: usize, at_s: f64, progress: &mut dyn FnMut(usize)) {
+        let Clock {
+            t0,
+            recorder,
+            config,
+        } = &self.clock;
+        let at = Duration::try_from_secs_f64(at_s)
             .ok()
             .and_then(|d| t0.checked_add(d))
-            .unwrap_or(t0);
+            .unwrap_or(*t0);
+        self.outcomes[i].arrival_s = at_s;
         self.outcomes[i].arrival_us = recorder.us_since_epoch(at);
-        match refusal(r, config.max_seq, config.vocab, &config.name) {
-            Some(e) => {
-                self.outcomes[i].error = Some(e.to_string());
-                self.done += 1;
-                progress(self.done);
-            }
+        self.outcomes[i].prompt_len = self.prompts[i].len();
+        let r = &self.requests[i];
+        match refusal(
+            r,
+            &self.prompts[i],
+            config.max_seq,
+            config.vocab,
+            &config.name,
+        ) {
+            Some(e) => self.refuse(i, e.to_string(), progress),
             None => self.waiting.push_back(i),
         }
+    }
+
+    /// Request `i` is refused, and with it the later turns of its session.
+    fn refuse(&mut self, i: usize, why: String, progress: &mut dyn FnMut(usize)) {
+        self.outcomes[i].error = Some(why);
+        self.done += 1;
+        progress(self.done);
+        if let Some(next) = self.next_turn[i] {
+            let why = format!("the turn before it (request {i}) was refused");
+            self.refuse(next, why, progress);
+        }
+    }
+
+    /// Request `i` is done at `now`: the next turn of its session, if any, arrives with the
+    /// prompt and answer of this one before its own tokens.
+    fn next_turn(&mut self, i: usize, now: f64, progress: &mut dyn FnMut(usize)) {
+        let Some(next) = self.next_turn[i] else {
+            return;
+        };
+        let mut prompt = std::mem::take(&mut self.prompts[i]);
+        prompt.extend_from_slice(&self.outcomes[i].tokens);
+        prompt.extend_from_slice(&self.requests[next].prompt);
+        self.prompts[next] = prompt;
+        self.admit(next, now, progress);
     }
 
     /// Submits the next step of every idle lane that has one.
@@ -347,18 +426,31 @@ impl<'a> State<'a> {
             outcomes: self.outcomes,
             metrics,
             pipeline: engine.serving_stats(),
+            prefix: self.cache.stats(),
             timeline,
         }
     }
 }
 
+/// The run's clock and what refusals are judged by.
+struct Clock {
+    t0: Instant,
+    recorder: Recorder,
+    config: ModelConfig,
+}
+
 /// The scheduler's state between steps.
 struct State<'a> {
     requests: &'a [ServeRequest],
+    /// Each request's whole prompt (a later turn's once the turn before is done).
+    prompts: Vec<Vec<u32>>,
+    /// Each request's next turn.
+    next_turn: Vec<Option<usize>>,
+    clock: Clock,
     outcomes: Vec<RequestOutcome>,
     lanes: Vec<Lane>,
-    /// Free KV slots (popped from the end).
-    free: Vec<usize>,
+    /// The KV slots: which are free, and the prefixes they hold.
+    cache: PrefixCache,
     /// Per slot, the span whose output freed it (a step that reuses the slot waits for it).
     freed_by: Vec<SpanId>,
     /// Arrived, admitted requests not yet prefilled, oldest first.
@@ -393,32 +485,23 @@ impl State<'_> {
         let l = &self.lanes[lane];
         let budget =
             chunk::chunk_budget(self.max_step_tokens, self.max_prefill_tokens, l.seqs.len());
-        let room = (self.per_lane)
-            .saturating_sub(l.seqs.len() + l.filling.len())
-            .min(self.free.len());
-        let filling = l.filling.len();
+        if budget == 0 {
+            return None;
+        }
+        // Waiting requests take their slots (and cached prefixes) first, so the plan knows
+        // what each has left; a slot's copy rides on this step, which always runs.
+        let (copies, mut deps) = self.take_slots(lane);
+        let l = &self.lanes[lane];
         let remaining: Vec<usize> = (l.filling.iter())
-            .map(|f| self.requests[f.request].prompt.len() - f.cached)
-            .chain((self.waiting.iter().take(room)).map(|&r| self.requests[r].prompt.len()))
+            .map(|f| self.prompts[f.request].len() - f.cached)
             .collect();
         let plan = chunk::plan_chunk(&remaining, budget)?;
-        let (mut taken, mut deps) = (Vec::new(), vec![self.lanes[lane].last]);
         // Remove from the back, so the indices before stay valid.
-        for &i in plan.picked.iter().rev() {
-            taken.push(if i < filling {
-                self.lanes[lane].filling.remove(i)
-            } else {
-                let request = self.waiting.remove(i - filling)?;
-                let slot = self.free.pop()?;
-                deps.push(self.freed_by[slot]);
-                Filling {
-                    request,
-                    slot,
-                    cached: 0,
-                }
-            });
-        }
+        let mut taken: Vec<Filling> = (plan.picked.iter().rev())
+            .map(|&i| self.lanes[lane].filling.remove(i))
+            .collect();
         taken.reverse();
+        deps.push(self.lanes[lane].last);
         deps.retain(|d| !d.is_none());
         let len = plan.len;
         let mut release: f64 = 0.0;
@@ -429,7 +512,7 @@ impl State<'_> {
                 slot: f.slot,
                 past: f.cached,
             });
-            ids.extend_from_slice(&self.requests[f.request].prompt[f.cached..f.cached + len]);
+            ids.extend_from_slice(&self.prompts[f.request][f.cached..f.cached + len]);
         }
         let step = BatchStep {
             lane,
@@ -440,9 +523,36 @@ impl State<'_> {
             release_us: Some(release),
             logits: false,
             allow: None,
-            kv_copies: Vec::new(),
+            kv_copies: copies,
         };
         Some((step, InFlight::Chunk(taken, len)))
+    }
+
+    /// Waiting requests join `lane`'s filling prompts while it has room and slots are free,
+    /// each in the slot the prefix cache gives it: the copies that bring their cached
+    /// prefixes, and the steps those and the slots wait for.
+    fn take_slots(&mut self, lane: usize) -> (Vec<KvCopy>, Vec<SpanId>) {
+        let (mut copies, mut deps) = (Vec::new(), Vec::new());
+        let l = &self.lanes[lane];
+        let mut room = (self.per_lane).saturating_sub(l.seqs.len() + l.filling.len());
+        while room > 0 && self.cache.free() > 0 {
+            let Some(request) = self.waiting.pop_front() else {
+                break;
+            };
+            let Some(t) = self.cache.take(&self.prompts[request]) else {
+                self.waiting.push_front(request);
+                break;
+            };
+            deps.extend([self.freed_by[t.slot], t.written_by]);
+            copies.extend(t.copy);
+            self.lanes[lane].filling.push(Filling {
+                request,
+                slot: t.slot,
+                cached: t.reused,
+            });
+            room -= 1;
+        }
+        (copies, deps)
     }
 
     /// A decode step of every sequence `lane` runs; `None` when it runs none.
@@ -534,10 +644,12 @@ impl State<'_> {
         let mut unfinished = Vec::new();
         for (mut f, &token) in taken.into_iter().zip(tokens) {
             f.cached += len;
-            if f.cached < self.requests[f.request].prompt.len() {
+            if f.cached < self.prompts[f.request].len() {
                 unfinished.push(f);
                 continue;
             }
+            // The prompt's KV is on the device: later prompts may reuse it.
+            self.cache.register(f.slot, &self.prompts[f.request], span);
             self.outcomes[f.request].first_span = span;
             started.push(Running {
                 request: f.request,
@@ -566,10 +678,14 @@ impl State<'_> {
         if out.tokens.len() >= self.requests[s.request].max_new {
             out.done_s = Some(now);
             out.last_span = span;
-            self.free.push(s.slot);
+            // Its KV holds the prompt and every token but the last (sampled, never fed).
+            let mut held = self.prompts[s.request].clone();
+            held.extend_from_slice(&out.tokens[..out.tokens.len() - 1]);
+            self.cache.release(s.slot, &held, span);
             self.freed_by[s.slot] = span;
             self.done += 1;
             progress(self.done);
+            self.next_turn(s.request, now, progress);
         } else {
             self.lanes[lane].seqs.push(s);
         }

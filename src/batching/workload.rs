@@ -149,6 +149,10 @@ pub struct ServeRequest {
     pub prompt: Vec<u32>,
     /// Tokens to generate (>= 1; the first comes from the prefill).
     pub max_new: usize,
+    /// A later turn of a multi-turn session: the request whose prompt and answer come first
+    /// in this one's prompt. It is sent when that one is done (its `arrival_s` is then
+    /// unused), and `prompt` holds only its new turn.
+    pub follows: Option<usize>,
 }
 
 impl WorkloadSpec {
@@ -197,6 +201,7 @@ impl WorkloadSpec {
                     arrival_s: t,
                     prompt,
                     max_new,
+                    follows: None,
                 }
             })
             .collect()
@@ -250,12 +255,76 @@ impl LongPrompt {
             arrival_s: self.at_s,
             prompt,
             max_new,
+            follows: None,
         };
         requests.insert(at, long);
         for (id, r) in requests.iter_mut().enumerate() {
             r.id = id;
+            r.follows = r.follows.map(|p| if p >= at { p + 1 } else { p });
         }
         requests
+    }
+}
+
+/// Prompts that repeat, as chat and agent traffic does (`bench serve --shared-prefix N
+/// --turns T`): every session's first prompt starts with one system prompt of
+/// `shared_prefix` tokens, and each of `--requests` sessions makes `turns` requests, each
+/// later one repeating the previous request's prompt and answer and adding a new user turn
+/// of `--prompt-len` tokens, sent when the previous answer is done.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Sessions {
+    /// Tokens of the system prompt every session starts with (0: none).
+    pub shared_prefix: usize,
+    /// Requests per session (1: single-turn).
+    pub turns: usize,
+}
+
+impl Sessions {
+    /// Whether it changes the workload at all.
+    pub fn any(&self) -> bool {
+        self.shared_prefix > 0 || self.turns > 1
+    }
+
+    /// The longest whole prompt a session sends, with user turns of up to `prompt` tokens
+    /// and answers of up to `output`.
+    pub fn longest_prompt(&self, prompt: usize, output: usize) -> usize {
+        let turns = self.turns.max(1);
+        self.shared_prefix + turns * prompt + (turns - 1) * output
+    }
+
+    /// `spec`'s requests as sessions: the first turns arrive on `spec`'s clock, session after
+    /// session, each followed by its later turns (drawn from `spec`'s lengths, another seed);
+    /// token ids below `vocab`.
+    pub fn generate(&self, spec: &WorkloadSpec, vocab: usize) -> Vec<ServeRequest> {
+        let firsts = spec.generate(vocab);
+        let turns = self.turns.max(1);
+        let mut later = WorkloadSpec {
+            requests: firsts.len() * (turns - 1),
+            rate: Rate::Burst,
+            seed: spec.seed ^ 0x7475_726e,
+            ..spec.clone()
+        }
+        .generate(vocab)
+        .into_iter();
+        let mut rng = ChaCha8Rng::seed_from_u64(spec.seed ^ 0x7379_7374);
+        let system: Vec<u32> = (0..self.shared_prefix)
+            .map(|_| rng.random_range(0..vocab.max(1) as u32))
+            .collect();
+        let mut out = Vec::with_capacity(firsts.len() * turns);
+        for mut first in firsts {
+            first.prompt.splice(0..0, system.iter().copied());
+            let at = first.arrival_s;
+            out.push(first);
+            for _ in 1..turns {
+                let mut next = later.next().expect("one request per later turn");
+                (next.arrival_s, next.follows) = (at, Some(out.len() - 1));
+                out.push(next);
+            }
+        }
+        for (id, r) in out.iter_mut().enumerate() {
+            r.id = id;
+        }
+        out
     }
 }
 
@@ -319,6 +388,36 @@ mod tests {
         }
         .generate(100);
         assert!(burst.iter().all(|r| r.arrival_s == 0.0));
+    }
+
+    #[test]
+    fn sessions_share_a_system_prompt_and_chain_their_turns() {
+        let spec = WorkloadSpec {
+            requests: 3,
+            rate: Rate::PerSecond(10.0),
+            prompt_len: Length::Uniform { min: 2, max: 6 },
+            output_len: Length::Fixed(3),
+            seed: 4,
+        };
+        let s = Sessions {
+            shared_prefix: 5,
+            turns: 2,
+        };
+        let all = s.generate(&spec, 50);
+        assert_eq!(all.len(), 6);
+        assert!(all.iter().enumerate().all(|(i, r)| r.id == i));
+        let firsts: Vec<_> = all.iter().step_by(2).collect();
+        assert!(firsts.iter().all(|r| r.follows.is_none()
+            && r.prompt[..5] == firsts[0].prompt[..5]
+            && (7..=11).contains(&r.prompt.len())));
+        for (i, r) in all.iter().enumerate().skip(1).step_by(2) {
+            assert_eq!(r.follows, Some(i - 1));
+            assert_eq!(r.arrival_s, all[i - 1].arrival_s);
+            assert!((2..=6).contains(&r.prompt.len()));
+        }
+        assert!(all.windows(2).all(|w| w[0].arrival_s <= w[1].arrival_s));
+        assert_eq!(s.longest_prompt(6, 3), 5 + 12 + 3);
+        assert!(!Sessions::default().any());
     }
 
     #[test]

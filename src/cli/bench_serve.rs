@@ -10,7 +10,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use wgpar::batching::{
-    serve, Length, LongPrompt, Rate, ServeOptions, ServeRequest, ServeRun, WorkloadSpec,
+    serve, Length, LongPrompt, Rate, ServeOptions, ServeRequest, ServeRun, Sessions, WorkloadSpec,
 };
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
@@ -63,6 +63,17 @@ pub struct ServeArgs {
     /// 512. Not with --url (the server has its own).
     #[arg(long, value_name = "N")]
     max_step_tokens: Option<usize>,
+    /// Prefill every prompt whole: no reuse of the KV of a cached prefix. Not with --url.
+    #[arg(long)]
+    no_prefix_cache: bool,
+    /// Every session's first prompt starts with the same system prompt of N tokens.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    shared_prefix: usize,
+    /// Multi-turn sessions: each of --requests sessions makes T requests, each later one
+    /// repeating the previous prompt and its answer, then a new turn of --prompt-len tokens,
+    /// sent when the previous answer is done.
+    #[arg(long, value_name = "T", default_value_t = 1)]
+    turns: usize,
     /// Write the run's timeline as a Chrome trace (replay it with `wgpar project`).
     #[arg(long, value_name = "FILE")]
     trace: Option<String>,
@@ -84,6 +95,7 @@ struct Output<'a> {
     model: &'a str,
     strategy: String,
     workload: &'a WorkloadSpec,
+    sessions: Sessions,
     options: &'a ServeOptions,
     long_prompt: Option<LongPrompt>,
     #[serde(flatten)]
@@ -103,7 +115,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     super::options::create_trace_file(args.trace.as_ref())?;
     let mut built = build(args, &config, &opts)?;
     if !args.json {
-        print_header(&config, &spec, &opts, &built)?;
+        print_header(&config, (&spec, sessions(args)), &opts, &built)?;
     }
     let recorder = Recorder::new().with_device_timing(DeviceTiming::Off);
     let run = warm_then_measure(
@@ -118,6 +130,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         opts: &opts,
         built: &built,
         long_prompt: args.long_prompt,
+        sessions: sessions(args),
     };
     if let Some(path) = &args.trace {
         write_trace(args.json, path, &recorder, &run, &what)?;
@@ -151,6 +164,22 @@ fn workload(args: &ServeArgs) -> Result<WorkloadSpec> {
     };
     spec.check()
         .map_err(|detail| WgparError::option("workload", detail))?;
+    if args.turns == 0 || args.turns > 1024 {
+        return Err(WgparError::option(
+            "--turns",
+            format!("--turns {} must be within 1..=1024", args.turns),
+        ));
+    }
+    let sessions = sessions(args);
+    WorkloadSpec {
+        requests: spec.requests.saturating_mul(args.turns),
+        prompt_len: Length::Fixed(
+            sessions.longest_prompt(spec.prompt_len.max(), spec.output_len.max()),
+        ),
+        ..spec.clone()
+    }
+    .check()
+    .map_err(|detail| WgparError::option("--turns", detail))?;
     if let Some(long) = args.long_prompt {
         // Longer than every drawn prompt, so its outcome is the one of its length.
         if long.tokens <= spec.prompt_len.max() {
@@ -165,6 +194,14 @@ fn workload(args: &ServeArgs) -> Result<WorkloadSpec> {
         }
     }
     Ok(spec)
+}
+
+/// The shared system prompt and the turns of each session.
+fn sessions(args: &ServeArgs) -> Sessions {
+    Sessions {
+        shared_prefix: args.shared_prefix,
+        turns: args.turns,
+    }
 }
 
 /// Refuses `--schedule gpipe`, which has no place in continuous batching.
@@ -185,6 +222,7 @@ fn serve_options(args: &ServeArgs) -> Result<ServeOptions> {
         max_batch: args.max_batch,
         max_prefill_tokens: args.max_prefill_tokens,
         max_step_tokens: (args.max_step_tokens).unwrap_or(wgpar::batching::DEFAULT_STEP_TOKENS),
+        prefix_cache: !args.no_prefix_cache,
     };
     wgpar::batching::check_options(&opts)?;
     Ok(opts)
@@ -193,7 +231,7 @@ fn serve_options(args: &ServeArgs) -> Result<ServeOptions> {
 /// The two lines naming the model, the engine and the workload.
 fn print_header(
     config: &wgpar::model::ModelConfig,
-    spec: &WorkloadSpec,
+    (spec, sessions): (&WorkloadSpec, Sessions),
     opts: &ServeOptions,
     built: &Built,
 ) -> Result<()> {
@@ -213,6 +251,24 @@ fn print_header(
         spec.output_len,
         opts.max_batch,
         built.engine.lanes()
+    )?;
+    print_sessions(sessions)?;
+    outln!(
+        "prefix cache: {}",
+        if opts.prefix_cache { "on" } else { "off" }
+    )
+}
+
+/// The line on repeated prompts, when the workload has any.
+fn print_sessions(sessions: Sessions) -> Result<()> {
+    if !sessions.any() {
+        return Ok(());
+    }
+    outln!(
+        "every session: a shared system prompt of {} tokens, {} turn(s), each later turn \
+         repeating the one before and its answer",
+        sessions.shared_prefix,
+        sessions.turns
     )
 }
 
@@ -242,7 +298,7 @@ fn warm_then_measure(
 
 /// The workload's requests, with `--long-prompt`'s among them.
 fn requests(args: &ServeArgs, spec: &WorkloadSpec, vocab: usize) -> Vec<ServeRequest> {
-    let requests = spec.generate(vocab);
+    let requests = sessions(args).generate(spec, vocab);
     match args.long_prompt {
         Some(long) => long.insert(requests, args.output_len.max(), vocab, spec.seed),
         None => requests,
@@ -255,6 +311,7 @@ fn print_json(what: &TraceMeta<'_>, run: &ServeRun) -> Result<()> {
         model: &what.config.name,
         strategy: what.built.strategy.to_string(),
         workload: what.spec,
+        sessions: what.sessions,
         options: what.opts,
         long_prompt: what.long_prompt,
         run,
@@ -295,7 +352,7 @@ fn build(
     let strategy = serving_strategy(&args.strategy, selected.len(), opts.max_batch)?;
     let work = Workload {
         batch: opts.max_batch,
-        prompt: args.prompt_len.max(),
+        prompt: longest_prompt(args),
     };
     let auto = args.strategy.auto_placement(&args.memory);
     let setting = Setting {
@@ -330,7 +387,7 @@ fn build(
         &weights,
         dtype,
         &CommConfig::default(),
-        (opts.max_batch, args.prompt_len.max()),
+        (opts.max_batch, longest_prompt(args)),
     )?;
     if let Some((pacer, what)) = pacer {
         if !args.json {
@@ -349,11 +406,16 @@ fn build(
 /// The most tokens one step carries: a decode step of every slot, or prompt chunks within
 /// the step budget (prompts longer than that are prefilled over several steps).
 fn largest_step(args: &ServeArgs, opts: &ServeOptions) -> usize {
-    let longest = (args.prompt_len.max()).max(args.long_prompt.map_or(0, |l| l.tokens));
+    let longest = longest_prompt(args).max(args.long_prompt.map_or(0, |l| l.tokens));
     (opts.max_batch * longest)
         .min(opts.max_prefill_tokens)
         .min(opts.max_step_tokens)
         .max(opts.max_batch)
+}
+
+/// The longest whole prompt a session sends (a later turn holds the turns before it).
+fn longest_prompt(args: &ServeArgs) -> usize {
+    sessions(args).longest_prompt(args.prompt_len.max(), args.output_len.max())
 }
 
 /// The recorded run, with a progress bar unless the output is JSON.
@@ -386,6 +448,7 @@ struct TraceMeta<'a> {
     opts: &'a ServeOptions,
     built: &'a Built,
     long_prompt: Option<LongPrompt>,
+    sessions: Sessions,
 }
 
 /// Writes the run's trace with the metadata a projection needs.
@@ -426,6 +489,18 @@ fn write_trace(
 /// The run's metrics, refusals and pipeline accounting.
 fn print_run(run: &ServeRun) -> Result<()> {
     out!("{}", run.metrics.lines("Serving Benchmark Result"))?;
+    let p = &run.prefix;
+    outln!(
+        "{:<40}{:>14}",
+        "Prefix cache hits (prompts):",
+        format!("{}/{}", p.hits, p.queries)
+    )?;
+    outln!(
+        "{:<40}{:>14.1}",
+        "Prefix cache hit rate (tokens, %):",
+        p.token_hit_rate() * 100.0
+    )?;
+    outln!("{:<40}{:>14}", "Prompt tokens saved:", p.reused_tokens)?;
     for o in run.outcomes.iter().filter(|o| o.error.is_some()) {
         outln!(
             "refused: {}",
@@ -451,7 +526,7 @@ fn print_run(run: &ServeRun) -> Result<()> {
 /// which do fit.
 fn check_lengths_fit(args: &ServeArgs, config: &wgpar::model::ModelConfig) -> Result<()> {
     let long = args.long_prompt.map_or(0, |l| l.tokens);
-    let (prompt, output) = (args.prompt_len.max().max(long), args.output_len.max());
+    let (prompt, output) = (longest_prompt(args).max(long), args.output_len.max());
     // The last generated token is sampled, never cached.
     let longest = prompt + output - 1;
     if longest <= config.max_seq {
@@ -474,10 +549,16 @@ fn check_lengths_fit(args: &ServeArgs, config: &wgpar::model::ModelConfig) -> Re
         "context (tokens)",
         (longest as u64, config.max_seq as u64),
         format!(
-            "--prompt-len up to {prompt} and --output-len up to {output} need up to {longest} \
-         tokens of KV cache per request, but model '{}' holds {} (max_seq), so the longest \
-         requests would be refused; {advice}",
-            config.name, config.max_seq
+            "prompts up to {prompt} tokens{} and --output-len up to {output} need up to \
+             {longest} tokens of KV cache per request, but model '{}' holds {} (max_seq), so \
+             the longest requests would be refused; {advice}",
+            if sessions(args).any() {
+                " (--prompt-len with --shared-prefix and --turns)"
+            } else {
+                " (--prompt-len)"
+            },
+            config.name,
+            config.max_seq
         ),
     ))
 }
@@ -495,10 +576,15 @@ fn run_http(
             format!("--url '{url}': expected http://HOST:PORT"),
         ));
     }
-    if args.trace.is_some() || args.pace.is_some() || args.max_step_tokens.is_some() {
+    if args.trace.is_some()
+        || args.pace.is_some()
+        || args.max_step_tokens.is_some()
+        || args.no_prefix_cache
+    {
         return Err(WgparError::unsupported(
-            "--trace, --pace and --max-step-tokens record, pace and batch an engine run here; \
-             with --url the engine runs in the server"
+            "--trace, --pace, --max-step-tokens and --no-prefix-cache record, pace, batch and \
+             cache an engine run here; with --url the engine runs in the server (start it \
+             with --no-prefix-cache instead)"
                 .into(),
         ));
     }

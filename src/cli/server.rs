@@ -55,6 +55,9 @@ pub struct ServerArgs {
     /// 512; a decoder's option).
     #[arg(long, value_name = "TOKENS")]
     pub(super) max_step_tokens: Option<usize>,
+    /// Prefill every prompt whole: no reuse of the KV of a cached prefix (a decoder's option).
+    #[arg(long)]
+    pub(super) no_prefix_cache: bool,
     /// Requests that may wait for a KV slot; beyond, 503 with Retry-After.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
@@ -137,6 +140,7 @@ fn serve_options(args: &ServerArgs) -> ServeOptions {
         max_batch: args.max_batch,
         max_prefill_tokens: args.prefill_tokens(),
         max_step_tokens: args.step_tokens(),
+        prefix_cache: !args.no_prefix_cache,
     }
 }
 
@@ -286,6 +290,7 @@ fn prepared(args: &ServerArgs, config: ModelConfig) -> Result<Prepared> {
             max_prefill_tokens: args.prefill_tokens(),
             max_step_tokens: args.step_tokens(),
             fault: engine_fault(args)?,
+            prefix_cache: !args.no_prefix_cache,
         },
     };
     Ok(Prepared { config, text, opts })
@@ -470,6 +475,7 @@ pub(super) fn warm_up(
         max_batch: batch.slots,
         max_prefill_tokens: batch.max_prefill_tokens,
         max_step_tokens: batch.max_step_tokens,
+        prefix_cache: batch.prefix_cache,
     };
     serve(engine, &warm, &opts, Recorder::disabled(), &mut |_, _| {})?;
     Ok(())

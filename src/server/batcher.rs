@@ -6,6 +6,10 @@
 //! receiver is gone (the client disconnected, or a stop string ended it) leaves its lane at
 //! the lane's next step boundary and frees its KV slot. An engine error, or a panic on this
 //! thread, ends every request with that error and marks the server failed.
+//!
+//! Slots come from the prefix cache (`crate::batching::PrefixCache`): a prompt takes the free
+//! slot holding its longest cached prefix, or has that prefix copied into its slot by the step
+//! that carries its first chunk, and prefills only the rest.
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -18,11 +22,13 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::{Finish, Metrics};
 use super::Shared;
+use crate::batching::PrefixCache;
 use crate::error::Result;
 use crate::kernels::ops::allow_words;
 use crate::model::constraint::Constraint;
 use crate::model::sampling::{PickRules, Picked, RequestPicker, TokenLogprobs};
-use crate::parallel::{BatchStep, Fault, FaultKind, SeqRow, StepDone, StepEngine};
+use crate::parallel::{BatchStep, Fault, FaultKind, KvCopy, SeqRow, StepDone, StepEngine};
+use crate::trace::SpanId;
 
 /// What the engine sends a request.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,6 +119,8 @@ struct Seq {
     slot: usize,
     past: usize,
     next: u32,
+    /// Tokens fed after the prompt (scored and generated): the KV holds `prompt` and these.
+    tail: Vec<u32>,
     generated: usize,
     /// Tokens of `job.score` fed so far.
     scored: usize,
@@ -150,12 +158,15 @@ pub struct BatchOptions {
     /// Make the engine thread itself fail after `after` steps (tests of the failure path:
     /// `serve --inject-fault engine,kind=panic,at=step:N`).
     pub fault: Option<Fault>,
+    /// Reuse the KV of cached prompt prefixes (`--no-prefix-cache` turns it off).
+    pub prefix_cache: bool,
 }
 
 /// The scheduler's state between steps.
 struct Batcher {
     lanes: Vec<Lane>,
-    free: Vec<usize>,
+    /// The KV slots: which are free, and the prefixes they hold.
+    cache: PrefixCache,
     waiting: VecDeque<Job>,
     per_lane: usize,
     opts: BatchOptions,
@@ -184,7 +195,8 @@ pub fn run(
         lanes: (0..engine.lanes().max(1))
             .map(|_| Lane::default())
             .collect(),
-        free: (0..opts.slots).rev().collect(),
+        cache: PrefixCache::new(opts.slots, opts.prefix_cache)
+            .with_copies(crate::batching::copies_fit(engine.model_config())),
         waiting: VecDeque::new(),
         per_lane: opts.slots.div_ceil(engine.lanes().max(1)),
         opts,
@@ -292,7 +304,7 @@ impl Batcher {
     fn drop_failed(&mut self, s: Seq, why: String) {
         let _ = s.job.events.send(Event::Error(why));
         self.metrics.failed.inc();
-        self.free.push(s.slot);
+        release(&mut self.cache, &s);
     }
 
     fn running(&self) -> usize {
@@ -343,7 +355,7 @@ impl Batcher {
             lane.filling = keep;
             gone.extend(filling_gone);
             for s in gone {
-                self.free.push(s.slot);
+                release(&mut self.cache, &s);
                 if s.job.ending.stopped() && !s.job.ending.cancelled() {
                     let m = &self.metrics;
                     m.observe_done(s.job.accepted, s.first_at, s.generated, Finish::Stop);
@@ -373,42 +385,25 @@ impl Batcher {
     /// A chunk step for `lane`: its prompts part-way in first, then waiting requests while
     /// it has slots, within what the step budget leaves after the lane's decode tokens.
     fn plan_chunk(&mut self, lane: usize) -> Option<(BatchStep, Flight)> {
-        let l = &self.lanes[lane];
         let budget = crate::batching::chunk_budget(
             self.opts.max_step_tokens,
             self.opts.max_prefill_tokens,
-            l.seqs.len(),
+            self.lanes[lane].seqs.len(),
         );
-        let room = (self.per_lane)
-            .saturating_sub(l.seqs.len() + l.filling.len())
-            .min(self.free.len());
-        let filling = l.filling.len();
-        let remaining: Vec<usize> = (l.filling.iter())
+        if budget == 0 {
+            return None;
+        }
+        // Waiting requests take their slots (and cached prefixes) first, so the plan knows
+        // what each has left; a slot's copy rides on this step, which always runs.
+        let kv_copies = self.take_slots(lane);
+        let remaining: Vec<usize> = (self.lanes[lane].filling.iter())
             .map(|s| s.job.prompt.len() - s.past)
-            .chain(self.waiting.iter().take(room).map(|j| j.prompt.len()))
             .collect();
         let plan = crate::batching::plan_chunk(&remaining, budget)?;
-        let mut taken = Vec::new();
         // Remove from the back, so the indices before stay valid.
-        for &i in plan.picked.iter().rev() {
-            taken.push(if i < filling {
-                self.lanes[lane].filling.remove(i)
-            } else {
-                let job = self.waiting.remove(i - filling)?;
-                self.shared.queued.fetch_sub(1, Ordering::SeqCst);
-                self.metrics.observe_scheduled(job.accepted);
-                Seq {
-                    job,
-                    slot: self.free.pop()?,
-                    past: 0,
-                    next: 0,
-                    generated: 0,
-                    scored: 0,
-                    first_at: None,
-                    last_at: None,
-                }
-            });
-        }
+        let mut taken: Vec<Seq> = (plan.picked.iter().rev())
+            .map(|&i| self.lanes[lane].filling.remove(i))
+            .collect();
         taken.reverse();
         let len = plan.len;
         let rows = (taken.iter())
@@ -431,9 +426,47 @@ impl Batcher {
             release_us: None,
             logits: taken.iter().any(|s| s.job.picker.is_some()),
             allow,
-            kv_copies: Vec::new(),
+            kv_copies,
         };
         Some((step, Flight::Chunk(taken, len)))
+    }
+
+    /// Waiting requests join `lane`'s filling prompts while it has room and slots are free,
+    /// each in the slot the prefix cache gives it; the copies that bring their cached
+    /// prefixes.
+    fn take_slots(&mut self, lane: usize) -> Vec<KvCopy> {
+        let mut copies = Vec::new();
+        let l = &self.lanes[lane];
+        let mut room = (self.per_lane).saturating_sub(l.seqs.len() + l.filling.len());
+        while room > 0 {
+            let Some(job) = self.waiting.front() else {
+                break;
+            };
+            let Some(t) = self.cache.take(&job.prompt) else {
+                break;
+            };
+            let Some(job) = self.waiting.pop_front() else {
+                break;
+            };
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            self.metrics.observe_scheduled(job.accepted);
+            self.metrics
+                .observe_prefix(job.prompt.len(), t.reused, self.cache.enabled());
+            copies.extend(t.copy);
+            self.lanes[lane].filling.push(Seq {
+                job,
+                slot: t.slot,
+                past: t.reused,
+                next: 0,
+                tail: Vec::new(),
+                generated: 0,
+                scored: 0,
+                first_at: None,
+                last_at: None,
+            });
+            room -= 1;
+        }
+        copies
     }
 
     /// A decode step of every sequence `lane` runs; `None` when it runs none.
@@ -489,11 +522,21 @@ impl Batcher {
         let now = Instant::now();
         let mut unfinished = Vec::new();
         for (row, (mut s, &greedy)) in seqs.drain(..).zip(tokens).enumerate() {
-            s.past += chunk.unwrap_or(1);
+            match chunk {
+                Some(len) => s.past += len,
+                None => {
+                    s.past += 1;
+                    s.tail.push(s.next);
+                }
+            }
             if s.past < s.job.prompt.len() {
                 // Part of its prompt is still to come: this chunk's token is not its.
                 unfinished.push(s);
                 continue;
+            }
+            if chunk.is_some() {
+                // The prompt's KV is on the device: later prompts may reuse it.
+                self.cache.register(s.slot, &s.job.prompt, SpanId::NONE);
             }
             let logits = done.logits.as_ref().map(|l| l.row(row));
             self.advance(lane, s, greedy, logits, now)?;
@@ -583,7 +626,7 @@ impl Batcher {
         let _ = s.job.events.send(Event::Done { eos });
         let why = if eos { Finish::Stop } else { Finish::Length };
         (self.metrics).observe_done(s.job.accepted, s.first_at, s.generated, why);
-        self.free.push(s.slot);
+        release(&mut self.cache, &s);
     }
 
     /// Bubble and communication shares, from the engine's accounting.
@@ -604,7 +647,7 @@ impl Batcher {
         self.metrics.waiting.set(self.waiting.len() as i64);
         self.metrics
             .kv_slots_used
-            .set((self.opts.slots - self.free.len()) as i64);
+            .set((self.opts.slots - self.cache.free()) as i64);
         let held: usize = (self.lanes.iter())
             .map(|l| {
                 let prefill: usize = match &l.busy {
@@ -644,6 +687,15 @@ impl Batcher {
         self.metrics.kv_slots_used.set(0);
         self.metrics.kv_usage.set(0.0);
     }
+}
+
+/// `s` leaves: its slot frees, and what its KV holds stays cached for later prompts.
+fn release(cache: &mut PrefixCache, s: &Seq) {
+    let prompt = &s.job.prompt;
+    let mut held = prompt[..s.past.min(prompt.len())].to_vec();
+    held.extend_from_slice(&s.tail);
+    // The steps that wrote it have completed; the server records no timeline.
+    cache.release(s.slot, &held, SpanId::NONE);
 }
 
 /// A step's per-row masks for the device pick: the grammar's allowed tokens for rows with a

@@ -3,8 +3,11 @@
 //! dashboards and alerts written for vLLM carry over (docs/SERVING.md lists them;
 //! docs/grafana-wgpar.json is a dashboard of them).
 //!
-//! Not exported: a prefix-cache hit rate. The server has no prefix cache yet, and a series
-//! that always reads 0 would look like a cache that never hits.
+//! The prefix cache's counters count tokens, as vLLM's do: `prefix_cache_queries` the prompt
+//! tokens looked up, `prefix_cache_hits` those found cached (so not prefilled: the tokens
+//! saved); the hit rate is their ratio. `prefix_cache_requests` and
+//! `prefix_cache_request_hits` count prompts. With `--no-prefix-cache` nothing is looked up
+//! and all four stay 0.
 
 use std::sync::atomic::AtomicU64;
 use std::time::Instant;
@@ -50,6 +53,10 @@ pub struct Metrics {
     pub prompt_tokens: Counter,
     /// Tokens sent to clients.
     pub generation_tokens: Counter,
+    prefix_queries: Counter,
+    prefix_hits: Counter,
+    prefix_requests: Counter,
+    prefix_request_hits: Counter,
     success: Family<ReasonLabel, Counter>,
     /// Requests whose client went away (or stopped reading) before the end.
     pub cancelled: Counter,
@@ -86,6 +93,10 @@ impl Metrics {
             kv_slots: Gauge::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
+            prefix_queries: Counter::default(),
+            prefix_hits: Counter::default(),
+            prefix_requests: Counter::default(),
+            prefix_request_hits: Counter::default(),
             success: Family::default(),
             cancelled: Counter::default(),
             rejected: Counter::default(),
@@ -184,6 +195,29 @@ impl Metrics {
             ),
         ];
         register_each(r, counters);
+        let prefix = [
+            (
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                &self.prefix_queries,
+            ),
+            (
+                "prefix_cache_hits",
+                "Prompt tokens found in the prefix cache (reused, not prefilled)",
+                &self.prefix_hits,
+            ),
+            (
+                "prefix_cache_requests",
+                "Prompts looked up in the prefix cache",
+                &self.prefix_requests,
+            ),
+            (
+                "prefix_cache_request_hits",
+                "Prompts that reused cached tokens",
+                &self.prefix_request_hits,
+            ),
+        ];
+        register_each(r, prefix);
         r.register(
             "wgpar:request_success",
             "Requests that finished, by finished_reason (stop, length)",
@@ -231,6 +265,20 @@ impl Metrics {
     /// A token after the first: `gap` seconds after the one before it.
     pub fn observe_gap(&self, gap: f64) {
         self.itl.observe(gap);
+    }
+
+    /// A prompt of `prompt` tokens took a slot reusing `reused` cached ones (looked up only
+    /// when the cache is `on`).
+    pub fn observe_prefix(&self, prompt: usize, reused: usize, on: bool) {
+        if !on {
+            return;
+        }
+        self.prefix_queries.inc_by(prompt as u64);
+        self.prefix_hits.inc_by(reused as u64);
+        self.prefix_requests.inc();
+        if reused > 0 {
+            self.prefix_request_hits.inc();
+        }
     }
 
     /// A request's prefill was scheduled.
@@ -322,6 +370,18 @@ mod tests {
             text.contains("wgpar:inter_token_latency_seconds_bucket"),
             "{text}"
         );
-        assert!(!text.contains("prefix_cache"), "{text}");
+        // Prefix-cache counters count tokens; one off lookup counts nothing.
+        m.observe_prefix(40, 32, true);
+        m.observe_prefix(10, 0, true);
+        m.observe_prefix(99, 0, false);
+        let text = m.render();
+        for line in [
+            "wgpar:prefix_cache_queries_total{model_name=\"tiny\"} 50",
+            "wgpar:prefix_cache_hits_total{model_name=\"tiny\"} 32",
+            "wgpar:prefix_cache_requests_total{model_name=\"tiny\"} 2",
+            "wgpar:prefix_cache_request_hits_total{model_name=\"tiny\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
     }
 }

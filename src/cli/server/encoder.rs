@@ -51,6 +51,7 @@ fn refuse_for_encoder(args: &ServerArgs, model: &str) -> Result<()> {
     refuse("--gpu-memory", args.memory.gpu_memory.is_some())?;
     refuse("--max-prefill-tokens", args.max_prefill_tokens.is_some())?;
     refuse("--max-step-tokens", args.max_step_tokens.is_some())?;
+    refuse("--no-prefix-cache", args.no_prefix_cache)?;
     refuse("--seed", args.model.seed != DEFAULT_SEED)?;
     refuse("--chat-template", args.chat_template.is_some())?;
     refuse("--pace", args.pace.is_some())?;

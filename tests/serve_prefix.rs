@@ -1,0 +1,468 @@
+//! Prefix caching (issue 36). Against a model-free engine whose "KV" is each slot's token
+//! history (copies copy it, a row at `past` keeps only its first `past` tokens), every request
+//! of random shared-prefix and multi-turn workloads, on one lane or several, gets what its
+//! whole prompt gets alone: a reused prefix that was not the prompt's would change the tokens.
+//! On real engines, served with the cache, every request gets the tokens it gets with
+//! `--no-prefix-cache` (greedy), on one device, tensor parallel and a pipeline, for a prompt
+//! whose prefix is copied from a running sequence's slot and for multi-turn sessions that
+//! share a system prompt and reuse their previous turn in place; the cache is asserted to have
+//! hit, so the runs compare something. Over HTTP, a chat's second turn reuses the first
+//! turn's KV (`/metrics` hits grow) and answers as a server without the cache does.
+
+mod common;
+mod hf_support;
+mod serve_support;
+
+use std::collections::VecDeque;
+use std::process::Command;
+use std::time::Duration;
+
+use serve_support::Server;
+use wgpar::batching::{
+    serve, Length, Rate, ServeOptions, ServeRequest, ServeRun, Sessions, WorkloadSpec,
+};
+use wgpar::comm::CommConfig;
+use wgpar::device::DType;
+use wgpar::model::sampling::SamplingParams;
+use wgpar::model::{ModelConfig, ModelWeights};
+use wgpar::parallel::{
+    build_step_engine, BatchStep, Engine, PartitionSpec, Schedule, StepDone, StepEngine,
+    StepOutput, StepStats, Strategy,
+};
+use wgpar::trace::Recorder;
+use wgpar::{Result, WgparError};
+
+/// The mock's next token after `history`.
+fn next_token(history: &[u32], vocab: usize) -> u32 {
+    let h = history.iter().enumerate().fold(29u64, |acc, (i, &t)| {
+        acc.wrapping_mul(131)
+            .wrapping_add(t as u64 * (i as u64 + 7))
+    });
+    (h % vocab as u64) as u32
+}
+
+/// A model-free step engine: each slot's KV is the token history it was fed.
+struct Mock {
+    config: ModelConfig,
+    lanes: usize,
+    history: Vec<Vec<u32>>,
+    in_flight: VecDeque<StepDone>,
+    /// Copies made, and rows that started past 0 on a slot holding more (in-place reuse).
+    copies: usize,
+    in_place: usize,
+    turn: usize,
+}
+
+impl Engine for Mock {
+    fn name(&self) -> String {
+        "history mock".into()
+    }
+    fn prefill_step(&mut self, _: &[Vec<u32>], _: bool) -> Result<StepOutput> {
+        Err(WgparError::Config("not used".into()))
+    }
+    fn decode_step(&mut self, _: &[u32], _: bool) -> Result<StepOutput> {
+        Err(WgparError::Config("not used".into()))
+    }
+    fn set_sampling(&mut self, _: SamplingParams) -> Result<()> {
+        Err(WgparError::Config("not used".into()))
+    }
+    fn last_step(&self) -> Option<StepStats> {
+        None
+    }
+    fn set_recorder(&mut self, _: Recorder) {}
+}
+
+impl StepEngine for Mock {
+    fn model_config(&self) -> &ModelConfig {
+        &self.config
+    }
+    fn lanes(&self) -> usize {
+        self.lanes
+    }
+    fn reserve_slots(&mut self, slots: usize) -> Result<()> {
+        self.history = vec![Vec::new(); slots];
+        Ok(())
+    }
+    fn slots(&self) -> usize {
+        self.history.len()
+    }
+    /// Runs the step at once (as a device runs steps in submission order), copies first.
+    fn submit(&mut self, step: BatchStep) -> Result<()> {
+        for c in &step.kv_copies {
+            assert!(self.history[c.from].len() >= c.tokens, "{c:?}");
+            self.history[c.to] = self.history[c.from][..c.tokens].to_vec();
+            self.copies += 1;
+        }
+        let mut tokens = Vec::new();
+        for (i, row) in step.rows.iter().enumerate() {
+            let h = &mut self.history[row.slot];
+            assert!(
+                row.past <= h.len(),
+                "slot {} holds {} < {}",
+                row.slot,
+                h.len(),
+                row.past
+            );
+            if row.past > 0 && row.past < h.len() && step.seq > 1 {
+                self.in_place += 1;
+            }
+            h.truncate(row.past);
+            h.extend_from_slice(&step.ids[i * step.seq..(i + 1) * step.seq]);
+            assert!(h.len() <= self.config.max_seq);
+            tokens.push(next_token(h, self.config.vocab));
+        }
+        self.in_flight.push_back(StepDone {
+            lane: step.lane,
+            tokens,
+            logits: None,
+            span: wgpar::trace::SpanId::NONE,
+        });
+        Ok(())
+    }
+    fn complete(&mut self, timeout: Option<Duration>) -> Result<Option<StepDone>> {
+        if self.in_flight.is_empty() {
+            if let Some(t) = timeout {
+                std::thread::sleep(t.min(Duration::from_millis(1)));
+            }
+            return Ok(None);
+        }
+        // A step takes a while, so later sessions arrive while earlier ones run; lanes finish
+        // out of order, as a pipeline's micro-batches may.
+        std::thread::sleep(Duration::from_micros(300));
+        self.turn += 1;
+        let pick = self.turn % self.in_flight.len();
+        Ok(self.in_flight.remove(pick))
+    }
+}
+
+/// What each request gets alone: its whole prompt (a later turn's holds the turns before and
+/// their answers), then greedy tokens.
+fn alone_sessions(requests: &[ServeRequest], vocab: usize) -> Vec<Vec<u32>> {
+    let mut whole: Vec<Vec<u32>> = Vec::new();
+    let mut out: Vec<Vec<u32>> = Vec::new();
+    for r in requests {
+        let mut h = match r.follows {
+            Some(p) => [whole[p].clone(), out[p].clone()].concat(),
+            None => Vec::new(),
+        };
+        h.extend_from_slice(&r.prompt);
+        whole.push(h.clone());
+        let mut got = Vec::new();
+        for _ in 0..r.max_new {
+            let t = next_token(&h, vocab);
+            got.push(t);
+            h.push(t);
+        }
+        out.push(got);
+    }
+    out
+}
+
+#[test]
+fn reused_prefixes_are_the_prompts_own_on_one_lane_or_several() {
+    let (mut copies, mut in_place) = (0, 0);
+    for (seed, lanes, slots, step) in [(1, 1, 3, 512), (2, 2, 4, 9), (3, 3, 3, 6), (4, 1, 2, 5)] {
+        let spec = WorkloadSpec {
+            requests: 7,
+            rate: Rate::PerSecond(400.0),
+            prompt_len: Length::Uniform { min: 1, max: 9 },
+            output_len: Length::Uniform { min: 1, max: 5 },
+            seed,
+        };
+        let requests = Sessions {
+            shared_prefix: 17 + seed as usize,
+            turns: 3,
+        }
+        .generate(&spec, 40);
+        let mut engine = Mock {
+            config: ModelConfig {
+                max_seq: 80,
+                vocab: 40,
+                ..ModelConfig::preset("tiny-llama").unwrap()
+            },
+            lanes,
+            history: Vec::new(),
+            in_flight: VecDeque::new(),
+            copies: 0,
+            in_place: 0,
+            turn: 0,
+        };
+        let opts = ServeOptions {
+            max_batch: slots,
+            max_prefill_tokens: 64,
+            max_step_tokens: step,
+            prefix_cache: true,
+        };
+        let run = serve(
+            &mut engine,
+            &requests,
+            &opts,
+            Recorder::disabled(),
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let want = alone_sessions(&requests, 40);
+        for (o, w) in run.outcomes.iter().zip(&want) {
+            assert_eq!(o.error, None, "seed {seed} request {}", o.id);
+            assert_eq!(&o.tokens, w, "seed {seed} request {}", o.id);
+        }
+        let p = run.prefix;
+        assert_eq!(p.queries, 21, "seed {seed}");
+        // A later turn finds its previous turn's slot unless a waiting request took it first.
+        assert!(p.hits > 0 && p.reused_tokens > 0, "seed {seed}: {p:?}");
+        assert_eq!(p.copies as usize, engine.copies, "seed {seed}");
+        (copies, in_place) = (copies + engine.copies, in_place + engine.in_place);
+    }
+    assert!(in_place > 0, "{copies} copies, {in_place} in place");
+    // The copy scenario the real engines run below, on the mock.
+    let requests = copied_prefix(40);
+    let mut engine = Mock {
+        config: ModelConfig {
+            max_seq: 80,
+            vocab: 40,
+            ..ModelConfig::preset("tiny-llama").unwrap()
+        },
+        lanes: 1,
+        history: Vec::new(),
+        in_flight: VecDeque::new(),
+        copies: 0,
+        in_place: 0,
+        turn: 0,
+    };
+    let opts = ServeOptions {
+        max_batch: 2,
+        max_prefill_tokens: 128,
+        max_step_tokens: 512,
+        prefix_cache: true,
+    };
+    let run = serve(
+        &mut engine,
+        &requests,
+        &opts,
+        Recorder::disabled(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let want = alone_sessions(&requests, 40);
+    assert!(run.outcomes.iter().zip(&want).all(|(o, w)| &o.tokens == w));
+    assert_eq!(
+        (engine.copies, run.prefix.copies, run.prefix.reused_tokens),
+        (1, 1, 32)
+    );
+}
+
+fn strategies() -> Vec<(&'static str, Strategy, usize)> {
+    let pipeline = Strategy::Pipeline {
+        partition: PartitionSpec::Even,
+        micro_batches: 2,
+        schedule: Schedule::InFlight,
+    };
+    vec![
+        ("single", Strategy::Single, 1),
+        ("tp2", Strategy::Tensor { split: None }, 2),
+        ("pp2 m=2", pipeline, 2),
+    ]
+}
+
+fn request(id: usize, prompt: Vec<u32>, max_new: usize) -> ServeRequest {
+    ServeRequest {
+        id,
+        arrival_s: 0.0,
+        prompt,
+        max_new,
+        follows: None,
+    }
+}
+
+/// Two slots, all at once: the first two prompts prefill together; the second answers with its
+/// prefill and frees its slot, which the third takes with the first's 32-token prefix (two
+/// blocks) copied from the first, still running.
+fn copied_prefix(vocab: u32) -> Vec<ServeRequest> {
+    let token = |i: u32| (i * 37 + 11) % vocab;
+    let shared: Vec<u32> = (0..32).map(token).collect();
+    let with = |tail: &[u32]| [shared.clone(), tail.to_vec()].concat();
+    let other: Vec<u32> = (100..134).map(token).collect();
+    vec![
+        request(0, with(&[5, 6]), 10),
+        request(1, other, 1),
+        request(2, with(&[7, 8, 9]), 4),
+    ]
+}
+
+/// Three sessions of three turns behind a 20-token system prompt, two slots.
+fn sessions(vocab: usize) -> Vec<ServeRequest> {
+    let spec = WorkloadSpec {
+        requests: 3,
+        rate: Rate::Burst,
+        prompt_len: Length::Uniform { min: 3, max: 6 },
+        output_len: Length::Uniform { min: 2, max: 4 },
+        seed: 31,
+    };
+    Sessions {
+        shared_prefix: 20,
+        turns: 3,
+    }
+    .generate(&spec, vocab)
+}
+
+fn run(label: &str, strategy: &Strategy, n: usize, reqs: &[ServeRequest], cache: bool) -> ServeRun {
+    let gpus = common::gpus(n);
+    let config = ModelConfig {
+        layers: 2,
+        max_seq: 64,
+        ..ModelConfig::preset("tiny-llama").unwrap()
+    };
+    let weights = ModelWeights::synthetic(&config, 23);
+    let mut engine = build_step_engine(
+        strategy,
+        &gpus,
+        &weights,
+        DType::F32,
+        &CommConfig::default(),
+        (2, 48),
+    )
+    .unwrap();
+    let opts = ServeOptions {
+        max_batch: 2,
+        max_prefill_tokens: 128,
+        max_step_tokens: 512,
+        prefix_cache: cache,
+    };
+    serve(
+        engine.as_mut(),
+        reqs,
+        &opts,
+        Recorder::new(),
+        &mut |_, _| {},
+    )
+    .unwrap_or_else(|e| panic!("{label} (cache {cache}): {e}"))
+}
+
+/// Served with and without the cache: the same tokens for every request, none refused.
+fn same_tokens(label: &str, with: &ServeRun, without: &ServeRun) {
+    assert_eq!(with.outcomes.len(), without.outcomes.len());
+    for (a, b) in with.outcomes.iter().zip(&without.outcomes) {
+        assert_eq!((&a.error, &b.error), (&None, &None), "{label} {}", a.id);
+        assert_eq!(a.prompt_len, b.prompt_len, "{label} {}", a.id);
+        assert_eq!(a.tokens.len(), a.max_new, "{label} {}", a.id);
+        assert_eq!(a.tokens, b.tokens, "{label} request {}", a.id);
+    }
+    assert_eq!(
+        without.prefix,
+        Default::default(),
+        "{label}: the cache was off"
+    );
+}
+
+#[test]
+fn cached_prefixes_give_the_tokens_of_whole_prefills_on_every_strategy() {
+    let vocab = ModelConfig::preset("tiny-llama").unwrap().vocab;
+    for (label, strategy, n) in strategies() {
+        let copied = copied_prefix(vocab as u32);
+        let with = run(label, &strategy, n, &copied, true);
+        same_tokens(label, &with, &run(label, &strategy, n, &copied, false));
+        let p = with.prefix;
+        assert_eq!((p.queries, p.hits, p.copies), (3, 1, 1), "{label}: {p:?}");
+        assert_eq!(p.reused_tokens, 32, "{label}: {p:?}");
+
+        let chats = sessions(vocab);
+        let with = run(label, &strategy, n, &chats, true);
+        same_tokens(label, &with, &run(label, &strategy, n, &chats, false));
+        let p = with.prefix;
+        // Every later turn reuses at least its previous turn's prompt (>= 23 tokens).
+        assert_eq!(p.queries, 9, "{label}: {p:?}");
+        assert!(p.hits >= 6 && p.reused_tokens >= 6 * 23, "{label}: {p:?}");
+        let later: usize = (with.outcomes.iter().zip(&chats))
+            .filter(|(_, r)| r.follows.is_some())
+            .map(|(o, _)| o.prompt_len)
+            .sum();
+        assert!(later > 6 * 23, "{label}: later turns hold the earlier ones");
+    }
+}
+
+/// `wgpar serve` of the chat checkpoint on a free port, cache on or off.
+fn chat_server(dir: &hf_support::Scratch, cache: bool) -> Server {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_wgpar"));
+    cmd.args(["serve", "--port", "0", "--served-model-name", "m"])
+        .args(["--model", dir.to_str().unwrap(), "--max-batch", "2"]);
+    if !cache {
+        cmd.arg("--no-prefix-cache");
+    }
+    Server::spawn(cmd, Duration::from_secs(300))
+}
+
+/// The reply to `messages` (greedy, 6 tokens).
+fn reply(server: &Server, messages: &serde_json::Value) -> String {
+    let body = serde_json::json!({"model": "m", "messages": messages, "max_tokens": 6,
+        "temperature": 0, "ignore_eos": true});
+    let (code, text) = server.post("/v1/chat/completions", &body.to_string());
+    assert_eq!(code, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// Two turns of a chat; the hits (tokens) `/metrics` counted after each.
+fn two_turns(server: &Server) -> (Vec<String>, [f64; 2]) {
+    let words = |from: usize, n: usize| {
+        (from..from + n)
+            .map(|i| format!("t{}", 7 + i * 13 % 300))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let mut messages = serde_json::json!([
+        {"role": "system", "content": words(0, 20)},
+        {"role": "user", "content": words(40, 9)},
+    ]);
+    let first = reply(server, &messages);
+    let after_first = server.metric("wgpar:prefix_cache_hits_total");
+    let list = messages.as_array_mut().unwrap();
+    list.push(serde_json::json!({"role": "assistant", "content": first}));
+    list.push(serde_json::json!({"role": "user", "content": words(80, 7)}));
+    let second = reply(server, &messages);
+    let after_second = server.metric("wgpar:prefix_cache_hits_total");
+    (vec![first, second], [after_first, after_second])
+}
+
+#[test]
+fn a_chats_second_turn_reuses_the_first_over_http() {
+    let (dir, _) = hf_support::chat_checkpoint("serve-prefix-chat");
+    let mut cached = chat_server(&dir, true);
+    let (with, hits) = two_turns(&cached);
+    let queries = cached.metric("wgpar:prefix_cache_queries_total");
+    cached.terminate(Duration::from_secs(60));
+    let mut plain = chat_server(&dir, false);
+    let (without, off_hits) = two_turns(&plain);
+    let off_queries = plain.metric("wgpar:prefix_cache_queries_total");
+    plain.terminate(Duration::from_secs(60));
+    assert_eq!(with, without, "the same replies with and without the cache");
+    assert!(
+        with.iter().all(|r| r.split_whitespace().count() >= 3),
+        "{with:?}"
+    );
+    // The second prompt starts with the first's BOS, system and user messages (32 tokens:
+    // t2, t4 + 20 words, t4 + 9 words), which its slot still holds.
+    assert_eq!(hits, [0.0, 32.0], "nothing cached before the first turn");
+    assert!(queries > hits[1], "{queries} tokens looked up");
+    assert_eq!((off_hits, off_queries), ([0.0, 0.0], 0.0));
+}
+
+#[test]
+fn no_prefix_cache_is_refused_with_a_url_and_turns_must_be_positive() {
+    let (ok, _, err) = common::wgpar(&[
+        "bench",
+        "serve",
+        "--model",
+        "tiny-llama",
+        "--url",
+        "http://127.0.0.1:9",
+        "--no-prefix-cache",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("--no-prefix-cache"), "{err}");
+    let (ok, _, err) = common::wgpar(&["bench", "serve", "--model", "tiny-llama", "--turns", "0"]);
+    assert!(!ok);
+    assert!(err.contains("--turns"), "{err}");
+}
