@@ -440,6 +440,7 @@ impl State<'_> {
             release_us: Some(release),
             logits: false,
             allow: None,
+            adjust: None,
         };
         Some((step, InFlight::Chunk(taken, len)))
     }
@@ -469,6 +470,7 @@ impl State<'_> {
             release_us: None,
             logits: false,
             allow: None,
+            adjust: None,
         };
         Some((step, InFlight::Decode))
     }

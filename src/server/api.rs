@@ -341,7 +341,11 @@ fn logprobs(obj: &Map<String, Value>, route: Route) -> Result<(Option<usize>, bo
     ))
 }
 
-/// `logit_bias`: token id (a string, as OpenAI's JSON keys) to a bias in -100..=100.
+/// Most `logit_bias` entries a request may give (OpenAI's own cap).
+pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// `logit_bias`: token id (a string, as OpenAI's JSON keys) to a bias in -100..=100, at most
+/// [`MAX_LOGIT_BIAS`] entries, each token once.
 fn logit_bias(obj: &Map<String, Value>, vocab: usize) -> Result<Vec<(u32, f32)>, Invalid> {
     let Some(v) = field(obj, "logit_bias") else {
         return Ok(Vec::new());
@@ -352,7 +356,17 @@ fn logit_bias(obj: &Map<String, Value>, vocab: usize) -> Result<Vec<(u32, f32)>,
             format!("'logit_bias' must map token ids to numbers, not {v}"),
         ));
     };
-    map.iter()
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(Invalid::new(
+            "logit_bias",
+            format!(
+                "'logit_bias' has {} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                map.len()
+            ),
+        ));
+    }
+    let entries: Vec<(u32, f32)> = map
+        .iter()
         .map(|(k, b)| {
             let id = k.parse::<u32>().ok().filter(|&t| (t as usize) < vocab);
             match (id, b.as_f64()) {
@@ -363,7 +377,16 @@ fn logit_bias(obj: &Map<String, Value>, vocab: usize) -> Result<Vec<(u32, f32)>,
                 )),
             }
         })
-        .collect()
+        .collect::<Result<_, _>>()?;
+    let mut ids: Vec<u32> = entries.iter().map(|e| e.0).collect();
+    ids.sort_unstable();
+    if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Invalid::new(
+            "logit_bias",
+            format!("'logit_bias' names token {} twice", w[0]),
+        ));
+    }
+    Ok(entries)
 }
 
 /// The pick: sampling, bias, allow-list, penalties and min-p.

@@ -50,6 +50,8 @@ pub struct Metrics {
     pub prompt_tokens: Counter,
     /// Tokens sent to clients.
     pub generation_tokens: Counter,
+    /// Rows of steps whose logits came back to the host (a request picked there).
+    pub logits_rows: Counter,
     success: Family<ReasonLabel, Counter>,
     /// Requests whose client went away (or stopped reading) before the end.
     pub cancelled: Counter,
@@ -86,6 +88,7 @@ impl Metrics {
             kv_slots: Gauge::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
+            logits_rows: Counter::default(),
             success: Family::default(),
             cancelled: Counter::default(),
             rejected: Counter::default(),
@@ -166,6 +169,11 @@ impl Metrics {
                 "generation_tokens",
                 "Generation tokens processed",
                 &self.generation_tokens,
+            ),
+            (
+                "logits_readback_rows",
+                "Step rows whose logits were read back for a host pick",
+                &self.logits_rows,
             ),
             (
                 "requests_cancelled",
