@@ -7,6 +7,14 @@
 //         may be picked only where bit t % 32 of allow[b * allow_words + t / 32] is set (a
 //         structured-output grammar's mask, uploaded per step); the count of non-finite
 //         logits still covers every token
+// adjust: (read only when p.adjusted != 0) sparse per-row changes to logits before the pick
+//         (logit bias and penalties): word 0 = n, the rows that have a range; words 1 ..= n + 1
+//         = entry offsets (row b's entries are [adjust[1 + b], adjust[2 + b])); entry e at
+//         word n + 2 + 4e = (token, add, repetition, sub), the floats as bits, each row's
+//         entries sorted by token. Token t's logit x becomes x + add, then divided by
+//         repetition where positive and multiplied by it where not (1: unchanged), then
+//         minus sub (+inf bans the token), in the host sampler's order. The count of
+//         non-finite logits is of the logits before any change.
 // out:    [2][batch] u32: out[b] = the token of row b; out[batch + b] = how many of the row's
 //         logits are not finite (NaN or +-inf), so the host can refuse them instead of emitting
 //         tokens
@@ -23,15 +31,17 @@ struct Params {
     top_p: f32,
     // Words of `allow` per row; 0: every token may be picked.
     allow_words: u32,
-    _pad1: u32,
-    _pad2: u32,
+    // 1: `adjust` applies; 0: it is not read.
+    adjusted: u32,
+    _pad: u32,
 }
 
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
 @group(0) @binding(1) var<storage, read> draws: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<u32>;
 @group(0) @binding(3) var<storage, read> allow: array<u32>;
-@group(0) @binding(4) var<uniform> p: Params;
+@group(0) @binding(4) var<storage, read> adjust: array<u32>;
+@group(0) @binding(5) var<uniform> p: Params;
 
 const WG: u32 = 256u;
 const MAX_K: u32 = 64u;
@@ -84,6 +94,36 @@ fn open(row: u32, c: u32) -> bool {
     return ((allow[row * p.allow_words + c / 32u] >> (c % 32u)) & 1u) == 1u;
 }
 
+// Logit x of token c of `row` after the row's adjustment of c, if it has one (a binary
+// search of the row's entries, sorted by token).
+fn adjusted(row: u32, c: u32, x: f32) -> f32 {
+    let n = adjust[0];
+    if (row >= n) {
+        return x;
+    }
+    let base = n + 2u;
+    var lo = adjust[1u + row];
+    var hi = adjust[2u + row];
+    while (lo < hi) {
+        let mid = lo + (hi - lo) / 2u;
+        let t = adjust[base + 4u * mid];
+        if (t == c) {
+            var y = x + bitcast<f32>(adjust[base + 4u * mid + 1u]);
+            let r = bitcast<f32>(adjust[base + 4u * mid + 2u]);
+            if (r != 1.0) {
+                y = select(y * r, y / r, y > 0.0);
+            }
+            return y - bitcast<f32>(adjust[base + 4u * mid + 3u]);
+        }
+        if (t < c) {
+            lo = mid + 1u;
+        } else {
+            hi = mid;
+        }
+    }
+    return x;
+}
+
 // The best candidate of this invocation's strided share of `row` that comes strictly after
 // (after_v, after_i) (NONE: no bound), reduced over the workgroup into slot 0.
 fn best_after(row: u32, lid: u32, after_v: f32, after_i: u32, count_bad: bool) {
@@ -92,9 +132,12 @@ fn best_after(row: u32, lid: u32, after_v: f32, after_i: u32, count_bad: bool) {
     var i = NONE;
     var n_bad = 0u;
     for (var c = lid; c < p.vocab; c += WG) {
-        let x = logits[base + c];
+        var x = logits[base + c];
         if (!is_finite(x)) {
             n_bad += 1u;
+        }
+        if (p.adjusted != 0u) {
+            x = adjusted(row, c, x);
         }
         // NaN fails `x == x`: never a candidate.
         let allowed = after_i == NONE || before(after_v, after_i, x, c);

@@ -933,6 +933,17 @@ fn masked_pick(
     draws: &[f32],
     (how, allow): (TokenPick, Option<&[u32]>),
 ) -> (Vec<u32>, Vec<u32>) {
+    adjusted_pick(gpu, logits, batch, draws, (how, allow, None))
+}
+
+/// As [`masked_pick`], the logits changed first by the packed `adjust` words when given.
+fn adjusted_pick(
+    gpu: &Gpu,
+    logits: &[f32],
+    batch: usize,
+    draws: &[f32],
+    (how, allow, adjust): (TokenPick, Option<&[u32]>, Option<&[u32]>),
+) -> (Vec<u32>, Vec<u32>) {
     let vocab = logits.len() / batch;
     let lt = gpu.upload_f32("logits", logits).unwrap();
     let dt = gpu.upload_f32("draws", draws).unwrap();
@@ -941,11 +952,28 @@ fn masked_pick(
     // Poisoned: an unmasked pick must not read it, a masked one overwrites it.
     gpu.write_u32(&at, allow.unwrap_or(&vec![0; words]))
         .unwrap();
+    let jt = gpu
+        .empty("adjust", DType::U32, ops::adjust_words(batch))
+        .unwrap();
+    // Poisoned: a row count of u32::MAX and offsets past the end, unless written.
+    let poison = vec![u32::MAX; ops::adjust_words(batch)];
+    gpu.write_u32(&jt, adjust.unwrap_or(&poison)).unwrap();
     let out = gpu.empty("picked", DType::U32, 2 * batch).unwrap();
     gpu.write_u32(&out, &vec![0xdead_beef; 2 * batch]).unwrap();
-    let masked = allow.is_some();
+    let setup = ops::PickSetup {
+        how,
+        masked: allow.is_some(),
+        adjusted: adjust.is_some(),
+    };
+    let io = ops::PickIo {
+        logits: &lt,
+        draws: &dt,
+        allow: &at,
+        adjust: &jt,
+        out: &out,
+    };
     run(gpu, |e| {
-        ops::pick(gpu, e, (&lt, &dt, &at, &out), (batch, vocab), (how, masked)).unwrap()
+        ops::pick(gpu, e, io, (batch, vocab), setup).unwrap()
     });
     let words: Vec<u32> =
         bytemuck::pod_collect_to_vec(&gpu.read_bytes(out.buffer(), 0, out.bytes()).unwrap());
@@ -1029,7 +1057,15 @@ fn device_sampling_matches_the_host_sampler() {
     let mut enc = gpu.encoder();
     let t = gpu.empty("t", DType::F32, 16).unwrap();
     let a = gpu.empty("a", DType::U32, 1).unwrap();
+    let j = gpu.empty("j", DType::U32, ops::adjust_words(1)).unwrap();
     let o = gpu.empty("o", DType::U32, 2).unwrap();
+    let io = ops::PickIo {
+        logits: &t,
+        draws: &t,
+        allow: &a,
+        adjust: &j,
+        out: &o,
+    };
     for how in [
         TokenPick::Sample {
             top_k: 0,
@@ -1053,7 +1089,7 @@ fn device_sampling_matches_the_host_sampler() {
         },
     ] {
         assert!(
-            ops::pick(gpu, &mut enc, (&t, &t, &a, &o), (1, 16), (how, false)).is_err(),
+            ops::pick(gpu, &mut enc, io, (1, 16), ops::PickSetup::plain(how)).is_err(),
             "{how:?}"
         );
     }
@@ -1162,6 +1198,169 @@ fn host_draw(row: &[f32], u: f32) -> u32 {
         x -= q;
     }
     order[keep - 1] as u32
+}
+
+/// Logit adjustments (bias, repetition, penalties, bans) applied before the greedy pick,
+/// against the same changes made on the host to a copy of the logits, with and without a
+/// mask; rows without entries pick their plain argmax.
+#[test]
+fn adjusted_picks_follow_the_host_changes() {
+    use rand::{Rng, SeedableRng};
+    use wgpar::kernels::ops::LogitAdjust;
+    let gpu = &common::gpus(1)[0];
+    let (batch, vocab) = (5, 1037);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(23);
+    let logits: Vec<f32> = common::random(batch * vocab, 91)
+        .iter()
+        .map(|v| v * 4.0)
+        .collect();
+    let argmax = |x: &[f32]| {
+        (wgpar::parallel::Logits {
+            batch,
+            vocab,
+            data: x.to_vec(),
+        })
+        .argmax()
+    };
+    let plain = argmax(&logits);
+    // Row 0 none; rows 1.. ban their plain pick, and change 40 r other tokens at random.
+    let mut entries = Vec::new();
+    for (r, &p) in plain.iter().enumerate().skip(1) {
+        let mut tokens: Vec<u32> = (0..40 * r)
+            .map(|_| rng.random_range(0..vocab as u32))
+            .collect();
+        tokens.push(p);
+        tokens.sort_unstable();
+        tokens.dedup();
+        for t in tokens {
+            let banned = t == p;
+            entries.push(LogitAdjust {
+                row: r as u32,
+                token: t,
+                add: rng.random_range(-3.0..3.0),
+                repetition: [1.0, 1.7, 0.6][rng.random_range(0..3)],
+                sub: if banned {
+                    f32::INFINITY
+                } else {
+                    rng.random_range(-2.0..2.0)
+                },
+            });
+        }
+    }
+    let mut changed = logits.clone();
+    for e in &entries {
+        let x = &mut changed[e.row as usize * vocab + e.token as usize];
+        let mut y = *x + e.add;
+        if e.repetition != 1.0 {
+            y = if y > 0.0 {
+                y / e.repetition
+            } else {
+                y * e.repetition
+            };
+        }
+        *x = y - e.sub;
+    }
+    let words = ops::pack_adjustments(batch, vocab, &entries).unwrap();
+    let draws = vec![0.5; batch];
+    let how = (TokenPick::Greedy, None, Some(&words[..]));
+    let (tokens, bad) = adjusted_pick(gpu, &logits, batch, &draws, how);
+    assert_eq!(tokens, argmax(&changed));
+    assert_eq!(bad, vec![0; batch]);
+    assert_eq!(tokens[0], plain[0]);
+    assert!(
+        (1..batch).all(|r| tokens[r] != plain[r]),
+        "{tokens:?} {plain:?}"
+    );
+    // With a mask of every other token as well: the changed logits, masked.
+    let allow = vec![0x5555_5555u32; batch * ops::allow_words(vocab)];
+    let masked: Vec<f32> = (changed.iter().enumerate())
+        .map(|(i, &x)| {
+            if (i % vocab) % 2 == 0 {
+                x
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect();
+    let how = (TokenPick::Greedy, Some(&allow[..]), Some(&words[..]));
+    let (tokens, _) = adjusted_pick(gpu, &logits, batch, &draws, how);
+    assert_eq!(tokens, argmax(&masked));
+}
+
+/// A request's bias, repetition, presence, frequency and `min_tokens` rules, made into the
+/// device's entries, give the host picker's greedy token on each row; the packing refuses
+/// what the kernel could not take.
+#[test]
+fn device_adjustments_pick_as_the_host_picker() {
+    use wgpar::kernels::ops::LogitAdjust;
+    use wgpar::model::sampling::{PickRules, RequestPicker};
+    let gpu = &common::gpus(1)[0];
+    let (batch, vocab) = (4, 700);
+    let logits: Vec<f32> = common::random(batch * vocab, 93)
+        .iter()
+        .map(|v| v * 3.0)
+        .collect();
+    let plain = (wgpar::parallel::Logits {
+        batch,
+        vocab,
+        data: logits.clone(),
+    })
+    .argmax();
+    let mut entries = Vec::new();
+    let mut want = Vec::new();
+    for (r, row) in logits.chunks(vocab).enumerate() {
+        let p = plain[r];
+        let rules = PickRules {
+            bias: vec![(p, -100.0 * (r % 2) as f32), ((p + 7) % vocab as u32, 2.5)],
+            presence: 0.3 * r as f32,
+            frequency: 0.45,
+            repetition: [1.0, 1.3, 0.8, 2.0][r],
+            min_tokens: 6,
+            end_tokens: vec![(p + 1) % vocab as u32],
+            ..PickRules::greedy()
+        };
+        // The plain pick in the prompt (repetition), two tokens generated, one twice.
+        let mut picker = RequestPicker::new(rules, None, &[p, 3, 9]).unwrap();
+        for t in [(p + 2) % vocab as u32, 5, 5] {
+            picker.accept(t).unwrap();
+        }
+        entries.extend(picker.device_adjustments(r as u32, vocab).unwrap());
+        want.push(picker.pick(row).unwrap().id);
+    }
+    let words = ops::pack_adjustments(batch, vocab, &entries).unwrap();
+    let how = (TokenPick::Greedy, None, Some(&words[..]));
+    let (tokens, _) = adjusted_pick(gpu, &logits, batch, &vec![0.5; batch], how);
+    assert_eq!(tokens, want);
+    assert_ne!(want, plain, "the rules changed no pick");
+    // A sampler or log-probs keep the picker on the host.
+    let sampled = PickRules {
+        sampling: Some(wgpar::model::sampling::SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 1,
+        }),
+        ..PickRules::greedy()
+    };
+    let p = RequestPicker::new(sampled, None, &[]).unwrap();
+    assert!(p.device_adjustments(0, vocab).is_none());
+    let p = RequestPicker::new(PickRules::greedy(), Some(2), &[]).unwrap();
+    assert!(p.device_adjustments(0, vocab).is_none());
+    let e = |row, token| LogitAdjust {
+        row,
+        token,
+        add: 1.0,
+        repetition: 1.0,
+        sub: 0.0,
+    };
+    assert!(ops::pack_adjustments(2, vocab, &[e(2, 1)]).is_err());
+    assert!(ops::pack_adjustments(2, vocab, &[e(0, vocab as u32)]).is_err());
+    assert!(ops::pack_adjustments(2, vocab, &[e(1, 4), e(1, 4)]).is_err());
+    let many: Vec<LogitAdjust> = (0..=ops::MAX_ADJUST_PER_ROW as u32)
+        .map(|t| e(0, t))
+        .collect();
+    assert!(ops::pack_adjustments(1, 5000, &many).is_err());
+    assert!(ops::pack_adjustments(1, 5000, &many[1..]).is_ok());
 }
 
 /// Issue 34 item 2: a small roofline run. The copy kernel gives a finite rate; every packed

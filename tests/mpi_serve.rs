@@ -5,6 +5,9 @@
 //! CI runs it (`.ci/run`).
 #![cfg(feature = "mpi")]
 
+mod common;
+mod gguf_support;
+mod hf_support;
 mod serve_support;
 
 use std::process::Command;
@@ -23,6 +26,50 @@ fn over_ranks(args: &[&str]) -> Server {
         .args(["--strategy", "pp", "--max-batch", "8"])
         .args(args);
     Server::spawn(cmd, LIMIT)
+}
+
+/// `mpirun -np 2 wgpar serve --port 0 --model MODEL --strategy pp --served-model-name m`.
+fn model_over_ranks(model: &std::path::Path) -> Server {
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+        .arg(env!("CARGO_BIN_EXE_wgpar"))
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--served-model-name",
+            "m",
+            "--model",
+        ])
+        .arg(model)
+        .args(["--strategy", "pp", "--max-batch", "8", "--mpi-timeout", "3"]);
+    Server::spawn(cmd, LIMIT)
+}
+
+/// Structured output with the head in another process: rank 0 masks read-back logits on
+/// the host. The `openai` client's `json_schema` and `json_object` requests (nested objects,
+/// enums, arrays, numbers), several at once, each finish on their own and validate against
+/// their schemas with `jsonschema`, on a random byte-level model whose unmasked text is not
+/// JSON.
+#[test]
+fn structured_output_over_ranks_validates_against_its_schema() {
+    let dir = hf_support::scratch("mpi-serve-structured");
+    let template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}\
+                    {% if add_generation_prompt %}<a>{% endif %}";
+    let context = wgpar::model::ModelConfig::preset("tiny-llama")
+        .unwrap()
+        .max_seq;
+    let model = gguf_support::byte_llama(&dir, template, context);
+    let mut server = model_over_ranks(&model);
+    let port = server.port.to_string();
+    let got = common::python_json("tests/serve_structured/client.py", &[&port, "bytes", "80"]);
+    let list = got.as_array().unwrap();
+    assert!(list.len() >= 4, "{got}");
+    for a in list {
+        assert_eq!(a["finish"], "stop", "ran out of tokens: {a}");
+        assert_eq!(a["valid"], true, "not valid against its schema: {a}");
+    }
+    stop_through_rank0(&mut server);
 }
 
 /// The same model in one process.

@@ -205,6 +205,9 @@ fn refused_options(dir: &Path) {
         (vec!["--max-prefill-tokens", "512"], "--max-prefill-tokens"),
         (vec!["--no-prefix-cache"], "--no-prefix-cache"),
         (vec!["--seed", "7"], "--seed"),
+        // The default value, given: still refused, not taken for absent.
+        (vec!["--seed", "42"], "--seed"),
+        (vec!["--seed=42"], "--seed"),
         (vec!["--pace", "10:1"], "--pace"),
         (vec!["--tp", "2"], "--tp"),
         (vec!["--split", "3,1"], "--split"),

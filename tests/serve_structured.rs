@@ -81,6 +81,44 @@ fn unmasked_is_not_json(server: &Server, prompt: &str) {
     );
 }
 
+/// vLLM's `guided_choice`, `guided_regex` and `guided_json` hold the text to a choice, a
+/// regular expression and a schema, greedy and sampled.
+fn guided(server: &Server) {
+    let text = |extra: Value| {
+        let mut body = json!({"model": "m", "prompt": "abc", "max_tokens": 40});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (code, v) = post(server, "/v1/completions", &body);
+        assert_eq!(code, 200, "{body}: {v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{body}: {v}");
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let options = ["red (1)", "green|x", "blue.*"];
+    for t in [json!(0), json!(1.0)] {
+        let got = text(json!({"guided_choice": options, "temperature": t, "seed": 3}));
+        assert!(options.contains(&got.as_str()), "{got:?}");
+        let got = text(json!({"guided_regex": "[0-9]{3}-[a-z]{2}", "temperature": t, "seed": 4}));
+        let b = got.as_bytes();
+        let fits = b.len() == 6
+            && b[..3].iter().all(u8::is_ascii_digit)
+            && b[3] == b'-'
+            && b[4..].iter().all(u8::is_ascii_lowercase);
+        assert!(fits, "{got:?}");
+    }
+    let schema = json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 3,
+        "maximum": 7}}, "required": ["n"], "additionalProperties": false});
+    for g in [schema.clone(), json!(schema.to_string())] {
+        let got = text(json!({"guided_json": g, "temperature": 0}));
+        let v: Value = serde_json::from_str(&got).unwrap_or_else(|e| panic!("{got}: {e}"));
+        let n = v["n"].as_i64().unwrap();
+        assert!(
+            (3..=7).contains(&n) && v.as_object().unwrap().len() == 1,
+            "{v}"
+        );
+    }
+}
+
 /// A greedy structured request is masked in the device's pick; with `logprobs` the same
 /// request reads its logits back and is masked on the host: the same text either way.
 fn device_and_host_masks_agree(server: &Server) {
@@ -129,6 +167,7 @@ fn a_random_models_masked_answers_validate_on_every_strategy() {
         unmasked_is_not_json(&server, "abc");
         answers(&server, "bytes", 80);
         device_and_host_masks_agree(&server);
+        guided(&server);
         // Sampling (read back to the host sampler) is masked too.
         let body = json!({"model": "m", "prompt": "abc", "max_tokens": 80, "temperature": 1.0,
             "seed": 5, "top_k": 0, "response_format": {"type": "json_object"}});
@@ -166,6 +205,38 @@ fn bad_formats_are_refused_by_name() {
         assert_eq!(v["error"]["param"], "response_format", "{rf}: {v}");
         let message = v["error"]["message"].as_str().unwrap();
         assert!(message.contains("response_format"), "{message}");
+    }
+    // vLLM's guided fields: a bad value, or two grammars, name the field.
+    for (extra, name) in [
+        (json!({"guided_regex": "("}), "guided_regex"),
+        (json!({"guided_regex": 3}), "guided_regex"),
+        (json!({"guided_choice": []}), "guided_choice"),
+        (json!({"guided_choice": ["a", 1]}), "guided_choice"),
+        (json!({"guided_json": "not json"}), "guided_json"),
+        (
+            json!({"guided_json": {"type": "frobnicate"}}),
+            "guided_json",
+        ),
+        (
+            json!({"guided_json": {}, "response_format": {"type": "json_object"}}),
+            "guided_json",
+        ),
+        (
+            json!({"guided_regex": "a", "guided_choice": ["a"]}),
+            "guided_choice",
+        ),
+        (
+            json!({"guided_choice": ["a"], "min_tokens": 2}),
+            "min_tokens",
+        ),
+    ] {
+        let mut body = json!({"model": "m", "prompt": "a"});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (code, v) = post(&server, "/v1/completions", &body);
+        assert_eq!(code, 400, "{body}: {v}");
+        assert_eq!(v["error"]["param"], name, "{body}: {v}");
     }
     // A word-level tokenizer has no bytes to write JSON with: refused, not garbled.
     let (ckpt, _) = hf_support::chat_checkpoint("serve-structured-words");

@@ -524,6 +524,7 @@ impl State<'_> {
             logits: false,
             allow: None,
             kv_copies: copies,
+            adjust: None,
         };
         Some((step, InFlight::Chunk(taken, len)))
     }
@@ -581,6 +582,7 @@ impl State<'_> {
             logits: false,
             allow: None,
             kv_copies: Vec::new(),
+            adjust: None,
         };
         Some((step, InFlight::Decode))
     }

@@ -217,7 +217,7 @@ impl Family {
                 &[Read, Read, Read, ReadWrite, Read, Read, Read, Uniform]
             }
             Family::Pool => &[Read, Read, ReadWrite, Uniform],
-            Family::Argmax => &[Read, Read, ReadWrite, Read, Uniform],
+            Family::Argmax => &[Read, Read, ReadWrite, Read, Read, Uniform],
             Family::Copy => &[Read, ReadWrite, Uniform],
         }
     }

@@ -2008,7 +2008,8 @@ struct PickParams {
     temperature: f32,
     top_p: f32,
     allow_words: u32,
-    _pad: [u32; 2],
+    adjusted: u32,
+    _pad: u32,
 }
 
 /// How the device picks each row's token from its logits.
@@ -2030,9 +2031,48 @@ pub enum TokenPick {
     },
 }
 
-/// A bound token pick: `logits` (`[batch][vocab]`), `draws` (`[batch]` f32 in [0, 1)) and
-/// `allow` (`[batch][allow_words(vocab)]` u32 bit sets, read when the pick is masked) in,
-/// `out` (`[2][batch]` u32: the tokens, then each row's count of non-finite logits) out.
+/// What a pick reads besides the logits: whether each row keeps to its `allow` bit set, and
+/// whether the rows' logit adjustments ([`pack_adjustments`]) apply first.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PickSetup {
+    /// How to pick.
+    pub how: TokenPick,
+    /// Only tokens whose bit is set in the row's `allow` words may be picked.
+    pub masked: bool,
+    /// The logits are changed by the `adjust` buffer's entries before the pick.
+    pub adjusted: bool,
+}
+
+impl PickSetup {
+    /// `how`, over the logits as they are.
+    pub fn plain(how: TokenPick) -> Self {
+        Self {
+            how,
+            masked: false,
+            adjusted: false,
+        }
+    }
+}
+
+/// A pick's buffers: `logits` (`[batch][vocab]`), `draws` (`[batch]` f32 in [0, 1)),
+/// `allow` (`[batch][allow_words(vocab)]` u32 bit sets), `adjust` ([`adjust_words`]`(batch)`
+/// u32, [`pack_adjustments`]) in; `out` (`[2][batch]` u32: the tokens, then each row's count
+/// of non-finite logits) out.
+#[derive(Debug, Clone, Copy)]
+pub struct PickIo<'a> {
+    /// Each row's logits.
+    pub logits: &'a Tensor,
+    /// Each row's uniform draw (sampling).
+    pub draws: &'a Tensor,
+    /// Each row's bit set of pickable tokens.
+    pub allow: &'a Tensor,
+    /// The rows' packed logit adjustments.
+    pub adjust: &'a Tensor,
+    /// Tokens, then non-finite counts.
+    pub out: &'a Tensor,
+}
+
+/// A bound token pick over [`PickIo`].
 pub struct Pick {
     op: Bound,
     batch: usize,
@@ -2045,25 +2085,28 @@ impl Pick {
     pub fn bind(
         gpu: &Gpu,
         params: &mut Params,
-        (logits, draws, allow, out): (&Tensor, &Tensor, &Tensor, &Tensor),
+        io: PickIo<'_>,
         (batch, vocab): (usize, usize),
     ) -> Result<Self> {
         const OP: &str = "pick";
-        need(OP, "logits", logits, batch * vocab, Some(DType::F32))?;
-        need(OP, "draws", draws, batch, Some(DType::F32))?;
+        need(OP, "logits", io.logits, batch * vocab, Some(DType::F32))?;
+        need(OP, "draws", io.draws, batch, Some(DType::F32))?;
+        let words = batch * allow_words(vocab);
+        need(OP, "allow", io.allow, words, Some(DType::U32))?;
         need(
             OP,
-            "allow",
-            allow,
-            batch * allow_words(vocab),
+            "adjust",
+            io.adjust,
+            adjust_words(batch),
             Some(DType::U32),
         )?;
-        need(OP, "out", out, 2 * batch, Some(DType::U32))?;
+        need(OP, "out", io.out, 2 * batch, Some(DType::U32))?;
         let buffers = [
-            logits.buffer(),
-            draws.buffer(),
-            out.buffer(),
-            allow.buffer(),
+            io.logits.buffer(),
+            io.draws.buffer(),
+            io.out.buffer(),
+            io.allow.buffer(),
+            io.adjust.buffer(),
         ];
         Ok(Self {
             op: Bound::new(gpu, params, Family::Argmax, OP, &buffers)?,
@@ -2072,18 +2115,17 @@ impl Pick {
         })
     }
 
-    /// Configures the op for `batch` rows picked as `how` says; `masked`: only tokens whose
-    /// bit is set in the row's `allow` words may be picked.
+    /// Configures the op for `batch` rows picked as `setup` says.
     pub fn configure(
         &mut self,
         gpu: &Gpu,
         params: &mut Params,
         batch: usize,
-        (how, masked): (TokenPick, bool),
+        setup: PickSetup,
     ) -> Result<()> {
         const OP: &str = "pick";
         over(OP, "rows", batch, self.batch)?;
-        let (entry, top_k, temperature, top_p) = match how {
+        let (entry, top_k, temperature, top_p) = match setup.how {
             TokenPick::Greedy => ("argmax", 1, 1.0, 1.0),
             TokenPick::Sample {
                 top_k,
@@ -2112,12 +2154,13 @@ impl Pick {
             top_k: top_k as u32,
             temperature,
             top_p,
-            allow_words: if masked {
+            allow_words: if setup.masked {
                 to_u32(OP, "allow words", allow_words(self.vocab))?
             } else {
                 0
             },
-            _pad: [0; 2],
+            adjusted: setup.adjusted as u32,
+            _pad: 0,
         };
         let dispatch = Dispatch::new(
             gpu,
@@ -2130,24 +2173,100 @@ impl Pick {
     }
 }
 
+/// Most logit adjustments one row of a device pick takes ([`adjust_words`] sizes the buffer
+/// for this many per row); a request that needs more is picked on the host.
+pub const MAX_ADJUST_PER_ROW: usize = 2048;
+
+/// One change to one token's logit of one row before the device pick, in the host
+/// sampler's order: `x + add`, then divided by `repetition` where positive and multiplied
+/// by it where not (1: unchanged), then minus `sub` (+inf bans the token).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LogitAdjust {
+    /// The row (`0..batch` of the step).
+    pub row: u32,
+    /// The token.
+    pub token: u32,
+    /// Added first (logit bias).
+    pub add: f32,
+    /// Repetition penalty factor (1: none).
+    pub repetition: f32,
+    /// Subtracted last (presence and frequency penalties; +inf bans).
+    pub sub: f32,
+}
+
+/// Words of the `adjust` buffer of a pick over `batch` rows: a header of `batch + 2` words
+/// and up to [`MAX_ADJUST_PER_ROW`] entries of 4 words per row.
+pub fn adjust_words(batch: usize) -> usize {
+    batch + 2 + 4 * batch * MAX_ADJUST_PER_ROW
+}
+
+/// Packs `entries` over `rows` rows into the `adjust` buffer's layout (see
+/// `shaders/argmax.wgsl`): a row count, each row's first entry and the end, then the
+/// entries by row and token. Refuses a row out of range, a token twice in a row, a token
+/// outside `vocab` and more than [`MAX_ADJUST_PER_ROW`] entries in a row.
+pub fn pack_adjustments(rows: usize, vocab: usize, entries: &[LogitAdjust]) -> Result<Vec<u32>> {
+    let mut sorted = entries.to_vec();
+    sorted.sort_by_key(|e| (e.row, e.token));
+    let bad = |detail: String| {
+        Err(WgparError::InvalidCall(format!(
+            "logit adjustments: {detail}"
+        )))
+    };
+    let mut per_row = vec![0usize; rows];
+    for (i, e) in sorted.iter().enumerate() {
+        if e.row as usize >= rows || e.token as usize >= vocab {
+            return bad(format!(
+                "row {} token {} outside {rows} rows of {vocab} tokens",
+                e.row, e.token
+            ));
+        }
+        if i > 0 && (sorted[i - 1].row, sorted[i - 1].token) == (e.row, e.token) {
+            return bad(format!("row {} adjusts token {} twice", e.row, e.token));
+        }
+        per_row[e.row as usize] += 1;
+    }
+    if let Some(r) = per_row.iter().position(|&n| n > MAX_ADJUST_PER_ROW) {
+        return bad(format!(
+            "row {r} has {} entries, more than {MAX_ADJUST_PER_ROW}",
+            per_row[r]
+        ));
+    }
+    let mut words = Vec::with_capacity(rows + 2 + 4 * sorted.len());
+    words.push(to_u32("pick", "adjusted rows", rows)?);
+    let mut offset = 0u32;
+    words.push(0);
+    for n in per_row {
+        offset += n as u32;
+        words.push(offset);
+    }
+    for e in sorted {
+        words.extend([
+            e.token,
+            e.add.to_bits(),
+            e.repetition.to_bits(),
+            e.sub.to_bits(),
+        ]);
+    }
+    Ok(words)
+}
+
 /// Words of a row's `allow` bit set over `vocab` tokens.
 pub fn allow_words(vocab: usize) -> usize {
     vocab.div_ceil(32)
 }
 
-/// Picks each row's token of `logits` on the device into `out` (`[2][batch]` u32: tokens,
-/// then per-row counts of non-finite logits); io is (logits, draws, allow, out), `masked`
-/// says whether `allow` applies.
+/// Picks each row's token of `io.logits` on the device into `io.out` (`[2][batch]` u32:
+/// tokens, then per-row counts of non-finite logits), as `setup` says.
 pub fn pick(
     gpu: &Gpu,
     encoder: &mut wgpu::CommandEncoder,
-    io: (&Tensor, &Tensor, &Tensor, &Tensor),
+    io: PickIo<'_>,
     (batch, vocab): (usize, usize),
-    how: (TokenPick, bool),
+    setup: PickSetup,
 ) -> Result<()> {
     once(gpu, encoder, "pick", |params| {
         let mut op = Pick::bind(gpu, params, io, (batch, vocab))?;
-        op.configure(gpu, params, batch, how)?;
+        op.configure(gpu, params, batch, setup)?;
         Ok(op)
     })
 }

@@ -19,16 +19,45 @@ pub enum Format {
     JsonObject,
     /// A JSON value of this schema (`json_schema`).
     JsonSchema(Value),
+    /// Text matching this regular expression, whole (vLLM's `guided_regex`; Rust `regex`
+    /// syntax, as llguidance reads it).
+    Regex(String),
+    /// Exactly one of these strings (vLLM's `guided_choice`).
+    Choice(Vec<String>),
 }
 
 impl Format {
+    /// What the grammar is, for messages: "schema", "regex" or "choice".
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Format::JsonObject | Format::JsonSchema(_) => "schema",
+            Format::Regex(_) => "regex",
+            Format::Choice(_) => "choice",
+        }
+    }
+
+    /// The grammar llguidance compiles: a choice is the alternation of its strings, each
+    /// escaped to match itself only.
+    fn grammar(&self) -> TopLevelGrammar {
+        match self {
+            Format::JsonObject | Format::JsonSchema(_) => {
+                TopLevelGrammar::from_json_schema(self.schema())
+            }
+            Format::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            Format::Choice(options) => {
+                let alternatives: Vec<String> = options.iter().map(|o| literal(o)).collect();
+                TopLevelGrammar::from_regex(&format!("({})", alternatives.join("|")))
+            }
+        }
+    }
+
     /// The JSON schema llguidance compiles: the user's, with compact separators and no free
     /// whitespace unless the schema sets its own `x-guidance` options (small models otherwise
     /// spend their tokens on blank lines between items).
     fn schema(&self) -> Value {
         let mut schema = match self {
-            Format::JsonObject => json!({"type": "object"}),
             Format::JsonSchema(s) => s.clone(),
+            _ => json!({"type": "object"}),
         };
         if let Some(obj) = schema.as_object_mut() {
             obj.entry("x-guidance").or_insert_with(|| {
@@ -37,6 +66,19 @@ impl Format {
         }
         schema
     }
+}
+
+/// A regular expression matching `text` only: every character the `regex` syntax gives a
+/// meaning is escaped.
+fn literal(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// The model's tokens as llguidance sees them, built once per served model.
@@ -110,7 +152,7 @@ impl Grammars {
 
     /// A fresh matcher for `format`, or why its schema is not one llguidance compiles.
     pub fn compile(&self, format: &Format) -> std::result::Result<Constraint, String> {
-        let grammar = TopLevelGrammar::from_json_schema(format.schema());
+        let grammar = format.grammar();
         let parser = self
             .factory
             .create_parser(grammar)

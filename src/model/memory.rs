@@ -444,8 +444,10 @@ fn activation_set(
     if !decoder_head {
         return (act, 0, 0);
     }
-    // draws and picks.
+    // draws, picks, the picks' allow bit sets and logit adjustments.
     act += f32s(batch) + f32s(2 * batch);
+    act += f32s(batch * crate::kernels::ops::allow_words(config.vocab));
+    act += f32s(crate::kernels::ops::adjust_words(batch));
     let rows = vocab_block_rows(config.vocab, head_row, limit).max(1);
     let mut logits = f32s(batch * config.vocab);
     if rows < config.vocab {

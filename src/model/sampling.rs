@@ -5,6 +5,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Result, WgparError};
+use crate::kernels::ops::LogitAdjust;
 use crate::model::constraint::Constraint;
 
 /// How to pick tokens. `temperature == 0` is greedy and ignores the rest.
@@ -310,12 +311,73 @@ impl RequestPicker {
         let logprobs = self
             .logprobs
             .map(|k| token_logprobs(&processed, self.rules.temperature(), id, k));
+        self.accept(id)?;
+        Ok(Picked { id, logprobs })
+    }
+
+    /// The changes [`Self::processed`] makes to row `row`'s logits, as sparse entries for
+    /// the device's greedy pick (`kernels::ops::LogitAdjust`; tokens at or past `vocab`
+    /// left out, as the host leaves them), or `None` when this picker needs the logits on
+    /// the host: it samples, reports log-probs or keeps to an allow-list. The grammar's
+    /// mask is [`Self::grammar_mask`], applied by the pick after these.
+    pub fn device_adjustments(&self, row: u32, vocab: usize) -> Option<Vec<LogitAdjust>> {
+        let r = &self.rules;
+        if self.sampler.is_some() || self.logprobs.is_some() || r.allowed.is_some() {
+            return None;
+        }
+        let mut by_token = std::collections::BTreeMap::new();
+        let mut entry = |t: u32, change: &dyn Fn(&mut LogitAdjust)| {
+            let e = by_token.entry(t).or_insert(LogitAdjust {
+                row,
+                token: t,
+                add: 0.0,
+                repetition: 1.0,
+                sub: 0.0,
+            });
+            change(e);
+        };
+        for &(t, b) in &r.bias {
+            entry(t, &|e| e.add += b);
+        }
+        if r.repetition != 1.0 {
+            for &t in &self.seen {
+                entry(t, &|e| e.repetition = r.repetition);
+            }
+        }
+        if r.frequency != 0.0 || r.presence != 0.0 {
+            for (&t, &c) in &self.counts {
+                entry(t, &|e| e.sub = r.frequency * c as f32 + r.presence);
+            }
+        }
+        if self.counts.values().sum::<u32>() < r.min_tokens as u32 {
+            for &t in &r.end_tokens {
+                // x - inf is -inf: the host's ban, after everything else.
+                entry(t, &|e| e.sub = f32::INFINITY);
+            }
+        }
+        Some(
+            by_token
+                .into_values()
+                .filter(|e| (e.token as usize) < vocab)
+                .collect(),
+        )
+    }
+
+    /// The grammar's bit set of the tokens allowed next (`None`: no grammar), for a device
+    /// pick; fails when the grammar has no continuation.
+    pub fn grammar_mask(&mut self) -> Option<Result<Vec<u32>>> {
+        self.constraint.as_mut().map(Constraint::allowed)
+    }
+
+    /// Takes `id` as the next token (picked here or on the device): the grammar advances
+    /// and the penalties count it; fails when the grammar does not allow it.
+    pub fn accept(&mut self, id: u32) -> Result<()> {
         if let Some(c) = &mut self.constraint {
             c.consume(id)?;
         }
         *self.counts.entry(id).or_default() += 1;
         self.seen.insert(id);
-        Ok(Picked { id, logprobs })
+        Ok(())
     }
 
     /// The log-probabilities of a given `token` (a prompt's own, for `echo`): of the raw

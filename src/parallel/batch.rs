@@ -39,6 +39,10 @@ pub struct BatchStep {
     /// output's grammar masks, applied in the pick kernel. `None`: no mask. Only for an
     /// engine whose [`StepEngine::masks_on_device`] says so.
     pub allow: Option<Vec<u32>>,
+    /// Changes to some rows' logits before the device pick (logit bias and penalties),
+    /// packed by `ops::pack_adjustments`. `None`: none. Only for an engine whose
+    /// [`StepEngine::masks_on_device`] says so.
+    pub adjust: Option<Vec<u32>>,
     /// Copies of cached KV between slots, made in order before this step runs (a prefix
     /// another slot already holds, so the step prefills only the rest).
     pub kv_copies: Vec<KvCopy>,
@@ -155,8 +159,9 @@ pub trait StepEngine: Engine {
     /// `Ok(None)` when the timeout passed first.
     fn complete(&mut self, timeout: Option<Duration>) -> Result<Option<StepDone>>;
 
-    /// Whether [`BatchStep::allow`] reaches the pick kernel: false where the head is in
-    /// another process (a caller then masks read-back logits itself).
+    /// Whether [`BatchStep::allow`] and [`BatchStep::adjust`] reach the pick kernel: false
+    /// where the head is in another process (a caller then masks and adjusts read-back
+    /// logits itself).
     fn masks_on_device(&self) -> bool {
         false
     }

@@ -43,10 +43,12 @@ enum StepPick {
     /// logits read back when asked for.
     Engine { logits: bool },
     /// Greedy on the device, and the logits read back only when asked for: the serving
-    /// loop's steps, each row kept to its bits of `allow` when given.
+    /// loop's steps, each row kept to its bits of `allow` and its logits changed by
+    /// `adjust` (packed bias and penalties) when given.
     Greedy {
         logits: bool,
         allow: Option<Vec<u32>>,
+        adjust: Option<Vec<u32>>,
     },
 }
 
@@ -112,6 +114,9 @@ impl SingleEngine {
         if let Some(allow) = &readout.allow {
             // Before `begin_step`, which configures the pick as masked.
             m.write_allow(act, allow)?;
+        }
+        if let Some(adjust) = &readout.adjust {
+            m.write_adjust(act, adjust)?;
         }
         m.write_ids(act, ids)?;
         m.begin_step(act, kv, &step, rows)?;
@@ -182,6 +187,8 @@ struct Readout {
     want_logits: bool,
     /// Each row's bit set of the tokens the device may pick.
     allow: Option<Vec<u32>>,
+    /// The rows' packed logit adjustments (bias and penalties).
+    adjust: Option<Vec<u32>>,
 }
 
 impl Readout {
@@ -194,14 +201,20 @@ impl Readout {
                 draws: picker.draws(batch),
                 want_logits: logits,
                 allow: None,
+                adjust: None,
             },
-            StepPick::Greedy { logits, allow } => Self {
+            StepPick::Greedy {
+                logits,
+                allow,
+                adjust,
+            } => Self {
                 device_pick: TokenPick::Greedy,
                 read_logits: logits,
                 host_picks: false,
                 draws: Vec::new(),
                 want_logits: logits,
                 allow,
+                adjust,
             },
         }
     }
@@ -380,6 +393,7 @@ impl StepEngine for SingleEngine {
             StepPick::Greedy {
                 logits: step.logits,
                 allow: step.allow,
+                adjust: step.adjust,
             },
         )?;
         // Logits with a non-finite value were refused by the device's counts in `forward`.

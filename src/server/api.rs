@@ -42,8 +42,11 @@ pub struct Params {
     pub add_generation_prompt: bool,
     /// vLLM's `include_stop_str_in_output`: the text keeps the stop string that ended it.
     pub include_stop: bool,
-    /// `response_format`: what the output must be (`None`: free text).
+    /// `response_format` (or vLLM's `guided_json`, `guided_regex`, `guided_choice`): what
+    /// the output must be (`None`: free text).
     pub format: Option<Format>,
+    /// The field `format` came from, for messages about it.
+    pub format_field: &'static str,
 }
 
 /// The prompt of a request.
@@ -207,7 +210,7 @@ pub fn params(obj: &Map<String, Value>, route: Route, vocab: usize) -> Result<Pa
         }
     };
     let rules = rules(obj, vocab)?;
-    let format = response_format(obj)?;
+    let (format, format_field) = output_format(obj)?;
     if format.is_some() {
         // Either could leave a step where the grammar's tokens are all banned.
         for (name, set) in [
@@ -217,7 +220,7 @@ pub fn params(obj: &Map<String, Value>, route: Route, vocab: usize) -> Result<Pa
             if set {
                 return Err(Invalid::new(
                     name,
-                    format!("'{name}' cannot be combined with a JSON 'response_format'"),
+                    format!("'{name}' cannot be combined with '{format_field}'"),
                 ));
             }
         }
@@ -237,7 +240,71 @@ pub fn params(obj: &Map<String, Value>, route: Route, vocab: usize) -> Result<Pa
         add_generation_prompt: boolean(obj, "add_generation_prompt")?.unwrap_or(true),
         include_stop: boolean(obj, "include_stop_str_in_output")?.unwrap_or(false),
         format,
+        format_field,
     })
+}
+
+/// The grammar the output must follow, and the field that gave it: `response_format`, or
+/// one of vLLM's `guided_json` (a schema, as `json_schema`), `guided_regex` (a regular
+/// expression the whole text matches) and `guided_choice` (a non-empty list of strings, the
+/// text one of them). At most one of them.
+fn output_format(obj: &Map<String, Value>) -> Result<(Option<Format>, &'static str), Invalid> {
+    let mut found = Vec::new();
+    if let Some(f) = response_format(obj)? {
+        found.push((f, "response_format"));
+    }
+    if let Some(v) = field(obj, "guided_json") {
+        // vLLM takes the schema as an object or as its JSON text.
+        let schema = match v {
+            Value::String(text) => serde_json::from_str(text).ok(),
+            Value::Object(_) => Some(v.clone()),
+            _ => None,
+        }
+        .filter(Value::is_object);
+        let schema = schema.ok_or_else(|| {
+            Invalid::new(
+                "guided_json",
+                format!("'guided_json' must be a JSON schema object, not {v}"),
+            )
+        })?;
+        found.push((Format::JsonSchema(schema), "guided_json"));
+    }
+    if let Some(v) = field(obj, "guided_regex") {
+        let rx = v.as_str().filter(|r| !r.is_empty()).ok_or_else(|| {
+            Invalid::new(
+                "guided_regex",
+                format!("'guided_regex' must be a non-empty string, not {v}"),
+            )
+        })?;
+        found.push((Format::Regex(rx.to_string()), "guided_regex"));
+    }
+    if let Some(v) = field(obj, "guided_choice") {
+        let options: Option<Vec<String>> = (v.as_array())
+            .filter(|l| !l.is_empty())
+            .and_then(|l| l.iter().map(|o| o.as_str().map(String::from)).collect());
+        let options = options.filter(|o| o.iter().all(|s| !s.is_empty()));
+        let options = options.ok_or_else(|| {
+            Invalid::new(
+                "guided_choice",
+                format!("'guided_choice' must be a non-empty list of non-empty strings, not {v}"),
+            )
+        })?;
+        found.push((Format::Choice(options), "guided_choice"));
+    }
+    match found.len() {
+        0 => Ok((None, "response_format")),
+        1 => Ok(found
+            .pop()
+            .map(|(f, name)| (Some(f), name))
+            .unwrap_or((None, ""))),
+        _ => {
+            let second = found[1].1;
+            Err(Invalid::new(
+                second,
+                format!("'{second}' cannot be combined with '{}'", found[0].1),
+            ))
+        }
+    }
 }
 
 /// `response_format`: `{"type": "text"}`, `{"type": "json_object"}`, or `{"type":
@@ -341,7 +408,11 @@ fn logprobs(obj: &Map<String, Value>, route: Route) -> Result<(Option<usize>, bo
     ))
 }
 
-/// `logit_bias`: token id (a string, as OpenAI's JSON keys) to a bias in -100..=100.
+/// Most `logit_bias` entries a request may give (OpenAI's own cap).
+pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// `logit_bias`: token id (a string, as OpenAI's JSON keys) to a bias in -100..=100, at most
+/// [`MAX_LOGIT_BIAS`] entries, each token once.
 fn logit_bias(obj: &Map<String, Value>, vocab: usize) -> Result<Vec<(u32, f32)>, Invalid> {
     let Some(v) = field(obj, "logit_bias") else {
         return Ok(Vec::new());
@@ -352,7 +423,17 @@ fn logit_bias(obj: &Map<String, Value>, vocab: usize) -> Result<Vec<(u32, f32)>,
             format!("'logit_bias' must map token ids to numbers, not {v}"),
         ));
     };
-    map.iter()
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(Invalid::new(
+            "logit_bias",
+            format!(
+                "'logit_bias' has {} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                map.len()
+            ),
+        ));
+    }
+    let entries: Vec<(u32, f32)> = map
+        .iter()
         .map(|(k, b)| {
             let id = k.parse::<u32>().ok().filter(|&t| (t as usize) < vocab);
             match (id, b.as_f64()) {
@@ -363,7 +444,16 @@ fn logit_bias(obj: &Map<String, Value>, vocab: usize) -> Result<Vec<(u32, f32)>,
                 )),
             }
         })
-        .collect()
+        .collect::<Result<_, _>>()?;
+    let mut ids: Vec<u32> = entries.iter().map(|e| e.0).collect();
+    ids.sort_unstable();
+    if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Invalid::new(
+            "logit_bias",
+            format!("'logit_bias' names token {} twice", w[0]),
+        ));
+    }
+    Ok(entries)
 }
 
 /// The pick: sampling, bias, allow-list, penalties and min-p.

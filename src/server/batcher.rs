@@ -24,7 +24,7 @@ use super::metrics::{Finish, Metrics};
 use super::Shared;
 use crate::batching::PrefixCache;
 use crate::error::Result;
-use crate::kernels::ops::allow_words;
+use crate::kernels::ops::{allow_words, pack_adjustments, MAX_ADJUST_PER_ROW};
 use crate::model::constraint::Constraint;
 use crate::model::sampling::{PickRules, Picked, RequestPicker, TokenLogprobs};
 use crate::parallel::{BatchStep, Fault, FaultKind, KvCopy, SeqRow, StepDone, StepEngine};
@@ -124,6 +124,8 @@ struct Seq {
     generated: usize,
     /// Tokens of `job.score` fed so far.
     scored: usize,
+    /// Its `job.picker` picks on the device in the step in flight (see [`PickData`]).
+    on_device: bool,
     first_at: Option<Instant>,
     /// When its last token came (for the inter-token latency).
     last_at: Option<Instant>,
@@ -179,6 +181,8 @@ struct Batcher {
     device_masks: bool,
     /// Words of a row's mask.
     mask_words: usize,
+    /// Tokens of the vocabulary.
+    vocab: usize,
 }
 
 /// Runs the engine loop until `jobs` closes and every request has finished, or the engine
@@ -206,6 +210,7 @@ pub fn run(
         shared,
         device_masks: engine.masks_on_device(),
         mask_words: allow_words(engine.model_config().vocab),
+        vocab: engine.model_config().vocab,
     };
     // A panic leaves the engine in an unknown state: it is never stepped again.
     let why = match std::panic::catch_unwind(AssertUnwindSafe(|| b.serve(engine, jobs))) {
@@ -258,6 +263,9 @@ impl Batcher {
             for lane in 0..self.lanes.len() {
                 if self.lanes[lane].busy.is_none() {
                     if let Some((step, flight)) = self.plan(lane) {
+                        if step.logits {
+                            (self.metrics.logits_rows).inc_by(step.rows.len() as u64);
+                        }
                         engine.submit(step)?;
                         self.lanes[lane].busy = Some(flight);
                     }
@@ -415,8 +423,8 @@ impl Batcher {
         let ids = (taken.iter())
             .flat_map(|s| s.job.prompt[s.past..s.past + len].iter().copied())
             .collect();
-        // Only a row whose chunk ends its prompt uses its pick; the others' masks are moot.
-        let allow = masks(&mut taken, self.mask_words);
+        // Only a row whose chunk ends its prompt uses its pick; the others' are moot.
+        let pick = self.pick_data(&mut taken);
         let step = BatchStep {
             lane,
             rows,
@@ -424,8 +432,9 @@ impl Batcher {
             ids,
             deps: Vec::new(),
             release_us: None,
-            logits: taken.iter().any(|s| s.job.picker.is_some()),
-            allow,
+            logits: pick.logits,
+            allow: pick.allow,
+            adjust: pick.adjust,
             kv_copies,
         };
         Some((step, Flight::Chunk(taken, len)))
@@ -461,6 +470,7 @@ impl Batcher {
                 tail: Vec::new(),
                 generated: 0,
                 scored: 0,
+                on_device: false,
                 first_at: None,
                 last_at: None,
             });
@@ -475,7 +485,9 @@ impl Batcher {
         if seqs.is_empty() {
             return None;
         }
-        let allow = masks(&mut self.lanes[lane].seqs, self.mask_words);
+        let mut seqs = std::mem::take(&mut self.lanes[lane].seqs);
+        let pick = self.pick_data(&mut seqs);
+        self.lanes[lane].seqs = seqs;
         let seqs = &self.lanes[lane].seqs;
         let step = BatchStep {
             lane,
@@ -490,8 +502,9 @@ impl Batcher {
             ids: seqs.iter().map(|s| s.next).collect(),
             deps: Vec::new(),
             release_us: None,
-            logits: seqs.iter().any(|s| s.job.picker.is_some()),
-            allow,
+            logits: pick.logits,
+            allow: pick.allow,
+            adjust: pick.adjust,
             kv_copies: Vec::new(),
         };
         Some((step, Flight::Decode))
@@ -556,6 +569,16 @@ impl Batcher {
         now: Instant,
     ) -> Result<()> {
         let picked = match (&mut s.job.picker, logits) {
+            (Some(picker), _) if s.on_device => match picker.accept(greedy) {
+                Ok(()) => Picked {
+                    id: greedy,
+                    logprobs: None,
+                },
+                Err(e) => {
+                    self.drop_failed(s, e.to_string());
+                    return Ok(());
+                }
+            },
             (None, _) => {
                 let fed = s.job.constraint.as_mut().map(|c| c.consume(greedy));
                 if let Some(Err(e)) = fed {
@@ -698,20 +721,72 @@ fn release(cache: &mut PrefixCache, s: &Seq) {
     cache.release(s.slot, &held, SpanId::NONE);
 }
 
-/// A step's per-row masks for the device pick: the grammar's allowed tokens for rows with a
-/// device-side constraint, every token for the others; `None` when no row has one.
-fn masks(seqs: &mut [Seq], words: usize) -> Option<Vec<u32>> {
-    if seqs.iter().all(|s| s.job.constraint.is_none()) {
-        return None;
+/// What a step's pick needs: the logits read back (for rows picked on the host), the rows'
+/// masks and their logit adjustments for the device pick.
+struct PickData {
+    logits: bool,
+    allow: Option<Vec<u32>>,
+    adjust: Option<Vec<u32>>,
+}
+
+impl Batcher {
+    /// The pick data of a step over `seqs`, marking which requests' pickers pick on the
+    /// device: a greedy picker whose rules (bias, penalties, `min_tokens`) fit the device's
+    /// adjustments, on an engine whose head is in this process, when it scores no prompt
+    /// token. The others pick on the host from read-back logits.
+    fn pick_data(&self, seqs: &mut [Seq]) -> PickData {
+        let mut entries = Vec::new();
+        for (row, s) in seqs.iter_mut().enumerate() {
+            let scoring = s.scored < s.job.score.len();
+            let device = (s.job.picker.as_ref())
+                .filter(|_| self.device_masks && !scoring)
+                .and_then(|p| p.device_adjustments(row as u32, self.vocab))
+                .filter(|e| e.len() <= MAX_ADJUST_PER_ROW);
+            s.on_device = device.is_some();
+            entries.extend(device.unwrap_or_default());
+        }
+        let packed =
+            (!entries.is_empty()).then(|| pack_adjustments(seqs.len(), self.vocab, &entries));
+        let adjust = match packed {
+            Some(Err(_)) => {
+                // Not expected (the entries are in range, one per token of a row, bounded
+                // per row), but never a device pick without its adjustments: the host picks.
+                seqs.iter_mut().for_each(|s| s.on_device = false);
+                None
+            }
+            p => p.transpose().ok().flatten(),
+        };
+        let logits = (seqs.iter()).any(|s| s.job.picker.is_some() && !s.on_device);
+        PickData {
+            logits,
+            allow: masks(seqs, self.mask_words),
+            adjust,
+        }
     }
+}
+
+/// A step's per-row masks for the device pick: the grammar's allowed tokens for rows with a
+/// device-side constraint (or a picker picking on the device with one), every token for
+/// the others; `None` when no row has one.
+fn masks(seqs: &mut [Seq], words: usize) -> Option<Vec<u32>> {
+    let grammar = |s: &mut Seq| match &mut s.job.constraint {
+        Some(c) => Some(c.allowed()),
+        None => (s.job.picker.as_mut())
+            .filter(|_| s.on_device)
+            .and_then(|p| p.grammar_mask()),
+    };
     let mut out = Vec::with_capacity(seqs.len() * words);
+    let mut any = false;
     for s in seqs {
-        match &mut s.job.constraint {
+        match grammar(s) {
             // A grammar that cannot go on bans every token: the pick's token then fails to
             // advance it, which ends that request with the error.
-            Some(c) => out.extend(c.allowed().unwrap_or_else(|_| vec![0; words])),
+            Some(allowed) => {
+                any = true;
+                out.extend(allowed.unwrap_or_else(|_| vec![0; words]));
+            }
             None => out.extend(std::iter::repeat_n(u32::MAX, words)),
         }
     }
-    Some(out)
+    any.then_some(out)
 }

@@ -57,6 +57,8 @@ pub struct Metrics {
     prefix_hits: Counter,
     prefix_requests: Counter,
     prefix_request_hits: Counter,
+    /// Rows of steps whose logits came back to the host (a request picked there).
+    pub logits_rows: Counter,
     success: Family<ReasonLabel, Counter>,
     /// Requests whose client went away (or stopped reading) before the end.
     pub cancelled: Counter,
@@ -97,6 +99,7 @@ impl Metrics {
             prefix_hits: Counter::default(),
             prefix_requests: Counter::default(),
             prefix_request_hits: Counter::default(),
+            logits_rows: Counter::default(),
             success: Family::default(),
             cancelled: Counter::default(),
             rejected: Counter::default(),
@@ -177,6 +180,11 @@ impl Metrics {
                 "generation_tokens",
                 "Generation tokens processed",
                 &self.generation_tokens,
+            ),
+            (
+                "logits_readback_rows",
+                "Step rows whose logits were read back for a host pick",
+                &self.logits_rows,
             ),
             (
                 "requests_cancelled",

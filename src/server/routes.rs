@@ -452,7 +452,7 @@ type Channels = Vec<(UnboundedReceiver<Event>, Arc<Ending>)>;
 /// `allowed_token_ids`, which could leave a step where the schema's tokens are all banned.
 fn forced_format(params: &Params, forced: ToolConstraint) -> Result<Format, Invalid> {
     let clash = [
-        ("response_format", params.format.is_some()),
+        (params.format_field, params.format.is_some()),
         ("min_tokens", params.rules.min_tokens > 0),
         ("allowed_token_ids", params.rules.allowed.is_some()),
     ];
@@ -475,7 +475,11 @@ fn constraint(state: &AppState, accepted: &Accepted) -> Result<Option<Constraint
         return Ok(None);
     };
     let forced = (accepted.tools.as_ref()).is_some_and(|t| t.constraint().is_some());
-    let field = if forced { "tools" } else { "response_format" };
+    let field = if forced {
+        "tools"
+    } else {
+        accepted.params.format_field
+    };
     let bad = |m: String| Invalid::new(field, format!("'{field}': {m}"));
     let grammars = state.grammars.get_or_init(|| {
         let text = &state.text;
@@ -486,7 +490,7 @@ fn constraint(state: &AppState, accepted: &Accepted) -> Result<Option<Constraint
     let compiled = grammars.compile(format);
     compiled
         .map(Some)
-        .map_err(|e| bad(format!("the schema does not compile: {e}")))
+        .map_err(|e| bad(format!("the {} does not compile: {e}", format.kind())))
 }
 
 fn jobs(

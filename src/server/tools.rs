@@ -162,15 +162,38 @@ fn llama_calls(body: &str) -> Option<(Vec<ToolCall>, String)> {
     Some((calls.collect::<Option<_>>()?, String::new()))
 }
 
-/// Mistral's `[TOOL_CALLS][{..}, ..]` (the marker optional: it is a special token).
+/// Mistral's `[TOOL_CALLS][{..}, ..]` (the marker optional: it is a special token), or the
+/// newer templates' `[TOOL_CALLS]name[ARGS]{..}`, one marker per call.
 fn mistral_calls(body: &str) -> Option<(Vec<ToolCall>, String)> {
     let body = body.trim_start().trim_start_matches("[TOOL_CALLS]");
+    if !body.trim_start().starts_with('[') && body.contains("[ARGS]") {
+        return mistral_named_calls(body);
+    }
     let values = json_values(body, ';')?;
     let [Value::Array(list)] = values.as_slice() else {
         return None;
     };
     let calls = list.iter().map(|v| call_of(v, ToolFormat::Mistral));
     Some((calls.collect::<Option<_>>()?, String::new()))
+}
+
+/// The `name[ARGS]{..}` calls after the first `[TOOL_CALLS]`, each further one after its own
+/// marker.
+fn mistral_named_calls(body: &str) -> Option<(Vec<ToolCall>, String)> {
+    let mut calls = Vec::new();
+    for part in body.split("[TOOL_CALLS]") {
+        let (name, args) = part.split_once("[ARGS]")?;
+        let name = name.trim();
+        let valid_name =
+            !name.is_empty() && (name.chars()).all(|c| c.is_alphanumeric() || "_-.".contains(c));
+        let args: Value = serde_json::from_str(args.trim()).ok()?;
+        if !valid_name || !args.is_object() {
+            return None;
+        }
+        let v = serde_json::json!({"name": name, "arguments": args});
+        calls.push(call_of(&v, ToolFormat::Mistral)?);
+    }
+    Some((calls, String::new()))
 }
 
 /// The calls in a model's whole text, in `format`. Text the calls cannot be read from (cut

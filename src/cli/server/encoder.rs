@@ -25,13 +25,24 @@ pub(super) fn serve(args: &ServerArgs, prepared: Prepared) -> Result<()> {
     wgpar::server::run_encoder(opts, text, dim, build)
 }
 
-/// The `--seed` clap gives when none is given (synthetic weights and sampling only).
-const DEFAULT_SEED: u64 = 42;
+/// Whether `flag` was written on the command line (`--flag V` or `--flag=V`), whatever its
+/// value: an option whose default is a value (`--seed 42`) cannot be told from its absence
+/// by the value alone.
+fn given(flag: &str) -> bool {
+    let with_value = format!("{flag}=");
+    std::env::args_os()
+        .skip(1)
+        .take_while(|a| a != "--")
+        .any(|a| {
+            a.to_str()
+                .is_some_and(|a| a == flag || a.starts_with(&with_value))
+        })
+}
 
 /// Refuses, by name, every option of `serve` that an encoder's server has no use for: it
 /// encodes on one device with no strategy, no memory plan (`--gpu-memory` is checked
 /// against a decoder's accounting), no prefill steps (`--max-batch` bounds its batches),
-/// no sampling and no chat.
+/// no sampling and no chat. Each is refused when given at all, default value or not.
 fn refuse_for_encoder(args: &ServerArgs, model: &str) -> Result<()> {
     let refuse = |option: &str, given: bool| match given {
         true => Err(WgparError::unsupported(format!(
@@ -52,7 +63,9 @@ fn refuse_for_encoder(args: &ServerArgs, model: &str) -> Result<()> {
     refuse("--max-prefill-tokens", args.max_prefill_tokens.is_some())?;
     refuse("--max-step-tokens", args.max_step_tokens.is_some())?;
     refuse("--no-prefix-cache", args.no_prefix_cache)?;
-    refuse("--seed", args.model.seed != DEFAULT_SEED)?;
+    // The seed only makes a preset's synthetic weights; a folder's weights are its own.
+    let synthetic = matches!(args.model.model, wgpar::model::hub::ModelRef::Preset(_));
+    refuse("--seed", given("--seed") && !synthetic)?;
     refuse("--chat-template", args.chat_template.is_some())?;
     refuse("--pace", args.pace.is_some())?;
     refuse("--inject-fault", args.inject_fault.is_some())

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use super::layer::LayerOps;
 use crate::device::{Readback, Tensor};
 use crate::error::WgparError;
-use crate::kernels::ops::{ElementwiseOp, Embed, NormOp, Params, Pass, Pick, Pool, TokenPick};
+use crate::kernels::ops::{
+    ElementwiseOp, Embed, NormOp, Params, Pass, Pick, PickSetup, Pool, TokenPick,
+};
 
 /// The buffers of an activation set.
 pub(super) struct Buffers {
@@ -40,6 +42,9 @@ pub(super) struct Buffers {
     /// `[batch][allow words]` u32 bit sets of the tokens each row may pick, for a masked
     /// pick (decoder head devices).
     pub(super) allow: Option<Tensor>,
+    /// Packed logit adjustments (`ops::adjust_words(batch)` u32: bias and penalties), for
+    /// an adjusted pick (decoder head devices).
+    pub(super) adjust: Option<Tensor>,
     /// `[2][batch]` u32: picked tokens, then each row's count of non-finite logits.
     pub(super) picked: Option<Tensor>,
     /// A one-element buffer bound where an op takes no second operand.
@@ -108,10 +113,12 @@ pub struct Activations {
     /// (batch, seq) the ops are configured for.
     pub(super) configured: Option<(usize, usize)>,
     /// The token pick the head's op is configured for, and the one asked for.
-    pub(super) pick_configured: Option<(TokenPick, bool)>,
+    pub(super) pick_configured: Option<PickSetup>,
     pub(super) pick: TokenPick,
     /// The pick reads the rows' `allow` bit sets ([`GpuModel::write_allow`](super::GpuModel::write_allow)).
     pub(super) masked: bool,
+    /// The pick applies the rows' logit adjustments ([`GpuModel::write_adjust`](super::GpuModel::write_adjust)).
+    pub(super) adjusted: bool,
     /// Copy the logits out too (besides the tokens).
     pub(super) want_logits: bool,
     pub(super) tokens_out: Option<Readback>,
@@ -176,12 +183,19 @@ impl Activations {
         self.pick = pick;
         self.want_logits = logits;
         self.masked = false;
+        self.adjusted = false;
     }
 
     /// After [`Self::set_readout`]: the pick keeps to the bit sets the step wrote with
     /// [`GpuModel::write_allow`](super::GpuModel::write_allow).
     pub fn set_masked(&mut self) {
         self.masked = true;
+    }
+
+    /// After [`Self::set_readout`]: the pick applies the adjustments the step wrote with
+    /// [`GpuModel::write_adjust`](super::GpuModel::write_adjust).
+    pub fn set_adjusted(&mut self) {
+        self.adjusted = true;
     }
 
     pub(super) fn no_head(&self) -> WgparError {

@@ -42,8 +42,9 @@ use super::weights::ModelWeights;
 use crate::device::{DType, Gpu, Readback, Tensor};
 use crate::error::{Result, WgparError};
 use crate::kernels::ops::{
-    allow_words, AttnShape, Elementwise, ElementwiseOp, Embed, Embedding, NormOp, Operand, Params,
-    Pass, Pick, Pool, Pooling, Positions, RopeTables, TokenPick, TokenTable, TokenTypes,
+    adjust_words, allow_words, AttnShape, Elementwise, ElementwiseOp, Embed, Embedding, NormOp,
+    Operand, Params, Pass, Pick, PickIo, PickSetup, Pool, Pooling, Positions, RopeTables,
+    TokenPick, TokenTable, TokenTypes,
 };
 use act::{Buffers, EmbedOps, HeadBlock, HeadOps};
 use kv::KvSpec;
@@ -289,6 +290,7 @@ impl GpuModel {
             pick_configured: None,
             pick: TokenPick::Greedy,
             masked: false,
+            adjusted: false,
             want_logits: false,
             tokens_out,
             logits_out: None,
@@ -336,6 +338,9 @@ impl GpuModel {
             draws: decoder_head.then(|| f32s("act.draws", batch)).transpose()?,
             allow: decoder_head
                 .then(|| g.empty("act.allow", DType::U32, batch * allow_words(c.vocab)))
+                .transpose()?,
+            adjust: decoder_head
+                .then(|| g.empty("act.adjust", DType::U32, adjust_words(batch)))
                 .transpose()?,
             picked: decoder_head
                 .then(|| g.empty("act.picked", DType::U32, 2 * batch))
@@ -447,7 +452,7 @@ impl GpuModel {
         else {
             return Ok(None);
         };
-        let Some(allow) = &a.allow else {
+        let (Some(allow), Some(adjust)) = (&a.allow, &a.adjust) else {
             return Ok(None);
         };
         let g = &*self.gpu;
@@ -481,7 +486,18 @@ impl GpuModel {
             norm_last: final_norm(params, &a.last)?,
             logits: self.bind_head_blocks(params, head, (&a.last_norm, logits), rows)?,
             softcap,
-            pick: Pick::bind(g, params, (logits, draws, allow, picked), (rows, c.vocab))?,
+            pick: Pick::bind(
+                g,
+                params,
+                PickIo {
+                    logits,
+                    draws,
+                    allow,
+                    adjust,
+                    out: picked,
+                },
+                (rows, c.vocab),
+            )?,
         }))
     }
 
@@ -679,7 +695,11 @@ impl GpuModel {
             }
         }
         if let Some(h) = &mut act.head {
-            let how = (act.pick, act.masked);
+            let how = PickSetup {
+                how: act.pick,
+                masked: act.masked,
+                adjusted: act.adjusted,
+            };
             if reshaped || act.pick_configured != Some(how) {
                 act.pick_configured = None;
                 h.pick.configure(g, params, step.batch, how)?;
@@ -758,6 +778,24 @@ impl GpuModel {
         }
         self.gpu.write_u32(t, allow)?;
         act.set_masked();
+        Ok(())
+    }
+
+    /// Stages the step's logit adjustments (bias and penalties of some rows, packed by
+    /// `ops::pack_adjustments`) and marks the step's pick adjusted (lands at the next
+    /// submit).
+    pub fn write_adjust(&self, act: &mut Activations, words: &[u32]) -> Result<()> {
+        let t = act.buf.adjust.as_ref().ok_or_else(|| act.no_head())?;
+        let rows = words.first().copied().unwrap_or(0) as usize;
+        if rows > act.batch || words.len() > adjust_words(act.batch) {
+            return Err(WgparError::InvalidCall(format!(
+                "{} adjustment words for {rows} rows do not fit {} rows",
+                words.len(),
+                act.batch
+            )));
+        }
+        self.gpu.write_u32(t, words)?;
+        act.set_adjusted();
         Ok(())
     }
 

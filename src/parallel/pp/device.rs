@@ -239,6 +239,9 @@ fn stage_inputs(
         if !work.readout.allow.is_empty() {
             m.write_allow(act, &work.readout.allow)?;
         }
+        if !work.readout.adjust.is_empty() {
+            m.write_adjust(act, &work.readout.adjust)?;
+        }
     }
     match &work.rows {
         Some(rows) => m.begin_step(act, kv, &step, rows)?,

@@ -114,6 +114,7 @@ impl PipelineEngine {
             draws: Arc::new(self.picker.draws(batch)),
             logits: logits || self.picker.needs_logits(),
             allow: Arc::default(),
+            adjust: Arc::default(),
         }
     }
 

@@ -104,6 +104,7 @@ impl StepEngine for PipelineEngine {
         w.readout = Readout {
             logits: step.logits,
             allow: Arc::new(step.allow.unwrap_or_default()),
+            adjust: Arc::new(step.adjust.unwrap_or_default()),
             ..Readout::default()
         };
         self.serving.started.get_or_insert_with(Instant::now);

@@ -46,6 +46,9 @@ pub(crate) struct Readout {
     /// Each row's bit set of the tokens it may pick (`ops::allow_words(vocab)` words a row;
     /// empty: no mask). Stays in this process: a remote head never gets one.
     pub allow: Arc<Vec<u32>>,
+    /// The rows' packed logit adjustments (`ops::pack_adjustments`; empty: none). Stays in
+    /// this process too.
+    pub adjust: Arc<Vec<u32>>,
 }
 
 impl Default for Readout {
@@ -55,6 +58,7 @@ impl Default for Readout {
             draws: Arc::default(),
             logits: false,
             allow: Arc::default(),
+            adjust: Arc::default(),
         }
     }
 }

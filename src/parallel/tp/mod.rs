@@ -152,6 +152,7 @@ impl TensorParallelEngine {
             draws: Arc::new(self.picker.draws(batch)),
             logits: want_logits || self.host_picks(),
             allow: Arc::default(),
+            adjust: Arc::default(),
         }
     }
 

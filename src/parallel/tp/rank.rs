@@ -139,6 +139,9 @@ fn stage_inputs(
         if !job.readout.allow.is_empty() {
             m.write_allow(act, &job.readout.allow)?;
         }
+        if !job.readout.adjust.is_empty() {
+            m.write_adjust(act, &job.readout.adjust)?;
+        }
     }
     match &job.rows {
         Some(rows) => m.begin_step(act, kv, &step, rows)?,

@@ -67,6 +67,7 @@ impl StepEngine for TensorParallelEngine {
             readout: Readout {
                 logits: step.logits,
                 allow: Arc::new(step.allow.unwrap_or_default()),
+                adjust: Arc::new(step.adjust.unwrap_or_default()),
                 ..Readout::default()
             },
             kv_copies: step.kv_copies,

@@ -74,6 +74,25 @@ fn mistral_list_with_and_without_its_marker() {
     assert_eq!(p.calls.len(), 0);
 }
 
+/// The newer Mistral templates' `[TOOL_CALLS]name[ARGS]{..}`, one marker per call, after
+/// content; a broken one (no name, arguments not an object, cut short) stays content.
+#[test]
+fn mistral_named_calls_with_args_markers() {
+    let text = r#"Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS] {"city": "Rome"}"#;
+    let p = parse(ToolFormat::Mistral, text);
+    assert_eq!(named(&p.calls), vec![weather("Paris"), weather("Rome")]);
+    assert_eq!(p.content, "Checking. ");
+    for bad in [
+        r#"[TOOL_CALLS][ARGS]{"city": "Paris"}"#,
+        r#"[TOOL_CALLS]get_weather[ARGS][1, 2]"#,
+        r#"[TOOL_CALLS]get_weather[ARGS]{"city": "Pa"#,
+        r#"[TOOL_CALLS]get weather[ARGS]{}"#,
+    ] {
+        let p = parse(ToolFormat::Mistral, bad);
+        assert_eq!((p.content.as_str(), p.calls.len()), (bad, 0), "{bad}");
+    }
+}
+
 #[test]
 fn unreadable_calls_stay_content() {
     for (format, text) in [
@@ -121,6 +140,7 @@ fn streams_hold_text_once_a_call_may_start() {
         (ToolFormat::Llama3, "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}"),
         (ToolFormat::Llama3, "No call here {x}."),
         (ToolFormat::Mistral, "  [TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}]"),
+        (ToolFormat::Mistral, "Let me see. [TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}"),
         (ToolFormat::Hermes, "Cut: <tool_call>{\"name\": \"get_weather\", \"argu"),
     ];
     let mut compared = 0;
@@ -139,7 +159,7 @@ fn streams_hold_text_once_a_call_may_start() {
             compared += 1;
         }
     }
-    assert_eq!(compared, 120);
+    assert_eq!(compared, 140);
 }
 
 #[test]
