@@ -1034,7 +1034,9 @@ fn attention_flash_variants_head_dims_windows_f16() {
         let shape = case.shape();
         let round = |v: Vec<f32>| -> Vec<f32> {
             let keep = |x: f32| half::f16::from_f32(x).to_f32();
-            v.into_iter().map(|x| if case.f16 { keep(x) } else { x }).collect()
+            v.into_iter()
+                .map(|x| if case.f16 { keep(x) } else { x })
+                .collect()
         };
         let kc = round(common::random(shape.cache_len(), 41));
         let vc = round(common::random(shape.cache_len(), 42));
