@@ -299,3 +299,130 @@ fn attend_split(
         workgroupBarrier();
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Prefill, flash-style with the head dimension fixed per pipeline: FA_D4 (head_dim / 4) and
+// FA_BK (keys per tile) are override constants, so every inner loop has a constant trip count
+// that the compiler unrolls and the query and accumulator (vec4 arrays) stay in registers.
+// A workgroup of FA_BQ invocations takes FA_BQ consecutive queries of one (sequence, head), one
+// query per invocation; the keys its queries see are walked in tiles of FA_BK that the
+// workgroup loads once into workgroup memory (neighbouring invocations load neighbouring vec4s
+// of a row; every invocation then reads the same element, a broadcast). Per tile each query
+// scores the FA_BK keys first, takes the tile's maximum, rescales its accumulator once and then
+// adds the weighted values: one exp per key instead of two, and no per-key rescale.
+// Grid: [ceil(seq / FA_BQ), n_heads, batch]. head_dim = 4 * FA_D4, FA_BK * FA_D4 <= FA_TILE4.
+override FA_D4: u32 = 16u;
+override FA_BK: u32 = 16u;
+const FA_BQ: u32 = 64u;
+const FA_MAXD4: u32 = 32u;
+const FA_MAXBK: u32 = 32u;
+const FA_TILE4: u32 = 384u;
+const FA_NONE: f32 = -3.4e38;
+var<workgroup> fa_k: array<vec4<f32>, FA_TILE4>;
+var<workgroup> fa_v: array<vec4<f32>, FA_TILE4>;
+var<workgroup> fa_span: vec2<u32>;
+
+// Loads keys j0 .. j0 + FA_BK of the (slot, KV head) at `kv_base` into the tiles (zeros past
+// `end`).
+fn fa_load(kv_base: u32, j0: u32, end: u32, lid: u32) {
+    for (var e = lid; e < FA_BK * FA_D4; e += FA_BQ) {
+        let j = j0 + e / FA_D4;
+        var kv = vec4<f32>(0.0);
+        var vv = vec4<f32>(0.0);
+        if (j < end) {
+            let at = kv_base + j * FA_D4 * 4u + (e % FA_D4) * 4u;
+            kv = vec4<f32>(f32(k_cache[at]), f32(k_cache[at + 1u]), f32(k_cache[at + 2u]),
+                f32(k_cache[at + 3u]));
+            vv = vec4<f32>(f32(v_cache[at]), f32(v_cache[at + 1u]), f32(v_cache[at + 2u]),
+                f32(v_cache[at + 3u]));
+        }
+        fa_k[e] = kv;
+        fa_v[e] = vv;
+    }
+}
+
+@compute @workgroup_size(FA_BQ)
+fn attend_flash(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let b = wid.z;
+    let h = wid.y;
+    let i_raw = wid.x * FA_BQ + lid;
+    let i = min(i_raw, p.seq - 1u);
+    let kvh = (h + p.q_offset) / p.group - p.kv_offset;
+    let q_base = ((b * p.seq + i) * p.n_heads + h) * FA_D4 * 4u;
+    let slot = min(seqs[2u * b], p.slots - 1u);
+    let past = seqs[2u * b + 1u];
+    let kv_base = (slot * p.n_kv_heads + kvh) * p.max_seq * FA_D4 * 4u;
+    var qv: array<vec4<f32>, FA_MAXD4>;
+    var acc: array<vec4<f32>, FA_MAXD4>;
+    for (var c = 0u; c < FA_D4; c++) {
+        let at = q_base + c * 4u;
+        qv[c] = vec4<f32>(q[at], q[at + 1u], q[at + 2u], q[at + 3u]) * p.scale;
+        acc[c] = vec4<f32>(0.0);
+    }
+    // Keys this query sees, and (uniform over the workgroup) the span any of its queries sees.
+    var start = first_key(past + i);
+    var end = min(past + i + 1u, p.max_seq);
+    if (lid == 0u) {
+        var wg_end = past + min(p.seq, wid.x * FA_BQ + FA_BQ);
+        if (p.causal == 0u) {
+            wg_end = min(past + p.seq, lens[b]);
+        }
+        fa_span = vec2<u32>(first_key(past + wid.x * FA_BQ), min(wg_end, p.max_seq));
+    }
+    // Read through workgroup memory, so the tile loop (which has barriers) is uniform.
+    let span = workgroupUniformLoad(&fa_span);
+    if (p.causal == 0u) {
+        start = 0u;
+        end = span.y;
+    }
+    var running_max = FA_NONE;
+    var denom = 0.0;
+    var s: array<f32, FA_MAXBK>;
+    for (var j0 = span.x; j0 < span.y; j0 += FA_BK) {
+        fa_load(kv_base, j0, span.y, lid);
+        workgroupBarrier();
+        // Tiles wholly outside this query's keys cost it nothing but the barriers.
+        if (j0 < end && j0 + FA_BK > start) {
+            var tile_max = running_max;
+            for (var r = 0u; r < FA_BK; r++) {
+                var dv = vec4<f32>(0.0);
+                for (var c = 0u; c < FA_D4; c++) {
+                    dv = fma(qv[c], fa_k[r * FA_D4 + c], dv);
+                }
+                let j = j0 + r;
+                var sc = FA_NONE;
+                if (j >= start && j < end) {
+                    sc = dv.x + dv.y + dv.z + dv.w;
+                }
+                s[r] = sc;
+                tile_max = max(tile_max, sc);
+            }
+            let correction = exp(running_max - tile_max);
+            denom *= correction;
+            for (var c = 0u; c < FA_D4; c++) {
+                acc[c] *= correction;
+            }
+            for (var r = 0u; r < FA_BK; r++) {
+                // A masked key weighs nothing, even while every score so far is masked.
+                let w = select(0.0, exp(s[r] - tile_max), s[r] > FA_NONE);
+                denom += w;
+                for (var c = 0u; c < FA_D4; c++) {
+                    acc[c] = fma(vec4<f32>(w), fa_v[r * FA_D4 + c], acc[c]);
+                }
+            }
+            running_max = tile_max;
+        }
+        workgroupBarrier();
+    }
+    if (i_raw < p.seq) {
+        let inv = 1.0 / denom;
+        for (var c = 0u; c < FA_D4; c++) {
+            let v = acc[c] * inv;
+            let at = q_base + c * 4u;
+            out[at] = v.x;
+            out[at + 1u] = v.y;
+            out[at + 2u] = v.z;
+            out[at + 3u] = v.w;
+        }
+    }
+}

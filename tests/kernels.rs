@@ -861,6 +861,211 @@ fn attention_every_variant_causal_and_bidirectional() {
     }
 }
 
+/// A shape of the flash-prefill test: `batch` rows of `seq` queries, row b at past
+/// `past0 + 3b`, grouped heads, a sliding window or a bidirectional mask, an f32 or f16 cache.
+#[derive(Debug, Clone, Copy)]
+struct FlashCase {
+    batch: usize,
+    seq: usize,
+    past0: usize,
+    heads: (usize, usize),
+    d: usize,
+    window: Option<usize>,
+    causal: bool,
+    f16: bool,
+}
+
+impl FlashCase {
+    fn shape(&self) -> AttnShape {
+        let (n_heads, n_kv_heads) = self.heads;
+        AttnShape {
+            batch: self.batch,
+            seq: self.seq,
+            slots: self.batch + 1,
+            n_heads,
+            n_kv_heads,
+            head_dim: self.d,
+            max_seq: self.past0 + 3 * self.batch + self.seq + 5,
+            group: n_heads / n_kv_heads,
+            q_head_offset: 0,
+            kv_head_offset: 0,
+        }
+    }
+
+    /// `(slot, past)` of each row: slots in reverse order, pasts growing.
+    fn rows(&self) -> Vec<(usize, usize)> {
+        (0..self.batch)
+            .map(|b| (self.batch - b, self.past0 + 3 * b))
+            .collect()
+    }
+
+    /// Real keys of each row (bidirectional): row b loses b of them to padding.
+    fn lens(&self) -> Vec<u32> {
+        (self.rows().iter().enumerate())
+            .map(|(b, &(_, past))| (past + self.seq - b) as u32)
+            .collect()
+    }
+
+    /// The keys query `i` of row `b` sees.
+    fn keys(&self, b: usize, i: usize) -> std::ops::Range<usize> {
+        let past = self.rows()[b].1;
+        if !self.causal {
+            return 0..self.lens()[b] as usize;
+        }
+        let pos = past + i;
+        (pos + 1).saturating_sub(self.window.unwrap_or(usize::MAX))..pos + 1
+    }
+
+    /// The attention output in f64 (scores scaled by 1/sqrt(d)).
+    fn reference(&self, q: &[f32], kc: &[f32], vc: &[f32]) -> Vec<f64> {
+        let shape = self.shape();
+        let (nh, nkv, d) = (shape.n_heads, shape.n_kv_heads, self.d);
+        let at = |slot: usize, h: usize, p: usize| ((slot * nkv + h) * shape.max_seq + p) * d;
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut want = vec![0.0; self.batch * self.seq * nh * d];
+        for t in 0..self.batch * self.seq {
+            let (b, i) = (t / self.seq, t % self.seq);
+            let slot = self.rows()[b].0;
+            for h in 0..nh {
+                let kvh = h / shape.group;
+                let qv = &q[(t * nh + h) * d..(t * nh + h + 1) * d];
+                let score = |p: usize| {
+                    let k = &kc[at(slot, kvh, p)..at(slot, kvh, p) + d];
+                    let dot: f64 = qv.iter().zip(k).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    dot * scale
+                };
+                let keys = self.keys(b, i);
+                let m = keys.clone().map(score).fold(f64::MIN, f64::max);
+                let z: f64 = keys.clone().map(|p| (score(p) - m).exp()).sum();
+                for p in keys {
+                    let w = (score(p) - m).exp() / z;
+                    for c in 0..d {
+                        want[(t * nh + h) * d + c] += w * vc[at(slot, kvh, p) + c] as f64;
+                    }
+                }
+            }
+        }
+        want
+    }
+}
+
+/// Runs `case` with `kernel` (the tuned choice where `None`) into a poisoned output.
+fn run_flash_case(
+    gpu: &Gpu,
+    case: &FlashCase,
+    (q, kc, vc): (&Tensor, &Tensor, &Tensor),
+    kernel: Option<&'static str>,
+) -> Vec<f32> {
+    let shape = case.shape();
+    let seqs = seq_table(gpu, &case.rows());
+    let lens = gpu.upload_u32("lens", &case.lens()).unwrap();
+    let out = poisoned(gpu, case.batch * case.seq * shape.n_heads * case.d);
+    let cache = ops::KvCache {
+        k: kc,
+        v: vc,
+        seqs: &seqs,
+    };
+    let io = (q, cache, &out);
+    run(gpu, |e| match (case.causal, case.window) {
+        (true, Some(w)) => ops::attention_window(gpu, e, io, &shape, (None, w), kernel).unwrap(),
+        (true, None) => {
+            let mask = ops::AttnMask::Causal;
+            ops::attention_with(gpu, e, io, &shape, mask, kernel).unwrap()
+        }
+        (false, _) => {
+            let mask = ops::AttnMask::Bidirectional { lens: &lens };
+            ops::attention_with(gpu, e, io, &shape, mask, kernel).unwrap()
+        }
+    });
+    gpu.read_f32(&out).unwrap()
+}
+
+/// The flash prefill variants (head dimension fixed per pipeline) and every other variant that
+/// applies, against f64: head dims 32, 64, 80, 96 and 128; queries not a multiple of the 64-query
+/// workgroup nor of any key tile; rows with different pasts; grouped heads; sliding windows
+/// narrower and wider than a tile; bidirectional with padding; an f16 cache.
+#[test]
+fn attention_flash_variants_head_dims_windows_f16() {
+    let gpu = &common::gpus(1)[0];
+    let case = |batch, seq, past0, heads, d| FlashCase {
+        batch,
+        seq,
+        past0,
+        heads,
+        d,
+        window: None,
+        causal: true,
+        f16: false,
+    };
+    let cases = [
+        case(2, 70, 5, (6, 2), 64),
+        FlashCase {
+            causal: false,
+            ..case(2, 67, 4, (3, 3), 64)
+        },
+        FlashCase {
+            window: Some(20),
+            ..case(1, 150, 7, (2, 1), 64)
+        },
+        FlashCase {
+            window: Some(5),
+            ..case(2, 33, 2, (4, 2), 128)
+        },
+        FlashCase {
+            f16: true,
+            ..case(2, 37, 30, (6, 2), 64)
+        },
+        case(2, 45, 6, (4, 1), 32),
+        FlashCase {
+            window: Some(40),
+            ..case(1, 100, 0, (2, 2), 32)
+        },
+        case(1, 65, 3, (2, 2), 80),
+        case(2, 20, 50, (3, 1), 96),
+        case(1, 66, 0, (4, 2), 128),
+    ];
+    let mut flash_runs = 0;
+    for case in cases {
+        if case.f16 && !gpu.supports_f16_weights() {
+            assert!(std::env::var("CI").is_err(), "CI needs SHADER_F16");
+            eprintln!("skipped the f16 case: {} has no SHADER_F16", gpu.label());
+            continue;
+        }
+        let shape = case.shape();
+        let round = |v: Vec<f32>| -> Vec<f32> {
+            let keep = |x: f32| half::f16::from_f32(x).to_f32();
+            v.into_iter()
+                .map(|x| if case.f16 { keep(x) } else { x })
+                .collect()
+        };
+        let kc = round(common::random(shape.cache_len(), 41));
+        let vc = round(common::random(shape.cache_len(), 42));
+        let q: Vec<f32> = (common::random(case.batch * case.seq * shape.n_heads * case.d, 43))
+            .iter()
+            .map(|v| v * 3.0)
+            .collect();
+        let upload = |name, v: &[f32]| match case.f16 {
+            true => gpu.upload_f16(name, v).unwrap(),
+            false => gpu.upload_f32(name, v).unwrap(),
+        };
+        let (kt, vt) = (upload("kc", &kc), upload("vc", &vc));
+        let qt = gpu.upload_f32("q", &q).unwrap();
+        let want = case.reference(&q, &kc, &vc);
+        let mut kernels: Vec<Option<&'static str>> = vec![None];
+        kernels.extend(
+            (variants::ATTENTION.iter())
+                .filter(|v| variants::attention_applies(v, case.seq, case.d))
+                .map(|v| Some(v.name)),
+        );
+        for kernel in kernels {
+            flash_runs += kernel.is_some_and(|k| k.starts_with("flash_")) as usize;
+            let got = run_flash_case(gpu, &case, (&qt, &kt, &vt), kernel);
+            assert_close(&format!("{kernel:?} {case:?}"), &got, &want, 1e-5);
+        }
+    }
+    assert!(flash_runs >= 8, "only {flash_runs} flash runs");
+}
+
 #[test]
 fn attention_rejects_short_caches_and_bad_head_maps() {
     let gpu = &common::gpus(1)[0];

@@ -448,11 +448,41 @@ macro_rules! attn {
     };
 }
 
+/// A flash prefill variant of `attend_flash`: head dimension `4 * d4` fixed in the pipeline
+/// (constant trip counts, registers instead of memory), tiles of `bk` keys.
+macro_rules! flash {
+    ($name:expr, d4 = $d4:expr, bk = $bk:expr) => {
+        Variant {
+            name: $name,
+            op: Op::Attention,
+            family: Family::Attention,
+            entry: "attend_flash",
+            constants: &[("FA_D4", $d4 as f64), ("FA_BK", $bk as f64)],
+            subgroups: false,
+            k_multiple_of_4: false,
+            max_rows: ANY,
+            min_rows: 1,
+            grid: MatmulGrid::Columns { cols: 1 },
+            max_head_dim: 4 * $d4,
+            candidate: true,
+            legacy: false,
+        }
+    };
+}
+
 /// Every attention variant: today's (one invocation per (token, head) streaming over the
 /// keys), the tiled flash-style prefill (key/value tiles shared by 64 queries in workgroup
 /// memory) and the decode kernel split over the context (a workgroup per (token, head), then
 /// a reduction pass).
 pub static ATTENTION: &[Variant] = &[
+    // The flash variants come first: the first one timed is never dropped for a slow first
+    // sample, and that sample includes the driver's compile of a pipeline whose loops are
+    // unrolled (seconds on lavapipe); only the one of the layer's head dimension applies.
+    flash!("flash_d32_k16", d4 = 8, bk = 16),
+    flash!("flash_d64_k16", d4 = 16, bk = 16),
+    flash!("flash_d80_k16", d4 = 20, bk = 16),
+    flash!("flash_d96_k16", d4 = 24, bk = 16),
+    flash!("flash_d128_k12", d4 = 32, bk = 12),
     attn!("attend", "attend", max_head_dim = 256, legacy = true),
     attn!(
         "attend_tiled",
@@ -466,7 +496,18 @@ pub static ATTENTION: &[Variant] = &[
         max_head_dim = 256,
         legacy = false
     ),
+    flash!("flash_d32_k8", d4 = 8, bk = 8),
+    flash!("flash_d64_k8", d4 = 16, bk = 8),
+    flash!("flash_d128_k8", d4 = 32, bk = 8),
 ];
+
+/// The head dimension a variant is compiled for, if fixed (the flash prefill kernels).
+pub fn fixed_head_dim(v: &Variant) -> Option<usize> {
+    v.constants
+        .iter()
+        .find(|(name, _)| *name == "FA_D4")
+        .map(|&(_, d4)| 4 * d4 as usize)
+}
 
 /// The variant called `name`, of any op.
 pub fn by_name(name: &str) -> Option<&'static Variant> {
@@ -482,8 +523,9 @@ pub fn names() -> Vec<&'static str> {
 pub fn attention_applies(v: &Variant, seq: usize, head_dim: usize) -> bool {
     v.op == Op::Attention
         && head_dim <= v.max_head_dim as usize
-        // The tiled kernel shares key tiles between the queries of a sequence: prefill only.
-        && (v.entry != "attend_tiled" || seq > 1)
+        && fixed_head_dim(v).is_none_or(|d| d == head_dim)
+        // The tiled kernels share key tiles between the queries of a sequence: prefill only.
+        && (!matches!(v.entry, "attend_tiled" | "attend_flash") || seq > 1)
 }
 
 /// Workgroup grid of attention variant `v` for `batch x seq` tokens and `n_heads` heads.
@@ -497,7 +539,7 @@ pub fn attention_grid(v: &Variant, batch: usize, seq: usize, n_heads: usize) -> 
     match v.entry {
         "attend" => fold((batch * seq * n_heads).div_ceil(64)),
         "attend_split" => fold(batch * seq * n_heads),
-        "attend_tiled" => {
+        "attend_tiled" | "attend_flash" => {
             let g = [seq.div_ceil(64), n_heads, batch];
             g.iter().all(|&d| d <= MAX_GROUPS as usize).then_some([
                 g[0] as u32,
@@ -509,15 +551,19 @@ pub fn attention_grid(v: &Variant, batch: usize, seq: usize, n_heads: usize) -> 
     }
 }
 
-/// The attention variant used untuned: today's kernel on a CPU driver; on a GPU the tiled
-/// kernel for prefill and the split one for decode over a context of 256 keys or more.
+/// The attention variant used untuned: the flash prefill where one is compiled for the head
+/// dimension; otherwise today's kernel on a CPU driver, and on a GPU the tiled kernel for
+/// prefill and the split one for decode over a context of 256 keys or more.
 pub fn default_attention(
     gpu: &Gpu,
     seq: usize,
     context: usize,
     head_dim: usize,
 ) -> &'static Variant {
-    let name = if gpu.info().is_cpu() {
+    // The flash prefill wins on lavapipe too (docs/BENCHMARKS.md, issue 36).
+    let name = if let Some(flash) = default_flash(seq, head_dim) {
+        flash
+    } else if gpu.info().is_cpu() {
         "attend"
     } else if seq > 1 && head_dim <= 128 {
         "attend_tiled"
@@ -527,6 +573,20 @@ pub fn default_attention(
         "attend"
     };
     by_name(name).unwrap_or(&ATTENTION[0])
+}
+
+/// The flash prefill variant compiled for `head_dim`, with the largest key tile its workgroup
+/// memory holds, where one exists and `seq > 1`.
+fn default_flash(seq: usize, head_dim: usize) -> Option<&'static str> {
+    let name = match head_dim {
+        32 => "flash_d32_k16",
+        64 => "flash_d64_k16",
+        80 => "flash_d80_k16",
+        96 => "flash_d96_k16",
+        128 => "flash_d128_k12",
+        _ => return None,
+    };
+    (seq > 1).then_some(name)
 }
 
 /// The shape class a tuned attention choice is kept for: power-of-two buckets of new tokens,
