@@ -42,6 +42,7 @@ pub fn step(rows: &[(usize, usize)], seq: usize, ids: Vec<u32>, copies: Vec<KvCo
         release_us: None,
         logits: true,
         allow: None,
+        adjust: None,
         kv_copies: copies,
     }
 }
