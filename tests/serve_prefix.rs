@@ -393,8 +393,16 @@ fn chat_server(dir: &hf_support::Scratch, cache: bool) -> Server {
 
 /// The reply to `messages` (greedy, 6 tokens).
 fn reply(server: &Server, messages: &serde_json::Value) -> String {
-    let body = serde_json::json!({"model": "m", "messages": messages, "max_tokens": 6,
+    reply_with(server, messages, serde_json::json!({}))
+}
+
+/// The same with the request's `extra` fields.
+fn reply_with(server: &Server, messages: &serde_json::Value, extra: serde_json::Value) -> String {
+    let mut body = serde_json::json!({"model": "m", "messages": messages, "max_tokens": 6,
         "temperature": 0, "ignore_eos": true});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
     let (code, text) = server.post("/v1/chat/completions", &body.to_string());
     assert_eq!(code, 200, "{text}");
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -404,18 +412,25 @@ fn reply(server: &Server, messages: &serde_json::Value) -> String {
         .to_string()
 }
 
-/// Two turns of a chat; the hits (tokens) `/metrics` counted after each.
-fn two_turns(server: &Server) -> (Vec<String>, [f64; 2]) {
-    let words = |from: usize, n: usize| {
-        (from..from + n)
-            .map(|i| format!("t{}", 7 + i * 13 % 300))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let mut messages = serde_json::json!([
+/// `n` words of the chat checkpoint's vocabulary, from the `from`th.
+fn words(from: usize, n: usize) -> String {
+    (from..from + n)
+        .map(|i| format!("t{}", 7 + i * 13 % 300))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A chat's first turn: a system prompt and a user message.
+fn first_turn() -> serde_json::Value {
+    serde_json::json!([
         {"role": "system", "content": words(0, 20)},
         {"role": "user", "content": words(40, 9)},
-    ]);
+    ])
+}
+
+/// Two turns of a chat; the hits (tokens) `/metrics` counted after each.
+fn two_turns(server: &Server) -> (Vec<String>, [f64; 2]) {
+    let mut messages = first_turn();
     let first = reply(server, &messages);
     let after_first = server.metric("wgpar:prefix_cache_hits_total");
     let list = messages.as_array_mut().unwrap();
@@ -465,4 +480,47 @@ fn no_prefix_cache_is_refused_with_a_url_and_turns_must_be_positive() {
     let (ok, _, err) = common::wgpar(&["bench", "serve", "--model", "tiny-llama", "--turns", "0"]);
     assert!(!ok);
     assert!(err.contains("--turns"), "{err}");
+}
+
+#[test]
+fn a_salted_prompt_reuses_only_its_salts_kv_and_cache_prompt_false_none() {
+    let (dir, _) = hf_support::chat_checkpoint("serve-prefix-salt");
+    // Four slots, so no request below evicts another namespace's slot (least recently used).
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_wgpar"));
+    cmd.args(["serve", "--port", "0", "--served-model-name", "m"])
+        .args(["--model", dir.to_str().unwrap(), "--max-batch", "4"]);
+    let mut server = Server::spawn(cmd, Duration::from_secs(300));
+    let hits = |s: &Server| s.metric("wgpar:prefix_cache_hits_total");
+    let first = first_turn();
+    reply_with(&server, &first, serde_json::json!({"cache_salt": "alice"}));
+    let mut second = first.clone();
+    let list = second.as_array_mut().unwrap();
+    list.push(serde_json::json!({"role": "assistant", "content": words(120, 4)}));
+    list.push(serde_json::json!({"role": "user", "content": words(80, 7)}));
+    let mut replies = Vec::new();
+    let mut seen = Vec::new();
+    for extra in [
+        serde_json::json!({"cache_salt": "bob"}),
+        serde_json::json!({}),
+        serde_json::json!({"cache_salt": "alice"}),
+        serde_json::json!({"cache_prompt": false}),
+    ] {
+        let before = hits(&server);
+        replies.push(reply_with(&server, &second, extra.clone()));
+        seen.push((extra, hits(&server) - before));
+    }
+    let refused = server.post(
+        "/v1/chat/completions",
+        &serde_json::json!({"model": "m", "messages": first, "cache_salt": ""}).to_string(),
+    );
+    server.terminate(Duration::from_secs(60));
+    assert!(replies.windows(2).all(|w| w[0] == w[1]), "{replies:?}");
+    // Another salt and the shared namespace find nothing of alice's; alice finds at least her
+    // first turn's 32 prompt tokens (as in the unsalted chat above); cache_prompt false looks
+    // nothing up.
+    let gained: Vec<f64> = seen.iter().map(|(_, h)| *h).collect();
+    assert_eq!([gained[0], gained[1], gained[3]], [0.0; 3], "{seen:?}");
+    assert!(gained[2] >= 32.0, "{seen:?}");
+    assert_eq!(refused.0, 400, "{}", refused.1);
+    assert!(refused.1.contains("cache_salt"), "{}", refused.1);
 }

@@ -38,7 +38,7 @@ use serde::Serialize;
 pub(crate) use chunk::{chunk_budget, plan_chunk};
 pub use chunk::{DEFAULT_STEP_TOKENS, MAX_STEP_TOKENS};
 pub use metrics::{Percentiles, RequestOutcome, ServeMetrics, Timing};
-pub use prefix::{copies_fit, PrefixCache, PrefixStats, Taken, DEFAULT_BLOCK};
+pub use prefix::{copies_fit, Lookup, PrefixCache, PrefixStats, Taken, DEFAULT_BLOCK};
 pub use workload::{Length, LongPrompt, Rate, ServeRequest, Sessions, WorkloadSpec};
 
 use crate::error::{Result, WgparError};

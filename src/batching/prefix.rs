@@ -23,6 +23,11 @@
 //! sequences is copied into each slot, not referenced. True paged attention (block tables in
 //! the attention kernels) is left undone.
 //!
+//! A request may keep its prompt out of the cache's reuse (llama-server's `cache_prompt:
+//! false`) or salt it (vLLM's `cache_salt`): a salted prompt's blocks are keyed under its salt,
+//! so it reuses only KV computed for prompts with the same salt, and others never reuse its
+//! KV ([`Lookup`]).
+//!
 //! Ordering: a copy's source is never overwritten before the copy runs, because a slot's
 //! blocks are registered only after the step that wrote them completed, copies run at the
 //! start of the step that carries them, and engines run steps in submission order on every
@@ -44,6 +49,40 @@ pub const DEFAULT_BLOCK: usize = 16;
 /// address (the engines refuse such a copy). Without, prefixes are reused in place only.
 pub fn copies_fit(config: &crate::model::ModelConfig) -> bool {
     (config.max_seq * config.head_dim).is_multiple_of(2)
+}
+
+/// How one prompt may use the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Lookup {
+    /// Look for a cached prefix (llama-server's `cache_prompt`); `false` prefills the whole
+    /// prompt (its KV is still cached for later prompts of its namespace).
+    pub skip: bool,
+    /// The namespace its blocks are keyed under: 0 for the shared one, a salt's hash for a
+    /// salted request (vLLM's `cache_salt`), which shares KV only with the same salt.
+    pub namespace: u64,
+}
+
+impl Lookup {
+    /// The shared namespace, looked up.
+    pub const SHARED: Lookup = Lookup {
+        skip: false,
+        namespace: 0,
+    };
+
+    /// A request's use: salted by `salt` if given (never the shared namespace), looked up
+    /// unless `reuse` is false.
+    pub fn new(reuse: bool, salt: Option<&str>) -> Self {
+        let namespace = salt.map_or(0, |salt| {
+            let mut h = DefaultHasher::new();
+            salt.hash(&mut h);
+            // 0 is the shared namespace: a salt never lands there.
+            h.finish().max(1)
+        });
+        Self {
+            skip: !reuse,
+            namespace,
+        }
+    }
 }
 
 /// What the cache did so far.
@@ -95,6 +134,8 @@ struct Slot {
     used: u64,
     /// The step that wrote its registered tokens.
     span: SpanId,
+    /// The namespace of the request that last took it: its blocks are keyed under it.
+    namespace: u64,
 }
 
 /// The prefix cache over a run's KV slots; with it off, only the free list.
@@ -119,9 +160,9 @@ fn chain(prev: u64, tokens: &[u32]) -> u64 {
     h.finish()
 }
 
-/// The chained key of each full block of `tokens`.
-fn block_keys(tokens: &[u32], block: usize) -> Vec<u64> {
-    let mut prev = 0;
+/// The chained key of each full block of `tokens`, in `namespace`.
+fn block_keys(tokens: &[u32], block: usize, namespace: u64) -> Vec<u64> {
+    let mut prev = namespace;
     (tokens.chunks_exact(block))
         .map(|b| {
             prev = chain(prev, b);
@@ -149,6 +190,7 @@ impl PrefixCache {
                     owned: false,
                     used: 0,
                     span: SpanId::NONE,
+                    namespace: 0,
                 })
                 .collect(),
             index: HashMap::new(),
@@ -185,13 +227,18 @@ impl PrefixCache {
     }
 
     /// Gives `prompt` a free slot with the longest cached prefix it can reuse (at most all but
-    /// its last token); `None` when no slot is free.
+    /// its last token), in the shared namespace; `None` when no slot is free.
     pub fn take(&mut self, prompt: &[u32]) -> Option<Taken> {
+        self.take_with(prompt, Lookup::SHARED)
+    }
+
+    /// [`Self::take`] as `lookup` says: in its namespace, or without looking.
+    pub fn take_with(&mut self, prompt: &[u32], lookup: Lookup) -> Option<Taken> {
         let lru = self.lru()?;
-        let (slot, reused, copy) = if self.enabled && !prompt.is_empty() {
+        let (slot, reused, copy) = if self.enabled && !lookup.skip && !prompt.is_empty() {
             self.stats.queries += 1;
             self.stats.query_tokens += prompt.len() as u64;
-            self.best(prompt, lru)
+            self.best(prompt, lru, lookup.namespace)
         } else {
             (lru, 0, None)
         };
@@ -201,9 +248,12 @@ impl PrefixCache {
             None => SpanId::NONE,
         };
         // Whatever the slot held beyond what is reused will be overwritten.
+        // (Only a slot of the prompt's own namespace is reused in place, so what stays is
+        // keyed under the namespace it takes.)
         self.truncate(slot, if copy.is_some() { 0 } else { reused });
         let s = &mut self.slots[slot];
         s.owned = true;
+        s.namespace = lookup.namespace;
         if reused > 0 {
             self.stats.hits += 1;
             self.stats.copies += u64::from(copy.is_some());
@@ -227,11 +277,11 @@ impl PrefixCache {
 
     /// The slot, reused tokens and copy for `prompt`: a free slot holding the longest match in
     /// place, else `lru` with a copy of the matched whole blocks.
-    fn best(&self, prompt: &[u32], lru: usize) -> (usize, usize, Option<KvCopy>) {
+    fn best(&self, prompt: &[u32], lru: usize, namespace: u64) -> (usize, usize, Option<KvCopy>) {
         let limit = prompt.len() - 1;
-        let (blocks, holders) = self.longest_blocks(&prompt[..limit]);
+        let (blocks, holders) = self.longest_blocks(&prompt[..limit], namespace);
         let in_place = (self.slots.iter().enumerate())
-            .filter(|(_, s)| !s.owned)
+            .filter(|(_, s)| !s.owned && s.namespace == namespace)
             .map(|(i, s)| (i, common_prefix(&s.tokens, &prompt[..limit])))
             .max_by_key(|&(i, n)| (n, std::cmp::Reverse(self.slots[i].used)));
         let matched = blocks * self.block;
@@ -250,10 +300,11 @@ impl PrefixCache {
         }
     }
 
-    /// The most whole blocks of `tokens` some slot holds, and the slots holding them.
-    fn longest_blocks(&self, tokens: &[u32]) -> (usize, Vec<usize>) {
+    /// The most whole blocks of `tokens` some slot of `namespace` holds, and the slots
+    /// holding them.
+    fn longest_blocks(&self, tokens: &[u32], namespace: u64) -> (usize, Vec<usize>) {
         let b = self.block;
-        let (mut prev, mut found, mut holders) = (0, 0, Vec::new());
+        let (mut prev, mut found, mut holders) = (namespace, 0, Vec::new());
         for (i, block) in tokens.chunks_exact(b).enumerate() {
             let key = chain(prev, block);
             let range = i * b..(i + 1) * b;
@@ -262,7 +313,9 @@ impl PrefixCache {
                 .copied()
                 .filter(|&s| {
                     let t = &self.slots[s].tokens;
-                    t.len() >= range.end && t[..range.end] == tokens[..range.end]
+                    self.slots[s].namespace == namespace
+                        && t.len() >= range.end
+                        && t[..range.end] == tokens[..range.end]
                 })
                 .collect();
             if now.is_empty() {
@@ -299,7 +352,7 @@ impl PrefixCache {
         let s = &mut self.slots[slot];
         s.tokens.extend_from_slice(&tokens[same..]);
         s.span = span;
-        let keys = block_keys(&s.tokens, self.block);
+        let keys = block_keys(&s.tokens, self.block, s.namespace);
         for (i, &key) in keys.iter().enumerate().skip(s.keys.len()) {
             debug_assert_eq!(i, s.keys.len());
             s.keys.push(key);
@@ -440,5 +493,28 @@ mod tests {
         off.release(0, &ids(0..8), span(1));
         assert_eq!(off.take(&ids(0..8)).unwrap().reused, 0);
         assert_eq!(off.stats(), PrefixStats::default());
+    }
+
+    #[test]
+    fn salted_prompts_share_only_within_their_salt_and_skipping_reuses_nothing() {
+        let mut c = PrefixCache::new(3, true).with_block(4);
+        let salted = Lookup::new(true, Some("alice"));
+        assert_ne!(salted.namespace, 0);
+        c.take_with(&ids(0..12), salted).unwrap();
+        c.release(0, &ids(0..12), span(1));
+        // Neither the shared namespace nor another salt sees alice's blocks.
+        let t = c.take(&ids(0..12)).unwrap();
+        assert_eq!((t.slot, t.reused), (1, 0));
+        c.release(1, &ids(0..12), span(2));
+        let bob = Lookup::new(true, Some("bob"));
+        assert_eq!(c.take_with(&ids(0..12), bob).unwrap().reused, 0);
+        c.release(2, &ids(100..112), span(3));
+        // The same salt finds them, in place.
+        let t = c.take_with(&ids(0..12), salted).unwrap();
+        assert_eq!((t.slot, t.reused, t.copy), (0, 11, None));
+        // Skipping looks nothing up, though slot 1 holds the prompt.
+        let t = c.take_with(&ids(0..12), Lookup::new(false, None)).unwrap();
+        assert_eq!(t.reused, 0);
+        assert_eq!(c.stats().queries, 4);
     }
 }

@@ -227,10 +227,35 @@ fn now_s() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Drops what no later run can use: entries of other wgpar versions (their keys name the
-/// version), then the oldest beyond [`MAX_CACHE_ENTRIES`].
+/// The build part of a cache key: wgpar's version and a digest of every kernel variant's name
+/// (and whether it is a tuning candidate). A binary whose candidates differ from those a
+/// choice was made among (a variant added, dropped or renamed) times again rather than keep a
+/// choice that never saw the new ones.
+pub fn build_tag() -> &'static str {
+    static TAG: OnceLock<String> = OnceLock::new();
+    TAG.get_or_init(|| {
+        let dense = (variants::MATMUL.iter())
+            .chain(variants::ATTENTION)
+            .map(|v| (v.name, v.candidate));
+        let packed = (super::quant::QUANT_VARIANTS.iter())
+            .chain(super::quant::QUANT_EMBED_VARIANTS)
+            .chain(super::quant_dp4::DP4_VARIANTS)
+            .map(|v| (v.name, true));
+        // FNV-1a: stable across toolchains, unlike std's hasher.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for (name, candidate) in dense.chain(packed) {
+            for b in name.bytes().chain([u8::from(candidate), 0]) {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        format!("{}+k{h:016x}", env!("CARGO_PKG_VERSION"))
+    })
+}
+
+/// Drops what no later run can use: entries of other wgpar builds (their keys name the
+/// version and the kernel set, [`build_tag`]), then the oldest beyond [`MAX_CACHE_ENTRIES`].
 fn prune(file: &mut CacheFile) {
-    let version = format!("| wgpar {} |", env!("CARGO_PKG_VERSION"));
+    let version = format!("| wgpar {} |", build_tag());
     file.entries.retain(|k, _| k.contains(&version));
     let excess = file.entries.len().saturating_sub(MAX_CACHE_ENTRIES);
     if excess > 0 {
@@ -295,7 +320,8 @@ fn write_cache(dir: &Path, file: &CacheFile) -> Result<()> {
     })
 }
 
-/// The adapter part of a cache key: name, backend, driver, driver version, wgpar version.
+/// The adapter part of a cache key: name, backend, driver, driver version, and the build
+/// ([`build_tag`]: wgpar's version and its kernel set).
 pub fn adapter_key(gpu: &Gpu) -> String {
     let i = gpu.info();
     format!(
@@ -304,7 +330,7 @@ pub fn adapter_key(gpu: &Gpu) -> String {
         i.backend,
         i.driver,
         i.driver_info,
-        env!("CARGO_PKG_VERSION")
+        build_tag()
     )
 }
 
@@ -743,7 +769,7 @@ mod tests {
     fn key(class: &str) -> String {
         format!(
             "lavapipe [Vulkan] | llvmpipe 1 | wgpar {} | {class}",
-            env!("CARGO_PKG_VERSION")
+            build_tag()
         )
     }
 
@@ -785,6 +811,12 @@ mod tests {
         let mut file = CacheFile::default();
         let stale = "lavapipe [Vulkan] | llvmpipe 1 | wgpar 0.0.1 | matmul/x".to_string();
         file.entries.extend(one(&stale, "gemv_wg64", 9).entries);
+        // This version with another kernel set: its choices were made among other candidates.
+        let other_set = format!(
+            "lavapipe [Vulkan] | llvmpipe 1 | wgpar {} | matmul/x",
+            env!("CARGO_PKG_VERSION")
+        );
+        file.entries.extend(one(&other_set, "gemv_wg64", 9).entries);
         for i in 0..MAX_CACHE_ENTRIES + 3 {
             file.entries
                 .extend(one(&key(&format!("c{i}")), "gemv_wg64", 10 + i as u64).entries);
@@ -792,6 +824,8 @@ mod tests {
         prune(&mut file);
         assert_eq!(file.entries.len(), MAX_CACHE_ENTRIES);
         assert!(!file.entries.contains_key(&stale));
+        assert!(!file.entries.contains_key(&other_set));
+        assert!(build_tag().starts_with(env!("CARGO_PKG_VERSION")));
         for i in 0..3 {
             assert!(
                 !file.entries.contains_key(&key(&format!("c{i}"))),

@@ -6,6 +6,7 @@ use serde_json::{Map, Value};
 use super::chat::Message;
 use crate::model::constraint::Format;
 use crate::model::sampling::{PickRules, SamplingParams};
+use crate::batching::Lookup;
 
 pub mod fields;
 
@@ -47,6 +48,9 @@ pub struct Params {
     pub format: Option<Format>,
     /// The field `format` came from, for messages about it.
     pub format_field: &'static str,
+    /// How the prompt may reuse cached KV: llama-server's `cache_prompt` (default true) and
+    /// vLLM's `cache_salt` (KV shared only among requests with the same salt).
+    pub cache: Lookup,
 }
 
 /// The prompt of a request.
@@ -241,8 +245,32 @@ pub fn params(obj: &Map<String, Value>, route: Route, vocab: usize) -> Result<Pa
         include_stop: boolean(obj, "include_stop_str_in_output")?.unwrap_or(false),
         format,
         format_field,
+        cache: cache_use(obj)?,
     })
 }
+
+/// `cache_prompt` and `cache_salt`: whether and within which namespace the prompt reuses
+/// cached KV. A salt is a non-empty string of at most [`MAX_CACHE_SALT`] bytes.
+fn cache_use(obj: &Map<String, Value>) -> Result<Lookup, Invalid> {
+    let reuse = boolean(obj, "cache_prompt")?.unwrap_or(true);
+    let salt = match field(obj, "cache_salt") {
+        None => None,
+        Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_CACHE_SALT => Some(s.as_str()),
+        Some(v) => {
+            return Err(Invalid::new(
+                "cache_salt",
+                format!(
+                    "'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT} \
+                     bytes, not {v}"
+                ),
+            ))
+        }
+    };
+    Ok(Lookup::new(reuse, salt))
+}
+
+/// The longest `cache_salt` taken, in bytes.
+pub const MAX_CACHE_SALT: usize = 1024;
 
 /// The grammar the output must follow, and the field that gave it: `response_format`, or
 /// one of vLLM's `guided_json` (a schema, as `json_schema`), `guided_regex` (a regular

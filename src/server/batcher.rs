@@ -75,6 +75,8 @@ pub struct Job {
     pub score: Vec<u32>,
     /// How the HTTP side ended it early, if it did.
     pub ending: Arc<Ending>,
+    /// How its prompt may reuse cached KV (`cache_prompt`, `cache_salt`).
+    pub cache: crate::batching::Lookup,
 }
 
 /// How the HTTP side ends a request before the engine does; the engine reads it at step
@@ -451,7 +453,7 @@ impl Batcher {
             let Some(job) = self.waiting.front() else {
                 break;
             };
-            let Some(t) = self.cache.take(&job.prompt) else {
+            let Some(t) = self.cache.take_with(&job.prompt, job.cache) else {
                 break;
             };
             let Some(job) = self.waiting.pop_front() else {

@@ -538,6 +538,7 @@ fn jobs(
                 picker,
                 constraint: device_constraint,
                 ending: ending.clone(),
+                cache: p.cache,
             });
             rxs.push((rx, ending));
         }
