@@ -21,20 +21,36 @@ use serde_json::{json, Value};
 use serve_support::Server;
 use wgpar::model::ModelWeights;
 
-/// Tokens the answer is made of: (id, text).
-const PIECES: [(u32, &str); 5] = [
+/// Tokens the answers are made of: (id, text). A call's arguments span several tokens, so
+/// that a stream sends them in pieces.
+const PIECES: [(u32, &str); 11] = [
     (10, "Checking."),
     (11, "<tool_call>"),
+    (12, r#"{"name": "get_weather", "arguments": {"city":"#),
+    (13, r#""Paris","#),
+    (14, r#""days":"#),
+    (15, "3}}"),
+    (16, "</tool_call>"),
     (
-        12,
-        r#"{"name": "get_weather", "arguments": {"city": "Paris"}}"#,
-    ),
-    (13, "</tool_call>"),
-    (
-        14,
+        17,
         r#"<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>"#,
     ),
+    (18, r#"{"name": "get_weather", "parameters": {"city":"#),
+    (19, r#"[TOOL_CALLS]get_weather[ARGS]{"city":"#),
+    (20, "3}"),
 ];
+
+/// The answers in each format: Hermes (text, then two calls), Llama 3.1 (the call is the
+/// answer), Mistral's `name[ARGS]`; the first call is always get_weather(Paris, 3 days).
+const HERMES: [u32; 8] = [10, 11, 12, 13, 14, 15, 16, 17];
+const LLAMA: [u32; 4] = [18, 13, 14, 15];
+const MISTRAL: [u32; 4] = [19, 13, 14, 20];
+
+/// Templates that teach the Llama and Mistral formats (the markers named in a comment).
+const LLAMA_TEMPLATE: &str = "{# <|python_tag|> #}{% for t in tools %}{{ t | tojson }}{% endfor %}\
+{% for m in messages %}{{ m.content }}{% endfor %}";
+const MISTRAL_TEMPLATE: &str = "{# [TOOL_CALLS] #}{% for t in tools %}{{ t | tojson }}{% endfor %}\
+{% for m in messages %}{{ m.content }}{% endfor %}";
 
 /// A Hermes-style template (tools listed in a system turn, calls in `<tool_call>` blocks,
 /// answers in `tool_response` blocks).
@@ -82,6 +98,19 @@ fn checkpoint(dir: &Path) {
     let config = json!({"bos_token": "", "eos_token": "t0"});
     std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
     std::fs::write(dir.join("tools.jinja"), TEMPLATE).unwrap();
+    std::fs::write(dir.join("llama.jinja"), LLAMA_TEMPLATE).unwrap();
+    std::fs::write(dir.join("mistral.jinja"), MISTRAL_TEMPLATE).unwrap();
+}
+
+/// The text of piece `id`.
+fn piece(id: u32) -> &'static str {
+    PIECES.iter().find(|p| p.0 == id).unwrap().1
+}
+
+/// The calls' names and arguments as the text they came as.
+fn raw(answer: &Value) -> Vec<Value> {
+    let calls = answer["calls"].as_array().unwrap();
+    calls.iter().map(|c| json!([c["name"], c["raw"]])).collect()
 }
 
 fn python(args: &[&str]) -> Value {
@@ -99,18 +128,21 @@ fn tools() -> Value {
     ])
 }
 
-/// A greedy chat request whose answer is the first `n` of [`PIECES`]: each piece's bias is
-/// above the next one's, and the repetition penalty (dividing a picked token's logit by 10)
-/// drops a picked piece below every piece not yet picked.
+/// A greedy chat request whose answer is the first `n` of [`HERMES`].
 fn scripted(n: usize, extra: Value) -> Value {
-    let bias: serde_json::Map<String, Value> = PIECES
-        .iter()
-        .enumerate()
-        .map(|(k, (id, _))| (id.to_string(), json!(100 - 20 * k as i64)))
+    script(&HERMES, n, extra)
+}
+
+/// A greedy chat request whose answer is the first `n` tokens of `ids`: each one's bias is
+/// above the next one's, and the repetition penalty (dividing a picked token's logit by 10)
+/// drops a picked one below every one not yet picked.
+fn script(ids: &[u32], n: usize, extra: Value) -> Value {
+    let bias: serde_json::Map<String, Value> = (ids.iter().enumerate())
+        .map(|(k, id)| (id.to_string(), json!(100 - 10 * k as i64)))
         .collect();
     let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}],
         "tools": tools(), "max_tokens": n, "temperature": 0, "logit_bias": bias,
-        "repetition_penalty": 10, "allowed_token_ids": PIECES.map(|(id, _)| id)});
+        "repetition_penalty": 10, "allowed_token_ids": ids});
     for (k, v) in extra.as_object().unwrap() {
         body[k] = v.clone();
     }
@@ -118,7 +150,7 @@ fn scripted(n: usize, extra: Value) -> Value {
 }
 
 fn weather() -> Value {
-    json!({"name": "get_weather", "arguments": {"city": "Paris"}})
+    json!({"name": "get_weather", "arguments": {"city": "Paris", "days": 3}})
 }
 
 fn time() -> Value {
@@ -175,26 +207,30 @@ fn tool_calls_come_back_through_the_openai_client() {
     let port = server.port.to_string();
     let ask = |cmd: &str, body: Value| python(&[cmd, &port, &body.to_string()]);
     // Without parsing, the answer is the pieces in order: the script works.
-    let plain = ask("call", scripted(5, json!({"tool_choice": "none"})));
+    let plain = ask("call", scripted(8, json!({"tool_choice": "none"})));
     let text = plain["content"].as_str().unwrap();
-    let words: Vec<&str> = PIECES.iter().map(|p| p.1).collect();
+    let words: Vec<&str> = HERMES.iter().map(|&id| piece(id)).collect();
     assert_eq!(text.trim(), words.join(" "), "{plain}");
     assert_eq!(
         (&plain["finish"], &plain["calls"]),
         (&json!("length"), &json!([]))
     );
     // Parsed, whole and streamed.
-    let whole = ask("call", scripted(5, json!({})));
+    let whole = ask("call", scripted(8, json!({})));
     assert_eq!(calls_of(&whole), vec![weather(), time()], "{whole}");
     assert_eq!(whole["finish"], "tool_calls");
     assert_eq!(whole["content"].as_str().unwrap().trim(), "Checking.");
-    let streamed = ask("stream", scripted(5, json!({})));
+    let streamed = ask("stream", scripted(8, json!({})));
     assert_eq!(calls_of(&streamed), vec![weather(), time()], "{streamed}");
     assert_eq!(streamed["finish"], "tool_calls");
     assert_eq!(streamed["content"].as_str().unwrap().trim(), "Checking.");
-    // As OpenAI streams them: per call, one delta with its name, one with its arguments.
-    assert_eq!(streamed["tool_chunks"], 4, "{streamed}");
-    let single = ask("call", scripted(5, json!({"parallel_tool_calls": false})));
+    // As OpenAI streams them: per call a delta with its name, then its arguments as they are
+    // written (get_weather's over four tokens, get_time's in one).
+    assert_eq!(streamed["tool_chunks"], 7, "{streamed}");
+    assert_eq!(raw(&streamed), raw(&whole), "{streamed} {whole}");
+    let single = ask("call", scripted(8, json!({"parallel_tool_calls": false})));
+    assert_eq!(calls_of(&single), vec![weather()], "{single}");
+    let single = ask("stream", scripted(8, json!({"parallel_tool_calls": false})));
     assert_eq!(calls_of(&single), vec![weather()], "{single}");
     // A call cut short by max_tokens before its JSON is no call: the text stays content
     // (an unclosed last block whose JSON is whole still counts, as vLLM reads it).
@@ -208,14 +244,25 @@ fn tool_calls_come_back_through_the_openai_client() {
         cut["content"].as_str().unwrap().contains("<tool_call>"),
         "{cut}"
     );
+    // Cut inside the arguments after the call's header went out: whole, the text is content;
+    // streamed, the stream ends in an error naming the call (nothing sent is taken back).
+    let cut = ask("call", scripted(4, json!({})));
+    assert_eq!(
+        (&cut["calls"], &cut["finish"]),
+        (&json!([]), &json!("length"))
+    );
+    let cut = ask("stream", scripted(4, json!({})));
+    assert_eq!(cut["calls_begun"], 1, "{cut}");
+    let error = cut["error"].as_str().unwrap();
+    assert!(error.contains("tool call 0 ('get_weather')"), "{cut}");
     for choice in [
         json!("required"),
         json!({"type": "function", "function": {"name": "get_time"}}),
     ] {
-        let got = ask("refused", scripted(5, json!({"tool_choice": choice})));
+        let got = ask("refused", scripted(8, json!({"tool_choice": choice})));
         let want = json!({"status": 400, "param": "allowed_token_ids"});
         assert_eq!(got, want, "{choice}");
-        let mut body = scripted(5, json!({"tool_choice": choice}));
+        let mut body = scripted(8, json!({"tool_choice": choice}));
         body.as_object_mut().unwrap().remove("allowed_token_ids");
         let got = ask("refused", body);
         assert_eq!(got, json!({"status": 400, "param": "tools"}), "{choice}");
@@ -223,6 +270,38 @@ fn tool_calls_come_back_through_the_openai_client() {
     let (code, body) = server.post("/v1/embeddings", &json!({"input": "t3"}).to_string());
     assert_eq!(code, 400, "{body}");
     assert!(body.contains("is a decoder"), "{body}");
+}
+
+/// In every format the server parses, a streamed answer's call goes out in pieces as it is
+/// written (more than one piece of arguments), and the `openai` client's own accumulation
+/// (`chat.completions.stream`) ends with the calls the whole answer has, arguments equal as
+/// text.
+#[test]
+fn streamed_arguments_accumulate_to_the_whole_answer_in_every_format() {
+    let dir = hf_support::scratch("serve-tools-pieces");
+    checkpoint(&dir);
+    let mut compared = 0;
+    for (template, ids) in [
+        ("tools.jinja", &HERMES[..]),
+        ("llama.jinja", &LLAMA[..]),
+        ("mistral.jinja", &MISTRAL[..]),
+    ] {
+        let server = serve_with(&dir, &dir.join(template));
+        let port = server.port.to_string();
+        let body = script(ids, ids.len(), json!({})).to_string();
+        let whole = python(&["call", &port, &body]);
+        let streamed = python(&["accumulate", &port, &body]);
+        assert_eq!(whole["finish"], "tool_calls", "{template}: {whole}");
+        assert_eq!(streamed["finish"], "tool_calls", "{template}: {streamed}");
+        let first = &whole["calls"][0];
+        let first = json!({"name": first["name"], "arguments": first["arguments"]});
+        assert_eq!(first, weather(), "{template}: {whole}");
+        assert_eq!(raw(&streamed), raw(&whole), "{template}");
+        let pieces = streamed["pieces"].as_array().unwrap();
+        assert!(pieces[0].as_u64().unwrap() >= 2, "{template}: {streamed}");
+        compared += 1;
+    }
+    assert_eq!(compared, 3);
 }
 
 /// A conversation with tools, an assistant's `tool_calls` and the `tool` answer renders as

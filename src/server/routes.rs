@@ -24,7 +24,7 @@ use super::api::{self, Invalid, Params, Prompt};
 use super::batcher::{Ending, Event, Job};
 use super::embeddings::EncoderHandle;
 use super::limits::Watched;
-use super::tools::{CallStream, ToolCall, ToolConstraint, ToolRequest};
+use super::tools::{CallDelta, CallStream, ToolCall, ToolConstraint, ToolRequest};
 use super::{ServerOptions, Shared, TextModel};
 use crate::model::constraint::{Constraint, Format, Grammars};
 use crate::model::hf::TextStream;
@@ -726,6 +726,8 @@ struct Choice {
     calls: Option<CallStream>,
     /// The calls found once the choice ended.
     tool_calls: Vec<ToolCall>,
+    /// Tool-call deltas not yet streamed.
+    deltas: Vec<CallDelta>,
 }
 
 impl Choice {
@@ -737,21 +739,25 @@ impl Choice {
         }
     }
 
-    /// Passes a delta of text through the tool-call watch; `end`: the choice ended with it.
-    fn content_delta(&mut self, delta: String, end: bool) -> String {
+    /// Passes a delta of text through the tool-call watch (its call deltas queued); `end`:
+    /// the choice ended with it. An error where a call streamed in part is no call.
+    fn content_delta(&mut self, delta: String, end: bool) -> Result<String, String> {
         let Some(calls) = self.calls.as_mut() else {
-            return delta;
+            return Ok(delta);
         };
-        let mut out = calls.push(&delta);
+        let pushed = calls.push(&delta);
+        let mut out = pushed.content;
+        self.deltas.extend(pushed.calls);
         if end {
-            let (rest, found) = calls.finish();
-            out.push_str(&rest);
-            if !found.is_empty() {
+            let done = calls.finish()?;
+            out.push_str(&done.content);
+            self.deltas.extend(done.deltas);
+            if !done.calls.is_empty() {
                 self.finish = Some("tool_calls");
             }
-            self.tool_calls = found;
+            self.tool_calls = done.calls;
         }
-        out
+        Ok(out)
     }
 }
 
@@ -814,8 +820,15 @@ impl Output {
                     finish: None,
                     rx,
                     ending: ending.unwrap_or_default(),
-                    calls: accepted.tools.as_ref().map(ToolRequest::stream),
+                    calls: (accepted.tools.as_ref().map(ToolRequest::stream)).map(|s| {
+                        if p.stream {
+                            s.live()
+                        } else {
+                            s
+                        }
+                    }),
                     tool_calls: Vec::new(),
+                    deltas: Vec::new(),
                 });
             }
         }
@@ -890,11 +903,15 @@ impl Output {
                         c.finish = Some("stop");
                         c.ending.stop();
                         c.rx = None;
-                        Step::Finished(c.content_delta(d, true))
+                        c.content_delta(d, true)
+                            .map_or_else(Step::Failed, Step::Finished)
                     }
                     (d, false) => match c.content_delta(d, false) {
-                        d if d.is_empty() && c.logprobs.is_empty() => Step::Nothing,
-                        d => Step::Delta(d),
+                        Ok(d) if d.is_empty() && c.logprobs.is_empty() && c.deltas.is_empty() => {
+                            Step::Nothing
+                        }
+                        Ok(d) => Step::Delta(d),
+                        Err(e) => Step::Failed(e),
                     },
                 }
             }
@@ -902,7 +919,8 @@ impl Output {
                 c.finish = Some(if eos { "stop" } else { "length" });
                 c.rx = None;
                 let rest = c.detok.flush(text);
-                Step::Finished(c.content_delta(rest, true))
+                c.content_delta(rest, true)
+                    .map_or_else(Step::Failed, Step::Finished)
             }
             Event::Error(e) => Step::Failed(e),
         }
@@ -976,29 +994,28 @@ impl Output {
         }
     }
 
-    /// Choice `i`'s streamed chunks for `delta`: one; or, where the choice ended in tool
-    /// calls, as OpenAI streams them: the text (if any), then for each call a chunk with its
-    /// id, type and name and one with its arguments, then one with the finish reason.
+    /// Choice `i`'s streamed chunks for `delta`: one; or, with tool-call deltas queued, as
+    /// OpenAI streams them: the text (if any), then a chunk per delta (a call's header with
+    /// its id, type and name, or a piece of its arguments), then, where the choice ended, one
+    /// with the finish reason.
     fn stream_chunks(&mut self, i: usize, delta: &str) -> Vec<Value> {
+        // Taken so that the text's chunk does not list the calls (they go out as deltas).
         let calls = std::mem::take(&mut self.choices[i].tool_calls);
-        let finish = match calls.is_empty() {
+        let deltas = std::mem::take(&mut self.choices[i].deltas);
+        let finish = match deltas.is_empty() {
             true => self.choices[i].finish,
             false => self.choices[i].finish.take(),
         };
         let text = self.choice(i, delta, true);
         let mut chunks = Vec::new();
-        if calls.is_empty() || !delta.is_empty() || !text["logprobs"].is_null() {
+        if deltas.is_empty() || !delta.is_empty() || !text["logprobs"].is_null() {
             chunks.push(text);
         }
         let piece = |delta: Value, finish: Option<&str>| json!({"index": i, "delta": delta, "logprobs": null, "finish_reason": finish});
-        for (k, call) in calls.iter().enumerate() {
-            let mut head = call.to_json(k);
-            head["function"]["arguments"] = json!("");
-            chunks.push(piece(json!({"tool_calls": [head]}), None));
-            let args = json!({"index": k, "function": {"arguments": call.arguments}});
-            chunks.push(piece(json!({"tool_calls": [args]}), None));
+        for d in &deltas {
+            chunks.push(piece(json!({"tool_calls": [d.to_json()]}), None));
         }
-        if !calls.is_empty() {
+        if !deltas.is_empty() && finish.is_some() {
             chunks.push(piece(json!({}), finish));
         }
         self.choices[i].finish = finish;

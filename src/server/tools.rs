@@ -2,7 +2,8 @@
 //! [`ToolRequest`] (the definitions go to the chat template as `tools`), assistant
 //! `tool_calls` and `tool` messages read for the template, and the calls a model writes parsed
 //! out of its text in the format its template teaches ([`ToolFormat`]): whole ([`parse`]) or
-//! as it streams ([`CallStream`], which holds text back once a call may have started).
+//! as it streams ([`CallStream`], which holds text back once a call may have started and
+//! sends each call's arguments piece by piece as the model writes them).
 //!
 //! `tool_choice: "required"` and a named function hold decoding to the calls' JSON schema:
 //! [`ToolRequest::constraint`] gives that schema ([`ToolConstraint`]), which the server hands
@@ -14,6 +15,11 @@ use serde_json::{json, Map, Value};
 
 use super::api::Invalid;
 use super::chat::ChatTemplate;
+
+mod scan;
+mod stream;
+
+pub use stream::{CallDelta, CallStream, Finished, Pushed};
 
 /// How a model writes its tool calls (told by the markers its chat template mentions).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,34 +114,63 @@ pub struct Parsed {
     pub calls: Vec<ToolCall>,
 }
 
-/// One call's object: `name` and `arguments` (or `parameters`), an object or its JSON text.
-fn call_of(v: &Value, format: ToolFormat) -> Option<ToolCall> {
+/// The keys a call's arguments go by (Llama's templates write `parameters`); the first one
+/// written counts.
+const ARGS: &[&str] = &["arguments", "parameters"];
+
+/// One call from its object's raw text: `name`, and the arguments as the model wrote them
+/// (an object's own text, or the JSON text a string holds), so that the arguments streamed
+/// piece by piece ([`CallStream`]) add up to the same text.
+fn call_of(raw: &str, format: ToolFormat) -> Option<ToolCall> {
+    let v: Value = serde_json::from_str(raw).ok()?;
     let name = v.get("name")?.as_str()?.to_string();
-    let args = v.get("arguments").or_else(|| v.get("parameters"));
-    let arguments = match args {
-        None => "{}".to_string(),
-        Some(Value::Object(_)) => args?.to_string(),
-        Some(Value::String(s)) if serde_json::from_str::<Value>(s).is_ok_and(|a| a.is_object()) => {
-            s.clone()
-        }
-        Some(_) => return None,
-    };
     Some(ToolCall {
         id: format.call_id(),
         name,
-        arguments,
+        arguments: arguments_of(raw)?,
     })
 }
 
-/// JSON values one after another in `text`, separated by whitespace or `sep`; `None` unless
-/// the whole text is such values.
-fn json_values(text: &str, sep: char) -> Option<Vec<Value>> {
+/// The arguments of the whole call object `raw` as text: `{}` where it has none; `None`
+/// unless they are an object, or a string holding one.
+fn arguments_of(raw: &str) -> Option<String> {
+    let object = scan::object(raw);
+    let Some(m) = object.member(ARGS) else {
+        return Some("{}".into());
+    };
+    let text = &raw[m.start..m.end?];
+    match serde_json::from_str::<Value>(text).ok()? {
+        Value::Object(_) => Some(text.to_string()),
+        Value::String(s) if serde_json::from_str::<Value>(&s).is_ok_and(|a| a.is_object()) => {
+            Some(s)
+        }
+        _ => None,
+    }
+}
+
+/// The calls of a JSON list's raw text `raw` (`[{..}, ..]`); `None` unless every item is one.
+fn list_calls(raw: &str, format: ToolFormat) -> Option<Vec<ToolCall>> {
+    let Value::Array(list) = serde_json::from_str(raw).ok()? else {
+        return None;
+    };
+    let items = scan::objects(raw.trim_start().strip_prefix('[')?, ',');
+    if items.len() != list.len() {
+        return None;
+    }
+    items.iter().map(|item| call_of(item, format)).collect()
+}
+
+/// The raw texts of JSON values one after another in `text`, separated by whitespace or
+/// `sep`; `None` unless the whole text is such values.
+fn json_values(text: &str, sep: char) -> Option<Vec<&str>> {
     let mut out = Vec::new();
     let mut rest = text.trim();
     while !rest.is_empty() {
         let mut values = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
-        out.push(values.next()?.ok()?);
-        rest = rest[values.byte_offset()..].trim_start();
+        values.next()?.ok()?;
+        let end = values.byte_offset();
+        out.push(rest[..end].trim());
+        rest = rest[end..].trim_start();
         rest = rest.strip_prefix(sep).unwrap_or(rest).trim_start();
     }
     Some(out)
@@ -147,8 +182,7 @@ fn hermes_calls(body: &str) -> Option<(Vec<ToolCall>, String)> {
     let mut trailing = String::new();
     for block in body.split("<tool_call>").skip(1) {
         let (inner, after) = block.split_once("</tool_call>").unwrap_or((block, ""));
-        let v: Value = serde_json::from_str(inner.trim()).ok()?;
-        calls.push(call_of(&v, ToolFormat::Hermes)?);
+        calls.push(call_of(inner.trim(), ToolFormat::Hermes)?);
         trailing.push_str(after.trim());
     }
     Some((calls, trailing))
@@ -170,11 +204,10 @@ fn mistral_calls(body: &str) -> Option<(Vec<ToolCall>, String)> {
         return mistral_named_calls(body);
     }
     let values = json_values(body, ';')?;
-    let [Value::Array(list)] = values.as_slice() else {
+    let [list] = values.as_slice() else {
         return None;
     };
-    let calls = list.iter().map(|v| call_of(v, ToolFormat::Mistral));
-    Some((calls.collect::<Option<_>>()?, String::new()))
+    Some((list_calls(list, ToolFormat::Mistral)?, String::new()))
 }
 
 /// The `name[ARGS]{..}` calls after the first `[TOOL_CALLS]`, each further one after its own
@@ -184,16 +217,24 @@ fn mistral_named_calls(body: &str) -> Option<(Vec<ToolCall>, String)> {
     for part in body.split("[TOOL_CALLS]") {
         let (name, args) = part.split_once("[ARGS]")?;
         let name = name.trim();
-        let valid_name =
-            !name.is_empty() && (name.chars()).all(|c| c.is_alphanumeric() || "_-.".contains(c));
-        let args: Value = serde_json::from_str(args.trim()).ok()?;
-        if !valid_name || !args.is_object() {
+        let args = args.trim();
+        let value: Value = serde_json::from_str(args).ok()?;
+        if !mistral_name(name) || !value.is_object() {
             return None;
         }
-        let v = serde_json::json!({"name": name, "arguments": args});
-        calls.push(call_of(&v, ToolFormat::Mistral)?);
+        calls.push(ToolCall {
+            id: ToolFormat::Mistral.call_id(),
+            name: name.to_string(),
+            arguments: args.to_string(),
+        });
     }
     Some((calls, String::new()))
+}
+
+/// Whether `name` can be a function's name in Mistral's `name[ARGS]` (anything else there is
+/// text, not a call).
+fn mistral_name(name: &str) -> bool {
+    !name.is_empty() && (name.chars()).all(|c| c.is_alphanumeric() || "_-.".contains(c))
 }
 
 /// The calls in a model's whole text, in `format`. Text the calls cannot be read from (cut
@@ -224,132 +265,6 @@ pub fn parse(format: ToolFormat, text: &str) -> Parsed {
             calls,
         },
         _ => none(),
-    }
-}
-
-/// A streamed answer's text, watched for tool calls: text goes out as content until a call
-/// may have started (a marker, or its first part at the end of the text; the leading
-/// character of the answer in Llama's and Mistral's formats); from there it is held, and
-/// parsed when the answer ends.
-#[derive(Debug, Clone)]
-pub struct CallStream {
-    format: ToolFormat,
-    /// At most one call is returned (`parallel_tool_calls: false`).
-    single: bool,
-    /// The whole text so far.
-    text: String,
-    /// Bytes of `text` looked at and released as content.
-    sent: usize,
-    /// The content released (before `finish`, `text[..sent]`).
-    content: String,
-    /// A call may have started: nothing more goes out before the end.
-    holding: bool,
-    /// The schema decoding is held to (`tool_choice` `required` or a named function): the
-    /// whole answer is held and read as calls at the end.
-    forced: Option<ToolConstraint>,
-}
-
-impl CallStream {
-    /// A stream for `format`, keeping one call only when `single`.
-    pub fn new(format: ToolFormat, single: bool) -> Self {
-        Self {
-            format,
-            single,
-            text: String::new(),
-            sent: 0,
-            content: String::new(),
-            holding: false,
-            forced: None,
-        }
-    }
-
-    /// A stream of an answer held to `constraint`: nothing goes out as content; at the end
-    /// the answer is read as calls (as content if it is none, e.g. cut by `max_tokens`).
-    pub fn forced(format: ToolFormat, constraint: ToolConstraint) -> Self {
-        Self {
-            holding: true,
-            forced: Some(constraint),
-            ..Self::new(format, false)
-        }
-    }
-
-    /// The content released so far.
-    pub fn content(&self) -> &str {
-        &self.content
-    }
-
-    /// Adds `delta`; returns the content that may go out now.
-    pub fn push(&mut self, delta: &str) -> String {
-        self.text.push_str(delta);
-        if self.holding {
-            return String::new();
-        }
-        if let Some(lead) = self.format.leading().filter(|_| self.sent == 0) {
-            let start = self.text.trim_start();
-            if start.is_empty() {
-                return String::new();
-            }
-            if start.starts_with(lead) {
-                self.holding = true;
-                return String::new();
-            }
-        }
-        let rest = &self.text[self.sent..];
-        let ready = match self
-            .format
-            .markers()
-            .iter()
-            .filter_map(|m| rest.find(m))
-            .min()
-        {
-            Some(at) => {
-                self.holding = true;
-                self.sent + at
-            }
-            None => {
-                let markers: Vec<String> = self
-                    .format
-                    .markers()
-                    .iter()
-                    .map(|m| m.to_string())
-                    .collect();
-                self.text.len() - super::api::partial_stop(rest, &markers)
-            }
-        };
-        self.release(ready)
-    }
-
-    /// Moves `text[sent..ready]` into the content; returns it.
-    fn release(&mut self, ready: usize) -> String {
-        let out = self.text[self.sent..ready].to_string();
-        self.content.push_str(&out);
-        self.sent = ready;
-        out
-    }
-
-    /// The answer has ended: the content not yet released, and the calls (none when the held
-    /// text holds no readable call: it is then content).
-    pub fn finish(&mut self) -> (String, Vec<ToolCall>) {
-        if let Some(forced) = &self.forced {
-            return match forced.calls(&self.text, self.format) {
-                Ok(calls) => (String::new(), calls),
-                Err(_) => (self.release(self.text.len()), Vec::new()),
-            };
-        }
-        let mut parsed = parse(self.format, &self.text);
-        if self.single {
-            parsed.calls.truncate(1);
-        }
-        if parsed.calls.is_empty() {
-            return (self.release(self.text.len()), Vec::new());
-        }
-        // The content before the calls went out already; text after them is content too.
-        let rest = (parsed.content.get(self.sent..))
-            .unwrap_or_default()
-            .to_string();
-        self.content.push_str(&rest);
-        self.sent = self.text.len();
-        (rest, parsed.calls)
     }
 }
 
@@ -412,11 +327,9 @@ impl ToolConstraint {
                 arguments: value.to_string(),
             }]),
             ConstrainedForm::CallList => match &value {
-                Value::Array(list) if !list.is_empty() => list
-                    .iter()
-                    .map(|v| call_of(v, format))
-                    .collect::<Option<Vec<_>>>()
-                    .ok_or_else(bad),
+                Value::Array(list) if !list.is_empty() => {
+                    list_calls(text.trim(), format).ok_or_else(bad)
+                }
                 _ => Err(bad()),
             },
             _ => Err(bad()),

@@ -54,7 +54,7 @@ def call(port, body_json):
     r = client(port).chat.completions.create(**request(body_json))
     choice = r.choices[0]
     calls = [{"id": c.id, "type": c.type, "name": c.function.name,
-              "arguments": json.loads(c.function.arguments)}
+              "arguments": json.loads(c.function.arguments), "raw": c.function.arguments}
              for c in (choice.message.tool_calls or [])]
     return {"content": choice.message.content, "finish": choice.finish_reason, "calls": calls}
 
@@ -63,23 +63,50 @@ def stream(port, body_json):
     """The same, streamed: content deltas joined, tool-call deltas merged by index as a client
     does (id, type and name from the first delta of a call, arguments appended)."""
     content, finish, calls, chunks = "", None, {}, 0
-    for chunk in client(port).chat.completions.create(stream=True, **request(body_json)):
-        for ch in chunk.choices:
-            content += ch.delta.content or ""
-            finish = ch.finish_reason or finish
-            for d in ch.delta.tool_calls or []:
-                chunks += 1
-                # Each delta carries either the name or arguments, not both.
-                assert (d.function.name is None) != (not d.function.arguments), d
-                c = calls.setdefault(d.index, {"id": None, "type": None, "name": "",
-                                               "arguments": ""})
-                c["id"] = d.id or c["id"]
-                c["type"] = d.type or c["type"]
-                if d.function is not None:
-                    c["name"] += d.function.name or ""
-                    c["arguments"] += d.function.arguments or ""
-    listed = [dict(c, arguments=json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+    try:
+        for chunk in client(port).chat.completions.create(stream=True, **request(body_json)):
+            merge(chunk, calls)
+            for ch in chunk.choices:
+                content += ch.delta.content or ""
+                finish = ch.finish_reason or finish
+                chunks += len(ch.delta.tool_calls or [])
+    except openai.APIError as e:
+        # The stream ended in an error event: what came before it, and the error.
+        return {"content": content, "error": e.message, "calls_begun": len(calls)}
+    listed = [dict(c, arguments=json.loads(c["arguments"]), raw=c["arguments"])
+              for _, c in sorted(calls.items())]
     return {"content": content, "finish": finish, "calls": listed, "tool_chunks": chunks}
+
+
+def merge(chunk, calls):
+    """One chunk's tool-call deltas merged into `calls` by index."""
+    for ch in chunk.choices:
+        for d in ch.delta.tool_calls or []:
+            # Each delta carries either the name or arguments, not both.
+            assert (d.function.name is None) != (not d.function.arguments), d
+            c = calls.setdefault(d.index, {"id": None, "type": None, "name": "",
+                                           "arguments": ""})
+            c["id"] = d.id or c["id"]
+            c["type"] = d.type or c["type"]
+            if d.function is not None:
+                c["name"] += d.function.name or ""
+                c["arguments"] += d.function.arguments or ""
+
+
+def accumulate(port, body_json):
+    """Streamed through the client's own accumulation (`chat.completions.stream`): the calls
+    of its final completion (arguments as text), and the argument pieces each call got."""
+    pieces = {}
+    with client(port).chat.completions.stream(**request(body_json)) as s:
+        for event in s:
+            if event.type == "tool_calls.function.arguments.delta" and event.arguments_delta:
+                pieces[event.index] = pieces.get(event.index, 0) + 1
+        final = s.get_final_completion()
+    choice = final.choices[0]
+    calls = [{"id": c.id, "name": c.function.name, "raw": c.function.arguments}
+             for c in (choice.message.tool_calls or [])]
+    return {"content": choice.message.content, "finish": choice.finish_reason, "calls": calls,
+            "pieces": [pieces.get(k, 0) for k in range(len(calls))]}
 
 
 def refused(port, body_json):
@@ -123,7 +150,8 @@ def embed(port, input_json, encoding):
 
 def main():
     command, args = sys.argv[1], sys.argv[2:]
-    out = {"render": render, "call": call, "stream": stream, "refused": refused,
+    out = {"render": render, "call": call, "stream": stream, "accumulate": accumulate,
+           "refused": refused,
            "forced": forced, "embed": embed}[command](*args)
     print(json.dumps(out))
 

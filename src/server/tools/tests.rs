@@ -113,63 +113,199 @@ fn unreadable_calls_stay_content() {
     }
 }
 
-/// Feeds `text` to a stream cut at random places; returns the content deltas and the calls.
-fn streamed(format: ToolFormat, text: &str, seed: u64) -> (Vec<String>, Vec<ToolCall>) {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let mut s = CallStream::new(format, false);
-    let (mut deltas, mut at) = (Vec::new(), 0);
-    while at < text.len() {
-        let mut end = (at + rng.random_range(1..6)).min(text.len());
-        while !text.is_char_boundary(end) {
-            end += 1;
-        }
-        deltas.push(s.push(&text[at..end]));
-        at = end;
-    }
-    let (rest, calls) = s.finish();
-    deltas.push(rest);
-    assert_eq!(s.content(), deltas.concat());
-    (deltas, calls)
+/// What a live stream let out: the content pieces, the call deltas, and the calls.
+struct Streamed {
+    content: Vec<String>,
+    deltas: Vec<CallDelta>,
+    calls: Vec<ToolCall>,
 }
+
+impl Streamed {
+    /// The arguments' pieces of call `k`, checked: its first delta is its only header, with
+    /// the call's id and name.
+    fn pieces(&self, k: usize) -> Vec<&str> {
+        let mine: Vec<&CallDelta> = self.deltas.iter().filter(|d| d.index == k).collect();
+        let call = &self.calls[k];
+        assert_eq!(mine[0].head, Some((call.id.clone(), call.name.clone())));
+        assert_eq!(mine[0].arguments, "");
+        assert!(mine[1..]
+            .iter()
+            .all(|d| d.head.is_none() && !d.arguments.is_empty()));
+        mine[1..].iter().map(|d| d.arguments.as_str()).collect()
+    }
+}
+
+/// Feeds `pieces` to a live stream in order.
+fn stream_pieces<'a>(format: ToolFormat, pieces: impl Iterator<Item = &'a str>) -> Streamed {
+    let mut s = CallStream::new(format, false).live();
+    let (mut content, mut deltas) = (Vec::new(), Vec::new());
+    for piece in pieces {
+        let out = s.push(piece);
+        content.push(out.content);
+        deltas.extend(out.calls);
+    }
+    let end = s.finish().unwrap();
+    content.push(end.content);
+    deltas.extend(end.deltas);
+    assert_eq!(s.content(), content.concat());
+    Streamed {
+        content,
+        deltas,
+        calls: end.calls,
+    }
+}
+
+/// `text` cut at the byte offsets `cuts` (ascending char boundaries).
+fn cut_at<'a>(text: &'a str, cuts: &'a [usize]) -> impl Iterator<Item = &'a str> {
+    let ends = cuts.iter().copied().chain([text.len()]);
+    let starts = [0].into_iter().chain(cuts.iter().copied());
+    starts.zip(ends).map(move |(a, b)| &text[a..b])
+}
+
+/// `text` cut at random places, pieces of 1 to 5 bytes.
+fn random_cuts(text: &str, seed: u64) -> Vec<usize> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let (mut cuts, mut at) = (Vec::new(), 0);
+    loop {
+        at += rng.random_range(1..6);
+        while at < text.len() && !text.is_char_boundary(at) {
+            at += 1;
+        }
+        if at >= text.len() {
+            return cuts;
+        }
+        cuts.push(at);
+    }
+}
+
+/// A streamed answer agrees with the whole one: the same content and calls, every call's
+/// argument pieces adding up to its arguments exactly, and no piece of a call in the content.
+fn agrees(format: ToolFormat, text: &str, got: &Streamed) {
+    let whole = parse(format, text);
+    assert_eq!(got.content.concat(), whole.content, "{text}");
+    assert_eq!(named(&got.calls), named(&whole.calls), "{text}");
+    for (k, call) in got.calls.iter().enumerate() {
+        assert_eq!(got.pieces(k).concat(), call.arguments, "{text}");
+        assert_eq!(call.arguments, whole.calls[k].arguments, "{text}");
+    }
+    if !got.calls.is_empty() {
+        let pieces = &got.content;
+        assert!(pieces
+            .iter()
+            .all(|d| !d.contains('{') && !d.contains("<tool")));
+    }
+}
+
+const STREAM_CASES: [(ToolFormat, &str); 9] = [
+    (ToolFormat::Hermes, "Sure: <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"),
+    (ToolFormat::Hermes, "a < b and <tool_ is not a tag; done."),
+    (ToolFormat::Llama3, "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}"),
+    (ToolFormat::Llama3, "No call here {x}."),
+    (ToolFormat::Mistral, "  [TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}]"),
+    (ToolFormat::Mistral, "Let me see. [TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}"),
+    (ToolFormat::Hermes, "Cut: <tool_call>{\"name\": \"get_weather\", \"argu"),
+    (ToolFormat::Hermes, "<tool_call>{\"arguments\": {\"q\": \"a}\\\"b</tool\", \"n\": [1, {\"x\": 2}]}, \"name\": \"search\"}</tool_call>\n<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"k\\\": 1}\"}</tool_call> après"),
+    (ToolFormat::Llama3, "<|python_tag|>{\"name\": \"a\", \"parameters\": {\"s\": \"é;}\"}}; {\"name\": \"b\"}"),
+];
 
 #[test]
 fn streams_hold_text_once_a_call_may_start() {
-    let cases = [
-        (ToolFormat::Hermes, "Sure: <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"),
-        (ToolFormat::Hermes, "a < b and <tool_ is not a tag; done."),
-        (ToolFormat::Llama3, "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}"),
-        (ToolFormat::Llama3, "No call here {x}."),
-        (ToolFormat::Mistral, "  [TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}]"),
-        (ToolFormat::Mistral, "Let me see. [TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}"),
-        (ToolFormat::Hermes, "Cut: <tool_call>{\"name\": \"get_weather\", \"argu"),
-    ];
     let mut compared = 0;
     for seed in 0..20 {
-        for (format, text) in cases {
-            let whole = parse(format, text);
-            let (deltas, calls) = streamed(format, text, seed);
-            assert_eq!(deltas.concat(), whole.content, "{text}");
-            assert_eq!(named(&calls), named(&whole.calls), "{text}");
-            // No piece of a call ever went out as content.
-            if !calls.is_empty() {
-                assert!(deltas
-                    .iter()
-                    .all(|d| !d.contains('{') && !d.contains("<tool")));
-            }
+        for (format, text) in STREAM_CASES.into_iter().take(7) {
+            let cuts = random_cuts(text, seed);
+            agrees(format, text, &stream_pieces(format, cut_at(text, &cuts)));
             compared += 1;
         }
     }
     assert_eq!(compared, 140);
 }
 
+/// Every place a token boundary can fall: each text in two pieces cut at every position, and
+/// one character at a time; the arguments' pieces always add up to the whole answer's.
+#[test]
+fn streams_agree_when_cut_at_every_position() {
+    let mut compared = 0;
+    for (format, text) in STREAM_CASES {
+        let bounds: Vec<usize> = (1..text.len())
+            .filter(|&i| text.is_char_boundary(i))
+            .collect();
+        for &at in &bounds {
+            agrees(format, text, &stream_pieces(format, cut_at(text, &[at])));
+            compared += 1;
+        }
+        let got = stream_pieces(format, cut_at(text, &bounds));
+        agrees(format, text, &got);
+        compared += 1;
+    }
+    assert!(compared > 600, "{compared}");
+}
+
+/// Written a few characters at a time, a call's arguments go out in pieces as they are
+/// written, in every format: more than one piece per call, the header before any of them.
+#[test]
+fn arguments_stream_in_pieces_in_every_format() {
+    let args = r#"{"city": "Paris", "days": 3, "units": "metric"}"#;
+    let cases = [
+        (ToolFormat::Hermes, format!("<tool_call>{{\"name\": \"get_weather\", \"arguments\": {args}}}</tool_call><tool_call>{{\"name\": \"get_time\", \"arguments\": {args}}}</tool_call>")),
+        (ToolFormat::Llama3, format!("{{\"name\": \"get_weather\", \"parameters\": {args}}}; {{\"name\": \"get_time\", \"parameters\": {args}}}")),
+        (ToolFormat::Mistral, format!("[TOOL_CALLS][{{\"name\": \"get_weather\", \"arguments\": {args}}}, {{\"name\": \"get_time\", \"arguments\": {args}}}]")),
+        (ToolFormat::Mistral, format!("[TOOL_CALLS]get_weather[ARGS]{args}[TOOL_CALLS]get_time[ARGS]{args}")),
+    ];
+    for (format, text) in &cases {
+        let cuts: Vec<usize> = (4..text.len()).step_by(4).collect();
+        let got = stream_pieces(*format, cut_at(text, &cuts));
+        agrees(*format, text, &got);
+        assert_eq!(got.calls.len(), 2, "{text}");
+        for k in 0..2 {
+            assert_eq!(got.pieces(k).concat(), args, "{text}");
+            assert!(got.pieces(k).len() >= 5, "{format:?}: {:?}", got.pieces(k));
+        }
+        // Call 1's header comes after every piece of call 0.
+        let first_of_1 = got.deltas.iter().position(|d| d.index == 1).unwrap();
+        assert!(got.deltas[first_of_1..].iter().all(|d| d.index == 1));
+    }
+}
+
+/// A call whose header went out but which the answer never finishes (cut short) ends the
+/// stream in an error naming it; the same text read whole (not live) is content, as before.
+#[test]
+fn a_call_streamed_in_part_and_never_finished_is_an_error() {
+    let text = "Sure. <tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Pa";
+    let mut live = CallStream::new(ToolFormat::Hermes, false).live();
+    let out = live.push(text);
+    assert_eq!(out.content, "Sure. ");
+    assert_eq!(out.calls.len(), 2, "{:?}", out.calls);
+    assert_eq!(out.calls[1].arguments, "{\"city\": \"Pa");
+    let e = live.finish().unwrap_err();
+    assert!(
+        e.contains("tool call 0 ('get_weather')") && e.contains("\"Pa"),
+        "{e}"
+    );
+    let mut whole = CallStream::new(ToolFormat::Hermes, false);
+    assert!(whole.push(text).calls.is_empty());
+    let end = whole.finish().unwrap();
+    assert_eq!((whole.content(), end.calls.len()), (text, 0));
+    // Broken after its arguments (Llama's calls must be the whole answer): an error too.
+    let mut live = CallStream::new(ToolFormat::Llama3, false).live();
+    live.push("{\"name\": \"f\", \"parameters\": {\"a\": 1}} and more");
+    assert!(live.finish().is_err());
+}
+
 #[test]
 fn one_call_only_without_parallel_calls() {
     let text = "<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"b\", \"arguments\": {}}</tool_call>";
-    let mut s = CallStream::new(ToolFormat::Hermes, true);
-    s.push(text);
-    let (_, calls) = s.finish();
-    assert_eq!(calls.len(), 1);
-    assert_eq!(calls[0].name, "a");
+    for live in [false, true] {
+        let s = CallStream::new(ToolFormat::Hermes, true);
+        let mut s = if live { s.live() } else { s };
+        let pushed = s.push(text);
+        let end = s.finish().unwrap();
+        assert_eq!(end.calls.len(), 1);
+        assert_eq!(end.calls[0].name, "a");
+        let deltas = [pushed.calls, end.deltas].concat();
+        assert!(deltas.iter().all(|d| d.index == 0), "{deltas:?}");
+        assert_eq!(deltas.len(), if live { 2 } else { 0 });
+    }
 }
 
 const TOOLS_TEMPLATE: &str = "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>{% endif %}\
@@ -301,20 +437,26 @@ fn forced_choices_are_read_whole_as_calls() {
     let named = json!({"tools": [tool("a"), tool("b")],
         "tool_choice": {"type": "function", "function": {"name": "b"}}});
     let req = request(named).unwrap().unwrap();
-    let mut stream = req.stream();
-    assert_eq!(stream.push(r#"{"city": "#), "");
-    assert_eq!(stream.push(r#""Rome"}"#), "");
-    let (rest, calls) = stream.finish();
-    assert_eq!(rest, "");
+    let mut stream = req.stream().live();
+    assert_eq!(stream.push(r#"{"city": "#), Pushed::default());
+    assert_eq!(stream.push(r#""Rome"}"#), Pushed::default());
+    let end = stream.finish().unwrap();
+    assert_eq!(end.content, "");
     assert_eq!(
-        named_pairs(&calls),
+        named_pairs(&end.calls),
         vec![("b".into(), json!({"city": "Rome"}))]
     );
+    // Sent whole at the end: the header, then the arguments.
+    let args: Vec<&str> = end.deltas.iter().map(|d| d.arguments.as_str()).collect();
+    assert_eq!(args, ["", r#"{"city":"Rome"}"#]);
     // Cut short: no call, the text is content.
-    let mut cut = req.stream();
+    let mut cut = req.stream().live();
     cut.push(r#"{"city": "Ro"#);
-    let (rest, calls) = cut.finish();
-    assert_eq!((rest.as_str(), calls.len()), (r#"{"city": "Ro"#, 0));
+    let end = cut.finish().unwrap();
+    assert_eq!(
+        (end.content.as_str(), end.calls.len()),
+        (r#"{"city": "Ro"#, 0)
+    );
     assert_eq!(cut.content(), r#"{"city": "Ro"#);
 }
 
