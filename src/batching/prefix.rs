@@ -385,15 +385,15 @@ mod tests {
 
     #[test]
     fn keys_chain_over_blocks() {
-        let a = block_keys(&ids(0..12), 4);
+        let a = block_keys(&ids(0..12), 4, 0);
         assert_eq!(a.len(), 3, "only full blocks");
         // The same block after a different prefix has another key.
         let mut other = ids(0..12);
         other[0] = 99;
-        let b = block_keys(&other, 4);
+        let b = block_keys(&other, 4, 0);
         assert_ne!(a[0], b[0]);
         assert_ne!(a[2], b[2], "a key names the whole prefix");
-        assert_eq!(a, block_keys(&ids(0..14), 4));
+        assert_eq!(a, block_keys(&ids(0..14), 4, 0));
     }
 
     #[test]
