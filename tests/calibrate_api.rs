@@ -78,5 +78,8 @@ fn bad_options_are_errors_that_name_them() {
     let e = calibrate(&[], &weights, &options(), &mut std::io::sink())
         .unwrap_err()
         .to_string();
-    assert!(e.contains("devices to calibrate: 0 given, at least 1 needed"), "{e}");
+    assert!(
+        e.contains("devices to calibrate: 0 given, at least 1 needed"),
+        "{e}"
+    );
 }

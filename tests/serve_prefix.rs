@@ -8,6 +8,8 @@
 //! share a system prompt and reuse their previous turn in place; the cache is asserted to have
 //! hit, so the runs compare something. Over HTTP, a chat's second turn reuses the first
 //! turn's KV (`/metrics` hits grow) and answers as a server without the cache does.
+//! The four choices of an `n = 4` request reuse the first's prompt blocks (hits grow by three
+//! times them) and answer as without the cache, greedy and seeded, single, TP and pipeline.
 
 mod common;
 mod hf_support;
@@ -523,4 +525,94 @@ fn a_salted_prompt_reuses_only_its_salts_kv_and_cache_prompt_false_none() {
     assert!(gained[2] >= 32.0, "{seen:?}");
     assert_eq!(refused.0, 400, "{}", refused.1);
     assert!(refused.1.contains("cache_salt"), "{}", refused.1);
+}
+
+/// `wgpar serve` of the chat checkpoint with four slots, `strategy`'s options, cache on or
+/// off.
+fn choices_server(dir: &hf_support::Scratch, strategy: &[&str], cache: bool) -> Server {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_wgpar"));
+    cmd.args(["serve", "--port", "0", "--served-model-name", "m"])
+        .args(["--model", dir.to_str().unwrap(), "--max-batch", "4"])
+        .args(strategy);
+    if !cache {
+        cmd.arg("--no-prefix-cache");
+    }
+    Server::spawn(cmd, Duration::from_secs(300))
+}
+
+/// The four choices of one request (greedy, or sampled with a seed), by index; its prompt's
+/// tokens; the hits (tokens) `/metrics` counted for it.
+fn four_choices(server: &Server, sampled: bool) -> (Vec<String>, usize, f64) {
+    let messages = serde_json::json!([
+        {"role": "system", "content": words(0, 20)},
+        {"role": "user", "content": words(40, 16)},
+    ]);
+    let mut body = serde_json::json!({"model": "m", "messages": messages, "max_tokens": 6,
+        "n": 4, "temperature": 0, "ignore_eos": true});
+    if sampled {
+        (body["temperature"], body["seed"]) = (serde_json::json!(0.9), serde_json::json!(11));
+    }
+    let before = server.metric("wgpar:prefix_cache_hits_total");
+    let (code, text) = server.post("/v1/chat/completions", &body.to_string());
+    assert_eq!(code, 200, "{text}");
+    let hits = server.metric("wgpar:prefix_cache_hits_total") - before;
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut got = vec![String::new(); 4];
+    for c in v["choices"].as_array().unwrap() {
+        let i = c["index"].as_u64().unwrap() as usize;
+        got[i] = c["message"]["content"].as_str().unwrap().to_string();
+    }
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    (got, prompt, hits)
+}
+
+#[test]
+fn the_choices_of_one_request_share_its_prompts_prefill_over_http() {
+    let (dir, _) = hf_support::chat_checkpoint("serve-prefix-choices");
+    let strategies: [(&str, &[&str]); 3] = [
+        ("single", &[]),
+        ("tp2", &["--strategy", "tp", "--virtual", "2"]),
+        ("pp2", &["--strategy", "pp", "--virtual", "2"]),
+    ];
+    for (label, strategy) in strategies {
+        let mut cached = choices_server(&dir, strategy, true);
+        let greedy = four_choices(&cached, false);
+        let sampled = four_choices(&cached, true);
+        cached.terminate(Duration::from_secs(60));
+        let mut plain = choices_server(&dir, strategy, false);
+        let (greedy_off, _, greedy_off_hits) = four_choices(&plain, false);
+        let (sampled_off, _, sampled_off_hits) = four_choices(&plain, true);
+        plain.terminate(Duration::from_secs(60));
+        // The prompt's whole blocks before its last token, which each of the three later
+        // choices copies from the first's slot (at least).
+        let (prompt, blocks) = (greedy.1, (greedy.1 - 1) / 16 * 16);
+        assert_eq!(prompt, 40, "{label}");
+        for (what, hits) in [("greedy", greedy.2), ("sampled", sampled.2)] {
+            assert!(
+                hits >= (3 * blocks) as f64,
+                "{label} {what}: {hits} tokens hit"
+            );
+        }
+        assert_eq!((greedy_off_hits, sampled_off_hits), (0.0, 0.0), "{label}");
+        assert!(
+            greedy.0.iter().all(|c| c == &greedy.0[0]),
+            "{label}: {greedy:?}"
+        );
+        assert!(
+            greedy.0[0].split_whitespace().count() >= 3,
+            "{label}: {greedy:?}"
+        );
+        assert_eq!(
+            greedy.0, greedy_off,
+            "{label}: greedy with and without the cache"
+        );
+        assert!(
+            sampled.0.iter().all(|c| !c.is_empty()),
+            "{label}: {sampled:?}"
+        );
+        assert_eq!(
+            sampled.0, sampled_off,
+            "{label}: each seeded choice as without"
+        );
+    }
 }

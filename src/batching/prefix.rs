@@ -216,6 +216,14 @@ impl PrefixCache {
         self.enabled
     }
 
+    /// Whether a prompt of `len` tokens, once its prefill completed, can lend its whole blocks
+    /// from its running slot to another prompt with the same tokens and `lookup` (the choices
+    /// of an `n > 1` request): the cache is on and copies between slots, `lookup` looks, and
+    /// a whole block comes before the prompt's last token (which is always prefilled).
+    pub fn shares(&self, len: usize, lookup: Lookup) -> bool {
+        self.enabled && self.copies && !lookup.skip && len > self.block
+    }
+
     /// Free slots.
     pub fn free(&self) -> usize {
         self.slots.iter().filter(|s| !s.owned).count()
@@ -516,5 +524,17 @@ mod tests {
         let t = c.take_with(&ids(0..12), Lookup::new(false, None)).unwrap();
         assert_eq!(t.reused, 0);
         assert_eq!(c.stats().queries, 4);
+    }
+
+    #[test]
+    fn a_prompt_shares_its_blocks_only_past_one_block_with_copies_and_a_lookup() {
+        let c = PrefixCache::new(2, true).with_block(4);
+        assert!(c.shares(5, Lookup::SHARED));
+        assert!(c.shares(5, Lookup::new(true, Some("alice"))));
+        // Its last token is prefilled: 4 tokens leave no whole block to lend.
+        assert!(!c.shares(4, Lookup::SHARED));
+        assert!(!c.shares(9, Lookup::new(false, None)));
+        assert!(!c.clone().with_copies(false).shares(9, Lookup::SHARED));
+        assert!(!PrefixCache::new(2, false).shares(99, Lookup::SHARED));
     }
 }

@@ -4,9 +4,9 @@
 use serde_json::{Map, Value};
 
 use super::chat::Message;
+use crate::batching::Lookup;
 use crate::model::constraint::Format;
 use crate::model::sampling::{PickRules, SamplingParams};
-use crate::batching::Lookup;
 
 pub mod fields;
 

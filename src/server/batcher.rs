@@ -10,10 +10,15 @@
 //! Slots come from the prefix cache (`crate::batching::PrefixCache`): a prompt takes the free
 //! slot holding its longest cached prefix, or has that prefix copied into its slot by the step
 //! that carries its first chunk, and prefills only the rest.
+//!
+//! The choices of an `n > 1` request share their prompt's prefill ([`Choices`]): the first
+//! is scheduled as any request; the others wait, keeping their place in the queue and a free
+//! slot each, until the step that completes the first's prompt has finished and its blocks
+//! are cached, then take their slots with those blocks copied from the first's.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,7 +27,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::{Finish, Metrics};
 use super::Shared;
-use crate::batching::PrefixCache;
+use crate::batching::{Lookup, PrefixCache};
 use crate::error::Result;
 use crate::kernels::ops::{allow_words, pack_adjustments, MAX_ADJUST_PER_ROW};
 use crate::model::constraint::Constraint;
@@ -76,7 +81,34 @@ pub struct Job {
     /// How the HTTP side ended it early, if it did.
     pub ending: Arc<Ending>,
     /// How its prompt may reuse cached KV (`cache_prompt`, `cache_salt`).
-    pub cache: crate::batching::Lookup,
+    pub cache: Lookup,
+    /// The choices of one prompt it is one of (`n > 1`): they share the prompt's prefill.
+    pub choices: Option<Choices>,
+}
+
+/// The jobs of one prompt's `n > 1` choices, which have the same prompt and cache lookup.
+/// The first scheduled prefills the prompt; the others wait until its prompt's blocks are
+/// cached, then reuse them (copied from its slot) and prefill only the tail. Where the cache
+/// cannot lend the prompt's blocks ([`PrefixCache::shares`]: `--no-prefix-cache`,
+/// `cache_prompt: false`, a prompt within one block) none waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Choices(u64);
+
+impl Choices {
+    /// A group no other request has, in this process.
+    pub fn fresh() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        Self(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// Where a group of [`Choices`] stands (a group with none of its jobs waiting has no entry).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Share {
+    /// Its first job is prefilling the prompt: the others wait.
+    Filling,
+    /// The prompt's blocks are cached: the others take their slots as any job.
+    Cached,
 }
 
 /// How the HTTP side ends a request before the engine does; the engine reads it at step
@@ -172,6 +204,8 @@ struct Batcher {
     /// The KV slots: which are free, and the prefixes they hold.
     cache: PrefixCache,
     waiting: VecDeque<Job>,
+    /// Groups of choices some of whose jobs are waiting, or whose first is prefilling.
+    shares: HashMap<Choices, Share>,
     per_lane: usize,
     opts: BatchOptions,
     /// Token places of the KV cache over every slot.
@@ -204,6 +238,7 @@ pub fn run(
         cache: PrefixCache::new(opts.slots, opts.prefix_cache)
             .with_copies(crate::batching::copies_fit(engine.model_config())),
         waiting: VecDeque::new(),
+        shares: HashMap::new(),
         per_lane: opts.slots.div_ceil(engine.lanes().max(1)),
         opts,
         kv_tokens: opts.slots * engine.model_config().max_seq,
@@ -314,7 +349,7 @@ impl Batcher {
     fn drop_failed(&mut self, s: Seq, why: String) {
         let _ = s.job.events.send(Event::Error(why));
         self.metrics.failed.inc();
-        release(&mut self.cache, &s);
+        self.leave(&s);
     }
 
     fn running(&self) -> usize {
@@ -353,25 +388,30 @@ impl Batcher {
         if gone > 0 {
             self.shared.queued.fetch_sub(gone, Ordering::SeqCst);
             self.metrics.cancelled.inc_by(gone as u64);
+            // A group none of whose jobs waits any more needs no entry.
+            let waiting = &self.waiting;
+            (self.shares).retain(|g, _| waiting.iter().any(|j| j.choices == Some(*g)));
         }
+        let mut gone = Vec::new();
         for lane in self.lanes.iter_mut().filter(|l| l.busy.is_none()) {
-            let (keep, mut gone): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut lane.seqs)
+            let (keep, out): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut lane.seqs)
                 .into_iter()
                 .partition(|s| !s.job.ended());
             lane.seqs = keep;
-            let (keep, filling_gone): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut lane.filling)
+            gone.extend(out);
+            let (keep, out): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut lane.filling)
                 .into_iter()
                 .partition(|s| !s.job.ended());
             lane.filling = keep;
-            gone.extend(filling_gone);
-            for s in gone {
-                release(&mut self.cache, &s);
-                if s.job.ending.stopped() && !s.job.ending.cancelled() {
-                    let m = &self.metrics;
-                    m.observe_done(s.job.accepted, s.first_at, s.generated, Finish::Stop);
-                } else {
-                    self.metrics.cancelled.inc();
-                }
+            gone.extend(out);
+        }
+        for s in gone {
+            self.leave(&s);
+            if s.job.ending.stopped() && !s.job.ending.cancelled() {
+                let m = &self.metrics;
+                m.observe_done(s.job.accepted, s.first_at, s.generated, Finish::Stop);
+            } else {
+                self.metrics.cancelled.inc();
             }
         }
     }
@@ -443,22 +483,31 @@ impl Batcher {
     }
 
     /// Waiting requests join `lane`'s filling prompts while it has room and slots are free,
-    /// each in the slot the prefix cache gives it; the copies that bring their cached
-    /// prefixes.
+    /// oldest first, each in the slot the prefix cache gives it; the copies that bring their
+    /// cached prefixes. A choice waiting for its first's prefill ([`Choices`]) is passed
+    /// over, but keeps its place: a later request takes a slot only if one stays free for
+    /// each such choice before it.
     fn take_slots(&mut self, lane: usize) -> Vec<KvCopy> {
         let mut copies = Vec::new();
         let l = &self.lanes[lane];
         let mut room = (self.per_lane).saturating_sub(l.seqs.len() + l.filling.len());
-        while room > 0 {
-            let Some(job) = self.waiting.front() else {
+        let (mut at, mut kept) = (0, 0);
+        while room > 0 && at < self.waiting.len() {
+            if self.held(&self.waiting[at]) {
+                (at, kept) = (at + 1, kept + 1);
+                continue;
+            }
+            if self.cache.free() <= kept {
                 break;
-            };
+            }
+            let job = &self.waiting[at];
             let Some(t) = self.cache.take_with(&job.prompt, job.cache) else {
                 break;
             };
-            let Some(job) = self.waiting.pop_front() else {
+            let Some(job) = self.waiting.remove(at) else {
                 break;
             };
+            self.share(&job);
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             self.metrics.observe_scheduled(job.accepted);
             self.metrics
@@ -479,6 +528,47 @@ impl Batcher {
             room -= 1;
         }
         copies
+    }
+
+    /// Whether `job` waits for the first of its choices to finish prefilling their prompt.
+    fn held(&self, job: &Job) -> bool {
+        job.choices
+            .is_some_and(|g| self.shares.get(&g) == Some(&Share::Filling))
+    }
+
+    /// `job` took a slot: the first of its choices to do so prefills their prompt for the
+    /// others (where the cache can lend it; its siblings may still be on their way to the
+    /// queue); a cached group none of whose jobs waits any more is dropped.
+    fn share(&mut self, job: &Job) {
+        let Some(g) = job.choices else {
+            return;
+        };
+        match self.shares.get(&g) {
+            None if self.cache.shares(job.prompt.len(), job.cache) => {
+                self.shares.insert(g, Share::Filling);
+            }
+            Some(Share::Cached) if !self.waits(g) => {
+                self.shares.remove(&g);
+            }
+            _ => {}
+        }
+    }
+
+    /// Whether a job of group `g` waits.
+    fn waits(&self, g: Choices) -> bool {
+        self.waiting.iter().any(|j| j.choices == Some(g))
+    }
+
+    /// The prompt of group `g` is cached: its waiting choices may take their slots.
+    fn cached(&mut self, g: Choices) {
+        if !self.shares.contains_key(&g) {
+            return;
+        }
+        if self.waits(g) {
+            self.shares.insert(g, Share::Cached);
+        } else {
+            self.shares.remove(&g);
+        }
     }
 
     /// A decode step of every sequence `lane` runs; `None` when it runs none.
@@ -550,8 +640,12 @@ impl Batcher {
                 continue;
             }
             if chunk.is_some() {
-                // The prompt's KV is on the device: later prompts may reuse it.
+                // The prompt's KV is on the device: later prompts (its choices' first) may
+                // reuse it.
                 self.cache.register(s.slot, &s.job.prompt, SpanId::NONE);
+                if let Some(g) = s.job.choices {
+                    self.cached(g);
+                }
             }
             let logits = done.logits.as_ref().map(|l| l.row(row));
             self.advance(lane, s, greedy, logits, now)?;
@@ -651,7 +745,18 @@ impl Batcher {
         let _ = s.job.events.send(Event::Done { eos });
         let why = if eos { Finish::Stop } else { Finish::Length };
         (self.metrics).observe_done(s.job.accepted, s.first_at, s.generated, why);
-        release(&mut self.cache, &s);
+        self.leave(&s);
+    }
+
+    /// `s` leaves and its slot frees. A group's first leaving before its prompt was cached
+    /// (cancelled) hands the prefill to the next of its choices.
+    fn leave(&mut self, s: &Seq) {
+        release(&mut self.cache, s);
+        if let Some(g) = s.job.choices {
+            if self.shares.get(&g) == Some(&Share::Filling) {
+                self.shares.remove(&g);
+            }
+        }
     }
 
     /// Bubble and communication shares, from the engine's accounting.

@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::api::{self, Invalid, Params, Prompt};
-use super::batcher::{Ending, Event, Job};
+use super::batcher::{Choices, Ending, Event, Job};
 use super::embeddings::EncoderHandle;
 use super::limits::Watched;
 use super::tools::{CallDelta, CallStream, ToolCall, ToolConstraint, ToolRequest};
@@ -502,6 +502,8 @@ fn jobs(
     let scoring = p.echo && p.logprobs.is_some();
     let (mut jobs, mut rxs) = (Vec::new(), Vec::new());
     for prompt in &accepted.prompts {
+        // The choices of a prompt share its prefill (where the prefix cache can lend it).
+        let choices = (p.n > 1).then(Choices::fresh);
         for i in 0..p.n {
             let mut rules = p.rules.clone();
             if rules.min_tokens > 0 {
@@ -539,6 +541,7 @@ fn jobs(
                 constraint: device_constraint,
                 ending: ending.clone(),
                 cache: p.cache,
+                choices,
             });
             rxs.push((rx, ending));
         }

@@ -85,7 +85,7 @@ pub const FIELDS: &[Field] = &[
     f("max_tokens", Both, OA, H, "2", "most tokens to generate (default 16 for completions, the rest of the context for chat; 0 with `echo` scores the prompt only)"),
     f("max_completion_tokens", Chat, OA, H, "2", "as `max_tokens`"),
     f("n_predict", Both, LS, H, "2", "as `max_tokens`"),
-    f("n", Both, OA, H, "2", "choices per prompt, up to 8 (each its own sequence; the prompt is prefilled once per choice, the choices sharing chunk steps while `--max-step-tokens` holds them)"),
+    f("n", Both, OA, H, "2", "choices per prompt, up to 8 (each its own sequence; with the prefix cache, the first prefills the prompt and the others reuse its KV, prefilling only the tail past its last whole block: see Prefix caching)"),
     f("best_of", Text, OA, At("1"), "2", "only 1: no ranking of choices"),
     f("stream", Both, OA, H, "false", "Server-Sent Events"),
     f("stream_options", Both, OA, H, r#"{"include_usage":true}"#, "`include_usage`: a last chunk with `usage`"),
