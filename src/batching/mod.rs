@@ -24,6 +24,7 @@
 //! slots, and for a prefill the arrival of its requests as a release time), so the run's
 //! timeline replays on any host profile ([`project_metrics`]).
 
+mod bench;
 mod chunk;
 mod metrics;
 mod prefix;
@@ -35,6 +36,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+pub use bench::ServeBench;
 pub(crate) use chunk::{chunk_budget, plan_chunk};
 pub use chunk::{DEFAULT_STEP_TOKENS, MAX_STEP_TOKENS};
 pub use metrics::{Percentiles, RequestOutcome, ServeMetrics, Timing};

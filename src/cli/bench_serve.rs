@@ -10,7 +10,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use wgpar::batching::{
-    serve, Length, LongPrompt, Rate, ServeOptions, ServeRequest, ServeRun, Sessions, WorkloadSpec,
+    serve, Length, LongPrompt, Rate, ServeBench, ServeOptions, ServeRun, Sessions, WorkloadSpec,
 };
 use wgpar::comm::CommConfig;
 use wgpar::device::Adapters;
@@ -105,32 +105,29 @@ struct Output<'a> {
 /// Runs the benchmark.
 pub fn run(args: &ServeArgs) -> Result<()> {
     let config = args.model.choice().config()?;
-    let spec = workload(args)?;
+    let bench = bench(args);
+    bench.check()?;
     check_schedule(args)?;
-    check_lengths_fit(args, &config)?;
+    bench.check_fits(&config)?;
     if let Some(url) = &args.url {
-        return run_http(args, url, &config, &spec);
+        return run_http(args, url, &config, &bench);
     }
     let opts = serve_options(args)?;
     super::options::create_trace_file(args.trace.as_ref())?;
-    let mut built = build(args, &config, &opts)?;
+    let mut built = build(args, &bench, &config, &opts)?;
+    let spec = &bench.spec;
     if !args.json {
-        print_header(&config, (&spec, sessions(args)), &opts, &built)?;
+        print_header(&config, (spec, bench.sessions), &opts, &built)?;
     }
     let recorder = Recorder::new().with_device_timing(DeviceTiming::Off);
-    let run = warm_then_measure(
-        args,
-        built.engine.as_mut(),
-        (&config, &spec, &opts),
-        &recorder,
-    )?;
+    let run = measured(args.json, &bench, built.engine.as_mut(), &opts, &recorder)?;
     let what = TraceMeta {
         config: &config,
-        spec: &spec,
+        spec,
         opts: &opts,
         built: &built,
         long_prompt: args.long_prompt,
-        sessions: sessions(args),
+        sessions: bench.sessions,
     };
     if let Some(path) = &args.trace {
         write_trace(args.json, path, &recorder, &run, &what)?;
@@ -139,10 +136,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         return print_json(&what, &run);
     }
     print_run(&run)?;
-    let long = (run.outcomes.iter())
-        .filter(|o| args.long_prompt.is_some_and(|l| l.tokens == o.prompt_len))
-        .find_map(|o| Some(o.first_token_s? - o.arrival_s));
-    print_long_ttft(long)
+    print_long_ttft(bench.long_prompt_ttft(&run))
 }
 
 /// The `--long-prompt` request's time to first token, seconds, when it has one.
@@ -153,54 +147,21 @@ fn print_long_ttft(ttft_s: Option<f64>) -> Result<()> {
     }
 }
 
-/// The workload the options describe, checked.
-fn workload(args: &ServeArgs) -> Result<WorkloadSpec> {
-    let spec = WorkloadSpec {
-        requests: args.requests,
-        rate: args.rate,
-        prompt_len: args.prompt_len,
-        output_len: args.output_len,
-        seed: args.workload_seed,
-    };
-    spec.check()
-        .map_err(|detail| WgparError::option("workload", detail))?;
-    if args.turns == 0 || args.turns > 1024 {
-        return Err(WgparError::option(
-            "--turns",
-            format!("--turns {} must be within 1..=1024", args.turns),
-        ));
-    }
-    let sessions = sessions(args);
-    WorkloadSpec {
-        requests: spec.requests.saturating_mul(args.turns),
-        prompt_len: Length::Fixed(
-            sessions.longest_prompt(spec.prompt_len.max(), spec.output_len.max()),
-        ),
-        ..spec.clone()
-    }
-    .check()
-    .map_err(|detail| WgparError::option("--turns", detail))?;
-    if let Some(long) = args.long_prompt {
-        // Longer than every drawn prompt, so its outcome is the one of its length.
-        if long.tokens <= spec.prompt_len.max() {
-            return Err(WgparError::option(
-                "--long-prompt",
-                format!(
-                    "--long-prompt {} tokens must be longer than --prompt-len's longest, {}",
-                    long.tokens,
-                    spec.prompt_len.max()
-                ),
-            ));
-        }
-    }
-    Ok(spec)
-}
-
-/// The shared system prompt and the turns of each session.
-fn sessions(args: &ServeArgs) -> Sessions {
-    Sessions {
-        shared_prefix: args.shared_prefix,
-        turns: args.turns,
+/// The workload the options describe (checked by [`ServeBench::check`]).
+fn bench(args: &ServeArgs) -> ServeBench {
+    ServeBench {
+        spec: WorkloadSpec {
+            requests: args.requests,
+            rate: args.rate,
+            prompt_len: args.prompt_len,
+            output_len: args.output_len,
+            seed: args.workload_seed,
+        },
+        sessions: Sessions {
+            shared_prefix: args.shared_prefix,
+            turns: args.turns,
+        },
+        long_prompt: args.long_prompt,
     }
 }
 
@@ -272,39 +233,6 @@ fn print_sessions(sessions: Sessions) -> Result<()> {
     )
 }
 
-/// An untimed warm-up (every kernel compiled, the step shapes of a small batch allocated),
-/// then the recorded run of the workload.
-fn warm_then_measure(
-    args: &ServeArgs,
-    engine: &mut dyn StepEngine,
-    (config, spec, opts): (&wgpar::model::ModelConfig, &WorkloadSpec, &ServeOptions),
-    recorder: &Recorder,
-) -> Result<ServeRun> {
-    let warm: Vec<_> = WorkloadSpec {
-        requests: (2 * engine.lanes()).clamp(2, args.requests),
-        rate: Rate::Burst,
-        output_len: Length::Fixed(2.min(args.output_len.max())),
-        ..spec.clone()
-    }
-    .generate(config.vocab);
-    serve(engine, &warm, opts, Recorder::disabled(), &mut |_, _| {})?;
-    measured(
-        args,
-        engine,
-        (&requests(args, spec, config.vocab), opts),
-        recorder,
-    )
-}
-
-/// The workload's requests, with `--long-prompt`'s among them.
-fn requests(args: &ServeArgs, spec: &WorkloadSpec, vocab: usize) -> Vec<ServeRequest> {
-    let requests = sessions(args).generate(spec, vocab);
-    match args.long_prompt {
-        Some(long) => long.insert(requests, args.output_len.max(), vocab, spec.seed),
-        None => requests,
-    }
-}
-
 /// The run as JSON: every request's outcome and the figures.
 fn print_json(what: &TraceMeta<'_>, run: &ServeRun) -> Result<()> {
     let out = Output {
@@ -335,6 +263,7 @@ struct Built {
 /// when `--pace` asks).
 fn build(
     args: &ServeArgs,
+    bench: &ServeBench,
     config: &wgpar::model::ModelConfig,
     opts: &ServeOptions,
 ) -> Result<Built> {
@@ -352,7 +281,7 @@ fn build(
     let strategy = serving_strategy(&args.strategy, selected.len(), opts.max_batch)?;
     let work = Workload {
         batch: opts.max_batch,
-        prompt: longest_prompt(args),
+        prompt: bench.longest_prompt(),
     };
     let auto = args.strategy.auto_placement(&args.memory);
     let setting = Setting {
@@ -367,7 +296,7 @@ fn build(
     let runs = [super::memory::PlannedRun {
         strategy: &strategy,
         adapters: &selected,
-        step_tokens: largest_step(args, opts),
+        step_tokens: bench.largest_step(opts),
         batch: opts.max_batch,
         work,
     }];
@@ -387,7 +316,7 @@ fn build(
         &weights,
         dtype,
         &CommConfig::default(),
-        (opts.max_batch, longest_prompt(args)),
+        (opts.max_batch, bench.longest_prompt()),
     )?;
     if let Some((pacer, what)) = pacer {
         if !args.json {
@@ -403,29 +332,18 @@ fn build(
     })
 }
 
-/// The most tokens one step carries: a decode step of every slot, or prompt chunks within
-/// the step budget (prompts longer than that are prefilled over several steps).
-fn largest_step(args: &ServeArgs, opts: &ServeOptions) -> usize {
-    let longest = longest_prompt(args).max(args.long_prompt.map_or(0, |l| l.tokens));
-    (opts.max_batch * longest)
-        .min(opts.max_prefill_tokens)
-        .min(opts.max_step_tokens)
-        .max(opts.max_batch)
-}
-
-/// The longest whole prompt a session sends (a later turn holds the turns before it).
-fn longest_prompt(args: &ServeArgs) -> usize {
-    sessions(args).longest_prompt(args.prompt_len.max(), args.output_len.max())
-}
-
-/// The recorded run, with a progress bar unless the output is JSON.
+/// The recorded run (after an untimed warm-up), with a progress bar unless the output is
+/// JSON.
 fn measured(
-    args: &ServeArgs,
+    json: bool,
+    bench: &ServeBench,
     engine: &mut dyn StepEngine,
-    (requests, opts): (&[wgpar::batching::ServeRequest], &ServeOptions),
+    opts: &ServeOptions,
     recorder: &Recorder,
 ) -> Result<ServeRun> {
-    let bar = if args.json {
+    bench.warm_up(engine, opts)?;
+    let requests = bench.requests(engine.model_config().vocab);
+    let bar = if json {
         ProgressBar::hidden()
     } else {
         ProgressBar::new(requests.len() as u64)
@@ -434,7 +352,7 @@ fn measured(
         ProgressStyle::with_template("{bar:30} {pos}/{len} requests [{elapsed}]")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let result = serve(engine, requests, opts, recorder.clone(), &mut |done, _| {
+    let result = serve(engine, &requests, opts, recorder.clone(), &mut |done, _| {
         bar.set_position(done as u64)
     });
     bar.finish_and_clear();
@@ -522,53 +440,12 @@ fn print_run(run: &ServeRun) -> Result<()> {
     Ok(())
 }
 
-/// Refuses prompt and output lengths of which some requests cannot fit a KV slot, saying
-/// which do fit.
-fn check_lengths_fit(args: &ServeArgs, config: &wgpar::model::ModelConfig) -> Result<()> {
-    let long = args.long_prompt.map_or(0, |l| l.tokens);
-    let (prompt, output) = (longest_prompt(args).max(long), args.output_len.max());
-    // The last generated token is sampled, never cached.
-    let longest = prompt + output - 1;
-    if longest <= config.max_seq {
-        return Ok(());
-    }
-    let fitting_prompt = (config.max_seq + 1).saturating_sub(output);
-    let advice = if fitting_prompt >= 1 {
-        format!(
-            "with --output-len up to {output}, prompts of at most {fitting_prompt} tokens fit: \
-             lower --prompt-len to at most {fitting_prompt}, or raise --max-seq to {longest}"
-        )
-    } else {
-        format!(
-            "--output-len up to {output} alone needs {} tokens: no prompt fits; raise \
-             --max-seq to {longest}",
-            output - 1
-        )
-    };
-    Err(WgparError::limit(
-        "context (tokens)",
-        (longest as u64, config.max_seq as u64),
-        format!(
-            "prompts up to {prompt} tokens{} and --output-len up to {output} need up to \
-             {longest} tokens of KV cache per request, but model '{}' holds {} (max_seq), so \
-             the longest requests would be refused; {advice}",
-            if sessions(args).any() {
-                " (--prompt-len with --shared-prefix and --turns)"
-            } else {
-                " (--prompt-len)"
-            },
-            config.name,
-            config.max_seq
-        ),
-    ))
-}
-
 /// `--url`: the workload over HTTP against any OpenAI-compatible server.
 fn run_http(
     args: &ServeArgs,
     url: &str,
     config: &wgpar::model::ModelConfig,
-    spec: &WorkloadSpec,
+    bench: &ServeBench,
 ) -> Result<()> {
     if !url.starts_with("http://") {
         return Err(WgparError::option(
@@ -588,7 +465,8 @@ fn run_http(
                 .into(),
         ));
     }
-    let requests = requests(args, spec, config.vocab);
+    let spec = &bench.spec;
+    let requests = bench.requests(config.vocab);
     let bar = if args.json {
         ProgressBar::hidden()
     } else {

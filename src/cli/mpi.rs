@@ -244,7 +244,7 @@ mod ranks {
         )?;
         let adapters = Adapters::discover()?;
         let devices = (&args.devices, &args.model);
-        let work = server::serving_work(args, &config).1;
+        let work = args.limits().serving_work(&config).1;
         let caps = (args.memory.gpu_memory.as_ref(), devices);
         check_rank_caps(world, caps, (&config, &strategy, work), &adapters)?;
         let (built, _) = open_rank(world, (&adapters, devices), &config, &strategy)?;
@@ -253,7 +253,7 @@ mod ranks {
         job::serve_rank(world, built.engine, stage_fault, |engine| {
             let build: EngineBuilder = Box::new(move || {
                 let mut engine: Box<dyn StepEngine> = engine;
-                server::warm_up(engine.as_mut(), batch)?;
+                wgpar::server::setup::warm_up(engine.as_mut(), batch)?;
                 Ok(engine)
             });
             // mpirun answers SIGTERM by killing the job; rank 0 drains its requests first.

@@ -8,17 +8,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use wgpar::batching::{serve, Length, Rate, ServeOptions, WorkloadSpec};
 use wgpar::comm::CommConfig;
 use wgpar::device::{Adapters, DType};
 use wgpar::model::memory::Workload;
 use wgpar::model::ModelConfig;
-use wgpar::parallel::Fault;
 use wgpar::parallel::{build_step_engine, Schedule, StepEngine, Strategy};
 use wgpar::server::auth::{self, KeySources};
-use wgpar::server::{BatchOptions, ConnLimits, EngineBuilder, ServerOptions, TextModel};
+use wgpar::server::setup::{engine_fault, warm_up, ServeLimits};
+use wgpar::server::{BatchOptions, EngineBuilder, ServerOptions, TextModel};
 use wgpar::sim::LinkPacer;
-use wgpar::trace::Recorder;
 use wgpar::{Result, WgparError};
 
 use super::options::{DeviceArgs, ModelArgs, StrategyArgs};
@@ -115,59 +113,29 @@ pub struct ServerArgs {
     pub(super) chat_template: Option<std::path::PathBuf>,
 }
 
-/// Prompt tokens one prefill step takes without `--max-prefill-tokens`.
-const DEFAULT_PREFILL_TOKENS: usize = 2048;
-
 impl ServerArgs {
-    /// `--max-prefill-tokens`, or its default.
-    fn prefill_tokens(&self) -> usize {
-        self.max_prefill_tokens.unwrap_or(DEFAULT_PREFILL_TOKENS)
-    }
-
-    /// `--max-step-tokens`, or its default.
-    fn step_tokens(&self) -> usize {
-        (self.max_step_tokens).unwrap_or(wgpar::batching::DEFAULT_STEP_TOKENS)
-    }
-}
-
-/// Most KV slots and queue places the server takes.
-const MAX_SLOTS: usize = 4096;
-const MAX_QUEUE: usize = 1 << 20;
-
-/// The batching options, for their check before anything opens.
-fn serve_options(args: &ServerArgs) -> ServeOptions {
-    ServeOptions {
-        max_batch: args.max_batch,
-        max_prefill_tokens: args.prefill_tokens(),
-        max_step_tokens: args.step_tokens(),
-        prefix_cache: !args.no_prefix_cache,
+    /// The server's limits as the options give them.
+    pub(super) fn limits(&self) -> ServeLimits {
+        ServeLimits {
+            max_batch: self.max_batch,
+            max_prefill_tokens: self.max_prefill_tokens,
+            max_step_tokens: self.max_step_tokens,
+            prefix_cache: !self.no_prefix_cache,
+            max_queue: self.max_queue,
+            max_body: self.max_body,
+            shutdown_timeout: self.shutdown_timeout,
+            header_timeout: self.header_timeout,
+            keep_alive_timeout: self.keep_alive_timeout,
+            body_timeout: self.body_timeout,
+            stream_timeout: self.stream_timeout,
+            max_connections: self.max_connections,
+        }
     }
 }
 
 /// Checks the options that need no model.
 fn check_options(args: &ServerArgs) -> Result<()> {
-    if args.max_batch == 0 || args.max_batch > MAX_SLOTS || args.prefill_tokens() == 0 {
-        return Err(WgparError::option(
-            "--max-batch",
-            format!(
-                "--max-batch must be within 1..={MAX_SLOTS} and --max-prefill-tokens at least 1"
-            ),
-        ));
-    }
-    wgpar::batching::check_options(&serve_options(args))?;
-    if args.max_queue > MAX_QUEUE || args.max_body < 64 {
-        return Err(WgparError::option(
-            "--max-queue",
-            format!("--max-queue must be at most {MAX_QUEUE}, --max-body at least 64 bytes"),
-        ));
-    }
-    if !(0.0..=86400.0).contains(&args.shutdown_timeout) {
-        return Err(WgparError::option(
-            "--shutdown-timeout",
-            "--shutdown-timeout must be within 0..=86400 seconds".into(),
-        ));
-    }
-    check_limits(args)?;
+    args.limits().check()?;
     if args.strategy.schedule() == Schedule::GPipe {
         return Err(WgparError::unsupported(
             "--schedule gpipe does not apply to serve: requests join and leave the running \
@@ -176,45 +144,6 @@ fn check_options(args: &ServerArgs) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-/// Longest timeout the server takes, seconds (a day).
-const MAX_TIMEOUT_S: f64 = 86400.0;
-
-/// Checks the connection limits, and that --metrics-open has a key to be open from.
-fn check_limits(args: &ServerArgs) -> Result<()> {
-    let timeouts = [
-        ("--header-timeout", args.header_timeout),
-        ("--keep-alive-timeout", args.keep_alive_timeout),
-        ("--body-timeout", args.body_timeout),
-        ("--stream-timeout", args.stream_timeout),
-    ];
-    for (name, t) in timeouts {
-        if !(t > 0.0 && t <= MAX_TIMEOUT_S) {
-            return Err(WgparError::option(
-                name,
-                format!("{name} {t} must be within (0, {MAX_TIMEOUT_S}] seconds"),
-            ));
-        }
-    }
-    if args.max_connections == 0 || args.max_connections > MAX_QUEUE {
-        return Err(WgparError::option(
-            "--max-connections",
-            format!("--max-connections must be within 1..={MAX_QUEUE}"),
-        ));
-    }
-    Ok(())
-}
-
-/// The connection limits the options give (checked by `check_limits`).
-fn conn_limits(args: &ServerArgs) -> ConnLimits {
-    ConnLimits {
-        header_timeout: Duration::from_secs_f64(args.header_timeout),
-        keep_alive_timeout: Duration::from_secs_f64(args.keep_alive_timeout),
-        body_timeout: Duration::from_secs_f64(args.body_timeout),
-        max_connections: args.max_connections,
-        stream_timeout: Duration::from_secs_f64(args.stream_timeout),
-    }
 }
 
 /// The API key from --api-key, --api-key-file or WGPAR_API_KEY (one of them), and whether
@@ -236,28 +165,6 @@ fn api_key(args: &ServerArgs) -> Result<Option<String>> {
     Ok(key)
 }
 
-/// The engine-thread fault of `--inject-fault engine,kind=...,at=step:N`, if that is the
-/// spec (the stage and rank faults are `run`'s).
-fn engine_fault(args: &ServerArgs) -> Result<Option<Fault>> {
-    match args.inject_fault.as_deref().map(str::trim) {
-        Some(spec) if spec == "engine" || spec.starts_with("engine,") => {
-            let rest = spec.trim_start_matches("engine").trim_start_matches(',');
-            // The same keys as a stage's fault, for a worker that is the engine thread.
-            let fault = FaultSpec::parse(&format!("stage=0,{rest}"))?.fault;
-            if fault.kind == wgpar::parallel::FaultKind::LoseDevice {
-                return Err(WgparError::option(
-                    "--inject-fault",
-                    "--inject-fault engine: kind=device-lost needs a stage or a rank (the \
-                     engine thread owns no device of its own)"
-                        .into(),
-                ));
-            }
-            Ok(Some(fault))
-        }
-        _ => Ok(None),
-    }
-}
-
 /// What a server needs besides its engine: the model's shape, its text side, and the
 /// listener's and the scheduler's options, all checked.
 pub(super) struct Prepared {
@@ -277,21 +184,16 @@ pub(super) fn prepare(args: &ServerArgs) -> Result<Prepared> {
 /// The rest of [`prepare`], once the model's `config` is known.
 fn prepared(args: &ServerArgs, config: ModelConfig) -> Result<Prepared> {
     let text = text_model(args, &config)?;
+    let limits = args.limits();
     let opts = ServerOptions {
         addr: SocketAddr::new(args.host, args.port),
         max_queue: args.max_queue,
         api_key: api_key(args)?,
         metrics_open: args.metrics_open,
-        limits: conn_limits(args),
+        limits: limits.conn_limits(),
         max_body: args.max_body,
         shutdown_timeout: Duration::from_secs_f64(args.shutdown_timeout),
-        batch: BatchOptions {
-            slots: args.max_batch,
-            max_prefill_tokens: args.prefill_tokens(),
-            max_step_tokens: args.step_tokens(),
-            fault: engine_fault(args)?,
-            prefix_cache: !args.no_prefix_cache,
-        },
+        batch: limits.batch_options(engine_fault(args.inject_fault.as_deref())?),
     };
     Ok(Prepared { config, text, opts })
 }
@@ -322,7 +224,7 @@ pub fn run(args: &ServerArgs) -> Result<()> {
         None => None,
     };
     let auto = args.strategy.auto_placement(&args.memory);
-    let (step_tokens, work) = serving_work(args, &config);
+    let (step_tokens, work) = args.limits().serving_work(&config);
     let setting = Setting {
         config: &config,
         dtype,
@@ -352,22 +254,6 @@ pub fn run(args: &ServerArgs) -> Result<()> {
     };
     let build: EngineBuilder = Box::new(move || server.build());
     wgpar::server::run(opts, text, build)
-}
-
-/// The largest step's tokens, and the work the accounting sizes: the cache holds
-/// --max-batch sequences, the largest step's tokens sized as prompts.
-pub(super) fn serving_work(args: &ServerArgs, config: &ModelConfig) -> (usize, Workload) {
-    // A step is a decode step of every slot, or prompt chunks within both budgets: a longer
-    // prompt is prefilled over several steps, never whole.
-    let step_tokens = (args.max_batch * config.max_seq)
-        .min(args.prefill_tokens())
-        .min(args.step_tokens())
-        .max(args.max_batch);
-    let work = Workload {
-        batch: args.max_batch,
-        prompt: step_tokens.div_ceil(args.max_batch.max(1)),
-    };
-    (step_tokens, work)
 }
 
 /// Refuses, before any device opens, a server whose largest step (`step_tokens`) or memory
@@ -454,29 +340,4 @@ fn text_model(args: &ServerArgs, config: &ModelConfig) -> Result<TextModel> {
         max_seq: config.max_seq,
         vocab: config.vocab,
     })
-}
-
-/// Compiles every kernel and reserves the KV slots: a few short requests through the
-/// scheduler, untimed.
-pub(super) fn warm_up(
-    engine: &mut dyn wgpar::parallel::StepEngine,
-    batch: BatchOptions,
-) -> Result<()> {
-    let config = engine.model_config().clone();
-    let warm = WorkloadSpec {
-        requests: (2 * engine.lanes()).clamp(2, batch.slots.max(2)),
-        rate: Rate::Burst,
-        prompt_len: Length::Fixed(4.min(config.max_seq)),
-        output_len: Length::Fixed(2.min(config.max_seq + 1 - 4.min(config.max_seq))),
-        seed: 0,
-    }
-    .generate(config.vocab);
-    let opts = ServeOptions {
-        max_batch: batch.slots,
-        max_prefill_tokens: batch.max_prefill_tokens,
-        max_step_tokens: batch.max_step_tokens,
-        prefix_cache: batch.prefix_cache,
-    };
-    serve(engine, &warm, &opts, Recorder::disabled(), &mut |_, _| {})?;
-    Ok(())
 }

@@ -19,6 +19,7 @@ pub mod embeddings;
 pub mod limits;
 pub mod metrics;
 mod routes;
+pub mod setup;
 pub mod tools;
 
 use std::net::SocketAddr;
