@@ -86,6 +86,10 @@ fn qv_dot(xu: XUnit, u: QUnit) -> f32 {
 // indexed array (a CPU driver would keep such an array in memory); a decode step has one row,
 // and a few rows re-read the weights from cache.
 fn qv_row(n0: u32, lane: u32, r: u32) -> vec4<f32> {
+    // The branch folds away per type.
+    if (QTYPE == 14u && QV_CHUNKS == 0u) {
+        return qv_row_q6k(n0, lane, r);
+    }
     let per_block = block_len() / 32u;
     let bytes = block_bytes();
     let row_bytes = (p.k / block_len()) * bytes;
@@ -122,4 +126,86 @@ fn qv_store(n0: u32, r: u32, v: vec4<f32>) {
             y[r * p.n + n] = out;
         }
     }
+}
+
+// x values v .. v + 32 (8 vec4 from vec4 index i) and the sums of their two 16-value halves.
+fn qv_x32(i: u32) -> XUnit {
+    var xu: XUnit;
+    for (var j = 0u; j < 8u; j++) {
+        xu.v[j] = x[i + j];
+    }
+    let one = vec4<f32>(1.0);
+    xu.sums = vec2<f32>(
+        dot(xu.v[0] + xu.v[1] + xu.v[2] + xu.v[3], one),
+        dot(xu.v[4] + xu.v[5] + xu.v[6] + xu.v[7], one),
+    );
+    return xu;
+}
+
+// qv_row for Q6_K, a step being the two 32-value sub-blocks of a half that share their bytes:
+// quarters q0 and q0 + 2 take the low and high nibbles of the same 32 ql bytes, and the bit
+// pairs 2 q0 and 2 q0 + 4 of the same 32 qh bytes. Per 64 values and row that is 9 + 9 words
+// (runs 2-byte aligned, funnel-shifted as they stream) and 3 for the scales and d, where two
+// 32-value units read 40: on a CPU driver each weight word is a gather across rows, and the
+// gathers were Q6_K's cost. Every word is used as it arrives (nothing kept in arrays).
+fn qv_row_q6k(n0: u32, lane: u32, r: u32) -> vec4<f32> {
+    let row_bytes = (p.k / 256u) * 210u;
+    let steps = p.k / 64u;
+    let first = r * (p.k / 4u);
+    var acc = vec4<f32>(0.0);
+    for (var u = lane; u < steps; u += QV_TPR) {
+        let blk = u / 4u;
+        let h = (u % 4u) / 2u;
+        let q0 = u % 2u;
+        let v0 = blk * 256u + 128u * h + 32u * q0;
+        let xa = qv_x32(first + v0 / 4u);
+        let xb = qv_x32(first + (v0 + 64u) / 4u);
+        let xsum = vec4<f32>(xa.sums, xb.sums);
+        for (var c = 0u; c < QV_NR; c++) {
+            let a = min(n0 + c, p.n - 1u) * row_bytes + blk * 210u;
+            let d = q6k_pair(a, h, q0, xa, xb, xsum);
+            acc += select(vec4<f32>(0.0), vec4<f32>(d), vec4<u32>(0u, 1u, 2u, 3u) == vec4<u32>(c));
+        }
+    }
+    return acc;
+}
+
+// Sub-blocks 4h + q0 and 4h + q0 + 2 of the Q6_K block at byte a dotted with xa and xb.
+fn q6k_pair(a: u32, h: u32, q0: u32, xa: XUnit, xb: XUnit, xsum: vec4<f32>) -> f32 {
+    let ql = a + 64u * h + 32u * q0;
+    let qh = a + 128u + 32u * h;
+    let il = ql >> 2u;
+    let ih = qh >> 2u;
+    let odd = (a & 2u) != 0u;
+    var lprev = w[il];
+    var hprev = w[ih];
+    var dots = vec4<f32>(0.0);
+    for (var g = 0u; g < 8u; g++) {
+        let lnext = w[il + g + 1u];
+        let hnext = w[ih + g + 1u];
+        let lw = funnel(lprev, lnext, odd);
+        let hw = funnel(hprev, hnext, odd);
+        lprev = lnext;
+        hprev = hnext;
+        let lo = bytes4(lw, 0u, 0xfu) | (bytes4(hw, 2u * q0, 3u) << vec4<u32>(4u));
+        let hi = bytes4(lw, 4u, 0xfu) | (bytes4(hw, 2u * q0 + 4u, 3u) << vec4<u32>(4u));
+        let pa = dot(xa.v[g], vec4<f32>(lo));
+        let pb = dot(xb.v[g], vec4<f32>(hi));
+        if (g < 4u) {
+            dots += vec4<f32>(pa, 0.0, pb, 0.0);
+        } else {
+            dots += vec4<f32>(0.0, pa, 0.0, pb);
+        }
+    }
+    let sc = a + 192u + 8u * h + 2u * q0;
+    let sa = u16_at(sc);
+    let sb = u16_at(sc + 4u);
+    let scales = vec4<f32>(
+        f32(signed_byte(sa & 0xffu)),
+        f32(signed_byte(sa >> 8u)),
+        f32(signed_byte(sb & 0xffu)),
+        f32(signed_byte(sb >> 8u)),
+    );
+    // value = d * scale * (q - 32), per 16 values.
+    return f16_at(a + 208u) * dot(scales, dots - 32.0 * xsum);
 }

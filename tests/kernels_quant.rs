@@ -41,7 +41,7 @@ const TYPES: [(QuantType, usize); 12] = [
     (QuantType::Q3K, 512),
     (QuantType::Q4K, 512),
     (QuantType::Q5K, 256),
-    (QuantType::Q6K, 256),
+    (QuantType::Q6K, 768),
     (QuantType::Iq4Xs, 512),
 ];
 
