@@ -460,14 +460,21 @@ fn logprobs_follow_the_reference_log_softmax() {
     assert_eq!(s["whole"]["tokens"].as_array().unwrap().len(), 5, "{s}");
     let close = |a: &Value, b: &Value| (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-5;
     let (stream, whole) = (&s["stream"]["logprobs"], &s["whole"]["logprobs"]);
-    let pairs = stream.as_array().unwrap().iter().zip(whole.as_array().unwrap());
+    let pairs = stream
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(whole.as_array().unwrap());
     assert_eq!(pairs.clone().filter(|(a, b)| close(a, b)).count(), 5, "{s}");
-    for (a, b) in (s["stream"]["top"].as_array().unwrap().iter())
-        .zip(s["whole"]["top"].as_array().unwrap())
+    for (a, b) in
+        (s["stream"]["top"].as_array().unwrap().iter()).zip(s["whole"]["top"].as_array().unwrap())
     {
         let (a, b) = (a.as_object().unwrap(), b.as_object().unwrap());
         assert_eq!(a.len(), b.len(), "{s}");
-        assert!(a.iter().all(|(k, v)| b.get(k).is_some_and(|w| close(v, w))), "{s}");
+        assert!(
+            a.iter().all(|(k, v)| b.get(k).is_some_and(|w| close(v, w))),
+            "{s}"
+        );
     }
 }
 
