@@ -117,7 +117,8 @@ fn a_stale_cache_is_replaced_and_orphans_removed() {
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let entries = v["entries"].as_object().unwrap();
     assert!(!entries.is_empty(), "the run saved no choice");
-    let version = format!("| wgpar {} |", env!("CARGO_PKG_VERSION"));
+    // This build's keys: its version and kernel set (`kernels::tune::build_tag`).
+    let version = format!("| wgpar {} |", wgpar::kernels::tune::build_tag());
     assert!(
         entries.keys().all(|k| k.contains(&version)),
         "stale entries kept: {:?}",
