@@ -424,12 +424,18 @@ pub fn choose_quant(
     let mut candidates: Vec<&'static QuantVariant> = (QUANT_VARIANTS.iter())
         .filter(|v| v.qtype == qtype && v.usable(gpu) && !(prefill && v.is_gemv()))
         .collect();
-    // The integer-dot variants are decode GEMVs.
+    let settings = tune::settings()?;
+    // The integer-dot variants are decode GEMVs, run only when forced (`WGPAR_KERNELS`), not
+    // chosen by the tuner: on Mesa 25's lavapipe, picked for SmolLM2-135M's Q8_0 head, they
+    // changed the released model's greedy answer (docs/BENCHMARKS.md), so their accuracy on
+    // real models must be understood before they run unasked.
     if !prefill {
-        candidates.extend(super::quant_dp4::candidates(gpu, qtype));
+        candidates.extend(
+            (super::quant_dp4::candidates(gpu, qtype).into_iter())
+                .filter(|v| settings.forced.iter().any(|f| f == v.name)),
+        );
     }
     let find = |name: &str| candidates.iter().copied().find(|v| v.name == name);
-    let settings = tune::settings()?;
     super::quant_dp4::refuse_forced(gpu, &settings.forced)?;
     let mut measure = || time_quant(gpu, (m, n, k), &candidates, Effort::Tune);
     let fallback = default_variant(qtype, m);
