@@ -55,6 +55,25 @@ struct Mock {
     turn: usize,
 }
 
+impl Mock {
+    /// A mock of a 40-token vocabulary and 80 positions a slot, over `lanes` lanes.
+    fn new(lanes: usize) -> Self {
+        Self {
+            config: ModelConfig {
+                max_seq: 80,
+                vocab: 40,
+                ..ModelConfig::preset("tiny-llama").unwrap()
+            },
+            lanes,
+            history: Vec::new(),
+            in_flight: VecDeque::new(),
+            copies: 0,
+            in_place: 0,
+            turn: 0,
+        }
+    }
+}
+
 impl Engine for Mock {
     fn name(&self) -> String {
         "history mock".into()
@@ -176,19 +195,7 @@ fn reused_prefixes_are_the_prompts_own_on_one_lane_or_several() {
             turns: 3,
         }
         .generate(&spec, 40);
-        let mut engine = Mock {
-            config: ModelConfig {
-                max_seq: 80,
-                vocab: 40,
-                ..ModelConfig::preset("tiny-llama").unwrap()
-            },
-            lanes,
-            history: Vec::new(),
-            in_flight: VecDeque::new(),
-            copies: 0,
-            in_place: 0,
-            turn: 0,
-        };
+        let mut engine = Mock::new(lanes);
         let opts = ServeOptions {
             max_batch: slots,
             max_prefill_tokens: 64,
@@ -218,19 +225,7 @@ fn reused_prefixes_are_the_prompts_own_on_one_lane_or_several() {
     assert!(in_place > 0, "{copies} copies, {in_place} in place");
     // The copy scenario the real engines run below, on the mock.
     let requests = copied_prefix(40);
-    let mut engine = Mock {
-        config: ModelConfig {
-            max_seq: 80,
-            vocab: 40,
-            ..ModelConfig::preset("tiny-llama").unwrap()
-        },
-        lanes: 1,
-        history: Vec::new(),
-        in_flight: VecDeque::new(),
-        copies: 0,
-        in_place: 0,
-        turn: 0,
-    };
+    let mut engine = Mock::new(1);
     let opts = ServeOptions {
         max_batch: 2,
         max_prefill_tokens: 128,
