@@ -16,9 +16,10 @@
 //! below the head): RoPE turns the first `0.75 head_dim` values of each head, pairs `i` and
 //! `i + rotary_dim / 2` at `theta^(-2i/rotary_dim)`, and the rest pass. A folder (factor at
 //! the top level and in `rope_parameters`) and a GGUF with LongRoPE lists of `rotary_dim / 2`
-//! load to that config, every engine matches the reference, and the model rotating whole heads
-//! or spreading the frequencies over the whole head gives other logits. Checked against
-//! transformers once: `tests/hf_support/phi3_partial_transformers.py` (docs/MODELS.md).
+//! load to that config, every engine (hybrid 2 x 2 too) matches the reference, and the model
+//! rotating whole heads or spreading the frequencies over the whole head gives other logits.
+//! Checked against transformers once: `tests/hf_support/phi3_partial_transformers.py`
+//! (docs/MODELS.md).
 
 mod common;
 mod gguf_support;
@@ -676,6 +677,19 @@ fn partial_rotary_folders_run_on_every_engine() {
         .unwrap();
     check_tables(&loaded.config, r, r.served, partial_lists());
     check_all("partial rotary", &loaded);
+    // Tensor parallel 2 inside each of 2 pipeline stages: the same kernels, each shard's heads.
+    let gpus = common::gpus(4);
+    let mut hybrid = PipelineEngine::hybrid(
+        &gpus,
+        &loaded,
+        DType::F32,
+        2,
+        &Partition::Even,
+        2,
+        CommConfig::default(),
+    )
+    .unwrap();
+    check_engine("partial rotary hybrid 2 x 2", &mut hybrid, &loaded);
     partial_variants_fail(&loaded);
 }
 
