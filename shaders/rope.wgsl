@@ -1,5 +1,7 @@
-// Rotary position embedding in place, "rotate half" convention (pairs c and c + head_dim / 2).
-// cos and sin are host-computed tables [positions][head_dim / 2]: exact at every position, and
+// Rotary position embedding in place, "rotate half" convention over the first rot_dim values of
+// each head (pairs c and c + rot_dim / 2); the rest of the head passes untouched (partial
+// rotary, Phi-4-mini: rot_dim = 0.75 head_dim; rot_dim = head_dim otherwise).
+// cos and sin are host-computed tables [positions][rot_dim / 2]: exact at every position, and
 // no large-argument trigonometry on the GPU.
 // x:    [tokens = batch * seq][n_heads * head_dim]; token t = b * seq + i
 // seqs: the step's sequence table, [batch][2] = (KV slot, past); token (b, i) sits at position
@@ -11,7 +13,8 @@ struct Params {
     positions: u32,
     n_heads: u32,
     head_dim: u32,
-    _pad0: u32,
+    // Rotated values per head (even, at most head_dim).
+    rot_dim: u32,
     _pad1: u32,
     _pad2: u32,
 }
@@ -31,7 +34,7 @@ fn rope(
     @builtin(local_invocation_index) lid: u32,
 ) {
     let idx = (wid.y * nwg.x + wid.x) * WG + lid;
-    let half_dim = p.head_dim / 2u;
+    let half_dim = p.rot_dim / 2u;
     if (idx >= p.tokens * p.n_heads * half_dim) {
         return;
     }

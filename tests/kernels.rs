@@ -477,14 +477,21 @@ fn embedding_with_and_without_positions() {
 
 #[test]
 fn rope_rotates_pairs_by_position() {
+    // The whole head, and its first 6 of 10 values (partial rotary: the other 4 pass).
+    for rot in [10, 6] {
+        rope_case(rot);
+    }
+}
+
+fn rope_case(rot: usize) {
     let gpu = &common::gpus(1)[0];
     let (seq, heads, dim, positions) = (3, 3, 10, 12);
     // Each row at its own past: the table, not one shared offset, places the tokens.
     let rows = [(0usize, 4usize), (1, 0), (2, 9)];
     let batch = rows.len();
-    let half = dim / 2;
+    let half = rot / 2;
     let x = common::random(batch * seq * heads * dim, 12);
-    let angle = |p: usize, i: usize| p as f64 * 10000f64.powf(-(2.0 * i as f64) / dim as f64);
+    let angle = |p: usize, i: usize| p as f64 * 10000f64.powf(-(2.0 * i as f64) / rot as f64);
     let cos: Vec<f32> = (0..positions * half)
         .map(|j| angle(j / half, j % half).cos() as f32)
         .collect();
@@ -502,10 +509,15 @@ fn rope_rotates_pairs_by_position() {
         sin: &st,
         positions,
     };
+    let shape = ops::RopeHeads {
+        n_heads: heads,
+        head_dim: dim,
+        rot_dim: rot,
+    };
     run(gpu, |e| {
-        ops::rope(gpu, e, (&xt, tables, &seqs), (batch, seq), (heads, dim)).unwrap()
+        ops::rope(gpu, e, (&xt, tables, &seqs), (batch, seq), shape).unwrap()
     });
-    let mut want = vec![0.0; x.len()];
+    let mut want: Vec<f64> = x.iter().map(|&v| v as f64).collect();
     for t in 0..batch * seq {
         let pos = rows[t / seq].1 + t % seq;
         for h in 0..heads {

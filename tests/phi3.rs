@@ -11,6 +11,15 @@
 //! test derives from Transformers' formulas, the reference's tables match those formulas, every
 //! engine matches the reference, and the model with the factors ignored, the magnitude off or
 //! the other regime's list gives other logits.
+//!
+//! Partial rotary (Phi-4-mini: `partial_rotary_factor` 0.75, GGUF `rope.dimension_count`
+//! below the head): RoPE turns the first `0.75 head_dim` values of each head, pairs `i` and
+//! `i + rotary_dim / 2` at `theta^(-2i/rotary_dim)`, and the rest pass. A folder (factor at
+//! the top level and in `rope_parameters`) and a GGUF with LongRoPE lists of `rotary_dim / 2`
+//! load to that config, every engine (hybrid 2 x 2 too) matches the reference, and the model
+//! rotating whole heads or spreading the frequencies over the whole head gives other logits.
+//! Checked against transformers once: `tests/hf_support/phi3_partial_transformers.py`
+//! (docs/MODELS.md).
 
 mod common;
 mod gguf_support;
@@ -213,24 +222,40 @@ fn what_phi3_folders_need_that_wgpar_lacks_is_refused_by_name() {
         json!({"type": "dynamic", "factor": 2.0}),
         "type 'dynamic' is not supported",
     );
+    // A partial rotary factor must give an even whole number of the head's 16 values.
     refused(
         "partial_rotary_factor",
-        json!(0.75),
-        "\"partial_rotary_factor\" is 0.75",
+        json!(0.7),
+        "is 0.7: 0.7 x head_dim 16 = 11.2 is not an even whole number",
     );
+    refused(
+        "partial_rotary_factor",
+        json!(0.5625),
+        "= 9 is not an even whole number",
+    );
+    refused("partial_rotary_factor", json!(1.5), "must be in (0, 1]");
     // Transformers 5 writes it (and the base) under "rope_parameters": 1 is whole heads.
     let params =
         |f: f64| json!({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": f});
-    refused(
-        "rope_parameters",
-        params(0.5),
-        "\"partial_rotary_factor\" is 0.5",
-    );
+    refused("rope_parameters", params(0.3), "= 4.8 is not an even");
     let mut j = base.clone();
-    j["rope_parameters"] = params(1.0);
+    for (f, want) in [(1.0, None), (0.75, Some(12))] {
+        j["rope_parameters"] = params(f);
+        std::fs::write(dir.join("config.json"), j.to_string()).unwrap();
+        let c = Checkpoint::open(&dir).unwrap().config().clone();
+        assert_eq!((c.head_dim, c.rope_scaling), (w.config.head_dim, None));
+        assert_eq!(c.rotary_dim, want, "factor {f}");
+    }
+    // LongRoPE lists of the whole head's pairs for a partial rotation: one per rotated pair.
+    let mut j = base.clone();
+    j["partial_rotary_factor"] = json!(0.75);
+    let whole_head = vec![1.0f32; 8];
+    j["rope_scaling"] =
+        json!({"type": "longrope", "short_factor": whole_head, "long_factor": whole_head});
     std::fs::write(dir.join("config.json"), j.to_string()).unwrap();
-    let c = Checkpoint::open(&dir).unwrap().config().clone();
-    assert_eq!((c.head_dim, c.rope_scaling), (w.config.head_dim, None));
+    let e = Checkpoint::open(&dir).err().unwrap().to_string();
+    let want = "short_factor: 8 values for 12 rotated dimensions of head_dim 16 (needs 6)";
+    assert!(e.contains(want), "{e}");
 }
 
 /// llama.cpp's phi3 tensors of `w`: fused `attn_qkv` and `ffn_up` (gate rows first), no
@@ -369,13 +394,18 @@ fn assert_longrope_config(got: &ModelConfig, want: &ModelConfig) {
 }
 
 /// The reference's tables against the rotation written from Transformers' formula:
-/// `theta^(-2i/d) / factor_i` radians a position, cos and sin times the magnitude.
-fn check_tables(c: &ModelConfig, r: &Regime, positions: usize) {
-    let (short, long) = longrope_lists();
+/// `theta^(-2i/d) / factor_i` radians a position (`d` the rotated width), cos and sin times
+/// the magnitude; `lists`: the short and long factors.
+fn check_tables(c: &ModelConfig, r: &Regime, positions: usize, lists: (Vec<f32>, Vec<f32>)) {
+    let (short, long) = lists;
     let list = if positions > r.original { long } else { short };
     let (cos, sin) = rope_tables(c, positions);
+    assert_eq!(cos.len(), positions * list.len(), "a pair per factor");
     let m = magnitude(r);
-    let d = c.head_dim as f64;
+    let d = match c.rotary_dim {
+        Some(rot) => rot as f64,
+        None => c.head_dim as f64,
+    };
     for pos in 0..positions {
         for (i, by) in list.iter().enumerate() {
             let f = (c.rope_theta as f64).powf(-2.0 * i as f64 / d) / *by as f64;
@@ -464,7 +494,7 @@ fn longrope_folders_run_on_every_engine_in_both_regimes() {
         ckpt.limit_context(r.served).unwrap();
         assert_longrope_config(ckpt.config(), &w.config);
         let loaded = ckpt.weights(false).unwrap();
-        check_tables(&loaded.config, r, r.served);
+        check_tables(&loaded.config, r, r.served, longrope_lists());
         check_all(&format!("longrope {}", r.name), &loaded);
         wrong_variants_fail(&loaded, r);
     }
@@ -518,9 +548,185 @@ fn gguf_rope_factor_tensors_load_as_longrope() {
     }
     let mut g = Checkpoint::open(&write_gguf(&dir, "m", &t, &spec(true))).unwrap();
     let loaded = g.weights(false).unwrap();
-    check_tables(&loaded.config, r, r.served);
+    check_tables(&loaded.config, r, r.served, longrope_lists());
     check_all("gguf longrope", &loaded);
     // Served within the original context, the same file rotates by the short list.
     g.limit_context(r.original).unwrap();
-    check_tables(g.config(), r, r.original);
+    check_tables(g.config(), r, r.original, longrope_lists());
+}
+
+/// LongRoPE divisors for the 12 rotated pairs of a partially rotated 32-wide head.
+fn partial_lists() -> (Vec<f32>, Vec<f32>) {
+    let short = (0..12).map(|i| 1.0 + 0.25 * i as f32).collect();
+    let long = (0..12).map(|i| 1.0 + 0.5 * (i * i) as f32).collect();
+    (short, long)
+}
+
+/// Phi-4-mini's shape, smaller: 4 heads of 32 over 128 (2 KV heads), the first 24 values of
+/// each head rotated (`partial_rotary_factor` 0.75), LongRoPE over those 12 pairs in the long
+/// regime (64 served past an original 16).
+fn partial_weights(seed: u64) -> ModelWeights {
+    let r = &REGIMES[0];
+    let (short_factor, long_factor) = partial_lists();
+    let config = ModelConfig {
+        max_seq: r.served,
+        hidden: 128,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        ffn: 192,
+        rotary_dim: Some(24),
+        rope_scaling: Some(RopeScaling::LongRope(LongRopeScaling {
+            short_factor,
+            long_factor,
+            original_context: r.original,
+            attention_factor: magnitude(r) as f32,
+        })),
+        ..ModelConfig::preset("tiny-llama").unwrap()
+    };
+    ModelWeights::synthetic(&config, seed)
+}
+
+/// A Phi-4-mini-style folder of `w`: the factor at the top level beside `rope_scaling`, or
+/// (`in_params`) inside Transformers 5's `rope_parameters`, whose own value wins over the
+/// top level's 1.
+fn partial_folder(w: &ModelWeights, in_params: bool) -> hf_support::Scratch {
+    let r = &REGIMES[0];
+    let dir = hf_support::scratch(&format!("phi3-partial-{in_params}"));
+    let (short, long) = partial_lists();
+    let mut json = phi3_config_json(w);
+    json["max_position_embeddings"] = json!(r.max_pos);
+    json["original_max_position_embeddings"] = json!(r.original);
+    if in_params {
+        json["rope_parameters"] = json!({"rope_type": "longrope", "rope_theta": 10_000.0,
+            "partial_rotary_factor": 0.75, "short_factor": short, "long_factor": long});
+    } else {
+        json["partial_rotary_factor"] = json!(0.75);
+        json["rope_scaling"] =
+            json!({"type": "longrope", "short_factor": short, "long_factor": long});
+    }
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    write_safetensors(
+        &dir.join("model.safetensors"),
+        &phi3_hf_tensors(w, false),
+        Store::F32,
+    );
+    dir
+}
+
+/// A change to a partially rotated model's config.
+type ConfigEdit = fn(&mut ModelConfig);
+
+/// The short and long LongRoPE lists of `c`.
+fn lists(c: &mut ModelConfig) -> [&mut Vec<f32>; 2] {
+    match &mut c.rope_scaling {
+        Some(RopeScaling::LongRope(s)) => [&mut s.short_factor, &mut s.long_factor],
+        _ => panic!("not LongRoPE"),
+    }
+}
+
+/// The device running each wrong rotation of `w` lands far from the reference on `w`: whole
+/// heads turned (the lists extended by ones), and the right 24 values turned at frequencies
+/// spread over the whole head (`theta^(-2i/32)`, the lists' divisors adjusted to give them).
+fn partial_variants_fail(w: &ModelWeights) {
+    let prompts = common::prompts(2, 12, w.config.vocab, 9);
+    let right = CpuReference::new(w).prefill(&prompts).unwrap().concat();
+    let gpu = common::gpus(1).remove(0);
+    let variants: [(&str, ConfigEdit); 2] = [
+        ("whole heads", |c| {
+            c.rotary_dim = None;
+            for l in lists(c) {
+                l.resize(16, 1.0);
+            }
+        }),
+        ("frequencies over the whole head", |c| {
+            let theta = c.rope_theta as f64;
+            for l in lists(c) {
+                for (i, by) in l.iter_mut().enumerate() {
+                    let i = i as f64;
+                    *by *= theta.powf(-2.0 * i / 24.0 + 2.0 * i / 32.0) as f32;
+                }
+            }
+        }),
+    ];
+    for (what, edit) in variants {
+        let mut v = w.clone();
+        edit(&mut v.config);
+        v.config.validate().unwrap();
+        let got = SingleEngine::new(gpu.clone(), &v, DType::F32)
+            .unwrap()
+            .prefill(&prompts)
+            .unwrap();
+        let err = got.relative_error(&right);
+        assert!(err > 100.0 * BAR, "{what}: moved the logits by {err:.2e}");
+    }
+}
+
+#[test]
+fn partial_rotary_folders_run_on_every_engine() {
+    let r = &REGIMES[0];
+    let w = partial_weights(80);
+    for in_params in [false, true] {
+        let ckpt = Checkpoint::open(&partial_folder(&w, in_params)).unwrap();
+        assert_eq!(ckpt.config().rotary_dim, Some(24), "in_params {in_params}");
+        assert_longrope_config(ckpt.config(), &w.config);
+    }
+    let loaded = Checkpoint::open(&partial_folder(&w, false))
+        .unwrap()
+        .weights(false)
+        .unwrap();
+    check_tables(&loaded.config, r, r.served, partial_lists());
+    check_all("partial rotary", &loaded);
+    // Tensor parallel 2 inside each of 2 pipeline stages: the same kernels, each shard's heads.
+    let gpus = common::gpus(4);
+    let mut hybrid = PipelineEngine::hybrid(
+        &gpus,
+        &loaded,
+        DType::F32,
+        2,
+        &Partition::Even,
+        2,
+        CommConfig::default(),
+    )
+    .unwrap();
+    check_engine("partial rotary hybrid 2 x 2", &mut hybrid, &loaded);
+    partial_variants_fail(&loaded);
+}
+
+#[test]
+fn a_gguf_rotating_part_of_each_head_loads_and_runs() {
+    let r = &REGIMES[0];
+    let w = partial_weights(81);
+    let dir = hf_support::scratch("phi3-partial-gguf");
+    let (short, long) = partial_lists();
+    let mut t = phi3_gguf_tensors(&w);
+    t.push(tensor("rope_factors_short.weight".into(), vec![12], &short));
+    t.push(tensor("rope_factors_long.weight".into(), vec![12], &long));
+    let spec = |rotated: usize| {
+        let mut meta = longrope_meta(&w, r, true);
+        meta.push(json!(["phi3.rope.dimension_count", "u32", rotated]));
+        GgufSpec {
+            arch: "phi3",
+            matrices: QuantType::F32,
+            meta,
+        }
+    };
+    let g = Checkpoint::open(&write_gguf(&dir, "m", &t, &spec(24))).unwrap();
+    assert_eq!(g.config().rotary_dim, Some(24));
+    assert_longrope_config(g.config(), &w.config);
+    let loaded = g.weights(false).unwrap();
+    check_tables(&loaded.config, r, r.served, partial_lists());
+    check_all("gguf partial rotary", &loaded);
+    // An odd count, one beyond the head, and the factor lists of the whole head's pairs.
+    for (rotated, want) in [
+        (23, "is 23: RoPE needs an even count of at most head_dim 32"),
+        (34, "is 34: RoPE needs an even count"),
+        (16, "tensor 'rope_factors_short.weight' has shape [12]"),
+    ] {
+        let e = Checkpoint::open(&write_gguf(&dir, "bad", &t, &spec(rotated)))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains(want), "{rotated}: {e}");
+    }
 }

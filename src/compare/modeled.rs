@@ -2,11 +2,14 @@
 //! engine would record for its steps, built from the model's shapes, the shard specs,
 //! partitions and schedules of the real engines, and the engine's formats (weights, KV cache,
 //! attention tiling), with nominal times in schedule order that the projection replaces.
-//! Figures from these are labelled "modeled" wherever they appear.
+//! Figures from these are labelled "modeled" wherever they appear. A sliding-window layer
+//! (Gemma 3) is charged the keys its window holds, and the elementwise passes a model adds to
+//! the Llama block (output norms, embedding scale, final soft-cap) as the block's own
+//! elementwise kernels are: a launch and a read and write of the rows each.
 
 use crate::error::{Result, WgparError};
 use crate::model::{Arch, ModelConfig, ShardSpec, Step};
-use crate::parallel::cost::BlockCost;
+use crate::parallel::cost::{keys_attended, BlockCost};
 use crate::parallel::{partition, split_groups, Partition, PartitionSpec, Strategy};
 use crate::sim::{Engine, NumFormat};
 use crate::trace::{CollectiveOp, HeadWork, KernelFamily, SpanAttrs, SpanId, Timeline};
@@ -43,13 +46,25 @@ fn b(x: f64) -> u64 {
     x.round() as u64
 }
 
-/// Attention projections of a layer half on a shard: norm, Q/K/V, RoPE, output projection,
-/// bias and residual.
+/// Bytes and launches of an elementwise pass over `rows` rows of `width`, read and written in
+/// place, when `on`.
+fn pass(on: bool, rows: usize, width: usize, f: &Formats) -> (f64, u32) {
+    match on {
+        true => (2.0 * (rows * width) as f64 * f.activation, 1),
+        false => (0.0, 0),
+    }
+}
+
+/// Attention projections of layer `layer`'s first half on a shard: norm, Q/K/V, RoPE, output
+/// projection, bias, output norm (Gemma 3) and residual. Layer 0's also carries the embedding
+/// scale (Gemma 3): the lookup itself is no modeled span, and the scale is the first pass over
+/// its rows on the device that holds the layer.
 pub fn attention_projections(
     config: &ModelConfig,
     shard: &ShardSpec,
     step: &Step,
     f: &Formats,
+    layer: usize,
 ) -> BlockCost {
     let t = step.tokens() as f64;
     let h = config.hidden as f64;
@@ -62,35 +77,50 @@ pub fn attention_projections(
     let rope = if config.arch == Arch::Llama { 2 } else { 0 };
     let qk_norms = if config.qk_norm { 2 } else { 0 };
     let bias = u32::from(config.arch != Arch::Llama);
+    let tokens = step.tokens();
+    let (norm_bytes, norm) = pass(config.sandwich_norms, tokens, config.hidden, f);
+    let scaled = layer == 0 && config.embed_scale.is_some();
+    let (scale_bytes, scale) = pass(scaled, tokens, config.hidden, f);
     BlockCost {
         flops: b(flops),
-        bytes: b(weights + acts),
-        // norm, Q, K, V, (2 Q/K head norms), (2 RoPE), output projection, (bias), residual.
-        kernels: 6 + qk_norms + rope + bias,
+        bytes: b(weights + acts + norm_bytes + scale_bytes),
+        // (embedding scale), norm, Q, K, V, (2 Q/K head norms), (2 RoPE), output projection,
+        // (bias), (output norm), residual.
+        kernels: 6 + qk_norms + rope + bias + norm + scale,
     }
 }
 
-/// Attention over the KV cache of a layer on a shard: the cache append and the score and
-/// value products. A pass reads every cached key and value up to the last query of its block
-/// of `query_block` tokens, so a per-token kernel reads the context once per token and a flash
-/// kernel once per tile.
+/// Attention over the KV cache of layer `layer` on a shard: the cache append and the score and
+/// value products. A pass reads the cached keys and values its block of `query_block` tokens
+/// attends, from the first query's earliest key to the last query, so a per-token kernel reads
+/// each query's keys and a flash kernel each tile's; a sliding-window layer's queries attend
+/// at most its window.
 pub fn attention_core(
     config: &ModelConfig,
     shard: &ShardSpec,
     step: &Step,
     f: &Formats,
+    layer: usize,
 ) -> BlockCost {
     let d = config.head_dim as f64;
     let q = shard.local_heads() as f64 * d;
     let kv = shard.local_kv_heads() as f64 * d;
-    let (seq, past) = (step.seq as f64, step.past as f64);
+    let seq = step.seq as f64;
+    let window = config.layer_window(layer);
     // Keys attended, summed over the step's query positions, per sequence.
-    let ctx = seq * past + seq * (seq + 1.0) / 2.0;
-    // Keys read, summed over the passes of one sequence.
+    let ctx = keys_attended(step.past, step.seq, window) as f64;
+    // Keys read, summed over the passes of one sequence: a pass over positions first..=last
+    // reads keys from first + 1 - window (or 0) to last.
     let qb = f.query_block.max(1);
     let passes = step.seq.div_ceil(qb);
     let read: f64 = (0..passes)
-        .map(|j| past + (((j + 1) * qb).min(step.seq)) as f64)
+        .map(|j| {
+            let (first, last) = (
+                step.past + j * qb,
+                step.past + ((j + 1) * qb).min(step.seq) - 1,
+            );
+            window.map_or(last + 1, |w| (last + 1).min(last - first + w)) as f64
+        })
         .sum();
     let batch = step.batch as f64;
     let flops = 4.0 * batch * ctx * q;
@@ -104,30 +134,34 @@ pub fn attention_core(
     }
 }
 
-/// MLP half of a layer on a shard: norm, up (and gate), activation, down, bias, residual.
+/// MLP half of a layer on a shard: norm, up (and gate), activation, down, bias, output norm
+/// (Gemma 3), residual.
 pub fn mlp(config: &ModelConfig, shard: &ShardSpec, step: &Step, f: &Formats) -> BlockCost {
     let t = step.tokens() as f64;
     let h = config.hidden as f64;
     let ffn = shard.local_ffn() as f64;
     let mats = if config.arch == Arch::Llama { 3.0 } else { 2.0 };
+    let (norm_bytes, norm) = pass(config.sandwich_norms, step.tokens(), config.hidden, f);
     BlockCost {
         flops: b(2.0 * t * h * ffn * mats),
-        bytes: b(mats * h * ffn * f.weight + t * (3.0 * h + 3.0 * ffn) * f.activation),
-        kernels: 3 + mats as u32 + u32::from(config.arch != Arch::Llama),
+        bytes: b(mats * h * ffn * f.weight + t * (3.0 * h + 3.0 * ffn) * f.activation + norm_bytes),
+        kernels: 3 + mats as u32 + u32::from(config.arch != Arch::Llama) + norm,
     }
 }
 
 /// Name of the modeled span of the final norm and LM head.
 const HEAD: &str = "head";
 
-/// Final norm and LM head over each sequence's last token.
+/// Final norm and LM head over each sequence's last token, and the final soft-cap of the
+/// logits where the model has one.
 pub fn head(config: &ModelConfig, batch: usize, f: &Formats) -> BlockCost {
     let (bt, h, v) = (batch as f64, config.hidden as f64, config.vocab as f64);
+    let (cap_bytes, cap) = pass(config.final_softcap.is_some(), batch, config.vocab, f);
     BlockCost {
         flops: b(2.0 * bt * h * v),
-        bytes: b(v * h * f.weight + bt * (2.0 * h + v) * f.activation),
-        // last-row copies, norm, LM head.
-        kernels: 2 + batch as u32,
+        bytes: b(v * h * f.weight + bt * (2.0 * h + v) * f.activation + cap_bytes),
+        // last-row copies, norm, LM head, (soft-cap).
+        kernels: 2 + batch as u32 + cap,
     }
 }
 
@@ -280,14 +314,14 @@ impl Group<'_> {
         let at = (Some(layer), self.mb);
         match half {
             Half::Attention => {
-                let projections = attention_projections(config, shard, step, f);
+                let projections = attention_projections(config, shard, step, f, layer);
                 let p = b.compute(
                     dev,
                     kernel("attention.projections", projections, KernelFamily::Matmul),
                     prev,
                     at,
                 );
-                let core = attention_core(config, shard, step, f);
+                let core = attention_core(config, shard, step, f, layer);
                 b.compute(
                     dev,
                     kernel("attention", core, KernelFamily::Attention),
@@ -538,7 +572,7 @@ mod tests {
         let single = cost::total(
             &c,
             &ShardSpec::full(&c),
-            c.layers,
+            0..c.layers,
             &step,
             DType::F16,
             false,
@@ -575,7 +609,7 @@ mod tests {
             seq: 256,
             past: 0,
         };
-        let per_token = attention_core(&c, &shard, &step, &wgpar_f16());
+        let per_token = attention_core(&c, &shard, &step, &wgpar_f16(), 0);
         let tiled = attention_core(
             &c,
             &shard,
@@ -584,6 +618,7 @@ mod tests {
                 query_block: 128,
                 ..wgpar_f16()
             },
+            0,
         );
         assert_eq!(per_token.flops, tiled.flops);
         // Per token: sum over 256 positions of (i + 1) keys; tiled: 128 + 256 keys.
@@ -592,6 +627,91 @@ mod tests {
         let acts = (256.0 * 2.0 * (c.heads * c.head_dim) as f64 * 4.0) as u64;
         assert_eq!(per_token.bytes, cache(256.0 * 257.0 / 2.0) + acts);
         assert_eq!(tiled.bytes, cache(384.0) + acts);
+    }
+
+    /// Gemma 3 1B (window 512): a sliding layer's queries attend and read at most the window,
+    /// per token and per 128-token tile; a global layer the whole context.
+    #[test]
+    fn sliding_layers_attend_and_read_their_window() {
+        let c = ModelConfig::gemma3_1b();
+        let shard = ShardSpec::full(&c);
+        let step = Step {
+            batch: 1,
+            seq: 1536,
+            past: 0,
+        };
+        let tiled = Formats {
+            query_block: 128,
+            ..wgpar_f16()
+        };
+        let (q, kv) = (
+            (c.heads * c.head_dim) as f64,
+            (c.kv_heads * c.head_dim) as f64,
+        );
+        let cache = |read: f64| (2.0 * kv * 4.0 * (read + 1536.0)) as u64;
+        let acts = (1536.0 * 2.0 * q * 4.0) as u64;
+        // Layer 0 slides, layer 5 is global.
+        let (sliding, global) = (
+            attention_core(&c, &shard, &step, &tiled, 0),
+            attention_core(&c, &shard, &step, &tiled, 5),
+        );
+        let window_keys = 512.0 * 513.0 / 2.0 + 1024.0 * 512.0;
+        assert_eq!(sliding.flops, (4.0 * window_keys * q) as u64);
+        assert_eq!(global.flops, (4.0 * 1536.0 * 1537.0 / 2.0 * q) as u64);
+        // Tiles end at 128, 256, 384, 512 keys, then each of the other 8 reads its 128
+        // queries' windows: 127 + 512 keys.
+        assert_eq!(sliding.bytes, cache(1280.0 + 8.0 * 639.0) + acts);
+        let global_read: f64 = (1..=12).map(|j| 128.0 * j as f64).sum();
+        assert_eq!(global.bytes, cache(global_read) + acts);
+        let per_token = attention_core(&c, &shard, &step, &wgpar_f16(), 0);
+        assert_eq!(per_token.bytes, cache(window_keys) + acts);
+    }
+
+    /// The modeled Gemma 3 timeline's work adds up to the engines' own accounting, windows,
+    /// output norms, embedding scale and soft-cap included.
+    #[test]
+    fn a_gemma3_timeline_adds_up_to_the_engines_accounting() {
+        let c = ModelConfig {
+            final_softcap: Some(30.0),
+            ..ModelConfig::gemma3_1b()
+        };
+        let step = Step {
+            batch: 2,
+            seq: 1024,
+            past: 0,
+        };
+        // Two pipeline stages: each charges its own layers' windows (Gemma 3 1B's single KV
+        // head would be replicated by a tensor split, which the engines' sum does not count).
+        let strategy = Strategy::Pipeline {
+            partition: PartitionSpec::Even,
+            micro_batches: 1,
+            schedule: crate::parallel::Schedule::InFlight,
+        };
+        let tl = modeled_timeline(&strategy, 2, &c, &wgpar_f16(), step, 1).unwrap();
+        let flops: u64 = tl.spans.iter().map(|s| s.flops).sum();
+        let whole = cost::total(
+            &c,
+            &ShardSpec::full(&c),
+            0..c.layers,
+            &step,
+            DType::F16,
+            false,
+            true,
+        );
+        let rel = (flops as f64 - whole.flops as f64).abs() / whole.flops as f64;
+        assert!(rel < 1e-9, "{flops} vs {}", whole.flops);
+        // Per rank: 26 layers of two output norms, the embedding scale, and the soft-cap.
+        let kernels = |c: &ModelConfig| -> u32 {
+            let tl = modeled_timeline(&Strategy::Single, 1, c, &wgpar_f16(), step, 1).unwrap();
+            tl.spans.iter().map(|s| s.kernels).sum()
+        };
+        let plain = ModelConfig {
+            sandwich_norms: false,
+            embed_scale: None,
+            final_softcap: None,
+            ..c.clone()
+        };
+        assert_eq!(kernels(&c) - kernels(&plain), 2 * 26 + 1 + 1);
     }
 
     #[test]

@@ -1354,10 +1354,12 @@ struct RopeParams {
     positions: u32,
     n_heads: u32,
     head_dim: u32,
-    _pad: [u32; 3],
+    rot_dim: u32,
+    _pad: [u32; 2],
 }
 
-/// Host-built rotary tables `cos`, `sin` (`[positions][head_dim / 2]` each).
+/// Host-built rotary tables `cos`, `sin` (`[positions][rot_dim / 2]` each, `rot_dim` the
+/// rotated values of a head).
 #[derive(Debug, Clone, Copy)]
 pub struct RopeTables<'a> {
     /// Cosines.
@@ -1368,26 +1370,38 @@ pub struct RopeTables<'a> {
     pub positions: usize,
 }
 
+/// The heads RoPE turns: `n_heads` of `head_dim` values, of which the first `rot_dim` rotate
+/// (`head_dim` for the whole head; less under a partial rotary factor).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RopeHeads {
+    /// Heads per token.
+    pub n_heads: usize,
+    /// Values per head.
+    pub head_dim: usize,
+    /// Rotated values per head, the first ones (even, at most `head_dim`).
+    pub rot_dim: usize,
+}
+
 /// A bound rotary embedding, in place on `x` (`[batch * seq][n_heads * head_dim]`).
 pub struct Rope {
     op: Bound,
     batch: usize,
     tokens: usize,
-    heads: (usize, usize),
+    heads: RopeHeads,
     positions: usize,
 }
 bound_op!(Rope);
 
 impl Rope {
-    /// Binds RoPE on `x` for up to `batch` rows and `tokens` tokens of `(n_heads, head_dim)`;
-    /// row `b`'s token `i` is rotated by position `past + i`, `past` from the sequence table
-    /// `seqs` (`[batch][2]`, validated on the host against the tables).
+    /// Binds RoPE on `x` for up to `batch` rows and `tokens` tokens of `heads`; row `b`'s
+    /// token `i` is rotated by position `past + i`, `past` from the sequence table `seqs`
+    /// (`[batch][2]`, validated on the host against the tables).
     pub fn bind(
         gpu: &Gpu,
         params: &mut Params,
         (x, tables, seqs): (&Tensor, RopeTables<'_>, &Tensor),
         (batch, tokens): (usize, usize),
-        (n_heads, head_dim): (usize, usize),
+        heads: RopeHeads,
     ) -> Result<Self> {
         const OP: &str = "rope";
         let bad = |detail: String| {
@@ -1396,15 +1410,23 @@ impl Rope {
                 detail,
             })
         };
-        if !head_dim.is_multiple_of(2) {
-            return bad(format!("head_dim {head_dim} must be even"));
+        let RopeHeads {
+            n_heads,
+            head_dim,
+            rot_dim,
+        } = heads;
+        if rot_dim == 0 || !rot_dim.is_multiple_of(2) || rot_dim > head_dim {
+            return bad(format!(
+                "{rot_dim} rotated values of heads of {head_dim}: must be even, positive and at \
+                 most the head"
+            ));
         }
         if tables.positions == 0 {
             return bad("rotary tables cover no positions".into());
         }
         need(OP, "x", x, tokens * n_heads * head_dim, Some(DType::F32))?;
         need(OP, "seqs", seqs, 2 * batch, Some(DType::U32))?;
-        let table = tables.positions * head_dim / 2;
+        let table = tables.positions * rot_dim / 2;
         need(OP, "cos", tables.cos, table, Some(DType::F32))?;
         need(OP, "sin", tables.sin, table, Some(DType::F32))?;
         let buffers = [
@@ -1417,7 +1439,7 @@ impl Rope {
             op: Bound::new(gpu, params, Family::Rope, OP, &buffers)?,
             batch,
             tokens,
-            heads: (n_heads, head_dim),
+            heads,
             positions: tables.positions,
         })
     }
@@ -1432,21 +1454,23 @@ impl Rope {
         const OP: &str = "rope";
         over(OP, "sequences", batch, self.batch)?;
         over(OP, "tokens", batch * seq, self.tokens)?;
-        let (n_heads, head_dim) = self.heads;
+        let h = self.heads;
         let tokens = batch * seq;
         let values = RopeParams {
             tokens: to_u32(OP, "tokens", tokens)?,
             seq: to_u32(OP, "seq", seq)?,
             positions: to_u32(OP, "positions", self.positions)?,
-            n_heads: to_u32(OP, "n_heads", n_heads)?,
-            head_dim: to_u32(OP, "head_dim", head_dim)?,
-            _pad: [0; 3],
+            n_heads: to_u32(OP, "n_heads", h.n_heads)?,
+            head_dim: to_u32(OP, "head_dim", h.head_dim)?,
+            rot_dim: to_u32(OP, "rot_dim", h.rot_dim)?,
+            _pad: [0; 2],
         };
+        // One invocation per rotated pair; the values past rot_dim are not touched.
         let dispatch = Dispatch::new(
             gpu,
             (Family::Rope, "rope"),
             WeightType::F32,
-            grid_1d(OP, tokens * n_heads * head_dim / 2, 256)?,
+            grid_1d(OP, tokens * h.n_heads * h.rot_dim / 2, 256)?,
         );
         self.op.set(params, &values, dispatch);
         Ok(())
@@ -1461,7 +1485,7 @@ pub fn rope(
     encoder: &mut wgpu::CommandEncoder,
     io: (&Tensor, RopeTables<'_>, &Tensor),
     (batch, seq): (usize, usize),
-    heads: (usize, usize),
+    heads: RopeHeads,
 ) -> Result<()> {
     once(gpu, encoder, "rope", |params| {
         let mut op = Rope::bind(gpu, params, io, (batch, batch * seq), heads)?;

@@ -96,7 +96,12 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     /// RoPE frequency scaling for contexts past the trained one (linear, Llama 3, YaRN), if any.
     pub rope_scaling: Option<RopeScaling>,
-    /// Per-pair RoPE frequency divisors (`head_dim / 2` values, GGUF `rope_freqs.weight` of
+    /// Dimensions of each head RoPE rotates, the first ones (Phi-4-mini's
+    /// `partial_rotary_factor` 0.75, GGUF `rope.dimension_count`); the rest pass through.
+    /// `None`: the whole head. Even and at most `head_dim` when set.
+    #[serde(default)]
+    pub rotary_dim: Option<usize>,
+    /// Per-pair RoPE frequency divisors (`rope_dim() / 2` values, GGUF `rope_freqs.weight` of
     /// Llama 3.1 / 3.2 files), if the checkpoint carries them.
     #[serde(default)]
     pub rope_freq_factors: Option<Vec<f32>>,
@@ -163,6 +168,7 @@ impl ModelConfig {
             norm_eps: 1e-5,
             rope_theta: 10_000.0,
             rope_scaling: None,
+            rotary_dim: None,
             rope_freq_factors: None,
             tied_head: false,
             qk_norm: false,
@@ -448,16 +454,36 @@ impl ModelConfig {
         if self.head_dim == 0 || self.head_dim > 256 {
             return Some(format!("head_dim {} outside 1..=256", self.head_dim));
         }
-        if self.arch == Arch::Llama && !self.head_dim.is_multiple_of(2) {
-            return Some(format!(
-                "RoPE needs an even head_dim, got {}",
-                self.head_dim
-            ));
+        if self.arch == Arch::Llama {
+            if let Some(m) = self.rotary_problem() {
+                return Some(m);
+            }
         }
         if self.max_seq == 0 {
             return Some("max_seq must be positive".into());
         }
         None
+    }
+
+    /// What is wrong with the rotated part of each head (RoPE turns pairs `i`, `i + rot / 2`).
+    fn rotary_problem(&self) -> Option<String> {
+        match self.rotary_dim {
+            None if !self.head_dim.is_multiple_of(2) => Some(format!(
+                "RoPE needs an even head_dim, got {}",
+                self.head_dim
+            )),
+            Some(r) if r == 0 || r > self.head_dim || !r.is_multiple_of(2) => Some(format!(
+                "RoPE over {r} dimensions of heads of {}: must be even, positive and at most \
+                 the head",
+                self.head_dim
+            )),
+            _ => None,
+        }
+    }
+
+    /// Dimensions of each head RoPE rotates: `rotary_dim`, else the whole head.
+    pub fn rope_dim(&self) -> usize {
+        self.rotary_dim.unwrap_or(self.head_dim)
     }
 
     /// What is wrong with the norm epsilon and the RoPE parameters, if anything.
@@ -657,44 +683,21 @@ impl ModelConfig {
         attn + mlp + 4 * h + qk_norms + out_norms
     }
 
-    /// What the cost models (`plan`'s projection, the engines' span accounting) leave out of
-    /// this model, which they charge as a plain Llama block: `None` when nothing. Gemma 3's
-    /// sliding layers are charged attention over the whole context, and its extra norms,
-    /// embedding scale and soft-cap (a few elementwise passes each) are not charged.
+    /// Where `plan`'s figures for this model count what wgpar holds today rather than what the
+    /// model needs: `None` when nowhere. The cost models (`plan`'s projection, the engines' span
+    /// accounting) charge Gemma 3's sliding-window layers the keys of their window and its
+    /// extra elementwise passes; the memory columns count a sliding layer's KV cache over the
+    /// whole context, as wgpar allocates it until a window-only (ring-buffer) cache exists.
     pub fn cost_model_gaps(&self) -> Option<String> {
-        let mut gaps = Vec::new();
-        if let Some(s) = &self.sliding {
-            let n = s.layers.iter().filter(|&&on| on).count();
-            gaps.push(format!(
-                "its {n} sliding-window layers are charged attention over the whole context \
-                 (they attend at most {} keys)",
-                s.window
-            ));
-        }
-        let mut passes = Vec::new();
-        if self.sandwich_norms {
-            passes.push("the post-attention and post-MLP norms");
-        }
-        if self.embed_scale.is_some() {
-            passes.push("the embedding scale");
-        }
-        if self.final_softcap.is_some() {
-            passes.push("the final soft-cap");
-        }
-        if let Some((last, rest)) = passes.split_last() {
-            let list = if rest.is_empty() {
-                last.to_string()
-            } else {
-                format!("{} and {last}", rest.join(", "))
-            };
-            gaps.push(format!("{list} are not charged"));
-        }
-        (!gaps.is_empty()).then(|| {
+        let s = self.sliding.as_ref()?;
+        let n = s.layers.iter().filter(|&&on| on).count();
+        (n > 0).then(|| {
             format!(
-                "The cost model charges {} as a Llama block with the same shapes (GeGLU as \
-                 SwiGLU): {}.",
-                self.name,
-                gaps.join("; ")
+                "{}: the time model charges its {n} sliding-window layers attention over at \
+                 most {} keys a query, but the memory columns count their KV cache over the \
+                 whole context, as wgpar holds it today (the window is a mask over that cache, \
+                 not a ring buffer yet).",
+                self.name, s.window
             )
         })
     }
@@ -742,7 +745,7 @@ mod tests {
     }
 
     #[test]
-    fn cost_model_gaps_name_gemma_features_only() {
+    fn cost_model_gaps_name_only_the_sliding_layers_kv_memory() {
         assert_eq!(
             ModelConfig::preset("tiny-llama").unwrap().cost_model_gaps(),
             None
@@ -752,20 +755,36 @@ mod tests {
         // Gemma 3 1B: 26 layers, every sixth global, a window of 512.
         assert!(gaps.contains("its 22 sliding-window layers"), "{gaps}");
         assert!(gaps.contains("at most 512 keys"), "{gaps}");
-        assert!(
-            gaps.contains("the post-attention and post-MLP norms and the embedding scale are not"),
-            "{gaps}"
-        );
+        assert!(gaps.contains("KV cache over the whole context"), "{gaps}");
+        // Norms, the embedding scale and a soft-cap are charged: no gap without sliding layers.
         let capped = ModelConfig {
             final_softcap: Some(30.0),
             sliding: None,
             ..g
         };
-        let gaps = capped.cost_model_gaps().unwrap();
-        assert!(
-            gaps.contains("final soft-cap") && !gaps.contains("sliding"),
-            "{gaps}"
-        );
+        assert_eq!(capped.cost_model_gaps(), None);
+    }
+
+    #[test]
+    fn partial_rotary_must_be_even_and_within_the_head() {
+        let base = ModelConfig::preset("tiny-llama").unwrap();
+        let with = |r: usize| ModelConfig {
+            rotary_dim: Some(r),
+            ..base.clone()
+        };
+        assert_eq!(with(12).rope_dim(), 12);
+        assert_eq!(base.rope_dim(), 16);
+        with(12).validate().unwrap();
+        for bad in [0, 7, 18] {
+            let e = with(bad).validate().unwrap_err().to_string();
+            assert!(e.contains(&format!("RoPE over {bad} dimensions")), "{e}");
+        }
+        // An odd head is fine when its rotated part is even.
+        let odd = ModelConfig {
+            head_dim: 15,
+            ..with(12)
+        };
+        odd.validate().unwrap();
     }
 
     #[test]

@@ -390,7 +390,7 @@ pub fn weight_bytes(
                 table(format.blocks.lm_head)
             };
     }
-    let rope_tables = 2 * padded(config.max_seq * config.head_dim / 2, 4);
+    let rope_tables = 2 * padded(config.max_seq * config.rope_dim() / 2, 4);
     if config.arch == Arch::Llama && !placement.layers.is_empty() {
         bytes += rope_tables;
     }

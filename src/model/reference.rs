@@ -170,11 +170,11 @@ pub fn silu(x: f64) -> f64 {
     x / (1.0 + (-x).exp())
 }
 
-/// RoPE tables `[positions][head_dim / 2]` (cos, sin) in f64, each times the magnitude: from
+/// RoPE tables `[positions][rope_dim / 2]` (cos, sin) in f64, each times the magnitude: from
 /// [`frequencies`], as the device tables are.
 pub fn rope_tables(config: &ModelConfig, positions: usize) -> (Vec<f64>, Vec<f64>) {
     let rope = frequencies(config);
-    let half = config.head_dim / 2;
+    let half = config.rope_dim() / 2;
     let mut cos = Vec::with_capacity(positions * half);
     let mut sin = Vec::with_capacity(positions * half);
     for pos in 0..positions {
@@ -187,14 +187,14 @@ pub fn rope_tables(config: &ModelConfig, positions: usize) -> (Vec<f64>, Vec<f64
     (cos, sin)
 }
 
+/// Rotates the first `2 * half` values of each of `heads` heads of `head_dim` at `pos` (pairs
+/// `i`, `i + half`, as Transformers' `rotate_half` over the rotated part); the rest pass.
 fn apply_rope(
     v: &mut [f64],
-    heads: usize,
-    head_dim: usize,
+    (heads, head_dim, half): (usize, usize, usize),
     pos: usize,
     tables: &(Vec<f64>, Vec<f64>),
 ) {
-    let half = head_dim / 2;
     for h in 0..heads {
         let base = h * head_dim;
         for i in 0..half {
@@ -234,8 +234,9 @@ fn project_qkv(
         norm_heads(&mut k, kn, cfg.norm_eps);
     }
     if let Some(tables) = rope {
-        apply_rope(&mut q, cfg.heads, d, pos, tables);
-        apply_rope(&mut k, cfg.kv_heads, d, pos, tables);
+        let half = cfg.rope_dim() / 2;
+        apply_rope(&mut q, (cfg.heads, d, half), pos, tables);
+        apply_rope(&mut k, (cfg.kv_heads, d, half), pos, tables);
     }
     (q, k, v)
 }

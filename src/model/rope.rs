@@ -2,7 +2,10 @@
 //! divisors (GGUF `rope_freqs.weight`, Llama 3.1 / 3.2), and a scaling for contexts past the
 //! one the model was trained on (linear, Llama 3, YaRN, LongRoPE). [`frequencies`] resolves all of them
 //! to one representation, per-pair inverse frequencies and a magnitude on cos and sin, from
-//! which the device tables and the f64 reference are both built.
+//! which the device tables and the f64 reference are both built. A model that rotates only the
+//! first `rotary_dim` values of each head (Phi-4-mini) has `rotary_dim / 2` pairs, and its base
+//! frequencies run over that width (`theta^(-2i/rotary_dim)`), as Transformers and llama.cpp
+//! compute them.
 
 use serde::{Deserialize, Serialize};
 
@@ -109,7 +112,7 @@ pub enum RopeScaling {
 /// The resolved rotation: what the tables are computed from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RopeFrequencies {
-    /// Radians per position of each rotated pair `i < head_dim / 2`.
+    /// Radians per position of each rotated pair `i < rope_dim / 2`.
     pub inv_freq: Vec<f64>,
     /// Factor on cos and sin (YaRN's attention factor, else 1).
     pub magnitude: f64,
@@ -128,9 +131,9 @@ pub fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
 /// The inverse frequencies and magnitude `config` rotates by: the base frequencies, divided by
 /// the file's per-pair factors (as llama.cpp applies `rope_freqs`), then scaled.
 pub fn frequencies(config: &ModelConfig) -> RopeFrequencies {
-    let d = config.head_dim as f64;
+    let d = config.rope_dim() as f64;
     let base = config.rope_theta as f64;
-    let inv_freq: Vec<f64> = (0..config.head_dim / 2)
+    let inv_freq: Vec<f64> = (0..config.rope_dim() / 2)
         .map(|i| {
             let f = base.powf(-(2.0 * i as f64) / d);
             config
@@ -184,7 +187,7 @@ pub fn llama3_frequency(inv_freq: f64, s: &Llama3Scaling) -> f64 {
 /// YaRN over `inv_freq` (already divided by any per-pair factors, which llama.cpp applies to
 /// the extrapolated frequency before the blend).
 fn yarn(inv_freq: Vec<f64>, config: &ModelConfig, s: &YarnScaling) -> RopeFrequencies {
-    let d = config.head_dim as f64;
+    let d = config.rope_dim() as f64;
     let log_base = (config.rope_theta as f64).ln();
     let original = s.original_context as f64;
     // The pair index at which a frequency turns `rotations` times over the original context.
@@ -215,13 +218,13 @@ fn yarn(inv_freq: Vec<f64>, config: &ModelConfig, s: &YarnScaling) -> RopeFreque
 /// What is wrong with `config`'s RoPE parameters beyond the base, if anything.
 pub fn problem(config: &ModelConfig) -> Option<String> {
     let positive = |x: f32| x.is_finite() && x > 0.0;
+    let pairs = config.rope_dim() / 2;
     if let Some(ff) = &config.rope_freq_factors {
-        if ff.len() != config.head_dim / 2 {
+        if ff.len() != pairs {
             return Some(format!(
-                "RoPE frequency factors: {} values for head_dim {} (needs {})",
+                "RoPE frequency factors: {} values for {} (needs {pairs})",
                 ff.len(),
-                config.head_dim,
-                config.head_dim / 2
+                rotated(config)
             ));
         }
         if let Some((i, v)) = ff.iter().enumerate().find(|(_, &v)| !positive(v)) {
@@ -241,7 +244,7 @@ pub fn problem(config: &ModelConfig) -> Option<String> {
         }
     }
     if let Some(RopeScaling::LongRope(s)) = &config.rope_scaling {
-        return longrope_problem(s, config.head_dim);
+        return longrope_problem(s, config);
     }
     let ok = match &config.rope_scaling {
         None => true,
@@ -270,17 +273,29 @@ pub fn problem(config: &ModelConfig) -> Option<String> {
     })
 }
 
-/// What is wrong with LongRoPE's lists for heads of `head_dim`, if anything.
-fn longrope_problem(s: &LongRopeScaling, head_dim: usize) -> Option<String> {
+/// The rotated width of `config`'s heads, for messages: "head_dim 16", or "12 rotated
+/// dimensions of head_dim 16".
+fn rotated(config: &ModelConfig) -> String {
+    match config.rotary_dim {
+        Some(r) if r != config.head_dim => {
+            format!("{r} rotated dimensions of head_dim {}", config.head_dim)
+        }
+        _ => format!("head_dim {}", config.head_dim),
+    }
+}
+
+/// What is wrong with LongRoPE's lists for `config`'s rotated pairs, if anything.
+fn longrope_problem(s: &LongRopeScaling, config: &ModelConfig) -> Option<String> {
+    let pairs = config.rope_dim() / 2;
     for (name, list) in [
         ("short_factor", &s.short_factor),
         ("long_factor", &s.long_factor),
     ] {
-        if list.len() != head_dim / 2 {
+        if list.len() != pairs {
             return Some(format!(
-                "LongRoPE {name}: {} values for head_dim {head_dim} (needs {})",
+                "LongRoPE {name}: {} values for {} (needs {pairs})",
                 list.len(),
-                head_dim / 2
+                rotated(config)
             ));
         }
         if let Some((i, v)) = list
@@ -379,6 +394,31 @@ mod tests {
         assert!(problem(&cfg).unwrap().contains("7 values for head_dim 16"));
         cfg.rope_freq_factors = Some(vec![1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]);
         assert!(problem(&cfg).unwrap().contains("factor 1 is 0"));
+    }
+
+    #[test]
+    fn a_partial_rotation_spreads_its_frequencies_over_the_rotated_width() {
+        // 12 of 16 values rotate: 6 pairs at theta^(-2i/12), Transformers' `dim`.
+        let mut cfg = ModelConfig {
+            rotary_dim: Some(12),
+            ..ModelConfig::preset("tiny-llama").unwrap()
+        };
+        let r = frequencies(&cfg);
+        assert_eq!(r.inv_freq.len(), 6);
+        for (i, f) in r.inv_freq.iter().enumerate() {
+            let want = 10_000f64.powf(-(2.0 * i as f64) / 12.0);
+            assert!((f - want).abs() < 1e-18, "pair {i}");
+        }
+        // Per-pair lists have one value per rotated pair.
+        cfg.rope_freq_factors = Some(vec![1.0; 8]);
+        let e = problem(&cfg).unwrap();
+        assert!(
+            e.contains("8 values for 12 rotated dimensions of head_dim 16 (needs 6)"),
+            "{e}"
+        );
+        cfg.rope_freq_factors = Some(vec![2.0; 6]);
+        assert!(problem(&cfg).is_none());
+        assert_eq!(frequencies(&cfg).inv_freq[1], r.inv_freq[1] / 2.0);
     }
 
     #[test]

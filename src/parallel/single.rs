@@ -258,7 +258,7 @@ fn record_forward(recorder: &Recorder, m: &GpuModel, step: &Step, t: SpanTiming<
     let work = cost::total(
         c,
         &m.placement().shard,
-        m.num_layers(),
+        m.placement().layers.clone(),
         step,
         m.weight_dtype(),
         true,

@@ -19,6 +19,13 @@ pub const GGUF_ARCHS: [(&str, Arch); 7] = [
     ("gpt2", Arch::Gpt2),
 ];
 
+/// Whether llama.cpp's converter interleaved the Q and K rows of `arch` files for its pairwise
+/// RoPE (the `llama` family), which the loader puts back; Qwen2, Qwen3, Gemma 3 and Phi-3
+/// rotate halves as Hugging Face does (llama.cpp's NEOX RoPE), so their rows are as stored.
+pub fn permuted_rows(arch: &str) -> bool {
+    !matches!(arch, "qwen2" | "qwen3" | "gemma3" | "phi3")
+}
+
 /// Typed reads of the metadata whose errors name the file and key.
 pub struct Meta<'a> {
     file: &'a GgufFile,
@@ -161,6 +168,11 @@ pub fn model_config(meta: &Meta, file: &GgufFile, name: &str) -> Result<ModelCon
         tied_head: file.tensor("output.weight").is_none(),
         ..ModelConfig::default_model()
     };
+    let rotary = match arch {
+        Arch::Gpt2 => None,
+        _ => rotary_dim(meta, base.head_dim)?,
+    };
+    let pairs = rotary.unwrap_or(base.head_dim) / 2;
     let config = match arch {
         Arch::Gpt2 => ModelConfig {
             norm_eps: meta.arch_f32_or("attention.layer_norm_epsilon", 1e-5)?,
@@ -170,11 +182,12 @@ pub fn model_config(meta: &Meta, file: &GgufFile, name: &str) -> Result<ModelCon
         _ => ModelConfig {
             norm_eps: meta.arch_f32_or("attention.layer_norm_rms_epsilon", 1e-6)?,
             rope_theta: meta.arch_f32_or("rope.freq_base", 10_000.0)?,
-            rope_scaling: match longrope(meta, file, base.max_seq, base.head_dim)? {
+            rope_scaling: match longrope(meta, file, base.max_seq, pairs)? {
                 Some(s) => Some(RopeScaling::LongRope(s)),
                 None => rope_scaling(meta, base.max_seq)?,
             },
-            rope_freq_factors: rope_freq_factors(meta, file, base.head_dim)?,
+            rotary_dim: rotary,
+            rope_freq_factors: rope_freq_factors(meta, file, pairs)?,
             // llama.cpp's qwen3 graph normalises every query and key head (attn_q_norm,
             // attn_k_norm), always.
             qk_norm: meta.arch_name == "qwen3",
@@ -188,7 +201,6 @@ pub fn model_config(meta: &Meta, file: &GgufFile, name: &str) -> Result<ModelCon
         _ => config,
     };
     if arch != Arch::Gpt2 {
-        whole_head_rope(meta, config.head_dim)?;
         same_value_length(meta, config.head_dim)?;
     }
     // The declared blocks must be in the file before anything is sized by their count.
@@ -300,15 +312,32 @@ pub fn eos_tokens(meta: &Meta) -> Result<Vec<u32>> {
     Ok(eos)
 }
 
-/// Refuses `<arch>.rope.dimension_count` other than the head size (partial rotation).
-fn whole_head_rope(meta: &Meta, head_dim: usize) -> Result<()> {
+/// `<arch>.rope.dimension_count`: the first values of each head RoPE rotates (llama.cpp's
+/// `n_rot`), `None` for the whole head. Below the head size it is a partial rotation (Phi-4-mini
+/// rotates 96 of 128), read in the files whose rows rotate halves; in an interleaved file
+/// (the `llama` family) the converter's permutation spans the whole head, and undoing it for a
+/// partial rotation is not done, so it is refused there by name, as is an odd count or one
+/// beyond the head.
+fn rotary_dim(meta: &Meta, head_dim: usize) -> Result<Option<usize>> {
     let key = format!("{}.rope.dimension_count", meta.arch_name);
-    match meta.opt_usize(&key)? {
-        Some(n) if n != head_dim => Err(meta.fail(format!(
-            "key '{key}' is {n}: RoPE over part of a head is not supported (head_dim {head_dim})"
-        ))),
-        _ => Ok(()),
+    let n = match meta.opt_usize(&key)? {
+        None => return Ok(None),
+        Some(n) if n == head_dim => return Ok(None),
+        Some(n) => n,
+    };
+    if n == 0 || n > head_dim || !n.is_multiple_of(2) {
+        return Err(meta.fail(format!(
+            "key '{key}' is {n}: RoPE needs an even count of at most head_dim {head_dim}"
+        )));
     }
+    if permuted_rows(&meta.arch_name) {
+        return Err(meta.fail(format!(
+            "key '{key}' is {n}: RoPE over part of a head is not supported in '{}' files, whose \
+             Q/K rows the converter interleaves over the whole head (head_dim {head_dim})",
+            meta.arch_name
+        )));
+    }
+    Ok(Some(n))
 }
 
 /// Refuses `<arch>.attention.value_length` other than the key length: the KV cache and the
@@ -404,7 +433,7 @@ fn longrope(
     meta: &Meta,
     file: &GgufFile,
     context: usize,
-    head_dim: usize,
+    pairs: usize,
 ) -> Result<Option<LongRopeScaling>> {
     const NAMES: [&str; 2] = ["rope_factors_short.weight", "rope_factors_long.weight"];
     let found: Vec<bool> = NAMES.iter().map(|n| file.tensor(n).is_some()).collect();
@@ -444,33 +473,33 @@ fn longrope(
     let attention_factor = rope_number(meta, "scaling.attn_factor")?
         .unwrap_or_else(|| longrope_magnitude(ratio, original));
     Ok(Some(LongRopeScaling {
-        short_factor: pair_divisors(meta, file, NAMES[0], head_dim)?,
-        long_factor: pair_divisors(meta, file, NAMES[1], head_dim)?,
+        short_factor: pair_divisors(meta, file, NAMES[0], pairs)?,
+        long_factor: pair_divisors(meta, file, NAMES[1], pairs)?,
         original_context: original,
         attention_factor: attention_factor as f32,
     }))
 }
 
-/// `rope_freqs.weight` (Llama 3.1 / 3.2): one divisor per rotated pair of a head, which
-/// llama.cpp applies to every layer's frequencies.
-fn rope_freq_factors(meta: &Meta, file: &GgufFile, head_dim: usize) -> Result<Option<Vec<f32>>> {
+/// `rope_freqs.weight` (Llama 3.1 / 3.2): one divisor per rotated pair of a head (`pairs`),
+/// which llama.cpp applies to every layer's frequencies.
+fn rope_freq_factors(meta: &Meta, file: &GgufFile, pairs: usize) -> Result<Option<Vec<f32>>> {
     const NAME: &str = "rope_freqs.weight";
     if file.tensor(NAME).is_none() {
         return Ok(None);
     }
-    pair_divisors(meta, file, NAME, head_dim).map(Some)
+    pair_divisors(meta, file, NAME, pairs).map(Some)
 }
 
-/// The `head_dim / 2` values of the 1-D tensor `name` (which must exist).
-fn pair_divisors(meta: &Meta, file: &GgufFile, name: &str, head_dim: usize) -> Result<Vec<f32>> {
+/// The `n` values (one per rotated pair) of the 1-D tensor `name` (which must exist).
+fn pair_divisors(meta: &Meta, file: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>> {
     let info = file
         .tensor(name)
         .ok_or_else(|| meta.fail(format!("tensor '{name}' is missing")))?;
-    let n = head_dim / 2;
     let bytes = file.data(info);
     if info.shape() != [n] || info.dtype.row_bytes(n) != Some(bytes.len()) {
         return Err(meta.fail(format!(
-            "tensor '{name}' has shape {:?} ({} bytes of {:?}): expected [{n}] (head_dim / 2)",
+            "tensor '{name}' has shape {:?} ({} bytes of {:?}): expected [{n}] (one per \
+             rotated pair)",
             info.shape(),
             bytes.len(),
             info.dtype

@@ -50,12 +50,7 @@ impl Gguf {
             .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
         let config = config::model_config(&meta, &file, &stem)?;
         let eos = config::eos_tokens(&meta)?;
-        // Qwen2 and Qwen3 rotate halves as Hugging Face does (llama.cpp's NEOX RoPE), so their
-        // converter leaves the rows as they are.
-        let permuted = !matches!(
-            meta.arch_name.as_str(),
-            "qwen2" | "qwen3" | "gemma3" | "phi3"
-        );
+        let permuted = config::permuted_rows(&meta.arch_name);
         Ok(Self {
             file,
             config,

@@ -13,7 +13,8 @@ use super::matrix::{DeviceMatrix, Projection};
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
 use crate::kernels::ops::{
-    Elementwise, ElementwiseOp, HeadNormOp, Norm, NormOp, Operand, Params, Pass, Rope, RopeTables,
+    Elementwise, ElementwiseOp, HeadNormOp, Norm, NormOp, Operand, Params, Pass, Rope, RopeHeads,
+    RopeTables,
 };
 use crate::kernels::quant::PackedMatrix;
 use crate::model::config::{Activation, ModelConfig};
@@ -265,10 +266,15 @@ impl Binder<'_> {
             }
             return Ok(None);
         };
-        let (a, hd) = (self.a, self.cx.config.head_dim);
-        let mut rope = |x: &Tensor, heads: usize| {
+        let (a, c) = (self.a, self.cx.config);
+        let mut rope = |x: &Tensor, n_heads: usize| {
             let shape = (self.cx.batch, self.cx.tokens);
-            Rope::bind(self.gpu, params, (x, tables, &a.seqs), shape, (heads, hd))
+            let heads = RopeHeads {
+                n_heads,
+                head_dim: c.head_dim,
+                rot_dim: c.rope_dim(),
+            };
+            Rope::bind(self.gpu, params, (x, tables, &a.seqs), shape, heads)
         };
         Ok(Some((
             rope(&a.q, s.local_heads())?,

@@ -239,13 +239,7 @@ fn rope_scaling(keys: &Keys, value: &Value, max_pos: usize) -> Result<Option<Rop
              llama3, yarn, longrope)"
         )));
     };
-    // Transformers 5 writes Phi-3's partial_rotary_factor here too: whole heads only.
-    let rotated = sub.f32_or("partial_rotary_factor", 1.0)?;
-    if rotated != 1.0 {
-        return Err(keys.fail(format!(
-            "\"partial_rotary_factor\" is {rotated}: RoPE over part of a head is not supported"
-        )));
-    }
+    // Transformers 5 writes Phi-3's partial_rotary_factor here too: read by `rotary_dim`.
     let all = ["type", "rope_type", "rope_theta", "partial_rotary_factor"];
     if let Some(extra) = value.as_object().and_then(|o| {
         o.keys()
@@ -373,13 +367,6 @@ fn llama(keys: &Keys<'_>, model_type: &str, base: ModelConfig) -> Result<ModelCo
     if act != "silu" {
         return Err(keys.fail(format!("\"hidden_act\" is '{act}', only silu is supported")));
     }
-    // Phi-4-mini rotates only part of each head.
-    let rotated = keys.f32_or("partial_rotary_factor", 1.0)?;
-    if rotated != 1.0 {
-        return Err(keys.fail(format!(
-            "\"partial_rotary_factor\" is {rotated}: RoPE over part of a head is not supported"
-        )));
-    }
     let hidden = keys.usize("hidden_size")?;
     let heads = keys.usize("num_attention_heads")?;
     let mut max_seq = keys.opt_usize("max_position_embeddings")?.unwrap_or(2048);
@@ -391,6 +378,7 @@ fn llama(keys: &Keys<'_>, model_type: &str, base: ModelConfig) -> Result<ModelCo
         None => None,
         Some(v) => rope_scaling(keys, v, max_seq)?,
     };
+    let head_dim = keys.opt_usize("head_dim")?.unwrap_or(hidden / heads.max(1));
     let in_rope = |v: &Value| v.get("rope_theta").and_then(Value::as_f64);
     let rope_theta = match rope.and_then(in_rope) {
         Some(theta) => theta as f32,
@@ -411,18 +399,67 @@ fn llama(keys: &Keys<'_>, model_type: &str, base: ModelConfig) -> Result<ModelCo
         layers: keys.usize("num_hidden_layers")?,
         heads,
         kv_heads: keys.opt_usize("num_key_value_heads")?.unwrap_or(heads),
-        head_dim: keys.opt_usize("head_dim")?.unwrap_or(hidden / heads.max(1)),
+        head_dim,
         ffn: keys.usize("intermediate_size")?,
         max_seq,
         norm_eps: keys.f32_or("rms_norm_eps", 1e-6)?,
         rope_theta,
         rope_scaling,
+        // Phi-4-mini rotates the first three quarters of each head.
+        rotary_dim: rotary_dim(keys, rope, head_dim)?,
         tied_head: keys.bool_or("tie_word_embeddings", false)?,
         // Qwen3 normalises every query and key head (its q_norm / k_norm), always.
         qk_norm: model_type == "qwen3",
         activation: Activation::Silu,
         ..base
     })
+}
+
+/// The rotated part of each head from `partial_rotary_factor`: in the RoPE parameters `rope`
+/// first (Transformers 5 moves it there), else at the top level; `None` for the whole head.
+/// Transformers rotates `int(head_dim * factor)` values; a factor outside (0, 1], or one that
+/// does not give an even whole number, is refused by name.
+fn rotary_dim(keys: &Keys, rope: Option<&Value>, head_dim: usize) -> Result<Option<usize>> {
+    const KEY: &str = "partial_rotary_factor";
+    let value = rope.and_then(|r| r.get(KEY)).filter(|v| !v.is_null());
+    let Some(v) = value.or_else(|| keys.get(KEY)) else {
+        return Ok(None);
+    };
+    let factor = v
+        .as_f64()
+        .ok_or_else(|| keys.fail(format!("\"{KEY}\" is {v}, expected a number")))?;
+    if !(factor > 0.0 && factor <= 1.0) {
+        return Err(keys.fail(format!("\"{KEY}\" is {factor}: must be in (0, 1]")));
+    }
+    let exact = head_dim as f64 * factor;
+    // Truncated as Python's int(); within rounding of a whole number, or refused.
+    let dims = exact as usize;
+    if (exact - dims as f64).abs() > 1e-9 || dims == 0 || !dims.is_multiple_of(2) {
+        return Err(keys.fail(format!(
+            "\"{KEY}\" is {factor}: {factor} x head_dim {head_dim} = {exact} is not an even \
+             whole number of dimensions to rotate"
+        )));
+    }
+    Ok((dims < head_dim).then_some(dims))
+}
+
+/// Refuses a partial rotary factor anywhere a Gemma 3 config could carry one (the top level,
+/// `rope_scaling`, `rope_parameters` and its per-layer-type entries): Gemma 3 rotates whole
+/// heads, as its Transformers code does.
+fn gemma3_whole_heads(keys: &Keys<'_>, head_dim: usize) -> Result<()> {
+    let mut places = vec![None, keys.get("rope_scaling")];
+    if let Some(p) = keys.get("rope_parameters") {
+        places.extend([Some(p), p.get("full_attention"), p.get("sliding_attention")]);
+    }
+    for place in places {
+        if let Some(dims) = rotary_dim(keys, place, head_dim)? {
+            return Err(keys.fail(format!(
+                "\"partial_rotary_factor\" rotates {dims} of {head_dim} values a head: Gemma 3 \
+                 rotates whole heads, a partial rotation is not supported for it"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Gemma 3 text keys (`gemma3_text`) over the Llama ones: the defaults are
@@ -446,6 +483,8 @@ fn gemma3(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
         .opt_usize("max_position_embeddings")?
         .unwrap_or(131_072);
     let (global, local) = gemma3_rope(keys, max_seq)?;
+    let head_dim = keys.opt_usize("head_dim")?.unwrap_or(256);
+    gemma3_whole_heads(keys, head_dim)?;
     let query_scalar = keys.f32_or("query_pre_attn_scalar", 256.0)?;
     Ok(ModelConfig {
         vocab: keys.opt_usize("vocab_size")?.unwrap_or(262_208),
@@ -453,7 +492,7 @@ fn gemma3(keys: &Keys<'_>, base: ModelConfig) -> Result<ModelConfig> {
         layers,
         heads,
         kv_heads: keys.opt_usize("num_key_value_heads")?.unwrap_or(4),
-        head_dim: keys.opt_usize("head_dim")?.unwrap_or(256),
+        head_dim,
         ffn: keys.opt_usize("intermediate_size")?.unwrap_or(9216),
         max_seq,
         norm_eps: keys.f32_or("rms_norm_eps", 1e-6)?,
@@ -754,6 +793,44 @@ mod tests {
         );
         let c = parse_str(&format!(r#"{{"model_type":"qwen3",{windowed}}}"#)).unwrap();
         assert_eq!(c.config.max_seq, 4096);
+    }
+
+    /// Phi-4-mini's `partial_rotary_factor` (the RoPE parameters' own first, as Transformers
+    /// 5 moves it there) gives the rotated width; Gemma 3 rotates whole heads and refuses one.
+    #[test]
+    fn partial_rotary_is_read_for_phi3_and_refused_for_gemma3() {
+        let phi = r#""model_type":"phi3","vocab_size":10,"hidden_size":128,
+            "num_hidden_layers":1,"num_attention_heads":4,"intermediate_size":128"#;
+        let c = parse_str(&format!(r#"{{{phi},"partial_rotary_factor":0.75}}"#))
+            .unwrap()
+            .config;
+        assert_eq!((c.head_dim, c.rotary_dim, c.rope_dim()), (32, Some(24), 24));
+        let nested = r#""partial_rotary_factor":0.5,
+            "rope_parameters":{"rope_type":"default","partial_rotary_factor":0.75}"#;
+        let c = parse_str(&format!("{{{phi},{nested}}}")).unwrap().config;
+        assert_eq!(c.rotary_dim, Some(24));
+        let whole = parse_str(&format!(r#"{{{phi},"partial_rotary_factor":1.0}}"#)).unwrap();
+        assert_eq!(whole.config.rotary_dim, None);
+        let gemma = r#""model_type":"gemma3_text","vocab_size":10,"hidden_size":64,
+            "num_hidden_layers":2,"num_attention_heads":2,"num_key_value_heads":1,
+            "head_dim":32,"intermediate_size":64"#;
+        assert_eq!(
+            parse_str(&format!("{{{gemma}}}"))
+                .unwrap()
+                .config
+                .rotary_dim,
+            None
+        );
+        for extra in [
+            r#""partial_rotary_factor":0.5"#,
+            r#""rope_parameters":{"full_attention":{"rope_type":"default",
+                "partial_rotary_factor":0.5},"sliding_attention":{"rope_type":"default"}}"#,
+        ] {
+            let e = parse_str(&format!("{{{gemma},{extra}}}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("Gemma 3 rotates whole heads"), "{e}");
+        }
     }
 
     #[test]

@@ -258,7 +258,7 @@ fn compute_attrs(m: &GpuModel, place: &Place, work: &Work, dev: u32) -> SpanAttr
     let cost = cost::total(
         config,
         &m.placement().shard,
-        m.num_layers(),
+        m.placement().layers.clone(),
         step,
         dtype,
         place.embeds,

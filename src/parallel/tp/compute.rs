@@ -41,7 +41,7 @@ impl Half {
         let (config, shard, dtype) = (m.config(), &m.placement().shard, m.weight_dtype());
         let (cost, name, family) = match self {
             Half::Attention => (
-                cost::attention(config, shard, step, dtype),
+                cost::layer_attention(config, shard, step, dtype, layer as usize),
                 "attention",
                 KernelFamily::Attention,
             ),
