@@ -82,13 +82,13 @@ impl SlotTable {
             format!("the slot is out of range ({slots} slots)")
         } else if self.blocks.len() > bps {
             format!("{} blocks for a slot of {bps}", self.blocks.len())
-        } else if let Some((j, b)) = (self.blocks.iter().enumerate())
-            .find(|&(_, &b)| b as usize >= pool)
+        } else if let Some((j, b)) =
+            (self.blocks.iter().enumerate()).find(|&(_, &b)| b as usize >= pool)
         {
             format!("logical block {j} names block {b} of a pool of {pool}")
-        } else if let Some((j, b)) = (self.blocks.iter().enumerate()).find(|&(j, &b)| {
-            short && ((j + 1 == bps) != ((b as usize) % bps + 1 == bps))
-        }) {
+        } else if let Some((j, b)) = (self.blocks.iter().enumerate())
+            .find(|&(j, &b)| short && ((j + 1 == bps) != ((b as usize) % bps + 1 == bps)))
+        {
             format!(
                 "logical block {j} names block {b}, but only a slot's last block may be, or \
                  map onto, a short one ({} positions)",

@@ -230,11 +230,18 @@ pub fn scattered_blocks_match_contiguous(label: &str, e: &mut dyn StepEngine) ->
     let done = run(e, step(&[(b, 20), (c, 20), (d, 20)], 13, ids, Vec::new())).unwrap();
     gap = gap.max(max_diff(row(&done, 0), row(&done, 1)));
     let poisoned = max_diff(row(&done, 2), row(&done, 1));
-    assert!(poisoned > 1e-3, "{label}: slot {d}'s garbage left no trace ({poisoned})");
+    assert!(
+        poisoned > 1e-3,
+        "{label}: slot {d}'s garbage left no trace ({poisoned})"
+    );
     let mut next = [done.tokens[0], done.tokens[1]];
     assert_eq!(next[0], next[1], "{label}: first token");
     for past in 33..max_seq {
-        let done = run(e, step(&[(b, past), (c, past)], 1, next.to_vec(), Vec::new())).unwrap();
+        let done = run(
+            e,
+            step(&[(b, past), (c, past)], 1, next.to_vec(), Vec::new()),
+        )
+        .unwrap();
         gap = gap.max(max_diff(row(&done, 0), row(&done, 1)));
         assert_eq!(done.tokens[0], done.tokens[1], "{label}: decode at {past}");
         next = [done.tokens[0], done.tokens[1]];
@@ -257,7 +264,10 @@ fn a_moved_block_moves_the_reads(label: &str, e: &mut dyn StepEngine) {
     run(e, step(&[(b, 0), (c, 0)], 20, ids, Vec::new())).unwrap();
     let ids = vec![prompt[20], prompt[20]];
     let same = run(e, step(&[(b, 20), (c, 20)], 1, ids.clone(), Vec::new())).unwrap();
-    assert!(max_diff(row(&same, 0), row(&same, 1)) <= 1e-5, "{label}: same prefix");
+    assert!(
+        max_diff(row(&same, 0), row(&same, 1)) <= 1e-5,
+        "{label}: same prefix"
+    );
     // Slot 1's first block, which the copy scenario left holding garbage.
     let moved = vec![SlotTable {
         slot: b,
@@ -277,13 +287,19 @@ pub fn bad_tables_are_refused(label: &str, e: &mut dyn StepEngine) {
     let bad = [
         (table(SLOTS, vec![0]), "slot is out of range"),
         (table(0, vec![0, 1, 2, 3]), "4 blocks for a slot of 3"),
-        (table(1, vec![3, 3 * SLOTS as u32]), "names block 15 of a pool of 15"),
+        (
+            table(1, vec![3, 3 * SLOTS as u32]),
+            "names block 15 of a pool of 15",
+        ),
         (table(2, vec![2]), "short one (5 positions)"),
         (table(2, vec![0, 1, 3]), "short one (5 positions)"),
     ];
     for (t, why) in bad {
-        let err = run(e, tabled(&[(0, 0)], 2, vec![1, 2], vec![t.clone()], Vec::new()))
-            .unwrap_err();
+        let err = run(
+            e,
+            tabled(&[(0, 0)], 2, vec![1, 2], vec![t.clone()], Vec::new()),
+        )
+        .unwrap_err();
         let text = err.to_string();
         match err {
             WgparError::KvTable { slot, slots, .. } => {
@@ -294,5 +310,8 @@ pub fn bad_tables_are_refused(label: &str, e: &mut dyn StepEngine) {
         assert!(text.contains(why), "{label}: {text}");
     }
     let done = run(e, step(&[(2, 0), (3, 0)], 2, vec![5, 6, 5, 6], Vec::new())).unwrap();
-    assert_eq!(done.tokens[0], done.tokens[1], "{label}: the engine serves on");
+    assert_eq!(
+        done.tokens[0], done.tokens[1],
+        "{label}: the engine serves on"
+    );
 }
