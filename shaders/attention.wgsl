@@ -3,7 +3,8 @@
 // seqs: the step's sequence table, [batch][2] = (KV slot, past): row b reads cache slot
 //       seqs[2b], and its token i sits at position past + i (validated on the host; clamped
 //       to the cache here regardless)
-// k,v:  cache [slots][n_kv_heads][max_seq][head_dim], already holding positions 0 ..= past + i
+// k,v:  cache [slots][n_kv_heads][max_seq][head_dim], already holding positions 0 ..= past + i,
+//       read as a pool of blocks of KV_BLOCK positions through the block table (see kv_row)
 // lens: [batch] keys per sequence that are real (not padding), read only when not causal
 // out:  [tokens][n_heads * head_dim]
 // Causal (decoders): token i sees positions 0 ..= past + i. Bidirectional (encoders): every
@@ -50,7 +51,23 @@ alias KT = f32;
 @group(0) @binding(3) var<storage, read> lens: array<u32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read> seqs: array<u32>;
-@group(0) @binding(6) var<uniform> p: Params;
+@group(0) @binding(6) var<storage, read> kv_blocks: array<u32>;
+@group(0) @binding(7) var<uniform> p: Params;
+
+// Positions per KV block: the cache is a pool of physical blocks, block `b = s * bps + j`
+// (bps = ceil(max_seq / KV_BLOCK) blocks per slot region) holding positions
+// KV_BLOCK * j .. KV_BLOCK * (j + 1) of slot region s, every head. kv_blocks[slot * bps + j] is
+// the physical block of slot `slot`'s logical block j (the identity table, s * bps + j, is the
+// contiguous layout). Validated on the host; clamped to the pool here regardless.
+const KV_BLOCK: u32 = 16u;
+
+// Element index of the first value of position `pos` of KV head `kvh` (local) of `slot`.
+fn kv_row(slot: u32, kvh: u32, pos: u32) -> u32 {
+    let bps = (p.max_seq + KV_BLOCK - 1u) / KV_BLOCK;
+    let block = min(kv_blocks[slot * bps + pos / KV_BLOCK], p.slots * bps - 1u);
+    let at = (block % bps) * KV_BLOCK + pos % KV_BLOCK;
+    return (((block / bps) * p.n_kv_heads + kvh) * p.max_seq + at) * p.head_dim;
+}
 
 const MAX_HEAD_DIM: u32 = 256u;
 const WG: u32 = 64u;
@@ -77,7 +94,6 @@ fn attend(
     let q_base = t * p.n_heads * d + h * d;
     let slot = min(seqs[2u * b], p.slots - 1u);
     let past = seqs[2u * b + 1u];
-    let kv_base = (slot * p.n_kv_heads + kvh) * p.max_seq * d;
 
     var qv: array<f32, MAX_HEAD_DIM>;
     var acc: array<f32, MAX_HEAD_DIM>;
@@ -93,7 +109,7 @@ fn attend(
     }
     end = min(end, p.max_seq);
     for (var j = first_key(past + i); j < end; j++) {
-        let k_base = kv_base + j * d;
+        let k_base = kv_row(slot, kvh, j);
         var s = 0.0;
         for (var c = 0u; c < d; c++) {
             s += qv[c] * f32(k_cache[k_base + c]);
@@ -139,7 +155,6 @@ fn attend_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     let q_base = t * p.n_heads * d + h * d;
     let slot = min(seqs[2u * b], p.slots - 1u);
     let past = seqs[2u * b + 1u];
-    let kv_base = (slot * p.n_kv_heads + kvh) * p.max_seq * d;
     var qv: array<f32, FT_MAXD>;
     var acc: array<f32, FT_MAXD>;
     for (var c = 0u; c < d; c++) {
@@ -171,8 +186,9 @@ fn attend_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
             var kv = 0.0;
             var vv = 0.0;
             if (j < tile_end) {
-                kv = f32(k_cache[kv_base + j * d + c]);
-                vv = f32(v_cache[kv_base + j * d + c]);
+                let at = kv_row(slot, kvh, j) + c;
+                kv = f32(k_cache[at]);
+                vv = f32(v_cache[at]);
             }
             ft_k[r * FT_MAXD + c] = kv;
             ft_v[r * FT_MAXD + c] = vv;
@@ -236,7 +252,6 @@ fn attend_split(
     let q_base = t * p.n_heads * d + h * d;
     let slot = min(seqs[2u * b], p.slots - 1u);
     let past = seqs[2u * b + 1u];
-    let kv_base = (slot * p.n_kv_heads + kvh) * p.max_seq * d;
     var qv: array<f32, MAX_HEAD_DIM>;
     var acc: array<f32, MAX_HEAD_DIM>;
     for (var c = 0u; c < d; c++) {
@@ -251,7 +266,7 @@ fn attend_split(
     var running_max = -3.4e38;
     var denom = 0.0;
     for (var j = first_key(past + i) + lid; j < end; j += SP_WG) {
-        let k_base = kv_base + j * d;
+        let k_base = kv_row(slot, kvh, j);
         var s = 0.0;
         for (var c = 0u; c < d; c++) {
             s += qv[c] * f32(k_cache[k_base + c]);
@@ -322,15 +337,14 @@ var<workgroup> fa_k: array<vec4<f32>, FA_TILE4>;
 var<workgroup> fa_v: array<vec4<f32>, FA_TILE4>;
 var<workgroup> fa_span: vec2<u32>;
 
-// Loads keys j0 .. j0 + FA_BK of the (slot, KV head) at `kv_base` into the tiles (zeros past
-// `end`).
-fn fa_load(kv_base: u32, j0: u32, end: u32, lid: u32) {
+// Loads keys j0 .. j0 + FA_BK of (slot, KV head) into the tiles (zeros past `end`).
+fn fa_load(slot: u32, kvh: u32, j0: u32, end: u32, lid: u32) {
     for (var e = lid; e < FA_BK * FA_D4; e += FA_BQ) {
         let j = j0 + e / FA_D4;
         var kv = vec4<f32>(0.0);
         var vv = vec4<f32>(0.0);
         if (j < end) {
-            let at = kv_base + j * FA_D4 * 4u + (e % FA_D4) * 4u;
+            let at = kv_row(slot, kvh, j) + (e % FA_D4) * 4u;
             kv = vec4<f32>(f32(k_cache[at]), f32(k_cache[at + 1u]), f32(k_cache[at + 2u]),
                 f32(k_cache[at + 3u]));
             vv = vec4<f32>(f32(v_cache[at]), f32(v_cache[at + 1u]), f32(v_cache[at + 2u]),
@@ -351,7 +365,6 @@ fn attend_flash(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     let q_base = ((b * p.seq + i) * p.n_heads + h) * FA_D4 * 4u;
     let slot = min(seqs[2u * b], p.slots - 1u);
     let past = seqs[2u * b + 1u];
-    let kv_base = (slot * p.n_kv_heads + kvh) * p.max_seq * FA_D4 * 4u;
     var qv: array<vec4<f32>, FA_MAXD4>;
     var acc: array<vec4<f32>, FA_MAXD4>;
     for (var c = 0u; c < FA_D4; c++) {
@@ -379,7 +392,7 @@ fn attend_flash(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     var denom = 0.0;
     var s: array<f32, FA_MAXBK>;
     for (var j0 = span.x; j0 < span.y; j0 += FA_BK) {
-        fa_load(kv_base, j0, span.y, lid);
+        fa_load(slot, kvh, j0, span.y, lid);
         workgroupBarrier();
         // Tiles wholly outside this query's keys cost it nothing but the barriers.
         if (j0 < end && j0 + FA_BK > start) {

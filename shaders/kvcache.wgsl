@@ -1,6 +1,7 @@
 // Appends new keys and values to a layer's KV cache.
 // k_new, v_new: [tokens = batch * seq][n_kv_heads * head_dim]
-// caches:       [slots][n_kv_heads][max_seq][head_dim]
+// caches:       [slots][n_kv_heads][max_seq][head_dim], a pool of blocks of KV_BLOCK positions
+//               addressed through the block table kv_blocks (as attention.wgsl's kv_row)
 // seqs:         the step's sequence table, [batch][2] = (KV slot, past): token (b, i) lands in
 //               slot seqs[2b] at position seqs[2b + 1] + i (validated on the host; a slot or
 //               position outside the cache is skipped here regardless).
@@ -28,7 +29,20 @@ alias KT = f32;
 @group(0) @binding(2) var<storage, read_write> k_cache: array<KT>;
 @group(0) @binding(3) var<storage, read_write> v_cache: array<KT>;
 @group(0) @binding(4) var<storage, read> seqs: array<u32>;
-@group(0) @binding(5) var<uniform> p: Params;
+@group(0) @binding(5) var<storage, read> kv_blocks: array<u32>;
+@group(0) @binding(6) var<uniform> p: Params;
+
+// Positions per KV block; kv_blocks[slot * bps + j] is the physical block (s * bps + j': slot
+// region s, positions KV_BLOCK * j' ..) of slot `slot`'s logical block j. Same as attention.wgsl.
+const KV_BLOCK: u32 = 16u;
+
+// Element index of the first value of position `pos` of KV head `kvh` of `slot`.
+fn kv_row(slot: u32, kvh: u32, pos: u32) -> u32 {
+    let bps = (p.max_seq + KV_BLOCK - 1u) / KV_BLOCK;
+    let block = min(kv_blocks[slot * bps + pos / KV_BLOCK], p.slots * bps - 1u);
+    let at = (block % bps) * KV_BLOCK + pos % KV_BLOCK;
+    return (((block / bps) * p.n_kv_heads + kvh) * p.max_seq + at) * p.head_dim;
+}
 
 const WG: u32 = 256u;
 
@@ -53,7 +67,7 @@ fn kv_store(
     if (slot >= p.slots || pos >= p.max_seq) {
         return;
     }
-    let dst = ((slot * p.n_kv_heads + h) * p.max_seq + pos) * p.head_dim + c;
+    let dst = kv_row(slot, h, pos) + c;
     k_cache[dst] = KT(k_new[idx]);
     v_cache[dst] = KT(v_new[idx]);
 }

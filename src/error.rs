@@ -337,6 +337,22 @@ pub enum WgparError {
         /// Which bound it breaks.
         why: &'static str,
     },
+    /// A step's block table of a slot that does not fit the reserved cache (a slot or block
+    /// out of range, a short block out of place).
+    #[error(
+        "invalid call: KV block table of slot {slot}: {why} ({slots} slots of {max_seq} \
+         positions reserved)"
+    )]
+    KvTable {
+        /// The slot whose table it is.
+        slot: usize,
+        /// Slots reserved.
+        slots: usize,
+        /// Positions per slot.
+        max_seq: usize,
+        /// Which bound it breaks, with its numbers.
+        why: String,
+    },
     /// A decode step asked of an engine that holds no prefilled batch.
     #[error("invalid call: decode before prefill: prefill a batch first")]
     DecodeBeforePrefill,
@@ -613,6 +629,7 @@ impl WgparError {
             | Self::SamplingRange { .. }
             | Self::StageCost { .. }
             | Self::KvCopy { .. }
+            | Self::KvTable { .. }
             | Self::DecodeBeforePrefill
             | Self::DecodeTokens { .. }
             | Self::NoPrompt

@@ -2,9 +2,10 @@
 //! span two ranks, driven through rank 0's `StepEngine`, copies a prefix on every rank (each
 //! its own layers, the copies carried in the stage link's pass header) and gives the logits
 //! and greedy tokens of the same prefix computed in place; bad copies are refused on rank 0
-//! before anything travels, and the pipeline serves on. The test binary runs itself as the
-//! ranks under `mpirun`. Needs `--features mpi` and Open MPI's `mpirun`; CI runs it
-//! (`.ci/run`).
+//! before anything travels, and the pipeline serves on. Block tables travel the same way:
+//! slots scattered over the pool on every rank give the logits of contiguous ones. The test
+//! binary runs itself as the ranks under `mpirun`. Needs `--features mpi` and Open MPI's
+//! `mpirun`; CI runs it (`.ci/run`).
 #![cfg(feature = "mpi")]
 
 mod common;
@@ -13,7 +14,10 @@ mod kv_copy_support;
 use std::process::Command;
 use std::time::Duration;
 
-use kv_copy_support::{bad_copies_are_refused, copy_matches_recompute, llama, SLOTS};
+use kv_copy_support::{
+    bad_copies_are_refused, bad_tables_are_refused, copy_matches_recompute, llama,
+    scattered_blocks_match_contiguous, SLOTS,
+};
 use wgpar::comm::CommConfig;
 use wgpar::device::DType;
 use wgpar::dist::{self, World};
@@ -49,7 +53,7 @@ fn a_prefix_copied_on_every_rank_gives_the_tokens_of_one_computed_in_place() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(out.status.success(), "{text}");
-    assert!(text.contains(&format!("{DONE} 2")), "{text}");
+    assert!(text.contains(&format!("{DONE} 3")), "{text}");
 }
 
 /// One rank: rank 0 drives the pipeline's steps, rank 1 serves its stage until rank 0 stops.
@@ -73,6 +77,11 @@ fn as_rank() {
             compared += 1;
         }
         bad_copies_are_refused("pp over 2 ranks", e.as_mut());
+        // Block tables travel in the pass header too: scattered blocks on every rank.
+        let gap = scattered_blocks_match_contiguous("pp over 2 ranks", e.as_mut());
+        assert!(gap <= 1e-5, "scattered blocks: logits differ by {gap}");
+        bad_tables_are_refused("pp over 2 ranks", e.as_mut());
+        compared += 1;
         println!("{DONE} {compared}");
         Ok(())
     })

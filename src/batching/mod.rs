@@ -525,6 +525,7 @@ impl State<'_> {
             release_us: Some(release),
             logits: false,
             allow: None,
+            kv_tables: Vec::new(),
             kv_copies: copies,
             adjust: None,
         };
@@ -583,6 +584,7 @@ impl State<'_> {
             release_us: None,
             logits: false,
             allow: None,
+            kv_tables: Vec::new(),
             kv_copies: Vec::new(),
             adjust: None,
         };

@@ -18,10 +18,11 @@
 //! leaves. When a slot is given to a new request, what it holds beyond the reused prefix is
 //! dropped from the index (it will be overwritten).
 //!
-//! Not paged: blocks are not evicted one by one. Free slots are taken least-recently-used, so
-//! unreferenced blocks are evicted LRU together with their slot; a prefix shared by running
-//! sequences is copied into each slot, not referenced. True paged attention (block tables in
-//! the attention kernels) is left undone.
+//! Not paged yet: blocks are not evicted one by one. Free slots are taken least-recently-used,
+//! so unreferenced blocks are evicted LRU together with their slot; a prefix shared by running
+//! sequences is copied into each slot, not referenced. The kernels and engines do address the
+//! KV through per-slot block tables (`BatchStep::kv_tables`), but this cache leaves every slot
+//! on its identity table; an allocator that shares blocks by reference is left undone.
 //!
 //! A request may keep its prompt out of the cache's reuse (llama-server's `cache_prompt:
 //! false`) or salt it (vLLM's `cache_salt`): a salted prompt's blocks are keyed under its salt,

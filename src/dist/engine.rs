@@ -474,7 +474,7 @@ impl StepEngine for PipelineDriver {
 
     fn submit(&mut self, step: BatchStep) -> Result<()> {
         // A bad copy is refused before anything travels: the pipeline itself is fine.
-        crate::parallel::check_kv_copies(&step.kv_copies, self.slots(), self.model_config())?;
+        crate::parallel::check_kv_edits(&step, self.slots(), self.model_config())?;
         let r = self.inner().submit(step);
         self.failed |= r.is_err();
         r

@@ -18,7 +18,7 @@ use super::world::{poll_until, poll_with, Backoff, Comm, World};
 use crate::error::{Result, WgparError};
 use crate::model::{SeqRow, Step, StepOut};
 use crate::parallel::pp::{Output, Payload, Readout, Work};
-use crate::parallel::{KvCopy, StageStats};
+use crate::parallel::{KvCopy, KvEdits, SlotTable, StageStats};
 use crate::trace::{Recorder, SpanAttrs, SpanId, Track};
 
 /// Activations from rank r to rank r+1.
@@ -28,8 +28,8 @@ const TAG_LOGITS: i32 = 11;
 
 /// First header word: protocol name and version (ranks of different wgpar builds disagree
 /// here rather than misreading each other's bytes).
-const MAGIC: u64 = 0x7767_7061_725f_0004;
-const HEADER_WORDS: usize = 14;
+const MAGIC: u64 = 0x7767_7061_725f_0005;
+const HEADER_WORDS: usize = 15;
 /// `rows` word of a pass without a sequence table.
 const NO_ROWS: u64 = u64::MAX;
 
@@ -64,6 +64,8 @@ struct Header {
     rows: u64,
     /// KV copies between slots after the sequence table (three words each).
     copies: u64,
+    /// Words of KV block tables after the copies (slot, length, then the blocks, each).
+    tables: u64,
 }
 
 impl Header {
@@ -84,6 +86,7 @@ impl Header {
             slots: 0,
             rows: NO_ROWS,
             copies: 0,
+            tables: 0,
         }
     }
 
@@ -106,6 +109,7 @@ impl Header {
             self.slots,
             self.rows,
             self.copies,
+            self.tables,
             payload.len() as u64,
         ];
         let mut out = Vec::with_capacity(HEADER_WORDS * 8 + payload.len());
@@ -139,11 +143,11 @@ impl Header {
             k => return Err(bad(format!("unknown message kind {k}"))),
         };
         let payload = &msg[HEADER_WORDS * 8..];
-        if payload.len() as u64 != word(13) {
+        if payload.len() as u64 != word(14) {
             return Err(bad(format!(
                 "payload of {} bytes, header says {}",
                 payload.len(),
-                word(13)
+                word(14)
             )));
         }
         let flags = word(6);
@@ -164,6 +168,7 @@ impl Header {
                 slots: word(10),
                 rows: word(11),
                 copies: word(12),
+                tables: word(13),
             },
             payload,
         ))
@@ -188,11 +193,49 @@ fn copies_bytes(copies: &[KvCopy]) -> Vec<u8> {
     bytemuck::cast_slice(&words).to_vec()
 }
 
-/// What a work payload carries: the pass's sequence table (if it has one), its KV copies and
-/// its hidden states.
+/// A pass's KV block tables as payload words (slot, length, then the blocks, per table).
+fn tables_words(tables: &[SlotTable]) -> Vec<u64> {
+    (tables.iter())
+        .flat_map(|t| {
+            [t.slot as u64, t.blocks.len() as u64]
+                .into_iter()
+                .chain(t.blocks.iter().map(|&b| u64::from(b)))
+        })
+        .collect()
+}
+
+/// The tables of [`tables_words`]'s words; a length past the end is a protocol error.
+fn tables_of(words: &[u64], peer: usize) -> std::result::Result<Vec<SlotTable>, DistError> {
+    let mut tables = Vec::new();
+    let mut rest = words;
+    while let [slot, len, tail @ ..] = rest {
+        let n = usize::try_from(*len).ok().filter(|&n| n <= tail.len());
+        let Some(n) = n else {
+            return Err(DistError::Protocol {
+                peer,
+                detail: format!("a KV block table of {len} blocks in {} words", tail.len()),
+            });
+        };
+        tables.push(SlotTable {
+            slot: *slot as usize,
+            blocks: tail[..n].iter().map(|&b| b as u32).collect(),
+        });
+        rest = &tail[n..];
+    }
+    if !rest.is_empty() {
+        return Err(DistError::Protocol {
+            peer,
+            detail: "a KV block table cut short".into(),
+        });
+    }
+    Ok(tables)
+}
+
+/// What a work payload carries: the pass's sequence table (if it has one), its KV edits
+/// (copies, then block tables) and its hidden states.
 struct WorkParts {
     rows: Option<Arc<Vec<SeqRow>>>,
-    copies: Arc<Vec<KvCopy>>,
+    edits: Arc<KvEdits>,
     hidden: Vec<u8>,
 }
 
@@ -219,8 +262,8 @@ fn take_words<'p>(
     ))
 }
 
-/// Splits a work payload into its sequence table (`h.rows` entries), KV copies (`h.copies`)
-/// and hidden states.
+/// Splits a work payload into its sequence table (`h.rows` entries), KV copies (`h.copies`),
+/// block tables (`h.tables` words) and hidden states.
 fn split_work(
     h: &Header,
     payload: &[u8],
@@ -246,9 +289,11 @@ fn split_work(
             tokens: w[2] as usize,
         })
         .collect();
+    let (words, rest) = take_words(rest, (h.tables, 1), ("KV block table word", peer))?;
+    let tables = tables_of(&words, peer)?;
     Ok(WorkParts {
         rows,
-        copies: Arc::new(copies),
+        edits: Arc::new(KvEdits::of(tables, copies)),
         hidden: rest.to_vec(),
     })
 }
@@ -568,7 +613,7 @@ fn handoff_work(h: &Header, parts: WorkParts, dep: SpanId, recorder: Recorder) -
         // The pick's settings stay on rank 0: the head picks greedily and sends the
         // logits too only where rank 0 needs them (see `Readout::remote`).
         readout: Readout::remote(h.logits),
-        kv_copies: parts.copies,
+        kv_edits: parts.edits,
     }
 }
 
@@ -581,6 +626,7 @@ fn downstream(
 ) -> std::result::Result<(), DistError> {
     let dest = rank + 1;
     for work in rx.iter() {
+        let tables = tables_words(&work.kv_edits.tables);
         let h = Header {
             kind: Kind::Work,
             group: work.group as u64,
@@ -597,7 +643,8 @@ fn downstream(
             cache: work.cache as u64,
             slots: work.slots.map_or(0, |n| n as u64 + 1),
             rows: work.rows.as_ref().map_or(NO_ROWS, |r| r.len() as u64),
-            copies: work.kv_copies.len() as u64,
+            copies: work.kv_edits.copies.len() as u64,
+            tables: tables.len() as u64,
         };
         let what = format!("send micro-batch {} to the next stage", work.group);
         send(
@@ -607,7 +654,8 @@ fn downstream(
             h.encode(
                 &[
                     rows_bytes(work.rows.as_deref().map(|r| &r[..])),
-                    copies_bytes(&work.kv_copies),
+                    copies_bytes(&work.kv_edits.copies),
+                    bytemuck::cast_slice(&tables).to_vec(),
                     work.hidden,
                 ]
                 .concat(),
@@ -731,6 +779,7 @@ pub(crate) fn send_logits(world: &World, out: &Output, record: bool) -> Result<(
         slots: 0,
         rows: NO_ROWS,
         copies: 0,
+        tables: 0,
     };
     let what = format!("send logits of micro-batch {} to rank 0", out.group);
     send(
@@ -785,6 +834,7 @@ mod tests {
             slots: 9,
             rows: NO_ROWS,
             copies: 0,
+            tables: 0,
         };
         let msg = h.encode(&[1, 2, 3, 4]);
         let (back, payload) = Header::decode(&msg, 1).unwrap();
@@ -831,21 +881,46 @@ mod tests {
             slots: 0,
             rows: 2,
             copies: 2,
+            tables: 0,
+        };
+        let tables = [
+            SlotTable {
+                slot: 3,
+                blocks: vec![7, 0, 12],
+            },
+            SlotTable {
+                slot: 1,
+                blocks: Vec::new(),
+            },
+        ];
+        let words = tables_words(&tables);
+        let h = Header {
+            tables: words.len() as u64,
+            ..h
         };
         let hidden = [9u8; 8];
         let payload = [
             rows_bytes(Some(&rows)),
             copies_bytes(&copies),
+            bytemuck::cast_slice(&words).to_vec(),
             hidden.to_vec(),
         ];
         let msg = h.encode(&payload.concat());
         let (back, payload) = Header::decode(&msg, 0).unwrap();
         let parts = split_work(&back, payload, 0).unwrap();
         assert_eq!(parts.rows.as_deref().map(|t| t.as_slice()), Some(&rows[..]));
-        assert_eq!(parts.copies.as_slice(), &copies[..]);
+        assert_eq!(parts.edits.copies.as_slice(), &copies[..]);
+        assert_eq!(parts.edits.tables.as_slice(), &tables[..]);
         assert_eq!(parts.hidden, hidden);
-        // A table or copy list longer than the payload is a protocol error, not a panic.
-        for lying in [Header { rows: 1000, ..h }, Header { copies: 1000, ..h }] {
+        // A table or copy list longer than the payload is a protocol error, not a panic, and
+        // so is a block table longer than its words.
+        let lies = [
+            Header { rows: 1000, ..h },
+            Header { copies: 1000, ..h },
+            Header { tables: 1000, ..h },
+            Header { tables: 3, ..h },
+        ];
+        for lying in lies {
             let msg = lying.encode(&hidden);
             let (back, payload) = Header::decode(&msg, 0).unwrap();
             assert!(split_work(&back, payload, 0).is_err());

@@ -208,9 +208,9 @@ impl Family {
             Family::Norm => &[Read, ReadWrite, Read, Read, Uniform],
             Family::Softmax => &[ReadWrite, Uniform],
             // Position-dependent families read the step's sequence table just before the
-            // params (see `ops::KvCache`).
-            Family::Attention => &[Read, Read, Read, Read, ReadWrite, Read, Uniform],
-            Family::KvCache => &[Read, Read, ReadWrite, ReadWrite, Read, Uniform],
+            // params (see `ops::KvCache`); the KV families then the cache's block table.
+            Family::Attention => &[Read, Read, Read, Read, ReadWrite, Read, Read, Uniform],
+            Family::KvCache => &[Read, Read, ReadWrite, ReadWrite, Read, Read, Uniform],
             Family::Rope => &[ReadWrite, Read, Read, Read, Uniform],
             Family::Elementwise => &[ReadWrite, Read, Uniform],
             Family::Embedding | Family::EmbeddingQuant => {

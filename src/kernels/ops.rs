@@ -31,6 +31,24 @@ pub const MAX_ROWS_PER_DISPATCH: usize = MAX_GROUPS as usize;
 pub const PARAM_STRIDE: u64 = 256;
 /// Candidates the device sampler keeps at most (`top_k`); must match `shaders/argmax.wgsl`.
 pub const MAX_TOP_K: usize = 64;
+/// Positions per KV block, the unit of a cache's block table; must match `KV_BLOCK` in
+/// `shaders/kvcache.wgsl` and `shaders/attention.wgsl`.
+pub const KV_BLOCK: usize = 16;
+
+/// Blocks per slot of a cache of `max_seq` positions (the last one short when `max_seq` is
+/// not a multiple of [`KV_BLOCK`]).
+pub fn blocks_per_slot(max_seq: usize) -> usize {
+    max_seq.div_ceil(KV_BLOCK)
+}
+
+/// The identity block table of a cache of `slots` x `max_seq`: slot `s`'s logical block `j`
+/// is physical block `s * bps + j`, positions `KV_BLOCK * j ..` of slot region `s`, which is
+/// the contiguous `[slots][kv_heads][max_seq][head_dim]` layout.
+pub fn identity_blocks(slots: usize, max_seq: usize) -> Vec<u32> {
+    (0..slots * blocks_per_slot(max_seq))
+        .map(|b| b as u32)
+        .collect()
+}
 
 fn weight_type(t: &Tensor) -> WeightType {
     match t.dtype() {
@@ -991,6 +1009,29 @@ pub struct KvCache<'a> {
     pub seqs: &'a Tensor,
 }
 
+/// The block table through which kernels address a cache (`[slots][blocks_per_slot]` u32,
+/// entry `slot * bps + j` the physical block of the slot's logical block `j`, see
+/// [`identity_blocks`]), bound beside the cache. Ops bound without one get the identity
+/// table, which they own (the second part).
+fn block_table(
+    gpu: &Gpu,
+    op: &str,
+    blocks: Option<&Tensor>,
+    s: &AttnShape,
+) -> Result<(wgpu::Buffer, Option<Tensor>)> {
+    let len = s.slots * blocks_per_slot(s.max_seq);
+    match blocks {
+        Some(t) => {
+            need(op, "kv_blocks", t, len, Some(DType::U32))?;
+            Ok((t.buffer().clone(), None))
+        }
+        None => {
+            let t = gpu.upload_u32("kv identity blocks", &identity_blocks(s.slots, s.max_seq))?;
+            Ok((t.buffer().clone(), Some(t)))
+        }
+    }
+}
+
 impl KvCache<'_> {
     /// Checks the cache against `shape` and returns its stored type: keys and values are both
     /// f32 or both f16 (the kernels' `KT` variant).
@@ -1020,24 +1061,42 @@ pub struct Attention {
     variant: Option<&'static str>,
     /// The cache's stored type, which selects the kernels' `KT` variant.
     stored: WeightType,
-    /// `q, k_cache, v_cache, lens, out, seqs` as bound: a first-use tuning run times the
-    /// variants on them (writing a scratch output instead of `out`).
-    buffers: [wgpu::Buffer; 6],
+    /// `q, k_cache, v_cache, lens, out, seqs, kv_blocks` as bound: a first-use tuning run
+    /// times the variants on them (writing a scratch output instead of `out`).
+    buffers: [wgpu::Buffer; 7],
+    /// The identity block table, where bound without one.
+    _owned_blocks: Option<Tensor>,
 }
 bound_op!(Attention);
 
 impl Attention {
-    /// Binds attention of `q` over `cache` into `out`, for steps up to `capacity` (its batch
-    /// and token count bound the step shapes configured later).
+    /// Binds attention of `q` over `cache` (addressed contiguously: the identity block table)
+    /// into `out`, for steps up to `capacity` (its batch and token count bound the step
+    /// shapes configured later).
     pub fn bind(
         gpu: &Gpu,
         params: &mut Params,
+        io: (&Tensor, KvCache<'_>, &Tensor),
+        capacity: &AttnShape,
+        mask: AttnMask<'_>,
+    ) -> Result<Self> {
+        Self::bind_paged(gpu, params, io, None, capacity, mask)
+    }
+
+    /// [`bind`](Self::bind) with the cache addressed through `blocks` (its block table,
+    /// `capacity.slots x blocks_per_slot(max_seq)` u32, written by the caller; `None`: the
+    /// identity table).
+    pub fn bind_paged(
+        gpu: &Gpu,
+        params: &mut Params,
         (q, cache, out): (&Tensor, KvCache<'_>, &Tensor),
+        blocks: Option<&Tensor>,
         capacity: &AttnShape,
         mask: AttnMask<'_>,
     ) -> Result<Self> {
         const OP: &str = "attention";
         capacity.validate(OP)?;
+        let (blocks, owned_blocks) = block_table(gpu, OP, blocks, capacity)?;
         let q_len = capacity.tokens() * capacity.n_heads * capacity.head_dim;
         need(OP, "q", q, q_len, Some(DType::F32))?;
         need(OP, "out", out, q_len, Some(DType::F32))?;
@@ -1057,6 +1116,7 @@ impl Attention {
             lens.buffer(),
             out.buffer(),
             cache.seqs.buffer(),
+            &blocks,
         ];
         Ok(Self {
             op: Bound::new(gpu, params, Family::Attention, OP, &buffers)?,
@@ -1067,6 +1127,7 @@ impl Attention {
             variant: None,
             stored,
             buffers: buffers.map(|b| b.clone()),
+            _owned_blocks: owned_blocks,
         })
     }
 
@@ -1177,12 +1238,12 @@ impl Attention {
             &mut || {
                 // Timing reads the bound operands and writes a scratch output.
                 let scratch = gpu.empty("tune.attention.out", DType::F32, out_len)?;
-                let [q, k, v, lens, _, seqs] = &self.buffers;
+                let [q, k, v, lens, _, seqs, blocks] = &self.buffers;
                 tune::measure_variants(
                     gpu,
                     &candidates,
                     self.stored,
-                    &[q, k, v, lens, scratch.buffer(), seqs],
+                    &[q, k, v, lens, scratch.buffer(), seqs, blocks],
                     bytemuck::bytes_of(values),
                     &|v| variants::attention_grid(v, batch, seq, heads),
                     tune::Effort::Tune,
@@ -1275,20 +1336,36 @@ pub struct KvStore {
     shape: AttnShape,
     /// The cache's stored type, which selects the kernel's `KT` variant.
     stored: WeightType,
+    /// The identity block table, where bound without one.
+    _owned_blocks: Option<Tensor>,
 }
 bound_op!(KvStore);
 
 impl KvStore {
-    /// Binds the append of `k`, `v` into `cache` for steps up to `capacity`.
+    /// Binds the append of `k`, `v` into `cache` (addressed contiguously: the identity block
+    /// table) for steps up to `capacity`.
     pub fn bind(
         gpu: &Gpu,
         params: &mut Params,
-        (k, v): (&Tensor, &Tensor),
+        kv: (&Tensor, &Tensor),
         cache: KvCache<'_>,
+        capacity: &AttnShape,
+    ) -> Result<Self> {
+        Self::bind_paged(gpu, params, kv, (cache, None), capacity)
+    }
+
+    /// [`bind`](Self::bind) with the cache addressed through `blocks` (as
+    /// [`Attention::bind_paged`]; `None`: the identity table).
+    pub fn bind_paged(
+        gpu: &Gpu,
+        params: &mut Params,
+        (k, v): (&Tensor, &Tensor),
+        (cache, blocks): (KvCache<'_>, Option<&Tensor>),
         capacity: &AttnShape,
     ) -> Result<Self> {
         const OP: &str = "kv_store";
         capacity.validate(OP)?;
+        let (blocks, owned_blocks) = block_table(gpu, OP, blocks, capacity)?;
         let len = capacity.tokens() * capacity.n_kv_heads * capacity.head_dim;
         need(OP, "k", k, len, Some(DType::F32))?;
         need(OP, "v", v, len, Some(DType::F32))?;
@@ -1299,11 +1376,13 @@ impl KvStore {
             cache.k.buffer(),
             cache.v.buffer(),
             cache.seqs.buffer(),
+            &blocks,
         ];
         Ok(Self {
             op: Bound::new(gpu, params, Family::KvCache, OP, &buffers)?,
             shape: *capacity,
             stored,
+            _owned_blocks: owned_blocks,
         })
     }
 

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use super::{Engine, Logits, PipelineStats};
 use crate::error::{Result, WgparError};
+pub use crate::kernels::ops::{blocks_per_slot, KV_BLOCK};
 use crate::model::ModelConfig;
 pub use crate::model::SeqRow;
 use crate::trace::SpanId;
@@ -43,9 +44,93 @@ pub struct BatchStep {
     /// packed by `ops::pack_adjustments`. `None`: none. Only for an engine whose
     /// [`StepEngine::masks_on_device`] says so.
     pub adjust: Option<Vec<u32>>,
+    /// New block tables of some slots, applied in order before this step's copies and
+    /// layers on every device, stage and rank that holds KV (empty: the tables stay).
+    pub kv_tables: Vec<SlotTable>,
     /// Copies of cached KV between slots, made in order before this step runs (a prefix
-    /// another slot already holds, so the step prefills only the rest).
+    /// another slot already holds, so the step prefills only the rest), through the slots'
+    /// block tables (after [`kv_tables`](Self::kv_tables)).
     pub kv_copies: Vec<KvCopy>,
+}
+
+/// A slot's new block table, or its leading part: the KV cache is a pool of physical blocks
+/// of [`KV_BLOCK`] positions, block `b = s * bps + j` (`bps` = [`blocks_per_slot`]) holding
+/// positions `KV_BLOCK * j ..` of slot region `s` in every layer and KV head, and slot
+/// `slot`'s logical block `j` (its positions `KV_BLOCK * j ..`) is `blocks[j]`. Entries past
+/// `blocks.len()` keep their value. Every slot starts with the identity table (`s * bps + j`:
+/// the contiguous layout). Several slots may name one block (a shared prefix that nobody
+/// writes); the caller keeps the blocks a step writes to itself.
+///
+/// When `max_seq` is not a multiple of `KV_BLOCK`, each region's last block is short: a
+/// slot's last logical block maps only onto a short block, and the others only onto full
+/// ones.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SlotTable {
+    /// The slot whose table changes.
+    pub slot: usize,
+    /// Physical blocks of its logical blocks `0..blocks.len()`.
+    pub blocks: Vec<u32>,
+}
+
+impl SlotTable {
+    /// Checks the table against a cache of `slots` slots of `max_seq` positions.
+    pub fn check(&self, slots: usize, max_seq: usize) -> Result<()> {
+        let bps = blocks_per_slot(max_seq);
+        let pool = slots * bps;
+        let short = !max_seq.is_multiple_of(KV_BLOCK);
+        let why = if self.slot >= slots {
+            format!("the slot is out of range ({slots} slots)")
+        } else if self.blocks.len() > bps {
+            format!("{} blocks for a slot of {bps}", self.blocks.len())
+        } else if let Some((j, b)) =
+            (self.blocks.iter().enumerate()).find(|&(_, &b)| b as usize >= pool)
+        {
+            format!("logical block {j} names block {b} of a pool of {pool}")
+        } else if let Some((j, b)) = (self.blocks.iter().enumerate())
+            .find(|&(j, &b)| short && ((j + 1 == bps) != ((b as usize) % bps + 1 == bps)))
+        {
+            format!(
+                "logical block {j} names block {b}, but only a slot's last block may be, or \
+                 map onto, a short one ({} positions)",
+                max_seq % KV_BLOCK
+            )
+        } else {
+            return Ok(());
+        };
+        Err(WgparError::KvTable {
+            slot: self.slot,
+            slots,
+            max_seq,
+            why,
+        })
+    }
+}
+
+/// A step's changes to the KV caches, as they travel to the devices, stages and ranks that
+/// apply them: block tables first, then copies.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct KvEdits {
+    pub tables: Vec<SlotTable>,
+    pub copies: Vec<KvCopy>,
+}
+
+impl KvEdits {
+    /// A step's edits.
+    pub fn of(tables: Vec<SlotTable>, copies: Vec<KvCopy>) -> Self {
+        Self { tables, copies }
+    }
+
+    /// The edits as `KvCache::apply_edits` takes them.
+    pub fn parts(&self) -> (&[SlotTable], &[KvCopy]) {
+        (&self.tables, &self.copies)
+    }
+}
+
+/// Checks every table and copy of a step against `config`'s cache of `slots` slots before
+/// anything of the step runs.
+pub(crate) fn check_kv_edits(step: &BatchStep, slots: usize, config: &ModelConfig) -> Result<()> {
+    (step.kv_tables.iter()).try_for_each(|t| t.check(slots, config.max_seq))?;
+    check_kv_copies(&step.kv_copies, slots, config)
 }
 
 /// A device-side copy of cached KV between slots, made before a step's layers run: positions
@@ -93,7 +178,7 @@ impl KvCopy {
 
 /// Checks every copy of a step against `config`'s cache of `slots` slots before anything of
 /// the step runs.
-pub(crate) fn check_kv_copies(copies: &[KvCopy], slots: usize, config: &ModelConfig) -> Result<()> {
+fn check_kv_copies(copies: &[KvCopy], slots: usize, config: &ModelConfig) -> Result<()> {
     (copies.iter()).try_for_each(|c| c.check(slots, config.max_seq, config.head_dim))
 }
 

@@ -24,8 +24,10 @@ mod worker;
 use std::time::Instant;
 
 pub use balance::measure_stage_costs;
-pub(crate) use batch::check_kv_copies;
-pub use batch::{BatchStep, KvCopy, SeqRow, StepDone, StepEngine};
+pub use batch::{
+    blocks_per_slot, BatchStep, KvCopy, SeqRow, SlotTable, StepDone, StepEngine, KV_BLOCK,
+};
+pub(crate) use batch::{check_kv_edits, KvEdits};
 pub use decode_bench::{
     decode_strategy, measure_decode, DecodeBench, DecodeBenchRow, DecodeMeasure,
 };

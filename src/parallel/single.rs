@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::pick::{check_finite, count_non_finite, Picker};
 use super::{
-    check_decode, cost, prompt_shape, BatchStep, Engine, KvCopy, Logits, SeqRow, StepDone,
+    check_decode, cost, prompt_shape, BatchStep, Engine, KvEdits, Logits, SeqRow, StepDone,
     StepEngine, StepOutput, StepStats,
 };
 use crate::device::{DType, Gpu, SpanTimer};
@@ -92,14 +92,14 @@ impl SingleEngine {
         Ok(())
     }
 
-    /// One forward step of `rows`, after `copies` of cached KV between slots; its span waits
+    /// One forward step of `rows`, after `edits` of the KV cache (tables, copies); its span waits
     /// for `deps` and starts no earlier than `release_us`. Returns the step's tokens (and logits when `want_logits`) and the span.
     fn forward(
         &mut self,
         ids: &[u32],
         step: Step,
         rows: &[SeqRow],
-        (deps, release_us, copies): (&[SpanId], Option<f64>, &[KvCopy]),
+        (deps, release_us, edits): (&[SpanId], Option<f64>, &KvEdits),
         pick: StepPick,
     ) -> Result<(StepOutput, SpanId)> {
         let (Some(act), Some(kv)) = (&mut self.act, &mut self.kv) else {
@@ -123,7 +123,7 @@ impl SingleEngine {
         if !readout.draws.is_empty() {
             m.write_draws(act, &readout.draws)?;
         }
-        submit_forward(m, &self.timer, act, (kv, copies))?;
+        submit_forward(m, &self.timer, act, (kv, edits))?;
         let encode_s = start.elapsed().as_secs_f64();
         let encode_cpu_s = super::thread_cpu_s().zip(cpu_start).map(|(b, a)| b - a);
         let out = m.read_out(act)?;
@@ -226,12 +226,12 @@ fn submit_forward(
     m: &GpuModel,
     timer: &SpanTimer,
     act: &Activations,
-    (kv, copies): (&mut KvCache, &[KvCopy]),
+    (kv, edits): (&mut KvCache, &KvEdits),
 ) -> Result<()> {
     let gpu = m.gpu();
     let mut enc = gpu.encoder();
     // In the step's own submission: after every earlier step, before this one's layers.
-    kv.copy_prefixes(gpu, &mut enc, copies)?;
+    kv.apply_edits(gpu, &mut enc, edits.parts())?;
     timer.begin(&mut enc);
     m.embed(&mut enc, act)?;
     m.layers(&mut enc, act, kv)?;
@@ -307,7 +307,7 @@ impl Engine for SingleEngine {
                 &ids,
                 step,
                 &step.rows(),
-                (&[], None, &[]),
+                (&[], None, &KvEdits::default()),
                 StepPick::Engine { logits },
             )?
             .0)
@@ -325,7 +325,7 @@ impl Engine for SingleEngine {
                 tokens,
                 step,
                 &step.rows(),
-                (&[], None, &[]),
+                (&[], None, &KvEdits::default()),
                 StepPick::Engine { logits },
             )?
             .0)
@@ -377,19 +377,20 @@ impl StepEngine for SingleEngine {
 
     /// Runs the step at once; [`complete`](StepEngine::complete) hands it back.
     fn submit(&mut self, step: BatchStep) -> Result<()> {
-        super::check_kv_copies(&step.kv_copies, self.slots(), self.model.config())?;
+        super::check_kv_edits(&step, self.slots(), self.model.config())?;
         let shape = Step {
             batch: step.rows.len(),
             seq: step.seq,
             past: 0,
         };
         self.reserve_activations(shape.tokens(), shape.batch)?;
+        let edits = KvEdits::of(step.kv_tables, step.kv_copies);
         // The device picks greedily; logits come back only for a caller that samples.
         let (out, span) = self.forward(
             &step.ids,
             shape,
             &step.rows,
-            (&step.deps, step.release_us, &step.kv_copies),
+            (&step.deps, step.release_us, &edits),
             StepPick::Greedy {
                 logits: step.logits,
                 allow: step.allow,

@@ -477,6 +477,7 @@ impl Batcher {
             logits: pick.logits,
             allow: pick.allow,
             adjust: pick.adjust,
+            kv_tables: Vec::new(),
             kv_copies,
         };
         Some((step, Flight::Chunk(taken, len)))
@@ -597,6 +598,7 @@ impl Batcher {
             logits: pick.logits,
             allow: pick.allow,
             adjust: pick.adjust,
+            kv_tables: Vec::new(),
             kv_copies: Vec::new(),
         };
         Some((step, Flight::Decode))

@@ -6,17 +6,24 @@ use std::sync::{Arc, Weak};
 use super::act::Activations;
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
-use crate::kernels::ops::{self, Attention, AttnMask, AttnShape, KvStore, Params};
+use crate::kernels::ops::{
+    self, blocks_per_slot, Attention, AttnMask, AttnShape, KvStore, Params, KV_BLOCK,
+};
 use crate::kernels::variants::context_bucket;
-use crate::parallel::KvCopy;
+use crate::parallel::{KvCopy, SlotTable};
 
 /// One device's KV cache for its layers and heads: per layer, keys and values laid out
-/// `[slots][kv_heads][max_seq][head_dim]`, one slot per sequence. A step's sequence table
-/// says which slot each of its rows uses.
+/// `[slots][kv_heads][max_seq][head_dim]`, read as a pool of blocks of [`KV_BLOCK`]
+/// positions through a block table (see [`SlotTable`]), one slot per sequence. A step's
+/// sequence table says which slot each of its rows uses.
 pub struct KvCache {
     slots: usize,
     layout: KvLayout,
     layers: Vec<(Tensor, Tensor)>,
+    /// The block table on the device (`slots x blocks_per_slot(max_seq)` u32), bound to
+    /// every KV op, and its host mirror (which plans copies).
+    blocks: Tensor,
+    mirror: Vec<u32>,
     bindings: Vec<KvBinding>,
     /// Where a copy between slots stages one layer's keys or values (wgpu copies no buffer
     /// onto itself): made by the first copy, one slot of one layer.
@@ -31,16 +38,14 @@ pub(super) struct KvLayout {
     pub head_dim: usize,
 }
 
-/// One copy's byte ranges in a layer's buffer: each head's start in the source and target
-/// slots, and the bytes of each.
+/// One copy's byte ranges in a layer's buffer: (source, target, bytes) of each run of
+/// positions that is contiguous in both slots' blocks (one per head under identity tables).
 struct CopyPlan {
-    from: Vec<u64>,
-    to: Vec<u64>,
-    bytes: u64,
+    ranges: Vec<(u64, u64, u64)>,
 }
 
 impl CopyPlan {
-    /// Source heads into `scratch` (packed), then `scratch` into the target heads: wgpu
+    /// Source ranges into `scratch` (packed), then `scratch` into the target ranges: wgpu
     /// orders copies within an encoder, and copies no buffer onto itself.
     fn encode(
         &self,
@@ -48,14 +53,15 @@ impl CopyPlan {
         cache: &wgpu::Buffer,
         scratch: &wgpu::Buffer,
     ) {
-        if self.bytes == 0 {
-            return;
+        let mut at = 0;
+        for &(from, _, bytes) in &self.ranges {
+            encoder.copy_buffer_to_buffer(cache, from, scratch, at, bytes);
+            at += bytes;
         }
-        for (h, &from) in self.from.iter().enumerate() {
-            encoder.copy_buffer_to_buffer(cache, from, scratch, h as u64 * self.bytes, self.bytes);
-        }
-        for (h, &to) in self.to.iter().enumerate() {
-            encoder.copy_buffer_to_buffer(scratch, h as u64 * self.bytes, cache, to, self.bytes);
+        at = 0;
+        for &(_, to, bytes) in &self.ranges {
+            encoder.copy_buffer_to_buffer(scratch, at, cache, to, bytes);
+            at += bytes;
         }
     }
 }
@@ -89,30 +95,56 @@ pub(super) struct KvSpec {
 }
 
 impl KvCache {
-    pub(super) fn new(slots: usize, layout: KvLayout, layers: Vec<(Tensor, Tensor)>) -> Self {
-        Self {
+    /// A cache of `slots` over `layers`, with identity block tables.
+    pub(super) fn new(
+        gpu: &Gpu,
+        slots: usize,
+        layout: KvLayout,
+        layers: Vec<(Tensor, Tensor)>,
+    ) -> Result<Self> {
+        let mirror = ops::identity_blocks(slots, layout.max_seq);
+        Ok(Self {
             slots,
             layout,
             layers,
+            blocks: gpu.upload_u32("kv blocks", &mirror)?,
+            mirror,
             bindings: Vec::new(),
             scratch: None,
-        }
+        })
     }
 
-    /// Encodes `copies`, in order, into `encoder`: for each, positions `0..tokens` of slot
-    /// `from` into slot `to`, every layer and KV head of this device. Checks them all before
-    /// encoding any. Commands encoded after them see the copied KV, and they see every
-    /// earlier submission's.
-    pub fn copy_prefixes(
+    /// The block tables of every slot (`slots x blocks_per_slot(max_seq)`), as applied.
+    pub fn block_tables(&self) -> &[u32] {
+        &self.mirror
+    }
+
+    /// Applies `tables`, then encodes `copies`, in order, into `encoder`: for each copy,
+    /// positions `0..tokens` of slot `from` into slot `to` (through their new tables), every
+    /// layer and KV head of this device. Checks them all before applying any. The tables
+    /// reach the device at the next submit, ahead of its commands; commands encoded after
+    /// the copies see the copied KV, and they see every earlier submission's.
+    pub fn apply_edits(
         &mut self,
         gpu: &Gpu,
         encoder: &mut wgpu::CommandEncoder,
-        copies: &[KvCopy],
+        (tables, copies): (&[SlotTable], &[KvCopy]),
     ) -> Result<()> {
+        let mut mirror = self.mirror.clone();
+        let bps = blocks_per_slot(self.layout.max_seq);
+        for t in tables {
+            t.check(self.slots, self.layout.max_seq)?;
+            let row = t.slot * bps;
+            mirror[row..row + t.blocks.len()].copy_from_slice(&t.blocks);
+        }
         let plans = (copies.iter())
-            .map(|c| self.plan_copy(c))
+            .map(|c| self.plan_copy(&mirror, c))
             .collect::<Result<Vec<_>>>()?;
-        if plans.iter().all(|p| p.bytes == 0) {
+        if mirror != self.mirror {
+            gpu.write_u32(&self.blocks, &mirror)?;
+            self.mirror = mirror;
+        }
+        if plans.iter().all(|p| p.ranges.is_empty()) {
             return Ok(());
         }
         if self.scratch.is_none() {
@@ -134,22 +166,22 @@ impl KvCache {
         Ok(())
     }
 
-    /// [`copy_prefixes`](Self::copy_prefixes) in a submission of their own (none when there
-    /// are no copies): queue order puts them after every earlier submission on this device
-    /// and before every later one.
-    pub fn submit_copies(&mut self, gpu: &Gpu, copies: &[KvCopy]) -> Result<()> {
-        if copies.is_empty() {
+    /// [`apply_edits`](Self::apply_edits) in a submission of their own (none when there
+    /// is nothing to do): queue order puts them after every earlier submission on this
+    /// device and before every later one.
+    pub fn submit_edits(&mut self, gpu: &Gpu, edits: (&[SlotTable], &[KvCopy])) -> Result<()> {
+        if edits.0.is_empty() && edits.1.is_empty() {
             return Ok(());
         }
         let mut enc = gpu.encoder();
-        self.copy_prefixes(gpu, &mut enc, copies)?;
+        self.apply_edits(gpu, &mut enc, edits)?;
         gpu.submit(enc);
         Ok(())
     }
 
-    /// Byte ranges of `copy` in one layer's buffer, checked against the cache and wgpu's
-    /// 4-byte copy alignment.
-    fn plan_copy(&self, copy: &KvCopy) -> Result<CopyPlan> {
+    /// Byte ranges of `copy` in one layer's buffer under the block tables `mirror`, checked
+    /// against the cache and wgpu's 4-byte copy alignment.
+    fn plan_copy(&self, mirror: &[u32], copy: &KvCopy) -> Result<CopyPlan> {
         let l = self.layout;
         copy.check(self.slots, l.max_seq, l.head_dim)?;
         let elem = self.layers.first().map_or(4, |(k, _)| k.dtype().size());
@@ -161,20 +193,34 @@ impl KvCache {
         } else {
             copy.tokens
         };
-        let head = (l.max_seq * l.head_dim * elem) as u64;
-        let bytes = (tokens * l.head_dim * elem) as u64;
-        let at = |slot: usize, h: usize| (slot * l.kv_heads + h) as u64 * head;
-        if tokens > l.max_seq || !bytes.is_multiple_of(4) || !head.is_multiple_of(4) {
+        let position = (l.head_dim * elem) as u64;
+        let head = l.max_seq as u64 * position;
+        let bps = blocks_per_slot(l.max_seq);
+        // Byte offset of logical position `pos` (a block's first) of head `h` of `slot`.
+        let at = |slot: usize, h: usize, pos: usize| {
+            let b = mirror[slot * bps + pos / KV_BLOCK] as usize;
+            (b / bps * l.kv_heads + h) as u64 * head + ((b % bps) * KV_BLOCK) as u64 * position
+        };
+        let mut ranges: Vec<(u64, u64, u64)> = Vec::new();
+        for h in 0..l.kv_heads {
+            for start in (0..tokens.min(l.max_seq)).step_by(KV_BLOCK) {
+                let n = (tokens - start).min(KV_BLOCK) as u64;
+                let (from, to) = (at(copy.from, h, start), at(copy.to, h, start));
+                match ranges.last_mut() {
+                    // Runs contiguous in both slots travel as one copy.
+                    Some(r) if r.0 + r.2 == from && r.1 + r.2 == to => r.2 += n * position,
+                    _ => ranges.push((from, to, n * position)),
+                }
+            }
+        }
+        let aligned = (ranges.iter()).all(|&(f, t, b)| (f | t | b).is_multiple_of(4));
+        if tokens > l.max_seq || !aligned {
             return Err(WgparError::Internal(format!(
                 "KV copy of {tokens} positions of {} x {} bytes is not 4-byte aligned",
                 l.head_dim, elem
             )));
         }
-        Ok(CopyPlan {
-            from: (0..l.kv_heads).map(|h| at(copy.from, h)).collect(),
-            to: (0..l.kv_heads).map(|h| at(copy.to, h)).collect(),
-            bytes,
-        })
+        Ok(CopyPlan { ranges })
     }
 
     /// Sequences the cache holds.
@@ -253,12 +299,20 @@ impl KvCache {
                     v,
                     seqs: &a.seqs,
                 };
+                let blocks = Some(&self.blocks);
                 Ok(KvLayer {
-                    store: KvStore::bind(gpu, &mut params, (&a.k, &a.v), cache, &capacity)?,
-                    attend: Attention::bind(
+                    store: KvStore::bind_paged(
+                        gpu,
+                        &mut params,
+                        (&a.k, &a.v),
+                        (cache, blocks),
+                        &capacity,
+                    )?,
+                    attend: Attention::bind_paged(
                         gpu,
                         &mut params,
                         (&a.q, cache, &a.attn),
+                        blocks,
                         &capacity,
                         mask,
                     )?

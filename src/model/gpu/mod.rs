@@ -571,7 +571,7 @@ impl GpuModel {
             max_seq: c.max_seq,
             head_dim: c.head_dim,
         };
-        Ok(KvCache::new(slots, layout, layers))
+        KvCache::new(&self.gpu, slots, layout, layers)
     }
 
     fn check_step(&self, act: &Activations, step: &Step) -> Result<()> {

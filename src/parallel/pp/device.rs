@@ -248,7 +248,7 @@ fn stage_inputs(
         None => m.begin_step(act, kv, &step, &step.rows())?,
     }
     // This stage's layers, queued behind its earlier passes and ahead of this one's compute.
-    kv.submit_copies(m.gpu(), &work.kv_copies)
+    kv.submit_edits(m.gpu(), work.kv_edits.parts())
 }
 
 /// The compute span of a stage's pass: its layers' cost, and the head's part on the last

@@ -99,7 +99,7 @@ impl PipelineEngine {
             recorder: self.recorder.clone(),
             run: self.run,
             readout: Readout::default(),
-            kv_copies: Arc::default(),
+            kv_edits: Arc::default(),
         }
     }
 

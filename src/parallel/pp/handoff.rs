@@ -13,7 +13,7 @@ use crate::comm::PendingDownload;
 use crate::error::{Result, WgparError};
 use crate::model::{SeqRow, Step, StepOut};
 use crate::parallel::tp::EncoderExtras;
-use crate::parallel::KvCopy;
+use crate::parallel::KvEdits;
 use crate::sim::{Direction, LinkPacer};
 use crate::threads::lock;
 use crate::trace::{Recorder, SpanAttrs, SpanId};
@@ -47,9 +47,9 @@ pub(crate) struct Work {
     pub(crate) run: u64,
     /// The last stage's token pick and readback.
     pub(crate) readout: Readout,
-    /// Copies of cached KV between slots, made by each stage (of its own layers) when the
-    /// pass reaches it, before its layers run.
-    pub(crate) kv_copies: Arc<Vec<KvCopy>>,
+    /// Block tables, then copies of cached KV between slots, applied by each stage (to its
+    /// own layers) when the pass reaches it, before its layers run.
+    pub(crate) kv_edits: Arc<KvEdits>,
 }
 
 /// What the last stage hands the driver.

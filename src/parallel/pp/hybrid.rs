@@ -64,7 +64,7 @@ fn group_job(place: &Place, work: &mut Work) -> GroupJob {
         encoder: work.encoder.clone(),
         pacer: work.pacer.clone(),
         readout: work.readout.clone(),
-        kv_copies: work.kv_copies.clone(),
+        kv_edits: work.kv_edits.clone(),
     }
 }
 

@@ -12,7 +12,7 @@ use super::{PipelineEngine, PipelineStats, Readout};
 use crate::error::{Result, WgparError};
 use crate::model::{ModelConfig, Step};
 use crate::parallel::pick::check_finite;
-use crate::parallel::{BatchStep, StepDone, StepEngine};
+use crate::parallel::{BatchStep, KvEdits, StepDone, StepEngine};
 
 /// The continuous-batching state of a pipeline: one KV cache of `slots` on every stage,
 /// shared by the lanes (the micro-batches in flight).
@@ -87,7 +87,7 @@ impl StepEngine for PipelineEngine {
                 step.lane
             )));
         }
-        crate::parallel::check_kv_copies(&step.kv_copies, self.serving.slots, &self.config)?;
+        crate::parallel::check_kv_edits(&step, self.serving.slots, &self.config)?;
         let shape = Step {
             batch: step.rows.len(),
             seq: step.seq,
@@ -99,7 +99,7 @@ impl StepEngine for PipelineEngine {
         w.rows = Some(Arc::new(step.rows));
         w.slots = Some(self.serving.slots);
         w.release_us = step.release_us;
-        w.kv_copies = Arc::new(step.kv_copies);
+        w.kv_edits = Arc::new(KvEdits::of(step.kv_tables, step.kv_copies));
         // The device picks greedily; logits come back only for a caller that samples.
         w.readout = Readout {
             logits: step.logits,

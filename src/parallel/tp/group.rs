@@ -14,7 +14,7 @@ use crate::kernels::ops::TokenPick;
 use crate::model::{ModelConfig, ModelWeights, Placement, SeqRow, ShardSpec, Step, StepOut};
 use crate::parallel::upload::upload_parts;
 use crate::parallel::worker::Workers;
-use crate::parallel::{Fault, KvCopy};
+use crate::parallel::{Fault, KvEdits};
 use crate::sim::LinkPacer;
 use crate::trace::{Recorder, SpanId};
 
@@ -101,8 +101,9 @@ pub(crate) struct GroupJob {
     pub pacer: Option<Arc<LinkPacer>>,
     /// The head's token pick and readback (used by the rank that holds the head).
     pub readout: Readout,
-    /// Copies of cached KV between slots, made (of this rank's heads) before the step.
-    pub kv_copies: Arc<Vec<KvCopy>>,
+    /// Block tables, then copies of cached KV between slots, applied (to this rank's heads)
+    /// before the step.
+    pub kv_edits: Arc<KvEdits>,
 }
 
 /// Per-batch inputs an encoder needs beside the ids.

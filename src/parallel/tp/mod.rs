@@ -15,7 +15,7 @@ use std::time::Instant;
 use super::encoder::{pad_batch, Embeddings, Encoder};
 use super::pick::{check_finite, count_non_finite, Picker};
 use super::{
-    check_decode, prompt_shape, Engine, Fault, KvCopy, Logits, StepDone, StepOutput, StepStats,
+    check_decode, prompt_shape, Engine, Fault, KvEdits, Logits, StepDone, StepOutput, StepStats,
 };
 use crate::comm::{CommConfig, Communicator, CrossProcessGroup};
 use crate::device::{DType, Gpu};
@@ -53,8 +53,8 @@ struct StepPlan {
     encoder: Option<Arc<EncoderExtras>>,
     /// The head's token pick and readback.
     readout: Readout,
-    /// Copies of cached KV between slots before the step.
-    kv_copies: Vec<KvCopy>,
+    /// Block tables and copies of cached KV between slots before the step.
+    kv_edits: KvEdits,
 }
 
 /// The model sharded over several devices, one worker thread per device.
@@ -255,7 +255,7 @@ impl TensorParallelEngine {
             encoder: plan.encoder,
             pacer: self.pacer.clone(),
             readout: plan.readout,
-            kv_copies: Arc::new(plan.kv_copies),
+            kv_edits: Arc::new(plan.kv_edits),
         }
     }
 }

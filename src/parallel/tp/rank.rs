@@ -148,7 +148,7 @@ fn stage_inputs(
         None => m.begin_step(act, kv, &step, &step.rows())?,
     }
     // This rank's heads, queued behind its earlier steps and ahead of this one's layers.
-    kv.submit_copies(m.gpu(), &job.kv_copies)?;
+    kv.submit_edits(m.gpu(), job.kv_edits.parts())?;
     pass.add_host(host);
     if let GroupInput::Ids(ids) = &job.input {
         let host = HostTime::now();

@@ -9,7 +9,7 @@ use crate::error::{Result, WgparError};
 use crate::model::{ModelConfig, Step};
 use crate::parallel::batch::row_logits;
 use crate::parallel::pick::check_finite;
-use crate::parallel::{BatchStep, StepDone, StepEngine};
+use crate::parallel::{BatchStep, KvEdits, StepDone, StepEngine};
 
 impl StepEngine for TensorParallelEngine {
     fn model_config(&self) -> &ModelConfig {
@@ -51,7 +51,7 @@ impl StepEngine for TensorParallelEngine {
             ));
         }
         let config = &self.config;
-        crate::parallel::check_kv_copies(&step.kv_copies, self.serve_slots, config)?;
+        crate::parallel::check_kv_edits(&step, self.serve_slots, config)?;
         let shape = Step {
             batch: step.rows.len(),
             seq: step.seq,
@@ -70,7 +70,7 @@ impl StepEngine for TensorParallelEngine {
                 adjust: Arc::new(step.adjust.unwrap_or_default()),
                 ..Readout::default()
             },
-            kv_copies: step.kv_copies,
+            kv_edits: KvEdits::of(step.kv_tables, step.kv_copies),
         };
         let out = match self.run(step.ids, shape, plan)? {
             GroupOutput::Picked(out) => {
