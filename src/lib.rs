@@ -23,6 +23,7 @@ pub mod memory_check;
 pub mod model;
 pub mod parallel;
 pub mod server;
+pub mod serving;
 pub mod sim;
 pub mod stats;
 pub mod switches;

@@ -25,6 +25,7 @@
 //! timeline replays on any host profile ([`project_metrics`]).
 
 mod bench;
+pub mod bench_report;
 mod chunk;
 mod metrics;
 mod prefix;

@@ -77,6 +77,7 @@ pub fn run(args: &AllreduceArgs) -> Result<()> {
     if devices.devices.is_none() && devices.virtual_count.is_none() {
         devices.virtual_count = Some(2);
     }
+    let devices = devices.choice();
     opts.check_fits(&devices.selected(&adapters)?)?;
     let gpus = devices.open(&adapters)?;
     let report = run_bench(&gpus, &opts)?;

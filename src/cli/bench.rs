@@ -5,9 +5,11 @@ use wgpar::device::{open_devices, AdapterDesc, Adapters, DType, DeviceSelection}
 use wgpar::kernels::bench::{bench_kernels, KernelBenchOptions};
 use wgpar::kernels::bench_options::{parse_copy_size, parse_qtypes, parse_shape, parse_sizes};
 use wgpar::kernels::bench_table::render;
+use wgpar::memory_check::{check_context, PlannedRun};
 use wgpar::model::memory::Workload;
 use wgpar::model::ModelConfig;
 use wgpar::parallel::pipeline_sweep::{PipelineSweep, SweepRun};
+use wgpar::parallel::run_plan::check_planned_runs;
 use wgpar::parallel::Schedule;
 use wgpar::{Result, WgparError};
 
@@ -156,7 +158,7 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
     let sweep = args.sweep();
     let config = args.model.choice().config()?;
     sweep.check()?;
-    super::memory::check_context(args.prompt_len, args.gen, &config)?;
+    check_context(args.prompt_len, args.gen, &config)?;
     let runs = sweep.runs()?;
     let adapters = Adapters::discover()?;
     let max = args.stages.iter().copied().max().unwrap_or(1);
@@ -164,10 +166,10 @@ fn bench_pipeline(args: &PipelineBenchArgs) -> Result<()> {
         adapter: adapters.preferred(),
         count: max,
     };
-    let selected = args.binding.described(&selection, &adapters)?;
+    let selected = args.binding.choice().described(&selection, &adapters)?;
     let dtype = args.model.choice().dtype_for(&selected, false)?;
     check_pipelines_fit(args, &runs, (&config, dtype), &selected)?;
-    let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
+    let gpus = open_devices(&adapters, &selection, &args.binding.choice().gpu_options())?;
     let weights = args.model.choice().weights(&config)?;
     out!("{}", sweep.header(&config, &gpus[0]))?;
     sweep.measure(&gpus, (&weights, dtype), |row| out!("{row}"))
@@ -181,8 +183,8 @@ fn check_pipelines_fit(
     (config, dtype): (&ModelConfig, DType),
     selected: &[AdapterDesc],
 ) -> Result<()> {
-    let runs: Vec<super::memory::PlannedRun> = (runs.iter())
-        .map(|r| super::memory::PlannedRun {
+    let runs: Vec<PlannedRun> = (runs.iter())
+        .map(|r| PlannedRun {
             strategy: &r.strategy,
             adapters: &selected[..r.stages],
             step_tokens: r.batch.div_ceil(r.micro_batches) * args.prompt_len,
@@ -193,13 +195,9 @@ fn check_pipelines_fit(
             },
         })
         .collect();
-    super::memory::check_runs_fit(config, dtype, &runs)?;
-    (args.memory).check_runs(
-        &args.model,
-        (config, dtype),
-        &args.binding.kv_dtypes(selected, false),
-        &runs,
-    )
+    let kv = args.binding.choice().kv_dtypes(selected, false);
+    let caps = args.memory.gpu_memory.as_deref();
+    check_planned_runs(args.model.choice(), (config, dtype), &kv, caps, &runs)
 }
 
 /// Runs a benchmark command.
@@ -218,7 +216,7 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
 fn bench_kernels_on_devices(args: &KernelsBenchArgs) -> Result<()> {
     let opts = kernel_options(args)?;
     let adapters = Adapters::discover()?;
-    let gpus = args.devices.open(&adapters)?;
+    let gpus = args.devices.choice().open(&adapters)?;
     let mut all = Vec::new();
     for gpu in &gpus {
         let rows = bench_kernels(gpu, &opts)?;

@@ -6,8 +6,9 @@
 
 use clap::Args;
 use wgpar::device::{open_devices, Adapters, DeviceSelection};
-use wgpar::memory_check::{check_runs_fit, PlannedRun};
+use wgpar::memory_check::PlannedRun;
 use wgpar::model::memory::Workload;
+use wgpar::parallel::run_plan::check_planned_runs;
 use wgpar::parallel::{decode_strategy, DecodeBench};
 use wgpar::{Result, WgparError};
 
@@ -74,7 +75,7 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
         adapter: adapters.preferred(),
         count: bench.devices(),
     };
-    let selected = args.binding.described(&selection, &adapters)?;
+    let selected = args.binding.choice().described(&selection, &adapters)?;
     let dtype = args.model.choice().dtype_for(&selected, false)?;
     let runs: Vec<PlannedRun> = (bench.strategies.iter())
         .map(|(_, s)| PlannedRun {
@@ -88,14 +89,10 @@ pub fn run(args: &DecodeBenchArgs) -> Result<()> {
             },
         })
         .collect();
-    check_runs_fit(&config, dtype, &runs)?;
-    (args.memory).check_runs(
-        &args.model,
-        (&config, dtype),
-        &args.binding.kv_dtypes(&selected, false),
-        &runs,
-    )?;
-    let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
+    let (binding, caps) = (args.binding.choice(), args.memory.gpu_memory.as_deref());
+    let kv = binding.kv_dtypes(&selected, false);
+    check_planned_runs(args.model.choice(), (&config, dtype), &kv, caps, &runs)?;
+    let gpus = open_devices(&adapters, &selection, &binding.gpu_options())?;
     let weights = args.model.choice().weights(&config)?;
     let rows = bench.measure(&gpus, &weights, dtype)?;
     if args.json {

@@ -4,23 +4,19 @@
 //! end-to-end percentiles, bubble and communication shares, and writes a trace that
 //! `wgpar project` replays on any host profile.
 
-use std::sync::Arc;
-
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use serde::Serialize;
+use wgpar::batching::bench_report::{render_run, BenchRun};
 use wgpar::batching::{
     serve, Length, LongPrompt, Rate, ServeBench, ServeOptions, ServeRun, Sessions, WorkloadSpec,
 };
-use wgpar::comm::CommConfig;
-use wgpar::device::Adapters;
 use wgpar::model::memory::Workload;
-use wgpar::parallel::{build_step_engine, Schedule, StepEngine, Strategy};
+use wgpar::parallel::StepEngine;
+use wgpar::serving::{ServingChoice, ServingEngine as Built};
 use wgpar::trace::{DeviceTiming, Recorder};
 use wgpar::{Result, WgparError};
 
-use super::options::{serving_strategy, DeviceArgs, MemoryArgs, ModelArgs, StrategyArgs};
-use wgpar::parallel::auto::Setting;
+use super::options::{DeviceArgs, MemoryArgs, ModelArgs, StrategyArgs};
 
 /// Options of `wgpar bench serve`.
 #[derive(Args, Clone, Debug)]
@@ -90,24 +86,12 @@ pub struct ServeArgs {
     json: bool,
 }
 
-#[derive(Serialize)]
-struct Output<'a> {
-    model: &'a str,
-    strategy: String,
-    workload: &'a WorkloadSpec,
-    sessions: Sessions,
-    options: &'a ServeOptions,
-    long_prompt: Option<LongPrompt>,
-    #[serde(flatten)]
-    run: &'a ServeRun,
-}
-
 /// Runs the benchmark.
 pub fn run(args: &ServeArgs) -> Result<()> {
     let config = args.model.choice().config()?;
     let bench = bench(args);
     bench.check()?;
-    check_schedule(args)?;
+    args.strategy.choice().check_serving()?;
     bench.check_fits(&config)?;
     if let Some(url) = &args.url {
         return run_http(args, url, &config, &bench);
@@ -115,27 +99,37 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let opts = serve_options(args)?;
     super::options::create_trace_file(args.trace.as_ref())?;
     let mut built = build(args, &bench, &config, &opts)?;
-    let spec = &bench.spec;
+    let what = BenchRun {
+        config: &config,
+        spec: &bench.spec,
+        sessions: bench.sessions,
+        opts: &opts,
+        long_prompt: args.long_prompt,
+        engine: built.engine.name(),
+        strategy: built.strategy.to_string(),
+        dtype: built.dtype,
+        lanes: built.engine.lanes(),
+        adapters: super::trace::adapter_labels(&built.gpus),
+    };
     if !args.json {
-        print_header(&config, (spec, bench.sessions), &opts, &built)?;
+        out!("{}", what.header())?;
     }
     let recorder = Recorder::new().with_device_timing(DeviceTiming::Off);
     let run = measured(args.json, &bench, built.engine.as_mut(), &opts, &recorder)?;
-    let what = TraceMeta {
-        config: &config,
-        spec,
-        opts: &opts,
-        built: &built,
-        long_prompt: args.long_prompt,
-        sessions: bench.sessions,
-    };
     if let Some(path) = &args.trace {
-        write_trace(args.json, path, &recorder, &run, &what)?;
+        what.write_trace(path, &recorder, &run)?;
+        if !args.json {
+            let spans = run.timeline.spans.len();
+            outln!(
+                "trace: {spans} spans written to {path} (replay with `wgpar project --trace \
+                 {path} --host PROFILE`)"
+            )?;
+        }
     }
     if args.json {
-        return print_json(&what, &run);
+        return outln!("{}", what.json(&run)?);
     }
-    print_run(&run)?;
+    out!("{}", render_run(&run))?;
     print_long_ttft(bench.long_prompt_ttft(&run))
 }
 
@@ -165,18 +159,6 @@ fn bench(args: &ServeArgs) -> ServeBench {
     }
 }
 
-/// Refuses `--schedule gpipe`, which has no place in continuous batching.
-fn check_schedule(args: &ServeArgs) -> Result<()> {
-    if args.strategy.schedule() == Schedule::GPipe {
-        return Err(WgparError::unsupported(
-            "--schedule gpipe does not apply to serve: requests join and leave the running \
-             batch at every token"
-                .into(),
-        ));
-    }
-    Ok(())
-}
-
 /// The scheduler's limits, each at least 1.
 fn serve_options(args: &ServeArgs) -> Result<ServeOptions> {
     let opts = ServeOptions {
@@ -189,76 +171,6 @@ fn serve_options(args: &ServeArgs) -> Result<ServeOptions> {
     Ok(opts)
 }
 
-/// The two lines naming the model, the engine and the workload.
-fn print_header(
-    config: &wgpar::model::ModelConfig,
-    (spec, sessions): (&WorkloadSpec, Sessions),
-    opts: &ServeOptions,
-    built: &Built,
-) -> Result<()> {
-    outln!(
-        "model {} ({} layers, hidden {}, {:?} weights); engine: {}",
-        config.name,
-        config.layers,
-        config.hidden,
-        built.dtype,
-        built.engine.name()
-    )?;
-    outln!(
-        "{} requests at {}, prompt {} tokens, output {} tokens, {} KV slots over {} lane(s)",
-        spec.requests,
-        spec.rate,
-        spec.prompt_len,
-        spec.output_len,
-        opts.max_batch,
-        built.engine.lanes()
-    )?;
-    print_sessions(sessions)?;
-    outln!(
-        "prefix cache: {}",
-        if opts.prefix_cache { "on" } else { "off" }
-    )
-}
-
-/// The line on repeated prompts, when the workload has any.
-fn print_sessions(sessions: Sessions) -> Result<()> {
-    if !sessions.any() {
-        return Ok(());
-    }
-    outln!(
-        "every session: a shared system prompt of {} tokens, {} turn(s), each later turn \
-         repeating the one before and its answer",
-        sessions.shared_prefix,
-        sessions.turns
-    )
-}
-
-/// The run as JSON: every request's outcome and the figures.
-fn print_json(what: &TraceMeta<'_>, run: &ServeRun) -> Result<()> {
-    let out = Output {
-        model: &what.config.name,
-        strategy: what.built.strategy.to_string(),
-        workload: what.spec,
-        sessions: what.sessions,
-        options: what.opts,
-        long_prompt: what.long_prompt,
-        run,
-    };
-    let text = serde_json::to_string_pretty(&out).map_err(|source| WgparError::Json {
-        what: "the serving run".into(),
-        source,
-    })?;
-    outln!("{text}")
-}
-
-/// The engine `bench serve` measures, with what it runs on.
-struct Built {
-    engine: Box<dyn StepEngine>,
-    gpus: Vec<Arc<wgpar::device::Gpu>>,
-    dtype: wgpar::device::DType,
-    strategy: Strategy,
-}
-
 /// Checks the run fits the selected adapters, then opens them and builds the engine (paced
 /// when `--pace` asks).
 fn build(
@@ -267,69 +179,27 @@ fn build(
     config: &wgpar::model::ModelConfig,
     opts: &ServeOptions,
 ) -> Result<Built> {
-    let pacer = args
-        .pace
-        .as_deref()
-        .map(super::options::pacer_for)
-        .transpose()?;
-    let adapters = Adapters::discover()?;
-    let selected = args.devices.selected(&adapters)?;
-    let dtype = args
-        .model
-        .choice()
-        .dtype_for(&selected, args.devices.force_f32)?;
-    let strategy = serving_strategy(&args.strategy, selected.len(), opts.max_batch)?;
     let work = Workload {
         batch: opts.max_batch,
         prompt: bench.longest_prompt(),
     };
-    let auto = args.strategy.auto_placement(&args.memory);
-    let setting = Setting {
-        config,
-        dtype,
+    let choice = ServingChoice {
+        devices: args.devices.choice(),
         model: args.model.choice(),
-        kv: args.devices.kv_dtypes(&selected),
-        selected: &selected,
-        work,
-    };
-    let strategy = auto.before_open(strategy, &setting)?;
-    let runs = [super::memory::PlannedRun {
-        strategy: &strategy,
-        adapters: &selected,
+        strategy: args.strategy.choice(),
+        gpu_memory: args.memory.gpu_memory.as_deref(),
+        max_batch: opts.max_batch,
         step_tokens: bench.largest_step(opts),
-        batch: opts.max_batch,
         work,
-    }];
-    super::memory::check_runs_fit(config, dtype, &runs)?;
-    (args.memory).check_runs(
-        &args.model,
-        (config, dtype),
-        &args.devices.kv_dtypes(&selected),
-        &runs,
-    )?;
-    let gpus = args.devices.open(&adapters)?;
-    let weights = args.model.choice().weights(config)?;
-    let strategy = auto.once_open(&strategy, &gpus, (&weights, dtype), work)?;
-    let mut engine = build_step_engine(
-        &strategy,
-        &gpus,
-        &weights,
-        dtype,
-        &CommConfig::default(),
-        (opts.max_batch, bench.longest_prompt()),
-    )?;
-    if let Some((pacer, what)) = pacer {
-        if !args.json {
-            outln!("pacing transfers to {what}")?;
-        }
-        engine.set_pacer(Some(Arc::new(pacer)));
+        probe: work,
+        pace: args.pace.as_deref(),
+        fault: None,
+    };
+    let (built, _) = choice.plan(config.clone())?.build(args.model.choice())?;
+    if let (Some(what), false) = (&built.paced, args.json) {
+        outln!("pacing transfers to {what}")?;
     }
-    Ok(Built {
-        engine,
-        gpus,
-        dtype,
-        strategy,
-    })
+    Ok(built)
 }
 
 /// The recorded run (after an untimed warm-up), with a progress bar unless the output is
@@ -357,87 +227,6 @@ fn measured(
     });
     bar.finish_and_clear();
     result
-}
-
-/// What the run measured: the names its trace's metadata and its JSON give.
-struct TraceMeta<'a> {
-    config: &'a wgpar::model::ModelConfig,
-    spec: &'a WorkloadSpec,
-    opts: &'a ServeOptions,
-    built: &'a Built,
-    long_prompt: Option<LongPrompt>,
-    sessions: Sessions,
-}
-
-/// Writes the run's trace with the metadata a projection needs.
-fn write_trace(
-    json: bool,
-    path: &str,
-    recorder: &Recorder,
-    run: &ServeRun,
-    what: &TraceMeta<'_>,
-) -> Result<()> {
-    let processed: usize = (run.outcomes.iter())
-        .filter(|o| o.error.is_none())
-        .map(|o| o.prompt_len + o.tokens.len().saturating_sub(1))
-        .sum();
-    let dtype = format!("{:?}", what.built.dtype).to_lowercase();
-    for (key, value) in [
-        ("model", what.config.name.clone()),
-        ("strategy", run.engine.clone()),
-        ("dtype", dtype),
-        ("workload", format!("{:?}", what.spec)),
-        ("requests", what.spec.requests.to_string()),
-        ("max_batch", what.opts.max_batch.to_string()),
-        ("tokens", processed.to_string()),
-        ("adapters", super::prepare::adapter_labels(&what.built.gpus)),
-    ] {
-        recorder.set_meta(key, value);
-    }
-    recorder.timeline().write_chrome_trace(path)?;
-    if !json {
-        outln!(
-            "trace: {} spans written to {path} (replay with `wgpar project --trace {path} --host PROFILE`)",
-            run.timeline.spans.len()
-        )?;
-    }
-    Ok(())
-}
-
-/// The run's metrics, refusals and pipeline accounting.
-fn print_run(run: &ServeRun) -> Result<()> {
-    out!("{}", run.metrics.lines("Serving Benchmark Result"))?;
-    let p = &run.prefix;
-    outln!(
-        "{:<40}{:>14}",
-        "Prefix cache hits (prompts):",
-        format!("{}/{}", p.hits, p.queries)
-    )?;
-    outln!(
-        "{:<40}{:>14.1}",
-        "Prefix cache hit rate (tokens, %):",
-        p.token_hit_rate() * 100.0
-    )?;
-    outln!("{:<40}{:>14}", "Prompt tokens saved:", p.reused_tokens)?;
-    for o in run.outcomes.iter().filter(|o| o.error.is_some()) {
-        outln!(
-            "refused: {}",
-            o.error.as_deref().unwrap_or("(no reason given)")
-        )?;
-    }
-    if let Some(p) = &run.pipeline {
-        outln!(
-            "pipeline: {} passes over {} lane(s), {:.1} tokens/s = {:.0}% of the {:.1} its measured stage times allow; bubble {:.1}% (a full pipeline of equal stages: {:.1}%)",
-            p.passes,
-            p.microbatches,
-            p.tokens_per_s(),
-            p.tokens_per_s() / p.ideal_tokens_per_s() * 100.0,
-            p.ideal_tokens_per_s(),
-            p.measured_bubble * 100.0,
-            p.theoretical_bubble * 100.0
-        )?;
-    }
-    Ok(())
 }
 
 /// `--url`: the workload over HTTP against any OpenAI-compatible server.

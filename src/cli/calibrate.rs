@@ -5,6 +5,7 @@ use clap::Args;
 use wgpar::calibrate::{calibrate, Calibration, CalibrationOptions};
 use wgpar::comm::units::parse_size;
 use wgpar::device::{AdapterDesc, DType};
+use wgpar::memory_check::{check_runs_fit, PlannedRun};
 use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::Strategy;
 use wgpar::sim::write_calibrated_profile;
@@ -50,11 +51,12 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     let config = args.model.choice().config()?;
     let options = args.options()?;
     let adapters = wgpar::device::Adapters::discover()?;
-    args.check_fits(&config, &args.devices.selected(&adapters)?)?;
+    let devices = args.devices.choice();
+    args.check_fits(&config, &devices.selected(&adapters)?)?;
     // The profile goes there: fail now, not after the measurements.
     super::options::check_writable_file(std::path::Path::new(&args.out))?;
-    let gpus = args.devices.open(&adapters)?;
-    let weights = ModelWeights::synthetic(&config, args.model.seed);
+    let gpus = devices.open(&adapters)?;
+    let weights = ModelWeights::synthetic(&config, args.model.choice().seed);
     let calibration = calibrate(&gpus, &weights, &options, &mut std::io::stdout())?;
     args.write(&calibration)
 }
@@ -82,9 +84,9 @@ impl CalibrateArgs {
     /// calibration runs it in f32 on every device) fits each of `adapters` at the largest
     /// step it measures, and fits the host's memory.
     pub(crate) fn check_fits(&self, config: &ModelConfig, adapters: &[AdapterDesc]) -> Result<()> {
-        let runs: Vec<super::memory::PlannedRun> = adapters
+        let runs: Vec<PlannedRun> = adapters
             .iter()
-            .map(|adapter| super::memory::PlannedRun {
+            .map(|adapter| PlannedRun {
                 strategy: &Strategy::Single,
                 adapters: std::slice::from_ref(adapter),
                 step_tokens: self.batch * self.prompt_len,
@@ -95,7 +97,7 @@ impl CalibrateArgs {
                 },
             })
             .collect();
-        super::memory::check_runs_fit(config, DType::F32, &runs)
+        check_runs_fit(config, DType::F32, &runs)
     }
 
     /// Writes the calibrated profile to `--out` (creating its folder) and says so.

@@ -99,8 +99,8 @@ fn catch_interrupts() {
 /// of input or Ctrl-C at the prompt.
 pub fn run(args: &ChatArgs) -> Result<()> {
     let run_args = args.as_run();
-    run_args.strategy.check_options()?;
-    super::prepare::check_syntax(&run_args)?;
+    run_args.strategy.choice().check_options()?;
+    run_args.choice().check_syntax()?;
     if args.text.prompt.is_some() {
         return Err(WgparError::unsupported(
             "--prompt does not apply to chat: type each message at the prompt".into(),
@@ -108,12 +108,14 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     }
     let sampling = super::text::check_options(&run_args)?;
     let config = args.model.choice().config()?;
-    let side = super::options::text_side(
-        &args.model,
-        &config,
+    let (tokenizer, template) = (
         args.text.tokenizer.as_deref(),
         args.chat_template.as_deref(),
-    )?;
+    );
+    let side = args
+        .model
+        .choice()
+        .text_side(&config, tokenizer, template)?;
     let template = side.template.ok_or_else(|| {
         WgparError::unsupported(format!(
             "model '{}' has no chat template (tokenizer_config.json's chat_template, \
@@ -125,7 +127,7 @@ pub fn run(args: &ChatArgs) -> Result<()> {
     let limits = ChatLimits::for_reply(args.gen, config.max_seq)?;
     let weights = args.model.choice().weights(&config)?;
     let shape = (limits.max_seq - limits.reply_tokens, limits.reply_tokens);
-    let (mut engine, _) = super::text::open_engine(&run_args, weights, sampling, shape)?;
+    let mut engine = super::text::open_engine(&run_args, weights, sampling, shape)?.engine;
     let mut session = Session {
         engine: engine.as_mut(),
         tokenizer: &side.tokenizer,

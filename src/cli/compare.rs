@@ -25,7 +25,7 @@ pub struct CompareArgs {
     #[arg(long)]
     devices: Option<String>,
     /// Use N virtual devices on one adapter (the default, 4, when there is one GPU).
-    #[arg(long = "virtual", value_name = "N", value_parser = super::options::parse_virtual)]
+    #[arg(long = "virtual", value_name = "N", value_parser = wgpar::device::parse_virtual)]
     virtual_count: Option<usize>,
     #[command(flatten)]
     binding: super::options::ModelDeviceArgs,
@@ -91,7 +91,7 @@ impl CompareArgs {
                 model: wgpar::model::hub::ModelRef::Preset("default".into()),
                 dtype: "f32".into(),
                 weights: None,
-                seed: 42,
+                seed: None,
                 max_seq: None,
             },
             devices: None,
@@ -143,14 +143,15 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     let resolved = resolve(args)?;
     let adapters = Adapters::discover()?;
     let selection = selection(args, &adapters)?;
-    let selected = args.binding.described(&selection, &adapters)?;
+    let binding = args.binding.choice();
+    let selected = binding.described(&selection, &adapters)?;
     let dtype = args.model.choice().dtype_for(&selected, false)?;
     let opts = compare_options(args, resolved, dtype);
-    let kv = args.binding.kv_dtypes(&selected, false);
+    let kv = binding.kv_dtypes(&selected, false);
     check_plans_fit(&opts, &selected, args.memory.gpu_memory.as_deref(), &kv)?;
     // The report goes there: a folder that cannot be written fails now, not after the runs.
     super::options::check_writable_dir(&args.out, &args.out)?;
-    let gpus = open_devices(&adapters, &selection, &args.binding.gpu_options())?;
+    let gpus = open_devices(&adapters, &selection, &binding.gpu_options())?;
     if !args.json {
         outln!(
             "comparing strategies for model '{}' on {} device(s): {}",
@@ -225,7 +226,7 @@ fn compare_options(args: &CompareArgs, resolved: Resolved, dtype: DType) -> Comp
         reps: args.reps,
         profiles: resolved.profiles,
         engines: resolved.engines,
-        seed: args.model.seed,
+        seed: args.model.choice().seed,
         serving: (args.serve_requests > 0).then(|| ServingOptions {
             requests: args.serve_requests,
             rate: args.serve_rate,
@@ -236,7 +237,7 @@ fn compare_options(args: &CompareArgs, resolved: Resolved, dtype: DType) -> Comp
                 .serve_output_len
                 .unwrap_or(Length::Fixed(args.gen.max(1))),
             max_batch: args.serve_max_batch,
-            seed: args.model.seed,
+            seed: args.model.choice().seed,
         }),
         at_scale: args.at_scale,
     }

@@ -56,7 +56,7 @@ fn checkpoint_dir(args: &EmbedArgs) -> Result<&Path> {
 
 /// Refuses more than one device and a `--max-seq` outside the supported contexts.
 fn check_options(args: &EmbedArgs) -> Result<()> {
-    let selected = args.devices.count();
+    let selected = args.devices.choice().count();
     if selected > 1 {
         return Err(WgparError::unsupported(format!(
             "{selected} devices selected, but embed encodes on one: select one with --devices \
@@ -117,7 +117,7 @@ struct Encoded {
 fn encode(args: &EmbedArgs, ckpt: &Checkpoint, inputs: &[EncoderInput]) -> Result<Encoded> {
     let weights = ckpt.weights(true)?;
     let adapters = Adapters::discover()?;
-    let gpus = args.devices.open(&adapters)?;
+    let gpus = args.devices.choice().open(&adapters)?;
     let dtype = args.model.choice().dtype(&gpus)?;
     let mut encoder = SingleEncoder::new(gpus[0].clone(), &weights, dtype)?;
     let pooling = weights.config.pooling;

@@ -29,15 +29,14 @@ mod chat;
 mod compare;
 mod devices;
 mod embed;
-mod memory;
 mod mpi;
 mod options;
 mod plan;
-mod prepare;
 mod project;
 mod run;
 mod server;
 mod text;
+mod trace;
 
 use clap::{Parser, Subcommand};
 use wgpar::device::Adapters;

@@ -1,25 +1,20 @@
 //! The option structs every command shares (devices, model, strategy, memory, text, a run's
-//! options) and the parsing of option values several commands take. Commands import these,
-//! never each other.
+//! options), each turned into the library's plain choice it stands for. Commands import
+//! these, never each other.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::PathBuf;
 
 use clap::Args;
-use wgpar::device::{
-    open_devices, AdapterDesc, Adapters, DType, DeviceSelection, Gpu, GpuOptions, KvCacheType,
-};
-use wgpar::load::{ModelChoice, TextSide};
+use wgpar::device::{parse_binding, parse_virtual, BindingChoice, DeviceChoice, KvCacheType};
+use wgpar::load::ModelChoice;
 use wgpar::model::hub::ModelRef;
-use wgpar::model::ModelConfig;
-use wgpar::parallel::auto::{AutoPlacement, MAX_LIST_TEXT};
+use wgpar::parallel::choice::{parse_counts, Counts, StrategyChoice};
+use wgpar::parallel::run_plan::RunChoice;
 use wgpar::parallel::timed::TimedRun;
 use wgpar::parallel::KeepLogits;
-use wgpar::parallel::{PartitionSpec, Schedule, Strategy};
 use wgpar::{Result, WgparError};
 
 pub(crate) use wgpar::files::{check_writable_dir, check_writable_file, create_trace_file};
-pub(crate) use wgpar::sim::pacer_for;
 
 /// Device selection options shared by every command that runs on GPUs.
 #[derive(Args, Clone, Debug)]
@@ -64,12 +59,10 @@ pub(crate) enum KvArg {
 }
 
 impl ModelDeviceArgs {
-    /// Device options with this cap and KV type (f32 forcing comes from the environment
-    /// alone).
-    pub(crate) fn gpu_options(&self) -> GpuOptions {
-        GpuOptions {
-            force_f32: false,
-            max_storage_binding: self.max_binding,
+    /// The binding cap and KV type these options ask for.
+    pub(crate) fn choice(&self) -> BindingChoice {
+        BindingChoice {
+            max_binding: self.max_binding,
             kv_cache: match self.kv_dtype {
                 KvArg::Auto => KvCacheType::Auto,
                 KvArg::F16 => KvCacheType::F16,
@@ -77,137 +70,18 @@ impl ModelDeviceArgs {
             },
         }
     }
-
-    /// The KV-cache type each of `selected` will store (`force_f32`: --force-f32), as opening
-    /// them will resolve it; f32 where f16 would be refused (opening refuses it).
-    pub(crate) fn kv_dtypes(&self, selected: &[AdapterDesc], force_f32: bool) -> Vec<DType> {
-        let force = force_f32 || wgpar::switches::flag(wgpar::switches::FORCE_F32);
-        let kind = self.gpu_options().kv_cache;
-        (selected.iter())
-            .map(|a| kind.resolve(a.shader_f16 && !force).unwrap_or(DType::F32))
-            .collect()
-    }
-
-    /// Refuses `--kv-dtype f16` before any device opens when a selected adapter lacks
-    /// SHADER_F16 (opening would refuse it too, later).
-    pub(crate) fn check_kv(&self, selected: &[AdapterDesc]) -> Result<()> {
-        let kind = self.gpu_options().kv_cache;
-        for a in selected {
-            kind.resolve_on(a, a.shader_f16, false)?;
-        }
-        Ok(())
-    }
-
-    /// `selected` as the checks before opening must see them: with the cap the devices will
-    /// be opened with.
-    pub(crate) fn apply(&self, mut selected: Vec<AdapterDesc>) -> Vec<AdapterDesc> {
-        if let Some(cap) = self.max_binding {
-            for adapter in &mut selected {
-                adapter.max_storage_binding = adapter.max_storage_binding.min(cap);
-            }
-        }
-        selected
-    }
-
-    /// The adapters of `selection`, described without opening any, with the cap applied.
-    pub(crate) fn described(
-        &self,
-        selection: &DeviceSelection,
-        adapters: &Adapters,
-    ) -> Result<Vec<AdapterDesc>> {
-        let selected = self.apply(described(selection, adapters)?);
-        self.check_kv(&selected)?;
-        Ok(selected)
-    }
-}
-
-/// `--virtual N`: 1 to [`wgpar::device::MAX_DEVICES`], checked as the arguments are parsed.
-pub(crate) fn parse_virtual(text: &str) -> std::result::Result<usize, String> {
-    let max = wgpar::device::MAX_DEVICES;
-    match text.trim().parse::<usize>() {
-        Ok(n) if (1..=max).contains(&n) => Ok(n),
-        Ok(n) => Err(format!("{n} devices: select 1 to {max}")),
-        Err(e) => Err(format!("'{text}' is not a device count: {e}")),
-    }
-}
-
-pub(crate) fn parse_binding(text: &str) -> std::result::Result<u64, String> {
-    let bytes = wgpar::comm::units::parse_size(text).map_err(|e| e.to_string())?;
-    if bytes < 256 {
-        return Err(format!(
-            "{bytes} B is below the smallest binding wgpar opens (256 B)"
-        ));
-    }
-    Ok(bytes)
 }
 
 impl DeviceArgs {
-    /// Devices the options select (before any opens).
-    pub(crate) fn count(&self) -> usize {
-        match (&self.virtual_count, &self.devices) {
-            (Some(n), _) => *n,
-            (None, Some(list)) => list.split(',').count(),
-            (None, None) => 1,
-        }
-    }
-
-    pub(crate) fn open(&self, adapters: &Adapters) -> Result<Vec<Arc<Gpu>>> {
-        let selection =
-            DeviceSelection::from_options(self.devices.as_deref(), self.virtual_count, adapters)?;
-        open_devices(adapters, &selection, &self.gpu_options())
-    }
-
-    pub(crate) fn gpu_options(&self) -> GpuOptions {
-        GpuOptions {
+    /// The devices these options select.
+    pub(crate) fn choice(&self) -> DeviceChoice {
+        DeviceChoice {
+            devices: self.devices.clone(),
+            virtual_count: self.virtual_count,
             force_f32: self.force_f32,
-            ..self.binding.gpu_options()
+            binding: self.binding.choice(),
         }
     }
-
-    /// The KV-cache type each of `selected` will store once opened.
-    pub(crate) fn kv_dtypes(&self, selected: &[AdapterDesc]) -> Vec<DType> {
-        self.binding.kv_dtypes(selected, self.force_f32)
-    }
-
-    /// The adapter of each selected device, in order, without opening any: what the checks
-    /// that must come before opening devices need.
-    pub(crate) fn selected(&self, adapters: &Adapters) -> Result<Vec<AdapterDesc>> {
-        let selection =
-            DeviceSelection::from_options(self.devices.as_deref(), self.virtual_count, adapters)?;
-        self.binding.described(&selection, adapters)
-    }
-
-    /// Opens only the first `count` selected devices.
-    pub(crate) fn open_first(&self, adapters: &Adapters, count: usize) -> Result<Vec<Arc<Gpu>>> {
-        let selection =
-            DeviceSelection::from_options(self.devices.as_deref(), self.virtual_count, adapters)?;
-        let selection = match selection {
-            DeviceSelection::Indices(mut v) => {
-                v.truncate(count);
-                DeviceSelection::Indices(v)
-            }
-            DeviceSelection::Virtual { adapter, count: n } => DeviceSelection::Virtual {
-                adapter,
-                count: n.min(count),
-            },
-        };
-        open_devices(adapters, &selection, &self.gpu_options())
-    }
-}
-
-/// The adapter of each device of `selection`, in order, without opening any.
-pub(crate) fn described(
-    selection: &DeviceSelection,
-    adapters: &Adapters,
-) -> Result<Vec<AdapterDesc>> {
-    let indices = match selection {
-        DeviceSelection::Indices(v) => v.clone(),
-        DeviceSelection::Virtual { adapter, count } => vec![*adapter; *count],
-    };
-    indices
-        .into_iter()
-        .map(|i| adapters.get(i).map(|(_, d)| d.clone()))
-        .collect()
 }
 
 /// Model options shared by commands that run a model.
@@ -231,14 +105,18 @@ pub struct ModelArgs {
     /// another type, `dense` converts every matrix to --dtype.
     #[arg(long, value_name = "TYPE", value_parser = ["q8_0", "q4_0", "q4_k", "q6_k", "dense"])]
     pub(crate) weights: Option<String>,
-    /// Seed of the synthetic weights (presets), or of sampling (--prompt with --temperature).
-    #[arg(long, default_value_t = 42)]
-    pub(crate) seed: u64,
+    /// Seed of the synthetic weights (presets), or of sampling (--prompt with --temperature);
+    /// default 42.
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
     /// Longest context (prompt + generated tokens) the KV cache and position tables hold:
     /// sets a preset's, or limits a checkpoint's (default: the preset's, or 2048).
     #[arg(long, value_name = "TOKENS")]
     pub(crate) max_seq: Option<usize>,
 }
+
+/// The seed without `--seed`.
+const DEFAULT_SEED: u64 = 42;
 
 impl ModelArgs {
     /// The model these options name, as the library loads it.
@@ -247,7 +125,7 @@ impl ModelArgs {
             model: &self.model,
             dtype: &self.dtype,
             weights: self.weights.as_deref(),
-            seed: self.seed,
+            seed: self.seed.unwrap_or(DEFAULT_SEED),
             max_seq: self.max_seq,
         }
     }
@@ -288,123 +166,17 @@ pub struct StrategyArgs {
 }
 
 impl StrategyArgs {
-    /// The automatic placement these options and `memory` ask for (`--layers auto`,
-    /// `--split auto` within `--gpu-memory`).
-    pub(crate) fn auto_placement(&self, memory: &MemoryArgs) -> AutoPlacement {
-        AutoPlacement::new(
-            self.layers == Some(Counts::Auto),
-            self.split == Some(Counts::Auto),
-            memory.gpu_memory.clone(),
-        )
-    }
-
-    pub(crate) fn partition_spec(&self) -> PartitionSpec {
-        match (&self.layers, self.partition.as_deref()) {
-            (Some(Counts::Given(l)), _) => PartitionSpec::Explicit(l.clone()),
-            (None, Some("balanced")) => PartitionSpec::Balanced,
-            // `auto` is placed by `parallel::auto::AutoPlacement` once the accounting is at hand.
-            _ => PartitionSpec::Even,
+    /// The strategy these options name.
+    pub(crate) fn choice(&self) -> StrategyChoice {
+        StrategyChoice {
+            strategy: self.strategy.clone(),
+            tp: self.tp,
+            split: self.split.clone(),
+            layers: self.layers.clone(),
+            partition: self.partition.clone(),
+            micro_batches: self.micro_batches,
+            schedule: self.schedule.clone(),
         }
-    }
-
-    /// The pipeline decode schedule (in flight unless `--schedule gpipe`).
-    pub fn schedule(&self) -> Schedule {
-        self.schedule
-            .as_deref()
-            .and_then(Schedule::parse)
-            .unwrap_or_default()
-    }
-
-    /// Refuses options that do not apply to the chosen strategy instead of ignoring them.
-    pub fn check_options(&self) -> Result<()> {
-        let s = self.strategy.as_str();
-        let pipeline = matches!(s, "pp" | "hybrid");
-        let refuse = |option: &str, applies: &str| {
-            Err(WgparError::unsupported(format!(
-                "{option} does not apply to --strategy {s}: it {applies}"
-            )))
-        };
-        if self.split.is_some() && s != "tp" {
-            return refuse(
-                "--split",
-                "sets tensor-parallel shares (--strategy tp; hybrid stages split evenly)",
-            );
-        }
-        if self.layers.is_some() && !pipeline {
-            return refuse("--layers", "sets layers per pipeline stage (pp, hybrid)");
-        }
-        if self.partition.is_some() && !pipeline {
-            return refuse("--partition", "splits layers into stages (pp, hybrid)");
-        }
-        if self.layers.is_some() && self.partition.as_deref() == Some("balanced") {
-            return Err(WgparError::unsupported(
-                "--layers and --partition balanced both set the stages: give one".into(),
-            ));
-        }
-        if self.micro_batches.is_some() && !pipeline {
-            return refuse(
-                "--micro-batches",
-                "splits a batch for a pipeline (pp, hybrid)",
-            );
-        }
-        if self.schedule.is_some() && !pipeline {
-            return refuse("--schedule", "schedules a pipeline's decode (pp, hybrid)");
-        }
-        if self.tp.is_some() && s != "hybrid" {
-            return refuse(
-                "--tp",
-                "sets the devices per hybrid stage (--strategy tp uses every device)",
-            );
-        }
-        Ok(())
-    }
-
-    /// Whether `--layers auto` or `--split auto` asks for a placement by memory.
-    #[cfg(feature = "mpi")]
-    pub(crate) fn auto(&self) -> bool {
-        self.layers == Some(Counts::Auto) || self.split == Some(Counts::Auto)
-    }
-
-    /// The strategy these options name, with `micro_batches` where none is given. `auto`
-    /// placements are refused here rather than run evenly (under mpirun, where each rank
-    /// would measure alone).
-    #[cfg(feature = "mpi")]
-    pub fn strategy_with(&self, micro_batches: usize) -> Result<Strategy> {
-        if self.auto() {
-            return Err(WgparError::unsupported(
-                "--layers auto and --split auto are not taken under mpirun (each rank would \
-                 measure its own devices alone): give the counts"
-                    .into(),
-            ));
-        }
-        self.named(micro_batches)
-    }
-
-    /// The strategy these options name, `auto` placed evenly (see
-    /// [`AutoPlacement`]).
-    pub(crate) fn named(&self, micro_batches: usize) -> Result<Strategy> {
-        self.check_options()?;
-        let micro_batches = self.micro_batches.unwrap_or(micro_batches);
-        Ok(match self.strategy.as_str() {
-            "tp" => Strategy::Tensor {
-                split: match &self.split {
-                    Some(Counts::Given(v)) => Some(v.clone()),
-                    _ => None,
-                },
-            },
-            "pp" => Strategy::Pipeline {
-                partition: self.partition_spec(),
-                micro_batches,
-                schedule: self.schedule(),
-            },
-            "hybrid" => Strategy::Hybrid {
-                tp: self.tp.unwrap_or(2),
-                partition: self.partition_spec(),
-                micro_batches,
-                schedule: self.schedule(),
-            },
-            _ => Strategy::Single,
-        })
     }
 }
 
@@ -456,6 +228,21 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
+    /// The run's choices, as the library plans it.
+    pub(crate) fn choice(&self) -> RunChoice<'_> {
+        RunChoice {
+            devices: self.devices.choice(),
+            model: self.model.choice(),
+            strategy: self.strategy.choice(),
+            gpu_memory: self.memory.gpu_memory.as_deref(),
+            inject_fault: self.inject_fault.as_deref(),
+            pace: self.pace.as_deref(),
+            trace: self.trace.as_deref(),
+            logits_out: self.logits_out.as_deref(),
+            device_timestamps: &self.device_timestamps,
+        }
+    }
+
     /// The timed run these options ask for (every step's logits kept for `--logits-out`).
     pub(crate) fn timed(&self) -> TimedRun {
         TimedRun {
@@ -535,81 +322,4 @@ pub struct MemoryArgs {
     /// before any device is opened, with each device's bytes by kind.
     #[arg(long, value_name = "SIZE[,SIZE...]")]
     pub gpu_memory: Option<String>,
-}
-
-/// Counts per device or stage (`--split`, `--layers`), or `auto`: placed by memory.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Counts {
-    /// Chosen by the memory accounting within the `--gpu-memory` caps.
-    Auto,
-    /// Given, one per device or stage.
-    Given(Vec<usize>),
-}
-
-/// Parses `auto` or comma-separated whole numbers (at most one per device wgpar can select).
-pub fn parse_counts(text: &str) -> std::result::Result<Counts, String> {
-    if text.trim() == "auto" {
-        return Ok(Counts::Auto);
-    }
-    if text.len() > MAX_LIST_TEXT {
-        return Err(format!(
-            "{} characters: give at most one count per device",
-            text.len()
-        ));
-    }
-    (text.split(','))
-        .map(|part| {
-            (part.trim().parse::<usize>())
-                .map_err(|_| format!("'{}' is not a whole number (or give auto)", part.trim()))
-        })
-        .collect::<std::result::Result<Vec<usize>, String>>()
-        .map(Counts::Given)
-}
-
-/// The strategy a serving run uses on `devices` devices with `max_batch` KV slots: a pipeline
-/// keeps one step per lane in flight, one lane per stage by default (never more lanes than
-/// slots), and more lanes than slots are refused.
-pub(crate) fn serving_strategy(
-    args: &StrategyArgs,
-    devices: usize,
-    max_batch: usize,
-) -> Result<Strategy> {
-    let stages = match args.strategy.as_str() {
-        "pp" => devices,
-        "hybrid" => devices / args.tp.unwrap_or(2).max(1),
-        _ => 1,
-    };
-    // `auto` is placed by `parallel::auto::AutoPlacement`, around the devices' opening.
-    let strategy = args.named(stages.clamp(1, max_batch))?;
-    check_lanes_have_slots(&strategy, max_batch)?;
-    Ok(strategy)
-}
-
-/// Refuses a pipeline with more micro-batch lanes than KV slots: the extra lanes would never
-/// run a sequence.
-pub(crate) fn check_lanes_have_slots(strategy: &Strategy, max_batch: usize) -> Result<()> {
-    let lanes = match strategy {
-        Strategy::Pipeline { micro_batches, .. } | Strategy::Hybrid { micro_batches, .. } => {
-            *micro_batches
-        }
-        _ => return Ok(()),
-    };
-    if lanes > max_batch {
-        return Err(WgparError::unsupported(format!(
-            "--micro-batches {lanes} keeps {lanes} lanes in flight, but --max-batch {max_batch} \
-             gives KV slots to only {max_batch} of them: raise --max-batch to at least {lanes} \
-             or lower --micro-batches to {max_batch}"
-        )));
-    }
-    Ok(())
-}
-
-/// The model's text side ([`ModelChoice::text_side`]).
-pub(crate) fn text_side(
-    model: &ModelArgs,
-    config: &ModelConfig,
-    tokenizer: Option<&Path>,
-    chat_template: Option<&Path>,
-) -> Result<TextSide> {
-    model.choice().text_side(config, tokenizer, chat_template)
 }

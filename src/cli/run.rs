@@ -13,11 +13,12 @@ use wgpar::parallel::{build_engine, Engine, Strategy};
 use wgpar::{Result, WgparError};
 
 use super::options::RunArgs;
-use super::prepare::{adapter_labels, check_syntax, plan, recorder_for, write_trace, Plan};
+use super::trace::{adapter_labels, write_trace};
 use wgpar::memory_check::render_allocated;
 use wgpar::model::memory::{per_device, DeviceBytes, WeightFormat, Workload};
 use wgpar::parallel::arming::{jobs_per_step, FaultSpec};
 use wgpar::parallel::auto::AccountingParts;
+use wgpar::parallel::run_plan::RunPlan as Plan;
 
 /// Injects fault `f` before the warm-up (shifted past the warm-up's jobs, so that it counts
 /// the timed run's), and says so.
@@ -37,8 +38,9 @@ fn inject_before_warmup(engine: &mut dyn Engine, f: FaultSpec, per_step: usize) 
 
 /// Runs generation and prints the rates.
 pub fn run(args: &RunArgs) -> Result<()> {
-    args.strategy.check_options()?;
-    check_syntax(args)?;
+    let choice = args.choice();
+    choice.strategy.check_options()?;
+    choice.check_syntax()?;
     if let Some(prompt) = &args.text.prompt {
         return super::text::generate(args, prompt);
     }
@@ -47,7 +49,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     // The timed part: one prefill, then a generation (a prefill and gen - 1 decode steps).
     let timed_steps = args.gen + 1;
     let work = (args.batch, args.prompt_len);
-    let plan = plan(args, &config, &adapters, work, timed_steps)?;
+    let plan = choice.plan(&config, &adapters, work, timed_steps)?;
     let (placed, weights) = open_placed(args, &config, &adapters, &plan)?;
     // What the engine holds from here on (the measurement's probe models are gone).
     let before: Vec<u64> = placed.gpus.iter().map(|g| g.bytes_live()).collect();
@@ -100,7 +102,7 @@ fn checked_config(args: &RunArgs) -> Result<ModelConfig> {
             "--batch, --prompt-len and --gen must be positive".into(),
         ));
     }
-    super::memory::check_context(args.prompt_len, args.gen, &config)?;
+    wgpar::memory_check::check_context(args.prompt_len, args.gen, &config)?;
     Ok(config)
 }
 
@@ -121,7 +123,7 @@ fn open_placed(
     plan: &Plan,
 ) -> Result<(Placed, ModelWeights)> {
     let count = plan.strategy.devices_used(plan.adapters.len());
-    let gpus = args.devices.open_first(adapters, count)?;
+    let gpus = args.devices.choice().open_first(adapters, count)?;
     let dtype = args.model.choice().dtype(&gpus)?;
     debug_assert_eq!(dtype, plan.dtype);
     let weights = args.model.choice().weights(config)?;
@@ -129,7 +131,7 @@ fn open_placed(
         batch: args.batch,
         prompt: args.prompt_len,
     };
-    let auto = args.strategy.auto_placement(&args.memory);
+    let auto = (args.strategy.choice()).auto_placement(args.memory.gpu_memory.as_deref());
     let strategy = auto.once_open(&plan.strategy, &gpus, (&weights, dtype), work)?;
     let placed = Placed {
         gpus,
@@ -186,7 +188,7 @@ fn timed_generation(
     engine: &mut dyn Engine,
     placed: &Placed,
 ) -> Result<()> {
-    let recorder = recorder_for(args);
+    let recorder = args.choice().recorder();
     let timed = args.timed();
     timed.describe(&recorder, &config.name, &engine.name());
     recorder.set_meta("dtype", format!("{:?}", placed.dtype).to_lowercase());

@@ -4,26 +4,20 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use wgpar::comm::CommConfig;
-use wgpar::device::{Adapters, DType};
 use wgpar::model::memory::Workload;
 use wgpar::model::ModelConfig;
-use wgpar::parallel::{build_step_engine, Schedule, StepEngine, Strategy};
 use wgpar::server::auth::{self, KeySources};
-use wgpar::server::setup::{engine_fault, warm_up, ServeLimits};
-use wgpar::server::{BatchOptions, EngineBuilder, ServerOptions, TextModel};
-use wgpar::sim::LinkPacer;
+use wgpar::server::setup::{engine_fault, ServeLimits};
+use wgpar::server::{EngineBuilder, ServerOptions, TextModel};
+use wgpar::serving::ServingChoice;
 use wgpar::{Result, WgparError};
 
-use super::options::{DeviceArgs, ModelArgs, StrategyArgs};
+use super::options::{DeviceArgs, MemoryArgs, ModelArgs, StrategyArgs};
 
 mod encoder;
-use wgpar::parallel::arming::FaultSpec;
-use wgpar::parallel::auto::{AutoPlacement, Setting};
 
 /// Options of `wgpar serve`.
 #[derive(Args, Clone, Debug)]
@@ -35,7 +29,7 @@ pub struct ServerArgs {
     #[command(flatten)]
     pub(super) strategy: StrategyArgs,
     #[command(flatten)]
-    pub(super) memory: super::options::MemoryArgs,
+    pub(super) memory: MemoryArgs,
     /// Address to listen on (loopback unless told otherwise).
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
@@ -136,14 +130,7 @@ impl ServerArgs {
 /// Checks the options that need no model.
 fn check_options(args: &ServerArgs) -> Result<()> {
     args.limits().check()?;
-    if args.strategy.schedule() == Schedule::GPipe {
-        return Err(WgparError::unsupported(
-            "--schedule gpipe does not apply to serve: requests join and leave the running \
-             batch at every token"
-                .into(),
-        ));
-    }
-    Ok(())
+    args.strategy.choice().check_serving()
 }
 
 /// The API key from --api-key, --api-key-file or WGPAR_API_KEY (one of them), and whether
@@ -206,132 +193,44 @@ pub fn run(args: &ServerArgs) -> Result<()> {
         return encoder::serve(args, prepared(args, any)?);
     }
     let Prepared { config, text, opts } = prepare(args)?;
-    let adapters = Adapters::discover()?;
-    let selected = args.devices.selected(&adapters)?;
-    let dtype = args
-        .model
-        .choice()
-        .dtype_for(&selected, args.devices.force_f32)?;
-    let strategy =
-        super::options::serving_strategy(&args.strategy, selected.len(), args.max_batch)?;
-    let fault = match &args.inject_fault {
-        Some(_) if opts.batch.fault.is_some() => None,
-        Some(t) => {
-            let spec = FaultSpec::parse(t)?;
-            spec.check(&strategy, selected.len())?;
-            Some(spec)
-        }
-        None => None,
-    };
-    let auto = args.strategy.auto_placement(&args.memory);
-    let (step_tokens, work) = args.limits().serving_work(&config);
-    let setting = Setting {
-        config: &config,
-        dtype,
-        model: args.model.choice(),
-        kv: args.devices.kv_dtypes(&selected),
-        selected: &selected,
-        work,
-    };
-    let strategy = auto.before_open(strategy, &setting)?;
-    check_fits(args, &setting, &strategy, step_tokens)?;
-    let pacer = args
-        .pace
-        .as_deref()
-        .map(super::options::pacer_for)
-        .transpose()?;
-    let server = ServerEngine {
-        devices: args.devices.clone(),
-        model: args.model.clone(),
-        adapters,
-        config,
-        dtype,
-        strategy,
-        auto,
-        batch: opts.batch,
-        pacer: pacer.map(|(p, _)| p),
-        fault,
-    };
-    let build: EngineBuilder = Box::new(move || server.build());
+    let plan = serving_choice(args, &config, &opts).plan(config)?;
+    let (model, batch) = (args.model.clone(), opts.batch);
+    let build: EngineBuilder = Box::new(move || plan.server_engine(model.choice(), batch));
     wgpar::server::run(opts, text, build)
 }
 
-/// Refuses, before any device opens, a server whose largest step (`step_tokens`) or memory
-/// does not fit.
-fn check_fits(
-    args: &ServerArgs,
-    setting: &Setting<'_>,
-    strategy: &Strategy,
-    step_tokens: usize,
-) -> Result<()> {
-    let (config, dtype) = (setting.config, setting.dtype);
-    let runs = [super::memory::PlannedRun {
-        strategy,
-        adapters: setting.selected,
+/// The serving run the options ask for: the accounting sizes the largest step and the slots;
+/// the engine is built (and an `auto` placement measured) with a warm-up-sized probe; a
+/// stage's or a rank's fault is injected after the warm-up (the engine thread's is the
+/// batcher's).
+fn serving_choice<'a>(
+    args: &'a ServerArgs,
+    config: &ModelConfig,
+    opts: &ServerOptions,
+) -> ServingChoice<'a> {
+    let (step_tokens, work) = args.limits().serving_work(config);
+    ServingChoice {
+        devices: args.devices.choice(),
+        model: args.model.choice(),
+        strategy: args.strategy.choice(),
+        gpu_memory: args.memory.gpu_memory.as_deref(),
+        max_batch: args.max_batch,
         step_tokens,
-        batch: args.max_batch,
-        work: setting.work,
-    }];
-    super::memory::check_runs_fit(config, dtype, &runs)?;
-    (args.memory).check_runs(
-        &args.model,
-        (config, dtype),
-        &args.devices.kv_dtypes(setting.selected),
-        &runs,
-    )
-}
-
-/// What the server's engine is built from, on the server's own thread.
-struct ServerEngine {
-    devices: DeviceArgs,
-    model: ModelArgs,
-    adapters: Adapters,
-    config: ModelConfig,
-    dtype: DType,
-    strategy: Strategy,
-    auto: AutoPlacement,
-    batch: BatchOptions,
-    pacer: Option<LinkPacer>,
-    fault: Option<FaultSpec>,
-}
-
-impl ServerEngine {
-    /// Opens the devices, places the model (measured where `auto` asks), builds the engine,
-    /// drops the host weights, and warms it up.
-    fn build(self) -> Result<Box<dyn StepEngine>> {
-        let (config, dtype, batch) = (&self.config, self.dtype, self.batch);
-        let gpus = self.devices.open(&self.adapters)?;
-        let weights = self.model.choice().weights(config)?;
-        // A measured placement, on the devices the server runs on (warm-up sized probe).
-        let probe = Workload {
-            batch: batch.slots,
+        work,
+        probe: Workload {
+            batch: opts.batch.slots,
             prompt: 16.min(config.max_seq),
-        };
-        let strategy = (self.auto).once_open(&self.strategy, &gpus, (&weights, dtype), probe)?;
-        let comm = CommConfig::default();
-        let shape = (probe.batch, probe.prompt);
-        let mut engine = build_step_engine(&strategy, &gpus, &weights, dtype, &comm, shape)?;
-        drop(weights);
-        if let Some(pacer) = self.pacer {
-            engine.set_pacer(Some(Arc::new(pacer)));
-        }
-        warm_up(engine.as_mut(), batch)?;
-        if let Some(f) = self.fault {
-            engine.inject_fault(f.worker, f.fault)?;
-        }
-        Ok(engine)
+        },
+        pace: args.pace.as_deref(),
+        fault: (args.inject_fault.as_deref()).filter(|_| opts.batch.fault.is_none()),
     }
 }
 
 /// The checkpoint's tokenizer, chat template and end tokens, with the served name and the
 /// context.
 fn text_model(args: &ServerArgs, config: &ModelConfig) -> Result<TextModel> {
-    let side = super::options::text_side(
-        &args.model,
-        config,
-        args.tokenizer.as_deref(),
-        args.chat_template.as_deref(),
-    )?;
+    let (tokenizer, template) = (args.tokenizer.as_deref(), args.chat_template.as_deref());
+    let side = args.model.choice().text_side(config, tokenizer, template)?;
     Ok(TextModel {
         name: (args.served_model_name.clone()).unwrap_or_else(|| config.name.clone()),
         tokenizer: side.tokenizer,

@@ -3,6 +3,7 @@
 
 mod adapter;
 mod gpu;
+mod select;
 mod tensor;
 mod timer;
 
@@ -11,6 +12,7 @@ use std::sync::Arc;
 pub use adapter::{AdapterDesc, Adapters};
 pub(crate) use gpu::CreationCounts;
 pub use gpu::{Created, Gpu, GpuOptions, KvCacheType, Readback};
+pub use select::{described, parse_binding, parse_virtual, BindingChoice, DeviceChoice};
 pub use tensor::{DType, Tensor};
 pub use timer::{GpuTimer, SpanTimer};
 

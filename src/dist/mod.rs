@@ -26,7 +26,13 @@ pub mod job;
 #[cfg(feature = "mpi")]
 mod link;
 #[cfg(feature = "mpi")]
+pub mod options;
+#[cfg(feature = "mpi")]
 mod reduce;
+#[cfg(feature = "mpi")]
+pub mod run_ranks;
+#[cfg(feature = "mpi")]
+pub mod serve_ranks;
 #[cfg(feature = "mpi")]
 mod world;
 

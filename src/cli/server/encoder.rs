@@ -13,7 +13,7 @@ pub(super) fn serve(args: &ServerArgs, prepared: Prepared) -> Result<()> {
     let Prepared { config, text, opts } = prepared;
     refuse_for_encoder(args, &config.name)?;
     let adapters = Adapters::discover()?;
-    let (devices, model) = (args.devices.clone(), args.model.clone());
+    let (devices, model) = (args.devices.choice(), args.model.clone());
     let dim = config.hidden;
     let build: EncoderBuilder = Box::new(move || {
         let weights = model.choice().weights(&config)?;
@@ -25,24 +25,11 @@ pub(super) fn serve(args: &ServerArgs, prepared: Prepared) -> Result<()> {
     wgpar::server::run_encoder(opts, text, dim, build)
 }
 
-/// Whether `flag` was written on the command line (`--flag V` or `--flag=V`), whatever its
-/// value: an option whose default is a value (`--seed 42`) cannot be told from its absence
-/// by the value alone.
-fn given(flag: &str) -> bool {
-    let with_value = format!("{flag}=");
-    std::env::args_os()
-        .skip(1)
-        .take_while(|a| a != "--")
-        .any(|a| {
-            a.to_str()
-                .is_some_and(|a| a == flag || a.starts_with(&with_value))
-        })
-}
-
 /// Refuses, by name, every option of `serve` that an encoder's server has no use for: it
 /// encodes on one device with no strategy, no memory plan (`--gpu-memory` is checked
 /// against a decoder's accounting), no prefill steps (`--max-batch` bounds its batches),
-/// no sampling and no chat. Each is refused when given at all, default value or not.
+/// no sampling and no chat. Each is refused when given at all, default value or not (`--seed`
+/// is `None` unless given).
 fn refuse_for_encoder(args: &ServerArgs, model: &str) -> Result<()> {
     let refuse = |option: &str, given: bool| match given {
         true => Err(WgparError::unsupported(format!(
@@ -51,21 +38,21 @@ fn refuse_for_encoder(args: &ServerArgs, model: &str) -> Result<()> {
         ))),
         false => Ok(()),
     };
-    refuse("more than one device", args.devices.count() > 1)?;
+    refuse("more than one device", args.devices.choice().count() > 1)?;
     refuse(
         "--strategy",
         !matches!(args.strategy.strategy.as_str(), "none" | "single"),
     )?;
     // --tp, --split, --layers, --partition, --micro-batches, --schedule: none applies to a
     // single device, which is what the strategy check refuses them for.
-    args.strategy.check_options()?;
+    args.strategy.choice().check_options()?;
     refuse("--gpu-memory", args.memory.gpu_memory.is_some())?;
     refuse("--max-prefill-tokens", args.max_prefill_tokens.is_some())?;
     refuse("--max-step-tokens", args.max_step_tokens.is_some())?;
     refuse("--no-prefix-cache", args.no_prefix_cache)?;
     // The seed only makes a preset's synthetic weights; a folder's weights are its own.
     let synthetic = matches!(args.model.model, wgpar::model::hub::ModelRef::Preset(_));
-    refuse("--seed", given("--seed") && !synthetic)?;
+    refuse("--seed", args.model.seed.is_some() && !synthetic)?;
     refuse("--chat-template", args.chat_template.is_some())?;
     refuse("--pace", args.pace.is_some())?;
     refuse("--inject-fault", args.inject_fault.is_some())
