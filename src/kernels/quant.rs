@@ -12,8 +12,9 @@
 //! (`qgemm_tile`: a tile of blocks dequantized into workgroup memory once per step, then a
 //! register-tiled product; block and register tile set by override constants). The
 //! autotuner chooses per adapter and shape class ([`choose_quant`], the same settings, cache
-//! file and `WGPAR_KERNELS` names as the dense kernels): among all of them for decode rows,
-//! among the GEMMs above 8 rows. `with_variant` names one.
+//! file and `WGPAR_KERNELS` names as the dense kernels): among all of them for decode rows
+//! (the integer-dot GEMVs of `kernels::quant_dp4` only when forced, and never for the LM head:
+//! [`QuantRole`]), among the GEMMs above 8 rows. `with_variant` names one.
 
 use std::sync::Arc;
 
