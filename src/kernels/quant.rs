@@ -12,8 +12,9 @@
 //! (`qgemm_tile`: a tile of blocks dequantized into workgroup memory once per step, then a
 //! register-tiled product; block and register tile set by override constants). The
 //! autotuner chooses per adapter and shape class ([`choose_quant`], the same settings, cache
-//! file and `WGPAR_KERNELS` names as the dense kernels): among all of them for decode rows,
-//! among the GEMMs above 8 rows. `with_variant` names one.
+//! file and `WGPAR_KERNELS` names as the dense kernels): among all of them for decode rows
+//! (the integer-dot GEMVs of `kernels::quant_dp4` only when forced, and never for the LM head:
+//! [`QuantRole`]), among the GEMMs above 8 rows. `with_variant` names one.
 
 use std::sync::Arc;
 
@@ -393,6 +394,7 @@ pub struct QuantMatmul {
     bias: bool,
     qtype: QuantType,
     variant: Option<&'static QuantVariant>,
+    role: QuantRole,
 }
 
 impl AsRef<Bound> for QuantMatmul {
@@ -406,38 +408,89 @@ pub fn variant_by_name(name: &str) -> Option<&'static QuantVariant> {
     (QUANT_VARIANTS.iter().find(|v| v.name == name)).or_else(|| super::quant_dp4::by_name(name))
 }
 
-/// The variant a quantized matmul of `qtype` runs for `(m, n, k)` on `gpu`: the tuned choice
-/// for the class (type, rows, power-of-two widths), timed on first use as the dense kernels are
-/// ([`tune::decide_named`]): for decode rows among the GEMVs and the GEMMs, above
-/// [`GEMV_MAX_ROWS`] among the GEMMs. When tuning is off, the GEMV with 64 invocations or
-/// the tiled GEMM with 64 x 64 blocks.
+/// What a quantized matmul's output feeds, which decides whether the integer-dot GEMVs may
+/// run it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum QuantRole {
+    /// A layer's projection: every variant of the type may run it (the integer-dot GEMVs
+    /// only when forced, [`tuned_candidates`]).
+    #[default]
+    Layer,
+    /// The LM head: its logits feed a pick over the vocabulary, where a logit moved by the
+    /// int8 rounding of the inputs flips a close pick (SmolLM2-135M's first answer token:
+    /// "The" leads "L" by 0.08, int8 inputs move its Q8_0 head's logits by up to 0.26), so the
+    /// integer-dot GEMVs never run it, forced or not.
+    Logits,
+}
+
+/// The variant a quantized matmul of `qtype` runs for `(m, n, k)` on `gpu` as a layer's
+/// projection ([`choose_quant_for`] with [`QuantRole::Layer`]).
 pub fn choose_quant(
     gpu: &Gpu,
     qtype: QuantType,
     (m, n, k): (usize, usize, usize),
 ) -> Result<&'static QuantVariant> {
-    let class = QuantClass::of(qtype, (m, n, k));
-    if let Some(v) = gpu.kernels().quant_choice(&class) {
-        return Ok(v);
-    }
+    choose_quant_for(gpu, qtype, (m, n, k), QuantRole::Layer)
+}
+
+/// The variants that may run an `m`-row matmul of `qtype` in `role` on `gpu` (a
+/// `WGPAR_KERNELS` name is looked up among them): for decode rows every usable variant of the
+/// type, the integer-dot GEMVs included where the adapter offers them and the role is
+/// [`QuantRole::Layer`]; above [`GEMV_MAX_ROWS`] rows the GEMMs.
+pub fn quant_candidates(
+    gpu: &Gpu,
+    qtype: QuantType,
+    m: usize,
+    role: QuantRole,
+) -> Vec<&'static QuantVariant> {
     let prefill = m > GEMV_MAX_ROWS;
     let mut candidates: Vec<&'static QuantVariant> = (QUANT_VARIANTS.iter())
         .filter(|v| v.qtype == qtype && v.usable(gpu) && !(prefill && v.is_gemv()))
         .collect();
-    let settings = tune::settings()?;
-    // The integer-dot variants are decode GEMVs, run only when forced (`WGPAR_KERNELS`), not
-    // chosen by the tuner: on Mesa 25's lavapipe, picked for SmolLM2-135M's Q8_0 head, they
-    // changed the released model's greedy answer (docs/BENCHMARKS.md), so their accuracy on
-    // real models must be understood before they run unasked.
-    if !prefill {
-        candidates.extend(
-            (super::quant_dp4::candidates(gpu, qtype).into_iter())
-                .filter(|v| settings.forced.iter().any(|f| f == v.name)),
-        );
+    if !prefill && role == QuantRole::Layer {
+        candidates.extend(super::quant_dp4::candidates(gpu, qtype));
     }
-    let find = |name: &str| candidates.iter().copied().find(|v| v.name == name);
+    candidates
+}
+
+/// The variants the tuner times among [`quant_candidates`]: all but the integer-dot GEMVs,
+/// which run only when forced. Their int8 inputs are as accurate as llama.cpp's q8_1, and that
+/// is not enough for SmolLM2-135M: in an f64 forward its first answer token leads by 0.08
+/// logits, and int8 inputs to its layers alone, or to its head alone, turn "The capital of
+/// France is Paris." into "L'..." (llama.cpp's CPU backend, int8 inputs throughout, answers the
+/// same), so a timing win must not switch them on.
+pub fn tuned_candidates(
+    gpu: &Gpu,
+    qtype: QuantType,
+    m: usize,
+    role: QuantRole,
+) -> Vec<&'static QuantVariant> {
+    (quant_candidates(gpu, qtype, m, role).into_iter())
+        .filter(|v| v.family() != Family::MatmulQuantDp4)
+        .collect()
+}
+
+/// The variant a quantized matmul of `qtype` in `role` runs for `(m, n, k)` on `gpu`: a
+/// `WGPAR_KERNELS` name among [`quant_candidates`] when one is forced, else the tuned choice
+/// for the class (type, rows, power-of-two widths, role) among [`tuned_candidates`], timed on
+/// first use as the dense kernels are ([`tune::decide_named`]). When tuning is off, the GEMV
+/// with 64 invocations or the tiled GEMM with 64 x 64 blocks.
+pub fn choose_quant_for(
+    gpu: &Gpu,
+    qtype: QuantType,
+    (m, n, k): (usize, usize, usize),
+    role: QuantRole,
+) -> Result<&'static QuantVariant> {
+    let class = QuantClass::of(qtype, (m, n, k)).in_role(role);
+    if let Some(v) = gpu.kernels().quant_choice(&class) {
+        return Ok(v);
+    }
+    let settings = tune::settings()?;
     super::quant_dp4::refuse_forced(gpu, &settings.forced)?;
-    let mut measure = || time_quant(gpu, (m, n, k), &candidates, Effort::Tune);
+    let candidates = quant_candidates(gpu, qtype, m, role);
+    let find = |name: &str| candidates.iter().copied().find(|v| v.name == name);
+    let timed = tuned_candidates(gpu, qtype, m, role);
+    let mut measure = || time_quant(gpu, (m, n, k), &timed, Effort::Tune);
     let fallback = default_variant(qtype, m);
     let chosen = tune::decide_named(gpu, &settings, &class.key(), &find, fallback, &mut measure)?;
     gpu.kernels().set_quant_choice(class, chosen);
@@ -445,13 +498,15 @@ pub fn choose_quant(
 }
 
 /// A tuning class of the quantized matmul: the type, the rows (decode rows exactly, prefill
-/// rows by the power of two at or above them), and the widths' power-of-two buckets.
+/// rows by the power of two at or above them), the widths' power-of-two buckets, and the role
+/// (its candidates differ).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct QuantClass {
     qtype: QuantType,
     rows: usize,
     n_log2: u32,
     k_log2: u32,
+    role: QuantRole,
 }
 
 impl QuantClass {
@@ -468,15 +523,25 @@ impl QuantClass {
             rows,
             n_log2: log2(n),
             k_log2: log2(k),
+            role: QuantRole::Layer,
         }
     }
 
+    /// The same class for a matmul in `role`.
+    pub fn in_role(self, role: QuantRole) -> Self {
+        Self { role, ..self }
+    }
+
     /// A stable text key (the cache file's): `m4` for four decode rows, `m<=64` for 33 to 64
-    /// prefill rows.
+    /// prefill rows, ` logits` after the LM head's.
     pub fn key(&self) -> String {
         let bound = if self.rows > GEMV_MAX_ROWS { "<=" } else { "" };
+        let role = match self.role {
+            QuantRole::Layer => "",
+            QuantRole::Logits => " logits",
+        };
         format!(
-            "qmatmul {} m{bound}{} n2^{} k2^{}",
+            "qmatmul {} m{bound}{} n2^{} k2^{}{role}",
             self.qtype.name(),
             self.rows,
             self.n_log2,
@@ -577,7 +642,15 @@ impl QuantMatmul {
             bias: io.bias.is_some(),
             qtype: io.w.qtype,
             variant: None,
+            role: QuantRole::Layer,
         })
+    }
+
+    /// Marks the op as the LM head ([`QuantRole::Logits`]): the tuner chooses among the
+    /// variants that keep the inputs in f32.
+    pub fn for_logits(mut self) -> Self {
+        self.role = QuantRole::Logits;
+        self
     }
 
     /// Runs the variant named `name` instead of the default choice (tests, benchmarks).
@@ -596,7 +669,7 @@ impl QuantMatmul {
         over(OP, "rows", m, self.rows)?;
         let v = match self.variant {
             Some(v) => v,
-            None => choose_quant(gpu, self.qtype, (m, self.n, self.k))?,
+            None => choose_quant_for(gpu, self.qtype, (m, self.n, self.k), self.role)?,
         };
         if !v.usable(gpu) {
             return Err(WgparError::Shape {

@@ -2,9 +2,10 @@
 //! decode GEMV that quantizes the input rows to int8 (one f32 scale per 32 values, in
 //! workgroup memory, once per workgroup and step) and dots them with the weights' raw quants in
 //! WGSL's packed 4x8 integer dot product (`dot4I8Packed`), as llama.cpp's q8_1 path does. Same
-//! binding layout as the packed GEMV, so [`super::quant::QuantMatmul`] runs either; the
-//! autotuner ([`super::quant::choose_quant`]) takes them as candidates where [`offered`] says
-//! the adapter runs the dot natively.
+//! binding layout as the packed GEMV, so [`super::quant::QuantMatmul`] runs either. They run
+//! only when forced (`WGPAR_KERNELS`), where [`offered`] says the adapter runs the dot
+//! natively, and never as the LM head ([`super::quant::QuantRole::Logits`]): their int8 inputs
+//! change SmolLM2-135M's greedy answer (see [`super::quant::tuned_candidates`]).
 //!
 //! Every packed type has a variant: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K unpack
 //! whole words with masks and shifts; Q2_K, Q3_K, IQ4_NL and IQ4_XS pack their quants byte by

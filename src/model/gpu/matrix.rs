@@ -48,6 +48,15 @@ impl Projection {
         })
     }
 
+    /// Marks a matmul on packed blocks as the LM head, which the integer-dot GEMVs never run
+    /// ([`crate::kernels::quant::QuantRole::Logits`]); a dense one is unchanged.
+    pub(super) fn for_logits(self) -> Self {
+        match self {
+            Projection::Packed(op) => Projection::Packed(op.for_logits()),
+            dense => dense,
+        }
+    }
+
     /// Configures the op for `m` rows.
     pub(super) fn configure(&mut self, gpu: &Gpu, params: &mut Params, m: usize) -> Result<()> {
         match self {

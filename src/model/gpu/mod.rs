@@ -532,7 +532,8 @@ impl GpuModel {
                     params,
                     (x, &block.table, None, y),
                     (rows, block.rows, self.config.hidden),
-                )?;
+                )?
+                .for_logits();
                 Ok(HeadBlock {
                     matmul,
                     first: block.first,
