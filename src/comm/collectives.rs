@@ -193,7 +193,7 @@ impl Collectives {
         for ((i, guard), gpu) in guards.iter_mut().zip(&spec.gpus) {
             members.push(Member {
                 gpu,
-                pool: &mut **guard,
+                pool: guard,
                 bufs: spec.bufs[*i].clone(),
                 index: *i,
             });
