@@ -120,7 +120,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// Samples per device when timing a layer, the embedding and the head (the median is kept).
-const PLACEMENT_SAMPLES: usize = 7;
+const PLACEMENT_SAMPLES: usize = 15;
 
 /// The layers balanced over the stages by each device's measured time for one decode token
 /// of one sequence (each micro-batch's decode step), the embedding charged to the first
