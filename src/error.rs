@@ -547,6 +547,46 @@ pub enum WgparError {
         #[source]
         source: std::io::Error,
     },
+    /// A token id or token type outside what the model has (ids below its vocabulary, types
+    /// below its type vocabulary): the caller tokenized for another model.
+    #[error("invalid call: sequence {sequence}: {what} {value} is outside the {range} of {limit}")]
+    TokenRange {
+        /// The sequence (row of the batch).
+        sequence: usize,
+        /// `token id` or `token type`.
+        what: &'static str,
+        /// The value given.
+        value: u32,
+        /// `vocabulary` or `type vocabulary`.
+        range: &'static str,
+        /// How many the model has.
+        limit: usize,
+    },
+    /// A call for one kind of model given the other: an encoder's pooled embedding asked of a
+    /// decoder, or a decoder's logits of an encoder.
+    #[error("invalid call: {call} needs {needs}, and model '{model}' is not one")]
+    WrongModelKind {
+        /// The model given.
+        model: String,
+        /// What was asked, e.g. `a pooled embedding`.
+        call: String,
+        /// The kind it needs, e.g. `an encoder (BERT-style)`.
+        needs: &'static str,
+    },
+    /// Structured output (a grammar-constrained answer) that cannot go on: the model's
+    /// tokenizer cannot drive a grammar (`after` is `None`), or the grammar engine failed or
+    /// left no token to continue after `after` tokens of the answer.
+    #[error(
+        "structured output {}: {detail}",
+        after.map_or("needs the model's tokens as bytes".to_string(), |n| format!("failed after {n} tokens"))
+    )]
+    Grammar {
+        /// Tokens of the answer fed to the grammar before it failed; `None` when it never
+        /// started.
+        after: Option<usize>,
+        /// The tokenizer's or grammar engine's account.
+        detail: String,
+    },
 }
 
 /// Result with [`WgparError`].
@@ -634,8 +674,13 @@ impl WgparError {
             | Self::DecodeTokens { .. }
             | Self::NoPrompt
             | Self::UnequalPrompts { .. }
+            | Self::TokenRange { .. }
+            | Self::WrongModelKind { .. }
             | Self::Internal(_)
-            | Self::Comm(crate::comm::CommError::RankState { .. }) => EXIT_INTERNAL,
+            | Self::Comm(
+                crate::comm::CommError::RankState { .. }
+                | crate::comm::CommError::WrongDevice { .. },
+            ) => EXIT_INTERNAL,
             _ => EXIT_FAILURE,
         }
     }
@@ -735,6 +780,10 @@ mod exit_codes {
             WgparError::limit("context (tokens)", (40, 32), "40 tokens exceed 32".into()),
             WgparError::runtime("the engine could not start", "no adapter".to_string()),
             WgparError::Config("free text".into()),
+            WgparError::Grammar {
+                after: Some(3),
+                detail: "no token continues the value".into(),
+            },
         ];
         for e in &other {
             assert_eq!(e.exit_code(), 1, "{e}");
@@ -769,6 +818,18 @@ mod exit_codes {
                 what: "layer".into(),
                 seconds: -1.0,
             },
+            WgparError::TokenRange {
+                sequence: 2,
+                what: "token id",
+                value: 500,
+                range: "vocabulary",
+                limit: 397,
+            },
+            WgparError::WrongModelKind {
+                model: "tiny-llama".into(),
+                call: "a pooled embedding".into(),
+                needs: "an encoder (BERT-style)",
+            },
         ];
         for e in &internal {
             assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
@@ -787,5 +848,47 @@ mod exit_codes {
             std::error::Error::source(&other[2]).is_some(),
             "the cause is kept"
         );
+    }
+
+    #[test]
+    fn new_variants_say_what_and_carry_the_numbers() {
+        let cases = [
+            (
+                WgparError::TokenRange {
+                    sequence: 2,
+                    what: "token id",
+                    value: 500,
+                    range: "vocabulary",
+                    limit: 397,
+                },
+                "invalid call: sequence 2: token id 500 is outside the vocabulary of 397",
+            ),
+            (
+                WgparError::WrongModelKind {
+                    model: "tiny-llama".into(),
+                    call: "a pooled embedding".into(),
+                    needs: "an encoder (BERT-style)",
+                },
+                "invalid call: a pooled embedding needs an encoder (BERT-style), and model \
+                 'tiny-llama' is not one",
+            ),
+            (
+                WgparError::Grammar {
+                    after: None,
+                    detail: "no end-of-sequence token".into(),
+                },
+                "structured output needs the model's tokens as bytes: no end-of-sequence token",
+            ),
+            (
+                WgparError::Grammar {
+                    after: Some(7),
+                    detail: "no token continues the value".into(),
+                },
+                "structured output failed after 7 tokens: no token continues the value",
+            ),
+        ];
+        for (e, text) in cases {
+            assert_eq!(e.to_string(), text);
+        }
     }
 }

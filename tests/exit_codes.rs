@@ -8,7 +8,7 @@ mod common;
 
 use std::process::Command;
 
-use wgpar::comm::{CommConfig, Communicator};
+use wgpar::comm::{CommConfig, CommError, Communicator};
 use wgpar::device::DType;
 use wgpar::error::{EXIT_FAILURE, EXIT_INTERNAL, EXIT_USAGE};
 use wgpar::model::{ModelConfig, ModelWeights};
@@ -49,20 +49,57 @@ fn a_run_that_completes_exits_0() {
 fn what_the_user_typed_exits_2() {
     // clap's own parse error, an option value wgpar refuses, and options that do not apply
     // together.
-    let cases: [(&[&str], &str); 3] = [
+    let cases: [(&[&str], &str); 5] = [
         (&["run", "--no-such-flag"], "--no-such-flag"),
         (&["run", "--model", "tiny-llama", "--batch", "0"], "--batch"),
         (
             &["run", "--model", "tiny-llama", "--layers", "1,1"],
             "--layers",
         ),
+        // Collective options the comm layer refuses (its configuration errors) are what the
+        // user typed too.
+        (&["allreduce", "--chunk", "1K"], "chunk"),
+        (&["allreduce", "--op", "frobnicate"], "frobnicate"),
     ];
     for (args, named) in cases {
         let (code, out, err) = wgpar(args);
         assert_eq!(code, Some(EXIT_USAGE), "{args:?}: {err}");
         assert!(err.contains(named), "{args:?}: {err}");
-        assert!(!out.contains("decode:"), "{args:?} ran: {out}");
+        assert!(
+            !out.contains("decode:") && !out.contains("algbw"),
+            "{args:?} ran: {out}"
+        );
     }
+}
+
+#[test]
+fn comm_states_while_running_are_never_usage_errors() {
+    let gpus = common::gpus(1);
+    let comm = Communicator::new(gpus.clone(), CommConfig::default()).unwrap();
+    // A rank the communicator does not have: the calling program's ranks disagree with it.
+    let Err(e) = comm.join(1) else {
+        panic!("rank 1 joined a communicator of one rank")
+    };
+    assert!(
+        matches!(&e, WgparError::Comm(CommError::RankState { rank: 1, .. })),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
+    assert!(
+        e.to_string().contains("outside a communicator of 1 ranks"),
+        "{e}"
+    );
+    // A collective on an aborted communicator: a rank failed while running.
+    let tensor = gpus[0].upload_f32("x", &[1.0, 2.0, 3.0]).unwrap();
+    comm.all_reduce(0, &tensor).unwrap();
+    comm.abort(0, "its compute failed");
+    let e = comm.all_reduce(0, &tensor).unwrap_err();
+    assert!(
+        matches!(&e, WgparError::Comm(CommError::Aborted { .. })),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), EXIT_FAILURE, "{e}");
+    assert!(e.to_string().contains("its compute failed"), "{e}");
 }
 
 #[test]
@@ -148,6 +185,36 @@ fn calls_out_of_range_are_internal_and_typed_with_their_numbers() {
     let e = measure_decode(&mut engine, &gpus, &[vec![1, 2]], (0, 0)).unwrap_err();
     assert!(
         matches!(e, WgparError::TooFew { got: 0, min: 1, .. }),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
+}
+
+#[test]
+fn inputs_for_another_model_are_internal_and_typed_with_their_numbers() {
+    use wgpar::model::{CpuReference, EncoderInput};
+    // An encoder's sequence with a token id its vocabulary does not have.
+    let bert = ModelWeights::synthetic(&ModelConfig::preset("tiny-bert").unwrap(), 1);
+    let vocab = bert.config.vocab;
+    let e = CpuReference::new(&bert)
+        .encode(&[
+            EncoderInput::new(vec![1, 2]),
+            EncoderInput::new(vec![3, vocab as u32]),
+        ])
+        .unwrap_err();
+    assert!(
+        matches!(&e, WgparError::TokenRange { sequence: 1, value, limit, .. }
+            if *value as usize == vocab && *limit == vocab),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
+    // A decoder asked for a pooled embedding.
+    let llama = ModelWeights::synthetic(&ModelConfig::preset("tiny-llama").unwrap(), 1);
+    let e = CpuReference::new(&llama)
+        .encode(&[EncoderInput::new(vec![1])])
+        .unwrap_err();
+    assert!(
+        matches!(&e, WgparError::WrongModelKind { model, .. } if model == "tiny-llama"),
         "{e}"
     );
     assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");

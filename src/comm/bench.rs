@@ -258,7 +258,11 @@ struct Case {
 pub fn run_bench(gpus: &[Arc<Gpu>], opts: &BenchOptions) -> Result<BenchReport> {
     opts.validate()?;
     if gpus.is_empty() {
-        return Err(CommError::Config("the benchmark needs at least one device".into()).into());
+        return Err(WgparError::TooFew {
+            what: "devices for the collective benchmark".into(),
+            got: 0,
+            min: 1,
+        });
     }
     let mut config = opts.config.clone();
     config.algorithm = opts.algorithm;

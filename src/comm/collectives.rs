@@ -184,21 +184,18 @@ impl Collectives {
         let pools: Vec<Arc<Mutex<StagingPool>>> = spec.gpus.iter().map(|g| self.pool(g)).collect();
         let mut order: Vec<usize> = (0..pools.len()).collect();
         order.sort_by_key(|&i| Arc::as_ptr(&pools[i]) as usize);
-        let mut guards: Vec<Option<MutexGuard<'_, StagingPool>>> =
-            (0..pools.len()).map(|_| None).collect();
-        for i in order {
-            guards[i] = Some(lock(&pools[i]));
-        }
+        // Locked in address order (no two collectives wait on each other), then put back in
+        // rank order: every rank's pool is held, so no rank can go without one.
+        let mut guards: Vec<(usize, MutexGuard<'_, StagingPool>)> =
+            order.into_iter().map(|i| (i, lock(&pools[i]))).collect();
+        guards.sort_by_key(|(i, _)| *i);
         let mut members = Vec::with_capacity(guards.len());
-        for (i, (guard, gpu)) in guards.iter_mut().zip(&spec.gpus).enumerate() {
-            let Some(pool) = guard.as_deref_mut() else {
-                return Err(CommError::Internal("a staging pool was not locked".into()));
-            };
+        for ((i, guard), gpu) in guards.iter_mut().zip(&spec.gpus) {
             members.push(Member {
                 gpu,
-                pool,
-                bufs: spec.bufs[i].clone(),
-                index: i,
+                pool: guard,
+                bufs: spec.bufs[*i].clone(),
+                index: *i,
             });
         }
         let workers = lock(&self.workers);

@@ -283,6 +283,9 @@ impl Communicator {
         let deadline = Instant::now() + self.timeout;
         loop {
             if st.seq > seq {
+                // The leader posts collective #seq's result before it moves `seq` on, under
+                // the same lock, and the next result cannot be posted before this rank arrives
+                // again: a missing result is a bug of the rendezvous, not of the caller.
                 return match &st.result {
                     Some((s, r, at)) if *s == seq => r.clone().map(|()| *at),
                     _ => Err(CommError::Internal(format!(
@@ -327,6 +330,8 @@ impl Communicator {
     /// Checks that every rank asked for the same op, then runs it.
     fn execute(&self, seq: u64, reqs: Vec<Option<Request>>) -> std::result::Result<(), CommError> {
         let reqs: Vec<Request> = reqs.into_iter().flatten().collect();
+        // The leader runs only once every rank's request is recorded (`arrived == n`, one
+        // request per rank, checked in `call`): fewer here is a bug of the rendezvous.
         if reqs.len() != self.gpus.len() {
             return Err(CommError::Internal(format!(
                 "{} of {} ranks recorded for collective #{seq}",

@@ -224,12 +224,12 @@ impl LinkCache {
         }
         let bytes = tensor.len as u64 * 4;
         if bytes > gpu.info().max_storage_binding {
-            return Err(CommError::Config(format!(
-                "{OP}: a tensor of {bytes} B exceeds the storage binding limit of {} ({} B); \
-                 use the native link",
-                gpu.describe(),
-                gpu.info().max_storage_binding
-            )));
+            return Err(CommError::TooLarge {
+                op: OP.into(),
+                bytes,
+                limit: gpu.info().max_storage_binding,
+                device: gpu.describe(),
+            });
         }
         let k = self.kernels(gpu);
         let pairs = (tensor.len as u32).div_ceil(2);

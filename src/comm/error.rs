@@ -42,7 +42,24 @@ pub enum CommError {
         /// What its state is, and what the call needed.
         detail: String,
     },
-    /// An invariant of the comm layer itself broke (a bug in wgpar).
+    /// A tensor larger than a device lets the operation bind at once (the f16 link converts a
+    /// whole tensor in one storage binding): a device limit met while running.
+    #[error(
+        "{op}: a tensor of {bytes} B exceeds the storage binding limit of {device} ({limit} B); \
+         use the native link"
+    )]
+    TooLarge {
+        /// The operation.
+        op: String,
+        /// Bytes the tensor holds.
+        bytes: u64,
+        /// The device's storage binding limit, bytes.
+        limit: u64,
+        /// Device description.
+        device: String,
+    },
+    /// An invariant of the comm layer itself broke (a bug in wgpar): the rendezvous lost a
+    /// rank's request or a posted result.
     #[error("{0}")]
     Internal(String),
     /// wgpu reported an error while the comm layer was using a device.
@@ -113,6 +130,18 @@ impl From<CommError> for WgparError {
             CommError::Mismatch { op, detail } => WgparError::Shape { op, detail },
             CommError::Config(message) => WgparError::option("collective options", message),
             CommError::Internal(message) => WgparError::Internal(message),
+            CommError::TooLarge {
+                op,
+                bytes,
+                limit,
+                device,
+            } => WgparError::TooLarge {
+                what: format!("{op} (use the native link)"),
+                bytes,
+                limit,
+                kind: "storage binding",
+                adapter: device,
+            },
             CommError::Gpu {
                 op,
                 device,
@@ -158,9 +187,53 @@ mod tests {
             WgparError::Comm(CommError::RankState { rank: 1, .. })
         ));
         assert_eq!(state.exit_code(), crate::error::EXIT_INTERNAL, "{state}");
-        let bug: WgparError = CommError::Internal("pool not locked".into()).into();
+        let bug: WgparError =
+            CommError::Internal("the result of all_reduce #3 is missing".into()).into();
         assert!(matches!(bug, WgparError::Internal(_)));
         assert_eq!(bug.exit_code(), crate::error::EXIT_INTERNAL);
+        // A tensor on another device than the one it was handed over with: the caller's bug.
+        let wrong: WgparError = CommError::WrongDevice {
+            op: "all_reduce".into(),
+            index: 1,
+            device: "gpu1".into(),
+            detail: "buffer doesn't match device".into(),
+        }
+        .into();
+        assert_eq!(wrong.exit_code(), crate::error::EXIT_INTERNAL, "{wrong}");
+        // Device limits and failures while running are neither usage nor internal errors.
+        let limit: WgparError = CommError::TooLarge {
+            op: "all_reduce (f16 link)".into(),
+            bytes: 3 << 30,
+            limit: 128 << 20,
+            device: "gpu0 (llvmpipe)".into(),
+        }
+        .into();
+        assert_eq!(limit.exit_code(), crate::error::EXIT_FAILURE, "{limit}");
+        let aborted: WgparError = CommError::Aborted {
+            reason: "rank 1 left".into(),
+        }
+        .into();
+        assert_eq!(aborted.exit_code(), crate::error::EXIT_FAILURE, "{aborted}");
+    }
+
+    #[test]
+    fn too_large_names_both_sizes_and_the_way_out() {
+        let e: WgparError = CommError::TooLarge {
+            op: "all_reduce (f16 link)".into(),
+            bytes: 3 << 30,
+            limit: 128 << 20,
+            device: "gpu0 (llvmpipe)".into(),
+        }
+        .into();
+        let text = e.to_string();
+        assert!(
+            text.contains("3.0 GiB")
+                && text.contains("128.0 MiB")
+                && text.contains("storage binding")
+                && text.contains("native link")
+                && text.contains("gpu0 (llvmpipe)"),
+            "{text}"
+        );
     }
 
     #[test]

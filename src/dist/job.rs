@@ -197,9 +197,13 @@ pub fn serve_rank(
             if let (Some(f), Some(p)) = (stage_fault, d.pipeline()) {
                 p.inject_fault(0, f)?;
             }
-            let engine = d
-                .into_serving()
-                .ok_or_else(|| WgparError::Internal("a pipeline's driver cannot serve".into()))?;
+            // Only a pipeline's driver serves (`check_serving_strategy` refuses the others
+            // before any device opens); a caller that skipped it gets the strategy named.
+            let name = d.name();
+            let engine = d.into_serving().ok_or(WgparError::WrongStrategy {
+                strategy: name,
+                expected: "pipeline or hybrid".into(),
+            })?;
             serve(engine)
         }
         DistEngine::Server(mut s) => {

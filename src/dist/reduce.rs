@@ -324,6 +324,9 @@ impl CrossProcessGroup for MpiGroup {
     }
 
     fn share_output(&self, output: Option<Vec<f32>>) -> Result<Vec<f32>> {
+        // Rank 0 holds the LM head (or the pooling) in every tensor-parallel layout, and the
+        // engine hands it the step's output: none there is a bug of the engine, not of a
+        // caller's input.
         if self.rank == 0 && output.is_none() {
             return Err(WgparError::Internal(
                 "rank 0 of a tensor-parallel group returned no output".into(),

@@ -96,9 +96,10 @@ impl std::fmt::Debug for Grammars {
 
 /// Why the tokenizer cannot drive a grammar, as the user reads it.
 fn unusable(detail: String) -> WgparError {
-    WgparError::InvalidCall(format!(
-        "structured output needs the model's tokens as bytes: {detail}"
-    ))
+    WgparError::Grammar {
+        after: None,
+        detail,
+    }
 }
 
 /// Every token's bytes from a `tokenizer.json` text (llguidance reads byte-level BPE and
@@ -189,10 +190,10 @@ impl std::fmt::Debug for Constraint {
 
 impl Constraint {
     fn failed(&self, e: impl std::fmt::Display) -> WgparError {
-        WgparError::InvalidCall(format!(
-            "structured output failed after {} tokens: {e}",
-            self.consumed
-        ))
+        WgparError::Grammar {
+            after: Some(self.consumed),
+            detail: e.to_string(),
+        }
     }
 
     /// The tokens allowed next as a bit set, 32 per word (bit `t % 32` of word `t / 32`
@@ -311,11 +312,43 @@ mod tests {
             .compile(&Format::JsonSchema(json!({"type": "frobnicate"})))
             .unwrap_err();
         assert!(e.contains("frobnicate"), "{e}");
-        assert!(Grammars::new(&byte_tokenizer(), 257, &[]).is_err());
-        assert!(Grammars::new(&byte_tokenizer(), 100, &[1]).is_err());
+        let e = Grammars::new(&byte_tokenizer(), 257, &[]).unwrap_err();
+        assert!(
+            matches!(&e, WgparError::Grammar { after: None, detail } if detail.contains("end-of-sequence")),
+            "{e}"
+        );
+        assert!(
+            e.to_string()
+                .starts_with("structured output needs the model's tokens as bytes: "),
+            "{e}"
+        );
+        // The model, not an option or a call, has to change: a failure while running.
+        assert_eq!(e.exit_code(), crate::error::EXIT_FAILURE, "{e}");
+        let e = Grammars::new(&byte_tokenizer(), 100, &[1]).unwrap_err();
+        assert!(
+            e.to_string().contains("more than the model's 100 logits"),
+            "{e}"
+        );
         let word = json!({"added_tokens": [], "decoder": null,
             "model": {"type": "WordLevel", "vocab": {"a": 0}}});
         assert!(Grammars::new(&word.to_string(), 1, &[0]).is_err());
+    }
+
+    #[test]
+    fn a_token_the_grammar_refuses_fails_with_the_tokens_fed() {
+        let g = Grammars::new(&byte_tokenizer(), 257, &[256]).unwrap();
+        let mut c = g.compile(&Format::Choice(vec!["ab".into()])).unwrap();
+        c.consume(u32::from(b'a')).unwrap();
+        let e = c.consume(u32::from(b'x')).unwrap_err();
+        assert!(
+            matches!(e, WgparError::Grammar { after: Some(1), .. }),
+            "{e}"
+        );
+        assert!(
+            e.to_string()
+                .starts_with("structured output failed after 1 tokens: "),
+            "{e}"
+        );
     }
 
     #[test]

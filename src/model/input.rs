@@ -36,46 +36,68 @@ impl EncoderInput {
     /// length.
     pub fn check_batch(inputs: &[Self], config: &ModelConfig) -> Result<usize> {
         if inputs.is_empty() {
-            return Err(WgparError::InvalidCall("nothing to encode".into()));
+            return Err(WgparError::TooFew {
+                what: "sequences (nothing to encode)".into(),
+                got: 0,
+                min: 1,
+            });
         }
         let mut longest = 0;
         for (i, input) in inputs.iter().enumerate() {
-            let n = input.ids.len();
-            let fail = |m: String| Err(WgparError::InvalidCall(format!("sequence {i}: {m}")));
-            if n == 0 {
-                return fail("no tokens".into());
-            }
-            if n > config.max_seq {
-                return fail(format!(
-                    "{n} tokens exceed max_seq {} of model '{}'",
-                    config.max_seq, config.name
-                ));
-            }
-            if let Some(bad) = input.ids.iter().find(|&&t| t as usize >= config.vocab) {
-                return fail(format!(
-                    "token id {bad} is outside the vocabulary of {}",
-                    config.vocab
-                ));
-            }
-            if !input.token_types.is_empty() && input.token_types.len() != n {
-                return fail(format!(
-                    "{} token types for {n} tokens",
-                    input.token_types.len()
-                ));
-            }
-            if let Some(bad) = input
-                .token_types
-                .iter()
-                .find(|&&t| t as usize >= config.type_vocab)
-            {
-                return fail(format!(
-                    "token type {bad} is outside the {} token types",
-                    config.type_vocab
-                ));
-            }
-            longest = longest.max(n);
+            input.check(i, config)?;
+            longest = longest.max(input.ids.len());
         }
         Ok(longest)
+    }
+
+    /// [`Self::check_batch`] for this sequence, the `sequence`-th of its batch.
+    fn check(&self, sequence: usize, config: &ModelConfig) -> Result<()> {
+        let n = self.ids.len();
+        if n == 0 {
+            return Err(WgparError::TooFew {
+                what: format!("sequence {sequence}: tokens"),
+                got: 0,
+                min: 1,
+            });
+        }
+        if n > config.max_seq {
+            return Err(WgparError::limit(
+                "context (tokens)",
+                (n as u64, config.max_seq as u64),
+                format!(
+                    "sequence {sequence}: {n} tokens exceed max_seq {} of model '{}'",
+                    config.max_seq, config.name
+                ),
+            ));
+        }
+        let outside =
+            |values: &[u32], limit: usize| values.iter().copied().find(|&t| t as usize >= limit);
+        if let Some(value) = outside(&self.ids, config.vocab) {
+            return Err(WgparError::TokenRange {
+                sequence,
+                what: "token id",
+                value,
+                range: "vocabulary",
+                limit: config.vocab,
+            });
+        }
+        if !self.token_types.is_empty() && self.token_types.len() != n {
+            return Err(WgparError::LengthMismatch {
+                what: format!("sequence {sequence}: token types, one per token"),
+                got: self.token_types.len(),
+                expected: n,
+            });
+        }
+        if let Some(value) = outside(&self.token_types, config.type_vocab) {
+            return Err(WgparError::TokenRange {
+                sequence,
+                what: "token type",
+                value,
+                range: "type vocabulary",
+                limit: config.type_vocab,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -93,29 +115,61 @@ mod tests {
         );
         assert_eq!(ok.types(), vec![0, 0, 0]);
         let cases = [
-            (EncoderInput::new(vec![]), "no tokens"),
-            (EncoderInput::new(vec![5000]), "vocabulary"),
-            (EncoderInput::new(vec![1; 65]), "max_seq"),
+            (EncoderInput::new(vec![]), "tokens: 0 given, at least 1"),
+            (
+                EncoderInput::new(vec![5000]),
+                "token id 5000 is outside the vocabulary of 397",
+            ),
+            (
+                EncoderInput::new(vec![1; 65]),
+                "65 tokens exceed max_seq 64",
+            ),
             (
                 EncoderInput {
                     ids: vec![1, 2],
                     token_types: vec![0],
                 },
-                "1 token types for 2",
+                "token types, one per token: 1 given for 2",
             ),
             (
                 EncoderInput {
                     ids: vec![1],
                     token_types: vec![2],
                 },
-                "token type 2",
+                "token type 2 is outside the type vocabulary of 2",
             ),
         ];
         for (bad, want) in cases {
-            let e = EncoderInput::check_batch(&[ok.clone(), bad], &cfg)
-                .unwrap_err()
-                .to_string();
-            assert!(e.contains("sequence 1") && e.contains(want), "{e}");
+            let e = EncoderInput::check_batch(&[ok.clone(), bad], &cfg).unwrap_err();
+            let text = e.to_string();
+            assert!(text.contains("sequence 1") && text.contains(want), "{text}");
+            // A sequence too long for the model is a limit with its numbers; the others are
+            // calls that do not fit the model.
+            let expected = if text.contains("max_seq") {
+                crate::error::EXIT_FAILURE
+            } else {
+                crate::error::EXIT_INTERNAL
+            };
+            assert_eq!(e.exit_code(), expected, "{text}");
         }
+        let e = EncoderInput::check_batch(&[], &cfg).unwrap_err();
+        assert!(
+            matches!(e, WgparError::TooFew { got: 0, min: 1, .. }),
+            "{e}"
+        );
+        assert!(e.to_string().contains("nothing to encode"), "{e}");
+        let e = EncoderInput::check_batch(&[EncoderInput::new(vec![1, 9999])], &cfg).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                WgparError::TokenRange {
+                    sequence: 0,
+                    value: 9999,
+                    limit: 397,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }

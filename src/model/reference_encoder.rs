@@ -13,10 +13,11 @@ impl CpuReference<'_> {
     pub fn encode(&self, inputs: &[EncoderInput]) -> Result<Vec<Vec<f64>>> {
         let cfg = &self.weights.config;
         if !cfg.is_encoder() {
-            return Err(WgparError::InvalidCall(format!(
-                "model '{}' is a decoder: it has no pooled embedding",
-                cfg.name
-            )));
+            return Err(WgparError::WrongModelKind {
+                model: cfg.name.clone(),
+                call: "a pooled embedding".into(),
+                needs: "an encoder (BERT-style)",
+            });
         }
         EncoderInput::check_batch(inputs, cfg)?;
         Ok(inputs

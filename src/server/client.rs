@@ -36,12 +36,12 @@ pub fn run_http(
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .map_err(|e| WgparError::Internal(format!("cannot start the async runtime: {e}")))?;
+        .map_err(|e| WgparError::runtime("cannot start the async runtime", e))?;
     let endpoint = format!("{}/v1/completions", url.trim_end_matches('/'));
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(3600))
         .build()
-        .map_err(|e| WgparError::Internal(format!("HTTP client: {e}")))?;
+        .map_err(|e| WgparError::runtime("cannot build the HTTP client", e))?;
     let base = url.trim_end_matches('/').to_string();
     let (mut senders, mut receivers) = turn_channels(requests);
     let outcomes = runtime.block_on(async {

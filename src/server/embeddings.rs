@@ -55,12 +55,12 @@ pub fn run_encoder(
         std::thread::Builder::new()
             .name("wgpar-encoder".into())
             .spawn(move || encoder_thread(build, &jobs_rx, chunk, &shared))
-            .map_err(|e| WgparError::Internal(format!("cannot start the encoder thread: {e}")))?
+            .map_err(|e| WgparError::runtime("cannot start the encoder thread", e))?
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .map_err(|e| WgparError::Internal(format!("cannot start the async runtime: {e}")))?;
+        .map_err(|e| WgparError::runtime("cannot start the async runtime", e))?;
     // Generation jobs have no engine here: their receiver is dropped (routes refuse them).
     let (no_jobs, _) = crossbeam::channel::unbounded();
     let handle = EncoderHandle { jobs: jobs_tx, dim };

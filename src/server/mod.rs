@@ -132,9 +132,10 @@ pub fn run(opts: ServerOptions, text: TextModel, build: EngineBuilder) -> Result
                 let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(build))
                     .unwrap_or_else(|p| {
                         let why = crate::threads::panic_message(p.as_ref()).unwrap_or("?");
-                        Err(WgparError::Internal(format!(
-                            "the engine build panicked: {why}"
-                        )))
+                        Err(WgparError::WorkerPanicked {
+                            worker: "the engine build".into(),
+                            message: why.to_string(),
+                        })
                     });
                 match built {
                     Ok(mut engine) => {
@@ -149,12 +150,12 @@ pub fn run(opts: ServerOptions, text: TextModel, build: EngineBuilder) -> Result
                     }
                 }
             })
-            .map_err(|e| WgparError::Internal(format!("cannot start the engine thread: {e}")))?
+            .map_err(|e| WgparError::runtime("cannot start the engine thread", e))?
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .map_err(|e| WgparError::Internal(format!("cannot start the async runtime: {e}")))?;
+        .map_err(|e| WgparError::runtime("cannot start the async runtime", e))?;
     let state = routes::AppState::new(&opts, text, shared.clone(), jobs_tx);
     runtime.block_on(listen(&opts, state, shared.clone()))?;
     // The job sender is gone with the router: the engine loop ends once idle.
