@@ -1043,7 +1043,7 @@ fn attention_flash_variants_head_dims_windows_f16() {
         case(2, 20, 50, (3, 1), 96),
         case(1, 66, 0, (4, 2), 128),
     ];
-    let mut flash_runs = 0;
+    let (mut flash_runs, mut flash4_runs) = (0, 0);
     for case in cases {
         if case.f16 && !gpu.supports_f16_weights() {
             assert!(std::env::var("CI").is_err(), "CI needs SHADER_F16");
@@ -1078,11 +1078,16 @@ fn attention_flash_variants_head_dims_windows_f16() {
         );
         for kernel in kernels {
             flash_runs += kernel.is_some_and(|k| k.starts_with("flash_")) as usize;
+            flash4_runs += kernel.is_some_and(|k| k.starts_with("flash4_")) as usize;
             let got = run_flash_case(gpu, &case, (&qt, &kt, &vt), kernel);
             assert_close(&format!("{kernel:?} {case:?}"), &got, &want, 1e-5);
         }
     }
     assert!(flash_runs >= 8, "only {flash_runs} flash runs");
+    assert!(
+        flash4_runs >= 12,
+        "only {flash4_runs} four-query flash runs"
+    );
 }
 
 #[test]
