@@ -439,3 +439,179 @@ fn attend_flash(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Prefill with four queries per invocation, one in each lane of a vec4: every key or value
+// element read feeds four multiply-adds instead of one, so reading the K/V tile stops bounding
+// the kernel. F4_D is head_dim (fixed per pipeline, constant trip counts), F4_WG the
+// invocations of a workgroup, which takes 4 * F4_WG consecutive queries of one (sequence,
+// head): invocation l holds queries l, l + F4_WG, l + 2 F4_WG and l + 3 F4_WG. The keys are
+// walked in blocks of four with one max and one rescale per block (the scores of a block are
+// four vec4 values, never an indexed array). F4_SHARED = 1 stages tiles of F4_BK keys in
+// workgroup memory, loaded once for the workgroup (what a GPU wants); 0 reads each key and
+// value straight from the cache at an address the whole workgroup shares (a broadcast, which a
+// CPU driver serves faster than workgroup memory). Every query walks the union of the
+// workgroup's keys, with no per-query branch, and masks the keys it does not see.
+// Grid: [ceil(seq / (4 * F4_WG)), n_heads, batch]. F4_BK: a multiple of 4; F4_TILE =
+// F4_BK * F4_D (the workgroup memory of a tile, K and V each).
+override F4_D: u32 = 32u;
+override F4_WG: u32 = 16u;
+override F4_BK: u32 = 4u;
+override F4_SHARED: u32 = 0u;
+override F4_TILE: u32 = 128u;
+const F4_MAXD: u32 = 128u;
+var<workgroup> f4_kt: array<f32, F4_TILE>;
+var<workgroup> f4_vt: array<f32, F4_TILE>;
+// Per invocation: its four queries (pre-scaled) and their accumulators, element c of each in
+// the lanes of [c]; the running maxima and denominators; the context of its keys.
+var<private> f4_q: array<vec4<f32>, F4_MAXD>;
+var<private> f4_acc: array<vec4<f32>, F4_MAXD>;
+var<private> f4_m: vec4<f32>;
+var<private> f4_l: vec4<f32>;
+var<private> f4_first: vec4<u32>;
+var<private> f4_end: vec4<u32>;
+var<private> f4_slot: u32;
+var<private> f4_kvh: u32;
+var<private> f4_last: u32;
+
+// Stages keys j0 .. j0 + F4_BK (the last real key `f4_last` repeated past it, masked later) in
+// the tiles; each key's row is looked up on its own, so no two keys need be contiguous.
+fn f4_load(j0: u32, lid: u32) {
+    for (var e = lid; e < F4_BK * F4_D; e += F4_WG) {
+        let at = kv_row(f4_slot, f4_kvh, min(j0 + e / F4_D, f4_last)) + e % F4_D;
+        f4_kt[e] = f32(k_cache[at]);
+        f4_vt[e] = f32(v_cache[at]);
+    }
+}
+
+// Element c of the key (value) at tile index t, or at cache row `row` when not staged.
+fn f4_key(t: u32, row: u32, c: u32) -> f32 {
+    if (F4_SHARED != 0u) {
+        return f4_kt[t * F4_D + c];
+    }
+    return f32(k_cache[row + c]);
+}
+
+fn f4_value(t: u32, row: u32, c: u32) -> f32 {
+    if (F4_SHARED != 0u) {
+        return f4_vt[t * F4_D + c];
+    }
+    return f32(v_cache[row + c]);
+}
+
+// The four queries' scores (FA_NONE where a query does not see key j).
+fn f4_mask(j: u32, dots: vec4<f32>) -> vec4<f32> {
+    let seen = (vec4<u32>(j) >= f4_first) & (vec4<u32>(j) < f4_end);
+    return select(vec4<f32>(FA_NONE), dots, seen);
+}
+
+fn f4_weight(s: vec4<f32>, mx: vec4<f32>) -> vec4<f32> {
+    // A masked key weighs nothing, even while every score so far is masked.
+    return select(vec4<f32>(0.0), exp(s - mx), s > vec4<f32>(FA_NONE));
+}
+
+// Keys j .. j + 3 (tile indices t .. t + 3) into the four queries' running softmax.
+fn f4_block(j: u32, t: u32) {
+    let r0 = kv_row(f4_slot, f4_kvh, min(j, f4_last));
+    let r1 = kv_row(f4_slot, f4_kvh, min(j + 1u, f4_last));
+    let r2 = kv_row(f4_slot, f4_kvh, min(j + 2u, f4_last));
+    let r3 = kv_row(f4_slot, f4_kvh, min(j + 3u, f4_last));
+    var d0 = vec4<f32>(0.0);
+    var d1 = vec4<f32>(0.0);
+    var d2 = vec4<f32>(0.0);
+    var d3 = vec4<f32>(0.0);
+    for (var c = 0u; c < F4_D; c++) {
+        let qc = f4_q[c];
+        d0 = fma(qc, vec4<f32>(f4_key(t, r0, c)), d0);
+        d1 = fma(qc, vec4<f32>(f4_key(t + 1u, r1, c)), d1);
+        d2 = fma(qc, vec4<f32>(f4_key(t + 2u, r2, c)), d2);
+        d3 = fma(qc, vec4<f32>(f4_key(t + 3u, r3, c)), d3);
+    }
+    let s0 = f4_mask(j, d0);
+    let s1 = f4_mask(j + 1u, d1);
+    let s2 = f4_mask(j + 2u, d2);
+    let s3 = f4_mask(j + 3u, d3);
+    let mx = max(max(f4_m, max(s0, s1)), max(s2, s3));
+    let correction = exp(f4_m - mx);
+    let w0 = f4_weight(s0, mx);
+    let w1 = f4_weight(s1, mx);
+    let w2 = f4_weight(s2, mx);
+    let w3 = f4_weight(s3, mx);
+    f4_l = f4_l * correction + ((w0 + w1) + (w2 + w3));
+    for (var c = 0u; c < F4_D; c++) {
+        var a = f4_acc[c] * correction;
+        a = fma(w0, vec4<f32>(f4_value(t, r0, c)), a);
+        a = fma(w1, vec4<f32>(f4_value(t + 1u, r1, c)), a);
+        a = fma(w2, vec4<f32>(f4_value(t + 2u, r2, c)), a);
+        a = fma(w3, vec4<f32>(f4_value(t + 3u, r3, c)), a);
+        f4_acc[c] = a;
+    }
+    f4_m = mx;
+}
+
+// Query `lane` of this invocation, token i (i_raw before clamping to the sequence): its
+// scaled elements into lane `lane` of f4_q and the keys it sees into f4_first / f4_end.
+fn f4_query(lane: u32, b: u32, h: u32, i_raw: u32, past: u32, end: u32) {
+    let i = min(i_raw, p.seq - 1u);
+    let at = ((b * p.seq + i) * p.n_heads + h) * F4_D;
+    for (var c = 0u; c < F4_D; c++) {
+        f4_q[c][lane] = q[at + c] * p.scale;
+        f4_acc[c][lane] = 0.0;
+    }
+    if (p.causal != 0u) {
+        f4_first[lane] = first_key(past + i);
+        f4_end[lane] = min(past + i + 1u, p.max_seq);
+    } else {
+        f4_first[lane] = 0u;
+        f4_end[lane] = end;
+    }
+}
+
+// Writes query `lane`'s output, if token i_raw is in the sequence.
+fn f4_store(lane: u32, b: u32, h: u32, i_raw: u32) {
+    if (i_raw < p.seq) {
+        let at = ((b * p.seq + i_raw) * p.n_heads + h) * F4_D;
+        let inv = 1.0 / f4_l[lane];
+        for (var c = 0u; c < F4_D; c++) {
+            out[at + c] = f4_acc[c][lane] * inv;
+        }
+    }
+}
+
+@compute @workgroup_size(F4_WG)
+fn attend_flash4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let b = wid.z;
+    let h = wid.y;
+    let q0 = wid.x * 4u * F4_WG;
+    let past = seqs[2u * b + 1u];
+    f4_slot = min(seqs[2u * b], p.slots - 1u);
+    f4_kvh = (h + p.q_offset) / p.group - p.kv_offset;
+    // The keys any of the workgroup's queries sees (uniform: from the workgroup id, the
+    // parameters and the read-only sequence table).
+    var hi = past + min(p.seq, q0 + 4u * F4_WG);
+    if (p.causal == 0u) {
+        hi = min(past + p.seq, lens[b]);
+    }
+    let span = vec2<u32>(first_key(past + q0), min(hi, p.max_seq));
+    f4_last = span.y - 1u;
+    for (var lane = 0u; lane < 4u; lane++) {
+        f4_query(lane, b, h, q0 + lane * F4_WG + lid, past, span.y);
+    }
+    f4_m = vec4<f32>(FA_NONE);
+    f4_l = vec4<f32>(0.0);
+    for (var j0 = span.x; j0 < span.y; j0 += F4_BK) {
+        if (F4_SHARED != 0u) {
+            f4_load(j0, lid);
+            workgroupBarrier();
+        }
+        for (var t = 0u; t < F4_BK && j0 + t < span.y; t += 4u) {
+            f4_block(j0 + t, t);
+        }
+        if (F4_SHARED != 0u) {
+            workgroupBarrier();
+        }
+    }
+    for (var lane = 0u; lane < 4u; lane++) {
+        f4_store(lane, b, h, q0 + lane * F4_WG + lid);
+    }
+}

@@ -772,6 +772,9 @@ fn attention_every_variant_causal_and_bidirectional() {
         (2, 70, 3, 80, 2, 2, 1, 0, 0, 8),
         (3, 1, 9, 16, 6, 2, 3, 0, 0, 128),
         (1, 2, 0, 8, 2, 2, 1, 0, 0, 200),
+        // A tensor-parallel shard of a grouped layer at a head dimension the flash kernels
+        // are compiled for, more queries than one of their workgroups takes.
+        (2, 70, 3, 80, 4, 2, 3, 2, 0, 32),
     ];
     for (batch, seq, past0, max_seq, nh, nkv, group, q_off, kv_off, d) in cases {
         let slots = batch + 1;
@@ -1032,11 +1035,27 @@ fn attention_flash_variants_head_dims_windows_f16() {
             window: Some(40),
             ..case(1, 100, 0, (2, 2), 32)
         },
+        // Head dim 32 (four queries per invocation too): an f16 cache with cached keys (a
+        // chunk of a prompt) over several workgroups; padding; a window narrower than a
+        // block of keys; more queries than the widest workgroup's 256.
+        FlashCase {
+            f16: true,
+            ..case(2, 130, 9, (6, 2), 32)
+        },
+        FlashCase {
+            causal: false,
+            ..case(2, 67, 4, (3, 3), 32)
+        },
+        FlashCase {
+            window: Some(3),
+            ..case(1, 70, 3, (2, 1), 32)
+        },
+        case(1, 300, 2, (2, 1), 32),
         case(1, 65, 3, (2, 2), 80),
         case(2, 20, 50, (3, 1), 96),
         case(1, 66, 0, (4, 2), 128),
     ];
-    let mut flash_runs = 0;
+    let (mut flash_runs, mut flash4_runs) = (0, 0);
     for case in cases {
         if case.f16 && !gpu.supports_f16_weights() {
             assert!(std::env::var("CI").is_err(), "CI needs SHADER_F16");
@@ -1071,11 +1090,16 @@ fn attention_flash_variants_head_dims_windows_f16() {
         );
         for kernel in kernels {
             flash_runs += kernel.is_some_and(|k| k.starts_with("flash_")) as usize;
+            flash4_runs += kernel.is_some_and(|k| k.starts_with("flash4_")) as usize;
             let got = run_flash_case(gpu, &case, (&qt, &kt, &vt), kernel);
             assert_close(&format!("{kernel:?} {case:?}"), &got, &want, 1e-5);
         }
     }
     assert!(flash_runs >= 8, "only {flash_runs} flash runs");
+    assert!(
+        flash4_runs >= 12,
+        "only {flash4_runs} four-query flash runs"
+    );
 }
 
 #[test]

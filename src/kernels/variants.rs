@@ -470,6 +470,36 @@ macro_rules! flash {
     };
 }
 
+/// A prefill variant of `attend_flash4`: four queries per invocation (the lanes of a vec4),
+/// head dimension `d` fixed in the pipeline, `wg` invocations (`4 * wg` queries) per
+/// workgroup, keys in tiles of `bk` staged in workgroup memory when `shared`, else read
+/// straight from the cache at addresses the workgroup shares.
+macro_rules! flash4 {
+    ($name:expr, d = $d:expr, wg = $wg:expr, bk = $bk:expr, shared = $shared:expr) => {
+        Variant {
+            name: $name,
+            op: Op::Attention,
+            family: Family::Attention,
+            entry: "attend_flash4",
+            constants: &[
+                ("F4_D", $d as f64),
+                ("F4_WG", $wg as f64),
+                ("F4_BK", $bk as f64),
+                ("F4_SHARED", $shared as u32 as f64),
+                ("F4_TILE", ($bk * $d) as f64),
+            ],
+            subgroups: false,
+            k_multiple_of_4: false,
+            max_rows: ANY,
+            min_rows: 1,
+            grid: MatmulGrid::Columns { cols: 1 },
+            max_head_dim: $d,
+            candidate: true,
+            legacy: false,
+        }
+    };
+}
+
 /// Every attention variant: today's (one invocation per (token, head) streaming over the
 /// keys), the tiled flash-style prefill (key/value tiles shared by 64 queries in workgroup
 /// memory) and the decode kernel split over the context (a workgroup per (token, head), then
@@ -478,6 +508,10 @@ pub static ATTENTION: &[Variant] = &[
     // The flash variants come first: the first one timed is never dropped for a slow first
     // sample, and that sample includes the driver's compile of a pipeline whose loops are
     // unrolled (seconds on lavapipe); only the one of the layer's head dimension applies.
+    // Four queries per invocation, reading the cache directly: the CPU driver's shape
+    // (docs/BENCHMARKS.md, issue 36), first so that it is timed within the tuning budget.
+    flash4!("flash4_d32_w16", d = 32, wg = 16, bk = 4, shared = false),
+    flash4!("flash4_d64_w16", d = 64, wg = 16, bk = 4, shared = false),
     flash!("flash_d32_k16", d4 = 8, bk = 16),
     flash!("flash_d64_k16", d4 = 16, bk = 16),
     flash!("flash_d80_k16", d4 = 20, bk = 16),
@@ -499,14 +533,38 @@ pub static ATTENTION: &[Variant] = &[
     flash!("flash_d32_k8", d4 = 8, bk = 8),
     flash!("flash_d64_k8", d4 = 16, bk = 8),
     flash!("flash_d128_k8", d4 = 32, bk = 8),
+    // Four queries per invocation with K/V tiles in workgroup memory: the GPU's shape.
+    flash4!(
+        "flash4_d32_w64_t16",
+        d = 32,
+        wg = 64,
+        bk = 16,
+        shared = true
+    ),
+    flash4!(
+        "flash4_d64_w64_t16",
+        d = 64,
+        wg = 64,
+        bk = 16,
+        shared = true
+    ),
 ];
 
 /// The head dimension a variant is compiled for, if fixed (the flash prefill kernels).
 pub fn fixed_head_dim(v: &Variant) -> Option<usize> {
-    v.constants
-        .iter()
-        .find(|(name, _)| *name == "FA_D4")
-        .map(|&(_, d4)| 4 * d4 as usize)
+    v.constants.iter().find_map(|&(name, value)| match name {
+        "FA_D4" => Some(4 * value as usize),
+        "F4_D" => Some(value as usize),
+        _ => None,
+    })
+}
+
+/// Queries a workgroup of the tiled prefill variant `v` takes (64, or 4 per invocation of
+/// `attend_flash4`).
+fn queries_per_group(v: &Variant) -> usize {
+    (v.constants.iter())
+        .find(|(name, _)| *name == "F4_WG")
+        .map_or(64, |&(_, wg)| 4 * wg as usize)
 }
 
 /// The variant called `name`, of any op.
@@ -525,7 +583,7 @@ pub fn attention_applies(v: &Variant, seq: usize, head_dim: usize) -> bool {
         && head_dim <= v.max_head_dim as usize
         && fixed_head_dim(v).is_none_or(|d| d == head_dim)
         // The tiled kernels share key tiles between the queries of a sequence: prefill only.
-        && (!matches!(v.entry, "attend_tiled" | "attend_flash") || seq > 1)
+        && (!matches!(v.entry, "attend_tiled" | "attend_flash" | "attend_flash4") || seq > 1)
 }
 
 /// Workgroup grid of attention variant `v` for `batch x seq` tokens and `n_heads` heads.
@@ -539,8 +597,8 @@ pub fn attention_grid(v: &Variant, batch: usize, seq: usize, n_heads: usize) -> 
     match v.entry {
         "attend" => fold((batch * seq * n_heads).div_ceil(64)),
         "attend_split" => fold(batch * seq * n_heads),
-        "attend_tiled" | "attend_flash" => {
-            let g = [seq.div_ceil(64), n_heads, batch];
+        "attend_tiled" | "attend_flash" | "attend_flash4" => {
+            let g = [seq.div_ceil(queries_per_group(v)), n_heads, batch];
             g.iter().all(|&d| d <= MAX_GROUPS as usize).then_some([
                 g[0] as u32,
                 g[1] as u32,
@@ -821,6 +879,20 @@ mod tests {
             MatmulClass::of((100, 1000, 1023), WeightType::F32),
             MatmulClass::of((129, 1000, 1023), WeightType::F32)
         );
+    }
+
+    #[test]
+    fn flash4_grids_and_head_dims() {
+        let grid = |name: &str| attention_grid(by_name(name).unwrap(), 3, 300, 12);
+        // 64 queries per workgroup, or 4 per invocation of 16 and of 64 invocations.
+        assert_eq!(grid("flash_d32_k16"), Some([5, 12, 3]));
+        assert_eq!(grid("flash4_d32_w16"), Some([5, 12, 3]));
+        assert_eq!(grid("flash4_d32_w64_t16"), Some([2, 12, 3]));
+        let v = by_name("flash4_d64_w16").unwrap();
+        assert_eq!(fixed_head_dim(v), Some(64));
+        assert!(attention_applies(v, 2, 64));
+        assert!(!attention_applies(v, 1, 64), "prefill only");
+        assert!(!attention_applies(v, 2, 32));
     }
 
     #[test]
