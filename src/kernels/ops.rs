@@ -2317,11 +2317,21 @@ pub fn pack_adjustments(rows: usize, vocab: usize, entries: &[LogitAdjust]) -> R
     };
     let mut per_row = vec![0usize; rows];
     for (i, e) in sorted.iter().enumerate() {
-        if e.row as usize >= rows || e.token as usize >= vocab {
-            return bad(format!(
-                "row {} token {} outside {rows} rows of {vocab} tokens",
-                e.row, e.token
-            ));
+        if e.row as usize >= rows {
+            return Err(WgparError::OutOfRange {
+                what: "logit adjustment row".into(),
+                index: e.row as usize,
+                count: rows,
+            });
+        }
+        if e.token as usize >= vocab {
+            return Err(WgparError::TokenRange {
+                sequence: e.row as usize,
+                what: "token id",
+                value: e.token,
+                range: "vocabulary",
+                limit: vocab,
+            });
         }
         if i > 0 && (sorted[i - 1].row, sorted[i - 1].token) == (e.row, e.token) {
             return bad(format!("row {} adjusts token {} twice", e.row, e.token));
