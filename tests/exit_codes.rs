@@ -222,7 +222,7 @@ fn inputs_for_another_model_are_internal_and_typed_with_their_numbers() {
 
 #[test]
 fn parts_an_engine_does_not_have_are_internal_and_typed_with_their_numbers() {
-    use wgpar::kernels::ops::{pack_adjustments, LogitAdjust};
+    use wgpar::kernels::ops::{pack_adjustments, LogitAdjust, MAX_ADJUST_PER_ROW};
     use wgpar::model::CpuReference;
     use wgpar::parallel::{Fault, FaultKind, Partition, PipelineEngine};
     // A fault armed on a stage past the end of a two-stage pipeline.
@@ -262,6 +262,15 @@ fn parts_an_engine_does_not_have_are_internal_and_typed_with_their_numbers() {
         "{e}"
     );
     assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
+    let crowded: Vec<LogitAdjust> = (0..=MAX_ADJUST_PER_ROW as u32)
+        .map(|t| adjust(0, t))
+        .collect();
+    let e = pack_adjustments(1, 4 * MAX_ADJUST_PER_ROW, &crowded).unwrap_err();
+    assert!(
+        matches!(e, WgparError::LengthMismatch { got, expected, .. }
+            if got == MAX_ADJUST_PER_ROW + 1 && expected == MAX_ADJUST_PER_ROW),
+        "{e}"
+    );
     let e = pack_adjustments(2, 50, &[adjust(1, 60)]).unwrap_err();
     assert!(
         matches!(
