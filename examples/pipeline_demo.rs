@@ -1,4 +1,5 @@
-//! A pipeline you can watch: the default model split over every adapter this machine has
+//! A pipeline you can watch: a deep, thin variant of the default model (16 layers of FFN 384
+//! instead of 6 of FFN 1024, see [`demo_model`]) split over every adapter this machine has
 //! (or two virtual devices when it has one), eight micro-batches flowing through the stages,
 //! then the timeline drawn in the terminal: fill, steady state, drain. Then the same
 //! micro-batches decoding in flight: each moves to its next token as soon as its own logits
@@ -75,7 +76,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for g in &gpus {
         println!("stage device: {}", g.describe());
     }
-    let config = ModelConfig::preset("default")?;
+    let config = demo_model()?;
+    println!(
+        "model: {} layers, hidden {}, FFN {}, vocab {} (the default model made deeper and \
+         thinner, so a split by layers can even out the stages, LM head included)",
+        config.layers, config.hidden, config.ffn, config.vocab
+    );
     let weights = ModelWeights::synthetic(&config, 7);
     let micro_batches = 8;
     let placement = place_by_speed(&gpus, &weights)?;
@@ -117,6 +123,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     draw(&recorder.timeline(), gpus.len());
     report(&stats);
     Ok(())
+}
+
+/// The default model with its layers made thinner and more numerous: same width, heads and
+/// vocabulary, about 1.4x its layers' weights. With six layers the LM head (about two layers' cost)
+/// forces a split with a large step between the stages; with sixteen a layer is a small step,
+/// so the measured-speed placement can balance two stages to within a few percent.
+fn demo_model() -> Result<ModelConfig, wgpar::WgparError> {
+    let mut config = ModelConfig::preset("default")?;
+    config.name = "default-deep".into();
+    config.layers = 16;
+    config.ffn = 384;
+    config.validate()?;
+    Ok(config)
 }
 
 /// Samples per device when timing a layer, the embedding and the head (the median is kept).

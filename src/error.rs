@@ -587,6 +587,27 @@ pub enum WgparError {
         /// The tokenizer's or grammar engine's account.
         detail: String,
     },
+    /// A call that names a part of an engine past the end of what it has: a pipeline stage, a
+    /// tensor-parallel rank, a serving lane, a device's local layer, a logit-adjustment row.
+    #[error("invalid call: {what} {index} does not exist: there are {count}")]
+    OutOfRange {
+        /// What was indexed, e.g. `pipeline stage`.
+        what: String,
+        /// The index given.
+        index: usize,
+        /// How many there are (valid indices are `0..count`).
+        count: usize,
+    },
+    /// A call that needs a part of the model that this device (or process) does not hold: the
+    /// embedding, the LM head or the pooled output on a stage that does not end or start the
+    /// model, or a layer whose weights were loaded elsewhere.
+    #[error("invalid call: {holder} holds no {part}")]
+    NotHeld {
+        /// The part asked for, e.g. `LM head`.
+        part: String,
+        /// Who was asked, e.g. `the device of model 'default'`.
+        holder: String,
+    },
 }
 
 /// Result with [`WgparError`].
@@ -676,6 +697,8 @@ impl WgparError {
             | Self::UnequalPrompts { .. }
             | Self::TokenRange { .. }
             | Self::WrongModelKind { .. }
+            | Self::OutOfRange { .. }
+            | Self::NotHeld { .. }
             | Self::Internal(_)
             | Self::Comm(
                 crate::comm::CommError::RankState { .. }
@@ -886,7 +909,25 @@ mod exit_codes {
                 },
                 "structured output failed after 7 tokens: no token continues the value",
             ),
+            (
+                WgparError::OutOfRange {
+                    what: "pipeline stage".into(),
+                    index: 4,
+                    count: 2,
+                },
+                "invalid call: pipeline stage 4 does not exist: there are 2",
+            ),
+            (
+                WgparError::NotHeld {
+                    part: "LM head".into(),
+                    holder: "this device (not the model's last stage)".into(),
+                },
+                "invalid call: this device (not the model's last stage) holds no LM head",
+            ),
         ];
+        for (e, _) in &cases[cases.len() - 2..] {
+            assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
+        }
         for (e, text) in cases {
             assert_eq!(e.to_string(), text);
         }

@@ -193,9 +193,10 @@ fn weights_without_a_layer_the_engine_needs_are_refused() {
     assert!(!part.layers[0].is_absent() && part.layers[1].is_absent());
     assert_eq!(part.layers[0].wq, whole.layers[0].wq);
     assert!(part.host_bytes() < whole.host_bytes());
-    let e = SingleEngine::new(gpu, &part, DType::F32)
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(e.contains("layer 1 is not loaded"), "{e}");
+    let e = SingleEngine::new(gpu, &part, DType::F32).err().unwrap();
+    assert!(
+        matches!(&e, wgpar::WgparError::NotHeld { part, .. } if part == "weights of layer 1"),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), wgpar::error::EXIT_INTERNAL, "{e}");
 }

@@ -221,6 +221,82 @@ fn inputs_for_another_model_are_internal_and_typed_with_their_numbers() {
 }
 
 #[test]
+fn parts_an_engine_does_not_have_are_internal_and_typed_with_their_numbers() {
+    use wgpar::kernels::ops::{pack_adjustments, LogitAdjust, MAX_ADJUST_PER_ROW};
+    use wgpar::model::CpuReference;
+    use wgpar::parallel::{Fault, FaultKind, Partition, PipelineEngine};
+    // A fault armed on a stage past the end of a two-stage pipeline.
+    let gpus = common::gpus(2);
+    let weights = ModelWeights::synthetic(&ModelConfig::preset("tiny-llama").unwrap(), 1);
+    let comm = CommConfig::default();
+    let mut pp = PipelineEngine::new(&gpus, &weights, DType::F32, &Partition::Even, 1, comm)
+        .expect("a two-stage pipeline");
+    let fault = Fault {
+        after: 0,
+        kind: FaultKind::Error,
+    };
+    let e = pp.inject_fault(5, fault).unwrap_err();
+    assert!(
+        matches!(&e, WgparError::OutOfRange { index: 5, count: 2, what } if what.contains("stage")),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
+    // Logit adjustments for a row past the step's rows, and a token past the vocabulary.
+    let adjust = |row, token| LogitAdjust {
+        row,
+        token,
+        add: 1.0,
+        repetition: 1.0,
+        sub: 0.0,
+    };
+    let e = pack_adjustments(2, 50, &[adjust(3, 1)]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            WgparError::OutOfRange {
+                index: 3,
+                count: 2,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
+    let crowded: Vec<LogitAdjust> = (0..=MAX_ADJUST_PER_ROW as u32)
+        .map(|t| adjust(0, t))
+        .collect();
+    let e = pack_adjustments(1, 4 * MAX_ADJUST_PER_ROW, &crowded).unwrap_err();
+    assert!(
+        matches!(e, WgparError::LengthMismatch { got, expected, .. }
+            if got == MAX_ADJUST_PER_ROW + 1 && expected == MAX_ADJUST_PER_ROW),
+        "{e}"
+    );
+    let e = pack_adjustments(2, 50, &[adjust(1, 60)]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            WgparError::TokenRange {
+                sequence: 1,
+                value: 60,
+                limit: 50,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // The reference decoder asked of an encoder.
+    let bert = ModelWeights::synthetic(&ModelConfig::preset("tiny-bert").unwrap(), 1);
+    let Err(e) = CpuReference::with_slots(&bert, 1) else {
+        panic!("a decoder reference was made of an encoder")
+    };
+    assert!(
+        matches!(&e, WgparError::WrongModelKind { model, .. } if model == &bert.config.name),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), EXIT_INTERNAL, "{e}");
+}
+
+#[test]
 fn the_help_lists_every_status() {
     let (code, out, _) = wgpar(&["--help"]);
     assert_eq!(code, Some(0));

@@ -2310,29 +2310,40 @@ pub fn adjust_words(batch: usize) -> usize {
 pub fn pack_adjustments(rows: usize, vocab: usize, entries: &[LogitAdjust]) -> Result<Vec<u32>> {
     let mut sorted = entries.to_vec();
     sorted.sort_by_key(|e| (e.row, e.token));
-    let bad = |detail: String| {
-        Err(WgparError::InvalidCall(format!(
-            "logit adjustments: {detail}"
-        )))
-    };
     let mut per_row = vec![0usize; rows];
     for (i, e) in sorted.iter().enumerate() {
-        if e.row as usize >= rows || e.token as usize >= vocab {
-            return bad(format!(
-                "row {} token {} outside {rows} rows of {vocab} tokens",
-                e.row, e.token
-            ));
+        if e.row as usize >= rows {
+            return Err(WgparError::OutOfRange {
+                what: "logit adjustment row".into(),
+                index: e.row as usize,
+                count: rows,
+            });
+        }
+        if e.token as usize >= vocab {
+            return Err(WgparError::TokenRange {
+                sequence: e.row as usize,
+                what: "token id",
+                value: e.token,
+                range: "vocabulary",
+                limit: vocab,
+            });
         }
         if i > 0 && (sorted[i - 1].row, sorted[i - 1].token) == (e.row, e.token) {
-            return bad(format!("row {} adjusts token {} twice", e.row, e.token));
+            // No variant names a duplicate; the server's adjustments come from one map per
+            // row, so only a library caller reaches this.
+            return Err(WgparError::InvalidCall(format!(
+                "logit adjustments: row {} adjusts token {} twice",
+                e.row, e.token
+            )));
         }
         per_row[e.row as usize] += 1;
     }
     if let Some(r) = per_row.iter().position(|&n| n > MAX_ADJUST_PER_ROW) {
-        return bad(format!(
-            "row {r} has {} entries, more than {MAX_ADJUST_PER_ROW}",
-            per_row[r]
-        ));
+        return Err(WgparError::LengthMismatch {
+            what: format!("logit adjustments of row {r} (at most)"),
+            got: per_row[r],
+            expected: MAX_ADJUST_PER_ROW,
+        });
     }
     let mut words = Vec::with_capacity(rows + 2 + 4 * sorted.len());
     words.push(to_u32("pick", "adjusted rows", rows)?);

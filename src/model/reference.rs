@@ -328,10 +328,11 @@ impl<'a> CpuReference<'a> {
     fn reset(&mut self, slots: usize) -> Result<()> {
         let cfg = &self.weights.config;
         if cfg.is_encoder() {
-            return Err(WgparError::InvalidCall(format!(
-                "model '{}' is an encoder: it has no logits to prefill, encode it instead",
-                cfg.name
-            )));
+            return Err(WgparError::WrongModelKind {
+                model: cfg.name.clone(),
+                call: "a reference prefill (logits)".into(),
+                needs: "a decoder (encode an encoder's inputs instead)",
+            });
         }
         let per_layer = slots * cfg.kv_heads * cfg.max_seq * cfg.head_dim;
         self.k_cache = vec![vec![0.0; per_layer]; cfg.layers];

@@ -71,7 +71,11 @@ pub fn measure_decode(
             .unwrap_or(0) as f64
             / steps as f64
     };
-    let none = || WgparError::Internal("no timed steps".into());
+    let none = || WgparError::TooFew {
+        what: "timed decode steps".into(),
+        got: 0,
+        min: 1,
+    };
     Ok(DecodeMeasure {
         encode_us: median(encode).map(|s| s * 1e6),
         encode_cpu_us: median(encode_cpu).map(|s| s * 1e6),

@@ -155,6 +155,7 @@ impl Encoder for SingleEncoder {
         }
         self.batch = batch;
         let (Some(act), Some(kv)) = (&mut self.act, &mut self.kv) else {
+            // Both were made just above.
             return Err(WgparError::Internal("encoder buffers missing".into()));
         };
         let (ids, types, lens) = pad_batch(inputs, seq);
@@ -166,6 +167,7 @@ impl Encoder for SingleEncoder {
         m.layers(&mut enc, act, kv)?;
         m.pool(&mut enc, act)?;
         m.gpu().submit(enc);
+        // An encoder's activations always hold the pooled output (`pool` above wrote it).
         let pooled = act
             .pooled()
             .ok_or_else(|| WgparError::Internal("no pooled output buffer".into()))?;

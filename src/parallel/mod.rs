@@ -189,6 +189,7 @@ pub struct StepOutput {
 
 impl StepOutput {
     fn into_logits(self) -> Result<Logits> {
+        // Called only on the output of a step that asked for logits.
         self.logits
             .ok_or_else(|| WgparError::Internal("a step asked for logits returned none".into()))
     }

@@ -103,7 +103,7 @@ impl SingleEngine {
         pick: StepPick,
     ) -> Result<(StepOutput, SpanId)> {
         let (Some(act), Some(kv)) = (&mut self.act, &mut self.kv) else {
-            return Err(WgparError::InvalidCall("decode before prefill".into()));
+            return Err(WgparError::DecodeBeforePrefill);
         };
         let m = &self.model;
         let gpu = m.gpu();

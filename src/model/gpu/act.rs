@@ -199,6 +199,9 @@ impl Activations {
     }
 
     pub(super) fn no_head(&self) -> WgparError {
-        WgparError::InvalidCall("this device holds no LM head".into())
+        WgparError::NotHeld {
+            part: "LM head".into(),
+            holder: "this device (not the model's last stage)".into(),
+        }
     }
 }

@@ -215,6 +215,7 @@ impl KvCache {
         }
         let aligned = (ranges.iter()).all(|&(f, t, b)| (f | t | b).is_multiple_of(4));
         if tokens > l.max_seq || !aligned {
+            // `copy.check` above refused every copy and layout that could land here.
             return Err(WgparError::Internal(format!(
                 "KV copy of {tokens} positions of {} x {} bytes is not 4-byte aligned",
                 l.head_dim, elem

@@ -260,7 +260,8 @@ impl Binder<'_> {
         };
         let Some(tables) = tables else {
             if sliding && self.cx.rope.is_some() {
-                return Err(WgparError::InvalidCall(
+                // The upload makes the local tables whenever the model has sliding layers.
+                return Err(WgparError::Internal(
                     "a sliding layer without the sliding layers' RoPE tables".into(),
                 ));
             }

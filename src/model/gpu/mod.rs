@@ -755,11 +755,15 @@ impl GpuModel {
 
     /// Validates token ids and stages them for [`Self::embed`] (lands at the next submit).
     pub fn write_ids(&self, act: &Activations, ids: &[u32]) -> Result<()> {
-        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab) {
-            return Err(WgparError::InvalidCall(format!(
-                "token id {bad} is outside the vocabulary of {}",
-                self.config.vocab
-            )));
+        if let Some(i) = ids.iter().position(|&t| t as usize >= self.config.vocab) {
+            let per_sequence = (ids.len() / act.batch.max(1)).max(1);
+            return Err(WgparError::TokenRange {
+                sequence: i / per_sequence,
+                what: "token id",
+                value: ids[i],
+                range: "vocabulary",
+                limit: self.config.vocab,
+            });
         }
         self.gpu.write_u32(&act.buf.ids, ids)
     }
@@ -771,11 +775,11 @@ impl GpuModel {
         let t = act.buf.allow.as_ref().ok_or_else(|| act.no_head())?;
         let words = allow_words(self.config.vocab);
         if !allow.len().is_multiple_of(words) || allow.len() / words > act.batch {
-            return Err(WgparError::InvalidCall(format!(
-                "{} mask words are not whole rows of {words} for at most {} rows",
-                allow.len(),
-                act.batch
-            )));
+            return Err(WgparError::LengthMismatch {
+                what: format!("logit mask words (whole rows of {words})"),
+                got: allow.len(),
+                expected: words * act.batch,
+            });
         }
         self.gpu.write_u32(t, allow)?;
         act.set_masked();
@@ -789,11 +793,14 @@ impl GpuModel {
         let t = act.buf.adjust.as_ref().ok_or_else(|| act.no_head())?;
         let rows = words.first().copied().unwrap_or(0) as usize;
         if rows > act.batch || words.len() > adjust_words(act.batch) {
-            return Err(WgparError::InvalidCall(format!(
-                "{} adjustment words for {rows} rows do not fit {} rows",
-                words.len(),
-                act.batch
-            )));
+            return Err(WgparError::LengthMismatch {
+                what: format!(
+                    "logit adjustment words for {rows} rows (at most {})",
+                    act.batch
+                ),
+                got: words.len(),
+                expected: adjust_words(act.batch),
+            });
         }
         self.gpu.write_u32(t, words)?;
         act.set_adjusted();
@@ -848,10 +855,10 @@ impl GpuModel {
     /// types and the embedding norm where the model has them).
     pub fn embed(&self, encoder: &mut wgpu::CommandEncoder, act: &Activations) -> Result<()> {
         let (batch, seq) = Self::shape(act)?;
-        let ops = act
-            .embed
-            .as_ref()
-            .ok_or_else(|| WgparError::InvalidCall("this device holds no embedding".into()))?;
+        let ops = act.embed.as_ref().ok_or_else(|| WgparError::NotHeld {
+            part: "embedding".into(),
+            holder: "this device (not the model's first stage)".into(),
+        })?;
         let mut pass = Pass::new(encoder);
         for lookup in &ops.embed {
             pass.run(lookup)?;
@@ -867,11 +874,10 @@ impl GpuModel {
     }
 
     fn layer_ops<'a>(&self, act: &'a Activations, i: usize) -> Result<&'a layer::LayerOps> {
-        act.layers.get(i).ok_or_else(|| {
-            WgparError::InvalidCall(format!(
-                "local layer {i} out of the {} this device holds",
-                self.layers.len()
-            ))
+        act.layers.get(i).ok_or_else(|| WgparError::OutOfRange {
+            what: "local layer on this device".into(),
+            index: i,
+            count: self.layers.len(),
         })
     }
 
@@ -979,11 +985,9 @@ impl GpuModel {
     /// L2-normalised when the model's pooling says so.
     pub fn pool(&self, encoder: &mut wgpu::CommandEncoder, act: &Activations) -> Result<()> {
         Self::shape(act)?;
-        let op = act.pool.as_ref().ok_or_else(|| {
-            WgparError::InvalidCall(format!(
-                "model '{}' has no pooled output on this device (an encoder's last stage pools)",
-                self.config.name
-            ))
+        let op = act.pool.as_ref().ok_or_else(|| WgparError::NotHeld {
+            part: "pooled output (an encoder's last stage pools)".into(),
+            holder: format!("this device of model '{}'", self.config.name),
         })?;
         Pass::new(encoder).run(op)
     }
@@ -1128,20 +1132,29 @@ fn check_upload(config: &ModelConfig, weights: &ModelWeights, placement: &Placem
     if let Some(t) = weights.packed {
         crate::model::quant::check_packable(config, t)?;
     }
-    if placement.layers.end > config.layers || placement.layers.start > placement.layers.end {
-        return Err(WgparError::InvalidCall(format!(
-            "layers {:?} outside the model's {} layers",
-            placement.layers, config.layers
-        )));
+    if placement.layers.start > placement.layers.end {
+        return Err(WgparError::OutOfRange {
+            what: format!("first layer of the range {:?}", placement.layers),
+            index: placement.layers.start,
+            count: placement.layers.end,
+        });
+    }
+    if placement.layers.end > config.layers {
+        return Err(WgparError::OutOfRange {
+            what: format!("last layer of the range {:?}", placement.layers),
+            index: placement.layers.end - 1,
+            count: config.layers,
+        });
     }
     let absent = placement
         .layers
         .clone()
         .find(|&i| weights.layers[i].is_absent());
     if let Some(i) = absent {
-        return Err(WgparError::InvalidCall(format!(
-            "layer {i} is not loaded in this process (weights loaded for other layers)"
-        )));
+        return Err(WgparError::NotHeld {
+            part: format!("weights of layer {i}"),
+            holder: "this process (it loaded other layers)".into(),
+        });
     }
     Ok(())
 }

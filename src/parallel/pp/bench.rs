@@ -100,7 +100,11 @@ fn row(
     let stats = runs
         .into_iter()
         .min_by(|a, b| a.makespan_s.total_cmp(&b.makespan_s))
-        .ok_or_else(|| WgparError::Internal("the pipeline reported no run".into()))?;
+        .ok_or_else(|| WgparError::TooFew {
+            what: "timed pipeline runs".into(),
+            got: 0,
+            min: 1,
+        })?;
     Ok(PipelineBenchRow {
         phase,
         schedule,

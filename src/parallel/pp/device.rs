@@ -100,12 +100,9 @@ impl Device {
             self.comm
                 .reserve_downloads(&place.gpu, hidden as u64, HANDOFF_DEPTH);
         }
-        buffers.get(&step, work.cache).ok_or_else(|| {
-            WgparError::InvalidCall(format!(
-                "micro-batch {} decoded before its prefill",
-                work.group
-            ))
-        })
+        buffers
+            .get(&step, work.cache)
+            .ok_or(WgparError::DecodeBeforePrefill)
     }
 
     /// Uploads the previous stage's hidden states (paced to the link), accounted and recorded
@@ -193,6 +190,7 @@ impl Device {
     ) -> Result<Vec<PendingDownload>> {
         let (m, gpu, comm) = (&self.model, self.model.gpu(), &self.comm);
         let step = work.step;
+        // The last stage's activations always hold its picked tokens or pooled output.
         let no_output = || WgparError::Internal("last stage has no output buffer".into());
         let mut downloads = Vec::with_capacity(2);
         if place.head && !m.config().is_encoder() {

@@ -130,6 +130,7 @@ impl PipelineEngine {
         if !self.host_picks() {
             return Ok(out.tokens.clone());
         }
+        // The last stage downloads logits whenever the host picks.
         let data = out.logits.clone().ok_or_else(|| {
             WgparError::Internal("the host picks tokens but no logits came back".into())
         })?;
@@ -143,6 +144,7 @@ impl PipelineEngine {
     }
 }
 
+/// A stage's output that its own step cannot produce (the driver sends one kind per step).
 pub(super) fn unexpected_output() -> WgparError {
     WgparError::Internal("the last stage returned an output of another kind or group".into())
 }

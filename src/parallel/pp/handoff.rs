@@ -120,6 +120,7 @@ impl Downstream {
                     worker: "the pipeline's caller".into(),
                     detail: "it stopped reading results".into(),
                 }),
+            // Only the last stage makes final results, and only it hands off to the driver.
             _ => Err(WgparError::Internal(
                 "a stage's output does not fit what follows it (hidden states go to a stage, \
                  results to the driver)"

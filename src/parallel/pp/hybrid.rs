@@ -20,6 +20,7 @@ pub(super) fn group_pass(
 ) -> Result<(Work, StageOut, SpanId)> {
     let begun = Instant::now();
     let job = group_job(place, &mut work);
+    // A group has at least one rank, and rank 0 answers every job.
     let rank0 = group
         .run(job)?
         .into_iter()
@@ -77,6 +78,7 @@ fn stage_out(output: Option<GroupOutput>) -> Result<(usize, StageOut)> {
             (4 * words, StageOut::Final(Payload::Picked(p)))
         }
         Some(GroupOutput::Pooled(p)) => (4 * p.len(), StageOut::Final(Payload::Pooled(p))),
+        // Rank 0 of a stage's group returns its stage's output on every job.
         None => return Err(WgparError::Internal("rank 0 returned nothing".into())),
     })
 }

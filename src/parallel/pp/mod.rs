@@ -178,12 +178,13 @@ impl PipelineEngine {
     /// has taken `fault.after` micro-batches since the engine started.
     pub fn inject_fault(&mut self, stage: usize, fault: Fault) -> Result<()> {
         let mut faults = lock(&self.faults);
-        let slot = faults.get_mut(stage).ok_or_else(|| {
-            WgparError::InvalidCall(format!(
-                "no stage {stage} in a {}-stage pipeline",
-                self.ranges.len()
-            ))
-        })?;
+        let slot = faults
+            .get_mut(stage)
+            .ok_or_else(|| WgparError::OutOfRange {
+                what: "pipeline stage".into(),
+                index: stage,
+                count: self.ranges.len(),
+            })?;
         *slot = Some(fault);
         Ok(())
     }

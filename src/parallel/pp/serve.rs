@@ -48,9 +48,11 @@ impl StepEngine for PipelineEngine {
     fn reserve_slots(&mut self, slots: usize) -> Result<()> {
         self.check_alive()?;
         if slots == 0 {
-            return Err(WgparError::InvalidCall(
-                "a KV cache needs at least one slot".into(),
-            ));
+            return Err(WgparError::TooFew {
+                what: "KV cache slots".into(),
+                got: 0,
+                min: 1,
+            });
         }
         self.reset_stats();
         self.serving = Serving {
@@ -77,13 +79,23 @@ impl StepEngine for PipelineEngine {
         self.check_alive()?;
         let lanes = self.serving.busy.len();
         if self.serving.slots == 0 {
-            return Err(WgparError::InvalidCall(
-                "submit before reserve_slots".into(),
-            ));
+            return Err(WgparError::TooFew {
+                what: "KV slots reserved (call reserve_slots before submit)".into(),
+                got: 0,
+                min: 1,
+            });
         }
-        if step.lane >= lanes || self.serving.busy[step.lane] {
-            return Err(WgparError::InvalidCall(format!(
-                "lane {} of {lanes} is not free",
+        if step.lane >= lanes {
+            return Err(WgparError::OutOfRange {
+                what: "serving lane".into(),
+                index: step.lane,
+                count: lanes,
+            });
+        }
+        if self.serving.busy[step.lane] {
+            // The scheduler submits to a lane only after it completed that lane's last step.
+            return Err(WgparError::Internal(format!(
+                "lane {} of {lanes} submitted while busy",
                 step.lane
             )));
         }

@@ -121,6 +121,7 @@ impl Stage {
                 let (work, out, dep) = group_pass(group, &self.place, work)?;
                 downstream.deliver(work, out, dep)
             }
+            // The engine builds each backend with its own outlet.
             _ => Err(WgparError::Internal(
                 "a device stage hands off through its hand-off thread, a hybrid stage directly"
                     .into(),

@@ -221,8 +221,10 @@ impl TpGroup {
         let shard = ShardSpec::tensor_parallel(&weights.config, split)?
             .into_iter()
             .nth(remote.rank())
-            .ok_or_else(|| {
-                WgparError::InvalidCall(format!("rank {} outside a group of {n}", remote.rank()))
+            .ok_or_else(|| WgparError::OutOfRange {
+                what: "tensor-parallel rank".into(),
+                index: remote.rank(),
+                count: n,
             })?;
         let layout = Layout {
             shards: vec![shard],
@@ -286,12 +288,14 @@ impl TpGroup {
 
     /// Makes `rank` fail as `fault` says, after `fault.after` more steps.
     pub(crate) fn inject_fault(&self, rank: usize, fault: Fault) -> Result<()> {
-        let slot = self.faults.get(rank).ok_or_else(|| {
-            WgparError::InvalidCall(format!(
-                "no rank {rank} in a {}-device tensor-parallel group",
-                self.faults.len()
-            ))
-        })?;
+        let slot = self
+            .faults
+            .get(rank)
+            .ok_or_else(|| WgparError::OutOfRange {
+                what: "tensor-parallel rank".into(),
+                index: rank,
+                count: self.faults.len(),
+            })?;
         *crate::threads::lock(slot) = Some(fault);
         Ok(())
     }

@@ -303,6 +303,7 @@ fn share_output(
     })
 }
 
+/// Rank 0 returns every step's output; none means a rank thread broke its contract.
 fn no_output() -> WgparError {
     WgparError::Internal("no rank returned the step's output".into())
 }

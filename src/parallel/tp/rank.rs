@@ -39,12 +39,9 @@ fn buffers_for<'b>(
         buffers.new_cache(model, job.group, job.slots.unwrap_or(step.batch))?;
     }
     buffers.make_acts(model, &step)?;
-    buffers.get(&step, job.group).ok_or_else(|| {
-        WgparError::InvalidCall(format!(
-            "sequence group {} decoded before its prefill",
-            job.group
-        ))
-    })
+    buffers
+        .get(&step, job.group)
+        .ok_or(WgparError::DecodeBeforePrefill)
 }
 
 impl Rank {

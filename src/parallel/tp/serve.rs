@@ -23,9 +23,11 @@ impl StepEngine for TensorParallelEngine {
     /// The ranks make their caches with the next step.
     fn reserve_slots(&mut self, slots: usize) -> Result<()> {
         if slots == 0 {
-            return Err(WgparError::InvalidCall(
-                "a KV cache needs at least one slot".into(),
-            ));
+            return Err(WgparError::TooFew {
+                what: "KV cache slots".into(),
+                got: 0,
+                min: 1,
+            });
         }
         self.serve_slots = slots;
         self.serve_fresh = true;
@@ -46,9 +48,11 @@ impl StepEngine for TensorParallelEngine {
     /// Runs the step at once on every rank; [`complete`](StepEngine::complete) hands it back.
     fn submit(&mut self, step: BatchStep) -> Result<()> {
         if self.serve_slots == 0 {
-            return Err(WgparError::InvalidCall(
-                "submit before reserve_slots".into(),
-            ));
+            return Err(WgparError::TooFew {
+                what: "KV slots reserved (call reserve_slots before submit)".into(),
+                got: 0,
+                min: 1,
+            });
         }
         let config = &self.config;
         crate::parallel::check_kv_edits(&step, self.serve_slots, config)?;
