@@ -725,6 +725,37 @@ mod tests {
     }
 
     #[test]
+    fn sequences_cancelled_at_any_point_leave_no_block_referenced() {
+        // Four choices of one 13-token prompt: the first is cancelled after one chunk of 6
+        // tokens, the next prefills it, two reference its blocks, one of which leaves before
+        // its first chunk ran.
+        let mut c = cache(4);
+        let prompt = ids(0..13);
+        let first = c.take(&prompt).unwrap();
+        c.release(first.slot, &prompt[..6], span(1));
+        let second = c.take(&prompt).unwrap();
+        assert_eq!(second.reused, 6, "the cancelled chunk's block is adopted");
+        c.register(second.slot, &prompt, span(2));
+        let third = c.take(&prompt).unwrap();
+        let fourth = c.take(&prompt).unwrap();
+        assert_eq!((third.reused, fourth.reused), (12, 12));
+        c.release(fourth.slot, &prompt[..12], span(3));
+        assert_eq!(
+            c.grow(third.slot, 16),
+            None,
+            "its prompt's 4 blocks hold 16"
+        );
+        c.release(third.slot, &ids(0..16), span(4));
+        c.release(second.slot, &ids(0..14), span(5));
+        assert_eq!((c.blocks_in_use(), c.free()), (0, 4));
+        assert_eq!(c.free.len() + c.blocks_cached(), 16);
+        // Served on: all four slots again.
+        for _ in 0..4 {
+            assert!(c.take(&ids(50..66)).is_some());
+        }
+    }
+
+    #[test]
     fn salted_prompts_share_only_within_their_salt_and_skipping_reuses_nothing() {
         let mut c = cache(3);
         let salted = Lookup::new(true, Some("alice"));
