@@ -1,13 +1,14 @@
-//! Prefix caching (issue 36). Against a model-free engine whose "KV" is each slot's token
-//! history (copies copy it, a row at `past` keeps only its first `past` tokens), every request
-//! of random shared-prefix and multi-turn workloads, on one lane or several, gets what its
-//! whole prompt gets alone: a reused prefix that was not the prompt's would change the tokens.
-//! On real engines, served with the cache, every request gets the tokens it gets with
-//! `--no-prefix-cache` (greedy), on one device, tensor parallel and a pipeline, for a prompt
-//! whose prefix is copied from a running sequence's slot and for multi-turn sessions that
-//! share a system prompt and reuse their previous turn in place; the cache is asserted to have
-//! hit, so the runs compare something. Over HTTP, a chat's second turn reuses the first
-//! turn's KV (`/metrics` hits grow) and answers as a server without the cache does.
+//! Prefix caching over the paged KV (issue 36). Against a model-free engine whose "KV" is a
+//! pool of token blocks read and written through the steps' block tables, every request of
+//! random shared-prefix and multi-turn workloads, on one lane or several, gets what its whole
+//! prompt gets alone: a reused block that was not the prompt's, or a shared block written
+//! again, would change the tokens; no step carries a KV copy, and prompts do read blocks
+//! other slots wrote. On real engines (one device, tensor parallel, a pipeline), two running
+//! sequences share a prompt's blocks by reference (no copy in any step, a table for each
+//! prompt, none with `--no-prefix-cache`) and multi-turn sessions reuse their previous turns;
+//! every request gets the tokens it gets without the cache (greedy), and the cache is asserted
+//! to have hit, so the runs compare something. Over HTTP, a chat's second turn reuses the
+//! first turn's KV (`/metrics` hits grow) and answers as a server without the cache does.
 //! The four choices of an `n = 4` request reuse the first's prompt blocks (hits grow by three
 //! times them) and answer as without the cache, greedy and seeded, single, TP and pipeline.
 
@@ -43,20 +44,29 @@ fn next_token(history: &[u32], vocab: usize) -> u32 {
     (h % vocab as u64) as u32
 }
 
-/// A model-free step engine: each slot's KV is the token history it was fed.
+/// Positions of one KV block.
+const BLOCK: usize = 16;
+
+/// A model-free step engine: its KV is a pool of 16-position blocks of tokens (each with the
+/// slot that wrote it), read and written through per-slot block tables as the engines do.
 struct Mock {
     config: ModelConfig,
     lanes: usize,
-    history: Vec<Vec<u32>>,
+    /// Each slot's logical blocks' physical blocks (identity at first).
+    tables: Vec<Vec<usize>>,
+    /// Each block's positions: the token written there and the slot that wrote it.
+    pool: Vec<[Option<(u32, usize)>; BLOCK]>,
     in_flight: VecDeque<StepDone>,
-    /// Copies made, and rows that started past 0 on a slot holding more (in-place reuse).
+    /// Copies asked for (none: blocks are shared by reference), tables applied, and rows that
+    /// read a position another slot wrote (a prefix reused by reference).
     copies: usize,
-    in_place: usize,
+    tables_applied: usize,
+    foreign_reads: usize,
     turn: usize,
 }
 
 impl Mock {
-    /// A mock of a 40-token vocabulary and 80 positions a slot, over `lanes` lanes.
+    /// A mock of a 40-token vocabulary and 80 positions (5 blocks) a slot, over `lanes` lanes.
     fn new(lanes: usize) -> Self {
         Self {
             config: ModelConfig {
@@ -65,12 +75,30 @@ impl Mock {
                 ..ModelConfig::preset("tiny-llama").unwrap()
             },
             lanes,
-            history: Vec::new(),
+            tables: Vec::new(),
+            pool: Vec::new(),
             in_flight: VecDeque::new(),
             copies: 0,
-            in_place: 0,
+            tables_applied: 0,
+            foreign_reads: 0,
             turn: 0,
         }
+    }
+
+    /// Slot `slot`'s first `past` positions (each must have been written), and whether
+    /// another slot wrote some of them.
+    fn read(&self, slot: usize, past: usize) -> (Vec<u32>, bool) {
+        let mut foreign = false;
+        let history = (0..past)
+            .map(|p| {
+                let b = self.tables[slot][p / BLOCK];
+                let (token, writer) = self.pool[b][p % BLOCK]
+                    .unwrap_or_else(|| panic!("slot {slot} reads unwritten position {p}"));
+                foreign |= writer != slot;
+                token
+            })
+            .collect();
+        (history, foreign)
     }
 }
 
@@ -101,36 +129,38 @@ impl StepEngine for Mock {
         self.lanes
     }
     fn reserve_slots(&mut self, slots: usize) -> Result<()> {
-        self.history = vec![Vec::new(); slots];
+        let bps = self.config.max_seq / BLOCK;
+        self.tables = (0..slots)
+            .map(|s| (s * bps..(s + 1) * bps).collect())
+            .collect();
+        self.pool = vec![[None; BLOCK]; slots * bps];
         Ok(())
     }
     fn slots(&self) -> usize {
-        self.history.len()
+        self.tables.len()
     }
-    /// Runs the step at once (as a device runs steps in submission order), copies first.
+    /// Runs the step at once (as a device runs steps in submission order), tables first.
     fn submit(&mut self, step: BatchStep) -> Result<()> {
-        for c in &step.kv_copies {
-            assert!(self.history[c.from].len() >= c.tokens, "{c:?}");
-            self.history[c.to] = self.history[c.from][..c.tokens].to_vec();
-            self.copies += 1;
+        for t in &step.kv_tables {
+            for (j, &b) in t.blocks.iter().enumerate() {
+                self.tables[t.slot][j] = b as usize;
+            }
+            self.tables_applied += 1;
         }
+        self.copies += step.kv_copies.len();
         let mut tokens = Vec::new();
         for (i, row) in step.rows.iter().enumerate() {
-            let h = &mut self.history[row.slot];
-            assert!(
-                row.past <= h.len(),
-                "slot {} holds {} < {}",
-                row.slot,
-                h.len(),
-                row.past
-            );
-            if row.past > 0 && row.past < h.len() && step.seq > 1 {
-                self.in_place += 1;
+            let (mut h, foreign) = self.read(row.slot, row.past);
+            self.foreign_reads += usize::from(foreign && step.seq > 1);
+            let ids = &step.ids[i * step.seq..(i + 1) * step.seq];
+            for (k, &id) in ids.iter().enumerate() {
+                let p = row.past + k;
+                assert!(p < self.config.max_seq);
+                let b = self.tables[row.slot][p / BLOCK];
+                self.pool[b][p % BLOCK] = Some((id, row.slot));
             }
-            h.truncate(row.past);
-            h.extend_from_slice(&step.ids[i * step.seq..(i + 1) * step.seq]);
-            assert!(h.len() <= self.config.max_seq);
-            tokens.push(next_token(h, self.config.vocab));
+            h.extend_from_slice(ids);
+            tokens.push(next_token(&h, self.config.vocab));
         }
         self.in_flight.push_back(StepDone {
             lane: step.lane,
@@ -181,7 +211,7 @@ fn alone_sessions(requests: &[ServeRequest], vocab: usize) -> Vec<Vec<u32>> {
 
 #[test]
 fn reused_prefixes_are_the_prompts_own_on_one_lane_or_several() {
-    let (mut copies, mut in_place) = (0, 0);
+    let mut foreign = 0;
     for (seed, lanes, slots, step) in [(1, 1, 3, 512), (2, 2, 4, 9), (3, 3, 3, 6), (4, 1, 2, 5)] {
         let spec = WorkloadSpec {
             requests: 7,
@@ -219,12 +249,15 @@ fn reused_prefixes_are_the_prompts_own_on_one_lane_or_several() {
         assert_eq!(p.queries, 21, "seed {seed}");
         // A later turn finds its previous turn's slot unless a waiting request took it first.
         assert!(p.hits > 0 && p.reused_tokens > 0, "seed {seed}: {p:?}");
-        assert_eq!(p.copies as usize, engine.copies, "seed {seed}");
-        (copies, in_place) = (copies + engine.copies, in_place + engine.in_place);
+        // Shared by reference: never a copy; every prompt's table sent (and more as
+        // sequences reach new blocks).
+        assert_eq!(engine.copies, 0, "seed {seed}");
+        assert!(engine.tables_applied >= 21, "seed {seed}");
+        foreign += engine.foreign_reads;
     }
-    assert!(in_place > 0, "{copies} copies, {in_place} in place");
-    // The copy scenario the real engines run below, on the mock.
-    let requests = copied_prefix(40);
+    assert!(foreign > 0, "some prompt read blocks another slot wrote");
+    // The shared-prefix scenario the real engines run below, on the mock.
+    let requests = shared_prefix(40);
     let mut engine = Mock::new(1);
     let opts = ServeOptions {
         max_batch: 2,
@@ -243,9 +276,11 @@ fn reused_prefixes_are_the_prompts_own_on_one_lane_or_several() {
     let want = alone_sessions(&requests, 40);
     assert!(run.outcomes.iter().zip(&want).all(|(o, w)| &o.tokens == w));
     assert_eq!(
-        (engine.copies, run.prefix.copies, run.prefix.reused_tokens),
-        (1, 1, 32)
+        (engine.copies, engine.foreign_reads),
+        (0, 1),
+        "the third prompt reads the first's blocks, not a copy"
     );
+    assert_eq!((run.prefix.shared, run.prefix.reused_tokens), (1, 32));
 }
 
 fn strategies() -> Vec<(&'static str, Strategy, usize)> {
@@ -272,9 +307,9 @@ fn request(id: usize, prompt: Vec<u32>, max_new: usize) -> ServeRequest {
 }
 
 /// Two slots, all at once: the first two prompts prefill together; the second answers with its
-/// prefill and frees its slot, which the third takes with the first's 32-token prefix (two
-/// blocks) copied from the first, still running.
-fn copied_prefix(vocab: u32) -> Vec<ServeRequest> {
+/// prefill and frees its slot, which the third takes referencing the first's 32-token prefix
+/// (two blocks) while the first still runs.
+fn shared_prefix(vocab: u32) -> Vec<ServeRequest> {
     let token = |i: u32| (i * 37 + 11) % vocab;
     let shared: Vec<u32> = (0..32).map(token).collect();
     let with = |tail: &[u32]| [shared.clone(), tail.to_vec()].concat();
@@ -302,7 +337,75 @@ fn sessions(vocab: usize) -> Vec<ServeRequest> {
     .generate(&spec, vocab)
 }
 
-fn run(label: &str, strategy: &Strategy, n: usize, reqs: &[ServeRequest], cache: bool) -> ServeRun {
+/// A real engine whose steps are watched: the KV copies and block tables they carry.
+struct Watch {
+    inner: Box<dyn StepEngine>,
+    copies: usize,
+    tables: usize,
+}
+
+impl Engine for Watch {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn prefill_step(&mut self, prompts: &[Vec<u32>], logits: bool) -> Result<StepOutput> {
+        self.inner.prefill_step(prompts, logits)
+    }
+    fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput> {
+        self.inner.decode_step(tokens, logits)
+    }
+    fn set_sampling(&mut self, params: SamplingParams) -> Result<()> {
+        self.inner.set_sampling(params)
+    }
+    fn last_step(&self) -> Option<StepStats> {
+        self.inner.last_step()
+    }
+    fn set_recorder(&mut self, recorder: Recorder) {
+        self.inner.set_recorder(recorder)
+    }
+    fn pipeline_stats(&self) -> Option<wgpar::parallel::PipelineStats> {
+        self.inner.pipeline_stats()
+    }
+}
+
+impl StepEngine for Watch {
+    fn model_config(&self) -> &ModelConfig {
+        self.inner.model_config()
+    }
+    fn lanes(&self) -> usize {
+        self.inner.lanes()
+    }
+    fn reserve_slots(&mut self, slots: usize) -> Result<()> {
+        self.inner.reserve_slots(slots)
+    }
+    fn slots(&self) -> usize {
+        self.inner.slots()
+    }
+    fn submit(&mut self, step: BatchStep) -> Result<()> {
+        self.copies += step.kv_copies.len();
+        self.tables += step.kv_tables.len();
+        self.inner.submit(step)
+    }
+    fn complete(&mut self, timeout: Option<Duration>) -> Result<Option<StepDone>> {
+        self.inner.complete(timeout)
+    }
+    fn masks_on_device(&self) -> bool {
+        self.inner.masks_on_device()
+    }
+    fn serving_stats(&self) -> Option<wgpar::parallel::PipelineStats> {
+        self.inner.serving_stats()
+    }
+}
+
+/// `reqs` served on two slots of a real engine; the run, and the KV copies and block tables
+/// its steps carried.
+fn run(
+    label: &str,
+    strategy: &Strategy,
+    n: usize,
+    reqs: &[ServeRequest],
+    cache: bool,
+) -> (ServeRun, usize, usize) {
     let gpus = common::gpus(n);
     let config = ModelConfig {
         layers: 2,
@@ -310,7 +413,7 @@ fn run(label: &str, strategy: &Strategy, n: usize, reqs: &[ServeRequest], cache:
         ..ModelConfig::preset("tiny-llama").unwrap()
     };
     let weights = ModelWeights::synthetic(&config, 23);
-    let mut engine = build_step_engine(
+    let inner = build_step_engine(
         strategy,
         &gpus,
         &weights,
@@ -319,20 +422,20 @@ fn run(label: &str, strategy: &Strategy, n: usize, reqs: &[ServeRequest], cache:
         (2, 48),
     )
     .unwrap();
+    let mut engine = Watch {
+        inner,
+        copies: 0,
+        tables: 0,
+    };
     let opts = ServeOptions {
         max_batch: 2,
         max_prefill_tokens: 128,
         max_step_tokens: 512,
         prefix_cache: cache,
     };
-    serve(
-        engine.as_mut(),
-        reqs,
-        &opts,
-        Recorder::new(),
-        &mut |_, _| {},
-    )
-    .unwrap_or_else(|e| panic!("{label} (cache {cache}): {e}"))
+    let run = serve(&mut engine, reqs, &opts, Recorder::new(), &mut |_, _| {})
+        .unwrap_or_else(|e| panic!("{label} (cache {cache}): {e}"));
+    (run, engine.copies, engine.tables)
 }
 
 /// Served with and without the cache: the same tokens for every request, none refused.
@@ -352,20 +455,39 @@ fn same_tokens(label: &str, with: &ServeRun, without: &ServeRun) {
 }
 
 #[test]
+fn two_running_sequences_share_a_prompts_blocks_without_a_copy_on_every_strategy() {
+    let vocab = ModelConfig::preset("tiny-llama").unwrap().vocab;
+    for (label, strategy, n) in strategies() {
+        let shared = shared_prefix(vocab as u32);
+        let (with, copies, tables) = run(label, &strategy, n, &shared, true);
+        let (without, copies_off, tables_off) = run(label, &strategy, n, &shared, false);
+        same_tokens(label, &with, &without);
+        let p = with.prefix;
+        // The third prompt references the first's two blocks while the first still runs.
+        assert_eq!((p.queries, p.hits, p.shared), (3, 1, 1), "{label}: {p:?}");
+        assert_eq!(p.reused_tokens, 32, "{label}: {p:?}");
+        assert_eq!(
+            (copies, tables),
+            (0, 3),
+            "{label}: no copy, a table a prompt"
+        );
+        assert_eq!(
+            (copies_off, tables_off),
+            (0, 0),
+            "{label}: identity tables when off"
+        );
+    }
+}
+
+#[test]
 fn cached_prefixes_give_the_tokens_of_whole_prefills_on_every_strategy() {
     let vocab = ModelConfig::preset("tiny-llama").unwrap().vocab;
     for (label, strategy, n) in strategies() {
-        let copied = copied_prefix(vocab as u32);
-        let with = run(label, &strategy, n, &copied, true);
-        same_tokens(label, &with, &run(label, &strategy, n, &copied, false));
-        let p = with.prefix;
-        assert_eq!((p.queries, p.hits, p.copies), (3, 1, 1), "{label}: {p:?}");
-        assert_eq!(p.reused_tokens, 32, "{label}: {p:?}");
-
         let chats = sessions(vocab);
-        let with = run(label, &strategy, n, &chats, true);
-        same_tokens(label, &with, &run(label, &strategy, n, &chats, false));
+        let (with, copies, _) = run(label, &strategy, n, &chats, true);
+        same_tokens(label, &with, &run(label, &strategy, n, &chats, false).0);
         let p = with.prefix;
+        assert_eq!(copies, 0, "{label}");
         // Every later turn reuses at least its previous turn's prompt (>= 23 tokens).
         assert_eq!(p.queries, 9, "{label}: {p:?}");
         assert!(p.hits >= 6 && p.reused_tokens >= 6 * 23, "{label}: {p:?}");

@@ -14,14 +14,14 @@
 //! request's tokens are those it would get alone. A request that cannot fit a slot
 //! ([`WgparError::KvCapacity`]) is refused on arrival; the others run.
 //!
-//! With the prefix cache on (`prefix.rs`), a prompt takes the free slot that holds its longest
-//! cached prefix, or has that prefix copied into its slot by the step that carries its first
-//! chunk, and prefills only the rest. A later turn of a multi-turn session
+//! With the prefix cache on (`prefix.rs`), a prompt takes a free slot whose block table
+//! references the cached blocks of its longest cached prefix (no copy) and fresh blocks for
+//! the rest, sent with the step that carries its first chunk, and prefills only the rest. A later turn of a multi-turn session
 //! ([`ServeRequest::follows`]) arrives when the turn before it is done: its prompt is that
 //! turn's prompt and answer, then its own new tokens.
 //!
-//! Every step records what it waited for (the lane's previous output, whatever freed its
-//! slots, and for a prefill the arrival of its requests as a release time), so the run's
+//! Every step records what it waited for (the lane's previous output, whatever wrote or freed
+//! its slots' blocks, and for a prefill the arrival of its requests as a release time), so the run's
 //! timeline replays on any host profile ([`project_metrics`]).
 
 mod bench;
@@ -41,11 +41,11 @@ pub use bench::ServeBench;
 pub(crate) use chunk::{chunk_budget, plan_chunk};
 pub use chunk::{DEFAULT_STEP_TOKENS, MAX_STEP_TOKENS};
 pub use metrics::{Percentiles, RequestOutcome, ServeMetrics, Timing};
-pub use prefix::{copies_fit, Lookup, PrefixCache, PrefixStats, Taken, DEFAULT_BLOCK};
+pub use prefix::{Lookup, PrefixCache, PrefixStats, Taken, DEFAULT_BLOCK};
 pub use workload::{Length, LongPrompt, Rate, ServeRequest, Sessions, WorkloadSpec};
 
 use crate::error::{Result, WgparError};
-use crate::parallel::{BatchStep, KvCopy, PipelineStats, SeqRow, StepDone, StepEngine};
+use crate::parallel::{BatchStep, PipelineStats, SeqRow, SlotTable, StepDone, StepEngine};
 use crate::sim::{project, HostProfile, ProjectError, ProjectOptions};
 use crate::trace::{Recorder, SpanId, Timeline};
 
@@ -282,8 +282,7 @@ pub fn check_options(opts: &ServeOptions) -> Result<()> {
 
 impl<'a> State<'a> {
     fn new(requests: &'a [ServeRequest], lanes: usize, opts: &ServeOptions, clock: Clock) -> Self {
-        let cache = PrefixCache::new(opts.max_batch, opts.prefix_cache)
-            .with_copies(prefix::copies_fit(&clock.config));
+        let cache = PrefixCache::new(opts.max_batch, clock.config.max_seq, opts.prefix_cache);
         let mut next_turn = vec![None; requests.len()];
         for (i, r) in requests.iter().enumerate() {
             if let Some(p) = r.follows {
@@ -492,8 +491,8 @@ impl State<'_> {
             return None;
         }
         // Waiting requests take their slots (and cached prefixes) first, so the plan knows
-        // what each has left; a slot's copy rides on this step, which always runs.
-        let (copies, mut deps) = self.take_slots(lane);
+        // what each has left; a slot's block table rides on this step, which always runs.
+        let (tables, mut deps) = self.take_slots(lane);
         let l = &self.lanes[lane];
         let remaining: Vec<usize> = (l.filling.iter())
             .map(|f| self.prompts[f.request].len() - f.cached)
@@ -526,18 +525,18 @@ impl State<'_> {
             release_us: Some(release),
             logits: false,
             allow: None,
-            kv_tables: Vec::new(),
-            kv_copies: copies,
+            kv_tables: tables,
+            kv_copies: Vec::new(),
             adjust: None,
         };
         Some((step, InFlight::Chunk(taken, len)))
     }
 
     /// Waiting requests join `lane`'s filling prompts while it has room and slots are free,
-    /// each in the slot the prefix cache gives it: the copies that bring their cached
-    /// prefixes, and the steps those and the slots wait for.
-    fn take_slots(&mut self, lane: usize) -> (Vec<KvCopy>, Vec<SpanId>) {
-        let (mut copies, mut deps) = (Vec::new(), Vec::new());
+    /// each in the slot the prefix cache gives it: the slots' block tables (their cached
+    /// prefixes' blocks and fresh ones), and the steps those blocks and the slots wait for.
+    fn take_slots(&mut self, lane: usize) -> (Vec<SlotTable>, Vec<SpanId>) {
+        let (mut tables, mut deps) = (Vec::new(), Vec::new());
         let l = &self.lanes[lane];
         let mut room = (self.per_lane).saturating_sub(l.seqs.len() + l.filling.len());
         while room > 0 && self.cache.free() > 0 {
@@ -548,8 +547,9 @@ impl State<'_> {
                 self.waiting.push_front(request);
                 break;
             };
-            deps.extend([self.freed_by[t.slot], t.written_by]);
-            copies.extend(t.copy);
+            deps.push(self.freed_by[t.slot]);
+            deps.extend(t.deps);
+            tables.extend(t.table);
             self.lanes[lane].filling.push(Filling {
                 request,
                 slot: t.slot,
@@ -557,11 +557,20 @@ impl State<'_> {
             });
             room -= 1;
         }
-        (copies, deps)
+        (tables, deps)
     }
 
-    /// A decode step of every sequence `lane` runs; `None` when it runs none.
-    fn plan_decode(&self, lane: usize) -> Option<(BatchStep, InFlight)> {
+    /// A decode step of every sequence `lane` runs; `None` when it runs none. A sequence
+    /// entering a block it has not reached yet gets it with this step (and waits for whatever
+    /// freed it).
+    fn plan_decode(&mut self, lane: usize) -> Option<(BatchStep, InFlight)> {
+        let (mut kv_tables, mut deps) = (Vec::new(), Vec::new());
+        for s in &self.lanes[lane].seqs {
+            if let Some((table, freed)) = self.cache.grow(s.slot, s.past + 1) {
+                kv_tables.push(table);
+                deps.extend(freed);
+            }
+        }
         let l = &self.lanes[lane];
         if l.seqs.is_empty() {
             return None;
@@ -577,15 +586,15 @@ impl State<'_> {
             rows,
             seq: 1,
             ids: l.seqs.iter().map(|s| s.next).collect(),
-            deps: if l.last.is_none() {
-                Vec::new()
-            } else {
-                vec![l.last]
+            deps: {
+                deps.push(l.last);
+                deps.retain(|d| !d.is_none());
+                deps
             },
             release_us: None,
             logits: false,
             allow: None,
-            kv_tables: Vec::new(),
+            kv_tables,
             kv_copies: Vec::new(),
             adjust: None,
         };

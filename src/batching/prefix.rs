@@ -1,56 +1,74 @@
-//! Prefix caching over the KV slots, shared by the benchmark scheduler and the server's engine
-//! loop: a new prompt reuses the KV that another sequence already computed for its longest
-//! cached prefix and prefills only the rest (llama-server's `cache_prompt`, vLLM's automatic
-//! prefix caching).
+//! Prefix caching over a paged KV cache, shared by the benchmark scheduler and the server's
+//! engine loop: a new prompt reuses the KV that another sequence already computed for its
+//! longest cached prefix and prefills only the rest (llama-server's `cache_prompt`, vLLM's
+//! automatic prefix caching).
 //!
-//! The KV cache stays slot-contiguous (one slot per sequence). The cache indexes what each slot
-//! holds in fixed blocks of [`DEFAULT_BLOCK`] tokens, each full block keyed by a chained hash
-//! (the previous block's key and this block's tokens), so one key names a whole prefix; a hit
-//! is confirmed by comparing the tokens, never by the hash alone. A new prompt takes:
-//! - a *free* slot that already holds its longest prefix, in place and with no copy; there
-//!   the match is token-granular (the longest common prefix, as llama-server reuses a slot);
-//! - otherwise the least-recently-used free slot, with a [`KvCopy`] of the matched whole
-//!   blocks from a slot that holds them (running or free), made on the device before the step.
+//! The cache is a block allocator. The engines' KV is a pool of physical blocks of
+//! [`DEFAULT_BLOCK`] (= [`KV_BLOCK`]) positions, block `b = s * bps + j` (`bps` blocks per
+//! slot), and every slot reads its positions through a block table (`BatchStep::kv_tables`).
+//! A running sequence owns a slot (its row in the tables) and references one physical block
+//! for each logical block it has reached; each block counts its references. When a new
+//! prompt takes a slot, the table of its prompt's blocks is sent with the step that carries
+//! its first chunk:
+//! - the full cached blocks of its longest cached prefix are **referenced** (their count + 1,
+//!   no copy), however many running or ended sequences hold them;
+//! - a cached block after those whose leading tokens match the prompt's next ones (the partly
+//!   filled last block of a chat's previous turn) is **adopted** when nobody references it:
+//!   its matching tokens are reused and the rest of it is overwritten; one that someone
+//!   references is left alone, and those tokens are prefilled;
+//! - its other blocks are fresh: never-cached free blocks first (the slot's own region's when
+//!   free), then the least-recently-used cached block nobody references is evicted, one block
+//!   at a time.
+//!
+//! A decode step that takes a sequence into a block it has not reached yet carries its table
+//! again with one more fresh block ([`PrefixCache::grow`]), so cached blocks are evicted only
+//! when a position needs one. Every sequence references at most `bps` blocks and the pool
+//! holds `bps` for every slot, so a sequence always finds its next block.
+//!
+//! A full cached block is never written again: its sequences write only past it, and a block
+//! is adopted (and then written) only with no reference. Cached blocks are found by exact
+//! content, not by hash: each cached block records the block it follows (by id and
+//! generation; a block's generation changes whenever its content does, which orphans the
+//! blocks that followed it) and its tokens, and the lookup walks from a namespace's root
+//! through the followers whose tokens equal the prompt's. When a sequence ends, its blocks
+//! nobody else references stay cached, least-recently-used order from its last block to its
+//! first (so a prefix outlives its tails); its never-written blocks are free again.
+//!
+//! When `max_seq` is not a multiple of the block, each slot's last logical block is its own
+//! region's short block (the engines' rule: only a slot's last block may be short): it is
+//! never pooled, shared or cached; positions in it are simply not reused.
 //!
 //! At least one prompt token is always left to prefill: the step that completes a prompt must
 //! produce its logits. Blocks are registered once their data is on the device: a prompt's
 //! when the step completing its prefill finished, the generated tokens' when the sequence
-//! leaves. When a slot is given to a new request, what it holds beyond the reused prefix is
-//! dropped from the index (it will be overwritten).
-//!
-//! Not paged yet: blocks are not evicted one by one. Free slots are taken least-recently-used,
-//! so unreferenced blocks are evicted LRU together with their slot; a prefix shared by running
-//! sequences is copied into each slot, not referenced. The kernels and engines do address the
-//! KV through per-slot block tables (`BatchStep::kv_tables`), but this cache leaves every slot
-//! on its identity table; an allocator that shares blocks by reference is left undone.
+//! leaves. With the cache off (`--no-prefix-cache`) no table is ever sent: every slot keeps
+//! its identity table, and nothing is shared.
 //!
 //! A request may keep its prompt out of the cache's reuse (llama-server's `cache_prompt:
-//! false`) or salt it (vLLM's `cache_salt`): a salted prompt's blocks are keyed under its salt,
-//! so it reuses only KV computed for prompts with the same salt, and others never reuse its
-//! KV ([`Lookup`]).
+//! false`) or salt it (vLLM's `cache_salt`): a salted prompt's blocks are cached under its
+//! salt's root, so it reuses only KV computed for prompts with the same salt, and others
+//! never reuse its KV ([`Lookup`]).
 //!
-//! Ordering: a copy's source is never overwritten before the copy runs, because a slot's
-//! blocks are registered only after the step that wrote them completed, copies run at the
-//! start of the step that carries them, and engines run steps in submission order on every
-//! device, stage and rank; a step submitted later that overwrites the source runs after it.
+//! Ordering: a block a step reads was written by a step that completed before it was
+//! registered; a fresh, adopted or evicted block has no reference, so no step in flight reads
+//! or writes it (a sequence leaves only after its last step completed). [`Taken::deps`]
+//! names the steps that wrote or freed the blocks a new sequence uses, for a scheduler that
+//! records a timeline.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 use serde::Serialize;
 
-use crate::parallel::KvCopy;
+use crate::kernels::ops::KV_BLOCK;
+use crate::parallel::SlotTable;
 use crate::trace::SpanId;
 
-/// Tokens per cached block when none is given.
-pub const DEFAULT_BLOCK: usize = 16;
+/// Tokens per cached block when none is given: the engines' KV block.
+pub const DEFAULT_BLOCK: usize = KV_BLOCK;
 
-/// Whether a model's KV slots can be copied on the device: an f16 cache of an odd
-/// `max_seq x head_dim` puts every other slot at a 2-byte offset, which a buffer copy cannot
-/// address (the engines refuse such a copy). Without, prefixes are reused in place only.
-pub fn copies_fit(config: &crate::model::ModelConfig) -> bool {
-    (config.max_seq * config.head_dim).is_multiple_of(2)
-}
+/// Chains of equal cached blocks a lookup follows at most.
+const MAX_CHAINS: usize = 64;
 
 /// How one prompt may use the cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -58,7 +76,7 @@ pub struct Lookup {
     /// Look for a cached prefix (llama-server's `cache_prompt`); `false` prefills the whole
     /// prompt (its KV is still cached for later prompts of its namespace).
     pub skip: bool,
-    /// The namespace its blocks are keyed under: 0 for the shared one, a salt's hash for a
+    /// The namespace its blocks are cached under: 0 for the shared one, a salt's hash for a
     /// salted request (vLLM's `cache_salt`), which shares KV only with the same salt.
     pub namespace: u64,
 }
@@ -93,13 +111,15 @@ pub struct PrefixStats {
     pub queries: u64,
     /// Prompts that reused some cached KV.
     pub hits: u64,
-    /// Of those, prompts whose prefix was copied from another slot (the others reused
-    /// their slot's KV in place).
-    pub copies: u64,
+    /// Of those, prompts that referenced a block some running sequence held too (the others
+    /// reused blocks of ended sequences only).
+    pub shared: u64,
     /// Prompt tokens looked up.
     pub query_tokens: u64,
     /// Prompt tokens reused: not prefilled.
     pub reused_tokens: u64,
+    /// Cached blocks evicted to give a sequence a fresh block.
+    pub evictions: u64,
 }
 
 impl PrefixStats {
@@ -114,62 +134,86 @@ impl PrefixStats {
 pub struct Taken {
     /// The slot.
     pub slot: usize,
-    /// Prompt tokens its KV holds already (after `copy`): prefill starts there.
+    /// Prompt tokens its blocks hold already: prefill starts there.
     pub reused: usize,
-    /// The copy that brings the reused prefix into the slot, made before the step's layers.
-    pub copy: Option<KvCopy>,
-    /// The step that wrote the reused prefix (a step that uses it waits for it).
-    pub written_by: SpanId,
+    /// The slot's new block table, for the step that carries its first chunk (`None` with the
+    /// cache off: the slot keeps its identity table).
+    pub table: Option<SlotTable>,
+    /// The steps that wrote its reused blocks or freed its fresh ones (a step that uses them
+    /// waits for them); none of [`SpanId::NONE`].
+    pub deps: Vec<SpanId>,
 }
 
-/// One KV slot as the cache sees it.
+/// What a cached block follows: a namespace's root, or a block (id, generation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Parent {
+    Root(u64),
+    Block(usize, u64),
+}
+
+/// One physical block as the cache sees it.
 #[derive(Debug, Clone)]
-struct Slot {
-    /// Tokens whose KV the slot holds at positions `0..len` (registered ones only).
+struct Block {
+    /// Running sequences whose tables name it.
+    refs: usize,
+    /// Tokens whose KV it holds at its first positions (registered ones only).
     tokens: Vec<u32>,
-    /// Key of each full block of `tokens` (all in the index).
-    keys: Vec<u64>,
+    /// What it follows, while it is cached (listed under it in `children`).
+    parent: Option<Parent>,
+    /// Changes whenever its content does: blocks cached after an older one are orphaned.
+    gen: u64,
+    /// The latest step that wrote or freed it.
+    span: SpanId,
+    /// When its last reference went (least-recently-used order among cached blocks).
+    tick: u64,
+}
+
+impl Default for Block {
+    fn default() -> Self {
+        Self {
+            refs: 0,
+            tokens: Vec::new(),
+            parent: None,
+            gen: 0,
+            span: SpanId::NONE,
+            tick: 0,
+        }
+    }
+}
+
+/// One slot as the cache sees it.
+#[derive(Debug, Clone, Default)]
+struct Slot {
     /// A running sequence owns it.
     owned: bool,
-    /// When it was last freed (for least-recently-used).
-    used: u64,
-    /// The step that wrote its registered tokens.
-    span: SpanId,
-    /// The namespace of the request that last took it: its blocks are keyed under it.
+    /// Its pooled logical blocks' physical blocks (empty with the cache off).
+    table: Vec<usize>,
+    /// Tokens whose KV its blocks hold at positions `0..len` (registered ones only).
+    tokens: Vec<u32>,
+    /// The namespace of the request that holds it.
     namespace: u64,
 }
 
-/// The prefix cache over a run's KV slots; with it off, only the free list.
+/// The prefix cache over a run's KV slots and blocks; with it off, only the free slots.
 #[derive(Debug, Clone)]
 pub struct PrefixCache {
     block: usize,
     enabled: bool,
-    /// Whether the engine makes [`KvCopy`]s; without, only in-place reuse.
-    copies: bool,
+    max_seq: usize,
+    /// Blocks per slot region.
+    bps: usize,
+    /// A slot's logical blocks taken from the pool (all but a short last one).
+    pooled: usize,
     slots: Vec<Slot>,
-    /// Block key to the slots holding that block (and so the whole prefix it ends).
-    index: HashMap<u64, Vec<usize>>,
+    blocks: Vec<Block>,
+    /// Pooled blocks that hold nothing cached and nobody references.
+    free: BTreeSet<usize>,
+    /// Cached blocks nobody references, by (tick, id): the first is evicted first.
+    lru: BTreeSet<(u64, usize)>,
+    /// The cached blocks following each parent.
+    children: HashMap<Parent, Vec<usize>>,
     tick: u64,
     stats: PrefixStats,
-}
-
-/// The chained key of the block `tokens` after the block keyed `prev`.
-fn chain(prev: u64, tokens: &[u32]) -> u64 {
-    let mut h = DefaultHasher::new();
-    prev.hash(&mut h);
-    tokens.hash(&mut h);
-    h.finish()
-}
-
-/// The chained key of each full block of `tokens`, in `namespace`.
-fn block_keys(tokens: &[u32], block: usize, namespace: u64) -> Vec<u64> {
-    let mut prev = namespace;
-    (tokens.chunks_exact(block))
-        .map(|b| {
-            prev = chain(prev, b);
-            prev
-        })
-        .collect()
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -177,39 +221,43 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 impl PrefixCache {
-    /// A cache over `slots` free slots, blocks of [`DEFAULT_BLOCK`] tokens; `enabled: false`
-    /// reuses nothing.
-    pub fn new(slots: usize, enabled: bool) -> Self {
-        Self {
+    /// A cache over `slots` free slots of `max_seq` positions, blocks of [`DEFAULT_BLOCK`]
+    /// tokens; `enabled: false` reuses nothing.
+    pub fn new(slots: usize, max_seq: usize, enabled: bool) -> Self {
+        let mut c = Self {
             block: DEFAULT_BLOCK,
             enabled,
-            copies: true,
-            slots: (0..slots)
-                .map(|_| Slot {
-                    tokens: Vec::new(),
-                    keys: Vec::new(),
-                    owned: false,
-                    used: 0,
-                    span: SpanId::NONE,
-                    namespace: 0,
-                })
-                .collect(),
-            index: HashMap::new(),
+            max_seq,
+            bps: 0,
+            pooled: 0,
+            slots: vec![Slot::default(); slots],
+            blocks: Vec::new(),
+            free: BTreeSet::new(),
+            lru: BTreeSet::new(),
+            children: HashMap::new(),
             tick: 0,
             stats: PrefixStats::default(),
-        }
+        };
+        c.lay_out();
+        c
     }
 
-    /// The same with blocks of `block` tokens (at least 1).
+    /// The same with blocks of `block` tokens (at least 1; the engines' is [`KV_BLOCK`]).
     pub fn with_block(mut self, block: usize) -> Self {
         self.block = block.max(1);
+        self.lay_out();
         self
     }
 
-    /// Whether the engine copies KV between slots; without, a prefix is reused only in place.
-    pub fn with_copies(mut self, copies: bool) -> Self {
-        self.copies = copies;
-        self
+    /// Sizes the pool: every pooled block free.
+    fn lay_out(&mut self) {
+        self.bps = self.max_seq.div_ceil(self.block);
+        let short = !self.max_seq.is_multiple_of(self.block);
+        self.pooled = self.bps - usize::from(short);
+        self.blocks = vec![Block::default(); self.slots.len() * self.bps];
+        self.free = (0..self.blocks.len())
+            .filter(|b| b % self.bps < self.pooled)
+            .collect();
     }
 
     /// Whether it reuses anything.
@@ -218,11 +266,11 @@ impl PrefixCache {
     }
 
     /// Whether a prompt of `len` tokens, once its prefill completed, can lend its whole blocks
-    /// from its running slot to another prompt with the same tokens and `lookup` (the choices
-    /// of an `n > 1` request): the cache is on and copies between slots, `lookup` looks, and
-    /// a whole block comes before the prompt's last token (which is always prefilled).
+    /// to another prompt with the same tokens and `lookup` (the choices of an `n > 1`
+    /// request): the cache is on, `lookup` looks, and a whole pooled block comes before the
+    /// prompt's last token (which is always prefilled).
     pub fn shares(&self, len: usize, lookup: Lookup) -> bool {
-        self.enabled && self.copies && !lookup.skip && len > self.block
+        self.enabled && !lookup.skip && len > self.block && self.pooled > 0
     }
 
     /// Free slots.
@@ -235,6 +283,16 @@ impl PrefixCache {
         self.stats
     }
 
+    /// Blocks some running sequence references.
+    pub fn blocks_in_use(&self) -> usize {
+        self.blocks.iter().filter(|b| b.refs > 0).count()
+    }
+
+    /// Blocks nobody references that hold cached KV (evicted when fresh ones run out).
+    pub fn blocks_cached(&self) -> usize {
+        self.lru.len()
+    }
+
     /// Gives `prompt` a free slot with the longest cached prefix it can reuse (at most all but
     /// its last token), in the shared namespace; `None` when no slot is free.
     pub fn take(&mut self, prompt: &[u32]) -> Option<Taken> {
@@ -243,141 +301,267 @@ impl PrefixCache {
 
     /// [`Self::take`] as `lookup` says: in its namespace, or without looking.
     pub fn take_with(&mut self, prompt: &[u32], lookup: Lookup) -> Option<Taken> {
-        let lru = self.lru()?;
-        let (slot, reused, copy) = if self.enabled && !lookup.skip && !prompt.is_empty() {
+        let slot = self.slots.iter().position(|s| !s.owned)?;
+        self.slots[slot].owned = true;
+        self.slots[slot].namespace = lookup.namespace;
+        if !self.enabled {
+            return Some(Taken {
+                slot,
+                reused: 0,
+                table: None,
+                deps: Vec::new(),
+            });
+        }
+        let found = if !lookup.skip && !prompt.is_empty() {
             self.stats.queries += 1;
             self.stats.query_tokens += prompt.len() as u64;
-            self.best(prompt, lru, lookup.namespace)
+            self.longest(prompt, lookup.namespace)
         } else {
-            (lru, 0, None)
+            Found::default()
         };
-        let written_by = match copy {
-            Some(c) => self.slots[c.from].span,
-            None if reused > 0 => self.slots[slot].span,
-            None => SpanId::NONE,
-        };
-        // Whatever the slot held beyond what is reused will be overwritten.
-        // (Only a slot of the prompt's own namespace is reused in place, so what stays is
-        // keyed under the namespace it takes.)
-        self.truncate(slot, if copy.is_some() { 0 } else { reused });
-        let s = &mut self.slots[slot];
-        s.owned = true;
-        s.namespace = lookup.namespace;
+        Some(self.fill(slot, prompt, found))
+    }
+
+    /// Gives `slot` the blocks `found` names, then fresh ones; counts the hit.
+    fn fill(&mut self, slot: usize, prompt: &[u32], found: Found) -> Taken {
+        let mut table = Vec::with_capacity(self.pooled);
+        let mut shared = false;
+        for &b in &found.full {
+            shared |= self.blocks[b].refs > 0;
+            self.hold(b);
+            table.push(b);
+        }
+        let mut reused = found.full.len() * self.block;
+        if let Some((b, n)) = found.tail {
+            self.hold(b);
+            self.cut(b, n);
+            table.push(b);
+            reused += n;
+        }
+        // Blocks for the whole prompt now; those past it as the sequence reaches them.
+        while table.len() < self.pooled.min(prompt.len().div_ceil(self.block)) {
+            let b = self.allocate(slot * self.bps + table.len());
+            table.push(b);
+        }
         if reused > 0 {
             self.stats.hits += 1;
-            self.stats.copies += u64::from(copy.is_some());
+            self.stats.shared += u64::from(shared);
             self.stats.reused_tokens += reused as u64;
         }
-        Some(Taken {
+        let mut deps: Vec<SpanId> = table.iter().map(|&b| self.blocks[b].span).collect();
+        deps.sort();
+        deps.dedup();
+        deps.retain(|d| !d.is_none());
+        let s = &mut self.slots[slot];
+        s.tokens = prompt[..reused].to_vec();
+        s.table = table;
+        let blocks = s.table.iter().map(|&b| b as u32).collect();
+        Taken {
             slot,
             reused,
-            copy,
-            written_by,
+            table: Some(SlotTable { slot, blocks }),
+            deps,
+        }
+    }
+
+    /// The sequence in `slot` is about to hold `len` positions: its table again, with fresh
+    /// blocks for the positions its blocks do not reach yet (for the step that writes them),
+    /// and the steps that freed those; `None` when it has its blocks (or the cache is off).
+    pub fn grow(&mut self, slot: usize, len: usize) -> Option<(SlotTable, Vec<SpanId>)> {
+        let want = self.pooled.min(len.div_ceil(self.block));
+        if !self.enabled || self.slots[slot].table.len() >= want {
+            return None;
+        }
+        let mut deps = Vec::new();
+        while self.slots[slot].table.len() < want {
+            let b = self.allocate(slot * self.bps + self.slots[slot].table.len());
+            deps.push(self.blocks[b].span);
+            self.slots[slot].table.push(b);
+        }
+        deps.retain(|d| !d.is_none());
+        let blocks = self.slots[slot].table.iter().map(|&b| b as u32).collect();
+        Some((SlotTable { slot, blocks }, deps))
+    }
+
+    /// The longest cached prefix of `prompt` (before its last token) in `namespace`: its full
+    /// blocks, and an unreferenced block after them with the number of its leading tokens
+    /// that match the prompt's next ones.
+    fn longest(&self, prompt: &[u32], namespace: u64) -> Found {
+        let limit = (prompt.len() - 1).min(self.pooled * self.block);
+        let tokens = &prompt[..limit];
+        // Several sequences may have cached the same block (prompts prefilled side by side),
+        // each followed by its own: every chain of equal blocks is followed.
+        let mut chains: Vec<Vec<usize>> = vec![Vec::new()];
+        for chunk in tokens.chunks_exact(self.block) {
+            let mut next = Vec::new();
+            for chain in &chains {
+                let parent = self.parent_after(chain, namespace);
+                for &b in self.followers(parent) {
+                    if self.blocks[b].tokens == chunk && next.len() < MAX_CHAINS {
+                        next.push([chain.as_slice(), &[b]].concat());
+                    }
+                }
+            }
+            if next.is_empty() {
+                break;
+            }
+            chains = next;
+        }
+        let rest = &tokens[chains[0].len() * self.block..];
+        // The chain with the longest adoptable block after it (the latest cached among
+        // equals).
+        let mut best = Found::default();
+        let mut best_key = None;
+        for chain in chains {
+            let parent = self.parent_after(&chain, namespace);
+            let tail = (self.followers(parent))
+                .filter(|&&b| self.blocks[b].refs == 0)
+                .map(|&b| (b, common_prefix(&self.blocks[b].tokens, rest)))
+                .filter(|&(_, n)| n > 0)
+                .max_by_key(|&(b, n)| (n, self.blocks[b].tick));
+            let key = tail.map(|(b, n)| (n, self.blocks[b].tick));
+            if best_key.is_none() || key > best_key.flatten() {
+                (best, best_key) = (Found { full: chain, tail }, Some(key));
+            }
+        }
+        best
+    }
+
+    /// What a block after the blocks `chain` (from `namespace`'s root) follows.
+    fn parent_after(&self, chain: &[usize], namespace: u64) -> Parent {
+        chain.last().map_or(Parent::Root(namespace), |&b| {
+            Parent::Block(b, self.blocks[b].gen)
         })
     }
 
-    /// The least-recently-used free slot (the lowest index among equals).
-    fn lru(&self) -> Option<usize> {
-        (self.slots.iter().enumerate())
-            .filter(|(_, s)| !s.owned)
-            .min_by_key(|(i, s)| (s.used, *i))
-            .map(|(i, _)| i)
+    /// The cached blocks that follow `parent` now (entries orphaned since are skipped).
+    fn followers(&self, parent: Parent) -> impl DoubleEndedIterator<Item = &usize> {
+        (self.children.get(&parent).into_iter().flatten())
+            .filter(move |&&b| self.blocks[b].parent == Some(parent))
     }
 
-    /// The slot, reused tokens and copy for `prompt`: a free slot holding the longest match in
-    /// place, else `lru` with a copy of the matched whole blocks.
-    fn best(&self, prompt: &[u32], lru: usize, namespace: u64) -> (usize, usize, Option<KvCopy>) {
-        let limit = prompt.len() - 1;
-        let (blocks, holders) = self.longest_blocks(&prompt[..limit], namespace);
-        let in_place = (self.slots.iter().enumerate())
-            .filter(|(_, s)| !s.owned && s.namespace == namespace)
-            .map(|(i, s)| (i, common_prefix(&s.tokens, &prompt[..limit])))
-            .max_by_key(|&(i, n)| (n, std::cmp::Reverse(self.slots[i].used)));
-        let matched = blocks * self.block;
-        match in_place {
-            Some((slot, n)) if n > 0 && n >= matched => (slot, n, None),
-            _ if matched > 0 && self.copies => {
-                let from = holders[0];
-                let copy = KvCopy {
-                    from,
-                    to: lru,
-                    tokens: matched,
-                };
-                (lru, matched, Some(copy))
-            }
-            _ => (lru, 0, None),
+    /// One more reference to `b` (no longer evictable).
+    fn hold(&mut self, b: usize) {
+        let block = &mut self.blocks[b];
+        if block.refs == 0 {
+            self.lru.remove(&(block.tick, b));
+            self.free.remove(&b);
+        }
+        block.refs += 1;
+    }
+
+    /// Keeps the first `n` tokens of `b` (it will be written past them).
+    fn cut(&mut self, b: usize, n: usize) {
+        let block = &mut self.blocks[b];
+        if block.tokens.len() > n {
+            block.tokens.truncate(n);
+            block.gen += 1;
         }
     }
 
-    /// The most whole blocks of `tokens` some slot of `namespace` holds, and the slots
-    /// holding them.
-    fn longest_blocks(&self, tokens: &[u32], namespace: u64) -> (usize, Vec<usize>) {
-        let b = self.block;
-        let (mut prev, mut found, mut holders) = (namespace, 0, Vec::new());
-        for (i, block) in tokens.chunks_exact(b).enumerate() {
-            let key = chain(prev, block);
-            let range = i * b..(i + 1) * b;
-            // The hash names a candidate; its tokens decide.
-            let now: Vec<usize> = (self.index.get(&key).into_iter().flatten())
-                .copied()
-                .filter(|&s| {
-                    let t = &self.slots[s].tokens;
-                    self.slots[s].namespace == namespace
-                        && t.len() >= range.end
-                        && t[..range.end] == tokens[..range.end]
-                })
-                .collect();
-            if now.is_empty() {
-                break;
-            }
-            (prev, found, holders) = (key, i + 1, now);
-        }
-        (found, holders)
+    /// A fresh block for a sequence, `own` (its slot region's) if that one is free: a free
+    /// block, else the least-recently-used cached one, evicted.
+    fn allocate(&mut self, own: usize) -> usize {
+        let b = if self.free.remove(&own) {
+            own
+        } else if let Some(b) = self.free.pop_first() {
+            b
+        } else {
+            let (_, b) = (self.lru.pop_first())
+                // Each running sequence references at most `pooled` blocks and the pool
+                // holds `pooled` for every slot, so one that needs a block finds one.
+                .expect("the block pool holds every slot's blocks");
+            self.forget(b);
+            self.stats.evictions += 1;
+            b
+        };
+        self.blocks[b].refs = 1;
+        b
     }
 
-    /// Keeps the first `len` tokens of `slot`, dropping its blocks beyond from the index.
-    fn truncate(&mut self, slot: usize, len: usize) {
-        let keep = len / self.block;
-        let s = &mut self.slots[slot];
-        s.tokens.truncate(len);
-        for key in s.keys.drain(keep.min(s.keys.len())..) {
-            if let Some(holders) = self.index.get_mut(&key) {
-                holders.retain(|&h| h != slot);
-                if holders.is_empty() {
-                    self.index.remove(&key);
+    /// `b` holds nothing cached any more.
+    fn forget(&mut self, b: usize) {
+        let block = &mut self.blocks[b];
+        block.tokens.clear();
+        block.gen += 1;
+        if let Some(parent) = block.parent.take() {
+            if let Some(list) = self.children.get_mut(&parent) {
+                list.retain(|&c| c != b);
+                if list.is_empty() {
+                    self.children.remove(&parent);
                 }
             }
         }
     }
 
     /// `slot`'s KV holds `tokens` (the step `span` wrote the last of them, and has completed):
-    /// their full blocks join the index.
+    /// the blocks they fill are cached (those in a short last block are not).
     pub fn register(&mut self, slot: usize, tokens: &[u32], span: SpanId) {
         if !self.enabled {
             return;
         }
+        let len = tokens.len().min(self.slots[slot].table.len() * self.block);
+        let tokens = &tokens[..len];
         let same = common_prefix(&self.slots[slot].tokens, tokens);
-        self.truncate(slot, same);
-        let s = &mut self.slots[slot];
-        s.tokens.extend_from_slice(&tokens[same..]);
-        s.span = span;
-        let keys = block_keys(&s.tokens, self.block, s.namespace);
-        for (i, &key) in keys.iter().enumerate().skip(s.keys.len()) {
-            debug_assert_eq!(i, s.keys.len());
-            s.keys.push(key);
-            self.index.entry(key).or_default().push(slot);
+        let from = same / self.block;
+        for j in from..len.div_ceil(self.block) {
+            let b = self.slots[slot].table[j];
+            let content = &tokens[j * self.block..len.min((j + 1) * self.block)];
+            let block = &mut self.blocks[b];
+            if !content.starts_with(&block.tokens) {
+                block.gen += 1;
+            }
+            block.tokens = content.to_vec();
+            block.span = block.span.max(span);
+            if block.parent.is_none() {
+                let parent = match j {
+                    0 => Parent::Root(self.slots[slot].namespace),
+                    _ => {
+                        let p = self.slots[slot].table[j - 1];
+                        Parent::Block(p, self.blocks[p].gen)
+                    }
+                };
+                self.blocks[b].parent = Some(parent);
+                self.children.entry(parent).or_default().push(b);
+            }
         }
+        self.slots[slot].tokens = tokens.to_vec();
     }
 
     /// The sequence in `slot` left; its KV holds `tokens` (written by the completed step
-    /// `span`). The slot is free, the most recently used.
+    /// `span`). The slot is free; its blocks nobody else references are cached (the most
+    /// recently used, its first block most) or free.
     pub fn release(&mut self, slot: usize, tokens: &[u32], span: SpanId) {
         self.register(slot, tokens, span);
-        self.tick += 1;
         let s = &mut self.slots[slot];
         s.owned = false;
-        s.used = self.tick;
+        s.tokens.clear();
+        for b in std::mem::take(&mut s.table).into_iter().rev() {
+            let block = &mut self.blocks[b];
+            block.refs -= 1;
+            block.span = block.span.max(span);
+            if block.refs > 0 {
+                continue;
+            }
+            if block.tokens.is_empty() {
+                self.forget(b);
+                self.free.insert(b);
+            } else {
+                self.tick += 1;
+                block.tick = self.tick;
+                self.lru.insert((self.tick, b));
+            }
+        }
     }
+}
+
+/// What a lookup found.
+#[derive(Debug, Default)]
+struct Found {
+    /// Full blocks of the prefix, in order.
+    full: Vec<usize>,
+    /// An unreferenced block after them, and how many of its tokens match.
+    tail: Option<(usize, usize)>,
 }
 
 #[cfg(test)]
@@ -392,150 +576,249 @@ mod tests {
         SpanId(n)
     }
 
-    #[test]
-    fn keys_chain_over_blocks() {
-        let a = block_keys(&ids(0..12), 4, 0);
-        assert_eq!(a.len(), 3, "only full blocks");
-        // The same block after a different prefix has another key.
-        let mut other = ids(0..12);
-        other[0] = 99;
-        let b = block_keys(&other, 4, 0);
-        assert_ne!(a[0], b[0]);
-        assert_ne!(a[2], b[2], "a key names the whole prefix");
-        assert_eq!(a, block_keys(&ids(0..14), 4, 0));
+    /// A cache of `slots` slots of 16 positions in blocks of 4 (4 blocks a slot).
+    fn cache(slots: usize) -> PrefixCache {
+        PrefixCache::new(slots, 16, true).with_block(4)
+    }
+
+    fn table(t: &Taken) -> Vec<usize> {
+        let blocks = &t.table.as_ref().unwrap().blocks;
+        blocks.iter().map(|&b| b as usize).collect()
+    }
+
+    fn refs(c: &PrefixCache) -> Vec<usize> {
+        c.blocks.iter().map(|b| b.refs).collect()
+    }
+
+    /// Every running sequence's blocks from the one it writes next (at the position given)
+    /// on are its own.
+    fn written_blocks_are_exclusive(c: &PrefixCache, running: &[(usize, usize)]) {
+        for &(slot, at) in running {
+            for &b in &c.slots[slot].table[at / c.block..] {
+                assert_eq!(c.blocks[b].refs, 1, "block {b} of slot {slot} is shared");
+            }
+        }
     }
 
     #[test]
-    fn a_free_slot_with_the_prefix_is_taken_in_place_up_to_the_last_token() {
-        let mut c = PrefixCache::new(3, true).with_block(4);
-        let t = c.take(&ids(0..10)).unwrap();
-        assert_eq!((t.slot, t.reused, t.copy), (0, 0, None));
-        c.register(0, &ids(0..10), span(1));
+    fn a_shared_prefix_is_referenced_and_counted_not_copied() {
+        let mut c = cache(3);
+        let a = c.take(&ids(0..10)).unwrap();
+        // The prompt's blocks; the others come as the sequence reaches them.
+        assert_eq!((a.slot, a.reused, table(&a)), (0, 0, vec![0, 1, 2]));
+        // Not registered before its prefill completed: nothing to reuse yet.
+        let early = c.take(&ids(0..10)).unwrap();
+        assert_eq!((early.reused, table(&early)), (0, vec![4, 5, 6]));
+        c.release(early.slot, &[], span(2));
+        c.register(a.slot, &ids(0..10), span(7));
+        let b = c.take(&ids(0..9)).unwrap();
+        // Blocks 0 and 1 (8 tokens) referenced; block 2 (tokens 8, 9) is a's, written on by
+        // a's decode: b prefills token 8 in a block of its own.
+        // It waits for the step that wrote them and the one that freed its fresh blocks.
+        assert_eq!((b.slot, b.reused), (1, 8));
+        assert_eq!(b.deps, vec![span(2), span(7)]);
+        // Its fresh one is its slot region's own.
+        assert_eq!(table(&b), vec![0, 1, 6]);
+        assert_eq!(refs(&c)[..8], [2, 2, 1, 0, 0, 0, 1, 0]);
+        written_blocks_are_exclusive(&c, &[(a.slot, 10), (b.slot, 8)]);
+        // b reaching position 12 gets one more block, its region's next.
+        let (grown, _) = c.grow(b.slot, 13).unwrap();
+        assert_eq!(grown.blocks, vec![0, 1, 6, 7]);
+        assert_eq!(c.grow(b.slot, 16), None);
+        let s = c.stats();
+        assert_eq!((s.hits, s.shared, s.reused_tokens), (1, 1, 8));
+        assert_eq!(c.take(&ids(0..9)).map(|t| t.slot), Some(2));
+        assert_eq!(c.take(&ids(0..9)), None, "no slot free");
+    }
+
+    #[test]
+    fn everything_is_freed_or_cached_after_all_sequences_end() {
+        let mut c = cache(3);
+        let prompts = [ids(0..10), ids(0..13), ids(0..6)];
+        let slots: Vec<usize> = prompts.iter().map(|p| c.take(p).unwrap().slot).collect();
+        assert_eq!(slots, vec![0, 1, 2]);
+        c.register(0, &prompts[0], span(1));
+        c.release(1, &prompts[1], span(2));
+        let again = c.take(&ids(0..15)).unwrap();
+        // The ended sequence's three full blocks (a's first two hold the same tokens), and
+        // one token of its last, adopted.
+        assert_eq!((again.reused, table(&again)), (13, vec![4, 5, 6, 7]));
+        written_blocks_are_exclusive(&c, &[(0, 10), (2, 0), (again.slot, 13)]);
+        c.release(0, &ids(0..11), span(3));
+        c.release(2, &prompts[2], span(4));
+        c.release(again.slot, &ids(0..15), span(5));
+        assert!(refs(&c).iter().all(|&r| r == 0), "{:?}", refs(&c));
+        assert_eq!(c.blocks_in_use(), 0);
+        assert_eq!(c.free.len() + c.blocks_cached(), 12);
+        assert_eq!(c.free(), 3);
+    }
+
+    #[test]
+    fn a_partly_matching_block_is_adopted_only_when_unreferenced() {
+        let mut c = cache(3);
+        c.take(&ids(0..10)).unwrap();
+        assert!(c.grow(0, 13).is_some());
         c.release(0, &ids(0..13), span(2));
-        // Token-granular in place: 11 of the slot's 13 tokens match.
+        // 11 of the 13 tokens match: two blocks referenced, the third adopted (3 tokens).
         let mut p = ids(0..11);
         p.push(500);
         let t = c.take(&p).unwrap();
-        assert_eq!(
-            (t.slot, t.reused, t.copy, t.written_by),
-            (0, 11, None, span(2))
-        );
-        c.release(0, &p, span(3));
+        assert_eq!((t.reused, table(&t)[..3].to_vec()), (11, vec![0, 1, 2]));
+        assert_eq!(t.deps, vec![span(2)]);
+        // The adopted block is cut to its matching tokens: the old third block is gone.
+        let u = c.take(&ids(0..13)).unwrap();
+        assert_eq!(u.reused, 8);
+        written_blocks_are_exclusive(&c, &[(t.slot, 11), (u.slot, 8)]);
+        c.release(t.slot, &p, span(3));
+        c.release(u.slot, &ids(0..13), span(4));
         // Never the whole prompt: the same prompt again prefills its last token.
         let t = c.take(&p).unwrap();
-        assert_eq!((t.slot, t.reused), (0, 11));
-        let s = c.stats();
-        assert_eq!(
-            (s.queries, s.hits, s.query_tokens, s.reused_tokens),
-            (3, 2, 34, 22)
-        );
-        assert_eq!(s.copies, 0);
+        assert_eq!(t.reused, 11);
+        assert_eq!(c.stats().queries, 4);
     }
 
     #[test]
-    fn a_running_slots_blocks_are_copied_into_the_least_recently_used() {
-        let mut c = PrefixCache::new(3, true).with_block(4);
-        let a = c.take(&ids(0..10)).unwrap();
-        // Not registered before its prefill completed: nothing to reuse yet.
-        assert_eq!(c.take(&ids(0..10)).unwrap().reused, 0);
-        c.register(a.slot, &ids(0..10), span(7));
-        let t = c.take(&ids(0..9)).unwrap();
-        assert_eq!(t.slot, 2);
-        assert_eq!(
-            t.copy,
-            Some(KvCopy {
-                from: 0,
-                to: 2,
-                tokens: 8
-            })
-        );
-        assert_eq!((t.reused, t.written_by), (8, span(7)));
-        assert_eq!(c.stats().copies, 1);
-        assert_eq!(c.take(&ids(0..9)), None, "no slot free");
-        // Without copies, only in place.
-        let mut c = PrefixCache::new(2, true).with_block(4).with_copies(false);
-        let a = c.take(&ids(0..10)).unwrap();
-        c.register(a.slot, &ids(0..10), span(1));
-        assert_eq!(c.take(&ids(0..10)).unwrap().reused, 0);
-    }
-
-    #[test]
-    fn free_slots_are_evicted_least_recently_used_and_reuse_drops_the_rest() {
-        let mut c = PrefixCache::new(3, true).with_block(4);
-        for s in 0..3 {
-            let base = 100 * s as u32;
-            assert_eq!(c.take(&ids(base..base + 9)).unwrap().slot, s);
-        }
-        // Freed in the order 1, 0, 2: the next unmatched prompt takes 1, then 0, then 2.
-        for s in [1, 0, 2] {
-            let base = 100 * s as u32;
-            c.release(s, &ids(base..base + 9), span(s as u64));
-        }
-        let order: Vec<usize> = (0..3)
-            .map(|i| c.take(&ids(1000 + i..1010 + i)).unwrap().slot)
-            .collect();
-        assert_eq!(order, vec![1, 0, 2]);
-        // Slot 1 now holds the new prompt's prefix only: its old blocks are gone.
-        let mut c = PrefixCache::new(2, true).with_block(4);
-        c.take(&ids(0..12)).unwrap();
-        c.release(0, &ids(0..12), span(1));
-        let mut p = ids(0..6);
-        p.extend([77, 78, 79, 80]);
-        assert_eq!(c.take(&p).unwrap().reused, 6);
-        // Blocks 0..4 stay (reused), 4..8 and 8..12 are dropped: another prompt with the old
-        // tokens finds only the first block, and copies it from the running slot.
-        let t = c.take(&ids(0..12)).unwrap();
-        assert_eq!(t.reused, 4);
-        assert_eq!(t.copy.map(|c| (c.from, c.tokens)), Some((0, 4)));
-    }
-
-    #[test]
-    fn a_hash_match_with_other_tokens_is_no_hit_and_off_reuses_nothing() {
-        let mut c = PrefixCache::new(2, true).with_block(4);
-        c.take(&ids(0..8)).unwrap();
-        c.register(0, &ids(0..8), span(1));
-        // Corrupt the slot's tokens behind the index's back: the key still points at it.
-        c.slots[0].tokens[1] = 42;
+    fn eviction_takes_free_blocks_first_then_cached_ones_least_recently_used() {
+        // Two slots, eight blocks.
+        let mut c = cache(2);
+        let a = c.take(&ids(0..9)).unwrap();
+        c.release(a.slot, &ids(0..9), span(1));
+        // a cached blocks 0, 1 and 2 (tail first in eviction order: 2, 1, 0); 3 is free.
+        assert_eq!((c.blocks_cached(), c.free.len()), (3, 5));
+        let b = c.take(&ids(100..115)).unwrap();
+        let d = c.take(&ids(200..215)).unwrap();
+        // b (slot 0) takes the free blocks, lowest first; d (slot 1) the last free one, then
+        // evicts a's blocks one by one, its tail first.
+        assert_eq!(table(&b), vec![3, 4, 5, 6]);
+        assert_eq!(table(&d), vec![7, 2, 1, 0]);
+        assert_eq!(c.stats().evictions, 3);
+        // The evicted ones are gone: nothing of a is found.
+        c.release(d.slot, &ids(200..215), span(3));
+        c.release(b.slot, &ids(100..115), span(4));
         assert_eq!(c.take(&ids(0..9)).unwrap().reused, 0);
-        let mut off = PrefixCache::new(1, false);
-        off.take(&ids(0..8)).unwrap();
-        off.release(0, &ids(0..8), span(1));
-        assert_eq!(off.take(&ids(0..8)).unwrap().reused, 0);
-        assert_eq!(off.stats(), PrefixStats::default());
+    }
+
+    #[test]
+    fn eviction_order_is_per_block_and_a_referenced_block_is_never_handed_out() {
+        let mut c = cache(3);
+        let old = c.take(&ids(0..13)).unwrap();
+        c.release(old.slot, &ids(0..13), span(1));
+        // Cached: old's blocks 0..4, evicted in the order 3, 2, 1, 0.
+        let keep = c.take(&ids(0..9)).unwrap();
+        assert_eq!((keep.reused, table(&keep)), (8, vec![0, 1, 4]));
+        let one = c.take(&ids(100..115)).unwrap();
+        let two = c.take(&ids(200..215)).unwrap();
+        // The free blocks run out: block 3 is evicted, alone.
+        assert_eq!(table(&one), vec![5, 6, 7, 8]);
+        assert_eq!(table(&two), vec![9, 10, 11, 3]);
+        assert_eq!(c.stats().evictions, 1);
+        // keep reaching its last block evicts block 2, never 0 and 1 (referenced), though
+        // they were freed after.
+        assert_eq!(c.grow(keep.slot, 16).unwrap().0.blocks, vec![0, 1, 4, 2]);
+        assert_eq!(c.stats().evictions, 2);
+        let mut handed: Vec<usize> = c.slots.iter().flat_map(|s| s.table.clone()).collect();
+        handed.sort();
+        handed.dedup();
+        assert_eq!(handed.len(), 12, "no block named by two running tables");
+        written_blocks_are_exclusive(&c, &[(keep.slot, 8), (one.slot, 0), (two.slot, 0)]);
+        assert_eq!(c.take(&ids(0..9)), None);
+    }
+
+    #[test]
+    fn sequences_cancelled_at_any_point_leave_no_block_referenced() {
+        // Four choices of one 13-token prompt: the first is cancelled after one chunk of 6
+        // tokens, the next prefills it, two reference its blocks, one of which leaves before
+        // its first chunk ran.
+        let mut c = cache(4);
+        let prompt = ids(0..13);
+        let first = c.take(&prompt).unwrap();
+        c.release(first.slot, &prompt[..6], span(1));
+        let second = c.take(&prompt).unwrap();
+        assert_eq!(second.reused, 6, "the cancelled chunk's block is adopted");
+        c.register(second.slot, &prompt, span(2));
+        let third = c.take(&prompt).unwrap();
+        let fourth = c.take(&prompt).unwrap();
+        assert_eq!((third.reused, fourth.reused), (12, 12));
+        c.release(fourth.slot, &prompt[..12], span(3));
+        assert_eq!(
+            c.grow(third.slot, 16),
+            None,
+            "its prompt's 4 blocks hold 16"
+        );
+        c.release(third.slot, &ids(0..16), span(4));
+        c.release(second.slot, &ids(0..14), span(5));
+        assert_eq!((c.blocks_in_use(), c.free()), (0, 4));
+        assert_eq!(c.free.len() + c.blocks_cached(), 16);
+        // Served on: all four slots again.
+        for _ in 0..4 {
+            assert!(c.take(&ids(50..66)).is_some());
+        }
     }
 
     #[test]
     fn salted_prompts_share_only_within_their_salt_and_skipping_reuses_nothing() {
-        let mut c = PrefixCache::new(3, true).with_block(4);
+        let mut c = cache(3);
         let salted = Lookup::new(true, Some("alice"));
         assert_ne!(salted.namespace, 0);
         c.take_with(&ids(0..12), salted).unwrap();
         c.release(0, &ids(0..12), span(1));
         // Neither the shared namespace nor another salt sees alice's blocks.
         let t = c.take(&ids(0..12)).unwrap();
-        assert_eq!((t.slot, t.reused), (1, 0));
-        c.release(1, &ids(0..12), span(2));
+        assert_eq!(t.reused, 0);
+        c.release(t.slot, &ids(0..12), span(2));
         let bob = Lookup::new(true, Some("bob"));
-        assert_eq!(c.take_with(&ids(0..12), bob).unwrap().reused, 0);
-        c.release(2, &ids(100..112), span(3));
-        // The same salt finds them, in place.
+        let t = c.take_with(&ids(0..12), bob).unwrap();
+        assert_eq!(t.reused, 0);
+        c.release(t.slot, &ids(100..112), span(3));
+        // The same salt finds them.
         let t = c.take_with(&ids(0..12), salted).unwrap();
-        assert_eq!((t.slot, t.reused, t.copy), (0, 11, None));
-        // Skipping looks nothing up, though slot 1 holds the prompt.
+        assert_eq!(t.reused, 11);
+        // Skipping looks nothing up, though the shared namespace holds the prompt.
         let t = c.take_with(&ids(0..12), Lookup::new(false, None)).unwrap();
         assert_eq!(t.reused, 0);
         assert_eq!(c.stats().queries, 4);
     }
 
     #[test]
-    fn a_prompt_shares_its_blocks_only_past_one_block_with_copies_and_a_lookup() {
-        let c = PrefixCache::new(2, true).with_block(4);
+    fn other_tokens_are_no_hit_and_off_sends_no_tables() {
+        let mut c = cache(2);
+        c.take(&ids(0..8)).unwrap();
+        c.register(0, &ids(0..8), span(1));
+        let mut p = ids(0..9);
+        p[1] = 42;
+        assert_eq!(c.take(&p).unwrap().reused, 0);
+        let mut off = PrefixCache::new(1, 16, false);
+        let t = off.take(&ids(0..8)).unwrap();
+        assert_eq!((t.slot, t.table), (0, None));
+        off.release(0, &ids(0..8), span(1));
+        assert_eq!(off.take(&ids(0..8)).unwrap().reused, 0);
+        assert_eq!(off.stats(), PrefixStats::default());
+    }
+
+    #[test]
+    fn a_short_last_block_is_never_pooled() {
+        // 18 positions in blocks of 4: four full blocks and a short one a slot.
+        let mut c = PrefixCache::new(2, 18, true).with_block(4);
+        let a = c.take(&ids(0..18)).unwrap();
+        assert_eq!(
+            table(&a),
+            vec![0, 1, 2, 3],
+            "logical block 4 stays slot 0's own"
+        );
+        c.release(a.slot, &ids(0..18), span(1));
+        let b = c.take(&ids(0..18)).unwrap();
+        assert_eq!(b.reused, 16);
+        assert!(table(&b).iter().all(|&x| x % 5 < 4));
+    }
+
+    #[test]
+    fn a_prompt_shares_its_blocks_only_past_one_block_and_with_a_lookup() {
+        let c = cache(2);
         assert!(c.shares(5, Lookup::SHARED));
         assert!(c.shares(5, Lookup::new(true, Some("alice"))));
         // Its last token is prefilled: 4 tokens leave no whole block to lend.
         assert!(!c.shares(4, Lookup::SHARED));
         assert!(!c.shares(9, Lookup::new(false, None)));
-        assert!(!c.clone().with_copies(false).shares(9, Lookup::SHARED));
-        assert!(!PrefixCache::new(2, false).shares(99, Lookup::SHARED));
+        assert!(!PrefixCache::new(2, 64, false).shares(99, Lookup::SHARED));
     }
 }

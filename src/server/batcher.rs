@@ -7,14 +7,15 @@
 //! the lane's next step boundary and frees its KV slot. An engine error, or a panic on this
 //! thread, ends every request with that error and marks the server failed.
 //!
-//! Slots come from the prefix cache (`crate::batching::PrefixCache`): a prompt takes the free
-//! slot holding its longest cached prefix, or has that prefix copied into its slot by the step
-//! that carries its first chunk, and prefills only the rest.
+//! Slots and KV blocks come from the prefix cache (`crate::batching::PrefixCache`): a prompt
+//! takes a free slot whose block table references the cached blocks of its longest cached
+//! prefix (no copy) and fresh blocks for the rest, sent with the step that carries its first
+//! chunk, and prefills only the rest.
 //!
 //! The choices of an `n > 1` request share their prompt's prefill ([`Choices`]): the first
 //! is scheduled as any request; the others wait, keeping their place in the queue and a free
 //! slot each, until the step that completes the first's prompt has finished and its blocks
-//! are cached, then take their slots with those blocks copied from the first's.
+//! are cached, then take their slots referencing those blocks of the first's.
 
 use std::collections::{HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
@@ -32,7 +33,7 @@ use crate::error::Result;
 use crate::kernels::ops::{allow_words, pack_adjustments, MAX_ADJUST_PER_ROW};
 use crate::model::constraint::Constraint;
 use crate::model::sampling::{PickRules, Picked, RequestPicker, TokenLogprobs};
-use crate::parallel::{BatchStep, Fault, FaultKind, KvCopy, SeqRow, StepDone, StepEngine};
+use crate::parallel::{BatchStep, Fault, FaultKind, SeqRow, SlotTable, StepDone, StepEngine};
 use crate::trace::SpanId;
 
 /// What the engine sends a request.
@@ -88,7 +89,7 @@ pub struct Job {
 
 /// The jobs of one prompt's `n > 1` choices, which have the same prompt and cache lookup.
 /// The first scheduled prefills the prompt; the others wait until its prompt's blocks are
-/// cached, then reuse them (copied from its slot) and prefill only the tail. Where the cache
+/// cached, then reference them and prefill only the tail. Where the cache
 /// cannot lend the prompt's blocks ([`PrefixCache::shares`]: `--no-prefix-cache`,
 /// `cache_prompt: false`, a prompt within one block) none waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -235,8 +236,7 @@ pub fn run(
         lanes: (0..engine.lanes().max(1))
             .map(|_| Lane::default())
             .collect(),
-        cache: PrefixCache::new(opts.slots, opts.prefix_cache)
-            .with_copies(crate::batching::copies_fit(engine.model_config())),
+        cache: PrefixCache::new(opts.slots, engine.model_config().max_seq, opts.prefix_cache),
         waiting: VecDeque::new(),
         shares: HashMap::new(),
         per_lane: opts.slots.div_ceil(engine.lanes().max(1)),
@@ -444,8 +444,8 @@ impl Batcher {
             return None;
         }
         // Waiting requests take their slots (and cached prefixes) first, so the plan knows
-        // what each has left; a slot's copy rides on this step, which always runs.
-        let kv_copies = self.take_slots(lane);
+        // what each has left; a slot's block table rides on this step, which always runs.
+        let kv_tables = self.take_slots(lane);
         let remaining: Vec<usize> = (self.lanes[lane].filling.iter())
             .map(|s| s.job.prompt.len() - s.past)
             .collect();
@@ -477,19 +477,19 @@ impl Batcher {
             logits: pick.logits,
             allow: pick.allow,
             adjust: pick.adjust,
-            kv_tables: Vec::new(),
-            kv_copies,
+            kv_tables,
+            kv_copies: Vec::new(),
         };
         Some((step, Flight::Chunk(taken, len)))
     }
 
     /// Waiting requests join `lane`'s filling prompts while it has room and slots are free,
-    /// oldest first, each in the slot the prefix cache gives it; the copies that bring their
-    /// cached prefixes. A choice waiting for its first's prefill ([`Choices`]) is passed
+    /// oldest first, each in the slot the prefix cache gives it; the slots' block tables
+    /// (their cached prefixes' blocks and fresh ones). A choice waiting for its first's prefill ([`Choices`]) is passed
     /// over, but keeps its place: a later request takes a slot only if one stays free for
     /// each such choice before it.
-    fn take_slots(&mut self, lane: usize) -> Vec<KvCopy> {
-        let mut copies = Vec::new();
+    fn take_slots(&mut self, lane: usize) -> Vec<SlotTable> {
+        let mut tables = Vec::new();
         let l = &self.lanes[lane];
         let mut room = (self.per_lane).saturating_sub(l.seqs.len() + l.filling.len());
         let (mut at, mut kept) = (0, 0);
@@ -513,7 +513,7 @@ impl Batcher {
             self.metrics.observe_scheduled(job.accepted);
             self.metrics
                 .observe_prefix(job.prompt.len(), t.reused, self.cache.enabled());
-            copies.extend(t.copy);
+            tables.extend(t.table);
             self.lanes[lane].filling.push(Seq {
                 job,
                 slot: t.slot,
@@ -528,7 +528,7 @@ impl Batcher {
             });
             room -= 1;
         }
-        copies
+        tables
     }
 
     /// Whether `job` waits for the first of its choices to finish prefilling their prompt.
@@ -580,6 +580,10 @@ impl Batcher {
         }
         let mut seqs = std::mem::take(&mut self.lanes[lane].seqs);
         let pick = self.pick_data(&mut seqs);
+        // A sequence entering a block it has not reached yet gets it with this step.
+        let kv_tables = (seqs.iter())
+            .filter_map(|s| self.cache.grow(s.slot, s.past + 1).map(|(t, _)| t))
+            .collect();
         self.lanes[lane].seqs = seqs;
         let seqs = &self.lanes[lane].seqs;
         let step = BatchStep {
@@ -598,7 +602,7 @@ impl Batcher {
             logits: pick.logits,
             allow: pick.allow,
             adjust: pick.adjust,
-            kv_tables: Vec::new(),
+            kv_tables,
             kv_copies: Vec::new(),
         };
         Some((step, Flight::Decode))
