@@ -32,17 +32,7 @@ alias KT = f32;
 @group(0) @binding(5) var<storage, read> kv_blocks: array<u32>;
 @group(0) @binding(6) var<uniform> p: Params;
 
-// Positions per KV block; kv_blocks[slot * bps + j] is the physical block (s * bps + j': slot
-// region s, positions KV_BLOCK * j' ..) of slot `slot`'s logical block j. Same as attention.wgsl.
-const KV_BLOCK: u32 = 16u;
-
-// Element index of the first value of position `pos` of KV head `kvh` of `slot`.
-fn kv_row(slot: u32, kvh: u32, pos: u32) -> u32 {
-    let bps = (p.max_seq + KV_BLOCK - 1u) / KV_BLOCK;
-    let block = min(kv_blocks[slot * bps + pos / KV_BLOCK], p.slots * bps - 1u);
-    let at = (block % bps) * KV_BLOCK + pos % KV_BLOCK;
-    return (((block / bps) * p.n_kv_heads + kvh) * p.max_seq + at) * p.head_dim;
-}
+// KV_BLOCK and kv_row (the block-table lookup): kv_blocks.wgsl, appended.
 
 const WG: u32 = 256u;
 

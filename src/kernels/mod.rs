@@ -138,8 +138,14 @@ impl Family {
             ),
             Family::Norm => include_str!("../../shaders/norm.wgsl"),
             Family::Softmax => include_str!("../../shaders/softmax.wgsl"),
-            Family::Attention => include_str!("../../shaders/attention.wgsl"),
-            Family::KvCache => include_str!("../../shaders/kvcache.wgsl"),
+            Family::Attention => concat!(
+                include_str!("../../shaders/attention.wgsl"),
+                include_str!("../../shaders/kv_blocks.wgsl")
+            ),
+            Family::KvCache => concat!(
+                include_str!("../../shaders/kvcache.wgsl"),
+                include_str!("../../shaders/kv_blocks.wgsl")
+            ),
             Family::Rope => include_str!("../../shaders/rope.wgsl"),
             Family::Elementwise => include_str!("../../shaders/elementwise.wgsl"),
             Family::Embedding => concat!(
