@@ -566,6 +566,7 @@ fn a_chats_second_turn_reuses_the_first_over_http() {
     let mut cached = chat_server(&dir, true);
     let (with, hits) = two_turns(&cached);
     let queries = cached.metric("wgpar:prefix_cache_queries_total");
+    let blocks = idle_blocks(&cached);
     cached.terminate(Duration::from_secs(60));
     let mut plain = chat_server(&dir, false);
     let (without, off_hits) = two_turns(&plain);
@@ -581,6 +582,26 @@ fn a_chats_second_turn_reuses_the_first_over_http() {
     assert_eq!(hits, [0.0, 32.0], "nothing cached before the first turn");
     assert!(queries > hits[1], "{queries} tokens looked up");
     assert_eq!((off_hits, off_queries), ([0.0, 0.0], 0.0));
+    // Both turns done: no block is referenced, and the conversation's blocks stay cached.
+    assert_eq!(
+        blocks.0, 0.0,
+        "blocks still referenced with no request running"
+    );
+    assert!(
+        blocks.1 >= 2.0,
+        "{} blocks cached after two turns",
+        blocks.1
+    );
+}
+
+/// `/metrics`' KV blocks in use and cached once no sequence holds a slot (waits at most 30 s).
+fn idle_blocks(server: &Server) -> (f64, f64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while server.metric("wgpar:kv_slots_used") != 0.0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let used = server.metric("wgpar:kv_blocks_used");
+    (used, server.metric("wgpar:kv_blocks_cached"))
 }
 
 #[test]

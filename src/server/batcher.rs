@@ -775,8 +775,9 @@ impl Batcher {
         }
     }
 
-    /// Gauges: requests running and waiting, KV slots in use, and the share of the cache's
-    /// token places that running sequences hold (a prompt chunk in flight holds its tokens).
+    /// Gauges: requests running and waiting, KV slots and blocks in use, cached blocks (and the
+    /// evictions counter), and the share of the cache's token places that running sequences
+    /// hold (a prompt chunk in flight holds its tokens).
     fn publish(&self) {
         let running = self.running() as i64;
         self.metrics.running.set(running);
@@ -784,6 +785,9 @@ impl Batcher {
         self.metrics
             .kv_slots_used
             .set((self.opts.slots - self.cache.free()) as i64);
+        (self.metrics.kv_blocks_used).set(self.cache.blocks_in_use() as i64);
+        (self.metrics.kv_blocks_cached).set(self.cache.blocks_cached() as i64);
+        (self.metrics).observe_evictions(self.cache.stats().evictions);
         let held: usize = (self.lanes.iter())
             .map(|l| {
                 let prefill: usize = match &l.busy {

@@ -49,6 +49,11 @@ pub struct Metrics {
     pub kv_slots_used: Gauge,
     /// KV slots reserved.
     pub kv_slots: Gauge,
+    /// KV blocks a running sequence references (paged KV, `crate::batching::PrefixCache`).
+    pub kv_blocks_used: Gauge,
+    /// KV blocks nobody references that keep cached prefixes until they are evicted.
+    pub kv_blocks_cached: Gauge,
+    prefix_evictions: Counter,
     /// Prompt tokens of accepted requests.
     pub prompt_tokens: Counter,
     /// Tokens sent to clients.
@@ -93,6 +98,9 @@ impl Metrics {
             kv_usage: Gauge::default(),
             kv_slots_used: Gauge::default(),
             kv_slots: Gauge::default(),
+            kv_blocks_used: Gauge::default(),
+            kv_blocks_cached: Gauge::default(),
+            prefix_evictions: Counter::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             prefix_queries: Counter::default(),
@@ -146,6 +154,16 @@ impl Metrics {
                 &self.kv_slots_used,
             ),
             ("kv_slots", "KV slots reserved", &self.kv_slots),
+            (
+                "kv_blocks_used",
+                "KV blocks (16 positions each) that running sequences reference",
+                &self.kv_blocks_used,
+            ),
+            (
+                "kv_blocks_cached",
+                "KV blocks nobody references that hold cached prefixes",
+                &self.kv_blocks_cached,
+            ),
         ];
         register_each(r, counts);
         let shares = [
@@ -224,6 +242,11 @@ impl Metrics {
                 "Prompts that reused cached tokens",
                 &self.prefix_request_hits,
             ),
+            (
+                "prefix_cache_evictions",
+                "Cached KV blocks evicted, least recently used first, for fresh ones",
+                &self.prefix_evictions,
+            ),
         ];
         register_each(r, prefix);
         r.register(
@@ -273,6 +296,14 @@ impl Metrics {
     /// A token after the first: `gap` seconds after the one before it.
     pub fn observe_gap(&self, gap: f64) {
         self.itl.observe(gap);
+    }
+
+    /// The prefix cache's evictions so far (`total`, from its stats): the counter follows it.
+    pub fn observe_evictions(&self, total: u64) {
+        let seen = self.prefix_evictions.get();
+        if total > seen {
+            self.prefix_evictions.inc_by(total - seen);
+        }
     }
 
     /// A prompt of `prompt` tokens took a slot reusing `reused` cached ones (looked up only
