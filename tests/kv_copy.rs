@@ -8,13 +8,12 @@
 mod common;
 mod kv_copy_support;
 
-use std::sync::Arc;
-
-use kv_copy_support::{bad_copies_are_refused, copy_matches_recompute, llama, run, step, SLOTS};
-use wgpar::comm::CommConfig;
-use wgpar::device::{DType, Gpu, GpuOptions, KvCacheType};
+use kv_copy_support::{
+    bad_copies_are_refused, copy_matches_recompute, engine, gpus, llama, run, step, strategies,
+};
+use wgpar::device::KvCacheType;
 use wgpar::model::{ModelConfig, ModelWeights};
-use wgpar::parallel::{build_step_engine, KvCopy, PartitionSpec, Schedule, StepEngine, Strategy};
+use wgpar::parallel::{KvCopy, PartitionSpec, Schedule, Strategy};
 use wgpar::WgparError;
 
 /// GPT-2 with heads of 9: an f16 head of an odd prefix ends mid-word.
@@ -31,62 +30,6 @@ fn gpt2_odd_head(max_seq: usize) -> ModelConfig {
         max_seq,
         ..ModelConfig::preset("tiny-gpt2").unwrap()
     }
-}
-
-fn strategies() -> Vec<(&'static str, Strategy, usize)> {
-    vec![
-        ("single", Strategy::Single, 1),
-        ("tp2", Strategy::Tensor { split: None }, 2),
-        (
-            "pp2 m=2",
-            Strategy::Pipeline {
-                partition: PartitionSpec::Even,
-                micro_batches: 2,
-                schedule: Schedule::InFlight,
-            },
-            2,
-        ),
-        (
-            "tp2xpp2 m=2",
-            Strategy::Hybrid {
-                tp: 2,
-                partition: PartitionSpec::Even,
-                micro_batches: 2,
-                schedule: Schedule::InFlight,
-            },
-            4,
-        ),
-    ]
-}
-
-/// Devices with an f32 or f16 KV cache; `None` where the adapter cannot hold f16.
-fn gpus(count: usize, kv: KvCacheType) -> Option<Vec<Arc<Gpu>>> {
-    let gpus = common::gpus_with(
-        count,
-        &GpuOptions {
-            kv_cache: kv,
-            ..GpuOptions::default()
-        },
-    );
-    if kv == KvCacheType::F16 && !gpus[0].supports_f16_weights() {
-        common::feature_missing("SHADER_F16", "KV copies of an f16 cache");
-        return None;
-    }
-    Some(gpus)
-}
-
-fn engine(strategy: &Strategy, gpus: &[Arc<Gpu>], weights: &ModelWeights) -> Box<dyn StepEngine> {
-    let mut e = build_step_engine(
-        strategy,
-        gpus,
-        weights,
-        DType::F32,
-        &CommConfig::default(),
-        (1, 4),
-    )
-    .unwrap();
-    e.reserve_slots(SLOTS).unwrap();
-    e
 }
 
 #[test]

@@ -8,56 +8,11 @@
 mod common;
 mod kv_copy_support;
 
-use std::sync::Arc;
-
-use kv_copy_support::{bad_tables_are_refused, llama, scattered_blocks_match_contiguous, SLOTS};
-use wgpar::comm::CommConfig;
-use wgpar::device::{DType, Gpu, GpuOptions, KvCacheType};
+use kv_copy_support::{
+    bad_tables_are_refused, engine, gpus, llama, scattered_blocks_match_contiguous, strategies,
+};
+use wgpar::device::KvCacheType;
 use wgpar::model::ModelWeights;
-use wgpar::parallel::{build_step_engine, PartitionSpec, Schedule, StepEngine, Strategy};
-
-fn strategies() -> Vec<(&'static str, Strategy, usize)> {
-    let hybrid = Strategy::Hybrid {
-        tp: 2,
-        partition: PartitionSpec::Even,
-        micro_batches: 2,
-        schedule: Schedule::InFlight,
-    };
-    let pipeline = Strategy::Pipeline {
-        partition: PartitionSpec::Even,
-        micro_batches: 2,
-        schedule: Schedule::InFlight,
-    };
-    vec![
-        ("single", Strategy::Single, 1),
-        ("tp2", Strategy::Tensor { split: None }, 2),
-        ("pp2 m=2", pipeline, 2),
-        ("tp2xpp2 m=2", hybrid, 4),
-    ]
-}
-
-/// Devices with an f32 or f16 KV cache; `None` where the adapter cannot hold f16.
-fn gpus(count: usize, kv: KvCacheType) -> Option<Vec<Arc<Gpu>>> {
-    let gpus = common::gpus_with(
-        count,
-        &GpuOptions {
-            kv_cache: kv,
-            ..GpuOptions::default()
-        },
-    );
-    if kv == KvCacheType::F16 && !gpus[0].supports_f16_weights() {
-        common::feature_missing("SHADER_F16", "paged KV in an f16 cache");
-        return None;
-    }
-    Some(gpus)
-}
-
-fn engine(strategy: &Strategy, gpus: &[Arc<Gpu>], weights: &ModelWeights) -> Box<dyn StepEngine> {
-    let comm = CommConfig::default();
-    let mut e = build_step_engine(strategy, gpus, weights, DType::F32, &comm, (1, 4)).unwrap();
-    e.reserve_slots(SLOTS).unwrap();
-    e
-}
 
 #[test]
 fn scattered_blocks_give_the_tokens_of_contiguous_ones_on_every_engine() {

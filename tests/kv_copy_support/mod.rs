@@ -5,8 +5,15 @@
 //! copies and tables refused.
 #![allow(dead_code)]
 
-use wgpar::model::ModelConfig;
-use wgpar::parallel::{BatchStep, KvCopy, SeqRow, SlotTable, StepDone, StepEngine};
+use std::sync::Arc;
+
+use wgpar::comm::CommConfig;
+use wgpar::device::{DType, Gpu, GpuOptions, KvCacheType};
+use wgpar::model::{ModelConfig, ModelWeights};
+use wgpar::parallel::{
+    build_step_engine, BatchStep, KvCopy, PartitionSpec, Schedule, SeqRow, SlotTable, StepDone,
+    StepEngine, Strategy,
+};
 use wgpar::WgparError;
 
 use crate::common;
@@ -314,4 +321,53 @@ pub fn bad_tables_are_refused(label: &str, e: &mut dyn StepEngine) {
         done.tokens[0], done.tokens[1],
         "{label}: the engine serves on"
     );
+}
+
+/// The engines both scenarios run on: name, strategy and devices.
+pub fn strategies() -> Vec<(&'static str, Strategy, usize)> {
+    let pipeline = Strategy::Pipeline {
+        partition: PartitionSpec::Even,
+        micro_batches: 2,
+        schedule: Schedule::InFlight,
+    };
+    let hybrid = Strategy::Hybrid {
+        tp: 2,
+        partition: PartitionSpec::Even,
+        micro_batches: 2,
+        schedule: Schedule::InFlight,
+    };
+    vec![
+        ("single", Strategy::Single, 1),
+        ("tp2", Strategy::Tensor { split: None }, 2),
+        ("pp2 m=2", pipeline, 2),
+        ("tp2xpp2 m=2", hybrid, 4),
+    ]
+}
+
+/// Devices with an f32 or f16 KV cache; `None` (said by name) where the adapter cannot hold f16.
+pub fn gpus(count: usize, kv: KvCacheType) -> Option<Vec<Arc<Gpu>>> {
+    let gpus = common::gpus_with(
+        count,
+        &GpuOptions {
+            kv_cache: kv,
+            ..GpuOptions::default()
+        },
+    );
+    if kv == KvCacheType::F16 && !gpus[0].supports_f16_weights() {
+        common::feature_missing("SHADER_F16", "KV copies and block tables in an f16 cache");
+        return None;
+    }
+    Some(gpus)
+}
+
+/// A step engine of `strategy` over `gpus`, f32 activations, with [`SLOTS`] KV slots.
+pub fn engine(
+    strategy: &Strategy,
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+) -> Box<dyn StepEngine> {
+    let comm = CommConfig::default();
+    let mut e = build_step_engine(strategy, gpus, weights, DType::F32, &comm, (1, 4)).unwrap();
+    e.reserve_slots(SLOTS).unwrap();
+    e
 }
