@@ -104,6 +104,32 @@ impl RankJob<'_> {
         Ok((built, gpus.len()))
     }
 
+    /// Checks that every rank runs the same job: the model, its dtype and seed, `strategy`,
+    /// `work` (what the command does with it) and the memory caps.
+    pub fn check_same_job(
+        &self,
+        world: &World,
+        config: &ModelConfig,
+        strategy: &Strategy,
+        work: &str,
+    ) -> Result<()> {
+        let m = &self.model;
+        job::check_same_job(
+            world,
+            &format!(
+                "{} layers {} hidden {} vocab {} dtype {} seed {} strategy {strategy:?} {work} \
+                 gpu-memory {:?}",
+                config.name,
+                config.layers,
+                config.hidden,
+                config.vocab,
+                m.dtype,
+                m.seed,
+                self.gpu_memory
+            ),
+        )
+    }
+
     /// What every rank checks of `wgpar run` before any opens its device: the options ranks
     /// refuse (`prompt`: `--prompt` given; `pace`: `--pace` given) and the counts, the model
     /// and its context, the strategy, the same job on every rank, and each rank's cap. Returns
@@ -132,21 +158,7 @@ impl RankJob<'_> {
         }
         check_context(run.prompt_len, run.gen, &config)?;
         let strategy = strategy.over_ranks(1)?;
-        let m = &self.model;
-        job::check_same_job(
-            world,
-            &format!(
-                "{} layers {} hidden {} vocab {} dtype {} seed {} strategy {strategy:?} {run:?} \
-                 gpu-memory {:?}",
-                config.name,
-                config.layers,
-                config.hidden,
-                config.vocab,
-                m.dtype,
-                m.seed,
-                self.gpu_memory
-            ),
-        )?;
+        self.check_same_job(world, &config, &strategy, &format!("{run:?}"))?;
         let work = Workload {
             batch: run.batch,
             prompt: run.prompt_len,

@@ -46,22 +46,7 @@ pub fn serve(world: &World, serve: RankServe<'_>, fault: Option<RankFault>) -> R
     let strategy = choice.over_ranks(world.size().clamp(1, slots))?;
     job::check_serving_strategy(&strategy, &format!("--strategy {}", choice.strategy))?;
     check_lanes_have_slots(&strategy, slots)?;
-    let m = &rank.model;
-    job::check_same_job(
-        world,
-        &format!(
-            "{} layers {} hidden {} vocab {} dtype {} seed {} strategy {strategy:?} slots {} \
-             gpu-memory {:?}",
-            config.name,
-            config.layers,
-            config.hidden,
-            config.vocab,
-            m.dtype,
-            m.seed,
-            slots,
-            rank.gpu_memory
-        ),
-    )?;
+    rank.check_same_job(world, &config, &strategy, &format!("slots {slots}"))?;
     let adapters = Adapters::discover()?;
     rank.check_caps(world, (&config, &strategy, work), &adapters)?;
     let (built, _) = rank.open(world, &adapters, (&config, &strategy))?;
