@@ -3,19 +3,22 @@
 //! measured with the same blocks at their narrowest.
 
 use std::io::Write;
+use std::ops::Range;
 
 use crate::device::DType;
 use crate::error::Result;
-use crate::model::{Activations, GpuModel, KvCache, ModelConfig, ShardSpec, Step};
-use crate::parallel::cost;
+use crate::model::{
+    Activations, GpuModel, KvCache, ModelConfig, Placement, ShardSpec, SlidingWindow, Step,
+};
+use crate::parallel::cost::{self, BlockCost};
 
 use super::median_time;
 
-/// Dispatches the model's blocks encode per layer: (attention half with its residual, whole
-/// layer). Mirrors `model::gpu`: norm, Q/K/V, RoPE (Llama), cache append, attention, output
-/// projection, bias (GPT-2) and residual add; then norm, up, gate and SwiGLU (Llama) or GELU,
-/// down, bias (GPT-2) and residual add.
-pub(super) fn dispatches_per_layer(c: &ModelConfig) -> (usize, usize) {
+/// Dispatches a whole layer of the model encodes. Mirrors `model::gpu`: norm, Q/K/V, RoPE
+/// (Llama), cache append, attention, output projection, bias (GPT-2) and residual add; then
+/// norm, up, gate and SwiGLU (Llama) or GELU, down, bias (GPT-2) and residual add. A sliding
+/// layer encodes the same dispatches as a global one.
+pub(super) fn dispatches_per_layer(c: &ModelConfig) -> usize {
     // The engines' own counts (`parallel::cost`), so calibration and spans agree.
     let shard = ShardSpec::full(c);
     let step = Step {
@@ -23,11 +26,43 @@ pub(super) fn dispatches_per_layer(c: &ModelConfig) -> (usize, usize) {
         seq: 1,
         past: 0,
     };
-    let attention = crate::parallel::cost::attention(c, &shard, &step, crate::device::DType::F32)
-        .kernels as usize;
-    let mlp =
-        crate::parallel::cost::mlp(c, &shard, &step, crate::device::DType::F32).kernels as usize;
-    (attention, attention + mlp)
+    let attention = cost::attention(c, &shard, &step, DType::F32).kernels;
+    let mlp = cost::mlp(c, &shard, &step, DType::F32).kernels;
+    (attention + mlp) as usize
+}
+
+/// Work of a model part's layers at one step, charged as the engines charge the spans that
+/// hold them: each layer's attention half ([`cost::layer_attention`]: a sliding-window layer
+/// over the keys of its window only, as its kernel reads them), and the whole layers
+/// ([`cost::total`], MLP halves included), each summed over the part's layers. A measured
+/// time divided by it is the achieved rate the projection later applies to those spans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StackWork {
+    /// Every layer's attention half with its residual add.
+    pub(crate) attention: BlockCost,
+    /// Every whole layer.
+    pub(crate) layers: BlockCost,
+}
+
+impl StackWork {
+    /// The work of `part`'s layers (of model `c`, f32 weights) at `step`.
+    pub(crate) fn of(c: &ModelConfig, part: &Placement, step: &Step) -> Self {
+        let layers: Range<usize> = part.layers.clone();
+        let mut attention = BlockCost::default();
+        for layer in layers.clone() {
+            let a = cost::layer_attention(c, &part.shard, step, DType::F32, layer);
+            attention.flops += a.flops;
+            attention.bytes += a.bytes;
+            attention.kernels += a.kernels;
+        }
+        let layers = cost::total(c, &part.shard, layers, step, DType::F32, false, false);
+        Self { attention, layers }
+    }
+
+    /// Flops per byte of the whole layers (the sharing curves' key).
+    pub(crate) fn layer_intensity(&self) -> f64 {
+        self.layers.flops as f64 / self.layers.bytes.max(1) as f64
+    }
 }
 
 /// The steps the curves are measured at: decode and prefill with 1, 2, 4, ... sequences.
@@ -89,10 +124,7 @@ const WIDE_MAX_PARAMS: usize = 1 << 28;
 /// twice the model's parameters (its embedding doubles) or more than [`WIDE_MAX_PARAMS`].
 pub(super) fn wide_config(c: &ModelConfig) -> Option<ModelConfig> {
     let wide = config_at_width(c, 2 * c.hidden)?;
-    let wide = ModelConfig {
-        layers: (c.layers / 4).max(1),
-        ..wide
-    };
+    let wide = with_layers(wide, (c.layers / 4).max(1));
     let params = wide.params();
     (params <= 2 * c.params() && params <= WIDE_MAX_PARAMS).then_some(wide)
 }
@@ -140,9 +172,27 @@ const DISPATCH_WIDTH: usize = 16;
 /// The model [`dispatch_costs`] runs: `c`'s block shape at [`DISPATCH_WIDTH`] (or `c` itself
 /// when no block has that width) with as many layers as the sweep's longest submission.
 pub(super) fn dispatch_config(c: &ModelConfig) -> ModelConfig {
+    let narrow = config_at_width(c, DISPATCH_WIDTH).unwrap_or_else(|| c.clone());
+    with_layers(narrow, LAYER_SWEEP[LAYER_SWEEP.len() - 1])
+}
+
+/// `c` with `layers` layers. A model with sliding-window layers keeps its pattern of sliding
+/// and global layers, repeated or cut to the new count: its layer flags must match the count
+/// for the configuration to be valid, and the measured blocks must slide as the model's do.
+pub(super) fn with_layers(c: ModelConfig, layers: usize) -> ModelConfig {
+    let sliding = c.sliding.clone().map(|s| {
+        let pattern = s.layers.clone();
+        SlidingWindow {
+            layers: (0..layers)
+                .map(|i| pattern.get(i % pattern.len().max(1)) == Some(&true))
+                .collect(),
+            ..s
+        }
+    });
     ModelConfig {
-        layers: LAYER_SWEEP[LAYER_SWEEP.len() - 1],
-        ..config_at_width(c, DISPATCH_WIDTH).unwrap_or_else(|| c.clone())
+        layers,
+        sliding,
+        ..c
     }
 }
 
@@ -216,7 +266,7 @@ pub(super) fn dispatch_costs(
         past: 0,
     };
     let (act, kv) = step_buffers(m, &step)?;
-    let per_layer = dispatches_per_layer(m.config()).1 as f64;
+    let per_layer = dispatches_per_layer(m.config()) as f64;
     let gpu = m.gpu();
     let mut points = Vec::with_capacity(LAYER_SWEEP.len());
     for layers in LAYER_SWEEP.into_iter().filter(|&n| n <= m.num_layers()) {
@@ -299,7 +349,8 @@ pub(super) struct BlockCurves {
     pub(super) alone_s: Vec<(Step, f64)>,
 }
 
-/// Achieved rate of the model's blocks at each step.
+/// Achieved rate of the model's blocks at each step: the work [`StackWork`] charges them
+/// (sliding-window layers their window's keys) over the measured time net of dispatch costs.
 pub(super) fn block_curves(
     m: &GpuModel,
     steps: &[Step],
@@ -307,10 +358,6 @@ pub(super) fn block_curves(
     iters: usize,
     log: &mut dyn Write,
 ) -> Result<BlockCurves> {
-    let c = m.config().clone();
-    let shard = ShardSpec::full(&c);
-    let layers = m.num_layers() as f64;
-    let (attn_k, layer_k) = dispatches_per_layer(&c);
     let (mut attn, mut whole, mut alone_s) = (Vec::new(), Vec::new(), Vec::new());
     say!(
         log,
@@ -331,20 +378,11 @@ pub(super) fn block_curves(
         "GFLOP/s"
     );
     for step in steps {
-        let a = cost::attention(&c, &shard, step, DType::F32);
-        let mc = cost::mlp(&c, &shard, step, DType::F32);
+        let work = StackWork::of(m.config(), m.placement(), step);
         let mut row = Vec::new();
-        for (whole_layer, flops, bytes, k) in [
-            (false, a.flops, a.bytes, attn_k),
-            (true, a.flops + mc.flops, a.bytes + mc.bytes, layer_k),
-        ] {
+        for (whole_layer, w) in [(false, work.attention), (true, work.layers)] {
             let t = time_blocks(m, step, whole_layer, iters)?;
-            let net = dispatch.net_s(t, layers * k as f64);
-            let p = Point {
-                intensity: flops as f64 / bytes as f64,
-                mflop_per_dispatch: flops as f64 / k.max(1) as f64 / 1e6,
-                gflops: flops as f64 * layers / net / 1e9,
-            };
+            let p = block_point(w, dispatch.net_s(t, f64::from(w.kernels)));
             row.push((t, p));
             if whole_layer {
                 whole.push(p);
@@ -371,6 +409,16 @@ pub(super) fn block_curves(
         layers: whole,
         alone_s,
     })
+}
+
+/// The point of blocks that did `work` in `net_s` seconds (net of dispatch costs).
+fn block_point(work: BlockCost, net_s: f64) -> Point {
+    let flops = work.flops as f64;
+    Point {
+        intensity: flops / work.bytes.max(1) as f64,
+        mflop_per_dispatch: flops / f64::from(work.kernels.max(1)) / 1e6,
+        gflops: flops / net_s / 1e9,
+    }
 }
 
 /// Achieved rate of the model's final norm and LM head (with its token pick), one point per
@@ -423,12 +471,7 @@ pub(super) fn head_curve(
             gpu.wait()
         })?;
         let work = cost::head(c, batch, DType::F32);
-        let net = dispatch.net_s(t, f64::from(work.kernels));
-        let p = Point {
-            intensity: work.flops as f64 / work.bytes as f64,
-            mflop_per_dispatch: work.flops as f64 / f64::from(work.kernels.max(1)) / 1e6,
-            gflops: work.flops as f64 / net / 1e9,
-        };
+        let p = block_point(work, dispatch.net_s(t, f64::from(work.kernels)));
         say!(
             log,
             "    {:<10} {:>10.3} {:>10.2} {:>9.2}",
@@ -556,6 +599,91 @@ mod tests {
             assert!(LAYER_SWEEP.iter().all(|&n| n <= d.layers), "{name}");
             d.validate().unwrap();
         }
+    }
+
+    /// Keys a sequence's queries at `past..past + seq` attend, counted position by position.
+    fn keys_counted(past: usize, seq: usize, window: Option<usize>) -> u64 {
+        (past..past + seq)
+            .map(|p| window.map_or(p + 1, |w| (p + 1).min(w)) as u64)
+            .sum()
+    }
+
+    /// Issue 37: the work a measured time is divided by charges a sliding-window layer the
+    /// keys of its window: past the window, by exactly the keys it skips on each sliding
+    /// layer (4 flops per query width and 2 f32 key/value reads per key/value width, per key);
+    /// within it, the same as without windows.
+    #[test]
+    fn sliding_layers_are_charged_their_window_in_the_calibrated_work() {
+        let g = ModelConfig::preset("tiny-gemma3").unwrap();
+        let off = ModelConfig {
+            sliding: None,
+            ..g.clone()
+        };
+        let s = g.sliding.clone().unwrap();
+        let sliding = s.layers.iter().filter(|&&on| on).count() as u64;
+        assert!(sliding > 0 && sliding < g.layers as u64, "{:?}", s.layers);
+        let (q, kv) = (
+            (g.heads * g.head_dim) as u64,
+            (g.kv_heads * g.head_dim) as u64,
+        );
+        let (mut past_window, mut within) = (0, 0);
+        for (batch, seq, past) in [(2, 1, 20), (3, 20, 0), (1, 7, 9), (2, 1, 2), (3, 5, 0)] {
+            let step = Step { batch, seq, past };
+            let of = |c: &ModelConfig| StackWork::of(c, &Placement::whole(c), &step);
+            let (windowed, whole) = (of(&g), of(&off));
+            let skipped = batch as u64
+                * (keys_counted(past, seq, None) - keys_counted(past, seq, Some(s.window)));
+            let name = format!("{batch}x{seq} (+{past})");
+            for (a, b) in [
+                (windowed.attention, whole.attention),
+                (windowed.layers, whole.layers),
+            ] {
+                assert_eq!(b.flops - a.flops, sliding * skipped * 4 * q, "{name}");
+                assert_eq!(b.bytes - a.bytes, sliding * skipped * 2 * kv * 4, "{name}");
+                assert_eq!(a.kernels, b.kernels, "{name}");
+            }
+            if past + seq > s.window {
+                assert!(skipped > 0, "{name}");
+                assert!(
+                    windowed.layer_intensity() != whole.layer_intensity(),
+                    "{name}"
+                );
+                past_window += 1;
+            } else {
+                assert_eq!(windowed, whole, "{name}");
+                within += 1;
+            }
+        }
+        assert_eq!((past_window, within), (3, 2));
+    }
+
+    /// The narrow and wide models a Gemma-like calibration measures keep its sliding layers,
+    /// their pattern repeated or cut to their own layer count, and stay valid.
+    #[test]
+    fn measured_models_of_other_depths_keep_the_sliding_pattern() {
+        let g = ModelConfig::preset("tiny-gemma3").unwrap();
+        let flags = |c: &ModelConfig| c.sliding.as_ref().unwrap().layers.clone();
+        assert_eq!(flags(&g), [true, true, false]);
+        let eight = with_layers(g.clone(), 8);
+        assert_eq!(
+            flags(&eight),
+            [true, true, false, true, true, false, true, true]
+        );
+        eight.validate().unwrap();
+        // Its dispatch sweep model (its own width: no 16-wide block keeps its head shape).
+        let d = dispatch_config(&g);
+        assert_eq!(flags(&d).len(), LAYER_SWEEP[LAYER_SWEEP.len() - 1]);
+        d.validate().unwrap();
+        let one = with_layers(g.clone(), 1);
+        assert_eq!((one.layers, flags(&one)), (1, vec![true]));
+        one.validate().unwrap();
+        let big = ModelConfig::gemma3_1b();
+        let cut = with_layers(big.clone(), (big.layers / 4).max(1));
+        assert_eq!(flags(&cut), [true, true, true, true, true, false]);
+        cut.validate().unwrap();
+        // A model without windows stays without.
+        let plain = with_layers(ModelConfig::default_model(), 3);
+        assert_eq!((plain.layers, plain.sliding), (3, None));
     }
 
     #[test]

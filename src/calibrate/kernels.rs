@@ -6,6 +6,7 @@ use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
 use crate::kernels::ops::{self, AttnShape, Elementwise, MatmulIo, MatmulKernel, Norm};
 use crate::model::ModelConfig;
+use crate::parallel::cost;
 
 use super::{median_time, random};
 use crate::stats::median;
@@ -141,7 +142,9 @@ fn elementwise_rates(
 }
 
 /// Attention over the model's heads: a decode step against the prompt, and the prefill
-/// (`context` positions, `t_max` tokens in all). Prints time and GB/s of each.
+/// (`context` positions, `t_max` tokens in all), over the whole context and, for a model with
+/// sliding-window layers whose window is shorter than the context, over that window (the
+/// kernel skips the keys before it). Prints time and GB/s of each.
 fn attention_rates(
     gpu: &Gpu,
     c: &ModelConfig,
@@ -149,33 +152,40 @@ fn attention_rates(
     iters: usize,
     log: &mut dyn Write,
 ) -> Result<()> {
-    for (seq, past, batch) in [
-        (1usize, context, t_max),
-        (context, 0, (t_max / context).max(1)),
-    ] {
-        if past + seq > c.max_seq {
-            continue;
+    let slides = (c.sliding.as_ref().map(|s| s.window)).filter(|&w| w < context);
+    let windows = std::iter::once(None).chain(slides.map(Some));
+    for window in windows {
+        for (seq, past, batch) in [
+            (1usize, context, t_max),
+            (context, 0, (t_max / context).max(1)),
+        ] {
+            if past + seq > c.max_seq {
+                continue;
+            }
+            let s = time_attention(gpu, c, (batch, seq, past), window, iters)?;
+            // Keys and values read once per query head and key attended: the traffic it issues.
+            let ctx = cost::keys_attended(past, seq, window) as f64 * batch as f64;
+            let traffic = ctx * c.heads as f64 * c.head_dim as f64 * 2.0 * 4.0;
+            let over = window.map_or(String::new(), |w| format!(", sliding window {w}"));
+            say!(
+                log,
+                "  attention {batch}x{seq} tokens over {} positions{over}: {:.3} ms, {:.2} GB/s",
+                past + seq,
+                s * 1e3,
+                traffic / s / 1e9
+            );
         }
-        let s = time_attention(gpu, c, (batch, seq, past), iters)?;
-        // Keys and values read once per query head and position: the traffic it issues.
-        let ctx: f64 = (0..seq).map(|i| (past + i + 1) as f64).sum::<f64>() * batch as f64;
-        let traffic = ctx * c.heads as f64 * c.head_dim as f64 * 2.0 * 4.0;
-        say!(
-            log,
-            "  attention {batch}x{seq} tokens over {} positions: {:.3} ms, {:.2} GB/s",
-            past + seq,
-            s * 1e3,
-            traffic / s / 1e9
-        );
     }
     Ok(())
 }
 
-/// Seconds per attention dispatch for `batch` sequences of `seq` new tokens after `past`.
+/// Seconds per attention dispatch for `batch` sequences of `seq` new tokens after `past`,
+/// each query seeing at most `window` keys where one is given.
 fn time_attention(
     gpu: &Gpu,
     c: &ModelConfig,
     (batch, seq, past): (usize, usize, usize),
+    window: Option<usize>,
     iters: usize,
 ) -> Result<f64> {
     let d = c.head_dim;
@@ -201,7 +211,8 @@ fn time_attention(
         v: &cache,
         seqs: &seqs,
     };
-    per_dispatch(gpu, iters, 4, |e| {
-        ops::attention(gpu, e, &q, cache, &o, &shape)
+    per_dispatch(gpu, iters, 4, |e| match window {
+        None => ops::attention(gpu, e, &q, cache, &o, &shape),
+        Some(w) => ops::attention_window(gpu, e, (&q, cache, &o), &shape, (None, w), None),
     })
 }

@@ -11,11 +11,15 @@
 //!   wait, fitted to `submit + n x launch` (`submit_overhead_us` and `launch_overhead_us`):
 //!   every engine span is one submission, so a step of a small model pays these fixed costs
 //!   in full while its arithmetic is short;
-//! - kernels at the model's own shapes (`kernels.rs`): matmul GFLOP/s, attention and
+//! - kernels at the model's own shapes (`kernels.rs`): matmul GFLOP/s, attention (over the
+//!   whole context, and over a sliding-window layer's window where the model has one) and
 //!   element-wise GB/s (the element-wise rate goes into the profile);
 //! - the model's blocks (`blocks.rs`: attention half, whole decoder layer) at decode and
 //!   prefill steps of the run's shapes, net of dispatch costs: the achieved rate as a function
-//!   of arithmetic intensity (`attention_curve`, `matmul_curve`). Engines record a whole
+//!   of arithmetic intensity (`attention_curve`, `matmul_curve`). The times are measured (a
+//!   sliding layer's kernel skips the keys before its window); the work they are divided by
+//!   is the engines' span accounting (`blocks::StackWork`), a sliding layer charged its
+//!   window's keys, so the rate prices the spans the projection reads. Engines record a whole
 //!   forward pass or layer half as one span, so the rate that predicts such a span is the rate
 //!   of that block, not of a bare matmul. The same blocks are measured at a half and a sixth
 //!   of the model's width too (`blocks::narrow_widths`), and at twice it with fewer layers

@@ -5,13 +5,11 @@ use std::io::Write;
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
-use crate::device::DType;
 use crate::error::Result;
-use crate::model::{GpuModel, ShardSpec, Step};
-use crate::parallel::cost;
+use crate::model::{GpuModel, Step};
 use crate::sim::ComputeSharing;
 
-use super::blocks::{run_blocks, step_buffers, time_blocks};
+use super::blocks::{run_blocks, step_buffers, time_blocks, StackWork};
 use super::join_all;
 
 /// The step shapes the sharing is measured at: the run's own, so that it is measured under the
@@ -142,11 +140,8 @@ pub(super) fn sharing_slowdown(
 /// One curve row for `step` (`t1` seconds alone): its whole-layer intensity (flop/B), then
 /// the slowdown with k = 1..=N devices busy at once.
 fn slowdown_row(models: &[Arc<GpuModel>], step: &Step, t1: f64, window: f64) -> Result<Vec<f64>> {
-    let c = models[0].config();
-    let shard = ShardSpec::full(c);
-    let a = cost::attention(c, &shard, step, DType::F32);
-    let m = cost::mlp(c, &shard, step, DType::F32);
-    let intensity = (a.flops + m.flops) as f64 / (a.bytes + m.bytes) as f64;
+    let m = &models[0];
+    let intensity = StackWork::of(m.config(), m.placement(), step).layer_intensity();
     let mut row = vec![intensity, 1.0];
     for k in 2..=models.len() {
         // Long enough for several repetitions of a slowed-down step.

@@ -36,13 +36,12 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::calibrate::blocks::time_blocks;
+use crate::calibrate::blocks::{time_blocks, StackWork};
 use crate::calibrate::sharing::{sharing_steps, sustained_block_time};
 use crate::calibrate::{calibrate, join_all, Calibration, CalibrationOptions};
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
-use crate::model::{GpuModel, ModelWeights, Placement, ShardSpec, Step};
-use crate::parallel::cost;
+use crate::model::{GpuModel, ModelWeights, Placement, Step};
 use crate::sim::{
     fit_alpha_beta, AlphaBetaFit, ComputeSharing, DeviceSpec, HostProfile, NamedLink,
 };
@@ -342,10 +341,8 @@ impl<'a> SharingRun<'a> {
         let t1_all = (world.all_gather_f64(&[t1_mine]).iter())
             .map(|v| v[0])
             .fold(0.0, f64::max);
-        let shard = ShardSpec::full(config);
-        let a = cost::attention(config, &shard, step, DType::F32);
-        let m = cost::mlp(config, &shard, step, DType::F32);
-        let intensity = (a.flops + m.flops) as f64 / (a.bytes + m.bytes) as f64;
+        // Keyed as the in-process sharing rows are: sliding layers charged their window.
+        let intensity = StackWork::of(config, &Placement::whole(config), step).layer_intensity();
         let mut row = vec![intensity, 1.0];
         if self.most_slots < 2 {
             return Ok(StepRow { row, t1_all });
