@@ -201,7 +201,7 @@ fn rank_trace(rank: usize, meta: &[(&str, &str)]) -> wgpar::trace::Timeline {
 }
 
 fn project(traces: &[wgpar::trace::Timeline], name: &str) -> Outcome {
-    let dir = common::scratch(name);
+    let dir = common::scratch_dir(name);
     let mut args = vec!["project".to_string(), "--host".into(), "pcie4-2gpu".into()];
     for (i, t) in traces.iter().enumerate() {
         let path = dir.join(format!("t{i}.json"));
@@ -210,7 +210,6 @@ fn project(traces: &[wgpar::trace::Timeline], name: &str) -> Outcome {
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let o = run_with(&args, &[], Out::Piped, Duration::from_secs(30));
-    std::fs::remove_dir_all(dir).ok();
     o
 }
 
@@ -256,7 +255,7 @@ fn rank_traces_merge_only_within_one_run() {
 /// arithmetic: an overflow is refused, never wrapped into a small number.
 #[test]
 fn sizes_that_would_overflow_are_refused() {
-    let dir = common::scratch("overflow-config");
+    let dir = common::scratch_dir("overflow-config");
     for layers in ["18446744073709551615", "1000000000000000"] {
         let config = format!(
             r#"{{"model_type":"llama","vocab_size":256,"hidden_size":64,"intermediate_size":128,
@@ -313,7 +312,6 @@ fn sizes_that_would_overflow_are_refused() {
         ],
         &["overflows", &u64::MAX.to_string()],
     );
-    std::fs::remove_dir_all(dir).ok();
 }
 
 /// Item 13 and `--pace` syntax: a paced link keeps a host profile's bounds (latency up to
@@ -492,7 +490,7 @@ fn injected_faults_count_the_timed_run_and_must_fire() {
 /// refused in milliseconds, with the file named.
 #[test]
 fn user_named_files_are_read_bounded() {
-    let dir = common::scratch("bounded-reads");
+    let dir = common::scratch_dir("bounded-reads");
     let model = dir.join("model");
     std::fs::create_dir_all(&model).unwrap();
     std::os::unix::fs::symlink("/dev/zero", model.join("config.json")).unwrap();
@@ -536,7 +534,6 @@ fn user_named_files_are_read_bounded() {
         ],
         &["big.toml", "17.0 MiB"],
     );
-    std::fs::remove_dir_all(dir).ok();
 }
 
 /// Item 19: messages say what is wrong.
@@ -563,7 +560,7 @@ fn usage_errors_exit_2_and_model_errors_1() {
         let o = refused_early(args, &[]);
         assert_eq!(o.code, Some(2), "{args:?}: {}", o.stderr);
     }
-    let dir = common::scratch("exit-codes");
+    let dir = common::scratch_dir("exit-codes");
     std::fs::write(dir.join("config.json"), "{\"model_type\": \"llama\"}").unwrap();
     let model = dir.to_str().unwrap();
     let o = refused_early(&["run", "--model", model], &["config.json"]);

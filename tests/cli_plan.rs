@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{scratch, wgpar};
+use common::{scratch_dir, wgpar};
 use wgpar::compare::{plan, plan_model, PlanOptions, PlanStrategy};
 use wgpar::sim::{Engine, HostProfile, NumFormat};
 
@@ -35,7 +35,7 @@ const MISTRAL_LIKE: &str = r#"{
 
 #[test]
 fn plan_reads_a_config_json_and_shows_both_engines() {
-    let dir = scratch("plan-config");
+    let dir = scratch_dir("plan-config");
     let file = dir.join("config.json");
     std::fs::write(&file, MISTRAL_LIKE).unwrap();
     let c = plan_model(file.to_str().unwrap()).unwrap();
@@ -121,7 +121,6 @@ fn plan_reads_a_config_json_and_shows_both_engines() {
             && stdout.contains("nccl-nvls"),
         "{stdout}"
     );
-    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]
@@ -302,7 +301,7 @@ fn zeros_and_impossible_models_are_refused_with_a_reason() {
 /// the file.
 #[test]
 fn shipped_names_win_over_files_of_that_name_in_the_working_folder() {
-    let dir = scratch("plan-shadowed-names");
+    let dir = scratch_dir("plan-shadowed-names");
     std::fs::write(dir.join("wgpar"), [0xff_u8, 0xfe, 0x00, 0x01]).unwrap();
     std::fs::write(dir.join("pcie4-2gpu"), "not a profile").unwrap();
     let run = |engines: &str, host: &str| {

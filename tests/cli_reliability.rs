@@ -56,10 +56,10 @@ fn oversized_models_are_refused_before_building_weights() {
 /// weight.
 #[test]
 fn every_model_command_refuses_oversized_models_first() {
-    let out_dir = std::env::temp_dir().join(format!("wgpar-oversized-{}", std::process::id()));
-    let out_dir = out_dir.to_string_lossy().to_string();
-    let profile = std::env::temp_dir().join(format!("wgpar-oversized-{}.toml", std::process::id()));
-    let profile = profile.to_string_lossy().to_string();
+    // Where the commands would write, inside a folder the test removes whatever happens.
+    let dir = common::scratch_dir("oversized");
+    let out_dir = dir.join("out").to_string_lossy().to_string();
+    let profile = dir.join("profile.toml").to_string_lossy().to_string();
     let commands: [&[&str]; 6] = [
         &["bench", "serve", "--requests", "2"],
         &[
@@ -118,7 +118,7 @@ fn arguments_are_validated_before_devices_open() {
     assert_mentions(&err, &["300 pipeline stages"]);
     let (_, err) = refused(&["run", "--virtual", "300"]);
     assert_mentions(&err, &["300 devices selected", "--strategy"]);
-    let dir = common::scratch("unwritable-trace");
+    let dir = common::scratch_dir("unwritable-trace");
     let trace = dir.join("no-such-folder").join("t.json");
     let (out, err) = refused(&[
         "run",
@@ -353,7 +353,7 @@ fn text_generation_runs_under_every_strategy() {
 #[test]
 fn logits_out_holds_every_step_and_its_picks() {
     for strategy in ["single", "pp"] {
-        let dir = common::scratch(&format!("logits-{strategy}"));
+        let dir = common::scratch_dir(&format!("logits-{strategy}"));
         let path = dir.join("logits.json");
         let mut args = vec!["run", "--model", "tiny-gpt2", "--strategy", strategy];
         if strategy == "pp" {
@@ -386,7 +386,6 @@ fn logits_out_holds_every_step_and_its_picks() {
             }
         }
         assert_eq!(compared, 8);
-        let _ = std::fs::remove_dir_all(dir);
     }
 }
 

@@ -62,7 +62,7 @@ fn compare_cases(reference: &Value) -> usize {
 
 #[test]
 fn every_pre_tokenizer_gives_the_tokenizers_library_ids() {
-    let dir = common::scratch("gguf-pretok");
+    let dir = common::scratch_dir("gguf-pretok");
     let reference = reference(&dir, &[]);
     let compared = compare_cases(&reference);
     let cases = reference["cases"].as_array().unwrap();
@@ -86,7 +86,7 @@ fn every_pre_tokenizer_gives_the_tokenizers_library_ids() {
 
 #[test]
 fn a_pre_tokenizer_wgpar_does_not_rebuild_is_refused_by_name() {
-    let dir = common::scratch("gguf-pretok-refused");
+    let dir = common::scratch_dir("gguf-pretok-refused");
     let reference = reference(&dir, &[]);
     let refused = reference["refused"].as_object().unwrap();
     assert!(refused.len() >= 2);
@@ -108,7 +108,7 @@ fn a_pre_tokenizer_wgpar_does_not_rebuild_is_refused_by_name() {
 #[test]
 fn smollm2_file_gives_the_tokenizers_library_ids() {
     let file = common::smollm2_gguf();
-    let dir = common::scratch("gguf-pretok-smollm2");
+    let dir = common::scratch_dir("gguf-pretok-smollm2");
     let reference = reference(&dir, &["--gguf", file.to_str().unwrap()]);
     assert_eq!(reference["cases"][0]["pre"], "smollm");
     let compared = compare_cases(&reference);

@@ -117,7 +117,7 @@ fn non_finite_weights_are_named_at_load() {
 /// Item 9: JSON that is not a tokenizer says so, instead of a serde position alone.
 #[test]
 fn a_json_file_that_is_not_a_tokenizer_says_so() {
-    let dir = common::scratch("not-a-tokenizer");
+    let dir = common::scratch_dir("not-a-tokenizer");
     let file = dir.join("tokenizer.json");
     std::fs::write(&file, r#"{"vocab_size": 5, "added_tokens": []}"#).unwrap();
     let e = TextTokenizer::from_file(&file, None)

@@ -116,7 +116,7 @@ fn a_gguf_of_mixed_block_types_is_accounted_by_its_own_tensors() {
         matrices: QuantType::Q8_0,
         meta: model_meta(&w, "llama"),
     };
-    let dir = common::scratch("memory-gguf-mixed");
+    let dir = common::scratch_dir("memory-gguf-mixed");
     // The MLP down projections in Q4_0, every other matrix Q8_0, as a llama.cpp mix does.
     let file = write_gguf_with(&dir, "mixed", &gguf_tensors(&w, true), &spec, &|t| {
         t.name.contains("ffn_down").then_some(("Q4_0", None))

@@ -81,8 +81,9 @@ fn every_other_readme_command_runs() {
         .replace("bash .ci/", &format!("bash {root}/.ci/"))
         .replace("8080", &port);
     let commands = script.lines().filter(|l| !l.trim().is_empty()).count();
-    let dir = std::env::temp_dir().join(format!("wgpar-readme-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    // Removed when the test ends, passed or failed, after `run_bounded` killed what the
+    // script left running.
+    let dir = common::scratch_dir("readme");
     let out = run_bounded(&format!("set -euxo pipefail\n{script}"), &dir);
     assert!(out.ok, "README commands failed:\n{}", out.text);
     let text = &out.text;
@@ -98,7 +99,6 @@ fn every_other_readme_command_runs() {
     }
     assert!(dir.join("run.json").is_file(), "run --trace wrote nothing");
     eprintln!("{commands} README lines ran in {:.0} s", out.seconds);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 struct Output {

@@ -5,6 +5,9 @@ use std::sync::Arc;
 
 pub mod decoder;
 pub mod fixture;
+pub mod scratch;
+
+pub use scratch::ScratchDir;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -58,7 +61,15 @@ pub fn rel_err(a: &[f32], b: &[f64]) -> f64 {
     diff / scale
 }
 
-/// A fresh scratch folder for test `name` (per process, so parallel test binaries differ).
+/// A fresh scratch folder for test `name`, removed when the returned guard drops, whether the
+/// test passes or fails.
+pub fn scratch_dir(name: &str) -> ScratchDir {
+    ScratchDir::new(name)
+}
+
+/// A scratch folder for test `name` (per process, so parallel test binaries differ) that
+/// stays until its caller removes it: a failing test leaves it behind. Prefer
+/// [`scratch_dir`].
 pub fn scratch(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("wgpar-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
