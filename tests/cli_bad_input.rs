@@ -209,8 +209,7 @@ fn project(traces: &[wgpar::trace::Timeline], name: &str) -> Outcome {
         args.extend(["--trace".into(), path.to_string_lossy().into_owned()]);
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let o = run_with(&args, &[], Out::Piped, Duration::from_secs(30));
-    o
+    run_with(&args, &[], Out::Piped, Duration::from_secs(30))
 }
 
 /// Item 11: rank traces merge only as the ranks of one run, in any order; job sizes and
