@@ -4,7 +4,7 @@
 //! Open MPI's `mpirun`; CI runs it (`.ci/run`).
 #![cfg(feature = "mpi")]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
@@ -19,11 +19,10 @@ fn wgpar() -> &'static str {
     env!("CARGO_BIN_EXE_wgpar")
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("wgpar-mpi-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// The test's scratch folder, removed when the test ends: also when a rank fails and the
+/// test panics on what the job printed, since the folder belongs to this process, not the ranks.
+fn scratch(name: &str) -> common::ScratchDir {
+    common::scratch_dir(&format!("mpi-{name}"))
 }
 
 /// `mpirun -np N wgpar ARGS` (as root where the tests run as root; oversubscribed cores).
@@ -762,11 +761,13 @@ fn fails(np: usize, args: &[&str], fault: &str, expect: &[&str]) {
         .args(["-f", marker.to_str().unwrap()])
         .output()
         .unwrap();
-    assert!(
-        left.stdout.is_empty(),
-        "{fault}: processes left: {}",
-        String::from_utf8_lossy(&left.stdout)
-    );
+    let left = String::from_utf8_lossy(&left.stdout).into_owned();
+    // Ranks left behind are this job's (their command line holds this test's own marker
+    // path): stop them before failing, so the failure leaves nothing running.
+    for pid in left.split_whitespace() {
+        let _ = Command::new("kill").args(["-KILL", pid]).status();
+    }
+    assert!(left.is_empty(), "{fault}: processes left: {left}");
 }
 
 #[test]
