@@ -20,7 +20,8 @@ use wgpar::comm::CommConfig;
 use wgpar::device::{open_devices, Adapters, DType, DeviceSelection, Gpu, GpuOptions};
 use wgpar::model::{ModelConfig, ModelWeights};
 use wgpar::parallel::{
-    measure_stage_costs, partition, Engine, Partition, PipelineEngine, PipelineStats,
+    measure_stage_costs, partition, rescale_stage_costs, Engine, Partition, PipelineEngine,
+    PipelineStats, StageCost,
 };
 use wgpar::trace::{Recorder, SpanKind, Timeline};
 
@@ -71,7 +72,7 @@ fn draw(timeline: &Timeline, stages: usize) {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let adapters = Adapters::discover()?;
+    let adapters = share_cores(Adapters::discover()?)?;
     let gpus = devices(&adapters)?;
     for g in &gpus {
         println!("stage device: {}", g.describe());
@@ -83,32 +84,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         config.layers, config.hidden, config.ffn, config.vocab
     );
     let weights = ModelWeights::synthetic(&config, 7);
-    let micro_batches = 8;
-    let placement = place_by_speed(&gpus, &weights)?;
-    let mut pp = PipelineEngine::new(
-        &gpus,
-        &weights,
-        DType::F32,
-        &placement,
-        micro_batches,
-        CommConfig::default(),
-    )?;
-    println!("{}", pp.name());
-    let prompts: Vec<Vec<u32>> = (0..micro_batches)
+    let prompts: Vec<Vec<u32>> = (0..MICRO_BATCHES)
         .map(|b| {
             (0..16)
                 .map(|i| ((b * 31 + i * 7) % config.vocab) as u32)
                 .collect()
         })
         .collect();
-    warm_up(&mut pp, &prompts)?;
+    let mut pp = placed_pipeline(&gpus, &weights, &prompts)?;
+    println!("{}", pp.name());
     let recorder = Recorder::new();
     pp.set_recorder(recorder.clone());
     pp.prefill(&prompts)?;
     let stats = pp.last_run().cloned().ok_or("no run recorded")?;
     println!(
-        "\nprefill (GPipe): {} micro-batches through {} stages; each digit is the micro-batch a stage computes\n",
-        micro_batches,
+        "\nprefill (GPipe): {MICRO_BATCHES} micro-batches through {} stages; each digit is the \
+         micro-batch a stage computes\n",
         gpus.len()
     );
     draw(&recorder.timeline(), gpus.len());
@@ -123,6 +114,46 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     draw(&recorder.timeline(), gpus.len());
     report(&stats);
     Ok(())
+}
+
+/// Micro-batches (one sequence each) in flight.
+const MICRO_BATCHES: usize = 8;
+
+/// The variable that sizes the worker pool of Mesa's CPU drivers (llvmpipe, lavapipe); each
+/// adapter has its own pool, as many threads as the machine has cores unless it is set.
+const CPU_DRIVER_THREADS: &str = "LP_NUM_THREADS";
+
+/// When every adapter is a CPU driver, gives each adapter its share of the cores, so the
+/// stages compute side by side as they would on separate GPUs. Left alone, each adapter's
+/// pool takes every core: timed alone (the placement probe) a device gets them all, running
+/// together the stages time-share them and each dispatch waits for its slowest worker, so the
+/// probe misplaces the layers and both stages slow down. The drivers read the variable when
+/// an adapter is made, so the adapters are found again once it is set; a value the user set
+/// is kept. Real GPUs (and a GPU beside a CPU driver) are left as they are.
+fn share_cores(adapters: Adapters) -> Result<Adapters, wgpar::WgparError> {
+    let n = adapters.list().len();
+    if n < 2 || !adapters.list().iter().all(|a| a.is_cpu()) {
+        return Ok(adapters);
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    if let Some(set) = std::env::var_os(CPU_DRIVER_THREADS) {
+        println!(
+            "CPU drivers only: {n} adapters on {cores} cores, each with {CPU_DRIVER_THREADS}={} \
+             worker threads as set",
+            set.to_string_lossy()
+        );
+        return Ok(adapters);
+    }
+    let each = (cores / n).max(1);
+    drop(adapters);
+    // Before any device or stage thread exists: nothing else reads the environment now.
+    std::env::set_var(CPU_DRIVER_THREADS, each.to_string());
+    let adapters = Adapters::discover()?;
+    println!(
+        "CPU drivers only: {n} adapters on {cores} cores, so each gets {each} worker thread(s) \
+         ({CPU_DRIVER_THREADS}={each}) and the stages compute side by side, as on separate GPUs"
+    );
+    Ok(adapters)
 }
 
 /// The default model with its layers made thinner and more numerous: same width, heads and
@@ -141,13 +172,129 @@ fn demo_model() -> Result<ModelConfig, wgpar::WgparError> {
 /// Samples per device when timing a layer, the embedding and the head (the median is kept).
 const PLACEMENT_SAMPLES: usize = 15;
 
-/// The layers balanced over the stages by each device's measured time for one decode token
-/// of one sequence (each micro-batch's decode step), the embedding charged to the first
-/// stage and the head to the last; printed in one line.
-fn place_by_speed(
+/// Decode tokens per sequence of the run that checks a placement after its warm-up.
+const CHECK_TOKENS: usize = 3;
+
+/// A warmed-up pipeline and the stage times of its check run.
+struct Checked {
+    pp: PipelineEngine,
+    run: PipelineStats,
+}
+
+impl Checked {
+    /// Builds the pipeline placed by `costs`, warms it up, and times a short in-flight decode.
+    fn new(
+        gpus: &[Arc<Gpu>],
+        weights: &ModelWeights,
+        prompts: &[Vec<u32>],
+        costs: &[StageCost],
+    ) -> Result<Self, Box<dyn std::error::Error>> {
+        let mut pp = pipeline(gpus, weights, costs)?;
+        warm_up(&mut pp, prompts)?;
+        let first = pp.prefill(prompts)?;
+        pp.decode_greedy(&first.argmax(), CHECK_TOKENS, false)?;
+        let run = pp.last_run().cloned().ok_or("no run recorded")?;
+        Ok(Self { pp, run })
+    }
+
+    /// Compute seconds per pass of each stage.
+    fn per_pass(&self) -> Vec<f64> {
+        (self.run.stages.iter())
+            .map(|s| s.busy_s / s.microbatches.max(1) as f64)
+            .collect()
+    }
+
+    /// The slowest stage's compute per pass: what sets the pipeline's steady rate.
+    fn slowest(&self) -> f64 {
+        self.per_pass().into_iter().fold(0.0, f64::max)
+    }
+
+    /// `layers 0..10, 10..16 computed 12.1 vs 12.9 ms per pass`.
+    fn describe(&self) -> String {
+        let ms: Vec<String> = (self.per_pass().iter())
+            .map(|t| format!("{:.1}", t * 1e3))
+            .collect();
+        format!(
+            "layers {} computed {} ms per pass",
+            spans(self.pp.stage_layers()),
+            ms.join(" vs ")
+        )
+    }
+}
+
+/// The pipeline placed by measured speed, warmed up, and its placement checked. The probe
+/// times each device alone, one kernel per submission; after the warm-up a short in-flight
+/// decode times the stages as they really run (at once, each stage's layers in one
+/// submission). When those times call for another split, that split is built, warmed up and
+/// timed the same way, and the faster of the two is kept.
+fn placed_pipeline(
     gpus: &[Arc<Gpu>],
     weights: &ModelWeights,
-) -> Result<Partition, wgpar::WgparError> {
+    prompts: &[Vec<u32>],
+) -> Result<PipelineEngine, Box<dyn std::error::Error>> {
+    let costs = probe_costs(gpus, weights)?;
+    let probed = Checked::new(gpus, weights, prompts, &costs)?;
+    println!(
+        "warmed up: one untimed prefill of {} prompts and one decode token through every stage \
+         (kernels compiled and tuned, buffers allocated), then a {CHECK_TOKENS}-token decode \
+         to check the placement",
+        prompts.len()
+    );
+    let refined = rescale_stage_costs(&costs, &probed.run.stages)?;
+    let how = Partition::Balanced(refined.clone());
+    let ranges = partition(weights.config.layers, gpus.len(), &how)?;
+    if ranges == probed.pp.stage_layers() {
+        println!(
+            "checked with every stage at work: {}; the placement stands",
+            probed.describe()
+        );
+        return Ok(probed.pp);
+    }
+    let other = Checked::new(gpus, weights, prompts, &refined)?;
+    let (first, second) = (probed.describe(), other.describe());
+    let kept = if other.slowest() < probed.slowest() {
+        other
+    } else {
+        probed
+    };
+    println!(
+        "checked with every stage at work: {first}; placed again by those times, {second}; \
+         kept layers {}",
+        spans(kept.pp.stage_layers())
+    );
+    Ok(kept.pp)
+}
+
+fn spans(ranges: &[std::ops::Range<usize>]) -> String {
+    let held: Vec<String> = ranges
+        .iter()
+        .map(|r| format!("{}..{}", r.start, r.end))
+        .collect();
+    held.join(", ")
+}
+
+fn pipeline(
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+    costs: &[StageCost],
+) -> Result<PipelineEngine, wgpar::WgparError> {
+    PipelineEngine::new(
+        gpus,
+        weights,
+        DType::F32,
+        &Partition::Balanced(costs.to_vec()),
+        MICRO_BATCHES,
+        CommConfig::default(),
+    )
+}
+
+/// Each device's time for one decode token of one sequence (each micro-batch's decode step),
+/// the embedding charged to the first stage and the head to the last, and the layers balanced
+/// by it; printed in one line.
+fn probe_costs(
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+) -> Result<Vec<StageCost>, wgpar::WgparError> {
     let costs = measure_stage_costs(gpus, weights, DType::F32, 1, 1, PLACEMENT_SAMPLES)?;
     let stages = partition(
         weights.config.layers,
@@ -159,18 +306,14 @@ fn place_by_speed(
         .iter()
         .map(|c| format!("{} ms/layer", ms(c.layer_s)))
         .collect();
-    let held: Vec<String> = stages
-        .iter()
-        .map(|r| format!("{}..{}", r.start, r.end))
-        .collect();
     println!(
         "placed by measured speed (one decode token, median of {PLACEMENT_SAMPLES}): {}; head {} \
          ms on the last device: stages hold layers {}",
         per_device.join(" vs "),
         costs.last().map_or_else(|| "?".into(), |c| ms(c.head_s)),
-        held.join(", ")
+        spans(&stages)
     );
-    Ok(Partition::Balanced(costs))
+    Ok(costs)
 }
 
 /// One untimed prefill and one untimed decode token through every stage, so that the pictures
@@ -179,11 +322,6 @@ fn place_by_speed(
 fn warm_up(pp: &mut PipelineEngine, prompts: &[Vec<u32>]) -> Result<(), wgpar::WgparError> {
     let first = pp.prefill(prompts)?;
     pp.decode_greedy(&first.argmax(), 1, false)?;
-    println!(
-        "warmed up: one untimed prefill of {} prompts and one decode token through every stage \
-         (kernels compiled and tuned, buffers allocated)",
-        prompts.len()
-    );
     Ok(())
 }
 
@@ -208,11 +346,12 @@ fn report(stats: &PipelineStats) {
     );
     for s in &stats.stages {
         println!(
-            "  layers {:>2}..{:<2} on {}: busy {:.1} ms, hand-off {:.2} ms, {} B out",
+            "  layers {:>2}..{:<2} on {}: busy {:.1} ms, idle {:.1} ms, hand-off {:.2} ms, {} B out",
             s.layers.start,
             s.layers.end,
             s.device,
             s.busy_s * 1e3,
+            (stats.makespan_s - s.busy_s).max(0.0) * 1e3,
             s.handoff_s() * 1e3,
             s.bytes_out
         );
