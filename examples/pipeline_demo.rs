@@ -86,35 +86,78 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let weights = ModelWeights::synthetic(&config, 7);
     let prompts: Vec<Vec<u32>> = (0..MICRO_BATCHES)
         .map(|b| {
-            (0..16)
+            (0..PROMPT_TOKENS)
                 .map(|i| ((b * 31 + i * 7) % config.vocab) as u32)
                 .collect()
         })
         .collect();
-    let mut pp = placed_pipeline(&gpus, &weights, &prompts)?;
+    show_prefill(&gpus, &weights, &prompts)?;
+    show_decode(&gpus, &weights, &prompts)
+}
+
+/// The prefill on layers placed by each device's time for a prompt: warmed up, then one
+/// GPipe step drawn.
+fn show_prefill(
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+    prompts: &[Vec<u32>],
+) -> Result<(), Box<dyn std::error::Error>> {
+    println!(
+        "
+prefill (GPipe): {MICRO_BATCHES} prompts of {PROMPT_TOKENS} tokens"
+    );
+    let costs = probe_costs(gpus, weights, PROMPT_TOKENS)?;
+    let mut pp = pipeline(gpus, weights, &costs)?;
+    pp.prefill(prompts)?;
+    println!(
+        "warmed up: one untimed prefill of the {} prompts through every stage (kernels compiled \
+         and tuned, buffers allocated)",
+        prompts.len()
+    );
     println!("{}", pp.name());
     let recorder = Recorder::new();
     pp.set_recorder(recorder.clone());
-    pp.prefill(&prompts)?;
+    pp.prefill(prompts)?;
     let stats = pp.last_run().cloned().ok_or("no run recorded")?;
     println!(
-        "\nprefill (GPipe): {MICRO_BATCHES} micro-batches through {} stages; each digit is the \
-         micro-batch a stage computes\n",
+        "\n{MICRO_BATCHES} micro-batches through {} stages; each digit is the micro-batch a \
+         stage computes\n",
         gpus.len()
     );
     draw(&recorder.timeline(), gpus.len());
     report(&stats);
-    // Decode in flight: a fresh recorder, so the picture shows only the decode run.
-    let first = pp.prefill(&prompts)?;
+    Ok(())
+}
+
+/// Decode on layers placed by each device's time for one token, warmed up and checked (see
+/// [`placed_pipeline`]), then six tokens per sequence in flight drawn.
+fn show_decode(
+    gpus: &[Arc<Gpu>],
+    weights: &ModelWeights,
+    prompts: &[Vec<u32>],
+) -> Result<(), Box<dyn std::error::Error>> {
+    println!(
+        "\ndecode (in flight): {DECODE_TOKENS} tokens per sequence, every micro-batch on its own"
+    );
+    let mut pp = placed_pipeline(gpus, weights, prompts)?;
+    println!("{}", pp.name());
+    let first = pp.prefill(prompts)?;
+    // A fresh recorder, so the picture shows only the decode run.
     let recorder = Recorder::new();
     pp.set_recorder(recorder.clone());
-    pp.decode_greedy(&first.argmax(), 6, false)?;
+    pp.decode_greedy(&first.argmax(), DECODE_TOKENS, false)?;
     let stats = pp.last_run().cloned().ok_or("no run recorded")?;
-    println!("\ndecode (in flight): 6 tokens per sequence, every micro-batch on its own\n");
+    println!();
     draw(&recorder.timeline(), gpus.len());
     report(&stats);
     Ok(())
 }
+
+/// Tokens per prompt.
+const PROMPT_TOKENS: usize = 16;
+
+/// Decode tokens per sequence drawn.
+const DECODE_TOKENS: usize = 6;
 
 /// Micro-batches (one sequence each) in flight.
 const MICRO_BATCHES: usize = 8;
@@ -232,12 +275,12 @@ fn placed_pipeline(
     weights: &ModelWeights,
     prompts: &[Vec<u32>],
 ) -> Result<PipelineEngine, Box<dyn std::error::Error>> {
-    let costs = probe_costs(gpus, weights)?;
+    let costs = probe_costs(gpus, weights, 1)?;
     let probed = Checked::new(gpus, weights, prompts, &costs)?;
     println!(
-        "warmed up: one untimed prefill of {} prompts and one decode token through every stage \
-         (kernels compiled and tuned, buffers allocated), then a {CHECK_TOKENS}-token decode \
-         to check the placement",
+        "warmed up: one untimed prefill of the {} prompts and one decode token through every \
+         stage (kernels compiled and tuned, buffers allocated), then a {CHECK_TOKENS}-token \
+         decode to check the placement",
         prompts.len()
     );
     let refined = rescale_stage_costs(&costs, &probed.run.stages)?;
@@ -288,14 +331,16 @@ fn pipeline(
     )
 }
 
-/// Each device's time for one decode token of one sequence (each micro-batch's decode step),
-/// the embedding charged to the first stage and the head to the last, and the layers balanced
-/// by it; printed in one line.
+/// Each device's time for a step of one sequence of `tokens` tokens (a prompt, or 1: one
+/// decode token), the embedding charged to the first stage and the head to the last, and the
+/// layers balanced by it; printed in one line. A prompt's tokens make the layers dearer next
+/// to the head (logits for its last token only), so prefill and decode balance differently.
 fn probe_costs(
     gpus: &[Arc<Gpu>],
     weights: &ModelWeights,
+    tokens: usize,
 ) -> Result<Vec<StageCost>, wgpar::WgparError> {
-    let costs = measure_stage_costs(gpus, weights, DType::F32, 1, 1, PLACEMENT_SAMPLES)?;
+    let costs = measure_stage_costs(gpus, weights, DType::F32, 1, tokens, PLACEMENT_SAMPLES)?;
     let stages = partition(
         weights.config.layers,
         gpus.len(),
@@ -306,9 +351,13 @@ fn probe_costs(
         .iter()
         .map(|c| format!("{} ms/layer", ms(c.layer_s)))
         .collect();
+    let step = match tokens {
+        1 => "one decode token".to_string(),
+        n => format!("a {n}-token prompt"),
+    };
     println!(
-        "placed by measured speed (one decode token, median of {PLACEMENT_SAMPLES}): {}; head {} \
-         ms on the last device: stages hold layers {}",
+        "placed by measured speed ({step}, median of {PLACEMENT_SAMPLES}): {}; head {} ms on \
+         the last device: stages hold layers {}",
         per_device.join(" vs "),
         costs.last().map_or_else(|| "?".into(), |c| ms(c.head_s)),
         spans(&stages)

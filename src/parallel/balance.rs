@@ -220,7 +220,9 @@ mod tests {
         let idle = [ran(0..8, 0, 0.0), ran(8..16, 0, 0.0)];
         let e = rescale_stage_costs(&probe, &idle).unwrap_err().to_string();
         assert!(e.contains("stage 0 ran 0 passes"), "{e}");
-        let e = rescale_stage_costs(&probe, &idle[..1]).unwrap_err().to_string();
+        let e = rescale_stage_costs(&probe, &idle[..1])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("2 stage costs for a run of 1 stages"), "{e}");
     }
 }
