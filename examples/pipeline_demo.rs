@@ -3,14 +3,25 @@
 //! (or two virtual devices when it has one), eight micro-batches flowing through the stages,
 //! then the timeline drawn in the terminal: fill, steady state, drain. Then the same
 //! micro-batches decoding in flight: each moves to its next token as soon as its own logits
-//! are back, so the stages stay busy with no fill and drain per token. Both pictures come after
-//! one untimed prefill and decode token (the warm-up), so they show the steady state.
+//! are back, so the stages stay busy with no fill and drain per token. Each picture comes
+//! after an untimed warm-up through every stage (kernels compiled, buffers allocated), printed
+//! in one line, so it shows the steady state.
 //!
 //! The layers are placed by each device's measured speed (the partition `--layers auto`
-//! uses), timed at the decode step's shape: two adapters on one machine are rarely equally
-//! fast (a Vulkan and a GL driver, say), and the last stage also holds the LM head. Each
+//! uses): two adapters on one machine are rarely equally fast (a Vulkan and a GL driver, say),
+//! and the last stage also holds the LM head. Prefill and decode are placed apart, each by
+//! its own step's costs: a prompt's tokens make the layers dear next to the head, a decode
+//! token leaves the head a large share. The decode placement is then checked by a short
+//! in-flight decode with every stage at work, and placed again by those times when they call
+//! for another split ([`rescale_stage_costs`]); the faster of the two splits is kept. Each
 //! report gives two theories: the bubble of a pipeline of equal stages, and that of a perfect
 //! pipeline with the stage times just measured, so what is left over is the schedule's own.
+//!
+//! When every adapter is a CPU driver (lavapipe and llvmpipe on a machine without a GPU),
+//! each adapter's worker pool is cut to its share of the cores (`LP_NUM_THREADS`, unless set)
+//! before any device opens, and a line says so: otherwise every pool takes every core, a
+//! device timed alone gets them all, and two stages running at once time-share them, which
+//! misplaces the layers and slows both stages. On GPUs each stage owns its device already.
 //!
 //! `cargo run --release --example pipeline_demo`
 
