@@ -11,10 +11,10 @@
 //! uses): two adapters on one machine are rarely equally fast (a Vulkan and a GL driver, say),
 //! and the last stage also holds the LM head. Prefill and decode are placed apart, each by
 //! its own step's costs: a prompt's tokens make the layers dear next to the head, a decode
-//! token leaves the head a large share. The decode placement is then checked by a short
-//! in-flight decode with every stage at work, and placed again by those times while they call
-//! for a split not tried yet ([`rescale_stage_costs`], at most four splits); the most even
-//! split is kept. Each
+//! token leaves the head a large share. Each placement is then checked by a run of its step
+//! with every stage at work (a prefill; a short in-flight decode), and placed again by those
+//! times while they call for a split not tried yet ([`rescale_stage_costs`], at most four
+//! splits); the most even split is kept. Each
 //! report gives two theories: the bubble of a pipeline of equal stages, and that of a perfect
 //! pipeline with the stage times just measured, so what is left over is the schedule's own.
 //!
@@ -36,6 +36,7 @@ use wgpar::parallel::{
     PipelineStats, StageCost,
 };
 use wgpar::trace::{Recorder, SpanKind, Timeline};
+use wgpar::WgparError;
 
 const WIDTH: usize = 100;
 
@@ -107,25 +108,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     show_decode(&gpus, &weights, &prompts)
 }
 
-/// The prefill on layers placed by each device's time for a prompt: warmed up, then one
-/// GPipe step drawn.
+/// The prefill on layers placed by each device's time for a prompt, warmed up and checked
+/// (see [`placed_pipeline`]), then one GPipe step drawn.
 fn show_prefill(
     gpus: &[Arc<Gpu>],
     weights: &ModelWeights,
     prompts: &[Vec<u32>],
 ) -> Result<(), Box<dyn std::error::Error>> {
-    println!(
-        "
-prefill (GPipe): {MICRO_BATCHES} prompts of {PROMPT_TOKENS} tokens"
-    );
-    let costs = probe_costs(gpus, weights, PROMPT_TOKENS)?;
-    let mut pp = pipeline(gpus, weights, &costs)?;
-    pp.prefill(prompts)?;
-    println!(
-        "warmed up: one untimed prefill of the {} prompts through every stage (kernels compiled \
-         and tuned, buffers allocated)",
-        prompts.len()
-    );
+    println!("\nprefill (GPipe): {MICRO_BATCHES} prompts of {PROMPT_TOKENS} tokens");
+    let mut pp = placed_pipeline(gpus, weights, prompts, Phase::Prefill)?;
     println!("{}", pp.name());
     let recorder = Recorder::new();
     pp.set_recorder(recorder.clone());
@@ -151,7 +142,7 @@ fn show_decode(
     println!(
         "\ndecode (in flight): {DECODE_TOKENS} tokens per sequence, every micro-batch on its own"
     );
-    let mut pp = placed_pipeline(gpus, weights, prompts)?;
+    let mut pp = placed_pipeline(gpus, weights, prompts, Phase::Decode)?;
     println!("{}", pp.name());
     let first = pp.prefill(prompts)?;
     // A fresh recorder, so the picture shows only the decode run.
@@ -227,7 +218,7 @@ fn demo_model() -> Result<ModelConfig, wgpar::WgparError> {
 /// Samples per device when timing a layer, the embedding and the head (the median is kept).
 const PLACEMENT_SAMPLES: usize = 15;
 
-/// Decode tokens per sequence of the run that checks a placement after its warm-up.
+/// Decode tokens per sequence of the run that checks a decode placement after its warm-up.
 const CHECK_TOKENS: usize = 3;
 
 /// A warmed-up pipeline and the stage times of its check run.
@@ -237,17 +228,20 @@ struct Checked {
 }
 
 impl Checked {
-    /// Builds the pipeline placed by `costs`, warms it up, and times a short in-flight decode.
+    /// Builds the pipeline placed by `costs`, warms it up, and times `phase`'s check run.
     fn new(
         gpus: &[Arc<Gpu>],
         weights: &ModelWeights,
         prompts: &[Vec<u32>],
         costs: &[StageCost],
+        phase: Phase,
     ) -> Result<Self, Box<dyn std::error::Error>> {
         let mut pp = pipeline(gpus, weights, costs)?;
-        warm_up(&mut pp, prompts)?;
+        phase.warm_up(&mut pp, prompts)?;
         let first = pp.prefill(prompts)?;
-        pp.decode_greedy(&first.argmax(), CHECK_TOKENS, false)?;
+        if phase == Phase::Decode {
+            pp.decode_greedy(&first.argmax(), CHECK_TOKENS, false)?;
+        }
         let run = pp.last_run().cloned().ok_or("no run recorded")?;
         Ok(Self { pp, run })
     }
@@ -285,24 +279,68 @@ impl Checked {
     }
 }
 
-/// Most placements tried for decode: the probe's, then each placed again by the last check.
+/// The step a pipeline is placed, warmed up and checked for.
+#[derive(Clone, Copy, PartialEq)]
+enum Phase {
+    /// GPipe prefill of the prompts.
+    Prefill,
+    /// In-flight decode after a prefill.
+    Decode,
+}
+
+impl Phase {
+    /// Tokens per sequence of the step the probe times.
+    fn probe_tokens(self) -> usize {
+        match self {
+            Phase::Prefill => PROMPT_TOKENS,
+            Phase::Decode => 1,
+        }
+    }
+
+    /// One untimed pass of the step through every stage: a prefill, then for decode a token.
+    fn warm_up(self, pp: &mut PipelineEngine, prompts: &[Vec<u32>]) -> Result<(), WgparError> {
+        let first = pp.prefill(prompts)?;
+        if self == Phase::Decode {
+            pp.decode_greedy(&first.argmax(), 1, false)?;
+        }
+        Ok(())
+    }
+
+    /// What the warm-up and the check ran, for the one line that says so.
+    fn warmed(self, prompts: usize) -> String {
+        match self {
+            Phase::Prefill => format!(
+                "one untimed prefill of the {prompts} prompts through every stage (kernels \
+                 compiled and tuned, buffers allocated), then a timed one to check the placement"
+            ),
+            Phase::Decode => format!(
+                "one untimed prefill of the {prompts} prompts and one decode token through every \
+                 stage (kernels compiled and tuned, buffers allocated), then a \
+                 {CHECK_TOKENS}-token decode to check the placement"
+            ),
+        }
+    }
+}
+
+/// Most placements tried per step: the probe's, then each placed again by the last check.
 const CHECK_ROUNDS: usize = 4;
 
-/// The pipeline placed by measured speed, warmed up, and its placement checked. The probe
-/// times each device alone, one kernel per submission; after the warm-up a short in-flight
-/// decode times the stages as they really run (at once, each stage's layers in one
+/// The pipeline placed for `phase` by measured speed, warmed up, and its placement checked.
+/// The probe times each device alone, one kernel per submission; after the warm-up a run of
+/// the step itself times the stages as they really work (at once, each stage's layers in one
 /// submission). While those times call for a split not tried yet (at most [`CHECK_ROUNDS`]),
 /// that split is built, warmed up and checked the same way; the most even one is kept.
 fn placed_pipeline(
     gpus: &[Arc<Gpu>],
     weights: &ModelWeights,
     prompts: &[Vec<u32>],
+    phase: Phase,
 ) -> Result<PipelineEngine, Box<dyn std::error::Error>> {
-    let mut costs = probe_costs(gpus, weights, 1)?;
+    let mut costs = probe_costs(gpus, weights, phase.probe_tokens())?;
     let mut best: Option<Checked> = None;
     let (mut tried, mut checks) = (Vec::new(), Vec::new());
     for _ in 0..CHECK_ROUNDS {
-        let checked = Checked::new(gpus, weights, prompts, &costs)?;
+        let checked = Checked::new(gpus, weights, prompts, &costs, phase)?;
         checks.push(checked.describe());
         tried.push(checked.pp.stage_layers().to_vec());
         costs = rescale_stage_costs(&costs, &checked.run.stages)?;
@@ -319,12 +357,7 @@ fn placed_pipeline(
         }
     }
     let kept = best.ok_or("no placement checked")?;
-    println!(
-        "warmed up: one untimed prefill of the {} prompts and one decode token through every \
-         stage (kernels compiled and tuned, buffers allocated), then a {CHECK_TOKENS}-token \
-         decode to check the placement",
-        prompts.len()
-    );
+    println!("warmed up: {}", phase.warmed(prompts.len()));
     println!(
         "checked with every stage at work, each split placed by the check before: {}; kept \
          layers {}",
@@ -389,15 +422,6 @@ fn probe_costs(
         spans(&stages)
     );
     Ok(costs)
-}
-
-/// One untimed prefill and one untimed decode token through every stage, so that the pictures
-/// show the steady state: each device compiles (and autotunes) its kernels for both step shapes
-/// on first use, the GL stage slowest, and a cold first token would draw that as a stall.
-fn warm_up(pp: &mut PipelineEngine, prompts: &[Vec<u32>]) -> Result<(), wgpar::WgparError> {
-    let first = pp.prefill(prompts)?;
-    pp.decode_greedy(&first.argmax(), 1, false)?;
-    Ok(())
 }
 
 fn report(stats: &PipelineStats) {
