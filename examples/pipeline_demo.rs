@@ -359,8 +359,8 @@ fn placed_pipeline(
     let kept = best.ok_or("no placement checked")?;
     println!("warmed up: {}", phase.warmed(prompts.len()));
     println!(
-        "checked with every stage at work, each split placed by the check before: {}; kept \
-         layers {}",
+        "checked with every stage at work (a further split placed by the check before it): \
+         {}; kept layers {}",
         checks.join("; "),
         spans(kept.pp.stage_layers())
     );
