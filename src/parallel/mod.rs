@@ -25,7 +25,7 @@ mod worker;
 
 use std::time::Instant;
 
-pub use balance::measure_stage_costs;
+pub use balance::{measure_stage_costs, rescale_stage_costs};
 pub use batch::{
     blocks_per_slot, BatchStep, KvCopy, SeqRow, SlotTable, StepDone, StepEngine, KV_BLOCK,
 };

@@ -86,7 +86,7 @@ pub fn partition(layers: usize, stages: usize, how: &Partition) -> Result<Vec<Ra
 }
 
 /// Time of stage `s` of `p` holding `n` layers.
-fn stage_time(s: usize, p: usize, n: usize, c: &StageCost) -> f64 {
+pub(super) fn stage_time(s: usize, p: usize, n: usize, c: &StageCost) -> f64 {
     let mut t = n as f64 * c.layer_s;
     if s == 0 {
         t += c.embed_s;
