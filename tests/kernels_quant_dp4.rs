@@ -20,6 +20,7 @@ mod gguf_support;
 use gguf_support::{llama_dequantize, random_blocks};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use wgpar::device::DType;
 use wgpar::device::{open_devices, Adapters, DeviceSelection, GpuOptions};
 use wgpar::kernels::quant::{
     choose_quant, choose_quant_for, quant_candidates, tuned_candidates, PackedMatrix, QuantClass,
@@ -28,7 +29,6 @@ use wgpar::kernels::quant::{
 use wgpar::kernels::quant_dp4::{self, DP4_VARIANTS};
 use wgpar::kernels::tune::{self, TuneMode, TuneSettings};
 use wgpar::kernels::Family;
-use wgpar::device::DType;
 use wgpar::model::hf::Checkpoint;
 use wgpar::model::quant::QuantType;
 use wgpar::model::ModelWeights;
@@ -206,7 +206,11 @@ fn every_dp4_variant_stays_within_its_rounding_bound_of_llama_cpps_product() {
                 };
                 let got = common::packed_matmul(&gpu, io, m, Some(v.name));
                 let c = check(&got, &r.want, &|i| r.bound(v, i));
-                assert_eq!(c.outside, 0, "{} at {m}x{n}x{k}: {} x the bound", v.name, c.ratio);
+                assert_eq!(
+                    c.outside, 0,
+                    "{} at {m}x{n}x{k}: {} x the bound",
+                    v.name, c.ratio
+                );
                 worst.add(v, &c);
                 if !quant_dp4::two_part(v) {
                     // Without the int8 term the bound is wrong, and the check must say so.
@@ -250,7 +254,11 @@ fn q8_0_at_the_lm_head_shape_stays_within_the_bounds() {
             };
             let got = common::packed_matmul(&gpu, io, m, Some(v.name));
             let c = check(&got, &r.want, &|i| r.bound(v, i));
-            assert_eq!(c.outside, 0, "{} at {m}x{n}x{k}: {} x the bound", v.name, c.ratio);
+            assert_eq!(
+                c.outside, 0,
+                "{} at {m}x{n}x{k}: {} x the bound",
+                v.name, c.ratio
+            );
             if !quant_dp4::two_part(v) {
                 let loose = check(&got, &r.want, &|i| r.f32_slack[i]).outside;
                 assert!(loose > 0, "{}: no output beyond f32 rounding", v.name);
@@ -299,7 +307,11 @@ fn on_smollm2s_matrices_two_parts_are_far_more_accurate_than_one() {
             };
             let got = common::packed_matmul(&gpu, io, 1, Some(v.name));
             let c = check(&got, &r.want, &|i| r.bound(v, i));
-            assert_eq!(c.outside, 0, "{} on {name}: {} x the bound", v.name, c.ratio);
+            assert_eq!(
+                c.outside, 0,
+                "{} on {name}: {} x the bound",
+                v.name, c.ratio
+            );
             worst.add(v, &c);
             compared += got.len();
         }
@@ -326,7 +338,12 @@ fn the_tuner_times_two_part_variants_in_the_layers_only() {
             .map(|v| v.name)
             .collect()
     };
-    for t in [QuantType::Q8_0, QuantType::Q4_1, QuantType::Q4K, QuantType::Q6K] {
+    for t in [
+        QuantType::Q8_0,
+        QuantType::Q4_1,
+        QuantType::Q4K,
+        QuantType::Q6K,
+    ] {
         let s = t.name();
         let all = dp4(quant_candidates(&gpu, t, 1, QuantRole::Layer));
         let two = [format!("qdp4x2gemv64_{s}"), format!("qdp4x2gemv128_{s}")];
@@ -335,7 +352,11 @@ fn the_tuner_times_two_part_variants_in_the_layers_only() {
         assert_eq!(dp4(tuned_candidates(&gpu, t, 1, QuantRole::Layer)), two);
         assert_eq!(dp4(tuned_candidates(&gpu, t, 8, QuantRole::Layer)), two);
         for tuned in [false, true] {
-            let pick = if tuned { tuned_candidates } else { quant_candidates };
+            let pick = if tuned {
+                tuned_candidates
+            } else {
+                quant_candidates
+            };
             assert!(dp4(pick(&gpu, t, 8, QuantRole::Logits)).is_empty(), "{t:?}");
             assert!(dp4(pick(&gpu, t, 9, QuantRole::Layer)).is_empty(), "{t:?}");
         }
@@ -379,7 +400,9 @@ fn smollm2_chat_tokens(w: &ModelWeights, prompt: &[u32], forced: &[&str]) -> Vec
     }
     let mut tokens = vec![step.tokens[0]];
     while tokens.len() < 3 {
-        let next = engine.decode_step(&[tokens[tokens.len() - 1]], false).unwrap();
+        let next = engine
+            .decode_step(&[tokens[tokens.len() - 1]], false)
+            .unwrap();
         tokens.push(next.tokens[0]);
     }
     tune::configure(TuneSettings::from_env().unwrap());
@@ -420,7 +443,10 @@ fn smollm2_keeps_its_greedy_tokens_with_two_part_layers() {
     );
     assert!(words(&f32_gemv).starts_with("The capital"), "{f32_gemv:?}");
     assert_eq!(two, f32_gemv);
-    assert_ne!(one[0], f32_gemv[0], "the one-part rounding no longer flips the tie");
+    assert_ne!(
+        one[0], f32_gemv[0],
+        "the one-part rounding no longer flips the tie"
+    );
 }
 
 /// A forced integer-dot variant runs where the adapter offers native integer dot products,
@@ -505,7 +531,12 @@ fn on_gl_the_dp4_variants_are_not_offered() {
         let v = quant_dp4::by_name(name).unwrap();
         let got = common::packed_matmul(&gpu, io, m, Some(name));
         let c = check(&got, &r.want, &|i| r.bound(v, i));
-        assert_eq!((c.outside, got.len()), (0, m * n), "{name}: {} x the bound", c.ratio);
+        assert_eq!(
+            (c.outside, got.len()),
+            (0, m * n),
+            "{name}: {} x the bound",
+            c.ratio
+        );
     }
 }
 
@@ -525,7 +556,10 @@ fn every_dp4_variant_validates_with_naga() {
         .count();
     assert_eq!(DP4_VARIANTS.len(), 4 * packed);
     assert_eq!(
-        DP4_VARIANTS.iter().filter(|v| quant_dp4::two_part(v)).count(),
+        DP4_VARIANTS
+            .iter()
+            .filter(|v| quant_dp4::two_part(v))
+            .count(),
         2 * packed
     );
     for v in DP4_VARIANTS {
