@@ -270,7 +270,7 @@ fn q8_0_at_the_lm_head_shape_stays_within_the_bounds() {
             compared += got.len();
         }
     }
-    assert_eq!(compared, 2 * 4 * n);
+    assert_eq!(compared, 4 * (1 + 3) * n);
 }
 
 /// SmolLM2-135M's own matrices: its tied Q8_0 head (49,152 x 576) and layer 0's Q4_1 down
