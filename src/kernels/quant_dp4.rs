@@ -112,7 +112,9 @@ pub fn refuse_forced(gpu: &Gpu, forced: &[String]) -> Result<()> {
 /// `packed_4x8_integer_dot_product`, which `wgpu::Instance::wgsl_language_features` reports),
 /// but where the driver lacks integer dot products naga emulates it with shifts and four
 /// multiplies, which cannot beat the f32 GEMV; there the variants are not candidates. Native:
-/// Vulkan with `VK_KHR_shader_integer_dot_product` (core in Vulkan 1.3) and Metal.
+/// Vulkan with `VK_KHR_shader_integer_dot_product` (core in Vulkan 1.3) and Metal. Lavapipe
+/// (Vulkan 1.3 on Mesa 22.3 and 25.0 alike) passes, so its tuner times the two-part variants,
+/// and they lose to the block-wise f32 GEMVs there (docs/BENCHMARKS.md); llvmpipe's GL fails.
 pub fn offered(gpu: &Gpu) -> std::result::Result<(), String> {
     use naga::front::wgsl::ImplementedLanguageExtension as Ext;
     if !Ext::all().contains(&Ext::Packed4x8IntegerDotProduct) {
