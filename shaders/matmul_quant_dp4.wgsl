@@ -10,6 +10,12 @@
 // exactly as in llama.cpp: the only error beyond f32 rounding is the inputs' int8 rounding,
 // at most sum_j |w_j| * d / 2.
 //
+// DP_PARTS = 2 rounds each input in two parts, x ~ d * (qx + qr / 254): qr = round((x - d * qx)
+// / (d / 254)) is the residual on a grid 254 times finer, again int8 (|x - d * qx| <= d / 2).
+// Each weight word is dotted with both, and the integer sums meet as 254 * dot(q, qx) +
+// dot(q, qr) (at most 2^26 for Q8_0's signed bytes, exact in i32), so the error bound becomes
+// sum_j |w_j| * d / 508 at twice the integer dot products and one more staging barrier.
+//
 // The inputs are quantized in workgroup memory, DP_TILE values of each row at a time, by the
 // workgroup that uses them: no extra buffer or pass (the op keeps the packed matmul's binding
 // layout, so it is one more candidate of the same op), at the cost of every workgroup
@@ -31,14 +37,18 @@ struct Params {
 // Invocations per workgroup, and weight rows per workgroup (GV_COLS * DP_ROWS <= GV_WG).
 override GV_WG: u32 = 64u;
 override GV_COLS: u32 = 8u;
+// 1: the inputs rounded to int8 once (llama.cpp's q8_1); 2: also their residual.
+override DP_PARTS: u32 = 1u;
 // Most input rows.
 const DP_ROWS: u32 = 8u;
 // Input values staged per step, and as i8x4 words.
 const DP_TILE: u32 = 512u;
 const DP_TW: u32 = DP_TILE / 4u;
 
-// Per word of the tile: the largest |x| of its 4 values, then the packed int8 values.
-var<workgroup> dp_amax: array<f32, DP_ROWS * DP_TW>;
+// Per word of the tile: the largest |x| of its 4 values (as bits), then, with two parts, the
+// packed residuals (one array for both keeps the two-part staging within 16 KiB); and the
+// packed int8 values.
+var<workgroup> dp_aux: array<u32, DP_ROWS * DP_TW>;
 var<workgroup> dp_xq: array<u32, DP_ROWS * DP_TW>;
 // Per 32 values the scale d; per 16 the sum of the quantized values, times d.
 var<workgroup> dp_xd: array<f32, DP_ROWS * DP_TILE / 32u>;
@@ -121,46 +131,101 @@ fn x4(r: u32, kk: u32) -> vec4<f32> {
     return vec4<f32>(x[b], x[b + 1u], x[b + 2u], x[b + 3u]);
 }
 
-// Quantizes values k0 .. k0 + tk of every input row into dp_xq, dp_xd and dp_xs (values past
-// k are zero), one i8x4 word per invocation and step.
-fn quantize_tile(lid: u32, k0: u32, tk: u32) {
-    let words = p.m * DP_TW;
-    for (var u = lid; u < words; u += GV_WG) {
+fn pack_i8x4(q: vec4<i32>) -> u32 {
+    return (u32(q.x) & 0xffu) | ((u32(q.y) & 0xffu) << 8u) | ((u32(q.z) & 0xffu) << 16u) | (u32(q.w) << 24u);
+}
+
+// The largest |x| of each word's 4 values of the tile into dp_aux, as bits (zero past k).
+fn stage_amax(lid: u32, k0: u32, tk: u32) {
+    for (var u = lid; u < p.m * DP_TW; u += GV_WG) {
         var a = 0.0;
         if (u % DP_TW < tk / 4u) {
             let v = abs(x4(u / DP_TW, k0 + 4u * (u % DP_TW)));
             a = max(max(v.x, v.y), max(v.z, v.w));
         }
-        dp_amax[u] = a;
+        dp_aux[u] = bitcast<u32>(a);
     }
     workgroupBarrier();
-    for (var u = lid; u < words; u += GV_WG) {
-        // The 8 words of a 32-value group are u's aligned neighbours (DP_TW is a multiple of 8).
-        let g = u / 8u;
-        var a = 0.0;
-        for (var i = 0u; i < 8u; i++) {
-            a = max(a, dp_amax[8u * g + i]);
+}
+
+// The largest |x| of the 32-value group of word u (its 8 aligned neighbours: DP_TW is a
+// multiple of 8), from dp_aux.
+fn group_amax(u: u32) -> f32 {
+    var a = 0.0;
+    for (var i = 0u; i < 8u; i++) {
+        a = max(a, bitcast<f32>(dp_aux[8u * (u / 8u) + i]));
+    }
+    return a;
+}
+
+// Per 16 values, the sum of the quantized inputs times their scale: d * sum(qx), or with two
+// parts d * (254 * sum(qx) + sum(qr)) / 254.
+fn stage_sums(lid: u32) {
+    for (var c = lid; c < p.m * DP_TW / 4u; c += GV_WG) {
+        var s = 0;
+        var sr = 0;
+        for (var i = 0u; i < 4u; i++) {
+            s += dot4I8Packed(dp_xq[4u * c + i], 0x01010101u);
+            if (DP_PARTS == 2u) {
+                sr += dot4I8Packed(dp_aux[4u * c + i], 0x01010101u);
+            }
         }
-        let d = a / 127.0;
+        var v = f32(s) * dp_xd[c / 2u];
+        if (DP_PARTS == 2u) {
+            v = f32(254 * s + sr) * (dp_xd[c / 2u] / 254.0);
+        }
+        dp_xs[c] = v;
+    }
+    workgroupBarrier();
+}
+
+// Quantizes values k0 .. k0 + tk of every input row into dp_xq, dp_xd and dp_xs (values past
+// k are zero), one i8x4 word per invocation and step.
+fn quantize_tile(lid: u32, k0: u32, tk: u32) {
+    let words = p.m * DP_TW;
+    stage_amax(lid, k0, tk);
+    for (var u = lid; u < words; u += GV_WG) {
+        let d = group_amax(u) / 127.0;
         let inv = select(0.0, 1.0 / d, d > 0.0);
         var q = vec4<i32>(0);
         if (u % DP_TW < tk / 4u) {
             q = clamp(vec4<i32>(round(x4(u / DP_TW, k0 + 4u * (u % DP_TW)) * inv)), vec4<i32>(-127), vec4<i32>(127));
         }
-        dp_xq[u] = (u32(q.x) & 0xffu) | ((u32(q.y) & 0xffu) << 8u) | ((u32(q.z) & 0xffu) << 16u) | (u32(q.w) << 24u);
+        dp_xq[u] = pack_i8x4(q);
         if (u % 8u == 0u) {
-            dp_xd[g] = d;
+            dp_xd[u / 8u] = d;
         }
     }
     workgroupBarrier();
-    for (var c = lid; c < words / 4u; c += GV_WG) {
-        var s = 0;
-        for (var i = 0u; i < 4u; i++) {
-            s += dot4I8Packed(dp_xq[4u * c + i], 0x01010101u);
-        }
-        dp_xs[c] = f32(s) * dp_xd[c / 2u];
+    stage_sums(lid);
+}
+
+// quantize_tile in two parts: the groups' scales first (the residuals then overwrite the
+// maxima in dp_aux), then per word qx = round(x / d) into dp_xq and the residual
+// qr = round((x - d * qx) * 254 / d) into dp_aux.
+fn quantize_tile2(lid: u32, k0: u32, tk: u32) {
+    let words = p.m * DP_TW;
+    stage_amax(lid, k0, tk);
+    for (var g = lid; g < words / 8u; g += GV_WG) {
+        dp_xd[g] = group_amax(8u * g) / 127.0;
     }
     workgroupBarrier();
+    for (var u = lid; u < words; u += GV_WG) {
+        let d = dp_xd[u / 8u];
+        let inv = select(0.0, 1.0 / d, d > 0.0);
+        var q = vec4<i32>(0);
+        var qr = vec4<i32>(0);
+        if (u % DP_TW < tk / 4u) {
+            let v = x4(u / DP_TW, k0 + 4u * (u % DP_TW));
+            q = clamp(vec4<i32>(round(v * inv)), vec4<i32>(-127), vec4<i32>(127));
+            let r = v - d * vec4<f32>(q);
+            qr = clamp(vec4<i32>(round(r * (254.0 * inv))), vec4<i32>(-127), vec4<i32>(127));
+        }
+        dp_xq[u] = pack_i8x4(q);
+        dp_aux[u] = pack_i8x4(qr);
+    }
+    workgroupBarrier();
+    stage_sums(lid);
 }
 
 // A workgroup per GV_COLS weight rows; GV_WG / GV_COLS invocations per row stride over its
@@ -179,16 +244,26 @@ fn qgemv_dp4(
     var acc: array<f32, DP_ROWS>;
     for (var k0 = 0u; k0 < p.k; k0 += DP_TILE) {
         let tk = min(DP_TILE, p.k - k0);
-        quantize_tile(lid, k0, tk);
+        if (DP_PARTS == 2u) {
+            quantize_tile2(lid, k0, tk);
+        } else {
+            quantize_tile(lid, k0, tk);
+        }
         for (var ch = lid % lanes; ch < tk / 16u; ch += lanes) {
             let at = dp_chunk_at(nr, k0 / 16u + ch);
             let sc = chunk_scale(at.x, at.y);
             let wq = chunk_words(at.x, at.y);
             for (var r = 0u; r < p.m; r++) {
                 let xb = r * DP_TW + 4u * ch;
-                let dot = dot4I8Packed(wq.x, dp_xq[xb]) + dot4I8Packed(wq.y, dp_xq[xb + 1u])
+                var dot = dot4I8Packed(wq.x, dp_xq[xb]) + dot4I8Packed(wq.y, dp_xq[xb + 1u])
                     + dot4I8Packed(wq.z, dp_xq[xb + 2u]) + dot4I8Packed(wq.w, dp_xq[xb + 3u]);
-                acc[r] += sc.x * dp_xd[xb / 8u] * f32(dot) - sc.y * dp_xs[xb / 4u];
+                var d = dp_xd[xb / 8u];
+                if (DP_PARTS == 2u) {
+                    dot = 254 * dot + dot4I8Packed(wq.x, dp_aux[xb]) + dot4I8Packed(wq.y, dp_aux[xb + 1u])
+                        + dot4I8Packed(wq.z, dp_aux[xb + 2u]) + dot4I8Packed(wq.w, dp_aux[xb + 3u]);
+                    d /= 254.0;
+                }
+                acc[r] += sc.x * d * f32(dot) - sc.y * dp_xs[xb / 4u];
             }
         }
         // The next tile overwrites the staged inputs.

@@ -13,8 +13,8 @@
 //! register-tiled product; block and register tile set by override constants). The
 //! autotuner chooses per adapter and shape class ([`choose_quant`], the same settings, cache
 //! file and `WGPAR_KERNELS` names as the dense kernels): among all of them for decode rows
-//! (the integer-dot GEMVs of `kernels::quant_dp4` only when forced, and never for the LM head:
-//! [`QuantRole`]), among the GEMMs above 8 rows. `with_variant` names one.
+//! (the integer-dot GEMVs of `kernels::quant_dp4` too, the one-part ones only when forced, and
+//! none for the LM head: [`QuantRole`]), among the GEMMs above 8 rows. `with_variant` names one.
 
 use std::sync::Arc;
 
@@ -412,8 +412,8 @@ pub fn variant_by_name(name: &str) -> Option<&'static QuantVariant> {
 /// run it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum QuantRole {
-    /// A layer's projection: every variant of the type may run it (the integer-dot GEMVs
-    /// only when forced, [`tuned_candidates`]).
+    /// A layer's projection: every variant of the type may run it (the one-part integer-dot
+    /// GEMVs only when forced, [`tuned_candidates`]).
     #[default]
     Layer,
     /// The LM head: its logits feed a pick over the vocabulary, where a logit moved by the
@@ -453,12 +453,14 @@ pub fn quant_candidates(
     candidates
 }
 
-/// The variants the tuner times among [`quant_candidates`]: all but the integer-dot GEMVs,
-/// which run only when forced. Their int8 inputs are as accurate as llama.cpp's q8_1, and that
+/// The variants the tuner times among [`quant_candidates`]: all but the one-part integer-dot
+/// GEMVs, which run only when forced; the two-part ones ([`super::quant_dp4::two_part`]) are
+/// timed like the rest. One-part int8 inputs are as accurate as llama.cpp's q8_1, and that
 /// is not enough for SmolLM2-135M: in an f64 forward its first answer token leads by 0.08
 /// logits, and int8 inputs to its layers alone, or to its head alone, turn "The capital of
 /// France is Paris." into "L'..." (llama.cpp's CPU backend, int8 inputs throughout, answers the
-/// same), so a timing win must not switch them on.
+/// same), so a timing win must not switch them on. Two parts bound the rounding 254 times
+/// tighter, and the real model's greedy tokens stay those of the f32 GEMVs.
 pub fn tuned_candidates(
     gpu: &Gpu,
     qtype: QuantType,
@@ -466,7 +468,7 @@ pub fn tuned_candidates(
     role: QuantRole,
 ) -> Vec<&'static QuantVariant> {
     (quant_candidates(gpu, qtype, m, role).into_iter())
-        .filter(|v| v.family() != Family::MatmulQuantDp4)
+        .filter(|v| v.family() != Family::MatmulQuantDp4 || super::quant_dp4::two_part(v))
         .collect()
 }
 

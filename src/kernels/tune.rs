@@ -11,8 +11,9 @@
 //!   applies to its shape (others tune as usual). Names: `wgpar bench kernels` lists them;
 //!   the quantized matmul's are `qgemv64_TYPE`, `qgemv128_TYPE`, `qgemm_TYPE` and the
 //!   block-wise GEMVs `qgvTPRwWGrNR_TYPE` and `qgvsgWGrNR_TYPE` ([`super::quant::QUANT_VARIANTS`]),
-//!   integer-dot `qdp4gemv64_TYPE` and `qdp4gemv128_TYPE` (refused, with the reason, on an
-//!   adapter without native integer dot products: [`super::quant_dp4::offered`]).
+//!   integer-dot `qdp4gemv64_TYPE`, `qdp4gemv128_TYPE` and the two-part `qdp4x2gemv64_TYPE`,
+//!   `qdp4x2gemv128_TYPE` (refused, with the reason, on an adapter without native integer
+//!   dot products: [`super::quant_dp4::offered`]).
 //! - `WGPAR_CACHE_DIR=dir`: the cache folder (default `$XDG_CACHE_HOME/wgpar`, else
 //!   `$HOME/.cache/wgpar`); `WGPAR_CACHE_DIR=` (empty) keeps choices in memory only.
 //! - `WGPAR_NO_SUBGROUPS=1`: never choose subgroup variants.
