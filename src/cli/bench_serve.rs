@@ -109,7 +109,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         strategy: built.strategy.to_string(),
         dtype: built.dtype,
         lanes: built.engine.lanes(),
-        adapters: super::trace::adapter_labels(&built.gpus),
+        adapters: wgpar::parallel::timed::adapter_labels(&built.gpus),
     };
     if !args.json {
         out!("{}", what.header())?;
