@@ -3,16 +3,13 @@
 //! Without the `mpi` feature this module only detects a launch and refuses it (N independent
 //! copies of a run would each use every device and report N times).
 
-use wgpar::dist::DistError;
-use wgpar::Result;
-
 #[cfg(feature = "mpi")]
 pub use ranks::main;
 
 #[cfg(not(feature = "mpi"))]
 /// Unreachable without the feature: `MpiArgs::active` refuses first.
-pub fn main(_cli: super::commands::Cli) -> Result<()> {
-    Err(DistError::FeatureMissing.into())
+pub fn main(_cli: super::commands::Cli) -> wgpar::Result<()> {
+    Err(wgpar::dist::DistError::FeatureMissing.into())
 }
 
 /// The commands under `mpirun`: each parses as in one process, calls the rank's part of the
