@@ -309,3 +309,56 @@ fn the_help_lists_every_status() {
         assert!(out.contains(status), "{status}: {out}");
     }
 }
+
+/// A server on a free port that answers every request with 404, `count` times.
+fn refusing_server(count: usize) -> u16 {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().take(count) {
+            let Ok(stream) = stream else { continue };
+            let mut reader = BufReader::new(stream);
+            let mut length = 0;
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                let lower = line.to_ascii_lowercase();
+                if let Some(v) = lower.strip_prefix("content-length:") {
+                    length = v.trim().parse().unwrap_or(0);
+                }
+            }
+            let mut body = vec![0; length];
+            let _ = reader.read_exact(&mut body);
+            let reply = r#"{"error":{"message":"no such model","code":404}}"#;
+            let _ = write!(
+                reader.get_mut(),
+                "HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: \
+                 {}\r\nConnection: close\r\n\r\n{reply}",
+                reply.len()
+            );
+        }
+    });
+    port
+}
+
+#[test]
+fn a_benchmark_whose_every_request_failed_exits_1_with_no_figure() {
+    let port = refusing_server(3);
+    let url = format!("http://127.0.0.1:{port}");
+    let (code, out, err) = wgpar(&["bench", "serve", "--url", &url, "--requests", "3"]);
+    assert_eq!(code, Some(EXIT_FAILURE), "{out}\n{err}");
+    assert!(err.contains("failed all 3 requests"), "{err}");
+    // Nothing was measured: every figure says so instead of a zero.
+    for figure in [
+        "Mean TTFT (ms):",
+        "P99 ITL (ms):",
+        "Bubble (% of device-time):",
+    ] {
+        let line = out.lines().find(|l| l.starts_with(figure));
+        let line = line.unwrap_or_else(|| panic!("{figure} missing:\n{out}"));
+        assert!(line.trim_end().ends_with("n/a"), "{line}");
+    }
+}

@@ -109,7 +109,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         strategy: built.strategy.to_string(),
         dtype: built.dtype,
         lanes: built.engine.lanes(),
-        adapters: super::trace::adapter_labels(&built.gpus),
+        adapters: wgpar::parallel::timed::adapter_labels(&built.gpus),
     };
     if !args.json {
         out!("{}", what.header())?;
@@ -283,12 +283,28 @@ fn run_http(
         let out = serde_json::json!({"url": url, "workload": spec, "long_prompt": args.long_prompt,
             "long_prompt_ttft_s": long, "metrics": metrics, "errors": errors});
         outln!("{out:#}")?;
-        return Ok(());
+        return any_completed(metrics.completed, &errors);
     }
     out!("{}", metrics.lines("Serving Benchmark Result (HTTP)"))?;
     print_long_ttft(long)?;
-    for e in outcomes.iter().filter_map(|o| o.error.as_deref()) {
+    let errors: Vec<String> = outcomes.iter().filter_map(|o| o.error.clone()).collect();
+    for e in &errors {
         outln!("failed: {e}")?;
     }
-    Ok(())
+    any_completed(metrics.completed, &errors)
+}
+
+/// A benchmark whose requests all failed measured nothing: it fails (exit 1) with the first
+/// request's error, after the report that says n/a.
+fn any_completed(completed: usize, errors: &[String]) -> Result<()> {
+    match (completed, errors.first()) {
+        (0, Some(first)) => Err(WgparError::BadRequest {
+            request: 0,
+            reason: format!(
+                "the server failed all {} requests, so nothing was measured; the first: {first}",
+                errors.len()
+            ),
+        }),
+        _ => Ok(()),
+    }
 }

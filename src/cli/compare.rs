@@ -6,13 +6,8 @@ use std::path::PathBuf;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use wgpar::batching::{Length, Rate};
-use wgpar::compare::preflight::{check_plans_fit, default_selection, SweepCounts};
-use wgpar::compare::{run_compare, table, write_report, CompareOptions, ServingOptions};
-use wgpar::device::{open_devices, Adapters, DType, DeviceSelection};
-use wgpar::model::ModelConfig;
-use wgpar::parallel::Schedule;
-use wgpar::sim::{Engine, HostProfile};
-use wgpar::{Result, WgparError};
+use wgpar::compare::{run_compare, table, write_report, CompareChoice, ServeChoice};
+use wgpar::Result;
 
 use super::options::ModelArgs;
 
@@ -118,40 +113,42 @@ impl CompareArgs {
     }
 }
 
-/// The devices `--devices` or `--virtual` name, else [`default_selection`].
-fn selection(args: &CompareArgs, adapters: &Adapters) -> Result<DeviceSelection> {
-    if args.devices.is_some() || args.virtual_count.is_some() {
-        return DeviceSelection::from_options(
-            args.devices.as_deref(),
-            args.virtual_count,
-            adapters,
-        );
+impl CompareArgs {
+    /// The library's choice from the command line.
+    fn choice(&self) -> CompareChoice<'_> {
+        CompareChoice {
+            model: self.model.choice(),
+            devices: self.devices.as_deref(),
+            virtual_count: self.virtual_count,
+            binding: self.binding.choice(),
+            gpu_memory: self.memory.gpu_memory.as_deref(),
+            batches: &self.batches,
+            micro_batches: &self.micro_batches,
+            schedule: &self.schedule,
+            prompt_len: self.prompt_len,
+            gen: self.gen,
+            reps: self.reps,
+            serve: ServeChoice {
+                requests: self.serve_requests,
+                rate: self.serve_rate,
+                prompt_len: self.serve_prompt_len,
+                output_len: self.serve_output_len,
+                max_batch: self.serve_max_batch,
+            },
+            profiles: &self.profiles,
+            engines: &self.engines,
+            at_scale: self.at_scale,
+        }
     }
-    Ok(default_selection(adapters))
 }
 
 /// Runs the comparison and writes the report.
 pub fn run(args: &CompareArgs) -> Result<()> {
-    SweepCounts {
-        batches: &args.batches,
-        micro_batches: &args.micro_batches,
-        reps: args.reps,
-        prompt_len: args.prompt_len,
-        gen: args.gen,
-    }
-    .check()?;
-    let resolved = resolve(args)?;
-    let adapters = Adapters::discover()?;
-    let selection = selection(args, &adapters)?;
-    let binding = args.binding.choice();
-    let selected = binding.described(&selection, &adapters)?;
-    let dtype = args.model.choice().dtype_for(&selected, false)?;
-    let opts = compare_options(args, resolved, dtype);
-    let kv = binding.kv_dtypes(&selected, false);
-    check_plans_fit(&opts, &selected, args.memory.gpu_memory.as_deref(), &kv)?;
+    let plan = args.choice().plan()?;
+    let opts = &plan.options;
     // The report goes there: a folder that cannot be written fails now, not after the runs.
     super::options::check_writable_dir(&args.out, &args.out)?;
-    let gpus = open_devices(&adapters, &selection, &binding.gpu_options())?;
+    let gpus = plan.open()?;
     if !args.json {
         outln!(
             "comparing strategies for model '{}' on {} device(s): {}",
@@ -164,7 +161,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         )?;
     }
     let bar = progress_bar(args.json);
-    let report = run_compare(&gpus, &opts, &mut |done, total, label| {
+    let report = run_compare(&gpus, opts, &mut |done, total, label| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
         bar.set_message(label.to_string());
@@ -181,66 +178,6 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         )?;
     }
     Ok(())
-}
-
-/// What the names on the command line stand for, resolved before any adapter is looked at.
-struct Resolved {
-    config: ModelConfig,
-    profiles: Vec<HostProfile>,
-    engines: Vec<Engine>,
-}
-
-/// Resolves the model, the host profiles and the engines.
-fn resolve(args: &CompareArgs) -> Result<Resolved> {
-    let config = args.model.choice().config()?;
-    let profiles = args
-        .profiles
-        .iter()
-        .map(|p| HostProfile::resolve(p).map_err(WgparError::from))
-        .collect::<Result<Vec<_>>>()?;
-    let engines = args
-        .engines
-        .iter()
-        .map(|e| {
-            Engine::resolve(e)
-                .map_err(|e| WgparError::option("--engines", format!("--engines: {e}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(Resolved {
-        config,
-        profiles,
-        engines,
-    })
-}
-
-/// The library's options from the command line.
-fn compare_options(args: &CompareArgs, resolved: Resolved, dtype: DType) -> CompareOptions {
-    CompareOptions {
-        config: resolved.config,
-        dtype,
-        batches: args.batches.clone(),
-        micro_batches: args.micro_batches.clone(),
-        schedule: Schedule::parse(&args.schedule).unwrap_or_default(),
-        prompt_len: args.prompt_len,
-        gen: args.gen,
-        reps: args.reps,
-        profiles: resolved.profiles,
-        engines: resolved.engines,
-        seed: args.model.choice().seed,
-        serving: (args.serve_requests > 0).then(|| ServingOptions {
-            requests: args.serve_requests,
-            rate: args.serve_rate,
-            prompt_len: args
-                .serve_prompt_len
-                .unwrap_or(Length::Fixed(args.prompt_len.max(1))),
-            output_len: args
-                .serve_output_len
-                .unwrap_or(Length::Fixed(args.gen.max(1))),
-            max_batch: args.serve_max_batch,
-            seed: args.model.choice().seed,
-        }),
-        at_scale: args.at_scale,
-    }
 }
 
 /// A progress bar on the terminal, hidden when the output is JSON.

@@ -5,17 +5,17 @@
 /// true`) or a full disk is an error the command returns, where `print!` would panic.
 macro_rules! out {
     ($($arg:tt)*) => {
-        $crate::cli::write_stdout(format_args!($($arg)*))
+        $crate::cli::output::write_stdout(format_args!($($arg)*))
     };
 }
 
 /// [`out!`] with a newline, like `println!`.
 macro_rules! outln {
     () => {
-        $crate::cli::write_stdout(format_args!("\n"))
+        $crate::cli::output::write_stdout(format_args!("\n"))
     };
     ($($arg:tt)*) => {
-        $crate::cli::write_stdout(format_args!("{}\n", format_args!($($arg)*)))
+        $crate::cli::output::write_stdout(format_args!("{}\n", format_args!($($arg)*)))
     };
 }
 
@@ -26,11 +26,13 @@ mod bench_projection;
 mod bench_serve;
 mod calibrate;
 mod chat;
+mod commands;
 mod compare;
 mod devices;
 mod embed;
 mod mpi;
 mod options;
+mod output;
 mod plan;
 mod project;
 mod run;
@@ -38,77 +40,12 @@ mod server;
 mod text;
 mod trace;
 
-use clap::{Parser, Subcommand};
+use clap::Parser;
+use commands::{Cli, Command};
 use wgpar::device::Adapters;
-use wgpar::{Result, WgparError};
+use wgpar::Result;
 
 use std::path::Path;
-
-/// The exit statuses, by class (docs/USAGE.md, "Exit status").
-const EXIT_STATUS: &str = "Exit status: 0 success; 1 failure while running (a device, file, \
-model, link, rank or memory); 2 usage error (an option or a combination of them); 70 internal \
-error (a library call out of order or a broken invariant: please report it)";
-
-/// wgpar: run transformer inference across several GPUs of any vendor and backend, and see
-/// where the time goes (tensor vs pipeline parallelism, PCIe vs NVLink).
-#[derive(Parser)]
-#[command(name = "wgpar", version, about, long_about = None, after_help = EXIT_STATUS)]
-pub struct Cli {
-    #[command(subcommand)]
-    command: Option<Command>,
-    #[command(flatten)]
-    mpi: mpi::MpiArgs,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// List every adapter on every backend, with the limits and features that matter.
-    Devices {
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Prefill a batch of prompts and greedily decode, reporting tokens/s; with --prompt and a
-    /// model folder, generate text.
-    Run(options::RunArgs),
-    /// OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics) over any
-    /// strategy, with continuous batching; the benchmark is `bench serve`.
-    Serve(server::ServerArgs),
-    /// Interactive chat in the terminal through the model's chat template, on any strategy:
-    /// replies stream as they are generated, /reset and /exit, Ctrl-C stops a reply.
-    Chat(chat::ChatArgs),
-    /// Single vs tensor vs pipeline vs hybrid parallelism: measured here, projected onto host
-    /// profiles, with verdicts, a Markdown report and SVG charts.
-    Compare(compare::CompareArgs),
-    /// Sentence embeddings of texts with an encoder checkpoint (BERT, e.g. all-MiniLM-L6-v2),
-    /// and their pairwise cosine similarities.
-    Embed(embed::EmbedArgs),
-    /// Modeled projections of a model on host profiles, for models and machines not at hand
-    /// (TP all-reduce share vs batch and sequence, PP vs TP throughput, bubble cost).
-    Plan(plan::PlanArgs),
-    /// Collectives between devices through host memory, nccl-tests style (-b 8 -e 64M -f 2).
-    Allreduce(allreduce::AllreduceArgs),
-    /// Benchmarks.
-    Bench {
-        #[command(subcommand)]
-        what: bench::BenchCommand,
-    },
-    /// Measure this machine (links, host reduce, kernel rates) and write a host profile.
-    Calibrate(calibrate::CalibrateArgs),
-    /// Replay a recorded run (`run --trace`) on a host profile.
-    Project(project::ProjectArgs),
-}
-
-/// Writes `text` to stdout and flushes it, so that a failed write is seen here, by the command
-/// that printed, and not lost in the flush at exit.
-pub(crate) fn write_stdout(text: std::fmt::Arguments) -> Result<()> {
-    use std::io::Write;
-    let mut stdout = std::io::stdout().lock();
-    stdout
-        .write_fmt(text)
-        .and_then(|()| stdout.flush())
-        .map_err(|source| WgparError::Stdout { source })
-}
 
 /// Where no Wayland display can be reached (`XDG_RUNTIME_DIR` unset or not a folder, and
 /// `WAYLAND_DISPLAY` unset or relative to it: a headless shell, CI), adapter discovery would

@@ -3,78 +3,13 @@
 //! Without the `mpi` feature this module only detects a launch and refuses it (N independent
 //! copies of a run would each use every device and report N times).
 
-use clap::Args;
-use wgpar::dist::{launch, DistError, RankFault};
-use wgpar::Result;
-
-/// Options of every command about MPI ranks.
-#[derive(Args, Clone, Debug)]
-pub struct MpiArgs {
-    /// Run as MPI ranks even if no launcher is detected (it is detected from the variables
-    /// mpirun sets: OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK). Needs a build with `--features
-    /// mpi`.
-    #[arg(long, global = true)]
-    mpi: bool,
-    /// Under MPI: seconds any wait on another rank may take before the run fails with an
-    /// error naming that rank.
-    #[arg(long, global = true, default_value_t = 120.0, value_name = "SECS")]
-    mpi_timeout: f64,
-    /// Under MPI, for tests and demonstrations of the failure path: make RANK fail with KIND
-    /// (error, panic, kill, hang) after AFTER micro-batches (error, panic in a pipeline; steps
-    /// of tensor parallelism) or milliseconds (kill: SIGKILL; hang: SIGSTOP).
-    #[arg(long, global = true, value_name = "RANK:KIND[:AFTER]")]
-    mpi_fault: Option<String>,
-}
-
-impl MpiArgs {
-    /// True when this process is one of several MPI ranks (or `--mpi` asks for it). A binary
-    /// without the feature refuses a parallel launch here, before anything else runs.
-    pub fn active(&self) -> Result<bool> {
-        let detected = launch::detect();
-        if cfg!(feature = "mpi") {
-            return Ok(self.mpi || detected.is_some_and(|l| l.is_parallel()));
-        }
-        if self.mpi {
-            return Err(DistError::FeatureMissing.into());
-        }
-        match detected {
-            Some(l) if l.is_parallel() => Err(DistError::NotBuilt {
-                launcher: l.launcher,
-                rank: l.rank,
-                size: l.size,
-            }
-            .into()),
-            _ => Ok(false),
-        }
-    }
-
-    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-    fn fault(&self) -> Result<Option<RankFault>> {
-        self.mpi_fault.as_deref().map(RankFault::parse).transpose()
-    }
-
-    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-    fn timeout(&self) -> Result<std::time::Duration> {
-        if !(self.mpi_timeout.is_finite() && self.mpi_timeout > 0.0) {
-            return Err(wgpar::WgparError::option(
-                "--mpi-timeout",
-                format!(
-                    "--mpi-timeout {}: must be a positive number of seconds",
-                    self.mpi_timeout
-                ),
-            ));
-        }
-        Ok(std::time::Duration::from_secs_f64(self.mpi_timeout))
-    }
-}
-
 #[cfg(feature = "mpi")]
 pub use ranks::main;
 
 #[cfg(not(feature = "mpi"))]
-/// Unreachable without the feature: [`MpiArgs::active`] refuses first.
-pub fn main(_cli: super::Cli) -> Result<()> {
-    Err(DistError::FeatureMissing.into())
+/// Unreachable without the feature: `MpiArgs::active` refuses first.
+pub fn main(_cli: super::commands::Cli) -> wgpar::Result<()> {
+    Err(wgpar::dist::DistError::FeatureMissing.into())
 }
 
 /// The commands under `mpirun`: each parses as in one process, calls the rank's part of the
@@ -96,9 +31,9 @@ mod ranks {
 
     use crate::cli::allreduce::AllreduceArgs;
     use crate::cli::calibrate::CalibrateArgs;
+    use crate::cli::commands::{Cli, Command};
     use crate::cli::options::{DeviceArgs, MemoryArgs, ModelArgs, RunArgs};
     use crate::cli::server::{self, Prepared, ServerArgs};
-    use crate::cli::{Cli, Command};
 
     /// Runs the command as one rank of the job. A failure is reported to every other rank
     /// (which stop at once, naming this one) and ends the job; never returns an error.

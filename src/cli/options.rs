@@ -1,11 +1,12 @@
 //! The option structs every command shares (devices, model, strategy, memory, text, a run's
-//! options), each turned into the library's plain choice it stands for. Commands import
+//! options, MPI's), each turned into the library's plain choice it stands for. Commands import
 //! these, never each other.
 
 use std::path::PathBuf;
 
 use clap::Args;
 use wgpar::device::{parse_binding, parse_virtual, BindingChoice, DeviceChoice, KvCacheType};
+use wgpar::dist::{launch, DistError, RankFault};
 use wgpar::load::ModelChoice;
 use wgpar::model::hub::ModelRef;
 use wgpar::parallel::choice::{parse_counts, Counts, StrategyChoice};
@@ -322,4 +323,67 @@ pub struct MemoryArgs {
     /// before any device is opened, with each device's bytes by kind.
     #[arg(long, value_name = "SIZE[,SIZE...]")]
     pub gpu_memory: Option<String>,
+}
+
+/// Options of every command about MPI ranks.
+#[derive(Args, Clone, Debug)]
+pub struct MpiArgs {
+    /// Run as MPI ranks even if no launcher is detected (it is detected from the variables
+    /// mpirun sets: OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK). Needs a build with `--features
+    /// mpi`.
+    #[arg(long, global = true)]
+    mpi: bool,
+    /// Under MPI: seconds any wait on another rank may take before the run fails with an
+    /// error naming that rank.
+    #[arg(long, global = true, default_value_t = 120.0, value_name = "SECS")]
+    mpi_timeout: f64,
+    /// Under MPI, for tests and demonstrations of the failure path: make RANK fail with KIND
+    /// (error, panic, kill, hang) after AFTER micro-batches (error, panic in a pipeline; steps
+    /// of tensor parallelism) or milliseconds (kill: SIGKILL; hang: SIGSTOP).
+    #[arg(long, global = true, value_name = "RANK:KIND[:AFTER]")]
+    mpi_fault: Option<String>,
+}
+
+impl MpiArgs {
+    /// True when this process is one of several MPI ranks (or `--mpi` asks for it). A binary
+    /// without the feature refuses a parallel launch here, before anything else runs.
+    pub fn active(&self) -> Result<bool> {
+        let detected = launch::detect();
+        if cfg!(feature = "mpi") {
+            return Ok(self.mpi || detected.is_some_and(|l| l.is_parallel()));
+        }
+        if self.mpi {
+            return Err(DistError::FeatureMissing.into());
+        }
+        match detected {
+            Some(l) if l.is_parallel() => Err(DistError::NotBuilt {
+                launcher: l.launcher,
+                rank: l.rank,
+                size: l.size,
+            }
+            .into()),
+            _ => Ok(false),
+        }
+    }
+
+    /// `--mpi-fault`, parsed.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn fault(&self) -> Result<Option<RankFault>> {
+        self.mpi_fault.as_deref().map(RankFault::parse).transpose()
+    }
+
+    /// `--mpi-timeout`, checked.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn timeout(&self) -> Result<std::time::Duration> {
+        if !(self.mpi_timeout.is_finite() && self.mpi_timeout > 0.0) {
+            return Err(wgpar::WgparError::option(
+                "--mpi-timeout",
+                format!(
+                    "--mpi-timeout {}: must be a positive number of seconds",
+                    self.mpi_timeout
+                ),
+            ));
+        }
+        Ok(std::time::Duration::from_secs_f64(self.mpi_timeout))
+    }
 }

@@ -7,17 +7,17 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
+use wgpar::device::Adapters;
 use wgpar::model::memory::Workload;
 use wgpar::model::ModelConfig;
+use wgpar::parallel::{Encoder, SingleEncoder};
 use wgpar::server::auth::{self, KeySources};
 use wgpar::server::setup::{engine_fault, ServeLimits};
-use wgpar::server::{EngineBuilder, ServerOptions, TextModel};
+use wgpar::server::{EncoderBuilder, EngineBuilder, ServerOptions, TextModel};
 use wgpar::serving::ServingChoice;
 use wgpar::{Result, WgparError};
 
 use super::options::{DeviceArgs, MemoryArgs, ModelArgs, StrategyArgs};
-
-mod encoder;
 
 /// Options of `wgpar serve`.
 #[derive(Args, Clone, Debug)]
@@ -190,7 +190,7 @@ pub fn run(args: &ServerArgs) -> Result<()> {
     check_options(args)?;
     let any = args.model.choice().any_config()?;
     if any.is_encoder() {
-        return encoder::serve(args, prepared(args, any)?);
+        return serve_encoder(args, prepared(args, any)?);
     }
     let Prepared { config, text, opts } = prepare(args)?;
     let plan = serving_choice(args, &config, &opts).plan(config)?;
@@ -239,4 +239,55 @@ fn text_model(args: &ServerArgs, config: &ModelConfig) -> Result<TextModel> {
         max_seq: config.max_seq,
         vocab: config.vocab,
     })
+}
+
+/// `serve --model` an encoder's folder: `/v1/embeddings` on one device (the options of
+/// generation that do not apply are refused by name, before any device opens).
+fn serve_encoder(args: &ServerArgs, prepared: Prepared) -> Result<()> {
+    let Prepared { config, text, opts } = prepared;
+    refuse_for_encoder(args, &config.name)?;
+    let adapters = Adapters::discover()?;
+    let (devices, model) = (args.devices.choice(), args.model.clone());
+    let dim = config.hidden;
+    let build: EncoderBuilder = Box::new(move || {
+        let weights = model.choice().weights(&config)?;
+        let gpus = devices.open(&adapters)?;
+        let dtype = model.choice().dtype(&gpus)?;
+        let encoder = SingleEncoder::new(gpus[0].clone(), &weights, dtype)?;
+        Ok(Box::new(encoder) as Box<dyn Encoder>)
+    });
+    wgpar::server::run_encoder(opts, text, dim, build)
+}
+
+/// Refuses, by name, every option of `serve` that an encoder's server has no use for: it
+/// encodes on one device with no strategy, no memory plan (`--gpu-memory` is checked
+/// against a decoder's accounting), no prefill steps (`--max-batch` bounds its batches),
+/// no sampling and no chat. Each is refused when given at all, default value or not (`--seed`
+/// is `None` unless given).
+fn refuse_for_encoder(args: &ServerArgs, model: &str) -> Result<()> {
+    let refuse = |option: &str, given: bool| match given {
+        true => Err(WgparError::unsupported(format!(
+            "{option} does not apply to an encoder's server (model '{model}' serves \
+             /v1/embeddings)"
+        ))),
+        false => Ok(()),
+    };
+    refuse("more than one device", args.devices.choice().count() > 1)?;
+    refuse(
+        "--strategy",
+        !matches!(args.strategy.strategy.as_str(), "none" | "single"),
+    )?;
+    // --tp, --split, --layers, --partition, --micro-batches, --schedule: none applies to a
+    // single device, which is what the strategy check refuses them for.
+    args.strategy.choice().check_options()?;
+    refuse("--gpu-memory", args.memory.gpu_memory.is_some())?;
+    refuse("--max-prefill-tokens", args.max_prefill_tokens.is_some())?;
+    refuse("--max-step-tokens", args.max_step_tokens.is_some())?;
+    refuse("--no-prefix-cache", args.no_prefix_cache)?;
+    // The seed only makes a preset's synthetic weights; a folder's weights are its own.
+    let synthetic = matches!(args.model.model, wgpar::model::hub::ModelRef::Preset(_));
+    refuse("--seed", args.model.seed.is_some() && !synthetic)?;
+    refuse("--chat-template", args.chat_template.is_some())?;
+    refuse("--pace", args.pace.is_some())?;
+    refuse("--inject-fault", args.inject_fault.is_some())
 }

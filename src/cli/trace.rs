@@ -1,5 +1,4 @@
-//! The trace a run records: written to `--trace` and summarised, with the devices' labels for
-//! its metadata.
+//! The trace a run records: written to `--trace` and summarised.
 
 use wgpar::trace::Recorder;
 use wgpar::Result;
@@ -16,10 +15,4 @@ pub(super) fn write_trace(recorder: &Recorder, path: &str) -> Result<()> {
         outln!("  {line}")?;
     }
     Ok(())
-}
-
-/// The devices' adapters for a trace's metadata: their labels, `; `-separated.
-pub(super) fn adapter_labels(gpus: &[std::sync::Arc<wgpar::device::Gpu>]) -> String {
-    let labels: Vec<String> = gpus.iter().map(|g| g.info().label()).collect();
-    labels.join("; ")
 }

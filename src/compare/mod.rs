@@ -4,6 +4,7 @@
 //! say which strategy wins where, and why.
 
 mod charts;
+pub mod choice;
 mod files;
 mod memory;
 mod modeled;
@@ -34,6 +35,7 @@ use crate::sim::{project_engine, HostProfile, ProjectOptions};
 use crate::trace::{Recorder, Timeline};
 
 pub use charts::{breakdown_svg, scale_svg, throughput_svg};
+pub use choice::{CompareChoice, ComparePlan, ServeChoice};
 pub use files::{write_report, ReportFiles};
 pub use memory::{memory_per_device, runtime_format, DeviceMemory, WeightsSpec, Workload};
 pub use modeled::{modeled_timeline, Formats};

@@ -1,8 +1,9 @@
 //! The report's modeled section at the scale people split models at: Llama-3-8B on four PCIe
 //! GPUs against a DGX H100, and Llama-3-70B on two nodes (TP inside a node, PP across them)
 //! against TP or PP alone, on nodes of PCIe GPUs and on DGX H100 nodes with NVLink inside. The
-//! pipeline rows use the micro-batch count the model finds best for each batch. Built by [`plan`](super::plan::plan), the code behind `wgpar plan`,
-//! so the report and the planner cannot disagree.
+//! pipeline rows use the micro-batch count the model finds best for each batch. Built by
+//! [`plan`](super::plan::plan), the code behind `wgpar plan`, so the report and the planner
+//! cannot disagree.
 
 use serde::Serialize;
 

@@ -2,23 +2,25 @@
 //! `chat`) check before they open a device: the strategy, the devices, the memory, the
 //! injected fault, the pacer and the files they write ([`RunChoice::plan`]); and the engine
 //! of text generation built from that plan ([`RunChoice::generation_engine`]), with its
-//! prompt's input ([`PromptInput`]).
+//! prompt's input ([`PromptInput`]); and a timed run on synthetic prompts from that plan
+//! ([`RunChoice::timed_generation`]), fault armed and warmed up.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use super::arming::{jobs_per_step, FaultSpec};
-use super::auto::Setting;
+use super::auto::{AccountingParts, Setting};
 use super::choice::StrategyChoice;
-use super::{build_engine, Engine, Strategy};
+use super::timed::{adapter_labels, model_line, weight_bytes_line, Timed, TimedRun, WARMUP_STEPS};
+use super::{build_engine, Engine, PipelineStats, Strategy};
 use crate::comm::CommConfig;
-use crate::device::{AdapterDesc, Adapters, DType, DeviceChoice};
+use crate::device::{AdapterDesc, Adapters, DType, DeviceChoice, Gpu};
 use crate::error::{Result, WgparError};
 use crate::files::{check_writable_file, create_trace_file};
 use crate::load::ModelChoice;
-use crate::memory_check::{check_runs_capped, check_runs_fit, PlannedRun};
+use crate::memory_check::{check_runs_capped, check_runs_fit, render_allocated, PlannedRun};
 use crate::model::hf::{Checkpoint, TextTokenizer};
-use crate::model::memory::Workload;
+use crate::model::memory::{per_device, WeightFormat, Workload};
 use crate::model::sampling::SamplingParams;
 use crate::model::{ModelConfig, ModelWeights};
 use crate::sim::{pacer_for, LinkPacer};
@@ -247,6 +249,138 @@ impl RunChoice<'_> {
             recorder,
             paced,
         })
+    }
+}
+
+/// A timed generation on synthetic prompts, done ([`RunChoice::timed_generation`]): what
+/// `wgpar run` prints and writes.
+pub struct TimedGeneration {
+    /// The measured part.
+    pub timed: Timed,
+    /// The decode's pipeline statistics (pipelines only): in flight, the whole decode; under
+    /// GPipe, its last step.
+    pub decode_pipeline: Option<PipelineStats>,
+    /// The recorder `--trace` asks for (disabled without it), with the run's metadata.
+    pub recorder: Recorder,
+    /// Each device's allocated bytes against the accounting's ([`render_allocated`]), taken
+    /// while the engine still held its buffers.
+    pub memory: String,
+    /// The devices' weight bytes beside a GGUF file's tensor bytes ([`weight_bytes_line`]).
+    pub weights: String,
+}
+
+/// The opened devices and the strategy with its measured placement resolved.
+struct Placed {
+    gpus: Vec<Arc<Gpu>>,
+    dtype: DType,
+    strategy: Strategy,
+}
+
+impl RunChoice<'_> {
+    /// `wgpar run` on synthetic prompts, in one call: plans `run` of `config` ([`Self::plan`]),
+    /// opens the devices, loads the weights, resolves a measured placement, builds the engine,
+    /// sets the pacer, arms the fault past the warm-up, warms up, then records the timed part
+    /// ([`TimedRun::run`]) and checks the devices' bytes against the accounting. `say` gets
+    /// each line as it happens (the model, the engine, the pacing, the fault), so that a run
+    /// that fails later has said what it was.
+    pub fn timed_generation(
+        &self,
+        config: &ModelConfig,
+        run: TimedRun,
+        say: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<TimedGeneration> {
+        let adapters = Adapters::discover()?;
+        // The timed part: one prefill, then a generation (a prefill and gen - 1 decode steps).
+        let plan = self.plan(config, &adapters, (run.batch, run.prompt_len), run.gen + 1)?;
+        let work = Workload {
+            batch: run.batch,
+            prompt: run.prompt_len,
+        };
+        let (placed, weights) = self.open_placed(config, &adapters, &plan, work)?;
+        // What the engine holds from here on (the measurement's probe models are gone).
+        let before: Vec<u64> = placed.gpus.iter().map(|g| g.bytes_live()).collect();
+        let format = WeightFormat::of_weights(&weights, placed.dtype);
+        say(&model_line(config, &weights, placed.dtype, &placed.gpus))?;
+        let mut engine = self.ready_engine(&placed, weights, plan, run, say)?;
+        let recorder = self.recorder();
+        run.describe(&recorder, &config.name, &engine.name());
+        recorder.set_meta("dtype", format!("{:?}", placed.dtype).to_lowercase());
+        recorder.set_meta("adapters", adapter_labels(&placed.gpus));
+        engine.set_recorder(recorder.clone());
+        let timed = run.run(engine.as_mut(), config.vocab)?;
+        let memory = AccountingParts::of(&placed.gpus, format, work);
+        let accounted = per_device(&placed.strategy, placed.gpus.len(), &memory.spec(config))?;
+        Ok(TimedGeneration {
+            timed,
+            decode_pipeline: engine.pipeline_stats(),
+            recorder,
+            memory: render_allocated(&placed.gpus, &accounted, &before),
+            weights: weight_bytes_line(self.model, &accounted)?,
+        })
+    }
+
+    /// Opens the plan's devices, loads the weights and resolves a measured placement
+    /// (`--layers auto`, `--partition balanced`, `--split auto`), so that the accounting sees
+    /// the engine's split.
+    fn open_placed(
+        &self,
+        config: &ModelConfig,
+        adapters: &Adapters,
+        plan: &RunPlan,
+        work: Workload,
+    ) -> Result<(Placed, ModelWeights)> {
+        let count = plan.strategy.devices_used(plan.adapters.len());
+        let gpus = self.devices.open_first(adapters, count)?;
+        let dtype = self.model.dtype(&gpus)?;
+        debug_assert_eq!(dtype, plan.dtype);
+        let weights = self.model.weights(config)?;
+        let auto = self.strategy.auto_placement(self.gpu_memory);
+        let strategy = auto.once_open(&plan.strategy, &gpus, (&weights, dtype), work)?;
+        let placed = Placed {
+            gpus,
+            dtype,
+            strategy,
+        };
+        Ok((placed, weights))
+    }
+
+    /// Builds the engine (the host weights dropped once it holds them), says its name, sets
+    /// the pacer and the fault (shifted past the warm-up's jobs, so that it counts the timed
+    /// run's), and runs the untimed warm-up.
+    fn ready_engine(
+        &self,
+        placed: &Placed,
+        weights: ModelWeights,
+        plan: RunPlan,
+        run: TimedRun,
+        say: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Box<dyn Engine>> {
+        let probe = (run.batch, run.prompt_len);
+        let comm = CommConfig::default();
+        let (gpus, dtype, strategy) = (&placed.gpus, placed.dtype, &placed.strategy);
+        let mut engine = build_engine(strategy, gpus, &weights, dtype, &comm, probe)?;
+        let vocab = weights.config.vocab;
+        drop(weights);
+        say(&format!("engine: {}", engine.name()))?;
+        if let Some((pacer, what)) = plan.pacer {
+            say(&format!("pacing transfers to {what}"))?;
+            engine.set_pacer(Some(Arc::new(pacer)));
+        }
+        if let Some(f) = plan.fault {
+            let fault = f.past_warmup(WARMUP_STEPS, jobs_per_step(strategy, self.micro()));
+            say(&format!(
+                "injecting a {:?} fault into {} {} after {} of its jobs in the timed run ({} \
+                 with the warm-up's)",
+                f.fault.kind,
+                if f.stage { "stage" } else { "rank" },
+                f.worker,
+                f.fault.after,
+                fault.after
+            ))?;
+            engine.inject_fault(f.worker, fault)?;
+        }
+        run.warm_up(engine.as_mut(), vocab)?;
+        Ok(engine)
     }
 }
 

@@ -8,7 +8,9 @@ use std::time::Instant;
 use super::{generate, generate_keeping, Engine, Generation, KeepLogits, PipelineStats, StepStats};
 use crate::device::{DType, Gpu};
 use crate::error::{Result, WgparError};
-use crate::model::ModelWeights;
+use crate::load::ModelChoice;
+use crate::model::memory::DeviceBytes;
+use crate::model::{ModelConfig, ModelWeights};
 use crate::trace::Recorder;
 
 /// Steps of the untimed warm-up (a generation of 2 tokens: a prefill and one decode step).
@@ -133,6 +135,51 @@ pub fn write_logits(path: &str, batch: usize, vocab: usize, g: &Generation) -> R
         path: path.to_string(),
         source,
     })
+}
+
+/// The line that says what runs: the model's shape, how its weights are held and the KV
+/// caches' type.
+pub fn model_line(
+    config: &ModelConfig,
+    weights: &ModelWeights,
+    dtype: DType,
+    gpus: &[Arc<Gpu>],
+) -> String {
+    format!(
+        "model {} ({} arch, {} layers, hidden {}, {:.1}M params, {}, {})",
+        config.name,
+        format!("{:?}", config.arch).to_lowercase(),
+        config.layers,
+        config.hidden,
+        config.params() as f64 / 1e6,
+        storage_of(weights, dtype),
+        kv_of(gpus),
+    )
+}
+
+/// The devices' weight bytes (as accounted, which the memory lines check against what was
+/// allocated; summed over devices) beside a GGUF file's tensor bytes, so that a file widened
+/// on the device shows.
+pub fn weight_bytes_line(model: ModelChoice<'_>, accounted: &[DeviceBytes]) -> Result<String> {
+    let device: u64 = accounted.iter().map(|a| a.weights).sum();
+    let file = match model.checkpoint_dir() {
+        Some(path) if crate::model::gguf::is_gguf(path) => {
+            let f = crate::model::gguf::GgufFile::open(path)?;
+            let bytes: u64 = (f.tensors.iter())
+                .map(|(_, i)| (i.end - i.start) as u64)
+                .sum();
+            let ratio = device as f64 / bytes.max(1) as f64;
+            format!(", the file's tensors {bytes} B ({ratio:.2}x)")
+        }
+        _ => String::new(),
+    };
+    Ok(format!("weights: {device} B on the device(s){file}"))
+}
+
+/// The devices' adapters for a trace's metadata: their labels, `; `-separated.
+pub fn adapter_labels(gpus: &[Arc<Gpu>]) -> String {
+    let labels: Vec<String> = gpus.iter().map(|g| g.info().label()).collect();
+    labels.join("; ")
 }
 
 /// How the weights are held on the device: packed into one block type, the file's own
