@@ -627,6 +627,34 @@ impl ModelConfig {
             .then_some(s.window)
     }
 
+    /// The most new positions one step may write per sequence (a prefill chunk), where the
+    /// model has ring layers: a sliding window rounded up to whole KV blocks. `None`: no
+    /// bound (every layer's cache holds the whole context).
+    pub fn ring_step(&self) -> Option<usize> {
+        let s = self.sliding.as_ref()?;
+        let block = crate::kernels::ops::KV_BLOCK;
+        let step = s.window.div_ceil(block) * block;
+        let ring = (s.window - 1 + step).div_ceil(block) * block;
+        // A ring as long as the context saves nothing: the layer stays paged.
+        (s.layers.iter().any(|&on| on) && ring < self.max_seq).then_some(step)
+    }
+
+    /// The rows a sliding layer's cache keeps per slot (a ring: position p at row p % rows),
+    /// where layer `i` has one: its window less one plus [`Self::ring_step`], in whole KV
+    /// blocks; every key a step's queries see is then still there after the step's writes.
+    pub fn layer_ring(&self, i: usize) -> Option<usize> {
+        let window = self.layer_window(i)?;
+        let step = self.ring_step()?;
+        let block = crate::kernels::ops::KV_BLOCK;
+        Some((window - 1 + step).div_ceil(block) * block)
+    }
+
+    /// Positions layer `i`'s KV cache holds per slot: its ring ([`Self::layer_ring`]), or
+    /// `max_seq`. What the engines allocate and the memory accounting counts.
+    pub fn cached_positions(&self, i: usize) -> usize {
+        self.layer_ring(i).unwrap_or(self.max_seq)
+    }
+
     /// The config the sliding layers' RoPE tables come from: their own base, no scaling and
     /// no per-pair factors. `None` without sliding layers.
     pub fn local_rope(&self) -> Option<ModelConfig> {
@@ -763,6 +791,26 @@ mod tests {
             ..g
         };
         assert_eq!(capped.cost_model_gaps(), None);
+    }
+
+    #[test]
+    fn a_sliding_layer_caches_its_window_and_one_step() {
+        // Gemma 3 1B: window 512, a step of 512, 1023 rows in whole blocks: 1024.
+        let g = ModelConfig::gemma3_1b();
+        assert_eq!(g.ring_step(), Some(512));
+        assert_eq!(g.cached_positions(0), 1024);
+        assert_eq!(g.layer_ring(5), None, "layer 5 is global");
+        assert_eq!(g.cached_positions(5), 32_768);
+        // tiny-gemma3: window 5, a step of one block (16), 20 rows: 32 of 96.
+        let t = ModelConfig::preset("tiny-gemma3").unwrap();
+        assert_eq!((t.ring_step(), t.cached_positions(0)), (Some(16), 32));
+        assert_eq!(t.cached_positions(2), t.max_seq);
+        // A ring as long as the context saves nothing: the layers stay paged, no step bound.
+        let short = ModelConfig { max_seq: 32, ..t };
+        assert_eq!((short.ring_step(), short.cached_positions(0)), (None, 32));
+        let llama = ModelConfig::preset("tiny-llama").unwrap();
+        assert_eq!(llama.ring_step(), None);
+        assert_eq!(llama.cached_positions(0), llama.max_seq);
     }
 
     #[test]
