@@ -771,6 +771,30 @@ fn plain_engines_prefill_a_long_prompt_in_ring_chunks() {
     check_engine("hybrid tp=2 x pp=2", &mut hybrid, &w, &run);
 }
 
+/// What a cache allocates is what the accounting counts: a sliding layer's keys and values
+/// over its 32-row ring, the global layer's over all 96 positions (plus the block table).
+#[test]
+fn a_sliding_layers_cache_allocates_its_ring_as_accounted() {
+    use wgpar::model::memory::kv_cache_bytes;
+    let w = weights(3, 50);
+    let c = &w.config;
+    let gpu = common::gpus(1).remove(0);
+    let e = single(gpu.clone(), &w);
+    let slots = 3;
+    let before = gpu.bytes_live();
+    let _kv = e.model().kv_cache(slots).unwrap();
+    let grew = gpu.bytes_live() - before;
+    let table = (4 * slots * c.max_seq.div_ceil(16)) as u64;
+    let per_row = (2 * slots * c.kv_dim() * 4) as u64;
+    let want = per_row * (2 * 32 + 96);
+    assert_eq!(
+        kv_cache_bytes(c, e.model().placement(), slots, DType::F32),
+        want
+    );
+    assert_eq!(grew, want + table, "allocated bytes");
+    assert!(want < per_row * 3 * 96, "the rings save memory");
+}
+
 /// Rings of `rows` rows holding positions `0..end[s]` of slot s of a `[slots][nkv][max_seq][d]`
 /// cache: position p at row p % rows, the latest position written last.
 fn ring_of(

@@ -714,20 +714,10 @@ impl ModelConfig {
     /// Where `plan`'s figures for this model count what wgpar holds today rather than what the
     /// model needs: `None` when nowhere. The cost models (`plan`'s projection, the engines' span
     /// accounting) charge Gemma 3's sliding-window layers the keys of their window and its
-    /// extra elementwise passes; the memory columns count a sliding layer's KV cache over the
-    /// whole context, as wgpar allocates it until a window-only (ring-buffer) cache exists.
+    /// extra elementwise passes, and the memory columns count a sliding layer's KV cache over
+    /// its ring ([`Self::cached_positions`]), as the engines allocate it: nothing is left.
     pub fn cost_model_gaps(&self) -> Option<String> {
-        let s = self.sliding.as_ref()?;
-        let n = s.layers.iter().filter(|&&on| on).count();
-        (n > 0).then(|| {
-            format!(
-                "{}: the time model charges its {n} sliding-window layers attention over at \
-                 most {} keys a query, but the memory columns count their KV cache over the \
-                 whole context, as wgpar holds it today (the window is a mask over that cache, \
-                 not a ring buffer yet).",
-                self.name, s.window
-            )
-        })
+        None
     }
 
     /// All parameters (embeddings and head included).
@@ -773,24 +763,14 @@ mod tests {
     }
 
     #[test]
-    fn cost_model_gaps_name_only_the_sliding_layers_kv_memory() {
-        assert_eq!(
-            ModelConfig::preset("tiny-llama").unwrap().cost_model_gaps(),
-            None
-        );
-        let g = ModelConfig::gemma3_1b();
-        let gaps = g.cost_model_gaps().unwrap();
-        // Gemma 3 1B: 26 layers, every sixth global, a window of 512.
-        assert!(gaps.contains("its 22 sliding-window layers"), "{gaps}");
-        assert!(gaps.contains("at most 512 keys"), "{gaps}");
-        assert!(gaps.contains("KV cache over the whole context"), "{gaps}");
-        // Norms, the embedding scale and a soft-cap are charged: no gap without sliding layers.
-        let capped = ModelConfig {
-            final_softcap: Some(30.0),
-            sliding: None,
-            ..g
-        };
-        assert_eq!(capped.cost_model_gaps(), None);
+    fn cost_model_gaps_name_nothing_once_sliding_layers_cache_their_ring() {
+        for c in [
+            ModelConfig::preset("tiny-llama").unwrap(),
+            ModelConfig::gemma3_1b(),
+            ModelConfig::gemma3_27b(),
+        ] {
+            assert_eq!(c.cost_model_gaps(), None, "{}", c.name);
+        }
     }
 
     #[test]
