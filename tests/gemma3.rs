@@ -959,3 +959,63 @@ fn ring_attention_matches_f64_in_every_variant() {
     }
     assert!(compared >= 6, "compared {compared}");
 }
+
+/// The prefix cache is off for a model whose sliding layers keep a ring (no cached block
+/// holds a ring's window): multi-turn chats served with `prefix_cache` on reuse nothing and
+/// give the tokens of the run with it off, every prompt prefilled whole in chunks of the
+/// ring's step, on one device, TP and a pipeline.
+#[test]
+fn a_ring_model_serves_chats_with_the_prefix_cache_off() {
+    use wgpar::batching::{serve, Length, Rate, ServeOptions, Sessions, WorkloadSpec};
+    use wgpar::parallel::{build_step_engine, PartitionSpec, Schedule, Strategy};
+    use wgpar::trace::Recorder;
+    let w = weights(3, 51);
+    assert!(!wgpar::batching::reuses_prefixes(&w.config));
+    let spec = WorkloadSpec {
+        requests: 3,
+        rate: Rate::Burst,
+        prompt_len: Length::Uniform { min: 3, max: 6 },
+        output_len: Length::Uniform { min: 2, max: 4 },
+        seed: 31,
+    };
+    let chats = Sessions {
+        shared_prefix: 20,
+        turns: 3,
+    }
+    .generate(&spec, w.config.vocab);
+    let gpus = common::gpus(2);
+    let pipeline = Strategy::Pipeline {
+        partition: PartitionSpec::Even,
+        micro_batches: 2,
+        schedule: Schedule::InFlight,
+    };
+    for (label, strategy, n) in [
+        ("single", Strategy::Single, 1),
+        ("tp2", Strategy::Tensor { split: None }, 2),
+        ("pp2 m=2", pipeline, 2),
+    ] {
+        let run = |cache: bool| {
+            let comm = CommConfig::default();
+            let mut e =
+                build_step_engine(&strategy, &gpus[..n], &w, DType::F32, &comm, (2, 48)).unwrap();
+            let opts = ServeOptions {
+                max_batch: 2,
+                max_prefill_tokens: 128,
+                max_step_tokens: 512,
+                prefix_cache: cache,
+            };
+            serve(e.as_mut(), &chats, &opts, Recorder::new(), &mut |_, _| {})
+                .unwrap_or_else(|e| panic!("{label} (cache {cache}): {e}"))
+        };
+        let (with, without) = (run(true), run(false));
+        assert_eq!(with.prefix, Default::default(), "{label}: nothing reused");
+        let mut longest = 0;
+        for (a, b) in with.outcomes.iter().zip(&without.outcomes) {
+            assert_eq!((&a.error, &b.error), (&None, &None), "{label} {}", a.id);
+            assert_eq!(a.tokens.len(), a.max_new, "{label} {}", a.id);
+            assert_eq!(a.tokens, b.tokens, "{label} request {}", a.id);
+            longest = longest.max(a.prompt_len);
+        }
+        assert!(longest > 16, "{label}: a prompt went in several chunks");
+    }
+}

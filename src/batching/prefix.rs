@@ -619,6 +619,26 @@ mod tests {
     }
 
     #[test]
+    fn a_model_with_ring_layers_reuses_no_prefix() {
+        let gemma = ModelConfig::preset("tiny-gemma3").unwrap();
+        assert!(gemma.layer_ring(0).is_some());
+        assert!(!reuses_prefixes(&gemma));
+        let mut c = PrefixCache::for_model(2, &gemma, true);
+        assert!(!c.enabled());
+        let prompt = ids(0..40);
+        let t = c.take(&prompt).unwrap();
+        c.register(t.slot, &prompt, span(1));
+        c.release(t.slot, &prompt, span(2));
+        let again = c.take(&prompt).unwrap();
+        assert_eq!(again.reused, 0, "nothing reused: {again:?}");
+        // Every layer paged (no ring): the cache is on.
+        let llama = ModelConfig::preset("tiny-llama").unwrap();
+        assert!(reuses_prefixes(&llama));
+        assert!(PrefixCache::for_model(2, &llama, true).enabled());
+        assert!(!PrefixCache::for_model(2, &llama, false).enabled());
+    }
+
+    #[test]
     fn a_shared_prefix_is_referenced_and_counted_not_copied() {
         let mut c = cache(3);
         let a = c.take(&ids(0..10)).unwrap();
