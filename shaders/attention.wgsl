@@ -4,7 +4,9 @@
 //       seqs[2b], and its token i sits at position past + i (validated on the host; clamped
 //       to the cache here regardless)
 // k,v:  cache [slots][n_kv_heads][max_seq][head_dim], already holding positions 0 ..= past + i,
-//       read as a pool of blocks of KV_BLOCK positions through the block table (see kv_row)
+//       read as a pool of blocks of KV_BLOCK positions through the block table (see kv_row),
+//       or a ring [slots][n_kv_heads][ring][head_dim] on a sliding layer: keys older than the
+//       window are masked, so a ring row overwritten since is never read
 // lens: [batch] keys per sequence that are real (not padding), read only when not causal
 // out:  [tokens][n_heads * head_dim]
 // Causal (decoders): token i sees positions 0 ..= past + i. Bidirectional (encoders): every
@@ -29,7 +31,9 @@ struct Params {
     causal: u32,
     // Keys a causal query sees, its own included; 0: every earlier one.
     window: u32,
-    _pad0: u32,
+    // Rows of a ring layer's cache per slot and head (position p at row p % ring, the window
+    // and one step's new keys); 0: paged through kv_blocks.
+    ring: u32,
     _pad1: u32,
     _pad2: u32,
 }

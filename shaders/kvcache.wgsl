@@ -1,7 +1,8 @@
 // Appends new keys and values to a layer's KV cache.
 // k_new, v_new: [tokens = batch * seq][n_kv_heads * head_dim]
 // caches:       [slots][n_kv_heads][max_seq][head_dim], a pool of blocks of KV_BLOCK positions
-//               addressed through the block table kv_blocks (as attention.wgsl's kv_row)
+//               addressed through the block table kv_blocks (as attention.wgsl's kv_row), or
+//               [slots][n_kv_heads][ring][head_dim], a ring per slot (a sliding layer)
 // seqs:         the step's sequence table, [batch][2] = (KV slot, past): token (b, i) lands in
 //               slot seqs[2b] at position seqs[2b + 1] + i (validated on the host; a slot or
 //               position outside the cache is skipped here regardless).
@@ -18,7 +19,12 @@ struct Params {
     group: u32,
     q_offset: u32,
     kv_offset: u32,
-    _pad: u32,
+    causal: u32,
+    window: u32,
+    // Rows of a ring layer's cache per slot and head (position p at row p % ring); 0: paged.
+    ring: u32,
+    _pad0: u32,
+    _pad1: u32,
 }
 
 // KT: the cache's stored type (f32, or f16 in the f16 variant); activations are f32.

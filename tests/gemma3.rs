@@ -10,6 +10,7 @@
 mod common;
 mod gguf_support;
 mod hf_support;
+mod kv_copy_support;
 
 use common::decoder::{assert_same_weights, check_engine, reference, same_logits, single, Greedy};
 
@@ -17,7 +18,7 @@ use gguf_support::{write_gguf, GgufSpec, GgufTensor};
 use hf_support::{write_safetensors, Store};
 use serde_json::{json, Value};
 use wgpar::comm::CommConfig;
-use wgpar::device::DType;
+use wgpar::device::{DType, KvCacheType};
 use wgpar::kernels::ops::{self, Elementwise};
 use wgpar::model::hf::Checkpoint;
 use wgpar::model::quant::QuantType;
@@ -672,5 +673,349 @@ fn windowed_attention_matches_f64_in_every_variant() {
                 "seq {seq} {kernel:?}: relative error {err:.2e}"
             );
         }
+    }
+}
+
+/// Relative error of `got` against `want` (the reference's f32 logits).
+fn rel(got: &[f32], want: &[f32]) -> f64 {
+    let want: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+    common::rel_err(got, &want)
+}
+
+/// Sliding layers keep a ring of 32 rows (window 5 and a step of 16) in slots of 96. Every
+/// slot's cache is filled with garbage first; then two sequences, in slots 2 and 0, take a
+/// prompt of 40 tokens in chunks of 16, 16 and 8 and decode to position 95 (three rings
+/// over): every step's logits within the bar of the f64 reference and its greedy tokens, on
+/// every engine. A step of more new positions than the ring's step is refused by name.
+#[test]
+fn a_ring_cache_generates_past_three_rings_on_every_engine() {
+    use kv_copy_support::{engine, gpus, row, run, step, strategies, SLOTS};
+    let w = weights(4, 48);
+    let c = w.config.clone();
+    let ring = (c.cached_positions(0), c.cached_positions(2), c.ring_step());
+    assert_eq!(
+        ring,
+        (32, 96, Some(16)),
+        "layers 0, 1, 3 slide; layer 2 is global"
+    );
+    let (prompt, slots) = (40, [2, 0]);
+    let prompts = common::prompts(2, prompt, c.vocab, 7);
+    let steps = c.max_seq - prompt;
+    let (want_tokens, want_logits) = reference(&w, &prompts, steps);
+    let all = gpus(4, KvCacheType::F32).unwrap();
+    let mut compared = 0;
+    for (name, strategy, devices) in strategies() {
+        let mut e = engine(&strategy, &all[..devices], &w);
+        for past in [0, 16] {
+            let garbage = common::prompts(SLOTS, 16, c.vocab, 9 + past as u64).concat();
+            let rows: Vec<(usize, usize)> = (0..SLOTS).map(|s| (s, past)).collect();
+            run(e.as_mut(), step(&rows, 16, garbage, Vec::new())).unwrap();
+        }
+        if name == "single" {
+            let ids = prompts[0][..17].to_vec();
+            let err = run(e.as_mut(), step(&[(1, 0)], 17, ids, Vec::new())).unwrap_err();
+            let text = err.to_string();
+            assert!(text.contains("chunks of at most 16"), "{name}: {text}");
+        }
+        let rows = |past: usize| [(slots[0], past), (slots[1], past)];
+        let mut done = None;
+        for (past, len) in [(0, 16), (16, 16), (32, 8)] {
+            let ids = [&prompts[0][past..past + len], &prompts[1][past..past + len]].concat();
+            done = Some(run(e.as_mut(), step(&rows(past), len, ids, Vec::new())).unwrap());
+        }
+        let mut tokens = vec![Vec::new(); 2];
+        for (k, want) in want_logits.iter().enumerate() {
+            let d = done.take().unwrap();
+            let got = [row(&d, 0), row(&d, 1)].concat();
+            let err = rel(&got, want);
+            assert!(err <= BAR, "{name} step {k}: relative error {err:.2e}");
+            for (t, &n) in tokens.iter_mut().zip(&d.tokens) {
+                t.push(n);
+            }
+            if k + 1 < want_logits.len() {
+                let next = step(&rows(prompt + k), 1, d.tokens.clone(), Vec::new());
+                done = Some(run(e.as_mut(), next).unwrap());
+            }
+            compared += 1;
+        }
+        assert_eq!(tokens, want_tokens, "{name}: greedy tokens");
+    }
+    assert_eq!(compared, 4 * steps, "every step of every engine compared");
+}
+
+/// A long prompt through the plain engines (`run`'s path) goes in chunks of the ring's
+/// step: 40 tokens, then decode, give the reference's tokens and logits on every engine.
+#[test]
+fn plain_engines_prefill_a_long_prompt_in_ring_chunks() {
+    let w = weights(3, 49);
+    let gpus = common::gpus(4);
+    let run = Greedy {
+        steps: 20,
+        prompt: 40,
+        bar: BAR,
+    };
+    check_engine("single", &mut single(gpus[0].clone(), &w), &w, &run);
+    let mut tp =
+        TensorParallelEngine::new(&gpus[..2], &w, DType::F32, None, CommConfig::default()).unwrap();
+    check_engine("tp=2", &mut tp, &w, &run);
+    let mut hybrid = PipelineEngine::hybrid(
+        &gpus,
+        &w,
+        DType::F32,
+        2,
+        &Partition::Even,
+        2,
+        CommConfig::default(),
+    )
+    .unwrap();
+    check_engine("hybrid tp=2 x pp=2", &mut hybrid, &w, &run);
+}
+
+/// What a cache allocates is what the accounting counts: a sliding layer's keys and values
+/// over its 32-row ring, the global layer's over all 96 positions (plus the block table).
+#[test]
+fn a_sliding_layers_cache_allocates_its_ring_as_accounted() {
+    use wgpar::model::memory::kv_cache_bytes;
+    let w = weights(3, 50);
+    let c = &w.config;
+    let gpu = common::gpus(1).remove(0);
+    let e = single(gpu.clone(), &w);
+    let slots = 3;
+    let before = gpu.bytes_live();
+    let _kv = e.model().kv_cache(slots).unwrap();
+    let grew = gpu.bytes_live() - before;
+    let table = (4 * slots * c.max_seq.div_ceil(16)) as u64;
+    let per_row = (2 * slots * c.kv_dim() * 4) as u64;
+    let want = per_row * (2 * 32 + 96);
+    assert_eq!(
+        kv_cache_bytes(c, e.model().placement(), slots, DType::F32),
+        want
+    );
+    assert_eq!(grew, want + table, "allocated bytes");
+    assert!(want < per_row * 3 * 96, "the rings save memory");
+}
+
+/// Rings of `rows` rows holding positions `0..end[s]` of slot s of a `[slots][nkv][max_seq][d]`
+/// cache: position p at row p % rows, the latest position written last.
+fn ring_of(
+    full: &[f32],
+    (slots, nkv, max_seq, d): (usize, usize, usize, usize),
+    rows: usize,
+    end: &[usize],
+) -> Vec<f32> {
+    let mut ring = vec![0.0; slots * nkv * rows * d];
+    for (slot, &end) in end.iter().enumerate() {
+        for h in 0..nkv {
+            for p in 0..end {
+                let from = ((slot * nkv + h) * max_seq + p) * d;
+                let to = ((slot * nkv + h) * rows + p % rows) * d;
+                ring[to..to + d].copy_from_slice(&full[from..from + d]);
+            }
+        }
+    }
+    ring
+}
+
+/// A ring cache (a sliding layer's: position p at row p % ring) in every attention variant
+/// that applies against f64, rows whose keys wrap around the ring: the same outputs as the
+/// whole-context layout. A ring read with another length than it was written with does not
+/// match; one too short for the step's window is refused by name.
+#[test]
+fn ring_attention_matches_f64_in_every_variant() {
+    use wgpar::kernels::ops::{Attention, AttnMask, AttnShape, KvAddress, KvCache, Params, Pass};
+    use wgpar::kernels::variants;
+    let gpu = &common::gpus(1)[0];
+    let (nh, nkv, d, max_seq, window, scale) = (4, 2, 24, 64, 5, 0.31f32);
+    let mut compared = 0;
+    for (batch, seq) in [(3, 1), (2, 9), (1, 12)] {
+        let slots = batch + 1;
+        let shape = AttnShape {
+            batch,
+            seq,
+            slots,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: d,
+            max_seq,
+            group: nh / nkv,
+            q_head_offset: 0,
+            kv_head_offset: 0,
+        };
+        let rows_of = (seq + window - 1).div_ceil(16) * 16;
+        // Row b: slot slots-1-b, past 20 + 7b: its keys wrap around the ring.
+        let rows: Vec<(usize, usize)> = (0..batch).map(|b| (slots - 1 - b, 20 + 7 * b)).collect();
+        let mut end = vec![0; slots];
+        for &(slot, past) in &rows {
+            end[slot] = past + seq;
+        }
+        let flat: Vec<u32> = (rows.iter())
+            .flat_map(|&(s, p)| [s as u32, p as u32])
+            .collect();
+        let seqs = gpu.upload_u32("seqs", &flat).unwrap();
+        let tokens = batch * seq;
+        let kc = common::random(shape.cache_len(), 41);
+        let vc = common::random(shape.cache_len(), 42);
+        let q: Vec<f32> = (common::random(tokens * nh * d, 43).iter())
+            .map(|v| v * 3.0)
+            .collect();
+        let qt = gpu.upload_f32("q", &q).unwrap();
+        let at = |slot: usize, h: usize, p: usize| ((slot * nkv + h) * max_seq + p) * d;
+        let mut want = vec![0.0; tokens * nh * d];
+        for t in 0..tokens {
+            let (slot, past) = rows[t / seq];
+            let pos = past + t % seq;
+            let keys = (pos + 1).saturating_sub(window)..pos + 1;
+            for h in 0..nh {
+                let kvh = h / (nh / nkv);
+                let qv = &q[(t * nh + h) * d..(t * nh + h + 1) * d];
+                let score = |p: usize| {
+                    let k = &kc[at(slot, kvh, p)..at(slot, kvh, p) + d];
+                    qv.iter()
+                        .zip(k)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                };
+                let m = keys.clone().map(score).fold(f64::MIN, f64::max);
+                let z: f64 = keys.clone().map(|p| (score(p) - m).exp()).sum();
+                for p in keys.clone() {
+                    let w = (score(p) - m).exp() / z;
+                    for c in 0..d {
+                        want[(t * nh + h) * d + c] += w * vc[at(slot, kvh, p) + c] as f64;
+                    }
+                }
+            }
+        }
+        let layout = (slots, nkv, max_seq, d);
+        // A ring written with `written` rows (padded to `read` rows' size), read as `read`.
+        let attend = |written: usize, read: usize, kernel: Option<&'static str>| {
+            let len = slots * nkv * read * d;
+            let mut k = ring_of(&kc, layout, written, &end);
+            let mut v = ring_of(&vc, layout, written, &end);
+            k.resize(len, 0.0);
+            v.resize(len, 0.0);
+            let (kt, vt) = (
+                gpu.upload_f32("k", &k).unwrap(),
+                gpu.upload_f32("v", &v).unwrap(),
+            );
+            let out = gpu.empty("out", DType::F32, tokens * nh * d).unwrap();
+            gpu.poison(&out);
+            let cache = KvCache {
+                k: &kt,
+                v: &vt,
+                seqs: &seqs,
+            };
+            let address = KvAddress {
+                blocks: None,
+                ring: Some(read),
+            };
+            let mut params = Params::new(gpu, "ring test", 1).unwrap();
+            let mut op = Attention::bind_paged(
+                gpu,
+                &mut params,
+                (&qt, cache, &out),
+                address,
+                &shape,
+                AttnMask::Causal,
+            )
+            .unwrap()
+            .with_scale(Some(scale))
+            .with_window(Some(window))
+            .with_variant(kernel);
+            op.configure(gpu, &mut params, (batch, seq), max_seq)?;
+            params.flush(gpu);
+            let mut enc = gpu.encoder();
+            Pass::new(&mut enc).run(&op).unwrap();
+            gpu.submit(enc);
+            gpu.wait().unwrap();
+            Ok::<_, wgpar::WgparError>(gpu.read_f32(&out).unwrap())
+        };
+        let mut kernels: Vec<Option<&'static str>> = vec![None];
+        kernels.extend(
+            (variants::ATTENTION.iter())
+                .filter(|v| variants::attention_applies(v, seq, d))
+                .map(|v| Some(v.name)),
+        );
+        assert!(kernels.len() >= 2, "no variant applies to seq {seq}");
+        for kernel in kernels {
+            let err = common::rel_err(&attend(rows_of, rows_of, kernel).unwrap(), &want);
+            assert!(
+                err <= 1e-5,
+                "seq {seq} {kernel:?}: relative error {err:.2e}"
+            );
+            let wrong = common::rel_err(&attend(rows_of, rows_of + 16, kernel).unwrap(), &want);
+            assert!(
+                wrong > 1e-2,
+                "seq {seq} {kernel:?}: a ring read at the wrong length matched ({wrong:.2e})"
+            );
+            compared += 1;
+        }
+        let short = seq + window - 2;
+        let e = attend(short, short, None).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("need {} ring rows", seq + window - 1)),
+            "{e}"
+        );
+    }
+    assert!(compared >= 6, "compared {compared}");
+}
+
+/// The prefix cache is off for a model whose sliding layers keep a ring (no cached block
+/// holds a ring's window): multi-turn chats served with `prefix_cache` on reuse nothing and
+/// give the tokens of the run with it off, every prompt prefilled whole in chunks of the
+/// ring's step, on one device, TP and a pipeline.
+#[test]
+fn a_ring_model_serves_chats_with_the_prefix_cache_off() {
+    use wgpar::batching::{serve, Length, Rate, ServeOptions, Sessions, WorkloadSpec};
+    use wgpar::parallel::{build_step_engine, PartitionSpec, Schedule, Strategy};
+    use wgpar::trace::Recorder;
+    let w = weights(3, 51);
+    assert!(!wgpar::batching::reuses_prefixes(&w.config));
+    let spec = WorkloadSpec {
+        requests: 3,
+        rate: Rate::Burst,
+        prompt_len: Length::Uniform { min: 3, max: 6 },
+        output_len: Length::Uniform { min: 2, max: 4 },
+        seed: 31,
+    };
+    let chats = Sessions {
+        shared_prefix: 20,
+        turns: 3,
+    }
+    .generate(&spec, w.config.vocab);
+    let gpus = common::gpus(2);
+    let pipeline = Strategy::Pipeline {
+        partition: PartitionSpec::Even,
+        micro_batches: 2,
+        schedule: Schedule::InFlight,
+    };
+    for (label, strategy, n) in [
+        ("single", Strategy::Single, 1),
+        ("tp2", Strategy::Tensor { split: None }, 2),
+        ("pp2 m=2", pipeline, 2),
+    ] {
+        let run = |cache: bool| {
+            let comm = CommConfig::default();
+            let mut e =
+                build_step_engine(&strategy, &gpus[..n], &w, DType::F32, &comm, (2, 48)).unwrap();
+            let opts = ServeOptions {
+                max_batch: 2,
+                max_prefill_tokens: 128,
+                max_step_tokens: 512,
+                prefix_cache: cache,
+            };
+            serve(e.as_mut(), &chats, &opts, Recorder::new(), &mut |_, _| {})
+                .unwrap_or_else(|e| panic!("{label} (cache {cache}): {e}"))
+        };
+        let (with, without) = (run(true), run(false));
+        assert_eq!(with.prefix, Default::default(), "{label}: nothing reused");
+        let mut longest = 0;
+        for (a, b) in with.outcomes.iter().zip(&without.outcomes) {
+            assert_eq!((&a.error, &b.error), (&None, &None), "{label} {}", a.id);
+            assert_eq!(a.tokens.len(), a.max_new, "{label} {}", a.id);
+            assert_eq!(a.tokens, b.tokens, "{label} request {}", a.id);
+            longest = longest.max(a.prompt_len);
+        }
+        assert!(longest > 16, "{label}: a prompt went in several chunks");
     }
 }

@@ -96,3 +96,29 @@ fn odd_heads_in_odd_slots_are_refused_by_name() {
     );
     run(e.as_mut(), step(&[(0, 0)], 2, vec![3, 4], Vec::new())).unwrap();
 }
+
+/// Gemma 3's sliding layers keep a ring per slot (32 rows in slots of 96): a copy takes the
+/// source slot's ring whole, beside the global layer's positions; the copied prefix then
+/// gives the logits and tokens of one computed in place, decoding past the ring's length's
+/// worth of positions, in f32 and f16 caches, on every engine.
+#[test]
+fn a_ring_models_copied_prefix_gives_the_tokens_of_one_computed_in_place() {
+    let config = ModelConfig::preset("tiny-gemma3").unwrap();
+    assert_eq!((config.cached_positions(0), config.max_seq), (32, 96));
+    let weights = ModelWeights::synthetic(&config, 37);
+    let mut compared = 0;
+    for (kv, kv_label) in [(KvCacheType::F32, "f32 KV"), (KvCacheType::F16, "f16 KV")] {
+        let Some(all) = gpus(4, kv) else { continue };
+        for (name, strategy, devices) in strategies() {
+            let label = format!("{name}, {kv_label}");
+            let mut e = engine(&strategy, &all[..devices], &weights);
+            // Chunks within the ring's step of 16: the prefix, then the rest.
+            for (k, len) in [(7, 12), (16, 30)] {
+                let gap = copy_matches_recompute(&label, e.as_mut(), k, len);
+                assert!(gap <= 1e-5, "{label}, k={k}: logits differ by {gap}");
+                compared += 1;
+            }
+        }
+    }
+    assert!(compared >= 8, "compared {compared} cases");
+}

@@ -41,7 +41,7 @@ pub use bench::ServeBench;
 pub(crate) use chunk::{chunk_budget, plan_chunk};
 pub use chunk::{DEFAULT_STEP_TOKENS, MAX_STEP_TOKENS};
 pub use metrics::{Percentiles, RequestOutcome, ServeMetrics, Timing};
-pub use prefix::{Lookup, PrefixCache, PrefixStats, Taken, DEFAULT_BLOCK};
+pub use prefix::{reuses_prefixes, Lookup, PrefixCache, PrefixStats, Taken, DEFAULT_BLOCK};
 pub use workload::{Length, LongPrompt, Rate, ServeRequest, Sessions, WorkloadSpec};
 
 use crate::error::{Result, WgparError};
@@ -282,7 +282,8 @@ pub fn check_options(opts: &ServeOptions) -> Result<()> {
 
 impl<'a> State<'a> {
     fn new(requests: &'a [ServeRequest], lanes: usize, opts: &ServeOptions, clock: Clock) -> Self {
-        let cache = PrefixCache::new(opts.max_batch, clock.config.max_seq, opts.prefix_cache);
+        let cache = PrefixCache::for_model(opts.max_batch, &clock.config, opts.prefix_cache);
+        let ring_step = clock.config.ring_step();
         let mut next_turn = vec![None; requests.len()];
         for (i, r) in requests.iter().enumerate() {
             if let Some(p) = r.follows {
@@ -329,7 +330,8 @@ impl<'a> State<'a> {
             freed_by: vec![SpanId::NONE; opts.max_batch],
             waiting: VecDeque::new(),
             per_lane: opts.max_batch.div_ceil(lanes),
-            max_prefill_tokens: opts.max_prefill_tokens,
+            // Sliding layers' rings take at most their step of new positions a row.
+            max_prefill_tokens: (opts.max_prefill_tokens).min(ring_step.unwrap_or(usize::MAX)),
             max_step_tokens: opts.max_step_tokens,
             done: 0,
         }

@@ -61,6 +61,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use serde::Serialize;
 
 use crate::kernels::ops::KV_BLOCK;
+use crate::model::ModelConfig;
 use crate::parallel::SlotTable;
 use crate::trace::SpanId;
 
@@ -220,7 +221,24 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
+/// Whether a prefix cached for `config`'s model may be reused: not where sliding-window
+/// layers keep a ring ([`ModelConfig::layer_ring`]). A ring holds only its slot's latest
+/// window, and no block holds a ring layer's KV; a prompt that reused `L` cached positions
+/// would need the ring layers' keys of the window before `L`, which its slot never computed,
+/// and recomputing them needs the keys before those in turn (every layer's input depends on
+/// the earlier layers' windows), back to position 0. So such a model prefills every prompt
+/// whole: the cache is off for it.
+pub fn reuses_prefixes(config: &ModelConfig) -> bool {
+    config.ring_step().is_none()
+}
+
 impl PrefixCache {
+    /// The cache an engine running `config`'s model takes: [`new`](Self::new), off where
+    /// [`reuses_prefixes`] says the model cannot reuse a prefix.
+    pub fn for_model(slots: usize, config: &ModelConfig, enabled: bool) -> Self {
+        Self::new(slots, config.max_seq, enabled && reuses_prefixes(config))
+    }
+
     /// A cache over `slots` free slots of `max_seq` positions, blocks of [`DEFAULT_BLOCK`]
     /// tokens; `enabled: false` reuses nothing.
     pub fn new(slots: usize, max_seq: usize, enabled: bool) -> Self {
@@ -598,6 +616,26 @@ mod tests {
                 assert_eq!(c.blocks[b].refs, 1, "block {b} of slot {slot} is shared");
             }
         }
+    }
+
+    #[test]
+    fn a_model_with_ring_layers_reuses_no_prefix() {
+        let gemma = ModelConfig::preset("tiny-gemma3").unwrap();
+        assert!(gemma.layer_ring(0).is_some());
+        assert!(!reuses_prefixes(&gemma));
+        let mut c = PrefixCache::for_model(2, &gemma, true);
+        assert!(!c.enabled());
+        let prompt = ids(0..40);
+        let t = c.take(&prompt).unwrap();
+        c.register(t.slot, &prompt, span(1));
+        c.release(t.slot, &prompt, span(2));
+        let again = c.take(&prompt).unwrap();
+        assert_eq!(again.reused, 0, "nothing reused: {again:?}");
+        // Every layer paged (no ring): the cache is on.
+        let llama = ModelConfig::preset("tiny-llama").unwrap();
+        assert!(reuses_prefixes(&llama));
+        assert!(PrefixCache::for_model(2, &llama, true).enabled());
+        assert!(!PrefixCache::for_model(2, &llama, false).enabled());
     }
 
     #[test]

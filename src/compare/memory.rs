@@ -203,7 +203,7 @@ fn counted_memory(
     let mut out = Vec::new();
     for (stage, layers) in ranges.iter().enumerate() {
         for (r, shard) in shards.iter().enumerate() {
-            out.push(sizes.device((stage, r), layers.len(), shard));
+            out.push(sizes.device((stage, r), layers.clone(), shard));
         }
     }
     Ok(out)
@@ -229,11 +229,11 @@ struct Sizes<'a> {
 }
 
 impl Sizes<'_> {
-    /// Memory of rank `r` of pipeline stage `stage`, which holds `n_layers` layers of `shard`.
+    /// Memory of rank `r` of pipeline stage `stage`, which holds `layers` of `shard`.
     fn device(
         &self,
         (stage, r): (usize, usize),
-        n_layers: usize,
+        layers: std::ops::Range<usize>,
         shard: &ShardSpec,
     ) -> DeviceMemory {
         let (config, work) = (self.config, self.work);
@@ -241,13 +241,17 @@ impl Sizes<'_> {
         let kvb = c.kv_dtype.bytes();
         let ab = self.engine.wire.dtype.bytes().max(c.dtype.bytes());
         let (h, d) = (config.hidden as f64, config.head_dim as f64);
-        let n_layers = n_layers as f64;
+        // Positions cached per sequence over the layers: a sliding layer's ring at most.
+        let positions: usize = (layers.clone())
+            .map(|i| (self.config.layer_ring(i)).map_or(self.context, |r| r.min(self.context)))
+            .sum();
+        let n_layers = layers.len() as f64;
         let q = shard.local_heads() as f64 * d;
         let kv = shard.local_kv_heads() as f64 * d;
         let ffn = shard.local_ffn() as f64;
         let last = stage + 1 == self.stages;
         let params = self.with_embeddings(n_layers * self.layer_weights(shard), stage, last);
-        let kv_cache = work.batch as f64 * self.context as f64 * n_layers * 2.0 * kv * kvb;
+        let kv_cache = work.batch as f64 * positions as f64 * 2.0 * kv * kvb;
         let tokens = (self.mb_batch * work.prompt) as f64;
         let mut activations = tokens * (4.0 * h + q + 2.0 * kv + 2.0 * ffn) * ab;
         if last {

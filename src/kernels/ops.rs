@@ -958,7 +958,9 @@ struct AttnParams {
     /// Keys a causal query sees, its own included (a sliding window); 0: all of them
     /// (attention only).
     window: u32,
-    _pad: [u32; 3],
+    /// Rows per slot and head of a ring cache (position p at row p % ring); 0: paged.
+    ring: u32,
+    _pad: [u32; 2],
 }
 
 impl AttnParams {
@@ -977,7 +979,8 @@ impl AttnParams {
             kv_offset: to_u32(op, "kv_head_offset", s.kv_head_offset)?,
             causal: causal as u32,
             window: 0,
-            _pad: [0; 3],
+            ring: 0,
+            _pad: [0; 2],
         })
     }
 }
@@ -1009,6 +1012,39 @@ pub struct KvCache<'a> {
     pub seqs: &'a Tensor,
 }
 
+/// How kernels address one layer's cache: through a block table (`[slots][blocks_per_slot]`
+/// u32; `None`: the identity table, which the op then owns), or as a ring per slot.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KvAddress<'a> {
+    /// The block table (also bound, never read, under a ring).
+    pub blocks: Option<&'a Tensor>,
+    /// `Some(rows)`: the cache is `[slots][kv_heads][rows][head_dim]`, position p at row
+    /// p % rows (a sliding-window layer's, which holds only its window and a step's keys).
+    pub ring: Option<usize>,
+}
+
+impl KvAddress<'_> {
+    /// Positions one slot's head holds in a cache of `shape`.
+    fn rows(&self, shape: &AttnShape) -> usize {
+        self.ring.unwrap_or(shape.max_seq)
+    }
+
+    /// The ring's rows as the kernels take them (0: paged), checked against `shape`.
+    fn ring_param(&self, op: &str, shape: &AttnShape) -> Result<u32> {
+        match self.ring {
+            None => Ok(0),
+            Some(r) if r > 0 && r <= shape.max_seq => to_u32(op, "ring", r),
+            Some(r) => Err(WgparError::Shape {
+                op: op.into(),
+                detail: format!(
+                    "a ring of {r} rows for slots of {} positions",
+                    shape.max_seq
+                ),
+            }),
+        }
+    }
+}
+
 /// The block table through which kernels address a cache (`[slots][blocks_per_slot]` u32,
 /// entry `slot * bps + j` the physical block of the slot's logical block `j`, see
 /// [`identity_blocks`]), bound beside the cache. Ops bound without one get the identity
@@ -1035,13 +1071,14 @@ fn block_table(
 impl KvCache<'_> {
     /// Checks the cache against `shape` and returns its stored type: keys and values are both
     /// f32 or both f16 (the kernels' `KT` variant).
-    fn check(&self, op: &str, shape: &AttnShape) -> Result<WeightType> {
+    fn check(&self, op: &str, shape: &AttnShape, rows: usize) -> Result<WeightType> {
         let stored = match self.k.dtype() {
             DType::F16 => DType::F16,
             _ => DType::F32,
         };
-        need(op, "k_cache", self.k, shape.cache_len(), Some(stored))?;
-        need(op, "v_cache", self.v, shape.cache_len(), Some(stored))?;
+        let len = shape.slots * shape.n_kv_heads * rows * shape.head_dim;
+        need(op, "k_cache", self.k, len, Some(stored))?;
+        need(op, "v_cache", self.v, len, Some(stored))?;
         need(op, "seqs", self.seqs, 2 * shape.batch, Some(DType::U32))?;
         Ok(weight_type(self.k))
     }
@@ -1057,6 +1094,8 @@ pub struct Attention {
     scale: Option<f32>,
     /// Keys a causal query sees (its own included), if it slides.
     window: Option<usize>,
+    /// Rows per slot of a ring cache (0: paged).
+    ring: u32,
     /// A named variant (tests, benchmarks) instead of the tuned choice.
     variant: Option<&'static str>,
     /// The cache's stored type, which selects the kernels' `KT` variant.
@@ -1080,27 +1119,27 @@ impl Attention {
         capacity: &AttnShape,
         mask: AttnMask<'_>,
     ) -> Result<Self> {
-        Self::bind_paged(gpu, params, io, None, capacity, mask)
+        Self::bind_paged(gpu, params, io, KvAddress::default(), capacity, mask)
     }
 
-    /// [`bind`](Self::bind) with the cache addressed through `blocks` (its block table,
-    /// `capacity.slots x blocks_per_slot(max_seq)` u32, written by the caller; `None`: the
-    /// identity table).
+    /// [`bind`](Self::bind) with the cache addressed as `address` says (its block table,
+    /// `capacity.slots x blocks_per_slot(max_seq)` u32, written by the caller, or a ring).
     pub fn bind_paged(
         gpu: &Gpu,
         params: &mut Params,
         (q, cache, out): (&Tensor, KvCache<'_>, &Tensor),
-        blocks: Option<&Tensor>,
+        address: KvAddress<'_>,
         capacity: &AttnShape,
         mask: AttnMask<'_>,
     ) -> Result<Self> {
         const OP: &str = "attention";
         capacity.validate(OP)?;
-        let (blocks, owned_blocks) = block_table(gpu, OP, blocks, capacity)?;
+        let ring = address.ring_param(OP, capacity)?;
+        let (blocks, owned_blocks) = block_table(gpu, OP, address.blocks, capacity)?;
         let q_len = capacity.tokens() * capacity.n_heads * capacity.head_dim;
         need(OP, "q", q, q_len, Some(DType::F32))?;
         need(OP, "out", out, q_len, Some(DType::F32))?;
-        let stored = cache.check(OP, capacity)?;
+        let stored = cache.check(OP, capacity, address.rows(capacity))?;
         // A causal op never reads `lens`; bind `q` there (read-only, so aliasing is allowed).
         let (lens, causal) = match mask {
             AttnMask::Causal => (q, true),
@@ -1124,6 +1163,7 @@ impl Attention {
             causal,
             scale: None,
             window: None,
+            ring,
             variant: None,
             stored,
             buffers: buffers.map(|b| b.clone()),
@@ -1181,6 +1221,8 @@ impl Attention {
             }
             values.window = to_u32(OP, "window", window)?;
         }
+        self.check_ring(seq)?;
+        values.ring = self.ring;
         let context = context.clamp(seq, shape.max_seq);
         let variant = self.choose(gpu, &shape, &values, context)?;
         let heads = shape.n_heads;
@@ -1196,6 +1238,28 @@ impl Attention {
         let dispatch = Dispatch::of_variant(gpu, variant, self.stored, groups);
         self.op.set(params, &values, dispatch);
         Ok(())
+    }
+
+    /// A ring holds the window's older keys and the step's new ones only if a step writes at
+    /// most `ring - window + 1` positions a row; a ring is for a sliding (causal) layer.
+    fn check_ring(&self, seq: usize) -> Result<()> {
+        let ring = self.ring as usize;
+        if ring == 0 {
+            return Ok(());
+        }
+        let detail = match self.window.filter(|_| self.causal) {
+            None => format!("a ring cache of {ring} rows needs a sliding window"),
+            Some(w) if seq + w - 1 > ring => format!(
+                "{seq} new positions a row over a window of {w} need {} ring rows, the cache \
+                 has {ring}",
+                seq + w - 1
+            ),
+            Some(_) => return Ok(()),
+        };
+        Err(WgparError::Shape {
+            op: "attention".into(),
+            detail,
+        })
     }
 
     /// The variant for `shape`: the named one, or the tuner's choice for its class on this
@@ -1336,6 +1400,8 @@ pub struct KvStore {
     shape: AttnShape,
     /// The cache's stored type, which selects the kernel's `KT` variant.
     stored: WeightType,
+    /// Rows per slot of a ring cache (0: paged).
+    ring: u32,
     /// The identity block table, where bound without one.
     _owned_blocks: Option<Tensor>,
 }
@@ -1351,25 +1417,26 @@ impl KvStore {
         cache: KvCache<'_>,
         capacity: &AttnShape,
     ) -> Result<Self> {
-        Self::bind_paged(gpu, params, kv, (cache, None), capacity)
+        Self::bind_paged(gpu, params, kv, (cache, KvAddress::default()), capacity)
     }
 
-    /// [`bind`](Self::bind) with the cache addressed through `blocks` (as
-    /// [`Attention::bind_paged`]; `None`: the identity table).
+    /// [`bind`](Self::bind) with the cache addressed as `address` says (as
+    /// [`Attention::bind_paged`]).
     pub fn bind_paged(
         gpu: &Gpu,
         params: &mut Params,
         (k, v): (&Tensor, &Tensor),
-        (cache, blocks): (KvCache<'_>, Option<&Tensor>),
+        (cache, address): (KvCache<'_>, KvAddress<'_>),
         capacity: &AttnShape,
     ) -> Result<Self> {
         const OP: &str = "kv_store";
         capacity.validate(OP)?;
-        let (blocks, owned_blocks) = block_table(gpu, OP, blocks, capacity)?;
+        let ring = address.ring_param(OP, capacity)?;
+        let (blocks, owned_blocks) = block_table(gpu, OP, address.blocks, capacity)?;
         let len = capacity.tokens() * capacity.n_kv_heads * capacity.head_dim;
         need(OP, "k", k, len, Some(DType::F32))?;
         need(OP, "v", v, len, Some(DType::F32))?;
-        let stored = cache.check(OP, capacity)?;
+        let stored = cache.check(OP, capacity, address.rows(capacity))?;
         let buffers = [
             k.buffer(),
             v.buffer(),
@@ -1382,6 +1449,7 @@ impl KvStore {
             op: Bound::new(gpu, params, Family::KvCache, OP, &buffers)?,
             shape: *capacity,
             stored,
+            ring,
             _owned_blocks: owned_blocks,
         })
     }
@@ -1395,7 +1463,17 @@ impl KvStore {
     ) -> Result<()> {
         const OP: &str = "kv_store";
         let shape = step_shape(OP, &self.shape, batch, seq)?;
-        let values = AttnParams::new(OP, &shape, true)?;
+        if self.ring != 0 && seq > self.ring as usize {
+            return Err(WgparError::Shape {
+                op: OP.into(),
+                detail: format!(
+                    "{seq} new positions a row into a ring of {} rows",
+                    self.ring
+                ),
+            });
+        }
+        let mut values = AttnParams::new(OP, &shape, true)?;
+        values.ring = self.ring;
         let len = shape.tokens() * shape.n_kv_heads * shape.head_dim;
         let dispatch = Dispatch::new(
             gpu,

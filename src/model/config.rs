@@ -627,6 +627,34 @@ impl ModelConfig {
             .then_some(s.window)
     }
 
+    /// The most new positions one step may write per sequence (a prefill chunk), where the
+    /// model has ring layers: a sliding window rounded up to whole KV blocks. `None`: no
+    /// bound (every layer's cache holds the whole context).
+    pub fn ring_step(&self) -> Option<usize> {
+        let s = self.sliding.as_ref()?;
+        let block = crate::kernels::ops::KV_BLOCK;
+        let step = s.window.div_ceil(block) * block;
+        let ring = (s.window - 1 + step).div_ceil(block) * block;
+        // A ring as long as the context saves nothing: the layer stays paged.
+        (s.layers.iter().any(|&on| on) && ring < self.max_seq).then_some(step)
+    }
+
+    /// The rows a sliding layer's cache keeps per slot (a ring: position p at row p % rows),
+    /// where layer `i` has one: its window less one plus [`Self::ring_step`], in whole KV
+    /// blocks; every key a step's queries see is then still there after the step's writes.
+    pub fn layer_ring(&self, i: usize) -> Option<usize> {
+        let window = self.layer_window(i)?;
+        let step = self.ring_step()?;
+        let block = crate::kernels::ops::KV_BLOCK;
+        Some((window - 1 + step).div_ceil(block) * block)
+    }
+
+    /// Positions layer `i`'s KV cache holds per slot: its ring ([`Self::layer_ring`]), or
+    /// `max_seq`. What the engines allocate and the memory accounting counts.
+    pub fn cached_positions(&self, i: usize) -> usize {
+        self.layer_ring(i).unwrap_or(self.max_seq)
+    }
+
     /// The config the sliding layers' RoPE tables come from: their own base, no scaling and
     /// no per-pair factors. `None` without sliding layers.
     pub fn local_rope(&self) -> Option<ModelConfig> {
@@ -686,20 +714,10 @@ impl ModelConfig {
     /// Where `plan`'s figures for this model count what wgpar holds today rather than what the
     /// model needs: `None` when nowhere. The cost models (`plan`'s projection, the engines' span
     /// accounting) charge Gemma 3's sliding-window layers the keys of their window and its
-    /// extra elementwise passes; the memory columns count a sliding layer's KV cache over the
-    /// whole context, as wgpar allocates it until a window-only (ring-buffer) cache exists.
+    /// extra elementwise passes, and the memory columns count a sliding layer's KV cache over
+    /// its ring ([`Self::cached_positions`]), as the engines allocate it: nothing is left.
     pub fn cost_model_gaps(&self) -> Option<String> {
-        let s = self.sliding.as_ref()?;
-        let n = s.layers.iter().filter(|&&on| on).count();
-        (n > 0).then(|| {
-            format!(
-                "{}: the time model charges its {n} sliding-window layers attention over at \
-                 most {} keys a query, but the memory columns count their KV cache over the \
-                 whole context, as wgpar holds it today (the window is a mask over that cache, \
-                 not a ring buffer yet).",
-                self.name, s.window
-            )
-        })
+        None
     }
 
     /// All parameters (embeddings and head included).
@@ -745,24 +763,34 @@ mod tests {
     }
 
     #[test]
-    fn cost_model_gaps_name_only_the_sliding_layers_kv_memory() {
-        assert_eq!(
-            ModelConfig::preset("tiny-llama").unwrap().cost_model_gaps(),
-            None
-        );
+    fn cost_model_gaps_name_nothing_once_sliding_layers_cache_their_ring() {
+        for c in [
+            ModelConfig::preset("tiny-llama").unwrap(),
+            ModelConfig::gemma3_1b(),
+            ModelConfig::gemma3_27b(),
+        ] {
+            assert_eq!(c.cost_model_gaps(), None, "{}", c.name);
+        }
+    }
+
+    #[test]
+    fn a_sliding_layer_caches_its_window_and_one_step() {
+        // Gemma 3 1B: window 512, a step of 512, 1023 rows in whole blocks: 1024.
         let g = ModelConfig::gemma3_1b();
-        let gaps = g.cost_model_gaps().unwrap();
-        // Gemma 3 1B: 26 layers, every sixth global, a window of 512.
-        assert!(gaps.contains("its 22 sliding-window layers"), "{gaps}");
-        assert!(gaps.contains("at most 512 keys"), "{gaps}");
-        assert!(gaps.contains("KV cache over the whole context"), "{gaps}");
-        // Norms, the embedding scale and a soft-cap are charged: no gap without sliding layers.
-        let capped = ModelConfig {
-            final_softcap: Some(30.0),
-            sliding: None,
-            ..g
-        };
-        assert_eq!(capped.cost_model_gaps(), None);
+        assert_eq!(g.ring_step(), Some(512));
+        assert_eq!(g.cached_positions(0), 1024);
+        assert_eq!(g.layer_ring(5), None, "layer 5 is global");
+        assert_eq!(g.cached_positions(5), 32_768);
+        // tiny-gemma3: window 5, a step of one block (16), 20 rows: 32 of 96.
+        let t = ModelConfig::preset("tiny-gemma3").unwrap();
+        assert_eq!((t.ring_step(), t.cached_positions(0)), (Some(16), 32));
+        assert_eq!(t.cached_positions(2), t.max_seq);
+        // A ring as long as the context saves nothing: the layers stay paged, no step bound.
+        let short = ModelConfig { max_seq: 32, ..t };
+        assert_eq!((short.ring_step(), short.cached_positions(0)), (None, 32));
+        let llama = ModelConfig::preset("tiny-llama").unwrap();
+        assert_eq!(llama.ring_step(), None);
+        assert_eq!(llama.cached_positions(0), llama.max_seq);
     }
 
     #[test]

@@ -406,16 +406,21 @@ pub fn weight_bytes(
 }
 
 /// Bytes of one KV cache of `slots` sequences on a device holding `placement`, its elements
-/// `kv_dtype`. A sliding-window layer's cache is as long as a global one's: the window is a
-/// mask over the whole context, not a ring buffer (yet).
+/// `kv_dtype`: each layer's keys and values over the positions it caches
+/// ([`ModelConfig::cached_positions`]: a sliding-window layer only its ring).
 pub fn kv_cache_bytes(
     config: &ModelConfig,
     placement: &Placement,
     slots: usize,
     kv_dtype: DType,
 ) -> u64 {
-    let len = slots * placement.shard.local_kv_heads() * config.max_seq * config.head_dim;
-    2 * placement.layers.len() as u64 * padded(len, kv_dtype.size())
+    (placement.layers.clone())
+        .map(|i| {
+            let rows = config.cached_positions(i);
+            let len = slots * placement.shard.local_kv_heads() * rows * config.head_dim;
+            2 * padded(len, kv_dtype.size())
+        })
+        .sum()
 }
 
 /// One activation set for `tokens` tokens of `batch` sequences on a device holding
@@ -460,18 +465,30 @@ fn activation_set(
 
 /// The activation sets (tokens, sequences) and KV caches (slots) an engine makes on each of
 /// its devices for `work`: the single engine one set grown to the prefill; tensor
-/// parallelism one per step shape (prefill and decode); a pipeline one per shape of each
+/// parallelism one per step shape (each prefill chunk's, see
+/// [`crate::parallel::prefill_chunks`], and decode); a pipeline one per shape of each
 /// micro-batch and a cache per micro-batch.
-fn engine_sets(strategy: &Strategy, work: &Workload) -> (BTreeSet<(usize, usize)>, Vec<usize>) {
+fn engine_sets(
+    config: &ModelConfig,
+    strategy: &Strategy,
+    work: &Workload,
+) -> (BTreeSet<(usize, usize)>, Vec<usize>) {
     let (b, p) = (work.batch.max(1), work.prompt.max(1));
+    let chunks: BTreeSet<usize> = (crate::parallel::prefill_chunks(config, p).iter())
+        .map(|&(_, len)| len)
+        .collect();
+    let shapes = |g: usize| {
+        let decode = std::iter::once((g, g));
+        chunks.iter().map(move |&len| (g * len, g)).chain(decode)
+    };
     match strategy {
         Strategy::Single => ([(b * p, b)].into(), vec![b]),
-        Strategy::Tensor { .. } => ([(b * p, b), (b, b)].into(), vec![b]),
+        Strategy::Tensor { .. } => (shapes(b).collect(), vec![b]),
         Strategy::Pipeline { micro_batches, .. } | Strategy::Hybrid { micro_batches, .. } => {
             let groups: Vec<usize> = (split_groups(b, *micro_batches).iter())
                 .map(|g| g.len())
                 .collect();
-            let sets = groups.iter().flat_map(|&g| [(g * p, g), (g, g)]).collect();
+            let sets = groups.iter().flat_map(|&g| shapes(g)).collect();
             (sets, groups)
         }
     }
@@ -513,7 +530,7 @@ pub fn per_device(
 ) -> Result<Vec<DeviceBytes>> {
     let config = spec.config;
     let placements = strategy.placements(config, strategy.devices_used(devices))?;
-    let (sets, caches) = engine_sets(strategy, &spec.work);
+    let (sets, caches) = engine_sets(config, strategy, &spec.work);
     let limit = |i: usize| {
         let l = spec.binding_limits;
         l.get(i).or(l.last()).copied().unwrap_or(u64::MAX)
@@ -994,6 +1011,31 @@ mod tests {
         // Only the last stage holds logits; the first hands off through staging.
         assert!(stages[0].logits == 0 && stages[1].logits > 0);
         assert!(stages[0].staging > 0);
+    }
+
+    #[test]
+    fn a_sliding_layer_counts_only_its_ring() {
+        // Gemma 3 1B: 22 sliding layers of 1024 rows, 4 global ones of 32768 positions.
+        let c = ModelConfig::gemma3_1b();
+        let f = WeightFormat::of_config(&c, DType::F32, None);
+        let s = spec(&c, &f);
+        let per_position = 2 * 2 * (c.kv_dim() * 4) as u64;
+        let want = per_position * (22 * 1024 + 4 * 32_768);
+        assert_eq!(
+            per_device(&Strategy::Single, 1, &s).unwrap()[0].kv_cache,
+            want
+        );
+        // Without the window, every layer holds the whole context.
+        let global = ModelConfig {
+            sliding: None,
+            ..c.clone()
+        };
+        let s = spec(&global, &f);
+        let whole = per_position * 26 * 32_768;
+        assert_eq!(
+            per_device(&Strategy::Single, 1, &s).unwrap()[0].kv_cache,
+            whole
+        );
     }
 
     #[test]

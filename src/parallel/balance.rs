@@ -28,7 +28,8 @@ pub fn measure_stage_costs(
 ) -> Result<Vec<StageCost>> {
     let step = Step {
         batch,
-        seq,
+        // Sliding layers' rings take at most their step of new positions a row.
+        seq: seq.min(weights.config.ring_step().unwrap_or(seq)),
         past: 0,
     };
     let probes = (gpus.iter())

@@ -316,6 +316,27 @@ pub(crate) fn check_decode(batch: usize, tokens: &[u32]) -> Result<()> {
     Ok(())
 }
 
+/// The prefill of prompts of `seq` tokens as the steps a model takes, (past, tokens) each:
+/// one step, or, where sliding-window layers keep a ring ([`ModelConfig::ring_step`]),
+/// chunks of at most the ring's step at their pasts.
+pub(crate) fn prefill_chunks(
+    config: &crate::model::ModelConfig,
+    seq: usize,
+) -> Vec<(usize, usize)> {
+    let most = config.ring_step().unwrap_or(seq).max(1);
+    (0..seq)
+        .step_by(most)
+        .map(|past| (past, most.min(seq - past)))
+        .collect()
+}
+
+/// Tokens `past .. past + len` of every prompt, one after another (a step's ids).
+pub(crate) fn chunk_ids(prompts: &[Vec<u32>], (past, len): (usize, usize)) -> Vec<u32> {
+    (prompts.iter())
+        .flat_map(|p| p[past..past + len].iter().copied())
+        .collect()
+}
+
 /// Checks a batch of prompts: non-empty, equal lengths. Returns (batch, seq).
 pub fn prompt_shape(prompts: &[Vec<u32>]) -> Result<(usize, usize)> {
     let seq = prompts.first().map_or(0, |p| p.len());

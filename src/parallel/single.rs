@@ -296,21 +296,20 @@ impl Engine for SingleEngine {
         self.batch = batch;
         self.past = 0;
         self.steps = 0;
-        let ids: Vec<u32> = prompts.concat();
-        let step = Step {
-            batch,
-            seq,
-            past: 0,
-        };
-        Ok(self
-            .forward(
-                &ids,
-                step,
-                &step.rows(),
-                (&[], None, &KvEdits::default()),
-                StepPick::Engine { logits },
-            )?
-            .0)
+        let mut out = None;
+        // Sliding layers' rings take a long prompt in chunks; the last one's pick counts.
+        for chunk in super::prefill_chunks(self.model.config(), seq) {
+            let ids = super::chunk_ids(prompts, chunk);
+            let step = Step {
+                batch,
+                seq: chunk.1,
+                past: chunk.0,
+            };
+            let edits = (&[][..], None, &KvEdits::default());
+            let pick = StepPick::Engine { logits };
+            out = Some(self.forward(&ids, step, &step.rows(), edits, pick)?.0);
+        }
+        out.ok_or(WgparError::NoPrompt)
     }
 
     fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput> {

@@ -232,11 +232,23 @@ pub fn run(
     shared: Arc<Shared>,
 ) {
     let metrics = shared.metrics.clone();
+    let mut opts = opts;
+    // Sliding layers' rings take at most their step of new positions a row.
+    if let Some(most) = engine.model_config().ring_step() {
+        opts.max_prefill_tokens = opts.max_prefill_tokens.min(most);
+    }
+    if opts.prefix_cache && !crate::batching::reuses_prefixes(engine.model_config()) {
+        eprintln!(
+            "prefix cache: off for model '{}': its sliding-window layers keep a ring of their \
+             window, which a cached prefix does not hold (every prompt is prefilled whole)",
+            engine.model_config().name
+        );
+    }
     let mut b = Batcher {
         lanes: (0..engine.lanes().max(1))
             .map(|_| Lane::default())
             .collect(),
-        cache: PrefixCache::new(opts.slots, engine.model_config().max_seq, opts.prefix_cache),
+        cache: PrefixCache::for_model(opts.slots, engine.model_config(), opts.prefix_cache),
         waiting: VecDeque::new(),
         shares: HashMap::new(),
         per_lane: opts.slots.div_ceil(engine.lanes().max(1)),

@@ -7,19 +7,23 @@ use super::act::Activations;
 use crate::device::{DType, Gpu, Tensor};
 use crate::error::{Result, WgparError};
 use crate::kernels::ops::{
-    self, blocks_per_slot, Attention, AttnMask, AttnShape, KvStore, Params, KV_BLOCK,
+    self, blocks_per_slot, Attention, AttnMask, AttnShape, KvAddress, KvStore, Params, KV_BLOCK,
 };
 use crate::kernels::variants::context_bucket;
 use crate::parallel::{KvCopy, SlotTable};
 
 /// One device's KV cache for its layers and heads: per layer, keys and values laid out
 /// `[slots][kv_heads][max_seq][head_dim]`, read as a pool of blocks of [`KV_BLOCK`]
-/// positions through a block table (see [`SlotTable`]), one slot per sequence. A step's
-/// sequence table says which slot each of its rows uses.
+/// positions through a block table (see [`SlotTable`]), one slot per sequence; or, on a
+/// sliding-window layer, `[slots][kv_heads][ring][head_dim]`, a ring per slot (position p at
+/// row p % ring) that no table addresses and nothing shares. A step's sequence table says
+/// which slot each of its rows uses.
 pub struct KvCache {
     slots: usize,
     layout: KvLayout,
     layers: Vec<(Tensor, Tensor)>,
+    /// Per layer: its ring's rows, where it is a ring layer.
+    rings: Vec<Option<usize>>,
     /// The block table on the device (`slots x blocks_per_slot(max_seq)` u32), bound to
     /// every KV op, and its host mirror (which plans copies).
     blocks: Tensor,
@@ -100,13 +104,14 @@ impl KvCache {
         gpu: &Gpu,
         slots: usize,
         layout: KvLayout,
-        layers: Vec<(Tensor, Tensor)>,
+        (layers, rings): (Vec<(Tensor, Tensor)>, Vec<Option<usize>>),
     ) -> Result<Self> {
         let mirror = ops::identity_blocks(slots, layout.max_seq);
         Ok(Self {
             slots,
             layout,
             layers,
+            rings,
             blocks: gpu.upload_u32("kv blocks", &mirror)?,
             mirror,
             bindings: Vec::new(),
@@ -121,7 +126,10 @@ impl KvCache {
 
     /// Applies `tables`, then encodes `copies`, in order, into `encoder`: for each copy,
     /// positions `0..tokens` of slot `from` into slot `to` (through their new tables), every
-    /// layer and KV head of this device. Checks them all before applying any. The tables
+    /// layer and KV head of this device. A ring layer copies the source's whole ring: the
+    /// target holds the window before `tokens` as long as the source has written no
+    /// position past `tokens + ring - window` (it computed the prefix and at most one step
+    /// more). Checks them all before applying any. The tables
     /// reach the device at the next submit, ahead of its commands; commands encoded after
     /// the copies see the copied KV, and they see every earlier submission's.
     pub fn apply_edits(
@@ -138,13 +146,13 @@ impl KvCache {
             mirror[row..row + t.blocks.len()].copy_from_slice(&t.blocks);
         }
         let plans = (copies.iter())
-            .map(|c| self.plan_copy(&mirror, c))
+            .map(|c| Ok((self.plan_copy(&mirror, c)?, self.plan_ring_copy(c))))
             .collect::<Result<Vec<_>>>()?;
         if mirror != self.mirror {
             gpu.write_u32(&self.blocks, &mirror)?;
             self.mirror = mirror;
         }
-        if plans.iter().all(|p| p.ranges.is_empty()) {
+        if plans.iter().all(|(p, _)| p.ranges.is_empty()) {
             return Ok(());
         }
         if self.scratch.is_none() {
@@ -156,14 +164,40 @@ impl KvCache {
         let Some(scratch) = &self.scratch else {
             return Ok(());
         };
-        for plan in &plans {
-            for (k, v) in &self.layers {
+        for (paged, ring) in &plans {
+            for ((k, v), r) in self.layers.iter().zip(&self.rings) {
+                let own;
+                let plan = match r {
+                    Some(rows) => {
+                        own = ring(*rows);
+                        &own
+                    }
+                    None => paged,
+                };
                 for cache in [k, v] {
                     plan.encode(encoder, cache.buffer(), scratch.buffer());
                 }
             }
         }
         Ok(())
+    }
+
+    /// The copy of one ring layer of `rows` rows a slot: the source slot's rings (every
+    /// head, contiguous) onto the target's, for a `copy` already checked by
+    /// [`plan_copy`](Self::plan_copy). Rows are whole KV blocks, so 4-byte aligned.
+    fn plan_ring_copy(&self, copy: &KvCopy) -> impl Fn(usize) -> CopyPlan {
+        let l = self.layout;
+        let elem = self.layers.first().map_or(4, |(k, _)| k.dtype().size());
+        let (from, to, tokens) = (copy.from as u64, copy.to as u64, copy.tokens);
+        move |rows: usize| {
+            let slot = (l.kv_heads * rows * l.head_dim * elem) as u64;
+            let ranges = if tokens == 0 {
+                Vec::new()
+            } else {
+                vec![(from * slot, to * slot, slot)]
+            };
+            CopyPlan { ranges }
+        }
     }
 
     /// [`apply_edits`](Self::apply_edits) in a submission of their own (none when there
@@ -300,20 +334,23 @@ impl KvCache {
                     v,
                     seqs: &a.seqs,
                 };
-                let blocks = Some(&self.blocks);
+                let address = KvAddress {
+                    blocks: Some(&self.blocks),
+                    ring: self.rings.get(i).copied().flatten(),
+                };
                 Ok(KvLayer {
                     store: KvStore::bind_paged(
                         gpu,
                         &mut params,
                         (&a.k, &a.v),
-                        (cache, blocks),
+                        (cache, address),
                         &capacity,
                     )?,
                     attend: Attention::bind_paged(
                         gpu,
                         &mut params,
                         (&a.q, cache, &a.attn),
-                        blocks,
+                        address,
                         &capacity,
                         mask,
                     )?

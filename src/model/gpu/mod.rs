@@ -554,25 +554,27 @@ impl GpuModel {
                 detail: "a KV cache needs at least one slot".into(),
             });
         }
-        let len = slots * self.placement.shard.local_kv_heads() * c.max_seq * c.head_dim;
         let stored = self.gpu.kv_dtype();
-        let layers = self
-            .placement
-            .layers
-            .clone()
+        let layers = (self.placement.layers.clone())
             .map(|i| {
+                // A sliding layer keeps only its ring: its window and one step's keys.
+                let rows = c.cached_positions(i);
+                let len = slots * self.placement.shard.local_kv_heads() * rows * c.head_dim;
                 Ok((
                     self.gpu.empty(&format!("layer{i}.k_cache"), stored, len)?,
                     self.gpu.empty(&format!("layer{i}.v_cache"), stored, len)?,
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
+        let rings = (self.placement.layers.clone())
+            .map(|i| c.layer_ring(i))
+            .collect();
         let layout = kv::KvLayout {
             kv_heads: self.placement.shard.local_kv_heads(),
             max_seq: c.max_seq,
             head_dim: c.head_dim,
         };
-        KvCache::new(&self.gpu, slots, layout, layers)
+        KvCache::new(&self.gpu, slots, layout, (layers, rings))
     }
 
     fn check_step(&self, act: &Activations, step: &Step) -> Result<()> {
@@ -584,6 +586,19 @@ impl GpuModel {
                     step.batch, step.seq, act.batch, act.tokens
                 ),
             });
+        }
+        if let Some(most) = self.config.ring_step().filter(|&m| step.seq > m) {
+            // Past it, the step's first queries would need keys its own writes overwrote.
+            return Err(WgparError::limit(
+                "new positions per sequence in one step",
+                (step.seq as u64, most as u64),
+                format!(
+                    "{} new tokens per sequence in one step: the sliding-window layers of \
+                     model '{}' keep a ring of their window and {most} new positions, so \
+                     longer prompts go in chunks of at most {most}",
+                    step.seq, self.config.name
+                ),
+            ));
         }
         if step.seq == 0 || step.seq > self.config.max_seq {
             return Err(WgparError::limit(

@@ -235,21 +235,22 @@ impl Engine for PipelineEngine {
         self.steps = 0;
         self.groups = split_groups(batch, self.micro_batches);
         self.group_past = vec![seq; self.groups.len()];
-        let steps = self
-            .groups
-            .iter()
-            .map(|g| {
-                (
-                    prompts[g.clone()].concat(),
-                    Step {
+        let mut out = None;
+        // Sliding layers' rings take a long prompt in chunks; the first makes the caches.
+        for chunk in super::prefill_chunks(&self.config, seq) {
+            let steps = (self.groups.iter())
+                .map(|g| {
+                    let step = Step {
                         batch: g.len(),
-                        seq,
-                        past: 0,
-                    },
-                )
-            })
-            .collect();
-        self.gpipe(steps, true, logits)
+                        seq: chunk.1,
+                        past: chunk.0,
+                    };
+                    (super::chunk_ids(&prompts[g.clone()], chunk), step)
+                })
+                .collect();
+            out = Some(self.gpipe(steps, chunk.0 == 0, logits)?);
+        }
+        out.ok_or(WgparError::NoPrompt)
     }
 
     fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput> {

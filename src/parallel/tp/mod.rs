@@ -364,16 +364,18 @@ impl Engine for TensorParallelEngine {
         let (batch, seq) = prompt_shape(prompts)?;
         self.batch = batch;
         self.steps = 0;
-        self.step(
-            prompts.concat(),
-            Step {
+        let mut out = None;
+        // Sliding layers' rings take a long prompt in chunks; the first makes the cache.
+        for chunk in super::prefill_chunks(&self.config, seq) {
+            let step = Step {
                 batch,
-                seq,
-                past: 0,
-            },
-            true,
-            logits,
-        )
+                seq: chunk.1,
+                past: chunk.0,
+            };
+            let ids = super::chunk_ids(prompts, chunk);
+            out = Some(self.step(ids, step, chunk.0 == 0, logits)?);
+        }
+        out.ok_or(WgparError::NoPrompt)
     }
 
     fn decode_step(&mut self, tokens: &[u32], logits: bool) -> Result<StepOutput> {
