@@ -261,8 +261,8 @@ fn qg_stage_w(n0: u32, k0: u32, lid: u32) {
 // The same tile as qg_stage_w, one 32-value unit of one row per work item, read by unit_at:
 // each word of the unit loaded once (a funnel for the 2-byte-aligned blocks instead of a
 // branch per word), its scales unpacked once, and Q4_0's and Q5_0's nibbles and fifth bits
-// unpacked word-wide. Fewer loads per value than a chunk per work item (Q5_0: 8 words per
-// 32 values against 2 per 4), and the same layout in qg_w (scalar stores into its vec4, the
+// unpacked word-wide. Fewer loads per value than a chunk per work item (Q5_0: 8 loads per
+// 32 values against 2 to 4 per 4), and the same layout in qg_w (scalar stores into its vec4, the
 // neighbouring invocations' rows side by side).
 fn qg_stage_w_units(n0: u32, k0: u32, lid: u32) {
     let bn = QG_WGX * QG_TN;
