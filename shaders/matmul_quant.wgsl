@@ -186,6 +186,9 @@ override QG_WGY: u32 = 8u;
 // k step: 32 values (a block of the 32-value types, two chunks of a 256-value one), which
 // divides every k of whole blocks.
 override QG_BK: u32 = 32u;
+// How w is staged: 0 a chunk (16 values) of 4 rows per work item (qg_stage_w), 1 a 32-value
+// unit of one row per work item (qg_stage_w_units).
+override QG_STAGE: u32 = 0u;
 // Stage sizes in vec4, QG_BK * BM / 4 and QG_BK * BN / 4, set by the host (at most 4096 floats
 // in all: the 16 KiB every adapter gives a workgroup).
 override QG_XS4: u32 = 512u;
@@ -255,6 +258,37 @@ fn qg_stage_w(n0: u32, k0: u32, lid: u32) {
     }
 }
 
+// The same tile as qg_stage_w, one 32-value unit of one row per work item, read by unit_at:
+// each word of the unit loaded once (a funnel for the 2-byte-aligned blocks instead of a
+// branch per word), its scales unpacked once, and Q4_0's and Q5_0's nibbles and fifth bits
+// unpacked word-wide. Fewer loads per value than a chunk per work item (Q5_0: 8 loads per
+// 32 values against 2 to 4 per 4), and the same layout in qg_w (scalar stores into its vec4, the
+// neighbouring invocations' rows side by side).
+fn qg_stage_w_units(n0: u32, k0: u32, lid: u32) {
+    let bn = QG_WGX * QG_TN;
+    let bn4 = bn / 4u;
+    let units = QG_BK / 32u;
+    for (var e = lid; e < bn * units; e += QG_WGX * QG_WGY) {
+        // Units along k fastest: neighbouring invocations read neighbouring blocks of a row
+        // where the step holds several.
+        let t = e % units;
+        let r = e / units;
+        let kv = k0 + 32u * t;
+        let n = min(n0 + r, p.n - 1u);
+        let a = n * row_bytes() + (kv / block_len()) * block_bytes();
+        let u = unit_at(a, (kv % block_len()) / 32u);
+        for (var g = 0u; g < 8u; g++) {
+            let sc = select(u.s0, u.s1, g >= 4u);
+            let v = u.q[g] * sc.x - sc.y;
+            let s = (32u * t + 4u * g) * bn4 + r / 4u;
+            qg_w[s][r % 4u] = v.x;
+            qg_w[s + bn4][r % 4u] = v.y;
+            qg_w[s + 2u * bn4][r % 4u] = v.z;
+            qg_w[s + 3u * bn4][r % 4u] = v.w;
+        }
+    }
+}
+
 @compute @workgroup_size(QG_WGX, QG_WGY)
 fn qgemm_tile(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -269,7 +303,11 @@ fn qgemm_tile(
     var acc: array<array<vec4<f32>, 4>, 16>;
     for (var k0 = 0u; k0 < p.k; k0 += QG_BK) {
         qg_stage_x(m0, k0, lid);
-        qg_stage_w(n0, k0, lid);
+        if (QG_STAGE == 1u) {
+            qg_stage_w_units(n0, k0, lid);
+        } else {
+            qg_stage_w(n0, k0, lid);
+        }
         workgroupBarrier();
         for (var kk = 0u; kk < QG_BK; kk++) {
             var a: array<vec4<f32>, 4>;

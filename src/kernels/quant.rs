@@ -125,9 +125,13 @@ impl Candidate for QuantVariant {
 
 /// A tiled prefill GEMM (`qgemm_tile`) on `$t` blocks: `tm x tn` outputs per invocation,
 /// `wgx x wgy` invocations, a k step of `bk` values (32; the stage sizes follow, at most
-/// 16 KiB).
+/// 16 KiB), the weights staged a 16-value chunk of 4 rows per work item (`stage 0`) or a
+/// 32-value unit of one row (`stage 1`, `QG_STAGE` in the shader).
 macro_rules! qtile {
     ($name:expr, $t:ident, $id:literal, $tm:literal x $tn:literal, $wgx:literal x $wgy:literal, bk $bk:literal) => {
+        qtile!($name, $t, $id, $tm x $tn, $wgx x $wgy, bk $bk, stage 0)
+    };
+    ($name:expr, $t:ident, $id:literal, $tm:literal x $tn:literal, $wgx:literal x $wgy:literal, bk $bk:literal, stage $stage:literal) => {
         QuantVariant {
             name: $name,
             entry: "qgemm_tile",
@@ -140,6 +144,7 @@ macro_rules! qtile {
                 ("QG_WGX", $wgx as f64),
                 ("QG_WGY", $wgy as f64),
                 ("QG_BK", $bk as f64),
+                ("QG_STAGE", $stage as f64),
                 ("QG_XS4", ($bk * $wgy * $tm / 4) as f64),
                 ("QG_WS4", ($bk * $wgx * $tn / 4) as f64),
             ],
@@ -208,7 +213,8 @@ macro_rules! qvariants {
         /// reduced in workgroup memory; `qgvsgWGrNR`: a workgroup of WG per NR rows, reduced
         /// with subgroups; `qgvcq1w8r2`: `qgv1w8r2` reading every type through `chunk_quad`,
         /// which the tests thereby check), and the tiled GEMMs (`qgemmBMxBNrTMxTN`: a BM x BN
-        /// block per workgroup, TM x TN per invocation). One invocation per row group (TPR 1)
+        /// block per workgroup, TM x TN per invocation; `qgemmBMxBNrTMxTNu`: the same with the
+        /// weights staged a 32-value unit per work item). One invocation per row group (TPR 1)
         /// is a CPU driver's layout, a warp or wave per row group a GPU's.
         pub static QUANT_VARIANTS: &[QuantVariant] = &[$(
             QuantVariant {
@@ -260,12 +266,17 @@ macro_rules! qvariants {
             qtile!(concat!("qgemm64x64r8x8_", $suffix), $t, $id, 8 x 8, 8 x 8, bk 32),
             qtile!(concat!("qgemm64x64r4x4_", $suffix), $t, $id, 4 x 4, 16 x 16, bk 32),
             qtile!(concat!("qgemm32x64r4x8_", $suffix), $t, $id, 4 x 8, 8 x 8, bk 32),
+            qtile!(concat!("qgemm64x64r16x8u_", $suffix), $t, $id, 16 x 8, 8 x 4, bk 32, stage 1),
+            qtile!(concat!("qgemm64x64r8x8u_", $suffix), $t, $id, 8 x 8, 8 x 8, bk 32, stage 1),
+            qtile!(concat!("qgemm64x64r4x4u_", $suffix), $t, $id, 4 x 4, 16 x 16, bk 32, stage 1),
+            qtile!(concat!("qgemm32x64r4x8u_", $suffix), $t, $id, 4 x 8, 8 x 8, bk 32, stage 1),
+            qtile!(concat!("qgemm16x64r16x4u_", $suffix), $t, $id, 16 x 4, 16 x 1, bk 32, stage 1),
         )*];
     };
 }
 
 /// Variants per packed type in [`QUANT_VARIANTS`].
-pub const VARIANTS_PER_TYPE: usize = 19;
+pub const VARIANTS_PER_TYPE: usize = 24;
 
 qvariants!(
     Q8_0 8 "q8_0", Q4_0 2 "q4_0", Q4_1 3 "q4_1", Q5_0 6 "q5_0", Q5_1 7 "q5_1",
