@@ -200,11 +200,11 @@ macro_rules! qv_sg {
     };
 }
 
-/// A Q4_K block-wise GEMV stepping `step` values at a time (`QV_STEP`, `qv_row_q4k`): a pair
-/// of sub-blocks (64, named `qgvp...`) or a whole block (256, `qgvb...`); reduced in workgroup
-/// memory (`qgvpTPRwWGrNR_q4_k`) or with subgroups (`qgvsgpWGrNR_q4_k`).
-macro_rules! qv_k4 {
-    ($entry:literal, $name:expr, sg = $sg:expr, tpr = $tpr:literal, wg = $wg:literal, nr = $nr:literal, step = $step:literal) => {
+/// A Q4_K block-wise GEMV stepping a pair of sub-blocks (64 values) at a time (`QV_STEP` 64,
+/// `qv_row_q4k`), reduced in workgroup memory (`qgvpTPRwWGrNR_q4_k`) or with subgroups
+/// (`qgvsgpWGrNR_q4_k`).
+macro_rules! qv_pair {
+    ($entry:literal, $name:expr, sg = $sg:expr, tpr = $tpr:literal, wg = $wg:literal, nr = $nr:literal) => {
         QuantVariant {
             name: $name,
             entry: $entry,
@@ -215,30 +215,28 @@ macro_rules! qv_k4 {
                 ("QV_WG", $wg as f64),
                 ("QV_TPR", $tpr as f64),
                 ("QV_NR", $nr as f64),
-                ("QV_STEP", $step as f64),
+                ("QV_STEP", 64.0),
             ],
         }
     };
-    ($p:literal $step:literal wg $tpr:literal, $wg:literal, $nr:literal) => {
-        qv_k4!(
+    (wg $tpr:literal, $wg:literal, $nr:literal) => {
+        qv_pair!(
             "qgemv_wg",
-            concat!("qgv", $p, $tpr, "w", $wg, "r", $nr, "_q4_k"),
+            concat!("qgvp", $tpr, "w", $wg, "r", $nr, "_q4_k"),
             sg = false,
             tpr = $tpr,
             wg = $wg,
-            nr = $nr,
-            step = $step
+            nr = $nr
         )
     };
-    ($p:literal $step:literal sg $wg:literal, $nr:literal) => {
-        qv_k4!(
+    (sg $wg:literal, $nr:literal) => {
+        qv_pair!(
             "qgemv_sg",
-            concat!("qgvsg", $p, $wg, "r", $nr, "_q4_k"),
+            concat!("qgvsgp", $wg, "r", $nr, "_q4_k"),
             sg = true,
             tpr = $wg,
             wg = $wg,
-            nr = $nr,
-            step = $step
+            nr = $nr
         )
     };
 }
@@ -253,8 +251,8 @@ macro_rules! qvariants {
         /// which the tests thereby check), and the tiled GEMMs (`qgemmBMxBNrTMxTN`: a BM x BN
         /// block per workgroup, TM x TN per invocation). One invocation per row group (TPR 1)
         /// is a CPU driver's layout, a warp or wave per row group a GPU's. Then the variants
-        /// of one type alone ([`TYPE_VARIANTS`]): Q4_K's GEMVs stepping a pair of sub-blocks
-        /// (`qgvp...`, `qgvsgp...`) or a block (`qgvb...`, `qgvsgb...`).
+        /// of one type alone ([`TYPE_VARIANTS`]): Q4_K's pair-step GEMVs (`qgvp...`,
+        /// `qgvsgp...`).
         pub static QUANT_VARIANTS: &[QuantVariant] = &[$(
             QuantVariant {
                 name: concat!("qgemv64_", $suffix),
@@ -312,23 +310,19 @@ macro_rules! qvariants {
 /// Variants every packed type has in [`QUANT_VARIANTS`].
 pub const VARIANTS_PER_TYPE: usize = 19;
 /// Variants of one type alone at the end of [`QUANT_VARIANTS`].
-pub const TYPE_VARIANTS: usize = 11;
+pub const TYPE_VARIANTS: usize = 7;
 
 qvariants!(
     Q8_0 8 "q8_0", Q4_0 2 "q4_0", Q4_1 3 "q4_1", Q5_0 6 "q5_0", Q5_1 7 "q5_1",
     Q2K 10 "q2_k", Q3K 11 "q3_k", Q4K 12 "q4_k", Q5K 13 "q5_k", Q6K 14 "q6_k",
     Iq4Nl 20 "iq4_nl", Iq4Xs 23 "iq4_xs";
-    qv_k4!("p" 64 wg 1, 8, 1),
-    qv_k4!("p" 64 wg 1, 8, 2),
-    qv_k4!("p" 64 wg 1, 8, 4),
-    qv_k4!("p" 64 wg 1, 32, 4),
-    qv_k4!("p" 64 wg 16, 64, 2),
-    qv_k4!("p" 64 sg 32, 2),
-    qv_k4!("p" 64 sg 64, 1),
-    qv_k4!("b" 256 wg 1, 8, 2),
-    qv_k4!("b" 256 wg 1, 8, 4),
-    qv_k4!("b" 256 wg 1, 32, 4),
-    qv_k4!("b" 256 sg 8, 2)
+    qv_pair!(wg 1, 8, 1),
+    qv_pair!(wg 1, 8, 2),
+    qv_pair!(wg 1, 8, 4),
+    qv_pair!(wg 1, 32, 4),
+    qv_pair!(wg 16, 64, 2),
+    qv_pair!(sg 32, 2),
+    qv_pair!(sg 64, 1)
 );
 
 macro_rules! qembed_variants {
