@@ -35,6 +35,9 @@ override QV_NR: u32 = 1u;
 // 1: read every type through chunk_quad (unit_any) instead of its own word-run reader (the
 // variant that checks chunk_quad against the reference for every type).
 override QV_CHUNKS: u32 = 0u;
+// Values per step of an invocation along k: 32 (a unit, unit_at), or for Q4_K 64 (a pair
+// of sub-blocks that share their 32 nibble bytes, qv_row_q4k).
+override QV_STEP: u32 = 32u;
 // Most rows of x (GEMV_MAX_ROWS).
 const QV_ROWS: u32 = 8u;
 
@@ -89,6 +92,9 @@ fn qv_row(n0: u32, lane: u32, r: u32) -> vec4<f32> {
     // The branch folds away per type.
     if (QTYPE == 14u && QV_CHUNKS == 0u) {
         return qv_row_q6k(n0, lane, r);
+    }
+    if (QTYPE == 12u && QV_STEP == 64u) {
+        return qv_row_q4k(n0, lane, r);
     }
     let per_block = block_len() / 32u;
     let bytes = block_bytes();
@@ -208,4 +214,59 @@ fn q6k_pair(a: u32, h: u32, q0: u32, xa: XUnit, xb: XUnit, xsum: vec4<f32>) -> f
     );
     // value = d * scale * (q - 32), per 16 values.
     return f16_at(a + 208u) * dot(scales, dots - 32.0 * xsum);
+}
+
+// qv_row for Q4_K a pair of sub-blocks (64 values) per step: sub-blocks 2j and 2j + 1 of a
+// block are the low and high nibbles of the same 32 bytes, so a step reads those 8 words
+// once (a block is 144 bytes, so rows and nibble runs are word-aligned: no funnelling) and
+// the 4 words of d, dmin and scales, 12 loads per 64 values where two units read 26 (9 + 4
+// each). Every word is used as it arrives.
+fn qv_row_q4k(n0: u32, lane: u32, r: u32) -> vec4<f32> {
+    let row_words = (p.k / 256u) * 36u;
+    let steps = p.k / 64u;
+    let first = r * (p.k / 4u);
+    var acc = vec4<f32>(0.0);
+    for (var u = lane; u < steps; u += QV_TPR) {
+        let blk = u / 4u;
+        let j = u % 4u;
+        let xa = qv_x32(first + 16u * u);
+        let xb = qv_x32(first + 16u * u + 8u);
+        let xsum = vec2<f32>(xa.sums.x + xa.sums.y, xb.sums.x + xb.sums.y);
+        for (var c = 0u; c < QV_NR; c++) {
+            let i = min(n0 + c, p.n - 1u) * row_words + blk * 36u;
+            let d = q4k_pair(i, j, xa, xb, xsum);
+            acc += select(vec4<f32>(0.0), vec4<f32>(d), vec4<u32>(0u, 1u, 2u, 3u) == vec4<u32>(c));
+        }
+    }
+    return acc;
+}
+
+// Sub-blocks 2j and 2j + 1 of the Q4_K block at word i dotted with xa and xb (xsum: their
+// sums, for the mins).
+fn q4k_pair(i: u32, j: u32, xa: XUnit, xb: XUnit, xsum: vec2<f32>) -> f32 {
+    var da = 0.0;
+    var db = 0.0;
+    let q = i + 4u + 8u * j;
+    for (var g = 0u; g < 8u; g++) {
+        let v = w[q + g];
+        da += dot(xa.v[g], vec4<f32>(bytes4(v, 0u, 0xfu)));
+        db += dot(xb.v[g], vec4<f32>(bytes4(v, 4u, 0xfu)));
+    }
+    let sm = q4k_pair_scales(i, j);
+    let dm = unpack2x16float(w[i]);
+    return dm.x * (sm.x * da + sm.y * db) - dm.y * (sm.z * xsum.x + sm.w * xsum.y);
+}
+
+// The 6-bit scales and mins of sub-blocks 2j and 2j + 1 of the Q4_K block at word i, as
+// (scale 2j, scale 2j + 1, min 2j, min 2j + 1): the bytes of the pair sit in the same half of
+// each of the three scale words (k4_scale's layout), so one shift per word picks them.
+fn q4k_pair_scales(i: u32, j: u32) -> vec4<f32> {
+    let sh = vec2<u32>(16u * (j % 2u)) + vec2<u32>(0u, 8u);
+    let lo = (vec2<u32>(w[i + 1u]) >> sh) & vec2<u32>(0xffu);
+    let hi = (vec2<u32>(w[i + 2u]) >> sh) & vec2<u32>(0xffu);
+    let top = (vec2<u32>(w[i + 3u]) >> sh) & vec2<u32>(0xffu);
+    let six = vec2<u32>(63u);
+    let sc = select(lo & six, (top & vec2<u32>(0xfu)) | ((lo >> vec2<u32>(6u)) << vec2<u32>(4u)), j >= 2u);
+    let mn = select(hi & six, (top >> vec2<u32>(4u)) | ((hi >> vec2<u32>(6u)) << vec2<u32>(4u)), j >= 2u);
+    return vec4<f32>(vec2<f32>(sc), vec2<f32>(mn));
 }

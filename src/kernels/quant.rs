@@ -205,8 +205,49 @@ macro_rules! qv_sg {
     };
 }
 
+/// A Q4_K block-wise GEMV stepping a pair of sub-blocks (64 values) at a time (`QV_STEP` 64,
+/// `qv_row_q4k`), reduced in workgroup memory (`qgvpTPRwWGrNR_q4_k`) or with subgroups
+/// (`qgvsgpWGrNR_q4_k`).
+macro_rules! qv_pair {
+    ($entry:literal, $name:expr, sg = $sg:expr, tpr = $tpr:literal, wg = $wg:literal, nr = $nr:literal) => {
+        QuantVariant {
+            name: $name,
+            entry: $entry,
+            qtype: QuantType::Q4K,
+            subgroups: $sg,
+            constants: &[
+                ("QTYPE", 12.0),
+                ("QV_WG", $wg as f64),
+                ("QV_TPR", $tpr as f64),
+                ("QV_NR", $nr as f64),
+                ("QV_STEP", 64.0),
+            ],
+        }
+    };
+    (wg $tpr:literal, $wg:literal, $nr:literal) => {
+        qv_pair!(
+            "qgemv_wg",
+            concat!("qgvp", $tpr, "w", $wg, "r", $nr, "_q4_k"),
+            sg = false,
+            tpr = $tpr,
+            wg = $wg,
+            nr = $nr
+        )
+    };
+    (sg $wg:literal, $nr:literal) => {
+        qv_pair!(
+            "qgemv_sg",
+            concat!("qgvsgp", $wg, "r", $nr, "_q4_k"),
+            sg = true,
+            tpr = $wg,
+            wg = $wg,
+            nr = $nr
+        )
+    };
+}
+
 macro_rules! qvariants {
-    ($($t:ident $id:literal $suffix:literal),*) => {
+    ($($t:ident $id:literal $suffix:literal),*; $($extra:expr),*) => {
         /// Every quantized matmul variant, per type: the chunk-wise GEMVs with 64 and 128
         /// invocations (`qgemv64`, `qgemv128`), the GEMM (`qgemm`), and the block-wise GEMVs
         /// (`qgvTPRwWGrNR`: TPR invocations per group of NR weight rows, WG per workgroup,
@@ -215,7 +256,9 @@ macro_rules! qvariants {
         /// which the tests thereby check), and the tiled GEMMs (`qgemmBMxBNrTMxTN`: a BM x BN
         /// block per workgroup, TM x TN per invocation; `qgemmBMxBNrTMxTNu`: the same with the
         /// weights staged a 32-value unit per work item). One invocation per row group (TPR 1)
-        /// is a CPU driver's layout, a warp or wave per row group a GPU's.
+        /// is a CPU driver's layout, a warp or wave per row group a GPU's. Then the variants
+        /// of one type alone ([`TYPE_VARIANTS`]): Q4_K's pair-step GEMVs (`qgvp...`,
+        /// `qgvsgp...`).
         pub static QUANT_VARIANTS: &[QuantVariant] = &[$(
             QuantVariant {
                 name: concat!("qgemv64_", $suffix),
@@ -271,17 +314,26 @@ macro_rules! qvariants {
             qtile!(concat!("qgemm64x64r4x4u_", $suffix), $t, $id, 4 x 4, 16 x 16, bk 32, stage 1),
             qtile!(concat!("qgemm32x64r4x8u_", $suffix), $t, $id, 4 x 8, 8 x 8, bk 32, stage 1),
             qtile!(concat!("qgemm16x64r16x4u_", $suffix), $t, $id, 16 x 4, 16 x 1, bk 32, stage 1),
-        )*];
+        )* $($extra),*];
     };
 }
 
-/// Variants per packed type in [`QUANT_VARIANTS`].
+/// Variants every packed type has in [`QUANT_VARIANTS`].
 pub const VARIANTS_PER_TYPE: usize = 24;
+/// Variants of one type alone at the end of [`QUANT_VARIANTS`].
+pub const TYPE_VARIANTS: usize = 7;
 
 qvariants!(
     Q8_0 8 "q8_0", Q4_0 2 "q4_0", Q4_1 3 "q4_1", Q5_0 6 "q5_0", Q5_1 7 "q5_1",
     Q2K 10 "q2_k", Q3K 11 "q3_k", Q4K 12 "q4_k", Q5K 13 "q5_k", Q6K 14 "q6_k",
-    Iq4Nl 20 "iq4_nl", Iq4Xs 23 "iq4_xs"
+    Iq4Nl 20 "iq4_nl", Iq4Xs 23 "iq4_xs";
+    qv_pair!(wg 1, 8, 1),
+    qv_pair!(wg 1, 8, 2),
+    qv_pair!(wg 1, 8, 4),
+    qv_pair!(wg 1, 32, 4),
+    qv_pair!(wg 16, 64, 2),
+    qv_pair!(sg 32, 2),
+    qv_pair!(sg 64, 1)
 );
 
 macro_rules! qembed_variants {
@@ -749,7 +801,10 @@ mod tests {
     #[test]
     fn every_quant_variant_validates_with_its_constants() {
         let packed = ALL_TYPES.iter().filter(|t| t.is_quantized()).count();
-        assert_eq!(QUANT_VARIANTS.len(), VARIANTS_PER_TYPE * packed);
+        assert_eq!(
+            QUANT_VARIANTS.len(),
+            VARIANTS_PER_TYPE * packed + TYPE_VARIANTS
+        );
         assert_eq!(QUANT_EMBED_VARIANTS.len(), packed);
         for v in QUANT_VARIANTS.iter().chain(QUANT_EMBED_VARIANTS) {
             let module = naga::front::wgsl::parse_str(v.family().source()).unwrap();
