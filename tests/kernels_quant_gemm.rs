@@ -135,11 +135,11 @@ fn every_gemm_matches_llama_cpps_dequantization_over_many_blocks() {
 #[test]
 fn prefill_rows_are_tuned_among_the_gemms_per_class() {
     use wgpar::kernels::tune::{self, TuneMode, TuneSettings};
-    let dir = common::scratch("qgemm-tune");
+    let dir = common::scratch_dir("qgemm-tune");
     let settings = |mode, forced: &[&str], cache: bool| TuneSettings {
         mode,
         forced: forced.iter().map(|s| s.to_string()).collect(),
-        cache_dir: cache.then(|| dir.clone()),
+        cache_dir: cache.then(|| dir.path().to_path_buf()),
     };
     let (q4k, prefill) = (QuantType::Q4K, (64, 40, 256));
     // Timed on this adapter: a GEMM of the type, kept for the device and the whole class
@@ -152,7 +152,7 @@ fn prefill_rows_are_tuned_among_the_gemms_per_class() {
         choose_quant(&gpu, q4k, (33, 40, 256)).unwrap(),
         tuned
     ));
-    let cache = std::fs::read_to_string(dir.join("tune.json")).unwrap();
+    let cache = std::fs::read_to_string(dir.path().join("tune.json")).unwrap();
     assert!(cache.contains("qmatmul q4_k m<=64 n2^6 k2^8"), "{cache}");
     assert!(cache.contains(tuned.name), "{cache}");
     // Forced names: a GEMV only for decode rows; prefill rows take the first GEMM named.
