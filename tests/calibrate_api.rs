@@ -160,12 +160,14 @@ fn a_sliding_window_model_is_calibrated_with_its_windows_charged() {
                 past: 64,
             },
         ),
+        // A ring model takes the 64-token prompt in chunks of its ring step (16): calibration
+        // times the last chunk, as the engines run it.
         (
-            "prefill 1x64 (+0)",
+            "prefill 1x16 (+48)",
             Step {
                 batch: 1,
-                seq: 64,
-                past: 0,
+                seq: 16,
+                past: 48,
             },
         ),
     ] {

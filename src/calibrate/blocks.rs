@@ -65,8 +65,29 @@ impl StackWork {
     }
 }
 
-/// The steps the curves are measured at: decode and prefill with 1, 2, 4, ... sequences.
-pub(super) fn block_steps(batch: usize, prompt: usize, quick: bool) -> Vec<Step> {
+/// `step` as the engines run it: a model with ring-cached sliding layers takes a prompt in
+/// chunks of at most `ring_step` new positions per sequence
+/// ([`crate::model::ModelConfig::ring_step`]), so its prefill is timed as the prompt's last
+/// chunk, the one that attends the most keys.
+pub(crate) fn engine_step(step: Step, ring_step: Option<usize>) -> Step {
+    match ring_step {
+        Some(most) if step.seq > most => Step {
+            seq: most,
+            past: step.past + step.seq - most,
+            ..step
+        },
+        _ => step,
+    }
+}
+
+/// The steps the curves are measured at: decode and prefill with 1, 2, 4, ... sequences, each
+/// as the engines run it ([`engine_step`]).
+pub(super) fn block_steps(
+    batch: usize,
+    prompt: usize,
+    quick: bool,
+    ring_step: Option<usize>,
+) -> Vec<Step> {
     let mut batches: Vec<usize> = std::iter::successors(Some(1usize), |b| Some(b * 2))
         .take_while(|&b| b <= batch)
         .collect();
@@ -91,6 +112,9 @@ pub(super) fn block_steps(batch: usize, prompt: usize, quick: bool) -> Vec<Step>
         });
     }
     steps
+        .into_iter()
+        .map(|s| engine_step(s, ring_step))
+        .collect()
 }
 
 /// Widths (hidden sizes) of the narrower blocks measured besides the model's own: a half and

@@ -14,8 +14,14 @@ use super::join_all;
 
 /// The step shapes the sharing is measured at: the run's own, so that it is measured under the
 /// concurrency the runs see: prefill and decode of the whole batch (tensor parallel, single)
-/// and, unless `quick`, of one sequence (a pipeline's micro-batches).
-pub(crate) fn sharing_steps(batch: usize, prompt_len: usize, quick: bool) -> Vec<Step> {
+/// and, unless `quick`, of one sequence (a pipeline's micro-batches); each as the engines run
+/// it ([`super::blocks::engine_step`]).
+pub(crate) fn sharing_steps(
+    batch: usize,
+    prompt_len: usize,
+    quick: bool,
+    ring_step: Option<usize>,
+) -> Vec<Step> {
     let mut steps = vec![
         Step {
             batch,
@@ -41,6 +47,9 @@ pub(crate) fn sharing_steps(batch: usize, prompt_len: usize, quick: bool) -> Vec
         });
     }
     steps
+        .into_iter()
+        .map(|s| super::blocks::engine_step(s, ring_step))
+        .collect()
 }
 
 /// Mean time of `step`'s whole layers on `m` while the other threads do the same: repeats it
