@@ -618,33 +618,12 @@ fn windowed_attention_matches_f64_in_every_variant() {
             gpu.upload_f32("vc", &vc).unwrap(),
             gpu.upload_f32("q", &q).unwrap(),
         );
-        let at = |slot: usize, h: usize, p: usize| ((slot * nkv + h) * max_seq + p) * d;
-        let mut want = vec![0.0; tokens * nh * d];
-        for t in 0..tokens {
-            let (slot, past) = rows[t / seq];
-            let pos = past + t % seq;
-            let keys = (pos + 1).saturating_sub(window)..pos + 1;
-            for h in 0..nh {
-                let kvh = h / (nh / nkv);
-                let qv = &q[(t * nh + h) * d..(t * nh + h + 1) * d];
-                let score = |p: usize| {
-                    let k = &kc[at(slot, kvh, p)..at(slot, kvh, p) + d];
-                    qv.iter()
-                        .zip(k)
-                        .map(|(&a, &b)| a as f64 * b as f64)
-                        .sum::<f64>()
-                        * scale as f64
-                };
-                let m = keys.clone().map(score).fold(f64::MIN, f64::max);
-                let z: f64 = keys.clone().map(|p| (score(p) - m).exp()).sum();
-                for p in keys.clone() {
-                    let w = (score(p) - m).exp() / z;
-                    for c in 0..d {
-                        want[(t * nh + h) * d + c] += w * vc[at(slot, kvh, p) + c] as f64;
-                    }
-                }
-            }
-        }
+        let want = windowed_f64(
+            (&q, &kc, &vc),
+            (nh, nkv, d, max_seq),
+            (&rows, seq),
+            (window, scale),
+        );
         let mut kernels: Vec<Option<&'static str>> = vec![None];
         kernels.extend(
             (variants::ATTENTION.iter())
@@ -859,33 +838,12 @@ fn ring_attention_matches_f64_in_every_variant() {
             .map(|v| v * 3.0)
             .collect();
         let qt = gpu.upload_f32("q", &q).unwrap();
-        let at = |slot: usize, h: usize, p: usize| ((slot * nkv + h) * max_seq + p) * d;
-        let mut want = vec![0.0; tokens * nh * d];
-        for t in 0..tokens {
-            let (slot, past) = rows[t / seq];
-            let pos = past + t % seq;
-            let keys = (pos + 1).saturating_sub(window)..pos + 1;
-            for h in 0..nh {
-                let kvh = h / (nh / nkv);
-                let qv = &q[(t * nh + h) * d..(t * nh + h + 1) * d];
-                let score = |p: usize| {
-                    let k = &kc[at(slot, kvh, p)..at(slot, kvh, p) + d];
-                    qv.iter()
-                        .zip(k)
-                        .map(|(&a, &b)| a as f64 * b as f64)
-                        .sum::<f64>()
-                        * scale as f64
-                };
-                let m = keys.clone().map(score).fold(f64::MIN, f64::max);
-                let z: f64 = keys.clone().map(|p| (score(p) - m).exp()).sum();
-                for p in keys.clone() {
-                    let w = (score(p) - m).exp() / z;
-                    for c in 0..d {
-                        want[(t * nh + h) * d + c] += w * vc[at(slot, kvh, p) + c] as f64;
-                    }
-                }
-            }
-        }
+        let want = windowed_f64(
+            (&q, &kc, &vc),
+            (nh, nkv, d, max_seq),
+            (&rows, seq),
+            (window, scale),
+        );
         let layout = (slots, nkv, max_seq, d);
         // A ring written with `written` rows (padded to `read` rows' size), read as `read`.
         let attend = |written: usize, read: usize, kernel: Option<&'static str>| {
@@ -1018,4 +976,44 @@ fn a_ring_model_serves_chats_with_the_prefix_cache_off() {
         }
         assert!(longest > 16, "{label}: a prompt went in several chunks");
     }
+}
+
+/// The f64 windowed attention of `q` over caches laid out `[slot][kv head][max_seq][d]`:
+/// row `b` of `rows` (slot, past) holds `seq` queries at positions past.., each attending the
+/// `window` positions up to its own, scores scaled by `scale`.
+fn windowed_f64(
+    (q, kc, vc): (&[f32], &[f32], &[f32]),
+    (nh, nkv, d, max_seq): (usize, usize, usize, usize),
+    (rows, seq): (&[(usize, usize)], usize),
+    (window, scale): (usize, f32),
+) -> Vec<f64> {
+    let tokens = rows.len() * seq;
+    let at = |slot: usize, h: usize, p: usize| ((slot * nkv + h) * max_seq + p) * d;
+    let mut want = vec![0.0; tokens * nh * d];
+    for t in 0..tokens {
+        let (slot, past) = rows[t / seq];
+        let pos = past + t % seq;
+        let keys = (pos + 1).saturating_sub(window)..pos + 1;
+        for h in 0..nh {
+            let kvh = h / (nh / nkv);
+            let qv = &q[(t * nh + h) * d..(t * nh + h + 1) * d];
+            let score = |p: usize| {
+                let k = &kc[at(slot, kvh, p)..at(slot, kvh, p) + d];
+                qv.iter()
+                    .zip(k)
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum::<f64>()
+                    * scale as f64
+            };
+            let m = keys.clone().map(score).fold(f64::MIN, f64::max);
+            let z: f64 = keys.clone().map(|p| (score(p) - m).exp()).sum();
+            for p in keys.clone() {
+                let w = (score(p) - m).exp() / z;
+                for c in 0..d {
+                    want[(t * nh + h) * d + c] += w * vc[at(slot, kvh, p) + c] as f64;
+                }
+            }
+        }
+    }
+    want
 }
