@@ -1607,11 +1607,13 @@ fn device_adjustments_pick_as_the_host_picker() {
 /// Issue 34 item 2: a small roofline run. The copy kernel gives a finite rate; every packed
 /// variant that applies (the GEMVs only at decode rows) and every dense variant gets its
 /// weight bytes as stored, a finite weight bandwidth consistent with its time, and its ratio
-/// to the copy's; figures that do not apply stay unset (printed n/a).
+/// to the copy's; figures that do not apply stay unset (printed n/a). Where the adapter offers
+/// the packed integer dot product, its GEMVs have rows too.
 #[test]
 fn roofline_rows_have_finite_bandwidth_and_ratio() {
     use wgpar::kernels::bench::{bench_kernels, KernelBenchOptions};
-    use wgpar::kernels::roofline::{packed_variants, COPY_KERNEL};
+    use wgpar::kernels::quant_dp4;
+    use wgpar::kernels::roofline::{bench_variants, COPY_KERNEL};
     use wgpar::model::quant::QuantType;
     let gpu = &common::gpus(1)[0];
     let qtypes = vec![QuantType::Q8_0, QuantType::Q4K];
@@ -1649,9 +1651,18 @@ fn roofline_rows_have_finite_bandwidth_and_ratio() {
             let got: Vec<_> = (rows.iter())
                 .filter(|r| r.shape == shape && r.dtype == t.name())
                 .collect();
-            let want: Vec<&str> = packed_variants(t, m, &[]).iter().map(|v| v.name).collect();
+            let want: Vec<&str> = (bench_variants(gpu, t, m, &[]).iter())
+                .map(|v| v.name)
+                .collect();
             let names: Vec<&str> = got.iter().map(|r| r.kernel.as_str()).collect();
             assert_eq!(names, want, "{shape} {t:?}");
+            let dp4 = names.iter().filter(|n| n.starts_with("qdp4")).count();
+            let offered = quant_dp4::offered(gpu).is_ok() && m <= 8;
+            assert_eq!(
+                dp4 > 0,
+                offered,
+                "{shape} {t:?}: integer-dot rows {names:?}"
+            );
             assert_eq!(got.iter().filter(|r| r.winner).count(), 1, "{shape} {t:?}");
             for r in got {
                 let w = (n * t.row_bytes(k).unwrap()) as u64;

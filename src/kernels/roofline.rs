@@ -48,8 +48,31 @@ pub fn packed_types() -> Vec<QuantType> {
 
 /// The variants of `qtype` that apply to `m` rows and that `only` names (all when empty).
 pub fn packed_variants(qtype: QuantType, m: usize, only: &[String]) -> Vec<&'static QuantVariant> {
-    QUANT_VARIANTS
-        .iter()
+    applying(QUANT_VARIANTS.iter(), qtype, m, only)
+}
+
+/// [`packed_variants`] and, where `gpu` offers the packed integer dot product, the
+/// integer-dot GEMVs of `qtype` (both roundings, [`super::quant_dp4::candidates`]): every
+/// packed kernel the adapter can run, so each has its roofline row.
+pub fn bench_variants(
+    gpu: &Gpu,
+    qtype: QuantType,
+    m: usize,
+    only: &[String],
+) -> Vec<&'static QuantVariant> {
+    let mut all = packed_variants(qtype, m, only);
+    let dp4 = super::quant_dp4::candidates(gpu, qtype);
+    all.extend(applying(dp4.into_iter(), qtype, m, only));
+    all
+}
+
+fn applying<'a>(
+    variants: impl Iterator<Item = &'a QuantVariant>,
+    qtype: QuantType,
+    m: usize,
+    only: &[String],
+) -> Vec<&'a QuantVariant> {
+    variants
         .filter(|v| v.qtype == qtype && (!v.is_gemv() || m <= GEMV_MAX_ROWS))
         .filter(|v| only.is_empty() || only.iter().any(|o| o == v.name))
         .collect()
@@ -219,7 +242,7 @@ pub fn bench_packed(
     }
     let y = gpu.empty("bench.qy", DType::F32, m * n)?;
     let mut rows = Vec::new();
-    for v in packed_variants(qtype, m, &opts.only) {
+    for v in bench_variants(gpu, qtype, m, &opts.only) {
         let mut params = Params::new(gpu, "bench.quant", ws.len())?;
         let mut ops = Vec::new();
         for w in &ws {
