@@ -66,17 +66,15 @@ impl StackWork {
 }
 
 /// `step` as the engines run it: a model with ring-cached sliding layers takes a prompt in
-/// chunks of at most `ring_step` new positions per sequence
-/// ([`crate::model::ModelConfig::ring_step`]), so its prefill is timed as the prompt's last
+/// chunks ([`crate::parallel::prefill_chunks`]), so its prefill is timed as the prompt's last
 /// chunk, the one that attends the most keys.
-pub(crate) fn engine_step(step: Step, ring_step: Option<usize>) -> Step {
-    match ring_step {
-        Some(most) if step.seq > most => Step {
-            seq: most,
-            past: step.past + step.seq - most,
-            ..step
-        },
-        _ => step,
+pub(crate) fn engine_step(step: Step, config: &ModelConfig) -> Step {
+    let chunks = crate::parallel::prefill_chunks(config, step.seq);
+    let (start, seq) = chunks.last().copied().unwrap_or((0, step.seq));
+    Step {
+        seq,
+        past: step.past + start,
+        ..step
     }
 }
 
@@ -86,7 +84,7 @@ pub(super) fn block_steps(
     batch: usize,
     prompt: usize,
     quick: bool,
-    ring_step: Option<usize>,
+    config: &ModelConfig,
 ) -> Vec<Step> {
     let mut batches: Vec<usize> = std::iter::successors(Some(1usize), |b| Some(b * 2))
         .take_while(|&b| b <= batch)
@@ -111,10 +109,7 @@ pub(super) fn block_steps(
             past: 0,
         });
     }
-    steps
-        .into_iter()
-        .map(|s| engine_step(s, ring_step))
-        .collect()
+    steps.into_iter().map(|s| engine_step(s, config)).collect()
 }
 
 /// Widths (hidden sizes) of the narrower blocks measured besides the model's own: a half and

@@ -119,12 +119,7 @@ pub fn calibrate(
     let host_name = cpu_name();
     say_devices(gpus, (&host_name, &date), log)?;
     let coll = Collectives::new(CommConfig::default())?;
-    let steps = blocks::block_steps(
-        options.batch,
-        options.prompt_len,
-        options.quick,
-        config.ring_step(),
-    );
+    let steps = blocks::block_steps(options.batch, options.prompt_len, options.quick, config);
     let mut tokens: Vec<usize> = steps.iter().map(Step::tokens).collect();
     tokens.sort_unstable();
     tokens.dedup();
@@ -449,12 +444,8 @@ impl Sweep<'_> {
                 DType::F32,
             )?));
         }
-        let shapes = sharing::sharing_steps(
-            options.batch,
-            options.prompt_len,
-            options.quick,
-            config.ring_step(),
-        );
+        let shapes =
+            sharing::sharing_steps(options.batch, options.prompt_len, options.quick, config);
         let window = if options.quick { 0.3 } else { 1.0 };
         Ok(Some(sharing::sharing_slowdown(
             &models, &shapes, window, alone_s, log,

@@ -20,7 +20,7 @@ pub(crate) fn sharing_steps(
     batch: usize,
     prompt_len: usize,
     quick: bool,
-    ring_step: Option<usize>,
+    config: &crate::model::ModelConfig,
 ) -> Vec<Step> {
     let mut steps = vec![
         Step {
@@ -48,7 +48,7 @@ pub(crate) fn sharing_steps(
     }
     steps
         .into_iter()
-        .map(|s| super::blocks::engine_step(s, ring_step))
+        .map(|s| super::blocks::engine_step(s, config))
         .collect()
 }
 

@@ -320,8 +320,8 @@ impl<'a> SharingRun<'a> {
         }
         let window: f64 = if options.quick { 0.3 } else { 1.0 };
         let mut rows = Vec::new();
-        let ring_step = self.weights.config.ring_step();
-        for step in &sharing_steps(options.batch, options.prompt_len, options.quick, ring_step) {
+        let config = &self.weights.config;
+        for step in &sharing_steps(options.batch, options.prompt_len, options.quick, config) {
             rows.push(self.step_row(step, (&my_times, alone), window, log)?);
         }
         Ok(self.sharing(rows))

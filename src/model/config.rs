@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, WgparError};
+use crate::kernels::ops::KV_BLOCK;
 
 /// Model family: which block structure the layers use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -632,11 +633,9 @@ impl ModelConfig {
     /// bound (every layer's cache holds the whole context).
     pub fn ring_step(&self) -> Option<usize> {
         let s = self.sliding.as_ref()?;
-        let block = crate::kernels::ops::KV_BLOCK;
-        let step = s.window.div_ceil(block) * block;
-        let ring = (s.window - 1 + step).div_ceil(block) * block;
+        let step = s.window.div_ceil(KV_BLOCK) * KV_BLOCK;
         // A ring as long as the context saves nothing: the layer stays paged.
-        (s.layers.iter().any(|&on| on) && ring < self.max_seq).then_some(step)
+        (s.layers.iter().any(|&on| on) && ring_rows(s.window, step) < self.max_seq).then_some(step)
     }
 
     /// The rows a sliding layer's cache keeps per slot (a ring: position p at row p % rows),
@@ -644,9 +643,7 @@ impl ModelConfig {
     /// blocks; every key a step's queries see is then still there after the step's writes.
     pub fn layer_ring(&self, i: usize) -> Option<usize> {
         let window = self.layer_window(i)?;
-        let step = self.ring_step()?;
-        let block = crate::kernels::ops::KV_BLOCK;
-        Some((window - 1 + step).div_ceil(block) * block)
+        Some(ring_rows(window, self.ring_step()?))
     }
 
     /// Positions layer `i`'s KV cache holds per slot: its ring ([`Self::layer_ring`]), or
@@ -749,6 +746,12 @@ impl ModelConfig {
         let attn = 2 * 2 * t * context as u64 * self.q_dim() as u64;
         proj + mlp + attn
     }
+}
+
+/// Rows of a ring holding a `window` and `step` new positions (every key a step's queries
+/// see survives the step's writes), in whole KV blocks.
+fn ring_rows(window: usize, step: usize) -> usize {
+    (window - 1 + step).div_ceil(KV_BLOCK) * KV_BLOCK
 }
 
 #[cfg(test)]
