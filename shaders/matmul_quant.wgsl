@@ -190,7 +190,8 @@ override QG_BK: u32 = 32u;
 // unit of one row per work item (qg_stage_w_units).
 override QG_STAGE: u32 = 0u;
 // Stage sizes in vec4, QG_BK * BM / 4 and QG_BK * BN / 4, set by the host (at most 4096 floats
-// in all: the 16 KiB every adapter gives a workgroup).
+// in all for the 16 KiB every adapter gives a workgroup; the larger tiles, which the host offers
+// only where the device gives more, up to 8192).
 override QG_XS4: u32 = 512u;
 override QG_WS4: u32 = 512u;
 
@@ -267,7 +268,8 @@ fn qg_stage_w(n0: u32, k0: u32, lid: u32) {
 fn qg_stage_w_units(n0: u32, k0: u32, lid: u32) {
     let bn = QG_WGX * QG_TN;
     let bn4 = bn / 4u;
-    let units = QG_BK / 32u;
+    // At least 1 so that a stage-0 pipeline with a 16-value step still compiles this function.
+    let units = max(QG_BK / 32u, 1u);
     for (var e = lid; e < bn * units; e += QG_WGX * QG_WGY) {
         // Units along k fastest: neighbouring invocations read neighbouring blocks of a row
         // where the step holds several.

@@ -12,7 +12,10 @@ use std::collections::BTreeSet;
 use gguf_support::{llama_dequantize, random_blocks};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use wgpar::kernels::quant::{PackedMatrix, QuantIo, GEMV_MAX_ROWS, QUANT_VARIANTS};
+use wgpar::kernels::quant::{
+    quant_candidates, tuned_candidates, PackedMatrix, QuantIo, QuantRole, GEMV_MAX_ROWS,
+    QUANT_VARIANTS,
+};
 use wgpar::model::quant::{dequantize, quantize, QuantType};
 
 fn reference(x: &[f32], w: &[f32], bias: &[f32], (m, n, k): (usize, usize, usize)) -> Vec<f64> {
@@ -110,15 +113,57 @@ fn every_variant_matches_llama_cpps_dequantization() {
         }
     }
     assert!(compared > 20_000, "compared {compared} outputs");
-    // Subgroup variants run where the adapter has usable subgroups, and are named where not.
+    // Subgroup variants run where the adapter has usable subgroups, the large-tile GEMMs where
+    // it gives their workgroup memory, and are named where not.
     if !skipped.is_empty() {
-        eprintln!("not run (no usable subgroups on this adapter): {skipped:?}");
+        eprintln!("not run (no usable subgroups, or too little workgroup memory): {skipped:?}");
     }
     assert_eq!(ran.len() + skipped.len(), QUANT_VARIANTS.len());
+    let limit = gpu.device().limits().max_compute_workgroup_storage_size as usize;
+    let why = |name: &str| {
+        let v = QUANT_VARIANTS.iter().find(|v| v.name == name).unwrap();
+        v.subgroups || v.workgroup_bytes() > limit
+    };
+    assert!(skipped.iter().all(|n| why(n)), "{skipped:?}");
+    // Every adapter the suite runs on (lavapipe, a GPU) gives 32 KiB: the large tiles ran.
     assert!(
-        skipped.iter().all(|n| n.starts_with("qgvsg")),
-        "{skipped:?}"
+        limit < 32768 || ran.iter().any(|n| n.starts_with("qgemm128x128")),
+        "{ran:?}"
     );
+}
+
+#[test]
+fn the_tuner_times_no_gemm_whose_block_would_be_mostly_idle() {
+    let gpu = common::gpus(1).remove(0);
+    let names = |m: usize, tuned: bool| -> Vec<&'static str> {
+        let all = if tuned {
+            tuned_candidates(&gpu, QuantType::Q5_0, m, QuantRole::Layer)
+        } else {
+            quant_candidates(&gpu, QuantType::Q5_0, m, QuantRole::Layer)
+        };
+        all.iter().map(|v| v.name).collect()
+    };
+    let gemms = |list: &[&str]| -> Vec<String> {
+        (list.iter())
+            .filter(|n| n.starts_with("qgemm"))
+            .map(|n| n.to_string())
+            .collect()
+    };
+    // One decode row: no GEMM is timed, every one can still be forced.
+    assert!(gemms(&names(1, true)).is_empty(), "{:?}", names(1, true));
+    assert!(names(1, false).contains(&"qgemm64x64r16x8u_q5_0"));
+    assert!(names(1, true).contains(&"qgv1w8r1_q5_0"));
+    // Eight rows: the 16-row block (half used) is timed, the 64-row ones are not.
+    let eight = gemms(&names(8, true));
+    assert_eq!(eight, ["qgemm16x64r16x4u_q5_0"], "{eight:?}");
+    // A prefill step times every GEMM the device can run, the 128-row tiles included.
+    let prefill = names(64, true);
+    assert!(
+        prefill.iter().all(|n| n.starts_with("qgemm")),
+        "{prefill:?}"
+    );
+    assert!(prefill.contains(&"qgemm64x128r8x16u_q5_0"), "{prefill:?}");
+    assert!(prefill.contains(&"qgemm128x128r16x8u_q5_0"), "{prefill:?}");
 }
 
 #[test]

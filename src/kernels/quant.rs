@@ -56,9 +56,20 @@ impl QuantVariant {
         self.entry.starts_with("qgemv")
     }
 
-    /// Whether it can run on `gpu`: the subgroup variants need usable subgroups.
+    /// Whether it can run on `gpu`: the subgroup variants need usable subgroups, and a tiled
+    /// GEMM's stages must fit the device's workgroup memory (the larger tiles take more than
+    /// the 16 KiB every adapter gives; GPUs and lavapipe give 32 KiB or more).
     pub fn usable(&self, gpu: &Gpu) -> bool {
-        !self.subgroups || subgroups_usable(gpu)
+        (!self.subgroups || subgroups_usable(gpu))
+            && self.workgroup_bytes()
+                <= gpu.device().limits().max_compute_workgroup_storage_size as usize
+    }
+
+    /// Workgroup memory a tiled GEMM's two stages take (the other entry points stay within
+    /// 16 KiB and count as 0).
+    pub fn workgroup_bytes(&self) -> usize {
+        let stage = |name| self.constant(name).unwrap_or(0);
+        16 * (stage("QG_XS4") + stage("QG_WS4"))
     }
 
     /// The family whose source holds its entry point: the embedding lookup's, the block-wise
@@ -314,12 +325,14 @@ macro_rules! qvariants {
             qtile!(concat!("qgemm64x64r4x4u_", $suffix), $t, $id, 4 x 4, 16 x 16, bk 32, stage 1),
             qtile!(concat!("qgemm32x64r4x8u_", $suffix), $t, $id, 4 x 8, 8 x 8, bk 32, stage 1),
             qtile!(concat!("qgemm16x64r16x4u_", $suffix), $t, $id, 16 x 4, 16 x 1, bk 32, stage 1),
+            qtile!(concat!("qgemm64x128r8x16u_", $suffix), $t, $id, 8 x 16, 8 x 8, bk 32, stage 1),
+            qtile!(concat!("qgemm128x128r16x8u_", $suffix), $t, $id, 16 x 8, 16 x 8, bk 32, stage 1),
         )* $($extra),*];
     };
 }
 
 /// Variants every packed type has in [`QUANT_VARIANTS`].
-pub const VARIANTS_PER_TYPE: usize = 24;
+pub const VARIANTS_PER_TYPE: usize = 26;
 /// Variants of one type alone at the end of [`QUANT_VARIANTS`].
 pub const TYPE_VARIANTS: usize = 7;
 
@@ -516,8 +529,9 @@ pub fn quant_candidates(
     candidates
 }
 
-/// The variants the tuner times among [`quant_candidates`]: all but the one-part integer-dot
-/// GEMVs, which run only when forced; the two-part ones ([`super::quant_dp4::two_part`]) are
+/// The variants the tuner times among [`quant_candidates`]: all but the GEMMs whose block
+/// would be mostly idle at `m` rows, and the one-part integer-dot GEMVs, which run only when
+/// forced; the two-part ones ([`super::quant_dp4::two_part`]) are
 /// timed like the rest. One-part int8 inputs are as accurate as llama.cpp's q8_1, and that
 /// is not enough for SmolLM2-135M: in an f64 forward its first answer token leads by 0.08
 /// logits, and int8 inputs to its layers alone, or to its head alone, turn "The capital of
@@ -532,7 +546,16 @@ pub fn tuned_candidates(
 ) -> Vec<&'static QuantVariant> {
     (quant_candidates(gpu, qtype, m, role).into_iter())
         .filter(|v| v.family() != Family::MatmulQuantDp4 || super::quant_dp4::two_part(v))
+        .filter(|v| v.is_gemv() || !mostly_idle(v, m))
         .collect()
+}
+
+/// Whether a GEMM's workgroup block has at least 4 times the step's rows, so that three
+/// quarters of its multiply-adds or more fall on rows that do not exist: at decode rows the
+/// 64-row tiles are never the fastest, and timing each of them costs the tuner as much as a
+/// prefill step (they stay among [`quant_candidates`], to be forced by name).
+fn mostly_idle(v: &QuantVariant, m: usize) -> bool {
+    v.gemm_block().0 >= 4 * m
 }
 
 /// The variant a quantized matmul of `qtype` in `role` runs for `(m, n, k)` on `gpu`: a
@@ -739,7 +762,13 @@ impl QuantMatmul {
         if !v.usable(gpu) {
             return Err(WgparError::Shape {
                 op: OP.into(),
-                detail: format!("{} needs subgroups, which this device lacks", v.name),
+                detail: format!(
+                    "{} needs subgroups or {} bytes of workgroup memory, which this device lacks \
+                     (it gives {})",
+                    v.name,
+                    v.workgroup_bytes(),
+                    gpu.device().limits().max_compute_workgroup_storage_size
+                ),
             });
         }
         if v.is_gemv() && m > GEMV_MAX_ROWS {
