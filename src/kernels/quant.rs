@@ -10,11 +10,13 @@
 //! reduced in workgroup memory, or with subgroups where [`subgroups_usable`]); the first
 //! prefill GEMM (`qgemm`, dequantizing per 16-value step); and the tiled prefill GEMMs
 //! (`qgemm_tile`: a tile of blocks dequantized into workgroup memory once per step, then a
-//! register-tiled product; block and register tile set by override constants). The
+//! register-tiled product; block and register tile set by override constants, the 64 x 128 and
+//! 128 x 128 blocks only where the device gives them 24-32 KiB of workgroup memory). The
 //! autotuner chooses per adapter and shape class ([`choose_quant`], the same settings, cache
-//! file and `WGPAR_KERNELS` names as the dense kernels): among all of them for decode rows
-//! (the integer-dot GEMVs of `kernels::quant_dp4` too, the one-part ones only when forced, and
-//! none for the LM head: [`QuantRole`]), among the GEMMs above 8 rows. `with_variant` names one.
+//! file and `WGPAR_KERNELS` names as the dense kernels): for decode rows among the GEMVs and
+//! the GEMMs whose block is under 4 times the rows (the integer-dot GEMVs of
+//! `kernels::quant_dp4` too, the one-part ones only when forced, and none for the LM head:
+//! [`QuantRole`]), among the GEMMs above 8 rows. `with_variant` names one.
 
 use std::sync::Arc;
 
@@ -135,8 +137,9 @@ impl Candidate for QuantVariant {
 }
 
 /// A tiled prefill GEMM (`qgemm_tile`) on `$t` blocks: `tm x tn` outputs per invocation,
-/// `wgx x wgy` invocations, a k step of `bk` values (32; the stage sizes follow, at most
-/// 16 KiB), the weights staged a 16-value chunk of 4 rows per work item (`stage 0`) or a
+/// `wgx x wgy` invocations, a k step of `bk` values (32; the stage sizes follow: 16 KiB, or
+/// 24-32 KiB for the large blocks, which [`QuantVariant::usable`] offers where the device
+/// gives that much), the weights staged a 16-value chunk of 4 rows per work item (`stage 0`) or a
 /// 32-value unit of one row (`stage 1`, `QG_STAGE` in the shader).
 macro_rules! qtile {
     ($name:expr, $t:ident, $id:literal, $tm:literal x $tn:literal, $wgx:literal x $wgy:literal, bk $bk:literal) => {
@@ -327,12 +330,13 @@ macro_rules! qvariants {
             qtile!(concat!("qgemm16x64r16x4u_", $suffix), $t, $id, 16 x 4, 16 x 1, bk 32, stage 1),
             qtile!(concat!("qgemm64x128r8x16u_", $suffix), $t, $id, 8 x 16, 8 x 8, bk 32, stage 1),
             qtile!(concat!("qgemm128x128r16x8u_", $suffix), $t, $id, 16 x 8, 16 x 8, bk 32, stage 1),
+            qtile!(concat!("qgemm64x128r16x8u_", $suffix), $t, $id, 16 x 8, 16 x 4, bk 32, stage 1),
         )* $($extra),*];
     };
 }
 
 /// Variants every packed type has in [`QUANT_VARIANTS`].
-pub const VARIANTS_PER_TYPE: usize = 26;
+pub const VARIANTS_PER_TYPE: usize = 27;
 /// Variants of one type alone at the end of [`QUANT_VARIANTS`].
 pub const TYPE_VARIANTS: usize = 7;
 
