@@ -718,23 +718,30 @@ fn entry(binding: u32, buffer: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
     }
 }
 
-/// Median seconds per dispatch of `run(reps)`: a warm-up (which also sizes `reps` so a sample
-/// lasts ~3 ms when tuning, ~10 ms when benchmarking, amortising submit latency), then
-/// samples. In tuning, a candidate whose warm-up is over 2x `best` is not sampled further: it
-/// cannot win.
+/// Median seconds per dispatch of `run(reps)`: a single dispatch, then a probe batch sized by
+/// it, then samples, each batch sized so a sample lasts ~3 ms when tuning, ~10 ms when
+/// benchmarking (amortising submit latency). The single dispatch carries the submission and
+/// the driver's wake-up, which can exceed a short kernel's own time several times over, so
+/// the sample size and the early rejection both use the probe's per-dispatch time: in tuning,
+/// a candidate whose probe is over 2x `best` is not sampled further (it cannot win).
 pub fn time_samples(run: &dyn Fn(usize) -> Result<f64>, effort: Effort, best: f64) -> Result<f64> {
-    let first = run(1)?;
-    let samples = match effort {
-        Effort::Tune if first > 2.0 * best => return Ok(first),
-        Effort::Tune if first > 0.2 => 1,
-        Effort::Tune => 3,
-        Effort::Bench { samples } => samples.max(1),
-    };
     let target = match effort {
         Effort::Tune => 0.003,
         Effort::Bench { .. } => 0.01,
     };
-    let reps = ((target / first.max(1e-7)).ceil() as usize).clamp(1, 256);
+    let reps_for = |t: f64| ((target / t.max(1e-7)).ceil() as usize).clamp(1, 256);
+    let first = run(1)?;
+    let probe = match reps_for(first) {
+        1 => first,
+        reps => run(reps)?,
+    };
+    let samples = match effort {
+        Effort::Tune if probe > 2.0 * best => return Ok(probe),
+        Effort::Tune if probe > 0.2 => 1,
+        Effort::Tune => 3,
+        Effort::Bench { samples } => samples.max(1),
+    };
+    let reps = reps_for(probe);
     let mut times = Vec::with_capacity(samples);
     for _ in 0..samples {
         times.push(run(reps)?);
@@ -756,6 +763,30 @@ pub fn pattern(len: usize, seed: u32) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A kernel of 0.5 ms whose first dispatch also pays 2 ms of wake-up, and whose later
+    /// submissions pay 0.05 ms each: tuned against a best of 0.9 ms, it is sampled (not
+    /// rejected on its first dispatch) and timed near its own 0.5 ms.
+    #[test]
+    fn a_cold_first_dispatch_does_not_reject_a_fast_kernel() {
+        let calls = std::cell::Cell::new(0usize);
+        let run = |reps: usize| -> Result<f64> {
+            let overhead = if calls.get() == 0 { 0.002 } else { 0.000_05 };
+            calls.set(calls.get() + 1);
+            Ok((overhead + 0.0005 * reps as f64) / reps as f64)
+        };
+        let t = time_samples(&run, Effort::Tune, 0.0009).unwrap();
+        assert!((0.0005..0.00055).contains(&t), "{t}");
+        assert_eq!(calls.get(), 5, "one dispatch, a probe, three samples");
+        // A kernel truly over twice the best is still dropped after its probe.
+        let slow = |reps: usize| -> Result<f64> {
+            calls.set(calls.get() + 1);
+            Ok(0.002 + 0.000_05 / reps as f64)
+        };
+        calls.set(0);
+        assert!(time_samples(&slow, Effort::Tune, 0.0009).unwrap() > 0.0018);
+        assert_eq!(calls.get(), 2, "one dispatch and a probe");
+    }
 
     #[test]
     fn forced_names_are_checked() {
