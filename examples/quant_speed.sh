@@ -184,6 +184,9 @@ for model in ${MODELS//,/ }; do
       echo "  llama-quantize $type failed (see $OUT/logs/$model-$type-quantize.log)"
       continue
     fi
+    # The new file's write-back would otherwise run beside the first timed runs (and the
+    # kernel tuning inside them) on a machine with few cores.
+    sync
     echo "$model $type" >> "$OUT/order"
     llama_bench "$model" "$file" "$type"
     for config in ${CONFIGS//,/ }; do
