@@ -719,7 +719,7 @@ fn entry(binding: u32, buffer: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
 }
 
 /// Median seconds per dispatch of `run(reps)`: a single dispatch, then a probe batch sized by
-/// it, then samples, each batch sized so a sample lasts ~3 ms when tuning, ~10 ms when
+/// it (always run, even when that is one dispatch again), then samples, each batch sized so a sample lasts ~3 ms when tuning, ~10 ms when
 /// benchmarking (amortising submit latency). The single dispatch carries the submission and
 /// the driver's wake-up, which can exceed a short kernel's own time several times over, so
 /// the sample size and the early rejection both use the probe's per-dispatch time: in tuning,
@@ -730,11 +730,10 @@ pub fn time_samples(run: &dyn Fn(usize) -> Result<f64>, effort: Effort, best: f6
         Effort::Bench { .. } => 0.01,
     };
     let reps_for = |t: f64| ((target / t.max(1e-7)).ceil() as usize).clamp(1, 256);
+    // The first dispatch of a pipeline may also carry its compilation (a CPU driver compiles
+    // at first use) and whatever work was queued before: it only sizes the probe.
     let first = run(1)?;
-    let probe = match reps_for(first) {
-        1 => first,
-        reps => run(reps)?,
-    };
+    let probe = run(reps_for(first))?;
     let samples = match effort {
         Effort::Tune if probe > 2.0 * best => return Ok(probe),
         Effort::Tune if probe > 0.2 => 1,
