@@ -32,26 +32,39 @@ fn gpt2_odd_head(max_seq: usize) -> ModelConfig {
     }
 }
 
-#[test]
-fn a_copied_prefix_gives_the_tokens_of_one_computed_in_place_on_every_engine() {
-    let config = llama();
-    let weights = ModelWeights::synthetic(&config, 31);
+/// On every engine, in f32 and f16 caches: each `(prefix, length)` case's copied prefix gives
+/// the logits of a slot that computed it in place (the same KV and the same rows of one step:
+/// the same arithmetic), and with `refusals` bad copies are refused; returns the cases
+/// compared.
+fn copies_match_on_every_engine(
+    weights: &ModelWeights,
+    cases: &[(usize, usize)],
+    refusals: bool,
+) -> usize {
     let mut compared = 0;
     for (kv, kv_label) in [(KvCacheType::F32, "f32 KV"), (KvCacheType::F16, "f16 KV")] {
         let Some(all) = gpus(4, kv) else { continue };
         for (name, strategy, devices) in strategies() {
             let label = format!("{name}, {kv_label}");
-            let mut e = engine(&strategy, &all[..devices], &weights);
-            // An odd prefix, then one that fills all but a position of the slot.
-            for (k, len) in [(7, 12), (29, 33)] {
+            let mut e = engine(&strategy, &all[..devices], weights);
+            for &(k, len) in cases {
                 let gap = copy_matches_recompute(&label, e.as_mut(), k, len);
-                // The same KV and the same rows of one step: the same arithmetic.
                 assert!(gap <= 1e-5, "{label}, k={k}: logits differ by {gap}");
                 compared += 1;
             }
-            bad_copies_are_refused(&label, e.as_mut());
+            if refusals {
+                bad_copies_are_refused(&label, e.as_mut());
+            }
         }
     }
+    compared
+}
+
+#[test]
+fn a_copied_prefix_gives_the_tokens_of_one_computed_in_place_on_every_engine() {
+    let weights = ModelWeights::synthetic(&llama(), 31);
+    // An odd prefix, then one that fills all but a position of the slot.
+    let compared = copies_match_on_every_engine(&weights, &[(7, 12), (29, 33)], true);
     assert!(compared >= 8, "compared {compared} cases");
 }
 
@@ -106,19 +119,7 @@ fn a_ring_models_copied_prefix_gives_the_tokens_of_one_computed_in_place() {
     let config = ModelConfig::preset("tiny-gemma3").unwrap();
     assert_eq!((config.cached_positions(0), config.max_seq), (32, 96));
     let weights = ModelWeights::synthetic(&config, 37);
-    let mut compared = 0;
-    for (kv, kv_label) in [(KvCacheType::F32, "f32 KV"), (KvCacheType::F16, "f16 KV")] {
-        let Some(all) = gpus(4, kv) else { continue };
-        for (name, strategy, devices) in strategies() {
-            let label = format!("{name}, {kv_label}");
-            let mut e = engine(&strategy, &all[..devices], &weights);
-            // Chunks within the ring's step of 16: the prefix, then the rest.
-            for (k, len) in [(7, 12), (16, 30)] {
-                let gap = copy_matches_recompute(&label, e.as_mut(), k, len);
-                assert!(gap <= 1e-5, "{label}, k={k}: logits differ by {gap}");
-                compared += 1;
-            }
-        }
-    }
+    // Chunks within the ring's step of 16: the prefix, then the rest.
+    let compared = copies_match_on_every_engine(&weights, &[(7, 12), (16, 30)], false);
     assert!(compared >= 8, "compared {compared} cases");
 }
