@@ -481,7 +481,11 @@ fn forced_dp4_variants_follow_the_adapters_offer() {
     let gpu = common::gpus(1).remove(0);
     if quant_dp4::offered(&gpu).is_ok() {
         let prefill = choose_quant(&gpu, QuantType::Q8_0, (9, 40, 64)).unwrap();
-        assert_eq!(prefill.name, "qgemm_q8_0");
+        assert!(
+            !prefill.is_gemv() && prefill.name.starts_with("qgemm"),
+            "{}",
+            prefill.name
+        );
     }
     tune::configure(TuneSettings::from_env().unwrap());
 }

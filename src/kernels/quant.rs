@@ -16,7 +16,8 @@
 //! file and `WGPAR_KERNELS` names as the dense kernels): for decode rows among the GEMVs and
 //! the GEMMs whose block is under 4 times the rows (the integer-dot GEMVs of
 //! `kernels::quant_dp4` too, the one-part ones only when forced, and none for the LM head:
-//! [`QuantRole`]), among the GEMMs above 8 rows. `with_variant` names one.
+//! [`QuantRole`]), among the GEMMs above 8 rows (by the same rule, counting the class's power
+//! of two of rows). `with_variant` names one.
 
 use std::sync::Arc;
 
@@ -534,7 +535,7 @@ pub fn quant_candidates(
 }
 
 /// The variants the tuner times among [`quant_candidates`]: all but the GEMMs whose block
-/// would be mostly idle at `m` rows, and the one-part integer-dot GEMVs, which run only when
+/// would be mostly idle at `m` rows' class, and the one-part integer-dot GEMVs, which run only when
 /// forced; the two-part ones ([`super::quant_dp4::two_part`]) are
 /// timed like the rest. One-part int8 inputs are as accurate as llama.cpp's q8_1, and that
 /// is not enough for SmolLM2-135M: in an f64 forward its first answer token leads by 0.08
@@ -554,12 +555,24 @@ pub fn tuned_candidates(
         .collect()
 }
 
-/// Whether a GEMM's workgroup block has at least 4 times the step's rows, so that three
-/// quarters of its multiply-adds or more fall on rows that do not exist: at decode rows the
-/// 64-row tiles are never the fastest, and timing each of them costs the tuner as much as a
-/// prefill step (they stay among [`quant_candidates`], to be forced by name).
+/// Whether a GEMM's workgroup block has at least 4 times the rows of the step's tuning class
+/// (decode rows exactly, prefill rows by the power of two at or above them, as
+/// [`QuantClass::of`] counts them, so every step of a class has the same candidates), so
+/// that three quarters of its multiply-adds or more fall on rows that do not exist: at one
+/// row the 64-row tiles are never the fastest, and timing each of them costs the tuner as
+/// much as a prefill step (they stay among [`quant_candidates`], to be forced by name).
 fn mostly_idle(v: &QuantVariant, m: usize) -> bool {
-    v.gemm_block().0 >= 4 * m
+    v.gemm_block().0 >= 4 * class_rows(m)
+}
+
+/// The rows a tuning class counts: decode rows exactly, prefill rows by the power of two at
+/// or above them.
+fn class_rows(m: usize) -> usize {
+    if m > GEMV_MAX_ROWS {
+        m.next_power_of_two()
+    } else {
+        m
+    }
 }
 
 /// The variant a quantized matmul of `qtype` in `role` runs for `(m, n, k)` on `gpu`: a
@@ -605,14 +618,9 @@ impl QuantClass {
     /// The class of an `m x n x k` matmul on `qtype` blocks.
     pub fn of(qtype: QuantType, (m, n, k): (usize, usize, usize)) -> Self {
         let log2 = |v: usize| usize::BITS - v.max(1).saturating_sub(1).leading_zeros();
-        let rows = if m > GEMV_MAX_ROWS {
-            m.next_power_of_two()
-        } else {
-            m
-        };
         Self {
             qtype,
-            rows,
+            rows: class_rows(m),
             n_log2: log2(n),
             k_log2: log2(k),
             role: QuantRole::Layer,
