@@ -268,8 +268,7 @@ fn qg_stage_w(n0: u32, k0: u32, lid: u32) {
 fn qg_stage_w_units(n0: u32, k0: u32, lid: u32) {
     let bn = QG_WGX * QG_TN;
     let bn4 = bn / 4u;
-    // At least 1 so that a stage-0 pipeline with a 16-value step still compiles this function.
-    let units = max(QG_BK / 32u, 1u);
+    let units = QG_BK / 32u;
     for (var e = lid; e < bn * units; e += QG_WGX * QG_WGY) {
         // Units along k fastest: neighbouring invocations read neighbouring blocks of a row
         // where the step holds several.

@@ -63,9 +63,22 @@ impl QuantVariant {
     /// GEMM's stages must fit the device's workgroup memory (the larger tiles take more than
     /// the 16 KiB every adapter gives; GPUs and lavapipe give 32 KiB or more).
     pub fn usable(&self, gpu: &Gpu) -> bool {
-        (!self.subgroups || subgroups_usable(gpu))
-            && self.workgroup_bytes()
-                <= gpu.device().limits().max_compute_workgroup_storage_size as usize
+        self.unusable_because(gpu).is_none()
+    }
+
+    /// Why it cannot run on `gpu`, with the numbers (`None` where [`Self::usable`]).
+    pub fn unusable_because(&self, gpu: &Gpu) -> Option<String> {
+        let limit = gpu.device().limits().max_compute_workgroup_storage_size as usize;
+        if self.subgroups && !subgroups_usable(gpu) {
+            Some("it needs subgroups, which this device lacks".into())
+        } else if self.workgroup_bytes() > limit {
+            let need = self.workgroup_bytes();
+            Some(format!(
+                "it needs {need} bytes of workgroup memory, this device gives {limit}"
+            ))
+        } else {
+            None
+        }
     }
 
     /// Workgroup memory a tiled GEMM's two stages take (the other entry points stay within
@@ -140,8 +153,8 @@ impl Candidate for QuantVariant {
 /// A tiled prefill GEMM (`qgemm_tile`) on `$t` blocks: `tm x tn` outputs per invocation,
 /// `wgx x wgy` invocations, a k step of `bk` values (32; the stage sizes follow: 16 KiB, or
 /// 24-32 KiB for the large blocks, which [`QuantVariant::usable`] offers where the device
-/// gives that much), the weights staged a 16-value chunk of 4 rows per work item (`stage 0`) or a
-/// 32-value unit of one row (`stage 1`, `QG_STAGE` in the shader).
+/// gives that much), the weights staged a 16-value chunk of 4 rows per work item
+/// (`stage 0`) or a 32-value unit of one row (`stage 1`, `QG_STAGE` in the shader).
 macro_rules! qtile {
     ($name:expr, $t:ident, $id:literal, $tm:literal x $tn:literal, $wgx:literal x $wgy:literal, bk $bk:literal) => {
         qtile!($name, $t, $id, $tm x $tn, $wgx x $wgy, bk $bk, stage 0)
@@ -535,9 +548,9 @@ pub fn quant_candidates(
 }
 
 /// The variants the tuner times among [`quant_candidates`]: all but the GEMMs whose block
-/// would be mostly idle at `m` rows' class, and the one-part integer-dot GEMVs, which run only when
-/// forced; the two-part ones ([`super::quant_dp4::two_part`]) are
-/// timed like the rest. One-part int8 inputs are as accurate as llama.cpp's q8_1, and that
+/// would be mostly idle at `m` rows' class, and the one-part integer-dot GEMVs, which run
+/// only when forced; the two-part ones ([`super::quant_dp4::two_part`]) are timed like the
+/// rest. One-part int8 inputs are as accurate as llama.cpp's q8_1, and that
 /// is not enough for SmolLM2-135M: in an f64 forward its first answer token leads by 0.08
 /// logits, and int8 inputs to its layers alone, or to its head alone, turn "The capital of
 /// France is Paris." into "L'..." (llama.cpp's CPU backend, int8 inputs throughout, answers the
@@ -771,16 +784,10 @@ impl QuantMatmul {
             Some(v) => v,
             None => choose_quant_for(gpu, self.qtype, (m, self.n, self.k), self.role)?,
         };
-        if !v.usable(gpu) {
+        if let Some(why) = v.unusable_because(gpu) {
             return Err(WgparError::Shape {
                 op: OP.into(),
-                detail: format!(
-                    "{} needs subgroups or {} bytes of workgroup memory, which this device lacks \
-                     (it gives {})",
-                    v.name,
-                    v.workgroup_bytes(),
-                    gpu.device().limits().max_compute_workgroup_storage_size
-                ),
+                detail: format!("{} cannot run: {why}", v.name),
             });
         }
         if v.is_gemv() && m > GEMV_MAX_ROWS {

@@ -719,8 +719,8 @@ fn entry(binding: u32, buffer: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
 }
 
 /// Median seconds per dispatch of `run(reps)`: a single dispatch, then a probe batch sized by
-/// it (always run, even when that is one dispatch again), then samples, each batch sized so a sample lasts ~3 ms when tuning, ~10 ms when
-/// benchmarking (amortising submit latency). The single dispatch carries the submission and
+/// it (always run, even when that is one dispatch again), then samples, each batch sized so
+/// a sample lasts ~3 ms when tuning, ~10 ms when benchmarking (amortising submit latency). The single dispatch carries the submission and
 /// the driver's wake-up, which can exceed a short kernel's own time several times over, so
 /// the sample size and the early rejection both use the probe's per-dispatch time: in tuning,
 /// a candidate whose probe is over 2x `best` is not sampled further (it cannot win).
